@@ -1,0 +1,210 @@
+//! TPC-H through vanilla DataFusion and through flumen, in the same run.
+//!
+//! `cargo bench --bench tpch [-- --sf 1 --runs 2 --mode streaming]`
+//!
+//! Generates the TPC-H tables as Parquet with tpchgen (no downloads) under
+//! `target/tpch-sf<SF>/`, then runs the 22 queries (their text is read from the TPC-H files
+//! shipped with `datafusion-sqllogictest`) on both engines, best of `--runs`, and prints each
+//! query's time and the ratio flumen/vanilla. The last line is machine-readable.
+
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::Instant;
+
+use datafusion::arrow::record_batch::RecordBatch;
+use datafusion::error::Result;
+use datafusion::parquet::arrow::ArrowWriter;
+use datafusion::physical_plan::collect;
+use datafusion::prelude::{ParquetReadOptions, SessionConfig, SessionContext};
+use flumen::exec::FlumenExec;
+use tpchgen::generators::{
+    CustomerGenerator, LineItemGenerator, NationGenerator, OrderGenerator, PartGenerator,
+    PartSuppGenerator, RegionGenerator, SupplierGenerator,
+};
+use tpchgen_arrow::{
+    CustomerArrow, LineItemArrow, NationArrow, OrderArrow, PartArrow, PartSuppArrow, RegionArrow,
+    SupplierArrow,
+};
+
+type Batches = Box<dyn Iterator<Item = RecordBatch>>;
+
+const TABLES: &[&str] = &[
+    "nation", "region", "part", "supplier", "partsupp", "customer", "orders", "lineitem",
+];
+
+fn write_table(path: &Path, batches: Batches) -> Result<()> {
+    let mut batches = batches.peekable();
+    let schema = batches.peek().expect("tables are not empty").schema();
+    let tmp = path.with_extension("tmp");
+    let mut writer = ArrowWriter::try_new(std::fs::File::create(&tmp)?, schema, None)?;
+    for batch in batches {
+        writer.write(&batch)?;
+    }
+    writer.close()?;
+    std::fs::rename(tmp, path)?;
+    Ok(())
+}
+
+fn generate(dir: &Path, sf: f64) -> Result<()> {
+    std::fs::create_dir_all(dir)?;
+    for table in TABLES {
+        let path = dir.join(format!("{table}.parquet"));
+        if path.exists() {
+            continue;
+        }
+        let started = Instant::now();
+        let batches: Batches = match *table {
+            "nation" => Box::new(NationArrow::new(NationGenerator::new(sf, 1, 1))),
+            "region" => Box::new(RegionArrow::new(RegionGenerator::new(sf, 1, 1))),
+            "part" => Box::new(PartArrow::new(PartGenerator::new(sf, 1, 1))),
+            "supplier" => Box::new(SupplierArrow::new(SupplierGenerator::new(sf, 1, 1))),
+            "partsupp" => Box::new(PartSuppArrow::new(PartSuppGenerator::new(sf, 1, 1))),
+            "customer" => Box::new(CustomerArrow::new(CustomerGenerator::new(sf, 1, 1))),
+            "orders" => Box::new(OrderArrow::new(OrderGenerator::new(sf, 1, 1))),
+            _ => Box::new(LineItemArrow::new(LineItemGenerator::new(sf, 1, 1))),
+        };
+        write_table(&path, batches)?;
+        println!(
+            "generated {table} in {:.1}s",
+            started.elapsed().as_secs_f64()
+        );
+    }
+    Ok(())
+}
+
+/// The statements of TPC-H query `n` from datafusion-sqllogictest's answer files.
+fn query_statements(slt_dir: &Path, n: usize) -> Vec<String> {
+    let text =
+        std::fs::read_to_string(slt_dir.join(format!("test_files/tpch/answers/q{n}.slt.part")))
+            .expect("read TPC-H query file");
+    let mut statements = vec![];
+    let mut current: Option<String> = None;
+    for line in text.lines() {
+        let trimmed = line.trim();
+        if let Some(sql) = current.as_mut() {
+            if trimmed == "----" || trimmed.is_empty() {
+                statements.push(std::mem::take(sql));
+                current = None;
+            } else {
+                sql.push_str(line);
+                sql.push('\n');
+            }
+        } else if trimmed.starts_with("query ") || trimmed.starts_with("statement ok") {
+            current = Some(String::new());
+        }
+    }
+    if let Some(sql) = current
+        && !sql.trim().is_empty()
+    {
+        statements.push(sql);
+    }
+    statements
+}
+
+fn slt_dir() -> PathBuf {
+    let cargo_home = std::env::var_os("CARGO_HOME")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| PathBuf::from(std::env::var("HOME").unwrap()).join(".cargo"));
+    std::fs::read_dir(cargo_home.join("registry/src"))
+        .expect("cargo registry")
+        .flatten()
+        .map(|d| d.path().join("datafusion-sqllogictest-55.2.0"))
+        .find(|p| p.is_dir())
+        .expect("datafusion-sqllogictest 55.2.0 sources (a dev-dependency)")
+}
+
+async fn register(ctx: &SessionContext, dir: &Path) -> Result<()> {
+    for table in TABLES {
+        let path = dir.join(format!("{table}.parquet"));
+        ctx.register_parquet(
+            *table,
+            path.to_str().unwrap(),
+            ParquetReadOptions::default(),
+        )
+        .await?;
+    }
+    Ok(())
+}
+
+/// Run a query's statements; returns (seconds, rows of the last result, peak block-store
+/// bytes when it ran on flumen).
+async fn run(ctx: &SessionContext, statements: &[String]) -> Result<(f64, usize, u64)> {
+    let started = Instant::now();
+    let mut rows = 0;
+    let mut peak = 0;
+    for sql in statements {
+        let df = ctx.sql(sql).await?;
+        let plan = df.create_physical_plan().await?;
+        let batches: Vec<RecordBatch> = collect(Arc::clone(&plan), ctx.task_ctx()).await?;
+        rows = batches.iter().map(|b| b.num_rows()).sum();
+        if let Some(f) = plan.downcast_ref::<FlumenExec>() {
+            peak = peak.max(f.graph().peak_store_bytes());
+        }
+    }
+    Ok((started.elapsed().as_secs_f64(), rows, peak))
+}
+
+#[tokio::main]
+async fn main() -> Result<()> {
+    let args: Vec<String> = std::env::args().collect();
+    let arg = |name: &str| {
+        args.iter()
+            .position(|a| a == name)
+            .and_then(|i| args.get(i + 1))
+            .cloned()
+    };
+    let sf: f64 = arg("--sf").map(|s| s.parse().unwrap()).unwrap_or(1.0);
+    let runs: usize = arg("--runs").map(|s| s.parse().unwrap()).unwrap_or(2);
+    let mode = arg("--mode").unwrap_or_else(|| "streaming".into());
+    let dir = PathBuf::from(format!("target/tpch-sf{sf}"));
+    generate(&dir, sf)?;
+    let slt = slt_dir();
+
+    let cores = flumen::config::available_cores();
+    let config = || SessionConfig::new().with_target_partitions(cores);
+    let vanilla = SessionContext::new_with_config(config());
+    let mut flumen_config = flumen::FlumenConfig::default();
+    flumen_config.mode = mode.parse()?;
+    let budget = flumen_config.memory_budget;
+    let flumen = flumen::session_with_config(config(), flumen_config);
+    register(&vanilla, &dir).await?;
+    register(&flumen, &dir).await?;
+
+    println!("TPC-H sf={sf}, {cores} cores, best of {runs}, flumen mode={mode}, budget={budget}");
+    println!(
+        "{:>4} {:>10} {:>10} {:>7} {:>12}",
+        "q", "vanilla_s", "flumen_s", "ratio", "peak_store"
+    );
+    let mut ratios = vec![];
+    for n in 1..=22 {
+        let statements = query_statements(&slt, n);
+        let mut best_v = f64::MAX;
+        let mut best_f = f64::MAX;
+        let mut peak = 0;
+        for _ in 0..runs {
+            let (tv, rows_v, _) = run(&vanilla, &statements).await?;
+            let (tf, rows_f, p) = run(&flumen, &statements).await?;
+            assert_eq!(
+                rows_v, rows_f,
+                "q{n}: flumen returned a different row count"
+            );
+            best_v = best_v.min(tv);
+            best_f = best_f.min(tf);
+            peak = peak.max(p);
+        }
+        let ratio = best_f / best_v;
+        ratios.push(ratio);
+        println!(
+            "{n:>4} {best_v:>10.3} {best_f:>10.3} {ratio:>7.2} {:>12}",
+            flumen::ByteSize(peak).to_string()
+        );
+        assert!(peak <= budget.0, "q{n}: block store peak over the budget");
+    }
+    let max = ratios.iter().cloned().fold(0.0, f64::max);
+    let geomean = (ratios.iter().map(|r| r.ln()).sum::<f64>() / ratios.len() as f64).exp();
+    println!(
+        "tpch queries={} max_ratio={max:.2} geomean_ratio={geomean:.2}",
+        ratios.len()
+    );
+    Ok(())
+}

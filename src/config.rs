@@ -1,0 +1,151 @@
+//! `flumen.*` settings: a DataFusion config extension, settable with `SET flumen.x = ...`.
+
+use std::fmt;
+use std::str::FromStr;
+
+use datafusion::common::config::ConfigExtension;
+use datafusion::common::{config_field, extensions_options};
+use datafusion::error::DataFusionError;
+
+/// How the scheduler runs a query's operators.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum ExecMode {
+    /// Streaming batch execution: every operator may run at once, under the memory budget.
+    #[default]
+    Streaming,
+    /// Stage at a time: one operator runs to completion, materializing every block,
+    /// before the next starts (the baseline that benchmarks compare against).
+    Batch,
+}
+
+impl FromStr for ExecMode {
+    type Err = DataFusionError;
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        match s.trim().to_ascii_lowercase().as_str() {
+            "streaming" => Ok(Self::Streaming),
+            "batch" => Ok(Self::Batch),
+            other => Err(DataFusionError::Configuration(format!(
+                "flumen.mode must be 'streaming' or 'batch', got '{other}'"
+            ))),
+        }
+    }
+}
+
+impl fmt::Display for ExecMode {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self {
+            Self::Streaming => "streaming",
+            Self::Batch => "batch",
+        })
+    }
+}
+
+config_field!(ExecMode);
+
+/// A number of bytes, written as `1073741824`, `512MB`, `2GB` or `1.5GiB`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
+pub struct ByteSize(pub u64);
+
+impl Default for ByteSize {
+    fn default() -> Self {
+        ByteSize(2 << 30)
+    }
+}
+
+impl FromStr for ByteSize {
+    type Err = DataFusionError;
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        let text = s.trim();
+        let split = text
+            .find(|c: char| !(c.is_ascii_digit() || c == '.'))
+            .unwrap_or(text.len());
+        let (number, unit) = text.split_at(split);
+        let bad = || {
+            DataFusionError::Configuration(format!(
+                "flumen.memory_budget must be a byte count such as '2GB', '512MiB' or '1000000', got '{s}'"
+            ))
+        };
+        let value: f64 = number.parse().map_err(|_| bad())?;
+        let scale: f64 = match unit.trim().to_ascii_lowercase().as_str() {
+            "" | "b" => 1.0,
+            "k" | "kb" | "kib" => 1024.0,
+            "m" | "mb" | "mib" => 1024.0 * 1024.0,
+            "g" | "gb" | "gib" => 1024.0 * 1024.0 * 1024.0,
+            "t" | "tb" | "tib" => 1024.0f64.powi(4),
+            _ => return Err(bad()),
+        };
+        if !(value.is_finite() && value >= 0.0) {
+            return Err(bad());
+        }
+        Ok(ByteSize((value * scale) as u64))
+    }
+}
+
+impl fmt::Display for ByteSize {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let b = self.0 as f64;
+        if self.0 >= 1 << 30 {
+            write!(f, "{:.1}GiB", b / (1u64 << 30) as f64)
+        } else if self.0 >= 1 << 20 {
+            write!(f, "{:.1}MiB", b / (1u64 << 20) as f64)
+        } else {
+            write!(f, "{}B", self.0)
+        }
+    }
+}
+
+config_field!(ByteSize);
+
+/// The number of CPU cores this process may use.
+pub fn available_cores() -> usize {
+    std::thread::available_parallelism()
+        .map(|n| n.get())
+        .unwrap_or(2)
+}
+
+extensions_options! {
+    /// flumen's settings (`SET flumen.<name> = <value>`).
+    pub struct FlumenConfig {
+        /// `streaming` (default) or `batch` (one operator at a time, to completion).
+        pub mode: ExecMode, default = ExecMode::Streaming
+        /// Bytes of blocks the block store keeps in memory; beyond it blocks spill to disk
+        /// and producers are held back.
+        pub memory_budget: ByteSize, default = ByteSize::default()
+        /// Tasks that may run at once on the CPU pool.
+        pub cpu_slots: usize, default = available_cores()
+        /// Tasks that may run at once on the accelerator pool (workers that keep their model).
+        pub accelerator_slots: usize, default = 1
+        /// Rows per block: larger outputs are split, inputs of accelerator operators are
+        /// coalesced up to it.
+        pub target_block_rows: usize, default = 8192
+        /// Bytes of a Parquet file a source task reads (its split), so tasks stay small.
+        pub split_bytes: ByteSize, default = ByteSize(16 << 20)
+        /// Show flumen's operators in `EXPLAIN` (off: DataFusion's own plan text).
+        pub explain_operators: bool, default = true
+    }
+}
+
+impl ConfigExtension for FlumenConfig {
+    const PREFIX: &'static str = "flumen";
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn byte_sizes_parse_with_units() {
+        assert_eq!("2GB".parse::<ByteSize>().unwrap().0, 2 << 30);
+        assert_eq!("512 MiB".parse::<ByteSize>().unwrap().0, 512 << 20);
+        assert_eq!("1000".parse::<ByteSize>().unwrap().0, 1000);
+        assert_eq!("1.5k".parse::<ByteSize>().unwrap().0, 1536);
+        let err = "lots".parse::<ByteSize>().unwrap_err().to_string();
+        assert!(err.contains("flumen.memory_budget"), "{err}");
+    }
+
+    #[test]
+    fn modes_parse() {
+        assert_eq!("Batch".parse::<ExecMode>().unwrap(), ExecMode::Batch);
+        assert!("fast".parse::<ExecMode>().is_err());
+    }
+}

@@ -1,0 +1,134 @@
+//! Lineage: what produced each block, and recomputing lost blocks from it.
+//!
+//! Every block records its producer task; every task records what it read (a source split,
+//! its input blocks, or a whole input partition). When a reader finds a block missing from
+//! the store it re-runs the producer task, fetching that task's inputs the same way, so the
+//! recursion goes back only as far as blocks are missing. Re-run outputs that are still
+//! needed are put back in the store; the rest are dropped.
+
+use std::collections::HashMap;
+use std::fmt;
+use std::sync::Arc;
+
+use datafusion::arrow::record_batch::RecordBatch;
+use datafusion::error::{DataFusionError, Result};
+use futures::FutureExt;
+use futures::future::BoxFuture;
+
+use crate::block_store::BlockId;
+use crate::operators::OperatorId;
+use crate::scheduler::QueryRun;
+use crate::stats::OperatorStats;
+
+/// Index of a task within one query run.
+pub type TaskId = usize;
+
+/// What a task reads: enough to run it again and get the same blocks.
+#[derive(Debug, Clone)]
+pub enum TaskKind {
+    /// Source split `split` of the task's partition.
+    Source {
+        /// Split index within the partition.
+        split: usize,
+    },
+    /// These input blocks, in order (a block-wise task).
+    Blocks {
+        /// Input block ids.
+        inputs: Vec<BlockId>,
+    },
+    /// The whole partition of every input (a per-partition task).
+    Partition,
+}
+
+/// Where a block came from.
+#[derive(Debug, Clone)]
+pub struct BlockMeta {
+    /// Producer operator.
+    pub operator: OperatorId,
+    /// Producer task.
+    pub task: TaskId,
+    /// Position in the task's output sequence.
+    pub seq: usize,
+    /// Output partition the block belongs to.
+    pub tag: usize,
+    /// Rows in the block.
+    pub rows: usize,
+    /// Bytes the block takes (held in the store while unreleased).
+    pub bytes: u64,
+    /// The consumer is done with it.
+    pub released: bool,
+}
+
+/// What a fault injector sees of a block when it is produced.
+#[derive(Debug, Clone)]
+pub struct BlockInfo {
+    /// Producer operator id.
+    pub operator: OperatorId,
+    /// Producer operator's name.
+    pub operator_name: String,
+    /// Partition of the producer task.
+    pub partition: usize,
+    /// Position in the producer task's output.
+    pub seq: usize,
+    /// Rows in the block.
+    pub rows: usize,
+}
+
+/// Test hook: drops chosen blocks from the store right after they are produced, as if the
+/// worker that held them had died. Install with `SessionConfig::with_extension`.
+#[derive(Clone)]
+pub struct BlockDropper(pub Arc<dyn Fn(&BlockInfo) -> bool + Send + Sync>);
+
+impl fmt::Debug for BlockDropper {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str("BlockDropper")
+    }
+}
+
+impl QueryRun {
+    /// The data of block `id`, recomputed from lineage when it is not in the store.
+    pub(crate) fn fetch(self: &Arc<Self>, id: BlockId) -> BoxFuture<'static, Result<RecordBatch>> {
+        let run = Arc::clone(self);
+        async move {
+            if let Some(batch) = run.take_from_store(id)? {
+                return Ok(batch);
+            }
+            run.recompute(id).await
+        }
+        .boxed()
+    }
+
+    async fn recompute(self: Arc<Self>, id: BlockId) -> Result<RecordBatch> {
+        let meta = self.block_meta(id).ok_or_else(|| {
+            DataFusionError::Internal(format!("flumen has no lineage for block {id}"))
+        })?;
+        let lock = self.recompute_lock(meta.task);
+        let _guard = lock.lock().await;
+        // Another reader may have recomputed it while we waited.
+        if let Some(batch) = self.take_from_store(id)? {
+            return Ok(batch);
+        }
+        let op = &self.graph.operators[meta.operator];
+        OperatorStats::add(&op.stats.recomputed, 1);
+        let outputs = self.execute_task(meta.task, true).await?;
+        let by_seq: HashMap<usize, RecordBatch> =
+            outputs.into_iter().map(|(seq, _, b)| (seq, b)).collect();
+        let wanted = by_seq.get(&meta.seq).cloned().ok_or_else(|| {
+            DataFusionError::Execution(format!(
+                "recomputing block {id} of operator {} ({}) did not reproduce it: \
+                 the task's output is not deterministic",
+                meta.operator, op.name
+            ))
+        })?;
+        // Put back the task's other outputs that a reader may still ask for.
+        for (sibling, sibling_meta) in self.task_outputs(meta.task) {
+            if sibling == id || self.store.contains(sibling) {
+                continue;
+            }
+            if let Some(batch) = by_seq.get(&sibling_meta.seq) {
+                self.restore(sibling, batch.clone(), sibling_meta.bytes)?;
+            }
+        }
+        Ok(wanted)
+    }
+}

@@ -1,0 +1,442 @@
+//! Cutting DataFusion's optimized physical plan into flumen operators.
+//!
+//! An operator is a fragment of the physical plan whose leaves are either real sources or
+//! [`StageInputExec`]s reading the blocks of another operator. Cuts are made at exchanges
+//! (`RepartitionExec`, `CoalescePartitionsExec`, `SortPreservingMergeExec`) and around every
+//! projection that calls an accelerator UDF; that projection becomes an operator of its own
+//! on the accelerator pool.
+
+use std::fmt;
+use std::sync::Arc;
+
+use datafusion::config::ConfigOptions;
+use datafusion::datasource::physical_plan::FileScanConfig;
+use datafusion::datasource::source::DataSourceExec;
+use datafusion::error::Result;
+use datafusion::physical_plan::aggregates::{AggregateExec, AggregateMode};
+use datafusion::physical_plan::coalesce_partitions::CoalescePartitionsExec;
+use datafusion::physical_plan::coop::CooperativeExec;
+use datafusion::physical_plan::filter::FilterExec;
+use datafusion::physical_plan::projection::ProjectionExec;
+use datafusion::physical_plan::recursive_query::RecursiveQueryExec;
+use datafusion::physical_plan::repartition::RepartitionExec;
+use datafusion::physical_plan::sorts::sort_preserving_merge::SortPreservingMergeExec;
+use datafusion::physical_plan::unnest::UnnestExec;
+use datafusion::physical_plan::{
+    ExecutionPlan, ExecutionPlanProperties, Partitioning, replace_children_if_necessary,
+};
+
+use crate::accelerator::calls_accelerator_udf;
+use crate::config::FlumenConfig;
+use crate::split_source::SplitSourceExec;
+use crate::stage_input::{InputExchange, StageInputExec};
+use crate::stats::OperatorStats;
+
+/// Index of an operator inside its [`OperatorGraph`].
+pub type OperatorId = usize;
+
+/// The pool whose slots an operator's tasks occupy.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Pool {
+    /// General CPU work (scans, filters, joins, aggregates).
+    Cpu,
+    /// Workers that keep a model loaded (accelerator UDFs).
+    Accelerator,
+}
+
+impl fmt::Display for Pool {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self {
+            Pool::Cpu => "cpu",
+            Pool::Accelerator => "accelerator",
+        })
+    }
+}
+
+/// What one task of an operator processes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum TaskShape {
+    /// No block inputs: one task per source split of each partition.
+    Source,
+    /// One block input and row-local nodes only: one task per input block (or bundle).
+    BlockWise,
+    /// Stateful nodes (final aggregates, joins, sorts...): one task per output partition,
+    /// started once every input operator has finished.
+    Barrier,
+}
+
+impl fmt::Display for TaskShape {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self {
+            TaskShape::Source => "source",
+            TaskShape::BlockWise => "per-block",
+            TaskShape::Barrier => "per-partition",
+        })
+    }
+}
+
+/// One flumen operator (stage).
+#[derive(Debug)]
+pub struct Operator {
+    /// Its index in the graph; producers have smaller ids than their consumer.
+    pub id: OperatorId,
+    /// Short label: the fragment's root node.
+    pub name: String,
+    /// Pool its tasks run on.
+    pub pool: Pool,
+    /// What a task processes.
+    pub shape: TaskShape,
+    /// The DataFusion sub-plan a task executes, with `StageInputExec` leaves.
+    pub fragment: Arc<dyn ExecutionPlan>,
+    /// Producer operator of each `StageInputExec` leaf, by its `input` index.
+    pub inputs: Vec<OperatorId>,
+    /// How each input is read (same order as `inputs`).
+    pub input_exchanges: Vec<InputExchange>,
+    /// Split applied to this operator's output blocks (the map side of a hash/round-robin
+    /// exchange); `None` tags each block with its task's partition.
+    pub output_split: Option<Partitioning>,
+    /// Number of source splits of each partition (Source operators; 1 when not split).
+    pub splits: Vec<usize>,
+    /// All partitions' tasks must run at once: the fragment holds stateful nodes, and
+    /// DataFusion's joins coordinate across partitions (shared build side, dynamic filters).
+    pub gang: bool,
+    /// Counters shown by `EXPLAIN ANALYZE`.
+    pub stats: Arc<OperatorStats>,
+}
+
+impl Operator {
+    /// Number of partitions the fragment produces.
+    pub fn partitions(&self) -> usize {
+        self.fragment.output_partitioning().partition_count()
+    }
+}
+
+/// A physical plan cut into operators. The last operator is the root.
+#[derive(Debug)]
+pub struct OperatorGraph {
+    /// Operators, producers before consumers.
+    pub operators: Vec<Operator>,
+    /// The consumer of each operator (`None` for the root).
+    pub consumer: Vec<Option<OperatorId>>,
+    /// Most bytes the block store held in memory during any run of this graph.
+    peak_store: std::sync::atomic::AtomicU64,
+}
+
+impl OperatorGraph {
+    /// The root operator, whose output is the query's output.
+    pub fn root(&self) -> &Operator {
+        self.operators.last().expect("a graph has a root")
+    }
+
+    /// Most bytes the block store held in memory during any run of this graph.
+    pub fn peak_store_bytes(&self) -> u64 {
+        self.peak_store.load(std::sync::atomic::Ordering::Relaxed)
+    }
+
+    /// Record that the block store held `bytes` in memory.
+    pub fn observe_store(&self, bytes: u64) {
+        self.peak_store
+            .fetch_max(bytes, std::sync::atomic::Ordering::Relaxed);
+    }
+
+    /// Cut `plan` into operators.
+    pub fn cut(plan: Arc<dyn ExecutionPlan>, options: &ConfigOptions) -> Result<Self> {
+        let config = options
+            .extensions
+            .get::<FlumenConfig>()
+            .cloned()
+            .unwrap_or_default();
+        let mut cutter = Cutter {
+            operators: vec![],
+            config,
+        };
+        let root = cutter.rewrite(plan)?;
+        cutter.add_operator(root, Pool::Cpu, None)?;
+        let mut consumer = vec![None; cutter.operators.len()];
+        for op in &cutter.operators {
+            for input in &op.inputs {
+                consumer[*input] = Some(op.id);
+            }
+        }
+        Ok(Self {
+            operators: cutter.operators,
+            consumer,
+            peak_store: Default::default(),
+        })
+    }
+}
+
+struct Cutter {
+    operators: Vec<Operator>,
+    config: FlumenConfig,
+}
+
+impl Cutter {
+    /// Rewrite `plan` for the current fragment, turning every subtree below a cut into an
+    /// operator of its own and putting a `StageInputExec` in its place.
+    fn rewrite(&mut self, plan: Arc<dyn ExecutionPlan>) -> Result<Arc<dyn ExecutionPlan>> {
+        // Recursive queries re-execute their children: keep the whole subtree together.
+        if plan.downcast_ref::<RecursiveQueryExec>().is_some() {
+            return Ok(plan);
+        }
+        if let Some(repartition) = plan.downcast_ref::<RepartitionExec>()
+            && !repartition.preserve_order()
+            && !matches!(
+                repartition.partitioning(),
+                Partitioning::UnknownPartitioning(_)
+            )
+        {
+            let child = self.rewrite(Arc::clone(repartition.input()))?;
+            let split = repartition.partitioning().clone();
+            let producer = self.add_operator(child, Pool::Cpu, Some(split.clone()))?;
+            return Ok(Arc::new(StageInputExec::new(
+                producer,
+                self.display_of(producer),
+                InputExchange::Split(split),
+                Arc::clone(plan.properties()),
+                None,
+            )));
+        }
+        if let Some(coalesce) = plan.downcast_ref::<CoalescePartitionsExec>() {
+            let child = self.rewrite(Arc::clone(coalesce.input()))?;
+            let producer = self.add_operator(child, Pool::Cpu, None)?;
+            return Ok(Arc::new(StageInputExec::new(
+                producer,
+                self.display_of(producer),
+                InputExchange::Gather,
+                Arc::clone(plan.properties()),
+                coalesce.fetch(),
+            )));
+        }
+        if let Some(merge) = plan.downcast_ref::<SortPreservingMergeExec>() {
+            let input = Arc::clone(merge.input());
+            let properties = Arc::clone(input.properties());
+            let child = self.rewrite(input)?;
+            let producer = self.add_operator(child, Pool::Cpu, None)?;
+            let stage_input: Arc<dyn ExecutionPlan> = Arc::new(StageInputExec::new(
+                producer,
+                self.display_of(producer),
+                InputExchange::Preserve,
+                properties,
+                None,
+            ));
+            return replace_children_if_necessary(plan, vec![stage_input]);
+        }
+        if let Some(projection) = plan.downcast_ref::<ProjectionExec>()
+            && projection
+                .expr()
+                .iter()
+                .any(|e| calls_accelerator_udf(&e.expr))
+        {
+            let input = Arc::clone(projection.input());
+            let input_properties = Arc::clone(input.properties());
+            let child = self.rewrite(input)?;
+            let below = self.add_operator(child, Pool::Cpu, None)?;
+            let stage_input: Arc<dyn ExecutionPlan> = Arc::new(StageInputExec::new(
+                below,
+                self.display_of(below),
+                InputExchange::Preserve,
+                input_properties,
+                None,
+            ));
+            let fragment = replace_children_if_necessary(Arc::clone(&plan), vec![stage_input])?;
+            let accelerator = self.add_operator(fragment, Pool::Accelerator, None)?;
+            return Ok(Arc::new(StageInputExec::new(
+                accelerator,
+                self.display_of(accelerator),
+                InputExchange::Preserve,
+                Arc::clone(plan.properties()),
+                None,
+            )));
+        }
+        let children = plan
+            .children()
+            .into_iter()
+            .map(|c| self.rewrite(Arc::clone(c)))
+            .collect::<Result<Vec<_>>>()?;
+        if children.is_empty() {
+            return Ok(plan);
+        }
+        replace_children_if_necessary(plan, children)
+    }
+
+    fn display_of(&self, id: OperatorId) -> Arc<crate::exec::OperatorExec> {
+        Arc::new(crate::exec::OperatorExec::new(
+            &self.operators[id],
+            &self.config,
+        ))
+    }
+
+    fn add_operator(
+        &mut self,
+        fragment: Arc<dyn ExecutionPlan>,
+        pool: Pool,
+        output_split: Option<Partitioning>,
+    ) -> Result<OperatorId> {
+        // (producer, exchange, fetch) of every stage input leaf.
+        let mut stage_inputs = vec![];
+        let mut other_leaves = 0;
+        let mut all_row_local = true;
+        let mut stack = vec![Arc::clone(&fragment)];
+        while let Some(node) = stack.pop() {
+            if let Some(si) = node.downcast_ref::<StageInputExec>() {
+                stage_inputs.push((si.producer(), si.exchange().clone(), si.fetch()));
+                continue;
+            }
+            if node.children().is_empty() {
+                other_leaves += 1;
+            }
+            all_row_local &= is_row_local(&node);
+            stack.extend(node.children().into_iter().cloned());
+        }
+        // Stage inputs are numbered in the order their producers were created.
+        stage_inputs.sort_by_key(|(producer, _, _)| *producer);
+        let fragment = number_stage_inputs(fragment)?;
+        let single_unlimited_input = stage_inputs.len() == 1 && stage_inputs[0].2.is_none();
+        let shape = if stage_inputs.is_empty() {
+            TaskShape::Source
+        } else if single_unlimited_input && other_leaves == 0 && all_row_local {
+            TaskShape::BlockWise
+        } else {
+            TaskShape::Barrier
+        };
+        let (fragment, splits) = if shape == TaskShape::Source && all_row_local {
+            split_sources(fragment, self.config.split_bytes.0)?
+        } else {
+            let n = fragment.output_partitioning().partition_count();
+            (fragment, vec![1; n])
+        };
+        let id = self.operators.len();
+        let name = fragment.name().to_string();
+        self.operators.push(Operator {
+            id,
+            name,
+            pool,
+            shape,
+            fragment,
+            inputs: stage_inputs.iter().map(|(p, _, _)| *p).collect(),
+            input_exchanges: stage_inputs.into_iter().map(|(_, e, _)| e).collect(),
+            output_split,
+            splits,
+            gang: shape == TaskShape::Barrier || !all_row_local,
+            stats: Arc::new(OperatorStats::default()),
+        });
+        Ok(id)
+    }
+}
+
+/// Give every `StageInputExec` of a fragment its input index: the rank of its producer.
+fn number_stage_inputs(fragment: Arc<dyn ExecutionPlan>) -> Result<Arc<dyn ExecutionPlan>> {
+    let mut producers = vec![];
+    collect_producers(&fragment, &mut producers);
+    producers.sort();
+    renumber(fragment, &producers)
+}
+
+fn collect_producers(plan: &Arc<dyn ExecutionPlan>, out: &mut Vec<OperatorId>) {
+    if let Some(si) = plan.downcast_ref::<StageInputExec>() {
+        out.push(si.producer());
+        return;
+    }
+    for child in plan.children() {
+        collect_producers(child, out);
+    }
+}
+
+fn renumber(
+    plan: Arc<dyn ExecutionPlan>,
+    producers: &[OperatorId],
+) -> Result<Arc<dyn ExecutionPlan>> {
+    if let Some(si) = plan.downcast_ref::<StageInputExec>() {
+        let index = producers
+            .iter()
+            .position(|p| *p == si.producer())
+            .expect("producer was collected");
+        return Ok(Arc::new(si.with_input_index(index)));
+    }
+    let children = plan.children();
+    if children.is_empty() {
+        return Ok(plan);
+    }
+    let children = children
+        .into_iter()
+        .map(|c| renumber(Arc::clone(c), producers))
+        .collect::<Result<Vec<_>>>()?;
+    replace_children_if_necessary(plan, children)
+}
+
+/// Nodes that process each batch independently of the others, so a task may run them over
+/// one block (or one source split) and the union of the outputs is the same answer.
+fn is_row_local(node: &Arc<dyn ExecutionPlan>) -> bool {
+    if node.downcast_ref::<ProjectionExec>().is_some()
+        || node.downcast_ref::<CooperativeExec>().is_some()
+        || node.downcast_ref::<UnnestExec>().is_some()
+    {
+        return true;
+    }
+    if node.downcast_ref::<FilterExec>().is_some() {
+        return node.fetch().is_none();
+    }
+    if let Some(agg) = node.downcast_ref::<AggregateExec>() {
+        return *agg.mode() == AggregateMode::Partial && agg.limit_options().is_none();
+    }
+    if let Some(source) = node.downcast_ref::<DataSourceExec>() {
+        return source.fetch().is_none();
+    }
+    node.downcast_ref::<SplitSourceExec>().is_some()
+}
+
+/// Replace a Parquet scan without declared ordering by a [`SplitSourceExec`] whose tasks
+/// read `split_bytes`-sized byte ranges (row groups whose midpoint falls in the range).
+fn split_sources(
+    fragment: Arc<dyn ExecutionPlan>,
+    split_bytes: u64,
+) -> Result<(Arc<dyn ExecutionPlan>, Vec<usize>)> {
+    let partitions = fragment.output_partitioning().partition_count();
+    let mut splits = vec![1; partitions];
+    let mut found = 0;
+    let rewritten = replace_scans(fragment, split_bytes, &mut splits, &mut found)?;
+    if found == 1 {
+        Ok((rewritten.0, splits))
+    } else {
+        Ok((rewritten.1, vec![1; partitions]))
+    }
+}
+
+/// Returns (rewritten plan, original plan).
+fn replace_scans(
+    plan: Arc<dyn ExecutionPlan>,
+    split_bytes: u64,
+    splits: &mut Vec<usize>,
+    found: &mut usize,
+) -> Result<(Arc<dyn ExecutionPlan>, Arc<dyn ExecutionPlan>)> {
+    if let Some(source) = plan.downcast_ref::<DataSourceExec>()
+        && let Some(config) = source.data_source().downcast_ref::<FileScanConfig>()
+    {
+        *found += 1;
+        if config.file_source().file_type() == "parquet"
+            && config.output_ordering.is_empty()
+            && config.file_groups.len() == splits.len()
+        {
+            let split = SplitSourceExec::try_new(Arc::clone(&plan), config, split_bytes)?;
+            *splits = split.splits_per_partition();
+            return Ok((Arc::new(split), plan));
+        }
+        return Ok((Arc::clone(&plan), plan));
+    }
+    let children = plan.children();
+    if children.is_empty() {
+        if plan.downcast_ref::<DataSourceExec>().is_some() {
+            *found += 1;
+        }
+        return Ok((Arc::clone(&plan), plan));
+    }
+    let mut new_children = vec![];
+    for child in children {
+        new_children.push(replace_scans(Arc::clone(child), split_bytes, splits, found)?.0);
+    }
+    Ok((
+        replace_children_if_necessary(Arc::clone(&plan), new_children)?,
+        plan,
+    ))
+}

@@ -1,0 +1,96 @@
+//! `FlumenQueryPlanner`: DataFusion plans and optimizes as usual, then flumen cuts the
+//! physical plan into operators and returns a [`FlumenExec`] that runs them.
+
+use std::sync::Arc;
+
+use async_trait::async_trait;
+use datafusion::catalog::Session;
+use datafusion::common::display::{PlanType, StringifiedPlan};
+use datafusion::error::Result;
+use datafusion::execution::context::QueryPlanner;
+use datafusion::logical_expr::LogicalPlan;
+use datafusion::physical_plan::analyze::AnalyzeExec;
+use datafusion::physical_plan::explain::ExplainExec;
+use datafusion::physical_plan::{ExecutionPlan, displayable, replace_children_if_necessary};
+use datafusion::physical_planner::{DefaultPhysicalPlanner, PhysicalPlanner};
+
+use crate::config::FlumenConfig;
+use crate::exec::FlumenExec;
+use crate::operators::OperatorGraph;
+
+/// The query planner of a flumen session.
+#[derive(Debug, Default)]
+pub struct FlumenQueryPlanner {}
+
+fn flumen_config(session: &dyn Session) -> FlumenConfig {
+    session
+        .config_options()
+        .extensions
+        .get::<FlumenConfig>()
+        .cloned()
+        .unwrap_or_default()
+}
+
+/// Cut a DataFusion physical plan into operators and wrap it in a [`FlumenExec`].
+pub fn to_flumen_plan(
+    plan: Arc<dyn ExecutionPlan>,
+    session: &dyn Session,
+) -> Result<Arc<dyn ExecutionPlan>> {
+    let graph = OperatorGraph::cut(plan, session.config_options())?;
+    Ok(Arc::new(FlumenExec::new(graph, flumen_config(session))))
+}
+
+#[async_trait]
+impl QueryPlanner for FlumenQueryPlanner {
+    async fn create_physical_plan(
+        &self,
+        logical_plan: &LogicalPlan,
+        session: &dyn Session,
+    ) -> Result<Arc<dyn ExecutionPlan>> {
+        let planner = DefaultPhysicalPlanner::default();
+        let plan = planner.create_physical_plan(logical_plan, session).await?;
+        if let Some(explain) = plan.downcast_ref::<ExplainExec>() {
+            let LogicalPlan::Explain(e) = logical_plan else {
+                return Ok(plan);
+            };
+            if !flumen_config(session).explain_operators {
+                return Ok(plan);
+            }
+            let has_final = explain
+                .stringified_plans()
+                .iter()
+                .any(|p| p.plan_type == PlanType::FinalPhysicalPlan);
+            if !has_final {
+                return Ok(plan);
+            }
+            // Show the operators in place of DataFusion's final physical plan.
+            let inner = planner.create_physical_plan(&e.plan, session).await?;
+            let flumen = to_flumen_plan(inner, session)?;
+            let text = displayable(flumen.as_ref())
+                .indent(explain.verbose())
+                .to_string();
+            let plans = explain
+                .stringified_plans()
+                .iter()
+                .map(|p| {
+                    if p.plan_type == PlanType::FinalPhysicalPlan {
+                        StringifiedPlan::new(PlanType::FinalPhysicalPlan, text.clone())
+                    } else {
+                        p.clone()
+                    }
+                })
+                .collect();
+            return Ok(Arc::new(ExplainExec::new(
+                explain.schema(),
+                plans,
+                explain.verbose(),
+            )));
+        }
+        if let Some(analyze) = plan.downcast_ref::<AnalyzeExec>() {
+            let input = Arc::clone(analyze.input());
+            let flumen = to_flumen_plan(input, session)?;
+            return replace_children_if_necessary(plan, vec![flumen]);
+        }
+        to_flumen_plan(plan, session)
+    }
+}

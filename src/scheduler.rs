@@ -1,0 +1,1130 @@
+//! The streaming batch scheduler: one run of an operator graph.
+//!
+//! One scheduler loop owns the ready tasks of every operator and the free slots of each
+//! pool. Whenever something changes (a block is produced or released, a task ends) it
+//! creates the tasks that became ready and launches as many as slots allow, picking the
+//! most downstream operator first so blocks drain, and holding back an operator whose
+//! unconsumed output is over its share of the memory budget (backpressure). If nothing at
+//! all is running, it launches the most downstream ready task anyway, so a run can never
+//! stall with idle pools.
+
+use std::collections::{HashMap, HashSet};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Instant;
+
+use datafusion::arrow::compute::concat_batches;
+use datafusion::arrow::record_batch::RecordBatch;
+use datafusion::error::{DataFusionError, Result};
+use datafusion::execution::{SendableRecordBatchStream, TaskContext};
+use datafusion::physical_plan::ExecutionPlanProperties;
+use datafusion::physical_plan::metrics::Time;
+use datafusion::physical_plan::repartition::BatchPartitioner;
+use datafusion::physical_plan::stream::RecordBatchStreamAdapter;
+use futures::{FutureExt, StreamExt, TryStreamExt};
+use tokio::sync::watch;
+use tokio::task::AbortHandle;
+
+use crate::block_store::{BlockId, BlockStore, Placement, block_bytes};
+use crate::config::{ExecMode, FlumenConfig};
+use crate::lineage::{BlockDropper, BlockInfo, BlockMeta, TaskId, TaskKind};
+use crate::operators::{OperatorGraph, OperatorId, Pool, TaskShape};
+use crate::pools::AcceleratorPool;
+use crate::stage_input::{InputExchange, InputProvider, TaskInputs};
+use crate::stats::OperatorStats;
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum TaskStatus {
+    Pending,
+    Running,
+    Done,
+}
+
+#[derive(Debug)]
+struct TaskRecord {
+    operator: OperatorId,
+    partition: usize,
+    kind: TaskKind,
+    status: TaskStatus,
+    outputs: Vec<BlockId>,
+    /// Input blocks read, released when the task ends.
+    consumed: Vec<BlockId>,
+}
+
+#[derive(Debug, Default)]
+struct PartitionState {
+    /// Tasks of this partition, in output order.
+    tasks: Vec<TaskId>,
+    /// No more tasks will be added.
+    closed: bool,
+    /// Index in `tasks` of the first task not launched yet.
+    next_launch: usize,
+    /// Where a block-wise operator's dispatch stands in its input.
+    input: Option<Cursor>,
+}
+
+#[derive(Debug, Default)]
+struct OperatorState {
+    partitions: Vec<PartitionState>,
+    /// Every output block in the order produced.
+    log: Vec<BlockId>,
+    /// Bytes of unreleased output blocks in the store.
+    held_bytes: u64,
+    running: usize,
+    complete: bool,
+    /// Barrier operators: tasks created.
+    started: bool,
+    /// Round-robin position for launching across partitions.
+    next_partition: usize,
+    backpressured_since: Option<Instant>,
+}
+
+impl OperatorState {
+    fn has_pending(&self) -> bool {
+        self.partitions
+            .iter()
+            .any(|p| p.next_launch < p.tasks.len())
+    }
+}
+
+/// In which order a reader walks an operator's output.
+#[derive(Debug, Clone)]
+enum ReadOrder {
+    /// Task by task through these partitions, each task's blocks in sequence.
+    Tasks { partitions: Vec<usize> },
+    /// In the order blocks were produced.
+    Arrival,
+}
+
+/// A reader's position in one operator's output.
+#[derive(Debug, Clone)]
+struct Cursor {
+    operator: OperatorId,
+    order: ReadOrder,
+    /// Only blocks with this tag (split outputs).
+    tag: Option<usize>,
+    part_index: usize,
+    task_index: usize,
+    out_index: usize,
+    log_index: usize,
+}
+
+enum Next {
+    Block(BlockId),
+    Wait,
+    End,
+}
+
+#[derive(Debug, Default)]
+struct RunState {
+    operators: Vec<OperatorState>,
+    tasks: Vec<TaskRecord>,
+    blocks: HashMap<BlockId, BlockMeta>,
+    /// Restored blocks that are removed from the store once read.
+    read_once: HashSet<BlockId>,
+    error: Option<Arc<DataFusionError>>,
+    cancelled: bool,
+    running: [usize; 2],
+    aborts: Vec<AbortHandle>,
+    outputs_open: usize,
+}
+
+fn pool_index(pool: Pool) -> usize {
+    match pool {
+        Pool::Cpu => 0,
+        Pool::Accelerator => 1,
+    }
+}
+
+/// One execution of an operator graph.
+#[derive(Debug)]
+pub struct QueryRun {
+    pub(crate) graph: Arc<OperatorGraph>,
+    pub(crate) store: BlockStore,
+    config: FlumenConfig,
+    base: Arc<TaskContext>,
+    state: Mutex<RunState>,
+    changes: watch::Sender<u64>,
+    accelerators: Arc<AcceleratorPool>,
+    dropper: Option<Arc<BlockDropper>>,
+    handle: tokio::runtime::Handle,
+    next_block: AtomicU64,
+    recompute_locks: Mutex<HashMap<TaskId, Arc<tokio::sync::Mutex<()>>>>,
+}
+
+impl QueryRun {
+    /// Start running `graph`: creates the source tasks and spawns the scheduler loop.
+    pub fn start(graph: Arc<OperatorGraph>, base: Arc<TaskContext>) -> Result<Arc<Self>> {
+        let config = base
+            .session_config()
+            .options()
+            .extensions
+            .get::<FlumenConfig>()
+            .cloned()
+            .unwrap_or_default();
+        if config.cpu_slots == 0 || config.accelerator_slots == 0 {
+            return Err(DataFusionError::Configuration(
+                "flumen.cpu_slots and flumen.accelerator_slots must be at least 1".into(),
+            ));
+        }
+        let accelerators = base
+            .session_config()
+            .get_extension::<AcceleratorPool>()
+            .unwrap_or_default();
+        accelerators.ensure_workers(config.accelerator_slots);
+        let dropper = base.session_config().get_extension::<BlockDropper>();
+        let mut state = RunState::default();
+        for op in &graph.operators {
+            let mut os = OperatorState {
+                partitions: (0..op.partitions())
+                    .map(|_| PartitionState::default())
+                    .collect(),
+                ..Default::default()
+            };
+            if op.shape == TaskShape::Source {
+                for (p, splits) in op.splits.iter().enumerate() {
+                    for split in 0..*splits {
+                        let id = state.tasks.len();
+                        state.tasks.push(TaskRecord {
+                            operator: op.id,
+                            partition: p,
+                            kind: TaskKind::Source { split },
+                            status: TaskStatus::Pending,
+                            outputs: vec![],
+                            consumed: vec![],
+                        });
+                        os.partitions[p].tasks.push(id);
+                    }
+                    os.partitions[p].closed = true;
+                }
+                os.started = true;
+            }
+            state.operators.push(os);
+        }
+        let (changes, _) = watch::channel(0);
+        let run = Arc::new(Self {
+            store: BlockStore::new(config.memory_budget.0),
+            graph,
+            config,
+            base,
+            state: Mutex::new(state),
+            changes,
+            accelerators,
+            dropper,
+            handle: tokio::runtime::Handle::current(),
+            next_block: AtomicU64::new(0),
+            recompute_locks: Mutex::new(HashMap::new()),
+        });
+        let looping = Arc::clone(&run);
+        run.handle
+            .spawn(async move { looping.scheduler_loop().await });
+        Ok(run)
+    }
+
+    fn notify(&self) {
+        self.changes.send_modify(|v| *v += 1);
+    }
+
+    /// True when the root operator is run by the consumer of the output (its fragment is
+    /// stateful); otherwise the consumer reads the root operator's blocks.
+    fn root_runs_in_output(&self) -> bool {
+        self.graph.root().shape == TaskShape::Barrier
+    }
+
+    async fn scheduler_loop(self: Arc<Self>) {
+        let mut rx = self.changes.subscribe();
+        loop {
+            rx.borrow_and_update();
+            if self.schedule() {
+                return;
+            }
+            match tokio::time::timeout(std::time::Duration::from_secs(10), rx.changed()).await {
+                Ok(Ok(())) => {}
+                Ok(Err(_)) => return,
+                Err(_) => log::warn!("flumen run made no progress for 10s: {}", self.describe()),
+            }
+        }
+    }
+
+    /// Create ready tasks and launch what slots and memory allow. Returns true when the run
+    /// has nothing left to schedule.
+    fn schedule(self: &Arc<Self>) -> bool {
+        let mut launches = vec![];
+        let finished = {
+            let mut st = self.state.lock().unwrap();
+            if st.error.is_some() || st.cancelled {
+                return true;
+            }
+            self.create_tasks(&mut st);
+            self.pick_launches(&mut st, &mut launches);
+            let skip_root = self.root_runs_in_output();
+            self.graph.operators.iter().all(|op| {
+                (skip_root && op.id == self.graph.root().id) || st.operators[op.id].complete
+            })
+        };
+        for task in launches {
+            self.launch(task);
+        }
+        finished
+    }
+
+    fn create_tasks(&self, st: &mut RunState) {
+        let root = self.graph.root().id;
+        for op in &self.graph.operators {
+            if op.id == root && self.root_runs_in_output() {
+                continue;
+            }
+            match op.shape {
+                TaskShape::Source => {}
+                TaskShape::Barrier => {
+                    let ready = op.inputs.iter().all(|i| st.operators[*i].complete);
+                    if ready && !st.operators[op.id].started {
+                        for p in 0..op.partitions() {
+                            let id = st.tasks.len();
+                            st.tasks.push(TaskRecord {
+                                operator: op.id,
+                                partition: p,
+                                kind: TaskKind::Partition,
+                                status: TaskStatus::Pending,
+                                outputs: vec![],
+                                consumed: vec![],
+                            });
+                            let ps = &mut st.operators[op.id].partitions[p];
+                            ps.tasks.push(id);
+                            ps.closed = true;
+                        }
+                        st.operators[op.id].started = true;
+                    }
+                }
+                TaskShape::BlockWise => self.create_block_tasks(st, op.id),
+            }
+            self.update_complete(st, op.id);
+        }
+    }
+
+    fn create_block_tasks(&self, st: &mut RunState, op_id: OperatorId) {
+        let op = &self.graph.operators[op_id];
+        let producer = op.inputs[0];
+        if self.config.mode == ExecMode::Batch && !st.operators[producer].complete {
+            return;
+        }
+        let bundle_rows = match op.pool {
+            Pool::Accelerator => self.config.target_block_rows.max(1),
+            Pool::Cpu => 1,
+        };
+        for p in 0..op.partitions() {
+            if st.operators[op_id].partitions[p].closed {
+                continue;
+            }
+            let mut cursor = st.operators[op_id].partitions[p]
+                .input
+                .take()
+                .unwrap_or_else(|| self.input_cursor(op_id, 0, p, false));
+            loop {
+                // Gather a bundle on a copy of the cursor; commit it once it may run.
+                let mut probe = cursor.clone();
+                let mut inputs = vec![];
+                let mut rows = 0;
+                let mut ended = false;
+                while rows < bundle_rows {
+                    match Self::next_block(st, &mut probe) {
+                        Next::Block(id) => {
+                            rows += st.blocks[&id].rows;
+                            inputs.push(id);
+                        }
+                        Next::Wait => break,
+                        Next::End => {
+                            ended = true;
+                            break;
+                        }
+                    }
+                }
+                if inputs.is_empty() {
+                    if ended {
+                        st.operators[op_id].partitions[p].closed = true;
+                    }
+                    break;
+                }
+                // A partial bundle waits for more rows while its producer has work left.
+                let producer_idle =
+                    st.operators[producer].running == 0 && !st.operators[producer].has_pending();
+                if rows < bundle_rows && !ended && !producer_idle {
+                    break;
+                }
+                cursor = probe;
+                let id = st.tasks.len();
+                st.tasks.push(TaskRecord {
+                    operator: op_id,
+                    partition: p,
+                    kind: TaskKind::Blocks { inputs },
+                    status: TaskStatus::Pending,
+                    outputs: vec![],
+                    consumed: vec![],
+                });
+                st.operators[op_id].partitions[p].tasks.push(id);
+                if ended {
+                    st.operators[op_id].partitions[p].closed = true;
+                    break;
+                }
+            }
+            st.operators[op_id].partitions[p].input = Some(cursor);
+        }
+    }
+
+    /// The cursor through which partition `partition` of `op` reads its input `input`.
+    /// `deterministic`: read task by task (used once the producer has finished).
+    fn input_cursor(
+        &self,
+        op_id: OperatorId,
+        input: usize,
+        partition: usize,
+        deterministic: bool,
+    ) -> Cursor {
+        let op = &self.graph.operators[op_id];
+        let producer = &self.graph.operators[op.inputs[input]];
+        let all: Vec<usize> = (0..producer.partitions()).collect();
+        let (order, tag) = match &op.input_exchanges[input] {
+            InputExchange::Preserve => (
+                ReadOrder::Tasks {
+                    partitions: vec![partition],
+                },
+                None,
+            ),
+            InputExchange::Gather if all.len() == 1 || deterministic => {
+                (ReadOrder::Tasks { partitions: all }, None)
+            }
+            InputExchange::Gather => (ReadOrder::Arrival, None),
+            InputExchange::Split(_) if deterministic => {
+                (ReadOrder::Tasks { partitions: all }, Some(partition))
+            }
+            InputExchange::Split(_) => (ReadOrder::Arrival, Some(partition)),
+        };
+        Cursor {
+            operator: producer.id,
+            order,
+            tag,
+            part_index: 0,
+            task_index: 0,
+            out_index: 0,
+            log_index: 0,
+        }
+    }
+
+    fn next_block(st: &RunState, cursor: &mut Cursor) -> Next {
+        let op = &st.operators[cursor.operator];
+        match &cursor.order {
+            ReadOrder::Arrival => loop {
+                if cursor.log_index < op.log.len() {
+                    let id = op.log[cursor.log_index];
+                    cursor.log_index += 1;
+                    if cursor.tag.is_none_or(|t| st.blocks[&id].tag == t) {
+                        return Next::Block(id);
+                    }
+                } else if op.complete {
+                    return Next::End;
+                } else {
+                    return Next::Wait;
+                }
+            },
+            ReadOrder::Tasks { partitions } => loop {
+                let Some(p) = partitions.get(cursor.part_index) else {
+                    return Next::End;
+                };
+                let ps = &op.partitions[*p];
+                if let Some(task_id) = ps.tasks.get(cursor.task_index) {
+                    let task = &st.tasks[*task_id];
+                    if let Some(id) = task.outputs.get(cursor.out_index) {
+                        cursor.out_index += 1;
+                        if cursor.tag.is_none_or(|t| st.blocks[id].tag == t) {
+                            return Next::Block(*id);
+                        }
+                    } else if task.status == TaskStatus::Done {
+                        cursor.task_index += 1;
+                        cursor.out_index = 0;
+                    } else {
+                        return Next::Wait;
+                    }
+                } else if ps.closed {
+                    cursor.part_index += 1;
+                    cursor.task_index = 0;
+                    cursor.out_index = 0;
+                } else {
+                    return Next::Wait;
+                }
+            },
+        }
+    }
+
+    fn update_complete(&self, st: &mut RunState, op_id: OperatorId) {
+        let os = &st.operators[op_id];
+        if os.complete || !os.started && self.graph.operators[op_id].shape != TaskShape::BlockWise {
+            return;
+        }
+        let done = os.partitions.iter().all(|p| {
+            p.closed
+                && p.tasks
+                    .iter()
+                    .all(|t| st.tasks[*t].status == TaskStatus::Done)
+        });
+        if done {
+            st.operators[op_id].complete = true;
+        }
+    }
+
+    /// Operators in launch preference order: most downstream first.
+    fn pick_launches(&self, st: &mut RunState, launches: &mut Vec<TaskId>) {
+        let slots = [self.config.cpu_slots, self.config.accelerator_slots];
+        let budget = self.store.budget();
+        let share = budget / self.graph.operators.len().max(1) as u64;
+        let batch = self.config.mode == ExecMode::Batch;
+        let now = Instant::now();
+        loop {
+            let mut launched = false;
+            for op in self.graph.operators.iter().rev() {
+                let os = &st.operators[op.id];
+                if !os.has_pending() {
+                    continue;
+                }
+                let pool = pool_index(op.pool);
+                let gang = op.gang;
+                if st.running[pool] >= slots[pool] && !(gang && st.running[pool] == 0) {
+                    continue;
+                }
+                if batch {
+                    let others_running = st
+                        .operators
+                        .iter()
+                        .enumerate()
+                        .any(|(i, o)| i != op.id && o.running > 0);
+                    if others_running {
+                        continue;
+                    }
+                } else if self.backpressured(st, op.id, share) {
+                    st.operators[op.id].backpressured_since.get_or_insert(now);
+                    continue;
+                }
+                self.end_backpressure(st, op.id, now);
+                let n = if gang { usize::MAX } else { 1 };
+                self.take_pending(st, op.id, n, launches);
+                launched = true;
+                break;
+            }
+            if !launched {
+                break;
+            }
+        }
+        // Liveness: never leave every pool idle while a task is ready.
+        if st.running.iter().sum::<usize>() == 0 {
+            if let Some(op) = self
+                .graph
+                .operators
+                .iter()
+                .rev()
+                .find(|op| st.operators[op.id].has_pending())
+            {
+                self.end_backpressure(st, op.id, now);
+                let n = if op.gang { usize::MAX } else { 1 };
+                self.take_pending(st, op.id, n, launches);
+            }
+        }
+    }
+
+    fn end_backpressure(&self, st: &mut RunState, op_id: OperatorId, now: Instant) {
+        if let Some(since) = st.operators[op_id].backpressured_since.take() {
+            OperatorStats::add(
+                &self.graph.operators[op_id].stats.backpressure_ns,
+                (now - since).as_nanos() as u64,
+            );
+        }
+    }
+
+    /// An operator is held back while its unconsumed output is over its share of the
+    /// budget, or the store's memory is full. Operators feeding a per-partition operator
+    /// (an all-to-all exchange) are never held back: their blocks spill instead.
+    fn backpressured(&self, st: &RunState, op_id: OperatorId, share: u64) -> bool {
+        let consumer = self.graph.consumer[op_id];
+        let feeds_barrier = consumer.is_some_and(|c| {
+            let c = &self.graph.operators[c];
+            c.shape == TaskShape::Barrier && !(c.id == self.graph.root().id)
+        });
+        if feeds_barrier {
+            return false;
+        }
+        st.operators[op_id].held_bytes >= share || self.store.memory_bytes() >= self.store.budget()
+    }
+
+    fn take_pending(
+        &self,
+        st: &mut RunState,
+        op_id: OperatorId,
+        mut n: usize,
+        launches: &mut Vec<TaskId>,
+    ) {
+        let pool = pool_index(self.graph.operators[op_id].pool);
+        let partitions = st.operators[op_id].partitions.len();
+        let mut idle_rounds = 0;
+        while n > 0 && idle_rounds < partitions {
+            let p = st.operators[op_id].next_partition % partitions;
+            st.operators[op_id].next_partition = (p + 1) % partitions;
+            let ps = &mut st.operators[op_id].partitions[p];
+            if ps.next_launch < ps.tasks.len() {
+                let task = ps.tasks[ps.next_launch];
+                ps.next_launch += 1;
+                st.tasks[task].status = TaskStatus::Running;
+                st.operators[op_id].running += 1;
+                st.running[pool] += 1;
+                OperatorStats::add(&self.graph.operators[op_id].stats.running, 1);
+                launches.push(task);
+                n -= 1;
+                idle_rounds = 0;
+            } else {
+                idle_rounds += 1;
+            }
+        }
+    }
+
+    fn launch(self: &Arc<Self>, task: TaskId) {
+        let op_id = self.state.lock().unwrap().tasks[task].operator;
+        let run = Arc::clone(self);
+        let future = async move {
+            let started = Instant::now();
+            let result = std::panic::AssertUnwindSafe(run.execute_task(task, false))
+                .catch_unwind()
+                .await;
+            let result = match result {
+                Ok(r) => r.map(|_| ()),
+                Err(panic) => Err(run.panic_error(task, panic)),
+            };
+            run.task_finished(task, result, started);
+        };
+        match self.graph.operators[op_id].pool {
+            Pool::Cpu => {
+                let handle = self.handle.spawn(future);
+                self.state
+                    .lock()
+                    .unwrap()
+                    .aborts
+                    .push(handle.abort_handle());
+            }
+            Pool::Accelerator => self.accelerators.submit(Box::new(move || future.boxed())),
+        }
+    }
+
+    fn panic_error(&self, task: TaskId, panic: Box<dyn std::any::Any + Send>) -> DataFusionError {
+        let message = panic
+            .downcast_ref::<String>()
+            .cloned()
+            .or_else(|| panic.downcast_ref::<&str>().map(|s| s.to_string()))
+            .unwrap_or_else(|| "unknown panic".into());
+        let (op, partition) = {
+            let st = self.state.lock().unwrap();
+            (st.tasks[task].operator, st.tasks[task].partition)
+        };
+        DataFusionError::Execution(format!(
+            "task {task} (partition {partition}) of flumen operator {op} ({}) panicked: {message}",
+            self.graph.operators[op].name
+        ))
+    }
+
+    fn task_finished(&self, task: TaskId, result: Result<()>, started: Instant) {
+        let mut st = self.state.lock().unwrap();
+        let op_id = st.tasks[task].operator;
+        let op = &self.graph.operators[op_id];
+        let pool = pool_index(op.pool);
+        st.running[pool] -= 1;
+        st.operators[op_id].running -= 1;
+        op.stats.running.fetch_sub(1, Ordering::Relaxed);
+        OperatorStats::add(&op.stats.busy_ns, started.elapsed().as_nanos() as u64);
+        match result {
+            Ok(()) => {
+                OperatorStats::add(&op.stats.tasks, 1);
+                st.tasks[task].status = TaskStatus::Done;
+                let mut consumed = std::mem::take(&mut st.tasks[task].consumed);
+                if let TaskKind::Blocks { inputs } = &st.tasks[task].kind {
+                    consumed.extend(inputs.iter().copied());
+                }
+                for id in consumed {
+                    self.release(&mut st, id);
+                }
+                self.update_complete(&mut st, op_id);
+            }
+            Err(e) => {
+                if st.error.is_none() {
+                    st.error = Some(Arc::new(e));
+                }
+                for abort in st.aborts.drain(..) {
+                    abort.abort();
+                }
+            }
+        }
+        drop(st);
+        self.notify();
+    }
+
+    fn release(&self, st: &mut RunState, id: BlockId) {
+        let Some(meta) = st.blocks.get_mut(&id) else {
+            return;
+        };
+        if meta.released {
+            return;
+        }
+        meta.released = true;
+        let (op, bytes) = (meta.operator, meta.bytes);
+        self.store.remove(id);
+        let held = &mut st.operators[op].held_bytes;
+        *held = held.saturating_sub(bytes);
+    }
+
+    /// Run a task's fragment. Outputs go to the store, or with `capture` (recompute) are
+    /// returned as `(seq, tag, batch)`.
+    pub(crate) async fn execute_task(
+        self: &Arc<Self>,
+        task: TaskId,
+        capture: bool,
+    ) -> Result<Vec<(usize, usize, RecordBatch)>> {
+        let (op_id, partition, kind) = {
+            let st = self.state.lock().unwrap();
+            if st.cancelled {
+                return Err(DataFusionError::Execution("query cancelled".into()));
+            }
+            let t = &st.tasks[task];
+            (t.operator, t.partition, t.kind.clone())
+        };
+        let op = &self.graph.operators[op_id];
+        let split = match kind {
+            TaskKind::Source { split } => split,
+            _ => 0,
+        };
+        let provider = Arc::new(TaskProvider {
+            run: Arc::clone(self),
+            task,
+            operator: op_id,
+            kind,
+            record: !capture,
+        });
+        let context = self.task_context(TaskInputs { provider, split });
+        let mut stream = op.fragment.execute(partition, context)?;
+        let mut partitioner = match &op.output_split {
+            Some(p) => Some(BatchPartitioner::try_new(
+                p.clone(),
+                Time::new(),
+                partition,
+                op.fragment.output_partitioning().partition_count(),
+            )?),
+            None => None,
+        };
+        let target = self.config.target_block_rows.max(1);
+        let mut seq = 0;
+        let mut captured = vec![];
+        while let Some(batch) = stream.next().await {
+            let batch = batch?;
+            if batch.num_rows() == 0 {
+                continue;
+            }
+            let total_rows = batch.num_rows();
+            let mut offset = 0;
+            while offset < total_rows {
+                let len = target.min(total_rows - offset);
+                let piece = batch.slice(offset, len);
+                offset += len;
+                let pieces: Vec<(usize, RecordBatch)> = match &mut partitioner {
+                    Some(split) => split.partition_iter(piece)?.collect::<Result<_>>()?,
+                    None => vec![(partition, piece)],
+                };
+                for (tag, block) in pieces {
+                    let bytes = block_bytes(&block);
+                    if block.num_rows() == 0 {
+                        continue;
+                    }
+                    if capture {
+                        captured.push((seq, tag, block));
+                    } else {
+                        self.put_block(task, op_id, partition, seq, tag, block, bytes)?;
+                    }
+                    seq += 1;
+                }
+            }
+        }
+        Ok(captured)
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    fn put_block(
+        &self,
+        task: TaskId,
+        op_id: OperatorId,
+        partition: usize,
+        seq: usize,
+        tag: usize,
+        block: RecordBatch,
+        bytes: u64,
+    ) -> Result<()> {
+        let op = &self.graph.operators[op_id];
+        let id = self.next_block.fetch_add(1, Ordering::Relaxed);
+        let rows = block.num_rows();
+        let dropped = self.dropper.as_ref().is_some_and(|d| {
+            (d.0)(&BlockInfo {
+                operator: op_id,
+                operator_name: op.name.clone(),
+                partition,
+                seq,
+                rows,
+            })
+        });
+        let held = if dropped {
+            0
+        } else {
+            if self.store.put(id, block, bytes)? == Placement::Spilled {
+                OperatorStats::add(&op.stats.spilled, 1);
+            }
+            bytes
+        };
+        self.graph.observe_store(self.store.memory_bytes());
+        OperatorStats::add(&op.stats.rows, rows as u64);
+        OperatorStats::add(&op.stats.blocks, 1);
+        {
+            let mut st = self.state.lock().unwrap();
+            st.blocks.insert(
+                id,
+                BlockMeta {
+                    operator: op_id,
+                    task,
+                    seq,
+                    tag,
+                    rows,
+                    bytes: held,
+                    released: false,
+                },
+            );
+            st.tasks[task].outputs.push(id);
+            let os = &mut st.operators[op_id];
+            os.log.push(id);
+            os.held_bytes += held;
+            op.stats.observe_held(os.held_bytes);
+        }
+        self.notify();
+        Ok(())
+    }
+
+    fn task_context(&self, inputs: TaskInputs) -> Arc<TaskContext> {
+        let base = &self.base;
+        let config = base
+            .session_config()
+            .clone()
+            .with_extension(Arc::new(inputs));
+        Arc::new(TaskContext::new(
+            base.task_id(),
+            base.session_id(),
+            config,
+            base.scalar_functions().clone(),
+            base.higher_order_functions().clone(),
+            base.aggregate_functions().clone(),
+            base.window_functions().clone(),
+            base.runtime_env(),
+        ))
+    }
+
+    /// The stream of blocks a cursor walks, waiting for blocks still to come.
+    fn block_stream(
+        self: &Arc<Self>,
+        cursor: Cursor,
+        reader: Reader,
+        schema: datafusion::arrow::datatypes::SchemaRef,
+    ) -> SendableRecordBatchStream {
+        let rx = self.changes.subscribe();
+        let wait_for_complete =
+            self.config.mode == ExecMode::Batch && matches!(reader, Reader::Output);
+        let state = (Arc::clone(self), cursor, rx, reader);
+        let stream =
+            futures::stream::unfold(state, move |(run, mut cursor, mut rx, reader)| async move {
+                loop {
+                    rx.borrow_and_update();
+                    let next = {
+                        let mut st = run.state.lock().unwrap();
+                        if let Some(e) = &st.error {
+                            let e = DataFusionError::Shared(Arc::clone(e));
+                            drop(st);
+                            return Some((Err(e), (run, cursor, rx, reader)));
+                        }
+                        if st.cancelled {
+                            return None;
+                        }
+                        if wait_for_complete && !st.operators[cursor.operator].complete {
+                            Next::Wait
+                        } else {
+                            let next = Self::next_block(&st, &mut cursor);
+                            if let (Next::Block(id), Reader::Task(task)) = (&next, &reader) {
+                                st.tasks[*task].consumed.push(*id);
+                            }
+                            next
+                        }
+                    };
+                    match next {
+                        Next::End => return None,
+                        Next::Wait => {
+                            if rx.changed().await.is_err() {
+                                return None;
+                            }
+                        }
+                        Next::Block(id) => {
+                            let batch = run.fetch(id).await;
+                            if matches!(reader, Reader::Output) {
+                                let mut st = run.state.lock().unwrap();
+                                run.release(&mut st, id);
+                                drop(st);
+                                run.notify();
+                            }
+                            return Some((batch, (run, cursor, rx, reader)));
+                        }
+                    }
+                }
+            });
+        Box::pin(RecordBatchStreamAdapter::new(schema, stream))
+    }
+
+    /// Output partition `partition` of the query.
+    pub fn output(self: &Arc<Self>, partition: usize) -> Result<SendableRecordBatchStream> {
+        self.state.lock().unwrap().outputs_open += 1;
+        let root = self.graph.root();
+        let stream = if self.root_runs_in_output() {
+            let provider = Arc::new(OutputProvider {
+                run: Arc::clone(self),
+            });
+            let context = self.task_context(TaskInputs { provider, split: 0 });
+            root.fragment.execute(partition, context)?
+        } else {
+            let cursor = Cursor {
+                operator: root.id,
+                order: ReadOrder::Tasks {
+                    partitions: vec![partition],
+                },
+                tag: None,
+                part_index: 0,
+                task_index: 0,
+                out_index: 0,
+                log_index: 0,
+            };
+            self.block_stream(cursor, Reader::Output, root.fragment.schema())
+        };
+        Ok(Box::pin(OutputStream {
+            inner: stream,
+            run: Arc::clone(self),
+        }))
+    }
+
+    fn output_closed(&self) {
+        let mut st = self.state.lock().unwrap();
+        st.outputs_open -= 1;
+        if st.outputs_open == 0 {
+            st.cancelled = true;
+            for abort in st.aborts.drain(..) {
+                abort.abort();
+            }
+            drop(st);
+            self.notify();
+        }
+    }
+
+    pub(crate) fn block_meta(&self, id: BlockId) -> Option<BlockMeta> {
+        self.state.lock().unwrap().blocks.get(&id).cloned()
+    }
+
+    pub(crate) fn recompute_lock(&self, task: TaskId) -> Arc<tokio::sync::Mutex<()>> {
+        Arc::clone(
+            self.recompute_locks
+                .lock()
+                .unwrap()
+                .entry(task)
+                .or_default(),
+        )
+    }
+
+    /// Read a block from the store; blocks restored by a recompute are read once.
+    pub(crate) fn take_from_store(&self, id: BlockId) -> Result<Option<RecordBatch>> {
+        let batch = self.store.get(id)?;
+        if batch.is_some() {
+            let once = self.state.lock().unwrap().read_once.remove(&id);
+            if once {
+                self.store.remove(id);
+            }
+        }
+        Ok(batch)
+    }
+
+    /// The output blocks of a task, with their lineage.
+    pub(crate) fn task_outputs(&self, task: TaskId) -> Vec<(BlockId, BlockMeta)> {
+        let st = self.state.lock().unwrap();
+        st.tasks[task]
+            .outputs
+            .iter()
+            .map(|id| (*id, st.blocks[id].clone()))
+            .collect()
+    }
+
+    /// Put a recomputed block back; it leaves the store once read.
+    pub(crate) fn restore(&self, id: BlockId, batch: RecordBatch, bytes: u64) -> Result<()> {
+        self.store.put(id, batch, bytes.max(1))?;
+        self.state.lock().unwrap().read_once.insert(id);
+        Ok(())
+    }
+
+    /// One line per operator: tasks by status, blocks held, completion.
+    pub fn describe(&self) -> String {
+        let st = self.state.lock().unwrap();
+        let mut out = format!(
+            "running={:?} store={}B; ",
+            st.running,
+            self.store.memory_bytes()
+        );
+        for op in &self.graph.operators {
+            let os = &st.operators[op.id];
+            let tasks: Vec<TaskStatus> = os
+                .partitions
+                .iter()
+                .flat_map(|p| p.tasks.iter().map(|t| st.tasks[*t].status))
+                .collect();
+            let count = |s| tasks.iter().filter(|t| **t == s).count();
+            out.push_str(&format!(
+                "op{} {} {:?}: pending={} running={} done={} closed={:?} held={}B complete={}; ",
+                op.id,
+                op.name,
+                op.shape,
+                count(TaskStatus::Pending),
+                count(TaskStatus::Running),
+                count(TaskStatus::Done),
+                os.partitions.iter().map(|p| p.closed).collect::<Vec<_>>(),
+                os.held_bytes,
+                os.complete
+            ));
+        }
+        out
+    }
+
+    /// Snapshot for tests and progress displays: (operator name, complete) per operator.
+    pub fn operator_progress(&self) -> Vec<(String, bool)> {
+        let st = self.state.lock().unwrap();
+        self.graph
+            .operators
+            .iter()
+            .map(|op| (op.name.clone(), st.operators[op.id].complete))
+            .collect()
+    }
+}
+
+/// Who reads a block stream.
+#[derive(Debug, Clone, Copy)]
+enum Reader {
+    /// A task: blocks are released when it finishes.
+    Task(TaskId),
+    /// The same task being recomputed: nothing is recorded.
+    Recompute,
+    /// The query's output: blocks are released as they are read.
+    Output,
+}
+
+/// Inputs of one scheduled task.
+#[derive(Debug)]
+struct TaskProvider {
+    run: Arc<QueryRun>,
+    task: TaskId,
+    operator: OperatorId,
+    kind: TaskKind,
+    record: bool,
+}
+
+impl InputProvider for TaskProvider {
+    fn open(&self, input: usize, partition: usize) -> Result<SendableRecordBatchStream> {
+        let run = &self.run;
+        let op = &run.graph.operators[self.operator];
+        let producer = &run.graph.operators[*op.inputs.get(input).ok_or_else(|| {
+            DataFusionError::Internal(format!("operator {} has no input {input}", op.id))
+        })?];
+        let schema = producer.fragment.schema();
+        match &self.kind {
+            TaskKind::Blocks { inputs } => {
+                // A bundle of blocks reaches the fragment as one batch.
+                let inputs = inputs.clone();
+                let run = Arc::clone(run);
+                let batch_schema = Arc::clone(&schema);
+                let target = run.config.target_block_rows.max(1);
+                let stream = futures::stream::once(async move {
+                    let mut batches = Vec::with_capacity(inputs.len());
+                    for id in inputs {
+                        batches.push(run.fetch(id).await?);
+                    }
+                    let batch = if batches.len() == 1 {
+                        batches.pop().unwrap()
+                    } else {
+                        concat_batches(&batch_schema, &batches)?
+                    };
+                    // Hand the fragment batches of at most the target size.
+                    let pieces: Vec<Result<RecordBatch>> = (0..batch.num_rows())
+                        .step_by(target)
+                        .map(|at| Ok(batch.slice(at, target.min(batch.num_rows() - at))))
+                        .collect();
+                    Ok::<_, DataFusionError>(futures::stream::iter(pieces))
+                })
+                .try_flatten()
+                .boxed();
+                Ok(Box::pin(RecordBatchStreamAdapter::new(schema, stream)))
+            }
+            TaskKind::Partition => {
+                let cursor = run.input_cursor(self.operator, input, partition, true);
+                let reader = if self.record {
+                    Reader::Task(self.task)
+                } else {
+                    Reader::Recompute
+                };
+                Ok(run.block_stream(cursor, reader, schema))
+            }
+            TaskKind::Source { .. } => Err(DataFusionError::Internal(format!(
+                "source task of operator {} has no stage inputs",
+                op.id
+            ))),
+        }
+    }
+}
+
+/// Inputs of the root fragment when the output's consumer runs it.
+#[derive(Debug)]
+struct OutputProvider {
+    run: Arc<QueryRun>,
+}
+
+impl InputProvider for OutputProvider {
+    fn open(&self, input: usize, partition: usize) -> Result<SendableRecordBatchStream> {
+        let run = &self.run;
+        let root = run.graph.root();
+        let producer = &run.graph.operators[root.inputs[input]];
+        let cursor = run.input_cursor(root.id, input, partition, false);
+        Ok(run.block_stream(cursor, Reader::Output, producer.fragment.schema()))
+    }
+}
+
+/// The query's output stream; dropping every output stream cancels the run.
+struct OutputStream {
+    inner: SendableRecordBatchStream,
+    run: Arc<QueryRun>,
+}
+
+impl futures::Stream for OutputStream {
+    type Item = Result<RecordBatch>;
+    fn poll_next(
+        mut self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<Option<Self::Item>> {
+        self.inner.poll_next_unpin(cx)
+    }
+}
+
+impl datafusion::physical_plan::RecordBatchStream for OutputStream {
+    fn schema(&self) -> datafusion::arrow::datatypes::SchemaRef {
+        self.inner.schema()
+    }
+}
+
+impl Drop for OutputStream {
+    fn drop(&mut self) {
+        self.run.output_closed();
+    }
+}

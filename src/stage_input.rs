@@ -1,0 +1,218 @@
+//! `StageInputExec`: the leaf of an operator's fragment that reads another operator's blocks.
+//!
+//! A task's inputs reach it through the `TaskContext`: the scheduler puts a [`TaskInputs`]
+//! in the task's session config, and `StageInputExec::execute` asks it for the stream of
+//! the blocks this task was given (one block, a bundle, or a whole partition).
+
+use std::fmt;
+use std::sync::Arc;
+
+use datafusion::common::tree_node::TreeNodeRecursion;
+use datafusion::error::{DataFusionError, Result};
+use datafusion::execution::{SendableRecordBatchStream, TaskContext};
+use datafusion::physical_plan::execution_plan::ReplaceChildrenOptions;
+use datafusion::physical_plan::stream::RecordBatchStreamAdapter;
+use datafusion::physical_plan::{
+    DisplayAs, DisplayFormatType, ExecutionPlan, Partitioning, PhysicalExpr, PlanProperties,
+};
+use futures::StreamExt;
+
+use crate::exec::OperatorExec;
+use crate::operators::OperatorId;
+
+/// How a consumer reads its producer's blocks.
+#[derive(Debug, Clone)]
+pub enum InputExchange {
+    /// Partition `p` reads the producer's partition `p`, in order.
+    Preserve,
+    /// One partition reading every partition of the producer (`CoalescePartitionsExec`).
+    Gather,
+    /// The producer split its output by this partitioning (hash, round robin, range);
+    /// partition `q` reads the blocks tagged `q`.
+    Split(Partitioning),
+}
+
+impl fmt::Display for InputExchange {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            InputExchange::Preserve => f.write_str("preserve"),
+            InputExchange::Gather => f.write_str("gather"),
+            InputExchange::Split(p) => write!(f, "{p}"),
+        }
+    }
+}
+
+/// Supplies the block streams of one task's stage inputs.
+pub trait InputProvider: Send + Sync + fmt::Debug {
+    /// The blocks of stage input `input` for partition `partition` of the fragment.
+    fn open(&self, input: usize, partition: usize) -> Result<SendableRecordBatchStream>;
+}
+
+/// What the scheduler hands one task, through its `TaskContext`'s session config.
+#[derive(Debug)]
+pub struct TaskInputs {
+    /// Streams of the stage inputs.
+    pub provider: Arc<dyn InputProvider>,
+    /// Which split of its partition a source task reads.
+    pub split: usize,
+}
+
+/// Leaf that reads the blocks of a producer operator.
+#[derive(Debug, Clone)]
+pub struct StageInputExec {
+    producer: OperatorId,
+    input: usize,
+    exchange: InputExchange,
+    properties: Arc<PlanProperties>,
+    fetch: Option<usize>,
+    /// The producer, shown below this node by `EXPLAIN` (never executed from here).
+    producer_display: Arc<dyn ExecutionPlan>,
+}
+
+impl StageInputExec {
+    /// A stage input with the given plan properties (those of the node it replaces).
+    pub fn new(
+        producer: OperatorId,
+        producer_display: Arc<OperatorExec>,
+        exchange: InputExchange,
+        properties: Arc<PlanProperties>,
+        fetch: Option<usize>,
+    ) -> Self {
+        Self {
+            producer,
+            input: 0,
+            exchange,
+            properties,
+            fetch,
+            producer_display,
+        }
+    }
+
+    /// The same node reading stage input number `input` of its task.
+    pub fn with_input_index(&self, input: usize) -> Self {
+        Self {
+            input,
+            ..self.clone()
+        }
+    }
+
+    /// The operator whose blocks this reads.
+    pub fn producer(&self) -> OperatorId {
+        self.producer
+    }
+
+    /// How the blocks are read.
+    pub fn exchange(&self) -> &InputExchange {
+        &self.exchange
+    }
+
+    /// Row limit over everything read (from a `CoalescePartitionsExec` with a fetch).
+    pub fn fetch(&self) -> Option<usize> {
+        self.fetch
+    }
+}
+
+impl DisplayAs for StageInputExec {
+    fn fmt_as(&self, t: DisplayFormatType, f: &mut fmt::Formatter) -> fmt::Result {
+        match t {
+            DisplayFormatType::TreeRender => write!(f, "operator={}", self.producer),
+            _ => {
+                write!(
+                    f,
+                    "StageInputExec: operator={}, exchange={}",
+                    self.producer, self.exchange
+                )?;
+                if let Some(fetch) = self.fetch {
+                    write!(f, ", fetch={fetch}")?;
+                }
+                Ok(())
+            }
+        }
+    }
+}
+
+impl ExecutionPlan for StageInputExec {
+    fn name(&self) -> &str {
+        "StageInputExec"
+    }
+
+    fn properties(&self) -> &Arc<PlanProperties> {
+        &self.properties
+    }
+
+    fn children(&self) -> Vec<&Arc<dyn ExecutionPlan>> {
+        vec![&self.producer_display]
+    }
+
+    fn apply_expressions(
+        &self,
+        _f: &mut dyn FnMut(&Arc<dyn PhysicalExpr>) -> Result<TreeNodeRecursion>,
+    ) -> Result<TreeNodeRecursion> {
+        Ok(TreeNodeRecursion::Continue)
+    }
+
+    fn replace_children(
+        self: Arc<Self>,
+        children: Vec<Arc<dyn ExecutionPlan>>,
+        _options: ReplaceChildrenOptions,
+    ) -> Result<Arc<dyn ExecutionPlan>> {
+        let mut node = self.as_ref().clone();
+        if let Some(child) = children.into_iter().next() {
+            node.producer_display = child;
+        }
+        Ok(Arc::new(node))
+    }
+
+    fn with_new_children(
+        self: Arc<Self>,
+        children: Vec<Arc<dyn ExecutionPlan>>,
+    ) -> Result<Arc<dyn ExecutionPlan>> {
+        self.replace_children(
+            children,
+            ReplaceChildrenOptions::new(
+                datafusion::physical_plan::execution_plan::ChildrenPropertiesMode::Recompute,
+            ),
+        )
+    }
+
+    fn execute(
+        &self,
+        partition: usize,
+        context: Arc<TaskContext>,
+    ) -> Result<SendableRecordBatchStream> {
+        let inputs = context
+            .session_config()
+            .get_extension::<TaskInputs>()
+            .ok_or_else(|| {
+                DataFusionError::Internal(format!(
+                    "StageInputExec for operator {} executed outside a flumen task",
+                    self.producer
+                ))
+            })?;
+        let stream = inputs.provider.open(self.input, partition)?;
+        match self.fetch {
+            None => Ok(stream),
+            Some(limit) => Ok(limit_stream(stream, limit)),
+        }
+    }
+}
+
+/// Stop a stream once `limit` rows have passed.
+fn limit_stream(stream: SendableRecordBatchStream, limit: usize) -> SendableRecordBatchStream {
+    let schema = stream.schema();
+    let limited = stream
+        .scan(limit, |left, batch| {
+            let out = match batch {
+                Err(e) => Some(Err(e)),
+                Ok(_) if *left == 0 => None,
+                Ok(b) => {
+                    let take = b.num_rows().min(*left);
+                    *left -= take;
+                    Some(Ok(b.slice(0, take)))
+                }
+            };
+            futures::future::ready(out)
+        })
+        .boxed();
+    Box::pin(RecordBatchStreamAdapter::new(schema, limited))
+}

@@ -1,0 +1,77 @@
+//! Per-operator counters, shown by `EXPLAIN ANALYZE` and by progress displays.
+
+use std::sync::atomic::{AtomicU64, Ordering};
+
+/// Counters of one operator, accumulated over every run of its plan.
+#[derive(Debug, Default)]
+pub struct OperatorStats {
+    /// Rows in output blocks.
+    pub rows: AtomicU64,
+    /// Output blocks.
+    pub blocks: AtomicU64,
+    /// Tasks finished.
+    pub tasks: AtomicU64,
+    /// Tasks running now.
+    pub running: AtomicU64,
+    /// Nanoseconds tasks spent running.
+    pub busy_ns: AtomicU64,
+    /// Nanoseconds the operator had a ready task held back by backpressure.
+    pub backpressure_ns: AtomicU64,
+    /// Most bytes of this operator's output held in the block store at once.
+    pub peak_bytes: AtomicU64,
+    /// Tasks run again to recompute lost blocks.
+    pub recomputed: AtomicU64,
+    /// Output blocks spilled to disk.
+    pub spilled: AtomicU64,
+}
+
+/// A plain copy of [`OperatorStats`].
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct StatsSnapshot {
+    /// Rows in output blocks.
+    pub rows: u64,
+    /// Output blocks.
+    pub blocks: u64,
+    /// Tasks finished.
+    pub tasks: u64,
+    /// Tasks running now.
+    pub running: u64,
+    /// Nanoseconds tasks spent running.
+    pub busy_ns: u64,
+    /// Nanoseconds held back by backpressure.
+    pub backpressure_ns: u64,
+    /// Peak bytes held.
+    pub peak_bytes: u64,
+    /// Tasks recomputed.
+    pub recomputed: u64,
+    /// Blocks spilled.
+    pub spilled: u64,
+}
+
+impl OperatorStats {
+    /// Add `n` to a counter.
+    pub fn add(counter: &AtomicU64, n: u64) {
+        counter.fetch_add(n, Ordering::Relaxed);
+    }
+
+    /// Raise the peak of held bytes to `bytes` if higher.
+    pub fn observe_held(&self, bytes: u64) {
+        self.peak_bytes.fetch_max(bytes, Ordering::Relaxed);
+    }
+
+    /// Read every counter.
+    pub fn snapshot(&self) -> StatsSnapshot {
+        let r = |c: &AtomicU64| c.load(Ordering::Relaxed);
+        StatsSnapshot {
+            rows: r(&self.rows),
+            blocks: r(&self.blocks),
+            tasks: r(&self.tasks),
+            running: r(&self.running),
+            busy_ns: r(&self.busy_ns),
+            backpressure_ns: r(&self.backpressure_ns),
+            peak_bytes: r(&self.peak_bytes),
+            recomputed: r(&self.recomputed),
+            spilled: r(&self.spilled),
+        }
+    }
+}

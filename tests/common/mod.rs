@@ -1,0 +1,153 @@
+//! Shared helpers for flumen's integration tests: generated Parquet data and comparison
+//! of flumen's answers with vanilla DataFusion's.
+
+#![allow(dead_code)]
+
+use std::path::Path;
+use std::sync::Arc;
+
+use datafusion::arrow::array::{Float64Array, Int64Array, StringArray};
+use datafusion::arrow::datatypes::{DataType, Field, Schema};
+use datafusion::arrow::record_batch::RecordBatch;
+use datafusion::arrow::util::pretty::pretty_format_batches;
+use datafusion::parquet::arrow::ArrowWriter;
+use datafusion::parquet::file::properties::WriterProperties;
+use datafusion::prelude::{ParquetReadOptions, SessionConfig, SessionContext};
+
+/// Write `files` Parquet files of `rows_per_file` rows each under `dir`, with small row
+/// groups so a scan has many splits. Columns: id, k (group key 0..16), v (float), body (text).
+pub fn write_events(dir: &Path, files: usize, rows_per_file: usize) {
+    let schema = Arc::new(Schema::new(vec![
+        Field::new("id", DataType::Int64, false),
+        Field::new("k", DataType::Int64, false),
+        Field::new("v", DataType::Float64, true),
+        Field::new("body", DataType::Utf8, true),
+    ]));
+    std::fs::create_dir_all(dir).unwrap();
+    for f in 0..files {
+        let start = (f * rows_per_file) as i64;
+        let ids: Vec<i64> = (start..start + rows_per_file as i64).collect();
+        let k: Vec<i64> = ids.iter().map(|i| (i * 7919) % 16).collect();
+        let v: Vec<Option<f64>> = ids
+            .iter()
+            .map(|i| {
+                if i % 97 == 0 {
+                    None
+                } else {
+                    Some(((i * 2654435761) % 1000) as f64 / 1000.0)
+                }
+            })
+            .collect();
+        let body: Vec<Option<String>> = ids
+            .iter()
+            .map(|i| {
+                if i % 101 == 0 {
+                    None
+                } else {
+                    Some(format!("document {i} about topic {}", i % 13))
+                }
+            })
+            .collect();
+        let batch = RecordBatch::try_new(
+            Arc::clone(&schema),
+            vec![
+                Arc::new(Int64Array::from(ids)),
+                Arc::new(Int64Array::from(k)),
+                Arc::new(Float64Array::from(v)),
+                Arc::new(StringArray::from(body)),
+            ],
+        )
+        .unwrap();
+        let file = std::fs::File::create(dir.join(format!("part-{f}.parquet"))).unwrap();
+        let props = WriterProperties::builder()
+            .set_max_row_group_row_count(Some(5_000))
+            .build();
+        let mut writer = ArrowWriter::try_new(file, Arc::clone(&schema), Some(props)).unwrap();
+        writer.write(&batch).unwrap();
+        writer.close().unwrap();
+    }
+}
+
+/// Register the test tables (`events` from Parquet in `dir`, `dim` in memory) in `ctx`.
+pub async fn register_tables(ctx: &SessionContext, dir: &Path) {
+    ctx.register_parquet(
+        "events",
+        dir.to_str().unwrap(),
+        ParquetReadOptions::default(),
+    )
+    .await
+    .unwrap();
+    ctx.sql(
+        "CREATE TABLE dim AS SELECT * FROM (VALUES (0, 'zero'), (1, 'one'), (2, 'two'), \
+         (3, 'three'), (5, 'five'), (8, 'eight'), (13, 'thirteen')) AS d(k, name)",
+    )
+    .await
+    .unwrap()
+    .collect()
+    .await
+    .unwrap();
+}
+
+/// A vanilla DataFusion context with two target partitions.
+pub fn vanilla() -> SessionContext {
+    SessionContext::new_with_config(SessionConfig::new().with_target_partitions(2))
+}
+
+/// A flumen context with two target partitions and the given `SET flumen.*` statements.
+pub async fn flumen_ctx(settings: &[&str]) -> SessionContext {
+    let ctx = flumen::session_with_config(
+        SessionConfig::new().with_target_partitions(2),
+        flumen::FlumenConfig::default(),
+    );
+    for s in settings {
+        ctx.sql(s).await.unwrap().collect().await.unwrap();
+    }
+    ctx
+}
+
+/// Rows of a result as text lines, sorted unless `ordered`.
+pub fn rows(batches: &[RecordBatch], ordered: bool) -> Vec<String> {
+    let text = pretty_format_batches(batches).unwrap().to_string();
+    let mut lines: Vec<String> = text
+        .lines()
+        .filter(|l| l.starts_with('|'))
+        .skip(1)
+        .map(|l| l.to_string())
+        .collect();
+    if !ordered {
+        lines.sort();
+    }
+    lines
+}
+
+/// Run `sql` on both contexts and assert the same rows (in order when it has ORDER BY).
+pub async fn assert_same(vanilla: &SessionContext, flumen: &SessionContext, sql: &str) {
+    let expected = vanilla.sql(sql).await.unwrap().collect().await.unwrap();
+    let actual = flumen
+        .sql(sql)
+        .await
+        .unwrap_or_else(|e| panic!("{sql}: {e}"))
+        .collect()
+        .await
+        .unwrap_or_else(|e| panic!("{sql}: {e}"));
+    let ordered = sql.to_ascii_uppercase().contains("ORDER BY");
+    let (e, a) = (rows(&expected, ordered), rows(&actual, ordered));
+    assert!(!e.is_empty() || a.is_empty(), "{sql}");
+    assert_eq!(e, a, "flumen differs from DataFusion on: {sql}");
+}
+
+/// Queries covering scans, filters, aggregates, joins, sorts, windows, limits and unions.
+pub const QUERIES: &[&str] = &[
+    "SELECT count(*), round(sum(v), 6), min(id), max(id) FROM events",
+    "SELECT k, count(*), round(avg(v), 9) FROM events GROUP BY k ORDER BY k",
+    "SELECT id, v FROM events WHERE v > 0.98 ORDER BY id LIMIT 25",
+    "SELECT id, body FROM events WHERE id % 1000 = 7",
+    "SELECT e.k, d.name, count(*) AS n FROM events e JOIN dim d ON e.k = d.k GROUP BY e.k, d.name ORDER BY e.k",
+    "SELECT id, round(sum(v) OVER (PARTITION BY k ORDER BY id), 9) AS s FROM events WHERE id < 600 ORDER BY id",
+    "SELECT count(DISTINCT body) FROM events",
+    "SELECT k FROM events WHERE id < 10 UNION ALL SELECT k FROM dim ORDER BY k",
+    "SELECT * FROM events ORDER BY v DESC NULLS LAST, id LIMIT 5",
+    "SELECT k, max(length(body)) FROM events WHERE body LIKE '%topic 3' GROUP BY k HAVING count(*) > 10 ORDER BY k",
+    "SELECT d.name, x.n FROM dim d LEFT JOIN (SELECT k, count(*) AS n FROM events WHERE id < 100 GROUP BY k) x ON d.k = x.k ORDER BY d.name",
+    "SELECT id FROM events WHERE k IN (SELECT k FROM dim WHERE name LIKE 't%') AND id < 200 ORDER BY id",
+];

@@ -1,0 +1,371 @@
+//! flumen's executor against vanilla DataFusion: same answers in every mode, lineage
+//! recompute of dropped blocks, spilling, the accelerator pool, and clear errors.
+
+mod common;
+
+use std::any::Any;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
+
+use common::*;
+use datafusion::arrow::array::{ArrayRef, StringArray};
+use datafusion::arrow::datatypes::DataType;
+use datafusion::common::cast::as_int64_array;
+use datafusion::error::Result;
+use datafusion::logical_expr::{
+    ColumnarValue, ScalarFunctionArgs, ScalarUDF, ScalarUDFImpl, Signature, Volatility,
+};
+use datafusion::physical_plan::{ExecutionPlan, collect};
+use datafusion::prelude::SessionConfig;
+use flumen::exec::FlumenExec;
+use flumen::operators::Pool;
+use flumen::{AcceleratorFunction, BlockDropper, FlumenConfig, accelerator_udf};
+
+async fn check_all(settings: &[&str]) {
+    let dir = tempfile::tempdir().unwrap();
+    write_events(dir.path(), 3, 20_000);
+    let v = vanilla();
+    register_tables(&v, dir.path()).await;
+    let f = flumen_ctx(settings).await;
+    register_tables(&f, dir.path()).await;
+    for sql in QUERIES {
+        let timed =
+            tokio::time::timeout(std::time::Duration::from_secs(60), assert_same(&v, &f, sql));
+        timed.await.unwrap_or_else(|_| panic!("timed out: {sql}"));
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn streaming_matches_datafusion() {
+    check_all(&["SET flumen.split_bytes = '64KB'"]).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn batch_mode_matches_datafusion() {
+    check_all(&["SET flumen.mode = 'batch'"]).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn tiny_budget_spills_and_matches_datafusion() {
+    check_all(&[
+        "SET flumen.memory_budget = '256KB'",
+        "SET flumen.target_block_rows = 1000",
+        "SET flumen.cpu_slots = 1",
+    ])
+    .await;
+}
+
+#[tokio::test]
+async fn current_thread_runtime_works() {
+    check_all(&[]).await;
+}
+
+/// Run `sql` through flumen's physical plan directly, returning the batches and the plan.
+async fn run_plan(
+    ctx: &datafusion::prelude::SessionContext,
+    sql: &str,
+) -> (
+    Vec<datafusion::arrow::record_batch::RecordBatch>,
+    Arc<dyn ExecutionPlan>,
+) {
+    let df = ctx.sql(sql).await.unwrap();
+    let plan = df.create_physical_plan().await.unwrap();
+    let batches = collect(Arc::clone(&plan), ctx.task_ctx()).await.unwrap();
+    (batches, plan)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn dropped_blocks_are_recomputed_from_lineage() {
+    let dir = tempfile::tempdir().unwrap();
+    write_events(dir.path(), 2, 20_000);
+    let v = vanilla();
+    register_tables(&v, dir.path()).await;
+
+    let dropped = Arc::new(AtomicUsize::new(0));
+    let counter = Arc::clone(&dropped);
+    // Lose every third block the scan (operator 0) produces, as if its worker died.
+    let seen = Arc::new(AtomicUsize::new(0));
+    let seen_by_dropper = Arc::clone(&seen);
+    let dropper = BlockDropper(Arc::new(move |b| {
+        let seen = &seen_by_dropper;
+        let drop = b.operator == 0 && seen.fetch_add(1, Ordering::Relaxed) % 3 == 1;
+        if drop {
+            counter.fetch_add(1, Ordering::Relaxed);
+        }
+        drop
+    }));
+    let config = flumen::flumen_session_config(
+        SessionConfig::new().with_target_partitions(2),
+        FlumenConfig::default(),
+    )
+    .with_extension(Arc::new(dropper));
+    let f = flumen::session_with_config(config, FlumenConfig::default());
+    f.sql("SET flumen.split_bytes = '64KB'").await.unwrap();
+    f.sql("SET flumen.target_block_rows = 2000").await.unwrap();
+    register_tables(&f, dir.path()).await;
+
+    for sql in [
+        "SELECT k, count(*), round(sum(v), 6) FROM events GROUP BY k ORDER BY k",
+        "SELECT id, body FROM events WHERE id % 777 = 1 ORDER BY id",
+        "SELECT count(*) FROM events e JOIN dim d ON e.k = d.k",
+    ] {
+        let before = dropped.load(Ordering::Relaxed);
+        seen.store(0, Ordering::Relaxed);
+        let (batches, plan) = run_plan(&f, sql).await;
+        let expected = v.sql(sql).await.unwrap().collect().await.unwrap();
+        assert_eq!(rows(&expected, true), rows(&batches, true), "{sql}");
+        let lost = dropped.load(Ordering::Relaxed) - before;
+        assert!(lost > 0, "no block was dropped for {sql}");
+        let graph = plan.downcast_ref::<FlumenExec>().unwrap().graph();
+        let recomputed = graph.operators[0].stats.snapshot().recomputed;
+        // Each lost block re-runs its producer task once, and nothing else is re-run.
+        assert!(
+            recomputed > 0 && recomputed <= lost as u64,
+            "{sql}: {recomputed} of {lost}"
+        );
+        for op in &graph.operators[1..] {
+            assert_eq!(op.stats.snapshot().recomputed, 0, "{sql}: {}", op.name);
+        }
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn memory_budget_smaller_than_a_block_is_a_clear_error() {
+    let dir = tempfile::tempdir().unwrap();
+    write_events(dir.path(), 1, 10_000);
+    let f = flumen_ctx(&[]).await;
+    register_tables(&f, dir.path()).await;
+    f.sql("SET flumen.memory_budget = '1KB'").await.unwrap();
+    let err = f
+        .sql("SELECT * FROM events")
+        .await
+        .unwrap()
+        .collect()
+        .await
+        .unwrap_err()
+        .to_string();
+    assert!(err.contains("flumen.memory_budget"), "{err}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn planning_errors_are_datafusions_own() {
+    let v = vanilla();
+    let f = flumen_ctx(&[]).await;
+    for sql in [
+        "SELECT * FROM no_such_table",
+        "SELEC 1",
+        "SELECT no_such_column FROM (VALUES (1)) AS t(a)",
+        "SELECT * FROM '/no/such/file.parquet'",
+    ] {
+        let expected = match v.sql(sql).await {
+            Ok(df) => df.collect().await.unwrap_err().to_string(),
+            Err(e) => e.to_string(),
+        };
+        let actual = match f.sql(sql).await {
+            Ok(df) => df.collect().await.unwrap_err().to_string(),
+            Err(e) => e.to_string(),
+        };
+        assert_eq!(expected, actual, "{sql}");
+    }
+    let err = f
+        .sql("SET flumen.memory_budget = 'lots'")
+        .await
+        .unwrap_err();
+    assert!(err.to_string().contains("flumen.memory_budget"), "{err}");
+}
+
+/// A CPU UDF that panics on one value.
+#[derive(Debug, PartialEq, Eq, Hash)]
+struct PanicOnSeven {
+    signature: Signature,
+}
+
+impl ScalarUDFImpl for PanicOnSeven {
+    fn name(&self) -> &str {
+        "panic_on_seven"
+    }
+    fn signature(&self) -> &Signature {
+        &self.signature
+    }
+    fn return_type(&self, _: &[DataType]) -> Result<DataType> {
+        Ok(DataType::Int64)
+    }
+    fn invoke_with_args(&self, args: ScalarFunctionArgs) -> Result<ColumnarValue> {
+        let arrays = ColumnarValue::values_to_arrays(&args.args)?;
+        let ints = as_int64_array(&arrays[0])?;
+        if ints.values().contains(&7) {
+            panic!("seven is not allowed");
+        }
+        Ok(ColumnarValue::Array(Arc::clone(&arrays[0])))
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_panicking_task_fails_the_query_with_its_operator() {
+    let f = flumen_ctx(&[]).await;
+    f.register_udf(ScalarUDF::new_from_impl(PanicOnSeven {
+        signature: Signature::exact(vec![DataType::Int64], Volatility::Immutable),
+    }));
+    let err = f
+        .sql("SELECT panic_on_seven(x) FROM (VALUES (1), (7)) AS t(x)")
+        .await
+        .unwrap()
+        .collect()
+        .await
+        .unwrap_err()
+        .to_string();
+    assert!(err.contains("seven is not allowed"), "{err}");
+    assert!(err.contains("flumen operator"), "{err}");
+    // The session keeps working.
+    let ok = f.sql("SELECT 1").await.unwrap().collect().await.unwrap();
+    assert_eq!(ok[0].num_rows(), 1);
+}
+
+/// Test-only accelerator function: returns the name of the thread it ran on, so the test
+/// sees which pool evaluated it.
+#[derive(Debug)]
+struct WorkerName {
+    signature: Signature,
+    calls: Arc<AtomicUsize>,
+    max_rows: Arc<AtomicUsize>,
+}
+
+impl AcceleratorFunction for WorkerName {
+    fn name(&self) -> &str {
+        "worker_name"
+    }
+    fn signature(&self) -> &Signature {
+        &self.signature
+    }
+    fn return_type(&self, _: &[DataType]) -> Result<DataType> {
+        Ok(DataType::Utf8)
+    }
+    fn invoke_batch(&self, args: ScalarFunctionArgs) -> Result<ColumnarValue> {
+        self.calls.fetch_add(1, Ordering::Relaxed);
+        self.max_rows.fetch_max(args.number_rows, Ordering::Relaxed);
+        let name = std::thread::current()
+            .name()
+            .unwrap_or("unnamed")
+            .to_string();
+        let out: ArrayRef = Arc::new(StringArray::from(vec![name; args.number_rows]));
+        Ok(ColumnarValue::Array(out))
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn accelerator_udfs_run_on_the_accelerator_pool_in_full_batches() {
+    let dir = tempfile::tempdir().unwrap();
+    write_events(dir.path(), 2, 20_000);
+    let f = flumen_ctx(&[
+        "SET flumen.accelerator_slots = 2",
+        "SET flumen.target_block_rows = 4096",
+        "SET flumen.split_bytes = '64KB'",
+    ])
+    .await;
+    register_tables(&f, dir.path()).await;
+    let calls = Arc::new(AtomicUsize::new(0));
+    let max_rows = Arc::new(AtomicUsize::new(0));
+    f.register_udf(accelerator_udf(WorkerName {
+        signature: Signature::any(1, Volatility::Volatile),
+        calls: Arc::clone(&calls),
+        max_rows: Arc::clone(&max_rows),
+    }));
+    let sql = "SELECT id, worker_name(body) AS w FROM events WHERE id % 2 = 0";
+    let (batches, plan) = run_plan(&f, sql).await;
+    let total: usize = batches.iter().map(|b| b.num_rows()).sum();
+    assert_eq!(total, 20_000);
+    for b in &batches {
+        let names = b.column(1).as_any().downcast_ref::<StringArray>().unwrap();
+        for name in names.iter() {
+            assert!(name.unwrap().starts_with("flumen-accel-"), "{name:?}");
+        }
+    }
+    let graph = plan.downcast_ref::<FlumenExec>().unwrap().graph();
+    let accel: Vec<_> = graph
+        .operators
+        .iter()
+        .filter(|o| o.pool == Pool::Accelerator)
+        .collect();
+    assert_eq!(accel.len(), 1);
+    // Small filtered blocks were coalesced: the model saw full batches.
+    let max = max_rows.load(Ordering::Relaxed);
+    assert!(max > 2500 && max <= 4096, "largest batch {max}");
+    let n = calls.load(Ordering::Relaxed);
+    assert!(n <= 20_000 / 4096 + 4, "{n} calls");
+    let _: &dyn Any = &plan;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn copy_to_and_write_parquet_go_through_flumen() {
+    let dir = tempfile::tempdir().unwrap();
+    write_events(dir.path().join("in").as_path(), 2, 10_000);
+    let f = flumen_ctx(&["SET flumen.split_bytes = '64KB'"]).await;
+    register_tables(&f, &dir.path().join("in")).await;
+    let out = dir.path().join("out.parquet");
+    let copied = f
+        .sql(&format!(
+            "COPY (SELECT id, k, body FROM events WHERE v > 0.5) TO '{}'",
+            out.display()
+        ))
+        .await
+        .unwrap()
+        .collect()
+        .await
+        .unwrap();
+    let v = vanilla();
+    register_tables(&v, &dir.path().join("in")).await;
+    let expected = v
+        .sql("SELECT id, k, body FROM events WHERE v > 0.5 ORDER BY id")
+        .await
+        .unwrap()
+        .collect()
+        .await
+        .unwrap();
+    let n: usize = expected.iter().map(|b| b.num_rows()).sum();
+    let count = copied[0]
+        .column(0)
+        .as_any()
+        .downcast_ref::<datafusion::arrow::array::UInt64Array>()
+        .unwrap()
+        .value(0);
+    assert_eq!(count as usize, n);
+    v.register_parquet("back", out.to_str().unwrap(), Default::default())
+        .await
+        .unwrap();
+    let back = v
+        .sql("SELECT * FROM back ORDER BY id")
+        .await
+        .unwrap()
+        .collect()
+        .await
+        .unwrap();
+    assert_eq!(rows(&expected, true), rows(&back, true));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn explain_analyze_reports_operator_counters() {
+    let f = flumen_ctx(&[]).await;
+    let batches = f
+        .sql("EXPLAIN ANALYZE SELECT x % 3, count(*) FROM generate_series(1, 10000) AS t(x) GROUP BY x % 3")
+        .await
+        .unwrap()
+        .collect()
+        .await
+        .unwrap();
+    let text = datafusion::arrow::util::pretty::pretty_format_batches(&batches)
+        .unwrap()
+        .to_string();
+    for needle in [
+        "FlumenExec",
+        "FlumenOperator",
+        "pool=cpu",
+        "blocks=",
+        "tasks=",
+        "busy=",
+        "backpressure_wait=",
+        "peak_bytes=",
+        "tasks_recomputed=",
+    ] {
+        assert!(text.contains(needle), "{needle} missing from\n{text}");
+    }
+}
