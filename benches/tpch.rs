@@ -11,6 +11,7 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::Instant;
 
+use datafusion::arrow::error::ArrowError;
 use datafusion::arrow::record_batch::RecordBatch;
 use datafusion::error::Result;
 use datafusion::parquet::arrow::ArrowWriter;
@@ -26,7 +27,7 @@ use tpchgen_arrow::{
     SupplierArrow,
 };
 
-type Batches = Box<dyn Iterator<Item = RecordBatch>>;
+type Batches = Box<dyn Iterator<Item = std::result::Result<RecordBatch, ArrowError>>>;
 
 const TABLES: &[&str] = &[
     "nation", "region", "part", "supplier", "partsupp", "customer", "orders", "lineitem",
@@ -34,11 +35,19 @@ const TABLES: &[&str] = &[
 
 fn write_table(path: &Path, batches: Batches) -> Result<()> {
     let mut batches = batches.peekable();
-    let schema = batches.peek().expect("tables are not empty").schema();
+    let schema = match batches.peek() {
+        Some(Ok(batch)) => batch.schema(),
+        _ => {
+            return Err(datafusion::error::DataFusionError::Execution(format!(
+                "tpchgen produced no data for {}",
+                path.display()
+            )));
+        }
+    };
     let tmp = path.with_extension("tmp");
     let mut writer = ArrowWriter::try_new(std::fs::File::create(&tmp)?, schema, None)?;
     for batch in batches {
-        writer.write(&batch)?;
+        writer.write(&batch?)?;
     }
     writer.close()?;
     std::fs::rename(tmp, path)?;

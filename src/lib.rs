@@ -72,10 +72,57 @@ pub fn flumen_session_config(session_config: SessionConfig, config: FlumenConfig
 /// tables, functions and settings.
 pub fn into_flumen(ctx: &SessionContext, config: FlumenConfig) -> SessionContext {
     let state = ctx.state();
-    let session_config = flumen_session_config(state.config().clone(), config);
-    let state = SessionStateBuilder::new_from_existing(state)
+    let create_default_catalog = state
+        .config()
+        .options()
+        .catalog
+        .create_default_catalog_and_schema;
+    // The existing catalogs are kept: do not create a fresh (empty) default catalog.
+    let session_config = flumen_session_config(state.config().clone(), config)
+        .with_create_default_catalog_and_schema(false);
+    let scalar = registration_order(state.scalar_functions(), |f| f.aliases());
+    let aggregate = registration_order(state.aggregate_functions(), |f| f.aliases());
+    let window = registration_order(state.window_functions(), |f| f.aliases());
+    let mut state = SessionStateBuilder::new_from_existing(state)
         .with_config(session_config)
+        .with_scalar_functions(scalar)
+        .with_aggregate_functions(aggregate)
+        .with_window_functions(window)
         .with_query_planner(Arc::new(FlumenQueryPlanner::default()))
         .build();
+    state
+        .config_mut()
+        .options_mut()
+        .catalog
+        .create_default_catalog_and_schema = create_default_catalog;
     SessionContext::new_with_state(state)
+}
+
+/// The functions of a registry in an order that rebuilds the same name → function map:
+/// a function one of whose names now resolves to another function (an override, e.g.
+/// Spark's `array_contains` over the alias of DataFusion's `array_has`) is registered first,
+/// so the override registered after it wins again.
+fn registration_order<F>(
+    registry: &std::collections::HashMap<String, Arc<F>>,
+    aliases: impl Fn(&F) -> &[String],
+) -> Vec<Arc<F>> {
+    let mut seen = std::collections::HashSet::new();
+    let mut shadowed = vec![];
+    let mut winners = vec![];
+    for function in registry.values() {
+        if !seen.insert(Arc::as_ptr(function)) {
+            continue;
+        }
+        let names = registry
+            .iter()
+            .filter(|(_, f)| Arc::ptr_eq(f, function))
+            .count();
+        if names < aliases(function).len() + 1 {
+            shadowed.push(Arc::clone(function));
+        } else {
+            winners.push(Arc::clone(function));
+        }
+    }
+    shadowed.extend(winners);
+    shadowed
 }

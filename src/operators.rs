@@ -20,6 +20,7 @@ use datafusion::physical_plan::filter::FilterExec;
 use datafusion::physical_plan::projection::ProjectionExec;
 use datafusion::physical_plan::recursive_query::RecursiveQueryExec;
 use datafusion::physical_plan::repartition::RepartitionExec;
+use datafusion::physical_plan::scalar_subquery::ScalarSubqueryExec;
 use datafusion::physical_plan::sorts::sort_preserving_merge::SortPreservingMergeExec;
 use datafusion::physical_plan::unnest::UnnestExec;
 use datafusion::physical_plan::{
@@ -175,8 +176,11 @@ impl Cutter {
     /// Rewrite `plan` for the current fragment, turning every subtree below a cut into an
     /// operator of its own and putting a `StageInputExec` in its place.
     fn rewrite(&mut self, plan: Arc<dyn ExecutionPlan>) -> Result<Arc<dyn ExecutionPlan>> {
-        // Recursive queries re-execute their children: keep the whole subtree together.
-        if plan.downcast_ref::<RecursiveQueryExec>().is_some() {
+        // Recursive queries re-execute their children, and scalar subqueries must finish
+        // before the plan below them evaluates their value: keep such subtrees together.
+        if plan.downcast_ref::<RecursiveQueryExec>().is_some()
+            || plan.downcast_ref::<ScalarSubqueryExec>().is_some()
+        {
             return Ok(plan);
         }
         if let Some(repartition) = plan.downcast_ref::<RepartitionExec>()

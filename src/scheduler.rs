@@ -107,6 +107,8 @@ struct Cursor {
     task_index: usize,
     out_index: usize,
     log_index: usize,
+    /// The stream reading through this cursor returned an error and ends.
+    failed: bool,
 }
 
 enum Next {
@@ -126,6 +128,8 @@ struct RunState {
     cancelled: bool,
     running: [usize; 2],
     aborts: Vec<AbortHandle>,
+    /// Output partitions opened so far, and how many of them are still being read.
+    outputs_opened: usize,
     outputs_open: usize,
 }
 
@@ -407,6 +411,7 @@ impl QueryRun {
             task_index: 0,
             out_index: 0,
             log_index: 0,
+            failed: false,
         }
     }
 
@@ -837,6 +842,9 @@ impl QueryRun {
         let state = (Arc::clone(self), cursor, rx, reader);
         let stream =
             futures::stream::unfold(state, move |(run, mut cursor, mut rx, reader)| async move {
+                if cursor.failed {
+                    return None;
+                }
                 loop {
                     rx.borrow_and_update();
                     let next = {
@@ -844,6 +852,7 @@ impl QueryRun {
                         if let Some(e) = &st.error {
                             let e = DataFusionError::Shared(Arc::clone(e));
                             drop(st);
+                            cursor.failed = true;
                             return Some((Err(e), (run, cursor, rx, reader)));
                         }
                         if st.cancelled {
@@ -868,6 +877,7 @@ impl QueryRun {
                         }
                         Next::Block(id) => {
                             let batch = run.fetch(id).await;
+                            cursor.failed = batch.is_err();
                             if matches!(reader, Reader::Output) {
                                 let mut st = run.state.lock().unwrap();
                                 run.release(&mut st, id);
@@ -884,7 +894,11 @@ impl QueryRun {
 
     /// Output partition `partition` of the query.
     pub fn output(self: &Arc<Self>, partition: usize) -> Result<SendableRecordBatchStream> {
-        self.state.lock().unwrap().outputs_open += 1;
+        {
+            let mut st = self.state.lock().unwrap();
+            st.outputs_opened += 1;
+            st.outputs_open += 1;
+        }
         let root = self.graph.root();
         let stream = if self.root_runs_in_output() {
             let provider = Arc::new(OutputProvider {
@@ -903,6 +917,7 @@ impl QueryRun {
                 task_index: 0,
                 out_index: 0,
                 log_index: 0,
+                failed: false,
             };
             self.block_stream(cursor, Reader::Output, root.fragment.schema())
         };
@@ -912,10 +927,13 @@ impl QueryRun {
         }))
     }
 
+    /// An output stream was dropped. Once every output partition has been opened and
+    /// dropped, the run is cancelled (a consumer that stops early, as `LIMIT` does).
     fn output_closed(&self) {
         let mut st = self.state.lock().unwrap();
         st.outputs_open -= 1;
-        if st.outputs_open == 0 {
+        let all_opened = st.outputs_opened >= self.graph.root().partitions();
+        if st.outputs_open == 0 && all_opened {
             st.cancelled = true;
             for abort in st.aborts.drain(..) {
                 abort.abort();

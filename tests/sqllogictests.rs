@@ -2,14 +2,15 @@
 //! `datafusion-sqllogictest` 55.2.0 ships, each run through vanilla DataFusion and through a
 //! flumen session. A file counts against flumen only when vanilla DataFusion passes it.
 //!
-//! By default the upstream part runs `CI_SUBSET` (a few minutes on 2 cores);
-//! `FLUMEN_SLT=full cargo test --test sqllogictests` runs every shipped file and prints the
-//! pass counts recorded in `docs/sqllogictest.md`. `FLUMEN_SLT=ours` runs only `sql/`.
+//! Every shipped file runs (about two minutes of queries on 2 cores); files in
+//! `KNOWN_FAILURES` are reported but do not fail the suite. `FLUMEN_SLT=ours` runs only
+//! `sql/`; `FLUMEN_SLT_FILES=a.slt,b.slt` runs only the named upstream files;
+//! `FLUMEN_SLT=full` also prints two error lines per failing file and never fails.
 
 use std::path::{Path, PathBuf};
 use std::process::ExitCode;
 use std::sync::{Arc, Mutex};
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use datafusion::prelude::{SessionConfig, SessionContext};
 use datafusion_sqllogictest::{
@@ -20,30 +21,34 @@ use flumen::FlumenConfig;
 use indicatif::ProgressBar;
 use sqllogictest::{Record, parse_file, strict_column_validator};
 
-/// Upstream files run in CI: broad SQL coverage that runs in a few minutes on 2 cores.
-const CI_SUBSET: &[&str] = &[
-    "aggregate.slt",
-    "group_by.slt",
-    "joins.slt",
-    "order.slt",
-    "window.slt",
-    "limit.slt",
-    "union.slt",
-    "subquery.slt",
-    "cte.slt",
-    "select.slt",
-    "expr.slt",
-    "distinct_on.slt",
-    "copy.slt",
-    "insert.slt",
-    "insert_to_external.slt",
-    "create_external_table.slt",
-    "errors.slt",
-    "math.slt",
-    "strings.slt",
-    "scalar.slt",
-    "predicates.slt",
-    "tpch/tpch.slt",
+/// Upstream files that fail under flumen, with the reason; they are run and reported but do
+/// not fail the suite. Each is a gap to close, listed in `docs/sqllogictest.md`.
+const KNOWN_FAILURES: &[(&str, &str)] = &[
+    (
+        "aggregate_memory_spill.slt",
+        "EXPLAIN ANALYZE shows flumen's operator tree",
+    ),
+    ("copy.slt", "EXPLAIN ANALYZE shows flumen's operator tree"),
+    (
+        "nested_loop_join_spill.slt",
+        "EXPLAIN ANALYZE shows flumen's operator tree",
+    ),
+    (
+        "ordered_aggregate_spill.slt",
+        "EXPLAIN ANALYZE shows flumen's operator tree",
+    ),
+    (
+        "parquet_max_row_group_bytes.slt",
+        "EXPLAIN ANALYZE shows flumen's operator tree",
+    ),
+    (
+        "parquet_nested_schema_pruning.slt",
+        "EXPLAIN ANALYZE shows flumen's operator tree",
+    ),
+    (
+        "range_partitioning.slt",
+        "EXPLAIN ANALYZE shows flumen's operator tree",
+    ),
 ];
 
 #[derive(Clone, Copy, PartialEq, Eq, Debug)]
@@ -52,8 +57,18 @@ enum Engine {
     Flumen,
 }
 
+/// Longest a file may run before it counts as failed (a hang is a failure, not a stall).
+const FILE_TIMEOUT: Duration = Duration::from_secs(60);
+
 /// Errors of one file run, empty when it passed.
 async fn run_file(path: &Path, relative: &Path, engine: Engine) -> Vec<String> {
+    match tokio::time::timeout(FILE_TIMEOUT, run_file_inner(path, relative, engine)).await {
+        Ok(errors) => errors,
+        Err(_) => vec![format!("timed out after {FILE_TIMEOUT:?} ({engine:?})")],
+    }
+}
+
+async fn run_file_inner(path: &Path, relative: &Path, engine: Engine) -> Vec<String> {
     let Some(test_ctx) = TestContext::try_new_for_test_file(relative).await else {
         return vec![];
     };
@@ -69,6 +84,17 @@ async fn run_file(path: &Path, relative: &Path, engine: Engine) -> Vec<String> {
     if let Err(e) = setup_scratch_dir(relative) {
         return vec![format!("scratch dir: {e}")];
     }
+    run_records(ctx, path, relative, true).await
+}
+
+/// Run every record of `path` on `ctx` with DataFusion's own sqllogictest engine; returns
+/// the errors. `check_config`: also fail when the file leaves settings changed.
+async fn run_records(
+    ctx: SessionContext,
+    path: &Path,
+    relative: &Path,
+    check_config: bool,
+) -> Vec<String> {
     let config_changes = Arc::new(Mutex::new(Vec::new()));
     let relative_owned = relative.to_path_buf();
     let changes = Arc::clone(&config_changes);
@@ -77,8 +103,12 @@ async fn run_file(path: &Path, relative: &Path, engine: Engine) -> Vec<String> {
         let relative = relative_owned.clone();
         let changes = Arc::clone(&changes);
         async move {
-            Ok(DataFusion::new(ctx, relative, ProgressBar::hidden())
-                .with_config_change_errors(changes))
+            let engine = DataFusion::new(ctx, relative, ProgressBar::hidden());
+            Ok(if check_config {
+                engine.with_config_change_errors(changes)
+            } else {
+                engine
+            })
         }
     });
     runner.add_label("Datafusion");
@@ -99,6 +129,7 @@ async fn run_file(path: &Path, relative: &Path, engine: Engine) -> Vec<String> {
         }
     }
     runner.shutdown_async().await;
+    errors.extend(config_changes.lock().unwrap().iter().cloned());
     errors
 }
 
@@ -159,26 +190,7 @@ async fn run_ours_file(path: &Path, relative: &Path) -> Vec<String> {
         SessionConfig::new().with_target_partitions(4),
         FlumenConfig::default(),
     );
-    let relative = relative.to_path_buf();
-    let mut runner = sqllogictest::Runner::new(move || {
-        let ctx = ctx.clone();
-        let relative = relative.clone();
-        async move { Ok(DataFusion::new(ctx, relative, ProgressBar::hidden())) }
-    });
-    runner.with_column_validator(strict_column_validator);
-    runner.with_normalizer(value_normalizer);
-    runner.with_validator(df_value_validator);
-    let records = match parse_file(path) {
-        Ok(r) => r,
-        Err(e) => return vec![format!("parse: {e}")],
-    };
-    let mut errors = vec![];
-    for record in records {
-        if let Err(e) = runner.run_async(record).await {
-            errors.push(e.to_string());
-        }
-    }
-    errors
+    run_records(ctx, path, relative, false).await
 }
 
 async fn run_upstream(root: &Path, full: bool) -> Result<(usize, usize), String> {
@@ -188,7 +200,9 @@ async fn run_upstream(root: &Path, full: bool) -> Result<(usize, usize), String>
         copy_dir(&source, &work).map_err(|e| e.to_string())?;
     }
     std::env::set_current_dir(&work).map_err(|e| e.to_string())?;
-    let files: Vec<PathBuf> = if full {
+    let files: Vec<PathBuf> = if let Ok(list) = std::env::var("FLUMEN_SLT_FILES") {
+        list.split(',').map(PathBuf::from).collect()
+    } else {
         let mut all: Vec<PathBuf> = read_dir_recursive("test_files")
             .map_err(|e| e.to_string())?
             .into_iter()
@@ -197,11 +211,11 @@ async fn run_upstream(root: &Path, full: bool) -> Result<(usize, usize), String>
             .collect();
         all.sort();
         all
-    } else {
-        CI_SUBSET.iter().map(PathBuf::from).collect()
     };
     let (mut vanilla_passed, mut flumen_passed, mut flumen_failed) = (0, 0, 0);
+    let mut known_failed = 0;
     let mut excluded = vec![];
+    let mut flaky = vec![];
     for relative in &files {
         let path = Path::new("test_files").join(relative);
         let started = Instant::now();
@@ -211,13 +225,34 @@ async fn run_upstream(root: &Path, full: bool) -> Result<(usize, usize), String>
             continue;
         }
         vanilla_passed += 1;
-        let errors = run_file(&path, relative, Engine::Flumen).await;
+        let mut errors = run_file(&path, relative, Engine::Flumen).await;
+        if errors.iter().any(|e| e.starts_with("timed out")) {
+            // A hang is a bug, but an intermittent one must not hide the rest: retry once
+            // and say so.
+            println!(
+                "upstream {}: timed out under flumen, retrying",
+                relative.display()
+            );
+            errors = run_file(&path, relative, Engine::Flumen).await;
+            if errors.is_empty() {
+                flaky.push(relative.display().to_string());
+            }
+        }
+        let known = KNOWN_FAILURES
+            .iter()
+            .find(|(f, _)| Path::new(f) == relative.as_path());
         if errors.is_empty() {
             flumen_passed += 1;
             println!(
                 "upstream {}: ok ({:.1}s)",
                 relative.display(),
                 started.elapsed().as_secs_f64()
+            );
+        } else if let Some((_, why)) = known {
+            known_failed += 1;
+            println!(
+                "upstream {}: known failure under flumen ({why})",
+                relative.display()
             );
         } else {
             flumen_failed += 1;
@@ -228,12 +263,18 @@ async fn run_upstream(root: &Path, full: bool) -> Result<(usize, usize), String>
         }
     }
     println!(
-        "upstream sqllogictest files: {} run, vanilla DataFusion passed {}, flumen passed {} of those; \
-         excluded (vanilla fails them here too): {}",
+        "excluded (vanilla DataFusion fails them here too, mostly data files the crate does not ship): {}",
+        excluded.join(", ")
+    );
+    println!("passed only on retry after a hang: {}", flaky.join(", "));
+    println!(
+        "upstream sqllogictest files: {} run, vanilla DataFusion passed {}, flumen passed {} of those, \
+         {} known failures, {} new failures",
         files.len(),
         vanilla_passed,
         flumen_passed,
-        excluded.join(", ")
+        known_failed,
+        flumen_failed
     );
     Ok((flumen_passed, flumen_failed))
 }
