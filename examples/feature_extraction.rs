@@ -108,10 +108,18 @@ async fn main() -> Result<()> {
         output.display(),
         started.elapsed().as_secs_f64()
     );
-    let summary = format!(
-        "SELECT count(*) AS docs, avg(words) AS avg_words, sum(CAST(technical AS INT)) AS technical FROM '{}'",
-        output.display()
-    );
-    ctx.sql(&summary).await?.show().await?;
+    ctx.register_parquet(
+        "features",
+        output.to_str().unwrap(),
+        ParquetReadOptions::default(),
+    )
+    .await?;
+    ctx.sql(
+        "SELECT count(*) AS docs, avg(words) AS avg_words, sum(CAST(technical AS INT)) AS technical \
+         FROM features",
+    )
+    .await?
+    .show()
+    .await?;
     Ok(())
 }
