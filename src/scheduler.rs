@@ -131,6 +131,9 @@ struct RunState {
     /// Output partitions opened so far, and how many of them are still being read.
     outputs_opened: usize,
     outputs_open: usize,
+    /// The scheduler changed what readers can see (tasks created, partitions closed,
+    /// operators completed): wake them once it lets go of the lock.
+    dirty: bool,
 }
 
 fn pool_index(pool: Pool) -> usize {
@@ -254,20 +257,26 @@ impl QueryRun {
     /// has nothing left to schedule.
     fn schedule(self: &Arc<Self>) -> bool {
         let mut launches = vec![];
-        let finished = {
+        let (finished, dirty) = {
             let mut st = self.state.lock().unwrap();
             if st.error.is_some() || st.cancelled {
                 return true;
             }
             self.create_tasks(&mut st);
             self.pick_launches(&mut st, &mut launches);
+            let dirty = std::mem::take(&mut st.dirty);
             let skip_root = self.root_runs_in_output();
-            self.graph.operators.iter().all(|op| {
+            let finished = self.graph.operators.iter().all(|op| {
                 (skip_root && op.id == self.graph.root().id) || st.operators[op.id].complete
-            })
+            });
+            (finished, dirty)
         };
         for task in launches {
             self.launch(task);
+        }
+        if dirty {
+            // Readers may be waiting for exactly what was just created or closed.
+            self.notify();
         }
         finished
     }
@@ -298,6 +307,7 @@ impl QueryRun {
                             ps.closed = true;
                         }
                         st.operators[op.id].started = true;
+                        st.dirty = true;
                     }
                 }
                 TaskShape::BlockWise => self.create_block_tasks(st, op.id),
@@ -346,6 +356,7 @@ impl QueryRun {
                 if inputs.is_empty() {
                     if ended {
                         st.operators[op_id].partitions[p].closed = true;
+                        st.dirty = true;
                     }
                     break;
                 }
@@ -366,6 +377,7 @@ impl QueryRun {
                     consumed: vec![],
                 });
                 st.operators[op_id].partitions[p].tasks.push(id);
+                st.dirty = true;
                 if ended {
                     st.operators[op_id].partitions[p].closed = true;
                     break;
@@ -473,6 +485,7 @@ impl QueryRun {
         });
         if done {
             st.operators[op_id].complete = true;
+            st.dirty = true;
         }
     }
 
@@ -871,8 +884,16 @@ impl QueryRun {
                     match next {
                         Next::End => return None,
                         Next::Wait => {
-                            if rx.changed().await.is_err() {
-                                return None;
+                            let wait = std::time::Duration::from_secs(10);
+                            match tokio::time::timeout(wait, rx.changed()).await {
+                                Ok(Ok(())) => {}
+                                Ok(Err(_)) => return None,
+                                Err(_) => log::warn!(
+                                    "flumen reader of operator {} ({:?}) waited 10s: {}",
+                                    cursor.operator,
+                                    cursor.order,
+                                    run.describe()
+                                ),
                             }
                         }
                         Next::Block(id) => {

@@ -280,6 +280,9 @@ async fn run_upstream(root: &Path, full: bool) -> Result<(usize, usize), String>
 }
 
 fn main() -> ExitCode {
+    // flumen logs stalls (a reader or the scheduler waiting 10 s) as warnings.
+    env_logger::Builder::from_env(env_logger::Env::default().default_filter_or("flumen=warn"))
+        .init();
     let mode = std::env::var("FLUMEN_SLT").unwrap_or_default();
     let root = PathBuf::from(env!("CARGO_MANIFEST_DIR"));
     let runtime = tokio::runtime::Builder::new_multi_thread()
