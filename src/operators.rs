@@ -392,55 +392,49 @@ fn is_row_local(node: &Arc<dyn ExecutionPlan>) -> bool {
 
 /// Replace a Parquet scan without declared ordering by a [`SplitSourceExec`] whose tasks
 /// read `split_bytes`-sized byte ranges (row groups whose midpoint falls in the range).
+/// Only a fragment with exactly one scan is split.
 fn split_sources(
     fragment: Arc<dyn ExecutionPlan>,
     split_bytes: u64,
 ) -> Result<(Arc<dyn ExecutionPlan>, Vec<usize>)> {
     let partitions = fragment.output_partitioning().partition_count();
     let mut splits = vec![1; partitions];
-    let mut found = 0;
-    let rewritten = replace_scans(fragment, split_bytes, &mut splits, &mut found)?;
-    if found == 1 {
-        Ok((rewritten.0, splits))
-    } else {
-        Ok((rewritten.1, vec![1; partitions]))
+    if count_scans(&fragment) != 1 {
+        return Ok((fragment, splits));
     }
+    let rewritten = replace_scan(fragment, split_bytes, &mut splits)?;
+    Ok((rewritten, splits))
 }
 
-/// Returns (rewritten plan, original plan).
-fn replace_scans(
+fn count_scans(plan: &Arc<dyn ExecutionPlan>) -> usize {
+    let own = usize::from(plan.downcast_ref::<DataSourceExec>().is_some());
+    own + plan.children().into_iter().map(count_scans).sum::<usize>()
+}
+
+fn replace_scan(
     plan: Arc<dyn ExecutionPlan>,
     split_bytes: u64,
     splits: &mut Vec<usize>,
-    found: &mut usize,
-) -> Result<(Arc<dyn ExecutionPlan>, Arc<dyn ExecutionPlan>)> {
-    if let Some(source) = plan.downcast_ref::<DataSourceExec>()
-        && let Some(config) = source.data_source().downcast_ref::<FileScanConfig>()
-    {
-        *found += 1;
-        if config.file_source().file_type() == "parquet"
+) -> Result<Arc<dyn ExecutionPlan>> {
+    if let Some(source) = plan.downcast_ref::<DataSourceExec>() {
+        if let Some(config) = source.data_source().downcast_ref::<FileScanConfig>()
+            && config.file_source().file_type() == "parquet"
             && config.output_ordering.is_empty()
             && config.file_groups.len() == splits.len()
         {
             let split = SplitSourceExec::try_new(Arc::clone(&plan), config, split_bytes)?;
             *splits = split.splits_per_partition();
-            return Ok((Arc::new(split), plan));
+            return Ok(Arc::new(split));
         }
-        return Ok((Arc::clone(&plan), plan));
+        return Ok(plan);
     }
     let children = plan.children();
     if children.is_empty() {
-        if plan.downcast_ref::<DataSourceExec>().is_some() {
-            *found += 1;
-        }
-        return Ok((Arc::clone(&plan), plan));
+        return Ok(plan);
     }
-    let mut new_children = vec![];
-    for child in children {
-        new_children.push(replace_scans(Arc::clone(child), split_bytes, splits, found)?.0);
-    }
-    Ok((
-        replace_children_if_necessary(Arc::clone(&plan), new_children)?,
-        plan,
-    ))
+    let children = children
+        .into_iter()
+        .map(|c| replace_scan(Arc::clone(c), split_bytes, splits))
+        .collect::<Result<Vec<_>>>()?;
+    replace_children_if_necessary(plan, children)
 }

@@ -1038,16 +1038,6 @@ impl QueryRun {
         }
         out
     }
-
-    /// Snapshot for tests and progress displays: (operator name, complete) per operator.
-    pub fn operator_progress(&self) -> Vec<(String, bool)> {
-        let st = self.state.lock().unwrap();
-        self.graph
-            .operators
-            .iter()
-            .map(|op| (op.name.clone(), st.operators[op.id].complete))
-            .collect()
-    }
 }
 
 /// Who reads a block stream.

@@ -3,7 +3,6 @@
 
 mod common;
 
-use std::any::Any;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
 
@@ -292,7 +291,6 @@ async fn accelerator_udfs_run_on_the_accelerator_pool_in_full_batches() {
     assert!(max > 2500 && max <= 4096, "largest batch {max}");
     let n = calls.load(Ordering::Relaxed);
     assert!(n <= 20_000 / 4096 + 4, "{n} calls");
-    let _: &dyn Any = &plan;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
