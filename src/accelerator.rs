@@ -1,23 +1,48 @@
-//! Accelerator UDFs: scalar functions that the planner puts in an operator of their own,
-//! run on the accelerator pool.
+//! Accelerator UDFs: model-backed scalar functions that the planner puts in an operator of
+//! their own, run on the accelerator pool by workers that load their model once.
 //!
 //! A function becomes an accelerator UDF by implementing [`AcceleratorFunction`] and being
-//! wrapped with [`accelerator_udf`]; the planner recognises the wrapper type
-//! ([`AcceleratorUdf`]) inside a `ProjectionExec` and cuts the projection out as an
-//! accelerator operator.
+//! wrapped with [`accelerator_udf`]. The function says how to [`load`](AcceleratorFunction::load)
+//! its per-worker state (an [`AcceleratorWorker`], e.g. a model on a device), how many rows it
+//! wants per call and what resources a worker holds. Each worker thread loads the state once
+//! and keeps it for every later block, query and session setting that maps to the same
+//! [`load_key`](AcceleratorFunction::load_key) — an actor, as in Ray Data's ActorPoolStrategy.
+//! The planner recognises the wrapper type ([`AcceleratorUdf`]) inside a `ProjectionExec` and
+//! cuts the projection out as an accelerator operator.
 
 use std::any::Any;
+use std::cell::RefCell;
+use std::collections::HashMap;
 use std::fmt::Debug;
 use std::hash::{Hash, Hasher};
 use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
 
+use datafusion::arrow::array::ArrayRef;
+use datafusion::arrow::compute::concat;
 use datafusion::arrow::datatypes::DataType;
-use datafusion::error::Result;
+use datafusion::config::ConfigOptions;
+use datafusion::error::{DataFusionError, Result};
 use datafusion::logical_expr::{
     ColumnarValue, ScalarFunctionArgs, ScalarUDF, ScalarUDFImpl, Signature,
 };
 use datafusion::physical_expr::ScalarFunctionExpr;
 use datafusion::physical_plan::PhysicalExpr;
+
+/// What one worker of an accelerator function occupies while it runs a batch.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct WorkerResources {
+    /// Accelerator devices (GPUs) the worker computes on: 0 when it runs on the CPU.
+    pub accelerators: usize,
+    /// CPU threads the worker computes with.
+    pub cpu_threads: usize,
+}
+
+impl Default for WorkerResources {
+    fn default() -> Self {
+        Self { accelerators: 1, cpu_threads: 1 }
+    }
+}
 
 /// A model-backed (or otherwise expensive) scalar function that runs on the accelerator pool.
 pub trait AcceleratorFunction: Debug + Send + Sync + 'static {
@@ -27,14 +52,44 @@ pub trait AcceleratorFunction: Debug + Send + Sync + 'static {
     fn signature(&self) -> &Signature;
     /// Result type for the given argument types.
     fn return_type(&self, arg_types: &[DataType]) -> Result<DataType>;
-    /// Evaluate the function over one batch of rows.
-    fn invoke_batch(&self, args: ScalarFunctionArgs) -> Result<ColumnarValue>;
+    /// Load the per-worker state under these session settings (read the model, move it to the
+    /// device). Called once per worker thread and [`load_key`](Self::load_key).
+    fn load(&self, config: &ConfigOptions) -> Result<Box<dyn AcceleratorWorker>>;
+    /// The settings `load` depends on, as a key: a worker reloads when it changes.
+    fn load_key(&self, _config: &ConfigOptions) -> String {
+        String::new()
+    }
+    /// Rows per call of [`AcceleratorWorker::process`]; `None` hands the worker whole blocks
+    /// (up to `flumen.target_block_rows`) to batch itself.
+    fn batch_rows(&self, _config: &ConfigOptions) -> Option<usize> {
+        None
+    }
+    /// What a worker occupies (shown by `EXPLAIN`).
+    fn resources(&self, _config: &ConfigOptions) -> WorkerResources {
+        WorkerResources::default()
+    }
 }
+
+/// The state a worker loaded (a model on a device); processes one batch at a time.
+pub trait AcceleratorWorker: Send {
+    /// Compute the function over one batch: `args` are arrays of equal length; the result has
+    /// that length and type `return_type`.
+    fn process(&mut self, args: &[ArrayRef], return_type: &DataType) -> Result<ArrayRef>;
+}
+
+thread_local! {
+    /// Workers loaded on this thread, by (function id, load key).
+    static LOADED: RefCell<HashMap<(u64, String), Box<dyn AcceleratorWorker>>> =
+        RefCell::new(HashMap::new());
+}
+
+static NEXT_FUNCTION_ID: AtomicU64 = AtomicU64::new(0);
 
 /// The `ScalarUDFImpl` wrapper that marks a function as an accelerator UDF.
 #[derive(Debug)]
 pub struct AcceleratorUdf {
     func: Arc<dyn AcceleratorFunction>,
+    id: u64,
 }
 
 impl AcceleratorUdf {
@@ -46,13 +101,13 @@ impl AcceleratorUdf {
 
 impl PartialEq for AcceleratorUdf {
     fn eq(&self, other: &Self) -> bool {
-        Arc::ptr_eq(&self.func, &other.func)
+        self.id == other.id
     }
 }
 impl Eq for AcceleratorUdf {}
 impl Hash for AcceleratorUdf {
     fn hash<H: Hasher>(&self, state: &mut H) {
-        self.func.name().hash(state);
+        self.id.hash(state);
     }
 }
 
@@ -67,7 +122,39 @@ impl ScalarUDFImpl for AcceleratorUdf {
         self.func.return_type(arg_types)
     }
     fn invoke_with_args(&self, args: ScalarFunctionArgs) -> Result<ColumnarValue> {
-        self.func.invoke_batch(args)
+        let config = &args.config_options;
+        let arrays = ColumnarValue::values_to_arrays(&args.args)?;
+        let rows = args.number_rows;
+        let return_type = args.return_field.data_type().clone();
+        let batch = self.func.batch_rows(config).unwrap_or(rows).max(1);
+        let key = (self.id, self.func.load_key(config));
+        LOADED.with(|loaded| {
+            let mut loaded = loaded.borrow_mut();
+            if !loaded.contains_key(&key) {
+                let worker = self.func.load(config)?;
+                loaded.insert(key.clone(), worker);
+            }
+            let worker = loaded.get_mut(&key).expect("worker just loaded");
+            let mut parts = Vec::with_capacity(rows.div_ceil(batch));
+            for start in (0..rows.max(1)).step_by(batch) {
+                let len = batch.min(rows - start);
+                let slice: Vec<ArrayRef> = arrays.iter().map(|a| a.slice(start, len)).collect();
+                let out = worker.process(&slice, &return_type)?;
+                if out.len() != len {
+                    return Err(DataFusionError::Execution(format!(
+                        "{} returned {} rows for a batch of {len}",
+                        self.func.name(),
+                        out.len()
+                    )));
+                }
+                parts.push(out);
+            }
+            let result = match parts.len() {
+                1 => parts.pop().expect("one part"),
+                _ => concat(&parts.iter().map(|p| p.as_ref()).collect::<Vec<_>>())?,
+            };
+            Ok(ColumnarValue::Array(result))
+        })
     }
 }
 
@@ -75,20 +162,37 @@ impl ScalarUDFImpl for AcceleratorUdf {
 pub fn accelerator_udf(func: impl AcceleratorFunction) -> ScalarUDF {
     ScalarUDF::new_from_impl(AcceleratorUdf {
         func: Arc::new(func),
+        id: NEXT_FUNCTION_ID.fetch_add(1, Ordering::Relaxed),
     })
+}
+
+/// The accelerator function behind `udf`, if it is one.
+pub fn accelerator_function(udf: &ScalarUDF) -> Option<&Arc<dyn AcceleratorFunction>> {
+    (udf.inner().as_ref() as &dyn Any)
+        .downcast_ref::<AcceleratorUdf>()
+        .map(|u| u.function())
 }
 
 /// True when `udf` is an accelerator UDF.
 pub fn is_accelerator_udf(udf: &ScalarUDF) -> bool {
-    (udf.inner().as_ref() as &dyn Any).is::<AcceleratorUdf>()
+    accelerator_function(udf).is_some()
+}
+
+/// The accelerator functions a physical expression calls, outermost first.
+pub fn accelerator_functions_in(expr: &Arc<dyn PhysicalExpr>) -> Vec<Arc<dyn AcceleratorFunction>> {
+    let mut found = vec![];
+    if let Some(call) = (expr.as_ref() as &dyn Any).downcast_ref::<ScalarFunctionExpr>()
+        && let Some(func) = accelerator_function(call.fun())
+    {
+        found.push(Arc::clone(func));
+    }
+    for child in expr.children() {
+        found.extend(accelerator_functions_in(child));
+    }
+    found
 }
 
 /// True when the physical expression calls an accelerator UDF anywhere inside it.
 pub fn calls_accelerator_udf(expr: &Arc<dyn PhysicalExpr>) -> bool {
-    if let Some(call) = (expr.as_ref() as &dyn Any).downcast_ref::<ScalarFunctionExpr>()
-        && is_accelerator_udf(call.fun())
-    {
-        return true;
-    }
-    expr.children().into_iter().any(calls_accelerator_udf)
+    !accelerator_functions_in(expr).is_empty()
 }

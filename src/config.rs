@@ -42,6 +42,44 @@ impl fmt::Display for ExecMode {
 
 config_field!(ExecMode);
 
+/// Where model UDFs (`embed`) compute.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Hash)]
+pub enum Device {
+    /// CUDA when a device is found, else the CPU (with a one-line notice).
+    #[default]
+    Auto,
+    /// Always the CPU.
+    Cpu,
+    /// Always CUDA; an error when no device is usable.
+    Cuda,
+}
+
+impl FromStr for Device {
+    type Err = DataFusionError;
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        match s.trim().to_ascii_lowercase().as_str() {
+            "auto" => Ok(Self::Auto),
+            "cpu" => Ok(Self::Cpu),
+            "cuda" | "gpu" => Ok(Self::Cuda),
+            other => Err(DataFusionError::Configuration(format!(
+                "flumen.device must be 'auto', 'cpu' or 'cuda', got '{other}'"
+            ))),
+        }
+    }
+}
+
+impl fmt::Display for Device {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self {
+            Self::Auto => "auto",
+            Self::Cpu => "cpu",
+            Self::Cuda => "cuda",
+        })
+    }
+}
+
+config_field!(Device);
+
 /// A number of bytes, written as `1073741824`, `512MB`, `2GB` or `1.5GiB`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
 pub struct ByteSize(pub u64);
@@ -122,6 +160,13 @@ extensions_options! {
         pub split_bytes: ByteSize, default = ByteSize(16 << 20)
         /// Show flumen's operators in `EXPLAIN` (off: DataFusion's own plan text).
         pub explain_operators: bool, default = true
+        /// Where model UDFs compute: `auto` (CUDA when present, else CPU), `cpu` or `cuda`.
+        pub device: Device, default = Device::Auto
+        /// Directory of the embedding model's files; empty: `FLUMEN_MODEL_DIR`, else
+        /// `~/.cache/flumen/models/all-MiniLM-L6-v2`.
+        pub model_dir: String, default = String::new()
+        /// Sentences per forward pass of `embed` (sorted by length inside a block first).
+        pub embed_batch_size: usize, default = 64
     }
 }
 

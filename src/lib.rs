@@ -17,6 +17,7 @@
 pub mod accelerator;
 pub mod block_store;
 pub mod config;
+pub mod embedding;
 pub mod exec;
 pub mod lineage;
 pub mod operators;
@@ -26,14 +27,15 @@ pub mod scheduler;
 pub mod split_source;
 pub mod stage_input;
 pub mod stats;
+pub mod vector_functions;
 
 use std::sync::Arc;
 
 use datafusion::execution::SessionStateBuilder;
 use datafusion::prelude::{SessionConfig, SessionContext};
 
-pub use accelerator::{AcceleratorFunction, accelerator_udf};
-pub use config::{ByteSize, ExecMode, FlumenConfig};
+pub use accelerator::{AcceleratorFunction, AcceleratorWorker, WorkerResources, accelerator_udf};
+pub use config::{ByteSize, Device, ExecMode, FlumenConfig};
 pub use lineage::{BlockDropper, BlockInfo};
 pub use planner::FlumenQueryPlanner;
 
@@ -45,13 +47,24 @@ pub fn session(config: FlumenConfig) -> SessionContext {
 
 /// A flumen `SessionContext` built on the caller's DataFusion `SessionConfig`.
 pub fn session_with_config(session_config: SessionConfig, config: FlumenConfig) -> SessionContext {
-    SessionContext::new_with_state(
+    let ctx = SessionContext::new_with_state(
         SessionStateBuilder::new()
             .with_config(flumen_session_config(session_config, config))
             .with_default_features()
             .with_query_planner(Arc::new(FlumenQueryPlanner::default()))
             .build(),
-    )
+    );
+    register_functions(&ctx);
+    ctx
+}
+
+/// Register flumen's SQL functions: `embed` and the vector helpers
+/// (`cosine_similarity`, `dot_product`, `l2_distance`).
+pub fn register_functions(ctx: &SessionContext) {
+    ctx.register_udf(accelerator_udf(embedding::EmbedFunction::default()));
+    for udf in vector_functions::vector_functions() {
+        ctx.register_udf(udf);
+    }
 }
 
 /// Add flumen's settings, worker pools and required DataFusion options to a session config.
@@ -95,7 +108,9 @@ pub fn into_flumen(ctx: &SessionContext, config: FlumenConfig) -> SessionContext
         .options_mut()
         .catalog
         .create_default_catalog_and_schema = create_default_catalog;
-    SessionContext::new_with_state(state)
+    let ctx = SessionContext::new_with_state(state);
+    register_functions(&ctx);
+    ctx
 }
 
 /// The functions of a registry in an order that rebuilds the same name → function map:

@@ -18,7 +18,8 @@ use datafusion::physical_plan::{ExecutionPlan, collect};
 use datafusion::prelude::SessionConfig;
 use flumen::exec::FlumenExec;
 use flumen::operators::Pool;
-use flumen::{AcceleratorFunction, BlockDropper, FlumenConfig, accelerator_udf};
+use datafusion::config::ConfigOptions;
+use flumen::{AcceleratorFunction, AcceleratorWorker, BlockDropper, FlumenConfig, accelerator_udf};
 
 async fn check_all(settings: &[&str]) {
     let dir = tempfile::tempdir().unwrap();
@@ -227,6 +228,7 @@ struct WorkerName {
     signature: Signature,
     calls: Arc<AtomicUsize>,
     max_rows: Arc<AtomicUsize>,
+    loads: Arc<AtomicUsize>,
 }
 
 impl AcceleratorFunction for WorkerName {
@@ -239,15 +241,31 @@ impl AcceleratorFunction for WorkerName {
     fn return_type(&self, _: &[DataType]) -> Result<DataType> {
         Ok(DataType::Utf8)
     }
-    fn invoke_batch(&self, args: ScalarFunctionArgs) -> Result<ColumnarValue> {
+    fn load(&self, _: &ConfigOptions) -> Result<Box<dyn AcceleratorWorker>> {
+        self.loads.fetch_add(1, Ordering::Relaxed);
+        Ok(Box::new(WorkerNameWorker {
+            calls: Arc::clone(&self.calls),
+            max_rows: Arc::clone(&self.max_rows),
+        }))
+    }
+}
+
+/// The loaded state of [`WorkerName`]: counts calls and the largest batch.
+struct WorkerNameWorker {
+    calls: Arc<AtomicUsize>,
+    max_rows: Arc<AtomicUsize>,
+}
+
+impl AcceleratorWorker for WorkerNameWorker {
+    fn process(&mut self, args: &[ArrayRef], _: &DataType) -> Result<ArrayRef> {
+        let rows = args[0].len();
         self.calls.fetch_add(1, Ordering::Relaxed);
-        self.max_rows.fetch_max(args.number_rows, Ordering::Relaxed);
+        self.max_rows.fetch_max(rows, Ordering::Relaxed);
         let name = std::thread::current()
             .name()
             .unwrap_or("unnamed")
             .to_string();
-        let out: ArrayRef = Arc::new(StringArray::from(vec![name; args.number_rows]));
-        Ok(ColumnarValue::Array(out))
+        Ok(Arc::new(StringArray::from(vec![name; rows])))
     }
 }
 
@@ -264,10 +282,12 @@ async fn accelerator_udfs_run_on_the_accelerator_pool_in_full_batches() {
     register_tables(&f, dir.path()).await;
     let calls = Arc::new(AtomicUsize::new(0));
     let max_rows = Arc::new(AtomicUsize::new(0));
+    let loads = Arc::new(AtomicUsize::new(0));
     f.register_udf(accelerator_udf(WorkerName {
         signature: Signature::any(1, Volatility::Volatile),
         calls: Arc::clone(&calls),
         max_rows: Arc::clone(&max_rows),
+        loads: Arc::clone(&loads),
     }));
     let sql = "SELECT id, worker_name(body) AS w FROM events WHERE id % 2 = 0";
     let (batches, plan) = run_plan(&f, sql).await;
@@ -291,6 +311,11 @@ async fn accelerator_udfs_run_on_the_accelerator_pool_in_full_batches() {
     assert!(max > 2500 && max <= 4096, "largest batch {max}");
     let n = calls.load(Ordering::Relaxed);
     assert!(n <= 20_000 / 4096 + 4, "{n} calls");
+    // Each of the two workers loaded its state once, and keeps it for the next query.
+    assert!(loads.load(Ordering::Relaxed) <= 2, "{} loads", loads.load(Ordering::Relaxed));
+    let before = loads.load(Ordering::Relaxed);
+    run_plan(&f, sql).await;
+    assert_eq!(loads.load(Ordering::Relaxed), before, "a second query reloaded the workers");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

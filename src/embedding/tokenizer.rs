@@ -1,0 +1,44 @@
+//! WordPiece tokenization for the embedding model, set up the way sentence-transformers runs
+//! it: truncation at the model's max_seq_length, no padding (flumen packs sequences).
+
+use std::path::Path;
+
+use datafusion::error::{DataFusionError, Result};
+use tokenizers::{Tokenizer, TruncationParams};
+
+use super::model_files::model_error;
+
+/// The longest input, in tokens (special tokens included), the model is run on.
+pub const MAX_SEQ_LEN: usize = 256;
+
+/// A loaded `tokenizer.json`.
+pub struct SentenceTokenizer {
+    inner: Tokenizer,
+}
+
+impl SentenceTokenizer {
+    /// Load `tokenizer.json` from the model directory. The file itself asks for padding to
+    /// 128 and truncation at 128; both are overridden to match sentence-transformers.
+    pub fn load(model_dir: &Path) -> Result<Self> {
+        let path = model_dir.join("tokenizer.json");
+        let mut inner = Tokenizer::from_file(&path)
+            .map_err(|e| model_error(format!("cannot read {}: {e}", path.display())))?;
+        inner.with_padding(None);
+        inner
+            .with_truncation(Some(TruncationParams {
+                max_length: MAX_SEQ_LEN,
+                ..Default::default()
+            }))
+            .map_err(|e| DataFusionError::Execution(format!("tokenizer truncation: {e}")))?;
+        Ok(Self { inner })
+    }
+
+    /// Token ids of each text, `[CLS] … [SEP]`, at most [`MAX_SEQ_LEN`] long.
+    pub fn encode(&self, texts: &[&str]) -> Result<Vec<Vec<u32>>> {
+        let encodings = self
+            .inner
+            .encode_batch(texts.to_vec(), true)
+            .map_err(|e| DataFusionError::Execution(format!("tokenizing for embed(): {e}")))?;
+        Ok(encodings.into_iter().map(|e| e.get_ids().to_vec()).collect())
+    }
+}

@@ -1,0 +1,193 @@
+//! `embed()` against sentence-transformers' own vectors, and through SQL.
+//!
+//! Needs the model: `cargo run --release --bin flumen -- install-model` (`.ci/run` does it).
+//! The CUDA test runs when a CUDA device is present and prints `skipped: no CUDA device`
+//! otherwise.
+
+use std::sync::Arc;
+
+use datafusion::arrow::array::{Array, AsArray, FixedSizeListArray, StringArray};
+use datafusion::arrow::datatypes::{DataType, Field, Float32Type, Schema};
+use datafusion::arrow::record_batch::RecordBatch;
+use datafusion::prelude::SessionContext;
+use flumen::FlumenConfig;
+
+/// One fixture row: a text and the embedding sentence-transformers computed for it.
+struct Reference {
+    text: String,
+    embedding: Vec<f32>,
+}
+
+fn references() -> Vec<Reference> {
+    let path = concat!(env!("CARGO_MANIFEST_DIR"), "/../shared/fixtures/minilm-reference.jsonl");
+    let text = std::fs::read_to_string(path).unwrap_or_else(|e| panic!("read {path}: {e}"));
+    text.lines()
+        .map(|line| {
+            let row: serde_json::Value = serde_json::from_str(line).unwrap();
+            Reference {
+                text: row["text"].as_str().unwrap().to_string(),
+                embedding: row["embedding"]
+                    .as_array()
+                    .unwrap()
+                    .iter()
+                    .map(|v| v.as_f64().unwrap() as f32)
+                    .collect(),
+            }
+        })
+        .collect()
+}
+
+fn cosine(a: &[f32], b: &[f32]) -> f64 {
+    let dot: f64 = a.iter().zip(b).map(|(x, y)| *x as f64 * *y as f64).sum();
+    let na: f64 = a.iter().map(|x| (*x as f64).powi(2)).sum::<f64>().sqrt();
+    let nb: f64 = b.iter().map(|x| (*x as f64).powi(2)).sum::<f64>().sqrt();
+    dot / (na * nb)
+}
+
+async fn session(device: &str) -> SessionContext {
+    let ctx = flumen::session(FlumenConfig::default());
+    ctx.sql(&format!("SET flumen.device = '{device}'")).await.unwrap();
+    ctx
+}
+
+/// Embed every fixture text through SQL (`SELECT embed(text) FROM refs`) and compare.
+async fn check_against_references(device: &str, min_cosine: f64) {
+    let refs = references();
+    let ctx = session(device).await;
+    let texts = StringArray::from_iter_values(refs.iter().map(|r| r.text.as_str()));
+    let schema = Arc::new(Schema::new(vec![Field::new("text", DataType::Utf8, false)]));
+    let batch = RecordBatch::try_new(schema, vec![Arc::new(texts)]).unwrap();
+    ctx.register_batch("refs", batch).unwrap();
+    let batches = ctx
+        .sql("SELECT text, embed(text) AS v FROM refs")
+        .await
+        .unwrap()
+        .collect()
+        .await
+        .unwrap();
+    let mut seen = 0;
+    let mut worst = f64::MAX;
+    for b in &batches {
+        let texts = b.column(0).as_string::<i32>();
+        let vectors = b.column(1).as_any().downcast_ref::<FixedSizeListArray>().unwrap();
+        assert_eq!(vectors.value_length(), 384);
+        for row in 0..b.num_rows() {
+            let text = texts.value(row);
+            let reference = refs.iter().find(|r| r.text == text).unwrap();
+            let got = vectors.value(row);
+            let got = got.as_primitive::<Float32Type>().values();
+            let cos = cosine(got, &reference.embedding);
+            assert!(cos >= min_cosine, "{device}: cosine {cos} for {text:?}");
+            worst = worst.min(cos);
+            seen += 1;
+        }
+    }
+    assert_eq!(seen, refs.len());
+    println!("{device}: {seen} fixture sentences, lowest cosine similarity {worst:.7}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn cpu_matches_sentence_transformers() {
+    check_against_references("cpu", 0.9999).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn cuda_matches_sentence_transformers() {
+    if let Err(why) = flumen::embedding::cuda::probe_device_count() {
+        println!("skipped: {why}");
+        return;
+    }
+    check_against_references("cuda", 0.999).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn nulls_and_every_string_type() {
+    let ctx = session("cpu").await;
+    let batches = ctx
+        .sql(
+            "SELECT embed(CAST(t AS VARCHAR)) AS a, embed(arrow_cast(t, 'LargeUtf8')) AS b, \
+                    embed(arrow_cast(t, 'Utf8View')) AS c \
+             FROM (VALUES ('a red fox'), (NULL), ('')) AS v(t)",
+        )
+        .await
+        .unwrap()
+        .collect()
+        .await
+        .unwrap();
+    let b = &batches[0];
+    assert_eq!(b.num_rows(), 3);
+    for col in 0..3 {
+        let v = b.column(col).as_any().downcast_ref::<FixedSizeListArray>().unwrap();
+        assert!(v.is_valid(0) && v.is_null(1) && v.is_valid(2));
+        let first = v.value(0);
+        let first = first.as_primitive::<Float32Type>().values();
+        let reference = b.column(0).as_fixed_size_list().value(0);
+        assert_eq!(first, reference.as_primitive::<Float32Type>().values());
+        let norm: f32 = first.iter().map(|x| x * x).sum::<f32>().sqrt();
+        assert!((norm - 1.0).abs() < 1e-4, "norm {norm}");
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn long_text_is_truncated_at_256_tokens() {
+    let ctx = session("cpu").await;
+    let words = "streaming ".repeat(300);
+    let longer = format!("{words} and then something else entirely");
+    let sql = format!(
+        "SELECT cosine_similarity(embed('{words}'), embed('{longer}')) AS same, \
+                cosine_similarity(embed('{words}'), embed('a cat')) AS different"
+    );
+    let batches = ctx.sql(&sql).await.unwrap().collect().await.unwrap();
+    let same = batches[0].column(0).as_primitive::<datafusion::arrow::datatypes::Float64Type>().value(0);
+    let different = batches[0].column(1).as_primitive::<datafusion::arrow::datatypes::Float64Type>().value(0);
+    // Everything after token 256 is cut: both texts embed identically.
+    assert!(same > 0.999999, "{same}");
+    assert!(different < 0.5, "{different}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn similar_sentences_rank_first() {
+    let ctx = session("cpu").await;
+    let sql = "SELECT t, cosine_similarity(embed(t), embed('A man plays the guitar.')) AS s, \
+                      dot_product(embed(t), embed('A man plays the guitar.')) AS d, \
+                      l2_distance(embed(t), embed('A man plays the guitar.')) AS l \
+               FROM (VALUES ('Someone is playing an instrument on stage.'), \
+                            ('The stock market fell sharply.'), ('A cat sleeps.')) AS v(t) \
+               ORDER BY s DESC";
+    let batches = ctx.sql(sql).await.unwrap().collect().await.unwrap();
+    let b = &batches[0];
+    assert_eq!(b.column(0).as_string::<i32>().value(0), "Someone is playing an instrument on stage.");
+    let f64s = |c: usize| b.column(c).as_primitive::<datafusion::arrow::datatypes::Float64Type>().clone();
+    let (s, d, l) = (f64s(1), f64s(2), f64s(3));
+    for row in 0..3 {
+        // Unit vectors: dot = cosine and |a-b|² = 2 - 2 cos.
+        assert!((s.value(row) - d.value(row)).abs() < 1e-5);
+        assert!((l.value(row).powi(2) - (2.0 - 2.0 * s.value(row))).abs() < 1e-4);
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn bad_input_gets_clear_errors() {
+    let ctx = session("cpu").await;
+    let err = ctx.sql("SELECT embed(42)").await.err().map(|e| e.to_string());
+    let err = match err {
+        Some(e) => e,
+        None => ctx.sql("SELECT embed(42)").await.unwrap().collect().await.unwrap_err().to_string(),
+    };
+    assert!(err.contains("embed"), "{err}");
+    let err = ctx
+        .sql("SELECT cosine_similarity('a', 'b')")
+        .await
+        .err()
+        .expect("text is not a vector")
+        .to_string();
+    assert!(err.contains("cosine_similarity") && err.contains("vectors"), "{err}");
+    let missing = tempfile::tempdir().unwrap();
+    ctx.sql(&format!("SET flumen.model_dir = '{}'", missing.path().display())).await.unwrap();
+    let err = ctx.sql("SELECT embed('hi')").await.unwrap().collect().await.unwrap_err().to_string();
+    assert!(err.contains("not found") && err.contains("install-model"), "{err}");
+    // The session goes on.
+    ctx.sql("SET flumen.model_dir = ''").await.unwrap();
+    let ok = ctx.sql("SELECT embed('hi') IS NOT NULL").await.unwrap().collect().await.unwrap();
+    assert_eq!(ok[0].num_rows(), 1);
+}
