@@ -1,10 +1,14 @@
 //! Parquet in → features → Parquet out, on flumen's streaming executor.
 //!
-//! With no arguments it generates a demo `docs` table (100,000 deterministic text rows) under
-//! `target/flumen-demo/`, computes per-document features with SQL, and writes them to
-//! `target/flumen-demo/features.parquet`.
+//! With no arguments it generates a demo `docs` table (20,000 deterministic text rows) under
+//! `target/flumen-demo/`, computes per-document features with SQL — among them a 384-wide
+//! sentence embedding, `embed(body)`, on the accelerator pool — writes them to
+//! `target/flumen-demo/features.parquet`, then runs a semantic search over what it wrote.
+//!
+//! Needs the model: `cargo run --release --bin flumen -- install-model`.
 //!
 //! Run: `cargo run --release --example feature_extraction [-- INPUT.parquet OUTPUT.parquet]`
+//! (`FLUMEN_DEMO_ROWS` sets the demo table's size.)
 
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
@@ -72,7 +76,11 @@ async fn main() -> Result<()> {
             let input = demo_dir.join("docs.parquet");
             if !input.exists() {
                 println!("generating demo table {}", input.display());
-                write_demo_docs(&input, 100_000)?;
+                let rows = std::env::var("FLUMEN_DEMO_ROWS")
+                    .ok()
+                    .and_then(|r| r.parse().ok())
+                    .unwrap_or(20_000);
+                write_demo_docs(&input, rows)?;
             }
             (input, demo_dir.join("features.parquet"))
         }
@@ -91,7 +99,8 @@ async fn main() -> Result<()> {
                  length(body) AS chars, \
                  array_length(string_to_array(body, ' ')) AS words, \
                  md5(lower(body)) AS fingerprint, \
-                 regexp_like(body, 'gpus|compilers') AS technical \
+                 regexp_like(body, 'gpus|compilers') AS technical, \
+                 embed(body) AS embedding \
                FROM docs) \
          TO '{}' STORED AS PARQUET",
         output.display()
@@ -117,6 +126,14 @@ async fn main() -> Result<()> {
     ctx.sql(
         "SELECT count(*) AS docs, avg(words) AS avg_words, sum(CAST(technical AS INT)) AS technical \
          FROM features",
+    )
+    .await?
+    .show()
+    .await?;
+    println!("documents closest to 'graphics cards and parallel hardware':");
+    ctx.sql(
+        "SELECT id, round(cosine_similarity(embedding, embed('graphics cards and parallel hardware')), 3) AS score \
+         FROM features ORDER BY score DESC, id LIMIT 5",
     )
     .await?
     .show()

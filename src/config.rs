@@ -151,8 +151,13 @@ extensions_options! {
         pub memory_budget: ByteSize, default = ByteSize::default()
         /// Tasks that may run at once on the CPU pool.
         pub cpu_slots: usize, default = available_cores()
-        /// Tasks that may run at once on the accelerator pool (workers that keep their model).
+        /// Most tasks that may run at once on the accelerator pool (workers that keep their
+        /// model); the pool grows towards it while accelerator tasks wait.
         pub accelerator_slots: usize, default = 1
+        /// Fewest accelerator workers kept alive when idle.
+        pub accelerator_min_slots: usize, default = 1
+        /// Seconds an accelerator worker waits for work before it exits (down to the minimum).
+        pub accelerator_idle_secs: u64, default = 60
         /// Rows per block: larger outputs are split, inputs of accelerator operators are
         /// coalesced up to it.
         pub target_block_rows: usize, default = 8192

@@ -11,7 +11,7 @@
 use std::collections::{HashMap, HashSet};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use datafusion::arrow::compute::concat_batches;
 use datafusion::arrow::record_batch::RecordBatch;
@@ -131,6 +131,9 @@ struct RunState {
     /// Output partitions opened so far, and how many of them are still being read.
     outputs_opened: usize,
     outputs_open: usize,
+    /// Accelerator workers this run may use now: grows towards `flumen.accelerator_slots`
+    /// while accelerator tasks wait on busy workers.
+    accelerator_target: usize,
     /// The scheduler changed what readers can see (tasks created, partitions closed,
     /// operators completed): wake them once it lets go of the lock.
     dirty: bool,
@@ -178,9 +181,15 @@ impl QueryRun {
             .session_config()
             .get_extension::<AcceleratorPool>()
             .unwrap_or_default();
-        accelerators.ensure_workers(config.accelerator_slots);
+        let min_accel = config.accelerator_min_slots.clamp(1, config.accelerator_slots);
+        accelerators.configure(min_accel, Duration::from_secs(config.accelerator_idle_secs));
+        let accelerator_target = accelerators.workers().clamp(min_accel, config.accelerator_slots);
+        accelerators.ensure_workers(accelerator_target);
         let dropper = base.session_config().get_extension::<BlockDropper>();
-        let mut state = RunState::default();
+        let mut state = RunState {
+            accelerator_target,
+            ..Default::default()
+        };
         for op in &graph.operators {
             let mut os = OperatorState {
                 partitions: (0..op.partitions())
@@ -491,7 +500,7 @@ impl QueryRun {
 
     /// Operators in launch preference order: most downstream first.
     fn pick_launches(&self, st: &mut RunState, launches: &mut Vec<TaskId>) {
-        let slots = [self.config.cpu_slots, self.config.accelerator_slots];
+        let mut slots = [self.config.cpu_slots, st.accelerator_target];
         let budget = self.store.budget();
         let share = budget / self.graph.operators.len().max(1) as u64;
         let batch = self.config.mode == ExecMode::Batch;
@@ -505,6 +514,15 @@ impl QueryRun {
                 }
                 let pool = pool_index(op.pool);
                 let gang = op.gang;
+                if op.pool == Pool::Accelerator
+                    && st.running[pool] >= slots[pool]
+                    && slots[pool] < self.config.accelerator_slots
+                {
+                    // Tasks wait and every worker is busy: grow the pool by one.
+                    slots[pool] += 1;
+                    st.accelerator_target = slots[pool];
+                    self.accelerators.ensure_workers(slots[pool]);
+                }
                 if st.running[pool] >= slots[pool] && !(gang && st.running[pool] == 0) {
                     continue;
                 }

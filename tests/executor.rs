@@ -229,6 +229,8 @@ struct WorkerName {
     calls: Arc<AtomicUsize>,
     max_rows: Arc<AtomicUsize>,
     loads: Arc<AtomicUsize>,
+    /// Time each batch takes, as a model would.
+    delay: std::time::Duration,
 }
 
 impl AcceleratorFunction for WorkerName {
@@ -244,6 +246,7 @@ impl AcceleratorFunction for WorkerName {
     fn load(&self, _: &ConfigOptions) -> Result<Box<dyn AcceleratorWorker>> {
         self.loads.fetch_add(1, Ordering::Relaxed);
         Ok(Box::new(WorkerNameWorker {
+            delay: self.delay,
             calls: Arc::clone(&self.calls),
             max_rows: Arc::clone(&self.max_rows),
         }))
@@ -252,6 +255,7 @@ impl AcceleratorFunction for WorkerName {
 
 /// The loaded state of [`WorkerName`]: counts calls and the largest batch.
 struct WorkerNameWorker {
+    delay: std::time::Duration,
     calls: Arc<AtomicUsize>,
     max_rows: Arc<AtomicUsize>,
 }
@@ -259,6 +263,7 @@ struct WorkerNameWorker {
 impl AcceleratorWorker for WorkerNameWorker {
     fn process(&mut self, args: &[ArrayRef], _: &DataType) -> Result<ArrayRef> {
         let rows = args[0].len();
+        std::thread::sleep(self.delay);
         self.calls.fetch_add(1, Ordering::Relaxed);
         self.max_rows.fetch_max(rows, Ordering::Relaxed);
         let name = std::thread::current()
@@ -288,6 +293,7 @@ async fn accelerator_udfs_run_on_the_accelerator_pool_in_full_batches() {
         calls: Arc::clone(&calls),
         max_rows: Arc::clone(&max_rows),
         loads: Arc::clone(&loads),
+        delay: std::time::Duration::ZERO,
     }));
     let sql = "SELECT id, worker_name(body) AS w FROM events WHERE id % 2 = 0";
     let (batches, plan) = run_plan(&f, sql).await;
@@ -316,6 +322,49 @@ async fn accelerator_udfs_run_on_the_accelerator_pool_in_full_batches() {
     let before = loads.load(Ordering::Relaxed);
     run_plan(&f, sql).await;
     assert_eq!(loads.load(Ordering::Relaxed), before, "a second query reloaded the workers");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_accelerator_pool_grows_under_load_and_shrinks_when_idle() {
+    let dir = tempfile::tempdir().unwrap();
+    write_events(dir.path(), 2, 20_000);
+    let f = flumen_ctx(&[
+        "SET flumen.accelerator_slots = 3",
+        "SET flumen.accelerator_min_slots = 1",
+        "SET flumen.accelerator_idle_secs = 1",
+        "SET flumen.target_block_rows = 1000",
+        "SET flumen.split_bytes = '16KB'",
+    ])
+    .await;
+    register_tables(&f, dir.path()).await;
+    let loads = Arc::new(AtomicUsize::new(0));
+    f.register_udf(accelerator_udf(WorkerName {
+        signature: Signature::any(1, Volatility::Volatile),
+        calls: Arc::new(AtomicUsize::new(0)),
+        max_rows: Arc::new(AtomicUsize::new(0)),
+        loads: Arc::clone(&loads),
+        delay: std::time::Duration::from_millis(30),
+    }));
+    let pool = f
+        .state()
+        .config()
+        .get_extension::<flumen::pools::AcceleratorPool>()
+        .unwrap();
+    let (batches, _) = run_plan(&f, "SELECT worker_name(body) AS w FROM events").await;
+    let mut names = std::collections::BTreeSet::new();
+    for b in &batches {
+        let col = b.column(0).as_any().downcast_ref::<StringArray>().unwrap();
+        names.extend(col.iter().map(|n| n.unwrap().to_string()));
+    }
+    assert!(names.len() >= 2, "the pool never grew: {names:?}");
+    assert!(pool.workers() <= 3, "{} workers", pool.workers());
+    // Each worker loaded the model once.
+    assert_eq!(loads.load(Ordering::Relaxed), names.len());
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(20);
+    while pool.workers() > 1 && std::time::Instant::now() < deadline {
+        tokio::time::sleep(std::time::Duration::from_millis(100)).await;
+    }
+    assert_eq!(pool.workers(), 1, "idle workers were not released");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -1,10 +1,27 @@
-//! The CUDA backend (through `cudarc`, loaded at run time: builds and runs with no CUDA).
+//! The CUDA backend, through `cudarc` with dynamic loading: the crate builds and runs with
+//! no CUDA installed; `libcuda.so.1`, `libnvrtc.so.13` and `libcublas.so.13` are opened at
+//! run time (found through the loader's path, e.g. `LD_LIBRARY_PATH`).
+//!
+//! Kernels (`cuda_kernels.cu`) are compiled once per worker by NVRTC into a CUBIN for the
+//! device's own architecture (so a newer NVRTC never emits PTX the driver refuses); matrix
+//! products run on cuBLAS in FP32. Each worker owns its context's stream, so the copies of
+//! one worker overlap the compute of another; results come back through a pinned buffer.
 
+use std::ffi::{CStr, CString};
 use std::sync::Arc;
 
+use cudarc::cublas::{CudaBlas, Gemm, GemmConfig, sys::cublasOperation_t};
+use cudarc::driver::{
+    CudaContext, CudaFunction, CudaSlice, CudaStream, LaunchConfig, PinnedHostSlice, PushKernelArg,
+};
+use cudarc::nvrtc::Ptx;
 use datafusion::error::{DataFusionError, Result};
 
-use super::bert::{BertWeights, PackedBatch, SentenceEncoder};
+use super::bert::{BertWeights, LayerNorm, Linear, PackedBatch, SentenceEncoder};
+
+/// The kernels' CUDA C source.
+pub const KERNEL_SOURCE: &str = include_str!("cuda_kernels.cu");
+const THREADS: u32 = 128;
 
 /// True when the CUDA driver library loads and reports at least one device.
 pub fn cuda_available() -> bool {
@@ -17,7 +34,7 @@ pub fn probe_device_count() -> std::result::Result<usize, String> {
     if !unsafe { cudarc::driver::sys::is_culib_present() } {
         return Err("no CUDA device: libcuda.so.1 not found".into());
     }
-    match std::panic::catch_unwind(cudarc::driver::CudaContext::device_count) {
+    match std::panic::catch_unwind(CudaContext::device_count) {
         Ok(Ok(n)) if n > 0 => Ok(n as usize),
         Ok(Ok(_)) => Err("no CUDA device: the driver reports none".into()),
         Ok(Err(e)) => Err(format!("no CUDA device: {e}")),
@@ -25,25 +42,362 @@ pub fn probe_device_count() -> std::result::Result<usize, String> {
     }
 }
 
-/// BERT sentence encoder on a CUDA device.
+fn cuda_error(what: &str, e: impl std::fmt::Debug) -> DataFusionError {
+    DataFusionError::Execution(format!("embed() on CUDA: {what}: {e:?}"))
+}
+
+/// Compile the kernels with NVRTC: a CUBIN for `sm_{major}{minor}` when an architecture is
+/// given, else PTX. Needs only `libnvrtc.so.13`, no device.
+pub fn compile_kernels(arch: Option<(i32, i32)>) -> Result<Ptx> {
+    // SAFETY: only checks whether the shared library can be opened.
+    if !unsafe { cudarc::nvrtc::sys::is_culib_present() } {
+        return Err(DataFusionError::Execution(
+            "embed() on CUDA: libnvrtc.so.13 not found (install the nvidia-cuda-nvrtc wheel \
+             or the CUDA toolkit and put its lib directory on LD_LIBRARY_PATH)"
+                .into(),
+        ));
+    }
+    use cudarc::nvrtc::{result, sys};
+    let source = CString::new(KERNEL_SOURCE).expect("kernel source has no NUL");
+    let name = CString::new("flumen_bert.cu").expect("no NUL");
+    let program = result::create_program(&source, Some(&name)).map_err(|e| cuda_error("nvrtc", e))?;
+    let mut options = vec!["--std=c++17".to_string()];
+    match arch {
+        Some((major, minor)) => options.push(format!("--gpu-architecture=sm_{major}{minor}")),
+        None => options.push("--gpu-architecture=compute_80".to_string()),
+    }
+    // SAFETY: `program` is a live NVRTC program until destroyed below.
+    let compiled = unsafe { result::compile_program(program, &options) };
+    let outcome = match compiled {
+        Err(e) => {
+            // SAFETY: as above.
+            let log = unsafe { result::get_program_log(program) }.unwrap_or_default();
+            let log = unsafe { CStr::from_ptr(log.as_ptr()) }.to_string_lossy().into_owned();
+            Err(cuda_error("compiling kernels", format!("{e:?}: {log}")))
+        }
+        Ok(()) if arch.is_some() => unsafe {
+            let mut size = 0usize;
+            let status = sys::nvrtcGetCUBINSize(program, &mut size);
+            if status != sys::nvrtcResult::NVRTC_SUCCESS {
+                Err(cuda_error("nvrtcGetCUBINSize", status))
+            } else {
+                let mut cubin = vec![0u8; size];
+                let status = sys::nvrtcGetCUBIN(program, cubin.as_mut_ptr() as *mut _);
+                if status != sys::nvrtcResult::NVRTC_SUCCESS {
+                    Err(cuda_error("nvrtcGetCUBIN", status))
+                } else {
+                    Ok(Ptx::from_binary(cubin))
+                }
+            }
+        },
+        Ok(()) => unsafe { result::get_ptx(program) }
+            .map(|ptx| {
+                let text = unsafe { CStr::from_ptr(ptx.as_ptr()) }.to_string_lossy().into_owned();
+                Ptx::from_src(text)
+            })
+            .map_err(|e| cuda_error("nvrtcGetPTX", e)),
+    };
+    // SAFETY: the program is not used after this.
+    let _ = unsafe { result::destroy_program(program) };
+    outcome
+}
+
+struct DeviceLinear {
+    weight: CudaSlice<f32>,
+    bias: CudaSlice<f32>,
+    inputs: usize,
+    outputs: usize,
+}
+
+struct DeviceNorm {
+    gamma: CudaSlice<f32>,
+    beta: CudaSlice<f32>,
+}
+
+struct DeviceLayer {
+    qkv: DeviceLinear,
+    attention_out: DeviceLinear,
+    attention_norm: DeviceNorm,
+    intermediate: DeviceLinear,
+    output: DeviceLinear,
+    output_norm: DeviceNorm,
+}
+
+struct Kernels {
+    embed_tokens: CudaFunction,
+    add_bias: CudaFunction,
+    bias_gelu: CudaFunction,
+    add_layer_norm: CudaFunction,
+    attention: CudaFunction,
+    mean_pool_normalize: CudaFunction,
+}
+
+/// BERT sentence encoder on a CUDA device: weights resident, one stream per worker.
 pub struct CudaEncoder {
-    _weights: Arc<BertWeights>,
+    host: Arc<BertWeights>,
+    stream: Arc<CudaStream>,
+    blas: CudaBlas,
+    kernels: Kernels,
+    word: CudaSlice<f32>,
+    position: CudaSlice<f32>,
+    token_type: CudaSlice<f32>,
+    embedding_norm: DeviceNorm,
+    layers: Vec<DeviceLayer>,
+    pinned: Option<PinnedHostSlice<f32>>,
+    name: String,
 }
 
 impl CudaEncoder {
-    /// Move the weights to device 0.
+    /// Compile the kernels for device 0 and upload the weights.
     pub fn new(weights: Arc<BertWeights>) -> Result<Self> {
         probe_device_count().map_err(DataFusionError::Execution)?;
-        let _ = weights;
-        Err(DataFusionError::NotImplemented("CUDA backend for embed()".into()))
+        // SAFETY: only checks whether the shared library can be opened.
+        if !unsafe { cudarc::cublas::sys::is_culib_present() } {
+            return Err(DataFusionError::Execution(
+                "embed() on CUDA: libcublas.so.13 not found (put the CUDA libraries on LD_LIBRARY_PATH)".into(),
+            ));
+        }
+        let ctx = std::panic::catch_unwind(|| CudaContext::new(0))
+            .map_err(|_| cuda_error("creating a context", "the driver panicked"))?
+            .map_err(|e| cuda_error("creating a context", e))?;
+        let arch = ctx.compute_capability().map_err(|e| cuda_error("compute capability", e))?;
+        let name = format!("cuda:0 ({})", ctx.name().unwrap_or_default());
+        let module = ctx
+            .load_module(compile_kernels(Some(arch))?)
+            .map_err(|e| cuda_error("loading kernels", e))?;
+        let f = |n: &str| module.load_function(n).map_err(|e| cuda_error(n, e));
+        let kernels = Kernels {
+            embed_tokens: f("embed_tokens")?,
+            add_bias: f("add_bias")?,
+            bias_gelu: f("bias_gelu")?,
+            add_layer_norm: f("add_layer_norm")?,
+            attention: f("attention")?,
+            mean_pool_normalize: f("mean_pool_normalize")?,
+        };
+        if weights.config.head_dim() > THREADS as usize {
+            return Err(cuda_error("attention", "head width above 128 is not supported"));
+        }
+        let stream = ctx.new_stream().map_err(|e| cuda_error("creating a stream", e))?;
+        let blas = CudaBlas::new(Arc::clone(&stream)).map_err(|e| cuda_error("cuBLAS", e))?;
+        let up = |v: &[f32]| stream.clone_htod(v).map_err(|e| cuda_error("uploading weights", e));
+        let linear = |l: &Linear| -> Result<DeviceLinear> {
+            Ok(DeviceLinear { weight: up(&l.weight)?, bias: up(&l.bias)?, inputs: l.inputs, outputs: l.outputs })
+        };
+        let norm = |n: &LayerNorm| -> Result<DeviceNorm> { Ok(DeviceNorm { gamma: up(&n.gamma)?, beta: up(&n.beta)? }) };
+        let mut layers = vec![];
+        for l in &weights.layers {
+            layers.push(DeviceLayer {
+                qkv: linear(&l.qkv)?,
+                attention_out: linear(&l.attention_out)?,
+                attention_norm: norm(&l.attention_norm)?,
+                intermediate: linear(&l.intermediate)?,
+                output: linear(&l.output)?,
+                output_norm: norm(&l.output_norm)?,
+            });
+        }
+        Ok(Self {
+            word: up(&weights.word_embeddings)?,
+            position: up(&weights.position_embeddings)?,
+            token_type: up(&weights.token_type_embedding)?,
+            embedding_norm: norm(&weights.embedding_norm)?,
+            layers,
+            host: weights,
+            stream,
+            blas,
+            kernels,
+            pinned: None,
+            name,
+        })
+    }
+
+    /// `out = x · W` (bias added by the next kernel) for `rows` row-major rows.
+    fn matmul(&self, x: &CudaSlice<f32>, rows: usize, layer: &DeviceLinear, out: &mut CudaSlice<f32>) -> Result<()> {
+        // Row-major Y[rows,out] = X[rows,in] W[in,out] is column-major Yᵀ = Wᵀ Xᵀ.
+        let cfg = GemmConfig {
+            transa: cublasOperation_t::CUBLAS_OP_N,
+            transb: cublasOperation_t::CUBLAS_OP_N,
+            m: layer.outputs as i32,
+            n: rows as i32,
+            k: layer.inputs as i32,
+            alpha: 1.0f32,
+            lda: layer.outputs as i32,
+            ldb: layer.inputs as i32,
+            beta: 0.0f32,
+            ldc: layer.outputs as i32,
+        };
+        // SAFETY: the buffers hold rows×inputs, inputs×outputs and rows×outputs floats.
+        unsafe { self.blas.gemm(cfg, &layer.weight, x, out) }.map_err(|e| cuda_error("sgemm", e))
+    }
+
+    fn alloc(&self, n: usize) -> Result<CudaSlice<f32>> {
+        // SAFETY: every buffer is fully written by a kernel or gemm before it is read.
+        unsafe { self.stream.alloc::<f32>(n.max(1)) }.map_err(|e| cuda_error("allocating", e))
+    }
+
+    fn elementwise(&self, f: &CudaFunction, x: &mut CudaSlice<f32>, bias: &CudaSlice<f32>, width: usize) -> Result<()> {
+        let n = x.len() as i64;
+        let width = width as i32;
+        let blocks = ((n as u64).div_ceil(THREADS as u64)).min(65_535) as u32;
+        let cfg = LaunchConfig { grid_dim: (blocks.max(1), 1, 1), block_dim: (THREADS, 1, 1), shared_mem_bytes: 0 };
+        let mut launch = self.stream.launch_builder(f);
+        launch.arg(x).arg(bias).arg(&width).arg(&n);
+        // SAFETY: arguments match the kernel's signature.
+        unsafe { launch.launch(cfg) }.map(|_| ()).map_err(|e| cuda_error("elementwise kernel", e))
+    }
+
+    fn layer_norm(
+        &self,
+        x: &CudaSlice<f32>,
+        bias: &CudaSlice<f32>,
+        residual: Option<&CudaSlice<f32>>,
+        norm: &DeviceNorm,
+        out: &mut CudaSlice<f32>,
+        rows: usize,
+    ) -> Result<()> {
+        let width = self.host.config.hidden as i32;
+        let eps = self.host.config.layer_norm_eps;
+        let cfg = LaunchConfig {
+            grid_dim: (rows as u32, 1, 1),
+            block_dim: (THREADS, 1, 1),
+            shared_mem_bytes: (width as u32 + 32) * 4,
+        };
+        let null: u64 = 0;
+        let mut launch = self.stream.launch_builder(&self.kernels.add_layer_norm);
+        launch.arg(x).arg(bias);
+        match residual {
+            Some(r) => launch.arg(r),
+            None => launch.arg(&null),
+        };
+        launch.arg(&norm.gamma).arg(&norm.beta).arg(out).arg(&width).arg(&eps);
+        // SAFETY: arguments match the kernel's signature; shared memory as it requires.
+        unsafe { launch.launch(cfg) }.map(|_| ()).map_err(|e| cuda_error("layer norm", e))
+    }
+
+    fn forward(&mut self, batch: &PackedBatch) -> Result<Vec<f32>> {
+        let cfg = self.host.config.clone();
+        let (h, tokens, seqs) = (cfg.hidden, batch.ids.len(), batch.lengths.len());
+        if tokens == 0 {
+            return Ok(vec![]);
+        }
+        let offsets = batch.offsets();
+        let mut positions = Vec::with_capacity(tokens);
+        let mut token_seq = Vec::with_capacity(tokens);
+        for (s, &len) in batch.lengths.iter().enumerate() {
+            if len > cfg.max_positions {
+                return Err(DataFusionError::Execution(format!(
+                    "embed(): sequence of {len} tokens exceeds the model's {} positions",
+                    cfg.max_positions
+                )));
+            }
+            positions.extend(0..len as u32);
+            token_seq.extend(std::iter::repeat_n(s as u32, len));
+        }
+        if let Some(bad) = batch.ids.iter().find(|&&id| id as usize >= cfg.vocab) {
+            return Err(DataFusionError::Execution(format!(
+                "embed(): token id {bad} outside the model's vocabulary of {}",
+                cfg.vocab
+            )));
+        }
+        let max_len = batch.lengths.iter().copied().max().unwrap_or(1) as i32;
+        let up = |v: &[u32]| self.stream.clone_htod(v).map_err(|e| cuda_error("upload", e));
+        let ids = up(&batch.ids)?;
+        let positions = up(&positions)?;
+        let token_seq = up(&token_seq)?;
+        let seq_start = up(&offsets.iter().map(|&o| o as u32).collect::<Vec<_>>())?;
+        let seq_len = up(&batch.lengths.iter().map(|&l| l as u32).collect::<Vec<_>>())?;
+
+        let width = h as i32;
+        let mut raw = self.alloc(tokens * h)?;
+        let mut x = self.alloc(tokens * h)?;
+        {
+            let cfg = LaunchConfig { grid_dim: (tokens as u32, 1, 1), block_dim: (THREADS, 1, 1), shared_mem_bytes: 0 };
+            let mut launch = self.stream.launch_builder(&self.kernels.embed_tokens);
+            launch.arg(&ids).arg(&positions).arg(&self.word).arg(&self.position).arg(&self.token_type).arg(&mut raw).arg(&width);
+            // SAFETY: arguments match the kernel's signature.
+            unsafe { launch.launch(cfg) }.map_err(|e| cuda_error("embedding kernel", e))?;
+        }
+        let zeros = self.stream.alloc_zeros::<f32>(h).map_err(|e| cuda_error("allocating", e))?;
+        self.layer_norm(&raw, &zeros, None, &self.embedding_norm, &mut x, tokens)?;
+
+        let mut qkv = self.alloc(tokens * 3 * h)?;
+        let mut context = self.alloc(tokens * h)?;
+        let mut projected = self.alloc(tokens * h)?;
+        let mut attended = self.alloc(tokens * h)?;
+        let mut inner = self.alloc(tokens * cfg.intermediate)?;
+        let heads = cfg.heads as i32;
+        let head_dim = cfg.head_dim() as i32;
+        let scale = 1.0 / (cfg.head_dim() as f32).sqrt();
+        for i in 0..self.layers.len() {
+            let layer = &self.layers[i];
+            self.matmul(&x, tokens, &layer.qkv, &mut qkv)?;
+            self.elementwise(&self.kernels.add_bias, &mut qkv, &layer.qkv.bias, 3 * h)?;
+            {
+                let shared = (head_dim as u32 + max_len as u32 + THREADS) * 4;
+                let cfg = LaunchConfig { grid_dim: (tokens as u32, heads as u32, 1), block_dim: (THREADS, 1, 1), shared_mem_bytes: shared };
+                let mut launch = self.stream.launch_builder(&self.kernels.attention);
+                launch.arg(&qkv).arg(&mut context).arg(&token_seq).arg(&seq_start).arg(&seq_len)
+                    .arg(&heads).arg(&head_dim).arg(&max_len).arg(&scale);
+                // SAFETY: arguments match the kernel's signature; shared memory as it requires.
+                unsafe { launch.launch(cfg) }.map_err(|e| cuda_error("attention kernel", e))?;
+            }
+            self.matmul(&context, tokens, &layer.attention_out, &mut projected)?;
+            self.layer_norm(&projected, &layer.attention_out.bias, Some(&x), &layer.attention_norm, &mut attended, tokens)?;
+            self.matmul(&attended, tokens, &layer.intermediate, &mut inner)?;
+            self.elementwise(&self.kernels.bias_gelu, &mut inner, &layer.intermediate.bias, cfg.intermediate)?;
+            self.matmul(&inner, tokens, &layer.output, &mut projected)?;
+            self.layer_norm(&projected, &layer.output.bias, Some(&attended), &layer.output_norm, &mut x, tokens)?;
+        }
+        let mut pooled = self.alloc(seqs * h)?;
+        {
+            let cfg = LaunchConfig { grid_dim: (seqs as u32, 1, 1), block_dim: (THREADS, 1, 1), shared_mem_bytes: (h as u32 + 32) * 4 };
+            let mut launch = self.stream.launch_builder(&self.kernels.mean_pool_normalize);
+            launch.arg(&x).arg(&seq_start).arg(&seq_len).arg(&mut pooled).arg(&width);
+            // SAFETY: arguments match the kernel's signature; shared memory as it requires.
+            unsafe { launch.launch(cfg) }.map_err(|e| cuda_error("pooling kernel", e))?;
+        }
+        // Download through a pinned buffer (grown as needed) for a fast copy.
+        let n = seqs * h;
+        if self.pinned.as_ref().is_none_or(|p| p.len() < n) {
+            let ctx = Arc::clone(self.stream.context());
+            // SAFETY: the buffer is written by the copy below before it is read.
+            let buffer = unsafe { ctx.alloc_pinned_with_flags::<f32>(n.next_power_of_two(), 0) }
+                .map_err(|e| cuda_error("pinned buffer", e))?;
+            self.pinned = Some(buffer);
+        }
+        let pinned = self.pinned.as_mut().expect("allocated above");
+        let mut view = pooled.slice(0..n);
+        let _ = &mut view;
+        self.stream
+            .memcpy_dtoh(&view, &mut pinned.as_mut_slice().map_err(|e| cuda_error("pinned", e))?[..n])
+            .map_err(|e| cuda_error("download", e))?;
+        self.stream.synchronize().map_err(|e| cuda_error("synchronize", e))?;
+        Ok(pinned.as_slice().map_err(|e| cuda_error("pinned", e))?[..n].to_vec())
     }
 }
 
 impl SentenceEncoder for CudaEncoder {
-    fn encode(&mut self, _batch: &PackedBatch) -> Result<Vec<f32>> {
-        Err(DataFusionError::NotImplemented("CUDA backend for embed()".into()))
+    fn encode(&mut self, batch: &PackedBatch) -> Result<Vec<f32>> {
+        self.forward(batch)
     }
+
     fn device(&self) -> String {
-        "cuda:0".into()
+        self.name.clone()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The kernels compile wherever NVRTC is found, device or not.
+    #[test]
+    fn kernels_compile_with_nvrtc() {
+        // SAFETY: only checks whether the shared library can be opened.
+        if !unsafe { cudarc::nvrtc::sys::is_culib_present() } {
+            println!("skipped: libnvrtc.so.13 not found (no CUDA toolkit)");
+            return;
+        }
+        compile_kernels(None).expect("PTX");
+        compile_kernels(Some((9, 0))).expect("CUBIN for sm_90");
     }
 }

@@ -117,6 +117,13 @@ pub struct EmbedWorker {
 static CPU_FALLBACK_NOTICE: Once = Once::new();
 
 impl EmbedWorker {
+    /// Load the model under a session's settings (`flumen.model_dir`, `flumen.device`,
+    /// `flumen.embed_batch_size`, the CPU slots): for model-backed functions of your own
+    /// built on the same encoder, inside [`AcceleratorFunction::load`].
+    pub fn from_config(config: &ConfigOptions) -> Result<Self> {
+        Self::load(&EmbedSettings::from(config))
+    }
+
     fn load(settings: &EmbedSettings) -> Result<Self> {
         model_files::check_model_dir(&settings.model_dir)?;
         let tokenizer = SentenceTokenizer::load(&settings.model_dir)?;

@@ -1,0 +1,156 @@
+// Kernels of flumen's BERT forward on CUDA, compiled at run time by NVRTC.
+// Matrix products go to cuBLAS; these do the rest. Sequences are packed back to back
+// (no padding): token t belongs to sequence token_seq[t], which starts at seq_start[s]
+// and is seq_len[s] tokens long. Block sizes are multiples of 32.
+
+__device__ float block_sum(float v, float* red) {
+    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffff, v, o);
+    __syncthreads();
+    if (threadIdx.x % 32 == 0) red[threadIdx.x / 32] = v;
+    __syncthreads();
+    float total = 0.0f;
+    for (int w = 0; w < (blockDim.x + 31) / 32; ++w) total += red[w];
+    return total;
+}
+
+__device__ float block_max(float v, float* red) {
+    for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffff, v, o));
+    __syncthreads();
+    if (threadIdx.x % 32 == 0) red[threadIdx.x / 32] = v;
+    __syncthreads();
+    float best = -INFINITY;
+    for (int w = 0; w < (blockDim.x + 31) / 32; ++w) best = fmaxf(best, red[w]);
+    return best;
+}
+
+// out[t] = word[ids[t]] + position[positions[t]] + type0. One block per token.
+extern "C" __global__ void embed_tokens(const unsigned int* ids, const unsigned int* positions,
+                                        const float* word, const float* position,
+                                        const float* type0, float* out, int width) {
+    int t = blockIdx.x;
+    for (int i = threadIdx.x; i < width; i += blockDim.x) {
+        out[t * width + i] = word[ids[t] * width + i] + position[positions[t] * width + i] + type0[i];
+    }
+}
+
+// x[r, c] += bias[c] for a row-major [rows, width] matrix.
+extern "C" __global__ void add_bias(float* x, const float* bias, int width, long long n) {
+    for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < n;
+         i += (long long)gridDim.x * blockDim.x) {
+        x[i] += bias[i % width];
+    }
+}
+
+// x = gelu(x + bias), erf form. Row-major [rows, width].
+extern "C" __global__ void bias_gelu(float* x, const float* bias, int width, long long n) {
+    for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < n;
+         i += (long long)gridDim.x * blockDim.x) {
+        float v = x[i] + bias[i % width];
+        x[i] = 0.5f * v * (1.0f + erff(v * 0.70710678118654752f));
+    }
+}
+
+// out[row] = LayerNorm(x[row] + bias + residual[row]) · gamma + beta. One block per row;
+// shared memory: width + 32 floats. residual may be null.
+extern "C" __global__ void add_layer_norm(const float* x, const float* bias, const float* residual,
+                                          const float* gamma, const float* beta, float* out,
+                                          int width, float eps) {
+    extern __shared__ float shared[];
+    float* v = shared;
+    float* red = shared + width;
+    long long row = blockIdx.x;
+    float sum = 0.0f;
+    for (int i = threadIdx.x; i < width; i += blockDim.x) {
+        float a = x[row * width + i] + bias[i];
+        if (residual) a += residual[row * width + i];
+        v[i] = a;
+        sum += a;
+    }
+    float mean = block_sum(sum, red) / width;
+    float sq = 0.0f;
+    for (int i = threadIdx.x; i < width; i += blockDim.x) {
+        float d = v[i] - mean;
+        sq += d * d;
+    }
+    float inv = rsqrtf(block_sum(sq, red) / width + eps);
+    for (int i = threadIdx.x; i < width; i += blockDim.x) {
+        out[row * width + i] = (v[i] - mean) * inv * gamma[i] + beta[i];
+    }
+}
+
+// Self-attention of one query token over its own sequence, for one head.
+// Grid (tokens, heads); qkv rows are [q | k | v], 3 * heads * head_dim wide.
+// Shared memory: head_dim + max_len + blockDim floats. Needs head_dim <= blockDim.
+extern "C" __global__ void attention(const float* qkv, float* context,
+                                     const unsigned int* token_seq, const unsigned int* seq_start,
+                                     const unsigned int* seq_len, int heads, int head_dim,
+                                     int max_len, float scale) {
+    extern __shared__ float shared[];
+    float* q = shared;
+    float* p = shared + head_dim;
+    float* red = p + max_len;
+    int t = blockIdx.x, h = blockIdx.y;
+    int s = token_seq[t];
+    int start = seq_start[s], len = seq_len[s];
+    int hidden = heads * head_dim, stride = 3 * hidden;
+    for (int i = threadIdx.x; i < head_dim; i += blockDim.x) {
+        q[i] = qkv[(long long)t * stride + h * head_dim + i];
+    }
+    __syncthreads();
+    float best = -INFINITY;
+    for (int j = threadIdx.x; j < len; j += blockDim.x) {
+        const float* k = qkv + (long long)(start + j) * stride + hidden + h * head_dim;
+        float acc = 0.0f;
+        for (int d = 0; d < head_dim; ++d) acc += q[d] * k[d];
+        acc *= scale;
+        p[j] = acc;
+        best = fmaxf(best, acc);
+    }
+    best = block_max(best, red);
+    float sum = 0.0f;
+    for (int j = threadIdx.x; j < len; j += blockDim.x) {
+        float e = expf(p[j] - best);
+        p[j] = e;
+        sum += e;
+    }
+    sum = block_sum(sum, red);
+    __syncthreads();
+    int groups = blockDim.x / head_dim;
+    int d = threadIdx.x % head_dim, g = threadIdx.x / head_dim;
+    float acc = 0.0f;
+    if (g < groups) {
+        for (int j = g; j < len; j += groups) {
+            acc += p[j] * qkv[(long long)(start + j) * stride + 2 * hidden + h * head_dim + d];
+        }
+    }
+    red[threadIdx.x] = acc;
+    __syncthreads();
+    if (threadIdx.x < head_dim) {
+        float total = 0.0f;
+        for (int g2 = 0; g2 < groups; ++g2) total += red[g2 * head_dim + threadIdx.x];
+        context[(long long)t * hidden + h * head_dim + threadIdx.x] = total / sum;
+    }
+}
+
+// out[s] = normalize(mean of the sequence's token rows). One block per sequence;
+// shared memory: width + 32 floats.
+extern "C" __global__ void mean_pool_normalize(const float* x, const unsigned int* seq_start,
+                                               const unsigned int* seq_len, float* out, int width) {
+    extern __shared__ float shared[];
+    float* v = shared;
+    float* red = shared + width;
+    int s = blockIdx.x;
+    int start = seq_start[s], len = seq_len[s];
+    float sq = 0.0f;
+    for (int i = threadIdx.x; i < width; i += blockDim.x) {
+        float acc = 0.0f;
+        for (int t = 0; t < len; ++t) acc += x[(long long)(start + t) * width + i];
+        acc /= (float)(len > 0 ? len : 1);
+        v[i] = acc;
+        sq += acc * acc;
+    }
+    float norm = fmaxf(sqrtf(block_sum(sq, red)), 1e-12f);
+    for (int i = threadIdx.x; i < width; i += blockDim.x) {
+        out[(long long)s * width + i] = v[i] / norm;
+    }
+}
