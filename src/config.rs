@@ -171,7 +171,7 @@ extensions_options! {
         /// `~/.cache/flumen/models/all-MiniLM-L6-v2`.
         pub model_dir: String, default = String::new()
         /// Sentences per forward pass of `embed` (sorted by length inside a block first).
-        pub embed_batch_size: usize, default = 64
+        pub embed_batch_size: usize, default = 32
     }
 }
 

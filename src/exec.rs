@@ -13,6 +13,10 @@ use datafusion::physical_plan::{
     DisplayAs, DisplayFormatType, ExecutionPlan, PhysicalExpr, PlanProperties,
 };
 
+use datafusion::physical_plan::projection::ProjectionExec;
+
+use crate::accelerator::accelerator_functions_in;
+use crate::accelerator_projection::AcceleratorProjectionExec;
 use crate::config::FlumenConfig;
 use crate::operators::{Operator, OperatorGraph, Pool};
 use crate::scheduler::QueryRun;
@@ -136,6 +140,40 @@ pub struct OperatorExec {
     target_block_rows: usize,
     fragment: Arc<dyn ExecutionPlan>,
     stats: Arc<OperatorStats>,
+    /// Accelerator functions the operator runs, with what each worker occupies.
+    workers: Vec<String>,
+}
+
+/// `name(accelerators=A, cpu_threads=T)` for each accelerator function `plan` calls.
+fn accelerator_workers(plan: &Arc<dyn ExecutionPlan>, config: &FlumenConfig) -> Vec<String> {
+    let mut options = datafusion::config::ConfigOptions::new();
+    options.extensions.insert(config.clone());
+    let mut found = vec![];
+    let mut stack = vec![Arc::clone(plan)];
+    while let Some(node) = stack.pop() {
+        let projection = node
+            .downcast_ref::<AcceleratorProjectionExec>()
+            .map(|p| p.projection())
+            .or_else(|| node.downcast_ref::<ProjectionExec>());
+        if let Some(projection) = projection {
+            for expr in projection.expr() {
+                for func in accelerator_functions_in(&expr.expr) {
+                    let r = func.resources(&options);
+                    let text = format!(
+                        "{}(accelerators={}, cpu_threads={})",
+                        func.name(),
+                        r.accelerators,
+                        r.cpu_threads
+                    );
+                    if !found.contains(&text) {
+                        found.push(text);
+                    }
+                }
+            }
+        }
+        stack.extend(node.children().into_iter().cloned());
+    }
+    found
 }
 
 impl OperatorExec {
@@ -145,6 +183,10 @@ impl OperatorExec {
             slots: match op.pool {
                 Pool::Cpu => config.cpu_slots,
                 Pool::Accelerator => config.accelerator_slots,
+            },
+            workers: match op.pool {
+                Pool::Cpu => vec![],
+                Pool::Accelerator => accelerator_workers(&op.fragment, config),
             },
             target_block_rows: config.target_block_rows,
             id: op.id,
@@ -170,6 +212,9 @@ impl DisplayAs for OperatorExec {
                 )?;
                 if self.shape == "source" {
                     write!(f, ", splits={}", self.tasks_hint)?;
+                }
+                if !self.workers.is_empty() {
+                    write!(f, ", workers=[{}]", self.workers.join(", "))?;
                 }
                 Ok(())
             }

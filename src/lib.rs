@@ -15,6 +15,7 @@
 //! See `docs/architecture.md` for how the modules fit together.
 
 pub mod accelerator;
+pub mod accelerator_projection;
 pub mod block_store;
 pub mod config;
 pub mod embedding;
@@ -31,7 +32,8 @@ pub mod vector_functions;
 
 use std::sync::Arc;
 
-use datafusion::execution::SessionStateBuilder;
+use datafusion::execution::{SessionState, SessionStateBuilder};
+use datafusion::physical_optimizer::PhysicalOptimizerRule;
 use datafusion::prelude::{SessionConfig, SessionContext};
 
 pub use accelerator::{AcceleratorFunction, AcceleratorWorker, WorkerResources, accelerator_udf};
@@ -47,13 +49,12 @@ pub fn session(config: FlumenConfig) -> SessionContext {
 
 /// A flumen `SessionContext` built on the caller's DataFusion `SessionConfig`.
 pub fn session_with_config(session_config: SessionConfig, config: FlumenConfig) -> SessionContext {
-    let ctx = SessionContext::new_with_state(
-        SessionStateBuilder::new()
-            .with_config(flumen_session_config(session_config, config))
-            .with_default_features()
-            .with_query_planner(Arc::new(FlumenQueryPlanner::default()))
-            .build(),
-    );
+    let state = SessionStateBuilder::new()
+        .with_config(flumen_session_config(session_config, config))
+        .with_default_features()
+        .with_query_planner(Arc::new(FlumenQueryPlanner::default()))
+        .build();
+    let ctx = SessionContext::new_with_state(keep_accelerator_projections(state));
     register_functions(&ctx);
     ctx
 }
@@ -108,9 +109,26 @@ pub fn into_flumen(ctx: &SessionContext, config: FlumenConfig) -> SessionContext
         .options_mut()
         .catalog
         .create_default_catalog_and_schema = create_default_catalog;
-    let ctx = SessionContext::new_with_state(state);
+    let ctx = SessionContext::new_with_state(keep_accelerator_projections(state));
     register_functions(&ctx);
     ctx
+}
+
+/// Put [`KeepAcceleratorProjections`](accelerator_projection::KeepAcceleratorProjections)
+/// first among the session's physical optimizer rules (once).
+fn keep_accelerator_projections(state: SessionState) -> SessionState {
+    let rule = accelerator_projection::KeepAcceleratorProjections;
+    let mut rules: Vec<Arc<dyn PhysicalOptimizerRule + Send + Sync>> = vec![Arc::new(rule)];
+    rules.extend(
+        state
+            .physical_optimizers()
+            .iter()
+            .filter(|r| r.name() != "keep_accelerator_projections")
+            .cloned(),
+    );
+    SessionStateBuilder::new_from_existing(state)
+        .with_physical_optimizer_rules(rules)
+        .build()
 }
 
 /// The functions of a registry in an order that rebuilds the same name → function map:

@@ -28,6 +28,7 @@ use datafusion::physical_plan::{
 };
 
 use crate::accelerator::calls_accelerator_udf;
+use crate::accelerator_projection::AcceleratorProjectionExec;
 use crate::config::FlumenConfig;
 use crate::split_source::SplitSourceExec;
 use crate::stage_input::{InputExchange, StageInputExec};
@@ -226,12 +227,12 @@ impl Cutter {
             ));
             return replace_children_if_necessary(plan, vec![stage_input]);
         }
-        if let Some(projection) = plan.downcast_ref::<ProjectionExec>()
-            && projection
-                .expr()
-                .iter()
-                .any(|e| calls_accelerator_udf(&e.expr))
-        {
+        let accelerator_projection = plan
+            .downcast_ref::<AcceleratorProjectionExec>()
+            .map(|p| p.projection())
+            .or_else(|| plan.downcast_ref::<ProjectionExec>())
+            .filter(|p| p.expr().iter().any(|e| calls_accelerator_udf(&e.expr)));
+        if let Some(projection) = accelerator_projection {
             let input = Arc::clone(projection.input());
             let input_properties = Arc::clone(input.properties());
             let child = self.rewrite(input)?;
@@ -373,6 +374,7 @@ fn renumber(
 /// one block (or one source split) and the union of the outputs is the same answer.
 fn is_row_local(node: &Arc<dyn ExecutionPlan>) -> bool {
     if node.downcast_ref::<ProjectionExec>().is_some()
+        || node.downcast_ref::<AcceleratorProjectionExec>().is_some()
         || node.downcast_ref::<CooperativeExec>().is_some()
         || node.downcast_ref::<UnnestExec>().is_some()
     {

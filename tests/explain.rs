@@ -1,5 +1,6 @@
 //! Plan shapes: flumen's operators in `EXPLAIN`, checked as insta snapshots.
 
+use datafusion::arrow::array::AsArray;
 use datafusion::arrow::util::pretty::pretty_format_batches;
 use datafusion::prelude::SessionConfig;
 use flumen::FlumenConfig;
@@ -43,4 +44,42 @@ async fn explain_join_shows_the_collected_build_side() {
     insta::assert_snapshot!(
         explain("SELECT t.id, d.column2 FROM t JOIN d ON t.k = d.column1").await
     );
+}
+
+/// `embed` over a Parquet scan: DataFusion would merge the call into the scan's projection;
+/// flumen keeps it in an accelerator operator of its own, fed by the scan's source tasks.
+#[tokio::test]
+async fn explain_embed_over_parquet_gets_its_own_accelerator_operator() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("docs.parquet");
+    let ctx = flumen::session(FlumenConfig::default());
+    ctx.sql(&format!(
+        "COPY (SELECT x AS id, 'doc ' || x AS body FROM generate_series(1, 10) AS g(x)) TO '{}'",
+        path.display()
+    ))
+    .await
+    .unwrap()
+    .collect()
+    .await
+    .unwrap();
+    for setup in [
+        "SET flumen.cpu_slots = 2".to_string(),
+        "SET flumen.accelerator_slots = 1".to_string(),
+        "SET flumen.device = 'cpu'".to_string(),
+        "SET datafusion.explain.physical_plan_only = true".to_string(),
+        format!("CREATE EXTERNAL TABLE docs STORED AS PARQUET LOCATION '{}'", path.display()),
+    ] {
+        ctx.sql(&setup).await.unwrap().collect().await.unwrap();
+    }
+    let batches = ctx
+        .sql("EXPLAIN SELECT id, embed(body) AS v FROM docs")
+        .await
+        .unwrap()
+        .collect()
+        .await
+        .unwrap();
+    // The plan text alone, with the temp dir's path (varying length) replaced.
+    let dir_text = dir.path().display().to_string();
+    let plan = batches[0].column(1).as_string::<i32>().value(0);
+    insta::assert_snapshot!(plan.replace(dir_text.trim_start_matches('/'), "TMP"));
 }

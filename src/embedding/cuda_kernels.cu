@@ -18,7 +18,7 @@ __device__ float block_max(float v, float* red) {
     __syncthreads();
     if (threadIdx.x % 32 == 0) red[threadIdx.x / 32] = v;
     __syncthreads();
-    float best = -INFINITY;
+    float best = -__int_as_float(0x7f800000);
     for (int w = 0; w < (blockDim.x + 31) / 32; ++w) best = fmaxf(best, red[w]);
     return best;
 }
@@ -97,7 +97,7 @@ extern "C" __global__ void attention(const float* qkv, float* context,
         q[i] = qkv[(long long)t * stride + h * head_dim + i];
     }
     __syncthreads();
-    float best = -INFINITY;
+    float best = -__int_as_float(0x7f800000);
     for (int j = threadIdx.x; j < len; j += blockDim.x) {
         const float* k = qkv + (long long)(start + j) * stride + hidden + h * head_dim;
         float acc = 0.0f;

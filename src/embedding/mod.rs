@@ -131,15 +131,23 @@ impl EmbedWorker {
         let encoder: Box<dyn SentenceEncoder> = match settings.device {
             Device::Cpu => Box::new(cpu::CpuEncoder::new(weights, settings.threads)?),
             Device::Cuda => Box::new(cuda::CudaEncoder::new(weights)?),
-            Device::Auto => match cuda::CudaEncoder::new(Arc::clone(&weights)) {
-                Ok(encoder) => Box::new(encoder),
-                Err(why) => {
-                    CPU_FALLBACK_NOTICE.call_once(|| {
-                        eprintln!("flumen: embed() runs on the CPU ({why})");
+            Device::Auto => {
+                let cuda = cuda::probe_device_count()
+                    .map_err(|why| why.to_string())
+                    .and_then(|_| {
+                        cuda::CudaEncoder::new(Arc::clone(&weights))
+                            .map_err(|e| e.strip_backtrace().to_string())
                     });
-                    Box::new(cpu::CpuEncoder::new(weights, settings.threads)?)
+                match cuda {
+                    Ok(encoder) => Box::new(encoder),
+                    Err(why) => {
+                        CPU_FALLBACK_NOTICE.call_once(|| {
+                            eprintln!("flumen: embed() runs on the CPU ({why})");
+                        });
+                        Box::new(cpu::CpuEncoder::new(weights, settings.threads)?)
+                    }
                 }
-            },
+            }
         };
         Ok(Self { tokenizer, encoder, batch_size: settings.batch_size })
     }
