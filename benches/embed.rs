@@ -24,17 +24,106 @@ use flumen::FlumenConfig;
 use flumen::embedding::model_files;
 
 const WORDS: &[&str] = &[
-    "the", "model", "reads", "a", "table", "of", "documents", "and", "writes", "vectors", "to",
-    "parquet", "files", "while", "streaming", "batches", "through", "an", "accelerator", "pool",
-    "query", "engine", "schedules", "tasks", "on", "cpu", "workers", "memory", "budget", "keeps",
-    "blocks", "bounded", "lineage", "recomputes", "lost", "partitions", "quickly", "researchers",
-    "trained", "networks", "millions", "images", "weather", "market", "fell", "sharply", "monday",
-    "guitar", "stage", "password", "reset", "city", "river", "mountain", "coffee", "morning",
-    "children", "played", "football", "park", "scientists", "discovered", "new", "species",
-    "ocean", "deep", "computer", "science", "students", "learn", "rust", "programming", "fast",
-    "safe", "concurrent", "systems", "data", "lakehouse", "delta", "iceberg", "storage", "object",
-    "café", "naïve", "résumé", "über", "straße", "北京", "東京", "данные", "модель", "🚀", "✨",
-    "1234", "3.14", "e-mail", "http://example.org/x?y=1", "don't", "can't", "supercalifragilistic",
+    "the",
+    "model",
+    "reads",
+    "a",
+    "table",
+    "of",
+    "documents",
+    "and",
+    "writes",
+    "vectors",
+    "to",
+    "parquet",
+    "files",
+    "while",
+    "streaming",
+    "batches",
+    "through",
+    "an",
+    "accelerator",
+    "pool",
+    "query",
+    "engine",
+    "schedules",
+    "tasks",
+    "on",
+    "cpu",
+    "workers",
+    "memory",
+    "budget",
+    "keeps",
+    "blocks",
+    "bounded",
+    "lineage",
+    "recomputes",
+    "lost",
+    "partitions",
+    "quickly",
+    "researchers",
+    "trained",
+    "networks",
+    "millions",
+    "images",
+    "weather",
+    "market",
+    "fell",
+    "sharply",
+    "monday",
+    "guitar",
+    "stage",
+    "password",
+    "reset",
+    "city",
+    "river",
+    "mountain",
+    "coffee",
+    "morning",
+    "children",
+    "played",
+    "football",
+    "park",
+    "scientists",
+    "discovered",
+    "new",
+    "species",
+    "ocean",
+    "deep",
+    "computer",
+    "science",
+    "students",
+    "learn",
+    "rust",
+    "programming",
+    "fast",
+    "safe",
+    "concurrent",
+    "systems",
+    "data",
+    "lakehouse",
+    "delta",
+    "iceberg",
+    "storage",
+    "object",
+    "café",
+    "naïve",
+    "résumé",
+    "über",
+    "straße",
+    "北京",
+    "東京",
+    "данные",
+    "модель",
+    "🚀",
+    "✨",
+    "1234",
+    "3.14",
+    "e-mail",
+    "http://example.org/x?y=1",
+    "don't",
+    "can't",
+    "supercalifragilistic",
 ];
 
 /// Deterministic sentences of mixed length: most short, some long enough to be truncated.
@@ -54,7 +143,9 @@ fn sentences(n: usize) -> Vec<String> {
                 70..90 => 20 + next() % 41,
                 _ => 60 + next() % 241,
             };
-            let mut s: Vec<&str> = (0..words).map(|_| WORDS[(next() % WORDS.len() as u64) as usize]).collect();
+            let mut s: Vec<&str> = (0..words)
+                .map(|_| WORDS[(next() % WORDS.len() as u64) as usize])
+                .collect();
             s[0] = "The";
             s.join(" ") + "."
         })
@@ -85,7 +176,10 @@ fn parse_args() -> Args {
             "--sentences" => args.sentences = value().parse().expect("--sentences N"),
             "--threads" => args.threads = value().parse().expect("--threads N"),
             "--batch-sizes" => {
-                args.batch_sizes = value().split(',').map(|b| b.parse().expect("batch size")).collect()
+                args.batch_sizes = value()
+                    .split(',')
+                    .map(|b| b.parse().expect("batch size"))
+                    .collect()
             }
             "--python" => args.python = value(),
             "--bench" => {}
@@ -116,9 +210,16 @@ async fn flumen_rate(args: &Args, texts: &[String], batch_size: usize) -> Result
     let table = MemTable::try_new(Arc::clone(&schema), vec![batches])?;
     ctx.register_table("sentences", Arc::new(table))?;
     // Warm up: the worker loads the model once and keeps it.
-    ctx.sql("SELECT embed(body) FROM sentences LIMIT 64").await?.collect().await?;
+    ctx.sql("SELECT embed(body) FROM sentences LIMIT 64")
+        .await?
+        .collect()
+        .await?;
     let start = Instant::now();
-    let out = ctx.sql("SELECT embed(body) AS v FROM sentences").await?.collect().await?;
+    let out = ctx
+        .sql("SELECT embed(body) AS v FROM sentences")
+        .await?
+        .collect()
+        .await?;
     let seconds = start.elapsed().as_secs_f64();
     let rows: usize = out.iter().map(|b| b.num_rows()).sum();
     assert_eq!(rows, texts.len());
@@ -152,7 +253,10 @@ fn baseline_rate(args: &Args, texts: &[String]) -> Option<f64> {
             eprintln!(
                 "baseline failed (install sentence-transformers for {}): {}",
                 args.python,
-                String::from_utf8_lossy(&out.stderr).lines().last().unwrap_or("")
+                String::from_utf8_lossy(&out.stderr)
+                    .lines()
+                    .last()
+                    .unwrap_or("")
             );
             None
         }
@@ -176,7 +280,11 @@ async fn main() -> Result<()> {
         args.threads
     );
     let default_batch = FlumenConfig::default().embed_batch_size;
-    let sizes = if args.batch_sizes.is_empty() { vec![default_batch] } else { args.batch_sizes.clone() };
+    let sizes = if args.batch_sizes.is_empty() {
+        vec![default_batch]
+    } else {
+        args.batch_sizes.clone()
+    };
     let mut rates = vec![];
     for &size in &sizes {
         let rate = flumen_rate(&args, &texts, size).await?;

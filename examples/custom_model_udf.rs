@@ -15,8 +15,10 @@ use datafusion::arrow::datatypes::DataType;
 use datafusion::config::ConfigOptions;
 use datafusion::error::{DataFusionError, Result};
 use datafusion::logical_expr::{Signature, Volatility};
-use flumen::embedding::{EMBEDDING_DIM, EmbedWorker};
-use flumen::{AcceleratorFunction, AcceleratorWorker, FlumenConfig, accelerator_udf};
+use flumen::embedding::{EMBEDDING_DIM, EmbedFunction, EmbedWorker};
+use flumen::{
+    AcceleratorFunction, AcceleratorWorker, FlumenConfig, WorkerResources, accelerator_udf,
+};
 
 /// `topic(text)`: the label whose embedding is closest to the text's.
 #[derive(Debug)]
@@ -47,10 +49,18 @@ impl AcceleratorFunction for TopicFunction {
         let labels: Vec<Option<&str>> = self.labels.iter().map(|l| Some(l.as_str())).collect();
         let label_vectors = encoder.embed(&labels)?;
         println!("topic(): worker loaded the model on {}", encoder.device());
-        Ok(Box::new(TopicWorker { encoder, labels: self.labels.clone(), label_vectors }))
+        Ok(Box::new(TopicWorker {
+            encoder,
+            labels: self.labels.clone(),
+            label_vectors,
+        }))
     }
     fn batch_rows(&self, _: &ConfigOptions) -> Option<usize> {
         Some(512)
+    }
+    fn resources(&self, config: &ConfigOptions) -> WorkerResources {
+        // Whatever embed() would occupy under these settings (GPU or CPU threads).
+        EmbedFunction::default().resources(config)
     }
 }
 
@@ -59,7 +69,11 @@ impl AcceleratorWorker for TopicWorker {
         let texts: Vec<Option<&str>> = match args[0].data_type() {
             DataType::Utf8 => args[0].as_string::<i32>().iter().collect(),
             DataType::Utf8View => args[0].as_string_view().iter().collect(),
-            other => return Err(DataFusionError::Execution(format!("topic() takes text, got {other}"))),
+            other => {
+                return Err(DataFusionError::Execution(format!(
+                    "topic() takes text, got {other}"
+                )));
+            }
         };
         let vectors = self.encoder.embed(&texts)?;
         let dim = EMBEDDING_DIM as usize;
@@ -82,7 +96,9 @@ impl AcceleratorWorker for TopicWorker {
 async fn main() -> Result<()> {
     let ctx = flumen::session(FlumenConfig::default());
     ctx.register_udf(accelerator_udf(TopicFunction {
-        labels: ["sports", "finance", "cooking", "computers", "weather"].map(String::from).to_vec(),
+        labels: ["sports", "finance", "cooking", "computers", "weather"]
+            .map(String::from)
+            .to_vec(),
         signature: Signature::string(1, Volatility::Immutable),
     }));
     let sql = "SELECT t, topic(t) AS topic FROM (VALUES \

@@ -1,6 +1,6 @@
 //! Parquet in → features → Parquet out, on flumen's streaming executor.
 //!
-//! With no arguments it generates a demo `docs` table (20,000 deterministic text rows) under
+//! With no arguments it generates a demo `docs` table (10,000 deterministic text rows) under
 //! `target/flumen-demo/`, computes per-document features with SQL — among them a 384-wide
 //! sentence embedding, `embed(body)`, on the accelerator pool — writes them to
 //! `target/flumen-demo/features.parquet`, then runs a semantic search over what it wrote.
@@ -79,7 +79,7 @@ async fn main() -> Result<()> {
                 let rows = std::env::var("FLUMEN_DEMO_ROWS")
                     .ok()
                     .and_then(|r| r.parse().ok())
-                    .unwrap_or(20_000);
+                    .unwrap_or(10_000);
                 write_demo_docs(&input, rows)?;
             }
             (input, demo_dir.join("features.parquet"))

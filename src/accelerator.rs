@@ -40,7 +40,10 @@ pub struct WorkerResources {
 
 impl Default for WorkerResources {
     fn default() -> Self {
-        Self { accelerators: 1, cpu_threads: 1 }
+        Self {
+            accelerators: 1,
+            cpu_threads: 1,
+        }
     }
 }
 

@@ -88,9 +88,12 @@ impl ExecutionPlan for AcceleratorProjectionExec {
             children,
             ReplaceChildrenOptions::new(ChildrenPropertiesMode::Recompute),
         )?;
-        let projection = rebuilt.downcast_ref::<ProjectionExec>().cloned().ok_or_else(|| {
-            DataFusionError::Internal("ProjectionExec rebuilt as another node".into())
-        })?;
+        let projection = rebuilt
+            .downcast_ref::<ProjectionExec>()
+            .cloned()
+            .ok_or_else(|| {
+                DataFusionError::Internal("ProjectionExec rebuilt as another node".into())
+            })?;
         Ok(Arc::new(Self::new(Arc::new(projection))))
     }
 
@@ -115,7 +118,10 @@ impl PhysicalOptimizerRule for KeepAcceleratorProjections {
     ) -> Result<Arc<dyn ExecutionPlan>> {
         plan.transform_up(|node| {
             if let Some(projection) = node.downcast_ref::<ProjectionExec>()
-                && projection.expr().iter().any(|e| calls_accelerator_udf(&e.expr))
+                && projection
+                    .expr()
+                    .iter()
+                    .any(|e| calls_accelerator_udf(&e.expr))
             {
                 let wrapped = AcceleratorProjectionExec::new(Arc::new(projection.clone()));
                 return Ok(Transformed::yes(Arc::new(wrapped) as Arc<dyn ExecutionPlan>));

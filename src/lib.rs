@@ -97,7 +97,9 @@ pub fn into_flumen(ctx: &SessionContext, config: FlumenConfig) -> SessionContext
     let scalar = registration_order(state.scalar_functions(), |f| f.aliases());
     let aggregate = registration_order(state.aggregate_functions(), |f| f.aliases());
     let window = registration_order(state.window_functions(), |f| f.aliases());
+    let rules = flumen_optimizer_rules(state.physical_optimizers());
     let mut state = SessionStateBuilder::new_from_existing(state)
+        .with_physical_optimizer_rules(rules)
         .with_config(session_config)
         .with_scalar_functions(scalar)
         .with_aggregate_functions(aggregate)
@@ -109,7 +111,7 @@ pub fn into_flumen(ctx: &SessionContext, config: FlumenConfig) -> SessionContext
         .options_mut()
         .catalog
         .create_default_catalog_and_schema = create_default_catalog;
-    let ctx = SessionContext::new_with_state(keep_accelerator_projections(state));
+    let ctx = SessionContext::new_with_state(state);
     register_functions(&ctx);
     ctx
 }
@@ -117,18 +119,25 @@ pub fn into_flumen(ctx: &SessionContext, config: FlumenConfig) -> SessionContext
 /// Put [`KeepAcceleratorProjections`](accelerator_projection::KeepAcceleratorProjections)
 /// first among the session's physical optimizer rules (once).
 fn keep_accelerator_projections(state: SessionState) -> SessionState {
+    let rules = flumen_optimizer_rules(state.physical_optimizers());
+    SessionStateBuilder::new_from_existing(state)
+        .with_physical_optimizer_rules(rules)
+        .build()
+}
+
+/// `existing` with `KeepAcceleratorProjections` first (and only once).
+fn flumen_optimizer_rules(
+    existing: &[Arc<dyn PhysicalOptimizerRule + Send + Sync>],
+) -> Vec<Arc<dyn PhysicalOptimizerRule + Send + Sync>> {
     let rule = accelerator_projection::KeepAcceleratorProjections;
     let mut rules: Vec<Arc<dyn PhysicalOptimizerRule + Send + Sync>> = vec![Arc::new(rule)];
     rules.extend(
-        state
-            .physical_optimizers()
+        existing
             .iter()
             .filter(|r| r.name() != "keep_accelerator_projections")
             .cloned(),
     );
-    SessionStateBuilder::new_from_existing(state)
-        .with_physical_optimizer_rules(rules)
-        .build()
+    rules
 }
 
 /// The functions of a registry in an order that rebuilds the same name → function map:

@@ -141,12 +141,17 @@ mod tests {
         while pool.workers() > 1 && std::time::Instant::now() < deadline {
             std::thread::sleep(Duration::from_millis(20));
         }
-        assert_eq!(pool.workers(), 1, "idle workers did not shrink to the minimum");
+        assert_eq!(
+            pool.workers(),
+            1,
+            "idle workers did not shrink to the minimum"
+        );
         // A job still runs on the remaining worker.
         let (tx, rx) = mpsc::channel();
         pool.submit(Box::new(move || {
             async move {
-                tx.send(std::thread::current().name().unwrap().to_string()).unwrap();
+                tx.send(std::thread::current().name().unwrap().to_string())
+                    .unwrap();
             }
             .boxed()
         }));

@@ -181,9 +181,13 @@ impl QueryRun {
             .session_config()
             .get_extension::<AcceleratorPool>()
             .unwrap_or_default();
-        let min_accel = config.accelerator_min_slots.clamp(1, config.accelerator_slots);
+        let min_accel = config
+            .accelerator_min_slots
+            .clamp(1, config.accelerator_slots);
         accelerators.configure(min_accel, Duration::from_secs(config.accelerator_idle_secs));
-        let accelerator_target = accelerators.workers().clamp(min_accel, config.accelerator_slots);
+        let accelerator_target = accelerators
+            .workers()
+            .clamp(min_accel, config.accelerator_slots);
         accelerators.ensure_workers(accelerator_target);
         let dropper = base.session_config().get_extension::<BlockDropper>();
         let mut state = RunState {

@@ -38,7 +38,13 @@ impl VectorOp {
     fn apply(self, a: &[f64], b: &[f64]) -> Option<f64> {
         match self {
             Self::Dot => Some(a.iter().zip(b).map(|(x, y)| x * y).sum()),
-            Self::L2 => Some(a.iter().zip(b).map(|(x, y)| (x - y) * (x - y)).sum::<f64>().sqrt()),
+            Self::L2 => Some(
+                a.iter()
+                    .zip(b)
+                    .map(|(x, y)| (x - y) * (x - y))
+                    .sum::<f64>()
+                    .sqrt(),
+            ),
             Self::Cosine => {
                 let dot: f64 = a.iter().zip(b).map(|(x, y)| x * y).sum();
                 let na: f64 = a.iter().map(|x| x * x).sum::<f64>().sqrt();
@@ -59,7 +65,10 @@ pub struct VectorFunction {
 impl VectorFunction {
     /// The function for `op`.
     pub fn new(op: VectorOp) -> Self {
-        Self { op, signature: Signature::any(2, Volatility::Immutable) }
+        Self {
+            op,
+            signature: Signature::any(2, Volatility::Immutable),
+        }
     }
 }
 
@@ -74,7 +83,10 @@ pub fn vector_functions() -> Vec<ScalarUDF> {
 fn is_float_list(t: &DataType) -> bool {
     match t {
         DataType::FixedSizeList(f, _) | DataType::List(f) | DataType::LargeList(f) => {
-            matches!(f.data_type(), DataType::Float16 | DataType::Float32 | DataType::Float64)
+            matches!(
+                f.data_type(),
+                DataType::Float16 | DataType::Float32 | DataType::Float64
+            )
         }
         DataType::Null => true,
         _ => false,
@@ -112,7 +124,10 @@ impl ScalarUDFImpl for VectorFunction {
                 continue;
             }
             let (va, vb) = (a.value(row), b.value(row));
-            let (va, vb) = (va.as_primitive::<Float64Type>(), vb.as_primitive::<Float64Type>());
+            let (va, vb) = (
+                va.as_primitive::<Float64Type>(),
+                vb.as_primitive::<Float64Type>(),
+            );
             if va.len() != vb.len() {
                 return Err(DataFusionError::Execution(format!(
                     "{}(): vectors of different lengths ({} and {})",

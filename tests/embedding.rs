@@ -19,7 +19,10 @@ struct Reference {
 }
 
 fn references() -> Vec<Reference> {
-    let path = concat!(env!("CARGO_MANIFEST_DIR"), "/../shared/fixtures/minilm-reference.jsonl");
+    let path = concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/../shared/fixtures/minilm-reference.jsonl"
+    );
     let text = std::fs::read_to_string(path).unwrap_or_else(|e| panic!("read {path}: {e}"));
     text.lines()
         .map(|line| {
@@ -46,7 +49,9 @@ fn cosine(a: &[f32], b: &[f32]) -> f64 {
 
 async fn session(device: &str) -> SessionContext {
     let ctx = flumen::session(FlumenConfig::default());
-    ctx.sql(&format!("SET flumen.device = '{device}'")).await.unwrap();
+    ctx.sql(&format!("SET flumen.device = '{device}'"))
+        .await
+        .unwrap();
     ctx
 }
 
@@ -69,7 +74,11 @@ async fn check_against_references(device: &str, min_cosine: f64) {
     let mut worst = f64::MAX;
     for b in &batches {
         let texts = b.column(0).as_string::<i32>();
-        let vectors = b.column(1).as_any().downcast_ref::<FixedSizeListArray>().unwrap();
+        let vectors = b
+            .column(1)
+            .as_any()
+            .downcast_ref::<FixedSizeListArray>()
+            .unwrap();
         assert_eq!(vectors.value_length(), 384);
         for row in 0..b.num_rows() {
             let text = texts.value(row);
@@ -117,7 +126,11 @@ async fn nulls_and_every_string_type() {
     let b = &batches[0];
     assert_eq!(b.num_rows(), 3);
     for col in 0..3 {
-        let v = b.column(col).as_any().downcast_ref::<FixedSizeListArray>().unwrap();
+        let v = b
+            .column(col)
+            .as_any()
+            .downcast_ref::<FixedSizeListArray>()
+            .unwrap();
         assert!(v.is_valid(0) && v.is_null(1) && v.is_valid(2));
         let first = v.value(0);
         let first = first.as_primitive::<Float32Type>().values();
@@ -138,8 +151,14 @@ async fn long_text_is_truncated_at_256_tokens() {
                 cosine_similarity(embed('{words}'), embed('a cat')) AS different"
     );
     let batches = ctx.sql(&sql).await.unwrap().collect().await.unwrap();
-    let same = batches[0].column(0).as_primitive::<datafusion::arrow::datatypes::Float64Type>().value(0);
-    let different = batches[0].column(1).as_primitive::<datafusion::arrow::datatypes::Float64Type>().value(0);
+    let same = batches[0]
+        .column(0)
+        .as_primitive::<datafusion::arrow::datatypes::Float64Type>()
+        .value(0);
+    let different = batches[0]
+        .column(1)
+        .as_primitive::<datafusion::arrow::datatypes::Float64Type>()
+        .value(0);
     // Everything after token 256 is cut: both texts embed identically.
     assert!(same > 0.999999, "{same}");
     assert!(different < 0.5, "{different}");
@@ -156,8 +175,15 @@ async fn similar_sentences_rank_first() {
                ORDER BY s DESC";
     let batches = ctx.sql(sql).await.unwrap().collect().await.unwrap();
     let b = &batches[0];
-    assert_eq!(b.column(0).as_string::<i32>().value(0), "Someone is playing an instrument on stage.");
-    let f64s = |c: usize| b.column(c).as_primitive::<datafusion::arrow::datatypes::Float64Type>().clone();
+    assert_eq!(
+        b.column(0).as_string::<i32>().value(0),
+        "Someone is playing an instrument on stage."
+    );
+    let f64s = |c: usize| {
+        b.column(c)
+            .as_primitive::<datafusion::arrow::datatypes::Float64Type>()
+            .clone()
+    };
     let (s, d, l) = (f64s(1), f64s(2), f64s(3));
     for row in 0..3 {
         // Unit vectors: dot = cosine and |a-b|² = 2 - 2 cos.
@@ -169,10 +195,21 @@ async fn similar_sentences_rank_first() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn bad_input_gets_clear_errors() {
     let ctx = session("cpu").await;
-    let err = ctx.sql("SELECT embed(42)").await.err().map(|e| e.to_string());
+    let err = ctx
+        .sql("SELECT embed(42)")
+        .await
+        .err()
+        .map(|e| e.to_string());
     let err = match err {
         Some(e) => e,
-        None => ctx.sql("SELECT embed(42)").await.unwrap().collect().await.unwrap_err().to_string(),
+        None => ctx
+            .sql("SELECT embed(42)")
+            .await
+            .unwrap()
+            .collect()
+            .await
+            .unwrap_err()
+            .to_string(),
     };
     assert!(err.contains("embed"), "{err}");
     let err = ctx
@@ -181,13 +218,37 @@ async fn bad_input_gets_clear_errors() {
         .err()
         .expect("text is not a vector")
         .to_string();
-    assert!(err.contains("cosine_similarity") && err.contains("vectors"), "{err}");
+    assert!(
+        err.contains("cosine_similarity") && err.contains("vectors"),
+        "{err}"
+    );
     let missing = tempfile::tempdir().unwrap();
-    ctx.sql(&format!("SET flumen.model_dir = '{}'", missing.path().display())).await.unwrap();
-    let err = ctx.sql("SELECT embed('hi')").await.unwrap().collect().await.unwrap_err().to_string();
-    assert!(err.contains("not found") && err.contains("install-model"), "{err}");
+    ctx.sql(&format!(
+        "SET flumen.model_dir = '{}'",
+        missing.path().display()
+    ))
+    .await
+    .unwrap();
+    let err = ctx
+        .sql("SELECT embed('hi')")
+        .await
+        .unwrap()
+        .collect()
+        .await
+        .unwrap_err()
+        .to_string();
+    assert!(
+        err.contains("not found") && err.contains("install-model"),
+        "{err}"
+    );
     // The session goes on.
     ctx.sql("SET flumen.model_dir = ''").await.unwrap();
-    let ok = ctx.sql("SELECT embed('hi') IS NOT NULL").await.unwrap().collect().await.unwrap();
+    let ok = ctx
+        .sql("SELECT embed('hi') IS NOT NULL")
+        .await
+        .unwrap()
+        .collect()
+        .await
+        .unwrap();
     assert_eq!(ok[0].num_rows(), 1);
 }

@@ -10,6 +10,7 @@ use common::*;
 use datafusion::arrow::array::{ArrayRef, StringArray};
 use datafusion::arrow::datatypes::DataType;
 use datafusion::common::cast::as_int64_array;
+use datafusion::config::ConfigOptions;
 use datafusion::error::Result;
 use datafusion::logical_expr::{
     ColumnarValue, ScalarFunctionArgs, ScalarUDF, ScalarUDFImpl, Signature, Volatility,
@@ -18,7 +19,6 @@ use datafusion::physical_plan::{ExecutionPlan, collect};
 use datafusion::prelude::SessionConfig;
 use flumen::exec::FlumenExec;
 use flumen::operators::Pool;
-use datafusion::config::ConfigOptions;
 use flumen::{AcceleratorFunction, AcceleratorWorker, BlockDropper, FlumenConfig, accelerator_udf};
 
 async fn check_all(settings: &[&str]) {
@@ -318,10 +318,20 @@ async fn accelerator_udfs_run_on_the_accelerator_pool_in_full_batches() {
     let n = calls.load(Ordering::Relaxed);
     assert!(n <= 20_000 / 4096 + 4, "{n} calls");
     // Each of the two workers loaded its state once, and keeps it for the next query.
-    assert!(loads.load(Ordering::Relaxed) <= 2, "{} loads", loads.load(Ordering::Relaxed));
-    let before = loads.load(Ordering::Relaxed);
-    run_plan(&f, sql).await;
-    assert_eq!(loads.load(Ordering::Relaxed), before, "a second query reloaded the workers");
+    assert!(
+        loads.load(Ordering::Relaxed) <= 2,
+        "{} loads",
+        loads.load(Ordering::Relaxed)
+    );
+    // Later queries reuse the loaded workers: at most one load per worker (2) in total.
+    for _ in 0..3 {
+        run_plan(&f, sql).await;
+    }
+    let total = loads.load(Ordering::Relaxed);
+    assert!(
+        total <= 2,
+        "{total} loads for 2 workers over 4 queries: workers reloaded"
+    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -67,7 +67,10 @@ async fn explain_embed_over_parquet_gets_its_own_accelerator_operator() {
         "SET flumen.accelerator_slots = 1".to_string(),
         "SET flumen.device = 'cpu'".to_string(),
         "SET datafusion.explain.physical_plan_only = true".to_string(),
-        format!("CREATE EXTERNAL TABLE docs STORED AS PARQUET LOCATION '{}'", path.display()),
+        format!(
+            "CREATE EXTERNAL TABLE docs STORED AS PARQUET LOCATION '{}'",
+            path.display()
+        ),
     ] {
         ctx.sql(&setup).await.unwrap().collect().await.unwrap();
     }

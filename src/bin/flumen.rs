@@ -19,10 +19,17 @@ use flumen::embedding::model_files;
 fn main() -> ExitCode {
     let args: Vec<String> = std::env::args().skip(1).collect();
     if args.first().map(String::as_str) == Some("install-model") {
-        let dir = args.get(1).map(PathBuf::from).unwrap_or_else(|| model_files::model_dir(""));
+        let dir = args
+            .get(1)
+            .map(PathBuf::from)
+            .unwrap_or_else(|| model_files::model_dir(""));
         return match model_files::install_model(&dir) {
             Ok(dir) => {
-                println!("model {} ready in {}", model_files::MODEL_NAME, dir.display());
+                println!(
+                    "model {} ready in {}",
+                    model_files::MODEL_NAME,
+                    dir.display()
+                );
                 ExitCode::SUCCESS
             }
             Err(e) => {
@@ -68,7 +75,11 @@ fn main() -> ExitCode {
             }
         }
     }
-    if failed { ExitCode::FAILURE } else { ExitCode::SUCCESS }
+    if failed {
+        ExitCode::FAILURE
+    } else {
+        ExitCode::SUCCESS
+    }
 }
 
 async fn run_statement(ctx: &datafusion::prelude::SessionContext, sql: &str) -> Result<()> {

