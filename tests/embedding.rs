@@ -12,6 +12,9 @@ use datafusion::arrow::record_batch::RecordBatch;
 use datafusion::prelude::SessionContext;
 use flumen::FlumenConfig;
 
+mod common;
+use common::{collect, try_collect};
+
 /// One fixture row: a text and the embedding sentence-transformers computed for it.
 struct Reference {
     text: String,
@@ -49,9 +52,7 @@ fn cosine(a: &[f32], b: &[f32]) -> f64 {
 
 async fn session(device: &str) -> SessionContext {
     let ctx = flumen::session(FlumenConfig::default());
-    ctx.sql(&format!("SET flumen.device = '{device}'"))
-        .await
-        .unwrap();
+    collect(&ctx, &format!("SET flumen.device = '{device}'")).await;
     ctx
 }
 
@@ -63,13 +64,7 @@ async fn check_against_references(device: &str, min_cosine: f64) {
     let schema = Arc::new(Schema::new(vec![Field::new("text", DataType::Utf8, false)]));
     let batch = RecordBatch::try_new(schema, vec![Arc::new(texts)]).unwrap();
     ctx.register_batch("refs", batch).unwrap();
-    let batches = ctx
-        .sql("SELECT text, embed(text) AS v FROM refs")
-        .await
-        .unwrap()
-        .collect()
-        .await
-        .unwrap();
+    let batches = collect(&ctx, "SELECT text, embed(text) AS v FROM refs").await;
     let mut seen = 0;
     let mut worst = f64::MAX;
     for b in &batches {
@@ -112,17 +107,13 @@ async fn cuda_matches_sentence_transformers() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn nulls_and_every_string_type() {
     let ctx = session("cpu").await;
-    let batches = ctx
-        .sql(
-            "SELECT embed(CAST(t AS VARCHAR)) AS a, embed(arrow_cast(t, 'LargeUtf8')) AS b, \
-                    embed(arrow_cast(t, 'Utf8View')) AS c \
-             FROM (VALUES ('a red fox'), (NULL), ('')) AS v(t)",
-        )
-        .await
-        .unwrap()
-        .collect()
-        .await
-        .unwrap();
+    let batches = collect(
+        &ctx,
+        "SELECT embed(CAST(t AS VARCHAR)) AS a, embed(arrow_cast(t, 'LargeUtf8')) AS b, \
+                embed(arrow_cast(t, 'Utf8View')) AS c \
+         FROM (VALUES ('a red fox'), (NULL), ('')) AS v(t)",
+    )
+    .await;
     let b = &batches[0];
     assert_eq!(b.num_rows(), 3);
     for col in 0..3 {
@@ -150,7 +141,7 @@ async fn long_text_is_truncated_at_256_tokens() {
         "SELECT cosine_similarity(embed('{words}'), embed('{longer}')) AS same, \
                 cosine_similarity(embed('{words}'), embed('a cat')) AS different"
     );
-    let batches = ctx.sql(&sql).await.unwrap().collect().await.unwrap();
+    let batches = collect(&ctx, &sql).await;
     let same = batches[0]
         .column(0)
         .as_primitive::<datafusion::arrow::datatypes::Float64Type>()
@@ -173,7 +164,7 @@ async fn similar_sentences_rank_first() {
                FROM (VALUES ('Someone is playing an instrument on stage.'), \
                             ('The stock market fell sharply.'), ('A cat sleeps.')) AS v(t) \
                ORDER BY s DESC";
-    let batches = ctx.sql(sql).await.unwrap().collect().await.unwrap();
+    let batches = collect(&ctx, sql).await;
     let b = &batches[0];
     assert_eq!(
         b.column(0).as_string::<i32>().value(0),
@@ -195,60 +186,33 @@ async fn similar_sentences_rank_first() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn bad_input_gets_clear_errors() {
     let ctx = session("cpu").await;
-    let err = ctx
-        .sql("SELECT embed(42)")
-        .await
-        .err()
-        .map(|e| e.to_string());
-    let err = match err {
-        Some(e) => e,
-        None => ctx
-            .sql("SELECT embed(42)")
-            .await
-            .unwrap()
-            .collect()
-            .await
-            .unwrap_err()
-            .to_string(),
+    let error = |sql: &'static str| {
+        let ctx = ctx.clone();
+        async move {
+            try_collect(&ctx, sql)
+                .await
+                .err()
+                .unwrap_or_else(|| panic!("{sql} should fail"))
+                .to_string()
+        }
     };
+    let err = error("SELECT embed(42)").await;
     assert!(err.contains("embed"), "{err}");
-    let err = ctx
-        .sql("SELECT cosine_similarity('a', 'b')")
-        .await
-        .err()
-        .expect("text is not a vector")
-        .to_string();
+    let err = error("SELECT cosine_similarity('a', 'b')").await;
     assert!(
         err.contains("cosine_similarity") && err.contains("vectors"),
         "{err}"
     );
     let missing = tempfile::tempdir().unwrap();
-    ctx.sql(&format!(
-        "SET flumen.model_dir = '{}'",
-        missing.path().display()
-    ))
-    .await
-    .unwrap();
-    let err = ctx
-        .sql("SELECT embed('hi')")
-        .await
-        .unwrap()
-        .collect()
-        .await
-        .unwrap_err()
-        .to_string();
+    let set_dir = format!("SET flumen.model_dir = '{}'", missing.path().display());
+    collect(&ctx, &set_dir).await;
+    let err = error("SELECT embed('hi')").await;
     assert!(
         err.contains("not found") && err.contains("install-model"),
         "{err}"
     );
     // The session goes on.
-    ctx.sql("SET flumen.model_dir = ''").await.unwrap();
-    let ok = ctx
-        .sql("SELECT embed('hi') IS NOT NULL")
-        .await
-        .unwrap()
-        .collect()
-        .await
-        .unwrap();
+    collect(&ctx, "SET flumen.model_dir = ''").await;
+    let ok = collect(&ctx, "SELECT embed('hi') IS NOT NULL").await;
     assert_eq!(ok[0].num_rows(), 1);
 }

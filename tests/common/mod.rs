@@ -105,6 +105,21 @@ pub async fn flumen_ctx(settings: &[&str]) -> SessionContext {
     ctx
 }
 
+/// Run one statement and collect its result, or return its error (planning or execution).
+pub async fn try_collect(
+    ctx: &SessionContext,
+    sql: &str,
+) -> datafusion::error::Result<Vec<RecordBatch>> {
+    ctx.sql(sql).await?.collect().await
+}
+
+/// Run one statement that must succeed and collect its result.
+pub async fn collect(ctx: &SessionContext, sql: &str) -> Vec<RecordBatch> {
+    try_collect(ctx, sql)
+        .await
+        .unwrap_or_else(|e| panic!("{sql}: {e}"))
+}
+
 /// Rows of a result as text lines, sorted unless `ordered`.
 pub fn rows(batches: &[RecordBatch], ordered: bool) -> Vec<String> {
     let text = pretty_format_batches(batches).unwrap().to_string();
