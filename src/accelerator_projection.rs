@@ -6,6 +6,11 @@
 //! rule of a flumen session, wraps every `ProjectionExec` that calls an accelerator UDF in an
 //! [`AcceleratorProjectionExec`], which no DataFusion rule merges or moves, so the planner can
 //! cut it out as an accelerator operator.
+//!
+//! CPU work in such a projection — the arguments of a model call (`embed(clean_text(body))`)
+//! and expressions that call no model — is first moved into a plain `ProjectionExec` below
+//! it ([`split_cpu_work`]), so it runs in CPU tasks and the accelerator workers only run
+//! models.
 
 use std::fmt;
 use std::sync::Arc;
@@ -14,14 +19,17 @@ use datafusion::common::tree_node::{Transformed, TreeNode, TreeNodeRecursion};
 use datafusion::config::ConfigOptions;
 use datafusion::error::{DataFusionError, Result};
 use datafusion::execution::{SendableRecordBatchStream, TaskContext};
+use datafusion::physical_expr::ScalarFunctionExpr;
+use datafusion::physical_expr::expressions::{Column, Literal};
+use datafusion::physical_expr::utils::collect_columns;
 use datafusion::physical_optimizer::PhysicalOptimizerRule;
 use datafusion::physical_plan::execution_plan::{ChildrenPropertiesMode, ReplaceChildrenOptions};
-use datafusion::physical_plan::projection::ProjectionExec;
+use datafusion::physical_plan::projection::{ProjectionExec, ProjectionExpr};
 use datafusion::physical_plan::{
     DisplayAs, DisplayFormatType, ExecutionPlan, PhysicalExpr, PlanProperties,
 };
 
-use crate::accelerator::calls_accelerator_udf;
+use crate::accelerator::{accelerator_function, calls_accelerator_udf};
 
 /// A `ProjectionExec` that calls an accelerator UDF, held where the query put it.
 #[derive(Debug, Clone)]
@@ -123,7 +131,8 @@ impl PhysicalOptimizerRule for KeepAcceleratorProjections {
                     .iter()
                     .any(|e| calls_accelerator_udf(&e.expr))
             {
-                let wrapped = AcceleratorProjectionExec::new(Arc::new(projection.clone()));
+                let projection = split_cpu_work(projection)?;
+                let wrapped = AcceleratorProjectionExec::new(Arc::new(projection));
                 return Ok(Transformed::yes(Arc::new(wrapped) as Arc<dyn ExecutionPlan>));
             }
             Ok(Transformed::no(node))
@@ -138,4 +147,133 @@ impl PhysicalOptimizerRule for KeepAcceleratorProjections {
     fn schema_check(&self) -> bool {
         true
     }
+}
+
+/// Split a projection calling accelerator UDFs in two: a plain projection below that computes
+/// the CPU work (every argument of a model call that is neither a column nor a literal nor
+/// itself calls a model, and every output expression that calls no model), and the returned
+/// projection above it that only calls the models over columns. Without CPU work, the
+/// projection comes back unchanged.
+pub fn split_cpu_work(projection: &ProjectionExec) -> Result<ProjectionExec> {
+    let input = projection.input();
+    let input_schema = input.schema();
+    let input_len = input_schema.fields().len();
+    let mut hoisted: Vec<Arc<dyn PhysicalExpr>> = vec![];
+    let mut upper = vec![];
+    for e in projection.expr() {
+        let expr = if !calls_accelerator_udf(&e.expr) && is_cpu_work(&e.expr) {
+            hoisted_column(&e.expr, input_len, &mut hoisted)
+        } else {
+            hoist_model_arguments(&e.expr, input_len, &mut hoisted)?
+        };
+        upper.push((expr, e.alias.clone()));
+    }
+    if hoisted.is_empty() {
+        return Ok(projection.clone());
+    }
+    // The projection below passes on the input columns still used above, then the hoisted
+    // expressions; the expressions above are renumbered to read its output.
+    let mut used: Vec<Column> = upper
+        .iter()
+        .flat_map(|(e, _)| collect_columns(e))
+        .filter(|c| c.index() < input_len)
+        .collect();
+    used.sort_by_key(|c| c.index());
+    used.dedup_by_key(|c| c.index());
+    let mut position = vec![usize::MAX; input_len + hoisted.len()];
+    let mut lower = vec![];
+    for (i, column) in used.iter().enumerate() {
+        position[column.index()] = i;
+        lower.push(ProjectionExpr {
+            expr: Arc::new(column.clone()) as Arc<dyn PhysicalExpr>,
+            alias: input_schema.field(column.index()).name().clone(),
+        });
+    }
+    for (k, expr) in hoisted.into_iter().enumerate() {
+        position[input_len + k] = used.len() + k;
+        lower.push(ProjectionExpr {
+            expr,
+            alias: hoisted_name(k),
+        });
+    }
+    let lower: Arc<dyn ExecutionPlan> =
+        Arc::new(ProjectionExec::try_new(lower, Arc::clone(input))?);
+    let upper = upper
+        .into_iter()
+        .map(|(expr, alias)| {
+            let expr = expr
+                .transform(|node| {
+                    Ok(match as_any(&node).downcast_ref::<Column>() {
+                        Some(c) => {
+                            Transformed::yes(Arc::new(Column::new(c.name(), position[c.index()]))
+                                as Arc<dyn PhysicalExpr>)
+                        }
+                        None => Transformed::no(node),
+                    })
+                })?
+                .data;
+            Ok(ProjectionExpr { expr, alias })
+        })
+        .collect::<Result<Vec<_>>>()?;
+    ProjectionExec::try_new(upper, lower)
+}
+
+/// Name of the `k`-th column computed below an accelerator projection.
+fn hoisted_name(k: usize) -> String {
+    format!("__flumen_cpu_{k}")
+}
+
+/// True for an expression that is CPU work worth moving below the model call: not a column,
+/// not a literal, and calling no model itself.
+fn is_cpu_work(expr: &Arc<dyn PhysicalExpr>) -> bool {
+    as_any(expr).downcast_ref::<Column>().is_none()
+        && as_any(expr).downcast_ref::<Literal>().is_none()
+        && !calls_accelerator_udf(expr)
+}
+
+/// A column standing for `expr`, computed below as the `k`-th hoisted expression (an equal
+/// expression hoisted before is reused).
+fn hoisted_column(
+    expr: &Arc<dyn PhysicalExpr>,
+    input_len: usize,
+    hoisted: &mut Vec<Arc<dyn PhysicalExpr>>,
+) -> Arc<dyn PhysicalExpr> {
+    let k = match hoisted.iter().position(|h| h == expr) {
+        Some(k) => k,
+        None => {
+            hoisted.push(Arc::clone(expr));
+            hoisted.len() - 1
+        }
+    };
+    Arc::new(Column::new(&hoisted_name(k), input_len + k))
+}
+
+/// `expr` with every CPU-work argument of its model calls replaced by a hoisted column.
+fn hoist_model_arguments(
+    expr: &Arc<dyn PhysicalExpr>,
+    input_len: usize,
+    hoisted: &mut Vec<Arc<dyn PhysicalExpr>>,
+) -> Result<Arc<dyn PhysicalExpr>> {
+    let children = expr.children();
+    if children.is_empty() {
+        return Ok(Arc::clone(expr));
+    }
+    let model_call = as_any(expr)
+        .downcast_ref::<ScalarFunctionExpr>()
+        .is_some_and(|call| accelerator_function(call.fun()).is_some());
+    let children = children
+        .into_iter()
+        .map(|child| {
+            if model_call && is_cpu_work(child) {
+                Ok(hoisted_column(child, input_len, hoisted))
+            } else {
+                hoist_model_arguments(child, input_len, hoisted)
+            }
+        })
+        .collect::<Result<Vec<_>>>()?;
+    Arc::clone(expr).with_new_children(children)
+}
+
+fn as_any(expr: &Arc<dyn PhysicalExpr>) -> &dyn std::any::Any {
+    expr.as_ref()
 }

@@ -16,6 +16,11 @@ pub enum ExecMode {
     /// Stage at a time: one operator runs to completion, materializing every block,
     /// before the next starts (the baseline that benchmarks compare against).
     Batch,
+    /// Static placement, as stream processors do: every operator runs at once, but each gets
+    /// a fixed share of its pool's slots when the run starts (the CPU slots split evenly over
+    /// the CPU operators, the query's output consumer counted as one; every accelerator worker
+    /// started up front) and never uses another operator's idle slot.
+    Static,
 }
 
 impl FromStr for ExecMode {
@@ -24,8 +29,9 @@ impl FromStr for ExecMode {
         match s.trim().to_ascii_lowercase().as_str() {
             "streaming" => Ok(Self::Streaming),
             "batch" => Ok(Self::Batch),
+            "static" => Ok(Self::Static),
             other => Err(DataFusionError::Configuration(format!(
-                "flumen.mode must be 'streaming' or 'batch', got '{other}'"
+                "flumen.mode must be 'streaming', 'batch' or 'static', got '{other}'"
             ))),
         }
     }
@@ -36,6 +42,7 @@ impl fmt::Display for ExecMode {
         f.write_str(match self {
             Self::Streaming => "streaming",
             Self::Batch => "batch",
+            Self::Static => "static",
         })
     }
 }
@@ -144,7 +151,8 @@ pub fn available_cores() -> usize {
 extensions_options! {
     /// flumen's settings (`SET flumen.<name> = <value>`).
     pub struct FlumenConfig {
-        /// `streaming` (default) or `batch` (one operator at a time, to completion).
+        /// `streaming` (default), `batch` (one operator at a time, to completion) or `static`
+        /// (a fixed share of slots per operator).
         pub mode: ExecMode, default = ExecMode::Streaming
         /// Bytes of blocks the block store keeps in memory; beyond it blocks spill to disk
         /// and producers are held back.
@@ -196,6 +204,7 @@ mod tests {
     #[test]
     fn modes_parse() {
         assert_eq!("Batch".parse::<ExecMode>().unwrap(), ExecMode::Batch);
+        assert_eq!("static".parse::<ExecMode>().unwrap(), ExecMode::Static);
         assert!("fast".parse::<ExecMode>().is_err());
     }
 }

@@ -19,6 +19,7 @@ pub mod accelerator_projection;
 pub mod block_store;
 pub mod config;
 pub mod embedding;
+pub mod emulated_accelerator;
 pub mod exec;
 pub mod lineage;
 pub mod operators;
@@ -28,6 +29,7 @@ pub mod scheduler;
 pub mod split_source;
 pub mod stage_input;
 pub mod stats;
+pub mod text_functions;
 pub mod vector_functions;
 
 use std::sync::Arc;
@@ -59,10 +61,11 @@ pub fn session_with_config(session_config: SessionConfig, config: FlumenConfig) 
     ctx
 }
 
-/// Register flumen's SQL functions: `embed` and the vector helpers
+/// Register flumen's SQL functions: `embed`, `clean_text` and the vector helpers
 /// (`cosine_similarity`, `dot_product`, `l2_distance`).
 pub fn register_functions(ctx: &SessionContext) {
     ctx.register_udf(accelerator_udf(embedding::EmbedFunction::default()));
+    ctx.register_udf(text_functions::clean_text_udf());
     for udf in vector_functions::vector_functions() {
         ctx.register_udf(udf);
     }

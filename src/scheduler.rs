@@ -70,6 +70,8 @@ struct OperatorState {
     log: Vec<BlockId>,
     /// Bytes of unreleased output blocks in the store.
     held_bytes: u64,
+    /// Rows of unreleased output blocks in the store.
+    held_rows: u64,
     running: usize,
     complete: bool,
     /// Barrier operators: tasks created.
@@ -160,6 +162,29 @@ pub struct QueryRun {
     handle: tokio::runtime::Handle,
     next_block: AtomicU64,
     recompute_locks: Mutex<HashMap<TaskId, Arc<tokio::sync::Mutex<()>>>>,
+    /// `flumen.mode = 'static'`: the most tasks each operator may run at once.
+    static_slots: Vec<usize>,
+}
+
+/// The fixed slots of each operator under `flumen.mode = 'static'`: the CPU slots split
+/// evenly over the CPU operators that run tasks (an operator run by the output's consumer
+/// counts, since its work takes a core too), at least one each; every accelerator operator
+/// may use every accelerator worker.
+fn static_slots(graph: &OperatorGraph, config: &FlumenConfig) -> Vec<usize> {
+    let cpu_operators = graph
+        .operators
+        .iter()
+        .filter(|op| op.pool == Pool::Cpu)
+        .count();
+    let per_operator = (config.cpu_slots / cpu_operators.max(1)).max(1);
+    graph
+        .operators
+        .iter()
+        .map(|op| match op.pool {
+            Pool::Cpu => per_operator,
+            Pool::Accelerator => config.accelerator_slots,
+        })
+        .collect()
 }
 
 impl QueryRun {
@@ -185,9 +210,13 @@ impl QueryRun {
             .accelerator_min_slots
             .clamp(1, config.accelerator_slots);
         accelerators.configure(min_accel, Duration::from_secs(config.accelerator_idle_secs));
-        let accelerator_target = accelerators
-            .workers()
-            .clamp(min_accel, config.accelerator_slots);
+        let accelerator_target = if config.mode == ExecMode::Static {
+            config.accelerator_slots
+        } else {
+            accelerators
+                .workers()
+                .clamp(min_accel, config.accelerator_slots)
+        };
         accelerators.ensure_workers(accelerator_target);
         let dropper = base.session_config().get_extension::<BlockDropper>();
         let mut state = RunState {
@@ -222,7 +251,9 @@ impl QueryRun {
             state.operators.push(os);
         }
         let (changes, _) = watch::channel(0);
+        let static_slots = static_slots(&graph, &config);
         let run = Arc::new(Self {
+            static_slots,
             store: BlockStore::new(config.memory_budget.0),
             graph,
             config,
@@ -530,6 +561,12 @@ impl QueryRun {
                 if st.running[pool] >= slots[pool] && !(gang && st.running[pool] == 0) {
                     continue;
                 }
+                if self.config.mode == ExecMode::Static
+                    && !gang
+                    && st.operators[op.id].running >= self.static_slots[op.id]
+                {
+                    continue;
+                }
                 if batch {
                     let others_running = st
                         .operators
@@ -579,18 +616,34 @@ impl QueryRun {
     }
 
     /// An operator is held back while its unconsumed output is over its share of the
-    /// budget, or the store's memory is full. Operators feeding a per-partition operator
-    /// (an all-to-all exchange) are never held back: their blocks spill instead.
+    /// budget, or the store's memory is full, or its consumer already has enough input
+    /// queued to keep every slot of its pool busy ([`queue_limit_rows`]), so memory follows
+    /// the pipeline's slowest stage, not the table's size. Operators feeding a per-partition
+    /// operator (an all-to-all exchange) are never held back: their blocks spill instead.
     fn backpressured(&self, st: &RunState, op_id: OperatorId, share: u64) -> bool {
-        let consumer = self.graph.consumer[op_id];
-        let feeds_barrier = consumer.is_some_and(|c| {
-            let c = &self.graph.operators[c];
-            c.shape == TaskShape::Barrier && !(c.id == self.graph.root().id)
-        });
+        let consumer = self.graph.consumer[op_id].map(|c| &self.graph.operators[c]);
+        let feeds_barrier = consumer
+            .is_some_and(|c| c.shape == TaskShape::Barrier && !(c.id == self.graph.root().id));
         if feeds_barrier {
             return false;
         }
-        st.operators[op_id].held_bytes >= share || self.store.memory_bytes() >= self.store.budget()
+        let queue_full = consumer.is_some_and(|c| {
+            c.shape == TaskShape::BlockWise
+                && st.operators[op_id].held_rows >= self.queue_limit_rows(c.pool)
+        });
+        queue_full
+            || st.operators[op_id].held_bytes >= share
+            || self.store.memory_bytes() >= self.store.budget()
+    }
+
+    /// Rows of unconsumed input that keep a per-block consumer on `pool` busy: two bundles
+    /// of `flumen.target_block_rows` for each of its slots and one more slot's worth.
+    fn queue_limit_rows(&self, pool: Pool) -> u64 {
+        let slots = match pool {
+            Pool::Cpu => self.config.cpu_slots,
+            Pool::Accelerator => self.config.accelerator_slots,
+        };
+        (2 * (slots + 1) * self.config.target_block_rows.max(1)) as u64
     }
 
     fn take_pending(
@@ -710,9 +763,11 @@ impl QueryRun {
         }
         meta.released = true;
         let (op, bytes) = (meta.operator, meta.bytes);
+        let rows = if bytes > 0 { meta.rows as u64 } else { 0 };
         self.store.remove(id);
-        let held = &mut st.operators[op].held_bytes;
-        *held = held.saturating_sub(bytes);
+        let os = &mut st.operators[op];
+        os.held_bytes = os.held_bytes.saturating_sub(bytes);
+        os.held_rows = os.held_rows.saturating_sub(rows);
     }
 
     /// Run a task's fragment. Outputs go to the store, or with `capture` (recompute) are
@@ -840,6 +895,9 @@ impl QueryRun {
             let os = &mut st.operators[op_id];
             os.log.push(id);
             os.held_bytes += held;
+            if held > 0 {
+                os.held_rows += rows as u64;
+            }
             op.stats.observe_held(os.held_bytes);
         }
         self.notify();

@@ -46,6 +46,15 @@ async fn batch_mode_matches_datafusion() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn static_mode_matches_datafusion() {
+    check_all(&[
+        "SET flumen.mode = 'static'",
+        "SET flumen.split_bytes = '64KB'",
+    ])
+    .await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn tiny_budget_spills_and_matches_datafusion() {
     check_all(&[
         "SET flumen.memory_budget = '256KB'",
@@ -450,4 +459,110 @@ async fn explain_analyze_reports_operator_counters() {
     ] {
         assert!(text.contains(needle), "{needle} missing from\n{text}");
     }
+}
+
+/// A CPU UDF returning the name of the thread that evaluated it.
+#[derive(Debug, PartialEq, Eq, Hash)]
+struct CpuThreadName {
+    signature: Signature,
+}
+
+impl ScalarUDFImpl for CpuThreadName {
+    fn name(&self) -> &str {
+        "cpu_thread_name"
+    }
+    fn signature(&self) -> &Signature {
+        &self.signature
+    }
+    fn return_type(&self, _: &[DataType]) -> Result<DataType> {
+        Ok(DataType::Utf8)
+    }
+    fn invoke_with_args(&self, args: ScalarFunctionArgs) -> Result<ColumnarValue> {
+        let name = std::thread::current()
+            .name()
+            .unwrap_or("unnamed")
+            .to_string();
+        Ok(ColumnarValue::Array(Arc::new(StringArray::from(vec![
+            name;
+            args.number_rows
+        ]))))
+    }
+}
+
+/// Test-only accelerator function returning its argument unchanged.
+#[derive(Debug)]
+struct Echo {
+    signature: Signature,
+}
+
+impl AcceleratorFunction for Echo {
+    fn name(&self) -> &str {
+        "echo"
+    }
+    fn signature(&self) -> &Signature {
+        &self.signature
+    }
+    fn return_type(&self, _: &[DataType]) -> Result<DataType> {
+        Ok(DataType::Utf8)
+    }
+    fn load(&self, _: &ConfigOptions) -> Result<Box<dyn AcceleratorWorker>> {
+        Ok(Box::new(EchoWorker))
+    }
+}
+
+struct EchoWorker;
+
+impl AcceleratorWorker for EchoWorker {
+    fn process(&mut self, args: &[ArrayRef], _: &DataType) -> Result<ArrayRef> {
+        Ok(datafusion::arrow::compute::cast(&args[0], &DataType::Utf8)?)
+    }
+}
+
+/// `model(preprocess(x))`: the preprocessing is CPU work and runs in CPU tasks; the
+/// accelerator workers only run the model.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn cpu_work_inside_a_model_call_runs_on_the_cpu_pool() {
+    let dir = tempfile::tempdir().unwrap();
+    write_events(dir.path(), 1, 5_000);
+    let f = flumen_ctx(&[]).await;
+    register_tables(&f, dir.path()).await;
+    f.register_udf(ScalarUDF::new_from_impl(CpuThreadName {
+        signature: Signature::any(1, Volatility::Volatile),
+    }));
+    f.register_udf(accelerator_udf(Echo {
+        signature: Signature::string(1, Volatility::Immutable),
+    }));
+    let sql = "SELECT id, echo(cpu_thread_name(body)) AS seen, echo(body) AS same, \
+               length(body) AS n FROM events";
+    let (batches, plan) = run_plan(&f, sql).await;
+    let total: usize = batches.iter().map(|b| b.num_rows()).sum();
+    assert_eq!(total, 5_000);
+    for b in &batches {
+        let seen = b.column(1).as_any().downcast_ref::<StringArray>().unwrap();
+        for name in seen.iter() {
+            assert!(
+                !name.unwrap().starts_with("flumen-accel-"),
+                "preprocessing ran on accelerator worker {name:?}"
+            );
+        }
+    }
+    // The model's own arguments stay exact, and expressions around them are unchanged.
+    let v = vanilla();
+    register_tables(&v, dir.path()).await;
+    v.register_udf(accelerator_udf(Echo {
+        signature: Signature::string(1, Volatility::Immutable),
+    }));
+    assert_same(
+        &v,
+        &f,
+        "SELECT id, echo(body) AS same, length(body) AS n, echo('k') AS k FROM events",
+    )
+    .await;
+    let graph = plan.downcast_ref::<FlumenExec>().unwrap().graph();
+    let accel: Vec<_> = graph
+        .operators
+        .iter()
+        .filter(|o| o.pool == Pool::Accelerator)
+        .collect();
+    assert_eq!(accel.len(), 1);
 }

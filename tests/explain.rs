@@ -46,10 +46,9 @@ async fn explain_join_shows_the_collected_build_side() {
     );
 }
 
-/// `embed` over a Parquet scan: DataFusion would merge the call into the scan's projection;
-/// flumen keeps it in an accelerator operator of its own, fed by the scan's source tasks.
-#[tokio::test]
-async fn explain_embed_over_parquet_gets_its_own_accelerator_operator() {
+/// EXPLAIN of `sql` over a 10-row Parquet table `docs(id, body)`, the temp dir's path
+/// replaced by `TMP`.
+async fn explain_over_docs(sql: &str) -> String {
     let dir = tempfile::tempdir().unwrap();
     let path = dir.path().join("docs.parquet");
     let ctx = flumen::session(FlumenConfig::default());
@@ -75,7 +74,7 @@ async fn explain_embed_over_parquet_gets_its_own_accelerator_operator() {
         ctx.sql(&setup).await.unwrap().collect().await.unwrap();
     }
     let batches = ctx
-        .sql("EXPLAIN SELECT id, embed(body) AS v FROM docs")
+        .sql(&format!("EXPLAIN {sql}"))
         .await
         .unwrap()
         .collect()
@@ -84,5 +83,25 @@ async fn explain_embed_over_parquet_gets_its_own_accelerator_operator() {
     // The plan text alone, with the temp dir's path (varying length) replaced.
     let dir_text = dir.path().display().to_string();
     let plan = batches[0].column(1).as_string::<i32>().value(0);
-    insta::assert_snapshot!(plan.replace(dir_text.trim_start_matches('/'), "TMP"));
+    plan.replace(dir_text.trim_start_matches('/'), "TMP")
+}
+
+/// `embed` over a Parquet scan: DataFusion would merge the call into the scan's projection;
+/// flumen keeps it in an accelerator operator of its own, fed by the scan's source tasks.
+#[tokio::test]
+async fn explain_embed_over_parquet_gets_its_own_accelerator_operator() {
+    insta::assert_snapshot!(explain_over_docs("SELECT id, embed(body) AS v FROM docs").await);
+}
+
+/// CPU work in and beside a model call (`clean_text`, `length`) moves below the accelerator
+/// operator, into the scan's CPU source tasks; the accelerator projection only runs `embed`.
+#[tokio::test]
+async fn explain_preprocessing_runs_in_cpu_tasks_below_the_model() {
+    insta::assert_snapshot!(
+        explain_over_docs(
+            "SELECT id, embed(clean_text(body)) AS v, length(body) AS n, \
+             cosine_similarity(embed(clean_text(body)), embed(body)) AS score FROM docs"
+        )
+        .await
+    );
 }
