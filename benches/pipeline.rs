@@ -8,8 +8,8 @@
 //!                                 [--skip-memory]
 //! ```
 //!
-//! The SQL is `SELECT id, model(clean_text(body)) AS v FROM docs`, over a generated table of
-//! HTML documents (`--rows`, default 100,000; `--full`: 1,000,000). `clean_text` is flumen's
+//! The SQL is `SELECT id, model(clean_text(body)) AS v FROM docs`, over flumen's demo table of
+//! HTML documents (`flumen::demo`; `--rows`, default 100,000; `--full`: 1,000,000). `clean_text` is flumen's
 //! real text preprocessing (markup, entities, NFKC, whitespace); `model` is the accelerator:
 //! - `emulated` (default without a CUDA device): one emulated device that is busy for
 //!   `--service-us` per batch of `--batch-rows` rows without using a CPU core
@@ -30,14 +30,12 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use datafusion::arrow::array::{Array, AsArray, Int64Array, StringArray};
-use datafusion::arrow::datatypes::{DataType, Field, Float32Type, Int64Type, Schema};
+use datafusion::arrow::array::{Array, AsArray};
+use datafusion::arrow::datatypes::{DataType, Float32Type, Int64Type};
 use datafusion::arrow::record_batch::RecordBatch;
 use datafusion::config::ConfigOptions;
 use datafusion::error::{DataFusionError, Result};
 use datafusion::parquet::arrow::ArrowWriter;
-use datafusion::parquet::basic::{Compression, ZstdLevel};
-use datafusion::parquet::file::properties::WriterProperties;
 use datafusion::prelude::{ParquetReadOptions, SessionContext};
 use flumen::emulated_accelerator::{EmulatedDevice, EmulatedModel};
 use flumen::{AcceleratorFunction, AcceleratorWorker, ExecMode, FlumenConfig, WorkerResources};
@@ -517,134 +515,18 @@ impl AcceleratorFunction for ForwardTo {
     }
 }
 
-/// Write the `docs` table (unless it exists): `id`, and `body`, an HTML document of 1 to 9
-/// paragraphs with markup, character references, accented and full-width letters, ligatures
-/// and no-break spaces: what `clean_text` exists to clean.
+/// Write the demo `docs` table of `rows` rows at `path` unless it is there.
 fn ensure_docs(path: &Path, rows: usize) -> Result<()> {
-    if path.exists() {
-        return Ok(());
+    if !path.exists() {
+        let started = Instant::now();
+        flumen::demo::write_docs(path, rows)?;
+        eprintln!(
+            "generated {} ({rows} rows) in {:.1}s",
+            path.display(),
+            started.elapsed().as_secs_f64()
+        );
     }
-    let started = Instant::now();
-    let schema = Arc::new(Schema::new(vec![
-        Field::new("id", DataType::Int64, false),
-        Field::new("body", DataType::Utf8, false),
-    ]));
-    let tmp = path.with_extension("parquet.tmp");
-    let props = WriterProperties::builder()
-        .set_compression(Compression::ZSTD(ZstdLevel::try_new(1)?))
-        .set_max_row_group_row_count(Some(16_384))
-        .build();
-    let mut writer = ArrowWriter::try_new(
-        std::fs::File::create(&tmp)?,
-        Arc::clone(&schema),
-        Some(props),
-    )?;
-    let mut rng = 0x2545_f491_4f6c_dd1du64;
-    for start in (0..rows).step_by(16_384) {
-        let end = (start + 16_384).min(rows);
-        let ids: Vec<i64> = (start as i64..end as i64).collect();
-        let bodies: Vec<String> = ids.iter().map(|i| html_document(*i, &mut rng)).collect();
-        let batch = RecordBatch::try_new(
-            Arc::clone(&schema),
-            vec![
-                Arc::new(Int64Array::from(ids)),
-                Arc::new(StringArray::from(bodies)),
-            ],
-        )?;
-        writer.write(&batch)?;
-    }
-    writer.close()?;
-    std::fs::rename(&tmp, path)?;
-    eprintln!(
-        "generated {} ({rows} rows) in {:.1}s",
-        path.display(),
-        started.elapsed().as_secs_f64()
-    );
     Ok(())
-}
-
-const WORDS: &[&str] = &[
-    "streaming",
-    "batch",
-    "model",
-    "inference",
-    "café",
-    "naïve",
-    "résumé",
-    "ﬁle",
-    "ﬂow",
-    "ＧＰＵ",
-    "kernel",
-    "tensor",
-    "Straße",
-    "données",
-    "über",
-    "señal",
-    "token",
-    "parquet",
-    "pipeline",
-    "scheduler",
-    "memory",
-    "budget",
-    "operator",
-    "lineage",
-    "block",
-    "worker",
-    "accelerator",
-    "throughput",
-    "latency",
-    "&amp;",
-    "&lt;tag&gt;",
-    "&eacute;t&eacute;",
-    "&#8211;",
-    "&nbsp;",
-    "x²",
-    "½",
-    "Ⅻ",
-    "the",
-    "a",
-    "of",
-    "and",
-    "to",
-    "in",
-    "is",
-    "for",
-];
-
-fn next(rng: &mut u64) -> u64 {
-    *rng ^= *rng << 13;
-    *rng ^= *rng >> 7;
-    *rng ^= *rng << 17;
-    *rng
-}
-
-fn html_document(id: i64, rng: &mut u64) -> String {
-    let mut doc = format!(
-        "<html><head><title>Document {id}</title><style>p {{ margin: 0 }}</style></head><body>\n"
-    );
-    let paragraphs = 1 + next(rng) % 9;
-    for p in 0..paragraphs {
-        doc.push_str(if p % 3 == 0 {
-            "<h2>"
-        } else {
-            "<p class=\"text\">"
-        });
-        let words = 8 + next(rng) % 40;
-        for w in 0..words {
-            let word = WORDS[(next(rng) % WORDS.len() as u64) as usize];
-            if w % 11 == 5 {
-                doc.push_str("<b>");
-                doc.push_str(word);
-                doc.push_str("</b>");
-            } else {
-                doc.push_str(word);
-            }
-            doc.push(if w % 7 == 3 { '\u{a0}' } else { ' ' });
-        }
-        doc.push_str(if p % 3 == 0 { "</h2>\n" } else { "</p>\n" });
-    }
-    doc.push_str("<!-- generated --></body></html>");
-    doc
 }
 
 mod plot {

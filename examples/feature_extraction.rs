@@ -1,8 +1,9 @@
 //! Parquet in → features → Parquet out, on flumen's streaming executor.
 //!
-//! With no arguments it generates a demo `docs` table (10,000 deterministic text rows) under
-//! `target/flumen-demo/`, computes per-document features with SQL — among them a 384-wide
-//! sentence embedding, `embed(body)`, on the accelerator pool — writes them to
+//! With no arguments it generates a demo `docs` table (10,000 deterministic HTML documents,
+//! `flumen::demo`) under `target/flumen-demo/`, computes per-document features with SQL —
+//! among them a 384-wide sentence embedding of the cleaned text, `embed(clean_text(body))`,
+//! with `clean_text` in CPU tasks and `embed` on the accelerator pool — writes them to
 //! `target/flumen-demo/features.parquet`, then runs a semantic search over what it wrote.
 //!
 //! Needs the model: `cargo run --release --bin flumen -- install-model`.
@@ -10,61 +11,11 @@
 //! Run: `cargo run --release --example feature_extraction [-- INPUT.parquet OUTPUT.parquet]`
 //! (`FLUMEN_DEMO_ROWS` sets the demo table's size.)
 
-use std::path::{Path, PathBuf};
-use std::sync::Arc;
+use std::path::PathBuf;
 use std::time::Instant;
 
-use datafusion::arrow::array::{Int64Array, StringArray};
-use datafusion::arrow::datatypes::{DataType, Field, Schema};
-use datafusion::arrow::record_batch::RecordBatch;
 use datafusion::error::Result;
-use datafusion::parquet::arrow::ArrowWriter;
 use datafusion::prelude::ParquetReadOptions;
-
-const TOPICS: &[&str] = &[
-    "rivers",
-    "databases",
-    "gpus",
-    "compilers",
-    "weather",
-    "music",
-    "chess",
-    "bread",
-];
-
-/// Write the demo `docs` table: id and a body of a few sentences.
-fn write_demo_docs(path: &Path, rows: i64) -> Result<()> {
-    let schema = Arc::new(Schema::new(vec![
-        Field::new("id", DataType::Int64, false),
-        Field::new("body", DataType::Utf8, false),
-    ]));
-    std::fs::create_dir_all(path.parent().unwrap())?;
-    let mut writer = ArrowWriter::try_new(std::fs::File::create(path)?, Arc::clone(&schema), None)?;
-    for start in (0..rows).step_by(10_000) {
-        let ids: Vec<i64> = (start..(start + 10_000).min(rows)).collect();
-        let bodies: Vec<String> = ids
-            .iter()
-            .map(|i| {
-                let topic = TOPICS[(*i as usize * 31) % TOPICS.len()];
-                let repeat = 1 + (i % 5) as usize;
-                format!(
-                    "Document {i} is about {topic}. {}",
-                    format!("It discusses {topic} at length, point {i}. ").repeat(repeat)
-                )
-            })
-            .collect();
-        let batch = RecordBatch::try_new(
-            Arc::clone(&schema),
-            vec![
-                Arc::new(Int64Array::from(ids)),
-                Arc::new(StringArray::from(bodies)),
-            ],
-        )?;
-        writer.write(&batch)?;
-    }
-    writer.close()?;
-    Ok(())
-}
 
 #[tokio::main]
 async fn main() -> Result<()> {
@@ -73,14 +24,14 @@ async fn main() -> Result<()> {
     let (input, output) = match args.as_slice() {
         [i, o] => (PathBuf::from(i), PathBuf::from(o)),
         _ => {
-            let input = demo_dir.join("docs.parquet");
+            let input = demo_dir.join("docs-html.parquet");
             if !input.exists() {
                 println!("generating demo table {}", input.display());
                 let rows = std::env::var("FLUMEN_DEMO_ROWS")
                     .ok()
                     .and_then(|r| r.parse().ok())
                     .unwrap_or(10_000);
-                write_demo_docs(&input, rows)?;
+                flumen::demo::write_docs(&input, rows)?;
             }
             (input, demo_dir.join("features.parquet"))
         }
@@ -95,12 +46,11 @@ async fn main() -> Result<()> {
     .await?;
     let started = Instant::now();
     let sql = format!(
-        "COPY (SELECT id, \
-                 length(body) AS chars, \
-                 array_length(string_to_array(body, ' ')) AS words, \
-                 md5(lower(body)) AS fingerprint, \
-                 regexp_like(body, 'gpus|compilers') AS technical, \
-                 embed(body) AS embedding \
+        "COPY (SELECT id, topic, \
+                 length(clean_text(body)) AS chars, \
+                 array_length(string_to_array(clean_text(body), ' ')) AS words, \
+                 md5(lower(clean_text(body))) AS fingerprint, \
+                 embed(clean_text(body)) AS embedding \
                FROM docs) \
          TO '{}' STORED AS PARQUET",
         output.display()
@@ -124,7 +74,7 @@ async fn main() -> Result<()> {
     )
     .await?;
     ctx.sql(
-        "SELECT count(*) AS docs, avg(words) AS avg_words, sum(CAST(technical AS INT)) AS technical \
+        "SELECT count(*) AS docs, round(avg(words), 1) AS avg_words, count(DISTINCT topic) AS topics \
          FROM features",
     )
     .await?
@@ -132,7 +82,7 @@ async fn main() -> Result<()> {
     .await?;
     println!("documents closest to 'graphics cards and parallel hardware':");
     ctx.sql(
-        "SELECT id, round(cosine_similarity(embedding, embed('graphics cards and parallel hardware')), 3) AS score \
+        "SELECT id, topic, round(cosine_similarity(embedding, embed('graphics cards and parallel hardware')), 3) AS score \
          FROM features ORDER BY score DESC, id LIMIT 5",
     )
     .await?

@@ -18,10 +18,12 @@ pub mod accelerator;
 pub mod accelerator_projection;
 pub mod block_store;
 pub mod config;
+pub mod demo;
 pub mod embedding;
 pub mod emulated_accelerator;
 pub mod exec;
 pub mod lineage;
+pub mod object_stores;
 pub mod operators;
 pub mod planner;
 pub mod pools;
@@ -58,6 +60,7 @@ pub fn session_with_config(session_config: SessionConfig, config: FlumenConfig) 
         .build();
     let ctx = SessionContext::new_with_state(keep_accelerator_projections(state));
     register_functions(&ctx);
+    object_stores::register_table_options(&ctx);
     ctx
 }
 
@@ -116,6 +119,7 @@ pub fn into_flumen(ctx: &SessionContext, config: FlumenConfig) -> SessionContext
         .create_default_catalog_and_schema = create_default_catalog;
     let ctx = SessionContext::new_with_state(state);
     register_functions(&ctx);
+    object_stores::register_table_options(&ctx);
     ctx
 }
 

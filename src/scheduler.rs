@@ -876,6 +876,7 @@ impl QueryRun {
         };
         self.graph.observe_store(self.store.memory_bytes());
         OperatorStats::add(&op.stats.rows, rows as u64);
+        OperatorStats::add(&op.stats.bytes, bytes);
         OperatorStats::add(&op.stats.blocks, 1);
         {
             let mut st = self.state.lock().unwrap();

@@ -9,6 +9,8 @@ pub struct OperatorStats {
     pub rows: AtomicU64,
     /// Output blocks.
     pub blocks: AtomicU64,
+    /// Bytes of output blocks (as the block store counts them).
+    pub bytes: AtomicU64,
     /// Tasks finished.
     pub tasks: AtomicU64,
     /// Tasks running now.
@@ -32,6 +34,8 @@ pub struct StatsSnapshot {
     pub rows: u64,
     /// Output blocks.
     pub blocks: u64,
+    /// Bytes of output blocks.
+    pub bytes: u64,
     /// Tasks finished.
     pub tasks: u64,
     /// Tasks running now.
@@ -65,6 +69,7 @@ impl OperatorStats {
         StatsSnapshot {
             rows: r(&self.rows),
             blocks: r(&self.blocks),
+            bytes: r(&self.bytes),
             tasks: r(&self.tasks),
             running: r(&self.running),
             busy_ns: r(&self.busy_ns),

@@ -566,3 +566,39 @@ async fn cpu_work_inside_a_model_call_runs_on_the_cpu_pool() {
         .collect();
     assert_eq!(accel.len(), 1);
 }
+
+/// A slow model holds back the operator that feeds it: the source keeps only a few bundles
+/// of unconsumed output, not the whole table (memory follows the slowest stage).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_slow_model_holds_back_its_producer() {
+    let dir = tempfile::tempdir().unwrap();
+    write_events(dir.path(), 2, 20_000);
+    let f = flumen_ctx(&[
+        "SET flumen.target_block_rows = 1000",
+        "SET flumen.split_bytes = '16KB'",
+        "SET flumen.accelerator_slots = 1",
+    ])
+    .await;
+    register_tables(&f, dir.path()).await;
+    f.register_udf(accelerator_udf(WorkerName {
+        signature: Signature::any(1, Volatility::Volatile),
+        calls: Arc::new(AtomicUsize::new(0)),
+        max_rows: Arc::new(AtomicUsize::new(0)),
+        loads: Arc::new(AtomicUsize::new(0)),
+        delay: std::time::Duration::from_millis(15),
+    }));
+    let (batches, plan) = run_plan(&f, "SELECT worker_name(body) AS w FROM events").await;
+    assert_eq!(batches.iter().map(|b| b.num_rows()).sum::<usize>(), 40_000);
+    let graph = plan.downcast_ref::<FlumenExec>().unwrap().graph();
+    let source = graph.operators[0].stats.snapshot();
+    assert_eq!(source.rows, 40_000);
+    // Queue limit: 2 bundles of 1,000 rows per accelerator slot plus one slot's worth
+    // (4,000 rows), plus what the two running source tasks produce (5,000-row row groups):
+    // about a third of the 40,000 rows; without the limit, nearly all of them.
+    let held_fraction = source.peak_bytes as f64 / source.bytes as f64;
+    assert!(
+        held_fraction < 0.5,
+        "the source held {:.0}% of its output at once",
+        100.0 * held_fraction
+    );
+}

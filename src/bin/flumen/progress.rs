@@ -1,0 +1,108 @@
+//! Per-operator progress lines while a query runs in a terminal, in the spirit of Ray Data's
+//! per-operator bars: rows and blocks done, tasks done (of the total, for sources) and
+//! running, the pool, and time held back by backpressure. Shown only after the query has run
+//! for a second, and only when standard error is a terminal.
+
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use datafusion::physical_plan::ExecutionPlan;
+use flumen::exec::FlumenExec;
+use flumen::operators::{Operator, OperatorGraph, TaskShape};
+use indicatif::{MultiProgress, ProgressBar, ProgressDrawTarget, ProgressStyle};
+
+/// How long a query runs before its progress lines appear.
+const SHOW_AFTER: Duration = Duration::from_secs(1);
+const REFRESH: Duration = Duration::from_millis(200);
+
+/// Progress lines of one running query; they are cleared when dropped.
+pub struct Progress {
+    task: tokio::task::JoinHandle<()>,
+    lines: Arc<Mutex<Lines>>,
+}
+
+#[derive(Default)]
+struct Lines {
+    bars: Vec<ProgressBar>,
+    done: bool,
+}
+
+impl Progress {
+    /// Start showing progress for `plan` if it holds flumen operators.
+    pub fn start(plan: &Arc<dyn ExecutionPlan>) -> Option<Self> {
+        let graph = Arc::clone(find_graph(plan)?);
+        let lines = Arc::new(Mutex::new(Lines::default()));
+        let shared = Arc::clone(&lines);
+        let task = tokio::spawn(async move {
+            tokio::time::sleep(SHOW_AFTER).await;
+            let multi = MultiProgress::with_draw_target(ProgressDrawTarget::stderr());
+            let style = ProgressStyle::with_template("{spinner} {msg}")
+                .unwrap_or_else(|_| ProgressStyle::default_spinner());
+            {
+                let mut lines = shared.lock().unwrap();
+                if lines.done {
+                    return;
+                }
+                lines.bars = graph
+                    .operators
+                    .iter()
+                    .map(|_| multi.add(ProgressBar::new_spinner().with_style(style.clone())))
+                    .collect();
+            }
+            loop {
+                {
+                    let lines = shared.lock().unwrap();
+                    if lines.done {
+                        return;
+                    }
+                    for (op, line) in graph.operators.iter().zip(&lines.bars) {
+                        line.set_message(describe(op));
+                        line.tick();
+                    }
+                }
+                tokio::time::sleep(REFRESH).await;
+            }
+        });
+        Some(Self { task, lines })
+    }
+}
+
+/// One operator's progress line.
+fn describe(op: &Operator) -> String {
+    let s = op.stats.snapshot();
+    let tasks = if op.shape == TaskShape::Source {
+        format!("{}/{}", s.tasks, op.splits.iter().sum::<usize>())
+    } else {
+        s.tasks.to_string()
+    };
+    format!(
+        "op{} {:<26} [{}] rows={} blocks={} tasks={} running={} backpressure={:.1}s",
+        op.id,
+        op.name,
+        op.pool,
+        s.rows,
+        s.blocks,
+        tasks,
+        s.running,
+        s.backpressure_ns as f64 / 1e9
+    )
+}
+
+impl Drop for Progress {
+    fn drop(&mut self) {
+        let mut lines = self.lines.lock().unwrap();
+        lines.done = true;
+        for bar in &lines.bars {
+            bar.finish_and_clear();
+        }
+        self.task.abort();
+    }
+}
+
+/// The operator graph of the first `FlumenExec` in `plan`.
+fn find_graph(plan: &Arc<dyn ExecutionPlan>) -> Option<&Arc<OperatorGraph>> {
+    if let Some(exec) = plan.downcast_ref::<FlumenExec>() {
+        return Some(exec.graph());
+    }
+    plan.children().into_iter().find_map(find_graph)
+}

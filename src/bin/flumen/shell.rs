@@ -1,0 +1,201 @@
+//! Running what a user types: SQL statements through the flumen session, and the
+//! backslash meta commands (`\d`, `\d NAME`, `\?`, `\timing`, `\format`, `\maxrows`, `\q`).
+
+use std::io::{IsTerminal, Write};
+use std::sync::Arc;
+use std::time::Instant;
+
+use datafusion::error::{DataFusionError, Result};
+use datafusion::physical_plan::execute_stream;
+use datafusion::prelude::SessionContext;
+use futures::StreamExt;
+
+use crate::output::{self, Format};
+use crate::progress::Progress;
+
+/// What a meta command asks of the caller.
+#[derive(Debug, PartialEq, Eq)]
+pub enum Flow {
+    /// Go on reading input.
+    Continue,
+    /// Leave the shell.
+    Quit,
+}
+
+/// The session and the output settings of one `flumen` process.
+pub struct Shell {
+    /// The flumen session every statement runs in.
+    pub ctx: SessionContext,
+    /// How results are printed.
+    pub format: Format,
+    /// Most rows printed per result (`None`: all).
+    pub maxrows: Option<usize>,
+    /// Print a timing line (rows, seconds) after each statement.
+    pub timing: bool,
+    /// Ctrl-C cancels the running query and keeps the shell (the interactive REPL); else
+    /// it ends the process as usual.
+    pub cancel_on_ctrl_c: bool,
+}
+
+const HELP: &str = "\
+SQL statements end with ';' and may span lines. Meta commands:
+  \\d              list tables
+  \\d NAME         show a table's columns
+  \\timing         turn the timing line on or off
+  \\format [NAME]  show or set the output format: table, csv, json, ndjson
+  \\maxrows [N]    show or set the most rows printed (0: all)
+  \\?              this help
+  \\q              quit (or Ctrl-D); Ctrl-C cancels a running query";
+
+impl Shell {
+    /// Run one statement (SQL, or a meta command when it starts with `\`), printing its
+    /// result to standard output. Ctrl-C cancels a running query.
+    pub async fn run(&mut self, statement: &str) -> Result<Flow> {
+        let statement = statement.trim();
+        if let Some(meta) = statement.strip_prefix('\\') {
+            return self.meta(meta).await;
+        }
+        if !self.cancel_on_ctrl_c {
+            return self.run_sql(statement).await.map(|_| Flow::Continue);
+        }
+        tokio::select! {
+            result = self.run_sql(statement) => result.map(|_| Flow::Continue),
+            _ = tokio::signal::ctrl_c() => Err(DataFusionError::Execution(
+                "query cancelled (Ctrl-C)".into(),
+            )),
+        }
+    }
+
+    async fn run_sql(&self, sql: &str) -> Result<()> {
+        let started = Instant::now();
+        flumen::object_stores::register_for_statement(&self.ctx, sql)?;
+        let df = self.ctx.sql(sql).await?;
+        let plan = df.create_physical_plan().await?;
+        let _progress = if std::io::stderr().is_terminal() {
+            Progress::start(&plan)
+        } else {
+            None
+        };
+        let mut stream = execute_stream(Arc::clone(&plan), self.ctx.task_ctx())?;
+        let mut kept = vec![];
+        let mut kept_rows = 0;
+        let mut total_rows = 0;
+        while let Some(batch) = stream.next().await {
+            let batch = batch?;
+            total_rows += batch.num_rows();
+            let room = self.maxrows.map_or(usize::MAX, |m| m - kept_rows.min(m));
+            if room > 0 && batch.num_rows() > 0 {
+                let take = room.min(batch.num_rows());
+                kept.push(batch.slice(0, take));
+                kept_rows += take;
+            } else if kept.is_empty() {
+                kept.push(batch.slice(0, 0));
+            }
+        }
+        drop(_progress);
+        let mut out = std::io::stdout().lock();
+        output::print(&mut out, self.format, &kept, total_rows)?;
+        out.flush()?;
+        if self.timing {
+            eprintln!(
+                "{total_rows} row{} in {:.3} s",
+                if total_rows == 1 { "" } else { "s" },
+                started.elapsed().as_secs_f64()
+            );
+        }
+        Ok(())
+    }
+
+    async fn meta(&mut self, command: &str) -> Result<Flow> {
+        let mut words = command.split_whitespace();
+        let name = words.next().unwrap_or("");
+        let arg = words.next();
+        match (name, arg) {
+            ("q" | "quit", _) => return Ok(Flow::Quit),
+            ("?" | "h" | "help", _) => println!("{HELP}"),
+            ("d", None) => self.list_tables()?,
+            ("d", Some(table)) => {
+                let df = self.ctx.table(table).await?;
+                println!("{}", describe_schema(df.schema().as_arrow()));
+            }
+            ("timing", _) => {
+                self.timing = !self.timing;
+                println!("timing is {}", if self.timing { "on" } else { "off" });
+            }
+            ("format", None) => println!("format is {}", self.format.name()),
+            ("format", Some(f)) => {
+                self.format = f.parse().map_err(DataFusionError::Plan)?;
+                println!("format is {}", self.format.name());
+            }
+            ("maxrows", None) => println!(
+                "maxrows is {}",
+                self.maxrows
+                    .map_or("unlimited".to_string(), |m| m.to_string())
+            ),
+            ("maxrows", Some(n)) => {
+                let n: usize = n.parse().map_err(|_| {
+                    DataFusionError::Plan(format!("\\maxrows takes a number, got '{n}'"))
+                })?;
+                self.maxrows = (n > 0).then_some(n);
+            }
+            _ => {
+                return Err(DataFusionError::Plan(format!(
+                    "unknown command \\{command}; \\? lists the commands"
+                )));
+            }
+        }
+        Ok(Flow::Continue)
+    }
+
+    fn list_tables(&self) -> Result<()> {
+        let mut rows = vec![];
+        for catalog_name in self.ctx.catalog_names() {
+            let Some(catalog) = self.ctx.catalog(&catalog_name) else {
+                continue;
+            };
+            for schema_name in catalog.schema_names() {
+                if schema_name == "information_schema" {
+                    continue;
+                }
+                let Some(schema) = catalog.schema(&schema_name) else {
+                    continue;
+                };
+                let mut tables = schema.table_names();
+                tables.sort();
+                for table in tables {
+                    rows.push(format!("{catalog_name}.{schema_name}.{table}"));
+                }
+            }
+        }
+        if rows.is_empty() {
+            println!("no tables");
+        }
+        for row in rows {
+            println!("{row}");
+        }
+        Ok(())
+    }
+}
+
+/// A table's columns, one per line: name, type, nullability.
+fn describe_schema(schema: &datafusion::arrow::datatypes::Schema) -> String {
+    let width = schema
+        .fields()
+        .iter()
+        .map(|f| f.name().len())
+        .max()
+        .unwrap_or(0);
+    schema
+        .fields()
+        .iter()
+        .map(|f| {
+            format!(
+                "{:<width$}  {}{}",
+                f.name(),
+                f.data_type(),
+                if f.is_nullable() { "" } else { " NOT NULL" }
+            )
+        })
+        .collect::<Vec<_>>()
+        .join("\n")
+}

@@ -1,0 +1,258 @@
+//! Object stores for remote table locations, as datafusion-cli registers them: before a
+//! statement runs, the store of each `s3://`, `gs://`, `az://` (`abfs://`, `abfss://`) or
+//! `http(s)://` location it names (`CREATE EXTERNAL TABLE ... LOCATION`, `COPY ... TO`) is
+//! registered with the session for that bucket or host. Credentials and settings come from the
+//! environment (`AWS_*`, `GOOGLE_*`, `AZURE_*`, as `object_store` reads them) and from the
+//! statement's `OPTIONS ('aws.region' '...', 'aws.endpoint' '...', 'gcp.*', 'azure.*')`, which
+//! win over the environment.
+
+use std::sync::Arc;
+
+use datafusion::common::config::ConfigExtension;
+use datafusion::common::extensions_options;
+use datafusion::error::{DataFusionError, Result};
+use datafusion::prelude::SessionContext;
+use datafusion::sql::parser::{DFParser, Statement};
+use datafusion::sql::sqlparser::ast::Value;
+use object_store::aws::{AmazonS3Builder, AmazonS3ConfigKey};
+use object_store::azure::{AzureConfigKey, MicrosoftAzureBuilder};
+use object_store::gcp::{GoogleCloudStorageBuilder, GoogleConfigKey};
+use object_store::http::HttpBuilder;
+use object_store::{ObjectStore, RetryConfig};
+use url::Url;
+
+extensions_options! {
+    /// `OPTIONS ('aws.<name>' '...')` of a table or COPY on `s3://`.
+    pub struct AwsOptions {
+        /// Access key id (else `AWS_ACCESS_KEY_ID`).
+        pub access_key_id: Option<String>, default = None
+        /// Secret access key (else `AWS_SECRET_ACCESS_KEY`).
+        pub secret_access_key: Option<String>, default = None
+        /// Session token (else `AWS_SESSION_TOKEN`).
+        pub session_token: Option<String>, default = None
+        /// Region (else `AWS_REGION`).
+        pub region: Option<String>, default = None
+        /// Endpoint of an S3-compatible server (else `AWS_ENDPOINT`); `http://` allows HTTP.
+        pub endpoint: Option<String>, default = None
+        /// Allow plain HTTP.
+        pub allow_http: Option<String>, default = None
+        /// Send unsigned requests (public buckets).
+        pub skip_signature: Option<String>, default = None
+        /// Address buckets as `bucket.host` rather than `host/bucket`.
+        pub virtual_hosted_style_request: Option<String>, default = None
+    }
+}
+
+impl ConfigExtension for AwsOptions {
+    const PREFIX: &'static str = "aws";
+}
+
+extensions_options! {
+    /// `OPTIONS ('gcp.<name>' '...')` of a table or COPY on `gs://`.
+    pub struct GcpOptions {
+        /// Path of a service account JSON file.
+        pub service_account_path: Option<String>, default = None
+        /// A service account key, as JSON.
+        pub service_account_key: Option<String>, default = None
+        /// Path of application default credentials.
+        pub application_credentials: Option<String>, default = None
+    }
+}
+
+impl ConfigExtension for GcpOptions {
+    const PREFIX: &'static str = "gcp";
+}
+
+extensions_options! {
+    /// `OPTIONS ('azure.<name>' '...')` of a table or COPY on `az://`, `abfs(s)://`.
+    pub struct AzureOptions {
+        /// Storage account name.
+        pub account_name: Option<String>, default = None
+        /// Storage account key.
+        pub access_key: Option<String>, default = None
+        /// Service principal client id.
+        pub client_id: Option<String>, default = None
+        /// Service principal secret.
+        pub client_secret: Option<String>, default = None
+        /// Tenant id.
+        pub tenant_id: Option<String>, default = None
+        /// Endpoint (Azurite, sovereign clouds).
+        pub endpoint: Option<String>, default = None
+        /// Use the Azurite emulator.
+        pub use_emulator: Option<String>, default = None
+        /// Allow plain HTTP.
+        pub allow_http: Option<String>, default = None
+    }
+}
+
+impl ConfigExtension for AzureOptions {
+    const PREFIX: &'static str = "azure";
+}
+
+/// Let a session's tables and COPY statements take `aws.*`, `gcp.*` and `azure.*` options.
+pub fn register_table_options(ctx: &SessionContext) {
+    let state = ctx.state_ref();
+    let mut state = state.write();
+    let extensions = &mut state.table_options_mut().extensions;
+    extensions.insert(AwsOptions::default());
+    extensions.insert(GcpOptions::default());
+    extensions.insert(AzureOptions::default());
+}
+
+/// Register the object store of every remote location `sql` names. SQL that does not parse
+/// registers nothing (running it reports the error).
+pub fn register_for_statement(ctx: &SessionContext, sql: &str) -> Result<()> {
+    let Ok(statements) = DFParser::parse_sql(sql) else {
+        return Ok(());
+    };
+    for statement in statements {
+        match statement {
+            Statement::CreateExternalTable(create) => {
+                let options = option_strings(&create.options);
+                for location in &create.locations {
+                    register_for_location(ctx, location, &options)?;
+                }
+            }
+            Statement::CopyTo(copy) => {
+                register_for_location(ctx, &copy.target, &option_strings(&copy.options))?;
+            }
+            _ => {}
+        }
+    }
+    Ok(())
+}
+
+fn option_strings(options: &[(String, Value)]) -> Vec<(String, String)> {
+    options
+        .iter()
+        .map(|(k, v)| {
+            let value = match v {
+                Value::SingleQuotedString(s) | Value::DoubleQuotedString(s) => s.clone(),
+                other => other.to_string(),
+            };
+            (k.to_ascii_lowercase(), value)
+        })
+        .collect()
+}
+
+/// Register the store for `location` (a URL; local paths register nothing), configured from
+/// the environment and the `aws.`/`gcp.`/`azure.` entries of `options`.
+pub fn register_for_location(
+    ctx: &SessionContext,
+    location: &str,
+    options: &[(String, String)],
+) -> Result<()> {
+    let Ok(url) = Url::parse(location) else {
+        return Ok(());
+    };
+    let fail = |e: &dyn std::fmt::Display| {
+        DataFusionError::Plan(format!("cannot open object store for {location}: {e}"))
+    };
+    let store: Arc<dyn ObjectStore> = match url.scheme() {
+        "s3" | "s3a" => {
+            let mut builder = AmazonS3Builder::from_env()
+                .with_url(location)
+                .with_retry(retry());
+            for (key, value) in prefixed(options, "aws.") {
+                let key: AmazonS3ConfigKey = key.parse().map_err(|e| fail(&e))?;
+                if key == AmazonS3ConfigKey::Endpoint && value.starts_with("http://") {
+                    builder = builder.with_allow_http(true);
+                }
+                builder = builder.with_config(key, value);
+            }
+            Arc::new(builder.build().map_err(|e| fail(&e))?)
+        }
+        "gs" | "gcs" => {
+            let mut builder = GoogleCloudStorageBuilder::from_env()
+                .with_url(location)
+                .with_retry(retry());
+            for (key, value) in prefixed(options, "gcp.") {
+                let key: GoogleConfigKey = key.parse().map_err(|e| fail(&e))?;
+                builder = builder.with_config(key, value);
+            }
+            Arc::new(builder.build().map_err(|e| fail(&e))?)
+        }
+        "az" | "azure" | "abfs" | "abfss" | "adl" => {
+            let mut builder = MicrosoftAzureBuilder::from_env()
+                .with_url(location)
+                .with_retry(retry());
+            for (key, value) in prefixed(options, "azure.") {
+                let key: AzureConfigKey = key.parse().map_err(|e| fail(&e))?;
+                builder = builder.with_config(key, value);
+            }
+            Arc::new(builder.build().map_err(|e| fail(&e))?)
+        }
+        "http" | "https" => {
+            let base = format!("{}://{}", url.scheme(), url.authority());
+            Arc::new(
+                HttpBuilder::new()
+                    .with_url(base)
+                    .with_retry(retry())
+                    .build()
+                    .map_err(|e| fail(&e))?,
+            )
+        }
+        _ => return Ok(()),
+    };
+    let base =
+        Url::parse(&format!("{}://{}", url.scheme(), url.authority())).map_err(|e| fail(&e))?;
+    ctx.register_object_store(&base, store);
+    Ok(())
+}
+
+/// Retries of failed requests: a few, within 15 s, so a wrong endpoint or a missing bucket
+/// is an error soon rather than after object_store's default three minutes.
+fn retry() -> RetryConfig {
+    RetryConfig {
+        max_retries: 3,
+        retry_timeout: std::time::Duration::from_secs(15),
+        ..RetryConfig::default()
+    }
+}
+
+/// The entries of `options` whose key starts with `prefix`, with the prefix removed.
+fn prefixed<'a>(
+    options: &'a [(String, String)],
+    prefix: &'a str,
+) -> impl Iterator<Item = (&'a str, &'a str)> {
+    options
+        .iter()
+        .filter_map(move |(k, v)| k.strip_prefix(prefix).map(|k| (k, v.as_str())))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use datafusion::execution::object_store::ObjectStoreUrl;
+
+    #[test]
+    fn remote_locations_get_a_store_and_bad_options_are_named() {
+        let ctx = SessionContext::new();
+        register_table_options(&ctx);
+        register_for_statement(
+            &ctx,
+            "CREATE EXTERNAL TABLE t STORED AS PARQUET LOCATION 's3://bucket-a/data/' \
+             OPTIONS ('aws.region' 'eu-west-1', 'aws.endpoint' 'http://127.0.0.1:9000')",
+        )
+        .unwrap();
+        let url = ObjectStoreUrl::parse("s3://bucket-a").unwrap();
+        assert!(ctx.runtime_env().object_store(&url).is_ok());
+        // A bucket never named has no store.
+        let other = ObjectStoreUrl::parse("s3://bucket-b").unwrap();
+        assert!(ctx.runtime_env().object_store(&other).is_err());
+        let err = register_for_statement(
+            &ctx,
+            "COPY (SELECT 1) TO 's3://bucket-a/out.parquet' OPTIONS ('aws.no_such_key' 'x')",
+        )
+        .unwrap_err()
+        .to_string();
+        assert!(err.contains("s3://bucket-a/out.parquet"), "{err}");
+        // Local paths and unparsable SQL register nothing and fail nothing.
+        register_for_statement(
+            &ctx,
+            "CREATE EXTERNAL TABLE l STORED AS CSV LOCATION 'data/x.csv'",
+        )
+        .unwrap();
+        register_for_statement(&ctx, "SELEC nonsense").unwrap();
+    }
+}

@@ -1,0 +1,195 @@
+//! The `flumen` binary driven as a user drives it: the REPL under a pseudo-terminal,
+//! statements on standard input, `-c`/`-f` with each output format, and exit codes.
+
+use std::io::Write;
+use std::process::{Command, Output, Stdio};
+use std::time::Duration;
+
+const FLUMEN: &str = env!("CARGO_BIN_EXE_flumen");
+
+/// Run `flumen` with `args` (the demo table's cache in a temp dir) and `stdin` as input.
+fn flumen(args: &[&str], stdin: &str) -> Output {
+    let cache = tempfile::tempdir().unwrap();
+    let mut child = Command::new(FLUMEN)
+        .args(args)
+        .env("XDG_CACHE_HOME", cache.path())
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    child
+        .stdin
+        .take()
+        .unwrap()
+        .write_all(stdin.as_bytes())
+        .unwrap();
+    child.wait_with_output().unwrap()
+}
+
+fn text(bytes: &[u8]) -> String {
+    String::from_utf8_lossy(bytes).to_string()
+}
+
+const DATA: &str =
+    "SELECT * FROM (VALUES (1, 'one', 1.5), (2, 'two, \"2\"', NULL)) AS t(id, name, x) ORDER BY id";
+
+#[test]
+fn csv_output() {
+    let out = flumen(&["--no-demo", "--format", "csv", "-c", DATA], "");
+    assert!(out.status.success(), "{}", text(&out.stderr));
+    insta::assert_snapshot!(text(&out.stdout));
+}
+
+#[test]
+fn json_and_ndjson_output() {
+    let out = flumen(
+        &["--no-demo", "--quiet", "--format", "json", "-c", DATA],
+        "",
+    );
+    assert!(out.status.success(), "{}", text(&out.stderr));
+    assert_eq!(text(&out.stderr), "", "--quiet prints no timing line");
+    insta::assert_snapshot!("json", text(&out.stdout));
+    let out = flumen(&["--no-demo", "--format", "ndjson", "-c", DATA], "");
+    insta::assert_snapshot!("ndjson", text(&out.stdout));
+}
+
+#[test]
+fn table_output_with_maxrows_and_timing() {
+    let out = flumen(
+        &[
+            "--no-demo",
+            "--maxrows",
+            "3",
+            "-c",
+            "SELECT x FROM generate_series(1, 10) AS t(x)",
+        ],
+        "",
+    );
+    assert!(out.status.success());
+    let stdout = text(&out.stdout);
+    assert!(
+        stdout.contains("| 3 |") && !stdout.contains("| 4 |"),
+        "{stdout}"
+    );
+    assert!(stdout.contains("(3 of 10 rows shown"), "{stdout}");
+    assert!(
+        text(&out.stderr).contains("10 rows in "),
+        "{}",
+        text(&out.stderr)
+    );
+}
+
+#[test]
+fn exit_status_is_non_zero_when_a_statement_fails() {
+    let out = flumen(
+        &[
+            "--no-demo",
+            "-c",
+            "SELECT * FROM no_such_table",
+            "-c",
+            "SELECT 7 AS seven",
+        ],
+        "",
+    );
+    assert_eq!(out.status.code(), Some(1));
+    let stderr = text(&out.stderr);
+    assert!(
+        stderr.contains("no_such_table") && stderr.contains("not found"),
+        "{stderr}"
+    );
+    // The statements after a failed one still run.
+    assert!(text(&out.stdout).contains("| 7 "), "{}", text(&out.stdout));
+    let out = flumen(&["--no-demo", "-c", "SELECT 1"], "");
+    assert_eq!(out.status.code(), Some(0));
+    let out = flumen(&["-f", "/no/such/file.sql"], "");
+    assert_eq!(out.status.code(), Some(1));
+    assert!(text(&out.stderr).contains("/no/such/file.sql"));
+}
+
+#[test]
+fn statements_from_stdin_and_files() {
+    let out = flumen(
+        &["--no-demo", "--format", "csv", "--quiet"],
+        "SELEC 1;\nSELECT 'a;b' AS s; -- a comment; with a semicolon\nSELECT 2 AS n",
+    );
+    assert_eq!(out.status.code(), Some(1));
+    assert!(text(&out.stderr).contains("SELEC"), "{}", text(&out.stderr));
+    assert_eq!(text(&out.stdout), "s\na;b\nn\n2\n");
+    let dir = tempfile::tempdir().unwrap();
+    let file = dir.path().join("script.sql");
+    std::fs::write(
+        &file,
+        "CREATE TABLE t AS SELECT x FROM generate_series(1, 5) AS g(x);\n\
+         SELECT sum(x) AS total\n  FROM t;",
+    )
+    .unwrap();
+    let out = flumen(
+        &["--no-demo", "--format", "csv", "-f", file.to_str().unwrap()],
+        "",
+    );
+    assert!(out.status.success(), "{}", text(&out.stderr));
+    assert_eq!(text(&out.stdout), "total\n15\n");
+}
+
+#[test]
+fn meta_commands_and_the_demo_table() {
+    let out = flumen(&["--quiet", "-c", "\\d", "-c", "\\d docs"], "");
+    assert!(out.status.success(), "{}", text(&out.stderr));
+    let stdout = text(&out.stdout);
+    assert!(stdout.contains("datafusion.public.docs"), "{stdout}");
+    assert!(
+        stdout.contains("body") && stdout.contains("Utf8"),
+        "{stdout}"
+    );
+    // The demo table is written on first use: 100,000 documents about 8 topics.
+    let out = flumen(
+        &[
+            "--quiet",
+            "--format",
+            "csv",
+            "-c",
+            "SELECT count(*) AS n, count(DISTINCT topic) AS t FROM docs",
+        ],
+        "",
+    );
+    assert!(out.status.success(), "{}", text(&out.stderr));
+    assert_eq!(text(&out.stdout), "n,t\n100000,8\n");
+    let out = flumen(&["--no-demo", "-c", "\\nonsense"], "");
+    assert_eq!(out.status.code(), Some(1));
+    assert!(text(&out.stderr).contains("\\?"), "{}", text(&out.stderr));
+}
+
+/// The REPL in a terminal: a bad statement, then good ones (one over two lines), a long
+/// query cancelled with Ctrl-C, and `\q`; the process stays alive throughout.
+#[test]
+fn repl_keeps_running_after_errors_and_ctrl_c() {
+    let cache = tempfile::tempdir().unwrap();
+    let mut command = Command::new(FLUMEN);
+    command.arg("--no-demo").env("XDG_DATA_HOME", cache.path());
+    let mut p = rexpect::session::spawn_command(command, Some(30_000)).unwrap();
+    p.exp_string("\\? for help").unwrap();
+    p.send_line("SELEC 1;").unwrap();
+    p.exp_string("Error").unwrap();
+    p.send_line("SELECT 40 + 2").unwrap();
+    p.exp_string("->").unwrap();
+    p.send_line("  AS answer;").unwrap();
+    p.exp_string("42").unwrap();
+    p.exp_string("1 row in").unwrap();
+    p.send_line("SELECT count(*) FROM generate_series(1, 100000000000) AS t(x) WHERE x % 7 = 3;")
+        .unwrap();
+    // Progress lines appear after a second, one per operator.
+    p.exp_string("op0").unwrap();
+    std::thread::sleep(Duration::from_millis(300));
+    p.send_control('c').unwrap();
+    p.exp_string("cancelled").unwrap();
+    p.send_line("\\timing").unwrap();
+    p.exp_string("timing is off").unwrap();
+    p.send_line("SELECT upper('still here') AS s;").unwrap();
+    p.exp_string("STILL HERE").unwrap();
+    p.send_line("\\q").unwrap();
+    p.exp_eof().unwrap();
+    // The history was saved in the data dir.
+    let history = std::fs::read_to_string(cache.path().join("flumen/history.txt")).unwrap();
+    assert!(history.contains("AS answer;"), "{history}");
+}
