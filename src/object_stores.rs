@@ -6,10 +6,11 @@
 //! statement's `OPTIONS ('aws.region' '...', 'aws.endpoint' '...', 'gcp.*', 'azure.*')`, which
 //! win over the environment.
 
+use std::any::Any;
+use std::collections::BTreeMap;
 use std::sync::Arc;
 
-use datafusion::common::config::ConfigExtension;
-use datafusion::common::extensions_options;
+use datafusion::common::config::{ConfigEntry, ConfigExtension, ExtensionOptions};
 use datafusion::error::{DataFusionError, Result};
 use datafusion::prelude::SessionContext;
 use datafusion::sql::parser::{DFParser, Statement};
@@ -21,73 +22,68 @@ use object_store::http::HttpBuilder;
 use object_store::{ObjectStore, RetryConfig};
 use url::Url;
 
-extensions_options! {
-    /// `OPTIONS ('aws.<name>' '...')` of a table or COPY on `s3://`.
-    pub struct AwsOptions {
-        /// Access key id (else `AWS_ACCESS_KEY_ID`).
-        pub access_key_id: Option<String>, default = None
-        /// Secret access key (else `AWS_SECRET_ACCESS_KEY`).
-        pub secret_access_key: Option<String>, default = None
-        /// Session token (else `AWS_SESSION_TOKEN`).
-        pub session_token: Option<String>, default = None
-        /// Region (else `AWS_REGION`).
-        pub region: Option<String>, default = None
-        /// Endpoint of an S3-compatible server (else `AWS_ENDPOINT`); `http://` allows HTTP.
-        pub endpoint: Option<String>, default = None
-        /// Allow plain HTTP.
-        pub allow_http: Option<String>, default = None
-        /// Send unsigned requests (public buckets).
-        pub skip_signature: Option<String>, default = None
-        /// Address buckets as `bucket.host` rather than `host/bucket`.
-        pub virtual_hosted_style_request: Option<String>, default = None
-    }
+/// Options of one family of object stores as a statement gives them
+/// (`OPTIONS ('aws.region' '...')`), accepted by the session's table options and kept as
+/// written; `object_store` checks their names when the store is built.
+macro_rules! store_options {
+    ($(#[$doc:meta])* $name:ident, $prefix:literal) => {
+        $(#[$doc])*
+        #[derive(Debug, Clone, Default)]
+        pub struct $name {
+            values: BTreeMap<String, String>,
+        }
+
+        impl ConfigExtension for $name {
+            const PREFIX: &'static str = $prefix;
+        }
+
+        impl ExtensionOptions for $name {
+            fn as_any(&self) -> &dyn Any {
+                self
+            }
+            fn as_any_mut(&mut self) -> &mut dyn Any {
+                self
+            }
+            fn cloned(&self) -> Box<dyn ExtensionOptions> {
+                Box::new(self.clone())
+            }
+            fn set(&mut self, key: &str, value: &str) -> Result<()> {
+                let key = key.strip_prefix(concat!($prefix, ".")).unwrap_or(key);
+                self.values.insert(key.to_ascii_lowercase(), value.to_string());
+                Ok(())
+            }
+            fn entries(&self) -> Vec<ConfigEntry> {
+                self.values
+                    .iter()
+                    .map(|(k, v)| ConfigEntry {
+                        key: format!("{}.{k}", $prefix),
+                        value: Some(v.clone()),
+                        description: concat!("an option of ", $prefix, " object stores"),
+                    })
+                    .collect()
+            }
+        }
+    };
 }
 
-impl ConfigExtension for AwsOptions {
-    const PREFIX: &'static str = "aws";
-}
-
-extensions_options! {
-    /// `OPTIONS ('gcp.<name>' '...')` of a table or COPY on `gs://`.
-    pub struct GcpOptions {
-        /// Path of a service account JSON file.
-        pub service_account_path: Option<String>, default = None
-        /// A service account key, as JSON.
-        pub service_account_key: Option<String>, default = None
-        /// Path of application default credentials.
-        pub application_credentials: Option<String>, default = None
-    }
-}
-
-impl ConfigExtension for GcpOptions {
-    const PREFIX: &'static str = "gcp";
-}
-
-extensions_options! {
-    /// `OPTIONS ('azure.<name>' '...')` of a table or COPY on `az://`, `abfs(s)://`.
-    pub struct AzureOptions {
-        /// Storage account name.
-        pub account_name: Option<String>, default = None
-        /// Storage account key.
-        pub access_key: Option<String>, default = None
-        /// Service principal client id.
-        pub client_id: Option<String>, default = None
-        /// Service principal secret.
-        pub client_secret: Option<String>, default = None
-        /// Tenant id.
-        pub tenant_id: Option<String>, default = None
-        /// Endpoint (Azurite, sovereign clouds).
-        pub endpoint: Option<String>, default = None
-        /// Use the Azurite emulator.
-        pub use_emulator: Option<String>, default = None
-        /// Allow plain HTTP.
-        pub allow_http: Option<String>, default = None
-    }
-}
-
-impl ConfigExtension for AzureOptions {
-    const PREFIX: &'static str = "azure";
-}
+store_options!(
+    /// `aws.*` options for `s3://` locations (`access_key_id`, `secret_access_key`,
+    /// `session_token`, `region`, `endpoint`, `allow_http`, `skip_signature`, ...).
+    AwsOptions,
+    "aws"
+);
+store_options!(
+    /// `gcp.*` options for `gs://` locations (`service_account_path`, `service_account_key`,
+    /// `application_credentials`, ...).
+    GcpOptions,
+    "gcp"
+);
+store_options!(
+    /// `azure.*` options for `az://` and `abfs(s)://` locations (`account_name`,
+    /// `access_key`, `client_id`, `client_secret`, `tenant_id`, `endpoint`, ...).
+    AzureOptions,
+    "azure"
+);
 
 /// Let a session's tables and COPY statements take `aws.*`, `gcp.*` and `azure.*` options.
 pub fn register_table_options(ctx: &SessionContext) {
