@@ -170,7 +170,7 @@ extensions_options! {
         /// coalesced up to it.
         pub target_block_rows: usize, default = 8192
         /// Bytes of a Parquet file a source task reads (its split), so tasks stay small.
-        pub split_bytes: ByteSize, default = ByteSize(16 << 20)
+        pub split_bytes: ByteSize, default = ByteSize(4 << 20)
         /// Show flumen's operators in `EXPLAIN` (off: DataFusion's own plan text).
         pub explain_operators: bool, default = true
         /// Where model UDFs compute: `auto` (CUDA when present, else CPU), `cpu` or `cuda`.

@@ -153,7 +153,16 @@ impl OperatorGraph {
             config,
         };
         let root = cutter.rewrite(plan)?;
-        cutter.add_operator(root, Pool::Cpu, None)?;
+        // A root that only passes its producer's blocks on (an accelerator projection at the
+        // top of the plan) needs no operator of its own: the producer is the root.
+        let pass_through = root.downcast_ref::<StageInputExec>().is_some_and(|si| {
+            matches!(si.exchange(), InputExchange::Preserve)
+                && si.fetch().is_none()
+                && si.producer() + 1 == cutter.operators.len()
+        });
+        if !pass_through {
+            cutter.add_operator(root, Pool::Cpu, None)?;
+        }
         let mut consumer = vec![None; cutter.operators.len()];
         for op in &cutter.operators {
             for input in &op.inputs {

@@ -266,9 +266,20 @@ impl QueryRun {
             next_block: AtomicU64::new(0),
             recompute_locks: Mutex::new(HashMap::new()),
         });
+        // The scheduler loop gets a thread of its own: CPU tasks run on the caller's runtime
+        // and can keep its worker threads busy for long polls (a Parquet batch decoded and
+        // preprocessed), and a loop waiting behind them would leave the other pools idle.
         let looping = Arc::clone(&run);
-        run.handle
-            .spawn(async move { looping.scheduler_loop().await });
+        std::thread::Builder::new()
+            .name("flumen-scheduler".into())
+            .spawn(move || {
+                let runtime = tokio::runtime::Builder::new_current_thread()
+                    .enable_all()
+                    .build()
+                    .expect("build the scheduler's runtime");
+                runtime.block_on(looping.scheduler_loop());
+            })
+            .map_err(|e| DataFusionError::Execution(format!("cannot start the scheduler: {e}")))?;
         Ok(run)
     }
 
@@ -616,9 +627,10 @@ impl QueryRun {
     }
 
     /// An operator is held back while its unconsumed output is over its share of the
-    /// budget, or the store's memory is full, or its consumer already has enough input
-    /// queued to keep every slot of its pool busy ([`queue_limit_rows`]), so memory follows
-    /// the pipeline's slowest stage, not the table's size. Operators feeding a per-partition
+    /// budget, or the store's memory is full, or its consumer (a per-block operator, or the
+    /// query's reader for the root) already has enough input queued to stay busy
+    /// ([`queue_limit_rows`]), so memory follows the pipeline's slowest stage, not the
+    /// table's size. Operators feeding a per-partition
     /// operator (an all-to-all exchange) are never held back: their blocks spill instead.
     fn backpressured(&self, st: &RunState, op_id: OperatorId, share: u64) -> bool {
         let consumer = self.graph.consumer[op_id].map(|c| &self.graph.operators[c]);
@@ -627,23 +639,35 @@ impl QueryRun {
         if feeds_barrier {
             return false;
         }
-        let queue_full = consumer.is_some_and(|c| {
-            c.shape == TaskShape::BlockWise
-                && st.operators[op_id].held_rows >= self.queue_limit_rows(c.pool)
-        });
+        let producer_pool = self.graph.operators[op_id].pool;
+        let held_rows = st.operators[op_id].held_rows;
+        let queue_full = match consumer {
+            Some(c) => {
+                c.shape == TaskShape::BlockWise
+                    && held_rows >= self.queue_limit_rows(c.pool, producer_pool)
+            }
+            // The root's blocks wait for the query's reader, which reads like one CPU slot.
+            None => {
+                !self.root_runs_in_output()
+                    && held_rows >= self.queue_limit_rows(Pool::Cpu, producer_pool)
+            }
+        };
         queue_full
             || st.operators[op_id].held_bytes >= share
             || self.store.memory_bytes() >= self.store.budget()
     }
 
-    /// Rows of unconsumed input that keep a per-block consumer on `pool` busy: two bundles
-    /// of `flumen.target_block_rows` for each of its slots and one more slot's worth.
-    fn queue_limit_rows(&self, pool: Pool) -> u64 {
-        let slots = match pool {
+    /// Rows of unconsumed input that keep a per-block consumer on `consumer` busy while its
+    /// producer on `producer` refills the queue: two bundles of `flumen.target_block_rows`
+    /// for each slot of either pool (every consumer slot has its next bundle waiting, and
+    /// every producer slot may have a task in flight whose blocks land in the queue).
+    fn queue_limit_rows(&self, consumer: Pool, producer: Pool) -> u64 {
+        let slots = |pool| match pool {
             Pool::Cpu => self.config.cpu_slots,
             Pool::Accelerator => self.config.accelerator_slots,
         };
-        (2 * (slots + 1) * self.config.target_block_rows.max(1)) as u64
+        let bundles = 2 * (slots(consumer) + slots(producer));
+        (bundles * self.config.target_block_rows.max(1)) as u64
     }
 
     fn take_pending(

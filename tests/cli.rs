@@ -221,7 +221,10 @@ impl S3Server {
         };
         let deadline = std::time::Instant::now() + Duration::from_secs(30);
         while std::net::TcpStream::connect(("127.0.0.1", port)).is_err() {
-            assert!(std::time::Instant::now() < deadline, "moto_server did not start");
+            assert!(
+                std::time::Instant::now() < deadline,
+                "moto_server did not start"
+            );
             std::thread::sleep(Duration::from_millis(100));
         }
         Some(server)
@@ -309,5 +312,9 @@ fn s3_tables_on_a_loopback_server() {
     assert_eq!(out.status.code(), Some(1));
     let stderr = text(&out.stderr);
     assert!(stderr.contains("no-such-bucket"), "{stderr}");
-    assert!(started.elapsed() < Duration::from_secs(30), "took {:?}", started.elapsed());
+    assert!(
+        started.elapsed() < Duration::from_secs(30),
+        "took {:?}",
+        started.elapsed()
+    );
 }

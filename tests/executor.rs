@@ -592,9 +592,9 @@ async fn a_slow_model_holds_back_its_producer() {
     let graph = plan.downcast_ref::<FlumenExec>().unwrap().graph();
     let source = graph.operators[0].stats.snapshot();
     assert_eq!(source.rows, 40_000);
-    // Queue limit: 2 bundles of 1,000 rows per accelerator slot plus one slot's worth
-    // (4,000 rows), plus what the two running source tasks produce (5,000-row row groups):
-    // about a third of the 40,000 rows; without the limit, nearly all of them.
+    // Queue limit: 2 bundles of 1,000 rows per slot of the accelerator (1) and CPU (2)
+    // pools (6,000 rows), plus what the two running source tasks produce (5,000-row row
+    // groups): about 40% of the 40,000 rows; without the limit, all of them.
     let held_fraction = source.peak_bytes as f64 / source.bytes as f64;
     assert!(
         held_fraction < 0.5,

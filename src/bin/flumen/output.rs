@@ -5,7 +5,7 @@ use std::io::Write;
 use clap::ValueEnum;
 use datafusion::arrow::csv::WriterBuilder as CsvWriterBuilder;
 use datafusion::arrow::json::WriterBuilder as JsonWriterBuilder;
-use datafusion::arrow::json::writer::{JsonArray, LineDelimited};
+use datafusion::arrow::json::writer::{JsonArray, JsonFormat, LineDelimited};
 use datafusion::arrow::record_batch::RecordBatch;
 use datafusion::arrow::util::pretty::pretty_format_batches;
 use datafusion::error::Result;
@@ -72,24 +72,22 @@ pub fn print(
         }
         Format::Json if shown == 0 => writeln!(out, "[]")?,
         Format::Json => {
-            let mut writer = JsonWriterBuilder::new()
-                .with_explicit_nulls(true)
-                .build::<_, JsonArray>(&mut *out);
-            for batch in batches {
-                writer.write(batch)?;
-            }
-            writer.finish()?;
+            write_json::<JsonArray>(out, batches)?;
             writeln!(out)?;
         }
-        Format::Ndjson => {
-            let mut writer = JsonWriterBuilder::new()
-                .with_explicit_nulls(true)
-                .build::<_, LineDelimited>(&mut *out);
-            for batch in batches {
-                writer.write(batch)?;
-            }
-            writer.finish()?;
-        }
+        Format::Ndjson => write_json::<LineDelimited>(out, batches)?,
     }
+    Ok(())
+}
+
+/// Write `batches` as JSON in layout `F` (an array, or one object per line), NULLs included.
+fn write_json<F: JsonFormat>(out: &mut dyn Write, batches: &[RecordBatch]) -> Result<()> {
+    let mut writer = JsonWriterBuilder::new()
+        .with_explicit_nulls(true)
+        .build::<_, F>(out);
+    for batch in batches {
+        writer.write(batch)?;
+    }
+    writer.finish()?;
     Ok(())
 }
