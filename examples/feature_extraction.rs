@@ -1,6 +1,6 @@
 //! Parquet in → features → Parquet out, on flumen's streaming executor.
 //!
-//! With no arguments it generates a demo `docs` table (10,000 deterministic HTML documents,
+//! With no arguments it generates a demo `docs` table (5,000 deterministic HTML documents,
 //! `flumen::demo`) under `target/flumen-demo/`, computes per-document features with SQL —
 //! among them a 384-wide sentence embedding of the cleaned text, `embed(clean_text(body))`,
 //! with `clean_text` in CPU tasks and `embed` on the accelerator pool — writes them to
@@ -30,7 +30,7 @@ async fn main() -> Result<()> {
                 let rows = std::env::var("FLUMEN_DEMO_ROWS")
                     .ok()
                     .and_then(|r| r.parse().ok())
-                    .unwrap_or(10_000);
+                    .unwrap_or(5_000);
                 flumen::demo::write_docs(&input, rows)?;
             }
             (input, demo_dir.join("features.parquet"))
