@@ -35,6 +35,7 @@ use datafusion::arrow::datatypes::{DataType, Float32Type, Int64Type};
 use datafusion::arrow::record_batch::RecordBatch;
 use datafusion::config::ConfigOptions;
 use datafusion::error::{DataFusionError, Result};
+use datafusion::logical_expr::ScalarUDF;
 use datafusion::parquet::arrow::ArrowWriter;
 use datafusion::parquet::file::properties::WriterProperties;
 use datafusion::prelude::{ParquetReadOptions, SessionContext};
@@ -367,7 +368,7 @@ fn run_child(args: &Args, mode: &str) -> Result<Value> {
         .build()?;
     let input = args.input.clone().expect("--input");
     // The model: the emulated device, or `embed` on CUDA, or (cpu_alone) a zero-time device.
-    let (model, meter): (Arc<dyn AcceleratorFunction>, Arc<dyn BusyMeter>) =
+    let (model, meter): (ScalarUDF, Arc<dyn BusyMeter>) =
         if args.accelerator == "emulated" || mode == "cpu_alone" {
             let device = Arc::new(EmulatedDevice::default());
             let service = if mode == "cpu_alone" {
@@ -382,14 +383,14 @@ fn run_child(args: &Args, mode: &str) -> Result<Value> {
                 args.dims,
                 Arc::clone(&device),
             );
-            (Arc::new(model), device)
+            (flumen::accelerator_udf(model), device)
         } else {
             let busy = Arc::new(AtomicU64::new(0));
             let model = Metered {
                 inner: Arc::new(flumen::embedding::EmbedFunction::default()),
                 busy_ns: Arc::clone(&busy),
             };
-            (Arc::new(model), busy)
+            (flumen::accelerator_udf(model), busy)
         };
     let ctx = match mode {
         "vanilla" => {
@@ -410,7 +411,7 @@ fn run_child(args: &Args, mode: &str) -> Result<Value> {
             flumen::session(config)
         }
     };
-    ctx.register_udf(flumen::accelerator_udf(ForwardTo(model)));
+    ctx.register_udf(model);
 
     let rows_done = Arc::new(AtomicU64::new(0));
     let stop = Arc::new(AtomicBool::new(false));
@@ -512,34 +513,6 @@ fn batch_checksum(batch: &RecordBatch, with_vectors: bool) -> u64 {
         sum = sum.wrapping_add(h);
     }
     sum
-}
-
-/// Register an `Arc`'d accelerator function (the UDF wrapper takes it by value).
-#[derive(Debug)]
-struct ForwardTo(Arc<dyn AcceleratorFunction>);
-
-impl AcceleratorFunction for ForwardTo {
-    fn name(&self) -> &str {
-        self.0.name()
-    }
-    fn signature(&self) -> &datafusion::logical_expr::Signature {
-        self.0.signature()
-    }
-    fn return_type(&self, arg_types: &[DataType]) -> Result<DataType> {
-        self.0.return_type(arg_types)
-    }
-    fn load(&self, config: &ConfigOptions) -> Result<Box<dyn AcceleratorWorker>> {
-        self.0.load(config)
-    }
-    fn load_key(&self, config: &ConfigOptions) -> String {
-        self.0.load_key(config)
-    }
-    fn batch_rows(&self, config: &ConfigOptions) -> Option<usize> {
-        self.0.batch_rows(config)
-    }
-    fn resources(&self, config: &ConfigOptions) -> WorkerResources {
-        self.0.resources(config)
-    }
 }
 
 /// Write the demo `docs` table of `rows` rows at `path` unless it is there.
