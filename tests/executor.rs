@@ -602,3 +602,79 @@ async fn a_slow_model_holds_back_its_producer() {
         100.0 * held_fraction
     );
 }
+
+/// A CPU UDF that sleeps per batch and records the most calls in flight at once.
+#[derive(Debug)]
+struct ConcurrencyProbe {
+    signature: Signature,
+    in_flight: Arc<AtomicUsize>,
+    most: Arc<AtomicUsize>,
+}
+
+impl PartialEq for ConcurrencyProbe {
+    fn eq(&self, other: &Self) -> bool {
+        Arc::ptr_eq(&self.most, &other.most)
+    }
+}
+impl Eq for ConcurrencyProbe {}
+impl std::hash::Hash for ConcurrencyProbe {
+    fn hash<H: std::hash::Hasher>(&self, state: &mut H) {
+        "concurrency_probe".hash(state);
+    }
+}
+
+impl ScalarUDFImpl for ConcurrencyProbe {
+    fn name(&self) -> &str {
+        "concurrency_probe"
+    }
+    fn signature(&self) -> &Signature {
+        &self.signature
+    }
+    fn return_type(&self, _: &[DataType]) -> Result<DataType> {
+        Ok(DataType::Int64)
+    }
+    fn invoke_with_args(&self, args: ScalarFunctionArgs) -> Result<ColumnarValue> {
+        let now = self.in_flight.fetch_add(1, Ordering::SeqCst) + 1;
+        self.most.fetch_max(now, Ordering::SeqCst);
+        std::thread::sleep(std::time::Duration::from_millis(30));
+        self.in_flight.fetch_sub(1, Ordering::SeqCst);
+        Ok(args.args[0].clone())
+    }
+}
+
+/// Most source tasks running at once for a GROUP BY (two CPU operators: the scan with the
+/// partial aggregate, the final aggregate) under `mode`.
+async fn most_concurrent_source_tasks(mode: &str) -> usize {
+    let dir = tempfile::tempdir().unwrap();
+    write_events(dir.path(), 2, 20_000);
+    let f = flumen_ctx(&[
+        &format!("SET flumen.mode = '{mode}'"),
+        "SET flumen.cpu_slots = 2",
+        "SET flumen.split_bytes = '16KB'",
+    ])
+    .await;
+    register_tables(&f, dir.path()).await;
+    let most = Arc::new(AtomicUsize::new(0));
+    f.register_udf(ScalarUDF::new_from_impl(ConcurrencyProbe {
+        signature: Signature::exact(vec![DataType::Int64], Volatility::Volatile),
+        in_flight: Arc::new(AtomicUsize::new(0)),
+        most: Arc::clone(&most),
+    }));
+    let batches = f
+        .sql("SELECT k, count(concurrency_probe(id)) FROM events GROUP BY k")
+        .await
+        .unwrap()
+        .collect()
+        .await
+        .unwrap();
+    assert_eq!(batches.iter().map(|b| b.num_rows()).sum::<usize>(), 16);
+    most.load(Ordering::SeqCst)
+}
+
+/// `static` gives each of the two CPU operators a fixed half of the two CPU slots, so the
+/// scan never runs two tasks at once; `streaming` lets it take both idle slots.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn static_mode_caps_each_operator_at_its_share_of_slots() {
+    assert_eq!(most_concurrent_source_tasks("static").await, 1);
+    assert_eq!(most_concurrent_source_tasks("streaming").await, 2);
+}
