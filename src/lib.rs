@@ -18,10 +18,13 @@ pub mod accelerator;
 pub mod accelerator_projection;
 pub mod block_store;
 pub mod config;
+pub mod delta;
 pub mod demo;
 pub mod embedding;
 pub mod emulated_accelerator;
 pub mod exec;
+pub mod iceberg;
+pub mod lakehouse_options;
 pub mod lineage;
 pub mod object_stores;
 pub mod operators;
@@ -61,6 +64,7 @@ pub fn session_with_config(session_config: SessionConfig, config: FlumenConfig) 
     let ctx = SessionContext::new_with_state(keep_accelerator_projections(state));
     register_functions(&ctx);
     object_stores::register_table_options(&ctx);
+    register_table_factories(&ctx);
     ctx
 }
 
@@ -72,6 +76,16 @@ pub fn register_functions(ctx: &SessionContext) {
     for udf in vector_functions::vector_functions() {
         ctx.register_udf(udf);
     }
+}
+
+/// Register flumen's lakehouse table formats: `STORED AS DELTATABLE` (Delta Lake) and
+/// `STORED AS ICEBERG`.
+pub fn register_table_factories(ctx: &SessionContext) {
+    let state = ctx.state_ref();
+    let mut state = state.write();
+    let factories = state.table_factories_mut();
+    factories.insert("DELTATABLE".into(), Arc::new(delta::DeltaTableFactory));
+    factories.insert("ICEBERG".into(), Arc::new(iceberg::IcebergTableFactory));
 }
 
 /// Add flumen's settings, worker pools and required DataFusion options to a session config.
@@ -120,6 +134,7 @@ pub fn into_flumen(ctx: &SessionContext, config: FlumenConfig) -> SessionContext
     let ctx = SessionContext::new_with_state(state);
     register_functions(&ctx);
     object_stores::register_table_options(&ctx);
+    register_table_factories(&ctx);
     ctx
 }
 

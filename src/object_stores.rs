@@ -10,6 +10,7 @@ use std::any::Any;
 use std::collections::BTreeMap;
 use std::sync::Arc;
 
+use datafusion::catalog::Session;
 use datafusion::common::config::{ConfigEntry, ConfigExtension, ExtensionOptions};
 use datafusion::error::{DataFusionError, Result};
 use datafusion::prelude::SessionContext;
@@ -138,8 +139,33 @@ pub fn register_for_location(
     location: &str,
     options: &[(String, String)],
 ) -> Result<()> {
+    if let Some((base, store)) = store_for_location(location, options)? {
+        ctx.register_object_store(&base, store);
+    }
+    Ok(())
+}
+
+/// [`register_for_location`] for code that holds a `&dyn Session` (table factories): the
+/// store goes into the session's runtime environment.
+pub fn register_in_session(
+    state: &dyn Session,
+    location: &str,
+    options: &[(String, String)],
+) -> Result<()> {
+    if let Some((base, store)) = store_for_location(location, options)? {
+        state.runtime_env().register_object_store(&base, store);
+    }
+    Ok(())
+}
+
+/// The object store for a remote `location` and the URL (scheme and bucket) it serves;
+/// `None` for local paths and schemes DataFusion serves itself.
+pub fn store_for_location(
+    location: &str,
+    options: &[(String, String)],
+) -> Result<Option<(Url, Arc<dyn ObjectStore>)>> {
     let Ok(url) = Url::parse(location) else {
-        return Ok(());
+        return Ok(None);
     };
     let fail = |e: &dyn std::fmt::Display| {
         DataFusionError::Plan(format!("cannot open object store for {location}: {e}"))
@@ -188,12 +214,11 @@ pub fn register_for_location(
                     .map_err(|e| fail(&e))?,
             )
         }
-        _ => return Ok(()),
+        _ => return Ok(None),
     };
     let base =
         Url::parse(&format!("{}://{}", url.scheme(), url.authority())).map_err(|e| fail(&e))?;
-    ctx.register_object_store(&base, store);
-    Ok(())
+    Ok(Some((base, store)))
 }
 
 /// Retries of failed requests: a few, within 15 s, so a wrong endpoint or a missing bucket

@@ -13,6 +13,7 @@ use datafusion::config::ConfigOptions;
 use datafusion::datasource::physical_plan::FileScanConfig;
 use datafusion::datasource::source::DataSourceExec;
 use datafusion::error::Result;
+use datafusion::physical_plan::Distribution;
 use datafusion::physical_plan::aggregates::{AggregateExec, AggregateMode};
 use datafusion::physical_plan::coalesce_partitions::CoalescePartitionsExec;
 use datafusion::physical_plan::coop::CooperativeExec;
@@ -397,6 +398,16 @@ fn is_row_local(node: &Arc<dyn ExecutionPlan>) -> bool {
     }
     if let Some(source) = node.downcast_ref::<DataSourceExec>() {
         return source.fetch().is_none();
+    }
+    // Delta Lake's scan maps each batch by the file it came from; it needs one stream per file
+    // only for deletion vectors or row indexes, and then asks for a single input partition.
+    if node.name() == "DeltaScanExec" {
+        return node.fetch().is_none()
+            && node
+                .input_distribution_requirements()
+                .into_per_child()
+                .iter()
+                .all(|d| matches!(d, Distribution::UnspecifiedDistribution));
     }
     node.downcast_ref::<SplitSourceExec>().is_some()
 }

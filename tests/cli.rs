@@ -5,6 +5,10 @@ use std::io::Write;
 use std::process::{Command, Output, Stdio};
 use std::time::Duration;
 
+#[path = "common/s3_server.rs"]
+mod s3_server;
+use s3_server::S3Server;
+
 const FLUMEN: &str = env!("CARGO_BIN_EXE_flumen");
 
 /// Run `flumen` with `args` (the demo table's cache in a temp dir) and `stdin` as input.
@@ -194,80 +198,12 @@ fn repl_keeps_running_after_errors_and_ctrl_c() {
     assert!(history.contains("AS answer;"), "{history}");
 }
 
-/// A real S3-compatible server (moto's server mode) on loopback, killed when dropped.
-struct S3Server {
-    child: std::process::Child,
-    endpoint: String,
-}
-
-impl S3Server {
-    /// Start `moto_server` (`FLUMEN_MOTO_SERVER`, else on PATH); `None` when not installed.
-    fn start() -> Option<Self> {
-        let program = std::env::var("FLUMEN_MOTO_SERVER").unwrap_or_else(|_| "moto_server".into());
-        let port = std::net::TcpListener::bind("127.0.0.1:0")
-            .unwrap()
-            .local_addr()
-            .unwrap()
-            .port();
-        let child = Command::new(&program)
-            .args(["-H", "127.0.0.1", "-p", &port.to_string()])
-            .stdout(Stdio::null())
-            .stderr(Stdio::null())
-            .spawn()
-            .ok()?;
-        let server = Self {
-            child,
-            endpoint: format!("http://127.0.0.1:{port}"),
-        };
-        let deadline = std::time::Instant::now() + Duration::from_secs(30);
-        while std::net::TcpStream::connect(("127.0.0.1", port)).is_err() {
-            assert!(
-                std::time::Instant::now() < deadline,
-                "moto_server did not start"
-            );
-            std::thread::sleep(Duration::from_millis(100));
-        }
-        Some(server)
-    }
-
-    /// Create a bucket (a plain `PUT /bucket`).
-    fn create_bucket(&self, bucket: &str) {
-        use std::io::Read;
-        let address = self.endpoint.trim_start_matches("http://");
-        let mut stream = std::net::TcpStream::connect(address).unwrap();
-        write!(
-            stream,
-            "PUT /{bucket} HTTP/1.1\r\nHost: {address}\r\nContent-Length: 0\r\nConnection: close\r\n\r\n"
-        )
-        .unwrap();
-        let mut reply = String::new();
-        stream.read_to_string(&mut reply).unwrap();
-        assert!(reply.starts_with("HTTP/1.1 200"), "{reply}");
-    }
-
-    /// `OPTIONS (...)` pointing a statement at this server.
-    fn options(&self) -> String {
-        format!(
-            "OPTIONS ('aws.endpoint' '{}', 'aws.access_key_id' 'test', \
-             'aws.secret_access_key' 'test', 'aws.region' 'us-east-1')",
-            self.endpoint
-        )
-    }
-}
-
-impl Drop for S3Server {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
-}
-
 /// `COPY ... TO 's3://...'`, `CREATE EXTERNAL TABLE ... LOCATION 's3://...'` and a query of
 /// it, against a real S3-compatible server on 127.0.0.1; a missing bucket is a clear error.
 #[test]
 fn s3_tables_on_a_loopback_server() {
     let Some(server) = S3Server::start() else {
-        println!("skipped: moto_server not found (pip install 'moto[server]'; .ci/run does)");
+        println!("skipped: moto_server not found (run tests/install-test-tools.sh)");
         return;
     };
     server.create_bucket("flumen-test");

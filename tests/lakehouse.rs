@@ -1,0 +1,589 @@
+//! Lakehouse tables written by the ecosystem's own writers (the `deltalake` and `pyiceberg`
+//! Python packages, run by `tests/lakehouse/make_tables.py`) and read by flumen, locally and
+//! on a real S3-compatible server on loopback; Delta writes read back by `deltalake`.
+//!
+//! The writers come from `target/test-venv` (`bash tests/install-test-tools.sh`) or
+//! `FLUMEN_LAKEHOUSE_PYTHON`. Without them these tests say they were skipped.
+
+#[path = "common/s3_server.rs"]
+mod s3_server;
+
+use std::path::{Path, PathBuf};
+use std::process::Command;
+use std::sync::OnceLock;
+
+use datafusion::arrow::util::display::array_value_to_string;
+use datafusion::arrow::util::pretty::pretty_format_batches;
+use datafusion::prelude::SessionContext;
+use flumen::FlumenConfig;
+use s3_server::S3Server;
+use serde_json::Value;
+
+/// The Python with the table writers (`FLUMEN_LAKEHOUSE_PYTHON`, else the one
+/// `tests/install-test-tools.sh` installs), or `None` (the test is skipped).
+fn writers_python() -> Option<String> {
+    let python = std::env::var("FLUMEN_LAKEHOUSE_PYTHON").unwrap_or_else(|_| {
+        concat!(env!("CARGO_MANIFEST_DIR"), "/target/test-venv/bin/python").into()
+    });
+    Path::new(&python).exists().then_some(python)
+}
+
+/// Run the writers: tables under `root` (a directory or `s3://bucket/prefix`), and what the
+/// writers' own readers read, from `expected.json` in `out`.
+fn write_tables(python: &str, root: &str, out: &Path, s3_endpoint: Option<&str>) -> Value {
+    let expected = out.join("expected.json");
+    let mut command = Command::new(python);
+    command
+        .arg(concat!(
+            env!("CARGO_MANIFEST_DIR"),
+            "/tests/lakehouse/make_tables.py"
+        ))
+        .arg(root)
+        .arg(&expected)
+        .env("RUST_LOG", "error");
+    if let Some(endpoint) = s3_endpoint {
+        command.args(["--s3-endpoint", endpoint]);
+    }
+    let status = command.status().expect("run make_tables.py");
+    assert!(status.success(), "make_tables.py failed");
+    serde_json::from_slice(&std::fs::read(expected).unwrap()).unwrap()
+}
+
+/// Local tables, written once for all tests of this file.
+fn local_tables() -> Option<&'static (PathBuf, Value)> {
+    static TABLES: OnceLock<Option<(PathBuf, Value)>> = OnceLock::new();
+    TABLES
+        .get_or_init(|| {
+            let python = writers_python()?;
+            let dir = tempfile::tempdir().unwrap().keep();
+            let expected = write_tables(&python, dir.join("tables").to_str().unwrap(), &dir, None);
+            Some((dir, expected))
+        })
+        .as_ref()
+}
+
+fn skipped() {
+    println!("skipped: no Python with deltalake and pyiceberg (run tests/install-test-tools.sh)");
+}
+
+fn ctx() -> SessionContext {
+    flumen::session(FlumenConfig::default())
+}
+
+/// One row of strings.
+async fn row(ctx: &SessionContext, sql: &str) -> Vec<String> {
+    let batches = ctx
+        .sql(sql)
+        .await
+        .unwrap_or_else(|e| panic!("{sql}: {e}"))
+        .collect()
+        .await
+        .unwrap_or_else(|e| panic!("{sql}: {e}"));
+    let batch = batches.iter().find(|b| b.num_rows() > 0).expect("one row");
+    (0..batch.num_columns())
+        .map(|c| array_value_to_string(batch.column(c), 0).unwrap())
+        .collect()
+}
+
+async fn error(ctx: &SessionContext, sql: &str) -> String {
+    match ctx.sql(sql).await {
+        Err(e) => e.to_string(),
+        Ok(df) => match df.collect().await {
+            Err(e) => e.to_string(),
+            Ok(_) => panic!("{sql} should fail"),
+        },
+    }
+}
+
+/// `count, sum(id), sum(score), max(body)` of a table, as the writers' summary lists them.
+async fn summary(ctx: &SessionContext, table: &str) -> Vec<String> {
+    row(
+        ctx,
+        &format!("SELECT count(*), sum(id), sum(score), max(body) FROM {table}"),
+    )
+    .await
+}
+
+fn expected_summary(entry: &Value) -> Vec<String> {
+    vec![
+        entry["count"].to_string(),
+        entry["sum_id"].to_string(),
+        format!("{:.1}", entry["sum_score"].as_f64().unwrap()),
+        entry["max_body"].as_str().unwrap().to_string(),
+    ]
+}
+
+/// Check every version of the Delta table `docs`, by number and by timestamp.
+async fn check_delta_docs(ctx: &SessionContext, docs: &Value, options: &str) {
+    let location = docs["location"].as_str().unwrap();
+    let versions = docs["versions"].as_array().unwrap();
+    ctx.sql(&format!(
+        "CREATE EXTERNAL TABLE delta_docs STORED AS DELTATABLE LOCATION '{location}' {options}"
+    ))
+    .await
+    .unwrap();
+    let latest = versions.last().unwrap();
+    assert_eq!(
+        summary(ctx, "delta_docs").await,
+        expected_summary(latest),
+        "latest"
+    );
+    // Partition pruning on `topic` gives the partition's rows.
+    assert_eq!(
+        row(ctx, "SELECT count(*) FROM delta_docs WHERE topic = 'sport'").await,
+        vec![latest["sport_count"].to_string()]
+    );
+    for entry in versions {
+        let version = entry["version"].as_i64().unwrap();
+        let name = format!("delta_docs_v{version}");
+        let with_version = if options.is_empty() {
+            format!("OPTIONS ('version' '{version}')")
+        } else {
+            options.replacen("OPTIONS (", &format!("OPTIONS ('version' '{version}', "), 1)
+        };
+        ctx.sql(&format!(
+            "CREATE EXTERNAL TABLE {name} STORED AS DELTATABLE LOCATION '{location}' {with_version}"
+        ))
+        .await
+        .unwrap();
+        assert_eq!(
+            summary(ctx, &name).await,
+            expected_summary(entry),
+            "version {version}"
+        );
+    }
+    // Time travel by timestamp: the commit time of version 1 reads version 1.
+    let v1 = &versions[1];
+    let at = v1["timestamp_ms"].as_i64().unwrap();
+    let with_timestamp = if options.is_empty() {
+        format!("OPTIONS ('timestamp' '{at}')")
+    } else {
+        options.replacen("OPTIONS (", &format!("OPTIONS ('timestamp' '{at}', "), 1)
+    };
+    ctx.sql(&format!(
+        "CREATE EXTERNAL TABLE delta_docs_at STORED AS DELTATABLE LOCATION '{location}' {with_timestamp}"
+    ))
+    .await
+    .unwrap();
+    assert_eq!(summary(ctx, "delta_docs_at").await, expected_summary(v1));
+}
+
+/// Check the Iceberg tables: v2 (current and every snapshot) and v1.
+async fn check_iceberg(ctx: &SessionContext, iceberg: &Value, options: &str) {
+    let v2 = &iceberg["docs_v2"];
+    let location = v2["location"].as_str().unwrap();
+    ctx.sql(&format!(
+        "CREATE EXTERNAL TABLE ice_v2 STORED AS ICEBERG LOCATION '{location}' {options}"
+    ))
+    .await
+    .unwrap();
+    assert_eq!(
+        summary(ctx, "ice_v2").await,
+        expected_summary(&v2["current"])
+    );
+    for (i, snapshot) in v2["snapshots"].as_array().unwrap().iter().enumerate() {
+        let id = snapshot["snapshot_id"].as_i64().unwrap();
+        let with_id = if options.is_empty() {
+            format!("OPTIONS ('snapshot_id' '{id}')")
+        } else {
+            options.replacen("OPTIONS (", &format!("OPTIONS ('snapshot_id' '{id}', "), 1)
+        };
+        let name = format!("ice_v2_s{i}");
+        ctx.sql(&format!(
+            "CREATE EXTERNAL TABLE {name} STORED AS ICEBERG LOCATION '{location}' {with_id}"
+        ))
+        .await
+        .unwrap();
+        assert_eq!(
+            summary(ctx, &name).await,
+            expected_summary(snapshot),
+            "snapshot {i}"
+        );
+        assert_eq!(
+            row(
+                ctx,
+                &format!("SELECT count(*) FROM {name} WHERE topic = 'sport'")
+            )
+            .await,
+            vec![snapshot["sport_count"].to_string()]
+        );
+    }
+    // A metadata file as the location reads that metadata's current snapshot.
+    let metadata = v2["metadata"].as_str().unwrap();
+    ctx.sql(&format!(
+        "CREATE EXTERNAL TABLE ice_meta STORED AS ICEBERG LOCATION '{metadata}' {options}"
+    ))
+    .await
+    .unwrap();
+    assert_eq!(
+        summary(ctx, "ice_meta").await,
+        expected_summary(&v2["current"])
+    );
+    let v1 = &iceberg["docs_v1"];
+    assert_eq!(v1["format_version"], 1);
+    ctx.sql(&format!(
+        "CREATE EXTERNAL TABLE ice_v1 STORED AS ICEBERG LOCATION '{}' {options}",
+        v1["location"].as_str().unwrap()
+    ))
+    .await
+    .unwrap();
+    assert_eq!(
+        summary(ctx, "ice_v1").await,
+        expected_summary(&v1["current"])
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn delta_tables_written_by_deltalake_read_back_identically() {
+    let Some((_, expected)) = local_tables() else {
+        return skipped();
+    };
+    let ctx = ctx();
+    check_delta_docs(&ctx, &expected["delta"]["docs"], "").await;
+    let plain = &expected["delta"]["plain"];
+    ctx.sql(&format!(
+        "CREATE EXTERNAL TABLE plain STORED AS DELTATABLE LOCATION '{}'",
+        plain["location"].as_str().unwrap()
+    ))
+    .await
+    .unwrap();
+    assert_eq!(
+        summary(&ctx, "plain").await,
+        expected_summary(&plain["versions"][0])
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn iceberg_tables_written_by_pyiceberg_read_back_identically() {
+    let Some((_, expected)) = local_tables() else {
+        return skipped();
+    };
+    check_iceberg(&ctx(), &expected["iceberg"], "").await;
+}
+
+/// Delta and Iceberg scans are cut into flumen source splits (deterministic byte ranges), so
+/// a lost block re-reads only its own files and row groups.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn lakehouse_scans_are_cut_into_source_splits() {
+    let Some((_, expected)) = local_tables() else {
+        return skipped();
+    };
+    let ctx = ctx();
+    ctx.sql("SET flumen.split_bytes = '1KB'").await.unwrap();
+    for (format, location) in [
+        ("DELTATABLE", &expected["delta"]["docs"]["location"]),
+        ("ICEBERG", &expected["iceberg"]["docs_v2"]["location"]),
+    ] {
+        let name = format!("t_{}", format.to_lowercase());
+        ctx.sql(&format!(
+            "CREATE EXTERNAL TABLE {name} STORED AS {format} LOCATION '{}'",
+            location.as_str().unwrap()
+        ))
+        .await
+        .unwrap();
+        let batches = ctx
+            .sql(&format!("EXPLAIN SELECT id, body FROM {name}"))
+            .await
+            .unwrap()
+            .collect()
+            .await
+            .unwrap();
+        let plan = pretty_format_batches(&batches).unwrap().to_string();
+        let splits: usize = plan
+            .split("splits=")
+            .skip(1)
+            .map(|s| {
+                s.chars()
+                    .take_while(char::is_ascii_digit)
+                    .collect::<String>()
+                    .parse::<usize>()
+                    .unwrap()
+            })
+            .sum();
+        assert!(plan.contains("tasks=source"), "{plan}");
+        assert!(splits > 8, "{format}: only {splits} splits:\n{plan}");
+    }
+}
+
+/// `INSERT INTO` a Delta table commits one new version that `deltalake` itself reads back;
+/// a query that fails midway commits nothing.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn insert_into_delta_commits_once_and_deltalake_reads_it() {
+    let Some(python) = writers_python() else {
+        return skipped();
+    };
+    let dir = tempfile::tempdir().unwrap();
+    let location = dir.path().join("features");
+    let location = location.to_str().unwrap();
+    let ctx = ctx();
+    ctx.sql(&format!(
+        "CREATE EXTERNAL TABLE features (id BIGINT NOT NULL, label VARCHAR, v FLOAT[]) \
+         STORED AS DELTATABLE LOCATION '{location}'"
+    ))
+    .await
+    .unwrap();
+    let inserted = row(
+        &ctx,
+        "INSERT INTO features SELECT x, 'row ' || x, [CAST(x AS FLOAT), 0.5] \
+         FROM generate_series(1, 20000) AS t(x)",
+    )
+    .await;
+    assert_eq!(inserted, vec!["20000"]);
+    // A query that fails after some blocks were written commits nothing.
+    let failed = error(
+        &ctx,
+        "INSERT INTO features SELECT x, 'bad ' || x, [CAST(10 / (x - 15000) AS FLOAT)] \
+         FROM generate_series(1, 20000) AS t(x)",
+    )
+    .await;
+    assert!(failed.contains("Divide by zero"), "{failed}");
+    assert_eq!(
+        row(
+            &ctx,
+            "SELECT count(*), sum(id), count(DISTINCT label) FROM features"
+        )
+        .await,
+        vec!["20000", "200010000", "20000"]
+    );
+    // deltalake's own reader sees one committed version with every row once.
+    let script = format!(
+        "import deltalake, pyarrow.compute as pc\n\
+         t = deltalake.DeltaTable('{location}')\n\
+         a = t.to_pyarrow_table()\n\
+         print(t.version(), a.num_rows, pc.sum(a['id']).as_py(), len(pc.unique(a['id'])))"
+    );
+    let out = Command::new(&python)
+        .args(["-c", &script])
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert_eq!(
+        String::from_utf8_lossy(&out.stdout).trim(),
+        "1 20000 200010000 20000"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn bad_lakehouse_locations_are_named_in_the_error() {
+    let dir = tempfile::tempdir().unwrap();
+    let empty = dir.path().join("empty");
+    std::fs::create_dir_all(&empty).unwrap();
+    let empty = empty.to_str().unwrap();
+    let ctx = ctx();
+    let e = error(
+        &ctx,
+        &format!("CREATE EXTERNAL TABLE d STORED AS DELTATABLE LOCATION '{empty}'"),
+    )
+    .await;
+    assert!(
+        e.contains(empty) && e.contains("not a Delta table") && e.contains("_delta_log"),
+        "{e}"
+    );
+    let e = error(
+        &ctx,
+        &format!("CREATE EXTERNAL TABLE i STORED AS ICEBERG LOCATION '{empty}'"),
+    )
+    .await;
+    assert!(
+        e.contains(empty) && e.contains("not an Iceberg table"),
+        "{e}"
+    );
+    // Metadata of an unknown format version.
+    let table = dir.path().join("v9");
+    std::fs::create_dir_all(table.join("metadata")).unwrap();
+    std::fs::write(
+        table.join("metadata/v1.metadata.json"),
+        r#"{"format-version": 9, "location": "x"}"#,
+    )
+    .unwrap();
+    let e = error(
+        &ctx,
+        &format!(
+            "CREATE EXTERNAL TABLE i9 STORED AS ICEBERG LOCATION '{}'",
+            table.display()
+        ),
+    )
+    .await;
+    assert!(e.contains("format version 9"), "{e}");
+    // A snapshot with a position-delete file (written here with Avro, as Spark would).
+    let table = dir.path().join("with_deletes");
+    write_table_with_delete_file(&table);
+    let e = error(
+        &ctx,
+        &format!(
+            "CREATE EXTERNAL TABLE idel STORED AS ICEBERG LOCATION '{}'",
+            table.display()
+        ),
+    )
+    .await;
+    assert!(
+        e.contains("row-level delete files") && e.contains("deletes-0.parquet"),
+        "{e}"
+    );
+    // Time travel to a version that does not exist.
+    if let Some((_, expected)) = local_tables() {
+        let location = expected["delta"]["docs"]["location"].as_str().unwrap();
+        let e = error(
+            &ctx,
+            &format!(
+                "CREATE EXTERNAL TABLE d99 STORED AS DELTATABLE LOCATION '{location}' \
+                 OPTIONS ('version' '99')"
+            ),
+        )
+        .await;
+        assert!(e.contains(location) && e.contains("99"), "{e}");
+    }
+}
+
+/// The same tables, written by the same Python writers straight to a real S3-compatible
+/// server on 127.0.0.1 and read by flumen through `s3://` locations.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn lakehouse_tables_on_a_loopback_s3_server() {
+    let Some(python) = writers_python() else {
+        return skipped();
+    };
+    let Some(server) = S3Server::start() else {
+        println!("skipped: moto_server not found (run tests/install-test-tools.sh)");
+        return;
+    };
+    server.create_bucket("lake");
+    let out = tempfile::tempdir().unwrap();
+    let expected = write_tables(
+        &python,
+        "s3://lake/tables",
+        out.path(),
+        Some(&server.endpoint),
+    );
+    let options = server.options();
+    let ctx = ctx();
+    check_delta_docs(&ctx, &expected["delta"]["docs"], &options).await;
+    check_iceberg(&ctx, &expected["iceberg"], &options).await;
+    // A bucket that does not exist is named in the error.
+    let e = error(
+        &ctx,
+        &format!("CREATE EXTERNAL TABLE gone STORED AS DELTATABLE LOCATION 's3://no-such-bucket/t' {options}"),
+    )
+    .await;
+    assert!(e.contains("no-such-bucket"), "{e}");
+}
+
+/// A minimal Iceberg v2 table whose only snapshot has a delete manifest holding one
+/// position-delete file.
+fn write_table_with_delete_file(table: &Path) {
+    use apache_avro::types::{Record, Value as Avro};
+    use apache_avro::{Schema, Writer};
+    let metadata = table.join("metadata");
+    std::fs::create_dir_all(&metadata).unwrap();
+    let manifest_schema = Schema::parse_str(
+        r#"{"type": "record", "name": "manifest_entry", "fields": [
+            {"name": "status", "type": "int"},
+            {"name": "data_file", "type": {"type": "record", "name": "r2", "fields": [
+                {"name": "content", "type": "int"},
+                {"name": "file_path", "type": "string"},
+                {"name": "file_format", "type": "string"},
+                {"name": "record_count", "type": "long"},
+                {"name": "file_size_in_bytes", "type": "long"}]}}]}"#,
+    )
+    .unwrap();
+    let data_file = Avro::Record(vec![
+        ("content".into(), Avro::Int(1)),
+        (
+            "file_path".into(),
+            Avro::String(table.join("data/deletes-0.parquet").display().to_string()),
+        ),
+        ("file_format".into(), Avro::String("PARQUET".into())),
+        ("record_count".into(), Avro::Long(3)),
+        ("file_size_in_bytes".into(), Avro::Long(100)),
+    ]);
+    let mut entry = Record::new(&manifest_schema).unwrap();
+    entry.put("status", Avro::Int(1));
+    entry.put("data_file", data_file);
+    let mut writer = Writer::new(&manifest_schema, Vec::new()).unwrap();
+    writer.append_value(entry).unwrap();
+    let manifest = metadata.join("deletes-m0.avro");
+    std::fs::write(&manifest, writer.into_inner().unwrap()).unwrap();
+
+    let list_schema = Schema::parse_str(
+        r#"{"type": "record", "name": "manifest_file", "fields": [
+            {"name": "manifest_path", "type": "string"},
+            {"name": "manifest_length", "type": "long"},
+            {"name": "partition_spec_id", "type": "int"},
+            {"name": "content", "type": "int"}]}"#,
+    )
+    .unwrap();
+    let mut item = Record::new(&list_schema).unwrap();
+    item.put("manifest_path", manifest.display().to_string());
+    item.put("manifest_length", 100i64);
+    item.put("partition_spec_id", 0i32);
+    item.put("content", 1i32);
+    let mut writer = Writer::new(&list_schema, Vec::new()).unwrap();
+    writer.append_value(item).unwrap();
+    let list = metadata.join("snap-1.avro");
+    std::fs::write(&list, writer.into_inner().unwrap()).unwrap();
+
+    let json = serde_json::json!({
+        "format-version": 2,
+        "location": table.display().to_string(),
+        "current-schema-id": 0,
+        "schemas": [{"schema-id": 0, "type": "struct",
+                     "fields": [{"id": 1, "name": "id", "type": "long", "required": true}]}],
+        "current-snapshot-id": 1,
+        "snapshots": [{"snapshot-id": 1, "timestamp-ms": 0,
+                       "manifest-list": list.display().to_string()}],
+    });
+    std::fs::write(
+        metadata.join("00001-x.metadata.json"),
+        serde_json::to_vec(&json).unwrap(),
+    )
+    .unwrap();
+}
+
+/// `COPY ... TO` a directory `PARTITIONED BY` a column writes one Hive-style directory per
+/// value whose files hold exactly that value's rows, as vanilla DataFusion's COPY does.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn copy_partitioned_by_a_column_matches_vanilla() {
+    let dir = tempfile::tempdir().unwrap();
+    let source = "SELECT x AS id, CASE x % 3 WHEN 0 THEN 'a' WHEN 1 THEN 'b' ELSE 'c' END AS part, \
+                  x * 0.25 AS score FROM generate_series(1, 30000) AS t(x)";
+    let check = "SELECT part, count(*), sum(id), sum(score) FROM out GROUP BY part ORDER BY part";
+    let mut answers = vec![];
+    for (name, ctx) in [("flumen", ctx()), ("vanilla", SessionContext::new())] {
+        let out = dir.path().join(name);
+        ctx.sql(&format!(
+            "COPY ({source}) TO '{}/' STORED AS PARQUET PARTITIONED BY (part)",
+            out.display()
+        ))
+        .await
+        .unwrap()
+        .collect()
+        .await
+        .unwrap();
+        for part in ["a", "b", "c"] {
+            assert!(
+                out.join(format!("part={part}")).is_dir(),
+                "{name}: no part={part}"
+            );
+        }
+        ctx.sql(&format!(
+            "CREATE EXTERNAL TABLE out (id BIGINT, score DOUBLE, part VARCHAR) \
+             STORED AS PARQUET PARTITIONED BY (part) LOCATION '{}/'",
+            out.display()
+        ))
+        .await
+        .unwrap();
+        let batches = ctx.sql(check).await.unwrap().collect().await.unwrap();
+        answers.push(pretty_format_batches(&batches).unwrap().to_string());
+    }
+    assert_eq!(answers[0], answers[1]);
+    assert!(
+        answers[0]
+            .lines()
+            .any(|l| l.starts_with("| a ") && l.contains(" 10000 ")),
+        "{}",
+        answers[0]
+    );
+}
