@@ -86,15 +86,19 @@ impl TableProviderFactory for DeltaTableFactory {
             (None, None) => DeltaVersion::Latest,
         };
         let columns = cmd.schema.as_arrow();
-        if !columns.fields().is_empty() && !has_delta_log(state, location).await? {
-            if version != DeltaVersion::Latest {
-                return Err(DataFusionError::Plan(format!(
-                    "Delta table {location} does not exist yet: it has no version to travel to"
-                )));
+        let open = async {
+            if !columns.fields().is_empty() && !has_delta_log(state, location).await? {
+                if version != DeltaVersion::Latest {
+                    return Err(DataFusionError::Plan(format!(
+                        "Delta table {location} does not exist yet: it has no version to travel to"
+                    )));
+                }
+                create_delta_table(state, location, columns, &cmd.table_partition_cols).await?;
             }
-            create_delta_table(state, location, columns, &cmd.table_partition_cols).await?;
-        }
-        delta_table(state, location, version).await
+            delta_table(state, location, version).await
+        };
+        open.await
+            .map_err(|e| object_stores::with_credentials_hint(e, location, &options))
     }
 }
 

@@ -85,7 +85,9 @@ impl TableProviderFactory for IcebergTableFactory {
             }
             (None, None) => IcebergSnapshot::Current,
         };
-        iceberg_table(state, location, snapshot).await
+        iceberg_table(state, location, snapshot)
+            .await
+            .map_err(|e| object_stores::with_credentials_hint(e, location, &options))
     }
 }
 

@@ -221,6 +221,48 @@ pub fn store_for_location(
     Ok(Some((base, store)))
 }
 
+/// For an `s3://` location given no credentials (none in `options`, none in the environment),
+/// the sentence to add to an error about it: object_store then asks the instance metadata
+/// service, whose refusal alone says little.
+pub fn missing_credentials_hint(location: &str, options: &[(String, String)]) -> Option<String> {
+    let scheme = Url::parse(location).ok()?.scheme().to_string();
+    if scheme != "s3" && scheme != "s3a" {
+        return None;
+    }
+    let given = |key: &str| options.iter().any(|(k, _)| k == key);
+    let skip_signature = options
+        .iter()
+        .any(|(k, v)| k == "aws.skip_signature" && v.eq_ignore_ascii_case("true"));
+    let from_env = [
+        "AWS_ACCESS_KEY_ID",
+        "AWS_WEB_IDENTITY_TOKEN_FILE",
+        "AWS_CONTAINER_CREDENTIALS_RELATIVE_URI",
+        "AWS_CONTAINER_CREDENTIALS_FULL_URI",
+    ]
+    .iter()
+    .any(|v| std::env::var_os(v).is_some());
+    if given("aws.access_key_id") || skip_signature || from_env {
+        return None;
+    }
+    Some(format!(
+        "no AWS credentials were given for {location}: set AWS_ACCESS_KEY_ID and \
+         AWS_SECRET_ACCESS_KEY, or OPTIONS ('aws.access_key_id' '...', \
+         'aws.secret_access_key' '...'), or 'aws.skip_signature' 'true' for a public bucket"
+    ))
+}
+
+/// `error` with the [`missing_credentials_hint`] for `location` appended, when there is one.
+pub fn with_credentials_hint(
+    error: DataFusionError,
+    location: &str,
+    options: &[(String, String)],
+) -> DataFusionError {
+    match missing_credentials_hint(location, options) {
+        Some(hint) => DataFusionError::Plan(format!("{error}; {hint}")),
+        None => error,
+    }
+}
+
 /// Retries of failed requests: a few, within 15 s, so a wrong endpoint or a missing bucket
 /// is an error soon rather than after object_store's default three minutes.
 fn retry() -> RetryConfig {

@@ -497,6 +497,31 @@ async fn lakehouse_tables_on_a_loopback_s3_server() {
     )
     .await;
     assert!(e.contains("no-such-bucket"), "{e}");
+    // No credentials at all (none given, none in the environment): the error says so.
+    let out = Command::new(env!("CARGO_BIN_EXE_flumen"))
+        .args([
+            "--no-demo",
+            "-c",
+            &format!(
+                "CREATE EXTERNAL TABLE t STORED AS DELTATABLE LOCATION 's3://lake/tables/delta/docs' \
+                 OPTIONS ('aws.endpoint' '{}', 'aws.region' 'us-east-1')",
+                server.endpoint
+            ),
+        ])
+        .env_remove("AWS_ACCESS_KEY_ID")
+        .env_remove("AWS_SECRET_ACCESS_KEY")
+        .env_remove("AWS_WEB_IDENTITY_TOKEN_FILE")
+        .env_remove("AWS_CONTAINER_CREDENTIALS_RELATIVE_URI")
+        .env_remove("AWS_CONTAINER_CREDENTIALS_FULL_URI")
+        .env("AWS_EC2_METADATA_DISABLED", "true")
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(1), "{stderr}");
+    assert!(
+        stderr.contains("no AWS credentials were given for s3://lake/tables/delta/docs"),
+        "{stderr}"
+    );
 }
 
 /// A minimal Iceberg v2 table whose only snapshot has a delete manifest holding one
