@@ -49,6 +49,41 @@ impl fmt::Display for ExecMode {
 
 config_field!(ExecMode);
 
+/// Where CPU tasks run.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum WorkerMode {
+    /// On threads of this process (the embedded default).
+    #[default]
+    Threads,
+    /// Source tasks in worker processes the session starts (`flumen worker`), their blocks
+    /// kept there until read; a killed worker's blocks are recomputed from lineage.
+    Process,
+}
+
+impl FromStr for WorkerMode {
+    type Err = DataFusionError;
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        match s.trim().to_ascii_lowercase().as_str() {
+            "threads" | "thread" => Ok(Self::Threads),
+            "process" | "processes" => Ok(Self::Process),
+            other => Err(DataFusionError::Configuration(format!(
+                "flumen.workers must be 'threads' or 'process', got '{other}'"
+            ))),
+        }
+    }
+}
+
+impl fmt::Display for WorkerMode {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self {
+            Self::Threads => "threads",
+            Self::Process => "process",
+        })
+    }
+}
+
+config_field!(WorkerMode);
+
 /// Where model UDFs (`embed`) compute.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Hash)]
 pub enum Device {
@@ -180,6 +215,15 @@ extensions_options! {
         pub model_dir: String, default = String::new()
         /// Sentences per forward pass of `embed` (sorted by length inside a block first).
         pub embed_batch_size: usize, default = 32
+        /// Where CPU source tasks run: `threads` (this process) or `process` (workers).
+        pub workers: WorkerMode, default = WorkerMode::Threads
+        /// Worker processes a session starts when `flumen.workers = 'process'`.
+        pub worker_processes: usize, default = available_cores()
+        /// The `flumen` executable workers start from; empty: `FLUMEN_WORKER_BIN`, else this
+        /// process when it is `flumen`.
+        pub worker_binary: String, default = String::new()
+        /// Times a task is retried after its worker died before the query fails.
+        pub max_task_retries: usize, default = 4
     }
 }
 

@@ -309,6 +309,11 @@ impl ExecutionPlan for OperatorExec {
         )));
         set.push(count("tasks_recomputed", s.recomputed));
         set.push(count("blocks_spilled", s.spilled));
+        if s.remote_tasks > 0 {
+            set.push(count("remote_tasks", s.remote_tasks));
+            set.push(count("blocks_lost", s.blocks_lost));
+            set.push(count("tasks_retried", s.tasks_retried));
+        }
         Some(set)
     }
 }

@@ -30,12 +30,15 @@ pub mod object_stores;
 pub mod operators;
 pub mod planner;
 pub mod pools;
+pub mod remote_tasks;
 pub mod scheduler;
 pub mod split_source;
 pub mod stage_input;
 pub mod stats;
 pub mod text_functions;
 pub mod vector_functions;
+pub mod worker;
+pub mod worker_pool;
 
 use std::sync::Arc;
 
@@ -44,7 +47,7 @@ use datafusion::physical_optimizer::PhysicalOptimizerRule;
 use datafusion::prelude::{SessionConfig, SessionContext};
 
 pub use accelerator::{AcceleratorFunction, AcceleratorWorker, WorkerResources, accelerator_udf};
-pub use config::{ByteSize, Device, ExecMode, FlumenConfig};
+pub use config::{ByteSize, Device, ExecMode, FlumenConfig, WorkerMode};
 pub use lineage::{BlockDropper, BlockInfo};
 pub use planner::FlumenQueryPlanner;
 
@@ -92,7 +95,8 @@ pub fn register_table_factories(ctx: &SessionContext) {
 pub fn flumen_session_config(session_config: SessionConfig, config: FlumenConfig) -> SessionConfig {
     let mut session_config = session_config
         .with_option_extension(config)
-        .with_extension(Arc::new(pools::AcceleratorPool::default()));
+        .with_extension(Arc::new(pools::AcceleratorPool::default()))
+        .with_extension(Arc::new(worker_pool::WorkerPoolSlot::default()));
     // Each source split must always read the same rows (lineage): no work stealing
     // between the partitions of a scan.
     session_config

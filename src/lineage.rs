@@ -72,6 +72,8 @@ pub struct BlockInfo {
     pub seq: usize,
     /// Rows in the block.
     pub rows: usize,
+    /// The worker process that holds it (`flumen.workers = 'process'`), else `None`.
+    pub worker_pid: Option<u32>,
 }
 
 /// Test hook: drops chosen blocks from the store right after they are produced, as if the
@@ -93,6 +95,9 @@ impl QueryRun {
             if let Some(batch) = run.take_from_store(id)? {
                 return Ok(batch);
             }
+            if let Some(batch) = run.fetch_remote(id).await? {
+                return Ok(batch);
+            }
             run.recompute(id).await
         }
         .boxed()
@@ -110,7 +115,10 @@ impl QueryRun {
         }
         let op = &self.graph.operators[meta.operator];
         OperatorStats::add(&op.stats.recomputed, 1);
-        let outputs = self.execute_task(meta.task, true).await?;
+        let outputs = match self.recompute_remote_outputs(meta.task).await? {
+            Some(outputs) => outputs,
+            None => self.execute_task(meta.task, true).await?,
+        };
         let by_seq: HashMap<usize, RecordBatch> =
             outputs.into_iter().map(|(seq, _, b)| (seq, b)).collect();
         let wanted = by_seq.get(&meta.seq).cloned().ok_or_else(|| {
@@ -122,10 +130,11 @@ impl QueryRun {
         })?;
         // Put back the task's other outputs that a reader may still ask for.
         for (sibling, sibling_meta) in self.task_outputs(meta.task) {
-            if sibling == id || self.store.contains(sibling) {
+            if sibling == id || self.store.contains(sibling) || self.remote_alive(sibling) {
                 continue;
             }
             if let Some(batch) = by_seq.get(&sibling_meta.seq) {
+                self.forget_remote(sibling);
                 self.restore(sibling, batch.clone(), sibling_meta.bytes)?;
             }
         }

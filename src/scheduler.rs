@@ -17,21 +17,22 @@ use datafusion::arrow::compute::concat_batches;
 use datafusion::arrow::record_batch::RecordBatch;
 use datafusion::error::{DataFusionError, Result};
 use datafusion::execution::{SendableRecordBatchStream, TaskContext};
-use datafusion::physical_plan::ExecutionPlanProperties;
 use datafusion::physical_plan::metrics::Time;
 use datafusion::physical_plan::repartition::BatchPartitioner;
 use datafusion::physical_plan::stream::RecordBatchStreamAdapter;
+use datafusion::physical_plan::{ExecutionPlan, ExecutionPlanProperties};
 use futures::{FutureExt, StreamExt, TryStreamExt};
 use tokio::sync::watch;
 use tokio::task::AbortHandle;
 
 use crate::block_store::{BlockId, BlockStore, Placement, block_bytes};
-use crate::config::{ExecMode, FlumenConfig};
+use crate::config::{ExecMode, FlumenConfig, WorkerMode};
 use crate::lineage::{BlockDropper, BlockInfo, BlockMeta, TaskId, TaskKind};
 use crate::operators::{OperatorGraph, OperatorId, Pool, TaskShape};
 use crate::pools::AcceleratorPool;
 use crate::stage_input::{InputExchange, InputProvider, TaskInputs};
 use crate::stats::OperatorStats;
+use crate::worker_pool::{RemoteBlock, WorkerPoolSlot};
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum TaskStatus {
@@ -164,6 +165,12 @@ pub struct QueryRun {
     recompute_locks: Mutex<HashMap<TaskId, Arc<tokio::sync::Mutex<()>>>>,
     /// `flumen.mode = 'static'`: the most tasks each operator may run at once.
     static_slots: Vec<usize>,
+    /// `flumen.workers = 'process'`: the session's worker processes.
+    workers: Option<Arc<WorkerPoolSlot>>,
+    /// Blocks that live in a worker process, by id.
+    pub(crate) remote_blocks: Mutex<HashMap<BlockId, RemoteBlock>>,
+    /// The plan each remotely run task ran (its lineage, to recompute its blocks here).
+    pub(crate) remote_plans: Mutex<HashMap<TaskId, Arc<dyn ExecutionPlan>>>,
 }
 
 /// The fixed slots of each operator under `flumen.mode = 'static'`: the CPU slots split
@@ -252,6 +259,11 @@ impl QueryRun {
         }
         let (changes, _) = watch::channel(0);
         let static_slots = static_slots(&graph, &config);
+        let workers = (config.workers == WorkerMode::Process).then(|| {
+            base.session_config()
+                .get_extension::<WorkerPoolSlot>()
+                .unwrap_or_default()
+        });
         let run = Arc::new(Self {
             static_slots,
             store: BlockStore::new(config.memory_budget.0),
@@ -265,6 +277,9 @@ impl QueryRun {
             handle: tokio::runtime::Handle::current(),
             next_block: AtomicU64::new(0),
             recompute_locks: Mutex::new(HashMap::new()),
+            workers,
+            remote_blocks: Mutex::new(HashMap::new()),
+            remote_plans: Mutex::new(HashMap::new()),
         });
         // The scheduler loop gets a thread of its own: CPU tasks run on the caller's runtime
         // and can keep its worker threads busy for long polls (a Parquet batch decoded and
@@ -705,11 +720,11 @@ impl QueryRun {
         let run = Arc::clone(self);
         let future = async move {
             let started = Instant::now();
-            let result = std::panic::AssertUnwindSafe(run.execute_task(task, false))
+            let result = std::panic::AssertUnwindSafe(run.run_task(task))
                 .catch_unwind()
                 .await;
             let result = match result {
-                Ok(r) => r.map(|_| ()),
+                Ok(r) => r,
                 Err(panic) => Err(run.panic_error(task, panic)),
             };
             run.task_finished(task, result, started);
@@ -725,6 +740,63 @@ impl QueryRun {
             }
             Pool::Accelerator => self.accelerators.submit(Box::new(move || future.boxed())),
         }
+    }
+
+    /// Run a task: in a worker process when the session has them and the task can go there,
+    /// else here.
+    async fn run_task(self: &Arc<Self>, task: TaskId) -> Result<()> {
+        if self.workers.is_some() && self.execute_remote(task).await? {
+            return Ok(());
+        }
+        self.execute_task(task, false).await.map(|_| ())
+    }
+
+    /// The session's worker processes, when `flumen.workers = 'process'`.
+    pub(crate) fn worker_slot(&self) -> Option<&Arc<WorkerPoolSlot>> {
+        self.workers.as_ref()
+    }
+
+    /// A task's operator, partition and kind.
+    pub(crate) fn task_identity(&self, task: TaskId) -> (OperatorId, usize, TaskKind) {
+        let st = self.state.lock().unwrap();
+        let t = &st.tasks[task];
+        (t.operator, t.partition, t.kind.clone())
+    }
+
+    /// The flumen settings of this run.
+    pub(crate) fn config(&self) -> &FlumenConfig {
+        &self.config
+    }
+
+    /// The context tasks run in (without task inputs).
+    pub(crate) fn base_context(&self) -> Arc<TaskContext> {
+        Arc::clone(&self.base)
+    }
+
+    pub(crate) fn new_block_id(&self) -> BlockId {
+        self.next_block.fetch_add(1, Ordering::Relaxed)
+    }
+
+    /// Whether the test hook drops this block as it is produced.
+    pub(crate) fn drops_block(
+        &self,
+        op_id: OperatorId,
+        partition: usize,
+        seq: usize,
+        rows: usize,
+        worker_pid: Option<u32>,
+    ) -> bool {
+        let op = &self.graph.operators[op_id];
+        self.dropper.as_ref().is_some_and(|d| {
+            (d.0)(&BlockInfo {
+                operator: op_id,
+                operator_name: op.name.clone(),
+                partition,
+                seq,
+                rows,
+                worker_pid,
+            })
+        })
     }
 
     fn panic_error(&self, task: TaskId, panic: Box<dyn std::any::Any + Send>) -> DataFusionError {
@@ -789,6 +861,7 @@ impl QueryRun {
         let (op, bytes) = (meta.operator, meta.bytes);
         let rows = if bytes > 0 { meta.rows as u64 } else { 0 };
         self.store.remove(id);
+        self.forget_remote(id);
         let os = &mut st.operators[op];
         os.held_bytes = os.held_bytes.saturating_sub(bytes);
         os.held_rows = os.held_rows.saturating_sub(rows);
@@ -879,17 +952,9 @@ impl QueryRun {
         bytes: u64,
     ) -> Result<()> {
         let op = &self.graph.operators[op_id];
-        let id = self.next_block.fetch_add(1, Ordering::Relaxed);
+        let id = self.new_block_id();
         let rows = block.num_rows();
-        let dropped = self.dropper.as_ref().is_some_and(|d| {
-            (d.0)(&BlockInfo {
-                operator: op_id,
-                operator_name: op.name.clone(),
-                partition,
-                seq,
-                rows,
-            })
-        });
+        let dropped = self.drops_block(op_id, partition, seq, rows, None);
         let held = if dropped {
             0
         } else {
@@ -898,9 +963,27 @@ impl QueryRun {
             }
             bytes
         };
+        self.record_block(id, task, op_id, partition, seq, tag, rows, held);
+        Ok(())
+    }
+
+    /// Count a produced block and record its lineage; `held`: bytes it keeps (0 if lost).
+    #[allow(clippy::too_many_arguments)]
+    pub(crate) fn record_block(
+        &self,
+        id: BlockId,
+        task: TaskId,
+        op_id: OperatorId,
+        _partition: usize,
+        seq: usize,
+        tag: usize,
+        rows: usize,
+        held: u64,
+    ) {
+        let op = &self.graph.operators[op_id];
         self.graph.observe_store(self.store.memory_bytes());
         OperatorStats::add(&op.stats.rows, rows as u64);
-        OperatorStats::add(&op.stats.bytes, bytes);
+        OperatorStats::add(&op.stats.bytes, held);
         OperatorStats::add(&op.stats.blocks, 1);
         {
             let mut st = self.state.lock().unwrap();
@@ -926,7 +1009,6 @@ impl QueryRun {
             op.stats.observe_held(os.held_bytes);
         }
         self.notify();
-        Ok(())
     }
 
     fn task_context(&self, inputs: TaskInputs) -> Arc<TaskContext> {

@@ -59,6 +59,11 @@ impl SplitSourceExec {
         Ok(Self { original, splits })
     }
 
+    /// The one-partition scan of split `split` of `partition`.
+    pub fn split_plan(&self, partition: usize, split: usize) -> Option<Arc<dyn ExecutionPlan>> {
+        self.splits.get(partition)?.get(split).cloned()
+    }
+
     /// Number of splits of each partition.
     pub fn splits_per_partition(&self) -> Vec<usize> {
         self.splits.iter().map(|s| s.len()).collect()

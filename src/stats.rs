@@ -25,6 +25,12 @@ pub struct OperatorStats {
     pub recomputed: AtomicU64,
     /// Output blocks spilled to disk.
     pub spilled: AtomicU64,
+    /// Tasks run in worker processes.
+    pub remote_tasks: AtomicU64,
+    /// Output blocks lost with the worker that held them.
+    pub blocks_lost: AtomicU64,
+    /// Task attempts retried on another worker after theirs died.
+    pub tasks_retried: AtomicU64,
 }
 
 /// A plain copy of [`OperatorStats`].
@@ -50,6 +56,12 @@ pub struct StatsSnapshot {
     pub recomputed: u64,
     /// Blocks spilled.
     pub spilled: u64,
+    /// Tasks run in worker processes.
+    pub remote_tasks: u64,
+    /// Blocks lost with their worker.
+    pub blocks_lost: u64,
+    /// Task attempts retried after a worker died.
+    pub tasks_retried: u64,
 }
 
 impl OperatorStats {
@@ -77,6 +89,9 @@ impl OperatorStats {
             peak_bytes: r(&self.peak_bytes),
             recomputed: r(&self.recomputed),
             spilled: r(&self.spilled),
+            remote_tasks: r(&self.remote_tasks),
+            blocks_lost: r(&self.blocks_lost),
+            tasks_retried: r(&self.tasks_retried),
         }
     }
 }

@@ -54,6 +54,9 @@ struct Cli {
     /// Do not register the demo `docs` table.
     #[arg(long)]
     no_demo: bool,
+    /// Run source tasks in N worker processes (`flumen.workers = 'process'`).
+    #[arg(long, value_name = "N")]
+    workers: Option<usize>,
 }
 
 #[derive(Debug, Subcommand)]
@@ -63,12 +66,38 @@ enum Command {
         /// Where to put the model (default: ~/.cache/flumen/models/all-MiniLM-L6-v2).
         dir: Option<PathBuf>,
     },
+    /// Serve as a worker process for a flumen driver (prints its address, then serves).
+    Worker {
+        /// Address to listen on (`host:port`; port 0 picks a free one).
+        #[arg(long, default_value = "127.0.0.1:0")]
+        listen: String,
+    },
+}
+
+/// `flumen worker`: serve tasks for a driver until killed.
+fn worker(listen: &str) -> ExitCode {
+    let runtime = match tokio::runtime::Runtime::new() {
+        Ok(r) => r,
+        Err(e) => {
+            eprintln!("flumen worker: cannot start the runtime: {e}");
+            return ExitCode::FAILURE;
+        }
+    };
+    match runtime.block_on(flumen::worker::serve(listen)) {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("flumen worker: {e}");
+            ExitCode::FAILURE
+        }
+    }
 }
 
 fn main() -> ExitCode {
     let cli = Cli::parse();
-    if let Some(Command::InstallModel { dir }) = &cli.command {
-        return install_model(dir.clone());
+    match &cli.command {
+        Some(Command::InstallModel { dir }) => return install_model(dir.clone()),
+        Some(Command::Worker { listen }) => return worker(listen),
+        None => {}
     }
     let mut scripts = vec![];
     for sql in &cli.commands {
@@ -99,7 +128,12 @@ fn main() -> ExitCode {
             return ExitCode::FAILURE;
         }
     };
-    let ctx = flumen::session(FlumenConfig::default());
+    let mut config = FlumenConfig::default();
+    if let Some(n) = cli.workers {
+        config.workers = flumen::WorkerMode::Process;
+        config.worker_processes = n.max(1);
+    }
+    let ctx = flumen::session(config);
     if !cli.no_demo {
         let table = Arc::new(demo_table::DemoTable::new(flumen::demo::DEFAULT_ROWS));
         if let Err(e) = ctx.register_table("docs", table) {

@@ -1,0 +1,182 @@
+//! Source tasks run in worker processes (`SET flumen.workers = 'process'`).
+//!
+//! A CPU source task's work (its operator's fragment over one source split, with the
+//! operator's output exchange on top) is cut out as an ordinary DataFusion plan, encoded with
+//! `datafusion-proto` and sent to a worker of the session's [`WorkerPool`]. The worker keeps
+//! the blocks; the driver records where each one lives and fetches it over Arrow Flight when
+//! a consumer reads it. A block whose worker died is recomputed here from its lineage by
+//! running the same plan through the same block cutter ([`plan_blocks`]), so the recomputed
+//! block is the lost one. Tasks that cannot be cut out this way (fragments without a source
+//! split, plans the codec cannot encode) run on the driver's threads as before.
+
+use std::sync::Arc;
+
+use datafusion::common::tree_node::{Transformed, TreeNode};
+use datafusion::error::Result;
+use datafusion::physical_plan::repartition::RepartitionExec;
+use datafusion::physical_plan::{ExecutionPlan, ExecutionPlanProperties};
+
+use crate::block_store::BlockId;
+use crate::lineage::{TaskId, TaskKind};
+use crate::operators::Operator;
+use crate::scheduler::QueryRun;
+use crate::split_source::SplitSourceExec;
+use crate::stats::OperatorStats;
+use crate::worker::plan_blocks;
+use crate::worker_pool::{RemoteBlock, WorkerPool, worker_binary};
+
+/// The plan a worker runs for source split `split` of `partition` of `op`; `None` when the
+/// fragment has no source split to cut it at.
+fn remote_plan(op: &Operator, partition: usize, split: usize) -> Option<Arc<dyn ExecutionPlan>> {
+    let mut found = false;
+    let plan = Arc::clone(&op.fragment)
+        .transform_up(|node| {
+            if let Some(source) = node.downcast_ref::<SplitSourceExec>()
+                && let Some(scan) = source.split_plan(partition, split)
+            {
+                found = true;
+                return Ok(Transformed::yes(scan));
+            }
+            Ok(Transformed::no(node))
+        })
+        .ok()?
+        .data;
+    if !found || plan.output_partitioning().partition_count() != 1 {
+        return None;
+    }
+    match &op.output_split {
+        None => Some(plan),
+        Some(split) => Some(Arc::new(
+            RepartitionExec::try_new(plan, split.clone()).ok()?,
+        )),
+    }
+}
+
+impl QueryRun {
+    /// Run source task `task` in a worker process. `Ok(false)`: it cannot run there, run it
+    /// here instead.
+    pub(crate) async fn execute_remote(self: &Arc<Self>, task: TaskId) -> Result<bool> {
+        let Some(slot) = self.worker_slot() else {
+            return Ok(false);
+        };
+        let (op_id, partition, kind) = self.task_identity(task);
+        let TaskKind::Source { split } = kind else {
+            return Ok(false);
+        };
+        let op = &self.graph.operators[op_id];
+        let Some(plan) = remote_plan(op, partition, split) else {
+            return Ok(false);
+        };
+        let bytes = match datafusion_proto::bytes::physical_plan_to_bytes(Arc::clone(&plan)) {
+            Ok(bytes) => bytes,
+            Err(e) => {
+                log::debug!("operator {op_id} ({}) runs here: {e}", op.name);
+                return Ok(false);
+            }
+        };
+        let config = self.config();
+        let binary = worker_binary(&config.worker_binary)?;
+        let pool = slot.get_or_start(binary, config.worker_processes).await?;
+        let describe = format!(
+            "task {task} (partition {partition}, split {split}) of flumen operator {op_id} ({})",
+            op.name
+        );
+        let (blocks, retries) = pool
+            .run_task(
+                &bytes,
+                config.target_block_rows,
+                config.max_task_retries,
+                &describe,
+            )
+            .await?;
+        OperatorStats::add(&op.stats.remote_tasks, 1);
+        OperatorStats::add(&op.stats.tasks_retried, retries as u64);
+        self.remote_plans.lock().unwrap().insert(task, plan);
+        for (seq, block) in blocks.into_iter().enumerate() {
+            self.put_remote_block(task, op_id, partition, seq, block)?;
+        }
+        Ok(true)
+    }
+
+    /// Fetch a block that lives in a worker; `None` when it is not remote or was lost with
+    /// its worker (the caller recomputes it).
+    pub(crate) async fn fetch_remote(
+        &self,
+        id: BlockId,
+    ) -> Result<Option<datafusion::arrow::record_batch::RecordBatch>> {
+        let Some(block) = self.remote_blocks.lock().unwrap().remove(&id) else {
+            return Ok(None);
+        };
+        let fetched = WorkerPool::fetch(&block).await?;
+        if fetched.is_none()
+            && let Some(meta) = self.block_meta(id)
+        {
+            OperatorStats::add(&self.graph.operators[meta.operator].stats.blocks_lost, 1);
+        }
+        Ok(fetched)
+    }
+
+    /// Whether block `id` lives in a worker that is still alive.
+    pub(crate) fn remote_alive(&self, id: BlockId) -> bool {
+        self.remote_blocks
+            .lock()
+            .unwrap()
+            .get(&id)
+            .is_some_and(|b| b.worker.is_alive())
+    }
+
+    /// Forget where block `id` lived (it was recomputed here, or released); tell its worker.
+    pub(crate) fn forget_remote(&self, id: BlockId) {
+        if let Some(block) = self.remote_blocks.lock().unwrap().remove(&id) {
+            WorkerPool::release(block);
+        }
+    }
+
+    /// The outputs of a task run remotely, recomputed here from the same plan:
+    /// `(seq, tag, block)`. `None` when the task did not run remotely.
+    pub(crate) async fn recompute_remote_outputs(
+        &self,
+        task: TaskId,
+    ) -> Result<Option<Vec<(usize, usize, datafusion::arrow::record_batch::RecordBatch)>>> {
+        let Some(plan) = self.remote_plans.lock().unwrap().get(&task).cloned() else {
+            return Ok(None);
+        };
+        let blocks =
+            plan_blocks(plan, self.base_context(), self.config().target_block_rows).await?;
+        Ok(Some(
+            blocks
+                .into_iter()
+                .enumerate()
+                .map(|(seq, (tag, block))| (seq, tag, block))
+                .collect(),
+        ))
+    }
+
+    fn put_remote_block(
+        &self,
+        task: TaskId,
+        op_id: usize,
+        partition: usize,
+        seq: usize,
+        block: RemoteBlock,
+    ) -> Result<()> {
+        let (rows, bytes, tag) = (block.info.rows, block.info.bytes, block.info.tag);
+        let pid = block.worker.pid;
+        let id = self.new_block_id();
+        let dropped = self.drops_block(op_id, partition, seq, rows, Some(pid));
+        if !dropped {
+            self.remote_blocks.lock().unwrap().insert(id, block);
+        }
+        self.record_block(
+            id,
+            task,
+            op_id,
+            partition,
+            seq,
+            tag,
+            rows,
+            if dropped { 0 } else { bytes },
+        );
+        Ok(())
+    }
+}

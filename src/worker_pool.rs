@@ -1,0 +1,397 @@
+//! The driver's pool of worker processes (`SET flumen.workers = 'process'`).
+//!
+//! The pool starts `flumen.worker_processes` processes of the `flumen` binary
+//! (`flumen worker --listen 127.0.0.1:0`), learns each one's address from its first line of
+//! output, and talks to it over Arrow Flight (see [`crate::worker`]). Workers are addressed
+//! by `host:port` only, so nothing here assumes they share the driver's machine, except
+//! starting them.
+//!
+//! A worker that stops answering (its process was killed: the connection breaks at once) is
+//! marked dead; its blocks count as lost and are recomputed from lineage by whoever needs
+//! them, and a replacement process is started the next time a task needs a worker.
+
+use std::path::PathBuf;
+use std::process::Stdio;
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use arrow_flight::decode::FlightRecordBatchStream;
+use arrow_flight::flight_service_client::FlightServiceClient;
+use arrow_flight::{Action, Ticket};
+use datafusion::arrow::record_batch::RecordBatch;
+use datafusion::error::{DataFusionError, Result};
+use futures::TryStreamExt;
+use tonic::transport::Channel;
+
+use crate::worker::{RemoteBlockInfo, TaskRequest, encode_task};
+
+/// How long a starting worker may take to print its address.
+const START_TIMEOUT: Duration = Duration::from_secs(20);
+
+/// A block that lives in a worker process.
+#[derive(Debug, Clone)]
+pub struct RemoteBlock {
+    /// The worker that holds it.
+    pub worker: Arc<WorkerHandle>,
+    /// What the worker said about it.
+    pub info: RemoteBlockInfo,
+}
+
+/// One started worker process.
+#[derive(Debug)]
+pub struct WorkerHandle {
+    /// Its `host:port`.
+    pub address: String,
+    /// Its process id (for tests that kill it).
+    pub pid: u32,
+    client: FlightServiceClient<Channel>,
+    alive: std::sync::atomic::AtomicBool,
+    child: Mutex<Option<std::process::Child>>,
+}
+
+impl WorkerHandle {
+    /// Whether the driver still believes the worker is alive.
+    pub fn is_alive(&self) -> bool {
+        self.alive.load(Ordering::Relaxed)
+    }
+
+    fn mark_dead(&self) {
+        if self.alive.swap(false, Ordering::Relaxed) {
+            log::warn!("flumen worker {} (pid {}) died", self.address, self.pid);
+        }
+        if let Some(mut child) = self.child.lock().unwrap().take() {
+            let _ = child.kill();
+            // Reap it off this thread.
+            std::thread::spawn(move || child.wait());
+        }
+    }
+
+    /// Run a task (`plan`, encoded with datafusion-proto) and return the blocks it left here.
+    async fn run(&self, plan: &[u8], target_rows: usize) -> Result<Vec<RemoteBlockInfo>, Failure> {
+        let body = encode_task(&TaskRequest { target_rows }, plan);
+        let mut client = self.client.clone();
+        let action = Action {
+            r#type: "run".into(),
+            body: body.into(),
+        };
+        let reply = client.do_action(action).await.map_err(Failure::from)?;
+        let results: Vec<arrow_flight::Result> = reply
+            .into_inner()
+            .try_collect()
+            .await
+            .map_err(Failure::from)?;
+        let first = results
+            .first()
+            .ok_or_else(|| Failure::Garbage("empty reply to run".into()))?;
+        serde_json::from_slice(&first.body)
+            .map_err(|e| Failure::Garbage(format!("bad reply to run: {e}")))
+    }
+
+    /// Fetch (and thereby remove) a block.
+    async fn fetch(&self, key: &str) -> Result<RecordBatch, Failure> {
+        let mut client = self.client.clone();
+        let ticket = Ticket {
+            ticket: key.as_bytes().to_vec().into(),
+        };
+        let reply = client.do_get(ticket).await.map_err(Failure::from)?;
+        let stream = FlightRecordBatchStream::new_from_flight_data(
+            reply
+                .into_inner()
+                .map_err(arrow_flight::error::FlightError::from),
+        );
+        let batches: Vec<RecordBatch> = stream
+            .try_collect()
+            .await
+            .map_err(|e| Failure::Garbage(e.to_string()))?;
+        match batches.len() {
+            1 => Ok(batches.into_iter().next().unwrap()),
+            n => Err(Failure::Garbage(format!("block {key} came as {n} batches"))),
+        }
+    }
+
+    /// Drop blocks the driver no longer needs (best effort).
+    async fn release(&self, keys: Vec<String>) {
+        let mut client = self.client.clone();
+        let action = Action {
+            r#type: "release".into(),
+            body: serde_json::to_vec(&keys).unwrap().into(),
+        };
+        let _ = client.do_action(action).await;
+    }
+}
+
+/// Why a call to a worker failed.
+#[derive(Debug)]
+enum Failure {
+    /// The worker is gone (connection refused or broken): its blocks are lost.
+    Dead(String),
+    /// The worker answered with an error (the task itself failed).
+    Task(String),
+    /// The worker answered with bytes that make no sense.
+    Garbage(String),
+}
+
+impl From<tonic::Status> for Failure {
+    fn from(status: tonic::Status) -> Self {
+        match status.code() {
+            tonic::Code::Unavailable | tonic::Code::Unknown | tonic::Code::Cancelled => {
+                Failure::Dead(status.to_string())
+            }
+            _ => Failure::Task(status.message().to_string()),
+        }
+    }
+}
+
+impl std::fmt::Display for Failure {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Failure::Dead(e) => write!(f, "worker died: {e}"),
+            Failure::Task(e) => write!(f, "{e}"),
+            Failure::Garbage(e) => write!(f, "worker sent garbage: {e}"),
+        }
+    }
+}
+
+/// Worker processes of one session.
+#[derive(Debug)]
+pub struct WorkerPool {
+    binary: PathBuf,
+    size: usize,
+    workers: tokio::sync::Mutex<Vec<Arc<WorkerHandle>>>,
+    next: AtomicUsize,
+    restarted: AtomicU64,
+}
+
+impl WorkerPool {
+    /// Start `size` workers from `binary` (the `flumen` executable).
+    pub async fn start(binary: PathBuf, size: usize) -> Result<Arc<Self>> {
+        let pool = Arc::new(Self {
+            binary,
+            size: size.max(1),
+            workers: tokio::sync::Mutex::new(vec![]),
+            next: AtomicUsize::new(0),
+            restarted: AtomicU64::new(0),
+        });
+        let started =
+            futures::future::try_join_all((0..pool.size).map(|_| spawn_worker(&pool.binary)))
+                .await?;
+        *pool.workers.lock().await = started;
+        Ok(pool)
+    }
+
+    /// The workers alive now.
+    pub async fn workers(&self) -> Vec<Arc<WorkerHandle>> {
+        self.workers.lock().await.clone()
+    }
+
+    /// How many replacement workers were started after a worker died.
+    pub fn restarted(&self) -> u64 {
+        self.restarted.load(Ordering::Relaxed)
+    }
+
+    /// A live worker, round robin; dead ones are replaced first.
+    async fn pick(&self) -> Result<Arc<WorkerHandle>> {
+        let mut workers = self.workers.lock().await;
+        for slot in workers.iter_mut() {
+            if !slot.is_alive() {
+                *slot = spawn_worker(&self.binary).await?;
+                self.restarted.fetch_add(1, Ordering::Relaxed);
+            }
+        }
+        let at = self.next.fetch_add(1, Ordering::Relaxed) % workers.len();
+        Ok(Arc::clone(&workers[at]))
+    }
+
+    /// Run a task on some worker, retrying on another one when a worker dies under it (at
+    /// most `max_retries` times); returns its blocks and the retries it took. `describe`
+    /// names the task in errors.
+    pub async fn run_task(
+        &self,
+        plan: &[u8],
+        target_rows: usize,
+        max_retries: usize,
+        describe: &str,
+    ) -> Result<(Vec<RemoteBlock>, usize)> {
+        let mut attempt = 0;
+        loop {
+            let worker = self.pick().await?;
+            match worker.run(plan, target_rows).await {
+                Ok(infos) => {
+                    let blocks = infos
+                        .into_iter()
+                        .map(|info| RemoteBlock {
+                            worker: Arc::clone(&worker),
+                            info,
+                        })
+                        .collect();
+                    return Ok((blocks, attempt));
+                }
+                Err(Failure::Dead(e)) if attempt < max_retries => {
+                    worker.mark_dead();
+                    attempt += 1;
+                    log::warn!("{describe}: {e}; retry {attempt} of {max_retries}");
+                }
+                Err(e) => {
+                    if matches!(e, Failure::Dead(_)) {
+                        worker.mark_dead();
+                    }
+                    return Err(DataFusionError::Execution(format!(
+                        "{describe} failed on worker {} after {attempt} retries: {e}",
+                        worker.address
+                    )));
+                }
+            }
+        }
+    }
+
+    /// Fetch a remote block; `None` when its worker is gone (the block is lost).
+    pub async fn fetch(block: &RemoteBlock) -> Result<Option<RecordBatch>> {
+        if !block.worker.is_alive() {
+            return Ok(None);
+        }
+        match block.worker.fetch(&block.info.key).await {
+            Ok(batch) => Ok(Some(batch)),
+            Err(Failure::Dead(_)) => {
+                block.worker.mark_dead();
+                Ok(None)
+            }
+            Err(e) => Err(DataFusionError::Execution(format!(
+                "fetching block {} from worker {}: {e}",
+                block.info.key, block.worker.address
+            ))),
+        }
+    }
+
+    /// Tell a block's worker it may drop it (in the background).
+    pub fn release(block: RemoteBlock) {
+        if block.worker.is_alive()
+            && let Ok(handle) = tokio::runtime::Handle::try_current()
+        {
+            handle.spawn(async move { block.worker.release(vec![block.info.key]).await });
+        }
+    }
+}
+
+impl Drop for WorkerPool {
+    fn drop(&mut self) {
+        if let Ok(workers) = self.workers.try_lock() {
+            for worker in workers.iter() {
+                worker.mark_dead();
+            }
+        }
+    }
+}
+
+/// Start one worker process and connect to it.
+async fn spawn_worker(binary: &PathBuf) -> Result<Arc<WorkerHandle>> {
+    let fail = |why: String| {
+        DataFusionError::Execution(format!(
+            "cannot start flumen worker {}: {why}",
+            binary.display()
+        ))
+    };
+    let mut child = std::process::Command::new(binary)
+        .args(["worker", "--listen", "127.0.0.1:0"])
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::inherit())
+        .spawn()
+        .map_err(|e| fail(e.to_string()))?;
+    let pid = child.id();
+    let stdout = child.stdout.take().expect("piped stdout");
+    // A thread reads its output: the first line is its address, the rest is drained so the
+    // pipe never fills.
+    let (first_tx, first_rx) = tokio::sync::oneshot::channel();
+    std::thread::spawn(move || {
+        use std::io::BufRead;
+        let mut lines = std::io::BufReader::new(stdout).lines();
+        let _ = first_tx.send(lines.next().transpose());
+        for _ in lines.map_while(|l| l.ok()) {}
+    });
+    let first = match tokio::time::timeout(START_TIMEOUT, first_rx).await {
+        Ok(Ok(Ok(line))) => line,
+        Ok(Ok(Err(e))) => return Err(fail(e.to_string())),
+        Ok(Err(_)) => None,
+        Err(_) => {
+            let _ = child.kill();
+            return Err(fail(format!(
+                "it printed no address within {START_TIMEOUT:?}"
+            )));
+        }
+    };
+    let address = match first
+        .as_deref()
+        .and_then(|l| l.strip_prefix("flumen worker listening on "))
+    {
+        Some(address) => address.trim().to_string(),
+        None => {
+            let _ = child.kill();
+            let status = child.wait().ok();
+            return Err(fail(format!(
+                "it printed {:?} instead of its address (exit status {status:?})",
+                first.unwrap_or_default()
+            )));
+        }
+    };
+    let channel = Channel::from_shared(format!("http://{address}"))
+        .map_err(|e| fail(e.to_string()))?
+        .connect_timeout(Duration::from_secs(5))
+        .connect()
+        .await
+        .map_err(|e| fail(format!("cannot connect to {address}: {e}")))?;
+    Ok(Arc::new(WorkerHandle {
+        address,
+        pid,
+        client: FlightServiceClient::new(channel)
+            .max_decoding_message_size(usize::MAX)
+            .max_encoding_message_size(usize::MAX),
+        alive: true.into(),
+        child: Mutex::new(Some(child)),
+    }))
+}
+
+/// The executable to start workers from: `flumen.worker_binary`, else `FLUMEN_WORKER_BIN`,
+/// else this process's own executable when it is the `flumen` binary.
+pub fn worker_binary(configured: &str) -> Result<PathBuf> {
+    if !configured.is_empty() {
+        return Ok(PathBuf::from(configured));
+    }
+    if let Some(path) = std::env::var_os("FLUMEN_WORKER_BIN") {
+        return Ok(PathBuf::from(path));
+    }
+    let exe = std::env::current_exe()?;
+    if exe.file_stem().is_some_and(|n| n == "flumen") {
+        return Ok(exe);
+    }
+    Err(DataFusionError::Configuration(
+        "flumen.workers = 'process' needs the flumen binary to start workers from: set \
+         flumen.worker_binary or FLUMEN_WORKER_BIN"
+            .into(),
+    ))
+}
+
+/// Where a session keeps its worker pool (started on the first query that needs it).
+#[derive(Debug, Default)]
+pub struct WorkerPoolSlot(tokio::sync::Mutex<Option<Arc<WorkerPool>>>);
+
+impl WorkerPoolSlot {
+    /// The session's pool, started with `size` workers from `binary` when there is none.
+    pub async fn get_or_start(&self, binary: PathBuf, size: usize) -> Result<Arc<WorkerPool>> {
+        let mut slot = self.0.lock().await;
+        if let Some(pool) = slot.as_ref()
+            && pool.size == size
+            && pool.binary == binary
+        {
+            return Ok(Arc::clone(pool));
+        }
+        let pool = WorkerPool::start(binary, size).await?;
+        *slot = Some(Arc::clone(&pool));
+        Ok(pool)
+    }
+
+    /// The pool, if one was started.
+    pub async fn current(&self) -> Option<Arc<WorkerPool>> {
+        self.0.lock().await.clone()
+    }
+}

@@ -1,0 +1,198 @@
+//! Worker processes (`flumen.workers = 'process'`): real `flumen worker` processes started by
+//! the session, tasks sent as datafusion-proto plans, blocks fetched over Arrow Flight, and
+//! workers killed with SIGKILL mid-query. Every answer is compared with vanilla DataFusion's.
+
+mod common;
+
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use common::{QUERIES, assert_same, register_tables, rows, vanilla, write_events};
+use datafusion::physical_plan::{ExecutionPlan, collect};
+use datafusion::prelude::{SessionConfig, SessionContext};
+use flumen::exec::FlumenExec;
+use flumen::{BlockDropper, FlumenConfig, WorkerMode};
+
+const FLUMEN: &str = env!("CARGO_BIN_EXE_flumen");
+
+fn process_config(workers: usize) -> FlumenConfig {
+    let mut config = FlumenConfig::default();
+    config.workers = WorkerMode::Process;
+    config.worker_processes = workers;
+    config.worker_binary = FLUMEN.into();
+    config
+}
+
+fn session(config: FlumenConfig, dropper: Option<BlockDropper>) -> SessionContext {
+    let mut session_config = flumen::flumen_session_config(
+        SessionConfig::new().with_target_partitions(2),
+        config.clone(),
+    );
+    if let Some(dropper) = dropper {
+        session_config = session_config.with_extension(Arc::new(dropper));
+    }
+    flumen::session_with_config(session_config, config)
+}
+
+async fn run_plan(
+    ctx: &SessionContext,
+    sql: &str,
+) -> (
+    Vec<datafusion::arrow::record_batch::RecordBatch>,
+    Arc<dyn ExecutionPlan>,
+) {
+    let plan = ctx
+        .sql(sql)
+        .await
+        .unwrap()
+        .create_physical_plan()
+        .await
+        .unwrap();
+    let batches = collect(Arc::clone(&plan), ctx.task_ctx())
+        .await
+        .unwrap_or_else(|e| panic!("{sql}: {e}"));
+    (batches, plan)
+}
+
+async fn pool_of(ctx: &SessionContext) -> Arc<flumen::worker_pool::WorkerPool> {
+    ctx.state()
+        .config()
+        .get_extension::<flumen::worker_pool::WorkerPoolSlot>()
+        .unwrap()
+        .current()
+        .await
+        .expect("the session started its workers")
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn process_workers_answer_like_vanilla() {
+    let dir = tempfile::tempdir().unwrap();
+    write_events(dir.path(), 3, 20_000);
+    let v = vanilla();
+    register_tables(&v, dir.path()).await;
+    let f = session(process_config(2), None);
+    f.sql("SET flumen.split_bytes = '64KB'").await.unwrap();
+    register_tables(&f, dir.path()).await;
+    for sql in QUERIES {
+        assert_same(&v, &f, sql).await;
+    }
+    let (_, plan) = run_plan(&f, "SELECT k, count(*) FROM events GROUP BY k").await;
+    let graph = plan.downcast_ref::<FlumenExec>().unwrap().graph();
+    let remote = graph.operators[0].stats.snapshot().remote_tasks;
+    assert!(remote > 4, "only {remote} tasks ran in workers");
+    let pool = pool_of(&f).await;
+    let workers = pool.workers().await;
+    assert_eq!(workers.len(), 2);
+    assert!(workers.iter().all(|w| w.address.starts_with("127.0.0.1:")));
+}
+
+/// Kill (SIGKILL) the worker holding the second block made in a worker; in batch
+/// mode every source block is made before any is read, so the worker's blocks are lost and
+/// must be recomputed from lineage, and only those.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_worker_killed_mid_query_costs_only_its_blocks() {
+    let dir = tempfile::tempdir().unwrap();
+    write_events(dir.path(), 3, 20_000);
+    let v = vanilla();
+    register_tables(&v, dir.path()).await;
+    let armed = Arc::new(AtomicBool::new(false));
+    let killed = Arc::new(Mutex::new(None::<(u32, Instant)>));
+    let seen = Arc::new(AtomicUsize::new(0));
+    let (armed_in, killed_in, seen_in) =
+        (Arc::clone(&armed), Arc::clone(&killed), Arc::clone(&seen));
+    let dropper = BlockDropper(Arc::new(move |b| {
+        if b.worker_pid.is_some()
+            && armed_in.load(Ordering::Relaxed)
+            && seen_in.fetch_add(1, Ordering::Relaxed) == 1
+            && let Some(pid) = b.worker_pid
+        {
+            // SAFETY: sending a signal to a child process we started.
+            unsafe { libc::kill(pid as i32, libc::SIGKILL) };
+            *killed_in.lock().unwrap() = Some((pid, Instant::now()));
+            armed_in.store(false, Ordering::Relaxed);
+        }
+        false
+    }));
+    let f = session(process_config(2), Some(dropper));
+    f.sql("SET flumen.mode = 'batch'").await.unwrap();
+    f.sql("SET flumen.split_bytes = '64KB'").await.unwrap();
+    f.sql("SET flumen.target_block_rows = 2000").await.unwrap();
+    register_tables(&f, dir.path()).await;
+    for sql in [
+        "SELECT k, count(*), round(sum(v), 6) FROM events GROUP BY k ORDER BY k",
+        "SELECT id, body FROM events WHERE id % 7 = 1",
+        "SELECT k, max(id), count(*) FROM events WHERE body LIKE '%7%' GROUP BY k ORDER BY k",
+    ] {
+        seen.store(0, Ordering::Relaxed);
+        *killed.lock().unwrap() = None;
+        armed.store(true, Ordering::Relaxed);
+        let started = Instant::now();
+        let (batches, plan) = run_plan(&f, sql).await;
+        let elapsed = started.elapsed();
+        let expected = v.sql(sql).await.unwrap().collect().await.unwrap();
+        let ordered = sql.contains("ORDER BY");
+        assert_eq!(rows(&expected, ordered), rows(&batches, ordered), "{sql}");
+        let (pid, _) = killed.lock().unwrap().unwrap_or_else(|| {
+            panic!(
+                "{sql}: no worker was killed ({} blocks made in workers)",
+                seen.load(Ordering::Relaxed)
+            )
+        });
+        let graph = plan.downcast_ref::<FlumenExec>().unwrap().graph();
+        let scan = graph
+            .operators
+            .iter()
+            .find(|op| op.stats.snapshot().blocks_lost > 0)
+            .unwrap_or_else(|| panic!("{sql}: no block was lost with worker {pid}"));
+        let s = scan.stats.snapshot();
+        assert!(s.recomputed > 0, "{sql}: nothing recomputed");
+        // Only the dead worker's blocks were recomputed: at most its share of the blocks.
+        assert!(
+            s.recomputed <= s.blocks_lost && s.blocks_lost < s.blocks,
+            "{sql}: recomputed {} lost {} of {}",
+            s.recomputed,
+            s.blocks_lost,
+            s.blocks
+        );
+        for op in graph.operators.iter().filter(|op| op.id != scan.id) {
+            assert_eq!(op.stats.snapshot().recomputed, 0, "{sql}: {}", op.name);
+        }
+        assert!(elapsed < Duration::from_secs(60), "{sql} took {elapsed:?}");
+    }
+    // A later query replaced the dead workers.
+    let pool = pool_of(&f).await;
+    assert!(pool.restarted() >= 1, "no worker was restarted");
+    assert!(pool.workers().await.iter().all(|w| w.is_alive()));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn workers_that_cannot_start_are_clear_errors() {
+    let dir = tempfile::tempdir().unwrap();
+    write_events(dir.path(), 1, 5_000);
+    for (binary, expected) in [
+        (
+            "/nonexistent/flumen",
+            "cannot start flumen worker /nonexistent/flumen",
+        ),
+        // A program that prints something else than a worker's address.
+        ("/bin/echo", "instead of its address"),
+    ] {
+        let mut config = process_config(1);
+        config.worker_binary = binary.into();
+        let f = session(config, None);
+        register_tables(&f, dir.path()).await;
+        let started = Instant::now();
+        f.sql("SET flumen.split_bytes = '16KB'").await.unwrap();
+        let err = f
+            .sql("SELECT id, v FROM events WHERE v > 0.5")
+            .await
+            .unwrap()
+            .collect()
+            .await
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains(expected), "{err}");
+        assert!(started.elapsed() < Duration::from_secs(30));
+    }
+}
