@@ -56,6 +56,24 @@ impl WorkerHandle {
         self.alive.load(Ordering::Relaxed)
     }
 
+    /// Whether its process has exited (only known for processes this driver started).
+    fn process_exited(&self) -> bool {
+        match self.child.lock().unwrap().as_mut() {
+            Some(child) => !matches!(child.try_wait(), Ok(None)),
+            None => !self.is_alive(),
+        }
+    }
+
+    /// A failure, reclassified as the worker's death when its process is gone (a killed
+    /// process can break a call in ways gRPC reports as an internal error).
+    fn classify(&self, failure: Failure) -> Failure {
+        match failure {
+            Failure::Dead(_) => failure,
+            other if self.process_exited() => Failure::Dead(other.to_string()),
+            other => other,
+        }
+    }
+
     fn mark_dead(&self) {
         if self.alive.swap(false, Ordering::Relaxed) {
             log::warn!("flumen worker {} (pid {}) died", self.address, self.pid);
@@ -216,7 +234,7 @@ impl WorkerPool {
         let mut attempt = 0;
         loop {
             let worker = self.pick().await?;
-            match worker.run(plan, target_rows).await {
+            match worker.run(plan, target_rows).await.map_err(|f| worker.classify(f)) {
                 Ok(infos) => {
                     let blocks = infos
                         .into_iter()
@@ -250,7 +268,12 @@ impl WorkerPool {
         if !block.worker.is_alive() {
             return Ok(None);
         }
-        match block.worker.fetch(&block.info.key).await {
+        match block
+            .worker
+            .fetch(&block.info.key)
+            .await
+            .map_err(|f| block.worker.classify(f))
+        {
             Ok(batch) => Ok(Some(batch)),
             Err(Failure::Dead(_)) => {
                 block.worker.mark_dead();

@@ -196,3 +196,65 @@ async fn workers_that_cannot_start_are_clear_errors() {
         assert!(started.elapsed() < Duration::from_secs(30));
     }
 }
+
+/// Seeded chaos: 20 queries run in streaming mode while a killer SIGKILLs a random worker
+/// every 100–400 ms; every answer equals vanilla DataFusion's.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn chaos_random_worker_kills_never_change_an_answer() {
+    let dir = tempfile::tempdir().unwrap();
+    write_events(dir.path(), 4, 25_000);
+    let v = vanilla();
+    register_tables(&v, dir.path()).await;
+    let f = session(process_config(2), None);
+    f.sql("SET flumen.split_bytes = '32KB'").await.unwrap();
+    f.sql("SET flumen.target_block_rows = 1000").await.unwrap();
+    register_tables(&f, dir.path()).await;
+    // Start the workers, then the killer.
+    assert_same(&v, &f, QUERIES[0]).await;
+    let pool = pool_of(&f).await;
+    let stop = Arc::new(AtomicBool::new(false));
+    let kills = Arc::new(AtomicUsize::new(0));
+    let killer = {
+        let (pool, stop, kills) = (Arc::clone(&pool), Arc::clone(&stop), Arc::clone(&kills));
+        tokio::spawn(async move {
+            let mut seed: u64 = 0x5eed_f1a5;
+            let mut next = move || {
+                seed = seed
+                    .wrapping_mul(6364136223846793005)
+                    .wrapping_add(1442695040888963407);
+                seed >> 33
+            };
+            while !stop.load(Ordering::Relaxed) {
+                tokio::time::sleep(Duration::from_millis(100 + next() % 300)).await;
+                let workers = pool.workers().await;
+                let alive: Vec<_> = workers.iter().filter(|w| w.is_alive()).collect();
+                if let Some(w) = alive.get(next() as usize % alive.len().max(1)) {
+                    // SAFETY: a signal to a worker process this test's session started.
+                    unsafe { libc::kill(w.pid as i32, libc::SIGKILL) };
+                    kills.fetch_add(1, Ordering::Relaxed);
+                }
+            }
+        })
+    };
+    let extra = [
+        "SELECT k % 4 AS g, count(*), round(sum(v), 6) FROM events WHERE v < 0.7 GROUP BY g ORDER BY g",
+        "SELECT id, v FROM events WHERE id % 501 = 3",
+        "SELECT count(DISTINCT k), max(body) FROM events",
+        "SELECT k, min(v), max(v) FROM events WHERE body LIKE '%9%' GROUP BY k ORDER BY k",
+    ];
+    let queries: Vec<&str> = QUERIES.iter().chain(extra.iter()).cycle().take(20).copied().collect();
+    let started = Instant::now();
+    for sql in &queries {
+        assert_same(&v, &f, sql).await;
+    }
+    stop.store(true, Ordering::Relaxed);
+    killer.await.unwrap();
+    let kills = kills.load(Ordering::Relaxed);
+    println!(
+        "chaos: 20 queries in {:.1} s with {kills} workers killed, {} restarted",
+        started.elapsed().as_secs_f64(),
+        pool.restarted()
+    );
+    assert!(kills >= 3, "only {kills} kills");
+    assert!(started.elapsed() < Duration::from_secs(240));
+}
