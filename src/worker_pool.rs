@@ -47,6 +47,8 @@ pub struct WorkerHandle {
     pub pid: u32,
     client: FlightServiceClient<Channel>,
     alive: std::sync::atomic::AtomicBool,
+    /// A replacement for this (dead) worker is being started.
+    replacing: std::sync::atomic::AtomicBool,
     child: Mutex<Option<std::process::Child>>,
 }
 
@@ -179,6 +181,7 @@ pub struct WorkerPool {
     workers: tokio::sync::Mutex<Vec<Arc<WorkerHandle>>>,
     next: AtomicUsize,
     restarted: AtomicU64,
+    last_start_error: Mutex<Option<String>>,
 }
 
 impl WorkerPool {
@@ -190,6 +193,7 @@ impl WorkerPool {
             workers: tokio::sync::Mutex::new(vec![]),
             next: AtomicUsize::new(0),
             restarted: AtomicU64::new(0),
+            last_start_error: Mutex::new(None),
         });
         let started =
             futures::future::try_join_all((0..pool.size).map(|_| spawn_worker(&pool.binary)))
@@ -208,24 +212,61 @@ impl WorkerPool {
         self.restarted.load(Ordering::Relaxed)
     }
 
-    /// A live worker, round robin; dead ones are replaced first.
-    async fn pick(&self) -> Result<Arc<WorkerHandle>> {
-        let mut workers = self.workers.lock().await;
-        for slot in workers.iter_mut() {
-            if !slot.is_alive() {
-                *slot = spawn_worker(&self.binary).await?;
+    /// A live worker, round robin. Each dead worker gets a replacement started in the
+    /// background, so tasks go on on the live ones meanwhile; only when none is alive does
+    /// this wait for a replacement.
+    async fn pick(self: &Arc<Self>) -> Result<Arc<WorkerHandle>> {
+        let deadline = tokio::time::Instant::now() + START_TIMEOUT * 2;
+        loop {
+            {
+                let workers = self.workers.lock().await;
+                for (slot, worker) in workers.iter().enumerate() {
+                    if !worker.is_alive() && !worker.replacing.swap(true, Ordering::Relaxed) {
+                        let pool = Arc::clone(self);
+                        tokio::spawn(async move { pool.replace(slot).await });
+                    }
+                }
+                let alive: Vec<&Arc<WorkerHandle>> =
+                    workers.iter().filter(|w| w.is_alive()).collect();
+                if !alive.is_empty() {
+                    let at = self.next.fetch_add(1, Ordering::Relaxed) % alive.len();
+                    return Ok(Arc::clone(alive[at]));
+                }
+            }
+            if tokio::time::Instant::now() > deadline {
+                let why = self.last_start_error.lock().unwrap().clone();
+                return Err(DataFusionError::Execution(format!(
+                    "no flumen worker is alive and none could be started: {}",
+                    why.unwrap_or_else(|| "replacements did not start in time".into())
+                )));
+            }
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    }
+
+    /// Start a replacement for the dead worker in `slot`.
+    async fn replace(&self, slot: usize) {
+        match spawn_worker(&self.binary).await {
+            Ok(worker) => {
+                self.workers.lock().await[slot] = worker;
                 self.restarted.fetch_add(1, Ordering::Relaxed);
             }
+            Err(e) => {
+                log::warn!("{e}");
+                *self.last_start_error.lock().unwrap() = Some(e.to_string());
+                // Let the next pick try again.
+                if let Some(dead) = self.workers.lock().await.get(slot) {
+                    dead.replacing.store(false, Ordering::Relaxed);
+                }
+            }
         }
-        let at = self.next.fetch_add(1, Ordering::Relaxed) % workers.len();
-        Ok(Arc::clone(&workers[at]))
     }
 
     /// Run a task on some worker, retrying on another one when a worker dies under it (at
     /// most `max_retries` times); returns its blocks and the retries it took. `describe`
     /// names the task in errors.
     pub async fn run_task(
-        &self,
+        self: &Arc<Self>,
         plan: &[u8],
         target_rows: usize,
         max_retries: usize,
@@ -234,7 +275,11 @@ impl WorkerPool {
         let mut attempt = 0;
         loop {
             let worker = self.pick().await?;
-            match worker.run(plan, target_rows).await.map_err(|f| worker.classify(f)) {
+            match worker
+                .run(plan, target_rows)
+                .await
+                .map_err(|f| worker.classify(f))
+            {
                 Ok(infos) => {
                     let blocks = infos
                         .into_iter()
@@ -370,6 +415,7 @@ async fn spawn_worker(binary: &PathBuf) -> Result<Arc<WorkerHandle>> {
             .max_decoding_message_size(usize::MAX)
             .max_encoding_message_size(usize::MAX),
         alive: true.into(),
+        replacing: false.into(),
         child: Mutex::new(Some(child)),
     }))
 }

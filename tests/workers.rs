@@ -242,7 +242,13 @@ async fn chaos_random_worker_kills_never_change_an_answer() {
         "SELECT count(DISTINCT k), max(body) FROM events",
         "SELECT k, min(v), max(v) FROM events WHERE body LIKE '%9%' GROUP BY k ORDER BY k",
     ];
-    let queries: Vec<&str> = QUERIES.iter().chain(extra.iter()).cycle().take(20).copied().collect();
+    let queries: Vec<&str> = QUERIES
+        .iter()
+        .chain(extra.iter())
+        .cycle()
+        .take(20)
+        .copied()
+        .collect();
     let started = Instant::now();
     for sql in &queries {
         assert_same(&v, &f, sql).await;
@@ -257,4 +263,63 @@ async fn chaos_random_worker_kills_never_change_an_answer() {
     );
     assert!(kills >= 3, "only {kills} kills");
     assert!(started.elapsed() < Duration::from_secs(240));
+}
+
+/// `COPY ... TO` while a worker holding some of its input is killed: the written file holds
+/// every row exactly once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn copy_to_with_a_killed_worker_writes_every_row_once() {
+    let dir = tempfile::tempdir().unwrap();
+    write_events(dir.path(), 3, 20_000);
+    let seen = Arc::new(AtomicUsize::new(0));
+    let killed = Arc::new(AtomicBool::new(false));
+    let (seen_in, killed_in) = (Arc::clone(&seen), Arc::clone(&killed));
+    let dropper = BlockDropper(Arc::new(move |b| {
+        if let Some(pid) = b.worker_pid
+            && seen_in.fetch_add(1, Ordering::Relaxed) == 10
+        {
+            // SAFETY: a signal to a worker process this test's session started.
+            unsafe { libc::kill(pid as i32, libc::SIGKILL) };
+            killed_in.store(true, Ordering::Relaxed);
+        }
+        false
+    }));
+    let f = session(process_config(2), Some(dropper));
+    f.sql("SET flumen.split_bytes = '32KB'").await.unwrap();
+    f.sql("SET flumen.target_block_rows = 1000").await.unwrap();
+    register_tables(&f, dir.path()).await;
+    let out_dir = tempfile::tempdir().unwrap();
+    let out = out_dir.path().join("copy-out.parquet");
+    f.sql(&format!(
+        "COPY (SELECT id, k, v, body FROM events WHERE v >= 0) TO '{}'",
+        out.display()
+    ))
+    .await
+    .unwrap()
+    .collect()
+    .await
+    .unwrap();
+    assert!(killed.load(Ordering::Relaxed), "no worker was killed");
+    let check = SessionContext::new();
+    check
+        .register_parquet("written", out.to_str().unwrap(), Default::default())
+        .await
+        .unwrap();
+    let v = vanilla();
+    register_tables(&v, dir.path()).await;
+    let expected = v
+        .sql("SELECT count(*) AS n, count(DISTINCT id) AS ids, sum(id) AS s FROM events WHERE v >= 0")
+        .await
+        .unwrap()
+        .collect()
+        .await
+        .unwrap();
+    let written = check
+        .sql("SELECT count(*) AS n, count(DISTINCT id) AS ids, sum(id) AS s FROM written")
+        .await
+        .unwrap()
+        .collect()
+        .await
+        .unwrap();
+    assert_eq!(rows(&expected, true), rows(&written, true));
 }

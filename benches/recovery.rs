@@ -1,0 +1,173 @@
+//! What a worker's death costs: one query over worker processes without failure, then with
+//! one worker killed (SIGKILL) when half of the query's source blocks exist, compared with
+//! the time of the work that was lost.
+//!
+//! `cargo bench --bench recovery [-- --rows 2000000 --workers 2]`
+//!
+//! Data: the demo `docs` table (`flumen::demo`, HTML documents) as Parquet under
+//! `target/recovery-bench/`. Query: per-topic word counts of `clean_text(body)`, whose source
+//! tasks (decode + clean) are the bulk of the work and run in the workers.
+//! Lost work = the source tasks recomputed × the mean source task time of the clean run.
+//! Goal: killed − clean ≤ lost work + 1 s. The last line is machine-readable.
+
+use std::path::PathBuf;
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Instant;
+
+use datafusion::error::Result;
+use datafusion::physical_plan::collect;
+use datafusion::prelude::{ParquetReadOptions, SessionConfig};
+use flumen::exec::FlumenExec;
+use flumen::stats::StatsSnapshot;
+use flumen::{BlockDropper, FlumenConfig, WorkerMode};
+
+const SQL: &str = "SELECT topic, count(*) AS docs, \
+     sum(array_length(string_to_array(clean_text(body), ' '))) AS words \
+     FROM docs GROUP BY topic ORDER BY topic";
+
+struct Run {
+    seconds: f64,
+    answer: String,
+    source: StatsSnapshot,
+}
+
+fn arg(name: &str, default: usize) -> usize {
+    let args: Vec<String> = std::env::args().collect();
+    args.iter()
+        .position(|a| a == name)
+        .and_then(|i| args.get(i + 1))
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(default)
+}
+
+async fn run(
+    data: &str,
+    workers: usize,
+    kill_at: Option<usize>,
+    killed: &Arc<Mutex<Option<Instant>>>,
+) -> Result<Run> {
+    let mut config = FlumenConfig::default();
+    config.workers = WorkerMode::Process;
+    config.worker_processes = workers;
+    config.split_bytes = flumen::ByteSize(1 << 20);
+    let seen = Arc::new(AtomicUsize::new(0));
+    let fired = Arc::new(AtomicBool::new(false));
+    let armed = Arc::new(AtomicBool::new(false));
+    let (seen_in, fired_in, killed_in, armed_in) = (
+        Arc::clone(&seen),
+        Arc::clone(&fired),
+        Arc::clone(killed),
+        Arc::clone(&armed),
+    );
+    let dropper = BlockDropper(Arc::new(move |b| {
+        if let (Some(at), Some(pid)) = (kill_at, b.worker_pid)
+            && armed_in.load(Ordering::Relaxed)
+            && seen_in.fetch_add(1, Ordering::Relaxed) == at
+            && !fired_in.swap(true, Ordering::Relaxed)
+        {
+            // SAFETY: a signal to a worker process this session started.
+            unsafe { libc::kill(pid as i32, libc::SIGKILL) };
+            *killed_in.lock().unwrap() = Some(Instant::now());
+        }
+        false
+    }));
+    let session_config = flumen::flumen_session_config(SessionConfig::new(), config.clone())
+        .with_extension(Arc::new(dropper));
+    let ctx = flumen::session_with_config(session_config, config);
+    ctx.register_parquet("docs", data, ParquetReadOptions::default())
+        .await?;
+    // Start the workers before timing (a cold start is not recovery).
+    ctx.sql("SELECT count(*) FROM docs WHERE id < 0")
+        .await?
+        .collect()
+        .await?;
+    ctx.sql("SELECT min(body) FROM docs WHERE id = 1")
+        .await?
+        .collect()
+        .await?;
+    let plan = ctx.sql(SQL).await?.create_physical_plan().await?;
+    armed.store(true, Ordering::Relaxed);
+    let started = Instant::now();
+    let batches = collect(Arc::clone(&plan), ctx.task_ctx()).await?;
+    let seconds = started.elapsed().as_secs_f64();
+    let graph = plan.downcast_ref::<FlumenExec>().unwrap().graph();
+    let source = graph
+        .operators
+        .iter()
+        .map(|op| op.stats.snapshot())
+        .max_by_key(|s| s.remote_tasks)
+        .unwrap();
+    Ok(Run {
+        seconds,
+        answer: datafusion::arrow::util::pretty::pretty_format_batches(&batches)?.to_string(),
+        source,
+    })
+}
+
+#[tokio::main]
+async fn main() -> Result<()> {
+    let rows = arg("--rows", 400_000);
+    let workers = arg("--workers", 2);
+    if std::env::var_os("FLUMEN_WORKER_BIN").is_none() {
+        // `cargo bench` builds the binary beside the bench in the same profile directory.
+        let exe = std::env::current_exe()?;
+        let bin = exe
+            .parent()
+            .and_then(|deps| deps.parent())
+            .map(|dir| dir.join("flumen"))
+            .filter(|p| p.exists())
+            .expect("the flumen binary next to the bench (cargo build --release --bin flumen)");
+        // SAFETY: set before any thread of ours reads the environment.
+        unsafe { std::env::set_var("FLUMEN_WORKER_BIN", bin) };
+    }
+    let dir = PathBuf::from("target/recovery-bench");
+    let data = dir.join(format!("docs-{rows}.parquet"));
+    if !data.exists() {
+        std::fs::create_dir_all(&dir)?;
+        println!("writing {rows} demo documents to {}", data.display());
+        flumen::demo::write_docs(&data, rows)?;
+    }
+    let data = std::path::absolute(&data)?.display().to_string();
+    let no_kill = Arc::new(Mutex::new(None));
+    let clean = run(&data, workers, None, &no_kill).await?;
+    let blocks = clean.source.blocks as usize;
+    let killed_at = Arc::new(Mutex::new(None));
+    let killed = run(&data, workers, Some(blocks / 2), &killed_at).await?;
+    assert_eq!(
+        clean.answer, killed.answer,
+        "the killed run changed the answer"
+    );
+    assert!(killed_at.lock().unwrap().is_some(), "no worker was killed");
+    let task_s = clean.source.busy_ns as f64 / 1e9 / clean.source.tasks.max(1) as f64;
+    let lost_work = killed.source.recomputed as f64 * task_s;
+    let retried_work = killed.source.tasks_retried as f64 * task_s;
+    let overhead = killed.seconds - clean.seconds;
+    println!(
+        "rows {rows}, {workers} workers, {} source tasks of {:.3} s, {} blocks",
+        clean.source.tasks, task_s, blocks
+    );
+    println!("clean run:  {:.2} s", clean.seconds);
+    println!(
+        "killed run: {:.2} s (one worker SIGKILLed at block {} of {blocks}): {} blocks lost, \
+         {} tasks recomputed, {} tasks retried",
+        killed.seconds,
+        blocks / 2,
+        killed.source.blocks_lost,
+        killed.source.recomputed,
+        killed.source.tasks_retried
+    );
+    println!(
+        "recovery overhead {overhead:.2} s vs lost work {:.2} s (+1 s allowed)",
+        lost_work + retried_work
+    );
+    let within = overhead <= lost_work + retried_work + 1.0;
+    println!(
+        "recovery clean_s={:.2} killed_s={:.2} lost_work_s={:.2} overhead_s={overhead:.2} within_goal={}",
+        clean.seconds,
+        killed.seconds,
+        lost_work + retried_work,
+        if within { "yes" } else { "no" }
+    );
+    Ok(())
+}
