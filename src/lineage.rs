@@ -109,10 +109,21 @@ impl QueryRun {
         })?;
         let lock = self.recompute_lock(meta.task);
         let _guard = lock.lock().await;
-        // Another reader may have recomputed it while we waited.
+        // Another reader (or a worker's recovery) may have recomputed it while we waited.
         if let Some(batch) = self.take_from_store(id)? {
             return Ok(batch);
         }
+        if let Some(batch) = self.fetch_remote(id).await? {
+            return Ok(batch);
+        }
+        // A block lost with its worker: re-run its task on a live worker if we can.
+        if self.lost_blocks.lock().unwrap().contains(&id)
+            && self.rerun_remote(meta.task).await.unwrap_or(false)
+            && let Some(batch) = self.fetch_remote(id).await?
+        {
+            return Ok(batch);
+        }
+        self.lost_blocks.lock().unwrap().remove(&id);
         let op = &self.graph.operators[meta.operator];
         OperatorStats::add(&op.stats.recomputed, 1);
         let outputs = match self.recompute_remote_outputs(meta.task).await? {

@@ -9,7 +9,10 @@
 //! block is the lost one. Tasks that cannot be cut out this way (fragments without a source
 //! split, plans the codec cannot encode) run on the driver's threads as before.
 
+use std::collections::{HashMap, HashSet};
 use std::sync::Arc;
+
+use datafusion::arrow::record_batch::RecordBatch;
 
 use datafusion::common::tree_node::{Transformed, TreeNode};
 use datafusion::error::Result;
@@ -99,21 +102,122 @@ impl QueryRun {
     }
 
     /// Fetch a block that lives in a worker; `None` when it is not remote or was lost with
-    /// its worker (the caller recomputes it).
-    pub(crate) async fn fetch_remote(
-        &self,
-        id: BlockId,
-    ) -> Result<Option<datafusion::arrow::record_batch::RecordBatch>> {
+    /// its worker. The first loss seen from a worker starts the recovery of everything it
+    /// held ([`Self::recover_worker`]).
+    pub(crate) async fn fetch_remote(self: &Arc<Self>, id: BlockId) -> Result<Option<RecordBatch>> {
         let Some(block) = self.remote_blocks.lock().unwrap().remove(&id) else {
             return Ok(None);
         };
         let fetched = WorkerPool::fetch(&block).await?;
-        if fetched.is_none()
-            && let Some(meta) = self.block_meta(id)
-        {
-            OperatorStats::add(&self.graph.operators[meta.operator].stats.blocks_lost, 1);
+        if fetched.is_none() {
+            self.lost_blocks.lock().unwrap().insert(id);
+            if let Some(meta) = self.block_meta(id) {
+                OperatorStats::add(&self.graph.operators[meta.operator].stats.blocks_lost, 1);
+            }
+            self.recover_worker(block.worker.pid);
         }
         Ok(fetched)
+    }
+
+    /// A worker died: every block it still held is lost. Re-run their producer tasks at once,
+    /// in parallel on the live workers, instead of one by one when each is read.
+    fn recover_worker(self: &Arc<Self>, pid: u32) {
+        if !self.dead_workers.lock().unwrap().insert(pid) {
+            return;
+        }
+        let lost: Vec<BlockId> = {
+            let mut remote = self.remote_blocks.lock().unwrap();
+            let ids: Vec<BlockId> = remote
+                .iter()
+                .filter(|(_, b)| b.worker.pid == pid)
+                .map(|(id, _)| *id)
+                .collect();
+            for id in &ids {
+                remote.remove(id);
+            }
+            ids
+        };
+        let mut tasks = HashSet::new();
+        {
+            let mut lost_set = self.lost_blocks.lock().unwrap();
+            for id in lost {
+                if let Some(meta) = self.block_meta(id) {
+                    OperatorStats::add(&self.graph.operators[meta.operator].stats.blocks_lost, 1);
+                    tasks.insert(meta.task);
+                }
+                lost_set.insert(id);
+            }
+        }
+        for task in tasks {
+            let run = Arc::clone(self);
+            tokio::spawn(async move {
+                let lock = run.recompute_lock(task);
+                let _guard = lock.lock().await;
+                if let Err(e) = run.rerun_remote(task).await {
+                    log::warn!(
+                        "re-running task {task} on a worker failed ({e}); readers recompute here"
+                    );
+                }
+            });
+        }
+    }
+
+    /// Re-run remotely run task `task` on a live worker and re-home its lost blocks there.
+    /// The caller holds the task's recompute lock. `Ok(false)`: not a remote task.
+    pub(crate) async fn rerun_remote(self: &Arc<Self>, task: TaskId) -> Result<bool> {
+        let outputs = self.task_outputs(task);
+        let lost: Vec<(BlockId, usize)> = {
+            let lost_set = self.lost_blocks.lock().unwrap();
+            outputs
+                .iter()
+                .filter(|(id, _)| lost_set.contains(id))
+                .map(|(id, meta)| (*id, meta.seq))
+                .collect()
+        };
+        if lost.is_empty() {
+            return Ok(true);
+        }
+        let Some(plan) = self.remote_plans.lock().unwrap().get(&task).cloned() else {
+            return Ok(false);
+        };
+        let Some(slot) = self.worker_slot() else {
+            return Ok(false);
+        };
+        let Some(pool) = slot.current().await else {
+            return Ok(false);
+        };
+        let bytes = datafusion_proto::bytes::physical_plan_to_bytes(plan)?;
+        let (op_id, partition, _) = self.task_identity(task);
+        let op = &self.graph.operators[op_id];
+        let describe = format!(
+            "recomputing task {task} (partition {partition}) of flumen operator {op_id} ({})",
+            op.name
+        );
+        let config = self.config();
+        let (blocks, retries) = pool
+            .run_task(
+                &bytes,
+                config.target_block_rows,
+                config.max_task_retries,
+                &describe,
+            )
+            .await?;
+        OperatorStats::add(&op.stats.recomputed, 1);
+        OperatorStats::add(&op.stats.tasks_retried, retries as u64);
+        let mut by_seq: HashMap<usize, RemoteBlock> = blocks.into_iter().enumerate().collect();
+        let mut lost_set = self.lost_blocks.lock().unwrap();
+        let mut remote = self.remote_blocks.lock().unwrap();
+        for (id, seq) in lost {
+            if let Some(block) = by_seq.remove(&seq) {
+                lost_set.remove(&id);
+                remote.insert(id, block);
+            }
+        }
+        // Blocks of the new run that no lost block needs.
+        for (_, block) in by_seq {
+            WorkerPool::release(block);
+        }
+        Ok(true)
     }
 
     /// Whether block `id` lives in a worker that is still alive.
@@ -137,7 +241,7 @@ impl QueryRun {
     pub(crate) async fn recompute_remote_outputs(
         &self,
         task: TaskId,
-    ) -> Result<Option<Vec<(usize, usize, datafusion::arrow::record_batch::RecordBatch)>>> {
+    ) -> Result<Option<Vec<(usize, usize, RecordBatch)>>> {
         let Some(plan) = self.remote_plans.lock().unwrap().get(&task).cloned() else {
             return Ok(None);
         };

@@ -171,6 +171,10 @@ pub struct QueryRun {
     pub(crate) remote_blocks: Mutex<HashMap<BlockId, RemoteBlock>>,
     /// The plan each remotely run task ran (its lineage, to recompute its blocks here).
     pub(crate) remote_plans: Mutex<HashMap<TaskId, Arc<dyn ExecutionPlan>>>,
+    /// Blocks lost with their worker and not yet recomputed.
+    pub(crate) lost_blocks: Mutex<HashSet<BlockId>>,
+    /// Worker processes (by pid) whose death this run has handled.
+    pub(crate) dead_workers: Mutex<HashSet<u32>>,
 }
 
 /// The fixed slots of each operator under `flumen.mode = 'static'`: the CPU slots split
@@ -280,6 +284,8 @@ impl QueryRun {
             workers,
             remote_blocks: Mutex::new(HashMap::new()),
             remote_plans: Mutex::new(HashMap::new()),
+            lost_blocks: Mutex::new(HashSet::new()),
+            dead_workers: Mutex::new(HashSet::new()),
         });
         // The scheduler loop gets a thread of its own: CPU tasks run on the caller's runtime
         // and can keep its worker threads busy for long polls (a Parquet batch decoded and
