@@ -125,6 +125,26 @@ impl ExecutionPlan for FlumenExec {
         drop(current);
         run.output(partition)
     }
+
+    fn metrics(&self) -> Option<MetricsSet> {
+        let restarted = self
+            .graph
+            .workers_restarted
+            .load(std::sync::atomic::Ordering::Relaxed);
+        let mut set = MetricsSet::new();
+        if restarted > 0 {
+            let c = Count::new();
+            c.add(restarted as usize);
+            set.push(Arc::new(Metric::new(
+                MetricValue::Count {
+                    name: "workers_restarted".into(),
+                    count: c,
+                },
+                None,
+            )));
+        }
+        Some(set)
+    }
 }
 
 /// One operator in `EXPLAIN` output: its pool, slots, task shape, block size, and after a

@@ -123,6 +123,8 @@ pub struct OperatorGraph {
     pub consumer: Vec<Option<OperatorId>>,
     /// Most bytes the block store held in memory during any run of this graph.
     peak_store: std::sync::atomic::AtomicU64,
+    /// Worker processes restarted (after one died) during runs of this graph.
+    pub workers_restarted: std::sync::atomic::AtomicU64,
 }
 
 impl OperatorGraph {
@@ -174,6 +176,7 @@ impl OperatorGraph {
             operators: cutter.operators,
             consumer,
             peak_store: Default::default(),
+            workers_restarted: Default::default(),
         })
     }
 }

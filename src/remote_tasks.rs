@@ -94,6 +94,7 @@ impl QueryRun {
             .await?;
         OperatorStats::add(&op.stats.remote_tasks, 1);
         OperatorStats::add(&op.stats.tasks_retried, retries as u64);
+        self.note_restarts(&pool);
         self.remote_plans.lock().unwrap().insert(task, plan);
         for (seq, block) in blocks.into_iter().enumerate() {
             self.put_remote_block(task, op_id, partition, seq, block)?;
@@ -204,6 +205,7 @@ impl QueryRun {
             .await?;
         OperatorStats::add(&op.stats.recomputed, 1);
         OperatorStats::add(&op.stats.tasks_retried, retries as u64);
+        self.note_restarts(&pool);
         let mut by_seq: HashMap<usize, RemoteBlock> = blocks.into_iter().enumerate().collect();
         let mut lost_set = self.lost_blocks.lock().unwrap();
         let mut remote = self.remote_blocks.lock().unwrap();
@@ -218,6 +220,16 @@ impl QueryRun {
             WorkerPool::release(block);
         }
         Ok(true)
+    }
+
+    /// Count the pool's worker restarts since this run first used it into the graph's
+    /// `workers_restarted` (shown by `EXPLAIN ANALYZE`).
+    fn note_restarts(&self, pool: &WorkerPool) {
+        let now = pool.restarted();
+        let since = *self.restarts_at_start.get_or_init(|| now);
+        self.graph
+            .workers_restarted
+            .fetch_max(now - since, std::sync::atomic::Ordering::Relaxed);
     }
 
     /// Whether block `id` lives in a worker that is still alive.

@@ -175,6 +175,8 @@ pub struct QueryRun {
     pub(crate) lost_blocks: Mutex<HashSet<BlockId>>,
     /// Worker processes (by pid) whose death this run has handled.
     pub(crate) dead_workers: Mutex<HashSet<u32>>,
+    /// The worker pool's restart count when this run first used it.
+    pub(crate) restarts_at_start: std::sync::OnceLock<u64>,
 }
 
 /// The fixed slots of each operator under `flumen.mode = 'static'`: the CPU slots split
@@ -286,6 +288,7 @@ impl QueryRun {
             remote_plans: Mutex::new(HashMap::new()),
             lost_blocks: Mutex::new(HashSet::new()),
             dead_workers: Mutex::new(HashSet::new()),
+            restarts_at_start: std::sync::OnceLock::new(),
         });
         // The scheduler loop gets a thread of its own: CPU tasks run on the caller's runtime
         // and can keep its worker threads busy for long polls (a Parquet batch decoded and
