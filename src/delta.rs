@@ -30,7 +30,7 @@ use deltalake_core::logstore::{
 use deltalake_core::{DeltaTable, DeltaTableBuilder};
 use url::Url;
 
-use crate::lakehouse_options::{option, parse_timestamp_millis};
+use crate::lakehouse_options::{self, time_travel, timestamp_option};
 use crate::object_stores;
 
 /// Which version of a Delta table to read.
@@ -61,29 +61,14 @@ impl TableProviderFactory for DeltaTableFactory {
         state: &dyn Session,
         cmd: &CreateExternalTable,
     ) -> Result<Arc<dyn TableProvider>> {
-        let location = crate::lakehouse_options::single_location(cmd)?;
-        let options: Vec<(String, String)> = cmd
-            .options
-            .iter()
-            .map(|(k, v)| (k.clone(), v.clone()))
-            .collect();
-        object_stores::register_in_session(state, location, &options)?;
-        let version = match (
-            option(&cmd.options, "version"),
-            option(&cmd.options, "timestamp"),
-        ) {
-            (Some(_), Some(_)) => {
-                return Err(DataFusionError::Plan(format!(
-                    "Delta table {location}: give 'version' or 'timestamp', not both"
-                )));
-            }
-            (Some(v), None) => DeltaVersion::Version(v.parse().map_err(|_| {
-                DataFusionError::Plan(format!(
-                    "Delta table {location}: version '{v}' is not a number"
-                ))
+        let (location, options) = lakehouse_options::prepare(state, cmd)?;
+        let table = format!("Delta table {location}");
+        let version = match time_travel(cmd, &table, ["version", "timestamp"])? {
+            Some(("version", v)) => DeltaVersion::Version(v.parse().map_err(|_| {
+                DataFusionError::Plan(format!("{table}: version '{v}' is not a number"))
             })?),
-            (None, Some(at)) => DeltaVersion::AsOf(at.to_string()),
-            (None, None) => DeltaVersion::Latest,
+            Some((_, at)) => DeltaVersion::AsOf(at.to_string()),
+            None => DeltaVersion::Latest,
         };
         let columns = cmd.schema.as_arrow();
         let open = async {
@@ -261,13 +246,7 @@ impl DeltaTableProvider {
                 builder = builder.with_version(v);
             }
             DeltaVersion::AsOf(at) => {
-                // Accept what the Iceberg reader accepts: RFC 3339 or epoch milliseconds.
-                let millis = parse_timestamp_millis(at).ok_or_else(|| {
-                    DataFusionError::Plan(format!(
-                        "Delta table {location}: timestamp '{at}' is neither RFC 3339 \
-                         (2026-01-01T00:00:00Z) nor milliseconds since the epoch"
-                    ))
-                })?;
+                let millis = timestamp_option(&format!("Delta table {location}"), at)?;
                 let at = chrono::DateTime::from_timestamp_millis(millis).ok_or_else(|| {
                     DataFusionError::Plan(format!("Delta table {location}: bad timestamp {at}"))
                 })?;

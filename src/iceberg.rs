@@ -25,7 +25,7 @@ use datafusion::logical_expr::CreateExternalTable;
 use object_store::{ObjectStore, ObjectStoreExt};
 use serde_json::Value as Json;
 
-use crate::lakehouse_options::{option, parse_timestamp_millis};
+use crate::lakehouse_options::{self, time_travel, timestamp_option};
 use crate::object_stores;
 
 /// Which snapshot of an Iceberg table to read.
@@ -54,36 +54,14 @@ impl TableProviderFactory for IcebergTableFactory {
         state: &dyn Session,
         cmd: &CreateExternalTable,
     ) -> Result<Arc<dyn TableProvider>> {
-        let location = crate::lakehouse_options::single_location(cmd)?;
-        let options: Vec<(String, String)> = cmd
-            .options
-            .iter()
-            .map(|(k, v)| (k.clone(), v.clone()))
-            .collect();
-        object_stores::register_in_session(state, location, &options)?;
-        let snapshot = match (
-            option(&cmd.options, "snapshot_id"),
-            option(&cmd.options, "timestamp"),
-        ) {
-            (Some(_), Some(_)) => {
-                return Err(DataFusionError::Plan(format!(
-                    "Iceberg table {location}: give 'snapshot_id' or 'timestamp', not both"
-                )));
-            }
-            (Some(id), None) => IcebergSnapshot::Id(id.parse().map_err(|_| {
-                DataFusionError::Plan(format!(
-                    "Iceberg table {location}: snapshot_id '{id}' is not a number"
-                ))
+        let (location, options) = lakehouse_options::prepare(state, cmd)?;
+        let table = format!("Iceberg table {location}");
+        let snapshot = match time_travel(cmd, &table, ["snapshot_id", "timestamp"])? {
+            Some(("snapshot_id", id)) => IcebergSnapshot::Id(id.parse().map_err(|_| {
+                DataFusionError::Plan(format!("{table}: snapshot_id '{id}' is not a number"))
             })?),
-            (None, Some(at)) => {
-                IcebergSnapshot::AsOfMillis(parse_timestamp_millis(at).ok_or_else(|| {
-                    DataFusionError::Plan(format!(
-                        "Iceberg table {location}: timestamp '{at}' is neither RFC 3339 \
-                         (2026-01-01T00:00:00Z) nor milliseconds since the epoch"
-                    ))
-                })?)
-            }
-            (None, None) => IcebergSnapshot::Current,
+            Some((_, at)) => IcebergSnapshot::AsOfMillis(timestamp_option(&table, at)?),
+            None => IcebergSnapshot::Current,
         };
         iceberg_table(state, location, snapshot)
             .await

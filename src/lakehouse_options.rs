@@ -2,8 +2,58 @@
 
 use std::collections::HashMap;
 
+use datafusion::catalog::Session;
 use datafusion::error::{DataFusionError, Result};
 use datafusion::logical_expr::CreateExternalTable;
+
+use crate::object_stores;
+
+/// What a lakehouse table factory starts from: the one LOCATION, and the statement's OPTIONS
+/// as pairs, after registering the location's object store from them.
+pub fn prepare<'a>(
+    state: &dyn Session,
+    cmd: &'a CreateExternalTable,
+) -> Result<(&'a str, Vec<(String, String)>)> {
+    let location = single_location(cmd)?;
+    let options: Vec<(String, String)> = cmd
+        .options
+        .iter()
+        .map(|(k, v)| (k.clone(), v.clone()))
+        .collect();
+    object_stores::register_in_session(state, location, &options)?;
+    Ok((location, options))
+}
+
+/// The time-travel option given: `Some((name, value))` for whichever of `names` is set, an
+/// error naming the table when more than one is.
+pub fn time_travel<'a>(
+    cmd: &'a CreateExternalTable,
+    table: &str,
+    names: [&'static str; 2],
+) -> Result<Option<(&'static str, &'a str)>> {
+    let given: Vec<(&'static str, &str)> = names
+        .iter()
+        .filter_map(|n| option(&cmd.options, n).map(|v| (*n, v)))
+        .collect();
+    match given.as_slice() {
+        [] => Ok(None),
+        [one] => Ok(Some(*one)),
+        _ => Err(DataFusionError::Plan(format!(
+            "{table}: give '{}' or '{}', not both",
+            names[0], names[1]
+        ))),
+    }
+}
+
+/// Milliseconds since the epoch from a `timestamp` option, or an error naming the table.
+pub fn timestamp_option(table: &str, text: &str) -> Result<i64> {
+    parse_timestamp_millis(text).ok_or_else(|| {
+        DataFusionError::Plan(format!(
+            "{table}: timestamp '{text}' is neither RFC 3339 (2026-01-01T00:00:00Z) nor \
+             milliseconds since the epoch"
+        ))
+    })
+}
 
 /// The one LOCATION of a `CREATE EXTERNAL TABLE` for a lakehouse table.
 pub fn single_location(cmd: &CreateExternalTable) -> Result<&str> {

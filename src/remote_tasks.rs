@@ -15,6 +15,8 @@ use std::sync::Arc;
 use datafusion::arrow::record_batch::RecordBatch;
 
 use datafusion::common::tree_node::{Transformed, TreeNode};
+use datafusion::datasource::physical_plan::FileScanConfig;
+use datafusion::datasource::source::DataSourceExec;
 use datafusion::error::Result;
 use datafusion::physical_plan::repartition::RepartitionExec;
 use datafusion::physical_plan::{ExecutionPlan, ExecutionPlanProperties};
@@ -36,6 +38,7 @@ fn remote_plan(op: &Operator, partition: usize, split: usize) -> Option<Arc<dyn 
         .transform_up(|node| {
             if let Some(source) = node.downcast_ref::<SplitSourceExec>()
                 && let Some(scan) = source.split_plan(partition, split)
+                && reads_local_files(&scan)
             {
                 found = true;
                 return Ok(Transformed::yes(scan));
@@ -53,6 +56,14 @@ fn remote_plan(op: &Operator, partition: usize, split: usize) -> Option<Arc<dyn 
             RepartitionExec::try_new(plan, split.clone()).ok()?,
         )),
     }
+}
+
+/// Whether `scan` reads local files only: workers are not given the driver's object stores
+/// (nor their credentials) yet, so remote tables are read by the driver.
+fn reads_local_files(scan: &Arc<dyn ExecutionPlan>) -> bool {
+    scan.downcast_ref::<DataSourceExec>()
+        .and_then(|s| s.data_source().downcast_ref::<FileScanConfig>())
+        .is_some_and(|config| config.object_store_url.as_str().starts_with("file://"))
 }
 
 impl QueryRun {
@@ -84,17 +95,8 @@ impl QueryRun {
             "task {task} (partition {partition}, split {split}) of flumen operator {op_id} ({})",
             op.name
         );
-        let (blocks, retries) = pool
-            .run_task(
-                &bytes,
-                config.target_block_rows,
-                config.max_task_retries,
-                &describe,
-            )
-            .await?;
+        let blocks = self.run_on_pool(&pool, op_id, &bytes, &describe).await?;
         OperatorStats::add(&op.stats.remote_tasks, 1);
-        OperatorStats::add(&op.stats.tasks_retried, retries as u64);
-        self.note_restarts(&pool);
         self.remote_plans.lock().unwrap().insert(task, plan);
         for (seq, block) in blocks.into_iter().enumerate() {
             self.put_remote_block(task, op_id, partition, seq, block)?;
@@ -194,18 +196,8 @@ impl QueryRun {
             "recomputing task {task} (partition {partition}) of flumen operator {op_id} ({})",
             op.name
         );
-        let config = self.config();
-        let (blocks, retries) = pool
-            .run_task(
-                &bytes,
-                config.target_block_rows,
-                config.max_task_retries,
-                &describe,
-            )
-            .await?;
+        let blocks = self.run_on_pool(&pool, op_id, &bytes, &describe).await?;
         OperatorStats::add(&op.stats.recomputed, 1);
-        OperatorStats::add(&op.stats.tasks_retried, retries as u64);
-        self.note_restarts(&pool);
         let mut by_seq: HashMap<usize, RemoteBlock> = blocks.into_iter().enumerate().collect();
         let mut lost_set = self.lost_blocks.lock().unwrap();
         let mut remote = self.remote_blocks.lock().unwrap();
@@ -220,6 +212,30 @@ impl QueryRun {
             WorkerPool::release(block);
         }
         Ok(true)
+    }
+
+    /// Run an encoded plan on the pool for operator `op_id`, counting its retries and the
+    /// pool's restarts.
+    async fn run_on_pool(
+        &self,
+        pool: &Arc<WorkerPool>,
+        op_id: usize,
+        bytes: &[u8],
+        describe: &str,
+    ) -> Result<Vec<RemoteBlock>> {
+        let config = self.config();
+        let (blocks, retries) = pool
+            .run_task(
+                bytes,
+                config.target_block_rows,
+                config.max_task_retries,
+                describe,
+            )
+            .await?;
+        let op = &self.graph.operators[op_id];
+        OperatorStats::add(&op.stats.tasks_retried, retries as u64);
+        self.note_restarts(pool);
+        Ok(blocks)
     }
 
     /// Count the pool's worker restarts since this run first used it into the graph's

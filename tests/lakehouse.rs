@@ -110,6 +110,15 @@ async fn summary(ctx: &SessionContext, table: &str) -> Vec<String> {
     .await
 }
 
+/// `options` (an `OPTIONS (...)` clause or nothing) with `'key' 'value'` added.
+fn with_option(options: &str, key: &str, value: &str) -> String {
+    if options.is_empty() {
+        format!("OPTIONS ('{key}' '{value}')")
+    } else {
+        options.replacen("OPTIONS (", &format!("OPTIONS ('{key}' '{value}', "), 1)
+    }
+}
+
 fn expected_summary(entry: &Value) -> Vec<String> {
     vec![
         entry["count"].to_string(),
@@ -142,11 +151,7 @@ async fn check_delta_docs(ctx: &SessionContext, docs: &Value, options: &str) {
     for entry in versions {
         let version = entry["version"].as_i64().unwrap();
         let name = format!("delta_docs_v{version}");
-        let with_version = if options.is_empty() {
-            format!("OPTIONS ('version' '{version}')")
-        } else {
-            options.replacen("OPTIONS (", &format!("OPTIONS ('version' '{version}', "), 1)
-        };
+        let with_version = with_option(options, "version", &version.to_string());
         ctx.sql(&format!(
             "CREATE EXTERNAL TABLE {name} STORED AS DELTATABLE LOCATION '{location}' {with_version}"
         ))
@@ -161,11 +166,7 @@ async fn check_delta_docs(ctx: &SessionContext, docs: &Value, options: &str) {
     // Time travel by timestamp: the commit time of version 1 reads version 1.
     let v1 = &versions[1];
     let at = v1["timestamp_ms"].as_i64().unwrap();
-    let with_timestamp = if options.is_empty() {
-        format!("OPTIONS ('timestamp' '{at}')")
-    } else {
-        options.replacen("OPTIONS (", &format!("OPTIONS ('timestamp' '{at}', "), 1)
-    };
+    let with_timestamp = with_option(options, "timestamp", &at.to_string());
     ctx.sql(&format!(
         "CREATE EXTERNAL TABLE delta_docs_at STORED AS DELTATABLE LOCATION '{location}' {with_timestamp}"
     ))
@@ -189,11 +190,7 @@ async fn check_iceberg(ctx: &SessionContext, iceberg: &Value, options: &str) {
     );
     for (i, snapshot) in v2["snapshots"].as_array().unwrap().iter().enumerate() {
         let id = snapshot["snapshot_id"].as_i64().unwrap();
-        let with_id = if options.is_empty() {
-            format!("OPTIONS ('snapshot_id' '{id}')")
-        } else {
-            options.replacen("OPTIONS (", &format!("OPTIONS ('snapshot_id' '{id}', "), 1)
-        };
+        let with_id = with_option(options, "snapshot_id", &id.to_string());
         let name = format!("ice_v2_s{i}");
         ctx.sql(&format!(
             "CREATE EXTERNAL TABLE {name} STORED AS ICEBERG LOCATION '{location}' {with_id}"
