@@ -323,3 +323,67 @@ async fn copy_to_with_a_killed_worker_writes_every_row_once() {
         .unwrap();
     assert_eq!(rows(&expected, true), rows(&written, true));
 }
+
+/// A worker asked to listen on a port that is taken says so and exits.
+#[test]
+fn a_worker_on_a_port_in_use_is_a_clear_error() {
+    let taken = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let address = taken.local_addr().unwrap().to_string();
+    let out = std::process::Command::new(FLUMEN)
+        .args(["worker", "--listen", &address])
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(1), "{stderr}");
+    assert!(
+        stderr.contains(&format!("cannot listen on {address}")),
+        "{stderr}"
+    );
+}
+
+/// A "worker" that announces an address but answers with garbage bytes: the query fails with
+/// an error naming the worker, after the retries, without hanging.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_worker_answering_garbage_fails_the_query_cleanly() {
+    let dir = tempfile::tempdir().unwrap();
+    write_events(dir.path(), 1, 5_000);
+    let script = dir.path().join("garbage-worker.py");
+    std::fs::write(
+        &script,
+        "#!/usr/bin/env python3\n\
+         import socket, sys\n\
+         s = socket.socket(); s.bind(('127.0.0.1', 0)); s.listen(8)\n\
+         print('flumen worker listening on 127.0.0.1:%d' % s.getsockname()[1], flush=True)\n\
+         while True:\n\
+         \x20   c, _ = s.accept()\n\
+         \x20   try:\n\
+         \x20       c.sendall(b'\\x00garbage, not HTTP/2\\xff' * 64); c.close()\n\
+         \x20   except OSError:\n\
+         \x20       pass\n",
+    )
+    .unwrap();
+    use std::os::unix::fs::PermissionsExt;
+    std::fs::set_permissions(&script, std::fs::Permissions::from_mode(0o755)).unwrap();
+    let mut config = process_config(1);
+    config.worker_binary = script.display().to_string();
+    config.max_task_retries = 2;
+    let f = session(config, None);
+    f.sql("SET flumen.split_bytes = '16KB'").await.unwrap();
+    register_tables(&f, dir.path()).await;
+    let started = Instant::now();
+    let err = f
+        .sql("SELECT id, v FROM events WHERE v > 0.5")
+        .await
+        .unwrap()
+        .collect()
+        .await
+        .unwrap_err()
+        .to_string();
+    assert!(err.contains("failed on worker 127.0.0.1:"), "{err}");
+    assert!(
+        started.elapsed() < Duration::from_secs(60),
+        "took {:?}: {err}",
+        started.elapsed()
+    );
+    println!("garbage worker: {err}");
+}
