@@ -15,7 +15,6 @@ use datafusion::error::Result;
 use datafusion::logical_expr::{
     ColumnarValue, ScalarFunctionArgs, ScalarUDF, ScalarUDFImpl, Signature, Volatility,
 };
-use datafusion::physical_plan::{ExecutionPlan, collect};
 use datafusion::prelude::SessionConfig;
 use flumen::exec::FlumenExec;
 use flumen::operators::Pool;
@@ -67,20 +66,6 @@ async fn tiny_budget_spills_and_matches_datafusion() {
 #[tokio::test]
 async fn current_thread_runtime_works() {
     check_all(&[]).await;
-}
-
-/// Run `sql` through flumen's physical plan directly, returning the batches and the plan.
-async fn run_plan(
-    ctx: &datafusion::prelude::SessionContext,
-    sql: &str,
-) -> (
-    Vec<datafusion::arrow::record_batch::RecordBatch>,
-    Arc<dyn ExecutionPlan>,
-) {
-    let df = ctx.sql(sql).await.unwrap();
-    let plan = df.create_physical_plan().await.unwrap();
-    let batches = collect(Arc::clone(&plan), ctx.task_ctx()).await.unwrap();
-    (batches, plan)
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

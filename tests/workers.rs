@@ -8,8 +8,7 @@ use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use common::{QUERIES, assert_same, register_tables, rows, vanilla, write_events};
-use datafusion::physical_plan::{ExecutionPlan, collect};
+use common::{QUERIES, assert_same, register_tables, rows, run_plan, vanilla, write_events};
 use datafusion::prelude::{SessionConfig, SessionContext};
 use flumen::exec::FlumenExec;
 use flumen::{BlockDropper, FlumenConfig, WorkerMode};
@@ -33,26 +32,6 @@ fn session(config: FlumenConfig, dropper: Option<BlockDropper>) -> SessionContex
         session_config = session_config.with_extension(Arc::new(dropper));
     }
     flumen::session_with_config(session_config, config)
-}
-
-async fn run_plan(
-    ctx: &SessionContext,
-    sql: &str,
-) -> (
-    Vec<datafusion::arrow::record_batch::RecordBatch>,
-    Arc<dyn ExecutionPlan>,
-) {
-    let plan = ctx
-        .sql(sql)
-        .await
-        .unwrap()
-        .create_physical_plan()
-        .await
-        .unwrap();
-    let batches = collect(Arc::clone(&plan), ctx.task_ctx())
-        .await
-        .unwrap_or_else(|e| panic!("{sql}: {e}"));
-    (batches, plan)
 }
 
 async fn pool_of(ctx: &SessionContext) -> Arc<flumen::worker_pool::WorkerPool> {

@@ -12,6 +12,7 @@ use datafusion::arrow::record_batch::RecordBatch;
 use datafusion::arrow::util::pretty::pretty_format_batches;
 use datafusion::parquet::arrow::ArrowWriter;
 use datafusion::parquet::file::properties::WriterProperties;
+use datafusion::physical_plan::ExecutionPlan;
 use datafusion::prelude::{ParquetReadOptions, SessionConfig, SessionContext};
 
 /// Write `files` Parquet files of `rows_per_file` rows each under `dir`, with small row
@@ -166,3 +167,19 @@ pub const QUERIES: &[&str] = &[
     "SELECT d.name, x.n FROM dim d LEFT JOIN (SELECT k, count(*) AS n FROM events WHERE id < 100 GROUP BY k) x ON d.k = x.k ORDER BY d.name",
     "SELECT id FROM events WHERE k IN (SELECT k FROM dim WHERE name LIKE 't%') AND id < 200 ORDER BY id",
 ];
+
+/// Run `sql` through flumen's physical plan directly, returning the batches and the plan.
+pub async fn run_plan(
+    ctx: &datafusion::prelude::SessionContext,
+    sql: &str,
+) -> (
+    Vec<datafusion::arrow::record_batch::RecordBatch>,
+    Arc<dyn ExecutionPlan>,
+) {
+    let df = ctx.sql(sql).await.unwrap();
+    let plan = df.create_physical_plan().await.unwrap();
+    let batches = datafusion::physical_plan::collect(Arc::clone(&plan), ctx.task_ctx())
+        .await
+        .unwrap_or_else(|e| panic!("{sql}: {e}"));
+    (batches, plan)
+}
