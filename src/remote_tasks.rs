@@ -153,7 +153,9 @@ impl QueryRun {
         }
         for task in tasks {
             let run = Arc::clone(self);
-            tokio::spawn(async move {
+            // On the query's runtime: this may be called from an accelerator worker's thread,
+            // whose runtime only runs while that worker has a task.
+            self.runtime().spawn(async move {
                 let lock = run.recompute_lock(task);
                 let _guard = lock.lock().await;
                 if let Err(e) = run.rerun_remote(task).await {

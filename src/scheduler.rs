@@ -772,6 +772,11 @@ impl QueryRun {
         (t.operator, t.partition, t.kind.clone())
     }
 
+    /// The runtime CPU tasks (and background work) run on.
+    pub(crate) fn runtime(&self) -> &tokio::runtime::Handle {
+        &self.handle
+    }
+
     /// The flumen settings of this run.
     pub(crate) fn config(&self) -> &FlumenConfig {
         &self.config

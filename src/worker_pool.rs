@@ -49,6 +49,8 @@ pub struct WorkerHandle {
     alive: std::sync::atomic::AtomicBool,
     /// A replacement for this (dead) worker is being started.
     replacing: std::sync::atomic::AtomicBool,
+    /// The runtime its background calls run on (the one it was started from).
+    runtime: tokio::runtime::Handle,
     child: Mutex<Option<std::process::Child>>,
 }
 
@@ -182,6 +184,9 @@ pub struct WorkerPool {
     next: AtomicUsize,
     restarted: AtomicU64,
     last_start_error: Mutex<Option<String>>,
+    /// The runtime background work (replacement starts) runs on: the one the pool started
+    /// on, which the session's queries drive (an accelerator thread's runtime is not).
+    runtime: tokio::runtime::Handle,
 }
 
 impl WorkerPool {
@@ -194,6 +199,7 @@ impl WorkerPool {
             next: AtomicUsize::new(0),
             restarted: AtomicU64::new(0),
             last_start_error: Mutex::new(None),
+            runtime: tokio::runtime::Handle::current(),
         });
         let started =
             futures::future::try_join_all((0..pool.size).map(|_| spawn_worker(&pool.binary)))
@@ -223,7 +229,7 @@ impl WorkerPool {
                 for (slot, worker) in workers.iter().enumerate() {
                     if !worker.is_alive() && !worker.replacing.swap(true, Ordering::Relaxed) {
                         let pool = Arc::clone(self);
-                        tokio::spawn(async move { pool.replace(slot).await });
+                        self.runtime.spawn(async move { pool.replace(slot).await });
                     }
                 }
                 let alive: Vec<&Arc<WorkerHandle>> =
@@ -333,10 +339,9 @@ impl WorkerPool {
 
     /// Tell a block's worker it may drop it (in the background).
     pub fn release(block: RemoteBlock) {
-        if block.worker.is_alive()
-            && let Ok(handle) = tokio::runtime::Handle::try_current()
-        {
-            handle.spawn(async move { block.worker.release(vec![block.info.key]).await });
+        if block.worker.is_alive() {
+            let runtime = block.worker.runtime.clone();
+            runtime.spawn(async move { block.worker.release(vec![block.info.key]).await });
         }
     }
 }
@@ -416,6 +421,7 @@ async fn spawn_worker(binary: &PathBuf) -> Result<Arc<WorkerHandle>> {
             .max_encoding_message_size(usize::MAX),
         alive: true.into(),
         replacing: false.into(),
+        runtime: tokio::runtime::Handle::current(),
         child: Mutex::new(Some(child)),
     }))
 }

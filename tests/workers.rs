@@ -176,8 +176,9 @@ async fn workers_that_cannot_start_are_clear_errors() {
     }
 }
 
-/// Seeded chaos: 20 queries run in streaming mode while a killer SIGKILLs a random worker
-/// every 100–400 ms; every answer equals vanilla DataFusion's.
+/// Seeded chaos: 20 queries (scans, filters, aggregates, joins, sorts, a model UDF on the
+/// accelerator pool) run in streaming mode while a killer SIGKILLs a random worker every
+/// 100–400 ms; every answer equals vanilla DataFusion's.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn chaos_random_worker_kills_never_change_an_answer() {
     let dir = tempfile::tempdir().unwrap();
@@ -188,6 +189,19 @@ async fn chaos_random_worker_kills_never_change_an_answer() {
     f.sql("SET flumen.split_bytes = '32KB'").await.unwrap();
     f.sql("SET flumen.target_block_rows = 1000").await.unwrap();
     register_tables(&f, dir.path()).await;
+    // A model UDF (an emulated device, 0.2 ms per 256 rows), the same in both engines.
+    let device = Arc::new(flumen::emulated_accelerator::EmulatedDevice::default());
+    for ctx in [&v, &f] {
+        ctx.register_udf(flumen::accelerator_udf(
+            flumen::emulated_accelerator::EmulatedModel::new(
+                "model",
+                Duration::from_micros(200),
+                256,
+                4,
+                Arc::clone(&device),
+            ),
+        ));
+    }
     // Start the workers, then the killer.
     assert_same(&v, &f, QUERIES[0]).await;
     let pool = pool_of(&f).await;
@@ -216,22 +230,30 @@ async fn chaos_random_worker_kills_never_change_an_answer() {
         })
     };
     let extra = [
+        "SELECT id, model(body) AS m FROM events WHERE id % 97 = 5",
         "SELECT k % 4 AS g, count(*), round(sum(v), 6) FROM events WHERE v < 0.7 GROUP BY g ORDER BY g",
         "SELECT id, v FROM events WHERE id % 501 = 3",
         "SELECT count(DISTINCT k), max(body) FROM events",
         "SELECT k, min(v), max(v) FROM events WHERE body LIKE '%9%' GROUP BY k ORDER BY k",
     ];
-    let queries: Vec<&str> = QUERIES
+    // The model query first, then the shared set and the extra ones, 20 in all.
+    let queries: Vec<&str> = extra[..1]
         .iter()
-        .chain(extra.iter())
+        .chain(QUERIES.iter())
+        .chain(extra[1..].iter())
         .cycle()
         .take(20)
         .copied()
         .collect();
     let started = Instant::now();
-    for sql in &queries {
-        assert_same(&v, &f, sql).await;
-    }
+    // A hang is a failure, not a stalled CI run.
+    tokio::time::timeout(Duration::from_secs(300), async {
+        for sql in &queries {
+            assert_same(&v, &f, sql).await;
+        }
+    })
+    .await
+    .expect("the chaos queries hung");
     stop.store(true, Ordering::Relaxed);
     killer.await.unwrap();
     let kills = kills.load(Ordering::Relaxed);
