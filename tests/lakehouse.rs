@@ -5,6 +5,7 @@
 //! The writers come from `target/test-venv` (`bash tests/install-test-tools.sh`) or
 //! `FLUMEN_LAKEHOUSE_PYTHON`. Without them these tests say they were skipped.
 
+mod common;
 #[path = "common/s3_server.rs"]
 mod s3_server;
 
@@ -78,13 +79,7 @@ fn ctx() -> SessionContext {
 
 /// One row of strings.
 async fn row(ctx: &SessionContext, sql: &str) -> Vec<String> {
-    let batches = ctx
-        .sql(sql)
-        .await
-        .unwrap_or_else(|e| panic!("{sql}: {e}"))
-        .collect()
-        .await
-        .unwrap_or_else(|e| panic!("{sql}: {e}"));
+    let batches = common::collect(ctx, sql).await;
     let batch = batches.iter().find(|b| b.num_rows() > 0).expect("one row");
     (0..batch.num_columns())
         .map(|c| array_value_to_string(batch.column(c), 0).unwrap())
@@ -92,12 +87,9 @@ async fn row(ctx: &SessionContext, sql: &str) -> Vec<String> {
 }
 
 async fn error(ctx: &SessionContext, sql: &str) -> String {
-    match ctx.sql(sql).await {
+    match common::try_collect(ctx, sql).await {
         Err(e) => e.to_string(),
-        Ok(df) => match df.collect().await {
-            Err(e) => e.to_string(),
-            Ok(_) => panic!("{sql} should fail"),
-        },
+        Ok(_) => panic!("{sql} should fail"),
     }
 }
 
@@ -603,15 +595,14 @@ async fn copy_partitioned_by_a_column_matches_vanilla() {
     let mut answers = vec![];
     for (name, ctx) in [("flumen", ctx()), ("vanilla", SessionContext::new())] {
         let out = dir.path().join(name);
-        ctx.sql(&format!(
-            "COPY ({source}) TO '{}/' STORED AS PARQUET PARTITIONED BY (part)",
-            out.display()
-        ))
-        .await
-        .unwrap()
-        .collect()
-        .await
-        .unwrap();
+        common::collect(
+            &ctx,
+            &format!(
+                "COPY ({source}) TO '{}/' STORED AS PARQUET PARTITIONED BY (part)",
+                out.display()
+            ),
+        )
+        .await;
         for part in ["a", "b", "c"] {
             assert!(
                 out.join(format!("part={part}")).is_dir(),

@@ -163,11 +163,7 @@ async fn workers_that_cannot_start_are_clear_errors() {
         register_tables(&f, dir.path()).await;
         let started = Instant::now();
         f.sql("SET flumen.split_bytes = '16KB'").await.unwrap();
-        let err = f
-            .sql("SELECT id, v FROM events WHERE v > 0.5")
-            .await
-            .unwrap()
-            .collect()
+        let err = common::try_collect(&f, "SELECT id, v FROM events WHERE v > 0.5")
             .await
             .unwrap_err()
             .to_string();
@@ -372,11 +368,7 @@ async fn a_worker_answering_garbage_fails_the_query_cleanly() {
     f.sql("SET flumen.split_bytes = '16KB'").await.unwrap();
     register_tables(&f, dir.path()).await;
     let started = Instant::now();
-    let err = f
-        .sql("SELECT id, v FROM events WHERE v > 0.5")
-        .await
-        .unwrap()
-        .collect()
+    let err = common::try_collect(&f, "SELECT id, v FROM events WHERE v > 0.5")
         .await
         .unwrap_err()
         .to_string();
