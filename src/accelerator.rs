@@ -88,6 +88,15 @@ thread_local! {
 
 static NEXT_FUNCTION_ID: AtomicU64 = AtomicU64::new(0);
 
+/// Accelerator workers (models) this process has loaded.
+static WORKERS_LOADED: AtomicU64 = AtomicU64::new(0);
+
+/// How many accelerator workers (models) this process has loaded so far: a worker process
+/// reports it, so tests can see a model is loaded once and kept.
+pub fn workers_loaded() -> u64 {
+    WORKERS_LOADED.load(Ordering::Relaxed)
+}
+
 /// The `ScalarUDFImpl` wrapper that marks a function as an accelerator UDF.
 #[derive(Debug)]
 pub struct AcceleratorUdf {
@@ -135,6 +144,7 @@ impl ScalarUDFImpl for AcceleratorUdf {
             let mut loaded = loaded.borrow_mut();
             if !loaded.contains_key(&key) {
                 let worker = self.func.load(config)?;
+                WORKERS_LOADED.fetch_add(1, Ordering::Relaxed);
                 loaded.insert(key.clone(), worker);
             }
             let worker = loaded.get_mut(&key).expect("worker just loaded");

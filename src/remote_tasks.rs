@@ -1,38 +1,64 @@
-//! Source tasks run in worker processes (`SET flumen.workers = 'process'`).
+//! Tasks run in worker processes (`SET flumen.workers = 'process'`).
 //!
-//! A CPU source task's work (its operator's fragment over one source split, with the
-//! operator's output exchange on top) is cut out as an ordinary DataFusion plan, encoded with
-//! `datafusion-proto` and sent to a worker of the session's [`WorkerPool`]. The worker keeps
-//! the blocks; the driver records where each one lives and fetches it over Arrow Flight when
-//! a consumer reads it. A block whose worker died is recomputed here from its lineage by
-//! running the same plan through the same block cutter ([`plan_blocks`]), so the recomputed
-//! block is the lost one. Tasks that cannot be cut out this way (fragments without a source
-//! split, plans the codec cannot encode) run on the driver's threads as before.
+//! A task's work is cut out as an ordinary DataFusion plan, encoded with `datafusion-proto`
+//! and sent to a worker of the session's pool for its operator: CPU operators to the CPU
+//! workers, accelerator operators (model UDFs) to the accelerator workers, which keep their
+//! models loaded. What the plan reads:
+//! - a source task: its operator's fragment over its one source split;
+//! - a block-wise task: the fragment over its input blocks, which travel inside the plan as
+//!   an in-memory scan (the driver fetches them from wherever they live).
+//!
+//! The operator's output exchange goes on top, so a worker splits its output by partition
+//! as a local task would. The worker keeps the blocks; the driver records where each lives
+//! and fetches it over Arrow Flight when a consumer reads it. A block whose worker died is
+//! recomputed from its lineage by building the same plan again (for a block-wise task, from
+//! its input blocks, themselves recomputed if needed) and running it through the same block
+//! cutter ([`plan_blocks`]), so the recomputed block is the lost one. Tasks that cannot be
+//! cut out this way (per-partition tasks, fragments without a source split, plans calling a
+//! function workers do not have) run on the driver's threads.
 
 use std::collections::{HashMap, HashSet};
-use std::sync::Arc;
+use std::sync::{Arc, OnceLock};
 
+use datafusion::arrow::compute::concat_batches;
 use datafusion::arrow::record_batch::RecordBatch;
-
 use datafusion::common::tree_node::{Transformed, TreeNode};
+use datafusion::config::ExtensionOptions;
+use datafusion::datasource::memory::MemorySourceConfig;
 use datafusion::datasource::physical_plan::FileScanConfig;
 use datafusion::datasource::source::DataSourceExec;
-use datafusion::error::Result;
+use datafusion::error::{DataFusionError, Result};
+use datafusion::execution::TaskContext;
+use datafusion::logical_expr::{AggregateUDF, ScalarUDF, WindowUDF};
+use datafusion::physical_plan::projection::ProjectionExec;
 use datafusion::physical_plan::repartition::RepartitionExec;
 use datafusion::physical_plan::{ExecutionPlan, ExecutionPlanProperties};
+use datafusion_proto::physical_plan::{
+    DefaultPhysicalExtensionCodec, PhysicalExtensionCodec, PhysicalProtoConverterExtension,
+};
 
+use crate::accelerator_projection::AcceleratorProjectionExec;
 use crate::block_store::BlockId;
 use crate::lineage::{TaskId, TaskKind};
-use crate::operators::Operator;
+use crate::operators::{Operator, Pool};
 use crate::scheduler::QueryRun;
 use crate::split_source::SplitSourceExec;
+use crate::stage_input::StageInputExec;
 use crate::stats::OperatorStats;
-use crate::worker::plan_blocks;
+use crate::worker::{TaskRequest, WorkerKind, plan_blocks};
 use crate::worker_pool::{RemoteBlock, WorkerPool, worker_binary};
+
+/// The worker pool an operator's tasks go to.
+fn worker_kind(op: &Operator) -> WorkerKind {
+    match op.pool {
+        Pool::Cpu => WorkerKind::Cpu,
+        Pool::Accelerator => WorkerKind::Accelerator,
+    }
+}
 
 /// The plan a worker runs for source split `split` of `partition` of `op`; `None` when the
 /// fragment has no source split to cut it at.
-fn remote_plan(op: &Operator, partition: usize, split: usize) -> Option<Arc<dyn ExecutionPlan>> {
+fn source_plan(op: &Operator, partition: usize, split: usize) -> Option<Arc<dyn ExecutionPlan>> {
     let mut found = false;
     let plan = Arc::clone(&op.fragment)
         .transform_up(|node| {
@@ -47,7 +73,46 @@ fn remote_plan(op: &Operator, partition: usize, split: usize) -> Option<Arc<dyn 
         })
         .ok()?
         .data;
-    if !found || plan.output_partitioning().partition_count() != 1 {
+    if !found {
+        return None;
+    }
+    with_output_split(op, plan)
+}
+
+/// The plan a worker runs for a block-wise task of `op` whose input blocks are `input` (an
+/// in-memory scan); `None` when the fragment does not read exactly one stage input.
+fn blocks_plan(op: &Operator, input: Arc<dyn ExecutionPlan>) -> Option<Arc<dyn ExecutionPlan>> {
+    let mut inputs = 0;
+    let plan = Arc::clone(&op.fragment)
+        .transform_up(|node| {
+            if let Some(stage) = node.downcast_ref::<StageInputExec>() {
+                if stage.fetch().is_some() {
+                    return Err(DataFusionError::NotImplemented("a stage input limit".into()));
+                }
+                inputs += 1;
+                return Ok(Transformed::yes(Arc::clone(&input)));
+            }
+            // Workers run the model projection itself (the wrapper only guides planning).
+            if let Some(accelerator) = node.downcast_ref::<AcceleratorProjectionExec>() {
+                let projection = ProjectionExec::try_new(
+                    accelerator.projection().expr().iter().cloned(),
+                    Arc::clone(&node.children()[0]),
+                )?;
+                return Ok(Transformed::yes(Arc::new(projection) as Arc<dyn ExecutionPlan>));
+            }
+            Ok(Transformed::no(node))
+        })
+        .ok()?
+        .data;
+    if inputs != 1 {
+        return None;
+    }
+    with_output_split(op, plan)
+}
+
+/// `plan` (one output partition) with `op`'s output exchange on top.
+fn with_output_split(op: &Operator, plan: Arc<dyn ExecutionPlan>) -> Option<Arc<dyn ExecutionPlan>> {
+    if plan.output_partitioning().partition_count() != 1 {
         return None;
     }
     match &op.output_split {
@@ -66,42 +131,176 @@ fn reads_local_files(scan: &Arc<dyn ExecutionPlan>) -> bool {
         .is_some_and(|config| config.object_store_url.as_str().starts_with("file://"))
 }
 
+/// The functions every worker has: those of a default flumen session.
+fn worker_functions() -> &'static HashSet<String> {
+    static NAMES: OnceLock<HashSet<String>> = OnceLock::new();
+    NAMES.get_or_init(|| {
+        let state = crate::session(crate::FlumenConfig::default()).state();
+        let mut names: HashSet<String> = state.scalar_functions().keys().cloned().collect();
+        names.extend(state.aggregate_functions().keys().cloned());
+        names.extend(state.window_functions().keys().cloned());
+        names
+    })
+}
+
+/// Encodes task plans for workers: DataFusion's own nodes only, and only functions that a
+/// worker looks up by name and finds (a function registered in this session alone makes the
+/// task run here instead of failing in the worker).
+#[derive(Debug)]
+struct WorkerCodec;
+
+impl WorkerCodec {
+    fn known(&self, name: &str) -> Result<()> {
+        if worker_functions().contains(name) {
+            Ok(())
+        } else {
+            Err(DataFusionError::NotImplemented(format!(
+                "workers have no function {name}"
+            )))
+        }
+    }
+}
+
+impl PhysicalExtensionCodec for WorkerCodec {
+    fn try_decode(
+        &self,
+        buf: &[u8],
+        inputs: &[Arc<dyn ExecutionPlan>],
+        ctx: &TaskContext,
+        proto_converter: &dyn PhysicalProtoConverterExtension,
+    ) -> Result<Arc<dyn ExecutionPlan>> {
+        DefaultPhysicalExtensionCodec {}.try_decode(buf, inputs, ctx, proto_converter)
+    }
+
+    fn try_encode(
+        &self,
+        node: Arc<dyn ExecutionPlan>,
+        buf: &mut Vec<u8>,
+        proto_converter: &dyn PhysicalProtoConverterExtension,
+    ) -> Result<()> {
+        DefaultPhysicalExtensionCodec {}.try_encode(node, buf, proto_converter)
+    }
+
+    fn try_encode_udf(&self, node: &ScalarUDF, _buf: &mut Vec<u8>) -> Result<()> {
+        self.known(node.name())
+    }
+
+    fn try_encode_udaf(&self, node: &AggregateUDF, _buf: &mut Vec<u8>) -> Result<()> {
+        self.known(node.name())
+    }
+
+    fn try_encode_udwf(&self, node: &WindowUDF, _buf: &mut Vec<u8>) -> Result<()> {
+        self.known(node.name())
+    }
+}
+
+/// Encode a task plan for a worker; `None` when a worker could not run it.
+fn encode_for_worker(plan: &Arc<dyn ExecutionPlan>, describe: &str) -> Option<Vec<u8>> {
+    match datafusion_proto::bytes::physical_plan_to_bytes_with_extension_codec(
+        Arc::clone(plan),
+        &WorkerCodec,
+    ) {
+        Ok(bytes) => Some(bytes.to_vec()),
+        Err(e) => {
+            log::debug!("{describe} runs on the driver: {e}");
+            None
+        }
+    }
+}
+
 impl QueryRun {
-    /// Run source task `task` in a worker process. `Ok(false)`: it cannot run there, run it
-    /// here instead.
+    /// Run task `task` in a worker process. `Ok(false)`: it cannot run there, run it here
+    /// instead.
     pub(crate) async fn execute_remote(self: &Arc<Self>, task: TaskId) -> Result<bool> {
+        // Talk to workers from the query's runtime: the gRPC channels, heartbeats and
+        // replacement starts live on the runtime they were made on, and an accelerator
+        // thread's runtime only runs while that thread has a task.
+        if tokio::runtime::Handle::current().id() != self.runtime().id() {
+            let run = Arc::clone(self);
+            return self
+                .runtime()
+                .spawn(async move { run.execute_remote_here(task).await })
+                .await
+                .map_err(|e| DataFusionError::Execution(format!("task {task}: {e}")))?;
+        }
+        self.execute_remote_here(task).await
+    }
+
+    async fn execute_remote_here(self: &Arc<Self>, task: TaskId) -> Result<bool> {
         let Some(slot) = self.worker_slot() else {
             return Ok(false);
         };
         let (op_id, partition, kind) = self.task_identity(task);
-        let TaskKind::Source { split } = kind else {
-            return Ok(false);
-        };
         let op = &self.graph.operators[op_id];
-        let Some(plan) = remote_plan(op, partition, split) else {
+        let describe = format!(
+            "task {task} (partition {partition}) of flumen operator {op_id} ({})",
+            op.name
+        );
+        // Check that a worker can run it before any input is fetched.
+        let runnable = match &kind {
+            TaskKind::Source { split } => source_plan(op, partition, *split),
+            TaskKind::Blocks { .. } => {
+                let schema = self.graph.operators[op.inputs[0]].fragment.schema();
+                let empty = MemorySourceConfig::try_new_exec(&[vec![]], schema, None).ok();
+                empty.and_then(|input| blocks_plan(op, input))
+            }
+            TaskKind::Partition => None,
+        };
+        if runnable
+            .as_ref()
+            .and_then(|plan| encode_for_worker(plan, &describe))
+            .is_none()
+        {
+            return Ok(false);
+        }
+        let Some(plan) = self.task_plan(task).await? else {
             return Ok(false);
         };
-        let bytes = match datafusion_proto::bytes::physical_plan_to_bytes(Arc::clone(&plan)) {
-            Ok(bytes) => bytes,
-            Err(e) => {
-                log::debug!("operator {op_id} ({}) runs here: {e}", op.name);
-                return Ok(false);
-            }
+        let Some(bytes) = encode_for_worker(&plan, &describe) else {
+            return Ok(false);
         };
         let config = self.config();
         let binary = worker_binary(&config.worker_binary)?;
-        let pool = slot.get_or_start(binary, config.worker_processes).await?;
-        let describe = format!(
-            "task {task} (partition {partition}, split {split}) of flumen operator {op_id} ({})",
-            op.name
-        );
+        let size = match worker_kind(op) {
+            WorkerKind::Cpu => config.worker_processes,
+            WorkerKind::Accelerator => config.accelerator_slots,
+        };
+        let pool = slot.get_or_start(worker_kind(op), binary, size).await?;
         let blocks = self.run_on_pool(&pool, op_id, &bytes, &describe).await?;
         OperatorStats::add(&op.stats.remote_tasks, 1);
-        self.remote_plans.lock().unwrap().insert(task, plan);
+        self.remote_tasks.lock().unwrap().insert(task);
         for (seq, block) in blocks.into_iter().enumerate() {
             self.put_remote_block(task, op_id, partition, seq, block)?;
         }
         Ok(true)
+    }
+
+    /// The plan a worker runs for `task` (a block-wise task's inputs are fetched, recomputed
+    /// if they were lost); `None` when it has no such plan.
+    async fn task_plan(self: &Arc<Self>, task: TaskId) -> Result<Option<Arc<dyn ExecutionPlan>>> {
+        let (op_id, partition, kind) = self.task_identity(task);
+        let op = &self.graph.operators[op_id];
+        match kind {
+            TaskKind::Source { split } => Ok(source_plan(op, partition, split)),
+            TaskKind::Blocks { inputs } => {
+                let schema = self.graph.operators[op.inputs[0]].fragment.schema();
+                let mut batches = Vec::with_capacity(inputs.len());
+                for id in inputs {
+                    batches.push(self.fetch(id).await?);
+                }
+                // The fragment sees the bundle as a local task does: in pieces of at most
+                // the target size.
+                let bundle = concat_batches(&schema, &batches)?;
+                let target = self.config().target_block_rows.max(1);
+                let pieces: Vec<RecordBatch> = (0..bundle.num_rows())
+                    .step_by(target)
+                    .map(|at| bundle.slice(at, target.min(bundle.num_rows() - at)))
+                    .collect();
+                let input = MemorySourceConfig::try_new_exec(&[pieces], schema, None)?;
+                Ok(blocks_plan(op, input))
+            }
+            TaskKind::Partition => Ok(None),
+        }
     }
 
     /// Fetch a block that lives in a worker; `None` when it is not remote or was lost with
@@ -182,22 +381,27 @@ impl QueryRun {
         if lost.is_empty() {
             return Ok(true);
         }
-        let Some(plan) = self.remote_plans.lock().unwrap().get(&task).cloned() else {
+        if !self.remote_tasks.lock().unwrap().contains(&task) {
             return Ok(false);
-        };
+        }
+        let (op_id, partition, _) = self.task_identity(task);
+        let op = &self.graph.operators[op_id];
         let Some(slot) = self.worker_slot() else {
             return Ok(false);
         };
-        let Some(pool) = slot.current().await else {
+        let Some(pool) = slot.current(worker_kind(op)).await else {
             return Ok(false);
         };
-        let bytes = datafusion_proto::bytes::physical_plan_to_bytes(plan)?;
-        let (op_id, partition, _) = self.task_identity(task);
-        let op = &self.graph.operators[op_id];
         let describe = format!(
             "recomputing task {task} (partition {partition}) of flumen operator {op_id} ({})",
             op.name
         );
+        let Some(plan) = self.task_plan(task).await? else {
+            return Ok(false);
+        };
+        let Some(bytes) = encode_for_worker(&plan, &describe) else {
+            return Ok(false);
+        };
         let blocks = self.run_on_pool(&pool, op_id, &bytes, &describe).await?;
         OperatorStats::add(&op.stats.recomputed, 1);
         let mut by_seq: HashMap<usize, RemoteBlock> = blocks.into_iter().enumerate().collect();
@@ -216,7 +420,7 @@ impl QueryRun {
         Ok(true)
     }
 
-    /// Run an encoded plan on the pool for operator `op_id`, counting its retries and the
+    /// Run an encoded plan on `pool` for operator `op_id`, counting its retries and the
     /// pool's restarts.
     async fn run_on_pool(
         &self,
@@ -226,13 +430,16 @@ impl QueryRun {
         describe: &str,
     ) -> Result<Vec<RemoteBlock>> {
         let config = self.config();
+        let request = TaskRequest {
+            target_rows: config.target_block_rows,
+            options: config
+                .entries()
+                .into_iter()
+                .filter_map(|entry| Some((format!("flumen.{}", entry.key), entry.value?)))
+                .collect(),
+        };
         let (blocks, retries) = pool
-            .run_task(
-                bytes,
-                config.target_block_rows,
-                config.max_task_retries,
-                describe,
-            )
+            .run_task(bytes, &request, config.max_task_retries, describe)
             .await?;
         let op = &self.graph.operators[op_id];
         OperatorStats::add(&op.stats.tasks_retried, retries as u64);
@@ -240,14 +447,17 @@ impl QueryRun {
         Ok(blocks)
     }
 
-    /// Count the pool's worker restarts since this run first used it into the graph's
+    /// Count the pools' worker restarts since this run first used them into the graph's
     /// `workers_restarted` (shown by `EXPLAIN ANALYZE`).
     fn note_restarts(&self, pool: &WorkerPool) {
         let now = pool.restarted();
-        let since = *self.restarts_at_start.get_or_init(|| now);
+        let mut seen = self.worker_restarts.lock().unwrap();
+        let (_, latest) = seen.entry(pool.kind()).or_insert((now, now));
+        *latest = now;
+        let total: u64 = seen.values().map(|(start, latest)| latest - start).sum();
         self.graph
             .workers_restarted
-            .fetch_max(now - since, std::sync::atomic::Ordering::Relaxed);
+            .fetch_max(total, std::sync::atomic::Ordering::Relaxed);
     }
 
     /// Whether block `id` lives in a worker that is still alive.
@@ -269,10 +479,13 @@ impl QueryRun {
     /// The outputs of a task run remotely, recomputed here from the same plan:
     /// `(seq, tag, block)`. `None` when the task did not run remotely.
     pub(crate) async fn recompute_remote_outputs(
-        &self,
+        self: &Arc<Self>,
         task: TaskId,
     ) -> Result<Option<Vec<(usize, usize, RecordBatch)>>> {
-        let Some(plan) = self.remote_plans.lock().unwrap().get(&task).cloned() else {
+        if !self.remote_tasks.lock().unwrap().contains(&task) {
+            return Ok(None);
+        }
+        let Some(plan) = self.task_plan(task).await? else {
             return Ok(None);
         };
         let blocks =

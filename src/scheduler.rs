@@ -20,7 +20,7 @@ use datafusion::execution::{SendableRecordBatchStream, TaskContext};
 use datafusion::physical_plan::metrics::Time;
 use datafusion::physical_plan::repartition::BatchPartitioner;
 use datafusion::physical_plan::stream::RecordBatchStreamAdapter;
-use datafusion::physical_plan::{ExecutionPlan, ExecutionPlanProperties};
+use datafusion::physical_plan::ExecutionPlanProperties;
 use futures::{FutureExt, StreamExt, TryStreamExt};
 use tokio::sync::watch;
 use tokio::task::AbortHandle;
@@ -32,6 +32,7 @@ use crate::operators::{OperatorGraph, OperatorId, Pool, TaskShape};
 use crate::pools::AcceleratorPool;
 use crate::stage_input::{InputExchange, InputProvider, TaskInputs};
 use crate::stats::OperatorStats;
+use crate::worker::WorkerKind;
 use crate::worker_pool::{RemoteBlock, WorkerPoolSlot};
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -169,14 +170,14 @@ pub struct QueryRun {
     workers: Option<Arc<WorkerPoolSlot>>,
     /// Blocks that live in a worker process, by id.
     pub(crate) remote_blocks: Mutex<HashMap<BlockId, RemoteBlock>>,
-    /// The plan each remotely run task ran (its lineage, to recompute its blocks here).
-    pub(crate) remote_plans: Mutex<HashMap<TaskId, Arc<dyn ExecutionPlan>>>,
+    /// Tasks that ran in a worker process (their blocks are recomputed from the same plan).
+    pub(crate) remote_tasks: Mutex<HashSet<TaskId>>,
     /// Blocks lost with their worker and not yet recomputed.
     pub(crate) lost_blocks: Mutex<HashSet<BlockId>>,
     /// Worker processes (by pid) whose death this run has handled.
     pub(crate) dead_workers: Mutex<HashSet<u32>>,
-    /// The worker pool's restart count when this run first used it.
-    pub(crate) restarts_at_start: std::sync::OnceLock<u64>,
+    /// Each worker pool's restart count when this run first used it, and the latest seen.
+    pub(crate) worker_restarts: Mutex<HashMap<WorkerKind, (u64, u64)>>,
 }
 
 /// The fixed slots of each operator under `flumen.mode = 'static'`: the CPU slots split
@@ -285,10 +286,10 @@ impl QueryRun {
             recompute_locks: Mutex::new(HashMap::new()),
             workers,
             remote_blocks: Mutex::new(HashMap::new()),
-            remote_plans: Mutex::new(HashMap::new()),
+            remote_tasks: Mutex::new(HashSet::new()),
             lost_blocks: Mutex::new(HashSet::new()),
             dead_workers: Mutex::new(HashSet::new()),
-            restarts_at_start: std::sync::OnceLock::new(),
+            worker_restarts: Mutex::new(HashMap::new()),
         });
         // The scheduler loop gets a thread of its own: CPU tasks run on the caller's runtime
         // and can keep its worker threads busy for long polls (a Parquet batch decoded and

@@ -9,7 +9,12 @@
 //!   [`RemoteBlockInfo`] per block (the output partition is the block's tag).
 //! - `do_get` with a block's key as the ticket: the block as Arrow IPC; the worker then drops it.
 //! - action `release`: drop the listed blocks (the driver no longer needs them).
-//! - action `ping`: liveness.
+//! - action `ping`: liveness (the driver's heartbeat).
+//! - action `status`: a [`WorkerStatus`] (tasks run, models loaded, blocks held).
+//!
+//! A worker serves one of the driver's pools ([`WorkerKind`]): a CPU worker runs several
+//! tasks at once; an accelerator worker runs its tasks one at a time on one thread, which
+//! loads each model once and keeps it.
 //!
 //! A worker holds no state the driver cannot rebuild: when it dies, the driver re-runs the
 //! producer tasks of the blocks it held, from their lineage.
@@ -37,10 +42,61 @@ use serde::{Deserialize, Serialize};
 use tonic::{Request, Response, Status, Streaming};
 
 /// What a driver asks of a worker with a task, besides the plan.
-#[derive(Debug, Clone, Serialize, Deserialize)]
+#[derive(Debug, Clone, Default, Serialize, Deserialize)]
 pub struct TaskRequest {
     /// Most rows per output block.
     pub target_rows: usize,
+    /// The driver's session settings the task runs under (`flumen.model_dir`,
+    /// `flumen.device`, ...), as `(key, value)`.
+    #[serde(default)]
+    pub options: Vec<(String, String)>,
+}
+
+/// Which of the driver's pools a worker process serves.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default, Serialize, Deserialize)]
+pub enum WorkerKind {
+    /// CPU tasks, several at once on the worker's threads.
+    #[default]
+    Cpu,
+    /// Accelerator tasks, one at a time on one thread that loads each model once and keeps
+    /// it for every later task (an actor, as in Ray Data's actor pools).
+    Accelerator,
+}
+
+impl WorkerKind {
+    /// The name `flumen worker --pool` takes.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            WorkerKind::Cpu => "cpu",
+            WorkerKind::Accelerator => "accelerator",
+        }
+    }
+}
+
+impl std::str::FromStr for WorkerKind {
+    type Err = String;
+    fn from_str(s: &str) -> std::result::Result<Self, String> {
+        match s {
+            "cpu" => Ok(WorkerKind::Cpu),
+            "accelerator" => Ok(WorkerKind::Accelerator),
+            other => Err(format!("a worker pool is 'cpu' or 'accelerator', not '{other}'")),
+        }
+    }
+}
+
+/// What a worker says of itself (action `status`).
+#[derive(Debug, Clone, Default, Serialize, Deserialize)]
+pub struct WorkerStatus {
+    /// The pool it serves.
+    pub kind: WorkerKind,
+    /// Its process id.
+    pub pid: u32,
+    /// Tasks it has run.
+    pub tasks: u64,
+    /// Accelerator workers (models) it has loaded: one per model while it lives.
+    pub model_loads: u64,
+    /// Blocks it holds now.
+    pub blocks_held: usize,
 }
 
 /// A block a task left in a worker.
@@ -79,29 +135,64 @@ fn decode_task(body: &[u8]) -> std::result::Result<(TaskRequest, &[u8]), String>
     Ok((request, &body[4 + len..]))
 }
 
+/// A job for an accelerator worker's model thread: a task body and where to answer.
+type ModelJob = (
+    Vec<u8>,
+    SessionContext,
+    tokio::sync::oneshot::Sender<Result<Vec<(usize, RecordBatch)>>>,
+);
+
 /// The Flight service of one worker process.
 pub struct WorkerService {
     ctx: SessionContext,
+    kind: WorkerKind,
     blocks: Mutex<HashMap<String, RecordBatch>>,
     next_key: AtomicU64,
+    tasks: AtomicU64,
+    /// Accelerator workers: the one thread their tasks run on.
+    model_thread: Option<std::sync::mpsc::Sender<ModelJob>>,
 }
 
 impl WorkerService {
     /// A worker whose tasks run in `ctx` (which must know the functions the plans call).
-    pub fn new(ctx: SessionContext) -> Self {
+    pub fn new(ctx: SessionContext, kind: WorkerKind) -> Self {
+        let model_thread = (kind == WorkerKind::Accelerator).then(start_model_thread);
         Self {
             ctx,
+            kind,
             blocks: Mutex::new(HashMap::new()),
             next_key: AtomicU64::new(0),
+            tasks: AtomicU64::new(0),
+            model_thread,
+        }
+    }
+
+    /// What this worker says of itself.
+    pub fn status(&self) -> WorkerStatus {
+        WorkerStatus {
+            kind: self.kind,
+            pid: std::process::id(),
+            tasks: self.tasks.load(Ordering::Relaxed),
+            model_loads: crate::accelerator::workers_loaded(),
+            blocks_held: self.blocks.lock().unwrap().len(),
         }
     }
 
     /// Decode and run a task; keep its blocks.
     async fn run(&self, body: &[u8]) -> Result<Vec<RemoteBlockInfo>> {
-        let (request, plan) = decode_task(body).map_err(DataFusionError::Execution)?;
-        let task_ctx = self.ctx.task_ctx();
-        let plan = datafusion_proto::bytes::physical_plan_from_bytes(plan, &task_ctx)?;
-        let blocks = plan_blocks(plan, task_ctx, request.target_rows).await?;
+        self.tasks.fetch_add(1, Ordering::Relaxed);
+        let blocks = match &self.model_thread {
+            Some(thread) => {
+                let (reply, answer) = tokio::sync::oneshot::channel();
+                thread
+                    .send((body.to_vec(), self.ctx.clone(), reply))
+                    .map_err(|_| DataFusionError::Execution("the model thread is gone".into()))?;
+                answer.await.map_err(|_| {
+                    DataFusionError::Execution("the model thread dropped a task".into())
+                })??
+            }
+            None => run_task_body(body, &self.ctx).await?,
+        };
         let mut kept = self.blocks.lock().unwrap();
         Ok(blocks
             .into_iter()
@@ -122,6 +213,42 @@ impl WorkerService {
             })
             .collect())
     }
+}
+
+/// Decode a task body under the driver's settings it carries and run it into blocks.
+async fn run_task_body(body: &[u8], ctx: &SessionContext) -> Result<Vec<(usize, RecordBatch)>> {
+    let (request, plan) = decode_task(body).map_err(DataFusionError::Execution)?;
+    let mut config = ctx.copied_config();
+    for (key, value) in &request.options {
+        config.options_mut().set(key, value)?;
+    }
+    // Decoded under the driver's settings: model calls read them from their expressions.
+    let state = datafusion::execution::SessionStateBuilder::new_from_existing(ctx.state())
+        .with_config(config)
+        .build();
+    let task_ctx = state.task_ctx();
+    let plan = datafusion_proto::bytes::physical_plan_from_bytes(plan, &task_ctx)?;
+    plan_blocks(plan, task_ctx, request.target_rows).await
+}
+
+/// The thread an accelerator worker runs its tasks on, one at a time, so each model is
+/// loaded once (accelerator UDFs keep their loaded state per thread).
+fn start_model_thread() -> std::sync::mpsc::Sender<ModelJob> {
+    let (jobs, queue) = std::sync::mpsc::channel::<ModelJob>();
+    std::thread::Builder::new()
+        .name("flumen-model".into())
+        .spawn(move || {
+            let runtime = tokio::runtime::Builder::new_current_thread()
+                .enable_all()
+                .build()
+                .expect("a current-thread runtime starts");
+            for (body, ctx, reply) in queue {
+                let result = runtime.block_on(run_task_body(&body, &ctx));
+                let _ = reply.send(result);
+            }
+        })
+        .expect("the model thread starts");
+    jobs
 }
 
 /// Run every output partition of `plan` (at once: an exchange on top fills them together)
@@ -201,6 +328,11 @@ impl FlightService for WorkerService {
             }
             "ping" => Ok(Response::new(one(arrow_flight::Result {
                 body: b"pong".to_vec().into(),
+            }))),
+            "status" => Ok(Response::new(one(arrow_flight::Result {
+                body: serde_json::to_vec(&self.status())
+                    .expect("status serializes")
+                    .into(),
             }))),
             other => Err(Status::unimplemented(format!("unknown action {other}"))),
         }
@@ -285,7 +417,7 @@ impl FlightService for WorkerService {
 /// Serve as a worker on `listen` (`host:port`; port 0 picks one). Prints
 /// `flumen worker listening on HOST:PORT` on standard output once it accepts connections,
 /// which is how a driver that started it learns its address.
-pub async fn serve(listen: &str) -> Result<()> {
+pub async fn serve(listen: &str, kind: WorkerKind) -> Result<()> {
     let listener = tokio::net::TcpListener::bind(listen).await.map_err(|e| {
         DataFusionError::Execution(format!("worker cannot listen on {listen}: {e}"))
     })?;
@@ -295,7 +427,7 @@ pub async fn serve(listen: &str) -> Result<()> {
     use std::io::Write;
     std::io::stdout().flush()?;
     tonic::transport::Server::builder()
-        .add_service(FlightServiceServer::new(WorkerService::new(ctx)))
+        .add_service(FlightServiceServer::new(WorkerService::new(ctx, kind)))
         .serve_with_incoming(tokio_stream::wrappers::TcpListenerStream::new(listener))
         .await
         .map_err(|e| DataFusionError::Execution(format!("worker on {address} failed: {e}")))
@@ -307,9 +439,14 @@ mod tests {
 
     #[test]
     fn task_frames_round_trip_and_garbage_is_an_error() {
-        let body = encode_task(&TaskRequest { target_rows: 7 }, b"plan-bytes");
+        let request = TaskRequest {
+            target_rows: 7,
+            options: vec![("flumen.device".into(), "cpu".into())],
+        };
+        let body = encode_task(&request, b"plan-bytes");
         let (request, plan) = decode_task(&body).unwrap();
         assert_eq!(request.target_rows, 7);
+        assert_eq!(request.options[0].1, "cpu");
         assert_eq!(plan, b"plan-bytes");
         assert!(decode_task(b"\xff\xff\xff\xffxx").is_err());
         assert!(decode_task(b"\x02").is_err());

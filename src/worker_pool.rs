@@ -6,9 +6,14 @@
 //! by `host:port` only, so nothing here assumes they share the driver's machine, except
 //! starting them.
 //!
-//! A worker that stops answering (its process was killed: the connection breaks at once) is
-//! marked dead; its blocks count as lost and are recomputed from lineage by whoever needs
-//! them, and a replacement process is started the next time a task needs a worker.
+//! A session has two pools: CPU workers and accelerator workers (`--pool accelerator`, which
+//! load each model once and keep it), see [`WorkerKind`].
+//!
+//! A worker that stops answering is marked dead: a killed process breaks its connections at
+//! once, and a hung one misses its heartbeat (a `ping` every [`HEARTBEAT_EVERY`], answered
+//! within [`HEARTBEAT_TIMEOUT`]) and is killed. Calls in flight to a dead worker end at once
+//! and their tasks are retried elsewhere; its blocks count as lost and are recomputed from
+//! lineage by whoever needs them, and a replacement process is started in the background.
 
 use std::path::PathBuf;
 use std::process::Stdio;
@@ -24,10 +29,16 @@ use datafusion::error::{DataFusionError, Result};
 use futures::TryStreamExt;
 use tonic::transport::Channel;
 
-use crate::worker::{RemoteBlockInfo, TaskRequest, encode_task};
+use crate::worker::{RemoteBlockInfo, TaskRequest, WorkerKind, WorkerStatus, encode_task};
 
 /// How long a starting worker may take to print its address.
 const START_TIMEOUT: Duration = Duration::from_secs(20);
+
+/// How often the driver pings each worker.
+pub const HEARTBEAT_EVERY: Duration = Duration::from_millis(500);
+
+/// How long a ping may go unanswered before the worker counts as hung (and is killed).
+pub const HEARTBEAT_TIMEOUT: Duration = Duration::from_secs(2);
 
 /// A block that lives in a worker process.
 #[derive(Debug, Clone)]
@@ -46,7 +57,8 @@ pub struct WorkerHandle {
     /// Its process id (for tests that kill it).
     pub pid: u32,
     client: FlightServiceClient<Channel>,
-    alive: std::sync::atomic::AtomicBool,
+    /// `true` while the driver believes it alive; calls in flight watch it.
+    alive: tokio::sync::watch::Sender<bool>,
     /// A replacement for this (dead) worker is being started.
     replacing: std::sync::atomic::AtomicBool,
     /// The runtime its background calls run on (the one it was started from).
@@ -57,7 +69,66 @@ pub struct WorkerHandle {
 impl WorkerHandle {
     /// Whether the driver still believes the worker is alive.
     pub fn is_alive(&self) -> bool {
-        self.alive.load(Ordering::Relaxed)
+        *self.alive.borrow()
+    }
+
+    /// Resolves once the worker is marked dead.
+    async fn died(&self) {
+        let mut alive = self.alive.subscribe();
+        let _ = alive.wait_for(|alive| !alive).await;
+    }
+
+    /// A call to this worker that ends with [`Failure::Dead`] as soon as the worker is marked
+    /// dead (a missed heartbeat), instead of waiting on a hung process.
+    async fn call<T>(
+        &self,
+        call: impl std::future::Future<Output = Result<T, Failure>>,
+    ) -> Result<T, Failure> {
+        tokio::select! {
+            result = call => result,
+            _ = self.died() => Err(Failure::Dead(format!(
+                "worker {} (pid {}) stopped answering", self.address, self.pid
+            ))),
+        }
+    }
+
+    /// What the worker says of itself (tasks run, models loaded, blocks held).
+    pub async fn status(&self) -> Result<WorkerStatus> {
+        let mut client = self.client.clone();
+        let action = Action {
+            r#type: "status".into(),
+            body: Default::default(),
+        };
+        let call = async {
+            let reply = client.do_action(action).await.map_err(Failure::from)?;
+            let results: Vec<arrow_flight::Result> = reply
+                .into_inner()
+                .try_collect()
+                .await
+                .map_err(Failure::from)?;
+            let first = results
+                .first()
+                .ok_or_else(|| Failure::Garbage("empty reply to status".into()))?;
+            serde_json::from_slice(&first.body)
+                .map_err(|e| Failure::Garbage(format!("bad reply to status: {e}")))
+        };
+        self.call(call).await.map_err(|e| {
+            DataFusionError::Execution(format!("status of worker {}: {e}", self.address))
+        })
+    }
+
+    /// One heartbeat: whether the worker answered a ping within [`HEARTBEAT_TIMEOUT`].
+    async fn ping(&self) -> bool {
+        let mut client = self.client.clone();
+        let action = Action {
+            r#type: "ping".into(),
+            body: Default::default(),
+        };
+        let call = async {
+            let reply = client.do_action(action).await.ok()?;
+            reply.into_inner().try_collect::<Vec<_>>().await.ok()
+        };
+        matches!(tokio::time::timeout(HEARTBEAT_TIMEOUT, call).await, Ok(Some(_)))
     }
 
     /// Whether its process has exited (only known for processes this driver started).
@@ -79,7 +150,7 @@ impl WorkerHandle {
     }
 
     fn mark_dead(&self) {
-        if self.alive.swap(false, Ordering::Relaxed) {
+        if self.alive.send_replace(false) {
             log::warn!("flumen worker {} (pid {}) died", self.address, self.pid);
         }
         if let Some(mut child) = self.child.lock().unwrap().take() {
@@ -90,24 +161,31 @@ impl WorkerHandle {
     }
 
     /// Run a task (`plan`, encoded with datafusion-proto) and return the blocks it left here.
-    async fn run(&self, plan: &[u8], target_rows: usize) -> Result<Vec<RemoteBlockInfo>, Failure> {
-        let body = encode_task(&TaskRequest { target_rows }, plan);
+    async fn run(
+        &self,
+        plan: &[u8],
+        request: &TaskRequest,
+    ) -> Result<Vec<RemoteBlockInfo>, Failure> {
+        let body = encode_task(request, plan);
         let mut client = self.client.clone();
         let action = Action {
             r#type: "run".into(),
             body: body.into(),
         };
-        let reply = client.do_action(action).await.map_err(Failure::from)?;
-        let results: Vec<arrow_flight::Result> = reply
-            .into_inner()
-            .try_collect()
-            .await
-            .map_err(Failure::from)?;
-        let first = results
-            .first()
-            .ok_or_else(|| Failure::Garbage("empty reply to run".into()))?;
-        serde_json::from_slice(&first.body)
-            .map_err(|e| Failure::Garbage(format!("bad reply to run: {e}")))
+        self.call(async {
+            let reply = client.do_action(action).await.map_err(Failure::from)?;
+            let results: Vec<arrow_flight::Result> = reply
+                .into_inner()
+                .try_collect()
+                .await
+                .map_err(Failure::from)?;
+            let first = results
+                .first()
+                .ok_or_else(|| Failure::Garbage("empty reply to run".into()))?;
+            serde_json::from_slice(&first.body)
+                .map_err(|e| Failure::Garbage(format!("bad reply to run: {e}")))
+        })
+        .await
     }
 
     /// Fetch (and thereby remove) a block.
@@ -116,16 +194,23 @@ impl WorkerHandle {
         let ticket = Ticket {
             ticket: key.as_bytes().to_vec().into(),
         };
-        let reply = client.do_get(ticket).await.map_err(Failure::from)?;
-        let stream = FlightRecordBatchStream::new_from_flight_data(
-            reply
-                .into_inner()
-                .map_err(arrow_flight::error::FlightError::from),
-        );
-        let batches: Vec<RecordBatch> = stream
-            .try_collect()
-            .await
-            .map_err(|e| Failure::Garbage(e.to_string()))?;
+        let batches: Vec<RecordBatch> = self
+            .call(async {
+                let reply = client.do_get(ticket).await.map_err(Failure::from)?;
+                let stream = FlightRecordBatchStream::new_from_flight_data(
+                    reply
+                        .into_inner()
+                        .map_err(arrow_flight::error::FlightError::from),
+                );
+                stream.try_collect().await.map_err(|e| {
+                    // A stream cut by the worker's death reads as a transport error.
+                    match e {
+                        arrow_flight::error::FlightError::Tonic(status) => Failure::from(*status),
+                        other => Failure::Garbage(other.to_string()),
+                    }
+                })
+            })
+            .await?;
         match batches.len() {
             1 => Ok(batches.into_iter().next().unwrap()),
             n => Err(Failure::Garbage(format!("block {key} came as {n} batches"))),
@@ -175,10 +260,11 @@ impl std::fmt::Display for Failure {
     }
 }
 
-/// Worker processes of one session.
+/// Worker processes of one session serving one of its pools.
 #[derive(Debug)]
 pub struct WorkerPool {
     binary: PathBuf,
+    kind: WorkerKind,
     size: usize,
     workers: tokio::sync::Mutex<Vec<Arc<WorkerHandle>>>,
     next: AtomicUsize,
@@ -190,10 +276,12 @@ pub struct WorkerPool {
 }
 
 impl WorkerPool {
-    /// Start `size` workers from `binary` (the `flumen` executable).
-    pub async fn start(binary: PathBuf, size: usize) -> Result<Arc<Self>> {
+    /// Start `size` workers of `kind` from `binary` (the `flumen` executable), and their
+    /// heartbeat.
+    pub async fn start(binary: PathBuf, kind: WorkerKind, size: usize) -> Result<Arc<Self>> {
         let pool = Arc::new(Self {
             binary,
+            kind,
             size: size.max(1),
             workers: tokio::sync::Mutex::new(vec![]),
             next: AtomicUsize::new(0),
@@ -201,11 +289,44 @@ impl WorkerPool {
             last_start_error: Mutex::new(None),
             runtime: tokio::runtime::Handle::current(),
         });
-        let started =
-            futures::future::try_join_all((0..pool.size).map(|_| spawn_worker(&pool.binary)))
-                .await?;
+        let started = futures::future::try_join_all(
+            (0..pool.size).map(|_| spawn_worker(&pool.binary, pool.kind)),
+        )
+        .await?;
         *pool.workers.lock().await = started;
+        let heartbeat = Arc::downgrade(&pool);
+        pool.runtime.spawn(async move {
+            loop {
+                tokio::time::sleep(HEARTBEAT_EVERY).await;
+                let Some(pool) = heartbeat.upgrade() else {
+                    return;
+                };
+                pool.heartbeat().await;
+            }
+        });
         Ok(pool)
+    }
+
+    /// Ping every live worker at once; one that does not answer in time (hung, or its
+    /// process gone) is marked dead and killed.
+    async fn heartbeat(&self) {
+        let workers = self.workers().await;
+        let pings = workers.iter().filter(|w| w.is_alive()).map(|w| async move {
+            if !w.ping().await && w.is_alive() {
+                log::warn!(
+                    "flumen worker {} (pid {}) missed its heartbeat",
+                    w.address,
+                    w.pid
+                );
+                w.mark_dead();
+            }
+        });
+        futures::future::join_all(pings).await;
+    }
+
+    /// The pool its workers serve.
+    pub fn kind(&self) -> WorkerKind {
+        self.kind
     }
 
     /// The workers alive now.
@@ -252,7 +373,7 @@ impl WorkerPool {
 
     /// Start a replacement for the dead worker in `slot`.
     async fn replace(&self, slot: usize) {
-        match spawn_worker(&self.binary).await {
+        match spawn_worker(&self.binary, self.kind).await {
             Ok(worker) => {
                 self.workers.lock().await[slot] = worker;
                 self.restarted.fetch_add(1, Ordering::Relaxed);
@@ -274,7 +395,7 @@ impl WorkerPool {
     pub async fn run_task(
         self: &Arc<Self>,
         plan: &[u8],
-        target_rows: usize,
+        request: &TaskRequest,
         max_retries: usize,
         describe: &str,
     ) -> Result<(Vec<RemoteBlock>, usize)> {
@@ -282,7 +403,7 @@ impl WorkerPool {
         loop {
             let worker = self.pick().await?;
             match worker
-                .run(plan, target_rows)
+                .run(plan, request)
                 .await
                 .map_err(|f| worker.classify(f))
             {
@@ -357,7 +478,7 @@ impl Drop for WorkerPool {
 }
 
 /// Start one worker process and connect to it.
-async fn spawn_worker(binary: &PathBuf) -> Result<Arc<WorkerHandle>> {
+async fn spawn_worker(binary: &PathBuf, kind: WorkerKind) -> Result<Arc<WorkerHandle>> {
     let fail = |why: String| {
         DataFusionError::Execution(format!(
             "cannot start flumen worker {}: {why}",
@@ -365,7 +486,7 @@ async fn spawn_worker(binary: &PathBuf) -> Result<Arc<WorkerHandle>> {
         ))
     };
     let mut child = std::process::Command::new(binary)
-        .args(["worker", "--listen", "127.0.0.1:0"])
+        .args(["worker", "--listen", "127.0.0.1:0", "--pool", kind.as_str()])
         .stdin(Stdio::null())
         .stdout(Stdio::piped())
         .stderr(Stdio::inherit())
@@ -419,7 +540,7 @@ async fn spawn_worker(binary: &PathBuf) -> Result<Arc<WorkerHandle>> {
         client: FlightServiceClient::new(channel)
             .max_decoding_message_size(usize::MAX)
             .max_encoding_message_size(usize::MAX),
-        alive: true.into(),
+        alive: tokio::sync::watch::Sender::new(true),
         replacing: false.into(),
         runtime: tokio::runtime::Handle::current(),
         child: Mutex::new(Some(child)),
@@ -446,27 +567,44 @@ pub fn worker_binary(configured: &str) -> Result<PathBuf> {
     ))
 }
 
-/// Where a session keeps its worker pool (started on the first query that needs it).
+/// Where a session keeps its worker pools, CPU and accelerator (each started on the first
+/// query that needs it).
 #[derive(Debug, Default)]
-pub struct WorkerPoolSlot(tokio::sync::Mutex<Option<Arc<WorkerPool>>>);
+pub struct WorkerPoolSlot {
+    cpu: tokio::sync::Mutex<Option<Arc<WorkerPool>>>,
+    accelerator: tokio::sync::Mutex<Option<Arc<WorkerPool>>>,
+}
 
 impl WorkerPoolSlot {
-    /// The session's pool, started with `size` workers from `binary` when there is none.
-    pub async fn get_or_start(&self, binary: PathBuf, size: usize) -> Result<Arc<WorkerPool>> {
-        let mut slot = self.0.lock().await;
+    fn slot(&self, kind: WorkerKind) -> &tokio::sync::Mutex<Option<Arc<WorkerPool>>> {
+        match kind {
+            WorkerKind::Cpu => &self.cpu,
+            WorkerKind::Accelerator => &self.accelerator,
+        }
+    }
+
+    /// The session's pool of `kind`, started with `size` workers from `binary` when there is
+    /// none (or the settings changed).
+    pub async fn get_or_start(
+        &self,
+        kind: WorkerKind,
+        binary: PathBuf,
+        size: usize,
+    ) -> Result<Arc<WorkerPool>> {
+        let mut slot = self.slot(kind).lock().await;
         if let Some(pool) = slot.as_ref()
-            && pool.size == size
+            && pool.size == size.max(1)
             && pool.binary == binary
         {
             return Ok(Arc::clone(pool));
         }
-        let pool = WorkerPool::start(binary, size).await?;
+        let pool = WorkerPool::start(binary, kind, size).await?;
         *slot = Some(Arc::clone(&pool));
         Ok(pool)
     }
 
-    /// The pool, if one was started.
-    pub async fn current(&self) -> Option<Arc<WorkerPool>> {
-        self.0.lock().await.clone()
+    /// The pool of `kind`, if one was started.
+    pub async fn current(&self, kind: WorkerKind) -> Option<Arc<WorkerPool>> {
+        self.slot(kind).lock().await.clone()
     }
 }

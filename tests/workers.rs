@@ -11,6 +11,7 @@ use std::time::{Duration, Instant};
 use common::{QUERIES, assert_same, register_tables, rows, run_plan, vanilla, write_events};
 use datafusion::prelude::{SessionConfig, SessionContext};
 use flumen::exec::FlumenExec;
+use flumen::worker::WorkerKind;
 use flumen::{BlockDropper, FlumenConfig, WorkerMode};
 
 const FLUMEN: &str = env!("CARGO_BIN_EXE_flumen");
@@ -35,11 +36,15 @@ fn session(config: FlumenConfig, dropper: Option<BlockDropper>) -> SessionContex
 }
 
 async fn pool_of(ctx: &SessionContext) -> Arc<flumen::worker_pool::WorkerPool> {
+    pool_of_kind(ctx, WorkerKind::Cpu).await
+}
+
+async fn pool_of_kind(ctx: &SessionContext, kind: WorkerKind) -> Arc<flumen::worker_pool::WorkerPool> {
     ctx.state()
         .config()
         .get_extension::<flumen::worker_pool::WorkerPoolSlot>()
         .unwrap()
-        .current()
+        .current(kind)
         .await
         .expect("the session started its workers")
 }
@@ -379,4 +384,113 @@ async fn a_worker_answering_garbage_fails_the_query_cleanly() {
         started.elapsed()
     );
     println!("garbage worker: {err}");
+}
+
+/// `id -> embedding` from a `SELECT id, embed(..)` answer (a null embedding as empty).
+fn embeddings_by_id(batches: &[datafusion::arrow::record_batch::RecordBatch]) -> Vec<(i64, Vec<f32>)> {
+    use datafusion::arrow::array::{Array, AsArray};
+    use datafusion::arrow::datatypes::{Float32Type, Int64Type};
+    let mut out = vec![];
+    for batch in batches {
+        let ids = batch.column(0).as_primitive::<Int64Type>();
+        let vectors = batch.column(1).as_fixed_size_list();
+        for row in 0..batch.num_rows() {
+            let v = if vectors.is_null(row) {
+                vec![]
+            } else {
+                vectors.value(row).as_primitive::<Float32Type>().values().to_vec()
+            };
+            out.push((ids.value(row), v));
+        }
+    }
+    out.sort_by_key(|(id, _)| *id);
+    out
+}
+
+/// SIGKILL an accelerator worker (a process running the real `embed` model) after it made
+/// its sixth block: the tasks it was running are retried on the other one, the blocks it
+/// held are recomputed from lineage, a replacement process loads the model again, and every
+/// vector equals the one vanilla DataFusion computes with the same UDF.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_accelerator_worker_killed_mid_embedding_costs_only_its_blocks() {
+    let dir = tempfile::tempdir().unwrap();
+    write_events(dir.path(), 2, 300);
+    let v = vanilla();
+    flumen::register_functions(&v);
+    register_tables(&v, dir.path()).await;
+    let seen = Arc::new(AtomicUsize::new(0));
+    let killed = Arc::new(Mutex::new(None::<u32>));
+    let (seen_in, killed_in) = (Arc::clone(&seen), Arc::clone(&killed));
+    let dropper = BlockDropper(Arc::new(move |b| {
+        if b.operator_name.contains("Accelerator")
+            && let Some(pid) = b.worker_pid
+            && seen_in.fetch_add(1, Ordering::Relaxed) == 5
+        {
+            // SAFETY: a signal to a worker process this test's session started.
+            unsafe { libc::kill(pid as i32, libc::SIGKILL) };
+            *killed_in.lock().unwrap() = Some(pid);
+        }
+        false
+    }));
+    let mut config = process_config(1);
+    config.accelerator_slots = 2;
+    let f = session(config, Some(dropper));
+    for set in [
+        "SET flumen.mode = 'batch'",
+        "SET flumen.device = 'cpu'",
+        "SET flumen.target_block_rows = 50",
+    ] {
+        f.sql(set).await.unwrap();
+    }
+    register_tables(&f, dir.path()).await;
+    let sql = "SELECT id, embed(body) AS e FROM events";
+    let started = Instant::now();
+    let (batches, plan) = run_plan(&f, sql).await;
+    let elapsed = started.elapsed();
+    let expected = embeddings_by_id(&v.sql(sql).await.unwrap().collect().await.unwrap());
+    let got = embeddings_by_id(&batches);
+    assert_eq!(got.len(), expected.len());
+    for ((id, a), (id2, b)) in got.iter().zip(&expected) {
+        assert_eq!(id, id2);
+        assert_eq!(a.len(), b.len(), "id {id}");
+        let worst = a.iter().zip(b).map(|(x, y)| (x - y).abs()).fold(0f32, f32::max);
+        assert!(worst < 1e-4, "id {id}: vectors differ by {worst}");
+    }
+    let pid = killed.lock().unwrap().expect("no accelerator worker was killed");
+    let graph = plan.downcast_ref::<FlumenExec>().unwrap().graph();
+    let model = graph
+        .operators
+        .iter()
+        .find(|op| op.name.contains("Accelerator"))
+        .expect("an accelerator operator");
+    let s = model.stats.snapshot();
+    println!(
+        "killed accelerator worker {pid}: {} tasks in workers, {} blocks lost, {} recomputed, \
+         {} retried, {elapsed:?}",
+        s.remote_tasks, s.blocks_lost, s.recomputed, s.tasks_retried
+    );
+    assert!(s.remote_tasks >= 12, "{} model tasks ran in workers", s.remote_tasks);
+    assert!(s.blocks_lost > 0 && s.recomputed > 0, "{s:?}");
+    assert!(s.blocks_lost < s.blocks, "{s:?}");
+    // Upstream, only the inputs of the lost blocks' tasks were read again (they were
+    // released once those tasks ran), never the whole scan.
+    for op in graph.operators.iter().filter(|op| op.id != model.id) {
+        let up = op.stats.snapshot();
+        assert!(up.recomputed < up.blocks.max(1), "{}: {up:?}", op.name);
+    }
+    // Run again: both accelerator workers (one a replacement) take tasks, and each process
+    // loaded the model exactly once, however many tasks it ran.
+    let pool = pool_of_kind(&f, WorkerKind::Accelerator).await;
+    f.sql("SET flumen.mode = 'streaming'").await.unwrap();
+    let again = embeddings_by_id(&common::collect(&f, sql).await);
+    assert_eq!(again.len(), expected.len());
+    assert!(pool.restarted() >= 1, "the killed worker was not replaced");
+    for worker in pool.workers().await {
+        let status = worker.status().await.unwrap();
+        assert_ne!(status.pid, pid);
+        assert_eq!(status.kind, WorkerKind::Accelerator);
+        assert!(status.tasks > 0, "{status:?}");
+        assert_eq!(status.model_loads, 1, "{status:?}");
+    }
+    assert!(elapsed < Duration::from_secs(120), "took {elapsed:?}");
 }

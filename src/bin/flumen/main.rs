@@ -54,7 +54,8 @@ struct Cli {
     /// Do not register the demo `docs` table.
     #[arg(long)]
     no_demo: bool,
-    /// Run source tasks in N worker processes (`flumen.workers = 'process'`).
+    /// Run tasks in N CPU worker processes and `flumen.accelerator_slots` accelerator worker
+    /// processes (`flumen.workers = 'process'`).
     #[arg(long, value_name = "N")]
     workers: Option<usize>,
 }
@@ -71,11 +72,15 @@ enum Command {
         /// Address to listen on (`host:port`; port 0 picks a free one).
         #[arg(long, default_value = "127.0.0.1:0")]
         listen: String,
+        /// The driver's pool it serves: `cpu` (several tasks at once) or `accelerator`
+        /// (one task at a time on one thread that keeps its models loaded).
+        #[arg(long, default_value = "cpu")]
+        pool: flumen::worker::WorkerKind,
     },
 }
 
 /// `flumen worker`: serve tasks for a driver until killed.
-fn worker(listen: &str) -> ExitCode {
+fn worker(listen: &str, kind: flumen::worker::WorkerKind) -> ExitCode {
     let runtime = match tokio::runtime::Runtime::new() {
         Ok(r) => r,
         Err(e) => {
@@ -83,7 +88,7 @@ fn worker(listen: &str) -> ExitCode {
             return ExitCode::FAILURE;
         }
     };
-    match runtime.block_on(flumen::worker::serve(listen)) {
+    match runtime.block_on(flumen::worker::serve(listen, kind)) {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {
             eprintln!("flumen worker: {e}");
@@ -96,7 +101,7 @@ fn main() -> ExitCode {
     let cli = Cli::parse();
     match &cli.command {
         Some(Command::InstallModel { dir }) => return install_model(dir.clone()),
-        Some(Command::Worker { listen }) => return worker(listen),
+        Some(Command::Worker { listen, pool }) => return worker(listen, *pool),
         None => {}
     }
     let mut scripts = vec![];
