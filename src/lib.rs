@@ -28,6 +28,7 @@ pub mod lakehouse_options;
 pub mod lineage;
 pub mod object_stores;
 pub mod operators;
+pub mod output_commit;
 pub mod planner;
 pub mod pools;
 pub mod remote_tasks;

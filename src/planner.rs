@@ -36,6 +36,7 @@ pub fn to_flumen_plan(
     plan: Arc<dyn ExecutionPlan>,
     session: &dyn Session,
 ) -> Result<Arc<dyn ExecutionPlan>> {
+    let plan = crate::output_commit::stage_file_sinks(plan)?;
     let graph = OperatorGraph::cut(plan, session.config_options())?;
     Ok(Arc::new(FlumenExec::new(graph, flumen_config(session))))
 }

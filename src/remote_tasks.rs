@@ -87,7 +87,9 @@ fn blocks_plan(op: &Operator, input: Arc<dyn ExecutionPlan>) -> Option<Arc<dyn E
         .transform_up(|node| {
             if let Some(stage) = node.downcast_ref::<StageInputExec>() {
                 if stage.fetch().is_some() {
-                    return Err(DataFusionError::NotImplemented("a stage input limit".into()));
+                    return Err(DataFusionError::NotImplemented(
+                        "a stage input limit".into(),
+                    ));
                 }
                 inputs += 1;
                 return Ok(Transformed::yes(Arc::clone(&input)));
@@ -98,7 +100,9 @@ fn blocks_plan(op: &Operator, input: Arc<dyn ExecutionPlan>) -> Option<Arc<dyn E
                     accelerator.projection().expr().iter().cloned(),
                     Arc::clone(&node.children()[0]),
                 )?;
-                return Ok(Transformed::yes(Arc::new(projection) as Arc<dyn ExecutionPlan>));
+                return Ok(Transformed::yes(
+                    Arc::new(projection) as Arc<dyn ExecutionPlan>
+                ));
             }
             Ok(Transformed::no(node))
         })
@@ -111,7 +115,10 @@ fn blocks_plan(op: &Operator, input: Arc<dyn ExecutionPlan>) -> Option<Arc<dyn E
 }
 
 /// `plan` (one output partition) with `op`'s output exchange on top.
-fn with_output_split(op: &Operator, plan: Arc<dyn ExecutionPlan>) -> Option<Arc<dyn ExecutionPlan>> {
+fn with_output_split(
+    op: &Operator,
+    plan: Arc<dyn ExecutionPlan>,
+) -> Option<Arc<dyn ExecutionPlan>> {
     if plan.output_partitioning().partition_count() != 1 {
         return None;
     }

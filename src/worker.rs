@@ -79,7 +79,9 @@ impl std::str::FromStr for WorkerKind {
         match s {
             "cpu" => Ok(WorkerKind::Cpu),
             "accelerator" => Ok(WorkerKind::Accelerator),
-            other => Err(format!("a worker pool is 'cpu' or 'accelerator', not '{other}'")),
+            other => Err(format!(
+                "a worker pool is 'cpu' or 'accelerator', not '{other}'"
+            )),
         }
     }
 }

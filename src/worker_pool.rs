@@ -128,7 +128,10 @@ impl WorkerHandle {
             let reply = client.do_action(action).await.ok()?;
             reply.into_inner().try_collect::<Vec<_>>().await.ok()
         };
-        matches!(tokio::time::timeout(HEARTBEAT_TIMEOUT, call).await, Ok(Some(_)))
+        matches!(
+            tokio::time::timeout(HEARTBEAT_TIMEOUT, call).await,
+            Ok(Some(_))
+        )
     }
 
     /// Whether its process has exited (only known for processes this driver started).

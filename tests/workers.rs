@@ -39,7 +39,10 @@ async fn pool_of(ctx: &SessionContext) -> Arc<flumen::worker_pool::WorkerPool> {
     pool_of_kind(ctx, WorkerKind::Cpu).await
 }
 
-async fn pool_of_kind(ctx: &SessionContext, kind: WorkerKind) -> Arc<flumen::worker_pool::WorkerPool> {
+async fn pool_of_kind(
+    ctx: &SessionContext,
+    kind: WorkerKind,
+) -> Arc<flumen::worker_pool::WorkerPool> {
     ctx.state()
         .config()
         .get_extension::<flumen::worker_pool::WorkerPoolSlot>()
@@ -387,7 +390,9 @@ async fn a_worker_answering_garbage_fails_the_query_cleanly() {
 }
 
 /// `id -> embedding` from a `SELECT id, embed(..)` answer (a null embedding as empty).
-fn embeddings_by_id(batches: &[datafusion::arrow::record_batch::RecordBatch]) -> Vec<(i64, Vec<f32>)> {
+fn embeddings_by_id(
+    batches: &[datafusion::arrow::record_batch::RecordBatch],
+) -> Vec<(i64, Vec<f32>)> {
     use datafusion::arrow::array::{Array, AsArray};
     use datafusion::arrow::datatypes::{Float32Type, Int64Type};
     let mut out = vec![];
@@ -398,7 +403,11 @@ fn embeddings_by_id(batches: &[datafusion::arrow::record_batch::RecordBatch]) ->
             let v = if vectors.is_null(row) {
                 vec![]
             } else {
-                vectors.value(row).as_primitive::<Float32Type>().values().to_vec()
+                vectors
+                    .value(row)
+                    .as_primitive::<Float32Type>()
+                    .values()
+                    .to_vec()
             };
             out.push((ids.value(row), v));
         }
@@ -453,10 +462,17 @@ async fn an_accelerator_worker_killed_mid_embedding_costs_only_its_blocks() {
     for ((id, a), (id2, b)) in got.iter().zip(&expected) {
         assert_eq!(id, id2);
         assert_eq!(a.len(), b.len(), "id {id}");
-        let worst = a.iter().zip(b).map(|(x, y)| (x - y).abs()).fold(0f32, f32::max);
+        let worst = a
+            .iter()
+            .zip(b)
+            .map(|(x, y)| (x - y).abs())
+            .fold(0f32, f32::max);
         assert!(worst < 1e-4, "id {id}: vectors differ by {worst}");
     }
-    let pid = killed.lock().unwrap().expect("no accelerator worker was killed");
+    let pid = killed
+        .lock()
+        .unwrap()
+        .expect("no accelerator worker was killed");
     let graph = plan.downcast_ref::<FlumenExec>().unwrap().graph();
     let model = graph
         .operators
@@ -469,7 +485,11 @@ async fn an_accelerator_worker_killed_mid_embedding_costs_only_its_blocks() {
          {} retried, {elapsed:?}",
         s.remote_tasks, s.blocks_lost, s.recomputed, s.tasks_retried
     );
-    assert!(s.remote_tasks >= 12, "{} model tasks ran in workers", s.remote_tasks);
+    assert!(
+        s.remote_tasks >= 12,
+        "{} model tasks ran in workers",
+        s.remote_tasks
+    );
     assert!(s.blocks_lost > 0 && s.recomputed > 0, "{s:?}");
     assert!(s.blocks_lost < s.blocks, "{s:?}");
     // Upstream, only the inputs of the lost blocks' tasks were read again (they were

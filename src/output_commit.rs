@@ -1,0 +1,327 @@
+//! Exactly-once file output: `COPY ... TO`, `write_parquet`/`write_csv`/`write_json` and
+//! `INSERT INTO` a listing table write their files under a hidden staging name, and the
+//! driver commits them once, after the last block was written.
+//!
+//! [`stage_file_sinks`] rebuilds every Parquet, CSV and JSON sink of a plan so that it writes
+//! below a staging location, and wraps it in a [`StagedSink`]:
+//! - a single output file `dir/out.parquet` is written as `dir/.out.parquet.flumen-staging-ID`
+//!   and renamed over `dir/out.parquet` at commit;
+//! - a directory output `dir/` (with or without `PARTITIONED BY`) is written below
+//!   `dir/.flumen-staging-ID/`, and each file is moved to the same relative path below `dir/`
+//!   at commit. DataFusion's listing tables skip that hidden subdirectory, so readers never
+//!   see a half-written output.
+//!
+//! A statement that fails (a task error, a memory budget, a cancelled query) deletes what it
+//! staged and leaves existing files as they were. Lost blocks are recomputed upstream of the
+//! sink, which runs once on the driver, so every row reaches the staged files exactly once;
+//! the commit is that sink's alone (the one committer, as Spark's output commit coordinator
+//! lets only the first attempt of a task commit).
+
+use std::any::Any;
+use std::fmt;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+
+use async_trait::async_trait;
+use datafusion::arrow::datatypes::SchemaRef;
+use datafusion::common::tree_node::{Transformed, TreeNode};
+use datafusion::datasource::file_format::csv::CsvSink;
+use datafusion::datasource::file_format::json::JsonSink;
+use datafusion::datasource::listing::ListingTableUrl;
+use datafusion::datasource::physical_plan::parquet::ParquetSink;
+use datafusion::datasource::physical_plan::{FileOutputMode, FileSink, FileSinkConfig};
+use datafusion::datasource::sink::{DataSink, DataSinkExec};
+use datafusion::error::{DataFusionError, Result};
+use datafusion::execution::{SendableRecordBatchStream, TaskContext};
+use datafusion::physical_plan::metrics::MetricsSet;
+use datafusion::physical_plan::{DisplayAs, DisplayFormatType, ExecutionPlan};
+use futures::TryStreamExt;
+use object_store::path::Path;
+use object_store::{ObjectStore, ObjectStoreExt};
+
+/// Where a staged sink's files go when it commits.
+#[derive(Debug, Clone)]
+enum Target {
+    /// One file: the staged file is renamed to this path.
+    File { staged: Path, target: Path },
+    /// A directory: everything below `staged` moves to the same place below `target`.
+    Directory { staged: Path, target: Path },
+}
+
+/// A file sink that writes to a staging location and commits once (see the module docs).
+#[derive(Debug)]
+pub struct StagedSink {
+    inner: Arc<dyn DataSink>,
+    config: FileSinkConfig,
+    target: Target,
+}
+
+impl StagedSink {
+    /// Staged files become visible: rename them into place.
+    async fn commit(&self, store: &Arc<dyn ObjectStore>) -> Result<()> {
+        match &self.target {
+            Target::File { staged, target } => {
+                store.rename(staged, target).await?;
+            }
+            Target::Directory { staged, target } => {
+                let files: Vec<_> = store.list(Some(staged)).try_collect().await?;
+                for file in files {
+                    let Some(relative) = file.location.prefix_match(staged) else {
+                        continue;
+                    };
+                    let mut to = target.clone();
+                    for part in relative {
+                        to = to.join(part);
+                    }
+                    store.rename(&file.location, &to).await?;
+                }
+            }
+        }
+        self.remove_local_staging_dir();
+        Ok(())
+    }
+
+    /// A failed statement: delete what it staged (best effort; the error is what matters).
+    async fn abort(&self, store: &Arc<dyn ObjectStore>) {
+        let staged = match &self.target {
+            Target::File { staged, .. } => {
+                let _ = store.delete(staged).await;
+                return;
+            }
+            Target::Directory { staged, .. } => staged,
+        };
+        if let Ok(files) = store.list(Some(staged)).try_collect::<Vec<_>>().await {
+            for file in files {
+                let _ = store.delete(&file.location).await;
+            }
+        }
+        self.remove_local_staging_dir();
+    }
+
+    /// A local file system keeps the emptied staging directories: remove them.
+    fn remove_local_staging_dir(&self) {
+        if let Target::Directory { staged, .. } = &self.target
+            && self.config.object_store_url.as_str() == "file:///"
+        {
+            let _ = std::fs::remove_dir_all(format!("/{staged}"));
+        }
+    }
+}
+
+impl DisplayAs for StagedSink {
+    fn fmt_as(&self, t: DisplayFormatType, f: &mut fmt::Formatter) -> fmt::Result {
+        self.inner.fmt_as(t, f)
+    }
+}
+
+#[async_trait]
+impl DataSink for StagedSink {
+    fn metrics(&self) -> Option<MetricsSet> {
+        self.inner.metrics()
+    }
+
+    fn schema(&self) -> &SchemaRef {
+        self.inner.schema()
+    }
+
+    async fn write_all(
+        &self,
+        data: SendableRecordBatchStream,
+        context: &Arc<TaskContext>,
+    ) -> Result<u64> {
+        let store = context
+            .runtime_env()
+            .object_store(&self.config.object_store_url)?;
+        match self.inner.write_all(data, context).await {
+            Ok(rows) => match self.commit(&store).await {
+                Ok(()) => Ok(rows),
+                Err(e) => Err(DataFusionError::Execution(format!(
+                    "committing the output to {}: {e}",
+                    self.config.original_url
+                ))),
+            },
+            Err(e) => {
+                self.abort(&store).await;
+                Err(e)
+            }
+        }
+    }
+}
+
+/// A name no other statement uses.
+fn staging_id() -> String {
+    static NEXT: AtomicU64 = AtomicU64::new(0);
+    let nanos = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map(|d| d.as_nanos())
+        .unwrap_or_default();
+    format!(
+        "{:x}-{:x}-{}",
+        std::process::id(),
+        nanos,
+        NEXT.fetch_add(1, Ordering::Relaxed)
+    )
+}
+
+/// `config` writing below a staging location instead, and where the files go at commit.
+fn staged_config(config: &FileSinkConfig) -> Result<Option<(FileSinkConfig, Target)>> {
+    let [base] = config.table_paths.as_slice() else {
+        return Ok(None);
+    };
+    let single =
+        config.table_partition_cols.is_empty() && config.file_output_mode.single_file_output(base);
+    let target = base.prefix().clone();
+    let id = staging_id();
+    let (url, target, mode) = if single {
+        let parts: Vec<_> = target.parts().collect();
+        let Some((name, parent)) = parts.split_last() else {
+            return Ok(None);
+        };
+        let staged = Path::from_iter(parent.iter().cloned())
+            .join(format!(".{}.flumen-staging-{id}", name.as_ref()));
+        let url = format!("{}{staged}", config.object_store_url.as_str());
+        (
+            url,
+            Target::File { staged, target },
+            FileOutputMode::SingleFile,
+        )
+    } else {
+        let staged = target.clone().join(format!(".flumen-staging-{id}"));
+        let url = format!("{}{staged}/", config.object_store_url.as_str());
+        (
+            url,
+            Target::Directory { staged, target },
+            FileOutputMode::Directory,
+        )
+    };
+    let mut staged_config = config.clone();
+    staged_config.table_paths = vec![ListingTableUrl::parse(&url)?];
+    staged_config.file_output_mode = mode;
+    Ok(Some((staged_config, target)))
+}
+
+/// Rebuild a Parquet, CSV or JSON sink to write through a staging location; `None` for
+/// other sinks (they write as they always did).
+fn stage_sink(sink: &dyn DataSink) -> Result<Option<Arc<dyn DataSink>>> {
+    let any = sink as &dyn Any;
+    let (config, rebuild): (
+        &FileSinkConfig,
+        Box<dyn Fn(FileSinkConfig) -> Arc<dyn DataSink>>,
+    ) = if let Some(s) = any.downcast_ref::<ParquetSink>() {
+        let options = s.parquet_options().clone();
+        (
+            s.config(),
+            Box::new(move |c| Arc::new(ParquetSink::new(c, options.clone()))),
+        )
+    } else if let Some(s) = any.downcast_ref::<CsvSink>() {
+        let options = s.writer_options().clone();
+        (
+            s.config(),
+            Box::new(move |c| Arc::new(CsvSink::new(c, options.clone()))),
+        )
+    } else if let Some(s) = any.downcast_ref::<JsonSink>() {
+        let options = s.writer_options().clone();
+        (
+            s.config(),
+            Box::new(move |c| Arc::new(JsonSink::new(c, options.clone()))),
+        )
+    } else {
+        return Ok(None);
+    };
+    let Some((staged, target)) = staged_config(config)? else {
+        return Ok(None);
+    };
+    Ok(Some(Arc::new(StagedSink {
+        inner: rebuild(staged),
+        config: config.clone(),
+        target,
+    })))
+}
+
+/// Make every file sink in `plan` write through a staging location and commit once.
+pub fn stage_file_sinks(plan: Arc<dyn ExecutionPlan>) -> Result<Arc<dyn ExecutionPlan>> {
+    plan.transform_up(|node| {
+        let Some(exec) = node.downcast_ref::<DataSinkExec>() else {
+            return Ok(Transformed::no(node));
+        };
+        if (exec.sink() as &dyn Any).is::<StagedSink>() {
+            return Ok(Transformed::no(node));
+        }
+        match stage_sink(exec.sink())? {
+            Some(sink) => Ok(Transformed::yes(Arc::new(DataSinkExec::new(
+                Arc::clone(exec.input()),
+                sink,
+                exec.sort_order().clone(),
+            )) as Arc<dyn ExecutionPlan>)),
+            None => Ok(Transformed::no(node)),
+        }
+    })
+    .map(|t| t.data)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use datafusion::arrow::datatypes::Schema;
+    use datafusion::datasource::physical_plan::FileGroup;
+    use datafusion::execution::object_store::ObjectStoreUrl;
+    use datafusion::logical_expr::dml::InsertOp;
+
+    fn config(url: &str, partitioned: bool) -> FileSinkConfig {
+        FileSinkConfig {
+            original_url: url.into(),
+            object_store_url: ObjectStoreUrl::local_filesystem(),
+            file_group: FileGroup::new(vec![]),
+            table_paths: vec![ListingTableUrl::parse(url).unwrap()],
+            output_schema: Arc::new(Schema::empty()),
+            table_partition_cols: if partitioned {
+                vec![("k".into(), datafusion::arrow::datatypes::DataType::Int64)]
+            } else {
+                vec![]
+            },
+            insert_op: InsertOp::Append,
+            keep_partition_by_columns: false,
+            file_extension: "parquet".into(),
+            file_output_mode: Default::default(),
+        }
+    }
+
+    #[test]
+    fn a_single_file_is_staged_beside_it_and_a_directory_below_it() {
+        let (staged, target) = staged_config(&config("/tmp/x/out.parquet", false))
+            .unwrap()
+            .unwrap();
+        let Target::File {
+            staged: file,
+            target: to,
+        } = target
+        else {
+            panic!("not a single file");
+        };
+        assert_eq!(to.as_ref(), "tmp/x/out.parquet");
+        assert!(
+            file.as_ref()
+                .starts_with("tmp/x/.out.parquet.flumen-staging-"),
+            "{file}"
+        );
+        assert_eq!(staged.table_paths[0].prefix(), &file);
+        for partitioned in [false, true] {
+            let (staged, target) = staged_config(&config("/tmp/x/dir/", partitioned))
+                .unwrap()
+                .unwrap();
+            let Target::Directory {
+                staged: dir,
+                target: to,
+            } = target
+            else {
+                panic!("not a directory");
+            };
+            assert_eq!(to.as_ref(), "tmp/x/dir");
+            assert!(
+                dir.as_ref().starts_with("tmp/x/dir/.flumen-staging-"),
+                "{dir}"
+            );
+            assert!(staged.table_paths[0].is_collection());
+        }
+    }
+}
