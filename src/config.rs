@@ -55,8 +55,9 @@ pub enum WorkerMode {
     /// On threads of this process (the embedded default).
     #[default]
     Threads,
-    /// Source tasks in worker processes the session starts (`flumen worker`), their blocks
-    /// kept there until read; a killed worker's blocks are recomputed from lineage.
+    /// Source, block-wise and model tasks in worker processes the session starts
+    /// (`flumen worker`: a CPU pool and an accelerator pool), their blocks kept there until
+    /// read; a killed or hung worker's blocks are recomputed from lineage.
     Process,
 }
 
@@ -215,9 +216,10 @@ extensions_options! {
         pub model_dir: String, default = String::new()
         /// Sentences per forward pass of `embed` (sorted by length inside a block first).
         pub embed_batch_size: usize, default = 32
-        /// Where CPU source tasks run: `threads` (this process) or `process` (workers).
+        /// Where tasks run: `threads` (this process) or `process` (worker processes).
         pub workers: WorkerMode, default = WorkerMode::Threads
-        /// Worker processes a session starts when `flumen.workers = 'process'`.
+        /// CPU worker processes a session starts when `flumen.workers = 'process'` (it also
+        /// starts `accelerator_slots` accelerator workers).
         pub worker_processes: usize, default = available_cores()
         /// The `flumen` executable workers start from; empty: `FLUMEN_WORKER_BIN`, else this
         /// process when it is `flumen`.

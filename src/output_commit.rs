@@ -33,6 +33,9 @@ use datafusion::datasource::physical_plan::{FileOutputMode, FileSink, FileSinkCo
 use datafusion::datasource::sink::{DataSink, DataSinkExec};
 use datafusion::error::{DataFusionError, Result};
 use datafusion::execution::{SendableRecordBatchStream, TaskContext};
+use datafusion::parquet::file::metadata::SortingColumn;
+use datafusion::physical_expr::LexRequirement;
+use datafusion::physical_expr::expressions::Column;
 use datafusion::physical_plan::metrics::MetricsSet;
 use datafusion::physical_plan::{DisplayAs, DisplayFormatType, ExecutionPlan};
 use futures::TryStreamExt;
@@ -200,18 +203,64 @@ fn staged_config(config: &FileSinkConfig) -> Result<Option<(FileSinkConfig, Targ
     Ok(Some((staged_config, target)))
 }
 
+/// The Parquet `sorting_columns` DataFusion records for a sink whose input is sorted by
+/// `order` (simple columns only, as positions in the written schema), so files written
+/// through staging keep the ordering readers infer from them.
+fn sorting_columns(
+    order: &Option<LexRequirement>,
+    config: &FileSinkConfig,
+) -> Option<Vec<SortingColumn>> {
+    let order = order.as_ref()?;
+    let partition_cols: Vec<&str> = if config.keep_partition_by_columns {
+        vec![]
+    } else {
+        config
+            .table_partition_cols
+            .iter()
+            .map(|(name, _)| name.as_str())
+            .collect()
+    };
+    let written: Vec<&str> = config
+        .output_schema
+        .fields()
+        .iter()
+        .map(|f| f.name().as_str())
+        .filter(|name| !partition_cols.contains(name))
+        .collect();
+    let mut columns = vec![];
+    for requirement in order.iter() {
+        let column = requirement.expr.downcast_ref::<Column>()?;
+        let Some(at) = written.iter().position(|name| *name == column.name()) else {
+            continue;
+        };
+        let options = requirement.options.unwrap_or_default();
+        columns.push(SortingColumn {
+            column_idx: at as i32,
+            descending: options.descending,
+            nulls_first: options.nulls_first,
+        });
+    }
+    (!columns.is_empty()).then_some(columns)
+}
+
 /// Rebuild a Parquet, CSV or JSON sink to write through a staging location; `None` for
 /// other sinks (they write as they always did).
-fn stage_sink(sink: &dyn DataSink) -> Result<Option<Arc<dyn DataSink>>> {
+fn stage_sink(
+    sink: &dyn DataSink,
+    order: &Option<LexRequirement>,
+) -> Result<Option<Arc<dyn DataSink>>> {
     let any = sink as &dyn Any;
     let (config, rebuild): (
         &FileSinkConfig,
         Box<dyn Fn(FileSinkConfig) -> Arc<dyn DataSink>>,
     ) = if let Some(s) = any.downcast_ref::<ParquetSink>() {
         let options = s.parquet_options().clone();
+        let sorting = sorting_columns(order, s.config());
         (
             s.config(),
-            Box::new(move |c| Arc::new(ParquetSink::new(c, options.clone()))),
+            Box::new(move |c| {
+                Arc::new(ParquetSink::new(c, options.clone()).with_sorting_columns(sorting.clone()))
+            }),
         )
     } else if let Some(s) = any.downcast_ref::<CsvSink>() {
         let options = s.writer_options().clone();
@@ -247,7 +296,7 @@ pub fn stage_file_sinks(plan: Arc<dyn ExecutionPlan>) -> Result<Arc<dyn Executio
         if (exec.sink() as &dyn Any).is::<StagedSink>() {
             return Ok(Transformed::no(node));
         }
-        match stage_sink(exec.sink())? {
+        match stage_sink(exec.sink(), exec.sort_order())? {
             Some(sink) => Ok(Transformed::yes(Arc::new(DataSinkExec::new(
                 Arc::clone(exec.input()),
                 sink,

@@ -514,3 +514,108 @@ async fn an_accelerator_worker_killed_mid_embedding_costs_only_its_blocks() {
     }
     assert!(elapsed < Duration::from_secs(120), "took {elapsed:?}");
 }
+
+/// A worker that hangs (SIGSTOP: alive, connected, silent) misses its heartbeat, is killed
+/// and replaced; the task it held is retried elsewhere and its blocks are recomputed, so the
+/// query still answers like vanilla DataFusion, within seconds rather than never.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_hung_worker_misses_its_heartbeat_and_is_replaced() {
+    let dir = tempfile::tempdir().unwrap();
+    write_events(dir.path(), 3, 20_000);
+    let v = vanilla();
+    register_tables(&v, dir.path()).await;
+    let seen = Arc::new(AtomicUsize::new(0));
+    let stopped = Arc::new(Mutex::new(None::<u32>));
+    let (seen_in, stopped_in) = (Arc::clone(&seen), Arc::clone(&stopped));
+    let dropper = BlockDropper(Arc::new(move |b| {
+        if let Some(pid) = b.worker_pid
+            && seen_in.fetch_add(1, Ordering::Relaxed) == 3
+        {
+            // SAFETY: a signal to a worker process this test's session started.
+            unsafe { libc::kill(pid as i32, libc::SIGSTOP) };
+            *stopped_in.lock().unwrap() = Some(pid);
+        }
+        false
+    }));
+    let f = session(process_config(2), Some(dropper));
+    f.sql("SET flumen.split_bytes = '64KB'").await.unwrap();
+    f.sql("SET flumen.target_block_rows = 2000").await.unwrap();
+    register_tables(&f, dir.path()).await;
+    let sql = "SELECT k, count(*), round(sum(v), 6) FROM events GROUP BY k ORDER BY k";
+    let started = Instant::now();
+    let (batches, plan) = tokio::time::timeout(Duration::from_secs(60), run_plan(&f, sql))
+        .await
+        .expect("the query hung with its worker");
+    let elapsed = started.elapsed();
+    let expected = v.sql(sql).await.unwrap().collect().await.unwrap();
+    assert_eq!(rows(&expected, true), rows(&batches, true));
+    let pid = stopped.lock().unwrap().expect("no worker was stopped");
+    let graph = plan.downcast_ref::<FlumenExec>().unwrap().graph();
+    let lost: u64 = graph
+        .operators
+        .iter()
+        .map(|op| op.stats.snapshot().blocks_lost + op.stats.snapshot().tasks_retried)
+        .sum();
+    println!("stopped worker {pid}: query took {elapsed:?}, {lost} blocks lost or tasks retried");
+    assert!(lost > 0, "nothing was lost with the hung worker");
+    let pool = pool_of(&f).await;
+    assert!(pool.restarted() >= 1, "the hung worker was not replaced");
+    let workers = pool.workers().await;
+    assert!(workers.iter().all(|w| w.pid != pid && w.is_alive()));
+    // The hung process was killed, not left stopped.
+    assert!(
+        !std::path::Path::new(&format!("/proc/{pid}")).exists()
+            || std::fs::read_to_string(format!("/proc/{pid}/stat"))
+                .is_ok_and(|s| s.contains(") Z")),
+        "worker {pid} still runs"
+    );
+}
+
+/// Kill the worker holding map outputs of a hash exchange (the blocks a `GROUP BY`'s first
+/// stage split by key for the reduce tasks) in streaming mode: the reduce side finds them
+/// lost, and only their map tasks run again.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_worker_killed_during_an_exchange_loses_only_its_map_outputs() {
+    let dir = tempfile::tempdir().unwrap();
+    write_events(dir.path(), 3, 20_000);
+    let v = vanilla();
+    register_tables(&v, dir.path()).await;
+    let seen = Arc::new(AtomicUsize::new(0));
+    let killed = Arc::new(AtomicBool::new(false));
+    let (seen_in, killed_in) = (Arc::clone(&seen), Arc::clone(&killed));
+    let dropper = BlockDropper(Arc::new(move |b| {
+        if let Some(pid) = b.worker_pid
+            && seen_in.fetch_add(1, Ordering::Relaxed) == 12
+        {
+            // SAFETY: a signal to a worker process this test's session started.
+            unsafe { libc::kill(pid as i32, libc::SIGKILL) };
+            killed_in.store(true, Ordering::Relaxed);
+        }
+        false
+    }));
+    let f = session(process_config(2), Some(dropper));
+    f.sql("SET flumen.split_bytes = '32KB'").await.unwrap();
+    f.sql("SET flumen.target_block_rows = 1000").await.unwrap();
+    register_tables(&f, dir.path()).await;
+    let sql = "SELECT k, count(DISTINCT id), max(body) FROM events WHERE v < 0.9 GROUP BY k";
+    let (batches, plan) = run_plan(&f, sql).await;
+    let expected = v.sql(sql).await.unwrap().collect().await.unwrap();
+    assert_eq!(rows(&expected, false), rows(&batches, false));
+    assert!(killed.load(Ordering::Relaxed), "no worker was killed");
+    let graph = plan.downcast_ref::<FlumenExec>().unwrap().graph();
+    let map = graph
+        .operators
+        .iter()
+        .find(|op| op.output_split.is_some())
+        .expect("a map side that splits its output by key");
+    let s = map.stats.snapshot();
+    println!("exchange map side {}: {s:?}", map.name);
+    assert!(
+        s.blocks_lost > 0 || s.tasks_retried > 0,
+        "the kill cost the exchange nothing: {s:?}"
+    );
+    assert!(
+        s.recomputed <= s.blocks_lost && s.blocks_lost < s.blocks,
+        "{s:?}"
+    );
+}
