@@ -2,12 +2,17 @@
 //! one worker killed (SIGKILL) when half of the query's source blocks exist, compared with
 //! the time of the work that was lost.
 //!
-//! `cargo bench --bench recovery [-- --rows 2000000 --workers 2]`
+//! `cargo bench --bench recovery [-- --rows 2000000 --workers 2]`, or with `--model` the
+//! embedding query (`cargo bench --bench recovery -- --model --rows 2000`).
 //!
 //! Data: the demo `docs` table (`flumen::demo`, HTML documents) as Parquet under
 //! `target/recovery-bench/`. Query: per-topic word counts of `clean_text(body)`, whose source
-//! tasks (decode + clean) are the bulk of the work and run in the workers.
-//! Lost work = the source tasks recomputed × the mean source task time of the clean run.
+//! tasks (decode + clean) are the bulk of the work and run in the workers; with `--model`,
+//! per-topic sums of `embed(clean_text(body))`, whose model tasks run in the accelerator
+//! workers (each loads the model once; the killed one is an accelerator worker, and its
+//! replacement loads the model again).
+//! Lost work = the tasks recomputed or retried × the mean task time of the clean run, for the
+//! operator whose worker is killed (the source, or the model).
 //! Goal: killed − clean ≤ lost work + 1 s. The last line is machine-readable.
 
 use std::path::PathBuf;
@@ -24,6 +29,10 @@ use flumen::{BlockDropper, FlumenConfig, WorkerMode};
 
 const SQL: &str = "SELECT topic, count(*) AS docs, \
      sum(array_length(string_to_array(clean_text(body), ' '))) AS words \
+     FROM docs GROUP BY topic ORDER BY topic";
+
+const MODEL_SQL: &str = "SELECT topic, count(*) AS docs, \
+     round(sum(array_element(embed(clean_text(body)), 1)), 2) AS e1 \
      FROM docs GROUP BY topic ORDER BY topic";
 
 struct Run {
@@ -44,12 +53,18 @@ fn arg(name: &str, default: usize) -> usize {
 async fn run(
     data: &str,
     workers: usize,
+    model: bool,
     kill_at: Option<usize>,
     killed: &Arc<Mutex<Option<Instant>>>,
 ) -> Result<Run> {
     let mut config = FlumenConfig::default();
     config.workers = WorkerMode::Process;
     config.worker_processes = workers;
+    if model {
+        config.accelerator_slots = workers;
+        config.device = flumen::Device::Cpu;
+        config.target_block_rows = 128;
+    }
     config.split_bytes = flumen::ByteSize(1 << 20);
     let seen = Arc::new(AtomicUsize::new(0));
     let fired = Arc::new(AtomicBool::new(false));
@@ -63,6 +78,7 @@ async fn run(
     let dropper = BlockDropper(Arc::new(move |b| {
         if let (Some(at), Some(pid)) = (kill_at, b.worker_pid)
             && armed_in.load(Ordering::Relaxed)
+            && b.operator_name.contains("Accelerator") == model
             && seen_in.fetch_add(1, Ordering::Relaxed) == at
             && !fired_in.swap(true, Ordering::Relaxed)
         {
@@ -86,7 +102,15 @@ async fn run(
         .await?
         .collect()
         .await?;
-    let plan = ctx.sql(SQL).await?.create_physical_plan().await?;
+    if model {
+        // Load the model in every accelerator worker before timing.
+        ctx.sql("SELECT embed(body) FROM docs WHERE id < 64")
+            .await?
+            .collect()
+            .await?;
+    }
+    let sql = if model { MODEL_SQL } else { SQL };
+    let plan = ctx.sql(sql).await?.create_physical_plan().await?;
     armed.store(true, Ordering::Relaxed);
     let started = Instant::now();
     let batches = collect(Arc::clone(&plan), ctx.task_ctx()).await?;
@@ -95,6 +119,7 @@ async fn run(
     let source = graph
         .operators
         .iter()
+        .filter(|op| !model || op.name.contains("Accelerator"))
         .map(|op| op.stats.snapshot())
         .max_by_key(|s| s.remote_tasks)
         .unwrap();
@@ -109,6 +134,7 @@ async fn run(
 async fn main() -> Result<()> {
     let rows = arg("--rows", 400_000);
     let workers = arg("--workers", 2);
+    let model = std::env::args().any(|a| a == "--model");
     if std::env::var_os("FLUMEN_WORKER_BIN").is_none() {
         // `cargo bench` builds the binary beside the bench in the same profile directory.
         let exe = std::env::current_exe()?;
@@ -130,10 +156,10 @@ async fn main() -> Result<()> {
     }
     let data = std::path::absolute(&data)?.display().to_string();
     let no_kill = Arc::new(Mutex::new(None));
-    let clean = run(&data, workers, None, &no_kill).await?;
+    let clean = run(&data, workers, model, None, &no_kill).await?;
     let blocks = clean.source.blocks as usize;
     let killed_at = Arc::new(Mutex::new(None));
-    let killed = run(&data, workers, Some(blocks / 2), &killed_at).await?;
+    let killed = run(&data, workers, model, Some(blocks / 2), &killed_at).await?;
     assert_eq!(
         clean.answer, killed.answer,
         "the killed run changed the answer"
@@ -144,8 +170,11 @@ async fn main() -> Result<()> {
     let retried_work = killed.source.tasks_retried as f64 * task_s;
     let overhead = killed.seconds - clean.seconds;
     println!(
-        "rows {rows}, {workers} workers, {} source tasks of {:.3} s, {} blocks",
-        clean.source.tasks, task_s, blocks
+        "rows {rows}, {workers} workers, {} {} tasks of {:.3} s, {} blocks",
+        clean.source.tasks,
+        if model { "model" } else { "source" },
+        task_s,
+        blocks
     );
     println!("clean run:  {:.2} s", clean.seconds);
     println!(
@@ -163,7 +192,8 @@ async fn main() -> Result<()> {
     );
     let within = overhead <= lost_work + retried_work + 1.0;
     println!(
-        "recovery clean_s={:.2} killed_s={:.2} lost_work_s={:.2} overhead_s={overhead:.2} within_goal={}",
+        "recovery query={} clean_s={:.2} killed_s={:.2} lost_work_s={:.2} overhead_s={overhead:.2} within_goal={}",
+        if model { "model" } else { "words" },
         clean.seconds,
         killed.seconds,
         lost_work + retried_work,

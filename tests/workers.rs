@@ -180,9 +180,10 @@ async fn workers_that_cannot_start_are_clear_errors() {
     }
 }
 
-/// Seeded chaos: 20 queries (scans, filters, aggregates, joins, sorts, a model UDF on the
-/// accelerator pool) run in streaming mode while a killer SIGKILLs a random worker every
-/// 100–400 ms; every answer equals vanilla DataFusion's.
+/// Seeded chaos: 20 queries (scans, filters, aggregates, joins, sorts, the real `embed` model
+/// in accelerator workers, an emulated model UDF on the driver's accelerator pool) run in
+/// streaming mode while a killer SIGKILLs a random worker of either pool every 100–400 ms;
+/// every answer equals vanilla DataFusion's.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn chaos_random_worker_kills_never_change_an_answer() {
     let dir = tempfile::tempdir().unwrap();
@@ -206,13 +207,25 @@ async fn chaos_random_worker_kills_never_change_an_answer() {
             ),
         ));
     }
-    // Start the workers, then the killer.
+    flumen::register_functions(&v);
+    f.sql("SET flumen.device = 'cpu'").await.unwrap();
+    // Start both pools (CPU and accelerator workers), then the killer.
     assert_same(&v, &f, QUERIES[0]).await;
+    // One decimal: the engines batch rows differently, so vectors differ in the 7th digit.
+    let embed_sql = "SELECT id, round(array_element(embed(body), 1), 1) AS e FROM events \
+                     WHERE id % 997 = 5";
+    assert_same(&v, &f, embed_sql).await;
     let pool = pool_of(&f).await;
+    let model_pool = pool_of_kind(&f, WorkerKind::Accelerator).await;
     let stop = Arc::new(AtomicBool::new(false));
     let kills = Arc::new(AtomicUsize::new(0));
     let killer = {
-        let (pool, stop, kills) = (Arc::clone(&pool), Arc::clone(&stop), Arc::clone(&kills));
+        let (pool, model_pool, stop, kills) = (
+            Arc::clone(&pool),
+            Arc::clone(&model_pool),
+            Arc::clone(&stop),
+            Arc::clone(&kills),
+        );
         tokio::spawn(async move {
             let mut seed: u64 = 0x5eed_f1a5;
             let mut next = move || {
@@ -223,7 +236,8 @@ async fn chaos_random_worker_kills_never_change_an_answer() {
             };
             while !stop.load(Ordering::Relaxed) {
                 tokio::time::sleep(Duration::from_millis(100 + next() % 300)).await;
-                let workers = pool.workers().await;
+                let mut workers = pool.workers().await;
+                workers.extend(model_pool.workers().await);
                 let alive: Vec<_> = workers.iter().filter(|w| w.is_alive()).collect();
                 if let Some(w) = alive.get(next() as usize % alive.len().max(1)) {
                     // SAFETY: a signal to a worker process this test's session started.
@@ -235,16 +249,17 @@ async fn chaos_random_worker_kills_never_change_an_answer() {
     };
     let extra = [
         "SELECT id, model(body) AS m FROM events WHERE id % 97 = 5",
+        embed_sql,
         "SELECT k % 4 AS g, count(*), round(sum(v), 6) FROM events WHERE v < 0.7 GROUP BY g ORDER BY g",
         "SELECT id, v FROM events WHERE id % 501 = 3",
         "SELECT count(DISTINCT k), max(body) FROM events",
         "SELECT k, min(v), max(v) FROM events WHERE body LIKE '%9%' GROUP BY k ORDER BY k",
     ];
-    // The model query first, then the shared set and the extra ones, 20 in all.
-    let queries: Vec<&str> = extra[..1]
+    // The model queries first, then the shared set and the extra ones, 20 in all.
+    let queries: Vec<&str> = extra[..2]
         .iter()
         .chain(QUERIES.iter())
-        .chain(extra[1..].iter())
+        .chain(extra[2..].iter())
         .cycle()
         .take(20)
         .copied()
@@ -262,9 +277,11 @@ async fn chaos_random_worker_kills_never_change_an_answer() {
     killer.await.unwrap();
     let kills = kills.load(Ordering::Relaxed);
     println!(
-        "chaos: 20 queries in {:.1} s with {kills} workers killed, {} restarted",
+        "chaos: 20 queries in {:.1} s with {kills} workers killed, {} CPU and {} accelerator \
+         workers restarted",
         started.elapsed().as_secs_f64(),
-        pool.restarted()
+        pool.restarted(),
+        model_pool.restarted()
     );
     assert!(kills >= 3, "only {kills} kills");
     assert!(started.elapsed() < Duration::from_secs(240));
