@@ -56,6 +56,7 @@ pub struct WorkerHandle {
     pub address: String,
     /// Its process id (for tests that kill it).
     pub pid: u32,
+    kind: WorkerKind,
     client: FlightServiceClient<Channel>,
     /// `true` while the driver believes it alive; calls in flight watch it.
     alive: tokio::sync::watch::Sender<bool>,
@@ -67,6 +68,11 @@ pub struct WorkerHandle {
 }
 
 impl WorkerHandle {
+    /// The pool it serves.
+    pub fn kind(&self) -> WorkerKind {
+        self.kind
+    }
+
     /// Whether the driver still believes the worker is alive.
     pub fn is_alive(&self) -> bool {
         *self.alive.borrow()
@@ -540,6 +546,7 @@ async fn spawn_worker(binary: &PathBuf, kind: WorkerKind) -> Result<Arc<WorkerHa
     Ok(Arc::new(WorkerHandle {
         address,
         pid,
+        kind,
         client: FlightServiceClient::new(channel)
             .max_decoding_message_size(usize::MAX)
             .max_encoding_message_size(usize::MAX),

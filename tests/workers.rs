@@ -186,11 +186,20 @@ async fn workers_that_cannot_start_are_clear_errors() {
 /// every answer equals vanilla DataFusion's.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn chaos_random_worker_kills_never_change_an_answer() {
+    let _ = env_logger::builder()
+        .is_test(true)
+        .format_timestamp_millis()
+        .try_init();
     let dir = tempfile::tempdir().unwrap();
     write_events(dir.path(), 4, 25_000);
     let v = vanilla();
     register_tables(&v, dir.path()).await;
-    let f = session(process_config(2), None);
+    // Two accelerator workers, and more retries than the default: a task can land on
+    // worker after worker that the killer picks next.
+    let mut config = process_config(2);
+    config.accelerator_slots = 2;
+    config.max_task_retries = 8;
+    let f = session(config, None);
     f.sql("SET flumen.split_bytes = '32KB'").await.unwrap();
     f.sql("SET flumen.target_block_rows = 1000").await.unwrap();
     register_tables(&f, dir.path()).await;
@@ -234,12 +243,21 @@ async fn chaos_random_worker_kills_never_change_an_answer() {
                     .wrapping_add(1442695040888963407);
                 seed >> 33
             };
+            let mut last_model_kill = Instant::now();
             while !stop.load(Ordering::Relaxed) {
                 tokio::time::sleep(Duration::from_millis(100 + next() % 300)).await;
                 let mut workers = pool.workers().await;
-                workers.extend(model_pool.workers().await);
+                // An accelerator worker at most every 2 s: a replacement needs about a
+                // second to start and load the model, and killing it sooner every time
+                // would only measure the retry limit.
+                if last_model_kill.elapsed() > Duration::from_secs(2) {
+                    workers.extend(model_pool.workers().await);
+                }
                 let alive: Vec<_> = workers.iter().filter(|w| w.is_alive()).collect();
                 if let Some(w) = alive.get(next() as usize % alive.len().max(1)) {
+                    if w.kind() == WorkerKind::Accelerator {
+                        last_model_kill = Instant::now();
+                    }
                     // SAFETY: a signal to a worker process this test's session started.
                     unsafe { libc::kill(w.pid as i32, libc::SIGKILL) };
                     kills.fetch_add(1, Ordering::Relaxed);
