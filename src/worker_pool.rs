@@ -24,6 +24,7 @@ use std::time::Duration;
 use arrow_flight::decode::FlightRecordBatchStream;
 use arrow_flight::flight_service_client::FlightServiceClient;
 use arrow_flight::{Action, Ticket};
+use datafusion::arrow::compute::concat_batches;
 use datafusion::arrow::record_batch::RecordBatch;
 use datafusion::error::{DataFusionError, Result};
 use futures::TryStreamExt;
@@ -100,27 +101,33 @@ impl WorkerHandle {
 
     /// What the worker says of itself (tasks run, models loaded, blocks held).
     pub async fn status(&self) -> Result<WorkerStatus> {
-        let mut client = self.client.clone();
-        let action = Action {
-            r#type: "status".into(),
-            body: Default::default(),
-        };
-        let call = async {
-            let reply = client.do_action(action).await.map_err(Failure::from)?;
-            let results: Vec<arrow_flight::Result> = reply
-                .into_inner()
-                .try_collect()
-                .await
-                .map_err(Failure::from)?;
-            let first = results
-                .first()
-                .ok_or_else(|| Failure::Garbage("empty reply to status".into()))?;
-            serde_json::from_slice(&first.body)
-                .map_err(|e| Failure::Garbage(format!("bad reply to status: {e}")))
-        };
-        self.call(call).await.map_err(|e| {
+        self.call(self.action("status", vec![])).await.map_err(|e| {
             DataFusionError::Execution(format!("status of worker {}: {e}", self.address))
         })
+    }
+
+    /// Send action `name` and read its one reply as JSON.
+    async fn action<T: serde::de::DeserializeOwned>(
+        &self,
+        name: &str,
+        body: Vec<u8>,
+    ) -> Result<T, Failure> {
+        let mut client = self.client.clone();
+        let action = Action {
+            r#type: name.into(),
+            body: body.into(),
+        };
+        let reply = client.do_action(action).await.map_err(Failure::from)?;
+        let results: Vec<arrow_flight::Result> = reply
+            .into_inner()
+            .try_collect()
+            .await
+            .map_err(Failure::from)?;
+        let first = results
+            .first()
+            .ok_or_else(|| Failure::Garbage(format!("empty reply to {name}")))?;
+        serde_json::from_slice(&first.body)
+            .map_err(|e| Failure::Garbage(format!("bad reply to {name}: {e}")))
     }
 
     /// One heartbeat: whether the worker answered a ping within [`HEARTBEAT_TIMEOUT`].
@@ -175,26 +182,8 @@ impl WorkerHandle {
         plan: &[u8],
         request: &TaskRequest,
     ) -> Result<Vec<RemoteBlockInfo>, Failure> {
-        let body = encode_task(request, plan);
-        let mut client = self.client.clone();
-        let action = Action {
-            r#type: "run".into(),
-            body: body.into(),
-        };
-        self.call(async {
-            let reply = client.do_action(action).await.map_err(Failure::from)?;
-            let results: Vec<arrow_flight::Result> = reply
-                .into_inner()
-                .try_collect()
-                .await
-                .map_err(Failure::from)?;
-            let first = results
-                .first()
-                .ok_or_else(|| Failure::Garbage("empty reply to run".into()))?;
-            serde_json::from_slice(&first.body)
-                .map_err(|e| Failure::Garbage(format!("bad reply to run: {e}")))
-        })
-        .await
+        self.call(self.action("run", encode_task(request, plan)))
+            .await
     }
 
     /// Fetch (and thereby remove) a block.
@@ -220,9 +209,12 @@ impl WorkerHandle {
                 })
             })
             .await?;
+        // Flight cuts a block larger than its message size into several batches.
         match batches.len() {
+            0 => Err(Failure::Garbage(format!("block {key} came without rows"))),
             1 => Ok(batches.into_iter().next().unwrap()),
-            n => Err(Failure::Garbage(format!("block {key} came as {n} batches"))),
+            _ => concat_batches(&batches[0].schema(), &batches)
+                .map_err(|e| Failure::Garbage(format!("block {key}: {e}"))),
         }
     }
 
