@@ -250,38 +250,31 @@ fn stage_sink(
     order: &Option<LexRequirement>,
 ) -> Result<Option<Arc<dyn DataSink>>> {
     let any = sink as &dyn Any;
-    let (config, rebuild): (
-        &FileSinkConfig,
-        Box<dyn Fn(FileSinkConfig) -> Arc<dyn DataSink>>,
-    ) = if let Some(s) = any.downcast_ref::<ParquetSink>() {
-        let options = s.parquet_options().clone();
-        let sorting = sorting_columns(order, s.config());
-        (
-            s.config(),
-            Box::new(move |c| {
-                Arc::new(ParquetSink::new(c, options.clone()).with_sorting_columns(sorting.clone()))
-            }),
-        )
-    } else if let Some(s) = any.downcast_ref::<CsvSink>() {
-        let options = s.writer_options().clone();
-        (
-            s.config(),
-            Box::new(move |c| Arc::new(CsvSink::new(c, options.clone()))),
-        )
-    } else if let Some(s) = any.downcast_ref::<JsonSink>() {
-        let options = s.writer_options().clone();
-        (
-            s.config(),
-            Box::new(move |c| Arc::new(JsonSink::new(c, options.clone()))),
-        )
-    } else {
-        return Ok(None);
+    let (parquet, csv, json) = (
+        any.downcast_ref::<ParquetSink>(),
+        any.downcast_ref::<CsvSink>(),
+        any.downcast_ref::<JsonSink>(),
+    );
+    let config = match (parquet, csv, json) {
+        (Some(s), _, _) => s.config(),
+        (_, Some(s), _) => s.config(),
+        (_, _, Some(s)) => s.config(),
+        _ => return Ok(None),
     };
     let Some((staged, target)) = staged_config(config)? else {
         return Ok(None);
     };
+    let inner: Arc<dyn DataSink> = match (parquet, csv, json) {
+        (Some(s), _, _) => Arc::new(
+            ParquetSink::new(staged, s.parquet_options().clone())
+                .with_sorting_columns(sorting_columns(order, config)),
+        ),
+        (_, Some(s), _) => Arc::new(CsvSink::new(staged, s.writer_options().clone())),
+        (_, _, Some(s)) => Arc::new(JsonSink::new(staged, s.writer_options().clone())),
+        _ => return Ok(None),
+    };
     Ok(Some(Arc::new(StagedSink {
-        inner: rebuild(staged),
+        inner,
         config: config.clone(),
         target,
     })))

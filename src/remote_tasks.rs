@@ -98,7 +98,7 @@ fn blocks_plan(op: &Operator, input: Arc<dyn ExecutionPlan>) -> Option<Arc<dyn E
             if let Some(accelerator) = node.downcast_ref::<AcceleratorProjectionExec>() {
                 let projection = ProjectionExec::try_new(
                     accelerator.projection().expr().iter().cloned(),
-                    Arc::clone(&node.children()[0]),
+                    Arc::clone(node.children()[0]),
                 )?;
                 return Ok(Transformed::yes(
                     Arc::new(projection) as Arc<dyn ExecutionPlan>
