@@ -1,6 +1,6 @@
 //! TPC-H through vanilla DataFusion and through flumen, in the same run.
 //!
-//! `cargo bench --bench tpch [-- --sf 1 --runs 2 --mode streaming]`
+//! `cargo bench --bench tpch [-- --sf 1 --runs 2 --mode streaming --queries 5,18 --analyze --only flumen]`
 //!
 //! Generates the TPC-H tables as Parquet with tpchgen (no downloads) under
 //! `target/tpch-sf<SF>/`, then runs the 22 queries (their text is read from the TPC-H files
@@ -18,6 +18,11 @@ use datafusion::parquet::arrow::ArrowWriter;
 use datafusion::physical_plan::collect;
 use datafusion::prelude::{ParquetReadOptions, SessionConfig, SessionContext};
 use flumen::exec::FlumenExec;
+
+/// Both engines allocate through mimalloc, as `datafusion-cli` and DataFusion's own
+/// benchmarks do (glibc's malloc returns large blocks to the kernel and faults them back).
+#[global_allocator]
+static ALLOCATOR: mimalloc::MiMalloc = mimalloc::MiMalloc;
 use tpchgen::generators::{
     CustomerGenerator, LineItemGenerator, NationGenerator, OrderGenerator, PartGenerator,
     PartSuppGenerator, RegionGenerator, SupplierGenerator,
@@ -165,6 +170,12 @@ async fn main() -> Result<()> {
     let sf: f64 = arg("--sf").map(|s| s.parse().unwrap()).unwrap_or(1.0);
     let runs: usize = arg("--runs").map(|s| s.parse().unwrap()).unwrap_or(2);
     let mode = arg("--mode").unwrap_or_else(|| "streaming".into());
+    let analyze = args.iter().any(|a| a == "--analyze");
+    let only = arg("--only");
+    // `--queries 5,18`: only these (for profiling one query; the summary line counts them).
+    let queries: Vec<usize> = arg("--queries")
+        .map(|s| s.split(',').map(|q| q.trim().parse().unwrap()).collect())
+        .unwrap_or_else(|| (1..=22).collect());
     let dir = PathBuf::from(format!("target/tpch-sf{sf}"));
     generate(&dir, sf)?;
     let slt = slt_dir();
@@ -185,21 +196,43 @@ async fn main() -> Result<()> {
         "q", "vanilla_s", "flumen_s", "ratio", "peak_store"
     );
     let mut ratios = vec![];
-    for n in 1..=22 {
+    for n in queries {
         let statements = query_statements(&slt, n);
         let mut best_v = f64::MAX;
         let mut best_f = f64::MAX;
         let mut peak = 0;
         for _ in 0..runs {
-            let (tv, rows_v, _) = run(&vanilla, &statements).await?;
-            let (tf, rows_f, p) = run(&flumen, &statements).await?;
-            assert_eq!(
-                rows_v, rows_f,
-                "q{n}: flumen returned a different row count"
-            );
+            // `--only vanilla|flumen` (for a profiler): the other engine does not run.
+            let (tv, rows_v, _) = match only.as_deref() {
+                Some("flumen") => (f64::NAN, 0, 0),
+                _ => run(&vanilla, &statements).await?,
+            };
+            let (tf, rows_f, p) = match only.as_deref() {
+                Some("vanilla") => (f64::NAN, 0, 0),
+                _ => run(&flumen, &statements).await?,
+            };
+            if only.is_none() {
+                assert_eq!(
+                    rows_v, rows_f,
+                    "q{n}: flumen returned a different row count"
+                );
+            }
             best_v = best_v.min(tv);
             best_f = best_f.min(tf);
             peak = peak.max(p);
+        }
+        if analyze {
+            // `--analyze`: both engines' EXPLAIN ANALYZE of the query's last statement.
+            let last = statements.last().expect("a query has a statement");
+            for (engine, ctx) in [("vanilla", &vanilla), ("flumen", &flumen)] {
+                let explained = ctx
+                    .sql(&format!("EXPLAIN ANALYZE {last}"))
+                    .await?
+                    .collect()
+                    .await?;
+                let text = datafusion::arrow::util::pretty::pretty_format_batches(&explained)?;
+                println!("--- q{n} {engine}\n{text}");
+            }
         }
         let ratio = best_f / best_v;
         ratios.push(ratio);

@@ -18,6 +18,9 @@ use datafusion::physical_plan::aggregates::{AggregateExec, AggregateMode};
 use datafusion::physical_plan::coalesce_partitions::CoalescePartitionsExec;
 use datafusion::physical_plan::coop::CooperativeExec;
 use datafusion::physical_plan::filter::FilterExec;
+use datafusion::physical_plan::joins::{
+    CrossJoinExec, HashJoinExec, NestedLoopJoinExec, PartitionMode,
+};
 use datafusion::physical_plan::projection::ProjectionExec;
 use datafusion::physical_plan::recursive_query::RecursiveQueryExec;
 use datafusion::physical_plan::repartition::RepartitionExec;
@@ -64,7 +67,8 @@ pub enum TaskShape {
     /// One block input and row-local nodes only: one task per input block (or bundle).
     BlockWise,
     /// Stateful nodes (final aggregates, joins, sorts...): one task per output partition,
-    /// started once every input operator has finished.
+    /// started once every input operator has finished, or at once when the operator
+    /// streams a join's probe input ([`Operator::streamed_inputs`]).
     Barrier,
 }
 
@@ -95,6 +99,12 @@ pub struct Operator {
     pub inputs: Vec<OperatorId>,
     /// How each input is read (same order as `inputs`).
     pub input_exchanges: Vec<InputExchange>,
+    /// Inputs on the probe side of a join in the fragment (same order as `inputs`). The
+    /// operator's tasks start with the query and read these blocks as they arrive, and the
+    /// operators feeding such an input start only when a task first asks for its blocks,
+    /// which a join does once its build side is in: as under DataFusion's own executor,
+    /// the probe side's scans then run with the join's dynamic filter filled in.
+    pub streamed_inputs: Vec<bool>,
     /// Split applied to this operator's output blocks (the map side of a hash/round-robin
     /// exchange); `None` tags each block with its task's partition.
     pub output_split: Option<Partitioning>,
@@ -125,6 +135,9 @@ pub struct OperatorGraph {
     peak_store: std::sync::atomic::AtomicU64,
     /// Worker processes restarted (after one died) during runs of this graph.
     pub workers_restarted: std::sync::atomic::AtomicU64,
+    /// For each operator, the streamed inputs it feeds (directly or through other
+    /// operators), by their producer: it may start only once each has been asked for.
+    pub gates: Vec<Vec<OperatorId>>,
 }
 
 impl OperatorGraph {
@@ -136,6 +149,11 @@ impl OperatorGraph {
     /// Most bytes the block store held in memory during any run of this graph.
     pub fn peak_store_bytes(&self) -> u64 {
         self.peak_store.load(std::sync::atomic::Ordering::Relaxed)
+    }
+
+    /// True when `op`'s tasks stream a join's probe input (see [`Operator::streamed_inputs`]).
+    pub fn streams_inputs(&self, op: OperatorId) -> bool {
+        self.operators[op].streamed_inputs.iter().any(|s| *s)
     }
 
     /// Record that the block store held `bytes` in memory.
@@ -172,11 +190,13 @@ impl OperatorGraph {
                 consumer[*input] = Some(op.id);
             }
         }
+        let gates = gates(&cutter.operators);
         Ok(Self {
             operators: cutter.operators,
             consumer,
             peak_store: Default::default(),
             workers_restarted: Default::default(),
+            gates,
         })
     }
 }
@@ -324,6 +344,10 @@ impl Cutter {
             let n = fragment.output_partitioning().partition_count();
             (fragment, vec![1; n])
         };
+        let mut probe_producers = vec![];
+        if shape == TaskShape::Barrier {
+            collect_probe_producers(&fragment, false, &mut probe_producers);
+        }
         let id = self.operators.len();
         let name = fragment.name().to_string();
         self.operators.push(Operator {
@@ -333,6 +357,10 @@ impl Cutter {
             shape,
             fragment,
             inputs: stage_inputs.iter().map(|(p, _, _)| *p).collect(),
+            streamed_inputs: stage_inputs
+                .iter()
+                .map(|(p, _, _)| probe_producers.contains(p))
+                .collect(),
             input_exchanges: stage_inputs.into_iter().map(|(_, e, _)| e).collect(),
             output_split,
             splits,
@@ -341,6 +369,51 @@ impl Cutter {
         });
         Ok(id)
     }
+}
+
+/// Producers of the stage inputs on the probe side of a join: the right input of a hash
+/// join (partitioned or collect-left), nested loop join or cross join, which DataFusion
+/// reads only once the left (build) side has been collected.
+fn collect_probe_producers(
+    plan: &Arc<dyn ExecutionPlan>,
+    under_probe: bool,
+    out: &mut Vec<OperatorId>,
+) {
+    if let Some(si) = plan.downcast_ref::<StageInputExec>() {
+        if under_probe {
+            out.push(si.producer());
+        }
+        return;
+    }
+    let builds_left = plan.downcast_ref::<HashJoinExec>().is_some_and(|j| {
+        matches!(
+            j.partition_mode(),
+            PartitionMode::Partitioned | PartitionMode::CollectLeft
+        )
+    }) || plan.downcast_ref::<NestedLoopJoinExec>().is_some()
+        || plan.downcast_ref::<CrossJoinExec>().is_some();
+    for (i, child) in plan.children().into_iter().enumerate() {
+        collect_probe_producers(child, under_probe || (builds_left && i == 1), out);
+    }
+}
+
+/// For each operator, the producers of the streamed inputs it feeds (see
+/// [`OperatorGraph::gates`]): every operator upstream of a streamed input waits for it.
+fn gates(operators: &[Operator]) -> Vec<Vec<OperatorId>> {
+    let mut gates = vec![vec![]; operators.len()];
+    for op in operators {
+        for (producer, streamed) in op.inputs.iter().zip(&op.streamed_inputs) {
+            if !streamed {
+                continue;
+            }
+            let mut stack = vec![*producer];
+            while let Some(upstream) = stack.pop() {
+                gates[upstream].push(*producer);
+                stack.extend(operators[upstream].inputs.iter().copied());
+            }
+        }
+    }
+    gates
 }
 
 /// Give every `StageInputExec` of a fragment its input index: the rank of its producer.

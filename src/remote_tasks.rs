@@ -279,6 +279,7 @@ impl QueryRun {
         for (seq, block) in blocks.into_iter().enumerate() {
             self.put_remote_block(task, op_id, partition, seq, block)?;
         }
+        self.changed();
         Ok(true)
     }
 

@@ -80,6 +80,8 @@ struct OperatorState {
     started: bool,
     /// Round-robin position for launching across partitions.
     next_partition: usize,
+    /// A task has asked for this operator's blocks (opens the gate of a streamed input).
+    demanded: bool,
     backpressured_since: Option<Instant>,
 }
 
@@ -96,6 +98,9 @@ impl OperatorState {
 enum ReadOrder {
     /// Task by task through these partitions, each task's blocks in sequence.
     Tasks { partitions: Vec<usize> },
+    /// The first task of each of these partitions, then the second of each, and so on:
+    /// the order the scheduler launches them in, so a streaming reader waits least.
+    Interleaved { partitions: Vec<usize> },
     /// In the order blocks were produced.
     Arrival,
 }
@@ -291,46 +296,28 @@ impl QueryRun {
             dead_workers: Mutex::new(HashSet::new()),
             worker_restarts: Mutex::new(HashMap::new()),
         });
-        // The scheduler loop gets a thread of its own: CPU tasks run on the caller's runtime
-        // and can keep its worker threads busy for long polls (a Parquet batch decoded and
-        // preprocessed), and a loop waiting behind them would leave the other pools idle.
-        let looping = Arc::clone(&run);
-        std::thread::Builder::new()
-            .name("flumen-scheduler".into())
-            .spawn(move || {
-                let runtime = tokio::runtime::Builder::new_current_thread()
-                    .enable_all()
-                    .build()
-                    .expect("build the scheduler's runtime");
-                runtime.block_on(looping.scheduler_loop());
-            })
-            .map_err(|e| DataFusionError::Execution(format!("cannot start the scheduler: {e}")))?;
+        run.schedule();
         Ok(run)
     }
 
+    /// Wake every reader waiting on the run (they re-check what they wait for).
     fn notify(&self) {
         self.changes.send_modify(|v| *v += 1);
+    }
+
+    /// Something the scheduler decides on changed (a block produced or released, a task
+    /// ended, an input asked for): schedule at once on this thread, then wake the readers.
+    /// Scheduling where the change happens costs no thread switch, where a scheduler loop
+    /// of its own would be woken (and would wake a runtime thread to launch) per block.
+    pub(crate) fn changed(self: &Arc<Self>) {
+        self.schedule();
+        self.notify();
     }
 
     /// True when the root operator is run by the consumer of the output (its fragment is
     /// stateful); otherwise the consumer reads the root operator's blocks.
     fn root_runs_in_output(&self) -> bool {
         self.graph.root().shape == TaskShape::Barrier
-    }
-
-    async fn scheduler_loop(self: Arc<Self>) {
-        let mut rx = self.changes.subscribe();
-        loop {
-            rx.borrow_and_update();
-            if self.schedule() {
-                return;
-            }
-            match tokio::time::timeout(std::time::Duration::from_secs(10), rx.changed()).await {
-                Ok(Ok(())) => {}
-                Ok(Err(_)) => return,
-                Err(_) => log::warn!("flumen run made no progress for 10s: {}", self.describe()),
-            }
-        }
     }
 
     /// Create ready tasks and launch what slots and memory allow. Returns true when the run
@@ -370,7 +357,8 @@ impl QueryRun {
             match op.shape {
                 TaskShape::Source => {}
                 TaskShape::Barrier => {
-                    let ready = op.inputs.iter().all(|i| st.operators[*i].complete);
+                    let ready = self.streams_inputs(op.id)
+                        || op.inputs.iter().all(|i| st.operators[*i].complete);
                     if ready && !st.operators[op.id].started {
                         for p in 0..op.partitions() {
                             let id = st.tasks.len();
@@ -393,6 +381,40 @@ impl QueryRun {
                 TaskShape::BlockWise => self.create_block_tasks(st, op.id),
             }
             self.update_complete(st, op.id);
+        }
+        self.skip_unasked(st);
+    }
+
+    /// True when `op`'s tasks start at once and stream a join's probe input; they then run
+    /// beside the pool's slots (like the output's reader), paced by the blocks they get.
+    /// `flumen.mode = 'batch'` keeps every per-partition operator a barrier.
+    fn streams_inputs(&self, op: OperatorId) -> bool {
+        self.config.mode != ExecMode::Batch && self.graph.streams_inputs(op)
+    }
+
+    /// Whether `op` may start: every streamed input it feeds has been asked for.
+    fn gate_open(&self, st: &RunState, op: OperatorId) -> bool {
+        self.config.mode == ExecMode::Batch
+            || self.graph.gates[op]
+                .iter()
+                .all(|g| st.operators[*g].demanded)
+    }
+
+    /// A join that finished without asking for its probe input (its build side was empty)
+    /// never needs the operators feeding it: they count as complete without running.
+    fn skip_unasked(&self, st: &mut RunState) {
+        for op in &self.graph.operators {
+            if st.operators[op.id].complete {
+                continue;
+            }
+            let skipped = self.graph.gates[op.id].iter().any(|g| {
+                !st.operators[*g].demanded
+                    && self.graph.consumer[*g].is_some_and(|c| st.operators[c].complete)
+            });
+            if skipped {
+                st.operators[op.id].complete = true;
+                st.dirty = true;
+            }
         }
     }
 
@@ -479,6 +501,7 @@ impl QueryRun {
         let op = &self.graph.operators[op_id];
         let producer = &self.graph.operators[op.inputs[input]];
         let all: Vec<usize> = (0..producer.partitions()).collect();
+        let streamed = deterministic && op.streamed_inputs[input] && self.streams_inputs(op_id);
         let (order, tag) = match &op.input_exchanges[input] {
             InputExchange::Preserve => (
                 ReadOrder::Tasks {
@@ -486,10 +509,16 @@ impl QueryRun {
                 },
                 None,
             ),
+            InputExchange::Gather if streamed && all.len() > 1 => {
+                (ReadOrder::Interleaved { partitions: all }, None)
+            }
             InputExchange::Gather if all.len() == 1 || deterministic => {
                 (ReadOrder::Tasks { partitions: all }, None)
             }
             InputExchange::Gather => (ReadOrder::Arrival, None),
+            InputExchange::Split(_) if streamed => {
+                (ReadOrder::Interleaved { partitions: all }, Some(partition))
+            }
             InputExchange::Split(_) if deterministic => {
                 (ReadOrder::Tasks { partitions: all }, Some(partition))
             }
@@ -519,6 +548,42 @@ impl QueryRun {
                     }
                 } else if op.complete {
                     return Next::End;
+                } else {
+                    return Next::Wait;
+                }
+            },
+            ReadOrder::Interleaved { partitions } => loop {
+                // `task_index` is the round, `part_index` the partition within it.
+                let Some(p) = partitions.get(cursor.part_index) else {
+                    let round = cursor.task_index + 1;
+                    let ended = partitions.iter().all(|p| {
+                        let ps = &op.partitions[*p];
+                        ps.closed && ps.tasks.len() <= round
+                    });
+                    if ended {
+                        return Next::End;
+                    }
+                    cursor.task_index = round;
+                    cursor.part_index = 0;
+                    continue;
+                };
+                let ps = &op.partitions[*p];
+                if let Some(task_id) = ps.tasks.get(cursor.task_index) {
+                    let task = &st.tasks[*task_id];
+                    if let Some(id) = task.outputs.get(cursor.out_index) {
+                        cursor.out_index += 1;
+                        if cursor.tag.is_none_or(|t| st.blocks[id].tag == t) {
+                            return Next::Block(*id);
+                        }
+                    } else if task.status == TaskStatus::Done {
+                        cursor.part_index += 1;
+                        cursor.out_index = 0;
+                    } else {
+                        return Next::Wait;
+                    }
+                } else if ps.closed {
+                    cursor.part_index += 1;
+                    cursor.out_index = 0;
                 } else {
                     return Next::Wait;
                 }
@@ -576,11 +641,19 @@ impl QueryRun {
         let share = budget / self.graph.operators.len().max(1) as u64;
         let batch = self.config.mode == ExecMode::Batch;
         let now = Instant::now();
+        for op in &self.graph.operators {
+            if self.streams_inputs(op.id)
+                && st.operators[op.id].has_pending()
+                && self.gate_open(st, op.id)
+            {
+                self.take_pending(st, op.id, usize::MAX, launches);
+            }
+        }
         loop {
             let mut launched = false;
             for op in self.graph.operators.iter().rev() {
                 let os = &st.operators[op.id];
-                if !os.has_pending() {
+                if !os.has_pending() || !self.gate_open(st, op.id) {
                     continue;
                 }
                 let pool = pool_index(op.pool);
@@ -633,7 +706,7 @@ impl QueryRun {
                 .operators
                 .iter()
                 .rev()
-                .find(|op| st.operators[op.id].has_pending())
+                .find(|op| st.operators[op.id].has_pending() && self.gate_open(st, op.id))
             {
                 self.end_backpressure(st, op.id, now);
                 let n = if op.gang { usize::MAX } else { 1 };
@@ -659,16 +732,24 @@ impl QueryRun {
     /// operator (an all-to-all exchange) are never held back: their blocks spill instead.
     fn backpressured(&self, st: &RunState, op_id: OperatorId, share: u64) -> bool {
         let consumer = self.graph.consumer[op_id].map(|c| &self.graph.operators[c]);
+        // A streamed input is released as it is read, so its queue can be bounded.
+        let streamed = consumer.is_some_and(|c| {
+            self.streams_inputs(c.id)
+                && c.inputs
+                    .iter()
+                    .zip(&c.streamed_inputs)
+                    .any(|(p, s)| *p == op_id && *s)
+        });
         let feeds_barrier = consumer
             .is_some_and(|c| c.shape == TaskShape::Barrier && !(c.id == self.graph.root().id));
-        if feeds_barrier {
+        if feeds_barrier && !streamed {
             return false;
         }
         let producer_pool = self.graph.operators[op_id].pool;
         let held_rows = st.operators[op_id].held_rows;
         let queue_full = match consumer {
             Some(c) => {
-                c.shape == TaskShape::BlockWise
+                (c.shape == TaskShape::BlockWise || streamed)
                     && held_rows >= self.queue_limit_rows(c.pool, producer_pool)
             }
             // The root's blocks wait for the query's reader, which reads like one CPU slot.
@@ -703,6 +784,7 @@ impl QueryRun {
         launches: &mut Vec<TaskId>,
     ) {
         let pool = pool_index(self.graph.operators[op_id].pool);
+        let takes_slot = !self.streams_inputs(op_id);
         let partitions = st.operators[op_id].partitions.len();
         let mut idle_rounds = 0;
         while n > 0 && idle_rounds < partitions {
@@ -714,7 +796,9 @@ impl QueryRun {
                 ps.next_launch += 1;
                 st.tasks[task].status = TaskStatus::Running;
                 st.operators[op_id].running += 1;
-                st.running[pool] += 1;
+                if takes_slot {
+                    st.running[pool] += 1;
+                }
                 OperatorStats::add(&self.graph.operators[op_id].stats.running, 1);
                 launches.push(task);
                 n -= 1;
@@ -830,12 +914,14 @@ impl QueryRun {
         ))
     }
 
-    fn task_finished(&self, task: TaskId, result: Result<()>, started: Instant) {
+    fn task_finished(self: &Arc<Self>, task: TaskId, result: Result<()>, started: Instant) {
         let mut st = self.state.lock().unwrap();
         let op_id = st.tasks[task].operator;
         let op = &self.graph.operators[op_id];
         let pool = pool_index(op.pool);
-        st.running[pool] -= 1;
+        if !self.streams_inputs(op_id) {
+            st.running[pool] -= 1;
+        }
         st.operators[op_id].running -= 1;
         op.stats.running.fetch_sub(1, Ordering::Relaxed);
         OperatorStats::add(&op.stats.busy_ns, started.elapsed().as_nanos() as u64);
@@ -862,7 +948,7 @@ impl QueryRun {
             }
         }
         drop(st);
-        self.notify();
+        self.changed();
     }
 
     fn release(&self, st: &mut RunState, id: BlockId) {
@@ -951,6 +1037,9 @@ impl QueryRun {
                     seq += 1;
                 }
             }
+            if !capture {
+                self.changed();
+            }
         }
         Ok(captured)
     }
@@ -983,6 +1072,7 @@ impl QueryRun {
     }
 
     /// Count a produced block and record its lineage; `held`: bytes it keeps (0 if lost).
+    /// The caller calls [`Self::changed`] once it has recorded a batch's blocks.
     #[allow(clippy::too_many_arguments)]
     pub(crate) fn record_block(
         &self,
@@ -1023,7 +1113,6 @@ impl QueryRun {
             }
             op.stats.observe_held(os.held_bytes);
         }
-        self.notify();
     }
 
     fn task_context(&self, inputs: TaskInputs) -> Arc<TaskContext> {
@@ -1062,6 +1151,7 @@ impl QueryRun {
                 }
                 loop {
                     rx.borrow_and_update();
+                    let mut asked = false;
                     let next = {
                         let mut st = run.state.lock().unwrap();
                         if let Some(e) = &st.error {
@@ -1073,16 +1163,28 @@ impl QueryRun {
                         if st.cancelled {
                             return None;
                         }
+                        if !st.operators[cursor.operator].demanded {
+                            // Opens the gate of a streamed input: wake the scheduler.
+                            st.operators[cursor.operator].demanded = true;
+                            asked = true;
+                        }
                         if wait_for_complete && !st.operators[cursor.operator].complete {
                             Next::Wait
                         } else {
                             let next = Self::next_block(&st, &mut cursor);
-                            if let (Next::Block(id), Reader::Task(task)) = (&next, &reader) {
+                            if let (
+                                Next::Block(id),
+                                Reader::Task(task) | Reader::StreamingTask(task),
+                            ) = (&next, &reader)
+                            {
                                 st.tasks[*task].consumed.push(*id);
                             }
                             next
                         }
                     };
+                    if asked {
+                        run.changed();
+                    }
                     match next {
                         Next::End => return None,
                         Next::Wait => {
@@ -1101,11 +1203,11 @@ impl QueryRun {
                         Next::Block(id) => {
                             let batch = run.fetch(id).await;
                             cursor.failed = batch.is_err();
-                            if matches!(reader, Reader::Output) {
+                            if matches!(reader, Reader::Output | Reader::StreamingTask(_)) {
                                 let mut st = run.state.lock().unwrap();
                                 run.release(&mut st, id);
                                 drop(st);
-                                run.notify();
+                                run.changed();
                             }
                             return Some((batch, (run, cursor, rx, reader)));
                         }
@@ -1247,6 +1349,10 @@ impl QueryRun {
 enum Reader {
     /// A task: blocks are released when it finishes.
     Task(TaskId),
+    /// A task reading a streamed (probe) input: blocks are released as they are read, so
+    /// memory holds only what is in flight; lineage recomputes them if the task must run
+    /// again.
+    StreamingTask(TaskId),
     /// The same task being recomputed: nothing is recorded.
     Recompute,
     /// The query's output: blocks are released as they are read.
@@ -1301,10 +1407,12 @@ impl InputProvider for TaskProvider {
             }
             TaskKind::Partition => {
                 let cursor = run.input_cursor(self.operator, input, partition, true);
-                let reader = if self.record {
-                    Reader::Task(self.task)
-                } else {
+                let reader = if !self.record {
                     Reader::Recompute
+                } else if op.streamed_inputs[input] && run.streams_inputs(op.id) {
+                    Reader::StreamingTask(self.task)
+                } else {
+                    Reader::Task(self.task)
                 };
                 Ok(run.block_stream(cursor, reader, schema))
             }

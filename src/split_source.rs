@@ -163,11 +163,16 @@ impl ExecutionPlan for SplitSourceExec {
     }
 
     fn metrics(&self) -> Option<MetricsSet> {
+        // The splits' scans share one Parquet source and so one set of counters: count
+        // each counter once, not once per split.
         let mut set = MetricsSet::new();
+        let mut seen = std::collections::HashSet::new();
         for scan in self.splits.iter().flatten() {
             if let Some(m) = scan.metrics() {
                 for metric in m.iter() {
-                    set.push(Arc::clone(metric));
+                    if seen.insert(Arc::as_ptr(metric)) {
+                        set.push(Arc::clone(metric));
+                    }
                 }
             }
         }
