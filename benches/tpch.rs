@@ -1,6 +1,6 @@
 //! TPC-H through vanilla DataFusion and through flumen, in the same run.
 //!
-//! `cargo bench --bench tpch [-- --sf 1 --runs 2 --mode streaming --queries 5,18 --analyze --only flumen]`
+//! `cargo bench --bench tpch [-- --sf 1 --runs 2 --mode streaming --queries 5,18 --analyze --only flumen --split-bytes 16MB]`
 //!
 //! Generates the TPC-H tables as Parquet with tpchgen (no downloads) under
 //! `target/tpch-sf<SF>/`, then runs the 22 queries (their text is read from the TPC-H files
@@ -140,10 +140,20 @@ async fn register(ctx: &SessionContext, dir: &Path) -> Result<()> {
     Ok(())
 }
 
+/// CPU seconds this process has used (user + system), for `--cpu`.
+fn cpu_seconds() -> f64 {
+    let mut usage: libc::rusage = unsafe { std::mem::zeroed() };
+    // SAFETY: getrusage only writes the struct it is given.
+    unsafe { libc::getrusage(libc::RUSAGE_SELF, &mut usage) };
+    let secs = |t: libc::timeval| t.tv_sec as f64 + t.tv_usec as f64 / 1e6;
+    secs(usage.ru_utime) + secs(usage.ru_stime)
+}
+
 /// Run a query's statements; returns (seconds, rows of the last result, peak block-store
 /// bytes when it ran on flumen).
 async fn run(ctx: &SessionContext, statements: &[String]) -> Result<(f64, usize, u64)> {
     let started = Instant::now();
+    let cpu_started = cpu_seconds();
     let mut rows = 0;
     let mut peak = 0;
     for sql in statements {
@@ -155,7 +165,14 @@ async fn run(ctx: &SessionContext, statements: &[String]) -> Result<(f64, usize,
             peak = peak.max(f.graph().peak_store_bytes());
         }
     }
-    Ok((started.elapsed().as_secs_f64(), rows, peak))
+    let wall = started.elapsed().as_secs_f64();
+    if std::env::var_os("TPCH_CPU").is_some() {
+        eprintln!(
+            "  wall {wall:.3} s, cpu {:.3} s",
+            cpu_seconds() - cpu_started
+        );
+    }
+    Ok((wall, rows, peak))
 }
 
 #[tokio::main]
@@ -185,6 +202,9 @@ async fn main() -> Result<()> {
     let vanilla = SessionContext::new_with_config(config());
     let mut flumen_config = flumen::FlumenConfig::default();
     flumen_config.mode = mode.parse()?;
+    if let Some(bytes) = arg("--split-bytes") {
+        flumen_config.split_bytes = bytes.parse()?;
+    }
     let budget = flumen_config.memory_budget;
     let flumen = flumen::session_with_config(config(), flumen_config);
     register(&vanilla, &dir).await?;
@@ -204,11 +224,11 @@ async fn main() -> Result<()> {
         for _ in 0..runs {
             // `--only vanilla|flumen` (for a profiler): the other engine does not run.
             let (tv, rows_v, _) = match only.as_deref() {
-                Some("flumen") => (f64::NAN, 0, 0),
+                Some("flumen") => (f64::MAX, 0, 0),
                 _ => run(&vanilla, &statements).await?,
             };
             let (tf, rows_f, p) = match only.as_deref() {
-                Some("vanilla") => (f64::NAN, 0, 0),
+                Some("vanilla") => (f64::MAX, 0, 0),
                 _ => run(&flumen, &statements).await?,
             };
             if only.is_none() {
@@ -235,9 +255,25 @@ async fn main() -> Result<()> {
             }
         }
         let ratio = best_f / best_v;
-        ratios.push(ratio);
+        let seconds = |s: f64| {
+            if s == f64::MAX {
+                "-".to_string()
+            } else {
+                format!("{s:.3}")
+            }
+        };
+        if only.is_none() {
+            ratios.push(ratio);
+        }
         println!(
-            "{n:>4} {best_v:>10.3} {best_f:>10.3} {ratio:>7.2} {:>12}",
+            "{n:>4} {:>10} {:>10} {:>7} {:>12}",
+            seconds(best_v),
+            seconds(best_f),
+            if only.is_none() {
+                format!("{ratio:.2}")
+            } else {
+                "-".into()
+            },
             flumen::ByteSize(peak).to_string()
         );
         assert!(peak <= budget.0, "q{n}: block store peak over the budget");

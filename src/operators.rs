@@ -34,7 +34,7 @@ use datafusion::physical_plan::{
 use crate::accelerator::calls_accelerator_udf;
 use crate::accelerator_projection::AcceleratorProjectionExec;
 use crate::config::FlumenConfig;
-use crate::split_source::SplitSourceExec;
+use crate::split_source::{RowGroupLayout, SplitSourceExec};
 use crate::stage_input::{InputExchange, StageInputExec};
 use crate::stats::OperatorStats;
 
@@ -162,8 +162,13 @@ impl OperatorGraph {
             .fetch_max(bytes, std::sync::atomic::Ordering::Relaxed);
     }
 
-    /// Cut `plan` into operators.
-    pub fn cut(plan: Arc<dyn ExecutionPlan>, options: &ConfigOptions) -> Result<Self> {
+    /// Cut `plan` into operators; `layout` places its Parquet scans' splits on row group
+    /// boundaries.
+    pub fn cut(
+        plan: Arc<dyn ExecutionPlan>,
+        options: &ConfigOptions,
+        layout: &RowGroupLayout,
+    ) -> Result<Self> {
         let config = options
             .extensions
             .get::<FlumenConfig>()
@@ -172,6 +177,7 @@ impl OperatorGraph {
         let mut cutter = Cutter {
             operators: vec![],
             config,
+            layout,
         };
         let root = cutter.rewrite(plan)?;
         // A root that only passes its producer's blocks on (an accelerator projection at the
@@ -201,12 +207,13 @@ impl OperatorGraph {
     }
 }
 
-struct Cutter {
+struct Cutter<'a> {
     operators: Vec<Operator>,
     config: FlumenConfig,
+    layout: &'a RowGroupLayout,
 }
 
-impl Cutter {
+impl Cutter<'_> {
     /// Rewrite `plan` for the current fragment, turning every subtree below a cut into an
     /// operator of its own and putting a `StageInputExec` in its place.
     fn rewrite(&mut self, plan: Arc<dyn ExecutionPlan>) -> Result<Arc<dyn ExecutionPlan>> {
@@ -339,7 +346,7 @@ impl Cutter {
             TaskShape::Barrier
         };
         let (fragment, splits) = if shape == TaskShape::Source && all_row_local {
-            split_sources(fragment, self.config.split_bytes.0)?
+            split_sources(fragment, self.config.split_bytes.0, self.layout)?
         } else {
             let n = fragment.output_partitioning().partition_count();
             (fragment, vec![1; n])
@@ -494,13 +501,14 @@ fn is_row_local(node: &Arc<dyn ExecutionPlan>) -> bool {
 fn split_sources(
     fragment: Arc<dyn ExecutionPlan>,
     split_bytes: u64,
+    layout: &RowGroupLayout,
 ) -> Result<(Arc<dyn ExecutionPlan>, Vec<usize>)> {
     let partitions = fragment.output_partitioning().partition_count();
     let mut splits = vec![1; partitions];
     if count_scans(&fragment) != 1 {
         return Ok((fragment, splits));
     }
-    let rewritten = replace_scan(fragment, split_bytes, &mut splits)?;
+    let rewritten = replace_scan(fragment, split_bytes, layout, &mut splits)?;
     Ok((rewritten, splits))
 }
 
@@ -512,6 +520,7 @@ fn count_scans(plan: &Arc<dyn ExecutionPlan>) -> usize {
 fn replace_scan(
     plan: Arc<dyn ExecutionPlan>,
     split_bytes: u64,
+    layout: &RowGroupLayout,
     splits: &mut Vec<usize>,
 ) -> Result<Arc<dyn ExecutionPlan>> {
     if let Some(source) = plan.downcast_ref::<DataSourceExec>() {
@@ -520,7 +529,7 @@ fn replace_scan(
             && config.output_ordering.is_empty()
             && config.file_groups.len() == splits.len()
         {
-            let split = SplitSourceExec::try_new(Arc::clone(&plan), config, split_bytes)?;
+            let split = SplitSourceExec::try_new(Arc::clone(&plan), config, split_bytes, layout)?;
             *splits = split.splits_per_partition();
             return Ok(Arc::new(split));
         }
@@ -532,7 +541,7 @@ fn replace_scan(
     }
     let children = children
         .into_iter()
-        .map(|c| replace_scan(Arc::clone(c), split_bytes, splits))
+        .map(|c| replace_scan(Arc::clone(c), split_bytes, layout, splits))
         .collect::<Result<Vec<_>>>()?;
     replace_children_if_necessary(plan, children)
 }

@@ -17,6 +17,7 @@ use datafusion::physical_planner::{DefaultPhysicalPlanner, PhysicalPlanner};
 use crate::config::FlumenConfig;
 use crate::exec::FlumenExec;
 use crate::operators::OperatorGraph;
+use crate::split_source::RowGroupLayout;
 
 /// The query planner of a flumen session.
 #[derive(Debug, Default)]
@@ -32,12 +33,13 @@ fn flumen_config(session: &dyn Session) -> FlumenConfig {
 }
 
 /// Cut a DataFusion physical plan into operators and wrap it in a [`FlumenExec`].
-pub fn to_flumen_plan(
+pub async fn to_flumen_plan(
     plan: Arc<dyn ExecutionPlan>,
     session: &dyn Session,
 ) -> Result<Arc<dyn ExecutionPlan>> {
     let plan = crate::output_commit::stage_file_sinks(plan)?;
-    let graph = OperatorGraph::cut(plan, session.config_options())?;
+    let layout = RowGroupLayout::read(&plan, session.runtime_env()).await;
+    let graph = OperatorGraph::cut(plan, session.config_options(), &layout)?;
     Ok(Arc::new(FlumenExec::new(graph, flumen_config(session))))
 }
 
@@ -66,7 +68,7 @@ impl QueryPlanner for FlumenQueryPlanner {
             }
             // Show the operators in place of DataFusion's final physical plan.
             let inner = planner.create_physical_plan(&e.plan, session).await?;
-            let flumen = to_flumen_plan(inner, session)?;
+            let flumen = to_flumen_plan(inner, session).await?;
             let text = displayable(flumen.as_ref())
                 .indent(explain.verbose())
                 .to_string();
@@ -89,9 +91,9 @@ impl QueryPlanner for FlumenQueryPlanner {
         }
         if let Some(analyze) = plan.downcast_ref::<AnalyzeExec>() {
             let input = Arc::clone(analyze.input());
-            let flumen = to_flumen_plan(input, session)?;
+            let flumen = to_flumen_plan(input, session).await?;
             return replace_children_if_necessary(plan, vec![flumen]);
         }
-        to_flumen_plan(plan, session)
+        to_flumen_plan(plan, session).await
     }
 }

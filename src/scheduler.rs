@@ -146,6 +146,10 @@ struct RunState {
     /// The scheduler changed what readers can see (tasks created, partitions closed,
     /// operators completed): wake them once it lets go of the lock.
     dirty: bool,
+    /// Running tasks of streaming operators (they take no slot).
+    streaming_running: usize,
+    /// Streaming tasks' block readers waiting for a block that is not there yet.
+    streaming_waiting: usize,
 }
 
 fn pool_index(pool: Pool) -> usize {
@@ -699,8 +703,12 @@ impl QueryRun {
                 break;
             }
         }
-        // Liveness: never leave every pool idle while a task is ready.
-        if st.running.iter().sum::<usize>() == 0 {
+        // Liveness: never leave every pool idle while a task is ready and nothing else can
+        // make progress: no streaming task runs, or every one waits for blocks that no
+        // running task will produce. (A streaming task busy with blocks it has will release
+        // them, or come to wait, and so reach this rule again.)
+        let idle = st.running.iter().sum::<usize>() == 0;
+        if idle && st.streaming_waiting >= st.streaming_running {
             if let Some(op) = self
                 .graph
                 .operators
@@ -798,6 +806,8 @@ impl QueryRun {
                 st.operators[op_id].running += 1;
                 if takes_slot {
                     st.running[pool] += 1;
+                } else {
+                    st.streaming_running += 1;
                 }
                 OperatorStats::add(&self.graph.operators[op_id].stats.running, 1);
                 launches.push(task);
@@ -919,7 +929,9 @@ impl QueryRun {
         let op_id = st.tasks[task].operator;
         let op = &self.graph.operators[op_id];
         let pool = pool_index(op.pool);
-        if !self.streams_inputs(op_id) {
+        if self.streams_inputs(op_id) {
+            st.streaming_running -= 1;
+        } else {
             st.running[pool] -= 1;
         }
         st.operators[op_id].running -= 1;
@@ -1149,11 +1161,16 @@ impl QueryRun {
                 if cursor.failed {
                     return None;
                 }
+                let mut waiting = false;
                 loop {
                     rx.borrow_and_update();
                     let mut asked = false;
+                    let mut stalled = false;
                     let next = {
                         let mut st = run.state.lock().unwrap();
+                        if std::mem::take(&mut waiting) {
+                            st.streaming_waiting -= 1;
+                        }
                         if let Some(e) = &st.error {
                             let e = DataFusionError::Shared(Arc::clone(e));
                             drop(st);
@@ -1168,21 +1185,28 @@ impl QueryRun {
                             st.operators[cursor.operator].demanded = true;
                             asked = true;
                         }
-                        if wait_for_complete && !st.operators[cursor.operator].complete {
+                        let next = if wait_for_complete && !st.operators[cursor.operator].complete {
                             Next::Wait
                         } else {
-                            let next = Self::next_block(&st, &mut cursor);
-                            if let (
-                                Next::Block(id),
-                                Reader::Task(task) | Reader::StreamingTask(task),
-                            ) = (&next, &reader)
-                            {
-                                st.tasks[*task].consumed.push(*id);
+                            Self::next_block(&st, &mut cursor)
+                        };
+                        match (&next, &reader) {
+                            (Next::Block(id), Reader::Task(task) | Reader::StreamingTask(task)) => {
+                                st.tasks[*task].consumed.push(*id)
                             }
-                            next
+                            (Next::Wait, Reader::Task(task) | Reader::StreamingTask(task))
+                                if run.streams_inputs(st.tasks[*task].operator) =>
+                            {
+                                st.streaming_waiting += 1;
+                                waiting = true;
+                                stalled = st.running.iter().sum::<usize>() == 0;
+                            }
+                            _ => {}
                         }
+                        next
                     };
-                    if asked {
+                    if asked || stalled {
+                        // A waiting reader with idle pools may need the liveness rule.
                         run.changed();
                     }
                     match next {

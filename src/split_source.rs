@@ -1,25 +1,111 @@
 //! `SplitSourceExec`: a Parquet scan cut into deterministic source splits.
 //!
-//! Each partition's file group is cut into byte ranges of at most `flumen.split_bytes`;
-//! a source task reads one range (the row groups whose midpoint falls inside it). The same
-//! split always reads the same rows, which is what lineage recompute relies on.
+//! Each partition's file group is cut into byte ranges of about `flumen.split_bytes`; a
+//! source task reads one range (the row groups whose first page starts inside it, as
+//! DataFusion assigns them). Where the files' footers could be read before cutting
+//! ([`RowGroupLayout`]), ranges fall on row group boundaries, so no split comes out empty;
+//! otherwise they are plain byte ranges. The same split always reads the same rows, which
+//! is what lineage recompute relies on.
 
+use std::collections::HashMap;
 use std::fmt;
 use std::sync::Arc;
 
 use datafusion::common::tree_node::TreeNodeRecursion;
 use datafusion::datasource::listing::PartitionedFile;
+use datafusion::datasource::physical_plan::parquet::metadata::DFParquetMetadata;
 use datafusion::datasource::physical_plan::{FileGroup, FileScanConfig, FileScanConfigBuilder};
 use datafusion::datasource::source::DataSourceExec;
 use datafusion::error::{DataFusionError, Result};
+use datafusion::execution::runtime_env::RuntimeEnv;
 use datafusion::execution::{SendableRecordBatchStream, TaskContext};
 use datafusion::physical_plan::execution_plan::ReplaceChildrenOptions;
 use datafusion::physical_plan::metrics::MetricsSet;
 use datafusion::physical_plan::{
     DisplayAs, DisplayFormatType, ExecutionPlan, PhysicalExpr, PlanProperties,
 };
+use futures::StreamExt;
 
 use crate::stage_input::TaskInputs;
+
+/// Where the row groups of a plan's Parquet files start, and their compressed sizes.
+#[derive(Debug, Default, Clone)]
+pub struct RowGroupLayout {
+    /// `(first page offset, compressed bytes)` of each row group, by file location.
+    files: HashMap<String, Vec<(u64, u64)>>,
+}
+
+impl RowGroupLayout {
+    /// Read the footers of every Parquet file scanned by `plan` (through DataFusion's file
+    /// metadata cache, so the scans that follow find them there). A file whose footer
+    /// cannot be read is left out: its splits are plain byte ranges.
+    pub async fn read(plan: &Arc<dyn ExecutionPlan>, runtime: &RuntimeEnv) -> Self {
+        let mut files = vec![];
+        collect_parquet_files(plan, &mut files);
+        let cache = runtime.cache_manager.get_file_metadata_cache();
+        let fetched: Vec<(String, Vec<(u64, u64)>)> = futures::stream::iter(files)
+            .map(|(url, meta)| {
+                let cache = Arc::clone(&cache);
+                async move {
+                    let store = runtime.object_store(&url).ok()?;
+                    let metadata = DFParquetMetadata::new(store.as_ref(), &meta)
+                        .with_file_metadata_cache(Some(cache))
+                        .fetch_metadata()
+                        .await
+                        .ok()?;
+                    let groups = metadata
+                        .row_groups()
+                        .iter()
+                        .map(|rg| {
+                            let col = rg.column(0);
+                            let start = col
+                                .dictionary_page_offset()
+                                .unwrap_or_else(|| col.data_page_offset());
+                            (start.max(0) as u64, rg.compressed_size().max(0) as u64)
+                        })
+                        .collect();
+                    Some((meta.location.to_string(), groups))
+                }
+            })
+            .buffer_unordered(16)
+            .filter_map(|f| async move { f })
+            .collect()
+            .await;
+        Self {
+            files: fetched.into_iter().collect(),
+        }
+    }
+
+    fn row_groups(&self, file: &PartitionedFile) -> Option<&Vec<(u64, u64)>> {
+        self.files.get(file.object_meta.location.as_ref())
+    }
+}
+
+/// Every distinct Parquet file scanned by `plan`, with the store it lives in.
+fn collect_parquet_files(
+    plan: &Arc<dyn ExecutionPlan>,
+    out: &mut Vec<(
+        datafusion::execution::object_store::ObjectStoreUrl,
+        object_store::ObjectMeta,
+    )>,
+) {
+    if let Some(source) = plan.downcast_ref::<DataSourceExec>()
+        && let Some(config) = source.data_source().downcast_ref::<FileScanConfig>()
+        && config.file_source().file_type() == "parquet"
+    {
+        for file in config.file_groups.iter().flat_map(|g| g.iter()) {
+            if !out
+                .iter()
+                .any(|(_, m)| m.location == file.object_meta.location)
+            {
+                out.push((config.object_store_url.clone(), file.object_meta.clone()));
+            }
+        }
+    }
+    for child in plan.children() {
+        collect_parquet_files(child, out);
+    }
+}
 
 /// A Parquet scan whose partitions are read split by split.
 #[derive(Debug)]
@@ -35,13 +121,18 @@ impl SplitSourceExec {
         original: Arc<dyn ExecutionPlan>,
         config: &FileScanConfig,
         split_bytes: u64,
+        layout: &RowGroupLayout,
     ) -> Result<Self> {
         let split_bytes = split_bytes.max(1);
         let mut splits = vec![];
         for group in &config.file_groups {
             let mut scans: Vec<Arc<dyn ExecutionPlan>> = vec![];
             for file in group.iter() {
-                for range_file in byte_ranges(file, split_bytes) {
+                let ranges = match layout.row_groups(file) {
+                    Some(groups) => row_group_ranges(file, groups, split_bytes),
+                    None => byte_ranges(file, split_bytes),
+                };
+                for range_file in ranges {
                     let cfg = FileScanConfigBuilder::from(config.clone())
                         .with_file_groups(vec![FileGroup::new(vec![range_file])])
                         .build();
@@ -68,6 +159,46 @@ impl SplitSourceExec {
     pub fn splits_per_partition(&self) -> Vec<usize> {
         self.splits.iter().map(|s| s.len()).collect()
     }
+}
+
+/// Cut one file (or its assigned range) at row group boundaries into ranges holding about
+/// `split_bytes` of row groups each (a row group larger than that is a range of its own).
+fn row_group_ranges(
+    file: &PartitionedFile,
+    groups: &[(u64, u64)],
+    split_bytes: u64,
+) -> Vec<PartitionedFile> {
+    let (start, end) = match &file.range {
+        Some(r) => (r.start as u64, r.end as u64),
+        None => (0, file.object_meta.size),
+    };
+    let mut starts: Vec<(u64, u64)> = groups
+        .iter()
+        .copied()
+        .filter(|(offset, _)| *offset >= start && *offset < end)
+        .collect();
+    starts.sort_unstable();
+    let mut bounds = vec![start];
+    let mut gathered = 0;
+    for (i, (_, bytes)) in starts.iter().enumerate() {
+        gathered += bytes;
+        if gathered >= split_bytes && i + 1 < starts.len() {
+            bounds.push(starts[i + 1].0);
+            gathered = 0;
+        }
+    }
+    bounds.push(end);
+    bounds
+        .windows(2)
+        .map(|w| {
+            let mut piece = file.clone();
+            piece.range = Some(datafusion::datasource::listing::FileRange {
+                start: w[0] as i64,
+                end: w[1] as i64,
+            });
+            piece
+        })
+        .collect()
 }
 
 /// Cut one file (or its assigned range) into ranges of at most `split_bytes`.

@@ -663,3 +663,149 @@ async fn static_mode_caps_each_operator_at_its_share_of_slots() {
     assert_eq!(most_concurrent_source_tasks("static").await, 1);
     assert_eq!(most_concurrent_source_tasks("streaming").await, 2);
 }
+
+/// A session whose hash joins are partitioned (both inputs repartitioned), so the join's
+/// probe input is an exchange that flumen streams.
+async fn partitioned_join_ctx(config: SessionConfig) -> datafusion::prelude::SessionContext {
+    let f = flumen::session_with_config(config, FlumenConfig::default());
+    for sql in [
+        "SET datafusion.optimizer.hash_join_single_partition_threshold = 0",
+        "SET datafusion.optimizer.hash_join_single_partition_threshold_rows = 0",
+        "SET flumen.split_bytes = '64KB'",
+    ] {
+        f.sql(sql).await.unwrap();
+    }
+    f
+}
+
+/// The operators whose blocks a join streams as its probe input.
+fn streamed_producers(graph: &flumen::operators::OperatorGraph) -> Vec<usize> {
+    graph
+        .operators
+        .iter()
+        .flat_map(|op| {
+            op.inputs
+                .iter()
+                .zip(&op.streamed_inputs)
+                .filter(|(_, streamed)| **streamed)
+                .map(|(producer, _)| *producer)
+        })
+        .collect()
+}
+
+/// A partitioned join streams its probe side, which starts only once the join asks for it:
+/// with an empty build side it never runs at all, as under DataFusion's own executor.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_join_streams_its_probe_side_and_skips_it_after_an_empty_build() {
+    let dir = tempfile::tempdir().unwrap();
+    write_events(dir.path(), 3, 20_000);
+    let v = vanilla();
+    register_tables(&v, dir.path()).await;
+    let f = partitioned_join_ctx(SessionConfig::new().with_target_partitions(2)).await;
+    register_tables(&f, dir.path()).await;
+    for (sql, build_empty) in [
+        (
+            "SELECT count(*), sum(b.v) FROM events a JOIN events b ON a.id = b.id \
+             WHERE a.id % 1000 = 7",
+            false,
+        ),
+        (
+            "SELECT count(*), sum(b.v) FROM events a JOIN events b ON a.id = b.id \
+             WHERE a.body = 'no such body'",
+            true,
+        ),
+    ] {
+        let (batches, plan) = run_plan(&f, sql).await;
+        let expected = v.sql(sql).await.unwrap().collect().await.unwrap();
+        assert_eq!(rows(&expected, true), rows(&batches, true), "{sql}");
+        let graph = plan.downcast_ref::<FlumenExec>().unwrap().graph();
+        let probes = streamed_producers(graph);
+        assert!(!probes.is_empty(), "{sql}: no streamed probe input");
+        for probe in probes {
+            let tasks = graph.operators[probe].stats.snapshot().tasks;
+            if build_empty {
+                assert_eq!(tasks, 0, "{sql}: the probe side ran after an empty build");
+            } else {
+                assert!(tasks > 0, "{sql}: the probe side never ran");
+            }
+        }
+    }
+}
+
+/// Blocks of a streamed probe input are released as the join reads them; one lost before
+/// it was read is recomputed from its source split, and the answer does not change.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_lost_probe_block_is_recomputed() {
+    let dir = tempfile::tempdir().unwrap();
+    write_events(dir.path(), 2, 20_000);
+    let v = vanilla();
+    register_tables(&v, dir.path()).await;
+    // The operator to drop blocks of is known only once the query is planned.
+    let target = Arc::new(AtomicUsize::new(usize::MAX));
+    let seen = Arc::new(AtomicUsize::new(0));
+    let dropper = {
+        let (target, seen) = (Arc::clone(&target), Arc::clone(&seen));
+        BlockDropper(Arc::new(move |b| {
+            b.operator == target.load(Ordering::Relaxed)
+                && seen.fetch_add(1, Ordering::Relaxed) % 4 == 1
+        }))
+    };
+    let config = flumen::flumen_session_config(
+        SessionConfig::new().with_target_partitions(2),
+        FlumenConfig::default(),
+    )
+    .with_extension(Arc::new(dropper));
+    let f = partitioned_join_ctx(config).await;
+    register_tables(&f, dir.path()).await;
+    let sql = "SELECT a.k, count(*), round(sum(b.v), 6) FROM events a JOIN events b \
+               ON a.id = b.id WHERE a.id % 3 = 0 GROUP BY a.k ORDER BY a.k";
+    let plan = f
+        .sql(sql)
+        .await
+        .unwrap()
+        .create_physical_plan()
+        .await
+        .unwrap();
+    let graph = Arc::clone(plan.downcast_ref::<FlumenExec>().unwrap().graph());
+    let probe = streamed_producers(&graph)[0];
+    target.store(probe, Ordering::Relaxed);
+    let batches = datafusion::physical_plan::collect(Arc::clone(&plan), f.task_ctx())
+        .await
+        .unwrap();
+    let expected = v.sql(sql).await.unwrap().collect().await.unwrap();
+    assert_eq!(rows(&expected, true), rows(&batches, true));
+    let recomputed = graph.operators[probe].stats.snapshot().recomputed;
+    assert!(
+        recomputed > 0,
+        "no probe block was lost and recomputed ({} seen)",
+        seen.load(Ordering::Relaxed)
+    );
+}
+
+/// Splits fall on row group boundaries: none is empty, and a split smaller than a row group
+/// reads exactly one row group.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn scans_split_on_row_group_boundaries() {
+    let dir = tempfile::tempdir().unwrap();
+    // 3 files of 20,000 rows in row groups of 5,000: 12 row groups.
+    write_events(dir.path(), 3, 20_000);
+    for (split_bytes, expected_splits) in [("1B", Some(12)), ("64MB", None)] {
+        let f = flumen_ctx(&[&format!("SET flumen.split_bytes = '{split_bytes}'")]).await;
+        register_tables(&f, dir.path()).await;
+        let (batches, plan) = run_plan(&f, "SELECT sum(id) FROM events").await;
+        assert_eq!(
+            as_int64_array(batches[0].column(0)).unwrap().value(0),
+            1_799_970_000
+        );
+        let graph = plan.downcast_ref::<FlumenExec>().unwrap().graph();
+        let scan = &graph.operators[0];
+        let splits: usize = scan.splits.iter().sum();
+        if let Some(expected) = expected_splits {
+            assert_eq!(splits, expected, "split_bytes {split_bytes}");
+        }
+        // Every source task read rows: its partial sum is one block.
+        let stats = scan.stats.snapshot();
+        assert_eq!(stats.tasks as usize, splits, "split_bytes {split_bytes}");
+        assert_eq!(stats.blocks, stats.tasks, "an empty split at {split_bytes}");
+    }
+}
