@@ -573,17 +573,12 @@ impl QueryRun {
                 };
                 let ps = &op.partitions[*p];
                 if let Some(task_id) = ps.tasks.get(cursor.task_index) {
-                    let task = &st.tasks[*task_id];
-                    if let Some(id) = task.outputs.get(cursor.out_index) {
-                        cursor.out_index += 1;
-                        if cursor.tag.is_none_or(|t| st.blocks[id].tag == t) {
-                            return Next::Block(*id);
+                    match Self::next_in_task(st, *task_id, cursor.tag, &mut cursor.out_index) {
+                        Next::End => {
+                            cursor.part_index += 1;
+                            cursor.out_index = 0;
                         }
-                    } else if task.status == TaskStatus::Done {
-                        cursor.part_index += 1;
-                        cursor.out_index = 0;
-                    } else {
-                        return Next::Wait;
+                        next => return next,
                     }
                 } else if ps.closed {
                     cursor.part_index += 1;
@@ -598,17 +593,12 @@ impl QueryRun {
                 };
                 let ps = &op.partitions[*p];
                 if let Some(task_id) = ps.tasks.get(cursor.task_index) {
-                    let task = &st.tasks[*task_id];
-                    if let Some(id) = task.outputs.get(cursor.out_index) {
-                        cursor.out_index += 1;
-                        if cursor.tag.is_none_or(|t| st.blocks[id].tag == t) {
-                            return Next::Block(*id);
+                    match Self::next_in_task(st, *task_id, cursor.tag, &mut cursor.out_index) {
+                        Next::End => {
+                            cursor.task_index += 1;
+                            cursor.out_index = 0;
                         }
-                    } else if task.status == TaskStatus::Done {
-                        cursor.task_index += 1;
-                        cursor.out_index = 0;
-                    } else {
-                        return Next::Wait;
+                        next => return next,
                     }
                 } else if ps.closed {
                     cursor.part_index += 1;
@@ -618,6 +608,28 @@ impl QueryRun {
                     return Next::Wait;
                 }
             },
+        }
+    }
+
+    /// The next block (tagged `tag`, if given) of task `task_id` from position `out_index`;
+    /// `End` once the task has finished and every block of it was read.
+    fn next_in_task(
+        st: &RunState,
+        task_id: TaskId,
+        tag: Option<usize>,
+        out_index: &mut usize,
+    ) -> Next {
+        let task = &st.tasks[task_id];
+        while let Some(id) = task.outputs.get(*out_index) {
+            *out_index += 1;
+            if tag.is_none_or(|t| st.blocks[id].tag == t) {
+                return Next::Block(*id);
+            }
+        }
+        if task.status == TaskStatus::Done {
+            Next::End
+        } else {
+            Next::Wait
         }
     }
 
@@ -708,18 +720,18 @@ impl QueryRun {
         // running task will produce. (A streaming task busy with blocks it has will release
         // them, or come to wait, and so reach this rule again.)
         let idle = st.running.iter().sum::<usize>() == 0;
-        if idle && st.streaming_waiting >= st.streaming_running {
-            if let Some(op) = self
+        if idle
+            && st.streaming_waiting >= st.streaming_running
+            && let Some(op) = self
                 .graph
                 .operators
                 .iter()
                 .rev()
                 .find(|op| st.operators[op.id].has_pending() && self.gate_open(st, op.id))
-            {
-                self.end_backpressure(st, op.id, now);
-                let n = if op.gang { usize::MAX } else { 1 };
-                self.take_pending(st, op.id, n, launches);
-            }
+        {
+            self.end_backpressure(st, op.id, now);
+            let n = if op.gang { usize::MAX } else { 1 };
+            self.take_pending(st, op.id, n, launches);
         }
     }
 
@@ -748,8 +760,8 @@ impl QueryRun {
                     .zip(&c.streamed_inputs)
                     .any(|(p, s)| *p == op_id && *s)
         });
-        let feeds_barrier = consumer
-            .is_some_and(|c| c.shape == TaskShape::Barrier && !(c.id == self.graph.root().id));
+        let feeds_barrier =
+            consumer.is_some_and(|c| c.shape == TaskShape::Barrier && c.id != self.graph.root().id);
         if feeds_barrier && !streamed {
             return false;
         }
