@@ -162,6 +162,8 @@ pub struct OperatorExec {
     stats: Arc<OperatorStats>,
     /// Accelerator functions the operator runs, with what each worker occupies.
     workers: Vec<String>,
+    /// Producers of the join probe inputs the operator streams.
+    streams: Vec<usize>,
 }
 
 /// `name(accelerators=A, cpu_threads=T)` for each accelerator function `plan` calls.
@@ -216,6 +218,13 @@ impl OperatorExec {
             tasks_hint: op.splits.iter().sum(),
             fragment: Arc::clone(&op.fragment),
             stats: Arc::clone(&op.stats),
+            streams: op
+                .inputs
+                .iter()
+                .zip(&op.streamed_inputs)
+                .filter(|(_, streamed)| **streamed)
+                .map(|(producer, _)| *producer)
+                .collect(),
         }
     }
 }
@@ -235,6 +244,10 @@ impl DisplayAs for OperatorExec {
                 }
                 if !self.workers.is_empty() {
                     write!(f, ", workers=[{}]", self.workers.join(", "))?;
+                }
+                if !self.streams.is_empty() {
+                    let ids: Vec<String> = self.streams.iter().map(|p| p.to_string()).collect();
+                    write!(f, ", streams_probe_from=[{}]", ids.join(", "))?;
                 }
                 Ok(())
             }

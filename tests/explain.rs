@@ -6,6 +6,11 @@ use datafusion::prelude::SessionConfig;
 use flumen::FlumenConfig;
 
 async fn explain(sql: &str) -> String {
+    explain_with(&[], sql).await
+}
+
+/// EXPLAIN of `sql` after the statements in `settings` (and the tables `t` and `d`).
+async fn explain_with(settings: &[&str], sql: &str) -> String {
     let ctx = flumen::session_with_config(
         SessionConfig::new().with_target_partitions(2),
         FlumenConfig::default(),
@@ -16,7 +21,10 @@ async fn explain(sql: &str) -> String {
         "SET datafusion.explain.physical_plan_only = true",
         "CREATE TABLE t AS SELECT x AS id, x % 7 AS k FROM generate_series(1, 100) AS g(x)",
         "CREATE TABLE d AS VALUES (0, 'zero'), (1, 'one')",
-    ] {
+    ]
+    .iter()
+    .chain(settings)
+    {
         ctx.sql(setup).await.unwrap().collect().await.unwrap();
     }
     let batches = ctx
@@ -37,6 +45,21 @@ async fn explain_group_by_shows_operators_cut_at_the_hash_exchange() {
 #[tokio::test]
 async fn explain_order_by_limit_shows_merge_of_sorted_runs() {
     insta::assert_snapshot!(explain("SELECT id FROM t ORDER BY id DESC LIMIT 3").await);
+}
+
+/// A partitioned join streams its probe input: `streams_probe_from` names the operator.
+#[tokio::test]
+async fn explain_partitioned_join_shows_the_streamed_probe_input() {
+    insta::assert_snapshot!(
+        explain_with(
+            &[
+                "SET datafusion.optimizer.hash_join_single_partition_threshold = 0",
+                "SET datafusion.optimizer.hash_join_single_partition_threshold_rows = 0",
+            ],
+            "SELECT a.id, b.k FROM t a JOIN t b ON a.id = b.id WHERE a.k = 3"
+        )
+        .await
+    );
 }
 
 #[tokio::test]
