@@ -21,10 +21,7 @@ use flumen::operators::Pool;
 use flumen::{AcceleratorFunction, AcceleratorWorker, BlockDropper, FlumenConfig, accelerator_udf};
 
 async fn check_all(settings: &[&str]) {
-    let dir = tempfile::tempdir().unwrap();
-    write_events(dir.path(), 3, 20_000);
-    let v = vanilla();
-    register_tables(&v, dir.path()).await;
+    let (dir, v) = events_with_vanilla(3, 20_000).await;
     let f = flumen_ctx(settings).await;
     register_tables(&f, dir.path()).await;
     for sql in QUERIES {
@@ -70,10 +67,7 @@ async fn current_thread_runtime_works() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn dropped_blocks_are_recomputed_from_lineage() {
-    let dir = tempfile::tempdir().unwrap();
-    write_events(dir.path(), 2, 20_000);
-    let v = vanilla();
-    register_tables(&v, dir.path()).await;
+    let (dir, v) = events_with_vanilla(2, 20_000).await;
 
     let dropped = Arc::new(AtomicUsize::new(0));
     let counter = Arc::clone(&dropped);
@@ -697,10 +691,7 @@ fn streamed_producers(graph: &flumen::operators::OperatorGraph) -> Vec<usize> {
 /// with an empty build side it never runs at all, as under DataFusion's own executor.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_join_streams_its_probe_side_and_skips_it_after_an_empty_build() {
-    let dir = tempfile::tempdir().unwrap();
-    write_events(dir.path(), 3, 20_000);
-    let v = vanilla();
-    register_tables(&v, dir.path()).await;
+    let (dir, v) = events_with_vanilla(3, 20_000).await;
     let f = partitioned_join_ctx(SessionConfig::new().with_target_partitions(2)).await;
     register_tables(&f, dir.path()).await;
     for (sql, build_empty) in [
@@ -736,10 +727,7 @@ async fn a_join_streams_its_probe_side_and_skips_it_after_an_empty_build() {
 /// it was read is recomputed from its source split, and the answer does not change.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_lost_probe_block_is_recomputed() {
-    let dir = tempfile::tempdir().unwrap();
-    write_events(dir.path(), 2, 20_000);
-    let v = vanilla();
-    register_tables(&v, dir.path()).await;
+    let (dir, v) = events_with_vanilla(2, 20_000).await;
     // The operator to drop blocks of is known only once the query is planned.
     let target = Arc::new(AtomicUsize::new(usize::MAX));
     let seen = Arc::new(AtomicUsize::new(0));

@@ -8,7 +8,10 @@ use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use common::{QUERIES, assert_same, register_tables, rows, run_plan, vanilla, write_events};
+use common::{
+    QUERIES, assert_same, events_with_vanilla, register_tables, rows, run_plan, vanilla,
+    write_events,
+};
 use datafusion::prelude::{SessionConfig, SessionContext};
 use flumen::exec::FlumenExec;
 use flumen::worker::WorkerKind;
@@ -79,10 +82,7 @@ fn signal_at_block(
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn process_workers_answer_like_vanilla() {
-    let dir = tempfile::tempdir().unwrap();
-    write_events(dir.path(), 3, 20_000);
-    let v = vanilla();
-    register_tables(&v, dir.path()).await;
+    let (dir, v) = events_with_vanilla(3, 20_000).await;
     let f = session(process_config(2), None);
     f.sql("SET flumen.split_bytes = '64KB'").await.unwrap();
     register_tables(&f, dir.path()).await;
@@ -114,10 +114,7 @@ async fn process_workers_answer_like_vanilla() {
 /// must be recomputed from lineage, and only those.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_worker_killed_mid_query_costs_only_its_blocks() {
-    let dir = tempfile::tempdir().unwrap();
-    write_events(dir.path(), 3, 20_000);
-    let v = vanilla();
-    register_tables(&v, dir.path()).await;
+    let (dir, v) = events_with_vanilla(3, 20_000).await;
     let armed = Arc::new(AtomicBool::new(false));
     let killed = Arc::new(Mutex::new(None::<(u32, Instant)>));
     let seen = Arc::new(AtomicUsize::new(0));
@@ -225,10 +222,7 @@ async fn chaos_random_worker_kills_never_change_an_answer() {
         .is_test(true)
         .format_timestamp_millis()
         .try_init();
-    let dir = tempfile::tempdir().unwrap();
-    write_events(dir.path(), 4, 25_000);
-    let v = vanilla();
-    register_tables(&v, dir.path()).await;
+    let (dir, v) = events_with_vanilla(4, 25_000).await;
     // Two accelerator workers, and more retries than the default: a task can land on
     // worker after worker that the killer picks next.
     let mut config = process_config(2);
@@ -571,10 +565,7 @@ async fn an_accelerator_worker_killed_mid_embedding_costs_only_its_blocks() {
 /// query still answers like vanilla DataFusion, within seconds rather than never.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_hung_worker_misses_its_heartbeat_and_is_replaced() {
-    let dir = tempfile::tempdir().unwrap();
-    write_events(dir.path(), 3, 20_000);
-    let v = vanilla();
-    register_tables(&v, dir.path()).await;
+    let (dir, v) = events_with_vanilla(3, 20_000).await;
     let (dropper, stopped) = signal_at_block(3, libc::SIGSTOP, None);
     let f = session(process_config(2), Some(dropper));
     f.sql("SET flumen.split_bytes = '64KB'").await.unwrap();
@@ -615,10 +606,7 @@ async fn a_hung_worker_misses_its_heartbeat_and_is_replaced() {
 /// lost, and only their map tasks run again.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_worker_killed_during_an_exchange_loses_only_its_map_outputs() {
-    let dir = tempfile::tempdir().unwrap();
-    write_events(dir.path(), 3, 20_000);
-    let v = vanilla();
-    register_tables(&v, dir.path()).await;
+    let (dir, v) = events_with_vanilla(3, 20_000).await;
     let (dropper, killed) = signal_at_block(12, libc::SIGKILL, None);
     let f = session(process_config(2), Some(dropper));
     f.sql("SET flumen.split_bytes = '32KB'").await.unwrap();

@@ -89,6 +89,19 @@ pub async fn register_tables(ctx: &SessionContext, dir: &Path) {
     .unwrap();
 }
 
+/// `files` event files of `rows_per_file` rows in a fresh temp dir, and a vanilla context
+/// with the test tables registered over them (keep the dir while the tables are used).
+pub async fn events_with_vanilla(
+    files: usize,
+    rows_per_file: usize,
+) -> (tempfile::TempDir, SessionContext) {
+    let dir = tempfile::tempdir().unwrap();
+    write_events(dir.path(), files, rows_per_file);
+    let v = vanilla();
+    register_tables(&v, dir.path()).await;
+    (dir, v)
+}
+
 /// A vanilla DataFusion context with two target partitions.
 pub fn vanilla() -> SessionContext {
     SessionContext::new_with_config(SessionConfig::new().with_target_partitions(2))
