@@ -203,7 +203,12 @@ fn repl_keeps_running_after_errors_and_ctrl_c() {
 #[test]
 fn s3_tables_on_a_loopback_server() {
     let Some(server) = S3Server::start() else {
-        println!("skipped: moto_server not found (run tests/install-test-tools.sh)");
+        // Straight to stderr: the test harness captures `println!`.
+        use std::io::Write;
+        let _ = writeln!(
+            std::io::stderr(),
+            "skipped: moto_server not found (run tests/install-test-tools.sh)"
+        );
         return;
     };
     server.create_bucket("flumen-test");

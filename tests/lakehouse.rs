@@ -70,7 +70,7 @@ fn local_tables() -> Option<&'static (PathBuf, Value)> {
 }
 
 fn skipped() {
-    println!("skipped: no Python with deltalake and pyiceberg (run tests/install-test-tools.sh)");
+    common::report_skip("no Python with deltalake and pyiceberg (run tests/install-test-tools.sh)");
 }
 
 fn ctx() -> SessionContext {
@@ -464,7 +464,7 @@ async fn lakehouse_tables_on_a_loopback_s3_server() {
         return skipped();
     };
     let Some(server) = S3Server::start() else {
-        println!("skipped: moto_server not found (run tests/install-test-tools.sh)");
+        common::report_skip("moto_server not found (run tests/install-test-tools.sh)");
         return;
     };
     server.create_bucket("lake");

@@ -102,6 +102,13 @@ pub async fn events_with_vanilla(
     (dir, v)
 }
 
+/// Say that a test was skipped, and why, where the test log shows it: straight to the
+/// process's stderr, which the test harness does not capture (it captures `println!`).
+pub fn report_skip(why: &str) {
+    use std::io::Write;
+    let _ = writeln!(std::io::stderr(), "skipped: {why}");
+}
+
 /// A vanilla DataFusion context with two target partitions.
 pub fn vanilla() -> SessionContext {
     SessionContext::new_with_config(SessionConfig::new().with_target_partitions(2))
