@@ -218,13 +218,7 @@ impl OperatorExec {
             tasks_hint: op.splits.iter().sum(),
             fragment: Arc::clone(&op.fragment),
             stats: Arc::clone(&op.stats),
-            streams: op
-                .inputs
-                .iter()
-                .zip(&op.streamed_inputs)
-                .filter(|(_, streamed)| **streamed)
-                .map(|(producer, _)| *producer)
-                .collect(),
+            streams: op.streamed_producers().collect(),
         }
     }
 }

@@ -118,6 +118,15 @@ pub struct Operator {
 }
 
 impl Operator {
+    /// Producers of the inputs this operator streams (see [`Operator::streamed_inputs`]).
+    pub fn streamed_producers(&self) -> impl Iterator<Item = OperatorId> + '_ {
+        self.inputs
+            .iter()
+            .zip(&self.streamed_inputs)
+            .filter(|(_, streamed)| **streamed)
+            .map(|(producer, _)| *producer)
+    }
+
     /// Number of partitions the fragment produces.
     pub fn partitions(&self) -> usize {
         self.fragment.output_partitioning().partition_count()

@@ -1,12 +1,12 @@
 //! The streaming batch scheduler: one run of an operator graph.
 //!
-//! One scheduler loop owns the ready tasks of every operator and the free slots of each
-//! pool. Whenever something changes (a block is produced or released, a task ends) it
-//! creates the tasks that became ready and launches as many as slots allow, picking the
-//! most downstream operator first so blocks drain, and holding back an operator whose
-//! unconsumed output is over its share of the memory budget (backpressure). If nothing at
-//! all is running, it launches the most downstream ready task anyway, so a run can never
-//! stall with idle pools.
+//! The run's state (under one lock) holds the ready tasks of every operator and the free
+//! slots of each pool. Whenever something changes (a block is produced or released, a task
+//! ends, an input is asked for) the thread that changed it schedules: it creates the tasks
+//! that became ready and launches as many as slots allow, picking the most downstream
+//! operator first so blocks drain, and holding back an operator whose unconsumed output is
+//! over its share of the memory budget (backpressure). If nothing can make progress, it
+//! launches the most downstream ready task anyway, so a run can never stall with idle pools.
 
 use std::collections::{HashMap, HashSet};
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -143,9 +143,6 @@ struct RunState {
     /// Accelerator workers this run may use now: grows towards `flumen.accelerator_slots`
     /// while accelerator tasks wait on busy workers.
     accelerator_target: usize,
-    /// The scheduler changed what readers can see (tasks created, partitions closed,
-    /// operators completed): wake them once it lets go of the lock.
-    dirty: bool,
     /// Running tasks of streaming operators (they take no slot).
     streaming_running: usize,
     /// Streaming tasks' block readers waiting for a block that is not there yet.
@@ -211,7 +208,7 @@ fn static_slots(graph: &OperatorGraph, config: &FlumenConfig) -> Vec<usize> {
 }
 
 impl QueryRun {
-    /// Start running `graph`: creates the source tasks and spawns the scheduler loop.
+    /// Start running `graph`: creates the source tasks and launches the first of them.
     pub fn start(graph: Arc<OperatorGraph>, base: Arc<TaskContext>) -> Result<Arc<Self>> {
         let config = base
             .session_config()
@@ -310,7 +307,9 @@ impl QueryRun {
     }
 
     /// Something the scheduler decides on changed (a block produced or released, a task
-    /// ended, an input asked for): schedule at once on this thread, then wake the readers.
+    /// ended, an input asked for): schedule at once on this thread, then wake the readers
+    /// (they may wait for what changed, or for tasks created, partitions closed or
+    /// operators completed just now).
     /// Scheduling where the change happens costs no thread switch, where a scheduler loop
     /// of its own would be woken (and would wake a runtime thread to launch) per block.
     pub(crate) fn changed(self: &Arc<Self>) {
@@ -324,32 +323,20 @@ impl QueryRun {
         self.graph.root().shape == TaskShape::Barrier
     }
 
-    /// Create ready tasks and launch what slots and memory allow. Returns true when the run
-    /// has nothing left to schedule.
-    fn schedule(self: &Arc<Self>) -> bool {
+    /// Create ready tasks and launch what slots and memory allow.
+    fn schedule(self: &Arc<Self>) {
         let mut launches = vec![];
-        let (finished, dirty) = {
+        {
             let mut st = self.state.lock().unwrap();
             if st.error.is_some() || st.cancelled {
-                return true;
+                return;
             }
             self.create_tasks(&mut st);
             self.pick_launches(&mut st, &mut launches);
-            let dirty = std::mem::take(&mut st.dirty);
-            let skip_root = self.root_runs_in_output();
-            let finished = self.graph.operators.iter().all(|op| {
-                (skip_root && op.id == self.graph.root().id) || st.operators[op.id].complete
-            });
-            (finished, dirty)
-        };
+        }
         for task in launches {
             self.launch(task);
         }
-        if dirty {
-            // Readers may be waiting for exactly what was just created or closed.
-            self.notify();
-        }
-        finished
     }
 
     fn create_tasks(&self, st: &mut RunState) {
@@ -379,7 +366,6 @@ impl QueryRun {
                             ps.closed = true;
                         }
                         st.operators[op.id].started = true;
-                        st.dirty = true;
                     }
                 }
                 TaskShape::BlockWise => self.create_block_tasks(st, op.id),
@@ -417,7 +403,6 @@ impl QueryRun {
             });
             if skipped {
                 st.operators[op.id].complete = true;
-                st.dirty = true;
             }
         }
     }
@@ -462,7 +447,6 @@ impl QueryRun {
                 if inputs.is_empty() {
                     if ended {
                         st.operators[op_id].partitions[p].closed = true;
-                        st.dirty = true;
                     }
                     break;
                 }
@@ -483,7 +467,6 @@ impl QueryRun {
                     consumed: vec![],
                 });
                 st.operators[op_id].partitions[p].tasks.push(id);
-                st.dirty = true;
                 if ended {
                     st.operators[op_id].partitions[p].closed = true;
                     break;
@@ -646,7 +629,6 @@ impl QueryRun {
         });
         if done {
             st.operators[op_id].complete = true;
-            st.dirty = true;
         }
     }
 
@@ -754,11 +736,7 @@ impl QueryRun {
         let consumer = self.graph.consumer[op_id].map(|c| &self.graph.operators[c]);
         // A streamed input is released as it is read, so its queue can be bounded.
         let streamed = consumer.is_some_and(|c| {
-            self.streams_inputs(c.id)
-                && c.inputs
-                    .iter()
-                    .zip(&c.streamed_inputs)
-                    .any(|(p, s)| *p == op_id && *s)
+            self.streams_inputs(c.id) && c.streamed_producers().any(|p| p == op_id)
         });
         let feeds_barrier =
             consumer.is_some_and(|c| c.shape == TaskShape::Barrier && c.id != self.graph.root().id);
