@@ -1,6 +1,6 @@
 //! TPC-H through vanilla DataFusion and through flumen, in the same run.
 //!
-//! `cargo bench --bench tpch [-- --sf 1 --runs 2 --mode streaming --queries 5,18 --analyze --only flumen --split-bytes 16MB]`
+//! `cargo bench --bench tpch [-- --sf 1 --runs 2 --mode streaming --queries 5,18 --analyze --only flumen --split-bytes 16MB --aggregate-split-bytes 64MB]`
 //!
 //! Generates the TPC-H tables as Parquet with tpchgen (no downloads) under
 //! `target/tpch-sf<SF>/`, then runs the 22 queries (their text is read from the TPC-H files
@@ -152,6 +152,12 @@ fn cpu_seconds() -> f64 {
 /// Run a query's statements; returns (seconds, rows of the last result, peak block-store
 /// bytes when it ran on flumen).
 async fn run(ctx: &SessionContext, statements: &[String]) -> Result<(f64, usize, u64)> {
+    if let Some(ms) = std::env::var("TPCH_SLEEP_MS")
+        .ok()
+        .and_then(|s| s.parse().ok())
+    {
+        tokio::time::sleep(std::time::Duration::from_millis(ms)).await;
+    }
     let started = Instant::now();
     let cpu_started = cpu_seconds();
     let mut rows = 0;
@@ -205,6 +211,9 @@ async fn main() -> Result<()> {
     if let Some(bytes) = arg("--split-bytes") {
         flumen_config.split_bytes = bytes.parse()?;
     }
+    if let Some(bytes) = arg("--aggregate-split-bytes") {
+        flumen_config.aggregate_split_bytes = bytes.parse()?;
+    }
     let budget = flumen_config.memory_budget;
     let flumen = flumen::session_with_config(config(), flumen_config);
     register(&vanilla, &dir).await?;
@@ -221,16 +230,26 @@ async fn main() -> Result<()> {
         let mut best_v = f64::MAX;
         let mut best_f = f64::MAX;
         let mut peak = 0;
-        for _ in 0..runs {
+        for i in 0..runs {
             // `--only vanilla|flumen` (for a profiler): the other engine does not run.
-            let (tv, rows_v, _) = match only.as_deref() {
-                Some("flumen") => (f64::MAX, 0, 0),
-                _ => run(&vanilla, &statements).await?,
+            let run_vanilla = only.as_deref() != Some("flumen");
+            let run_flumen = only.as_deref() != Some("vanilla");
+            // The engines take turns going first (ABBA), so neither always runs right
+            // after the other (caches, allocator state) and any order effect cancels out.
+            let flumen_first = i % 2 == 1;
+            let mut flumen_result = (f64::MAX, 0, 0);
+            if run_flumen && flumen_first {
+                flumen_result = run(&flumen, &statements).await?;
+            }
+            let (tv, rows_v, _) = if run_vanilla {
+                run(&vanilla, &statements).await?
+            } else {
+                (f64::MAX, 0, 0)
             };
-            let (tf, rows_f, p) = match only.as_deref() {
-                Some("vanilla") => (f64::MAX, 0, 0),
-                _ => run(&flumen, &statements).await?,
-            };
+            if run_flumen && !flumen_first {
+                flumen_result = run(&flumen, &statements).await?;
+            }
+            let (tf, rows_f, p) = flumen_result;
             if only.is_none() {
                 assert_eq!(
                     rows_v, rows_f,

@@ -207,6 +207,10 @@ extensions_options! {
         pub target_block_rows: usize, default = 8192
         /// Bytes of a Parquet file a source task reads (its split), so tasks stay small.
         pub split_bytes: ByteSize, default = ByteSize(4 << 20)
+        /// Split size of a scan that feeds a partial aggregate with GROUP BY (at least
+        /// `split_bytes`): each task's partial aggregate emits one row per group it saw, so
+        /// small splits multiply the rows the final aggregate gets.
+        pub aggregate_split_bytes: ByteSize, default = ByteSize(256 << 20)
         /// Show flumen's operators in `EXPLAIN` (off: DataFusion's own plan text).
         pub explain_operators: bool, default = true
         /// Where model UDFs compute: `auto` (CUDA when present, else CPU), `cpu` or `cuda`.

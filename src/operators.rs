@@ -355,7 +355,15 @@ impl Cutter<'_> {
             TaskShape::Barrier
         };
         let (fragment, splits) = if shape == TaskShape::Source && all_row_local {
-            split_sources(fragment, self.config.split_bytes.0, self.layout)?
+            let split_bytes = if has_grouped_partial_aggregate(&fragment) {
+                self.config
+                    .aggregate_split_bytes
+                    .0
+                    .max(self.config.split_bytes.0)
+            } else {
+                self.config.split_bytes.0
+            };
+            split_sources(fragment, split_bytes, self.layout)?
         } else {
             let n = fragment.output_partitioning().partition_count();
             (fragment, vec![1; n])
@@ -502,6 +510,18 @@ fn is_row_local(node: &Arc<dyn ExecutionPlan>) -> bool {
                 .all(|d| matches!(d, Distribution::UnspecifiedDistribution));
     }
     node.downcast_ref::<SplitSourceExec>().is_some()
+}
+
+/// Whether `plan` holds a partial aggregate with GROUP BY: its output grows with the groups
+/// each task sees, not with the rows it reads.
+fn has_grouped_partial_aggregate(plan: &Arc<dyn ExecutionPlan>) -> bool {
+    let own = plan.downcast_ref::<AggregateExec>().is_some_and(|agg| {
+        *agg.mode() == AggregateMode::Partial && !agg.group_expr().expr().is_empty()
+    });
+    own || plan
+        .children()
+        .into_iter()
+        .any(has_grouped_partial_aggregate)
 }
 
 /// Replace a Parquet scan without declared ordering by a [`SplitSourceExec`] whose tasks

@@ -13,7 +13,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use datafusion::arrow::compute::concat_batches;
+use datafusion::arrow::compute::{BatchCoalescer, concat_batches};
 use datafusion::arrow::record_batch::RecordBatch;
 use datafusion::error::{DataFusionError, Result};
 use datafusion::execution::{SendableRecordBatchStream, TaskContext};
@@ -51,6 +51,36 @@ struct TaskRecord {
     outputs: Vec<BlockId>,
     /// Input blocks read, released when the task ends.
     consumed: Vec<BlockId>,
+    /// Rows of this task's output blocks not yet released (read by every reader).
+    held_rows: u64,
+    /// Time spent paused by in-task backpressure (not counted as busy).
+    paused_ns: u64,
+    /// Resumed to keep the run live: runs to its end without pausing again.
+    unpausable: bool,
+}
+
+impl TaskRecord {
+    fn new(operator: OperatorId, partition: usize, kind: TaskKind) -> Self {
+        Self {
+            operator,
+            partition,
+            kind,
+            status: TaskStatus::Pending,
+            outputs: vec![],
+            consumed: vec![],
+            held_rows: 0,
+            paused_ns: 0,
+            unpausable: false,
+        }
+    }
+}
+
+/// A running task paused by in-task backpressure: it gave up its slot and waits for the
+/// scheduler to hand one back.
+#[derive(Debug)]
+struct PausedTask {
+    task: TaskId,
+    resume: tokio::sync::oneshot::Sender<()>,
 }
 
 #[derive(Debug, Default)]
@@ -82,6 +112,8 @@ struct OperatorState {
     next_partition: usize,
     /// A task has asked for this operator's blocks (opens the gate of a streamed input).
     demanded: bool,
+    /// Running tasks paused because their output is too far ahead of its reader.
+    paused: Vec<PausedTask>,
     backpressured_since: Option<Instant>,
 }
 
@@ -116,6 +148,9 @@ struct Cursor {
     task_index: usize,
     out_index: usize,
     log_index: usize,
+    /// `Interleaved`: position in each task of the current round, and which have ended.
+    round_out: Vec<usize>,
+    round_done: Vec<bool>,
     /// The stream reading through this cursor returned an error and ends.
     failed: bool,
 }
@@ -186,6 +221,44 @@ pub struct QueryRun {
     pub(crate) worker_restarts: Mutex<HashMap<WorkerKind, (u64, u64)>>,
 }
 
+/// Where a running task's output blocks go: the store, or (recomputing) back to the caller
+/// as `(seq, tag, batch)`.
+struct TaskOutput<'a> {
+    run: &'a Arc<QueryRun>,
+    task: TaskId,
+    op_id: OperatorId,
+    partition: usize,
+    capture: bool,
+    /// Blocks emitted so far (the next block's position in the task's output).
+    seq: usize,
+    captured: Vec<(usize, usize, RecordBatch)>,
+}
+
+impl TaskOutput<'_> {
+    /// One output block for output partition `tag`.
+    fn emit(&mut self, tag: usize, block: RecordBatch) -> Result<()> {
+        if block.num_rows() == 0 {
+            return Ok(());
+        }
+        if self.capture {
+            self.captured.push((self.seq, tag, block));
+        } else {
+            let bytes = block_bytes(&block);
+            self.run.put_block(
+                self.task,
+                self.op_id,
+                self.partition,
+                self.seq,
+                tag,
+                block,
+                bytes,
+            )?;
+        }
+        self.seq += 1;
+        Ok(())
+    }
+}
+
 /// The fixed slots of each operator under `flumen.mode = 'static'`: the CPU slots split
 /// evenly over the CPU operators that run tasks (an operator run by the output's consumer
 /// counts, since its work takes a core too), at least one each; every accelerator operator
@@ -254,14 +327,9 @@ impl QueryRun {
                 for (p, splits) in op.splits.iter().enumerate() {
                     for split in 0..*splits {
                         let id = state.tasks.len();
-                        state.tasks.push(TaskRecord {
-                            operator: op.id,
-                            partition: p,
-                            kind: TaskKind::Source { split },
-                            status: TaskStatus::Pending,
-                            outputs: vec![],
-                            consumed: vec![],
-                        });
+                        state
+                            .tasks
+                            .push(TaskRecord::new(op.id, p, TaskKind::Source { split }));
                         os.partitions[p].tasks.push(id);
                     }
                     os.partitions[p].closed = true;
@@ -312,9 +380,11 @@ impl QueryRun {
     /// operators completed just now).
     /// Scheduling where the change happens costs no thread switch, where a scheduler loop
     /// of its own would be woken (and would wake a runtime thread to launch) per block.
-    pub(crate) fn changed(self: &Arc<Self>) {
-        self.schedule();
+    /// Returns how many tasks it started or resumed.
+    pub(crate) fn changed(self: &Arc<Self>) -> usize {
+        let started = self.schedule();
         self.notify();
+        started
     }
 
     /// True when the root operator is run by the consumer of the output (its fragment is
@@ -323,20 +393,23 @@ impl QueryRun {
         self.graph.root().shape == TaskShape::Barrier
     }
 
-    /// Create ready tasks and launch what slots and memory allow.
-    fn schedule(self: &Arc<Self>) {
+    /// Create ready tasks and launch (or resume) what slots and memory allow; returns how
+    /// many tasks it launched or resumed.
+    fn schedule(self: &Arc<Self>) -> usize {
         let mut launches = vec![];
-        {
+        let resumed = {
             let mut st = self.state.lock().unwrap();
             if st.error.is_some() || st.cancelled {
-                return;
+                return 0;
             }
             self.create_tasks(&mut st);
-            self.pick_launches(&mut st, &mut launches);
-        }
+            self.pick_launches(&mut st, &mut launches)
+        };
+        let started = launches.len() + resumed;
         for task in launches {
             self.launch(task);
         }
+        started
     }
 
     fn create_tasks(&self, st: &mut RunState) {
@@ -353,14 +426,8 @@ impl QueryRun {
                     if ready && !st.operators[op.id].started {
                         for p in 0..op.partitions() {
                             let id = st.tasks.len();
-                            st.tasks.push(TaskRecord {
-                                operator: op.id,
-                                partition: p,
-                                kind: TaskKind::Partition,
-                                status: TaskStatus::Pending,
-                                outputs: vec![],
-                                consumed: vec![],
-                            });
+                            st.tasks
+                                .push(TaskRecord::new(op.id, p, TaskKind::Partition));
                             let ps = &mut st.operators[op.id].partitions[p];
                             ps.tasks.push(id);
                             ps.closed = true;
@@ -458,14 +525,8 @@ impl QueryRun {
                 }
                 cursor = probe;
                 let id = st.tasks.len();
-                st.tasks.push(TaskRecord {
-                    operator: op_id,
-                    partition: p,
-                    kind: TaskKind::Blocks { inputs },
-                    status: TaskStatus::Pending,
-                    outputs: vec![],
-                    consumed: vec![],
-                });
+                st.tasks
+                    .push(TaskRecord::new(op_id, p, TaskKind::Blocks { inputs }));
                 st.operators[op_id].partitions[p].tasks.push(id);
                 if ended {
                     st.operators[op_id].partitions[p].closed = true;
@@ -519,6 +580,8 @@ impl QueryRun {
             task_index: 0,
             out_index: 0,
             log_index: 0,
+            round_out: vec![],
+            round_done: vec![],
             failed: false,
         }
     }
@@ -540,8 +603,16 @@ impl QueryRun {
                 }
             },
             ReadOrder::Interleaved { partitions } => loop {
-                // `task_index` is the round, `part_index` the partition within it.
-                let Some(p) = partitions.get(cursor.part_index) else {
+                // `task_index` is the round: the round-th task of every partition. Its tasks
+                // run at once, so they are read a block from each in turn (always in the
+                // same order, waiting for a block rather than skipping ahead, so the order
+                // depends only on each task's output); `part_index` is whose turn it is.
+                let n = partitions.len();
+                if cursor.round_out.len() != n {
+                    cursor.round_out = vec![0; n];
+                    cursor.round_done = vec![false; n];
+                }
+                if cursor.round_done.iter().all(|d| *d) {
                     let round = cursor.task_index + 1;
                     let ended = partitions.iter().all(|p| {
                         let ps = &op.partitions[*p];
@@ -552,22 +623,30 @@ impl QueryRun {
                     }
                     cursor.task_index = round;
                     cursor.part_index = 0;
+                    cursor.round_out.iter_mut().for_each(|o| *o = 0);
+                    cursor.round_done.iter_mut().for_each(|d| *d = false);
                     continue;
-                };
-                let ps = &op.partitions[*p];
-                if let Some(task_id) = ps.tasks.get(cursor.task_index) {
-                    match Self::next_in_task(st, *task_id, cursor.tag, &mut cursor.out_index) {
-                        Next::End => {
-                            cursor.part_index += 1;
-                            cursor.out_index = 0;
+                }
+                let i = cursor.part_index % n;
+                if cursor.round_done[i] {
+                    cursor.part_index = (i + 1) % n;
+                    continue;
+                }
+                let ps = &op.partitions[partitions[i]];
+                match ps.tasks.get(cursor.task_index) {
+                    Some(task_id) => {
+                        match Self::next_in_task(st, *task_id, cursor.tag, &mut cursor.round_out[i])
+                        {
+                            Next::Block(id) => {
+                                cursor.part_index = (i + 1) % n;
+                                return Next::Block(id);
+                            }
+                            Next::End => cursor.round_done[i] = true,
+                            Next::Wait => return Next::Wait,
                         }
-                        next => return next,
                     }
-                } else if ps.closed {
-                    cursor.part_index += 1;
-                    cursor.out_index = 0;
-                } else {
-                    return Next::Wait;
+                    None if ps.closed => cursor.round_done[i] = true,
+                    None => return Next::Wait,
                 }
             },
             ReadOrder::Tasks { partitions } => loop {
@@ -632,8 +711,10 @@ impl QueryRun {
         }
     }
 
-    /// Operators in launch preference order: most downstream first.
-    fn pick_launches(&self, st: &mut RunState, launches: &mut Vec<TaskId>) {
+    /// Operators in launch preference order: most downstream first. Returns how many paused
+    /// tasks it resumed.
+    fn pick_launches(&self, st: &mut RunState, launches: &mut Vec<TaskId>) -> usize {
+        let mut resumed = 0;
         let mut slots = [self.config.cpu_slots, st.accelerator_target];
         let budget = self.store.budget();
         let share = budget / self.graph.operators.len().max(1) as u64;
@@ -651,7 +732,8 @@ impl QueryRun {
             let mut launched = false;
             for op in self.graph.operators.iter().rev() {
                 let os = &st.operators[op.id];
-                if !os.has_pending() || !self.gate_open(st, op.id) {
+                let resumable = self.resumable(st, op.id);
+                if !os.has_pending() && resumable.is_none() || !self.gate_open(st, op.id) {
                     continue;
                 }
                 let pool = pool_index(op.pool);
@@ -666,6 +748,16 @@ impl QueryRun {
                     self.accelerators.ensure_workers(slots[pool]);
                 }
                 if st.running[pool] >= slots[pool] && !(gang && st.running[pool] == 0) {
+                    continue;
+                }
+                if let Some(index) = resumable {
+                    self.resume(st, op.id, index, false);
+                    resumed += 1;
+                    launched = true;
+                    break;
+                }
+                if !st.operators[op.id].paused.is_empty() {
+                    // Its paused tasks resume before it starts another.
                     continue;
                 }
                 if self.config.mode == ExecMode::Static
@@ -702,8 +794,20 @@ impl QueryRun {
         // running task will produce. (A streaming task busy with blocks it has will release
         // them, or come to wait, and so reach this rule again.)
         let idle = st.running.iter().sum::<usize>() == 0;
-        if idle
-            && st.streaming_waiting >= st.streaming_running
+        let stalled = idle && st.streaming_waiting >= st.streaming_running;
+        if stalled
+            && let Some(op) = self
+                .graph
+                .operators
+                .iter()
+                .rev()
+                .find(|op| !st.operators[op.id].paused.is_empty())
+        {
+            // A paused task first: it was started before any pending one, so readers
+            // (which read in launch order) are likelier to wait on it.
+            self.resume(st, op.id, 0, true);
+            resumed += 1;
+        } else if stalled
             && let Some(op) = self
                 .graph
                 .operators
@@ -715,6 +819,86 @@ impl QueryRun {
             let n = if op.gang { usize::MAX } else { 1 };
             self.take_pending(st, op.id, n, launches);
         }
+        resumed
+    }
+
+    /// Index in `op`'s paused tasks of one whose readers caught up (its unread output fell
+    /// to half the pause threshold), if any.
+    fn resumable(&self, st: &RunState, op_id: OperatorId) -> Option<usize> {
+        let paused = &st.operators[op_id].paused;
+        if paused.is_empty() {
+            return None;
+        }
+        let resume_rows = self.pause_rows(op_id)? / 2;
+        paused
+            .iter()
+            .position(|p| st.tasks[p.task].held_rows <= resume_rows)
+    }
+
+    /// Hand a slot back to paused task `index` of `op`. `for_liveness`: it was resumed
+    /// because nothing else could make progress, so it runs to its end without pausing.
+    fn resume(&self, st: &mut RunState, op_id: OperatorId, index: usize, for_liveness: bool) {
+        let paused = st.operators[op_id].paused.remove(index);
+        st.running[pool_index(self.graph.operators[op_id].pool)] += 1;
+        if for_liveness {
+            st.tasks[paused.task].unpausable = true;
+        }
+        // A task aborted while paused dropped its receiver; its slot is freed when it ends.
+        let _ = paused.resume.send(());
+    }
+
+    /// Unread rows of its own output at which a running task of `op` pauses (in-task
+    /// backpressure), or `None` when its tasks never pause: only CPU tasks in streaming
+    /// mode whose output is read as it comes (by a per-block operator, a streamed join
+    /// input or the query's reader) do. Half of the output queue's bound, so the tasks of
+    /// one operator together stay near it however large a split is.
+    fn pause_rows(&self, op_id: OperatorId) -> Option<u64> {
+        let op = &self.graph.operators[op_id];
+        if self.config.mode != ExecMode::Streaming
+            || op.pool != Pool::Cpu
+            || self.streams_inputs(op_id)
+        {
+            return None;
+        }
+        let limit = self.output_queue_limit(op_id)?;
+        Some((limit / 2).max(self.config.target_block_rows.max(1) as u64))
+    }
+
+    /// In-task backpressure, as Ray Data's streaming generators pause: a task whose unread
+    /// output reached [`Self::pause_rows`] gives its slot back and waits until the
+    /// scheduler resumes it (its readers caught up and a slot is free), so a split of a
+    /// million rows does not pile up in the store ahead of a slower reader.
+    async fn pause_while_ahead(self: &Arc<Self>, task: TaskId) {
+        let resumed = {
+            let mut st = self.state.lock().unwrap();
+            let t = &st.tasks[task];
+            let op_id = t.operator;
+            if t.unpausable || st.error.is_some() || st.cancelled {
+                return;
+            }
+            match self.pause_rows(op_id) {
+                Some(rows) if t.held_rows >= rows => {}
+                _ => return,
+            }
+            let (resume, resumed) = tokio::sync::oneshot::channel();
+            st.running[pool_index(Pool::Cpu)] -= 1;
+            st.operators[op_id].paused.push(PausedTask { task, resume });
+            resumed
+        };
+        let since = Instant::now();
+        // Its slot is free: another task may run in it.
+        self.changed();
+        let resumed = resumed.await;
+        let waited = since.elapsed().as_nanos() as u64;
+        let mut st = self.state.lock().unwrap();
+        if resumed.is_err() {
+            // Not resumed by the scheduler (the run is ending): take the slot back so
+            // `task_finished` frees it.
+            st.running[pool_index(Pool::Cpu)] += 1;
+        }
+        st.tasks[task].paused_ns += waited;
+        let op = &self.graph.operators[st.tasks[task].operator];
+        OperatorStats::add(&op.stats.backpressure_ns, waited);
     }
 
     fn end_backpressure(&self, st: &mut RunState, op_id: OperatorId, now: Instant) {
@@ -734,31 +918,46 @@ impl QueryRun {
     /// operator (an all-to-all exchange) are never held back: their blocks spill instead.
     fn backpressured(&self, st: &RunState, op_id: OperatorId, share: u64) -> bool {
         let consumer = self.graph.consumer[op_id].map(|c| &self.graph.operators[c]);
-        // A streamed input is released as it is read, so its queue can be bounded.
-        let streamed = consumer.is_some_and(|c| {
-            self.streams_inputs(c.id) && c.streamed_producers().any(|p| p == op_id)
-        });
         let feeds_barrier =
             consumer.is_some_and(|c| c.shape == TaskShape::Barrier && c.id != self.graph.root().id);
-        if feeds_barrier && !streamed {
+        if feeds_barrier && !self.feeds_streamed_input(op_id) {
             return false;
         }
-        let producer_pool = self.graph.operators[op_id].pool;
-        let held_rows = st.operators[op_id].held_rows;
-        let queue_full = match consumer {
-            Some(c) => {
-                (c.shape == TaskShape::BlockWise || streamed)
-                    && held_rows >= self.queue_limit_rows(c.pool, producer_pool)
-            }
-            // The root's blocks wait for the query's reader, which reads like one CPU slot.
-            None => {
-                !self.root_runs_in_output()
-                    && held_rows >= self.queue_limit_rows(Pool::Cpu, producer_pool)
-            }
-        };
+        let queue_full = self
+            .output_queue_limit(op_id)
+            .is_some_and(|limit| st.operators[op_id].held_rows >= limit);
         queue_full
             || st.operators[op_id].held_bytes >= share
             || self.store.memory_bytes() >= self.store.budget()
+    }
+
+    /// Whether `op`'s output is a streamed input of its consumer: released as it is read,
+    /// so its queue can be bounded.
+    fn feeds_streamed_input(&self, op_id: OperatorId) -> bool {
+        self.graph.consumer[op_id].is_some_and(|c| {
+            self.streams_inputs(c)
+                && self.graph.operators[c]
+                    .streamed_producers()
+                    .any(|p| p == op_id)
+        })
+    }
+
+    /// The most rows of unread output `op` may queue when its reader consumes blocks as
+    /// they come: a per-block consumer, a streamed join input, or the query's reader
+    /// ([`Self::queue_limit_rows`]). `None` when its output is read whole by an exchange.
+    fn output_queue_limit(&self, op_id: OperatorId) -> Option<u64> {
+        let producer_pool = self.graph.operators[op_id].pool;
+        match self.graph.consumer[op_id].map(|c| &self.graph.operators[c]) {
+            Some(c) if c.shape == TaskShape::BlockWise || self.feeds_streamed_input(op_id) => {
+                Some(self.queue_limit_rows(c.pool, producer_pool))
+            }
+            Some(_) => None,
+            // The root's blocks wait for the query's reader, which reads like one CPU slot.
+            None if !self.root_runs_in_output() => {
+                Some(self.queue_limit_rows(Pool::Cpu, producer_pool))
+            }
+            None => None,
+        }
     }
 
     /// Rows of unconsumed input that keep a per-block consumer on `consumer` busy while its
@@ -926,7 +1125,11 @@ impl QueryRun {
         }
         st.operators[op_id].running -= 1;
         op.stats.running.fetch_sub(1, Ordering::Relaxed);
-        OperatorStats::add(&op.stats.busy_ns, started.elapsed().as_nanos() as u64);
+        let busy = started.elapsed().as_nanos() as u64;
+        OperatorStats::add(
+            &op.stats.busy_ns,
+            busy.saturating_sub(st.tasks[task].paused_ns),
+        );
         match result {
             Ok(()) => {
                 OperatorStats::add(&op.stats.tasks, 1);
@@ -961,8 +1164,10 @@ impl QueryRun {
             return;
         }
         meta.released = true;
-        let (op, bytes) = (meta.operator, meta.bytes);
+        let (op, bytes, task) = (meta.operator, meta.bytes, meta.task);
         let rows = if bytes > 0 { meta.rows as u64 } else { 0 };
+        let t = &mut st.tasks[task];
+        t.held_rows = t.held_rows.saturating_sub(rows);
         self.store.remove(id);
         self.forget_remote(id);
         let os = &mut st.operators[op];
@@ -1009,41 +1214,67 @@ impl QueryRun {
             None => None,
         };
         let target = self.config.target_block_rows.max(1);
-        let mut seq = 0;
-        let mut captured = vec![];
+        // A split output goes through one coalescer per output partition, as in
+        // DataFusion's RepartitionExec: blocks of `target` rows instead of a sliver per
+        // input batch, and string views compacted (a taken slice would otherwise keep
+        // every buffer of its input alive and make readers copy its strings again).
+        let mut coalescers: Vec<BatchCoalescer> = match &op.output_split {
+            Some(split) => (0..split.partition_count())
+                .map(|_| BatchCoalescer::new(op.fragment.schema(), target))
+                .collect(),
+            None => vec![],
+        };
+        let mut out = TaskOutput {
+            run: self,
+            task,
+            op_id,
+            partition,
+            capture,
+            seq: 0,
+            captured: vec![],
+        };
         while let Some(batch) = stream.next().await {
             let batch = batch?;
             if batch.num_rows() == 0 {
                 continue;
             }
-            let total_rows = batch.num_rows();
-            let mut offset = 0;
-            while offset < total_rows {
-                let len = target.min(total_rows - offset);
-                let piece = batch.slice(offset, len);
-                offset += len;
-                let pieces: Vec<(usize, RecordBatch)> = match &mut partitioner {
-                    Some(split) => split.partition_iter(piece)?.collect::<Result<_>>()?,
-                    None => vec![(partition, piece)],
-                };
-                for (tag, block) in pieces {
-                    let bytes = block_bytes(&block);
-                    if block.num_rows() == 0 {
-                        continue;
+            let produced = out.seq;
+            match &mut partitioner {
+                Some(split) => {
+                    for piece in split.partition_iter(batch)? {
+                        let (tag, piece) = piece?;
+                        let coalescer = &mut coalescers[tag];
+                        coalescer.push_batch(piece)?;
+                        while let Some(block) = coalescer.next_completed_batch() {
+                            out.emit(tag, block)?;
+                        }
                     }
-                    if capture {
-                        captured.push((seq, tag, block));
-                    } else {
-                        self.put_block(task, op_id, partition, seq, tag, block, bytes)?;
+                }
+                None => {
+                    let mut offset = 0;
+                    while offset < batch.num_rows() {
+                        let len = target.min(batch.num_rows() - offset);
+                        out.emit(partition, batch.slice(offset, len))?;
+                        offset += len;
                     }
-                    seq += 1;
                 }
             }
-            if !capture {
+            if !capture && out.seq > produced {
                 self.changed();
+                self.pause_while_ahead(task).await;
             }
         }
-        Ok(captured)
+        let produced = out.seq;
+        for (tag, coalescer) in coalescers.iter_mut().enumerate() {
+            coalescer.finish_buffered_batch()?;
+            while let Some(block) = coalescer.next_completed_batch() {
+                out.emit(tag, block)?;
+            }
+        }
+        if !capture && out.seq > produced {
+            self.changed();
+        }
+        Ok(out.captured)
     }
 
     #[allow(clippy::too_many_arguments)]
@@ -1107,6 +1338,9 @@ impl QueryRun {
                 },
             );
             st.tasks[task].outputs.push(id);
+            if held > 0 {
+                st.tasks[task].held_rows += rows as u64;
+            }
             let os = &mut st.operators[op_id];
             os.log.push(id);
             os.held_bytes += held;
@@ -1218,9 +1452,7 @@ impl QueryRun {
                             let batch = run.fetch(id).await;
                             cursor.failed = batch.is_err();
                             if matches!(reader, Reader::Output | Reader::StreamingTask(_)) {
-                                let mut st = run.state.lock().unwrap();
-                                run.release(&mut st, id);
-                                drop(st);
+                                run.release(&mut run.state.lock().unwrap(), id);
                                 run.changed();
                             }
                             return Some((batch, (run, cursor, rx, reader)));
@@ -1256,6 +1488,8 @@ impl QueryRun {
                 task_index: 0,
                 out_index: 0,
                 log_index: 0,
+                round_out: vec![],
+                round_done: vec![],
                 failed: false,
             };
             self.block_stream(cursor, Reader::Output, root.fragment.schema())

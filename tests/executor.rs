@@ -33,7 +33,11 @@ async fn check_all(settings: &[&str]) {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn streaming_matches_datafusion() {
-    check_all(&["SET flumen.split_bytes = '64KB'"]).await;
+    check_all(&[
+        "SET flumen.split_bytes = '64KB'",
+        "SET flumen.aggregate_split_bytes = '64KB'",
+    ])
+    .await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -46,6 +50,7 @@ async fn static_mode_matches_datafusion() {
     check_all(&[
         "SET flumen.mode = 'static'",
         "SET flumen.split_bytes = '64KB'",
+        "SET flumen.aggregate_split_bytes = '64KB'",
     ])
     .await;
 }
@@ -89,6 +94,9 @@ async fn dropped_blocks_are_recomputed_from_lineage() {
     .with_extension(Arc::new(dropper));
     let f = flumen::session_with_config(config, FlumenConfig::default());
     f.sql("SET flumen.split_bytes = '64KB'").await.unwrap();
+    f.sql("SET flumen.aggregate_split_bytes = '64KB'")
+        .await
+        .unwrap();
     f.sql("SET flumen.target_block_rows = 2000").await.unwrap();
     register_tables(&f, dir.path()).await;
 
@@ -788,4 +796,76 @@ async fn scans_split_on_row_group_boundaries() {
         assert_eq!(stats.tasks as usize, splits, "split_bytes {split_bytes}");
         assert_eq!(stats.blocks, stats.tasks, "an empty split at {split_bytes}");
     }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_grouped_partial_aggregate_reads_larger_splits() {
+    let dir = tempfile::tempdir().unwrap();
+    // 3 files of 20,000 rows in row groups of 5,000: 12 row groups.
+    write_events(dir.path(), 3, 20_000);
+    // A task's partial aggregate emits a row per group it saw (16 here), so row-group-sized
+    // tasks would send 12 x 16 rows to the final aggregate; larger splits send fewer.
+    for aggregate_split_bytes in ["1B", "256MB"] {
+        let f = flumen_ctx(&[
+            "SET flumen.split_bytes = '1B'",
+            &format!("SET flumen.aggregate_split_bytes = '{aggregate_split_bytes}'"),
+        ])
+        .await;
+        register_tables(&f, dir.path()).await;
+        let sql = "SELECT k, count(*) AS n FROM events GROUP BY k ORDER BY k";
+        let (batches, plan) = run_plan(&f, sql).await;
+        let counts = as_int64_array(batches[0].column(1)).unwrap();
+        assert_eq!(counts.iter().flatten().sum::<i64>(), 60_000);
+        let graph = plan.downcast_ref::<FlumenExec>().unwrap().graph();
+        let scan = &graph.operators[0];
+        let splits = scan.splits.iter().sum::<usize>();
+        if aggregate_split_bytes == "1B" {
+            assert_eq!(splits, 12, "one split per row group");
+        } else {
+            // At most one per file range DataFusion's file groups hold (3 files, 2 groups).
+            assert!(splits <= 4, "{splits} splits at {aggregate_split_bytes}");
+        }
+        assert_eq!(
+            scan.stats.snapshot().rows,
+            16 * splits as u64,
+            "partial aggregate rows at aggregate_split_bytes {aggregate_split_bytes}"
+        );
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_large_split_pauses_while_its_reader_is_behind() {
+    let dir = tempfile::tempdir().unwrap();
+    // One file read by one source task: 40,000 rows.
+    write_events(dir.path(), 1, 40_000);
+    let f = flumen_ctx(&[
+        "SET datafusion.optimizer.repartition_file_scans = false",
+        "SET flumen.target_block_rows = 1000",
+        "SET flumen.split_bytes = '64MB'",
+        "SET flumen.accelerator_slots = 1",
+    ])
+    .await;
+    register_tables(&f, dir.path()).await;
+    f.register_udf(accelerator_udf(WorkerName {
+        signature: Signature::any(1, Volatility::Volatile),
+        calls: Arc::new(AtomicUsize::new(0)),
+        max_rows: Arc::new(AtomicUsize::new(0)),
+        loads: Arc::new(AtomicUsize::new(0)),
+        delay: std::time::Duration::from_millis(10),
+    }));
+    let (batches, plan) = run_plan(&f, "SELECT worker_name(body) AS w FROM events").await;
+    assert_eq!(batches.iter().map(|b| b.num_rows()).sum::<usize>(), 40_000);
+    let graph = plan.downcast_ref::<FlumenExec>().unwrap().graph();
+    let source = graph.operators[0].stats.snapshot();
+    assert_eq!((source.tasks, source.rows), (1, 40_000));
+    // The task pauses once 3,000 of its rows are unread (half the 6,000-row queue of an
+    // accelerator consumer with 1 slot fed by 2 CPU slots): about a tenth of its output
+    // is held at once; a task that ran on regardless would hold nearly all of it.
+    let held_fraction = source.peak_bytes as f64 / source.bytes as f64;
+    assert!(
+        held_fraction < 0.25,
+        "the source task held {:.0}% of its output at once",
+        100.0 * held_fraction
+    );
+    assert!(source.backpressure_ns > 0, "the task never paused");
 }

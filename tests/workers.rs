@@ -85,6 +85,10 @@ async fn process_workers_answer_like_vanilla() {
     let (dir, v) = events_with_vanilla(3, 20_000).await;
     let f = session(process_config(2), None);
     f.sql("SET flumen.split_bytes = '64KB'").await.unwrap();
+    // Small splits under the GROUP BY below too, so many tasks go to the workers.
+    f.sql("SET flumen.aggregate_split_bytes = '64KB'")
+        .await
+        .unwrap();
     register_tables(&f, dir.path()).await;
     for sql in QUERIES {
         assert_same(&v, &f, sql).await;
@@ -136,6 +140,9 @@ async fn a_worker_killed_mid_query_costs_only_its_blocks() {
     let f = session(process_config(2), Some(dropper));
     f.sql("SET flumen.mode = 'batch'").await.unwrap();
     f.sql("SET flumen.split_bytes = '64KB'").await.unwrap();
+    f.sql("SET flumen.aggregate_split_bytes = '64KB'")
+        .await
+        .unwrap();
     f.sql("SET flumen.target_block_rows = 2000").await.unwrap();
     register_tables(&f, dir.path()).await;
     for sql in [
@@ -569,6 +576,9 @@ async fn a_hung_worker_misses_its_heartbeat_and_is_replaced() {
     let (dropper, stopped) = signal_at_block(3, libc::SIGSTOP, None);
     let f = session(process_config(2), Some(dropper));
     f.sql("SET flumen.split_bytes = '64KB'").await.unwrap();
+    f.sql("SET flumen.aggregate_split_bytes = '64KB'")
+        .await
+        .unwrap();
     f.sql("SET flumen.target_block_rows = 2000").await.unwrap();
     register_tables(&f, dir.path()).await;
     let sql = "SELECT k, count(*), round(sum(v), 6) FROM events GROUP BY k ORDER BY k";
