@@ -152,12 +152,6 @@ fn cpu_seconds() -> f64 {
 /// Run a query's statements; returns (seconds, rows of the last result, peak block-store
 /// bytes when it ran on flumen).
 async fn run(ctx: &SessionContext, statements: &[String]) -> Result<(f64, usize, u64)> {
-    if let Some(ms) = std::env::var("TPCH_SLEEP_MS")
-        .ok()
-        .and_then(|s| s.parse().ok())
-    {
-        tokio::time::sleep(std::time::Duration::from_millis(ms)).await;
-    }
     let started = Instant::now();
     let cpu_started = cpu_seconds();
     let mut rows = 0;
