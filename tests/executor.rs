@@ -560,25 +560,12 @@ async fn cpu_work_inside_a_model_call_runs_on_the_cpu_pool() {
 async fn a_slow_model_holds_back_its_producer() {
     let dir = tempfile::tempdir().unwrap();
     write_events(dir.path(), 2, 20_000);
-    let f = flumen_ctx(&[
-        "SET flumen.target_block_rows = 1000",
-        "SET flumen.split_bytes = '16KB'",
-        "SET flumen.accelerator_slots = 1",
-    ])
+    let source = source_feeding_a_slow_model(
+        dir.path(),
+        &["SET flumen.split_bytes = '16KB'"],
+        std::time::Duration::from_millis(15),
+    )
     .await;
-    register_tables(&f, dir.path()).await;
-    f.register_udf(accelerator_udf(WorkerName {
-        signature: Signature::any(1, Volatility::Volatile),
-        calls: Arc::new(AtomicUsize::new(0)),
-        max_rows: Arc::new(AtomicUsize::new(0)),
-        loads: Arc::new(AtomicUsize::new(0)),
-        delay: std::time::Duration::from_millis(15),
-    }));
-    let (batches, plan) = run_plan(&f, "SELECT worker_name(body) AS w FROM events").await;
-    assert_eq!(batches.iter().map(|b| b.num_rows()).sum::<usize>(), 40_000);
-    let graph = plan.downcast_ref::<FlumenExec>().unwrap().graph();
-    let source = graph.operators[0].stats.snapshot();
-    assert_eq!(source.rows, 40_000);
     // Queue limit: 2 bundles of 1,000 rows per slot of the accelerator (1) and CPU (2)
     // pools (6,000 rows), plus what the two running source tasks produce (5,000-row row
     // groups): about 40% of the 40,000 rows; without the limit, all of them.
@@ -838,26 +825,16 @@ async fn a_large_split_pauses_while_its_reader_is_behind() {
     let dir = tempfile::tempdir().unwrap();
     // One file read by one source task: 40,000 rows.
     write_events(dir.path(), 1, 40_000);
-    let f = flumen_ctx(&[
-        "SET datafusion.optimizer.repartition_file_scans = false",
-        "SET flumen.target_block_rows = 1000",
-        "SET flumen.split_bytes = '64MB'",
-        "SET flumen.accelerator_slots = 1",
-    ])
+    let source = source_feeding_a_slow_model(
+        dir.path(),
+        &[
+            "SET datafusion.optimizer.repartition_file_scans = false",
+            "SET flumen.split_bytes = '64MB'",
+        ],
+        std::time::Duration::from_millis(10),
+    )
     .await;
-    register_tables(&f, dir.path()).await;
-    f.register_udf(accelerator_udf(WorkerName {
-        signature: Signature::any(1, Volatility::Volatile),
-        calls: Arc::new(AtomicUsize::new(0)),
-        max_rows: Arc::new(AtomicUsize::new(0)),
-        loads: Arc::new(AtomicUsize::new(0)),
-        delay: std::time::Duration::from_millis(10),
-    }));
-    let (batches, plan) = run_plan(&f, "SELECT worker_name(body) AS w FROM events").await;
-    assert_eq!(batches.iter().map(|b| b.num_rows()).sum::<usize>(), 40_000);
-    let graph = plan.downcast_ref::<FlumenExec>().unwrap().graph();
-    let source = graph.operators[0].stats.snapshot();
-    assert_eq!((source.tasks, source.rows), (1, 40_000));
+    assert_eq!(source.tasks, 1);
     // The task pauses once 3,000 of its rows are unread (half the 6,000-row queue of an
     // accelerator consumer with 1 slot fed by 2 CPU slots): about a tenth of its output
     // is held at once; a task that ran on regardless would hold nearly all of it.
@@ -868,4 +845,34 @@ async fn a_large_split_pauses_while_its_reader_is_behind() {
         100.0 * held_fraction
     );
     assert!(source.backpressure_ns > 0, "the task never paused");
+}
+
+/// Runs `SELECT worker_name(body) FROM events` (40,000 rows in `dir`) with a model that
+/// takes `delay` per call on one accelerator slot and blocks of 1,000 rows, plus
+/// `settings`; returns the counters of the source operator feeding the model.
+async fn source_feeding_a_slow_model(
+    dir: &std::path::Path,
+    settings: &[&str],
+    delay: std::time::Duration,
+) -> flumen::stats::StatsSnapshot {
+    let mut all = vec![
+        "SET flumen.target_block_rows = 1000",
+        "SET flumen.accelerator_slots = 1",
+    ];
+    all.extend_from_slice(settings);
+    let f = flumen_ctx(&all).await;
+    register_tables(&f, dir).await;
+    f.register_udf(accelerator_udf(WorkerName {
+        signature: Signature::any(1, Volatility::Volatile),
+        calls: Arc::new(AtomicUsize::new(0)),
+        max_rows: Arc::new(AtomicUsize::new(0)),
+        loads: Arc::new(AtomicUsize::new(0)),
+        delay,
+    }));
+    let (batches, plan) = run_plan(&f, "SELECT worker_name(body) AS w FROM events").await;
+    assert_eq!(batches.iter().map(|b| b.num_rows()).sum::<usize>(), 40_000);
+    let graph = plan.downcast_ref::<FlumenExec>().unwrap().graph();
+    let source = graph.operators[0].stats.snapshot();
+    assert_eq!(source.rows, 40_000);
+    source
 }
