@@ -380,11 +380,9 @@ impl QueryRun {
     /// operators completed just now).
     /// Scheduling where the change happens costs no thread switch, where a scheduler loop
     /// of its own would be woken (and would wake a runtime thread to launch) per block.
-    /// Returns how many tasks it started or resumed.
-    pub(crate) fn changed(self: &Arc<Self>) -> usize {
-        let started = self.schedule();
+    pub(crate) fn changed(self: &Arc<Self>) {
+        self.schedule();
         self.notify();
-        started
     }
 
     /// True when the root operator is run by the consumer of the output (its fragment is
@@ -393,23 +391,20 @@ impl QueryRun {
         self.graph.root().shape == TaskShape::Barrier
     }
 
-    /// Create ready tasks and launch (or resume) what slots and memory allow; returns how
-    /// many tasks it launched or resumed.
-    fn schedule(self: &Arc<Self>) -> usize {
+    /// Create ready tasks and launch (or resume) what slots and memory allow.
+    fn schedule(self: &Arc<Self>) {
         let mut launches = vec![];
-        let resumed = {
+        {
             let mut st = self.state.lock().unwrap();
             if st.error.is_some() || st.cancelled {
-                return 0;
+                return;
             }
             self.create_tasks(&mut st);
-            self.pick_launches(&mut st, &mut launches)
-        };
-        let started = launches.len() + resumed;
+            self.pick_launches(&mut st, &mut launches);
+        }
         for task in launches {
             self.launch(task);
         }
-        started
     }
 
     fn create_tasks(&self, st: &mut RunState) {
@@ -711,10 +706,9 @@ impl QueryRun {
         }
     }
 
-    /// Operators in launch preference order: most downstream first. Returns how many paused
-    /// tasks it resumed.
-    fn pick_launches(&self, st: &mut RunState, launches: &mut Vec<TaskId>) -> usize {
-        let mut resumed = 0;
+    /// Operators in launch preference order: most downstream first; a paused task whose
+    /// readers caught up resumes before its operator starts another.
+    fn pick_launches(&self, st: &mut RunState, launches: &mut Vec<TaskId>) {
         let mut slots = [self.config.cpu_slots, st.accelerator_target];
         let budget = self.store.budget();
         let share = budget / self.graph.operators.len().max(1) as u64;
@@ -752,7 +746,6 @@ impl QueryRun {
                 }
                 if let Some(index) = resumable {
                     self.resume(st, op.id, index, false);
-                    resumed += 1;
                     launched = true;
                     break;
                 }
@@ -806,7 +799,6 @@ impl QueryRun {
             // A paused task first: it was started before any pending one, so readers
             // (which read in launch order) are likelier to wait on it.
             self.resume(st, op.id, 0, true);
-            resumed += 1;
         } else if stalled
             && let Some(op) = self
                 .graph
@@ -819,7 +811,6 @@ impl QueryRun {
             let n = if op.gang { usize::MAX } else { 1 };
             self.take_pending(st, op.id, n, launches);
         }
-        resumed
     }
 
     /// Index in `op`'s paused tasks of one whose readers caught up (its unread output fell
@@ -865,20 +856,17 @@ impl QueryRun {
     }
 
     /// In-task backpressure, as Ray Data's streaming generators pause: a task whose unread
-    /// output reached [`Self::pause_rows`] gives its slot back and waits until the
-    /// scheduler resumes it (its readers caught up and a slot is free), so a split of a
-    /// million rows does not pile up in the store ahead of a slower reader.
-    async fn pause_while_ahead(self: &Arc<Self>, task: TaskId) {
+    /// output reached `pause_rows` ([`Self::pause_rows`] of its operator) gives its slot
+    /// back and waits until the scheduler resumes it (its readers caught up and a slot is
+    /// free), so a split of a million rows does not pile up in the store ahead of a slower
+    /// reader.
+    async fn pause_while_ahead(self: &Arc<Self>, task: TaskId, pause_rows: u64) {
         let resumed = {
             let mut st = self.state.lock().unwrap();
             let t = &st.tasks[task];
             let op_id = t.operator;
-            if t.unpausable || st.error.is_some() || st.cancelled {
+            if t.unpausable || t.held_rows < pause_rows || st.error.is_some() || st.cancelled {
                 return;
-            }
-            match self.pause_rows(op_id) {
-                Some(rows) if t.held_rows >= rows => {}
-                _ => return,
             }
             let (resume, resumed) = tokio::sync::oneshot::channel();
             st.running[pool_index(Pool::Cpu)] -= 1;
@@ -1224,6 +1212,12 @@ impl QueryRun {
                 .collect(),
             None => vec![],
         };
+        // Recomputing (capture) never pauses: its output goes to the caller, not the store.
+        let pause_rows = if capture {
+            None
+        } else {
+            self.pause_rows(op_id)
+        };
         let mut out = TaskOutput {
             run: self,
             task,
@@ -1261,7 +1255,9 @@ impl QueryRun {
             }
             if !capture && out.seq > produced {
                 self.changed();
-                self.pause_while_ahead(task).await;
+                if let Some(rows) = pause_rows {
+                    self.pause_while_ahead(task, rows).await;
+                }
             }
         }
         let produced = out.seq;
