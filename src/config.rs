@@ -209,7 +209,8 @@ extensions_options! {
         pub split_bytes: ByteSize, default = ByteSize(4 << 20)
         /// Split size of a scan that feeds a partial aggregate with GROUP BY (at least
         /// `split_bytes`): each task's partial aggregate emits one row per group it saw, so
-        /// small splits multiply the rows the final aggregate gets.
+        /// small splits multiply the rows the final aggregate gets. Not where the files
+        /// are clustered by a group column (disjoint min/max per row group).
         pub aggregate_split_bytes: ByteSize, default = ByteSize(256 << 20)
         /// Show flumen's operators in `EXPLAIN` (off: DataFusion's own plan text).
         pub explain_operators: bool, default = true

@@ -127,21 +127,28 @@ impl ExecutionPlan for FlumenExec {
     }
 
     fn metrics(&self) -> Option<MetricsSet> {
-        let restarted = self
-            .graph
-            .workers_restarted
-            .load(std::sync::atomic::Ordering::Relaxed);
-        let mut set = MetricsSet::new();
-        if restarted > 0 {
+        let load = |counter: &std::sync::atomic::AtomicU64| {
+            counter.load(std::sync::atomic::Ordering::Relaxed) as usize
+        };
+        let count = |name: &'static str, value: usize| {
             let c = Count::new();
-            c.add(restarted as usize);
-            set.push(Arc::new(Metric::new(
+            c.add(value);
+            Arc::new(Metric::new(
                 MetricValue::Count {
-                    name: "workers_restarted".into(),
+                    name: name.into(),
                     count: c,
                 },
                 None,
-            )));
+            ))
+        };
+        let mut set = MetricsSet::new();
+        let passes = load(&self.graph.scheduler_passes);
+        if passes > 0 {
+            set.push(count("scheduler_passes", passes));
+        }
+        let restarted = load(&self.graph.workers_restarted);
+        if restarted > 0 {
+            set.push(count("workers_restarted", restarted));
         }
         Some(set)
     }

@@ -17,6 +17,7 @@ use datafusion::physical_plan::Distribution;
 use datafusion::physical_plan::aggregates::{AggregateExec, AggregateMode};
 use datafusion::physical_plan::coalesce_partitions::CoalescePartitionsExec;
 use datafusion::physical_plan::coop::CooperativeExec;
+use datafusion::physical_plan::expressions::Column;
 use datafusion::physical_plan::filter::FilterExec;
 use datafusion::physical_plan::joins::{
     CrossJoinExec, HashJoinExec, NestedLoopJoinExec, PartitionMode,
@@ -144,6 +145,10 @@ pub struct OperatorGraph {
     peak_store: std::sync::atomic::AtomicU64,
     /// Worker processes restarted (after one died) during runs of this graph.
     pub workers_restarted: std::sync::atomic::AtomicU64,
+    /// Passes of the scheduler (task creation and launch decisions) during runs of this
+    /// graph: one per change it reacts to (a block produced or read, a task ended or
+    /// paused, a reader starting to wait).
+    pub scheduler_passes: std::sync::atomic::AtomicU64,
     /// For each operator, the streamed inputs it feeds (directly or through other
     /// operators), by their producer: it may start only once each has been asked for.
     pub gates: Vec<Vec<OperatorId>>,
@@ -211,6 +216,7 @@ impl OperatorGraph {
             consumer,
             peak_store: Default::default(),
             workers_restarted: Default::default(),
+            scheduler_passes: Default::default(),
             gates,
         })
     }
@@ -355,7 +361,7 @@ impl Cutter<'_> {
             TaskShape::Barrier
         };
         let (fragment, splits) = if shape == TaskShape::Source && all_row_local {
-            let split_bytes = if has_grouped_partial_aggregate(&fragment) {
+            let split_bytes = if groups_span_splits(&fragment, self.layout) {
                 self.config
                     .aggregate_split_bytes
                     .0
@@ -512,16 +518,54 @@ fn is_row_local(node: &Arc<dyn ExecutionPlan>) -> bool {
     node.downcast_ref::<SplitSourceExec>().is_some()
 }
 
-/// Whether `plan` holds a partial aggregate with GROUP BY: its output grows with the groups
-/// each task sees, not with the rows it reads.
-fn has_grouped_partial_aggregate(plan: &Arc<dyn ExecutionPlan>) -> bool {
-    let own = plan.downcast_ref::<AggregateExec>().is_some_and(|agg| {
-        *agg.mode() == AggregateMode::Partial && !agg.group_expr().expr().is_empty()
-    });
-    own || plan
-        .children()
+/// Whether `plan` holds a partial aggregate with GROUP BY whose groups may recur in every
+/// split of its scan. Such an aggregate's output grows with the groups each task sees, not
+/// with the rows it reads, so its scan reads larger splits. It does not apply where the scan
+/// is clustered by one of the group columns (its row groups hold disjoint ranges of it, as
+/// `l_orderkey` in TPC-H's lineitem): there each group lies in one split anyway.
+fn groups_span_splits(plan: &Arc<dyn ExecutionPlan>, layout: &RowGroupLayout) -> bool {
+    let Some(columns) = partial_aggregate_group_columns(plan) else {
+        return false;
+    };
+    let mut scans = vec![];
+    collect_parquet_scans(plan, &mut scans);
+    let [scan] = scans.as_slice() else {
+        return true;
+    };
+    !columns.iter().any(|c| layout.clustered_by(scan, c))
+}
+
+/// The plain-column group keys of the first partial aggregate with GROUP BY in `plan`
+/// (empty where none of its keys is a plain column), or `None` where it has none.
+fn partial_aggregate_group_columns(plan: &Arc<dyn ExecutionPlan>) -> Option<Vec<String>> {
+    if let Some(agg) = plan.downcast_ref::<AggregateExec>()
+        && *agg.mode() == AggregateMode::Partial
+        && !agg.group_expr().expr().is_empty()
+    {
+        let columns = agg
+            .group_expr()
+            .expr()
+            .iter()
+            .filter_map(|(expr, _)| expr.downcast_ref::<Column>().map(|c| c.name().to_string()))
+            .collect();
+        return Some(columns);
+    }
+    plan.children()
         .into_iter()
-        .any(has_grouped_partial_aggregate)
+        .find_map(partial_aggregate_group_columns)
+}
+
+/// The file scan configurations of the Parquet scans in `plan`.
+fn collect_parquet_scans<'a>(plan: &'a Arc<dyn ExecutionPlan>, out: &mut Vec<&'a FileScanConfig>) {
+    if let Some(source) = plan.downcast_ref::<DataSourceExec>()
+        && let Some(config) = source.data_source().downcast_ref::<FileScanConfig>()
+        && config.file_source().file_type() == "parquet"
+    {
+        out.push(config);
+    }
+    for child in plan.children() {
+        collect_parquet_scans(child, out);
+    }
 }
 
 /// Replace a Parquet scan without declared ordering by a [`SplitSourceExec`] whose tasks

@@ -393,6 +393,9 @@ impl QueryRun {
 
     /// Create ready tasks and launch (or resume) what slots and memory allow.
     fn schedule(self: &Arc<Self>) {
+        self.graph
+            .scheduler_passes
+            .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
         let mut launches = vec![];
         {
             let mut st = self.state.lock().unwrap();
@@ -786,8 +789,7 @@ impl QueryRun {
         // make progress: no streaming task runs, or every one waits for blocks that no
         // running task will produce. (A streaming task busy with blocks it has will release
         // them, or come to wait, and so reach this rule again.)
-        let idle = st.running.iter().sum::<usize>() == 0;
-        let stalled = idle && st.streaming_waiting >= st.streaming_running;
+        let stalled = self.stalled(st);
         if stalled
             && let Some(op) = self
                 .graph
@@ -811,6 +813,12 @@ impl QueryRun {
             let n = if op.gang { usize::MAX } else { 1 };
             self.take_pending(st, op.id, n, launches);
         }
+    }
+
+    /// Whether no task can make progress by itself: no slot runs a task, and every
+    /// streaming task waits for blocks.
+    fn stalled(&self, st: &RunState) -> bool {
+        st.running.iter().sum::<usize>() == 0 && st.streaming_waiting >= st.streaming_running
     }
 
     /// Index in `op`'s paused tasks of one whose readers caught up (its unread output fell
@@ -1388,7 +1396,9 @@ impl QueryRun {
                     let mut stalled = false;
                     let next = {
                         let mut st = run.state.lock().unwrap();
-                        if std::mem::take(&mut waiting) {
+                        // Woken while waiting: its wait is not a new one.
+                        let rewaiting = std::mem::take(&mut waiting);
+                        if rewaiting {
                             st.streaming_waiting -= 1;
                         }
                         if let Some(e) = &st.error {
@@ -1419,7 +1429,11 @@ impl QueryRun {
                             {
                                 st.streaming_waiting += 1;
                                 waiting = true;
-                                stalled = st.running.iter().sum::<usize>() == 0;
+                                // Only a wait that begins can bring on a stall: every
+                                // other change that can runs the scheduler itself.
+                                // (Checking on every wake-up would wake the other
+                                // waiting readers, which would wake this one: a spin.)
+                                stalled = !rewaiting && run.stalled(&st);
                             }
                             _ => {}
                         }

@@ -11,6 +11,9 @@ use std::collections::HashMap;
 use std::fmt;
 use std::sync::Arc;
 
+use datafusion::arrow::array::Array;
+use datafusion::arrow::datatypes::Schema;
+use datafusion::common::ScalarValue;
 use datafusion::common::tree_node::TreeNodeRecursion;
 use datafusion::datasource::listing::PartitionedFile;
 use datafusion::datasource::physical_plan::parquet::metadata::DFParquetMetadata;
@@ -19,6 +22,8 @@ use datafusion::datasource::source::DataSourceExec;
 use datafusion::error::{DataFusionError, Result};
 use datafusion::execution::runtime_env::RuntimeEnv;
 use datafusion::execution::{SendableRecordBatchStream, TaskContext};
+use datafusion::parquet::arrow::arrow_reader::statistics::StatisticsConverter;
+use datafusion::parquet::file::metadata::ParquetMetaData;
 use datafusion::physical_plan::execution_plan::ReplaceChildrenOptions;
 use datafusion::physical_plan::metrics::MetricsSet;
 use datafusion::physical_plan::{
@@ -28,11 +33,21 @@ use futures::StreamExt;
 
 use crate::stage_input::TaskInputs;
 
-/// Where the row groups of a plan's Parquet files start, and their compressed sizes.
+/// Where the row groups of a plan's Parquet files start, their compressed sizes, and the
+/// footers themselves (for their column statistics).
 #[derive(Debug, Default, Clone)]
 pub struct RowGroupLayout {
-    /// `(first page offset, compressed bytes)` of each row group, by file location.
-    files: HashMap<String, Vec<(u64, u64)>>,
+    /// Each file's row groups and footer, by file location.
+    files: HashMap<String, FileLayout>,
+}
+
+/// One Parquet file's row groups.
+#[derive(Debug, Clone)]
+struct FileLayout {
+    /// `(first page offset, compressed bytes)` of each row group.
+    row_groups: Vec<(u64, u64)>,
+    /// The file's footer.
+    metadata: Arc<ParquetMetaData>,
 }
 
 impl RowGroupLayout {
@@ -43,7 +58,7 @@ impl RowGroupLayout {
         let mut files = vec![];
         collect_parquet_files(plan, &mut files);
         let cache = runtime.cache_manager.get_file_metadata_cache();
-        let fetched: Vec<(String, Vec<(u64, u64)>)> = futures::stream::iter(files)
+        let fetched: Vec<(String, FileLayout)> = futures::stream::iter(files)
             .map(|(url, meta)| {
                 let cache = Arc::clone(&cache);
                 async move {
@@ -53,7 +68,7 @@ impl RowGroupLayout {
                         .fetch_metadata()
                         .await
                         .ok()?;
-                    let groups = metadata
+                    let row_groups = metadata
                         .row_groups()
                         .iter()
                         .map(|rg| {
@@ -64,7 +79,11 @@ impl RowGroupLayout {
                             (start.max(0) as u64, rg.compressed_size().max(0) as u64)
                         })
                         .collect();
-                    Some((meta.location.to_string(), groups))
+                    let file = FileLayout {
+                        row_groups,
+                        metadata,
+                    };
+                    Some((meta.location.to_string(), file))
                 }
             })
             .buffer_unordered(16)
@@ -77,8 +96,65 @@ impl RowGroupLayout {
     }
 
     fn row_groups(&self, file: &PartitionedFile) -> Option<&Vec<(u64, u64)>> {
-        self.files.get(file.object_meta.location.as_ref())
+        self.files
+            .get(file.object_meta.location.as_ref())
+            .map(|f| &f.row_groups)
     }
+
+    /// Whether the scan `config` is clustered by `column`: ordered by their minimum, the row
+    /// groups of all its files hold disjoint `[min, max]` ranges of it (touching ends
+    /// allowed), so each value lies in one row group, or two. False when any footer or
+    /// statistic is missing, or the column holds nulls.
+    pub fn clustered_by(&self, config: &FileScanConfig, column: &str) -> bool {
+        let mut ranges: Vec<(ScalarValue, ScalarValue)> = vec![];
+        let mut seen = std::collections::HashSet::new();
+        for file in config.file_groups.iter().flat_map(|g| g.iter()) {
+            let location = file.object_meta.location.as_ref();
+            if !seen.insert(location) {
+                continue;
+            }
+            let Some(layout) = self.files.get(location) else {
+                return false;
+            };
+            match row_group_ranges_of(&layout.metadata, config.file_schema(), column) {
+                Some(file_ranges) => ranges.extend(file_ranges),
+                None => return false,
+            }
+        }
+        if ranges.len() < 2 {
+            return false;
+        }
+        ranges.sort_by(|a, b| a.0.partial_cmp(&b.0).unwrap_or(std::cmp::Ordering::Equal));
+        ranges
+            .windows(2)
+            .all(|w| w[0].1.partial_cmp(&w[1].0) != Some(std::cmp::Ordering::Greater))
+    }
+}
+
+/// `(min, max)` of `column` in each row group of one file, from its footer's statistics;
+/// `None` where a statistic is missing or the column holds a null.
+fn row_group_ranges_of(
+    metadata: &ParquetMetaData,
+    schema: &Schema,
+    column: &str,
+) -> Option<Vec<(ScalarValue, ScalarValue)>> {
+    let converter =
+        StatisticsConverter::try_new(column, schema, metadata.file_metadata().schema_descr())
+            .ok()?;
+    let groups = metadata.row_groups();
+    let mins = converter.row_group_mins(groups).ok()?;
+    let maxes = converter.row_group_maxes(groups).ok()?;
+    let nulls = converter.row_group_null_counts(groups).ok()?;
+    (0..groups.len())
+        .map(|i| {
+            if mins.is_null(i) || maxes.is_null(i) || nulls.is_null(i) || nulls.value(i) > 0 {
+                return None;
+            }
+            let min = ScalarValue::try_from_array(&mins, i).ok()?;
+            let max = ScalarValue::try_from_array(&maxes, i).ok()?;
+            Some((min, max))
+        })
+        .collect()
 }
 
 /// Every distinct Parquet file scanned by `plan`, with the store it lives in.

@@ -15,6 +15,7 @@ use datafusion::error::Result;
 use datafusion::logical_expr::{
     ColumnarValue, ScalarFunctionArgs, ScalarUDF, ScalarUDFImpl, Signature, Volatility,
 };
+use datafusion::physical_plan::ExecutionPlan;
 use datafusion::prelude::SessionConfig;
 use flumen::exec::FlumenExec;
 use flumen::operators::Pool;
@@ -712,6 +713,57 @@ async fn a_join_streams_its_probe_side_and_skips_it_after_an_empty_build() {
     }
 }
 
+/// A join whose probe input is another join's output waits while that join computes, with
+/// no pool slot busy. Its wait must not spin the scheduler: it runs a pass when it starts
+/// waiting, not on every wake-up (a spin ran a million passes per query on TPC-H q8).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_waiting_streamed_reader_does_not_spin_the_scheduler() {
+    let (dir, v) = events_with_vanilla(3, 20_000).await;
+    let f = partitioned_join_ctx(SessionConfig::new().with_target_partitions(2)).await;
+    register_tables(&f, dir.path()).await;
+    // The lower join computes the upper join's key with a slow function (30 ms a batch),
+    // so the upper join waits on it long after every source task has finished.
+    let slow = ScalarUDF::new_from_impl(ConcurrencyProbe {
+        signature: Signature::exact(vec![DataType::Int64], Volatility::Immutable),
+        in_flight: Arc::new(AtomicUsize::new(0)),
+        most: Arc::new(AtomicUsize::new(0)),
+    });
+    f.register_udf(slow.clone());
+    v.register_udf(slow);
+    let sql = "SELECT count(*), sum(b.k) FROM events a JOIN events b ON a.id = b.id \
+               JOIN (SELECT id FROM events WHERE id % 100 = 3) c \
+               ON concurrency_probe(b.id) + 1 = c.id";
+    let (batches, plan) = run_plan(&f, sql).await;
+    let expected = v.sql(sql).await.unwrap().collect().await.unwrap();
+    assert_eq!(rows(&expected, true), rows(&batches, true));
+    let exec = plan.downcast_ref::<FlumenExec>().unwrap();
+    let graph = exec.graph();
+    let stacked = graph
+        .operators
+        .iter()
+        .any(|op| op.streamed_producers().any(|p| graph.streams_inputs(p)));
+    assert!(
+        stacked,
+        "no join streams its probe from another streaming join"
+    );
+    let (mut blocks, mut tasks) = (0, 0);
+    for op in &graph.operators {
+        let s = op.stats.snapshot();
+        blocks += s.blocks;
+        tasks += s.tasks;
+    }
+    let passes = exec
+        .metrics()
+        .and_then(|m| m.sum_by_name("scheduler_passes"))
+        .map(|v| v.as_usize())
+        .unwrap_or(0);
+    assert!(passes > 0, "no scheduler pass counted");
+    assert!(
+        passes <= 2 * (blocks + tasks) as usize,
+        "{passes} scheduler passes for {blocks} blocks and {tasks} tasks"
+    );
+}
+
 /// Blocks of a streamed probe input are released as the join reads them; one lost before
 /// it was read is recomputed from its source split, and the answer does not change.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -816,6 +868,28 @@ async fn a_grouped_partial_aggregate_reads_larger_splits() {
             scan.stats.snapshot().rows,
             16 * splits as u64,
             "partial aggregate rows at aggregate_split_bytes {aggregate_split_bytes}"
+        );
+        // Grouped by `id`, which the files are clustered by (each row group holds its own
+        // range of ids), a split sees each group alone: small splits cost nothing there.
+        let sql = "SELECT id % 5000 AS r, count(*) AS n \
+                   FROM (SELECT id FROM events GROUP BY id) GROUP BY r";
+        let (batches, plan) = run_plan(&f, sql).await;
+        let counts: i64 = batches
+            .iter()
+            .map(|b| {
+                as_int64_array(b.column(1))
+                    .unwrap()
+                    .iter()
+                    .flatten()
+                    .sum::<i64>()
+            })
+            .sum();
+        assert_eq!(counts, 60_000);
+        let graph = plan.downcast_ref::<FlumenExec>().unwrap().graph();
+        let splits = graph.operators[0].splits.iter().sum::<usize>();
+        assert_eq!(
+            splits, 12,
+            "GROUP BY a clustered column keeps row-group splits"
         );
     }
 }
