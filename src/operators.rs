@@ -536,7 +536,9 @@ fn groups_span_splits(plan: &Arc<dyn ExecutionPlan>, layout: &RowGroupLayout) ->
 }
 
 /// The plain-column group keys of the first partial aggregate with GROUP BY in `plan`
-/// (empty where none of its keys is a plain column), or `None` where it has none.
+/// (empty where none of its keys is a plain column), or `None` where it has none. Matched
+/// to the scan's columns by name: a projection between them that renames columns can
+/// mislead it, which costs only the choice of split size.
 fn partial_aggregate_group_columns(plan: &Arc<dyn ExecutionPlan>) -> Option<Vec<String>> {
     if let Some(agg) = plan.downcast_ref::<AggregateExec>()
         && *agg.mode() == AggregateMode::Partial

@@ -125,9 +125,12 @@ impl RowGroupLayout {
             return false;
         }
         ranges.sort_by(|a, b| a.0.partial_cmp(&b.0).unwrap_or(std::cmp::Ordering::Equal));
-        ranges
-            .windows(2)
-            .all(|w| w[0].1.partial_cmp(&w[1].0) != Some(std::cmp::Ordering::Greater))
+        ranges.windows(2).all(|w| {
+            matches!(
+                w[0].1.partial_cmp(&w[1].0),
+                Some(std::cmp::Ordering::Less | std::cmp::Ordering::Equal)
+            )
+        })
     }
 }
 
