@@ -8,7 +8,11 @@
 //!
 //! The baseline is `benches/embed_baseline.py`, run with `--python` (default: `$FLUMEN_BENCH_PYTHON`
 //! or `python3`), which needs sentence-transformers installed (e.g. in a venv). The last line
-//! is machine-readable: `embed device=cpu flumen_per_s=N baseline_per_s=N ratio=X.XX`.
+//! is machine-readable: `embed device=cpu batch_size=B flumen_per_s=N baseline_per_s=N
+//! ratio=X.XX best_flumen_per_s=N@B best_baseline_per_s=N@B best_ratio=X.XX`: both sides run
+//! at every batch size asked for; the headline ratio is at flumen's default batch size (or
+//! the first size given), and each side's best is reported beside it. A baseline that fails
+//! to run fails the bench.
 
 use std::io::Write;
 use std::process::Command;
@@ -226,45 +230,54 @@ async fn flumen_rate(args: &Args, texts: &[String], batch_size: usize) -> Result
     Ok(rows as f64 / seconds)
 }
 
-fn baseline_rate(args: &Args, texts: &[String]) -> Option<f64> {
-    let dir = tempfile::tempdir().ok()?;
+/// sentence-transformers' sentences per second at `batch_size`; an error says why the
+/// baseline could not run (the bench then fails: a ratio needs both sides).
+fn baseline_rate(args: &Args, texts: &[String], batch_size: usize) -> Result<f64> {
+    let fail = |why: String| datafusion::error::DataFusionError::Execution(why);
+    let dir = tempfile::tempdir()?;
     let path = dir.path().join("sentences.jsonl");
-    let mut file = std::fs::File::create(&path).ok()?;
+    let mut file = std::fs::File::create(&path)?;
     for t in texts {
-        writeln!(file, "{}", serde_json::to_string(t).ok()?).ok()?;
+        writeln!(
+            file,
+            "{}",
+            serde_json::to_string(t).map_err(|e| fail(e.to_string()))?
+        )?;
     }
     let script = concat!(env!("CARGO_MANIFEST_DIR"), "/benches/embed_baseline.py");
-    let output = Command::new(&args.python)
+    let out = Command::new(&args.python)
         .arg(script)
         .arg(&path)
         .arg(model_files::model_dir(""))
         .arg(&args.device)
         .arg(args.threads.to_string())
-        .output();
-    match output {
-        Ok(out) if out.status.success() => {
-            let text = String::from_utf8_lossy(&out.stdout);
-            println!("{}", text.trim());
-            text.split_whitespace()
-                .find_map(|kv| kv.strip_prefix("per_s="))
-                .and_then(|v| v.parse().ok())
-        }
-        Ok(out) => {
-            eprintln!(
-                "baseline failed (install sentence-transformers for {}): {}",
-                args.python,
-                String::from_utf8_lossy(&out.stderr)
-                    .lines()
-                    .last()
-                    .unwrap_or("")
-            );
-            None
-        }
-        Err(e) => {
-            eprintln!("baseline: cannot run {}: {e}", args.python);
-            None
-        }
+        .arg(batch_size.to_string())
+        .output()
+        .map_err(|e| fail(format!("baseline: cannot run {}: {e}", args.python)))?;
+    if !out.status.success() {
+        return Err(fail(format!(
+            "baseline failed (install sentence-transformers for {}): {}",
+            args.python,
+            String::from_utf8_lossy(&out.stderr)
+                .lines()
+                .last()
+                .unwrap_or("")
+        )));
     }
+    let text = String::from_utf8_lossy(&out.stdout);
+    println!("{}", text.trim());
+    text.split_whitespace()
+        .find_map(|kv| kv.strip_prefix("per_s="))
+        .and_then(|v| v.parse().ok())
+        .ok_or_else(|| fail(format!("baseline printed no per_s=: {}", text.trim())))
+}
+
+/// The best `(batch size, rate)` of `rates`.
+fn best(rates: &[(usize, f64)]) -> (usize, f64) {
+    rates
+        .iter()
+        .copied()
+        .fold((0, 0.0), |b, r| if r.1 > b.1 { r } else { b })
 }
 
 #[tokio::main]
@@ -285,26 +298,32 @@ async fn main() -> Result<()> {
     } else {
         args.batch_sizes.clone()
     };
-    let mut rates = vec![];
+    // Both sides at every batch size, so each ratio compares like with like.
+    let (mut flumen_rates, mut baseline_rates) = (vec![], vec![]);
     for &size in &sizes {
-        let rate = flumen_rate(&args, &texts, size).await?;
-        println!("flumen embed_batch_size={size} sentences_per_s={rate:.1}");
-        rates.push((size, rate));
+        let flumen = flumen_rate(&args, &texts, size).await?;
+        let baseline = baseline_rate(&args, &texts, size)?;
+        println!(
+            "batch_size={size} flumen_per_s={flumen:.1} baseline_per_s={baseline:.1} ratio={:.2}",
+            flumen / baseline
+        );
+        flumen_rates.push((size, flumen));
+        baseline_rates.push((size, baseline));
     }
-    // The figure reported is the default batch size's when it was run, else the best.
-    let best = rates
-        .iter()
-        .find(|(size, _)| *size == default_batch)
-        .map(|(_, rate)| *rate)
-        .unwrap_or_else(|| rates.iter().map(|(_, r)| *r).fold(0.0, f64::max));
-    let baseline = baseline_rate(&args, &texts);
-    let (baseline_text, ratio) = match baseline {
-        Some(b) => (format!("{b:.1}"), format!("{:.2}", best / b)),
-        None => ("nan".into(), "nan".into()),
-    };
+    // The headline is at flumen's default batch size when it ran, else the first size; the
+    // best of each side (each at its own best size) is reported beside it.
+    let at = sizes.iter().position(|s| *s == default_batch).unwrap_or(0);
+    let (size, flumen) = flumen_rates[at];
+    let baseline = baseline_rates[at].1;
+    let (flumen_best_size, flumen_best) = best(&flumen_rates);
+    let (baseline_best_size, baseline_best) = best(&baseline_rates);
     println!(
-        "embed device={} flumen_per_s={best:.1} baseline_per_s={baseline_text} ratio={ratio}",
-        args.device
+        "embed device={} batch_size={size} flumen_per_s={flumen:.1} baseline_per_s={baseline:.1} \
+         ratio={:.2} best_flumen_per_s={flumen_best:.1}@{flumen_best_size} \
+         best_baseline_per_s={baseline_best:.1}@{baseline_best_size} best_ratio={:.2}",
+        args.device,
+        flumen / baseline,
+        flumen_best / baseline_best
     );
     Ok(())
 }

@@ -5,7 +5,9 @@
 //! Generates the TPC-H tables as Parquet with tpchgen (no downloads) under
 //! `target/tpch-sf<SF>/`, then runs the 22 queries (their text is read from the TPC-H files
 //! shipped with `datafusion-sqllogictest`) on both engines, best of `--runs`, and prints each
-//! query's time and the ratio flumen/vanilla. The last line is machine-readable.
+//! query's time and the ratio flumen/vanilla. Every run of every query compares flumen's
+//! whole answer with vanilla DataFusion's (rows sorted, floats to a relative 1e-9, everything
+//! else exactly) and stops at the first difference. The last line is machine-readable.
 
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
@@ -149,18 +151,94 @@ fn cpu_seconds() -> f64 {
     secs(usage.ru_utime) + secs(usage.ru_stime)
 }
 
-/// Run a query's statements; returns (seconds, rows of the last result, peak block-store
-/// bytes when it ran on flumen).
-async fn run(ctx: &SessionContext, statements: &[String]) -> Result<(f64, usize, u64)> {
+/// One cell of a result: floats compared to a tolerance, everything else as text.
+#[derive(Debug, Clone)]
+enum Cell {
+    Float(f64),
+    Text(String),
+}
+
+impl Cell {
+    /// Sort key: floats rounded so that values within the tolerance sort alike.
+    fn key(&self) -> String {
+        match self {
+            Cell::Float(x) => format!("{x:.6e}"),
+            Cell::Text(t) => t.clone(),
+        }
+    }
+
+    fn matches(&self, other: &Cell) -> bool {
+        match (self, other) {
+            (Cell::Float(a), Cell::Float(b)) => {
+                (a.is_nan() && b.is_nan())
+                    || a == b
+                    || (a - b).abs() <= 1e-9 * a.abs().max(b.abs()).max(1.0)
+            }
+            (Cell::Text(a), Cell::Text(b)) => a == b,
+            _ => false,
+        }
+    }
+}
+
+/// A result as rows of cells, sorted (TPC-H's ORDER BY has ties, so order is not compared).
+fn result_rows(batches: &[RecordBatch]) -> Result<Vec<Vec<Cell>>> {
+    use datafusion::arrow::array::{Array, AsArray};
+    use datafusion::arrow::datatypes::{DataType, Float32Type, Float64Type};
+    use datafusion::arrow::util::display::array_value_to_string;
+    let mut rows = vec![];
+    for batch in batches {
+        for row in 0..batch.num_rows() {
+            let mut cells = vec![];
+            for column in batch.columns() {
+                cells.push(match column.data_type() {
+                    _ if column.is_null(row) => Cell::Text("NULL".into()),
+                    DataType::Float64 => {
+                        Cell::Float(column.as_primitive::<Float64Type>().value(row))
+                    }
+                    DataType::Float32 => {
+                        Cell::Float(column.as_primitive::<Float32Type>().value(row) as f64)
+                    }
+                    _ => Cell::Text(array_value_to_string(column, row)?),
+                });
+            }
+            rows.push(cells);
+        }
+    }
+    rows.sort_by_cached_key(|cells| cells.iter().map(Cell::key).collect::<Vec<_>>());
+    Ok(rows)
+}
+
+/// Panics, naming the query and the first differing row, unless the answers match.
+fn assert_same_answer(n: usize, vanilla: &[RecordBatch], flumen: &[RecordBatch]) -> Result<()> {
+    let (v, f) = (result_rows(vanilla)?, result_rows(flumen)?);
+    assert_eq!(
+        v.len(),
+        f.len(),
+        "q{n}: flumen returned {} rows, vanilla DataFusion {}",
+        f.len(),
+        v.len()
+    );
+    for (i, (a, b)) in v.iter().zip(&f).enumerate() {
+        let same = a.len() == b.len() && a.iter().zip(b).all(|(x, y)| x.matches(y));
+        assert!(
+            same,
+            "q{n}: row {i} differs:\n vanilla {a:?}\n flumen  {b:?}"
+        );
+    }
+    Ok(())
+}
+
+/// Run a query's statements; returns (seconds, the last result, peak block-store bytes when
+/// it ran on flumen).
+async fn run(ctx: &SessionContext, statements: &[String]) -> Result<(f64, Vec<RecordBatch>, u64)> {
     let started = Instant::now();
     let cpu_started = cpu_seconds();
-    let mut rows = 0;
+    let mut last = vec![];
     let mut peak = 0;
     for sql in statements {
         let df = ctx.sql(sql).await?;
         let plan = df.create_physical_plan().await?;
-        let batches: Vec<RecordBatch> = collect(Arc::clone(&plan), ctx.task_ctx()).await?;
-        rows = batches.iter().map(|b| b.num_rows()).sum();
+        last = collect(Arc::clone(&plan), ctx.task_ctx()).await?;
         if let Some(f) = plan.downcast_ref::<FlumenExec>() {
             peak = peak.max(f.graph().peak_store_bytes());
         }
@@ -172,7 +250,7 @@ async fn run(ctx: &SessionContext, statements: &[String]) -> Result<(f64, usize,
             cpu_seconds() - cpu_started
         );
     }
-    Ok((wall, rows, peak))
+    Ok((wall, last, peak))
 }
 
 #[tokio::main]
@@ -231,24 +309,21 @@ async fn main() -> Result<()> {
             // The engines take turns going first (ABBA), so neither always runs right
             // after the other (caches, allocator state) and any order effect cancels out.
             let flumen_first = i % 2 == 1;
-            let mut flumen_result = (f64::MAX, 0, 0);
+            let mut flumen_result = (f64::MAX, vec![], 0);
             if run_flumen && flumen_first {
                 flumen_result = run(&flumen, &statements).await?;
             }
-            let (tv, rows_v, _) = if run_vanilla {
+            let (tv, answer_v, _) = if run_vanilla {
                 run(&vanilla, &statements).await?
             } else {
-                (f64::MAX, 0, 0)
+                (f64::MAX, vec![], 0)
             };
             if run_flumen && !flumen_first {
                 flumen_result = run(&flumen, &statements).await?;
             }
-            let (tf, rows_f, p) = flumen_result;
+            let (tf, answer_f, p) = flumen_result;
             if only.is_none() {
-                assert_eq!(
-                    rows_v, rows_f,
-                    "q{n}: flumen returned a different row count"
-                );
+                assert_same_answer(n, &answer_v, &answer_f)?;
             }
             best_v = best_v.min(tv);
             best_f = best_f.min(tf);

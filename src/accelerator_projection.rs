@@ -9,8 +9,9 @@
 //!
 //! CPU work in such a projection — the arguments of a model call (`embed(clean_text(body))`)
 //! and expressions that call no model — is first moved into a plain `ProjectionExec` below
-//! it ([`split_cpu_work`]), so it runs in CPU tasks and the accelerator workers only run
-//! models.
+//! it ([`split_cpu_work`]), and CPU work over a model's output (`cosine_similarity(embed(a),
+//! embed(b))`) into a plain `ProjectionExec` above it ([`split_model_consumers`]), so it runs
+//! in CPU tasks and the accelerator workers only run models.
 
 use std::fmt;
 use std::sync::Arc;
@@ -132,8 +133,14 @@ impl PhysicalOptimizerRule for KeepAcceleratorProjections {
                     .any(|e| calls_accelerator_udf(&e.expr))
             {
                 let projection = split_cpu_work(projection)?;
-                let wrapped = AcceleratorProjectionExec::new(Arc::new(projection));
-                return Ok(Transformed::yes(Arc::new(wrapped) as Arc<dyn ExecutionPlan>));
+                let (models, above) = split_model_consumers(&projection)?;
+                let wrapped: Arc<dyn ExecutionPlan> =
+                    Arc::new(AcceleratorProjectionExec::new(Arc::new(models)));
+                let plan = match above {
+                    Some(exprs) => Arc::new(ProjectionExec::try_new(exprs, wrapped)?),
+                    None => wrapped,
+                };
+                return Ok(Transformed::yes(plan));
             }
             Ok(Transformed::no(node))
         })
@@ -216,6 +223,82 @@ pub fn split_cpu_work(projection: &ProjectionExec) -> Result<ProjectionExec> {
         })
         .collect::<Result<Vec<_>>>()?;
     ProjectionExec::try_new(upper, lower)
+}
+
+/// Split off the CPU work that consumes model outputs (`cosine_similarity(embed(a), v)`):
+/// the returned projection computes only the model calls (and passes on the columns the rest
+/// needs); the expressions returned with it, for a plain projection above, compute the rest
+/// on the CPU pool. `None` when every output is a model call, a column or a literal.
+pub fn split_model_consumers(
+    projection: &ProjectionExec,
+) -> Result<(ProjectionExec, Option<Vec<ProjectionExpr>>)> {
+    let consumes_model = |e: &Arc<dyn PhysicalExpr>| calls_accelerator_udf(e) && !is_model_call(e);
+    if !projection.expr().iter().any(|e| consumes_model(&e.expr)) {
+        return Ok((projection.clone(), None));
+    }
+    let input_schema = projection.input().schema();
+    let mut models: Vec<ProjectionExpr> = vec![];
+    let mut above = vec![];
+    for e in projection.expr() {
+        let expr = if consumes_model(&e.expr) {
+            lift_model_calls(&e.expr, &input_schema, &mut models)?
+        } else {
+            let k = models.len();
+            models.push(e.clone());
+            Arc::new(Column::new(&e.alias, k)) as Arc<dyn PhysicalExpr>
+        };
+        above.push(ProjectionExpr {
+            expr,
+            alias: e.alias.clone(),
+        });
+    }
+    let below = ProjectionExec::try_new(models, Arc::clone(projection.input()))?;
+    Ok((below, Some(above)))
+}
+
+/// True when `expr` itself is a call of an accelerator UDF.
+fn is_model_call(expr: &Arc<dyn PhysicalExpr>) -> bool {
+    as_any(expr)
+        .downcast_ref::<ScalarFunctionExpr>()
+        .is_some_and(|call| accelerator_function(call.fun()).is_some())
+}
+
+/// `expr` reading the outputs of the model projection `models`: each model call and each
+/// input column becomes one of its outputs (an equal one is reused).
+fn lift_model_calls(
+    expr: &Arc<dyn PhysicalExpr>,
+    input_schema: &datafusion::arrow::datatypes::SchemaRef,
+    models: &mut Vec<ProjectionExpr>,
+) -> Result<Arc<dyn PhysicalExpr>> {
+    let column = as_any(expr).downcast_ref::<Column>();
+    if is_model_call(expr) || column.is_some() {
+        let k = match models.iter().position(|m| &m.expr == expr) {
+            Some(k) => k,
+            None => {
+                let name = match column {
+                    Some(c) if !models.iter().any(|m| m.alias == c.name()) => {
+                        input_schema.field(c.index()).name().clone()
+                    }
+                    _ => format!("__flumen_model_{}", models.len()),
+                };
+                models.push(ProjectionExpr {
+                    expr: Arc::clone(expr),
+                    alias: name,
+                });
+                models.len() - 1
+            }
+        };
+        return Ok(Arc::new(Column::new(&models[k].alias, k)));
+    }
+    let children = expr.children();
+    if children.is_empty() {
+        return Ok(Arc::clone(expr));
+    }
+    let children = children
+        .into_iter()
+        .map(|child| lift_model_calls(child, input_schema, models))
+        .collect::<Result<Vec<_>>>()?;
+    Arc::clone(expr).with_new_children(children)
 }
 
 /// Name of the `k`-th column computed below an accelerator projection.

@@ -74,6 +74,12 @@ pub struct BlockInfo {
     pub rows: usize,
     /// The worker process that holds it (`flumen.workers = 'process'`), else `None`.
     pub worker_pid: Option<u32>,
+    /// Its task's place among the tasks of its partition (the same task in every run of
+    /// the same plan over the same data).
+    pub task_index: usize,
+    /// How long its task had run (less pauses) when the block was made: for a task in a
+    /// worker process, whose blocks all arrive when it ends, the task's whole time.
+    pub task_elapsed: std::time::Duration,
 }
 
 /// Test hook: drops chosen blocks from the store right after they are produced, as if the

@@ -182,6 +182,13 @@ pub fn store_for_location(
                 }
                 builder = builder.with_config(key, value);
             }
+            // With no credentials, object_store would ask the EC2 instance metadata service;
+            // honour the AWS SDKs' switch that turns that off.
+            if let Some(hint) = missing_credentials_hint(location, options)
+                && env_flag("AWS_EC2_METADATA_DISABLED")
+            {
+                builder = builder.with_credentials(Arc::new(NoAwsCredentials(hint)));
+            }
             Arc::new(builder.build().map_err(|e| fail(&e))?)
         }
         "gs" | "gcs" => {
@@ -219,6 +226,29 @@ pub fn store_for_location(
     let base =
         Url::parse(&format!("{}://{}", url.scheme(), url.authority())).map_err(|e| fail(&e))?;
     Ok(Some((base, store)))
+}
+
+/// True when the environment variable `name` is `true` or `1`.
+fn env_flag(name: &str) -> bool {
+    std::env::var(name).is_ok_and(|v| v == "1" || v.eq_ignore_ascii_case("true"))
+}
+
+/// The credential provider of an S3 store that was given no credentials while
+/// `AWS_EC2_METADATA_DISABLED` is set: every request fails at once with the hint, and no
+/// instance metadata service is contacted.
+#[derive(Debug)]
+struct NoAwsCredentials(String);
+
+#[async_trait::async_trait]
+impl object_store::CredentialProvider for NoAwsCredentials {
+    type Credential = object_store::aws::AwsCredential;
+
+    async fn get_credential(&self) -> object_store::Result<Arc<Self::Credential>> {
+        Err(object_store::Error::Generic {
+            store: "S3",
+            source: self.0.clone().into(),
+        })
+    }
 }
 
 /// For an `s3://` location given no credentials (none in `options`, none in the environment),

@@ -518,7 +518,7 @@ impl QueryRun {
         let (rows, bytes, tag) = (block.info.rows, block.info.bytes, block.info.tag);
         let pid = block.worker.pid;
         let id = self.new_block_id();
-        let dropped = self.drops_block(op_id, partition, seq, rows, Some(pid));
+        let dropped = self.drops_block(task, op_id, partition, seq, rows, Some(pid));
         if !dropped {
             self.remote_blocks.lock().unwrap().insert(id, block);
         }

@@ -57,6 +57,8 @@ struct TaskRecord {
     paused_ns: u64,
     /// Resumed to keep the run live: runs to its end without pausing again.
     unpausable: bool,
+    /// When the task was launched (for the test hook's [`BlockInfo::task_elapsed`]).
+    launched: Option<Instant>,
 }
 
 impl TaskRecord {
@@ -71,6 +73,7 @@ impl TaskRecord {
             held_rows: 0,
             paused_ns: 0,
             unpausable: false,
+            launched: None,
         }
     }
 }
@@ -988,6 +991,7 @@ impl QueryRun {
                 let task = ps.tasks[ps.next_launch];
                 ps.next_launch += 1;
                 st.tasks[task].status = TaskStatus::Running;
+                st.tasks[task].launched = Some(Instant::now());
                 st.operators[op_id].running += 1;
                 if takes_slot {
                     st.running[pool] += 1;
@@ -1071,9 +1075,10 @@ impl QueryRun {
         self.next_block.fetch_add(1, Ordering::Relaxed)
     }
 
-    /// Whether the test hook drops this block as it is produced.
+    /// Whether the test hook drops this block, made by `task`, as it is produced.
     pub(crate) fn drops_block(
         &self,
+        task: TaskId,
         op_id: OperatorId,
         partition: usize,
         seq: usize,
@@ -1082,6 +1087,20 @@ impl QueryRun {
     ) -> bool {
         let op = &self.graph.operators[op_id];
         self.dropper.as_ref().is_some_and(|d| {
+            let (task_index, task_elapsed) = {
+                let st = self.state.lock().unwrap();
+                let record = &st.tasks[task];
+                let index = st.operators[op_id].partitions[partition]
+                    .tasks
+                    .iter()
+                    .position(|t| *t == task)
+                    .unwrap_or(usize::MAX);
+                let elapsed = record.launched.map_or(Duration::ZERO, |at| {
+                    at.elapsed()
+                        .saturating_sub(Duration::from_nanos(record.paused_ns))
+                });
+                (index, elapsed)
+            };
             (d.0)(&BlockInfo {
                 operator: op_id,
                 operator_name: op.name.clone(),
@@ -1089,6 +1108,8 @@ impl QueryRun {
                 seq,
                 rows,
                 worker_pid,
+                task_index,
+                task_elapsed,
             })
         })
     }
@@ -1295,7 +1316,7 @@ impl QueryRun {
         let op = &self.graph.operators[op_id];
         let id = self.new_block_id();
         let rows = block.num_rows();
-        let dropped = self.drops_block(op_id, partition, seq, rows, None);
+        let dropped = self.drops_block(task, op_id, partition, seq, rows, None);
         let held = if dropped {
             0
         } else {

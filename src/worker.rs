@@ -416,6 +416,11 @@ impl FlightService for WorkerService {
     }
 }
 
+/// Largest message a worker accepts or sends: a task carries its input block inline (8,192
+/// rows of web pages are ~10 MB, over tonic's 4 MiB default), so the bound is set by what one
+/// block may hold, not by gRPC's default.
+pub const MAX_TASK_BYTES: usize = 1 << 30;
+
 /// Serve as a worker on `listen` (`host:port`; port 0 picks one). Prints
 /// `flumen worker listening on HOST:PORT` on standard output once it accepts connections,
 /// which is how a driver that started it learns its address.
@@ -429,7 +434,11 @@ pub async fn serve(listen: &str, kind: WorkerKind) -> Result<()> {
     use std::io::Write;
     std::io::stdout().flush()?;
     tonic::transport::Server::builder()
-        .add_service(FlightServiceServer::new(WorkerService::new(ctx, kind)))
+        .add_service(
+            FlightServiceServer::new(WorkerService::new(ctx, kind))
+                .max_decoding_message_size(MAX_TASK_BYTES)
+                .max_encoding_message_size(MAX_TASK_BYTES),
+        )
         .serve_with_incoming(tokio_stream::wrappers::TcpListenerStream::new(listener))
         .await
         .map_err(|e| DataFusionError::Execution(format!("worker on {address} failed: {e}")))

@@ -7,6 +7,8 @@ use std::time::Duration;
 
 #[path = "common/s3_server.rs"]
 mod s3_server;
+#[path = "common/skip.rs"]
+mod skip;
 use s3_server::S3Server;
 
 const FLUMEN: &str = env!("CARGO_BIN_EXE_flumen");
@@ -203,12 +205,7 @@ fn repl_keeps_running_after_errors_and_ctrl_c() {
 #[test]
 fn s3_tables_on_a_loopback_server() {
     let Some(server) = S3Server::start() else {
-        // Straight to stderr: the test harness captures `println!`.
-        use std::io::Write;
-        let _ = writeln!(
-            std::io::stderr(),
-            "skipped: moto_server not found (run tests/install-test-tools.sh)"
-        );
+        skip::skip_missing_tool("moto_server not found (run tests/install-test-tools.sh)");
         return;
     };
     server.create_bucket("flumen-test");

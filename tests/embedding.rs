@@ -13,7 +13,7 @@ use datafusion::prelude::SessionContext;
 use flumen::FlumenConfig;
 
 mod common;
-use common::{collect, report_skip, try_collect};
+use common::{collect, skip_no_device, try_collect};
 
 /// One fixture row: a text and the embedding sentence-transformers computed for it.
 struct Reference {
@@ -98,7 +98,7 @@ async fn cpu_matches_sentence_transformers() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn cuda_matches_sentence_transformers() {
     if let Err(why) = flumen::embedding::cuda::probe_device_count() {
-        report_skip(&why.to_string());
+        skip_no_device(&why.to_string());
         return;
     }
     check_against_references("cuda", 0.999).await;

@@ -3,8 +3,9 @@
 #   moto's S3-compatible server (object-store tests on 127.0.0.1) and the Delta Lake and
 #   Iceberg writers of the Python ecosystem (`deltalake`, `pyiceberg`), which write the
 #   lakehouse test tables that flumen must read.
-# Tests find them there (or through FLUMEN_MOTO_SERVER / FLUMEN_LAKEHOUSE_PYTHON); without
-# them those tests print that they were skipped.
+# Tests find them there (or through FLUMEN_MOTO_SERVER / FLUMEN_LAKEHOUSE_PYTHON).
+# Under CI (CI=true) or with FLUMEN_REQUIRE_TOOLS=1 a failed install is an error (exit 1)
+# and a test whose tool is missing fails; elsewhere those tests say they were skipped.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 venv="$PWD/target/test-venv"
@@ -12,12 +13,17 @@ stamp="$venv/.installed-v1"
 if [ -e "$stamp" ]; then
     exit 0
 fi
-# A failed install does not stop the test run: the tests that need these tools then print
-# that they were skipped.
+required=0
+case "${CI:-}" in "" | 0 | false | FALSE | False) ;; *) required=1 ;; esac
+[ "${FLUMEN_REQUIRE_TOOLS:-0}" = "1" ] && required=1
 if python3 -m venv "$venv" && "$venv/bin/pip" install --quiet --disable-pip-version-check \
     "moto[server]==5.2.5" "deltalake==1.1.4" "pyiceberg[sql-sqlite,pyarrow]==0.12.0"; then
     touch "$stamp"
     echo "test tools installed in $venv"
+elif [ "$required" = 1 ]; then
+    echo "ERROR: could not install the test tools into $venv (moto, deltalake, pyiceberg);" \
+        "under CI the tests that need them cannot be skipped" >&2
+    exit 1
 else
     echo "WARNING: could not install the test tools into $venv:" \
         "the S3, Delta and Iceberg tests will say they were skipped" >&2

@@ -15,6 +15,10 @@ use datafusion::parquet::file::properties::WriterProperties;
 use datafusion::physical_plan::ExecutionPlan;
 use datafusion::prelude::{ParquetReadOptions, SessionConfig, SessionContext};
 
+pub mod skip;
+#[allow(unused_imports)]
+pub use skip::{skip_missing_tool, skip_no_device};
+
 /// Write `files` Parquet files of `rows_per_file` rows each under `dir`, with small row
 /// groups so a scan has many splits. Columns: id, k (group key 0..16), v (float), body (text).
 pub fn write_events(dir: &Path, files: usize, rows_per_file: usize) {
@@ -100,13 +104,6 @@ pub async fn events_with_vanilla(
     let v = vanilla();
     register_tables(&v, dir.path()).await;
     (dir, v)
-}
-
-/// Say that a test was skipped, and why, where the test log shows it: straight to the
-/// process's stderr, which the test harness does not capture (it captures `println!`).
-pub fn report_skip(why: &str) {
-    use std::io::Write;
-    let _ = writeln!(std::io::stderr(), "skipped: {why}");
 }
 
 /// A vanilla DataFusion context with two target partitions.
