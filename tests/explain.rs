@@ -116,8 +116,14 @@ async fn explain_embed_over_parquet_gets_its_own_accelerator_operator() {
     insta::assert_snapshot!(explain_over_docs("SELECT id, embed(body) AS v FROM docs").await);
 }
 
-/// CPU work in and beside a model call (`clean_text`, `length`) moves below the accelerator
-/// operator, into the scan's CPU source tasks; the accelerator projection only runs `embed`.
+/// CPU work in and beside a model call (`clean_text`, `length`) runs below the accelerator
+/// operators, in CPU tasks (`clean_text` in the scan's source tasks, `length` in a CPU
+/// projection), and CPU work over model outputs (`cosine_similarity`) in a CPU operator above
+/// them: each accelerator projection runs only `embed` and passes columns on. Two accelerator
+/// operators, because DataFusion's common-subexpression pass computes
+/// `embed(clean_text(body))` once in a projection of its own, below a round-robin
+/// repartition; that repartition is cut as a pass-through CPU operator (id=2), which copies
+/// blocks (left for the pipeline work).
 #[tokio::test]
 async fn explain_preprocessing_runs_in_cpu_tasks_below_the_model() {
     insta::assert_snapshot!(
