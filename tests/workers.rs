@@ -495,6 +495,15 @@ async fn a_worker_answering_garbage_fails_the_query_cleanly() {
     println!("garbage worker: {err}");
 }
 
+/// The accelerator (model) operator of a plan's graph.
+fn accelerator_operator(graph: &flumen::operators::OperatorGraph) -> &flumen::operators::Operator {
+    graph
+        .operators
+        .iter()
+        .find(|op| op.name.contains("Accelerator"))
+        .expect("an accelerator operator")
+}
+
 /// `id -> embedding` from a `SELECT id, embed(..)` answer (a null embedding as empty).
 fn embeddings_by_id(
     batches: &[datafusion::arrow::record_batch::RecordBatch],
@@ -568,11 +577,7 @@ async fn an_accelerator_worker_killed_mid_embedding_costs_only_its_blocks() {
         .pid
         .expect("no accelerator worker was killed");
     let graph = plan.downcast_ref::<FlumenExec>().unwrap().graph();
-    let model = graph
-        .operators
-        .iter()
-        .find(|op| op.name.contains("Accelerator"))
-        .expect("an accelerator operator");
+    let model = accelerator_operator(graph);
     let s = model.stats.snapshot();
     println!(
         "killed accelerator worker {pid}: {} tasks in workers, {} blocks lost, {} recomputed, \
@@ -745,11 +750,7 @@ async fn embed_in_a_worker_matches_the_cpu_reference(device: &str) {
         "the model did not get a default-sized block in one worker task"
     );
     let graph = plan.downcast_ref::<FlumenExec>().unwrap().graph();
-    let model = graph
-        .operators
-        .iter()
-        .find(|op| op.name.contains("Accelerator"))
-        .expect("an accelerator operator");
+    let model = accelerator_operator(graph);
     assert!(
         model.stats.snapshot().remote_tasks >= 1,
         "the model ran in no worker"
