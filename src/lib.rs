@@ -23,6 +23,7 @@ pub mod demo;
 pub mod embedding;
 pub mod emulated_accelerator;
 pub mod exec;
+pub mod feature_job;
 pub mod iceberg;
 pub mod lakehouse_options;
 pub mod lineage;

