@@ -25,7 +25,7 @@ use datafusion::arrow::record_batch::RecordBatch;
 use datafusion::datasource::MemTable;
 use datafusion::error::Result;
 use flumen::FlumenConfig;
-use flumen::embedding::model_files;
+use flumen::functions::embedding::model_files;
 
 const WORDS: &[&str] = &[
     "the",

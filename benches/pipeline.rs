@@ -39,7 +39,7 @@ use datafusion::logical_expr::ScalarUDF;
 use datafusion::parquet::arrow::ArrowWriter;
 use datafusion::parquet::file::properties::WriterProperties;
 use datafusion::prelude::{ParquetReadOptions, SessionContext};
-use flumen::emulated_accelerator::{EmulatedDevice, EmulatedModel};
+use flumen::functions::emulated_accelerator::{EmulatedDevice, EmulatedModel};
 use flumen::{AcceleratorFunction, AcceleratorWorker, ExecMode, FlumenConfig, WorkerResources};
 use futures::StreamExt;
 use serde_json::{Value, json};
@@ -107,7 +107,7 @@ fn main() -> Result<()> {
         return Ok(());
     }
     if args.accelerator == "auto" {
-        args.accelerator = if flumen::embedding::cuda::cuda_available() {
+        args.accelerator = if flumen::functions::embedding::cuda::cuda_available() {
             "cuda".into()
         } else {
             "emulated".into()
@@ -387,7 +387,7 @@ fn run_child(args: &Args, mode: &str) -> Result<Value> {
         } else {
             let busy = Arc::new(AtomicU64::new(0));
             let model = Metered {
-                inner: Arc::new(flumen::embedding::EmbedFunction::default()),
+                inner: Arc::new(flumen::functions::embedding::EmbedFunction::default()),
                 busy_ns: Arc::clone(&busy),
             };
             (flumen::accelerator_udf(model), busy)
@@ -395,7 +395,7 @@ fn run_child(args: &Args, mode: &str) -> Result<Value> {
     let ctx = match mode {
         "vanilla" => {
             let ctx = SessionContext::new();
-            ctx.register_udf(flumen::text_functions::clean_text_udf());
+            ctx.register_udf(flumen::functions::clean_text_udf());
             ctx
         }
         _ => {

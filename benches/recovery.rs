@@ -29,7 +29,7 @@ use datafusion::error::Result;
 use datafusion::physical_plan::collect;
 use datafusion::prelude::{ParquetReadOptions, SessionConfig};
 use flumen::exec::FlumenExec;
-use flumen::stats::StatsSnapshot;
+use flumen::exec::StatsSnapshot;
 use flumen::{BlockDropper, FlumenConfig, WorkerMode};
 
 const SQL: &str = "SELECT topic, count(*) AS docs, \
@@ -148,11 +148,12 @@ async fn run(
     let batches = collect(Arc::clone(&plan), ctx.task_ctx()).await?;
     let seconds = started.elapsed().as_secs_f64();
     let graph = plan.downcast_ref::<FlumenExec>().unwrap().graph();
+    let metrics = plan.downcast_ref::<FlumenExec>().unwrap().run_metrics();
     let source = graph
         .operators
         .iter()
         .filter(|op| !model || op.name.contains("Accelerator"))
-        .map(|op| op.stats.snapshot())
+        .map(|op| metrics.operator(op.id).snapshot())
         .max_by_key(|s| s.remote_tasks)
         .unwrap();
     let w = std::mem::take(&mut *watched.lock().unwrap());

@@ -240,7 +240,7 @@ async fn run(ctx: &SessionContext, statements: &[String]) -> Result<(f64, Vec<Re
         let plan = df.create_physical_plan().await?;
         last = collect(Arc::clone(&plan), ctx.task_ctx()).await?;
         if let Some(f) = plan.downcast_ref::<FlumenExec>() {
-            peak = peak.max(f.graph().peak_store_bytes());
+            peak = peak.max(f.run_metrics().peak_store_bytes());
         }
     }
     let wall = started.elapsed().as_secs_f64();

@@ -15,7 +15,7 @@ use datafusion::arrow::datatypes::DataType;
 use datafusion::config::ConfigOptions;
 use datafusion::error::{DataFusionError, Result};
 use datafusion::logical_expr::{Signature, Volatility};
-use flumen::embedding::{EMBEDDING_DIM, EmbedFunction, EmbedWorker};
+use flumen::functions::embedding::{EMBEDDING_DIM, EmbedFunction, EmbedWorker};
 use flumen::{
     AcceleratorFunction, AcceleratorWorker, FlumenConfig, WorkerResources, accelerator_udf,
 };

@@ -52,7 +52,7 @@ async fn main() -> Result<()> {
         }
     };
     for location in [&docs, &features] {
-        flumen::object_stores::register_for_location(&ctx, location, &[])?;
+        flumen::io::register_for_location(&ctx, location, &[])?;
     }
     ctx.sql(&format!(
         "CREATE EXTERNAL TABLE docs STORED AS DELTATABLE LOCATION '{docs}'"

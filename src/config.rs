@@ -234,6 +234,14 @@ extensions_options! {
     }
 }
 
+impl FlumenConfig {
+    /// Rows per block (`flumen.target_block_rows`, at least 1): the one reading of the
+    /// target size for every block cut and every bundle.
+    pub fn block_rows(&self) -> usize {
+        self.target_block_rows.max(1)
+    }
+}
+
 impl ConfigExtension for FlumenConfig {
     const PREFIX: &'static str = "flumen";
 }

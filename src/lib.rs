@@ -12,187 +12,38 @@
 //! # Ok(()) }
 //! ```
 //!
-//! See `docs/architecture.md` for how the modules fit together.
+//! # Module organization
+//!
+//! In the order a block meets them (`docs/architecture.md` walks one through):
+//! - [`session`]: flumen sessions (constructors, function and table-format registration).
+//! - [`plan`]: DataFusion's physical plan cut into an operator graph.
+//! - [`exec`]: one run of the graph: task creation, scheduling policy, task execution,
+//!   block streams, lineage recompute, remote tasks, the in-process accelerator pool.
+//! - [`store`]: blocks, where each lives (memory, spill, worker), the block cutter.
+//! - [`cluster`]: worker processes, their protocol and the driver's pools of them.
+//! - [`io`]: object stores, output commit, Delta Lake and Iceberg tables.
+//! - [`functions`]: SQL functions: accelerator UDFs, `embed`, text and vector helpers.
+//! - [`config`]: the `flumen.*` settings; [`demo`] and [`feature_job`]: the demo table and
+//!   the main job.
 
-pub mod accelerator;
-pub mod accelerator_projection;
-pub mod block_store;
+pub mod cluster;
 pub mod config;
-pub mod delta;
 pub mod demo;
-pub mod embedding;
-pub mod emulated_accelerator;
 pub mod exec;
 pub mod feature_job;
-pub mod iceberg;
-pub mod lakehouse_options;
-pub mod lineage;
-pub mod object_stores;
-pub mod operators;
-pub mod output_commit;
-pub mod planner;
-pub mod pools;
-pub mod remote_tasks;
-pub mod scheduler;
-pub mod split_source;
-pub mod stage_input;
-pub mod stats;
-pub mod text_functions;
-pub mod vector_functions;
-pub mod worker;
-pub mod worker_pool;
+pub mod functions;
+pub mod io;
+pub mod plan;
+pub mod session;
+pub mod store;
 
-use std::sync::Arc;
-
-use datafusion::execution::{SessionState, SessionStateBuilder};
-use datafusion::physical_optimizer::PhysicalOptimizerRule;
-use datafusion::prelude::{SessionConfig, SessionContext};
-
-pub use accelerator::{AcceleratorFunction, AcceleratorWorker, WorkerResources, accelerator_udf};
+pub use cluster::{WorkerKind, serve as serve_worker};
 pub use config::{ByteSize, Device, ExecMode, FlumenConfig, WorkerMode};
-pub use lineage::{BlockDropper, BlockInfo};
-pub use planner::FlumenQueryPlanner;
-
-/// A DataFusion `SessionContext` whose queries run on flumen, with default DataFusion
-/// settings and the given flumen settings.
-pub fn session(config: FlumenConfig) -> SessionContext {
-    session_with_config(SessionConfig::new(), config)
-}
-
-/// A flumen `SessionContext` built on the caller's DataFusion `SessionConfig`.
-pub fn session_with_config(session_config: SessionConfig, config: FlumenConfig) -> SessionContext {
-    let state = SessionStateBuilder::new()
-        .with_config(flumen_session_config(session_config, config))
-        .with_default_features()
-        .with_query_planner(Arc::new(FlumenQueryPlanner::default()))
-        .build();
-    let ctx = SessionContext::new_with_state(keep_accelerator_projections(state));
-    register_functions(&ctx);
-    object_stores::register_table_options(&ctx);
-    register_table_factories(&ctx);
-    ctx
-}
-
-/// Register flumen's SQL functions: `embed`, `clean_text` and the vector helpers
-/// (`cosine_similarity`, `dot_product`, `l2_distance`).
-pub fn register_functions(ctx: &SessionContext) {
-    ctx.register_udf(accelerator_udf(embedding::EmbedFunction::default()));
-    ctx.register_udf(text_functions::clean_text_udf());
-    for udf in vector_functions::vector_functions() {
-        ctx.register_udf(udf);
-    }
-}
-
-/// Register flumen's lakehouse table formats: `STORED AS DELTATABLE` (Delta Lake) and
-/// `STORED AS ICEBERG`.
-pub fn register_table_factories(ctx: &SessionContext) {
-    let state = ctx.state_ref();
-    let mut state = state.write();
-    let factories = state.table_factories_mut();
-    factories.insert("DELTATABLE".into(), Arc::new(delta::DeltaTableFactory));
-    factories.insert("ICEBERG".into(), Arc::new(iceberg::IcebergTableFactory));
-}
-
-/// Add flumen's settings, worker pools and required DataFusion options to a session config.
-pub fn flumen_session_config(session_config: SessionConfig, config: FlumenConfig) -> SessionConfig {
-    let mut session_config = session_config
-        .with_option_extension(config)
-        .with_extension(Arc::new(pools::AcceleratorPool::default()))
-        .with_extension(Arc::new(worker_pool::WorkerPoolSlot::default()));
-    // Each source split must always read the same rows (lineage): no work stealing
-    // between the partitions of a scan.
-    session_config
-        .options_mut()
-        .execution
-        .enable_file_stream_work_stealing = false;
-    session_config
-}
-
-/// Turn an existing DataFusion `SessionContext` into a flumen one, keeping its catalogs,
-/// tables, functions and settings.
-pub fn into_flumen(ctx: &SessionContext, config: FlumenConfig) -> SessionContext {
-    let state = ctx.state();
-    let create_default_catalog = state
-        .config()
-        .options()
-        .catalog
-        .create_default_catalog_and_schema;
-    // The existing catalogs are kept: do not create a fresh (empty) default catalog.
-    let session_config = flumen_session_config(state.config().clone(), config)
-        .with_create_default_catalog_and_schema(false);
-    let scalar = registration_order(state.scalar_functions(), |f| f.aliases());
-    let aggregate = registration_order(state.aggregate_functions(), |f| f.aliases());
-    let window = registration_order(state.window_functions(), |f| f.aliases());
-    let rules = flumen_optimizer_rules(state.physical_optimizers());
-    let mut state = SessionStateBuilder::new_from_existing(state)
-        .with_physical_optimizer_rules(rules)
-        .with_config(session_config)
-        .with_scalar_functions(scalar)
-        .with_aggregate_functions(aggregate)
-        .with_window_functions(window)
-        .with_query_planner(Arc::new(FlumenQueryPlanner::default()))
-        .build();
-    state
-        .config_mut()
-        .options_mut()
-        .catalog
-        .create_default_catalog_and_schema = create_default_catalog;
-    let ctx = SessionContext::new_with_state(state);
-    register_functions(&ctx);
-    object_stores::register_table_options(&ctx);
-    register_table_factories(&ctx);
-    ctx
-}
-
-/// Put [`KeepAcceleratorProjections`](accelerator_projection::KeepAcceleratorProjections)
-/// first among the session's physical optimizer rules (once).
-fn keep_accelerator_projections(state: SessionState) -> SessionState {
-    let rules = flumen_optimizer_rules(state.physical_optimizers());
-    SessionStateBuilder::new_from_existing(state)
-        .with_physical_optimizer_rules(rules)
-        .build()
-}
-
-/// `existing` with `KeepAcceleratorProjections` first (and only once).
-fn flumen_optimizer_rules(
-    existing: &[Arc<dyn PhysicalOptimizerRule + Send + Sync>],
-) -> Vec<Arc<dyn PhysicalOptimizerRule + Send + Sync>> {
-    let rule = accelerator_projection::KeepAcceleratorProjections;
-    let mut rules: Vec<Arc<dyn PhysicalOptimizerRule + Send + Sync>> = vec![Arc::new(rule)];
-    rules.extend(
-        existing
-            .iter()
-            .filter(|r| r.name() != "keep_accelerator_projections")
-            .cloned(),
-    );
-    rules
-}
-
-/// The functions of a registry in an order that rebuilds the same name → function map:
-/// a function one of whose names now resolves to another function (an override, e.g.
-/// Spark's `array_contains` over the alias of DataFusion's `array_has`) is registered first,
-/// so the override registered after it wins again.
-fn registration_order<F>(
-    registry: &std::collections::HashMap<String, Arc<F>>,
-    aliases: impl Fn(&F) -> &[String],
-) -> Vec<Arc<F>> {
-    let mut seen = std::collections::HashSet::new();
-    let mut shadowed = vec![];
-    let mut winners = vec![];
-    for function in registry.values() {
-        if !seen.insert(Arc::as_ptr(function)) {
-            continue;
-        }
-        let names = registry
-            .iter()
-            .filter(|(_, f)| Arc::ptr_eq(f, function))
-            .count();
-        if names < aliases(function).len() + 1 {
-            shadowed.push(Arc::clone(function));
-        } else {
-            winners.push(Arc::clone(function));
-        }
-    }
-    shadowed.extend(winners);
-    shadowed
-}
+pub use exec::{BlockDropper, BlockInfo, FlumenExec, FlumenQueryPlanner};
+pub use functions::accelerator::{
+    AcceleratorFunction, AcceleratorWorker, WorkerResources, accelerator_udf,
+};
+pub use session::{
+    flumen_session_config, into_flumen, register_functions, register_table_factories, session,
+    session_with_config,
+};

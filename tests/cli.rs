@@ -288,7 +288,7 @@ fn a_quoted_path_is_a_table() {
 
 #[test]
 fn extract_runs_the_main_job() {
-    if !flumen::embedding::model_files::model_dir("").join("model.safetensors").exists() {
+    if !flumen::functions::embedding::model_files::model_dir("").join("model.safetensors").exists() {
         skip::skip_missing_tool("the embedding model (run `flumen install-model`)");
         return;
     }

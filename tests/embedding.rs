@@ -97,7 +97,7 @@ async fn cpu_matches_sentence_transformers() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn cuda_matches_sentence_transformers() {
-    if let Err(why) = flumen::embedding::cuda::probe_device_count() {
+    if let Err(why) = flumen::functions::embedding::cuda::probe_device_count() {
         skip_no_device(&why.to_string());
         return;
     }

@@ -18,7 +18,7 @@ use datafusion::logical_expr::{
 use datafusion::physical_plan::ExecutionPlan;
 use datafusion::prelude::SessionConfig;
 use flumen::exec::FlumenExec;
-use flumen::operators::Pool;
+use flumen::plan::Pool;
 use flumen::{AcceleratorFunction, AcceleratorWorker, BlockDropper, FlumenConfig, accelerator_udf};
 
 async fn check_all(settings: &[&str]) {
@@ -79,7 +79,8 @@ async fn tiny_budget_spills_and_matches_datafusion() {
         let ordered = sql.contains("ORDER BY");
         assert_eq!(rows(&expected, ordered), rows(&batches, ordered), "{sql}");
         let graph = plan.downcast_ref::<FlumenExec>().unwrap().graph();
-        let peak = graph.peak_store_bytes();
+        let metrics = plan.downcast_ref::<FlumenExec>().unwrap().run_metrics();
+        let peak = metrics.peak_store_bytes();
         assert!(
             peak <= BUDGET,
             "{sql}: the store held {peak} bytes, budget {BUDGET}"
@@ -87,7 +88,7 @@ async fn tiny_budget_spills_and_matches_datafusion() {
         spilled += graph
             .operators
             .iter()
-            .map(|op| op.stats.snapshot().spilled)
+            .map(|op| metrics.operator(op.id).snapshot().spilled)
             .sum::<u64>();
     }
     assert!(spilled > 0, "nothing spilled under a 256 KB budget");
@@ -145,14 +146,15 @@ async fn dropped_blocks_are_recomputed_from_lineage() {
         let lost = dropped.load(Ordering::Relaxed) - before;
         assert!(lost > 0, "no block was dropped for {sql}");
         let graph = plan.downcast_ref::<FlumenExec>().unwrap().graph();
-        let recomputed = graph.operators[0].stats.snapshot().recomputed;
+        let metrics = plan.downcast_ref::<FlumenExec>().unwrap().run_metrics();
+        let recomputed = metrics.operator(0).snapshot().recomputed;
         // Each lost block re-runs its producer task once, and nothing else is re-run.
         assert!(
             recomputed > 0 && recomputed <= lost as u64,
             "{sql}: {recomputed} of {lost}"
         );
         for op in &graph.operators[1..] {
-            assert_eq!(op.stats.snapshot().recomputed, 0, "{sql}: {}", op.name);
+            assert_eq!(metrics.operator(op.id).snapshot().recomputed, 0, "{sql}: {}", op.name);
         }
     }
 }
@@ -386,7 +388,7 @@ async fn the_accelerator_pool_grows_under_load_and_shrinks_when_idle() {
     let pool = f
         .state()
         .config()
-        .get_extension::<flumen::pools::AcceleratorPool>()
+        .get_extension::<flumen::exec::AcceleratorPool>()
         .unwrap();
     let (batches, _) = run_plan(&f, "SELECT worker_name(body) AS w FROM events").await;
     let mut names = std::collections::BTreeSet::new();
@@ -700,7 +702,7 @@ async fn partitioned_join_ctx(config: SessionConfig) -> datafusion::prelude::Ses
 }
 
 /// The operators whose blocks a join streams as its probe input.
-fn streamed_producers(graph: &flumen::operators::OperatorGraph) -> Vec<usize> {
+fn streamed_producers(graph: &flumen::plan::OperatorGraph) -> Vec<usize> {
     graph
         .operators
         .iter()
@@ -731,10 +733,11 @@ async fn a_join_streams_its_probe_side_and_skips_it_after_an_empty_build() {
         let expected = v.sql(sql).await.unwrap().collect().await.unwrap();
         assert_eq!(rows(&expected, true), rows(&batches, true), "{sql}");
         let graph = plan.downcast_ref::<FlumenExec>().unwrap().graph();
+        let metrics = plan.downcast_ref::<FlumenExec>().unwrap().run_metrics();
         let probes = streamed_producers(graph);
         assert!(!probes.is_empty(), "{sql}: no streamed probe input");
         for probe in probes {
-            let tasks = graph.operators[probe].stats.snapshot().tasks;
+            let tasks = metrics.operator(probe).snapshot().tasks;
             if build_empty {
                 assert_eq!(tasks, 0, "{sql}: the probe side ran after an empty build");
             } else {
@@ -769,6 +772,7 @@ async fn a_waiting_streamed_reader_does_not_spin_the_scheduler() {
     assert_eq!(rows(&expected, true), rows(&batches, true));
     let exec = plan.downcast_ref::<FlumenExec>().unwrap();
     let graph = exec.graph();
+    let metrics = exec.run_metrics();
     let stacked = graph
         .operators
         .iter()
@@ -779,7 +783,7 @@ async fn a_waiting_streamed_reader_does_not_spin_the_scheduler() {
     );
     let (mut blocks, mut tasks) = (0, 0);
     for op in &graph.operators {
-        let s = op.stats.snapshot();
+        let s = metrics.operator(op.id).snapshot();
         blocks += s.blocks;
         tasks += s.tasks;
     }
@@ -827,6 +831,7 @@ async fn a_lost_probe_block_is_recomputed() {
         .await
         .unwrap();
     let graph = Arc::clone(plan.downcast_ref::<FlumenExec>().unwrap().graph());
+    let metrics = Arc::clone(plan.downcast_ref::<FlumenExec>().unwrap().run_metrics());
     let probe = streamed_producers(&graph)[0];
     target.store(probe, Ordering::Relaxed);
     let batches = datafusion::physical_plan::collect(Arc::clone(&plan), f.task_ctx())
@@ -834,7 +839,7 @@ async fn a_lost_probe_block_is_recomputed() {
         .unwrap();
     let expected = v.sql(sql).await.unwrap().collect().await.unwrap();
     assert_eq!(rows(&expected, true), rows(&batches, true));
-    let recomputed = graph.operators[probe].stats.snapshot().recomputed;
+    let recomputed = metrics.operator(probe).snapshot().recomputed;
     assert!(
         recomputed > 0,
         "no probe block was lost and recomputed ({} seen)",
@@ -856,13 +861,14 @@ async fn scans_split_on_row_group_boundaries() {
         let ids: i64 = (0..60_000).sum();
         assert_eq!(as_int64_array(batches[0].column(0)).unwrap().value(0), ids);
         let graph = plan.downcast_ref::<FlumenExec>().unwrap().graph();
+        let metrics = plan.downcast_ref::<FlumenExec>().unwrap().run_metrics();
         let scan = &graph.operators[0];
         let splits: usize = scan.splits.iter().sum();
         if let Some(expected) = expected_splits {
             assert_eq!(splits, expected, "split_bytes {split_bytes}");
         }
         // Every source task read rows: its partial sum is one block.
-        let stats = scan.stats.snapshot();
+        let stats = metrics.operator(scan.id).snapshot();
         assert_eq!(stats.tasks as usize, splits, "split_bytes {split_bytes}");
         assert_eq!(stats.blocks, stats.tasks, "an empty split at {split_bytes}");
     }
@@ -887,6 +893,7 @@ async fn a_grouped_partial_aggregate_reads_larger_splits() {
         let counts = as_int64_array(batches[0].column(1)).unwrap();
         assert_eq!(counts.iter().flatten().sum::<i64>(), 60_000);
         let graph = plan.downcast_ref::<FlumenExec>().unwrap().graph();
+        let metrics = plan.downcast_ref::<FlumenExec>().unwrap().run_metrics();
         let scan = &graph.operators[0];
         let splits = scan.splits.iter().sum::<usize>();
         if aggregate_split_bytes == "1B" {
@@ -896,7 +903,7 @@ async fn a_grouped_partial_aggregate_reads_larger_splits() {
             assert!(splits <= 4, "{splits} splits at {aggregate_split_bytes}");
         }
         assert_eq!(
-            scan.stats.snapshot().rows,
+            metrics.operator(scan.id).snapshot().rows,
             16 * splits as u64,
             "partial aggregate rows at aggregate_split_bytes {aggregate_split_bytes}"
         );
@@ -959,7 +966,7 @@ async fn source_feeding_a_slow_model(
     dir: &std::path::Path,
     settings: &[&str],
     delay: std::time::Duration,
-) -> flumen::stats::StatsSnapshot {
+) -> flumen::exec::StatsSnapshot {
     let mut all = vec![
         "SET flumen.target_block_rows = 1000",
         "SET flumen.accelerator_slots = 1",
@@ -976,8 +983,8 @@ async fn source_feeding_a_slow_model(
     }));
     let (batches, plan) = run_plan(&f, "SELECT worker_name(body) AS w FROM events").await;
     assert_eq!(batches.iter().map(|b| b.num_rows()).sum::<usize>(), 40_000);
-    let graph = plan.downcast_ref::<FlumenExec>().unwrap().graph();
-    let source = graph.operators[0].stats.snapshot();
+    let metrics = plan.downcast_ref::<FlumenExec>().unwrap().run_metrics();
+    let source = metrics.operator(0).snapshot();
     assert_eq!(source.rows, 40_000);
     source
 }

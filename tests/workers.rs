@@ -14,7 +14,7 @@ use common::{
 };
 use datafusion::prelude::{SessionConfig, SessionContext};
 use flumen::exec::FlumenExec;
-use flumen::worker::WorkerKind;
+use flumen::cluster::WorkerKind;
 use flumen::{BlockDropper, FlumenConfig, WorkerMode};
 
 const FLUMEN: &str = env!("CARGO_BIN_EXE_flumen");
@@ -38,17 +38,17 @@ fn session(config: FlumenConfig, dropper: Option<BlockDropper>) -> SessionContex
     flumen::session_with_config(session_config, config)
 }
 
-async fn pool_of(ctx: &SessionContext) -> Arc<flumen::worker_pool::WorkerPool> {
+async fn pool_of(ctx: &SessionContext) -> Arc<flumen::cluster::WorkerPool> {
     pool_of_kind(ctx, WorkerKind::Cpu).await
 }
 
 async fn pool_of_kind(
     ctx: &SessionContext,
     kind: WorkerKind,
-) -> Arc<flumen::worker_pool::WorkerPool> {
+) -> Arc<flumen::cluster::WorkerPool> {
     ctx.state()
         .config()
-        .get_extension::<flumen::worker_pool::WorkerPoolSlot>()
+        .get_extension::<flumen::cluster::WorkerPoolSlot>()
         .unwrap()
         .current(kind)
         .await
@@ -125,8 +125,8 @@ async fn process_workers_answer_like_vanilla() {
     )
     .await;
     let (_, plan) = run_plan(&f, "SELECT k, count(*) FROM events GROUP BY k").await;
-    let graph = plan.downcast_ref::<FlumenExec>().unwrap().graph();
-    let remote = graph.operators[0].stats.snapshot().remote_tasks;
+    let metrics = plan.downcast_ref::<FlumenExec>().unwrap().run_metrics();
+    let remote = metrics.operator(0).snapshot().remote_tasks;
     assert!(remote > 4, "only {remote} tasks ran in workers");
     let pool = pool_of(&f).await;
     let workers = pool.workers().await;
@@ -188,12 +188,13 @@ async fn a_worker_killed_mid_query_costs_only_its_blocks() {
             )
         });
         let graph = plan.downcast_ref::<FlumenExec>().unwrap().graph();
+        let metrics = plan.downcast_ref::<FlumenExec>().unwrap().run_metrics();
         let scan = graph
             .operators
             .iter()
-            .find(|op| op.stats.snapshot().blocks_lost > 0)
+            .find(|op| metrics.operator(op.id).snapshot().blocks_lost > 0)
             .unwrap_or_else(|| panic!("{sql}: no block was lost with worker {pid}"));
-        let s = scan.stats.snapshot();
+        let s = metrics.operator(scan.id).snapshot();
         assert!(s.recomputed > 0, "{sql}: nothing recomputed");
         // Only the dead worker's blocks were lost, and each lost block's task re-ran at
         // most once.
@@ -206,7 +207,7 @@ async fn a_worker_killed_mid_query_costs_only_its_blocks() {
             s.blocks
         );
         for op in graph.operators.iter().filter(|op| op.id != scan.id) {
-            assert_eq!(op.stats.snapshot().recomputed, 0, "{sql}: {}", op.name);
+            assert_eq!(metrics.operator(op.id).snapshot().recomputed, 0, "{sql}: {}", op.name);
         }
         assert!(elapsed < Duration::from_secs(60), "{sql} took {elapsed:?}");
     }
@@ -264,10 +265,10 @@ async fn chaos_random_worker_kills_never_change_an_answer() {
     f.sql("SET flumen.target_block_rows = 1000").await.unwrap();
     register_tables(&f, dir.path()).await;
     // A model UDF (an emulated device, 0.2 ms per 256 rows), the same in both engines.
-    let device = Arc::new(flumen::emulated_accelerator::EmulatedDevice::default());
+    let device = Arc::new(flumen::functions::emulated_accelerator::EmulatedDevice::default());
     for ctx in [&v, &f] {
         ctx.register_udf(flumen::accelerator_udf(
-            flumen::emulated_accelerator::EmulatedModel::new(
+            flumen::functions::emulated_accelerator::EmulatedModel::new(
                 "model",
                 Duration::from_micros(200),
                 256,
@@ -496,7 +497,7 @@ async fn a_worker_answering_garbage_fails_the_query_cleanly() {
 }
 
 /// The accelerator (model) operator of a plan's graph.
-fn accelerator_operator(graph: &flumen::operators::OperatorGraph) -> &flumen::operators::Operator {
+fn accelerator_operator(graph: &flumen::plan::OperatorGraph) -> &flumen::plan::Operator {
     graph
         .operators
         .iter()
@@ -577,8 +578,9 @@ async fn an_accelerator_worker_killed_mid_embedding_costs_only_its_blocks() {
         .pid
         .expect("no accelerator worker was killed");
     let graph = plan.downcast_ref::<FlumenExec>().unwrap().graph();
+    let metrics = plan.downcast_ref::<FlumenExec>().unwrap().run_metrics();
     let model = accelerator_operator(graph);
-    let s = model.stats.snapshot();
+    let s = metrics.operator(model.id).snapshot();
     println!(
         "killed accelerator worker {pid}: {} tasks in workers, {} blocks lost, {} recomputed, \
          {} retried, {elapsed:?}",
@@ -600,7 +602,7 @@ async fn an_accelerator_worker_killed_mid_embedding_costs_only_its_blocks() {
     // Upstream, only the inputs of the lost blocks' tasks were read again (they were
     // released once those tasks ran), never the whole scan.
     for op in graph.operators.iter().filter(|op| op.id != model.id) {
-        let up = op.stats.snapshot();
+        let up = metrics.operator(op.id).snapshot();
         assert!(up.recomputed < up.blocks.max(1), "{}: {up:?}", op.name);
     }
     // Run again: both accelerator workers (one a replacement) take tasks, and each process
@@ -644,10 +646,11 @@ async fn a_hung_worker_misses_its_heartbeat_and_is_replaced() {
     assert_eq!(rows(&expected, true), rows(&batches, true));
     let pid = stopped.lock().unwrap().pid.expect("no worker was stopped");
     let graph = plan.downcast_ref::<FlumenExec>().unwrap().graph();
+    let metrics = plan.downcast_ref::<FlumenExec>().unwrap().run_metrics();
     let lost: u64 = graph
         .operators
         .iter()
-        .map(|op| op.stats.snapshot().blocks_lost + op.stats.snapshot().tasks_retried)
+        .map(|op| metrics.operator(op.id).snapshot().blocks_lost + metrics.operator(op.id).snapshot().tasks_retried)
         .sum();
     println!("stopped worker {pid}: query took {elapsed:?}, {lost} blocks lost or tasks retried");
     assert!(lost > 0, "nothing was lost with the hung worker");
@@ -681,12 +684,13 @@ async fn a_worker_killed_during_an_exchange_loses_only_its_map_outputs() {
     assert_eq!(rows(&expected, false), rows(&batches, false));
     assert!(killed.lock().unwrap().pid.is_some(), "no worker was killed");
     let graph = plan.downcast_ref::<FlumenExec>().unwrap().graph();
+    let metrics = plan.downcast_ref::<FlumenExec>().unwrap().run_metrics();
     let map = graph
         .operators
         .iter()
         .find(|op| op.output_split.is_some())
         .expect("a map side that splits its output by key");
-    let s = map.stats.snapshot();
+    let s = metrics.operator(map.id).snapshot();
     println!("exchange map side {}: {s:?}", map.name);
     assert!(
         s.blocks_lost > 0 || s.tasks_retried > 0,
@@ -750,9 +754,10 @@ async fn embed_in_a_worker_matches_the_cpu_reference(device: &str) {
         "the model did not get a default-sized block in one worker task"
     );
     let graph = plan.downcast_ref::<FlumenExec>().unwrap().graph();
+    let metrics = plan.downcast_ref::<FlumenExec>().unwrap().run_metrics();
     let model = accelerator_operator(graph);
     assert!(
-        model.stats.snapshot().remote_tasks >= 1,
+        metrics.operator(model.id).snapshot().remote_tasks >= 1,
         "the model ran in no worker"
     );
     let got = embeddings_by_id(&batches);
@@ -784,7 +789,7 @@ async fn embed_in_a_cpu_worker_at_the_default_block_size_matches_the_cpu_referen
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn embed_in_a_cuda_worker_at_the_default_block_size_matches_the_cpu_reference() {
-    if let Err(why) = flumen::embedding::cuda::probe_device_count() {
+    if let Err(why) = flumen::functions::embedding::cuda::probe_device_count() {
         return common::skip_no_device(&why.to_string());
     }
     embed_in_a_worker_matches_the_cpu_reference("cuda").await;

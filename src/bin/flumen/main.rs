@@ -25,7 +25,7 @@ use std::sync::Arc;
 
 use clap::{Parser, Subcommand};
 use flumen::FlumenConfig;
-use flumen::embedding::model_files;
+use flumen::functions::embedding::model_files;
 
 use output::Format;
 use shell::{Flow, Shell};
@@ -87,12 +87,12 @@ enum Command {
         /// The driver's pool it serves: `cpu` (several tasks at once) or `accelerator`
         /// (one task at a time on one thread that keeps its models loaded).
         #[arg(long, default_value = "cpu")]
-        pool: flumen::worker::WorkerKind,
+        pool: flumen::cluster::WorkerKind,
     },
 }
 
 /// `flumen worker`: serve tasks for a driver until killed.
-fn worker(listen: &str, kind: flumen::worker::WorkerKind) -> ExitCode {
+fn worker(listen: &str, kind: flumen::cluster::WorkerKind) -> ExitCode {
     let runtime = match tokio::runtime::Runtime::new() {
         Ok(r) => r,
         Err(e) => {
@@ -100,7 +100,9 @@ fn worker(listen: &str, kind: flumen::worker::WorkerKind) -> ExitCode {
             return ExitCode::FAILURE;
         }
     };
-    match runtime.block_on(flumen::worker::serve(listen, kind)) {
+    match runtime.block_on(async {
+        flumen::cluster::serve(listen, kind, flumen::session(FlumenConfig::default())).await
+    }) {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {
             eprintln!("flumen worker: {e}");

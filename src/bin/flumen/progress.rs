@@ -8,7 +8,8 @@ use std::time::Duration;
 
 use datafusion::physical_plan::ExecutionPlan;
 use flumen::exec::FlumenExec;
-use flumen::operators::{Operator, OperatorGraph, TaskShape};
+use flumen::exec::StatsSnapshot;
+use flumen::plan::{Operator, TaskShape};
 use indicatif::{MultiProgress, ProgressBar, ProgressDrawTarget, ProgressStyle};
 
 /// How long a query runs before its progress lines appear.
@@ -30,7 +31,8 @@ struct Lines {
 impl Progress {
     /// Start showing progress for `plan` if it holds flumen operators.
     pub fn start(plan: &Arc<dyn ExecutionPlan>) -> Option<Self> {
-        let graph = Arc::clone(find_graph(plan)?);
+        let exec = find_flumen_exec(plan)?;
+        let (graph, metrics) = (Arc::clone(exec.graph()), Arc::clone(exec.run_metrics()));
         let lines = Arc::new(Mutex::new(Lines::default()));
         let shared = Arc::clone(&lines);
         let task = tokio::spawn(async move {
@@ -56,7 +58,7 @@ impl Progress {
                         return;
                     }
                     for (op, line) in graph.operators.iter().zip(&lines.bars) {
-                        line.set_message(describe(op));
+                        line.set_message(describe(op, &metrics.operator(op.id).snapshot()));
                         line.tick();
                     }
                 }
@@ -68,8 +70,7 @@ impl Progress {
 }
 
 /// One operator's progress line.
-fn describe(op: &Operator) -> String {
-    let s = op.stats.snapshot();
+fn describe(op: &Operator, s: &StatsSnapshot) -> String {
     let tasks = if op.shape == TaskShape::Source {
         format!("{}/{}", s.tasks, op.splits.iter().sum::<usize>())
     } else {
@@ -99,10 +100,10 @@ impl Drop for Progress {
     }
 }
 
-/// The operator graph of the first `FlumenExec` in `plan`.
-fn find_graph(plan: &Arc<dyn ExecutionPlan>) -> Option<&Arc<OperatorGraph>> {
+/// The first `FlumenExec` in `plan`.
+fn find_flumen_exec(plan: &Arc<dyn ExecutionPlan>) -> Option<&FlumenExec> {
     if let Some(exec) = plan.downcast_ref::<FlumenExec>() {
-        return Some(exec.graph());
+        return Some(exec);
     }
-    plan.children().into_iter().find_map(find_graph)
+    plan.children().into_iter().find_map(find_flumen_exec)
 }

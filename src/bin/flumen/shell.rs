@@ -68,7 +68,7 @@ impl Shell {
 
     async fn run_sql(&self, sql: &str) -> Result<()> {
         let started = Instant::now();
-        flumen::object_stores::register_for_statement(&self.ctx, sql)?;
+        flumen::io::register_for_statement(&self.ctx, sql)?;
         let df = self.ctx.sql(sql).await?;
         let plan = df.create_physical_plan().await?;
         let _progress = if std::io::stderr().is_terminal() {

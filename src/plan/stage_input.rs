@@ -5,7 +5,7 @@
 //! the blocks this task was given (one block, a bundle, or a whole partition).
 
 use std::fmt;
-use std::sync::Arc;
+use std::sync::{Arc, OnceLock};
 
 use datafusion::common::tree_node::TreeNodeRecursion;
 use datafusion::error::{DataFusionError, Result};
@@ -15,10 +15,11 @@ use datafusion::physical_plan::stream::RecordBatchStreamAdapter;
 use datafusion::physical_plan::{
     DisplayAs, DisplayFormatType, ExecutionPlan, Partitioning, PhysicalExpr, PlanProperties,
 };
+use datafusion::physical_plan::empty::EmptyExec;
 use futures::StreamExt;
 
-use crate::exec::OperatorExec;
-use crate::operators::OperatorId;
+
+use crate::plan::graph::OperatorId;
 
 /// How a consumer reads its producer's blocks.
 #[derive(Debug, Clone)]
@@ -65,27 +66,37 @@ pub struct StageInputExec {
     exchange: InputExchange,
     properties: Arc<PlanProperties>,
     fetch: Option<usize>,
-    /// The producer, shown below this node by `EXPLAIN` (never executed from here).
-    producer_display: Arc<dyn ExecutionPlan>,
+    /// The producer's `EXPLAIN` node, shown below this one (never executed from here): set
+    /// once by the executing node, which owns the counters it shows; shared by clones.
+    producer_display: Arc<OnceLock<Arc<dyn ExecutionPlan>>>,
+    /// Shown until then.
+    placeholder: Arc<dyn ExecutionPlan>,
 }
 
 impl StageInputExec {
     /// A stage input with the given plan properties (those of the node it replaces).
     pub fn new(
         producer: OperatorId,
-        producer_display: Arc<OperatorExec>,
         exchange: InputExchange,
         properties: Arc<PlanProperties>,
         fetch: Option<usize>,
     ) -> Self {
+        let placeholder = Arc::new(EmptyExec::new(Arc::clone(properties.eq_properties.schema())));
         Self {
             producer,
             input: 0,
             exchange,
             properties,
             fetch,
-            producer_display,
+            producer_display: Arc::default(),
+            placeholder,
         }
+    }
+
+    /// Show `display` (the producer operator's `EXPLAIN` node) below this node, unless
+    /// one is shown already.
+    pub fn show_producer(&self, display: Arc<dyn ExecutionPlan>) {
+        let _ = self.producer_display.set(display);
     }
 
     /// The same node reading stage input number `input` of its task.
@@ -141,7 +152,7 @@ impl ExecutionPlan for StageInputExec {
     }
 
     fn children(&self) -> Vec<&Arc<dyn ExecutionPlan>> {
-        vec![&self.producer_display]
+        vec![self.producer_display.get().unwrap_or(&self.placeholder)]
     }
 
     fn apply_expressions(
@@ -158,7 +169,7 @@ impl ExecutionPlan for StageInputExec {
     ) -> Result<Arc<dyn ExecutionPlan>> {
         let mut node = self.as_ref().clone();
         if let Some(child) = children.into_iter().next() {
-            node.producer_display = child;
+            node.producer_display = Arc::new(OnceLock::from(child));
         }
         Ok(Arc::new(node))
     }

@@ -15,10 +15,10 @@ use datafusion::error::{DataFusionError, Result};
 use futures::FutureExt;
 use futures::future::BoxFuture;
 
-use crate::block_store::BlockId;
-use crate::operators::OperatorId;
-use crate::scheduler::QueryRun;
-use crate::stats::OperatorStats;
+use crate::store::block::BlockId;
+use crate::exec::metrics::OperatorStats;
+use crate::exec::run::QueryRun;
+use crate::plan::graph::OperatorId;
 
 /// Index of a task within one query run.
 pub type TaskId = usize;
@@ -38,25 +38,6 @@ pub enum TaskKind {
     },
     /// The whole partition of every input (a per-partition task).
     Partition,
-}
-
-/// Where a block came from.
-#[derive(Debug, Clone)]
-pub struct BlockMeta {
-    /// Producer operator.
-    pub operator: OperatorId,
-    /// Producer task.
-    pub task: TaskId,
-    /// Position in the task's output sequence.
-    pub seq: usize,
-    /// Output partition the block belongs to.
-    pub tag: usize,
-    /// Rows in the block.
-    pub rows: usize,
-    /// Bytes the block takes (held in the store while unreleased).
-    pub bytes: u64,
-    /// The consumer is done with it.
-    pub released: bool,
 }
 
 /// What a fault injector sees of a block when it is produced.
@@ -94,65 +75,69 @@ impl fmt::Debug for BlockDropper {
 }
 
 impl QueryRun {
-    /// The data of block `id`, recomputed from lineage when it is not in the store.
-    pub(crate) fn fetch(self: &Arc<Self>, id: BlockId) -> BoxFuture<'static, Result<RecordBatch>> {
+    /// The data of block `id`: from where the store says it lives, else recomputed from
+    /// its lineage.
+    pub(super) fn fetch(self: &Arc<Self>, id: BlockId) -> BoxFuture<'static, Result<RecordBatch>> {
         let run = Arc::clone(self);
         async move {
-            if let Some(batch) = run.take_from_store(id)? {
-                return Ok(batch);
+            match run.read_block(id).await? {
+                Some(batch) => Ok(batch),
+                None => run.recompute(id).await,
             }
-            if let Some(batch) = run.fetch_remote(id).await? {
-                return Ok(batch);
-            }
-            run.recompute(id).await
         }
         .boxed()
     }
 
+    /// The data of block `id` where it lives (the store's memory or spill file, or its
+    /// worker); `None` when it is not there (lost with its worker, or dropped).
+    async fn read_block(self: &Arc<Self>, id: BlockId) -> Result<Option<RecordBatch>> {
+        if let Some(batch) = self.take_from_store(id)? {
+            return Ok(Some(batch));
+        }
+        self.fetch_held(id).await
+    }
+
     async fn recompute(self: Arc<Self>, id: BlockId) -> Result<RecordBatch> {
-        let meta = self.block_meta(id).ok_or_else(|| {
+        let block = self.block(id).ok_or_else(|| {
             DataFusionError::Internal(format!("flumen has no lineage for block {id}"))
         })?;
-        let lock = self.recompute_lock(meta.task);
+        let lock = self.recompute_lock(block.task);
         let _guard = lock.lock().await;
         // Another reader (or a worker's recovery) may have recomputed it while we waited.
-        if let Some(batch) = self.take_from_store(id)? {
-            return Ok(batch);
-        }
-        if let Some(batch) = self.fetch_remote(id).await? {
+        if let Some(batch) = self.read_block(id).await? {
             return Ok(batch);
         }
         // A block lost with its worker: re-run its task on a live worker if we can.
         if self.lost_blocks.lock().unwrap().contains(&id)
-            && self.rerun_remote(meta.task).await.unwrap_or(false)
-            && let Some(batch) = self.fetch_remote(id).await?
+            && self.rerun_remote(block.task).await.unwrap_or(false)
+            && let Some(batch) = self.fetch_held(id).await?
         {
             return Ok(batch);
         }
         self.lost_blocks.lock().unwrap().remove(&id);
-        let op = &self.graph.operators[meta.operator];
-        OperatorStats::add(&op.stats.recomputed, 1);
-        let outputs = match self.recompute_remote_outputs(meta.task).await? {
+        let op = &self.graph.operators[block.operator];
+        OperatorStats::add(&self.stats(block.operator).recomputed, 1);
+        let outputs = match self.recompute_remote_outputs(block.task).await? {
             Some(outputs) => outputs,
-            None => self.execute_task(meta.task, true).await?,
+            None => self.execute_task(block.task, true).await?,
         };
         let by_seq: HashMap<usize, RecordBatch> =
             outputs.into_iter().map(|(seq, _, b)| (seq, b)).collect();
-        let wanted = by_seq.get(&meta.seq).cloned().ok_or_else(|| {
+        let wanted = by_seq.get(&block.seq).cloned().ok_or_else(|| {
             DataFusionError::Execution(format!(
                 "recomputing block {id} of operator {} ({}) did not reproduce it: \
                  the task's output is not deterministic",
-                meta.operator, op.name
+                block.operator, op.name
             ))
         })?;
         // Put back the task's other outputs that a reader may still ask for.
-        for (sibling, sibling_meta) in self.task_outputs(meta.task) {
-            if sibling == id || self.store.contains(sibling) || self.remote_alive(sibling) {
+        for sibling in self.task_outputs(block.task) {
+            if sibling.id == id || self.store.is_available(sibling.id) {
                 continue;
             }
-            if let Some(batch) = by_seq.get(&sibling_meta.seq) {
-                self.forget_remote(sibling);
-                self.restore(sibling, batch.clone(), sibling_meta.bytes)?;
+            if let Some(batch) = by_seq.get(&sibling.seq) {
+                self.store.remove(sibling.id);
+                self.restore(sibling.id, batch.clone(), sibling.bytes)?;
             }
         }
         Ok(wanted)

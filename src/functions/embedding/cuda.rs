@@ -504,7 +504,7 @@ impl SentenceEncoder for CudaEncoder {
 /// The integration tests' skip rules (a missing tool fails under CI), shared with this
 /// file's unit test.
 #[cfg(test)]
-#[path = "../../tests/common/skip.rs"]
+#[path = "../../../tests/common/skip.rs"]
 mod test_skip;
 
 #[cfg(test)]

@@ -38,104 +38,12 @@ use datafusion::physical_plan::{ExecutionPlan, ExecutionPlanProperties};
 use datafusion::prelude::SessionContext;
 use futures::stream::BoxStream;
 use futures::{StreamExt, TryStreamExt};
-use serde::{Deserialize, Serialize};
 use tonic::{Request, Response, Status, Streaming};
 
-/// What a driver asks of a worker with a task, besides the plan.
-#[derive(Debug, Clone, Default, Serialize, Deserialize)]
-pub struct TaskRequest {
-    /// Most rows per output block.
-    pub target_rows: usize,
-    /// The driver's session settings the task runs under (`flumen.model_dir`,
-    /// `flumen.device`, ...), as `(key, value)`.
-    #[serde(default)]
-    pub options: Vec<(String, String)>,
-}
+use datafusion::physical_plan::repartition::RepartitionExec;
 
-/// Which of the driver's pools a worker process serves.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default, Serialize, Deserialize)]
-pub enum WorkerKind {
-    /// CPU tasks, several at once on the worker's threads.
-    #[default]
-    Cpu,
-    /// Accelerator tasks, one at a time on one thread that loads each model once and keeps
-    /// it for every later task (an actor, as in Ray Data's actor pools).
-    Accelerator,
-}
-
-impl WorkerKind {
-    /// The name `flumen worker --pool` takes.
-    pub fn as_str(self) -> &'static str {
-        match self {
-            WorkerKind::Cpu => "cpu",
-            WorkerKind::Accelerator => "accelerator",
-        }
-    }
-}
-
-impl std::str::FromStr for WorkerKind {
-    type Err = String;
-    fn from_str(s: &str) -> std::result::Result<Self, String> {
-        match s {
-            "cpu" => Ok(WorkerKind::Cpu),
-            "accelerator" => Ok(WorkerKind::Accelerator),
-            other => Err(format!(
-                "a worker pool is 'cpu' or 'accelerator', not '{other}'"
-            )),
-        }
-    }
-}
-
-/// What a worker says of itself (action `status`).
-#[derive(Debug, Clone, Default, Serialize, Deserialize)]
-pub struct WorkerStatus {
-    /// The pool it serves.
-    pub kind: WorkerKind,
-    /// Its process id.
-    pub pid: u32,
-    /// Tasks it has run.
-    pub tasks: u64,
-    /// Accelerator workers (models) it has loaded: one per model while it lives.
-    pub model_loads: u64,
-    /// Blocks it holds now.
-    pub blocks_held: usize,
-}
-
-/// A block a task left in a worker.
-#[derive(Debug, Clone, Serialize, Deserialize)]
-pub struct RemoteBlockInfo {
-    /// The ticket that fetches it.
-    pub key: String,
-    /// Output partition of the task's plan that produced it.
-    pub tag: usize,
-    /// Rows in the block.
-    pub rows: usize,
-    /// Bytes of its arrays in memory.
-    pub bytes: u64,
-}
-
-/// Frame a task for the `run` action: header length (4 bytes, little endian), the header
-/// as JSON, then the encoded plan.
-pub fn encode_task(request: &TaskRequest, plan: &[u8]) -> Vec<u8> {
-    let header = serde_json::to_vec(request).expect("task header serializes");
-    let mut body = Vec::with_capacity(4 + header.len() + plan.len());
-    body.extend_from_slice(&(header.len() as u32).to_le_bytes());
-    body.extend_from_slice(&header);
-    body.extend_from_slice(plan);
-    body
-}
-
-fn decode_task(body: &[u8]) -> std::result::Result<(TaskRequest, &[u8]), String> {
-    let len = body
-        .get(..4)
-        .map(|b| u32::from_le_bytes(b.try_into().unwrap()) as usize)
-        .ok_or("task body shorter than its header length")?;
-    let header = body
-        .get(4..4 + len)
-        .ok_or("task body shorter than its header")?;
-    let request = serde_json::from_slice(header).map_err(|e| format!("bad task header: {e}"))?;
-    Ok((request, &body[4 + len..]))
-}
+use crate::store::cutter::BlockCutter;
+use crate::cluster::protocol::{RemoteBlockInfo, TaskRequest, WorkerKind, WorkerStatus, decode_task};
 
 /// A job for an accelerator worker's model thread: a task body and where to answer.
 type ModelJob = (
@@ -175,7 +83,7 @@ impl WorkerService {
             kind: self.kind,
             pid: std::process::id(),
             tasks: self.tasks.load(Ordering::Relaxed),
-            model_loads: crate::accelerator::workers_loaded(),
+            model_loads: crate::functions::accelerator::workers_loaded(),
             blocks_held: self.blocks.lock().unwrap().len(),
         }
     }
@@ -230,7 +138,7 @@ async fn run_task_body(body: &[u8], ctx: &SessionContext) -> Result<Vec<(usize, 
         .build();
     let task_ctx = state.task_ctx();
     let plan = datafusion_proto::bytes::physical_plan_from_bytes(plan, &task_ctx)?;
-    plan_blocks(plan, task_ctx, request.target_rows).await
+    plan_blocks(plan, task_ctx, &request).await
 }
 
 /// The thread an accelerator worker runs its tasks on, one at a time, so each model is
@@ -253,36 +161,47 @@ fn start_model_thread() -> std::sync::mpsc::Sender<ModelJob> {
     jobs
 }
 
-/// Run every output partition of `plan` (at once: an exchange on top fills them together)
-/// and cut the output into blocks of at most `target_rows` rows, tagged with their output
-/// partition, in a fixed order: partition by partition, batch by batch. A worker and a
-/// driver recomputing a lost block run the same plan through this, so block `i` of one run
-/// is block `i` of the other.
+/// Run `plan` and cut its output into blocks with the one [`BlockCutter`], as a local task
+/// of the same partition would: when an exchange is on top (the operator's output split)
+/// its input is split, coalesced and sliced by the cutter; otherwise each output partition
+/// in turn is sliced. A worker and a driver recomputing a lost block run the same plan
+/// through this, so block `i` of one run is block `i` of the other.
 pub async fn plan_blocks(
     plan: Arc<dyn ExecutionPlan>,
     task_ctx: Arc<TaskContext>,
-    target_rows: usize,
+    request: &TaskRequest,
 ) -> Result<Vec<(usize, RecordBatch)>> {
-    let partitions = plan.output_partitioning().partition_count();
-    let outputs = futures::future::try_join_all((0..partitions).map(|p| {
-        let stream = plan.execute(p, Arc::clone(&task_ctx));
-        async move {
-            let batches: Vec<RecordBatch> = stream?.try_collect().await?;
-            Ok::<_, DataFusionError>((p, batches))
-        }
-    }))
-    .await?;
-    let target = target_rows.max(1);
+    let partitions = request.partitions.max(1);
     let mut blocks = vec![];
-    for (tag, batches) in outputs {
-        for batch in batches {
-            let mut offset = 0;
-            while offset < batch.num_rows() {
-                let len = target.min(batch.num_rows() - offset);
-                blocks.push((tag, batch.slice(offset, len)));
-                offset += len;
-            }
+    if let Some(exchange) = plan.downcast_ref::<RepartitionExec>()
+        && exchange.input().output_partitioning().partition_count() == 1
+    {
+        let input = Arc::clone(exchange.input());
+        let mut cutter = BlockCutter::new(
+            input.schema(),
+            Some(exchange.partitioning()),
+            request.partition,
+            partitions,
+            request.target_rows,
+        )?;
+        let mut stream = input.execute(0, task_ctx)?;
+        while let Some(batch) = stream.next().await {
+            cutter.push(batch?, &mut blocks)?;
         }
+        cutter.finish(&mut blocks)?;
+        return Ok(blocks);
+    }
+    let outputs = plan.output_partitioning().partition_count();
+    for p in 0..outputs {
+        // One output partition: its blocks carry the task's partition, as a local task's.
+        let tag = if outputs == 1 { request.partition } else { p };
+        let mut cutter =
+            BlockCutter::new(plan.schema(), None, tag, partitions, request.target_rows)?;
+        let mut stream = plan.execute(p, Arc::clone(&task_ctx))?;
+        while let Some(batch) = stream.next().await {
+            cutter.push(batch?, &mut blocks)?;
+        }
+        cutter.finish(&mut blocks)?;
     }
     Ok(blocks)
 }
@@ -421,15 +340,15 @@ impl FlightService for WorkerService {
 /// block may hold, not by gRPC's default.
 pub const MAX_TASK_BYTES: usize = 1 << 30;
 
-/// Serve as a worker on `listen` (`host:port`; port 0 picks one). Prints
+/// Serve as a worker on `listen` (`host:port`; port 0 picks one), running tasks in `ctx`
+/// (a flumen session: it must know every function the driver's plans call). Prints
 /// `flumen worker listening on HOST:PORT` on standard output once it accepts connections,
 /// which is how a driver that started it learns its address.
-pub async fn serve(listen: &str, kind: WorkerKind) -> Result<()> {
+pub async fn serve(listen: &str, kind: WorkerKind, ctx: SessionContext) -> Result<()> {
     let listener = tokio::net::TcpListener::bind(listen).await.map_err(|e| {
         DataFusionError::Execution(format!("worker cannot listen on {listen}: {e}"))
     })?;
     let address = listener.local_addr()?;
-    let ctx = crate::session(crate::FlumenConfig::default());
     println!("flumen worker listening on {address}");
     use std::io::Write;
     std::io::stdout().flush()?;
@@ -442,24 +361,4 @@ pub async fn serve(listen: &str, kind: WorkerKind) -> Result<()> {
         .serve_with_incoming(tokio_stream::wrappers::TcpListenerStream::new(listener))
         .await
         .map_err(|e| DataFusionError::Execution(format!("worker on {address} failed: {e}")))
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn task_frames_round_trip_and_garbage_is_an_error() {
-        let request = TaskRequest {
-            target_rows: 7,
-            options: vec![("flumen.device".into(), "cpu".into())],
-        };
-        let body = encode_task(&request, b"plan-bytes");
-        let (request, plan) = decode_task(&body).unwrap();
-        assert_eq!(request.target_rows, 7);
-        assert_eq!(request.options[0].1, "cpu");
-        assert_eq!(plan, b"plan-bytes");
-        assert!(decode_task(b"\xff\xff\xff\xffxx").is_err());
-        assert!(decode_task(b"\x02").is_err());
-    }
 }

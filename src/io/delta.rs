@@ -30,8 +30,8 @@ use deltalake_core::logstore::{
 use deltalake_core::{DeltaTable, DeltaTableBuilder};
 use url::Url;
 
-use crate::lakehouse_options::{self, time_travel, timestamp_option};
-use crate::object_stores;
+use crate::io::lakehouse_options::{self, time_travel, timestamp_option};
+use crate::io::object_stores;
 
 /// Which version of a Delta table to read.
 #[derive(Debug, Clone, PartialEq, Eq, Default)]

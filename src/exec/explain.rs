@@ -1,157 +1,52 @@
-//! `FlumenExec`, the root `ExecutionPlan` the planner returns: executing it runs the
-//! operator graph on flumen's scheduler. `OperatorExec` shows one operator in `EXPLAIN`.
+//! `OperatorExec`: one flumen operator as `EXPLAIN` shows it (pool, slots, task shape,
+//! block size, and after a run its counters), with the operators feeding it below its
+//! stage inputs. Display only; never executed.
 
 use std::fmt;
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 
-use datafusion::common::tree_node::TreeNodeRecursion;
+use datafusion::common::tree_node::{TreeNode, TreeNodeRecursion};
 use datafusion::error::Result;
 use datafusion::execution::{SendableRecordBatchStream, TaskContext};
 use datafusion::physical_plan::execution_plan::{ChildrenPropertiesMode, ReplaceChildrenOptions};
 use datafusion::physical_plan::metrics::{Count, Gauge, Metric, MetricValue, MetricsSet, Time};
+use datafusion::physical_plan::projection::ProjectionExec;
 use datafusion::physical_plan::{
     DisplayAs, DisplayFormatType, ExecutionPlan, PhysicalExpr, PlanProperties,
 };
 
-use datafusion::physical_plan::projection::ProjectionExec;
-
-use crate::accelerator::accelerator_functions_in;
-use crate::accelerator_projection::AcceleratorProjectionExec;
 use crate::config::FlumenConfig;
-use crate::operators::{Operator, OperatorGraph, Pool};
-use crate::scheduler::QueryRun;
-use crate::stats::OperatorStats;
+use crate::exec::metrics::{OperatorStats, RunMetrics};
+use crate::functions::accelerator::accelerator_functions_in;
+use crate::plan::accelerator_projection::AcceleratorProjectionExec;
+use crate::plan::graph::{Operator, OperatorGraph, OperatorId, Pool};
+use crate::plan::stage_input::StageInputExec;
 
-/// Root of every physical plan flumen plans: runs its operator graph when executed.
-#[derive(Debug)]
-pub struct FlumenExec {
-    graph: Arc<OperatorGraph>,
-    config: FlumenConfig,
-    display_root: Arc<dyn ExecutionPlan>,
-    /// The run serving the current execution, and which partitions it has handed out.
-    current: Mutex<Option<(Arc<QueryRun>, Vec<bool>)>>,
-}
-
-impl FlumenExec {
-    /// Wrap an operator graph.
-    pub fn new(graph: OperatorGraph, config: FlumenConfig) -> Self {
-        let display_root: Arc<dyn ExecutionPlan> =
-            Arc::new(OperatorExec::new(graph.root(), &config));
-        Self {
-            graph: Arc::new(graph),
-            config,
-            display_root,
-            current: Mutex::new(None),
+/// The `EXPLAIN` node of operator `id`, with those of the operators feeding it below its
+/// stage inputs, showing the counters in `metrics`.
+pub(crate) fn display_tree(
+    graph: &OperatorGraph,
+    id: OperatorId,
+    config: &FlumenConfig,
+    metrics: &RunMetrics,
+) -> Arc<OperatorExec> {
+    let op = &graph.operators[id];
+    // The fragment's own nodes are shown (they hold DataFusion's counters of the run), with
+    // each stage input showing its producer's tree below it.
+    let _ = op.fragment.apply(|node| {
+        if let Some(stage) = node.downcast_ref::<StageInputExec>() {
+            stage.show_producer(display_tree(graph, stage.producer(), config, metrics));
+            return Ok(TreeNodeRecursion::Jump);
         }
-    }
-
-    /// The operator graph this plan runs.
-    pub fn graph(&self) -> &Arc<OperatorGraph> {
-        &self.graph
-    }
-}
-
-impl DisplayAs for FlumenExec {
-    fn fmt_as(&self, t: DisplayFormatType, f: &mut fmt::Formatter) -> fmt::Result {
-        match t {
-            DisplayFormatType::TreeRender => write!(f, "mode={}", self.config.mode),
-            _ => write!(
-                f,
-                "FlumenExec: mode={}, memory_budget={}, operators={}",
-                self.config.mode,
-                self.config.memory_budget,
-                self.graph.operators.len()
-            ),
-        }
-    }
-}
-
-impl ExecutionPlan for FlumenExec {
-    fn name(&self) -> &str {
-        "FlumenExec"
-    }
-
-    fn properties(&self) -> &Arc<PlanProperties> {
-        self.graph.root().fragment.properties()
-    }
-
-    fn children(&self) -> Vec<&Arc<dyn ExecutionPlan>> {
-        vec![&self.display_root]
-    }
-
-    fn apply_expressions(
-        &self,
-        _f: &mut dyn FnMut(&Arc<dyn PhysicalExpr>) -> Result<TreeNodeRecursion>,
-    ) -> Result<TreeNodeRecursion> {
         Ok(TreeNodeRecursion::Continue)
-    }
-
-    fn replace_children(
-        self: Arc<Self>,
-        _children: Vec<Arc<dyn ExecutionPlan>>,
-        _options: ReplaceChildrenOptions,
-    ) -> Result<Arc<dyn ExecutionPlan>> {
-        Ok(self)
-    }
-
-    fn with_new_children(
-        self: Arc<Self>,
-        children: Vec<Arc<dyn ExecutionPlan>>,
-    ) -> Result<Arc<dyn ExecutionPlan>> {
-        self.replace_children(
-            children,
-            ReplaceChildrenOptions::new(ChildrenPropertiesMode::Recompute),
-        )
-    }
-
-    fn execute(
-        &self,
-        partition: usize,
-        context: Arc<TaskContext>,
-    ) -> Result<SendableRecordBatchStream> {
-        let partitions = self.graph.root().partitions();
-        let mut current = self.current.lock().unwrap();
-        let reuse = matches!(&*current, Some((_, opened)) if !opened[partition]);
-        if !reuse {
-            let run = QueryRun::start(Arc::clone(&self.graph), context)?;
-            *current = Some((run, vec![false; partitions]));
-        }
-        let (run, opened) = current.as_mut().expect("a run was just set");
-        opened[partition] = true;
-        let run = Arc::clone(run);
-        if opened.iter().all(|o| *o) {
-            *current = None;
-        }
-        drop(current);
-        run.output(partition)
-    }
-
-    fn metrics(&self) -> Option<MetricsSet> {
-        let load = |counter: &std::sync::atomic::AtomicU64| {
-            counter.load(std::sync::atomic::Ordering::Relaxed) as usize
-        };
-        let count = |name: &'static str, value: usize| {
-            let c = Count::new();
-            c.add(value);
-            Arc::new(Metric::new(
-                MetricValue::Count {
-                    name: name.into(),
-                    count: c,
-                },
-                None,
-            ))
-        };
-        let mut set = MetricsSet::new();
-        let passes = load(&self.graph.scheduler_passes);
-        if passes > 0 {
-            set.push(count("scheduler_passes", passes));
-        }
-        let restarted = load(&self.graph.workers_restarted);
-        if restarted > 0 {
-            set.push(count("workers_restarted", restarted));
-        }
-        Some(set)
-    }
+    });
+    let fragment = Arc::clone(&op.fragment);
+    Arc::new(OperatorExec::new(
+        op,
+        fragment,
+        config,
+        Arc::clone(metrics.operator(id)),
+    ))
 }
 
 /// One operator in `EXPLAIN` output: its pool, slots, task shape, block size, and after a
@@ -206,8 +101,14 @@ fn accelerator_workers(plan: &Arc<dyn ExecutionPlan>, config: &FlumenConfig) -> 
 }
 
 impl OperatorExec {
-    /// The display node of `op`.
-    pub fn new(op: &Operator, config: &FlumenConfig) -> Self {
+    /// The display node of `op`, whose fragment (with its producers' display nodes below
+    /// its stage inputs) is `fragment`, and whose counters are `stats`.
+    fn new(
+        op: &Operator,
+        fragment: Arc<dyn ExecutionPlan>,
+        config: &FlumenConfig,
+        stats: Arc<OperatorStats>,
+    ) -> Self {
         Self {
             slots: match op.pool {
                 Pool::Cpu => config.cpu_slots,
@@ -223,8 +124,8 @@ impl OperatorExec {
             pool: op.pool,
             shape: op.shape.to_string(),
             tasks_hint: op.splits.iter().sum(),
-            fragment: Arc::clone(&op.fragment),
-            stats: Arc::clone(&op.stats),
+            fragment,
+            stats,
             streams: op.streamed_producers().collect(),
         }
     }

@@ -15,9 +15,9 @@ use datafusion::physical_plan::{ExecutionPlan, displayable, replace_children_if_
 use datafusion::physical_planner::{DefaultPhysicalPlanner, PhysicalPlanner};
 
 use crate::config::FlumenConfig;
-use crate::exec::FlumenExec;
-use crate::operators::OperatorGraph;
-use crate::split_source::RowGroupLayout;
+use crate::exec::flumen_exec::FlumenExec;
+use crate::plan::graph::OperatorGraph;
+use crate::plan::split_source::RowGroupLayout;
 
 /// The query planner of a flumen session.
 #[derive(Debug, Default)]
@@ -37,7 +37,7 @@ pub async fn to_flumen_plan(
     plan: Arc<dyn ExecutionPlan>,
     session: &dyn Session,
 ) -> Result<Arc<dyn ExecutionPlan>> {
-    let plan = crate::output_commit::stage_file_sinks(plan)?;
+    let plan = crate::io::output_commit::stage_file_sinks(plan)?;
     let layout = RowGroupLayout::read(&plan, session.runtime_env()).await;
     let graph = OperatorGraph::cut(plan, session.config_options(), &layout)?;
     Ok(Arc::new(FlumenExec::new(graph, flumen_config(session))))

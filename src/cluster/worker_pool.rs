@@ -2,7 +2,7 @@
 //!
 //! The pool starts `flumen.worker_processes` processes of the `flumen` binary
 //! (`flumen worker --listen 127.0.0.1:0`), learns each one's address from its first line of
-//! output, and talks to it over Arrow Flight (see [`crate::worker`]). Workers are addressed
+//! output, and talks to it over Arrow Flight (see [`crate::cluster::worker`]). Workers are addressed
 //! by `host:port` only, so nothing here assumes they share the driver's machine, except
 //! starting them.
 //!
@@ -30,7 +30,8 @@ use datafusion::error::{DataFusionError, Result};
 use futures::TryStreamExt;
 use tonic::transport::Channel;
 
-use crate::worker::{RemoteBlockInfo, TaskRequest, WorkerKind, WorkerStatus, encode_task};
+use crate::store::block::HeldBlock;
+use crate::cluster::protocol::{RemoteBlockInfo, TaskRequest, WorkerKind, WorkerStatus, encode_task};
 
 /// How long a starting worker may take to print its address.
 const START_TIMEOUT: Duration = Duration::from_secs(20);
@@ -608,5 +609,24 @@ impl WorkerPoolSlot {
     /// The pool of `kind`, if one was started.
     pub async fn current(&self, kind: WorkerKind) -> Option<Arc<WorkerPool>> {
         self.slot(kind).lock().await.clone()
+    }
+}
+
+#[async_trait::async_trait]
+impl HeldBlock for RemoteBlock {
+    fn holder_pid(&self) -> u32 {
+        self.worker.pid
+    }
+
+    fn holder_alive(&self) -> bool {
+        self.worker.is_alive()
+    }
+
+    async fn fetch(&self) -> Result<Option<RecordBatch>> {
+        WorkerPool::fetch(self).await
+    }
+
+    fn release(&self) {
+        WorkerPool::release(self.clone());
     }
 }

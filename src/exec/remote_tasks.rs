@@ -20,7 +20,6 @@
 use std::collections::{HashMap, HashSet};
 use std::sync::{Arc, OnceLock};
 
-use datafusion::arrow::compute::concat_batches;
 use datafusion::arrow::record_batch::RecordBatch;
 use datafusion::common::tree_node::{Transformed, TreeNode};
 use datafusion::config::ExtensionOptions;
@@ -37,16 +36,18 @@ use datafusion_proto::physical_plan::{
     DefaultPhysicalExtensionCodec, PhysicalExtensionCodec, PhysicalProtoConverterExtension,
 };
 
-use crate::accelerator_projection::AcceleratorProjectionExec;
-use crate::block_store::BlockId;
-use crate::lineage::{TaskId, TaskKind};
-use crate::operators::{Operator, Pool};
-use crate::scheduler::QueryRun;
-use crate::split_source::SplitSourceExec;
-use crate::stage_input::StageInputExec;
-use crate::stats::OperatorStats;
-use crate::worker::{TaskRequest, WorkerKind, plan_blocks};
-use crate::worker_pool::{RemoteBlock, WorkerPool, worker_binary};
+use crate::plan::accelerator_projection::AcceleratorProjectionExec;
+use crate::store::block::{Block, BlockData, BlockId};
+use crate::exec::lineage::{TaskId, TaskKind};
+use crate::plan::graph::{Operator, OperatorId, Pool};
+use crate::exec::run::QueryRun;
+use crate::plan::split_source::SplitSourceExec;
+use crate::plan::stage_input::StageInputExec;
+use crate::cluster::protocol::{TaskRequest, WorkerKind};
+use crate::cluster::worker::plan_blocks;
+use crate::store::cutter::bundle_pieces;
+use crate::cluster::worker_pool::{RemoteBlock, WorkerPool, worker_binary};
+use crate::exec::metrics::OperatorStats;
 
 /// The worker pool an operator's tasks go to.
 fn worker_kind(op: &Operator) -> WorkerKind {
@@ -273,11 +274,12 @@ impl QueryRun {
             WorkerKind::Accelerator => config.accelerator_slots,
         };
         let pool = slot.get_or_start(worker_kind(op), binary, size).await?;
-        let blocks = self.run_on_pool(&pool, op_id, &bytes, &describe).await?;
-        OperatorStats::add(&op.stats.remote_tasks, 1);
+        let request = self.task_request(op_id, partition);
+        let blocks = self.run_on_pool(&pool, op_id, &request, &bytes, &describe).await?;
+        OperatorStats::add(&self.stats(op_id).remote_tasks, 1);
         self.remote_tasks.lock().unwrap().insert(task);
         for (seq, block) in blocks.into_iter().enumerate() {
-            self.put_remote_block(task, op_id, partition, seq, block)?;
+            self.put_remote_block(task, op_id, seq, block)?;
         }
         self.changed();
         Ok(true)
@@ -296,14 +298,8 @@ impl QueryRun {
                 for id in inputs {
                     batches.push(self.fetch(id).await?);
                 }
-                // The fragment sees the bundle as a local task does: in pieces of at most
-                // the target size.
-                let bundle = concat_batches(&schema, &batches)?;
-                let target = self.config().target_block_rows.max(1);
-                let pieces: Vec<RecordBatch> = (0..bundle.num_rows())
-                    .step_by(target)
-                    .map(|at| bundle.slice(at, target.min(bundle.num_rows() - at)))
-                    .collect();
+                // The fragment sees the bundle as a local task does.
+                let pieces = bundle_pieces(&schema, batches, self.config().block_rows())?;
                 let input = MemorySourceConfig::try_new_exec(&[pieces], schema, None)?;
                 Ok(blocks_plan(op, input))
             }
@@ -311,20 +307,20 @@ impl QueryRun {
         }
     }
 
-    /// Fetch a block that lives in a worker; `None` when it is not remote or was lost with
-    /// its worker. The first loss seen from a worker starts the recovery of everything it
-    /// held ([`Self::recover_worker`]).
-    pub(crate) async fn fetch_remote(self: &Arc<Self>, id: BlockId) -> Result<Option<RecordBatch>> {
-        let Some(block) = self.remote_blocks.lock().unwrap().remove(&id) else {
+    /// Fetch block `id` from the worker that holds it; `None` when no worker holds it or
+    /// it was lost with its worker. The first loss seen from a worker starts the recovery
+    /// of everything it held ([`Self::recover_worker`]).
+    pub(super) async fn fetch_held(self: &Arc<Self>, id: BlockId) -> Result<Option<RecordBatch>> {
+        let Some(held) = self.store.take_held(id) else {
             return Ok(None);
         };
-        let fetched = WorkerPool::fetch(&block).await?;
+        let fetched = held.fetch().await?;
         if fetched.is_none() {
             self.lost_blocks.lock().unwrap().insert(id);
-            if let Some(meta) = self.block_meta(id) {
-                OperatorStats::add(&self.graph.operators[meta.operator].stats.blocks_lost, 1);
+            if let Some(block) = self.block(id) {
+                OperatorStats::add(&self.stats(block.operator).blocks_lost, 1);
             }
-            self.recover_worker(block.worker.pid);
+            self.recover_worker(held.holder_pid());
         }
         Ok(fetched)
     }
@@ -335,25 +331,14 @@ impl QueryRun {
         if !self.dead_workers.lock().unwrap().insert(pid) {
             return;
         }
-        let lost: Vec<BlockId> = {
-            let mut remote = self.remote_blocks.lock().unwrap();
-            let ids: Vec<BlockId> = remote
-                .iter()
-                .filter(|(_, b)| b.worker.pid == pid)
-                .map(|(id, _)| *id)
-                .collect();
-            for id in &ids {
-                remote.remove(id);
-            }
-            ids
-        };
+        let lost = self.store.take_held_by(pid);
         let mut tasks = HashSet::new();
         {
             let mut lost_set = self.lost_blocks.lock().unwrap();
             for id in lost {
-                if let Some(meta) = self.block_meta(id) {
-                    OperatorStats::add(&self.graph.operators[meta.operator].stats.blocks_lost, 1);
-                    tasks.insert(meta.task);
+                if let Some(block) = self.block(id) {
+                    OperatorStats::add(&self.stats(block.operator).blocks_lost, 1);
+                    tasks.insert(block.task);
                 }
                 lost_set.insert(id);
             }
@@ -378,13 +363,9 @@ impl QueryRun {
     /// The caller holds the task's recompute lock. `Ok(false)`: not a remote task.
     pub(crate) async fn rerun_remote(self: &Arc<Self>, task: TaskId) -> Result<bool> {
         let outputs = self.task_outputs(task);
-        let lost: Vec<(BlockId, usize)> = {
+        let lost: Vec<&Block> = {
             let lost_set = self.lost_blocks.lock().unwrap();
-            outputs
-                .iter()
-                .filter(|(id, _)| lost_set.contains(id))
-                .map(|(id, meta)| (*id, meta.seq))
-                .collect()
+            outputs.iter().filter(|b| lost_set.contains(&b.id)).collect()
         };
         if lost.is_empty() {
             return Ok(true);
@@ -410,15 +391,15 @@ impl QueryRun {
         let Some(bytes) = encode_for_worker(&plan, &describe) else {
             return Ok(false);
         };
-        let blocks = self.run_on_pool(&pool, op_id, &bytes, &describe).await?;
-        OperatorStats::add(&op.stats.recomputed, 1);
+        let request = self.task_request(op_id, partition);
+        let blocks = self.run_on_pool(&pool, op_id, &request, &bytes, &describe).await?;
+        OperatorStats::add(&self.stats(op_id).recomputed, 1);
         let mut by_seq: HashMap<usize, RemoteBlock> = blocks.into_iter().enumerate().collect();
         let mut lost_set = self.lost_blocks.lock().unwrap();
-        let mut remote = self.remote_blocks.lock().unwrap();
-        for (id, seq) in lost {
-            if let Some(block) = by_seq.remove(&seq) {
-                lost_set.remove(&id);
-                remote.insert(id, block);
+        for block in lost {
+            if let Some(held) = by_seq.remove(&block.seq) {
+                lost_set.remove(&block.id);
+                self.store.put_held(block.id, Arc::new(held), block.bytes);
             }
         }
         // Blocks of the new run that no lost block needs.
@@ -428,29 +409,37 @@ impl QueryRun {
         Ok(true)
     }
 
-    /// Run an encoded plan on `pool` for operator `op_id`, counting its retries and the
-    /// pool's restarts.
-    async fn run_on_pool(
-        &self,
-        pool: &Arc<WorkerPool>,
-        op_id: usize,
-        bytes: &[u8],
-        describe: &str,
-    ) -> Result<Vec<RemoteBlock>> {
+    /// The header of a task of partition `partition` of operator `op_id`: how to cut its
+    /// blocks, and the settings it runs under.
+    fn task_request(&self, op_id: OperatorId, partition: usize) -> TaskRequest {
         let config = self.config();
-        let request = TaskRequest {
-            target_rows: config.target_block_rows,
+        TaskRequest {
+            target_rows: config.block_rows(),
+            partition,
+            partitions: self.graph.operators[op_id].partitions(),
             options: config
                 .entries()
                 .into_iter()
                 .filter_map(|entry| Some((format!("flumen.{}", entry.key), entry.value?)))
                 .collect(),
-        };
+        }
+    }
+
+    /// Run an encoded plan on `pool` for operator `op_id`, counting its retries and the
+    /// pool's restarts.
+    async fn run_on_pool(
+        &self,
+        pool: &Arc<WorkerPool>,
+        op_id: OperatorId,
+        request: &TaskRequest,
+        bytes: &[u8],
+        describe: &str,
+    ) -> Result<Vec<RemoteBlock>> {
+        let config = self.config();
         let (blocks, retries) = pool
-            .run_task(bytes, &request, config.max_task_retries, describe)
+            .run_task(bytes, request, config.max_task_retries, describe)
             .await?;
-        let op = &self.graph.operators[op_id];
-        OperatorStats::add(&op.stats.tasks_retried, retries as u64);
+        OperatorStats::add(&self.stats(op_id).tasks_retried, retries as u64);
         self.note_restarts(pool);
         Ok(blocks)
     }
@@ -463,25 +452,7 @@ impl QueryRun {
         let (_, latest) = seen.entry(pool.kind()).or_insert((now, now));
         *latest = now;
         let total: u64 = seen.values().map(|(start, latest)| latest - start).sum();
-        self.graph
-            .workers_restarted
-            .fetch_max(total, std::sync::atomic::Ordering::Relaxed);
-    }
-
-    /// Whether block `id` lives in a worker that is still alive.
-    pub(crate) fn remote_alive(&self, id: BlockId) -> bool {
-        self.remote_blocks
-            .lock()
-            .unwrap()
-            .get(&id)
-            .is_some_and(|b| b.worker.is_alive())
-    }
-
-    /// Forget where block `id` lived (it was recomputed here, or released); tell its worker.
-    pub(crate) fn forget_remote(&self, id: BlockId) {
-        if let Some(block) = self.remote_blocks.lock().unwrap().remove(&id) {
-            WorkerPool::release(block);
-        }
+        self.metrics.observe_workers_restarted(total);
     }
 
     /// The outputs of a task run remotely, recomputed here from the same plan:
@@ -496,8 +467,9 @@ impl QueryRun {
         let Some(plan) = self.task_plan(task).await? else {
             return Ok(None);
         };
-        let blocks =
-            plan_blocks(plan, self.base_context(), self.config().target_block_rows).await?;
+        let (op_id, partition, _) = self.task_identity(task);
+        let request = self.task_request(op_id, partition);
+        let blocks = plan_blocks(plan, self.base_context(), &request).await?;
         Ok(Some(
             blocks
                 .into_iter()
@@ -507,31 +479,23 @@ impl QueryRun {
         ))
     }
 
+    /// Record block `seq` of remotely run task `task`, kept by its worker.
     fn put_remote_block(
         &self,
         task: TaskId,
-        op_id: usize,
-        partition: usize,
+        op_id: OperatorId,
         seq: usize,
-        block: RemoteBlock,
+        held: RemoteBlock,
     ) -> Result<()> {
-        let (rows, bytes, tag) = (block.info.rows, block.info.bytes, block.info.tag);
-        let pid = block.worker.pid;
-        let id = self.new_block_id();
-        let dropped = self.drops_block(task, op_id, partition, seq, rows, Some(pid));
-        if !dropped {
-            self.remote_blocks.lock().unwrap().insert(id, block);
-        }
-        self.record_block(
-            id,
+        let block = Block {
+            id: self.new_block_id(),
+            operator: op_id,
             task,
-            op_id,
-            partition,
             seq,
-            tag,
-            rows,
-            if dropped { 0 } else { bytes },
-        );
-        Ok(())
+            tag: held.info.tag,
+            rows: held.info.rows,
+            bytes: held.info.bytes,
+        };
+        self.put_block(block, BlockData::Held(Arc::new(held)))
     }
 }

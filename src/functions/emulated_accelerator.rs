@@ -19,7 +19,7 @@ use datafusion::config::ConfigOptions;
 use datafusion::error::{DataFusionError, Result};
 use datafusion::logical_expr::{Signature, Volatility};
 
-use crate::accelerator::{AcceleratorFunction, AcceleratorWorker, WorkerResources};
+use crate::functions::accelerator::{AcceleratorFunction, AcceleratorWorker, WorkerResources};
 
 /// One emulated device: busy for `service_time` per batch, one batch at a time.
 #[derive(Debug, Default)]

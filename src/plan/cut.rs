@@ -6,7 +6,6 @@
 //! projection that calls an accelerator UDF; that projection becomes an operator of its own
 //! on the accelerator pool.
 
-use std::fmt;
 use std::sync::Arc;
 
 use datafusion::config::ConfigOptions;
@@ -32,153 +31,17 @@ use datafusion::physical_plan::{
     ExecutionPlan, ExecutionPlanProperties, Partitioning, replace_children_if_necessary,
 };
 
-use crate::accelerator::calls_accelerator_udf;
-use crate::accelerator_projection::AcceleratorProjectionExec;
+use crate::functions::accelerator::calls_accelerator_udf;
+use crate::plan::accelerator_projection::AcceleratorProjectionExec;
 use crate::config::FlumenConfig;
-use crate::split_source::{RowGroupLayout, SplitSourceExec};
-use crate::stage_input::{InputExchange, StageInputExec};
-use crate::stats::OperatorStats;
-
-/// Index of an operator inside its [`OperatorGraph`].
-pub type OperatorId = usize;
-
-/// The pool whose slots an operator's tasks occupy.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Pool {
-    /// General CPU work (scans, filters, joins, aggregates).
-    Cpu,
-    /// Workers that keep a model loaded (accelerator UDFs).
-    Accelerator,
-}
-
-impl fmt::Display for Pool {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str(match self {
-            Pool::Cpu => "cpu",
-            Pool::Accelerator => "accelerator",
-        })
-    }
-}
-
-/// What one task of an operator processes.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum TaskShape {
-    /// No block inputs: one task per source split of each partition.
-    Source,
-    /// One block input and row-local nodes only: one task per input block (or bundle).
-    BlockWise,
-    /// Stateful nodes (final aggregates, joins, sorts...): one task per output partition,
-    /// started once every input operator has finished, or at once when the operator
-    /// streams a join's probe input ([`Operator::streamed_inputs`]).
-    Barrier,
-}
-
-impl fmt::Display for TaskShape {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str(match self {
-            TaskShape::Source => "source",
-            TaskShape::BlockWise => "per-block",
-            TaskShape::Barrier => "per-partition",
-        })
-    }
-}
-
-/// One flumen operator (stage).
-#[derive(Debug)]
-pub struct Operator {
-    /// Its index in the graph; producers have smaller ids than their consumer.
-    pub id: OperatorId,
-    /// Short label: the fragment's root node.
-    pub name: String,
-    /// Pool its tasks run on.
-    pub pool: Pool,
-    /// What a task processes.
-    pub shape: TaskShape,
-    /// The DataFusion sub-plan a task executes, with `StageInputExec` leaves.
-    pub fragment: Arc<dyn ExecutionPlan>,
-    /// Producer operator of each `StageInputExec` leaf, by its `input` index.
-    pub inputs: Vec<OperatorId>,
-    /// How each input is read (same order as `inputs`).
-    pub input_exchanges: Vec<InputExchange>,
-    /// Inputs on the probe side of a join in the fragment (same order as `inputs`). The
-    /// operator's tasks start with the query and read these blocks as they arrive, and the
-    /// operators feeding such an input start only when a task first asks for its blocks,
-    /// which a join does once its build side is in: as under DataFusion's own executor,
-    /// the probe side's scans then run with the join's dynamic filter filled in.
-    pub streamed_inputs: Vec<bool>,
-    /// Split applied to this operator's output blocks (the map side of a hash/round-robin
-    /// exchange); `None` tags each block with its task's partition.
-    pub output_split: Option<Partitioning>,
-    /// Number of source splits of each partition (Source operators; 1 when not split).
-    pub splits: Vec<usize>,
-    /// All partitions' tasks must run at once: the fragment holds stateful nodes, and
-    /// DataFusion's joins coordinate across partitions (shared build side, dynamic filters).
-    pub gang: bool,
-    /// Counters shown by `EXPLAIN ANALYZE`.
-    pub stats: Arc<OperatorStats>,
-}
-
-impl Operator {
-    /// Producers of the inputs this operator streams (see [`Operator::streamed_inputs`]).
-    pub fn streamed_producers(&self) -> impl Iterator<Item = OperatorId> + '_ {
-        self.inputs
-            .iter()
-            .zip(&self.streamed_inputs)
-            .filter(|(_, streamed)| **streamed)
-            .map(|(producer, _)| *producer)
-    }
-
-    /// Number of partitions the fragment produces.
-    pub fn partitions(&self) -> usize {
-        self.fragment.output_partitioning().partition_count()
-    }
-}
-
-/// A physical plan cut into operators. The last operator is the root.
-#[derive(Debug)]
-pub struct OperatorGraph {
-    /// Operators, producers before consumers.
-    pub operators: Vec<Operator>,
-    /// The consumer of each operator (`None` for the root).
-    pub consumer: Vec<Option<OperatorId>>,
-    /// Most bytes the block store held in memory during any run of this graph.
-    peak_store: std::sync::atomic::AtomicU64,
-    /// Worker processes restarted (after one died) during runs of this graph.
-    pub workers_restarted: std::sync::atomic::AtomicU64,
-    /// Passes of the scheduler (task creation and launch decisions) during runs of this
-    /// graph: one per change it reacts to (a block produced or read, a task ended or
-    /// paused, a reader starting to wait).
-    pub scheduler_passes: std::sync::atomic::AtomicU64,
-    /// For each operator, the streamed inputs it feeds (directly or through other
-    /// operators), by their producer: it may start only once each has been asked for.
-    pub gates: Vec<Vec<OperatorId>>,
-}
+use crate::plan::split_source::{RowGroupLayout, SplitSourceExec};
+use crate::plan::graph::{Operator, OperatorGraph, OperatorId, Pool, TaskShape};
+use crate::plan::stage_input::{InputExchange, StageInputExec};
 
 impl OperatorGraph {
-    /// The root operator, whose output is the query's output.
-    pub fn root(&self) -> &Operator {
-        self.operators.last().expect("a graph has a root")
-    }
-
-    /// Most bytes the block store held in memory during any run of this graph.
-    pub fn peak_store_bytes(&self) -> u64 {
-        self.peak_store.load(std::sync::atomic::Ordering::Relaxed)
-    }
-
-    /// True when `op`'s tasks stream a join's probe input (see [`Operator::streamed_inputs`]).
-    pub fn streams_inputs(&self, op: OperatorId) -> bool {
-        self.operators[op].streamed_inputs.iter().any(|s| *s)
-    }
-
-    /// Record that the block store held `bytes` in memory.
-    pub fn observe_store(&self, bytes: u64) {
-        self.peak_store
-            .fetch_max(bytes, std::sync::atomic::Ordering::Relaxed);
-    }
-
     /// Cut `plan` into operators; `layout` places its Parquet scans' splits on row group
     /// boundaries.
-    pub fn cut(
+    pub(crate) fn cut(
         plan: Arc<dyn ExecutionPlan>,
         options: &ConfigOptions,
         layout: &RowGroupLayout,
@@ -214,9 +77,6 @@ impl OperatorGraph {
         Ok(Self {
             operators: cutter.operators,
             consumer,
-            peak_store: Default::default(),
-            workers_restarted: Default::default(),
-            scheduler_passes: Default::default(),
             gates,
         })
     }
@@ -251,7 +111,6 @@ impl Cutter<'_> {
             let producer = self.add_operator(child, Pool::Cpu, Some(split.clone()))?;
             return Ok(Arc::new(StageInputExec::new(
                 producer,
-                self.display_of(producer),
                 InputExchange::Split(split),
                 Arc::clone(plan.properties()),
                 None,
@@ -262,7 +121,6 @@ impl Cutter<'_> {
             let producer = self.add_operator(child, Pool::Cpu, None)?;
             return Ok(Arc::new(StageInputExec::new(
                 producer,
-                self.display_of(producer),
                 InputExchange::Gather,
                 Arc::clone(plan.properties()),
                 coalesce.fetch(),
@@ -275,7 +133,6 @@ impl Cutter<'_> {
             let producer = self.add_operator(child, Pool::Cpu, None)?;
             let stage_input: Arc<dyn ExecutionPlan> = Arc::new(StageInputExec::new(
                 producer,
-                self.display_of(producer),
                 InputExchange::Preserve,
                 properties,
                 None,
@@ -294,7 +151,6 @@ impl Cutter<'_> {
             let below = self.add_operator(child, Pool::Cpu, None)?;
             let stage_input: Arc<dyn ExecutionPlan> = Arc::new(StageInputExec::new(
                 below,
-                self.display_of(below),
                 InputExchange::Preserve,
                 input_properties,
                 None,
@@ -303,7 +159,6 @@ impl Cutter<'_> {
             let accelerator = self.add_operator(fragment, Pool::Accelerator, None)?;
             return Ok(Arc::new(StageInputExec::new(
                 accelerator,
-                self.display_of(accelerator),
                 InputExchange::Preserve,
                 Arc::clone(plan.properties()),
                 None,
@@ -318,13 +173,6 @@ impl Cutter<'_> {
             return Ok(plan);
         }
         replace_children_if_necessary(plan, children)
-    }
-
-    fn display_of(&self, id: OperatorId) -> Arc<crate::exec::OperatorExec> {
-        Arc::new(crate::exec::OperatorExec::new(
-            &self.operators[id],
-            &self.config,
-        ))
     }
 
     fn add_operator(
@@ -395,7 +243,6 @@ impl Cutter<'_> {
             output_split,
             splits,
             gang: shape == TaskShape::Barrier || !all_row_local,
-            stats: Arc::new(OperatorStats::default()),
         });
         Ok(id)
     }

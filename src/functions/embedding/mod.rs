@@ -2,7 +2,7 @@
 //! by flumen's own BERT forward on the CPU or on CUDA, as an accelerator UDF.
 //!
 //! Each accelerator worker loads the tokenizer and weights once (see
-//! [`crate::accelerator`]) and keeps them for the session. A block's texts are tokenized,
+//! [`crate::functions::accelerator`]) and keeps them for the session. A block's texts are tokenized,
 //! ordered by token count, and run in batches of `flumen.embed_batch_size` sentences packed
 //! back to back (no padding); results come back in the block's row order.
 
@@ -22,7 +22,7 @@ use datafusion::config::ConfigOptions;
 use datafusion::error::{DataFusionError, Result};
 use datafusion::logical_expr::{Signature, Volatility};
 
-use crate::accelerator::{AcceleratorFunction, AcceleratorWorker, WorkerResources};
+use crate::functions::accelerator::{AcceleratorFunction, AcceleratorWorker, WorkerResources};
 use crate::config::{Device, FlumenConfig};
 use bert::{BertWeights, PackedBatch, SentenceEncoder};
 use tokenizer::SentenceTokenizer;

@@ -1,11 +1,12 @@
-//! The block store: every block between two operators lives here, in memory under the
-//! memory budget, spilled to Arrow IPC files in a temp dir beyond it.
+//! The block store: the one place that knows where each block lives: in memory under the
+//! memory budget, spilled to Arrow IPC files in a temp dir beyond it, or kept by the
+//! worker process that made it.
 
 use std::collections::HashMap;
 use std::fs::File;
 use std::io::{BufReader, BufWriter};
 use std::path::PathBuf;
-use std::sync::{Mutex, OnceLock};
+use std::sync::{Arc, Mutex, OnceLock};
 
 use datafusion::arrow::ipc::reader::FileReader;
 use datafusion::arrow::ipc::writer::FileWriter;
@@ -14,6 +15,7 @@ use datafusion::error::{DataFusionError, Result};
 use tempfile::TempDir;
 
 use crate::config::ByteSize;
+use crate::store::block::{BlockId, HeldBlock};
 
 /// Bytes a block's rows take: only the slice of each buffer the rows reach, and for string
 /// and binary views only the values they point at (a slice or a `take` of a view array
@@ -47,12 +49,10 @@ pub fn block_bytes(batch: &RecordBatch) -> u64 {
     total.max(1)
 }
 
-/// Identifier of a block, unique within one query run.
-pub type BlockId = u64;
-
 enum Stored {
     Memory(RecordBatch),
     Spilled(PathBuf),
+    Held(Arc<dyn HeldBlock>),
 }
 
 struct Entry {
@@ -64,8 +64,6 @@ struct Entry {
 struct Inner {
     blocks: HashMap<BlockId, Entry>,
     memory_bytes: u64,
-    peak_memory_bytes: u64,
-    spilled_blocks: u64,
 }
 
 /// Blocks of one query run, with a memory budget.
@@ -112,16 +110,6 @@ impl BlockStore {
         self.inner.lock().unwrap().memory_bytes
     }
 
-    /// Most bytes held in memory at once.
-    pub fn peak_memory_bytes(&self) -> u64 {
-        self.inner.lock().unwrap().peak_memory_bytes
-    }
-
-    /// Blocks written to spill files.
-    pub fn spilled_blocks(&self) -> u64 {
-        self.inner.lock().unwrap().spilled_blocks
-    }
-
     /// Store a block of `bytes` bytes; spills it when memory would exceed the budget.
     /// A block larger than the whole budget is an error naming `flumen.memory_budget`.
     pub fn put(&self, id: BlockId, batch: RecordBatch, bytes: u64) -> Result<Placement> {
@@ -138,7 +126,6 @@ impl BlockStore {
             let mut inner = self.inner.lock().unwrap();
             if inner.memory_bytes + bytes <= self.budget {
                 inner.memory_bytes += bytes;
-                inner.peak_memory_bytes = inner.peak_memory_bytes.max(inner.memory_bytes);
                 inner.blocks.insert(
                     id,
                     Entry {
@@ -151,7 +138,6 @@ impl BlockStore {
         }
         let path = self.spill(id, &batch)?;
         let mut inner = self.inner.lock().unwrap();
-        inner.spilled_blocks += 1;
         inner.blocks.insert(
             id,
             Entry {
@@ -177,20 +163,65 @@ impl BlockStore {
         Ok(path)
     }
 
-    /// The block's data, or `None` when it is not in the store (lost or released).
+    /// Record that a worker process keeps block `id` (its bytes are the worker's memory,
+    /// not the budget's).
+    pub fn put_held(&self, id: BlockId, held: Arc<dyn HeldBlock>, bytes: u64) {
+        let entry = Entry {
+            data: Stored::Held(held),
+            bytes,
+        };
+        self.inner.lock().unwrap().blocks.insert(id, entry);
+    }
+
+    /// Whether block `id` can be read without recomputing it: stored here, or held by a
+    /// worker believed alive.
+    pub fn is_available(&self, id: BlockId) -> bool {
+        let inner = self.inner.lock().unwrap();
+        match inner.blocks.get(&id).map(|e| &e.data) {
+            None => false,
+            Some(Stored::Held(held)) => held.holder_alive(),
+            Some(_) => true,
+        }
+    }
+
+    /// Take the handle of block `id` when a worker holds it (reading it from the worker
+    /// consumes it there).
+    pub fn take_held(&self, id: BlockId) -> Option<Arc<dyn HeldBlock>> {
+        let mut inner = self.inner.lock().unwrap();
+        if !matches!(inner.blocks.get(&id).map(|e| &e.data), Some(Stored::Held(_))) {
+            return None;
+        }
+        match inner.blocks.remove(&id).map(|e| e.data) {
+            Some(Stored::Held(held)) => Some(held),
+            _ => None,
+        }
+    }
+
+    /// Forget every block that the worker with process id `pid` held (it died), returning
+    /// their ids.
+    pub fn take_held_by(&self, pid: u32) -> Vec<BlockId> {
+        let mut inner = self.inner.lock().unwrap();
+        let ids: Vec<BlockId> = inner
+            .blocks
+            .iter()
+            .filter(|(_, e)| matches!(&e.data, Stored::Held(h) if h.holder_pid() == pid))
+            .map(|(id, _)| *id)
+            .collect();
+        for id in &ids {
+            inner.blocks.remove(id);
+        }
+        ids
+    }
+
+    /// The data of a block stored here (in memory or spilled), or `None` when it is not
+    /// (released, lost, or held by a worker: see [`Self::take_held`]).
     pub fn get(&self, id: BlockId) -> Result<Option<RecordBatch>> {
         let path = {
             let inner = self.inner.lock().unwrap();
-            match inner.blocks.get(&id) {
-                None => return Ok(None),
-                Some(Entry {
-                    data: Stored::Memory(b),
-                    ..
-                }) => return Ok(Some(b.clone())),
-                Some(Entry {
-                    data: Stored::Spilled(p),
-                    ..
-                }) => p.clone(),
+            match inner.blocks.get(&id).map(|e| &e.data) {
+                None | Some(Stored::Held(_)) => return Ok(None),
+                Some(Stored::Memory(b)) => return Ok(Some(b.clone())),
+                Some(Stored::Spilled(p)) => p.clone(),
             }
         };
         let reader = FileReader::try_new(BufReader::new(File::open(&path)?), None)?;
@@ -203,12 +234,8 @@ impl BlockStore {
         }
     }
 
-    /// True when the block is in the store.
-    pub fn contains(&self, id: BlockId) -> bool {
-        self.inner.lock().unwrap().blocks.contains_key(&id)
-    }
-
-    /// Remove a block (consumed, or dropped to simulate its loss). Returns its bytes.
+    /// Remove a block (its readers are done with it, or it is replaced by a recomputed
+    /// copy); a worker holding it is told to drop it. Returns its bytes.
     pub fn remove(&self, id: BlockId) -> u64 {
         let mut inner = self.inner.lock().unwrap();
         match inner.blocks.remove(&id) {
@@ -219,6 +246,7 @@ impl BlockStore {
                     Stored::Spilled(path) => {
                         let _ = std::fs::remove_file(path);
                     }
+                    Stored::Held(held) => held.release(),
                 }
                 entry.bytes
             }
@@ -247,7 +275,6 @@ mod tests {
         assert_eq!(store.remove(1), 600);
         assert_eq!(store.memory_bytes(), 0);
         assert!(store.get(1).unwrap().is_none());
-        assert_eq!(store.peak_memory_bytes(), 600);
     }
 
     #[test]

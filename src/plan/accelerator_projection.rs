@@ -30,7 +30,7 @@ use datafusion::physical_plan::{
     DisplayAs, DisplayFormatType, ExecutionPlan, PhysicalExpr, PlanProperties,
 };
 
-use crate::accelerator::{accelerator_function, calls_accelerator_udf};
+use crate::functions::accelerator::{accelerator_function, calls_accelerator_udf};
 
 /// A `ProjectionExec` that calls an accelerator UDF, held where the query put it.
 #[derive(Debug, Clone)]

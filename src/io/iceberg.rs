@@ -25,8 +25,8 @@ use datafusion::logical_expr::CreateExternalTable;
 use object_store::{ObjectStore, ObjectStoreExt};
 use serde_json::Value as Json;
 
-use crate::lakehouse_options::{self, time_travel, timestamp_option};
-use crate::object_stores;
+use crate::io::lakehouse_options::{self, time_travel, timestamp_option};
+use crate::io::object_stores;
 
 /// Which snapshot of an Iceberg table to read.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]

@@ -1,5 +1,6 @@
 //! Per-operator counters, shown by `EXPLAIN ANALYZE` and by progress displays.
 
+use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 
 /// Counters of one operator, accumulated over every run of its plan.
@@ -93,5 +94,64 @@ impl OperatorStats {
             blocks_lost: r(&self.blocks_lost),
             tasks_retried: r(&self.tasks_retried),
         }
+    }
+}
+
+/// The counters of every run of one plan, owned by its [`FlumenExec`](super::FlumenExec)
+/// (the planned operator graph holds none): per operator, and for the whole run.
+#[derive(Debug, Default)]
+pub struct RunMetrics {
+    operators: Vec<Arc<OperatorStats>>,
+    /// Most bytes the block store held in memory during any run.
+    peak_store: AtomicU64,
+    /// Worker processes restarted (after one died) during runs.
+    workers_restarted: AtomicU64,
+    /// Passes of the scheduler (task creation and launch decisions): one per change it
+    /// reacts to (a block produced or read, a task ended or paused, a reader waiting).
+    scheduler_passes: AtomicU64,
+}
+
+impl RunMetrics {
+    /// Counters for a graph of `operators` operators, all zero.
+    pub fn new(operators: usize) -> Self {
+        Self {
+            operators: (0..operators).map(|_| Arc::default()).collect(),
+            ..Default::default()
+        }
+    }
+
+    /// The counters of operator `id` (shown by `EXPLAIN ANALYZE`).
+    pub fn operator(&self, id: usize) -> &Arc<OperatorStats> {
+        &self.operators[id]
+    }
+
+    /// Most bytes the block store held in memory during any run.
+    pub fn peak_store_bytes(&self) -> u64 {
+        self.peak_store.load(Ordering::Relaxed)
+    }
+
+    /// Record that the block store held `bytes` in memory.
+    pub fn observe_store(&self, bytes: u64) {
+        self.peak_store.fetch_max(bytes, Ordering::Relaxed);
+    }
+
+    /// Worker processes restarted during runs.
+    pub fn workers_restarted(&self) -> u64 {
+        self.workers_restarted.load(Ordering::Relaxed)
+    }
+
+    /// Raise the count of restarted workers to `total` if higher.
+    pub fn observe_workers_restarted(&self, total: u64) {
+        self.workers_restarted.fetch_max(total, Ordering::Relaxed);
+    }
+
+    /// Scheduler passes during runs.
+    pub fn scheduler_passes(&self) -> u64 {
+        self.scheduler_passes.load(Ordering::Relaxed)
+    }
+
+    /// Count one scheduler pass.
+    pub fn count_scheduler_pass(&self) {
+        self.scheduler_passes.fetch_add(1, Ordering::Relaxed);
     }
 }

@@ -6,7 +6,7 @@ use datafusion::catalog::Session;
 use datafusion::error::{DataFusionError, Result};
 use datafusion::logical_expr::CreateExternalTable;
 
-use crate::object_stores;
+use crate::io::object_stores;
 
 /// What a lakehouse table factory starts from: the one LOCATION, and the statement's OPTIONS
 /// as pairs, after registering the location's object store from them.

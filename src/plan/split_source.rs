@@ -31,7 +31,7 @@ use datafusion::physical_plan::{
 };
 use futures::StreamExt;
 
-use crate::stage_input::TaskInputs;
+use crate::plan::stage_input::TaskInputs;
 
 /// Where the row groups of a plan's Parquet files start, their compressed sizes, and the
 /// footers themselves (for their column statistics).

@@ -1,0 +1,14 @@
+//! Worker processes (`flumen.workers = 'process'`).
+//!
+//! - [`protocol`]: what driver and worker say to each other (task requests, block info).
+//! - [`worker`]: the worker process: an Arrow Flight server that runs task plans.
+//! - [`worker_pool`]: the driver's side: starting, watching and replacing workers, and
+//!   running tasks and fetching blocks on them.
+
+pub(crate) mod protocol;
+pub(crate) mod worker;
+pub(crate) mod worker_pool;
+
+pub use protocol::WorkerKind;
+pub use worker::serve;
+pub use worker_pool::{WorkerPool, WorkerPoolSlot};

@@ -1,0 +1,133 @@
+//! What a driver and its workers say to each other over Arrow Flight: the task header, the
+//! pools a worker serves, what a worker reports of itself and of the blocks it keeps.
+//! (The actions themselves are listed in [`super::worker`].)
+
+use serde::{Deserialize, Serialize};
+
+/// What a driver asks of a worker with a task, besides the plan.
+#[derive(Debug, Clone, Default, Serialize, Deserialize)]
+pub struct TaskRequest {
+    /// Most rows per output block.
+    pub target_rows: usize,
+    /// The task's partition of its operator (the block cutter's output split starts where
+    /// a local task's would).
+    #[serde(default)]
+    pub partition: usize,
+    /// Partitions of the task's operator.
+    #[serde(default)]
+    pub partitions: usize,
+    /// The driver's session settings the task runs under (`flumen.model_dir`,
+    /// `flumen.device`, ...), as `(key, value)`.
+    #[serde(default)]
+    pub options: Vec<(String, String)>,
+}
+
+/// Which of the driver's pools a worker process serves.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default, Serialize, Deserialize)]
+pub enum WorkerKind {
+    /// CPU tasks, several at once on the worker's threads.
+    #[default]
+    Cpu,
+    /// Accelerator tasks, one at a time on one thread that loads each model once and keeps
+    /// it for every later task (an actor, as in Ray Data's actor pools).
+    Accelerator,
+}
+
+impl WorkerKind {
+    /// The name `flumen worker --pool` takes.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            WorkerKind::Cpu => "cpu",
+            WorkerKind::Accelerator => "accelerator",
+        }
+    }
+}
+
+impl std::str::FromStr for WorkerKind {
+    type Err = String;
+    fn from_str(s: &str) -> std::result::Result<Self, String> {
+        match s {
+            "cpu" => Ok(WorkerKind::Cpu),
+            "accelerator" => Ok(WorkerKind::Accelerator),
+            other => Err(format!(
+                "a worker pool is 'cpu' or 'accelerator', not '{other}'"
+            )),
+        }
+    }
+}
+
+/// What a worker says of itself (action `status`).
+#[derive(Debug, Clone, Default, Serialize, Deserialize)]
+pub struct WorkerStatus {
+    /// The pool it serves.
+    pub kind: WorkerKind,
+    /// Its process id.
+    pub pid: u32,
+    /// Tasks it has run.
+    pub tasks: u64,
+    /// Accelerator workers (models) it has loaded: one per model while it lives.
+    pub model_loads: u64,
+    /// Blocks it holds now.
+    pub blocks_held: usize,
+}
+
+/// A block a task left in a worker.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct RemoteBlockInfo {
+    /// The ticket that fetches it.
+    pub key: String,
+    /// Output partition of the task's plan that produced it.
+    pub tag: usize,
+    /// Rows in the block.
+    pub rows: usize,
+    /// Bytes of its arrays in memory.
+    pub bytes: u64,
+}
+
+/// Frame a task for the `run` action: header length (4 bytes, little endian), the header
+/// as JSON, then the encoded plan.
+pub fn encode_task(request: &TaskRequest, plan: &[u8]) -> Vec<u8> {
+    let header = serde_json::to_vec(request).expect("task header serializes");
+    let mut body = Vec::with_capacity(4 + header.len() + plan.len());
+    body.extend_from_slice(&(header.len() as u32).to_le_bytes());
+    body.extend_from_slice(&header);
+    body.extend_from_slice(plan);
+    body
+}
+
+/// Split a `run` action's body into its header and encoded plan.
+pub fn decode_task(body: &[u8]) -> std::result::Result<(TaskRequest, &[u8]), String> {
+    let len = body
+        .get(..4)
+        .map(|b| u32::from_le_bytes(b.try_into().unwrap()) as usize)
+        .ok_or("task body shorter than its header length")?;
+    let header = body
+        .get(4..4 + len)
+        .ok_or("task body shorter than its header")?;
+    let request = serde_json::from_slice(header).map_err(|e| format!("bad task header: {e}"))?;
+    Ok((request, &body[4 + len..]))
+}
+
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn task_frames_round_trip_and_garbage_is_an_error() {
+        let request = TaskRequest {
+            target_rows: 7,
+            partition: 1,
+            partitions: 2,
+            options: vec![("flumen.device".into(), "cpu".into())],
+        };
+        let body = encode_task(&request, b"plan-bytes");
+        let (request, plan) = decode_task(&body).unwrap();
+        assert_eq!(request.target_rows, 7);
+        assert_eq!((request.partition, request.partitions), (1, 2));
+        assert_eq!(request.options[0].1, "cpu");
+        assert_eq!(plan, b"plan-bytes");
+        assert!(decode_task(b"\xff\xff\xff\xffxx").is_err());
+        assert!(decode_task(b"\x02").is_err());
+    }
+}

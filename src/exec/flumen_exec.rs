@@ -1,0 +1,159 @@
+//! `FlumenExec`, the root `ExecutionPlan` the planner returns: executing it runs the
+//! operator graph on flumen's scheduler. It owns the run's counters ([`RunMetrics`]) and
+//! shows each operator in `EXPLAIN` through an [`OperatorExec`].
+
+use std::fmt;
+use std::sync::{Arc, Mutex};
+
+use datafusion::common::tree_node::TreeNodeRecursion;
+use datafusion::error::Result;
+use datafusion::execution::{SendableRecordBatchStream, TaskContext};
+use datafusion::physical_plan::execution_plan::{ChildrenPropertiesMode, ReplaceChildrenOptions};
+use datafusion::physical_plan::metrics::{Count, Metric, MetricValue, MetricsSet};
+use datafusion::physical_plan::{
+    DisplayAs, DisplayFormatType, ExecutionPlan, PhysicalExpr, PlanProperties,
+};
+
+use crate::config::FlumenConfig;
+use crate::exec::explain::display_tree;
+use crate::exec::metrics::RunMetrics;
+use crate::exec::run::QueryRun;
+use crate::plan::graph::OperatorGraph;
+
+/// Root of every physical plan flumen plans: runs its operator graph when executed.
+#[derive(Debug)]
+pub struct FlumenExec {
+    graph: Arc<OperatorGraph>,
+    config: FlumenConfig,
+    /// Counters of every run of this plan.
+    metrics: Arc<RunMetrics>,
+    /// The root operator's `EXPLAIN` node (the operators below it hang from its stage inputs).
+    display_root: Arc<dyn ExecutionPlan>,
+    /// The run serving the current execution, and which partitions it has handed out.
+    current: Mutex<Option<(Arc<QueryRun>, Vec<bool>)>>,
+}
+
+impl FlumenExec {
+    /// Wrap an operator graph.
+    pub fn new(graph: OperatorGraph, config: FlumenConfig) -> Self {
+        let metrics = Arc::new(RunMetrics::new(graph.operators.len()));
+        let display_root = display_tree(&graph, graph.root().id, &config, &metrics);
+        Self {
+            graph: Arc::new(graph),
+            config,
+            metrics,
+            display_root,
+            current: Mutex::new(None),
+        }
+    }
+
+    /// The operator graph this plan runs.
+    pub fn graph(&self) -> &Arc<OperatorGraph> {
+        &self.graph
+    }
+
+    /// The counters of this plan's runs.
+    pub fn run_metrics(&self) -> &Arc<RunMetrics> {
+        &self.metrics
+    }
+}
+
+impl DisplayAs for FlumenExec {
+    fn fmt_as(&self, t: DisplayFormatType, f: &mut fmt::Formatter) -> fmt::Result {
+        match t {
+            DisplayFormatType::TreeRender => write!(f, "mode={}", self.config.mode),
+            _ => write!(
+                f,
+                "FlumenExec: mode={}, memory_budget={}, operators={}",
+                self.config.mode,
+                self.config.memory_budget,
+                self.graph.operators.len()
+            ),
+        }
+    }
+}
+
+impl ExecutionPlan for FlumenExec {
+    fn name(&self) -> &str {
+        "FlumenExec"
+    }
+
+    fn properties(&self) -> &Arc<PlanProperties> {
+        self.graph.root().fragment.properties()
+    }
+
+    fn children(&self) -> Vec<&Arc<dyn ExecutionPlan>> {
+        vec![&self.display_root]
+    }
+
+    fn apply_expressions(
+        &self,
+        _f: &mut dyn FnMut(&Arc<dyn PhysicalExpr>) -> Result<TreeNodeRecursion>,
+    ) -> Result<TreeNodeRecursion> {
+        Ok(TreeNodeRecursion::Continue)
+    }
+
+    fn replace_children(
+        self: Arc<Self>,
+        _children: Vec<Arc<dyn ExecutionPlan>>,
+        _options: ReplaceChildrenOptions,
+    ) -> Result<Arc<dyn ExecutionPlan>> {
+        Ok(self)
+    }
+
+    fn with_new_children(
+        self: Arc<Self>,
+        children: Vec<Arc<dyn ExecutionPlan>>,
+    ) -> Result<Arc<dyn ExecutionPlan>> {
+        self.replace_children(
+            children,
+            ReplaceChildrenOptions::new(ChildrenPropertiesMode::Recompute),
+        )
+    }
+
+    fn execute(
+        &self,
+        partition: usize,
+        context: Arc<TaskContext>,
+    ) -> Result<SendableRecordBatchStream> {
+        let partitions = self.graph.root().partitions();
+        let mut current = self.current.lock().unwrap();
+        let reuse = matches!(&*current, Some((_, opened)) if !opened[partition]);
+        if !reuse {
+            let run = QueryRun::start(Arc::clone(&self.graph), Arc::clone(&self.metrics), context)?;
+            *current = Some((run, vec![false; partitions]));
+        }
+        let (run, opened) = current.as_mut().expect("a run was just set");
+        opened[partition] = true;
+        let run = Arc::clone(run);
+        if opened.iter().all(|o| *o) {
+            *current = None;
+        }
+        drop(current);
+        run.output(partition)
+    }
+
+    fn metrics(&self) -> Option<MetricsSet> {
+        let count = |name: &'static str, value: usize| {
+            let c = Count::new();
+            c.add(value);
+            Arc::new(Metric::new(
+                MetricValue::Count {
+                    name: name.into(),
+                    count: c,
+                },
+                None,
+            ))
+        };
+        let mut set = MetricsSet::new();
+        let passes = self.metrics.scheduler_passes() as usize;
+        if passes > 0 {
+            set.push(count("scheduler_passes", passes));
+        }
+        let restarted = self.metrics.workers_restarted() as usize;
+        if restarted > 0 {
+            set.push(count("workers_restarted", restarted));
+        }
+        Some(set)
+    }
+}

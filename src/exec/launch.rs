@@ -1,0 +1,350 @@
+//! Launching tasks into free slots: most downstream operator first, producers held back
+//! while their unread output is over its share (backpressure), running tasks paused while
+//! their reader is behind, and the liveness rule that keeps a run from stalling.
+
+use std::sync::Arc;
+use std::time::Instant;
+
+use futures::FutureExt;
+
+use crate::exec::lineage::TaskId;
+use crate::exec::metrics::OperatorStats;
+use crate::exec::policy;
+use crate::exec::run::QueryRun;
+use crate::exec::state::{PausedTask, RunState, TaskStatus, pool_index};
+use crate::plan::graph::{OperatorId, Pool, TaskShape};
+
+impl QueryRun {
+    /// Operators in launch preference order: most downstream first; a paused task whose
+    /// readers caught up resumes before its operator starts another.
+    pub(super) fn pick_launches(&self, st: &mut RunState, launches: &mut Vec<TaskId>) {
+        let mut slots = [self.config.cpu_slots, st.accelerator_target];
+        let budget = self.store.budget();
+        let share = budget / self.graph.operators.len().max(1) as u64;
+        let one_at_a_time = self.policy.one_operator_at_a_time();
+        let now = Instant::now();
+        for op in &self.graph.operators {
+            if self.streams_inputs(op.id)
+                && st.operators[op.id].has_pending()
+                && self.gate_open(st, op.id)
+            {
+                self.take_pending(st, op.id, usize::MAX, launches);
+            }
+        }
+        loop {
+            let mut launched = false;
+            for op in self.graph.operators.iter().rev() {
+                let os = &st.operators[op.id];
+                let resumable = self.resumable(st, op.id);
+                if !os.has_pending() && resumable.is_none() || !self.gate_open(st, op.id) {
+                    continue;
+                }
+                let pool = pool_index(op.pool);
+                let gang = op.gang;
+                if op.pool == Pool::Accelerator {
+                    // Tasks wait: grow the pool by one if every worker is busy.
+                    let grown = policy::grow_accelerators(
+                        st.running[pool],
+                        slots[pool],
+                        self.config.accelerator_slots,
+                    );
+                    if grown > slots[pool] {
+                        slots[pool] = grown;
+                        st.accelerator_target = grown;
+                        self.accelerators.ensure_workers(grown);
+                    }
+                }
+                if st.running[pool] >= slots[pool] && !(gang && st.running[pool] == 0) {
+                    continue;
+                }
+                if let Some(index) = resumable {
+                    self.resume(st, op.id, index, false);
+                    launched = true;
+                    break;
+                }
+                if !st.operators[op.id].paused.is_empty() {
+                    // Its paused tasks resume before it starts another.
+                    continue;
+                }
+                if self.policy.fixed_slots()
+                    && !gang
+                    && st.operators[op.id].running >= self.static_slots[op.id]
+                {
+                    continue;
+                }
+                if one_at_a_time {
+                    let others_running = st
+                        .operators
+                        .iter()
+                        .enumerate()
+                        .any(|(i, o)| i != op.id && o.running > 0);
+                    if others_running {
+                        continue;
+                    }
+                } else if self.backpressured(st, op.id, share) {
+                    st.operators[op.id].backpressured_since.get_or_insert(now);
+                    continue;
+                }
+                self.end_backpressure(st, op.id, now);
+                let n = if gang { usize::MAX } else { 1 };
+                self.take_pending(st, op.id, n, launches);
+                launched = true;
+                break;
+            }
+            if !launched {
+                break;
+            }
+        }
+        // Liveness: never leave every pool idle while a task is ready and nothing else can
+        // make progress: no streaming task runs, or every one waits for blocks that no
+        // running task will produce. (A streaming task busy with blocks it has will release
+        // them, or come to wait, and so reach this rule again.)
+        let stalled = self.stalled(st);
+        if stalled
+            && let Some(op) = self
+                .graph
+                .operators
+                .iter()
+                .rev()
+                .find(|op| !st.operators[op.id].paused.is_empty())
+        {
+            // A paused task first: it was started before any pending one, so readers
+            // (which read in launch order) are likelier to wait on it.
+            self.resume(st, op.id, 0, true);
+        } else if stalled
+            && let Some(op) = self
+                .graph
+                .operators
+                .iter()
+                .rev()
+                .find(|op| st.operators[op.id].has_pending() && self.gate_open(st, op.id))
+        {
+            self.end_backpressure(st, op.id, now);
+            let n = if op.gang { usize::MAX } else { 1 };
+            self.take_pending(st, op.id, n, launches);
+        }
+    }
+
+    /// Whether no task can make progress by itself: no slot runs a task, and every
+    /// streaming task waits for blocks.
+    pub(super) fn stalled(&self, st: &RunState) -> bool {
+        policy::stalled(
+            st.running.iter().sum(),
+            st.streaming_waiting,
+            st.streaming_running,
+        )
+    }
+
+    /// Index in `op`'s paused tasks of one whose readers caught up (its unread output fell
+    /// to half the pause threshold), if any.
+    pub(super) fn resumable(&self, st: &RunState, op_id: OperatorId) -> Option<usize> {
+        let paused = &st.operators[op_id].paused;
+        if paused.is_empty() {
+            return None;
+        }
+        let resume_rows = policy::resume_rows(self.pause_rows(op_id)?);
+        paused
+            .iter()
+            .position(|p| st.tasks[p.task].held_rows <= resume_rows)
+    }
+
+    /// Hand a slot back to paused task `index` of `op`. `for_liveness`: it was resumed
+    /// because nothing else could make progress, so it runs to its end without pausing.
+    pub(super) fn resume(&self, st: &mut RunState, op_id: OperatorId, index: usize, for_liveness: bool) {
+        let paused = st.operators[op_id].paused.remove(index);
+        st.running[pool_index(self.graph.operators[op_id].pool)] += 1;
+        if for_liveness {
+            st.tasks[paused.task].unpausable = true;
+        }
+        // A task aborted while paused dropped its receiver; its slot is freed when it ends.
+        let _ = paused.resume.send(());
+    }
+
+    /// Unread rows of its own output at which a running task of `op` pauses (in-task
+    /// backpressure), or `None` when its tasks never pause: only CPU tasks in streaming
+    /// mode whose output is read as it comes (by a per-block operator, a streamed join
+    /// input or the query's reader) do. Half of the output queue's bound, so the tasks of
+    /// one operator together stay near it however large a split is.
+    pub(super) fn pause_rows(&self, op_id: OperatorId) -> Option<u64> {
+        let op = &self.graph.operators[op_id];
+        if !self.policy.pauses_tasks()
+            || op.pool != Pool::Cpu
+            || self.streams_inputs(op_id)
+        {
+            return None;
+        }
+        let limit = self.output_queue_limit(op_id)?;
+        Some(policy::pause_rows(limit, self.config.block_rows()))
+    }
+
+    /// In-task backpressure, as Ray Data's streaming generators pause: a task whose unread
+    /// output reached `pause_rows` ([`Self::pause_rows`] of its operator) gives its slot
+    /// back and waits until the scheduler resumes it (its readers caught up and a slot is
+    /// free), so a split of a million rows does not pile up in the store ahead of a slower
+    /// reader.
+    pub(super) async fn pause_while_ahead(self: &Arc<Self>, task: TaskId, pause_rows: u64) {
+        let resumed = {
+            let mut st = self.state.lock().unwrap();
+            let t = &st.tasks[task];
+            let op_id = t.operator;
+            if t.unpausable || t.held_rows < pause_rows || st.error.is_some() || st.cancelled {
+                return;
+            }
+            let (resume, resumed) = tokio::sync::oneshot::channel();
+            st.running[pool_index(Pool::Cpu)] -= 1;
+            st.operators[op_id].paused.push(PausedTask { task, resume });
+            resumed
+        };
+        let since = Instant::now();
+        // Its slot is free: another task may run in it.
+        self.changed();
+        let resumed = resumed.await;
+        let waited = since.elapsed().as_nanos() as u64;
+        let mut st = self.state.lock().unwrap();
+        if resumed.is_err() {
+            // Not resumed by the scheduler (the run is ending): take the slot back so
+            // `task_finished` frees it.
+            st.running[pool_index(Pool::Cpu)] += 1;
+        }
+        st.tasks[task].paused_ns += waited;
+        OperatorStats::add(&self.stats(st.tasks[task].operator).backpressure_ns, waited);
+    }
+
+    /// `op` is no longer held back: count the time it was.
+    pub(super) fn end_backpressure(&self, st: &mut RunState, op_id: OperatorId, now: Instant) {
+        if let Some(since) = st.operators[op_id].backpressured_since.take() {
+            OperatorStats::add(
+                &self.stats(op_id).backpressure_ns,
+                (now - since).as_nanos() as u64,
+            );
+        }
+    }
+
+    /// An operator is held back while its unconsumed output is over its share of the
+    /// budget, or the store's memory is full, or its consumer (a per-block operator, or the
+    /// query's reader for the root) already has enough input queued to stay busy
+    /// ([`Self::queue_limit_rows`]), so memory follows the pipeline's slowest stage, not the
+    /// table's size. Operators feeding a per-partition
+    /// operator (an all-to-all exchange) are never held back: their blocks spill instead.
+    pub(super) fn backpressured(&self, st: &RunState, op_id: OperatorId, share: u64) -> bool {
+        let consumer = self.graph.consumer[op_id].map(|c| &self.graph.operators[c]);
+        let os = &st.operators[op_id];
+        policy::held_back(&policy::ProducerLoad {
+            feeds_exchange: consumer
+                .is_some_and(|c| c.shape == TaskShape::Barrier && c.id != self.graph.root().id),
+            feeds_streamed_input: self.feeds_streamed_input(op_id),
+            queue_limit: self.output_queue_limit(op_id),
+            held_rows: os.held_rows,
+            held_bytes: os.held_bytes,
+            share,
+            store_bytes: self.store.memory_bytes(),
+            budget: self.store.budget(),
+        })
+    }
+
+    /// Whether `op`'s output is a streamed input of its consumer: released as it is read,
+    /// so its queue can be bounded.
+    pub(super) fn feeds_streamed_input(&self, op_id: OperatorId) -> bool {
+        self.graph.consumer[op_id].is_some_and(|c| {
+            self.streams_inputs(c)
+                && self.graph.operators[c]
+                    .streamed_producers()
+                    .any(|p| p == op_id)
+        })
+    }
+
+    /// The most rows of unread output `op` may queue when its reader consumes blocks as
+    /// they come: a per-block consumer, a streamed join input, or the query's reader
+    /// ([`Self::queue_limit_rows`]). `None` when its output is read whole by an exchange.
+    pub(super) fn output_queue_limit(&self, op_id: OperatorId) -> Option<u64> {
+        let producer_pool = self.graph.operators[op_id].pool;
+        match self.graph.consumer[op_id].map(|c| &self.graph.operators[c]) {
+            Some(c) if c.shape == TaskShape::BlockWise || self.feeds_streamed_input(op_id) => {
+                Some(self.queue_limit_rows(c.pool, producer_pool))
+            }
+            Some(_) => None,
+            // The root's blocks wait for the query's reader, which reads like one CPU slot.
+            None if !self.root_runs_in_output() => {
+                Some(self.queue_limit_rows(Pool::Cpu, producer_pool))
+            }
+            None => None,
+        }
+    }
+
+    /// Rows of unconsumed input that keep a per-block consumer on `consumer` busy while its
+    /// producer on `producer` refills the queue: two bundles of `flumen.target_block_rows`
+    /// for each slot of either pool (every consumer slot has its next bundle waiting, and
+    /// every producer slot may have a task in flight whose blocks land in the queue).
+    pub(super) fn queue_limit_rows(&self, consumer: Pool, producer: Pool) -> u64 {
+        let slots = |pool| match pool {
+            Pool::Cpu => self.config.cpu_slots,
+            Pool::Accelerator => self.config.accelerator_slots,
+        };
+        policy::queue_limit_rows(slots(consumer), slots(producer), self.config.block_rows())
+    }
+
+    /// Mark up to `n` pending tasks of `op` running, round-robin over its partitions, and
+    /// add them to `launches`.
+    pub(super) fn take_pending(
+        &self,
+        st: &mut RunState,
+        op_id: OperatorId,
+        mut n: usize,
+        launches: &mut Vec<TaskId>,
+    ) {
+        let pool = pool_index(self.graph.operators[op_id].pool);
+        let takes_slot = !self.streams_inputs(op_id);
+        let partitions = st.operators[op_id].partitions.len();
+        let mut idle_rounds = 0;
+        while n > 0 && idle_rounds < partitions {
+            let p = st.operators[op_id].next_partition % partitions;
+            st.operators[op_id].next_partition = (p + 1) % partitions;
+            let ps = &mut st.operators[op_id].partitions[p];
+            if ps.next_launch < ps.tasks.len() {
+                let task = ps.tasks[ps.next_launch];
+                ps.next_launch += 1;
+                st.tasks[task].status = TaskStatus::Running;
+                st.tasks[task].launched = Some(Instant::now());
+                st.operators[op_id].running += 1;
+                if takes_slot {
+                    st.running[pool] += 1;
+                } else {
+                    st.streaming_running += 1;
+                }
+                OperatorStats::add(&self.stats(op_id).running, 1);
+                launches.push(task);
+                n -= 1;
+                idle_rounds = 0;
+            } else {
+                idle_rounds += 1;
+            }
+        }
+    }
+
+    pub(super) fn launch(self: &Arc<Self>, task: TaskId) {
+        let op_id = self.state.lock().unwrap().tasks[task].operator;
+        let run = Arc::clone(self);
+        let future = async move {
+            let started = Instant::now();
+            let result = std::panic::AssertUnwindSafe(run.run_task(task))
+                .catch_unwind()
+                .await;
+            let result = match result {
+                Ok(r) => r,
+                Err(panic) => Err(run.panic_error(task, panic)),
+            };
+            run.task_finished(task, result, started);
+        };
+        match self.graph.operators[op_id].pool {
+            Pool::Cpu => {
+                let handle = self.handle.spawn(future);
+                self.state
+                    .lock()
+                    .unwrap()
+                    .aborts
+                    .push(handle.abort_handle());
+            }
+            Pool::Accelerator => self.accelerators.submit(Box::new(move || future.boxed())),
+        }
+    }
+}

@@ -1,0 +1,37 @@
+//! Execution: one run of an operator graph on flumen's streaming batch scheduler.
+//!
+//! - [`planner`]: the query planner that cuts DataFusion's plan and returns [`FlumenExec`].
+//! - [`flumen_exec`]: [`FlumenExec`], the root node; executing it starts a [`run::QueryRun`].
+//! - [`explain`]: how each operator shows in `EXPLAIN` (and its counters in `EXPLAIN ANALYZE`).
+//! - [`metrics`]: per-operator and per-run counters ([`RunMetrics`]).
+//! - The run, split by job: [`run`] (its state and life: start, schedule, task end,
+//!   output), [`state`] (what the run knows of each task and operator), [`tasks`] (creating
+//!   tasks as inputs arrive), [`cursor`] (walking an operator's output in order), [`policy`]
+//!   (the mode and the scheduling rules, as plain functions), [`launch`] (slots,
+//!   backpressure, pauses), [`task`] (running one task, its output cut into blocks),
+//!   [`streams`] (block streams for tasks and the query's output).
+//! - [`lineage`]: fetching a block, and recomputing it from its producer task when lost.
+//! - [`remote_tasks`]: tasks run in worker processes, and recovering a dead worker's blocks.
+//! - [`accelerator_threads`]: the in-process accelerator pool (threads that keep models).
+
+pub(crate) mod accelerator_threads;
+pub(crate) mod cursor;
+pub(crate) mod explain;
+pub(crate) mod flumen_exec;
+pub(crate) mod launch;
+pub(crate) mod lineage;
+pub(crate) mod metrics;
+pub(crate) mod planner;
+pub(crate) mod policy;
+pub(crate) mod remote_tasks;
+pub(crate) mod run;
+pub(crate) mod state;
+pub(crate) mod streams;
+pub(crate) mod task;
+pub(crate) mod tasks;
+
+pub use accelerator_threads::AcceleratorPool;
+pub use flumen_exec::FlumenExec;
+pub use lineage::{BlockDropper, BlockInfo};
+pub use metrics::{OperatorStats, RunMetrics, StatsSnapshot};
+pub use planner::FlumenQueryPlanner;

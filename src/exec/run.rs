@@ -1,0 +1,378 @@
+//! One run of an operator graph: the streaming batch scheduler's state and life.
+//!
+//! The run's state (under one lock, [`super::state`]) holds the ready tasks of every
+//! operator and the free slots of each pool. Whenever something changes (a block is
+//! produced or released, a task ends, an input is asked for) the thread that changed it
+//! schedules ([`QueryRun::changed`]): it creates the tasks that became ready
+//! ([`super::tasks`]) and launches as many as slots allow ([`super::launch`]), by the rules
+//! of [`super::policy`]. Tasks run in [`super::task`]; readers walk blocks through
+//! [`super::streams`]; a lost block is recomputed by [`super::lineage`].
+
+use std::collections::{HashMap, HashSet};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use datafusion::arrow::record_batch::RecordBatch;
+use datafusion::error::{DataFusionError, Result};
+use datafusion::execution::TaskContext;
+use tokio::sync::watch;
+
+use crate::cluster::protocol::WorkerKind;
+use crate::cluster::worker_pool::WorkerPoolSlot;
+use crate::config::{FlumenConfig, WorkerMode};
+use crate::exec::accelerator_threads::AcceleratorPool;
+use crate::exec::lineage::{BlockDropper, TaskId, TaskKind};
+use crate::exec::metrics::{OperatorStats, RunMetrics};
+use crate::exec::policy::{self, ModePolicy};
+use crate::exec::state::{
+    OperatorState, PartitionState, RunState, TaskRecord, TaskStatus, pool_index,
+};
+use crate::plan::graph::{OperatorGraph, OperatorId, TaskShape};
+use crate::store::block::{Block, BlockId};
+use crate::store::block_store::BlockStore;
+
+/// One execution of an operator graph.
+#[derive(Debug)]
+pub struct QueryRun {
+    pub(super) graph: Arc<OperatorGraph>,
+    /// Where every block of the run lives.
+    pub(super) store: BlockStore,
+    /// The counters of this run (and of earlier runs of the same plan).
+    pub(super) metrics: Arc<RunMetrics>,
+    /// What `flumen.mode` changes.
+    pub(super) policy: ModePolicy,
+    pub(super) config: FlumenConfig,
+    pub(super) base: Arc<TaskContext>,
+    pub(super) state: Mutex<RunState>,
+    pub(super) changes: watch::Sender<u64>,
+    pub(super) accelerators: Arc<AcceleratorPool>,
+    pub(super) dropper: Option<Arc<BlockDropper>>,
+    pub(super) handle: tokio::runtime::Handle,
+    pub(super) next_block: AtomicU64,
+    pub(super) recompute_locks: Mutex<HashMap<TaskId, Arc<tokio::sync::Mutex<()>>>>,
+    /// `flumen.mode = 'static'`: the most tasks each operator may run at once.
+    pub(super) static_slots: Vec<usize>,
+    /// `flumen.workers = 'process'`: the session's worker processes.
+    pub(super) workers: Option<Arc<WorkerPoolSlot>>,
+    /// Tasks that ran in a worker process (their blocks are recomputed from the same plan).
+    pub(super) remote_tasks: Mutex<HashSet<TaskId>>,
+    /// Blocks lost with their worker and not yet recomputed.
+    pub(super) lost_blocks: Mutex<HashSet<BlockId>>,
+    /// Worker processes (by pid) whose death this run has handled.
+    pub(super) dead_workers: Mutex<HashSet<u32>>,
+    /// Each worker pool's restart count when this run first used it, and the latest seen.
+    pub(super) worker_restarts: Mutex<HashMap<WorkerKind, (u64, u64)>>,
+}
+
+impl QueryRun {
+    /// Start running `graph`: creates the source tasks and launches the first of them.
+    pub fn start(
+        graph: Arc<OperatorGraph>,
+        metrics: Arc<RunMetrics>,
+        base: Arc<TaskContext>,
+    ) -> Result<Arc<Self>> {
+        let config = base
+            .session_config()
+            .options()
+            .extensions
+            .get::<FlumenConfig>()
+            .cloned()
+            .unwrap_or_default();
+        if config.cpu_slots == 0 || config.accelerator_slots == 0 {
+            return Err(DataFusionError::Configuration(
+                "flumen.cpu_slots and flumen.accelerator_slots must be at least 1".into(),
+            ));
+        }
+        let accelerators = base
+            .session_config()
+            .get_extension::<AcceleratorPool>()
+            .unwrap_or_default();
+        let min_accel = config
+            .accelerator_min_slots
+            .clamp(1, config.accelerator_slots);
+        accelerators.configure(min_accel, Duration::from_secs(config.accelerator_idle_secs));
+        let mode = ModePolicy::new(config.mode);
+        let accelerator_target = if mode.fixed_slots() {
+            config.accelerator_slots
+        } else {
+            accelerators
+                .workers()
+                .clamp(min_accel, config.accelerator_slots)
+        };
+        accelerators.ensure_workers(accelerator_target);
+        let dropper = base.session_config().get_extension::<BlockDropper>();
+        let mut state = RunState {
+            accelerator_target,
+            ..Default::default()
+        };
+        for op in &graph.operators {
+            let mut os = OperatorState {
+                partitions: (0..op.partitions())
+                    .map(|_| PartitionState::default())
+                    .collect(),
+                ..Default::default()
+            };
+            if op.shape == TaskShape::Source {
+                for (p, splits) in op.splits.iter().enumerate() {
+                    for split in 0..*splits {
+                        let id = state.tasks.len();
+                        state
+                            .tasks
+                            .push(TaskRecord::new(op.id, p, TaskKind::Source { split }));
+                        os.partitions[p].tasks.push(id);
+                    }
+                    os.partitions[p].closed = true;
+                }
+                os.started = true;
+            }
+            state.operators.push(os);
+        }
+        let (changes, _) = watch::channel(0);
+        let pools: Vec<_> = graph.operators.iter().map(|op| op.pool).collect();
+        let static_slots =
+            policy::static_slots(&pools, config.cpu_slots, config.accelerator_slots);
+        let workers = (config.workers == WorkerMode::Process).then(|| {
+            base.session_config()
+                .get_extension::<WorkerPoolSlot>()
+                .unwrap_or_default()
+        });
+        let run = Arc::new(Self {
+            static_slots,
+            store: BlockStore::new(config.memory_budget.0),
+            metrics,
+            policy: mode,
+            graph,
+            config,
+            base,
+            state: Mutex::new(state),
+            changes,
+            accelerators,
+            dropper,
+            handle: tokio::runtime::Handle::current(),
+            next_block: AtomicU64::new(0),
+            recompute_locks: Mutex::new(HashMap::new()),
+            workers,
+            remote_tasks: Mutex::new(HashSet::new()),
+            lost_blocks: Mutex::new(HashSet::new()),
+            dead_workers: Mutex::new(HashSet::new()),
+            worker_restarts: Mutex::new(HashMap::new()),
+        });
+        run.schedule();
+        Ok(run)
+    }
+
+    /// Wake every reader waiting on the run (they re-check what they wait for).
+    pub(super) fn notify(&self) {
+        self.changes.send_modify(|v| *v += 1);
+    }
+
+    /// Something the scheduler decides on changed (a block produced or released, a task
+    /// ended, an input asked for): schedule at once on this thread, then wake the readers
+    /// (they may wait for what changed, or for tasks created, partitions closed or
+    /// operators completed just now).
+    /// Scheduling where the change happens costs no thread switch, where a scheduler loop
+    /// of its own would be woken (and would wake a runtime thread to launch) per block.
+    pub(super) fn changed(self: &Arc<Self>) {
+        self.schedule();
+        self.notify();
+    }
+
+    /// True when the root operator is run by the consumer of the output (its fragment is
+    /// stateful); otherwise the consumer reads the root operator's blocks.
+    pub(super) fn root_runs_in_output(&self) -> bool {
+        self.graph.root().shape == TaskShape::Barrier
+    }
+
+    /// Create ready tasks and launch (or resume) what slots and memory allow.
+    pub(super) fn schedule(self: &Arc<Self>) {
+        self.metrics.count_scheduler_pass();
+        let mut launches = vec![];
+        {
+            let mut st = self.state.lock().unwrap();
+            if st.error.is_some() || st.cancelled {
+                return;
+            }
+            self.create_tasks(&mut st);
+            self.pick_launches(&mut st, &mut launches);
+        }
+        for task in launches {
+            self.launch(task);
+        }
+    }
+
+    pub(super) fn task_finished(self: &Arc<Self>, task: TaskId, result: Result<()>, started: Instant) {
+        let mut st = self.state.lock().unwrap();
+        let op_id = st.tasks[task].operator;
+        let op = &self.graph.operators[op_id];
+        let pool = pool_index(op.pool);
+        if self.streams_inputs(op_id) {
+            st.streaming_running -= 1;
+        } else {
+            st.running[pool] -= 1;
+        }
+        st.operators[op_id].running -= 1;
+        self.stats(op_id).running.fetch_sub(1, Ordering::Relaxed);
+        let busy = started.elapsed().as_nanos() as u64;
+        OperatorStats::add(
+            &self.stats(op_id).busy_ns,
+            busy.saturating_sub(st.tasks[task].paused_ns),
+        );
+        match result {
+            Ok(()) => {
+                OperatorStats::add(&self.stats(op_id).tasks, 1);
+                st.tasks[task].status = TaskStatus::Done;
+                let mut consumed = std::mem::take(&mut st.tasks[task].consumed);
+                if let TaskKind::Blocks { inputs } = &st.tasks[task].kind {
+                    consumed.extend(inputs.iter().copied());
+                }
+                for id in consumed {
+                    self.release(&mut st, id);
+                }
+                self.update_complete(&mut st, op_id);
+            }
+            Err(e) => {
+                if st.error.is_none() {
+                    st.error = Some(Arc::new(e));
+                }
+                for abort in st.aborts.drain(..) {
+                    abort.abort();
+                }
+            }
+        }
+        drop(st);
+        self.changed();
+    }
+
+    /// The readers of block `id` are done with it: it leaves the store (and its worker).
+    pub(super) fn release(&self, st: &mut RunState, id: BlockId) {
+        let Some(block) = st.blocks.get(&id) else {
+            return;
+        };
+        if !st.released.insert(id) {
+            return;
+        }
+        let (op, bytes, task) = (block.operator, block.bytes, block.task);
+        let rows = if bytes > 0 { block.rows as u64 } else { 0 };
+        let t = &mut st.tasks[task];
+        t.held_rows = t.held_rows.saturating_sub(rows);
+        self.store.remove(id);
+        let os = &mut st.operators[op];
+        os.held_bytes = os.held_bytes.saturating_sub(bytes);
+        os.held_rows = os.held_rows.saturating_sub(rows);
+    }
+
+    /// The counters of operator `op`.
+    pub(super) fn stats(&self, op: OperatorId) -> &OperatorStats {
+        self.metrics.operator(op)
+    }
+
+    /// The session's worker processes, when `flumen.workers = 'process'`.
+    pub(super) fn worker_slot(&self) -> Option<&Arc<WorkerPoolSlot>> {
+        self.workers.as_ref()
+    }
+
+    /// A task's operator, partition and kind.
+    pub(super) fn task_identity(&self, task: TaskId) -> (OperatorId, usize, TaskKind) {
+        let st = self.state.lock().unwrap();
+        let t = &st.tasks[task];
+        (t.operator, t.partition, t.kind.clone())
+    }
+
+    /// The runtime CPU tasks (and background work) run on.
+    pub(super) fn runtime(&self) -> &tokio::runtime::Handle {
+        &self.handle
+    }
+
+    /// The flumen settings of this run.
+    pub(super) fn config(&self) -> &FlumenConfig {
+        &self.config
+    }
+
+    /// The context tasks run in (without task inputs).
+    pub(super) fn base_context(&self) -> Arc<TaskContext> {
+        Arc::clone(&self.base)
+    }
+
+    /// A fresh block id.
+    pub(super) fn new_block_id(&self) -> BlockId {
+        self.next_block.fetch_add(1, Ordering::Relaxed)
+    }
+
+    /// What the run recorded of block `id` (its lineage).
+    pub(super) fn block(&self, id: BlockId) -> Option<Block> {
+        self.state.lock().unwrap().blocks.get(&id).cloned()
+    }
+
+    /// The lock held while task `task` is recomputed (one recompute per task at a time).
+    pub(super) fn recompute_lock(&self, task: TaskId) -> Arc<tokio::sync::Mutex<()>> {
+        Arc::clone(
+            self.recompute_locks
+                .lock()
+                .unwrap()
+                .entry(task)
+                .or_default(),
+        )
+    }
+
+    /// Read a block from the store; blocks restored by a recompute are read once.
+    pub(super) fn take_from_store(&self, id: BlockId) -> Result<Option<RecordBatch>> {
+        let batch = self.store.get(id)?;
+        if batch.is_some() {
+            let once = self.state.lock().unwrap().read_once.remove(&id);
+            if once {
+                self.store.remove(id);
+            }
+        }
+        Ok(batch)
+    }
+
+    /// The output blocks of a task, with their lineage.
+    pub(super) fn task_outputs(&self, task: TaskId) -> Vec<Block> {
+        let st = self.state.lock().unwrap();
+        st.tasks[task]
+            .outputs
+            .iter()
+            .map(|id| st.blocks[id].clone())
+            .collect()
+    }
+
+    /// Put a recomputed block back; it leaves the store once read.
+    pub(super) fn restore(&self, id: BlockId, batch: RecordBatch, bytes: u64) -> Result<()> {
+        self.store.put(id, batch, bytes.max(1))?;
+        self.state.lock().unwrap().read_once.insert(id);
+        Ok(())
+    }
+
+    /// One line per operator: tasks by status, blocks held, completion.
+    pub fn describe(&self) -> String {
+        let st = self.state.lock().unwrap();
+        let mut out = format!(
+            "running={:?} store={}B; ",
+            st.running,
+            self.store.memory_bytes()
+        );
+        for op in &self.graph.operators {
+            let os = &st.operators[op.id];
+            let tasks: Vec<TaskStatus> = os
+                .partitions
+                .iter()
+                .flat_map(|p| p.tasks.iter().map(|t| st.tasks[*t].status))
+                .collect();
+            let count = |s| tasks.iter().filter(|t| **t == s).count();
+            out.push_str(&format!(
+                "op{} {} {:?}: pending={} running={} done={} closed={:?} held={}B complete={}; ",
+                op.id,
+                op.name,
+                op.shape,
+                count(TaskStatus::Pending),
+                count(TaskStatus::Running),
+                count(TaskStatus::Done),
+                os.partitions.iter().map(|p| p.closed).collect::<Vec<_>>(),
+                os.held_bytes,
+                os.complete
+            ));
+        }
+        out
+    }
+}

@@ -1,0 +1,140 @@
+//! What a run knows, under its one lock: every task and its outputs, each operator's
+//! partitions and dispatch position, the blocks' lineage, and the pools' busy slots.
+
+use std::collections::{HashMap, HashSet};
+use std::sync::Arc;
+use std::time::Instant;
+
+use datafusion::error::DataFusionError;
+use tokio::task::AbortHandle;
+
+use crate::exec::cursor::Cursor;
+use crate::exec::lineage::{TaskId, TaskKind};
+use crate::plan::graph::{OperatorId, Pool};
+use crate::store::block::{Block, BlockId};
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) enum TaskStatus {
+    Pending,
+    Running,
+    Done,
+}
+
+#[derive(Debug)]
+pub(super) struct TaskRecord {
+    pub(super) operator: OperatorId,
+    pub(super) partition: usize,
+    pub(super) kind: TaskKind,
+    pub(super) status: TaskStatus,
+    pub(super) outputs: Vec<BlockId>,
+    /// Input blocks read, released when the task ends.
+    pub(super) consumed: Vec<BlockId>,
+    /// Rows of this task's output blocks not yet released (read by every reader).
+    pub(super) held_rows: u64,
+    /// Time spent paused by in-task backpressure (not counted as busy).
+    pub(super) paused_ns: u64,
+    /// Resumed to keep the run live: runs to its end without pausing again.
+    pub(super) unpausable: bool,
+    /// When the task was launched (for the test hook's [`BlockInfo::task_elapsed`]).
+    pub(super) launched: Option<Instant>,
+}
+
+impl TaskRecord {
+    pub(super) fn new(operator: OperatorId, partition: usize, kind: TaskKind) -> Self {
+        Self {
+            operator,
+            partition,
+            kind,
+            status: TaskStatus::Pending,
+            outputs: vec![],
+            consumed: vec![],
+            held_rows: 0,
+            paused_ns: 0,
+            unpausable: false,
+            launched: None,
+        }
+    }
+}
+
+/// A running task paused by in-task backpressure: it gave up its slot and waits for the
+/// scheduler to hand one back.
+#[derive(Debug)]
+pub(super) struct PausedTask {
+    pub(super) task: TaskId,
+    pub(super) resume: tokio::sync::oneshot::Sender<()>,
+}
+
+#[derive(Debug, Default)]
+pub(super) struct PartitionState {
+    /// Tasks of this partition, in output order.
+    pub(super) tasks: Vec<TaskId>,
+    /// No more tasks will be added.
+    pub(super) closed: bool,
+    /// Index in `tasks` of the first task not launched yet.
+    pub(super) next_launch: usize,
+    /// Where a block-wise operator's dispatch stands in its input.
+    pub(super) input: Option<Cursor>,
+}
+
+#[derive(Debug, Default)]
+pub(super) struct OperatorState {
+    pub(super) partitions: Vec<PartitionState>,
+    /// Every output block in the order produced.
+    pub(super) log: Vec<BlockId>,
+    /// Bytes of unreleased output blocks in the store.
+    pub(super) held_bytes: u64,
+    /// Rows of unreleased output blocks in the store.
+    pub(super) held_rows: u64,
+    pub(super) running: usize,
+    pub(super) complete: bool,
+    /// Barrier operators: tasks created.
+    pub(super) started: bool,
+    /// Round-robin position for launching across partitions.
+    pub(super) next_partition: usize,
+    /// A task has asked for this operator's blocks (opens the gate of a streamed input).
+    pub(super) demanded: bool,
+    /// Running tasks paused because their output is too far ahead of its reader.
+    pub(super) paused: Vec<PausedTask>,
+    pub(super) backpressured_since: Option<Instant>,
+}
+
+impl OperatorState {
+    pub(super) fn has_pending(&self) -> bool {
+        self.partitions
+            .iter()
+            .any(|p| p.next_launch < p.tasks.len())
+    }
+}
+
+#[derive(Debug, Default)]
+pub(super) struct RunState {
+    pub(super) operators: Vec<OperatorState>,
+    pub(super) tasks: Vec<TaskRecord>,
+    /// Every block produced, with its lineage.
+    pub(super) blocks: HashMap<BlockId, Block>,
+    /// Blocks their readers are done with.
+    pub(super) released: HashSet<BlockId>,
+    /// Restored blocks that are removed from the store once read.
+    pub(super) read_once: HashSet<BlockId>,
+    pub(super) error: Option<Arc<DataFusionError>>,
+    pub(super) cancelled: bool,
+    pub(super) running: [usize; 2],
+    pub(super) aborts: Vec<AbortHandle>,
+    /// Output partitions opened so far, and how many of them are still being read.
+    pub(super) outputs_opened: usize,
+    pub(super) outputs_open: usize,
+    /// Accelerator workers this run may use now: grows towards `flumen.accelerator_slots`
+    /// while accelerator tasks wait on busy workers.
+    pub(super) accelerator_target: usize,
+    /// Running tasks of streaming operators (they take no slot).
+    pub(super) streaming_running: usize,
+    /// Streaming tasks' block readers waiting for a block that is not there yet.
+    pub(super) streaming_waiting: usize,
+}
+
+pub(super) fn pool_index(pool: Pool) -> usize {
+    match pool {
+        Pool::Cpu => 0,
+        Pool::Accelerator => 1,
+    }
+}

@@ -1,0 +1,294 @@
+//! Block streams: what a task's stage inputs and the query's output read, walking a
+//! [`Cursor`] and waiting for blocks still to come; releasing blocks as they are read where
+//! the reader is the last to need them.
+
+use std::sync::Arc;
+
+use datafusion::arrow::record_batch::RecordBatch;
+use datafusion::error::{DataFusionError, Result};
+use datafusion::execution::SendableRecordBatchStream;
+use datafusion::physical_plan::stream::RecordBatchStreamAdapter;
+use futures::{StreamExt, TryStreamExt};
+
+use crate::exec::cursor::{Cursor, Next, ReadOrder};
+use crate::exec::lineage::{TaskId, TaskKind};
+use crate::exec::run::QueryRun;
+use crate::plan::graph::OperatorId;
+use crate::plan::stage_input::{InputProvider, TaskInputs};
+use crate::store::cutter::bundle_pieces;
+
+impl QueryRun {
+    /// The stream of blocks a cursor walks, waiting for blocks still to come.
+    pub(super) fn block_stream(
+        self: &Arc<Self>,
+        cursor: Cursor,
+        reader: Reader,
+        schema: datafusion::arrow::datatypes::SchemaRef,
+    ) -> SendableRecordBatchStream {
+        let rx = self.changes.subscribe();
+        let wait_for_complete =
+            self.policy.waits_for_producers() && matches!(reader, Reader::Output);
+        let state = (Arc::clone(self), cursor, rx, reader);
+        let stream =
+            futures::stream::unfold(state, move |(run, mut cursor, mut rx, reader)| async move {
+                if cursor.failed {
+                    return None;
+                }
+                let mut waiting = false;
+                loop {
+                    rx.borrow_and_update();
+                    let mut asked = false;
+                    let mut stalled = false;
+                    let next = {
+                        let mut st = run.state.lock().unwrap();
+                        // Woken while waiting: its wait is not a new one.
+                        let rewaiting = std::mem::take(&mut waiting);
+                        if rewaiting {
+                            st.streaming_waiting -= 1;
+                        }
+                        if let Some(e) = &st.error {
+                            let e = DataFusionError::Shared(Arc::clone(e));
+                            drop(st);
+                            cursor.failed = true;
+                            return Some((Err(e), (run, cursor, rx, reader)));
+                        }
+                        if st.cancelled {
+                            return None;
+                        }
+                        if !st.operators[cursor.operator].demanded {
+                            // Opens the gate of a streamed input: wake the scheduler.
+                            st.operators[cursor.operator].demanded = true;
+                            asked = true;
+                        }
+                        let next = if wait_for_complete && !st.operators[cursor.operator].complete {
+                            Next::Wait
+                        } else {
+                            Self::next_block(&st, &mut cursor)
+                        };
+                        match (&next, &reader) {
+                            (Next::Block(id), Reader::Task(task) | Reader::StreamingTask(task)) => {
+                                st.tasks[*task].consumed.push(*id)
+                            }
+                            (Next::Wait, Reader::Task(task) | Reader::StreamingTask(task))
+                                if run.streams_inputs(st.tasks[*task].operator) =>
+                            {
+                                st.streaming_waiting += 1;
+                                waiting = true;
+                                // Only a wait that begins can bring on a stall: every
+                                // other change that can runs the scheduler itself.
+                                // (Checking on every wake-up would wake the other
+                                // waiting readers, which would wake this one: a spin.)
+                                stalled = !rewaiting && run.stalled(&st);
+                            }
+                            _ => {}
+                        }
+                        next
+                    };
+                    if asked || stalled {
+                        // A waiting reader with idle pools may need the liveness rule.
+                        run.changed();
+                    }
+                    match next {
+                        Next::End => return None,
+                        Next::Wait => {
+                            let wait = std::time::Duration::from_secs(10);
+                            match tokio::time::timeout(wait, rx.changed()).await {
+                                Ok(Ok(())) => {}
+                                Ok(Err(_)) => return None,
+                                Err(_) => log::warn!(
+                                    "flumen reader of operator {} ({:?}) waited 10s: {}",
+                                    cursor.operator,
+                                    cursor.order,
+                                    run.describe()
+                                ),
+                            }
+                        }
+                        Next::Block(id) => {
+                            let batch = run.fetch(id).await;
+                            cursor.failed = batch.is_err();
+                            if matches!(reader, Reader::Output | Reader::StreamingTask(_)) {
+                                run.release(&mut run.state.lock().unwrap(), id);
+                                run.changed();
+                            }
+                            return Some((batch, (run, cursor, rx, reader)));
+                        }
+                    }
+                }
+            });
+        Box::pin(RecordBatchStreamAdapter::new(schema, stream))
+    }
+
+    /// Output partition `partition` of the query.
+    pub fn output(self: &Arc<Self>, partition: usize) -> Result<SendableRecordBatchStream> {
+        {
+            let mut st = self.state.lock().unwrap();
+            st.outputs_opened += 1;
+            st.outputs_open += 1;
+        }
+        let root = self.graph.root();
+        let stream = if self.root_runs_in_output() {
+            let provider = Arc::new(OutputProvider {
+                run: Arc::clone(self),
+            });
+            let context = self.task_context(TaskInputs { provider, split: 0 });
+            root.fragment.execute(partition, context)?
+        } else {
+            let cursor = Cursor {
+                operator: root.id,
+                order: ReadOrder::Tasks {
+                    partitions: vec![partition],
+                },
+                tag: None,
+                part_index: 0,
+                task_index: 0,
+                out_index: 0,
+                log_index: 0,
+                round_out: vec![],
+                round_done: vec![],
+                failed: false,
+            };
+            self.block_stream(cursor, Reader::Output, root.fragment.schema())
+        };
+        Ok(Box::pin(OutputStream {
+            inner: stream,
+            run: Arc::clone(self),
+        }))
+    }
+
+    /// An output stream was dropped. Once every output partition has been opened and
+    /// dropped, the run is cancelled (a consumer that stops early, as `LIMIT` does).
+    pub(super) fn output_closed(&self) {
+        let mut st = self.state.lock().unwrap();
+        st.outputs_open -= 1;
+        let all_opened = st.outputs_opened >= self.graph.root().partitions();
+        if st.outputs_open == 0 && all_opened {
+            st.cancelled = true;
+            for abort in st.aborts.drain(..) {
+                abort.abort();
+            }
+            drop(st);
+            self.notify();
+        }
+    }
+}
+
+
+/// Who reads a block stream.
+#[derive(Debug, Clone, Copy)]
+pub(super) enum Reader {
+    /// A task: blocks are released when it finishes.
+    Task(TaskId),
+    /// A task reading a streamed (probe) input: blocks are released as they are read, so
+    /// memory holds only what is in flight; lineage recomputes them if the task must run
+    /// again.
+    StreamingTask(TaskId),
+    /// The same task being recomputed: nothing is recorded.
+    Recompute,
+    /// The query's output: blocks are released as they are read.
+    Output,
+}
+
+/// Inputs of one scheduled task.
+#[derive(Debug)]
+pub(super) struct TaskProvider {
+    pub(super) run: Arc<QueryRun>,
+    pub(super) task: TaskId,
+    pub(super) operator: OperatorId,
+    pub(super) kind: TaskKind,
+    pub(super) record: bool,
+}
+
+impl InputProvider for TaskProvider {
+    fn open(&self, input: usize, partition: usize) -> Result<SendableRecordBatchStream> {
+        let run = &self.run;
+        let op = &run.graph.operators[self.operator];
+        let producer = &run.graph.operators[*op.inputs.get(input).ok_or_else(|| {
+            DataFusionError::Internal(format!("operator {} has no input {input}", op.id))
+        })?];
+        let schema = producer.fragment.schema();
+        match &self.kind {
+            TaskKind::Blocks { inputs } => {
+                // A bundle of blocks reaches the fragment as one batch.
+                let inputs = inputs.clone();
+                let run = Arc::clone(run);
+                let batch_schema = Arc::clone(&schema);
+                let target = run.config.block_rows();
+                let stream = futures::stream::once(async move {
+                    let mut batches = Vec::with_capacity(inputs.len());
+                    for id in inputs {
+                        batches.push(run.fetch(id).await?);
+                    }
+                    // Hand the fragment the bundle in pieces of at most the target size.
+                    let pieces: Vec<Result<RecordBatch>> =
+                        bundle_pieces(&batch_schema, batches, target)?
+                            .into_iter()
+                            .map(Ok)
+                            .collect();
+                    Ok::<_, DataFusionError>(futures::stream::iter(pieces))
+                })
+                .try_flatten()
+                .boxed();
+                Ok(Box::pin(RecordBatchStreamAdapter::new(schema, stream)))
+            }
+            TaskKind::Partition => {
+                let cursor = run.input_cursor(self.operator, input, partition, true);
+                let reader = if !self.record {
+                    Reader::Recompute
+                } else if op.streamed_inputs[input] && run.streams_inputs(op.id) {
+                    Reader::StreamingTask(self.task)
+                } else {
+                    Reader::Task(self.task)
+                };
+                Ok(run.block_stream(cursor, reader, schema))
+            }
+            TaskKind::Source { .. } => Err(DataFusionError::Internal(format!(
+                "source task of operator {} has no stage inputs",
+                op.id
+            ))),
+        }
+    }
+}
+
+/// Inputs of the root fragment when the output's consumer runs it.
+#[derive(Debug)]
+pub(super) struct OutputProvider {
+    run: Arc<QueryRun>,
+}
+
+impl InputProvider for OutputProvider {
+    fn open(&self, input: usize, partition: usize) -> Result<SendableRecordBatchStream> {
+        let run = &self.run;
+        let root = run.graph.root();
+        let producer = &run.graph.operators[root.inputs[input]];
+        let cursor = run.input_cursor(root.id, input, partition, false);
+        Ok(run.block_stream(cursor, Reader::Output, producer.fragment.schema()))
+    }
+}
+
+/// The query's output stream; dropping every output stream cancels the run.
+pub(super) struct OutputStream {
+    inner: SendableRecordBatchStream,
+    run: Arc<QueryRun>,
+}
+
+impl futures::Stream for OutputStream {
+    type Item = Result<RecordBatch>;
+    fn poll_next(
+        mut self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<Option<Self::Item>> {
+        self.inner.poll_next_unpin(cx)
+    }
+}
+
+impl datafusion::physical_plan::RecordBatchStream for OutputStream {
+    fn schema(&self) -> datafusion::arrow::datatypes::SchemaRef {
+        self.inner.schema()
+    }
+}
+
+impl Drop for OutputStream {
+    fn drop(&mut self) {
+        self.run.output_closed();
+    }
+}

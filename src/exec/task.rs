@@ -1,0 +1,256 @@
+//! Running one task: its fragment executed over its inputs, its output cut into blocks
+//! ([`BlockCutter`]) that go to the store with their lineage, or (recomputing) back to the
+//! caller.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use datafusion::arrow::record_batch::RecordBatch;
+use datafusion::error::{DataFusionError, Result};
+use datafusion::execution::TaskContext;
+use datafusion::physical_plan::ExecutionPlanProperties;
+use futures::StreamExt;
+
+use crate::exec::lineage::{BlockInfo, TaskId, TaskKind};
+use crate::exec::metrics::OperatorStats;
+use crate::exec::run::QueryRun;
+use crate::exec::streams::TaskProvider;
+use crate::plan::graph::OperatorId;
+use crate::plan::stage_input::TaskInputs;
+use crate::store::block::{Block, BlockData};
+use crate::store::block_store::{Placement, block_bytes};
+use crate::store::cutter::BlockCutter;
+
+/// Where a running task's output blocks go: the store, or (recomputing) back to the caller
+/// as `(seq, tag, batch)`.
+struct TaskOutput<'a> {
+    run: &'a Arc<QueryRun>,
+    task: TaskId,
+    op_id: OperatorId,
+    capture: bool,
+    /// Blocks emitted so far (the next block's position in the task's output).
+    seq: usize,
+    captured: Vec<(usize, usize, RecordBatch)>,
+}
+
+impl TaskOutput<'_> {
+    /// Output blocks, each with its output partition (tag).
+    fn emit(&mut self, blocks: Vec<(usize, RecordBatch)>) -> Result<()> {
+        for (tag, batch) in blocks {
+            if batch.num_rows() == 0 {
+                continue;
+            }
+            if self.capture {
+                self.captured.push((self.seq, tag, batch));
+            } else {
+                let block = Block {
+                    id: self.run.new_block_id(),
+                    operator: self.op_id,
+                    task: self.task,
+                    seq: self.seq,
+                    tag,
+                    rows: batch.num_rows(),
+                    bytes: block_bytes(&batch),
+                };
+                self.run.put_block(block, BlockData::Local(batch))?;
+            }
+            self.seq += 1;
+        }
+        Ok(())
+    }
+}
+
+impl QueryRun {
+    /// Run a task: in a worker process when the session has them and the task can go there,
+    /// else here.
+    pub(super) async fn run_task(self: &Arc<Self>, task: TaskId) -> Result<()> {
+        if self.workers.is_some() && self.execute_remote(task).await? {
+            return Ok(());
+        }
+        self.execute_task(task, false).await.map(|_| ())
+    }
+
+    /// Run a task's fragment. Outputs go to the store, or with `capture` (recompute) are
+    /// returned as `(seq, tag, batch)`.
+    pub(crate) async fn execute_task(
+        self: &Arc<Self>,
+        task: TaskId,
+        capture: bool,
+    ) -> Result<Vec<(usize, usize, RecordBatch)>> {
+        let (op_id, partition, kind) = {
+            let st = self.state.lock().unwrap();
+            if st.cancelled {
+                return Err(DataFusionError::Execution("query cancelled".into()));
+            }
+            let t = &st.tasks[task];
+            (t.operator, t.partition, t.kind.clone())
+        };
+        let op = &self.graph.operators[op_id];
+        let split = match kind {
+            TaskKind::Source { split } => split,
+            _ => 0,
+        };
+        let provider = Arc::new(TaskProvider {
+            run: Arc::clone(self),
+            task,
+            operator: op_id,
+            kind,
+            record: !capture,
+        });
+        let context = self.task_context(TaskInputs { provider, split });
+        let mut stream = op.fragment.execute(partition, context)?;
+        let mut cutter = BlockCutter::new(
+            op.fragment.schema(),
+            op.output_split.as_ref(),
+            partition,
+            op.fragment.output_partitioning().partition_count(),
+            self.config.block_rows(),
+        )?;
+        // Recomputing (capture) never pauses: its output goes to the caller, not the store.
+        let pause_rows = if capture {
+            None
+        } else {
+            self.pause_rows(op_id)
+        };
+        let mut out = TaskOutput {
+            run: self,
+            task,
+            op_id,
+            capture,
+            seq: 0,
+            captured: vec![],
+        };
+        let mut blocks = vec![];
+        while let Some(batch) = stream.next().await {
+            cutter.push(batch?, &mut blocks)?;
+            if blocks.is_empty() {
+                continue;
+            }
+            out.emit(std::mem::take(&mut blocks))?;
+            if !capture {
+                self.changed();
+                if let Some(rows) = pause_rows {
+                    self.pause_while_ahead(task, rows).await;
+                }
+            }
+        }
+        cutter.finish(&mut blocks)?;
+        let finished = !blocks.is_empty();
+        out.emit(blocks)?;
+        if !capture && finished {
+            self.changed();
+        }
+        Ok(out.captured)
+    }
+
+    /// Put a block a task produced where it lives (the store's memory or spill, or its
+    /// worker) and record it: one path for local and worker tasks. The test hook may drop
+    /// it first, as if its holder had died. The caller calls [`Self::changed`] once it has
+    /// put a batch's blocks.
+    pub(super) fn put_block(&self, mut block: Block, data: BlockData) -> Result<()> {
+        let holder = match &data {
+            BlockData::Local(_) => None,
+            BlockData::Held(held) => Some(held.holder_pid()),
+        };
+        if self.drops_block(&block, holder) {
+            block.bytes = 0;
+        } else {
+            match data {
+                BlockData::Local(batch) => {
+                    if self.store.put(block.id, batch, block.bytes)? == Placement::Spilled {
+                        OperatorStats::add(&self.stats(block.operator).spilled, 1);
+                    }
+                }
+                BlockData::Held(held) => self.store.put_held(block.id, held, block.bytes),
+            }
+        }
+        self.record_block(block);
+        Ok(())
+    }
+
+    /// Count a produced block and record its lineage; its `bytes` are what it keeps (0 if
+    /// lost).
+    fn record_block(&self, block: Block) {
+        let stats = self.stats(block.operator);
+        self.metrics.observe_store(self.store.memory_bytes());
+        OperatorStats::add(&stats.rows, block.rows as u64);
+        OperatorStats::add(&stats.bytes, block.bytes);
+        OperatorStats::add(&stats.blocks, 1);
+        let mut st = self.state.lock().unwrap();
+        let held_rows = if block.bytes > 0 { block.rows as u64 } else { 0 };
+        st.tasks[block.task].outputs.push(block.id);
+        st.tasks[block.task].held_rows += held_rows;
+        let os = &mut st.operators[block.operator];
+        os.log.push(block.id);
+        os.held_bytes += block.bytes;
+        os.held_rows += held_rows;
+        stats.observe_held(os.held_bytes);
+        st.blocks.insert(block.id, block);
+    }
+
+    pub(super) fn task_context(&self, inputs: TaskInputs) -> Arc<TaskContext> {
+        let base = &self.base;
+        let config = base
+            .session_config()
+            .clone()
+            .with_extension(Arc::new(inputs));
+        Arc::new(TaskContext::new(
+            base.task_id(),
+            base.session_id(),
+            config,
+            base.scalar_functions().clone(),
+            base.higher_order_functions().clone(),
+            base.aggregate_functions().clone(),
+            base.window_functions().clone(),
+            base.runtime_env(),
+        ))
+    }
+
+    /// Whether the test hook drops `block` as it is produced; `worker_pid`: the worker
+    /// that holds it, if any.
+    fn drops_block(&self, block: &Block, worker_pid: Option<u32>) -> bool {
+        let Some(dropper) = &self.dropper else {
+            return false;
+        };
+        let (partition, task_index, task_elapsed) = {
+            let st = self.state.lock().unwrap();
+            let record = &st.tasks[block.task];
+            let index = st.operators[block.operator].partitions[record.partition]
+                .tasks
+                .iter()
+                .position(|t| *t == block.task)
+                .unwrap_or(usize::MAX);
+            let elapsed = record.launched.map_or(Duration::ZERO, |at| {
+                at.elapsed()
+                    .saturating_sub(Duration::from_nanos(record.paused_ns))
+            });
+            (record.partition, index, elapsed)
+        };
+        (dropper.0)(&BlockInfo {
+            operator: block.operator,
+            operator_name: self.graph.operators[block.operator].name.clone(),
+            partition,
+            seq: block.seq,
+            rows: block.rows,
+            worker_pid,
+            task_index,
+            task_elapsed,
+        })
+    }
+
+    pub(super) fn panic_error(&self, task: TaskId, panic: Box<dyn std::any::Any + Send>) -> DataFusionError {
+        let message = panic
+            .downcast_ref::<String>()
+            .cloned()
+            .or_else(|| panic.downcast_ref::<&str>().map(|s| s.to_string()))
+            .unwrap_or_else(|| "unknown panic".into());
+        let (op, partition) = {
+            let st = self.state.lock().unwrap();
+            (st.tasks[task].operator, st.tasks[task].partition)
+        };
+        DataFusionError::Execution(format!(
+            "task {task} (partition {partition}) of flumen operator {op} ({}) panicked: {message}",
+            self.graph.operators[op].name
+        ))
+    }
+}

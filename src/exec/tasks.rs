@@ -1,0 +1,153 @@
+//! Creating tasks as their inputs become ready: one per source split (at start), one per
+//! output partition of a per-partition operator (once its inputs are complete, or at once
+//! when it streams a join's probe input), one per bundle of input blocks of a per-block
+//! operator (as the blocks arrive).
+
+use crate::exec::cursor::Next;
+use crate::exec::lineage::TaskKind;
+use crate::exec::run::QueryRun;
+use crate::exec::state::{RunState, TaskRecord, TaskStatus};
+use crate::plan::graph::{OperatorId, Pool, TaskShape};
+
+impl QueryRun {
+    pub(super) fn create_tasks(&self, st: &mut RunState) {
+        let root = self.graph.root().id;
+        for op in &self.graph.operators {
+            if op.id == root && self.root_runs_in_output() {
+                continue;
+            }
+            match op.shape {
+                TaskShape::Source => {}
+                TaskShape::Barrier => {
+                    let ready = self.streams_inputs(op.id)
+                        || op.inputs.iter().all(|i| st.operators[*i].complete);
+                    if ready && !st.operators[op.id].started {
+                        for p in 0..op.partitions() {
+                            let id = st.tasks.len();
+                            st.tasks
+                                .push(TaskRecord::new(op.id, p, TaskKind::Partition));
+                            let ps = &mut st.operators[op.id].partitions[p];
+                            ps.tasks.push(id);
+                            ps.closed = true;
+                        }
+                        st.operators[op.id].started = true;
+                    }
+                }
+                TaskShape::BlockWise => self.create_block_tasks(st, op.id),
+            }
+            self.update_complete(st, op.id);
+        }
+        self.skip_unasked(st);
+    }
+
+    /// True when `op`'s tasks start at once and stream a join's probe input; they then run
+    /// beside the pool's slots (like the output's reader), paced by the blocks they get.
+    /// `flumen.mode = 'batch'` keeps every per-partition operator a barrier.
+    pub(super) fn streams_inputs(&self, op: OperatorId) -> bool {
+        self.policy.streams_join_inputs() && self.graph.streams_inputs(op)
+    }
+
+    /// Whether `op` may start: every streamed input it feeds has been asked for.
+    pub(super) fn gate_open(&self, st: &RunState, op: OperatorId) -> bool {
+        !self.policy.streams_join_inputs()
+            || self.graph.gates[op]
+                .iter()
+                .all(|g| st.operators[*g].demanded)
+    }
+
+    /// A join that finished without asking for its probe input (its build side was empty)
+    /// never needs the operators feeding it: they count as complete without running.
+    pub(super) fn skip_unasked(&self, st: &mut RunState) {
+        for op in &self.graph.operators {
+            if st.operators[op.id].complete {
+                continue;
+            }
+            let skipped = self.graph.gates[op.id].iter().any(|g| {
+                !st.operators[*g].demanded
+                    && self.graph.consumer[*g].is_some_and(|c| st.operators[c].complete)
+            });
+            if skipped {
+                st.operators[op.id].complete = true;
+            }
+        }
+    }
+
+    pub(super) fn create_block_tasks(&self, st: &mut RunState, op_id: OperatorId) {
+        let op = &self.graph.operators[op_id];
+        let producer = op.inputs[0];
+        if self.policy.waits_for_producers() && !st.operators[producer].complete {
+            return;
+        }
+        let bundle_rows = match op.pool {
+            Pool::Accelerator => self.config.block_rows(),
+            Pool::Cpu => 1,
+        };
+        for p in 0..op.partitions() {
+            if st.operators[op_id].partitions[p].closed {
+                continue;
+            }
+            let mut cursor = st.operators[op_id].partitions[p]
+                .input
+                .take()
+                .unwrap_or_else(|| self.input_cursor(op_id, 0, p, false));
+            loop {
+                // Gather a bundle on a copy of the cursor; commit it once it may run.
+                let mut probe = cursor.clone();
+                let mut inputs = vec![];
+                let mut rows = 0;
+                let mut ended = false;
+                while rows < bundle_rows {
+                    match Self::next_block(st, &mut probe) {
+                        Next::Block(id) => {
+                            rows += st.blocks[&id].rows;
+                            inputs.push(id);
+                        }
+                        Next::Wait => break,
+                        Next::End => {
+                            ended = true;
+                            break;
+                        }
+                    }
+                }
+                if inputs.is_empty() {
+                    if ended {
+                        st.operators[op_id].partitions[p].closed = true;
+                    }
+                    break;
+                }
+                // A partial bundle waits for more rows while its producer has work left.
+                let producer_idle =
+                    st.operators[producer].running == 0 && !st.operators[producer].has_pending();
+                if rows < bundle_rows && !ended && !producer_idle {
+                    break;
+                }
+                cursor = probe;
+                let id = st.tasks.len();
+                st.tasks
+                    .push(TaskRecord::new(op_id, p, TaskKind::Blocks { inputs }));
+                st.operators[op_id].partitions[p].tasks.push(id);
+                if ended {
+                    st.operators[op_id].partitions[p].closed = true;
+                    break;
+                }
+            }
+            st.operators[op_id].partitions[p].input = Some(cursor);
+        }
+    }
+
+    pub(super) fn update_complete(&self, st: &mut RunState, op_id: OperatorId) {
+        let os = &st.operators[op_id];
+        if os.complete || !os.started && self.graph.operators[op_id].shape != TaskShape::BlockWise {
+            return;
+        }
+        let done = os.partitions.iter().all(|p| {
+            p.closed
+                && p.tasks
+                    .iter()
+                    .all(|t| st.tasks[*t].status == TaskStatus::Done)
+        });
+        if done {
+            st.operators[op_id].complete = true;
+        }
+    }
+}

@@ -1,0 +1,16 @@
+//! flumen's SQL functions.
+//!
+//! - [`accelerator`]: the accelerator UDF interface (model functions run on the accelerator
+//!   pool by workers that keep the model loaded).
+//! - [`embedding`]: `embed`, a sentence-embedding model (CPU and CUDA).
+//! - [`emulated_accelerator`]: a model that occupies an emulated device (benches, tests).
+//! - [`text`]: `clean_text`; [`vector`]: `cosine_similarity`, `dot_product`, `l2_distance`.
+
+pub mod accelerator;
+pub mod embedding;
+pub mod emulated_accelerator;
+pub(crate) mod text;
+pub(crate) mod vector;
+
+pub use text::clean_text_udf;
+pub use vector::vector_functions;

@@ -1,0 +1,16 @@
+//! Where tables come from and where output goes.
+//!
+//! - [`object_stores`]: S3, GCS, Azure and HTTP stores for the locations a statement names.
+//! - [`output_commit`]: file sinks write to staging and commit atomically.
+//! - [`delta`], [`iceberg`]: the lakehouse table formats (`STORED AS DELTATABLE|ICEBERG`).
+//! - [`lakehouse_options`]: the options both formats share.
+
+pub(crate) mod delta;
+pub(crate) mod iceberg;
+pub(crate) mod lakehouse_options;
+pub(crate) mod object_stores;
+pub(crate) mod output_commit;
+
+pub use delta::{DeltaTableFactory, DeltaTableProvider, DeltaVersion, delta_table, register_delta_table};
+pub use iceberg::{IcebergTableFactory, iceberg_table};
+pub use object_stores::{register_for_location, register_for_statement};

@@ -1,0 +1,126 @@
+//! The operator graph: a physical plan cut into operators (see [`super::cut`] for how),
+//! what each operator's tasks process, on which pool, and who feeds whom.
+
+use std::fmt;
+use std::sync::Arc;
+
+use datafusion::physical_plan::{ExecutionPlan, ExecutionPlanProperties, Partitioning};
+
+use crate::plan::stage_input::InputExchange;
+
+/// Index of an operator inside its [`OperatorGraph`].
+pub type OperatorId = usize;
+
+/// The pool whose slots an operator's tasks occupy.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Pool {
+    /// General CPU work (scans, filters, joins, aggregates).
+    Cpu,
+    /// Workers that keep a model loaded (accelerator UDFs).
+    Accelerator,
+}
+
+impl fmt::Display for Pool {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self {
+            Pool::Cpu => "cpu",
+            Pool::Accelerator => "accelerator",
+        })
+    }
+}
+
+/// What one task of an operator processes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum TaskShape {
+    /// No block inputs: one task per source split of each partition.
+    Source,
+    /// One block input and row-local nodes only: one task per input block (or bundle).
+    BlockWise,
+    /// Stateful nodes (final aggregates, joins, sorts...): one task per output partition,
+    /// started once every input operator has finished, or at once when the operator
+    /// streams a join's probe input ([`Operator::streamed_inputs`]).
+    Barrier,
+}
+
+impl fmt::Display for TaskShape {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self {
+            TaskShape::Source => "source",
+            TaskShape::BlockWise => "per-block",
+            TaskShape::Barrier => "per-partition",
+        })
+    }
+}
+
+/// One flumen operator (stage).
+#[derive(Debug)]
+pub struct Operator {
+    /// Its index in the graph; producers have smaller ids than their consumer.
+    pub id: OperatorId,
+    /// Short label: the fragment's root node.
+    pub name: String,
+    /// Pool its tasks run on.
+    pub pool: Pool,
+    /// What a task processes.
+    pub shape: TaskShape,
+    /// The DataFusion sub-plan a task executes, with `StageInputExec` leaves.
+    pub fragment: Arc<dyn ExecutionPlan>,
+    /// Producer operator of each `StageInputExec` leaf, by its `input` index.
+    pub inputs: Vec<OperatorId>,
+    /// How each input is read (same order as `inputs`).
+    pub input_exchanges: Vec<InputExchange>,
+    /// Inputs on the probe side of a join in the fragment (same order as `inputs`). The
+    /// operator's tasks start with the query and read these blocks as they arrive, and the
+    /// operators feeding such an input start only when a task first asks for its blocks,
+    /// which a join does once its build side is in: as under DataFusion's own executor,
+    /// the probe side's scans then run with the join's dynamic filter filled in.
+    pub streamed_inputs: Vec<bool>,
+    /// Split applied to this operator's output blocks (the map side of a hash/round-robin
+    /// exchange); `None` tags each block with its task's partition.
+    pub output_split: Option<Partitioning>,
+    /// Number of source splits of each partition (Source operators; 1 when not split).
+    pub splits: Vec<usize>,
+    /// All partitions' tasks must run at once: the fragment holds stateful nodes, and
+    /// DataFusion's joins coordinate across partitions (shared build side, dynamic filters).
+    pub gang: bool,
+}
+
+impl Operator {
+    /// Producers of the inputs this operator streams (see [`Operator::streamed_inputs`]).
+    pub fn streamed_producers(&self) -> impl Iterator<Item = OperatorId> + '_ {
+        self.inputs
+            .iter()
+            .zip(&self.streamed_inputs)
+            .filter(|(_, streamed)| **streamed)
+            .map(|(producer, _)| *producer)
+    }
+
+    /// Number of partitions the fragment produces.
+    pub fn partitions(&self) -> usize {
+        self.fragment.output_partitioning().partition_count()
+    }
+}
+
+/// A physical plan cut into operators. The last operator is the root.
+#[derive(Debug)]
+pub struct OperatorGraph {
+    /// Operators, producers before consumers.
+    pub operators: Vec<Operator>,
+    /// The consumer of each operator (`None` for the root).
+    pub consumer: Vec<Option<OperatorId>>,
+    /// For each operator, the streamed inputs it feeds (directly or through other
+    /// operators), by their producer: it may start only once each has been asked for.
+    pub gates: Vec<Vec<OperatorId>>,
+}
+
+impl OperatorGraph {
+    /// The root operator, whose output is the query's output.
+    pub fn root(&self) -> &Operator {
+        self.operators.last().expect("a graph has a root")
+    }
+
+    /// True when `op`'s tasks stream a join's probe input (see [`Operator::streamed_inputs`]).
+    pub fn streams_inputs(&self, op: OperatorId) -> bool {
+        self.operators[op].streamed_inputs.iter().any(|s| *s)
+    }
+}

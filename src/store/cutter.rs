@@ -1,0 +1,186 @@
+//! The block cutter: the one way a task's output becomes blocks, in local tasks, in worker
+//! processes and when a lost block is recomputed, so that block `i` of a task is the same
+//! whichever ran it.
+//!
+//! Output batches are split by output partition when the operator feeds an exchange (as
+//! DataFusion's `RepartitionExec` would), each partition's rows coalesced to the target
+//! size (a sliver per input batch would keep every buffer of its input alive and make
+//! readers copy its strings again); otherwise batches are sliced to the target size.
+
+use datafusion::arrow::compute::BatchCoalescer;
+use datafusion::arrow::datatypes::SchemaRef;
+use datafusion::arrow::record_batch::RecordBatch;
+use datafusion::error::Result;
+use datafusion::physical_plan::Partitioning;
+use datafusion::physical_plan::metrics::Time;
+use datafusion::physical_plan::repartition::BatchPartitioner;
+
+/// Cuts one task's output into `(tag, block)` pairs of at most the target rows.
+pub struct BlockCutter {
+    target: usize,
+    /// The task's own partition: the tag of every block when there is no split.
+    partition: usize,
+    split: Option<(BatchPartitioner, Vec<BatchCoalescer>)>,
+}
+
+impl BlockCutter {
+    /// A cutter for a task of partition `partition` (of `partitions`) whose output has
+    /// `schema`, split by `split` when given; blocks of at most `target_rows` rows.
+    pub fn new(
+        schema: SchemaRef,
+        split: Option<&Partitioning>,
+        partition: usize,
+        partitions: usize,
+        target_rows: usize,
+    ) -> Result<Self> {
+        let target = target_rows.max(1);
+        let split = match split {
+            Some(split) => {
+                let partitioner =
+                    BatchPartitioner::try_new(split.clone(), Time::new(), partition, partitions)?;
+                let coalescers = (0..split.partition_count())
+                    .map(|_| BatchCoalescer::new(std::sync::Arc::clone(&schema), target))
+                    .collect();
+                Some((partitioner, coalescers))
+            }
+            None => None,
+        };
+        Ok(Self {
+            target,
+            partition,
+            split,
+        })
+    }
+
+    /// Cut `batch`, appending the blocks it completes to `out`.
+    pub fn push(&mut self, batch: RecordBatch, out: &mut Vec<(usize, RecordBatch)>) -> Result<()> {
+        if batch.num_rows() == 0 {
+            return Ok(());
+        }
+        match &mut self.split {
+            Some((partitioner, coalescers)) => {
+                for piece in partitioner.partition_iter(batch)? {
+                    let (tag, piece) = piece?;
+                    let coalescer = &mut coalescers[tag];
+                    coalescer.push_batch(piece)?;
+                    while let Some(block) = coalescer.next_completed_batch() {
+                        out.push((tag, block));
+                    }
+                }
+            }
+            None => {
+                let mut offset = 0;
+                while offset < batch.num_rows() {
+                    let len = self.target.min(batch.num_rows() - offset);
+                    out.push((self.partition, batch.slice(offset, len)));
+                    offset += len;
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// The output has ended: append the partly filled blocks to `out`.
+    pub fn finish(&mut self, out: &mut Vec<(usize, RecordBatch)>) -> Result<()> {
+        if let Some((_, coalescers)) = &mut self.split {
+            for (tag, coalescer) in coalescers.iter_mut().enumerate() {
+                coalescer.finish_buffered_batch()?;
+                while let Some(block) = coalescer.next_completed_batch() {
+                    out.push((tag, block));
+                }
+            }
+        }
+        Ok(())
+    }
+}
+
+/// A bundle of input blocks as a per-block task's fragment reads it, wherever the task
+/// runs: concatenated, then handed over in pieces of at most `target_rows` rows.
+pub fn bundle_pieces(
+    schema: &SchemaRef,
+    blocks: Vec<RecordBatch>,
+    target_rows: usize,
+) -> Result<Vec<RecordBatch>> {
+    let target = target_rows.max(1);
+    let bundle = match blocks.len() {
+        1 => blocks.into_iter().next().expect("one block"),
+        _ => datafusion::arrow::compute::concat_batches(schema, &blocks)?,
+    };
+    Ok((0..bundle.num_rows())
+        .step_by(target)
+        .map(|at| bundle.slice(at, target.min(bundle.num_rows() - at)))
+        .collect())
+}
+
+#[cfg(test)]
+mod tests {
+    use std::sync::Arc;
+
+    use datafusion::arrow::array::{Array, Int64Array};
+    use datafusion::physical_plan::expressions::col;
+
+    use super::*;
+
+    fn batch(from: i64, n: i64) -> RecordBatch {
+        RecordBatch::try_from_iter([(
+            "x",
+            Arc::new(Int64Array::from_iter_values(from..from + n)) as _,
+        )])
+        .unwrap()
+    }
+
+    fn rows(blocks: &[(usize, RecordBatch)]) -> Vec<usize> {
+        blocks.iter().map(|(_, b)| b.num_rows()).collect()
+    }
+
+    #[test]
+    fn a_bundle_is_concatenated_and_cut_to_the_target() {
+        let schema = batch(0, 1).schema();
+        let pieces = bundle_pieces(&schema, vec![batch(0, 5), batch(5, 6)], 4).unwrap();
+        assert_eq!(pieces.iter().map(|b| b.num_rows()).collect::<Vec<_>>(), vec![4, 4, 3]);
+        assert_eq!(pieces[2].column(0).as_any().downcast_ref::<Int64Array>().unwrap().value(2), 10);
+    }
+
+    #[test]
+    fn without_a_split_batches_are_sliced_to_the_target() {
+        let mut cutter = BlockCutter::new(batch(0, 1).schema(), None, 3, 4, 4).unwrap();
+        let mut out = vec![];
+        cutter.push(batch(0, 10), &mut out).unwrap();
+        cutter.push(batch(10, 2), &mut out).unwrap();
+        cutter.finish(&mut out).unwrap();
+        assert_eq!(rows(&out), vec![4, 4, 2, 2]);
+        assert!(out.iter().all(|(tag, _)| *tag == 3));
+    }
+
+    #[test]
+    fn a_split_coalesces_each_partition_to_the_target() {
+        let schema = batch(0, 1).schema();
+        let split = Partitioning::Hash(vec![col("x", &schema).unwrap()], 2);
+        let mut cutter = BlockCutter::new(Arc::clone(&schema), Some(&split), 0, 1, 8).unwrap();
+        let mut out = vec![];
+        for i in 0..10 {
+            cutter.push(batch(i * 3, 3), &mut out).unwrap();
+        }
+        cutter.finish(&mut out).unwrap();
+        let total: usize = rows(&out).iter().sum();
+        assert_eq!(total, 30);
+        for tag in 0..2 {
+            let sizes: Vec<usize> = out
+                .iter()
+                .filter(|(t, _)| *t == tag)
+                .map(|(_, b)| b.num_rows())
+                .collect();
+            // Every block but each partition's last is full.
+            assert!(sizes[..sizes.len() - 1].iter().all(|n| *n == 8), "{sizes:?}");
+        }
+        // The same rows in the same order cut the same way again (lineage relies on it).
+        let mut again = vec![];
+        let mut cutter = BlockCutter::new(schema, Some(&split), 0, 1, 8).unwrap();
+        for i in 0..10 {
+            cutter.push(batch(i * 3, 3), &mut again).unwrap();
+        }
+        cutter.finish(&mut again).unwrap();
+        assert_eq!(out, again);
+        assert!(out.iter().all(|(_, b)| b.column(0).null_count() == 0));
+    }
+}
