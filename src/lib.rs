@@ -37,7 +37,7 @@ pub mod plan;
 pub mod session;
 pub mod store;
 
-pub use cluster::{WorkerKind, serve as serve_worker};
+pub use cluster::serve as serve_worker;
 pub use config::{ByteSize, Device, ExecMode, FlumenConfig, WorkerMode};
 pub use exec::{BlockDropper, BlockInfo, FlumenExec, FlumenQueryPlanner};
 pub use functions::accelerator::{

@@ -14,7 +14,7 @@ use common::{
 };
 use datafusion::prelude::{SessionConfig, SessionContext};
 use flumen::exec::FlumenExec;
-use flumen::cluster::WorkerKind;
+use flumen::plan::Pool;
 use flumen::{BlockDropper, FlumenConfig, WorkerMode};
 
 const FLUMEN: &str = env!("CARGO_BIN_EXE_flumen");
@@ -39,12 +39,12 @@ fn session(config: FlumenConfig, dropper: Option<BlockDropper>) -> SessionContex
 }
 
 async fn pool_of(ctx: &SessionContext) -> Arc<flumen::cluster::WorkerPool> {
-    pool_of_kind(ctx, WorkerKind::Cpu).await
+    pool_of_kind(ctx, Pool::Cpu).await
 }
 
 async fn pool_of_kind(
     ctx: &SessionContext,
-    kind: WorkerKind,
+    kind: Pool,
 ) -> Arc<flumen::cluster::WorkerPool> {
     ctx.state()
         .config()
@@ -286,7 +286,7 @@ async fn chaos_random_worker_kills_never_change_an_answer() {
                      WHERE id % 997 = 5";
     assert_same(&v, &f, embed_sql).await;
     let pool = pool_of(&f).await;
-    let model_pool = pool_of_kind(&f, WorkerKind::Accelerator).await;
+    let model_pool = pool_of_kind(&f, Pool::Accelerator).await;
     let stop = Arc::new(AtomicBool::new(false));
     let kills = Arc::new(AtomicUsize::new(0));
     let model_kills = Arc::new(AtomicUsize::new(0));
@@ -318,7 +318,7 @@ async fn chaos_random_worker_kills_never_change_an_answer() {
                 }
                 let alive: Vec<_> = workers.iter().filter(|w| w.is_alive()).collect();
                 if let Some(w) = alive.get(next() as usize % alive.len().max(1)) {
-                    if w.kind() == WorkerKind::Accelerator {
+                    if w.kind() == Pool::Accelerator {
                         last_model_kill = Instant::now();
                         model_kills.fetch_add(1, Ordering::Relaxed);
                     }
@@ -607,7 +607,7 @@ async fn an_accelerator_worker_killed_mid_embedding_costs_only_its_blocks() {
     }
     // Run again: both accelerator workers (one a replacement) take tasks, and each process
     // loaded the model exactly once, however many tasks it ran.
-    let pool = pool_of_kind(&f, WorkerKind::Accelerator).await;
+    let pool = pool_of_kind(&f, Pool::Accelerator).await;
     f.sql("SET flumen.mode = 'streaming'").await.unwrap();
     let again = embeddings_by_id(&common::collect(&f, sql).await);
     assert_eq!(again.len(), expected.len());
@@ -615,7 +615,7 @@ async fn an_accelerator_worker_killed_mid_embedding_costs_only_its_blocks() {
     for worker in pool.workers().await {
         let status = worker.status().await.unwrap();
         assert_ne!(status.pid, pid);
-        assert_eq!(status.kind, WorkerKind::Accelerator);
+        assert_eq!(status.kind, Pool::Accelerator);
         assert!(status.tasks > 0, "{status:?}");
         assert_eq!(status.model_loads, 1, "{status:?}");
     }

@@ -9,6 +9,5 @@ pub(crate) mod protocol;
 pub(crate) mod worker;
 pub(crate) mod worker_pool;
 
-pub use protocol::WorkerKind;
 pub use worker::serve;
 pub use worker_pool::{WorkerPool, WorkerPoolSlot};

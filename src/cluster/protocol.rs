@@ -4,6 +4,8 @@
 
 use serde::{Deserialize, Serialize};
 
+use crate::plan::graph::Pool;
+
 /// What a driver asks of a worker with a task, besides the plan.
 #[derive(Debug, Clone, Default, Serialize, Deserialize)]
 pub struct TaskRequest {
@@ -22,45 +24,11 @@ pub struct TaskRequest {
     pub options: Vec<(String, String)>,
 }
 
-/// Which of the driver's pools a worker process serves.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default, Serialize, Deserialize)]
-pub enum WorkerKind {
-    /// CPU tasks, several at once on the worker's threads.
-    #[default]
-    Cpu,
-    /// Accelerator tasks, one at a time on one thread that loads each model once and keeps
-    /// it for every later task (an actor, as in Ray Data's actor pools).
-    Accelerator,
-}
-
-impl WorkerKind {
-    /// The name `flumen worker --pool` takes.
-    pub fn as_str(self) -> &'static str {
-        match self {
-            WorkerKind::Cpu => "cpu",
-            WorkerKind::Accelerator => "accelerator",
-        }
-    }
-}
-
-impl std::str::FromStr for WorkerKind {
-    type Err = String;
-    fn from_str(s: &str) -> std::result::Result<Self, String> {
-        match s {
-            "cpu" => Ok(WorkerKind::Cpu),
-            "accelerator" => Ok(WorkerKind::Accelerator),
-            other => Err(format!(
-                "a worker pool is 'cpu' or 'accelerator', not '{other}'"
-            )),
-        }
-    }
-}
-
 /// What a worker says of itself (action `status`).
 #[derive(Debug, Clone, Default, Serialize, Deserialize)]
 pub struct WorkerStatus {
     /// The pool it serves.
-    pub kind: WorkerKind,
+    pub kind: Pool,
     /// Its process id.
     pub pid: u32,
     /// Tasks it has run.

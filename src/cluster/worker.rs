@@ -12,7 +12,7 @@
 //! - action `ping`: liveness (the driver's heartbeat).
 //! - action `status`: a [`WorkerStatus`] (tasks run, models loaded, blocks held).
 //!
-//! A worker serves one of the driver's pools ([`WorkerKind`]): a CPU worker runs several
+//! A worker serves one of the driver's pools ([`Pool`]): a CPU worker runs several
 //! tasks at once; an accelerator worker runs its tasks one at a time on one thread, which
 //! loads each model once and keeps it.
 //!
@@ -43,7 +43,8 @@ use tonic::{Request, Response, Status, Streaming};
 use datafusion::physical_plan::repartition::RepartitionExec;
 
 use crate::store::cutter::BlockCutter;
-use crate::cluster::protocol::{RemoteBlockInfo, TaskRequest, WorkerKind, WorkerStatus, decode_task};
+use crate::cluster::protocol::{RemoteBlockInfo, TaskRequest, WorkerStatus, decode_task};
+use crate::plan::graph::Pool;
 
 /// A job for an accelerator worker's model thread: a task body and where to answer.
 type ModelJob = (
@@ -55,7 +56,7 @@ type ModelJob = (
 /// The Flight service of one worker process.
 pub struct WorkerService {
     ctx: SessionContext,
-    kind: WorkerKind,
+    kind: Pool,
     blocks: Mutex<HashMap<String, RecordBatch>>,
     next_key: AtomicU64,
     tasks: AtomicU64,
@@ -65,8 +66,8 @@ pub struct WorkerService {
 
 impl WorkerService {
     /// A worker whose tasks run in `ctx` (which must know the functions the plans call).
-    pub fn new(ctx: SessionContext, kind: WorkerKind) -> Self {
-        let model_thread = (kind == WorkerKind::Accelerator).then(start_model_thread);
+    pub fn new(ctx: SessionContext, kind: Pool) -> Self {
+        let model_thread = (kind == Pool::Accelerator).then(start_model_thread);
         Self {
             ctx,
             kind,
@@ -344,7 +345,7 @@ pub const MAX_TASK_BYTES: usize = 1 << 30;
 /// (a flumen session: it must know every function the driver's plans call). Prints
 /// `flumen worker listening on HOST:PORT` on standard output once it accepts connections,
 /// which is how a driver that started it learns its address.
-pub async fn serve(listen: &str, kind: WorkerKind, ctx: SessionContext) -> Result<()> {
+pub async fn serve(listen: &str, kind: Pool, ctx: SessionContext) -> Result<()> {
     let listener = tokio::net::TcpListener::bind(listen).await.map_err(|e| {
         DataFusionError::Execution(format!("worker cannot listen on {listen}: {e}"))
     })?;

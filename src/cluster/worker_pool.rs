@@ -7,7 +7,7 @@
 //! starting them.
 //!
 //! A session has two pools: CPU workers and accelerator workers (`--pool accelerator`, which
-//! load each model once and keep it), see [`WorkerKind`].
+//! load each model once and keep it), see [`Pool`].
 //!
 //! A worker that stops answering is marked dead: a killed process breaks its connections at
 //! once, and a hung one misses its heartbeat (a `ping` every [`HEARTBEAT_EVERY`], answered
@@ -31,7 +31,8 @@ use futures::TryStreamExt;
 use tonic::transport::Channel;
 
 use crate::store::block::HeldBlock;
-use crate::cluster::protocol::{RemoteBlockInfo, TaskRequest, WorkerKind, WorkerStatus, encode_task};
+use crate::cluster::protocol::{RemoteBlockInfo, TaskRequest, WorkerStatus, encode_task};
+use crate::plan::graph::Pool;
 
 /// How long a starting worker may take to print its address.
 const START_TIMEOUT: Duration = Duration::from_secs(20);
@@ -58,7 +59,7 @@ pub struct WorkerHandle {
     pub address: String,
     /// Its process id (for tests that kill it).
     pub pid: u32,
-    kind: WorkerKind,
+    kind: Pool,
     client: FlightServiceClient<Channel>,
     /// `true` while the driver believes it alive; calls in flight watch it.
     alive: tokio::sync::watch::Sender<bool>,
@@ -71,7 +72,7 @@ pub struct WorkerHandle {
 
 impl WorkerHandle {
     /// The pool it serves.
-    pub fn kind(&self) -> WorkerKind {
+    pub fn kind(&self) -> Pool {
         self.kind
     }
 
@@ -266,7 +267,7 @@ impl std::fmt::Display for Failure {
 #[derive(Debug)]
 pub struct WorkerPool {
     binary: PathBuf,
-    kind: WorkerKind,
+    kind: Pool,
     size: usize,
     workers: tokio::sync::Mutex<Vec<Arc<WorkerHandle>>>,
     next: AtomicUsize,
@@ -280,7 +281,7 @@ pub struct WorkerPool {
 impl WorkerPool {
     /// Start `size` workers of `kind` from `binary` (the `flumen` executable), and their
     /// heartbeat.
-    pub async fn start(binary: PathBuf, kind: WorkerKind, size: usize) -> Result<Arc<Self>> {
+    pub async fn start(binary: PathBuf, kind: Pool, size: usize) -> Result<Arc<Self>> {
         let pool = Arc::new(Self {
             binary,
             kind,
@@ -327,7 +328,7 @@ impl WorkerPool {
     }
 
     /// The pool its workers serve.
-    pub fn kind(&self) -> WorkerKind {
+    pub fn kind(&self) -> Pool {
         self.kind
     }
 
@@ -480,7 +481,7 @@ impl Drop for WorkerPool {
 }
 
 /// Start one worker process and connect to it.
-async fn spawn_worker(binary: &PathBuf, kind: WorkerKind) -> Result<Arc<WorkerHandle>> {
+async fn spawn_worker(binary: &PathBuf, kind: Pool) -> Result<Arc<WorkerHandle>> {
     let fail = |why: String| {
         DataFusionError::Execution(format!(
             "cannot start flumen worker {}: {why}",
@@ -579,10 +580,10 @@ pub struct WorkerPoolSlot {
 }
 
 impl WorkerPoolSlot {
-    fn slot(&self, kind: WorkerKind) -> &tokio::sync::Mutex<Option<Arc<WorkerPool>>> {
+    fn slot(&self, kind: Pool) -> &tokio::sync::Mutex<Option<Arc<WorkerPool>>> {
         match kind {
-            WorkerKind::Cpu => &self.cpu,
-            WorkerKind::Accelerator => &self.accelerator,
+            Pool::Cpu => &self.cpu,
+            Pool::Accelerator => &self.accelerator,
         }
     }
 
@@ -590,7 +591,7 @@ impl WorkerPoolSlot {
     /// none (or the settings changed).
     pub async fn get_or_start(
         &self,
-        kind: WorkerKind,
+        kind: Pool,
         binary: PathBuf,
         size: usize,
     ) -> Result<Arc<WorkerPool>> {
@@ -607,7 +608,7 @@ impl WorkerPoolSlot {
     }
 
     /// The pool of `kind`, if one was started.
-    pub async fn current(&self, kind: WorkerKind) -> Option<Arc<WorkerPool>> {
+    pub async fn current(&self, kind: Pool) -> Option<Arc<WorkerPool>> {
         self.slot(kind).lock().await.clone()
     }
 }

@@ -43,19 +43,11 @@ use crate::plan::graph::{Operator, OperatorId, Pool};
 use crate::exec::run::QueryRun;
 use crate::plan::split_source::SplitSourceExec;
 use crate::plan::stage_input::StageInputExec;
-use crate::cluster::protocol::{TaskRequest, WorkerKind};
+use crate::cluster::protocol::TaskRequest;
 use crate::cluster::worker::plan_blocks;
 use crate::store::cutter::bundle_pieces;
 use crate::cluster::worker_pool::{RemoteBlock, WorkerPool, worker_binary};
 use crate::exec::metrics::OperatorStats;
-
-/// The worker pool an operator's tasks go to.
-fn worker_kind(op: &Operator) -> WorkerKind {
-    match op.pool {
-        Pool::Cpu => WorkerKind::Cpu,
-        Pool::Accelerator => WorkerKind::Accelerator,
-    }
-}
 
 /// The plan a worker runs for source split `split` of `partition` of `op`; `None` when the
 /// fragment has no source split to cut it at.
@@ -269,11 +261,11 @@ impl QueryRun {
         };
         let config = self.config();
         let binary = worker_binary(&config.worker_binary)?;
-        let size = match worker_kind(op) {
-            WorkerKind::Cpu => config.worker_processes,
-            WorkerKind::Accelerator => config.accelerator_slots,
+        let size = match op.pool {
+            Pool::Cpu => config.worker_processes,
+            Pool::Accelerator => config.accelerator_slots,
         };
-        let pool = slot.get_or_start(worker_kind(op), binary, size).await?;
+        let pool = slot.get_or_start(op.pool, binary, size).await?;
         let request = self.task_request(op_id, partition);
         let blocks = self.run_on_pool(&pool, op_id, &request, &bytes, &describe).await?;
         OperatorStats::add(&self.stats(op_id).remote_tasks, 1);
@@ -378,7 +370,7 @@ impl QueryRun {
         let Some(slot) = self.worker_slot() else {
             return Ok(false);
         };
-        let Some(pool) = slot.current(worker_kind(op)).await else {
+        let Some(pool) = slot.current(op.pool).await else {
             return Ok(false);
         };
         let describe = format!(

@@ -18,7 +18,6 @@ use datafusion::error::{DataFusionError, Result};
 use datafusion::execution::TaskContext;
 use tokio::sync::watch;
 
-use crate::cluster::protocol::WorkerKind;
 use crate::cluster::worker_pool::WorkerPoolSlot;
 use crate::config::{FlumenConfig, WorkerMode};
 use crate::exec::accelerator_threads::AcceleratorPool;
@@ -28,7 +27,7 @@ use crate::exec::policy::{self, ModePolicy};
 use crate::exec::state::{
     OperatorState, PartitionState, RunState, TaskRecord, TaskStatus, pool_index,
 };
-use crate::plan::graph::{OperatorGraph, OperatorId, TaskShape};
+use crate::plan::graph::{OperatorGraph, OperatorId, Pool, TaskShape};
 use crate::store::block::{Block, BlockId};
 use crate::store::block_store::BlockStore;
 
@@ -62,7 +61,7 @@ pub struct QueryRun {
     /// Worker processes (by pid) whose death this run has handled.
     pub(super) dead_workers: Mutex<HashSet<u32>>,
     /// Each worker pool's restart count when this run first used it, and the latest seen.
-    pub(super) worker_restarts: Mutex<HashMap<WorkerKind, (u64, u64)>>,
+    pub(super) worker_restarts: Mutex<HashMap<Pool, (u64, u64)>>,
 }
 
 impl QueryRun {

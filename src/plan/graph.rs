@@ -5,27 +5,51 @@ use std::fmt;
 use std::sync::Arc;
 
 use datafusion::physical_plan::{ExecutionPlan, ExecutionPlanProperties, Partitioning};
+use serde::{Deserialize, Serialize};
 
 use crate::plan::stage_input::InputExchange;
 
 /// Index of an operator inside its [`OperatorGraph`].
 pub type OperatorId = usize;
 
-/// The pool whose slots an operator's tasks occupy.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+/// The pool whose slots an operator's tasks occupy, in threads of this process or in
+/// worker processes (a worker process serves one pool: `flumen worker --pool cpu|accelerator`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default, Serialize, Deserialize)]
 pub enum Pool {
-    /// General CPU work (scans, filters, joins, aggregates).
+    /// General CPU work (scans, filters, joins, aggregates); a CPU worker process runs
+    /// several tasks at once on its threads.
+    #[default]
     Cpu,
-    /// Workers that keep a model loaded (accelerator UDFs).
+    /// Workers that keep a model loaded (accelerator UDFs): one task at a time on one
+    /// thread that loads each model once and keeps it (an actor, as in Ray Data's actor
+    /// pools).
     Accelerator,
+}
+
+impl Pool {
+    /// Its name (`flumen worker --pool` takes it).
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Pool::Cpu => "cpu",
+            Pool::Accelerator => "accelerator",
+        }
+    }
+}
+
+impl std::str::FromStr for Pool {
+    type Err = String;
+    fn from_str(s: &str) -> std::result::Result<Self, String> {
+        match s {
+            "cpu" => Ok(Pool::Cpu),
+            "accelerator" => Ok(Pool::Accelerator),
+            other => Err(format!("a pool is 'cpu' or 'accelerator', not '{other}'")),
+        }
+    }
 }
 
 impl fmt::Display for Pool {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str(match self {
-            Pool::Cpu => "cpu",
-            Pool::Accelerator => "accelerator",
-        })
+        f.write_str(self.as_str())
     }
 }
 

@@ -87,12 +87,12 @@ enum Command {
         /// The driver's pool it serves: `cpu` (several tasks at once) or `accelerator`
         /// (one task at a time on one thread that keeps its models loaded).
         #[arg(long, default_value = "cpu")]
-        pool: flumen::cluster::WorkerKind,
+        pool: flumen::plan::Pool,
     },
 }
 
 /// `flumen worker`: serve tasks for a driver until killed.
-fn worker(listen: &str, kind: flumen::cluster::WorkerKind) -> ExitCode {
+fn worker(listen: &str, kind: flumen::plan::Pool) -> ExitCode {
     let runtime = match tokio::runtime::Runtime::new() {
         Ok(r) => r,
         Err(e) => {
