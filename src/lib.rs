@@ -26,6 +26,8 @@
 //! - [`config`]: the `flumen.*` settings; [`demo`] and [`feature_job`]: the demo table and
 //!   the main job.
 
+#![warn(missing_docs)]
+
 pub mod cluster;
 pub mod config;
 pub mod demo;

@@ -40,13 +40,7 @@ pub(crate) fn display_tree(
         }
         Ok(TreeNodeRecursion::Continue)
     });
-    let fragment = Arc::clone(&op.fragment);
-    Arc::new(OperatorExec::new(
-        op,
-        fragment,
-        config,
-        Arc::clone(metrics.operator(id)),
-    ))
+    Arc::new(OperatorExec::new(op, config, Arc::clone(metrics.operator(id))))
 }
 
 /// One operator in `EXPLAIN` output: its pool, slots, task shape, block size, and after a
@@ -101,14 +95,8 @@ fn accelerator_workers(plan: &Arc<dyn ExecutionPlan>, config: &FlumenConfig) -> 
 }
 
 impl OperatorExec {
-    /// The display node of `op`, whose fragment (with its producers' display nodes below
-    /// its stage inputs) is `fragment`, and whose counters are `stats`.
-    fn new(
-        op: &Operator,
-        fragment: Arc<dyn ExecutionPlan>,
-        config: &FlumenConfig,
-        stats: Arc<OperatorStats>,
-    ) -> Self {
+    /// The display node of `op`, showing the counters `stats`.
+    fn new(op: &Operator, config: &FlumenConfig, stats: Arc<OperatorStats>) -> Self {
         Self {
             slots: match op.pool {
                 Pool::Cpu => config.cpu_slots,
@@ -124,7 +112,7 @@ impl OperatorExec {
             pool: op.pool,
             shape: op.shape.to_string(),
             tasks_hint: op.splits.iter().sum(),
-            fragment,
+            fragment: Arc::clone(&op.fragment),
             stats,
             streams: op.streamed_producers().collect(),
         }

@@ -211,7 +211,7 @@ fn encode_for_worker(plan: &Arc<dyn ExecutionPlan>, describe: &str) -> Option<Ve
 impl QueryRun {
     /// Run task `task` in a worker process. `Ok(false)`: it cannot run there, run it here
     /// instead.
-    pub(crate) async fn execute_remote(self: &Arc<Self>, task: TaskId) -> Result<bool> {
+    pub(super) async fn execute_remote(self: &Arc<Self>, task: TaskId) -> Result<bool> {
         // Talk to workers from the query's runtime: the gRPC channels, heartbeats and
         // replacement starts live on the runtime they were made on, and an accelerator
         // thread's runtime only runs while that thread has a task.
@@ -353,7 +353,7 @@ impl QueryRun {
 
     /// Re-run remotely run task `task` on a live worker and re-home its lost blocks there.
     /// The caller holds the task's recompute lock. `Ok(false)`: not a remote task.
-    pub(crate) async fn rerun_remote(self: &Arc<Self>, task: TaskId) -> Result<bool> {
+    pub(super) async fn rerun_remote(self: &Arc<Self>, task: TaskId) -> Result<bool> {
         let outputs = self.task_outputs(task);
         let lost: Vec<&Block> = {
             let lost_set = self.lost_blocks.lock().unwrap();
@@ -449,7 +449,7 @@ impl QueryRun {
 
     /// The outputs of a task run remotely, recomputed here from the same plan:
     /// `(seq, tag, block)`. `None` when the task did not run remotely.
-    pub(crate) async fn recompute_remote_outputs(
+    pub(super) async fn recompute_remote_outputs(
         self: &Arc<Self>,
         task: TaskId,
     ) -> Result<Option<Vec<(usize, usize, RecordBatch)>>> {

@@ -72,7 +72,7 @@ impl QueryRun {
 
     /// Run a task's fragment. Outputs go to the store, or with `capture` (recompute) are
     /// returned as `(seq, tag, batch)`.
-    pub(crate) async fn execute_task(
+    pub(super) async fn execute_task(
         self: &Arc<Self>,
         task: TaskId,
         capture: bool,

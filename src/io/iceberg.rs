@@ -88,7 +88,7 @@ pub async fn iceberg_table(
     }
     let paths = files
         .iter()
-        .map(|f| ListingTableUrl::parse(f))
+        .map(ListingTableUrl::parse)
         .collect::<Result<Vec<_>>>()?;
     let format = ParquetFormat::default().with_options(state.table_options().parquet.clone());
     let options = ListingOptions::new(Arc::new(format)).with_file_extension("");

@@ -66,7 +66,7 @@ impl BertConfig {
             max_positions: field("max_position_embeddings")?,
             vocab: field("vocab_size")?,
         };
-        if config.heads == 0 || config.hidden % config.heads != 0 {
+        if config.heads == 0 || !config.hidden.is_multiple_of(config.heads) {
             return Err(model_error(format!(
                 "{}: hidden_size {} is not a multiple of num_attention_heads {}",
                 path.display(),

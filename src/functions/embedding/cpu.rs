@@ -177,6 +177,8 @@ fn attention(
     let out = SharedMut(context.as_mut_ptr());
     let scale = 1.0 / (head_dim as f32).sqrt();
     (0..offsets.len() * heads).into_par_iter().for_each(|task| {
+        // Capture the whole `SharedMut` (it is `Send`), not its raw pointer field.
+        #[allow(clippy::redundant_locals)]
         let out = out;
         let (seq, head) = (task / heads, task % heads);
         let (start, len) = (offsets[seq], lengths[seq]);
@@ -295,7 +297,7 @@ pub fn erf(x: f32) -> f32 {
     p = p * x2 - 2.101_024e-6;
     p = p * x2 - 5.692_506_4e-5;
     p = p * x2 - 7.349_906_3e-4;
-    p = p * x2 - 2.954_600e-3;
+    p = p * x2 - 2.954_6e-3;
     p = p * x2 - 1.609_603_3e-2;
     let mut q = -1.456_607_2e-5_f32;
     q = q * x2 - 2.133_740_6e-4;
