@@ -36,7 +36,11 @@ pub fn job_paths(paths: Option<(PathBuf, PathBuf)>) -> Result<(PathBuf, PathBuf)
 
 /// Run the job on `ctx` over `input` (a Parquet table with `id`, `topic`, `body`), writing
 /// the features to `output`, and print what it wrote and the closest documents to a query.
-pub async fn run_feature_extraction(ctx: &SessionContext, input: &Path, output: &Path) -> Result<()> {
+pub async fn run_feature_extraction(
+    ctx: &SessionContext,
+    input: &Path,
+    output: &Path,
+) -> Result<()> {
     let path = |p: &Path| {
         p.to_str()
             .map(str::to_owned)

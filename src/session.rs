@@ -16,7 +16,6 @@ use crate::functions::{embedding, text, vector};
 use crate::io::{delta, iceberg, object_stores};
 use crate::plan::accelerator_projection;
 
-
 /// A DataFusion `SessionContext` whose queries run on flumen, with default DataFusion
 /// settings and the given flumen settings.
 pub fn session(config: FlumenConfig) -> SessionContext {

@@ -288,7 +288,10 @@ fn a_quoted_path_is_a_table() {
 
 #[test]
 fn extract_runs_the_main_job() {
-    if !flumen::functions::embedding::model_files::model_dir("").join("model.safetensors").exists() {
+    if !flumen::functions::embedding::model_files::model_dir("")
+        .join("model.safetensors")
+        .exists()
+    {
         skip::skip_missing_tool("the embedding model (run `flumen install-model`)");
         return;
     }
@@ -308,5 +311,9 @@ fn extract_runs_the_main_job() {
     assert!(output.exists());
     let out = flumen(&["extract", "no-such-input.parquet", "out.parquet"], "");
     assert_eq!(out.status.code(), Some(1));
-    assert!(text(&out.stderr).contains("no-such-input.parquet"), "{}", text(&out.stderr));
+    assert!(
+        text(&out.stderr).contains("no-such-input.parquet"),
+        "{}",
+        text(&out.stderr)
+    );
 }

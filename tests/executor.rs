@@ -154,7 +154,12 @@ async fn dropped_blocks_are_recomputed_from_lineage() {
             "{sql}: {recomputed} of {lost}"
         );
         for op in &graph.operators[1..] {
-            assert_eq!(metrics.operator(op.id).snapshot().recomputed, 0, "{sql}: {}", op.name);
+            assert_eq!(
+                metrics.operator(op.id).snapshot().recomputed,
+                0,
+                "{sql}: {}",
+                op.name
+            );
         }
     }
 }

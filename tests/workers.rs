@@ -42,10 +42,7 @@ async fn pool_of(ctx: &SessionContext) -> Arc<flumen::cluster::WorkerPool> {
     pool_of_kind(ctx, Pool::Cpu).await
 }
 
-async fn pool_of_kind(
-    ctx: &SessionContext,
-    kind: Pool,
-) -> Arc<flumen::cluster::WorkerPool> {
+async fn pool_of_kind(ctx: &SessionContext, kind: Pool) -> Arc<flumen::cluster::WorkerPool> {
     ctx.state()
         .config()
         .get_extension::<flumen::cluster::WorkerPoolSlot>()
@@ -207,7 +204,12 @@ async fn a_worker_killed_mid_query_costs_only_its_blocks() {
             s.blocks
         );
         for op in graph.operators.iter().filter(|op| op.id != scan.id) {
-            assert_eq!(metrics.operator(op.id).snapshot().recomputed, 0, "{sql}: {}", op.name);
+            assert_eq!(
+                metrics.operator(op.id).snapshot().recomputed,
+                0,
+                "{sql}: {}",
+                op.name
+            );
         }
         assert!(elapsed < Duration::from_secs(60), "{sql} took {elapsed:?}");
     }
@@ -650,7 +652,10 @@ async fn a_hung_worker_misses_its_heartbeat_and_is_replaced() {
     let lost: u64 = graph
         .operators
         .iter()
-        .map(|op| metrics.operator(op.id).snapshot().blocks_lost + metrics.operator(op.id).snapshot().tasks_retried)
+        .map(|op| {
+            metrics.operator(op.id).snapshot().blocks_lost
+                + metrics.operator(op.id).snapshot().tasks_retried
+        })
         .sum();
     println!("stopped worker {pid}: query took {elapsed:?}, {lost} blocks lost or tasks retried");
     assert!(lost > 0, "nothing was lost with the hung worker");

@@ -76,7 +76,6 @@ pub fn decode_task(body: &[u8]) -> std::result::Result<(TaskRequest, &[u8]), Str
     Ok((request, &body[4 + len..]))
 }
 
-
 #[cfg(test)]
 mod tests {
     use super::*;

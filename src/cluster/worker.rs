@@ -42,9 +42,9 @@ use tonic::{Request, Response, Status, Streaming};
 
 use datafusion::physical_plan::repartition::RepartitionExec;
 
-use crate::store::cutter::BlockCutter;
 use crate::cluster::protocol::{RemoteBlockInfo, TaskRequest, WorkerStatus, decode_task};
 use crate::plan::graph::Pool;
+use crate::store::cutter::BlockCutter;
 
 /// A job for an accelerator worker's model thread: a task body and where to answer.
 type ModelJob = (

@@ -30,9 +30,9 @@ use datafusion::error::{DataFusionError, Result};
 use futures::TryStreamExt;
 use tonic::transport::Channel;
 
-use crate::store::block::HeldBlock;
 use crate::cluster::protocol::{RemoteBlockInfo, TaskRequest, WorkerStatus, encode_task};
 use crate::plan::graph::Pool;
+use crate::store::block::HeldBlock;
 
 /// How long a starting worker may take to print its address.
 const START_TIMEOUT: Duration = Duration::from_secs(20);

@@ -39,6 +39,25 @@ pub(super) struct Cursor {
     pub(super) failed: bool,
 }
 
+impl Cursor {
+    /// A cursor at the start of `operator`'s output, walking it in `order`, only the
+    /// blocks tagged `tag` if given.
+    pub(super) fn new(operator: OperatorId, order: ReadOrder, tag: Option<usize>) -> Self {
+        Self {
+            operator,
+            order,
+            tag,
+            part_index: 0,
+            task_index: 0,
+            out_index: 0,
+            log_index: 0,
+            round_out: vec![],
+            round_done: vec![],
+            failed: false,
+        }
+    }
+}
+
 pub(super) enum Next {
     Block(BlockId),
     Wait,
@@ -81,18 +100,7 @@ impl QueryRun {
             }
             InputExchange::Split(_) => (ReadOrder::Arrival, Some(partition)),
         };
-        Cursor {
-            operator: producer.id,
-            order,
-            tag,
-            part_index: 0,
-            task_index: 0,
-            out_index: 0,
-            log_index: 0,
-            round_out: vec![],
-            round_done: vec![],
-            failed: false,
-        }
+        Cursor::new(producer.id, order, tag)
     }
 
     pub(super) fn next_block(st: &RunState, cursor: &mut Cursor) -> Next {

@@ -40,7 +40,11 @@ pub(crate) fn display_tree(
         }
         Ok(TreeNodeRecursion::Continue)
     });
-    Arc::new(OperatorExec::new(op, config, Arc::clone(metrics.operator(id))))
+    Arc::new(OperatorExec::new(
+        op,
+        config,
+        Arc::clone(metrics.operator(id)),
+    ))
 }
 
 /// One operator in `EXPLAIN` output: its pool, slots, task shape, block size, and after a

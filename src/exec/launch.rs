@@ -150,7 +150,13 @@ impl QueryRun {
 
     /// Hand a slot back to paused task `index` of `op`. `for_liveness`: it was resumed
     /// because nothing else could make progress, so it runs to its end without pausing.
-    pub(super) fn resume(&self, st: &mut RunState, op_id: OperatorId, index: usize, for_liveness: bool) {
+    pub(super) fn resume(
+        &self,
+        st: &mut RunState,
+        op_id: OperatorId,
+        index: usize,
+        for_liveness: bool,
+    ) {
         let paused = st.operators[op_id].paused.remove(index);
         st.running[pool_index(self.graph.operators[op_id].pool)] += 1;
         if for_liveness {
@@ -167,10 +173,7 @@ impl QueryRun {
     /// one operator together stay near it however large a split is.
     pub(super) fn pause_rows(&self, op_id: OperatorId) -> Option<u64> {
         let op = &self.graph.operators[op_id];
-        if !self.policy.pauses_tasks()
-            || op.pool != Pool::Cpu
-            || self.streams_inputs(op_id)
-        {
+        if !self.policy.pauses_tasks() || op.pool != Pool::Cpu || self.streams_inputs(op_id) {
             return None;
         }
         let limit = self.output_queue_limit(op_id)?;

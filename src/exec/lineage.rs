@@ -15,10 +15,10 @@ use datafusion::error::{DataFusionError, Result};
 use futures::FutureExt;
 use futures::future::BoxFuture;
 
-use crate::store::block::BlockId;
 use crate::exec::metrics::OperatorStats;
 use crate::exec::run::QueryRun;
 use crate::plan::graph::OperatorId;
+use crate::store::block::BlockId;
 
 /// Index of a task within one query run.
 pub type TaskId = usize;

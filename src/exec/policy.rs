@@ -117,7 +117,8 @@ pub fn held_back(load: &ProducerLoad) -> bool {
     if load.feeds_exchange && !load.feeds_streamed_input {
         return false;
     }
-    load.queue_limit.is_some_and(|limit| load.held_rows >= limit)
+    load.queue_limit
+        .is_some_and(|limit| load.held_rows >= limit)
         || load.held_bytes >= load.share
         || load.store_bytes >= load.budget
 }
@@ -125,7 +126,11 @@ pub fn held_back(load: &ProducerLoad) -> bool {
 /// Whether no task can make progress by itself: no slot runs a task and every streaming
 /// task (a join reading its probe input) waits for blocks. The liveness rule then launches
 /// or resumes a task regardless of backpressure.
-pub fn stalled(running_in_slots: usize, streaming_waiting: usize, streaming_running: usize) -> bool {
+pub fn stalled(
+    running_in_slots: usize,
+    streaming_waiting: usize,
+    streaming_running: usize,
+) -> bool {
     running_in_slots == 0 && streaming_waiting >= streaming_running
 }
 
@@ -170,7 +175,11 @@ mod tests {
         assert_eq!(queue_limit_rows(2, 1, 100), 600);
         assert_eq!(queue_limit_rows(1, 1, 0), 4, "a block is at least one row");
         assert_eq!(pause_rows(600, 100), 300);
-        assert_eq!(pause_rows(100, 8192), 8192, "a task may always finish one block");
+        assert_eq!(
+            pause_rows(100, 8192),
+            8192,
+            "a task may always finish one block"
+        );
         assert_eq!(resume_rows(300), 150);
     }
 
@@ -186,14 +195,30 @@ mod tests {
             ..Default::default()
         };
         assert!(!held_back(&free));
-        assert!(held_back(&ProducerLoad { held_rows: 1000, ..free }));
-        assert!(held_back(&ProducerLoad { held_bytes: 100, ..free }));
-        assert!(held_back(&ProducerLoad { store_bytes: 1000, ..free }));
+        assert!(held_back(&ProducerLoad {
+            held_rows: 1000,
+            ..free
+        }));
+        assert!(held_back(&ProducerLoad {
+            held_bytes: 100,
+            ..free
+        }));
+        assert!(held_back(&ProducerLoad {
+            store_bytes: 1000,
+            ..free
+        }));
         // Feeding an exchange: never held back, its blocks spill ...
-        let over = ProducerLoad { held_bytes: 1 << 40, feeds_exchange: true, ..free };
+        let over = ProducerLoad {
+            held_bytes: 1 << 40,
+            feeds_exchange: true,
+            ..free
+        };
         assert!(!held_back(&over));
         // ... unless the exchange's consumer streams it.
-        assert!(held_back(&ProducerLoad { feeds_streamed_input: true, ..over }));
+        assert!(held_back(&ProducerLoad {
+            feeds_streamed_input: true,
+            ..over
+        }));
     }
 
     #[test]

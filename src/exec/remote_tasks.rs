@@ -36,18 +36,18 @@ use datafusion_proto::physical_plan::{
     DefaultPhysicalExtensionCodec, PhysicalExtensionCodec, PhysicalProtoConverterExtension,
 };
 
-use crate::plan::accelerator_projection::AcceleratorProjectionExec;
-use crate::store::block::{Block, BlockData, BlockId};
-use crate::exec::lineage::{TaskId, TaskKind};
-use crate::plan::graph::{Operator, OperatorId, Pool};
-use crate::exec::run::QueryRun;
-use crate::plan::split_source::SplitSourceExec;
-use crate::plan::stage_input::StageInputExec;
 use crate::cluster::protocol::TaskRequest;
 use crate::cluster::worker::plan_blocks;
-use crate::store::cutter::bundle_pieces;
 use crate::cluster::worker_pool::{RemoteBlock, WorkerPool, worker_binary};
+use crate::exec::lineage::{TaskId, TaskKind};
 use crate::exec::metrics::OperatorStats;
+use crate::exec::run::QueryRun;
+use crate::plan::accelerator_projection::AcceleratorProjectionExec;
+use crate::plan::graph::{Operator, OperatorId, Pool};
+use crate::plan::split_source::SplitSourceExec;
+use crate::plan::stage_input::StageInputExec;
+use crate::store::block::{Block, BlockData, BlockId};
+use crate::store::cutter::bundle_pieces;
 
 /// The plan a worker runs for source split `split` of `partition` of `op`; `None` when the
 /// fragment has no source split to cut it at.
@@ -267,7 +267,9 @@ impl QueryRun {
         };
         let pool = slot.get_or_start(op.pool, binary, size).await?;
         let request = self.task_request(op_id, partition);
-        let blocks = self.run_on_pool(&pool, op_id, &request, &bytes, &describe).await?;
+        let blocks = self
+            .run_on_pool(&pool, op_id, &request, &bytes, &describe)
+            .await?;
         OperatorStats::add(&self.stats(op_id).remote_tasks, 1);
         self.remote_tasks.lock().unwrap().insert(task);
         for (seq, block) in blocks.into_iter().enumerate() {
@@ -357,7 +359,10 @@ impl QueryRun {
         let outputs = self.task_outputs(task);
         let lost: Vec<&Block> = {
             let lost_set = self.lost_blocks.lock().unwrap();
-            outputs.iter().filter(|b| lost_set.contains(&b.id)).collect()
+            outputs
+                .iter()
+                .filter(|b| lost_set.contains(&b.id))
+                .collect()
         };
         if lost.is_empty() {
             return Ok(true);
@@ -384,7 +389,9 @@ impl QueryRun {
             return Ok(false);
         };
         let request = self.task_request(op_id, partition);
-        let blocks = self.run_on_pool(&pool, op_id, &request, &bytes, &describe).await?;
+        let blocks = self
+            .run_on_pool(&pool, op_id, &request, &bytes, &describe)
+            .await?;
         OperatorStats::add(&self.stats(op_id).recomputed, 1);
         let mut by_seq: HashMap<usize, RemoteBlock> = blocks.into_iter().enumerate().collect();
         let mut lost_set = self.lost_blocks.lock().unwrap();

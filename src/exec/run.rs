@@ -129,8 +129,7 @@ impl QueryRun {
         }
         let (changes, _) = watch::channel(0);
         let pools: Vec<_> = graph.operators.iter().map(|op| op.pool).collect();
-        let static_slots =
-            policy::static_slots(&pools, config.cpu_slots, config.accelerator_slots);
+        let static_slots = policy::static_slots(&pools, config.cpu_slots, config.accelerator_slots);
         let workers = (config.workers == WorkerMode::Process).then(|| {
             base.session_config()
                 .get_extension::<WorkerPoolSlot>()
@@ -200,7 +199,12 @@ impl QueryRun {
         }
     }
 
-    pub(super) fn task_finished(self: &Arc<Self>, task: TaskId, result: Result<()>, started: Instant) {
+    pub(super) fn task_finished(
+        self: &Arc<Self>,
+        task: TaskId,
+        result: Result<()>,
+        started: Instant,
+    ) {
         let mut st = self.state.lock().unwrap();
         let op_id = st.tasks[task].operator;
         let op = &self.graph.operators[op_id];

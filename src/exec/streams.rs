@@ -133,20 +133,10 @@ impl QueryRun {
             let context = self.task_context(TaskInputs { provider, split: 0 });
             root.fragment.execute(partition, context)?
         } else {
-            let cursor = Cursor {
-                operator: root.id,
-                order: ReadOrder::Tasks {
-                    partitions: vec![partition],
-                },
-                tag: None,
-                part_index: 0,
-                task_index: 0,
-                out_index: 0,
-                log_index: 0,
-                round_out: vec![],
-                round_done: vec![],
-                failed: false,
+            let order = ReadOrder::Tasks {
+                partitions: vec![partition],
             };
+            let cursor = Cursor::new(root.id, order, None);
             self.block_stream(cursor, Reader::Output, root.fragment.schema())
         };
         Ok(Box::pin(OutputStream {
@@ -171,7 +161,6 @@ impl QueryRun {
         }
     }
 }
-
 
 /// Who reads a block stream.
 #[derive(Debug, Clone, Copy)]

@@ -177,7 +177,11 @@ impl QueryRun {
         OperatorStats::add(&stats.bytes, block.bytes);
         OperatorStats::add(&stats.blocks, 1);
         let mut st = self.state.lock().unwrap();
-        let held_rows = if block.bytes > 0 { block.rows as u64 } else { 0 };
+        let held_rows = if block.bytes > 0 {
+            block.rows as u64
+        } else {
+            0
+        };
         st.tasks[block.task].outputs.push(block.id);
         st.tasks[block.task].held_rows += held_rows;
         let os = &mut st.operators[block.operator];
@@ -238,7 +242,11 @@ impl QueryRun {
         })
     }
 
-    pub(super) fn panic_error(&self, task: TaskId, panic: Box<dyn std::any::Any + Send>) -> DataFusionError {
+    pub(super) fn panic_error(
+        &self,
+        task: TaskId,
+        panic: Box<dyn std::any::Any + Send>,
+    ) -> DataFusionError {
         let message = panic
             .downcast_ref::<String>()
             .cloned()

@@ -11,6 +11,8 @@ pub(crate) mod lakehouse_options;
 pub(crate) mod object_stores;
 pub(crate) mod output_commit;
 
-pub use delta::{DeltaTableFactory, DeltaTableProvider, DeltaVersion, delta_table, register_delta_table};
+pub use delta::{
+    DeltaTableFactory, DeltaTableProvider, DeltaVersion, delta_table, register_delta_table,
+};
 pub use iceberg::{IcebergTableFactory, iceberg_table};
 pub use object_stores::{register_for_location, register_for_statement};

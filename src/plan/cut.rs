@@ -31,11 +31,11 @@ use datafusion::physical_plan::{
     ExecutionPlan, ExecutionPlanProperties, Partitioning, replace_children_if_necessary,
 };
 
+use crate::config::FlumenConfig;
 use crate::functions::accelerator::calls_accelerator_udf;
 use crate::plan::accelerator_projection::AcceleratorProjectionExec;
-use crate::config::FlumenConfig;
-use crate::plan::split_source::{RowGroupLayout, SplitSourceExec};
 use crate::plan::graph::{Operator, OperatorGraph, OperatorId, Pool, TaskShape};
+use crate::plan::split_source::{RowGroupLayout, SplitSourceExec};
 use crate::plan::stage_input::{InputExchange, StageInputExec};
 
 impl OperatorGraph {

@@ -10,14 +10,13 @@ use std::sync::{Arc, OnceLock};
 use datafusion::common::tree_node::TreeNodeRecursion;
 use datafusion::error::{DataFusionError, Result};
 use datafusion::execution::{SendableRecordBatchStream, TaskContext};
+use datafusion::physical_plan::empty::EmptyExec;
 use datafusion::physical_plan::execution_plan::ReplaceChildrenOptions;
 use datafusion::physical_plan::stream::RecordBatchStreamAdapter;
 use datafusion::physical_plan::{
     DisplayAs, DisplayFormatType, ExecutionPlan, Partitioning, PhysicalExpr, PlanProperties,
 };
-use datafusion::physical_plan::empty::EmptyExec;
 use futures::StreamExt;
-
 
 use crate::plan::graph::OperatorId;
 
@@ -81,7 +80,9 @@ impl StageInputExec {
         properties: Arc<PlanProperties>,
         fetch: Option<usize>,
     ) -> Self {
-        let placeholder = Arc::new(EmptyExec::new(Arc::clone(properties.eq_properties.schema())));
+        let placeholder = Arc::new(EmptyExec::new(Arc::clone(
+            properties.eq_properties.schema(),
+        )));
         Self {
             producer,
             input: 0,

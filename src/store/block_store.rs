@@ -188,7 +188,10 @@ impl BlockStore {
     /// consumes it there).
     pub fn take_held(&self, id: BlockId) -> Option<Arc<dyn HeldBlock>> {
         let mut inner = self.inner.lock().unwrap();
-        if !matches!(inner.blocks.get(&id).map(|e| &e.data), Some(Stored::Held(_))) {
+        if !matches!(
+            inner.blocks.get(&id).map(|e| &e.data),
+            Some(Stored::Held(_))
+        ) {
             return None;
         }
         match inner.blocks.remove(&id).map(|e| e.data) {

@@ -137,8 +137,19 @@ mod tests {
     fn a_bundle_is_concatenated_and_cut_to_the_target() {
         let schema = batch(0, 1).schema();
         let pieces = bundle_pieces(&schema, vec![batch(0, 5), batch(5, 6)], 4).unwrap();
-        assert_eq!(pieces.iter().map(|b| b.num_rows()).collect::<Vec<_>>(), vec![4, 4, 3]);
-        assert_eq!(pieces[2].column(0).as_any().downcast_ref::<Int64Array>().unwrap().value(2), 10);
+        assert_eq!(
+            pieces.iter().map(|b| b.num_rows()).collect::<Vec<_>>(),
+            vec![4, 4, 3]
+        );
+        assert_eq!(
+            pieces[2]
+                .column(0)
+                .as_any()
+                .downcast_ref::<Int64Array>()
+                .unwrap()
+                .value(2),
+            10
+        );
     }
 
     #[test]
@@ -171,7 +182,10 @@ mod tests {
                 .map(|(_, b)| b.num_rows())
                 .collect();
             // Every block but each partition's last is full.
-            assert!(sizes[..sizes.len() - 1].iter().all(|n| *n == 8), "{sizes:?}");
+            assert!(
+                sizes[..sizes.len() - 1].iter().all(|n| *n == 8),
+                "{sizes:?}"
+            );
         }
         // The same rows in the same order cut the same way again (lineage relies on it).
         let mut again = vec![];

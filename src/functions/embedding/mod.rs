@@ -22,8 +22,8 @@ use datafusion::config::ConfigOptions;
 use datafusion::error::{DataFusionError, Result};
 use datafusion::logical_expr::{Signature, Volatility};
 
-use crate::functions::accelerator::{AcceleratorFunction, AcceleratorWorker, WorkerResources};
 use crate::config::{Device, FlumenConfig};
+use crate::functions::accelerator::{AcceleratorFunction, AcceleratorWorker, WorkerResources};
 use bert::{BertWeights, PackedBatch, SentenceEncoder};
 use tokenizer::SentenceTokenizer;
 
