@@ -177,6 +177,43 @@ impl fmt::Display for ByteSize {
 
 config_field!(ByteSize);
 
+/// The executable worker processes start from: fixed when the session starts
+/// (`flumen --worker-binary PATH`, or [`FlumenConfig::worker_binary`] in Rust), never by `SET`,
+/// which would let any statement run any program at the next process-mode query.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct WorkerBinary(pub String);
+
+impl From<&str> for WorkerBinary {
+    fn from(path: &str) -> Self {
+        Self(path.to_string())
+    }
+}
+
+impl From<String> for WorkerBinary {
+    fn from(path: String) -> Self {
+        Self(path)
+    }
+}
+
+impl datafusion::common::config::ConfigField for WorkerBinary {
+    fn visit<V: datafusion::common::config::Visit>(
+        &self,
+        v: &mut V,
+        key: &str,
+        description: &'static str,
+    ) {
+        v.some(key, &self.0, description)
+    }
+
+    fn set(&mut self, _key: &str, _value: &str) -> datafusion::error::Result<()> {
+        Err(DataFusionError::Configuration(
+            "flumen.worker_binary is a startup option, not a SET: start flumen with \
+             --worker-binary PATH (or set FlumenConfig::worker_binary)"
+                .into(),
+        ))
+    }
+}
+
 /// The number of CPU cores this process may use.
 pub fn available_cores() -> usize {
     std::thread::available_parallelism()
@@ -227,10 +264,19 @@ extensions_options! {
         /// starts `accelerator_slots` accelerator workers).
         pub worker_processes: usize, default = available_cores()
         /// The `flumen` executable workers start from; empty: `FLUMEN_WORKER_BIN`, else this
-        /// process when it is `flumen`.
-        pub worker_binary: String, default = String::new()
-        /// Times a task is retried after its worker died before the query fails.
+        /// process when it is `flumen`. A startup option: `SET` refuses it.
+        pub worker_binary: WorkerBinary, default = WorkerBinary::default()
+        /// Times a task is retried after its worker died (or ran past the task timeout)
+        /// before the query fails.
         pub max_task_retries: usize, default = 4
+        /// Seconds one attempt of a task may run in a worker before the worker is taken
+        /// for stuck: it is stopped and the task retried on another one (0: no limit).
+        pub task_timeout_secs: u64, default = 600
+        /// Seconds a query may run before it fails with a timeout error (0: no limit).
+        pub query_timeout_secs: u64, default = 0
+        /// Seconds a worker may leave a heartbeat unanswered before it counts as hung and is
+        /// replaced.
+        pub heartbeat_timeout_secs: u64, default = 2
     }
 }
 

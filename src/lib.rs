@@ -39,8 +39,8 @@ pub mod plan;
 pub mod session;
 pub mod store;
 
-pub use cluster::serve as serve_worker;
-pub use config::{ByteSize, Device, ExecMode, FlumenConfig, WorkerMode};
+pub use cluster::{WorkerSettings, serve as serve_worker};
+pub use config::{ByteSize, Device, ExecMode, FlumenConfig, WorkerBinary, WorkerMode};
 pub use exec::{BlockDropper, BlockInfo, FlumenExec, FlumenQueryPlanner};
 pub use functions::accelerator::{
     AcceleratorFunction, AcceleratorWorker, WorkerResources, accelerator_udf,
@@ -49,3 +49,12 @@ pub use session::{
     flumen_session_config, into_flumen, register_functions, register_table_factories, session,
     session_with_config,
 };
+
+/// The message a panic carried (`panic!("...")` with a literal or a formatted string).
+pub(crate) fn panic_message(payload: &(dyn std::any::Any + Send)) -> String {
+    payload
+        .downcast_ref::<String>()
+        .cloned()
+        .or_else(|| payload.downcast_ref::<&str>().map(|s| s.to_string()))
+        .unwrap_or_else(|| "unknown panic".into())
+}

@@ -443,10 +443,17 @@ async fn copy_to_with_a_killed_worker_writes_every_row_once() {
 fn a_worker_on_a_port_in_use_is_a_clear_error() {
     let taken = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
     let address = taken.local_addr().unwrap().to_string();
-    let out = std::process::Command::new(FLUMEN)
-        .args(["worker", "--listen", &address])
-        .output()
+    let mut worker = std::process::Command::new(FLUMEN)
+        .args(["worker", "--listen", &address, "--secret-stdin"])
+        .stdin(std::process::Stdio::piped())
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
         .unwrap();
+    let secret = flumen::cluster::auth::Secret::random().to_hex();
+    use std::io::Write;
+    writeln!(worker.stdin.as_mut().unwrap(), "{secret}").unwrap();
+    let out = worker.wait_with_output().unwrap();
     let stderr = String::from_utf8_lossy(&out.stderr);
     assert_eq!(out.status.code(), Some(1), "{stderr}");
     assert!(
@@ -456,7 +463,7 @@ fn a_worker_on_a_port_in_use_is_a_clear_error() {
 }
 
 /// A "worker" that announces an address but answers with garbage bytes: the query fails with
-/// an error naming the worker, after the retries, without hanging.
+/// an error naming the worker when the pool starts, without hanging.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_worker_answering_garbage_fails_the_query_cleanly() {
     let dir = tempfile::tempdir().unwrap();
@@ -479,7 +486,7 @@ async fn a_worker_answering_garbage_fails_the_query_cleanly() {
     use std::os::unix::fs::PermissionsExt;
     std::fs::set_permissions(&script, std::fs::Permissions::from_mode(0o755)).unwrap();
     let mut config = process_config(1);
-    config.worker_binary = script.display().to_string();
+    config.worker_binary = script.display().to_string().into();
     config.max_task_retries = 2;
     let f = session(config, None);
     f.sql("SET flumen.split_bytes = '16KB'").await.unwrap();
@@ -489,7 +496,8 @@ async fn a_worker_answering_garbage_fails_the_query_cleanly() {
         .await
         .unwrap_err()
         .to_string();
-    assert!(err.contains("failed on worker 127.0.0.1:"), "{err}");
+    assert!(err.contains("does not answer as a flumen worker"), "{err}");
+    assert!(err.contains("status of worker 127.0.0.1:"), "{err}");
     assert!(
         started.elapsed() < Duration::from_secs(60),
         "took {:?}: {err}",

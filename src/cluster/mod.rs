@@ -1,13 +1,17 @@
 //! Worker processes (`flumen.workers = 'process'`).
 //!
+//! - [`auth`]: the driver's secret that every call to a worker must carry.
+//! - [`admission`]: what a worker agrees to run (plan nodes, granted files, settings).
 //! - [`protocol`]: what driver and worker say to each other (task requests, block info).
 //! - [`worker`]: the worker process: an Arrow Flight server that runs task plans.
 //! - [`worker_pool`]: the driver's side: starting, watching and replacing workers, and
 //!   running tasks and fetching blocks on them.
 
-pub(crate) mod protocol;
+pub mod admission;
+pub mod auth;
+pub mod protocol;
 pub(crate) mod worker;
 pub(crate) mod worker_pool;
 
-pub use worker::serve;
+pub use worker::{WorkerSettings, serve};
 pub use worker_pool::{WorkerPool, WorkerPoolSlot};

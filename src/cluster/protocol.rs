@@ -22,6 +22,34 @@ pub struct TaskRequest {
     /// `flumen.device`, ...), as `(key, value)`.
     #[serde(default)]
     pub options: Vec<(String, String)>,
+    /// The query the task belongs to (a random token): its blocks are kept under it, and
+    /// only tickets of the same query fetch or release them.
+    #[serde(default)]
+    pub query: String,
+    /// The local files (object-store paths) the task may scan; a scan of any other file is
+    /// refused.
+    #[serde(default)]
+    pub grants: Vec<String>,
+}
+
+/// What `do_get` takes: a block's key and the query that owns it.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct BlockTicket {
+    /// The owning query's token.
+    pub query: String,
+    /// The block's key.
+    pub key: String,
+}
+
+/// What action `release` takes: blocks of `query` to drop (all of its blocks when `keys` is
+/// empty).
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct ReleaseRequest {
+    /// The owning query's token.
+    pub query: String,
+    /// The blocks' keys; empty: every block of the query.
+    #[serde(default)]
+    pub keys: Vec<String>,
 }
 
 /// What a worker says of itself (action `status`).
@@ -33,10 +61,16 @@ pub struct WorkerStatus {
     pub pid: u32,
     /// Tasks it has run.
     pub tasks: u64,
+    /// Tasks that panicked (each failed alone; the worker lived on).
+    #[serde(default)]
+    pub task_panics: u64,
     /// Accelerator workers (models) it has loaded: one per model while it lives.
     pub model_loads: u64,
     /// Blocks it holds now.
     pub blocks_held: usize,
+    /// The functions its tasks may call (a driver sends only plans calling these).
+    #[serde(default)]
+    pub functions: Vec<String>,
 }
 
 /// A block a task left in a worker.
@@ -87,6 +121,7 @@ mod tests {
             partition: 1,
             partitions: 2,
             options: vec![("flumen.device".into(), "cpu".into())],
+            ..Default::default()
         };
         let body = encode_task(&request, b"plan-bytes");
         let (request, plan) = decode_task(&body).unwrap();

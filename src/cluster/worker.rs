@@ -2,27 +2,38 @@
 //! blocks they produce until the driver's consumers fetch them.
 //!
 //! It speaks Arrow Flight over gRPC on a TCP address (`host:port`, so workers can live on
-//! other hosts):
+//! other hosts). Every call must carry the driver's secret ([`crate::cluster::auth`]):
+//! - `handshake`: the secret in, a session token out (usable in place of the secret).
 //! - action `run`: a task, as a [`TaskRequest`] header and a DataFusion physical plan encoded
-//!   with `datafusion-proto`. The worker runs every output partition of the plan, cuts the
-//!   output into blocks of at most `target_rows` rows, keeps them, and answers with one
-//!   [`RemoteBlockInfo`] per block (the output partition is the block's tag).
-//! - `do_get` with a block's key as the ticket: the block as Arrow IPC; the worker then drops it.
-//! - action `release`: drop the listed blocks (the driver no longer needs them).
+//!   with `datafusion-proto`. The worker checks it against what it runs
+//!   ([`crate::cluster::admission`]: flumen's node types, granted files, task settings),
+//!   runs every output partition of the plan, cuts the output into blocks of at most
+//!   `target_rows` rows, keeps them under the task's query, and answers with one
+//!   [`RemoteBlockInfo`] per block (the output partition is the block's tag). A task that
+//!   panics fails alone: the worker lives on (an accelerator worker restarts its model
+//!   thread).
+//! - `do_get` with a [`BlockTicket`] (query and random 128-bit key): the block as Arrow IPC;
+//!   the worker then drops it. A ticket of another query finds nothing.
+//! - action `release`: drop the listed blocks of a query, or all of them.
 //! - action `ping`: liveness (the driver's heartbeat).
-//! - action `status`: a [`WorkerStatus`] (tasks run, models loaded, blocks held).
+//! - action `status`: a [`WorkerStatus`] (tasks run, panics, models loaded, blocks held,
+//!   functions known).
 //!
 //! A worker serves one of the driver's pools ([`Pool`]): a CPU worker runs several
 //! tasks at once; an accelerator worker runs its tasks one at a time on one thread, which
 //! loads each model once and keeps it.
 //!
 //! A worker holds no state the driver cannot rebuild: when it dies, the driver re-runs the
-//! producer tasks of the blocks it held, from their lineage.
+//! producer tasks of the blocks it held, from their lineage. It does not outlive its driver:
+//! one started by a driver exits when the driver's end of its stdin closes, one started by
+//! hand when its lease runs out ([`WorkerSettings`]).
 
 use std::collections::HashMap;
+use std::panic::AssertUnwindSafe;
 use std::pin::Pin;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
 
 use arrow_flight::encode::FlightDataEncoderBuilder;
 use arrow_flight::error::FlightError;
@@ -37,61 +48,114 @@ use datafusion::execution::TaskContext;
 use datafusion::physical_plan::{ExecutionPlan, ExecutionPlanProperties};
 use datafusion::prelude::SessionContext;
 use futures::stream::BoxStream;
-use futures::{StreamExt, TryStreamExt};
+use futures::{FutureExt, StreamExt, TryStreamExt};
 use tonic::{Request, Response, Status, Streaming};
 
 use datafusion::physical_plan::repartition::RepartitionExec;
 
-use crate::cluster::protocol::{RemoteBlockInfo, TaskRequest, WorkerStatus, decode_task};
+use crate::cluster::admission::{admit_options, admit_plan};
+use crate::cluster::auth::{RequireSecret, Secret};
+use crate::cluster::protocol::{
+    BlockTicket, ReleaseRequest, RemoteBlockInfo, TaskRequest, WorkerStatus, decode_task,
+};
 use crate::plan::graph::Pool;
 use crate::store::cutter::BlockCutter;
+
+/// What a task body's run gives back: its blocks, or its error; a panic is an error whose
+/// message says so.
+type TaskBlocks = Result<Vec<(usize, RecordBatch)>>;
 
 /// A job for an accelerator worker's model thread: a task body and where to answer.
 type ModelJob = (
     Vec<u8>,
     SessionContext,
-    tokio::sync::oneshot::Sender<Result<Vec<(usize, RecordBatch)>>>,
+    tokio::sync::oneshot::Sender<TaskBlocks>,
 );
+
+/// A block a worker keeps, and the query it belongs to.
+struct KeptBlock {
+    query: String,
+    batch: RecordBatch,
+}
 
 /// The Flight service of one worker process.
 pub struct WorkerService {
     ctx: SessionContext,
     kind: Pool,
-    blocks: Mutex<HashMap<String, RecordBatch>>,
-    next_key: AtomicU64,
+    blocks: Mutex<HashMap<String, KeptBlock>>,
     tasks: AtomicU64,
+    panics: AtomicU64,
     /// Accelerator workers: the one thread their tasks run on.
     model_thread: Option<std::sync::mpsc::Sender<ModelJob>>,
+    /// CPU workers: the runtime their tasks run on, apart from the one serving calls, so a
+    /// task that blocks its threads (a stuck function) leaves pings answered and the driver
+    /// sees a live worker with a stuck task, which the task timeout handles.
+    task_runtime: Option<tokio::runtime::Runtime>,
+    /// Who may call (the secret, and the tokens the handshake issued).
+    auth: RequireSecret,
+    /// When a call last came (for the lease).
+    last_call: Mutex<Instant>,
+    /// Queries whose blocks were all released (the query ended): blocks of their tasks
+    /// still running when the release came are dropped as they finish. The most recent
+    /// [`ENDED_QUERIES_KEPT`].
+    ended: Mutex<std::collections::VecDeque<String>>,
 }
 
+/// How many ended queries a worker remembers.
+const ENDED_QUERIES_KEPT: usize = 4096;
+
 impl WorkerService {
-    /// A worker whose tasks run in `ctx` (which must know the functions the plans call).
-    pub fn new(ctx: SessionContext, kind: Pool) -> Self {
+    /// A worker whose tasks run in `ctx` (which must know the functions the plans call),
+    /// answering only callers that present `auth`'s secret.
+    pub fn new(ctx: SessionContext, kind: Pool, auth: RequireSecret) -> Self {
         let model_thread = (kind == Pool::Accelerator).then(start_model_thread);
+        let task_runtime = (kind == Pool::Cpu).then(|| {
+            tokio::runtime::Builder::new_multi_thread()
+                .thread_name("flumen-task")
+                .enable_all()
+                .build()
+                .expect("the task runtime starts")
+        });
         Self {
+            task_runtime,
             ctx,
             kind,
             blocks: Mutex::new(HashMap::new()),
-            next_key: AtomicU64::new(0),
             tasks: AtomicU64::new(0),
+            panics: AtomicU64::new(0),
             model_thread,
+            auth,
+            last_call: Mutex::new(Instant::now()),
+            ended: Mutex::default(),
         }
     }
 
     /// What this worker says of itself.
     pub fn status(&self) -> WorkerStatus {
+        let state = self.ctx.state();
+        let mut functions: Vec<String> = state.scalar_functions().keys().cloned().collect();
+        functions.extend(state.aggregate_functions().keys().cloned());
+        functions.extend(state.window_functions().keys().cloned());
+        functions.sort();
         WorkerStatus {
             kind: self.kind,
             pid: std::process::id(),
             tasks: self.tasks.load(Ordering::Relaxed),
+            task_panics: self.panics.load(Ordering::Relaxed),
             model_loads: crate::functions::accelerator::workers_loaded(),
             blocks_held: self.blocks.lock().unwrap().len(),
+            functions,
         }
     }
 
-    /// Decode and run a task; keep its blocks.
+    fn touch(&self) {
+        *self.last_call.lock().unwrap() = Instant::now();
+    }
+
+    /// Decode and run a task; keep its blocks under the task's query.
     async fn run(&self, body: &[u8]) -> Result<Vec<RemoteBlockInfo>> {
         self.tasks.fetch_add(1, Ordering::Relaxed);
+        let (request, _) = decode_task(body).map_err(DataFusionError::Execution)?;
         let blocks = match &self.model_thread {
             Some(thread) => {
                 let (reply, answer) = tokio::sync::oneshot::channel();
@@ -100,35 +164,128 @@ impl WorkerService {
                     .map_err(|_| DataFusionError::Execution("the model thread is gone".into()))?;
                 answer.await.map_err(|_| {
                     DataFusionError::Execution("the model thread dropped a task".into())
-                })??
+                })?
             }
-            None => run_task_body(body, &self.ctx).await?,
+            None => {
+                let (body, ctx) = (body.to_vec(), self.ctx.clone());
+                let task = async move { run_guarded(&body, &ctx).await };
+                match &self.task_runtime {
+                    Some(runtime) => {
+                        let handle = runtime.spawn(task);
+                        // The driver gave up on the call (its query ended): stop the task.
+                        let _abort = AbortOnDrop(handle.abort_handle());
+                        handle.await.map_err(|e| {
+                            DataFusionError::Execution(format!("the task did not finish: {e}"))
+                        })?
+                    }
+                    None => task.await,
+                }
+            }
         };
+        let blocks = blocks.inspect_err(|e| {
+            if e.to_string().contains(PANICKED) {
+                self.panics.fetch_add(1, Ordering::Relaxed);
+            }
+        })?;
         let mut kept = self.blocks.lock().unwrap();
+        if self.ended.lock().unwrap().contains(&request.query) {
+            return Err(DataFusionError::Execution(
+                "the task's query has ended; its blocks were dropped".into(),
+            ));
+        }
         Ok(blocks
             .into_iter()
-            .map(|(tag, block)| {
-                let key = format!(
-                    "{}-{}",
-                    std::process::id(),
-                    self.next_key.fetch_add(1, Ordering::Relaxed)
-                );
+            .map(|(tag, batch)| {
+                let key = random_key();
                 let info = RemoteBlockInfo {
                     key: key.clone(),
                     tag,
-                    rows: block.num_rows(),
-                    bytes: block.get_array_memory_size() as u64,
+                    rows: batch.num_rows(),
+                    bytes: batch.get_array_memory_size() as u64,
                 };
-                kept.insert(key, block);
+                kept.insert(
+                    key,
+                    KeptBlock {
+                        query: request.query.clone(),
+                        batch,
+                    },
+                );
                 info
             })
             .collect())
     }
+
+    /// Drop the listed blocks of a query, or all of its blocks when none is listed.
+    fn release(&self, request: ReleaseRequest) -> usize {
+        let mut blocks = self.blocks.lock().unwrap();
+        let before = blocks.len();
+        if request.keys.is_empty() {
+            blocks.retain(|_, b| b.query != request.query);
+            let mut ended = self.ended.lock().unwrap();
+            ended.push_back(request.query);
+            if ended.len() > ENDED_QUERIES_KEPT {
+                ended.pop_front();
+            }
+        } else {
+            for key in request.keys {
+                if blocks.get(&key).is_some_and(|b| b.query == request.query) {
+                    blocks.remove(&key);
+                }
+            }
+        }
+        before - blocks.len()
+    }
 }
 
-/// Decode a task body under the driver's settings it carries and run it into blocks.
-async fn run_task_body(body: &[u8], ctx: &SessionContext) -> Result<Vec<(usize, RecordBatch)>> {
+impl Drop for WorkerService {
+    fn drop(&mut self) {
+        if let Some(runtime) = self.task_runtime.take() {
+            // May be dropped on an async thread, where a blocking shutdown panics.
+            runtime.shutdown_background();
+        }
+    }
+}
+
+/// Aborts a spawned task when dropped.
+struct AbortOnDrop(tokio::task::AbortHandle);
+
+impl Drop for AbortOnDrop {
+    fn drop(&mut self) {
+        self.0.abort();
+    }
+}
+
+/// 128 random bits as hex: a block key nobody can guess.
+fn random_key() -> String {
+    Secret::random().to_hex()[..32].to_string()
+}
+
+/// The words a panicking task's error carries.
+const PANICKED: &str = "task panicked";
+
+/// Run a task body, turning a panic into the task's error (the worker lives on).
+async fn run_guarded(body: &[u8], ctx: &SessionContext) -> TaskBlocks {
+    match AssertUnwindSafe(run_task_body(body, ctx))
+        .catch_unwind()
+        .await
+    {
+        Ok(result) => result,
+        Err(panic) => {
+            let message = crate::panic_message(&*panic);
+            log::warn!("flumen worker: {PANICKED}: {message}");
+            Err(DataFusionError::Execution(format!(
+                "{PANICKED} in worker {}: {message}",
+                std::process::id()
+            )))
+        }
+    }
+}
+
+/// Decode a task body under the driver's settings it carries, check it against what a
+/// worker runs ([`crate::cluster::admission`]), and run it into blocks.
+async fn run_task_body(body: &[u8], ctx: &SessionContext) -> TaskBlocks {
     let (request, plan) = decode_task(body).map_err(DataFusionError::Execution)?;
+    admit_options(&request.options)?;
     let mut config = ctx.copied_config();
     for (key, value) in &request.options {
         config.options_mut().set(key, value)?;
@@ -139,13 +296,21 @@ async fn run_task_body(body: &[u8], ctx: &SessionContext) -> Result<Vec<(usize, 
         .build();
     let task_ctx = state.task_ctx();
     let plan = datafusion_proto::bytes::physical_plan_from_bytes(plan, &task_ctx)?;
+    admit_plan(&plan, &request.grants)?;
     plan_blocks(plan, task_ctx, &request).await
 }
 
 /// The thread an accelerator worker runs its tasks on, one at a time, so each model is
-/// loaded once (accelerator UDFs keep their loaded state per thread).
+/// loaded once (accelerator UDFs keep their loaded state per thread). A task that panics
+/// fails alone: the thread hands its queue to a fresh thread (whose models load anew, as
+/// the panic may have left the old ones half-updated) and ends.
 fn start_model_thread() -> std::sync::mpsc::Sender<ModelJob> {
     let (jobs, queue) = std::sync::mpsc::channel::<ModelJob>();
+    spawn_model_thread(queue);
+    jobs
+}
+
+fn spawn_model_thread(queue: std::sync::mpsc::Receiver<ModelJob>) {
     std::thread::Builder::new()
         .name("flumen-model".into())
         .spawn(move || {
@@ -153,13 +318,19 @@ fn start_model_thread() -> std::sync::mpsc::Sender<ModelJob> {
                 .enable_all()
                 .build()
                 .expect("a current-thread runtime starts");
-            for (body, ctx, reply) in queue {
-                let result = runtime.block_on(run_task_body(&body, &ctx));
+            while let Ok((body, ctx, reply)) = queue.recv() {
+                let result = runtime.block_on(run_guarded(&body, &ctx));
+                let panicked = matches!(&result, Err(e) if e.to_string().contains(PANICKED));
                 let _ = reply.send(result);
+                if panicked {
+                    log::warn!("flumen worker: restarting the model thread after a panic");
+                    drop(runtime);
+                    spawn_model_thread(queue);
+                    return;
+                }
             }
         })
         .expect("the model thread starts");
-    jobs
 }
 
 /// Run `plan` and cut its output into blocks with the one [`BlockCutter`], as a local task
@@ -227,6 +398,7 @@ impl FlightService for WorkerService {
         &self,
         request: Request<Action>,
     ) -> std::result::Result<Response<Self::DoActionStream>, Status> {
+        self.touch();
         let action = request.into_inner();
         match action.r#type.as_str() {
             "run" => {
@@ -240,23 +412,22 @@ impl FlightService for WorkerService {
                 })))
             }
             "release" => {
-                let keys: Vec<String> = serde_json::from_slice(&action.body)
+                let request: ReleaseRequest = serde_json::from_slice(&action.body)
                     .map_err(|e| Status::invalid_argument(format!("bad release body: {e}")))?;
-                let mut blocks = self.blocks.lock().unwrap();
-                for key in keys {
-                    blocks.remove(&key);
-                }
-                Ok(Response::new(one(arrow_flight::Result::default())))
+                let dropped = self.release(request);
+                Ok(Response::new(one(arrow_flight::Result {
+                    body: serde_json::to_vec(&dropped).unwrap().into(),
+                })))
             }
             "ping" => Ok(Response::new(one(arrow_flight::Result {
-                body: b"pong".to_vec().into(),
+                body: b"\"pong\"".to_vec().into(),
             }))),
             "status" => Ok(Response::new(one(arrow_flight::Result {
                 body: serde_json::to_vec(&self.status())
                     .expect("status serializes")
                     .into(),
             }))),
-            other => Err(Status::unimplemented(format!("unknown action {other}"))),
+            other => Err(Status::unimplemented(format!("unknown action {other:.64}"))),
         }
     }
 
@@ -264,16 +435,27 @@ impl FlightService for WorkerService {
         &self,
         request: Request<Ticket>,
     ) -> std::result::Result<Response<Self::DoGetStream>, Status> {
-        let key = String::from_utf8_lossy(&request.into_inner().ticket).to_string();
-        let block = self
-            .blocks
-            .lock()
-            .unwrap()
-            .remove(&key)
-            .ok_or_else(|| Status::not_found(format!("no block {key} in this worker")))?;
+        self.touch();
+        let ticket: BlockTicket = serde_json::from_slice(&request.into_inner().ticket)
+            .map_err(|e| Status::invalid_argument(format!("bad block ticket: {e}")))?;
+        let block = {
+            let mut blocks = self.blocks.lock().unwrap();
+            // Only the query that owns a block may take it.
+            match blocks.get(&ticket.key) {
+                Some(b) if b.query == ticket.query => blocks.remove(&ticket.key),
+                _ => None,
+            }
+        }
+        .ok_or_else(|| {
+            Status::not_found(format!(
+                "no block {:.32} of this query in this worker",
+                ticket.key
+            ))
+        })?;
         let input: BoxStream<'static, std::result::Result<RecordBatch, FlightError>> =
-            futures::stream::once(async move { Ok(block) }).boxed();
+            futures::stream::once(async move { Ok(block.batch) }).boxed();
         let stream = FlightDataEncoderBuilder::new()
+            .with_max_flight_data_size(MAX_FLIGHT_DATA_BYTES)
             .build(input)
             .map_err(|e| Status::internal(e.to_string()));
         Ok(Response::new(stream.boxed()))
@@ -281,9 +463,23 @@ impl FlightService for WorkerService {
 
     async fn handshake(
         &self,
-        _request: Request<Streaming<HandshakeRequest>>,
+        request: Request<Streaming<HandshakeRequest>>,
     ) -> std::result::Result<Response<Self::HandshakeStream>, Status> {
-        Err(Status::unimplemented("handshake"))
+        // The interceptor let the call in; the payload must present the secret as well.
+        let mut stream = request.into_inner();
+        let first = stream
+            .message()
+            .await?
+            .ok_or_else(|| Status::invalid_argument("an empty handshake"))?;
+        if !self.auth.is_secret(&first.payload) {
+            log::warn!("flumen worker refused a handshake with a wrong secret");
+            return Err(Status::unauthenticated("handshake: wrong secret"));
+        }
+        let token = self.auth.issue_token();
+        Ok(Response::new(one(HandshakeResponse {
+            protocol_version: first.protocol_version,
+            payload: token.to_hex().into_bytes().into(),
+        })))
     }
 
     async fn list_flights(
@@ -336,16 +532,52 @@ impl FlightService for WorkerService {
     }
 }
 
-/// Largest message a worker accepts or sends: a task carries its input block inline (8,192
-/// rows of web pages are ~10 MB, over tonic's 4 MiB default), so the bound is set by what one
-/// block may hold, not by gRPC's default.
+/// Largest message a worker accepts or sends: a block-wise task carries its input blocks
+/// inline (8,192 rows of web pages are ~10 MB, over tonic's 4 MiB default), so the bound is
+/// set by what one task's input may hold, not by gRPC's default. Both ends set it.
 pub const MAX_TASK_BYTES: usize = 1 << 30;
+
+/// Largest piece a block is cut into on its way back (`do_get` streams a block in pieces).
+const MAX_FLIGHT_DATA_BYTES: usize = 4 << 20;
+
+/// How a worker process is run besides its address and pool.
+#[derive(Debug, Clone)]
+pub struct WorkerSettings {
+    /// The secret every caller must present.
+    pub secret: Secret,
+    /// Exit when standard input closes: a worker a driver started gets the secret on a
+    /// pipe the driver keeps open, so the driver's death (even SIGKILL) closes it.
+    pub exit_when_stdin_closes: bool,
+    /// Exit when no call came for this long (a worker not started by its driver).
+    pub lease: Option<Duration>,
+    /// Largest message it accepts or sends (default [`MAX_TASK_BYTES`]); a bigger one is
+    /// refused with `OutOfRange` before it is decoded.
+    pub max_message_bytes: usize,
+}
+
+impl WorkerSettings {
+    /// A worker answering callers that present `secret`, with the default limits, that does
+    /// not watch its stdin and has no lease.
+    pub fn new(secret: Secret) -> Self {
+        Self {
+            secret,
+            exit_when_stdin_closes: false,
+            lease: None,
+            max_message_bytes: MAX_TASK_BYTES,
+        }
+    }
+}
 
 /// Serve as a worker on `listen` (`host:port`; port 0 picks one), running tasks in `ctx`
 /// (a flumen session: it must know every function the driver's plans call). Prints
 /// `flumen worker listening on HOST:PORT` on standard output once it accepts connections,
 /// which is how a driver that started it learns its address.
-pub async fn serve(listen: &str, kind: Pool, ctx: SessionContext) -> Result<()> {
+pub async fn serve(
+    listen: &str,
+    kind: Pool,
+    ctx: SessionContext,
+    settings: WorkerSettings,
+) -> Result<()> {
     let listener = tokio::net::TcpListener::bind(listen).await.map_err(|e| {
         DataFusionError::Execution(format!("worker cannot listen on {listen}: {e}"))
     })?;
@@ -353,12 +585,36 @@ pub async fn serve(listen: &str, kind: Pool, ctx: SessionContext) -> Result<()> 
     println!("flumen worker listening on {address}");
     use std::io::Write;
     std::io::stdout().flush()?;
+    if settings.exit_when_stdin_closes {
+        std::thread::spawn(|| {
+            use std::io::Read;
+            let mut sink = [0u8; 64];
+            while matches!(std::io::stdin().read(&mut sink), Ok(n) if n > 0) {}
+            log::info!("flumen worker: the driver closed its pipe; exiting");
+            std::process::exit(0);
+        });
+    }
+    let auth = RequireSecret::new(settings.secret);
+    let service = Arc::new(WorkerService::new(ctx, kind, auth.clone()));
+    if let Some(lease) = settings.lease {
+        let watched = Arc::clone(&service);
+        tokio::spawn(async move {
+            loop {
+                tokio::time::sleep(lease / 4).await;
+                if watched.last_call.lock().unwrap().elapsed() > lease {
+                    log::warn!("flumen worker: no call from a driver for {lease:?}; exiting");
+                    std::process::exit(0);
+                }
+            }
+        });
+    }
+    let server = FlightServiceServer::from_arc(service)
+        .max_decoding_message_size(settings.max_message_bytes)
+        .max_encoding_message_size(settings.max_message_bytes);
     tonic::transport::Server::builder()
-        .add_service(
-            FlightServiceServer::new(WorkerService::new(ctx, kind))
-                .max_decoding_message_size(MAX_TASK_BYTES)
-                .max_encoding_message_size(MAX_TASK_BYTES),
-        )
+        .add_service(tonic::service::interceptor::InterceptedService::new(
+            server, auth,
+        ))
         .serve_with_incoming(tokio_stream::wrappers::TcpListenerStream::new(listener))
         .await
         .map_err(|e| DataFusionError::Execution(format!("worker on {address} failed: {e}")))

@@ -9,12 +9,21 @@
 //! A session has two pools: CPU workers and accelerator workers (`--pool accelerator`, which
 //! load each model once and keep it), see [`Pool`].
 //!
+//! Workers start with a cleared environment (only [`WORKER_ENVIRONMENT`] passes: no cloud
+//! credentials) and read the driver's secret ([`crate::cluster::auth`]) from their stdin,
+//! which the driver keeps open: when the driver dies, even by SIGKILL, the pipe closes and
+//! they exit. Every call carries the secret.
+//!
 //! A worker that stops answering is marked dead: a killed process breaks its connections at
 //! once, and a hung one misses its heartbeat (a `ping` every [`HEARTBEAT_EVERY`], answered
-//! within [`HEARTBEAT_TIMEOUT`]) and is killed. Calls in flight to a dead worker end at once
+//! within [`WorkerTimeouts::heartbeat`]) and is killed. Calls in flight to a dead worker end at once
 //! and their tasks are retried elsewhere; its blocks count as lost and are recomputed from
 //! lineage by whoever needs them, and a replacement process is started in the background.
+//! A task that runs past `flumen.task_timeout` marks its worker suspect: it is killed and the
+//! task retried on another one.
 
+use std::collections::HashSet;
+use std::io::Write;
 use std::path::PathBuf;
 use std::process::Stdio;
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
@@ -28,9 +37,14 @@ use datafusion::arrow::compute::concat_batches;
 use datafusion::arrow::record_batch::RecordBatch;
 use datafusion::error::{DataFusionError, Result};
 use futures::TryStreamExt;
+use tonic::service::interceptor::InterceptedService;
 use tonic::transport::Channel;
 
-use crate::cluster::protocol::{RemoteBlockInfo, TaskRequest, WorkerStatus, encode_task};
+use crate::cluster::auth::{SendSecret, driver_secret};
+use crate::cluster::protocol::{
+    BlockTicket, ReleaseRequest, RemoteBlockInfo, TaskRequest, WorkerStatus, encode_task,
+};
+use crate::cluster::worker::MAX_TASK_BYTES;
 use crate::plan::graph::Pool;
 use crate::store::block::HeldBlock;
 
@@ -40,8 +54,49 @@ const START_TIMEOUT: Duration = Duration::from_secs(20);
 /// How often the driver pings each worker.
 pub const HEARTBEAT_EVERY: Duration = Duration::from_millis(500);
 
-/// How long a ping may go unanswered before the worker counts as hung (and is killed).
-pub const HEARTBEAT_TIMEOUT: Duration = Duration::from_secs(2);
+/// The environment variables a worker process gets from its driver; all others (cloud
+/// credentials, tokens) stay behind.
+pub const WORKER_ENVIRONMENT: &[&str] = &[
+    "PATH",
+    "HOME",
+    "USER",
+    "LANG",
+    "LC_ALL",
+    "LC_CTYPE",
+    "TZ",
+    "TMPDIR",
+    "XDG_CACHE_HOME",
+    "RUST_LOG",
+    "RUST_BACKTRACE",
+    "LD_LIBRARY_PATH",
+    "CUDA_VISIBLE_DEVICES",
+    "CUDA_HOME",
+    "CUDA_PATH",
+    "NVIDIA_VISIBLE_DEVICES",
+    "FLUMEN_MODEL_DIR",
+];
+
+/// How the driver watches its workers.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct WorkerTimeouts {
+    /// How long a ping may go unanswered before the worker counts as hung (and is killed):
+    /// `flumen.heartbeat_timeout_secs`.
+    pub heartbeat: Duration,
+    /// How long one attempt of a task may run before its worker is suspect (killed, the
+    /// task retried elsewhere): `flumen.task_timeout_secs`; `None`: no limit.
+    pub task: Option<Duration>,
+}
+
+impl Default for WorkerTimeouts {
+    fn default() -> Self {
+        Self {
+            heartbeat: Duration::from_secs(2),
+            task: Some(Duration::from_secs(600)),
+        }
+    }
+}
+
+type Client = FlightServiceClient<InterceptedService<Channel, SendSecret>>;
 
 /// A block that lives in a worker process.
 #[derive(Debug, Clone)]
@@ -50,6 +105,8 @@ pub struct RemoteBlock {
     pub worker: Arc<WorkerHandle>,
     /// What the worker said about it.
     pub info: RemoteBlockInfo,
+    /// The query that owns it (its ticket names it).
+    pub query: String,
 }
 
 /// One started worker process.
@@ -60,7 +117,7 @@ pub struct WorkerHandle {
     /// Its process id (for tests that kill it).
     pub pid: u32,
     kind: Pool,
-    client: FlightServiceClient<Channel>,
+    client: Client,
     /// `true` while the driver believes it alive; calls in flight watch it.
     alive: tokio::sync::watch::Sender<bool>,
     /// A replacement for this (dead) worker is being started.
@@ -68,6 +125,8 @@ pub struct WorkerHandle {
     /// The runtime its background calls run on (the one it was started from).
     runtime: tokio::runtime::Handle,
     child: Mutex<Option<std::process::Child>>,
+    /// Why the driver stopped it, when it did so itself (a stuck task).
+    death: Mutex<Option<String>>,
 }
 
 impl WorkerHandle {
@@ -95,9 +154,7 @@ impl WorkerHandle {
     ) -> Result<T, Failure> {
         tokio::select! {
             result = call => result,
-            _ = self.died() => Err(Failure::Dead(format!(
-                "worker {} (pid {}) stopped answering", self.address, self.pid
-            ))),
+            _ = self.died() => Err(Failure::Dead(self.death())),
         }
     }
 
@@ -132,8 +189,8 @@ impl WorkerHandle {
             .map_err(|e| Failure::Garbage(format!("bad reply to {name}: {e}")))
     }
 
-    /// One heartbeat: whether the worker answered a ping within [`HEARTBEAT_TIMEOUT`].
-    async fn ping(&self) -> bool {
+    /// One heartbeat: whether the worker answered a ping within `timeout`.
+    async fn ping(&self, timeout: Duration) -> bool {
         let mut client = self.client.clone();
         let action = Action {
             r#type: "ping".into(),
@@ -143,10 +200,7 @@ impl WorkerHandle {
             let reply = client.do_action(action).await.ok()?;
             reply.into_inner().try_collect::<Vec<_>>().await.ok()
         };
-        matches!(
-            tokio::time::timeout(HEARTBEAT_TIMEOUT, call).await,
-            Ok(Some(_))
-        )
+        matches!(tokio::time::timeout(timeout, call).await, Ok(Some(_)))
     }
 
     /// Whether its process has exited (only known for processes this driver started).
@@ -165,6 +219,22 @@ impl WorkerHandle {
             other if self.process_exited() => Failure::Dead(other.to_string()),
             other => other,
         }
+    }
+
+    /// Why the driver took the worker for dead.
+    fn death(&self) -> String {
+        self.death.lock().unwrap().clone().unwrap_or_else(|| {
+            format!(
+                "worker {} (pid {}) stopped answering",
+                self.address, self.pid
+            )
+        })
+    }
+
+    /// Stop the worker for `reason` (told to the calls still running on it).
+    fn stop_because(&self, reason: String) {
+        self.death.lock().unwrap().get_or_insert(reason);
+        self.mark_dead();
     }
 
     fn mark_dead(&self) {
@@ -188,11 +258,15 @@ impl WorkerHandle {
             .await
     }
 
-    /// Fetch (and thereby remove) a block.
-    async fn fetch(&self, key: &str) -> Result<RecordBatch, Failure> {
+    /// Fetch (and thereby remove) a block of query `query`.
+    async fn fetch(&self, query: &str, key: &str) -> Result<RecordBatch, Failure> {
         let mut client = self.client.clone();
+        let ticket = BlockTicket {
+            query: query.into(),
+            key: key.into(),
+        };
         let ticket = Ticket {
-            ticket: key.as_bytes().to_vec().into(),
+            ticket: serde_json::to_vec(&ticket).unwrap().into(),
         };
         let batches: Vec<RecordBatch> = self
             .call(async {
@@ -220,14 +294,27 @@ impl WorkerHandle {
         }
     }
 
-    /// Drop blocks the driver no longer needs (best effort).
-    async fn release(&self, keys: Vec<String>) {
-        let mut client = self.client.clone();
-        let action = Action {
-            r#type: "release".into(),
-            body: serde_json::to_vec(&keys).unwrap().into(),
+    /// Drop blocks of `query` the driver no longer needs, all of them when `keys` is empty
+    /// (best effort).
+    async fn release(&self, query: &str, keys: Vec<String>) {
+        let request = ReleaseRequest {
+            query: query.into(),
+            keys,
         };
-        let _ = client.do_action(action).await;
+        let _ = self
+            .call(self.action::<usize>("release", serde_json::to_vec(&request).unwrap()))
+            .await;
+    }
+}
+
+impl Drop for WorkerHandle {
+    /// A handle nobody holds any more (a pool that failed half-way through its start, a
+    /// replaced worker) takes its process down with it.
+    fn drop(&mut self) {
+        if let Some(mut child) = self.child.get_mut().unwrap().take() {
+            let _ = child.kill();
+            std::thread::spawn(move || child.wait());
+        }
     }
 }
 
@@ -240,6 +327,8 @@ enum Failure {
     Task(String),
     /// The worker answered with bytes that make no sense.
     Garbage(String),
+    /// The task ran past its deadline: the worker is suspect (killed, the task retried).
+    Stuck(String),
 }
 
 impl From<tonic::Status> for Failure {
@@ -259,6 +348,7 @@ impl std::fmt::Display for Failure {
             Failure::Dead(e) => write!(f, "worker died: {e}"),
             Failure::Task(e) => write!(f, "{e}"),
             Failure::Garbage(e) => write!(f, "worker sent garbage: {e}"),
+            Failure::Stuck(e) => write!(f, "{e}"),
         }
     }
 }
@@ -269,6 +359,9 @@ pub struct WorkerPool {
     binary: PathBuf,
     kind: Pool,
     size: usize,
+    timeouts: WorkerTimeouts,
+    /// The functions the workers know (from the first one's status).
+    functions: Arc<HashSet<String>>,
     workers: tokio::sync::Mutex<Vec<Arc<WorkerHandle>>>,
     next: AtomicUsize,
     restarted: AtomicU64,
@@ -280,22 +373,37 @@ pub struct WorkerPool {
 
 impl WorkerPool {
     /// Start `size` workers of `kind` from `binary` (the `flumen` executable), and their
-    /// heartbeat.
-    pub async fn start(binary: PathBuf, kind: Pool, size: usize) -> Result<Arc<Self>> {
+    /// heartbeat. When one fails to start, those that did are stopped.
+    pub async fn start(
+        binary: PathBuf,
+        kind: Pool,
+        size: usize,
+        timeouts: WorkerTimeouts,
+    ) -> Result<Arc<Self>> {
+        let size = size.max(1);
+        // Dropping the handles of those that started stops them (`WorkerHandle::drop`).
+        let started =
+            futures::future::try_join_all((0..size).map(|_| spawn_worker(&binary, kind))).await?;
+        // Its status says which functions the workers know; a program that does not answer
+        // it is not a flumen worker.
+        let status = started[0].status().await.map_err(|e| {
+            DataFusionError::Execution(format!(
+                "cannot start flumen worker {}: it does not answer as a flumen worker ({e})",
+                binary.display()
+            ))
+        })?;
         let pool = Arc::new(Self {
             binary,
             kind,
-            size: size.max(1),
+            size,
+            timeouts,
+            functions: Arc::new(status.functions.into_iter().collect()),
             workers: tokio::sync::Mutex::new(vec![]),
             next: AtomicUsize::new(0),
             restarted: AtomicU64::new(0),
             last_start_error: Mutex::new(None),
             runtime: tokio::runtime::Handle::current(),
         });
-        let started = futures::future::try_join_all(
-            (0..pool.size).map(|_| spawn_worker(&pool.binary, pool.kind)),
-        )
-        .await?;
         *pool.workers.lock().await = started;
         let heartbeat = Arc::downgrade(&pool);
         pool.runtime.spawn(async move {
@@ -314,8 +422,9 @@ impl WorkerPool {
     /// process gone) is marked dead and killed.
     async fn heartbeat(&self) {
         let workers = self.workers().await;
+        let timeout = self.timeouts.heartbeat;
         let pings = workers.iter().filter(|w| w.is_alive()).map(|w| async move {
-            if !w.ping().await && w.is_alive() {
+            if !w.ping(timeout).await && w.is_alive() {
                 log::warn!(
                     "flumen worker {} (pid {}) missed its heartbeat",
                     w.address,
@@ -330,6 +439,21 @@ impl WorkerPool {
     /// The pool its workers serve.
     pub fn kind(&self) -> Pool {
         self.kind
+    }
+
+    /// The functions its workers know.
+    pub fn functions(&self) -> &Arc<HashSet<String>> {
+        &self.functions
+    }
+
+    /// Drop every block of query `query` in every live worker (the query ended).
+    pub async fn release_query(&self, query: &str) {
+        let workers = self.workers().await;
+        let releases = workers
+            .iter()
+            .filter(|w| w.is_alive())
+            .map(|w| w.release(query, vec![]));
+        futures::future::join_all(releases).await;
     }
 
     /// The workers alive now.
@@ -392,9 +516,9 @@ impl WorkerPool {
         }
     }
 
-    /// Run a task on some worker, retrying on another one when a worker dies under it (at
-    /// most `max_retries` times); returns its blocks and the retries it took. `describe`
-    /// names the task in errors.
+    /// Run a task on some worker, retrying on another one when a worker dies under it or the
+    /// task runs past the task timeout there (at most `max_retries` times); returns its
+    /// blocks and the retries it took. `describe` names the task in errors.
     pub async fn run_task(
         self: &Arc<Self>,
         plan: &[u8],
@@ -405,20 +529,35 @@ impl WorkerPool {
         let mut attempt = 0;
         loop {
             let worker = self.pick().await?;
-            match worker
-                .run(plan, request)
-                .await
-                .map_err(|f| worker.classify(f))
-            {
+            let attempt_result = match self.timeouts.task {
+                Some(limit) => match tokio::time::timeout(limit, worker.run(plan, request)).await {
+                    Ok(result) => result,
+                    Err(_) => Err(Failure::Stuck(format!(
+                        "a task ran past flumen.task_timeout_secs ({}s) on worker {} (pid {}), \
+                         which was stopped",
+                        limit.as_secs(),
+                        worker.address,
+                        worker.pid
+                    ))),
+                },
+                None => worker.run(plan, request).await,
+            };
+            match attempt_result.map_err(|f| worker.classify(f)) {
                 Ok(infos) => {
                     let blocks = infos
                         .into_iter()
                         .map(|info| RemoteBlock {
                             worker: Arc::clone(&worker),
                             info,
+                            query: request.query.clone(),
                         })
                         .collect();
                     return Ok((blocks, attempt));
+                }
+                Err(Failure::Stuck(e)) if attempt < max_retries => {
+                    worker.stop_because(e.clone());
+                    attempt += 1;
+                    log::warn!("{describe}: {e}; retry {attempt} of {max_retries}");
                 }
                 Err(Failure::Dead(e)) if attempt < max_retries => {
                     worker.mark_dead();
@@ -426,8 +565,10 @@ impl WorkerPool {
                     log::warn!("{describe}: {e}; retry {attempt} of {max_retries}");
                 }
                 Err(e) => {
-                    if matches!(e, Failure::Dead(_)) {
-                        worker.mark_dead();
+                    match &e {
+                        Failure::Stuck(why) => worker.stop_because(why.clone()),
+                        Failure::Dead(_) => worker.mark_dead(),
+                        _ => {}
                     }
                     return Err(DataFusionError::Execution(format!(
                         "{describe} failed on worker {} after {attempt} retries: {e}",
@@ -445,7 +586,7 @@ impl WorkerPool {
         }
         match block
             .worker
-            .fetch(&block.info.key)
+            .fetch(&block.query, &block.info.key)
             .await
             .map_err(|f| block.worker.classify(f))
         {
@@ -465,7 +606,10 @@ impl WorkerPool {
     pub fn release(block: RemoteBlock) {
         if block.worker.is_alive() {
             let runtime = block.worker.runtime.clone();
-            runtime.spawn(async move { block.worker.release(vec![block.info.key]).await });
+            runtime.spawn(async move {
+                let keys = vec![block.info.key.clone()];
+                block.worker.release(&block.query, keys).await
+            });
         }
     }
 }
@@ -488,14 +632,40 @@ async fn spawn_worker(binary: &PathBuf, kind: Pool) -> Result<Arc<WorkerHandle>>
             binary.display()
         ))
     };
-    let mut child = std::process::Command::new(binary)
-        .args(["worker", "--listen", "127.0.0.1:0", "--pool", kind.as_str()])
-        .stdin(Stdio::null())
+    let mut command = std::process::Command::new(binary);
+    command
+        .args([
+            "worker",
+            "--listen",
+            "127.0.0.1:0",
+            "--pool",
+            kind.as_str(),
+            "--secret-stdin",
+        ])
+        .env_clear()
+        .envs(
+            WORKER_ENVIRONMENT
+                .iter()
+                .filter_map(|name| Some((name, std::env::var_os(name)?))),
+        )
+        .stdin(Stdio::piped())
         .stdout(Stdio::piped())
-        .stderr(Stdio::inherit())
-        .spawn()
-        .map_err(|e| fail(e.to_string()))?;
+        .stderr(Stdio::inherit());
+    let mut child = command.spawn().map_err(|e| fail(e.to_string()))?;
     let pid = child.id();
+    // The secret goes down the pipe; the pipe stays open while the driver lives.
+    let sent = child
+        .stdin
+        .as_mut()
+        .expect("piped stdin")
+        .write_all(format!("{}\n", driver_secret().to_hex()).as_bytes());
+    if let Err(e) = sent {
+        let _ = child.kill();
+        let status = child.wait().ok();
+        return Err(fail(format!(
+            "it did not take the secret on stdin ({e}; exit status {status:?})"
+        )));
+    }
     let stdout = child.stdout.take().expect("piped stdout");
     // A thread reads its output: the first line is its address, the rest is drained so the
     // pipe never fills.
@@ -541,13 +711,14 @@ async fn spawn_worker(binary: &PathBuf, kind: Pool) -> Result<Arc<WorkerHandle>>
         address,
         pid,
         kind,
-        client: FlightServiceClient::new(channel)
-            .max_decoding_message_size(usize::MAX)
-            .max_encoding_message_size(usize::MAX),
+        client: FlightServiceClient::with_interceptor(channel, SendSecret::new(driver_secret()))
+            .max_decoding_message_size(MAX_TASK_BYTES)
+            .max_encoding_message_size(MAX_TASK_BYTES),
         alive: tokio::sync::watch::Sender::new(true),
         replacing: false.into(),
         runtime: tokio::runtime::Handle::current(),
         child: Mutex::new(Some(child)),
+        death: Mutex::new(None),
     }))
 }
 
@@ -594,15 +765,17 @@ impl WorkerPoolSlot {
         kind: Pool,
         binary: PathBuf,
         size: usize,
+        timeouts: WorkerTimeouts,
     ) -> Result<Arc<WorkerPool>> {
         let mut slot = self.slot(kind).lock().await;
         if let Some(pool) = slot.as_ref()
             && pool.size == size.max(1)
             && pool.binary == binary
+            && pool.timeouts == timeouts
         {
             return Ok(Arc::clone(pool));
         }
-        let pool = WorkerPool::start(binary, kind, size).await?;
+        let pool = WorkerPool::start(binary, kind, size, timeouts).await?;
         *slot = Some(Arc::clone(&pool));
         Ok(pool)
     }
@@ -610,6 +783,15 @@ impl WorkerPoolSlot {
     /// The pool of `kind`, if one was started.
     pub async fn current(&self, kind: Pool) -> Option<Arc<WorkerPool>> {
         self.slot(kind).lock().await.clone()
+    }
+
+    /// The pools started so far.
+    pub async fn started(&self) -> Vec<Arc<WorkerPool>> {
+        let mut pools = vec![];
+        for kind in [Pool::Cpu, Pool::Accelerator] {
+            pools.extend(self.current(kind).await);
+        }
+        pools
     }
 }
 

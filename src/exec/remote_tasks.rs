@@ -18,7 +18,7 @@
 //! function workers do not have) run on the driver's threads.
 
 use std::collections::{HashMap, HashSet};
-use std::sync::{Arc, OnceLock};
+use std::sync::Arc;
 
 use datafusion::arrow::record_batch::RecordBatch;
 use datafusion::common::tree_node::{Transformed, TreeNode};
@@ -36,9 +36,10 @@ use datafusion_proto::physical_plan::{
     DefaultPhysicalExtensionCodec, PhysicalExtensionCodec, PhysicalProtoConverterExtension,
 };
 
+use crate::cluster::admission::{WORKER_OPTIONS, admit_plan, scanned_files};
 use crate::cluster::protocol::TaskRequest;
 use crate::cluster::worker::plan_blocks;
-use crate::cluster::worker_pool::{RemoteBlock, WorkerPool, worker_binary};
+use crate::cluster::worker_pool::{RemoteBlock, WorkerPool, WorkerTimeouts, worker_binary};
 use crate::exec::lineage::{TaskId, TaskKind};
 use crate::exec::metrics::OperatorStats;
 use crate::exec::run::QueryRun;
@@ -131,27 +132,17 @@ fn reads_local_files(scan: &Arc<dyn ExecutionPlan>) -> bool {
         .is_some_and(|config| config.object_store_url.as_str().starts_with("file://"))
 }
 
-/// The functions every worker has: those of a default flumen session.
-fn worker_functions() -> &'static HashSet<String> {
-    static NAMES: OnceLock<HashSet<String>> = OnceLock::new();
-    NAMES.get_or_init(|| {
-        let state = crate::session(crate::FlumenConfig::default()).state();
-        let mut names: HashSet<String> = state.scalar_functions().keys().cloned().collect();
-        names.extend(state.aggregate_functions().keys().cloned());
-        names.extend(state.window_functions().keys().cloned());
-        names
-    })
-}
-
-/// Encodes task plans for workers: DataFusion's own nodes only, and only functions that a
-/// worker looks up by name and finds (a function registered in this session alone makes the
-/// task run here instead of failing in the worker).
+/// Encodes task plans for workers: DataFusion's own nodes only, and only functions that the
+/// pool's workers look up by name and find (a function registered in this session alone
+/// makes the task run here instead of failing in the worker).
 #[derive(Debug)]
-struct WorkerCodec;
+struct WorkerCodec {
+    functions: Arc<HashSet<String>>,
+}
 
 impl WorkerCodec {
     fn known(&self, name: &str) -> Result<()> {
-        if worker_functions().contains(name) {
+        if self.functions.contains(name) {
             Ok(())
         } else {
             Err(DataFusionError::NotImplemented(format!(
@@ -194,11 +185,23 @@ impl PhysicalExtensionCodec for WorkerCodec {
     }
 }
 
-/// Encode a task plan for a worker; `None` when a worker could not run it.
-fn encode_for_worker(plan: &Arc<dyn ExecutionPlan>, describe: &str) -> Option<Vec<u8>> {
+/// Encode a task plan for `pool`'s workers; `None` when they could not run it (a node or
+/// scan a worker refuses, a function they do not know).
+fn encode_for_worker(
+    plan: &Arc<dyn ExecutionPlan>,
+    pool: &WorkerPool,
+    describe: &str,
+) -> Option<Vec<u8>> {
+    if let Err(e) = admit_plan(plan, &scanned_files(plan)) {
+        log::debug!("{describe} runs on the driver: {e}");
+        return None;
+    }
+    let codec = WorkerCodec {
+        functions: Arc::clone(pool.functions()),
+    };
     match datafusion_proto::bytes::physical_plan_to_bytes_with_extension_codec(
         Arc::clone(plan),
-        &WorkerCodec,
+        &codec,
     ) {
         Ok(bytes) => Some(bytes.to_vec()),
         Err(e) => {
@@ -246,27 +249,28 @@ impl QueryRun {
             }
             TaskKind::Partition => None,
         };
-        if runnable
-            .as_ref()
-            .and_then(|plan| encode_for_worker(plan, &describe))
-            .is_none()
-        {
+        let Some(runnable) = runnable else {
+            return Ok(false);
+        };
+        let config = self.config();
+        let binary = worker_binary(&config.worker_binary.0)?;
+        let size = match op.pool {
+            Pool::Cpu => config.worker_processes,
+            Pool::Accelerator => config.accelerator_slots,
+        };
+        let pool = slot
+            .get_or_start(op.pool, binary, size, self.worker_timeouts())
+            .await?;
+        if encode_for_worker(&runnable, &pool, &describe).is_none() {
             return Ok(false);
         }
         let Some(plan) = self.task_plan(task).await? else {
             return Ok(false);
         };
-        let Some(bytes) = encode_for_worker(&plan, &describe) else {
+        let Some(bytes) = encode_for_worker(&plan, &pool, &describe) else {
             return Ok(false);
         };
-        let config = self.config();
-        let binary = worker_binary(&config.worker_binary)?;
-        let size = match op.pool {
-            Pool::Cpu => config.worker_processes,
-            Pool::Accelerator => config.accelerator_slots,
-        };
-        let pool = slot.get_or_start(op.pool, binary, size).await?;
-        let request = self.task_request(op_id, partition);
+        let request = self.task_request(op_id, partition, &plan);
         let blocks = self
             .run_on_pool(&pool, op_id, &request, &bytes, &describe)
             .await?;
@@ -385,10 +389,10 @@ impl QueryRun {
         let Some(plan) = self.task_plan(task).await? else {
             return Ok(false);
         };
-        let Some(bytes) = encode_for_worker(&plan, &describe) else {
+        let Some(bytes) = encode_for_worker(&plan, &pool, &describe) else {
             return Ok(false);
         };
-        let request = self.task_request(op_id, partition);
+        let request = self.task_request(op_id, partition, &plan);
         let blocks = self
             .run_on_pool(&pool, op_id, &request, &bytes, &describe)
             .await?;
@@ -408,9 +412,15 @@ impl QueryRun {
         Ok(true)
     }
 
-    /// The header of a task of partition `partition` of operator `op_id`: how to cut its
-    /// blocks, and the settings it runs under.
-    fn task_request(&self, op_id: OperatorId, partition: usize) -> TaskRequest {
+    /// The header of a task of partition `partition` of operator `op_id` running `plan`:
+    /// how to cut its blocks, the settings it runs under, its query, and the files it may
+    /// read (those `plan` scans).
+    fn task_request(
+        &self,
+        op_id: OperatorId,
+        partition: usize,
+        plan: &Arc<dyn ExecutionPlan>,
+    ) -> TaskRequest {
         let config = self.config();
         TaskRequest {
             target_rows: config.block_rows(),
@@ -420,8 +430,35 @@ impl QueryRun {
                 .entries()
                 .into_iter()
                 .filter_map(|entry| Some((format!("flumen.{}", entry.key), entry.value?)))
+                .filter(|(key, _)| WORKER_OPTIONS.contains(&key.as_str()))
                 .collect(),
+            query: self.query_token.clone(),
+            grants: scanned_files(plan),
         }
+    }
+
+    /// How this run's settings say workers are watched.
+    fn worker_timeouts(&self) -> WorkerTimeouts {
+        let config = self.config();
+        WorkerTimeouts {
+            heartbeat: std::time::Duration::from_secs(config.heartbeat_timeout_secs.max(1)),
+            task: (config.task_timeout_secs > 0)
+                .then(|| std::time::Duration::from_secs(config.task_timeout_secs)),
+        }
+    }
+
+    /// Drop every block this run left in a worker (the run ended, however it ended).
+    pub(super) fn release_worker_blocks(&self) {
+        let Some(slot) = self.worker_slot() else {
+            return;
+        };
+        let slot = Arc::clone(slot);
+        let query = self.query_token.clone();
+        self.runtime().spawn(async move {
+            for pool in slot.started().await {
+                pool.release_query(&query).await;
+            }
+        });
     }
 
     /// Run an encoded plan on `pool` for operator `op_id`, counting its retries and the
@@ -467,7 +504,7 @@ impl QueryRun {
             return Ok(None);
         };
         let (op_id, partition, _) = self.task_identity(task);
-        let request = self.task_request(op_id, partition);
+        let request = self.task_request(op_id, partition, &plan);
         let blocks = plan_blocks(plan, self.base_context(), &request).await?;
         Ok(Some(
             blocks

@@ -58,6 +58,11 @@ pub struct QueryRun {
     pub(super) remote_tasks: Mutex<HashSet<TaskId>>,
     /// Blocks lost with their worker and not yet recomputed.
     pub(super) lost_blocks: Mutex<HashSet<BlockId>>,
+    /// A random token naming this run to workers: the blocks its tasks leave there are kept
+    /// under it, and released by it when the run ends.
+    pub(super) query_token: String,
+    /// When the run started (`flumen.query_timeout_secs` counts from it).
+    pub(super) started_at: Instant,
     /// Worker processes (by pid) whose death this run has handled.
     pub(super) dead_workers: Mutex<HashSet<u32>>,
     /// Each worker pool's restart count when this run first used it, and the latest seen.
@@ -153,6 +158,8 @@ impl QueryRun {
             workers,
             remote_tasks: Mutex::new(HashSet::new()),
             lost_blocks: Mutex::new(HashSet::new()),
+            query_token: crate::cluster::auth::Secret::random().to_hex(),
+            started_at: Instant::now(),
             dead_workers: Mutex::new(HashSet::new()),
             worker_restarts: Mutex::new(HashMap::new()),
         });
@@ -377,5 +384,13 @@ impl QueryRun {
             ));
         }
         out
+    }
+}
+
+impl Drop for QueryRun {
+    /// However the run ended (its answer read, an error, a cancel, a `LIMIT` that stopped
+    /// reading), the blocks its tasks left in workers are dropped there.
+    fn drop(&mut self) {
+        self.release_worker_blocks();
     }
 }

@@ -139,9 +139,16 @@ impl QueryRun {
             let cursor = Cursor::new(root.id, order, None);
             self.block_stream(cursor, Reader::Output, root.fragment.schema())
         };
+        let timeout = self.config.query_timeout_secs;
+        let deadline = (timeout > 0).then(|| {
+            let at = self.started_at + std::time::Duration::from_secs(timeout);
+            Box::pin(tokio::time::sleep_until(at.into()))
+        });
         Ok(Box::pin(OutputStream {
             inner: stream,
             run: Arc::clone(self),
+            deadline,
+            timed_out: false,
         }))
     }
 
@@ -254,10 +261,14 @@ impl InputProvider for OutputProvider {
     }
 }
 
-/// The query's output stream; dropping every output stream cancels the run.
+/// The query's output stream; dropping every output stream cancels the run. Past
+/// `flumen.query_timeout_secs` it ends with a timeout error.
 pub(super) struct OutputStream {
     inner: SendableRecordBatchStream,
     run: Arc<QueryRun>,
+    deadline: Option<std::pin::Pin<Box<tokio::time::Sleep>>>,
+    /// Ended early (the timeout, or a panic): nothing more comes.
+    timed_out: bool,
 }
 
 impl futures::Stream for OutputStream {
@@ -266,7 +277,32 @@ impl futures::Stream for OutputStream {
         mut self: std::pin::Pin<&mut Self>,
         cx: &mut std::task::Context<'_>,
     ) -> std::task::Poll<Option<Self::Item>> {
-        self.inner.poll_next_unpin(cx)
+        use std::future::Future;
+        if self.timed_out {
+            return std::task::Poll::Ready(None);
+        }
+        if let Some(deadline) = self.deadline.as_mut()
+            && deadline.as_mut().poll(cx).is_ready()
+        {
+            self.timed_out = true;
+            let secs = self.run.config.query_timeout_secs;
+            return std::task::Poll::Ready(Some(Err(DataFusionError::Execution(format!(
+                "the query ran past flumen.query_timeout_secs ({secs}s) and was cancelled"
+            )))));
+        }
+        // A function that panics in the fragment the consumer runs fails the query, as it
+        // would in a task, instead of unwinding into the caller.
+        let inner = &mut self.inner;
+        match std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| inner.poll_next_unpin(cx))) {
+            Ok(poll) => poll,
+            Err(panic) => {
+                self.timed_out = true;
+                let message = crate::panic_message(&*panic);
+                std::task::Poll::Ready(Some(Err(DataFusionError::Execution(format!(
+                    "the query's output panicked: {message}"
+                )))))
+            }
+        }
     }
 }
 

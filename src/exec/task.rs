@@ -247,11 +247,7 @@ impl QueryRun {
         task: TaskId,
         panic: Box<dyn std::any::Any + Send>,
     ) -> DataFusionError {
-        let message = panic
-            .downcast_ref::<String>()
-            .cloned()
-            .or_else(|| panic.downcast_ref::<&str>().map(|s| s.to_string()))
-            .unwrap_or_else(|| "unknown panic".into());
+        let message = crate::panic_message(&*panic);
         let (op, partition) = {
             let st = self.state.lock().unwrap();
             (st.tasks[task].operator, st.tasks[task].partition)

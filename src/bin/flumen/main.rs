@@ -59,6 +59,10 @@ struct Cli {
     /// processes (`flumen.workers = 'process'`).
     #[arg(long, value_name = "N")]
     workers: Option<usize>,
+    /// The `flumen` executable worker processes start from (default: this one); a startup
+    /// option, not a `SET`.
+    #[arg(long, value_name = "PATH")]
+    worker_binary: Option<PathBuf>,
 }
 
 #[derive(Debug, Subcommand)]
@@ -88,11 +92,62 @@ enum Command {
         /// (one task at a time on one thread that keeps its models loaded).
         #[arg(long, default_value = "cpu")]
         pool: flumen::plan::Pool,
+        /// Read the driver's secret (64 hex digits) from the first line of stdin, and exit
+        /// when stdin closes (how a driver starts its workers).
+        #[arg(long, conflicts_with = "secret_file")]
+        secret_stdin: bool,
+        /// Read the driver's secret from FILE (mode 0600: a file others can read is
+        /// refused).
+        #[arg(long, value_name = "FILE")]
+        secret_file: Option<PathBuf>,
+        /// Exit after SECS seconds without a call from a driver (for workers a driver did
+        /// not start; its heartbeat calls every half second).
+        #[arg(long, value_name = "SECS")]
+        lease: Option<u64>,
+        /// Largest message accepted or sent, in bytes (default 1 GiB: a task carries its
+        /// input blocks).
+        #[arg(long, value_name = "BYTES")]
+        max_message_bytes: Option<usize>,
     },
 }
 
-/// `flumen worker`: serve tasks for a driver until killed.
-fn worker(listen: &str, kind: flumen::plan::Pool) -> ExitCode {
+/// `flumen worker`: serve tasks for a driver until killed, its driver goes away or its
+/// lease runs out.
+fn worker(
+    listen: &str,
+    kind: flumen::plan::Pool,
+    secret_stdin: bool,
+    secret_file: Option<&std::path::Path>,
+    lease: Option<u64>,
+    max_message_bytes: Option<usize>,
+) -> ExitCode {
+    env_logger::Builder::from_env(env_logger::Env::default().default_filter_or("warn"))
+        .format_target(false)
+        .init();
+    let secret = match (secret_stdin, secret_file) {
+        (true, _) => flumen::cluster::auth::Secret::from_stdin(),
+        (false, Some(path)) => flumen::cluster::auth::Secret::from_file(path),
+        (false, None) => {
+            eprintln!(
+                "flumen worker: no secret: a worker answers only callers that present its \
+                 driver's secret (--secret-stdin, or --secret-file FILE)"
+            );
+            return ExitCode::FAILURE;
+        }
+    };
+    let secret = match secret {
+        Ok(secret) => secret,
+        Err(e) => {
+            eprintln!("flumen worker: {e}");
+            return ExitCode::FAILURE;
+        }
+    };
+    let mut settings = flumen::WorkerSettings::new(secret);
+    settings.exit_when_stdin_closes = secret_stdin;
+    settings.lease = lease.map(std::time::Duration::from_secs);
+    if let Some(bytes) = max_message_bytes {
+        settings.max_message_bytes = bytes;
+    }
     let runtime = match tokio::runtime::Runtime::new() {
         Ok(r) => r,
         Err(e) => {
@@ -101,7 +156,8 @@ fn worker(listen: &str, kind: flumen::plan::Pool) -> ExitCode {
         }
     };
     match runtime.block_on(async {
-        flumen::cluster::serve(listen, kind, flumen::session(FlumenConfig::default())).await
+        let ctx = flumen::session(FlumenConfig::default());
+        flumen::cluster::serve(listen, kind, ctx, settings).await
     }) {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {
@@ -144,7 +200,23 @@ fn main() -> ExitCode {
     match &cli.command {
         Some(Command::InstallModel { dir }) => return install_model(dir.clone()),
         Some(Command::Extract { input, output }) => return extract(input.clone(), output.clone()),
-        Some(Command::Worker { listen, pool }) => return worker(listen, *pool),
+        Some(Command::Worker {
+            listen,
+            pool,
+            secret_stdin,
+            secret_file,
+            lease,
+            max_message_bytes,
+        }) => {
+            return worker(
+                listen,
+                *pool,
+                *secret_stdin,
+                secret_file.as_deref(),
+                *lease,
+                *max_message_bytes,
+            );
+        }
         None => {}
     }
     let mut scripts = vec![];
@@ -180,6 +252,9 @@ fn main() -> ExitCode {
     if let Some(n) = cli.workers {
         config.workers = flumen::WorkerMode::Process;
         config.worker_processes = n.max(1);
+    }
+    if let Some(binary) = &cli.worker_binary {
+        config.worker_binary = binary.display().to_string().into();
     }
     // A quoted path or URL is a table (`SELECT * FROM 'data/t.parquet'`), as in
     // datafusion-cli; the object store of a URL is registered before the statement runs.

@@ -1,0 +1,867 @@
+//! Workers that cannot be abused, cannot hang a query and leak nothing: a hostile client
+//! against a real `flumen worker` process, stuck and panicking functions in real worker
+//! processes (the `fault_worker` example binary), a driver killed with SIGKILL, and the
+//! blocks a query leaves in workers after it ends in every way.
+
+mod common;
+
+use std::io::{BufRead, Write};
+use std::process::{Child, Command, Stdio};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use arrow_flight::flight_service_client::FlightServiceClient;
+use arrow_flight::{Action, HandshakeRequest, Ticket};
+use datafusion::physical_plan::ExecutionPlan;
+use datafusion::prelude::{CsvReadOptions, SessionConfig, SessionContext};
+use flumen::cluster::auth::Secret;
+use flumen::cluster::protocol::{
+    BlockTicket, ReleaseRequest, RemoteBlockInfo, TaskRequest, WorkerStatus, encode_task,
+};
+use flumen::plan::Pool;
+use flumen::{FlumenConfig, WorkerMode};
+use futures::TryStreamExt;
+use tonic::transport::Channel;
+use tonic::{Code, Request, Status};
+
+#[path = "../examples/fault_worker.rs"]
+#[allow(dead_code)]
+mod fault_worker;
+
+const FLUMEN: &str = env!("CARGO_BIN_EXE_flumen");
+
+/// The `fault_worker` example (built by `cargo test` with the examples).
+fn fault_worker_binary() -> String {
+    let path = std::path::Path::new(FLUMEN)
+        .parent()
+        .unwrap()
+        .join("examples/fault_worker");
+    assert!(
+        path.exists(),
+        "{} is missing: `cargo test` builds the examples",
+        path.display()
+    );
+    path.display().to_string()
+}
+
+/// A `flumen worker` process this test started with `secret` on its stdin.
+struct WorkerProcess {
+    child: Child,
+    address: String,
+}
+
+impl WorkerProcess {
+    fn start(secret: &Secret, extra: &[&str]) -> Self {
+        let mut child = Command::new(FLUMEN)
+            .args(["worker", "--listen", "127.0.0.1:0", "--secret-stdin"])
+            .args(extra)
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::inherit())
+            .spawn()
+            .unwrap();
+        writeln!(child.stdin.as_mut().unwrap(), "{}", secret.to_hex()).unwrap();
+        let mut line = String::new();
+        std::io::BufReader::new(child.stdout.take().unwrap())
+            .read_line(&mut line)
+            .unwrap();
+        let address = line
+            .trim()
+            .strip_prefix("flumen worker listening on ")
+            .unwrap_or_else(|| panic!("not an address: {line:?}"))
+            .to_string();
+        Self { child, address }
+    }
+
+    fn is_running(&mut self) -> bool {
+        self.child.try_wait().unwrap().is_none()
+    }
+}
+
+impl Drop for WorkerProcess {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+async fn client(address: &str) -> FlightServiceClient<Channel> {
+    let channel = Channel::from_shared(format!("http://{address}"))
+        .unwrap()
+        .connect()
+        .await
+        .unwrap();
+    FlightServiceClient::new(channel)
+        .max_decoding_message_size(usize::MAX)
+        .max_encoding_message_size(usize::MAX)
+}
+
+fn with_credential<T>(message: T, credential: Option<&str>) -> Request<T> {
+    let mut request = Request::new(message);
+    if let Some(credential) = credential {
+        request
+            .metadata_mut()
+            .insert("authorization", credential.parse().unwrap());
+    }
+    request
+}
+
+/// Action `name` with `body`, presenting `credential`; the first reply's body.
+async fn action(
+    address: &str,
+    credential: Option<&str>,
+    name: &str,
+    body: Vec<u8>,
+) -> Result<Vec<u8>, Status> {
+    let action = Action {
+        r#type: name.into(),
+        body: body.into(),
+    };
+    let reply = client(address)
+        .await
+        .do_action(with_credential(action, credential))
+        .await?;
+    let results: Vec<arrow_flight::Result> = reply.into_inner().try_collect().await?;
+    Ok(results
+        .into_iter()
+        .next()
+        .map(|r| r.body.to_vec())
+        .unwrap_or_default())
+}
+
+fn bearer(secret: &Secret) -> String {
+    format!("Bearer {}", secret.to_hex())
+}
+
+async fn status(address: &str, secret: &Secret) -> WorkerStatus {
+    let body = action(address, Some(&bearer(secret)), "status", vec![])
+        .await
+        .expect("the worker answers its driver");
+    serde_json::from_slice(&body).unwrap()
+}
+
+/// Check that `result` is a refusal with `code` and `words`, and note it in `table`.
+fn refused(
+    table: &mut Vec<(String, String)>,
+    what: &str,
+    result: Result<Vec<u8>, Status>,
+    code: Code,
+    words: &str,
+) {
+    let status = result.expect_err(what);
+    assert_eq!(status.code(), code, "{what}: {status}");
+    assert!(status.message().contains(words), "{what}: {status}");
+    table.push((
+        what.to_string(),
+        format!("{:?}: {:.110}", status.code(), status.message()),
+    ));
+}
+
+async fn physical(ctx: &SessionContext, sql: &str) -> Arc<dyn ExecutionPlan> {
+    ctx.sql(sql)
+        .await
+        .unwrap()
+        .create_physical_plan()
+        .await
+        .unwrap()
+}
+
+fn task_body(plan: &Arc<dyn ExecutionPlan>, request: TaskRequest) -> Vec<u8> {
+    let bytes = datafusion_proto::bytes::physical_plan_to_bytes(Arc::clone(plan)).unwrap();
+    encode_task(&request, &bytes)
+}
+
+fn request(query: &str, grants: Vec<String>) -> TaskRequest {
+    TaskRequest {
+        target_rows: 8192,
+        partition: 0,
+        partitions: 1,
+        options: vec![],
+        query: query.into(),
+        grants,
+    }
+}
+
+/// An Avro scan, as protobuf (this build of DataFusion cannot make one itself): its decoder
+/// panics when DataFusion is built without Avro.
+fn avro_scan_body() -> Vec<u8> {
+    use datafusion_proto::protobuf::{
+        AvroScanExecNode, FileScanExecConf, PhysicalPlanNode, physical_plan_node,
+    };
+    use prost::Message;
+    let node = PhysicalPlanNode {
+        physical_plan_type: Some(physical_plan_node::PhysicalPlanType::AvroScan(
+            AvroScanExecNode {
+                base_conf: Some(FileScanExecConf::default()),
+            },
+        )),
+    };
+    encode_task(&request("q", vec![]), &node.encode_to_vec())
+}
+
+/// One hostile call after another against one worker: each is refused with the code and
+/// words expected, the worker stays up and keeps answering its driver, and nothing is
+/// written. Prints the table of inputs and answers for the closing note.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_hostile_client_is_refused_and_the_worker_stays_up() {
+    let secret = Secret::random();
+    let mut worker = WorkerProcess::start(&secret, &["--max-message-bytes", "16777216"]);
+    let address = worker.address.clone();
+    let good = bearer(&secret);
+    let dir = tempfile::tempdir().unwrap();
+    let ctx = SessionContext::new_with_config(SessionConfig::new().with_target_partitions(1));
+    let csv = dir.path().join("granted.csv");
+    std::fs::write(&csv, "a,b\n1,2\n3,4\n").unwrap();
+    ctx.register_csv("granted", csv.to_str().unwrap(), CsvReadOptions::new())
+        .await
+        .unwrap();
+    ctx.register_csv(
+        "passwd",
+        "/etc/passwd",
+        CsvReadOptions::new()
+            .has_header(false)
+            .delimiter(b':')
+            .file_extension(""),
+    )
+    .await
+    .unwrap();
+    let granted = physical(&ctx, "SELECT a + b AS s FROM granted").await;
+    let granted_files = flumen::cluster::admission::scanned_files(&granted);
+    let sink_path = dir.path().join("written.csv");
+    let sink = physical(
+        &ctx,
+        &format!(
+            "COPY (SELECT a FROM granted) TO '{}' STORED AS CSV",
+            sink_path.display()
+        ),
+    )
+    .await;
+    let passwd = physical(&ctx, "SELECT * FROM passwd").await;
+
+    let mut table: Vec<(String, String)> = vec![];
+
+    // No credential, a wrong one, a malformed one.
+    let r = action(&address, None, "status", vec![]).await;
+    refused(
+        &mut table,
+        "no secret",
+        r,
+        Code::Unauthenticated,
+        "no credential",
+    );
+    let wrong = bearer(&Secret::random());
+    let r = action(&address, Some(&wrong), "run", vec![]).await;
+    refused(
+        &mut table,
+        "wrong secret",
+        r,
+        Code::Unauthenticated,
+        "wrong credential",
+    );
+    let r = action(&address, Some("Bearer not-hex"), "status", vec![]).await;
+    refused(
+        &mut table,
+        "malformed secret",
+        r,
+        Code::Unauthenticated,
+        "wrong credential",
+    );
+    // do_get and release are guarded too.
+    let ticket = Ticket {
+        ticket: b"{}".to_vec().into(),
+    };
+    let r = client(&address)
+        .await
+        .do_get(with_credential(ticket, None))
+        .await
+        .map(|_| vec![]);
+    refused(
+        &mut table,
+        "do_get without secret",
+        r,
+        Code::Unauthenticated,
+        "no credential",
+    );
+    // A handshake: the interceptor wants the secret, the payload must present it as well.
+    let handshake = |payload: Vec<u8>| HandshakeRequest {
+        protocol_version: 0,
+        payload: payload.into(),
+    };
+    let r = client(&address)
+        .await
+        .handshake(with_credential(
+            futures::stream::iter([handshake(b"guess".to_vec())]),
+            Some(&good),
+        ))
+        .await
+        .map(|_| vec![]);
+    refused(
+        &mut table,
+        "handshake, wrong payload",
+        r,
+        Code::Unauthenticated,
+        "wrong secret",
+    );
+    let mut tokens = client(&address)
+        .await
+        .handshake(with_credential(
+            futures::stream::iter([handshake(secret.to_hex().into_bytes())]),
+            Some(&good),
+        ))
+        .await
+        .unwrap()
+        .into_inner();
+    let token = tokens.message().await.unwrap().unwrap().payload;
+    let token = format!("Bearer {}", String::from_utf8(token.to_vec()).unwrap());
+    let body = action(&address, Some(&token), "status", vec![])
+        .await
+        .unwrap();
+    assert!(serde_json::from_slice::<WorkerStatus>(&body).is_ok());
+    table.push((
+        "handshake with the secret".into(),
+        "a session token that works".into(),
+    ));
+
+    // With the secret: what a worker was not built to run.
+    let body = task_body(&sink, request("q", granted_files.clone()));
+    let r = action(&address, Some(&good), "run", body).await;
+    refused(
+        &mut table,
+        "sink node (COPY TO)",
+        r,
+        Code::Internal,
+        "DataSinkExec",
+    );
+    let body = task_body(&passwd, request("q", vec![]));
+    let r = action(&address, Some(&good), "run", body).await;
+    refused(
+        &mut table,
+        "scan of /etc/passwd",
+        r,
+        Code::Internal,
+        "does not grant",
+    );
+    let body = task_body(&passwd, request("q", granted_files.clone()));
+    let r = action(&address, Some(&good), "run", body).await;
+    refused(
+        &mut table,
+        "/etc/passwd with another file granted",
+        r,
+        Code::Internal,
+        "/etc/passwd, which the task does not grant",
+    );
+    let r = action(&address, Some(&good), "run", avro_scan_body()).await;
+    refused(
+        &mut table,
+        "Avro scan (decoder panics)",
+        r,
+        Code::Internal,
+        "task panicked",
+    );
+    let mut options = request("q", granted_files.clone());
+    options.options = vec![("flumen.worker_binary".into(), "/bin/sh".into())];
+    let r = action(&address, Some(&good), "run", task_body(&granted, options)).await;
+    refused(
+        &mut table,
+        "setting outside the task's",
+        r,
+        Code::Internal,
+        "flumen.worker_binary",
+    );
+    let r = action(
+        &address,
+        Some(&good),
+        "run",
+        b"\xff\xff\xff\x7fgarbage".to_vec(),
+    )
+    .await;
+    refused(
+        &mut table,
+        "garbage task body",
+        r,
+        Code::Internal,
+        "task body",
+    );
+    let mut plan_garbage = encode_task(&request("q", vec![]), b"");
+    plan_garbage.extend_from_slice(b"\x0a\xff\xff\xff\xff\x0f not protobuf");
+    let r = action(&address, Some(&good), "run", plan_garbage).await;
+    refused(&mut table, "garbage plan bytes", r, Code::Internal, "");
+    let r = action(&address, Some(&good), "shutdown", vec![]).await;
+    refused(
+        &mut table,
+        "unknown action",
+        r,
+        Code::Unimplemented,
+        "unknown action",
+    );
+    let r = action(&address, Some(&good), "run", vec![7u8; 17 << 20]).await;
+    refused(
+        &mut table,
+        "oversized message (17 MiB > 16 MiB)",
+        r,
+        Code::OutOfRange,
+        "",
+    );
+
+    // Another query's blocks: a real task of query A leaves a block; B cannot take or drop it.
+    let body = task_body(&granted, request("query-a", granted_files.clone()));
+    let infos: Vec<RemoteBlockInfo> =
+        serde_json::from_slice(&action(&address, Some(&good), "run", body).await.unwrap()).unwrap();
+    assert_eq!(infos.len(), 1);
+    let key = infos[0].key.clone();
+    assert_eq!(key.len(), 32, "a 128-bit key");
+    let ticket_of = |query: &str| Ticket {
+        ticket: serde_json::to_vec(&BlockTicket {
+            query: query.into(),
+            key: key.clone(),
+        })
+        .unwrap()
+        .into(),
+    };
+    let r = client(&address)
+        .await
+        .do_get(with_credential(ticket_of("query-b"), Some(&good)))
+        .await
+        .map(|_| vec![]);
+    refused(
+        &mut table,
+        "another query's block ticket",
+        r,
+        Code::NotFound,
+        "no block",
+    );
+    let release = ReleaseRequest {
+        query: "query-b".into(),
+        keys: vec![key.clone()],
+    };
+    let dropped = action(
+        &address,
+        Some(&good),
+        "release",
+        serde_json::to_vec(&release).unwrap(),
+    )
+    .await
+    .unwrap();
+    assert_eq!(dropped, b"0", "query B released nothing of query A's");
+    table.push(("another query's release".into(), "0 blocks dropped".into()));
+    assert_eq!(status(&address, &secret).await.blocks_held, 1);
+    let batches: Vec<_> = arrow_flight::decode::FlightRecordBatchStream::new_from_flight_data(
+        client(&address)
+            .await
+            .do_get(with_credential(ticket_of("query-a"), Some(&good)))
+            .await
+            .unwrap()
+            .into_inner()
+            .map_err(arrow_flight::error::FlightError::from),
+    )
+    .try_collect()
+    .await
+    .unwrap();
+    assert_eq!(batches.iter().map(|b| b.num_rows()).sum::<usize>(), 2);
+
+    // Raw bytes on the port: the connection is dropped, the worker lives on.
+    let mut raw = std::net::TcpStream::connect(&address).unwrap();
+    let _ = raw.write_all(b"\x00\xffGET / HTTP/1.0\r\n\r\nnot gRPC at all");
+    drop(raw);
+    table.push((
+        "garbage bytes on the socket".into(),
+        "connection dropped".into(),
+    ));
+
+    assert!(worker.is_running(), "the worker died");
+    let after = status(&address, &secret).await;
+    assert_eq!(after.blocks_held, 0);
+    assert!(
+        !sink_path.exists(),
+        "a refused sink wrote {}",
+        sink_path.display()
+    );
+    println!("| hostile input | answer |\n|---|---|");
+    for (what, answer) in &table {
+        println!("| {what} | {answer} |");
+    }
+}
+
+#[test]
+fn a_worker_without_a_secret_or_with_an_open_secret_file_does_not_start() {
+    let out = Command::new(FLUMEN)
+        .args(["worker", "--listen", "127.0.0.1:0"])
+        .stdin(Stdio::null())
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(1), "{stderr}");
+    assert!(stderr.contains("no secret"), "{stderr}");
+    let dir = tempfile::tempdir().unwrap();
+    let file = dir.path().join("secret");
+    std::fs::write(&file, Secret::random().to_hex()).unwrap();
+    use std::os::unix::fs::PermissionsExt;
+    std::fs::set_permissions(&file, std::fs::Permissions::from_mode(0o644)).unwrap();
+    let out = Command::new(FLUMEN)
+        .args(["worker", "--secret-file", file.to_str().unwrap()])
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(1), "{stderr}");
+    assert!(stderr.contains("readable by other users"), "{stderr}");
+}
+
+/// A worker started by hand with a lease exits once no driver calls it.
+#[test]
+fn a_worker_whose_lease_runs_out_exits() {
+    let secret = Secret::random();
+    let mut worker = WorkerProcess::start(&secret, &["--lease", "2"]);
+    let started = Instant::now();
+    while worker.is_running() {
+        assert!(started.elapsed() < Duration::from_secs(10), "still running");
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    assert!(started.elapsed() >= Duration::from_secs(2));
+}
+
+fn process_session(mut config: FlumenConfig, binary: &str) -> SessionContext {
+    config.workers = WorkerMode::Process;
+    config.worker_binary = binary.into();
+    let ctx = flumen::session_with_config(
+        flumen::flumen_session_config(
+            SessionConfig::new().with_target_partitions(2),
+            config.clone(),
+        ),
+        config,
+    );
+    fault_worker::register_fault_functions(&ctx);
+    ctx
+}
+
+async fn pool(ctx: &SessionContext, kind: Pool) -> Arc<flumen::cluster::WorkerPool> {
+    ctx.state()
+        .config()
+        .get_extension::<flumen::cluster::WorkerPoolSlot>()
+        .unwrap()
+        .current(kind)
+        .await
+        .expect("the session started its workers")
+}
+
+async fn pids(pool: &flumen::cluster::WorkerPool) -> Vec<u32> {
+    let mut pids: Vec<u32> = pool.workers().await.iter().map(|w| w.pid).collect();
+    pids.sort();
+    pids
+}
+
+/// A function that never returns, inside a live worker that answers its heartbeats: the
+/// task runs past `flumen.task_timeout_secs`, its worker is stopped and the task retried
+/// once, then the query fails with an error naming the timeout, within the bound; the next
+/// query runs on the replacements. `flumen.query_timeout_secs` ends a query the same way.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stuck_function_times_out_and_the_next_query_succeeds() {
+    let (dir, vanilla) = common::events_with_vanilla(2, 5_000).await;
+    let mut config = FlumenConfig::default();
+    config.worker_processes = 2;
+    config.task_timeout_secs = 2;
+    config.max_task_retries = 1;
+    let f = process_session(config, &fault_worker_binary());
+    common::register_tables(&f, dir.path()).await;
+    let started = Instant::now();
+    let err = common::try_collect(&f, "SELECT hang(id) FROM events")
+        .await
+        .unwrap_err()
+        .to_string();
+    let took = started.elapsed();
+    println!("stuck task: failed after {took:?}: {err}");
+    assert!(err.contains("flumen.task_timeout_secs (2s)"), "{err}");
+    assert!(err.contains("after 1 retries"), "{err}");
+    assert!(took < Duration::from_secs(30), "took {took:?}");
+    let sql = "SELECT k, count(*), sum(v) FROM events GROUP BY k ORDER BY k";
+    common::assert_same(&vanilla, &f, sql).await;
+
+    f.sql("SET flumen.task_timeout_secs = 0").await.unwrap();
+    f.sql("SET flumen.query_timeout_secs = 3").await.unwrap();
+    let started = Instant::now();
+    let err = common::try_collect(&f, "SELECT hang(id) FROM events")
+        .await
+        .unwrap_err()
+        .to_string();
+    let took = started.elapsed();
+    println!("query timeout: failed after {took:?}: {err}");
+    assert!(err.contains("flumen.query_timeout_secs (3s)"), "{err}");
+    assert!(took < Duration::from_secs(15), "took {took:?}");
+}
+
+/// A panicking function in a CPU worker and in an accelerator worker's model: one clear
+/// error, no worker killed or replaced (same pids), the accelerator worker's model thread
+/// restarted (a second run gets the same clean error), and the next query succeeds.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_panicking_function_fails_its_query_and_kills_no_worker() {
+    let (dir, vanilla) = common::events_with_vanilla(2, 5_000).await;
+    let mut config = FlumenConfig::default();
+    config.worker_processes = 2;
+    let f = process_session(config, &fault_worker_binary());
+    common::register_tables(&f, dir.path()).await;
+    let sql = "SELECT k, count(*) FROM events GROUP BY k ORDER BY k";
+    common::collect(&f, sql).await;
+    let cpu = pool(&f, Pool::Cpu).await;
+    let cpu_pids = pids(&cpu).await;
+    let err = common::try_collect(&f, "SELECT boom(id) FROM events")
+        .await
+        .unwrap_err()
+        .to_string();
+    println!("panicking CPU function: {err}");
+    assert!(err.contains("task panicked"), "{err}");
+    assert!(err.contains("boom: this function always panics"), "{err}");
+    assert_eq!(pids(&cpu).await, cpu_pids, "a CPU worker was replaced");
+    assert_eq!(cpu.restarted(), 0);
+    common::assert_same(&vanilla, &f, sql).await;
+
+    for round in 0..2 {
+        let err = common::try_collect(&f, "SELECT boom_model(body) FROM events WHERE id < 100")
+            .await
+            .unwrap_err()
+            .to_string();
+        println!("panicking model, round {round}: {err}");
+        assert!(err.contains("task panicked"), "{err}");
+        assert!(err.contains("boom_model: the model panicked"), "{err}");
+    }
+    let accelerator = pool(&f, Pool::Accelerator).await;
+    assert_eq!(
+        accelerator.restarted(),
+        0,
+        "the accelerator worker was replaced"
+    );
+    let worker = &accelerator.workers().await[0];
+    let status = worker.status().await.unwrap();
+    assert!(status.task_panics >= 2, "{status:?}");
+    assert_eq!(pids(&cpu).await, cpu_pids);
+    common::assert_same(&vanilla, &f, sql).await;
+}
+
+/// Wait until every worker of `ctx`'s CPU pool holds no block (at most 10 s); the most held.
+async fn held_blocks_drain(ctx: &SessionContext, what: &str) {
+    let pool = pool(ctx, Pool::Cpu).await;
+    let started = Instant::now();
+    loop {
+        let mut held = 0;
+        for worker in pool.workers().await {
+            held += worker.status().await.unwrap().blocks_held;
+        }
+        if held == 0 {
+            println!(
+                "{what}: workers hold 0 blocks after {:?}",
+                started.elapsed()
+            );
+            return;
+        }
+        assert!(
+            started.elapsed() < Duration::from_secs(10),
+            "{what}: workers still hold {held} blocks"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
+/// Every block a query leaves in workers is dropped when it ends: read to the end, failed,
+/// cancelled after its first batch, stopped by a `LIMIT`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn workers_hold_no_block_after_a_query_ends_in_any_way() {
+    let (dir, _vanilla) = common::events_with_vanilla(4, 20_000).await;
+    let mut config = FlumenConfig::default();
+    config.worker_processes = 2;
+    config.target_block_rows = 1_000;
+    config.split_bytes = flumen::ByteSize(64 << 10);
+    let f = process_session(config, &fault_worker_binary());
+    common::register_tables(&f, dir.path()).await;
+
+    let rows = common::collect(&f, "SELECT id, v FROM events WHERE v > 0.1").await;
+    assert!(rows.iter().map(|b| b.num_rows()).sum::<usize>() > 50_000);
+    held_blocks_drain(&f, "success").await;
+
+    let err = common::try_collect(
+        &f,
+        "SELECT boom(c) FROM (SELECT k, count(*) AS c FROM events GROUP BY k)",
+    )
+    .await
+    .unwrap_err();
+    assert!(err.to_string().contains("panicked"), "{err}");
+    held_blocks_drain(&f, "error").await;
+
+    let mut stream = f
+        .sql("SELECT id, body FROM events")
+        .await
+        .unwrap()
+        .execute_stream()
+        .await
+        .unwrap();
+    use futures::StreamExt;
+    assert!(stream.next().await.unwrap().is_ok());
+    // Tasks run ahead of the reader: blocks wait in the workers.
+    let mut held = 0;
+    for worker in pool(&f, Pool::Cpu).await.workers().await {
+        held += worker.status().await.unwrap().blocks_held;
+    }
+    println!("cancel: workers hold {held} blocks after the first batch");
+    assert!(held > 0, "nothing was held: the cancel case tests nothing");
+    drop(stream);
+    held_blocks_drain(&f, "cancel").await;
+
+    let limited = common::collect(&f, "SELECT id, body FROM events WHERE v > 0.2 LIMIT 3").await;
+    assert_eq!(limited.iter().map(|b| b.num_rows()).sum::<usize>(), 3);
+    held_blocks_drain(&f, "LIMIT").await;
+}
+
+/// `SET flumen.worker_binary` is refused (it would run any program); the environment a
+/// worker gets holds no credential of the driver's, and its command line no secret.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn workers_get_no_credentials_and_the_binary_is_not_settable() {
+    let (dir, _vanilla) = common::events_with_vanilla(1, 5_000).await;
+    let f = process_session(FlumenConfig::default(), FLUMEN);
+    let err = f
+        .sql("SET flumen.worker_binary = '/bin/sh'")
+        .await
+        .unwrap_err()
+        .to_string();
+    assert!(err.contains("startup option"), "{err}");
+    common::register_tables(&f, dir.path()).await;
+    // SAFETY: set before this test starts any worker; no other thread reads it.
+    unsafe { std::env::set_var("AWS_SECRET_ACCESS_KEY", "flumen-test-credential") };
+    common::collect(&f, "SELECT count(*) FROM events WHERE v > 0.5").await;
+    let cpu = pool(&f, Pool::Cpu).await;
+    for worker in cpu.workers().await {
+        let environ = std::fs::read(format!("/proc/{}/environ", worker.pid)).unwrap();
+        let environ = String::from_utf8_lossy(&environ);
+        assert!(!environ.contains("flumen-test-credential"), "{environ}");
+        assert!(!environ.contains("AWS_SECRET_ACCESS_KEY"), "{environ}");
+        assert!(environ.contains("PATH="), "{environ}");
+        let cmdline = std::fs::read(format!("/proc/{}/cmdline", worker.pid)).unwrap();
+        let cmdline = String::from_utf8_lossy(&cmdline).replace('\0', " ");
+        assert!(cmdline.contains("--secret-stdin"), "{cmdline}");
+        let secret = flumen::cluster::auth::driver_secret().to_hex();
+        assert!(!cmdline.contains(&secret), "the secret is in argv");
+        assert!(
+            !environ.contains(&secret),
+            "the secret is in the environment"
+        );
+    }
+}
+
+/// The pids of processes whose parent is `parent`.
+fn children_of(parent: u32) -> Vec<u32> {
+    let mut children = vec![];
+    for entry in std::fs::read_dir("/proc").unwrap().flatten() {
+        let Ok(pid) = entry.file_name().to_string_lossy().parse::<u32>() else {
+            continue;
+        };
+        let Ok(stat) = std::fs::read_to_string(format!("/proc/{pid}/stat")) else {
+            continue;
+        };
+        // After the command name in parentheses: state, then the parent's pid.
+        let ppid = stat
+            .rsplit_once(')')
+            .and_then(|(_, rest)| rest.split_whitespace().nth(1))
+            .and_then(|p| p.parse::<u32>().ok());
+        if ppid == Some(parent) {
+            children.push(pid);
+        }
+    }
+    children
+}
+
+fn alive(pid: u32) -> bool {
+    // A zombie has exited; only its parent's reaping is left.
+    std::fs::read_to_string(format!("/proc/{pid}/stat")).is_ok_and(|stat| {
+        stat.rsplit_once(')')
+            .is_some_and(|(_, rest)| !rest.trim_start().starts_with('Z'))
+    })
+}
+
+/// A driver (the `flumen` REPL) killed with SIGKILL while its workers run: no worker is
+/// left within 5 s.
+#[test]
+fn workers_exit_within_5s_of_their_driver_being_killed() {
+    let dir = tempfile::tempdir().unwrap();
+    common::write_events(dir.path(), 1, 10_000);
+    // A query that keeps the workers busy for a while (a 100M-pair nested loop join).
+    let table = format!("'{}/part-0.parquet'", dir.path().display());
+    let sql = format!("SELECT count(*) FROM {table} a, {table} b WHERE a.v < b.v + a.id * 0.0");
+    let mut driver = Command::new(FLUMEN)
+        .args(["--workers", "2", "--no-demo", "--quiet", "-c", &sql])
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap();
+    let started = Instant::now();
+    let workers = loop {
+        let workers = children_of(driver.id());
+        if workers.len() >= 2 {
+            break workers;
+        }
+        assert!(
+            started.elapsed() < Duration::from_secs(60),
+            "the driver started no workers"
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    };
+    assert!(
+        driver.try_wait().unwrap().is_none(),
+        "the query ended before the driver could be killed"
+    );
+    // SAFETY: a signal to the driver process this test started.
+    unsafe { libc::kill(driver.id() as i32, libc::SIGKILL) };
+    driver.wait().unwrap();
+    let killed = Instant::now();
+    while workers.iter().any(|pid| alive(*pid)) {
+        assert!(
+            killed.elapsed() < Duration::from_secs(5),
+            "workers {workers:?} outlived their driver by 5 s"
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    println!(
+        "{} workers gone {:?} after their driver's SIGKILL",
+        workers.len(),
+        killed.elapsed()
+    );
+}
+
+/// A pool whose second worker fails to start stops the first one.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_pool_that_fails_half_way_stops_what_it_started() {
+    let (dir, _vanilla) = common::events_with_vanilla(1, 5_000).await;
+    let script = dir.path().join("half-worker.sh");
+    let first = dir.path().join("first");
+    let pidfile = dir.path().join("pid");
+    std::fs::write(
+        &script,
+        format!(
+            "#!/bin/sh\nif mkdir '{first}' 2>/dev/null; then echo $$ > '{pid}'; exec '{FLUMEN}' \"$@\"; \
+             else echo 'not a worker'; fi\n",
+            first = first.display(),
+            pid = pidfile.display(),
+        ),
+    )
+    .unwrap();
+    use std::os::unix::fs::PermissionsExt;
+    std::fs::set_permissions(&script, std::fs::Permissions::from_mode(0o755)).unwrap();
+    let mut config = FlumenConfig::default();
+    config.worker_processes = 2;
+    let f = process_session(config, script.to_str().unwrap());
+    common::register_tables(&f, dir.path()).await;
+    let err = common::try_collect(&f, "SELECT count(*) FROM events WHERE v > 0.5")
+        .await
+        .unwrap_err()
+        .to_string();
+    assert!(err.contains("instead of its address"), "{err}");
+    let pid: u32 = std::fs::read_to_string(&pidfile)
+        .unwrap()
+        .trim()
+        .parse()
+        .unwrap();
+    let started = Instant::now();
+    while alive(pid) {
+        assert!(
+            started.elapsed() < Duration::from_secs(5),
+            "the worker that started ({pid}) was left running"
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
