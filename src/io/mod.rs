@@ -9,7 +9,7 @@ pub(crate) mod delta;
 pub(crate) mod iceberg;
 pub(crate) mod lakehouse_options;
 pub(crate) mod object_stores;
-pub(crate) mod output_commit;
+pub mod output_commit;
 
 pub use delta::{
     DeltaTableFactory, DeltaTableProvider, DeltaVersion, delta_table, register_delta_table,

@@ -11,8 +11,24 @@
 //!   at commit. DataFusion's listing tables skip that hidden subdirectory, so readers never
 //!   see a half-written output.
 //!
-//! A statement that fails (a task error, a memory budget, a cancelled query) deletes what it
-//! staged and leaves existing files as they were. Lost blocks are recomputed upstream of the
+//! Committing a directory moves several files, which no file system does at once, so the
+//! commit is a decision recorded first and carried out after:
+//! 1. every file is staged; 2. the marker `_flumen_commit` is written in the staging
+//!    directory (the decision); 3. the files are renamed into place; 4. the staging
+//!    directory (marker included) is removed.
+//!
+//! A driver killed at any instant leaves a staging directory behind; the next statement
+//! that writes to the same place first recovers it ([`recover_output`]): with the marker, the
+//! commit is finished (the rest of the files are moved); without it, what was staged is
+//! deleted, once the process that staged it is gone. So after recovery the output is the
+//! old one or the whole new one, and rerunning a statement that did not commit writes every
+//! row once. (Readers that list the directory between the crash and the recovery of a
+//! commit that was half-way through step 3 see part of the new files; a table format, such
+//! as Delta, is what makes a multi-file commit atomic for every reader.)
+//!
+//! A statement that fails (a task error, a memory budget) or is cancelled (its future
+//! dropped: Ctrl-C, a dropped stream) deletes what it staged, and leaves existing files as
+//! they were; one cancelled during step 3 finishes its commit instead. Lost blocks are recomputed upstream of the
 //! sink, which runs once on the driver, so every row reaches the staged files exactly once;
 //! the commit is that sink's alone (the one committer, as Spark's output commit coordinator
 //! lets only the first attempt of a task commit).
@@ -59,54 +75,206 @@ pub struct StagedSink {
     target: Target,
 }
 
+/// The file whose presence in a staging directory records the decision to commit it.
+pub const COMMIT_MARKER: &str = "_flumen_commit";
+
+/// The name prefix of a directory output's staging directories.
+const STAGING_PREFIX: &str = ".flumen-staging-";
+
 impl StagedSink {
-    /// Staged files become visible: rename them into place.
-    async fn commit(&self, store: &Arc<dyn ObjectStore>) -> Result<()> {
+    /// Staged files become visible: rename them into place (a directory: marker first, see
+    /// the module docs).
+    async fn commit(&self, store: &Arc<dyn ObjectStore>, local: bool) -> Result<()> {
         match &self.target {
             Target::File { staged, target } => {
                 store.rename(staged, target).await?;
             }
             Target::Directory { staged, target } => {
-                let files: Vec<_> = store.list(Some(staged)).try_collect().await?;
-                for file in files {
-                    let Some(relative) = file.location.prefix_match(staged) else {
-                        continue;
-                    };
-                    let mut to = target.clone();
-                    for part in relative {
-                        to = to.join(part);
-                    }
-                    store.rename(&file.location, &to).await?;
-                }
+                store
+                    .put(&staged.clone().join(COMMIT_MARKER), Vec::new().into())
+                    .await?;
+                finish_commit(store, staged, target, local).await?;
             }
         }
-        self.remove_local_staging_dir();
         Ok(())
     }
 
-    /// A failed statement: delete what it staged (best effort; the error is what matters).
-    async fn abort(&self, store: &Arc<dyn ObjectStore>) {
-        let staged = match &self.target {
-            Target::File { staged, .. } => {
-                let _ = store.delete(staged).await;
-                return;
-            }
-            Target::Directory { staged, .. } => staged,
+    /// The staging location and whether the store is the local file system.
+    fn staged(&self) -> (&Path, bool) {
+        let local = self.config.object_store_url.as_str() == "file:///";
+        match &self.target {
+            Target::File { staged, .. } | Target::Directory { staged, .. } => (staged, local),
+        }
+    }
+}
+
+/// Move every staged file but the marker to the same place below `target`, then remove the
+/// staging directory. Idempotent: a file already moved is skipped, so a recovery can finish
+/// what a killed driver began.
+async fn finish_commit(
+    store: &Arc<dyn ObjectStore>,
+    staged: &Path,
+    target: &Path,
+    local: bool,
+) -> Result<()> {
+    let files: Vec<_> = store.list(Some(staged)).try_collect().await?;
+    for file in files {
+        let Some(relative) = file.location.prefix_match(staged) else {
+            continue;
         };
-        if let Ok(files) = store.list(Some(staged)).try_collect::<Vec<_>>().await {
-            for file in files {
-                let _ = store.delete(&file.location).await;
+        let relative: Vec<_> = relative.collect();
+        if relative.len() == 1 && relative[0].as_ref() == COMMIT_MARKER {
+            continue;
+        }
+        let mut to = target.clone();
+        for part in relative {
+            to = to.join(part);
+        }
+        match store.rename(&file.location, &to).await {
+            Ok(()) | Err(object_store::Error::NotFound { .. }) => {}
+            Err(e) => return Err(e.into()),
+        }
+    }
+    delete_staged(store, staged, local).await;
+    Ok(())
+}
+
+/// Delete everything below `staged` (the marker last, so a half-deleted directory that was
+/// committed still reads as committed), and the emptied directories of a local file system.
+async fn delete_staged(store: &Arc<dyn ObjectStore>, staged: &Path, local: bool) {
+    let marker = staged.clone().join(COMMIT_MARKER);
+    if let Ok(files) = store.list(Some(staged)).try_collect::<Vec<_>>().await {
+        for file in files.iter().filter(|f| f.location != marker) {
+            let _ = store.delete(&file.location).await;
+        }
+    }
+    let _ = store.delete(&marker).await;
+    if local {
+        let _ = std::fs::remove_dir_all(format!("/{staged}"));
+    }
+}
+
+/// A failed or cancelled statement: delete what it staged (best effort; the error is what
+/// matters) unless it had decided to commit, in which case the commit is finished.
+async fn abort_staged(store: &Arc<dyn ObjectStore>, target: &Target, local: bool) {
+    match target {
+        Target::File { staged, .. } => {
+            let _ = store.delete(staged).await;
+        }
+        Target::Directory { staged, target } => {
+            let marker = staged.clone().join(COMMIT_MARKER);
+            if store.head(&marker).await.is_ok() {
+                let _ = finish_commit(store, staged, target, local).await;
+            } else {
+                delete_staged(store, staged, local).await;
             }
         }
-        self.remove_local_staging_dir();
     }
+}
 
-    /// A local file system keeps the emptied staging directories: remove them.
-    fn remove_local_staging_dir(&self) {
-        if let Target::Directory { staged, .. } = &self.target
-            && self.config.object_store_url.as_str() == "file:///"
-        {
-            let _ = std::fs::remove_dir_all(format!("/{staged}"));
+/// Whether the process that made staging id `id` (`PID-...`, hex) may still be writing it.
+/// Only a local file system's writer is known (by its pid, on this host); elsewhere an
+/// uncommitted staging location counts as abandoned after a day.
+fn writer_may_be_alive(id: &str, local: bool, modified: chrono::DateTime<chrono::Utc>) -> bool {
+    if local {
+        let pid = id
+            .split('-')
+            .next()
+            .and_then(|p| u32::from_str_radix(p, 16).ok());
+        return match pid {
+            Some(pid) if pid == std::process::id() => true,
+            Some(pid) => std::path::Path::new(&format!("/proc/{pid}")).exists(),
+            None => false,
+        };
+    }
+    chrono::Utc::now() - modified < chrono::Duration::days(1)
+}
+
+/// Recover what crashed statements left in the output location `target` (a directory, or
+/// the directory of a single output file named `file_name`): finish every commit that was
+/// decided (its marker written), delete every staging location whose writer is gone.
+/// Returns how many commits were finished and how many staging locations deleted.
+pub async fn recover_output(
+    store: &Arc<dyn ObjectStore>,
+    target: &Path,
+    file_name: Option<&str>,
+    local: bool,
+) -> Result<(usize, usize)> {
+    let (mut finished, mut deleted) = (0, 0);
+    let listing = match store.list_with_delimiter(Some(target)).await {
+        Ok(listing) => listing,
+        Err(object_store::Error::NotFound { .. }) => return Ok((0, 0)),
+        Err(e) => return Err(e.into()),
+    };
+    if let Some(name) = file_name {
+        // Staged single files: `.NAME.flumen-staging-ID` beside the target.
+        let prefix = format!(".{name}.flumen-staging-");
+        for file in listing.objects {
+            let Some(id) = file
+                .location
+                .filename()
+                .and_then(|f| f.strip_prefix(&prefix))
+            else {
+                continue;
+            };
+            if !writer_may_be_alive(id, local, file.last_modified) {
+                let _ = store.delete(&file.location).await;
+                deleted += 1;
+            }
+        }
+        return Ok((finished, deleted));
+    }
+    for dir in listing.common_prefixes {
+        let Some(id) = dir.filename().and_then(|f| f.strip_prefix(STAGING_PREFIX)) else {
+            continue;
+        };
+        let marker = dir.clone().join(COMMIT_MARKER);
+        match store.head(&marker).await {
+            Ok(_) => {
+                finish_commit(store, &dir, target, local).await?;
+                finished += 1;
+            }
+            Err(_) => {
+                let newest = store
+                    .list(Some(&dir))
+                    .try_collect::<Vec<_>>()
+                    .await
+                    .ok()
+                    .and_then(|files| files.iter().map(|f| f.last_modified).max())
+                    .unwrap_or_else(chrono::Utc::now);
+                if !writer_may_be_alive(id, local, newest) {
+                    delete_staged(store, &dir, local).await;
+                    deleted += 1;
+                }
+            }
+        }
+    }
+    if finished + deleted > 0 {
+        log::warn!(
+            "recovered output {target}: finished {finished} interrupted commit(s), deleted \
+             {deleted} abandoned staging location(s)"
+        );
+    }
+    Ok((finished, deleted))
+}
+
+/// Aborts a statement's staging when its write is dropped before it ended (a cancelled
+/// query), on the runtime it ran on.
+struct AbortOnDrop {
+    store: Arc<dyn ObjectStore>,
+    target: Target,
+    local: bool,
+    armed: bool,
+}
+
+impl Drop for AbortOnDrop {
+    fn drop(&mut self) {
+        if !self.armed {
+            return;
+        }
+        let (store, target, local) = (Arc::clone(&self.store), self.target.clone(), self.local);
+        if let Ok(runtime) = tokio::runtime::Handle::try_current() {
+            runtime.spawn(async move { abort_staged(&store, &target, local).await });
         }
     }
 }
@@ -135,19 +303,43 @@ impl DataSink for StagedSink {
         let store = context
             .runtime_env()
             .object_store(&self.config.object_store_url)?;
-        match self.inner.write_all(data, context).await {
-            Ok(rows) => match self.commit(&store).await {
-                Ok(()) => Ok(rows),
-                Err(e) => Err(DataFusionError::Execution(format!(
-                    "committing the output to {}: {e}",
-                    self.config.original_url
-                ))),
-            },
-            Err(e) => {
-                self.abort(&store).await;
-                Err(e)
+        let (_, local) = self.staged();
+        // What earlier statements left here when their driver was killed.
+        match &self.target {
+            Target::File { target, .. } => {
+                let parts: Vec<_> = target.parts().collect();
+                let parent =
+                    Path::from_iter(parts[..parts.len().saturating_sub(1)].iter().cloned());
+                recover_output(&store, &parent, target.filename(), local).await?;
+            }
+            Target::Directory { target, .. } => {
+                recover_output(&store, target, None, local).await?;
             }
         }
+        let mut guard = AbortOnDrop {
+            store: Arc::clone(&store),
+            target: self.target.clone(),
+            local,
+            armed: true,
+        };
+        let result = match self.inner.write_all(data, context).await {
+            Ok(rows) => match self.commit(&store, local).await {
+                Ok(()) => Ok(rows),
+                Err(e) => {
+                    abort_staged(&store, &self.target, local).await;
+                    Err(DataFusionError::Execution(format!(
+                        "committing the output to {}: {e}",
+                        self.config.original_url
+                    )))
+                }
+            },
+            Err(e) => {
+                abort_staged(&store, &self.target, local).await;
+                Err(e)
+            }
+        };
+        guard.armed = false;
+        result
     }
 }
 
@@ -189,7 +381,7 @@ fn staged_config(config: &FileSinkConfig) -> Result<Option<(FileSinkConfig, Targ
             FileOutputMode::SingleFile,
         )
     } else {
-        let staged = target.clone().join(format!(".flumen-staging-{id}"));
+        let staged = target.clone().join(format!("{STAGING_PREFIX}{id}"));
         let url = format!("{}{staged}/", config.object_store_url.as_str());
         (
             url,

@@ -1,0 +1,223 @@
+//! Output that survives a crash at any instant: a real `flumen` driver writing
+//! `COPY ... TO` a partitioned directory is killed with SIGKILL at seeded instants (and at
+//! the instant its commit marker appears); after recovery the output is the old state (none)
+//! or the whole new one, never a part, and a rerun of a statement that did not commit writes
+//! every row exactly once. A cancelled in-process `COPY` leaves no staging behind.
+
+mod common;
+
+use std::path::{Path, PathBuf};
+use std::process::{Command, Stdio};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use datafusion::prelude::{ParquetReadOptions, SessionContext};
+use object_store::ObjectStore;
+use object_store::local::LocalFileSystem;
+
+const FLUMEN: &str = env!("CARGO_BIN_EXE_flumen");
+
+fn copy_sql(input: &Path, output: &Path) -> String {
+    format!(
+        "COPY (SELECT id, k, v, body FROM '{}/') TO '{}/' STORED AS PARQUET PARTITIONED BY (k)",
+        input.display(),
+        output.display()
+    )
+}
+
+fn flumen_copy(input: &Path, output: &Path) -> std::process::Child {
+    Command::new(FLUMEN)
+        .args(["--no-demo", "--quiet", "-c", &copy_sql(input, output)])
+        .stdin(Stdio::null())
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap()
+}
+
+/// Every file below `dir`, hidden ones included.
+fn files_below(dir: &Path) -> Vec<PathBuf> {
+    let mut files = vec![];
+    let Ok(entries) = std::fs::read_dir(dir) else {
+        return files;
+    };
+    for entry in entries.flatten() {
+        let path = entry.path();
+        if path.is_dir() {
+            files.extend(files_below(&path));
+        } else {
+            files.push(path);
+        }
+    }
+    files
+}
+
+fn is_staging(path: &Path) -> bool {
+    path.components()
+        .any(|c| c.as_os_str().to_string_lossy().contains("flumen-staging"))
+}
+
+/// Rows and distinct ids of the visible Parquet files below `dir` (0 when there are none).
+async fn visible_rows(dir: &Path) -> (usize, usize) {
+    let visible = files_below(dir)
+        .into_iter()
+        .filter(|f| !is_staging(f) && f.extension().is_some_and(|e| e == "parquet"))
+        .count();
+    if visible == 0 {
+        return (0, 0);
+    }
+    let ctx = SessionContext::new();
+    ctx.register_parquet("o", dir.to_str().unwrap(), ParquetReadOptions::default())
+        .await
+        .unwrap();
+    let batches = ctx
+        .sql("SELECT count(*), count(DISTINCT id) FROM o")
+        .await
+        .unwrap()
+        .collect()
+        .await
+        .unwrap();
+    let column = |i: usize| {
+        batches[0]
+            .column(i)
+            .as_any()
+            .downcast_ref::<datafusion::arrow::array::Int64Array>()
+            .unwrap()
+            .value(0) as usize
+    };
+    (column(0), column(1))
+}
+
+async fn recover(dir: &Path) -> (usize, usize) {
+    let store: Arc<dyn ObjectStore> = Arc::new(LocalFileSystem::new());
+    let target = object_store::path::Path::from_absolute_path(dir).unwrap();
+    flumen::io::output_commit::recover_output(&store, &target, None, true)
+        .await
+        .unwrap()
+}
+
+/// Seeded uniform numbers in [0, 1).
+struct Seeded(u64);
+
+impl Seeded {
+    fn next(&mut self) -> f64 {
+        self.0 = self
+            .0
+            .wrapping_mul(6364136223846793005)
+            .wrapping_add(1442695040888963407);
+        (self.0 >> 11) as f64 / (1u64 << 53) as f64
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_copy_killed_at_any_instant_leaves_the_old_output_or_the_whole_new_one() {
+    let dir = tempfile::tempdir().unwrap();
+    let input = dir.path().join("input");
+    common::write_events(&input, 4, 50_000);
+    let rows = 200_000;
+
+    // A clean run: how long a COPY takes, and what it writes.
+    let clean = dir.path().join("clean");
+    let started = Instant::now();
+    assert!(flumen_copy(&input, &clean).wait().unwrap().success());
+    let took = started.elapsed();
+    assert_eq!(visible_rows(&clean).await, (rows, rows));
+    println!("clean COPY: {took:?}, {} files", files_below(&clean).len());
+
+    let mut seeded = Seeded(19);
+    let mut matrix = vec![];
+    for run in 0..25 {
+        let out = dir.path().join(format!("out-{run}"));
+        let mut child = flumen_copy(&input, &out);
+        let started = Instant::now();
+        // 20 kills at seeded instants over the whole statement, 5 at the commit decision.
+        let at_marker = run >= 20;
+        let instant = took.mul_f64(0.05 + 1.1 * seeded.next());
+        loop {
+            if child.try_wait().unwrap().is_some() {
+                break;
+            }
+            let marker_seen = at_marker
+                && files_below(&out)
+                    .iter()
+                    .any(|f| f.ends_with(flumen::io::output_commit::COMMIT_MARKER));
+            if marker_seen || (!at_marker && started.elapsed() >= instant) {
+                // SAFETY: a signal to the driver process this test started.
+                unsafe { libc::kill(child.id() as i32, libc::SIGKILL) };
+                break;
+            }
+            assert!(started.elapsed() < Duration::from_secs(120), "COPY hung");
+            std::thread::sleep(Duration::from_millis(1));
+        }
+        let status = child.wait().unwrap();
+        let killed_after = started.elapsed();
+        let staged_files = files_below(&out).iter().filter(|f| is_staging(f)).count();
+        let (finished, deleted) = recover(&out).await;
+        assert!(
+            files_below(&out).iter().all(|f| !is_staging(f)),
+            "run {run}: staging left after recovery"
+        );
+        let (seen, distinct) = visible_rows(&out).await;
+        let state = match (seen, distinct) {
+            (0, 0) => "old (none)",
+            (n, d) if n == rows && d == rows => "whole new",
+            _ => panic!("run {run}: a partial output after recovery: {seen} rows, {distinct} ids"),
+        };
+        let rerun = if seen == 0 {
+            assert!(flumen_copy(&input, &out).wait().unwrap().success());
+            let after = visible_rows(&out).await;
+            assert_eq!(after, (rows, rows), "run {run}: the rerun");
+            "rerun: every row once"
+        } else {
+            "no rerun needed"
+        };
+        matrix.push(format!(
+            "| {run} | {} | {killed_after:.2?} | {} | {staged_files} | {finished}/{deleted} | {state} | {rerun} |",
+            if at_marker { "commit marker" } else { "seeded" },
+            if status.success() { "finished first" } else { "SIGKILL" },
+        ));
+    }
+    println!(
+        "| run | instant | killed after | driver | staged files left | commits finished/staging deleted | state after recovery | rerun |"
+    );
+    println!("|---|---|---|---|---|---|---|---|");
+    for line in &matrix {
+        println!("{line}");
+    }
+}
+
+/// A `COPY` cancelled in process (its future dropped mid-write) deletes what it staged.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_cancelled_copy_leaves_no_staging() {
+    let dir = tempfile::tempdir().unwrap();
+    let input = dir.path().join("input");
+    common::write_events(&input, 4, 50_000);
+    let out = dir.path().join("out");
+    let ctx = flumen::session(flumen::FlumenConfig::default()).enable_url_table();
+    let sql = copy_sql(&input, &out);
+    let copy = tokio::spawn(async move { ctx.sql(&sql).await?.collect().await });
+    let started = Instant::now();
+    while !files_below(&out).iter().any(|f| is_staging(f)) {
+        assert!(
+            started.elapsed() < Duration::from_secs(60),
+            "nothing staged"
+        );
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    copy.abort();
+    let _ = copy.await;
+    let cancelled = Instant::now();
+    while files_below(&out).iter().any(|f| is_staging(f)) {
+        assert!(
+            cancelled.elapsed() < Duration::from_secs(10),
+            "staging left after the cancel: {:?}",
+            files_below(&out)
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let (seen, distinct) = visible_rows(&out).await;
+    assert!(
+        seen == 0 || (seen == 200_000 && distinct == 200_000),
+        "{seen} rows visible after a cancel"
+    );
+}
