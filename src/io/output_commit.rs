@@ -258,6 +258,34 @@ pub async fn recover_output(
     Ok((finished, deleted))
 }
 
+/// How much room the file system holding `path` (a local object-store path) has, said so
+/// that a full disk reads as one: DataFusion's writers report a failed write, a full disk
+/// included, as a bare "error finalizing writes". (Measured after the failure: the failed
+/// file may already be gone, so "nearly full" counts.)
+fn disk_space(path: &Path) -> Option<String> {
+    let mut dir = std::path::PathBuf::from(format!("/{path}"));
+    while !dir.exists() {
+        dir = dir.parent()?.to_path_buf();
+    }
+    let c_path = std::ffi::CString::new(dir.to_str()?).ok()?;
+    // SAFETY: statvfs fills the struct it is given from a NUL-terminated path.
+    let mut stats: libc::statvfs = unsafe { std::mem::zeroed() };
+    if unsafe { libc::statvfs(c_path.as_ptr(), &mut stats) } != 0 {
+        return None;
+    }
+    let free = stats.f_bavail as u64 * stats.f_frsize as u64;
+    let total = stats.f_blocks as u64 * stats.f_frsize as u64;
+    let full = if free < (1 << 20) || free * 100 < total * 5 {
+        " (nearly full: No space left on device is the likely cause)"
+    } else {
+        ""
+    };
+    Some(format!(
+        "the file system holding {} has {free} bytes free of {total}{full}",
+        dir.display()
+    ))
+}
+
 /// Aborts a statement's staging when its write is dropped before it ended (a cancelled
 /// query), on the runtime it ran on.
 struct AbortOnDrop {
@@ -334,8 +362,17 @@ impl DataSink for StagedSink {
                 }
             },
             Err(e) => {
+                // Before the abort frees what was staged.
+                let (staged, _) = self.staged();
+                let space = local.then(|| disk_space(staged)).flatten();
                 abort_staged(&store, &self.target, local).await;
-                Err(e)
+                match space {
+                    Some(space) => Err(DataFusionError::Execution(format!(
+                        "writing the output to {} failed; {space}: {e}",
+                        self.config.original_url
+                    ))),
+                    None => Err(e),
+                }
             }
         };
         guard.armed = false;

@@ -156,10 +156,27 @@ impl BlockStore {
             DataFusionError::Execution(format!("cannot create flumen spill directory: {e}"))
         })?;
         let path = dir.path().join(format!("block-{id}.arrow"));
-        let file = BufWriter::new(File::create(&path)?);
+        let spill_error = |e: &dyn std::fmt::Display| {
+            DataFusionError::Execution(format!(
+                "cannot spill block {id} to {}: {e}",
+                path.display()
+            ))
+        };
+        // Someone may have deleted the directory under a running query: make it again (a
+        // few times: a deletion in progress races with the creation).
+        let mut attempts = 0;
+        let file = loop {
+            attempts += 1;
+            let created = std::fs::create_dir_all(dir.path()).and_then(|()| File::create(&path));
+            match created {
+                Ok(file) => break BufWriter::new(file),
+                Err(_) if attempts < 5 => std::thread::sleep(std::time::Duration::from_millis(5)),
+                Err(e) => return Err(spill_error(&e)),
+            }
+        };
         let mut writer = FileWriter::try_new(file, batch.schema_ref())?;
-        writer.write(batch)?;
-        writer.finish()?;
+        writer.write(batch).map_err(|e| spill_error(&e))?;
+        writer.finish().map_err(|e| spill_error(&e))?;
         Ok(path)
     }
 
@@ -227,7 +244,29 @@ impl BlockStore {
                 Some(Stored::Spilled(p)) => p.clone(),
             }
         };
-        let reader = FileReader::try_new(BufReader::new(File::open(&path)?), None)?;
+        let file = match File::open(&path) {
+            Ok(file) => file,
+            // A spill file deleted under the query is a lost block: lineage recomputes it.
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
+                log::warn!(
+                    "spill file {} of block {id} is gone; the block is recomputed",
+                    path.display()
+                );
+                return Ok(None);
+            }
+            Err(e) => {
+                return Err(DataFusionError::Execution(format!(
+                    "cannot read spill file {} of block {id}: {e}",
+                    path.display()
+                )));
+            }
+        };
+        let reader = FileReader::try_new(BufReader::new(file), None).map_err(|e| {
+            DataFusionError::Execution(format!(
+                "spill file {} of block {id} is damaged: {e}",
+                path.display()
+            ))
+        })?;
         let mut batches = reader.collect::<std::result::Result<Vec<_>, _>>()?;
         match batches.len() {
             1 => Ok(batches.pop()),

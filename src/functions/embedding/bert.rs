@@ -66,6 +66,23 @@ impl BertConfig {
             max_positions: field("max_position_embeddings")?,
             vocab: field("vocab_size")?,
         };
+        // Bounds far above any sentence encoder's, so a damaged or hostile config.json is an
+        // error naming its field, not an allocation of its size.
+        for (name, value, most) in [
+            ("hidden_size", config.hidden, 1 << 16),
+            ("num_attention_heads", config.heads, 1 << 10),
+            ("num_hidden_layers", config.layers, 1 << 10),
+            ("intermediate_size", config.intermediate, 1 << 18),
+            ("max_position_embeddings", config.max_positions, 1 << 20),
+            ("vocab_size", config.vocab, 1 << 22),
+        ] {
+            if value == 0 || value > most {
+                return Err(model_error(format!(
+                    "{}: {name} = {value} is outside 1..={most}",
+                    path.display()
+                )));
+            }
+        }
         if config.heads == 0 || !config.hidden.is_multiple_of(config.heads) {
             return Err(model_error(format!(
                 "{}: hidden_size {} is not a multiple of num_attention_heads {}",
