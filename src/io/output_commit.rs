@@ -364,7 +364,10 @@ impl DataSink for StagedSink {
             Err(e) => {
                 // Before the abort frees what was staged.
                 let (staged, _) = self.staged();
-                let space = local.then(|| disk_space(staged)).flatten();
+                // Only where DataFusion lost the cause (its writers' own errors are dropped
+                // when a file fails to finish: a full disk reads as "finalizing writes").
+                let lost_cause = e.to_string().contains("finalizing writes");
+                let space = (local && lost_cause).then(|| disk_space(staged)).flatten();
                 abort_staged(&store, &self.target, local).await;
                 match space {
                     Some(space) => Err(DataFusionError::Execution(format!(
