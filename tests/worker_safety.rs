@@ -549,6 +549,13 @@ async fn pids(pool: &flumen::cluster::WorkerPool) -> Vec<u32> {
     pids
 }
 
+/// The error `sql` fails with, and how long it took to fail.
+async fn timed_error(ctx: &SessionContext, sql: &str) -> (String, Duration) {
+    let started = Instant::now();
+    let err = common::try_collect(ctx, sql).await.unwrap_err().to_string();
+    (err, started.elapsed())
+}
+
 /// A function that never returns, inside a live worker that answers its heartbeats: the
 /// task runs past `flumen.task_timeout_secs`, its worker is stopped and the task retried
 /// once, then the query fails with an error naming the timeout, within the bound; the next
@@ -562,12 +569,7 @@ async fn a_stuck_function_times_out_and_the_next_query_succeeds() {
     config.max_task_retries = 1;
     let f = process_session(config, &fault_worker_binary());
     common::register_tables(&f, dir.path()).await;
-    let started = Instant::now();
-    let err = common::try_collect(&f, "SELECT hang(id) FROM events")
-        .await
-        .unwrap_err()
-        .to_string();
-    let took = started.elapsed();
+    let (err, took) = timed_error(&f, "SELECT hang(id) FROM events").await;
     println!("stuck task: failed after {took:?}: {err}");
     assert!(err.contains("flumen.task_timeout_secs (2s)"), "{err}");
     assert!(err.contains("after 1 retries"), "{err}");
@@ -577,12 +579,7 @@ async fn a_stuck_function_times_out_and_the_next_query_succeeds() {
 
     f.sql("SET flumen.task_timeout_secs = 0").await.unwrap();
     f.sql("SET flumen.query_timeout_secs = 3").await.unwrap();
-    let started = Instant::now();
-    let err = common::try_collect(&f, "SELECT hang(id) FROM events")
-        .await
-        .unwrap_err()
-        .to_string();
-    let took = started.elapsed();
+    let (err, took) = timed_error(&f, "SELECT hang(id) FROM events").await;
     println!("query timeout: failed after {took:?}: {err}");
     assert!(err.contains("flumen.query_timeout_secs (3s)"), "{err}");
     assert!(took < Duration::from_secs(15), "took {took:?}");
@@ -635,15 +632,20 @@ async fn a_panicking_function_fails_its_query_and_kills_no_worker() {
     common::assert_same(&vanilla, &f, sql).await;
 }
 
-/// Wait until every worker of `ctx`'s CPU pool holds no block (at most 10 s); the most held.
+/// Blocks the workers of `ctx`'s CPU pool hold now.
+async fn held_blocks(ctx: &SessionContext) -> usize {
+    let mut held = 0;
+    for worker in pool(ctx, Pool::Cpu).await.workers().await {
+        held += worker.status().await.unwrap().blocks_held;
+    }
+    held
+}
+
+/// Wait until every worker of `ctx`'s CPU pool holds no block (at most 10 s).
 async fn held_blocks_drain(ctx: &SessionContext, what: &str) {
-    let pool = pool(ctx, Pool::Cpu).await;
     let started = Instant::now();
     loop {
-        let mut held = 0;
-        for worker in pool.workers().await {
-            held += worker.status().await.unwrap().blocks_held;
-        }
+        let held = held_blocks(ctx).await;
         if held == 0 {
             println!(
                 "{what}: workers hold 0 blocks after {:?}",
@@ -694,10 +696,7 @@ async fn workers_hold_no_block_after_a_query_ends_in_any_way() {
     use futures::StreamExt;
     assert!(stream.next().await.unwrap().is_ok());
     // Tasks run ahead of the reader: blocks wait in the workers.
-    let mut held = 0;
-    for worker in pool(&f, Pool::Cpu).await.workers().await {
-        held += worker.status().await.unwrap().blocks_held;
-    }
+    let held = held_blocks(&f).await;
     println!("cancel: workers hold {held} blocks after the first batch");
     assert!(held > 0, "nothing was held: the cancel case tests nothing");
     drop(stream);
@@ -741,32 +740,29 @@ fn assert_worker_holds_no_secret(pid: u32) {
 
 /// The pids of processes whose parent is `parent`.
 fn children_of(parent: u32) -> Vec<u32> {
-    let mut children = vec![];
-    for entry in std::fs::read_dir("/proc").unwrap().flatten() {
-        let Ok(pid) = entry.file_name().to_string_lossy().parse::<u32>() else {
-            continue;
-        };
-        let Ok(stat) = std::fs::read_to_string(format!("/proc/{pid}/stat")) else {
-            continue;
-        };
-        // After the command name in parentheses: state, then the parent's pid.
-        let ppid = stat
-            .rsplit_once(')')
-            .and_then(|(_, rest)| rest.split_whitespace().nth(1))
-            .and_then(|p| p.parse::<u32>().ok());
-        if ppid == Some(parent) {
-            children.push(pid);
-        }
-    }
-    children
+    std::fs::read_dir("/proc")
+        .unwrap()
+        .flatten()
+        .filter_map(|entry| entry.file_name().to_string_lossy().parse::<u32>().ok())
+        .filter(|pid| {
+            // After the state comes the parent's pid.
+            stat_after_name(*pid)
+                .and_then(|rest| rest.split_whitespace().nth(1)?.parse::<u32>().ok())
+                == Some(parent)
+        })
+        .collect()
+}
+
+/// `/proc/PID/stat` after the command name in parentheses (state first); `None` when the
+/// process is gone.
+fn stat_after_name(pid: u32) -> Option<String> {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+    Some(stat.rsplit_once(')')?.1.trim_start().to_string())
 }
 
 fn alive(pid: u32) -> bool {
     // A zombie has exited; only its parent's reaping is left.
-    std::fs::read_to_string(format!("/proc/{pid}/stat")).is_ok_and(|stat| {
-        stat.rsplit_once(')')
-            .is_some_and(|(_, rest)| !rest.trim_start().starts_with('Z'))
-    })
+    stat_after_name(pid).is_some_and(|rest| !rest.starts_with('Z'))
 }
 
 /// A driver (the `flumen` REPL) killed with SIGKILL while its workers run: no worker is

@@ -99,12 +99,16 @@ impl StagedSink {
         Ok(())
     }
 
-    /// The staging location and whether the store is the local file system.
-    fn staged(&self) -> (&Path, bool) {
-        let local = self.config.object_store_url.as_str() == "file:///";
+    /// Where it stages its files.
+    fn staged(&self) -> &Path {
         match &self.target {
-            Target::File { staged, .. } | Target::Directory { staged, .. } => (staged, local),
+            Target::File { staged, .. } | Target::Directory { staged, .. } => staged,
         }
+    }
+
+    /// Whether it writes to the local file system.
+    fn is_local(&self) -> bool {
+        self.config.object_store_url.as_str() == "file:///"
     }
 }
 
@@ -331,7 +335,7 @@ impl DataSink for StagedSink {
         let store = context
             .runtime_env()
             .object_store(&self.config.object_store_url)?;
-        let (_, local) = self.staged();
+        let local = self.is_local();
         // What earlier statements left here when their driver was killed.
         match &self.target {
             Target::File { target, .. } => {
@@ -363,7 +367,7 @@ impl DataSink for StagedSink {
             },
             Err(e) => {
                 // Before the abort frees what was staged.
-                let (staged, _) = self.staged();
+                let staged = self.staged();
                 // Only where DataFusion lost the cause (its writers' own errors are dropped
                 // when a file fails to finish: a full disk reads as "finalizing writes").
                 let lost_cause = e.to_string().contains("finalizing writes");
