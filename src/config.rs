@@ -277,6 +277,10 @@ extensions_options! {
         /// Seconds a worker may leave a heartbeat unanswered before it counts as hung and is
         /// replaced.
         pub heartbeat_timeout_secs: u64, default = 2
+        /// Talk to the workers this session starts on its own host in TLS too (with a
+        /// certificate made for this driver); takes effect when a pool starts. Workers on
+        /// other hosts always use TLS.
+        pub worker_tls: bool, default = false
     }
 }
 

@@ -862,3 +862,265 @@ async fn a_pool_that_fails_half_way_stops_what_it_started() {
         std::thread::sleep(Duration::from_millis(20));
     }
 }
+
+/// Run `openssl` with `args` in `dir` (a real user's tool for certificates).
+fn openssl(dir: &std::path::Path, args: &[&str]) {
+    let out = Command::new("openssl")
+        .args(args)
+        .current_dir(dir)
+        .output()
+        .expect("openssl runs");
+    assert!(
+        out.status.success(),
+        "openssl {args:?}: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+}
+
+/// A CA (`NAME-ca.pem`) and a worker certificate it signed for `localhost` and 127.0.0.1
+/// (`NAME.pem`, key `NAME.key` in mode 0600), made with openssl as an operator would.
+fn make_certificates(dir: &std::path::Path, name: &str) {
+    let (ca_key, ca_pem) = (format!("{name}-ca.key"), format!("{name}-ca.pem"));
+    let (key, csr, pem) = (
+        format!("{name}.key"),
+        format!("{name}.csr"),
+        format!("{name}.pem"),
+    );
+    let (ext, subject) = (format!("{name}.ext"), format!("/CN={name} CA"));
+    #[rustfmt::skip]
+    openssl(dir, &["req", "-x509", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:P-256",
+        "-noenc", "-keyout", &ca_key, "-out", &ca_pem, "-days", "2", "-subj", &subject]);
+    #[rustfmt::skip]
+    openssl(dir, &["req", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:P-256", "-noenc",
+        "-keyout", &key, "-out", &csr, "-subj", "/CN=flumen worker"]);
+    std::fs::write(
+        dir.join(&ext),
+        "subjectAltName=DNS:localhost,IP:127.0.0.1\nextendedKeyUsage=serverAuth\n",
+    )
+    .unwrap();
+    #[rustfmt::skip]
+    openssl(dir, &["x509", "-req", "-in", &csr, "-CA", &ca_pem, "-CAkey", &ca_key,
+        "-CAcreateserial", "-out", &pem, "-days", "2", "-extfile", &ext]);
+    use std::os::unix::fs::PermissionsExt;
+    std::fs::set_permissions(dir.join(&key), std::fs::Permissions::from_mode(0o600)).unwrap();
+}
+
+/// A secret in a file of mode 0600 under `dir`.
+fn secret_file(dir: &std::path::Path, secret: &Secret) -> String {
+    let path = dir.join("secret");
+    std::fs::write(&path, secret.to_hex()).unwrap();
+    use std::os::unix::fs::PermissionsExt;
+    std::fs::set_permissions(&path, std::fs::Permissions::from_mode(0o600)).unwrap();
+    path.display().to_string()
+}
+
+/// A TLS client of `address` that trusts `ca_pem`, expecting the worker's certificate to
+/// name `domain` (by default the address's host).
+async fn tls_status(
+    address: &str,
+    ca_pem: &str,
+    domain: Option<&str>,
+    secret: &Secret,
+) -> Result<WorkerStatus, String> {
+    let mut tls = tonic::transport::ClientTlsConfig::new()
+        .ca_certificate(tonic::transport::Certificate::from_pem(ca_pem));
+    if let Some(domain) = domain {
+        tls = tls.domain_name(domain);
+    }
+    let chain = |e: &dyn std::error::Error| {
+        let mut text = e.to_string();
+        let mut source = e.source();
+        while let Some(cause) = source {
+            text.push_str(&format!(": {cause}"));
+            source = cause.source();
+        }
+        text
+    };
+    let channel = Channel::from_shared(format!("https://{address}"))
+        .unwrap()
+        .tls_config(tls)
+        .unwrap()
+        .connect()
+        .await
+        .map_err(|e| chain(&e))?;
+    let action = Action {
+        r#type: "status".into(),
+        body: vec![].into(),
+    };
+    let reply = FlightServiceClient::new(channel)
+        .do_action(with_credential(action, Some(&bearer(secret))))
+        .await
+        .map_err(|e| e.to_string())?;
+    let results: Vec<arrow_flight::Result> = reply
+        .into_inner()
+        .try_collect()
+        .await
+        .map_err(|e| e.to_string())?;
+    Ok(serde_json::from_slice(&results[0].body).unwrap())
+}
+
+/// A plaintext `status` call: what a client that does not speak TLS gets.
+async fn plaintext_status(address: &str, secret: &Secret) -> Result<Vec<u8>, String> {
+    let channel = Channel::from_shared(format!("http://{address}"))
+        .unwrap()
+        .connect_timeout(Duration::from_secs(5))
+        .timeout(Duration::from_secs(5))
+        .connect()
+        .await
+        .map_err(|e| e.to_string())?;
+    let action = Action {
+        r#type: "status".into(),
+        body: vec![].into(),
+    };
+    let reply = FlightServiceClient::new(channel)
+        .do_action(with_credential(action, Some(&bearer(secret))))
+        .await
+        .map_err(|e| e.to_string())?;
+    let results: Vec<arrow_flight::Result> = reply
+        .into_inner()
+        .try_collect()
+        .await
+        .map_err(|e| e.to_string())?;
+    Ok(results
+        .into_iter()
+        .next()
+        .map(|r| r.body.to_vec())
+        .unwrap_or_default())
+}
+
+/// A worker started by hand with an operator's certificate (made by openssl): it will not
+/// listen off loopback without TLS, nor read a key others can read; it serves TLS clients
+/// that trust its CA and dial a name its certificate holds, and nothing else (a plaintext
+/// client, a client trusting another CA, a client expecting another host name).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_tls_worker_serves_only_clients_that_check_its_certificate() {
+    let dir = tempfile::tempdir().unwrap();
+    make_certificates(dir.path(), "worker");
+    make_certificates(dir.path(), "other");
+    let secret = Secret::random();
+    let secret_path = secret_file(dir.path(), &secret);
+    let path = |name: &str| dir.path().join(name).display().to_string();
+    let start = |listen: &str, tls: bool| {
+        let mut command = Command::new(FLUMEN);
+        command
+            .args(["worker", "--listen", listen, "--secret-file", &secret_path])
+            .stdin(Stdio::null())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped());
+        if tls {
+            command.args([
+                "--tls-cert",
+                &path("worker.pem"),
+                "--tls-key",
+                &path("worker.key"),
+            ]);
+        }
+        command.spawn().unwrap()
+    };
+
+    // Plaintext off loopback: refused before it listens.
+    let out = start("0.0.0.0:0", false).wait_with_output().unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(1), "{stderr}");
+    assert!(stderr.contains("must use TLS"), "{stderr}");
+    println!("plaintext on 0.0.0.0: {}", stderr.trim());
+
+    // A key others can read: refused.
+    use std::os::unix::fs::PermissionsExt;
+    let key = dir.path().join("worker.key");
+    std::fs::set_permissions(&key, std::fs::Permissions::from_mode(0o644)).unwrap();
+    let out = start("127.0.0.1:0", true).wait_with_output().unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(1), "{stderr}");
+    assert!(
+        stderr.contains("TLS key") && stderr.contains("readable by other users"),
+        "{stderr}"
+    );
+    std::fs::set_permissions(&key, std::fs::Permissions::from_mode(0o600)).unwrap();
+
+    // With TLS on every address (0.0.0.0 too), dialled on loopback.
+    let mut worker = start("0.0.0.0:0", true);
+    let mut line = String::new();
+    std::io::BufReader::new(worker.stdout.take().unwrap())
+        .read_line(&mut line)
+        .unwrap();
+    let port = line.trim().rsplit(':').next().unwrap().to_string();
+    let address = format!("127.0.0.1:{port}");
+    let ca = std::fs::read_to_string(dir.path().join("worker-ca.pem")).unwrap();
+    let other_ca = std::fs::read_to_string(dir.path().join("other-ca.pem")).unwrap();
+
+    let status = tls_status(&address, &ca, None, &secret)
+        .await
+        .expect("a client trusting the CA");
+    assert_eq!(status.tasks, 0);
+    let by_name = tls_status(&format!("localhost:{port}"), &ca, None, &secret).await;
+    assert!(by_name.is_ok(), "{by_name:?}");
+    let mut table = vec![];
+    let plain = plaintext_status(&address, &secret).await;
+    table.push(("plaintext client", format!("{plain:?}")));
+    assert!(plain.is_err(), "a plaintext client was answered: {plain:?}");
+    let wrong_ca = tls_status(&address, &other_ca, None, &secret).await;
+    table.push(("client trusting another CA", format!("{wrong_ca:?}")));
+    assert!(
+        wrong_ca
+            .as_ref()
+            .is_err_and(|e| e.contains("UnknownIssuer")),
+        "{wrong_ca:?}"
+    );
+    let wrong_name = tls_status(&address, &ca, Some("elsewhere.example"), &secret).await;
+    table.push(("client dialling another name", format!("{wrong_name:?}")));
+    assert!(
+        wrong_name
+            .as_ref()
+            .is_err_and(|e| e.contains("not valid for name")),
+        "{wrong_name:?}"
+    );
+    let no_secret = tls_status(&address, &ca, None, &Secret::random()).await;
+    table.push(("TLS client with a wrong secret", format!("{no_secret:?}")));
+    assert!(
+        no_secret
+            .as_ref()
+            .is_err_and(|e| e.contains("Unauthenticated") || e.contains("secret")),
+        "{no_secret:?}"
+    );
+    for (what, answer) in &table {
+        println!("| {what} | {answer:.160} |");
+    }
+    assert!(worker.try_wait().unwrap().is_none(), "the worker stays up");
+    // Still serving after all that.
+    assert!(tls_status(&address, &ca, None, &secret).await.is_ok());
+    let _ = worker.kill();
+    let _ = worker.wait();
+}
+
+/// `flumen.worker_tls`: the session's own workers speak TLS with a certificate made for this
+/// driver (handed over on stdin); queries give the same rows, and a plaintext client of the
+/// same workers gets nothing.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_pool_in_tls_gives_the_same_rows_and_refuses_plaintext() {
+    let (dir, vanilla) = common::events_with_vanilla(2, 5_000).await;
+    let mut config = FlumenConfig::default();
+    config.worker_processes = 2;
+    config.worker_tls = true;
+    let f = process_session(config, FLUMEN);
+    common::register_tables(&f, dir.path()).await;
+    let sql = "SELECT k, count(*), sum(v) FROM events WHERE v % 3 <> 0 GROUP BY k ORDER BY k";
+    common::assert_same(&vanilla, &f, sql).await;
+    let cpu = pool(&f, Pool::Cpu).await;
+    assert!(cpu.workers().await.len() == 2);
+    let ca = flumen::cluster::tls::local_tls().unwrap().trust.ca_pem();
+    let secret = flumen::cluster::auth::driver_secret();
+    for worker in cpu.workers().await {
+        assert_worker_holds_no_secret(worker.pid);
+        let cmdline = std::fs::read(format!("/proc/{}/cmdline", worker.pid)).unwrap();
+        assert!(String::from_utf8_lossy(&cmdline).contains("--tls-stdin"));
+        let plain = plaintext_status(&worker.address, secret).await;
+        assert!(
+            plain.is_err(),
+            "worker {} answered plaintext: {plain:?}",
+            worker.address
+        );
+        let status = tls_status(&worker.address, ca, None, secret).await.unwrap();
+        assert!(status.tasks > 0, "{status:?}");
+    }
+}

@@ -56,21 +56,7 @@ impl Secret {
     /// Read a secret from a file that only its owner can read (mode 0600 or 0400), as ssh
     /// does for private keys: a secret others can read is no secret.
     pub fn from_file(path: &Path) -> Result<Self> {
-        use std::os::unix::fs::MetadataExt;
-        let meta = std::fs::metadata(path).map_err(|e| {
-            DataFusionError::Execution(format!("cannot read secret file {}: {e}", path.display()))
-        })?;
-        if meta.mode() & 0o077 != 0 {
-            return Err(DataFusionError::Execution(format!(
-                "secret file {} is readable by other users (mode {:o}): chmod 600 it",
-                path.display(),
-                meta.mode() & 0o777
-            )));
-        }
-        let text = std::fs::read_to_string(path).map_err(|e| {
-            DataFusionError::Execution(format!("cannot read secret file {}: {e}", path.display()))
-        })?;
-        Self::from_hex(&text)
+        Self::from_hex(&read_owner_only(path, "secret file")?)
     }
 
     /// Read a secret from the first line of standard input.
@@ -96,6 +82,24 @@ impl Secret {
             .parse()
             .expect("hex is valid metadata")
     }
+}
+
+/// The text of `path`, which must be readable by its owner only (no group or other bits),
+/// else an error naming `what` and the chmod that fixes it.
+pub(crate) fn read_owner_only(path: &Path, what: &str) -> Result<String> {
+    use std::os::unix::fs::MetadataExt;
+    let cannot = |e: std::io::Error| {
+        DataFusionError::Execution(format!("cannot read {what} {}: {e}", path.display()))
+    };
+    let meta = std::fs::metadata(path).map_err(cannot)?;
+    if meta.mode() & 0o077 != 0 {
+        return Err(DataFusionError::Execution(format!(
+            "{what} {} is readable by other users (mode {:o}): chmod 600 it",
+            path.display(),
+            meta.mode() & 0o777
+        )));
+    }
+    std::fs::read_to_string(path).map_err(cannot)
 }
 
 fn bad_secret() -> DataFusionError {

@@ -2,6 +2,7 @@
 //!
 //! - [`auth`]: the driver's secret that every call to a worker must carry.
 //! - [`admission`]: what a worker agrees to run (plan nodes, granted files, settings).
+//! - [`tls`]: encryption of the worker protocol (required off loopback).
 //! - [`protocol`]: what driver and worker say to each other (task requests, block info).
 //! - [`worker`]: the worker process: an Arrow Flight server that runs task plans.
 //! - [`worker_pool`]: the driver's side: starting, watching and replacing workers, and
@@ -10,6 +11,7 @@
 pub mod admission;
 pub mod auth;
 pub mod protocol;
+pub mod tls;
 pub(crate) mod worker;
 pub(crate) mod worker_pool;
 

@@ -2,7 +2,8 @@
 //! blocks they produce until the driver's consumers fetch them.
 //!
 //! It speaks Arrow Flight over gRPC on a TCP address (`host:port`, so workers can live on
-//! other hosts). Every call must carry the driver's secret ([`crate::cluster::auth`]):
+//! other hosts), in TLS when it has an identity, which it must off loopback
+//! ([`crate::cluster::tls`]). Every call must carry the driver's secret ([`crate::cluster::auth`]):
 //! - `handshake`: the secret in, a session token out (usable in place of the secret).
 //! - action `run`: a task, as a [`TaskRequest`] header and a DataFusion physical plan encoded
 //!   with `datafusion-proto`. The worker checks it against what it runs
@@ -58,6 +59,7 @@ use crate::cluster::auth::{RequireSecret, Secret};
 use crate::cluster::protocol::{
     BlockTicket, ReleaseRequest, RemoteBlockInfo, TaskRequest, WorkerStatus, decode_task,
 };
+use crate::cluster::tls::{TlsIdentity, require_tls_off_loopback};
 use crate::plan::graph::Pool;
 use crate::store::cutter::BlockCutter;
 
@@ -553,6 +555,9 @@ pub struct WorkerSettings {
     /// Largest message it accepts or sends (default [`MAX_TASK_BYTES`]); a bigger one is
     /// refused with `OutOfRange` before it is decoded.
     pub max_message_bytes: usize,
+    /// The certificate and key it serves TLS with; without one it serves plaintext, which
+    /// it refuses on any address but loopback.
+    pub tls: Option<TlsIdentity>,
 }
 
 impl WorkerSettings {
@@ -564,6 +569,7 @@ impl WorkerSettings {
             exit_when_stdin_closes: false,
             lease: None,
             max_message_bytes: MAX_TASK_BYTES,
+            tls: None,
         }
     }
 }
@@ -582,6 +588,16 @@ pub async fn serve(
         DataFusionError::Execution(format!("worker cannot listen on {listen}: {e}"))
     })?;
     let address = listener.local_addr()?;
+    require_tls_off_loopback(&address, settings.tls.as_ref())?;
+    let mut builder = tonic::transport::Server::builder();
+    if let Some(identity) = &settings.tls {
+        // This build links both of rustls's crypto providers (ring for us, aws-lc-rs for
+        // the object-store clients), so the server side needs one named.
+        let _ = rustls::crypto::ring::default_provider().install_default();
+        builder = builder.tls_config(identity.server_config()).map_err(|e| {
+            DataFusionError::Execution(format!("worker cannot use its TLS identity: {e}"))
+        })?;
+    }
     println!("flumen worker listening on {address}");
     use std::io::Write;
     std::io::stdout().flush()?;
@@ -611,7 +627,7 @@ pub async fn serve(
     let server = FlightServiceServer::from_arc(service)
         .max_decoding_message_size(settings.max_message_bytes)
         .max_encoding_message_size(settings.max_message_bytes);
-    tonic::transport::Server::builder()
+    builder
         .add_service(tonic::service::interceptor::InterceptedService::new(
             server, auth,
         ))

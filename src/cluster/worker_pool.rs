@@ -44,6 +44,7 @@ use crate::cluster::auth::{SendSecret, driver_secret};
 use crate::cluster::protocol::{
     BlockTicket, ReleaseRequest, RemoteBlockInfo, TaskRequest, WorkerStatus, encode_task,
 };
+use crate::cluster::tls::{WorkerTrust, local_tls};
 use crate::cluster::worker::MAX_TASK_BYTES;
 use crate::plan::graph::Pool;
 use crate::store::block::HeldBlock;
@@ -96,7 +97,23 @@ impl Default for WorkerTimeouts {
     }
 }
 
-type Client = FlightServiceClient<InterceptedService<Channel, SendSecret>>;
+/// What a pool's workers are started from and how they are run; a pool whose settings
+/// changed is started anew.
+#[derive(Debug, Clone, PartialEq)]
+pub struct PoolSettings {
+    /// The `flumen` executable.
+    pub binary: PathBuf,
+    /// How many workers (at least 1).
+    pub size: usize,
+    /// How they are watched.
+    pub timeouts: WorkerTimeouts,
+    /// Talk to them in TLS (`flumen.worker_tls`), with this driver's own certificate
+    /// ([`local_tls`]).
+    pub tls: bool,
+}
+
+/// A Flight client of one worker that presents the driver's secret on every call.
+pub type Client = FlightServiceClient<InterceptedService<Channel, SendSecret>>;
 
 /// A block that lives in a worker process.
 #[derive(Debug, Clone)]
@@ -356,10 +373,8 @@ impl std::fmt::Display for Failure {
 /// Worker processes of one session serving one of its pools.
 #[derive(Debug)]
 pub struct WorkerPool {
-    binary: PathBuf,
+    settings: PoolSettings,
     kind: Pool,
-    size: usize,
-    timeouts: WorkerTimeouts,
     /// The functions the workers know (from the first one's status).
     functions: Arc<HashSet<String>>,
     workers: tokio::sync::Mutex<Vec<Arc<WorkerHandle>>>,
@@ -372,31 +387,26 @@ pub struct WorkerPool {
 }
 
 impl WorkerPool {
-    /// Start `size` workers of `kind` from `binary` (the `flumen` executable), and their
-    /// heartbeat. When one fails to start, those that did are stopped.
-    pub async fn start(
-        binary: PathBuf,
-        kind: Pool,
-        size: usize,
-        timeouts: WorkerTimeouts,
-    ) -> Result<Arc<Self>> {
-        let size = size.max(1);
+    /// Start `settings.size` workers of `kind` as `settings` say, and their heartbeat. When
+    /// one fails to start, those that did are stopped.
+    pub async fn start(mut settings: PoolSettings, kind: Pool) -> Result<Arc<Self>> {
+        settings.size = settings.size.max(1);
         // Dropping the handles of those that started stops them (`WorkerHandle::drop`).
-        let started =
-            futures::future::try_join_all((0..size).map(|_| spawn_worker(&binary, kind))).await?;
+        let started = futures::future::try_join_all(
+            (0..settings.size).map(|_| spawn_worker(&settings, kind)),
+        )
+        .await?;
         // Its status says which functions the workers know; a program that does not answer
         // it is not a flumen worker.
         let status = started[0].status().await.map_err(|e| {
             DataFusionError::Execution(format!(
                 "cannot start flumen worker {}: it does not answer as a flumen worker ({e})",
-                binary.display()
+                settings.binary.display()
             ))
         })?;
         let pool = Arc::new(Self {
-            binary,
+            settings,
             kind,
-            size,
-            timeouts,
             functions: Arc::new(status.functions.into_iter().collect()),
             workers: tokio::sync::Mutex::new(vec![]),
             next: AtomicUsize::new(0),
@@ -422,7 +432,7 @@ impl WorkerPool {
     /// process gone) is marked dead and killed.
     async fn heartbeat(&self) {
         let workers = self.workers().await;
-        let timeout = self.timeouts.heartbeat;
+        let timeout = self.settings.timeouts.heartbeat;
         let pings = workers.iter().filter(|w| w.is_alive()).map(|w| async move {
             if !w.ping(timeout).await && w.is_alive() {
                 log::warn!(
@@ -500,7 +510,7 @@ impl WorkerPool {
 
     /// Start a replacement for the dead worker in `slot`.
     async fn replace(&self, slot: usize) {
-        match spawn_worker(&self.binary, self.kind).await {
+        match spawn_worker(&self.settings, self.kind).await {
             Ok(worker) => {
                 self.workers.lock().await[slot] = worker;
                 self.restarted.fetch_add(1, Ordering::Relaxed);
@@ -529,7 +539,7 @@ impl WorkerPool {
         let mut attempt = 0;
         loop {
             let worker = self.pick().await?;
-            let attempt_result = match self.timeouts.task {
+            let attempt_result = match self.settings.timeouts.task {
                 Some(limit) => match tokio::time::timeout(limit, worker.run(plan, request)).await {
                     Ok(result) => result,
                     Err(_) => Err(Failure::Stuck(format!(
@@ -625,7 +635,9 @@ impl Drop for WorkerPool {
 }
 
 /// Start one worker process and connect to it.
-async fn spawn_worker(binary: &PathBuf, kind: Pool) -> Result<Arc<WorkerHandle>> {
+async fn spawn_worker(settings: &PoolSettings, kind: Pool) -> Result<Arc<WorkerHandle>> {
+    let binary = &settings.binary;
+    let tls = settings.tls.then(local_tls).transpose()?;
     let fail = |why: String| {
         DataFusionError::Execution(format!(
             "cannot start flumen worker {}: {why}",
@@ -642,6 +654,7 @@ async fn spawn_worker(binary: &PathBuf, kind: Pool) -> Result<Arc<WorkerHandle>>
             kind.as_str(),
             "--secret-stdin",
         ])
+        .args(tls.is_some().then_some("--tls-stdin"))
         .env_clear()
         .envs(
             WORKER_ENVIRONMENT
@@ -653,12 +666,17 @@ async fn spawn_worker(binary: &PathBuf, kind: Pool) -> Result<Arc<WorkerHandle>>
         .stderr(Stdio::inherit());
     let mut child = command.spawn().map_err(|e| fail(e.to_string()))?;
     let pid = child.id();
-    // The secret goes down the pipe; the pipe stays open while the driver lives.
+    // The secret (and the TLS identity) go down the pipe; the pipe stays open while the
+    // driver lives.
+    let mut handed = format!("{}\n", driver_secret().to_hex());
+    if let Some(tls) = tls {
+        handed.push_str(&tls.identity.to_text());
+    }
     let sent = child
         .stdin
         .as_mut()
         .expect("piped stdin")
-        .write_all(format!("{}\n", driver_secret().to_hex()).as_bytes());
+        .write_all(handed.as_bytes());
     if let Err(e) = sent {
         let _ = child.kill();
         let status = child.wait().ok();
@@ -701,25 +719,55 @@ async fn spawn_worker(binary: &PathBuf, kind: Pool) -> Result<Arc<WorkerHandle>>
             )));
         }
     };
-    let channel = Channel::from_shared(format!("http://{address}"))
-        .map_err(|e| fail(e.to_string()))?
-        .connect_timeout(Duration::from_secs(5))
-        .connect()
+    let client = connect(&address, tls.map(|tls| &tls.trust))
         .await
-        .map_err(|e| fail(format!("cannot connect to {address}: {e}")))?;
+        .map_err(|e| fail(e.to_string()))?;
     Ok(Arc::new(WorkerHandle {
         address,
         pid,
         kind,
-        client: FlightServiceClient::with_interceptor(channel, SendSecret::new(driver_secret()))
-            .max_decoding_message_size(MAX_TASK_BYTES)
-            .max_encoding_message_size(MAX_TASK_BYTES),
+        client,
         alive: tokio::sync::watch::Sender::new(true),
         replacing: false.into(),
         runtime: tokio::runtime::Handle::current(),
         child: Mutex::new(Some(child)),
         death: Mutex::new(None),
     }))
+}
+
+/// A Flight client of the worker at `address` (`host:port`) that presents this driver's
+/// secret on every call; in TLS, checking the worker's certificate against `trust`, when
+/// given.
+pub async fn connect(address: &str, trust: Option<&WorkerTrust>) -> Result<Client> {
+    let scheme = if trust.is_some() { "https" } else { "http" };
+    let mut endpoint = Channel::from_shared(format!("{scheme}://{address}"))
+        .map_err(|e| DataFusionError::Execution(format!("bad worker address {address}: {e}")))?
+        .connect_timeout(Duration::from_secs(5));
+    if let Some(trust) = trust {
+        endpoint = endpoint.tls_config(trust.client_config()).map_err(|e| {
+            DataFusionError::Execution(format!("cannot use TLS with {address}: {e}"))
+        })?;
+    }
+    let channel = endpoint.connect().await.map_err(|e| {
+        DataFusionError::Execution(format!("cannot connect to {address}: {}", error_chain(&e)))
+    })?;
+    Ok(
+        FlightServiceClient::with_interceptor(channel, SendSecret::new(driver_secret()))
+            .max_decoding_message_size(MAX_TASK_BYTES)
+            .max_encoding_message_size(MAX_TASK_BYTES),
+    )
+}
+
+/// `error` and its sources, joined by `: ` (tonic's transport errors hide the cause, a
+/// certificate refused say, in their sources).
+fn error_chain(error: &dyn std::error::Error) -> String {
+    let mut text = error.to_string();
+    let mut source = error.source();
+    while let Some(cause) = source {
+        text.push_str(&format!(": {cause}"));
+        source = cause.source();
+    }
+    text
 }
 
 /// The executable to start workers from: `flumen.worker_binary`, else `FLUMEN_WORKER_BIN`,
@@ -758,24 +806,21 @@ impl WorkerPoolSlot {
         }
     }
 
-    /// The session's pool of `kind`, started with `size` workers from `binary` when there is
-    /// none (or the settings changed).
+    /// The session's pool of `kind`, started as `settings` say when there is none (or its
+    /// settings changed).
     pub async fn get_or_start(
         &self,
         kind: Pool,
-        binary: PathBuf,
-        size: usize,
-        timeouts: WorkerTimeouts,
+        mut settings: PoolSettings,
     ) -> Result<Arc<WorkerPool>> {
+        settings.size = settings.size.max(1);
         let mut slot = self.slot(kind).lock().await;
         if let Some(pool) = slot.as_ref()
-            && pool.size == size.max(1)
-            && pool.binary == binary
-            && pool.timeouts == timeouts
+            && pool.settings == settings
         {
             return Ok(Arc::clone(pool));
         }
-        let pool = WorkerPool::start(binary, kind, size, timeouts).await?;
+        let pool = WorkerPool::start(settings, kind).await?;
         *slot = Some(Arc::clone(&pool));
         Ok(pool)
     }

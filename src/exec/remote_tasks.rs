@@ -39,7 +39,9 @@ use datafusion_proto::physical_plan::{
 use crate::cluster::admission::{WORKER_OPTIONS, admit_plan, scanned_files};
 use crate::cluster::protocol::TaskRequest;
 use crate::cluster::worker::plan_blocks;
-use crate::cluster::worker_pool::{RemoteBlock, WorkerPool, WorkerTimeouts, worker_binary};
+use crate::cluster::worker_pool::{
+    PoolSettings, RemoteBlock, WorkerPool, WorkerTimeouts, worker_binary,
+};
 use crate::exec::lineage::{TaskId, TaskKind};
 use crate::exec::metrics::OperatorStats;
 use crate::exec::run::QueryRun;
@@ -253,14 +255,16 @@ impl QueryRun {
             return Ok(false);
         };
         let config = self.config();
-        let binary = worker_binary(&config.worker_binary.0)?;
-        let size = match op.pool {
-            Pool::Cpu => config.worker_processes,
-            Pool::Accelerator => config.accelerator_slots,
+        let settings = PoolSettings {
+            binary: worker_binary(&config.worker_binary.0)?,
+            size: match op.pool {
+                Pool::Cpu => config.worker_processes,
+                Pool::Accelerator => config.accelerator_slots,
+            },
+            timeouts: self.worker_timeouts(),
+            tls: config.worker_tls,
         };
-        let pool = slot
-            .get_or_start(op.pool, binary, size, self.worker_timeouts())
-            .await?;
+        let pool = slot.get_or_start(op.pool, settings).await?;
         if encode_for_worker(&runnable, &pool, &describe).is_none() {
             return Ok(false);
         }

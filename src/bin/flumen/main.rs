@@ -84,70 +84,98 @@ enum Command {
         output: Option<PathBuf>,
     },
     /// Serve as a worker process for a flumen driver (prints its address, then serves).
-    Worker {
-        /// Address to listen on (`host:port`; port 0 picks a free one).
-        #[arg(long, default_value = "127.0.0.1:0")]
-        listen: String,
-        /// The driver's pool it serves: `cpu` (several tasks at once) or `accelerator`
-        /// (one task at a time on one thread that keeps its models loaded).
-        #[arg(long, default_value = "cpu")]
-        pool: flumen::plan::Pool,
-        /// Read the driver's secret (64 hex digits) from the first line of stdin, and exit
-        /// when stdin closes (how a driver starts its workers).
-        #[arg(long, conflicts_with = "secret_file")]
-        secret_stdin: bool,
-        /// Read the driver's secret from FILE (mode 0600: a file others can read is
-        /// refused).
-        #[arg(long, value_name = "FILE")]
-        secret_file: Option<PathBuf>,
-        /// Exit after SECS seconds without a call from a driver (for workers a driver did
-        /// not start; its heartbeat calls every half second).
-        #[arg(long, value_name = "SECS")]
-        lease: Option<u64>,
-        /// Largest message accepted or sent, in bytes (default 1 GiB: a task carries its
-        /// input blocks).
-        #[arg(long, value_name = "BYTES")]
-        max_message_bytes: Option<usize>,
-    },
+    Worker(WorkerArgs),
+}
+
+/// `flumen worker`'s options.
+#[derive(clap::Args, Debug)]
+struct WorkerArgs {
+    /// Address to listen on (`host:port`; port 0 picks a free one). Any address but
+    /// loopback needs TLS (--tls-cert and --tls-key).
+    #[arg(long, default_value = "127.0.0.1:0")]
+    listen: String,
+    /// The driver's pool it serves: `cpu` (several tasks at once) or `accelerator`
+    /// (one task at a time on one thread that keeps its models loaded).
+    #[arg(long, default_value = "cpu")]
+    pool: flumen::plan::Pool,
+    /// Read the driver's secret (64 hex digits) from the first line of stdin, and exit
+    /// when stdin closes (how a driver starts its workers).
+    #[arg(long, conflicts_with = "secret_file")]
+    secret_stdin: bool,
+    /// Read the driver's secret from FILE (mode 0600: a file others can read is
+    /// refused).
+    #[arg(long, value_name = "FILE")]
+    secret_file: Option<PathBuf>,
+    /// Serve TLS with the certificate (chain) in this PEM file.
+    #[arg(
+        long,
+        value_name = "FILE",
+        requires = "tls_key",
+        conflicts_with = "tls_stdin"
+    )]
+    tls_cert: Option<PathBuf>,
+    /// The private key of --tls-cert, a PEM file readable by its owner only (mode 0600).
+    #[arg(long, value_name = "FILE", requires = "tls_cert")]
+    tls_key: Option<PathBuf>,
+    /// Read a TLS certificate and key (PEM, ended by a blank line) from stdin after the
+    /// secret (how a driver with `flumen.worker_tls` on starts its workers).
+    #[arg(long, requires = "secret_stdin")]
+    tls_stdin: bool,
+    /// Exit after SECS seconds without a call from a driver (for workers a driver did
+    /// not start; its heartbeat calls every half second).
+    #[arg(long, value_name = "SECS")]
+    lease: Option<u64>,
+    /// Largest message accepted or sent, in bytes (default 1 GiB: a task carries its
+    /// input blocks).
+    #[arg(long, value_name = "BYTES")]
+    max_message_bytes: Option<usize>,
 }
 
 /// `flumen worker`: serve tasks for a driver until killed, its driver goes away or its
 /// lease runs out.
-fn worker(
-    listen: &str,
-    kind: flumen::plan::Pool,
-    secret_stdin: bool,
-    secret_file: Option<&std::path::Path>,
-    lease: Option<u64>,
-    max_message_bytes: Option<usize>,
-) -> ExitCode {
+fn worker(args: &WorkerArgs) -> ExitCode {
     env_logger::Builder::from_env(env_logger::Env::default().default_filter_or("warn"))
         .format_target(false)
         .init();
-    let secret = match (secret_stdin, secret_file) {
-        (true, _) => flumen::cluster::auth::Secret::from_stdin(),
-        (false, Some(path)) => flumen::cluster::auth::Secret::from_file(path),
-        (false, None) => {
-            eprintln!(
-                "flumen worker: no secret: a worker answers only callers that present its \
-                 driver's secret (--secret-stdin, or --secret-file FILE)"
-            );
-            return ExitCode::FAILURE;
-        }
-    };
-    let secret = match secret {
-        Ok(secret) => secret,
+    match worker_settings(args) {
+        Ok(settings) => serve_worker(args, settings),
         Err(e) => {
             eprintln!("flumen worker: {e}");
-            return ExitCode::FAILURE;
+            ExitCode::FAILURE
+        }
+    }
+}
+
+/// The secret, TLS identity and limits `args` ask for (read from stdin or files).
+fn worker_settings(args: &WorkerArgs) -> datafusion::error::Result<flumen::WorkerSettings> {
+    use flumen::cluster::auth::Secret;
+    use flumen::cluster::tls::TlsIdentity;
+    let secret = match (args.secret_stdin, &args.secret_file) {
+        (true, _) => Secret::from_stdin()?,
+        (false, Some(path)) => Secret::from_file(path)?,
+        (false, None) => {
+            return Err(datafusion::error::DataFusionError::Execution(
+                "no secret: a worker answers only callers that present its driver's secret \
+                 (--secret-stdin, or --secret-file FILE)"
+                    .into(),
+            ));
         }
     };
     let mut settings = flumen::WorkerSettings::new(secret);
-    settings.exit_when_stdin_closes = secret_stdin;
-    settings.lease = lease.map(std::time::Duration::from_secs);
-    if let Some(bytes) = max_message_bytes {
+    settings.tls = match (&args.tls_cert, &args.tls_key) {
+        (Some(cert), Some(key)) => Some(TlsIdentity::from_files(cert, key)?),
+        _ if args.tls_stdin => Some(TlsIdentity::read_from(&mut std::io::stdin().lock())?),
+        _ => None,
+    };
+    settings.exit_when_stdin_closes = args.secret_stdin;
+    settings.lease = args.lease.map(std::time::Duration::from_secs);
+    if let Some(bytes) = args.max_message_bytes {
         settings.max_message_bytes = bytes;
     }
+    Ok(settings)
+}
+
+fn serve_worker(args: &WorkerArgs, settings: flumen::WorkerSettings) -> ExitCode {
     let runtime = match tokio::runtime::Runtime::new() {
         Ok(r) => r,
         Err(e) => {
@@ -157,7 +185,7 @@ fn worker(
     };
     match runtime.block_on(async {
         let ctx = flumen::session(FlumenConfig::default());
-        flumen::cluster::serve(listen, kind, ctx, settings).await
+        flumen::cluster::serve(&args.listen, args.pool, ctx, settings).await
     }) {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {
@@ -200,23 +228,7 @@ fn main() -> ExitCode {
     match &cli.command {
         Some(Command::InstallModel { dir }) => return install_model(dir.clone()),
         Some(Command::Extract { input, output }) => return extract(input.clone(), output.clone()),
-        Some(Command::Worker {
-            listen,
-            pool,
-            secret_stdin,
-            secret_file,
-            lease,
-            max_message_bytes,
-        }) => {
-            return worker(
-                listen,
-                *pool,
-                *secret_stdin,
-                secret_file.as_deref(),
-                *lease,
-                *max_message_bytes,
-            );
-        }
+        Some(Command::Worker(args)) => return worker(args),
         None => {}
     }
     let mut scripts = vec![];
