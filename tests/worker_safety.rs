@@ -12,11 +12,13 @@ use std::time::{Duration, Instant};
 
 use arrow_flight::flight_service_client::FlightServiceClient;
 use arrow_flight::{Action, HandshakeRequest, Ticket};
+use datafusion::datasource::memory::MemorySourceConfig;
 use datafusion::physical_plan::ExecutionPlan;
 use datafusion::prelude::{CsvReadOptions, SessionConfig, SessionContext};
 use flumen::cluster::auth::Secret;
 use flumen::cluster::protocol::{
-    BlockTicket, ReleaseRequest, RemoteBlockInfo, TaskRequest, WorkerStatus, encode_task,
+    BlockTicket, INPUT_LOST, InputTicket, ReleaseRequest, RemoteBlockInfo, TaskInput, TaskRequest,
+    WorkerStatus, encode_task,
 };
 use flumen::plan::Pool;
 use flumen::{FlumenConfig, WorkerMode};
@@ -129,6 +131,18 @@ async fn action(
         .unwrap_or_default())
 }
 
+/// Action `release` of `keys` of `query`: the worker's answer (blocks dropped).
+async fn release(address: &str, credential: &str, query: &str, keys: Vec<String>) -> Vec<u8> {
+    let request = ReleaseRequest {
+        query: query.into(),
+        keys,
+    };
+    let body = serde_json::to_vec(&request).unwrap();
+    action(address, Some(credential), "release", body)
+        .await
+        .unwrap()
+}
+
 fn bearer(secret: &Secret) -> String {
     format!("Bearer {}", secret.to_hex())
 }
@@ -179,6 +193,7 @@ fn request(query: &str, grants: Vec<String>) -> TaskRequest {
         options: vec![],
         query: query.into(),
         grants,
+        inputs: None,
     }
 }
 
@@ -414,6 +429,7 @@ async fn a_hostile_client_is_refused_and_the_worker_stays_up() {
         ticket: serde_json::to_vec(&BlockTicket {
             query: query.into(),
             key: key.clone(),
+            keep: false,
         })
         .unwrap()
         .into(),
@@ -430,21 +446,49 @@ async fn a_hostile_client_is_refused_and_the_worker_stays_up() {
         Code::NotFound,
         "no block",
     );
-    let release = ReleaseRequest {
-        query: "query-b".into(),
-        keys: vec![key.clone()],
-    };
-    let dropped = action(
-        &address,
-        Some(&good),
-        "release",
-        serde_json::to_vec(&release).unwrap(),
-    )
-    .await
-    .unwrap();
+    let dropped = release(&address, &good, "query-b", vec![key.clone()]).await;
     assert_eq!(dropped, b"0", "query B released nothing of query A's");
     table.push(("another query's release".into(), "0 blocks dropped".into()));
     assert_eq!(status(&address, &secret).await.blocks_held, 1);
+
+    // A block-wise task whose input is that block, fetched by ticket from a worker (this
+    // one): it runs, and the holder keeps the block until it is released. A ticket naming
+    // a worker that is gone fails the task with INPUT_LOST (the driver recomputes that
+    // input), and the worker lives on.
+    let empty = MemorySourceConfig::try_new_exec(&[vec![]], granted.schema(), None).unwrap();
+    let empty: Arc<dyn ExecutionPlan> = empty;
+    let ticket_to = |address: &str| {
+        TaskInput::Fetch(InputTicket {
+            address: address.into(),
+            tls: false,
+            key: key.clone(),
+            bytes: 0,
+        })
+    };
+    let mut fetching = request("query-a", vec![]);
+    fetching.inputs = Some(vec![ticket_to(&address)]);
+    let reply = action(&address, Some(&good), "run", task_body(&empty, fetching)).await;
+    let infos: Vec<RemoteBlockInfo> = serde_json::from_slice(&reply.unwrap()).unwrap();
+    assert_eq!(infos.iter().map(|i| i.rows).sum::<usize>(), 2);
+    assert_eq!(
+        status(&address, &secret).await.blocks_held,
+        2,
+        "the input was kept"
+    );
+    let keys = infos.into_iter().map(|i| i.key).collect();
+    release(&address, &good, "query-a", keys).await;
+    let mut dead_holder = request("query-a", vec![]);
+    dead_holder.inputs = Some(vec![ticket_to("127.0.0.1:1")]);
+    let r = action(&address, Some(&good), "run", task_body(&empty, dead_holder)).await;
+    refused(
+        &mut table,
+        "a task input ticket naming a worker that is gone",
+        r,
+        Code::Internal,
+        INPUT_LOST,
+    );
+    assert_eq!(status(&address, &secret).await.blocks_held, 1);
+
     let batches: Vec<_> = arrow_flight::decode::FlightRecordBatchStream::new_from_flight_data(
         client(&address)
             .await
@@ -1039,12 +1083,17 @@ async fn a_tls_worker_serves_only_clients_that_check_its_certificate() {
     std::fs::set_permissions(&key, std::fs::Permissions::from_mode(0o600)).unwrap();
 
     // With TLS on every address (0.0.0.0 too), dialled on loopback.
-    let mut worker = start("0.0.0.0:0", true);
+    let mut child = start("0.0.0.0:0", true);
     let mut line = String::new();
-    std::io::BufReader::new(worker.stdout.take().unwrap())
+    std::io::BufReader::new(child.stdout.take().unwrap())
         .read_line(&mut line)
         .unwrap();
-    let port = line.trim().rsplit(':').next().unwrap().to_string();
+    // Killed when the test ends, pass or fail.
+    let mut worker = WorkerProcess {
+        child,
+        address: line.trim().to_string(),
+    };
+    let port = worker.address.rsplit(':').next().unwrap().to_string();
     let address = format!("127.0.0.1:{port}");
     let ca = std::fs::read_to_string(dir.path().join("worker-ca.pem")).unwrap();
     let other_ca = std::fs::read_to_string(dir.path().join("other-ca.pem")).unwrap();
@@ -1086,11 +1135,9 @@ async fn a_tls_worker_serves_only_clients_that_check_its_certificate() {
     for (what, answer) in &table {
         println!("| {what} | {answer:.160} |");
     }
-    assert!(worker.try_wait().unwrap().is_none(), "the worker stays up");
+    assert!(worker.is_running(), "the worker stays up");
     // Still serving after all that.
     assert!(tls_status(&address, &ca, None, &secret).await.is_ok());
-    let _ = worker.kill();
-    let _ = worker.wait();
 }
 
 /// `flumen.worker_tls`: the session's own workers speak TLS with a certificate made for this

@@ -542,17 +542,123 @@ fn embeddings_by_id(
     out
 }
 
+/// A small events table (2 files of 300 rows) and a vanilla session with flumen's
+/// functions over it: the embedding tests' reference.
+async fn embedding_events() -> (tempfile::TempDir, SessionContext) {
+    let dir = tempfile::tempdir().unwrap();
+    write_events(dir.path(), 2, 300);
+    let v = vanilla();
+    flumen::register_functions(&v);
+    register_tables(&v, dir.path()).await;
+    (dir, v)
+}
+
+/// Vectors equal to within `1e-4`, id by id.
+fn assert_same_embeddings(got: &[(i64, Vec<f32>)], expected: &[(i64, Vec<f32>)]) {
+    assert_eq!(got.len(), expected.len());
+    for ((id, a), (id2, b)) in got.iter().zip(expected) {
+        assert_eq!(id, id2);
+        assert_eq!(a.len(), b.len(), "id {id}");
+        let worst = a
+            .iter()
+            .zip(b)
+            .map(|(x, y)| (x - y).abs())
+            .fold(0f32, f32::max);
+        assert!(worst < 1e-4, "id {id}: vectors differ by {worst}");
+    }
+}
+
+/// A model task's input blocks go from the CPU workers that made them straight to the
+/// accelerator worker (tickets the driver hands out): the driver carries none of their
+/// bytes. Then the CPU worker holding some of them is killed before they are read (batch
+/// mode makes every source block first): those inputs are recomputed from lineage and the
+/// vectors are still vanilla's.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn task_inputs_go_worker_to_worker_and_a_lost_holder_is_recomputed() {
+    let (dir, v) = embedding_events().await;
+    let sql = "SELECT id, embed(body) AS e FROM events";
+    let expected = embeddings_by_id(&v.sql(sql).await.unwrap().collect().await.unwrap());
+    let settings = [
+        "SET flumen.mode = 'batch'",
+        "SET flumen.device = 'cpu'",
+        "SET flumen.target_block_rows = 50",
+    ];
+    let input_bytes = |plan: &Arc<dyn datafusion::physical_plan::ExecutionPlan>| {
+        let exec = plan.downcast_ref::<FlumenExec>().unwrap();
+        let s = exec
+            .run_metrics()
+            .operator(accelerator_operator(exec.graph()).id)
+            .snapshot();
+        (
+            s.input_bytes_by_ticket,
+            s.input_bytes_via_driver,
+            s.remote_tasks,
+        )
+    };
+    // A process-mode session (with `dropper`) running `sql`: it, the rows, the plan and
+    // when the run started.
+    let run_in = |dropper: Option<BlockDropper>| {
+        let dir = dir.path().to_path_buf();
+        async move {
+            let f = session(process_config(2), dropper);
+            for set in settings {
+                f.sql(set).await.unwrap();
+            }
+            register_tables(&f, &dir).await;
+            let started = Instant::now();
+            let (batches, plan) = run_plan(&f, sql).await;
+            (f, batches, plan, started)
+        }
+    };
+
+    let (f, batches, plan, started) = run_in(None).await;
+    let (by_ticket, via_driver, tasks) = input_bytes(&plan);
+    println!(
+        "clean run: {tasks} model tasks, input bytes worker to worker {by_ticket}, \
+         through the driver {via_driver}, {:?}",
+        started.elapsed()
+    );
+    assert_same_embeddings(&embeddings_by_id(&batches), &expected);
+    assert!(
+        tasks >= 12 && by_ticket > 0,
+        "{tasks} tasks, {by_ticket} bytes by ticket"
+    );
+    assert_eq!(via_driver, 0, "the driver carried input bytes");
+    // A per-block operator after the model (a partial count): its task plan is cut at its
+    // own stage input, not at the model's input below it.
+    let counted = "SELECT count(e) FROM (SELECT embed(body) AS e FROM events)";
+    assert_same(&v, &f, counted).await;
+
+    // The third block made in a CPU worker: its holder dies before any model task runs.
+    let (dropper, killed) = signal_at_block(2, libc::SIGKILL, None);
+    let (_f, batches, plan, started) = run_in(Some(dropper)).await;
+    let (by_ticket, via_driver, tasks) = input_bytes(&plan);
+    let pid = killed
+        .lock()
+        .unwrap()
+        .pid
+        .expect("no CPU worker was killed");
+    let exec = plan.downcast_ref::<FlumenExec>().unwrap();
+    let lost: u64 = (0..exec.graph().operators.len())
+        .map(|op| exec.run_metrics().operator(op).snapshot().blocks_lost)
+        .sum();
+    println!(
+        "holder {pid} killed: {tasks} model tasks, input bytes worker to worker {by_ticket}, \
+         through the driver {via_driver} (recomputed inputs), {lost} blocks lost, {:?}",
+        started.elapsed()
+    );
+    assert_same_embeddings(&embeddings_by_id(&batches), &expected);
+    assert!(lost > 0, "the kill cost nothing");
+    assert!(by_ticket > 0, "no input went worker to worker");
+}
+
 /// SIGKILL an accelerator worker (a process running the real `embed` model) after it made
 /// its sixth block: the tasks it was running are retried on the other one, the blocks it
 /// held are recomputed from lineage, a replacement process loads the model again, and every
 /// vector equals the one vanilla DataFusion computes with the same UDF.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_accelerator_worker_killed_mid_embedding_costs_only_its_blocks() {
-    let dir = tempfile::tempdir().unwrap();
-    write_events(dir.path(), 2, 300);
-    let v = vanilla();
-    flumen::register_functions(&v);
-    register_tables(&v, dir.path()).await;
+    let (dir, v) = embedding_events().await;
     let (dropper, killed) = signal_at_block(5, libc::SIGKILL, Some("Accelerator"));
     let mut config = process_config(1);
     config.accelerator_slots = 2;
@@ -570,18 +676,7 @@ async fn an_accelerator_worker_killed_mid_embedding_costs_only_its_blocks() {
     let (batches, plan) = run_plan(&f, sql).await;
     let elapsed = started.elapsed();
     let expected = embeddings_by_id(&v.sql(sql).await.unwrap().collect().await.unwrap());
-    let got = embeddings_by_id(&batches);
-    assert_eq!(got.len(), expected.len());
-    for ((id, a), (id2, b)) in got.iter().zip(&expected) {
-        assert_eq!(id, id2);
-        assert_eq!(a.len(), b.len(), "id {id}");
-        let worst = a
-            .iter()
-            .zip(b)
-            .map(|(x, y)| (x - y).abs())
-            .fold(0f32, f32::max);
-        assert!(worst < 1e-4, "id {id}: vectors differ by {worst}");
-    }
+    assert_same_embeddings(&embeddings_by_id(&batches), &expected);
     let pid = killed
         .lock()
         .unwrap()

@@ -30,7 +30,41 @@ pub struct TaskRequest {
     /// refused.
     #[serde(default)]
     pub grants: Vec<String>,
+    /// Where a block-wise task's input blocks come from, in bundle order; `None`: they are
+    /// all in the plan (its one in-memory source holds them). With `Some`, the plan's
+    /// in-memory source holds only the [`TaskInput::Inline`] ones and the worker fetches
+    /// the others from the workers that keep them.
+    #[serde(default)]
+    pub inputs: Option<Vec<TaskInput>>,
 }
+
+/// One input block of a block-wise task.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub enum TaskInput {
+    /// The `i`th batch of the plan's in-memory source (a block the driver held).
+    Inline(usize),
+    /// A block another worker keeps, fetched from it directly (it keeps the block until
+    /// the driver releases it, so a retried task fetches it again).
+    Fetch(InputTicket),
+}
+
+/// Where a worker fetches an input block from: the holder's address and the block's key
+/// (of the task's own query).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct InputTicket {
+    /// The holding worker's `host:port`.
+    pub address: String,
+    /// Whether it speaks TLS (checked against the fetching worker's trusted CA).
+    pub tls: bool,
+    /// The block's key.
+    pub key: String,
+    /// Bytes of the block (for the metrics).
+    pub bytes: u64,
+}
+
+/// The words a task's error starts with when an input block could not be fetched from
+/// its holder (gone, or dead): the driver then recomputes that input and retries the task.
+pub const INPUT_LOST: &str = "input block lost";
 
 /// What `do_get` takes: a block's key and the query that owns it.
 #[derive(Debug, Clone, Serialize, Deserialize)]
@@ -39,6 +73,10 @@ pub struct BlockTicket {
     pub query: String,
     /// The block's key.
     pub key: String,
+    /// Leave the block with the worker after sending it (a worker fetching a task's input:
+    /// the driver releases it once the task is done); otherwise the worker drops it.
+    #[serde(default)]
+    pub keep: bool,
 }
 
 /// What action `release` takes: blocks of `query` to drop (all of its blocks when `keys` is
@@ -52,9 +90,17 @@ pub struct ReleaseRequest {
     pub keys: Vec<String>,
 }
 
+/// The version of what driver and worker say to each other; a driver refuses workers that
+/// speak another (they would misread a task, e.g. ignore its input tickets). 2: task inputs
+/// by ticket.
+pub const PROTOCOL_VERSION: u32 = 2;
+
 /// What a worker says of itself (action `status`).
 #[derive(Debug, Clone, Default, Serialize, Deserialize)]
 pub struct WorkerStatus {
+    /// The [`PROTOCOL_VERSION`] it speaks (absent, 0, before versions were numbered).
+    #[serde(default)]
+    pub protocol: u32,
     /// The pool it serves.
     pub kind: Pool,
     /// Its process id.

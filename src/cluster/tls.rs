@@ -6,8 +6,9 @@
 //! ([`WorkerTrust`]). A driver's own workers on its host listen on loopback, where TLS is
 //! optional (`flumen.worker_tls`): when it is on, the driver makes a private CA once, signs
 //! one certificate for `localhost`, `127.0.0.1` and `::1` with it, forgets the CA's key, and
-//! hands the certificate and its key to each worker on stdin together with the secret
-//! ([`local_tls`]). It then trusts that CA alone.
+//! hands the certificate, its key and the CA to each worker on stdin together with the
+//! secret ([`local_tls`]). It then trusts that CA alone, as do its workers when they fetch
+//! task inputs from one another.
 
 use std::io::BufRead;
 use std::net::SocketAddr;
@@ -65,22 +66,13 @@ impl TlsIdentity {
     pub fn read_from(input: &mut impl BufRead) -> Result<Self> {
         let (mut cert_pem, mut key_pem) = (String::new(), String::new());
         let mut in_key = false;
-        loop {
-            let mut line = String::new();
-            let read = input
-                .read_line(&mut line)
-                .map_err(|e| tls_error(&format!("cannot read the TLS identity: {e}")))?;
-            if read == 0 || line.trim().is_empty() {
-                break;
-            }
+        for line in read_pem_section(input, "TLS identity")?.lines() {
             if line.starts_with("-----BEGIN") {
                 in_key = line.contains("PRIVATE KEY");
             }
-            if in_key {
-                key_pem.push_str(&line);
-            } else {
-                cert_pem.push_str(&line);
-            }
+            let part = if in_key { &mut key_pem } else { &mut cert_pem };
+            part.push_str(line);
+            part.push('\n');
         }
         Self::from_pem(cert_pem, key_pem)
     }
@@ -120,6 +112,16 @@ impl WorkerTrust {
         let ca_pem = std::fs::read_to_string(path)
             .map_err(|e| tls_error(&format!("cannot read TLS CA {}: {e}", path.display())))?;
         Self::from_pem(ca_pem).map_err(|e| tls_error(&format!("{}: {e}", path.display())))
+    }
+
+    /// Read a CA as [`WorkerTrust::to_text`] wrote it (PEM up to a blank line).
+    pub fn read_from(input: &mut impl BufRead) -> Result<Self> {
+        Self::from_pem(read_pem_section(input, "trusted CA")?)
+    }
+
+    /// The CA certificate(s) and a blank line: what [`WorkerTrust::read_from`] reads.
+    pub fn to_text(&self) -> String {
+        format!("{}\n\n", self.ca_pem.trim_end())
     }
 
     /// The trusted CA certificate(s), PEM.
@@ -195,6 +197,21 @@ pub fn require_tls_off_loopback(address: &SocketAddr, tls: Option<&TlsIdentity>)
     Ok(())
 }
 
+/// Lines of `input` up to a blank line or its end (`what` names it in errors).
+fn read_pem_section(input: &mut impl BufRead, what: &str) -> Result<String> {
+    let mut text = String::new();
+    loop {
+        let mut line = String::new();
+        let read = input
+            .read_line(&mut line)
+            .map_err(|e| tls_error(&format!("cannot read the {what}: {e}")))?;
+        if read == 0 || line.trim().is_empty() {
+            return Ok(text);
+        }
+        text.push_str(&line);
+    }
+}
+
 fn has_pem_block(text: &str, label: &str) -> bool {
     text.lines()
         .any(|l| l.starts_with("-----BEGIN") && l.contains(label))
@@ -212,17 +229,20 @@ mod tests {
     fn an_identity_survives_the_stdin_round_trip() {
         let local = local_tls().unwrap();
         let text = format!(
-            "{}more input after the blank line\n",
-            local.identity.to_text()
+            "{}{}more input after the blank lines\n",
+            local.identity.to_text(),
+            local.trust.to_text()
         );
         let mut input = std::io::Cursor::new(text.into_bytes());
         let read = TlsIdentity::read_from(&mut input).unwrap();
         assert_eq!(read.cert_pem.trim(), local.identity.cert_pem.trim());
         assert_eq!(read.key_pem.trim(), local.identity.key_pem.trim());
-        // The reader stopped at the blank line.
+        let trust = WorkerTrust::read_from(&mut input).unwrap();
+        assert_eq!(trust.ca_pem.trim(), local.trust.ca_pem.trim());
+        // The readers stopped at their blank lines.
         let mut rest = String::new();
         input.read_line(&mut rest).unwrap();
-        assert_eq!(rest, "more input after the blank line\n");
+        assert_eq!(rest, "more input after the blank lines\n");
         assert!(!format!("{read:?}").contains("KEY"));
     }
 

@@ -52,24 +52,32 @@ use futures::stream::BoxStream;
 use futures::{FutureExt, StreamExt, TryStreamExt};
 use tonic::{Request, Response, Status, Streaming};
 
+use datafusion::common::tree_node::{Transformed, TreeNode};
+use datafusion::datasource::memory::MemorySourceConfig;
+use datafusion::datasource::source::DataSourceExec;
 use datafusion::physical_plan::repartition::RepartitionExec;
 
 use crate::cluster::admission::{admit_options, admit_plan};
 use crate::cluster::auth::{RequireSecret, Secret};
 use crate::cluster::protocol::{
-    BlockTicket, ReleaseRequest, RemoteBlockInfo, TaskRequest, WorkerStatus, decode_task,
+    BlockTicket, INPUT_LOST, PROTOCOL_VERSION, ReleaseRequest, RemoteBlockInfo, TaskInput,
+    TaskRequest, WorkerStatus, decode_task,
 };
-use crate::cluster::tls::{TlsIdentity, require_tls_off_loopback};
+use crate::cluster::tls::{TlsIdentity, WorkerTrust, require_tls_off_loopback};
+use crate::cluster::worker_pool::{Client, connect, get_block};
 use crate::plan::graph::Pool;
 use crate::store::cutter::BlockCutter;
+use crate::store::cutter::bundle_pieces;
 
 /// What a task body's run gives back: its blocks, or its error; a panic is an error whose
 /// message says so.
 type TaskBlocks = Result<Vec<(usize, RecordBatch)>>;
 
-/// A job for an accelerator worker's model thread: a task body and where to answer.
+/// A job for an accelerator worker's model thread: a task body, its input blocks fetched
+/// from other workers, and where to answer.
 type ModelJob = (
     Vec<u8>,
+    Vec<RecordBatch>,
     SessionContext,
     tokio::sync::oneshot::Sender<TaskBlocks>,
 );
@@ -101,6 +109,8 @@ pub struct WorkerService {
     /// still running when the release came are dropped as they finish. The most recent
     /// [`ENDED_QUERIES_KEPT`].
     ended: Mutex<std::collections::VecDeque<String>>,
+    /// Clients of the other workers it fetches task inputs from.
+    peers: Peers,
 }
 
 /// How many ended queries a worker remembers.
@@ -108,8 +118,9 @@ const ENDED_QUERIES_KEPT: usize = 4096;
 
 impl WorkerService {
     /// A worker whose tasks run in `ctx` (which must know the functions the plans call),
-    /// answering only callers that present `auth`'s secret.
-    pub fn new(ctx: SessionContext, kind: Pool, auth: RequireSecret) -> Self {
+    /// answering only callers that present `auth`'s secret; it fetches task inputs from
+    /// other workers as `peers` says.
+    fn new(ctx: SessionContext, kind: Pool, auth: RequireSecret, peers: Peers) -> Self {
         let model_thread = (kind == Pool::Accelerator).then(start_model_thread);
         let task_runtime = (kind == Pool::Cpu).then(|| {
             tokio::runtime::Builder::new_multi_thread()
@@ -129,6 +140,7 @@ impl WorkerService {
             auth,
             last_call: Mutex::new(Instant::now()),
             ended: Mutex::default(),
+            peers,
         }
     }
 
@@ -140,6 +152,7 @@ impl WorkerService {
         functions.extend(state.window_functions().keys().cloned());
         functions.sort();
         WorkerStatus {
+            protocol: PROTOCOL_VERSION,
             kind: self.kind,
             pid: std::process::id(),
             tasks: self.tasks.load(Ordering::Relaxed),
@@ -158,11 +171,15 @@ impl WorkerService {
     async fn run(&self, body: &[u8]) -> Result<Vec<RemoteBlockInfo>> {
         self.tasks.fetch_add(1, Ordering::Relaxed);
         let (request, _) = decode_task(body).map_err(DataFusionError::Execution)?;
+        let fetched = match &request.inputs {
+            Some(inputs) => self.peers.fetch_inputs(&request.query, inputs).await?,
+            None => vec![],
+        };
         let blocks = match &self.model_thread {
             Some(thread) => {
                 let (reply, answer) = tokio::sync::oneshot::channel();
                 thread
-                    .send((body.to_vec(), self.ctx.clone(), reply))
+                    .send((body.to_vec(), fetched, self.ctx.clone(), reply))
                     .map_err(|_| DataFusionError::Execution("the model thread is gone".into()))?;
                 answer.await.map_err(|_| {
                     DataFusionError::Execution("the model thread dropped a task".into())
@@ -170,7 +187,7 @@ impl WorkerService {
             }
             None => {
                 let (body, ctx) = (body.to_vec(), self.ctx.clone());
-                let task = async move { run_guarded(&body, &ctx).await };
+                let task = async move { run_guarded(&body, fetched, &ctx).await };
                 match &self.task_runtime {
                     Some(runtime) => {
                         let handle = runtime.spawn(task);
@@ -266,8 +283,8 @@ fn random_key() -> String {
 const PANICKED: &str = "task panicked";
 
 /// Run a task body, turning a panic into the task's error (the worker lives on).
-async fn run_guarded(body: &[u8], ctx: &SessionContext) -> TaskBlocks {
-    match AssertUnwindSafe(run_task_body(body, ctx))
+async fn run_guarded(body: &[u8], fetched: Vec<RecordBatch>, ctx: &SessionContext) -> TaskBlocks {
+    match AssertUnwindSafe(run_task_body(body, fetched, ctx))
         .catch_unwind()
         .await
     {
@@ -284,8 +301,9 @@ async fn run_guarded(body: &[u8], ctx: &SessionContext) -> TaskBlocks {
 }
 
 /// Decode a task body under the driver's settings it carries, check it against what a
-/// worker runs ([`crate::cluster::admission`]), and run it into blocks.
-async fn run_task_body(body: &[u8], ctx: &SessionContext) -> TaskBlocks {
+/// worker runs ([`crate::cluster::admission`]), put in the input blocks `fetched` from other
+/// workers, and run it into blocks.
+async fn run_task_body(body: &[u8], fetched: Vec<RecordBatch>, ctx: &SessionContext) -> TaskBlocks {
     let (request, plan) = decode_task(body).map_err(DataFusionError::Execution)?;
     admit_options(&request.options)?;
     let mut config = ctx.copied_config();
@@ -299,7 +317,128 @@ async fn run_task_body(body: &[u8], ctx: &SessionContext) -> TaskBlocks {
     let task_ctx = state.task_ctx();
     let plan = datafusion_proto::bytes::physical_plan_from_bytes(plan, &task_ctx)?;
     admit_plan(&plan, &request.grants)?;
+    let plan = match &request.inputs {
+        Some(inputs) => with_inputs(plan, inputs, fetched, request.target_rows)?,
+        None => plan,
+    };
     plan_blocks(plan, task_ctx, &request).await
+}
+
+/// Put a block-wise task's input blocks into its plan's one in-memory source: the inline
+/// batches the source carries and the `fetched` ones, in the order `inputs` gives, cut as
+/// the driver cuts a bundle ([`bundle_pieces`]).
+fn with_inputs(
+    plan: Arc<dyn ExecutionPlan>,
+    inputs: &[TaskInput],
+    fetched: Vec<RecordBatch>,
+    target_rows: usize,
+) -> Result<Arc<dyn ExecutionPlan>> {
+    let mut fetched = fetched.into_iter();
+    let mut sources = 0;
+    let plan = plan
+        .transform_up(|node| {
+            let Some(memory) = node
+                .downcast_ref::<DataSourceExec>()
+                .and_then(|source| source.data_source().downcast_ref::<MemorySourceConfig>())
+            else {
+                return Ok(Transformed::no(node));
+            };
+            sources += 1;
+            let inline: Vec<&RecordBatch> = memory.partitions().iter().flatten().collect();
+            let mut bundle = Vec::with_capacity(inputs.len());
+            for input in inputs {
+                let block = match input {
+                    TaskInput::Inline(i) => inline.get(*i).map(|b| (*b).clone()),
+                    TaskInput::Fetch(_) => fetched.next(),
+                };
+                bundle.push(block.ok_or_else(|| {
+                    DataFusionError::Execution(format!("task input {input:?} is missing"))
+                })?);
+            }
+            let schema = node.schema();
+            let pieces = bundle_pieces(&schema, bundle, target_rows)?;
+            let source: Arc<dyn ExecutionPlan> =
+                MemorySourceConfig::try_new_exec(&[pieces], schema, None)?;
+            Ok(Transformed::yes(source))
+        })?
+        .data;
+    if sources != 1 {
+        return Err(DataFusionError::Execution(format!(
+            "a task with input tickets must have one in-memory source, this one has {sources}"
+        )));
+    }
+    Ok(plan)
+}
+
+/// The other workers a worker fetches task inputs from: one client per address, each
+/// presenting the worker's own secret (the same for all workers of a driver) and, for
+/// workers in TLS, checking their certificate against `trust`.
+struct Peers {
+    secret: Secret,
+    trust: Option<WorkerTrust>,
+    clients: tokio::sync::Mutex<HashMap<String, Client>>,
+}
+
+impl Peers {
+    fn new(secret: Secret, trust: Option<WorkerTrust>) -> Self {
+        Self {
+            secret,
+            trust,
+            clients: Default::default(),
+        }
+    }
+
+    /// A client of the worker at `address`.
+    async fn client(&self, address: &str, tls: bool) -> Result<Client> {
+        if let Some(client) = self.clients.lock().await.get(address) {
+            return Ok(client.clone());
+        }
+        let trust = match (tls, &self.trust) {
+            (false, _) => None,
+            (true, Some(trust)) => Some(trust),
+            (true, None) => {
+                return Err(DataFusionError::Execution(
+                    "this worker has no CA to check other workers' certificates (--tls-ca)".into(),
+                ));
+            }
+        };
+        let client = connect(address, trust, &self.secret).await?;
+        self.clients
+            .lock()
+            .await
+            .insert(address.to_string(), client.clone());
+        Ok(client)
+    }
+
+    /// The [`TaskInput::Fetch`] blocks of `inputs`, in order, read from their holders
+    /// (which keep them). A block that cannot be read fails the task with [`INPUT_LOST`].
+    async fn fetch_inputs(&self, query: &str, inputs: &[TaskInput]) -> Result<Vec<RecordBatch>> {
+        let fetches = inputs.iter().filter_map(|input| match input {
+            TaskInput::Fetch(ticket) => Some(ticket),
+            TaskInput::Inline(_) => None,
+        });
+        futures::future::try_join_all(fetches.map(|ticket| async move {
+            let lost = |why: String| {
+                DataFusionError::Execution(format!(
+                    "{INPUT_LOST}: {} on worker {}: {why}",
+                    ticket.key, ticket.address
+                ))
+            };
+            let client = self
+                .client(&ticket.address, ticket.tls)
+                .await
+                .map_err(|e| lost(e.to_string()))?;
+            let wanted = BlockTicket {
+                query: query.to_string(),
+                key: ticket.key.clone(),
+                keep: true,
+            };
+            get_block(&client, wanted)
+                .await
+                .map_err(|e| lost(e.to_string()))
+        }))
+        .await
+    }
 }
 
 /// The thread an accelerator worker runs its tasks on, one at a time, so each model is
@@ -320,8 +459,8 @@ fn spawn_model_thread(queue: std::sync::mpsc::Receiver<ModelJob>) {
                 .enable_all()
                 .build()
                 .expect("a current-thread runtime starts");
-            while let Ok((body, ctx, reply)) = queue.recv() {
-                let result = runtime.block_on(run_guarded(&body, &ctx));
+            while let Ok((body, fetched, ctx, reply)) = queue.recv() {
+                let result = runtime.block_on(run_guarded(&body, fetched, &ctx));
                 let panicked = matches!(&result, Err(e) if e.to_string().contains(PANICKED));
                 let _ = reply.send(result);
                 if panicked {
@@ -444,6 +583,10 @@ impl FlightService for WorkerService {
             let mut blocks = self.blocks.lock().unwrap();
             // Only the query that owns a block may take it.
             match blocks.get(&ticket.key) {
+                Some(b) if b.query == ticket.query && ticket.keep => Some(KeptBlock {
+                    query: b.query.clone(),
+                    batch: b.batch.clone(),
+                }),
                 Some(b) if b.query == ticket.query => blocks.remove(&ticket.key),
                 _ => None,
             }
@@ -558,6 +701,9 @@ pub struct WorkerSettings {
     /// The certificate and key it serves TLS with; without one it serves plaintext, which
     /// it refuses on any address but loopback.
     pub tls: Option<TlsIdentity>,
+    /// The CA other workers' certificates chain to, for fetching task inputs from those
+    /// that speak TLS.
+    pub peer_trust: Option<WorkerTrust>,
 }
 
 impl WorkerSettings {
@@ -570,6 +716,7 @@ impl WorkerSettings {
             lease: None,
             max_message_bytes: MAX_TASK_BYTES,
             tls: None,
+            peer_trust: None,
         }
     }
 }
@@ -610,8 +757,9 @@ pub async fn serve(
             std::process::exit(0);
         });
     }
+    let peers = Peers::new(settings.secret.clone(), settings.peer_trust);
     let auth = RequireSecret::new(settings.secret);
-    let service = Arc::new(WorkerService::new(ctx, kind, auth.clone()));
+    let service = Arc::new(WorkerService::new(ctx, kind, auth.clone(), peers));
     if let Some(lease) = settings.lease {
         let watched = Arc::clone(&service);
         tokio::spawn(async move {

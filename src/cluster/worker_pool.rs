@@ -40,14 +40,15 @@ use futures::TryStreamExt;
 use tonic::service::interceptor::InterceptedService;
 use tonic::transport::Channel;
 
-use crate::cluster::auth::{SendSecret, driver_secret};
+use crate::cluster::auth::{Secret, SendSecret, driver_secret};
 use crate::cluster::protocol::{
-    BlockTicket, ReleaseRequest, RemoteBlockInfo, TaskRequest, WorkerStatus, encode_task,
+    BlockTicket, PROTOCOL_VERSION, ReleaseRequest, RemoteBlockInfo, TaskRequest, WorkerStatus,
+    encode_task,
 };
 use crate::cluster::tls::{WorkerTrust, local_tls};
 use crate::cluster::worker::MAX_TASK_BYTES;
 use crate::plan::graph::Pool;
-use crate::store::block::HeldBlock;
+use crate::store::block::{HeldAt, HeldBlock};
 
 /// How long a starting worker may take to print its address.
 const START_TIMEOUT: Duration = Duration::from_secs(20);
@@ -134,6 +135,8 @@ pub struct WorkerHandle {
     /// Its process id (for tests that kill it).
     pub pid: u32,
     kind: Pool,
+    /// It speaks TLS.
+    tls: bool,
     client: Client,
     /// `true` while the driver believes it alive; calls in flight watch it.
     alive: tokio::sync::watch::Sender<bool>,
@@ -277,38 +280,12 @@ impl WorkerHandle {
 
     /// Fetch (and thereby remove) a block of query `query`.
     async fn fetch(&self, query: &str, key: &str) -> Result<RecordBatch, Failure> {
-        let mut client = self.client.clone();
         let ticket = BlockTicket {
             query: query.into(),
             key: key.into(),
+            keep: false,
         };
-        let ticket = Ticket {
-            ticket: serde_json::to_vec(&ticket).unwrap().into(),
-        };
-        let batches: Vec<RecordBatch> = self
-            .call(async {
-                let reply = client.do_get(ticket).await.map_err(Failure::from)?;
-                let stream = FlightRecordBatchStream::new_from_flight_data(
-                    reply
-                        .into_inner()
-                        .map_err(arrow_flight::error::FlightError::from),
-                );
-                stream.try_collect().await.map_err(|e| {
-                    // A stream cut by the worker's death reads as a transport error.
-                    match e {
-                        arrow_flight::error::FlightError::Tonic(status) => Failure::from(*status),
-                        other => Failure::Garbage(other.to_string()),
-                    }
-                })
-            })
-            .await?;
-        // Flight cuts a block larger than its message size into several batches.
-        match batches.len() {
-            0 => Err(Failure::Garbage(format!("block {key} came without rows"))),
-            1 => Ok(batches.into_iter().next().unwrap()),
-            _ => concat_batches(&batches[0].schema(), &batches)
-                .map_err(|e| Failure::Garbage(format!("block {key}: {e}"))),
-        }
+        self.call(get_block(&self.client, ticket)).await
     }
 
     /// Drop blocks of `query` the driver no longer needs, all of them when `keys` is empty
@@ -337,7 +314,7 @@ impl Drop for WorkerHandle {
 
 /// Why a call to a worker failed.
 #[derive(Debug)]
-enum Failure {
+pub(crate) enum Failure {
     /// The worker is gone (connection refused or broken): its blocks are lost.
     Dead(String),
     /// The worker answered with an error (the task itself failed).
@@ -404,6 +381,15 @@ impl WorkerPool {
                 settings.binary.display()
             ))
         })?;
+        if status.protocol != PROTOCOL_VERSION {
+            return Err(DataFusionError::Execution(format!(
+                "cannot start flumen worker {}: it speaks worker protocol {}, this driver {} \
+                 (a worker binary from another flumen version)",
+                settings.binary.display(),
+                status.protocol,
+                PROTOCOL_VERSION
+            )));
+        }
         let pool = Arc::new(Self {
             settings,
             kind,
@@ -670,7 +656,9 @@ async fn spawn_worker(settings: &PoolSettings, kind: Pool) -> Result<Arc<WorkerH
     // driver lives.
     let mut handed = format!("{}\n", driver_secret().to_hex());
     if let Some(tls) = tls {
+        // Its identity, then the CA its peers' certificates chain to.
         handed.push_str(&tls.identity.to_text());
+        handed.push_str(&tls.trust.to_text());
     }
     let sent = child
         .stdin
@@ -719,13 +707,14 @@ async fn spawn_worker(settings: &PoolSettings, kind: Pool) -> Result<Arc<WorkerH
             )));
         }
     };
-    let client = connect(&address, tls.map(|tls| &tls.trust))
+    let client = connect(&address, tls.map(|tls| &tls.trust), driver_secret())
         .await
         .map_err(|e| fail(e.to_string()))?;
     Ok(Arc::new(WorkerHandle {
         address,
         pid,
         kind,
+        tls: tls.is_some(),
         client,
         alive: tokio::sync::watch::Sender::new(true),
         replacing: false.into(),
@@ -735,14 +724,22 @@ async fn spawn_worker(settings: &PoolSettings, kind: Pool) -> Result<Arc<WorkerH
     }))
 }
 
-/// A Flight client of the worker at `address` (`host:port`) that presents this driver's
-/// secret on every call; in TLS, checking the worker's certificate against `trust`, when
-/// given.
-pub async fn connect(address: &str, trust: Option<&WorkerTrust>) -> Result<Client> {
+/// A Flight client of the worker at `address` (`host:port`) that presents `secret` on
+/// every call; in TLS, checking the worker's certificate against `trust`, when given.
+pub async fn connect(
+    address: &str,
+    trust: Option<&WorkerTrust>,
+    secret: &Secret,
+) -> Result<Client> {
     let scheme = if trust.is_some() { "https" } else { "http" };
     let mut endpoint = Channel::from_shared(format!("{scheme}://{address}"))
         .map_err(|e| DataFusionError::Execution(format!("bad worker address {address}: {e}")))?
-        .connect_timeout(Duration::from_secs(5));
+        .connect_timeout(Duration::from_secs(5))
+        // A peer that stops answering (a frozen process, a cut link) fails the calls on
+        // it within seconds instead of holding them until the task timeout.
+        .http2_keep_alive_interval(Duration::from_secs(5))
+        .keep_alive_timeout(Duration::from_secs(10))
+        .keep_alive_while_idle(true);
     if let Some(trust) = trust {
         endpoint = endpoint.tls_config(trust.client_config()).map_err(|e| {
             DataFusionError::Execution(format!("cannot use TLS with {address}: {e}"))
@@ -752,10 +749,42 @@ pub async fn connect(address: &str, trust: Option<&WorkerTrust>) -> Result<Clien
         DataFusionError::Execution(format!("cannot connect to {address}: {}", error_chain(&e)))
     })?;
     Ok(
-        FlightServiceClient::with_interceptor(channel, SendSecret::new(driver_secret()))
+        FlightServiceClient::with_interceptor(channel, SendSecret::new(secret))
             .max_decoding_message_size(MAX_TASK_BYTES)
             .max_encoding_message_size(MAX_TASK_BYTES),
     )
+}
+
+/// Read the block `ticket` names from the worker behind `client` (`do_get`).
+pub(crate) async fn get_block(
+    client: &Client,
+    ticket: BlockTicket,
+) -> Result<RecordBatch, Failure> {
+    let mut client = client.clone();
+    let key = ticket.key.clone();
+    let ticket = Ticket {
+        ticket: serde_json::to_vec(&ticket).unwrap().into(),
+    };
+    let reply = client.do_get(ticket).await.map_err(Failure::from)?;
+    let stream = FlightRecordBatchStream::new_from_flight_data(
+        reply
+            .into_inner()
+            .map_err(arrow_flight::error::FlightError::from),
+    );
+    let batches: Vec<RecordBatch> = stream.try_collect().await.map_err(|e| {
+        // A stream cut by the worker's death reads as a transport error.
+        match e {
+            arrow_flight::error::FlightError::Tonic(status) => Failure::from(*status),
+            other => Failure::Garbage(other.to_string()),
+        }
+    })?;
+    // Flight cuts a block larger than its message size into several batches.
+    match batches.len() {
+        0 => Err(Failure::Garbage(format!("block {key} came without rows"))),
+        1 => Ok(batches.into_iter().next().unwrap()),
+        _ => concat_batches(&batches[0].schema(), &batches)
+            .map_err(|e| Failure::Garbage(format!("block {key}: {e}"))),
+    }
 }
 
 /// `error` and its sources, joined by `: ` (tonic's transport errors hide the cause, a
@@ -856,5 +885,13 @@ impl HeldBlock for RemoteBlock {
 
     fn release(&self) {
         WorkerPool::release(self.clone());
+    }
+
+    fn location(&self) -> HeldAt {
+        HeldAt {
+            address: self.worker.address.clone(),
+            tls: self.worker.tls,
+            key: self.info.key.clone(),
+        }
     }
 }

@@ -240,6 +240,8 @@ impl ExecutionPlan for OperatorExec {
             set.push(count("remote_tasks", s.remote_tasks));
             set.push(count("blocks_lost", s.blocks_lost));
             set.push(count("tasks_retried", s.tasks_retried));
+            set.push(count("input_bytes_by_ticket", s.input_bytes_by_ticket));
+            set.push(count("input_bytes_via_driver", s.input_bytes_via_driver));
         }
         Some(set)
     }

@@ -32,6 +32,11 @@ pub struct OperatorStats {
     pub blocks_lost: AtomicU64,
     /// Task attempts retried on another worker after theirs died.
     pub tasks_retried: AtomicU64,
+    /// Bytes of input blocks its remote tasks fetched straight from the workers holding
+    /// them.
+    pub input_bytes_by_ticket: AtomicU64,
+    /// Bytes of input blocks the driver put into its remote tasks' requests.
+    pub input_bytes_via_driver: AtomicU64,
 }
 
 /// A plain copy of [`OperatorStats`].
@@ -63,6 +68,10 @@ pub struct StatsSnapshot {
     pub blocks_lost: u64,
     /// Task attempts retried after a worker died.
     pub tasks_retried: u64,
+    /// Input bytes fetched worker to worker.
+    pub input_bytes_by_ticket: u64,
+    /// Input bytes sent by the driver.
+    pub input_bytes_via_driver: u64,
 }
 
 impl OperatorStats {
@@ -93,6 +102,8 @@ impl OperatorStats {
             remote_tasks: r(&self.remote_tasks),
             blocks_lost: r(&self.blocks_lost),
             tasks_retried: r(&self.tasks_retried),
+            input_bytes_by_ticket: r(&self.input_bytes_by_ticket),
+            input_bytes_via_driver: r(&self.input_bytes_via_driver),
         }
     }
 }

@@ -37,7 +37,7 @@ use datafusion_proto::physical_plan::{
 };
 
 use crate::cluster::admission::{WORKER_OPTIONS, admit_plan, scanned_files};
-use crate::cluster::protocol::TaskRequest;
+use crate::cluster::protocol::{INPUT_LOST, InputTicket, TaskInput, TaskRequest};
 use crate::cluster::worker::plan_blocks;
 use crate::cluster::worker_pool::{
     PoolSettings, RemoteBlock, WorkerPool, WorkerTimeouts, worker_binary,
@@ -49,7 +49,7 @@ use crate::plan::accelerator_projection::AcceleratorProjectionExec;
 use crate::plan::graph::{Operator, OperatorId, Pool};
 use crate::plan::split_source::SplitSourceExec;
 use crate::plan::stage_input::StageInputExec;
-use crate::store::block::{Block, BlockData, BlockId};
+use crate::store::block::{Block, BlockData, BlockId, HeldBlock};
 use crate::store::cutter::bundle_pieces;
 
 /// The plan a worker runs for source split `split` of `partition` of `op`; `None` when the
@@ -79,8 +79,10 @@ fn source_plan(op: &Operator, partition: usize, split: usize) -> Option<Arc<dyn 
 /// in-memory scan); `None` when the fragment does not read exactly one stage input.
 fn blocks_plan(op: &Operator, input: Arc<dyn ExecutionPlan>) -> Option<Arc<dyn ExecutionPlan>> {
     let mut inputs = 0;
+    // Top down: a stage input is replaced before the walk could reach the producer's
+    // fragment below it (which is not this task's).
     let plan = Arc::clone(&op.fragment)
-        .transform_up(|node| {
+        .transform_down(|node| {
             if let Some(stage) = node.downcast_ref::<StageInputExec>() {
                 if stage.fetch().is_some() {
                     return Err(DataFusionError::NotImplemented(
@@ -213,6 +215,32 @@ fn encode_for_worker(
     }
 }
 
+/// A task as a worker runs it.
+struct WorkerTask {
+    plan: Arc<dyn ExecutionPlan>,
+    /// Where its input blocks come from; `None`: all in the plan.
+    inputs: Option<Vec<TaskInput>>,
+    /// The input blocks it fetches from the workers holding them.
+    by_ticket: Vec<(BlockId, Arc<dyn HeldBlock>)>,
+    /// Bytes of those.
+    bytes_by_ticket: u64,
+    /// Bytes of the inputs in the plan.
+    bytes_via_driver: u64,
+}
+
+impl WorkerTask {
+    /// A task whose plan holds all it reads.
+    fn whole(plan: Arc<dyn ExecutionPlan>) -> Self {
+        Self {
+            plan,
+            inputs: None,
+            by_ticket: vec![],
+            bytes_by_ticket: 0,
+            bytes_via_driver: 0,
+        }
+    }
+}
+
 impl QueryRun {
     /// Run task `task` in a worker process. `Ok(false)`: it cannot run there, run it here
     /// instead.
@@ -268,16 +296,9 @@ impl QueryRun {
         if encode_for_worker(&runnable, &pool, &describe).is_none() {
             return Ok(false);
         }
-        let Some(plan) = self.task_plan(task).await? else {
+        let Some(blocks) = self.run_worker_task(&pool, task, &describe).await? else {
             return Ok(false);
         };
-        let Some(bytes) = encode_for_worker(&plan, &pool, &describe) else {
-            return Ok(false);
-        };
-        let request = self.task_request(op_id, partition, &plan);
-        let blocks = self
-            .run_on_pool(&pool, op_id, &request, &bytes, &describe)
-            .await?;
         OperatorStats::add(&self.stats(op_id).remote_tasks, 1);
         self.remote_tasks.lock().unwrap().insert(task);
         for (seq, block) in blocks.into_iter().enumerate() {
@@ -285,6 +306,129 @@ impl QueryRun {
         }
         self.changed();
         Ok(true)
+    }
+
+    /// Run `task` on a worker of `pool`: its input blocks that live in other workers are
+    /// fetched by that worker straight from them; those that live here go in the request.
+    /// When a worker cannot fetch an input (its holder died), that input is recomputed
+    /// from lineage and the task sent again (at most `flumen.max_task_retries` times).
+    /// `None`: the task has no plan a worker can run.
+    async fn run_worker_task(
+        self: &Arc<Self>,
+        pool: &Arc<WorkerPool>,
+        task: TaskId,
+        describe: &str,
+    ) -> Result<Option<Vec<RemoteBlock>>> {
+        let (op_id, partition, _) = self.task_identity(task);
+        // Inputs read here stay here across attempts (reading consumed them).
+        let mut read_here = HashMap::new();
+        let mut lost_inputs = 0;
+        loop {
+            let Some(work) = self.worker_task(task, &mut read_here).await? else {
+                return Ok(None);
+            };
+            let Some(bytes) = encode_for_worker(&work.plan, pool, describe) else {
+                return Ok(None);
+            };
+            let mut request = self.task_request(op_id, partition, &work.plan);
+            request.inputs = work.inputs;
+            match self
+                .run_on_pool(pool, op_id, &request, &bytes, describe)
+                .await
+            {
+                Ok(blocks) => {
+                    let stats = self.stats(op_id);
+                    OperatorStats::add(&stats.input_bytes_by_ticket, work.bytes_by_ticket);
+                    OperatorStats::add(&stats.input_bytes_via_driver, work.bytes_via_driver);
+                    return Ok(Some(blocks));
+                }
+                Err(e)
+                    if e.to_string().contains(INPUT_LOST)
+                        && lost_inputs < self.config().max_task_retries =>
+                {
+                    lost_inputs += 1;
+                    log::warn!("{describe}: {e}; recomputing the input and retrying");
+                    self.inputs_lost(&work.by_ticket, &e.to_string());
+                }
+                Err(e) => return Err(e),
+            }
+        }
+    }
+
+    /// `task` as a worker runs it. A block-wise task's inputs held by live workers become
+    /// tickets the worker fetches; the others are read here (recomputed if lost; kept in
+    /// `read_here` for a later attempt) and put in the plan's in-memory source.
+    async fn worker_task(
+        self: &Arc<Self>,
+        task: TaskId,
+        read_here: &mut HashMap<BlockId, RecordBatch>,
+    ) -> Result<Option<WorkerTask>> {
+        let (op_id, _, kind) = self.task_identity(task);
+        let op = &self.graph.operators[op_id];
+        let TaskKind::Blocks { inputs } = kind else {
+            return Ok(self.task_plan(task).await?.map(WorkerTask::whole));
+        };
+        let (mut by_ticket, mut bytes_by_ticket, mut bytes_via_driver) = (vec![], 0, 0);
+        let mut sources = Vec::with_capacity(inputs.len());
+        let mut inline = vec![];
+        for id in inputs {
+            if !read_here.contains_key(&id)
+                && let Some(held) = self.store.peek_held(id)
+                && held.holder_alive()
+            {
+                let at = held.location();
+                let bytes = self.block(id).map_or(0, |b| b.bytes);
+                bytes_by_ticket += bytes;
+                sources.push(TaskInput::Fetch(InputTicket {
+                    address: at.address,
+                    tls: at.tls,
+                    key: at.key,
+                    bytes,
+                }));
+                by_ticket.push((id, held));
+                continue;
+            }
+            let batch = match read_here.get(&id) {
+                Some(batch) => batch.clone(),
+                None => {
+                    let batch = self.fetch(id).await?;
+                    read_here.insert(id, batch.clone());
+                    batch
+                }
+            };
+            bytes_via_driver += batch.get_array_memory_size() as u64;
+            sources.push(TaskInput::Inline(inline.len()));
+            inline.push(batch);
+        }
+        let schema = self.graph.operators[op.inputs[0]].fragment.schema();
+        let input = MemorySourceConfig::try_new_exec(&[inline], schema, None)?;
+        let Some(plan) = blocks_plan(op, input) else {
+            return Ok(None);
+        };
+        Ok(Some(WorkerTask {
+            plan,
+            inputs: Some(sources),
+            by_ticket,
+            bytes_by_ticket,
+            bytes_via_driver,
+        }))
+    }
+
+    /// A worker could not fetch some of `by_ticket` (the error names them): they count as
+    /// lost, and a holder that died has all its blocks recovered.
+    fn inputs_lost(self: &Arc<Self>, by_ticket: &[(BlockId, Arc<dyn HeldBlock>)], error: &str) {
+        for (id, held) in by_ticket {
+            if !error.contains(&held.location().key) || !self.store.remove_held(*id, held) {
+                continue;
+            }
+            self.lost_blocks.lock().unwrap().insert(*id);
+            if let Some(block) = self.block(*id) {
+                OperatorStats::add(&self.stats(block.operator).blocks_lost, 1);
+            }
+            if !held.holder_alive() {
+                self.recover_worker(held.holder_pid());
+            }
+        }
     }
 
     /// The plan a worker runs for `task` (a block-wise task's inputs are fetched, recomputed
@@ -390,16 +534,9 @@ impl QueryRun {
             "recomputing task {task} (partition {partition}) of flumen operator {op_id} ({})",
             op.name
         );
-        let Some(plan) = self.task_plan(task).await? else {
+        let Some(blocks) = self.run_worker_task(&pool, task, &describe).await? else {
             return Ok(false);
         };
-        let Some(bytes) = encode_for_worker(&plan, &pool, &describe) else {
-            return Ok(false);
-        };
-        let request = self.task_request(op_id, partition, &plan);
-        let blocks = self
-            .run_on_pool(&pool, op_id, &request, &bytes, &describe)
-            .await?;
         OperatorStats::add(&self.stats(op_id).recomputed, 1);
         let mut by_seq: HashMap<usize, RemoteBlock> = blocks.into_iter().enumerate().collect();
         let mut lost_set = self.lost_blocks.lock().unwrap();
@@ -438,6 +575,7 @@ impl QueryRun {
                 .collect(),
             query: self.query_token.clone(),
             grants: scanned_files(plan),
+            inputs: None,
         }
     }
 

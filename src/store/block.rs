@@ -52,4 +52,17 @@ pub trait HeldBlock: Debug + Send + Sync {
     async fn fetch(&self) -> Result<Option<RecordBatch>>;
     /// Tell the worker the block is no longer needed.
     fn release(&self);
+    /// Where another worker can fetch it directly.
+    fn location(&self) -> HeldAt;
+}
+
+/// Where a held block lives, for a worker to fetch it without the driver.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct HeldAt {
+    /// The holding worker's `host:port`.
+    pub address: String,
+    /// Whether that worker speaks TLS.
+    pub tls: bool,
+    /// The block's key there.
+    pub key: String,
 }

@@ -217,6 +217,29 @@ impl BlockStore {
         }
     }
 
+    /// The handle of block `id` when a worker holds it, left in the store (a worker will
+    /// fetch it directly; see [`Self::remove_held`]).
+    pub fn peek_held(&self, id: BlockId) -> Option<Arc<dyn HeldBlock>> {
+        match self.inner.lock().unwrap().blocks.get(&id).map(|e| &e.data) {
+            Some(Stored::Held(held)) => Some(Arc::clone(held)),
+            _ => None,
+        }
+    }
+
+    /// Forget block `id` if `held` (from [`Self::peek_held`]) is still its handle; `false`
+    /// when the block was meanwhile lost or re-homed.
+    pub fn remove_held(&self, id: BlockId, held: &Arc<dyn HeldBlock>) -> bool {
+        let mut inner = self.inner.lock().unwrap();
+        let same = matches!(
+            inner.blocks.get(&id).map(|e| &e.data),
+            Some(Stored::Held(h)) if Arc::ptr_eq(h, held)
+        );
+        if same {
+            inner.blocks.remove(&id);
+        }
+        same
+    }
+
     /// Forget every block that the worker with process id `pid` held (it died), returning
     /// their ids.
     pub fn take_held_by(&self, pid: u32) -> Vec<BlockId> {

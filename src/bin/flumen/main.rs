@@ -117,8 +117,13 @@ struct WorkerArgs {
     /// The private key of --tls-cert, a PEM file readable by its owner only (mode 0600).
     #[arg(long, value_name = "FILE", requires = "tls_cert")]
     tls_key: Option<PathBuf>,
-    /// Read a TLS certificate and key (PEM, ended by a blank line) from stdin after the
-    /// secret (how a driver with `flumen.worker_tls` on starts its workers).
+    /// The CA (PEM file) other workers' certificates chain to: this worker checks them
+    /// when it fetches a task's input blocks from them over TLS.
+    #[arg(long, value_name = "FILE", conflicts_with = "tls_stdin")]
+    tls_ca: Option<PathBuf>,
+    /// Read a TLS certificate and key, then the CA of its peers (PEM, each ended by a
+    /// blank line) from stdin after the secret (how a driver with `flumen.worker_tls` on
+    /// starts its workers).
     #[arg(long, requires = "secret_stdin")]
     tls_stdin: bool,
     /// Exit after SECS seconds without a call from a driver (for workers a driver did
@@ -149,7 +154,7 @@ fn worker(args: &WorkerArgs) -> ExitCode {
 /// The secret, TLS identity and limits `args` ask for (read from stdin or files).
 fn worker_settings(args: &WorkerArgs) -> datafusion::error::Result<flumen::WorkerSettings> {
     use flumen::cluster::auth::Secret;
-    use flumen::cluster::tls::TlsIdentity;
+    use flumen::cluster::tls::{TlsIdentity, WorkerTrust};
     let secret = match (args.secret_stdin, &args.secret_file) {
         (true, _) => Secret::from_stdin()?,
         (false, Some(path)) => Secret::from_file(path)?,
@@ -166,6 +171,11 @@ fn worker_settings(args: &WorkerArgs) -> datafusion::error::Result<flumen::Worke
         (Some(cert), Some(key)) => Some(TlsIdentity::from_files(cert, key)?),
         _ if args.tls_stdin => Some(TlsIdentity::read_from(&mut std::io::stdin().lock())?),
         _ => None,
+    };
+    settings.peer_trust = match &args.tls_ca {
+        Some(ca) => Some(WorkerTrust::from_file(ca)?),
+        None if args.tls_stdin => Some(WorkerTrust::read_from(&mut std::io::stdin().lock())?),
+        None => None,
     };
     settings.exit_when_stdin_closes = args.secret_stdin;
     settings.lease = args.lease.map(std::time::Duration::from_secs);
