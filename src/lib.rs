@@ -50,6 +50,18 @@ pub use session::{
     session_with_config,
 };
 
+/// `error` and its sources, joined by `: ` (tonic's transport errors keep the cause, a
+/// refused certificate say, in their sources).
+pub fn error_chain(error: &dyn std::error::Error) -> String {
+    let mut text = error.to_string();
+    let mut source = error.source();
+    while let Some(cause) = source {
+        text.push_str(&format!(": {cause}"));
+        source = cause.source();
+    }
+    text
+}
+
 /// The message a panic carried (`panic!("...")` with a literal or a formatted string).
 pub(crate) fn panic_message(payload: &(dyn std::any::Any + Send)) -> String {
     payload

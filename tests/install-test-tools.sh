@@ -2,12 +2,18 @@
 # Installs the peer tools the integration tests run against, into target/test-venv (once):
 #   moto's S3-compatible server (object-store tests on 127.0.0.1) and the Delta Lake and
 #   Iceberg writers of the Python ecosystem (`deltalake`, `pyiceberg`), which write the
-#   lakehouse test tables that flumen must read.
+#   lakehouse test tables that flumen must read; and the `openssl` command, with which the
+#   TLS tests make an operator's certificates (from Debian's packages when missing).
 # Tests find them there (or through FLUMEN_MOTO_SERVER / FLUMEN_LAKEHOUSE_PYTHON).
 # Under CI (CI=true) or with FLUMEN_REQUIRE_TOOLS=1 a failed install is an error (exit 1)
 # and a test whose tool is missing fails; elsewhere those tests say they were skipped.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+if ! command -v openssl >/dev/null; then
+    apt-get install -y -qq openssl >/dev/null 2>&1 \
+        || { apt-get update -qq >/dev/null 2>&1 && apt-get install -y -qq openssl >/dev/null 2>&1; } \
+        || echo "WARNING: could not install openssl: the TLS tests will fail" >&2
+fi
 venv="$PWD/target/test-venv"
 stamp="$venv/.installed-v1"
 if [ -e "$stamp" ]; then

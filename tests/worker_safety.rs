@@ -577,16 +577,6 @@ fn process_session(mut config: FlumenConfig, binary: &str) -> SessionContext {
     ctx
 }
 
-async fn pool(ctx: &SessionContext, kind: Pool) -> Arc<flumen::cluster::WorkerPool> {
-    ctx.state()
-        .config()
-        .get_extension::<flumen::cluster::WorkerPoolSlot>()
-        .unwrap()
-        .current(kind)
-        .await
-        .expect("the session started its workers")
-}
-
 async fn pids(pool: &flumen::cluster::WorkerPool) -> Vec<u32> {
     let mut pids: Vec<u32> = pool.workers().await.iter().map(|w| w.pid).collect();
     pids.sort();
@@ -641,7 +631,7 @@ async fn a_panicking_function_fails_its_query_and_kills_no_worker() {
     common::register_tables(&f, dir.path()).await;
     let sql = "SELECT k, count(*) FROM events GROUP BY k ORDER BY k";
     common::collect(&f, sql).await;
-    let cpu = pool(&f, Pool::Cpu).await;
+    let cpu = common::worker_pool(&f, Pool::Cpu).await;
     let cpu_pids = pids(&cpu).await;
     let err = common::try_collect(&f, "SELECT boom(id) FROM events")
         .await
@@ -663,7 +653,7 @@ async fn a_panicking_function_fails_its_query_and_kills_no_worker() {
         assert!(err.contains("task panicked"), "{err}");
         assert!(err.contains("boom_model: the model panicked"), "{err}");
     }
-    let accelerator = pool(&f, Pool::Accelerator).await;
+    let accelerator = common::worker_pool(&f, Pool::Accelerator).await;
     assert_eq!(
         accelerator.restarted(),
         0,
@@ -679,7 +669,7 @@ async fn a_panicking_function_fails_its_query_and_kills_no_worker() {
 /// Blocks the workers of `ctx`'s CPU pool hold now.
 async fn held_blocks(ctx: &SessionContext) -> usize {
     let mut held = 0;
-    for worker in pool(ctx, Pool::Cpu).await.workers().await {
+    for worker in common::worker_pool(ctx, Pool::Cpu).await.workers().await {
         held += worker.status().await.unwrap().blocks_held;
     }
     held
@@ -958,6 +948,37 @@ fn secret_file(dir: &std::path::Path, secret: &Secret) -> String {
     path.display().to_string()
 }
 
+/// A `status` call through `endpoint`, presenting `secret`: the reply's body, or the error.
+async fn status_through(
+    endpoint: tonic::transport::Endpoint,
+    secret: &Secret,
+) -> Result<Vec<u8>, String> {
+    let channel = endpoint
+        .connect_timeout(Duration::from_secs(5))
+        .timeout(Duration::from_secs(5))
+        .connect()
+        .await
+        .map_err(|e| flumen::error_chain(&e))?;
+    let action = Action {
+        r#type: "status".into(),
+        body: vec![].into(),
+    };
+    let reply = FlightServiceClient::new(channel)
+        .do_action(with_credential(action, Some(&bearer(secret))))
+        .await
+        .map_err(|e| e.to_string())?;
+    let results: Vec<arrow_flight::Result> = reply
+        .into_inner()
+        .try_collect()
+        .await
+        .map_err(|e| e.to_string())?;
+    results
+        .into_iter()
+        .next()
+        .map(|r| r.body.to_vec())
+        .ok_or_else(|| "an empty reply".to_string())
+}
+
 /// A TLS client of `address` that trusts `ca_pem`, expecting the worker's certificate to
 /// name `domain` (by default the address's host).
 async fn tls_status(
@@ -971,65 +992,21 @@ async fn tls_status(
     if let Some(domain) = domain {
         tls = tls.domain_name(domain);
     }
-    let chain = |e: &dyn std::error::Error| {
-        let mut text = e.to_string();
-        let mut source = e.source();
-        while let Some(cause) = source {
-            text.push_str(&format!(": {cause}"));
-            source = cause.source();
-        }
-        text
-    };
-    let channel = Channel::from_shared(format!("https://{address}"))
+    let endpoint = Channel::from_shared(format!("https://{address}"))
         .unwrap()
         .tls_config(tls)
-        .unwrap()
-        .connect()
-        .await
-        .map_err(|e| chain(&e))?;
-    let action = Action {
-        r#type: "status".into(),
-        body: vec![].into(),
-    };
-    let reply = FlightServiceClient::new(channel)
-        .do_action(with_credential(action, Some(&bearer(secret))))
-        .await
-        .map_err(|e| e.to_string())?;
-    let results: Vec<arrow_flight::Result> = reply
-        .into_inner()
-        .try_collect()
-        .await
-        .map_err(|e| e.to_string())?;
-    Ok(serde_json::from_slice(&results[0].body).unwrap())
+        .unwrap();
+    let body = status_through(endpoint, secret).await?;
+    Ok(serde_json::from_slice(&body).unwrap())
 }
 
 /// A plaintext `status` call: what a client that does not speak TLS gets.
 async fn plaintext_status(address: &str, secret: &Secret) -> Result<Vec<u8>, String> {
-    let channel = Channel::from_shared(format!("http://{address}"))
-        .unwrap()
-        .connect_timeout(Duration::from_secs(5))
-        .timeout(Duration::from_secs(5))
-        .connect()
-        .await
-        .map_err(|e| e.to_string())?;
-    let action = Action {
-        r#type: "status".into(),
-        body: vec![].into(),
-    };
-    let reply = FlightServiceClient::new(channel)
-        .do_action(with_credential(action, Some(&bearer(secret))))
-        .await
-        .map_err(|e| e.to_string())?;
-    let results: Vec<arrow_flight::Result> = reply
-        .into_inner()
-        .try_collect()
-        .await
-        .map_err(|e| e.to_string())?;
-    Ok(results
-        .into_iter()
-        .next()
-        .map(|r| r.body.to_vec())
-        .unwrap_or_default())
+    status_through(
+        Channel::from_shared(format!("http://{address}")).unwrap(),
+        secret,
+    )
+    .await
 }
 
 /// A worker started by hand with an operator's certificate (made by openssl): it will not
@@ -1153,7 +1130,7 @@ async fn a_pool_in_tls_gives_the_same_rows_and_refuses_plaintext() {
     common::register_tables(&f, dir.path()).await;
     let sql = "SELECT k, count(*), sum(v) FROM events WHERE v % 3 <> 0 GROUP BY k ORDER BY k";
     common::assert_same(&vanilla, &f, sql).await;
-    let cpu = pool(&f, Pool::Cpu).await;
+    let cpu = common::worker_pool(&f, Pool::Cpu).await;
     assert!(cpu.workers().await.len() == 2);
     let ca = flumen::cluster::tls::local_tls().unwrap().trust.ca_pem();
     let secret = flumen::cluster::auth::driver_secret();

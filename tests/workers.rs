@@ -39,17 +39,7 @@ fn session(config: FlumenConfig, dropper: Option<BlockDropper>) -> SessionContex
 }
 
 async fn pool_of(ctx: &SessionContext) -> Arc<flumen::cluster::WorkerPool> {
-    pool_of_kind(ctx, Pool::Cpu).await
-}
-
-async fn pool_of_kind(ctx: &SessionContext, kind: Pool) -> Arc<flumen::cluster::WorkerPool> {
-    ctx.state()
-        .config()
-        .get_extension::<flumen::cluster::WorkerPoolSlot>()
-        .unwrap()
-        .current(kind)
-        .await
-        .expect("the session started its workers")
+    common::worker_pool(ctx, Pool::Cpu).await
 }
 
 /// What a [`signal_at_block`] dropper saw: the worker it signalled, and how many blocks
@@ -288,7 +278,7 @@ async fn chaos_random_worker_kills_never_change_an_answer() {
                      WHERE id % 997 = 5";
     assert_same(&v, &f, embed_sql).await;
     let pool = pool_of(&f).await;
-    let model_pool = pool_of_kind(&f, Pool::Accelerator).await;
+    let model_pool = common::worker_pool(&f, Pool::Accelerator).await;
     let stop = Arc::new(AtomicBool::new(false));
     let kills = Arc::new(AtomicUsize::new(0));
     let model_kills = Arc::new(AtomicUsize::new(0));
@@ -712,7 +702,7 @@ async fn an_accelerator_worker_killed_mid_embedding_costs_only_its_blocks() {
     }
     // Run again: both accelerator workers (one a replacement) take tasks, and each process
     // loaded the model exactly once, however many tasks it ran.
-    let pool = pool_of_kind(&f, Pool::Accelerator).await;
+    let pool = common::worker_pool(&f, Pool::Accelerator).await;
     f.sql("SET flumen.mode = 'streaming'").await.unwrap();
     let again = embeddings_by_id(&common::collect(&f, sql).await);
     assert_eq!(again.len(), expected.len());

@@ -3,7 +3,8 @@
 //!
 //! It speaks Arrow Flight over gRPC on a TCP address (`host:port`, so workers can live on
 //! other hosts), in TLS when it has an identity, which it must off loopback
-//! ([`crate::cluster::tls`]). Every call must carry the driver's secret ([`crate::cluster::auth`]):
+//! ([`crate::cluster::tls`]). Every call must carry the driver's secret
+//! ([`crate::cluster::auth`]):
 //! - `handshake`: the secret in, a session token out (usable in place of the secret).
 //! - action `run`: a task, as a [`TaskRequest`] header and a DataFusion physical plan encoded
 //!   with `datafusion-proto`. The worker checks it against what it runs
@@ -14,7 +15,8 @@
 //!   panics fails alone: the worker lives on (an accelerator worker restarts its model
 //!   thread).
 //! - `do_get` with a [`BlockTicket`] (query and random 128-bit key): the block as Arrow IPC;
-//!   the worker then drops it. A ticket of another query finds nothing.
+//!   the worker then drops it, unless the ticket says `keep` (another worker fetching a
+//!   task's input: [`TaskInput::Fetch`]). A ticket of another query finds nothing.
 //! - action `release`: drop the listed blocks of a query, or all of them.
 //! - action `ping`: liveness (the driver's heartbeat).
 //! - action `status`: a [`WorkerStatus`] (tasks run, panics, models loaded, blocks held,

@@ -746,7 +746,10 @@ pub async fn connect(
         })?;
     }
     let channel = endpoint.connect().await.map_err(|e| {
-        DataFusionError::Execution(format!("cannot connect to {address}: {}", error_chain(&e)))
+        DataFusionError::Execution(format!(
+            "cannot connect to {address}: {}",
+            crate::error_chain(&e)
+        ))
     })?;
     Ok(
         FlightServiceClient::with_interceptor(channel, SendSecret::new(secret))
@@ -785,18 +788,6 @@ pub(crate) async fn get_block(
         _ => concat_batches(&batches[0].schema(), &batches)
             .map_err(|e| Failure::Garbage(format!("block {key}: {e}"))),
     }
-}
-
-/// `error` and its sources, joined by `: ` (tonic's transport errors hide the cause, a
-/// certificate refused say, in their sources).
-fn error_chain(error: &dyn std::error::Error) -> String {
-    let mut text = error.to_string();
-    let mut source = error.source();
-    while let Some(cause) = source {
-        text.push_str(&format!(": {cause}"));
-        source = cause.source();
-    }
-    text
 }
 
 /// The executable to start workers from: `flumen.worker_binary`, else `FLUMEN_WORKER_BIN`,

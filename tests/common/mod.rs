@@ -132,6 +132,20 @@ pub async fn try_collect(
 }
 
 /// Run one statement that must succeed and collect its result.
+/// The worker pool of `kind` that session `ctx` started (panics when it started none).
+pub async fn worker_pool(
+    ctx: &SessionContext,
+    kind: flumen::plan::Pool,
+) -> Arc<flumen::cluster::WorkerPool> {
+    ctx.state()
+        .config()
+        .get_extension::<flumen::cluster::WorkerPoolSlot>()
+        .unwrap()
+        .current(kind)
+        .await
+        .expect("the session started its workers")
+}
+
 pub async fn collect(ctx: &SessionContext, sql: &str) -> Vec<RecordBatch> {
     try_collect(ctx, sql)
         .await
