@@ -157,9 +157,13 @@ async fn check_delta_docs(ctx: &SessionContext, docs: &Value, options: &str) {
             "version {version}"
         );
     }
-    // Time travel by timestamp: the commit time of version 1 reads version 1.
+    // Time travel by timestamp: 90 ms after version 1's commit reads version 1. Not its
+    // commit time itself: a local log file's modification time, which the version is
+    // resolved against, comes some ms after the commit's own timestamp (more on a loaded
+    // machine). Not later than 100 ms: S3 keeps modification times to the second, and
+    // version 2, committed 1.1 s after version 1, shows there at least 0.1 s after it.
     let v1 = &versions[1];
-    let at = v1["timestamp_ms"].as_i64().unwrap();
+    let at = v1["timestamp_ms"].as_i64().unwrap() + 90;
     let with_timestamp = with_option(options, "timestamp", &at.to_string());
     ctx.sql(&format!(
         "CREATE EXTERNAL TABLE delta_docs_at STORED AS DELTATABLE LOCATION '{location}' {with_timestamp}"
