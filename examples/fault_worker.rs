@@ -1,6 +1,9 @@
-//! A flumen worker with functions of your own, here three that misbehave on purpose, for
+//! A flumen worker with functions of your own, here some that misbehave on purpose, for
 //! testing how a driver survives bad user code:
 //! - `hang(x)` never returns (a stuck UDF: a deadlock, an endless retry loop);
+//! - `hang_from(x, n)` returns `x` until a batch holds a value of at least `n`, then never
+//!   returns (a task that gives some output, then sticks);
+//! - `nap(x)` returns `x` after sleeping 400 ms per batch (a slow but steady task);
 //! - `boom(x)` panics;
 //! - `boom_model(text)`, an accelerator (model) function whose model panics on its first
 //!   batch.
@@ -17,15 +20,16 @@
 
 use std::sync::Arc;
 
-use datafusion::arrow::array::ArrayRef;
+use datafusion::arrow::array::{ArrayRef, AsArray};
 use datafusion::arrow::datatypes::DataType;
+use datafusion::arrow::datatypes::Int64Type;
 use datafusion::config::ConfigOptions;
 use datafusion::error::Result;
 use datafusion::logical_expr::{ColumnarValue, Signature, Volatility, create_udf};
 use datafusion::prelude::SessionContext;
 use flumen::{AcceleratorFunction, AcceleratorWorker, FlumenConfig, accelerator_udf};
 
-/// Register `hang`, `boom` and `boom_model` in `ctx`.
+/// Register `hang`, `hang_from`, `nap`, `boom` and `boom_model` in `ctx`.
 pub fn register_fault_functions(ctx: &SessionContext) {
     let hang = create_udf(
         "hang",
@@ -47,7 +51,35 @@ pub fn register_fault_functions(ctx: &SessionContext) {
             panic!("boom: this function always panics")
         }),
     );
+    let hang_from = create_udf(
+        "hang_from",
+        vec![DataType::Int64, DataType::Int64],
+        DataType::Int64,
+        Volatility::Volatile,
+        Arc::new(|args: &[ColumnarValue]| -> Result<ColumnarValue> {
+            let arrays = ColumnarValue::values_to_arrays(args)?;
+            let values = arrays[0].as_primitive::<Int64Type>();
+            let from = arrays[1].as_primitive::<Int64Type>();
+            let reached = values.iter().zip(from.iter()).any(|(v, n)| v >= n);
+            while reached {
+                std::thread::sleep(std::time::Duration::from_secs(1));
+            }
+            Ok(ColumnarValue::Array(Arc::clone(&arrays[0])))
+        }),
+    );
+    let nap = create_udf(
+        "nap",
+        vec![DataType::Int64],
+        DataType::Int64,
+        Volatility::Volatile,
+        Arc::new(|args: &[ColumnarValue]| -> Result<ColumnarValue> {
+            std::thread::sleep(std::time::Duration::from_millis(400));
+            Ok(args[0].clone())
+        }),
+    );
     ctx.register_udf(hang);
+    ctx.register_udf(hang_from);
+    ctx.register_udf(nap);
     ctx.register_udf(boom);
     ctx.register_udf(accelerator_udf(BoomModel {
         signature: Signature::string(1, Volatility::Immutable),

@@ -269,8 +269,9 @@ extensions_options! {
         /// Times a task is retried after its worker died (or ran past the task timeout)
         /// before the query fails.
         pub max_task_retries: usize, default = 4
-        /// Seconds one attempt of a task may run in a worker before the worker is taken
-        /// for stuck: it is stopped and the task retried on another one (0: no limit).
+        /// Seconds a task in a worker may go without progress (a block, or rows of output)
+        /// before the worker is taken for stuck: it is stopped and the task retried on
+        /// another one (0: no limit).
         pub task_timeout_secs: u64, default = 600
         /// Seconds a query may run before it fails with a timeout error (0: no limit).
         pub query_timeout_secs: u64, default = 0
@@ -281,6 +282,13 @@ extensions_options! {
         /// certificate made for this driver); takes effect when a pool starts. Workers on
         /// other hosts always use TLS.
         pub worker_tls: bool, default = false
+        /// Delta `INSERT INTO`: the application id of an idempotent insert (with
+        /// `delta_txn_version`): the insert commits the transaction (app id, version), and
+        /// is skipped when the table already has that version of the app or a later one.
+        /// Empty: plain inserts.
+        pub delta_app_id: String, default = String::new()
+        /// Delta `INSERT INTO`: the version of `delta_app_id`'s insert; unset: none.
+        pub delta_txn_version: Option<u64>, default = None
     }
 }
 

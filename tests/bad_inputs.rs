@@ -1,6 +1,7 @@
 //! Bad input gives a clear error naming the problem and leaves nothing behind: model
 //! directories with a wrong or absurd `config.json` or corrupt weights, a truncated Parquet
-//! file, a spill directory deleted under a running query, and a `COPY` onto a full disk.
+//! file, a spill directory deleted under a running query, a `COPY` onto a full disk, and a
+//! text over 2 GiB through `clean_text`.
 
 mod common;
 
@@ -260,4 +261,44 @@ async fn a_copy_onto_a_full_disk_fails_cleanly_and_keeps_the_old_output() {
         .unwrap()
         .value(0);
     assert_eq!(n, 1000);
+}
+
+/// A text over 2 GiB through `clean_text` (whose result is Utf8, 32-bit offsets): a clear
+/// error naming the limit, no output file or staging left by the `COPY` it fed, and the
+/// session answers the next query.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_text_over_2_gib_through_clean_text_is_a_clear_error() {
+    let dir = tempfile::tempdir().unwrap();
+    let out = dir.path().join("out");
+    let ctx = flumen::session(flumen::FlumenConfig::default()).enable_url_table();
+    let bytes: i64 = (1 << 31) + 64;
+    let sql = format!(
+        "COPY (SELECT clean_text(repeat(s, n)) AS t FROM \
+         (VALUES (arrow_cast('a', 'LargeUtf8'), {bytes})) AS v(s, n)) \
+         TO '{}/' STORED AS PARQUET",
+        out.display()
+    );
+    let started = Instant::now();
+    let err = common::try_collect(&ctx, &sql)
+        .await
+        .unwrap_err()
+        .to_string();
+    println!(
+        "clean_text of {bytes} bytes: {:?}: {err}",
+        started.elapsed()
+    );
+    assert!(
+        err.contains("clean_text: a text of 2147483712 bytes"),
+        "{err}"
+    );
+    assert!(err.contains("2 GiB"), "{err}");
+    let left: Vec<_> = std::fs::read_dir(&out)
+        .map(|d| d.flatten().map(|e| e.path()).collect())
+        .unwrap_or_default();
+    assert!(left.is_empty(), "the failed COPY left {left:?}");
+    let batches = common::collect(&ctx, "SELECT clean_text('<b>fine</b> &amp; well')").await;
+    let text = datafusion::arrow::util::pretty::pretty_format_batches(&batches)
+        .unwrap()
+        .to_string();
+    assert!(text.contains("fine & well"), "{text}");
 }

@@ -17,12 +17,12 @@ use datafusion::physical_plan::ExecutionPlan;
 use datafusion::prelude::{CsvReadOptions, SessionConfig, SessionContext};
 use flumen::cluster::auth::Secret;
 use flumen::cluster::protocol::{
-    BlockTicket, INPUT_LOST, InputTicket, ReleaseRequest, RemoteBlockInfo, TaskInput, TaskRequest,
-    WorkerStatus, encode_task,
+    BlockTicket, INPUT_LOST, InputTicket, ReleaseRequest, RemoteBlockInfo, TaskEvent, TaskInput,
+    TaskRequest, WorkerStatus, encode_task,
 };
 use flumen::plan::Pool;
 use flumen::{FlumenConfig, WorkerMode};
-use futures::TryStreamExt;
+use futures::{StreamExt, TryStreamExt};
 use tonic::transport::Channel;
 use tonic::{Code, Request, Status};
 
@@ -129,6 +129,36 @@ async fn action(
         .next()
         .map(|r| r.body.to_vec())
         .unwrap_or_default())
+}
+
+/// Action `run` of task `body`, presenting `credential`: the blocks its streamed reply
+/// announced, in order; the reply must end with `Done` naming as many.
+async fn run_blocks(
+    address: &str,
+    credential: &str,
+    body: Vec<u8>,
+) -> Result<Vec<RemoteBlockInfo>, Status> {
+    let action = Action {
+        r#type: "run".into(),
+        body: body.into(),
+    };
+    let reply = client(address)
+        .await
+        .do_action(with_credential(action, Some(credential)))
+        .await?;
+    let events: Vec<arrow_flight::Result> = reply.into_inner().try_collect().await?;
+    let mut blocks = vec![];
+    for event in events {
+        match serde_json::from_slice(&event.body).unwrap() {
+            TaskEvent::Block(info) => blocks.push(info),
+            TaskEvent::Progress { .. } => {}
+            TaskEvent::Done { blocks: done } => {
+                assert_eq!(done, blocks.len(), "Done names the blocks announced");
+                return Ok(blocks);
+            }
+        }
+    }
+    panic!("the reply ended without Done");
 }
 
 /// Action `release` of `keys` of `query`: the worker's answer (blocks dropped).
@@ -420,8 +450,7 @@ async fn a_hostile_client_is_refused_and_the_worker_stays_up() {
 
     // Another query's blocks: a real task of query A leaves a block; B cannot take or drop it.
     let body = task_body(&granted, request("query-a", granted_files.clone()));
-    let infos: Vec<RemoteBlockInfo> =
-        serde_json::from_slice(&action(&address, Some(&good), "run", body).await.unwrap()).unwrap();
+    let infos = run_blocks(&address, &good, body).await.unwrap();
     assert_eq!(infos.len(), 1);
     let key = infos[0].key.clone();
     assert_eq!(key.len(), 32, "a 128-bit key");
@@ -467,8 +496,9 @@ async fn a_hostile_client_is_refused_and_the_worker_stays_up() {
     };
     let mut fetching = request("query-a", vec![]);
     fetching.inputs = Some(vec![ticket_to(&address)]);
-    let reply = action(&address, Some(&good), "run", task_body(&empty, fetching)).await;
-    let infos: Vec<RemoteBlockInfo> = serde_json::from_slice(&reply.unwrap()).unwrap();
+    let infos = run_blocks(&address, &good, task_body(&empty, fetching))
+        .await
+        .unwrap();
     assert_eq!(infos.iter().map(|i| i.rows).sum::<usize>(), 2);
     assert_eq!(
         status(&address, &secret).await.blocks_held,
@@ -617,6 +647,59 @@ async fn a_stuck_function_times_out_and_the_next_query_succeeds() {
     println!("query timeout: failed after {took:?}: {err}");
     assert!(err.contains("flumen.query_timeout_secs (3s)"), "{err}");
     assert!(took < Duration::from_secs(15), "took {took:?}");
+}
+
+/// A worker's blocks reach the driver as they are cut, not when the task ends: the first
+/// rows of a task that then sticks for good reach the client (without streaming they would
+/// wait out the 10-minute task timeout), and a slow task that keeps producing runs well past
+/// `flumen.task_timeout_secs` without being stopped (the timeout counts from its last sign
+/// of progress).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn task_output_streams_block_by_block() {
+    let (dir, _vanilla) = common::events_with_vanilla(1, 50_000).await;
+    let mut config = FlumenConfig::default();
+    config.worker_processes = 2;
+    config.target_block_rows = 1_000;
+    let f = process_session(config, &fault_worker_binary());
+    common::register_tables(&f, dir.path()).await;
+    // The scan's first batch (ids 0..8191) passes; the second sticks forever.
+    let started = Instant::now();
+    let mut stream = f
+        .sql("SELECT hang_from(id, 8192) AS x FROM events")
+        .await
+        .unwrap()
+        .execute_stream()
+        .await
+        .unwrap();
+    let first = tokio::time::timeout(Duration::from_secs(60), stream.next())
+        .await
+        .expect("no rows within 60 s: the task's first blocks did not stream")
+        .expect("a batch")
+        .unwrap();
+    println!(
+        "first {} rows of a task that sticks after its first batch: {:?}",
+        first.num_rows(),
+        started.elapsed()
+    );
+    assert!(first.num_rows() > 0);
+    drop(stream);
+    let cpu = common::worker_pool(&f, Pool::Cpu).await;
+    let mut tasks = 0;
+    for worker in cpu.workers().await {
+        tasks += worker.status().await.unwrap().tasks;
+    }
+    assert!(tasks >= 1, "the task ran in a worker process");
+
+    // 7 batches of 400 ms each (about 2.8 s of task) under a 2 s progress timeout.
+    f.sql("SET flumen.task_timeout_secs = 2").await.unwrap();
+    let started = Instant::now();
+    let rows = common::collect(&f, "SELECT nap(id) AS x FROM events").await;
+    println!(
+        "a steady 7-batch task under a 2 s timeout: {:?}",
+        started.elapsed()
+    );
+    assert_eq!(rows.iter().map(|b| b.num_rows()).sum::<usize>(), 50_000);
+    assert_eq!(cpu.restarted(), 0, "a steady task's worker was stopped");
 }
 
 /// A panicking function in a CPU worker and in an accelerator worker's model: one clear

@@ -5,15 +5,19 @@
 //! - [`tls`]: encryption of the worker protocol (required off loopback).
 //! - [`protocol`]: what driver and worker say to each other (task requests, block info).
 //! - [`worker`]: the worker process: an Arrow Flight server that runs task plans.
+//! - [`worker_tasks`]: how a worker runs one task and hands out its blocks as it cuts them.
+//! - [`block_shelf`]: the blocks a worker keeps, each under the query that owns it.
 //! - [`worker_pool`]: the driver's side: starting, watching and replacing workers, and
 //!   running tasks and fetching blocks on them.
 
 pub mod admission;
 pub mod auth;
+pub(crate) mod block_shelf;
 pub mod protocol;
 pub mod tls;
 pub(crate) mod worker;
 pub(crate) mod worker_pool;
+pub(crate) mod worker_tasks;
 
 pub use worker::{WorkerSettings, serve};
 pub use worker_pool::{WorkerPool, WorkerPoolSlot};

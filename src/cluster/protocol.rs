@@ -92,8 +92,8 @@ pub struct ReleaseRequest {
 
 /// The version of what driver and worker say to each other; a driver refuses workers that
 /// speak another (they would misread a task, e.g. ignore its input tickets). 2: task inputs
-/// by ticket.
-pub const PROTOCOL_VERSION: u32 = 2;
+/// by ticket. 3: a task's reply is a stream of [`TaskEvent`]s.
+pub const PROTOCOL_VERSION: u32 = 3;
 
 /// What a worker says of itself (action `status`).
 #[derive(Debug, Clone, Default, Serialize, Deserialize)]
@@ -131,6 +131,30 @@ pub struct RemoteBlockInfo {
     /// Bytes of its arrays in memory.
     pub bytes: u64,
 }
+
+/// One message of a worker's reply to the `run` action, as JSON; the reply is a stream of
+/// them, so the driver learns of each block as soon as it is cut and sees the task advance.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub enum TaskEvent {
+    /// An output block, kept by the worker under the task's query (blocks come in output
+    /// order: the `n`th is the task's block `n`).
+    Block(RemoteBlockInfo),
+    /// The task is producing output (`rows` so far) without a whole block yet: it is not
+    /// stuck. Sent at most once every [`PROGRESS_EVERY`].
+    Progress {
+        /// Output rows of the task so far.
+        rows: u64,
+    },
+    /// The task finished; it left `blocks` blocks. A reply that ends without it (or an
+    /// error) did not finish.
+    Done {
+        /// Blocks the task left, all already announced.
+        blocks: usize,
+    },
+}
+
+/// How often at most a worker says a task is still producing.
+pub const PROGRESS_EVERY: std::time::Duration = std::time::Duration::from_secs(1);
 
 /// Frame a task for the `run` action: header length (4 bytes, little endian), the header
 /// as JSON, then the encoded plan.

@@ -10,9 +10,10 @@
 //!   with `datafusion-proto`. The worker checks it against what it runs
 //!   ([`crate::cluster::admission`]: flumen's node types, granted files, task settings),
 //!   runs every output partition of the plan, cuts the output into blocks of at most
-//!   `target_rows` rows, keeps them under the task's query, and answers with one
-//!   [`RemoteBlockInfo`] per block (the output partition is the block's tag). A task that
-//!   panics fails alone: the worker lives on (an accelerator worker restarts its model
+//!   `target_rows` rows ([`crate::cluster::worker_tasks`]) and keeps them under the task's
+//!   query. Its reply is a stream of [`TaskEvent`]s: one per block as soon as it is cut (the
+//!   output partition is the block's tag), progress while output flows, then `Done`. A task
+//!   that panics fails alone: the worker lives on (an accelerator worker restarts its model
 //!   thread).
 //! - `do_get` with a [`BlockTicket`] (query and random 128-bit key): the block as Arrow IPC;
 //!   the worker then drops it, unless the ticket says `keep` (another worker fetching a
@@ -32,7 +33,6 @@
 //! hand when its lease runs out ([`WorkerSettings`]).
 
 use std::collections::HashMap;
-use std::panic::AssertUnwindSafe;
 use std::pin::Pin;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
@@ -47,56 +47,31 @@ use arrow_flight::{
 };
 use datafusion::arrow::record_batch::RecordBatch;
 use datafusion::error::{DataFusionError, Result};
-use datafusion::execution::TaskContext;
-use datafusion::physical_plan::{ExecutionPlan, ExecutionPlanProperties};
 use datafusion::prelude::SessionContext;
 use futures::stream::BoxStream;
-use futures::{FutureExt, StreamExt, TryStreamExt};
+use futures::{StreamExt, TryStreamExt};
 use tonic::{Request, Response, Status, Streaming};
 
-use datafusion::common::tree_node::{Transformed, TreeNode};
-use datafusion::datasource::memory::MemorySourceConfig;
-use datafusion::datasource::source::DataSourceExec;
-use datafusion::physical_plan::repartition::RepartitionExec;
-
-use crate::cluster::admission::{admit_options, admit_plan};
 use crate::cluster::auth::{RequireSecret, Secret};
+use crate::cluster::block_shelf::BlockShelf;
 use crate::cluster::protocol::{
-    BlockTicket, INPUT_LOST, PROTOCOL_VERSION, ReleaseRequest, RemoteBlockInfo, TaskInput,
-    TaskRequest, WorkerStatus, decode_task,
+    BlockTicket, INPUT_LOST, PROGRESS_EVERY, PROTOCOL_VERSION, ReleaseRequest, RemoteBlockInfo,
+    TaskEvent, TaskInput, WorkerStatus, decode_task,
 };
 use crate::cluster::tls::{TlsIdentity, WorkerTrust, require_tls_off_loopback};
 use crate::cluster::worker_pool::{Client, connect, get_block};
+use crate::cluster::worker_tasks::{ModelJob, PANICKED, Produced, run_task, start_model_thread};
 use crate::plan::graph::Pool;
-use crate::store::cutter::BlockCutter;
-use crate::store::cutter::bundle_pieces;
-
-/// What a task body's run gives back: its blocks, or its error; a panic is an error whose
-/// message says so.
-type TaskBlocks = Result<Vec<(usize, RecordBatch)>>;
-
-/// A job for an accelerator worker's model thread: a task body, its input blocks fetched
-/// from other workers, and where to answer.
-type ModelJob = (
-    Vec<u8>,
-    Vec<RecordBatch>,
-    SessionContext,
-    tokio::sync::oneshot::Sender<TaskBlocks>,
-);
-
-/// A block a worker keeps, and the query it belongs to.
-struct KeptBlock {
-    query: String,
-    batch: RecordBatch,
-}
 
 /// The Flight service of one worker process.
 pub struct WorkerService {
     ctx: SessionContext,
     kind: Pool,
-    blocks: Mutex<HashMap<String, KeptBlock>>,
+    /// The blocks its tasks left, until the driver fetches or releases them.
+    shelf: Arc<BlockShelf>,
     tasks: AtomicU64,
-    panics: AtomicU64,
+    /// Tasks that panicked.
+    panics: Arc<AtomicU64>,
     /// Accelerator workers: the one thread their tasks run on.
     model_thread: Option<std::sync::mpsc::Sender<ModelJob>>,
     /// CPU workers: the runtime their tasks run on, apart from the one serving calls, so a
@@ -107,16 +82,9 @@ pub struct WorkerService {
     auth: RequireSecret,
     /// When a call last came (for the lease).
     last_call: Mutex<Instant>,
-    /// Queries whose blocks were all released (the query ended): blocks of their tasks
-    /// still running when the release came are dropped as they finish. The most recent
-    /// [`ENDED_QUERIES_KEPT`].
-    ended: Mutex<std::collections::VecDeque<String>>,
     /// Clients of the other workers it fetches task inputs from.
     peers: Peers,
 }
-
-/// How many ended queries a worker remembers.
-const ENDED_QUERIES_KEPT: usize = 4096;
 
 impl WorkerService {
     /// A worker whose tasks run in `ctx` (which must know the functions the plans call),
@@ -135,13 +103,12 @@ impl WorkerService {
             task_runtime,
             ctx,
             kind,
-            blocks: Mutex::new(HashMap::new()),
+            shelf: Arc::default(),
             tasks: AtomicU64::new(0),
-            panics: AtomicU64::new(0),
+            panics: Arc::default(),
             model_thread,
             auth,
             last_call: Mutex::new(Instant::now()),
-            ended: Mutex::default(),
             peers,
         }
     }
@@ -160,7 +127,7 @@ impl WorkerService {
             tasks: self.tasks.load(Ordering::Relaxed),
             task_panics: self.panics.load(Ordering::Relaxed),
             model_loads: crate::functions::accelerator::workers_loaded(),
-            blocks_held: self.blocks.lock().unwrap().len(),
+            blocks_held: self.shelf.len(),
             functions,
         }
     }
@@ -169,92 +136,124 @@ impl WorkerService {
         *self.last_call.lock().unwrap() = Instant::now();
     }
 
-    /// Decode and run a task; keep its blocks under the task's query.
-    async fn run(&self, body: &[u8]) -> Result<Vec<RemoteBlockInfo>> {
+    /// Decode a task, fetch its input blocks, and start it; its reply streams a
+    /// [`TaskEvent`] per block as the task cuts it (the block kept under the task's query),
+    /// progress, and its end. Dropping the reply stops a CPU task (the driver gave up).
+    async fn run(&self, body: &[u8]) -> Result<FlightStream<arrow_flight::Result>> {
         self.tasks.fetch_add(1, Ordering::Relaxed);
         let (request, _) = decode_task(body).map_err(DataFusionError::Execution)?;
         let fetched = match &request.inputs {
             Some(inputs) => self.peers.fetch_inputs(&request.query, inputs).await?,
             None => vec![],
         };
-        let blocks = match &self.model_thread {
-            Some(thread) => {
-                let (reply, answer) = tokio::sync::oneshot::channel();
+        let (out, produced) = tokio::sync::mpsc::unbounded_channel();
+        let stop = match (&self.model_thread, &self.task_runtime) {
+            (Some(thread), _) => {
                 thread
-                    .send((body.to_vec(), fetched, self.ctx.clone(), reply))
+                    .send((body.to_vec(), fetched, self.ctx.clone(), out))
                     .map_err(|_| DataFusionError::Execution("the model thread is gone".into()))?;
-                answer.await.map_err(|_| {
-                    DataFusionError::Execution("the model thread dropped a task".into())
-                })?
+                None
             }
-            None => {
+            (None, Some(runtime)) => {
                 let (body, ctx) = (body.to_vec(), self.ctx.clone());
-                let task = async move { run_guarded(&body, fetched, &ctx).await };
-                match &self.task_runtime {
-                    Some(runtime) => {
-                        let handle = runtime.spawn(task);
-                        // The driver gave up on the call (its query ended): stop the task.
-                        let _abort = AbortOnDrop(handle.abort_handle());
-                        handle.await.map_err(|e| {
-                            DataFusionError::Execution(format!("the task did not finish: {e}"))
-                        })?
-                    }
-                    None => task.await,
-                }
+                let handle = runtime.spawn(async move {
+                    run_task(&body, fetched, &ctx, &out).await;
+                });
+                Some(AbortOnDrop(handle.abort_handle()))
             }
+            (None, None) => unreachable!("a worker has a model thread or a task runtime"),
         };
-        let blocks = blocks.inspect_err(|e| {
-            if e.to_string().contains(PANICKED) {
-                self.panics.fetch_add(1, Ordering::Relaxed);
-            }
-        })?;
-        let mut kept = self.blocks.lock().unwrap();
-        if self.ended.lock().unwrap().contains(&request.query) {
-            return Err(DataFusionError::Execution(
-                "the task's query has ended; its blocks were dropped".into(),
-            ));
+        let reply = TaskReply {
+            produced,
+            shelf: Arc::clone(&self.shelf),
+            panics: Arc::clone(&self.panics),
+            query: request.query,
+            blocks: 0,
+            last_progress: Instant::now(),
+            ended: false,
+            _stop: stop,
+        };
+        Ok(futures::stream::unfold(reply, |mut reply| async move {
+            let event = reply.next_event().await?;
+            Some((event, reply))
+        })
+        .boxed())
+    }
+}
+
+/// A running task's reply: what it produces, turned into [`TaskEvent`]s as the driver
+/// reads them.
+struct TaskReply {
+    produced: tokio::sync::mpsc::UnboundedReceiver<Produced>,
+    shelf: Arc<BlockShelf>,
+    panics: Arc<AtomicU64>,
+    query: String,
+    /// Blocks announced so far.
+    blocks: usize,
+    /// When the last event went out.
+    last_progress: Instant,
+    /// The task's end has been told.
+    ended: bool,
+    /// Stops the task when the reply is dropped.
+    _stop: Option<AbortOnDrop>,
+}
+
+impl TaskReply {
+    /// The next event to send; `None` after the task's end was told.
+    async fn next_event(&mut self) -> Option<std::result::Result<arrow_flight::Result, Status>> {
+        if self.ended {
+            return None;
         }
-        Ok(blocks
-            .into_iter()
-            .map(|(tag, batch)| {
-                let key = random_key();
-                let info = RemoteBlockInfo {
-                    key: key.clone(),
-                    tag,
-                    rows: batch.num_rows(),
-                    bytes: batch.get_array_memory_size() as u64,
-                };
-                kept.insert(
-                    key,
-                    KeptBlock {
-                        query: request.query.clone(),
-                        batch,
-                    },
-                );
-                info
-            })
-            .collect())
+        loop {
+            let event = match self.produced.recv().await {
+                Some(Produced::Block(tag, batch)) => {
+                    let (rows, bytes) = (batch.num_rows(), batch.get_array_memory_size() as u64);
+                    match self.shelf.keep(&self.query, batch) {
+                        Ok(key) => {
+                            self.blocks += 1;
+                            TaskEvent::Block(RemoteBlockInfo {
+                                key,
+                                tag,
+                                rows,
+                                bytes,
+                            })
+                        }
+                        Err(e) => return self.end_with(e.to_string()),
+                    }
+                }
+                Some(Produced::Rows(rows)) => {
+                    if self.last_progress.elapsed() < PROGRESS_EVERY {
+                        continue;
+                    }
+                    TaskEvent::Progress { rows: rows as u64 }
+                }
+                Some(Produced::Finished(Ok(()))) => {
+                    self.ended = true;
+                    TaskEvent::Done {
+                        blocks: self.blocks,
+                    }
+                }
+                Some(Produced::Finished(Err(e))) => {
+                    if e.to_string().contains(PANICKED) {
+                        self.panics.fetch_add(1, Ordering::Relaxed);
+                    }
+                    return self.end_with(e.to_string());
+                }
+                None => return self.end_with("the task stopped before it finished".into()),
+            };
+            self.last_progress = Instant::now();
+            let body = serde_json::to_vec(&event).expect("task events serialize");
+            return Some(Ok(arrow_flight::Result { body: body.into() }));
+        }
     }
 
-    /// Drop the listed blocks of a query, or all of its blocks when none is listed.
-    fn release(&self, request: ReleaseRequest) -> usize {
-        let mut blocks = self.blocks.lock().unwrap();
-        let before = blocks.len();
-        if request.keys.is_empty() {
-            blocks.retain(|_, b| b.query != request.query);
-            let mut ended = self.ended.lock().unwrap();
-            ended.push_back(request.query);
-            if ended.len() > ENDED_QUERIES_KEPT {
-                ended.pop_front();
-            }
-        } else {
-            for key in request.keys {
-                if blocks.get(&key).is_some_and(|b| b.query == request.query) {
-                    blocks.remove(&key);
-                }
-            }
-        }
-        before - blocks.len()
+    /// End the reply with the task's error.
+    fn end_with(
+        &mut self,
+        error: String,
+    ) -> Option<std::result::Result<arrow_flight::Result, Status>> {
+        self.ended = true;
+        Some(Err(Status::internal(error)))
     }
 }
 
@@ -274,102 +273,6 @@ impl Drop for AbortOnDrop {
     fn drop(&mut self) {
         self.0.abort();
     }
-}
-
-/// 128 random bits as hex: a block key nobody can guess.
-fn random_key() -> String {
-    Secret::random().to_hex()[..32].to_string()
-}
-
-/// The words a panicking task's error carries.
-const PANICKED: &str = "task panicked";
-
-/// Run a task body, turning a panic into the task's error (the worker lives on).
-async fn run_guarded(body: &[u8], fetched: Vec<RecordBatch>, ctx: &SessionContext) -> TaskBlocks {
-    match AssertUnwindSafe(run_task_body(body, fetched, ctx))
-        .catch_unwind()
-        .await
-    {
-        Ok(result) => result,
-        Err(panic) => {
-            let message = crate::panic_message(&*panic);
-            log::warn!("flumen worker: {PANICKED}: {message}");
-            Err(DataFusionError::Execution(format!(
-                "{PANICKED} in worker {}: {message}",
-                std::process::id()
-            )))
-        }
-    }
-}
-
-/// Decode a task body under the driver's settings it carries, check it against what a
-/// worker runs ([`crate::cluster::admission`]), put in the input blocks `fetched` from other
-/// workers, and run it into blocks.
-async fn run_task_body(body: &[u8], fetched: Vec<RecordBatch>, ctx: &SessionContext) -> TaskBlocks {
-    let (request, plan) = decode_task(body).map_err(DataFusionError::Execution)?;
-    admit_options(&request.options)?;
-    let mut config = ctx.copied_config();
-    for (key, value) in &request.options {
-        config.options_mut().set(key, value)?;
-    }
-    // Decoded under the driver's settings: model calls read them from their expressions.
-    let state = datafusion::execution::SessionStateBuilder::new_from_existing(ctx.state())
-        .with_config(config)
-        .build();
-    let task_ctx = state.task_ctx();
-    let plan = datafusion_proto::bytes::physical_plan_from_bytes(plan, &task_ctx)?;
-    admit_plan(&plan, &request.grants)?;
-    let plan = match &request.inputs {
-        Some(inputs) => with_inputs(plan, inputs, fetched, request.target_rows)?,
-        None => plan,
-    };
-    plan_blocks(plan, task_ctx, &request).await
-}
-
-/// Put a block-wise task's input blocks into its plan's one in-memory source: the inline
-/// batches the source carries and the `fetched` ones, in the order `inputs` gives, cut as
-/// the driver cuts a bundle ([`bundle_pieces`]).
-fn with_inputs(
-    plan: Arc<dyn ExecutionPlan>,
-    inputs: &[TaskInput],
-    fetched: Vec<RecordBatch>,
-    target_rows: usize,
-) -> Result<Arc<dyn ExecutionPlan>> {
-    let mut fetched = fetched.into_iter();
-    let mut sources = 0;
-    let plan = plan
-        .transform_up(|node| {
-            let Some(memory) = node
-                .downcast_ref::<DataSourceExec>()
-                .and_then(|source| source.data_source().downcast_ref::<MemorySourceConfig>())
-            else {
-                return Ok(Transformed::no(node));
-            };
-            sources += 1;
-            let inline: Vec<&RecordBatch> = memory.partitions().iter().flatten().collect();
-            let mut bundle = Vec::with_capacity(inputs.len());
-            for input in inputs {
-                let block = match input {
-                    TaskInput::Inline(i) => inline.get(*i).map(|b| (*b).clone()),
-                    TaskInput::Fetch(_) => fetched.next(),
-                };
-                bundle.push(block.ok_or_else(|| {
-                    DataFusionError::Execution(format!("task input {input:?} is missing"))
-                })?);
-            }
-            let schema = node.schema();
-            let pieces = bundle_pieces(&schema, bundle, target_rows)?;
-            let source: Arc<dyn ExecutionPlan> =
-                MemorySourceConfig::try_new_exec(&[pieces], schema, None)?;
-            Ok(Transformed::yes(source))
-        })?
-        .data;
-    if sources != 1 {
-        return Err(DataFusionError::Execution(format!(
-            "a task with input tickets must have one in-memory source, this one has {sources}"
-        )));
-    }
-    Ok(plan)
 }
 
 /// The other workers a worker fetches task inputs from: one client per address, each
@@ -443,84 +346,6 @@ impl Peers {
     }
 }
 
-/// The thread an accelerator worker runs its tasks on, one at a time, so each model is
-/// loaded once (accelerator UDFs keep their loaded state per thread). A task that panics
-/// fails alone: the thread hands its queue to a fresh thread (whose models load anew, as
-/// the panic may have left the old ones half-updated) and ends.
-fn start_model_thread() -> std::sync::mpsc::Sender<ModelJob> {
-    let (jobs, queue) = std::sync::mpsc::channel::<ModelJob>();
-    spawn_model_thread(queue);
-    jobs
-}
-
-fn spawn_model_thread(queue: std::sync::mpsc::Receiver<ModelJob>) {
-    std::thread::Builder::new()
-        .name("flumen-model".into())
-        .spawn(move || {
-            let runtime = tokio::runtime::Builder::new_current_thread()
-                .enable_all()
-                .build()
-                .expect("a current-thread runtime starts");
-            while let Ok((body, fetched, ctx, reply)) = queue.recv() {
-                let result = runtime.block_on(run_guarded(&body, fetched, &ctx));
-                let panicked = matches!(&result, Err(e) if e.to_string().contains(PANICKED));
-                let _ = reply.send(result);
-                if panicked {
-                    log::warn!("flumen worker: restarting the model thread after a panic");
-                    drop(runtime);
-                    spawn_model_thread(queue);
-                    return;
-                }
-            }
-        })
-        .expect("the model thread starts");
-}
-
-/// Run `plan` and cut its output into blocks with the one [`BlockCutter`], as a local task
-/// of the same partition would: when an exchange is on top (the operator's output split)
-/// its input is split, coalesced and sliced by the cutter; otherwise each output partition
-/// in turn is sliced. A worker and a driver recomputing a lost block run the same plan
-/// through this, so block `i` of one run is block `i` of the other.
-pub async fn plan_blocks(
-    plan: Arc<dyn ExecutionPlan>,
-    task_ctx: Arc<TaskContext>,
-    request: &TaskRequest,
-) -> Result<Vec<(usize, RecordBatch)>> {
-    let partitions = request.partitions.max(1);
-    let mut blocks = vec![];
-    if let Some(exchange) = plan.downcast_ref::<RepartitionExec>()
-        && exchange.input().output_partitioning().partition_count() == 1
-    {
-        let input = Arc::clone(exchange.input());
-        let mut cutter = BlockCutter::new(
-            input.schema(),
-            Some(exchange.partitioning()),
-            request.partition,
-            partitions,
-            request.target_rows,
-        )?;
-        let mut stream = input.execute(0, task_ctx)?;
-        while let Some(batch) = stream.next().await {
-            cutter.push(batch?, &mut blocks)?;
-        }
-        cutter.finish(&mut blocks)?;
-        return Ok(blocks);
-    }
-    let outputs = plan.output_partitioning().partition_count();
-    for p in 0..outputs {
-        // One output partition: its blocks carry the task's partition, as a local task's.
-        let tag = if outputs == 1 { request.partition } else { p };
-        let mut cutter =
-            BlockCutter::new(plan.schema(), None, tag, partitions, request.target_rows)?;
-        let mut stream = plan.execute(p, Arc::clone(&task_ctx))?;
-        while let Some(batch) = stream.next().await {
-            cutter.push(batch?, &mut blocks)?;
-        }
-        cutter.finish(&mut blocks)?;
-    }
-    Ok(blocks)
-}
-
 type FlightStream<T> = Pin<Box<dyn futures::Stream<Item = std::result::Result<T, Status>> + Send>>;
 
 fn one<T: Send + 'static>(item: T) -> FlightStream<T> {
@@ -545,19 +370,16 @@ impl FlightService for WorkerService {
         let action = request.into_inner();
         match action.r#type.as_str() {
             "run" => {
-                let infos = self
+                let reply = self
                     .run(&action.body)
                     .await
                     .map_err(|e| Status::internal(e.to_string()))?;
-                let body = serde_json::to_vec(&infos).expect("block infos serialize");
-                Ok(Response::new(one(arrow_flight::Result {
-                    body: body.into(),
-                })))
+                Ok(Response::new(reply))
             }
             "release" => {
                 let request: ReleaseRequest = serde_json::from_slice(&action.body)
                     .map_err(|e| Status::invalid_argument(format!("bad release body: {e}")))?;
-                let dropped = self.release(request);
+                let dropped = self.shelf.release(request);
                 Ok(Response::new(one(arrow_flight::Result {
                     body: serde_json::to_vec(&dropped).unwrap().into(),
                 })))
@@ -581,26 +403,15 @@ impl FlightService for WorkerService {
         self.touch();
         let ticket: BlockTicket = serde_json::from_slice(&request.into_inner().ticket)
             .map_err(|e| Status::invalid_argument(format!("bad block ticket: {e}")))?;
-        let block = {
-            let mut blocks = self.blocks.lock().unwrap();
-            // Only the query that owns a block may take it.
-            match blocks.get(&ticket.key) {
-                Some(b) if b.query == ticket.query && ticket.keep => Some(KeptBlock {
-                    query: b.query.clone(),
-                    batch: b.batch.clone(),
-                }),
-                Some(b) if b.query == ticket.query => blocks.remove(&ticket.key),
-                _ => None,
-            }
-        }
-        .ok_or_else(|| {
+        // Only the query that owns a block may take it.
+        let batch = self.shelf.take(&ticket).ok_or_else(|| {
             Status::not_found(format!(
                 "no block {:.32} of this query in this worker",
                 ticket.key
             ))
         })?;
         let input: BoxStream<'static, std::result::Result<RecordBatch, FlightError>> =
-            futures::stream::once(async move { Ok(block.batch) }).boxed();
+            futures::stream::once(async move { Ok(batch) }).boxed();
         let stream = FlightDataEncoderBuilder::new()
             .with_max_flight_data_size(MAX_FLIGHT_DATA_BYTES)
             .build(input)

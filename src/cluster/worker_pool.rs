@@ -19,7 +19,9 @@
 //! within [`WorkerTimeouts::heartbeat`]) and is killed. Calls in flight to a dead worker end at once
 //! and their tasks are retried elsewhere; its blocks count as lost and are recomputed from
 //! lineage by whoever needs them, and a replacement process is started in the background.
-//! A task that runs past `flumen.task_timeout` marks its worker suspect: it is killed and the
+//! A task's reply streams its blocks as the worker cuts them, so consumers start on the first
+//! block while the task still runs. A task that shows no progress (no block, no rows of
+//! output) for `flumen.task_timeout_secs` marks its worker suspect: it is killed and the
 //! task retried on another one.
 
 use std::collections::HashSet;
@@ -36,14 +38,14 @@ use arrow_flight::{Action, Ticket};
 use datafusion::arrow::compute::concat_batches;
 use datafusion::arrow::record_batch::RecordBatch;
 use datafusion::error::{DataFusionError, Result};
-use futures::TryStreamExt;
+use futures::{StreamExt, TryStreamExt};
 use tonic::service::interceptor::InterceptedService;
 use tonic::transport::Channel;
 
 use crate::cluster::auth::{Secret, SendSecret, driver_secret};
 use crate::cluster::protocol::{
-    BlockTicket, PROTOCOL_VERSION, ReleaseRequest, RemoteBlockInfo, TaskRequest, WorkerStatus,
-    encode_task,
+    BlockTicket, PROTOCOL_VERSION, ReleaseRequest, RemoteBlockInfo, TaskEvent, TaskRequest,
+    WorkerStatus, encode_task,
 };
 use crate::cluster::tls::{WorkerTrust, local_tls};
 use crate::cluster::worker::MAX_TASK_BYTES;
@@ -84,8 +86,9 @@ pub struct WorkerTimeouts {
     /// How long a ping may go unanswered before the worker counts as hung (and is killed):
     /// `flumen.heartbeat_timeout_secs`.
     pub heartbeat: Duration,
-    /// How long one attempt of a task may run before its worker is suspect (killed, the
-    /// task retried elsewhere): `flumen.task_timeout_secs`; `None`: no limit.
+    /// How long one attempt of a task may go without a sign of progress (a block, or rows
+    /// of output) before its worker is suspect (killed, the task retried elsewhere):
+    /// `flumen.task_timeout_secs`; `None`: no limit.
     pub task: Option<Duration>,
 }
 
@@ -268,14 +271,50 @@ impl WorkerHandle {
         }
     }
 
-    /// Run a task (`plan`, encoded with datafusion-proto) and return the blocks it left here.
+    /// Run a task (`plan`, encoded with datafusion-proto), handing each block it leaves
+    /// here to `on_block` as soon as the worker announces it; returns how many it left.
+    /// With a `deadline`, a task that goes that long without a sign of progress (a block,
+    /// or rows of output) fails as [`Failure::Stuck`].
     async fn run(
         &self,
         plan: &[u8],
         request: &TaskRequest,
-    ) -> Result<Vec<RemoteBlockInfo>, Failure> {
-        self.call(self.action("run", encode_task(request, plan)))
-            .await
+        deadline: Option<Duration>,
+        on_block: &mut (dyn FnMut(RemoteBlockInfo) -> Result<()> + Send),
+    ) -> Result<usize, Failure> {
+        let stuck = || {
+            let limit = deadline.unwrap_or_default().as_secs();
+            Failure::Stuck(format!(
+                "a task made no progress for flumen.task_timeout_secs ({limit}s) on worker {} \
+                 (pid {}), which was stopped",
+                self.address, self.pid
+            ))
+        };
+        let run = async {
+            let action = Action {
+                r#type: "run".into(),
+                body: encode_task(request, plan).into(),
+            };
+            let mut client = self.client.clone();
+            let mut events = within(deadline, client.do_action(action), stuck)
+                .await??
+                .into_inner();
+            loop {
+                let Some(event) = within(deadline, events.next(), stuck).await? else {
+                    return Err(Failure::Garbage(
+                        "the reply ended before the task did".into(),
+                    ));
+                };
+                let event: TaskEvent = serde_json::from_slice(&event?.body)
+                    .map_err(|e| Failure::Garbage(format!("bad task event: {e}")))?;
+                match event {
+                    TaskEvent::Block(info) => on_block(info).map_err(Failure::Driver)?,
+                    TaskEvent::Progress { .. } => {}
+                    TaskEvent::Done { blocks } => return Ok(blocks),
+                }
+            }
+        };
+        self.call(run).await
     }
 
     /// Fetch (and thereby remove) a block of query `query`.
@@ -312,6 +351,18 @@ impl Drop for WorkerHandle {
     }
 }
 
+/// `wait`'s output, or `stuck()` when a `deadline` passes first.
+async fn within<T>(
+    deadline: Option<Duration>,
+    wait: impl std::future::Future<Output = T>,
+    stuck: impl Fn() -> Failure,
+) -> Result<T, Failure> {
+    match deadline {
+        Some(limit) => tokio::time::timeout(limit, wait).await.map_err(|_| stuck()),
+        None => Ok(wait.await),
+    }
+}
+
 /// Why a call to a worker failed.
 #[derive(Debug)]
 pub(crate) enum Failure {
@@ -323,6 +374,8 @@ pub(crate) enum Failure {
     Garbage(String),
     /// The task ran past its deadline: the worker is suspect (killed, the task retried).
     Stuck(String),
+    /// The driver could not take what the worker sent (e.g. its query was cancelled).
+    Driver(DataFusionError),
 }
 
 impl From<tonic::Status> for Failure {
@@ -343,6 +396,7 @@ impl std::fmt::Display for Failure {
             Failure::Task(e) => write!(f, "{e}"),
             Failure::Garbage(e) => write!(f, "worker sent garbage: {e}"),
             Failure::Stuck(e) => write!(f, "{e}"),
+            Failure::Driver(e) => write!(f, "{e}"),
         }
     }
 }
@@ -513,43 +567,37 @@ impl WorkerPool {
     }
 
     /// Run a task on some worker, retrying on another one when a worker dies under it or the
-    /// task runs past the task timeout there (at most `max_retries` times); returns its
-    /// blocks and the retries it took. `describe` names the task in errors.
+    /// task makes no progress for the task timeout there (at most `max_retries` times).
+    /// Each block is handed to `on_block` as `(n, block)` as soon as its worker announces
+    /// it, `n` counting from 0 in each attempt (a retry hands out the same blocks again: the
+    /// caller keeps the first of each). Returns the retries it took. `describe` names the
+    /// task in errors.
     pub async fn run_task(
         self: &Arc<Self>,
         plan: &[u8],
         request: &TaskRequest,
         max_retries: usize,
         describe: &str,
-    ) -> Result<(Vec<RemoteBlock>, usize)> {
+        on_block: &mut (dyn FnMut(usize, RemoteBlock) -> Result<()> + Send),
+    ) -> Result<usize> {
         let mut attempt = 0;
         loop {
             let worker = self.pick().await?;
-            let attempt_result = match self.settings.timeouts.task {
-                Some(limit) => match tokio::time::timeout(limit, worker.run(plan, request)).await {
-                    Ok(result) => result,
-                    Err(_) => Err(Failure::Stuck(format!(
-                        "a task ran past flumen.task_timeout_secs ({}s) on worker {} (pid {}), \
-                         which was stopped",
-                        limit.as_secs(),
-                        worker.address,
-                        worker.pid
-                    ))),
-                },
-                None => worker.run(plan, request).await,
+            let mut seq = 0;
+            let mut hand_out = |info| {
+                let block = RemoteBlock {
+                    worker: Arc::clone(&worker),
+                    info,
+                    query: request.query.clone(),
+                };
+                seq += 1;
+                on_block(seq - 1, block)
             };
+            let deadline = self.settings.timeouts.task;
+            let attempt_result = worker.run(plan, request, deadline, &mut hand_out).await;
             match attempt_result.map_err(|f| worker.classify(f)) {
-                Ok(infos) => {
-                    let blocks = infos
-                        .into_iter()
-                        .map(|info| RemoteBlock {
-                            worker: Arc::clone(&worker),
-                            info,
-                            query: request.query.clone(),
-                        })
-                        .collect();
-                    return Ok((blocks, attempt));
-                }
+                Ok(_) => return Ok(attempt),
+                Err(Failure::Driver(e)) => return Err(e),
                 Err(Failure::Stuck(e)) if attempt < max_retries => {
                     worker.stop_because(e.clone());
                     attempt += 1;

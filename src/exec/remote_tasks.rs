@@ -9,11 +9,14 @@
 //!   an in-memory scan (the driver fetches them from wherever they live).
 //!
 //! The operator's output exchange goes on top, so a worker splits its output by partition
-//! as a local task would. The worker keeps the blocks; the driver records where each lives
+//! as a local task would. The worker keeps the blocks and announces each as soon as it is
+//! cut; the driver records where each lives at once (consumers start while the task runs)
 //! and fetches it over Arrow Flight when a consumer reads it. A block whose worker died is
 //! recomputed from its lineage by building the same plan again (for a block-wise task, from
 //! its input blocks, themselves recomputed if needed) and running it through the same block
-//! cutter ([`plan_blocks`]), so the recomputed block is the lost one. Tasks that cannot be
+//! cutter ([`crate::cluster::worker_tasks::plan_blocks`]), so the recomputed block is the
+//! lost one. A retried task's blocks repeat the first attempt's: the driver keeps the first
+//! of each. Tasks that cannot be
 //! cut out this way (per-partition tasks, fragments without a source split, plans calling a
 //! function workers do not have) run on the driver's threads.
 
@@ -38,10 +41,10 @@ use datafusion_proto::physical_plan::{
 
 use crate::cluster::admission::{WORKER_OPTIONS, admit_plan, scanned_files};
 use crate::cluster::protocol::{INPUT_LOST, InputTicket, TaskInput, TaskRequest};
-use crate::cluster::worker::plan_blocks;
 use crate::cluster::worker_pool::{
     PoolSettings, RemoteBlock, WorkerPool, WorkerTimeouts, worker_binary,
 };
+use crate::cluster::worker_tasks::collect_blocks;
 use crate::exec::lineage::{TaskId, TaskKind};
 use crate::exec::metrics::OperatorStats;
 use crate::exec::run::QueryRun;
@@ -296,15 +299,30 @@ impl QueryRun {
         if encode_for_worker(&runnable, &pool, &describe).is_none() {
             return Ok(false);
         }
-        let Some(blocks) = self.run_worker_task(&pool, task, &describe).await? else {
-            return Ok(false);
-        };
-        OperatorStats::add(&self.stats(op_id).remote_tasks, 1);
+        // Recorded before its first block: a block lost while the task still runs is
+        // recomputed from the same plan.
         self.remote_tasks.lock().unwrap().insert(task);
-        for (seq, block) in blocks.into_iter().enumerate() {
+        // Each block goes to the store as its worker announces it, so consumers start
+        // while the task runs; a retry's first `kept` blocks repeat ones already taken.
+        let mut kept = 0;
+        let mut take = |seq: usize, block: RemoteBlock| {
+            if seq < kept {
+                WorkerPool::release(block);
+                return Ok(());
+            }
             self.put_remote_block(task, op_id, seq, block)?;
+            kept += 1;
+            self.changed();
+            Ok(())
+        };
+        if !self
+            .run_worker_task(&pool, task, &describe, &mut take)
+            .await?
+        {
+            self.remote_tasks.lock().unwrap().remove(&task);
+            return Ok(false);
         }
-        self.changed();
+        OperatorStats::add(&self.stats(op_id).remote_tasks, 1);
         Ok(true)
     }
 
@@ -312,35 +330,37 @@ impl QueryRun {
     /// fetched by that worker straight from them; those that live here go in the request.
     /// When a worker cannot fetch an input (its holder died), that input is recomputed
     /// from lineage and the task sent again (at most `flumen.max_task_retries` times).
-    /// `None`: the task has no plan a worker can run.
+    /// Blocks go to `on_block` as [`WorkerPool::run_task`] hands them out. `false`: the
+    /// task has no plan a worker can run.
     async fn run_worker_task(
         self: &Arc<Self>,
         pool: &Arc<WorkerPool>,
         task: TaskId,
         describe: &str,
-    ) -> Result<Option<Vec<RemoteBlock>>> {
+        on_block: &mut (dyn FnMut(usize, RemoteBlock) -> Result<()> + Send),
+    ) -> Result<bool> {
         let (op_id, partition, _) = self.task_identity(task);
         // Inputs read here stay here across attempts (reading consumed them).
         let mut read_here = HashMap::new();
         let mut lost_inputs = 0;
         loop {
             let Some(work) = self.worker_task(task, &mut read_here).await? else {
-                return Ok(None);
+                return Ok(false);
             };
             let Some(bytes) = encode_for_worker(&work.plan, pool, describe) else {
-                return Ok(None);
+                return Ok(false);
             };
             let mut request = self.task_request(op_id, partition, &work.plan);
             request.inputs = work.inputs;
             match self
-                .run_on_pool(pool, op_id, &request, &bytes, describe)
+                .run_on_pool(pool, op_id, &request, &bytes, describe, on_block)
                 .await
             {
-                Ok(blocks) => {
+                Ok(()) => {
                     let stats = self.stats(op_id);
                     OperatorStats::add(&stats.input_bytes_by_ticket, work.bytes_by_ticket);
                     OperatorStats::add(&stats.input_bytes_via_driver, work.bytes_via_driver);
-                    return Ok(Some(blocks));
+                    return Ok(true);
                 }
                 Err(e)
                     if e.to_string().contains(INPUT_LOST)
@@ -534,22 +554,27 @@ impl QueryRun {
             "recomputing task {task} (partition {partition}) of flumen operator {op_id} ({})",
             op.name
         );
-        let Some(blocks) = self.run_worker_task(&pool, task, &describe).await? else {
-            return Ok(false);
-        };
-        OperatorStats::add(&self.stats(op_id).recomputed, 1);
-        let mut by_seq: HashMap<usize, RemoteBlock> = blocks.into_iter().enumerate().collect();
-        let mut lost_set = self.lost_blocks.lock().unwrap();
-        for block in lost {
-            if let Some(held) = by_seq.remove(&block.seq) {
-                lost_set.remove(&block.id);
-                self.store.put_held(block.id, Arc::new(held), block.bytes);
+        // The lost blocks, by their place in the task's output: each is re-homed on the
+        // worker of the new run as it is announced; the run's other blocks are released.
+        let mut wanted: HashMap<usize, (BlockId, u64)> =
+            lost.iter().map(|b| (b.seq, (b.id, b.bytes))).collect();
+        let mut rehome = |seq: usize, held: RemoteBlock| {
+            match wanted.remove(&seq) {
+                Some((id, bytes)) => {
+                    self.lost_blocks.lock().unwrap().remove(&id);
+                    self.store.put_held(id, Arc::new(held), bytes);
+                }
+                None => WorkerPool::release(held),
             }
+            Ok(())
+        };
+        if !self
+            .run_worker_task(&pool, task, &describe, &mut rehome)
+            .await?
+        {
+            return Ok(false);
         }
-        // Blocks of the new run that no lost block needs.
-        for (_, block) in by_seq {
-            WorkerPool::release(block);
-        }
+        OperatorStats::add(&self.stats(op_id).recomputed, 1);
         Ok(true)
     }
 
@@ -612,14 +637,15 @@ impl QueryRun {
         request: &TaskRequest,
         bytes: &[u8],
         describe: &str,
-    ) -> Result<Vec<RemoteBlock>> {
+        on_block: &mut (dyn FnMut(usize, RemoteBlock) -> Result<()> + Send),
+    ) -> Result<()> {
         let config = self.config();
-        let (blocks, retries) = pool
-            .run_task(bytes, request, config.max_task_retries, describe)
+        let retries = pool
+            .run_task(bytes, request, config.max_task_retries, describe, on_block)
             .await?;
         OperatorStats::add(&self.stats(op_id).tasks_retried, retries as u64);
         self.note_restarts(pool);
-        Ok(blocks)
+        Ok(())
     }
 
     /// Count the pools' worker restarts since this run first used them into the graph's
@@ -647,7 +673,7 @@ impl QueryRun {
         };
         let (op_id, partition, _) = self.task_identity(task);
         let request = self.task_request(op_id, partition, &plan);
-        let blocks = plan_blocks(plan, self.base_context(), &request).await?;
+        let blocks = collect_blocks(plan, self.base_context(), &request).await?;
         Ok(Some(
             blocks
                 .into_iter()

@@ -46,9 +46,9 @@ impl ScalarUDFImpl for CleanText {
         let arrays = ColumnarValue::values_to_arrays(&args.args)?;
         let input = &arrays[0];
         let out: ArrayRef = match input.data_type() {
-            DataType::Utf8 => clean_all(as_string_array(input)?.iter()),
-            DataType::LargeUtf8 => clean_all(as_large_string_array(input)?.iter()),
-            DataType::Utf8View => clean_all(as_string_view_array(input)?.iter()),
+            DataType::Utf8 => clean_all(as_string_array(input)?.iter())?,
+            DataType::LargeUtf8 => clean_all(as_large_string_array(input)?.iter())?,
+            DataType::Utf8View => clean_all(as_string_view_array(input)?.iter())?,
             other => {
                 return Err(DataFusionError::Execution(format!(
                     "clean_text expects text, got {other}"
@@ -64,20 +64,41 @@ pub fn clean_text_udf() -> ScalarUDF {
     ScalarUDF::new_from_impl(CleanText::default())
 }
 
-fn clean_all<'a>(values: impl Iterator<Item = Option<&'a str>>) -> ArrayRef {
+/// The most bytes of text one Utf8 array holds (its offsets are 32-bit).
+const MAX_UTF8_BYTES: usize = i32::MAX as usize;
+
+/// Clean every value into one Utf8 array; an error, before any work, for a value over
+/// [`MAX_UTF8_BYTES`], and for cleaned values that together would not fit one array.
+fn clean_all<'a>(values: impl Iterator<Item = Option<&'a str>>) -> Result<ArrayRef> {
+    let too_large = |what: String| {
+        DataFusionError::Execution(format!(
+            "clean_text: {what} is over the {MAX_UTF8_BYTES} bytes (2 GiB) one Utf8 result can \
+             hold; cut the text into pieces first (e.g. with substr)"
+        ))
+    };
     let mut builder = StringBuilder::new();
     let mut scratch = String::new();
     let mut out = String::new();
+    let mut total = 0usize;
     for value in values {
         match value {
             Some(text) => {
+                if text.len() > MAX_UTF8_BYTES {
+                    return Err(too_large(format!("a text of {} bytes", text.len())));
+                }
                 clean_into(text, &mut scratch, &mut out);
+                total += out.len();
+                if total > MAX_UTF8_BYTES {
+                    return Err(too_large(format!(
+                        "the cleaned texts of one batch ({total} bytes so far)"
+                    )));
+                }
                 builder.append_value(&out);
             }
             None => builder.append_null(),
         }
     }
-    Arc::new(builder.finish())
+    Ok(Arc::new(builder.finish()))
 }
 
 /// Clean one text into `out` (`scratch` is reused working space).

@@ -5,10 +5,12 @@
 //! planner cuts that Parquet scan into byte-range source splits like any other (see
 //! `operators::is_row_local`), so a lost block re-reads the same files and row groups.
 //!
-//! Writes: `INSERT INTO` a Delta table runs deltalake's data sink, which writes the new data
-//! files and then commits them in one Delta transaction once every input block is written.
-//! A failure before that commit leaves the table unchanged (the written files are not part of
-//! any version), and a retried query commits its own files once.
+//! Writes: `INSERT INTO` a Delta table runs flumen's [`DeltaInsert`] sink over deltalake's
+//! writer: it writes the new data files, then commits them in one Delta transaction once
+//! every input block is written. A failure before that commit leaves the table unchanged and
+//! deletes the files it wrote; with `flumen.delta_app_id` and `flumen.delta_txn_version` the
+//! commit carries an application transaction, so a rerun of an insert that already
+//! committed is skipped (see [`crate::io::delta_insert`]).
 
 use std::sync::Arc;
 
@@ -16,6 +18,7 @@ use async_trait::async_trait;
 use datafusion::arrow::datatypes::{Schema, SchemaRef};
 use datafusion::catalog::{Session, TableProvider, TableProviderFactory};
 use datafusion::datasource::listing::ListingTableUrl;
+use datafusion::datasource::sink::DataSinkExec;
 use datafusion::error::{DataFusionError, Result};
 use datafusion::execution::SessionState;
 use datafusion::logical_expr::dml::InsertOp;
@@ -30,6 +33,8 @@ use deltalake_core::logstore::{
 use deltalake_core::{DeltaTable, DeltaTableBuilder};
 use url::Url;
 
+use crate::config::FlumenConfig;
+use crate::io::delta_insert::{AppTransaction, DeltaInsert};
 use crate::io::lakehouse_options::{self, time_travel, timestamp_option};
 use crate::io::object_stores;
 
@@ -338,10 +343,54 @@ impl TableProvider for DeltaTableProvider {
                 self.location, self.version
             )));
         }
-        self.for_query(state)
-            .await?
-            .insert_into(state, input, insert_op)
-            .await
+        // Checks that the table's schema did not change since it was registered.
+        self.for_query(state).await?;
+        let overwrite = match insert_op {
+            InsertOp::Append => false,
+            InsertOp::Overwrite => true,
+            InsertOp::Replace => {
+                return Err(DataFusionError::Plan(format!(
+                    "Delta table {}: INSERT OR REPLACE is not supported (use INSERT INTO or \
+                     INSERT OVERWRITE)",
+                    self.location
+                )));
+            }
+        };
+        let sink = DeltaInsert {
+            table: self.table.lock().await.clone(),
+            location: self.location.clone(),
+            overwrite,
+            txn: app_transaction(state)?,
+            schema: self.schema(),
+        };
+        Ok(Arc::new(DataSinkExec::new(input, Arc::new(sink), None)))
+    }
+}
+
+/// The application transaction the session set for Delta inserts
+/// (`flumen.delta_app_id` with `flumen.delta_txn_version`), if any.
+fn app_transaction(state: &dyn Session) -> Result<Option<AppTransaction>> {
+    let Some(config) = state.config_options().extensions.get::<FlumenConfig>() else {
+        return Ok(None);
+    };
+    match (config.delta_app_id.as_str(), config.delta_txn_version) {
+        ("", None) => Ok(None),
+        ("", Some(_)) => Err(DataFusionError::Plan(
+            "flumen.delta_txn_version is set but flumen.delta_app_id is not: an idempotent \
+             Delta insert needs both"
+                .into(),
+        )),
+        (_, None) => Err(DataFusionError::Plan(
+            "flumen.delta_app_id is set but flumen.delta_txn_version is not: an idempotent \
+             Delta insert needs both"
+                .into(),
+        )),
+        (app, Some(version)) => {
+            let version = i64::try_from(version).map_err(|_| {
+                DataFusionError::Plan(format!("flumen.delta_txn_version {version} is too large"))
+            })?;
+            Ok(Some((app.to_string(), version)))
+        }
     }
 }
 

@@ -3,9 +3,12 @@
 //! - [`object_stores`]: S3, GCS, Azure and HTTP stores for the locations a statement names.
 //! - [`output_commit`]: file sinks write to staging and commit atomically.
 //! - [`delta`], [`iceberg`]: the lakehouse table formats (`STORED AS DELTATABLE|ICEBERG`).
+//! - [`delta_insert`]: `INSERT INTO` a Delta table: idempotent with an app transaction, no
+//!   orphan files when it fails.
 //! - [`lakehouse_options`]: the options both formats share.
 
 pub(crate) mod delta;
+pub(crate) mod delta_insert;
 pub(crate) mod iceberg;
 pub(crate) mod lakehouse_options;
 pub(crate) mod object_stores;

@@ -1,0 +1,262 @@
+//! How a worker runs one task: decode its plan under the driver's settings, admit it
+//! ([`crate::cluster::admission`]), put in its input blocks, run it and cut its output into
+//! blocks with the one [`BlockCutter`], handing each block out as soon as it is cut
+//! ([`Produced`]). A panic is the task's error; the worker lives on. Accelerator tasks run
+//! one at a time on the worker's model thread, which keeps each model loaded.
+
+use std::panic::AssertUnwindSafe;
+use std::sync::Arc;
+
+use datafusion::arrow::record_batch::RecordBatch;
+use datafusion::common::tree_node::{Transformed, TreeNode};
+use datafusion::datasource::memory::MemorySourceConfig;
+use datafusion::datasource::source::DataSourceExec;
+use datafusion::error::{DataFusionError, Result};
+use datafusion::execution::TaskContext;
+use datafusion::physical_plan::repartition::RepartitionExec;
+use datafusion::physical_plan::{ExecutionPlan, ExecutionPlanProperties};
+use datafusion::prelude::SessionContext;
+use futures::{FutureExt, StreamExt};
+use tokio::sync::mpsc::UnboundedSender;
+
+use crate::cluster::admission::{admit_options, admit_plan};
+use crate::cluster::protocol::{TaskInput, TaskRequest, decode_task};
+use crate::store::cutter::{BlockCutter, bundle_pieces};
+
+/// What a running task hands out, in order.
+#[derive(Debug)]
+pub(crate) enum Produced {
+    /// An output block and its tag (the output partition it belongs to).
+    Block(usize, RecordBatch),
+    /// Output rows so far (after each output batch): the task advances.
+    Rows(usize),
+    /// The task ended: `Ok` when it finished, else its error.
+    Finished(Result<()>),
+}
+
+/// Where a running task's [`Produced`] items go.
+pub(crate) type ProducedSender = UnboundedSender<Produced>;
+
+/// A job for an accelerator worker's model thread: a task body, its input blocks fetched
+/// from other workers, the session, and where its output goes.
+pub(crate) type ModelJob = (Vec<u8>, Vec<RecordBatch>, SessionContext, ProducedSender);
+
+/// The words a panicking task's error carries.
+pub(crate) const PANICKED: &str = "task panicked";
+
+/// Run a task body to its end, handing out its blocks and then [`Produced::Finished`]; a
+/// panic is the task's error (the worker lives on). Returns whether it panicked.
+pub(crate) async fn run_task(
+    body: &[u8],
+    fetched: Vec<RecordBatch>,
+    ctx: &SessionContext,
+    out: &ProducedSender,
+) -> bool {
+    let mut hand_out = |item| {
+        // The caller gone (the driver gave up): the task's output has nowhere to go.
+        let _ = out.send(item);
+    };
+    let result = AssertUnwindSafe(run_task_body(body, fetched, ctx, &mut hand_out))
+        .catch_unwind()
+        .await;
+    let (result, panicked) = match result {
+        Ok(result) => (result, false),
+        Err(panic) => {
+            let message = crate::panic_message(&*panic);
+            log::warn!("flumen worker: {PANICKED}: {message}");
+            let error = DataFusionError::Execution(format!(
+                "{PANICKED} in worker {}: {message}",
+                std::process::id()
+            ));
+            (Err(error), true)
+        }
+    };
+    let _ = out.send(Produced::Finished(result));
+    panicked
+}
+
+/// Decode a task body under the driver's settings it carries, check it against what a
+/// worker runs, put in the input blocks `fetched` from other workers, and run it.
+async fn run_task_body(
+    body: &[u8],
+    fetched: Vec<RecordBatch>,
+    ctx: &SessionContext,
+    out: &mut (dyn FnMut(Produced) + Send),
+) -> Result<()> {
+    let (request, plan) = decode_task(body).map_err(DataFusionError::Execution)?;
+    admit_options(&request.options)?;
+    let mut config = ctx.copied_config();
+    for (key, value) in &request.options {
+        config.options_mut().set(key, value)?;
+    }
+    // Decoded under the driver's settings: model calls read them from their expressions.
+    let state = datafusion::execution::SessionStateBuilder::new_from_existing(ctx.state())
+        .with_config(config)
+        .build();
+    let task_ctx = state.task_ctx();
+    let plan = datafusion_proto::bytes::physical_plan_from_bytes(plan, &task_ctx)?;
+    admit_plan(&plan, &request.grants)?;
+    let plan = match &request.inputs {
+        Some(inputs) => with_inputs(plan, inputs, fetched, request.target_rows)?,
+        None => plan,
+    };
+    plan_blocks(plan, task_ctx, &request, out).await
+}
+
+/// Put a block-wise task's input blocks into its plan's one in-memory source: the inline
+/// batches the source carries and the `fetched` ones, in the order `inputs` gives, cut as
+/// the driver cuts a bundle ([`bundle_pieces`]).
+fn with_inputs(
+    plan: Arc<dyn ExecutionPlan>,
+    inputs: &[TaskInput],
+    fetched: Vec<RecordBatch>,
+    target_rows: usize,
+) -> Result<Arc<dyn ExecutionPlan>> {
+    let mut fetched = fetched.into_iter();
+    let mut sources = 0;
+    let plan = plan
+        .transform_up(|node| {
+            let Some(memory) = node
+                .downcast_ref::<DataSourceExec>()
+                .and_then(|source| source.data_source().downcast_ref::<MemorySourceConfig>())
+            else {
+                return Ok(Transformed::no(node));
+            };
+            sources += 1;
+            let inline: Vec<&RecordBatch> = memory.partitions().iter().flatten().collect();
+            let mut bundle = Vec::with_capacity(inputs.len());
+            for input in inputs {
+                let block = match input {
+                    TaskInput::Inline(i) => inline.get(*i).map(|b| (*b).clone()),
+                    TaskInput::Fetch(_) => fetched.next(),
+                };
+                bundle.push(block.ok_or_else(|| {
+                    DataFusionError::Execution(format!("task input {input:?} is missing"))
+                })?);
+            }
+            let schema = node.schema();
+            let pieces = bundle_pieces(&schema, bundle, target_rows)?;
+            let source: Arc<dyn ExecutionPlan> =
+                MemorySourceConfig::try_new_exec(&[pieces], schema, None)?;
+            Ok(Transformed::yes(source))
+        })?
+        .data;
+    if sources != 1 {
+        return Err(DataFusionError::Execution(format!(
+            "a task with input tickets must have one in-memory source, this one has {sources}"
+        )));
+    }
+    Ok(plan)
+}
+
+/// The thread an accelerator worker runs its tasks on, one at a time, so each model is
+/// loaded once (accelerator UDFs keep their loaded state per thread). A task that panics
+/// fails alone: the thread hands its queue to a fresh thread (whose models load anew, as
+/// the panic may have left the old ones half-updated) and ends.
+pub(crate) fn start_model_thread() -> std::sync::mpsc::Sender<ModelJob> {
+    let (jobs, queue) = std::sync::mpsc::channel::<ModelJob>();
+    spawn_model_thread(queue);
+    jobs
+}
+
+fn spawn_model_thread(queue: std::sync::mpsc::Receiver<ModelJob>) {
+    std::thread::Builder::new()
+        .name("flumen-model".into())
+        .spawn(move || {
+            let runtime = tokio::runtime::Builder::new_current_thread()
+                .enable_all()
+                .build()
+                .expect("a current-thread runtime starts");
+            while let Ok((body, fetched, ctx, out)) = queue.recv() {
+                if out.is_closed() {
+                    // The driver gave up on it while it waited its turn.
+                    continue;
+                }
+                if runtime.block_on(run_task(&body, fetched, &ctx, &out)) {
+                    log::warn!("flumen worker: restarting the model thread after a panic");
+                    drop(runtime);
+                    spawn_model_thread(queue);
+                    return;
+                }
+            }
+        })
+        .expect("the model thread starts");
+}
+
+/// Run `plan` and cut its output into blocks with the one [`BlockCutter`], as a local task
+/// of the same partition would, handing each block to `out` as it is cut: when an exchange
+/// is on top (the operator's output split) its input is split, coalesced and sliced by the
+/// cutter; otherwise each output partition in turn is sliced. A worker and a driver
+/// recomputing a lost block run the same plan through this, so block `i` of one run is
+/// block `i` of the other.
+pub async fn plan_blocks(
+    plan: Arc<dyn ExecutionPlan>,
+    task_ctx: Arc<TaskContext>,
+    request: &TaskRequest,
+    out: &mut (dyn FnMut(Produced) + Send),
+) -> Result<()> {
+    let partitions = request.partitions.max(1);
+    let mut rows = 0;
+    let mut cut = vec![];
+    let mut hand_out = |cut: &mut Vec<(usize, RecordBatch)>, rows: usize| {
+        for (tag, block) in cut.drain(..) {
+            out(Produced::Block(tag, block));
+        }
+        out(Produced::Rows(rows));
+    };
+    if let Some(exchange) = plan.downcast_ref::<RepartitionExec>()
+        && exchange.input().output_partitioning().partition_count() == 1
+    {
+        let input = Arc::clone(exchange.input());
+        let mut cutter = BlockCutter::new(
+            input.schema(),
+            Some(exchange.partitioning()),
+            request.partition,
+            partitions,
+            request.target_rows,
+        )?;
+        let mut stream = input.execute(0, task_ctx)?;
+        while let Some(batch) = stream.next().await {
+            let batch = batch?;
+            rows += batch.num_rows();
+            cutter.push(batch, &mut cut)?;
+            hand_out(&mut cut, rows);
+        }
+        cutter.finish(&mut cut)?;
+        hand_out(&mut cut, rows);
+        return Ok(());
+    }
+    let outputs = plan.output_partitioning().partition_count();
+    for p in 0..outputs {
+        // One output partition: its blocks carry the task's partition, as a local task's.
+        let tag = if outputs == 1 { request.partition } else { p };
+        let mut cutter =
+            BlockCutter::new(plan.schema(), None, tag, partitions, request.target_rows)?;
+        let mut stream = plan.execute(p, Arc::clone(&task_ctx))?;
+        while let Some(batch) = stream.next().await {
+            let batch = batch?;
+            rows += batch.num_rows();
+            cutter.push(batch, &mut cut)?;
+            hand_out(&mut cut, rows);
+        }
+        cutter.finish(&mut cut)?;
+        hand_out(&mut cut, rows);
+    }
+    Ok(())
+}
+
+/// [`plan_blocks`], its blocks collected: `(tag, block)` in output order.
+pub async fn collect_blocks(
+    plan: Arc<dyn ExecutionPlan>,
+    task_ctx: Arc<TaskContext>,
+    request: &TaskRequest,
+) -> Result<Vec<(usize, RecordBatch)>> {
+    let mut blocks = vec![];
+    let mut keep = |item| {
+        if let Produced::Block(tag, block) = item {
+            blocks.push((tag, block));
+        }
+    };
+    plan_blocks(plan, task_ctx, request, &mut keep).await?;
+    Ok(blocks)
+}
