@@ -230,8 +230,8 @@ impl Seeded {
 async fn a_delta_insert_killed_at_any_instant_is_old_or_whole_and_a_rerun_adds_it_once() {
     let dir = tempfile::tempdir().unwrap();
     let input = dir.path().join("input");
-    common::write_events(&input, 4, 50_000);
-    let new_rows = 200_000;
+    common::write_events(&input, 4, 200_000);
+    let new_rows = 800_000;
     // The table before the job: version 0 (empty) and version 1 (1,000 older rows).
     let template = dir.path().join("template");
     create_table(&template, 1 << 20).await;
@@ -242,23 +242,27 @@ async fn a_delta_insert_killed_at_any_instant_is_old_or_whole_and_a_rerun_adds_i
     let whole = (1000 + new_rows, 1000 + new_rows);
     let commit = "_delta_log/00000000000000000002.json";
 
-    // A clean run: how long the job takes.
-    let clean = dir.path().join("clean");
-    copy_dir(&template, &clean);
-    let started = Instant::now();
-    let out = flumen_insert(&clean, &input).wait_with_output().unwrap();
-    let took = started.elapsed();
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    assert_eq!(rows_and_ids(&clean).await, whole);
-    println!(
-        "clean job: {took:?}, {} data files",
-        data_files(&clean).len()
-    );
-
+    // Clean runs: how long the job takes (the shortest of three, so that the seeded
+    // instants fall inside a job rather than after it).
+    let mut took = Duration::MAX;
+    for clean_run in 0..3 {
+        let clean = dir.path().join(format!("clean-{clean_run}"));
+        copy_dir(&template, &clean);
+        let started = Instant::now();
+        let out = flumen_insert(&clean, &input).wait_with_output().unwrap();
+        took = took.min(started.elapsed());
+        assert!(
+            out.status.success(),
+            "{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        assert_eq!(rows_and_ids(&clean).await, whole);
+        println!(
+            "clean job: {:?}, {} data files",
+            started.elapsed(),
+            data_files(&clean).len()
+        );
+    }
     let mut seeded = Seeded(20);
     let mut matrix = vec![];
     for run in 0..25 {
@@ -268,7 +272,7 @@ async fn a_delta_insert_killed_at_any_instant_is_old_or_whole_and_a_rerun_adds_i
         let started = Instant::now();
         // 20 kills at seeded instants over the whole job, 5 as its commit appears.
         let at_commit = run >= 20;
-        let instant = took.mul_f64(0.05 + 1.1 * seeded.next());
+        let instant = took.mul_f64(0.05 + 0.95 * seeded.next());
         loop {
             if child.try_wait().unwrap().is_some() {
                 break;
