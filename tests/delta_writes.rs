@@ -12,7 +12,6 @@ use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
 use datafusion::arrow::datatypes::{DataType, Field, Schema};
-use datafusion::arrow::util::display::array_value_to_string;
 use datafusion::prelude::SessionContext;
 use deltalake_core::kernel::StructType;
 use deltalake_core::kernel::engine::arrow_conversion::TryIntoKernel;
@@ -58,19 +57,10 @@ async fn session_with(location: &Path) -> SessionContext {
     ctx
 }
 
-/// One row of strings.
-async fn row(ctx: &SessionContext, sql: &str) -> Vec<String> {
-    let batches = common::collect(ctx, sql).await;
-    let batch = batches.iter().find(|b| b.num_rows() > 0).expect("one row");
-    (0..batch.num_columns())
-        .map(|c| array_value_to_string(batch.column(c), 0).unwrap())
-        .collect()
-}
-
 /// `count(*), count(DISTINCT id)` of the table at `location`, as a fresh reader sees it.
 async fn rows_and_ids(location: &Path) -> (usize, usize) {
     let ctx = session_with(location).await;
-    let got = row(&ctx, "SELECT count(*), count(DISTINCT id) FROM t").await;
+    let got = common::first_row(&ctx, "SELECT count(*), count(DISTINCT id) FROM t").await;
     (got[0].parse().unwrap(), got[1].parse().unwrap())
 }
 
@@ -102,7 +92,7 @@ async fn a_failed_insert_leaves_no_data_file_behind() {
     let ctx = session_with(&location).await;
     let good = "INSERT INTO t SELECT x, x % 16, x / 3.0, 'document ' || x \
                 FROM generate_series(1, 50000) AS s(x)";
-    assert_eq!(row(&ctx, good).await, vec!["50000"]);
+    assert_eq!(common::first_row(&ctx, good).await, vec!["50000"]);
     let before = data_files(&location);
     assert!(before.len() > 1, "small target files: {}", before.len());
     // Fails at row 45,000 (a NULL id, checked as rows reach the sink), after the writer has
@@ -139,8 +129,12 @@ async fn an_insert_with_an_app_transaction_is_applied_once() {
         .await
         .unwrap();
     ctx.sql("SET flumen.delta_txn_version = 7").await.unwrap();
-    assert_eq!(row(&ctx, insert).await, vec!["1000"]);
-    assert_eq!(row(&ctx, insert).await, vec!["0"], "a rerun of version 7");
+    assert_eq!(common::first_row(&ctx, insert).await, vec!["1000"]);
+    assert_eq!(
+        common::first_row(&ctx, insert).await,
+        vec!["0"],
+        "a rerun of version 7"
+    );
     assert_eq!(rows_and_ids(&location).await, (1000, 1000));
     // A fresh session (another driver) rerunning version 7 is skipped as well.
     let other = session_with(&location).await;
@@ -149,9 +143,13 @@ async fn an_insert_with_an_app_transaction_is_applied_once() {
         .await
         .unwrap();
     other.sql("SET flumen.delta_txn_version = 7").await.unwrap();
-    assert_eq!(row(&other, insert).await, vec!["0"]);
+    assert_eq!(common::first_row(&other, insert).await, vec!["0"]);
     ctx.sql("SET flumen.delta_txn_version = 8").await.unwrap();
-    assert_eq!(row(&ctx, insert).await, vec!["1000"], "version 8 inserts");
+    assert_eq!(
+        common::first_row(&ctx, insert).await,
+        vec!["1000"],
+        "version 8 inserts"
+    );
     assert_eq!(rows_and_ids(&location).await, (2000, 1000));
     // The transaction is in the log, as Delta's readers see it.
     let log =
@@ -213,19 +211,6 @@ fn copy_dir(from: &Path, to: &Path) {
     }
 }
 
-/// Seeded uniform numbers in [0, 1).
-struct Seeded(u64);
-
-impl Seeded {
-    fn next(&mut self) -> f64 {
-        self.0 = self
-            .0
-            .wrapping_mul(6364136223846793005)
-            .wrapping_add(1442695040888963407);
-        (self.0 >> 11) as f64 / (1u64 << 53) as f64
-    }
-}
-
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_delta_insert_killed_at_any_instant_is_old_or_whole_and_a_rerun_adds_it_once() {
     let dir = tempfile::tempdir().unwrap();
@@ -237,7 +222,7 @@ async fn a_delta_insert_killed_at_any_instant_is_old_or_whole_and_a_rerun_adds_i
     create_table(&template, 1 << 20).await;
     let ctx = session_with(&template).await;
     let base = "INSERT INTO t SELECT -x, 0, 0.0, 'older' FROM generate_series(1, 1000) AS s(x)";
-    assert_eq!(row(&ctx, base).await, vec!["1000"]);
+    assert_eq!(common::first_row(&ctx, base).await, vec!["1000"]);
     let old = (1000, 1000);
     let whole = (1000 + new_rows, 1000 + new_rows);
     let commit = "_delta_log/00000000000000000002.json";
@@ -263,7 +248,7 @@ async fn a_delta_insert_killed_at_any_instant_is_old_or_whole_and_a_rerun_adds_i
             data_files(&clean).len()
         );
     }
-    let mut seeded = Seeded(20);
+    let mut seeded = common::Seeded(20);
     let mut matrix = vec![];
     for run in 0..25 {
         let table = dir.path().join(format!("t-{run}"));
@@ -273,19 +258,13 @@ async fn a_delta_insert_killed_at_any_instant_is_old_or_whole_and_a_rerun_adds_i
         // 20 kills at seeded instants over the whole job, 5 as its commit appears.
         let at_commit = run >= 20;
         let instant = took.mul_f64(0.05 + 0.95 * seeded.next());
-        loop {
-            if child.try_wait().unwrap().is_some() {
-                break;
+        common::kill_when(&mut child, "the job", || {
+            if at_commit {
+                table.join(commit).exists()
+            } else {
+                started.elapsed() >= instant
             }
-            let committed = at_commit && table.join(commit).exists();
-            if committed || (!at_commit && started.elapsed() >= instant) {
-                // SAFETY: a signal to the driver process this test started.
-                unsafe { libc::kill(child.id() as i32, libc::SIGKILL) };
-                break;
-            }
-            assert!(started.elapsed() < Duration::from_secs(120), "the job hung");
-            std::thread::sleep(Duration::from_millis(1));
-        }
+        });
         let status = child.wait().unwrap();
         let killed_after = started.elapsed();
         let seen = rows_and_ids(&table).await;

@@ -79,15 +79,6 @@ fn ctx() -> SessionContext {
     flumen::session(FlumenConfig::default())
 }
 
-/// One row of strings.
-async fn row(ctx: &SessionContext, sql: &str) -> Vec<String> {
-    let batches = common::collect(ctx, sql).await;
-    let batch = batches.iter().find(|b| b.num_rows() > 0).expect("one row");
-    (0..batch.num_columns())
-        .map(|c| array_value_to_string(batch.column(c), 0).unwrap())
-        .collect()
-}
-
 async fn error(ctx: &SessionContext, sql: &str) -> String {
     match common::try_collect(ctx, sql).await {
         Err(e) => e.to_string(),
@@ -97,7 +88,7 @@ async fn error(ctx: &SessionContext, sql: &str) -> String {
 
 /// `count, sum(id), sum(score), max(body)` of a table, as the writers' summary lists them.
 async fn summary(ctx: &SessionContext, table: &str) -> Vec<String> {
-    row(
+    common::first_row(
         ctx,
         &format!("SELECT count(*), sum(id), sum(score), max(body) FROM {table}"),
     )
@@ -139,7 +130,7 @@ async fn check_delta_docs(ctx: &SessionContext, docs: &Value, options: &str) {
     );
     // Partition pruning on `topic` gives the partition's rows.
     assert_eq!(
-        row(ctx, "SELECT count(*) FROM delta_docs WHERE topic = 'sport'").await,
+        common::first_row(ctx, "SELECT count(*) FROM delta_docs WHERE topic = 'sport'").await,
         vec![latest["sport_count"].to_string()]
     );
     for entry in versions {
@@ -201,7 +192,7 @@ async fn check_iceberg(ctx: &SessionContext, iceberg: &Value, options: &str) {
             "snapshot {i}"
         );
         assert_eq!(
-            row(
+            common::first_row(
                 ctx,
                 &format!("SELECT count(*) FROM {name} WHERE topic = 'sport'")
             )
@@ -345,7 +336,7 @@ async fn insert_into_delta_commits_once_and_deltalake_reads_it() {
     ))
     .await
     .unwrap();
-    let inserted = row(
+    let inserted = common::first_row(
         &ctx,
         "INSERT INTO features SELECT x, 'row ' || x, [CAST(x AS FLOAT), 0.5] \
          FROM generate_series(1, 20000) AS t(x)",
@@ -361,7 +352,7 @@ async fn insert_into_delta_commits_once_and_deltalake_reads_it() {
     .await;
     assert!(failed.contains("Divide by zero"), "{failed}");
     assert_eq!(
-        row(
+        common::first_row(
             &ctx,
             "SELECT count(*), sum(id), count(DISTINCT label) FROM features"
         )

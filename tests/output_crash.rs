@@ -96,19 +96,6 @@ async fn recover(dir: &Path) -> (usize, usize) {
         .unwrap()
 }
 
-/// Seeded uniform numbers in [0, 1).
-struct Seeded(u64);
-
-impl Seeded {
-    fn next(&mut self) -> f64 {
-        self.0 = self
-            .0
-            .wrapping_mul(6364136223846793005)
-            .wrapping_add(1442695040888963407);
-        (self.0 >> 11) as f64 / (1u64 << 53) as f64
-    }
-}
-
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_copy_killed_at_any_instant_leaves_the_old_output_or_the_whole_new_one() {
     let dir = tempfile::tempdir().unwrap();
@@ -124,7 +111,7 @@ async fn a_copy_killed_at_any_instant_leaves_the_old_output_or_the_whole_new_one
     assert_eq!(visible_rows(&clean).await, (rows, rows));
     println!("clean COPY: {took:?}, {} files", files_below(&clean).len());
 
-    let mut seeded = Seeded(19);
+    let mut seeded = common::Seeded(19);
     let mut matrix = vec![];
     for run in 0..25 {
         let out = dir.path().join(format!("out-{run}"));
@@ -133,22 +120,15 @@ async fn a_copy_killed_at_any_instant_leaves_the_old_output_or_the_whole_new_one
         // 20 kills at seeded instants over the whole statement, 5 at the commit decision.
         let at_marker = run >= 20;
         let instant = took.mul_f64(0.05 + 1.1 * seeded.next());
-        loop {
-            if child.try_wait().unwrap().is_some() {
-                break;
-            }
-            let marker_seen = at_marker
-                && files_below(&out)
+        common::kill_when(&mut child, "COPY", || {
+            if at_marker {
+                files_below(&out)
                     .iter()
-                    .any(|f| f.ends_with(flumen::io::output_commit::COMMIT_MARKER));
-            if marker_seen || (!at_marker && started.elapsed() >= instant) {
-                // SAFETY: a signal to the driver process this test started.
-                unsafe { libc::kill(child.id() as i32, libc::SIGKILL) };
-                break;
+                    .any(|f| f.ends_with(flumen::io::output_commit::COMMIT_MARKER))
+            } else {
+                started.elapsed() >= instant
             }
-            assert!(started.elapsed() < Duration::from_secs(120), "COPY hung");
-            std::thread::sleep(Duration::from_millis(1));
-        }
+        });
         let status = child.wait().unwrap();
         let killed_after = started.elapsed();
         let staged_files = files_below(&out).iter().filter(|f| is_staging(f)).count();

@@ -965,11 +965,19 @@ async fn a_pool_that_fails_half_way_stops_what_it_started() {
         .unwrap_err()
         .to_string();
     assert!(err.contains("instead of its address"), "{err}");
-    let pid: u32 = std::fs::read_to_string(&pidfile)
-        .unwrap()
-        .trim()
-        .parse()
-        .unwrap();
+    // The first script writes its pid just after it claims `first`; the second one may
+    // fail the start before that write lands.
+    let started = Instant::now();
+    let pid: u32 = loop {
+        match std::fs::read_to_string(&pidfile).map(|text| text.trim().parse()) {
+            Ok(Ok(pid)) => break pid,
+            _ => assert!(
+                started.elapsed() < Duration::from_secs(5),
+                "the first worker never wrote its pid"
+            ),
+        }
+        std::thread::sleep(Duration::from_millis(10));
+    };
     let started = Instant::now();
     while alive(pid) {
         assert!(

@@ -12,7 +12,7 @@ use datafusion::common::tree_node::{Transformed, TreeNode};
 use datafusion::datasource::memory::MemorySourceConfig;
 use datafusion::datasource::source::DataSourceExec;
 use datafusion::error::{DataFusionError, Result};
-use datafusion::execution::TaskContext;
+use datafusion::execution::{SendableRecordBatchStream, TaskContext};
 use datafusion::physical_plan::repartition::RepartitionExec;
 use datafusion::physical_plan::{ExecutionPlan, ExecutionPlanProperties};
 use datafusion::prelude::SessionContext;
@@ -197,6 +197,39 @@ pub async fn plan_blocks(
 ) -> Result<()> {
     let partitions = request.partitions.max(1);
     let mut rows = 0;
+    if let Some(exchange) = plan.downcast_ref::<RepartitionExec>()
+        && exchange.input().output_partitioning().partition_count() == 1
+    {
+        let input = Arc::clone(exchange.input());
+        let cutter = BlockCutter::new(
+            input.schema(),
+            Some(exchange.partitioning()),
+            request.partition,
+            partitions,
+            request.target_rows,
+        )?;
+        let stream = input.execute(0, task_ctx)?;
+        return cut_stream(stream, cutter, &mut rows, out).await;
+    }
+    let outputs = plan.output_partitioning().partition_count();
+    for p in 0..outputs {
+        // One output partition: its blocks carry the task's partition, as a local task's.
+        let tag = if outputs == 1 { request.partition } else { p };
+        let cutter = BlockCutter::new(plan.schema(), None, tag, partitions, request.target_rows)?;
+        let stream = plan.execute(p, Arc::clone(&task_ctx))?;
+        cut_stream(stream, cutter, &mut rows, out).await?;
+    }
+    Ok(())
+}
+
+/// Cut `stream` with `cutter`, handing each block to `out` as it is cut and the output rows
+/// so far (`rows`, counted on) after each batch.
+async fn cut_stream(
+    mut stream: SendableRecordBatchStream,
+    mut cutter: BlockCutter,
+    rows: &mut usize,
+    out: &mut (dyn FnMut(Produced) + Send),
+) -> Result<()> {
     let mut cut = vec![];
     let mut hand_out = |cut: &mut Vec<(usize, RecordBatch)>, rows: usize| {
         for (tag, block) in cut.drain(..) {
@@ -204,44 +237,14 @@ pub async fn plan_blocks(
         }
         out(Produced::Rows(rows));
     };
-    if let Some(exchange) = plan.downcast_ref::<RepartitionExec>()
-        && exchange.input().output_partitioning().partition_count() == 1
-    {
-        let input = Arc::clone(exchange.input());
-        let mut cutter = BlockCutter::new(
-            input.schema(),
-            Some(exchange.partitioning()),
-            request.partition,
-            partitions,
-            request.target_rows,
-        )?;
-        let mut stream = input.execute(0, task_ctx)?;
-        while let Some(batch) = stream.next().await {
-            let batch = batch?;
-            rows += batch.num_rows();
-            cutter.push(batch, &mut cut)?;
-            hand_out(&mut cut, rows);
-        }
-        cutter.finish(&mut cut)?;
-        hand_out(&mut cut, rows);
-        return Ok(());
+    while let Some(batch) = stream.next().await {
+        let batch = batch?;
+        *rows += batch.num_rows();
+        cutter.push(batch, &mut cut)?;
+        hand_out(&mut cut, *rows);
     }
-    let outputs = plan.output_partitioning().partition_count();
-    for p in 0..outputs {
-        // One output partition: its blocks carry the task's partition, as a local task's.
-        let tag = if outputs == 1 { request.partition } else { p };
-        let mut cutter =
-            BlockCutter::new(plan.schema(), None, tag, partitions, request.target_rows)?;
-        let mut stream = plan.execute(p, Arc::clone(&task_ctx))?;
-        while let Some(batch) = stream.next().await {
-            let batch = batch?;
-            rows += batch.num_rows();
-            cutter.push(batch, &mut cut)?;
-            hand_out(&mut cut, rows);
-        }
-        cutter.finish(&mut cut)?;
-        hand_out(&mut cut, rows);
-    }
+    cutter.finish(&mut cut)?;
+    hand_out(&mut cut, *rows);
     Ok(())
 }
 

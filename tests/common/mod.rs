@@ -214,3 +214,49 @@ pub async fn run_plan(
         .unwrap_or_else(|e| panic!("{sql}: {e}"));
     (batches, plan)
 }
+
+/// Seeded uniform numbers in [0, 1) (the crash tests' kill instants).
+pub struct Seeded(pub u64);
+
+impl Seeded {
+    /// The next number.
+    pub fn next(&mut self) -> f64 {
+        self.0 = self
+            .0
+            .wrapping_mul(6364136223846793005)
+            .wrapping_add(1442695040888963407);
+        (self.0 >> 11) as f64 / (1u64 << 53) as f64
+    }
+}
+
+/// The first non-empty row of a statement's result, as strings.
+pub async fn first_row(ctx: &SessionContext, sql: &str) -> Vec<String> {
+    let batches = collect(ctx, sql).await;
+    let batch = batches.iter().find(|b| b.num_rows() > 0).expect("one row");
+    (0..batch.num_columns())
+        .map(|c| {
+            datafusion::arrow::util::display::array_value_to_string(batch.column(c), 0).unwrap()
+        })
+        .collect()
+}
+
+/// Wait for `child` to exit, killing it with SIGKILL as soon as `kill_now()` says so (it is
+/// asked every millisecond); panics naming `what` when neither happens within 120 s.
+pub fn kill_when(child: &mut std::process::Child, what: &str, mut kill_now: impl FnMut() -> bool) {
+    let started = std::time::Instant::now();
+    loop {
+        if child.try_wait().unwrap().is_some() {
+            return;
+        }
+        if kill_now() {
+            // SAFETY: a signal to a process the test started.
+            unsafe { libc::kill(child.id() as i32, libc::SIGKILL) };
+            return;
+        }
+        assert!(
+            started.elapsed() < std::time::Duration::from_secs(120),
+            "{what} hung"
+        );
+        std::thread::sleep(std::time::Duration::from_millis(1));
+    }
+}
