@@ -118,7 +118,34 @@ impl AcceleratorWorker for BoomWorker {
     }
 }
 
-/// `fault_worker worker --listen ADDR --pool cpu|accelerator --secret-stdin|--secret-file F`.
+/// The TLS identity, peers' CA, slots and lease `arg` names (as `flumen worker` takes them).
+fn tls_and_limits(
+    settings: &mut flumen::WorkerSettings,
+    arg: impl Fn(&str) -> Option<String>,
+) -> Result<()> {
+    use flumen::cluster::tls::{TlsIdentity, WorkerTrust};
+    if let (Some(cert), Some(key)) = (arg("--tls-cert"), arg("--tls-key")) {
+        settings.tls = Some(TlsIdentity::from_files(cert.as_ref(), key.as_ref())?);
+    }
+    if let Some(ca) = arg("--tls-ca") {
+        settings.peer_trust = Some(WorkerTrust::from_file(ca.as_ref())?);
+    }
+    let number = |name: &str| -> Result<Option<u64>> {
+        arg(name)
+            .map(|n| {
+                n.parse().map_err(|_| {
+                    datafusion::error::DataFusionError::Configuration(format!("bad {name} {n}"))
+                })
+            })
+            .transpose()
+    };
+    settings.slots = number("--slots")?.map(|n| n.max(1) as usize);
+    settings.lease = number("--lease")?.map(std::time::Duration::from_secs);
+    Ok(())
+}
+
+/// `fault_worker worker --listen ADDR --pool cpu|accelerator --secret-stdin|--secret-file F
+/// [--tls-cert F --tls-key F] [--tls-ca F] [--slots N] [--lease SECS]`.
 #[allow(dead_code)]
 fn main() -> std::process::ExitCode {
     let args: Vec<String> = std::env::args().collect();
@@ -149,6 +176,10 @@ fn main() -> std::process::ExitCode {
     };
     let mut settings = flumen::WorkerSettings::new(secret);
     settings.exit_when_stdin_closes = secret_stdin;
+    if let Err(e) = tls_and_limits(&mut settings, arg) {
+        eprintln!("fault_worker: {e}");
+        return std::process::ExitCode::FAILURE;
+    }
     let runtime = tokio::runtime::Runtime::new().expect("a runtime");
     let served = runtime.block_on(async {
         let ctx = flumen::session(FlumenConfig::default());

@@ -282,6 +282,16 @@ extensions_options! {
         /// certificate made for this driver); takes effect when a pool starts. Workers on
         /// other hosts always use TLS.
         pub worker_tls: bool, default = false
+        /// Workers already running on a cluster's hosts to attach to instead of starting
+        /// local ones (with `flumen.workers = 'process'`): `host:port,...`, a cluster file
+        /// (`workers.toml`), or `k8s://NAMESPACE/LABEL-SELECTOR`. Empty: local processes.
+        pub cluster: String, default = String::new()
+        /// The file holding the cluster's secret (64 hex digits, readable by its owner
+        /// only) that its workers were started with.
+        pub cluster_secret_file: String, default = String::new()
+        /// The CA (PEM file) the cluster workers' certificates chain to; needed for
+        /// workers off loopback, which speak TLS only.
+        pub worker_ca: String, default = String::new()
         /// Delta `INSERT INTO`: the application id of an idempotent insert (with
         /// `delta_txn_version`): the insert commits the transaction (app id, version), and
         /// is skipped when the table already has that version of the app or a later one.

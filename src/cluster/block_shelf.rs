@@ -86,7 +86,7 @@ impl BlockShelf {
 }
 
 /// 128 random bits as hex: a block key nobody can guess.
-fn random_key() -> String {
+pub(crate) fn random_key() -> String {
     Secret::random().to_hex()[..32].to_string()
 }
 

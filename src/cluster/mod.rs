@@ -7,12 +7,15 @@
 //! - [`worker`]: the worker process: an Arrow Flight server that runs task plans.
 //! - [`worker_tasks`]: how a worker runs one task and hands out its blocks as it cuts them.
 //! - [`block_shelf`]: the blocks a worker keeps, each under the query that owns it.
-//! - [`worker_pool`]: the driver's side: starting, watching and replacing workers, and
-//!   running tasks and fetching blocks on them.
+//! - [`worker_pool`]: the driver's side: starting (or attaching to), watching and replacing
+//!   workers, placing tasks on them and fetching blocks from them.
+//! - [`membership`]: which running workers a driver attached to a cluster uses
+//!   (`flumen.cluster`).
 
 pub mod admission;
 pub mod auth;
 pub(crate) mod block_shelf;
+pub mod membership;
 pub mod protocol;
 pub mod tls;
 pub(crate) mod worker;

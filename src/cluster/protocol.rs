@@ -92,8 +92,38 @@ pub struct ReleaseRequest {
 
 /// The version of what driver and worker say to each other; a driver refuses workers that
 /// speak another (they would misread a task, e.g. ignore its input tickets). 2: task inputs
-/// by ticket. 3: a task's reply is a stream of [`TaskEvent`]s.
-pub const PROTOCOL_VERSION: u32 = 3;
+/// by ticket. 3: a task's reply is a stream of [`TaskEvent`]s. 4: a worker announces its
+/// identity and resources, and checks the driver's version at the first `status`.
+pub const PROTOCOL_VERSION: u32 = 4;
+
+/// What a driver says when it first asks a worker's `status` (the body of that action): the
+/// worker refuses a driver of another protocol, naming both versions.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct DriverHello {
+    /// The driver's [`PROTOCOL_VERSION`].
+    pub protocol: u32,
+    /// The driver's flumen version (for the message).
+    pub version: String,
+}
+
+impl DriverHello {
+    /// This build's hello.
+    pub fn ours() -> Self {
+        Self {
+            protocol: PROTOCOL_VERSION,
+            version: env!("CARGO_PKG_VERSION").into(),
+        }
+    }
+}
+
+/// An accelerator a worker owns.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct DeviceInfo {
+    /// `cuda` (a CUDA device), or `cpu` (models compute on the worker's CPU).
+    pub kind: String,
+    /// Its index among the worker's devices of that kind.
+    pub index: usize,
+}
 
 /// What a worker says of itself (action `status`).
 #[derive(Debug, Clone, Default, Serialize, Deserialize)]
@@ -101,8 +131,30 @@ pub struct WorkerStatus {
     /// The [`PROTOCOL_VERSION`] it speaks (absent, 0, before versions were numbered).
     #[serde(default)]
     pub protocol: u32,
+    /// Its flumen version.
+    #[serde(default)]
+    pub version: String,
+    /// Who it is: random, fresh at every start (a restarted worker at the same address is a
+    /// new worker; its predecessor's blocks are gone).
+    #[serde(default)]
+    pub id: String,
+    /// The name of the host it runs on.
+    #[serde(default)]
+    pub host: String,
     /// The pool it serves.
     pub kind: Pool,
+    /// Tasks it runs at once (its share of the pool).
+    #[serde(default)]
+    pub slots: usize,
+    /// The accelerators it owns (accelerator workers).
+    #[serde(default)]
+    pub devices: Vec<DeviceInfo>,
+    /// Bytes of blocks it may keep (its memory budget).
+    #[serde(default)]
+    pub memory_budget: u64,
+    /// The models installed where it looks for them (directory names).
+    #[serde(default)]
+    pub models: Vec<String>,
     /// Its process id.
     pub pid: u32,
     /// Tasks it has run.

@@ -86,6 +86,22 @@ impl TlsIdentity {
         )
     }
 
+    /// Write the certificate to `cert` and the key to `key`, readable by its owner only
+    /// (what [`TlsIdentity::from_files`] reads).
+    pub fn write_files(&self, cert: &Path, key: &Path) -> Result<()> {
+        use std::io::Write;
+        use std::os::unix::fs::OpenOptionsExt;
+        std::fs::write(cert, &self.cert_pem)?;
+        let mut file = std::fs::OpenOptions::new()
+            .write(true)
+            .create(true)
+            .truncate(true)
+            .mode(0o600)
+            .open(key)?;
+        file.write_all(self.key_pem.as_bytes())?;
+        Ok(())
+    }
+
     /// The server side of TLS with this identity.
     pub fn server_config(&self) -> ServerTlsConfig {
         ServerTlsConfig::new().identity(Identity::from_pem(&self.cert_pem, &self.key_pem))
@@ -156,34 +172,64 @@ pub fn local_tls() -> Result<&'static LocalTls> {
 }
 
 fn make_local_tls() -> Result<LocalTls> {
-    use rcgen::{BasicConstraints, CertificateParams, DnType, IsCa, Issuer, KeyPair};
-    let failed = |e: rcgen::Error| tls_error(&format!("cannot make the workers' certificate: {e}"));
-    let ca_key = KeyPair::generate().map_err(failed)?;
-    let mut ca_params = CertificateParams::new(Vec::<String>::new()).map_err(failed)?;
-    ca_params.is_ca = IsCa::Ca(BasicConstraints::Constrained(0));
-    ca_params
-        .distinguished_name
-        .push(DnType::CommonName, "flumen driver CA");
-    let ca_cert = ca_params.self_signed(&ca_key).map_err(failed)?;
-    let issuer = Issuer::new(ca_params, ca_key);
-
-    let worker_key = KeyPair::generate().map_err(failed)?;
-    let mut worker_params = CertificateParams::new(vec![
-        "localhost".to_string(),
-        "127.0.0.1".to_string(),
-        "::1".to_string(),
-    ])
-    .map_err(failed)?;
-    worker_params
-        .distinguished_name
-        .push(DnType::CommonName, "flumen worker");
-    let worker_cert = worker_params
-        .signed_by(&worker_key, &issuer)
-        .map_err(failed)?;
+    let ca = ClusterCa::new("flumen driver CA")?;
+    let names = ["localhost", "127.0.0.1", "::1"].map(String::from);
     Ok(LocalTls {
-        identity: TlsIdentity::from_pem(worker_cert.pem(), worker_key.serialize_pem())?,
-        trust: WorkerTrust::from_pem(ca_cert.pem())?,
+        identity: ca.issue(&names)?,
+        trust: ca.trust(),
     })
+}
+
+/// A private CA that signs workers' certificates: a driver's own ([`local_tls`]), or a
+/// test cluster's. Its key lives only as long as it does.
+pub struct ClusterCa {
+    issuer: rcgen::Issuer<'static, rcgen::KeyPair>,
+    ca_pem: String,
+}
+
+impl std::fmt::Debug for ClusterCa {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("ClusterCa(..)")
+    }
+}
+
+impl ClusterCa {
+    /// A fresh CA named `name`.
+    pub fn new(name: &str) -> Result<Self> {
+        use rcgen::{BasicConstraints, CertificateParams, DnType, IsCa, Issuer, KeyPair};
+        let key = KeyPair::generate().map_err(cert_error)?;
+        let mut params = CertificateParams::new(Vec::<String>::new()).map_err(cert_error)?;
+        params.is_ca = IsCa::Ca(BasicConstraints::Constrained(0));
+        params.distinguished_name.push(DnType::CommonName, name);
+        let cert = params.self_signed(&key).map_err(cert_error)?;
+        Ok(Self {
+            ca_pem: cert.pem(),
+            issuer: Issuer::new(params, key),
+        })
+    }
+
+    /// What clients trust: this CA alone.
+    pub fn trust(&self) -> WorkerTrust {
+        WorkerTrust {
+            ca_pem: self.ca_pem.clone(),
+        }
+    }
+
+    /// A worker identity valid for `names` (DNS names or IP addresses).
+    pub fn issue(&self, names: &[String]) -> Result<TlsIdentity> {
+        use rcgen::{CertificateParams, DnType, KeyPair};
+        let key = KeyPair::generate().map_err(cert_error)?;
+        let mut params = CertificateParams::new(names.to_vec()).map_err(cert_error)?;
+        params
+            .distinguished_name
+            .push(DnType::CommonName, "flumen worker");
+        let cert = params.signed_by(&key, &self.issuer).map_err(cert_error)?;
+        TlsIdentity::from_pem(cert.pem(), key.serialize_pem())
+    }
+}
+
+fn cert_error(e: rcgen::Error) -> DataFusionError {
+    tls_error(&format!("cannot make a worker certificate: {e}"))
 }
 
 /// Refuse to serve plaintext on `address` unless it is a loopback address.

@@ -55,13 +55,38 @@ use tonic::{Request, Response, Status, Streaming};
 use crate::cluster::auth::{RequireSecret, Secret};
 use crate::cluster::block_shelf::BlockShelf;
 use crate::cluster::protocol::{
-    BlockTicket, INPUT_LOST, PROGRESS_EVERY, PROTOCOL_VERSION, ReleaseRequest, RemoteBlockInfo,
+    BlockTicket, DeviceInfo, DriverHello, INPUT_LOST, PROGRESS_EVERY, PROTOCOL_VERSION, ReleaseRequest, RemoteBlockInfo,
     TaskEvent, TaskInput, WorkerStatus, decode_task,
 };
 use crate::cluster::tls::{TlsIdentity, WorkerTrust, require_tls_off_loopback};
 use crate::cluster::worker_pool::{Client, connect, get_block};
 use crate::cluster::worker_tasks::{ModelJob, PANICKED, Produced, run_task, start_model_thread};
 use crate::plan::graph::Pool;
+
+/// Refuse a driver whose hello (the body of its `status` call, when not empty) names another
+/// worker protocol.
+fn check_driver(body: &[u8]) -> std::result::Result<(), Status> {
+    if body.is_empty() {
+        return Ok(());
+    }
+    let hello: DriverHello = serde_json::from_slice(body)
+        .map_err(|e| Status::invalid_argument(format!("bad driver hello: {e}")))?;
+    if hello.protocol != PROTOCOL_VERSION {
+        log::warn!(
+            "flumen worker: refused a driver of flumen {} (worker protocol {})",
+            hello.version,
+            hello.protocol
+        );
+        return Err(Status::failed_precondition(format!(
+            "this worker (flumen {}) speaks worker protocol {PROTOCOL_VERSION}, the driver \
+             (flumen {}) protocol {}: run the same flumen version on the driver and its workers",
+            env!("CARGO_PKG_VERSION"),
+            hello.version,
+            hello.protocol
+        )));
+    }
+    Ok(())
+}
 
 /// The Flight service of one worker process.
 pub struct WorkerService {
@@ -84,16 +109,99 @@ pub struct WorkerService {
     last_call: Mutex<Instant>,
     /// Clients of the other workers it fetches task inputs from.
     peers: Peers,
+    /// Who it is and what it owns, as its status announces.
+    identity: WorkerIdentity,
+}
+
+/// What a worker announces of itself besides its counters: fixed for its life.
+#[derive(Debug, Clone)]
+struct WorkerIdentity {
+    /// Random, fresh at every start.
+    id: String,
+    /// Its host's name.
+    host: String,
+    /// Tasks it runs at once.
+    slots: usize,
+    /// Bytes of blocks it may keep.
+    memory_budget: u64,
+}
+
+impl WorkerIdentity {
+    /// A fresh identity for a worker of `kind` run as `settings` say.
+    fn new(kind: Pool, settings: &WorkerSettings) -> Self {
+        let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
+        Self {
+            id: crate::cluster::block_shelf::random_key(),
+            host: host_name(),
+            slots: settings.slots.unwrap_or(match kind {
+                Pool::Cpu => cores,
+                Pool::Accelerator => 1,
+            }),
+            memory_budget: settings.memory_budget,
+        }
+    }
+}
+
+/// This host's name (`gethostname`), or `unknown`.
+fn host_name() -> String {
+    let mut buf = [0u8; 256];
+    // SAFETY: the buffer outlives the call, which writes at most its length.
+    let rc = unsafe { libc::gethostname(buf.as_mut_ptr().cast(), buf.len()) };
+    let end = buf.iter().position(|b| *b == 0).unwrap_or(buf.len());
+    match rc {
+        0 => String::from_utf8_lossy(&buf[..end]).into_owned(),
+        _ => "unknown".into(),
+    }
+}
+
+/// The accelerators a worker of `kind` computes on: its CUDA devices, else its CPU.
+fn devices(kind: Pool) -> Vec<DeviceInfo> {
+    if kind != Pool::Accelerator {
+        return vec![];
+    }
+    let cuda = crate::functions::embedding::cuda::probe_device_count().unwrap_or(0);
+    let (name, count) = if cuda > 0 { ("cuda", cuda) } else { ("cpu", 1) };
+    (0..count)
+        .map(|index| DeviceInfo {
+            kind: name.into(),
+            index,
+        })
+        .collect()
+}
+
+/// The models installed where this worker looks for them: every complete model directory
+/// beside the default one, and `FLUMEN_MODEL_DIR`'s.
+fn installed_models() -> Vec<String> {
+    use crate::functions::embedding::model_files::{check_model_dir, default_model_dir, model_dir};
+    let mut dirs = vec![model_dir("")];
+    if let Some(Ok(entries)) = default_model_dir().parent().map(std::fs::read_dir) {
+        dirs.extend(entries.filter_map(|e| Some(e.ok()?.path())));
+    }
+    let mut models: Vec<String> = dirs
+        .iter()
+        .filter(|dir| check_model_dir(dir).is_ok())
+        .filter_map(|dir| Some(dir.file_name()?.to_string_lossy().into_owned()))
+        .collect();
+    models.sort();
+    models.dedup();
+    models
 }
 
 impl WorkerService {
     /// A worker whose tasks run in `ctx` (which must know the functions the plans call),
     /// answering only callers that present `auth`'s secret; it fetches task inputs from
     /// other workers as `peers` says.
-    fn new(ctx: SessionContext, kind: Pool, auth: RequireSecret, peers: Peers) -> Self {
+    fn new(
+        ctx: SessionContext,
+        kind: Pool,
+        auth: RequireSecret,
+        peers: Peers,
+        identity: WorkerIdentity,
+    ) -> Self {
         let model_thread = (kind == Pool::Accelerator).then(start_model_thread);
         let task_runtime = (kind == Pool::Cpu).then(|| {
             tokio::runtime::Builder::new_multi_thread()
+                .worker_threads(identity.slots.max(1))
                 .thread_name("flumen-task")
                 .enable_all()
                 .build()
@@ -110,6 +218,7 @@ impl WorkerService {
             auth,
             last_call: Mutex::new(Instant::now()),
             peers,
+            identity,
         }
     }
 
@@ -122,6 +231,13 @@ impl WorkerService {
         functions.sort();
         WorkerStatus {
             protocol: PROTOCOL_VERSION,
+            version: env!("CARGO_PKG_VERSION").into(),
+            id: self.identity.id.clone(),
+            host: self.identity.host.clone(),
+            slots: self.identity.slots,
+            devices: devices(self.kind),
+            memory_budget: self.identity.memory_budget,
+            models: installed_models(),
             kind: self.kind,
             pid: std::process::id(),
             tasks: self.tasks.load(Ordering::Relaxed),
@@ -387,11 +503,14 @@ impl FlightService for WorkerService {
             "ping" => Ok(Response::new(one(arrow_flight::Result {
                 body: b"\"pong\"".to_vec().into(),
             }))),
-            "status" => Ok(Response::new(one(arrow_flight::Result {
-                body: serde_json::to_vec(&self.status())
-                    .expect("status serializes")
-                    .into(),
-            }))),
+            "status" => {
+                check_driver(&action.body)?;
+                Ok(Response::new(one(arrow_flight::Result {
+                    body: serde_json::to_vec(&self.status())
+                        .expect("status serializes")
+                        .into(),
+                })))
+            }
             other => Err(Status::unimplemented(format!("unknown action {other:.64}"))),
         }
     }
@@ -517,6 +636,11 @@ pub struct WorkerSettings {
     /// The CA other workers' certificates chain to, for fetching task inputs from those
     /// that speak TLS.
     pub peer_trust: Option<WorkerTrust>,
+    /// Tasks it runs at once, as announced to the driver; `None`: one per core (a CPU
+    /// worker) or one (an accelerator worker).
+    pub slots: Option<usize>,
+    /// Bytes of blocks it may keep, as announced.
+    pub memory_budget: u64,
 }
 
 impl WorkerSettings {
@@ -530,6 +654,8 @@ impl WorkerSettings {
             max_message_bytes: MAX_TASK_BYTES,
             tls: None,
             peer_trust: None,
+            slots: None,
+            memory_budget: crate::ByteSize::default().0,
         }
     }
 }
@@ -570,9 +696,10 @@ pub async fn serve(
             std::process::exit(0);
         });
     }
+    let identity = WorkerIdentity::new(kind, &settings);
     let peers = Peers::new(settings.secret.clone(), settings.peer_trust);
     let auth = RequireSecret::new(settings.secret);
-    let service = Arc::new(WorkerService::new(ctx, kind, auth.clone(), peers));
+    let service = Arc::new(WorkerService::new(ctx, kind, auth.clone(), peers, identity));
     if let Some(lease) = settings.lease {
         let watched = Arc::clone(&service);
         tokio::spawn(async move {

@@ -26,7 +26,7 @@
 
 use std::collections::HashSet;
 use std::io::Write;
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::process::Stdio;
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
@@ -43,8 +43,9 @@ use tonic::service::interceptor::InterceptedService;
 use tonic::transport::Channel;
 
 use crate::cluster::auth::{Secret, SendSecret, driver_secret};
+use crate::cluster::membership::{ClusterSettings, DISCOVER_EVERY};
 use crate::cluster::protocol::{
-    BlockTicket, PROTOCOL_VERSION, ReleaseRequest, RemoteBlockInfo, TaskEvent, TaskRequest,
+    BlockTicket, DriverHello, PROTOCOL_VERSION, ReleaseRequest, RemoteBlockInfo, TaskEvent, TaskRequest,
     WorkerStatus, encode_task,
 };
 use crate::cluster::tls::{WorkerTrust, local_tls};
@@ -57,6 +58,7 @@ const START_TIMEOUT: Duration = Duration::from_secs(20);
 
 /// How often the driver pings each worker.
 pub const HEARTBEAT_EVERY: Duration = Duration::from_millis(500);
+
 
 /// The environment variables a worker process gets from its driver; all others (cloud
 /// credentials, tokens) stay behind.
@@ -101,19 +103,32 @@ impl Default for WorkerTimeouts {
     }
 }
 
-/// What a pool's workers are started from and how they are run; a pool whose settings
+/// Where a pool's workers come from and how they are watched; a pool whose settings
 /// changed is started anew.
 #[derive(Debug, Clone, PartialEq)]
 pub struct PoolSettings {
-    /// The `flumen` executable.
-    pub binary: PathBuf,
-    /// How many workers (at least 1).
-    pub size: usize,
     /// How they are watched.
     pub timeouts: WorkerTimeouts,
-    /// Talk to them in TLS (`flumen.worker_tls`), with this driver's own certificate
-    /// ([`local_tls`]).
-    pub tls: bool,
+    /// Where they come from.
+    pub placement: Placement,
+}
+
+/// Where a pool's workers come from.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Placement {
+    /// Processes this driver starts on its own host (and replaces when they die).
+    Local {
+        /// The `flumen` executable.
+        binary: PathBuf,
+        /// How many workers (at least 1).
+        size: usize,
+        /// Talk to them in TLS (`flumen.worker_tls`), with this driver's own certificate
+        /// ([`local_tls`]).
+        tls: bool,
+    },
+    /// Workers already running on a cluster's hosts (`flumen.cluster`): those of the pool's
+    /// kind join it as they are found, and a lost one rejoins when it answers again.
+    Cluster(ClusterSettings),
 }
 
 /// A Flight client of one worker that presents the driver's secret on every call.
@@ -130,13 +145,22 @@ pub struct RemoteBlock {
     pub query: String,
 }
 
-/// One started worker process.
+/// One worker this driver started or attached to. A worker that is lost and later
+/// answers again gets a new handle: what came through the old one (blocks, task replies)
+/// is never counted again.
 #[derive(Debug)]
 pub struct WorkerHandle {
     /// Its `host:port`.
     pub address: String,
     /// Its process id (for tests that kill it).
     pub pid: u32,
+    /// What it announced when it joined (identity, resources, functions).
+    pub announced: WorkerStatus,
+    /// This handle's number, unique in this driver: the fence between a worker's
+    /// attachments (a partitioned worker that comes back is attached anew).
+    pub serial: u64,
+    /// Tasks this driver is running on it now.
+    running: AtomicUsize,
     kind: Pool,
     /// It speaks TLS.
     tls: bool,
@@ -145,6 +169,8 @@ pub struct WorkerHandle {
     alive: tokio::sync::watch::Sender<bool>,
     /// A replacement for this (dead) worker is being started.
     replacing: std::sync::atomic::AtomicBool,
+    /// Its loss has been counted in its pool's [`MembershipCounts`].
+    counted_lost: std::sync::atomic::AtomicBool,
     /// The runtime its background calls run on (the one it was started from).
     runtime: tokio::runtime::Handle,
     child: Mutex<Option<std::process::Child>>,
@@ -161,6 +187,22 @@ impl WorkerHandle {
     /// Whether the driver still believes the worker is alive.
     pub fn is_alive(&self) -> bool {
         *self.alive.borrow()
+    }
+
+    /// Tasks it runs at once (as it announced, at least 1).
+    pub fn slots(&self) -> usize {
+        self.announced.slots.max(1)
+    }
+
+    /// Tasks this driver is running on it now.
+    pub fn running(&self) -> usize {
+        self.running.load(Ordering::Relaxed)
+    }
+
+    /// Count a task as running on it until the guard drops.
+    fn busy(self: &Arc<Self>) -> Busy {
+        self.running.fetch_add(1, Ordering::Relaxed);
+        Busy(Arc::clone(self))
     }
 
     /// Resolves once the worker is marked dead.
@@ -183,7 +225,7 @@ impl WorkerHandle {
 
     /// What the worker says of itself (tasks run, models loaded, blocks held).
     pub async fn status(&self) -> Result<WorkerStatus> {
-        self.call(self.action("status", vec![])).await.map_err(|e| {
+        self.call(read_status(&self.client)).await.map_err(|e| {
             DataFusionError::Execution(format!("status of worker {}: {e}", self.address))
         })
     }
@@ -194,22 +236,7 @@ impl WorkerHandle {
         name: &str,
         body: Vec<u8>,
     ) -> Result<T, Failure> {
-        let mut client = self.client.clone();
-        let action = Action {
-            r#type: name.into(),
-            body: body.into(),
-        };
-        let reply = client.do_action(action).await.map_err(Failure::from)?;
-        let results: Vec<arrow_flight::Result> = reply
-            .into_inner()
-            .try_collect()
-            .await
-            .map_err(Failure::from)?;
-        let first = results
-            .first()
-            .ok_or_else(|| Failure::Garbage(format!("empty reply to {name}")))?;
-        serde_json::from_slice(&first.body)
-            .map_err(|e| Failure::Garbage(format!("bad reply to {name}: {e}")))
+        action_on(&self.client, name, body).await
     }
 
     /// One heartbeat: whether the worker answered a ping within `timeout`.
@@ -226,7 +253,8 @@ impl WorkerHandle {
         matches!(tokio::time::timeout(timeout, call).await, Ok(Some(_)))
     }
 
-    /// Whether its process has exited (only known for processes this driver started).
+    /// Whether its process has exited (only known for processes this driver started; a
+    /// cluster worker's only by the driver's taking it for dead).
     fn process_exited(&self) -> bool {
         match self.child.lock().unwrap().as_mut() {
             Some(child) => !matches!(child.try_wait(), Ok(None)),
@@ -340,6 +368,46 @@ impl WorkerHandle {
     }
 }
 
+/// A task counted as running on a worker (for placement) while it lives.
+struct Busy(Arc<WorkerHandle>);
+
+impl Drop for Busy {
+    fn drop(&mut self) {
+        self.0.running.fetch_sub(1, Ordering::Relaxed);
+    }
+}
+
+/// Send action `name` to the worker behind `client` and read its one reply as JSON.
+async fn action_on<T: serde::de::DeserializeOwned>(
+    client: &Client,
+    name: &str,
+    body: Vec<u8>,
+) -> Result<T, Failure> {
+    let mut client = client.clone();
+    let action = Action {
+        r#type: name.into(),
+        body: body.into(),
+    };
+    let reply = client.do_action(action).await.map_err(Failure::from)?;
+    let results: Vec<arrow_flight::Result> = reply
+        .into_inner()
+        .try_collect()
+        .await
+        .map_err(Failure::from)?;
+    let first = results
+        .first()
+        .ok_or_else(|| Failure::Garbage(format!("empty reply to {name}")))?;
+    serde_json::from_slice(&first.body)
+        .map_err(|e| Failure::Garbage(format!("bad reply to {name}: {e}")))
+}
+
+/// The status of the worker behind `client`, asked with this driver's hello (a worker of
+/// another protocol refuses it, naming both versions).
+async fn read_status(client: &Client) -> Result<WorkerStatus, Failure> {
+    let hello = serde_json::to_vec(&DriverHello::ours()).expect("hello serializes");
+    action_on(client, "status", hello).await
+}
+
 impl Drop for WorkerHandle {
     /// A handle nobody holds any more (a pool that failed half-way through its start, a
     /// replaced worker) takes its process down with it.
@@ -376,6 +444,8 @@ pub(crate) enum Failure {
     Stuck(String),
     /// The driver could not take what the worker sent (e.g. its query was cancelled).
     Driver(DataFusionError),
+    /// The worker refused the driver's credential (another cluster's secret).
+    Refused(String),
 }
 
 impl From<tonic::Status> for Failure {
@@ -384,6 +454,7 @@ impl From<tonic::Status> for Failure {
             tonic::Code::Unavailable | tonic::Code::Unknown | tonic::Code::Cancelled => {
                 Failure::Dead(status.to_string())
             }
+            tonic::Code::Unauthenticated => Failure::Refused(status.message().to_string()),
             _ => Failure::Task(status.message().to_string()),
         }
     }
@@ -397,64 +468,89 @@ impl std::fmt::Display for Failure {
             Failure::Garbage(e) => write!(f, "worker sent garbage: {e}"),
             Failure::Stuck(e) => write!(f, "{e}"),
             Failure::Driver(e) => write!(f, "{e}"),
+            Failure::Refused(e) => write!(f, "refused: {e}"),
         }
     }
 }
 
-/// Worker processes of one session serving one of its pools.
+/// The workers of one session serving one of its pools: processes it started, or the
+/// workers of the cluster it is attached to.
 #[derive(Debug)]
 pub struct WorkerPool {
     settings: PoolSettings,
     kind: Pool,
-    /// The functions the workers know (from the first one's status).
+    /// The functions every worker knows (from their status when the pool started).
     functions: Arc<HashSet<String>>,
     workers: tokio::sync::Mutex<Vec<Arc<WorkerHandle>>>,
     next: AtomicUsize,
     restarted: AtomicU64,
+    /// Workers lost (heartbeat missed, connection broken) and workers that joined after
+    /// the start or rejoined after a loss.
+    membership: MembershipCounts,
     last_start_error: Mutex<Option<String>>,
+    /// The secret and CA a cluster's workers are called with (a local pool uses this
+    /// driver's own).
+    credentials: Option<(Secret, Option<WorkerTrust>)>,
+    /// Cluster addresses whose worker serves the other pool (probed again now and then).
+    not_mine: Mutex<HashSet<String>>,
+    /// Slots of the live workers when last counted.
+    live_slots: AtomicUsize,
     /// The runtime background work (replacement starts) runs on: the one the pool started
     /// on, which the session's queries drive (an accelerator thread's runtime is not).
     runtime: tokio::runtime::Handle,
 }
 
+/// How a pool's membership changed since it started.
+#[derive(Debug, Default)]
+pub struct MembershipCounts {
+    /// Workers taken for lost (their blocks recomputed elsewhere).
+    pub lost: AtomicU64,
+    /// Workers that joined after the pool started.
+    pub joined: AtomicU64,
+    /// Lost workers (same address) that answered again and were attached anew.
+    pub rejoined: AtomicU64,
+}
+
 impl WorkerPool {
-    /// Start `settings.size` workers of `kind` as `settings` say, and their heartbeat. When
-    /// one fails to start, those that did are stopped.
+    /// Start (or attach to) the workers of `kind` as `settings` say, and their heartbeat.
+    /// When a local worker fails to start, those that did are stopped.
     pub async fn start(mut settings: PoolSettings, kind: Pool) -> Result<Arc<Self>> {
-        settings.size = settings.size.max(1);
-        // Dropping the handles of those that started stops them (`WorkerHandle::drop`).
-        let started = futures::future::try_join_all(
-            (0..settings.size).map(|_| spawn_worker(&settings, kind)),
-        )
-        .await?;
-        // Its status says which functions the workers know; a program that does not answer
-        // it is not a flumen worker.
-        let status = started[0].status().await.map_err(|e| {
-            DataFusionError::Execution(format!(
-                "cannot start flumen worker {}: it does not answer as a flumen worker ({e})",
-                settings.binary.display()
-            ))
-        })?;
-        if status.protocol != PROTOCOL_VERSION {
-            return Err(DataFusionError::Execution(format!(
-                "cannot start flumen worker {}: it speaks worker protocol {}, this driver {} \
-                 (a worker binary from another flumen version)",
-                settings.binary.display(),
-                status.protocol,
-                PROTOCOL_VERSION
-            )));
+        let (started, credentials) = match &mut settings.placement {
+            Placement::Local { binary, size, tls } => {
+                *size = (*size).max(1);
+                // Dropping the handles of those that started stops them
+                // (`WorkerHandle::drop`).
+                let started = futures::future::try_join_all(
+                    (0..*size).map(|_| spawn_worker(binary, *tls, kind)),
+                )
+                .await?;
+                (started, None)
+            }
+            Placement::Cluster(cluster) => {
+                let (secret, trust) = cluster.credentials()?;
+                let started = attach_all(cluster, &secret, trust.as_ref(), kind).await?;
+                (started, Some((secret, trust)))
+            }
+        };
+        let mut functions: HashSet<String> =
+            started[0].announced.functions.iter().cloned().collect();
+        for worker in &started[1..] {
+            functions.retain(|f| worker.announced.functions.contains(f));
         }
         let pool = Arc::new(Self {
             settings,
             kind,
-            functions: Arc::new(status.functions.into_iter().collect()),
-            workers: tokio::sync::Mutex::new(vec![]),
+            functions: Arc::new(functions),
+            live_slots: AtomicUsize::new(started.iter().map(|w| w.slots()).sum()),
+            workers: tokio::sync::Mutex::new(started),
             next: AtomicUsize::new(0),
             restarted: AtomicU64::new(0),
+            membership: MembershipCounts::default(),
             last_start_error: Mutex::new(None),
+            credentials,
+            not_mine: Mutex::new(HashSet::new()),
             runtime: tokio::runtime::Handle::current(),
         });
-        *pool.workers.lock().await = started;
         let heartbeat = Arc::downgrade(&pool);
         pool.runtime.spawn(async move {
             loop {
@@ -465,11 +561,24 @@ impl WorkerPool {
                 pool.heartbeat().await;
             }
         });
+        if pool.credentials.is_some() {
+            // Apart from the heartbeat: a look may wait on an address that does not answer.
+            let discovery = Arc::downgrade(&pool);
+            pool.runtime.spawn(async move {
+                for look in 1u64.. {
+                    tokio::time::sleep(DISCOVER_EVERY).await;
+                    let Some(pool) = discovery.upgrade() else {
+                        return;
+                    };
+                    pool.discover(look).await;
+                }
+            });
+        }
         Ok(pool)
     }
 
-    /// Ping every live worker at once; one that does not answer in time (hung, or its
-    /// process gone) is marked dead and killed.
+    /// Ping every live worker at once; one that does not answer in time (hung, its process
+    /// gone, its host cut off) is marked dead, and killed when this driver started it.
     async fn heartbeat(&self) {
         let workers = self.workers().await;
         let timeout = self.settings.timeouts.heartbeat;
@@ -484,6 +593,97 @@ impl WorkerPool {
             }
         });
         futures::future::join_all(pings).await;
+        let mut live = 0;
+        for worker in &workers {
+            if worker.is_alive() {
+                live += worker.slots();
+            } else if !worker.counted_lost.swap(true, Ordering::Relaxed) {
+                self.membership.lost.fetch_add(1, Ordering::Relaxed);
+            }
+        }
+        self.live_slots.store(live, Ordering::Relaxed);
+    }
+
+    /// Look for cluster workers that are not in the pool (new, or back after a loss) and
+    /// attach those of its kind. `look` counts the looks: addresses known to serve the
+    /// other pool are probed again every tenth.
+    async fn discover(&self, look: u64) {
+        let (Placement::Cluster(cluster), Some((secret, trust))) =
+            (&self.settings.placement, &self.credentials)
+        else {
+            return;
+        };
+        let addresses = match cluster.spec.addresses() {
+            Ok(addresses) => addresses,
+            Err(e) => {
+                log::warn!("{e}");
+                return;
+            }
+        };
+        let present: HashSet<String> = self
+            .workers()
+            .await
+            .iter()
+            .filter(|w| w.is_alive())
+            .map(|w| w.address.clone())
+            .collect();
+        let recheck = look.is_multiple_of(10);
+        let candidates: Vec<String> = {
+            let not_mine = self.not_mine.lock().unwrap();
+            addresses
+                .into_iter()
+                .filter(|a| !present.contains(a) && (recheck || !not_mine.contains(a)))
+                .collect()
+        };
+        let attempts = candidates.iter().map(|address| async move {
+            let attached = tokio::time::timeout(
+                DISCOVER_EVERY * 2,
+                attach_worker(address, cluster, secret, trust.as_ref(), self.kind),
+            )
+            .await;
+            (address, attached)
+        });
+        for (address, attached) in futures::future::join_all(attempts).await {
+            match attached {
+                Ok(Ok(Some(worker))) => self.admit(worker).await,
+                Ok(Ok(None)) => {
+                    self.not_mine.lock().unwrap().insert(address.clone());
+                }
+                Ok(Err(e)) => log::debug!("flumen worker {address} not attached: {e}"),
+                Err(_) => log::debug!("flumen worker {address} did not answer in time"),
+            }
+        }
+    }
+
+    /// Add a newly attached worker: in place of a lost one at its address (it rejoined),
+    /// else as a new member; either way it gets tasks at once.
+    async fn admit(&self, worker: Arc<WorkerHandle>) {
+        let mut workers = self.workers.lock().await;
+        let lost_here = workers
+            .iter()
+            .position(|w| w.address == worker.address && !w.is_alive());
+        let counter = match lost_here {
+            Some(_) => &self.membership.rejoined,
+            None => &self.membership.joined,
+        };
+        counter.fetch_add(1, Ordering::Relaxed);
+        log::warn!(
+            "flumen worker {} (host {}, id {}) {} the {} pool",
+            worker.address,
+            worker.announced.host,
+            worker.announced.id,
+            if lost_here.is_some() {
+                "rejoined"
+            } else {
+                "joined"
+            },
+            self.kind.as_str()
+        );
+        self.live_slots.fetch_add(worker.slots(), Ordering::Relaxed);
+        match lost_here {
+            Some(slot) => workers[slot] = worker,
+            None => workers.push(worker),
+        }
     }
 
     /// The pool its workers serve.
@@ -494,6 +694,17 @@ impl WorkerPool {
     /// The functions its workers know.
     pub fn functions(&self) -> &Arc<HashSet<String>> {
         &self.functions
+    }
+
+    /// Tasks its live workers run at once, together (as they announced; counted at each
+    /// heartbeat and when one joins).
+    pub fn live_slots(&self) -> usize {
+        self.live_slots.load(Ordering::Relaxed)
+    }
+
+    /// How its membership changed since it started.
+    pub fn membership(&self) -> &MembershipCounts {
+        &self.membership
     }
 
     /// Drop every block of query `query` in every live worker (the query ended).
@@ -516,41 +727,64 @@ impl WorkerPool {
         self.restarted.load(Ordering::Relaxed)
     }
 
-    /// A live worker, round robin. Each dead worker gets a replacement started in the
-    /// background, so tasks go on on the live ones meanwhile; only when none is alive does
-    /// this wait for a replacement.
-    async fn pick(self: &Arc<Self>) -> Result<Arc<WorkerHandle>> {
+    /// The live worker a task goes to: `prefer` (the one holding most of its input bytes)
+    /// while it has a free slot, else the least loaded (running tasks per slot; ties
+    /// round robin). A dead local worker gets a replacement started in the background, so
+    /// tasks go on on the live ones meanwhile; only when none is alive does this wait (for
+    /// a replacement, or a cluster worker to come back).
+    async fn pick(self: &Arc<Self>, prefer: Option<u64>) -> Result<Arc<WorkerHandle>> {
         let deadline = tokio::time::Instant::now() + START_TIMEOUT * 2;
         loop {
             {
                 let workers = self.workers.lock().await;
-                for (slot, worker) in workers.iter().enumerate() {
-                    if !worker.is_alive() && !worker.replacing.swap(true, Ordering::Relaxed) {
-                        let pool = Arc::clone(self);
-                        self.runtime.spawn(async move { pool.replace(slot).await });
+                if matches!(self.settings.placement, Placement::Local { .. }) {
+                    for (slot, worker) in workers.iter().enumerate() {
+                        if !worker.is_alive() && !worker.replacing.swap(true, Ordering::Relaxed)
+                        {
+                            let pool = Arc::clone(self);
+                            self.runtime.spawn(async move { pool.replace(slot).await });
+                        }
                     }
                 }
                 let alive: Vec<&Arc<WorkerHandle>> =
                     workers.iter().filter(|w| w.is_alive()).collect();
+                if let Some(preferred) = alive
+                    .iter()
+                    .find(|w| Some(w.serial) == prefer && w.running() < w.slots())
+                {
+                    return Ok(Arc::clone(preferred));
+                }
                 if !alive.is_empty() {
-                    let at = self.next.fetch_add(1, Ordering::Relaxed) % alive.len();
-                    return Ok(Arc::clone(alive[at]));
+                    let start = self.next.fetch_add(1, Ordering::Relaxed) % alive.len();
+                    let least_loaded = (0..alive.len())
+                        .map(|i| alive[(start + i) % alive.len()])
+                        .min_by(|a, b| {
+                            // running/slots compared without division.
+                            (a.running() * b.slots()).cmp(&(b.running() * a.slots()))
+                        })
+                        .expect("one is alive");
+                    return Ok(Arc::clone(least_loaded));
                 }
             }
             if tokio::time::Instant::now() > deadline {
                 let why = self.last_start_error.lock().unwrap().clone();
                 return Err(DataFusionError::Execution(format!(
-                    "no flumen worker is alive and none could be started: {}",
-                    why.unwrap_or_else(|| "replacements did not start in time".into())
+                    "no flumen worker of the {} pool is alive and none could be started or \
+                     came back: {}",
+                    self.kind.as_str(),
+                    why.unwrap_or_else(|| "none answered in time".into())
                 )));
             }
             tokio::time::sleep(Duration::from_millis(20)).await;
         }
     }
 
-    /// Start a replacement for the dead worker in `slot`.
+    /// Start a replacement for the dead local worker in `slot`.
     async fn replace(&self, slot: usize) {
-        match spawn_worker(&self.settings, self.kind).await {
+        let Placement::Local { binary, tls, .. } = &self.settings.placement else {
+            return;
+        };
+        match spawn_worker(binary, *tls, self.kind).await {
             Ok(worker) => {
                 self.workers.lock().await[slot] = worker;
                 self.restarted.fetch_add(1, Ordering::Relaxed);
@@ -566,8 +800,9 @@ impl WorkerPool {
         }
     }
 
-    /// Run a task on some worker, retrying on another one when a worker dies under it or the
-    /// task makes no progress for the task timeout there (at most `max_retries` times).
+    /// Run a task on some worker (`prefer`: the one holding most of its inputs, see
+    /// [`Self::pick`]), retrying on another one when a worker dies under it or the task
+    /// makes no progress for the task timeout there (at most `max_retries` times).
     /// Each block is handed to `on_block` as `(n, block)` as soon as its worker announces
     /// it, `n` counting from 0 in each attempt (a retry hands out the same blocks again: the
     /// caller keeps the first of each). Returns the retries it took. `describe` names the
@@ -578,11 +813,13 @@ impl WorkerPool {
         request: &TaskRequest,
         max_retries: usize,
         describe: &str,
+        prefer: Option<u64>,
         on_block: &mut (dyn FnMut(usize, RemoteBlock) -> Result<()> + Send),
     ) -> Result<usize> {
         let mut attempt = 0;
         loop {
-            let worker = self.pick().await?;
+            let worker = self.pick(prefer).await?;
+            let _busy = worker.busy();
             let mut seq = 0;
             let mut hand_out = |info| {
                 let block = RemoteBlock {
@@ -668,10 +905,10 @@ impl Drop for WorkerPool {
     }
 }
 
-/// Start one worker process and connect to it.
-async fn spawn_worker(settings: &PoolSettings, kind: Pool) -> Result<Arc<WorkerHandle>> {
-    let binary = &settings.binary;
-    let tls = settings.tls.then(local_tls).transpose()?;
+/// Start one worker process of `binary` on this host (speaking TLS with this driver's
+/// own certificate when `tls`) and connect to it.
+async fn spawn_worker(binary: &Path, tls: bool, kind: Pool) -> Result<Arc<WorkerHandle>> {
+    let tls = tls.then(local_tls).transpose()?;
     let fail = |why: String| {
         DataFusionError::Execution(format!(
             "cannot start flumen worker {}: {why}",
@@ -699,7 +936,6 @@ async fn spawn_worker(settings: &PoolSettings, kind: Pool) -> Result<Arc<WorkerH
         .stdout(Stdio::piped())
         .stderr(Stdio::inherit());
     let mut child = command.spawn().map_err(|e| fail(e.to_string()))?;
-    let pid = child.id();
     // The secret (and the TLS identity) go down the pipe; the pipe stays open while the
     // driver lives.
     let mut handed = format!("{}\n", driver_secret().to_hex());
@@ -755,21 +991,164 @@ async fn spawn_worker(settings: &PoolSettings, kind: Pool) -> Result<Arc<WorkerH
             )));
         }
     };
-    let client = connect(&address, tls.map(|tls| &tls.trust), driver_secret())
-        .await
-        .map_err(|e| fail(e.to_string()))?;
-    Ok(Arc::new(WorkerHandle {
+    let trust = tls.map(|tls| &tls.trust);
+    let (client, announced) = match introduce(&address, trust, driver_secret()).await {
+        Ok(introduced) => introduced,
+        Err(DataFusionError::Execution(why)) | Err(DataFusionError::Configuration(why)) => {
+            let _ = child.kill();
+            return Err(fail(why));
+        }
+        Err(e) => {
+            let _ = child.kill();
+            return Err(fail(e.to_string()));
+        }
+    };
+    Ok(new_handle(
         address,
-        pid,
+        announced,
         kind,
-        tls: tls.is_some(),
+        client,
+        trust.is_some(),
+        Some(child),
+    ))
+}
+
+/// Connect to the worker at `address` and read its status with this driver's hello: a
+/// program that does not answer as a flumen worker, or a worker of another protocol, is
+/// refused here.
+async fn introduce(
+    address: &str,
+    trust: Option<&WorkerTrust>,
+    secret: &Secret,
+) -> Result<(Client, WorkerStatus)> {
+    let client = connect(address, trust, secret).await?;
+    let status = read_status(&client).await.map_err(|e| {
+        DataFusionError::Execution(match e {
+            Failure::Refused(why) => format!(
+                "worker {address} refused this driver ({why}): the secret in \
+                 flumen.cluster_secret_file is not the one the worker was started with"
+            ),
+            Failure::Task(why) if why.contains("worker protocol") => why,
+            other => format!("{address} does not answer as a flumen worker: {other}"),
+        })
+    })?;
+    if status.protocol != PROTOCOL_VERSION {
+        return Err(DataFusionError::Execution(format!(
+            "worker {address} (flumen {}) speaks worker protocol {}, this driver (flumen {}) \
+             {PROTOCOL_VERSION}: run the same flumen version on the driver and its workers",
+            if status.version.is_empty() {
+                "before 0.1"
+            } else {
+                &status.version
+            },
+            status.protocol,
+            env!("CARGO_PKG_VERSION"),
+        )));
+    }
+    Ok((client, status))
+}
+
+/// The handle of a worker that answered, numbered anew.
+fn new_handle(
+    address: String,
+    announced: WorkerStatus,
+    kind: Pool,
+    client: Client,
+    tls: bool,
+    child: Option<std::process::Child>,
+) -> Arc<WorkerHandle> {
+    static SERIAL: AtomicU64 = AtomicU64::new(1);
+    Arc::new(WorkerHandle {
+        address,
+        pid: announced.pid,
+        announced,
+        serial: SERIAL.fetch_add(1, Ordering::Relaxed),
+        running: AtomicUsize::new(0),
+        counted_lost: false.into(),
+        kind,
+        tls,
         client,
         alive: tokio::sync::watch::Sender::new(true),
         replacing: false.into(),
         runtime: tokio::runtime::Handle::current(),
-        child: Mutex::new(Some(child)),
+        child: Mutex::new(child),
         death: Mutex::new(None),
-    }))
+    })
+}
+
+/// Attach to the running worker at `address` of `cluster`; `None` when it serves another
+/// pool than `kind`.
+async fn attach_worker(
+    address: &str,
+    cluster: &ClusterSettings,
+    secret: &Secret,
+    trust: Option<&WorkerTrust>,
+    kind: Pool,
+) -> Result<Option<Arc<WorkerHandle>>> {
+    cluster.check_reachable(address)?;
+    let (client, announced) = introduce(address, trust, secret).await?;
+    if announced.kind != kind {
+        return Ok(None);
+    }
+    Ok(Some(new_handle(
+        address.to_string(),
+        announced,
+        kind,
+        client,
+        trust.is_some(),
+        None,
+    )))
+}
+
+/// Attach to every worker of `kind` the cluster lists now; an error naming what each
+/// address said when none could be.
+async fn attach_all(
+    cluster: &ClusterSettings,
+    secret: &Secret,
+    trust: Option<&WorkerTrust>,
+    kind: Pool,
+) -> Result<Vec<Arc<WorkerHandle>>> {
+    let addresses = cluster.spec.addresses()?;
+    let attempts = addresses.iter().map(|address| async move {
+        let attached = tokio::time::timeout(
+            START_TIMEOUT / 2,
+            attach_worker(address, cluster, secret, trust, kind),
+        )
+        .await;
+        match attached {
+            Ok(result) => result,
+            Err(_) => Err(DataFusionError::Execution(format!(
+                "{address} did not answer within {:?}",
+                START_TIMEOUT / 2
+            ))),
+        }
+    });
+    let results = futures::future::join_all(attempts).await;
+    let mut attached = vec![];
+    let mut reasons = vec![];
+    for (address, result) in addresses.iter().zip(results) {
+        match result {
+            Ok(Some(worker)) => attached.push(worker),
+            Ok(None) => {}
+            Err(e) => {
+                log::warn!("flumen worker {address} not attached: {e}");
+                reasons.push(match e {
+                    DataFusionError::Execution(why) | DataFusionError::Configuration(why) => why,
+                    other => other.to_string(),
+                });
+            }
+        }
+    }
+    if attached.is_empty() {
+        return Err(DataFusionError::Execution(format!(
+            "the cluster has no {} worker that answers ({} address(es) listed){}{}",
+            kind.as_str(),
+            addresses.len(),
+            if reasons.is_empty() { "" } else { ": " },
+            reasons.join("; ")
+        )));
+    }
+    Ok(attached)
 }
 
 /// A Flight client of the worker at `address` (`host:port`) that presents `secret` on
@@ -881,7 +1260,9 @@ impl WorkerPoolSlot {
         kind: Pool,
         mut settings: PoolSettings,
     ) -> Result<Arc<WorkerPool>> {
-        settings.size = settings.size.max(1);
+        if let Placement::Local { size, .. } = &mut settings.placement {
+            *size = (*size).max(1);
+        }
         let mut slot = self.slot(kind).lock().await;
         if let Some(pool) = slot.as_ref()
             && pool.settings == settings
@@ -898,6 +1279,12 @@ impl WorkerPoolSlot {
         self.slot(kind).lock().await.clone()
     }
 
+    /// The pool of `kind`, if one was started and no one is starting one right now (for
+    /// callers that cannot wait).
+    pub fn try_current(&self, kind: Pool) -> Option<Arc<WorkerPool>> {
+        self.slot(kind).try_lock().ok()?.clone()
+    }
+
     /// The pools started so far.
     pub async fn started(&self) -> Vec<Arc<WorkerPool>> {
         let mut pools = vec![];
@@ -912,6 +1299,10 @@ impl WorkerPoolSlot {
 impl HeldBlock for RemoteBlock {
     fn holder_pid(&self) -> u32 {
         self.worker.pid
+    }
+
+    fn holder_id(&self) -> u64 {
+        self.worker.serial
     }
 
     fn holder_alive(&self) -> bool {

@@ -242,6 +242,7 @@ impl ExecutionPlan for OperatorExec {
             set.push(count("tasks_retried", s.tasks_retried));
             set.push(count("input_bytes_by_ticket", s.input_bytes_by_ticket));
             set.push(count("input_bytes_via_driver", s.input_bytes_via_driver));
+            set.push(count("output_bytes_to_driver", s.output_bytes_to_driver));
         }
         Some(set)
     }

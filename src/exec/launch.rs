@@ -18,7 +18,12 @@ impl QueryRun {
     /// Operators in launch preference order: most downstream first; a paused task whose
     /// readers caught up resumes before its operator starts another.
     pub(super) fn pick_launches(&self, st: &mut RunState, launches: &mut Vec<TaskId>) {
-        let mut slots = [self.config.cpu_slots, st.accelerator_target];
+        let mut slots = [
+            self.pool_slots(Pool::Cpu),
+            st.accelerator_target
+                .min(self.pool_slots(Pool::Accelerator))
+                .max(1),
+        ];
         let budget = self.store.budget();
         let share = budget / self.graph.operators.len().max(1) as u64;
         let one_at_a_time = self.policy.one_operator_at_a_time();
@@ -46,7 +51,7 @@ impl QueryRun {
                     let grown = policy::grow_accelerators(
                         st.running[pool],
                         slots[pool],
-                        self.config.accelerator_slots,
+                        self.pool_slots(Pool::Accelerator),
                     );
                     if grown > slots[pool] {
                         slots[pool] = grown;
@@ -279,11 +284,11 @@ impl QueryRun {
     /// for each slot of either pool (every consumer slot has its next bundle waiting, and
     /// every producer slot may have a task in flight whose blocks land in the queue).
     pub(super) fn queue_limit_rows(&self, consumer: Pool, producer: Pool) -> u64 {
-        let slots = |pool| match pool {
-            Pool::Cpu => self.config.cpu_slots,
-            Pool::Accelerator => self.config.accelerator_slots,
-        };
-        policy::queue_limit_rows(slots(consumer), slots(producer), self.config.block_rows())
+        policy::queue_limit_rows(
+            self.pool_slots(consumer),
+            self.pool_slots(producer),
+            self.config.block_rows(),
+        )
     }
 
     /// Mark up to `n` pending tasks of `op` running, round-robin over its partitions, and

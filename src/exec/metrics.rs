@@ -37,6 +37,9 @@ pub struct OperatorStats {
     pub input_bytes_by_ticket: AtomicU64,
     /// Bytes of input blocks the driver put into its remote tasks' requests.
     pub input_bytes_via_driver: AtomicU64,
+    /// Bytes of its output blocks the driver fetched from the workers holding them (for
+    /// the tasks it runs itself, and the query's result).
+    pub output_bytes_to_driver: AtomicU64,
 }
 
 /// A plain copy of [`OperatorStats`].
@@ -72,6 +75,8 @@ pub struct StatsSnapshot {
     pub input_bytes_by_ticket: u64,
     /// Input bytes sent by the driver.
     pub input_bytes_via_driver: u64,
+    /// Output bytes fetched by the driver from workers.
+    pub output_bytes_to_driver: u64,
 }
 
 impl OperatorStats {
@@ -104,6 +109,7 @@ impl OperatorStats {
             tasks_retried: r(&self.tasks_retried),
             input_bytes_by_ticket: r(&self.input_bytes_by_ticket),
             input_bytes_via_driver: r(&self.input_bytes_via_driver),
+            output_bytes_to_driver: r(&self.output_bytes_to_driver),
         }
     }
 }

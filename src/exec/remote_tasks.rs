@@ -41,8 +41,9 @@ use datafusion_proto::physical_plan::{
 
 use crate::cluster::admission::{WORKER_OPTIONS, admit_plan, scanned_files};
 use crate::cluster::protocol::{INPUT_LOST, InputTicket, TaskInput, TaskRequest};
+use crate::cluster::membership::ClusterSettings;
 use crate::cluster::worker_pool::{
-    PoolSettings, RemoteBlock, WorkerPool, WorkerTimeouts, worker_binary,
+    Placement, PoolSettings, RemoteBlock, WorkerPool, WorkerTimeouts, worker_binary,
 };
 use crate::cluster::worker_tasks::collect_blocks;
 use crate::exec::lineage::{TaskId, TaskKind};
@@ -229,6 +230,8 @@ struct WorkerTask {
     bytes_by_ticket: u64,
     /// Bytes of the inputs in the plan.
     bytes_via_driver: u64,
+    /// The worker ([`HeldBlock::holder_id`]) holding most of its input bytes.
+    prefer: Option<u64>,
 }
 
 impl WorkerTask {
@@ -240,6 +243,7 @@ impl WorkerTask {
             by_ticket: vec![],
             bytes_by_ticket: 0,
             bytes_via_driver: 0,
+            prefer: None,
         }
     }
 }
@@ -285,17 +289,7 @@ impl QueryRun {
         let Some(runnable) = runnable else {
             return Ok(false);
         };
-        let config = self.config();
-        let settings = PoolSettings {
-            binary: worker_binary(&config.worker_binary.0)?,
-            size: match op.pool {
-                Pool::Cpu => config.worker_processes,
-                Pool::Accelerator => config.accelerator_slots,
-            },
-            timeouts: self.worker_timeouts(),
-            tls: config.worker_tls,
-        };
-        let pool = slot.get_or_start(op.pool, settings).await?;
+        let pool = slot.get_or_start(op.pool, self.pool_settings(op.pool)?).await?;
         if encode_for_worker(&runnable, &pool, &describe).is_none() {
             return Ok(false);
         }
@@ -353,7 +347,7 @@ impl QueryRun {
             let mut request = self.task_request(op_id, partition, &work.plan);
             request.inputs = work.inputs;
             match self
-                .run_on_pool(pool, op_id, &request, &bytes, describe, on_block)
+                .run_on_pool(pool, op_id, &request, &bytes, describe, work.prefer, on_block)
                 .await
             {
                 Ok(()) => {
@@ -389,6 +383,7 @@ impl QueryRun {
             return Ok(self.task_plan(task).await?.map(WorkerTask::whole));
         };
         let (mut by_ticket, mut bytes_by_ticket, mut bytes_via_driver) = (vec![], 0, 0);
+        let mut bytes_by_holder: HashMap<u64, u64> = HashMap::new();
         let mut sources = Vec::with_capacity(inputs.len());
         let mut inline = vec![];
         for id in inputs {
@@ -399,6 +394,7 @@ impl QueryRun {
                 let at = held.location();
                 let bytes = self.block(id).map_or(0, |b| b.bytes);
                 bytes_by_ticket += bytes;
+                *bytes_by_holder.entry(held.holder_id()).or_default() += bytes;
                 sources.push(TaskInput::Fetch(InputTicket {
                     address: at.address,
                     tls: at.tls,
@@ -425,12 +421,17 @@ impl QueryRun {
         let Some(plan) = blocks_plan(op, input) else {
             return Ok(None);
         };
+        let prefer = bytes_by_holder
+            .into_iter()
+            .max_by_key(|(holder, bytes)| (*bytes, std::cmp::Reverse(*holder)))
+            .map(|(holder, _)| holder);
         Ok(Some(WorkerTask {
             plan,
             inputs: Some(sources),
             by_ticket,
             bytes_by_ticket,
             bytes_via_driver,
+            prefer,
         }))
     }
 
@@ -446,7 +447,7 @@ impl QueryRun {
                 OperatorStats::add(&self.stats(block.operator).blocks_lost, 1);
             }
             if !held.holder_alive() {
-                self.recover_worker(held.holder_pid());
+                self.recover_worker(held.holder_id());
             }
         }
     }
@@ -481,23 +482,27 @@ impl QueryRun {
             return Ok(None);
         };
         let fetched = held.fetch().await?;
+        if let (Some(batch), Some(block)) = (&fetched, self.block(id)) {
+            let bytes = batch.get_array_memory_size() as u64;
+            OperatorStats::add(&self.stats(block.operator).output_bytes_to_driver, bytes);
+        }
         if fetched.is_none() {
             self.lost_blocks.lock().unwrap().insert(id);
             if let Some(block) = self.block(id) {
                 OperatorStats::add(&self.stats(block.operator).blocks_lost, 1);
             }
-            self.recover_worker(held.holder_pid());
+            self.recover_worker(held.holder_id());
         }
         Ok(fetched)
     }
 
     /// A worker died: every block it still held is lost. Re-run their producer tasks at once,
     /// in parallel on the live workers, instead of one by one when each is read.
-    fn recover_worker(self: &Arc<Self>, pid: u32) {
-        if !self.dead_workers.lock().unwrap().insert(pid) {
+    fn recover_worker(self: &Arc<Self>, holder: u64) {
+        if !self.dead_workers.lock().unwrap().insert(holder) {
             return;
         }
-        let lost = self.store.take_held_by(pid);
+        let lost = self.store.take_held_by(holder);
         let mut tasks = HashSet::new();
         {
             let mut lost_set = self.lost_blocks.lock().unwrap();
@@ -604,6 +609,27 @@ impl QueryRun {
         }
     }
 
+    /// Where the workers of `pool` come from, and how they are watched, as this run's
+    /// settings say: the cluster `flumen.cluster` names, else processes started here.
+    pub(super) fn pool_settings(&self, pool: Pool) -> Result<PoolSettings> {
+        let config = self.config();
+        let placement = match ClusterSettings::from_config(config)? {
+            Some(cluster) => Placement::Cluster(cluster),
+            None => Placement::Local {
+                binary: worker_binary(&config.worker_binary.0)?,
+                size: match pool {
+                    Pool::Cpu => config.worker_processes,
+                    Pool::Accelerator => config.accelerator_slots,
+                },
+                tls: config.worker_tls,
+            },
+        };
+        Ok(PoolSettings {
+            timeouts: self.worker_timeouts(),
+            placement,
+        })
+    }
+
     /// How this run's settings say workers are watched.
     fn worker_timeouts(&self) -> WorkerTimeouts {
         let config = self.config();
@@ -637,11 +663,12 @@ impl QueryRun {
         request: &TaskRequest,
         bytes: &[u8],
         describe: &str,
+        prefer: Option<u64>,
         on_block: &mut (dyn FnMut(usize, RemoteBlock) -> Result<()> + Send),
     ) -> Result<()> {
         let config = self.config();
         let retries = pool
-            .run_task(bytes, request, config.max_task_retries, describe, on_block)
+            .run_task(bytes, request, config.max_task_retries, describe, prefer, on_block)
             .await?;
         OperatorStats::add(&self.stats(op_id).tasks_retried, retries as u64);
         self.note_restarts(pool);

@@ -63,8 +63,9 @@ pub struct QueryRun {
     pub(super) query_token: String,
     /// When the run started (`flumen.query_timeout_secs` counts from it).
     pub(super) started_at: Instant,
-    /// Worker processes (by pid) whose death this run has handled.
-    pub(super) dead_workers: Mutex<HashSet<u32>>,
+    /// Workers (by [`crate::store::block::HeldBlock::holder_id`]) whose death this run has
+    /// handled.
+    pub(super) dead_workers: Mutex<HashSet<u64>>,
     /// Each worker pool's restart count when this run first used it, and the latest seen.
     pub(super) worker_restarts: Mutex<HashMap<Pool, (u64, u64)>>,
 }
@@ -275,6 +276,22 @@ impl QueryRun {
     /// The counters of operator `op`.
     pub(super) fn stats(&self, op: OperatorId) -> &OperatorStats {
         self.metrics.operator(op)
+    }
+
+    /// Tasks that may run at once on `pool`: with a cluster attached, the slots its live
+    /// workers announced (a worker that joins adds its own at once); else
+    /// `flumen.cpu_slots` / `flumen.accelerator_slots`.
+    pub(super) fn pool_slots(&self, pool: Pool) -> usize {
+        let configured = match pool {
+            Pool::Cpu => self.config.cpu_slots,
+            Pool::Accelerator => self.config.accelerator_slots,
+        };
+        if self.config.cluster.trim().is_empty() {
+            return configured;
+        }
+        self.worker_slot()
+            .and_then(|slot| slot.try_current(pool))
+            .map_or(configured, |workers| workers.live_slots().max(1))
     }
 
     /// The session's worker processes, when `flumen.workers = 'process'`.

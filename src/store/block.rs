@@ -44,8 +44,11 @@ pub enum BlockData {
 /// worker pool, so that the store needs to know nothing of workers).
 #[async_trait::async_trait]
 pub trait HeldBlock: Debug + Send + Sync {
-    /// The process id of the worker that holds it.
+    /// The process id of the worker that holds it (on its host).
     fn holder_pid(&self) -> u32;
+    /// The driver's number for the worker that holds it (its attachment: unique across
+    /// hosts and restarts).
+    fn holder_id(&self) -> u64;
     /// Whether that worker is believed alive.
     fn holder_alive(&self) -> bool;
     /// Its data; `None` when it was lost with its worker. The worker then drops it.

@@ -240,14 +240,14 @@ impl BlockStore {
         same
     }
 
-    /// Forget every block that the worker with process id `pid` held (it died), returning
-    /// their ids.
-    pub fn take_held_by(&self, pid: u32) -> Vec<BlockId> {
+    /// Forget every block that the worker numbered `holder` ([`HeldBlock::holder_id`]) held
+    /// (it died), returning their ids.
+    pub fn take_held_by(&self, holder: u64) -> Vec<BlockId> {
         let mut inner = self.inner.lock().unwrap();
         let ids: Vec<BlockId> = inner
             .blocks
             .iter()
-            .filter(|(_, e)| matches!(&e.data, Stored::Held(h) if h.holder_pid() == pid))
+            .filter(|(_, e)| matches!(&e.data, Stored::Held(h) if h.holder_id() == holder))
             .map(|(id, _)| *id)
             .collect();
         for id in &ids {

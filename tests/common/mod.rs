@@ -260,3 +260,30 @@ pub fn kill_when(child: &mut std::process::Child, what: &str, mut kill_now: impl
         std::thread::sleep(std::time::Duration::from_millis(1));
     }
 }
+
+/// `id -> embedding` from a `SELECT id, embed(..)` answer (a null embedding as empty).
+pub fn embeddings_by_id(
+    batches: &[datafusion::arrow::record_batch::RecordBatch],
+) -> Vec<(i64, Vec<f32>)> {
+    use datafusion::arrow::array::{Array, AsArray};
+    use datafusion::arrow::datatypes::{Float32Type, Int64Type};
+    let mut out = vec![];
+    for batch in batches {
+        let ids = batch.column(0).as_primitive::<Int64Type>();
+        let vectors = batch.column(1).as_fixed_size_list();
+        for row in 0..batch.num_rows() {
+            let v = if vectors.is_null(row) {
+                vec![]
+            } else {
+                vectors
+                    .value(row)
+                    .as_primitive::<Float32Type>()
+                    .values()
+                    .to_vec()
+            };
+            out.push((ids.value(row), v));
+        }
+    }
+    out.sort_by_key(|(id, _)| *id);
+    out
+}

@@ -63,6 +63,11 @@ struct Cli {
     /// option, not a `SET`.
     #[arg(long, value_name = "PATH")]
     worker_binary: Option<PathBuf>,
+    /// Attach to the workers running on a cluster's hosts instead of starting local ones:
+    /// a cluster file (`workers.toml`), `host:port,...`, or `k8s://NAMESPACE/SELECTOR`
+    /// (`flumen.cluster`; sets `flumen.workers = 'process'`).
+    #[arg(long, value_name = "CLUSTER")]
+    cluster: Option<String>,
 }
 
 #[derive(Debug, Subcommand)]
@@ -134,6 +139,13 @@ struct WorkerArgs {
     /// input blocks).
     #[arg(long, value_name = "BYTES")]
     max_message_bytes: Option<usize>,
+    /// Tasks it runs at once, as it announces to drivers (default: one per core for a CPU
+    /// worker, one for an accelerator worker).
+    #[arg(long, value_name = "N")]
+    slots: Option<usize>,
+    /// Bytes of blocks it may keep, as it announces (e.g. `4GiB`; default 2GiB).
+    #[arg(long, value_name = "SIZE")]
+    memory_budget: Option<flumen::ByteSize>,
 }
 
 /// `flumen worker`: serve tasks for a driver until killed, its driver goes away or its
@@ -181,6 +193,10 @@ fn worker_settings(args: &WorkerArgs) -> datafusion::error::Result<flumen::Worke
     settings.lease = args.lease.map(std::time::Duration::from_secs);
     if let Some(bytes) = args.max_message_bytes {
         settings.max_message_bytes = bytes;
+    }
+    settings.slots = args.slots.map(|n| n.max(1));
+    if let Some(budget) = args.memory_budget {
+        settings.memory_budget = budget.0;
     }
     Ok(settings)
 }
@@ -277,6 +293,10 @@ fn main() -> ExitCode {
     }
     if let Some(binary) = &cli.worker_binary {
         config.worker_binary = binary.display().to_string().into();
+    }
+    if let Some(cluster) = &cli.cluster {
+        config.workers = flumen::WorkerMode::Process;
+        config.cluster = cluster.clone();
     }
     // A quoted path or URL is a table (`SELECT * FROM 'data/t.parquet'`), as in
     // datafusion-cli; the object store of a URL is registered before the statement runs.

@@ -1,0 +1,477 @@
+//! A driver attached to workers on several hosts (`flumen.cluster`): each host a Linux
+//! network namespace with its own address on a bridge, running its own `flumen worker`
+//! processes (TLS, the cluster's secret from a file); the driver in a namespace of its own.
+//! Answers are compared with vanilla DataFusion's; hosts are killed, cut off, brought back
+//! and added mid-query. Needs root (`skipped: needs network namespaces` elsewhere; CI is
+//! root, and fails instead of skipping).
+
+mod common;
+#[path = "common/hosts.rs"]
+mod hosts;
+
+#[path = "../examples/fault_worker.rs"]
+#[allow(dead_code)]
+mod fault_worker;
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::time::{Duration, Instant};
+
+use common::{QUERIES, assert_same, events_with_vanilla, register_tables, rows, run_plan};
+use datafusion::prelude::{SessionConfig, SessionContext};
+use flumen::exec::FlumenExec;
+use flumen::plan::Pool;
+use flumen::{BlockDropper, FlumenConfig, WorkerMode};
+use hosts::{Role, TestNet};
+
+const FLUMEN: &str = env!("CARGO_BIN_EXE_flumen");
+
+/// The `fault_worker` example (its `nap(x)` makes tasks last), built by `cargo test`.
+fn fault_worker_binary() -> std::path::PathBuf {
+    let path = std::path::Path::new(FLUMEN)
+        .parent()
+        .unwrap()
+        .join("examples/fault_worker");
+    assert!(path.exists(), "{} is missing", path.display());
+    path
+}
+
+/// A driver session attached to the cluster in `cluster_file`, with small splits (many
+/// tasks) and a 1 s heartbeat timeout; `dropper` watches every block made.
+fn cluster_session(cluster_file: &std::path::Path, dropper: Option<BlockDropper>) -> SessionContext {
+    let mut config = FlumenConfig::default();
+    config.workers = WorkerMode::Process;
+    config.cluster = cluster_file.display().to_string();
+    config.heartbeat_timeout_secs = 1;
+    config.split_bytes = flumen::ByteSize(64 << 10);
+    config.aggregate_split_bytes = flumen::ByteSize(64 << 10);
+    let mut session_config = flumen::flumen_session_config(
+        SessionConfig::new().with_target_partitions(2),
+        config.clone(),
+    );
+    if let Some(dropper) = dropper {
+        session_config = session_config.with_extension(Arc::new(dropper));
+    }
+    let ctx = flumen::session_with_config(session_config, config);
+    fault_worker::register_fault_functions(&ctx);
+    ctx
+}
+
+/// A runtime for the driver (its threads inherit the driver's namespace).
+fn driver_runtime() -> tokio::runtime::Runtime {
+    tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .unwrap()
+}
+
+/// Tasks each worker of `ctx`'s `kind` pool ran, by address.
+async fn tasks_by_worker(ctx: &SessionContext, kind: Pool) -> Vec<(String, u64)> {
+    let pool = common::worker_pool(ctx, kind).await;
+    let mut counts = vec![];
+    for worker in pool.workers().await {
+        if worker.is_alive() {
+            counts.push((worker.address.clone(), worker.status().await.unwrap().tasks));
+        }
+    }
+    counts.sort();
+    counts
+}
+
+/// Three hosts with a CPU and an accelerator worker each: every executor query answers
+/// as vanilla DataFusion does, every host runs tasks, `embed` gives the vectors a local
+/// run gives, and the driver sends no input bytes to any worker.
+#[test]
+fn three_hosts_answer_like_datafusion() {
+    let Some(mut net) = TestNet::new(3) else {
+        return;
+    };
+    let mut addresses = vec![];
+    for host in ["h1", "h2", "h3"] {
+        net.start_worker(host, Role::Cpu, FLUMEN.as_ref(), 2);
+        net.start_worker(host, Role::Accelerator, FLUMEN.as_ref(), 1);
+        addresses.push(net.address(host, Role::Cpu));
+        addresses.push(net.address(host, Role::Accelerator));
+    }
+    let cluster_file = net.write_cluster_file(&addresses);
+    net.in_driver(move || {
+        driver_runtime().block_on(async move {
+            let (dir, v) = events_with_vanilla(3, 20_000).await;
+            let f = cluster_session(&cluster_file, None);
+            register_tables(&f, dir.path()).await;
+            let started = Instant::now();
+            for sql in QUERIES {
+                assert_same(&v, &f, sql).await;
+            }
+            println!("{} queries on 3 hosts in {:?}", QUERIES.len(), started.elapsed());
+            let tasks = tasks_by_worker(&f, Pool::Cpu).await;
+            println!("CPU tasks by worker: {tasks:?}");
+            assert_eq!(tasks.len(), 3, "{tasks:?}");
+            assert!(tasks.iter().all(|(_, n)| *n > 0), "a host ran nothing: {tasks:?}");
+            let pool = common::worker_pool(&f, Pool::Cpu).await;
+            let workers = pool.workers().await;
+            assert!(workers.iter().all(|w| w.announced.slots == 2 && !w.announced.id.is_empty()));
+
+            // A join over three hosts: scans in the workers, the join on the driver; no
+            // block goes from the driver to a worker.
+            let join = "SELECT d.name, count(*), round(sum(e.v), 6) FROM events e JOIN dim d ON e.k = d.k \
+                        GROUP BY d.name";
+            // Partitioned (not collect-left): the scans are tasks of their own, their
+            // output hash-partitioned for the join.
+            for set in [
+                "SET datafusion.optimizer.hash_join_single_partition_threshold = 0",
+                "SET datafusion.optimizer.hash_join_single_partition_threshold_rows = 0",
+            ] {
+                f.sql(set).await.unwrap();
+            }
+            assert_same(&v, &f, join).await;
+            let (_, plan) = run_plan(&f, join).await;
+            let exec = plan.downcast_ref::<FlumenExec>().unwrap();
+            let (mut to_workers, mut to_driver, mut remote) = (0, 0, 0);
+            for op in &exec.graph().operators {
+                let s = exec.run_metrics().operator(op.id).snapshot();
+                to_workers += s.input_bytes_via_driver;
+                to_driver += s.output_bytes_to_driver;
+                remote += s.remote_tasks;
+            }
+            println!(
+                "3-host join: {remote} remote tasks, input bytes driver -> workers {to_workers}, \
+                 output bytes workers -> driver {to_driver}"
+            );
+            assert!(remote > 6, "{remote} remote tasks");
+            assert_eq!(to_workers, 0, "the driver sent input blocks to workers");
+
+            // The model operator on the three accelerator workers, inputs worker to worker.
+            let embed = "SELECT id, embed(body) AS e FROM events WHERE id % 97 = 0";
+            let local = common::flumen_ctx(&["SET flumen.device = 'cpu'"]).await;
+            register_tables(&local, dir.path()).await;
+            let expected = local.sql(embed).await.unwrap().collect().await.unwrap();
+            f.sql("SET flumen.device = 'cpu'").await.unwrap();
+            f.sql("SET flumen.target_block_rows = 64").await.unwrap();
+            let (actual, plan) = run_plan(&f, embed).await;
+            assert_eq!(
+                common::embeddings_by_id(&expected).len(),
+                common::embeddings_by_id(&actual).len()
+            );
+            for ((id_e, e), (id_a, a)) in common::embeddings_by_id(&expected)
+                .iter()
+                .zip(common::embeddings_by_id(&actual).iter())
+            {
+                assert_eq!(id_e, id_a);
+                let diff = e.iter().zip(a).map(|(x, y)| (x - y).abs()).fold(0f32, f32::max);
+                assert!(diff < 1e-4, "row {id_e}: vectors differ by {diff}");
+            }
+            let exec = plan.downcast_ref::<FlumenExec>().unwrap();
+            let model = exec
+                .graph()
+                .operators
+                .iter()
+                .find(|op| op.pool == Pool::Accelerator)
+                .unwrap();
+            let s = exec.run_metrics().operator(model.id).snapshot();
+            println!(
+                "embed on 3 hosts: {} model tasks, input bytes worker to worker {}, via the \
+                 driver {}",
+                s.remote_tasks, s.input_bytes_by_ticket, s.input_bytes_via_driver
+            );
+            assert!(s.remote_tasks > 0 && s.input_bytes_by_ticket > 0);
+            assert_eq!(s.input_bytes_via_driver, 0);
+            let models = tasks_by_worker(&f, Pool::Accelerator).await;
+            println!("model tasks by accelerator worker: {models:?}");
+            assert!(models.iter().filter(|(_, n)| *n > 0).count() >= 2, "{models:?}");
+        })
+    });
+}
+
+/// The slow query the failure tests run: every source task naps 400 ms per batch in its
+/// worker.
+const SLOW: &str = "SELECT k, count(*) AS n, sum(nap(id)) AS s FROM events GROUP BY k ORDER BY k";
+
+/// What one run of [`SLOW`] on a cluster did.
+struct SlowRun {
+    rows: Vec<String>,
+    elapsed: Duration,
+    lost: u64,
+    retried: u64,
+    recomputed: u64,
+}
+
+/// Run [`SLOW`] in `f`.
+async fn slow_run(f: &SessionContext) -> SlowRun {
+    let started = Instant::now();
+    let (batches, plan) = run_plan(f, SLOW).await;
+    let elapsed = started.elapsed();
+    let exec = plan.downcast_ref::<FlumenExec>().unwrap();
+    let (mut lost, mut retried, mut recomputed) = (0, 0, 0);
+    for op in &exec.graph().operators {
+        let s = exec.run_metrics().operator(op.id).snapshot();
+        lost += s.blocks_lost;
+        retried += s.tasks_retried;
+        recomputed += s.recomputed;
+    }
+    SlowRun {
+        rows: rows(&batches, true),
+        elapsed,
+        lost,
+        retried,
+        recomputed,
+    }
+}
+
+/// Three hosts of `fault_worker`s (2 slots each); `host_fault` is applied to h2 when the
+/// `nth` block made on h2 arrives. Returns the clean run, the run with the fault, and the
+/// session (for what follows).
+fn with_a_host_fault(
+    nth: usize,
+    host_fault: impl Fn(&TestNet) + Send + Sync + 'static,
+    after: impl FnOnce(SessionContext, Arc<TestNet>) -> futures::future::BoxFuture<'static, ()>
+    + Send
+    + 'static,
+) {
+    let Some(mut net) = TestNet::new(3) else {
+        return;
+    };
+    let worker = fault_worker_binary();
+    let mut addresses = vec![];
+    for host in ["h1", "h2", "h3"] {
+        net.start_worker(host, Role::Cpu, &worker, 2);
+        addresses.push(net.address(host, Role::Cpu));
+    }
+    let cluster_file = net.write_cluster_file(&addresses);
+    let h2_pid = net.host("h2").worker_pids()[0];
+    let net = Arc::new(net);
+    let seen = Arc::new(AtomicUsize::new(0));
+    let armed = Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let dropper = {
+        let (net, seen, armed) = (Arc::clone(&net), Arc::clone(&seen), Arc::clone(&armed));
+        BlockDropper(Arc::new(move |b| {
+            if armed.load(Ordering::Relaxed)
+                && b.worker_pid == Some(h2_pid)
+                && seen.fetch_add(1, Ordering::Relaxed) + 1 == nth
+            {
+                host_fault(&net);
+            }
+            false
+        }))
+    };
+    let driver_net = Arc::clone(&net);
+    net.in_driver(move || {
+        driver_runtime().block_on(async move {
+            let dir = tempfile::tempdir().unwrap();
+            common::write_events(dir.path(), 3, 20_000);
+            let v = common::vanilla();
+            register_tables(&v, dir.path()).await;
+            let expected = rows(
+                &v.sql(&SLOW.replace("nap(id)", "id")).await.unwrap().collect().await.unwrap(),
+                true,
+            );
+            let f = cluster_session(&cluster_file, Some(dropper));
+            register_tables(&f, dir.path()).await;
+            let clean = slow_run(&f).await;
+            assert_eq!(clean.rows, expected);
+            armed.store(true, Ordering::Relaxed);
+            let faulted = slow_run(&f).await;
+            assert_eq!(faulted.rows, expected, "the answer changed after the fault");
+            assert!(seen.load(Ordering::Relaxed) >= nth, "the fault never fired");
+            println!(
+                "clean run {:?}; with the fault {:?} (+{:?}): {} blocks lost, {} task \
+                 attempts retried, {} tasks recomputed",
+                clean.elapsed,
+                faulted.elapsed,
+                faulted.elapsed.saturating_sub(clean.elapsed),
+                faulted.lost,
+                faulted.retried,
+                faulted.recomputed
+            );
+            assert!(faulted.lost + faulted.retried > 0, "the fault cost nothing?");
+            after(f, driver_net).await;
+        })
+    });
+}
+
+/// Every process of one host killed mid-query: its blocks are recomputed on the other
+/// hosts and its running tasks retried there; the answer does not change.
+#[test]
+fn a_host_killed_mid_query_is_recomputed_on_the_others() {
+    with_a_host_fault(
+        3,
+        |net| net.kill_host_now("h2"),
+        |f, _| {
+            Box::pin(async move {
+                let pool = common::worker_pool(&f, Pool::Cpu).await;
+                let lost = pool.membership().lost.load(Ordering::Relaxed);
+                println!("workers lost: {lost}");
+                assert_eq!(lost, 1);
+            })
+        },
+    );
+}
+
+/// A host cut off mid-query (its link down): taken for lost within the heartbeat timeout,
+/// its work redone elsewhere; when the link comes back it rejoins (attached anew: nothing
+/// it sent under its old attachment counts) and gets tasks again.
+#[test]
+fn a_partitioned_host_is_fenced_and_rejoins() {
+    with_a_host_fault(
+        3,
+        |net| net.set_link("h2", false),
+        |f, net| {
+            Box::pin(async move {
+                let pool = common::worker_pool(&f, Pool::Cpu).await;
+                let lost = pool.membership().lost.load(Ordering::Relaxed);
+                assert_eq!(lost, 1, "h2 was not taken for lost");
+                net.set_link("h2", true);
+                let started = Instant::now();
+                while pool.membership().rejoined.load(Ordering::Relaxed) == 0 {
+                    assert!(started.elapsed() < Duration::from_secs(20), "h2 never rejoined");
+                    tokio::time::sleep(Duration::from_millis(50)).await;
+                }
+                println!("h2 rejoined {:?} after its link came back", started.elapsed());
+                let before = tasks_by_worker(&f, Pool::Cpu).await;
+                let again = slow_run(&f).await;
+                let after = tasks_by_worker(&f, Pool::Cpu).await;
+                println!("tasks by worker before {before:?}, after {after:?}");
+                let h2 = net.address("h2", Role::Cpu);
+                let count = |list: &[(String, u64)]| {
+                    list.iter().find(|(a, _)| *a == h2).map_or(0, |(_, n)| *n)
+                };
+                assert!(count(&after) > count(&before), "the rejoined host got no task");
+                assert!(again.lost == 0 && again.retried == 0);
+            })
+        },
+    );
+}
+
+/// A host that starts mid-query (added to the cluster file) joins the pool and gets tasks
+/// of the running query at once.
+#[test]
+fn a_host_added_mid_query_gets_tasks() {
+    let Some(mut net) = TestNet::new(3) else {
+        return;
+    };
+    let worker = fault_worker_binary();
+    for host in ["h1", "h2", "h3"] {
+        net.start_worker(host, Role::Cpu, &worker, 2);
+    }
+    let first_two = vec![net.address("h1", Role::Cpu), net.address("h2", Role::Cpu)];
+    let cluster_file = net.write_cluster_file(&first_two);
+    let net = Arc::new(net);
+    let driver_net = Arc::clone(&net);
+    net.in_driver(move || {
+        driver_runtime().block_on(async move {
+            let dir = tempfile::tempdir().unwrap();
+            common::write_events(dir.path(), 3, 60_000);
+            let v = common::vanilla();
+            register_tables(&v, dir.path()).await;
+            let expected = rows(
+                &v.sql(&SLOW.replace("nap(id)", "id")).await.unwrap().collect().await.unwrap(),
+                true,
+            );
+            let f = cluster_session(&cluster_file, None);
+            register_tables(&f, dir.path()).await;
+            let query = {
+                let f = f.clone();
+                tokio::spawn(async move { slow_run(&f).await })
+            };
+            tokio::time::sleep(Duration::from_millis(1000)).await;
+            let mut all = first_two.clone();
+            all.push(driver_net.address("h3", Role::Cpu));
+            driver_net.write_cluster_file(&all);
+            let added_at = Instant::now();
+            let run = query.await.unwrap();
+            assert_eq!(run.rows, expected);
+            let pool = common::worker_pool(&f, Pool::Cpu).await;
+            let joined = pool.membership().joined.load(Ordering::Relaxed);
+            let tasks = tasks_by_worker(&f, Pool::Cpu).await;
+            println!(
+                "query {:?}, h3 added {:?} before its end; joined {joined}; tasks by worker \
+                 {tasks:?}",
+                run.elapsed,
+                added_at.elapsed()
+            );
+            assert_eq!(joined, 1);
+            let h3 = driver_net.address("h3", Role::Cpu);
+            assert!(
+                tasks.iter().any(|(a, n)| *a == h3 && *n > 0),
+                "h3 got no task of the running query: {tasks:?}"
+            );
+        })
+    });
+}
+
+/// Security across hosts: a worker on a namespace address without TLS refuses to start;
+/// a driver with another secret, or without the cluster's CA, is refused clearly.
+#[test]
+fn a_cluster_refuses_plaintext_and_strangers() {
+    let Some(mut net) = TestNet::new(1) else {
+        return;
+    };
+    let plaintext = std::process::Command::new("ip")
+        .args(["netns", "exec", &net.host("h1").netns])
+        .arg(FLUMEN)
+        .args(["worker", "--listen", &format!("{}:7300", net.host("h1").ip)])
+        .arg("--secret-file")
+        .arg(net.secret_file())
+        .output()
+        .unwrap();
+    let said = String::from_utf8_lossy(&plaintext.stderr);
+    assert!(!plaintext.status.success());
+    assert!(said.contains("must use TLS"), "{said}");
+    let no_secret = std::process::Command::new("ip")
+        .args(["netns", "exec", &net.host("h1").netns])
+        .arg(FLUMEN)
+        .args(["worker", "--listen", &format!("{}:7300", net.host("h1").ip)])
+        .output()
+        .unwrap();
+    let said = String::from_utf8_lossy(&no_secret.stderr);
+    assert!(!no_secret.status.success());
+    assert!(said.contains("no secret"), "{said}");
+
+    net.start_worker("h1", Role::Cpu, FLUMEN.as_ref(), 1);
+    let address = net.address("h1", Role::Cpu);
+    let cluster_file = net.write_cluster_file(std::slice::from_ref(&address));
+    let wrong_secret = net.dir.path().join("wrong.secret");
+    std::fs::write(&wrong_secret, flumen::cluster::auth::Secret::random().to_hex()).unwrap();
+    use std::os::unix::fs::PermissionsExt;
+    std::fs::set_permissions(&wrong_secret, std::fs::Permissions::from_mode(0o600)).unwrap();
+    let dir = net.dir.path().to_path_buf();
+    net.in_driver(move || {
+        driver_runtime().block_on(async move {
+            common::write_events(&dir, 1, 2_000);
+            let run = |settings: Vec<String>| {
+                let cluster_file = cluster_file.clone();
+                let dir = dir.clone();
+                async move {
+                    let f = cluster_session(&cluster_file, None);
+                    for set in settings {
+                        f.sql(&set).await.unwrap();
+                    }
+                    register_tables(&f, &dir).await;
+                    common::try_collect(&f, "SELECT count(*) FROM events WHERE id >= 0")
+                        .await
+                        .map_err(|e| e.to_string())
+                }
+            };
+            let stranger = run(vec![format!(
+                "SET flumen.cluster_secret_file = '{}'",
+                wrong_secret.display()
+            )])
+            .await
+            .unwrap_err();
+            println!("driver with another secret: {stranger}");
+            assert!(stranger.contains("refused this driver"), "{stranger}");
+            assert!(stranger.contains("flumen.cluster_secret_file"), "{stranger}");
+            let no_ca = run(vec![
+                format!("SET flumen.cluster = '{address}'"),
+                format!("SET flumen.cluster_secret_file = '{}'", dir.join("cluster.secret").display()),
+            ])
+            .await
+            .unwrap_err();
+            println!("driver without the CA: {no_ca}");
+            assert!(no_ca.contains("flumen.worker_ca"), "{no_ca}");
+            let ok = run(vec![]).await.unwrap();
+            assert_eq!(rows(&ok, false), vec!["| 2000     |"]);
+        })
+    });
+}

@@ -1,0 +1,334 @@
+//! Simulated hosts for multi-host tests: each host is a Linux network namespace with its
+//! own address, joined to the others by a veth pair on a bridge, running its own
+//! `flumen worker` processes. The driver runs in a namespace of its own (a thread of the
+//! test that entered it), so every byte between driver and workers, and between workers,
+//! crosses a real network stack. Needs root (CI is root); elsewhere the tests say
+//! `skipped: needs network namespaces`. Everything made here (namespaces, links, bridge,
+//! processes) is removed when the [`TestNet`] drops, pass or fail.
+
+#![allow(dead_code)]
+
+use std::io::BufRead;
+use std::net::Ipv4Addr;
+use std::os::unix::fs::PermissionsExt;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::time::Duration;
+
+/// A worker program and the pool it serves.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub enum Role {
+    Cpu,
+    Accelerator,
+}
+
+impl Role {
+    fn pool(self) -> &'static str {
+        match self {
+            Role::Cpu => "cpu",
+            Role::Accelerator => "accelerator",
+        }
+    }
+}
+
+/// One simulated host.
+pub struct Host {
+    /// Its name in the test (`h1`, `driver`).
+    pub name: String,
+    /// Its network namespace.
+    pub netns: String,
+    /// Its address on the test's bridge.
+    pub ip: Ipv4Addr,
+    /// The root side of its link (down: the host is cut off).
+    veth: String,
+    /// Worker processes started on it.
+    workers: Vec<Child>,
+}
+
+impl Host {
+    /// Process ids of the workers started on it.
+    pub fn worker_pids(&self) -> Vec<u32> {
+        self.workers.iter().map(|c| c.id()).collect()
+    }
+}
+
+/// A test network: a bridge, hosts on it, the cluster's secret, CA and certificates.
+pub struct TestNet {
+    tag: String,
+    bridge: String,
+    subnet: [u8; 2],
+    pub hosts: Vec<Host>,
+    /// Secret file, CA, certificates, cluster file.
+    pub dir: tempfile::TempDir,
+    ca: flumen::cluster::tls::ClusterCa,
+}
+
+/// Port every worker listens on (each host has its own address).
+pub const CPU_PORT: u16 = 7100;
+/// Port of each host's accelerator worker.
+pub const ACCELERATOR_PORT: u16 = 7200;
+
+fn ip(args: &[&str]) -> Result<(), String> {
+    let out = Command::new("ip")
+        .args(args)
+        .output()
+        .map_err(|e| format!("ip {}: {e}", args.join(" ")))?;
+    if out.status.success() {
+        Ok(())
+    } else {
+        Err(format!(
+            "ip {}: {}",
+            args.join(" "),
+            String::from_utf8_lossy(&out.stderr).trim()
+        ))
+    }
+}
+
+impl TestNet {
+    /// A network with a driver host and `hosts` worker hosts (`h1`, `h2`, ...); `None`
+    /// (after saying `skipped: needs network namespaces`, or failing under CI) where
+    /// namespaces cannot be made.
+    pub fn new(hosts: usize) -> Option<Self> {
+        // SAFETY: geteuid has no preconditions.
+        if unsafe { libc::geteuid() } != 0 {
+            crate::common::skip_missing_tool("needs network namespaces (root, ip netns)");
+            return None;
+        }
+        let random = flumen::cluster::auth::Secret::random().to_hex();
+        let tag = format!("fl{}", &random[..4]);
+        let subnet = [
+            u8::from_str_radix(&random[4..6], 16).unwrap() % 200 + 20,
+            u8::from_str_radix(&random[6..8], 16).unwrap(),
+        ];
+        let bridge = format!("{tag}br");
+        if let Err(e) = ip(&["link", "add", &bridge, "type", "bridge"])
+            .and_then(|_| ip(&["link", "set", &bridge, "up"]))
+        {
+            crate::common::skip_missing_tool(&format!("needs network namespaces: {e}"));
+            return None;
+        }
+        let mut net = TestNet {
+            tag,
+            bridge,
+            subnet,
+            hosts: vec![],
+            dir: tempfile::tempdir().unwrap(),
+            ca: flumen::cluster::tls::ClusterCa::new("flumen test cluster CA").unwrap(),
+        };
+        net.add_host("driver");
+        for i in 1..=hosts {
+            net.add_host(&format!("h{i}"));
+        }
+        std::fs::write(net.ca_file(), net.ca.trust().ca_pem()).unwrap();
+        let secret = flumen::cluster::auth::Secret::random();
+        std::fs::write(net.secret_file(), secret.to_hex()).unwrap();
+        std::fs::set_permissions(net.secret_file(), std::fs::Permissions::from_mode(0o600))
+            .unwrap();
+        Some(net)
+    }
+
+    /// Add host `name` (a namespace on the bridge, the next address) and return its index.
+    pub fn add_host(&mut self, name: &str) -> usize {
+        let index = self.hosts.len();
+        let netns = format!("{}-{name}", self.tag);
+        let veth = format!("{}{name}", self.tag);
+        let address = Ipv4Addr::new(10, self.subnet[0], self.subnet[1], index as u8 + 2);
+        let cidr = format!("{address}/24");
+        let steps: Vec<Vec<&str>> = vec![
+            vec!["netns", "add", &netns],
+            vec![
+                "link", "add", &veth, "type", "veth", "peer", "name", "eth0", "netns", &netns,
+            ],
+            vec!["link", "set", &veth, "master", &self.bridge, "up"],
+            vec!["-n", &netns, "addr", "add", &cidr, "dev", "eth0"],
+            vec!["-n", &netns, "link", "set", "eth0", "up"],
+            vec!["-n", &netns, "link", "set", "lo", "up"],
+        ];
+        // Recorded first, so a failed step is still cleaned up.
+        self.hosts.push(Host {
+            name: name.into(),
+            netns: netns.clone(),
+            ip: address,
+            veth: veth.clone(),
+            workers: vec![],
+        });
+        for step in steps {
+            ip(&step).unwrap_or_else(|e| panic!("making test host {name}: {e}"));
+        }
+        index
+    }
+
+    /// The host named `name`.
+    pub fn host(&self, name: &str) -> &Host {
+        self.hosts.iter().find(|h| h.name == name).unwrap()
+    }
+
+    fn host_mut(&mut self, name: &str) -> &mut Host {
+        self.hosts.iter_mut().find(|h| h.name == name).unwrap()
+    }
+
+    /// The cluster's secret file (mode 0600).
+    pub fn secret_file(&self) -> PathBuf {
+        self.dir.path().join("cluster.secret")
+    }
+
+    /// The CA the workers' certificates chain to.
+    pub fn ca_file(&self) -> PathBuf {
+        self.dir.path().join("ca.pem")
+    }
+
+    /// The cluster file listing `addresses` (written now; rewrite it to add workers).
+    pub fn write_cluster_file(&self, addresses: &[String]) -> PathBuf {
+        let path = self.dir.path().join("workers.toml");
+        let quoted: Vec<String> = addresses.iter().map(|a| format!("\"{a}\"")).collect();
+        let text = format!(
+            "workers = [{}]\nsecret_file = \"cluster.secret\"\nca = \"ca.pem\"\n",
+            quoted.join(", ")
+        );
+        // Replaced at once, so a reader never sees half a file.
+        let partial = path.with_extension("toml.partial");
+        std::fs::write(&partial, text).unwrap();
+        std::fs::rename(&partial, &path).unwrap();
+        path
+    }
+
+    /// `host:port` of `role`'s worker on host `name`.
+    pub fn address(&self, name: &str, role: Role) -> String {
+        let port = match role {
+            Role::Cpu => CPU_PORT,
+            Role::Accelerator => ACCELERATOR_PORT,
+        };
+        format!("{}:{port}", self.host(name).ip)
+    }
+
+    /// Start a worker of `binary` (`flumen` or a worker example) for `role` on host `name`
+    /// with `slots` slots, TLS and the cluster's secret; waits until it listens.
+    pub fn start_worker(&mut self, name: &str, role: Role, binary: &Path, slots: usize) {
+        let address = self.address(name, role);
+        let host = self.host(name);
+        let cert = self.dir.path().join(format!("{name}.pem"));
+        let key = self.dir.path().join(format!("{name}.key"));
+        if !cert.exists() {
+            let identity = self.ca.issue(&[host.ip.to_string()]).unwrap();
+            identity.write_files(&cert, &key).unwrap();
+        }
+        let mut child = Command::new("ip")
+            .args(["netns", "exec", &host.netns])
+            .arg(binary)
+            .args(["worker", "--listen", &address, "--pool", role.pool()])
+            .arg("--secret-file")
+            .arg(self.secret_file())
+            .arg("--tls-cert")
+            .arg(&cert)
+            .arg("--tls-key")
+            .arg(&key)
+            .arg("--tls-ca")
+            .arg(self.ca_file())
+            .args(["--slots", &slots.to_string(), "--lease", "120"])
+            .stdin(Stdio::null())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::inherit())
+            .spawn()
+            .unwrap();
+        let stdout = child.stdout.take().unwrap();
+        let (tx, rx) = std::sync::mpsc::channel();
+        std::thread::spawn(move || {
+            let mut lines = std::io::BufReader::new(stdout).lines();
+            let _ = tx.send(lines.next());
+            for _ in lines.map_while(|l| l.ok()) {}
+        });
+        match rx.recv_timeout(Duration::from_secs(30)) {
+            Ok(Some(Ok(line))) if line.starts_with("flumen worker listening on") => {}
+            other => panic!("worker on {name} did not start: {other:?}"),
+        }
+        self.host_mut(name).workers.push(child);
+    }
+
+    /// Kill every process of host `name` with SIGKILL (a host that dies).
+    pub fn kill_host(&mut self, name: &str) {
+        let host = self.host_mut(name);
+        kill_namespace(&host.netns);
+        for child in &mut host.workers {
+            let _ = child.wait();
+        }
+        host.workers.clear();
+    }
+
+    /// SIGKILL every process of host `name` without waiting for them (from a callback
+    /// that holds the network shared).
+    pub fn kill_host_now(&self, name: &str) {
+        kill_namespace(&self.host(name).netns);
+    }
+
+    /// Take host `name`'s link down (a network partition) or bring it back up.
+    pub fn set_link(&self, name: &str, up: bool) {
+        // From inside the host's namespace: this may run on a thread of the driver's.
+        let host = self.host(name);
+        let state = if up { "up" } else { "down" };
+        ip(&["-n", &host.netns, "link", "set", "eth0", state]).unwrap();
+    }
+
+    /// Limit the bandwidth out of host `name`'s link towards the bridge (tc tbf).
+    pub fn limit_bandwidth(&self, name: &str, rate: &str) {
+        let host = self.host(name);
+        let out = Command::new("tc")
+            .args(["-n", &host.netns, "qdisc", "replace", "dev", "eth0", "root", "tbf"])
+            .args(["rate", rate, "burst", "256kb", "latency", "100ms"])
+            .output()
+            .unwrap();
+        assert!(out.status.success(), "tc: {}", String::from_utf8_lossy(&out.stderr));
+    }
+
+    /// Run `body` on a thread inside the driver's namespace, on a runtime whose threads
+    /// are all in it (threads inherit the namespace of the thread that starts them).
+    pub fn in_driver<T: Send + 'static>(
+        &self,
+        body: impl FnOnce() -> T + Send + 'static,
+    ) -> T {
+        let netns = self.host("driver").netns.clone();
+        std::thread::spawn(move || {
+            enter_namespace(&netns);
+            body()
+        })
+        .join()
+        .unwrap_or_else(|panic| std::panic::resume_unwind(panic))
+    }
+}
+
+/// Move the calling thread into network namespace `netns`.
+fn enter_namespace(netns: &str) {
+    let file = std::fs::File::open(format!("/var/run/netns/{netns}")).unwrap();
+    use std::os::fd::AsRawFd;
+    // SAFETY: a valid namespace file descriptor; this changes only the calling thread.
+    let rc = unsafe { libc::setns(file.as_raw_fd(), libc::CLONE_NEWNET) };
+    assert_eq!(rc, 0, "setns {netns}: {}", std::io::Error::last_os_error());
+}
+
+/// SIGKILL every process in network namespace `netns`.
+fn kill_namespace(netns: &str) {
+    let Ok(out) = Command::new("ip").args(["netns", "pids", netns]).output() else {
+        return;
+    };
+    for pid in String::from_utf8_lossy(&out.stdout).split_whitespace() {
+        if let Ok(pid) = pid.parse::<i32>() {
+            // SAFETY: sending a signal has no memory-safety preconditions.
+            unsafe { libc::kill(pid, libc::SIGKILL) };
+        }
+    }
+}
+
+impl Drop for TestNet {
+    fn drop(&mut self) {
+        for host in &mut self.hosts {
+            if host.name != "driver" {
+                kill_namespace(&host.netns);
+            }
+            for child in &mut host.workers {
+                let _ = child.kill();
+                let _ = child.wait();
+            }
+            let _ = ip(&["netns", "del", &host.netns]);
+        }
+        let _ = ip(&["link", "del", &self.bridge]);
+    }
+}
