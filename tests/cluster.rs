@@ -26,6 +26,18 @@ use hosts::{Role, TestNet};
 
 const FLUMEN: &str = env!("CARGO_BIN_EXE_flumen");
 
+/// A test network of `hosts` hosts, or `None` after saying `skipped: ...` (failing under
+/// CI instead, where namespaces must work).
+fn net_or_skip(hosts: usize) -> Option<TestNet> {
+    match TestNet::new(hosts) {
+        Ok(net) => Some(net),
+        Err(why) => {
+            common::skip_missing_tool(&why);
+            None
+        }
+    }
+}
+
 /// The `fault_worker` example (its `nap(x)` makes tasks last), built by `cargo test`.
 fn fault_worker_binary() -> std::path::PathBuf {
     let path = std::path::Path::new(FLUMEN)
@@ -84,7 +96,7 @@ async fn tasks_by_worker(ctx: &SessionContext, kind: Pool) -> Vec<(String, u64)>
 /// run gives, and the driver sends no input bytes to any worker.
 #[test]
 fn three_hosts_answer_like_datafusion() {
-    let Some(mut net) = TestNet::new(3) else {
+    let Some(mut net) = net_or_skip(3) else {
         return;
     };
     let mut addresses = vec![];
@@ -229,7 +241,7 @@ fn with_a_host_fault(
     + Send
     + 'static,
 ) {
-    let Some(mut net) = TestNet::new(3) else {
+    let Some(mut net) = net_or_skip(3) else {
         return;
     };
     let worker = fault_worker_binary();
@@ -347,7 +359,7 @@ fn a_partitioned_host_is_fenced_and_rejoins() {
 /// of the running query at once.
 #[test]
 fn a_host_added_mid_query_gets_tasks() {
-    let Some(mut net) = TestNet::new(3) else {
+    let Some(mut net) = net_or_skip(3) else {
         return;
     };
     let worker = fault_worker_binary();
@@ -404,7 +416,7 @@ fn a_host_added_mid_query_gets_tasks() {
 /// a driver with another secret, or without the cluster's CA, is refused clearly.
 #[test]
 fn a_cluster_refuses_plaintext_and_strangers() {
-    let Some(mut net) = TestNet::new(1) else {
+    let Some(mut net) = net_or_skip(1) else {
         return;
     };
     let plaintext = std::process::Command::new("ip")

@@ -181,9 +181,17 @@ impl ClusterSettings {
     }
 }
 
+/// The host part of a worker's `host:port`.
+pub fn host_of(address: &str) -> String {
+    address
+        .rsplit_once(':')
+        .map_or(address, |(host, _)| host)
+        .to_string()
+}
+
 /// Whether `address` (`host:port`) names this host's loopback.
 fn is_loopback(address: &str) -> bool {
-    let host = address.rsplit_once(':').map_or(address, |(h, _)| h);
+    let host = host_of(address);
     let host = host.trim_start_matches('[').trim_end_matches(']');
     host == "localhost"
         || host

@@ -43,7 +43,7 @@ use tonic::service::interceptor::InterceptedService;
 use tonic::transport::Channel;
 
 use crate::cluster::auth::{Secret, SendSecret, driver_secret};
-use crate::cluster::membership::{ClusterSettings, DISCOVER_EVERY};
+use crate::cluster::membership::{ClusterSettings, DISCOVER_EVERY, host_of};
 use crate::cluster::protocol::{
     BlockTicket, DriverHello, PROTOCOL_VERSION, ReleaseRequest, RemoteBlockInfo, TaskEvent, TaskRequest,
     WorkerStatus, encode_task,
@@ -727,12 +727,12 @@ impl WorkerPool {
         self.restarted.load(Ordering::Relaxed)
     }
 
-    /// The live worker a task goes to: `prefer` (the one holding most of its input bytes)
-    /// while it has a free slot, else the least loaded (running tasks per slot; ties
+    /// The live worker a task goes to: one on host `prefer` (where most of its input bytes
+    /// are) while one there has a free slot, else the least loaded (running tasks per slot; ties
     /// round robin). A dead local worker gets a replacement started in the background, so
     /// tasks go on on the live ones meanwhile; only when none is alive does this wait (for
     /// a replacement, or a cluster worker to come back).
-    async fn pick(self: &Arc<Self>, prefer: Option<u64>) -> Result<Arc<WorkerHandle>> {
+    async fn pick(self: &Arc<Self>, prefer: Option<&str>) -> Result<Arc<WorkerHandle>> {
         let deadline = tokio::time::Instant::now() + START_TIMEOUT * 2;
         loop {
             {
@@ -748,10 +748,10 @@ impl WorkerPool {
                 }
                 let alive: Vec<&Arc<WorkerHandle>> =
                     workers.iter().filter(|w| w.is_alive()).collect();
-                if let Some(preferred) = alive
-                    .iter()
-                    .find(|w| Some(w.serial) == prefer && w.running() < w.slots())
-                {
+                if let Some(preferred) = alive.iter().find(|w| {
+                    prefer.is_some_and(|host| host_of(&w.address) == host)
+                        && w.running() < w.slots()
+                }) {
                     return Ok(Arc::clone(preferred));
                 }
                 if !alive.is_empty() {
@@ -800,7 +800,7 @@ impl WorkerPool {
         }
     }
 
-    /// Run a task on some worker (`prefer`: the one holding most of its inputs, see
+    /// Run a task on some worker (`prefer`: the host holding most of its inputs, see
     /// [`Self::pick`]), retrying on another one when a worker dies under it or the task
     /// makes no progress for the task timeout there (at most `max_retries` times).
     /// Each block is handed to `on_block` as `(n, block)` as soon as its worker announces
@@ -813,7 +813,7 @@ impl WorkerPool {
         request: &TaskRequest,
         max_retries: usize,
         describe: &str,
-        prefer: Option<u64>,
+        prefer: Option<&str>,
         on_block: &mut (dyn FnMut(usize, RemoteBlock) -> Result<()> + Send),
     ) -> Result<usize> {
         let mut attempt = 0;

@@ -222,6 +222,35 @@ pub async fn plan_blocks(
     Ok(())
 }
 
+/// `batch` with each string or binary view column holding only the bytes its rows use: a
+/// view array cut from a larger one (a block sliced off a batch, `substr` of a column)
+/// keeps every buffer of the original, and Arrow IPC sends them whole (a 256-byte prefix of
+/// 5 KB documents crossed the network as the documents).
+pub(crate) fn compact_views(batch: RecordBatch) -> RecordBatch {
+    use datafusion::arrow::array::{Array, AsArray};
+    use datafusion::arrow::datatypes::DataType;
+    let mut changed = false;
+    let columns: Vec<_> = batch
+        .columns()
+        .iter()
+        .map(|column| match column.data_type() {
+            DataType::Utf8View => {
+                changed = true;
+                Arc::new(column.as_string_view().gc()) as _
+            }
+            DataType::BinaryView => {
+                changed = true;
+                Arc::new(column.as_binary_view().gc()) as _
+            }
+            _ => Arc::clone(column),
+        })
+        .collect();
+    if !changed {
+        return batch;
+    }
+    RecordBatch::try_new(batch.schema(), columns).unwrap_or(batch)
+}
+
 /// Cut `stream` with `cutter`, handing each block to `out` as it is cut and the output rows
 /// so far (`rows`, counted on) after each batch.
 async fn cut_stream(
@@ -233,7 +262,7 @@ async fn cut_stream(
     let mut cut = vec![];
     let mut hand_out = |cut: &mut Vec<(usize, RecordBatch)>, rows: usize| {
         for (tag, block) in cut.drain(..) {
-            out(Produced::Block(tag, block));
+            out(Produced::Block(tag, compact_views(block)));
         }
         out(Produced::Rows(rows));
     };

@@ -41,7 +41,7 @@ use datafusion_proto::physical_plan::{
 
 use crate::cluster::admission::{WORKER_OPTIONS, admit_plan, scanned_files};
 use crate::cluster::protocol::{INPUT_LOST, InputTicket, TaskInput, TaskRequest};
-use crate::cluster::membership::ClusterSettings;
+use crate::cluster::membership::{ClusterSettings, host_of};
 use crate::cluster::worker_pool::{
     Placement, PoolSettings, RemoteBlock, WorkerPool, WorkerTimeouts, worker_binary,
 };
@@ -230,8 +230,9 @@ struct WorkerTask {
     bytes_by_ticket: u64,
     /// Bytes of the inputs in the plan.
     bytes_via_driver: u64,
-    /// The worker ([`HeldBlock::holder_id`]) holding most of its input bytes.
-    prefer: Option<u64>,
+    /// The host holding most of its input bytes (of the holders' addresses, the part
+    /// before the port).
+    prefer: Option<String>,
 }
 
 impl WorkerTask {
@@ -347,7 +348,7 @@ impl QueryRun {
             let mut request = self.task_request(op_id, partition, &work.plan);
             request.inputs = work.inputs;
             match self
-                .run_on_pool(pool, op_id, &request, &bytes, describe, work.prefer, on_block)
+                .run_on_pool(pool, op_id, &request, &bytes, describe, work.prefer.as_deref(), on_block)
                 .await
             {
                 Ok(()) => {
@@ -383,7 +384,7 @@ impl QueryRun {
             return Ok(self.task_plan(task).await?.map(WorkerTask::whole));
         };
         let (mut by_ticket, mut bytes_by_ticket, mut bytes_via_driver) = (vec![], 0, 0);
-        let mut bytes_by_holder: HashMap<u64, u64> = HashMap::new();
+        let mut bytes_by_host: HashMap<String, u64> = HashMap::new();
         let mut sources = Vec::with_capacity(inputs.len());
         let mut inline = vec![];
         for id in inputs {
@@ -394,7 +395,7 @@ impl QueryRun {
                 let at = held.location();
                 let bytes = self.block(id).map_or(0, |b| b.bytes);
                 bytes_by_ticket += bytes;
-                *bytes_by_holder.entry(held.holder_id()).or_default() += bytes;
+                *bytes_by_host.entry(host_of(&at.address)).or_default() += bytes;
                 sources.push(TaskInput::Fetch(InputTicket {
                     address: at.address,
                     tls: at.tls,
@@ -421,10 +422,10 @@ impl QueryRun {
         let Some(plan) = blocks_plan(op, input) else {
             return Ok(None);
         };
-        let prefer = bytes_by_holder
+        let prefer = bytes_by_host
             .into_iter()
-            .max_by_key(|(holder, bytes)| (*bytes, std::cmp::Reverse(*holder)))
-            .map(|(holder, _)| holder);
+            .max_by(|(host_a, a), (host_b, b)| a.cmp(b).then_with(|| host_b.cmp(host_a)))
+            .map(|(host, _)| host);
         Ok(Some(WorkerTask {
             plan,
             inputs: Some(sources),
@@ -663,7 +664,7 @@ impl QueryRun {
         request: &TaskRequest,
         bytes: &[u8],
         describe: &str,
-        prefer: Option<u64>,
+        prefer: Option<&str>,
         on_block: &mut (dyn FnMut(usize, RemoteBlock) -> Result<()> + Send),
     ) -> Result<()> {
         let config = self.config();

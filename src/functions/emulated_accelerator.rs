@@ -95,6 +95,34 @@ impl EmulatedModel {
     }
 }
 
+impl EmulatedModel {
+    /// A model on its own device from `NAME:SERVICE_MS:BATCH_ROWS:DIMS` (how `flumen worker
+    /// --emulated-model` and benchmarks name one), e.g. `m:40:1024:8`.
+    pub fn from_spec(spec: &str) -> Result<Self> {
+        let bad = || {
+            datafusion::error::DataFusionError::Configuration(format!(
+                "an emulated model is NAME:SERVICE_MS:BATCH_ROWS:DIMS (e.g. m:40:1024:8), got \
+                 '{spec}'"
+            ))
+        };
+        let parts: Vec<&str> = spec.split(':').collect();
+        let [name, ms, rows, dims] = parts[..] else {
+            return Err(bad());
+        };
+        let number = |text: &str| text.trim().parse::<u64>().map_err(|_| bad());
+        if name.trim().is_empty() {
+            return Err(bad());
+        }
+        Ok(Self::new(
+            name.trim(),
+            Duration::from_millis(number(ms)?),
+            number(rows)? as usize,
+            number(dims)? as usize,
+            Arc::new(EmulatedDevice::default()),
+        ))
+    }
+}
+
 impl AcceleratorFunction for EmulatedModel {
     fn name(&self) -> &str {
         &self.name

@@ -85,14 +85,12 @@ fn ip(args: &[&str]) -> Result<(), String> {
 }
 
 impl TestNet {
-    /// A network with a driver host and `hosts` worker hosts (`h1`, `h2`, ...); `None`
-    /// (after saying `skipped: needs network namespaces`, or failing under CI) where
-    /// namespaces cannot be made.
-    pub fn new(hosts: usize) -> Option<Self> {
+    /// A network with a driver host and `hosts` worker hosts (`h1`, `h2`, ...); `Err`
+    /// saying why where namespaces cannot be made (not root, no `ip`).
+    pub fn new(hosts: usize) -> Result<Self, String> {
         // SAFETY: geteuid has no preconditions.
         if unsafe { libc::geteuid() } != 0 {
-            crate::common::skip_missing_tool("needs network namespaces (root, ip netns)");
-            return None;
+            return Err("needs network namespaces (root, ip netns)".into());
         }
         let random = flumen::cluster::auth::Secret::random().to_hex();
         let tag = format!("fl{}", &random[..4]);
@@ -104,8 +102,7 @@ impl TestNet {
         if let Err(e) = ip(&["link", "add", &bridge, "type", "bridge"])
             .and_then(|_| ip(&["link", "set", &bridge, "up"]))
         {
-            crate::common::skip_missing_tool(&format!("needs network namespaces: {e}"));
-            return None;
+            return Err(format!("needs network namespaces: {e}"));
         }
         let mut net = TestNet {
             tag,
@@ -124,7 +121,7 @@ impl TestNet {
         std::fs::write(net.secret_file(), secret.to_hex()).unwrap();
         std::fs::set_permissions(net.secret_file(), std::fs::Permissions::from_mode(0o600))
             .unwrap();
-        Some(net)
+        Ok(net)
     }
 
     /// Add host `name` (a namespace on the bridge, the next address) and return its index.
@@ -204,6 +201,18 @@ impl TestNet {
     /// Start a worker of `binary` (`flumen` or a worker example) for `role` on host `name`
     /// with `slots` slots, TLS and the cluster's secret; waits until it listens.
     pub fn start_worker(&mut self, name: &str, role: Role, binary: &Path, slots: usize) {
+        self.start_worker_with(name, role, binary, slots, &[]);
+    }
+
+    /// [`Self::start_worker`] with `extra` arguments.
+    pub fn start_worker_with(
+        &mut self,
+        name: &str,
+        role: Role,
+        binary: &Path,
+        slots: usize,
+        extra: &[&str],
+    ) {
         let address = self.address(name, role);
         let host = self.host(name);
         let cert = self.dir.path().join(format!("{name}.pem"));
@@ -225,6 +234,7 @@ impl TestNet {
             .arg("--tls-ca")
             .arg(self.ca_file())
             .args(["--slots", &slots.to_string(), "--lease", "120"])
+            .args(extra)
             .stdin(Stdio::null())
             .stdout(Stdio::piped())
             .stderr(Stdio::inherit())

@@ -146,6 +146,11 @@ struct WorkerArgs {
     /// Bytes of blocks it may keep, as it announces (e.g. `4GiB`; default 2GiB).
     #[arg(long, value_name = "SIZE")]
     memory_budget: Option<flumen::ByteSize>,
+    /// Also serve an emulated accelerator model, `NAME:SERVICE_MS:BATCH_ROWS:DIMS`: each
+    /// batch occupies this worker's emulated device for SERVICE_MS (benchmarks and
+    /// capacity tests without GPUs; the driver registers the same model). Repeatable.
+    #[arg(long, value_name = "SPEC")]
+    emulated_model: Vec<String>,
 }
 
 /// `flumen worker`: serve tasks for a driver until killed, its driver goes away or its
@@ -211,6 +216,10 @@ fn serve_worker(args: &WorkerArgs, settings: flumen::WorkerSettings) -> ExitCode
     };
     match runtime.block_on(async {
         let ctx = flumen::session(FlumenConfig::default());
+        for spec in &args.emulated_model {
+            let model = flumen::functions::emulated_accelerator::EmulatedModel::from_spec(spec)?;
+            ctx.register_udf(flumen::accelerator_udf(model));
+        }
         flumen::cluster::serve(&args.listen, args.pool, ctx, settings).await
     }) {
         Ok(()) => ExitCode::SUCCESS,
