@@ -61,7 +61,8 @@ pub fn flumen_session_config(session_config: SessionConfig, config: FlumenConfig
     let mut session_config = session_config
         .with_option_extension(config)
         .with_extension(Arc::new(AcceleratorPool::default()))
-        .with_extension(Arc::new(WorkerPoolSlot::default()));
+        .with_extension(Arc::new(WorkerPoolSlot::default()))
+        .with_extension(Arc::new(crate::io::object_stores::StoreGrants::default()));
     // Each source split must always read the same rows (lineage): no work stealing
     // between the partitions of a scan.
     session_config

@@ -153,6 +153,13 @@ fn three_hosts_answer_like_datafusion() {
             );
             assert!(remote > 6, "{remote} remote tasks");
             assert_eq!(to_workers, 0, "the driver sent input blocks to workers");
+            let analyze = common::collect(&f, &format!("EXPLAIN ANALYZE {join}")).await;
+            let text = datafusion::arrow::util::pretty::pretty_format_batches(&analyze)
+                .unwrap()
+                .to_string();
+            let hosts = text.matches("tasks_on_10.").count();
+            assert_eq!(hosts, 3, "EXPLAIN ANALYZE shows tasks on {hosts} hosts:\n{text}");
+            assert!(text.contains("output_bytes_to_driver="), "{text}");
 
             // The model operator on the three accelerator workers, inputs worker to worker.
             let embed = "SELECT id, embed(body) AS e FROM events WHERE id % 97 = 0";
@@ -410,6 +417,113 @@ fn a_host_added_mid_query_gets_tasks() {
             );
         })
     });
+}
+
+/// moto's S3 server as `tests/install-test-tools.sh` installs it.
+fn moto_server() -> Option<String> {
+    let installed = concat!(env!("CARGO_MANIFEST_DIR"), "/target/test-venv/bin/moto_server");
+    let program = std::env::var("FLUMEN_MOTO_SERVER").unwrap_or_else(|_| installed.into());
+    std::path::Path::new(&program).exists().then_some(program)
+}
+
+/// Source tasks over S3 (moto on a host of its own) run in the workers on two hosts, each
+/// task carrying the credentials of the one store it reads (the workers' environment has
+/// none); the answers are vanilla DataFusion's.
+#[test]
+fn s3_sources_are_read_by_the_workers() {
+    let Some(mut net) = net_or_skip(2) else {
+        return;
+    };
+    let Some(moto) = moto_server() else {
+        common::skip_missing_tool("moto_server (bash tests/install-test-tools.sh)");
+        return;
+    };
+    net.add_host("s3");
+    let endpoint = format!("http://{}:5000", net.host("s3").ip);
+    let ip = net.host("s3").ip.to_string();
+    net.spawn_in("s3", &moto, &["-H", &ip, "-p", "5000"]);
+    let mut addresses = vec![];
+    for host in ["h1", "h2"] {
+        net.start_worker(host, Role::Cpu, FLUMEN.as_ref(), 2);
+        addresses.push(net.address(host, Role::Cpu));
+    }
+    let cluster_file = net.write_cluster_file(&addresses);
+    net.in_driver(move || {
+        driver_runtime().block_on(async move {
+            use object_store::ObjectStoreExt;
+            let started = Instant::now();
+            while std::net::TcpStream::connect((ip.as_str(), 5000)).is_err() {
+                assert!(started.elapsed() < Duration::from_secs(30), "moto did not start");
+                std::thread::sleep(Duration::from_millis(100));
+            }
+            let store = object_store::aws::AmazonS3Builder::new()
+                .with_endpoint(&endpoint)
+                .with_allow_http(true)
+                .with_bucket_name("lake")
+                .with_region("us-east-1")
+                .with_access_key_id("test")
+                .with_secret_access_key("test")
+                .build()
+                .unwrap();
+            assert!(create_bucket(&endpoint, "lake"), "cannot create the bucket");
+            let dir = tempfile::tempdir().unwrap();
+            common::write_events(dir.path(), 3, 20_000);
+            for entry in std::fs::read_dir(dir.path()).unwrap() {
+                let path = entry.unwrap().path();
+                let name = path.file_name().unwrap().to_string_lossy().to_string();
+                let bytes = std::fs::read(&path).unwrap();
+                let key = format!("events/{name}");
+                store.put(&key.into(), bytes.into()).await.unwrap();
+            }
+            let options = format!(
+                "OPTIONS ('aws.endpoint' '{endpoint}', 'aws.access_key_id' 'test', \
+                 'aws.secret_access_key' 'test', 'aws.region' 'us-east-1')"
+            );
+            let f = cluster_session(&cluster_file, None);
+            let v = common::vanilla();
+            let create = format!(
+                "CREATE EXTERNAL TABLE events STORED AS PARQUET LOCATION 's3://lake/events/' \
+                 {options}"
+            );
+            for ctx in [&f, &v] {
+                flumen::io::register_for_statement(ctx, &create).unwrap();
+            }
+            f.sql(&create).await.unwrap().collect().await.unwrap();
+            // Vanilla DataFusion has the store now; it takes no `aws.*` options.
+            let plain = "CREATE EXTERNAL TABLE events STORED AS PARQUET LOCATION \
+                         's3://lake/events/'";
+            v.sql(plain).await.unwrap().collect().await.unwrap();
+            let query = "SELECT k, count(*), round(sum(v), 6), max(length(body)) FROM events \
+                         WHERE id % 3 = 0 GROUP BY k ORDER BY k";
+            assert_same(&v, &f, query).await;
+            let (_, plan) = run_plan(&f, query).await;
+            let exec = plan.downcast_ref::<FlumenExec>().unwrap();
+            let scan = exec.run_metrics().operator(0).snapshot();
+            println!(
+                "S3 scan on 2 hosts: {} of its tasks in workers; tasks by host {:?}",
+                scan.remote_tasks,
+                exec.run_metrics().tasks_by_host()
+            );
+            assert!(scan.remote_tasks > 2, "the S3 scan ran on the driver");
+            assert_eq!(exec.run_metrics().tasks_by_host().len(), 2);
+            assert!(std::env::vars().all(|(k, _)| !k.starts_with("AWS_ACCESS")));
+        })
+    });
+}
+
+/// Create `bucket` on the S3 server at `endpoint` (a plain `PUT /bucket`).
+fn create_bucket(endpoint: &str, bucket: &str) -> bool {
+    use std::io::{Read, Write};
+    let address = endpoint.trim_start_matches("http://");
+    let mut stream = std::net::TcpStream::connect(address).unwrap();
+    write!(
+        stream,
+        "PUT /{bucket} HTTP/1.1\r\nHost: {address}\r\nContent-Length: 0\r\nConnection: close\r\n\r\n"
+    )
+    .unwrap();
+    let mut reply = String::new();
+    stream.read_to_string(&mut reply).unwrap();
+    reply.starts_with("HTTP/1.1 200")
 }
 
 /// Security across hosts: a worker on a namespace address without TLS refuses to start;

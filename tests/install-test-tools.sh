@@ -3,7 +3,8 @@
 #   moto's S3-compatible server (object-store tests on 127.0.0.1) and the Delta Lake and
 #   Iceberg writers of the Python ecosystem (`deltalake`, `pyiceberg`), which write the
 #   lakehouse test tables that flumen must read; and the `openssl` command, with which the
-#   TLS tests make an operator's certificates (from Debian's packages when missing).
+#   TLS tests make an operator's certificates, and `ip`/`tc` (iproute2) for the multi-host
+#   tests' network namespaces (both from Debian's packages when missing).
 # Tests find them there (or through FLUMEN_MOTO_SERVER / FLUMEN_LAKEHOUSE_PYTHON).
 # Under CI (CI=true) or with FLUMEN_REQUIRE_TOOLS=1 a failed install is an error (exit 1)
 # and a test whose tool is missing fails; elsewhere those tests say they were skipped.
@@ -13,6 +14,13 @@ if ! command -v openssl >/dev/null; then
     apt-get install -y -qq openssl >/dev/null 2>&1 \
         || { apt-get update -qq >/dev/null 2>&1 && apt-get install -y -qq openssl >/dev/null 2>&1; } \
         || echo "WARNING: could not install openssl: the TLS tests will fail" >&2
+fi
+# The multi-host tests (tests/cluster.rs) make hosts of network namespaces with `ip` and
+# shape their links with `tc` (iproute2).
+if ! command -v ip >/dev/null || ! command -v tc >/dev/null; then
+    apt-get install -y -qq iproute2 >/dev/null 2>&1 \
+        || { apt-get update -qq >/dev/null 2>&1 && apt-get install -y -qq iproute2 >/dev/null 2>&1; } \
+        || echo "WARNING: could not install iproute2: the multi-host tests will fail" >&2
 fi
 venv="$PWD/target/test-venv"
 stamp="$venv/.installed-v1"

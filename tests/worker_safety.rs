@@ -224,6 +224,7 @@ fn request(query: &str, grants: Vec<String>) -> TaskRequest {
         query: query.into(),
         grants,
         inputs: None,
+        stores: vec![],
     }
 }
 

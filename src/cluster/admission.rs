@@ -57,7 +57,21 @@ pub const WORKER_OPTIONS: &[&str] = &[
     "flumen.target_block_rows",
 ];
 
-/// The local files `plan` scans, as object-store paths (what a task's grant lists).
+/// The object stores other than local files that `plan` scans (their URLs).
+pub fn scanned_stores(plan: &Arc<dyn ExecutionPlan>) -> Vec<String> {
+    let mut stores = vec![];
+    visit(plan, &mut |node| {
+        if let Some(config) = file_scan(node) {
+            let url = config.object_store_url.as_str().trim_end_matches('/').to_string();
+            if url != "file:" && !stores.contains(&url) {
+                stores.push(url);
+            }
+        }
+    });
+    stores
+}
+
+/// The files `plan` scans, as object-store paths (what a task's grant lists).
 pub fn scanned_files(plan: &Arc<dyn ExecutionPlan>) -> Vec<String> {
     let mut files = vec![];
     visit(plan, &mut |node| {
@@ -72,14 +86,15 @@ pub fn scanned_files(plan: &Arc<dyn ExecutionPlan>) -> Vec<String> {
     files
 }
 
-/// Check every node of `plan` against the allowlist and every file it scans against
-/// `grants`; the first refusal is the error.
-pub fn admit_plan(plan: &Arc<dyn ExecutionPlan>, grants: &[String]) -> Result<()> {
+/// Check every node of `plan` against the allowlist, every file it scans against `grants`
+/// and every object store it reads against `stores` (URLs; local files are always
+/// allowed); the first refusal is the error.
+pub fn admit_plan(plan: &Arc<dyn ExecutionPlan>, grants: &[String], stores: &[String]) -> Result<()> {
     let granted: HashSet<&str> = grants.iter().map(String::as_str).collect();
     let mut refusal = None;
     visit(plan, &mut |node| {
         if refusal.is_none() {
-            refusal = admit_node(node, &granted).err();
+            refusal = admit_node(node, &granted, stores).err();
         }
     });
     match refusal {
@@ -104,7 +119,11 @@ pub fn admit_options(options: &[(String, String)]) -> Result<()> {
     }
 }
 
-fn admit_node(node: &Arc<dyn ExecutionPlan>, granted: &HashSet<&str>) -> Result<(), String> {
+fn admit_node(
+    node: &Arc<dyn ExecutionPlan>,
+    granted: &HashSet<&str>,
+    stores: &[String],
+) -> Result<(), String> {
     let name = node.name();
     if !ALLOWED_NODES.contains(&name) {
         return Err(format!("plan node {name} is not one flumen sends"));
@@ -126,10 +145,11 @@ fn admit_node(node: &Arc<dyn ExecutionPlan>, granted: &HashSet<&str>) -> Result<
     if !ALLOWED_FORMATS.contains(&format) {
         return Err(format!("{format} scans are not run by workers"));
     }
-    if config.object_store_url.as_str() != "file:///" {
+    let store = config.object_store_url.as_str();
+    if store != "file:///" && !stores.iter().any(|s| s.trim_end_matches('/') == store.trim_end_matches('/')) {
         return Err(format!(
-            "a scan of {} (workers read local files only)",
-            config.object_store_url.as_str()
+            "a scan of {store}, a store the task does not grant (workers read local files \
+             and the stores their task names)"
         ));
     }
     for group in &config.file_groups {
@@ -182,16 +202,16 @@ mod tests {
         let plan = physical(&ctx, "SELECT a + b FROM t WHERE a > 0").await;
         let files = scanned_files(&plan);
         assert_eq!(files.len(), 1);
-        admit_plan(&plan, &files).unwrap();
-        let err = admit_plan(&plan, &[]).unwrap_err().to_string();
+        admit_plan(&plan, &files, &[]).unwrap();
+        let err = admit_plan(&plan, &[], &[]).unwrap_err().to_string();
         assert!(err.contains("does not grant"), "{err}");
         let out = dir.path().join("out.csv");
         let copy = format!("COPY t TO '{}' STORED AS CSV", out.display());
         let sink = physical(&ctx, &copy).await;
-        let err = admit_plan(&sink, &files).unwrap_err().to_string();
+        let err = admit_plan(&sink, &files, &[]).unwrap_err().to_string();
         assert!(err.contains("DataSinkExec"), "{err}");
         let explain = physical(&ctx, "EXPLAIN SELECT 1").await;
-        assert!(admit_plan(&explain, &[]).is_err());
+        assert!(admit_plan(&explain, &[], &[]).is_err());
     }
 
     #[test]

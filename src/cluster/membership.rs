@@ -72,7 +72,7 @@ impl ClusterSpec {
     }
 
     /// The workers' addresses now.
-    pub fn addresses(&self) -> Result<Vec<String>> {
+    pub async fn addresses(&self) -> Result<Vec<String>> {
         match self {
             Self::Addresses(list) => Ok(list.clone()),
             Self::File(path) => {
@@ -82,11 +82,9 @@ impl ClusterSpec {
                 }
                 Ok(file.workers)
             }
-            Self::Kubernetes { namespace, selector } => Err(cluster_error(format!(
-                "k8s://{namespace}/{selector}: this flumen build does not discover pods \
-                 through the Kubernetes API yet; list the worker pods' addresses (the \
-                 headless Service's DNS names) in flumen.cluster instead"
-            ))),
+            Self::Kubernetes { namespace, selector } => {
+                crate::cluster::kubernetes::worker_addresses(namespace, selector).await
+            }
         }
     }
 }
@@ -254,12 +252,12 @@ mod tests {
         let settings = ClusterSettings::from_config(&config).unwrap().unwrap();
         assert_eq!(settings.secret_file, dir.path().join("cluster.secret"));
         assert_eq!(settings.ca, Some(dir.path().join("ca.pem")));
-        assert_eq!(settings.spec.addresses().unwrap(), vec!["10.0.0.2:7000"]);
+        assert_eq!(futures::executor::block_on(settings.spec.addresses()).unwrap(), vec!["10.0.0.2:7000"]);
         std::fs::write(&path, "workers = [\"x\"]\n").unwrap();
-        let bad = settings.spec.addresses().unwrap_err().to_string();
+        let bad = futures::executor::block_on(settings.spec.addresses()).unwrap_err().to_string();
         assert!(bad.contains("'x' is not a worker address"), "{bad}");
         std::fs::write(&path, "worker = []\n").unwrap();
-        let bad = settings.spec.addresses().unwrap_err().to_string();
+        let bad = futures::executor::block_on(settings.spec.addresses()).unwrap_err().to_string();
         assert!(bad.contains("unknown field"), "{bad}");
     }
 

@@ -11,10 +11,12 @@
 //!   workers, placing tasks on them and fetching blocks from them.
 //! - [`membership`]: which running workers a driver attached to a cluster uses
 //!   (`flumen.cluster`).
+//! - [`kubernetes`]: finding worker pods through the Kubernetes API.
 
 pub mod admission;
 pub mod auth;
 pub(crate) mod block_shelf;
+pub mod kubernetes;
 pub mod membership;
 pub mod protocol;
 pub mod tls;

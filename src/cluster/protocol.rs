@@ -36,6 +36,10 @@ pub struct TaskRequest {
     /// the others from the workers that keep them.
     #[serde(default)]
     pub inputs: Option<Vec<TaskInput>>,
+    /// The object stores (other than local files) the task reads, with what it takes to
+    /// reach each (credentials included): only those its plan scans.
+    #[serde(default)]
+    pub stores: Vec<crate::io::object_stores::StoreGrant>,
 }
 
 /// One input block of a block-wise task.

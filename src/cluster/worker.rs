@@ -723,3 +723,29 @@ pub async fn serve(
         .await
         .map_err(|e| DataFusionError::Execution(format!("worker on {address} failed: {e}")))
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_driver_of_another_protocol_is_refused_naming_both_versions() {
+        assert!(check_driver(b"").is_ok());
+        let ours = serde_json::to_vec(&DriverHello::ours()).unwrap();
+        assert!(check_driver(&ours).is_ok());
+        let old = serde_json::to_vec(&DriverHello {
+            protocol: PROTOCOL_VERSION - 1,
+            version: "0.0.9".into(),
+        })
+        .unwrap();
+        let refused = check_driver(&old).unwrap_err();
+        assert_eq!(refused.code(), tonic::Code::FailedPrecondition);
+        let message = refused.message();
+        assert!(message.contains("flumen 0.0.9"), "{message}");
+        assert!(
+            message.contains(&format!("protocol {}", PROTOCOL_VERSION - 1)),
+            "{message}"
+        );
+        assert!(check_driver(b"{not json").is_err());
+    }
+}

@@ -613,7 +613,7 @@ impl WorkerPool {
         else {
             return;
         };
-        let addresses = match cluster.spec.addresses() {
+        let addresses = match cluster.spec.addresses().await {
             Ok(addresses) => addresses,
             Err(e) => {
                 log::warn!("{e}");
@@ -805,8 +805,8 @@ impl WorkerPool {
     /// makes no progress for the task timeout there (at most `max_retries` times).
     /// Each block is handed to `on_block` as `(n, block)` as soon as its worker announces
     /// it, `n` counting from 0 in each attempt (a retry hands out the same blocks again: the
-    /// caller keeps the first of each). Returns the retries it took. `describe` names the
-    /// task in errors.
+    /// caller keeps the first of each). Returns the retries it took and the address of the
+    /// worker it ran on. `describe` names the task in errors.
     pub async fn run_task(
         self: &Arc<Self>,
         plan: &[u8],
@@ -815,7 +815,7 @@ impl WorkerPool {
         describe: &str,
         prefer: Option<&str>,
         on_block: &mut (dyn FnMut(usize, RemoteBlock) -> Result<()> + Send),
-    ) -> Result<usize> {
+    ) -> Result<(usize, String)> {
         let mut attempt = 0;
         loop {
             let worker = self.pick(prefer).await?;
@@ -833,7 +833,7 @@ impl WorkerPool {
             let deadline = self.settings.timeouts.task;
             let attempt_result = worker.run(plan, request, deadline, &mut hand_out).await;
             match attempt_result.map_err(|f| worker.classify(f)) {
-                Ok(_) => return Ok(attempt),
+                Ok(_) => return Ok((attempt, worker.address.clone())),
                 Err(Failure::Driver(e)) => return Err(e),
                 Err(Failure::Stuck(e)) if attempt < max_retries => {
                     worker.stop_because(e.clone());
@@ -1108,7 +1108,7 @@ async fn attach_all(
     trust: Option<&WorkerTrust>,
     kind: Pool,
 ) -> Result<Vec<Arc<WorkerHandle>>> {
-    let addresses = cluster.spec.addresses()?;
+    let addresses = cluster.spec.addresses().await?;
     let attempts = addresses.iter().map(|address| async move {
         let attached = tokio::time::timeout(
             START_TIMEOUT / 2,

@@ -93,14 +93,42 @@ async fn run_task_body(
     let state = datafusion::execution::SessionStateBuilder::new_from_existing(ctx.state())
         .with_config(config)
         .build();
+    let state = with_granted_stores(state, &request)?;
     let task_ctx = state.task_ctx();
     let plan = datafusion_proto::bytes::physical_plan_from_bytes(plan, &task_ctx)?;
-    admit_plan(&plan, &request.grants)?;
+    let stores: Vec<String> = request.stores.iter().map(|g| g.url.clone()).collect();
+    admit_plan(&plan, &request.grants, &stores)?;
     let plan = match &request.inputs {
         Some(inputs) => with_inputs(plan, inputs, fetched, request.target_rows)?,
         None => plan,
     };
     plan_blocks(plan, task_ctx, &request, out).await
+}
+
+/// `state` with the object stores the task names (and only those, besides local files) in
+/// a runtime of its own: the credentials a task carries serve that task alone.
+fn with_granted_stores(
+    state: datafusion::execution::SessionState,
+    request: &TaskRequest,
+) -> Result<datafusion::execution::SessionState> {
+    use datafusion::execution::object_store::{DefaultObjectStoreRegistry, ObjectStoreRegistry};
+    use datafusion::execution::runtime_env::RuntimeEnvBuilder;
+    if request.stores.is_empty() {
+        return Ok(state);
+    }
+    let registry = DefaultObjectStoreRegistry::new();
+    for grant in &request.stores {
+        let store = crate::io::object_stores::store_for_location(&grant.url, &grant.options)?;
+        if let Some((url, store)) = store {
+            registry.register_store(&url, store);
+        }
+    }
+    let runtime = RuntimeEnvBuilder::from_runtime_env(state.runtime_env())
+        .with_object_store_registry(Arc::new(registry))
+        .build_arc()?;
+    Ok(datafusion::execution::SessionStateBuilder::new_from_existing(state)
+        .with_runtime_env(runtime)
+        .build())
 }
 
 /// Put a block-wise task's input blocks into its plan's one in-memory source: the inline
@@ -291,4 +319,38 @@ pub async fn collect_blocks(
     };
     plan_blocks(plan, task_ctx, request, &mut keep).await?;
     Ok(blocks)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use datafusion::arrow::array::{Array, Int32Array, StringViewArray};
+    use datafusion::arrow::datatypes::{DataType, Field, Schema};
+
+    #[test]
+    fn a_sliced_view_column_keeps_only_its_own_bytes() {
+        let long: Vec<String> = (0..1000).map(|i| format!("{i:0>100}")).collect();
+        let schema = Arc::new(Schema::new(vec![
+            Field::new("n", DataType::Int32, false),
+            Field::new("s", DataType::Utf8View, false),
+        ]));
+        let batch = RecordBatch::try_new(
+            schema,
+            vec![
+                Arc::new(Int32Array::from_iter_values(0..1000)),
+                Arc::new(StringViewArray::from_iter_values(&long)),
+            ],
+        )
+        .unwrap();
+        let slice = batch.slice(10, 5);
+        let before = slice.get_array_memory_size();
+        let compact = compact_views(slice.clone());
+        assert_eq!(compact, slice);
+        assert!(
+            compact.get_array_memory_size() * 10 < before,
+            "{} bytes after, {before} before",
+            compact.get_array_memory_size()
+        );
+        assert_eq!(compact.column(1).len(), 5);
+    }
 }

@@ -154,6 +154,24 @@ impl ExecutionPlan for FlumenExec {
         if restarted > 0 {
             set.push(count("workers_restarted", restarted));
         }
+        let names = ["workers_lost", "workers_joined", "workers_rejoined"];
+        for (name, n) in names.into_iter().zip(self.metrics.membership()) {
+            if n > 0 {
+                set.push(count(name, n as usize));
+            }
+        }
+        // One metric per host (a label would be summed away in the plan's display).
+        for (host, tasks) in self.metrics.tasks_by_host() {
+            let c = Count::new();
+            c.add(tasks as usize);
+            set.push(Arc::new(Metric::new(
+                MetricValue::Count {
+                    name: format!("tasks_on_{host}").into(),
+                    count: c,
+                },
+                None,
+            )));
+        }
         Some(set)
     }
 }

@@ -126,6 +126,10 @@ pub struct RunMetrics {
     /// Passes of the scheduler (task creation and launch decisions): one per change it
     /// reacts to (a block produced or read, a task ended or paused, a reader waiting).
     scheduler_passes: AtomicU64,
+    /// Workers lost, joined and rejoined during runs (pools attached to a cluster).
+    membership: [AtomicU64; 3],
+    /// Tasks run on each worker host (the host part of its address).
+    tasks_by_host: std::sync::Mutex<std::collections::BTreeMap<String, u64>>,
 }
 
 impl RunMetrics {
@@ -160,6 +164,36 @@ impl RunMetrics {
     /// Raise the count of restarted workers to `total` if higher.
     pub fn observe_workers_restarted(&self, total: u64) {
         self.workers_restarted.fetch_max(total, Ordering::Relaxed);
+    }
+
+    /// Workers `[lost, joined, rejoined]` during runs.
+    pub fn membership(&self) -> [u64; 3] {
+        self.membership
+            .each_ref()
+            .map(|count| count.load(Ordering::Relaxed))
+    }
+
+    /// Raise the counts of workers `[lost, joined, rejoined]` to `totals` where higher.
+    pub fn observe_membership(&self, totals: [u64; 3]) {
+        for (count, total) in self.membership.iter().zip(totals) {
+            count.fetch_max(total, Ordering::Relaxed);
+        }
+    }
+
+    /// Count a task run on a worker of `host`.
+    pub fn count_task_on(&self, host: &str) {
+        *self
+            .tasks_by_host
+            .lock()
+            .unwrap()
+            .entry(host.to_string())
+            .or_default() += 1;
+    }
+
+    /// Tasks run on each worker host.
+    pub fn tasks_by_host(&self) -> Vec<(String, u64)> {
+        let tasks = self.tasks_by_host.lock().unwrap();
+        tasks.iter().map(|(host, n)| (host.clone(), *n)).collect()
     }
 
     /// Scheduler passes during runs.

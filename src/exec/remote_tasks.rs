@@ -39,7 +39,7 @@ use datafusion_proto::physical_plan::{
     DefaultPhysicalExtensionCodec, PhysicalExtensionCodec, PhysicalProtoConverterExtension,
 };
 
-use crate::cluster::admission::{WORKER_OPTIONS, admit_plan, scanned_files};
+use crate::cluster::admission::{WORKER_OPTIONS, admit_plan, scanned_files, scanned_stores};
 use crate::cluster::protocol::{INPUT_LOST, InputTicket, TaskInput, TaskRequest};
 use crate::cluster::membership::{ClusterSettings, host_of};
 use crate::cluster::worker_pool::{
@@ -47,6 +47,7 @@ use crate::cluster::worker_pool::{
 };
 use crate::cluster::worker_tasks::collect_blocks;
 use crate::exec::lineage::{TaskId, TaskKind};
+use crate::io::object_stores::StoreGrants;
 use crate::exec::metrics::OperatorStats;
 use crate::exec::run::QueryRun;
 use crate::plan::accelerator_projection::AcceleratorProjectionExec;
@@ -58,13 +59,18 @@ use crate::store::cutter::bundle_pieces;
 
 /// The plan a worker runs for source split `split` of `partition` of `op`; `None` when the
 /// fragment has no source split to cut it at.
-fn source_plan(op: &Operator, partition: usize, split: usize) -> Option<Arc<dyn ExecutionPlan>> {
+fn source_plan(
+    op: &Operator,
+    partition: usize,
+    split: usize,
+    stores: &StoreGrants,
+) -> Option<Arc<dyn ExecutionPlan>> {
     let mut found = false;
     let plan = Arc::clone(&op.fragment)
         .transform_up(|node| {
             if let Some(source) = node.downcast_ref::<SplitSourceExec>()
                 && let Some(scan) = source.split_plan(partition, split)
-                && reads_local_files(&scan)
+                && workers_can_read(&scan, stores)
             {
                 found = true;
                 return Ok(Transformed::yes(scan));
@@ -132,12 +138,16 @@ fn with_output_split(
     }
 }
 
-/// Whether `scan` reads local files only: workers are not given the driver's object stores
-/// (nor their credentials) yet, so remote tables are read by the driver.
-fn reads_local_files(scan: &Arc<dyn ExecutionPlan>) -> bool {
+/// Whether a worker can read what `scan` reads: local files (a path every host shares), or
+/// a store the session can grant (S3 with credentials to pass on, [`StoreGrants`]). Other
+/// remote tables are read by the driver.
+fn workers_can_read(scan: &Arc<dyn ExecutionPlan>, stores: &StoreGrants) -> bool {
     scan.downcast_ref::<DataSourceExec>()
         .and_then(|s| s.data_source().downcast_ref::<FileScanConfig>())
-        .is_some_and(|config| config.object_store_url.as_str().starts_with("file://"))
+        .is_some_and(|config| {
+            let url = config.object_store_url.as_str();
+            url.starts_with("file://") || stores.get(url).is_some()
+        })
 }
 
 /// Encodes task plans for workers: DataFusion's own nodes only, and only functions that the
@@ -200,7 +210,7 @@ fn encode_for_worker(
     pool: &WorkerPool,
     describe: &str,
 ) -> Option<Vec<u8>> {
-    if let Err(e) = admit_plan(plan, &scanned_files(plan)) {
+    if let Err(e) = admit_plan(plan, &scanned_files(plan), &scanned_stores(plan)) {
         log::debug!("{describe} runs on the driver: {e}");
         return None;
     }
@@ -279,7 +289,9 @@ impl QueryRun {
         );
         // Check that a worker can run it before any input is fetched.
         let runnable = match &kind {
-            TaskKind::Source { split } => source_plan(op, partition, *split),
+            TaskKind::Source { split } => {
+                source_plan(op, partition, *split, &self.store_grants())
+            }
             TaskKind::Blocks { .. } => {
                 let schema = self.graph.operators[op.inputs[0]].fragment.schema();
                 let empty = MemorySourceConfig::try_new_exec(&[vec![]], schema, None).ok();
@@ -459,7 +471,9 @@ impl QueryRun {
         let (op_id, partition, kind) = self.task_identity(task);
         let op = &self.graph.operators[op_id];
         match kind {
-            TaskKind::Source { split } => Ok(source_plan(op, partition, split)),
+            TaskKind::Source { split } => {
+                Ok(source_plan(op, partition, split, &self.store_grants()))
+            }
             TaskKind::Blocks { inputs } => {
                 let schema = self.graph.operators[op.inputs[0]].fragment.schema();
                 let mut batches = Vec::with_capacity(inputs.len());
@@ -607,7 +621,22 @@ impl QueryRun {
             query: self.query_token.clone(),
             grants: scanned_files(plan),
             inputs: None,
+            stores: {
+                let granted = self.store_grants();
+                scanned_stores(plan)
+                    .iter()
+                    .filter_map(|url| granted.get(url))
+                    .collect()
+            },
         }
+    }
+
+    /// The object stores this session can give its workers.
+    fn store_grants(&self) -> Arc<StoreGrants> {
+        self.base_context()
+            .session_config()
+            .get_extension::<StoreGrants>()
+            .unwrap_or_default()
     }
 
     /// Where the workers of `pool` come from, and how they are watched, as this run's
@@ -668,10 +697,11 @@ impl QueryRun {
         on_block: &mut (dyn FnMut(usize, RemoteBlock) -> Result<()> + Send),
     ) -> Result<()> {
         let config = self.config();
-        let retries = pool
+        let (retries, ran_on) = pool
             .run_task(bytes, request, config.max_task_retries, describe, prefer, on_block)
             .await?;
         OperatorStats::add(&self.stats(op_id).tasks_retried, retries as u64);
+        self.metrics.count_task_on(&host_of(&ran_on));
         self.note_restarts(pool);
         Ok(())
     }
@@ -685,6 +715,14 @@ impl QueryRun {
         *latest = now;
         let total: u64 = seen.values().map(|(start, latest)| latest - start).sum();
         self.metrics.observe_workers_restarted(total);
+        let counts = pool.membership();
+        let now = [&counts.lost, &counts.joined, &counts.rejoined]
+            .map(|count| count.load(std::sync::atomic::Ordering::Relaxed));
+        let mut seen = self.membership_seen.lock().unwrap();
+        let start = *seen.entry(pool.kind()).or_insert(now);
+        drop(seen);
+        self.metrics
+            .observe_membership([0, 1, 2].map(|i| now[i].saturating_sub(start[i])));
     }
 
     /// The outputs of a task run remotely, recomputed here from the same plan:

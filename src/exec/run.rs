@@ -68,6 +68,8 @@ pub struct QueryRun {
     pub(super) dead_workers: Mutex<HashSet<u64>>,
     /// Each worker pool's restart count when this run first used it, and the latest seen.
     pub(super) worker_restarts: Mutex<HashMap<Pool, (u64, u64)>>,
+    /// Each worker pool's `[lost, joined, rejoined]` counts when this run first used it.
+    pub(super) membership_seen: Mutex<HashMap<Pool, [u64; 3]>>,
 }
 
 impl QueryRun {
@@ -163,6 +165,7 @@ impl QueryRun {
             started_at: Instant::now(),
             dead_workers: Mutex::new(HashSet::new()),
             worker_restarts: Mutex::new(HashMap::new()),
+            membership_seen: Mutex::new(HashMap::new()),
         });
         run.schedule();
         Ok(run)

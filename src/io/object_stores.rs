@@ -160,8 +160,123 @@ pub fn register_for_location(
 ) -> Result<()> {
     if let Some((base, store)) = store_for_location(location, options)? {
         ctx.register_object_store(&base, store);
+        record_grant(ctx.state().config(), location, options)?;
     }
     Ok(())
+}
+
+/// Keep what a worker would need to read `location` (see [`StoreGrant`]) in the session's
+/// [`StoreGrants`], when it has one.
+fn record_grant(
+    config: &datafusion::prelude::SessionConfig,
+    location: &str,
+    options: &[(String, String)],
+) -> Result<()> {
+    if let Some(grants) = config.get_extension::<StoreGrants>()
+        && let Some(grant) = grant_for_location(location, options)?
+    {
+        grants.0.lock().unwrap().insert(grant.url.clone(), grant);
+    }
+    Ok(())
+}
+
+/// What a worker needs to read one object store for a task: the store's URL (scheme and
+/// bucket) and the options that configure it completely, credentials included, resolved
+/// on the driver from its environment and the statement's options. It travels in the task
+/// (over the cluster's TLS) to the workers that read that store, and only for the tasks
+/// that do; a worker's own environment holds no credentials. Never printed with its values.
+#[derive(Clone, PartialEq, serde::Serialize, serde::Deserialize)]
+pub struct StoreGrant {
+    /// `s3://bucket`.
+    pub url: String,
+    /// `(aws.<key>, value)` pairs.
+    pub options: Vec<(String, String)>,
+}
+
+impl std::fmt::Debug for StoreGrant {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let keys: Vec<&str> = self.options.iter().map(|(k, _)| k.as_str()).collect();
+        write!(f, "StoreGrant({}, keys {keys:?})", self.url)
+    }
+}
+
+/// The stores a session registered that its workers may be given (by URL).
+#[derive(Debug, Default)]
+pub struct StoreGrants(std::sync::Mutex<std::collections::HashMap<String, StoreGrant>>);
+
+impl StoreGrants {
+    /// The grant for the store at `url` (`s3://bucket`), if the session registered one.
+    pub fn get(&self, url: &str) -> Option<StoreGrant> {
+        let url = url.trim_end_matches('/');
+        self.0.lock().unwrap().get(url).cloned()
+    }
+}
+
+/// The settings of an S3 store that a worker needs to reach it as the driver does.
+const GRANTED_S3_KEYS: &[AmazonS3ConfigKey] = &[
+    AmazonS3ConfigKey::AccessKeyId,
+    AmazonS3ConfigKey::SecretAccessKey,
+    AmazonS3ConfigKey::Token,
+    AmazonS3ConfigKey::Region,
+    AmazonS3ConfigKey::Endpoint,
+    AmazonS3ConfigKey::VirtualHostedStyleRequest,
+    AmazonS3ConfigKey::SkipSignature,
+    AmazonS3ConfigKey::Client(object_store::ClientConfigKey::AllowHttp),
+];
+
+/// The [`StoreGrant`] for a remote `location` configured from the environment and `options`;
+/// `None` where workers are not given the store (not S3, or no credentials to pass on: a
+/// worker would then ask the instance metadata service, so such scans stay on the driver).
+pub fn grant_for_location(
+    location: &str,
+    options: &[(String, String)],
+) -> Result<Option<StoreGrant>> {
+    let Ok(url) = Url::parse(location) else {
+        return Ok(None);
+    };
+    if !matches!(url.scheme(), "s3" | "s3a") {
+        return Ok(None);
+    }
+    let builder = s3_builder(location, options)?;
+    let signed = builder
+        .get_config_value(&AmazonS3ConfigKey::AccessKeyId)
+        .is_some();
+    let unsigned = builder
+        .get_config_value(&AmazonS3ConfigKey::SkipSignature)
+        .is_some_and(|v| v == "true");
+    if !signed && !unsigned {
+        return Ok(None);
+    }
+    let options = GRANTED_S3_KEYS
+        .iter()
+        .filter_map(|key| {
+            let value = builder.get_config_value(key)?;
+            Some((format!("aws.{}", key.as_ref()), value))
+        })
+        .collect();
+    Ok(Some(StoreGrant {
+        url: format!("{}://{}", url.scheme(), url.authority()),
+        options,
+    }))
+}
+
+/// An S3 store's builder for `location`: the environment's settings, then `options`'
+/// `aws.*` entries.
+fn s3_builder(location: &str, options: &[(String, String)]) -> Result<AmazonS3Builder> {
+    let fail = |e: &dyn std::fmt::Display| {
+        DataFusionError::Plan(format!("cannot open object store for {location}: {e}"))
+    };
+    let mut builder = AmazonS3Builder::from_env()
+        .with_url(location)
+        .with_retry(retry());
+    for (key, value) in prefixed(options, "aws.") {
+        let key: AmazonS3ConfigKey = key.parse().map_err(|e| fail(&e))?;
+        if key == AmazonS3ConfigKey::Endpoint && value.starts_with("http://") {
+            builder = builder.with_allow_http(true);
+        }
+        builder = builder.with_config(key, value);
+    }
+    Ok(builder)
 }
 
 /// [`register_for_location`] for code that holds a `&dyn Session` (table factories): the
@@ -173,6 +288,7 @@ pub fn register_in_session(
 ) -> Result<()> {
     if let Some((base, store)) = store_for_location(location, options)? {
         state.runtime_env().register_object_store(&base, store);
+        record_grant(state.config(), location, options)?;
     }
     Ok(())
 }
@@ -191,16 +307,7 @@ pub fn store_for_location(
     };
     let store: Arc<dyn ObjectStore> = match url.scheme() {
         "s3" | "s3a" => {
-            let mut builder = AmazonS3Builder::from_env()
-                .with_url(location)
-                .with_retry(retry());
-            for (key, value) in prefixed(options, "aws.") {
-                let key: AmazonS3ConfigKey = key.parse().map_err(|e| fail(&e))?;
-                if key == AmazonS3ConfigKey::Endpoint && value.starts_with("http://") {
-                    builder = builder.with_allow_http(true);
-                }
-                builder = builder.with_config(key, value);
-            }
+            let mut builder = s3_builder(location, options)?;
             // With no credentials, object_store would ask the EC2 instance metadata service;
             // honour the AWS SDKs' switch that turns that off.
             if let Some(hint) = missing_credentials_hint(location, options)

@@ -254,6 +254,19 @@ impl TestNet {
         self.host_mut(name).workers.push(child);
     }
 
+    /// Start `program` with `args` on host `name` (killed with the network).
+    pub fn spawn_in(&mut self, name: &str, program: &str, args: &[&str]) {
+        let child = Command::new("ip")
+            .args(["netns", "exec", &self.host(name).netns, program])
+            .args(args)
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .unwrap();
+        self.host_mut(name).workers.push(child);
+    }
+
     /// Kill every process of host `name` with SIGKILL (a host that dies).
     pub fn kill_host(&mut self, name: &str) {
         let host = self.host_mut(name);

@@ -68,6 +68,12 @@ struct Cli {
     /// (`flumen.cluster`; sets `flumen.workers = 'process'`).
     #[arg(long, value_name = "CLUSTER")]
     cluster: Option<String>,
+    /// The cluster's secret (a file readable by its owner only; `flumen.cluster_secret_file`).
+    #[arg(long, value_name = "FILE", requires = "cluster")]
+    cluster_secret_file: Option<PathBuf>,
+    /// The CA the cluster workers' certificates chain to (`flumen.worker_ca`).
+    #[arg(long, value_name = "FILE", requires = "cluster")]
+    worker_ca: Option<PathBuf>,
 }
 
 #[derive(Debug, Subcommand)]
@@ -306,6 +312,12 @@ fn main() -> ExitCode {
     if let Some(cluster) = &cli.cluster {
         config.workers = flumen::WorkerMode::Process;
         config.cluster = cluster.clone();
+    }
+    if let Some(file) = &cli.cluster_secret_file {
+        config.cluster_secret_file = file.display().to_string();
+    }
+    if let Some(file) = &cli.worker_ca {
+        config.worker_ca = file.display().to_string();
     }
     // A quoted path or URL is a table (`SELECT * FROM 'data/t.parquet'`), as in
     // datafusion-cli; the object store of a URL is registered before the statement runs.
