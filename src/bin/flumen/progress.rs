@@ -51,14 +51,26 @@ impl Progress {
                     .map(|_| multi.add(ProgressBar::new_spinner().with_style(style.clone())))
                     .collect();
             }
+            let mut hosts_line: Option<ProgressBar> = None;
             loop {
                 {
-                    let lines = shared.lock().unwrap();
+                    let mut lines = shared.lock().unwrap();
                     if lines.done {
                         return;
                     }
                     for (op, line) in graph.operators.iter().zip(&lines.bars) {
                         line.set_message(describe(op, &metrics.operator(op.id).snapshot()));
+                        line.tick();
+                    }
+                    // Tasks ran in workers: one more line, per host.
+                    if let Some(text) = describe_hosts(&metrics) {
+                        let line = hosts_line.get_or_insert_with(|| {
+                            let line =
+                                multi.add(ProgressBar::new_spinner().with_style(style.clone()));
+                            lines.bars.push(line.clone());
+                            line
+                        });
+                        line.set_message(text);
                         line.tick();
                     }
                 }
@@ -67,6 +79,24 @@ impl Progress {
         });
         Some(Self { task, lines })
     }
+}
+
+/// The workers' line: tasks run on each host, and workers lost, joined and rejoined;
+/// `None` before a task ran in a worker.
+fn describe_hosts(metrics: &flumen::exec::RunMetrics) -> Option<String> {
+    let hosts = metrics.tasks_by_host();
+    if hosts.is_empty() {
+        return None;
+    }
+    let per_host: Vec<String> = hosts
+        .iter()
+        .map(|(host, tasks)| format!("{host}: {tasks}"))
+        .collect();
+    let [lost, joined, rejoined] = metrics.membership();
+    Some(format!(
+        "workers  tasks by host [{}] lost={lost} joined={joined} rejoined={rejoined}",
+        per_host.join(", ")
+    ))
 }
 
 /// One operator's progress line.
