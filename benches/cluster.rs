@@ -115,6 +115,9 @@ fn cluster(hosts: usize, args: &Args) -> Result<(TestNet, std::path::PathBuf), S
     Ok((net, file))
 }
 
+/// A fault to cause during a run, and when (after its start).
+type Fault = (Duration, Box<dyn FnOnce(&TestNet) + Send>);
+
 /// Run the pipeline once on the cluster in `cluster_file` from the driver's namespace;
 /// `fault` runs on its own thread at `fault_at` after the start.
 fn run(
@@ -122,7 +125,7 @@ fn run(
     cluster_file: std::path::PathBuf,
     data: std::path::PathBuf,
     args: &Args,
-    fault: Option<(Duration, Box<dyn FnOnce(&TestNet) + Send>)>,
+    fault: Option<Fault>,
 ) -> Run {
     let args = args.clone();
     let fault_net = Arc::clone(net);

@@ -8,6 +8,8 @@
 mod common;
 #[path = "common/hosts.rs"]
 mod hosts;
+#[path = "common/s3_server.rs"]
+mod s3_server;
 
 #[path = "../examples/fault_worker.rs"]
 #[allow(dead_code)]
@@ -216,6 +218,17 @@ struct SlowRun {
     recomputed: u64,
 }
 
+/// Three event files of `rows_per_file` rows, and [`SLOW`]'s answer over them from vanilla
+/// DataFusion (`nap(x)` is `x`).
+async fn slow_data(rows_per_file: usize) -> (tempfile::TempDir, Vec<String>) {
+    let dir = tempfile::tempdir().unwrap();
+    common::write_events(dir.path(), 3, rows_per_file);
+    let v = common::vanilla();
+    register_tables(&v, dir.path()).await;
+    let answer = v.sql(&SLOW.replace("nap(id)", "id")).await.unwrap();
+    (dir, rows(&answer.collect().await.unwrap(), true))
+}
+
 /// Run [`SLOW`] in `f`.
 async fn slow_run(f: &SessionContext) -> SlowRun {
     let started = Instant::now();
@@ -277,14 +290,7 @@ fn with_a_host_fault(
     let driver_net = Arc::clone(&net);
     net.in_driver(move || {
         driver_runtime().block_on(async move {
-            let dir = tempfile::tempdir().unwrap();
-            common::write_events(dir.path(), 3, 20_000);
-            let v = common::vanilla();
-            register_tables(&v, dir.path()).await;
-            let expected = rows(
-                &v.sql(&SLOW.replace("nap(id)", "id")).await.unwrap().collect().await.unwrap(),
-                true,
-            );
+            let (dir, expected) = slow_data(20_000).await;
             let f = cluster_session(&cluster_file, Some(dropper));
             register_tables(&f, dir.path()).await;
             let clean = slow_run(&f).await;
@@ -379,14 +385,7 @@ fn a_host_added_mid_query_gets_tasks() {
     let driver_net = Arc::clone(&net);
     net.in_driver(move || {
         driver_runtime().block_on(async move {
-            let dir = tempfile::tempdir().unwrap();
-            common::write_events(dir.path(), 3, 60_000);
-            let v = common::vanilla();
-            register_tables(&v, dir.path()).await;
-            let expected = rows(
-                &v.sql(&SLOW.replace("nap(id)", "id")).await.unwrap().collect().await.unwrap(),
-                true,
-            );
+            let (dir, expected) = slow_data(60_000).await;
             let f = cluster_session(&cluster_file, None);
             register_tables(&f, dir.path()).await;
             let query = {
@@ -419,13 +418,6 @@ fn a_host_added_mid_query_gets_tasks() {
     });
 }
 
-/// moto's S3 server as `tests/install-test-tools.sh` installs it.
-fn moto_server() -> Option<String> {
-    let installed = concat!(env!("CARGO_MANIFEST_DIR"), "/target/test-venv/bin/moto_server");
-    let program = std::env::var("FLUMEN_MOTO_SERVER").unwrap_or_else(|_| installed.into());
-    std::path::Path::new(&program).exists().then_some(program)
-}
-
 /// Source tasks over S3 (moto on a host of its own) run in the workers on two hosts, each
 /// task carrying the credentials of the one store it reads (the workers' environment has
 /// none); the answers are vanilla DataFusion's.
@@ -434,10 +426,11 @@ fn s3_sources_are_read_by_the_workers() {
     let Some(mut net) = net_or_skip(2) else {
         return;
     };
-    let Some(moto) = moto_server() else {
+    let moto = s3_server::moto_program();
+    if !std::path::Path::new(&moto).exists() {
         common::skip_missing_tool("moto_server (bash tests/install-test-tools.sh)");
         return;
-    };
+    }
     net.add_host("s3");
     let endpoint = format!("http://{}:5000", net.host("s3").ip);
     let ip = net.host("s3").ip.to_string();
@@ -465,7 +458,7 @@ fn s3_sources_are_read_by_the_workers() {
                 .with_secret_access_key("test")
                 .build()
                 .unwrap();
-            assert!(create_bucket(&endpoint, "lake"), "cannot create the bucket");
+            s3_server::create_bucket_at(&endpoint, "lake");
             let dir = tempfile::tempdir().unwrap();
             common::write_events(dir.path(), 3, 20_000);
             for entry in std::fs::read_dir(dir.path()).unwrap() {
@@ -509,21 +502,6 @@ fn s3_sources_are_read_by_the_workers() {
             assert!(std::env::vars().all(|(k, _)| !k.starts_with("AWS_ACCESS")));
         })
     });
-}
-
-/// Create `bucket` on the S3 server at `endpoint` (a plain `PUT /bucket`).
-fn create_bucket(endpoint: &str, bucket: &str) -> bool {
-    use std::io::{Read, Write};
-    let address = endpoint.trim_start_matches("http://");
-    let mut stream = std::net::TcpStream::connect(address).unwrap();
-    write!(
-        stream,
-        "PUT /{bucket} HTTP/1.1\r\nHost: {address}\r\nContent-Length: 0\r\nConnection: close\r\n\r\n"
-    )
-    .unwrap();
-    let mut reply = String::new();
-    stream.read_to_string(&mut reply).unwrap();
-    reply.starts_with("HTTP/1.1 200")
 }
 
 /// Security across hosts: a worker on a namespace address without TLS refuses to start;

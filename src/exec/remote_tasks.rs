@@ -229,6 +229,13 @@ fn encode_for_worker(
     }
 }
 
+/// A task ready to send: its header, its encoded plan, and the host it would rather run on.
+struct Outgoing<'a> {
+    request: &'a TaskRequest,
+    plan: &'a [u8],
+    prefer: Option<&'a str>,
+}
+
 /// A task as a worker runs it.
 struct WorkerTask {
     plan: Arc<dyn ExecutionPlan>,
@@ -359,8 +366,13 @@ impl QueryRun {
             };
             let mut request = self.task_request(op_id, partition, &work.plan);
             request.inputs = work.inputs;
+            let outgoing = Outgoing {
+                request: &request,
+                plan: &bytes,
+                prefer: work.prefer.as_deref(),
+            };
             match self
-                .run_on_pool(pool, op_id, &request, &bytes, describe, work.prefer.as_deref(), on_block)
+                .run_on_pool(pool, op_id, outgoing, describe, on_block)
                 .await
             {
                 Ok(()) => {
@@ -684,21 +696,20 @@ impl QueryRun {
         });
     }
 
-    /// Run an encoded plan on `pool` for operator `op_id`, counting its retries and the
-    /// pool's restarts.
+    /// Run `task` on `pool` for operator `op_id`, counting its retries, the host it ran on
+    /// and the pool's restarts.
     async fn run_on_pool(
         &self,
         pool: &Arc<WorkerPool>,
         op_id: OperatorId,
-        request: &TaskRequest,
-        bytes: &[u8],
+        task: Outgoing<'_>,
         describe: &str,
-        prefer: Option<&str>,
         on_block: &mut (dyn FnMut(usize, RemoteBlock) -> Result<()> + Send),
     ) -> Result<()> {
         let config = self.config();
+        let retries = config.max_task_retries;
         let (retries, ran_on) = pool
-            .run_task(bytes, request, config.max_task_retries, describe, prefer, on_block)
+            .run_task(task.plan, task.request, retries, describe, task.prefer, on_block)
             .await?;
         OperatorStats::add(&self.stats(op_id).tasks_retried, retries as u64);
         self.metrics.count_task_on(&host_of(&ran_on));

@@ -17,17 +17,7 @@ impl S3Server {
     /// Start `moto_server` (`FLUMEN_MOTO_SERVER`, else `target/test-venv` as
     /// `tests/install-test-tools.sh` installs it, else on PATH); `None` when not installed.
     pub fn start() -> Option<Self> {
-        let program = std::env::var("FLUMEN_MOTO_SERVER").unwrap_or_else(|_| {
-            let installed = concat!(
-                env!("CARGO_MANIFEST_DIR"),
-                "/target/test-venv/bin/moto_server"
-            );
-            if std::path::Path::new(installed).exists() {
-                installed.into()
-            } else {
-                "moto_server".into()
-            }
-        });
+        let program = moto_program();
         let port = std::net::TcpListener::bind("127.0.0.1:0")
             .unwrap()
             .local_addr()
@@ -56,17 +46,7 @@ impl S3Server {
 
     /// Create a bucket (a plain `PUT /bucket`).
     pub fn create_bucket(&self, bucket: &str) {
-        use std::io::Read;
-        let address = self.endpoint.trim_start_matches("http://");
-        let mut stream = std::net::TcpStream::connect(address).unwrap();
-        write!(
-            stream,
-            "PUT /{bucket} HTTP/1.1\r\nHost: {address}\r\nContent-Length: 0\r\nConnection: close\r\n\r\n"
-        )
-        .unwrap();
-        let mut reply = String::new();
-        stream.read_to_string(&mut reply).unwrap();
-        assert!(reply.starts_with("HTTP/1.1 200"), "{reply}");
+        create_bucket_at(&self.endpoint, bucket);
     }
 
     /// `OPTIONS (...)` pointing a statement at this server.
@@ -77,6 +57,37 @@ impl S3Server {
             self.endpoint
         )
     }
+}
+
+/// `moto_server`: `FLUMEN_MOTO_SERVER`, else `target/test-venv` as
+/// `tests/install-test-tools.sh` installs it, else the one on PATH.
+pub fn moto_program() -> String {
+    std::env::var("FLUMEN_MOTO_SERVER").unwrap_or_else(|_| {
+        let installed = concat!(
+            env!("CARGO_MANIFEST_DIR"),
+            "/target/test-venv/bin/moto_server"
+        );
+        if std::path::Path::new(installed).exists() {
+            installed.into()
+        } else {
+            "moto_server".into()
+        }
+    })
+}
+
+/// Create `bucket` on the S3 server at `endpoint` (`http://host:port`; a plain `PUT`).
+pub fn create_bucket_at(endpoint: &str, bucket: &str) {
+    use std::io::Read;
+    let address = endpoint.trim_start_matches("http://");
+    let mut stream = std::net::TcpStream::connect(address).unwrap();
+    write!(
+        stream,
+        "PUT /{bucket} HTTP/1.1\r\nHost: {address}\r\nContent-Length: 0\r\nConnection: close\r\n\r\n"
+    )
+    .unwrap();
+    let mut reply = String::new();
+    stream.read_to_string(&mut reply).unwrap();
+    assert!(reply.starts_with("HTTP/1.1 200"), "{reply}");
 }
 
 impl Drop for S3Server {
