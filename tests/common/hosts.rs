@@ -1,5 +1,6 @@
 //! Simulated hosts for multi-host tests: each host is a Linux network namespace with its
-//! own address, joined to the others by a veth pair on a bridge, running its own
+//! own address, joined to the others by a veth pair on a bridge (in a namespace of its
+//! own, the switch), running its own
 //! `flumen worker` processes. The driver runs in a namespace of its own (a thread of the
 //! test that entered it), so every byte between driver and workers, and between workers,
 //! crosses a real network stack. Needs root (CI is root); elsewhere the tests say
@@ -39,7 +40,7 @@ pub struct Host {
     pub netns: String,
     /// Its address on the test's bridge.
     pub ip: Ipv4Addr,
-    /// The root side of its link (down: the host is cut off).
+    /// The switch's side of its link.
     veth: String,
     /// Worker processes started on it.
     workers: Vec<Child>,
@@ -55,7 +56,8 @@ impl Host {
 /// A test network: a bridge, hosts on it, the cluster's secret, CA and certificates.
 pub struct TestNet {
     tag: String,
-    bridge: String,
+    /// The namespace holding the bridge (`br0`) every host's link is on.
+    switch: String,
     subnet: [u8; 2],
     pub hosts: Vec<Host>,
     /// Secret file, CA, certificates, cluster file.
@@ -98,15 +100,21 @@ impl TestNet {
             u8::from_str_radix(&random[4..6], 16).unwrap() % 200 + 20,
             u8::from_str_radix(&random[6..8], 16).unwrap(),
         ];
-        let bridge = format!("{tag}br");
-        if let Err(e) = ip(&["link", "add", &bridge, "type", "bridge"])
-            .and_then(|_| ip(&["link", "set", &bridge, "up"]))
+        // The bridge lives in a namespace of its own (the switch), so nothing is made in
+        // the machine's own namespace and its firewall never sees the test's traffic.
+        let switch = format!("{tag}-switch");
+        if let Err(e) = ip(&["netns", "add", &switch]) {
+            return Err(format!("needs network namespaces: {e}"));
+        }
+        if let Err(e) = ip(&["-n", &switch, "link", "add", "br0", "type", "bridge"])
+            .and_then(|_| ip(&["-n", &switch, "link", "set", "br0", "up"]))
         {
+            let _ = ip(&["netns", "del", &switch]);
             return Err(format!("needs network namespaces: {e}"));
         }
         let mut net = TestNet {
             tag,
-            bridge,
+            switch,
             subnet,
             hosts: vec![],
             dir: tempfile::tempdir().unwrap(),
@@ -128,15 +136,16 @@ impl TestNet {
     pub fn add_host(&mut self, name: &str) -> usize {
         let index = self.hosts.len();
         let netns = format!("{}-{name}", self.tag);
-        let veth = format!("{}{name}", self.tag);
+        let veth = format!("to-{name}");
         let address = Ipv4Addr::new(10, self.subnet[0], self.subnet[1], index as u8 + 2);
         let cidr = format!("{address}/24");
         let steps: Vec<Vec<&str>> = vec![
             vec!["netns", "add", &netns],
             vec![
-                "link", "add", &veth, "type", "veth", "peer", "name", "eth0", "netns", &netns,
+                "-n", &self.switch, "link", "add", &veth, "type", "veth", "peer", "name",
+                "eth0", "netns", &netns,
             ],
-            vec!["link", "set", &veth, "master", &self.bridge, "up"],
+            vec!["-n", &self.switch, "link", "set", &veth, "master", "br0", "up"],
             vec!["-n", &netns, "addr", "add", &cidr, "dev", "eth0"],
             vec!["-n", &netns, "link", "set", "eth0", "up"],
             vec!["-n", &netns, "link", "set", "lo", "up"],
@@ -352,6 +361,7 @@ impl Drop for TestNet {
             }
             let _ = ip(&["netns", "del", &host.netns]);
         }
-        let _ = ip(&["link", "del", &self.bridge]);
+        // Deleting the switch takes the bridge and the hosts' links with it.
+        let _ = ip(&["netns", "del", &self.switch]);
     }
 }
