@@ -151,18 +151,33 @@ fn run(
             );
             let model = EmulatedModel::from_spec(&model_spec(&args)).unwrap();
             ctx.register_udf(flumen::accelerator_udf(model));
-            ctx.register_parquet("docs", data.to_str().unwrap(), ParquetReadOptions::default())
+            ctx.register_parquet(
+                "docs",
+                data.to_str().unwrap(),
+                ParquetReadOptions::default(),
+            )
+            .await
+            .unwrap();
+            // Attach first (a warm-up query), so each run measures the pipeline alone.
+            ctx.sql("SELECT count(*) FROM docs WHERE id < 10")
+                .await
+                .unwrap()
+                .collect()
                 .await
                 .unwrap();
-            // Attach first (a warm-up query), so each run measures the pipeline alone.
-            ctx.sql("SELECT count(*) FROM docs WHERE id < 10").await.unwrap().collect().await.unwrap();
             ctx.sql("SELECT id, model(body) FROM docs WHERE id < 10")
                 .await
                 .unwrap()
                 .collect()
                 .await
                 .unwrap();
-            let plan = ctx.sql(SQL).await.unwrap().create_physical_plan().await.unwrap();
+            let plan = ctx
+                .sql(SQL)
+                .await
+                .unwrap()
+                .create_physical_plan()
+                .await
+                .unwrap();
             if let Some((after, fault)) = fault {
                 std::thread::spawn(move || {
                     std::thread::sleep(after);
@@ -283,6 +298,10 @@ fn main() {
         faulted.lost,
         faulted.retried,
         faulted.recomputed,
-        if recovery <= lost_work + 2.0 { "met" } else { "NOT met" }
+        if recovery <= lost_work + 2.0 {
+            "met"
+        } else {
+            "NOT met"
+        }
     );
 }

@@ -52,7 +52,10 @@ fn fault_worker_binary() -> std::path::PathBuf {
 
 /// A driver session attached to the cluster in `cluster_file`, with small splits (many
 /// tasks) and a 1 s heartbeat timeout; `dropper` watches every block made.
-fn cluster_session(cluster_file: &std::path::Path, dropper: Option<BlockDropper>) -> SessionContext {
+fn cluster_session(
+    cluster_file: &std::path::Path,
+    dropper: Option<BlockDropper>,
+) -> SessionContext {
     let mut config = FlumenConfig::default();
     config.workers = WorkerMode::Process;
     config.cluster = cluster_file.display().to_string();
@@ -126,6 +129,10 @@ fn three_hosts_answer_like_datafusion() {
             let pool = common::worker_pool(&f, Pool::Cpu).await;
             let workers = pool.workers().await;
             assert!(workers.iter().all(|w| w.announced.slots == 2 && !w.announced.id.is_empty()));
+            assert!(workers.iter().all(|w| !w.announced.host.is_empty() && w.announced.devices.is_empty()));
+            let ids: std::collections::HashSet<&str> =
+                workers.iter().map(|w| w.announced.id.as_str()).collect();
+            assert_eq!(ids.len(), 3, "worker ids repeat");
 
             // A join over three hosts: scans in the workers, the join on the driver; no
             // block goes from the driver to a worker.
@@ -198,6 +205,17 @@ fn three_hosts_answer_like_datafusion() {
             );
             assert!(s.remote_tasks > 0 && s.input_bytes_by_ticket > 0);
             assert_eq!(s.input_bytes_via_driver, 0);
+            let accelerators = common::worker_pool(&f, Pool::Accelerator).await.workers().await;
+            for w in &accelerators {
+                let announced = &w.announced;
+                assert_eq!(announced.slots, 1);
+                assert_eq!(announced.devices.len(), 1, "{:?}", announced.devices);
+                assert!(
+                    announced.models.iter().any(|m| m == "all-MiniLM-L6-v2"),
+                    "the installed model is not announced: {:?}",
+                    announced.models
+                );
+            }
             let models = tasks_by_worker(&f, Pool::Accelerator).await;
             println!("model tasks by accelerator worker: {models:?}");
             assert!(models.iter().filter(|(_, n)| *n > 0).count() >= 2, "{models:?}");
@@ -309,7 +327,10 @@ fn with_a_host_fault(
                 faulted.retried,
                 faulted.recomputed
             );
-            assert!(faulted.lost + faulted.retried > 0, "the fault cost nothing?");
+            assert!(
+                faulted.lost + faulted.retried > 0,
+                "the fault cost nothing?"
+            );
             after(f, driver_net).await;
         })
     });
@@ -349,10 +370,16 @@ fn a_partitioned_host_is_fenced_and_rejoins() {
                 net.set_link("h2", true);
                 let started = Instant::now();
                 while pool.membership().rejoined.load(Ordering::Relaxed) == 0 {
-                    assert!(started.elapsed() < Duration::from_secs(20), "h2 never rejoined");
+                    assert!(
+                        started.elapsed() < Duration::from_secs(20),
+                        "h2 never rejoined"
+                    );
                     tokio::time::sleep(Duration::from_millis(50)).await;
                 }
-                println!("h2 rejoined {:?} after its link came back", started.elapsed());
+                println!(
+                    "h2 rejoined {:?} after its link came back",
+                    started.elapsed()
+                );
                 let before = tasks_by_worker(&f, Pool::Cpu).await;
                 let again = slow_run(&f).await;
                 let after = tasks_by_worker(&f, Pool::Cpu).await;
@@ -361,7 +388,10 @@ fn a_partitioned_host_is_fenced_and_rejoins() {
                 let count = |list: &[(String, u64)]| {
                     list.iter().find(|(a, _)| *a == h2).map_or(0, |(_, n)| *n)
                 };
-                assert!(count(&after) > count(&before), "the rejoined host got no task");
+                assert!(
+                    count(&after) > count(&before),
+                    "the rejoined host got no task"
+                );
                 assert!(again.lost == 0 && again.retried == 0);
             })
         },
@@ -446,7 +476,10 @@ fn s3_sources_are_read_by_the_workers() {
             use object_store::ObjectStoreExt;
             let started = Instant::now();
             while std::net::TcpStream::connect((ip.as_str(), 5000)).is_err() {
-                assert!(started.elapsed() < Duration::from_secs(30), "moto did not start");
+                assert!(
+                    started.elapsed() < Duration::from_secs(30),
+                    "moto did not start"
+                );
                 std::thread::sleep(Duration::from_millis(100));
             }
             let store = object_store::aws::AmazonS3Builder::new()
@@ -536,7 +569,11 @@ fn a_cluster_refuses_plaintext_and_strangers() {
     let address = net.address("h1", Role::Cpu);
     let cluster_file = net.write_cluster_file(std::slice::from_ref(&address));
     let wrong_secret = net.dir.path().join("wrong.secret");
-    std::fs::write(&wrong_secret, flumen::cluster::auth::Secret::random().to_hex()).unwrap();
+    std::fs::write(
+        &wrong_secret,
+        flumen::cluster::auth::Secret::random().to_hex(),
+    )
+    .unwrap();
     use std::os::unix::fs::PermissionsExt;
     std::fs::set_permissions(&wrong_secret, std::fs::Permissions::from_mode(0o600)).unwrap();
     let dir = net.dir.path().to_path_buf();
@@ -565,10 +602,16 @@ fn a_cluster_refuses_plaintext_and_strangers() {
             .unwrap_err();
             println!("driver with another secret: {stranger}");
             assert!(stranger.contains("refused this driver"), "{stranger}");
-            assert!(stranger.contains("flumen.cluster_secret_file"), "{stranger}");
+            assert!(
+                stranger.contains("flumen.cluster_secret_file"),
+                "{stranger}"
+            );
             let no_ca = run(vec![
                 format!("SET flumen.cluster = '{address}'"),
-                format!("SET flumen.cluster_secret_file = '{}'", dir.join("cluster.secret").display()),
+                format!(
+                    "SET flumen.cluster_secret_file = '{}'",
+                    dir.join("cluster.secret").display()
+                ),
             ])
             .await
             .unwrap_err();

@@ -31,7 +31,10 @@ fn manifests() -> Vec<PathBuf> {
 fn documents(file: &Path) -> Vec<Value> {
     let text = std::fs::read_to_string(file).unwrap();
     text.split("\n---\n")
-        .filter(|doc| doc.lines().any(|l| !l.trim().is_empty() && !l.starts_with('#')))
+        .filter(|doc| {
+            doc.lines()
+                .any(|l| !l.trim().is_empty() && !l.starts_with('#'))
+        })
         .map(|doc| {
             serde_saphyr::from_str::<Value>(doc)
                 .unwrap_or_else(|e| panic!("{}: {e}", file.display()))
@@ -59,7 +62,10 @@ fn pod_specs() -> Vec<(String, PodSpec)> {
     let mut specs = vec![];
     for file in manifests() {
         for doc in documents(&file) {
-            let name = doc["metadata"]["name"].as_str().unwrap_or_default().to_string();
+            let name = doc["metadata"]["name"]
+                .as_str()
+                .unwrap_or_default()
+                .to_string();
             match doc["kind"].as_str().unwrap() {
                 "Namespace" => drop(typed::<Namespace>(&doc, &file)),
                 "Secret" => drop(typed::<Secret>(&doc, &file)),
@@ -124,8 +130,14 @@ fn every_manifest_parses_as_its_kind_and_pods_use_real_options() {
         }
         if args.first().map(String::as_str) == Some("worker") {
             assert_eq!(spec.subdomain.as_deref(), Some("flumen-workers"), "{name}");
-            assert!(args.iter().any(|a| a.starts_with("--tls-cert=")), "{name}: no TLS");
-            assert!(args.iter().any(|a| a.starts_with("--secret-file=")), "{name}: no secret");
+            assert!(
+                args.iter().any(|a| a.starts_with("--tls-cert=")),
+                "{name}: no TLS"
+            );
+            assert!(
+                args.iter().any(|a| a.starts_with("--secret-file=")),
+                "{name}: no secret"
+            );
         }
     }
 }

@@ -505,7 +505,6 @@ fn accelerator_operator(graph: &flumen::plan::OperatorGraph) -> &flumen::plan::O
         .expect("an accelerator operator")
 }
 
-
 /// A small events table (2 files of 300 rows) and a vanilla session with flumen's
 /// functions over it: the embedding tests' reference.
 async fn embedding_events() -> (tempfile::TempDir, SessionContext) {

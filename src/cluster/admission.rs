@@ -62,7 +62,11 @@ pub fn scanned_stores(plan: &Arc<dyn ExecutionPlan>) -> Vec<String> {
     let mut stores = vec![];
     visit(plan, &mut |node| {
         if let Some(config) = file_scan(node) {
-            let url = config.object_store_url.as_str().trim_end_matches('/').to_string();
+            let url = config
+                .object_store_url
+                .as_str()
+                .trim_end_matches('/')
+                .to_string();
             if url != "file:" && !stores.contains(&url) {
                 stores.push(url);
             }
@@ -89,7 +93,11 @@ pub fn scanned_files(plan: &Arc<dyn ExecutionPlan>) -> Vec<String> {
 /// Check every node of `plan` against the allowlist, every file it scans against `grants`
 /// and every object store it reads against `stores` (URLs; local files are always
 /// allowed); the first refusal is the error.
-pub fn admit_plan(plan: &Arc<dyn ExecutionPlan>, grants: &[String], stores: &[String]) -> Result<()> {
+pub fn admit_plan(
+    plan: &Arc<dyn ExecutionPlan>,
+    grants: &[String],
+    stores: &[String],
+) -> Result<()> {
     let granted: HashSet<&str> = grants.iter().map(String::as_str).collect();
     let mut refusal = None;
     visit(plan, &mut |node| {
@@ -146,7 +154,11 @@ fn admit_node(
         return Err(format!("{format} scans are not run by workers"));
     }
     let store = config.object_store_url.as_str();
-    if store != "file:///" && !stores.iter().any(|s| s.trim_end_matches('/') == store.trim_end_matches('/')) {
+    if store != "file:///"
+        && !stores
+            .iter()
+            .any(|s| s.trim_end_matches('/') == store.trim_end_matches('/'))
+    {
         return Err(format!(
             "a scan of {store}, a store the task does not grant (workers read local files \
              and the stores their task names)"

@@ -82,9 +82,10 @@ impl ClusterSpec {
                 }
                 Ok(file.workers)
             }
-            Self::Kubernetes { namespace, selector } => {
-                crate::cluster::kubernetes::worker_addresses(namespace, selector).await
-            }
+            Self::Kubernetes {
+                namespace,
+                selector,
+            } => crate::cluster::kubernetes::worker_addresses(namespace, selector).await,
         }
     }
 }
@@ -252,12 +253,19 @@ mod tests {
         let settings = ClusterSettings::from_config(&config).unwrap().unwrap();
         assert_eq!(settings.secret_file, dir.path().join("cluster.secret"));
         assert_eq!(settings.ca, Some(dir.path().join("ca.pem")));
-        assert_eq!(futures::executor::block_on(settings.spec.addresses()).unwrap(), vec!["10.0.0.2:7000"]);
+        assert_eq!(
+            futures::executor::block_on(settings.spec.addresses()).unwrap(),
+            vec!["10.0.0.2:7000"]
+        );
         std::fs::write(&path, "workers = [\"x\"]\n").unwrap();
-        let bad = futures::executor::block_on(settings.spec.addresses()).unwrap_err().to_string();
+        let bad = futures::executor::block_on(settings.spec.addresses())
+            .unwrap_err()
+            .to_string();
         assert!(bad.contains("'x' is not a worker address"), "{bad}");
         std::fs::write(&path, "worker = []\n").unwrap();
-        let bad = futures::executor::block_on(settings.spec.addresses()).unwrap_err().to_string();
+        let bad = futures::executor::block_on(settings.spec.addresses())
+            .unwrap_err()
+            .to_string();
         assert!(bad.contains("unknown field"), "{bad}");
     }
 
@@ -267,7 +275,9 @@ mod tests {
             cluster: "10.0.0.2:7000".into(),
             ..Default::default()
         };
-        let missing = ClusterSettings::from_config(&config).unwrap_err().to_string();
+        let missing = ClusterSettings::from_config(&config)
+            .unwrap_err()
+            .to_string();
         assert!(missing.contains("flumen.cluster_secret_file"), "{missing}");
         let config = FlumenConfig {
             cluster_secret_file: "/tmp/s".into(),
@@ -275,7 +285,10 @@ mod tests {
         };
         let settings = ClusterSettings::from_config(&config).unwrap().unwrap();
         let refused = settings.check_reachable("10.0.0.2:7000").unwrap_err();
-        assert!(refused.to_string().contains("flumen.worker_ca"), "{refused}");
+        assert!(
+            refused.to_string().contains("flumen.worker_ca"),
+            "{refused}"
+        );
         settings.check_reachable("127.0.0.1:7000").unwrap();
         settings.check_reachable("localhost:7000").unwrap();
         settings.check_reachable("[::1]:7000").unwrap();

@@ -55,8 +55,8 @@ use tonic::{Request, Response, Status, Streaming};
 use crate::cluster::auth::{RequireSecret, Secret};
 use crate::cluster::block_shelf::BlockShelf;
 use crate::cluster::protocol::{
-    BlockTicket, DeviceInfo, DriverHello, INPUT_LOST, PROGRESS_EVERY, PROTOCOL_VERSION, ReleaseRequest, RemoteBlockInfo,
-    TaskEvent, TaskInput, WorkerStatus, decode_task,
+    BlockTicket, DeviceInfo, DriverHello, INPUT_LOST, PROGRESS_EVERY, PROTOCOL_VERSION,
+    ReleaseRequest, RemoteBlockInfo, TaskEvent, TaskInput, WorkerStatus, decode_task,
 };
 use crate::cluster::tls::{TlsIdentity, WorkerTrust, require_tls_off_loopback};
 use crate::cluster::worker_pool::{Client, connect, get_block};
@@ -124,6 +124,8 @@ struct WorkerIdentity {
     slots: usize,
     /// Bytes of blocks it may keep.
     memory_budget: u64,
+    /// The accelerators it computes on (probed once, at start).
+    devices: Vec<DeviceInfo>,
 }
 
 impl WorkerIdentity {
@@ -138,6 +140,7 @@ impl WorkerIdentity {
                 Pool::Accelerator => 1,
             }),
             memory_budget: settings.memory_budget,
+            devices: devices(kind),
         }
     }
 }
@@ -235,7 +238,7 @@ impl WorkerService {
             id: self.identity.id.clone(),
             host: self.identity.host.clone(),
             slots: self.identity.slots,
-            devices: devices(self.kind),
+            devices: self.identity.devices.clone(),
             memory_budget: self.identity.memory_budget,
             models: installed_models(),
             kind: self.kind,

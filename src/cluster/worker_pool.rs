@@ -45,8 +45,8 @@ use tonic::transport::Channel;
 use crate::cluster::auth::{Secret, SendSecret, driver_secret};
 use crate::cluster::membership::{ClusterSettings, DISCOVER_EVERY, host_of};
 use crate::cluster::protocol::{
-    BlockTicket, DriverHello, PROTOCOL_VERSION, ReleaseRequest, RemoteBlockInfo, TaskEvent, TaskRequest,
-    WorkerStatus, encode_task,
+    BlockTicket, DriverHello, PROTOCOL_VERSION, ReleaseRequest, RemoteBlockInfo, TaskEvent,
+    TaskRequest, WorkerStatus, encode_task,
 };
 use crate::cluster::tls::{WorkerTrust, local_tls};
 use crate::cluster::worker::MAX_TASK_BYTES;
@@ -58,7 +58,6 @@ const START_TIMEOUT: Duration = Duration::from_secs(20);
 
 /// How often the driver pings each worker.
 pub const HEARTBEAT_EVERY: Duration = Duration::from_millis(500);
-
 
 /// The environment variables a worker process gets from its driver; all others (cloud
 /// credentials, tokens) stay behind.
@@ -739,8 +738,7 @@ impl WorkerPool {
                 let workers = self.workers.lock().await;
                 if matches!(self.settings.placement, Placement::Local { .. }) {
                     for (slot, worker) in workers.iter().enumerate() {
-                        if !worker.is_alive() && !worker.replacing.swap(true, Ordering::Relaxed)
-                        {
+                        if !worker.is_alive() && !worker.replacing.swap(true, Ordering::Relaxed) {
                             let pool = Arc::clone(self);
                             self.runtime.spawn(async move { pool.replace(slot).await });
                         }
@@ -1037,7 +1035,7 @@ async fn introduce(
             "worker {address} (flumen {}) speaks worker protocol {}, this driver (flumen {}) \
              {PROTOCOL_VERSION}: run the same flumen version on the driver and its workers",
             if status.version.is_empty() {
-                "before 0.1"
+                "of an older version"
             } else {
                 &status.version
             },

@@ -126,9 +126,11 @@ fn with_granted_stores(
     let runtime = RuntimeEnvBuilder::from_runtime_env(state.runtime_env())
         .with_object_store_registry(Arc::new(registry))
         .build_arc()?;
-    Ok(datafusion::execution::SessionStateBuilder::new_from_existing(state)
-        .with_runtime_env(runtime)
-        .build())
+    Ok(
+        datafusion::execution::SessionStateBuilder::new_from_existing(state)
+            .with_runtime_env(runtime)
+            .build(),
+    )
 }
 
 /// Put a block-wise task's input blocks into its plan's one in-memory source: the inline

@@ -40,16 +40,16 @@ use datafusion_proto::physical_plan::{
 };
 
 use crate::cluster::admission::{WORKER_OPTIONS, admit_plan, scanned_files, scanned_stores};
-use crate::cluster::protocol::{INPUT_LOST, InputTicket, TaskInput, TaskRequest};
 use crate::cluster::membership::{ClusterSettings, host_of};
+use crate::cluster::protocol::{INPUT_LOST, InputTicket, TaskInput, TaskRequest};
 use crate::cluster::worker_pool::{
     Placement, PoolSettings, RemoteBlock, WorkerPool, WorkerTimeouts, worker_binary,
 };
 use crate::cluster::worker_tasks::collect_blocks;
 use crate::exec::lineage::{TaskId, TaskKind};
-use crate::io::object_stores::StoreGrants;
 use crate::exec::metrics::OperatorStats;
 use crate::exec::run::QueryRun;
+use crate::io::object_stores::StoreGrants;
 use crate::plan::accelerator_projection::AcceleratorProjectionExec;
 use crate::plan::graph::{Operator, OperatorId, Pool};
 use crate::plan::split_source::SplitSourceExec;
@@ -296,9 +296,7 @@ impl QueryRun {
         );
         // Check that a worker can run it before any input is fetched.
         let runnable = match &kind {
-            TaskKind::Source { split } => {
-                source_plan(op, partition, *split, &self.store_grants())
-            }
+            TaskKind::Source { split } => source_plan(op, partition, *split, &self.store_grants()),
             TaskKind::Blocks { .. } => {
                 let schema = self.graph.operators[op.inputs[0]].fragment.schema();
                 let empty = MemorySourceConfig::try_new_exec(&[vec![]], schema, None).ok();
@@ -309,7 +307,9 @@ impl QueryRun {
         let Some(runnable) = runnable else {
             return Ok(false);
         };
-        let pool = slot.get_or_start(op.pool, self.pool_settings(op.pool)?).await?;
+        let pool = slot
+            .get_or_start(op.pool, self.pool_settings(op.pool)?)
+            .await?;
         if encode_for_worker(&runnable, &pool, &describe).is_none() {
             return Ok(false);
         }
@@ -652,8 +652,21 @@ impl QueryRun {
     }
 
     /// Where the workers of `pool` come from, and how they are watched, as this run's
-    /// settings say: the cluster `flumen.cluster` names, else processes started here.
+    /// settings say: the cluster `flumen.cluster` names, else processes started here. Made
+    /// once per run and pool (a cluster file is read to make them), not per task.
     pub(super) fn pool_settings(&self, pool: Pool) -> Result<PoolSettings> {
+        if let Some(settings) = self.pool_settings.lock().unwrap().get(&pool) {
+            return Ok(settings.clone());
+        }
+        let settings = self.make_pool_settings(pool)?;
+        self.pool_settings
+            .lock()
+            .unwrap()
+            .insert(pool, settings.clone());
+        Ok(settings)
+    }
+
+    fn make_pool_settings(&self, pool: Pool) -> Result<PoolSettings> {
         let config = self.config();
         let placement = match ClusterSettings::from_config(config)? {
             Some(cluster) => Placement::Cluster(cluster),
@@ -709,7 +722,14 @@ impl QueryRun {
         let config = self.config();
         let retries = config.max_task_retries;
         let (retries, ran_on) = pool
-            .run_task(task.plan, task.request, retries, describe, task.prefer, on_block)
+            .run_task(
+                task.plan,
+                task.request,
+                retries,
+                describe,
+                task.prefer,
+                on_block,
+            )
             .await?;
         OperatorStats::add(&self.stats(op_id).tasks_retried, retries as u64);
         self.metrics.count_task_on(&host_of(&ran_on));

@@ -18,7 +18,7 @@ use datafusion::error::{DataFusionError, Result};
 use datafusion::execution::TaskContext;
 use tokio::sync::watch;
 
-use crate::cluster::worker_pool::WorkerPoolSlot;
+use crate::cluster::worker_pool::{PoolSettings, WorkerPoolSlot};
 use crate::config::{FlumenConfig, WorkerMode};
 use crate::exec::accelerator_threads::AcceleratorPool;
 use crate::exec::lineage::{BlockDropper, TaskId, TaskKind};
@@ -70,6 +70,8 @@ pub struct QueryRun {
     pub(super) worker_restarts: Mutex<HashMap<Pool, (u64, u64)>>,
     /// Each worker pool's `[lost, joined, rejoined]` counts when this run first used it.
     pub(super) membership_seen: Mutex<HashMap<Pool, [u64; 3]>>,
+    /// Where each pool's workers come from, as this run's settings say (made once).
+    pub(super) pool_settings: Mutex<HashMap<Pool, PoolSettings>>,
 }
 
 impl QueryRun {
@@ -166,6 +168,7 @@ impl QueryRun {
             dead_workers: Mutex::new(HashSet::new()),
             worker_restarts: Mutex::new(HashMap::new()),
             membership_seen: Mutex::new(HashMap::new()),
+            pool_settings: Mutex::new(HashMap::new()),
         });
         run.schedule();
         Ok(run)

@@ -234,4 +234,16 @@ mod tests {
         assert!(outputs[0].is_null(1) && !outputs[0].is_null(0));
         assert_eq!(outputs[0].to_data(), outputs[1].to_data(), "deterministic");
     }
+
+    #[test]
+    fn an_emulated_model_spec_parses_and_a_bad_one_says_its_form() {
+        let model = EmulatedModel::from_spec("m:40:1024:8").unwrap();
+        assert_eq!(model.name(), "m");
+        assert_eq!(model.service_time, Duration::from_millis(40));
+        assert_eq!((model.batch_rows, model.dims), (1024, 8));
+        for bad in ["m:40:1024", ":40:1024:8", "m:x:1024:8", "m:40:1024:8:9"] {
+            let e = EmulatedModel::from_spec(bad).unwrap_err().to_string();
+            assert!(e.contains("NAME:SERVICE_MS:BATCH_ROWS:DIMS"), "{bad}: {e}");
+        }
+    }
 }

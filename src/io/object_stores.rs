@@ -482,23 +482,42 @@ mod tests {
     fn a_store_grant_carries_the_credentials_under_statement_names_and_prints_none() {
         let options = vec![
             ("aws.access_key_id".to_string(), "AKIDEXAMPLE".to_string()),
-            ("aws.secret_access_key".to_string(), "wJalrXUtnFEMI".to_string()),
-            ("aws.endpoint".to_string(), "http://10.0.0.9:5000".to_string()),
+            (
+                "aws.secret_access_key".to_string(),
+                "wJalrXUtnFEMI".to_string(),
+            ),
+            (
+                "aws.endpoint".to_string(),
+                "http://10.0.0.9:5000".to_string(),
+            ),
             ("aws.region".to_string(), "us-east-1".to_string()),
         ];
         let grant = grant_for_location("s3://lake/events/", &options)
             .unwrap()
             .unwrap();
         assert_eq!(grant.url, "s3://lake");
-        let value = |k: &str| grant.options.iter().find(|(key, _)| key == k).map(|(_, v)| v);
+        let value = |k: &str| {
+            grant
+                .options
+                .iter()
+                .find(|(key, _)| key == k)
+                .map(|(_, v)| v)
+        };
         assert_eq!(value("aws.access_key_id").unwrap(), "AKIDEXAMPLE");
         assert_eq!(value("aws.secret_access_key").unwrap(), "wJalrXUtnFEMI");
         assert_eq!(value("aws.allow_http").unwrap(), "true");
         assert!(missing_credentials_hint(&grant.url, &grant.options).is_none());
         let shown = format!("{grant:?}");
-        assert!(!shown.contains("wJalrXUtnFEMI") && !shown.contains("AKIDEXAMPLE"), "{shown}");
+        assert!(
+            !shown.contains("wJalrXUtnFEMI") && !shown.contains("AKIDEXAMPLE"),
+            "{shown}"
+        );
         // A worker builds the same store from the grant alone.
-        assert!(store_for_location(&grant.url, &grant.options).unwrap().is_some());
+        assert!(
+            store_for_location(&grant.url, &grant.options)
+                .unwrap()
+                .is_some()
+        );
         // Not S3: no grant (the driver reads it).
         assert!(grant_for_location("gs://b/x", &[]).unwrap().is_none());
     }

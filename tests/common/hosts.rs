@@ -40,8 +40,6 @@ pub struct Host {
     pub netns: String,
     /// Its address on the test's bridge.
     pub ip: Ipv4Addr,
-    /// The switch's side of its link.
-    veth: String,
     /// Worker processes started on it.
     workers: Vec<Child>,
 }
@@ -142,10 +140,29 @@ impl TestNet {
         let steps: Vec<Vec<&str>> = vec![
             vec!["netns", "add", &netns],
             vec![
-                "-n", &self.switch, "link", "add", &veth, "type", "veth", "peer", "name",
-                "eth0", "netns", &netns,
+                "-n",
+                &self.switch,
+                "link",
+                "add",
+                &veth,
+                "type",
+                "veth",
+                "peer",
+                "name",
+                "eth0",
+                "netns",
+                &netns,
             ],
-            vec!["-n", &self.switch, "link", "set", &veth, "master", "br0", "up"],
+            vec![
+                "-n",
+                &self.switch,
+                "link",
+                "set",
+                &veth,
+                "master",
+                "br0",
+                "up",
+            ],
             vec!["-n", &netns, "addr", "add", &cidr, "dev", "eth0"],
             vec!["-n", &netns, "link", "set", "eth0", "up"],
             vec!["-n", &netns, "link", "set", "lo", "up"],
@@ -155,7 +172,6 @@ impl TestNet {
             name: name.into(),
             netns: netns.clone(),
             ip: address,
-            veth: veth.clone(),
             workers: vec![],
         });
         for step in steps {
@@ -304,19 +320,29 @@ impl TestNet {
     pub fn limit_bandwidth(&self, name: &str, rate: &str) {
         let host = self.host(name);
         let out = Command::new("tc")
-            .args(["-n", &host.netns, "qdisc", "replace", "dev", "eth0", "root", "tbf"])
+            .args([
+                "-n",
+                &host.netns,
+                "qdisc",
+                "replace",
+                "dev",
+                "eth0",
+                "root",
+                "tbf",
+            ])
             .args(["rate", rate, "burst", "256kb", "latency", "100ms"])
             .output()
             .unwrap();
-        assert!(out.status.success(), "tc: {}", String::from_utf8_lossy(&out.stderr));
+        assert!(
+            out.status.success(),
+            "tc: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
     }
 
     /// Run `body` on a thread inside the driver's namespace, on a runtime whose threads
     /// are all in it (threads inherit the namespace of the thread that starts them).
-    pub fn in_driver<T: Send + 'static>(
-        &self,
-        body: impl FnOnce() -> T + Send + 'static,
-    ) -> T {
+    pub fn in_driver<T: Send + 'static>(&self, body: impl FnOnce() -> T + Send + 'static) -> T {
         let netns = self.host("driver").netns.clone();
         std::thread::spawn(move || {
             enter_namespace(&netns);
