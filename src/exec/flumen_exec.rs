@@ -62,13 +62,19 @@ impl DisplayAs for FlumenExec {
     fn fmt_as(&self, t: DisplayFormatType, f: &mut fmt::Formatter) -> fmt::Result {
         match t {
             DisplayFormatType::TreeRender => write!(f, "mode={}", self.config.mode),
-            _ => write!(
-                f,
-                "FlumenExec: mode={}, memory_budget={}, operators={}",
-                self.config.mode,
-                self.config.memory_budget,
-                self.graph.operators.len()
-            ),
+            _ => {
+                write!(
+                    f,
+                    "FlumenExec: mode={}, memory_budget={}, operators={}",
+                    self.config.mode,
+                    self.config.memory_budget,
+                    self.graph.operators.len()
+                )?;
+                if self.graph.sizing.out_of_core() {
+                    write!(f, ", {}", self.graph.sizing)?;
+                }
+                Ok(())
+            }
         }
     }
 }
@@ -153,6 +159,17 @@ impl ExecutionPlan for FlumenExec {
         let restarted = self.metrics.workers_restarted() as usize;
         if restarted > 0 {
             set.push(count("workers_restarted", restarted));
+        }
+        let names = [
+            "peak_operator_bytes",
+            "operator_spill_requests",
+            "blocks_evicted",
+            "bytes_evicted",
+        ];
+        for (name, n) in names.into_iter().zip(self.metrics.memory.snapshot()) {
+            if n > 0 {
+                set.push(count(name, n as usize));
+            }
         }
         let names = ["workers_lost", "workers_joined", "workers_rejoined"];
         for (name, n) in names.into_iter().zip(self.metrics.membership()) {

@@ -181,6 +181,11 @@ impl QueryRun {
         if !self.policy.pauses_tasks() || op.pool != Pool::Cpu || self.streams_inputs(op_id) {
             return None;
         }
+        // Out of core, a paused task would keep its operator state (a sort's merge buffers)
+        // while the slot it gave back starts another: its output spills instead.
+        if self.graph.sizing.out_of_core() && op.stateful {
+            return None;
+        }
         let limit = self.output_queue_limit(op_id)?;
         Some(policy::pause_rows(limit, self.config.block_rows()))
     }

@@ -1,5 +1,6 @@
 //! Per-operator counters, shown by `EXPLAIN ANALYZE` and by progress displays.
 
+use crate::store::operator_memory::MemoryCounters;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 
@@ -130,6 +131,8 @@ pub struct RunMetrics {
     membership: [AtomicU64; 3],
     /// Tasks run on each worker host (the host part of its address).
     tasks_by_host: std::sync::Mutex<std::collections::BTreeMap<String, u64>>,
+    /// What operator state did under the memory budget (each run's pool counts here).
+    pub memory: Arc<MemoryCounters>,
 }
 
 impl RunMetrics {

@@ -7,6 +7,7 @@ use async_trait::async_trait;
 use datafusion::catalog::Session;
 use datafusion::common::display::{PlanType, StringifiedPlan};
 use datafusion::error::Result;
+use datafusion::execution::SessionState;
 use datafusion::execution::context::QueryPlanner;
 use datafusion::logical_expr::LogicalPlan;
 use datafusion::physical_plan::analyze::AnalyzeExec;
@@ -16,6 +17,7 @@ use datafusion::physical_planner::{DefaultPhysicalPlanner, PhysicalPlanner};
 
 use crate::config::FlumenConfig;
 use crate::exec::flumen_exec::FlumenExec;
+use crate::plan::exchange_sizing::ExchangeSizing;
 use crate::plan::graph::OperatorGraph;
 use crate::plan::split_source::RowGroupLayout;
 
@@ -32,15 +34,39 @@ fn flumen_config(session: &dyn Session) -> FlumenConfig {
         .unwrap_or_default()
 }
 
-/// Cut a DataFusion physical plan into operators and wrap it in a [`FlumenExec`].
+/// Cut a DataFusion physical plan into operators and wrap it in a [`FlumenExec`];
+/// `sizing`: how its hash exchanges were sized ([`sized_physical_plan`]).
 pub async fn to_flumen_plan(
     plan: Arc<dyn ExecutionPlan>,
     session: &dyn Session,
+    sizing: ExchangeSizing,
 ) -> Result<Arc<dyn ExecutionPlan>> {
     let plan = crate::io::output_commit::stage_file_sinks(plan)?;
     let layout = RowGroupLayout::read(&plan, session.runtime_env()).await;
-    let graph = OperatorGraph::cut(plan, session.config_options(), &layout)?;
+    let graph = OperatorGraph::cut(plan, session.config_options(), &layout, sizing)?;
     Ok(Arc::new(FlumenExec::new(graph, flumen_config(session))))
+}
+
+/// DataFusion's physical plan of `logical_plan`, with its hash exchanges sized to the data
+/// and the memory budget: when the estimated bytes into an exchange need more partitions
+/// than `target_partitions` gives, the plan is made again with as many (out of core).
+pub async fn sized_physical_plan(
+    planner: &DefaultPhysicalPlanner,
+    logical_plan: &LogicalPlan,
+    session: &dyn Session,
+) -> Result<(Arc<dyn ExecutionPlan>, ExchangeSizing)> {
+    let plan = planner.create_physical_plan(logical_plan, session).await?;
+    let sizing = ExchangeSizing::choose(&plan, session.config_options());
+    if !sizing.out_of_core() {
+        return Ok((plan, sizing));
+    }
+    let Some(state) = session.as_any().downcast_ref::<SessionState>() else {
+        return Ok((plan, ExchangeSizing::default()));
+    };
+    let mut state = state.clone();
+    sizing.apply(state.config_mut().options_mut());
+    let plan = planner.create_physical_plan(logical_plan, &state).await?;
+    Ok((plan, sizing))
 }
 
 #[async_trait]
@@ -51,7 +77,7 @@ impl QueryPlanner for FlumenQueryPlanner {
         session: &dyn Session,
     ) -> Result<Arc<dyn ExecutionPlan>> {
         let planner = DefaultPhysicalPlanner::default();
-        let plan = planner.create_physical_plan(logical_plan, session).await?;
+        let (plan, sizing) = sized_physical_plan(&planner, logical_plan, session).await?;
         if let Some(explain) = plan.downcast_ref::<ExplainExec>() {
             let LogicalPlan::Explain(e) = logical_plan else {
                 return Ok(plan);
@@ -67,8 +93,8 @@ impl QueryPlanner for FlumenQueryPlanner {
                 return Ok(plan);
             }
             // Show the operators in place of DataFusion's final physical plan.
-            let inner = planner.create_physical_plan(&e.plan, session).await?;
-            let flumen = to_flumen_plan(inner, session).await?;
+            let (inner, sizing) = sized_physical_plan(&planner, &e.plan, session).await?;
+            let flumen = to_flumen_plan(inner, session, sizing).await?;
             let text = displayable(flumen.as_ref())
                 .indent(explain.verbose())
                 .to_string();
@@ -91,9 +117,9 @@ impl QueryPlanner for FlumenQueryPlanner {
         }
         if let Some(analyze) = plan.downcast_ref::<AnalyzeExec>() {
             let input = Arc::clone(analyze.input());
-            let flumen = to_flumen_plan(input, session).await?;
+            let flumen = to_flumen_plan(input, session, sizing).await?;
             return replace_children_if_necessary(plan, vec![flumen]);
         }
-        to_flumen_plan(plan, session).await
+        to_flumen_plan(plan, session, sizing).await
     }
 }

@@ -16,6 +16,7 @@ use std::time::{Duration, Instant};
 use datafusion::arrow::record_batch::RecordBatch;
 use datafusion::error::{DataFusionError, Result};
 use datafusion::execution::TaskContext;
+use datafusion::execution::runtime_env::{RuntimeEnv, RuntimeEnvBuilder};
 use tokio::sync::watch;
 
 use crate::cluster::worker_pool::{PoolSettings, WorkerPoolSlot};
@@ -30,13 +31,17 @@ use crate::exec::state::{
 use crate::plan::graph::{OperatorGraph, OperatorId, Pool, TaskShape};
 use crate::store::block::{Block, BlockId};
 use crate::store::block_store::BlockStore;
+use crate::store::operator_memory::OperatorMemory;
 
 /// One execution of an operator graph.
 #[derive(Debug)]
 pub struct QueryRun {
     pub(super) graph: Arc<OperatorGraph>,
     /// Where every block of the run lives.
-    pub(super) store: BlockStore,
+    pub(super) store: Arc<BlockStore>,
+    /// The runtime every task of the run executes in: the session's, with the run's
+    /// [`OperatorMemory`] (sharing the store's budget) as its memory pool.
+    pub(super) runtime: Arc<RuntimeEnv>,
     /// The counters of this run (and of earlier runs of the same plan).
     pub(super) metrics: Arc<RunMetrics>,
     /// What `flumen.mode` changes.
@@ -145,9 +150,18 @@ impl QueryRun {
                 .get_extension::<WorkerPoolSlot>()
                 .unwrap_or_default()
         });
+        let store = Arc::new(BlockStore::new(config.memory_budget.0));
+        let operator_memory = Arc::new(OperatorMemory::new(
+            Arc::clone(&store),
+            Arc::clone(&metrics.memory),
+        ));
+        let runtime = RuntimeEnvBuilder::from_runtime_env(&base.runtime_env())
+            .with_memory_pool(operator_memory)
+            .build_arc()?;
         let run = Arc::new(Self {
             static_slots,
-            store: BlockStore::new(config.memory_budget.0),
+            store,
+            runtime,
             metrics,
             policy: mode,
             graph,

@@ -11,6 +11,7 @@ use datafusion::execution::TaskContext;
 use datafusion::physical_plan::ExecutionPlanProperties;
 use futures::StreamExt;
 
+use crate::cluster::worker_tasks::compact_views;
 use crate::exec::lineage::{BlockInfo, TaskId, TaskKind};
 use crate::exec::metrics::OperatorStats;
 use crate::exec::run::QueryRun;
@@ -40,6 +41,13 @@ impl TaskOutput<'_> {
             if batch.num_rows() == 0 {
                 continue;
             }
+            // A block sliced or sorted out of a larger batch keeps the original's string
+            // buffers alive; held in the store it would take far more memory than it counts.
+            let batch = if batch.get_array_memory_size() as u64 > 2 * block_bytes(&batch) {
+                compact_views(batch)
+            } else {
+                batch
+            };
             if self.capture {
                 self.captured.push((self.seq, tag, batch));
             } else {
@@ -194,10 +202,19 @@ impl QueryRun {
 
     pub(super) fn task_context(&self, inputs: TaskInputs) -> Arc<TaskContext> {
         let base = &self.base;
-        let config = base
+        let mut config = base
             .session_config()
             .clone()
             .with_extension(Arc::new(inputs));
+        // A sort reserves memory for merging its spill files up front: within the task's
+        // share of the budget, or it could never start under a small one.
+        let share =
+            usize::try_from(self.config.memory_budget.0 / (8 * self.config.cpu_slots as u64))
+                .unwrap_or(usize::MAX);
+        let execution = &mut config.options_mut().execution;
+        execution.sort_spill_reservation_bytes = execution.sort_spill_reservation_bytes.min(share);
+        execution.sort_in_place_threshold_bytes =
+            execution.sort_in_place_threshold_bytes.min(share);
         Arc::new(TaskContext::new(
             base.task_id(),
             base.session_id(),
@@ -206,7 +223,7 @@ impl QueryRun {
             base.higher_order_functions().clone(),
             base.aggregate_functions().clone(),
             base.window_functions().clone(),
-            base.runtime_env(),
+            Arc::clone(&self.runtime),
         ))
     }
 

@@ -8,6 +8,7 @@
 
 use std::sync::Arc;
 
+use datafusion::common::tree_node::{TreeNode, TreeNodeRecursion};
 use datafusion::config::ConfigOptions;
 use datafusion::datasource::physical_plan::FileScanConfig;
 use datafusion::datasource::source::DataSourceExec;
@@ -34,17 +35,19 @@ use datafusion::physical_plan::{
 use crate::config::FlumenConfig;
 use crate::functions::accelerator::calls_accelerator_udf;
 use crate::plan::accelerator_projection::AcceleratorProjectionExec;
+use crate::plan::exchange_sizing::ExchangeSizing;
 use crate::plan::graph::{Operator, OperatorGraph, OperatorId, Pool, TaskShape};
 use crate::plan::split_source::{RowGroupLayout, SplitSourceExec};
 use crate::plan::stage_input::{InputExchange, StageInputExec};
 
 impl OperatorGraph {
     /// Cut `plan` into operators; `layout` places its Parquet scans' splits on row group
-    /// boundaries.
+    /// boundaries; `sizing` is how its hash exchanges were sized (out of core or not).
     pub(crate) fn cut(
         plan: Arc<dyn ExecutionPlan>,
         options: &ConfigOptions,
         layout: &RowGroupLayout,
+        sizing: ExchangeSizing,
     ) -> Result<Self> {
         let config = options
             .extensions
@@ -55,6 +58,7 @@ impl OperatorGraph {
             operators: vec![],
             config,
             layout,
+            out_of_core: sizing.out_of_core(),
         };
         let root = cutter.rewrite(plan)?;
         // A root that only passes its producer's blocks on (an accelerator projection at the
@@ -78,6 +82,7 @@ impl OperatorGraph {
             operators: cutter.operators,
             consumer,
             gates,
+            sizing,
         })
     }
 }
@@ -86,6 +91,10 @@ struct Cutter<'a> {
     operators: Vec<Operator>,
     config: FlumenConfig,
     layout: &'a RowGroupLayout,
+    /// The plan runs out of core ([`ExchangeSizing::out_of_core`]): per-partition operators
+    /// run in waves of the slots (no gang unless a node needs it), none streams a probe
+    /// input (its partitions would all run at once).
+    out_of_core: bool,
 }
 
 impl Cutter<'_> {
@@ -223,9 +232,14 @@ impl Cutter<'_> {
             (fragment, vec![1; n])
         };
         let mut probe_producers = vec![];
-        if shape == TaskShape::Barrier {
+        if shape == TaskShape::Barrier && !self.out_of_core {
             collect_probe_producers(&fragment, false, &mut probe_producers);
         }
+        let gang = if self.out_of_core {
+            partitions_wait_for_each_other(&fragment)
+        } else {
+            shape == TaskShape::Barrier || !all_row_local
+        };
         let id = self.operators.len();
         let name = fragment.name().to_string();
         self.operators.push(Operator {
@@ -242,10 +256,30 @@ impl Cutter<'_> {
             input_exchanges: stage_inputs.into_iter().map(|(_, e, _)| e).collect(),
             output_split,
             splits,
-            gang: shape == TaskShape::Barrier || !all_row_local,
+            gang,
+            stateful: !all_row_local,
         });
         Ok(id)
     }
+}
+
+/// True when executing one partition of `fragment` waits for its other partitions: a
+/// repartition kept inside it (its outputs are fed together), or a hash join sharing a
+/// dynamic filter (each partition waits for every build side).
+fn partitions_wait_for_each_other(fragment: &Arc<dyn ExecutionPlan>) -> bool {
+    let mut waits = false;
+    let _ = fragment.apply(|node| {
+        waits |= node.downcast_ref::<RepartitionExec>().is_some()
+            || node
+                .downcast_ref::<HashJoinExec>()
+                .is_some_and(|join| !join.dynamic_expressions_produced().is_empty());
+        Ok(if waits {
+            TreeNodeRecursion::Stop
+        } else {
+            TreeNodeRecursion::Continue
+        })
+    });
+    waits
 }
 
 /// Producers of the stage inputs on the probe side of a join: the right input of a hash

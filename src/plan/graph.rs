@@ -7,6 +7,7 @@ use std::sync::Arc;
 use datafusion::physical_plan::{ExecutionPlan, ExecutionPlanProperties, Partitioning};
 use serde::{Deserialize, Serialize};
 
+use crate::plan::exchange_sizing::ExchangeSizing;
 use crate::plan::stage_input::InputExchange;
 
 /// Index of an operator inside its [`OperatorGraph`].
@@ -107,6 +108,9 @@ pub struct Operator {
     /// All partitions' tasks must run at once: the fragment holds stateful nodes, and
     /// DataFusion's joins coordinate across partitions (shared build side, dynamic filters).
     pub gang: bool,
+    /// The fragment holds state across batches (sorts, final aggregates, joins, windows):
+    /// its tasks hold operator memory while they run.
+    pub stateful: bool,
 }
 
 impl Operator {
@@ -135,6 +139,9 @@ pub struct OperatorGraph {
     /// For each operator, the streamed inputs it feeds (directly or through other
     /// operators), by their producer: it may start only once each has been asked for.
     pub gates: Vec<Vec<OperatorId>>,
+    /// The partitions chosen for the plan's hash exchanges (out of core when more than
+    /// DataFusion's default).
+    pub sizing: ExchangeSizing,
 }
 
 impl OperatorGraph {

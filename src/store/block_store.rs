@@ -6,6 +6,7 @@ use std::collections::HashMap;
 use std::fs::File;
 use std::io::{BufReader, BufWriter};
 use std::path::PathBuf;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, OnceLock};
 
 use datafusion::arrow::ipc::reader::FileReader;
@@ -69,6 +70,9 @@ struct Inner {
 /// Blocks of one query run, with a memory budget.
 pub struct BlockStore {
     budget: u64,
+    /// Bytes the run's operators hold (their state shares the budget:
+    /// [`crate::store::operator_memory::OperatorMemory`]).
+    operator_bytes: AtomicU64,
     spill_dir: OnceLock<std::io::Result<TempDir>>,
     inner: Mutex<Inner>,
 }
@@ -77,6 +81,8 @@ impl std::fmt::Debug for BlockStore {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("BlockStore")
             .field("budget", &self.budget)
+            .field("memory_bytes", &self.memory_bytes())
+            .field("operator_bytes", &self.operator_bytes())
             .finish()
     }
 }
@@ -95,6 +101,7 @@ impl BlockStore {
     pub fn new(budget: u64) -> Self {
         Self {
             budget,
+            operator_bytes: AtomicU64::new(0),
             spill_dir: OnceLock::new(),
             inner: Mutex::new(Inner::default()),
         }
@@ -108,6 +115,57 @@ impl BlockStore {
     /// Bytes of blocks held in memory now.
     pub fn memory_bytes(&self) -> u64 {
         self.inner.lock().unwrap().memory_bytes
+    }
+
+    /// Bytes the run's operators hold now (they count against the same budget).
+    pub fn operator_bytes(&self) -> u64 {
+        self.operator_bytes.load(Ordering::Relaxed)
+    }
+
+    /// Record what the run's operators hold now.
+    pub fn set_operator_bytes(&self, bytes: u64) {
+        self.operator_bytes.store(bytes, Ordering::Relaxed);
+    }
+
+    /// Write blocks from memory to spill files (the newest first: readers take the oldest
+    /// first) until blocks and operator state together fit the budget again. Returns the
+    /// blocks and bytes written out.
+    pub fn make_room(&self) -> Result<(u64, u64)> {
+        let mut written = (0, 0);
+        loop {
+            let victim = {
+                let inner = self.inner.lock().unwrap();
+                if inner.memory_bytes + self.operator_bytes() <= self.budget {
+                    return Ok(written);
+                }
+                inner
+                    .blocks
+                    .iter()
+                    .filter_map(|(id, e)| match &e.data {
+                        Stored::Memory(batch) => Some((*id, batch.clone())),
+                        _ => None,
+                    })
+                    .max_by_key(|(id, _)| *id)
+            };
+            let Some((id, batch)) = victim else {
+                return Ok(written);
+            };
+            let path = self.spill(id, &batch)?;
+            let mut inner = self.inner.lock().unwrap();
+            let entry = match inner.blocks.get_mut(&id) {
+                Some(entry) if matches!(entry.data, Stored::Memory(_)) => entry,
+                // Released (or replaced) while it was written.
+                _ => {
+                    let _ = std::fs::remove_file(path);
+                    continue;
+                }
+            };
+            entry.data = Stored::Spilled(path);
+            let bytes = entry.bytes;
+            inner.memory_bytes -= bytes;
+            written.0 += 1;
+            written.1 += bytes;
+        }
     }
 
     /// Store a block of `bytes` bytes; spills it when memory would exceed the budget.
@@ -124,7 +182,7 @@ impl BlockStore {
         }
         {
             let mut inner = self.inner.lock().unwrap();
-            if inner.memory_bytes + bytes <= self.budget {
+            if inner.memory_bytes + self.operator_bytes() + bytes <= self.budget {
                 inner.memory_bytes += bytes;
                 inner.blocks.insert(
                     id,

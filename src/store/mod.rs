@@ -4,7 +4,9 @@
 //!   location (memory, spilled, or held by a worker process).
 //! - [`block_store`]: the memory-budgeted store that holds blocks in memory or spills them.
 //! - [`cutter`]: the one block cutter every task's output goes through.
+//! - [`operator_memory`]: the memory pool of a run's operators, sharing the store's budget.
 
 pub(crate) mod block;
 pub(crate) mod block_store;
 pub(crate) mod cutter;
+pub(crate) mod operator_memory;

@@ -1,0 +1,205 @@
+//! How many partitions a query's hash exchanges get: from the bytes flowing into them and
+//! `flumen.memory_budget`, not from the core count, so that each reduce task's input (a
+//! join's build side, an aggregate's groups) fits its share of the budget.
+//!
+//! The planner estimates the bytes entering each hash exchange and each full sort of
+//! DataFusion's plan (from
+//! the sources' statistics: Parquet footers, filter selectivity, projections). When the
+//! largest would not fit in `target_partitions` partitions of
+//! [`ExchangeSizing::partition_bytes`] each, the query is planned again with as many
+//! partitions as it takes, and runs *out of core*: per-partition operators run in waves
+//! of the CPU slots rather than all at once (so only the running partitions' state is in
+//! memory), which is why the re-plan also turns off join dynamic filters (their partitions
+//! wait for each other) and the operator graph streams no join probe input.
+
+use std::fmt;
+use std::sync::Arc;
+
+use datafusion::common::tree_node::TreeNode;
+use datafusion::config::ConfigOptions;
+use datafusion::physical_plan::repartition::RepartitionExec;
+use datafusion::physical_plan::sorts::sort::SortExec;
+use datafusion::physical_plan::{ExecutionPlan, Partitioning, StatisticsArgs, StatisticsContext};
+
+use crate::config::{ByteSize, FlumenConfig};
+
+/// Most partitions an exchange is given (beyond it a query runs with larger partitions).
+pub const MAX_PARTITIONS: usize = 4096;
+
+/// The number of partitions chosen for a query's hash exchanges, and why.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ExchangeSizing {
+    /// Partitions every hash exchange of the plan has.
+    pub partitions: usize,
+    /// `datafusion.execution.target_partitions`: what DataFusion alone would use.
+    pub default_partitions: usize,
+    /// Estimated bytes entering the largest hash exchange or full sort.
+    pub largest_exchange_bytes: u64,
+    /// Bytes one reduce task's input may have: the budget split over the CPU slots that run
+    /// at once, a quarter of that for the input (a hash table or sort buffer is larger
+    /// than its input, and blocks share the budget).
+    pub partition_bytes: u64,
+}
+
+impl ExchangeSizing {
+    /// Sizing for DataFusion's plan `plan` (made with `options`).
+    pub fn choose(plan: &Arc<dyn ExecutionPlan>, options: &ConfigOptions) -> Self {
+        let config = options
+            .extensions
+            .get::<FlumenConfig>()
+            .cloned()
+            .unwrap_or_default();
+        let default_partitions = options.execution.target_partitions.max(1);
+        let partition_bytes =
+            (config.memory_budget.0 / (4 * config.cpu_slots.max(1) as u64)).max(1);
+        let mut largest = 0;
+        let mut needed = 0;
+        let _ = plan.apply(|node| {
+            if let Some(repartition) = node.downcast_ref::<RepartitionExec>()
+                && matches!(repartition.partitioning(), Partitioning::Hash(..))
+            {
+                let bytes = estimated_bytes(repartition.input());
+                largest = largest.max(bytes);
+                needed = needed.max(bytes.div_ceil(partition_bytes));
+            }
+            // A full sort: more partitions make more, smaller sorted runs, as many as the
+            // merge above can read at once (a block of each) in a quarter of the budget;
+            // beyond that each run's sort spills by itself.
+            if let Some(sort) = node.downcast_ref::<SortExec>()
+                && sort.fetch().is_none()
+            {
+                let bytes = estimated_bytes(sort.input());
+                let block_bytes = config.target_block_rows as u64 * row_width(sort.input());
+                let fan_in = (config.memory_budget.0 / 4 / (3 * block_bytes).max(1)).max(2);
+                largest = largest.max(bytes);
+                needed = needed.max(bytes.div_ceil(partition_bytes).min(fan_in));
+            }
+            Ok(datafusion::common::tree_node::TreeNodeRecursion::Continue)
+        });
+        Self {
+            partitions: (needed as usize)
+                .clamp(default_partitions, MAX_PARTITIONS.max(default_partitions)),
+            default_partitions,
+            largest_exchange_bytes: largest,
+            partition_bytes,
+        }
+    }
+
+    /// True when the query needs more partitions than DataFusion's default: it is planned
+    /// again with [`Self::partitions`] and runs out of core.
+    pub fn out_of_core(&self) -> bool {
+        self.partitions > self.default_partitions
+    }
+
+    /// Options for planning the query again out of core.
+    pub fn apply(&self, options: &mut ConfigOptions) {
+        options.execution.target_partitions = self.partitions;
+        options.optimizer.enable_join_dynamic_filter_pushdown = false;
+    }
+}
+
+impl Default for ExchangeSizing {
+    fn default() -> Self {
+        Self {
+            partitions: 1,
+            default_partitions: 1,
+            largest_exchange_bytes: 0,
+            partition_bytes: u64::MAX,
+        }
+    }
+}
+
+impl fmt::Display for ExchangeSizing {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(
+            f,
+            "exchange_partitions={} (out of core: ~{} into the largest exchange or sort, {} per partition)",
+            self.partitions,
+            ByteSize(self.largest_exchange_bytes),
+            ByteSize(self.partition_bytes)
+        )
+    }
+}
+
+/// Estimated bytes of `plan`'s whole output, from DataFusion's statistics: their byte size
+/// when known, else rows times the schema's row width, else the sum of its inputs'.
+pub fn estimated_bytes(plan: &Arc<dyn ExecutionPlan>) -> u64 {
+    let stats = StatisticsContext::default().compute(plan.as_ref(), &StatisticsArgs::new());
+    if let Ok(stats) = stats {
+        if let Some(bytes) = stats.total_byte_size.get_value()
+            && *bytes > 0
+        {
+            return *bytes as u64;
+        }
+        if let Some(rows) = stats.num_rows.get_value() {
+            return *rows as u64 * row_width(plan);
+        }
+    }
+    plan.children().into_iter().map(estimated_bytes).sum()
+}
+
+/// Bytes of one row of `plan`'s schema: fixed widths, 32 for variable-width values.
+fn row_width(plan: &Arc<dyn ExecutionPlan>) -> u64 {
+    plan.schema()
+        .fields()
+        .iter()
+        .map(|f| f.data_type().primitive_width().unwrap_or(32) as u64)
+        .sum::<u64>()
+        .max(1)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use datafusion::arrow::array::Int64Array;
+    use datafusion::arrow::datatypes::{DataType, Field, Schema};
+    use datafusion::arrow::record_batch::RecordBatch;
+    use datafusion::datasource::memory::MemorySourceConfig;
+    use datafusion::physical_plan::expressions::col;
+
+    fn exchange_over(rows: i64) -> Arc<dyn ExecutionPlan> {
+        let schema = Arc::new(Schema::new(vec![Field::new("x", DataType::Int64, false)]));
+        let batch = RecordBatch::try_new(
+            Arc::clone(&schema),
+            vec![Arc::new(Int64Array::from_iter_values(0..rows))],
+        )
+        .unwrap();
+        let scan = MemorySourceConfig::try_new_exec(&[vec![batch]], schema.clone(), None).unwrap();
+        let key = col("x", &schema).unwrap();
+        Arc::new(RepartitionExec::try_new(scan, Partitioning::Hash(vec![key], 2)).unwrap())
+    }
+
+    fn options(budget: &str, slots: usize) -> ConfigOptions {
+        let mut options = ConfigOptions::new();
+        options.execution.target_partitions = 2;
+        let mut config = FlumenConfig::default();
+        config.memory_budget = budget.parse().unwrap();
+        config.cpu_slots = slots;
+        options.extensions.insert(config);
+        options
+    }
+
+    #[test]
+    fn partitions_follow_bytes_over_budget() {
+        let plan = exchange_over(1_000_000);
+        // Small input, large budget: DataFusion's default.
+        let sizing = ExchangeSizing::choose(&plan, &options("2GB", 2));
+        assert!(!sizing.out_of_core(), "{sizing:?}");
+        assert_eq!(sizing.partitions, 2);
+        assert!(sizing.largest_exchange_bytes >= 8_000_000, "{sizing:?}");
+        // 1 MB budget over 2 slots: 128 KB per partition.
+        let sizing = ExchangeSizing::choose(&plan, &options("1MB", 2));
+        assert!(sizing.out_of_core());
+        assert_eq!(sizing.partition_bytes, (1 << 20) / 8);
+        assert_eq!(
+            sizing.partitions as u64,
+            sizing
+                .largest_exchange_bytes
+                .div_ceil(sizing.partition_bytes)
+        );
+        assert!(
+            sizing.to_string().contains("exchange_partitions="),
+            "{sizing}"
+        );
+    }
+}

@@ -1,0 +1,156 @@
+//! Joins, aggregates, sorts and windows over ~80 MB of Parquet under a 16 MB budget: the
+//! exchanges get enough partitions for each reduce task's input to fit, per-partition tasks
+//! run in waves, operator state and blocks share the budget (sorts and aggregates spill
+//! through DataFusion, blocks through the store), and every answer equals vanilla
+//! DataFusion's (unbounded memory). Also a join where one key has 30% of the build side.
+
+mod common;
+
+use std::path::Path;
+use std::sync::Arc;
+use std::time::Instant;
+
+use common::*;
+use datafusion::arrow::array::{Array, AsArray};
+use datafusion::arrow::compute::concat;
+use datafusion::arrow::datatypes::Int64Type;
+use datafusion::arrow::util::pretty::pretty_format_batches;
+use datafusion::prelude::{ParquetReadOptions, SessionContext};
+use flumen::exec::FlumenExec;
+
+const FACTS: u64 = 1_500_000;
+const SKEWED: u64 = 600_000;
+
+/// `facts(id, k, v, tag)`: `FACTS` rows, ~80 MB in memory, in row groups of 64k rows (a
+/// task reads whole row groups: a 1M-row group would be one sorted run); `skewed(k, v)`:
+/// `SKEWED` rows, 30% of them with `k = 0`, the rest distinct ids of `facts`.
+async fn write_tables(dir: &Path) {
+    let ctx = vanilla();
+    let facts = format!(
+        "COPY (SELECT value AS id, (value * 7919) % 500000 AS k, (value * 31) % 1000 AS v, \
+         'tag-' || lpad(CAST((value * 13) % 100003 AS VARCHAR), 8, '0') || '-padding' AS tag \
+         FROM range(0, {FACTS})) TO '{}/facts.parquet' \
+         OPTIONS ('format.max_row_group_size' '65536')",
+        dir.display()
+    );
+    let skewed = format!(
+        "COPY (SELECT CASE WHEN value % 10 < 3 THEN 0 ELSE value * 2 END AS k, value % 97 AS v \
+         FROM range(0, {SKEWED})) TO '{}/skewed.parquet'",
+        dir.display()
+    );
+    collect(&ctx, &facts).await;
+    collect(&ctx, &skewed).await;
+}
+
+async fn register(ctx: &SessionContext, dir: &Path) {
+    for table in ["facts", "skewed"] {
+        let path = format!("{}/{table}.parquet", dir.display());
+        ctx.register_parquet(table, &path, ParquetReadOptions::default())
+            .await
+            .unwrap();
+    }
+}
+
+const QUERIES: &[&str] = &[
+    // A join of two large sides (grace hash join: both partitioned, one partition at a time).
+    "SELECT count(*), sum(a.v * b.v), max(b.tag) FROM facts a JOIN facts b ON a.id = b.id",
+    // Aggregates with many groups.
+    "SELECT count(*), sum(c), max(s), min(t) FROM \
+     (SELECT k, count(*) AS c, sum(v) AS s, min(tag) AS t FROM facts GROUP BY k)",
+    "SELECT count(*), max(m) FROM (SELECT id % 700000 AS g, max(tag) AS m FROM facts GROUP BY id % 700000)",
+    // A window over partitions. (One over the whole table in one order, `lag(id) OVER
+    // (ORDER BY v, id)`, still fails now and then under 16 MB: two sorts' in-memory merges
+    // and the window's merge together need more than the budget.)
+    "SELECT sum(rn * v), max(rn) FROM \
+     (SELECT v, row_number() OVER (PARTITION BY k ORDER BY id) AS rn FROM facts)",
+    // A join where 30% of the build side has one key.
+    "SELECT count(*), sum(s.v), sum(f.v) FROM skewed s JOIN facts f ON s.k = f.id",
+];
+
+fn text(batches: &[datafusion::arrow::record_batch::RecordBatch]) -> String {
+    pretty_format_batches(batches).unwrap().to_string()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn tiny_budget_answers_like_datafusion() {
+    let dir = tempfile::tempdir().unwrap();
+    write_tables(dir.path()).await;
+    let v = vanilla();
+    register(&v, dir.path()).await;
+    let f = flumen_ctx(&[
+        "SET flumen.memory_budget = '16MB'",
+        "SET flumen.cpu_slots = 2",
+    ])
+    .await;
+    register(&f, dir.path()).await;
+
+    for sql in QUERIES {
+        let started = Instant::now();
+        let expected = collect(&v, sql).await;
+        let vanilla_s = started.elapsed().as_secs_f64();
+        let started = Instant::now();
+        let (batches, plan) = run_plan(&f, sql).await;
+        let flumen_s = started.elapsed().as_secs_f64();
+        assert_eq!(text(&expected), text(&batches), "{sql}");
+        let exec = plan.downcast_ref::<FlumenExec>().unwrap();
+        let sizing = exec.graph().sizing;
+        assert!(
+            sizing.out_of_core(),
+            "{sql}: not planned out of core: {sizing:?}"
+        );
+        let metrics = exec.run_metrics();
+        let [peak_operators, refusals, evicted, _] = metrics.memory.snapshot();
+        let peak_store = metrics.peak_store_bytes();
+        assert!(
+            peak_operators <= 16 << 20,
+            "{sql}: operators held {peak_operators}"
+        );
+        assert!(peak_store <= 16 << 20, "{sql}: the store held {peak_store}");
+        println!(
+            "{sql}\n  {sizing}; vanilla {vanilla_s:.2}s, flumen {flumen_s:.2}s; peak operator \
+             state {peak_operators} B, peak store {peak_store} B, {refusals} spill requests, \
+             {evicted} blocks evicted"
+        );
+    }
+}
+
+/// A full sort of 1.5M rows under the budget: the same order as DataFusion's. One CPU slot:
+/// with two, two sorts' in-memory merges (memory that cannot spill, ~13 MB for one) now and
+/// then leave the other sort no room for a batch.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn tiny_budget_sorts_like_datafusion() {
+    let dir = tempfile::tempdir().unwrap();
+    write_tables(dir.path()).await;
+    let v = vanilla();
+    register(&v, dir.path()).await;
+    let f = flumen_ctx(&[
+        "SET flumen.memory_budget = '16MB'",
+        "SET flumen.cpu_slots = 1",
+    ])
+    .await;
+    register(&f, dir.path()).await;
+    let sql = "SELECT id FROM facts ORDER BY tag DESC, v, id";
+    let ids = |batches: Vec<datafusion::arrow::record_batch::RecordBatch>| {
+        let columns: Vec<Arc<dyn Array>> = batches.iter().map(|b| b.column(0).clone()).collect();
+        let refs: Vec<&dyn Array> = columns.iter().map(|c| c.as_ref()).collect();
+        concat(&refs).unwrap()
+    };
+    let expected = ids(collect(&v, sql).await);
+    let (batches, plan) = run_plan(&f, sql).await;
+    let sizing = plan.downcast_ref::<FlumenExec>().unwrap().graph().sizing;
+    assert!(sizing.out_of_core(), "not planned out of core: {sizing:?}");
+    let actual = ids(batches);
+    assert_eq!(actual.len(), FACTS as usize);
+    assert_eq!(
+        expected.as_primitive::<Int64Type>(),
+        actual.as_primitive::<Int64Type>(),
+        "order differs"
+    );
+    let metrics = plan.downcast_ref::<FlumenExec>().unwrap().run_metrics();
+    let [peak_operators, refusals, ..] = metrics.memory.snapshot();
+    assert!(
+        peak_operators <= 16 << 20,
+        "operators held {peak_operators}"
+    );
+    println!("{sizing}: peak operator state {peak_operators} B, {refusals} spill requests");
+}
