@@ -210,6 +210,13 @@ const KNOWN_FAILURES: &[KnownFailure] = &[
         why: "SHOW ALL VERBOSE lists flumen's settings too",
     },
     KnownFailure {
+        record: "test_files/set_variable.slt:591",
+        error_prefix: "query result mismatch:",
+        why: "SHOW datafusion.runtime.memory_limit reads the runtime its task runs in: under \
+              flumen that runtime's pool is flumen.memory_budget (operators share it with \
+              blocks), so it shows 2.0 GB where DataFusion's default pool shows 'unlimited'",
+    },
+    KnownFailure {
         record: "test_files/ordered_aggregate_spill.slt:46",
         error_prefix: "query failed: DataFusion error: Resources exhausted",
         why: BLOCKS_OVER_BATCH_SIZE,

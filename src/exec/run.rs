@@ -16,6 +16,7 @@ use std::time::{Duration, Instant};
 use datafusion::arrow::record_batch::RecordBatch;
 use datafusion::error::{DataFusionError, Result};
 use datafusion::execution::TaskContext;
+use datafusion::execution::memory_pool::MemoryLimit;
 use datafusion::execution::runtime_env::{RuntimeEnv, RuntimeEnvBuilder};
 use tokio::sync::watch;
 
@@ -155,9 +156,14 @@ impl QueryRun {
             Arc::clone(&store),
             Arc::clone(&metrics.memory),
         ));
-        let runtime = RuntimeEnvBuilder::from_runtime_env(&base.runtime_env())
-            .with_memory_pool(operator_memory)
-            .build_arc()?;
+        // A session given a memory limit of its own (`datafusion.runtime.memory_limit`)
+        // keeps its pool; otherwise operators share flumen's budget.
+        let runtime = match base.runtime_env().memory_pool.memory_limit() {
+            MemoryLimit::Infinite => RuntimeEnvBuilder::from_runtime_env(&base.runtime_env())
+                .with_memory_pool(operator_memory)
+                .build_arc()?,
+            _ => base.runtime_env(),
+        };
         let run = Arc::new(Self {
             static_slots,
             store,

@@ -51,6 +51,10 @@ impl MemoryCounters {
     }
 }
 
+/// Least memory operators get, whatever the budget: a `TopK` or an ungrouped aggregate needs
+/// a few batches, and blocks (which spill) are what a tiny budget is for.
+pub const MIN_OPERATOR_BYTES: u64 = 8 << 20;
+
 /// Share of the budget operators that can spill may hold together.
 pub const SPILLING_SHARE: f64 = 0.75;
 
@@ -119,10 +123,10 @@ impl Held {
 }
 
 impl OperatorMemory {
-    /// A pool of `store`'s budget, making room in `store` as operators grow; what it does
-    /// is counted in `counters`.
+    /// A pool of `store`'s budget (at least [`MIN_OPERATOR_BYTES`]), making room in `store`
+    /// as operators grow; what it does is counted in `counters`.
     pub fn new(store: Arc<BlockStore>, counters: Arc<MemoryCounters>) -> Self {
-        let budget = store.budget();
+        let budget = store.budget().max(MIN_OPERATOR_BYTES);
         Self {
             budget,
             held: Mutex::new(Held::default()),
@@ -287,8 +291,12 @@ mod tests {
         // A block put now spills: operators hold half the budget.
         store.put(8, batch(1000), 10_000).unwrap();
         assert!(store.memory_bytes() + 50_000 <= 100_000);
-        // Past the budget the operator is refused, with a message naming the setting.
-        let err = reservation.try_grow(60_000).unwrap_err().to_string();
+        // Past the budget (at least MIN_OPERATOR_BYTES) the operator is refused, with a
+        // message naming the setting.
+        let err = reservation
+            .try_grow(MIN_OPERATOR_BYTES as usize)
+            .unwrap_err()
+            .to_string();
         assert!(err.contains("flumen.memory_budget"), "{err}");
         drop(reservation);
         assert_eq!(pool.reserved(), 0);
