@@ -172,10 +172,11 @@ mod tests {
     fn options(budget: &str, slots: usize) -> ConfigOptions {
         let mut options = ConfigOptions::new();
         options.execution.target_partitions = 2;
-        let mut config = FlumenConfig::default();
-        config.memory_budget = budget.parse().unwrap();
-        config.cpu_slots = slots;
-        options.extensions.insert(config);
+        options.extensions.insert(FlumenConfig {
+            memory_budget: budget.parse().unwrap(),
+            cpu_slots: slots,
+            ..FlumenConfig::default()
+        });
         options
     }
 
