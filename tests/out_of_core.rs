@@ -51,6 +51,19 @@ async fn register(ctx: &SessionContext, dir: &Path) {
     }
 }
 
+/// The tables written to a temp dir, registered in vanilla DataFusion and in a flumen
+/// session with a 16 MB budget and `cpu_slots` CPU slots.
+async fn contexts(cpu_slots: usize) -> (tempfile::TempDir, SessionContext, SessionContext) {
+    let dir = tempfile::tempdir().unwrap();
+    write_tables(dir.path()).await;
+    let v = vanilla();
+    register(&v, dir.path()).await;
+    let slots = format!("SET flumen.cpu_slots = {cpu_slots}");
+    let f = flumen_ctx(&["SET flumen.memory_budget = '16MB'", &slots]).await;
+    register(&f, dir.path()).await;
+    (dir, v, f)
+}
+
 const QUERIES: &[&str] = &[
     // A join of two large sides (grace hash join: both partitioned, one partition at a time).
     "SELECT count(*), sum(a.v * b.v), max(b.tag) FROM facts a JOIN facts b ON a.id = b.id",
@@ -73,16 +86,7 @@ fn text(batches: &[datafusion::arrow::record_batch::RecordBatch]) -> String {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn tiny_budget_answers_like_datafusion() {
-    let dir = tempfile::tempdir().unwrap();
-    write_tables(dir.path()).await;
-    let v = vanilla();
-    register(&v, dir.path()).await;
-    let f = flumen_ctx(&[
-        "SET flumen.memory_budget = '16MB'",
-        "SET flumen.cpu_slots = 2",
-    ])
-    .await;
-    register(&f, dir.path()).await;
+    let (_dir, v, f) = contexts(2).await;
 
     for sql in QUERIES {
         let started = Instant::now();
@@ -119,16 +123,7 @@ async fn tiny_budget_answers_like_datafusion() {
 /// then leave the other sort no room for a batch.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn tiny_budget_sorts_like_datafusion() {
-    let dir = tempfile::tempdir().unwrap();
-    write_tables(dir.path()).await;
-    let v = vanilla();
-    register(&v, dir.path()).await;
-    let f = flumen_ctx(&[
-        "SET flumen.memory_budget = '16MB'",
-        "SET flumen.cpu_slots = 1",
-    ])
-    .await;
-    register(&f, dir.path()).await;
+    let (_dir, v, f) = contexts(1).await;
     let sql = "SELECT id FROM facts ORDER BY tag DESC, v, id";
     let ids = |batches: Vec<datafusion::arrow::record_batch::RecordBatch>| {
         let columns: Vec<Arc<dyn Array>> = batches.iter().map(|b| b.column(0).clone()).collect();

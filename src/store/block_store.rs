@@ -378,12 +378,13 @@ impl BlockStore {
 }
 
 #[cfg(test)]
-mod tests {
+pub(crate) mod tests {
     use super::*;
     use datafusion::arrow::array::Int64Array;
     use std::sync::Arc;
 
-    fn batch(n: i64) -> RecordBatch {
+    /// A batch of `n` rows of one Int64 column (tests of the store and its users).
+    pub(crate) fn batch(n: i64) -> RecordBatch {
         RecordBatch::try_from_iter([("x", Arc::new(Int64Array::from_iter_values(0..n)) as _)])
             .unwrap()
     }

@@ -261,13 +261,7 @@ impl MemoryPool for OperatorMemory {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use datafusion::arrow::array::Int64Array;
-    use datafusion::arrow::record_batch::RecordBatch;
-
-    fn batch(n: i64) -> RecordBatch {
-        RecordBatch::try_from_iter([("x", Arc::new(Int64Array::from_iter_values(0..n)) as _)])
-            .unwrap()
-    }
+    use crate::store::block_store::tests::batch;
 
     #[test]
     fn operators_push_blocks_out_of_memory() {
