@@ -90,6 +90,8 @@ async fn tiny_budget_spills_and_matches_datafusion() {
             .iter()
             .map(|op| metrics.operator(op.id).snapshot().spilled)
             .sum::<u64>();
+        // Blocks written to disk later, to make room for operator state, count too.
+        spilled += metrics.memory.snapshot()[2];
     }
     assert!(spilled > 0, "nothing spilled under a 256 KB budget");
     println!(
