@@ -177,6 +177,37 @@ impl fmt::Display for ByteSize {
 
 config_field!(ByteSize);
 
+/// The seed of random shuffles: a number, or none (`''`, `'random'`: each query draws one).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct ShuffleSeed(pub Option<u64>);
+
+impl FromStr for ShuffleSeed {
+    type Err = DataFusionError;
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        match s.trim().to_ascii_lowercase().as_str() {
+            "" | "random" | "none" => Ok(Self(None)),
+            n => n.parse::<u64>().map(|v| Self(Some(v))).map_err(|_| {
+                DataFusionError::Configuration(format!(
+                    "flumen.shuffle_seed must be a number from 0 to {} or '' (a seed per \
+                     query), got '{s}'",
+                    u64::MAX
+                ))
+            }),
+        }
+    }
+}
+
+impl fmt::Display for ShuffleSeed {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self.0 {
+            Some(seed) => write!(f, "{seed}"),
+            None => Ok(()),
+        }
+    }
+}
+
+config_field!(ShuffleSeed);
+
 /// The executable worker processes start from: fixed when the session starts
 /// (`flumen --worker-binary PATH`, or [`FlumenConfig::worker_binary`] in Rust), never by `SET`,
 /// which would let any statement run any program at the next process-mode query.
@@ -292,6 +323,10 @@ extensions_options! {
         /// The CA (PEM file) the cluster workers' certificates chain to; needed for
         /// workers off loopback, which speak TLS only.
         pub worker_ca: String, default = String::new()
+        /// Seed of `ORDER BY random()` (a random shuffle): set, the same query gives the same
+        /// permutation every run (with the same shuffle partitions, shown in `EXPLAIN`);
+        /// `''` (the default), each query draws its own.
+        pub shuffle_seed: ShuffleSeed, default = ShuffleSeed::default()
         /// Delta `INSERT INTO`: the application id of an idempotent insert (with
         /// `delta_txn_version`): the insert commits the transaction (app id, version), and
         /// is skipped when the table already has that version of the app or a later one.
@@ -326,6 +361,15 @@ mod tests {
         assert_eq!("1.5k".parse::<ByteSize>().unwrap().0, 1536);
         let err = "lots".parse::<ByteSize>().unwrap_err().to_string();
         assert!(err.contains("flumen.memory_budget"), "{err}");
+    }
+
+    #[test]
+    fn shuffle_seeds_parse() {
+        assert_eq!("42".parse::<ShuffleSeed>().unwrap(), ShuffleSeed(Some(42)));
+        assert_eq!("".parse::<ShuffleSeed>().unwrap(), ShuffleSeed(None));
+        assert_eq!("Random".parse::<ShuffleSeed>().unwrap(), ShuffleSeed(None));
+        let err = "-1".parse::<ShuffleSeed>().unwrap_err().to_string();
+        assert!(err.contains("flumen.shuffle_seed"), "{err}");
     }
 
     #[test]

@@ -12,9 +12,9 @@ use crate::cluster::WorkerPoolSlot;
 use crate::config::FlumenConfig;
 use crate::exec::{AcceleratorPool, FlumenQueryPlanner};
 use crate::functions::accelerator::accelerator_udf;
-use crate::functions::{embedding, text, vector};
+use crate::functions::{embedding, row_hash, text, vector};
 use crate::io::{delta, iceberg, object_stores};
-use crate::plan::accelerator_projection;
+use crate::plan::{accelerator_projection, random_shuffle};
 
 /// A DataFusion `SessionContext` whose queries run on flumen, with default DataFusion
 /// settings and the given flumen settings.
@@ -36,11 +36,12 @@ pub fn session_with_config(session_config: SessionConfig, config: FlumenConfig) 
     ctx
 }
 
-/// Register flumen's SQL functions: `embed`, `clean_text` and the vector helpers
-/// (`cosine_similarity`, `dot_product`, `l2_distance`).
+/// Register flumen's SQL functions: `embed`, `clean_text`, `row_hash` and the vector
+/// helpers (`cosine_similarity`, `dot_product`, `l2_distance`).
 pub fn register_functions(ctx: &SessionContext) {
     ctx.register_udf(accelerator_udf(embedding::EmbedFunction::default()));
     ctx.register_udf(text::clean_text_udf());
+    ctx.register_udf(row_hash::row_hash_udf());
     for udf in vector::vector_functions() {
         ctx.register_udf(udf);
     }
@@ -109,7 +110,8 @@ pub fn into_flumen(ctx: &SessionContext, config: FlumenConfig) -> SessionContext
 }
 
 /// Put [`KeepAcceleratorProjections`](accelerator_projection::KeepAcceleratorProjections)
-/// first among the session's physical optimizer rules (once).
+/// first among the session's physical optimizer rules and
+/// [`PlanRandomShuffles`](random_shuffle::PlanRandomShuffles) last (each once).
 fn keep_accelerator_projections(state: SessionState) -> SessionState {
     let rules = flumen_optimizer_rules(state.physical_optimizers());
     SessionStateBuilder::new_from_existing(state)
@@ -117,7 +119,7 @@ fn keep_accelerator_projections(state: SessionState) -> SessionState {
         .build()
 }
 
-/// `existing` with `KeepAcceleratorProjections` first (and only once).
+/// `existing` with `KeepAcceleratorProjections` first and `PlanRandomShuffles` last (once).
 fn flumen_optimizer_rules(
     existing: &[Arc<dyn PhysicalOptimizerRule + Send + Sync>],
 ) -> Vec<Arc<dyn PhysicalOptimizerRule + Send + Sync>> {
@@ -126,9 +128,16 @@ fn flumen_optimizer_rules(
     rules.extend(
         existing
             .iter()
-            .filter(|r| r.name() != "keep_accelerator_projections")
+            .filter(|r| {
+                !matches!(
+                    r.name(),
+                    "keep_accelerator_projections" | "plan_random_shuffles"
+                )
+            })
             .cloned(),
     );
+    // After DataFusion's rules: they would not know its nodes.
+    rules.push(Arc::new(random_shuffle::PlanRandomShuffles));
     rules
 }
 

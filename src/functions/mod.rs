@@ -5,10 +5,12 @@
 //! - [`embedding`]: `embed`, a sentence-embedding model (CPU and CUDA).
 //! - [`emulated_accelerator`]: a model that occupies an emulated device (benches, tests).
 //! - [`text`]: `clean_text`; [`vector`]: `cosine_similarity`, `dot_product`, `l2_distance`.
+//! - [`row_hash`]: `row_hash(seed, value, ...)`, a seeded hash of a row (random shuffles).
 
 pub mod accelerator;
 pub mod embedding;
 pub mod emulated_accelerator;
+pub mod row_hash;
 pub(crate) mod text;
 pub(crate) mod vector;
 

@@ -306,7 +306,15 @@ impl Drop for AbortOnDrop {
         }
         let (store, target, local) = (Arc::clone(&self.store), self.target.clone(), self.local);
         if let Ok(runtime) = tokio::runtime::Handle::try_current() {
-            runtime.spawn(async move { abort_staged(&store, &target, local).await });
+            runtime.spawn(async move {
+                abort_staged(&store, &target, local).await;
+                // A file write in flight when the statement was dropped runs on a blocking
+                // thread that cannot be cancelled, and may land after the first sweep.
+                for wait_ms in [50, 250, 1000, 3000] {
+                    tokio::time::sleep(std::time::Duration::from_millis(wait_ms)).await;
+                    abort_staged(&store, &target, local).await;
+                }
+            });
         }
     }
 }

@@ -37,6 +37,7 @@ use crate::functions::accelerator::calls_accelerator_udf;
 use crate::plan::accelerator_projection::AcceleratorProjectionExec;
 use crate::plan::exchange_sizing::ExchangeSizing;
 use crate::plan::graph::{Operator, OperatorGraph, OperatorId, Pool, TaskShape};
+use crate::plan::random_shuffle::ConcatPartitionsExec;
 use crate::plan::split_source::{RowGroupLayout, SplitSourceExec};
 use crate::plan::stage_input::{InputExchange, StageInputExec};
 
@@ -135,8 +136,17 @@ impl Cutter<'_> {
                 coalesce.fetch(),
             )));
         }
-        if let Some(merge) = plan.downcast_ref::<SortPreservingMergeExec>() {
-            let input = Arc::clone(merge.input());
+        // A merge of sorted partitions, or the ordered concatenation of a random shuffle's
+        // partitions, stays in the consumer, reading each producer partition in order.
+        let merged_input = plan
+            .downcast_ref::<SortPreservingMergeExec>()
+            .map(|m| m.input())
+            .or_else(|| {
+                plan.downcast_ref::<ConcatPartitionsExec>()
+                    .map(|c| c.input())
+            });
+        if let Some(input) = merged_input {
+            let input = Arc::clone(input);
             let properties = Arc::clone(input.properties());
             let child = self.rewrite(input)?;
             let producer = self.add_operator(child, Pool::Cpu, None)?;
