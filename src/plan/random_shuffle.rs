@@ -24,7 +24,7 @@
 use std::fmt;
 use std::sync::Arc;
 
-use datafusion::arrow::array::RecordBatch;
+use datafusion::arrow::array::{Array, RecordBatch};
 use datafusion::arrow::compute::interleave_record_batch;
 use datafusion::common::tree_node::{Transformed, TreeNode, TreeNodeRecursion};
 use datafusion::config::ConfigOptions;
@@ -269,7 +269,7 @@ impl ExecutionPlan for RandomPermuteExec {
             let mut keys = vec![];
             let mut input = input;
             while let Some(batch) = input.try_next().await? {
-                reservation.try_grow(batch.get_array_memory_size())?;
+                reservation.try_grow(referenced_bytes(&batch))?;
                 keys.push(shuffle_keys(&batch)?);
                 batches.push(batch);
             }
@@ -293,6 +293,20 @@ impl ExecutionPlan for RandomPermuteExec {
             permuted,
         )))
     }
+}
+
+/// Bytes of the buffer ranges `batch`'s rows use: blocks are often slices of a larger
+/// batch, whose whole buffers `get_array_memory_size` would count once per slice.
+fn referenced_bytes(batch: &RecordBatch) -> usize {
+    batch
+        .columns()
+        .iter()
+        .map(|c| {
+            c.to_data()
+                .get_slice_memory_size()
+                .unwrap_or_else(|_| c.get_array_memory_size())
+        })
+        .sum()
 }
 
 /// The shuffle key column (the last) of `batch`.

@@ -65,6 +65,8 @@ struct Entry {
 struct Inner {
     blocks: HashMap<BlockId, Entry>,
     memory_bytes: u64,
+    /// Blocks `make_room` is writing out now: no other call picks them too.
+    evicting: std::collections::HashSet<BlockId>,
 }
 
 /// Blocks of one query run, with a memory budget.
@@ -134,24 +136,31 @@ impl BlockStore {
         let mut written = (0, 0);
         loop {
             let victim = {
-                let inner = self.inner.lock().unwrap();
+                let mut inner = self.inner.lock().unwrap();
                 if inner.memory_bytes + self.operator_bytes() <= self.budget {
                     return Ok(written);
                 }
-                inner
+                let victim = inner
                     .blocks
                     .iter()
+                    .filter(|(id, _)| !inner.evicting.contains(id))
                     .filter_map(|(id, e)| match &e.data {
                         Stored::Memory(batch) => Some((*id, batch.clone())),
                         _ => None,
                     })
-                    .max_by_key(|(id, _)| *id)
+                    .max_by_key(|(id, _)| *id);
+                if let Some((id, _)) = &victim {
+                    inner.evicting.insert(*id);
+                }
+                victim
             };
             let Some((id, batch)) = victim else {
                 return Ok(written);
             };
-            let path = self.spill(id, &batch)?;
+            let spilled = self.spill(id, &batch);
             let mut inner = self.inner.lock().unwrap();
+            inner.evicting.remove(&id);
+            let path = spilled?;
             let entry = match inner.blocks.get_mut(&id) {
                 Some(entry) if matches!(entry.data, Stored::Memory(_)) => entry,
                 // Released (or replaced) while it was written.
@@ -214,6 +223,7 @@ impl BlockStore {
             DataFusionError::Execution(format!("cannot create flumen spill directory: {e}"))
         })?;
         let path = dir.path().join(format!("block-{id}.arrow"));
+        let partial = dir.path().join(format!("block-{id}.arrow.partial"));
         let spill_error = |e: &dyn std::fmt::Display| {
             DataFusionError::Execution(format!(
                 "cannot spill block {id} to {}: {e}",
@@ -225,7 +235,8 @@ impl BlockStore {
         let mut attempts = 0;
         let file = loop {
             attempts += 1;
-            let created = std::fs::create_dir_all(dir.path()).and_then(|()| File::create(&path));
+            let created =
+                std::fs::create_dir_all(dir.path()).and_then(|()| File::create(&partial));
             match created {
                 Ok(file) => break BufWriter::new(file),
                 Err(_) if attempts < 5 => std::thread::sleep(std::time::Duration::from_millis(5)),
@@ -235,6 +246,9 @@ impl BlockStore {
         let mut writer = FileWriter::try_new(file, batch.schema_ref())?;
         writer.write(batch).map_err(|e| spill_error(&e))?;
         writer.finish().map_err(|e| spill_error(&e))?;
+        // Readers only ever see a whole file.
+        drop(writer);
+        std::fs::rename(&partial, &path).map_err(|e| spill_error(&e))?;
         Ok(path)
     }
 
@@ -399,6 +413,29 @@ pub(crate) mod tests {
         assert_eq!(store.remove(1), 600);
         assert_eq!(store.memory_bytes(), 0);
         assert!(store.get(1).unwrap().is_none());
+    }
+
+    /// Several threads making room at once never write the same block twice (two writers
+    /// of one spill file left it damaged or deleted): every block reads back whole.
+    #[test]
+    fn concurrent_evictions_leave_every_block_readable() {
+        let store = Arc::new(BlockStore::new(1 << 20));
+        for id in 0..200 {
+            store.put(id, batch(1000 + id as i64), 4000).unwrap();
+        }
+        store.set_operator_bytes(1 << 20);
+        let threads: Vec<_> = (0..4)
+            .map(|_| {
+                let store = Arc::clone(&store);
+                std::thread::spawn(move || store.make_room().unwrap())
+            })
+            .collect();
+        let evicted: u64 = threads.into_iter().map(|t| t.join().unwrap().0).sum();
+        assert_eq!(evicted, 200);
+        assert_eq!(store.memory_bytes(), 0);
+        for id in 0..200 {
+            assert_eq!(store.get(id).unwrap().unwrap(), batch(1000 + id as i64));
+        }
     }
 
     #[test]
