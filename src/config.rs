@@ -261,6 +261,9 @@ extensions_options! {
         /// Bytes of blocks the block store keeps in memory; beyond it blocks spill to disk
         /// and producers are held back.
         pub memory_budget: ByteSize, default = ByteSize::default()
+        /// Directory under which each query makes its spill directory (blocks over the
+        /// budget); empty: the system's temp directory (`TMPDIR`).
+        pub spill_dir: String, default = String::new()
         /// Tasks that may run at once on the CPU pool.
         pub cpu_slots: usize, default = available_cores()
         /// Most tasks that may run at once on the accelerator pool (workers that keep their

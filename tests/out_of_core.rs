@@ -246,3 +246,76 @@ async fn random_shuffle_is_a_seeded_permutation() {
          {peak_store} B"
     );
 }
+
+/// Spill files deleted from disk while an out-of-core join runs (map outputs the reduce
+/// tasks have not read yet): the blocks are recomputed from lineage, only the tasks that made
+/// them, and the answer is unchanged.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn deleted_spill_files_are_recomputed() {
+    let (_dir, v, f) = contexts(2).await;
+    let spill = tempfile::tempdir().unwrap();
+    let set = format!("SET flumen.spill_dir = '{}'", spill.path().display());
+    collect(&f, &set).await;
+    let sql = QUERIES[0];
+    let expected = collect(&v, sql).await;
+
+    let stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let (stop_in, root) = (Arc::clone(&stop), spill.path().to_path_buf());
+    // Every 30 ms, delete every fourth whole spill file there is.
+    let deleter = std::thread::spawn(move || {
+        let mut deleted = 0;
+        while !stop_in.load(std::sync::atomic::Ordering::Relaxed) {
+            let files: Vec<_> = walk(&root)
+                .into_iter()
+                .filter(|p| p.extension().is_some_and(|e| e == "arrow"))
+                .collect();
+            for file in files.iter().step_by(4) {
+                if std::fs::remove_file(file).is_ok() {
+                    deleted += 1;
+                }
+            }
+            std::thread::sleep(std::time::Duration::from_millis(30));
+        }
+        deleted
+    });
+    let (batches, plan) = run_plan(&f, sql).await;
+    stop.store(true, std::sync::atomic::Ordering::Relaxed);
+    let deleted = deleter.join().unwrap();
+    assert_eq!(text(&expected), text(&batches), "{sql}");
+    let exec = plan.downcast_ref::<FlumenExec>().unwrap();
+    let metrics = exec.run_metrics();
+    let (tasks, recomputed): (u64, u64) = exec
+        .graph()
+        .operators
+        .iter()
+        .map(|op| metrics.operator(op.id).snapshot())
+        .fold((0, 0), |(t, r), s| (t + s.tasks, r + s.recomputed));
+    assert!(deleted > 0, "no spill file was there to delete");
+    assert!(
+        recomputed > 0,
+        "{deleted} spill files deleted, no task recomputed"
+    );
+    // Each recompute was for a deleted file (one task may have lost several).
+    assert!(
+        recomputed <= deleted,
+        "{recomputed} recomputes for {deleted} deletions"
+    );
+    println!(
+        "{deleted} spill files deleted during the join: {recomputed} of {tasks} tasks \
+         recomputed, same answer"
+    );
+}
+
+/// Every file below `dir`.
+fn walk(dir: &Path) -> Vec<std::path::PathBuf> {
+    let mut files = vec![];
+    for entry in std::fs::read_dir(dir).into_iter().flatten().flatten() {
+        let path = entry.path();
+        if path.is_dir() {
+            files.extend(walk(&path));
+        } else {
+            files.push(path);
+        }
+    }
+    files
+}

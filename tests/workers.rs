@@ -865,3 +865,44 @@ async fn embed_in_a_cuda_worker_at_the_default_block_size_matches_the_cpu_refere
     }
     embed_in_a_worker_matches_the_cpu_reference("cuda").await;
 }
+
+/// An out-of-core join (a 1 MB budget: its exchange gets many partitions, map outputs spill)
+/// with a worker SIGKILLed during the map stage: the map blocks it held are recomputed from
+/// lineage, and the answer is vanilla DataFusion's.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_worker_killed_in_an_out_of_core_map_stage() {
+    let (dir, v) = events_with_vanilla(3, 20_000).await;
+    let (dropper, killed) = signal_at_block(15, libc::SIGKILL, None);
+    let f = session(process_config(2), Some(dropper));
+    for set in [
+        "SET flumen.memory_budget = '1MB'",
+        "SET flumen.split_bytes = '64KB'",
+        "SET flumen.target_block_rows = 1000",
+        // A partitioned join (both sides through the exchange), as on large tables.
+        "SET datafusion.optimizer.hash_join_single_partition_threshold = 0",
+        "SET datafusion.optimizer.hash_join_single_partition_threshold_rows = 0",
+    ] {
+        f.sql(set).await.unwrap();
+    }
+    register_tables(&f, dir.path()).await;
+    let sql = "SELECT count(*), round(sum(a.v * b.v), 6), max(b.body) \
+               FROM events a JOIN events b ON a.id = b.id";
+    let expected = v.sql(sql).await.unwrap().collect().await.unwrap();
+    let (batches, plan) = run_plan(&f, sql).await;
+    assert_eq!(rows(&expected, false), rows(&batches, false), "{sql}");
+    let exec = plan.downcast_ref::<FlumenExec>().unwrap();
+    let sizing = exec.graph().sizing;
+    assert!(sizing.out_of_core(), "not out of core: {sizing:?}");
+    let state = killed.lock().unwrap();
+    assert!(state.pid.is_some(), "no worker was killed");
+    let metrics = exec.run_metrics();
+    let (lost, remote): (u64, u64) = exec
+        .graph()
+        .operators
+        .iter()
+        .map(|op| metrics.operator(op.id).snapshot())
+        .fold((0, 0), |(l, r), s| (l + s.blocks_lost, r + s.remote_tasks));
+    assert!(remote > 0, "no map task ran in a worker");
+    assert!(lost > 0, "the killed worker held no block");
+    println!("{sizing}; worker killed in the map stage: {lost} blocks lost, {remote} remote tasks");
+}

@@ -151,7 +151,8 @@ impl QueryRun {
                 .get_extension::<WorkerPoolSlot>()
                 .unwrap_or_default()
         });
-        let store = Arc::new(BlockStore::new(config.memory_budget.0));
+        let spill_root = (!config.spill_dir.is_empty()).then(|| config.spill_dir.clone().into());
+        let store = Arc::new(BlockStore::new(config.memory_budget.0).with_spill_root(spill_root));
         let operator_memory = Arc::new(OperatorMemory::new(
             Arc::clone(&store),
             Arc::clone(&metrics.memory),

@@ -75,6 +75,8 @@ pub struct BlockStore {
     /// Bytes the run's operators hold (their state shares the budget:
     /// [`crate::store::operator_memory::OperatorMemory`]).
     operator_bytes: AtomicU64,
+    /// Where the spill directory is made (`flumen.spill_dir`); `None`: the temp directory.
+    spill_root: Option<PathBuf>,
     spill_dir: OnceLock<std::io::Result<TempDir>>,
     inner: Mutex<Inner>,
 }
@@ -104,9 +106,16 @@ impl BlockStore {
         Self {
             budget,
             operator_bytes: AtomicU64::new(0),
+            spill_root: None,
             spill_dir: OnceLock::new(),
             inner: Mutex::new(Inner::default()),
         }
+    }
+
+    /// Put spill files in a directory made under `root` (else the system's temp directory).
+    pub fn with_spill_root(mut self, root: Option<PathBuf>) -> Self {
+        self.spill_root = root;
+        self
     }
 
     /// The memory budget in bytes.
@@ -216,9 +225,13 @@ impl BlockStore {
     }
 
     fn spill(&self, id: BlockId, batch: &RecordBatch) -> Result<PathBuf> {
-        let dir = self
-            .spill_dir
-            .get_or_init(|| tempfile::Builder::new().prefix("flumen-spill-").tempdir());
+        let dir = self.spill_dir.get_or_init(|| {
+            let builder = tempfile::Builder::new().prefix("flumen-spill-").clone();
+            match &self.spill_root {
+                Some(root) => std::fs::create_dir_all(root).and_then(|()| builder.tempdir_in(root)),
+                None => builder.tempdir(),
+            }
+        });
         let dir = dir.as_ref().map_err(|e| {
             DataFusionError::Execution(format!("cannot create flumen spill directory: {e}"))
         })?;
@@ -235,8 +248,7 @@ impl BlockStore {
         let mut attempts = 0;
         let file = loop {
             attempts += 1;
-            let created =
-                std::fs::create_dir_all(dir.path()).and_then(|()| File::create(&partial));
+            let created = std::fs::create_dir_all(dir.path()).and_then(|()| File::create(&partial));
             match created {
                 Ok(file) => break BufWriter::new(file),
                 Err(_) if attempts < 5 => std::thread::sleep(std::time::Duration::from_millis(5)),
