@@ -61,6 +61,24 @@ struct Entry {
     bytes: u64,
 }
 
+/// Write `batch` to `partial` in `dir` (made if missing), then rename it to `path`: readers
+/// only ever see a whole file.
+fn write_whole(
+    dir: &std::path::Path,
+    partial: &std::path::Path,
+    path: &std::path::Path,
+    batch: &RecordBatch,
+) -> std::result::Result<(), Box<dyn std::error::Error>> {
+    std::fs::create_dir_all(dir)?;
+    let mut writer =
+        FileWriter::try_new(BufWriter::new(File::create(partial)?), batch.schema_ref())?;
+    writer.write(batch)?;
+    writer.finish()?;
+    drop(writer);
+    std::fs::rename(partial, path)?;
+    Ok(())
+}
+
 #[derive(Default)]
 struct Inner {
     blocks: HashMap<BlockId, Entry>,
@@ -243,24 +261,18 @@ impl BlockStore {
                 path.display()
             ))
         };
-        // Someone may have deleted the directory under a running query: make it again (a
-        // few times: a deletion in progress races with the creation).
+        // Someone may have deleted the directory under a running query (before the file was
+        // made, or before it was renamed): write it again, a few times (a deletion in
+        // progress races with the creation).
         let mut attempts = 0;
-        let file = loop {
+        loop {
             attempts += 1;
-            let created = std::fs::create_dir_all(dir.path()).and_then(|()| File::create(&partial));
-            match created {
-                Ok(file) => break BufWriter::new(file),
+            match write_whole(dir.path(), &partial, &path, batch) {
+                Ok(()) => break,
                 Err(_) if attempts < 5 => std::thread::sleep(std::time::Duration::from_millis(5)),
                 Err(e) => return Err(spill_error(&e)),
             }
-        };
-        let mut writer = FileWriter::try_new(file, batch.schema_ref())?;
-        writer.write(batch).map_err(|e| spill_error(&e))?;
-        writer.finish().map_err(|e| spill_error(&e))?;
-        // Readers only ever see a whole file.
-        drop(writer);
-        std::fs::rename(&partial, &path).map_err(|e| spill_error(&e))?;
+        }
         Ok(path)
     }
 
