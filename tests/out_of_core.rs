@@ -265,7 +265,7 @@ async fn deleted_spill_files_are_recomputed() {
     let deleter = std::thread::spawn(move || {
         let mut deleted = 0;
         while !stop_in.load(std::sync::atomic::Ordering::Relaxed) {
-            let files: Vec<_> = walk(&root)
+            let files: Vec<_> = files_below(&root)
                 .into_iter()
                 .filter(|p| p.extension().is_some_and(|e| e == "arrow"))
                 .collect();
@@ -282,14 +282,9 @@ async fn deleted_spill_files_are_recomputed() {
     stop.store(true, std::sync::atomic::Ordering::Relaxed);
     let deleted = deleter.join().unwrap();
     assert_eq!(text(&expected), text(&batches), "{sql}");
-    let exec = plan.downcast_ref::<FlumenExec>().unwrap();
-    let metrics = exec.run_metrics();
-    let (tasks, recomputed): (u64, u64) = exec
-        .graph()
-        .operators
-        .iter()
-        .map(|op| metrics.operator(op.id).snapshot())
-        .fold((0, 0), |(t, r), s| (t + s.tasks, r + s.recomputed));
+    let stats = operator_stats(plan.downcast_ref::<FlumenExec>().unwrap());
+    let tasks: u64 = stats.iter().map(|s| s.tasks).sum();
+    let recomputed: u64 = stats.iter().map(|s| s.recomputed).sum();
     assert!(deleted > 0, "no spill file was there to delete");
     assert!(
         recomputed > 0,
@@ -304,18 +299,4 @@ async fn deleted_spill_files_are_recomputed() {
         "{deleted} spill files deleted during the join: {recomputed} of {tasks} tasks \
          recomputed, same answer"
     );
-}
-
-/// Every file below `dir`.
-fn walk(dir: &Path) -> Vec<std::path::PathBuf> {
-    let mut files = vec![];
-    for entry in std::fs::read_dir(dir).into_iter().flatten().flatten() {
-        let path = entry.path();
-        if path.is_dir() {
-            files.extend(walk(&path));
-        } else {
-            files.push(path);
-        }
-    }
-    files
 }

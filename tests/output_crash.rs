@@ -6,7 +6,9 @@
 
 mod common;
 
-use std::path::{Path, PathBuf};
+use std::path::Path;
+
+use common::files_below;
 use std::process::{Command, Stdio};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -33,23 +35,6 @@ fn flumen_copy(input: &Path, output: &Path) -> std::process::Child {
         .stderr(Stdio::null())
         .spawn()
         .unwrap()
-}
-
-/// Every file below `dir`, hidden ones included.
-fn files_below(dir: &Path) -> Vec<PathBuf> {
-    let mut files = vec![];
-    let Ok(entries) = std::fs::read_dir(dir) else {
-        return files;
-    };
-    for entry in entries.flatten() {
-        let path = entry.path();
-        if path.is_dir() {
-            files.extend(files_below(&path));
-        } else {
-            files.push(path);
-        }
-    }
-    files
 }
 
 fn is_staging(path: &Path) -> bool {

@@ -895,13 +895,9 @@ async fn a_worker_killed_in_an_out_of_core_map_stage() {
     assert!(sizing.out_of_core(), "not out of core: {sizing:?}");
     let state = killed.lock().unwrap();
     assert!(state.pid.is_some(), "no worker was killed");
-    let metrics = exec.run_metrics();
-    let (lost, remote): (u64, u64) = exec
-        .graph()
-        .operators
-        .iter()
-        .map(|op| metrics.operator(op.id).snapshot())
-        .fold((0, 0), |(l, r), s| (l + s.blocks_lost, r + s.remote_tasks));
+    let stats = common::operator_stats(exec);
+    let lost: u64 = stats.iter().map(|s| s.blocks_lost).sum();
+    let remote: u64 = stats.iter().map(|s| s.remote_tasks).sum();
     assert!(remote > 0, "no map task ran in a worker");
     assert!(lost > 0, "the killed worker held no block");
     println!("{sizing}; worker killed in the map stage: {lost} blocks lost, {remote} remote tasks");

@@ -246,10 +246,7 @@ impl ExecutionPlan for RandomPermuteExec {
         self: Arc<Self>,
         children: Vec<Arc<dyn ExecutionPlan>>,
     ) -> Result<Arc<dyn ExecutionPlan>> {
-        let input = children
-            .into_iter()
-            .next()
-            .ok_or_else(|| DataFusionError::Internal("RandomPermuteExec needs one child".into()))?;
+        let input = only_child(children, "RandomPermuteExec")?;
         Ok(Arc::new(Self::new(input, self.seed)))
     }
 
@@ -307,6 +304,14 @@ fn referenced_bytes(batch: &RecordBatch) -> usize {
                 .unwrap_or_else(|_| c.get_array_memory_size())
         })
         .sum()
+}
+
+/// The one child a node of this module is rebuilt with.
+fn only_child(children: Vec<Arc<dyn ExecutionPlan>>, node: &str) -> Result<Arc<dyn ExecutionPlan>> {
+    children
+        .into_iter()
+        .next()
+        .ok_or_else(|| DataFusionError::Internal(format!("{node} needs one child")))
 }
 
 /// The shuffle key column (the last) of `batch`.
@@ -407,9 +412,7 @@ impl ExecutionPlan for ConcatPartitionsExec {
         self: Arc<Self>,
         children: Vec<Arc<dyn ExecutionPlan>>,
     ) -> Result<Arc<dyn ExecutionPlan>> {
-        let input = children.into_iter().next().ok_or_else(|| {
-            DataFusionError::Internal("ConcatPartitionsExec needs one child".into())
-        })?;
+        let input = only_child(children, "ConcatPartitionsExec")?;
         Ok(Arc::new(Self::new(input)))
     }
 

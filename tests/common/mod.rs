@@ -3,7 +3,7 @@
 
 #![allow(dead_code)]
 
-use std::path::Path;
+use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
 use datafusion::arrow::array::{Float64Array, Int64Array, StringArray};
@@ -286,4 +286,31 @@ pub fn embeddings_by_id(
     }
     out.sort_by_key(|(id, _)| *id);
     out
+}
+
+/// Every file below `dir`, hidden ones included (none when `dir` is missing).
+pub fn files_below(dir: &Path) -> Vec<PathBuf> {
+    let mut files = vec![];
+    let Ok(entries) = std::fs::read_dir(dir) else {
+        return files;
+    };
+    for entry in entries.flatten() {
+        let path = entry.path();
+        if path.is_dir() {
+            files.extend(files_below(&path));
+        } else {
+            files.push(path);
+        }
+    }
+    files
+}
+
+/// The counters of every operator of an executed plan's run.
+pub fn operator_stats(exec: &flumen::exec::FlumenExec) -> Vec<flumen::exec::StatsSnapshot> {
+    let metrics = exec.run_metrics();
+    exec.graph()
+        .operators
+        .iter()
+        .map(|op| metrics.operator(op.id).snapshot())
+        .collect()
 }
