@@ -134,3 +134,19 @@ async fn explain_preprocessing_runs_in_cpu_tasks_below_the_model() {
         .await
     );
 }
+
+/// A full sort out of core is a range sort: split by sampled ranges (their number shown),
+/// one task sorts one range, the ranges concatenated in order.
+#[tokio::test]
+async fn explain_out_of_core_sort_shows_the_range_exchange() {
+    insta::assert_snapshot!(
+        explain_with(
+            &[
+                "CREATE TABLE big AS SELECT x AS id, x % 7 AS k FROM generate_series(1, 20000) AS g(x)",
+                "SET flumen.memory_budget = '64KB'",
+            ],
+            "SELECT id, k FROM big ORDER BY k, id"
+        )
+        .await
+    );
+}

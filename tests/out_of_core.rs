@@ -15,6 +15,7 @@ use datafusion::arrow::array::{Array, AsArray};
 use datafusion::arrow::compute::concat;
 use datafusion::arrow::datatypes::Int64Type;
 use datafusion::arrow::util::pretty::pretty_format_batches;
+use datafusion::physical_plan::Partitioning;
 use datafusion::prelude::{ParquetReadOptions, SessionContext};
 use flumen::exec::FlumenExec;
 
@@ -71,11 +72,10 @@ const QUERIES: &[&str] = &[
     "SELECT count(*), sum(c), max(s), min(t) FROM \
      (SELECT k, count(*) AS c, sum(v) AS s, min(tag) AS t FROM facts GROUP BY k)",
     "SELECT count(*), max(m) FROM (SELECT id % 700000 AS g, max(tag) AS m FROM facts GROUP BY id % 700000)",
-    // A window over partitions. (One over the whole table in one order, `lag(id) OVER
-    // (ORDER BY v, id)`, still fails now and then under 16 MB: two sorts' in-memory merges
-    // and the window's merge together need more than the budget.)
+    // A window over partitions, and one over the whole table in one order (a range sort).
     "SELECT sum(rn * v), max(rn) FROM \
      (SELECT v, row_number() OVER (PARTITION BY k ORDER BY id) AS rn FROM facts)",
+    "SELECT sum(id - p), count(p) FROM (SELECT id, lag(id) OVER (ORDER BY v, id) AS p FROM facts)",
     // A join where 30% of the build side has one key.
     "SELECT count(*), sum(s.v), sum(f.v) FROM skewed s JOIN facts f ON s.k = f.id",
 ];
@@ -118,22 +118,37 @@ async fn tiny_budget_answers_like_datafusion() {
     }
 }
 
-/// A full sort of 1.5M rows under the budget: the same order as DataFusion's. One CPU slot:
-/// with two, two sorts' in-memory merges (memory that cannot spill, ~13 MB for one) now and
-/// then leave the other sort no room for a batch.
+/// A full sort of 1.5M rows under the budget, planned as a range sort (sampled split
+/// points, rows split by range through the store, one task sorts one range, ranges read in
+/// order): the same order as DataFusion's.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn tiny_budget_sorts_like_datafusion() {
-    let (_dir, v, f) = contexts(1).await;
+    let (_dir, v, f) = contexts(2).await;
     let sql = "SELECT id FROM facts ORDER BY tag DESC, v, id";
     let ids = |batches: Vec<datafusion::arrow::record_batch::RecordBatch>| {
         let columns: Vec<Arc<dyn Array>> = batches.iter().map(|b| b.column(0).clone()).collect();
         let refs: Vec<&dyn Array> = columns.iter().map(|c| c.as_ref()).collect();
         concat(&refs).unwrap()
     };
+    let started = Instant::now();
     let expected = ids(collect(&v, sql).await);
+    let vanilla_s = started.elapsed().as_secs_f64();
+    let started = Instant::now();
     let (batches, plan) = run_plan(&f, sql).await;
-    let sizing = plan.downcast_ref::<FlumenExec>().unwrap().graph().sizing;
+    let flumen_s = started.elapsed().as_secs_f64();
+    let exec = plan.downcast_ref::<FlumenExec>().unwrap();
+    let sizing = exec.graph().sizing;
     assert!(sizing.out_of_core(), "not planned out of core: {sizing:?}");
+    let ranges = exec
+        .graph()
+        .operators
+        .iter()
+        .find_map(|op| match &op.output_split {
+            Some(Partitioning::Range(r)) => Some(r.partition_count()),
+            _ => None,
+        })
+        .expect("no range exchange in the plan");
+    assert!(ranges > 4, "{ranges} ranges");
     let actual = ids(batches);
     assert_eq!(actual.len(), FACTS as usize);
     assert_eq!(
@@ -141,13 +156,18 @@ async fn tiny_budget_sorts_like_datafusion() {
         actual.as_primitive::<Int64Type>(),
         "order differs"
     );
-    let metrics = plan.downcast_ref::<FlumenExec>().unwrap().run_metrics();
+    let metrics = exec.run_metrics();
     let [peak_operators, refusals, ..] = metrics.memory.snapshot();
+    let peak_store = metrics.peak_store_bytes();
     assert!(
         peak_operators <= 16 << 20,
         "operators held {peak_operators}"
     );
-    println!("{sizing}: peak operator state {peak_operators} B, {refusals} spill requests");
+    assert!(peak_store <= 16 << 20, "the store held {peak_store}");
+    println!(
+        "{sizing}: {ranges} ranges; vanilla {vanilla_s:.2}s, flumen {flumen_s:.2}s; peak \
+         operator state {peak_operators} B, peak store {peak_store} B, {refusals} spill requests"
+    );
 }
 
 /// The `id`s of a one-column result, in order.

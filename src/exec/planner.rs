@@ -19,6 +19,7 @@ use crate::config::FlumenConfig;
 use crate::exec::flumen_exec::FlumenExec;
 use crate::plan::exchange_sizing::ExchangeSizing;
 use crate::plan::graph::OperatorGraph;
+use crate::plan::range_sort::plan_range_sorts;
 use crate::plan::split_source::RowGroupLayout;
 
 /// The query planner of a flumen session.
@@ -35,13 +36,19 @@ fn flumen_config(session: &dyn Session) -> FlumenConfig {
 }
 
 /// Cut a DataFusion physical plan into operators and wrap it in a [`FlumenExec`];
-/// `sizing`: how its hash exchanges were sized ([`sized_physical_plan`]).
+/// `sizing`: how its hash exchanges were sized ([`sized_physical_plan`]). Out of core, its
+/// full sorts become range-partitioned sorts first (which samples their keys now).
 pub async fn to_flumen_plan(
     plan: Arc<dyn ExecutionPlan>,
     session: &dyn Session,
     sizing: ExchangeSizing,
 ) -> Result<Arc<dyn ExecutionPlan>> {
     let plan = crate::io::output_commit::stage_file_sinks(plan)?;
+    let plan = if sizing.out_of_core() {
+        plan_range_sorts(plan, &sizing, session.task_ctx(), session.config_options()).await?
+    } else {
+        plan
+    };
     let layout = RowGroupLayout::read(&plan, session.runtime_env()).await;
     let graph = OperatorGraph::cut(plan, session.config_options(), &layout, sizing)?;
     Ok(Arc::new(FlumenExec::new(graph, flumen_config(session))))

@@ -35,9 +35,9 @@ use datafusion::physical_plan::{
 use crate::config::FlumenConfig;
 use crate::functions::accelerator::calls_accelerator_udf;
 use crate::plan::accelerator_projection::AcceleratorProjectionExec;
+use crate::plan::concat_partitions::ConcatPartitionsExec;
 use crate::plan::exchange_sizing::ExchangeSizing;
 use crate::plan::graph::{Operator, OperatorGraph, OperatorId, Pool, TaskShape};
-use crate::plan::random_shuffle::ConcatPartitionsExec;
 use crate::plan::split_source::{RowGroupLayout, SplitSourceExec};
 use crate::plan::stage_input::{InputExchange, StageInputExec};
 

@@ -22,6 +22,7 @@ use datafusion::physical_plan::sorts::sort::SortExec;
 use datafusion::physical_plan::{ExecutionPlan, Partitioning, StatisticsArgs, StatisticsContext};
 
 use crate::config::{ByteSize, FlumenConfig};
+use crate::plan::range_sort::can_range_sort;
 
 /// Most partitions an exchange is given (beyond it a query runs with larger partitions).
 pub const MAX_PARTITIONS: usize = 4096;
@@ -62,17 +63,23 @@ impl ExchangeSizing {
                 largest = largest.max(bytes);
                 needed = needed.max(bytes.div_ceil(partition_bytes));
             }
-            // A full sort: more partitions make more, smaller sorted runs, as many as the
-            // merge above can read at once (a block of each) in a quarter of the budget;
-            // beyond that each run's sort spills by itself.
+            // A full sort. One that becomes a range sort (out of core) needs a range per
+            // partition's share of bytes. Otherwise more partitions make more, smaller
+            // sorted runs, as many as the merge above can read at once (a block of each)
+            // in a quarter of the budget; beyond that each run's sort spills by itself.
             if let Some(sort) = node.downcast_ref::<SortExec>()
                 && sort.fetch().is_none()
             {
                 let bytes = estimated_bytes(sort.input());
-                let block_bytes = config.target_block_rows as u64 * row_width(sort.input());
-                let fan_in = (config.memory_budget.0 / 4 / (3 * block_bytes).max(1)).max(2);
+                let ranges = bytes.div_ceil(partition_bytes);
                 largest = largest.max(bytes);
-                needed = needed.max(bytes.div_ceil(partition_bytes).min(fan_in));
+                if can_range_sort(sort) {
+                    needed = needed.max(ranges);
+                } else {
+                    let block_bytes = config.target_block_rows as u64 * row_width(sort.input());
+                    let fan_in = (config.memory_budget.0 / 4 / (3 * block_bytes).max(1)).max(2);
+                    needed = needed.max(ranges.min(fan_in));
+                }
             }
             Ok(datafusion::common::tree_node::TreeNodeRecursion::Continue)
         });

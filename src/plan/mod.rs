@@ -7,13 +7,33 @@
 //! - [`stage_input`]: the leaf through which a fragment reads its producer's blocks.
 //! - [`accelerator_projection`]: model UDF projections kept apart as accelerator operators.
 //! - [`random_shuffle`]: `ORDER BY random()` planned as a seeded random shuffle.
+//! - [`range_sort`]: an out-of-core full sort planned as sampled ranges, each sorted in a task.
+//! - [`concat_partitions`]: partitions read one after the other (the output of both).
 
 pub(crate) mod accelerator_projection;
+pub mod concat_partitions;
 pub(crate) mod cut;
 pub mod exchange_sizing;
 pub(crate) mod graph;
 pub mod random_shuffle;
+pub mod range_sort;
 pub(crate) mod split_source;
 pub(crate) mod stage_input;
 
 pub use graph::{Operator, OperatorGraph, OperatorId, Pool, TaskShape};
+
+use std::sync::Arc;
+
+use datafusion::error::{DataFusionError, Result};
+use datafusion::physical_plan::ExecutionPlan;
+
+/// The one child a single-input node of flumen's own is rebuilt with.
+pub(crate) fn only_child(
+    children: Vec<Arc<dyn ExecutionPlan>>,
+    node: &str,
+) -> Result<Arc<dyn ExecutionPlan>> {
+    children
+        .into_iter()
+        .next()
+        .ok_or_else(|| DataFusionError::Internal(format!("{node} needs one child")))
+}

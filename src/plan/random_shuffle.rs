@@ -45,13 +45,15 @@ use datafusion::physical_plan::{
     PlanProperties,
 };
 use datafusion::scalar::ScalarValue;
-use futures::{StreamExt, TryStreamExt};
+use futures::TryStreamExt;
 use rand::SeedableRng;
 use rand::rngs::StdRng;
 use rand::seq::SliceRandom;
 
 use crate::config::FlumenConfig;
 use crate::functions::row_hash::row_hash_udf;
+use crate::plan::concat_partitions::ConcatPartitionsExec;
+use crate::plan::only_child;
 
 /// The column the shuffle's map side adds: `row_hash(seed, every column)`.
 pub const SHUFFLE_KEY: &str = "__flumen_shuffle_key";
@@ -306,14 +308,6 @@ fn referenced_bytes(batch: &RecordBatch) -> usize {
         .sum()
 }
 
-/// The one child a node of this module is rebuilt with.
-fn only_child(children: Vec<Arc<dyn ExecutionPlan>>, node: &str) -> Result<Arc<dyn ExecutionPlan>> {
-    children
-        .into_iter()
-        .next()
-        .ok_or_else(|| DataFusionError::Internal(format!("{node} needs one child")))
-}
-
 /// The shuffle key column (the last) of `batch`.
 fn shuffle_keys(batch: &RecordBatch) -> Result<Vec<u64>> {
     let last = batch.num_columns().checked_sub(1);
@@ -343,99 +337,6 @@ fn permutation(keys: &[Vec<u64>], seed: u64, partition: usize) -> Vec<(usize, us
     let stream_seed = seed ^ (partition as u64 + 1).wrapping_mul(0x9E37_79B9_7F4A_7C15);
     order.shuffle(&mut StdRng::seed_from_u64(stream_seed));
     order
-}
-
-/// Its input's partitions, one after the other, as one partition (the shuffle's output
-/// order: partition 0's rows, then partition 1's...).
-#[derive(Debug)]
-pub struct ConcatPartitionsExec {
-    input: Arc<dyn ExecutionPlan>,
-    properties: Arc<PlanProperties>,
-}
-
-impl ConcatPartitionsExec {
-    /// Concatenate `input`'s partitions in order.
-    pub fn new(input: Arc<dyn ExecutionPlan>) -> Self {
-        let properties = PlanProperties::new(
-            EquivalenceProperties::new(input.schema()),
-            Partitioning::UnknownPartitioning(1),
-            EmissionType::Incremental,
-            Boundedness::Bounded,
-        );
-        Self {
-            input,
-            properties: Arc::new(properties),
-        }
-    }
-
-    /// The node whose partitions are concatenated.
-    pub fn input(&self) -> &Arc<dyn ExecutionPlan> {
-        &self.input
-    }
-}
-
-impl DisplayAs for ConcatPartitionsExec {
-    fn fmt_as(&self, _t: DisplayFormatType, f: &mut fmt::Formatter) -> fmt::Result {
-        write!(
-            f,
-            "ConcatPartitionsExec: partitions={}",
-            self.input.output_partitioning().partition_count()
-        )
-    }
-}
-
-impl ExecutionPlan for ConcatPartitionsExec {
-    fn name(&self) -> &str {
-        "ConcatPartitionsExec"
-    }
-
-    fn properties(&self) -> &Arc<PlanProperties> {
-        &self.properties
-    }
-
-    fn children(&self) -> Vec<&Arc<dyn ExecutionPlan>> {
-        vec![&self.input]
-    }
-
-    fn apply_expressions(
-        &self,
-        _f: &mut dyn FnMut(&Arc<dyn PhysicalExpr>) -> Result<TreeNodeRecursion>,
-    ) -> Result<TreeNodeRecursion> {
-        Ok(TreeNodeRecursion::Continue)
-    }
-
-    fn maintains_input_order(&self) -> Vec<bool> {
-        vec![false]
-    }
-
-    fn with_new_children(
-        self: Arc<Self>,
-        children: Vec<Arc<dyn ExecutionPlan>>,
-    ) -> Result<Arc<dyn ExecutionPlan>> {
-        let input = only_child(children, "ConcatPartitionsExec")?;
-        Ok(Arc::new(Self::new(input)))
-    }
-
-    fn execute(
-        &self,
-        partition: usize,
-        context: Arc<TaskContext>,
-    ) -> Result<SendableRecordBatchStream> {
-        if partition != 0 {
-            return Err(DataFusionError::Internal(format!(
-                "ConcatPartitionsExec has one partition, asked for {partition}"
-            )));
-        }
-        let input = Arc::clone(&self.input);
-        let count = input.output_partitioning().partition_count();
-        let streams = futures::stream::iter(0..count)
-            .map(move |p| input.execute(p, Arc::clone(&context)))
-            .try_flatten();
-        Ok(Box::pin(RecordBatchStreamAdapter::new(
-            self.schema(),
-            streams,
-        )))
-    }
 }
 
 #[cfg(test)]

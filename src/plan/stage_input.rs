@@ -37,6 +37,13 @@ impl fmt::Display for InputExchange {
         match self {
             InputExchange::Preserve => f.write_str("preserve"),
             InputExchange::Gather => f.write_str("gather"),
+            // Split points can be many and long: their number says enough here.
+            InputExchange::Split(Partitioning::Range(ranges)) => write!(
+                f,
+                "Range([{}], {} ranges from sampled split points)",
+                ranges.ordering(),
+                ranges.partition_count()
+            ),
             InputExchange::Split(p) => write!(f, "{p}"),
         }
     }
