@@ -1,6 +1,6 @@
 //! TPC-H through vanilla DataFusion and through flumen, in the same run.
 //!
-//! `cargo bench --bench tpch [-- --sf 1 --runs 2 --mode streaming --queries 5,18 --analyze --only flumen --split-bytes 16MB --aggregate-split-bytes 64MB]`
+//! `cargo bench --bench tpch [-- --sf 1 --runs 2 --mode streaming --queries 5,18 --analyze --only flumen --split-bytes 16MB --aggregate-split-bytes 64MB --budget 1GB]`
 //!
 //! Generates the TPC-H tables as Parquet with tpchgen (no downloads) under
 //! `target/tpch-sf<SF>/`, then runs the 22 queries (their text is read from the TPC-H files
@@ -8,6 +8,11 @@
 //! query's time and the ratio flumen/vanilla. Every run of every query compares flumen's
 //! whole answer with vanilla DataFusion's (rows sorted, floats to a relative 1e-9, everything
 //! else exactly) and stops at the first difference. The last line is machine-readable.
+//!
+//! `--budget B` runs both engines under a memory limit, as a user would set one: flumen's
+//! `memory_budget`, vanilla DataFusion's `RuntimeEnv` memory limit (its spilling operators
+//! spill, the others fail). Each query then also shows each engine's peak RSS (the process's
+//! high-water mark, reset before each run), and a query an engine fails is reported, not fatal.
 
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
@@ -231,6 +236,7 @@ fn assert_same_answer(n: usize, vanilla: &[RecordBatch], flumen: &[RecordBatch])
 /// Run a query's statements; returns (seconds, the last result, peak block-store bytes when
 /// it ran on flumen).
 async fn run(ctx: &SessionContext, statements: &[String]) -> Result<(f64, Vec<RecordBatch>, u64)> {
+    reset_peak_rss();
     let started = Instant::now();
     let cpu_started = cpu_seconds();
     let mut last = vec![];
@@ -251,6 +257,63 @@ async fn run(ctx: &SessionContext, statements: &[String]) -> Result<(f64, Vec<Re
         );
     }
     Ok((wall, last, peak))
+}
+
+/// Reset the process's peak RSS (Linux `clear_refs` 5).
+fn reset_peak_rss() {
+    let _ = std::fs::write("/proc/self/clear_refs", "5");
+}
+
+/// The process's peak RSS in bytes since the last reset.
+fn peak_rss() -> u64 {
+    std::fs::read_to_string("/proc/self/status")
+        .ok()
+        .and_then(|s| {
+            s.lines()
+                .find(|l| l.starts_with("VmHWM:"))
+                .and_then(|l| l.split_whitespace().nth(1))
+                .and_then(|kb| kb.parse::<u64>().ok())
+        })
+        .unwrap_or(0)
+        * 1024
+}
+
+/// One engine's runs of one query: best time, peak RSS, or the error that stopped it.
+#[derive(Default)]
+struct Outcome {
+    best: Option<f64>,
+    peak_rss: u64,
+    error: Option<String>,
+}
+
+impl Outcome {
+    /// Record a run; its answer when it completed.
+    fn record(
+        &mut self,
+        result: Result<(f64, Vec<RecordBatch>, u64)>,
+        peak_store: &mut u64,
+    ) -> Option<Vec<RecordBatch>> {
+        self.peak_rss = self.peak_rss.max(peak_rss());
+        match result {
+            Ok((seconds, answer, peak)) => {
+                self.best = Some(self.best.map_or(seconds, |b| b.min(seconds)));
+                *peak_store = (*peak_store).max(peak);
+                Some(answer)
+            }
+            Err(e) => {
+                self.error = Some(e.to_string());
+                None
+            }
+        }
+    }
+
+    fn cell(&self) -> String {
+        match (self.best, &self.error) {
+            (_, Some(_)) => "failed".into(),
+            (Some(s), None) => format!("{s:.3}"),
+            (None, None) => "-".into(),
+        }
+    }
 }
 
 #[tokio::main]
@@ -277,7 +340,16 @@ async fn main() -> Result<()> {
 
     let cores = flumen::config::available_cores();
     let config = || SessionConfig::new().with_target_partitions(cores);
-    let vanilla = SessionContext::new_with_config(config());
+    let budget_arg: Option<flumen::ByteSize> = arg("--budget").map(|b| b.parse()).transpose()?;
+    let vanilla = match budget_arg {
+        Some(limit) => SessionContext::new_with_config_rt(
+            config(),
+            datafusion::execution::runtime_env::RuntimeEnvBuilder::new()
+                .with_memory_limit(limit.0 as usize, 1.0)
+                .build_arc()?,
+        ),
+        None => SessionContext::new_with_config(config()),
+    };
     let mut flumen_config = flumen::FlumenConfig::default();
     flumen_config.mode = mode.parse()?;
     if let Some(bytes) = arg("--split-bytes") {
@@ -286,6 +358,9 @@ async fn main() -> Result<()> {
     if let Some(bytes) = arg("--aggregate-split-bytes") {
         flumen_config.aggregate_split_bytes = bytes.parse()?;
     }
+    if let Some(limit) = budget_arg {
+        flumen_config.memory_budget = limit;
+    }
     let budget = flumen_config.memory_budget;
     let flumen = flumen::session_with_config(config(), flumen_config);
     register(&vanilla, &dir).await?;
@@ -293,41 +368,41 @@ async fn main() -> Result<()> {
 
     println!("TPC-H sf={sf}, {cores} cores, best of {runs}, flumen mode={mode}, budget={budget}");
     println!(
-        "{:>4} {:>10} {:>10} {:>7} {:>12}",
-        "q", "vanilla_s", "flumen_s", "ratio", "peak_store"
+        "{:>4} {:>10} {:>10} {:>7} {:>12} {:>12} {:>12}",
+        "q", "vanilla_s", "flumen_s", "ratio", "vanilla_rss", "flumen_rss", "peak_store"
     );
     let mut ratios = vec![];
+    let mut flumen_failed = vec![];
+    let mut vanilla_failed = vec![];
+    let mut flumen_peak_rss = 0;
     for n in queries {
         let statements = query_statements(&slt, n);
-        let mut best_v = f64::MAX;
-        let mut best_f = f64::MAX;
+        let mut v = Outcome::default();
+        let mut f = Outcome::default();
         let mut peak = 0;
+        let mut unused = 0;
+        // `--only vanilla|flumen` (for a profiler): the other engine does not run.
+        let run_vanilla = only.as_deref() != Some("flumen");
+        let run_flumen = only.as_deref() != Some("vanilla");
         for i in 0..runs {
-            // `--only vanilla|flumen` (for a profiler): the other engine does not run.
-            let run_vanilla = only.as_deref() != Some("flumen");
-            let run_flumen = only.as_deref() != Some("vanilla");
             // The engines take turns going first (ABBA), so neither always runs right
             // after the other (caches, allocator state) and any order effect cancels out.
             let flumen_first = i % 2 == 1;
-            let mut flumen_result = (f64::MAX, vec![], 0);
-            if run_flumen && flumen_first {
-                flumen_result = run(&flumen, &statements).await?;
+            let mut answer_f = None;
+            if run_flumen && flumen_first && f.error.is_none() {
+                answer_f = f.record(run(&flumen, &statements).await, &mut peak);
             }
-            let (tv, answer_v, _) = if run_vanilla {
-                run(&vanilla, &statements).await?
+            let answer_v = if run_vanilla && v.error.is_none() {
+                v.record(run(&vanilla, &statements).await, &mut unused)
             } else {
-                (f64::MAX, vec![], 0)
+                None
             };
-            if run_flumen && !flumen_first {
-                flumen_result = run(&flumen, &statements).await?;
+            if run_flumen && !flumen_first && f.error.is_none() {
+                answer_f = f.record(run(&flumen, &statements).await, &mut peak);
             }
-            let (tf, answer_f, p) = flumen_result;
-            if only.is_none() {
-                assert_same_answer(n, &answer_v, &answer_f)?;
+            if let (Some(answer_v), Some(answer_f)) = (&answer_v, &answer_f) {
+                assert_same_answer(n, answer_v, answer_f)?;
             }
-            best_v = best_v.min(tv);
-            best_f = best_f.min(tf);
-            peak = peak.max(p);
         }
         if analyze {
             // `--analyze`: both engines' EXPLAIN ANALYZE of the query's last statement.
@@ -342,30 +417,53 @@ async fn main() -> Result<()> {
                 println!("--- q{n} {engine}\n{text}");
             }
         }
-        let ratio = best_f / best_v;
-        let seconds = |s: f64| {
-            if s == f64::MAX {
-                "-".to_string()
-            } else {
-                format!("{s:.3}")
+        let ratio = match (f.best, v.best) {
+            (Some(tf), Some(tv)) if f.error.is_none() && v.error.is_none() => {
+                ratios.push(tf / tv);
+                format!("{:.2}", tf / tv)
             }
+            _ => "-".into(),
         };
-        if only.is_none() {
-            ratios.push(ratio);
-        }
-        println!(
-            "{n:>4} {:>10} {:>10} {:>7} {:>12}",
-            seconds(best_v),
-            seconds(best_f),
-            if only.is_none() {
-                format!("{ratio:.2}")
+        let rss = |o: &Outcome, ran: bool| {
+            if ran {
+                flumen::ByteSize(o.peak_rss).to_string()
             } else {
                 "-".into()
-            },
+            }
+        };
+        println!(
+            "{n:>4} {:>10} {:>10} {:>7} {:>12} {:>12} {:>12}",
+            v.cell(),
+            f.cell(),
+            ratio,
+            rss(&v, run_vanilla),
+            rss(&f, run_flumen),
             flumen::ByteSize(peak).to_string()
         );
+        if let Some(e) = &v.error {
+            println!(
+                "     vanilla q{n}: {}",
+                e.chars().take(160).collect::<String>()
+            );
+            vanilla_failed.push(n);
+        }
+        if let Some(e) = &f.error {
+            println!(
+                "     flumen q{n}: {}",
+                e.chars().take(160).collect::<String>()
+            );
+            flumen_failed.push(n);
+        }
+        if run_flumen {
+            flumen_peak_rss = flumen_peak_rss.max(f.peak_rss);
+        }
         assert!(peak <= budget.0, "q{n}: block store peak over the budget");
     }
+    println!(
+        "failed: flumen {flumen_failed:?}, vanilla {vanilla_failed:?}; flumen peak RSS {} = {:.2}x the budget",
+        flumen::ByteSize(flumen_peak_rss),
+        flumen_peak_rss as f64 / budget.0 as f64
+    );
     let max = ratios.iter().cloned().fold(0.0, f64::max);
     let geomean = (ratios.iter().map(|r| r.ln()).sum::<f64>() / ratios.len() as f64).exp();
     println!(

@@ -6,6 +6,9 @@ use std::sync::Arc;
 use async_trait::async_trait;
 use datafusion::catalog::Session;
 use datafusion::common::display::{PlanType, StringifiedPlan};
+use datafusion::common::tree_node::{TreeNode, TreeNodeRecursion};
+use datafusion::config::ConfigOptions;
+use datafusion::datasource::sink::DataSinkExec;
 use datafusion::error::Result;
 use datafusion::execution::SessionState;
 use datafusion::execution::context::QueryPlanner;
@@ -17,7 +20,7 @@ use datafusion::physical_planner::{DefaultPhysicalPlanner, PhysicalPlanner};
 
 use crate::config::FlumenConfig;
 use crate::exec::flumen_exec::FlumenExec;
-use crate::plan::exchange_sizing::ExchangeSizing;
+use crate::plan::exchange_sizing::{ExchangeSizing, row_width};
 use crate::plan::graph::OperatorGraph;
 use crate::plan::range_sort::plan_range_sorts;
 use crate::plan::split_source::RowGroupLayout;
@@ -64,17 +67,50 @@ pub async fn sized_physical_plan(
 ) -> Result<(Arc<dyn ExecutionPlan>, ExchangeSizing)> {
     let plan = planner.create_physical_plan(logical_plan, session).await?;
     let sizing = ExchangeSizing::choose(&plan, session.config_options());
-    if !sizing.out_of_core() {
+    let row_group_rows = writer_row_group_rows(&plan, session.config_options());
+    if !sizing.out_of_core() && row_group_rows.is_none() {
         return Ok((plan, sizing));
     }
     let Some(state) = session.as_any().downcast_ref::<SessionState>() else {
         return Ok((plan, ExchangeSizing::default()));
     };
     let mut state = state.clone();
-    sizing.apply(state.config_mut().options_mut());
+    let options = state.config_mut().options_mut();
+    if sizing.out_of_core() {
+        sizing.apply(options);
+    }
+    if let Some(rows) = row_group_rows {
+        options.execution.parquet.max_row_group_size = rows;
+    }
     let plan = planner.create_physical_plan(logical_plan, &state).await?;
     Ok((plan, sizing))
 }
+
+/// Rows per Parquet row group for the plan's file writer when the session's default would
+/// not fit an eighth of `flumen.memory_budget` (a writer holds a whole row group before it
+/// flushes it, memory no operator can spill); `None` when it fits or nothing is written.
+/// A `COPY ... OPTIONS ('format.max_row_group_size' ...)` still decides for itself.
+fn writer_row_group_rows(plan: &Arc<dyn ExecutionPlan>, options: &ConfigOptions) -> Option<usize> {
+    let budget = options
+        .extensions
+        .get::<FlumenConfig>()
+        .map(|c| c.memory_budget.0)
+        .unwrap_or(u64::MAX);
+    let mut rows = None;
+    let _ = plan.apply(|node| {
+        if let Some(sink) = node.downcast_ref::<DataSinkExec>() {
+            let fit = (budget / 8 / row_width(sink.input())).max(MIN_ROW_GROUP_ROWS) as usize;
+            if fit < options.execution.parquet.max_row_group_size {
+                rows = Some(fit);
+            }
+        }
+        Ok(TreeNodeRecursion::Continue)
+    });
+    rows
+}
+
+/// Fewest rows [`writer_row_group_rows`] makes a row group.
+const MIN_ROW_GROUP_ROWS: u64 = 4096;
 
 #[async_trait]
 impl QueryPlanner for FlumenQueryPlanner {

@@ -15,6 +15,7 @@
 use std::fmt;
 use std::sync::Arc;
 
+use datafusion::arrow::datatypes::DataType;
 use datafusion::common::tree_node::TreeNode;
 use datafusion::config::ConfigOptions;
 use datafusion::physical_plan::repartition::RepartitionExec;
@@ -146,11 +147,14 @@ pub fn estimated_bytes(plan: &Arc<dyn ExecutionPlan>) -> u64 {
 }
 
 /// Bytes of one row of `plan`'s schema: fixed widths, 32 for variable-width values.
-fn row_width(plan: &Arc<dyn ExecutionPlan>) -> u64 {
+pub fn row_width(plan: &Arc<dyn ExecutionPlan>) -> u64 {
     plan.schema()
         .fields()
         .iter()
-        .map(|f| f.data_type().primitive_width().unwrap_or(32) as u64)
+        .map(|f| match f.data_type() {
+            DataType::FixedSizeBinary(n) => *n as u64,
+            other => other.primitive_width().unwrap_or(32) as u64,
+        })
         .sum::<u64>()
         .max(1)
 }

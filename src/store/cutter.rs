@@ -4,8 +4,9 @@
 //!
 //! Output batches are split by output partition when the operator feeds an exchange (as
 //! DataFusion's `RepartitionExec` would), each partition's rows coalesced to the target
-//! size (a sliver per input batch would keep every buffer of its input alive and make
-//! readers copy its strings again); otherwise batches are sliced to the target size.
+//! size, smaller over many partitions ([`split_block_rows`]); a sliver per input batch
+//! would keep every buffer of its input alive and make readers copy its strings again.
+//! Otherwise batches are sliced to the target size.
 
 use datafusion::arrow::compute::BatchCoalescer;
 use datafusion::arrow::datatypes::SchemaRef;
@@ -38,8 +39,9 @@ impl BlockCutter {
             Some(split) => {
                 let partitioner =
                     BatchPartitioner::try_new(split.clone(), Time::new(), partition, partitions)?;
+                let block_rows = split_block_rows(split, target);
                 let coalescers = (0..split.partition_count())
-                    .map(|_| BatchCoalescer::new(std::sync::Arc::clone(&schema), target))
+                    .map(|_| BatchCoalescer::new(std::sync::Arc::clone(&schema), block_rows))
                     .collect();
                 Some((partitioner, coalescers))
             }
@@ -91,6 +93,28 @@ impl BlockCutter {
             }
         }
         Ok(())
+    }
+}
+
+/// Blocks' worth of rows a task splitting its output by hash or range holds in its partly
+/// filled blocks together, whatever the number of partitions.
+const SPLIT_BUFFER_BLOCKS: usize = 8;
+/// Fewest rows a split's blocks are cut to (unless the target is smaller).
+const MIN_SPLIT_BLOCK_ROWS: usize = 512;
+
+/// Rows of one block of a split: a hash or range split scatters every batch over all its
+/// partitions, each filling a block of its own, so with many partitions (out of core: one
+/// per share of the budget) blocks are made smaller, keeping what a map task holds unflushed
+/// to [`SPLIT_BUFFER_BLOCKS`] blocks of `target` rows. A round-robin split sends whole
+/// batches and keeps the target.
+fn split_block_rows(split: &Partitioning, target: usize) -> usize {
+    match split {
+        Partitioning::Hash(_, n) => (target * SPLIT_BUFFER_BLOCKS / (*n).max(1))
+            .clamp(MIN_SPLIT_BLOCK_ROWS.min(target), target),
+        Partitioning::Range(ranges) => (target * SPLIT_BUFFER_BLOCKS
+            / ranges.partition_count().max(1))
+        .clamp(MIN_SPLIT_BLOCK_ROWS.min(target), target),
+        _ => target,
     }
 }
 
@@ -196,5 +220,27 @@ mod tests {
         cutter.finish(&mut again).unwrap();
         assert_eq!(out, again);
         assert!(out.iter().all(|(_, b)| b.column(0).null_count() == 0));
+    }
+
+    #[test]
+    fn a_split_over_many_partitions_cuts_smaller_blocks() {
+        let schema = batch(0, 1).schema();
+        let split = Partitioning::Hash(vec![col("x", &schema).unwrap()], 64);
+        let mut cutter = BlockCutter::new(Arc::clone(&schema), Some(&split), 0, 1, 8192).unwrap();
+        let mut out = vec![];
+        cutter.push(batch(0, 200_000), &mut out).unwrap();
+        // 8 blocks of 8192 rows over 64 partitions: blocks of 1024 rows.
+        assert!(!out.is_empty());
+        assert!(out.iter().all(|(_, b)| b.num_rows() == 1024));
+        // Few partitions keep the target.
+        assert_eq!(split_block_rows(&Partitioning::Hash(vec![], 4), 8192), 8192);
+        assert_eq!(
+            split_block_rows(&Partitioning::Hash(vec![], 4096), 8192),
+            512
+        );
+        assert_eq!(
+            split_block_rows(&Partitioning::RoundRobinBatch(64), 8192),
+            8192
+        );
     }
 }
