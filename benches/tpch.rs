@@ -272,8 +272,7 @@ static RSS_AT_START: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64
 
 /// How far the process's RSS rose, since the last run started, above what it was then.
 fn rss_rise() -> u64 {
-    status_bytes("VmHWM:")
-        .saturating_sub(RSS_AT_START.load(std::sync::atomic::Ordering::Relaxed))
+    status_bytes("VmHWM:").saturating_sub(RSS_AT_START.load(std::sync::atomic::Ordering::Relaxed))
 }
 
 /// A size line of `/proc/self/status` (`VmHWM:`, `VmRSS:`) in bytes.
