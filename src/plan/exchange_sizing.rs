@@ -18,7 +18,6 @@ use std::sync::Arc;
 use datafusion::arrow::datatypes::DataType;
 use datafusion::common::tree_node::TreeNode;
 use datafusion::config::ConfigOptions;
-use datafusion::physical_plan::joins::{HashJoinExec, PartitionMode};
 use datafusion::physical_plan::repartition::RepartitionExec;
 use datafusion::physical_plan::sorts::sort::SortExec;
 use datafusion::physical_plan::{ExecutionPlan, Partitioning, StatisticsArgs, StatisticsContext};
@@ -57,21 +56,9 @@ impl ExchangeSizing {
             (config.memory_budget.0 / (4 * config.cpu_slots.max(1) as u64)).max(1);
         let mut largest = 0;
         let mut needed = 0;
-        // A partitioned hash join's probe input streams through the join: only its build
-        // side must fit a partition, so the exchange feeding its probe side does not count.
-        let mut probe_exchanges = vec![];
-        let _ = plan.apply(|node| {
-            if let Some(join) = node.downcast_ref::<HashJoinExec>()
-                && *join.partition_mode() == PartitionMode::Partitioned
-            {
-                probe_exchanges.push(Arc::as_ptr(join.right()) as *const ());
-            }
-            Ok(datafusion::common::tree_node::TreeNodeRecursion::Continue)
-        });
         let _ = plan.apply(|node| {
             if let Some(repartition) = node.downcast_ref::<RepartitionExec>()
                 && matches!(repartition.partitioning(), Partitioning::Hash(..))
-                && !probe_exchanges.contains(&(Arc::as_ptr(node) as *const ()))
             {
                 let bytes = estimated_bytes(repartition.input());
                 largest = largest.max(bytes);

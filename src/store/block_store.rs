@@ -76,6 +76,9 @@ fn write_whole(
     Ok(())
 }
 
+/// Times a spill is tried before its error reaches the query.
+const SPILL_ATTEMPTS: u32 = 20;
+
 /// Subdirectories spill files are spread over: one directory of tens of thousands of
 /// short-lived files serializes every create and delete on its lock.
 const SPILL_SUBDIRS: u64 = 64;
@@ -263,13 +266,16 @@ impl BlockStore {
             ))
         };
         // Someone may have deleted the directory under a running query (before the file was
-        // made): write it again, a few times (a deletion in progress races with the creation).
+        // made): write it again (a deletion in progress, which takes longer with the
+        // subdirectories, races with the creation), for up to about 100 ms.
         let mut attempts = 0;
         loop {
             attempts += 1;
             match write_whole(&subdir, &path, batch) {
                 Ok(()) => break,
-                Err(_) if attempts < 5 => std::thread::sleep(std::time::Duration::from_millis(5)),
+                Err(_) if attempts < SPILL_ATTEMPTS => {
+                    std::thread::sleep(std::time::Duration::from_millis(5))
+                }
                 Err(e) => return Err(spill_error(&e)),
             }
         }
