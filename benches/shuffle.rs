@@ -38,6 +38,10 @@ use flumen::config::ByteSize;
 use rand::rngs::StdRng;
 use rand::{RngCore, SeedableRng};
 
+#[path = "common/rss.rs"]
+mod rss;
+use rss::RssWatch;
+
 /// Both engines allocate through mimalloc, as in the TPC-H bench.
 #[global_allocator]
 static ALLOCATOR: mimalloc::MiMalloc = mimalloc::MiMalloc;
@@ -210,30 +214,6 @@ fn drop_cache(file: &File) {
     unsafe { libc::posix_fadvise(file.as_raw_fd(), 0, 0, libc::POSIX_FADV_DONTNEED) };
 }
 
-/// Reset the process's peak RSS (Linux `clear_refs` 5).
-fn reset_peak_rss() {
-    let _ = std::fs::write("/proc/self/clear_refs", "5");
-}
-
-/// The process's peak RSS in bytes since the last reset.
-fn peak_rss() -> u64 {
-    status_bytes("VmHWM:")
-}
-
-/// A size line of `/proc/self/status` (`VmHWM:`, `VmRSS:`) in bytes.
-fn status_bytes(field: &str) -> u64 {
-    std::fs::read_to_string("/proc/self/status")
-        .ok()
-        .and_then(|s| {
-            s.lines()
-                .find(|l| l.starts_with(field))
-                .and_then(|l| l.split_whitespace().nth(1))
-                .and_then(|kb| kb.parse::<u64>().ok())
-        })
-        .unwrap_or(0)
-        * 1024
-}
-
 /// Read `path` back in order: its digest, and whether its keys are non-decreasing.
 fn read_back(path: &Path) -> Result<(Digest, bool)> {
     if !path.is_file() {
@@ -269,6 +249,8 @@ struct Run {
     /// RSS when the run started (the binary, the runtime, what earlier runs left).
     base_rss: u64,
     peak_rss: u64,
+    /// How far the peak rose above `base_rss`.
+    rss_rise: u64,
     output_bytes: u64,
     digest: Digest,
     sorted: bool,
@@ -282,18 +264,18 @@ async fn run_copy(ctx: &SessionContext, order_by: &str, out: &Path) -> Result<Ru
          OPTIONS ('format.compression' 'uncompressed', 'format.dictionary_enabled' 'false')",
         out.display()
     );
-    reset_peak_rss();
-    let base_rss = status_bytes("VmRSS:");
+    let rss = RssWatch::start();
     let started = Instant::now();
     ctx.sql(&sql).await?.collect().await?;
     let seconds = started.elapsed().as_secs_f64();
-    let peak_rss = peak_rss();
+    let (base_rss, peak_rss, rss_rise) = (rss.base, rss.peak(), rss.rise());
     let output_bytes = std::fs::metadata(out)?.len();
     let (digest, sorted) = read_back(out)?;
     Ok(Run {
         seconds,
         base_rss,
         peak_rss,
+        rss_rise,
         output_bytes,
         digest,
         sorted,
@@ -428,13 +410,11 @@ async fn main() -> Result<()> {
             share * 100.0,
             ByteSize(run.base_rss).to_string(),
             ByteSize(run.peak_rss).to_string(),
-            run.peak_rss.saturating_sub(run.base_rss) as f64 / budget.0 as f64
+            run.rss_rise as f64 / budget.0 as f64
         );
         summary.push(format!(
             "{what}_{engine}_s={:.1} {what}_{engine}_bound={:.2} {what}_{engine}_rss_rise={}",
-            run.seconds,
-            share,
-            run.peak_rss.saturating_sub(run.base_rss)
+            run.seconds, share, run.rss_rise
         ));
     }
     if let [a, b] = shuffle_orders[..] {

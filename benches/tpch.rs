@@ -27,6 +27,10 @@ use datafusion::physical_plan::collect;
 use datafusion::prelude::{ParquetReadOptions, SessionConfig, SessionContext};
 use flumen::exec::FlumenExec;
 
+#[path = "common/rss.rs"]
+mod rss;
+use rss::RssWatch;
+
 /// Both engines allocate through mimalloc, as `datafusion-cli` and DataFusion's own
 /// benchmarks do (glibc's malloc returns large blocks to the kernel and faults them back).
 #[global_allocator]
@@ -237,8 +241,6 @@ fn assert_same_answer(n: usize, vanilla: &[RecordBatch], flumen: &[RecordBatch])
 /// Run a query's statements; returns (seconds, the last result, peak block-store bytes when
 /// it ran on flumen).
 async fn run(ctx: &SessionContext, statements: &[String]) -> Result<(f64, Vec<RecordBatch>, u64)> {
-    reset_peak_rss();
-    RSS_AT_START.store(status_bytes("VmRSS:"), std::sync::atomic::Ordering::Relaxed);
     let started = Instant::now();
     let cpu_started = cpu_seconds();
     let mut last = vec![];
@@ -261,34 +263,6 @@ async fn run(ctx: &SessionContext, statements: &[String]) -> Result<(f64, Vec<Re
     Ok((wall, last, peak))
 }
 
-/// Reset the process's peak RSS (Linux `clear_refs` 5).
-fn reset_peak_rss() {
-    let _ = std::fs::write("/proc/self/clear_refs", "5");
-}
-
-/// The process's RSS when the last run started (what the binary, the runtime and earlier
-/// runs left behind).
-static RSS_AT_START: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
-
-/// How far the process's RSS rose, since the last run started, above what it was then.
-fn rss_rise() -> u64 {
-    status_bytes("VmHWM:").saturating_sub(RSS_AT_START.load(std::sync::atomic::Ordering::Relaxed))
-}
-
-/// A size line of `/proc/self/status` (`VmHWM:`, `VmRSS:`) in bytes.
-fn status_bytes(field: &str) -> u64 {
-    std::fs::read_to_string("/proc/self/status")
-        .ok()
-        .and_then(|s| {
-            s.lines()
-                .find(|l| l.starts_with(field))
-                .and_then(|l| l.split_whitespace().nth(1))
-                .and_then(|kb| kb.parse::<u64>().ok())
-        })
-        .unwrap_or(0)
-        * 1024
-}
-
 /// One engine's runs of one query: best time, peak RSS rise, or the error that stopped it.
 #[derive(Default)]
 struct Outcome {
@@ -298,13 +272,14 @@ struct Outcome {
 }
 
 impl Outcome {
-    /// Record a run; its answer when it completed.
+    /// Record a run (`rss` started with it); its answer when it completed.
     fn record(
         &mut self,
         result: Result<(f64, Vec<RecordBatch>, u64)>,
+        rss: &RssWatch,
         peak_store: &mut u64,
     ) -> Option<Vec<RecordBatch>> {
-        self.peak_rss = self.peak_rss.max(rss_rise());
+        self.peak_rss = self.peak_rss.max(rss.rise());
         match result {
             Ok((seconds, answer, peak)) => {
                 self.best = Some(self.best.map_or(seconds, |b| b.min(seconds)));
@@ -404,15 +379,18 @@ async fn main() -> Result<()> {
             let flumen_first = i % 2 == 1;
             let mut answer_f = None;
             if run_flumen && flumen_first && f.error.is_none() {
-                answer_f = f.record(run(&flumen, &statements).await, &mut peak);
+                let rss = RssWatch::start();
+                answer_f = f.record(run(&flumen, &statements).await, &rss, &mut peak);
             }
             let answer_v = if run_vanilla && v.error.is_none() {
-                v.record(run(&vanilla, &statements).await, &mut unused)
+                let rss = RssWatch::start();
+                v.record(run(&vanilla, &statements).await, &rss, &mut unused)
             } else {
                 None
             };
             if run_flumen && !flumen_first && f.error.is_none() {
-                answer_f = f.record(run(&flumen, &statements).await, &mut peak);
+                let rss = RssWatch::start();
+                answer_f = f.record(run(&flumen, &statements).await, &rss, &mut peak);
             }
             if let (Some(answer_v), Some(answer_f)) = (&answer_v, &answer_f) {
                 assert_same_answer(n, answer_v, answer_f)?;
@@ -444,7 +422,7 @@ async fn main() -> Result<()> {
             }
             _ => "-".into(),
         };
-        let rss = |o: &Outcome, ran: bool| {
+        let rss_cell = |o: &Outcome, ran: bool| {
             if ran {
                 flumen::ByteSize(o.peak_rss).to_string()
             } else {
@@ -456,8 +434,8 @@ async fn main() -> Result<()> {
             v.cell(),
             f.cell(),
             ratio,
-            rss(&v, run_vanilla),
-            rss(&f, run_flumen),
+            rss_cell(&v, run_vanilla),
+            rss_cell(&f, run_flumen),
             flumen::ByteSize(peak).to_string()
         );
         if let Some(e) = &v.error {

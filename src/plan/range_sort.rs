@@ -356,11 +356,11 @@ mod tests {
         let values: Vec<i64> = (0..50_000i64)
             .map(|i| if i % 10 == 0 { i } else { 7 })
             .collect();
-        let points = points(values, 8).await;
-        assert!(points.len() < 7, "{points:?}");
-        assert!(points.windows(2).all(|w| w[0] < w[1]), "{points:?}");
-        assert!(points.contains(&7), "{points:?}");
-        assert!(super::tests::points(vec![], 4).await.is_empty());
+        let split = points(values, 8).await;
+        assert!(split.len() < 7, "{split:?}");
+        assert!(split.windows(2).all(|w| w[0] < w[1]), "{split:?}");
+        assert!(split.contains(&7), "{split:?}");
+        assert!(points(vec![], 4).await.is_empty());
     }
 
     #[tokio::test]
