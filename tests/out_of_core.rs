@@ -170,6 +170,72 @@ async fn tiny_budget_sorts_like_datafusion() {
     );
 }
 
+/// A hot key whose build partition takes most of the budget: 22% of a 1.2M-row table on
+/// one key (~11 MB of hash table under a 16 MB budget, about five times a partition's
+/// share). Beside another partition's build it is refused memory; it runs again alone once
+/// the tasks beside it finish (EXPLAIN ANALYZE: `tasks_retried_alone`), and the answers
+/// (an anti join, an inner join) equal DataFusion's.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_hot_partition_refused_memory_runs_again_alone() {
+    let dir = tempfile::tempdir().unwrap();
+    let v = vanilla();
+    let tables = [
+        (
+            "facts",
+            "SELECT value AS id, (value * 31) % 1000 AS v FROM range(0, 1500000)",
+        ),
+        (
+            "hot",
+            "SELECT CASE WHEN value % 100 < 22 THEN 0 ELSE value * 2 END AS k, value % 97 AS v \
+             FROM range(0, 1200000)",
+        ),
+    ];
+    for (name, select) in tables {
+        let path = format!("{}/{name}.parquet", dir.path().display());
+        collect(&v, &format!("COPY ({select}) TO '{path}'")).await;
+    }
+    let f = flumen_ctx(&[
+        "SET flumen.memory_budget = '16MB'",
+        "SET flumen.cpu_slots = 2",
+    ])
+    .await;
+    for ctx in [&v, &f] {
+        for (name, _) in tables {
+            let path = format!("{}/{name}.parquet", dir.path().display());
+            ctx.register_parquet(name, &path, ParquetReadOptions::default())
+                .await
+                .unwrap();
+        }
+    }
+    let queries = [
+        "SELECT count(*) FROM facts a LEFT JOIN hot s ON a.id = s.k WHERE s.k IS NULL",
+        "SELECT count(*), sum(s.v), sum(f.v) FROM hot s JOIN facts f ON s.k = f.id",
+    ];
+    let mut retried = 0;
+    for sql in queries {
+        let expected = collect(&v, sql).await;
+        let (batches, plan) = run_plan(&f, sql).await;
+        assert_eq!(text(&expected), text(&batches), "{sql}");
+        let exec = plan.downcast_ref::<FlumenExec>().unwrap();
+        assert!(exec.graph().sizing.out_of_core(), "{sql}");
+        let metrics = exec.run_metrics();
+        let alone: u64 = (0..exec.graph().operators.len())
+            .map(|op| metrics.operator(op).snapshot().retried_alone)
+            .sum();
+        let [peak_operators, ..] = metrics.memory.snapshot();
+        assert!(
+            peak_operators <= 16 << 20,
+            "{sql}: operators held {peak_operators}"
+        );
+        println!("{sql}: {alone} task(s) retried alone, peak operator state {peak_operators} B");
+        retried += alone;
+    }
+    assert!(
+        retried > 0,
+        "no task was refused memory: the hot key no longer tests the retry"
+    );
+}
+
 /// The `id`s of a one-column result, in order.
 fn id_column(batches: &[datafusion::arrow::record_batch::RecordBatch]) -> Vec<i64> {
     batches

@@ -236,6 +236,9 @@ impl ExecutionPlan for OperatorExec {
         )));
         set.push(count("tasks_recomputed", s.recomputed));
         set.push(count("blocks_spilled", s.spilled));
+        if s.retried_alone > 0 {
+            set.push(count("tasks_retried_alone", s.retried_alone));
+        }
         if s.remote_tasks > 0 {
             set.push(count("remote_tasks", s.remote_tasks));
             set.push(count("blocks_lost", s.blocks_lost));

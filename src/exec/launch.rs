@@ -28,6 +28,20 @@ impl QueryRun {
         let share = budget / self.graph.operators.len().max(1) as u64;
         let one_at_a_time = self.policy.one_operator_at_a_time();
         let now = Instant::now();
+        // A task refused memory runs again alone: nothing launches while it waits for the
+        // slots to empty, or while it runs.
+        if st.running_alone.is_some() {
+            return;
+        }
+        if let Some(&task) = st.waiting_alone.front() {
+            if st.running.iter().sum::<usize>() == 0 {
+                st.waiting_alone.pop_front();
+                self.mark_running(st, task);
+                st.running_alone = Some(task);
+                launches.push(task);
+            }
+            return;
+        }
         for op in &self.graph.operators {
             if self.streams_inputs(op.id)
                 && st.operators[op.id].has_pending()
@@ -305,8 +319,6 @@ impl QueryRun {
         mut n: usize,
         launches: &mut Vec<TaskId>,
     ) {
-        let pool = pool_index(self.graph.operators[op_id].pool);
-        let takes_slot = !self.streams_inputs(op_id);
         let partitions = st.operators[op_id].partitions.len();
         let mut idle_rounds = 0;
         while n > 0 && idle_rounds < partitions {
@@ -316,15 +328,7 @@ impl QueryRun {
             if ps.next_launch < ps.tasks.len() {
                 let task = ps.tasks[ps.next_launch];
                 ps.next_launch += 1;
-                st.tasks[task].status = TaskStatus::Running;
-                st.tasks[task].launched = Some(Instant::now());
-                st.operators[op_id].running += 1;
-                if takes_slot {
-                    st.running[pool] += 1;
-                } else {
-                    st.streaming_running += 1;
-                }
-                OperatorStats::add(&self.stats(op_id).running, 1);
+                self.mark_running(st, task);
                 launches.push(task);
                 n -= 1;
                 idle_rounds = 0;
@@ -332,6 +336,21 @@ impl QueryRun {
                 idle_rounds += 1;
             }
         }
+    }
+
+    /// Count task `task` running: in its pool's slots, or beside them when its operator
+    /// streams its inputs.
+    fn mark_running(&self, st: &mut RunState, task: TaskId) {
+        let op_id = st.tasks[task].operator;
+        st.tasks[task].status = TaskStatus::Running;
+        st.tasks[task].launched = Some(Instant::now());
+        st.operators[op_id].running += 1;
+        if self.streams_inputs(op_id) {
+            st.streaming_running += 1;
+        } else {
+            st.running[pool_index(self.graph.operators[op_id].pool)] += 1;
+        }
+        OperatorStats::add(&self.stats(op_id).running, 1);
     }
 
     pub(super) fn launch(self: &Arc<Self>, task: TaskId) {

@@ -33,6 +33,8 @@ pub struct OperatorStats {
     pub blocks_lost: AtomicU64,
     /// Task attempts retried on another worker after theirs died.
     pub tasks_retried: AtomicU64,
+    /// Tasks refused memory beside others, run again alone.
+    pub retried_alone: AtomicU64,
     /// Bytes of input blocks its remote tasks fetched straight from the workers holding
     /// them.
     pub input_bytes_by_ticket: AtomicU64,
@@ -72,6 +74,8 @@ pub struct StatsSnapshot {
     pub blocks_lost: u64,
     /// Task attempts retried after a worker died.
     pub tasks_retried: u64,
+    /// Tasks run again alone after being refused memory.
+    pub retried_alone: u64,
     /// Input bytes fetched worker to worker.
     pub input_bytes_by_ticket: u64,
     /// Input bytes sent by the driver.
@@ -108,6 +112,7 @@ impl OperatorStats {
             remote_tasks: r(&self.remote_tasks),
             blocks_lost: r(&self.blocks_lost),
             tasks_retried: r(&self.tasks_retried),
+            retried_alone: r(&self.retried_alone),
             input_bytes_by_ticket: r(&self.input_bytes_by_ticket),
             input_bytes_via_driver: r(&self.input_bytes_via_driver),
             output_bytes_to_driver: r(&self.output_bytes_to_driver),

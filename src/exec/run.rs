@@ -256,6 +256,9 @@ impl QueryRun {
             &self.stats(op_id).busy_ns,
             busy.saturating_sub(st.tasks[task].paused_ns),
         );
+        if st.running_alone == Some(task) {
+            st.running_alone = None;
+        }
         match result {
             Ok(()) => {
                 OperatorStats::add(&self.stats(op_id).tasks, 1);
@@ -269,6 +272,7 @@ impl QueryRun {
                 }
                 self.update_complete(&mut st, op_id);
             }
+            Err(e) if self.retry_alone(&mut st, task, &e) => {}
             Err(e) => {
                 if st.error.is_none() {
                     st.error = Some(Arc::new(e));
@@ -280,6 +284,42 @@ impl QueryRun {
         }
         drop(st);
         self.changed();
+    }
+
+    /// Queue task `task`, refused memory (`ResourcesExhausted`), to run again alone, and
+    /// say so; false when it cannot be: it already ran alone, wrote output (its readers may
+    /// have it), streams its inputs beside the slots, or the run has ended. A hot partition
+    /// (a skewed key's join build side) may need most of the budget, which it gets once the
+    /// tasks beside it have finished; its input blocks are still in the store (a task's
+    /// inputs are released only when it succeeds).
+    fn retry_alone(&self, st: &mut RunState, task: TaskId, error: &DataFusionError) -> bool {
+        let t = &st.tasks[task];
+        let refused = matches!(error.find_root(), DataFusionError::ResourcesExhausted(_));
+        if !refused
+            || t.retried_alone
+            || !t.outputs.is_empty()
+            || self.streams_inputs(t.operator)
+            || st.cancelled
+            || st.error.is_some()
+        {
+            return false;
+        }
+        let op_id = t.operator;
+        log::info!(
+            "flumen: task {task} of operator {op_id} ({}) was refused memory beside {} other \
+             task(s); it runs again alone: {}",
+            self.graph.operators[op_id].name,
+            st.running.iter().sum::<usize>(),
+            error.find_root()
+        );
+        let t = &mut st.tasks[task];
+        t.retried_alone = true;
+        t.status = TaskStatus::Pending;
+        t.consumed.clear();
+        t.paused_ns = 0;
+        st.waiting_alone.push_back(task);
+        OperatorStats::add(&self.stats(op_id).retried_alone, 1);
+        true
     }
 
     /// The readers of block `id` are done with it: it leaves the store (and its worker).

@@ -37,6 +37,8 @@ pub(super) struct TaskRecord {
     pub(super) unpausable: bool,
     /// When the task was launched (for the test hook's [`BlockInfo::task_elapsed`]).
     pub(super) launched: Option<Instant>,
+    /// Refused memory beside other tasks once: queued to run again alone.
+    pub(super) retried_alone: bool,
 }
 
 impl TaskRecord {
@@ -52,6 +54,7 @@ impl TaskRecord {
             paused_ns: 0,
             unpausable: false,
             launched: None,
+            retried_alone: false,
         }
     }
 }
@@ -130,6 +133,11 @@ pub(super) struct RunState {
     pub(super) streaming_running: usize,
     /// Streaming tasks' block readers waiting for a block that is not there yet.
     pub(super) streaming_waiting: usize,
+    /// Tasks refused memory while others ran, waiting to run again alone (see
+    /// [`QueryRun::retry_alone`](super::run::QueryRun)).
+    pub(super) waiting_alone: std::collections::VecDeque<TaskId>,
+    /// The task running alone now: nothing else launches until it ends.
+    pub(super) running_alone: Option<TaskId>,
 }
 
 pub(super) fn pool_index(pool: Pool) -> usize {

@@ -18,6 +18,7 @@ use std::sync::Arc;
 use datafusion::arrow::datatypes::DataType;
 use datafusion::common::tree_node::TreeNode;
 use datafusion::config::ConfigOptions;
+use datafusion::physical_plan::joins::{HashJoinExec, PartitionMode};
 use datafusion::physical_plan::repartition::RepartitionExec;
 use datafusion::physical_plan::sorts::sort::SortExec;
 use datafusion::physical_plan::{ExecutionPlan, Partitioning, StatisticsArgs, StatisticsContext};
@@ -41,6 +42,11 @@ pub struct ExchangeSizing {
     /// at once, a quarter of that for the input (a hash table or sort buffer is larger
     /// than its input, and blocks share the budget).
     pub partition_bytes: u64,
+    /// Whether the query runs out of core. In core, every partition of an operator runs at
+    /// once, so the largest exchange must fit a quarter of the budget whole, however many
+    /// partitions DataFusion gives it (a query can run out of core with DataFusion's
+    /// partition count, in waves of the CPU slots).
+    out_of_core: bool,
 }
 
 impl ExchangeSizing {
@@ -52,17 +58,34 @@ impl ExchangeSizing {
             .cloned()
             .unwrap_or_default();
         let default_partitions = options.execution.target_partitions.max(1);
-        let partition_bytes =
-            (config.memory_budget.0 / (4 * config.cpu_slots.max(1) as u64)).max(1);
+        let slots = config.cpu_slots.max(1) as u64;
+        let partition_bytes = (config.memory_budget.0 / (4 * slots)).max(1);
+        // In core all `default_partitions` partitions run at once, whatever the slots.
+        let in_core_partition_bytes =
+            (config.memory_budget.0 / (4 * slots.max(default_partitions as u64))).max(1);
         let mut largest = 0;
         let mut needed = 0;
+        let mut needed_in_core = 0;
+        // A partitioned hash join's probe input streams through the join: only its build
+        // side must fit a partition, so the exchange feeding its probe side does not count.
+        let mut probe_exchanges = vec![];
+        let _ = plan.apply(|node| {
+            if let Some(join) = node.downcast_ref::<HashJoinExec>()
+                && *join.partition_mode() == PartitionMode::Partitioned
+            {
+                probe_exchanges.push(Arc::as_ptr(join.right()) as *const ());
+            }
+            Ok(datafusion::common::tree_node::TreeNodeRecursion::Continue)
+        });
         let _ = plan.apply(|node| {
             if let Some(repartition) = node.downcast_ref::<RepartitionExec>()
                 && matches!(repartition.partitioning(), Partitioning::Hash(..))
+                && !probe_exchanges.contains(&(Arc::as_ptr(node) as *const ()))
             {
                 let bytes = estimated_bytes(repartition.input());
                 largest = largest.max(bytes);
                 needed = needed.max(bytes.div_ceil(partition_bytes));
+                needed_in_core = needed_in_core.max(bytes.div_ceil(in_core_partition_bytes));
             }
             // A full sort. One that becomes a range sort (out of core) needs a range per
             // partition's share of bytes. Otherwise more partitions make more, smaller
@@ -90,13 +113,14 @@ impl ExchangeSizing {
             default_partitions,
             largest_exchange_bytes: largest,
             partition_bytes,
+            out_of_core: needed.max(needed_in_core) > default_partitions as u64,
         }
     }
 
-    /// True when the query needs more partitions than DataFusion's default: it is planned
-    /// again with [`Self::partitions`] and runs out of core.
+    /// True when the query does not fit the budget with DataFusion's partitions all running
+    /// at once: it is planned again with [`Self::partitions`] and runs out of core.
     pub fn out_of_core(&self) -> bool {
-        self.partitions > self.default_partitions
+        self.out_of_core
     }
 
     /// Options for planning the query again out of core.
@@ -113,6 +137,7 @@ impl Default for ExchangeSizing {
             default_partitions: 1,
             largest_exchange_bytes: 0,
             partition_bytes: u64::MAX,
+            out_of_core: false,
         }
     }
 }
@@ -181,8 +206,12 @@ mod tests {
     }
 
     fn options(budget: &str, slots: usize) -> ConfigOptions {
+        options_with(budget, slots, 2)
+    }
+
+    fn options_with(budget: &str, slots: usize, target_partitions: usize) -> ConfigOptions {
         let mut options = ConfigOptions::new();
-        options.execution.target_partitions = 2;
+        options.execution.target_partitions = target_partitions;
         options.extensions.insert(FlumenConfig {
             memory_budget: budget.parse().unwrap(),
             cpu_slots: slots,
@@ -213,5 +242,60 @@ mod tests {
             sizing.to_string().contains("exchange_partitions="),
             "{sizing}"
         );
+    }
+
+    /// In core every partition runs at once: an exchange that needs no more partitions
+    /// than DataFusion's default by the slots' share still runs out of core when it does
+    /// not fit a quarter of the budget whole.
+    #[test]
+    fn in_core_partitions_all_run_at_once() {
+        // 8 MB into the exchange, 30 MB budget, 2 slots: 3.75 MB per partition, 3 needed.
+        let plan = exchange_over(1_000_000);
+        let sizing = ExchangeSizing::choose(&plan, &options_with("30MB", 2, 4));
+        assert_eq!(sizing.partitions, 4, "{sizing:?}");
+        assert!(
+            sizing.out_of_core(),
+            "8 MB is over a quarter of 30 MB: {sizing:?}"
+        );
+        let sizing = ExchangeSizing::choose(&plan, &options_with("64MB", 2, 4));
+        assert!(
+            !sizing.out_of_core(),
+            "8 MB fits a quarter of 64 MB: {sizing:?}"
+        );
+    }
+
+    /// The exchange feeding a partitioned hash join's probe side does not decide the
+    /// partitions: only the build side must fit.
+    #[test]
+    fn a_join_probe_side_does_not_count() {
+        use datafusion::common::NullEquality;
+        use datafusion::logical_expr::JoinType;
+        let build = exchange_over(10_000);
+        let probe = exchange_over(1_000_000);
+        let on = vec![(
+            col("x", &build.schema()).unwrap(),
+            col("x", &probe.schema()).unwrap(),
+        )];
+        let join = |left: &Arc<dyn ExecutionPlan>, right: &Arc<dyn ExecutionPlan>| {
+            let join = HashJoinExec::try_new(
+                Arc::clone(left),
+                Arc::clone(right),
+                on.clone(),
+                None,
+                &JoinType::Inner,
+                None,
+                PartitionMode::Partitioned,
+                NullEquality::NullEqualsNothing,
+                false,
+            )
+            .unwrap();
+            Arc::new(join) as Arc<dyn ExecutionPlan>
+        };
+        let sizing = ExchangeSizing::choose(&join(&build, &probe), &options("1MB", 2));
+        assert!(!sizing.out_of_core(), "{sizing:?}");
+        assert!(sizing.largest_exchange_bytes < 1_000_000, "{sizing:?}");
+        // The large side as the build side: out of core.
+        let sizing = ExchangeSizing::choose(&join(&probe, &build), &options("1MB", 2));
+        assert!(sizing.out_of_core(), "{sizing:?}");
     }
 }
