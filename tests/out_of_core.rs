@@ -2,7 +2,8 @@
 //! exchanges get enough partitions for each reduce task's input to fit, per-partition tasks
 //! run in waves, operator state and blocks share the budget (sorts and aggregates spill
 //! through DataFusion, blocks through the store), and every answer equals vanilla
-//! DataFusion's (unbounded memory). Also a join where one key has 30% of the build side.
+//! DataFusion's (unbounded memory). Also joins where one key has 30% of the build side, up to
+//! more than the whole budget.
 
 mod common;
 
@@ -170,26 +171,13 @@ async fn tiny_budget_sorts_like_datafusion() {
     );
 }
 
-/// A hot key whose build partition takes most of the budget: 22% of a 1.2M-row table on
-/// one key (~11 MB of hash table under a 16 MB budget, about five times a partition's
-/// share). Beside another partition's build it is refused memory; it runs again alone once
-/// the tasks beside it finish (EXPLAIN ANALYZE: `tasks_retried_alone`), and the answers
-/// (an anti join, an inner join) equal DataFusion's.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_hot_partition_refused_memory_runs_again_alone() {
+/// `tables` (name, SELECT) written as Parquet to a temp dir and registered in vanilla
+/// DataFusion and in a flumen session with a 16 MB budget and 2 CPU slots.
+async fn skew_contexts(
+    tables: &[(&str, &str)],
+) -> (tempfile::TempDir, SessionContext, SessionContext) {
     let dir = tempfile::tempdir().unwrap();
     let v = vanilla();
-    let tables = [
-        (
-            "facts",
-            "SELECT value AS id, (value * 31) % 1000 AS v FROM range(0, 1500000)",
-        ),
-        (
-            "hot",
-            "SELECT CASE WHEN value % 100 < 22 THEN 0 ELSE value * 2 END AS k, value % 97 AS v \
-             FROM range(0, 1200000)",
-        ),
-    ];
     for (name, select) in tables {
         let path = format!("{}/{name}.parquet", dir.path().display());
         collect(&v, &format!("COPY ({select}) TO '{path}'")).await;
@@ -202,37 +190,107 @@ async fn a_hot_partition_refused_memory_runs_again_alone() {
     for ctx in [&v, &f] {
         for (name, _) in tables {
             let path = format!("{}/{name}.parquet", dir.path().display());
-            ctx.register_parquet(name, &path, ParquetReadOptions::default())
+            ctx.register_parquet(*name, &path, ParquetReadOptions::default())
                 .await
                 .unwrap();
         }
     }
-    let queries = [
-        "SELECT count(*) FROM facts a LEFT JOIN hot s ON a.id = s.k WHERE s.k IS NULL",
-        "SELECT count(*), sum(s.v), sum(f.v) FROM hot s JOIN facts f ON s.k = f.id",
-    ];
-    let mut retried = 0;
+    (dir, v, f)
+}
+
+/// Runs `queries` in both sessions and checks flumen's answers equal vanilla's, out of core
+/// with operator state within the 16 MB budget; returns, summed over the queries, how many
+/// tasks ran again alone and how many as sort-merge joins.
+async fn run_skewed(v: &SessionContext, f: &SessionContext, queries: &[&str]) -> (u64, u64) {
+    let (mut alone, mut merge_joins) = (0, 0);
     for sql in queries {
-        let expected = collect(&v, sql).await;
-        let (batches, plan) = run_plan(&f, sql).await;
+        let expected = collect(v, sql).await;
+        let started = Instant::now();
+        let (batches, plan) = run_plan(f, sql).await;
+        let elapsed = started.elapsed();
         assert_eq!(text(&expected), text(&batches), "{sql}");
         let exec = plan.downcast_ref::<FlumenExec>().unwrap();
         assert!(exec.graph().sizing.out_of_core(), "{sql}");
         let metrics = exec.run_metrics();
-        let alone: u64 = (0..exec.graph().operators.len())
-            .map(|op| metrics.operator(op).snapshot().retried_alone)
-            .sum();
+        let stats: Vec<_> = (0..exec.graph().operators.len())
+            .map(|op| metrics.operator(op).snapshot())
+            .collect();
+        let retried: u64 = stats.iter().map(|s| s.retried_alone).sum();
+        let merged: u64 = stats.iter().map(|s| s.merge_join_fallbacks).sum();
         let [peak_operators, ..] = metrics.memory.snapshot();
         assert!(
             peak_operators <= 16 << 20,
             "{sql}: operators held {peak_operators}"
         );
-        println!("{sql}: {alone} task(s) retried alone, peak operator state {peak_operators} B");
-        retried += alone;
+        println!(
+            "{sql}: {retried} task(s) retried alone, {merged} as sort-merge joins, peak \
+             operator state {peak_operators} B, {elapsed:?}"
+        );
+        alone += retried;
+        merge_joins += merged;
     }
+    (alone, merge_joins)
+}
+
+/// A hot key whose build partition takes most of the budget: 22% of a 1.2M-row table on
+/// one key (~11 MB of hash table under a 16 MB budget, about five times a partition's
+/// share). Beside another partition's build it is refused memory; it runs again alone once
+/// the tasks beside it finish (EXPLAIN ANALYZE: `tasks_retried_alone`), and the answers
+/// (an anti join, an inner join) equal DataFusion's.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_hot_partition_refused_memory_runs_again_alone() {
+    let (_dir, v, f) = skew_contexts(&[
+        (
+            "facts",
+            "SELECT value AS id, (value * 31) % 1000 AS v FROM range(0, 1500000)",
+        ),
+        (
+            "hot",
+            "SELECT CASE WHEN value % 100 < 22 THEN 0 ELSE value * 2 END AS k, value % 97 AS v \
+             FROM range(0, 1200000)",
+        ),
+    ])
+    .await;
+    let queries = [
+        "SELECT count(*) FROM facts a LEFT JOIN hot s ON a.id = s.k WHERE s.k IS NULL",
+        "SELECT count(*), sum(s.v), sum(f.v) FROM hot s JOIN facts f ON s.k = f.id",
+    ];
+    let (retried, _) = run_skewed(&v, &f, &queries).await;
     assert!(
         retried > 0,
         "no task was refused memory: the hot key no longer tests the retry"
+    );
+}
+
+/// A hot key larger than the whole budget: 30% of a 3.5M-row table (1.05M rows, ~17 MB of
+/// columns before any hash table) on one key, under 16 MB. Its hash join build is refused
+/// memory beside others and again alone; the task then runs with a sort-merge join whose
+/// sorts and key buffer spill (EXPLAIN ANALYZE: `tasks_as_merge_join`), and the answers (an
+/// inner join, a left join, an anti join) equal DataFusion's.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_hot_key_larger_than_the_budget_joins_by_sort_merge() {
+    let (_dir, v, f) = skew_contexts(&[
+        (
+            "facts",
+            "SELECT value AS id, (value * 31) % 1000 AS v FROM range(0, 5000000)",
+        ),
+        (
+            "hot",
+            "SELECT CASE WHEN value % 10 < 3 THEN 0 ELSE value * 2 END AS k, value % 97 AS v \
+             FROM range(0, 3500000)",
+        ),
+    ])
+    .await;
+    let queries = [
+        "SELECT count(*), sum(s.v), sum(f.v) FROM hot s JOIN facts f ON s.k = f.id",
+        "SELECT count(*), sum(f.v), count(f.id) FROM hot s LEFT JOIN facts f ON s.k = f.id",
+        "SELECT count(*), sum(s.v) FROM hot s WHERE NOT EXISTS \
+         (SELECT 1 FROM facts f WHERE f.id = s.k + 1)",
+    ];
+    let (_, merge_joins) = run_skewed(&v, &f, &queries).await;
+    assert!(
+        merge_joins > 0,
+        "no task fell back to a sort-merge join: the hot key no longer exceeds the budget"
     );
 }
 

@@ -239,6 +239,9 @@ impl ExecutionPlan for OperatorExec {
         if s.retried_alone > 0 {
             set.push(count("tasks_retried_alone", s.retried_alone));
         }
+        if s.merge_join_fallbacks > 0 {
+            set.push(count("tasks_as_merge_join", s.merge_join_fallbacks));
+        }
         if s.remote_tasks > 0 {
             set.push(count("remote_tasks", s.remote_tasks));
             set.push(count("blocks_lost", s.blocks_lost));

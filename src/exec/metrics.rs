@@ -35,6 +35,8 @@ pub struct OperatorStats {
     pub tasks_retried: AtomicU64,
     /// Tasks refused memory beside others, run again alone.
     pub retried_alone: AtomicU64,
+    /// Tasks refused memory even alone, run again with sort-merge joins.
+    pub merge_join_fallbacks: AtomicU64,
     /// Bytes of input blocks its remote tasks fetched straight from the workers holding
     /// them.
     pub input_bytes_by_ticket: AtomicU64,
@@ -76,6 +78,8 @@ pub struct StatsSnapshot {
     pub tasks_retried: u64,
     /// Tasks run again alone after being refused memory.
     pub retried_alone: u64,
+    /// Tasks run again with sort-merge joins after being refused memory alone.
+    pub merge_join_fallbacks: u64,
     /// Input bytes fetched worker to worker.
     pub input_bytes_by_ticket: u64,
     /// Input bytes sent by the driver.
@@ -113,6 +117,7 @@ impl OperatorStats {
             blocks_lost: r(&self.blocks_lost),
             tasks_retried: r(&self.tasks_retried),
             retried_alone: r(&self.retried_alone),
+            merge_join_fallbacks: r(&self.merge_join_fallbacks),
             input_bytes_by_ticket: r(&self.input_bytes_by_ticket),
             input_bytes_via_driver: r(&self.input_bytes_via_driver),
             output_bytes_to_driver: r(&self.output_bytes_to_driver),

@@ -30,6 +30,7 @@ use crate::exec::state::{
     OperatorState, PartitionState, RunState, TaskRecord, TaskStatus, pool_index,
 };
 use crate::plan::graph::{OperatorGraph, OperatorId, Pool, TaskShape};
+use crate::plan::merge_join_fallback::as_sort_merge_join;
 use crate::store::block::{Block, BlockId};
 use crate::store::block_store::BlockStore;
 use crate::store::operator_memory::OperatorMemory;
@@ -287,16 +288,18 @@ impl QueryRun {
     }
 
     /// Queue task `task`, refused memory (`ResourcesExhausted`), to run again alone, and
-    /// say so; false when it cannot be: it already ran alone, wrote output (its readers may
-    /// have it), streams its inputs beside the slots, or the run has ended. A hot partition
-    /// (a skewed key's join build side) may need most of the budget, which it gets once the
-    /// tasks beside it have finished; its input blocks are still in the store (a task's
-    /// inputs are released only when it succeeds).
+    /// say so. The first refusal runs it again as it was: a hot partition (a skewed key's
+    /// join build side) may need most of the budget, which it gets once the tasks beside it
+    /// have finished. A second refusal (alone) runs it again with its partitioned hash joins
+    /// as sort-merge joins, which spill ([`as_sort_merge_join`]): a hot key larger than the
+    /// budget. False when it cannot be: refused a third time or with no hash join to
+    /// rewrite, it wrote output (its readers may have it), it streams its inputs beside the
+    /// slots, or the run has ended. Its input blocks are still in the store (a task's inputs
+    /// are released only when it succeeds).
     fn retry_alone(&self, st: &mut RunState, task: TaskId, error: &DataFusionError) -> bool {
         let t = &st.tasks[task];
         let refused = matches!(error.find_root(), DataFusionError::ResourcesExhausted(_));
         if !refused
-            || t.retried_alone
             || !t.outputs.is_empty()
             || self.streams_inputs(t.operator)
             || st.cancelled
@@ -305,20 +308,37 @@ impl QueryRun {
             return false;
         }
         let op_id = t.operator;
+        let op = &self.graph.operators[op_id];
+        let merge_join = match (t.retried_alone, t.merge_join) {
+            (false, _) => false,
+            (true, false) if matches!(as_sort_merge_join(&op.fragment), Ok(Some(_))) => true,
+            _ => return false,
+        };
+        let how = if merge_join {
+            "even alone; it runs again with sort-merge joins"
+        } else {
+            "; it runs again alone"
+        };
         log::info!(
             "flumen: task {task} of operator {op_id} ({}) was refused memory beside {} other \
-             task(s); it runs again alone: {}",
-            self.graph.operators[op_id].name,
+             task(s){how}: {}",
+            op.name,
             st.running.iter().sum::<usize>(),
             error.find_root()
         );
         let t = &mut st.tasks[task];
         t.retried_alone = true;
+        t.merge_join |= merge_join;
         t.status = TaskStatus::Pending;
         t.consumed.clear();
         t.paused_ns = 0;
         st.waiting_alone.push_back(task);
-        OperatorStats::add(&self.stats(op_id).retried_alone, 1);
+        let stats = self.stats(op_id);
+        if merge_join {
+            OperatorStats::add(&stats.merge_join_fallbacks, 1);
+        } else {
+            OperatorStats::add(&stats.retried_alone, 1);
+        }
         true
     }
 

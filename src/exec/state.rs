@@ -39,6 +39,9 @@ pub(super) struct TaskRecord {
     pub(super) launched: Option<Instant>,
     /// Refused memory beside other tasks once: queued to run again alone.
     pub(super) retried_alone: bool,
+    /// Refused memory even alone: runs (alone) with its hash joins as sort-merge joins
+    /// ([`crate::plan::merge_join_fallback`]).
+    pub(super) merge_join: bool,
 }
 
 impl TaskRecord {
@@ -55,6 +58,7 @@ impl TaskRecord {
             unpausable: false,
             launched: None,
             retried_alone: false,
+            merge_join: false,
         }
     }
 }

@@ -17,6 +17,7 @@ use crate::exec::metrics::OperatorStats;
 use crate::exec::run::QueryRun;
 use crate::exec::streams::TaskProvider;
 use crate::plan::graph::OperatorId;
+use crate::plan::merge_join_fallback::as_sort_merge_join;
 use crate::plan::stage_input::TaskInputs;
 use crate::store::block::{Block, BlockData};
 use crate::store::block_store::{Placement, block_bytes};
@@ -85,15 +86,20 @@ impl QueryRun {
         task: TaskId,
         capture: bool,
     ) -> Result<Vec<(usize, usize, RecordBatch)>> {
-        let (op_id, partition, kind) = {
+        let (op_id, partition, kind, merge_join) = {
             let st = self.state.lock().unwrap();
             if st.cancelled {
                 return Err(DataFusionError::Execution("query cancelled".into()));
             }
             let t = &st.tasks[task];
-            (t.operator, t.partition, t.kind.clone())
+            (t.operator, t.partition, t.kind.clone(), t.merge_join)
         };
         let op = &self.graph.operators[op_id];
+        // Refused memory even alone: its hash joins become sort-merge joins, which spill.
+        let fragment = match merge_join {
+            true => as_sort_merge_join(&op.fragment)?.unwrap_or_else(|| Arc::clone(&op.fragment)),
+            false => Arc::clone(&op.fragment),
+        };
         let split = match kind {
             TaskKind::Source { split } => split,
             _ => 0,
@@ -106,12 +112,12 @@ impl QueryRun {
             record: !capture,
         });
         let context = self.task_context(TaskInputs { provider, split });
-        let mut stream = op.fragment.execute(partition, context)?;
+        let mut stream = fragment.execute(partition, context)?;
         let mut cutter = BlockCutter::new(
-            op.fragment.schema(),
+            fragment.schema(),
             op.output_split.as_ref(),
             partition,
-            op.fragment.output_partitioning().partition_count(),
+            fragment.output_partitioning().partition_count(),
             self.config.block_rows(),
         )?;
         // Recomputing (capture) never pauses: its output goes to the caller, not the store.

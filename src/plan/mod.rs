@@ -9,12 +9,14 @@
 //! - [`random_shuffle`]: `ORDER BY random()` planned as a seeded random shuffle.
 //! - [`range_sort`]: an out-of-core full sort planned as sampled ranges, each sorted in a task.
 //! - [`concat_partitions`]: partitions read one after the other (the output of both).
+//! - [`merge_join_fallback`]: a hash join's task redone as a spilling sort-merge join.
 
 pub(crate) mod accelerator_projection;
 pub mod concat_partitions;
 pub(crate) mod cut;
 pub mod exchange_sizing;
 pub(crate) mod graph;
+pub mod merge_join_fallback;
 pub mod random_shuffle;
 pub mod range_sort;
 pub(crate) mod split_source;
