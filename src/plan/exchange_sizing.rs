@@ -18,6 +18,7 @@ use std::sync::Arc;
 use datafusion::arrow::datatypes::DataType;
 use datafusion::common::tree_node::TreeNode;
 use datafusion::config::ConfigOptions;
+use datafusion::physical_plan::aggregates::{AggregateExec, AggregateMode};
 use datafusion::physical_plan::joins::{HashJoinExec, PartitionMode};
 use datafusion::physical_plan::repartition::RepartitionExec;
 use datafusion::physical_plan::sorts::sort::SortExec;
@@ -68,24 +69,37 @@ impl ExchangeSizing {
         let mut needed_in_core = 0;
         // A partitioned hash join's probe input streams through the join: only its build
         // side must fit a partition, so the exchange feeding its probe side does not count.
+        // A final grouped aggregate holds its groups, not its input, and spills them when
+        // refused memory: the exchange feeding it sizes the partitions out of core but does
+        // not by itself take the query out of core.
         let mut probe_exchanges = vec![];
+        let mut aggregate_exchanges = vec![];
         let _ = plan.apply(|node| {
             if let Some(join) = node.downcast_ref::<HashJoinExec>()
                 && *join.partition_mode() == PartitionMode::Partitioned
             {
                 probe_exchanges.push(Arc::as_ptr(join.right()) as *const ());
             }
+            if let Some(aggregate) = node.downcast_ref::<AggregateExec>()
+                && *aggregate.mode() == AggregateMode::FinalPartitioned
+                && !aggregate.group_expr().is_empty()
+            {
+                aggregate_exchanges.push(Arc::as_ptr(aggregate.input()) as *const ());
+            }
             Ok(datafusion::common::tree_node::TreeNodeRecursion::Continue)
         });
         let _ = plan.apply(|node| {
+            let exchange = Arc::as_ptr(node) as *const ();
             if let Some(repartition) = node.downcast_ref::<RepartitionExec>()
                 && matches!(repartition.partitioning(), Partitioning::Hash(..))
-                && !probe_exchanges.contains(&(Arc::as_ptr(node) as *const ()))
+                && !probe_exchanges.contains(&exchange)
             {
                 let bytes = estimated_bytes(repartition.input());
                 largest = largest.max(bytes);
                 needed = needed.max(bytes.div_ceil(partition_bytes));
-                needed_in_core = needed_in_core.max(bytes.div_ceil(in_core_partition_bytes));
+                if !aggregate_exchanges.contains(&exchange) {
+                    needed_in_core = needed_in_core.max(bytes.div_ceil(in_core_partition_bytes));
+                }
             }
             // A full sort. One that becomes a range sort (out of core) needs a range per
             // partition's share of bytes. Otherwise more partitions make more, smaller
@@ -97,23 +111,29 @@ impl ExchangeSizing {
                 let bytes = estimated_bytes(sort.input());
                 let ranges = bytes.div_ceil(partition_bytes);
                 largest = largest.max(bytes);
-                if can_range_sort(sort) {
-                    needed = needed.max(ranges);
+                let sort_needs = if can_range_sort(sort) {
+                    ranges
                 } else {
                     let block_bytes = config.target_block_rows as u64 * row_width(sort.input());
                     let fan_in = (config.memory_budget.0 / 4 / (3 * block_bytes).max(1)).max(2);
-                    needed = needed.max(ranges.min(fan_in));
-                }
+                    ranges.min(fan_in)
+                };
+                needed = needed.max(sort_needs);
+                needed_in_core = needed_in_core.max(sort_needs);
             }
             Ok(datafusion::common::tree_node::TreeNodeRecursion::Continue)
         });
+        let out_of_core = needed_in_core > default_partitions as u64;
         Self {
-            partitions: (needed as usize)
-                .clamp(default_partitions, MAX_PARTITIONS.max(default_partitions)),
+            partitions: match out_of_core {
+                true => (needed as usize)
+                    .clamp(default_partitions, MAX_PARTITIONS.max(default_partitions)),
+                false => default_partitions,
+            },
             default_partitions,
             largest_exchange_bytes: largest,
             partition_bytes,
-            out_of_core: needed.max(needed_in_core) > default_partitions as u64,
+            out_of_core,
         }
     }
 
