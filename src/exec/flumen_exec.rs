@@ -3,6 +3,7 @@
 //! shows each operator in `EXPLAIN` through an [`OperatorExec`].
 
 use std::fmt;
+use std::sync::atomic::Ordering;
 use std::sync::{Arc, Mutex};
 
 use datafusion::common::tree_node::TreeNodeRecursion;
@@ -170,6 +171,10 @@ impl ExecutionPlan for FlumenExec {
             if n > 0 {
                 set.push(count(name, n as usize));
             }
+        }
+        let spill_files = self.metrics.memory.spill_files.load(Ordering::Relaxed);
+        if spill_files > 0 {
+            set.push(count("spill_files", spill_files as usize));
         }
         let names = ["workers_lost", "workers_joined", "workers_rejoined"];
         for (name, n) in names.into_iter().zip(self.metrics.membership()) {

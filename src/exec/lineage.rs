@@ -137,7 +137,7 @@ impl QueryRun {
             }
             if let Some(batch) = by_seq.get(&sibling.seq) {
                 self.store.remove(sibling.id);
-                self.restore(sibling.id, batch.clone(), sibling.bytes)?;
+                self.restore(&sibling, batch.clone())?;
             }
         }
         Ok(wanted)

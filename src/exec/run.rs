@@ -153,7 +153,11 @@ impl QueryRun {
                 .unwrap_or_default()
         });
         let spill_root = (!config.spill_dir.is_empty()).then(|| config.spill_dir.clone().into());
-        let store = Arc::new(BlockStore::new(config.memory_budget.0).with_spill_root(spill_root));
+        let store = Arc::new(
+            BlockStore::new(config.memory_budget.0)
+                .with_spill_root(spill_root)
+                .with_counters(Arc::clone(&metrics.memory)),
+        );
         let operator_memory = Arc::new(OperatorMemory::new(
             Arc::clone(&store),
             Arc::clone(&metrics.memory),
@@ -452,9 +456,10 @@ impl QueryRun {
     }
 
     /// Put a recomputed block back; it leaves the store once read.
-    pub(super) fn restore(&self, id: BlockId, batch: RecordBatch, bytes: u64) -> Result<()> {
-        self.store.put(id, batch, bytes.max(1))?;
-        self.state.lock().unwrap().read_once.insert(id);
+    pub(super) fn restore(&self, block: &Block, batch: RecordBatch) -> Result<()> {
+        let group = (block.operator, block.tag);
+        self.store.put(block.id, batch, block.bytes.max(1), group)?;
+        self.state.lock().unwrap().read_once.insert(block.id);
         Ok(())
     }
 

@@ -171,7 +171,8 @@ impl QueryRun {
         } else {
             match data {
                 BlockData::Local(batch) => {
-                    if self.store.put(block.id, batch, block.bytes)? == Placement::Spilled {
+                    let group = (block.operator, block.tag);
+                    if self.store.put(block.id, batch, block.bytes, group)? == Placement::Spilled {
                         OperatorStats::add(&self.stats(block.operator).spilled, 1);
                     }
                 }

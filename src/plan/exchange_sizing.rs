@@ -67,11 +67,16 @@ impl ExchangeSizing {
         let mut largest = 0;
         let mut needed = 0;
         let mut needed_in_core = 0;
+        // In core the operators of a pipeline run together: every join's build side is in
+        // memory at once, so their exchanges count together.
+        let mut in_core_bytes = 0;
         // A partitioned hash join's probe input streams through the join: only its build
         // side must fit a partition, so the exchange feeding its probe side does not count.
         // A final grouped aggregate holds its groups, not its input, and spills them when
-        // refused memory: the exchange feeding it sizes the partitions out of core but does
-        // not by itself take the query out of core.
+        // refused memory. Partitioning its input (out of core) pays when that input fits in
+        // memory, as blocks that never spill; a larger input would spill whole, where the
+        // aggregate in core spills at most its groups: the exchange feeding it takes the
+        // query out of core only when it fits the budget.
         let mut probe_exchanges = vec![];
         let mut aggregate_exchanges = vec![];
         let _ = plan.apply(|node| {
@@ -97,8 +102,10 @@ impl ExchangeSizing {
                 let bytes = estimated_bytes(repartition.input());
                 largest = largest.max(bytes);
                 needed = needed.max(bytes.div_ceil(partition_bytes));
-                if !aggregate_exchanges.contains(&exchange) {
-                    needed_in_core = needed_in_core.max(bytes.div_ceil(in_core_partition_bytes));
+                if !aggregate_exchanges.contains(&exchange) || bytes <= config.memory_budget.0 {
+                    in_core_bytes += bytes;
+                    needed_in_core =
+                        needed_in_core.max(in_core_bytes.div_ceil(in_core_partition_bytes));
                 }
             }
             // A full sort. One that becomes a range sort (out of core) needs a range per
@@ -317,5 +324,77 @@ mod tests {
         // The large side as the build side: out of core.
         let sizing = ExchangeSizing::choose(&join(&probe, &build), &options("1MB", 2));
         assert!(sizing.out_of_core(), "{sizing:?}");
+    }
+
+    /// In core every join of a pipeline holds its build side at once: two builds that each
+    /// fit a quarter of the budget but not together take the query out of core.
+    #[test]
+    fn in_core_build_sides_count_together() {
+        use datafusion::common::NullEquality;
+        use datafusion::logical_expr::JoinType;
+        let join = |left: Arc<dyn ExecutionPlan>, right: Arc<dyn ExecutionPlan>| {
+            let on = vec![(
+                col("x", &left.schema()).unwrap(),
+                col("x", &right.schema()).unwrap(),
+            )];
+            Arc::new(
+                HashJoinExec::try_new(
+                    left,
+                    right,
+                    on,
+                    None,
+                    &JoinType::LeftSemi,
+                    None,
+                    PartitionMode::Partitioned,
+                    NullEquality::NullEqualsNothing,
+                    false,
+                )
+                .unwrap(),
+            ) as Arc<dyn ExecutionPlan>
+        };
+        // 4 MB builds; in core 30 MB over 4 partitions gives 1.875 MB each, 7.5 MB in all.
+        let one = join(exchange_over(500_000), exchange_over(100));
+        let sizing = ExchangeSizing::choose(&one, &options_with("30MB", 2, 4));
+        assert!(!sizing.out_of_core(), "one 4 MB build fits: {sizing:?}");
+        let two = join(
+            exchange_over(500_000),
+            join(exchange_over(500_000), exchange_over(100)),
+        );
+        let sizing = ExchangeSizing::choose(&two, &options_with("30MB", 2, 4));
+        assert!(sizing.out_of_core(), "two 4 MB builds do not: {sizing:?}");
+    }
+
+    /// A final grouped aggregate's input exchange takes the query out of core when it fits
+    /// the budget (its blocks stay in memory), not when it is larger (the aggregate spills
+    /// its groups in core instead).
+    #[tokio::test]
+    async fn an_aggregate_input_larger_than_the_budget_stays_in_core() {
+        use datafusion::datasource::MemTable;
+        use datafusion::prelude::{SessionConfig, SessionContext};
+        let ctx = SessionContext::new_with_config(SessionConfig::new().with_target_partitions(4));
+        let schema = Arc::new(Schema::new(vec![Field::new("x", DataType::Int64, false)]));
+        let batch = RecordBatch::try_new(
+            Arc::clone(&schema),
+            vec![Arc::new(Int64Array::from_iter_values(0..1_000_000))],
+        )
+        .unwrap();
+        let table = MemTable::try_new(schema, vec![vec![batch]]).unwrap();
+        ctx.register_table("t", Arc::new(table)).unwrap();
+        let plan = ctx
+            .sql("SELECT x, count(*) FROM t GROUP BY x")
+            .await
+            .unwrap()
+            .create_physical_plan()
+            .await
+            .unwrap();
+        // ~8 MB into the aggregate's exchange.
+        let sizing = ExchangeSizing::choose(&plan, &options_with("30MB", 2, 4));
+        assert!(sizing.out_of_core(), "8 MB fits 30 MB: {sizing:?}");
+        let sizing = ExchangeSizing::choose(&plan, &options_with("6MB", 2, 4));
+        assert!(
+            !sizing.out_of_core(),
+            "8 MB is larger than 6 MB: {sizing:?}"
+        );
+        assert_eq!(sizing.partitions, 4, "{sizing:?}");
     }
 }

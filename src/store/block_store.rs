@@ -1,6 +1,13 @@
 //! The block store: the one place that knows where each block lives: in memory under the
 //! memory budget, spilled to Arrow IPC files in a temp dir beyond it, or kept by the
 //! worker process that made it.
+//!
+//! Blocks spill in **runs**: one file holds several blocks of one [`SpillGroup`] (a
+//! producer's output for one consumer partition), those that waited in memory together, so
+//! a reduce task reads its partition from a few large files rather than one small file per
+//! map output (Exoshuffle's merge of pushed map outputs, done by the memory the blocks
+//! already take). A run's file is deleted when its last block leaves the store; a run
+//! deleted under the query loses all its blocks, and each is recomputed by its producer.
 
 use std::collections::HashMap;
 use std::fs::File;
@@ -17,6 +24,7 @@ use tempfile::TempDir;
 
 use crate::config::ByteSize;
 use crate::store::block::{BlockId, HeldBlock};
+use crate::store::operator_memory::MemoryCounters;
 
 /// Bytes a block's rows take: only the slice of each buffer the rows reach, and for string
 /// and binary views only the values they point at (a slice or a `take` of a view array
@@ -50,28 +58,54 @@ pub fn block_bytes(batch: &RecordBatch) -> u64 {
     total.max(1)
 }
 
+/// Blocks spilled together: a producer operator's output for one consumer partition
+/// `(operator, partition)`, which one reader reads together.
+pub type SpillGroup = (usize, usize);
+
+/// One spill file and the blocks in it; the file is deleted when the last block that
+/// shares this handle leaves the store (and no reader still holds it).
+#[derive(Debug)]
+struct SpillRun {
+    path: PathBuf,
+}
+
+impl Drop for SpillRun {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_file(&self.path);
+    }
+}
+
 enum Stored {
     Memory(RecordBatch),
-    Spilled(PathBuf),
+    /// Batch `index` of a run's file.
+    Spilled {
+        run: Arc<SpillRun>,
+        index: usize,
+    },
     Held(Arc<dyn HeldBlock>),
 }
 
 struct Entry {
     data: Stored,
     bytes: u64,
+    group: SpillGroup,
 }
 
-/// Write `batch` to `path` in `dir` (made if missing). A reader is only given the path once
-/// this returned, and `make_room` never writes one block twice at once (`Inner.evicting`), so
-/// no rename step is needed (one cost 14% of a spilling sort's time in directory locks).
+/// Write `batches` (one schema) to `path` in `dir` (made if missing). A reader is only given
+/// the path once this returned, and `make_room` never writes one block twice at once
+/// (`Inner.evicting`), so no rename step is needed (one cost 14% of a spilling sort's time
+/// in directory locks).
 fn write_whole(
     dir: &std::path::Path,
     path: &std::path::Path,
-    batch: &RecordBatch,
+    batches: &[(BlockId, RecordBatch)],
 ) -> std::result::Result<(), Box<dyn std::error::Error>> {
     std::fs::create_dir_all(dir)?;
-    let mut writer = FileWriter::try_new(BufWriter::new(File::create(path)?), batch.schema_ref())?;
-    writer.write(batch)?;
+    let schema = batches[0].1.schema_ref();
+    let mut writer = FileWriter::try_new(BufWriter::new(File::create(path)?), schema)?;
+    for (_, batch) in batches {
+        writer.write(batch)?;
+    }
     writer.finish()?;
     Ok(())
 }
@@ -91,6 +125,78 @@ struct Inner {
     evicting: std::collections::HashSet<BlockId>,
 }
 
+impl Inner {
+    /// Blocks of `group` in memory and not being written, newest first, while their bytes
+    /// stay under `bytes` (at least one), all of the first one's schema; marked evicting.
+    fn take_run(&mut self, group: SpillGroup, bytes: u64) -> Vec<(BlockId, RecordBatch, u64)> {
+        let mut candidates: Vec<_> = self
+            .blocks
+            .iter()
+            .filter(|(id, e)| e.group == group && !self.evicting.contains(id))
+            .filter_map(|(id, e)| match &e.data {
+                Stored::Memory(batch) => Some((*id, batch.clone(), e.bytes)),
+                _ => None,
+            })
+            .collect();
+        candidates.sort_unstable_by_key(|(id, ..)| std::cmp::Reverse(*id));
+        let mut run: Vec<(BlockId, RecordBatch, u64)> = vec![];
+        let mut total = 0;
+        for (id, batch, size) in candidates {
+            if total >= bytes {
+                break;
+            }
+            if let Some((_, first, _)) = run.first()
+                && first.schema() != batch.schema()
+            {
+                continue;
+            }
+            total += size;
+            run.push((id, batch, size));
+        }
+        for (id, ..) in &run {
+            self.evicting.insert(*id);
+        }
+        run
+    }
+
+    /// The group with the most bytes in memory not being written out (ties: the newest).
+    fn fullest_group(&self) -> Option<SpillGroup> {
+        let mut bytes: HashMap<SpillGroup, (u64, BlockId)> = HashMap::new();
+        for (id, e) in &self.blocks {
+            if matches!(e.data, Stored::Memory(_)) && !self.evicting.contains(id) {
+                let g = bytes.entry(e.group).or_default();
+                g.0 += e.bytes;
+                g.1 = g.1.max(*id);
+            }
+        }
+        bytes
+            .into_iter()
+            .max_by_key(|(_, size_newest)| *size_newest)
+            .map(|(group, _)| group)
+    }
+
+    /// Point the blocks written to `run` (in its order) at it; one released or replaced
+    /// meanwhile is left alone. Returns the blocks and bytes that left memory.
+    fn spilled(&mut self, run: &Arc<SpillRun>, ids: &[BlockId]) -> (u64, u64) {
+        let mut moved = (0, 0);
+        for (index, id) in ids.iter().enumerate() {
+            self.evicting.remove(id);
+            if let Some(entry) = self.blocks.get_mut(id)
+                && matches!(entry.data, Stored::Memory(_))
+            {
+                entry.data = Stored::Spilled {
+                    run: Arc::clone(run),
+                    index,
+                };
+                self.memory_bytes -= entry.bytes;
+                moved.0 += 1;
+                moved.1 += entry.bytes;
+            }
+        }
+        moved
+    }
+}
+
 /// Blocks of one query run, with a memory budget.
 pub struct BlockStore {
     budget: u64,
@@ -100,6 +206,12 @@ pub struct BlockStore {
     /// Where the spill directory is made (`flumen.spill_dir`); `None`: the temp directory.
     spill_root: Option<PathBuf>,
     spill_dir: OnceLock<std::io::Result<TempDir>>,
+    /// Spill files written (runs).
+    runs_written: AtomicU64,
+    /// Where the run's plan counts them too, for `EXPLAIN ANALYZE`.
+    counters: Option<Arc<MemoryCounters>>,
+    /// Numbers the spill files.
+    next_run: AtomicU64,
     inner: Mutex<Inner>,
 }
 
@@ -130,6 +242,9 @@ impl BlockStore {
             operator_bytes: AtomicU64::new(0),
             spill_root: None,
             spill_dir: OnceLock::new(),
+            runs_written: AtomicU64::new(0),
+            counters: None,
+            next_run: AtomicU64::new(0),
             inner: Mutex::new(Inner::default()),
         }
     }
@@ -137,6 +252,12 @@ impl BlockStore {
     /// Put spill files in a directory made under `root` (else the system's temp directory).
     pub fn with_spill_root(mut self, root: Option<PathBuf>) -> Self {
         self.spill_root = root;
+        self
+    }
+
+    /// Count the spill files it writes in `counters` too.
+    pub fn with_counters(mut self, counters: Arc<MemoryCounters>) -> Self {
+        self.counters = Some(counters);
         self
     }
 
@@ -160,57 +281,65 @@ impl BlockStore {
         self.operator_bytes.store(bytes, Ordering::Relaxed);
     }
 
-    /// Write blocks from memory to spill files (the newest first: readers take the oldest
-    /// first) until blocks and operator state together fit the budget again. Returns the
-    /// blocks and bytes written out.
+    /// Bytes a spill run gathers at least when it is written (unless its group has fewer in
+    /// memory): an eighth of the budget, between 1 MiB and 64 MiB.
+    fn run_bytes(&self) -> u64 {
+        (self.budget / 8).clamp(1 << 20, 64 << 20)
+    }
+
+    /// Spill files written so far (each a run of one or more blocks).
+    #[cfg(test)]
+    fn runs_written(&self) -> u64 {
+        self.runs_written.load(Ordering::Relaxed)
+    }
+
+    /// Write blocks from memory to spill runs until blocks and operator state together fit
+    /// the budget again: each run takes the group with the most bytes in memory, its newest
+    /// blocks first (readers take the oldest first), up to [`Self::run_bytes`] or what must
+    /// be freed. Returns the blocks and bytes written out.
     pub fn make_room(&self) -> Result<(u64, u64)> {
         let mut written = (0, 0);
         loop {
-            let victim = {
+            let run = {
                 let mut inner = self.inner.lock().unwrap();
-                if inner.memory_bytes + self.operator_bytes() <= self.budget {
+                let held = inner.memory_bytes + self.operator_bytes();
+                if held <= self.budget {
                     return Ok(written);
                 }
-                let victim = inner
-                    .blocks
-                    .iter()
-                    .filter(|(id, _)| !inner.evicting.contains(id))
-                    .filter_map(|(id, e)| match &e.data {
-                        Stored::Memory(batch) => Some((*id, batch.clone())),
-                        _ => None,
-                    })
-                    .max_by_key(|(id, _)| *id);
-                if let Some((id, _)) = &victim {
-                    inner.evicting.insert(*id);
-                }
-                victim
+                let Some(group) = inner.fullest_group() else {
+                    return Ok(written);
+                };
+                inner.take_run(group, (held - self.budget).max(self.run_bytes()))
             };
-            let Some((id, batch)) = victim else {
-                return Ok(written);
-            };
-            let spilled = self.spill(id, &batch);
+            let ids: Vec<BlockId> = run.iter().map(|(id, ..)| *id).collect();
+            let batches: Vec<_> = run.into_iter().map(|(id, batch, _)| (id, batch)).collect();
+            let spilled = self.spill(&batches);
             let mut inner = self.inner.lock().unwrap();
-            inner.evicting.remove(&id);
-            let path = spilled?;
-            let entry = match inner.blocks.get_mut(&id) {
-                Some(entry) if matches!(entry.data, Stored::Memory(_)) => entry,
-                // Released (or replaced) while it was written.
-                _ => {
-                    let _ = std::fs::remove_file(path);
-                    continue;
+            let spill_run = match spilled {
+                Ok(spill_run) => spill_run,
+                Err(e) => {
+                    for id in &ids {
+                        inner.evicting.remove(id);
+                    }
+                    return Err(e);
                 }
             };
-            entry.data = Stored::Spilled(path);
-            let bytes = entry.bytes;
-            inner.memory_bytes -= bytes;
-            written.0 += 1;
-            written.1 += bytes;
+            let moved = inner.spilled(&spill_run, &ids);
+            written.0 += moved.0;
+            written.1 += moved.1;
         }
     }
 
-    /// Store a block of `bytes` bytes; spills it when memory would exceed the budget.
-    /// A block larger than the whole budget is an error naming `flumen.memory_budget`.
-    pub fn put(&self, id: BlockId, batch: RecordBatch, bytes: u64) -> Result<Placement> {
+    /// Store a block of `bytes` bytes of `group`. When memory would exceed the budget it
+    /// spills, in one run with the newest blocks of its group still in memory. A block
+    /// larger than the whole budget is an error naming `flumen.memory_budget`.
+    pub fn put(
+        &self,
+        id: BlockId,
+        batch: RecordBatch,
+        bytes: u64,
+        group: SpillGroup,
+    ) -> Result<Placement> {
         if bytes > self.budget {
             return Err(DataFusionError::ResourcesExhausted(format!(
                 "a block of {} rows needs {}, more than flumen.memory_budget ({}); \
@@ -220,33 +349,54 @@ impl BlockStore {
                 ByteSize(self.budget)
             )));
         }
-        {
+        let companions = {
             let mut inner = self.inner.lock().unwrap();
             if inner.memory_bytes + self.operator_bytes() + bytes <= self.budget {
                 inner.memory_bytes += bytes;
-                inner.blocks.insert(
-                    id,
-                    Entry {
-                        data: Stored::Memory(batch),
-                        bytes,
-                    },
-                );
+                let data = Stored::Memory(batch);
+                inner.blocks.insert(id, Entry { data, bytes, group });
                 return Ok(Placement::Memory);
             }
+            let rest = self.run_bytes().saturating_sub(bytes);
+            match rest {
+                0 => vec![],
+                rest => inner.take_run(group, rest),
+            }
+        };
+        let mut batches: Vec<_> = companions.into_iter().map(|(id, b, _)| (id, b)).collect();
+        let companions_schema_differs = batches
+            .first()
+            .is_some_and(|(_, first)| first.schema() != batch.schema());
+        let mut ids: Vec<BlockId> = batches.iter().map(|(id, _)| *id).collect();
+        if companions_schema_differs {
+            let mut inner = self.inner.lock().unwrap();
+            for id in &ids {
+                inner.evicting.remove(id);
+            }
+            batches.clear();
+            ids.clear();
         }
-        let path = self.spill(id, &batch)?;
+        let index = batches.len();
+        batches.push((id, batch));
+        let spilled = self.spill(&batches);
         let mut inner = self.inner.lock().unwrap();
-        inner.blocks.insert(
-            id,
-            Entry {
-                data: Stored::Spilled(path),
-                bytes,
-            },
-        );
+        let run = match spilled {
+            Ok(run) => run,
+            Err(e) => {
+                for id in &ids {
+                    inner.evicting.remove(id);
+                }
+                return Err(e);
+            }
+        };
+        inner.spilled(&run, &ids);
+        let data = Stored::Spilled { run, index };
+        inner.blocks.insert(id, Entry { data, bytes, group });
         Ok(Placement::Spilled)
     }
 
-    fn spill(&self, id: BlockId, batch: &RecordBatch) -> Result<PathBuf> {
+    /// Write `batches` as one spill run.
+    fn spill(&self, batches: &[(BlockId, RecordBatch)]) -> Result<Arc<SpillRun>> {
         let dir = self.spill_dir.get_or_init(|| {
             let builder = tempfile::Builder::new().prefix("flumen-spill-").clone();
             match &self.spill_root {
@@ -257,11 +407,14 @@ impl BlockStore {
         let dir = dir.as_ref().map_err(|e| {
             DataFusionError::Execution(format!("cannot create flumen spill directory: {e}"))
         })?;
-        let subdir = dir.path().join(format!("{:02x}", id % SPILL_SUBDIRS));
-        let path = subdir.join(format!("block-{id}.arrow"));
+        let number = self.next_run.fetch_add(1, Ordering::Relaxed);
+        let subdir = dir.path().join(format!("{:02x}", number % SPILL_SUBDIRS));
+        let path = subdir.join(format!("run-{number}.arrow"));
         let spill_error = |e: &dyn std::fmt::Display| {
             DataFusionError::Execution(format!(
-                "cannot spill block {id} to {}: {e}",
+                "cannot spill {} block(s) (first {}) to {}: {e}",
+                batches.len(),
+                batches[0].0,
                 path.display()
             ))
         };
@@ -271,7 +424,7 @@ impl BlockStore {
         let mut attempts = 0;
         loop {
             attempts += 1;
-            match write_whole(&subdir, &path, batch) {
+            match write_whole(&subdir, &path, batches) {
                 Ok(()) => break,
                 Err(_) if attempts < SPILL_ATTEMPTS => {
                     std::thread::sleep(std::time::Duration::from_millis(5))
@@ -279,7 +432,11 @@ impl BlockStore {
                 Err(e) => return Err(spill_error(&e)),
             }
         }
-        Ok(path)
+        self.runs_written.fetch_add(1, Ordering::Relaxed);
+        if let Some(counters) = &self.counters {
+            counters.spill_files.fetch_add(1, Ordering::Relaxed);
+        }
+        Ok(Arc::new(SpillRun { path }))
     }
 
     /// Record that a worker process keeps block `id` (its bytes are the worker's memory,
@@ -288,6 +445,7 @@ impl BlockStore {
         let entry = Entry {
             data: Stored::Held(held),
             bytes,
+            group: (usize::MAX, 0),
         };
         self.inner.lock().unwrap().blocks.insert(id, entry);
     }
@@ -361,15 +519,16 @@ impl BlockStore {
     /// The data of a block stored here (in memory or spilled), or `None` when it is not
     /// (released, lost, or held by a worker: see [`Self::take_held`]).
     pub fn get(&self, id: BlockId) -> Result<Option<RecordBatch>> {
-        let path = {
+        let (run, index) = {
             let inner = self.inner.lock().unwrap();
             match inner.blocks.get(&id).map(|e| &e.data) {
                 None | Some(Stored::Held(_)) => return Ok(None),
                 Some(Stored::Memory(b)) => return Ok(Some(b.clone())),
-                Some(Stored::Spilled(p)) => p.clone(),
+                Some(Stored::Spilled { run, index }) => (Arc::clone(run), *index),
             }
         };
-        let file = match File::open(&path) {
+        let path = &run.path;
+        let file = match File::open(path) {
             Ok(file) => file,
             // A spill file deleted under the query is a lost block: lineage recomputes it.
             Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
@@ -386,18 +545,18 @@ impl BlockStore {
                 )));
             }
         };
-        let reader = FileReader::try_new(BufReader::new(file), None).map_err(|e| {
+        let damaged = |e: &dyn std::fmt::Display| {
             DataFusionError::Execution(format!(
                 "spill file {} of block {id} is damaged: {e}",
                 path.display()
             ))
-        })?;
-        let mut batches = reader.collect::<std::result::Result<Vec<_>, _>>()?;
-        match batches.len() {
-            1 => Ok(batches.pop()),
-            n => Err(DataFusionError::Internal(format!(
-                "spill file of block {id} holds {n} batches"
-            ))),
+        };
+        let mut reader =
+            FileReader::try_new(BufReader::new(file), None).map_err(|e| damaged(&e))?;
+        reader.set_index(index).map_err(|e| damaged(&e))?;
+        match reader.next() {
+            Some(batch) => Ok(Some(batch.map_err(|e| damaged(&e))?)),
+            None => Err(damaged(&format!("it has no batch {index}"))),
         }
     }
 
@@ -410,9 +569,8 @@ impl BlockStore {
             Some(entry) => {
                 match entry.data {
                     Stored::Memory(_) => inner.memory_bytes -= entry.bytes,
-                    Stored::Spilled(path) => {
-                        let _ = std::fs::remove_file(path);
-                    }
+                    // The run's file goes with its last block (`SpillRun`'s drop).
+                    Stored::Spilled { .. } => {}
                     Stored::Held(held) => held.release(),
                 }
                 entry.bytes
@@ -436,13 +594,103 @@ pub(crate) mod tests {
     #[test]
     fn spills_beyond_budget_and_reads_back() {
         let store = BlockStore::new(1000);
-        assert_eq!(store.put(1, batch(10), 600).unwrap(), Placement::Memory);
-        assert_eq!(store.put(2, batch(20), 600).unwrap(), Placement::Spilled);
+        assert_eq!(
+            store.put(1, batch(10), 600, (0, 0)).unwrap(),
+            Placement::Memory
+        );
+        assert_eq!(
+            store.put(2, batch(20), 600, (0, 1)).unwrap(),
+            Placement::Spilled
+        );
         assert_eq!(store.memory_bytes(), 600);
         assert_eq!(store.get(2).unwrap().unwrap(), batch(20));
         assert_eq!(store.remove(1), 600);
         assert_eq!(store.memory_bytes(), 0);
         assert!(store.get(1).unwrap().is_none());
+    }
+
+    /// The files under a store's spill directory.
+    fn spill_files(store: &BlockStore) -> Vec<std::path::PathBuf> {
+        let Some(Ok(dir)) = store.spill_dir.get() else {
+            return vec![];
+        };
+        let mut files = vec![];
+        for sub in std::fs::read_dir(dir.path()).unwrap() {
+            for file in std::fs::read_dir(sub.unwrap().path()).unwrap() {
+                files.push(file.unwrap().path());
+            }
+        }
+        files
+    }
+
+    /// Blocks of one group spill together as one run (one file) that reads back block by
+    /// block; the file goes with its last block; a run deleted under the store loses
+    /// exactly its blocks.
+    #[test]
+    fn a_group_spills_as_one_run() {
+        let store = BlockStore::new(10 << 20);
+        for id in 0..6 {
+            let group = (7, (id % 2) as usize);
+            store
+                .put(id, batch(100 + id as i64), 1 << 20, group)
+                .unwrap();
+        }
+        // Operators take 9 MiB: 5 MiB of blocks must go, a run at a time from the fullest
+        // group (the newest on a tie), each run at least what is left to free (and at least
+        // `run_bytes`, 1.25 MiB): group 1 whole, then group 0's two newest.
+        store.set_operator_bytes(9 << 20);
+        let (blocks, _) = store.make_room().unwrap();
+        assert_eq!(blocks, 5);
+        assert_eq!(store.runs_written(), 2);
+        assert_eq!(spill_files(&store).len(), 2);
+        for id in 0..6 {
+            assert_eq!(store.get(id).unwrap().unwrap(), batch(100 + id as i64));
+        }
+        // The oldest block of group 0 stayed in memory.
+        assert_eq!(store.memory_bytes(), 1 << 20);
+        assert!(matches!(
+            store.inner.lock().unwrap().blocks[&0].data,
+            Stored::Memory(_)
+        ));
+        // Group 1's run holds blocks 5, 3, 1: its file goes with the last of them.
+        store.remove(5);
+        store.remove(3);
+        assert_eq!(spill_files(&store).len(), 2);
+        assert_eq!(store.get(1).unwrap().unwrap(), batch(101));
+        store.remove(1);
+        assert_eq!(spill_files(&store).len(), 1);
+        // Deleting a run's file loses its blocks only.
+        for file in spill_files(&store) {
+            std::fs::remove_file(file).unwrap();
+        }
+        assert!(store.get(4).unwrap().is_none());
+        assert!(store.get(2).unwrap().is_none());
+        assert_eq!(store.get(0).unwrap().unwrap(), batch(100));
+    }
+
+    /// A block put when memory is full spills in one run with the newest blocks of its
+    /// group, not alone.
+    #[test]
+    fn a_block_that_does_not_fit_takes_its_group_with_it() {
+        // `run_bytes` is 2 MiB: block 4 (1 MiB) takes group 0's newest block (2) with it.
+        let store = BlockStore::new(16 << 20);
+        for id in 0..4 {
+            store
+                .put(id, batch(10), 4 << 20, (1, id as usize % 2))
+                .unwrap();
+        }
+        assert_eq!(
+            store.put(4, batch(20), 1 << 20, (1, 0)).unwrap(),
+            Placement::Spilled
+        );
+        assert_eq!(store.runs_written(), 1);
+        assert_eq!(store.memory_bytes(), 12 << 20);
+        assert!(matches!(
+            store.inner.lock().unwrap().blocks[&2].data,
+            Stored::Spilled { .. }
+        ));
+        assert_eq!(store.get(4).unwrap().unwrap(), batch(20));
+        assert_eq!(store.get(2).unwrap().unwrap(), batch(10));
     }
 
     /// Several threads making room at once never write the same block twice (two writers
@@ -451,7 +699,9 @@ pub(crate) mod tests {
     fn concurrent_evictions_leave_every_block_readable() {
         let store = Arc::new(BlockStore::new(1 << 20));
         for id in 0..200 {
-            store.put(id, batch(1000 + id as i64), 4000).unwrap();
+            store
+                .put(id, batch(1000 + id as i64), 4000, (0, id as usize % 3))
+                .unwrap();
         }
         store.set_operator_bytes(1 << 20);
         let threads: Vec<_> = (0..4)
@@ -471,7 +721,10 @@ pub(crate) mod tests {
     #[test]
     fn a_block_larger_than_the_budget_is_an_error() {
         let store = BlockStore::new(100);
-        let err = store.put(1, batch(10), 200).unwrap_err().to_string();
+        let err = store
+            .put(1, batch(10), 200, (0, 0))
+            .unwrap_err()
+            .to_string();
         assert!(err.contains("flumen.memory_budget"), "{err}");
     }
 }

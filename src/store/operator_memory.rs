@@ -36,6 +36,8 @@ pub struct MemoryCounters {
     /// Blocks written from memory to disk to make room for operator state, and their bytes.
     pub blocks_evicted: AtomicU64,
     pub bytes_evicted: AtomicU64,
+    /// Spill files the block store wrote (each a run of one or more blocks of one group).
+    pub spill_files: AtomicU64,
 }
 
 impl MemoryCounters {
@@ -272,7 +274,7 @@ mod tests {
             Arc::clone(&counters),
         ));
         for id in 0..8 {
-            store.put(id, batch(1000), 10_000).unwrap();
+            store.put(id, batch(1000), 10_000, (0, 0)).unwrap();
         }
         assert_eq!(store.memory_bytes(), 80_000);
         let reservation = MemoryConsumer::new("join").register(&pool);
@@ -283,7 +285,7 @@ mod tests {
             assert_eq!(store.get(id).unwrap().unwrap().num_rows(), 1000);
         }
         // A block put now spills: operators hold half the budget.
-        store.put(8, batch(1000), 10_000).unwrap();
+        store.put(8, batch(1000), 10_000, (0, 0)).unwrap();
         assert!(store.memory_bytes() + 50_000 <= 100_000);
         // Past the budget (at least MIN_OPERATOR_BYTES) the operator is refused, with a
         // message naming the setting.
