@@ -68,8 +68,8 @@ impl ExchangeSizing {
         let mut needed = 0;
         let mut needed_in_core = 0;
         // In core the operators of a pipeline run together: every join's build side is in
-        // memory at once, so their exchanges count together.
-        let mut in_core_bytes = 0;
+        // memory at once, so their exchanges count together (an aggregate's, below, alone).
+        let mut build_bytes = 0;
         // A partitioned hash join's probe input streams through the join: only its build
         // side must fit a partition, so the exchange feeding its probe side does not count.
         // A final grouped aggregate holds its groups, not its input, and spills them when
@@ -102,11 +102,15 @@ impl ExchangeSizing {
                 let bytes = estimated_bytes(repartition.input());
                 largest = largest.max(bytes);
                 needed = needed.max(bytes.div_ceil(partition_bytes));
-                if !aggregate_exchanges.contains(&exchange) || bytes <= config.memory_budget.0 {
-                    in_core_bytes += bytes;
-                    needed_in_core =
-                        needed_in_core.max(in_core_bytes.div_ceil(in_core_partition_bytes));
-                }
+                let in_core = if !aggregate_exchanges.contains(&exchange) {
+                    build_bytes += bytes;
+                    build_bytes
+                } else if bytes <= config.memory_budget.0 {
+                    bytes
+                } else {
+                    0
+                };
+                needed_in_core = needed_in_core.max(in_core.div_ceil(in_core_partition_bytes));
             }
             // A full sort. One that becomes a range sort (out of core) needs a range per
             // partition's share of bytes. Otherwise more partitions make more, smaller
