@@ -215,11 +215,21 @@ async fn skew_contexts(
     (dir, v, f)
 }
 
+/// What [`run_skewed`] saw over its queries.
+#[derive(Debug, Default)]
+struct SkewedRuns {
+    /// Tasks run again alone.
+    alone: u64,
+    /// Tasks run again as sort-merge joins.
+    merge_joins: u64,
+    /// The largest share of an exchange's output that one partition had.
+    largest_share: f64,
+}
+
 /// Runs `queries` in both sessions and checks flumen's answers equal vanilla's, out of core
-/// with operator state within the 16 MB budget; returns, summed over the queries, how many
-/// tasks ran again alone and how many as sort-merge joins.
-async fn run_skewed(v: &SessionContext, f: &SessionContext, queries: &[&str]) -> (u64, u64) {
-    let (mut alone, mut merge_joins) = (0, 0);
+/// with operator state within the 16 MB budget.
+async fn run_skewed(v: &SessionContext, f: &SessionContext, queries: &[&str]) -> SkewedRuns {
+    let mut seen = SkewedRuns::default();
     for sql in queries {
         let expected = collect(v, sql).await;
         let started = Instant::now();
@@ -234,6 +244,13 @@ async fn run_skewed(v: &SessionContext, f: &SessionContext, queries: &[&str]) ->
             .collect();
         let retried: u64 = stats.iter().map(|s| s.retried_alone).sum();
         let merged: u64 = stats.iter().map(|s| s.merge_join_fallbacks).sum();
+        for op in 0..exec.graph().operators.len() {
+            let sizes = metrics.operator(op).partition_sizes();
+            let total: u64 = sizes.iter().sum();
+            if let Some(largest) = sizes.iter().max().filter(|_| total > 0) {
+                seen.largest_share = seen.largest_share.max(*largest as f64 / total as f64);
+            }
+        }
         let [peak_operators, ..] = metrics.memory.snapshot();
         assert!(
             peak_operators <= 16 << 20,
@@ -243,10 +260,10 @@ async fn run_skewed(v: &SessionContext, f: &SessionContext, queries: &[&str]) ->
             "{sql}: {retried} task(s) retried alone, {merged} as sort-merge joins, peak \
              operator state {peak_operators} B, {elapsed:?}"
         );
-        alone += retried;
-        merge_joins += merged;
+        seen.alone += retried;
+        seen.merge_joins += merged;
     }
-    (alone, merge_joins)
+    seen
 }
 
 /// A hot key whose build partition takes most of the budget: 22% of a 1.2M-row table on
@@ -272,10 +289,19 @@ async fn a_hot_partition_refused_memory_runs_again_alone() {
         "SELECT count(*) FROM facts a LEFT JOIN hot s ON a.id = s.k WHERE s.k IS NULL",
         "SELECT count(*), sum(s.v), sum(f.v) FROM hot s JOIN facts f ON s.k = f.id",
     ];
-    let (retried, _) = run_skewed(&v, &f, &queries).await;
+    let seen = run_skewed(&v, &f, &queries).await;
     assert!(
-        retried > 0,
+        seen.alone > 0,
         "no task was refused memory: the hot key no longer tests the retry"
+    );
+    // The hot key's partition has at least its 22% of the hot table's exchange, and
+    // EXPLAIN ANALYZE says so.
+    assert!(seen.largest_share >= 0.22, "{seen:?}");
+    let analyzed = collect(&f, &format!("EXPLAIN ANALYZE {}", queries[1])).await;
+    let analyzed = text(&analyzed);
+    assert!(
+        analyzed.contains("largest_partition_share=") && analyzed.contains("largest_partition="),
+        "{analyzed}"
     );
 }
 
@@ -304,9 +330,9 @@ async fn a_hot_key_larger_than_the_budget_joins_by_sort_merge() {
         "SELECT count(*), sum(s.v) FROM hot s WHERE NOT EXISTS \
          (SELECT 1 FROM facts f WHERE f.id = s.k + 1)",
     ];
-    let (_, merge_joins) = run_skewed(&v, &f, &queries).await;
+    let seen = run_skewed(&v, &f, &queries).await;
     assert!(
-        merge_joins > 0,
+        seen.merge_joins > 0,
         "no task fell back to a sort-merge join: the hot key no longer exceeds the budget"
     );
 }

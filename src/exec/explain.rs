@@ -9,7 +9,9 @@ use datafusion::common::tree_node::{TreeNode, TreeNodeRecursion};
 use datafusion::error::Result;
 use datafusion::execution::{SendableRecordBatchStream, TaskContext};
 use datafusion::physical_plan::execution_plan::{ChildrenPropertiesMode, ReplaceChildrenOptions};
-use datafusion::physical_plan::metrics::{Count, Gauge, Metric, MetricValue, MetricsSet, Time};
+use datafusion::physical_plan::metrics::{
+    Count, Gauge, Metric, MetricValue, MetricsSet, RatioMetrics, Time,
+};
 use datafusion::physical_plan::projection::ProjectionExec;
 use datafusion::physical_plan::{
     DisplayAs, DisplayFormatType, ExecutionPlan, PhysicalExpr, PlanProperties,
@@ -225,17 +227,40 @@ impl ExecutionPlan for OperatorExec {
         set.push(count("tasks", s.tasks));
         set.push(time("busy", s.busy_ns));
         set.push(time("backpressure_wait", s.backpressure_ns));
-        let peak = Gauge::new();
-        peak.set(s.peak_bytes as usize);
-        set.push(Arc::new(Metric::new(
-            MetricValue::PeakMemoryUsage {
-                name: "peak_bytes".into(),
-                gauge: peak,
-            },
-            None,
-        )));
+        let bytes = |name: &'static str, n: u64| {
+            let gauge = Gauge::new();
+            gauge.set(n as usize);
+            Arc::new(Metric::new(
+                MetricValue::PeakMemoryUsage {
+                    name: name.into(),
+                    gauge,
+                },
+                None,
+            ))
+        };
+        set.push(bytes("peak_bytes", s.peak_bytes));
         set.push(count("tasks_recomputed", s.recomputed));
         set.push(count("blocks_spilled", s.spilled));
+        let mut sizes = self.stats.partition_sizes();
+        if sizes.len() > 1 {
+            sizes.sort_unstable();
+            let total: u64 = sizes.iter().sum();
+            let (largest, median) = (sizes[sizes.len() - 1], sizes[sizes.len() / 2]);
+            set.push(count("output_partitions", sizes.len() as u64));
+            set.push(bytes("largest_partition", largest));
+            set.push(bytes("median_partition", median));
+            // How much of the output the largest partition has (1/partitions when even).
+            let share = RatioMetrics::new();
+            share.set_part(largest as usize);
+            share.set_total(total as usize);
+            set.push(Arc::new(Metric::new(
+                MetricValue::Ratio {
+                    name: "largest_partition_share".into(),
+                    ratio_metrics: share,
+                },
+                None,
+            )));
+        }
         if s.retried_alone > 0 {
             set.push(count("tasks_retried_alone", s.retried_alone));
         }

@@ -1,8 +1,8 @@
 //! Per-operator counters, shown by `EXPLAIN ANALYZE` and by progress displays.
 
 use crate::store::operator_memory::MemoryCounters;
-use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
 
 /// Counters of one operator, accumulated over every run of its plan.
 #[derive(Debug, Default)]
@@ -45,6 +45,9 @@ pub struct OperatorStats {
     /// Bytes of its output blocks the driver fetched from the workers holding them (for
     /// the tasks it runs itself, and the query's result).
     pub output_bytes_to_driver: AtomicU64,
+    /// Bytes of output per output partition, for an operator whose output is split (an
+    /// exchange's map side): how even the split is.
+    pub partition_bytes: Mutex<Vec<u64>>,
 }
 
 /// A plain copy of [`OperatorStats`].
@@ -92,6 +95,22 @@ impl OperatorStats {
     /// Add `n` to a counter.
     pub fn add(counter: &AtomicU64, n: u64) {
         counter.fetch_add(n, Ordering::Relaxed);
+    }
+
+    /// Count `bytes` of output into output partition `partition` (of `partitions`).
+    pub fn observe_partition(&self, partition: usize, partitions: usize, bytes: u64) {
+        let mut sizes = self.partition_bytes.lock().unwrap();
+        if sizes.len() < partitions {
+            sizes.resize(partitions, 0);
+        }
+        if let Some(size) = sizes.get_mut(partition) {
+            *size += bytes;
+        }
+    }
+
+    /// Bytes of output per output partition (empty when the output is not split).
+    pub fn partition_sizes(&self) -> Vec<u64> {
+        self.partition_bytes.lock().unwrap().clone()
     }
 
     /// Raise the peak of held bytes to `bytes` if higher.

@@ -191,6 +191,9 @@ impl QueryRun {
         OperatorStats::add(&stats.rows, block.rows as u64);
         OperatorStats::add(&stats.bytes, block.bytes);
         OperatorStats::add(&stats.blocks, 1);
+        if let Some(split) = &self.graph.operators[block.operator].output_split {
+            stats.observe_partition(block.tag, split.partition_count(), block.bytes);
+        }
         let mut st = self.state.lock().unwrap();
         let held_rows = if block.bytes > 0 {
             block.rows as u64
