@@ -434,6 +434,17 @@ async fn random_shuffle_is_a_seeded_permutation() {
     );
 }
 
+/// Blocks in a spill run file (one Arrow IPC stream each, one after the other); `None`
+/// when it cannot be read.
+fn blocks_in_run(path: &Path) -> Option<u64> {
+    let mut file = std::fs::File::open(path).ok()?;
+    let mut blocks = 0;
+    while let Ok(reader) = datafusion::arrow::ipc::reader::StreamReader::try_new(&mut file, None) {
+        blocks += reader.count() as u64;
+    }
+    Some(blocks)
+}
+
 /// Spill files deleted from disk while an out-of-core join runs (runs of map outputs the
 /// reduce tasks have not read yet): the blocks are recomputed from lineage, only the tasks
 /// that made them (at most one recompute per block lost), and the answer is unchanged.
@@ -448,8 +459,7 @@ async fn deleted_spill_files_are_recomputed() {
 
     let stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
     let (stop_in, root) = (Arc::clone(&stop), spill.path().to_path_buf());
-    // Every 30 ms, delete every fourth whole spill file there is (one still being written,
-    // which does not read as a whole file yet, is left), counting the blocks in it.
+    // Every 30 ms, delete every fourth spill file there is, counting the blocks in it.
     let deleter = std::thread::spawn(move || {
         let (mut deleted, mut blocks) = (0, 0);
         while !stop_in.load(std::sync::atomic::Ordering::Relaxed) {
@@ -458,10 +468,7 @@ async fn deleted_spill_files_are_recomputed() {
                 .filter(|p| p.extension().is_some_and(|e| e == "arrow"))
                 .collect();
             for file in files.iter().step_by(4) {
-                let Some(batches) = std::fs::File::open(file).ok().and_then(|f| {
-                    let reader = datafusion::arrow::ipc::reader::FileReader::try_new(f, None);
-                    reader.ok().map(|r| r.num_batches() as u64)
-                }) else {
+                let Some(batches) = blocks_in_run(file) else {
                     continue;
                 };
                 if std::fs::remove_file(file).is_ok() {

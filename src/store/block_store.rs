@@ -2,22 +2,23 @@
 //! memory budget, spilled to Arrow IPC files in a temp dir beyond it, or kept by the
 //! worker process that made it.
 //!
-//! Blocks spill in **runs**: one file holds several blocks of one [`SpillGroup`] (a
-//! producer's output for one consumer partition), those that waited in memory together, so
+//! Blocks spill in **runs**: each [`SpillGroup`] (a producer's output for one consumer
+//! partition) appends its spilled blocks to one open file until it holds
+//! [`BlockStore::run_cap`] bytes, the blocks that waited in memory together in one write, so
 //! a reduce task reads its partition from a few large files rather than one small file per
-//! map output (Exoshuffle's merge of pushed map outputs, done by the memory the blocks
-//! already take). A run's file is deleted when its last block leaves the store; a run
-//! deleted under the query loses all its blocks, and each is recomputed by its producer.
+//! map output (Exoshuffle's merge of pushed map outputs). Each block is an Arrow IPC stream
+//! of its own at a known offset. A run's file is deleted when its last block leaves the
+//! store; a run deleted under the query loses its blocks, each recomputed by its producer.
 
 use std::collections::HashMap;
 use std::fs::File;
-use std::io::{BufReader, BufWriter};
+use std::io::{BufReader, Read, Seek, SeekFrom, Write};
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, OnceLock};
 
-use datafusion::arrow::ipc::reader::FileReader;
-use datafusion::arrow::ipc::writer::FileWriter;
+use datafusion::arrow::ipc::reader::StreamReader;
+use datafusion::arrow::ipc::writer::StreamWriter;
 use datafusion::arrow::record_batch::RecordBatch;
 use datafusion::error::{DataFusionError, Result};
 use tempfile::TempDir;
@@ -63,11 +64,25 @@ pub fn block_bytes(batch: &RecordBatch) -> u64 {
 pub type SpillGroup = (usize, usize);
 
 /// One spill file and the blocks in it; the file is deleted when the last block that
-/// shares this handle leaves the store (and no reader still holds it).
+/// shares this handle leaves the store (and no reader or writer still holds it).
 #[derive(Debug)]
 struct SpillRun {
     path: PathBuf,
 }
+
+/// A group's run still open for appending.
+struct OpenRun {
+    run: Arc<SpillRun>,
+    file: File,
+    /// Bytes written to it.
+    len: u64,
+}
+
+/// Each spilled block's `(offset, len)` in its run file.
+type Spans = Vec<(u64, u64)>;
+
+/// Where one group appends its spilled blocks (`None`: no run open).
+type RunSlot = Arc<Mutex<Option<OpenRun>>>;
 
 impl Drop for SpillRun {
     fn drop(&mut self) {
@@ -77,10 +92,11 @@ impl Drop for SpillRun {
 
 enum Stored {
     Memory(RecordBatch),
-    /// Batch `index` of a run's file.
+    /// `len` bytes at `offset` of a run's file: one Arrow IPC stream.
     Spilled {
         run: Arc<SpillRun>,
-        index: usize,
+        offset: u64,
+        len: u64,
     },
     Held(Arc<dyn HeldBlock>),
 }
@@ -91,23 +107,20 @@ struct Entry {
     group: SpillGroup,
 }
 
-/// Write `batches` (one schema) to `path` in `dir` (made if missing). A reader is only given
-/// the path once this returned, and `make_room` never writes one block twice at once
-/// (`Inner.evicting`), so no rename step is needed (one cost 14% of a spilling sort's time
-/// in directory locks).
-fn write_whole(
-    dir: &std::path::Path,
-    path: &std::path::Path,
-    batches: &[(BlockId, RecordBatch)],
-) -> std::result::Result<(), Box<dyn std::error::Error>> {
-    std::fs::create_dir_all(dir)?;
-    let schema = batches[0].1.schema_ref();
-    let mut writer = FileWriter::try_new(BufWriter::new(File::create(path)?), schema)?;
+/// `batches` encoded one after the other, each as an Arrow IPC stream of its own, with each
+/// one's offset and length in the result.
+fn encode(batches: &[(BlockId, RecordBatch)]) -> Result<(Vec<u8>, Spans)> {
+    let mut bytes = vec![];
+    let mut spans = vec![];
     for (_, batch) in batches {
+        let start = bytes.len();
+        let mut writer = StreamWriter::try_new(&mut bytes, batch.schema_ref())?;
         writer.write(batch)?;
+        writer.finish()?;
+        drop(writer);
+        spans.push((start as u64, (bytes.len() - start) as u64));
     }
-    writer.finish()?;
-    Ok(())
+    Ok((bytes, spans))
 }
 
 /// Times a spill is tried before its error reaches the query.
@@ -175,18 +188,24 @@ impl Inner {
             .map(|(group, _)| group)
     }
 
-    /// Point the blocks written to `run` (in its order) at it; one released or replaced
-    /// meanwhile is left alone. Returns the blocks and bytes that left memory.
-    fn spilled(&mut self, run: &Arc<SpillRun>, ids: &[BlockId]) -> (u64, u64) {
+    /// Point the blocks written to `run` at their `(offset, len)` there; one released or
+    /// replaced meanwhile is left alone. Returns the blocks and bytes that left memory.
+    fn spilled(
+        &mut self,
+        run: &Arc<SpillRun>,
+        ids: &[BlockId],
+        spans: &[(u64, u64)],
+    ) -> (u64, u64) {
         let mut moved = (0, 0);
-        for (index, id) in ids.iter().enumerate() {
+        for (id, &(offset, len)) in ids.iter().zip(spans) {
             self.evicting.remove(id);
             if let Some(entry) = self.blocks.get_mut(id)
                 && matches!(entry.data, Stored::Memory(_))
             {
                 entry.data = Stored::Spilled {
                     run: Arc::clone(run),
-                    index,
+                    offset,
+                    len,
                 };
                 self.memory_bytes -= entry.bytes;
                 moved.0 += 1;
@@ -208,6 +227,8 @@ pub struct BlockStore {
     spill_dir: OnceLock<std::io::Result<TempDir>>,
     /// Spill files written (runs).
     runs_written: AtomicU64,
+    /// Each group's open run.
+    open_runs: Mutex<HashMap<SpillGroup, RunSlot>>,
     /// Where the run's plan counts them too, for `EXPLAIN ANALYZE`.
     counters: Option<Arc<MemoryCounters>>,
     /// Numbers the spill files.
@@ -243,6 +264,7 @@ impl BlockStore {
             spill_root: None,
             spill_dir: OnceLock::new(),
             runs_written: AtomicU64::new(0),
+            open_runs: Mutex::new(HashMap::new()),
             counters: None,
             next_run: AtomicU64::new(0),
             inner: Mutex::new(Inner::default()),
@@ -259,6 +281,13 @@ impl BlockStore {
     pub fn with_counters(mut self, counters: Arc<MemoryCounters>) -> Self {
         self.counters = Some(counters);
         self
+    }
+
+    /// Bytes a group's run file takes before the next spill starts a new one: four runs'
+    /// worth (4–256 MiB). A run's space returns to the disk when its last block is read, so
+    /// smaller files free space sooner; larger ones mean fewer files.
+    fn run_cap(&self) -> u64 {
+        4 * self.run_bytes()
     }
 
     /// The memory budget in bytes.
@@ -309,14 +338,18 @@ impl BlockStore {
                 let Some(group) = inner.fullest_group() else {
                     return Ok(written);
                 };
-                inner.take_run(group, (held - self.budget).max(self.run_bytes()))
+                (
+                    group,
+                    inner.take_run(group, (held - self.budget).max(self.run_bytes())),
+                )
             };
+            let (group, run) = run;
             let ids: Vec<BlockId> = run.iter().map(|(id, ..)| *id).collect();
             let batches: Vec<_> = run.into_iter().map(|(id, batch, _)| (id, batch)).collect();
-            let spilled = self.spill(&batches);
+            let spilled = self.spill(group, &batches);
             let mut inner = self.inner.lock().unwrap();
-            let spill_run = match spilled {
-                Ok(spill_run) => spill_run,
+            let (spill_run, spans) = match spilled {
+                Ok(spilled) => spilled,
                 Err(e) => {
                     for id in &ids {
                         inner.evicting.remove(id);
@@ -324,7 +357,7 @@ impl BlockStore {
                     return Err(e);
                 }
             };
-            let moved = inner.spilled(&spill_run, &ids);
+            let moved = inner.spilled(&spill_run, &ids, &spans);
             written.0 += moved.0;
             written.1 += moved.1;
         }
@@ -376,12 +409,11 @@ impl BlockStore {
             batches.clear();
             ids.clear();
         }
-        let index = batches.len();
         batches.push((id, batch));
-        let spilled = self.spill(&batches);
+        let spilled = self.spill(group, &batches);
         let mut inner = self.inner.lock().unwrap();
-        let run = match spilled {
-            Ok(run) => run,
+        let (run, spans) = match spilled {
+            Ok(spilled) => spilled,
             Err(e) => {
                 for id in &ids {
                     inner.evicting.remove(id);
@@ -389,14 +421,72 @@ impl BlockStore {
                 return Err(e);
             }
         };
-        inner.spilled(&run, &ids);
-        let data = Stored::Spilled { run, index };
+        inner.spilled(&run, &ids, &spans);
+        let (offset, len) = spans[spans.len() - 1];
+        let data = Stored::Spilled { run, offset, len };
         inner.blocks.insert(id, Entry { data, bytes, group });
         Ok(Placement::Spilled)
     }
 
-    /// Write `batches` as one spill run.
-    fn spill(&self, batches: &[(BlockId, RecordBatch)]) -> Result<Arc<SpillRun>> {
+    /// Append `batches` to `group`'s open run in one write (a new run when there is none,
+    /// it is full, or its file was deleted under the query); returns the run and each
+    /// batch's `(offset, len)` in it.
+    fn spill(
+        &self,
+        group: SpillGroup,
+        batches: &[(BlockId, RecordBatch)],
+    ) -> Result<(Arc<SpillRun>, Spans)> {
+        let (bytes, mut spans) = encode(batches)?;
+        let slot = Arc::clone(self.open_runs.lock().unwrap().entry(group).or_default());
+        let mut slot = slot.lock().unwrap();
+        if slot
+            .as_ref()
+            .is_some_and(|open| open.len >= self.run_cap() || !open.run.path.exists())
+        {
+            *slot = None;
+        }
+        // Someone may have deleted the directory under a running query (before the file was
+        // made): make it again (a deletion in progress, which takes longer with the
+        // subdirectories, races with the creation), for up to about 100 ms. A failed write
+        // abandons its run (its end may hold part of this one); the next try opens another.
+        let mut attempts = 0;
+        loop {
+            attempts += 1;
+            let appended = match slot.take() {
+                Some(open) => Ok(open),
+                None => self.open_run(),
+            }
+            .and_then(|mut open| {
+                open.file.write_all(&bytes).map_err(|e| e.to_string())?;
+                Ok(open)
+            });
+            match appended {
+                Ok(open) => {
+                    *slot = Some(open);
+                    break;
+                }
+                Err(e) if attempts >= SPILL_ATTEMPTS => {
+                    return Err(DataFusionError::Execution(format!(
+                        "cannot spill {} block(s) (first {}) of partition {} of operator {}: {e}",
+                        batches.len(),
+                        batches[0].0,
+                        group.1,
+                        group.0
+                    )));
+                }
+                Err(_) => std::thread::sleep(std::time::Duration::from_millis(5)),
+            }
+        }
+        let open = slot.as_mut().expect("a run is open");
+        for span in &mut spans {
+            span.0 += open.len;
+        }
+        open.len += bytes.len() as u64;
+        Ok((Arc::clone(&open.run), spans))
+    }
+
+    /// A new, empty run file.
+    fn open_run(&self) -> std::result::Result<OpenRun, String> {
         let dir = self.spill_dir.get_or_init(|| {
             let builder = tempfile::Builder::new().prefix("flumen-spill-").clone();
             match &self.spill_root {
@@ -404,39 +494,24 @@ impl BlockStore {
                 None => builder.tempdir(),
             }
         });
-        let dir = dir.as_ref().map_err(|e| {
-            DataFusionError::Execution(format!("cannot create flumen spill directory: {e}"))
-        })?;
+        let dir = dir
+            .as_ref()
+            .map_err(|e| format!("cannot create flumen spill directory: {e}"))?;
         let number = self.next_run.fetch_add(1, Ordering::Relaxed);
         let subdir = dir.path().join(format!("{:02x}", number % SPILL_SUBDIRS));
         let path = subdir.join(format!("run-{number}.arrow"));
-        let spill_error = |e: &dyn std::fmt::Display| {
-            DataFusionError::Execution(format!(
-                "cannot spill {} block(s) (first {}) to {}: {e}",
-                batches.len(),
-                batches[0].0,
-                path.display()
-            ))
-        };
-        // Someone may have deleted the directory under a running query (before the file was
-        // made): write it again (a deletion in progress, which takes longer with the
-        // subdirectories, races with the creation), for up to about 100 ms.
-        let mut attempts = 0;
-        loop {
-            attempts += 1;
-            match write_whole(&subdir, &path, batches) {
-                Ok(()) => break,
-                Err(_) if attempts < SPILL_ATTEMPTS => {
-                    std::thread::sleep(std::time::Duration::from_millis(5))
-                }
-                Err(e) => return Err(spill_error(&e)),
-            }
-        }
+        let file = std::fs::create_dir_all(&subdir)
+            .and_then(|()| File::create(&path))
+            .map_err(|e| format!("{}: {e}", path.display()))?;
         self.runs_written.fetch_add(1, Ordering::Relaxed);
         if let Some(counters) = &self.counters {
             counters.spill_files.fetch_add(1, Ordering::Relaxed);
         }
-        Ok(Arc::new(SpillRun { path }))
+        Ok(OpenRun {
+            run: Arc::new(SpillRun { path }),
+            file,
+            len: 0,
+        })
     }
 
     /// Record that a worker process keeps block `id` (its bytes are the worker's memory,
@@ -519,16 +594,16 @@ impl BlockStore {
     /// The data of a block stored here (in memory or spilled), or `None` when it is not
     /// (released, lost, or held by a worker: see [`Self::take_held`]).
     pub fn get(&self, id: BlockId) -> Result<Option<RecordBatch>> {
-        let (run, index) = {
+        let (run, offset, len) = {
             let inner = self.inner.lock().unwrap();
             match inner.blocks.get(&id).map(|e| &e.data) {
                 None | Some(Stored::Held(_)) => return Ok(None),
                 Some(Stored::Memory(b)) => return Ok(Some(b.clone())),
-                Some(Stored::Spilled { run, index }) => (Arc::clone(run), *index),
+                Some(Stored::Spilled { run, offset, len }) => (Arc::clone(run), *offset, *len),
             }
         };
         let path = &run.path;
-        let file = match File::open(path) {
+        let mut file = match File::open(path) {
             Ok(file) => file,
             // A spill file deleted under the query is a lost block: lineage recomputes it.
             Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
@@ -551,12 +626,13 @@ impl BlockStore {
                 path.display()
             ))
         };
-        let mut reader =
-            FileReader::try_new(BufReader::new(file), None).map_err(|e| damaged(&e))?;
-        reader.set_index(index).map_err(|e| damaged(&e))?;
+        file.seek(SeekFrom::Start(offset))
+            .map_err(|e| damaged(&e))?;
+        let stream = BufReader::new(file.take(len));
+        let mut reader = StreamReader::try_new(stream, None).map_err(|e| damaged(&e))?;
         match reader.next() {
             Some(batch) => Ok(Some(batch.map_err(|e| damaged(&e))?)),
-            None => Err(damaged(&format!("it has no batch {index}"))),
+            None => Err(damaged(&format!("no batch at offset {offset}"))),
         }
     }
 
@@ -569,12 +645,32 @@ impl BlockStore {
             Some(entry) => {
                 match entry.data {
                     Stored::Memory(_) => inner.memory_bytes -= entry.bytes,
-                    // The run's file goes with its last block (`SpillRun`'s drop).
-                    Stored::Spilled { .. } => {}
+                    // The run's file goes with its last block (`SpillRun`'s drop); a run
+                    // still open for its group is closed when only the group holds it.
+                    Stored::Spilled { run, .. } => {
+                        if Arc::strong_count(&run) == 2 {
+                            self.close_if_open(entry.group, &run);
+                        }
+                    }
                     Stored::Held(held) => held.release(),
                 }
                 entry.bytes
             }
+        }
+    }
+
+    /// Close `group`'s open run if it is `run` (its blocks are all gone), unless a spill is
+    /// writing to it now.
+    fn close_if_open(&self, group: SpillGroup, run: &Arc<SpillRun>) {
+        let Some(slot) = self.open_runs.lock().unwrap().get(&group).cloned() else {
+            return;
+        };
+        if let Ok(mut slot) = slot.try_lock()
+            && slot
+                .as_ref()
+                .is_some_and(|open| Arc::ptr_eq(&open.run, run))
+        {
+            *slot = None;
         }
     }
 }
@@ -666,6 +762,36 @@ pub(crate) mod tests {
         assert!(store.get(4).unwrap().is_none());
         assert!(store.get(2).unwrap().is_none());
         assert_eq!(store.get(0).unwrap().unwrap(), batch(100));
+    }
+
+    /// With operators holding the whole budget every block put spills by itself, yet a
+    /// group's blocks append to one file until it holds `run_cap` bytes; the file goes once
+    /// all its blocks have been read.
+    #[test]
+    fn spills_of_a_group_append_to_one_file() {
+        let store = BlockStore::new(8 << 20);
+        store.set_operator_bytes(8 << 20);
+        // `run_cap` is 4 MiB: blocks of ~0.6 MiB (counted), 8 per group, 2 groups.
+        for id in 0..16 {
+            let group = (3, id as usize % 2);
+            let placed = store
+                .put(id, batch(100 + id as i64), 600 << 10, group)
+                .unwrap();
+            assert_eq!(placed, Placement::Spilled);
+        }
+        assert_eq!(spill_files(&store).len(), 2, "one file per group");
+        for id in 0..16 {
+            assert_eq!(store.get(id).unwrap().unwrap(), batch(100 + id as i64));
+        }
+        for id in 0..16 {
+            store.remove(id);
+        }
+        assert_eq!(
+            spill_files(&store).len(),
+            0,
+            "files left: {:?}",
+            spill_files(&store)
+        );
     }
 
     /// A block put when memory is full spills in one run with the newest blocks of its
