@@ -12,7 +12,7 @@
 
 use std::collections::HashMap;
 use std::fs::File;
-use std::io::{BufReader, Read, Seek, SeekFrom, Write};
+use std::io::{BufReader, BufWriter, Read, Seek, SeekFrom, Write};
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, OnceLock};
@@ -107,20 +107,50 @@ struct Entry {
     group: SpillGroup,
 }
 
-/// `batches` encoded one after the other, each as an Arrow IPC stream of its own, with each
-/// one's offset and length in the result.
-fn encode(batches: &[(BlockId, RecordBatch)]) -> Result<(Vec<u8>, Spans)> {
-    let mut bytes = vec![];
+/// A writer that counts the bytes through it.
+struct Counting<W> {
+    inner: W,
+    written: u64,
+}
+
+impl<W: Write> Write for Counting<W> {
+    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+        let n = self.inner.write(buf)?;
+        self.written += n as u64;
+        Ok(n)
+    }
+
+    fn flush(&mut self) -> std::io::Result<()> {
+        self.inner.flush()
+    }
+}
+
+/// Append `batches` to `open`'s file, each as an Arrow IPC stream of its own, streamed
+/// through a buffer (a run may be a large part of the budget: no copy of it is held);
+/// returns each one's offset and length in the file.
+fn append(
+    open: &mut OpenRun,
+    batches: &[(BlockId, RecordBatch)],
+) -> std::result::Result<Spans, String> {
+    let mut out = Counting {
+        inner: BufWriter::with_capacity(1 << 20, &mut open.file),
+        written: 0,
+    };
     let mut spans = vec![];
     for (_, batch) in batches {
-        let start = bytes.len();
-        let mut writer = StreamWriter::try_new(&mut bytes, batch.schema_ref())?;
-        writer.write(batch)?;
-        writer.finish()?;
+        let start = out.written;
+        let mut writer =
+            StreamWriter::try_new(&mut out, batch.schema_ref()).map_err(|e| e.to_string())?;
+        writer.write(batch).map_err(|e| e.to_string())?;
+        writer.finish().map_err(|e| e.to_string())?;
         drop(writer);
-        spans.push((start as u64, (bytes.len() - start) as u64));
+        spans.push((open.len + start, out.written - start));
     }
-    Ok((bytes, spans))
+    out.flush().map_err(|e| e.to_string())?;
+    let written = out.written;
+    drop(out);
+    open.len += written;
+    Ok(spans)
 }
 
 /// Times a spill is tried before its error reaches the query.
@@ -436,7 +466,6 @@ impl BlockStore {
         group: SpillGroup,
         batches: &[(BlockId, RecordBatch)],
     ) -> Result<(Arc<SpillRun>, Spans)> {
-        let (bytes, mut spans) = encode(batches)?;
         let slot = Arc::clone(self.open_runs.lock().unwrap().entry(group).or_default());
         let mut slot = slot.lock().unwrap();
         if slot
@@ -456,14 +485,12 @@ impl BlockStore {
                 Some(open) => Ok(open),
                 None => self.open_run(),
             }
-            .and_then(|mut open| {
-                open.file.write_all(&bytes).map_err(|e| e.to_string())?;
-                Ok(open)
-            });
+            .and_then(|mut open| Ok((append(&mut open, batches)?, open)));
             match appended {
-                Ok(open) => {
+                Ok((spans, open)) => {
+                    let run = Arc::clone(&open.run);
                     *slot = Some(open);
-                    break;
+                    return Ok((run, spans));
                 }
                 Err(e) if attempts >= SPILL_ATTEMPTS => {
                     return Err(DataFusionError::Execution(format!(
@@ -477,12 +504,6 @@ impl BlockStore {
                 Err(_) => std::thread::sleep(std::time::Duration::from_millis(5)),
             }
         }
-        let open = slot.as_mut().expect("a run is open");
-        for span in &mut spans {
-            span.0 += open.len;
-        }
-        open.len += bytes.len() as u64;
-        Ok((Arc::clone(&open.run), spans))
     }
 
     /// A new, empty run file.
