@@ -188,14 +188,30 @@ async fn tiny_budget_sorts_like_datafusion() {
     );
 }
 
-/// `tables` (name, SELECT) written as Parquet to a temp dir and registered in vanilla
-/// DataFusion and in a flumen session with a 16 MB budget and 2 CPU slots.
+/// `facts(id, v)` of `facts` rows and `hot(k, v)` of `hot` rows, `hot_percent` of them with
+/// `k = 0` and the rest distinct even ids, written as Parquet to a temp dir and registered in
+/// vanilla DataFusion and in a flumen session with a 16 MB budget and 2 CPU slots.
 async fn skew_contexts(
-    tables: &[(&str, &str)],
+    facts: u64,
+    hot: u64,
+    hot_percent: u64,
 ) -> (tempfile::TempDir, SessionContext, SessionContext) {
     let dir = tempfile::tempdir().unwrap();
+    let tables = [
+        (
+            "facts",
+            format!("SELECT value AS id, (value * 31) % 1000 AS v FROM range(0, {facts})"),
+        ),
+        (
+            "hot",
+            format!(
+                "SELECT CASE WHEN value % 100 < {hot_percent} THEN 0 ELSE value * 2 END AS k, \
+                 value % 97 AS v FROM range(0, {hot})"
+            ),
+        ),
+    ];
     let v = vanilla();
-    for (name, select) in tables {
+    for (name, select) in &tables {
         let path = format!("{}/{name}.parquet", dir.path().display());
         collect(&v, &format!("COPY ({select}) TO '{path}'")).await;
     }
@@ -205,7 +221,7 @@ async fn skew_contexts(
     ])
     .await;
     for ctx in [&v, &f] {
-        for (name, _) in tables {
+        for (name, _) in &tables {
             let path = format!("{}/{name}.parquet", dir.path().display());
             ctx.register_parquet(*name, &path, ParquetReadOptions::default())
                 .await
@@ -273,18 +289,7 @@ async fn run_skewed(v: &SessionContext, f: &SessionContext, queries: &[&str]) ->
 /// (an anti join, an inner join) equal DataFusion's.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_hot_partition_refused_memory_runs_again_alone() {
-    let (_dir, v, f) = skew_contexts(&[
-        (
-            "facts",
-            "SELECT value AS id, (value * 31) % 1000 AS v FROM range(0, 1500000)",
-        ),
-        (
-            "hot",
-            "SELECT CASE WHEN value % 100 < 22 THEN 0 ELSE value * 2 END AS k, value % 97 AS v \
-             FROM range(0, 1200000)",
-        ),
-    ])
-    .await;
+    let (_dir, v, f) = skew_contexts(1_500_000, 1_200_000, 22).await;
     let queries = [
         "SELECT count(*) FROM facts a LEFT JOIN hot s ON a.id = s.k WHERE s.k IS NULL",
         "SELECT count(*), sum(s.v), sum(f.v) FROM hot s JOIN facts f ON s.k = f.id",
@@ -312,18 +317,7 @@ async fn a_hot_partition_refused_memory_runs_again_alone() {
 /// inner join, a left join, an anti join) equal DataFusion's.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_hot_key_larger_than_the_budget_joins_by_sort_merge() {
-    let (_dir, v, f) = skew_contexts(&[
-        (
-            "facts",
-            "SELECT value AS id, (value * 31) % 1000 AS v FROM range(0, 5000000)",
-        ),
-        (
-            "hot",
-            "SELECT CASE WHEN value % 10 < 3 THEN 0 ELSE value * 2 END AS k, value % 97 AS v \
-             FROM range(0, 3500000)",
-        ),
-    ])
-    .await;
+    let (_dir, v, f) = skew_contexts(5_000_000, 3_500_000, 30).await;
     let queries = [
         "SELECT count(*), sum(s.v), sum(f.v) FROM hot s JOIN facts f ON s.k = f.id",
         "SELECT count(*), sum(f.v), count(f.id) FROM hot s LEFT JOIN facts f ON s.k = f.id",

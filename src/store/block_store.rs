@@ -15,7 +15,7 @@ use std::fs::File;
 use std::io::{BufReader, BufWriter, Read, Seek, SeekFrom, Write};
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Arc, Mutex, OnceLock};
+use std::sync::{Arc, Mutex, MutexGuard, OnceLock};
 
 use datafusion::arrow::ipc::reader::StreamReader;
 use datafusion::arrow::ipc::writer::StreamWriter;
@@ -170,8 +170,9 @@ struct Inner {
 
 impl Inner {
     /// Blocks of `group` in memory and not being written, newest first, while their bytes
-    /// stay under `bytes` (at least one), all of the first one's schema; marked evicting.
-    fn take_run(&mut self, group: SpillGroup, bytes: u64) -> Vec<(BlockId, RecordBatch, u64)> {
+    /// stay under `bytes` (at least one); marked evicting. Each is written as an IPC stream
+    /// of its own, so their schemas need not agree.
+    fn take_run(&mut self, group: SpillGroup, bytes: u64) -> Vec<(BlockId, RecordBatch)> {
         let mut candidates: Vec<_> = self
             .blocks
             .iter()
@@ -182,22 +183,15 @@ impl Inner {
             })
             .collect();
         candidates.sort_unstable_by_key(|(id, ..)| std::cmp::Reverse(*id));
-        let mut run: Vec<(BlockId, RecordBatch, u64)> = vec![];
+        let mut run = vec![];
         let mut total = 0;
         for (id, batch, size) in candidates {
             if total >= bytes {
                 break;
             }
-            if let Some((_, first, _)) = run.first()
-                && first.schema() != batch.schema()
-            {
-                continue;
-            }
             total += size;
-            run.push((id, batch, size));
-        }
-        for (id, ..) in &run {
-            self.evicting.insert(*id);
+            self.evicting.insert(id);
+            run.push((id, batch));
         }
         run
     }
@@ -223,11 +217,11 @@ impl Inner {
     fn spilled(
         &mut self,
         run: &Arc<SpillRun>,
-        ids: &[BlockId],
+        blocks: &[(BlockId, RecordBatch)],
         spans: &[(u64, u64)],
     ) -> (u64, u64) {
         let mut moved = (0, 0);
-        for (id, &(offset, len)) in ids.iter().zip(spans) {
+        for ((id, _), &(offset, len)) in blocks.iter().zip(spans) {
             self.evicting.remove(id);
             if let Some(entry) = self.blocks.get_mut(id)
                 && matches!(entry.data, Stored::Memory(_))
@@ -255,8 +249,6 @@ pub struct BlockStore {
     /// Where the spill directory is made (`flumen.spill_dir`); `None`: the temp directory.
     spill_root: Option<PathBuf>,
     spill_dir: OnceLock<std::io::Result<TempDir>>,
-    /// Spill files written (runs).
-    runs_written: AtomicU64,
     /// Each group's open run.
     open_runs: Mutex<HashMap<SpillGroup, RunSlot>>,
     /// Where the run's plan counts them too, for `EXPLAIN ANALYZE`.
@@ -293,7 +285,6 @@ impl BlockStore {
             operator_bytes: AtomicU64::new(0),
             spill_root: None,
             spill_dir: OnceLock::new(),
-            runs_written: AtomicU64::new(0),
             open_runs: Mutex::new(HashMap::new()),
             counters: None,
             next_run: AtomicU64::new(0),
@@ -346,12 +337,6 @@ impl BlockStore {
         (self.budget / 8).clamp(1 << 20, 64 << 20)
     }
 
-    /// Spill files written so far (each a run of one or more blocks).
-    #[cfg(test)]
-    fn runs_written(&self) -> u64 {
-        self.runs_written.load(Ordering::Relaxed)
-    }
-
     /// Write blocks from memory to spill runs until blocks and operator state together fit
     /// the budget again: each run takes the group with the most bytes in memory, its newest
     /// blocks first (readers take the oldest first), up to [`Self::run_bytes`] or what must
@@ -368,26 +353,12 @@ impl BlockStore {
                 let Some(group) = inner.fullest_group() else {
                     return Ok(written);
                 };
-                (
-                    group,
-                    inner.take_run(group, (held - self.budget).max(self.run_bytes())),
-                )
+                let bytes = (held - self.budget).max(self.run_bytes());
+                (group, inner.take_run(group, bytes))
             };
-            let (group, run) = run;
-            let ids: Vec<BlockId> = run.iter().map(|(id, ..)| *id).collect();
-            let batches: Vec<_> = run.into_iter().map(|(id, batch, _)| (id, batch)).collect();
-            let spilled = self.spill(group, &batches);
-            let mut inner = self.inner.lock().unwrap();
-            let (spill_run, spans) = match spilled {
-                Ok(spilled) => spilled,
-                Err(e) => {
-                    for id in &ids {
-                        inner.evicting.remove(id);
-                    }
-                    return Err(e);
-                }
-            };
-            let moved = inner.spilled(&spill_run, &ids, &spans);
+            let (group, batches) = run;
+            let (mut inner, spill_run, spans) = self.write_run(group, &batches)?;
+            let moved = inner.spilled(&spill_run, &batches, &spans);
             written.0 += moved.0;
             written.1 += moved.1;
         }
@@ -420,42 +391,40 @@ impl BlockStore {
                 inner.blocks.insert(id, Entry { data, bytes, group });
                 return Ok(Placement::Memory);
             }
-            let rest = self.run_bytes().saturating_sub(bytes);
-            match rest {
+            match self.run_bytes().saturating_sub(bytes) {
                 0 => vec![],
                 rest => inner.take_run(group, rest),
             }
         };
-        let mut batches: Vec<_> = companions.into_iter().map(|(id, b, _)| (id, b)).collect();
-        let companions_schema_differs = batches
-            .first()
-            .is_some_and(|(_, first)| first.schema() != batch.schema());
-        let mut ids: Vec<BlockId> = batches.iter().map(|(id, _)| *id).collect();
-        if companions_schema_differs {
-            let mut inner = self.inner.lock().unwrap();
-            for id in &ids {
-                inner.evicting.remove(id);
-            }
-            batches.clear();
-            ids.clear();
-        }
+        let mut batches = companions;
         batches.push((id, batch));
-        let spilled = self.spill(group, &batches);
-        let mut inner = self.inner.lock().unwrap();
-        let (run, spans) = match spilled {
-            Ok(spilled) => spilled,
-            Err(e) => {
-                for id in &ids {
-                    inner.evicting.remove(id);
-                }
-                return Err(e);
-            }
-        };
-        inner.spilled(&run, &ids, &spans);
+        // The new block is not in the store yet: `spilled` passes it over.
+        let (mut inner, run, spans) = self.write_run(group, &batches)?;
+        inner.spilled(&run, &batches, &spans);
         let (offset, len) = spans[spans.len() - 1];
         let data = Stored::Spilled { run, offset, len };
         inner.blocks.insert(id, Entry { data, bytes, group });
         Ok(Placement::Spilled)
+    }
+
+    /// [`Self::spill`] `batches`, then lock the store; on failure their blocks are no longer
+    /// being evicted (they stay in memory) and the error is returned.
+    fn write_run(
+        &self,
+        group: SpillGroup,
+        batches: &[(BlockId, RecordBatch)],
+    ) -> Result<(MutexGuard<'_, Inner>, Arc<SpillRun>, Spans)> {
+        let spilled = self.spill(group, batches);
+        let mut inner = self.inner.lock().unwrap();
+        match spilled {
+            Ok((run, spans)) => Ok((inner, run, spans)),
+            Err(e) => {
+                for (id, _) in batches {
+                    inner.evicting.remove(id);
+                }
+                Err(e)
+            }
+        }
     }
 
     /// Append `batches` to `group`'s open run in one write (a new run when there is none,
@@ -524,7 +493,6 @@ impl BlockStore {
         let file = std::fs::create_dir_all(&subdir)
             .and_then(|()| File::create(&path))
             .map_err(|e| format!("{}: {e}", path.display()))?;
-        self.runs_written.fetch_add(1, Ordering::Relaxed);
         if let Some(counters) = &self.counters {
             counters.spill_files.fetch_add(1, Ordering::Relaxed);
         }
@@ -758,7 +726,6 @@ pub(crate) mod tests {
         store.set_operator_bytes(9 << 20);
         let (blocks, _) = store.make_room().unwrap();
         assert_eq!(blocks, 5);
-        assert_eq!(store.runs_written(), 2);
         assert_eq!(spill_files(&store).len(), 2);
         for id in 0..6 {
             assert_eq!(store.get(id).unwrap().unwrap(), batch(100 + id as i64));
@@ -815,6 +782,25 @@ pub(crate) mod tests {
         );
     }
 
+    /// Each block of a run is an IPC stream of its own: blocks of one group with different
+    /// schemas share a run and read back each with its own.
+    #[test]
+    fn a_run_holds_blocks_of_different_schemas() {
+        let store = BlockStore::new(8 << 20);
+        let other = RecordBatch::try_from_iter([(
+            "s",
+            Arc::new(datafusion::arrow::array::StringArray::from(vec!["a", "bc"])) as _,
+        )])
+        .unwrap();
+        store.put(1, batch(5), 1 << 20, (2, 0)).unwrap();
+        store.put(2, other.clone(), 1 << 20, (2, 0)).unwrap();
+        store.set_operator_bytes(8 << 20);
+        assert_eq!(store.make_room().unwrap().0, 2);
+        assert_eq!(spill_files(&store).len(), 1);
+        assert_eq!(store.get(1).unwrap().unwrap(), batch(5));
+        assert_eq!(store.get(2).unwrap().unwrap(), other);
+    }
+
     /// A block put when memory is full spills in one run with the newest blocks of its
     /// group, not alone.
     #[test]
@@ -830,7 +816,7 @@ pub(crate) mod tests {
             store.put(4, batch(20), 1 << 20, (1, 0)).unwrap(),
             Placement::Spilled
         );
-        assert_eq!(store.runs_written(), 1);
+        assert_eq!(spill_files(&store).len(), 1);
         assert_eq!(store.memory_bytes(), 12 << 20);
         assert!(matches!(
             store.inner.lock().unwrap().blocks[&2].data,
