@@ -42,9 +42,10 @@ use rand::{RngCore, SeedableRng};
 mod rss;
 use rss::RssWatch;
 
-/// Both engines allocate through mimalloc, as in the TPC-H bench.
+/// Both engines allocate through jemalloc, as the `flumen` binary does: the RSS figures are
+/// about memory bounds, and jemalloc returns what a sort frees (mimalloc keeps more).
 #[global_allocator]
-static ALLOCATOR: mimalloc::MiMalloc = mimalloc::MiMalloc;
+static ALLOCATOR: tikv_jemallocator::Jemalloc = tikv_jemallocator::Jemalloc;
 
 const KEY_BYTES: usize = 10;
 const PAYLOAD_BYTES: usize = 90;

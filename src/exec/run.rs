@@ -288,6 +288,7 @@ impl QueryRun {
             }
         }
         drop(st);
+        crate::store::freed_memory::return_freed_memory();
         self.changed();
     }
 

@@ -4,9 +4,11 @@
 //!   location (memory, spilled, or held by a worker process).
 //! - [`block_store`]: the memory-budgeted store that holds blocks in memory or spills them.
 //! - [`cutter`]: the one block cutter every task's output goes through.
+//! - [`freed_memory`]: handing what finished tasks freed back to the operating system.
 //! - [`operator_memory`]: the memory pool of a run's operators, sharing the store's budget.
 
 pub(crate) mod block;
 pub(crate) mod block_store;
 pub(crate) mod cutter;
+pub(crate) mod freed_memory;
 pub(crate) mod operator_memory;
