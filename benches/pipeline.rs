@@ -5,7 +5,7 @@
 //! ```text
 //! cargo bench --bench pipeline -- [--full] [--rows N] [--accelerator auto|emulated|cuda]
 //!                                 [--service-us N] [--batch-rows N] [--mem-scale N]
-//!                                 [--skip-memory]
+//!                                 [--skip-memory] [--first-block-rows N]
 //! ```
 //!
 //! The SQL is `SELECT id, model(clean_text(body)) AS v FROM docs`, over flumen's demo table of
@@ -58,6 +58,8 @@ struct Args {
     dims: usize,
     mem_scale: usize,
     skip_memory: bool,
+    /// `flumen.first_block_rows` for flumen's modes (`None`: flumen's default).
+    first_block_rows: Option<usize>,
     out: PathBuf,
     /// Internal: run one mode and print its result.
     child: Option<String>,
@@ -73,6 +75,7 @@ fn parse_args() -> Args {
         dims: 384,
         mem_scale: 10,
         skip_memory: false,
+        first_block_rows: None,
         out: PathBuf::from("target/pipeline-bench"),
         child: None,
         input: None,
@@ -89,6 +92,9 @@ fn parse_args() -> Args {
             "--dims" => args.dims = value().parse().expect("--dims N"),
             "--mem-scale" => args.mem_scale = value().parse().expect("--mem-scale N"),
             "--skip-memory" => args.skip_memory = true,
+            "--first-block-rows" => {
+                args.first_block_rows = Some(value().parse().expect("--first-block-rows N"))
+            }
             "--out" => args.out = PathBuf::from(value()),
             "--child" => args.child = Some(value()),
             "--input" => args.input = Some(PathBuf::from(value())),
@@ -241,7 +247,8 @@ fn f(v: &Value, key: &str) -> f64 {
 /// Run one mode in a child process and read its `RESULT` line.
 fn spawn_child(args: &Args, mode: &str, input: &Path) -> Result<Value> {
     let exe = std::env::current_exe()?;
-    let output = Command::new(exe)
+    let mut child = Command::new(exe);
+    child
         .args(["--child", mode, "--input"])
         .arg(input)
         .args(["--accelerator", &args.accelerator])
@@ -249,8 +256,11 @@ fn spawn_child(args: &Args, mode: &str, input: &Path) -> Result<Value> {
         .args(["--batch-rows", &args.batch_rows.to_string()])
         .args(["--dims", &args.dims.to_string()])
         .arg("--out")
-        .arg(&args.out)
-        .output()?;
+        .arg(&args.out);
+    if let Some(rows) = args.first_block_rows {
+        child.args(["--first-block-rows", &rows.to_string()]);
+    }
+    let output = child.output()?;
     let stdout = String::from_utf8_lossy(&output.stdout);
     let line = stdout.lines().find_map(|l| l.strip_prefix("RESULT "));
     match line {
@@ -407,6 +417,9 @@ fn run_child(args: &Args, mode: &str) -> Result<Value> {
             };
             if args.accelerator == "cuda" {
                 config.device = flumen::Device::Cuda;
+            }
+            if let Some(rows) = args.first_block_rows {
+                config.first_block_rows = rows;
             }
             flumen::session(config)
         }

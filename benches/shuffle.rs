@@ -42,10 +42,10 @@ use rand::{RngCore, SeedableRng};
 mod rss;
 use rss::RssWatch;
 
-/// Both engines allocate through jemalloc, as the `flumen` binary does: the RSS figures are
-/// about memory bounds, and jemalloc returns what a sort frees (mimalloc keeps more).
-#[global_allocator]
-static ALLOCATOR: tikv_jemallocator::Jemalloc = tikv_jemallocator::Jemalloc;
+/// Both engines allocate as the `flumen` binary does (jemalloc, its configuration): the RSS
+/// figures are about memory bounds.
+#[path = "../src/bin/flumen/allocator.rs"]
+mod allocator;
 
 const KEY_BYTES: usize = 10;
 const PAYLOAD_BYTES: usize = 90;

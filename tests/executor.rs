@@ -4,6 +4,7 @@
 mod common;
 
 use std::sync::Arc;
+use std::sync::Mutex;
 use std::sync::atomic::{AtomicUsize, Ordering};
 
 use common::*;
@@ -264,7 +265,8 @@ async fn a_panicking_task_fails_the_query_with_its_operator() {
 struct WorkerName {
     signature: Signature,
     calls: Arc<AtomicUsize>,
-    max_rows: Arc<AtomicUsize>,
+    /// Rows of each call, in the order the calls started.
+    call_rows: Arc<Mutex<Vec<usize>>>,
     loads: Arc<AtomicUsize>,
     /// Time each batch takes, as a model would.
     delay: std::time::Duration,
@@ -285,24 +287,24 @@ impl AcceleratorFunction for WorkerName {
         Ok(Box::new(WorkerNameWorker {
             delay: self.delay,
             calls: Arc::clone(&self.calls),
-            max_rows: Arc::clone(&self.max_rows),
+            call_rows: Arc::clone(&self.call_rows),
         }))
     }
 }
 
-/// The loaded state of [`WorkerName`]: counts calls and the largest batch.
+/// The loaded state of [`WorkerName`]: counts calls and logs their rows.
 struct WorkerNameWorker {
     delay: std::time::Duration,
     calls: Arc<AtomicUsize>,
-    max_rows: Arc<AtomicUsize>,
+    call_rows: Arc<Mutex<Vec<usize>>>,
 }
 
 impl AcceleratorWorker for WorkerNameWorker {
     fn process(&mut self, args: &[ArrayRef], _: &DataType) -> Result<ArrayRef> {
         let rows = args[0].len();
+        self.call_rows.lock().unwrap().push(rows);
         std::thread::sleep(self.delay);
         self.calls.fetch_add(1, Ordering::Relaxed);
-        self.max_rows.fetch_max(rows, Ordering::Relaxed);
         let name = std::thread::current()
             .name()
             .unwrap_or("unnamed")
@@ -315,20 +317,22 @@ impl AcceleratorWorker for WorkerNameWorker {
 async fn accelerator_udfs_run_on_the_accelerator_pool_in_full_batches() {
     let dir = tempfile::tempdir().unwrap();
     write_events(dir.path(), 2, 20_000);
+    // No ramp of the first blocks here (see the test after this one).
     let f = flumen_ctx(&[
         "SET flumen.accelerator_slots = 2",
         "SET flumen.target_block_rows = 4096",
+        "SET flumen.first_block_rows = 0",
         "SET flumen.split_bytes = '64KB'",
     ])
     .await;
     register_tables(&f, dir.path()).await;
     let calls = Arc::new(AtomicUsize::new(0));
-    let max_rows = Arc::new(AtomicUsize::new(0));
+    let call_rows = Arc::new(Mutex::new(vec![]));
     let loads = Arc::new(AtomicUsize::new(0));
     f.register_udf(accelerator_udf(WorkerName {
         signature: Signature::any(1, Volatility::Volatile),
         calls: Arc::clone(&calls),
-        max_rows: Arc::clone(&max_rows),
+        call_rows: Arc::clone(&call_rows),
         loads: Arc::clone(&loads),
         delay: std::time::Duration::ZERO,
     }));
@@ -350,7 +354,7 @@ async fn accelerator_udfs_run_on_the_accelerator_pool_in_full_batches() {
         .collect();
     assert_eq!(accel.len(), 1);
     // Small filtered blocks were coalesced: the model saw full batches.
-    let max = max_rows.load(Ordering::Relaxed);
+    let max = call_rows.lock().unwrap().iter().copied().max().unwrap();
     assert!(max > 2500 && max <= 4096, "largest batch {max}");
     let n = calls.load(Ordering::Relaxed);
     assert!(n <= 20_000 / 4096 + 4, "{n} calls");
@@ -372,6 +376,50 @@ async fn accelerator_udfs_run_on_the_accelerator_pool_in_full_batches() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_first_blocks_are_small_and_grow_to_the_target() {
+    let dir = tempfile::tempdir().unwrap();
+    // One file of one row group: a single split, so only the ramp makes blocks small.
+    write_events(dir.path(), 1, 20_000);
+    let settings = |first: &'static str| {
+        [
+            "SET flumen.target_block_rows = 4096",
+            first,
+            "SET flumen.accelerator_slots = 1",
+        ]
+    };
+    let sql = "SELECT id, worker_name(body) IS NOT NULL AS w FROM events ORDER BY id";
+    let mut answers = vec![];
+    for first in [
+        "SET flumen.first_block_rows = 100",
+        "SET flumen.first_block_rows = 0",
+    ] {
+        let f = flumen_ctx(&settings(first)).await;
+        register_tables(&f, dir.path()).await;
+        let call_rows = Arc::new(Mutex::new(vec![]));
+        f.register_udf(accelerator_udf(WorkerName {
+            signature: Signature::any(1, Volatility::Volatile),
+            calls: Arc::default(),
+            call_rows: Arc::clone(&call_rows),
+            loads: Arc::default(),
+            delay: std::time::Duration::from_millis(2),
+        }));
+        let (batches, _) = run_plan(&f, sql).await;
+        answers.push(rows(&batches, true));
+        let call_rows = call_rows.lock().unwrap().clone();
+        assert_eq!(call_rows.iter().sum::<usize>(), 20_000, "{call_rows:?}");
+        if first.ends_with("100") {
+            // The model's first call has the ramp's first rows; calls grow to the target.
+            assert!(call_rows[0] <= 100, "{call_rows:?}");
+            assert!(call_rows.iter().all(|&rows| rows <= 4096), "{call_rows:?}");
+            assert!(call_rows.iter().any(|&rows| rows > 2048), "{call_rows:?}");
+        } else {
+            assert!(call_rows[0] > 2048, "no ramp: {call_rows:?}");
+        }
+    }
+    assert_eq!(answers[0], answers[1]);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_accelerator_pool_grows_under_load_and_shrinks_when_idle() {
     let dir = tempfile::tempdir().unwrap();
     write_events(dir.path(), 2, 20_000);
@@ -388,7 +436,7 @@ async fn the_accelerator_pool_grows_under_load_and_shrinks_when_idle() {
     f.register_udf(accelerator_udf(WorkerName {
         signature: Signature::any(1, Volatility::Volatile),
         calls: Arc::new(AtomicUsize::new(0)),
-        max_rows: Arc::new(AtomicUsize::new(0)),
+        call_rows: Arc::default(),
         loads: Arc::clone(&loads),
         delay: std::time::Duration::from_millis(30),
     }));
@@ -984,7 +1032,7 @@ async fn source_feeding_a_slow_model(
     f.register_udf(accelerator_udf(WorkerName {
         signature: Signature::any(1, Volatility::Volatile),
         calls: Arc::new(AtomicUsize::new(0)),
-        max_rows: Arc::new(AtomicUsize::new(0)),
+        call_rows: Arc::default(),
         loads: Arc::new(AtomicUsize::new(0)),
         delay,
     }));

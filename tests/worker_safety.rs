@@ -218,6 +218,7 @@ fn task_body(plan: &Arc<dyn ExecutionPlan>, request: TaskRequest) -> Vec<u8> {
 fn request(query: &str, grants: Vec<String>) -> TaskRequest {
     TaskRequest {
         target_rows: 8192,
+        first_block_rows: 0,
         partition: 0,
         partitions: 1,
         options: vec![],

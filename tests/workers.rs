@@ -812,6 +812,8 @@ async fn embed_in_a_worker_matches_the_cpu_reference(device: &str) {
     for set in [
         format!("SET flumen.device = '{device}'"),
         "SET flumen.split_bytes = '1GB'".into(),
+        // One whole block, not the run's ramp of small first blocks.
+        "SET flumen.first_block_rows = 0".into(),
         register,
     ] {
         f.sql(&set).await.unwrap().collect().await.unwrap();

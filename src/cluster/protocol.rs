@@ -11,6 +11,10 @@ use crate::plan::graph::Pool;
 pub struct TaskRequest {
     /// Most rows per output block.
     pub target_rows: usize,
+    /// A run's first source task: its blocks ramp up from this many rows (its scan reads
+    /// batches that small); 0: no ramp (`crate::store::ramp`).
+    #[serde(default)]
+    pub first_block_rows: usize,
     /// The task's partition of its operator (the block cutter's output split starts where
     /// a local task's would).
     #[serde(default)]

@@ -237,7 +237,8 @@ pub async fn plan_blocks(
             request.partition,
             partitions,
             request.target_rows,
-        )?;
+        )?
+        .with_ramp(request.first_block_rows, input.schema());
         let stream = input.execute(0, task_ctx)?;
         return cut_stream(stream, cutter, &mut rows, out).await;
     }
@@ -245,7 +246,8 @@ pub async fn plan_blocks(
     for p in 0..outputs {
         // One output partition: its blocks carry the task's partition, as a local task's.
         let tag = if outputs == 1 { request.partition } else { p };
-        let cutter = BlockCutter::new(plan.schema(), None, tag, partitions, request.target_rows)?;
+        let cutter = BlockCutter::new(plan.schema(), None, tag, partitions, request.target_rows)?
+            .with_ramp(request.first_block_rows, plan.schema());
         let stream = plan.execute(p, Arc::clone(&task_ctx))?;
         cut_stream(stream, cutter, &mut rows, out).await?;
     }

@@ -52,7 +52,7 @@ use crate::exec::run::QueryRun;
 use crate::io::object_stores::StoreGrants;
 use crate::plan::accelerator_projection::AcceleratorProjectionExec;
 use crate::plan::graph::{Operator, OperatorId, Pool};
-use crate::plan::split_source::SplitSourceExec;
+use crate::plan::split_source::{SplitSourceExec, reads_splits};
 use crate::plan::stage_input::StageInputExec;
 use crate::store::block::{Block, BlockData, BlockId, HeldBlock};
 use crate::store::cutter::bundle_pieces;
@@ -365,6 +365,7 @@ impl QueryRun {
                 return Ok(false);
             };
             let mut request = self.task_request(op_id, partition, &work.plan);
+            request.first_block_rows = self.first_block_rows_of(task);
             request.inputs = work.inputs;
             let outgoing = Outgoing {
                 request: &request,
@@ -610,6 +611,20 @@ impl QueryRun {
         Ok(true)
     }
 
+    /// The rows a task's blocks ramp up from: `flumen.first_block_rows` for the first split
+    /// of a split scan's partition (which reads batches that small), else 0.
+    fn first_block_rows_of(&self, task: TaskId) -> usize {
+        let (op_id, _, kind) = self.task_identity(task);
+        match kind {
+            TaskKind::Source { split: 0 }
+                if reads_splits(&self.graph.operators[op_id].fragment) =>
+            {
+                self.config().first_block_rows
+            }
+            _ => 0,
+        }
+    }
+
     /// The header of a task of partition `partition` of operator `op_id` running `plan`:
     /// how to cut its blocks, the settings it runs under, its query, and the files it may
     /// read (those `plan` scans).
@@ -622,6 +637,7 @@ impl QueryRun {
         let config = self.config();
         TaskRequest {
             target_rows: config.block_rows(),
+            first_block_rows: 0,
             partition,
             partitions: self.graph.operators[op_id].partitions(),
             options: config
@@ -769,7 +785,8 @@ impl QueryRun {
             return Ok(None);
         };
         let (op_id, partition, _) = self.task_identity(task);
-        let request = self.task_request(op_id, partition, &plan);
+        let mut request = self.task_request(op_id, partition, &plan);
+        request.first_block_rows = self.first_block_rows_of(task);
         let blocks = collect_blocks(plan, self.base_context(), &request).await?;
         Ok(Some(
             blocks

@@ -18,6 +18,7 @@ use crate::exec::run::QueryRun;
 use crate::exec::streams::TaskProvider;
 use crate::plan::graph::OperatorId;
 use crate::plan::merge_join_fallback::as_sort_merge_join;
+use crate::plan::split_source::reads_splits;
 use crate::plan::stage_input::TaskInputs;
 use crate::store::block::{Block, BlockData};
 use crate::store::block_store::{Placement, block_bytes};
@@ -100,9 +101,10 @@ impl QueryRun {
             true => as_sort_merge_join(&op.fragment)?.unwrap_or_else(|| Arc::clone(&op.fragment)),
             false => Arc::clone(&op.fragment),
         };
-        let split = match kind {
-            TaskKind::Source { split } => split,
-            _ => 0,
+        // The first split of a split scan reads small batches: its blocks ramp up.
+        let (split, first_task) = match kind {
+            TaskKind::Source { split } => (split, split == 0 && reads_splits(&op.fragment)),
+            _ => (0, false),
         };
         let provider = Arc::new(TaskProvider {
             run: Arc::clone(self),
@@ -119,7 +121,14 @@ impl QueryRun {
             partition,
             fragment.output_partitioning().partition_count(),
             self.config.block_rows(),
-        )?;
+        )?
+        .with_ramp(
+            match first_task {
+                true => self.config.first_block_rows,
+                false => 0,
+            },
+            fragment.schema(),
+        );
         // Recomputing (capture) never pauses: its output goes to the caller, not the store.
         let pause_rows = if capture {
             None

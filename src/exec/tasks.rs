@@ -8,6 +8,7 @@ use crate::exec::lineage::TaskKind;
 use crate::exec::run::QueryRun;
 use crate::exec::state::{RunState, TaskRecord, TaskStatus};
 use crate::plan::graph::{OperatorId, Pool, TaskShape};
+use crate::store::ramp::ramp_rows;
 
 impl QueryRun {
     pub(super) fn create_tasks(&self, st: &mut RunState) {
@@ -78,8 +79,14 @@ impl QueryRun {
         if self.policy.waits_for_producers() && !st.operators[producer].complete {
             return;
         }
-        let bundle_rows = match op.pool {
-            Pool::Accelerator => self.config.block_rows(),
+        // Accelerator bundles ramp up to the target: a partition's k-th bundle gathers at
+        // most `first_block_rows << k` rows, so the first rows leave the model early.
+        let bundle_rows = |bundles_so_far: usize| match op.pool {
+            Pool::Accelerator => ramp_rows(
+                self.config.first_block_rows,
+                self.config.block_rows(),
+                bundles_so_far,
+            ),
             Pool::Cpu => 1,
         };
         for p in 0..op.partitions() {
@@ -96,6 +103,7 @@ impl QueryRun {
                 let mut inputs = vec![];
                 let mut rows = 0;
                 let mut ended = false;
+                let bundle_rows = bundle_rows(st.operators[op_id].partitions[p].tasks.len());
                 while rows < bundle_rows {
                     match Self::next_block(st, &mut probe) {
                         Next::Block(id) => {

@@ -236,7 +236,12 @@ impl Cutter<'_> {
             } else {
                 self.config.split_bytes.0
             };
-            split_sources(fragment, split_bytes, self.layout)?
+            split_sources(
+                fragment,
+                split_bytes,
+                self.layout,
+                self.config.first_block_rows,
+            )?
         } else {
             let n = fragment.output_partitioning().partition_count();
             (fragment, vec![1; n])
@@ -468,13 +473,14 @@ fn split_sources(
     fragment: Arc<dyn ExecutionPlan>,
     split_bytes: u64,
     layout: &RowGroupLayout,
+    first_rows: usize,
 ) -> Result<(Arc<dyn ExecutionPlan>, Vec<usize>)> {
     let partitions = fragment.output_partitioning().partition_count();
     let mut splits = vec![1; partitions];
     if count_scans(&fragment) != 1 {
         return Ok((fragment, splits));
     }
-    let rewritten = replace_scan(fragment, split_bytes, layout, &mut splits)?;
+    let rewritten = replace_scan(fragment, split_bytes, layout, first_rows, &mut splits)?;
     Ok((rewritten, splits))
 }
 
@@ -487,6 +493,7 @@ fn replace_scan(
     plan: Arc<dyn ExecutionPlan>,
     split_bytes: u64,
     layout: &RowGroupLayout,
+    first_rows: usize,
     splits: &mut Vec<usize>,
 ) -> Result<Arc<dyn ExecutionPlan>> {
     if let Some(source) = plan.downcast_ref::<DataSourceExec>() {
@@ -495,7 +502,13 @@ fn replace_scan(
             && config.output_ordering.is_empty()
             && config.file_groups.len() == splits.len()
         {
-            let split = SplitSourceExec::try_new(Arc::clone(&plan), config, split_bytes, layout)?;
+            let split = SplitSourceExec::try_new(
+                Arc::clone(&plan),
+                config,
+                split_bytes,
+                layout,
+                first_rows,
+            )?;
             *splits = split.splits_per_partition();
             return Ok(Arc::new(split));
         }
@@ -507,7 +520,7 @@ fn replace_scan(
     }
     let children = children
         .into_iter()
-        .map(|c| replace_scan(Arc::clone(c), split_bytes, layout, splits))
+        .map(|c| replace_scan(Arc::clone(c), split_bytes, layout, first_rows, splits))
         .collect::<Result<Vec<_>>>()?;
     replace_children_if_necessary(plan, children)
 }

@@ -5,7 +5,9 @@
 //! DataFusion assigns them). Where the files' footers could be read before cutting
 //! ([`RowGroupLayout`]), ranges fall on row group boundaries, so no split comes out empty;
 //! otherwise they are plain byte ranges. The same split always reads the same rows, which
-//! is what lineage recompute relies on.
+//! is what lineage recompute relies on. The first split of each partition reads small
+//! batches (`flumen.first_block_rows`), so the first rows leave after little work; its task's
+//! cutter coalesces them back up to full blocks (`crate::store::ramp`).
 
 use std::collections::HashMap;
 use std::fmt;
@@ -186,6 +188,12 @@ fn collect_parquet_files(
     }
 }
 
+/// Whether `fragment` reads a [`SplitSourceExec`] (whose first splits read small batches).
+pub fn reads_splits(fragment: &Arc<dyn ExecutionPlan>) -> bool {
+    fragment.downcast_ref::<SplitSourceExec>().is_some()
+        || fragment.children().into_iter().any(reads_splits)
+}
+
 /// A Parquet scan whose partitions are read split by split.
 #[derive(Debug)]
 pub struct SplitSourceExec {
@@ -195,12 +203,14 @@ pub struct SplitSourceExec {
 }
 
 impl SplitSourceExec {
-    /// Cut the scan `original` (whose data source is `config`) into splits.
+    /// Cut the scan `original` (whose data source is `config`) into splits; the first
+    /// split of each partition reads batches of `first_rows` rows (0: the session's).
     pub fn try_new(
         original: Arc<dyn ExecutionPlan>,
         config: &FileScanConfig,
         split_bytes: u64,
         layout: &RowGroupLayout,
+        first_rows: usize,
     ) -> Result<Self> {
         let split_bytes = split_bytes.max(1);
         let mut splits = vec![];
@@ -212,9 +222,14 @@ impl SplitSourceExec {
                     None => byte_ranges(file, split_bytes),
                 };
                 for range_file in ranges {
-                    let cfg = FileScanConfigBuilder::from(config.clone())
-                        .with_file_groups(vec![FileGroup::new(vec![range_file])])
-                        .build();
+                    let mut cfg = FileScanConfigBuilder::from(config.clone())
+                        .with_file_groups(vec![FileGroup::new(vec![range_file])]);
+                    // The partition's first split reads small batches: its first rows
+                    // leave the scan (and any projection pushed into it) early.
+                    if scans.is_empty() && first_rows > 0 {
+                        cfg = cfg.with_batch_size(Some(first_rows));
+                    }
+                    let cfg = cfg.build();
                     scans.push(DataSourceExec::from_data_source(cfg));
                 }
             }

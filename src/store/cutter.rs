@@ -16,12 +16,27 @@ use datafusion::physical_plan::Partitioning;
 use datafusion::physical_plan::metrics::Time;
 use datafusion::physical_plan::repartition::BatchPartitioner;
 
+use crate::store::ramp::ramp_rows;
+
 /// Cuts one task's output into `(tag, block)` pairs of at most the target rows.
 pub struct BlockCutter {
     target: usize,
     /// The task's own partition: the tag of every block when there is no split.
     partition: usize,
     split: Option<(BatchPartitioner, Vec<BatchCoalescer>)>,
+    /// A ramp of each output partition's first blocks ([`Self::with_ramp`]).
+    ramp: Option<Ramp>,
+}
+
+/// The first blocks of each output partition, cut early at `first_rows`, twice that, ...
+/// up to the usual block size (`crate::store::ramp`).
+struct Ramp {
+    first_rows: usize,
+    /// Blocks each output partition has emitted so far.
+    emitted: Vec<usize>,
+    /// Without a split: the one partition's partly filled block (small input batches are
+    /// coalesced back up to the target once the ramp has passed).
+    whole: Option<BatchCoalescer>,
 }
 
 impl BlockCutter {
@@ -51,7 +66,30 @@ impl BlockCutter {
             target,
             partition,
             split,
+            ramp: None,
         })
+    }
+
+    /// Cut each output partition's first blocks small: at `first_rows`, then twice as many
+    /// each block, up to the usual size, coalescing smaller input batches (a run's first
+    /// task, which reads small batches so that its first rows leave early); 0: no ramp.
+    pub fn with_ramp(mut self, first_rows: usize, schema: SchemaRef) -> Self {
+        if first_rows == 0 {
+            return self;
+        }
+        self.ramp = Some(match &self.split {
+            Some((_, coalescers)) => Ramp {
+                first_rows,
+                emitted: vec![0; coalescers.len()],
+                whole: None,
+            },
+            None => Ramp {
+                first_rows,
+                emitted: vec![0],
+                whole: Some(BatchCoalescer::new(schema, self.target)),
+            },
+        });
+        self
     }
 
     /// Cut `batch`, appending the blocks it completes to `out`.
@@ -63,12 +101,18 @@ impl BlockCutter {
             Some((partitioner, coalescers)) => {
                 for piece in partitioner.partition_iter(batch)? {
                     let (tag, piece) = piece?;
-                    let coalescer = &mut coalescers[tag];
-                    coalescer.push_batch(piece)?;
-                    while let Some(block) = coalescer.next_completed_batch() {
-                        out.push((tag, block));
-                    }
+                    let ramp = self
+                        .ramp
+                        .as_mut()
+                        .map(|r| (r.first_rows, &mut r.emitted[tag]));
+                    push_ramped(&mut coalescers[tag], piece, tag, ramp, out)?;
                 }
+            }
+            None if self.ramp.is_some() => {
+                let ramp = self.ramp.as_mut().expect("checked");
+                let whole = ramp.whole.as_mut().expect("a ramp without a split has one");
+                let emitted = Some((ramp.first_rows, &mut ramp.emitted[0]));
+                push_ramped(whole, batch, self.partition, emitted, out)?;
             }
             None => {
                 let mut offset = 0;
@@ -92,8 +136,39 @@ impl BlockCutter {
                 }
             }
         }
+        if let Some(whole) = self.ramp.as_mut().and_then(|r| r.whole.as_mut()) {
+            whole.finish_buffered_batch()?;
+            while let Some(block) = whole.next_completed_batch() {
+                out.push((self.partition, block));
+            }
+        }
         Ok(())
     }
+}
+
+/// Push `piece` into one partition's `coalescer` and append the blocks it completes to
+/// `out` as partition `tag`'s; with `ramp` (`first_rows`, blocks emitted so far), cut the
+/// partly filled block early once it holds its ramp step's rows.
+fn push_ramped(
+    coalescer: &mut BatchCoalescer,
+    piece: RecordBatch,
+    tag: usize,
+    mut ramp: Option<(usize, &mut usize)>,
+    out: &mut Vec<(usize, RecordBatch)>,
+) -> Result<()> {
+    coalescer.push_batch(piece)?;
+    if let Some((first_rows, emitted)) = &ramp
+        && coalescer.get_buffered_rows() >= ramp_rows(*first_rows, usize::MAX, **emitted)
+    {
+        coalescer.finish_buffered_batch()?;
+    }
+    while let Some(block) = coalescer.next_completed_batch() {
+        if let Some((_, emitted)) = ramp.as_mut() {
+            **emitted += 1;
+        }
+        out.push((tag, block));
+    }
+    Ok(())
 }
 
 /// Blocks' worth of rows a task splitting its output by hash or range holds in its partly
@@ -242,5 +317,52 @@ mod tests {
             split_block_rows(&Partitioning::RoundRobinBatch(64), 8192),
             8192
         );
+    }
+
+    #[test]
+    fn a_ramped_split_cuts_each_partitions_first_blocks_small() {
+        let schema = batch(0, 1).schema();
+        let split = Partitioning::RoundRobinBatch(2);
+        let cut = || {
+            let mut cutter = BlockCutter::new(Arc::clone(&schema), Some(&split), 0, 1, 256)
+                .unwrap()
+                .with_ramp(16, Arc::clone(&schema));
+            let mut out = vec![];
+            for i in 0..40 {
+                cutter.push(batch(i * 16, 16), &mut out).unwrap();
+            }
+            cutter.finish(&mut out).unwrap();
+            out
+        };
+        let out = cut();
+        assert_eq!(out.iter().map(|(_, b)| b.num_rows()).sum::<usize>(), 640);
+        for tag in 0..2 {
+            let sizes: Vec<usize> = out
+                .iter()
+                .filter(|(t, _)| *t == tag)
+                .map(|(_, b)| b.num_rows())
+                .collect();
+            // 16, 32, 64, 128, then blocks of the target (256) and what is left.
+            assert_eq!(sizes[..4], [16, 32, 64, 128], "{sizes:?}");
+            assert!(sizes.iter().all(|&rows| rows <= 256), "{sizes:?}");
+        }
+        // The same rows cut the same blocks (lineage).
+        assert_eq!(out, cut());
+    }
+
+    #[test]
+    fn a_ramped_task_without_a_split_coalesces_its_small_batches_up_to_the_target() {
+        let schema = batch(0, 1).schema();
+        let mut cutter = BlockCutter::new(Arc::clone(&schema), None, 1, 2, 256)
+            .unwrap()
+            .with_ramp(16, schema);
+        let mut out = vec![];
+        for i in 0..40 {
+            cutter.push(batch(i * 16, 16), &mut out).unwrap();
+        }
+        cutter.finish(&mut out).unwrap();
+        let sizes: Vec<usize> = out.iter().map(|(_, b)| b.num_rows()).collect();
+        assert_eq!(sizes, vec![16, 32, 64, 128, 256, 144], "{sizes:?}");
+        assert!(out.iter().all(|(tag, _)| *tag == 1));
     }
 }

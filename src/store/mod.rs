@@ -6,9 +6,11 @@
 //! - [`cutter`]: the one block cutter every task's output goes through.
 //! - [`freed_memory`]: handing what finished tasks freed back to the operating system.
 //! - [`operator_memory`]: the memory pool of a run's operators, sharing the store's budget.
+//! - [`ramp`]: small first blocks at a run's start, doubling up to the target.
 
 pub(crate) mod block;
 pub(crate) mod block_store;
 pub(crate) mod cutter;
 pub(crate) mod freed_memory;
 pub(crate) mod operator_memory;
+pub(crate) mod ramp;

@@ -11,10 +11,7 @@
 //! `--format table|csv|json|ndjson`, `--maxrows N`, `--quiet` (no timing line),
 //! `--no-demo` (do not register the demo `docs` table).
 
-/// The binary allocates through jemalloc (see `docs/architecture.md`, memory).
-#[global_allocator]
-static ALLOCATOR: tikv_jemallocator::Jemalloc = tikv_jemallocator::Jemalloc;
-
+mod allocator;
 mod demo_table;
 mod output;
 mod progress;
