@@ -146,16 +146,20 @@ impl QueryRun {
         let mut blocks = vec![];
         while let Some(batch) = stream.next().await {
             cutter.push(batch?, &mut blocks)?;
-            if blocks.is_empty() {
-                continue;
-            }
-            out.emit(std::mem::take(&mut blocks))?;
-            if !capture {
-                self.changed();
-                if let Some(rows) = pause_rows {
-                    self.pause_while_ahead(task, rows).await;
+            if !blocks.is_empty() {
+                out.emit(std::mem::take(&mut blocks))?;
+                if !capture {
+                    self.changed();
+                    if let Some(rows) = pause_rows {
+                        self.pause_while_ahead(task, rows).await;
+                    }
                 }
             }
+            // A fragment whose input is always ready (a scan of cached pages) never waits,
+            // so the task would hold its runtime thread until it ends; futures queued
+            // behind it there (the query's output stream, a consumer's reader) would wait
+            // that long for the blocks it has already put.
+            tokio::task::yield_now().await;
         }
         cutter.finish(&mut blocks)?;
         let finished = !blocks.is_empty();
