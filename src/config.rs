@@ -276,10 +276,11 @@ extensions_options! {
         /// Rows per block: larger outputs are split, inputs of accelerator operators are
         /// coalesced up to it.
         pub target_block_rows: usize, default = 8192
-        /// Rows of a run's first blocks: the first split of each source partition emits
-        /// batches of this many rows, then twice as many each time, and an accelerator
-        /// operator's first bundles ramp the same way up to `target_block_rows`, so the
-        /// first rows come out after a few hundred rows of work; 0: no ramp.
+        /// Rows of a run's first blocks, in plans with a model UDF: the first split of each
+        /// source partition reads batches of this many rows and cuts blocks of this many,
+        /// then twice as many each time, and an accelerator operator's first bundles ramp
+        /// the same way up to `target_block_rows`, so the first rows come out after a few
+        /// hundred rows of work; 0: no ramp.
         pub first_block_rows: usize, default = 256
         /// Bytes of a Parquet file a source task reads (its split), so tasks stay small.
         pub split_bytes: ByteSize, default = ByteSize(4 << 20)

@@ -619,7 +619,7 @@ impl QueryRun {
             TaskKind::Source { split: 0 }
                 if reads_splits(&self.graph.operators[op_id].fragment) =>
             {
-                self.config().first_block_rows
+                self.graph.first_block_rows
             }
             _ => 0,
         }

@@ -83,7 +83,7 @@ impl QueryRun {
         // most `first_block_rows << k` rows, so the first rows leave the model early.
         let bundle_rows = |bundles_so_far: usize| match op.pool {
             Pool::Accelerator => ramp_rows(
-                self.config.first_block_rows,
+                self.graph.first_block_rows,
                 self.config.block_rows(),
                 bundles_so_far,
             ),

@@ -142,6 +142,9 @@ pub struct OperatorGraph {
     /// The partitions chosen for the plan's hash exchanges (out of core when more than
     /// DataFusion's default).
     pub sizing: ExchangeSizing,
+    /// Rows a run's first blocks ramp up from (`crate::store::ramp`): `flumen.first_block_rows`
+    /// when the plan has an accelerator operator, else 0 (no ramp).
+    pub first_block_rows: usize,
 }
 
 impl OperatorGraph {
