@@ -403,7 +403,7 @@ async fn the_first_blocks_are_small_and_grow_to_the_target() {
             loads: Arc::default(),
             delay: std::time::Duration::from_millis(2),
         }));
-        let (batches, _) = run_plan(&f, sql).await;
+        let (batches, plan) = run_plan(&f, sql).await;
         answers.push(rows(&batches, true));
         let call_rows = call_rows.lock().unwrap().clone();
         assert_eq!(call_rows.iter().sum::<usize>(), 20_000, "{call_rows:?}");
@@ -412,6 +412,13 @@ async fn the_first_blocks_are_small_and_grow_to_the_target() {
             assert!(call_rows[0] <= 100, "{call_rows:?}");
             assert!(call_rows.iter().all(|&rows| rows <= 4096), "{call_rows:?}");
             assert!(call_rows.iter().any(|&rows| rows > 2048), "{call_rows:?}");
+            let graph = plan.downcast_ref::<FlumenExec>().unwrap().graph();
+            assert_eq!(graph.first_block_rows, 100);
+            // A plan without a model does not ramp: its first block is a full one.
+            let (plain, plan) = run_plan(&f, "SELECT id, body FROM events").await;
+            let graph = plan.downcast_ref::<FlumenExec>().unwrap().graph();
+            assert_eq!(graph.first_block_rows, 0);
+            assert_eq!(plain[0].num_rows(), 4096);
         } else {
             assert!(call_rows[0] > 2048, "no ramp: {call_rows:?}");
         }

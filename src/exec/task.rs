@@ -126,13 +126,11 @@ impl QueryRun {
             fragment.output_partitioning().partition_count(),
             self.config.block_rows(),
         )?
-        .with_ramp(
-            match first_task {
-                true => self.graph.first_block_rows,
-                false => 0,
-            },
-            fragment.schema(),
-        );
+        .with_ramp(if first_task {
+            self.graph.first_block_rows
+        } else {
+            0
+        });
         // Recomputing (capture) never pauses: its output goes to the caller, not the store.
         let pause_rows = if capture {
             None

@@ -8,6 +8,8 @@
 //! would keep every buffer of its input alive and make readers copy its strings again.
 //! Otherwise batches are sliced to the target size.
 
+use std::sync::Arc;
+
 use datafusion::arrow::compute::BatchCoalescer;
 use datafusion::arrow::datatypes::SchemaRef;
 use datafusion::arrow::record_batch::RecordBatch;
@@ -20,6 +22,8 @@ use crate::store::ramp::ramp_rows;
 
 /// Cuts one task's output into `(tag, block)` pairs of at most the target rows.
 pub struct BlockCutter {
+    /// The task's output schema.
+    schema: SchemaRef,
     target: usize,
     /// The task's own partition: the tag of every block when there is no split.
     partition: usize,
@@ -56,13 +60,14 @@ impl BlockCutter {
                     BatchPartitioner::try_new(split.clone(), Time::new(), partition, partitions)?;
                 let block_rows = split_block_rows(split, target);
                 let coalescers = (0..split.partition_count())
-                    .map(|_| BatchCoalescer::new(std::sync::Arc::clone(&schema), block_rows))
+                    .map(|_| BatchCoalescer::new(Arc::clone(&schema), block_rows))
                     .collect();
                 Some((partitioner, coalescers))
             }
             None => None,
         };
         Ok(Self {
+            schema,
             target,
             partition,
             split,
@@ -73,7 +78,7 @@ impl BlockCutter {
     /// Cut each output partition's first blocks small: at `first_rows`, then twice as many
     /// each block, up to the usual size, coalescing smaller input batches (a run's first
     /// task, which reads small batches so that its first rows leave early); 0: no ramp.
-    pub fn with_ramp(mut self, first_rows: usize, schema: SchemaRef) -> Self {
+    pub fn with_ramp(mut self, first_rows: usize) -> Self {
         if first_rows == 0 {
             return self;
         }
@@ -86,7 +91,7 @@ impl BlockCutter {
             None => Ramp {
                 first_rows,
                 emitted: vec![0],
-                whole: Some(BatchCoalescer::new(schema, self.target)),
+                whole: Some(BatchCoalescer::new(Arc::clone(&self.schema), self.target)),
             },
         });
         self
@@ -228,6 +233,15 @@ mod tests {
         .unwrap()
     }
 
+    /// Rows of each block of output partition `tag`, in order.
+    fn tag_rows(blocks: &[(usize, RecordBatch)], tag: usize) -> Vec<usize> {
+        blocks
+            .iter()
+            .filter(|(t, _)| *t == tag)
+            .map(|(_, b)| b.num_rows())
+            .collect()
+    }
+
     fn rows(blocks: &[(usize, RecordBatch)]) -> Vec<usize> {
         blocks.iter().map(|(_, b)| b.num_rows()).collect()
     }
@@ -275,11 +289,7 @@ mod tests {
         let total: usize = rows(&out).iter().sum();
         assert_eq!(total, 30);
         for tag in 0..2 {
-            let sizes: Vec<usize> = out
-                .iter()
-                .filter(|(t, _)| *t == tag)
-                .map(|(_, b)| b.num_rows())
-                .collect();
+            let sizes = tag_rows(&out, tag);
             // Every block but each partition's last is full.
             assert!(
                 sizes[..sizes.len() - 1].iter().all(|n| *n == 8),
@@ -326,7 +336,7 @@ mod tests {
         let cut = || {
             let mut cutter = BlockCutter::new(Arc::clone(&schema), Some(&split), 0, 1, 256)
                 .unwrap()
-                .with_ramp(16, Arc::clone(&schema));
+                .with_ramp(16);
             let mut out = vec![];
             for i in 0..40 {
                 cutter.push(batch(i * 16, 16), &mut out).unwrap();
@@ -337,11 +347,7 @@ mod tests {
         let out = cut();
         assert_eq!(out.iter().map(|(_, b)| b.num_rows()).sum::<usize>(), 640);
         for tag in 0..2 {
-            let sizes: Vec<usize> = out
-                .iter()
-                .filter(|(t, _)| *t == tag)
-                .map(|(_, b)| b.num_rows())
-                .collect();
+            let sizes = tag_rows(&out, tag);
             // 16, 32, 64, 128, then blocks of the target (256) and what is left.
             assert_eq!(sizes[..4], [16, 32, 64, 128], "{sizes:?}");
             assert!(sizes.iter().all(|&rows| rows <= 256), "{sizes:?}");
@@ -355,7 +361,7 @@ mod tests {
         let schema = batch(0, 1).schema();
         let mut cutter = BlockCutter::new(Arc::clone(&schema), None, 1, 2, 256)
             .unwrap()
-            .with_ramp(16, schema);
+            .with_ramp(16);
         let mut out = vec![];
         for i in 0..40 {
             cutter.push(batch(i * 16, 16), &mut out).unwrap();
