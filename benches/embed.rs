@@ -3,8 +3,18 @@
 //!
 //! ```text
 //! cargo bench --bench embed -- [--device cpu|cuda] [--sentences 10000] [--threads N]
-//!                              [--batch-sizes 32,64,128] [--python PATH]
+//!                              [--batch-sizes 0,32,64] [--python PATH]
+//!                              [--corpus sentences|docs|both] [--docs 600]
+//!                              [--preprocess-on-cpu true|false|both]
 //! ```
+//!
+//! Two corpora: generated sentences of mixed length, and the demo table's HTML documents
+//! (`flumen::demo`, the README's main job), the first `--docs` of them put through
+//! `clean_text` once, so both sides embed the same cleaned texts (about 170 tokens each).
+//! flumen's batch size 0 is its default: passes cut by tokens, the budget tuned by the worker;
+//! the baseline runs at 32 (sentence-transformers' default) where flumen runs at 0.
+//! `--preprocess-on-cpu` runs flumen with its tokenizer as a CPU step (the default), with the
+//! worker tokenizing, or both (the step must cost no throughput).
 //!
 //! The baseline is `benches/embed_baseline.py`, run with `--python` (default: `$FLUMEN_BENCH_PYTHON`
 //! or `python3`), which needs sentence-transformers installed (e.g. in a venv). The last line
@@ -162,6 +172,13 @@ struct Args {
     threads: usize,
     batch_sizes: Vec<usize>,
     python: String,
+    /// Run the generated sentences.
+    sentences_corpus: bool,
+    /// Run the demo documents, and how many.
+    docs_corpus: bool,
+    docs: usize,
+    /// `flumen.preprocess_on_cpu` values to run flumen with.
+    preprocess: Vec<bool>,
 }
 
 fn parse_args() -> Args {
@@ -171,6 +188,10 @@ fn parse_args() -> Args {
         threads: flumen::config::available_cores(),
         batch_sizes: vec![],
         python: std::env::var("FLUMEN_BENCH_PYTHON").unwrap_or_else(|_| "python3".into()),
+        sentences_corpus: true,
+        docs_corpus: true,
+        docs: 600,
+        preprocess: vec![true],
     };
     let mut it = std::env::args().skip(1);
     while let Some(a) = it.next() {
@@ -186,6 +207,24 @@ fn parse_args() -> Args {
                     .collect()
             }
             "--python" => args.python = value(),
+            "--corpus" => {
+                let corpus = value();
+                args.sentences_corpus = matches!(corpus.as_str(), "sentences" | "both");
+                args.docs_corpus = matches!(corpus.as_str(), "docs" | "both");
+                assert!(
+                    args.sentences_corpus || args.docs_corpus,
+                    "--corpus sentences|docs|both"
+                );
+            }
+            "--docs" => args.docs = value().parse().expect("--docs N"),
+            "--preprocess-on-cpu" => {
+                args.preprocess = match value().as_str() {
+                    "true" => vec![true],
+                    "false" => vec![false],
+                    "both" => vec![true, false],
+                    other => panic!("--preprocess-on-cpu true|false|both, got {other}"),
+                }
+            }
             "--bench" => {}
             other => panic!("unknown argument {other}"),
         }
@@ -193,12 +232,19 @@ fn parse_args() -> Args {
     args
 }
 
-/// Sentences per second for `SELECT embed(body) FROM sentences` at one batch size.
-async fn flumen_rate(args: &Args, texts: &[String], batch_size: usize) -> Result<f64> {
+/// Sentences per second for `SELECT embed(body) FROM sentences` at one batch size (0: by
+/// tokens, tuned), with or without the tokenizer as a CPU step.
+async fn flumen_rate(
+    args: &Args,
+    texts: &[String],
+    batch_size: usize,
+    preprocess_on_cpu: bool,
+) -> Result<f64> {
     let mut config = FlumenConfig::default();
     config.cpu_slots = args.threads;
     config.accelerator_slots = 1;
     config.embed_batch_size = batch_size;
+    config.preprocess_on_cpu = preprocess_on_cpu;
     config.device = args.device.parse()?;
     let ctx = flumen::session(config);
     let schema = Arc::new(Schema::new(vec![Field::new("body", DataType::Utf8, false)]));
@@ -280,13 +326,35 @@ fn best(rates: &[(usize, f64)]) -> (usize, f64) {
         .fold((0, 0.0), |b, r| if r.1 > b.1 { r } else { b })
 }
 
-#[tokio::main]
-async fn main() -> Result<()> {
-    let args = parse_args();
-    let texts = sentences(args.sentences);
+/// The first `n` demo documents (`flumen::demo`) through `clean_text`, as a model sees them.
+async fn cleaned_docs(n: usize) -> Result<Vec<String>> {
+    let dir = tempfile::tempdir()?;
+    let path = dir.path().join("docs.parquet");
+    flumen::demo::write_docs(&path, n)?;
+    let ctx = flumen::session(FlumenConfig::default());
+    let sql = format!(
+        "SELECT clean_text(body) AS t FROM '{}' ORDER BY id",
+        path.display()
+    );
+    let batches = ctx.sql(&sql).await?.collect().await?;
+    Ok(batches
+        .iter()
+        .flat_map(|b| {
+            let column = datafusion::arrow::array::AsArray::as_string::<i32>(b.column(0));
+            column
+                .iter()
+                .map(|t| t.unwrap_or_default().to_string())
+                .collect::<Vec<_>>()
+        })
+        .collect())
+}
+
+/// Both sides over one corpus at every batch size (and flumen with each `preprocess`
+/// setting); prints a line per run and the corpus's summary line.
+async fn run_corpus(args: &Args, corpus: &str, texts: &[String]) -> Result<()> {
     let chars: usize = texts.iter().map(|t| t.chars().count()).sum();
     println!(
-        "embed bench: {} sentences ({} chars on average), device {}, {} threads",
+        "embed bench: {corpus}: {} texts ({} chars on average), device {}, {} threads",
         texts.len(),
         chars / texts.len().max(1),
         args.device,
@@ -298,17 +366,35 @@ async fn main() -> Result<()> {
     } else {
         args.batch_sizes.clone()
     };
-    // Both sides at every batch size, so each ratio compares like with like.
+    // Both sides at every batch size, so each ratio compares like with like; flumen's 0 (by
+    // tokens, tuned) against sentence-transformers' default of 32.
+    let baseline_size = |size: usize| if size == 0 { 32 } else { size };
     let (mut flumen_rates, mut baseline_rates) = (vec![], vec![]);
     for &size in &sizes {
-        let flumen = flumen_rate(&args, &texts, size).await?;
-        let baseline = baseline_rate(&args, &texts, size)?;
+        let mut rates = vec![];
+        for &preprocess in &args.preprocess {
+            let rate = flumen_rate(args, texts, size, preprocess).await?;
+            println!(
+                "{corpus} batch_size={size} preprocess_on_cpu={preprocess} flumen_per_s={rate:.1}"
+            );
+            rates.push((preprocess, rate));
+        }
+        if let [(true, on), (false, off)] = rates[..] {
+            println!(
+                "{corpus} batch_size={size} tokenize_on_cpu_vs_in_worker={:.2}",
+                on / off
+            );
+        }
+        let flumen = rates[0].1;
+        let baseline = baseline_rate(args, texts, baseline_size(size))?;
         println!(
-            "batch_size={size} flumen_per_s={flumen:.1} baseline_per_s={baseline:.1} ratio={:.2}",
+            "{corpus} batch_size={size} flumen_per_s={flumen:.1} baseline_per_s={baseline:.1} \
+             (at {}) ratio={:.2}",
+            baseline_size(size),
             flumen / baseline
         );
         flumen_rates.push((size, flumen));
-        baseline_rates.push((size, baseline));
+        baseline_rates.push((baseline_size(size), baseline));
     }
     // The headline is at flumen's default batch size when it ran, else the first size; the
     // best of each side (each at its own best size) is reported beside it.
@@ -318,12 +404,24 @@ async fn main() -> Result<()> {
     let (flumen_best_size, flumen_best) = best(&flumen_rates);
     let (baseline_best_size, baseline_best) = best(&baseline_rates);
     println!(
-        "embed device={} batch_size={size} flumen_per_s={flumen:.1} baseline_per_s={baseline:.1} \
-         ratio={:.2} best_flumen_per_s={flumen_best:.1}@{flumen_best_size} \
+        "embed corpus={corpus} device={} batch_size={size} flumen_per_s={flumen:.1} \
+         baseline_per_s={baseline:.1} ratio={:.2} best_flumen_per_s={flumen_best:.1}@{flumen_best_size} \
          best_baseline_per_s={baseline_best:.1}@{baseline_best_size} best_ratio={:.2}",
         args.device,
         flumen / baseline,
         flumen_best / baseline_best
     );
+    Ok(())
+}
+
+#[tokio::main]
+async fn main() -> Result<()> {
+    let args = parse_args();
+    if args.sentences_corpus {
+        run_corpus(&args, "sentences", &sentences(args.sentences)).await?;
+    }
+    if args.docs_corpus {
+        run_corpus(&args, "docs", &cleaned_docs(args.docs).await?).await?;
+    }
     Ok(())
 }

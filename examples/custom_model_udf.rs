@@ -3,18 +3,21 @@
 //!
 //! It implements [`flumen::AcceleratorFunction`]: `load` runs once per accelerator worker (it
 //! loads the model and embeds the labels), `process` handles one batch, `batch_rows` and
-//! `resources` tell flumen how to feed and place it. The planner gives it an operator of its own
-//! on the accelerator pool, exactly like `embed`.
+//! `resources` tell flumen how to feed and place it, and `cpu_step` names the tokenizer
+//! (`embed_tokens`) as its CPU step, so texts are tokenized on the CPU pool and `process` gets
+//! token ids (`EXPLAIN` shows `topic(embed_tokens(t))` split over the two pools). The planner
+//! gives it an operator of its own on the accelerator pool, exactly like `embed`.
 //!
 //! Run: `cargo run --release --example custom_model_udf` (after `flumen install-model`).
 
 use std::sync::Arc;
 
-use datafusion::arrow::array::{Array, ArrayRef, AsArray, StringArray};
+use datafusion::arrow::array::{ArrayRef, StringArray};
 use datafusion::arrow::datatypes::DataType;
 use datafusion::config::ConfigOptions;
-use datafusion::error::{DataFusionError, Result};
-use datafusion::logical_expr::{Signature, Volatility};
+use datafusion::error::Result;
+use datafusion::logical_expr::{ScalarUDF, Signature, Volatility};
+use flumen::functions::embedding::tokenize_step::embed_tokens_udf;
 use flumen::functions::embedding::{EMBEDDING_DIM, EmbedFunction, EmbedWorker};
 use flumen::{
     AcceleratorFunction, AcceleratorWorker, FlumenConfig, WorkerResources, accelerator_udf,
@@ -62,23 +65,19 @@ impl AcceleratorFunction for TopicFunction {
         // Whatever embed() would occupy under these settings (GPU or CPU threads).
         EmbedFunction::default().resources(config)
     }
+    fn cpu_step(&self) -> Option<Arc<ScalarUDF>> {
+        // Tokenize on the CPU pool; `process` then gets token ids instead of texts.
+        Some(embed_tokens_udf())
+    }
 }
 
 impl AcceleratorWorker for TopicWorker {
     fn process(&mut self, args: &[ArrayRef], _: &DataType) -> Result<ArrayRef> {
-        let texts: Vec<Option<&str>> = match args[0].data_type() {
-            DataType::Utf8 => args[0].as_string::<i32>().iter().collect(),
-            DataType::Utf8View => args[0].as_string_view().iter().collect(),
-            other => {
-                return Err(DataFusionError::Execution(format!(
-                    "topic() takes text, got {other}"
-                )));
-            }
-        };
-        let vectors = self.encoder.embed(&texts)?;
+        // Token ids from the CPU step (or texts, with flumen.preprocess_on_cpu = false).
+        let (vectors, present) = self.encoder.embed_column(&args[0])?;
         let dim = EMBEDDING_DIM as usize;
-        let best = texts.iter().enumerate().map(|(row, text)| {
-            text.map(|_| {
+        let best = present.iter().enumerate().map(|(row, present)| {
+            present.then(|| {
                 let v = &vectors[row * dim..(row + 1) * dim];
                 let score = |l: usize| -> f32 {
                     let label = &self.label_vectors[l * dim..(l + 1) * dim];
@@ -95,6 +94,8 @@ impl AcceleratorWorker for TopicWorker {
 #[tokio::main]
 async fn main() -> Result<()> {
     let ctx = flumen::session(FlumenConfig::default());
+    // flumen::session registers embed_tokens already; a session of your own would
+    // `ctx.register_udf(embed_tokens_udf().as_ref().clone())` so worker processes find it.
     ctx.register_udf(accelerator_udf(TopicFunction {
         labels: ["sports", "finance", "cooking", "computers", "weather"]
             .map(String::from)

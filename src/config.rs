@@ -296,8 +296,17 @@ extensions_options! {
         /// Directory of the embedding model's files; empty: `FLUMEN_MODEL_DIR`, else
         /// `~/.cache/flumen/models/all-MiniLM-L6-v2`.
         pub model_dir: String, default = String::new()
-        /// Sentences per forward pass of `embed` (sorted by length inside a block first).
-        pub embed_batch_size: usize, default = 32
+        /// Sentences per forward pass of `embed` (sorted by length inside a block first);
+        /// 0 (the default): passes are cut by tokens (`embed_batch_tokens`) instead.
+        pub embed_batch_size: usize, default = 0
+        /// Most tokens per forward pass of `embed` (a longer sequence runs alone); 0 (the
+        /// default): chosen by the worker from measured throughput, among 512 to 8192
+        /// (`EXPLAIN ANALYZE` shows the choice). Unused when `embed_batch_size` is set.
+        pub embed_batch_tokens: usize, default = 0
+        /// Run a model's CPU step (`embed`'s tokenizer) in the CPU operator feeding the
+        /// model, on the CPU pool, instead of in the accelerator worker: `embed(x)` is planned
+        /// as `embed(embed_tokens(x))`, `embed_tokens` computed by CPU tasks.
+        pub preprocess_on_cpu: bool, default = true
         /// Where tasks run: `threads` (this process) or `process` (worker processes).
         pub workers: WorkerMode, default = WorkerMode::Threads
         /// CPU worker processes a session starts when `flumen.workers = 'process'` (it also

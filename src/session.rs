@@ -36,10 +36,15 @@ pub fn session_with_config(session_config: SessionConfig, config: FlumenConfig) 
     ctx
 }
 
-/// Register flumen's SQL functions: `embed`, `clean_text`, `row_hash` and the vector
-/// helpers (`cosine_similarity`, `dot_product`, `l2_distance`).
+/// Register flumen's SQL functions: `embed` and its CPU step `embed_tokens`, `clean_text`,
+/// `row_hash` and the vector helpers (`cosine_similarity`, `dot_product`, `l2_distance`).
 pub fn register_functions(ctx: &SessionContext) {
     ctx.register_udf(accelerator_udf(embedding::EmbedFunction::default()));
+    ctx.register_udf(
+        embedding::tokenize_step::embed_tokens_udf()
+            .as_ref()
+            .clone(),
+    );
     ctx.register_udf(text::clean_text_udf());
     ctx.register_udf(row_hash::row_hash_udf());
     for udf in vector::vector_functions() {

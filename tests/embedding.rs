@@ -216,3 +216,154 @@ async fn bad_input_gets_clear_errors() {
     let ok = collect(&ctx, "SELECT embed('hi') IS NOT NULL").await;
     assert_eq!(ok[0].num_rows(), 1);
 }
+
+/// `embed`'s tokenizer runs as its CPU step: `EXPLAIN` shows `embed_tokens` computed below
+/// the accelerator operator (in the scan's CPU tasks) and the model fed its token ids; the
+/// vectors equal those of the worker tokenizing itself (`flumen.preprocess_on_cpu = false`).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn tokenization_runs_on_the_cpu_pool_with_the_same_vectors() {
+    let refs = references();
+    let texts = StringArray::from_iter_values(refs.iter().map(|r| r.text.as_str()));
+    let schema = Arc::new(Schema::new(vec![Field::new("text", DataType::Utf8, false)]));
+    let batch = RecordBatch::try_new(schema, vec![Arc::new(texts)]).unwrap();
+    let vectors = |split: bool| {
+        let batch = batch.clone();
+        async move {
+            let ctx = session("cpu").await;
+            collect(&ctx, &format!("SET flumen.preprocess_on_cpu = {split}")).await;
+            ctx.register_batch("refs", batch).unwrap();
+            let plan = collect(&ctx, "EXPLAIN SELECT text, embed(text) AS v FROM refs").await;
+            let plan = datafusion::arrow::util::pretty::pretty_format_batches(&plan)
+                .unwrap()
+                .to_string();
+            let rows = collect(
+                &ctx,
+                "SELECT text, embed(text) AS v FROM refs ORDER BY text",
+            )
+            .await;
+            (plan, rows)
+        }
+    };
+    let (split_plan, split_rows) = vectors(true).await;
+    let (whole_plan, whole_rows) = vectors(false).await;
+    let accelerator_line = |plan: &str| {
+        plan.lines()
+            .find(|l| l.contains("AcceleratorProjectionExec: expr="))
+            .unwrap_or_else(|| panic!("no accelerator projection in\n{plan}"))
+            .to_string()
+    };
+    let (split_line, whole_line) = (accelerator_line(&split_plan), accelerator_line(&whole_plan));
+    assert!(
+        split_line.contains("embed(__flumen_cpu_0@") && !split_line.contains("embed_tokens"),
+        "the model should read the tokens computed below it:\n{split_plan}"
+    );
+    let below = split_plan.split(&split_line).nth(1).unwrap();
+    assert!(
+        below.contains("embed_tokens(text@0) as __flumen_cpu_0") && below.contains("pool=cpu"),
+        "the tokenizer should run in a CPU operator below the model:\n{split_plan}"
+    );
+    assert!(
+        whole_line.contains("embed(text@0)") && !whole_plan.contains("embed_tokens"),
+        "with preprocess_on_cpu = false the worker tokenizes:\n{whole_plan}"
+    );
+    let flat = |batches: &[RecordBatch]| -> Vec<(String, Vec<f32>)> {
+        batches
+            .iter()
+            .flat_map(|b| {
+                let texts = b.column(0).as_string::<i32>().clone();
+                let vectors = b.column(1).as_fixed_size_list().clone();
+                (0..b.num_rows())
+                    .map(move |r| {
+                        let v = vectors.value(r);
+                        let v = v.as_primitive::<Float32Type>().values().to_vec();
+                        (texts.value(r).to_string(), v)
+                    })
+                    .collect::<Vec<_>>()
+            })
+            .collect()
+    };
+    let (split, whole) = (flat(&split_rows), flat(&whole_rows));
+    assert_eq!(split.len(), refs.len());
+    assert_eq!(split.len(), whole.len());
+    for ((text, a), (other, b)) in split.iter().zip(&whole) {
+        assert_eq!(text, other);
+        let cos = cosine(a, b);
+        assert!(
+            cos > 0.999_999,
+            "{text:?}: cosine {cos} between the two plans"
+        );
+        let reference = refs.iter().find(|r| &r.text == text).unwrap();
+        let cos = cosine(a, &reference.embedding);
+        assert!(
+            cos >= 0.9999,
+            "{text:?}: cosine {cos} against sentence-transformers"
+        );
+    }
+}
+
+/// The worker cuts passes by tokens, tunes the budget from measured throughput (default) or
+/// takes a fixed one, and `EXPLAIN ANALYZE` shows its choice with the model's operator;
+/// the vectors do not depend on how passes are cut.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn explain_analyze_shows_how_the_worker_batches() {
+    let refs = references();
+    let texts = StringArray::from_iter_values(refs.iter().map(|r| r.text.as_str()));
+    let schema = Arc::new(Schema::new(vec![Field::new("text", DataType::Utf8, false)]));
+    let batch = RecordBatch::try_new(schema, vec![Arc::new(texts)]).unwrap();
+    let ctx = session("cpu").await;
+    ctx.register_batch("refs", batch).unwrap();
+    let analyze = |settings: &'static str| {
+        let ctx = ctx.clone();
+        async move {
+            collect(&ctx, settings).await;
+            let out = collect(&ctx, "EXPLAIN ANALYZE SELECT embed(text) AS v FROM refs").await;
+            let text = datafusion::arrow::util::pretty::pretty_format_batches(&out)
+                .unwrap()
+                .to_string();
+            text.lines()
+                .find(|l| l.contains("pool=accelerator"))
+                .unwrap_or_else(|| panic!("no accelerator operator in\n{text}"))
+                .to_string()
+        }
+    };
+    let figure = |line: &str, name: &str| -> Option<u64> {
+        let at = line.find(&format!("{name}="))? + name.len() + 1;
+        line[at..]
+            .split(|c: char| !c.is_ascii_digit())
+            .next()?
+            .parse()
+            .ok()
+    };
+    let tuned = analyze("SET flumen.embed_batch_tokens = 0").await;
+    let budget = figure(&tuned, "embed_batch_tokens").unwrap_or_else(|| panic!("{tuned}"));
+    assert!(
+        flumen::functions::embedding::batch_tuner::TOKEN_BUDGETS.contains(&(budget as usize)),
+        "{tuned}"
+    );
+    assert!(figure(&tuned, "embed_batch_trials").is_some(), "{tuned}");
+    let fixed = analyze("SET flumen.embed_batch_tokens = 300").await;
+    assert_eq!(figure(&fixed, "embed_batch_tokens"), Some(300), "{fixed}");
+    let by_rows = analyze("SET flumen.embed_batch_size = 7").await;
+    assert_eq!(figure(&by_rows, "embed_batch_size"), Some(7), "{by_rows}");
+    // Passes of at most 300 tokens, or of 7 sentences: the same vectors.
+    for settings in [
+        "SET flumen.embed_batch_size = 0",
+        "SET flumen.embed_batch_size = 7",
+    ] {
+        collect(&ctx, settings).await;
+        let rows = collect(&ctx, "SELECT text, embed(text) AS v FROM refs").await;
+        for b in &rows {
+            let vectors = b.column(1).as_fixed_size_list();
+            for r in 0..b.num_rows() {
+                let text = b.column(0).as_string::<i32>().value(r);
+                let reference = refs.iter().find(|x| x.text == text).unwrap();
+                let v = vectors.value(r);
+                let cos = cosine(
+                    v.as_primitive::<Float32Type>().values(),
+                    &reference.embedding,
+                );
+                assert!(cos >= 0.9999, "{settings}: {text:?}: cosine {cos}");
+            }
+        }
+    }
+}

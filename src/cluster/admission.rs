@@ -54,6 +54,7 @@ pub const WORKER_OPTIONS: &[&str] = &[
     "flumen.device",
     "flumen.model_dir",
     "flumen.embed_batch_size",
+    "flumen.embed_batch_tokens",
     "flumen.target_block_rows",
 ];
 

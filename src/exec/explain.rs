@@ -4,13 +4,14 @@
 
 use std::fmt;
 use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
 
 use datafusion::common::tree_node::{TreeNode, TreeNodeRecursion};
 use datafusion::error::Result;
 use datafusion::execution::{SendableRecordBatchStream, TaskContext};
 use datafusion::physical_plan::execution_plan::{ChildrenPropertiesMode, ReplaceChildrenOptions};
 use datafusion::physical_plan::metrics::{
-    Count, Gauge, Metric, MetricValue, MetricsSet, RatioMetrics, Time,
+    Count, CustomMetricValue, Gauge, Metric, MetricValue, MetricsSet, RatioMetrics, Time,
 };
 use datafusion::physical_plan::projection::ProjectionExec;
 use datafusion::physical_plan::{
@@ -261,6 +262,15 @@ impl ExecutionPlan for OperatorExec {
                 None,
             )));
         }
+        for (name, value) in self.stats.model_metrics() {
+            set.push(Arc::new(Metric::new(
+                MetricValue::Custom {
+                    name: name.into(),
+                    value: Arc::new(Setting(AtomicU64::new(value))),
+                },
+                None,
+            )));
+        }
         if s.retried_alone > 0 {
             set.push(count("tasks_retried_alone", s.retried_alone));
         }
@@ -276,5 +286,39 @@ impl ExecutionPlan for OperatorExec {
             set.push(count("output_bytes_to_driver", s.output_bytes_to_driver));
         }
         Some(set)
+    }
+}
+
+/// A figure shown as it is, not rounded to "2.05 K" as DataFusion shows counts: a choice a
+/// model worker made (a batch size), which a reader compares with the setting.
+#[derive(Debug)]
+struct Setting(AtomicU64);
+
+impl std::fmt::Display for Setting {
+    fn fmt(&self, f: &mut std::fmt::Formatter) -> std::fmt::Result {
+        write!(f, "{}", self.0.load(Ordering::Relaxed))
+    }
+}
+
+impl CustomMetricValue for Setting {
+    fn new_empty(&self) -> Arc<dyn CustomMetricValue> {
+        Arc::new(Setting(AtomicU64::new(0)))
+    }
+
+    fn aggregate(&self, other: Arc<dyn CustomMetricValue + 'static>) {
+        // Partitions of one operator made the same choice, or the latest one counts.
+        self.0.store(other.as_usize() as u64, Ordering::Relaxed);
+    }
+
+    fn as_any(&self) -> &dyn std::any::Any {
+        self
+    }
+
+    fn as_usize(&self) -> usize {
+        self.0.load(Ordering::Relaxed) as usize
+    }
+
+    fn is_eq(&self, other: &Arc<dyn CustomMetricValue>) -> bool {
+        self.as_usize() == other.as_usize()
     }
 }

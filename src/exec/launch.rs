@@ -376,7 +376,19 @@ impl QueryRun {
                     .aborts
                     .push(handle.abort_handle());
             }
-            Pool::Accelerator => self.accelerators.submit(Box::new(move || future.boxed())),
+            Pool::Accelerator => {
+                let stats = Arc::clone(self.metrics.operator(op_id));
+                self.accelerators.submit(Box::new(move || {
+                    async move {
+                        future.await;
+                        // This thread's loaded models say how they ran (batch sizes chosen).
+                        stats.observe_model_metrics(
+                            crate::functions::accelerator::loaded_worker_metrics(),
+                        );
+                    }
+                    .boxed()
+                }))
+            }
         }
     }
 }

@@ -1,6 +1,7 @@
 //! Per-operator counters, shown by `EXPLAIN ANALYZE` and by progress displays.
 
 use crate::store::operator_memory::MemoryCounters;
+use std::collections::BTreeMap;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 
@@ -48,6 +49,9 @@ pub struct OperatorStats {
     /// Bytes of output per output partition, for an operator whose output is split (an
     /// exchange's map side): how even the split is.
     pub partition_bytes: Mutex<Vec<u64>>,
+    /// What its accelerator workers last reported about how they run (e.g. the batch size
+    /// they chose), by name.
+    pub model_metrics: Mutex<BTreeMap<String, u64>>,
 }
 
 /// A plain copy of [`OperatorStats`].
@@ -111,6 +115,19 @@ impl OperatorStats {
     /// Bytes of output per output partition (empty when the output is not split).
     pub fn partition_sizes(&self) -> Vec<u64> {
         self.partition_bytes.lock().unwrap().clone()
+    }
+
+    /// Keep what an accelerator worker reported after a task (newer figures replace older).
+    pub fn observe_model_metrics(&self, metrics: Vec<(String, u64)>) {
+        if metrics.is_empty() {
+            return;
+        }
+        self.model_metrics.lock().unwrap().extend(metrics);
+    }
+
+    /// The accelerator workers' figures, by name.
+    pub fn model_metrics(&self) -> BTreeMap<String, u64> {
+        self.model_metrics.lock().unwrap().clone()
     }
 
     /// Raise the peak of held bytes to `bytes` if higher.

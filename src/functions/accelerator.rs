@@ -71,6 +71,16 @@ pub trait AcceleratorFunction: Debug + Send + Sync + 'static {
     fn resources(&self, _config: &ConfigOptions) -> WorkerResources {
         WorkerResources::default()
     }
+    /// A CPU step to run before the model (tokenization, decoding, resizing): a plain scalar
+    /// function over this function's arguments whose one result this function then gets in
+    /// their place, in [`AcceleratorWorker::process`]. With `flumen.preprocess_on_cpu` (the
+    /// default) the planner rewrites `f(x)` as `f(step(x))` and runs the step in the CPU
+    /// operator feeding the model, so an accelerator worker only runs the model. Register
+    /// the step with the session too (`ctx.register_udf`): worker processes look functions
+    /// up by name. `None` (the default): no step; the worker gets the arguments.
+    fn cpu_step(&self) -> Option<Arc<ScalarUDF>> {
+        None
+    }
 }
 
 /// The state a worker loaded (a model on a device); processes one batch at a time.
@@ -78,6 +88,11 @@ pub trait AcceleratorWorker: Send {
     /// Compute the function over one batch: `args` are arrays of equal length; the result has
     /// that length and type `return_type`.
     fn process(&mut self, args: &[ArrayRef], return_type: &DataType) -> Result<ArrayRef>;
+    /// Figures about how the worker runs, by name (e.g. the batch size it chose), shown with
+    /// its operator in `EXPLAIN ANALYZE` (workers on this process's accelerator pool).
+    fn metrics(&self) -> Vec<(String, u64)> {
+        vec![]
+    }
 }
 
 thread_local! {
@@ -95,6 +110,18 @@ static WORKERS_LOADED: AtomicU64 = AtomicU64::new(0);
 /// reports it, so tests can see a model is loaded once and kept.
 pub fn workers_loaded() -> u64 {
     WORKERS_LOADED.load(Ordering::Relaxed)
+}
+
+/// The [`metrics`](AcceleratorWorker::metrics) of the workers loaded on this thread (an
+/// accelerator worker thread reads them after each task).
+pub fn loaded_worker_metrics() -> Vec<(String, u64)> {
+    LOADED.with(|loaded| {
+        loaded
+            .borrow()
+            .values()
+            .flat_map(|worker| worker.metrics())
+            .collect()
+    })
 }
 
 /// The `ScalarUDFImpl` wrapper that marks a function as an accelerator UDF.
@@ -203,6 +230,15 @@ pub fn accelerator_functions_in(expr: &Arc<dyn PhysicalExpr>) -> Vec<Arc<dyn Acc
         found.extend(accelerator_functions_in(child));
     }
     found
+}
+
+/// The accelerator function `expr` itself calls (not one inside its arguments), if any.
+pub fn called_accelerator_function(
+    expr: &Arc<dyn PhysicalExpr>,
+) -> Option<&Arc<dyn AcceleratorFunction>> {
+    (expr.as_ref() as &dyn Any)
+        .downcast_ref::<ScalarFunctionExpr>()
+        .and_then(|call| accelerator_function(call.fun()))
 }
 
 /// True when the physical expression calls an accelerator UDF anywhere inside it.

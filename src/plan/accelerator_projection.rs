@@ -12,6 +12,13 @@
 //! it ([`split_cpu_work`]), and CPU work over a model's output (`cosine_similarity(embed(a),
 //! embed(b))`) into a plain `ProjectionExec` above it ([`split_model_consumers`]), so it runs
 //! in CPU tasks and the accelerator workers only run models.
+//!
+//! A model that declares a CPU step ([`AcceleratorFunction::cpu_step`], e.g. `embed`'s
+//! tokenizer) is first rewritten to take the step's result ([`with_cpu_steps`]: `embed(x)` →
+//! `embed(embed_tokens(x))`), so the step is CPU work like any other argument and runs in the
+//! CPU operator below the model (`flumen.preprocess_on_cpu`).
+//!
+//! [`AcceleratorFunction::cpu_step`]: crate::functions::accelerator::AcceleratorFunction::cpu_step
 
 use std::fmt;
 use std::sync::Arc;
@@ -30,7 +37,8 @@ use datafusion::physical_plan::{
     DisplayAs, DisplayFormatType, ExecutionPlan, PhysicalExpr, PlanProperties,
 };
 
-use crate::functions::accelerator::{accelerator_function, calls_accelerator_udf};
+use crate::config::FlumenConfig;
+use crate::functions::accelerator::{called_accelerator_function, calls_accelerator_udf};
 
 /// A `ProjectionExec` that calls an accelerator UDF, held where the query put it.
 #[derive(Debug, Clone)]
@@ -123,8 +131,12 @@ impl PhysicalOptimizerRule for KeepAcceleratorProjections {
     fn optimize(
         &self,
         plan: Arc<dyn ExecutionPlan>,
-        _config: &ConfigOptions,
+        config: &ConfigOptions,
     ) -> Result<Arc<dyn ExecutionPlan>> {
+        let steps_on_cpu = config
+            .extensions
+            .get::<FlumenConfig>()
+            .is_none_or(|flumen| flumen.preprocess_on_cpu);
         plan.transform_up(|node| {
             if let Some(projection) = node.downcast_ref::<ProjectionExec>()
                 && projection
@@ -132,7 +144,12 @@ impl PhysicalOptimizerRule for KeepAcceleratorProjections {
                     .iter()
                     .any(|e| calls_accelerator_udf(&e.expr))
             {
-                let projection = split_cpu_work(projection)?;
+                let projection = if steps_on_cpu {
+                    with_cpu_steps(projection)?
+                } else {
+                    projection.clone()
+                };
+                let projection = split_cpu_work(&projection)?;
                 let (models, above) = split_model_consumers(&projection)?;
                 let wrapped: Arc<dyn ExecutionPlan> =
                     Arc::new(AcceleratorProjectionExec::new(Arc::new(models)));
@@ -154,6 +171,59 @@ impl PhysicalOptimizerRule for KeepAcceleratorProjections {
     fn schema_check(&self) -> bool {
         true
     }
+}
+
+/// `projection` with every model call whose function declares a CPU step taking the step's
+/// result in place of its arguments: `embed(x)` → `embed(embed_tokens(x))`. Calls whose
+/// arguments call a model themselves keep their arguments (the step would run in the
+/// accelerator operator anyway), and so do calls already over the step's result.
+pub fn with_cpu_steps(projection: &ProjectionExec) -> Result<ProjectionExec> {
+    let schema = projection.input().schema();
+    let mut changed = false;
+    let mut exprs = vec![];
+    for e in projection.expr() {
+        let expr = Arc::clone(&e.expr).transform_up(|node| {
+            let Some(step) = called_accelerator_function(&node).and_then(|f| f.cpu_step()) else {
+                return Ok(Transformed::no(node));
+            };
+            let call = as_any(&node)
+                .downcast_ref::<ScalarFunctionExpr>()
+                .expect("a model call is a ScalarFunctionExpr");
+            let already_stepped = call.args().iter().any(|arg| {
+                as_any(arg)
+                    .downcast_ref::<ScalarFunctionExpr>()
+                    .is_some_and(|inner| inner.name() == step.name())
+            });
+            if already_stepped || call.args().iter().any(calls_accelerator_udf) {
+                return Ok(Transformed::no(node));
+            }
+            let config = Arc::new(call.config_options().clone());
+            let stepped = ScalarFunctionExpr::try_new(
+                step,
+                call.args().to_vec(),
+                &schema,
+                Arc::clone(&config),
+            )?;
+            // The model's result type does not depend on how its input was prepared.
+            let model = ScalarFunctionExpr::new(
+                call.name(),
+                Arc::new(call.fun().clone()),
+                vec![Arc::new(stepped)],
+                call.return_field(&schema)?,
+                config,
+            );
+            Ok(Transformed::yes(Arc::new(model) as Arc<dyn PhysicalExpr>))
+        })?;
+        changed |= expr.transformed;
+        exprs.push(ProjectionExpr {
+            expr: expr.data,
+            alias: e.alias.clone(),
+        });
+    }
+    if !changed {
+        return Ok(projection.clone());
+    }
+    ProjectionExec::try_new(exprs, Arc::clone(projection.input()))
 }
 
 /// Split a projection calling accelerator UDFs in two: a plain projection below that computes
@@ -258,9 +328,7 @@ pub fn split_model_consumers(
 
 /// True when `expr` itself is a call of an accelerator UDF.
 fn is_model_call(expr: &Arc<dyn PhysicalExpr>) -> bool {
-    as_any(expr)
-        .downcast_ref::<ScalarFunctionExpr>()
-        .is_some_and(|call| accelerator_function(call.fun()).is_some())
+    called_accelerator_function(expr).is_some()
 }
 
 /// `expr` reading the outputs of the model projection `models`: each model call and each
@@ -341,9 +409,7 @@ fn hoist_model_arguments(
     if children.is_empty() {
         return Ok(Arc::clone(expr));
     }
-    let model_call = as_any(expr)
-        .downcast_ref::<ScalarFunctionExpr>()
-        .is_some_and(|call| accelerator_function(call.fun()).is_some());
+    let model_call = is_model_call(expr);
     let children = children
         .into_iter()
         .map(|child| {

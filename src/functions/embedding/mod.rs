@@ -1,29 +1,38 @@
 //! `embed(text)`: sentence embeddings from all-MiniLM-L6-v2 (sentence-transformers), computed
 //! by flumen's own BERT forward on the CPU or on CUDA, as an accelerator UDF.
 //!
-//! Each accelerator worker loads the tokenizer and weights once (see
-//! [`crate::functions::accelerator`]) and keeps them for the session. A block's texts are tokenized,
-//! ordered by token count, and run in batches of `flumen.embed_batch_size` sentences packed
-//! back to back (no padding); results come back in the block's row order.
+//! Each accelerator worker loads the weights once (see [`crate::functions::accelerator`]) and
+//! keeps them for the session. Texts are tokenized by `embed`'s CPU step, `embed_tokens`
+//! ([`tokenize_step`]), in the CPU tasks feeding the model (or by the worker itself with
+//! `flumen.preprocess_on_cpu = false`); a block's token sequences are ordered by length and
+//! run in forward passes packed back to back (no padding), each of at most a token budget
+//! that the worker tunes from measured throughput ([`batch_tuner`]; or fixed with
+//! `flumen.embed_batch_tokens`, or `flumen.embed_batch_size` sentences a pass); results come
+//! back in the block's row order.
 
+pub mod batch_tuner;
 pub mod bert;
 pub mod cpu;
 pub mod cuda;
 pub mod model_files;
+pub mod tokenize_step;
 pub mod tokenizer;
 
 use std::path::PathBuf;
 use std::sync::{Arc, Once};
+use std::time::Instant;
 
 use datafusion::arrow::array::{Array, ArrayRef, AsArray, FixedSizeListArray, Float32Array};
 use datafusion::arrow::buffer::NullBuffer;
+use datafusion::arrow::datatypes::UInt32Type;
 use datafusion::arrow::datatypes::{DataType, Field};
 use datafusion::config::ConfigOptions;
 use datafusion::error::{DataFusionError, Result};
-use datafusion::logical_expr::{Signature, Volatility};
+use datafusion::logical_expr::{ScalarUDF, Signature, Volatility};
 
 use crate::config::{Device, FlumenConfig};
 use crate::functions::accelerator::{AcceleratorFunction, AcceleratorWorker, WorkerResources};
+use batch_tuner::BatchTuner;
 use bert::{BertWeights, PackedBatch, SentenceEncoder};
 use tokenizer::SentenceTokenizer;
 
@@ -60,6 +69,7 @@ struct EmbedSettings {
     device: Device,
     threads: usize,
     batch_size: usize,
+    batch_tokens: usize,
 }
 
 impl EmbedSettings {
@@ -74,7 +84,8 @@ impl EmbedSettings {
             device: flumen.device,
             // The CPU backend shares the machine's CPU slots among the accelerator workers.
             threads: (flumen.cpu_slots / flumen.accelerator_slots.max(1)).max(1),
-            batch_size: flumen.embed_batch_size.max(1),
+            batch_size: flumen.embed_batch_size,
+            batch_tokens: flumen.embed_batch_tokens,
         }
     }
 }
@@ -101,6 +112,10 @@ impl AcceleratorFunction for EmbedFunction {
         format!("{:?}", EmbedSettings::from(config))
     }
 
+    fn cpu_step(&self) -> Option<Arc<ScalarUDF>> {
+        Some(tokenize_step::embed_tokens_udf())
+    }
+
     fn resources(&self, config: &ConfigOptions) -> WorkerResources {
         let settings = EmbedSettings::from(config);
         match settings.device {
@@ -124,11 +139,41 @@ impl AcceleratorFunction for EmbedFunction {
     }
 }
 
+/// How a worker cuts a block's sequences (shortest first) into forward passes.
+#[derive(Debug, Clone)]
+enum Batching {
+    /// This many sentences a pass (`flumen.embed_batch_size`).
+    Sentences(usize),
+    /// At most this many tokens a pass (`flumen.embed_batch_tokens`).
+    Tokens(usize),
+    /// A token budget chosen from measured throughput.
+    Adaptive(BatchTuner),
+}
+
+impl Batching {
+    fn from(settings: &EmbedSettings) -> Self {
+        match (settings.batch_size, settings.batch_tokens) {
+            (0, 0) => Self::Adaptive(BatchTuner::default()),
+            (0, tokens) => Self::Tokens(tokens),
+            (sentences, _) => Self::Sentences(sentences),
+        }
+    }
+
+    /// The token budget of the next pass; `None` when passes are cut by sentences.
+    fn token_budget(&self) -> Option<usize> {
+        match self {
+            Self::Sentences(_) => None,
+            Self::Tokens(budget) => Some(*budget),
+            Self::Adaptive(tuner) => Some(tuner.next_budget()),
+        }
+    }
+}
+
 /// A loaded model: tokenizer plus a backend holding the weights.
 pub struct EmbedWorker {
-    tokenizer: SentenceTokenizer,
+    tokenizer: Arc<SentenceTokenizer>,
     encoder: Box<dyn SentenceEncoder>,
-    batch_size: usize,
+    batching: Batching,
 }
 
 static CPU_FALLBACK_NOTICE: Once = Once::new();
@@ -143,7 +188,7 @@ impl EmbedWorker {
 
     fn load(settings: &EmbedSettings) -> Result<Self> {
         model_files::check_model_dir(&settings.model_dir)?;
-        let tokenizer = SentenceTokenizer::load(&settings.model_dir)?;
+        let tokenizer = SentenceTokenizer::shared(&settings.model_dir)?;
         let weights = Arc::new(BertWeights::load(&settings.model_dir)?);
         let encoder: Box<dyn SentenceEncoder> = match settings.device {
             Device::Cpu => Box::new(cpu::CpuEncoder::new(weights, settings.threads)?),
@@ -169,7 +214,7 @@ impl EmbedWorker {
         Ok(Self {
             tokenizer,
             encoder,
-            batch_size: settings.batch_size,
+            batching: Batching::from(settings),
         })
     }
 
@@ -180,48 +225,108 @@ impl EmbedWorker {
 
     /// Embeddings of `texts` (None → None), `[rows, 384]` row-major with zeros for nulls.
     pub fn embed(&mut self, texts: &[Option<&str>]) -> Result<Vec<f32>> {
-        let dim = EMBEDDING_DIM as usize;
         let present: Vec<usize> = (0..texts.len()).filter(|&i| texts[i].is_some()).collect();
         let strings: Vec<&str> = present
             .iter()
             .map(|&i| texts[i].unwrap_or_default())
             .collect();
         let ids = self.tokenizer.encode(&strings)?;
+        let ids: Vec<&[u32]> = ids.iter().map(Vec::as_slice).collect();
+        self.embed_present(texts.len(), &present, &ids)
+    }
+
+    /// Embeddings of token sequences as `embed_tokens` gives them (None → None), `[rows,
+    /// 384]` row-major with zeros for nulls.
+    pub fn embed_token_ids(&mut self, sequences: &[Option<&[u32]>]) -> Result<Vec<f32>> {
+        let present: Vec<usize> = (0..sequences.len())
+            .filter(|&i| sequences[i].is_some())
+            .collect();
+        let ids: Vec<&[u32]> = present
+            .iter()
+            .map(|&i| sequences[i].unwrap_or_default())
+            .collect();
+        self.embed_present(sequences.len(), &present, &ids)
+    }
+
+    /// Embeddings of `rows` rows, of which rows `present[j]` have tokens `ids[j]`.
+    fn embed_present(
+        &mut self,
+        rows: usize,
+        present: &[usize],
+        ids: &[&[u32]],
+    ) -> Result<Vec<f32>> {
+        let dim = EMBEDDING_DIM as usize;
         // Similar lengths together: attention work per batch stays even.
         let mut order: Vec<usize> = (0..ids.len()).collect();
         order.sort_by_key(|&j| ids[j].len());
-        let mut out = vec![0f32; texts.len() * dim];
-        for chunk in order.chunks(self.batch_size) {
-            let batch = PackedBatch::new(chunk.iter().map(|&j| ids[j].as_slice()));
+        let mut out = vec![0f32; rows * dim];
+        let mut start = 0;
+        while start < order.len() {
+            let budget = self.batching.token_budget();
+            let (end, tokens) = match (&self.batching, budget) {
+                (Batching::Sentences(n), _) => {
+                    let end = (start + n).min(order.len());
+                    (end, order[start..end].iter().map(|&j| ids[j].len()).sum())
+                }
+                (_, budget) => pass_end(&order, ids, start, budget.unwrap_or(usize::MAX)),
+            };
+            let chunk = &order[start..end];
+            let batch = PackedBatch::new(chunk.iter().map(|&j| ids[j]));
+            let began = Instant::now();
             let vectors = self.encoder.encode(&batch)?;
+            if let (Batching::Adaptive(tuner), Some(budget)) = (&mut self.batching, budget) {
+                tuner.record(budget, tokens, began.elapsed());
+            }
             for (k, &j) in chunk.iter().enumerate() {
                 let row = present[j];
                 out[row * dim..(row + 1) * dim].copy_from_slice(&vectors[k * dim..(k + 1) * dim]);
             }
+            start = end;
         }
         Ok(out)
     }
 }
 
+/// Where the pass starting at `order[start]` ends so it holds at most `budget` tokens (at
+/// least one sequence), and the tokens it holds.
+fn pass_end(order: &[usize], ids: &[&[u32]], start: usize, budget: usize) -> (usize, usize) {
+    let mut end = start;
+    let mut tokens = 0;
+    while end < order.len() {
+        let len = ids[order[end]].len();
+        if end > start && tokens + len > budget {
+            break;
+        }
+        tokens += len;
+        end += 1;
+    }
+    (end, tokens)
+}
+
 impl AcceleratorWorker for EmbedWorker {
+    fn metrics(&self) -> Vec<(String, u64)> {
+        match &self.batching {
+            Batching::Sentences(n) => vec![("embed_batch_size".into(), *n as u64)],
+            Batching::Tokens(budget) => vec![("embed_batch_tokens".into(), *budget as u64)],
+            Batching::Adaptive(tuner) => {
+                let (trials, moves) = tuner.trials();
+                vec![
+                    ("embed_batch_tokens".into(), tuner.chosen() as u64),
+                    ("embed_batch_trials".into(), trials),
+                    ("embed_batch_moves".into(), moves),
+                ]
+            }
+        }
+    }
+
     fn process(&mut self, args: &[ArrayRef], _return_type: &DataType) -> Result<ArrayRef> {
         let column = &args[0];
-        let texts: Vec<Option<&str>> = match column.data_type() {
-            DataType::Utf8 => column.as_string::<i32>().iter().collect(),
-            DataType::LargeUtf8 => column.as_string::<i64>().iter().collect(),
-            DataType::Utf8View => column.as_string_view().iter().collect(),
-            other => {
-                return Err(DataFusionError::Execution(format!(
-                    "embed() takes text (Utf8, LargeUtf8 or Utf8View), got {other}"
-                )));
-            }
-        };
-        let values = self.embed(&texts)?;
+        let (values, present) = self.embed_column(column)?;
         let nulls = column.logical_nulls().or_else(|| {
-            texts
+            present
                 .iter()
-                .any(Option::is_none)
-                .then(|| NullBuffer::from_iter(texts.iter().map(Option::is_some)))
+                .any(|p| !p)
+                .then(|| NullBuffer::from_iter(present.iter().copied()))
         });
         let field = Arc::new(Field::new_list_field(DataType::Float32, true));
         let array = FixedSizeListArray::try_new(
@@ -231,6 +336,42 @@ impl AcceleratorWorker for EmbedWorker {
             nulls,
         )?;
         Ok(Arc::new(array))
+    }
+}
+
+impl EmbedWorker {
+    /// Embeddings of a column of texts (Utf8, LargeUtf8, Utf8View) or of token ids as
+    /// `embed_tokens` gives them (`List(UInt32)`): `[rows, 384]` row-major with zeros for
+    /// nulls, and which rows were not null. What a model function of your own that declares
+    /// `embed_tokens` as its [`cpu_step`](AcceleratorFunction::cpu_step) calls in `process`.
+    pub fn embed_column(&mut self, column: &ArrayRef) -> Result<(Vec<f32>, Vec<bool>)> {
+        match column.data_type() {
+            DataType::List(item) if item.data_type() == &DataType::UInt32 => {
+                let lists = column.as_list::<i32>();
+                let ids = lists.values().as_primitive::<UInt32Type>().values();
+                let offsets = lists.value_offsets();
+                let sequences: Vec<Option<&[u32]>> = (0..lists.len())
+                    .map(|i| {
+                        let range = offsets[i] as usize..offsets[i + 1] as usize;
+                        lists.is_valid(i).then(|| &ids[range])
+                    })
+                    .collect();
+                let present = sequences.iter().map(Option::is_some).collect();
+                Ok((self.embed_token_ids(&sequences)?, present))
+            }
+            DataType::Utf8 | DataType::LargeUtf8 | DataType::Utf8View => {
+                let texts: Vec<Option<&str>> = match column.data_type() {
+                    DataType::Utf8 => column.as_string::<i32>().iter().collect(),
+                    DataType::LargeUtf8 => column.as_string::<i64>().iter().collect(),
+                    _ => column.as_string_view().iter().collect(),
+                };
+                let present = texts.iter().map(Option::is_some).collect();
+                Ok((self.embed(&texts)?, present))
+            }
+            other => Err(DataFusionError::Execution(format!(
+                "embed() takes text (Utf8, LargeUtf8 or Utf8View), got {other}"
+            ))),
+        }
     }
 }
 
@@ -246,6 +387,7 @@ mod tests {
             device: Device::Cpu,
             threads: 1,
             batch_size: 8,
+            batch_tokens: 0,
         };
         let err = EmbedWorker::load(&settings)
             .err()

@@ -1,0 +1,219 @@
+//! How many tokens `embed` packs into one forward pass, chosen from measured throughput.
+//!
+//! The best pass size depends on the device and the texts: on a CPU a pass whose activations
+//! (`tokens × 1536` floats in the feed-forward layer) leave the cache slows down, on a GPU
+//! small passes leave the device idle. [`BatchTuner`] climbs over a few token budgets
+//! ([`TOKEN_BUDGETS`]): it keeps one, now and then tries a neighbour for a few passes, and
+//! moves there when the neighbour's tokens per second are better by [`MIN_GAIN`].
+//!
+//! A block's sequences are run shortest first, so consecutive passes get ever longer
+//! sequences and slower tokens. A trial compares passes in the order current, trial, trial,
+//! current (and again), so that drift counts against the trial as often as for it, and
+//! compares the throughput of neighbouring passes only.
+
+use std::time::Duration;
+
+/// The token budgets a tuner chooses among: a pass holds at most this many tokens (or one
+/// sequence, if longer).
+pub const TOKEN_BUDGETS: [usize; 5] = [512, 1024, 2048, 4096, 8192];
+
+/// The budget a tuner starts at (an index into [`TOKEN_BUDGETS`]).
+const START: usize = 2;
+
+/// A neighbour is taken when its throughput beats the current budget's by this factor.
+pub const MIN_GAIN: f64 = 1.03;
+
+/// Passes at the current budget between two trials.
+const STEADY_PASSES: u32 = 12;
+
+/// Measured pairs (current, trial) that decide a trial.
+const TRIAL_PAIRS: usize = 4;
+
+/// Chooses the token budget of `embed`'s next forward pass from the throughput of earlier
+/// ones.
+#[derive(Debug, Clone)]
+pub struct BatchTuner {
+    /// Index of the budget in use.
+    current: usize,
+    /// Passes at the current budget since the last trial ended.
+    steady: u32,
+    /// Whether the next trial tries the larger neighbour.
+    up_next: bool,
+    /// The trial under way, if any.
+    trial: Option<Trial>,
+    /// Trials that moved the budget, and trials in all (for `EXPLAIN ANALYZE`).
+    moves: u64,
+    trials: u64,
+}
+
+/// A neighbouring budget being compared with the current one.
+#[derive(Debug, Clone)]
+struct Trial {
+    /// Index of the budget tried.
+    index: usize,
+    /// Passes measured so far in this trial (the schedule's position).
+    step: usize,
+    /// Throughput of the pass waiting for its partner (tokens/s).
+    pending: Option<f64>,
+    /// ln(trial throughput / current throughput) of each completed pair.
+    log_ratios: Vec<f64>,
+}
+
+impl Trial {
+    /// Whether pass `step` of the trial runs the trial budget: current, trial, trial, current.
+    fn runs_trial(step: usize) -> bool {
+        matches!(step % 4, 1 | 2)
+    }
+}
+
+impl Default for BatchTuner {
+    fn default() -> Self {
+        Self {
+            current: START,
+            steady: 0,
+            up_next: true,
+            trial: None,
+            moves: 0,
+            trials: 0,
+        }
+    }
+}
+
+impl BatchTuner {
+    /// The token budget the tuner has settled on.
+    pub fn chosen(&self) -> usize {
+        TOKEN_BUDGETS[self.current]
+    }
+
+    /// Trials run so far, and how many of them moved the budget.
+    pub fn trials(&self) -> (u64, u64) {
+        (self.trials, self.moves)
+    }
+
+    /// The token budget of the next pass.
+    pub fn next_budget(&self) -> usize {
+        match &self.trial {
+            Some(trial) if Trial::runs_trial(trial.step) => TOKEN_BUDGETS[trial.index],
+            _ => TOKEN_BUDGETS[self.current],
+        }
+    }
+
+    /// Record a pass run at `budget` (as [`next_budget`](Self::next_budget) gave it) that
+    /// computed `tokens` tokens in `elapsed`. A pass far from full (a block's last) says
+    /// little about its budget and is not counted.
+    pub fn record(&mut self, budget: usize, tokens: usize, elapsed: Duration) {
+        if budget != self.next_budget() || tokens * 4 < budget * 3 {
+            return;
+        }
+        let throughput = tokens as f64 / elapsed.as_secs_f64().max(1e-9);
+        let Some(trial) = self.trial.as_mut() else {
+            self.steady += 1;
+            if self.steady >= STEADY_PASSES {
+                self.start_trial();
+            }
+            return;
+        };
+        let on_trial = Trial::runs_trial(trial.step);
+        match trial.pending.take() {
+            None => trial.pending = Some(throughput),
+            Some(partner) => {
+                let (trial_rate, current_rate) = if on_trial {
+                    (throughput, partner)
+                } else {
+                    (partner, throughput)
+                };
+                trial.log_ratios.push((trial_rate / current_rate).ln());
+            }
+        }
+        trial.step += 1;
+        if trial.log_ratios.len() >= TRIAL_PAIRS {
+            self.end_trial();
+        }
+    }
+
+    /// Try the next neighbour (alternately larger and smaller; at an end, the one there is).
+    fn start_trial(&mut self) {
+        let last = TOKEN_BUDGETS.len() - 1;
+        let up = (self.up_next && self.current < last) || self.current == 0;
+        let index = if up {
+            self.current + 1
+        } else {
+            self.current - 1
+        };
+        self.trial = Some(Trial {
+            index,
+            step: 0,
+            pending: None,
+            log_ratios: vec![],
+        });
+        self.trials += 1;
+    }
+
+    /// Move to the trial's budget when it was faster by [`MIN_GAIN`]; either way, go on in a
+    /// direction that has not just lost.
+    fn end_trial(&mut self) {
+        let Some(trial) = self.trial.take() else {
+            return;
+        };
+        let mean = trial.log_ratios.iter().sum::<f64>() / trial.log_ratios.len() as f64;
+        let went_up = trial.index > self.current;
+        if mean > MIN_GAIN.ln() {
+            self.current = trial.index;
+            self.moves += 1;
+            // Keep climbing the way that paid.
+            self.up_next = went_up;
+        } else {
+            self.up_next = !went_up;
+        }
+        self.steady = 0;
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Feed a tuner passes whose speed follows `tokens_per_s(budget)`, with each pass's
+    /// sequences slower than the last (as in a block sorted by length).
+    fn run(tokens_per_s: impl Fn(usize) -> f64, passes: usize) -> BatchTuner {
+        let mut tuner = BatchTuner::default();
+        for pass in 0..passes {
+            let budget = tuner.next_budget();
+            let drift = 1.0 + (pass % 40) as f64 * 0.004;
+            let secs = budget as f64 / tokens_per_s(budget) * drift;
+            tuner.record(budget, budget, Duration::from_secs_f64(secs));
+        }
+        tuner
+    }
+
+    #[test]
+    fn settles_on_the_fastest_budget() {
+        // Fastest at 1024 tokens (cache-bound CPU), 20% slower either side per step.
+        let cpu = |b: usize| {
+            let steps = ((b as f64).log2() - 10.0).abs();
+            10_000.0 / (1.0 + 0.2 * steps)
+        };
+        let tuner = run(cpu, 400);
+        assert_eq!(tuner.chosen(), 1024, "{tuner:?}");
+        // Faster the larger (a GPU): climbs to the top.
+        let gpu = |b: usize| b as f64 * 100.0;
+        assert_eq!(run(gpu, 400).chosen(), 8192);
+    }
+
+    #[test]
+    fn a_flat_curve_does_not_move() {
+        let tuner = run(|_| 5_000.0, 400);
+        assert_eq!(tuner.chosen(), TOKEN_BUDGETS[START]);
+        let (trials, moves) = tuner.trials();
+        assert!(trials > 5 && moves == 0, "trials {trials}, moves {moves}");
+    }
+
+    #[test]
+    fn partial_passes_are_not_counted() {
+        let mut tuner = BatchTuner::default();
+        for _ in 0..100 {
+            tuner.record(2048, 100, Duration::from_millis(1));
+        }
+        assert_eq!(tuner.trials(), (0, 0));
+    }
+}
