@@ -43,6 +43,13 @@ fn references() -> Vec<Reference> {
         .collect()
 }
 
+/// The fixture texts as one batch of a `text` column.
+fn texts_batch(refs: &[Reference]) -> RecordBatch {
+    let texts = StringArray::from_iter_values(refs.iter().map(|r| r.text.as_str()));
+    let schema = Arc::new(Schema::new(vec![Field::new("text", DataType::Utf8, false)]));
+    RecordBatch::try_new(schema, vec![Arc::new(texts)]).unwrap()
+}
+
 fn cosine(a: &[f32], b: &[f32]) -> f64 {
     let dot: f64 = a.iter().zip(b).map(|(x, y)| *x as f64 * *y as f64).sum();
     let na: f64 = a.iter().map(|x| (*x as f64).powi(2)).sum::<f64>().sqrt();
@@ -60,9 +67,7 @@ async fn session(device: &str) -> SessionContext {
 async fn check_against_references(device: &str, min_cosine: f64) {
     let refs = references();
     let ctx = session(device).await;
-    let texts = StringArray::from_iter_values(refs.iter().map(|r| r.text.as_str()));
-    let schema = Arc::new(Schema::new(vec![Field::new("text", DataType::Utf8, false)]));
-    let batch = RecordBatch::try_new(schema, vec![Arc::new(texts)]).unwrap();
+    let batch = texts_batch(&refs);
     ctx.register_batch("refs", batch).unwrap();
     let batches = collect(&ctx, "SELECT text, embed(text) AS v FROM refs").await;
     let mut seen = 0;
@@ -223,9 +228,7 @@ async fn bad_input_gets_clear_errors() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn tokenization_runs_on_the_cpu_pool_with_the_same_vectors() {
     let refs = references();
-    let texts = StringArray::from_iter_values(refs.iter().map(|r| r.text.as_str()));
-    let schema = Arc::new(Schema::new(vec![Field::new("text", DataType::Utf8, false)]));
-    let batch = RecordBatch::try_new(schema, vec![Arc::new(texts)]).unwrap();
+    let batch = texts_batch(&refs);
     let vectors = |split: bool| {
         let batch = batch.clone();
         async move {
@@ -307,9 +310,7 @@ async fn tokenization_runs_on_the_cpu_pool_with_the_same_vectors() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn explain_analyze_shows_how_the_worker_batches() {
     let refs = references();
-    let texts = StringArray::from_iter_values(refs.iter().map(|r| r.text.as_str()));
-    let schema = Arc::new(Schema::new(vec![Field::new("text", DataType::Utf8, false)]));
-    let batch = RecordBatch::try_new(schema, vec![Arc::new(texts)]).unwrap();
+    let batch = texts_batch(&refs);
     let ctx = session("cpu").await;
     ctx.register_batch("refs", batch).unwrap();
     let analyze = |settings: &'static str| {
