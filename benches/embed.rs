@@ -13,8 +13,9 @@
 //! `clean_text` once, so both sides embed the same cleaned texts (about 170 tokens each).
 //! flumen's batch size 0 is its default: passes cut by tokens, the budget tuned by the worker;
 //! the baseline runs at 32 (sentence-transformers' default) where flumen runs at 0.
-//! `--preprocess-on-cpu` runs flumen with its tokenizer as a CPU step (the default), with the
-//! worker tokenizing, or both (the step must cost no throughput).
+//! `--preprocess-on-cpu` runs flumen with its tokenizer as a CPU step (`true`, the default
+//! here; a session's `auto` does it only for a model on an accelerator), with the worker
+//! tokenizing (`false`), or both, and prints their ratio.
 //!
 //! The baseline is `benches/embed_baseline.py`, run with `--python` (default: `$FLUMEN_BENCH_PYTHON`
 //! or `python3`), which needs sentence-transformers installed (e.g. in a venv). The last line
@@ -244,7 +245,11 @@ async fn flumen_rate(
     config.cpu_slots = args.threads;
     config.accelerator_slots = 1;
     config.embed_batch_size = batch_size;
-    config.preprocess_on_cpu = preprocess_on_cpu;
+    config.preprocess_on_cpu = if preprocess_on_cpu {
+        flumen::config::PreprocessOnCpu::Always
+    } else {
+        flumen::config::PreprocessOnCpu::Never
+    };
     config.device = args.device.parse()?;
     let ctx = flumen::session(config);
     let schema = Arc::new(Schema::new(vec![Field::new("body", DataType::Utf8, false)]));
@@ -332,11 +337,10 @@ async fn cleaned_docs(n: usize) -> Result<Vec<String>> {
     let path = dir.path().join("docs.parquet");
     flumen::demo::write_docs(&path, n)?;
     let ctx = flumen::session(FlumenConfig::default());
-    let sql = format!(
-        "SELECT clean_text(body) AS t FROM '{}' ORDER BY id",
-        path.display()
-    );
-    let batches = ctx.sql(&sql).await?.collect().await?;
+    ctx.register_parquet("docs", path.to_string_lossy().as_ref(), Default::default())
+        .await?;
+    let sql = "SELECT clean_text(body) AS t FROM docs ORDER BY id";
+    let batches = ctx.sql(sql).await?.collect().await?;
     Ok(batches
         .iter()
         .flat_map(|b| {

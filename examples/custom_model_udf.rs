@@ -5,7 +5,8 @@
 //! loads the model and embeds the labels), `process` handles one batch, `batch_rows` and
 //! `resources` tell flumen how to feed and place it, and `cpu_step` names the tokenizer
 //! (`embed_tokens`) as its CPU step, so texts are tokenized on the CPU pool and `process` gets
-//! token ids (`EXPLAIN` shows `topic(embed_tokens(t))` split over the two pools). The planner
+//! token ids (when the model runs on CUDA, or with `SET flumen.preprocess_on_cpu = true` as
+//! here: `EXPLAIN` shows `embed_tokens(t)` below the accelerator operator). The planner
 //! gives it an operator of its own on the accelerator pool, exactly like `embed`.
 //!
 //! Run: `cargo run --release --example custom_model_udf` (after `flumen install-model`).
@@ -109,6 +110,7 @@ async fn main() -> Result<()> {
                  ('The new GPU doubles matrix multiply throughput.'), \
                  ('Heavy rain and strong winds are expected tomorrow.'), \
                  (NULL)) AS v(t)";
+    ctx.sql("SET flumen.preprocess_on_cpu = true").await?;
     ctx.sql(&format!("EXPLAIN {sql}")).await?.show().await?;
     ctx.sql(sql).await?.show().await?;
     Ok(())

@@ -123,6 +123,46 @@ impl fmt::Display for Device {
 
 config_field!(Device);
 
+/// Where a model's CPU step (`embed`'s tokenizer) runs.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum PreprocessOnCpu {
+    /// In the CPU tasks feeding the model when the model computes on an accelerator (a GPU
+    /// it would otherwise leave idle while tokenizing); inside the model's worker when the
+    /// model computes on the CPU itself, whose threads the step would only contend with.
+    #[default]
+    Auto,
+    /// Always in the CPU tasks feeding the model.
+    Always,
+    /// Always inside the model's worker.
+    Never,
+}
+
+impl FromStr for PreprocessOnCpu {
+    type Err = DataFusionError;
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        match s.trim().to_ascii_lowercase().as_str() {
+            "auto" => Ok(Self::Auto),
+            "true" | "always" | "on" => Ok(Self::Always),
+            "false" | "never" | "off" => Ok(Self::Never),
+            other => Err(DataFusionError::Configuration(format!(
+                "flumen.preprocess_on_cpu must be 'auto', 'true' or 'false', got '{other}'"
+            ))),
+        }
+    }
+}
+
+impl fmt::Display for PreprocessOnCpu {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self {
+            Self::Auto => "auto",
+            Self::Always => "true",
+            Self::Never => "false",
+        })
+    }
+}
+
+config_field!(PreprocessOnCpu);
+
 /// A number of bytes, written as `1073741824`, `512MB`, `2GB` or `1.5GiB`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
 pub struct ByteSize(pub u64);
@@ -305,8 +345,10 @@ extensions_options! {
         pub embed_batch_tokens: usize, default = 0
         /// Run a model's CPU step (`embed`'s tokenizer) in the CPU operator feeding the
         /// model, on the CPU pool, instead of in the accelerator worker: `embed(x)` is planned
-        /// as `embed(embed_tokens(x))`, `embed_tokens` computed by CPU tasks.
-        pub preprocess_on_cpu: bool, default = true
+        /// as `embed(embed_tokens(x))`, `embed_tokens` computed by CPU tasks. `auto` (the
+        /// default): when the model's workers occupy an accelerator (CUDA); `true`: always;
+        /// `false`: never.
+        pub preprocess_on_cpu: PreprocessOnCpu, default = PreprocessOnCpu::Auto
         /// Where tasks run: `threads` (this process) or `process` (worker processes).
         pub workers: WorkerMode, default = WorkerMode::Threads
         /// CPU worker processes a session starts when `flumen.workers = 'process'` (it also
@@ -388,6 +430,24 @@ mod tests {
         assert_eq!("Random".parse::<ShuffleSeed>().unwrap(), ShuffleSeed(None));
         let err = "-1".parse::<ShuffleSeed>().unwrap_err().to_string();
         assert!(err.contains("flumen.shuffle_seed"), "{err}");
+    }
+
+    #[test]
+    fn preprocess_settings_parse() {
+        assert_eq!(
+            "TRUE".parse::<PreprocessOnCpu>().unwrap(),
+            PreprocessOnCpu::Always
+        );
+        assert_eq!(
+            "false".parse::<PreprocessOnCpu>().unwrap(),
+            PreprocessOnCpu::Never
+        );
+        assert_eq!(
+            "auto".parse::<PreprocessOnCpu>().unwrap(),
+            PreprocessOnCpu::Auto
+        );
+        let err = "maybe".parse::<PreprocessOnCpu>().unwrap_err().to_string();
+        assert!(err.contains("flumen.preprocess_on_cpu"), "{err}");
     }
 
     #[test]

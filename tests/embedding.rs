@@ -222,9 +222,10 @@ async fn bad_input_gets_clear_errors() {
     assert_eq!(ok[0].num_rows(), 1);
 }
 
-/// `embed`'s tokenizer runs as its CPU step: `EXPLAIN` shows `embed_tokens` computed below
-/// the accelerator operator (in the scan's CPU tasks) and the model fed its token ids; the
-/// vectors equal those of the worker tokenizing itself (`flumen.preprocess_on_cpu = false`).
+/// `embed`'s tokenizer runs as its CPU step (`flumen.preprocess_on_cpu = true`; `auto` does it
+/// when the model is on CUDA): `EXPLAIN` shows `embed_tokens` computed below the accelerator
+/// operator (in the scan's CPU tasks) and the model fed its token ids; the vectors equal
+/// those of the worker tokenizing itself (`false`).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn tokenization_runs_on_the_cpu_pool_with_the_same_vectors() {
     let refs = references();
@@ -233,7 +234,8 @@ async fn tokenization_runs_on_the_cpu_pool_with_the_same_vectors() {
         let batch = batch.clone();
         async move {
             let ctx = session("cpu").await;
-            collect(&ctx, &format!("SET flumen.preprocess_on_cpu = {split}")).await;
+            let setting = if split { "true" } else { "false" };
+            collect(&ctx, &format!("SET flumen.preprocess_on_cpu = {setting}")).await;
             ctx.register_batch("refs", batch).unwrap();
             let plan = collect(&ctx, "EXPLAIN SELECT text, embed(text) AS v FROM refs").await;
             let plan = datafusion::arrow::util::pretty::pretty_format_batches(&plan)

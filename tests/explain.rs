@@ -110,16 +110,17 @@ async fn explain_over_docs(sql: &str) -> String {
 }
 
 /// `embed` over a Parquet scan: DataFusion would merge the call into the scan's projection;
-/// flumen keeps it in an accelerator operator of its own, fed by the scan's source tasks,
-/// which also run its CPU step (`embed_tokens`, the tokenizer): the model gets token ids.
+/// flumen keeps it in an accelerator operator of its own, fed by the scan's source tasks.
+/// (On the CPU the model tokenizes itself; on CUDA, or with `flumen.preprocess_on_cpu =
+/// true`, the tokenizer `embed_tokens` runs in those source tasks: see `tests/embedding.rs`.)
 #[tokio::test]
 async fn explain_embed_over_parquet_gets_its_own_accelerator_operator() {
     insta::assert_snapshot!(explain_over_docs("SELECT id, embed(body) AS v FROM docs").await);
 }
 
-/// CPU work in and beside a model call (`clean_text`, the tokenizer `embed_tokens`, `length`)
-/// runs below the accelerator operators, in CPU tasks (`embed_tokens(clean_text(..))` in the
-/// scan's source tasks, `length` and the other call's tokens in a CPU projection), and CPU work over model outputs (`cosine_similarity`) in a CPU operator above
+/// CPU work in and beside a model call (`clean_text`, `length`) runs below the accelerator
+/// operators, in CPU tasks (`clean_text` in the scan's source tasks, `length` in a CPU
+/// projection), and CPU work over model outputs (`cosine_similarity`) in a CPU operator above
 /// them: each accelerator projection runs only `embed` and passes columns on. Two accelerator
 /// operators, because DataFusion's common-subexpression pass computes
 /// `embed(clean_text(body))` once in a projection of its own, below a round-robin

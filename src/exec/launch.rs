@@ -356,6 +356,7 @@ impl QueryRun {
     pub(super) fn launch(self: &Arc<Self>, task: TaskId) {
         let op_id = self.state.lock().unwrap().tasks[task].operator;
         let run = Arc::clone(self);
+        let on_accelerator = self.graph.operators[op_id].pool == Pool::Accelerator;
         let future = async move {
             let started = Instant::now();
             let result = std::panic::AssertUnwindSafe(run.run_task(task))
@@ -365,6 +366,12 @@ impl QueryRun {
                 Ok(r) => r,
                 Err(panic) => Err(run.panic_error(task, panic)),
             };
+            if on_accelerator {
+                // The models loaded on this worker thread say how they ran (batch sizes
+                // chosen), before the task counts as finished and the query may end.
+                run.stats(op_id)
+                    .observe_model_metrics(crate::functions::accelerator::loaded_worker_metrics());
+            }
             run.task_finished(task, result, started);
         };
         match self.graph.operators[op_id].pool {
@@ -376,19 +383,7 @@ impl QueryRun {
                     .aborts
                     .push(handle.abort_handle());
             }
-            Pool::Accelerator => {
-                let stats = Arc::clone(self.metrics.operator(op_id));
-                self.accelerators.submit(Box::new(move || {
-                    async move {
-                        future.await;
-                        // This thread's loaded models say how they ran (batch sizes chosen).
-                        stats.observe_model_metrics(
-                            crate::functions::accelerator::loaded_worker_metrics(),
-                        );
-                    }
-                    .boxed()
-                }))
-            }
+            Pool::Accelerator => self.accelerators.submit(Box::new(move || future.boxed())),
         }
     }
 }

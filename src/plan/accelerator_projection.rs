@@ -16,7 +16,8 @@
 //! A model that declares a CPU step ([`AcceleratorFunction::cpu_step`], e.g. `embed`'s
 //! tokenizer) is first rewritten to take the step's result ([`with_cpu_steps`]: `embed(x)` →
 //! `embed(embed_tokens(x))`), so the step is CPU work like any other argument and runs in the
-//! CPU operator below the model (`flumen.preprocess_on_cpu`).
+//! CPU operator below the model (`flumen.preprocess_on_cpu`: by default when the model
+//! computes on an accelerator; a model on the CPU would only contend with its own step).
 //!
 //! [`AcceleratorFunction::cpu_step`]: crate::functions::accelerator::AcceleratorFunction::cpu_step
 
@@ -37,8 +38,10 @@ use datafusion::physical_plan::{
     DisplayAs, DisplayFormatType, ExecutionPlan, PhysicalExpr, PlanProperties,
 };
 
-use crate::config::FlumenConfig;
-use crate::functions::accelerator::{called_accelerator_function, calls_accelerator_udf};
+use crate::config::{FlumenConfig, PreprocessOnCpu};
+use crate::functions::accelerator::{
+    AcceleratorFunction, called_accelerator_function, calls_accelerator_udf,
+};
 
 /// A `ProjectionExec` that calls an accelerator UDF, held where the query put it.
 #[derive(Debug, Clone)]
@@ -136,7 +139,8 @@ impl PhysicalOptimizerRule for KeepAcceleratorProjections {
         let steps_on_cpu = config
             .extensions
             .get::<FlumenConfig>()
-            .is_none_or(|flumen| flumen.preprocess_on_cpu);
+            .map(|flumen| flumen.preprocess_on_cpu)
+            .unwrap_or_default();
         plan.transform_up(|node| {
             if let Some(projection) = node.downcast_ref::<ProjectionExec>()
                 && projection
@@ -144,10 +148,13 @@ impl PhysicalOptimizerRule for KeepAcceleratorProjections {
                     .iter()
                     .any(|e| calls_accelerator_udf(&e.expr))
             {
-                let projection = if steps_on_cpu {
-                    with_cpu_steps(projection)?
-                } else {
-                    projection.clone()
+                let projection = match steps_on_cpu {
+                    PreprocessOnCpu::Never => projection.clone(),
+                    PreprocessOnCpu::Always => with_cpu_steps(projection, |_| true)?,
+                    // A model computing on the CPU shares its cores with the step anyway.
+                    PreprocessOnCpu::Auto => with_cpu_steps(projection, |function| {
+                        function.resources(config).accelerators > 0
+                    })?,
                 };
                 let projection = split_cpu_work(&projection)?;
                 let (models, above) = split_model_consumers(&projection)?;
@@ -173,17 +180,24 @@ impl PhysicalOptimizerRule for KeepAcceleratorProjections {
     }
 }
 
-/// `projection` with every model call whose function declares a CPU step taking the step's
-/// result in place of its arguments: `embed(x)` → `embed(embed_tokens(x))`. Calls whose
-/// arguments call a model themselves keep their arguments (the step would run in the
-/// accelerator operator anyway), and so do calls already over the step's result.
-pub fn with_cpu_steps(projection: &ProjectionExec) -> Result<ProjectionExec> {
+/// `projection` with every model call whose function declares a CPU step (and passes
+/// `split`) taking the step's result in place of its arguments: `embed(x)` →
+/// `embed(embed_tokens(x))`. Calls whose arguments call a model themselves keep their
+/// arguments (the step would run in the accelerator operator anyway), and so do calls already
+/// over the step's result.
+pub fn with_cpu_steps(
+    projection: &ProjectionExec,
+    split: impl Fn(&Arc<dyn AcceleratorFunction>) -> bool,
+) -> Result<ProjectionExec> {
     let schema = projection.input().schema();
     let mut changed = false;
     let mut exprs = vec![];
     for e in projection.expr() {
         let expr = Arc::clone(&e.expr).transform_up(|node| {
-            let Some(step) = called_accelerator_function(&node).and_then(|f| f.cpu_step()) else {
+            let Some(step) = called_accelerator_function(&node)
+                .filter(|f| split(f))
+                .and_then(|f| f.cpu_step())
+            else {
                 return Ok(Transformed::no(node));
             };
             let call = as_any(&node)
