@@ -370,7 +370,7 @@ impl QueryRun {
                 // The models loaded on this worker thread say how they ran (batch sizes
                 // chosen), before the task counts as finished and the query may end.
                 run.stats(op_id)
-                    .observe_model_metrics(crate::functions::accelerator::loaded_worker_metrics());
+                    .observe_model_metrics(crate::functions::accelerator::used_worker_metrics());
             }
             run.task_finished(task, result, started);
         };

@@ -12,7 +12,7 @@
 
 use std::any::Any;
 use std::cell::RefCell;
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 use std::fmt::Debug;
 use std::hash::{Hash, Hasher};
 use std::sync::Arc;
@@ -112,13 +112,21 @@ pub fn workers_loaded() -> u64 {
     WORKERS_LOADED.load(Ordering::Relaxed)
 }
 
-/// The [`metrics`](AcceleratorWorker::metrics) of the workers loaded on this thread (an
-/// accelerator worker thread reads them after each task).
-pub fn loaded_worker_metrics() -> Vec<(String, u64)> {
+thread_local! {
+    /// The (function id, load key) of the workers this thread ran since
+    /// [`used_worker_metrics`] last read them.
+    static USED: RefCell<HashSet<(u64, String)>> = RefCell::new(HashSet::new());
+}
+
+/// The [`metrics`](AcceleratorWorker::metrics) of the workers this thread ran since the last
+/// call (an accelerator worker thread reads them after each task): only those, so a worker
+/// loaded under other settings by an earlier query does not speak for this one.
+pub fn used_worker_metrics() -> Vec<(String, u64)> {
+    let used = USED.with(|used| std::mem::take(&mut *used.borrow_mut()));
     LOADED.with(|loaded| {
-        loaded
-            .borrow()
-            .values()
+        let loaded = loaded.borrow();
+        used.iter()
+            .filter_map(|key| loaded.get(key))
             .flat_map(|worker| worker.metrics())
             .collect()
     })
@@ -175,6 +183,7 @@ impl ScalarUDFImpl for AcceleratorUdf {
                 loaded.insert(key.clone(), worker);
             }
             let worker = loaded.get_mut(&key).expect("worker just loaded");
+            USED.with(|used| used.borrow_mut().insert(key.clone()));
             let mut parts = Vec::with_capacity(rows.div_ceil(batch));
             for start in (0..rows.max(1)).step_by(batch) {
                 let len = batch.min(rows - start);
