@@ -264,13 +264,13 @@ pub fn exp_nonpositive(x: f32) -> f32 {
     // Round to nearest by truncation, for a value ≤ 0.
     let n = (x * std::f32::consts::LOG2_E - 0.5) as i32;
     let nf = n as f32;
-    let r = x - nf * 0.693_359_375 + nf * 2.121_944_4e-4;
+    let r = x - nf * 0.693_359_4 + nf * 2.121_944_4e-4;
     let mut p = 1.987_569_2e-4_f32;
     p = p * r + 1.398_199_9e-3;
     p = p * r + 8.333_452e-3;
     p = p * r + 4.166_579_6e-2;
     p = p * r + 1.666_666_5e-1;
-    p = p * r + 5.000_000_1e-1;
+    p = p * r + 0.5;
     let e_r = p * r * r + r + 1.0;
     e_r * f32::from_bits(((n + 127) as u32) << 23)
 }
