@@ -40,7 +40,9 @@ pub mod session;
 pub mod store;
 
 pub use cluster::{WorkerSettings, serve as serve_worker};
-pub use config::{ByteSize, Device, ExecMode, FlumenConfig, WorkerBinary, WorkerMode};
+pub use config::{
+    ByteSize, Device, ExecMode, FlumenConfig, PreprocessOnCpu, WorkerBinary, WorkerMode,
+};
 pub use exec::{BlockDropper, BlockInfo, FlumenExec, FlumenQueryPlanner};
 pub use functions::accelerator::{
     AcceleratorFunction, AcceleratorWorker, WorkerResources, accelerator_udf,

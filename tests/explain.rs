@@ -152,3 +152,116 @@ async fn explain_out_of_core_sort_shows_the_range_exchange() {
         .await
     );
 }
+
+/// `shout(text)`: a model stand-in whose CPU step is `embed_tokens`, placed on an accelerator
+/// or on the CPU as its `on_accelerator` says.
+#[derive(Debug)]
+struct Shout {
+    on_accelerator: bool,
+    signature: datafusion::logical_expr::Signature,
+}
+
+impl flumen::AcceleratorFunction for Shout {
+    fn name(&self) -> &str {
+        "shout"
+    }
+    fn signature(&self) -> &datafusion::logical_expr::Signature {
+        &self.signature
+    }
+    fn return_type(
+        &self,
+        _: &[datafusion::arrow::datatypes::DataType],
+    ) -> datafusion::error::Result<datafusion::arrow::datatypes::DataType> {
+        Ok(datafusion::arrow::datatypes::DataType::Utf8)
+    }
+    fn load(
+        &self,
+        _: &datafusion::config::ConfigOptions,
+    ) -> datafusion::error::Result<Box<dyn flumen::AcceleratorWorker>> {
+        Ok(Box::new(ShoutWorker))
+    }
+    fn resources(&self, _: &datafusion::config::ConfigOptions) -> flumen::WorkerResources {
+        flumen::WorkerResources {
+            accelerators: usize::from(self.on_accelerator),
+            cpu_threads: 1,
+        }
+    }
+    fn cpu_step(&self) -> Option<std::sync::Arc<datafusion::logical_expr::ScalarUDF>> {
+        Some(flumen::functions::embedding::tokenize_step::embed_tokens_udf())
+    }
+}
+
+struct ShoutWorker;
+
+impl flumen::AcceleratorWorker for ShoutWorker {
+    fn process(
+        &mut self,
+        args: &[datafusion::arrow::array::ArrayRef],
+        _: &datafusion::arrow::datatypes::DataType,
+    ) -> datafusion::error::Result<datafusion::arrow::array::ArrayRef> {
+        Ok(std::sync::Arc::clone(&args[0]))
+    }
+}
+
+/// The accelerator projection's line of `EXPLAIN SELECT shout(t)` under
+/// `flumen.preprocess_on_cpu = setting`, with the model on an accelerator or not.
+async fn shout_plan(on_accelerator: bool, setting: &str) -> String {
+    let ctx = flumen::session(FlumenConfig::default());
+    ctx.register_udf(flumen::accelerator_udf(Shout {
+        on_accelerator,
+        signature: datafusion::logical_expr::Signature::string(
+            1,
+            datafusion::logical_expr::Volatility::Immutable,
+        ),
+    }));
+    ctx.sql(&format!("SET flumen.preprocess_on_cpu = {setting}"))
+        .await
+        .unwrap()
+        .collect()
+        .await
+        .unwrap();
+    ctx.sql("CREATE TABLE words AS VALUES ('a <b>bold</b> word')")
+        .await
+        .unwrap()
+        .collect()
+        .await
+        .unwrap();
+    let batches = ctx
+        .sql("EXPLAIN SELECT shout(column1) AS s FROM words")
+        .await
+        .unwrap()
+        .collect()
+        .await
+        .unwrap();
+    let plan = pretty_format_batches(&batches).unwrap().to_string();
+    plan.lines()
+        .find(|l| l.contains("AcceleratorProjectionExec: expr="))
+        .unwrap_or_else(|| panic!("no accelerator projection in\n{plan}"))
+        .to_string()
+}
+
+/// `flumen.preprocess_on_cpu = auto` moves a model's CPU step below it exactly when the
+/// model's workers occupy an accelerator; `true` always, `false` never.
+#[tokio::test]
+async fn a_cpu_step_is_split_off_for_models_on_an_accelerator() {
+    let split =
+        |line: &str| !line.contains("embed_tokens") && line.contains("shout(__flumen_cpu_0@");
+    let whole = |line: &str| line.contains("shout(column1@0)");
+    for (on_accelerator, setting, expect_split) in [
+        (true, "auto", true),
+        (false, "auto", false),
+        (false, "true", true),
+        (true, "false", false),
+    ] {
+        let line = shout_plan(on_accelerator, setting).await;
+        let ok = if expect_split {
+            split(&line)
+        } else {
+            whole(&line)
+        };
+        assert!(
+            ok,
+            "accelerator={on_accelerator}, preprocess_on_cpu={setting}: {line}"
+        );
+    }
+}

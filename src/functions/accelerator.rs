@@ -74,8 +74,9 @@ pub trait AcceleratorFunction: Debug + Send + Sync + 'static {
     /// A CPU step to run before the model (tokenization, decoding, resizing): a plain scalar
     /// function over this function's arguments whose one result this function then gets in
     /// their place, in [`AcceleratorWorker::process`]. With `flumen.preprocess_on_cpu` (by
-    /// default when [`resources`](Self::resources) names an accelerator) the planner rewrites `f(x)` as `f(step(x))` and runs the step in the CPU
-    /// operator feeding the model, so an accelerator worker only runs the model. Register
+    /// default when [`resources`](Self::resources) names an accelerator) the planner rewrites
+    /// `f(x)` as `f(step(x))` and runs the step in the CPU operator feeding the model, so an
+    /// accelerator worker only runs the model. Register
     /// the step with the session too (`ctx.register_udf`): worker processes look functions
     /// up by name. `None` (the default): no step; the worker gets the arguments.
     fn cpu_step(&self) -> Option<Arc<ScalarUDF>> {

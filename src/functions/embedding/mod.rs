@@ -248,6 +248,40 @@ impl EmbedWorker {
         self.embed_present(sequences.len(), &present, &ids)
     }
 
+    /// Embeddings of a column of texts (Utf8, LargeUtf8, Utf8View) or of token ids as
+    /// `embed_tokens` gives them (`List(UInt32)`): `[rows, 384]` row-major with zeros for
+    /// nulls, and which rows were not null. What a model function of your own that declares
+    /// `embed_tokens` as its [`cpu_step`](AcceleratorFunction::cpu_step) calls in `process`.
+    pub fn embed_column(&mut self, column: &ArrayRef) -> Result<(Vec<f32>, Vec<bool>)> {
+        match column.data_type() {
+            DataType::List(item) if item.data_type() == &DataType::UInt32 => {
+                let lists = column.as_list::<i32>();
+                let ids = lists.values().as_primitive::<UInt32Type>().values();
+                let offsets = lists.value_offsets();
+                let sequences: Vec<Option<&[u32]>> = (0..lists.len())
+                    .map(|i| {
+                        let range = offsets[i] as usize..offsets[i + 1] as usize;
+                        lists.is_valid(i).then(|| &ids[range])
+                    })
+                    .collect();
+                let present = sequences.iter().map(Option::is_some).collect();
+                Ok((self.embed_token_ids(&sequences)?, present))
+            }
+            DataType::Utf8 | DataType::LargeUtf8 | DataType::Utf8View => {
+                let texts: Vec<Option<&str>> = match column.data_type() {
+                    DataType::Utf8 => column.as_string::<i32>().iter().collect(),
+                    DataType::LargeUtf8 => column.as_string::<i64>().iter().collect(),
+                    _ => column.as_string_view().iter().collect(),
+                };
+                let present = texts.iter().map(Option::is_some).collect();
+                Ok((self.embed(&texts)?, present))
+            }
+            other => Err(DataFusionError::Execution(format!(
+                "embed() takes text (Utf8, LargeUtf8 or Utf8View), got {other}"
+            ))),
+        }
+    }
+
     /// Embeddings of `rows` rows, of which rows `present[j]` have tokens `ids[j]`.
     fn embed_present(
         &mut self,
@@ -336,42 +370,6 @@ impl AcceleratorWorker for EmbedWorker {
             nulls,
         )?;
         Ok(Arc::new(array))
-    }
-}
-
-impl EmbedWorker {
-    /// Embeddings of a column of texts (Utf8, LargeUtf8, Utf8View) or of token ids as
-    /// `embed_tokens` gives them (`List(UInt32)`): `[rows, 384]` row-major with zeros for
-    /// nulls, and which rows were not null. What a model function of your own that declares
-    /// `embed_tokens` as its [`cpu_step`](AcceleratorFunction::cpu_step) calls in `process`.
-    pub fn embed_column(&mut self, column: &ArrayRef) -> Result<(Vec<f32>, Vec<bool>)> {
-        match column.data_type() {
-            DataType::List(item) if item.data_type() == &DataType::UInt32 => {
-                let lists = column.as_list::<i32>();
-                let ids = lists.values().as_primitive::<UInt32Type>().values();
-                let offsets = lists.value_offsets();
-                let sequences: Vec<Option<&[u32]>> = (0..lists.len())
-                    .map(|i| {
-                        let range = offsets[i] as usize..offsets[i + 1] as usize;
-                        lists.is_valid(i).then(|| &ids[range])
-                    })
-                    .collect();
-                let present = sequences.iter().map(Option::is_some).collect();
-                Ok((self.embed_token_ids(&sequences)?, present))
-            }
-            DataType::Utf8 | DataType::LargeUtf8 | DataType::Utf8View => {
-                let texts: Vec<Option<&str>> = match column.data_type() {
-                    DataType::Utf8 => column.as_string::<i32>().iter().collect(),
-                    DataType::LargeUtf8 => column.as_string::<i64>().iter().collect(),
-                    _ => column.as_string_view().iter().collect(),
-                };
-                let present = texts.iter().map(Option::is_some).collect();
-                Ok((self.embed(&texts)?, present))
-            }
-            other => Err(DataFusionError::Execution(format!(
-                "embed() takes text (Utf8, LargeUtf8 or Utf8View), got {other}"
-            ))),
-        }
     }
 }
 
