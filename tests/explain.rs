@@ -214,25 +214,14 @@ async fn shout_plan(on_accelerator: bool, setting: &str) -> String {
             datafusion::logical_expr::Volatility::Immutable,
         ),
     }));
-    ctx.sql(&format!("SET flumen.preprocess_on_cpu = {setting}"))
-        .await
-        .unwrap()
-        .collect()
-        .await
-        .unwrap();
-    ctx.sql("CREATE TABLE words AS VALUES ('a <b>bold</b> word')")
-        .await
-        .unwrap()
-        .collect()
-        .await
-        .unwrap();
-    let batches = ctx
-        .sql("EXPLAIN SELECT shout(column1) AS s FROM words")
-        .await
-        .unwrap()
-        .collect()
-        .await
-        .unwrap();
+    let mut batches = vec![];
+    for sql in [
+        format!("SET flumen.preprocess_on_cpu = {setting}"),
+        "CREATE TABLE words AS VALUES ('a <b>bold</b> word')".to_string(),
+        "EXPLAIN SELECT shout(column1) AS s FROM words".to_string(),
+    ] {
+        batches = ctx.sql(&sql).await.unwrap().collect().await.unwrap();
+    }
     let plan = pretty_format_batches(&batches).unwrap().to_string();
     plan.lines()
         .find(|l| l.contains("AcceleratorProjectionExec: expr="))
