@@ -1,28 +1,47 @@
 //! The heterogeneous batch-inference pipeline: Parquet → CPU preprocessing → accelerator
-//! model → Parquet, in four execution modes in one run (the question of the Ray Data paper,
-//! arXiv 2501.12407, asked of flumen).
+//! model(s) → Parquet, in four execution modes, several interleaved runs each (the question of
+//! the Ray Data paper, arXiv 2501.12407, asked of flumen).
 //!
 //! ```text
-//! cargo bench --bench pipeline -- [--full] [--rows N] [--accelerator auto|emulated|cuda]
-//!                                 [--service-us N] [--batch-rows N] [--mem-scale N]
-//!                                 [--skip-memory] [--first-block-rows N]
+//! cargo bench --bench pipeline -- [--full] [--rows N] [--runs N] [--pipelines two|three|both]
+//!     [--accelerator auto|emulated|cuda] [--service-us N] [--batch-rows N] [--mem-scale N]
+//!     [--skip-memory] [--skip-sweep] [--first-block-rows N]
+//!     [--three-rows N] [--post-layers N] [--long-factor N]
+//!     [--a-batch-us N] [--a-per-kib-us N] [--b-service-us N]
 //! ```
 //!
-//! The SQL is `SELECT id, model(clean_text(body)) AS v FROM docs`, over flumen's demo table of
-//! HTML documents (`flumen::demo`; `--rows`, default 100,000; `--full`: 1,000,000). `clean_text` is flumen's
-//! real text preprocessing (markup, entities, NFKC, whitespace); `model` is the accelerator:
-//! - `emulated` (default without a CUDA device): one emulated device that is busy for
-//!   `--service-us` per batch of `--batch-rows` rows without using a CPU core
-//!   (`flumen::emulated_accelerator`), returning 384-float vectors;
-//! - `cuda`: flumen's real `embed` on the GPU.
+//! Two pipelines over flumen's demo documents (HTML pages; `clean_text` is flumen's real text
+//! preprocessing: markup, entities, NFKC, whitespace):
+//! - **two stages**: `SELECT id, model(clean_text(body)) FROM docs` (`--rows`, default
+//!   100,000; `--full`: 1,000,000). `model` is one emulated device busy for `--service-us`
+//!   per batch of `--batch-rows` rows without using a CPU core
+//!   (`flumen::emulated_accelerator`), or flumen's real `embed` on CUDA.
+//! - **three stages**: `SELECT id, model_b(post(model_a(clean_text(body)))) FROM docs`
+//!   (`--three-rows`, default 40,000), two emulated models on devices of their own with a CPU
+//!   stage between them: `model_a` costs `--a-batch-us` per batch plus `--a-per-kib-us` per
+//!   KiB of cleaned text (its cost follows document length), `post` is `--post-layers` dense
+//!   384x384 layers on the CPU (a projection head: fixed cost per row), `model_b` costs
+//!   `--b-service-us` per batch. The documents' length shifts half-way (the second half are
+//!   pages `--long-factor` times longer), so the CPU work moves from `post` to `clean_text`
+//!   during the run: the best split of the CPU slots is not even, and changes.
 //!
-//! Each mode runs in a child process of this binary (so peak RSS is its own): vanilla
-//! DataFusion with the same UDFs inline, flumen `batch`, flumen `static`, flumen `streaming`.
-//! The query's output stream is written to Parquet as it arrives, as a training job's loader
-//! would consume it. The bound comes from each stage alone: the CPU work per row (CPU seconds
-//! of the pipeline with a zero-time accelerator) and the accelerator's busy time per row.
-//! Results: a table on stdout, `target/pipeline-bench/pipeline.svg` (rows done and pool
-//! utilisation over time), and a last machine-readable line.
+//! Modes, each in a child process of this binary (so peak RSS is its own): vanilla DataFusion
+//! with the same functions inline (its `target_partitions` swept first, its best used), flumen
+//! `batch` (stage by stage), `static` (each pool's slots split evenly over its operators) and
+//! `streaming`. The query's output is written to Parquet as it arrives, as a training job's
+//! loader would consume it.
+//!
+//! The bound is measured outside flumen, so no scheduler overhead counts as necessary work:
+//! the CPU work per row is the least of one thread running every function in a plain loop
+//! (Parquet decode, the functions, the models' host work, the Parquet writer) and vanilla
+//! DataFusion with zero-time devices; each device's time is its batches' cost with every
+//! batch full; the writer is a serial stage. Time can be no less than the largest of CPU
+//! work over the cores, each device's time and the writer's.
+//!
+//! Results: a table per pipeline with the median and spread of the runs, the devices' idle
+//! gaps between batches, the goals met or not, `target/pipeline-bench/pipeline-*.svg` (rows
+//! done and utilisation over time, last run of each mode) and a last machine-readable line
+//! per pipeline.
 
 use std::path::{Path, PathBuf};
 use std::process::Command;
@@ -38,66 +57,141 @@ use datafusion::error::{DataFusionError, Result};
 use datafusion::logical_expr::ScalarUDF;
 use datafusion::parquet::arrow::ArrowWriter;
 use datafusion::parquet::file::properties::WriterProperties;
-use datafusion::prelude::{ParquetReadOptions, SessionContext};
+use datafusion::prelude::{ParquetReadOptions, SessionConfig, SessionContext};
 use flumen::functions::emulated_accelerator::{EmulatedDevice, EmulatedModel};
 use flumen::{AcceleratorFunction, AcceleratorWorker, ExecMode, FlumenConfig, WorkerResources};
 use futures::StreamExt;
 use serde_json::{Value, json};
 
-const SQL: &str = "SELECT id, model(clean_text(body)) AS v FROM docs";
+#[path = "common/pipeline_stages.rs"]
+mod pipeline_stages;
+use pipeline_stages::{LoopStage, Post, gap_stats};
+
+const TWO_STAGE_SQL: &str = "SELECT id, model(clean_text(body)) AS v FROM docs";
+const THREE_STAGE_SQL: &str = "SELECT id, model_b(post(model_a(clean_text(body)))) AS v FROM docs";
 const MODES: [&str; 4] = ["vanilla", "batch", "static", "streaming"];
+const SWEEP: [usize; 4] = [1, 2, 4, 8];
 const SAMPLE_EVERY: Duration = Duration::from_millis(100);
+
+/// Which pipeline.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Pipeline {
+    Two,
+    Three,
+}
+
+impl Pipeline {
+    fn name(self) -> &'static str {
+        match self {
+            Self::Two => "two",
+            Self::Three => "three",
+        }
+    }
+    fn sql(self) -> &'static str {
+        match self {
+            Self::Two => TWO_STAGE_SQL,
+            Self::Three => THREE_STAGE_SQL,
+        }
+    }
+    fn parse(text: &str) -> Self {
+        match text {
+            "two" | "2" => Self::Two,
+            "three" | "3" => Self::Three,
+            other => panic!("--pipeline two|three, got {other}"),
+        }
+    }
+}
 
 /// Command-line settings.
 #[derive(Debug, Clone)]
 struct Args {
     rows: usize,
+    three_rows: usize,
+    runs: usize,
+    pipelines: Vec<Pipeline>,
     accelerator: String,
     service_us: u64,
     batch_rows: usize,
     dims: usize,
     mem_scale: usize,
     skip_memory: bool,
+    skip_sweep: bool,
     /// `flumen.first_block_rows` for flumen's modes (`None`: flumen's default).
     first_block_rows: Option<usize>,
+    post_layers: usize,
+    long_factor: usize,
+    a_batch_us: u64,
+    a_per_kib_us: u64,
+    b_service_us: u64,
     out: PathBuf,
-    /// Internal: run one mode and print its result.
+    /// Internal: run one mode of `pipeline` over `input` and print its result.
     child: Option<String>,
+    pipeline: Pipeline,
     input: Option<PathBuf>,
+    target_partitions: Option<usize>,
+    zero_device: bool,
 }
 
 fn parse_args() -> Args {
     let mut args = Args {
         rows: 100_000,
+        three_rows: 40_000,
+        runs: 3,
+        pipelines: vec![Pipeline::Two, Pipeline::Three],
         accelerator: "auto".into(),
         service_us: 5_000,
         batch_rows: 256,
         dims: 384,
         mem_scale: 10,
         skip_memory: false,
+        skip_sweep: false,
         first_block_rows: None,
+        post_layers: 2,
+        long_factor: 6,
+        a_batch_us: 1_000,
+        a_per_kib_us: 10,
+        b_service_us: 3_000,
         out: PathBuf::from("target/pipeline-bench"),
         child: None,
+        pipeline: Pipeline::Two,
         input: None,
+        target_partitions: None,
+        zero_device: false,
     };
     let mut it = std::env::args().skip(1);
     while let Some(a) = it.next() {
         let mut value = || it.next().unwrap_or_else(|| panic!("{a} needs a value"));
+        let mut number = || value().parse::<u64>().unwrap_or_else(|_| panic!("{a} N"));
         match a.as_str() {
             "--full" => args.rows = 1_000_000,
-            "--rows" => args.rows = value().parse().expect("--rows N"),
-            "--accelerator" => args.accelerator = value(),
-            "--service-us" => args.service_us = value().parse().expect("--service-us N"),
-            "--batch-rows" => args.batch_rows = value().parse().expect("--batch-rows N"),
-            "--dims" => args.dims = value().parse().expect("--dims N"),
-            "--mem-scale" => args.mem_scale = value().parse().expect("--mem-scale N"),
-            "--skip-memory" => args.skip_memory = true,
-            "--first-block-rows" => {
-                args.first_block_rows = Some(value().parse().expect("--first-block-rows N"))
+            "--rows" => args.rows = number() as usize,
+            "--three-rows" => args.three_rows = number() as usize,
+            "--runs" => args.runs = (number() as usize).max(1),
+            "--pipelines" => {
+                args.pipelines = match value().as_str() {
+                    "both" => vec![Pipeline::Two, Pipeline::Three],
+                    one => vec![Pipeline::parse(one)],
+                }
             }
+            "--accelerator" => args.accelerator = value(),
+            "--service-us" => args.service_us = number(),
+            "--batch-rows" => args.batch_rows = number() as usize,
+            "--dims" => args.dims = number() as usize,
+            "--mem-scale" => args.mem_scale = number() as usize,
+            "--skip-memory" => args.skip_memory = true,
+            "--skip-sweep" => args.skip_sweep = true,
+            "--first-block-rows" => args.first_block_rows = Some(number() as usize),
+            "--post-layers" => args.post_layers = number() as usize,
+            "--long-factor" => args.long_factor = number() as usize,
+            "--a-batch-us" => args.a_batch_us = number(),
+            "--a-per-kib-us" => args.a_per_kib_us = number(),
+            "--b-service-us" => args.b_service_us = number(),
             "--out" => args.out = PathBuf::from(value()),
             "--child" => args.child = Some(value()),
+            "--pipeline" => args.pipeline = Pipeline::parse(&value()),
             "--input" => args.input = Some(PathBuf::from(value())),
+            "--target-partitions" => args.target_partitions = Some(number() as usize),
+            "--zero-device" => args.zero_device = true,
             "--bench" => {}
             other => panic!("unknown argument {other}"),
         }
@@ -120,123 +214,15 @@ fn main() -> Result<()> {
         };
     }
     std::fs::create_dir_all(&args.out)?;
-    let input = args.out.join(format!("docs-{}.parquet", args.rows));
-    ensure_docs(&input, args.rows)?;
-    println!(
-        "pipeline: {SQL}\n  rows={} accelerator={} {} cores={}",
-        args.rows,
-        args.accelerator,
-        if args.accelerator == "emulated" {
-            format!(
-                "(emulated: {} us per batch of {} rows, one device)",
-                args.service_us, args.batch_rows
-            )
-        } else {
-            "(real embed on CUDA)".into()
-        },
-        flumen::config::available_cores()
-    );
-
-    // Each stage alone: the CPU work per row, from the pipeline with a zero-time accelerator.
-    let cpu_alone = spawn_child(&args, "cpu_alone", &input)?;
-    let cpu_s_per_row = f(&cpu_alone, "cpu_s") / f(&cpu_alone, "rows");
-    let mut results = vec![];
-    for mode in MODES {
-        results.push(spawn_child(&args, mode, &input)?);
-    }
-    // The accelerator's work per row: its busy time per row, the least over the modes (the
-    // emulated device's cost is fixed per batch; partial batches make some modes pay more).
-    let accel_s_per_row = results
-        .iter()
-        .map(|r| f(r, "accel_busy_s") / f(r, "rows"))
-        .fold(f64::INFINITY, f64::min);
-    // The output is one Parquet file written by the query's reader: a serial stage, whose
-    // time per row (the least over the modes) bounds the pipeline too.
-    let writer_s_per_row = results
-        .iter()
-        .map(|r| f(r, "writer_busy_s") / f(r, "rows"))
-        .fold(f64::INFINITY, f64::min);
-    let cores = flumen::config::available_cores() as f64;
-    let limits = [
-        ("cpu", cores / cpu_s_per_row),
-        ("accelerator", 1.0 / accel_s_per_row),
-        ("writer", 1.0 / writer_s_per_row),
-    ];
-    let (bottleneck, bound_rows_per_s) = limits.into_iter().fold(
-        ("none", f64::INFINITY),
-        |a, b| if b.1 < a.1 { b } else { a },
-    );
-
-    let reference = &results[0];
-    for r in &results[1..] {
-        if r["checksum"] != reference["checksum"] || r["rows"] != reference["rows"] {
-            return Err(DataFusionError::Execution(format!(
-                "mode {} wrote rows={} checksum={}, vanilla rows={} checksum={}",
-                r["mode"], r["rows"], r["checksum"], reference["rows"], reference["checksum"]
-            )));
+    for pipeline in args.pipelines.clone() {
+        if pipeline == Pipeline::Three && args.accelerator != "emulated" {
+            println!(
+                "three-stage pipeline: skipped (its models are emulated; run with --accelerator emulated)"
+            );
+            continue;
         }
+        run_pipeline(&args, pipeline)?;
     }
-
-    println!(
-        "\nstage costs: cpu {:.1} us/row on {cores} cores (alone: {:.0} rows/s), accelerator {:.1} us/row (alone: {:.0} rows/s), writer {:.1} us/row, serial (alone: {:.0} rows/s)",
-        cpu_s_per_row * 1e6,
-        cores / cpu_s_per_row,
-        accel_s_per_row * 1e6,
-        1.0 / accel_s_per_row,
-        writer_s_per_row * 1e6,
-        1.0 / writer_s_per_row
-    );
-    println!("bound: {bound_rows_per_s:.0} rows/s ({bottleneck}-bound)\n");
-    println!(
-        "| mode | rows/s | seconds | first row s | accel busy | cpu busy | peak RSS MiB | % of bound |"
-    );
-    println!("|---|---|---|---|---|---|---|---|");
-    let rate = |r: &Value| f(r, "rows") / f(r, "wall_s");
-    for r in &results {
-        println!(
-            "| {} | {:.0} | {:.2} | {:.2} | {:.0}% | {:.0}% | {:.0} | {:.0}% |",
-            r["mode"].as_str().unwrap_or("?"),
-            rate(r),
-            f(r, "wall_s"),
-            f(r, "first_row_s"),
-            100.0 * f(r, "accel_busy_s") / f(r, "wall_s"),
-            100.0 * f(r, "cpu_s") / (f(r, "wall_s") * cores),
-            f(r, "peak_rss_kb") / 1024.0,
-            100.0 * rate(r) / bound_rows_per_s
-        );
-    }
-    let streaming = &results[3];
-    let rss_ratio = if args.skip_memory {
-        None
-    } else {
-        let big_rows = args.rows * args.mem_scale;
-        let big_input = args.out.join(format!("docs-{big_rows}.parquet"));
-        ensure_docs(&big_input, big_rows)?;
-        let big = spawn_child(&args, "streaming", &big_input)?;
-        let ratio = f(&big, "peak_rss_kb") / f(streaming, "peak_rss_kb");
-        println!(
-            "\nmemory: streaming over {}x the rows ({big_rows}): peak RSS {:.0} MiB vs {:.0} MiB at 1x (ratio {ratio:.2}), {:.0} rows/s",
-            args.mem_scale,
-            f(&big, "peak_rss_kb") / 1024.0,
-            f(streaming, "peak_rss_kb") / 1024.0,
-            rate(&big)
-        );
-        Some(ratio)
-    };
-    let svg = args.out.join("pipeline.svg");
-    plot::timelines(&svg, &results, cores, &args)?;
-    println!("timeline plot: {}", svg.display());
-    let speedup = |i: usize| rate(streaming) / rate(&results[i]);
-    println!(
-        "pipeline accelerator={} speedup_vs_vanilla={:.2} speedup_vs_batch={:.2} speedup_vs_static={:.2} pct_of_bound={:.0} accel_busy={:.0} rss_10x_ratio={}",
-        args.accelerator,
-        speedup(0),
-        speedup(1),
-        speedup(2),
-        100.0 * rate(streaming) / bound_rows_per_s,
-        100.0 * f(streaming, "accel_busy_s") / f(streaming, "wall_s"),
-        rss_ratio.map_or("skipped".to_string(), |r| format!("{r:.2}"))
-    );
     Ok(())
 }
 
@@ -244,21 +230,399 @@ fn f(v: &Value, key: &str) -> f64 {
     v[key].as_f64().unwrap_or(f64::NAN)
 }
 
+/// Median and (min, max) of some figures.
+fn spread(mut values: Vec<f64>) -> (f64, f64, f64) {
+    values.retain(|v| v.is_finite());
+    if values.is_empty() {
+        return (f64::NAN, f64::NAN, f64::NAN);
+    }
+    values.sort_by(f64::total_cmp);
+    let n = values.len();
+    let median = if n % 2 == 1 {
+        values[n / 2]
+    } else {
+        (values[n / 2 - 1] + values[n / 2]) / 2.0
+    };
+    (median, values[0], values[n - 1])
+}
+
+/// `median [min–max]` of a figure over runs.
+fn show(values: Vec<f64>, decimals: usize) -> String {
+    let (median, min, max) = spread(values);
+    format!("{median:.decimals$} [{min:.decimals$}–{max:.decimals$}]")
+}
+
+/// A device's busy seconds in a child's result.
+fn device_busy(r: &Value, k: usize) -> f64 {
+    f(&r["devices"][k], "busy_s")
+}
+
+fn ok(met: bool) -> &'static str {
+    if met { "met" } else { "NOT met" }
+}
+
+/// Measure one pipeline: the bound, the vanilla sweep, `--runs` interleaved rounds of the
+/// modes, the idle gaps, memory at 10x the rows (two stages), and print it all.
+fn run_pipeline(args: &Args, pipeline: Pipeline) -> Result<()> {
+    let cores = flumen::config::available_cores() as f64;
+    let (rows, input) = match pipeline {
+        Pipeline::Two => {
+            let input = args.out.join(format!("docs-{}.parquet", args.rows));
+            ensure_file(&input, args.rows, |p| {
+                flumen::demo::write_docs(p, args.rows)
+            })?;
+            (args.rows, input)
+        }
+        Pipeline::Three => {
+            let rows = args.three_rows;
+            let input = args
+                .out
+                .join(format!("docs-shift-{rows}-x{}.parquet", args.long_factor));
+            ensure_file(&input, rows, |p| {
+                pipeline_stages::write_shifted_docs(p, rows, args.long_factor)
+            })?;
+            (rows, input)
+        }
+    };
+    println!("\n## pipeline: {}", pipeline.sql());
+    match pipeline {
+        Pipeline::Two => println!(
+            "  rows={rows} accelerator={} {} cores={cores} runs={}",
+            args.accelerator,
+            if args.accelerator == "emulated" {
+                format!(
+                    "(emulated: {} us per batch of {} rows, one device)",
+                    args.service_us, args.batch_rows
+                )
+            } else {
+                "(real embed on CUDA)".into()
+            },
+            args.runs
+        ),
+        Pipeline::Three => println!(
+            "  rows={rows} (second half {}x longer) model_a: {} us/batch + {} us/KiB, post: {} \
+             layers of 384x384, model_b: {} us/batch; batches of {} rows; cores={cores} runs={}",
+            args.long_factor,
+            args.a_batch_us,
+            args.a_per_kib_us,
+            args.post_layers,
+            args.b_service_us,
+            args.batch_rows,
+            args.runs
+        ),
+    }
+
+    // Each stage alone, outside flumen's scheduler.
+    let alone = spawn_child(args, pipeline, "alone", &input, None, false)?;
+    let vanilla_cpu = spawn_child(
+        args,
+        pipeline,
+        "vanilla",
+        &input,
+        Some(cores as usize),
+        true,
+    )?;
+    let cpu_s = f(&alone, "cpu_s").min(f(&vanilla_cpu, "cpu_s"));
+    let writer_s = f(&alone, "writer_s");
+    let mut devices: Vec<(String, f64)> = alone["devices"]
+        .as_array()
+        .map(|d| {
+            d.iter()
+                .map(|d| {
+                    (
+                        d["name"].as_str().unwrap_or("?").to_string(),
+                        f(d, "device_s"),
+                    )
+                })
+                .collect()
+        })
+        .unwrap_or_default();
+    print!(
+        "\nstages alone (one thread, plain loop): decode {:.2}s",
+        f(&alone, "decode_s")
+    );
+    for stage in alone["stages"].as_array().into_iter().flatten() {
+        print!(
+            ", {} {:.2}s{}",
+            stage["name"].as_str().unwrap_or("?"),
+            f(stage, "cpu_s"),
+            if stage["model"].as_bool() == Some(true) {
+                " (host)"
+            } else {
+                ""
+            }
+        );
+    }
+    println!(
+        ", writer {:.2}s: {:.2} CPU s in all; vanilla with zero-time devices: {:.2} CPU s",
+        writer_s,
+        f(&alone, "cpu_s"),
+        f(&vanilla_cpu, "cpu_s")
+    );
+
+    // Vanilla's best target_partitions.
+    let mut best_tp = cores as usize;
+    if !args.skip_sweep {
+        let mut best_rate = 0.0;
+        let mut line = String::from("vanilla target_partitions sweep:");
+        for tp in SWEEP {
+            let r = spawn_child(args, pipeline, "vanilla", &input, Some(tp), false)?;
+            let rate = f(&r, "rows") / f(&r, "wall_s");
+            line.push_str(&format!(" {tp}: {rate:.0} rows/s;"));
+            if rate > best_rate {
+                (best_rate, best_tp) = (rate, tp);
+            }
+        }
+        println!("{line} best {best_tp}");
+    }
+
+    // Interleaved rounds: every mode once per round.
+    let mut runs: Vec<Vec<Value>> = vec![vec![]; MODES.len()];
+    for round in 0..args.runs {
+        eprintln!("  round {}/{}", round + 1, args.runs);
+        for (k, mode) in MODES.iter().enumerate() {
+            let tp = (*mode == "vanilla").then_some(best_tp);
+            runs[k].push(spawn_child(args, pipeline, mode, &input, tp, false)?);
+        }
+    }
+    let reference = &runs[0][0];
+    for r in runs.iter().flatten() {
+        if r["checksum"] != reference["checksum"] || r["rows"] != reference["rows"] {
+            return Err(DataFusionError::Execution(format!(
+                "mode {} wrote rows={} checksum={}, vanilla rows={} checksum={}",
+                r["mode"], r["rows"], r["checksum"], reference["rows"], reference["checksum"]
+            )));
+        }
+    }
+    if args.accelerator != "emulated" {
+        // A real device's time is its least busy time over the runs.
+        let least = runs
+            .iter()
+            .flatten()
+            .map(|r| device_busy(r, 0))
+            .fold(f64::INFINITY, f64::min);
+        devices = vec![("model".into(), least)];
+    }
+
+    // The bound: no schedule takes less than the busiest resource's work.
+    let mut resources = vec![
+        ("cpu".to_string(), cpu_s / cores),
+        ("writer".to_string(), writer_s),
+    ];
+    resources.extend(devices.iter().cloned());
+    let (bottleneck, least_time) = resources.iter().cloned().fold(
+        ("none".to_string(), 0.0),
+        |a, b| if b.1 > a.1 { b } else { a },
+    );
+    let bound = rows as f64 / least_time;
+    print!(
+        "\nstage costs: cpu {:.1} us/row on {cores} cores (alone: {:.0} rows/s)",
+        1e6 * cpu_s / rows as f64,
+        rows as f64 * cores / cpu_s
+    );
+    for (name, s) in &devices {
+        print!(
+            ", {name} device {:.1} us/row (alone: {:.0} rows/s)",
+            1e6 * s / rows as f64,
+            rows as f64 / s
+        );
+    }
+    println!(
+        ", writer {:.1} us/row, serial (alone: {:.0} rows/s)",
+        1e6 * writer_s / rows as f64,
+        rows as f64 / writer_s
+    );
+    println!("bound: {bound:.0} rows/s ({bottleneck}-bound)\n");
+
+    let rate = |r: &Value| f(r, "rows") / f(r, "wall_s");
+    let mut header = String::from("| mode | rows/s | seconds | first row ms | cpu busy");
+    for (name, _) in &devices {
+        header.push_str(&format!(" | {name} busy"));
+    }
+    header.push_str(" | peak RSS MiB | % of bound |");
+    println!("{header}");
+    println!("{}", "|---".repeat(header.matches('|').count() - 1) + "|");
+    for (mode, rs) in MODES.iter().zip(&runs) {
+        let each = |g: &dyn Fn(&Value) -> f64| rs.iter().map(g).collect::<Vec<_>>();
+        let mut line = format!(
+            "| {mode}{} | {} | {} | {} | {}",
+            if *mode == "vanilla" {
+                format!(" (tp={best_tp})")
+            } else {
+                String::new()
+            },
+            show(each(&rate), 0),
+            show(each(&|r| f(r, "wall_s")), 2),
+            show(each(&|r| 1e3 * f(r, "first_row_s")), 0),
+            show(
+                each(&|r| 100.0 * f(r, "cpu_s") / (f(r, "wall_s") * cores)),
+                0
+            ) + "%",
+        );
+        for k in 0..devices.len() {
+            line.push_str(&format!(
+                " | {}%",
+                show(each(&|r| 100.0 * device_busy(r, k) / f(r, "wall_s")), 0)
+            ));
+        }
+        line.push_str(&format!(
+            " | {} | {}% |",
+            show(each(&|r| f(r, "peak_rss_kb") / 1024.0), 0),
+            show(each(&|r| 100.0 * rate(r) / bound), 0)
+        ));
+        println!("{line}");
+    }
+    let median_rate = |k: usize| spread(runs[k].iter().map(rate).collect()).0;
+    let streaming = &runs[3];
+    println!("\nidle gaps between consecutive batches on each device (streaming runs):");
+    let mut gap_medians = vec![];
+    for (k, (name, _)) in devices.iter().enumerate() {
+        for r in streaming {
+            let g = &r["devices"][k]["gaps"];
+            gap_medians.push(f(g, "median_ms"));
+            println!(
+                "  {name}: median {:.2} ms, p90 {:.2} ms, max {:.1} ms, {} of {} gaps over 1 ms, {:.2} s idle between its first and last batch",
+                f(g, "median_ms"),
+                f(g, "p90_ms"),
+                f(g, "max_ms"),
+                g["over_1ms"],
+                g["n"],
+                f(g, "idle_s")
+            );
+        }
+    }
+
+    let pct_of_bound = 100.0 * median_rate(3) / bound;
+    let first_row_ms = 1e3 * spread(streaming.iter().map(|r| f(r, "first_row_s")).collect()).0;
+    let gap_ms = spread(gap_medians).0;
+    println!(
+        "\ngoals ({} pipeline, medians of {} runs):",
+        pipeline.name(),
+        args.runs
+    );
+    let mut summary = format!(
+        "pipeline={} accelerator={} rows={rows} bound_rows_per_s={bound:.0} streaming_rows_per_s={:.0} pct_of_bound={pct_of_bound:.0} speedup_vs_vanilla={:.2} speedup_vs_batch={:.2} speedup_vs_static={:.2} first_row_ms={first_row_ms:.0} gap_median_ms={gap_ms:.2}",
+        pipeline.name(),
+        args.accelerator,
+        median_rate(3),
+        median_rate(3) / median_rate(0),
+        median_rate(3) / median_rate(1),
+        median_rate(3) / median_rate(2)
+    );
+    match pipeline {
+        Pipeline::Two => {
+            println!(
+                "  first output row {first_row_ms:.0} ms (goal ≤ 50): {}",
+                ok(first_row_ms <= 50.0)
+            );
+            println!(
+                "  % of bound {pct_of_bound:.0}% (goal ≥ 95%): {}",
+                ok(pct_of_bound >= 95.0)
+            );
+        }
+        Pipeline::Three => {
+            // Stage by stage, each stage alone takes its own time: the CPU stages on every
+            // core, each model its device's time plus its host work on one worker.
+            let stage_cpu = |model: bool| -> f64 {
+                alone["stages"]
+                    .as_array()
+                    .into_iter()
+                    .flatten()
+                    .filter(|s| s["model"].as_bool() == Some(model))
+                    .map(|s| f(s, "cpu_s"))
+                    .sum()
+            };
+            let batch_time = (f(&alone, "decode_s") + stage_cpu(false)) / cores
+                + stage_cpu(true)
+                + devices.iter().map(|d| d.1).sum::<f64>()
+                + writer_s;
+            let ratio = batch_time / least_time;
+            let vs_static = median_rate(3) / median_rate(2);
+            let vs_batch = median_rate(3) / median_rate(1);
+            println!(
+                "  streaming vs static {vs_static:.2}x (goal ≥ 1.3): {}",
+                ok(vs_static >= 1.3)
+            );
+            println!(
+                "  streaming vs batch {vs_batch:.2}x, theoretical batch ratio {ratio:.2} (sum of stage times {batch_time:.2}s / busiest resource {least_time:.2}s): {:.2} of it (goal ≥ 0.9): {}",
+                vs_batch / ratio,
+                ok(vs_batch / ratio >= 0.9)
+            );
+            println!(
+                "  % of bound {pct_of_bound:.0}% (goal ≥ 90%): {}",
+                ok(pct_of_bound >= 90.0)
+            );
+            summary.push_str(&format!(
+                " batch_ratio={ratio:.2} of_batch_ratio={:.2}",
+                vs_batch / ratio
+            ));
+        }
+    }
+    println!(
+        "  accelerator idle gap median {gap_ms:.2} ms (goal ≤ 1): {}",
+        ok(gap_ms <= 1.0)
+    );
+
+    if pipeline == Pipeline::Two && !args.skip_memory {
+        let big_rows = rows * args.mem_scale;
+        let big_input = args.out.join(format!("docs-{big_rows}.parquet"));
+        ensure_file(&big_input, big_rows, |p| {
+            flumen::demo::write_docs(p, big_rows)
+        })?;
+        let big = spawn_child(args, pipeline, "streaming", &big_input, None, false)?;
+        let small_rss = spread(streaming.iter().map(|r| f(r, "peak_rss_kb")).collect()).0;
+        let ratio = f(&big, "peak_rss_kb") / small_rss;
+        println!(
+            "  memory: streaming over {}x the rows ({big_rows}): peak RSS {:.0} MiB vs {:.0} MiB at 1x (ratio {ratio:.2}, goal ≤ 1.2: {}), {:.0} rows/s",
+            args.mem_scale,
+            f(&big, "peak_rss_kb") / 1024.0,
+            small_rss / 1024.0,
+            ok(ratio <= 1.2),
+            rate(&big)
+        );
+        summary.push_str(&format!(" rss_10x_ratio={ratio:.2}"));
+    }
+    let svg = args.out.join(format!("pipeline-{}.svg", pipeline.name()));
+    let last: Vec<Value> = runs.iter().filter_map(|r| r.last().cloned()).collect();
+    let names: Vec<String> = devices.iter().map(|d| d.0.clone()).collect();
+    plot::timelines(&svg, &last, cores, rows, &names)?;
+    println!("timeline plot: {}", svg.display());
+    println!("{summary}");
+    Ok(())
+}
+
 /// Run one mode in a child process and read its `RESULT` line.
-fn spawn_child(args: &Args, mode: &str, input: &Path) -> Result<Value> {
+fn spawn_child(
+    args: &Args,
+    pipeline: Pipeline,
+    mode: &str,
+    input: &Path,
+    target_partitions: Option<usize>,
+    zero_device: bool,
+) -> Result<Value> {
     let exe = std::env::current_exe()?;
     let mut child = Command::new(exe);
     child
-        .args(["--child", mode, "--input"])
+        .args(["--child", mode, "--pipeline", pipeline.name(), "--input"])
         .arg(input)
         .args(["--accelerator", &args.accelerator])
         .args(["--service-us", &args.service_us.to_string()])
         .args(["--batch-rows", &args.batch_rows.to_string()])
         .args(["--dims", &args.dims.to_string()])
+        .args(["--post-layers", &args.post_layers.to_string()])
+        .args(["--a-batch-us", &args.a_batch_us.to_string()])
+        .args(["--a-per-kib-us", &args.a_per_kib_us.to_string()])
+        .args(["--b-service-us", &args.b_service_us.to_string()])
         .arg("--out")
         .arg(&args.out);
     if let Some(rows) = args.first_block_rows {
         child.args(["--first-block-rows", &rows.to_string()]);
+    }
+    if let Some(tp) = target_partitions {
+        child.args(["--target-partitions", &tp.to_string()]);
+    }
+    if zero_device {
+        child.arg("--zero-device");
     }
     let output = child.output()?;
     let stdout = String::from_utf8_lossy(&output.stdout);
@@ -268,7 +632,8 @@ fn spawn_child(args: &Args, mode: &str, input: &Path) -> Result<Value> {
             let value: Value = serde_json::from_str(json)
                 .map_err(|e| DataFusionError::Execution(format!("bad child result: {e}")))?;
             eprintln!(
-                "  {mode:>10}: {:.2}s, {:.0} rows/s",
+                "  {mode:>10}{}: {:.2}s, {:.0} rows/s",
+                target_partitions.map_or(String::new(), |tp| format!(" tp={tp}")),
                 f(&value, "wall_s"),
                 f(&value, "rows") / f(&value, "wall_s")
             );
@@ -298,29 +663,43 @@ fn rusage() -> (f64, f64) {
     )
 }
 
-/// The accelerator busy time a child can read while it runs.
-trait BusyMeter: Send + Sync {
+/// A device a child can watch while it runs: its busy time, and when it was busy.
+trait DeviceMeter: Send + Sync {
     fn busy_s(&self) -> f64;
+    fn intervals(&self) -> Vec<(Duration, Duration)>;
 }
 
-impl BusyMeter for EmulatedDevice {
+impl DeviceMeter for EmulatedDevice {
     fn busy_s(&self) -> f64 {
         self.busy_ns() as f64 / 1e9
     }
+    fn intervals(&self) -> Vec<(Duration, Duration)> {
+        self.busy_intervals()
+    }
 }
 
-/// A model function whose `process` calls are timed: the accelerator's busy time when the
-/// model is real (`embed` on CUDA).
+/// When a real model's `process` calls ran (`embed` on CUDA: the device's busy time).
+#[derive(Debug)]
+struct CallLog {
+    created: Instant,
+    calls: Mutex<Vec<(Duration, Duration)>>,
+}
+
+impl DeviceMeter for CallLog {
+    fn busy_s(&self) -> f64 {
+        let calls = self.calls.lock().unwrap();
+        calls.iter().map(|(s, e)| (*e - *s).as_secs_f64()).sum()
+    }
+    fn intervals(&self) -> Vec<(Duration, Duration)> {
+        self.calls.lock().unwrap().clone()
+    }
+}
+
+/// A model function whose `process` calls are logged.
 #[derive(Debug)]
 struct Metered {
     inner: Arc<dyn AcceleratorFunction>,
-    busy_ns: Arc<AtomicU64>,
-}
-
-impl BusyMeter for AtomicU64 {
-    fn busy_s(&self) -> f64 {
-        self.load(Ordering::Relaxed) as f64 / 1e9
-    }
+    log: Arc<CallLog>,
 }
 
 impl AcceleratorFunction for Metered {
@@ -336,7 +715,7 @@ impl AcceleratorFunction for Metered {
     fn load(&self, config: &ConfigOptions) -> Result<Box<dyn AcceleratorWorker>> {
         Ok(Box::new(MeteredWorker {
             inner: self.inner.load(config)?,
-            busy_ns: Arc::clone(&self.busy_ns),
+            log: Arc::clone(&self.log),
         }))
     }
     fn load_key(&self, config: &ConfigOptions) -> String {
@@ -348,11 +727,14 @@ impl AcceleratorFunction for Metered {
     fn resources(&self, config: &ConfigOptions) -> WorkerResources {
         self.inner.resources(config)
     }
+    fn cpu_step(&self) -> Option<Arc<ScalarUDF>> {
+        self.inner.cpu_step()
+    }
 }
 
 struct MeteredWorker {
     inner: Box<dyn AcceleratorWorker>,
-    busy_ns: Arc<AtomicU64>,
+    log: Arc<CallLog>,
 }
 
 impl AcceleratorWorker for MeteredWorker {
@@ -361,53 +743,155 @@ impl AcceleratorWorker for MeteredWorker {
         args: &[datafusion::arrow::array::ArrayRef],
         return_type: &DataType,
     ) -> Result<datafusion::arrow::array::ArrayRef> {
-        let started = Instant::now();
+        let started = self.log.created.elapsed();
         let out = self.inner.process(args, return_type);
-        self.busy_ns
-            .fetch_add(started.elapsed().as_nanos() as u64, Ordering::Relaxed);
+        let ended = self.log.created.elapsed();
+        self.log.calls.lock().unwrap().push((started, ended));
         out
     }
+}
+
+/// The pipeline's models as UDFs (named as its SQL calls them), the devices to watch, and
+/// its CPU functions.
+fn pipeline_functions(
+    args: &Args,
+    pipeline: Pipeline,
+    zero_device: bool,
+) -> (
+    Vec<ScalarUDF>,
+    Vec<(&'static str, Arc<dyn DeviceMeter>)>,
+    Vec<ScalarUDF>,
+) {
+    let time = |us: u64| {
+        if zero_device {
+            Duration::ZERO
+        } else {
+            Duration::from_micros(us)
+        }
+    };
+    let emulated = |name: &'static str, per_batch: u64, per_kib: u64, dims: usize| {
+        let device = Arc::new(EmulatedDevice::default());
+        let model = EmulatedModel::new(
+            name,
+            time(per_batch),
+            args.batch_rows,
+            dims,
+            Arc::clone(&device),
+        )
+        .with_service_per_kib(time(per_kib));
+        (
+            flumen::accelerator_udf(model),
+            (name, device as Arc<dyn DeviceMeter>),
+        )
+    };
+    match pipeline {
+        Pipeline::Two if args.accelerator != "emulated" && !zero_device => {
+            let log = Arc::new(CallLog {
+                created: Instant::now(),
+                calls: Mutex::new(vec![]),
+            });
+            let model = Metered {
+                inner: Arc::new(flumen::functions::embedding::EmbedFunction::default()),
+                log: Arc::clone(&log),
+            };
+            (
+                vec![flumen::accelerator_udf(model)],
+                vec![("model", log as Arc<dyn DeviceMeter>)],
+                vec![flumen::functions::clean_text_udf()],
+            )
+        }
+        Pipeline::Two => {
+            let (udf, device) = emulated("model", args.service_us, 0, args.dims);
+            (
+                vec![udf],
+                vec![device],
+                vec![flumen::functions::clean_text_udf()],
+            )
+        }
+        Pipeline::Three => {
+            let (a, device_a) = emulated(
+                "model_a",
+                args.a_batch_us,
+                args.a_per_kib_us,
+                pipeline_stages::POST_DIMS,
+            );
+            let (b, device_b) = emulated("model_b", args.b_service_us, 0, 16);
+            (
+                vec![a, b],
+                vec![device_a, device_b],
+                vec![
+                    flumen::functions::clean_text_udf(),
+                    Post::udf(args.post_layers),
+                ],
+            )
+        }
+    }
+}
+
+/// The Parquet writer's settings for the output: row groups of 64k rows (the writer buffers
+/// a whole row group), no dictionary for vectors of floats.
+fn writer_props() -> WriterProperties {
+    WriterProperties::builder()
+        .set_dictionary_enabled(false)
+        .set_max_row_group_row_count(Some(65_536))
+        .build()
 }
 
 /// Run one mode over `--input` in this process; returns its figures as JSON.
 fn run_child(args: &Args, mode: &str) -> Result<Value> {
     let cores = flumen::config::available_cores();
+    let input = args.input.clone().expect("--input");
+    let pipeline = args.pipeline;
+    let (models, meters, cpu_functions) =
+        pipeline_functions(args, pipeline, args.zero_device || mode == "alone");
+    if mode == "alone" {
+        let output = args
+            .out
+            .join(format!("out-{}-alone.parquet", pipeline.name()));
+        let by_name = |name: &str| {
+            models
+                .iter()
+                .chain(&cpu_functions)
+                .find(|u| u.name() == name)
+                .cloned()
+                .expect("function")
+        };
+        let model_stage = |name: &'static str, per_batch: u64, per_kib: u64| LoopStage {
+            name,
+            udf: by_name(name),
+            device: Some((
+                args.batch_rows,
+                Duration::from_micros(per_batch),
+                Duration::from_micros(per_kib),
+            )),
+        };
+        let cpu_stage = |name: &'static str| LoopStage {
+            name,
+            udf: by_name(name),
+            device: None,
+        };
+        let stages = match pipeline {
+            Pipeline::Two => vec![
+                cpu_stage("clean_text"),
+                model_stage("model", args.service_us, 0),
+            ],
+            Pipeline::Three => vec![
+                cpu_stage("clean_text"),
+                model_stage("model_a", args.a_batch_us, args.a_per_kib_us),
+                cpu_stage("post"),
+                model_stage("model_b", args.b_service_us, 0),
+            ],
+        };
+        return pipeline_stages::stage_costs(&input, &output, &stages, writer_props());
+    }
     let runtime = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(cores)
         .enable_all()
         .build()?;
-    let input = args.input.clone().expect("--input");
-    // The model: the emulated device, or `embed` on CUDA, or (cpu_alone) a zero-time device.
-    let (model, meter): (ScalarUDF, Arc<dyn BusyMeter>) =
-        if args.accelerator == "emulated" || mode == "cpu_alone" {
-            let device = Arc::new(EmulatedDevice::default());
-            let service = if mode == "cpu_alone" {
-                Duration::ZERO
-            } else {
-                Duration::from_micros(args.service_us)
-            };
-            let model = EmulatedModel::new(
-                "model",
-                service,
-                args.batch_rows,
-                args.dims,
-                Arc::clone(&device),
-            );
-            (flumen::accelerator_udf(model), device)
-        } else {
-            let busy = Arc::new(AtomicU64::new(0));
-            let model = Metered {
-                inner: Arc::new(flumen::functions::embedding::EmbedFunction::default()),
-                busy_ns: Arc::clone(&busy),
-            };
-            (flumen::accelerator_udf(model), busy)
-        };
     let ctx = match mode {
-        "vanilla" => {
-            let ctx = SessionContext::new();
-            ctx.register_udf(flumen::functions::clean_text_udf());
-            ctx
-        }
+        "vanilla" => SessionContext::new_with_config(
+            SessionConfig::new().with_target_partitions(args.target_partitions.unwrap_or(cores)),
+        ),
         _ => {
             let mut config = FlumenConfig::default();
             config.mode = match mode {
@@ -415,43 +899,51 @@ fn run_child(args: &Args, mode: &str) -> Result<Value> {
                 "static" => ExecMode::Static,
                 _ => ExecMode::Streaming,
             };
-            if args.accelerator == "cuda" {
+            if args.accelerator == "cuda" && pipeline == Pipeline::Two {
                 config.device = flumen::Device::Cuda;
             }
+            // One worker per device: the two models of the three-stage pipeline each have one.
+            config.accelerator_slots = meters.len();
             if let Some(rows) = args.first_block_rows {
                 config.first_block_rows = rows;
             }
             flumen::session(config)
         }
     };
-    ctx.register_udf(model);
+    for udf in models.into_iter().chain(cpu_functions) {
+        ctx.register_udf(udf);
+    }
 
     let rows_done = Arc::new(AtomicU64::new(0));
     let stop = Arc::new(AtomicBool::new(false));
-    let timeline = Arc::new(Mutex::new(Vec::<[f64; 4]>::new()));
+    let timeline = Arc::new(Mutex::new(Vec::<Vec<f64>>::new()));
     let started = Instant::now();
     let (cpu_at_start, _) = rusage();
     let sampler = {
-        let (rows_done, stop, timeline, meter) = (
+        let (rows_done, stop, timeline, meters) = (
             Arc::clone(&rows_done),
             Arc::clone(&stop),
             Arc::clone(&timeline),
-            Arc::clone(&meter),
+            meters.clone(),
         );
         std::thread::spawn(move || {
             while !stop.load(Ordering::Relaxed) {
                 let (cpu, _) = rusage();
-                timeline.lock().unwrap().push([
+                let mut sample = vec![
                     started.elapsed().as_secs_f64(),
                     rows_done.load(Ordering::Relaxed) as f64,
                     cpu - cpu_at_start,
-                    meter.busy_s(),
-                ]);
+                ];
+                sample.extend(meters.iter().map(|(_, m)| m.busy_s()));
+                timeline.lock().unwrap().push(sample);
                 std::thread::sleep(SAMPLE_EVERY);
             }
         })
     };
-    let output = args.out.join(format!("out-{mode}.parquet"));
+    let output = args
+        .out
+        .join(format!("out-{}-{mode}.parquet", pipeline.name()));
+    let deterministic = args.accelerator == "emulated" || pipeline == Pipeline::Three;
     let (first_row_s, checksum, writer_busy) = runtime.block_on(async {
         ctx.register_parquet(
             "docs",
@@ -459,17 +951,11 @@ fn run_child(args: &Args, mode: &str) -> Result<Value> {
             ParquetReadOptions::default(),
         )
         .await?;
-        let mut stream = ctx.sql(SQL).await?.execute_stream().await?;
-        // Row groups of 64k rows (the writer buffers a whole row group), no dictionary for
-        // vectors of floats; the writer's time is measured as a stage of its own.
-        let props = WriterProperties::builder()
-            .set_dictionary_enabled(false)
-            .set_max_row_group_row_count(Some(65_536))
-            .build();
+        let mut stream = ctx.sql(pipeline.sql()).await?.execute_stream().await?;
         let mut writer = ArrowWriter::try_new(
             std::fs::File::create(&output)?,
             stream.schema(),
-            Some(props),
+            Some(writer_props()),
         )?;
         let mut writer_busy = Duration::ZERO;
         let mut first_row_s = None;
@@ -480,8 +966,7 @@ fn run_child(args: &Args, mode: &str) -> Result<Value> {
                 continue;
             }
             first_row_s.get_or_insert(started.elapsed().as_secs_f64());
-            checksum =
-                checksum.wrapping_add(batch_checksum(&batch, args.accelerator == "emulated"));
+            checksum = checksum.wrapping_add(batch_checksum(&batch, deterministic));
             let write_started = Instant::now();
             writer.write(&batch)?;
             writer_busy += write_started.elapsed();
@@ -497,13 +982,17 @@ fn run_child(args: &Args, mode: &str) -> Result<Value> {
     sampler.join().expect("sampler thread");
     let (cpu_at_end, peak_rss_kb) = rusage();
     let timeline = std::mem::take(&mut *timeline.lock().unwrap());
+    let devices: Vec<Value> = meters
+        .iter()
+        .map(|(name, m)| json!({"name": name, "busy_s": m.busy_s(), "gaps": gap_stats(&m.intervals())}))
+        .collect();
     Ok(json!({
         "mode": mode,
         "rows": rows_done.load(Ordering::Relaxed) as f64,
         "wall_s": wall_s,
         "first_row_s": first_row_s,
         "cpu_s": cpu_at_end - cpu_at_start,
-        "accel_busy_s": meter.busy_s(),
+        "devices": devices,
         "writer_busy_s": writer_busy.as_secs_f64(),
         "peak_rss_kb": peak_rss_kb,
         "checksum": checksum.to_string(),
@@ -512,7 +1001,7 @@ fn run_child(args: &Args, mode: &str) -> Result<Value> {
 }
 
 /// An order-independent checksum of output rows: ids, and the first vector element's bits
-/// when the vectors are deterministic (the emulated model).
+/// when the vectors are deterministic (the emulated models).
 fn batch_checksum(batch: &RecordBatch, with_vectors: bool) -> u64 {
     let ids = batch.column(0).as_primitive::<Int64Type>();
     let vectors = batch.column(1).as_fixed_size_list();
@@ -528,11 +1017,11 @@ fn batch_checksum(batch: &RecordBatch, with_vectors: bool) -> u64 {
     sum
 }
 
-/// Write the demo `docs` table of `rows` rows at `path` unless it is there.
-fn ensure_docs(path: &Path, rows: usize) -> Result<()> {
+/// Write a table of `rows` rows at `path` with `write` unless it is there.
+fn ensure_file(path: &Path, rows: usize, write: impl FnOnce(&Path) -> Result<()>) -> Result<()> {
     if !path.exists() {
         let started = Instant::now();
-        flumen::demo::write_docs(path, rows)?;
+        write(path)?;
         eprintln!(
             "generated {} ({rows} rows) in {:.1}s",
             path.display(),
@@ -552,24 +1041,33 @@ mod plot {
         RGBColor(60, 120, 200),
         RGBColor(20, 150, 60),
     ];
+    const DEVICE_COLORS: [RGBColor; 2] = [RGBColor(220, 30, 30), RGBColor(160, 60, 200)];
 
     fn err(e: impl std::fmt::Display) -> DataFusionError {
         DataFusionError::Execution(format!("plot: {e}"))
     }
 
-    /// Rows done over time for every mode, then each mode's CPU and accelerator utilisation
-    /// over time (from the samples: CPU seconds over cores, busy seconds per wall second).
-    pub fn timelines(path: &Path, results: &[Value], cores: f64, args: &Args) -> Result<()> {
-        let series: Vec<Vec<[f64; 4]>> = results
+    /// Rows done over time for every mode, then each mode's CPU and device utilisation over
+    /// time (from the samples `[t, rows, cpu seconds, busy seconds of each device...]`).
+    pub fn timelines(
+        path: &Path,
+        results: &[Value],
+        cores: f64,
+        rows: usize,
+        devices: &[String],
+    ) -> Result<()> {
+        let series: Vec<Vec<Vec<f64>>> = results
             .iter()
             .map(|r| {
                 r["timeline"]
                     .as_array()
-                    .map(|rows| {
-                        rows.iter()
+                    .map(|samples| {
+                        samples
+                            .iter()
                             .map(|s| {
-                                let v = |i: usize| s[i].as_f64().unwrap_or(0.0);
-                                [v(0), v(1), v(2), v(3)]
+                                s.as_array()
+                                    .map(|v| v.iter().map(|x| x.as_f64().unwrap_or(0.0)).collect())
+                                    .unwrap_or_default()
                             })
                             .collect()
                     })
@@ -583,10 +1081,7 @@ mod plot {
         let (top, rest) = root.split_vertically(380);
         let mut chart = ChartBuilder::on(&top)
             .caption(
-                format!(
-                    "rows done: {} rows, accelerator={}, {} cores",
-                    args.rows, args.accelerator, cores
-                ),
+                format!("rows done: {rows} rows, {cores} cores"),
                 ("sans-serif", 20),
             )
             .margin(10)
@@ -604,7 +1099,7 @@ mod plot {
             let color = COLORS[i % COLORS.len()];
             chart
                 .draw_series(LineSeries::new(
-                    s.iter().map(|p| (p[0], p[1])),
+                    s.iter().filter(|p| p.len() > 1).map(|p| (p[0], p[1])),
                     color.stroke_width(2),
                 ))
                 .map_err(err)?
@@ -637,6 +1132,7 @@ mod plot {
                 .map_err(err)?;
             let rate = |k: usize, scale: f64| {
                 s.windows(2)
+                    .filter(|w| w[0].len() > k && w[1].len() > k)
                     .map(move |w| {
                         let dt = (w[1][0] - w[0][0]).max(1e-9);
                         (
@@ -651,11 +1147,14 @@ mod plot {
                 .map_err(err)?
                 .label("cpu")
                 .legend(|(x, y)| PathElement::new(vec![(x, y), (x + 20, y)], BLUE));
-            chart
-                .draw_series(LineSeries::new(rate(3, 1.0), RED.stroke_width(2)))
-                .map_err(err)?
-                .label("accelerator")
-                .legend(|(x, y)| PathElement::new(vec![(x, y), (x + 20, y)], RED));
+            for (k, name) in devices.iter().enumerate() {
+                let color = DEVICE_COLORS[k % DEVICE_COLORS.len()];
+                chart
+                    .draw_series(LineSeries::new(rate(3 + k, 1.0), color.stroke_width(2)))
+                    .map_err(err)?
+                    .label(name.clone())
+                    .legend(move |(x, y)| PathElement::new(vec![(x, y), (x + 20, y)], color));
+            }
             chart
                 .configure_series_labels()
                 .background_style(WHITE.mix(0.8))

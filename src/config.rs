@@ -324,6 +324,11 @@ extensions_options! {
         pub first_block_rows: usize, default = 256
         /// Bytes of a Parquet file a source task reads (its split), so tasks stay small.
         pub split_bytes: ByteSize, default = ByteSize(4 << 20)
+        /// Most rows a source task reads in plans with a model UDF (0: no limit): rows there
+        /// cost much more CPU than their bytes say (`clean_text`, tokenizing), so splits by
+        /// bytes alone would be too few to share the CPU slots out; row groups larger than
+        /// this are read in pieces (Parquet row selections).
+        pub model_split_rows: usize, default = 8192
         /// Split size of a scan that feeds a partial aggregate with GROUP BY (at least
         /// `split_bytes`): each task's partial aggregate emits one row per group it saw, so
         /// small splits multiply the rows the final aggregate gets. Not where the files

@@ -1051,3 +1051,73 @@ async fn source_feeding_a_slow_model(
     assert_eq!(source.rows, 40_000);
     source
 }
+
+/// A Parquet file written as one row group of 100,000 rows (as writers with a 1M-row
+/// default make them): flumen reads it in several tasks, each a row selection of the group,
+/// and every row exactly once — cut by bytes for a plain query, by
+/// `flumen.model_split_rows` where a model reads it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_large_row_group_is_read_in_row_selections() {
+    use datafusion::arrow::array::Int64Array;
+    use datafusion::parquet::arrow::ArrowWriter;
+    use datafusion::parquet::file::properties::WriterProperties;
+    const ROWS: i64 = 100_000;
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("big.parquet");
+    let ids = Int64Array::from_iter_values(0..ROWS);
+    let bodies = StringArray::from_iter_values((0..ROWS).map(|i| format!("document {i}")));
+    let batch = datafusion::arrow::record_batch::RecordBatch::try_from_iter([
+        ("id", Arc::new(ids) as ArrayRef),
+        ("body", Arc::new(bodies) as ArrayRef),
+    ])
+    .unwrap();
+    let props = WriterProperties::builder()
+        .set_max_row_group_row_count(Some(1 << 20))
+        .build();
+    let mut writer =
+        ArrowWriter::try_new(std::fs::File::create(&path).unwrap(), batch.schema(), Some(props))
+            .unwrap();
+    writer.write(&batch).unwrap();
+    let metadata = writer.close().unwrap();
+    assert_eq!(metadata.num_row_groups(), 1);
+    let ids_sum: i64 = (0..ROWS).sum();
+
+    for (settings, sql, least_splits) in [
+        (
+            vec!["SET flumen.split_bytes = '64KB'"],
+            "SELECT id FROM big WHERE body LIKE 'document%'",
+            10,
+        ),
+        (
+            vec!["SET flumen.model_split_rows = 10000"],
+            "SELECT id, m(body) AS v FROM big",
+            10,
+        ),
+    ] {
+        let f = flumen_ctx(&settings).await;
+        f.register_udf(accelerator_udf(
+            flumen::functions::emulated_accelerator::EmulatedModel::from_spec("m:0:256:2")
+                .unwrap(),
+        ));
+        f.register_parquet("big", path.to_str().unwrap(), Default::default())
+            .await
+            .unwrap();
+        let (batches, plan) = run_plan(&f, sql).await;
+        let mut seen = std::collections::HashSet::new();
+        let (mut count, mut sum) = (0, 0);
+        for batch in &batches {
+            for id in as_int64_array(batch.column(0)).unwrap().values() {
+                seen.insert(*id);
+                count += 1;
+                sum += id;
+            }
+        }
+        assert_eq!((count, sum, seen.len() as i64), (ROWS, ids_sum, ROWS), "{sql}");
+        let exec = plan.downcast_ref::<FlumenExec>().unwrap();
+        let scan = &exec.graph().operators[0];
+        let splits: usize = scan.splits.iter().sum();
+        assert!(splits >= least_splits, "{splits} splits for {sql}");
+        let stats = exec.run_metrics().operator(scan.id).snapshot();
+        assert_eq!(stats.tasks as usize, splits, "{sql}");
+    }
+}

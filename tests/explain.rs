@@ -254,3 +254,46 @@ async fn a_cpu_step_is_split_off_for_models_on_an_accelerator() {
         );
     }
 }
+
+/// A model over another model's output, with CPU work between them
+/// (`model_b(post(model_a(x)))`): each model gets an accelerator operator of its own, and
+/// the CPU work between them (here `array_to_string`) a CPU operator between the two, so
+/// neither model's worker waits on the other or on CPU work.
+#[tokio::test]
+async fn explain_models_over_models_get_an_operator_each_with_cpu_work_between() {
+    use flumen::functions::emulated_accelerator::EmulatedModel;
+    let plan = {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("docs.parquet");
+        let ctx = flumen::session(FlumenConfig::default());
+        for spec in ["model_a:0:256:4", "model_b:0:256:2"] {
+            ctx.register_udf(flumen::accelerator_udf(
+                EmulatedModel::from_spec(spec).unwrap(),
+            ));
+        }
+        let mut batches = vec![];
+        for sql in [
+            format!(
+                "COPY (SELECT x AS id, 'doc ' || x AS body FROM generate_series(1, 10) AS g(x)) \
+                 TO '{}'",
+                path.display()
+            ),
+            "SET flumen.cpu_slots = 2".into(),
+            "SET flumen.accelerator_slots = 2".into(),
+            "SET datafusion.explain.physical_plan_only = true".into(),
+            format!(
+                "CREATE EXTERNAL TABLE docs STORED AS PARQUET LOCATION '{}'",
+                path.display()
+            ),
+            "EXPLAIN SELECT id, model_b(array_to_string(model_a(clean_text(body)), ',')) AS v \
+             FROM docs"
+                .into(),
+        ] {
+            batches = ctx.sql(&sql).await.unwrap().collect().await.unwrap();
+        }
+        let dir_text = dir.path().display().to_string();
+        let plan = batches[0].column(1).as_string::<i32>().value(0);
+        plan.replace(dir_text.trim_start_matches('/'), "TMP")
+    };
+    insta::assert_snapshot!(plan);
+}

@@ -56,16 +56,20 @@ impl ModePolicy {
 }
 
 /// The fixed slots of each operator under `flumen.mode = 'static'`, given each operator's
-/// pool: the CPU slots split evenly over the CPU operators (at least one each); every
-/// accelerator operator may use every accelerator slot.
+/// pool: each pool's slots split evenly over its operators (at least one each), as fixed
+/// pools of tasks and of model workers per operator would be.
 pub fn static_slots(pools: &[Pool], cpu_slots: usize, accelerator_slots: usize) -> Vec<usize> {
-    let cpu_operators = pools.iter().filter(|p| **p == Pool::Cpu).count();
-    let per_operator = (cpu_slots / cpu_operators.max(1)).max(1);
+    let per_operator = |pool: Pool, slots: usize| {
+        let operators = pools.iter().filter(|p| **p == pool).count();
+        (slots / operators.max(1)).max(1)
+    };
+    let cpu = per_operator(Pool::Cpu, cpu_slots);
+    let accelerator = per_operator(Pool::Accelerator, accelerator_slots);
     pools
         .iter()
         .map(|pool| match pool {
-            Pool::Cpu => per_operator,
-            Pool::Accelerator => accelerator_slots,
+            Pool::Cpu => cpu,
+            Pool::Accelerator => accelerator,
         })
         .collect()
 }
@@ -162,12 +166,16 @@ mod tests {
     }
 
     #[test]
-    fn static_slots_split_the_cpu_and_share_the_accelerators() {
+    fn static_slots_split_each_pool_over_its_operators() {
         use Pool::*;
         assert_eq!(static_slots(&[Cpu, Accelerator, Cpu], 8, 2), vec![4, 2, 4]);
-        // More CPU operators than slots: one each.
+        // More operators than slots: one each.
         assert_eq!(static_slots(&[Cpu, Cpu, Cpu], 2, 1), vec![1, 1, 1]);
         assert_eq!(static_slots(&[Accelerator], 2, 3), vec![3]);
+        assert_eq!(
+            static_slots(&[Cpu, Accelerator, Cpu, Accelerator], 2, 2),
+            vec![1, 1, 1, 1]
+        );
     }
 
     #[test]

@@ -3,18 +3,20 @@
 //! [`EmulatedDevice`] is one device: a batch occupies it for a fixed service time during
 //! which the calling thread sleeps, so the device is busy without using a CPU core, and two
 //! callers queue for it as two streams queue for one GPU. [`EmulatedModel`] is an accelerator
-//! function over it: `name(text) -> FixedSizeList(Float32, dims)`, a deterministic vector per
-//! row (from the text's length and first bytes, so answers can be compared across runs),
-//! computed in batches of `batch_rows` rows that each cost one service time. The device counts
-//! its busy time, batches and rows, which benchmarks read as the accelerator's utilisation.
+//! function over it: `name(x) -> FixedSizeList(Float32, dims)` over text or vectors of floats,
+//! a deterministic vector per row (from the input's length and first bytes, so answers can be
+//! compared across runs), computed in batches of `batch_rows` rows that each cost one service
+//! time plus, optionally, a time per KiB of input (a model whose cost grows with document
+//! length). The device counts its busy time, batches and rows, and keeps when each batch ran,
+//! which benchmarks read as the accelerator's utilisation and its idle gaps.
 
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use datafusion::arrow::array::{Array, ArrayRef, FixedSizeListArray, Float32Array};
+use datafusion::arrow::array::{Array, ArrayRef, AsArray, FixedSizeListArray, Float32Array};
 use datafusion::arrow::compute::cast;
-use datafusion::arrow::datatypes::{DataType, Field};
+use datafusion::arrow::datatypes::{DataType, Field, Float32Type};
 use datafusion::config::ConfigOptions;
 use datafusion::error::{DataFusionError, Result};
 use datafusion::logical_expr::{Signature, Volatility};
@@ -22,26 +24,49 @@ use datafusion::logical_expr::{Signature, Volatility};
 use crate::functions::accelerator::{AcceleratorFunction, AcceleratorWorker, WorkerResources};
 
 /// One emulated device: busy for `service_time` per batch, one batch at a time.
-#[derive(Debug, Default)]
+#[derive(Debug)]
 pub struct EmulatedDevice {
-    queue: Mutex<()>,
+    /// Held while a batch occupies the device; holds when each batch ran, as (start, end)
+    /// since `created`.
+    queue: Mutex<Vec<(Duration, Duration)>>,
+    created: Instant,
     busy_ns: AtomicU64,
     batches: AtomicU64,
     rows: AtomicU64,
 }
 
+impl Default for EmulatedDevice {
+    fn default() -> Self {
+        Self {
+            queue: Mutex::new(vec![]),
+            created: Instant::now(),
+            busy_ns: AtomicU64::new(0),
+            batches: AtomicU64::new(0),
+            rows: AtomicU64::new(0),
+        }
+    }
+}
+
 impl EmulatedDevice {
     /// Occupy the device for `service_time` (waiting first while another batch holds it).
     pub fn run_batch(&self, service_time: Duration, rows: usize) {
-        let _held = self.queue.lock().unwrap_or_else(|e| e.into_inner());
+        let mut held = self.queue.lock().unwrap_or_else(|e| e.into_inner());
         let started = Instant::now();
         if !service_time.is_zero() {
             std::thread::sleep(service_time);
         }
+        let ended = Instant::now();
+        held.push((started - self.created, ended - self.created));
         self.busy_ns
-            .fetch_add(started.elapsed().as_nanos() as u64, Ordering::Relaxed);
+            .fetch_add((ended - started).as_nanos() as u64, Ordering::Relaxed);
         self.batches.fetch_add(1, Ordering::Relaxed);
         self.rows.fetch_add(rows as u64, Ordering::Relaxed);
+    }
+
+    /// When each batch so far occupied the device, as (start, end) since the device was made,
+    /// in the order they ran.
+    pub fn busy_intervals(&self) -> Vec<(Duration, Duration)> {
+        self.queue.lock().unwrap_or_else(|e| e.into_inner()).clone()
     }
 
     /// Nanoseconds the device has been busy.
@@ -67,6 +92,9 @@ pub struct EmulatedModel {
     signature: Signature,
     /// Time one batch occupies the device.
     pub service_time: Duration,
+    /// Further time a batch occupies the device per KiB of its input (text bytes, or the
+    /// vectors' floats).
+    pub service_per_kib: Duration,
     /// Rows per batch.
     pub batch_rows: usize,
     /// Length of each output vector.
@@ -86,12 +114,19 @@ impl EmulatedModel {
     ) -> Self {
         Self {
             name: name.to_string(),
-            signature: Signature::string(1, Volatility::Immutable),
+            signature: Signature::any(1, Volatility::Immutable),
             service_time,
+            service_per_kib: Duration::ZERO,
             batch_rows: batch_rows.max(1),
             dims: dims.max(1),
             device,
         }
+    }
+
+    /// The same model, with each batch costing `per_kib` more per KiB of input.
+    pub fn with_service_per_kib(mut self, per_kib: Duration) -> Self {
+        self.service_per_kib = per_kib;
+        self
     }
 }
 
@@ -136,6 +171,7 @@ impl AcceleratorFunction for EmulatedModel {
     fn load(&self, _config: &ConfigOptions) -> Result<Box<dyn AcceleratorWorker>> {
         Ok(Box::new(EmulatedWorker {
             service_time: self.service_time,
+            service_per_kib: self.service_per_kib,
             dims: self.dims,
             device: Arc::clone(&self.device),
         }))
@@ -160,21 +196,19 @@ fn vector_type(dims: usize) -> DataType {
 
 struct EmulatedWorker {
     service_time: Duration,
+    service_per_kib: Duration,
     dims: usize,
     device: Arc<EmulatedDevice>,
 }
 
 impl AcceleratorWorker for EmulatedWorker {
     fn process(&mut self, args: &[ArrayRef], _return_type: &DataType) -> Result<ArrayRef> {
-        let text = cast(&args[0], &DataType::Utf8)?;
-        let text = text
-            .as_any()
-            .downcast_ref::<datafusion::arrow::array::StringArray>()
-            .ok_or_else(|| DataFusionError::Internal("cast to Utf8 gave another type".into()))?;
-        self.device.run_batch(self.service_time, text.len());
-        let mut values = Vec::with_capacity(text.len() * self.dims);
-        for row in text.iter() {
-            let seed = row.map(row_seed).unwrap_or(0);
+        let (seeds, bytes) = row_seeds(&args[0])?;
+        let service = self.service_time + self.service_per_kib.mul_f64(bytes as f64 / 1024.0);
+        self.device.run_batch(service, seeds.len());
+        let mut values = Vec::with_capacity(seeds.len() * self.dims);
+        for seed in &seeds {
+            let seed = seed.unwrap_or(0);
             values.extend((0..self.dims).map(|j| unit_value(seed, j)));
         }
         let values = Float32Array::from(values);
@@ -183,16 +217,70 @@ impl AcceleratorWorker for EmulatedWorker {
             field,
             self.dims as i32,
             Arc::new(values),
-            text.nulls().cloned(),
+            args[0].logical_nulls(),
         )?;
         Ok(Arc::new(list))
     }
 }
 
+/// Each row's seed (`None` for a null row) and the input's size in bytes: text, or vectors
+/// (fixed-size or variable lists) of floats.
+fn row_seeds(input: &ArrayRef) -> Result<(Vec<Option<u64>>, usize)> {
+    match input.data_type() {
+        DataType::FixedSizeList(..) | DataType::List(_) | DataType::LargeList(_) => {
+            let mut seeds = Vec::with_capacity(input.len());
+            let mut bytes = 0;
+            for row in 0..input.len() {
+                if input.is_null(row) {
+                    seeds.push(None);
+                    continue;
+                }
+                let vector = cast(&list_value(input, row)?, &DataType::Float32)?;
+                let floats = vector.as_primitive::<Float32Type>().values();
+                bytes += floats.len() * 4;
+                let first: Vec<u8> = floats
+                    .iter()
+                    .take(4)
+                    .flat_map(|f| f.to_le_bytes())
+                    .collect();
+                seeds.push(Some(bytes_seed(floats.len(), &first)));
+            }
+            Ok((seeds, bytes))
+        }
+        _ => {
+            let text = cast(input, &DataType::Utf8).map_err(|e| {
+                DataFusionError::Plan(format!(
+                    "an emulated model takes text or vectors of floats, not {}: {e}",
+                    input.data_type()
+                ))
+            })?;
+            let text = text.as_string::<i32>();
+            // The rows' own bytes: a slice shares its whole batch's value buffer.
+            let offsets = text.value_offsets();
+            let bytes = (offsets[text.len()] - offsets[0]) as usize;
+            Ok((text.iter().map(|row| row.map(row_seed)).collect(), bytes))
+        }
+    }
+}
+
+/// Row `row` of a list array of any list type.
+fn list_value(list: &ArrayRef, row: usize) -> Result<ArrayRef> {
+    Ok(match list.data_type() {
+        DataType::FixedSizeList(..) => list.as_fixed_size_list().value(row),
+        DataType::List(_) => list.as_list::<i32>().value(row),
+        _ => list.as_list::<i64>().value(row),
+    })
+}
+
 /// A seed from a text's length and first bytes (cheap: the device does the work).
 fn row_seed(text: &str) -> u64 {
-    let mut seed = text.len() as u64 ^ 0x9e37_79b9_7f4a_7c15;
-    for &b in text.as_bytes().iter().take(16) {
+    bytes_seed(text.len(), text.as_bytes())
+}
+
+/// A seed from an input's length and (up to 16 of) its first bytes.
+fn bytes_seed(len: usize, first: &[u8]) -> u64 {
+    let mut seed = len as u64 ^ 0x9e37_79b9_7f4a_7c15;
+    for &b in first.iter().take(16) {
         seed = (seed ^ b as u64).wrapping_mul(0x100_0000_01b3);
     }
     seed
@@ -233,6 +321,61 @@ mod tests {
         assert_eq!(outputs[0].len(), 2);
         assert!(outputs[0].is_null(1) && !outputs[0].is_null(0));
         assert_eq!(outputs[0].to_data(), outputs[1].to_data(), "deterministic");
+    }
+
+    #[test]
+    fn a_model_over_vectors_pays_for_its_input_size_and_the_device_keeps_its_batches() {
+        let device = Arc::new(EmulatedDevice::default());
+        let model = EmulatedModel::new("m", Duration::ZERO, 8, 4, Arc::clone(&device))
+            .with_service_per_kib(Duration::from_millis(10));
+        let mut worker = model.load(&ConfigOptions::new()).unwrap();
+        // Two vectors of 256 floats: 2 KiB of input, 20 ms on the device.
+        let vectors = FixedSizeListArray::try_new(
+            Arc::new(Field::new_list_field(DataType::Float32, true)),
+            256,
+            Arc::new(Float32Array::from_iter_values((0..512).map(|i| i as f32))),
+            None,
+        )
+        .unwrap();
+        let input: ArrayRef = Arc::new(vectors);
+        let out = worker
+            .process(&[Arc::clone(&input)], &vector_type(4))
+            .unwrap();
+        assert_eq!(out.len(), 2);
+        let again = worker.process(&[input], &vector_type(4)).unwrap();
+        assert_eq!(out.to_data(), again.to_data(), "deterministic");
+        let intervals = device.busy_intervals();
+        assert_eq!(intervals.len(), 2);
+        for (start, end) in &intervals {
+            assert!(*end - *start >= Duration::from_millis(20), "{intervals:?}");
+        }
+        assert!(intervals[1].0 >= intervals[0].1, "one batch at a time");
+        let e = worker
+            .process(
+                &[Arc::new(
+                    datafusion::arrow::array::StructArray::new_empty_fields(1, None),
+                )],
+                &vector_type(4),
+            )
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("text or vectors of floats"), "{e}");
+    }
+
+    #[test]
+    fn a_slice_of_text_pays_for_its_own_bytes() {
+        let device = Arc::new(EmulatedDevice::default());
+        let model = EmulatedModel::new("m", Duration::ZERO, 2, 4, Arc::clone(&device))
+            .with_service_per_kib(Duration::from_millis(10));
+        let mut worker = model.load(&ConfigOptions::new()).unwrap();
+        // 64 texts of 512 bytes; a slice of two is 1 KiB (10 ms), not the batch's 32 KiB.
+        let texts: ArrayRef = Arc::new(StringArray::from(vec!["x".repeat(512); 64]));
+        worker
+            .process(&[texts.slice(10, 2)], &vector_type(4))
+            .unwrap();
+        let (start, end) = device.busy_intervals()[0];
+        assert!(end - start >= Duration::from_millis(10));
+        assert!(end - start < Duration::from_millis(100), "{:?}", end - start);
     }
 
     #[test]

@@ -13,6 +13,11 @@
 //! embed(b))`) into a plain `ProjectionExec` above it ([`split_model_consumers`]), so it runs
 //! in CPU tasks and the accelerator workers only run models.
 //!
+//! Models over models (`model_b(post(model_a(x)))`) are first cut into levels
+//! ([`split_nested_models`]): each level's model calls get an accelerator projection of
+//! their own, and the CPU work between two levels a plain projection between them, so each
+//! model runs in its own operator, fed by CPU tasks.
+//!
 //! A model that declares a CPU step ([`AcceleratorFunction::cpu_step`], e.g. `embed`'s
 //! tokenizer) is first rewritten to take the step's result ([`with_cpu_steps`]: `embed(x)` →
 //! `embed(embed_tokens(x))`), so the step is CPU work like any other argument and runs in the
@@ -148,23 +153,11 @@ impl PhysicalOptimizerRule for KeepAcceleratorProjections {
                     .iter()
                     .any(|e| calls_accelerator_udf(&e.expr))
             {
-                let projection = match steps_on_cpu {
-                    PreprocessOnCpu::Never => projection.clone(),
-                    PreprocessOnCpu::Always => with_cpu_steps(projection, |_| true)?,
-                    // A model computing on the CPU shares its cores with the step anyway.
-                    PreprocessOnCpu::Auto => with_cpu_steps(projection, |function| {
-                        function.resources(config).accelerators > 0
-                    })?,
-                };
-                let projection = split_cpu_work(&projection)?;
-                let (models, above) = split_model_consumers(&projection)?;
-                let wrapped: Arc<dyn ExecutionPlan> =
-                    Arc::new(AcceleratorProjectionExec::new(Arc::new(models)));
-                let plan = match above {
-                    Some(exprs) => Arc::new(ProjectionExec::try_new(exprs, wrapped)?),
-                    None => wrapped,
-                };
-                return Ok(Transformed::yes(plan));
+                return Ok(Transformed::yes(plan_model_projection(
+                    projection,
+                    steps_on_cpu,
+                    config,
+                )?));
             }
             Ok(Transformed::no(node))
         })
@@ -178,6 +171,141 @@ impl PhysicalOptimizerRule for KeepAcceleratorProjections {
     fn schema_check(&self) -> bool {
         true
     }
+}
+
+/// A projection calling models, planned as operators: models whose arguments call models
+/// first ([`split_nested_models`], one accelerator projection per level), then, per level,
+/// the models' CPU steps, the CPU work below the models and the CPU work over their outputs
+/// above them.
+fn plan_model_projection(
+    projection: &ProjectionExec,
+    steps_on_cpu: PreprocessOnCpu,
+    config: &ConfigOptions,
+) -> Result<Arc<dyn ExecutionPlan>> {
+    if let Some((inner, outer)) = split_nested_models(projection)? {
+        let below = plan_model_projection(&inner, steps_on_cpu, config)?;
+        let outer = ProjectionExec::try_new(outer, below)?;
+        return plan_model_projection(&outer, steps_on_cpu, config);
+    }
+    let projection = match steps_on_cpu {
+        PreprocessOnCpu::Never => projection.clone(),
+        PreprocessOnCpu::Always => with_cpu_steps(projection, |_| true)?,
+        // A model computing on the CPU shares its cores with the step anyway.
+        PreprocessOnCpu::Auto => with_cpu_steps(projection, |function| {
+            function.resources(config).accelerators > 0
+        })?,
+    };
+    let projection = split_cpu_work(&projection)?;
+    let (models, above) = split_model_consumers(&projection)?;
+    let wrapped: Arc<dyn ExecutionPlan> =
+        Arc::new(AcceleratorProjectionExec::new(Arc::new(models)));
+    Ok(match above {
+        Some(exprs) => Arc::new(ProjectionExec::try_new(exprs, wrapped)?),
+        None => wrapped,
+    })
+}
+
+/// Models over models (`model_b(post(model_a(x)))`) as a chain of levels: `None` when no
+/// model call has an argument that calls a model; otherwise a projection computing the
+/// innermost model calls (those whose arguments call none) beside the input columns still
+/// needed, and the expressions of the projection above it that read their results. Each
+/// level then becomes an accelerator operator of its own, and CPU work between two models
+/// (`post`) a CPU operator between them, so a model's worker never waits on another model
+/// or on CPU work.
+pub fn split_nested_models(
+    projection: &ProjectionExec,
+) -> Result<Option<(ProjectionExec, Vec<ProjectionExpr>)>> {
+    let nested = |e: &Arc<dyn PhysicalExpr>| {
+        let mut found = false;
+        e.apply(|node| {
+            if is_model_call(node) && node.children().into_iter().any(calls_accelerator_udf) {
+                found = true;
+                return Ok(TreeNodeRecursion::Stop);
+            }
+            Ok(TreeNodeRecursion::Continue)
+        })
+        .map(|_| found)
+    };
+    let mut any_nested = false;
+    for e in projection.expr() {
+        any_nested |= nested(&e.expr)?;
+    }
+    if !any_nested {
+        return Ok(None);
+    }
+    let input = projection.input();
+    let input_schema = input.schema();
+    let input_len = input_schema.fields().len();
+    // Replace each innermost model call by a column numbered after the input's columns.
+    let mut innermost: Vec<Arc<dyn PhysicalExpr>> = vec![];
+    let mut outer = vec![];
+    for e in projection.expr() {
+        let expr = Arc::clone(&e.expr).transform_down(|node| {
+            if !is_model_call(&node) || node.children().into_iter().any(calls_accelerator_udf) {
+                return Ok(Transformed::no(node));
+            }
+            let column = hoisted_column(&node, input_len, &mut innermost);
+            Ok(Transformed::new(column, true, TreeNodeRecursion::Jump))
+        })?;
+        outer.push((expr.data, e.alias.clone()));
+    }
+    // The level below passes on the input columns still read above, then the model calls,
+    // under names no input column has; the expressions above are renumbered to read it.
+    let mut used: Vec<Column> = outer
+        .iter()
+        .flat_map(|(e, _)| collect_columns(e))
+        .filter(|c| c.index() < input_len)
+        .collect();
+    used.sort_by_key(|c| c.index());
+    used.dedup_by_key(|c| c.index());
+    let mut inner = vec![];
+    let mut renamed = vec![None; input_len + innermost.len()];
+    for column in &used {
+        renamed[column.index()] = Some((column.name().to_string(), inner.len()));
+        inner.push(ProjectionExpr {
+            expr: Arc::new(column.clone()) as Arc<dyn PhysicalExpr>,
+            alias: input_schema.field(column.index()).name().clone(),
+        });
+    }
+    let taken = |name: &str| input_schema.fields().iter().any(|f| f.name() == name);
+    let mut next_name = 0;
+    for (k, call) in innermost.into_iter().enumerate() {
+        let name = loop {
+            let name = format!("__flumen_level_{next_name}");
+            next_name += 1;
+            if !taken(&name) {
+                break name;
+            }
+        };
+        renamed[input_len + k] = Some((name.clone(), inner.len()));
+        inner.push(ProjectionExpr {
+            expr: call,
+            alias: name,
+        });
+    }
+    let inner = ProjectionExec::try_new(inner, Arc::clone(input))?;
+    let outer = outer
+        .into_iter()
+        .map(|(expr, alias)| {
+            let expr = expr
+                .transform(|node| {
+                    Ok(match as_any(&node).downcast_ref::<Column>() {
+                        Some(c) => {
+                            let (name, index) = renamed[c.index()]
+                                .clone()
+                                .expect("every column read above is passed on below");
+                            Transformed::yes(
+                                Arc::new(Column::new(&name, index)) as Arc<dyn PhysicalExpr>
+                            )
+                        }
+                        None => Transformed::no(node),
+                    })
+                })?
+                .data;
+            Ok(ProjectionExpr { expr, alias })
+        })
+        .collect::<Result<Vec<_>>>()?;
+    Ok(Some((inner, outer)))
 }
 
 /// `projection` with every model call whose function declares a CPU step (and passes

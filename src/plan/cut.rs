@@ -250,9 +250,16 @@ impl Cutter<'_> {
             } else {
                 self.config.split_bytes.0
             };
+            // The first-block ramp is on exactly in plans with a model: there rows are dear.
+            let split_rows = if self.config.first_block_rows > 0 {
+                self.config.model_split_rows as u64
+            } else {
+                0
+            };
             split_sources(
                 fragment,
                 split_bytes,
+                split_rows,
                 self.layout,
                 self.config.first_block_rows,
             )?
@@ -486,6 +493,7 @@ fn collect_parquet_scans<'a>(plan: &'a Arc<dyn ExecutionPlan>, out: &mut Vec<&'a
 fn split_sources(
     fragment: Arc<dyn ExecutionPlan>,
     split_bytes: u64,
+    split_rows: u64,
     layout: &RowGroupLayout,
     first_rows: usize,
 ) -> Result<(Arc<dyn ExecutionPlan>, Vec<usize>)> {
@@ -494,7 +502,14 @@ fn split_sources(
     if count_scans(&fragment) != 1 {
         return Ok((fragment, splits));
     }
-    let rewritten = replace_scan(fragment, split_bytes, layout, first_rows, &mut splits)?;
+    let rewritten = replace_scan(
+        fragment,
+        split_bytes,
+        split_rows,
+        layout,
+        first_rows,
+        &mut splits,
+    )?;
     Ok((rewritten, splits))
 }
 
@@ -506,6 +521,7 @@ fn count_scans(plan: &Arc<dyn ExecutionPlan>) -> usize {
 fn replace_scan(
     plan: Arc<dyn ExecutionPlan>,
     split_bytes: u64,
+    split_rows: u64,
     layout: &RowGroupLayout,
     first_rows: usize,
     splits: &mut Vec<usize>,
@@ -520,6 +536,7 @@ fn replace_scan(
                 Arc::clone(&plan),
                 config,
                 split_bytes,
+                split_rows,
                 layout,
                 first_rows,
             )?;
@@ -534,7 +551,16 @@ fn replace_scan(
     }
     let children = children
         .into_iter()
-        .map(|c| replace_scan(Arc::clone(c), split_bytes, layout, first_rows, splits))
+        .map(|c| {
+            replace_scan(
+                Arc::clone(c),
+                split_bytes,
+                split_rows,
+                layout,
+                first_rows,
+                splits,
+            )
+        })
         .collect::<Result<Vec<_>>>()?;
     replace_children_if_necessary(plan, children)
 }

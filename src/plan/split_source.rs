@@ -3,8 +3,11 @@
 //! Each partition's file group is cut into byte ranges of about `flumen.split_bytes`; a
 //! source task reads one range (the row groups whose first page starts inside it, as
 //! DataFusion assigns them). Where the files' footers could be read before cutting
-//! ([`RowGroupLayout`]), ranges fall on row group boundaries, so no split comes out empty;
-//! otherwise they are plain byte ranges. The same split always reads the same rows, which
+//! ([`RowGroupLayout`]), ranges fall on row group boundaries, so no split comes out empty,
+//! and a row group larger than a split (in bytes, or in rows where a row limit is set: in
+//! plans that call a model, `flumen.model_split_rows`) is cut into pieces of consecutive
+//! rows, each read through a Parquet row selection (DataFusion's `ParquetAccessPlan`), so
+//! a row group of a million rows is not one task; otherwise they are plain byte ranges. The same split always reads the same rows, which
 //! is what lineage recompute relies on. The first split of each partition reads small
 //! batches (`flumen.first_block_rows`), so the first rows leave after little work; its task's
 //! cutter coalesces them back up to full blocks (`crate::store::ramp`).
@@ -18,6 +21,7 @@ use datafusion::arrow::datatypes::Schema;
 use datafusion::common::ScalarValue;
 use datafusion::common::tree_node::TreeNodeRecursion;
 use datafusion::datasource::listing::PartitionedFile;
+use datafusion::datasource::physical_plan::parquet::{ParquetAccessPlan, RowGroupAccess};
 use datafusion::datasource::physical_plan::parquet::metadata::DFParquetMetadata;
 use datafusion::datasource::physical_plan::{FileGroup, FileScanConfig, FileScanConfigBuilder};
 use datafusion::datasource::source::DataSourceExec;
@@ -25,6 +29,7 @@ use datafusion::error::{DataFusionError, Result};
 use datafusion::execution::runtime_env::RuntimeEnv;
 use datafusion::execution::{SendableRecordBatchStream, TaskContext};
 use datafusion::parquet::arrow::arrow_reader::statistics::StatisticsConverter;
+use datafusion::parquet::arrow::arrow_reader::{RowSelection, RowSelector};
 use datafusion::parquet::file::metadata::ParquetMetaData;
 use datafusion::physical_plan::execution_plan::ReplaceChildrenOptions;
 use datafusion::physical_plan::metrics::MetricsSet;
@@ -43,11 +48,22 @@ pub struct RowGroupLayout {
     files: HashMap<String, FileLayout>,
 }
 
+/// Where one row group lies in its file, and how big it is.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+struct RowGroupSpan {
+    /// Offset of its first page (DataFusion assigns a row group to the byte range holding it).
+    offset: u64,
+    /// Compressed bytes.
+    bytes: u64,
+    /// Rows.
+    rows: u64,
+}
+
 /// One Parquet file's row groups.
 #[derive(Debug, Clone)]
 struct FileLayout {
-    /// `(first page offset, compressed bytes)` of each row group.
-    row_groups: Vec<(u64, u64)>,
+    /// Each row group, in file order.
+    row_groups: Vec<RowGroupSpan>,
     /// The file's footer.
     metadata: Arc<ParquetMetaData>,
 }
@@ -78,7 +94,11 @@ impl RowGroupLayout {
                             let start = col
                                 .dictionary_page_offset()
                                 .unwrap_or_else(|| col.data_page_offset());
-                            (start.max(0) as u64, rg.compressed_size().max(0) as u64)
+                            RowGroupSpan {
+                                offset: start.max(0) as u64,
+                                bytes: rg.compressed_size().max(0) as u64,
+                                rows: rg.num_rows().max(0) as u64,
+                            }
                         })
                         .collect();
                     let file = FileLayout {
@@ -97,7 +117,7 @@ impl RowGroupLayout {
         }
     }
 
-    fn row_groups(&self, file: &PartitionedFile) -> Option<&Vec<(u64, u64)>> {
+    fn row_groups(&self, file: &PartitionedFile) -> Option<&Vec<RowGroupSpan>> {
         self.files
             .get(file.object_meta.location.as_ref())
             .map(|f| &f.row_groups)
@@ -203,12 +223,15 @@ pub struct SplitSourceExec {
 }
 
 impl SplitSourceExec {
-    /// Cut the scan `original` (whose data source is `config`) into splits; the first
-    /// split of each partition reads batches of `first_rows` rows (0: the session's).
+    /// Cut the scan `original` (whose data source is `config`) into splits of about
+    /// `split_bytes` and at most `split_rows` rows (0: no limit) where the footers are
+    /// known; the first split of each partition reads batches of `first_rows` rows (0: the
+    /// session's).
     pub fn try_new(
         original: Arc<dyn ExecutionPlan>,
         config: &FileScanConfig,
         split_bytes: u64,
+        split_rows: u64,
         layout: &RowGroupLayout,
         first_rows: usize,
     ) -> Result<Self> {
@@ -218,7 +241,7 @@ impl SplitSourceExec {
             let mut scans: Vec<Arc<dyn ExecutionPlan>> = vec![];
             for file in group.iter() {
                 let ranges = match layout.row_groups(file) {
-                    Some(groups) => row_group_ranges(file, groups, split_bytes),
+                    Some(groups) => row_group_ranges(file, groups, split_bytes, split_rows),
                     None => byte_ranges(file, split_bytes),
                 };
                 for range_file in ranges {
@@ -255,44 +278,114 @@ impl SplitSourceExec {
     }
 }
 
+/// Fewest rows of a piece of a row group cut for its bytes (DataFusion's batch size): smaller
+/// pieces would cost more in per-task work and page decoding than they share out. A row
+/// limit (`split_rows`) cuts finer.
+const MIN_PIECE_ROWS: u64 = 8192;
+
 /// Cut one file (or its assigned range) at row group boundaries into ranges holding about
-/// `split_bytes` of row groups each (a row group larger than that is a range of its own).
+/// `split_bytes` of row groups each and, with `split_rows` > 0, at most that many rows. A row
+/// group larger than either limit is cut into pieces of consecutive rows, each a range
+/// holding only that row group and a row selection of the piece's rows.
 fn row_group_ranges(
     file: &PartitionedFile,
-    groups: &[(u64, u64)],
+    groups: &[RowGroupSpan],
     split_bytes: u64,
+    split_rows: u64,
 ) -> Vec<PartitionedFile> {
     let (start, end) = match &file.range {
         Some(r) => (r.start as u64, r.end as u64),
         None => (0, file.object_meta.size),
     };
-    let mut starts: Vec<(u64, u64)> = groups
+    let row_limit = if split_rows == 0 { u64::MAX } else { split_rows };
+    let split_bytes = split_bytes.max(1);
+    // Row groups in the range, with their index in the file.
+    let mut inside: Vec<(usize, RowGroupSpan)> = groups
         .iter()
         .copied()
-        .filter(|(offset, _)| *offset >= start && *offset < end)
+        .enumerate()
+        .filter(|(_, g)| g.offset >= start && g.offset < end)
         .collect();
-    starts.sort_unstable();
-    let mut bounds = vec![start];
-    let mut gathered = 0;
-    for (i, (_, bytes)) in starts.iter().enumerate() {
-        gathered += bytes;
-        if gathered >= split_bytes && i + 1 < starts.len() {
-            bounds.push(starts[i + 1].0);
-            gathered = 0;
+    inside.sort_unstable_by_key(|(_, g)| g.offset);
+    // Where the range of the k-th row group in it ends: at the next one's start.
+    let range_end = |k: usize| inside.get(k + 1).map_or(end, |(_, g)| g.offset);
+    let piece = |from: u64, to: u64, selection: Option<ParquetAccessPlan>| {
+        let mut piece = file.clone();
+        piece.range = Some(datafusion::datasource::listing::FileRange {
+            start: from as i64,
+            end: to as i64,
+        });
+        if let Some(plan) = selection {
+            piece = piece.with_extension(plan);
+        }
+        piece
+    };
+    // Pieces of one row group need a row selection, which a file read through an access
+    // plan of its own cannot take.
+    let can_select = !file.extensions.contains::<ParquetAccessPlan>();
+    let mut out = vec![];
+    // The whole row groups gathered for the next range: its start, bytes and rows.
+    let mut open: Option<u64> = None;
+    let (mut bytes, mut rows) = (0u64, 0u64);
+    for (k, (index, group)) in inside.iter().enumerate() {
+        let pieces = (group.bytes.div_ceil(split_bytes))
+            .min(group.rows.div_ceil(MIN_PIECE_ROWS))
+            .max(group.rows.div_ceil(row_limit))
+            .min(group.rows);
+        if pieces > 1 && can_select {
+            if let Some(from) = open.take() {
+                out.push(piece(from, group.offset, None));
+            }
+            let per_piece = group.rows.div_ceil(pieces);
+            let mut first = 0;
+            while first < group.rows {
+                let last = (first + per_piece).min(group.rows);
+                let plan = rows_of_row_group(groups.len(), *index, group.rows, first, last);
+                let from = if out.is_empty() { start } else { group.offset };
+                out.push(piece(from, range_end(k), Some(plan)));
+                first = last;
+            }
+            (bytes, rows) = (0, 0);
+            continue;
+        }
+        let from = *open.get_or_insert(if out.is_empty() { start } else { group.offset });
+        bytes += group.bytes;
+        rows += group.rows;
+        let next_overflows = inside.get(k + 1).is_some_and(|(_, next)| {
+            rows + next.rows > row_limit || bytes >= split_bytes
+        });
+        if next_overflows || k + 1 == inside.len() {
+            out.push(piece(from, range_end(k), None));
+            open = None;
+            (bytes, rows) = (0, 0);
         }
     }
-    bounds.push(end);
-    bounds
-        .windows(2)
-        .map(|w| {
-            let mut piece = file.clone();
-            piece.range = Some(datafusion::datasource::listing::FileRange {
-                start: w[0] as i64,
-                end: w[1] as i64,
-            });
-            piece
-        })
-        .collect()
+    if out.is_empty() {
+        out.push(piece(start, end, None));
+    }
+    out
+}
+
+/// An access plan reading rows `first..last` of row group `index` (of `rows` rows) of a
+/// file of `row_groups` row groups, and nothing else.
+fn rows_of_row_group(
+    row_groups: usize,
+    index: usize,
+    rows: u64,
+    first: u64,
+    last: u64,
+) -> ParquetAccessPlan {
+    let mut selectors = vec![];
+    if first > 0 {
+        selectors.push(RowSelector::skip(first as usize));
+    }
+    selectors.push(RowSelector::select((last - first) as usize));
+    if last < rows {
+        selectors.push(RowSelector::skip((rows - last) as usize));
+    }
+    let mut plan = ParquetAccessPlan::new_none(row_groups);
+    plan.set(index, RowGroupAccess::Selection(RowSelection::from(selectors)));
+    plan
 }
 
 /// Cut one file (or its assigned range) into ranges of at most `split_bytes`.
@@ -402,5 +495,116 @@ impl ExecutionPlan for SplitSourceExec {
             }
         }
         Some(set)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn file(size: u64) -> PartitionedFile {
+        PartitionedFile::new("f.parquet", size)
+    }
+
+    fn spans(groups: &[(u64, u64)]) -> Vec<RowGroupSpan> {
+        let mut offset = 4;
+        groups
+            .iter()
+            .map(|&(bytes, rows)| {
+                let span = RowGroupSpan {
+                    offset,
+                    bytes,
+                    rows,
+                };
+                offset += bytes;
+                span
+            })
+            .collect()
+    }
+
+    /// Each piece as (range start, range end, rows it reads of each row group: `None` for
+    /// whole row groups).
+    fn layout(pieces: &[PartitionedFile]) -> Vec<(i64, i64, Option<Vec<(usize, usize)>>)> {
+        pieces
+            .iter()
+            .map(|p| {
+                let range = p.range.clone().unwrap();
+                let selected = p.extension::<ParquetAccessPlan>().map(|plan| {
+                    plan.inner()
+                        .iter()
+                        .enumerate()
+                        .filter_map(|(i, access)| match access {
+                            RowGroupAccess::Selection(s) => Some((i, s.row_count())),
+                            RowGroupAccess::Scan => Some((i, usize::MAX)),
+                            RowGroupAccess::Skip => None,
+                        })
+                        .collect()
+                });
+                (range.start, range.end, selected)
+            })
+            .collect()
+    }
+
+    #[test]
+    fn whole_row_groups_are_gathered_up_to_the_byte_size() {
+        let groups = spans(&[(100, 10), (100, 10), (100, 10)]);
+        let pieces = row_group_ranges(&file(400), &groups, 150, 0);
+        assert_eq!(
+            layout(&pieces),
+            vec![(0, 204, None), (204, 400, None)],
+            "two groups reach 150 bytes; the third is a range of its own"
+        );
+    }
+
+    #[test]
+    fn a_row_group_over_the_byte_size_is_read_in_row_selections() {
+        // One row group of 100,000 rows and 1,000 bytes, splits of 300 bytes: four pieces
+        // of 25,000 rows, together every row once.
+        let groups = spans(&[(50, 10), (1000, 100_000), (50, 10)]);
+        let pieces = row_group_ranges(&file(1200), &groups, 300, 0);
+        let layout = layout(&pieces);
+        assert_eq!(layout[0], (0, 54, None));
+        for piece in &layout[1..5] {
+            assert_eq!((piece.0, piece.1), (54, 1054));
+            assert_eq!(piece.2, Some(vec![(1, 25_000)]));
+        }
+        assert_eq!(layout[5], (1054, 1200, None));
+        assert_eq!(layout.len(), 6);
+        // The selections are consecutive: rows 0..25,000, 25,000..50,000, ...
+        let plan = pieces[2].extension::<ParquetAccessPlan>().unwrap();
+        let RowGroupAccess::Selection(selection) = &plan.inner()[1] else {
+            panic!("a selection")
+        };
+        let selectors: Vec<_> = selection.iter().map(|s| (s.skip, s.row_count)).collect();
+        assert_eq!(selectors, vec![(true, 25_000), (false, 25_000), (true, 50_000)]);
+        // Cut for bytes, a piece holds at least a batch of rows: a 10,000-row group over
+        // the size is cut in two, not in four.
+        let groups = spans(&[(1000, 10_000)]);
+        assert_eq!(row_group_ranges(&file(1100), &groups, 300, 0).len(), 2);
+    }
+
+    #[test]
+    fn a_row_limit_cuts_by_rows_too() {
+        // Small row groups gathered up to 2,500 rows; a 6,000-row one cut in three.
+        let groups = spans(&[(10, 1000), (10, 1000), (10, 1000), (10, 6000)]);
+        let layout = layout(&row_group_ranges(&file(100), &groups, 1 << 20, 2500));
+        assert_eq!(layout[0], (0, 24, None), "two groups: 2,000 rows");
+        assert_eq!(layout[1], (24, 34, None));
+        assert_eq!(layout.len(), 5);
+        for piece in &layout[2..] {
+            assert_eq!(piece.2, Some(vec![(3, 2000)]));
+        }
+    }
+
+    #[test]
+    fn a_file_with_an_access_plan_of_its_own_keeps_whole_row_groups() {
+        let groups = spans(&[(1000, 1000)]);
+        let own = file(1100).with_extension(ParquetAccessPlan::new_all(1));
+        let pieces = row_group_ranges(&own, &groups, 100, 0);
+        assert_eq!(pieces.len(), 1);
+        assert_eq!(
+            pieces[0].extension::<ParquetAccessPlan>(),
+            Some(&ParquetAccessPlan::new_all(1))
+        );
     }
 }
