@@ -5,7 +5,7 @@
 //! ```text
 //! cargo bench --bench pipeline -- [--full] [--rows N] [--runs N] [--pipelines two|three|both]
 //!     [--accelerator auto|emulated|cuda] [--service-us N] [--batch-rows N] [--mem-scale N]
-//!     [--skip-memory] [--skip-sweep] [--first-block-rows N]
+//!     [--skip-memory] [--skip-sweep] [--first-block-rows N] [--block-rows N]
 //!     [--three-rows N] [--post-layers N] [--long-factor N]
 //!     [--a-batch-us N] [--a-per-kib-us N] [--b-service-us N]
 //! ```
@@ -17,7 +17,7 @@
 //!   per batch of `--batch-rows` rows without using a CPU core
 //!   (`flumen::emulated_accelerator`), or flumen's real `embed` on CUDA.
 //! - **three stages**: `SELECT id, model_b(post(model_a(clean_text(body)))) FROM docs`
-//!   (`--three-rows`, default 40,000), two emulated models on devices of their own with a CPU
+//!   (`--three-rows`, default 60,000), two emulated models on devices of their own with a CPU
 //!   stage between them: `model_a` costs `--a-batch-us` per batch plus `--a-per-kib-us` per
 //!   KiB of cleaned text (its cost follows document length), `post` is `--post-layers` dense
 //!   384x384 layers on the CPU (a projection head: fixed cost per row), `model_b` costs
@@ -118,6 +118,8 @@ struct Args {
     skip_sweep: bool,
     /// `flumen.first_block_rows` for flumen's modes (`None`: flumen's default).
     first_block_rows: Option<usize>,
+    /// `flumen.target_block_rows` for flumen's modes (`None`: flumen's default).
+    block_rows: Option<usize>,
     post_layers: usize,
     long_factor: usize,
     a_batch_us: u64,
@@ -135,7 +137,7 @@ struct Args {
 fn parse_args() -> Args {
     let mut args = Args {
         rows: 100_000,
-        three_rows: 40_000,
+        three_rows: 60_000,
         runs: 3,
         pipelines: vec![Pipeline::Two, Pipeline::Three],
         accelerator: "auto".into(),
@@ -146,8 +148,9 @@ fn parse_args() -> Args {
         skip_memory: false,
         skip_sweep: false,
         first_block_rows: None,
+        block_rows: None,
         post_layers: 2,
-        long_factor: 6,
+        long_factor: 10,
         a_batch_us: 1_000,
         a_per_kib_us: 10,
         b_service_us: 3_000,
@@ -181,6 +184,7 @@ fn parse_args() -> Args {
             "--skip-memory" => args.skip_memory = true,
             "--skip-sweep" => args.skip_sweep = true,
             "--first-block-rows" => args.first_block_rows = Some(number() as usize),
+            "--block-rows" => args.block_rows = Some(number() as usize),
             "--post-layers" => args.post_layers = number() as usize,
             "--long-factor" => args.long_factor = number() as usize,
             "--a-batch-us" => args.a_batch_us = number(),
@@ -311,6 +315,12 @@ fn run_pipeline(args: &Args, pipeline: Pipeline) -> Result<()> {
             args.runs
         ),
     }
+
+    let explain = spawn_child(args, pipeline, "explain", &input, None, false)?;
+    println!(
+        "\nflumen's plan (streaming):\n{}",
+        explain["plan"].as_str().unwrap_or("?")
+    );
 
     // Each stage alone, outside flumen's scheduler.
     let alone = spawn_child(args, pipeline, "alone", &input, None, false)?;
@@ -618,6 +628,9 @@ fn spawn_child(
     if let Some(rows) = args.first_block_rows {
         child.args(["--first-block-rows", &rows.to_string()]);
     }
+    if let Some(rows) = args.block_rows {
+        child.args(["--block-rows", &rows.to_string()]);
+    }
     if let Some(tp) = target_partitions {
         child.args(["--target-partitions", &tp.to_string()]);
     }
@@ -631,6 +644,9 @@ fn spawn_child(
         Some(json) if output.status.success() => {
             let value: Value = serde_json::from_str(json)
                 .map_err(|e| DataFusionError::Execution(format!("bad child result: {e}")))?;
+            if mode == "explain" {
+                return Ok(value);
+            }
             eprintln!(
                 "  {mode:>10}{}: {:.2}s, {:.0} rows/s",
                 target_partitions.map_or(String::new(), |tp| format!(" tp={tp}")),
@@ -907,6 +923,9 @@ fn run_child(args: &Args, mode: &str) -> Result<Value> {
             if let Some(rows) = args.first_block_rows {
                 config.first_block_rows = rows;
             }
+            if let Some(rows) = args.block_rows {
+                config.target_block_rows = rows;
+            }
             flumen::session(config)
         }
     };
@@ -914,6 +933,27 @@ fn run_child(args: &Args, mode: &str) -> Result<Value> {
         ctx.register_udf(udf);
     }
 
+    if mode == "explain" {
+        let plan = runtime.block_on(async {
+            ctx.register_parquet(
+                "docs",
+                input.to_str().unwrap(),
+                ParquetReadOptions::default(),
+            )
+            .await?;
+            ctx.sql("SET datafusion.explain.physical_plan_only = true")
+                .await?
+                .collect()
+                .await?;
+            let batches = ctx
+                .sql(&format!("EXPLAIN {}", pipeline.sql()))
+                .await?
+                .collect()
+                .await?;
+            Ok::<_, DataFusionError>(batches[0].column(1).as_string::<i32>().value(0).to_string())
+        })?;
+        return Ok(json!({"mode": mode, "plan": plan}));
+    }
     let rows_done = Arc::new(AtomicU64::new(0));
     let stop = Arc::new(AtomicBool::new(false));
     let timeline = Arc::new(Mutex::new(Vec::<Vec<f64>>::new()));

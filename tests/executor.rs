@@ -1005,6 +1005,7 @@ async fn a_large_split_pauses_while_its_reader_is_behind() {
         &[
             "SET datafusion.optimizer.repartition_file_scans = false",
             "SET flumen.split_bytes = '64MB'",
+            "SET flumen.model_split_rows = 0",
         ],
         std::time::Duration::from_millis(10),
     )
@@ -1074,9 +1075,12 @@ async fn a_large_row_group_is_read_in_row_selections() {
     let props = WriterProperties::builder()
         .set_max_row_group_row_count(Some(1 << 20))
         .build();
-    let mut writer =
-        ArrowWriter::try_new(std::fs::File::create(&path).unwrap(), batch.schema(), Some(props))
-            .unwrap();
+    let mut writer = ArrowWriter::try_new(
+        std::fs::File::create(&path).unwrap(),
+        batch.schema(),
+        Some(props),
+    )
+    .unwrap();
     writer.write(&batch).unwrap();
     let metadata = writer.close().unwrap();
     assert_eq!(metadata.num_row_groups(), 1);
@@ -1096,8 +1100,7 @@ async fn a_large_row_group_is_read_in_row_selections() {
     ] {
         let f = flumen_ctx(&settings).await;
         f.register_udf(accelerator_udf(
-            flumen::functions::emulated_accelerator::EmulatedModel::from_spec("m:0:256:2")
-                .unwrap(),
+            flumen::functions::emulated_accelerator::EmulatedModel::from_spec("m:0:256:2").unwrap(),
         ));
         f.register_parquet("big", path.to_str().unwrap(), Default::default())
             .await
@@ -1112,7 +1115,11 @@ async fn a_large_row_group_is_read_in_row_selections() {
                 sum += id;
             }
         }
-        assert_eq!((count, sum, seen.len() as i64), (ROWS, ids_sum, ROWS), "{sql}");
+        assert_eq!(
+            (count, sum, seen.len() as i64),
+            (ROWS, ids_sum, ROWS),
+            "{sql}"
+        );
         let exec = plan.downcast_ref::<FlumenExec>().unwrap();
         let scan = &exec.graph().operators[0];
         let splits: usize = scan.splits.iter().sum();

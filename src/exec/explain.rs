@@ -96,7 +96,10 @@ fn accelerator_workers(plan: &Arc<dyn ExecutionPlan>, config: &FlumenConfig) -> 
                 }
             }
         }
-        stack.extend(node.children().into_iter().cloned());
+        // Another operator's functions are its own.
+        if node.downcast_ref::<StageInputExec>().is_none() {
+            stack.extend(node.children().into_iter().cloned());
+        }
     }
     found
 }

@@ -161,10 +161,33 @@ impl QueryRun {
         if paused.is_empty() {
             return None;
         }
-        let resume_rows = policy::resume_rows(self.pause_rows(op_id)?);
-        paused
-            .iter()
-            .position(|p| st.tasks[p.task].held_rows <= resume_rows)
+        let pause_rows = self.pause_rows(op_id)?;
+        let resume_rows = policy::resume_rows(pause_rows);
+        paused.iter().position(|p| {
+            let held = st.tasks[p.task].held_rows;
+            held <= resume_rows || p.yielded && held < pause_rows
+        })
+    }
+
+    /// Whether a more downstream CPU operator has a task ready to start and no CPU slot to
+    /// start it in: a running CPU task of `op_id` then gives its slot up at its next batch
+    /// (downstream first, at batch boundaries as well as at launch), so work near the output
+    /// is not stuck behind a long split upstream.
+    pub(super) fn downstream_waits_for_a_slot(&self, st: &RunState, op_id: OperatorId) -> bool {
+        let cpu = pool_index(Pool::Cpu);
+        if st.running[cpu] < self.pool_slots(Pool::Cpu) || st.running_alone.is_some() {
+            return false;
+        }
+        let share = self.store.budget() / self.graph.operators.len().max(1) as u64;
+        self.graph.operators[op_id + 1..].iter().any(|op| {
+            let os = &st.operators[op.id];
+            op.pool == Pool::Cpu
+                && os.has_pending()
+                && os.paused.is_empty()
+                && !op.gang
+                && self.gate_open(st, op.id)
+                && !self.backpressured(st, op.id, share)
+        })
     }
 
     /// Hand a slot back to paused task `index` of `op`. `for_liveness`: it was resumed
@@ -208,18 +231,27 @@ impl QueryRun {
     /// output reached `pause_rows` ([`Self::pause_rows`] of its operator) gives its slot
     /// back and waits until the scheduler resumes it (its readers caught up and a slot is
     /// free), so a split of a million rows does not pile up in the store ahead of a slower
-    /// reader.
+    /// reader. A task also gives its slot up while a more downstream operator waits for one
+    /// ([`Self::downstream_waits_for_a_slot`]), and resumes when a slot is free again.
     pub(super) async fn pause_while_ahead(self: &Arc<Self>, task: TaskId, pause_rows: u64) {
         let resumed = {
             let mut st = self.state.lock().unwrap();
             let t = &st.tasks[task];
             let op_id = t.operator;
-            if t.unpausable || t.held_rows < pause_rows || st.error.is_some() || st.cancelled {
+            if t.unpausable || st.error.is_some() || st.cancelled {
+                return;
+            }
+            let yielded = t.held_rows < pause_rows;
+            if yielded && !self.downstream_waits_for_a_slot(&st, op_id) {
                 return;
             }
             let (resume, resumed) = tokio::sync::oneshot::channel();
             st.running[pool_index(Pool::Cpu)] -= 1;
-            st.operators[op_id].paused.push(PausedTask { task, resume });
+            st.operators[op_id].paused.push(PausedTask {
+                task,
+                resume,
+                yielded,
+            });
             resumed
         };
         let since = Instant::now();

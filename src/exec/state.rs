@@ -69,6 +69,9 @@ impl TaskRecord {
 pub(super) struct PausedTask {
     pub(super) task: TaskId,
     pub(super) resume: tokio::sync::oneshot::Sender<()>,
+    /// It gave its slot to a more downstream operator (not because its reader was behind):
+    /// it may resume as soon as a slot is free and its output is under the pause threshold.
+    pub(super) yielded: bool,
 }
 
 #[derive(Debug, Default)]

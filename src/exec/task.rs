@@ -153,10 +153,12 @@ impl QueryRun {
                 out.emit(std::mem::take(&mut blocks))?;
                 if !capture {
                     self.changed();
-                    if let Some(rows) = pause_rows {
-                        self.pause_while_ahead(task, rows).await;
-                    }
                 }
+            }
+            // After every batch: its reader may be behind, or an operator nearer the output
+            // may wait for this task's slot.
+            if let Some(rows) = pause_rows {
+                self.pause_while_ahead(task, rows).await;
             }
             // A fragment whose input is always ready (a scan of cached pages) never waits,
             // so the task would hold its runtime thread until it ends; futures queued

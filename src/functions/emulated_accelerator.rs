@@ -375,7 +375,11 @@ mod tests {
             .unwrap();
         let (start, end) = device.busy_intervals()[0];
         assert!(end - start >= Duration::from_millis(10));
-        assert!(end - start < Duration::from_millis(100), "{:?}", end - start);
+        assert!(
+            end - start < Duration::from_millis(100),
+            "{:?}",
+            end - start
+        );
     }
 
     #[test]

@@ -21,8 +21,8 @@ use datafusion::arrow::datatypes::Schema;
 use datafusion::common::ScalarValue;
 use datafusion::common::tree_node::TreeNodeRecursion;
 use datafusion::datasource::listing::PartitionedFile;
-use datafusion::datasource::physical_plan::parquet::{ParquetAccessPlan, RowGroupAccess};
 use datafusion::datasource::physical_plan::parquet::metadata::DFParquetMetadata;
+use datafusion::datasource::physical_plan::parquet::{ParquetAccessPlan, RowGroupAccess};
 use datafusion::datasource::physical_plan::{FileGroup, FileScanConfig, FileScanConfigBuilder};
 use datafusion::datasource::source::DataSourceExec;
 use datafusion::error::{DataFusionError, Result};
@@ -297,7 +297,11 @@ fn row_group_ranges(
         Some(r) => (r.start as u64, r.end as u64),
         None => (0, file.object_meta.size),
     };
-    let row_limit = if split_rows == 0 { u64::MAX } else { split_rows };
+    let row_limit = if split_rows == 0 {
+        u64::MAX
+    } else {
+        split_rows
+    };
     let split_bytes = split_bytes.max(1);
     // Row groups in the range, with their index in the file.
     let mut inside: Vec<(usize, RowGroupSpan)> = groups
@@ -351,9 +355,9 @@ fn row_group_ranges(
         let from = *open.get_or_insert(if out.is_empty() { start } else { group.offset });
         bytes += group.bytes;
         rows += group.rows;
-        let next_overflows = inside.get(k + 1).is_some_and(|(_, next)| {
-            rows + next.rows > row_limit || bytes >= split_bytes
-        });
+        let next_overflows = inside
+            .get(k + 1)
+            .is_some_and(|(_, next)| rows + next.rows > row_limit || bytes >= split_bytes);
         if next_overflows || k + 1 == inside.len() {
             out.push(piece(from, range_end(k), None));
             open = None;
@@ -384,7 +388,10 @@ fn rows_of_row_group(
         selectors.push(RowSelector::skip((rows - last) as usize));
     }
     let mut plan = ParquetAccessPlan::new_none(row_groups);
-    plan.set(index, RowGroupAccess::Selection(RowSelection::from(selectors)));
+    plan.set(
+        index,
+        RowGroupAccess::Selection(RowSelection::from(selectors)),
+    );
     plan
 }
 
@@ -576,7 +583,10 @@ mod tests {
             panic!("a selection")
         };
         let selectors: Vec<_> = selection.iter().map(|s| (s.skip, s.row_count)).collect();
-        assert_eq!(selectors, vec![(true, 25_000), (false, 25_000), (true, 50_000)]);
+        assert_eq!(
+            selectors,
+            vec![(true, 25_000), (false, 25_000), (true, 50_000)]
+        );
         // Cut for bytes, a piece holds at least a batch of rows: a 10,000-row group over
         // the size is cut in two, not in four.
         let groups = spans(&[(1000, 10_000)]);
