@@ -316,8 +316,8 @@ extensions_options! {
         /// Rows per block: larger outputs are split, inputs of accelerator operators are
         /// coalesced up to it.
         pub target_block_rows: usize, default = 8192
-        /// Rows of a run's first blocks, in plans with a model UDF: the first split of each
-        /// source partition reads batches of this many rows and cuts blocks of this many,
+        /// Rows of a run's first blocks, in plans with a model UDF: the first splits of each
+        /// source partition (one per CPU slot) read batches of this many rows and cuts blocks of this many,
         /// then twice as many each time, and an accelerator operator's first bundles ramp
         /// the same way up to `target_block_rows`, so the first rows come out after a few
         /// hundred rows of work; 0: no ramp.

@@ -378,7 +378,9 @@ async fn accelerator_udfs_run_on_the_accelerator_pool_in_full_batches() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_first_blocks_are_small_and_grow_to_the_target() {
     let dir = tempfile::tempdir().unwrap();
-    // One file of one row group: a single split, so only the ramp makes blocks small.
+    // One file of one row group, read (for the model) as three splits of 6,667 rows: the
+    // first split of each of the two CPU slots ramps, so whichever the model reads first,
+    // its first call is small; only the ramp makes blocks small.
     write_events(dir.path(), 1, 20_000);
     let settings = |first: &'static str| {
         [

@@ -52,7 +52,7 @@ use crate::exec::run::QueryRun;
 use crate::io::object_stores::StoreGrants;
 use crate::plan::accelerator_projection::AcceleratorProjectionExec;
 use crate::plan::graph::{Operator, OperatorId, Pool};
-use crate::plan::split_source::{SplitSourceExec, reads_splits};
+use crate::plan::split_source::{SplitSourceExec, split_ramps};
 use crate::plan::stage_input::StageInputExec;
 use crate::store::block::{Block, BlockData, BlockId, HeldBlock};
 use crate::store::cutter::bundle_pieces;
@@ -611,13 +611,13 @@ impl QueryRun {
         Ok(true)
     }
 
-    /// The rows a task's blocks ramp up from: `flumen.first_block_rows` for the first split
-    /// of a split scan's partition (which reads batches that small), else 0.
+    /// The rows a task's blocks ramp up from: `flumen.first_block_rows` for the first splits
+    /// of a split scan's partition (which read batches that small), else 0.
     fn first_block_rows_of(&self, task: TaskId) -> usize {
         let (op_id, _, kind) = self.task_identity(task);
         match kind {
-            TaskKind::Source { split: 0 }
-                if reads_splits(&self.graph.operators[op_id].fragment) =>
+            TaskKind::Source { split }
+                if split_ramps(&self.graph.operators[op_id].fragment, split) =>
             {
                 self.graph.first_block_rows
             }

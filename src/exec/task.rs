@@ -18,7 +18,7 @@ use crate::exec::run::QueryRun;
 use crate::exec::streams::TaskProvider;
 use crate::plan::graph::OperatorId;
 use crate::plan::merge_join_fallback::as_sort_merge_join;
-use crate::plan::split_source::reads_splits;
+use crate::plan::split_source::split_ramps;
 use crate::plan::stage_input::TaskInputs;
 use crate::store::block::{Block, BlockData};
 use crate::store::block_store::{Placement, block_bytes};
@@ -107,7 +107,7 @@ impl QueryRun {
         };
         // The first split of a split scan reads small batches: its blocks ramp up.
         let (split, first_task) = match kind {
-            TaskKind::Source { split } => (split, split == 0 && reads_splits(&op.fragment)),
+            TaskKind::Source { split } => (split, split_ramps(&op.fragment, split)),
             _ => (0, false),
         };
         let provider = Arc::new(TaskProvider {

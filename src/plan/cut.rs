@@ -261,7 +261,7 @@ impl Cutter<'_> {
                 split_bytes,
                 split_rows,
                 self.layout,
-                self.config.first_block_rows,
+                (self.config.first_block_rows, self.config.cpu_slots.max(1)),
             )?
         } else {
             let n = fragment.output_partitioning().partition_count();
@@ -495,21 +495,14 @@ fn split_sources(
     split_bytes: u64,
     split_rows: u64,
     layout: &RowGroupLayout,
-    first_rows: usize,
+    ramp: (usize, usize),
 ) -> Result<(Arc<dyn ExecutionPlan>, Vec<usize>)> {
     let partitions = fragment.output_partitioning().partition_count();
     let mut splits = vec![1; partitions];
     if count_scans(&fragment) != 1 {
         return Ok((fragment, splits));
     }
-    let rewritten = replace_scan(
-        fragment,
-        split_bytes,
-        split_rows,
-        layout,
-        first_rows,
-        &mut splits,
-    )?;
+    let rewritten = replace_scan(fragment, split_bytes, split_rows, layout, ramp, &mut splits)?;
     Ok((rewritten, splits))
 }
 
@@ -523,7 +516,7 @@ fn replace_scan(
     split_bytes: u64,
     split_rows: u64,
     layout: &RowGroupLayout,
-    first_rows: usize,
+    ramp: (usize, usize),
     splits: &mut Vec<usize>,
 ) -> Result<Arc<dyn ExecutionPlan>> {
     if let Some(source) = plan.downcast_ref::<DataSourceExec>() {
@@ -538,7 +531,8 @@ fn replace_scan(
                 split_bytes,
                 split_rows,
                 layout,
-                first_rows,
+                ramp.0,
+                ramp.1,
             )?;
             *splits = split.splits_per_partition();
             return Ok(Arc::new(split));
@@ -551,16 +545,7 @@ fn replace_scan(
     }
     let children = children
         .into_iter()
-        .map(|c| {
-            replace_scan(
-                Arc::clone(c),
-                split_bytes,
-                split_rows,
-                layout,
-                first_rows,
-                splits,
-            )
-        })
+        .map(|c| replace_scan(Arc::clone(c), split_bytes, split_rows, layout, ramp, splits))
         .collect::<Result<Vec<_>>>()?;
     replace_children_if_necessary(plan, children)
 }

@@ -208,10 +208,16 @@ fn collect_parquet_files(
     }
 }
 
-/// Whether `fragment` reads a [`SplitSourceExec`] (whose first splits read small batches).
-pub fn reads_splits(fragment: &Arc<dyn ExecutionPlan>) -> bool {
-    fragment.downcast_ref::<SplitSourceExec>().is_some()
-        || fragment.children().into_iter().any(reads_splits)
+/// Whether split `split` of the [`SplitSourceExec`] `fragment` reads (if any) is one of its
+/// partitions' first splits, which read small batches so their task's blocks ramp up.
+pub fn split_ramps(fragment: &Arc<dyn ExecutionPlan>, split: usize) -> bool {
+    match fragment.downcast_ref::<SplitSourceExec>() {
+        Some(scan) => split < scan.ramped_splits,
+        None => fragment
+            .children()
+            .into_iter()
+            .any(|child| split_ramps(child, split)),
+    }
 }
 
 /// A Parquet scan whose partitions are read split by split.
@@ -220,13 +226,16 @@ pub struct SplitSourceExec {
     original: Arc<dyn ExecutionPlan>,
     /// `splits[partition][split]`: a one-partition scan of that byte range.
     splits: Vec<Vec<Arc<dyn ExecutionPlan>>>,
+    /// How many first splits of each partition read small batches.
+    ramped_splits: usize,
 }
 
 impl SplitSourceExec {
     /// Cut the scan `original` (whose data source is `config`) into splits of about
     /// `split_bytes` and at most `split_rows` rows (0: no limit) where the footers are
-    /// known; the first split of each partition reads batches of `first_rows` rows (0: the
-    /// session's).
+    /// known; the first `ramped_splits` splits of each partition (one per CPU slot, so
+    /// every slot's first task starts small) read batches of `first_rows` rows (0: the
+    /// session's, and no split ramps).
     pub fn try_new(
         original: Arc<dyn ExecutionPlan>,
         config: &FileScanConfig,
@@ -234,7 +243,9 @@ impl SplitSourceExec {
         split_rows: u64,
         layout: &RowGroupLayout,
         first_rows: usize,
+        ramped_splits: usize,
     ) -> Result<Self> {
+        let ramped_splits = if first_rows > 0 { ramped_splits } else { 0 };
         let split_bytes = split_bytes.max(1);
         let mut splits = vec![];
         for group in &config.file_groups {
@@ -247,9 +258,9 @@ impl SplitSourceExec {
                 for range_file in ranges {
                     let mut cfg = FileScanConfigBuilder::from(config.clone())
                         .with_file_groups(vec![FileGroup::new(vec![range_file])]);
-                    // The partition's first split reads small batches: its first rows
+                    // The partition's first splits read small batches: their first rows
                     // leave the scan (and any projection pushed into it) early.
-                    if scans.is_empty() && first_rows > 0 {
+                    if scans.len() < ramped_splits {
                         cfg = cfg.with_batch_size(Some(first_rows));
                     }
                     let cfg = cfg.build();
@@ -264,7 +275,11 @@ impl SplitSourceExec {
             }
             splits.push(scans);
         }
-        Ok(Self { original, splits })
+        Ok(Self {
+            original,
+            splits,
+            ramped_splits,
+        })
     }
 
     /// The one-partition scan of split `split` of `partition`.
