@@ -326,8 +326,9 @@ extensions_options! {
         pub split_bytes: ByteSize, default = ByteSize(4 << 20)
         /// Most rows a source task reads in plans with a model UDF (0: no limit): rows there
         /// cost much more CPU than their bytes say (`clean_text`, tokenizing), so splits by
-        /// bytes alone would be too few to share the CPU slots out; row groups larger than
-        /// this are read in pieces (Parquet row selections).
+        /// bytes alone would be too few to share the CPU slots out; in such plans row groups
+        /// larger than a split (in rows or bytes) are read in pieces (Parquet row
+        /// selections).
         pub model_split_rows: usize, default = 8192
         /// Split size of a scan that feeds a partial aggregate with GROUP BY (at least
         /// `split_bytes`): each task's partial aggregate emits one row per group it saw, so

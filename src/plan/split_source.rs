@@ -3,11 +3,11 @@
 //! Each partition's file group is cut into byte ranges of about `flumen.split_bytes`; a
 //! source task reads one range (the row groups whose first page starts inside it, as
 //! DataFusion assigns them). Where the files' footers could be read before cutting
-//! ([`RowGroupLayout`]), ranges fall on row group boundaries, so no split comes out empty,
-//! and a row group larger than a split (in bytes, or in rows where a row limit is set: in
-//! plans that call a model, `flumen.model_split_rows`) is cut into pieces of consecutive
+//! ([`RowGroupLayout`]), ranges fall on row group boundaries, so no split comes out empty;
+//! in plans that call a model, splits also hold at most `flumen.model_split_rows` rows, and
+//! a row group larger than a split (in bytes or rows) is cut into pieces of consecutive
 //! rows, each read through a Parquet row selection (DataFusion's `ParquetAccessPlan`), so
-//! a row group of a million rows is not one task; otherwise they are plain byte ranges. The same split always reads the same rows, which
+//! a row group of a million rows is not one task. Otherwise they are plain byte ranges. The same split always reads the same rows, which
 //! is what lineage recompute relies on. The first split of each partition reads small
 //! batches (`flumen.first_block_rows`), so the first rows leave after little work; its task's
 //! cutter coalesces them back up to full blocks (`crate::store::ramp`).
@@ -299,9 +299,10 @@ impl SplitSourceExec {
 const MIN_PIECE_ROWS: u64 = 8192;
 
 /// Cut one file (or its assigned range) at row group boundaries into ranges holding about
-/// `split_bytes` of row groups each and, with `split_rows` > 0, at most that many rows. A row
-/// group larger than either limit is cut into pieces of consecutive rows, each a range
-/// holding only that row group and a row selection of the piece's rows.
+/// `split_bytes` of row groups each and, with `split_rows` > 0, at most that many rows; then
+/// (only with `split_rows` > 0) a row group larger than either limit is cut into pieces of
+/// consecutive rows, each a range holding only that row group and a row selection of the
+/// piece's rows.
 fn row_group_ranges(
     file: &PartitionedFile,
     groups: &[RowGroupSpan],
@@ -347,10 +348,18 @@ fn row_group_ranges(
     let mut open: Option<u64> = None;
     let (mut bytes, mut rows) = (0u64, 0u64);
     for (k, (index, group)) in inside.iter().enumerate() {
-        let pieces = (group.bytes.div_ceil(split_bytes))
-            .min(group.rows.div_ceil(MIN_PIECE_ROWS))
-            .max(group.rows.div_ceil(row_limit))
-            .min(group.rows);
+        // Only under a row limit: a piece is read through a row selection, and without a
+        // page index (DataFusion loads one only for a pruning predicate) each piece reads
+        // its whole row group's column chunks, which costs more than it shares out where
+        // rows are cheap (TPC-H's 1M-row row groups would be read ~10 times over).
+        let pieces = if split_rows == 0 {
+            1
+        } else {
+            (group.bytes.div_ceil(split_bytes))
+                .min(group.rows.div_ceil(MIN_PIECE_ROWS))
+                .max(group.rows.div_ceil(row_limit))
+                .min(group.rows)
+        };
         if pieces > 1 && can_select {
             if let Some(from) = open.take() {
                 out.push(piece(from, group.offset, None));
@@ -583,7 +592,7 @@ mod tests {
         // One row group of 100,000 rows and 1,000 bytes, splits of 300 bytes: four pieces
         // of 25,000 rows, together every row once.
         let groups = spans(&[(50, 10), (1000, 100_000), (50, 10)]);
-        let pieces = row_group_ranges(&file(1200), &groups, 300, 0);
+        let pieces = row_group_ranges(&file(1200), &groups, 300, 1 << 30);
         let layout = layout(&pieces);
         assert_eq!(layout[0], (0, 54, None));
         for piece in &layout[1..5] {
@@ -605,7 +614,12 @@ mod tests {
         // Cut for bytes, a piece holds at least a batch of rows: a 10,000-row group over
         // the size is cut in two, not in four.
         let groups = spans(&[(1000, 10_000)]);
-        assert_eq!(row_group_ranges(&file(1100), &groups, 300, 0).len(), 2);
+        assert_eq!(
+            row_group_ranges(&file(1100), &groups, 300, 1 << 30).len(),
+            2
+        );
+        // Without a row limit (plans without a model), row groups stay whole.
+        assert_eq!(row_group_ranges(&file(1100), &groups, 300, 0).len(), 1);
     }
 
     #[test]
@@ -625,7 +639,7 @@ mod tests {
     fn a_file_with_an_access_plan_of_its_own_keeps_whole_row_groups() {
         let groups = spans(&[(1000, 1000)]);
         let own = file(1100).with_extension(ParquetAccessPlan::new_all(1));
-        let pieces = row_group_ranges(&own, &groups, 100, 0);
+        let pieces = row_group_ranges(&own, &groups, 100, 1 << 30);
         assert_eq!(pieces.len(), 1);
         assert_eq!(
             pieces[0].extension::<ParquetAccessPlan>(),
