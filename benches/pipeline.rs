@@ -767,17 +767,16 @@ impl AcceleratorWorker for MeteredWorker {
     }
 }
 
-/// The pipeline's models as UDFs (named as its SQL calls them), the devices to watch, and
-/// its CPU functions.
-fn pipeline_functions(
-    args: &Args,
-    pipeline: Pipeline,
-    zero_device: bool,
-) -> (
+/// Models, the devices to watch by name, CPU functions.
+type PipelineFunctions = (
     Vec<ScalarUDF>,
     Vec<(&'static str, Arc<dyn DeviceMeter>)>,
     Vec<ScalarUDF>,
-) {
+);
+
+/// The pipeline's models as UDFs (named as its SQL calls them), the devices to watch, and
+/// its CPU functions.
+fn pipeline_functions(args: &Args, pipeline: Pipeline, zero_device: bool) -> PipelineFunctions {
     let time = |us: u64| {
         if zero_device {
             Duration::ZERO

@@ -555,7 +555,10 @@ mod tests {
 
     /// Each piece as (range start, range end, rows it reads of each row group: `None` for
     /// whole row groups).
-    fn layout(pieces: &[PartitionedFile]) -> Vec<(i64, i64, Option<Vec<(usize, usize)>>)> {
+    /// A piece: its byte range, and (row group, rows read) of a row selection.
+    type Piece = (i64, i64, Option<Vec<(usize, usize)>>);
+
+    fn layout(pieces: &[PartitionedFile]) -> Vec<Piece> {
         pieces
             .iter()
             .map(|p| {
