@@ -1142,3 +1142,100 @@ async fn a_large_row_group_is_read_in_row_selections() {
         assert_eq!(stats.tasks as usize, splits, "{sql}");
     }
 }
+
+/// `stamp_NAME(x)`: passes `x` on, noting when each call ran (a CPU function whose timing a
+/// test reads), after sleeping `delay` per call as real work would take.
+#[derive(Debug)]
+struct Stamp {
+    name: String,
+    signature: Signature,
+    calls: Arc<Mutex<Vec<std::time::Instant>>>,
+    delay: std::time::Duration,
+}
+
+impl PartialEq for Stamp {
+    fn eq(&self, other: &Self) -> bool {
+        self.name == other.name
+    }
+}
+impl Eq for Stamp {}
+impl std::hash::Hash for Stamp {
+    fn hash<H: std::hash::Hasher>(&self, state: &mut H) {
+        self.name.hash(state);
+    }
+}
+
+impl ScalarUDFImpl for Stamp {
+    fn name(&self) -> &str {
+        &self.name
+    }
+    fn signature(&self) -> &Signature {
+        &self.signature
+    }
+    fn return_type(&self, args: &[DataType]) -> Result<DataType> {
+        Ok(args[0].clone())
+    }
+    fn invoke_with_args(&self, args: ScalarFunctionArgs) -> Result<ColumnarValue> {
+        std::thread::sleep(self.delay);
+        self.calls.lock().unwrap().push(std::time::Instant::now());
+        Ok(args.args[0].clone())
+    }
+}
+
+fn stamp(name: &str, delay_ms: u64) -> (ScalarUDF, Arc<Mutex<Vec<std::time::Instant>>>) {
+    let calls = Arc::new(Mutex::new(vec![]));
+    let udf = ScalarUDF::new_from_impl(Stamp {
+        name: name.to_string(),
+        signature: Signature::any(1, Volatility::Immutable),
+        calls: Arc::clone(&calls),
+        delay: std::time::Duration::from_millis(delay_ms),
+    });
+    (udf, calls)
+}
+
+/// With one CPU slot and long source splits, the CPU work between two models (`after`)
+/// starts while the first split is still being read: the source task gives its slot to the
+/// operator nearer the output at a batch boundary, not only when it ends.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_long_source_task_gives_its_slot_to_the_operator_nearer_the_output() {
+    let dir = tempfile::tempdir().unwrap();
+    write_events(dir.path(), 2, 5_000);
+    let f = flumen_ctx(&[
+        "SET flumen.cpu_slots = 1",
+        "SET flumen.target_block_rows = 1000",
+        "SET flumen.first_block_rows = 0",
+        "SET flumen.model_split_rows = 0",
+        "SET flumen.split_bytes = '64MB'",
+        "SET datafusion.optimizer.repartition_file_scans = false",
+        "SET datafusion.execution.batch_size = 1000",
+    ])
+    .await;
+    register_tables(&f, dir.path()).await;
+    let (before, before_calls) = stamp("before", 5);
+    let (after, after_calls) = stamp("after", 0);
+    f.register_udf(before);
+    f.register_udf(after);
+    for spec in ["m:0:1000:2", "m2:0:1000:2"] {
+        f.register_udf(accelerator_udf(
+            flumen::functions::emulated_accelerator::EmulatedModel::from_spec(spec).unwrap(),
+        ));
+    }
+    let sql = "SELECT id, m2(after(m(before(body)))) AS v FROM events";
+    let (batches, plan) = run_plan(&f, sql).await;
+    assert_eq!(batches.iter().map(|b| b.num_rows()).sum::<usize>(), 10_000);
+    let graph = plan.downcast_ref::<FlumenExec>().unwrap().graph();
+    // Two source tasks (a file each), `before` computed in them; one CPU slot.
+    assert_eq!(graph.operators[0].splits.iter().sum::<usize>(), 2);
+    // One slot: the first source task's batches are the first half of `before`'s calls.
+    // (5,000 rows each: less than the queues ahead hold, so no task pauses for its reader.)
+    let mut before_calls = before_calls.lock().unwrap().clone();
+    before_calls.sort();
+    assert_eq!(before_calls.len(), 10, "a call per batch of 1,000 rows");
+    let first_task_ended = before_calls[4];
+    let first_after = *after_calls.lock().unwrap().iter().min().unwrap();
+    assert!(
+        first_after < first_task_ended,
+        "`after` first ran {:?} after the first source task's last batch",
+        first_after - first_task_ended
+    );
+}

@@ -323,12 +323,18 @@ mod tests {
         assert_eq!(outputs[0].to_data(), outputs[1].to_data(), "deterministic");
     }
 
+    /// A worker of a model that costs 10 ms per KiB of input (nothing per batch), and its
+    /// device.
+    fn per_kib_worker(batch_rows: usize) -> (Arc<EmulatedDevice>, Box<dyn AcceleratorWorker>) {
+        let device = Arc::new(EmulatedDevice::default());
+        let model = EmulatedModel::new("m", Duration::ZERO, batch_rows, 4, Arc::clone(&device))
+            .with_service_per_kib(Duration::from_millis(10));
+        (device, model.load(&ConfigOptions::new()).unwrap())
+    }
+
     #[test]
     fn a_model_over_vectors_pays_for_its_input_size_and_the_device_keeps_its_batches() {
-        let device = Arc::new(EmulatedDevice::default());
-        let model = EmulatedModel::new("m", Duration::ZERO, 8, 4, Arc::clone(&device))
-            .with_service_per_kib(Duration::from_millis(10));
-        let mut worker = model.load(&ConfigOptions::new()).unwrap();
+        let (device, mut worker) = per_kib_worker(8);
         // Two vectors of 256 floats: 2 KiB of input, 20 ms on the device.
         let vectors = FixedSizeListArray::try_new(
             Arc::new(Field::new_list_field(DataType::Float32, true)),
@@ -364,10 +370,7 @@ mod tests {
 
     #[test]
     fn a_slice_of_text_pays_for_its_own_bytes() {
-        let device = Arc::new(EmulatedDevice::default());
-        let model = EmulatedModel::new("m", Duration::ZERO, 2, 4, Arc::clone(&device))
-            .with_service_per_kib(Duration::from_millis(10));
-        let mut worker = model.load(&ConfigOptions::new()).unwrap();
+        let (device, mut worker) = per_kib_worker(2);
         // 64 texts of 512 bytes; a slice of two is 1 KiB (10 ms), not the batch's 32 KiB.
         let texts: ArrayRef = Arc::new(StringArray::from(vec!["x".repeat(512); 64]));
         worker

@@ -234,8 +234,7 @@ pub fn split_nested_models(
         return Ok(None);
     }
     let input = projection.input();
-    let input_schema = input.schema();
-    let input_len = input_schema.fields().len();
+    let input_len = input.schema().fields().len();
     // Replace each innermost model call by a column numbered after the input's columns.
     let mut innermost: Vec<Arc<dyn PhysicalExpr>> = vec![];
     let mut outer = vec![];
@@ -249,62 +248,15 @@ pub fn split_nested_models(
         })?;
         outer.push((expr.data, e.alias.clone()));
     }
-    // The level below passes on the input columns still read above, then the model calls,
-    // under names no input column has; the expressions above are renumbered to read it.
-    let mut used: Vec<Column> = outer
-        .iter()
-        .flat_map(|(e, _)| collect_columns(e))
-        .filter(|c| c.index() < input_len)
-        .collect();
-    used.sort_by_key(|c| c.index());
-    used.dedup_by_key(|c| c.index());
-    let mut inner = vec![];
-    let mut renamed = vec![None; input_len + innermost.len()];
-    for column in &used {
-        renamed[column.index()] = Some((column.name().to_string(), inner.len()));
-        inner.push(ProjectionExpr {
-            expr: Arc::new(column.clone()) as Arc<dyn PhysicalExpr>,
-            alias: input_schema.field(column.index()).name().clone(),
-        });
-    }
+    // The model calls go below under names no input column has.
+    let input_schema = input.schema();
     let taken = |name: &str| input_schema.fields().iter().any(|f| f.name() == name);
-    let mut next_name = 0;
-    for (k, call) in innermost.into_iter().enumerate() {
-        let name = loop {
-            let name = format!("__flumen_level_{next_name}");
-            next_name += 1;
-            if !taken(&name) {
-                break name;
-            }
-        };
-        renamed[input_len + k] = Some((name.clone(), inner.len()));
-        inner.push(ProjectionExpr {
-            expr: call,
-            alias: name,
-        });
-    }
-    let inner = ProjectionExec::try_new(inner, Arc::clone(input))?;
-    let outer = outer
-        .into_iter()
-        .map(|(expr, alias)| {
-            let expr = expr
-                .transform(|node| {
-                    Ok(match as_any(&node).downcast_ref::<Column>() {
-                        Some(c) => {
-                            let (name, index) = renamed[c.index()]
-                                .clone()
-                                .expect("every column read above is passed on below");
-                            Transformed::yes(
-                                Arc::new(Column::new(&name, index)) as Arc<dyn PhysicalExpr>
-                            )
-                        }
-                        None => Transformed::no(node),
-                    })
-                })?
-                .data;
-            Ok(ProjectionExpr { expr, alias })
-        })
-        .collect::<Result<Vec<_>>>()?;
+    let names = (0..)
+        .map(|k| format!("__flumen_level_{k}"))
+        .filter(|name| !taken(name))
+        .take(innermost.len())
+        .collect();
+    let (inner, outer) = hoist_below(input, outer, innermost, names)?;
     Ok(Some((inner, outer)))
 }
 
@@ -390,8 +342,23 @@ pub fn split_cpu_work(projection: &ProjectionExec) -> Result<ProjectionExec> {
     if hoisted.is_empty() {
         return Ok(projection.clone());
     }
-    // The projection below passes on the input columns still used above, then the hoisted
-    // expressions; the expressions above are renumbered to read its output.
+    let names = (0..hoisted.len()).map(hoisted_name).collect();
+    let (lower, upper) = hoist_below(input, upper, hoisted, names)?;
+    ProjectionExec::try_new(upper, Arc::new(lower))
+}
+
+/// The two projections that compute `upper` (expressions over `input`'s columns and over
+/// the columns of `hoisted`, numbered after the input's as [`hoisted_column`] makes them) in
+/// two steps: the one below passes on the input columns read above, then computes
+/// `hoisted` under `names`; the expressions above are renumbered to read its output.
+fn hoist_below(
+    input: &Arc<dyn ExecutionPlan>,
+    upper: Vec<(Arc<dyn PhysicalExpr>, String)>,
+    hoisted: Vec<Arc<dyn PhysicalExpr>>,
+    names: Vec<String>,
+) -> Result<(ProjectionExec, Vec<ProjectionExpr>)> {
+    let input_schema = input.schema();
+    let input_len = input_schema.fields().len();
     let mut used: Vec<Column> = upper
         .iter()
         .flat_map(|(e, _)| collect_columns(e))
@@ -399,24 +366,22 @@ pub fn split_cpu_work(projection: &ProjectionExec) -> Result<ProjectionExec> {
         .collect();
     used.sort_by_key(|c| c.index());
     used.dedup_by_key(|c| c.index());
-    let mut position = vec![usize::MAX; input_len + hoisted.len()];
+    // Where each column read above is found below: (name, position).
+    let mut below: Vec<Option<(String, usize)>> = vec![None; input_len + hoisted.len()];
     let mut lower = vec![];
-    for (i, column) in used.iter().enumerate() {
-        position[column.index()] = i;
+    for column in &used {
+        let alias = input_schema.field(column.index()).name().clone();
+        below[column.index()] = Some((alias.clone(), lower.len()));
         lower.push(ProjectionExpr {
             expr: Arc::new(column.clone()) as Arc<dyn PhysicalExpr>,
-            alias: input_schema.field(column.index()).name().clone(),
+            alias,
         });
     }
-    for (k, expr) in hoisted.into_iter().enumerate() {
-        position[input_len + k] = used.len() + k;
-        lower.push(ProjectionExpr {
-            expr,
-            alias: hoisted_name(k),
-        });
+    for (k, (expr, alias)) in hoisted.into_iter().zip(names).enumerate() {
+        below[input_len + k] = Some((alias.clone(), lower.len()));
+        lower.push(ProjectionExpr { expr, alias });
     }
-    let lower: Arc<dyn ExecutionPlan> =
-        Arc::new(ProjectionExec::try_new(lower, Arc::clone(input))?);
+    let lower = ProjectionExec::try_new(lower, Arc::clone(input))?;
     let upper = upper
         .into_iter()
         .map(|(expr, alias)| {
@@ -424,8 +389,12 @@ pub fn split_cpu_work(projection: &ProjectionExec) -> Result<ProjectionExec> {
                 .transform(|node| {
                     Ok(match as_any(&node).downcast_ref::<Column>() {
                         Some(c) => {
-                            Transformed::yes(Arc::new(Column::new(c.name(), position[c.index()]))
-                                as Arc<dyn PhysicalExpr>)
+                            let (name, index) = below[c.index()]
+                                .clone()
+                                .expect("every column read above is passed on below");
+                            Transformed::yes(
+                                Arc::new(Column::new(&name, index)) as Arc<dyn PhysicalExpr>
+                            )
                         }
                         None => Transformed::no(node),
                     })
@@ -434,7 +403,7 @@ pub fn split_cpu_work(projection: &ProjectionExec) -> Result<ProjectionExec> {
             Ok(ProjectionExpr { expr, alias })
         })
         .collect::<Result<Vec<_>>>()?;
-    ProjectionExec::try_new(upper, lower)
+    Ok((lower, upper))
 }
 
 /// Split off the CPU work that consumes model outputs (`cosine_similarity(embed(a), v)`):
