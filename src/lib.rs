@@ -23,6 +23,7 @@
 //! - [`cluster`]: worker processes, their protocol and the driver's pools of them.
 //! - [`io`]: object stores, output commit, Delta Lake and Iceberg tables.
 //! - [`functions`]: SQL functions: accelerator UDFs, `embed`, text and vector helpers.
+//! - [`serve`]: `flumen serve`, the Arrow Flight SQL server.
 //! - [`config`]: the `flumen.*` settings; [`demo`] and [`feature_job`]: the demo table and
 //!   the main job.
 
@@ -36,6 +37,7 @@ pub mod feature_job;
 pub mod functions;
 pub mod io;
 pub mod plan;
+pub mod serve;
 pub mod session;
 pub mod store;
 

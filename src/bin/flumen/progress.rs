@@ -7,9 +7,7 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use datafusion::physical_plan::ExecutionPlan;
-use flumen::exec::FlumenExec;
-use flumen::exec::StatsSnapshot;
-use flumen::plan::{Operator, TaskShape};
+use flumen::exec::progress::{find_flumen_exec, hosts_line, operator_line};
 use indicatif::{MultiProgress, ProgressBar, ProgressDrawTarget, ProgressStyle};
 
 /// How long a query runs before its progress lines appear.
@@ -51,7 +49,7 @@ impl Progress {
                     .map(|_| multi.add(ProgressBar::new_spinner().with_style(style.clone())))
                     .collect();
             }
-            let mut hosts_line: Option<ProgressBar> = None;
+            let mut workers_bar: Option<ProgressBar> = None;
             loop {
                 {
                     let mut lines = shared.lock().unwrap();
@@ -59,12 +57,12 @@ impl Progress {
                         return;
                     }
                     for (op, line) in graph.operators.iter().zip(&lines.bars) {
-                        line.set_message(describe(op, &metrics.operator(op.id).snapshot()));
+                        line.set_message(operator_line(op, &metrics.operator(op.id).snapshot()));
                         line.tick();
                     }
                     // Tasks ran in workers: one more line, per host.
-                    if let Some(text) = describe_hosts(&metrics) {
-                        let line = hosts_line.get_or_insert_with(|| {
+                    if let Some(text) = hosts_line(&metrics) {
+                        let line = workers_bar.get_or_insert_with(|| {
                             let line =
                                 multi.add(ProgressBar::new_spinner().with_style(style.clone()));
                             lines.bars.push(line.clone());
@@ -81,44 +79,6 @@ impl Progress {
     }
 }
 
-/// The workers' line: tasks run on each host, and workers lost, joined and rejoined;
-/// `None` before a task ran in a worker.
-fn describe_hosts(metrics: &flumen::exec::RunMetrics) -> Option<String> {
-    let hosts = metrics.tasks_by_host();
-    if hosts.is_empty() {
-        return None;
-    }
-    let per_host: Vec<String> = hosts
-        .iter()
-        .map(|(host, tasks)| format!("{host}: {tasks}"))
-        .collect();
-    let [lost, joined, rejoined] = metrics.membership();
-    Some(format!(
-        "workers  tasks by host [{}] lost={lost} joined={joined} rejoined={rejoined}",
-        per_host.join(", ")
-    ))
-}
-
-/// One operator's progress line.
-fn describe(op: &Operator, s: &StatsSnapshot) -> String {
-    let tasks = if op.shape == TaskShape::Source {
-        format!("{}/{}", s.tasks, op.splits.iter().sum::<usize>())
-    } else {
-        s.tasks.to_string()
-    };
-    format!(
-        "op{} {:<26} [{}] rows={} blocks={} tasks={} running={} backpressure={:.1}s",
-        op.id,
-        op.name,
-        op.pool,
-        s.rows,
-        s.blocks,
-        tasks,
-        s.running,
-        s.backpressure_ns as f64 / 1e9
-    )
-}
-
 impl Drop for Progress {
     fn drop(&mut self) {
         let mut lines = self.lines.lock().unwrap();
@@ -128,12 +88,4 @@ impl Drop for Progress {
         }
         self.task.abort();
     }
-}
-
-/// The first `FlumenExec` in `plan`.
-fn find_flumen_exec(plan: &Arc<dyn ExecutionPlan>) -> Option<&FlumenExec> {
-    if let Some(exec) = plan.downcast_ref::<FlumenExec>() {
-        return Some(exec);
-    }
-    plan.children().into_iter().find_map(find_flumen_exec)
 }

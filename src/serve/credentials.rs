@@ -1,0 +1,359 @@
+//! Who may use `flumen serve`: users with hashed passwords, a static token, and the session
+//! tokens the handshake hands out.
+//!
+//! - A **user file** (`--users FILE`, owner-only) holds one `name:hash` line per user, the
+//!   hash an Argon2id PHC string as `flumen serve --hash-password` prints it. A client
+//!   authenticates with HTTP basic credentials on the Flight `Handshake` call and gets a
+//!   session token back in the `authorization` response header (what ADBC's Flight SQL
+//!   driver does with `username`/`password`).
+//! - A **static token** (`--token-file FILE`, owner-only, 64 hex digits) is accepted as a
+//!   bearer token on every call (ADBC's `authorization_header` option), and in exchange for a
+//!   session token on the handshake. With neither option the server makes one on first
+//!   start and keeps it in its state directory, as Jupyter does.
+//!
+//! Every token is compared in constant time; none is ever logged or printed.
+
+use std::collections::HashMap;
+use std::path::Path;
+use std::sync::{Arc, Mutex};
+
+use argon2::password_hash::{PasswordHash, PasswordHasher, PasswordVerifier, SaltString};
+use argon2::Argon2;
+use base64::Engine;
+use datafusion::error::{DataFusionError, Result};
+use subtle::ConstantTimeEq;
+
+use crate::cluster::auth::{Secret, read_owner_only};
+
+/// The users of a server: name → Argon2 hash (PHC string).
+#[derive(Clone, Default)]
+pub struct UserFile {
+    hashes: HashMap<String, String>,
+}
+
+impl std::fmt::Debug for UserFile {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let mut names: Vec<_> = self.hashes.keys().collect();
+        names.sort();
+        f.debug_struct("UserFile").field("users", &names).finish()
+    }
+}
+
+impl UserFile {
+    /// Read `name:hash` lines (blank lines and `#` comments skipped) from a file only its
+    /// owner can read.
+    pub fn from_file(path: &Path) -> Result<Self> {
+        Self::parse(&read_owner_only(path, "user file")?)
+            .map_err(|e| DataFusionError::Execution(format!("user file {}: {e}", path.display())))
+    }
+
+    /// Parse the text of a user file.
+    pub fn parse(text: &str) -> Result<Self> {
+        let mut hashes = HashMap::new();
+        for (number, line) in text.lines().enumerate() {
+            let line = line.trim();
+            if line.is_empty() || line.starts_with('#') {
+                continue;
+            }
+            let bad = |why: &str| {
+                DataFusionError::Execution(format!("line {}: {why}", number + 1))
+            };
+            let (name, hash) = line
+                .split_once(':')
+                .ok_or_else(|| bad("expected NAME:HASH (flumen serve --hash-password)"))?;
+            if name.is_empty() {
+                return Err(bad("empty user name"));
+            }
+            PasswordHash::new(hash).map_err(|_| {
+                bad("the hash is not a PHC string (make one with flumen serve --hash-password)")
+            })?;
+            if hashes.insert(name.to_string(), hash.to_string()).is_some() {
+                return Err(bad(&format!("user {name} appears twice")));
+            }
+        }
+        Ok(Self { hashes })
+    }
+
+    /// Whether `name` exists and `password` is theirs. Unknown users cost a hash too, so
+    /// timing does not tell which names exist.
+    pub fn verify(&self, name: &str, password: &str) -> bool {
+        static DECOY: std::sync::OnceLock<String> = std::sync::OnceLock::new();
+        let decoy = DECOY.get_or_init(|| hash_password("flumen decoy").unwrap_or_default());
+        let (hash, known) = match self.hashes.get(name) {
+            Some(hash) => (hash.as_str(), true),
+            None => (decoy.as_str(), false),
+        };
+        let Ok(parsed) = PasswordHash::new(hash) else {
+            return false;
+        };
+        let matches = Argon2::default()
+            .verify_password(password.as_bytes(), &parsed)
+            .is_ok();
+        matches && known
+    }
+
+    /// How many users the file names.
+    pub fn len(&self) -> usize {
+        self.hashes.len()
+    }
+
+    /// Whether the file names no user.
+    pub fn is_empty(&self) -> bool {
+        self.hashes.is_empty()
+    }
+}
+
+/// An Argon2id hash of `password` with a fresh random salt, as a PHC string.
+pub fn hash_password(password: &str) -> Result<String> {
+    let mut salt = [0u8; 16];
+    getrandom::fill(&mut salt)
+        .map_err(|e| DataFusionError::Execution(format!("no random salt: {e}")))?;
+    let salt = SaltString::encode_b64(&salt)
+        .map_err(|e| DataFusionError::Execution(format!("bad salt: {e}")))?;
+    Argon2::default()
+        .hash_password(password.as_bytes(), &salt)
+        .map(|hash| hash.to_string())
+        .map_err(|e| DataFusionError::Execution(format!("cannot hash the password: {e}")))
+}
+
+/// What a caller proved on the handshake, or presents on a call.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Credential {
+    /// HTTP basic: a user name and password.
+    Basic {
+        /// The user name.
+        user: String,
+        /// The password as sent.
+        password: String,
+    },
+    /// A bearer token (64 hex digits).
+    Bearer(String),
+}
+
+impl Credential {
+    /// Parse an `authorization` header value (`Basic base64(user:password)` or
+    /// `Bearer TOKEN`).
+    pub fn parse(header: &str) -> Option<Self> {
+        if let Some(token) = header.strip_prefix("Bearer ") {
+            return Some(Self::Bearer(token.trim().to_string()));
+        }
+        let encoded = header.strip_prefix("Basic ")?;
+        // Padding optional: Go's Flight client sends none.
+        let lenient = base64::engine::GeneralPurpose::new(
+            &base64::alphabet::STANDARD,
+            base64::engine::GeneralPurposeConfig::new()
+                .with_decode_padding_mode(base64::engine::DecodePaddingMode::Indifferent),
+        );
+        let decoded = lenient.decode(encoded.trim()).ok()?;
+        let text = String::from_utf8(decoded).ok()?;
+        let (user, password) = text.split_once(':')?;
+        Some(Self::Basic {
+            user: user.to_string(),
+            password: password.to_string(),
+        })
+    }
+}
+
+/// Who a session token or the static token belongs to.
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+pub struct Caller {
+    /// The user name (`token` for the static token's holders).
+    pub user: String,
+    /// The session this caller's settings live in (the token's first 16 hex digits; never
+    /// the whole token).
+    pub session: String,
+}
+
+/// The server's side of authentication: users, the static token, issued session tokens.
+#[derive(Debug, Clone)]
+pub struct Authenticator {
+    users: Option<Arc<UserFile>>,
+    static_token: Option<Arc<Secret>>,
+    issued: Arc<Mutex<Vec<([u8; 32], Caller)>>>,
+}
+
+/// The user name the static token's holders run as.
+pub const TOKEN_USER: &str = "token";
+
+impl Authenticator {
+    /// Accept the users of `users` and/or the static token; at least one must be given.
+    pub fn new(users: Option<UserFile>, static_token: Option<Secret>) -> Result<Self> {
+        if users.as_ref().is_none_or(UserFile::is_empty) && static_token.is_none() {
+            return Err(DataFusionError::Execution(
+                "flumen serve needs users (--users FILE) or a token (--token-file FILE): an \
+                 unauthenticated call never runs anything"
+                    .into(),
+            ));
+        }
+        Ok(Self {
+            users: users.map(Arc::new),
+            static_token: static_token.map(Arc::new),
+            issued: Arc::default(),
+        })
+    }
+
+    /// The handshake: check basic credentials or the static token and issue a new session
+    /// token for them (its own session: its own settings).
+    pub fn handshake(&self, credential: &Credential) -> Option<(Secret, Caller)> {
+        let user = match credential {
+            Credential::Basic { user, password } => {
+                let users = self.users.as_ref()?;
+                users.verify(user, password).then(|| user.clone())?
+            }
+            Credential::Bearer(token) => {
+                self.is_static_token(token).then(|| TOKEN_USER.to_string())?
+            }
+        };
+        let token = Secret::random();
+        let caller = Caller {
+            user,
+            session: token.to_hex()[..16].to_string(),
+        };
+        let bytes = hex_bytes(&token.to_hex())?;
+        self.issued.lock().unwrap().push((bytes, caller.clone()));
+        Some((token, caller))
+    }
+
+    /// Who presents bearer `token` on a call: a session token from a handshake, or the
+    /// static token (whose holders share one session).
+    pub fn caller(&self, token: &str) -> Option<Caller> {
+        if self.is_static_token(token) {
+            return Some(Caller {
+                user: TOKEN_USER.into(),
+                session: TOKEN_USER.into(),
+            });
+        }
+        let presented = hex_bytes(token)?;
+        let issued = self.issued.lock().unwrap();
+        // Compare with every token, without stopping at the first match.
+        let mut found = None;
+        for (bytes, caller) in issued.iter() {
+            if bool::from(bytes.ct_eq(&presented)) {
+                found = Some(caller.clone());
+            }
+        }
+        found
+    }
+
+    fn is_static_token(&self, token: &str) -> bool {
+        let (Some(expected), Some(presented)) = (&self.static_token, hex_bytes(token)) else {
+            return false;
+        };
+        let expected = hex_bytes(&expected.to_hex()).unwrap_or_default();
+        bool::from(expected.ct_eq(&presented))
+    }
+}
+
+fn hex_bytes(text: &str) -> Option<[u8; 32]> {
+    hex::decode(text.trim()).ok()?.try_into().ok()
+}
+
+/// The static token of a server started with neither users nor a token file: read from
+/// `path` (owner-only), or made and written there (mode 0600) on first start.
+pub fn default_token(path: &Path) -> Result<Secret> {
+    if path.exists() {
+        return Secret::from_file(path);
+    }
+    let token = Secret::random();
+    if let Some(dir) = path.parent() {
+        std::fs::create_dir_all(dir)?;
+    }
+    use std::io::Write;
+    use std::os::unix::fs::OpenOptionsExt;
+    let mut file = std::fs::OpenOptions::new()
+        .write(true)
+        .create_new(true)
+        .mode(0o600)
+        .open(path)
+        .map_err(|e| {
+            DataFusionError::Execution(format!("cannot write {}: {e}", path.display()))
+        })?;
+    writeln!(file, "{}", token.to_hex())?;
+    Ok(token)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_user_file_verifies_only_the_right_password() {
+        let hash = hash_password("s3cret").unwrap();
+        assert!(hash.starts_with("$argon2id$"), "{hash}");
+        let users = UserFile::parse(&format!("# team\nana:{hash}\n\n")).unwrap();
+        assert_eq!(users.len(), 1);
+        assert!(users.verify("ana", "s3cret"));
+        assert!(!users.verify("ana", "wrong"));
+        assert!(!users.verify("bob", "s3cret"));
+        assert!(!format!("{users:?}").contains("argon2"));
+    }
+
+    #[test]
+    fn a_bad_user_file_names_its_line() {
+        let err = UserFile::parse("ana:plaintext").unwrap_err().to_string();
+        assert!(err.contains("line 1") && err.contains("PHC"), "{err}");
+        let err = UserFile::parse("\nnocolon").unwrap_err().to_string();
+        assert!(err.contains("line 2"), "{err}");
+    }
+
+    #[test]
+    fn basic_and_bearer_headers_parse() {
+        let basic = base64::engine::general_purpose::STANDARD.encode("ana:pa:ss");
+        let unpadded = base64::engine::general_purpose::STANDARD_NO_PAD.encode("ana:nope");
+        assert!(matches!(
+            Credential::parse(&format!("Basic {unpadded}")),
+            Some(Credential::Basic { password, .. }) if password == "nope"
+        ));
+        assert_eq!(
+            Credential::parse(&format!("Basic {basic}")),
+            Some(Credential::Basic {
+                user: "ana".into(),
+                password: "pa:ss".into()
+            })
+        );
+        assert_eq!(
+            Credential::parse("Bearer abc"),
+            Some(Credential::Bearer("abc".into()))
+        );
+        assert_eq!(Credential::parse("Digest x"), None);
+    }
+
+    #[test]
+    fn handshakes_issue_tokens_with_their_own_sessions() {
+        let hash = hash_password("pw").unwrap();
+        let users = UserFile::parse(&format!("ana:{hash}")).unwrap();
+        let token = Secret::random();
+        let auth = Authenticator::new(Some(users), Some(token.clone())).unwrap();
+        let basic = Credential::Basic {
+            user: "ana".into(),
+            password: "pw".into(),
+        };
+        let (first, caller) = auth.handshake(&basic).unwrap();
+        let (second, _) = auth.handshake(&basic).unwrap();
+        assert_eq!(caller.user, "ana");
+        let a = auth.caller(&first.to_hex()).unwrap();
+        let b = auth.caller(&second.to_hex()).unwrap();
+        assert_ne!(a.session, b.session);
+        assert!(auth.caller(&Secret::random().to_hex()).is_none());
+        assert!(auth.caller("not hex").is_none());
+        assert_eq!(auth.caller(&token.to_hex()).unwrap().user, TOKEN_USER);
+        let wrong = Credential::Basic {
+            user: "ana".into(),
+            password: "nope".into(),
+        };
+        assert!(auth.handshake(&wrong).is_none());
+        assert!(auth.handshake(&Credential::Bearer(token.to_hex())).is_some());
+        assert!(Authenticator::new(None, None).is_err());
+    }
+
+    #[test]
+    fn the_default_token_is_made_once_and_owner_only() {
+        use std::os::unix::fs::PermissionsExt;
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("state/serve-token");
+        let made = default_token(&path).unwrap();
+        let mode = std::fs::metadata(&path).unwrap().permissions().mode();
+        assert_eq!(mode & 0o777, 0o600);
+        assert_eq!(default_token(&path).unwrap(), made);
+    }
+}

@@ -1,0 +1,171 @@
+//! `flumen serve`: an Arrow Flight SQL server over a flumen session, for ADBC (Python, Go,
+//! Java, C), the Flight SQL JDBC driver and any Flight client.
+//!
+//! - [`credentials`]: users with Argon2 password hashes, the static token, session tokens.
+//! - [`gate`]: the tower layer that refuses every call but the handshake without a token.
+//! - [`sessions`]: each client's own session (own settings, shared tables).
+//! - [`statements`]: tickets and prepared statements held between calls.
+//! - [`running`]: the running queries: progress view, cancellation, one log line each.
+//! - [`catalog_file`]: the tables clients created, kept across restarts.
+//! - [`flight_sql`]: the Flight SQL service itself.
+//!
+//! Nothing runs unauthenticated: a server needs users or a token, and one listening on
+//! anything but loopback needs TLS too (passwords and tokens must not cross a network in
+//! the clear).
+
+pub mod catalog_file;
+pub mod credentials;
+pub mod flight_sql;
+pub mod gate;
+pub mod running;
+pub mod sessions;
+pub mod statements;
+
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::sync::Arc;
+
+use arrow_flight::flight_service_server::FlightServiceServer;
+use datafusion::error::{DataFusionError, Result};
+use datafusion::prelude::SessionContext;
+
+use crate::cluster::auth::Secret;
+use crate::cluster::tls::TlsIdentity;
+use catalog_file::CatalogFile;
+use credentials::{Authenticator, UserFile};
+use flight_sql::FlumenFlightSql;
+
+/// The default address: loopback, the port Flight SQL servers customarily use.
+pub const DEFAULT_LISTEN: &str = "127.0.0.1:50051";
+
+/// Largest message a client may send (a ticket, parameters, an action): 16 MiB.
+pub const MAX_REQUEST_BYTES: usize = 16 << 20;
+
+/// How a server listens and whom it admits.
+#[derive(Debug)]
+pub struct ServeSettings {
+    /// `host:port` to listen on (port 0 picks a free one).
+    pub listen: String,
+    /// Users who authenticate with a password on the handshake.
+    pub users: Option<UserFile>,
+    /// A token accepted as a bearer token on every call.
+    pub token: Option<Secret>,
+    /// The TLS certificate and key (required off loopback).
+    pub tls: Option<TlsIdentity>,
+    /// Where tables created by clients are kept (none: they last until the server exits).
+    pub catalog_file: Option<PathBuf>,
+}
+
+impl ServeSettings {
+    /// Listen on [`DEFAULT_LISTEN`] without users, token, TLS or catalog file (give at
+    /// least users or a token before serving).
+    pub fn new() -> Self {
+        Self {
+            listen: DEFAULT_LISTEN.into(),
+            users: None,
+            token: None,
+            tls: None,
+            catalog_file: None,
+        }
+    }
+}
+
+impl Default for ServeSettings {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+/// Refuse to serve on `address` what would cross a network in the clear.
+pub fn check_exposure(address: &SocketAddr, tls: bool) -> Result<()> {
+    if !tls && !address.ip().is_loopback() {
+        return Err(DataFusionError::Execution(format!(
+            "flumen serve on {address} (not a loopback address) must use TLS, or passwords \
+             and tokens would cross the network in the clear: give --tls-cert FILE and \
+             --tls-key FILE"
+        )));
+    }
+    Ok(())
+}
+
+/// Serve `ctx`'s tables over Flight SQL until Ctrl-C or SIGTERM. Prints `flumen serve
+/// listening on ADDRESS` on standard output once it accepts calls.
+pub async fn serve(ctx: SessionContext, settings: ServeSettings) -> Result<()> {
+    let auth = Authenticator::new(settings.users, settings.token)?;
+    let listener = tokio::net::TcpListener::bind(&settings.listen)
+        .await
+        .map_err(|e| {
+            DataFusionError::Execution(format!(
+                "flumen serve cannot listen on {}: {e}",
+                settings.listen
+            ))
+        })?;
+    let address = listener.local_addr()?;
+    check_exposure(&address, settings.tls.is_some())?;
+    let catalog = match &settings.catalog_file {
+        Some(path) => {
+            let catalog = CatalogFile::open(path)?;
+            let created = catalog.replay(&ctx).await;
+            log::info!(
+                "flumen serve: {created} of {} tables recreated from {}",
+                catalog.tables().len(),
+                path.display()
+            );
+            Some(Arc::new(catalog))
+        }
+        None => None,
+    };
+    let mut builder = tonic::transport::Server::builder();
+    if let Some(identity) = &settings.tls {
+        let _ = rustls::crypto::ring::default_provider().install_default();
+        builder = builder.tls_config(identity.server_config()).map_err(|e| {
+            DataFusionError::Execution(format!("flumen serve cannot use its TLS identity: {e}"))
+        })?;
+    }
+    let service = FlumenFlightSql::new(ctx, auth.clone(), catalog)?;
+    let server = FlightServiceServer::new(service)
+        .max_decoding_message_size(MAX_REQUEST_BYTES);
+    println!("flumen serve listening on {address}");
+    use std::io::Write;
+    std::io::stdout().flush()?;
+    builder
+        .layer(gate::AuthLayer::new(auth))
+        .add_service(server)
+        .serve_with_incoming_shutdown(
+            tokio_stream::wrappers::TcpListenerStream::new(listener),
+            shutdown_signal(),
+        )
+        .await
+        .map_err(|e| DataFusionError::Execution(format!("flumen serve on {address} failed: {e}")))
+}
+
+/// Resolves on Ctrl-C or SIGTERM.
+async fn shutdown_signal() {
+    let mut term = match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())
+    {
+        Ok(term) => term,
+        Err(_) => {
+            let _ = tokio::signal::ctrl_c().await;
+            return;
+        }
+    };
+    tokio::select! {
+        _ = tokio::signal::ctrl_c() => {}
+        _ = term.recv() => {}
+    }
+    log::info!("flumen serve: shutting down");
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn plaintext_is_refused_off_loopback() {
+        let any: SocketAddr = "0.0.0.0:50051".parse().unwrap();
+        let err = check_exposure(&any, false).unwrap_err().to_string();
+        assert!(err.contains("must use TLS"), "{err}");
+        assert!(check_exposure(&any, true).is_ok());
+        assert!(check_exposure(&"127.0.0.1:1".parse().unwrap(), false).is_ok());
+    }
+}
