@@ -2,7 +2,8 @@
 # Installs the peer tools the integration tests run against, into target/test-venv (once):
 #   moto's S3-compatible server (object-store tests on 127.0.0.1) and the Delta Lake and
 #   Iceberg writers of the Python ecosystem (`deltalake`, `pyiceberg`), which write the
-#   lakehouse test tables that flumen must read; and the `openssl` command, with which the
+#   lakehouse test tables that flumen must read; the ADBC Flight SQL driver (and pyarrow's
+#   Flight client), with which `flumen serve`'s tests connect as Python users do; and the `openssl` command, with which the
 #   TLS tests make an operator's certificates, and `ip`/`tc` (iproute2) for the multi-host
 #   tests' network namespaces (both from Debian's packages when missing).
 # Tests find them there (or through FLUMEN_MOTO_SERVER / FLUMEN_LAKEHOUSE_PYTHON).
@@ -23,7 +24,7 @@ if ! command -v ip >/dev/null || ! command -v tc >/dev/null; then
         || echo "WARNING: could not install iproute2: the multi-host tests will fail" >&2
 fi
 venv="$PWD/target/test-venv"
-stamp="$venv/.installed-v1"
+stamp="$venv/.installed-v2"
 if [ -e "$stamp" ]; then
     exit 0
 fi
@@ -31,11 +32,12 @@ required=0
 case "${CI:-}" in "" | 0 | false | FALSE | False) ;; *) required=1 ;; esac
 [ "${FLUMEN_REQUIRE_TOOLS:-0}" = "1" ] && required=1
 if python3 -m venv "$venv" && "$venv/bin/pip" install --quiet --disable-pip-version-check \
-    "moto[server]==5.2.5" "deltalake==1.1.4" "pyiceberg[sql-sqlite,pyarrow]==0.12.0"; then
+    "moto[server]==5.2.5" "deltalake==1.1.4" "pyiceberg[sql-sqlite,pyarrow]==0.12.0" \
+    "adbc-driver-flightsql==1.13.0" "adbc-driver-manager==1.13.0"; then
     touch "$stamp"
     echo "test tools installed in $venv"
 elif [ "$required" = 1 ]; then
-    echo "ERROR: could not install the test tools into $venv (moto, deltalake, pyiceberg);" \
+    echo "ERROR: could not install the test tools into $venv (moto, deltalake, pyiceberg, adbc-driver-flightsql);" \
         "under CI the tests that need them cannot be skipped" >&2
     exit 1
 else

@@ -144,14 +144,22 @@ impl QueryRun {
         }
     }
 
-    /// Whether no task can make progress by itself: no slot runs a task, and every
-    /// streaming task waits for blocks.
+    /// Whether no task can make progress by itself: no slot runs a task, every streaming
+    /// task waits for blocks, and the query's reader is not about to read the root's
+    /// unread output (it would free the root's paused tasks: a slow client holds the
+    /// query back instead of the liveness rule running it to its end).
     pub(super) fn stalled(&self, st: &RunState) -> bool {
+        let reader_will_read = self.root_output_held(st) && st.output_blocked == 0;
         policy::stalled(
             st.running.iter().sum(),
             st.streaming_waiting,
             st.streaming_running,
-        )
+        ) && !reader_will_read
+    }
+
+    /// Whether the root operator (run in tasks) holds output the query's reader has not read.
+    pub(super) fn root_output_held(&self, st: &RunState) -> bool {
+        !self.root_runs_in_output() && st.operators[self.graph.root().id].held_rows > 0
     }
 
     /// Index in `op`'s paused tasks of one whose readers caught up (its unread output fell

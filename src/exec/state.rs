@@ -140,6 +140,10 @@ pub(super) struct RunState {
     pub(super) streaming_running: usize,
     /// Streaming tasks' block readers waiting for a block that is not there yet.
     pub(super) streaming_waiting: usize,
+    /// The query's output readers waiting for a block while the root holds unread output
+    /// (they wait for another of its tasks, by output order): only then may the liveness
+    /// rule act for them.
+    pub(super) output_blocked: usize,
     /// Tasks refused memory while others ran, waiting to run again alone (see
     /// [`QueryRun::retry_alone`](super::run::QueryRun)).
     pub(super) waiting_alone: std::collections::VecDeque<TaskId>,

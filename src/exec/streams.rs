@@ -35,6 +35,7 @@ impl QueryRun {
                     return None;
                 }
                 let mut waiting = false;
+                let mut waiting_blocked = false;
                 loop {
                     rx.borrow_and_update();
                     let mut asked = false;
@@ -43,7 +44,10 @@ impl QueryRun {
                         let mut st = run.state.lock().unwrap();
                         // Woken while waiting: its wait is not a new one.
                         let rewaiting = std::mem::take(&mut waiting);
-                        if rewaiting {
+                        let was_blocked = std::mem::take(&mut waiting_blocked);
+                        if was_blocked {
+                            st.output_blocked -= 1;
+                        } else if rewaiting && !matches!(reader, Reader::Output) {
                             st.streaming_waiting -= 1;
                         }
                         if let Some(e) = &st.error {
@@ -79,6 +83,17 @@ impl QueryRun {
                                 // (Checking on every wake-up would wake the other
                                 // waiting readers, which would wake this one: a spin.)
                                 stalled = !rewaiting && run.stalled(&st);
+                            }
+                            (Next::Wait, Reader::Output) => {
+                                // Waiting while the root holds unread output: for a task
+                                // of the root the scheduler may hold back, so the liveness
+                                // rule may act (see `QueryRun::stalled`).
+                                waiting = true;
+                                if run.root_output_held(&st) {
+                                    st.output_blocked += 1;
+                                    waiting_blocked = true;
+                                    stalled = !was_blocked && run.stalled(&st);
+                                }
                             }
                             _ => {}
                         }

@@ -10,6 +10,7 @@ use std::sync::{Arc, OnceLock};
 use datafusion::common::tree_node::TreeNodeRecursion;
 use datafusion::error::{DataFusionError, Result};
 use datafusion::execution::{SendableRecordBatchStream, TaskContext};
+use datafusion::physical_plan::coop::make_cooperative;
 use datafusion::physical_plan::empty::EmptyExec;
 use datafusion::physical_plan::execution_plan::ReplaceChildrenOptions;
 use datafusion::physical_plan::stream::RecordBatchStreamAdapter;
@@ -208,7 +209,10 @@ impl ExecutionPlan for StageInputExec {
                     self.producer
                 ))
             })?;
-        let stream = inputs.provider.open(self.input, partition)?;
+        // Blocks in memory are always ready: without tokio's budget a consumer that loops
+        // over its input inside one poll (an aggregate) would hold its thread to the end,
+        // deaf to cancellation.
+        let stream = make_cooperative(inputs.provider.open(self.input, partition)?);
         match self.fetch {
             None => Ok(stream),
             Some(limit) => Ok(limit_stream(stream, limit)),

@@ -155,7 +155,12 @@ mod tests {
             data.display()
         );
         catalog.record_create("t", &sql).unwrap();
-        catalog.record_create("gone", "CREATE EXTERNAL TABLE gone STORED AS CSV LOCATION '/nope/x.csv'").unwrap();
+        catalog
+            .record_create(
+                "gone",
+                "CREATE EXTERNAL TABLE gone STORED AS CSV LOCATION '/nope/x.csv'",
+            )
+            .unwrap();
         use std::os::unix::fs::PermissionsExt;
         let mode = std::fs::metadata(&path).unwrap().permissions().mode();
         assert_eq!(mode & 0o777, 0o600);
@@ -164,7 +169,13 @@ mod tests {
         assert_eq!(reopened.tables().len(), 2);
         let ctx = crate::session(crate::FlumenConfig::default());
         assert_eq!(reopened.replay(&ctx).await, 1);
-        let rows = ctx.sql("SELECT count(*) FROM t").await.unwrap().collect().await.unwrap();
+        let rows = ctx
+            .sql("SELECT count(*) FROM t")
+            .await
+            .unwrap()
+            .collect()
+            .await
+            .unwrap();
         assert_eq!(rows[0].num_rows(), 1);
         reopened.record_drop("t").unwrap();
         assert_eq!(CatalogFile::open(&path).unwrap().tables().len(), 1);

@@ -17,8 +17,8 @@ use std::collections::HashMap;
 use std::path::Path;
 use std::sync::{Arc, Mutex};
 
-use argon2::password_hash::{PasswordHash, PasswordHasher, PasswordVerifier, SaltString};
 use argon2::Argon2;
+use argon2::password_hash::{PasswordHash, PasswordHasher, PasswordVerifier, SaltString};
 use base64::Engine;
 use datafusion::error::{DataFusionError, Result};
 use subtle::ConstantTimeEq;
@@ -55,9 +55,7 @@ impl UserFile {
             if line.is_empty() || line.starts_with('#') {
                 continue;
             }
-            let bad = |why: &str| {
-                DataFusionError::Execution(format!("line {}: {why}", number + 1))
-            };
+            let bad = |why: &str| DataFusionError::Execution(format!("line {}: {why}", number + 1));
             let (name, hash) = line
                 .split_once(':')
                 .ok_or_else(|| bad("expected NAME:HASH (flumen serve --hash-password)"))?;
@@ -200,9 +198,9 @@ impl Authenticator {
                 let users = self.users.as_ref()?;
                 users.verify(user, password).then(|| user.clone())?
             }
-            Credential::Bearer(token) => {
-                self.is_static_token(token).then(|| TOKEN_USER.to_string())?
-            }
+            Credential::Bearer(token) => self
+                .is_static_token(token)
+                .then(|| TOKEN_USER.to_string())?,
         };
         let token = Secret::random();
         let caller = Caller {
@@ -265,9 +263,7 @@ pub fn default_token(path: &Path) -> Result<Secret> {
         .create_new(true)
         .mode(0o600)
         .open(path)
-        .map_err(|e| {
-            DataFusionError::Execution(format!("cannot write {}: {e}", path.display()))
-        })?;
+        .map_err(|e| DataFusionError::Execution(format!("cannot write {}: {e}", path.display())))?;
     writeln!(file, "{}", token.to_hex())?;
     Ok(token)
 }
@@ -342,7 +338,10 @@ mod tests {
             password: "nope".into(),
         };
         assert!(auth.handshake(&wrong).is_none());
-        assert!(auth.handshake(&Credential::Bearer(token.to_hex())).is_some());
+        assert!(
+            auth.handshake(&Credential::Bearer(token.to_hex()))
+                .is_some()
+        );
         assert!(Authenticator::new(None, None).is_err());
     }
 

@@ -22,13 +22,13 @@ use arrow_flight::sql::{
     ActionCreatePreparedStatementRequest, ActionCreatePreparedStatementResult, Any,
     CommandGetCatalogs, CommandGetDbSchemas, CommandGetSqlInfo, CommandGetTableTypes,
     CommandGetTables, CommandPreparedStatementQuery, CommandPreparedStatementUpdate,
-    CommandStatementQuery, CommandStatementUpdate, DoPutPreparedStatementResult,
-    ProstMessageExt, SqlInfo, TicketStatementQuery,
+    CommandStatementQuery, CommandStatementUpdate, DoPutPreparedStatementResult, ProstMessageExt,
+    SqlInfo, TicketStatementQuery,
 };
 use arrow_flight::{
     Action, ActionType, CancelFlightInfoRequest, CancelFlightInfoResult, CancelStatus,
-    FlightDescriptor, FlightEndpoint, FlightInfo, HandshakeRequest, HandshakeResponse,
-    IpcMessage, SchemaAsIpc, Ticket,
+    FlightDescriptor, FlightEndpoint, FlightInfo, HandshakeRequest, HandshakeResponse, IpcMessage,
+    SchemaAsIpc, Ticket,
 };
 use datafusion::arrow::array::{AsArray, RecordBatch};
 use datafusion::arrow::datatypes::{DataType, Field, Schema, SchemaRef};
@@ -38,9 +38,10 @@ use datafusion::error::DataFusionError;
 use datafusion::execution::SendableRecordBatchStream;
 use datafusion::logical_expr::{DdlStatement, LogicalPlan};
 use datafusion::physical_plan::execute_stream;
+use datafusion::physical_plan::stream::RecordBatchStreamAdapter;
 use datafusion::prelude::{DataFrame, SessionContext};
 use datafusion::scalar::ScalarValue;
-use futures::{Stream, TryStreamExt};
+use futures::{Stream, StreamExt, TryStreamExt};
 use prost::Message;
 use tonic::metadata::MetadataValue;
 use tonic::{Request, Response, Status, Streaming};
@@ -56,10 +57,12 @@ pub const LIST_QUERIES_ACTION: &str = "flumen.queries";
 /// The custom action that cancels a running query by id (the body: the id).
 pub const CANCEL_ACTION: &str = "flumen.cancel";
 
-type FlightDataStream = Pin<Box<dyn Stream<Item = Result<arrow_flight::FlightData, Status>> + Send>>;
+type FlightDataStream =
+    Pin<Box<dyn Stream<Item = Result<arrow_flight::FlightData, Status>> + Send>>;
 
 /// flumen's Flight SQL service.
 pub struct FlumenFlightSql {
+    queries: tokio::runtime::Handle,
     sessions: Sessions,
     statements: Statements,
     running: Arc<RunningQueries>,
@@ -69,14 +72,17 @@ pub struct FlumenFlightSql {
 }
 
 impl FlumenFlightSql {
-    /// Serve `base`'s tables; clients' sessions copy its settings. Tables created by
-    /// clients are kept in `catalog` when given.
+    /// Serve `base`'s tables, running queries on the runtime of `queries`; clients'
+    /// sessions copy its settings. Tables created by clients are kept in `catalog` when
+    /// given.
     pub fn new(
+        queries: tokio::runtime::Handle,
         base: SessionContext,
         auth: Authenticator,
         catalog: Option<Arc<CatalogFile>>,
     ) -> datafusion::error::Result<Self> {
         Ok(Self {
+            queries,
             sessions: Sessions::new(base),
             statements: Statements::default(),
             running: Arc::default(),
@@ -151,11 +157,17 @@ impl FlumenFlightSql {
     }
 
     /// A prepared statement and its plan with the parameters bound.
-    fn bound_plan(&self, caller: &Caller, handle: &[u8]) -> Result<(Prepared, LogicalPlan), Status> {
+    fn bound_plan(
+        &self,
+        caller: &Caller,
+        handle: &[u8],
+    ) -> Result<(Prepared, LogicalPlan), Status> {
         let prepared = self.statements.prepared(caller, handle)?;
         let mut plan = prepared.plan.clone();
         if let Some(params) = &prepared.params {
-            plan = plan.with_param_values(params.clone()).map_err(planning_error)?;
+            plan = plan
+                .with_param_values(params.clone())
+                .map_err(planning_error)?;
         }
         Ok((prepared, plan))
     }
@@ -182,7 +194,10 @@ impl FlumenFlightSql {
         Ok(frame)
     }
 
-    /// Run `frame` for `caller`, listed as query `id` while it streams.
+    /// Run `frame` for `caller`, listed as query `id` while it streams. The query runs on
+    /// the server's query runtime, not on the one that serves calls (a CPU-bound query
+    /// would otherwise keep new connections and cancellations waiting); one batch at a time
+    /// crosses over, so a client that stops reading stops the query.
     async fn run(
         &self,
         caller: &Caller,
@@ -190,10 +205,32 @@ impl FlumenFlightSql {
         sql: &str,
         frame: DataFrame,
     ) -> Result<SendableRecordBatchStream, Status> {
-        let task_ctx = Arc::new(frame.task_ctx());
-        let plan = frame.create_physical_plan().await.map_err(planning_error)?;
-        let stream = execute_stream(Arc::clone(&plan), task_ctx).map_err(execution_error)?;
-        Ok(self.running.start(caller, id, sql, plan, stream))
+        let started = self.queries.spawn(async move {
+            let task_ctx = Arc::new(frame.task_ctx());
+            let plan = frame.create_physical_plan().await.map_err(planning_error)?;
+            let stream = execute_stream(Arc::clone(&plan), task_ctx).map_err(execution_error)?;
+            Ok::<_, Status>((plan, stream))
+        });
+        let (plan, mut stream) = started
+            .await
+            .map_err(|e| Status::internal(format!("the query's planning failed: {e}")))??;
+        let schema = stream.schema();
+        let (sender, receiver) = tokio::sync::mpsc::channel(1);
+        self.queries.spawn(async move {
+            while let Some(batch) = stream.next().await {
+                if sender.send(batch).await.is_err() {
+                    // The client went away: dropping the stream cancels the query.
+                    return;
+                }
+            }
+        });
+        let received = RecordBatchStreamAdapter::new(
+            schema,
+            tokio_stream::wrappers::ReceiverStream::new(receiver),
+        );
+        Ok(self
+            .running
+            .start(caller, id, sql, plan, Box::pin(received)))
     }
 
     /// Run an update to its end: the rows it reports (`count` of `COPY`/`INSERT`), else
@@ -239,7 +276,9 @@ impl FlumenFlightSql {
                 continue;
             };
             if let Ok(Some(t)) = any.unpack::<TicketStatementQuery>() {
-                found |= self.running.cancel(caller, &hex::encode(&t.statement_handle));
+                found |= self
+                    .running
+                    .cancel(caller, &hex::encode(&t.statement_handle));
             }
         }
         found
@@ -508,8 +547,7 @@ impl FlightSqlService for FlumenFlightSql {
         request: Request<FlightDescriptor>,
     ) -> Result<Response<FlightInfo>, Status> {
         let caller = caller_of(&request)?;
-        let (prepared, plan) = self
-            .bound_plan(&caller, &query.prepared_statement_handle)?;
+        let (prepared, plan) = self.bound_plan(&caller, &query.prepared_statement_handle)?;
         let ctx = self.sessions.context(&caller);
         let info = self
             .ticket_for(&caller, &ctx, prepared.sql, plan, request.into_inner())
@@ -615,7 +653,9 @@ impl FlightSqlService for FlumenFlightSql {
         for name in names {
             builder.append(name);
         }
-        Ok(Response::new(batch_stream(builder.build().map_err(Status::from)?)))
+        Ok(Response::new(batch_stream(
+            builder.build().map_err(Status::from)?,
+        )))
     }
 
     async fn do_get_schemas(
@@ -638,7 +678,9 @@ impl FlightSqlService for FlumenFlightSql {
                 builder.append(&catalog_name, schema_name);
             }
         }
-        Ok(Response::new(batch_stream(builder.build().map_err(Status::from)?)))
+        Ok(Response::new(batch_stream(
+            builder.build().map_err(Status::from)?,
+        )))
     }
 
     async fn do_get_tables(
@@ -684,7 +726,9 @@ impl FlightSqlService for FlumenFlightSql {
                 }
             }
         }
-        Ok(Response::new(batch_stream(builder.build().map_err(Status::from)?)))
+        Ok(Response::new(batch_stream(
+            builder.build().map_err(Status::from)?,
+        )))
     }
 
     async fn do_get_table_types(
@@ -697,7 +741,9 @@ impl FlightSqlService for FlumenFlightSql {
         for table_type in ["TABLE", "VIEW", "TEMPORARY"] {
             builder.append(table_type);
         }
-        Ok(Response::new(batch_stream(builder.build().map_err(Status::from)?)))
+        Ok(Response::new(batch_stream(
+            builder.build().map_err(Status::from)?,
+        )))
     }
 
     async fn do_get_sql_info(
@@ -808,11 +854,11 @@ impl FlightSqlService for FlumenFlightSql {
         let info = FlightInfo::decode(&*query.info)
             .map_err(|e| Status::invalid_argument(format!("not a FlightInfo: {e}")))?;
         if !self.cancel_by_ticket(&caller, &info) {
-            return Err(Status::not_found("no running query of yours has that ticket"));
+            return Err(Status::not_found(
+                "no running query of yours has that ticket",
+            ));
         }
-        Ok(ActionCancelQueryResult {
-            result: CANCELLED,
-        })
+        Ok(ActionCancelQueryResult { result: CANCELLED })
     }
 
     async fn list_custom_actions(&self) -> Option<Vec<Result<ActionType, Status>>> {
@@ -896,7 +942,11 @@ mod tests {
     #[test]
     fn updates_report_the_count_column() {
         use datafusion::arrow::array::UInt64Array;
-        let schema = Arc::new(Schema::new(vec![Field::new("count", DataType::UInt64, false)]));
+        let schema = Arc::new(Schema::new(vec![Field::new(
+            "count",
+            DataType::UInt64,
+            false,
+        )]));
         let batch =
             RecordBatch::try_new(schema, vec![Arc::new(UInt64Array::from(vec![42]))]).unwrap();
         assert_eq!(affected_rows(&[batch]), 42);

@@ -122,27 +122,32 @@ pub async fn serve(ctx: SessionContext, settings: ServeSettings) -> Result<()> {
             DataFusionError::Execution(format!("flumen serve cannot use its TLS identity: {e}"))
         })?;
     }
-    let service = FlumenFlightSql::new(ctx, auth.clone(), catalog)?;
-    let server = FlightServiceServer::new(service)
-        .max_decoding_message_size(MAX_REQUEST_BYTES);
+    // Queries run on a runtime of their own: calls (new connections, cancellations, the
+    // progress view) are answered while every query thread computes.
+    let queries = tokio::runtime::Builder::new_multi_thread()
+        .thread_name("flumen-query")
+        .enable_all()
+        .build()?;
+    let service = FlumenFlightSql::new(queries.handle().clone(), ctx, auth.clone(), catalog)?;
+    let server = FlightServiceServer::new(service).max_decoding_message_size(MAX_REQUEST_BYTES);
     println!("flumen serve listening on {address}");
     use std::io::Write;
     std::io::stdout().flush()?;
-    builder
+    let served = builder
         .layer(gate::AuthLayer::new(auth))
         .add_service(server)
         .serve_with_incoming_shutdown(
             tokio_stream::wrappers::TcpListenerStream::new(listener),
             shutdown_signal(),
         )
-        .await
-        .map_err(|e| DataFusionError::Execution(format!("flumen serve on {address} failed: {e}")))
+        .await;
+    queries.shutdown_background();
+    served.map_err(|e| DataFusionError::Execution(format!("flumen serve on {address} failed: {e}")))
 }
 
 /// Resolves on Ctrl-C or SIGTERM.
 async fn shutdown_signal() {
-    let mut term = match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())
-    {
+    let mut term = match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
         Ok(term) => term,
         Err(_) => {
             let _ = tokio::signal::ctrl_c().await;

@@ -236,10 +236,7 @@ pub fn loggable_sql(sql: &str) -> String {
                 _ => sql.trim().to_string(),
             }
         }
-        _ if SECRET_WORDS
-            .iter()
-            .any(|w| sql.to_lowercase().contains(w)) =>
-        {
+        _ if SECRET_WORDS.iter().any(|w| sql.to_lowercase().contains(w)) => {
             "(a statement that did not parse and may hold a secret)".into()
         }
         _ => sql.trim().to_string(),

@@ -56,7 +56,9 @@ mod tests {
         };
         let a = sessions.context(&caller("a"));
         let b = sessions.context(&caller("b"));
-        a.sql("SET datafusion.execution.batch_size = 123").await.unwrap();
+        a.sql("SET datafusion.execution.batch_size = 123")
+            .await
+            .unwrap();
         a.sql("CREATE TABLE shared AS VALUES (1)").await.unwrap();
         let batch = |ctx: &SessionContext| ctx.state().config().batch_size();
         assert_eq!(batch(&sessions.context(&caller("a"))), 123);

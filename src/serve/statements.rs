@@ -189,7 +189,11 @@ mod tests {
             },
         );
         assert_eq!(
-            statements.take_ticket(&caller("b"), &handle).err().unwrap().code(),
+            statements
+                .take_ticket(&caller("b"), &handle)
+                .err()
+                .unwrap()
+                .code(),
             tonic::Code::NotFound
         );
         assert!(statements.take_ticket(&caller("a"), &handle).is_ok());
@@ -207,9 +211,19 @@ mod tests {
         let handle = statements.add_prepared(&caller("a"), prepared).unwrap();
         assert!(statements.prepared(&caller("b"), &handle).is_err());
         statements
-            .bind(&caller("a"), &handle, vec![datafusion::scalar::ScalarValue::from(5)].into())
+            .bind(
+                &caller("a"),
+                &handle,
+                vec![datafusion::scalar::ScalarValue::from(5)].into(),
+            )
             .unwrap();
-        assert!(statements.prepared(&caller("a"), &handle).unwrap().params.is_some());
+        assert!(
+            statements
+                .prepared(&caller("a"), &handle)
+                .unwrap()
+                .params
+                .is_some()
+        );
         assert!(statements.close(&caller("b"), &handle).is_err());
         statements.close(&caller("a"), &handle).unwrap();
         assert!(statements.prepared(&caller("a"), &handle).is_err());

@@ -48,6 +48,10 @@ pub struct ServeArgs {
     /// Run tasks in N CPU worker processes (`flumen.workers = 'process'`).
     #[arg(long, value_name = "N")]
     workers: Option<usize>,
+    /// Bytes of blocks each query may keep in memory (`flumen.memory_budget`, e.g. `1GiB`;
+    /// a client may `SET` its own).
+    #[arg(long, value_name = "SIZE")]
+    memory_budget: Option<flumen::ByteSize>,
     /// Do not register the demo `docs` table.
     #[arg(long)]
     no_demo: bool,
@@ -116,6 +120,9 @@ async fn serve(args: &ServeArgs) -> Result<()> {
     if let Some(n) = args.workers {
         config.workers = flumen::WorkerMode::Process;
         config.worker_processes = n.max(1);
+    }
+    if let Some(budget) = args.memory_budget {
+        config.memory_budget = budget;
     }
     // `SHOW` and `information_schema` on, as clients' metadata browsers expect.
     let session_config = datafusion::prelude::SessionConfig::new().with_information_schema(true);

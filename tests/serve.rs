@@ -1,0 +1,506 @@
+//! `flumen serve` as its users meet it: the real binary on loopback, the ADBC Flight SQL
+//! driver from Python (`tests/serve/adbc_client.py`, installed by
+//! `tests/install-test-tools.sh`), and arrow-flight's Rust Flight SQL client for what no
+//! polite client sends (garbage, huge and unknown tickets, calls without a token).
+
+mod common;
+
+use std::io::{BufRead, BufReader, Read, Write};
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use arrow_flight::Ticket;
+use arrow_flight::sql::client::FlightSqlServiceClient;
+use arrow_flight::sql::{ProstMessageExt, TicketStatementQuery};
+use datafusion::arrow::array::AsArray;
+use datafusion::arrow::datatypes::Int64Type;
+use flumen::cluster::auth::Secret;
+use futures::TryStreamExt;
+use prost::Message;
+use serde_json::Value;
+use tonic::transport::{Channel, Endpoint};
+
+const USER: &str = "ana";
+const PASSWORD: &str = "correct horse battery staple";
+
+/// A `flumen serve` process on loopback; killed when dropped.
+struct Server {
+    child: Child,
+    address: String,
+    log: PathBuf,
+}
+
+/// What a server's files are: users, token, state directory.
+struct ServerFiles {
+    users: PathBuf,
+    token_file: PathBuf,
+    token: Secret,
+    state: PathBuf,
+}
+
+impl ServerFiles {
+    fn new(dir: &Path) -> Self {
+        use std::os::unix::fs::PermissionsExt;
+        let owner_only = |path: &Path, text: String| {
+            std::fs::write(path, text).unwrap();
+            std::fs::set_permissions(path, std::fs::Permissions::from_mode(0o600)).unwrap();
+        };
+        let users = dir.join("users");
+        let hash = flumen::serve::credentials::hash_password(PASSWORD).unwrap();
+        owner_only(&users, format!("{USER}:{hash}\n"));
+        let token = Secret::random();
+        let token_file = dir.join("token");
+        owner_only(&token_file, token.to_hex());
+        Self {
+            users,
+            token_file,
+            token,
+            state: dir.join("state"),
+        }
+    }
+}
+
+impl Server {
+    fn start(files: &ServerFiles, extra: &[&str]) -> Self {
+        let log = files.state.with_extension("log");
+        std::fs::create_dir_all(&files.state).unwrap();
+        let mut child = Command::new(env!("CARGO_BIN_EXE_flumen"))
+            .args(["serve", "--listen", "127.0.0.1:0", "--users"])
+            .arg(&files.users)
+            .arg("--token-file")
+            .arg(&files.token_file)
+            .arg("--state-dir")
+            .arg(&files.state)
+            .args(extra)
+            .stdout(Stdio::piped())
+            .stderr(std::fs::File::create(&log).unwrap())
+            .spawn()
+            .unwrap();
+        let mut line = String::new();
+        BufReader::new(child.stdout.take().unwrap())
+            .read_line(&mut line)
+            .unwrap();
+        let address = line
+            .trim()
+            .strip_prefix("flumen serve listening on ")
+            .unwrap_or_else(|| {
+                panic!(
+                    "no address from flumen serve: {line:?}; log: {}",
+                    std::fs::read_to_string(&log).unwrap_or_default()
+                )
+            })
+            .to_string();
+        Self {
+            child,
+            address,
+            log,
+        }
+    }
+
+    fn uri(&self) -> String {
+        format!("grpc://{}", self.address)
+    }
+
+    fn log(&self) -> String {
+        std::fs::read_to_string(&self.log).unwrap_or_default()
+    }
+
+    /// Whether the process still runs.
+    fn is_running(&mut self) -> bool {
+        self.child.try_wait().unwrap().is_none()
+    }
+
+    /// A Rust Flight SQL client presenting the server's token.
+    async fn client(&self, files: &ServerFiles) -> FlightSqlServiceClient<Channel> {
+        let channel = Endpoint::from_shared(format!("http://{}", self.address))
+            .unwrap()
+            .connect()
+            .await
+            .unwrap();
+        let mut client = FlightSqlServiceClient::new(channel);
+        client.set_token(files.token.to_hex());
+        client
+    }
+}
+
+impl Drop for Server {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+/// The Python with the ADBC Flight SQL driver, or `None` (after reporting the skip).
+fn adbc_python() -> Option<String> {
+    let python = concat!(env!("CARGO_MANIFEST_DIR"), "/target/test-venv/bin/python");
+    let works = Command::new(python)
+        .args(["-c", "import adbc_driver_flightsql.dbapi, pyarrow.flight"])
+        .status()
+        .is_ok_and(|s| s.success());
+    if !works {
+        common::skip_missing_tool(
+            "the ADBC Flight SQL driver (adbc-driver-flightsql in target/test-venv: run \
+             tests/install-test-tools.sh)",
+        );
+        return None;
+    }
+    Some(python.to_string())
+}
+
+/// Run scenario `scenario` of the Python client against `server`; its JSON answer.
+fn adbc(
+    python: &str,
+    server: &Server,
+    files: &ServerFiles,
+    scenario: &str,
+    args: &[&str],
+) -> Value {
+    let script = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/serve/adbc_client.py");
+    let mut child = Command::new(python)
+        .arg(script)
+        .arg(scenario)
+        .arg(server.uri())
+        .args(args)
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let secrets =
+        serde_json::json!({"user": USER, "password": PASSWORD, "token": files.token.to_hex()});
+    writeln!(child.stdin.take().unwrap(), "{secrets}").unwrap();
+    let out = child.wait_with_output().unwrap();
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "adbc_client.py {scenario} failed:\n{stdout}\n{}\nserver log:\n{}",
+        String::from_utf8_lossy(&out.stderr),
+        server.log()
+    );
+    serde_json::from_str(stdout.lines().last().unwrap_or_default())
+        .unwrap_or_else(|e| panic!("not JSON ({e}): {stdout}"))
+}
+
+#[test]
+fn an_adbc_client_authenticates_queries_with_embed_and_binds_parameters() {
+    let Some(python) = adbc_python() else { return };
+    let dir = tempfile::tempdir().unwrap();
+    let files = ServerFiles::new(dir.path());
+    let server = Server::start(&files, &[]);
+    let seen = adbc(&python, &server, &files, "basics", &[]);
+
+    assert_eq!(seen["ids"], serde_json::json!([0, 1, 2]));
+    assert_eq!(seen["dims"], serde_json::json!([384, 384, 384]));
+    for norm in seen["norms"].as_array().unwrap() {
+        assert!((norm.as_f64().unwrap() - 1.0).abs() < 1e-3, "{seen}");
+    }
+    assert_eq!(seen["prepared_count"], 100);
+    assert_eq!(seen["prepared_row"], serde_json::json!(["hi!", 42]));
+    assert_eq!(seen["vendor"], "flumen");
+    assert!(
+        seen["tables"].as_array().unwrap().contains(&"docs".into()),
+        "{seen}"
+    );
+    let text = |key: &str| seen[key].as_str().unwrap_or_default().to_string();
+    assert!(text("sql_error").contains("SELEC"), "{seen}");
+    assert!(text("missing_table").contains("nowhere"), "{seen}");
+    assert!(text("wrong_password").contains("UNAUTHENTICATED"), "{seen}");
+    assert!(text("wrong_token").contains("UNAUTHENTICATED"), "{seen}");
+    assert_eq!(seen["token_answer"], 42);
+
+    // One log line per query, naming the user; no secret in the log.
+    let log = server.log();
+    assert!(log.contains("user=ana rows=3"), "{log}");
+    assert!(
+        !log.contains(PASSWORD) && !log.contains(&files.token.to_hex()),
+        "{log}"
+    );
+    assert!(log.contains("failed: wrong credentials"), "{log}");
+}
+
+#[test]
+fn a_table_a_client_creates_survives_a_server_restart() {
+    let Some(python) = adbc_python() else { return };
+    let dir = tempfile::tempdir().unwrap();
+    let files = ServerFiles::new(dir.path());
+    let csv = dir.path().join("kept.csv");
+    std::fs::write(&csv, "a,b\n1,x\n2,y\n39,z\n").unwrap();
+    let server = Server::start(&files, &[]);
+    let created = adbc(
+        &python,
+        &server,
+        &files,
+        "create_table",
+        &[csv.to_str().unwrap()],
+    );
+    assert_eq!(created["sum"], 42);
+    drop(server);
+
+    let server = Server::start(&files, &[]);
+    let read = adbc(&python, &server, &files, "read_kept", &[]);
+    assert_eq!(read["sum"], 42, "{}", server.log());
+    // The client dropped it: a third server does not know it.
+    drop(server);
+    let catalog = std::fs::read_to_string(files.state.join("catalog.json")).unwrap();
+    assert!(!catalog.contains("kept.csv"), "{catalog}");
+}
+
+#[test]
+fn two_clients_at_once_keep_their_own_settings() {
+    let Some(python) = adbc_python() else { return };
+    let dir = tempfile::tempdir().unwrap();
+    let files = ServerFiles::new(dir.path());
+    let server = Server::start(&files, &[]);
+    let seen = adbc(&python, &server, &files, "two_clients", &[]);
+    assert_eq!(seen["a"]["batch_size"], "1000", "{seen}");
+    assert_eq!(seen["b"]["batch_size"], "3000", "{seen}");
+    let docs = flumen::demo::DEFAULT_ROWS as u64 * 20;
+    assert_eq!(seen["a"]["rows"], docs);
+    assert_eq!(seen["b"]["rows"], docs);
+}
+
+#[test]
+fn a_client_cancels_a_long_query_and_the_server_lets_it_go() {
+    let Some(python) = adbc_python() else { return };
+    let dir = tempfile::tempdir().unwrap();
+    let files = ServerFiles::new(dir.path());
+    let server = Server::start(&files, &[]);
+    let seen = adbc(&python, &server, &files, "cancel", &[]);
+    assert!(
+        seen["error"]
+            .as_str()
+            .is_some_and(|e| e.to_lowercase().contains("cancel")),
+        "{seen}"
+    );
+    assert!(
+        seen["seconds_until_cancelled"].as_f64().unwrap() < 10.0,
+        "{seen}"
+    );
+    assert_eq!(seen["running_after"], 0, "{seen}\n{}", server.log());
+    assert_eq!(seen["next_query"], 1);
+    assert!(seen["next_query_seconds"].as_f64().unwrap() < 5.0, "{seen}");
+}
+
+#[tokio::test]
+async fn bad_input_gets_clear_errors_and_the_server_stays_up() {
+    let dir = tempfile::tempdir().unwrap();
+    let files = ServerFiles::new(dir.path());
+    let mut server = Server::start(&files, &[]);
+
+    // Garbage on the port.
+    {
+        let mut socket = std::net::TcpStream::connect(&server.address).unwrap();
+        socket.write_all(&[0xde; 4096]).unwrap();
+        socket
+            .set_read_timeout(Some(Duration::from_secs(5)))
+            .unwrap();
+        let _ = socket.read(&mut [0u8; 1024]);
+    }
+
+    // No token, a wrong token.
+    let channel = Endpoint::from_shared(format!("http://{}", server.address))
+        .unwrap()
+        .connect()
+        .await
+        .unwrap();
+    let mut anonymous = FlightSqlServiceClient::new(channel);
+    let err = anonymous
+        .execute("SELECT 1".into(), None)
+        .await
+        .unwrap_err();
+    assert!(err.to_string().contains("no token"), "{err}");
+    anonymous.set_token(Secret::random().to_hex());
+    let err = anonymous
+        .execute("SELECT 1".into(), None)
+        .await
+        .unwrap_err();
+    assert!(err.to_string().contains("wrong token"), "{err}");
+
+    let mut client = server.client(&files).await;
+    // A ticket that was never issued, one of the wrong size, and one too large to accept.
+    let unknown = TicketStatementQuery {
+        statement_handle: vec![1u8; 16].into(),
+    };
+    let err = client
+        .do_get(Ticket::new(unknown.as_any().encode_to_vec()))
+        .await
+        .err()
+        .unwrap();
+    assert!(
+        err.to_string().contains("unknown statement handle"),
+        "{err}"
+    );
+    let odd = TicketStatementQuery {
+        statement_handle: vec![1u8; 1 << 20].into(),
+    };
+    let err = client
+        .do_get(Ticket::new(odd.as_any().encode_to_vec()))
+        .await
+        .err()
+        .unwrap();
+    assert!(err.to_string().contains("handle is 16 bytes"), "{err}");
+    let err = client
+        .do_get(Ticket::new(vec![7u8; 32 << 20]))
+        .await
+        .err()
+        .unwrap();
+    let text = err.to_string();
+    assert!(
+        text.contains("message") || text.contains("larger"),
+        "{text}"
+    );
+
+    // SQL errors and an unknown action.
+    let err = client.execute("SELEC 1".into(), None).await.unwrap_err();
+    assert!(err.to_string().contains("SELEC"), "{err}");
+    let err = client
+        .execute("SELECT * FROM 'no/such/file.parquet'".into(), None)
+        .await
+        .unwrap_err();
+    assert!(err.to_string().contains("no/such/file.parquet"), "{err}");
+    let err = client
+        .do_action(arrow_flight::Action::new("shell", "rm -rf /"))
+        .await
+        .err()
+        .unwrap();
+    assert!(err.to_string().contains("no action 'shell'"), "{err}");
+
+    // Still up and answering.
+    assert!(server.is_running());
+    let info = client
+        .execute("SELECT 6 * 7 AS answer".into(), None)
+        .await
+        .unwrap();
+    let ticket = info.endpoint[0].ticket.clone().unwrap();
+    let batches: Vec<_> = client
+        .do_get(ticket)
+        .await
+        .unwrap()
+        .try_collect()
+        .await
+        .unwrap();
+    assert_eq!(
+        batches[0].column(0).as_primitive::<Int64Type>().value(0),
+        42
+    );
+}
+
+#[test]
+fn a_server_off_loopback_without_tls_refuses_to_start() {
+    let dir = tempfile::tempdir().unwrap();
+    let files = ServerFiles::new(dir.path());
+    let out = Command::new(env!("CARGO_BIN_EXE_flumen"))
+        .args(["serve", "--listen", "0.0.0.0:0", "--token-file"])
+        .arg(&files.token_file)
+        .arg("--state-dir")
+        .arg(&files.state)
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(stderr.contains("must use TLS"), "{stderr}");
+}
+
+/// The rows the first operator of the one running query has produced and the rows the
+/// server has sent, from its progress view (the `flumen.queries` action).
+async fn rows_produced(client: &mut FlightSqlServiceClient<Channel>) -> (u64, u64) {
+    let answers: Vec<_> = client
+        .do_action(arrow_flight::Action::new("flumen.queries", ""))
+        .await
+        .unwrap()
+        .try_collect()
+        .await
+        .unwrap();
+    let queries: Value = serde_json::from_slice(&answers[0].body).unwrap();
+    let first = queries[0]["operators"][0]
+        .as_str()
+        .unwrap_or_else(|| panic!("{queries}"));
+    let rows = first
+        .split("rows=")
+        .nth(1)
+        .unwrap()
+        .split(' ')
+        .next()
+        .unwrap();
+    (
+        rows.parse().unwrap(),
+        queries[0]["rows_sent"].as_u64().unwrap(),
+    )
+}
+
+#[tokio::test]
+async fn a_slow_reader_holds_the_query_back_instead_of_filling_the_server() {
+    let dir = tempfile::tempdir().unwrap();
+    let files = ServerFiles::new(dir.path());
+    let server = Server::start(&files, &["--memory-budget", "64MiB"]);
+    let mut client = server.client(&files).await;
+    // 10M rows of ~108 bytes: about 1 GB of result.
+    let rows: i64 = 10_000_000;
+    let info = client
+        .execute(
+            format!("SELECT value AS id, repeat('x', 100) AS pad FROM generate_series(1, {rows})"),
+            None,
+        )
+        .await
+        .unwrap();
+    let ticket = info.endpoint[0].ticket.clone().unwrap();
+    let mut stream = client.do_get(ticket).await.unwrap();
+    let pid = server.child.id();
+    let rss = || {
+        let status = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap();
+        let line = status
+            .lines()
+            .find(|l| l.starts_with("VmRSS:"))
+            .unwrap()
+            .to_string();
+        line.split_whitespace()
+            .nth(1)
+            .unwrap()
+            .parse::<u64>()
+            .unwrap()
+            * 1024
+    };
+    let mut received = 0i64;
+    let mut bytes = 0u64;
+    let mut peak = 0u64;
+    let mut early = 0u64;
+    let mut produced_while_slow = None;
+    let started = Instant::now();
+    while let Some(batch) = stream.try_next().await.unwrap() {
+        received += batch.num_rows() as i64;
+        bytes += batch.get_array_memory_size() as u64;
+        // Read slowly for the first 3 seconds, then at full speed.
+        if started.elapsed() < Duration::from_secs(3) {
+            tokio::time::sleep(Duration::from_millis(20)).await;
+            early = early.max(rss());
+        } else if produced_while_slow.is_none() {
+            produced_while_slow = Some(rows_produced(&mut client).await);
+        }
+        if received % (1 << 20) < batch.num_rows() as i64 {
+            peak = peak.max(rss());
+        }
+    }
+    peak = peak.max(rss());
+    assert_eq!(received, rows);
+    // After 3 s of slow reading the query had produced little more than was read: it was
+    // held back, not run ahead into memory or spill files.
+    let (produced, sent) = produced_while_slow.unwrap();
+    println!("after 3 s of slow reading: {produced} rows produced, {sent} sent");
+    assert!(
+        produced < sent + 300_000,
+        "the query ran ahead of its reader: {produced} rows produced, {sent} sent"
+    );
+    println!(
+        "result {:.0} MB; server RSS while reading slowly {:.0} MB, peak {:.0} MB",
+        bytes as f64 / 1e6,
+        early as f64 / 1e6,
+        peak as f64 / 1e6
+    );
+    assert!(bytes > 900_000_000, "{bytes}");
+    // The server held a small part of the result at any time.
+    assert!(
+        peak < 600_000_000,
+        "server RSS {peak} while streaming {bytes} bytes"
+    );
+}
