@@ -102,6 +102,12 @@ impl Server {
         format!("grpc://{}", self.address)
     }
 
+    /// The TLS address by name (the certificate names `localhost`).
+    fn tls_uri(&self) -> String {
+        let port = self.address.rsplit(':').next().unwrap();
+        format!("grpc+tls://localhost:{port}")
+    }
+
     fn log(&self) -> String {
         std::fs::read_to_string(&self.log).unwrap_or_default()
     }
@@ -156,11 +162,23 @@ fn adbc(
     scenario: &str,
     args: &[&str],
 ) -> Value {
+    adbc_at(python, server, &server.uri(), files, scenario, args)
+}
+
+/// [`adbc`] at `uri`.
+fn adbc_at(
+    python: &str,
+    server: &Server,
+    uri: &str,
+    files: &ServerFiles,
+    scenario: &str,
+    args: &[&str],
+) -> Value {
     let script = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/serve/adbc_client.py");
     let mut child = Command::new(python)
         .arg(script)
         .arg(scenario)
-        .arg(server.uri())
+        .arg(uri)
         .args(args)
         .stdin(Stdio::piped())
         .stdout(Stdio::piped())
@@ -503,4 +521,70 @@ async fn a_slow_reader_holds_the_query_back_instead_of_filling_the_server() {
         peak < 600_000_000,
         "server RSS {peak} while streaming {bytes} bytes"
     );
+}
+
+#[tokio::test]
+async fn tls_clients_trusting_the_ca_get_answers_and_plaintext_ones_do_not() {
+    use flumen::cluster::tls::ClusterCa;
+    let dir = tempfile::tempdir().unwrap();
+    let files = ServerFiles::new(dir.path());
+    let ca = ClusterCa::new("serve test CA").unwrap();
+    let identity = ca.issue(&["localhost".into(), "127.0.0.1".into()]).unwrap();
+    let (cert, key, ca_file) = (
+        dir.path().join("cert.pem"),
+        dir.path().join("key.pem"),
+        dir.path().join("ca.pem"),
+    );
+    identity.write_files(&cert, &key).unwrap();
+    std::fs::write(&ca_file, ca.trust().ca_pem()).unwrap();
+    let server = Server::start(
+        &files,
+        &[
+            "--tls-cert",
+            cert.to_str().unwrap(),
+            "--tls-key",
+            key.to_str().unwrap(),
+        ],
+    );
+
+    let _ = rustls::crypto::ring::default_provider().install_default();
+    let channel = Endpoint::from_shared(format!("https://{}", server.address))
+        .unwrap()
+        .tls_config(ca.trust().client_config().domain_name("localhost"))
+        .unwrap()
+        .connect()
+        .await
+        .unwrap();
+    let mut client = FlightSqlServiceClient::new(channel);
+    client.handshake(USER, PASSWORD).await.unwrap();
+    let info = client.execute("SELECT 7 AS n".into(), None).await.unwrap();
+    let batches: Vec<_> = client
+        .do_get(info.endpoint[0].ticket.clone().unwrap())
+        .await
+        .unwrap()
+        .try_collect()
+        .await
+        .unwrap();
+    assert_eq!(batches[0].column(0).as_primitive::<Int64Type>().value(0), 7);
+
+    // A plaintext client gets nothing.
+    let plaintext = Endpoint::from_shared(format!("http://{}", server.address))
+        .unwrap()
+        .connect()
+        .await;
+    if let Ok(channel) = plaintext {
+        let mut client = FlightSqlServiceClient::new(channel);
+        assert!(client.handshake(USER, PASSWORD).await.is_err());
+    }
+
+    let Some(python) = adbc_python() else { return };
+    let seen = adbc_at(
+        &python,
+        &server,
+        &server.tls_uri(),
+        &files,
+        "tls",
+        &[ca_file.to_str().unwrap()],
+    );
+    assert_eq!(seen["docs"], flumen::demo::DEFAULT_ROWS as u64);
 }

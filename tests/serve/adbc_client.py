@@ -169,7 +169,26 @@ def cancel():
     return out
 
 
+def tls():
+    """Over TLS, trusting the server's CA (its PEM as the last argument)."""
+    with open(ARGS[0]) as f:
+        ca = f.read()
+    conn = flight_sql.connect(
+        URI,
+        db_kwargs={
+            "username": SECRETS["user"],
+            "password": SECRETS["password"],
+            adbc_driver_flightsql.DatabaseOptions.TLS_ROOT_CERTS.value: ca,
+        },
+        autocommit=True,
+    )
+    with conn, conn.cursor() as cur:
+        cur.execute("SELECT count(*) FROM docs")
+        return {"docs": cur.fetchone()[0]}
+
+
 SCENARIOS = {
+    "tls": tls,
     "basics": basics,
     "create_table": create_table,
     "read_kept": read_kept,
