@@ -33,7 +33,7 @@ case "${CI:-}" in "" | 0 | false | FALSE | False) ;; *) required=1 ;; esac
 [ "${FLUMEN_REQUIRE_TOOLS:-0}" = "1" ] && required=1
 if python3 -m venv "$venv" && "$venv/bin/pip" install --quiet --disable-pip-version-check \
     "moto[server]==5.2.5" "deltalake==1.1.4" "pyiceberg[sql-sqlite,pyarrow]==0.12.0" \
-    "adbc-driver-flightsql==1.13.0" "adbc-driver-manager==1.13.0"; then
+    "adbc-driver-flightsql==1.13.0" "adbc-driver-manager==1.13.0" "numpy==2.4.6"; then
     touch "$stamp"
     echo "test tools installed in $venv"
 elif [ "$required" = 1 ]; then

@@ -238,6 +238,28 @@ fn an_adbc_client_authenticates_queries_with_embed_and_binds_parameters() {
 }
 
 #[test]
+fn the_python_example_runs_against_a_server() {
+    let Some(python) = adbc_python() else { return };
+    let dir = tempfile::tempdir().unwrap();
+    let files = ServerFiles::new(dir.path());
+    let server = Server::start(&files, &[]);
+    let out = Command::new(&python)
+        .arg(concat!(env!("CARGO_MANIFEST_DIR"), "/examples/flight_sql_client.py"))
+        .arg(server.uri())
+        .arg(&files.token_file)
+        .output()
+        .unwrap();
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "{stdout}\n{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(stdout.contains("4 rows"), "{stdout}");
+    assert!(stdout.contains("vectors (4, 384) float32"), "{stdout}");
+}
+
+#[test]
 fn a_table_a_client_creates_survives_a_server_restart() {
     let Some(python) = adbc_python() else { return };
     let dir = tempfile::tempdir().unwrap();
