@@ -244,7 +244,10 @@ fn the_python_example_runs_against_a_server() {
     let files = ServerFiles::new(dir.path());
     let server = Server::start(&files, &[]);
     let out = Command::new(&python)
-        .arg(concat!(env!("CARGO_MANIFEST_DIR"), "/examples/flight_sql_client.py"))
+        .arg(concat!(
+            env!("CARGO_MANIFEST_DIR"),
+            "/examples/flight_sql_client.py"
+        ))
         .arg(server.uri())
         .arg(&files.token_file)
         .output()

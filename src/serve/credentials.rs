@@ -167,8 +167,23 @@ pub struct Caller {
 pub struct Authenticator {
     users: Option<Arc<UserFile>>,
     static_token: Option<Arc<Secret>>,
-    issued: Arc<Mutex<Vec<([u8; 32], Caller)>>>,
+    issued: Arc<Mutex<Vec<IssuedToken>>>,
+    idle_limit: std::time::Duration,
+    max_sessions: usize,
 }
+
+/// A session token handed out by a handshake.
+#[derive(Debug)]
+struct IssuedToken {
+    bytes: [u8; 32],
+    caller: Caller,
+    last_used: std::time::Instant,
+}
+
+/// A session token unused this long expires (its session's settings are forgotten).
+pub const SESSION_IDLE_LIMIT: std::time::Duration = std::time::Duration::from_secs(12 * 3600);
+/// Most live session tokens; a handshake beyond it expires the least recently used.
+pub const MAX_SESSIONS: usize = 10_000;
 
 /// The user name the static token's holders run as.
 pub const TOKEN_USER: &str = "token";
@@ -187,12 +202,27 @@ impl Authenticator {
             users: users.map(Arc::new),
             static_token: static_token.map(Arc::new),
             issued: Arc::default(),
+            idle_limit: SESSION_IDLE_LIMIT,
+            max_sessions: MAX_SESSIONS,
         })
     }
 
+    /// Expire session tokens idle `idle_limit`, and keep at most `max_sessions` (≥ 1).
+    pub fn with_session_limits(
+        mut self,
+        idle_limit: std::time::Duration,
+        max_sessions: usize,
+    ) -> Self {
+        self.idle_limit = idle_limit;
+        self.max_sessions = max_sessions.max(1);
+        self
+    }
+
     /// The handshake: check basic credentials or the static token and issue a new session
-    /// token for them (its own session: its own settings).
-    pub fn handshake(&self, credential: &Credential) -> Option<(Secret, Caller)> {
+    /// token for them (its own session: its own settings). Tokens idle over
+    /// [`SESSION_IDLE_LIMIT`], or the least recently used beyond [`MAX_SESSIONS`], expire;
+    /// the sessions that ended are returned with the token.
+    pub fn handshake(&self, credential: &Credential) -> Option<(Secret, Caller, Vec<Caller>)> {
         let user = match credential {
             Credential::Basic { user, password } => {
                 let users = self.users.as_ref()?;
@@ -208,8 +238,27 @@ impl Authenticator {
             session: token.to_hex()[..16].to_string(),
         };
         let bytes = hex_bytes(&token.to_hex())?;
-        self.issued.lock().unwrap().push((bytes, caller.clone()));
-        Some((token, caller))
+        let mut issued = self.issued.lock().unwrap();
+        let mut expired = vec![];
+        issued.retain(|t| {
+            let live = t.last_used.elapsed() < self.idle_limit;
+            if !live {
+                expired.push(t.caller.clone());
+            }
+            live
+        });
+        if issued.len() >= self.max_sessions {
+            issued.sort_by_key(|t| std::cmp::Reverse(t.last_used));
+            for t in issued.drain(self.max_sessions - 1..) {
+                expired.push(t.caller);
+            }
+        }
+        issued.push(IssuedToken {
+            bytes,
+            caller: caller.clone(),
+            last_used: std::time::Instant::now(),
+        });
+        Some((token, caller, expired))
     }
 
     /// Who presents bearer `token` on a call: a session token from a handshake, or the
@@ -222,12 +271,13 @@ impl Authenticator {
             });
         }
         let presented = hex_bytes(token)?;
-        let issued = self.issued.lock().unwrap();
+        let mut issued = self.issued.lock().unwrap();
         // Compare with every token, without stopping at the first match.
         let mut found = None;
-        for (bytes, caller) in issued.iter() {
-            if bool::from(bytes.ct_eq(&presented)) {
-                found = Some(caller.clone());
+        for t in issued.iter_mut() {
+            if bool::from(t.bytes.ct_eq(&presented)) && t.last_used.elapsed() < self.idle_limit {
+                t.last_used = std::time::Instant::now();
+                found = Some(t.caller.clone());
             }
         }
         found
@@ -324,8 +374,8 @@ mod tests {
             user: "ana".into(),
             password: "pw".into(),
         };
-        let (first, caller) = auth.handshake(&basic).unwrap();
-        let (second, _) = auth.handshake(&basic).unwrap();
+        let (first, caller, _) = auth.handshake(&basic).unwrap();
+        let (second, _, _) = auth.handshake(&basic).unwrap();
         assert_eq!(caller.user, "ana");
         let a = auth.caller(&first.to_hex()).unwrap();
         let b = auth.caller(&second.to_hex()).unwrap();
@@ -343,6 +393,29 @@ mod tests {
                 .is_some()
         );
         assert!(Authenticator::new(None, None).is_err());
+    }
+
+    #[test]
+    fn idle_and_surplus_session_tokens_expire() {
+        let token = Secret::random();
+        let bearer = Credential::Bearer(token.to_hex());
+        let auth = Authenticator::new(None, Some(token))
+            .unwrap()
+            .with_session_limits(std::time::Duration::from_millis(200), 3);
+        let (first, _, _) = auth.handshake(&bearer).unwrap();
+        let (second, _, _) = auth.handshake(&bearer).unwrap();
+        let (third, _, _) = auth.handshake(&bearer).unwrap();
+        // Using the first keeps it; the fourth handshake expires the least recently used.
+        assert!(auth.caller(&first.to_hex()).is_some());
+        let (_, _, expired) = auth.handshake(&bearer).unwrap();
+        assert_eq!(expired.len(), 1);
+        assert!(auth.caller(&second.to_hex()).is_none());
+        assert!(auth.caller(&first.to_hex()).is_some());
+        assert!(auth.caller(&third.to_hex()).is_some());
+        std::thread::sleep(std::time::Duration::from_millis(250));
+        assert!(auth.caller(&first.to_hex()).is_none());
+        let (_, _, expired) = auth.handshake(&bearer).unwrap();
+        assert_eq!(expired.len(), 3);
     }
 
     #[test]

@@ -500,12 +500,13 @@ impl FlightSqlService for FlumenFlightSql {
         let checked = tokio::task::spawn_blocking(move || auth.handshake(&credential))
             .await
             .map_err(|e| Status::internal(e.to_string()))?;
-        let Some((token, caller)) = checked else {
+        let Some((token, caller, expired)) = checked else {
             log::warn!("flumen serve: a handshake from {peer} failed: wrong credentials");
             return Err(Status::unauthenticated(
                 "flumen serve: wrong user name, password or token",
             ));
         };
+        self.sessions.forget(&expired);
         log::info!("flumen serve: {} connected from {peer}", caller.user);
         let bearer = format!("Bearer {}", token.to_hex());
         let answer = HandshakeResponse {

@@ -37,6 +37,24 @@ impl Sessions {
             .clone()
     }
 
+    /// Forget the sessions of `ended` callers (their tokens expired).
+    pub fn forget(&self, ended: &[Caller]) {
+        let mut sessions = self.by_session.lock().unwrap();
+        for caller in ended {
+            sessions.remove(&caller.session);
+        }
+    }
+
+    /// How many client sessions are held.
+    pub fn len(&self) -> usize {
+        self.by_session.lock().unwrap().len()
+    }
+
+    /// Whether no client session is held.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
     /// The server's own session (its tables are everyone's).
     pub fn base(&self) -> &SessionContext {
         &self.base
