@@ -5,9 +5,11 @@
 
 mod common;
 
-use std::io::{BufRead, BufReader, Read, Write};
+use common::serve_process::ServeProcess;
+
+use std::io::{Read, Write};
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Stdio};
+use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
 use arrow_flight::Ticket;
@@ -24,11 +26,10 @@ use tonic::transport::{Channel, Endpoint};
 const USER: &str = "ana";
 const PASSWORD: &str = "correct horse battery staple";
 
-/// A `flumen serve` process on loopback; killed when dropped.
+/// A `flumen serve` process on loopback with a test's files; killed when dropped.
 struct Server {
-    child: Child,
+    process: ServeProcess,
     address: String,
-    log: PathBuf,
 }
 
 /// What a server's files are: users, token, state directory.
@@ -63,38 +64,15 @@ impl ServerFiles {
 
 impl Server {
     fn start(files: &ServerFiles, extra: &[&str]) -> Self {
-        let log = files.state.with_extension("log");
         std::fs::create_dir_all(&files.state).unwrap();
-        let mut child = Command::new(env!("CARGO_BIN_EXE_flumen"))
-            .args(["serve", "--listen", "127.0.0.1:0", "--users"])
-            .arg(&files.users)
-            .arg("--token-file")
-            .arg(&files.token_file)
-            .arg("--state-dir")
-            .arg(&files.state)
-            .args(extra)
-            .stdout(Stdio::piped())
-            .stderr(std::fs::File::create(&log).unwrap())
-            .spawn()
-            .unwrap();
-        let mut line = String::new();
-        BufReader::new(child.stdout.take().unwrap())
-            .read_line(&mut line)
-            .unwrap();
-        let address = line
-            .trim()
-            .strip_prefix("flumen serve listening on ")
-            .unwrap_or_else(|| {
-                panic!(
-                    "no address from flumen serve: {line:?}; log: {}",
-                    std::fs::read_to_string(&log).unwrap_or_default()
-                )
-            })
-            .to_string();
+        let mut args: Vec<std::ffi::OsString> = vec!["--users".into(), files.users.clone().into()];
+        args.extend(["--token-file".into(), files.token_file.clone().into()]);
+        args.extend(["--state-dir".into(), files.state.clone().into()]);
+        args.extend(extra.iter().map(Into::into));
+        let process = ServeProcess::start(args, &files.state.with_extension("log"));
         Self {
-            child,
-            address,
-            log,
+            address: process.address.clone(),
+            process,
         }
     }
 
@@ -109,31 +87,17 @@ impl Server {
     }
 
     fn log(&self) -> String {
-        std::fs::read_to_string(&self.log).unwrap_or_default()
+        self.process.log_text()
     }
 
     /// Whether the process still runs.
     fn is_running(&mut self) -> bool {
-        self.child.try_wait().unwrap().is_none()
+        self.process.child.try_wait().unwrap().is_none()
     }
 
     /// A Rust Flight SQL client presenting the server's token.
     async fn client(&self, files: &ServerFiles) -> FlightSqlServiceClient<Channel> {
-        let channel = Endpoint::from_shared(format!("http://{}", self.address))
-            .unwrap()
-            .connect()
-            .await
-            .unwrap();
-        let mut client = FlightSqlServiceClient::new(channel);
-        client.set_token(files.token.to_hex());
-        client
-    }
-}
-
-impl Drop for Server {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
+        self.process.client(&files.token.to_hex()).await
     }
 }
 
@@ -489,7 +453,7 @@ async fn a_slow_reader_holds_the_query_back_instead_of_filling_the_server() {
         .unwrap();
     let ticket = info.endpoint[0].ticket.clone().unwrap();
     let mut stream = client.do_get(ticket).await.unwrap();
-    let pid = server.child.id();
+    let pid = server.process.child.id();
     let rss = || {
         let status = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap();
         let line = status

@@ -561,7 +561,7 @@ impl FlightSqlService for FlumenFlightSql {
         query: CommandGetCatalogs,
         request: Request<FlightDescriptor>,
     ) -> Result<Response<FlightInfo>, Status> {
-        let schema = query.clone().into_builder().schema();
+        let schema = query.into_builder().schema();
         self.metadata_info(query, &schema, request.into_inner())
     }
 
@@ -588,7 +588,7 @@ impl FlightSqlService for FlumenFlightSql {
         query: CommandGetTableTypes,
         request: Request<FlightDescriptor>,
     ) -> Result<Response<FlightInfo>, Status> {
-        let schema = query.clone().into_builder().schema();
+        let schema = query.into_builder().schema();
         self.metadata_info(query, &schema, request.into_inner())
     }
 

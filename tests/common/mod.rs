@@ -15,6 +15,7 @@ use datafusion::parquet::file::properties::WriterProperties;
 use datafusion::physical_plan::ExecutionPlan;
 use datafusion::prelude::{ParquetReadOptions, SessionConfig, SessionContext};
 
+pub mod serve_process;
 pub mod skip;
 #[allow(unused_imports)]
 pub use skip::{skip_missing_tool, skip_no_device};

@@ -1,0 +1,244 @@
+//! What serving costs: one query's result read from `flumen serve` by a Flight SQL client,
+//! against the same query run in the process (no transport) and through the REPL to
+//! /dev/null (CSV), all in the same run.
+//!
+//! `cargo bench --bench serve [-- --rows 2000000 --runs 3]`
+//!
+//! Data: a generated Parquet table under `target/serve-bench/` (`id`, `k`, `body` of ~100
+//! bytes). Query: `SELECT id, k, body FROM t WHERE k < 12` (3/4 of the rows). Each mode runs
+//! `--runs` times, interleaved; the table gives the median and [min–max] of rows/s, MB/s
+//! (Arrow buffer bytes of the result) and, for Flight SQL, the time from `DoGet` to the
+//! first batch.
+
+#[path = "../tests/common/serve_process.rs"]
+mod serve_process;
+
+use std::path::{Path, PathBuf};
+use std::process::{Command, Stdio};
+use std::time::Instant;
+
+use arrow_flight::sql::client::FlightSqlServiceClient;
+use datafusion::error::Result;
+use datafusion::physical_plan::execute_stream;
+use flumen::FlumenConfig;
+use futures::{StreamExt, TryStreamExt};
+use serve_process::ServeProcess;
+
+const QUERY: &str = "SELECT id, k, body FROM t WHERE k < 12";
+
+struct Args {
+    rows: usize,
+    runs: usize,
+}
+
+fn args() -> Args {
+    let mut args = Args {
+        rows: 2_000_000,
+        runs: 3,
+    };
+    let mut it = std::env::args().skip(1);
+    while let Some(a) = it.next() {
+        match a.as_str() {
+            "--rows" => args.rows = it.next().and_then(|v| v.parse().ok()).unwrap_or(args.rows),
+            "--runs" => args.runs = it.next().and_then(|v| v.parse().ok()).unwrap_or(args.runs),
+            _ => {}
+        }
+    }
+    args
+}
+
+/// One measured read of the result.
+#[derive(Clone, Copy)]
+struct Sample {
+    seconds: f64,
+    rows: usize,
+    bytes: usize,
+    first_batch: Option<f64>,
+}
+
+async fn write_table(path: &Path, rows: usize) -> Result<()> {
+    if path.exists() {
+        return Ok(());
+    }
+    std::fs::create_dir_all(path.parent().unwrap())?;
+    let ctx = flumen::session(FlumenConfig::default());
+    let sql = format!(
+        "COPY (SELECT value AS id, value % 16 AS k, \
+         concat('document ', value, ' ', repeat('lorem ipsum ', 7)) AS body \
+         FROM generate_series(1, {rows})) TO '{}'",
+        path.display()
+    );
+    ctx.sql(&sql).await?.collect().await?;
+    Ok(())
+}
+
+fn table_ddl(path: &Path) -> String {
+    format!(
+        "CREATE EXTERNAL TABLE t STORED AS PARQUET LOCATION '{}'",
+        path.display()
+    )
+}
+
+async fn in_process(path: &Path) -> Result<Sample> {
+    let ctx = flumen::session(FlumenConfig::default());
+    ctx.sql(&table_ddl(path)).await?;
+    let started = Instant::now();
+    let plan = ctx.sql(QUERY).await?.create_physical_plan().await?;
+    let mut stream = execute_stream(plan, ctx.task_ctx())?;
+    let (mut rows, mut bytes) = (0, 0);
+    let mut first_batch = None;
+    while let Some(batch) = stream.next().await {
+        let batch = batch?;
+        first_batch.get_or_insert(started.elapsed().as_secs_f64());
+        rows += batch.num_rows();
+        bytes += batch.get_array_memory_size();
+    }
+    Ok(Sample {
+        seconds: started.elapsed().as_secs_f64(),
+        rows,
+        bytes,
+        first_batch,
+    })
+}
+
+fn repl(path: &Path, rows: usize, bytes: usize) -> Sample {
+    let started = Instant::now();
+    let status = Command::new(env!("CARGO_BIN_EXE_flumen"))
+        .args(["--no-demo", "--quiet", "--format", "csv", "-c"])
+        .arg(table_ddl(path))
+        .arg("-c")
+        .arg(QUERY)
+        .stdout(Stdio::null())
+        .status()
+        .expect("flumen runs");
+    assert!(status.success(), "the REPL failed");
+    Sample {
+        seconds: started.elapsed().as_secs_f64(),
+        rows,
+        bytes,
+        first_batch: None,
+    }
+}
+
+async fn flight(client: &mut FlightSqlServiceClient<tonic::transport::Channel>) -> Sample {
+    let started = Instant::now();
+    let info = client
+        .execute(QUERY.into(), None)
+        .await
+        .expect("query planned");
+    let ticket = info.endpoint[0].ticket.clone().expect("a ticket");
+    let mut stream = client.do_get(ticket).await.expect("DoGet");
+    let (mut rows, mut bytes) = (0, 0);
+    let mut first_batch = None;
+    while let Some(batch) = stream.try_next().await.expect("a batch") {
+        first_batch.get_or_insert(started.elapsed().as_secs_f64());
+        rows += batch.num_rows();
+        bytes += batch.get_array_memory_size();
+    }
+    Sample {
+        seconds: started.elapsed().as_secs_f64(),
+        rows,
+        bytes,
+        first_batch,
+    }
+}
+
+/// `flumen serve` on loopback with a token and the table in its catalog file.
+fn start_server(dir: &Path, table: &Path) -> (ServeProcess, String) {
+    use std::os::unix::fs::PermissionsExt;
+    let token = flumen::cluster::auth::Secret::random().to_hex();
+    let token_file = dir.join("token");
+    std::fs::write(&token_file, &token).unwrap();
+    std::fs::set_permissions(&token_file, std::fs::Permissions::from_mode(0o600)).unwrap();
+    // The table, as a client would have created it (replayed from the catalog file).
+    let state = dir.join("state");
+    std::fs::create_dir_all(&state).unwrap();
+    let catalog = serde_json::json!({"tables": [{"name": "t", "sql": table_ddl(table)}]});
+    std::fs::write(state.join("catalog.json"), catalog.to_string()).unwrap();
+    let args: Vec<std::ffi::OsString> = vec![
+        "--no-demo".into(),
+        "--token-file".into(),
+        token_file.into(),
+        "--state-dir".into(),
+        state.into(),
+    ];
+    (ServeProcess::start(args, &dir.join("serve.log")), token)
+}
+
+fn median(values: &mut [f64]) -> f64 {
+    values.sort_by(f64::total_cmp);
+    values[values.len() / 2]
+}
+
+fn summary(name: &str, samples: &[Sample]) -> (f64, String) {
+    let mut rates: Vec<f64> = samples.iter().map(|s| s.rows as f64 / s.seconds).collect();
+    let mut mbs: Vec<f64> = samples
+        .iter()
+        .map(|s| s.bytes as f64 / 1e6 / s.seconds)
+        .collect();
+    let (lo, hi) = (
+        rates.iter().cloned().fold(f64::MAX, f64::min),
+        rates.iter().cloned().fold(0.0, f64::max),
+    );
+    let rate = median(&mut rates);
+    let mb = median(&mut mbs);
+    let mut firsts: Vec<f64> = samples.iter().filter_map(|s| s.first_batch).collect();
+    let first = if firsts.is_empty() {
+        "-".to_string()
+    } else {
+        format!("{:.1} ms", median(&mut firsts) * 1e3)
+    };
+    (
+        rate,
+        format!("| {name:<28} | {rate:>12.0} [{lo:.0}–{hi:.0}] | {mb:>8.1} | {first:>10} |"),
+    )
+}
+
+fn main() -> Result<()> {
+    let args = args();
+    let runtime = tokio::runtime::Runtime::new()?;
+    let dir = PathBuf::from(concat!(env!("CARGO_MANIFEST_DIR"), "/target/serve-bench"));
+    let table = dir.join(format!("t-{}.parquet", args.rows));
+    runtime.block_on(write_table(&table, args.rows))?;
+    let server_dir = tempfile::tempdir()?;
+    let (server, token) = start_server(server_dir.path(), &table);
+    let mut client = runtime.block_on(server.client(&token));
+    // Warm the page cache and both processes once.
+    let warm = runtime.block_on(in_process(&table))?;
+    runtime.block_on(flight(&mut client));
+    let (mut local, mut remote, mut shell) = (vec![], vec![], vec![]);
+    for _ in 0..args.runs {
+        local.push(runtime.block_on(in_process(&table))?);
+        remote.push(runtime.block_on(flight(&mut client)));
+        shell.push(repl(&table, warm.rows, warm.bytes));
+    }
+    for s in &mut remote {
+        assert_eq!(s.rows, warm.rows, "Flight SQL returned another row count");
+        // Batches decoded from IPC share their message's buffers, which each column's
+        // memory size counts again: the result's bytes are the in-process ones.
+        s.bytes = warm.bytes;
+    }
+    println!(
+        "serve bench: {} rows in the table, {} in the result ({:.0} MB of Arrow buffers), {} runs",
+        args.rows,
+        warm.rows,
+        warm.bytes as f64 / 1e6,
+        args.runs
+    );
+    println!(
+        "| mode                         | rows/s median [min–max]  |     MB/s | first batch |"
+    );
+    println!("|---|---|---|---|");
+    let (local_rate, line) = summary("in process (no transport)", &local);
+    println!("{line}");
+    let (remote_rate, line) = summary("Flight SQL (Rust client)", &remote);
+    println!("{line}");
+    let (shell_rate, line) = summary("REPL, CSV to /dev/null", &shell);
+    println!("{line}");
+    println!(
+        "Flight SQL / in process: {:.2}; Flight SQL / REPL: {:.2}",
+        remote_rate / local_rate,
+        remote_rate / shell_rate
+    );
+    Ok(())
+}
