@@ -722,7 +722,10 @@ pub async fn serve(
         .add_service(tonic::service::interceptor::InterceptedService::new(
             server, auth,
         ))
-        .serve_with_incoming(tokio_stream::wrappers::TcpListenerStream::new(listener))
+        // No Nagle: small replies (a task's block info) would wait for a delayed ACK.
+        .serve_with_incoming(
+            tonic::transport::server::TcpIncoming::from(listener).with_nodelay(Some(true)),
+        )
         .await
         .map_err(|e| DataFusionError::Execution(format!("worker on {address} failed: {e}")))
 }

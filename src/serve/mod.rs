@@ -137,7 +137,9 @@ pub async fn serve(ctx: SessionContext, settings: ServeSettings) -> Result<()> {
         .layer(gate::AuthLayer::new(auth))
         .add_service(server)
         .serve_with_incoming_shutdown(
-            tokio_stream::wrappers::TcpListenerStream::new(listener),
+            // No Nagle: a small message (a handshake, the first batch) would wait for the
+            // client's delayed ACK, 40 ms.
+            tonic::transport::server::TcpIncoming::from(listener).with_nodelay(Some(true)),
             shutdown_signal(),
         )
         .await;
