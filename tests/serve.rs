@@ -577,3 +577,46 @@ async fn tls_clients_trusting_the_ca_get_answers_and_plaintext_ones_do_not() {
     );
     assert_eq!(seen["docs"], flumen::demo::DEFAULT_ROWS as u64);
 }
+
+#[test]
+fn two_trainers_read_every_row_once_per_epoch_and_a_second_job_shares_the_run() {
+    let Some(python) = adbc_python() else { return };
+    let dir = tempfile::tempdir().unwrap();
+    let files = ServerFiles::new(dir.path());
+    let server = Server::start(&files, &[]);
+    let seen = adbc(&python, &server, &files, "trainers", &[]);
+    assert_eq!(seen["shared"], true, "{seen}");
+    for epoch in seen["epochs"].as_array().unwrap() {
+        assert_eq!(epoch["exactly_once"], true, "{seen}");
+        assert_eq!(epoch["other_exactly_once"], true, "{seen}");
+        assert_eq!(epoch["shuffled"], true, "{seen}");
+        // First come, first served: the trainer that sleeps gets fewer blocks.
+        let (fast, slow) = (
+            epoch["fast_blocks"].as_u64().unwrap(),
+            epoch["slow_blocks"].as_u64().unwrap(),
+        );
+        assert_eq!(fast + slow, 100, "{seen}");
+        assert!(fast > slow, "{seen}");
+    }
+    // Two jobs on one dataset: one run of its pipeline per epoch.
+    let runs = &seen["report"][0]["runs_per_epoch"];
+    assert_eq!(runs["0"], 1, "{seen}");
+    assert_eq!(runs["1"], 1, "{seen}");
+    println!("trainers: {seen}");
+}
+
+#[test]
+fn a_killed_trainers_unacknowledged_block_reaches_the_other() {
+    let Some(python) = adbc_python() else { return };
+    let dir = tempfile::tempdir().unwrap();
+    let files = ServerFiles::new(dir.path());
+    let server = Server::start(&files, &[]);
+    let seen = adbc(&python, &server, &files, "killed_consumer", &[]);
+    assert_eq!(seen["exactly_once"], true, "{seen}\n{}", server.log());
+    assert_eq!(seen["held_block_reached_the_other"], true, "{seen}");
+    assert!(
+        server.log().contains("did not acknowledge"),
+        "{}",
+        server.log()
+    );
+}

@@ -48,6 +48,7 @@ use tonic::{Request, Response, Status, Streaming};
 
 use super::catalog_file::CatalogFile;
 use super::credentials::{Authenticator, Caller, Credential};
+use super::datasets::{DatasetRequest, Datasets};
 use super::running::RunningQueries;
 use super::sessions::Sessions;
 use super::statements::{PlannedQuery, Prepared, Statements, TicketResult};
@@ -56,6 +57,10 @@ use super::statements::{PlannedQuery, Prepared, Statements, TicketResult};
 pub const LIST_QUERIES_ACTION: &str = "flumen.queries";
 /// The custom action that cancels a running query by id (the body: the id).
 pub const CANCEL_ACTION: &str = "flumen.cancel";
+/// The custom action that creates a dataset job (JSON body, see [`super::datasets`]).
+pub const CREATE_DATASET_ACTION: &str = "flumen.create_dataset";
+/// The custom action that reports the datasets: runs per epoch, blocks per consumer (JSON).
+pub const DATASETS_ACTION: &str = "flumen.datasets";
 
 type FlightDataStream =
     Pin<Box<dyn Stream<Item = Result<arrow_flight::FlightData, Status>> + Send>>;
@@ -63,6 +68,7 @@ type FlightDataStream =
 /// flumen's Flight SQL service.
 pub struct FlumenFlightSql {
     queries: tokio::runtime::Handle,
+    datasets: Datasets,
     sessions: Sessions,
     statements: Statements,
     running: Arc<RunningQueries>,
@@ -83,6 +89,7 @@ impl FlumenFlightSql {
     ) -> datafusion::error::Result<Self> {
         Ok(Self {
             queries,
+            datasets: Datasets::default(),
             sessions: Sessions::new(base),
             statements: Statements::default(),
             running: Arc::default(),
@@ -873,6 +880,18 @@ impl FlightSqlService for FlumenFlightSql {
                 description: "Cancel one of your running queries by id (the body)".into(),
             }),
             Ok(ActionType {
+                r#type: CREATE_DATASET_ACTION.into(),
+                description: "Create a dataset job over a query for trainers to read (JSON: \
+                              name, sql, epochs, consumers, batch_rows, shuffle_seed, \
+                              shuffle_buffer); answers its tickets"
+                    .into(),
+            }),
+            Ok(ActionType {
+                r#type: DATASETS_ACTION.into(),
+                description: "The datasets: pipeline runs per epoch, blocks per consumer (JSON)"
+                    .into(),
+            }),
+            Ok(ActionType {
                 r#type: "CancelFlightInfo".into(),
                 description: "Cancel the query of a FlightInfo".into(),
             }),
@@ -898,6 +917,24 @@ impl FlightSqlService for FlumenFlightSql {
                 }
                 bytes::Bytes::from_static(b"cancelled")
             }
+            CREATE_DATASET_ACTION => {
+                let request: DatasetRequest = serde_json::from_slice(&action.body)
+                    .map_err(|e| Status::invalid_argument(format!("not a dataset request: {e}")))?;
+                let ctx = self.sessions.context(&caller);
+                let created = self.datasets.create_job(&ctx, request)?;
+                log::info!(
+                    "dataset job {} created by {} (shared: {})",
+                    created.job,
+                    caller.user,
+                    created.shared
+                );
+                serde_json::to_vec(&created)
+                    .map_err(|e| Status::internal(e.to_string()))?
+                    .into()
+            }
+            DATASETS_ACTION => serde_json::to_vec(&self.datasets.report())
+                .map_err(|e| Status::internal(e.to_string()))?
+                .into(),
             "CancelFlightInfo" => {
                 let request = CancelFlightInfoRequest::decode(&*action.body).map_err(|e| {
                     Status::invalid_argument(format!("not a CancelFlightInfoRequest: {e}"))
@@ -922,6 +959,27 @@ impl FlightSqlService for FlumenFlightSql {
         };
         let result = arrow_flight::Result { body };
         Ok(Response::new(Box::pin(futures::stream::iter([Ok(result)]))))
+    }
+
+    async fn do_get_fallback(
+        &self,
+        request: Request<Ticket>,
+        message: Any,
+    ) -> Result<Response<<Self as FlightService>::DoGetStream>, Status> {
+        caller_of(&request)?;
+        let Some(ticket) = super::datasets::decode_ticket(&message) else {
+            return Err(Status::invalid_argument(format!(
+                "flumen serve does not know tickets of type {}",
+                message.type_url
+            )));
+        };
+        let (schema, block) = self.datasets.next_block(&self.queries, &ticket?).await?;
+        let batches = futures::stream::iter(block.into_iter().map(Ok));
+        let encoded = FlightDataEncoderBuilder::new()
+            .with_schema(schema)
+            .build(batches)
+            .map_err(Status::from);
+        Ok(Response::new(Box::pin(encoded)))
     }
 
     async fn register_sql_info(&self, _id: i32, _result: &SqlInfo) {}

@@ -7,6 +7,7 @@
 //! - [`statements`]: tickets and prepared statements held between calls.
 //! - [`running`]: the running queries: progress view, cancellation, one log line each.
 //! - [`catalog_file`]: the tables clients created, kept across restarts.
+//! - [`datasets`]: the training feed: dataset jobs read by trainers block by block.
 //! - [`flight_sql`]: the Flight SQL service itself.
 //!
 //! Nothing runs unauthenticated: a server needs users or a token, and one listening on
@@ -15,6 +16,7 @@
 
 pub mod catalog_file;
 pub mod credentials;
+pub mod datasets;
 pub mod flight_sql;
 pub mod gate;
 pub mod running;

@@ -187,7 +187,153 @@ def tls():
         return {"docs": cur.fetchone()[0]}
 
 
+def flight_client():
+    client = flight.FlightClient(URI)
+    options = flight.FlightCallOptions(
+        headers=[(b"authorization", f"Bearer {SECRETS['token']}".encode())]
+    )
+    return client, options
+
+
+def create_job(client, options, **request):
+    body = json.dumps(request).encode()
+    result = list(client.do_action(flight.Action("flumen.create_dataset", body), options))
+    return json.loads(result[0].body.to_pybytes())
+
+
+def ticket_of(job, epoch, consumer):
+    for t in job["tickets"]:
+        if t["epoch"] == epoch and t["consumer"] == consumer:
+            return flight.Ticket(bytes.fromhex(t["ticket"]))
+    raise KeyError((epoch, consumer))
+
+
+def read_epoch(client, options, ticket, sleep=0.0, blocks=None):
+    """A trainer's loop: one block per DoGet until an empty one; ids as NumPy."""
+    ids = []
+    count = 0
+    while True:
+        table = client.do_get(ticket, options).read_all()
+        if table.num_rows == 0:
+            break
+        ids.extend(table.column("id").to_numpy().tolist())
+        count += 1
+        if sleep:
+            time.sleep(sleep)
+    if blocks is not None:
+        blocks.append(count)
+    return ids
+
+
+def trainers():
+    """Two trainers x 2 epochs over 100k rows (one slow), and a second job on the same
+    dataset read at the same time."""
+    client, options = flight_client()
+    request = dict(
+        name="train",
+        sql="SELECT value AS id FROM generate_series(1, 100000)",
+        epochs=2,
+        consumers=2,
+        batch_rows=1000,
+        shuffle_seed=3,
+    )
+    job = create_job(client, options, **request)
+    other = create_job(client, options, **{**request, "consumers": 1})
+    out = {"shared": other["shared"], "epochs": []}
+    for epoch in range(2):
+        results = {}
+        blocks = {"fast": [], "slow": [], "other": []}
+        started = time.monotonic()
+
+        def run(name, ticket, sleep):
+            c, o = flight_client()
+            results[name] = read_epoch(c, o, ticket, sleep, blocks[name])
+
+        threads = [
+            threading.Thread(target=run, args=("fast", ticket_of(job, epoch, 0), 0.0)),
+            threading.Thread(target=run, args=("slow", ticket_of(job, epoch, 1), 0.02)),
+            threading.Thread(target=run, args=("other", ticket_of(other, epoch, 0), 0.0)),
+        ]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        both = sorted(results["fast"] + results["slow"])
+        out["epochs"].append(
+            {
+                "exactly_once": both == list(range(1, 100001)),
+                "other_exactly_once": sorted(results["other"]) == list(range(1, 100001)),
+                "fast_blocks": blocks["fast"][0],
+                "slow_blocks": blocks["slow"][0],
+                "shuffled": results["fast"][:1000] != sorted(results["fast"][:1000])
+                or results["fast"] != sorted(results["fast"]),
+                "seconds": round(time.monotonic() - started, 2),
+            }
+        )
+    report = list(client.do_action(flight.Action("flumen.datasets", b""), options))
+    out["report"] = json.loads(report[0].body.to_pybytes())
+    return out
+
+
+def killed_consumer():
+    """Consumer 1 is a separate process, SIGKILLed while it holds an unacknowledged block:
+    that block reaches consumer 0."""
+    import signal
+    import subprocess
+
+    client, options = flight_client()
+    job = create_job(
+        client,
+        options,
+        name="killed",
+        sql="SELECT value AS id FROM generate_series(1, 20000)",
+        consumers=2,
+        batch_rows=500,
+    )
+    child = subprocess.Popen(
+        [sys.executable, __file__, "consume_one_by_one", URI, ticket_of(job, 0, 1).ticket.hex()],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    child.stdin.write(json.dumps(SECRETS) + "\n")
+    child.stdin.flush()
+    acknowledged = []
+    held = None
+    for i in range(3):
+        block = json.loads(child.stdout.readline())
+        if i < 2:
+            acknowledged.extend(block)
+            child.stdin.write("next\n")
+            child.stdin.flush()
+        else:
+            held = block
+    child.send_signal(signal.SIGKILL)
+    child.wait()
+    started = time.monotonic()
+    rest = read_epoch(client, options, ticket_of(job, 0, 0))
+    return {
+        "exactly_once": sorted(rest + acknowledged) == list(range(1, 20001)),
+        "held_block_reached_the_other": set(held) <= set(rest),
+        "seconds_for_the_rest": round(time.monotonic() - started, 2),
+    }
+
+
+def consume_one_by_one():
+    """The killed consumer: prints each block's ids, asks for the next one only when told."""
+    client, options = flight_client()
+    ticket = flight.Ticket(bytes.fromhex(ARGS[0]))
+    while True:
+        table = client.do_get(ticket, options).read_all()
+        print(json.dumps(table.column("id").to_pylist()), flush=True)
+        if sys.stdin.readline().strip() != "next":
+            return {}
+
+
 SCENARIOS = {
+    "trainers": trainers,
+    "killed_consumer": killed_consumer,
+    "consume_one_by_one": consume_one_by_one,
     "tls": tls,
     "basics": basics,
     "create_table": create_table,

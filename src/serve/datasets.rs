@@ -1,0 +1,641 @@
+//! The training feed, in the model of the tf.data service: a client asks for a **dataset
+//! job** over a query (`flumen.create_dataset`, JSON: `name`, `sql`, `epochs`, `consumers`,
+//! `batch_rows`, `shuffle_seed`, `shuffle_buffer`), gets one ticket per (epoch, consumer),
+//! and its trainers read with plain Flight `DoGet`.
+//!
+//! - **One block per `DoGet`**, first come first served from the epoch's queue, so a fast
+//!   trainer takes more blocks than a slow one. A `DoGet` with an empty result means the
+//!   epoch is over for that consumer.
+//! - **Acknowledgement by asking again**: a consumer's next `DoGet` acknowledges the block it
+//!   got last. A block not acknowledged within [`LEASE`] (the consumer died or hung) goes
+//!   back to the queue for the others. Within an epoch every row reaches exactly one
+//!   consumer that acknowledged it; a consumer that dies holding a block may have seen it
+//!   too (it never acknowledged it).
+//! - **Sharing**: jobs created with the same dataset name (and the same query) share one run
+//!   of its pipeline per epoch: each block of the run goes to every job attached when the
+//!   run started (the slowest job holds the run back). A job that asks for an epoch whose
+//!   shared run started without it gets a run of its own. `flumen.datasets` reports the
+//!   runs per epoch.
+//! - **Shuffle**: a seeded block-level shuffle buffer (`shuffle_buffer` blocks, emitted in a
+//!   random order drawn from `shuffle_seed` and the epoch); **`batch_rows`**: blocks of that
+//!   many rows (the last of an epoch may be shorter).
+
+use std::collections::{HashMap, VecDeque};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use datafusion::arrow::compute::BatchCoalescer;
+use datafusion::arrow::datatypes::SchemaRef;
+use datafusion::arrow::record_batch::RecordBatch;
+use datafusion::physical_plan::execute_stream;
+use datafusion::prelude::SessionContext;
+use futures::StreamExt;
+use rand::seq::SliceRandom;
+use rand::{Rng, SeedableRng};
+use serde::{Deserialize, Serialize};
+use tonic::Status;
+
+/// A block handed to a consumer and not acknowledged within this long goes to the others.
+pub const LEASE: Duration = Duration::from_secs(3);
+/// Blocks a job's queue holds ahead of its consumers before the run waits.
+const QUEUE_BLOCKS: usize = 8;
+/// The `Any` type URL of a dataset ticket.
+pub const TICKET_TYPE: &str = "type.googleapis.com/flumen.DatasetTicket";
+
+/// What a client asks for (`flumen.create_dataset`'s JSON body).
+#[derive(Debug, Clone, Deserialize, PartialEq)]
+pub struct DatasetRequest {
+    /// The dataset's name: jobs of the same name (and query) share its runs.
+    pub name: String,
+    /// The query whose rows the dataset is.
+    pub sql: String,
+    /// Passes over the data.
+    #[serde(default = "one")]
+    pub epochs: u32,
+    /// Trainers reading the job.
+    #[serde(default = "one")]
+    pub consumers: u32,
+    /// Rows per block handed out (default: as the query produces them).
+    #[serde(default)]
+    pub batch_rows: Option<usize>,
+    /// Seed of the block-level shuffle (none: no shuffle).
+    #[serde(default)]
+    pub shuffle_seed: Option<u64>,
+    /// Blocks the shuffle buffer holds.
+    #[serde(default = "sixteen")]
+    pub shuffle_buffer: usize,
+}
+
+fn one() -> u32 {
+    1
+}
+
+fn sixteen() -> usize {
+    16
+}
+
+/// What a consumer's ticket names.
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq, Eq)]
+pub struct DatasetTicket {
+    /// The job.
+    pub job: String,
+    /// Which of its consumers (0-based).
+    pub consumer: u32,
+    /// Which epoch (0-based).
+    pub epoch: u32,
+}
+
+/// The answer to `flumen.create_dataset`.
+#[derive(Debug, Serialize)]
+pub struct JobCreated {
+    /// The job's id.
+    pub job: String,
+    /// Whether it shares an existing dataset's runs.
+    pub shared: bool,
+    /// One ticket (hex of the Flight ticket's bytes) per epoch and consumer.
+    pub tickets: Vec<TicketEntry>,
+}
+
+/// One ticket of a job.
+#[derive(Debug, Serialize)]
+pub struct TicketEntry {
+    /// The epoch.
+    pub epoch: u32,
+    /// The consumer.
+    pub consumer: u32,
+    /// The Flight ticket's bytes, hex.
+    pub ticket: String,
+}
+
+/// One epoch's blocks for one job.
+struct EpochQueue {
+    state: Mutex<QueueState>,
+    changed: tokio::sync::Notify,
+}
+
+#[derive(Default)]
+struct QueueState {
+    schema: Option<SchemaRef>,
+    ready: VecDeque<RecordBatch>,
+    /// Per consumer: the block it holds unacknowledged, since when.
+    in_flight: HashMap<u32, (RecordBatch, Instant)>,
+    /// Per consumer: blocks and rows it acknowledged.
+    acknowledged: HashMap<u32, (u64, u64)>,
+    requeued: u64,
+    producer_done: bool,
+    error: Option<String>,
+}
+
+impl EpochQueue {
+    fn new() -> Arc<Self> {
+        Arc::new(Self {
+            state: Mutex::default(),
+            changed: tokio::sync::Notify::new(),
+        })
+    }
+
+    fn notify(&self) {
+        self.changed.notify_waiters();
+    }
+}
+
+/// A dataset: its query and options, the jobs reading it, the runs of its pipeline.
+struct Dataset {
+    request: DatasetRequest,
+    ctx: SessionContext,
+    jobs: Mutex<Vec<Arc<Job>>>,
+    /// Runs of the pipeline started, per epoch.
+    runs: Mutex<HashMap<u32, u32>>,
+}
+
+/// A job: its consumers and, per epoch, its queue.
+struct Job {
+    id: String,
+    consumers: u32,
+    epochs: u32,
+    queues: Mutex<HashMap<u32, Arc<EpochQueue>>>,
+}
+
+/// The datasets and jobs of a server.
+#[derive(Default)]
+pub struct Datasets {
+    by_name: Mutex<HashMap<String, Arc<Dataset>>>,
+    jobs: Mutex<HashMap<String, JobOfDataset>>,
+}
+
+/// A job and the dataset it reads.
+type JobOfDataset = (Arc<Dataset>, Arc<Job>);
+
+/// What `flumen.datasets` reports of one dataset.
+#[derive(Debug, Serialize)]
+pub struct DatasetReport {
+    /// The dataset's name.
+    pub name: String,
+    /// Runs of its pipeline per epoch.
+    pub runs_per_epoch: HashMap<u32, u32>,
+    /// Per job: per epoch, per consumer, blocks and rows acknowledged, and blocks requeued.
+    pub jobs: Vec<JobReport>,
+}
+
+/// One job in a [`DatasetReport`].
+#[derive(Debug, Serialize)]
+pub struct JobReport {
+    /// The job's id.
+    pub job: String,
+    /// Per epoch: consumer → (blocks, rows) acknowledged.
+    pub acknowledged: HashMap<u32, HashMap<u32, (u64, u64)>>,
+    /// Per epoch: blocks that went back to the queue after their lease ran out.
+    pub requeued: HashMap<u32, u64>,
+}
+
+impl Datasets {
+    /// Create a job over `request` on `ctx` (the caller's session), sharing the dataset of
+    /// the same name when its query and options match.
+    pub fn create_job(
+        &self,
+        ctx: &SessionContext,
+        request: DatasetRequest,
+    ) -> Result<JobCreated, Status> {
+        if request.epochs == 0 || request.consumers == 0 {
+            return Err(Status::invalid_argument(
+                "a dataset job needs at least one epoch and one consumer",
+            ));
+        }
+        if request.batch_rows == Some(0) || request.shuffle_buffer == 0 {
+            return Err(Status::invalid_argument(
+                "batch_rows and shuffle_buffer must be positive",
+            ));
+        }
+        let mut by_name = self.by_name.lock().unwrap();
+        let (dataset, shared) = match by_name.get(&request.name) {
+            Some(d) if same_pipeline(&d.request, &request) => (Arc::clone(d), true),
+            Some(_) => {
+                return Err(Status::already_exists(format!(
+                    "dataset {} exists with another query or options",
+                    request.name
+                )));
+            }
+            None => {
+                let d = Arc::new(Dataset {
+                    request: request.clone(),
+                    ctx: ctx.clone(),
+                    jobs: Mutex::default(),
+                    runs: Mutex::default(),
+                });
+                by_name.insert(request.name.clone(), Arc::clone(&d));
+                (d, false)
+            }
+        };
+        let job = Arc::new(Job {
+            id: uuid::Uuid::new_v4().simple().to_string(),
+            consumers: request.consumers,
+            epochs: request.epochs,
+            queues: Mutex::default(),
+        });
+        dataset.jobs.lock().unwrap().push(Arc::clone(&job));
+        self.jobs
+            .lock()
+            .unwrap()
+            .insert(job.id.clone(), (dataset, Arc::clone(&job)));
+        let mut tickets = vec![];
+        for epoch in 0..request.epochs {
+            for consumer in 0..request.consumers {
+                let ticket = DatasetTicket {
+                    job: job.id.clone(),
+                    consumer,
+                    epoch,
+                };
+                tickets.push(TicketEntry {
+                    epoch,
+                    consumer,
+                    ticket: hex::encode(encode_ticket(&ticket)),
+                });
+            }
+        }
+        Ok(JobCreated {
+            job: job.id.clone(),
+            shared,
+            tickets,
+        })
+    }
+
+    /// The next block for `ticket`'s consumer (acknowledging the one it got last), or
+    /// `Ok((schema, None))` at the end of its epoch. Runs the epoch's pipeline on
+    /// `queries` if it has not started.
+    pub async fn next_block(
+        &self,
+        queries: &tokio::runtime::Handle,
+        ticket: &DatasetTicket,
+    ) -> Result<(SchemaRef, Option<RecordBatch>), Status> {
+        let (dataset, job) = self
+            .jobs
+            .lock()
+            .unwrap()
+            .get(&ticket.job)
+            .cloned()
+            .ok_or_else(|| Status::not_found(format!("unknown dataset job {}", ticket.job)))?;
+        if ticket.consumer >= job.consumers || ticket.epoch >= job.epochs {
+            return Err(Status::invalid_argument(format!(
+                "job {} has consumers 0..{} and epochs 0..{}",
+                job.id, job.consumers, job.epochs
+            )));
+        }
+        let queue = start_epoch(&dataset, &job, ticket.epoch, queries);
+        loop {
+            let notified = queue.changed.notified();
+            tokio::pin!(notified);
+            notified.as_mut().enable();
+            {
+                let mut st = queue.state.lock().unwrap();
+                // Asking again acknowledges the block this consumer holds.
+                if let Some((batch, _)) = st.in_flight.remove(&ticket.consumer) {
+                    let entry = st.acknowledged.entry(ticket.consumer).or_default();
+                    entry.0 += 1;
+                    entry.1 += batch.num_rows() as u64;
+                }
+                // Blocks of consumers gone quiet go back to the queue.
+                let expired: Vec<u32> = st
+                    .in_flight
+                    .iter()
+                    .filter(|(_, (_, since))| since.elapsed() >= LEASE)
+                    .map(|(c, _)| *c)
+                    .collect();
+                for consumer in expired {
+                    let (batch, _) = st.in_flight.remove(&consumer).expect("listed");
+                    st.ready.push_front(batch);
+                    st.requeued += 1;
+                    log::warn!(
+                        "dataset job {}: consumer {consumer} did not acknowledge its block \
+                         within {LEASE:?}; it goes to the others",
+                        job.id
+                    );
+                }
+                if let Some(e) = &st.error {
+                    return Err(Status::internal(format!("the dataset's query failed: {e}")));
+                }
+                if let Some(batch) = st.ready.pop_front() {
+                    st.in_flight
+                        .insert(ticket.consumer, (batch.clone(), Instant::now()));
+                    let schema = batch.schema();
+                    drop(st);
+                    queue.notify();
+                    return Ok((schema, Some(batch)));
+                }
+                if st.producer_done && st.in_flight.is_empty() {
+                    let schema = st
+                        .schema
+                        .clone()
+                        .unwrap_or_else(|| Arc::new(datafusion::arrow::datatypes::Schema::empty()));
+                    return Ok((schema, None));
+                }
+            }
+            // Wait for a block, the run's end, or a lease to run out.
+            let _ = tokio::time::timeout(LEASE / 2, notified).await;
+        }
+    }
+
+    /// Every dataset with its runs and its jobs' deliveries.
+    pub fn report(&self) -> Vec<DatasetReport> {
+        let datasets: Vec<_> = self.by_name.lock().unwrap().values().cloned().collect();
+        datasets
+            .iter()
+            .map(|d| DatasetReport {
+                name: d.request.name.clone(),
+                runs_per_epoch: d.runs.lock().unwrap().clone(),
+                jobs: d
+                    .jobs
+                    .lock()
+                    .unwrap()
+                    .iter()
+                    .map(|job| {
+                        let queues = job.queues.lock().unwrap();
+                        JobReport {
+                            job: job.id.clone(),
+                            acknowledged: queues
+                                .iter()
+                                .map(|(e, q)| (*e, q.state.lock().unwrap().acknowledged.clone()))
+                                .collect(),
+                            requeued: queues
+                                .iter()
+                                .map(|(e, q)| (*e, q.state.lock().unwrap().requeued))
+                                .collect(),
+                        }
+                    })
+                    .collect(),
+            })
+            .collect()
+    }
+}
+
+fn same_pipeline(a: &DatasetRequest, b: &DatasetRequest) -> bool {
+    a.sql == b.sql
+        && a.batch_rows == b.batch_rows
+        && a.shuffle_seed == b.shuffle_seed
+        && a.shuffle_buffer == b.shuffle_buffer
+}
+
+/// The Flight ticket bytes of `ticket` (a protobuf `Any` with JSON inside).
+pub fn encode_ticket(ticket: &DatasetTicket) -> Vec<u8> {
+    use prost::Message;
+    arrow_flight::sql::Any {
+        type_url: TICKET_TYPE.into(),
+        value: serde_json::to_vec(ticket)
+            .expect("a ticket serializes")
+            .into(),
+    }
+    .encode_to_vec()
+}
+
+/// The dataset ticket inside `any`, if it is one.
+pub fn decode_ticket(any: &arrow_flight::sql::Any) -> Option<Result<DatasetTicket, Status>> {
+    (any.type_url == TICKET_TYPE).then(|| {
+        serde_json::from_slice(&any.value)
+            .map_err(|e| Status::invalid_argument(format!("not a dataset ticket: {e}")))
+    })
+}
+
+/// `job`'s queue for `epoch`, starting the epoch's run (shared by every attached job that
+/// has no queue for it yet) when there is none.
+fn start_epoch(
+    dataset: &Arc<Dataset>,
+    job: &Arc<Job>,
+    epoch: u32,
+    queries: &tokio::runtime::Handle,
+) -> Arc<EpochQueue> {
+    // Lock order: the dataset's jobs, then each job's queues.
+    let jobs = dataset.jobs.lock().unwrap();
+    if let Some(queue) = job.queues.lock().unwrap().get(&epoch) {
+        return Arc::clone(queue);
+    }
+    let mut feeds = vec![];
+    let mut own = None;
+    for other in jobs.iter() {
+        let mut queues = other.queues.lock().unwrap();
+        if queues.contains_key(&epoch) {
+            continue;
+        }
+        let queue = EpochQueue::new();
+        queues.insert(epoch, Arc::clone(&queue));
+        if Arc::ptr_eq(other, job) {
+            own = Some(Arc::clone(&queue));
+        }
+        feeds.push(queue);
+    }
+    drop(jobs);
+    *dataset.runs.lock().unwrap().entry(epoch).or_default() += 1;
+    let request = dataset.request.clone();
+    let ctx = dataset.ctx.clone();
+    queries.spawn(run_epoch(ctx, request, epoch, feeds));
+    own.expect("the asking job had no queue")
+}
+
+/// Run the dataset's query once for `epoch`, handing each block to every queue of `feeds`.
+async fn run_epoch(
+    ctx: SessionContext,
+    request: DatasetRequest,
+    epoch: u32,
+    feeds: Vec<Arc<EpochQueue>>,
+) {
+    let result = produce(&ctx, &request, epoch, &feeds).await;
+    for queue in &feeds {
+        let mut st = queue.state.lock().unwrap();
+        st.producer_done = true;
+        if let Err(e) = &result {
+            st.error = Some(e.to_string());
+        }
+        drop(st);
+        queue.notify();
+    }
+}
+
+async fn produce(
+    ctx: &SessionContext,
+    request: &DatasetRequest,
+    epoch: u32,
+    feeds: &[Arc<EpochQueue>],
+) -> datafusion::error::Result<()> {
+    let frame = ctx.sql(&request.sql).await?;
+    let task_ctx = Arc::new(frame.task_ctx());
+    let plan = frame.create_physical_plan().await?;
+    let schema = plan.schema();
+    for queue in feeds {
+        queue.state.lock().unwrap().schema = Some(Arc::clone(&schema));
+    }
+    let mut stream = execute_stream(plan, task_ctx)?;
+    let mut coalescer = request
+        .batch_rows
+        .map(|rows| BatchCoalescer::new(Arc::clone(&schema), rows));
+    let mut shuffle = request.shuffle_seed.map(|seed| {
+        (
+            rand::rngs::StdRng::seed_from_u64(seed ^ (u64::from(epoch) << 32)),
+            Vec::<RecordBatch>::new(),
+        )
+    });
+    let mut out = vec![];
+    loop {
+        let next = stream.next().await.transpose()?;
+        let finished = next.is_none();
+        match (&mut coalescer, next) {
+            (Some(c), Some(batch)) => {
+                c.push_batch(batch)?;
+                while let Some(b) = c.next_completed_batch() {
+                    out.push(b);
+                }
+            }
+            (Some(c), None) => {
+                c.finish_buffered_batch()?;
+                while let Some(b) = c.next_completed_batch() {
+                    out.push(b);
+                }
+            }
+            (None, Some(batch)) => out.push(batch),
+            (None, None) => {}
+        }
+        for batch in out.drain(..) {
+            if batch.num_rows() == 0 {
+                continue;
+            }
+            match &mut shuffle {
+                Some((rng, buffer)) => {
+                    buffer.push(batch);
+                    if buffer.len() >= request.shuffle_buffer {
+                        let pick = rng.random_range(0..buffer.len());
+                        let chosen = buffer.swap_remove(pick);
+                        hand_out(feeds, chosen).await;
+                    }
+                }
+                None => hand_out(feeds, batch).await,
+            }
+        }
+        if finished {
+            break;
+        }
+    }
+    if let Some((mut rng, mut buffer)) = shuffle {
+        buffer.shuffle(&mut rng);
+        for batch in buffer {
+            hand_out(feeds, batch).await;
+        }
+    }
+    Ok(())
+}
+
+/// Put `batch` in every queue, first waiting while any is full (the slowest job sets the
+/// pace of a shared run).
+async fn hand_out(feeds: &[Arc<EpochQueue>], batch: RecordBatch) {
+    for queue in feeds {
+        loop {
+            let notified = queue.changed.notified();
+            tokio::pin!(notified);
+            notified.as_mut().enable();
+            {
+                let mut st = queue.state.lock().unwrap();
+                if st.ready.len() < QUEUE_BLOCKS {
+                    st.ready.push_back(batch.clone());
+                    drop(st);
+                    queue.notify();
+                    break;
+                }
+            }
+            notified.await;
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn tickets_round_trip_and_requests_take_defaults() {
+        let ticket = DatasetTicket {
+            job: "j".into(),
+            consumer: 1,
+            epoch: 2,
+        };
+        use prost::Message;
+        let any = arrow_flight::sql::Any::decode(&*encode_ticket(&ticket)).unwrap();
+        assert_eq!(decode_ticket(&any).unwrap().unwrap(), ticket);
+        let request: DatasetRequest =
+            serde_json::from_str(r#"{"name": "d", "sql": "SELECT 1"}"#).unwrap();
+        assert_eq!(
+            (request.epochs, request.consumers, request.shuffle_buffer),
+            (1, 1, 16)
+        );
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn two_consumers_get_every_row_once_per_epoch_and_shared_jobs_run_once() {
+        let ctx = crate::session(crate::FlumenConfig::default());
+        let datasets = Datasets::default();
+        let request: DatasetRequest = serde_json::from_str(
+            r#"{"name": "d", "sql": "SELECT value AS id FROM generate_series(1, 10000)",
+                "epochs": 2, "consumers": 2, "batch_rows": 300, "shuffle_seed": 7}"#,
+        )
+        .unwrap();
+        let a = datasets.create_job(&ctx, request.clone()).unwrap();
+        let b = datasets.create_job(&ctx, request).unwrap();
+        assert!(!a.shared && b.shared);
+        let handle = tokio::runtime::Handle::current();
+        let datasets = Arc::new(datasets);
+        // Every consumer of both jobs reads at once, epoch after epoch, as trainers do.
+        let mut readers = vec![];
+        for job in [a.job.clone(), b.job.clone()] {
+            for consumer in 0..2u32 {
+                let (datasets, handle, job) = (Arc::clone(&datasets), handle.clone(), job.clone());
+                readers.push(tokio::spawn(async move {
+                    let mut per_epoch = vec![];
+                    for epoch in 0..2 {
+                        let ticket = DatasetTicket {
+                            job: job.clone(),
+                            consumer,
+                            epoch,
+                        };
+                        let (mut ids, mut firsts) = (vec![], vec![]);
+                        while let (_, Some(batch)) =
+                            datasets.next_block(&handle, &ticket).await.unwrap()
+                        {
+                            assert!(batch.num_rows() <= 300);
+                            let col = batch
+                                .column(0)
+                                .as_any()
+                                .downcast_ref::<datafusion::arrow::array::Int64Array>()
+                                .unwrap();
+                            firsts.push(col.value(0));
+                            ids.extend(col.values().iter().copied());
+                        }
+                        per_epoch.push((ids, firsts));
+                    }
+                    (job, per_epoch)
+                }));
+            }
+        }
+        // Per job, per epoch: the ids read and each block's first id.
+        type Epochs = Vec<(Vec<i64>, Vec<i64>)>;
+        let mut by_job: HashMap<String, Epochs> = HashMap::new();
+        for reader in readers {
+            let (job, per_epoch) = reader.await.unwrap();
+            let entry = by_job
+                .entry(job)
+                .or_insert_with(|| vec![(vec![], vec![]); 2]);
+            for (epoch, (ids, firsts)) in per_epoch.into_iter().enumerate() {
+                entry[epoch].0.extend(ids);
+                entry[epoch].1.extend(firsts);
+            }
+        }
+        for (job, epochs) in by_job {
+            for (epoch, (mut ids, firsts)) in epochs.into_iter().enumerate() {
+                assert!(firsts.windows(2).any(|w| w[0] > w[1]) || firsts.len() < 3);
+                ids.sort_unstable();
+                assert_eq!(
+                    ids,
+                    (1..=10000).collect::<Vec<i64>>(),
+                    "job {job} epoch {epoch}"
+                );
+            }
+        }
+        let report = datasets.report();
+        assert_eq!(report[0].runs_per_epoch.get(&0), Some(&1));
+        assert_eq!(report[0].runs_per_epoch.get(&1), Some(&1));
+    }
+}
