@@ -7,8 +7,10 @@
 //! Data: a generated Parquet table under `target/serve-bench/` (`id`, `k`, `body` of ~100
 //! bytes). Query: `SELECT id, k, body FROM t WHERE k < 12` (3/4 of the rows). Each mode runs
 //! `--runs` times, interleaved; the table gives the median and [min–max] of rows/s, MB/s
-//! (Arrow buffer bytes of the result) and, for Flight SQL, the time from `DoGet` to the
-//! first batch.
+//! (Arrow buffer bytes of the result) and the time to the first batch. Also a dataset job
+//! over the same query (`flumen.create_dataset`, blocks of 8,192 rows, one per `DoGet`)
+//! read by one and by two consumers at once (the time to the first block counts from the
+//! job's creation).
 
 #[path = "../tests/common/serve_process.rs"]
 mod serve_process;
@@ -143,6 +145,72 @@ async fn flight(client: &mut FlightSqlServiceClient<tonic::transport::Channel>) 
     }
 }
 
+/// A dataset job over the query (its own name, so no sharing) read by `consumers` trainers
+/// at once, one block per `DoGet` until each gets an empty one.
+async fn dataset_job(
+    client: &FlightSqlServiceClient<tonic::transport::Channel>,
+    consumers: u32,
+    run: usize,
+) -> Sample {
+    let started = Instant::now();
+    let request = serde_json::json!({
+        "name": format!("bench-{consumers}-{run}"),
+        "sql": QUERY,
+        "consumers": consumers,
+        "batch_rows": 8192,
+    });
+    let answers: Vec<_> = client
+        .clone()
+        .do_action(arrow_flight::Action::new(
+            "flumen.create_dataset",
+            request.to_string(),
+        ))
+        .await
+        .expect("dataset job created")
+        .try_collect()
+        .await
+        .expect("an answer");
+    let created: serde_json::Value = serde_json::from_slice(&answers[0].body).unwrap();
+    let mut readers = vec![];
+    for entry in created["tickets"].as_array().unwrap() {
+        let ticket =
+            arrow_flight::Ticket::new(hex::decode(entry["ticket"].as_str().unwrap()).unwrap());
+        let mut client = client.clone();
+        readers.push(tokio::spawn(async move {
+            let (mut rows, mut first) = (0usize, None);
+            loop {
+                let batches: Vec<_> = client
+                    .do_get(ticket.clone())
+                    .await
+                    .expect("DoGet")
+                    .try_collect()
+                    .await
+                    .expect("a block");
+                let got: usize = batches.iter().map(|b| b.num_rows()).sum();
+                if got == 0 {
+                    return (rows, first);
+                }
+                first.get_or_insert(started.elapsed().as_secs_f64());
+                rows += got;
+            }
+        }));
+    }
+    let (mut rows, mut first_batch) = (0, None::<f64>);
+    for reader in readers {
+        let (r, first) = reader.await.unwrap();
+        rows += r;
+        if let Some(f) = first {
+            first_batch = Some(first_batch.map_or(f, |g| g.min(f)));
+        }
+    }
+    Sample {
+        seconds: started.elapsed().as_secs_f64(),
+        rows,
+        bytes: 0,
+        first_batch,
+    }
+}
+
 /// `flumen serve` on loopback with a token and the table in its catalog file.
 fn start_server(dir: &Path, table: &Path) -> (ServeProcess, String) {
     use std::os::unix::fs::PermissionsExt;
@@ -207,10 +275,20 @@ fn main() -> Result<()> {
     let warm = runtime.block_on(in_process(&table))?;
     runtime.block_on(flight(&mut client));
     let (mut local, mut remote, mut shell) = (vec![], vec![], vec![]);
-    for _ in 0..args.runs {
+    let (mut one, mut two) = (vec![], vec![]);
+    for run in 0..args.runs {
         local.push(runtime.block_on(in_process(&table))?);
         remote.push(runtime.block_on(flight(&mut client)));
         shell.push(repl(&table, warm.rows, warm.bytes));
+        one.push(runtime.block_on(dataset_job(&client, 1, run)));
+        two.push(runtime.block_on(dataset_job(&client, 2, run)));
+    }
+    for s in one.iter_mut().chain(two.iter_mut()) {
+        assert_eq!(
+            s.rows, warm.rows,
+            "a dataset job delivered another row count"
+        );
+        s.bytes = warm.bytes;
     }
     for s in &mut remote {
         assert_eq!(s.rows, warm.rows, "Flight SQL returned another row count");
@@ -235,6 +313,15 @@ fn main() -> Result<()> {
     println!("{line}");
     let (shell_rate, line) = summary("REPL, CSV to /dev/null", &shell);
     println!("{line}");
+    let (one_rate, line) = summary("dataset job, 1 consumer", &one);
+    println!("{line}");
+    let (two_rate, line) = summary("dataset job, 2 consumers", &two);
+    println!("{line}");
+    println!(
+        "dataset job / REPL: {:.2} (1 consumer), {:.2} (2 consumers)",
+        one_rate / shell_rate,
+        two_rate / shell_rate
+    );
     println!(
         "Flight SQL / in process: {:.2}; Flight SQL / REPL: {:.2}",
         remote_rate / local_rate,

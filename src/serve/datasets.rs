@@ -287,11 +287,13 @@ impl Datasets {
             notified.as_mut().enable();
             {
                 let mut st = queue.state.lock().unwrap();
-                // Asking again acknowledges the block this consumer holds.
+                // Asking again acknowledges the block this consumer holds; consumers
+                // waiting for the epoch's end (no block held anywhere) may now see it.
                 if let Some((batch, _)) = st.in_flight.remove(&ticket.consumer) {
                     let entry = st.acknowledged.entry(ticket.consumer).or_default();
                     entry.0 += 1;
                     entry.1 += batch.num_rows() as u64;
+                    queue.notify();
                 }
                 // Blocks of consumers gone quiet go back to the queue.
                 let expired: Vec<u32> = st
