@@ -358,6 +358,24 @@ async fn bad_input_gets_clear_errors_and_the_server_stays_up() {
         "{text}"
     );
 
+    // A dataset ticket for a job that does not exist.
+    let unknown_job = flumen::serve::datasets::DatasetTicket {
+        job: "no-such-job".into(),
+        consumer: 0,
+        epoch: 0,
+    };
+    let err = client
+        .do_get(Ticket::new(flumen::serve::datasets::encode_ticket(
+            &unknown_job,
+        )))
+        .await
+        .err()
+        .unwrap();
+    assert!(
+        err.to_string().contains("unknown dataset job no-such-job"),
+        "{err}"
+    );
+
     // SQL errors and an unknown action.
     let err = client.execute("SELEC 1".into(), None).await.unwrap_err();
     assert!(err.to_string().contains("SELEC"), "{err}");

@@ -232,6 +232,24 @@ fn cert_error(e: rcgen::Error) -> DataFusionError {
     tls_error(&format!("cannot make a worker certificate: {e}"))
 }
 
+/// A tonic server builder serving TLS with `identity` when given (`who` names the server
+/// in errors).
+pub fn server_builder(
+    identity: Option<&TlsIdentity>,
+    who: &str,
+) -> Result<tonic::transport::Server> {
+    let builder = tonic::transport::Server::builder();
+    let Some(identity) = identity else {
+        return Ok(builder);
+    };
+    // This build links both of rustls's crypto providers (ring for us, aws-lc-rs for the
+    // object-store clients), so the server side needs one named.
+    let _ = rustls::crypto::ring::default_provider().install_default();
+    builder
+        .tls_config(identity.server_config())
+        .map_err(|e| tls_error(&format!("{who} cannot use its TLS identity: {e}")))
+}
+
 /// Refuse to serve plaintext on `address` unless it is a loopback address.
 pub fn require_tls_off_loopback(address: &SocketAddr, tls: Option<&TlsIdentity>) -> Result<()> {
     if tls.is_none() && !address.ip().is_loopback() {

@@ -678,15 +678,7 @@ pub async fn serve(
     })?;
     let address = listener.local_addr()?;
     require_tls_off_loopback(&address, settings.tls.as_ref())?;
-    let mut builder = tonic::transport::Server::builder();
-    if let Some(identity) = &settings.tls {
-        // This build links both of rustls's crypto providers (ring for us, aws-lc-rs for
-        // the object-store clients), so the server side needs one named.
-        let _ = rustls::crypto::ring::default_provider().install_default();
-        builder = builder.tls_config(identity.server_config()).map_err(|e| {
-            DataFusionError::Execution(format!("worker cannot use its TLS identity: {e}"))
-        })?;
-    }
+    let mut builder = crate::cluster::tls::server_builder(settings.tls.as_ref(), "worker")?;
     println!("flumen worker listening on {address}");
     use std::io::Write;
     std::io::stdout().flush()?;

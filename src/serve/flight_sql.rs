@@ -366,14 +366,41 @@ fn flight_stream(stream: SendableRecordBatchStream) -> FlightDataStream {
     Box::pin(encoded)
 }
 
-fn batch_stream(batch: RecordBatch) -> FlightDataStream {
-    let schema = batch.schema();
-    let stream = futures::stream::iter([Ok(batch)]);
+/// Batches already in memory as Flight data (the schema first, also when there are none).
+fn batches_stream(schema: SchemaRef, batches: Vec<RecordBatch>) -> FlightDataStream {
+    let stream = futures::stream::iter(batches.into_iter().map(Ok));
     let encoded = FlightDataEncoderBuilder::new()
         .with_schema(schema)
         .build(stream)
         .map_err(Status::from);
     Box::pin(encoded)
+}
+
+/// One metadata batch as Flight data.
+fn batch_stream(batch: RecordBatch) -> FlightDataStream {
+    batches_stream(batch.schema(), vec![batch])
+}
+
+/// Every (catalog, schema name, schema) of `ctx`, of catalog `wanted` only when given.
+fn schemas_of(
+    ctx: &SessionContext,
+    wanted: Option<&String>,
+) -> Vec<(String, String, Arc<dyn datafusion::catalog::SchemaProvider>)> {
+    let mut found = vec![];
+    for catalog_name in ctx.catalog_names() {
+        if wanted.is_some_and(|c| *c != catalog_name) {
+            continue;
+        }
+        let Some(catalog) = ctx.catalog(&catalog_name) else {
+            continue;
+        };
+        for schema_name in catalog.schema_names() {
+            if let Some(schema) = catalog.schema(&schema_name) {
+                found.push((catalog_name.clone(), schema_name, schema));
+            }
+        }
+    }
+    found
 }
 
 fn arrow_status(e: datafusion::arrow::error::ArrowError) -> Status {
@@ -624,12 +651,7 @@ impl FlightSqlService for FlumenFlightSql {
                 Ok(Response::new(flight_stream(stream)))
             }
             TicketResult::Done(schema, batches) => {
-                let stream = futures::stream::iter(batches.into_iter().map(Ok));
-                let encoded = FlightDataEncoderBuilder::new()
-                    .with_schema(schema)
-                    .build(stream)
-                    .map_err(Status::from);
-                Ok(Response::new(Box::pin(encoded)))
+                Ok(Response::new(batches_stream(schema, batches)))
             }
         }
     }
@@ -673,18 +695,10 @@ impl FlightSqlService for FlumenFlightSql {
     ) -> Result<Response<<Self as FlightService>::DoGetStream>, Status> {
         let caller = caller_of(&request)?;
         let ctx = self.sessions.context(&caller);
-        let wanted_catalog = query.catalog.clone();
+        let schemas = schemas_of(&ctx, query.catalog.as_ref());
         let mut builder = query.into_builder();
-        for catalog_name in ctx.catalog_names() {
-            if wanted_catalog.as_ref().is_some_and(|c| *c != catalog_name) {
-                continue;
-            }
-            let Some(catalog) = ctx.catalog(&catalog_name) else {
-                continue;
-            };
-            for schema_name in catalog.schema_names() {
-                builder.append(&catalog_name, schema_name);
-            }
+        for (catalog_name, schema_name, _) in schemas {
+            builder.append(catalog_name, schema_name);
         }
         Ok(Response::new(batch_stream(
             builder.build().map_err(Status::from)?,
@@ -698,40 +712,29 @@ impl FlightSqlService for FlumenFlightSql {
     ) -> Result<Response<<Self as FlightService>::DoGetStream>, Status> {
         let caller = caller_of(&request)?;
         let ctx = self.sessions.context(&caller);
-        let wanted_catalog = query.catalog.clone();
+        let schemas = schemas_of(&ctx, query.catalog.as_ref());
         let mut builder = query.into_builder();
-        for catalog_name in ctx.catalog_names() {
-            if wanted_catalog.as_ref().is_some_and(|c| *c != catalog_name) {
-                continue;
-            }
-            let Some(catalog) = ctx.catalog(&catalog_name) else {
-                continue;
-            };
-            for schema_name in catalog.schema_names() {
-                let Some(schema) = catalog.schema(&schema_name) else {
+        for (catalog_name, schema_name, schema) in schemas {
+            let mut tables = schema.table_names();
+            tables.sort();
+            for table_name in tables {
+                let Ok(Some(table)) = schema.table(&table_name).await else {
                     continue;
                 };
-                let mut tables = schema.table_names();
-                tables.sort();
-                for table_name in tables {
-                    let Ok(Some(table)) = schema.table(&table_name).await else {
-                        continue;
-                    };
-                    let table_type = match table.table_type() {
-                        datafusion::datasource::TableType::View => "VIEW",
-                        datafusion::datasource::TableType::Temporary => "TEMPORARY",
-                        datafusion::datasource::TableType::Base => "TABLE",
-                    };
-                    builder
-                        .append(
-                            &catalog_name,
-                            &schema_name,
-                            &table_name,
-                            table_type,
-                            table.schema().as_ref(),
-                        )
-                        .map_err(Status::from)?;
-                }
+                let table_type = match table.table_type() {
+                    datafusion::datasource::TableType::View => "VIEW",
+                    datafusion::datasource::TableType::Temporary => "TEMPORARY",
+                    datafusion::datasource::TableType::Base => "TABLE",
+                };
+                builder
+                    .append(
+                        &catalog_name,
+                        &schema_name,
+                        &table_name,
+                        table_type,
+                        table.schema().as_ref(),
+                    )
+                    .map_err(Status::from)?;
             }
         }
         Ok(Response::new(batch_stream(
@@ -974,12 +977,10 @@ impl FlightSqlService for FlumenFlightSql {
             )));
         };
         let (schema, block) = self.datasets.next_block(&self.queries, &ticket?).await?;
-        let batches = futures::stream::iter(block.into_iter().map(Ok));
-        let encoded = FlightDataEncoderBuilder::new()
-            .with_schema(schema)
-            .build(batches)
-            .map_err(Status::from);
-        Ok(Response::new(Box::pin(encoded)))
+        Ok(Response::new(batches_stream(
+            schema,
+            block.into_iter().collect(),
+        )))
     }
 
     async fn register_sql_info(&self, _id: i32, _result: &SqlInfo) {}

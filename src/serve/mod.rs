@@ -117,13 +117,7 @@ pub async fn serve(ctx: SessionContext, settings: ServeSettings) -> Result<()> {
         }
         None => None,
     };
-    let mut builder = tonic::transport::Server::builder();
-    if let Some(identity) = &settings.tls {
-        let _ = rustls::crypto::ring::default_provider().install_default();
-        builder = builder.tls_config(identity.server_config()).map_err(|e| {
-            DataFusionError::Execution(format!("flumen serve cannot use its TLS identity: {e}"))
-        })?;
-    }
+    let builder = crate::cluster::tls::server_builder(settings.tls.as_ref(), "flumen serve")?;
     // Queries run on a runtime of their own: calls (new connections, cancellations, the
     // progress view) are answered while every query thread computes.
     let queries = tokio::runtime::Builder::new_multi_thread()
