@@ -376,6 +376,52 @@ async fn bad_input_gets_clear_errors_and_the_server_stays_up() {
         "{err}"
     );
 
+    // A real job's ticket with a consumer or an epoch it does not have, and a job of no
+    // consumers.
+    let create =
+        |request: Value| arrow_flight::Action::new("flumen.create_dataset", request.to_string());
+    let answers: Vec<_> = client
+        .do_action(create(serde_json::json!({
+            "name": "small", "sql": "SELECT value FROM generate_series(1, 10)",
+            "epochs": 1, "consumers": 2
+        })))
+        .await
+        .unwrap()
+        .try_collect()
+        .await
+        .unwrap();
+    let created: Value = serde_json::from_slice(&answers[0].body).unwrap();
+    let job = created["job"].as_str().unwrap().to_string();
+    for (consumer, epoch) in [(2, 0), (0, 1)] {
+        let beyond = flumen::serve::datasets::DatasetTicket {
+            job: job.clone(),
+            consumer,
+            epoch,
+        };
+        let err = client
+            .do_get(Ticket::new(flumen::serve::datasets::encode_ticket(&beyond)))
+            .await
+            .err()
+            .unwrap();
+        assert!(
+            err.to_string()
+                .contains("has consumers 0..2 and epochs 0..1"),
+            "{err}"
+        );
+    }
+    let err = client
+        .do_action(create(serde_json::json!({
+            "name": "none", "sql": "SELECT 1", "epochs": 1, "consumers": 0
+        })))
+        .await
+        .err()
+        .unwrap();
+    assert!(
+        err.to_string()
+            .contains("at least one epoch and one consumer"),
+        "{err}"
+    );
+
     // SQL errors and an unknown action.
     let err = client.execute("SELEC 1".into(), None).await.unwrap_err();
     assert!(err.to_string().contains("SELEC"), "{err}");
@@ -636,5 +682,165 @@ fn a_killed_trainers_unacknowledged_block_reaches_the_other() {
         server.log().contains("did not acknowledge"),
         "{}",
         server.log()
+    );
+}
+
+/// `flumen --connect` (the REPL on a server) running `args`: its exit status, stdout and
+/// stderr.
+fn repl_on(server: &Server, args: &[&str]) -> (bool, String, String) {
+    let out = Command::new(env!("CARGO_BIN_EXE_flumen"))
+        .args(["--connect", &server.uri(), "--quiet"])
+        .args(args)
+        .stdin(Stdio::null())
+        .output()
+        .unwrap();
+    (
+        out.status.success(),
+        String::from_utf8_lossy(&out.stdout).into_owned(),
+        String::from_utf8_lossy(&out.stderr).into_owned(),
+    )
+}
+
+#[tokio::test]
+async fn the_repl_connected_to_a_server_runs_sql_shows_its_jobs_and_cancels_one() {
+    let dir = tempfile::tempdir().unwrap();
+    let files = ServerFiles::new(dir.path());
+    let server = Server::start(&files, &["--memory-budget", "64MiB"]);
+    let token = files.token_file.to_str().unwrap();
+
+    // A long query another client holds open, reading nothing after its first batch.
+    let mut client = server.client(&files).await;
+    let info = client
+        .execute(
+            "SELECT value AS id, repeat('x', 100) AS pad FROM generate_series(1, 10000000)".into(),
+            None,
+        )
+        .await
+        .unwrap();
+    let mut held = client
+        .do_get(info.endpoint[0].ticket.clone().unwrap())
+        .await
+        .unwrap();
+    held.try_next().await.unwrap().unwrap();
+
+    // `\jobs` shows it with its operators' progress.
+    let (ok, jobs, stderr) = repl_on(&server, &["--token-file", token, "-c", "\\jobs"]);
+    assert!(ok, "{stderr}");
+    let first = jobs.lines().next().unwrap_or_default();
+    let id = first
+        .strip_prefix("query ")
+        .and_then(|rest| rest.split_whitespace().next())
+        .unwrap_or_else(|| panic!("no running query in \\jobs:\n{jobs}"));
+    assert!(jobs.contains("generate_series(1, 10000000)"), "{jobs}");
+    assert!(
+        jobs.contains("rows="),
+        "no operator progress in \\jobs:\n{jobs}"
+    );
+    assert!(jobs.contains("no datasets"), "{jobs}");
+
+    // `\cancel ID` ends it for its reader; the server lists no query afterwards.
+    let (ok, said, stderr) = repl_on(
+        &server,
+        &["--token-file", token, "-c", &format!("\\cancel {id}")],
+    );
+    assert!(ok, "{stderr}");
+    assert!(said.contains(&format!("cancelled {id}")), "{said}");
+    let ended = tokio::time::timeout(Duration::from_secs(20), async {
+        loop {
+            match held.try_next().await {
+                Ok(Some(_)) => continue,
+                Ok(None) => return "ended".to_string(),
+                Err(e) => return e.to_string(),
+            }
+        }
+    })
+    .await
+    .expect("the cancelled query's stream went on for 20 s");
+    assert!(ended.to_lowercase().contains("cancel"), "{ended}");
+    let (_, jobs, _) = repl_on(&server, &["--token-file", token, "-c", "\\jobs"]);
+    assert!(jobs.starts_with("no running queries"), "{jobs}");
+
+    // A user logs in with a password from a file; statements run on the server, a bad one
+    // says what is wrong and the next still runs; `\d` lists the server's tables.
+    let password_file = dir.path().join("password");
+    std::fs::write(&password_file, format!("{PASSWORD}\n")).unwrap();
+    use std::os::unix::fs::PermissionsExt;
+    std::fs::set_permissions(&password_file, std::fs::Permissions::from_mode(0o600)).unwrap();
+    let login = [
+        "--user",
+        USER,
+        "--password-file",
+        password_file.to_str().unwrap(),
+    ];
+    let (ok, out, stderr) = repl_on(
+        &server,
+        &[
+            &login[..],
+            &[
+                "--format",
+                "csv",
+                "-c",
+                "SELECT count(*) AS n FROM docs",
+                "-c",
+                "SELECT nosuch FROM docs",
+                "-c",
+                "SELECT sum(value) AS s FROM generate_series(1, 100)",
+                "-c",
+                "\\d",
+            ],
+        ]
+        .concat(),
+    );
+    assert!(!ok, "a failed statement makes the exit status a failure");
+    assert!(out.contains("n\n100000\n"), "{out}");
+    assert!(out.contains("s\n5050\n"), "{out}");
+    assert!(out.contains("datafusion.public.docs"), "{out}");
+    assert_eq!(
+        stderr.matches("No field named nosuch").count(),
+        1,
+        "{stderr}"
+    );
+
+    // A wrong password, a token file others can read, a server that is not there: clear
+    // errors, no session.
+    let wrong = dir.path().join("wrong");
+    std::fs::write(&wrong, "not the password\n").unwrap();
+    std::fs::set_permissions(&wrong, std::fs::Permissions::from_mode(0o600)).unwrap();
+    let (ok, _, stderr) = repl_on(
+        &server,
+        &[
+            "--user",
+            USER,
+            "--password-file",
+            wrong.to_str().unwrap(),
+            "-c",
+            "SELECT 1",
+        ],
+    );
+    assert!(!ok);
+    assert!(
+        stderr.contains("wrong user name, password or token"),
+        "{stderr}"
+    );
+    std::fs::set_permissions(&files.token_file, std::fs::Permissions::from_mode(0o644)).unwrap();
+    let (ok, _, stderr) = repl_on(&server, &["--token-file", token, "-c", "SELECT 1"]);
+    assert!(!ok);
+    assert!(stderr.contains("chmod 600"), "{stderr}");
+    let out = Command::new(env!("CARGO_BIN_EXE_flumen"))
+        .args([
+            "--connect",
+            "grpc://127.0.0.1:1",
+            "--token-file",
+            token,
+            "-c",
+            "SELECT 1",
+        ])
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+    assert!(
+        String::from_utf8_lossy(&out.stderr).contains("cannot connect to grpc://127.0.0.1:1"),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
     );
 }

@@ -86,7 +86,7 @@ impl Secret {
 
 /// The text of `path`, which must be readable by its owner only (no group or other bits),
 /// else an error naming `what` and the chmod that fixes it.
-pub(crate) fn read_owner_only(path: &Path, what: &str) -> Result<String> {
+pub fn read_owner_only(path: &Path, what: &str) -> Result<String> {
     use std::os::unix::fs::MetadataExt;
     let cannot = |e: std::io::Error| {
         DataFusionError::Execution(format!("cannot read {what} {}: {e}", path.display()))

