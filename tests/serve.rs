@@ -844,3 +844,88 @@ async fn the_repl_connected_to_a_server_runs_sql_shows_its_jobs_and_cancels_one(
         String::from_utf8_lossy(&out.stderr)
     );
 }
+
+/// Every block of `ticket` (hex) read through to its epoch's end: the ids of column `id`.
+async fn read_epoch(client: &mut FlightSqlServiceClient<Channel>, ticket: &str) -> Vec<i64> {
+    let mut ids = vec![];
+    loop {
+        let batches: Vec<_> = client
+            .do_get(Ticket::new(hex::decode(ticket).unwrap()))
+            .await
+            .unwrap()
+            .try_collect()
+            .await
+            .unwrap();
+        let rows: usize = batches.iter().map(|b| b.num_rows()).sum();
+        if rows == 0 {
+            return ids;
+        }
+        for batch in batches {
+            let column = batch
+                .column_by_name("id")
+                .unwrap()
+                .as_primitive::<Int64Type>();
+            ids.extend(column.values().iter().copied());
+        }
+    }
+}
+
+#[tokio::test]
+async fn an_abandoned_job_is_dropped_and_stops_holding_back_the_run_it_shared() {
+    let dir = tempfile::tempdir().unwrap();
+    let files = ServerFiles::new(dir.path());
+    let server = Server::start(&files, &["--dataset-job-idle", "2"]);
+    let mut client = server.client(&files).await;
+    let create = async |client: &mut FlightSqlServiceClient<Channel>| -> Value {
+        let request = serde_json::json!({
+            "name": "shared", "sql": "SELECT value AS id FROM generate_series(1, 100000)",
+            "epochs": 1, "consumers": 1, "batch_rows": 1000
+        });
+        let answers: Vec<_> = client
+            .do_action(arrow_flight::Action::new(
+                "flumen.create_dataset",
+                request.to_string(),
+            ))
+            .await
+            .unwrap()
+            .try_collect()
+            .await
+            .unwrap();
+        serde_json::from_slice(&answers[0].body).unwrap()
+    };
+    let reading = create(&mut client).await;
+    let abandoned = create(&mut client).await;
+    assert_eq!(abandoned["shared"], true, "{abandoned}");
+    // The second job's trainer never comes: 100 blocks, its queue holds 8.
+    let started = Instant::now();
+    let ticket = reading["tickets"][0]["ticket"]
+        .as_str()
+        .unwrap()
+        .to_string();
+    let mut ids = tokio::time::timeout(Duration::from_secs(60), read_epoch(&mut client, &ticket))
+        .await
+        .expect("the shared run stayed held back by the job nobody reads");
+    let took = started.elapsed();
+    ids.sort_unstable();
+    assert_eq!(ids, (1..=100_000).collect::<Vec<i64>>());
+    println!("one epoch with an abandoned sharer: {took:?}");
+    // Its ticket now names a dropped job; once the reader is idle too, no dataset is left.
+    let ticket = abandoned["tickets"][0]["ticket"].as_str().unwrap();
+    let err = client
+        .do_get(Ticket::new(hex::decode(ticket).unwrap()))
+        .await
+        .err()
+        .unwrap();
+    assert!(err.to_string().contains("unknown dataset job"), "{err}");
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    let answers: Vec<_> = client
+        .do_action(arrow_flight::Action::new("flumen.datasets", ""))
+        .await
+        .unwrap()
+        .try_collect()
+        .await
+        .unwrap();
+    let datasets: Value = serde_json::from_slice(&answers[0].body).unwrap();
+    assert_eq!(datasets, serde_json::json!([]));
+    assert!(server.log().contains("dropped"), "{}", server.log());
+}

@@ -16,11 +16,17 @@
 //!   run started (the slowest job holds the run back). A job that asks for an epoch whose
 //!   shared run started without it gets a run of its own. `flumen.datasets` reports the
 //!   runs per epoch.
+//! - **Expiry** (tf.data service's job garbage collection): a job none of whose consumers
+//!   has asked for a block for [`JOB_IDLE_LIMIT`] (or the server's `--dataset-job-idle`) is
+//!   dropped: its queued blocks are freed, a shared run stops waiting for it, a run no job
+//!   reads any more stops, and its tickets answer "unknown dataset job". A dataset with no
+//!   job left is dropped too.
 //! - **Shuffle**: a seeded block-level shuffle buffer (`shuffle_buffer` blocks, emitted in a
 //!   random order drawn from `shuffle_seed` and the epoch); **`batch_rows`**: blocks of that
 //!   many rows (the last of an epoch may be shorter).
 
 use std::collections::{HashMap, VecDeque};
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
@@ -37,6 +43,8 @@ use tonic::Status;
 
 /// A block handed to a consumer and not acknowledged within this long goes to the others.
 pub const LEASE: Duration = Duration::from_secs(3);
+/// A job none of whose consumers asked for a block for this long is dropped.
+pub const JOB_IDLE_LIMIT: Duration = Duration::from_secs(300);
 /// Blocks a job's queue holds ahead of its consumers before the run waits.
 const QUEUE_BLOCKS: usize = 8;
 /// The `Any` type URL of a dataset ticket.
@@ -154,13 +162,58 @@ struct Job {
     consumers: u32,
     epochs: u32,
     queues: Mutex<HashMap<u32, Arc<EpochQueue>>>,
+    /// When a consumer last asked for a block (or the job was created).
+    last_asked: Mutex<Instant>,
+    /// Dropped for idleness: runs no longer feed it.
+    expired: AtomicBool,
+}
+
+impl Job {
+    /// A consumer is asking now.
+    fn touch(&self) {
+        *self.last_asked.lock().unwrap() = Instant::now();
+    }
+
+    /// How long since a consumer last asked.
+    fn idle(&self) -> Duration {
+        self.last_asked.lock().unwrap().elapsed()
+    }
+
+    /// Drop the job: free its queued blocks and let the runs feeding it go on without it.
+    fn expire(&self) {
+        self.expired.store(true, Ordering::Relaxed);
+        for queue in self.queues.lock().unwrap().values() {
+            let mut st = queue.state.lock().unwrap();
+            st.ready.clear();
+            st.in_flight.clear();
+            drop(st);
+            queue.notify();
+        }
+    }
+
+    fn is_expired(&self) -> bool {
+        self.expired.load(Ordering::Relaxed)
+    }
+}
+
+/// One job's queue for the epoch a run produces.
+struct Feed {
+    job: Arc<Job>,
+    queue: Arc<EpochQueue>,
 }
 
 /// The datasets and jobs of a server.
-#[derive(Default)]
 pub struct Datasets {
     by_name: Mutex<HashMap<String, Arc<Dataset>>>,
     jobs: Mutex<HashMap<String, JobOfDataset>>,
+    /// Jobs idle longer than this are dropped.
+    idle_limit: Duration,
+}
+
+impl Default for Datasets {
+    fn default() -> Self {
+        Self::new(JOB_IDLE_LIMIT)
+    }
 }
 
 /// A job and the dataset it reads.
@@ -186,9 +239,47 @@ pub struct JobReport {
     pub acknowledged: HashMap<u32, HashMap<u32, (u64, u64)>>,
     /// Per epoch: blocks that went back to the queue after their lease ran out.
     pub requeued: HashMap<u32, u64>,
+    /// Seconds since a consumer last asked for a block.
+    pub idle_seconds: f64,
 }
 
 impl Datasets {
+    /// No datasets; jobs idle longer than `idle_limit` are dropped.
+    pub fn new(idle_limit: Duration) -> Self {
+        Self {
+            by_name: Mutex::default(),
+            jobs: Mutex::default(),
+            idle_limit,
+        }
+    }
+
+    /// Drop the jobs idle beyond the limit (and datasets left without a job).
+    fn sweep(&self) {
+        let mut by_name = self.by_name.lock().unwrap();
+        let idle: Vec<JobOfDataset> = {
+            let mut jobs = self.jobs.lock().unwrap();
+            let ids: Vec<String> = jobs
+                .iter()
+                .filter(|(_, (_, job))| job.is_expired() || job.idle() > self.idle_limit)
+                .map(|(id, _)| id.clone())
+                .collect();
+            ids.iter().filter_map(|id| jobs.remove(id)).collect()
+        };
+        for (dataset, job) in idle {
+            log::info!(
+                "dataset job {} dropped: no consumer asked for {:.0} s",
+                job.id,
+                job.idle().as_secs_f64()
+            );
+            job.expire();
+            let mut attached = dataset.jobs.lock().unwrap();
+            attached.retain(|j| !Arc::ptr_eq(j, &job));
+            if attached.is_empty() {
+                by_name.remove(&dataset.request.name);
+            }
+        }
+    }
+
     /// Create a job over `request` on `ctx` (the caller's session), sharing the dataset of
     /// the same name when its query and options match.
     pub fn create_job(
@@ -196,6 +287,7 @@ impl Datasets {
         ctx: &SessionContext,
         request: DatasetRequest,
     ) -> Result<JobCreated, Status> {
+        self.sweep();
         if request.epochs == 0 || request.consumers == 0 {
             return Err(Status::invalid_argument(
                 "a dataset job needs at least one epoch and one consumer",
@@ -231,6 +323,8 @@ impl Datasets {
             consumers: request.consumers,
             epochs: request.epochs,
             queues: Mutex::default(),
+            last_asked: Mutex::new(Instant::now()),
+            expired: AtomicBool::new(false),
         });
         dataset.jobs.lock().unwrap().push(Arc::clone(&job));
         self.jobs
@@ -267,24 +361,41 @@ impl Datasets {
         queries: &tokio::runtime::Handle,
         ticket: &DatasetTicket,
     ) -> Result<(SchemaRef, Option<RecordBatch>), Status> {
+        self.sweep();
         let (dataset, job) = self
             .jobs
             .lock()
             .unwrap()
             .get(&ticket.job)
             .cloned()
-            .ok_or_else(|| Status::not_found(format!("unknown dataset job {}", ticket.job)))?;
+            .ok_or_else(|| {
+                Status::not_found(format!(
+                    "unknown dataset job {} (a job is dropped after {} s without a consumer \
+                     asking for a block)",
+                    ticket.job,
+                    self.idle_limit.as_secs()
+                ))
+            })?;
+        job.touch();
         if ticket.consumer >= job.consumers || ticket.epoch >= job.epochs {
             return Err(Status::invalid_argument(format!(
                 "job {} has consumers 0..{} and epochs 0..{}",
                 job.id, job.consumers, job.epochs
             )));
         }
-        let queue = start_epoch(&dataset, &job, ticket.epoch, queries);
+        let queue = start_epoch(&dataset, &job, ticket.epoch, queries, self.idle_limit);
         loop {
             let notified = queue.changed.notified();
             tokio::pin!(notified);
             notified.as_mut().enable();
+            // A consumer waiting for a block is not idle.
+            job.touch();
+            if job.is_expired() {
+                return Err(Status::not_found(format!(
+                    "dataset job {} was dropped while this consumer waited",
+                    job.id
+                )));
+            }
             {
                 let mut st = queue.state.lock().unwrap();
                 // Asking again acknowledges the block this consumer holds; consumers
@@ -338,6 +449,7 @@ impl Datasets {
 
     /// Every dataset with its runs and its jobs' deliveries.
     pub fn report(&self) -> Vec<DatasetReport> {
+        self.sweep();
         let datasets: Vec<_> = self.by_name.lock().unwrap().values().cloned().collect();
         datasets
             .iter()
@@ -361,6 +473,7 @@ impl Datasets {
                                 .iter()
                                 .map(|(e, q)| (*e, q.state.lock().unwrap().requeued))
                                 .collect(),
+                            idle_seconds: job.idle().as_secs_f64(),
                         }
                     })
                     .collect(),
@@ -403,6 +516,7 @@ fn start_epoch(
     job: &Arc<Job>,
     epoch: u32,
     queries: &tokio::runtime::Handle,
+    idle_limit: Duration,
 ) -> Arc<EpochQueue> {
     // Lock order: the dataset's jobs, then each job's queues.
     let jobs = dataset.jobs.lock().unwrap();
@@ -412,6 +526,10 @@ fn start_epoch(
     let mut feeds = vec![];
     let mut own = None;
     for other in jobs.iter() {
+        // A job with fewer epochs would never read this one's blocks.
+        if epoch >= other.epochs || other.is_expired() {
+            continue;
+        }
         let mut queues = other.queues.lock().unwrap();
         if queues.contains_key(&epoch) {
             continue;
@@ -421,13 +539,16 @@ fn start_epoch(
         if Arc::ptr_eq(other, job) {
             own = Some(Arc::clone(&queue));
         }
-        feeds.push(queue);
+        feeds.push(Feed {
+            job: Arc::clone(other),
+            queue,
+        });
     }
     drop(jobs);
     *dataset.runs.lock().unwrap().entry(epoch).or_default() += 1;
     let request = dataset.request.clone();
     let ctx = dataset.ctx.clone();
-    queries.spawn(run_epoch(ctx, request, epoch, feeds));
+    queries.spawn(run_epoch(ctx, request, epoch, feeds, idle_limit));
     own.expect("the asking job had no queue")
 }
 
@@ -436,10 +557,11 @@ async fn run_epoch(
     ctx: SessionContext,
     request: DatasetRequest,
     epoch: u32,
-    feeds: Vec<Arc<EpochQueue>>,
+    feeds: Vec<Feed>,
+    idle_limit: Duration,
 ) {
-    let result = produce(&ctx, &request, epoch, &feeds).await;
-    for queue in &feeds {
+    let result = produce(&ctx, &request, epoch, &feeds, idle_limit).await;
+    for Feed { queue, .. } in &feeds {
         let mut st = queue.state.lock().unwrap();
         st.producer_done = true;
         if let Err(e) = &result {
@@ -454,14 +576,15 @@ async fn produce(
     ctx: &SessionContext,
     request: &DatasetRequest,
     epoch: u32,
-    feeds: &[Arc<EpochQueue>],
+    feeds: &[Feed],
+    idle_limit: Duration,
 ) -> datafusion::error::Result<()> {
     let frame = ctx.sql(&request.sql).await?;
     let task_ctx = Arc::new(frame.task_ctx());
     let plan = frame.create_physical_plan().await?;
     let schema = plan.schema();
-    for queue in feeds {
-        queue.state.lock().unwrap().schema = Some(Arc::clone(&schema));
+    for feed in feeds {
+        feed.queue.state.lock().unwrap().schema = Some(Arc::clone(&schema));
     }
     let mut stream = execute_stream(plan, task_ctx)?;
     let mut coalescer = request
@@ -503,10 +626,16 @@ async fn produce(
                     if buffer.len() >= request.shuffle_buffer {
                         let pick = rng.random_range(0..buffer.len());
                         let chosen = buffer.swap_remove(pick);
-                        hand_out(feeds, chosen).await;
+                        if !hand_out(feeds, chosen, idle_limit).await {
+                            return Ok(());
+                        }
                     }
                 }
-                None => hand_out(feeds, batch).await,
+                None => {
+                    if !hand_out(feeds, batch, idle_limit).await {
+                        return Ok(());
+                    }
+                }
             }
         }
         if finished {
@@ -516,17 +645,23 @@ async fn produce(
     if let Some((mut rng, mut buffer)) = shuffle {
         buffer.shuffle(&mut rng);
         for batch in buffer {
-            hand_out(feeds, batch).await;
+            if !hand_out(feeds, batch, idle_limit).await {
+                return Ok(());
+            }
         }
     }
     Ok(())
 }
 
 /// Put `batch` in every queue, first waiting while any is full (the slowest job sets the
-/// pace of a shared run).
-async fn hand_out(feeds: &[Arc<EpochQueue>], batch: RecordBatch) {
-    for queue in feeds {
+/// pace of a shared run), but not for a job idle beyond `idle_limit`: that one is dropped.
+/// Returns false when no job reads the run any more (it should stop).
+async fn hand_out(feeds: &[Feed], batch: RecordBatch, idle_limit: Duration) -> bool {
+    for Feed { job, queue } in feeds {
         loop {
+            if job.is_expired() {
+                break;
+            }
             let notified = queue.changed.notified();
             tokio::pin!(notified);
             notified.as_mut().enable();
@@ -539,10 +674,23 @@ async fn hand_out(feeds: &[Arc<EpochQueue>], batch: RecordBatch) {
                     break;
                 }
             }
-            notified.await;
+            if job.idle() > idle_limit {
+                log::info!(
+                    "dataset job {}: no consumer asked for {:.0} s; the run goes on without it",
+                    job.id,
+                    job.idle().as_secs_f64()
+                );
+                job.expire();
+                break;
+            }
+            let _ = tokio::time::timeout(IDLE_CHECK.min(idle_limit), notified).await;
         }
     }
+    feeds.iter().any(|feed| !feed.job.is_expired())
 }
+
+/// How often a run waiting on a full queue checks whether its job went idle.
+const IDLE_CHECK: Duration = Duration::from_secs(1);
 
 #[cfg(test)]
 mod tests {
@@ -639,5 +787,43 @@ mod tests {
         let report = datasets.report();
         assert_eq!(report[0].runs_per_epoch.get(&0), Some(&1));
         assert_eq!(report[0].runs_per_epoch.get(&1), Some(&1));
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_sharer_with_fewer_epochs_is_not_fed_the_epochs_it_will_not_read() {
+        let ctx = crate::session(crate::FlumenConfig::default());
+        let datasets = Datasets::default();
+        let request = |epochs: u32| -> DatasetRequest {
+            serde_json::from_value(serde_json::json!({
+                "name": "d", "sql": "SELECT value AS id FROM generate_series(1, 50000)",
+                "epochs": epochs, "batch_rows": 1000
+            }))
+            .unwrap()
+        };
+        let long = datasets.create_job(&ctx, request(2)).unwrap();
+        let short = datasets.create_job(&ctx, request(1)).unwrap();
+        assert!(short.shared);
+        let handle = tokio::runtime::Handle::current();
+        let read = |job: &str, epoch: u32| {
+            let ticket = DatasetTicket {
+                job: job.to_string(),
+                consumer: 0,
+                epoch,
+            };
+            let (datasets, handle) = (&datasets, handle.clone());
+            async move {
+                let mut rows = 0;
+                while let (_, Some(batch)) = datasets.next_block(&handle, &ticket).await.unwrap() {
+                    rows += batch.num_rows();
+                }
+                rows
+            }
+        };
+        // Both read epoch 0 together; then the long job's epoch 1 (50 blocks) must not wait
+        // for the short job, which has no epoch 1.
+        let (a, b) = tokio::join!(read(&long.job, 0), read(&short.job, 0));
+        assert_eq!((a, b), (50_000, 50_000));
+        let second = tokio::time::timeout(Duration::from_secs(30), read(&long.job, 1)).await;
+        assert_eq!(second.expect("epoch 1 waited for a job without it"), 50_000);
     }
 }

@@ -99,6 +99,12 @@ impl FlumenFlightSql {
         })
     }
 
+    /// Drop dataset jobs none of whose consumers asked for a block for `limit`.
+    pub fn with_dataset_job_idle(mut self, limit: std::time::Duration) -> Self {
+        self.datasets = Datasets::new(limit);
+        self
+    }
+
     /// The queries running now.
     pub fn running(&self) -> &Arc<RunningQueries> {
         &self.running

@@ -56,6 +56,8 @@ pub struct ServeSettings {
     pub tls: Option<TlsIdentity>,
     /// Where tables created by clients are kept (none: they last until the server exits).
     pub catalog_file: Option<PathBuf>,
+    /// A dataset job none of whose consumers asked for a block this long is dropped.
+    pub dataset_job_idle: std::time::Duration,
 }
 
 impl ServeSettings {
@@ -68,6 +70,7 @@ impl ServeSettings {
             token: None,
             tls: None,
             catalog_file: None,
+            dataset_job_idle: datasets::JOB_IDLE_LIMIT,
         }
     }
 }
@@ -124,7 +127,8 @@ pub async fn serve(ctx: SessionContext, settings: ServeSettings) -> Result<()> {
         .thread_name("flumen-query")
         .enable_all()
         .build()?;
-    let service = FlumenFlightSql::new(queries.handle().clone(), ctx, auth.clone(), catalog)?;
+    let service = FlumenFlightSql::new(queries.handle().clone(), ctx, auth.clone(), catalog)?
+        .with_dataset_job_idle(settings.dataset_job_idle);
     let server = FlightServiceServer::new(service).max_decoding_message_size(MAX_REQUEST_BYTES);
     println!("flumen serve listening on {address}");
     use std::io::Write;

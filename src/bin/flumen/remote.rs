@@ -342,6 +342,8 @@ struct JobReport {
     job: String,
     acknowledged: std::collections::BTreeMap<u32, std::collections::BTreeMap<u32, (u64, u64)>>,
     requeued: std::collections::BTreeMap<u32, u64>,
+    #[serde(default)]
+    idle_seconds: f64,
 }
 
 /// `\jobs`' text: each query with its operators, each dataset with its jobs per epoch.
@@ -380,7 +382,10 @@ fn jobs_text(queries: &[QueryProgress], datasets: &[DatasetReport]) -> String {
             runs.join(", ")
         ));
         for job in &d.jobs {
-            lines.push(format!("  job {}", job.job));
+            lines.push(format!(
+                "  job {} (last asked {:.0} s ago)",
+                job.job, job.idle_seconds
+            ));
             for (epoch, consumers) in &job.acknowledged {
                 let per_consumer: Vec<String> = consumers
                     .iter()
@@ -421,13 +426,14 @@ mod tests {
                 job: "j1".into(),
                 acknowledged: [(0, [(0, (3, 300)), (1, (2, 200))].into())].into(),
                 requeued: [(0, 1)].into(),
+                idle_seconds: 4.0,
             }],
         }];
         let text = jobs_text(&queries, &datasets);
         assert_eq!(
             text,
             "query q1 (ana): 2.0 s, 1000 rows (2.5 MB) sent\n  SELECT * FROM docs\n    \
-             scan: 10 blocks\ndataset train (pipeline runs: epoch 0: 1)\n  job j1\n    epoch 0: \
+             scan: 10 blocks\ndataset train (pipeline runs: epoch 0: 1)\n  job j1 (last asked 4 s ago)\n    epoch 0: \
              consumer 0: 3 blocks, 300 rows; consumer 1: 2 blocks, 200 rows; 1 requeued"
         );
         assert_eq!(jobs_text(&[], &[]), "no running queries\nno datasets");

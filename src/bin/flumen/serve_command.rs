@@ -55,6 +55,10 @@ pub struct ServeArgs {
     /// Do not register the demo `docs` table.
     #[arg(long)]
     no_demo: bool,
+    /// Drop a dataset job none of whose consumers asked for a block for SECS seconds
+    /// (its blocks are freed; a run it shared goes on without it).
+    #[arg(long, value_name = "SECS", default_value_t = flumen::serve::datasets::JOB_IDLE_LIMIT.as_secs())]
+    dataset_job_idle: u64,
     /// Read a password from standard input, print its hash (a user file's `HASH`), exit.
     #[arg(long, exclusive = true)]
     hash_password: bool,
@@ -92,6 +96,7 @@ async fn serve(args: &ServeArgs) -> Result<()> {
     });
     let mut settings = ServeSettings::new();
     settings.listen = args.listen.clone();
+    settings.dataset_job_idle = std::time::Duration::from_secs(args.dataset_job_idle.max(1));
     settings.users = args.users.as_deref().map(UserFile::from_file).transpose()?;
     settings.token = match &args.token_file {
         Some(path) => Some(Secret::from_file(path)?),
