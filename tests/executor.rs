@@ -1239,3 +1239,128 @@ async fn a_long_source_task_gives_its_slot_to_the_operator_nearer_the_output() {
         first_after - first_task_ended
     );
 }
+
+/// A model called in `WHERE` runs in the accelerator operator on the rows the other
+/// conditions keep, and the answer is the rows whose model value passes: the same rows as
+/// computing the model for every row in the `SELECT` list and filtering here.
+#[tokio::test]
+async fn a_model_in_where_order_by_or_an_aggregate_runs_on_the_accelerator() {
+    use flumen::functions::emulated_accelerator::EmulatedModel;
+    const ROWS: i64 = 20_000;
+    let f = flumen_ctx(&[]).await;
+    f.register_udf(accelerator_udf(
+        EmulatedModel::from_spec("m:0:256:4").unwrap(),
+    ));
+    f.sql(&format!(
+        "CREATE TABLE docs AS SELECT value AS id, 'document ' || value AS body \
+         FROM generate_series(1, {ROWS})"
+    ))
+    .await
+    .unwrap()
+    .collect()
+    .await
+    .unwrap();
+    // Every row's model value, then the expected ids: id % 4 = 0 and value > 0.
+    let (all, _) = run_plan(&f, "SELECT id, m(body)[1] AS x FROM docs").await;
+    let mut expected = vec![];
+    for batch in &all {
+        let ids = as_int64_array(batch.column(0)).unwrap();
+        let xs = datafusion::arrow::array::AsArray::as_primitive::<
+            datafusion::arrow::datatypes::Float32Type,
+        >(batch.column(1));
+        for row in 0..batch.num_rows() {
+            if ids.value(row) % 4 == 0 && xs.value(row) > 0.0 {
+                expected.push(ids.value(row));
+            }
+        }
+    }
+    expected.sort_unstable();
+    assert!(
+        expected.len() > 1000 && expected.len() < 4000,
+        "{}",
+        expected.len()
+    );
+
+    let sql = "SELECT id FROM docs WHERE id % 4 = 0 AND m(body)[1] > 0";
+    let (batches, plan) = run_plan(&f, sql).await;
+    let mut got: Vec<i64> = batches
+        .iter()
+        .flat_map(|b| as_int64_array(b.column(0)).unwrap().values().to_vec())
+        .collect();
+    got.sort_unstable();
+    assert_eq!(got, expected);
+    // The model ran in an accelerator operator, over the quarter of the rows `id % 4 = 0`
+    // keeps, not in a CPU filter over all of them.
+    let exec = plan.downcast_ref::<FlumenExec>().unwrap();
+    let model_op = exec
+        .graph()
+        .operators
+        .iter()
+        .find(|op| op.pool == Pool::Accelerator)
+        .unwrap_or_else(|| panic!("no accelerator operator for {sql}"));
+    let rows_in = exec.run_metrics().operator(model_op.id).snapshot().rows;
+    assert_eq!(
+        rows_in,
+        (ROWS / 4) as u64,
+        "rows through the model's operator"
+    );
+
+    // In ORDER BY and in an aggregate's arguments, too: the same answers as computing the
+    // model in the SELECT list, from an accelerator operator.
+    let mut by_value: Vec<(f32, i64)> = vec![];
+    let mut sums = [0f64; 3];
+    for batch in &all {
+        let ids = as_int64_array(batch.column(0)).unwrap();
+        let xs = datafusion::arrow::array::AsArray::as_primitive::<
+            datafusion::arrow::datatypes::Float32Type,
+        >(batch.column(1));
+        for row in 0..batch.num_rows() {
+            by_value.push((xs.value(row), ids.value(row)));
+            sums[(ids.value(row) % 3) as usize] += f64::from(xs.value(row));
+        }
+    }
+    by_value.sort_by(|a, b| b.0.total_cmp(&a.0).then(a.1.cmp(&b.1)));
+    let top: Vec<i64> = by_value[..5].iter().map(|(_, id)| *id).collect();
+    for (sql, check) in [
+        (
+            "SELECT id FROM docs ORDER BY m(body)[1] DESC, id LIMIT 5",
+            0,
+        ),
+        (
+            "SELECT id % 3 AS g, sum(m(body)[1]) AS s FROM docs GROUP BY id % 3 ORDER BY g",
+            1,
+        ),
+    ] {
+        let (batches, plan) = run_plan(&f, sql).await;
+        let exec = plan.downcast_ref::<FlumenExec>().unwrap();
+        assert!(
+            exec.graph()
+                .operators
+                .iter()
+                .any(|op| op.pool == Pool::Accelerator),
+            "no accelerator operator for {sql}"
+        );
+        if check == 0 {
+            let ids: Vec<i64> = batches
+                .iter()
+                .flat_map(|b| as_int64_array(b.column(0)).unwrap().values().to_vec())
+                .collect();
+            assert_eq!(ids, top, "{sql}");
+        } else {
+            let got: Vec<f64> = batches
+                .iter()
+                .flat_map(|b| {
+                    datafusion::arrow::array::AsArray::as_primitive::<
+                        datafusion::arrow::datatypes::Float64Type,
+                    >(b.column(1))
+                    .values()
+                    .to_vec()
+                })
+                .collect();
+            assert_eq!(got.len(), 3, "{sql}");
+            for (g, (got, want)) in got.iter().zip(sums).enumerate() {
+                assert!((got - want).abs() < 1e-3, "group {g}: {got} vs {want}");
+            }
+        }
+    }
+}

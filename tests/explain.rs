@@ -297,3 +297,14 @@ async fn explain_models_over_models_get_an_operator_each_with_cpu_work_between()
     };
     insta::assert_snapshot!(plan);
 }
+
+/// A model called in `WHERE` runs in an accelerator operator, as in a `SELECT` list: the
+/// conditions that call no model filter first (in CPU tasks, so the model never sees the rows
+/// they drop), the model's result is computed by an accelerator projection, the conditions
+/// over it filter after, and the model's column is dropped.
+#[tokio::test]
+async fn explain_a_model_in_where_gets_an_accelerator_operator() {
+    insta::assert_snapshot!(
+        explain_over_docs("SELECT id FROM docs WHERE id > 3 AND embed(body)[1] > 0").await
+    );
+}

@@ -24,6 +24,15 @@
 //! CPU operator below the model (`flumen.preprocess_on_cpu`: by default when the model
 //! computes on an accelerator; a model on the CPU would only contend with its own step).
 //!
+//! A model called in `WHERE` gets the same treatment ([`plan_model_filter`]): the conditions
+//! that call no model filter first, a projection computes the model calls (planned as
+//! above), the conditions over their results filter next, and the model columns are dropped.
+//! Without it the `FilterExec` ran the model in CPU tasks, and the predicate reached the
+//! Parquet scan. So does one in `ORDER BY` ([`plan_model_sort`]; a sort's merge evaluated the
+//! model a second time) and one in an aggregate's arguments or `GROUP BY`
+//! ([`plan_model_aggregate`]: `count(embed(body))` ran the model in the aggregate's CPU
+//! tasks).
+//!
 //! [`AcceleratorFunction::cpu_step`]: crate::functions::accelerator::AcceleratorFunction::cpu_step
 
 use std::fmt;
@@ -36,9 +45,14 @@ use datafusion::execution::{SendableRecordBatchStream, TaskContext};
 use datafusion::physical_expr::ScalarFunctionExpr;
 use datafusion::physical_expr::expressions::{Column, Literal};
 use datafusion::physical_expr::utils::collect_columns;
+use datafusion::physical_expr::{LexOrdering, PhysicalSortExpr};
+use datafusion::physical_expr::{conjunction, split_conjunction};
 use datafusion::physical_optimizer::PhysicalOptimizerRule;
+use datafusion::physical_plan::aggregates::{AggregateExec, AggregateMode, PhysicalGroupBy};
 use datafusion::physical_plan::execution_plan::{ChildrenPropertiesMode, ReplaceChildrenOptions};
+use datafusion::physical_plan::filter::{FilterExec, FilterExecBuilder};
 use datafusion::physical_plan::projection::{ProjectionExec, ProjectionExpr};
+use datafusion::physical_plan::sorts::sort::SortExec;
 use datafusion::physical_plan::{
     DisplayAs, DisplayFormatType, ExecutionPlan, PhysicalExpr, PlanProperties,
 };
@@ -147,6 +161,29 @@ impl PhysicalOptimizerRule for KeepAcceleratorProjections {
             .map(|flumen| flumen.preprocess_on_cpu)
             .unwrap_or_default();
         plan.transform_up(|node| {
+            if let Some(filter) = node.downcast_ref::<FilterExec>()
+                && calls_accelerator_udf(filter.predicate())
+            {
+                return Ok(Transformed::yes(plan_model_filter(
+                    filter,
+                    steps_on_cpu,
+                    config,
+                )?));
+            }
+            if let Some(aggregate) = node.downcast_ref::<AggregateExec>()
+                && let Some(planned) = plan_model_aggregate(aggregate, steps_on_cpu, config)?
+            {
+                return Ok(Transformed::yes(planned));
+            }
+            if let Some(sort) = node.downcast_ref::<SortExec>()
+                && sort.expr().iter().any(|e| calls_accelerator_udf(&e.expr))
+            {
+                return Ok(Transformed::yes(plan_model_sort(
+                    sort,
+                    steps_on_cpu,
+                    config,
+                )?));
+            }
             if let Some(projection) = node.downcast_ref::<ProjectionExec>()
                 && projection
                     .expr()
@@ -203,6 +240,192 @@ fn plan_model_projection(
         Some(exprs) => Arc::new(ProjectionExec::try_new(exprs, wrapped)?),
         None => wrapped,
     })
+}
+
+/// A filter whose predicate calls models, planned as operators: the conjuncts that call no
+/// model filter first (the model never sees the rows they drop), a projection passes the
+/// input's columns on and computes each model call once (an accelerator operator, planned by
+/// [`plan_model_projection`]), the conjuncts over the models' results filter above it, and
+/// that filter's projection keeps only the input's columns, so the output is the filter's.
+fn plan_model_filter(
+    filter: &FilterExec,
+    steps_on_cpu: PreprocessOnCpu,
+    config: &ConfigOptions,
+) -> Result<Arc<dyn ExecutionPlan>> {
+    let (over_models, plain): (Vec<_>, Vec<_>) = split_conjunction(filter.predicate())
+        .into_iter()
+        .cloned()
+        .partition(calls_accelerator_udf);
+    let input = Arc::clone(filter.input());
+    let below: Arc<dyn ExecutionPlan> = if plain.is_empty() {
+        input
+    } else {
+        Arc::new(
+            FilterExecBuilder::new(conjunction(plain), input)
+                .with_batch_size(filter.batch_size())
+                .build()?,
+        )
+    };
+    let input_schema = below.schema();
+    // The columns the filter outputs first (the filter above keeps just those), then each
+    // model call once and the columns its conditions read besides.
+    let outputs: Vec<usize> = match filter.projection() {
+        Some(projection) => projection.to_vec(),
+        None => (0..input_schema.fields().len()).collect(),
+    };
+    let mut models: Vec<ProjectionExpr> = outputs
+        .iter()
+        .map(|&i| {
+            let name = input_schema.field(i).name();
+            ProjectionExpr {
+                expr: Arc::new(Column::new(name, i)) as Arc<dyn PhysicalExpr>,
+                alias: name.clone(),
+            }
+        })
+        .collect();
+    let conditions = over_models
+        .iter()
+        .map(|c| lift_model_calls(c, &input_schema, &mut models))
+        .collect::<Result<Vec<_>>>()?;
+    let projection = ProjectionExec::try_new(models, below)?;
+    let computed = plan_model_projection(&projection, steps_on_cpu, config)?;
+    let above = FilterExecBuilder::from(filter)
+        .with_predicate(conjunction(conditions))
+        .with_input(computed)
+        .apply_projection(None)?
+        .apply_projection(Some((0..outputs.len()).collect()))?;
+    Ok(Arc::new(above.build()?))
+}
+
+/// A sort whose keys call models, planned as operators: a projection passes the input's
+/// columns on and computes each model call once (an accelerator operator), the sort orders
+/// by the computed columns, and a projection above drops them.
+fn plan_model_sort(
+    sort: &SortExec,
+    steps_on_cpu: PreprocessOnCpu,
+    config: &ConfigOptions,
+) -> Result<Arc<dyn ExecutionPlan>> {
+    let input_schema = sort.input().schema();
+    let columns: Vec<ProjectionExpr> = input_schema
+        .fields()
+        .iter()
+        .enumerate()
+        .map(|(i, field)| ProjectionExpr {
+            expr: Arc::new(Column::new(field.name(), i)) as Arc<dyn PhysicalExpr>,
+            alias: field.name().clone(),
+        })
+        .collect();
+    let mut models = columns.clone();
+    let keys = sort
+        .expr()
+        .iter()
+        .map(|key| {
+            Ok(PhysicalSortExpr::new(
+                lift_model_calls(&key.expr, &input_schema, &mut models)?,
+                key.options,
+            ))
+        })
+        .collect::<Result<Vec<_>>>()?;
+    let projection = ProjectionExec::try_new(models, Arc::clone(sort.input()))?;
+    let computed = plan_model_projection(&projection, steps_on_cpu, config)?;
+    let keys = LexOrdering::new(keys)
+        .ok_or_else(|| DataFusionError::Internal("a sort without keys".into()))?;
+    let sorted = SortExec::new(keys, computed)
+        .with_fetch(sort.fetch())
+        .with_preserve_partitioning(sort.preserve_partitioning());
+    Ok(Arc::new(ProjectionExec::try_new(
+        columns,
+        Arc::new(sorted),
+    )?))
+}
+
+/// An aggregate that evaluates model calls (in its arguments or grouping expressions; the
+/// first phase, or the only one), planned as operators: a projection below computes each
+/// model call once (an accelerator operator) and the aggregate reads its columns. The
+/// aggregate's output (names, types, state fields) is unchanged. `None` when it calls no
+/// model, or calls one where this does not reach (grouping sets, `FILTER`, an aggregate's
+/// `ORDER BY`): those run as before.
+fn plan_model_aggregate(
+    aggregate: &AggregateExec,
+    steps_on_cpu: PreprocessOnCpu,
+    config: &ConfigOptions,
+) -> Result<Option<Arc<dyn ExecutionPlan>>> {
+    let evaluates_input = matches!(
+        aggregate.mode(),
+        AggregateMode::Partial | AggregateMode::Single | AggregateMode::SinglePartitioned
+    );
+    let group_by = aggregate.group_expr();
+    let calls_model = group_by
+        .expr()
+        .iter()
+        .any(|(e, _)| calls_accelerator_udf(e))
+        || aggregate
+            .aggr_expr()
+            .iter()
+            .any(|a| a.expressions().iter().any(calls_accelerator_udf));
+    if !evaluates_input || !calls_model {
+        return Ok(None);
+    }
+    let unreachable = !group_by.is_single()
+        || aggregate
+            .filter_expr()
+            .iter()
+            .flatten()
+            .any(calls_accelerator_udf)
+        || aggregate
+            .aggr_expr()
+            .iter()
+            .any(|a| a.order_bys().iter().any(|o| calls_accelerator_udf(&o.expr)));
+    if unreachable {
+        return Ok(None);
+    }
+    let input = Arc::clone(aggregate.input());
+    let input_schema = input.schema();
+    // Only what the aggregate reads: each model call once, the columns it reads besides.
+    let mut models: Vec<ProjectionExpr> = vec![];
+    let groups = group_by
+        .expr()
+        .iter()
+        .map(|(e, name)| {
+            Ok((
+                lift_model_calls(e, &input_schema, &mut models)?,
+                name.clone(),
+            ))
+        })
+        .collect::<Result<Vec<_>>>()?;
+    let mut aggregates = vec![];
+    for a in aggregate.aggr_expr() {
+        let args = a
+            .expressions()
+            .iter()
+            .map(|e| lift_model_calls(e, &input_schema, &mut models))
+            .collect::<Result<Vec<_>>>()?;
+        let order_bys = a.order_bys().iter().map(|o| Arc::clone(&o.expr)).collect();
+        match a.with_new_expressions(args, order_bys) {
+            Some(rewritten) => aggregates.push(Arc::new(rewritten)),
+            None => return Ok(None),
+        }
+    }
+    let projection = ProjectionExec::try_new(models, input)?;
+    let computed = plan_model_projection(&projection, steps_on_cpu, config)?;
+    let computed_schema = computed.schema();
+    let planned = AggregateExec::try_new(
+        *aggregate.mode(),
+        PhysicalGroupBy::new_single(groups),
+        aggregates,
+        aggregate.filter_expr().to_vec(),
+        computed,
+        computed_schema,
+    )?
+    .with_limit_options(aggregate.limit_options());
+    if planned.schema() != aggregate.schema() {
+        return Err(DataFusionError::Internal(format!(
+            "moving model calls out of an aggregate changed its output: {} became {}",
+            aggregate.schema(),
+            planned.schema()
+        )));
+    }
+    Ok(Some(Arc::new(planned)))
 }
 
 /// Models over models (`model_b(post(model_a(x)))`) as a chain of levels: `None` when no
