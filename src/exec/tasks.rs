@@ -39,6 +39,7 @@ impl QueryRun {
             self.update_complete(st, op.id);
         }
         self.skip_unasked(st);
+        self.skip_unread(st);
     }
 
     /// True when `op`'s tasks start at once and stream a join's probe input; they then run
@@ -140,6 +141,28 @@ impl QueryRun {
                 }
             }
             st.operators[op_id].partitions[p].input = Some(cursor);
+        }
+    }
+
+    /// An operator whose reader finished before reading all of it (a `LIMIT` that has its
+    /// rows) launches nothing more: its pending tasks are dropped and it counts as complete,
+    /// and so, in turn, do the operators feeding only it. Running tasks end on their own;
+    /// their blocks are never read.
+    pub(super) fn skip_unread(&self, st: &mut RunState) {
+        // Consumers come after their producers: one pass from the root down suffices.
+        for op in self.graph.operators.iter().rev() {
+            let Some(consumer) = self.graph.consumer[op.id] else {
+                continue;
+            };
+            if st.operators[op.id].complete || !st.operators[consumer].complete {
+                continue;
+            }
+            for p in &mut st.operators[op.id].partitions {
+                p.closed = true;
+                p.next_launch = p.tasks.len();
+            }
+            st.operators[op.id].started = true;
+            st.operators[op.id].complete = true;
         }
     }
 

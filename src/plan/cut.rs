@@ -22,6 +22,7 @@ use datafusion::physical_plan::filter::FilterExec;
 use datafusion::physical_plan::joins::{
     CrossJoinExec, HashJoinExec, NestedLoopJoinExec, PartitionMode,
 };
+use datafusion::physical_plan::limit::{GlobalLimitExec, LocalLimitExec};
 use datafusion::physical_plan::projection::ProjectionExec;
 use datafusion::physical_plan::recursive_query::RecursiveQueryExec;
 use datafusion::physical_plan::repartition::RepartitionExec;
@@ -218,6 +219,7 @@ impl Cutter<'_> {
         let mut stage_inputs = vec![];
         let mut other_leaves = 0;
         let mut all_row_local = true;
+        let mut row_local_but_for_limits = true;
         let mut stack = vec![Arc::clone(&fragment)];
         while let Some(node) = stack.pop() {
             if let Some(si) = node.downcast_ref::<StageInputExec>() {
@@ -228,6 +230,7 @@ impl Cutter<'_> {
                 other_leaves += 1;
             }
             all_row_local &= is_row_local(&node);
+            row_local_but_for_limits &= is_row_local(&node) || is_limit(&node);
             stack.extend(node.children().into_iter().cloned());
         }
         // Stage inputs are numbered in the order their producers were created.
@@ -270,6 +273,11 @@ impl Cutter<'_> {
         let mut probe_producers = vec![];
         if shape == TaskShape::Barrier && !self.out_of_core {
             collect_probe_producers(&fragment, false, &mut probe_producers);
+            // A limit over one input (`LIMIT 10`, a filter with a fetch) streams it too:
+            // it starts at once and ends when it has its rows, not after its whole input.
+            if stage_inputs.len() == 1 && other_leaves == 0 && row_local_but_for_limits {
+                probe_producers.push(stage_inputs[0].0);
+            }
         }
         let gang = if self.out_of_core {
             partitions_wait_for_each_other(&fragment)
@@ -433,6 +441,14 @@ fn is_row_local(node: &Arc<dyn ExecutionPlan>) -> bool {
                 .all(|d| matches!(d, Distribution::UnspecifiedDistribution));
     }
     node.downcast_ref::<SplitSourceExec>().is_some()
+}
+
+/// Nodes that keep the first rows of their input and would be row-local but for that: a
+/// limit, or a row-local node with a fetch.
+fn is_limit(node: &Arc<dyn ExecutionPlan>) -> bool {
+    node.downcast_ref::<GlobalLimitExec>().is_some()
+        || node.downcast_ref::<LocalLimitExec>().is_some()
+        || node.downcast_ref::<FilterExec>().is_some()
 }
 
 /// Whether `plan` holds a partial aggregate with GROUP BY whose groups may recur in every
