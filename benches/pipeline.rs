@@ -491,13 +491,19 @@ fn run_pipeline(args: &Args, pipeline: Pipeline) -> Result<()> {
             let g = &r["devices"][k]["gaps"];
             gap_medians.push(f(g, "median_ms"));
             println!(
-                "  {name}: median {:.2} ms, p90 {:.2} ms, max {:.1} ms, {} of {} gaps over 1 ms, {:.2} s idle between its first and last batch",
+                "  {name}: median {:.2} ms, p90 {:.2} ms, max {:.1} ms, {} of {} gaps over 1 ms, {:.2} s idle between its first and last batch; busy from {:.3} s to {:.3} s; last batch written {:.3} s, stream ended {:.3} s, writer closed {:.3} s, wall {:.3} s",
                 f(g, "median_ms"),
                 f(g, "p90_ms"),
                 f(g, "max_ms"),
                 g["over_1ms"],
                 g["n"],
-                f(g, "idle_s")
+                f(g, "idle_s"),
+                r["devices"][k]["span_s"][0].as_f64().unwrap_or(f64::NAN),
+                r["devices"][k]["span_s"][1].as_f64().unwrap_or(f64::NAN),
+                f(r, "last_batch_written_s"),
+                f(r, "stream_ended_s"),
+                f(r, "writer_closed_s"),
+                f(r, "wall_s")
             );
         }
     }
@@ -683,6 +689,8 @@ fn rusage() -> (f64, f64) {
 trait DeviceMeter: Send + Sync {
     fn busy_s(&self) -> f64;
     fn intervals(&self) -> Vec<(Duration, Duration)>;
+    /// What the intervals count from.
+    fn created(&self) -> Instant;
 }
 
 impl DeviceMeter for EmulatedDevice {
@@ -691,6 +699,9 @@ impl DeviceMeter for EmulatedDevice {
     }
     fn intervals(&self) -> Vec<(Duration, Duration)> {
         self.busy_intervals()
+    }
+    fn created(&self) -> Instant {
+        EmulatedDevice::created(self)
     }
 }
 
@@ -708,6 +719,9 @@ impl DeviceMeter for CallLog {
     }
     fn intervals(&self) -> Vec<(Duration, Duration)> {
         self.calls.lock().unwrap().clone()
+    }
+    fn created(&self) -> Instant {
+        self.created
     }
 }
 
@@ -983,6 +997,7 @@ fn run_child(args: &Args, mode: &str) -> Result<Value> {
         .out
         .join(format!("out-{}-{mode}.parquet", pipeline.name()));
     let deterministic = args.accelerator == "emulated" || pipeline == Pipeline::Three;
+    let mut ends = (f64::NAN, f64::NAN, f64::NAN);
     let (first_row_s, checksum, writer_busy) = runtime.block_on(async {
         ctx.register_parquet(
             "docs",
@@ -1010,10 +1025,13 @@ fn run_child(args: &Args, mode: &str) -> Result<Value> {
             writer.write(&batch)?;
             writer_busy += write_started.elapsed();
             rows_done.fetch_add(batch.num_rows() as u64, Ordering::Relaxed);
+            ends.0 = started.elapsed().as_secs_f64();
         }
+        ends.1 = started.elapsed().as_secs_f64();
         let write_started = Instant::now();
         writer.close()?;
         writer_busy += write_started.elapsed();
+        ends.2 = started.elapsed().as_secs_f64();
         Ok::<_, DataFusionError>((first_row_s.unwrap_or(f64::NAN), checksum, writer_busy))
     })?;
     let wall_s = started.elapsed().as_secs_f64();
@@ -1023,7 +1041,19 @@ fn run_child(args: &Args, mode: &str) -> Result<Value> {
     let timeline = std::mem::take(&mut *timeline.lock().unwrap());
     let devices: Vec<Value> = meters
         .iter()
-        .map(|(name, m)| json!({"name": name, "busy_s": m.busy_s(), "gaps": gap_stats(&m.intervals())}))
+        .map(|(name, m)| {
+            let intervals = m.intervals();
+            // When the device first started and last finished, from the query's start.
+            let since_start = |d: Duration| (m.created() + d).saturating_duration_since(started);
+            let span = match (intervals.first(), intervals.last()) {
+                (Some(first), Some(last)) => json!([
+                    since_start(first.0).as_secs_f64(),
+                    since_start(last.1).as_secs_f64()
+                ]),
+                _ => json!(null),
+            };
+            json!({"name": name, "busy_s": m.busy_s(), "gaps": gap_stats(&intervals), "span_s": span})
+        })
         .collect();
     Ok(json!({
         "mode": mode,
@@ -1033,6 +1063,9 @@ fn run_child(args: &Args, mode: &str) -> Result<Value> {
         "cpu_s": cpu_at_end - cpu_at_start,
         "devices": devices,
         "writer_busy_s": writer_busy.as_secs_f64(),
+        "last_batch_written_s": ends.0,
+        "stream_ended_s": ends.1,
+        "writer_closed_s": ends.2,
         "peak_rss_kb": peak_rss_kb,
         "checksum": checksum.to_string(),
         "timeline": timeline,

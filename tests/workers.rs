@@ -812,8 +812,10 @@ async fn embed_in_a_worker_matches_the_cpu_reference(device: &str) {
     for set in [
         format!("SET flumen.device = '{device}'"),
         "SET flumen.split_bytes = '1GB'".into(),
-        // One whole block, not the run's ramp of small first blocks.
+        // One whole block, not the run's ramp of small first blocks, given back whole (not
+        // in pieces of `model_piece_rows`).
         "SET flumen.first_block_rows = 0".into(),
+        "SET flumen.model_piece_rows = 0".into(),
         register,
     ] {
         f.sql(&set).await.unwrap().collect().await.unwrap();

@@ -494,7 +494,7 @@ impl QueryRun {
                     batches.push(self.fetch(id).await?);
                 }
                 // The fragment sees the bundle as a local task does.
-                let pieces = bundle_pieces(&schema, batches, self.config().block_rows())?;
+                let pieces = bundle_pieces(&schema, batches, self.piece_rows(op_id))?;
                 let input = MemorySourceConfig::try_new_exec(&[pieces], schema, None)?;
                 Ok(blocks_plan(op, input))
             }
@@ -636,7 +636,7 @@ impl QueryRun {
     ) -> TaskRequest {
         let config = self.config();
         TaskRequest {
-            target_rows: config.block_rows(),
+            target_rows: self.piece_rows(op_id),
             first_block_rows: 0,
             partition,
             partitions: self.graph.operators[op_id].partitions(),

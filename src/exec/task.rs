@@ -124,7 +124,7 @@ impl QueryRun {
             op.output_split.as_ref(),
             partition,
             fragment.output_partitioning().partition_count(),
-            self.config.block_rows(),
+            self.piece_rows(op_id),
         )?
         .with_ramp(if first_task {
             self.graph.first_block_rows

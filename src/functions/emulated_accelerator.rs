@@ -69,6 +69,11 @@ impl EmulatedDevice {
         self.queue.lock().unwrap_or_else(|e| e.into_inner()).clone()
     }
 
+    /// When the device was made (what [`Self::busy_intervals`] count from).
+    pub fn created(&self) -> Instant {
+        self.created
+    }
+
     /// Nanoseconds the device has been busy.
     pub fn busy_ns(&self) -> u64 {
         self.busy_ns.load(Ordering::Relaxed)
