@@ -1277,18 +1277,24 @@ async fn a_model_in_where_order_by_or_an_aggregate_runs_on_the_accelerator() {
     .unwrap();
     // Every row's model value, then the expected ids: id % 4 = 0 and value > 0.
     let (all, _) = run_plan(&f, "SELECT id, m(body)[1] AS x FROM docs").await;
-    let mut expected = vec![];
+    let mut values: Vec<(i64, f32)> = vec![];
     for batch in &all {
         let ids = as_int64_array(batch.column(0)).unwrap();
         let xs = datafusion::arrow::array::AsArray::as_primitive::<
             datafusion::arrow::datatypes::Float32Type,
         >(batch.column(1));
-        for row in 0..batch.num_rows() {
-            if ids.value(row) % 4 == 0 && xs.value(row) > 0.0 {
-                expected.push(ids.value(row));
-            }
-        }
+        values.extend(
+            ids.values()
+                .iter()
+                .copied()
+                .zip(xs.values().iter().copied()),
+        );
     }
+    let mut expected: Vec<i64> = values
+        .iter()
+        .filter(|(id, x)| id % 4 == 0 && *x > 0.0)
+        .map(|(id, _)| *id)
+        .collect();
     expected.sort_unstable();
     assert!(
         expected.len() > 1000 && expected.len() < 4000,
@@ -1322,17 +1328,10 @@ async fn a_model_in_where_order_by_or_an_aggregate_runs_on_the_accelerator() {
 
     // In ORDER BY and in an aggregate's arguments, too: the same answers as computing the
     // model in the SELECT list, from an accelerator operator.
-    let mut by_value: Vec<(f32, i64)> = vec![];
+    let mut by_value: Vec<(f32, i64)> = values.iter().map(|(id, x)| (*x, *id)).collect();
     let mut sums = [0f64; 3];
-    for batch in &all {
-        let ids = as_int64_array(batch.column(0)).unwrap();
-        let xs = datafusion::arrow::array::AsArray::as_primitive::<
-            datafusion::arrow::datatypes::Float32Type,
-        >(batch.column(1));
-        for row in 0..batch.num_rows() {
-            by_value.push((xs.value(row), ids.value(row)));
-            sums[(ids.value(row) % 3) as usize] += f64::from(xs.value(row));
-        }
+    for (id, x) in &values {
+        sums[(id % 3) as usize] += f64::from(*x);
     }
     by_value.sort_by(|a, b| b.0.total_cmp(&a.0).then(a.1.cmp(&b.1)));
     let top: Vec<i64> = by_value[..5].iter().map(|(_, id)| *id).collect();
