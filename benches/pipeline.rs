@@ -5,7 +5,7 @@
 //! ```text
 //! cargo bench --bench pipeline -- [--full] [--rows N] [--runs N] [--pipelines two|three|both]
 //!     [--accelerator auto|emulated|cuda] [--service-us N] [--batch-rows N] [--mem-scale N]
-//!     [--skip-memory] [--skip-sweep] [--first-block-rows N] [--block-rows N]
+//!     [--skip-memory] [--skip-sweep] [--first-block-rows N] [--block-rows N] [--piece-rows N]
 //!     [--three-rows N] [--post-layers N] [--long-factor N]
 //!     [--a-batch-us N] [--a-per-kib-us N] [--b-service-us N]
 //! ```
@@ -120,6 +120,8 @@ struct Args {
     first_block_rows: Option<usize>,
     /// `flumen.target_block_rows` for flumen's modes (`None`: flumen's default).
     block_rows: Option<usize>,
+    /// `flumen.model_piece_rows` (`--piece-rows`).
+    piece_rows: Option<usize>,
     post_layers: usize,
     long_factor: usize,
     a_batch_us: u64,
@@ -149,6 +151,7 @@ fn parse_args() -> Args {
         skip_sweep: false,
         first_block_rows: None,
         block_rows: None,
+        piece_rows: None,
         post_layers: 2,
         long_factor: 10,
         a_batch_us: 1_000,
@@ -185,6 +188,7 @@ fn parse_args() -> Args {
             "--skip-sweep" => args.skip_sweep = true,
             "--first-block-rows" => args.first_block_rows = Some(number() as usize),
             "--block-rows" => args.block_rows = Some(number() as usize),
+            "--piece-rows" => args.piece_rows = Some(number() as usize),
             "--post-layers" => args.post_layers = number() as usize,
             "--long-factor" => args.long_factor = number() as usize,
             "--a-batch-us" => args.a_batch_us = number(),
@@ -637,6 +641,9 @@ fn spawn_child(
     if let Some(rows) = args.block_rows {
         child.args(["--block-rows", &rows.to_string()]);
     }
+    if let Some(rows) = args.piece_rows {
+        child.args(["--piece-rows", &rows.to_string()]);
+    }
     if let Some(tp) = target_partitions {
         child.args(["--target-partitions", &tp.to_string()]);
     }
@@ -938,6 +945,9 @@ fn run_child(args: &Args, mode: &str) -> Result<Value> {
             }
             if let Some(rows) = args.block_rows {
                 config.target_block_rows = rows;
+            }
+            if let Some(rows) = args.piece_rows {
+                config.model_piece_rows = rows;
             }
             flumen::session(config)
         }
