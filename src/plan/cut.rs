@@ -503,8 +503,10 @@ fn collect_parquet_scans<'a>(plan: &'a Arc<dyn ExecutionPlan>, out: &mut Vec<&'a
     }
 }
 
-/// Replace a Parquet scan without declared ordering by a [`SplitSourceExec`] whose tasks
-/// read `split_bytes`-sized byte ranges (row groups whose midpoint falls in the range).
+/// Replace a Parquet scan by a [`SplitSourceExec`] whose tasks read `split_bytes`-sized
+/// byte ranges (row groups whose midpoint falls in the range). A scan with a declared
+/// ordering keeps it: a partition's splits are consecutive ranges in file order, and its
+/// readers take a partition's blocks task after task.
 /// Only a fragment with exactly one scan is split.
 fn split_sources(
     fragment: Arc<dyn ExecutionPlan>,
@@ -538,7 +540,6 @@ fn replace_scan(
     if let Some(source) = plan.downcast_ref::<DataSourceExec>() {
         if let Some(config) = source.data_source().downcast_ref::<FileScanConfig>()
             && config.file_source().file_type() == "parquet"
-            && config.output_ordering.is_empty()
             && config.file_groups.len() == splits.len()
         {
             let split = SplitSourceExec::try_new(
