@@ -1255,6 +1255,19 @@ async fn a_long_source_task_gives_its_slot_to_the_operator_nearer_the_output() {
     );
 }
 
+/// Rows the one accelerator operator of `plan` (which ran `sql`) produced; panics when the
+/// plan has none (the model ran in CPU tasks).
+fn rows_through_model(plan: &Arc<dyn ExecutionPlan>, sql: &str) -> u64 {
+    let exec = plan.downcast_ref::<FlumenExec>().unwrap();
+    let model_op = exec
+        .graph()
+        .operators
+        .iter()
+        .find(|op| op.pool == Pool::Accelerator)
+        .unwrap_or_else(|| panic!("no accelerator operator for {sql}"));
+    exec.run_metrics().operator(model_op.id).snapshot().rows
+}
+
 /// A model called in `WHERE` runs in the accelerator operator on the rows the other
 /// conditions keep, and the answer is the rows whose model value passes: the same rows as
 /// computing the model for every row in the `SELECT` list and filtering here.
@@ -1312,14 +1325,7 @@ async fn a_model_in_where_order_by_or_an_aggregate_runs_on_the_accelerator() {
     assert_eq!(got, expected);
     // The model ran in an accelerator operator, over the quarter of the rows `id % 4 = 0`
     // keeps, not in a CPU filter over all of them.
-    let exec = plan.downcast_ref::<FlumenExec>().unwrap();
-    let model_op = exec
-        .graph()
-        .operators
-        .iter()
-        .find(|op| op.pool == Pool::Accelerator)
-        .unwrap_or_else(|| panic!("no accelerator operator for {sql}"));
-    let rows_in = exec.run_metrics().operator(model_op.id).snapshot().rows;
+    let rows_in = rows_through_model(&plan, sql);
     assert_eq!(
         rows_in,
         (ROWS / 4) as u64,
@@ -1346,14 +1352,7 @@ async fn a_model_in_where_order_by_or_an_aggregate_runs_on_the_accelerator() {
         ),
     ] {
         let (batches, plan) = run_plan(&f, sql).await;
-        let exec = plan.downcast_ref::<FlumenExec>().unwrap();
-        assert!(
-            exec.graph()
-                .operators
-                .iter()
-                .any(|op| op.pool == Pool::Accelerator),
-            "no accelerator operator for {sql}"
-        );
+        rows_through_model(&plan, sql);
         if check == 0 {
             let ids: Vec<i64> = batches
                 .iter()
@@ -1418,14 +1417,7 @@ async fn a_limit_over_a_model_runs_the_model_on_one_small_block_at_most() {
         let (batches, plan) = run_plan(&f, sql).await;
         let rows: usize = batches.iter().map(|b| b.num_rows()).sum();
         assert_eq!(rows, 10, "{sql}");
-        let exec = plan.downcast_ref::<FlumenExec>().unwrap();
-        let model_op = exec
-            .graph()
-            .operators
-            .iter()
-            .find(|op| op.pool == Pool::Accelerator)
-            .unwrap();
-        let through = exec.run_metrics().operator(model_op.id).snapshot().rows;
+        let through = rows_through_model(&plan, sql);
         println!(
             "{sql}: {through} rows through the model in {:?}",
             started.elapsed()

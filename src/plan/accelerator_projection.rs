@@ -273,16 +273,7 @@ fn plan_model_filter(
         Some(projection) => projection.to_vec(),
         None => (0..input_schema.fields().len()).collect(),
     };
-    let mut models: Vec<ProjectionExpr> = outputs
-        .iter()
-        .map(|&i| {
-            let name = input_schema.field(i).name();
-            ProjectionExpr {
-                expr: Arc::new(Column::new(name, i)) as Arc<dyn PhysicalExpr>,
-                alias: name.clone(),
-            }
-        })
-        .collect();
+    let mut models = pass_through(&input_schema, outputs.iter().copied());
     let conditions = over_models
         .iter()
         .map(|c| lift_model_calls(c, &input_schema, &mut models))
@@ -306,15 +297,7 @@ fn plan_model_sort(
     config: &ConfigOptions,
 ) -> Result<Arc<dyn ExecutionPlan>> {
     let input_schema = sort.input().schema();
-    let columns: Vec<ProjectionExpr> = input_schema
-        .fields()
-        .iter()
-        .enumerate()
-        .map(|(i, field)| ProjectionExpr {
-            expr: Arc::new(Column::new(field.name(), i)) as Arc<dyn PhysicalExpr>,
-            alias: field.name().clone(),
-        })
-        .collect();
+    let columns = pass_through(&input_schema, 0..input_schema.fields().len());
     let mut models = columns.clone();
     let keys = sort
         .expr()
@@ -701,6 +684,23 @@ fn lift_model_calls(
         .map(|child| lift_model_calls(child, input_schema, models))
         .collect::<Result<Vec<_>>>()?;
     Arc::clone(expr).with_new_children(children)
+}
+
+/// Projection expressions passing on `schema`'s columns `indices` under their own names.
+fn pass_through(
+    schema: &datafusion::arrow::datatypes::SchemaRef,
+    indices: impl IntoIterator<Item = usize>,
+) -> Vec<ProjectionExpr> {
+    indices
+        .into_iter()
+        .map(|i| {
+            let name = schema.field(i).name();
+            ProjectionExpr {
+                expr: Arc::new(Column::new(name, i)) as Arc<dyn PhysicalExpr>,
+                alias: name.clone(),
+            }
+        })
+        .collect()
 }
 
 /// Name of the `k`-th column computed below an accelerator projection.

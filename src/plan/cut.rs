@@ -229,8 +229,9 @@ impl Cutter<'_> {
             if node.children().is_empty() {
                 other_leaves += 1;
             }
-            all_row_local &= is_row_local(&node);
-            row_local_but_for_limits &= is_row_local(&node) || is_limit(&node);
+            let row_local = is_row_local(&node);
+            all_row_local &= row_local;
+            row_local_but_for_limits &= row_local || is_limit(&node);
             stack.extend(node.children().into_iter().cloned());
         }
         // Stage inputs are numbered in the order their producers were created.
@@ -270,13 +271,13 @@ impl Cutter<'_> {
             let n = fragment.output_partitioning().partition_count();
             (fragment, vec![1; n])
         };
-        let mut probe_producers = vec![];
+        let mut streamed_producers = vec![];
         if shape == TaskShape::Barrier && !self.out_of_core {
-            collect_probe_producers(&fragment, false, &mut probe_producers);
+            collect_probe_producers(&fragment, false, &mut streamed_producers);
             // A limit over one input (`LIMIT 10`, a filter with a fetch) streams it too:
             // it starts at once and ends when it has its rows, not after its whole input.
             if stage_inputs.len() == 1 && other_leaves == 0 && row_local_but_for_limits {
-                probe_producers.push(stage_inputs[0].0);
+                streamed_producers.push(stage_inputs[0].0);
             }
         }
         let gang = if self.out_of_core {
@@ -295,7 +296,7 @@ impl Cutter<'_> {
             inputs: stage_inputs.iter().map(|(p, _, _)| *p).collect(),
             streamed_inputs: stage_inputs
                 .iter()
-                .map(|(p, _, _)| probe_producers.contains(p))
+                .map(|(p, _, _)| streamed_producers.contains(p))
                 .collect(),
             input_exchanges: stage_inputs.into_iter().map(|(_, e, _)| e).collect(),
             output_split,

@@ -25,7 +25,7 @@
 //!   random order drawn from `shuffle_seed` and the epoch); **`batch_rows`**: blocks of that
 //!   many rows (the last of an epoch may be shorter).
 
-use std::collections::{HashMap, VecDeque};
+use std::collections::{BTreeMap, HashMap, VecDeque};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
@@ -219,26 +219,26 @@ impl Default for Datasets {
 /// A job and the dataset it reads.
 type JobOfDataset = (Arc<Dataset>, Arc<Job>);
 
-/// What `flumen.datasets` reports of one dataset.
-#[derive(Debug, Serialize)]
+/// What `flumen.datasets` reports of one dataset (as JSON; the REPL's `\jobs` reads it back).
+#[derive(Debug, Serialize, Deserialize)]
 pub struct DatasetReport {
     /// The dataset's name.
     pub name: String,
     /// Runs of its pipeline per epoch.
-    pub runs_per_epoch: HashMap<u32, u32>,
+    pub runs_per_epoch: BTreeMap<u32, u32>,
     /// Per job: per epoch, per consumer, blocks and rows acknowledged, and blocks requeued.
     pub jobs: Vec<JobReport>,
 }
 
 /// One job in a [`DatasetReport`].
-#[derive(Debug, Serialize)]
+#[derive(Debug, Serialize, Deserialize)]
 pub struct JobReport {
     /// The job's id.
     pub job: String,
     /// Per epoch: consumer → (blocks, rows) acknowledged.
-    pub acknowledged: HashMap<u32, HashMap<u32, (u64, u64)>>,
+    pub acknowledged: BTreeMap<u32, BTreeMap<u32, (u64, u64)>>,
     /// Per epoch: blocks that went back to the queue after their lease ran out.
-    pub requeued: HashMap<u32, u64>,
+    pub requeued: BTreeMap<u32, u64>,
     /// Seconds since a consumer last asked for a block.
     pub idle_seconds: f64,
 }
@@ -455,7 +455,7 @@ impl Datasets {
             .iter()
             .map(|d| DatasetReport {
                 name: d.request.name.clone(),
-                runs_per_epoch: d.runs.lock().unwrap().clone(),
+                runs_per_epoch: d.runs.lock().unwrap().clone().into_iter().collect(),
                 jobs: d
                     .jobs
                     .lock()
@@ -467,7 +467,10 @@ impl Datasets {
                             job: job.id.clone(),
                             acknowledged: queues
                                 .iter()
-                                .map(|(e, q)| (*e, q.state.lock().unwrap().acknowledged.clone()))
+                                .map(|(e, q)| {
+                                    let st = q.state.lock().unwrap();
+                                    (*e, st.acknowledged.clone().into_iter().collect())
+                                })
                                 .collect(),
                             requeued: queues
                                 .iter()

@@ -15,7 +15,7 @@ use datafusion::error::{DataFusionError, Result};
 use datafusion::execution::SendableRecordBatchStream;
 use datafusion::physical_plan::{ExecutionPlan, RecordBatchStream};
 use futures::Stream;
-use serde::Serialize;
+use serde::{Deserialize, Serialize};
 
 use super::credentials::Caller;
 
@@ -35,8 +35,8 @@ pub struct RunningQuery {
     plan: Arc<dyn ExecutionPlan>,
 }
 
-/// What the progress view reports of one query.
-#[derive(Debug, Serialize)]
+/// What the progress view reports of one query (as JSON; the REPL's `\jobs` reads it back).
+#[derive(Debug, Serialize, Deserialize)]
 pub struct QueryProgress {
     /// The query's id.
     pub id: String,

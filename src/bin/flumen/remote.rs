@@ -19,11 +19,12 @@ use datafusion::arrow::array::{AsArray, RecordBatch};
 use datafusion::arrow::datatypes::Schema;
 use datafusion::error::{DataFusionError, Result};
 use flumen::cluster::auth::{Secret, SendSecret};
+use flumen::serve::datasets::DatasetReport;
 use flumen::serve::flight_sql::{CANCEL_ACTION, DATASETS_ACTION, LIST_QUERIES_ACTION};
+use flumen::serve::running::QueryProgress;
 use futures::stream::BoxStream;
 use futures::{StreamExt, TryStreamExt};
 use prost::Message;
-use serde::Deserialize;
 use tonic::service::interceptor::InterceptedService;
 use tonic::transport::{Channel, ClientTlsConfig, Endpoint};
 
@@ -317,35 +318,6 @@ fn bad_answer(action: &str, e: serde_json::Error) -> DataFusionError {
     DataFusionError::Execution(format!("the server's answer to {action} is not JSON: {e}"))
 }
 
-/// One running query as `flumen.queries` reports it.
-#[derive(Debug, Deserialize)]
-struct QueryProgress {
-    id: String,
-    user: String,
-    sql: String,
-    seconds: f64,
-    rows_sent: u64,
-    bytes_sent: u64,
-    operators: Vec<String>,
-}
-
-/// One dataset as `flumen.datasets` reports it.
-#[derive(Debug, Deserialize)]
-struct DatasetReport {
-    name: String,
-    runs_per_epoch: std::collections::BTreeMap<u32, u32>,
-    jobs: Vec<JobReport>,
-}
-
-#[derive(Debug, Deserialize)]
-struct JobReport {
-    job: String,
-    acknowledged: std::collections::BTreeMap<u32, std::collections::BTreeMap<u32, (u64, u64)>>,
-    requeued: std::collections::BTreeMap<u32, u64>,
-    #[serde(default)]
-    idle_seconds: f64,
-}
-
 /// `\jobs`' text: each query with its operators, each dataset with its jobs per epoch.
 fn jobs_text(queries: &[QueryProgress], datasets: &[DatasetReport]) -> String {
     let mut lines = vec![];
@@ -407,6 +379,7 @@ fn jobs_text(queries: &[QueryProgress], datasets: &[DatasetReport]) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use flumen::serve::datasets::JobReport;
 
     #[test]
     fn jobs_text_lists_queries_with_operators_and_datasets_per_epoch() {
