@@ -2,19 +2,22 @@
 //! vanilla DataFusion (same memory limit, as a user would set it on its `RuntimeEnv`) and
 //! against this disk's bound, in the same run.
 //!
-//! `cargo bench --bench shuffle [-- --gb 2 --budget 200MB --dir target/sortbench --only flumen|vanilla --no-shuffle --no-unbounded]`
+//! `cargo bench --bench shuffle [-- --gb 2 --budget 200MB --dir target/sortbench --only flumen|vanilla --no-shuffle --no-unbounded --memory-cap 1GB]`
 //!
 //! The table is the sort benchmark's: 100-byte records, a random 10-byte key and a 90-byte
 //! payload holding the record's number, written as uncompressed Parquet (8 files) under
 //! `--dir` (generated once per size, then reused). The bench first measures the disk's sequential
-//! write (with fsync) and read (after dropping the file from the page cache) speed. Each run
+//! write (with fsync) and read (after dropping the file from the page cache) speed, three
+//! times, and takes the median of each. Each run
 //! is `COPY (SELECT ... ORDER BY key | random()) TO '<one Parquet file>'`; its disk bound is
 //! the bytes an external sort must move (read the input, write and read back its runs, write
 //! the output) at those speeds, and the run's share of the bound is bound / time. Every
 //! output is read back: sorted (or, for a shuffle, in an order unlike the input's and the
 //! other seed's), with the input's row count and order-independent checksum. Peak RSS is the
 //! process's high-water mark, reset before each run; `rise/budget` is how far it rose above
-//! the RSS the run started with, over the budget. Vanilla also sorts once with no memory
+//! the RSS the run started with, over the budget; `heap/budget` the same for the live heap
+//! (jemalloc's count of allocated bytes, sampled every 5 ms), so that what the run's data
+//! held is told apart from what the allocator kept resident. Vanilla also sorts once with no memory
 //! limit (the time a user with the memory sees; `--no-unbounded` skips it).
 
 use std::fs::File;
@@ -38,6 +41,10 @@ use flumen::config::ByteSize;
 use rand::rngs::StdRng;
 use rand::{RngCore, SeedableRng};
 
+#[path = "common/heap_stats.rs"]
+mod heap_stats;
+#[path = "common/memory_cap.rs"]
+mod memory_cap;
 #[path = "common/rss.rs"]
 mod rss;
 use rss::RssWatch;
@@ -252,23 +259,43 @@ struct Run {
     peak_rss: u64,
     /// How far the peak rose above `base_rss`.
     rss_rise: u64,
+    /// Most live heap bytes (jemalloc's count) during the run, above what it started with.
+    heap_rise: u64,
     output_bytes: u64,
     digest: Digest,
     sorted: bool,
 }
 
-async fn run_copy(ctx: &SessionContext, order_by: &str, out: &Path) -> Result<Run> {
+/// Drop every file under `dir` from the page cache.
+fn drop_dir_cache(dir: &Path) -> Result<()> {
+    for entry in std::fs::read_dir(dir)?.flatten() {
+        drop_cache(&File::open(entry.path())?);
+    }
+    Ok(())
+}
+
+async fn run_copy(
+    ctx: &SessionContext,
+    order_by: &str,
+    input_dir: &Path,
+    out: &Path,
+) -> Result<Run> {
     let _ = std::fs::remove_file(out);
     let _ = std::fs::remove_dir_all(out);
+    drop_dir_cache(input_dir)?;
     let sql = format!(
         "COPY (SELECT key, payload FROM records ORDER BY {order_by}) TO '{}' STORED AS PARQUET \
          OPTIONS ('format.compression' 'uncompressed', 'format.dictionary_enabled' 'false')",
         out.display()
     );
     let rss = RssWatch::start();
+    let heap = heap_stats::HeapWatch::start();
+    let heap_base = heap.base();
     let started = Instant::now();
-    ctx.sql(&sql).await?.collect().await?;
+    let result = ctx.sql(&sql).await?.collect().await;
     let seconds = started.elapsed().as_secs_f64();
+    let heap_rise = heap.finish().saturating_sub(heap_base);
+    result?;
     let (base_rss, peak_rss, rss_rise) = (rss.base, rss.peak(), rss.rise());
     let output_bytes = std::fs::metadata(out)?.len();
     let (digest, sorted) = read_back(out)?;
@@ -277,6 +304,7 @@ async fn run_copy(ctx: &SessionContext, order_by: &str, out: &Path) -> Result<Ru
         base_rss,
         peak_rss,
         rss_rise,
+        heap_rise,
         output_bytes,
         digest,
         sorted,
@@ -297,6 +325,7 @@ async fn main() -> Result<()> {
     let dir = PathBuf::from(arg("--dir").unwrap_or_else(|| "target/sortbench".into()));
     let only = arg("--only");
     let shuffles = !args.iter().any(|a| a == "--no-shuffle");
+    let memory_cap: Option<ByteSize> = arg("--memory-cap").map(|s| s.parse()).transpose()?;
     let rows = (gb * 1e9 / (KEY_BYTES + PAYLOAD_BYTES) as f64) as u64;
 
     // One directory per size: a table of another size is generated beside it.
@@ -307,11 +336,27 @@ async fn main() -> Result<()> {
         .filter(|e| e.path().extension().is_some_and(|x| x == "parquet"))
         .map(|e| e.metadata().map(|m| m.len()).unwrap_or(0))
         .sum();
-    let (write_speed, read_speed) = measure_disk(&dir, 1 << 30)?;
+    // This VM's disk (virtual, cached by its host) measures differently from one minute to
+    // the next: three probes, the median of each speed.
+    let mut probes = (0..3)
+        .map(|_| measure_disk(&dir, 1 << 30))
+        .collect::<Result<Vec<_>>>()?;
+    println!(
+        "disk probes (write, read MB/s): {}",
+        probes
+            .iter()
+            .map(|(w, r)| format!("({:.0}, {:.0})", w / 1e6, r / 1e6))
+            .collect::<Vec<_>>()
+            .join(" ")
+    );
+    probes.sort_by(|a, b| a.0.total_cmp(&b.0));
+    let write_speed = probes[1].0;
+    probes.sort_by(|a, b| a.1.total_cmp(&b.1));
+    let read_speed = probes[1].1;
     let cores = flumen::config::available_cores();
     println!(
         "{rows} records ({} of Parquet), budget {budget} ({:.1}x smaller), {cores} cores; \
-         disk: write {:.0} MB/s, read {:.0} MB/s",
+         disk (median of the probes): write {:.0} MB/s, read {:.0} MB/s",
         ByteSize(input_bytes),
         input_bytes as f64 / budget.0 as f64,
         write_speed / 1e6,
@@ -339,10 +384,10 @@ async fn main() -> Result<()> {
 
     let mut runs: Vec<(&str, &str, &SessionContext)> = vec![];
     if only.as_deref() != Some("flumen") {
-        runs.push(("sort", "vanilla", &vanilla));
         if !args.iter().any(|a| a == "--no-unbounded") {
             runs.push(("sort", "vanilla-no-limit", &unbounded));
         }
+        runs.push(("sort", "vanilla", &vanilla));
     }
     if only.as_deref() != Some("vanilla") {
         runs.push(("sort", "flumen", &flumen));
@@ -357,12 +402,32 @@ async fn main() -> Result<()> {
         }
     }
     println!(
-        "{:>8} {:>15} {:>8} {:>8} {:>8} {:>10} {:>10} {:>11}",
-        "run", "engine", "seconds", "MB/s", "% bound", "base_rss", "peak_rss", "rise/budget"
+        "{:>8} {:>15} {:>8} {:>8} {:>8} {:>10} {:>10} {:>11} {:>11}",
+        "run",
+        "engine",
+        "seconds",
+        "MB/s",
+        "% bound",
+        "base_rss",
+        "peak_rss",
+        "rise/budget",
+        "heap/budget"
     );
     let mut shuffle_orders = vec![];
     let mut summary = vec![];
+    let mut cap = None;
     for (what, engine, ctx) in runs {
+        if let Some(size) = memory_cap
+            && cap.is_none()
+            && engine != "vanilla-no-limit"
+        {
+            cap = Some(memory_cap::MemoryCap::enter(size.0).map_err(|e| {
+                DataFusionError::Execution(format!(
+                    "--memory-cap {size}: {e} (needs root and a cgroup memory controller)"
+                ))
+            })?);
+            println!("(the runs below are capped at {size}, page cache included)");
+        }
         let order_by = match what {
             "sort" => "key",
             _ => {
@@ -377,7 +442,7 @@ async fn main() -> Result<()> {
             }
         };
         let out = dir.join(format!("out-{what}-{engine}.parquet"));
-        let run = match run_copy(ctx, order_by, &out).await {
+        let run = match run_copy(ctx, order_by, &input_dir, &out).await {
             Ok(run) => run,
             Err(e) => {
                 let first_line = e.to_string().lines().next().unwrap_or_default().to_string();
@@ -405,26 +470,36 @@ async fn main() -> Result<()> {
             + (input_bytes + run.output_bytes) as f64 / write_speed;
         let share = bound / run.seconds;
         println!(
-            "{what:>8} {engine:>15} {:>8.1} {:>8.1} {:>7.0}% {:>10} {:>10} {:>11.2}",
+            "{what:>8} {engine:>15} {:>8.1} {:>8.1} {:>7.0}% {:>10} {:>10} {:>11.2} {:>11.2}",
             run.seconds,
             input_bytes as f64 / 1e6 / run.seconds,
             share * 100.0,
             ByteSize(run.base_rss).to_string(),
             ByteSize(run.peak_rss).to_string(),
-            run.rss_rise as f64 / budget.0 as f64
+            run.rss_rise as f64 / budget.0 as f64,
+            run.heap_rise as f64 / budget.0 as f64
         );
         summary.push(format!(
-            "{what}_{engine}_s={:.1} {what}_{engine}_bound={:.2} {what}_{engine}_rss_rise={}",
-            run.seconds, share, run.rss_rise
+            "{what}_{engine}_s={:.1} {what}_{engine}_bound={:.2} {what}_{engine}_rss_rise={} \
+             {what}_{engine}_heap_rise={}",
+            run.seconds, share, run.rss_rise, run.heap_rise
         ));
     }
     if let [a, b] = shuffle_orders[..] {
         assert_ne!(a, b, "two seeds gave the same order");
         println!("two seeds: two different orders, both permutations of the input");
     }
+    if let Some(peak) = cap.as_ref().and_then(|c| c.peak()) {
+        println!(
+            "capped runs' peak memory, page cache included: {}",
+            ByteSize(peak)
+        );
+    }
+    drop(cap);
     println!(
-        "SUMMARY gb={gb} budget={} disk_write_mbs={:.0} disk_read_mbs={:.0} {}",
+        "SUMMARY gb={gb} budget={} memory_cap={} disk_write_mbs={:.0} disk_read_mbs={:.0} {}",
         budget.0,
+        memory_cap.map(|c| c.0).unwrap_or(0),
         write_speed / 1e6,
         read_speed / 1e6,
         summary.join(" ")
