@@ -21,6 +21,7 @@ use tokio::sync::mpsc::UnboundedSender;
 
 use crate::cluster::admission::{admit_options, admit_plan};
 use crate::cluster::protocol::{TaskInput, TaskRequest, decode_task};
+use crate::store::block_memory::compact;
 use crate::store::cutter::{BlockCutter, bundle_pieces};
 
 /// What a running task hands out, in order.
@@ -254,35 +255,6 @@ pub async fn plan_blocks(
     Ok(())
 }
 
-/// `batch` with each string or binary view column holding only the bytes its rows use: a
-/// view array cut from a larger one (a block sliced off a batch, `substr` of a column)
-/// keeps every buffer of the original, and Arrow IPC sends them whole (a 256-byte prefix of
-/// 5 KB documents crossed the network as the documents).
-pub(crate) fn compact_views(batch: RecordBatch) -> RecordBatch {
-    use datafusion::arrow::array::{Array, AsArray};
-    use datafusion::arrow::datatypes::DataType;
-    let mut changed = false;
-    let columns: Vec<_> = batch
-        .columns()
-        .iter()
-        .map(|column| match column.data_type() {
-            DataType::Utf8View => {
-                changed = true;
-                Arc::new(column.as_string_view().gc()) as _
-            }
-            DataType::BinaryView => {
-                changed = true;
-                Arc::new(column.as_binary_view().gc()) as _
-            }
-            _ => Arc::clone(column),
-        })
-        .collect();
-    if !changed {
-        return batch;
-    }
-    RecordBatch::try_new(batch.schema(), columns).unwrap_or(batch)
-}
-
 /// Cut `stream` with `cutter`, handing each block to `out` as it is cut and the output rows
 /// so far (`rows`, counted on) after each batch.
 async fn cut_stream(
@@ -294,7 +266,7 @@ async fn cut_stream(
     let mut cut = vec![];
     let mut hand_out = |cut: &mut Vec<(usize, RecordBatch)>, rows: usize| {
         for (tag, block) in cut.drain(..) {
-            out(Produced::Block(tag, compact_views(block)));
+            out(Produced::Block(tag, compact(block)));
         }
         out(Produced::Rows(rows));
     };
@@ -323,38 +295,4 @@ pub async fn collect_blocks(
     };
     plan_blocks(plan, task_ctx, request, &mut keep).await?;
     Ok(blocks)
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-    use datafusion::arrow::array::{Array, Int32Array, StringViewArray};
-    use datafusion::arrow::datatypes::{DataType, Field, Schema};
-
-    #[test]
-    fn a_sliced_view_column_keeps_only_its_own_bytes() {
-        let long: Vec<String> = (0..1000).map(|i| format!("{i:0>100}")).collect();
-        let schema = Arc::new(Schema::new(vec![
-            Field::new("n", DataType::Int32, false),
-            Field::new("s", DataType::Utf8View, false),
-        ]));
-        let batch = RecordBatch::try_new(
-            schema,
-            vec![
-                Arc::new(Int32Array::from_iter_values(0..1000)),
-                Arc::new(StringViewArray::from_iter_values(&long)),
-            ],
-        )
-        .unwrap();
-        let slice = batch.slice(10, 5);
-        let before = slice.get_array_memory_size();
-        let compact = compact_views(slice.clone());
-        assert_eq!(compact, slice);
-        assert!(
-            compact.get_array_memory_size() * 10 < before,
-            "{} bytes after, {before} before",
-            compact.get_array_memory_size()
-        );
-        assert_eq!(compact.column(1).len(), 5);
-    }
 }

@@ -11,7 +11,6 @@ use datafusion::execution::TaskContext;
 use datafusion::physical_plan::ExecutionPlanProperties;
 use futures::StreamExt;
 
-use crate::cluster::worker_tasks::compact_views;
 use crate::exec::lineage::{BlockInfo, TaskId, TaskKind};
 use crate::exec::metrics::OperatorStats;
 use crate::exec::run::QueryRun;
@@ -21,7 +20,8 @@ use crate::plan::merge_join_fallback::as_sort_merge_join;
 use crate::plan::split_source::split_ramps;
 use crate::plan::stage_input::TaskInputs;
 use crate::store::block::{Block, BlockData};
-use crate::store::block_store::{Placement, block_bytes};
+use crate::store::block_memory::{block_bytes, compact};
+use crate::store::block_store::Placement;
 use crate::store::cutter::BlockCutter;
 
 /// Longest a task runs on its runtime thread without yielding it, when its input never makes
@@ -47,13 +47,9 @@ impl TaskOutput<'_> {
             if batch.num_rows() == 0 {
                 continue;
             }
-            // A block sliced or sorted out of a larger batch keeps the original's string
-            // buffers alive; held in the store it would take far more memory than it counts.
-            let batch = if batch.get_array_memory_size() as u64 > 2 * block_bytes(&batch) {
-                compact_views(batch)
-            } else {
-                batch
-            };
+            // A block cut out of a larger batch would keep the whole batch alive in the
+            // store while counting as its own rows.
+            let batch = compact(batch);
             if self.capture {
                 self.captured.push((self.seq, tag, batch));
             } else {

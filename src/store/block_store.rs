@@ -27,38 +27,6 @@ use crate::config::ByteSize;
 use crate::store::block::{BlockId, HeldBlock};
 use crate::store::operator_memory::MemoryCounters;
 
-/// Bytes a block's rows take: only the slice of each buffer the rows reach, and for string
-/// and binary views only the values they point at (a slice or a `take` of a view array
-/// shares its parent's buffers, which `get_array_memory_size` would count whole).
-pub fn block_bytes(batch: &RecordBatch) -> u64 {
-    use datafusion::arrow::array::{Array, AsArray};
-    use datafusion::arrow::datatypes::DataType;
-    let mut total = 0u64;
-    for column in batch.columns() {
-        let views = match column.data_type() {
-            DataType::Utf8View => Some(column.as_string_view().views().clone()),
-            DataType::BinaryView => Some(column.as_binary_view().views().clone()),
-            _ => None,
-        };
-        total += match views {
-            Some(views) => {
-                let long: u64 = views
-                    .iter()
-                    .map(|v| *v as u32)
-                    .filter(|len| *len > 12)
-                    .map(u64::from)
-                    .sum();
-                views.len() as u64 * 16 + long + column.len().div_ceil(8) as u64
-            }
-            None => column
-                .to_data()
-                .get_slice_memory_size()
-                .unwrap_or_else(|_| column.get_array_memory_size()) as u64,
-        };
-    }
-    total.max(1)
-}
-
 /// Blocks spilled together: a producer operator's output for one consumer partition
 /// `(operator, partition)`, which one reader reads together.
 pub type SpillGroup = (usize, usize);

@@ -2,6 +2,7 @@
 //!
 //! - [`block`]: the [`Block`] value (id, producer, output partition, rows, bytes) and its
 //!   location (memory, spilled, or held by a worker process).
+//! - [`block_memory`]: the bytes a block's rows hold, and a copy holding only those.
 //! - [`block_store`]: the memory-budgeted store that holds blocks in memory or spills them.
 //! - [`cutter`]: the one block cutter every task's output goes through.
 //! - [`freed_memory`]: handing what finished tasks freed back to the operating system.
@@ -9,6 +10,7 @@
 //! - [`ramp`]: small first blocks at a run's start, doubling up to the target.
 
 pub(crate) mod block;
+pub(crate) mod block_memory;
 pub(crate) mod block_store;
 pub(crate) mod cutter;
 pub(crate) mod freed_memory;

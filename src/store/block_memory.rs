@@ -1,0 +1,210 @@
+//! What a block's rows hold in memory: the bytes they reach ([`block_bytes`], what the
+//! block store counts against the budget), and a copy of a block that holds only those
+//! ([`compact`]).
+//!
+//! A block cut from a larger batch shares that batch's buffers: a slice, one output
+//! partition's piece of an exchange's map side (DataFusion's partitioner takes the whole
+//! input batch in partition order and slices it), a `substr` of a view column. Held in the
+//! store it keeps the whole parent alive while counting as its own rows: the few rows each
+//! map task leaves in each range at its end pinned whole input batches, and a 2 GB sort
+//! under a 200 MB budget held 1.7x the budget in live heap. Arrow IPC would also send a
+//! view column's parent buffers whole.
+
+use std::sync::Arc;
+
+use datafusion::arrow::array::{Array, ArrayRef, AsArray, MutableArrayData, make_array};
+use datafusion::arrow::datatypes::DataType;
+use datafusion::arrow::record_batch::RecordBatch;
+
+/// Bytes a block's rows take: only the slice of each buffer the rows reach, and for string
+/// and binary views only the values they point at.
+pub fn block_bytes(batch: &RecordBatch) -> u64 {
+    batch
+        .columns()
+        .iter()
+        .map(|column| reached_bytes(column))
+        .sum::<u64>()
+        .max(1)
+}
+
+/// Bytes `column`'s rows reach (see [`block_bytes`]).
+fn reached_bytes(column: &ArrayRef) -> u64 {
+    let views = match column.data_type() {
+        DataType::Utf8View => Some(column.as_string_view().views().clone()),
+        DataType::BinaryView => Some(column.as_binary_view().views().clone()),
+        _ => None,
+    };
+    match views {
+        Some(views) => {
+            let long: u64 = views
+                .iter()
+                .map(|v| *v as u32)
+                .filter(|len| *len > 12)
+                .map(u64::from)
+                .sum();
+            views.len() as u64 * 16 + long + column.len().div_ceil(8) as u64
+        }
+        None => column
+            .to_data()
+            .get_slice_memory_size()
+            .unwrap_or_else(|_| column.get_array_memory_size()) as u64,
+    }
+}
+
+/// Bytes beyond its rows' that a column may share before [`compact`] copies it: below it,
+/// the copy would save less than it costs.
+const SHARED_SLACK_BYTES: u64 = 16 << 10;
+
+/// `batch` with every column that holds over twice the bytes its rows reach (and at least
+/// [`SHARED_SLACK_BYTES`] more) copied into buffers of its own, so that what the block
+/// store counts is what it holds; `batch` itself when no column does.
+pub fn compact(batch: RecordBatch) -> RecordBatch {
+    let mut changed = false;
+    let columns: Vec<ArrayRef> = batch
+        .columns()
+        .iter()
+        .map(|column| {
+            let held = column.get_array_memory_size() as u64;
+            let reached = reached_bytes(column);
+            if held > 2 * reached && held - reached > SHARED_SLACK_BYTES {
+                changed = true;
+                copied(column)
+            } else {
+                Arc::clone(column)
+            }
+        })
+        .collect();
+    if !changed {
+        return batch;
+    }
+    RecordBatch::try_new(batch.schema(), columns).unwrap_or(batch)
+}
+
+/// `column`'s rows in buffers of their own.
+fn copied(column: &ArrayRef) -> ArrayRef {
+    match column.data_type() {
+        DataType::Utf8View => Arc::new(column.as_string_view().gc()),
+        DataType::BinaryView => Arc::new(column.as_binary_view().gc()),
+        _ => {
+            let data = column.to_data();
+            let mut copy = MutableArrayData::new(vec![&data], false, data.len());
+            match copy.try_extend(0, 0, data.len()) {
+                Ok(()) => make_array(copy.freeze()),
+                // Offsets that overflow cannot come from copying one array's own rows.
+                Err(_) => Arc::clone(column),
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use datafusion::arrow::array::{FixedSizeBinaryArray, Int32Array, StringViewArray};
+    use datafusion::arrow::datatypes::{Field, Schema};
+    use datafusion::physical_expr::expressions::col;
+    use datafusion::physical_plan::Partitioning;
+    use datafusion::physical_plan::metrics::Time;
+    use datafusion::physical_plan::repartition::BatchPartitioner;
+
+    fn records(rows: usize) -> RecordBatch {
+        let schema = Arc::new(Schema::new(vec![
+            Field::new("k", DataType::Int32, false),
+            Field::new("payload", DataType::FixedSizeBinary(90), false),
+        ]));
+        let payload: Vec<[u8; 90]> = (0..rows).map(|i| [(i % 251) as u8; 90]).collect();
+        RecordBatch::try_new(
+            schema,
+            vec![
+                Arc::new(Int32Array::from_iter_values(0..rows as i32)),
+                Arc::new(FixedSizeBinaryArray::try_from_iter(payload.iter()).unwrap()),
+            ],
+        )
+        .unwrap()
+    }
+
+    #[test]
+    fn a_sliced_view_column_keeps_only_its_own_bytes() {
+        let long: Vec<String> = (0..1000).map(|i| format!("{i:0>100}")).collect();
+        let schema = Arc::new(Schema::new(vec![
+            Field::new("n", DataType::Int32, false),
+            Field::new("s", DataType::Utf8View, false),
+        ]));
+        let batch = RecordBatch::try_new(
+            schema,
+            vec![
+                Arc::new(Int32Array::from_iter_values(0..1000)),
+                Arc::new(StringViewArray::from_iter_values(&long)),
+            ],
+        )
+        .unwrap();
+        let slice = batch.slice(10, 5);
+        let before = slice.get_array_memory_size();
+        let compact = compact(slice.clone());
+        assert_eq!(compact, slice);
+        assert!(
+            compact.get_array_memory_size() * 10 < before,
+            "{} bytes after, {before} before",
+            compact.get_array_memory_size()
+        );
+        assert_eq!(compact.column(1).len(), 5);
+    }
+
+    #[test]
+    fn an_exchange_piece_keeps_only_its_own_rows() {
+        // The map side of a 64-way exchange: each piece is a slice of one `take` of the
+        // whole batch, so every piece held the batch's 64 pieces' bytes.
+        let batch = records(8192);
+        let mut partitioner = BatchPartitioner::try_new(
+            Partitioning::Hash(vec![col("k", &batch.schema()).unwrap()], 64),
+            Time::new(),
+            0,
+            1,
+        )
+        .unwrap();
+        let mut rows = 0;
+        for piece in partitioner.partition_iter(batch.clone()).unwrap() {
+            let (_, piece) = piece.unwrap();
+            let held_before = piece.get_array_memory_size() as u64;
+            let compacted = compact(piece.clone());
+            assert_eq!(compacted, piece);
+            let held = compacted.get_array_memory_size() as u64;
+            assert!(
+                held <= 2 * block_bytes(&compacted) + SHARED_SLACK_BYTES,
+                "a {}-row piece holds {held} bytes for {} of its own",
+                piece.num_rows(),
+                block_bytes(&compacted)
+            );
+            assert!(
+                held * 10 < held_before,
+                "{held} bytes, {held_before} before"
+            );
+            rows += piece.num_rows();
+        }
+        assert_eq!(rows, 8192);
+    }
+
+    #[test]
+    fn a_block_that_is_most_of_its_batch_is_not_copied() {
+        let batch = records(8192);
+        let most = batch.slice(1000, 6000);
+        let kept = compact(most.clone());
+        for (a, b) in kept.columns().iter().zip(most.columns()) {
+            assert!(Arc::ptr_eq(a, b), "shares its batch's buffers");
+        }
+        // A small block of a small batch is not worth copying either.
+        let sliver = records(100).slice(3, 2);
+        let kept = compact(sliver.clone());
+        for (a, b) in kept.columns().iter().zip(sliver.columns()) {
+            assert!(
+                Arc::ptr_eq(a, b),
+                "a 100-row batch's sliver is kept as it is"
+            );
+        }
+        // A sliver of a large batch is.
+        let sliver = batch.slice(100, 10);
+        let kept = compact(sliver.clone());
+        assert_eq!(kept, sliver);
+        assert!(kept.get_array_memory_size() < 4096);
+    }
+}
