@@ -22,7 +22,7 @@ pub fn block_bytes(batch: &RecordBatch) -> u64 {
     batch
         .columns()
         .iter()
-        .map(|column| reached_bytes(column))
+        .map(reached_bytes)
         .sum::<u64>()
         .max(1)
 }
