@@ -101,6 +101,44 @@ async fn tiny_budget_spills_and_matches_datafusion() {
     );
 }
 
+/// Blocks cut out of a larger batch hold only their own rows: a table made by
+/// `CREATE TABLE AS` from one 100,000-row batch keeps ~12 blocks of 8,192 rows, and before
+/// blocks were compacted each held the whole batch's buffers (12x the table's bytes).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn blocks_cut_from_a_larger_batch_hold_only_their_rows() {
+    use datafusion::arrow::array::{Array, Int64Array};
+    use datafusion::catalog::MemTable;
+    let ctx = flumen_ctx(&[]).await;
+    let big = datafusion::arrow::record_batch::RecordBatch::try_from_iter([(
+        "id",
+        Arc::new(Int64Array::from_iter_values(0..100_000)) as ArrayRef,
+    )])
+    .unwrap();
+    ctx.register_batch("big", big).unwrap();
+    collect(&ctx, "CREATE TABLE copy AS SELECT id FROM big").await;
+    let provider = ctx.table_provider("copy").await.unwrap();
+    let table = provider.downcast_ref::<MemTable>().unwrap();
+    let mut blocks = 0;
+    let mut ids = vec![];
+    for partition in &table.batches {
+        for batch in partition.read().await.iter() {
+            let column = batch.column(0);
+            let own = column.to_data().get_slice_memory_size().unwrap();
+            let held = column.get_array_memory_size();
+            assert!(
+                held <= 2 * own + (16 << 10),
+                "a {}-row block holds {held} bytes for {own} of its own",
+                batch.num_rows()
+            );
+            ids.extend(as_int64_array(column).unwrap().values().iter().copied());
+            blocks += 1;
+        }
+    }
+    assert!(blocks > 1, "the batch was cut into blocks ({blocks})");
+    ids.sort_unstable();
+    assert_eq!(ids, (0..100_000).collect::<Vec<i64>>());
+}
+
 #[tokio::test]
 async fn current_thread_runtime_works() {
     check_all(&[]).await;

@@ -266,7 +266,7 @@ async fn cut_stream(
     let mut cut = vec![];
     let mut hand_out = |cut: &mut Vec<(usize, RecordBatch)>, rows: usize| {
         for (tag, block) in cut.drain(..) {
-            out(Produced::Block(tag, compact(block)));
+            out(Produced::Block(tag, compact(block).0));
         }
         out(Produced::Rows(rows));
     };

@@ -20,7 +20,7 @@ use crate::plan::merge_join_fallback::as_sort_merge_join;
 use crate::plan::split_source::split_ramps;
 use crate::plan::stage_input::TaskInputs;
 use crate::store::block::{Block, BlockData};
-use crate::store::block_memory::{block_bytes, compact};
+use crate::store::block_memory::compact;
 use crate::store::block_store::Placement;
 use crate::store::cutter::BlockCutter;
 
@@ -49,7 +49,7 @@ impl TaskOutput<'_> {
             }
             // A block cut out of a larger batch would keep the whole batch alive in the
             // store while counting as its own rows.
-            let batch = compact(batch);
+            let (batch, bytes) = compact(batch);
             if self.capture {
                 self.captured.push((self.seq, tag, batch));
             } else {
@@ -60,7 +60,7 @@ impl TaskOutput<'_> {
                     seq: self.seq,
                     tag,
                     rows: batch.num_rows(),
-                    bytes: block_bytes(&batch),
+                    bytes,
                 };
                 self.run.put_block(block, BlockData::Local(batch))?;
             }

@@ -1,6 +1,5 @@
-//! What a block's rows hold in memory: the bytes they reach ([`block_bytes`], what the
-//! block store counts against the budget), and a copy of a block that holds only those
-//! ([`compact`]).
+//! What a block's rows hold in memory: [`compact`] gives a block that holds only the bytes
+//! its rows reach, and those bytes, which the block store counts against the budget.
 //!
 //! A block cut from a larger batch shares that batch's buffers: a slice, one output
 //! partition's piece of an exchange's map side (DataFusion's partitioner takes the whole
@@ -16,18 +15,8 @@ use datafusion::arrow::array::{Array, ArrayRef, AsArray, MutableArrayData, make_
 use datafusion::arrow::datatypes::DataType;
 use datafusion::arrow::record_batch::RecordBatch;
 
-/// Bytes a block's rows take: only the slice of each buffer the rows reach, and for string
-/// and binary views only the values they point at.
-pub fn block_bytes(batch: &RecordBatch) -> u64 {
-    batch
-        .columns()
-        .iter()
-        .map(reached_bytes)
-        .sum::<u64>()
-        .max(1)
-}
-
-/// Bytes `column`'s rows reach (see [`block_bytes`]).
+/// Bytes `column`'s rows reach: only the slice of each buffer the rows reach, and for
+/// string and binary views only the values they point at.
 fn reached_bytes(column: &ArrayRef) -> u64 {
     let views = match column.data_type() {
         DataType::Utf8View => Some(column.as_string_view().views().clone()),
@@ -57,15 +46,18 @@ const SHARED_SLACK_BYTES: u64 = 16 << 10;
 
 /// `batch` with every column that holds over twice the bytes its rows reach (and at least
 /// [`SHARED_SLACK_BYTES`] more) copied into buffers of its own, so that what the block
-/// store counts is what it holds; `batch` itself when no column does.
-pub fn compact(batch: RecordBatch) -> RecordBatch {
+/// store counts is what it holds (`batch` itself when no column does), and the bytes its
+/// rows reach (at least 1), measured on the way.
+pub fn compact(batch: RecordBatch) -> (RecordBatch, u64) {
     let mut changed = false;
+    let mut bytes = 0;
     let columns: Vec<ArrayRef> = batch
         .columns()
         .iter()
         .map(|column| {
             let held = column.get_array_memory_size() as u64;
             let reached = reached_bytes(column);
+            bytes += reached;
             if held > 2 * reached && held - reached > SHARED_SLACK_BYTES {
                 changed = true;
                 copied(column)
@@ -74,10 +66,12 @@ pub fn compact(batch: RecordBatch) -> RecordBatch {
             }
         })
         .collect();
+    let bytes = bytes.max(1);
     if !changed {
-        return batch;
+        return (batch, bytes);
     }
-    RecordBatch::try_new(batch.schema(), columns).unwrap_or(batch)
+    let compacted = RecordBatch::try_new(batch.schema(), columns).unwrap_or(batch);
+    (compacted, bytes)
 }
 
 /// `column`'s rows in buffers of their own.
@@ -106,6 +100,16 @@ mod tests {
     use datafusion::physical_plan::Partitioning;
     use datafusion::physical_plan::metrics::Time;
     use datafusion::physical_plan::repartition::BatchPartitioner;
+
+    /// Bytes `batch`'s rows reach.
+    fn block_bytes(batch: &RecordBatch) -> u64 {
+        batch
+            .columns()
+            .iter()
+            .map(reached_bytes)
+            .sum::<u64>()
+            .max(1)
+    }
 
     fn records(rows: usize) -> RecordBatch {
         let schema = Arc::new(Schema::new(vec![
@@ -140,7 +144,7 @@ mod tests {
         .unwrap();
         let slice = batch.slice(10, 5);
         let before = slice.get_array_memory_size();
-        let compact = compact(slice.clone());
+        let (compact, _) = compact(slice.clone());
         assert_eq!(compact, slice);
         assert!(
             compact.get_array_memory_size() * 10 < before,
@@ -166,8 +170,13 @@ mod tests {
         for piece in partitioner.partition_iter(batch.clone()).unwrap() {
             let (_, piece) = piece.unwrap();
             let held_before = piece.get_array_memory_size() as u64;
-            let compacted = compact(piece.clone());
+            let (compacted, bytes) = compact(piece.clone());
             assert_eq!(compacted, piece);
+            assert_eq!(
+                bytes,
+                block_bytes(&compacted),
+                "the bytes it counts are the copy's"
+            );
             let held = compacted.get_array_memory_size() as u64;
             assert!(
                 held <= 2 * block_bytes(&compacted) + SHARED_SLACK_BYTES,
@@ -188,13 +197,13 @@ mod tests {
     fn a_block_that_is_most_of_its_batch_is_not_copied() {
         let batch = records(8192);
         let most = batch.slice(1000, 6000);
-        let kept = compact(most.clone());
+        let (kept, _) = compact(most.clone());
         for (a, b) in kept.columns().iter().zip(most.columns()) {
             assert!(Arc::ptr_eq(a, b), "shares its batch's buffers");
         }
         // A small block of a small batch is not worth copying either.
         let sliver = records(100).slice(3, 2);
-        let kept = compact(sliver.clone());
+        let (kept, _) = compact(sliver.clone());
         for (a, b) in kept.columns().iter().zip(sliver.columns()) {
             assert!(
                 Arc::ptr_eq(a, b),
@@ -203,7 +212,7 @@ mod tests {
         }
         // A sliver of a large batch is.
         let sliver = batch.slice(100, 10);
-        let kept = compact(sliver.clone());
+        let (kept, _) = compact(sliver.clone());
         assert_eq!(kept, sliver);
         assert!(kept.get_array_memory_size() < 4096);
     }
