@@ -2,7 +2,7 @@
 //! vanilla DataFusion (same memory limit, as a user would set it on its `RuntimeEnv`) and
 //! against this disk's bound, in the same run.
 //!
-//! `cargo bench --bench shuffle [-- --gb 2 --budget 200MB --dir target/sortbench --only flumen|vanilla --no-shuffle --no-unbounded --memory-cap 1GB]`
+//! `cargo bench --bench shuffle [-- --gb 2 --budget 200MB --dir target/sortbench --only flumen|vanilla --no-shuffle --no-unbounded --reserved-too --memory-cap 1GB]`
 //!
 //! The table is the sort benchmark's: 100-byte records, a random 10-byte key and a 90-byte
 //! payload holding the record's number, written as uncompressed Parquet (8 files) under
@@ -18,7 +18,10 @@
 //! the RSS the run started with, over the budget; `heap/budget` the same for the live heap
 //! (jemalloc's count of allocated bytes, sampled every 5 ms), so that what the run's data
 //! held is told apart from what the allocator kept resident. Vanilla also sorts once with no memory
-//! limit (the time a user with the memory sees; `--no-unbounded` skips it).
+//! limit (the time a user with the memory sees; `--no-unbounded` skips it). The bench installs
+//! the `flumen` binary's allocator, so flumen's budget covers the heap nobody reserved
+//! (`flumen.budget_counts_heap`); `--reserved-too` sorts once more with that off
+//! (`flumen-reserved`: only blocks and operators' reservations count).
 
 use std::fs::File;
 use std::io::{Read, Write};
@@ -37,6 +40,7 @@ use datafusion::parquet::arrow::arrow_reader::ParquetRecordBatchReaderBuilder;
 use datafusion::parquet::basic::Compression;
 use datafusion::parquet::file::properties::WriterProperties;
 use datafusion::prelude::{ParquetReadOptions, SessionConfig, SessionContext};
+use flumen::HeapAllocator;
 use flumen::config::ByteSize;
 use rand::rngs::StdRng;
 use rand::{RngCore, SeedableRng};
@@ -283,6 +287,8 @@ async fn run_copy(
     let _ = std::fs::remove_file(out);
     let _ = std::fs::remove_dir_all(out);
     drop_dir_cache(input_dir)?;
+    // Start from an allocator holding no free pages, whatever the run before left.
+    allocator::Jemalloc.return_freed();
     let sql = format!(
         "COPY (SELECT key, payload FROM records ORDER BY {order_by}) TO '{}' STORED AS PARQUET \
          OPTIONS ('format.compression' 'uncompressed', 'format.dictionary_enabled' 'false')",
@@ -313,6 +319,7 @@ async fn run_copy(
 
 #[tokio::main]
 async fn main() -> Result<()> {
+    allocator::install();
     let args: Vec<String> = std::env::args().collect();
     let arg = |name: &str| {
         args.iter()
@@ -372,8 +379,12 @@ async fn main() -> Result<()> {
     let unbounded = SessionContext::new_with_config(config());
     let mut flumen_config = flumen::FlumenConfig::default();
     flumen_config.memory_budget = budget;
-    let flumen = flumen::session_with_config(config(), flumen_config);
-    for ctx in [&vanilla, &unbounded, &flumen] {
+    let flumen = flumen::session_with_config(config(), flumen_config.clone());
+    // The same, counting only what blocks and operators reserved against the budget (as
+    // before `flumen.budget_counts_heap`, and as a program that installs no allocator).
+    flumen_config.budget_counts_heap = false;
+    let flumen_reserved = flumen::session_with_config(config(), flumen_config);
+    for ctx in [&vanilla, &unbounded, &flumen, &flumen_reserved] {
         ctx.register_parquet(
             "records",
             input_dir.to_str().unwrap(),
@@ -391,6 +402,9 @@ async fn main() -> Result<()> {
     }
     if only.as_deref() != Some("vanilla") {
         runs.push(("sort", "flumen", &flumen));
+        if args.iter().any(|a| a == "--reserved-too") {
+            runs.push(("sort", "flumen-reserved", &flumen_reserved));
+        }
     }
     if shuffles {
         if only.as_deref() != Some("flumen") {

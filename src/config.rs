@@ -301,6 +301,11 @@ extensions_options! {
         /// Bytes of blocks the block store keeps in memory; beyond it blocks spill to disk
         /// and producers are held back.
         pub memory_budget: ByteSize, default = ByteSize::default()
+        /// Whether the budget also covers heap nobody reserved (readers' buffers, pieces of
+        /// blocks not yet cut), when the program installed an allocator that counts its live
+        /// bytes (`flumen::install_heap_allocator`; the `flumen` binary does): blocks keep
+        /// in memory only what that leaves, but at least a quarter of the budget.
+        pub budget_counts_heap: bool, default = true
         /// Directory under which each query makes its spill directory (blocks over the
         /// budget); empty: the system's temp directory (`TMPDIR`).
         pub spill_dir: String, default = String::new()

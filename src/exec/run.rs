@@ -155,6 +155,12 @@ impl QueryRun {
         let spill_root = (!config.spill_dir.is_empty()).then(|| config.spill_dir.clone().into());
         let store = Arc::new(
             BlockStore::new(config.memory_budget.0)
+                .with_heap(
+                    config
+                        .budget_counts_heap
+                        .then(crate::store::process_heap::installed)
+                        .flatten(),
+                )
                 .with_spill_root(spill_root)
                 .with_counters(Arc::clone(&metrics.memory)),
         );

@@ -26,6 +26,7 @@ use tempfile::TempDir;
 use crate::config::ByteSize;
 use crate::store::block::{BlockId, HeldBlock};
 use crate::store::operator_memory::MemoryCounters;
+use crate::store::process_heap::{HeapAllocator, HeapGauge, READ_INTERVAL};
 
 /// Blocks spilled together: a producer operator's output for one consumer partition
 /// `(operator, partition)`, which one reader reads together.
@@ -223,6 +224,10 @@ pub struct BlockStore {
     counters: Option<Arc<MemoryCounters>>,
     /// Numbers the spill files.
     next_run: AtomicU64,
+    /// The process's heap, when its allocator counts what it holds: what it holds for the
+    /// run beyond the store's blocks and operators' reservations takes its share
+    /// of the budget ([`Self::unreserved_bytes`]).
+    heap: Option<HeapGauge>,
     inner: Mutex<Inner>,
 }
 
@@ -256,8 +261,43 @@ impl BlockStore {
             open_runs: Mutex::new(HashMap::new()),
             counters: None,
             next_run: AtomicU64::new(0),
+            heap: None,
             inner: Mutex::new(Inner::default()),
         }
+    }
+
+    /// Count the memory `allocator` holds for the run against the budget too,
+    /// and have it hand back its idle pages when they pass an eighth of the budget;
+    /// `None`: only blocks and operators' reservations count.
+    pub fn with_heap(mut self, allocator: Option<&'static dyn HeapAllocator>) -> Self {
+        let idle_limit = (self.budget / 8).max(4 << 20);
+        self.heap = allocator.and_then(|a| HeapGauge::new(a, READ_INTERVAL, idle_limit));
+        self
+    }
+
+    /// The most of the budget that memory nobody reserved may take from blocks: the rest
+    /// stays theirs, so that a model's weights loaded in the middle of a run, say, do not
+    /// send every later block to disk.
+    fn unreserved_cap(&self) -> u64 {
+        self.budget / 4 * 3
+    }
+
+    /// What the allocator holds for the run (`heap_held`, read by [`Self::heap_held`]:
+    /// live bytes beyond those when the store was made, and idle pages), beyond the blocks
+    /// the store holds in memory (`memory_bytes`) and what operators reserved: readers'
+    /// buffers, pieces of blocks not yet cut, the store's own maps, the allocator's
+    /// rounding and the freed pages it keeps. Up to [`Self::unreserved_cap`].
+    fn unreserved_bytes(&self, heap_held: u64, memory_bytes: u64) -> u64 {
+        heap_held
+            .saturating_sub(memory_bytes + self.operator_bytes())
+            .min(self.unreserved_cap())
+    }
+
+    /// What the allocator holds for the run ([`HeapGauge::held`]); 0 when the store does
+    /// not count it
+    /// (read before taking the store's lock).
+    fn heap_held(&self) -> u64 {
+        self.heap.as_ref().map_or(0, HeapGauge::held)
     }
 
     /// Put spill files in a directory made under `root` (else the system's temp directory).
@@ -305,16 +345,19 @@ impl BlockStore {
         (self.budget / 8).clamp(1 << 20, 64 << 20)
     }
 
-    /// Write blocks from memory to spill runs until blocks and operator state together fit
-    /// the budget again: each run takes the group with the most bytes in memory, its newest
+    /// Write blocks from memory to spill runs until blocks, operator state and the heap
+    /// nobody reserved ([`Self::unreserved_bytes`]) together fit the budget again: each run takes the group with the most bytes in memory, its newest
     /// blocks first (readers take the oldest first), up to [`Self::run_bytes`] or what must
     /// be freed. Returns the blocks and bytes written out.
     pub fn make_room(&self) -> Result<(u64, u64)> {
         let mut written = (0, 0);
         loop {
+            let heap_held = self.heap_held();
             let run = {
                 let mut inner = self.inner.lock().unwrap();
-                let held = inner.memory_bytes + self.operator_bytes();
+                let held = inner.memory_bytes
+                    + self.operator_bytes()
+                    + self.unreserved_bytes(heap_held, inner.memory_bytes);
                 if held <= self.budget {
                     return Ok(written);
                 }
@@ -332,8 +375,8 @@ impl BlockStore {
         }
     }
 
-    /// Store a block of `bytes` bytes of `group`. When memory would exceed the budget it
-    /// spills, in one run with the newest blocks of its group still in memory. A block
+    /// Store a block of `bytes` bytes of `group`. When memory (blocks, operator state and
+    /// the heap nobody reserved) would exceed the budget it spills, in one run with the newest blocks of its group still in memory. A block
     /// larger than the whole budget is an error naming `flumen.memory_budget`.
     pub fn put(
         &self,
@@ -351,9 +394,11 @@ impl BlockStore {
                 ByteSize(self.budget)
             )));
         }
+        let heap_held = self.heap_held();
         let companions = {
             let mut inner = self.inner.lock().unwrap();
-            if inner.memory_bytes + self.operator_bytes() + bytes <= self.budget {
+            let unreserved = self.unreserved_bytes(heap_held, inner.memory_bytes);
+            if inner.memory_bytes + self.operator_bytes() + unreserved + bytes <= self.budget {
                 inner.memory_bytes += bytes;
                 let data = Stored::Memory(batch);
                 inner.blocks.insert(id, Entry { data, bytes, group });
@@ -635,6 +680,7 @@ impl BlockStore {
 #[cfg(test)]
 pub(crate) mod tests {
     use super::*;
+    use crate::store::process_heap::HeapUsage;
     use datafusion::arrow::array::Int64Array;
     use std::sync::Arc;
 
@@ -660,6 +706,66 @@ pub(crate) mod tests {
         assert_eq!(store.remove(1), 600);
         assert_eq!(store.memory_bytes(), 0);
         assert!(store.get(1).unwrap().is_none());
+    }
+
+    /// An allocator whose live bytes a test sets.
+    struct FakeHeap(AtomicU64);
+
+    impl HeapAllocator for FakeHeap {
+        fn usage(&self) -> Option<HeapUsage> {
+            let live = self.0.load(Ordering::Relaxed);
+            Some(HeapUsage {
+                live,
+                resident: live,
+                idle: 0,
+            })
+        }
+        fn return_freed(&self) {}
+    }
+
+    /// Heap that grew beyond the blocks and operators' reservations takes its share of the
+    /// budget (up to three quarters of it): blocks that would fit the budget alone spill,
+    /// and `make_room` writes blocks out when that heap grows later. Blocks the store holds
+    /// are not counted twice.
+    #[test]
+    fn heap_nobody_reserved_counts_against_the_budget() {
+        let heap: &'static FakeHeap = Box::leak(Box::new(FakeHeap(AtomicU64::new(50_000))));
+        let mut store = BlockStore::new(1000);
+        store.heap = HeapGauge::new(heap, std::time::Duration::ZERO, u64::MAX);
+        // The heap grew by the block itself: nothing unreserved.
+        heap.0.store(50_400, Ordering::Relaxed);
+        assert_eq!(
+            store.put(1, batch(10), 400, (0, 0)).unwrap(),
+            Placement::Memory
+        );
+        // 300 more bytes live than the store holds: 400 + 300 + 400 > 1000.
+        heap.0.store(51_100, Ordering::Relaxed);
+        assert_eq!(
+            store.put(2, batch(10), 400, (0, 1)).unwrap(),
+            Placement::Spilled
+        );
+        assert_eq!(store.memory_bytes(), 400);
+        // Without the heap's count the same block stays in memory.
+        let blind = BlockStore::new(1000);
+        blind.put(1, batch(10), 400, (0, 0)).unwrap();
+        assert_eq!(
+            blind.put(2, batch(10), 400, (0, 0)).unwrap(),
+            Placement::Memory
+        );
+        // The unreserved heap grows to 700: block 1 is written out.
+        heap.0.store(50_000 + 400 + 700, Ordering::Relaxed);
+        assert_eq!(store.make_room().unwrap(), (1, 400));
+        assert_eq!(store.memory_bytes(), 0);
+        // However large it grows, a quarter of the budget stays for blocks.
+        heap.0.store(10_000_000, Ordering::Relaxed);
+        assert_eq!(
+            store.put(3, batch(10), 250, (0, 2)).unwrap(),
+            Placement::Memory
+        );
+        assert_eq!(
+            store.put(4, batch(10), 1, (0, 3)).unwrap(),
+            Placement::Spilled
+        );
     }
 
     /// The files under a store's spill directory.

@@ -5,8 +5,10 @@
 //! the tasks it ran: a 1.9 GiB sort at a 50 MB budget peaked at 586 MB of RSS for ~143 MB of
 //! live heap. [`return_freed_memory`], called as tasks finish, asks the allocator to give
 //! back whole free pages (`malloc_trim`), at most once per [`TRIM_INTERVAL`] so that runs of
-//! many short tasks do not pay for it each time. Other allocators (mimalloc, jemalloc, in
-//! programs that embed flumen) return memory on their own schedule; nothing is done there.
+//! many short tasks do not pay for it each time. A program that installed its allocator
+//! ([`crate::store::process_heap::install`], as the `flumen` binary does for jemalloc) has
+//! that allocator's [`return_freed`](crate::store::process_heap::HeapAllocator::return_freed)
+//! called too; other allocators return memory on their own schedule.
 
 use std::sync::OnceLock;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -45,8 +47,17 @@ fn claim_trim(last_trim_ms: &AtomicU64, now_ms: u64) -> bool {
             .is_ok()
 }
 
-#[cfg(all(target_os = "linux", target_env = "gnu"))]
+/// The installed allocator's way of returning pages, and glibc's `malloc_trim` (libraries
+/// written in C allocate from it whatever Rust's global allocator is).
 fn trim() {
+    if let Some(allocator) = crate::store::process_heap::installed() {
+        allocator.return_freed();
+    }
+    trim_glibc();
+}
+
+#[cfg(all(target_os = "linux", target_env = "gnu"))]
+fn trim_glibc() {
     // SAFETY: malloc_trim only walks glibc's own arenas under their locks; it takes no
     // pointers and is safe to call from any thread at any time.
     unsafe {
@@ -55,7 +66,7 @@ fn trim() {
 }
 
 #[cfg(not(all(target_os = "linux", target_env = "gnu")))]
-fn trim() {}
+fn trim_glibc() {}
 
 #[cfg(test)]
 mod tests {

@@ -7,6 +7,7 @@
 //! - [`cutter`]: the one block cutter every task's output goes through.
 //! - [`freed_memory`]: handing what finished tasks freed back to the operating system.
 //! - [`operator_memory`]: the memory pool of a run's operators, sharing the store's budget.
+//! - [`process_heap`]: the process's allocator: its live bytes, and handing freed pages back.
 //! - [`ramp`]: small first blocks at a run's start, doubling up to the target.
 
 pub(crate) mod block;
@@ -15,4 +16,5 @@ pub(crate) mod block_store;
 pub(crate) mod cutter;
 pub(crate) mod freed_memory;
 pub(crate) mod operator_memory;
+pub mod process_heap;
 pub(crate) mod ramp;

@@ -299,6 +299,7 @@ fn extract(input: Option<PathBuf>, output: Option<PathBuf>) -> ExitCode {
 }
 
 fn main() -> ExitCode {
+    allocator::install();
     let cli = Cli::parse();
     match &cli.command {
         Some(Command::InstallModel { dir }) => return install_model(dir.clone()),
