@@ -2,7 +2,7 @@
 //! vanilla DataFusion (same memory limit, as a user would set it on its `RuntimeEnv`) and
 //! against this disk's bound, in the same run.
 //!
-//! `cargo bench --bench shuffle [-- --gb 2 --budget 200MB --dir target/sortbench --only flumen|vanilla --no-shuffle --no-unbounded --reserved-too --memory-cap 1GB]`
+//! `cargo bench --bench shuffle [-- --gb 2 --budget 200MB --dir target/sortbench --only flumen|vanilla --no-shuffle --no-unbounded --reserved-too --memory-cap 1GB --set KEY=VALUE]`
 //!
 //! The table is the sort benchmark's: 100-byte records, a random 10-byte key and a 90-byte
 //! payload holding the record's number, written as uncompressed Parquet (8 files) under
@@ -384,7 +384,24 @@ async fn main() -> Result<()> {
     // before `flumen.budget_counts_heap`, and as a program that installs no allocator).
     flumen_config.budget_counts_heap = false;
     let flumen_reserved = flumen::session_with_config(config(), flumen_config);
+    // `--set KEY=VALUE` (repeatable): a setting for every engine, e.g.
+    // `datafusion.execution.parquet.enable_page_index=false`.
+    let settings: Vec<&String> = args
+        .iter()
+        .zip(args.iter().skip(1))
+        .filter(|(flag, _)| *flag == "--set")
+        .map(|(_, setting)| setting)
+        .collect();
     for ctx in [&vanilla, &unbounded, &flumen, &flumen_reserved] {
+        for setting in &settings {
+            let (key, value) = setting.split_once('=').ok_or_else(|| {
+                DataFusionError::Plan(format!("--set {setting}: expected KEY=VALUE"))
+            })?;
+            ctx.sql(&format!("SET {key} = '{value}'"))
+                .await?
+                .collect()
+                .await?;
+        }
         ctx.register_parquet(
             "records",
             input_dir.to_str().unwrap(),
