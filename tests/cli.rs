@@ -317,3 +317,42 @@ fn extract_runs_the_main_job() {
         text(&out.stderr)
     );
 }
+
+/// The binary installs its allocator (jemalloc) as flumen's `HeapAllocator`: a query's
+/// `EXPLAIN ANALYZE` shows the heap nobody reserved that its budget counted, and shows none
+/// with `flumen.budget_counts_heap` off.
+#[test]
+fn the_budget_counts_the_binary_allocators_heap() {
+    let query = "EXPLAIN ANALYZE SELECT value % 1000 AS k, count(*) FROM \
+                 generate_series(1, 2000000) GROUP BY k";
+    let counted = flumen(
+        &[
+            "--no-demo",
+            "-c",
+            "SET flumen.memory_budget = '64MB'",
+            "-c",
+            query,
+        ],
+        "",
+    );
+    assert!(counted.status.success(), "{}", text(&counted.stderr));
+    let stdout = text(&counted.stdout);
+    assert!(stdout.contains("FlumenExec"), "{stdout}");
+    assert!(stdout.contains("peak_unreserved_bytes="), "{stdout}");
+    let off = flumen(
+        &[
+            "--no-demo",
+            "-c",
+            "SET flumen.memory_budget = '64MB'",
+            "-c",
+            "SET flumen.budget_counts_heap = false",
+            "-c",
+            query,
+        ],
+        "",
+    );
+    assert!(off.status.success(), "{}", text(&off.stderr));
+    let stdout = text(&off.stdout);
+    assert!(stdout.contains("FlumenExec"), "{stdout}");
+    assert!(!stdout.contains("peak_unreserved_bytes"), "{stdout}");
+}

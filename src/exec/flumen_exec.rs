@@ -176,6 +176,14 @@ impl ExecutionPlan for FlumenExec {
         if spill_files > 0 {
             set.push(count("spill_files", spill_files as usize));
         }
+        let unreserved = self
+            .metrics
+            .memory
+            .peak_unreserved_bytes
+            .load(Ordering::Relaxed);
+        if unreserved > 0 {
+            set.push(count("peak_unreserved_bytes", unreserved as usize));
+        }
         let names = ["workers_lost", "workers_joined", "workers_rejoined"];
         for (name, n) in names.into_iter().zip(self.metrics.membership()) {
             if n > 0 {

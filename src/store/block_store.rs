@@ -288,9 +288,15 @@ impl BlockStore {
     /// buffers, pieces of blocks not yet cut, the store's own maps, the allocator's
     /// rounding and the freed pages it keeps. Up to [`Self::unreserved_cap`].
     fn unreserved_bytes(&self, heap_held: u64, memory_bytes: u64) -> u64 {
-        heap_held
+        let unreserved = heap_held
             .saturating_sub(memory_bytes + self.operator_bytes())
-            .min(self.unreserved_cap())
+            .min(self.unreserved_cap());
+        if let Some(counters) = &self.counters {
+            counters
+                .peak_unreserved_bytes
+                .fetch_max(unreserved, Ordering::Relaxed);
+        }
+        unreserved
     }
 
     /// What the allocator holds for the run ([`HeapGauge::held`]); 0 when the store does

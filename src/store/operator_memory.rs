@@ -38,6 +38,9 @@ pub struct MemoryCounters {
     pub bytes_evicted: AtomicU64,
     /// Spill files the block store wrote (each a run of one or more blocks of one group).
     pub spill_files: AtomicU64,
+    /// Most bytes of heap nobody reserved that the block store counted against the budget
+    /// at once (0 without an installed allocator: [`crate::store::process_heap`]).
+    pub peak_unreserved_bytes: AtomicU64,
 }
 
 impl MemoryCounters {
