@@ -323,36 +323,26 @@ fn extract_runs_the_main_job() {
 /// with `flumen.budget_counts_heap` off.
 #[test]
 fn the_budget_counts_the_binary_allocators_heap() {
-    let query = "EXPLAIN ANALYZE SELECT value % 1000 AS k, count(*) FROM \
-                 generate_series(1, 2000000) GROUP BY k";
-    let counted = flumen(
-        &[
-            "--no-demo",
-            "-c",
-            "SET flumen.memory_budget = '64MB'",
-            "-c",
-            query,
-        ],
-        "",
+    let explain = |counts_heap: bool| {
+        let setting = format!("SET flumen.budget_counts_heap = {counts_heap}");
+        let query = "EXPLAIN ANALYZE SELECT value % 1000 AS k, count(*) FROM \
+                     generate_series(1, 2000000) GROUP BY k";
+        let budget = "SET flumen.memory_budget = '64MB'";
+        let out = flumen(
+            &["--no-demo", "-c", budget, "-c", &setting, "-c", query],
+            "",
+        );
+        assert!(out.status.success(), "{}", text(&out.stderr));
+        let stdout = text(&out.stdout);
+        assert!(stdout.contains("FlumenExec"), "{stdout}");
+        stdout.contains("peak_unreserved_bytes=")
+    };
+    assert!(
+        explain(true),
+        "no peak_unreserved_bytes with the heap counted"
     );
-    assert!(counted.status.success(), "{}", text(&counted.stderr));
-    let stdout = text(&counted.stdout);
-    assert!(stdout.contains("FlumenExec"), "{stdout}");
-    assert!(stdout.contains("peak_unreserved_bytes="), "{stdout}");
-    let off = flumen(
-        &[
-            "--no-demo",
-            "-c",
-            "SET flumen.memory_budget = '64MB'",
-            "-c",
-            "SET flumen.budget_counts_heap = false",
-            "-c",
-            query,
-        ],
-        "",
+    assert!(
+        !explain(false),
+        "peak_unreserved_bytes with the heap not counted"
     );
-    assert!(off.status.success(), "{}", text(&off.stderr));
-    let stdout = text(&off.stdout);
-    assert!(stdout.contains("FlumenExec"), "{stdout}");
-    assert!(!stdout.contains("peak_unreserved_bytes"), "{stdout}");
 }

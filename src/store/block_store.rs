@@ -225,9 +225,12 @@ pub struct BlockStore {
     /// Numbers the spill files.
     next_run: AtomicU64,
     /// The process's heap, when its allocator counts what it holds: what it holds for the
-    /// run beyond the store's blocks and operators' reservations takes its share
-    /// of the budget ([`Self::unreserved_bytes`]).
+    /// run beyond the store's blocks and operators' reservations takes its share of the
+    /// budget ([`Self::unreserved_bytes`]).
     heap: Option<HeapGauge>,
+    /// That share, as of the gauge's last reading: blocks written out or released since
+    /// then change `memory_bytes`, not it.
+    unreserved: AtomicU64,
     inner: Mutex<Inner>,
 }
 
@@ -262,6 +265,7 @@ impl BlockStore {
             counters: None,
             next_run: AtomicU64::new(0),
             heap: None,
+            unreserved: AtomicU64::new(0),
             inner: Mutex::new(Inner::default()),
         }
     }
@@ -282,15 +286,21 @@ impl BlockStore {
         self.budget / 4 * 3
     }
 
-    /// What the allocator holds for the run (`heap_held`, read by [`Self::heap_held`]:
-    /// live bytes beyond those when the store was made, and idle pages), beyond the blocks
-    /// the store holds in memory (`memory_bytes`) and what operators reserved: readers'
-    /// buffers, pieces of blocks not yet cut, the store's own maps, the allocator's
-    /// rounding and the freed pages it keeps. Up to [`Self::unreserved_cap`].
-    fn unreserved_bytes(&self, heap_held: u64, memory_bytes: u64) -> u64 {
-        let unreserved = heap_held
+    /// The heap nobody reserved that counts against the budget: given a new `reading` of
+    /// what the allocator holds for the run ([`Self::heap_reading`]), that beyond the
+    /// blocks in memory now (`memory_bytes`) and operators' reservations (readers' buffers,
+    /// pieces of blocks not yet cut, the store's own maps, the allocator's rounding and
+    /// the free pages it keeps), up to [`Self::unreserved_cap`]; without one, the share
+    /// found at the last reading (a reading a few milliseconds old still holds blocks
+    /// written out since: set against `memory_bytes` now, they would count twice).
+    fn unreserved_bytes(&self, reading: Option<u64>, memory_bytes: u64) -> u64 {
+        let Some(held) = reading else {
+            return self.unreserved.load(Ordering::Relaxed);
+        };
+        let unreserved = held
             .saturating_sub(memory_bytes + self.operator_bytes())
             .min(self.unreserved_cap());
+        self.unreserved.store(unreserved, Ordering::Relaxed);
         if let Some(counters) = &self.counters {
             counters
                 .peak_unreserved_bytes
@@ -299,11 +309,10 @@ impl BlockStore {
         unreserved
     }
 
-    /// What the allocator holds for the run ([`HeapGauge::held`]); 0 when the store does
-    /// not count it
-    /// (read before taking the store's lock).
-    fn heap_held(&self) -> u64 {
-        self.heap.as_ref().map_or(0, HeapGauge::held)
+    /// A new reading of what the allocator holds for the run ([`HeapGauge::reading`]),
+    /// when the store counts it and one is due (read before taking the store's lock).
+    fn heap_reading(&self) -> Option<u64> {
+        self.heap.as_ref().and_then(HeapGauge::reading)
     }
 
     /// Put spill files in a directory made under `root` (else the system's temp directory).
@@ -352,18 +361,19 @@ impl BlockStore {
     }
 
     /// Write blocks from memory to spill runs until blocks, operator state and the heap
-    /// nobody reserved ([`Self::unreserved_bytes`]) together fit the budget again: each run takes the group with the most bytes in memory, its newest
-    /// blocks first (readers take the oldest first), up to [`Self::run_bytes`] or what must
-    /// be freed. Returns the blocks and bytes written out.
+    /// nobody reserved ([`Self::unreserved_bytes`]) together fit the budget again: each run
+    /// takes the group with the most bytes in memory, its newest blocks first (readers take
+    /// the oldest first), up to [`Self::run_bytes`] or what must be freed. Returns the
+    /// blocks and bytes written out.
     pub fn make_room(&self) -> Result<(u64, u64)> {
         let mut written = (0, 0);
+        let mut reading = self.heap_reading();
         loop {
-            let heap_held = self.heap_held();
             let run = {
                 let mut inner = self.inner.lock().unwrap();
                 let held = inner.memory_bytes
                     + self.operator_bytes()
-                    + self.unreserved_bytes(heap_held, inner.memory_bytes);
+                    + self.unreserved_bytes(reading.take(), inner.memory_bytes);
                 if held <= self.budget {
                     return Ok(written);
                 }
@@ -382,8 +392,9 @@ impl BlockStore {
     }
 
     /// Store a block of `bytes` bytes of `group`. When memory (blocks, operator state and
-    /// the heap nobody reserved) would exceed the budget it spills, in one run with the newest blocks of its group still in memory. A block
-    /// larger than the whole budget is an error naming `flumen.memory_budget`.
+    /// the heap nobody reserved) would exceed the budget it spills, in one run with the
+    /// newest blocks of its group still in memory. A block larger than the whole budget is
+    /// an error naming `flumen.memory_budget`.
     pub fn put(
         &self,
         id: BlockId,
@@ -400,10 +411,10 @@ impl BlockStore {
                 ByteSize(self.budget)
             )));
         }
-        let heap_held = self.heap_held();
+        let reading = self.heap_reading();
         let companions = {
             let mut inner = self.inner.lock().unwrap();
-            let unreserved = self.unreserved_bytes(heap_held, inner.memory_bytes);
+            let unreserved = self.unreserved_bytes(reading, inner.memory_bytes);
             if inner.memory_bytes + self.operator_bytes() + unreserved + bytes <= self.budget {
                 inner.memory_bytes += bytes;
                 let data = Stored::Memory(batch);
@@ -720,11 +731,7 @@ pub(crate) mod tests {
     impl HeapAllocator for FakeHeap {
         fn usage(&self) -> Option<HeapUsage> {
             let live = self.0.load(Ordering::Relaxed);
-            Some(HeapUsage {
-                live,
-                resident: live,
-                idle: 0,
-            })
+            Some(HeapUsage { live, idle: 0 })
         }
         fn return_freed(&self) {}
     }
@@ -762,6 +769,19 @@ pub(crate) mod tests {
         heap.0.store(50_000 + 400 + 700, Ordering::Relaxed);
         assert_eq!(store.make_room().unwrap(), (1, 400));
         assert_eq!(store.memory_bytes(), 0);
+        // A reading that still holds blocks written out since is not set against the
+        // store's memory again: the heap (held fixed here, as a reading made just before
+        // the spills) sees 400 bytes of blocks in two groups, 300 reserved and 400 more
+        // (1,100 in all); one group written out is enough (900), not both.
+        heap.0.store(50_000, Ordering::Relaxed);
+        let mut stale = BlockStore::new(1000);
+        stale.heap = HeapGauge::new(heap, std::time::Duration::ZERO, u64::MAX);
+        stale.put(1, batch(10), 200, (0, 0)).unwrap();
+        stale.put(2, batch(10), 200, (0, 1)).unwrap();
+        stale.set_operator_bytes(300);
+        heap.0.store(50_000 + 1_100, Ordering::Relaxed);
+        assert_eq!(stale.make_room().unwrap(), (1, 200));
+        assert_eq!(stale.memory_bytes(), 200);
         // However large it grows, a quarter of the budget stays for blocks.
         heap.0.store(10_000_000, Ordering::Relaxed);
         assert_eq!(

@@ -18,10 +18,7 @@ use std::time::{Duration, Instant};
 pub struct HeapUsage {
     /// Bytes allocated and not yet freed, in the whole process.
     pub live: u64,
-    /// Bytes of memory the allocator holds resident: the pages of live allocations (with
-    /// their rounding), its own metadata, and idle pages.
-    pub resident: u64,
-    /// The part of `resident` that is free pages kept for later allocations (what
+    /// Bytes of resident pages the allocator keeps free for later allocations (what
     /// [`HeapAllocator::return_freed`] would hand back).
     pub idle: u64,
 }
@@ -65,8 +62,8 @@ pub(crate) struct HeapGauge {
     base: u64,
     interval: Duration,
     idle_limit: u64,
-    /// The last reading, and when it was made.
-    last: Mutex<(Instant, HeapUsage)>,
+    /// When the last reading was made (`None`: none yet).
+    last: Mutex<Option<Instant>>,
 }
 
 impl HeapGauge {
@@ -77,33 +74,33 @@ impl HeapGauge {
         interval: Duration,
         idle_limit: u64,
     ) -> Option<Self> {
-        let usage = allocator.usage()?;
+        let base = allocator.usage()?.live;
         Some(Self {
             allocator,
-            base: usage.live,
+            base,
             interval,
             idle_limit,
-            // Due at once: the first reading hands back what earlier runs left idle.
-            last: Mutex::new((Instant::now() - interval, usage)),
+            last: Mutex::new(None),
         })
     }
 
-    /// Bytes the allocator holds for the run: live bytes beyond those when the gauge was
-    /// made, and the idle pages it keeps.
-    pub(crate) fn held(&self) -> u64 {
-        let mut last = self.last.lock().unwrap();
-        if last.0.elapsed() >= self.interval {
-            let mut usage = self.allocator.usage();
-            if usage.is_some_and(|u| u.idle > self.idle_limit) {
-                self.allocator.return_freed();
-                usage = self.allocator.usage();
+    /// Bytes the allocator holds for the run (live bytes beyond those when the gauge was
+    /// made, and the idle pages it keeps) when a reading is due, `None` otherwise. The first
+    /// is due at once: it hands back what earlier runs left idle.
+    pub(crate) fn reading(&self) -> Option<u64> {
+        {
+            let mut last = self.last.lock().unwrap();
+            if last.is_some_and(|at| at.elapsed() < self.interval) {
+                return None;
             }
-            if let Some(usage) = usage {
-                last.1 = usage;
-            }
-            last.0 = Instant::now();
+            *last = Some(Instant::now());
         }
-        last.1.live.saturating_sub(self.base) + last.1.idle
+        let mut usage = self.allocator.usage()?;
+        if usage.idle > self.idle_limit {
+            self.allocator.return_freed();
+            usage = self.allocator.usage()?;
+        }
+        Some(usage.live.saturating_sub(self.base) + usage.idle)
     }
 }
 
@@ -126,11 +123,7 @@ mod tests {
                 self.live.load(Ordering::SeqCst),
                 self.idle.load(Ordering::SeqCst),
             );
-            Some(HeapUsage {
-                live,
-                resident: live + idle,
-                idle,
-            })
+            Some(HeapUsage { live, idle })
         }
         fn return_freed(&self) {
             self.idle.store(0, Ordering::SeqCst);
@@ -140,7 +133,7 @@ mod tests {
 
     /// The gauge counts live growth since it was made plus idle pages; idle pages over the
     /// limit are handed back at the next reading (those left by earlier runs at the first),
-    /// and readings closer than the interval reuse the last one.
+    /// and no reading is due before the interval has passed.
     #[test]
     fn counts_growth_and_idle_pages_and_hands_back_too_many() {
         let fake: &'static FakeAllocator = Box::leak(Box::default());
@@ -148,29 +141,37 @@ mod tests {
         fake.idle.store(5_000, Ordering::SeqCst);
         let gauge = HeapGauge::new(fake, Duration::ZERO, 100).unwrap();
         assert_eq!(
-            gauge.held(),
-            0,
+            gauge.reading(),
+            Some(0),
             "what earlier runs left idle is handed back"
         );
         assert_eq!(fake.purges.load(Ordering::SeqCst), 1);
         fake.live.store(1_300, Ordering::SeqCst);
         fake.idle.store(80, Ordering::SeqCst);
-        assert_eq!(gauge.held(), 380);
+        assert_eq!(gauge.reading(), Some(380));
         assert_eq!(
             fake.purges.load(Ordering::SeqCst),
             1,
             "80 idle bytes are under the limit"
         );
         fake.idle.store(150, Ordering::SeqCst);
-        assert_eq!(gauge.held(), 300);
+        assert_eq!(gauge.reading(), Some(300));
         assert_eq!(fake.purges.load(Ordering::SeqCst), 2);
         fake.live.store(500, Ordering::SeqCst);
-        assert_eq!(gauge.held(), 0, "live bytes under the base count as none");
+        assert_eq!(
+            gauge.reading(),
+            Some(0),
+            "live bytes under the base count as none"
+        );
 
         let slow = HeapGauge::new(fake, Duration::from_secs(3600), u64::MAX).unwrap();
         fake.live.store(900, Ordering::SeqCst);
-        assert_eq!(slow.held(), 400, "the first reading is due at once");
+        assert_eq!(
+            slow.reading(),
+            Some(400),
+            "the first reading is due at once"
+        );
         fake.live.store(2_000, Ordering::SeqCst);
-        assert_eq!(slow.held(), 400, "the next waits for the interval");
+        assert_eq!(slow.reading(), None, "the next waits for the interval");
     }
 }

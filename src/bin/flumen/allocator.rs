@@ -37,11 +37,7 @@ impl flumen::HeapAllocator for Jemalloc {
         let resident = stats::resident::read().ok()? as u64;
         let metadata = stats::metadata::read().ok()? as u64;
         let idle = resident.saturating_sub(active + metadata);
-        Some(flumen::HeapUsage {
-            live,
-            resident,
-            idle,
-        })
+        Some(flumen::HeapUsage { live, idle })
     }
 
     fn return_freed(&self) {
