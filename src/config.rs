@@ -306,6 +306,10 @@ extensions_options! {
         /// bytes (`flumen::install_heap_allocator`; the `flumen` binary does): blocks keep
         /// in memory only what that leaves, but at least a quarter of the budget.
         pub budget_counts_heap: bool, default = true
+        /// Whether a partition of a hash join refused memory (a hot key's build side) is cut
+        /// into slices of its build side, run as tasks beside each other, each probed with
+        /// the whole probe side; otherwise it runs again alone, then as a sort-merge join.
+        pub slice_hot_partitions: bool, default = true
         /// Directory under which each query makes its spill directory (blocks over the
         /// budget); empty: the system's temp directory (`TMPDIR`).
         pub spill_dir: String, default = String::new()

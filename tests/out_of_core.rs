@@ -195,6 +195,7 @@ async fn skew_contexts(
     facts: u64,
     hot: u64,
     hot_percent: u64,
+    settings: &[&str],
 ) -> (tempfile::TempDir, SessionContext, SessionContext) {
     let dir = tempfile::tempdir().unwrap();
     let tables = [
@@ -220,6 +221,9 @@ async fn skew_contexts(
         "SET flumen.cpu_slots = 2",
     ])
     .await;
+    for setting in settings {
+        collect(&f, setting).await;
+    }
     for ctx in [&v, &f] {
         for (name, _) in &tables {
             let path = format!("{}/{name}.parquet", dir.path().display());
@@ -238,6 +242,9 @@ struct SkewedRuns {
     alone: u64,
     /// Tasks run again as sort-merge joins.
     merge_joins: u64,
+    /// Partitions cut into slices of their build side, and the slice tasks.
+    sliced: u64,
+    slices: u64,
     /// The largest share of an exchange's output that one partition had.
     largest_share: f64,
 }
@@ -260,6 +267,8 @@ async fn run_skewed(v: &SessionContext, f: &SessionContext, queries: &[&str]) ->
             .collect();
         let retried: u64 = stats.iter().map(|s| s.retried_alone).sum();
         let merged: u64 = stats.iter().map(|s| s.merge_join_fallbacks).sum();
+        let sliced: u64 = stats.iter().map(|s| s.partitions_sliced).sum();
+        let slices: u64 = stats.iter().map(|s| s.slices).sum();
         for op in 0..exec.graph().operators.len() {
             let sizes = metrics.operator(op).partition_sizes();
             let total: u64 = sizes.iter().sum();
@@ -273,11 +282,14 @@ async fn run_skewed(v: &SessionContext, f: &SessionContext, queries: &[&str]) ->
             "{sql}: operators held {peak_operators}"
         );
         println!(
-            "{sql}: {retried} task(s) retried alone, {merged} as sort-merge joins, peak \
-             operator state {peak_operators} B, {elapsed:?}"
+            "{sql}: {retried} task(s) retried alone, {merged} as sort-merge joins, {sliced} \
+             partition(s) cut into {slices} slices, peak operator state {peak_operators} B, \
+             {elapsed:?}"
         );
         seen.alone += retried;
         seen.merge_joins += merged;
+        seen.sliced += sliced;
+        seen.slices += slices;
     }
     seen
 }
@@ -289,7 +301,15 @@ async fn run_skewed(v: &SessionContext, f: &SessionContext, queries: &[&str]) ->
 /// (an anti join, an inner join) equal DataFusion's.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_hot_partition_refused_memory_runs_again_alone() {
-    let (_dir, v, f) = skew_contexts(1_500_000, 1_200_000, 22).await;
+    // Slicing the hot partition would take the refusal's place: this tests what happens
+    // where a join cannot be sliced.
+    let (_dir, v, f) = skew_contexts(
+        1_500_000,
+        1_200_000,
+        22,
+        &["SET flumen.slice_hot_partitions = false"],
+    )
+    .await;
     let queries = [
         "SELECT count(*) FROM facts a LEFT JOIN hot s ON a.id = s.k WHERE s.k IS NULL",
         "SELECT count(*), sum(s.v), sum(f.v) FROM hot s JOIN facts f ON s.k = f.id",
@@ -317,17 +337,44 @@ async fn a_hot_partition_refused_memory_runs_again_alone() {
 /// inner join, a left join, an anti join) equal DataFusion's.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_hot_key_larger_than_the_budget_joins_by_sort_merge() {
-    let (_dir, v, f) = skew_contexts(5_000_000, 3_500_000, 30).await;
-    let queries = [
-        "SELECT count(*), sum(s.v), sum(f.v) FROM hot s JOIN facts f ON s.k = f.id",
-        "SELECT count(*), sum(f.v), count(f.id) FROM hot s LEFT JOIN facts f ON s.k = f.id",
-        "SELECT count(*), sum(s.v) FROM hot s WHERE NOT EXISTS \
-         (SELECT 1 FROM facts f WHERE f.id = s.k + 1)",
-    ];
-    let seen = run_skewed(&v, &f, &queries).await;
+    let (_dir, v, f) = skew_contexts(
+        5_000_000,
+        3_500_000,
+        30,
+        &["SET flumen.slice_hot_partitions = false"],
+    )
+    .await;
+    let seen = run_skewed(&v, &f, &HOT_KEY_QUERIES).await;
     assert!(
         seen.merge_joins > 0,
         "no task fell back to a sort-merge join: the hot key no longer exceeds the budget"
+    );
+}
+
+/// Joins whose build side (`hot`) has 30% of its rows on one key.
+const HOT_KEY_QUERIES: [&str; 3] = [
+    "SELECT count(*), sum(s.v), sum(f.v) FROM hot s JOIN facts f ON s.k = f.id",
+    "SELECT count(*), sum(f.v), count(f.id) FROM hot s LEFT JOIN facts f ON s.k = f.id",
+    "SELECT count(*), sum(s.v) FROM hot s WHERE NOT EXISTS \
+     (SELECT 1 FROM facts f WHERE f.id = s.k + 1)",
+];
+
+/// The same hot key larger than the budget, with slicing on (the default): the hot
+/// partition, refused memory, is cut into slices of its build side that each fit and run
+/// beside each other as hash joins, with no task run alone and no sort-merge join; the
+/// answers equal DataFusion's, and operator state stays within the budget.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_hot_partition_is_cut_into_slices_of_its_build_side() {
+    let (_dir, v, f) = skew_contexts(5_000_000, 3_500_000, 30, &[]).await;
+    let seen = run_skewed(&v, &f, &HOT_KEY_QUERIES).await;
+    assert!(seen.sliced > 0, "no partition was cut into slices: {seen:?}");
+    assert!(seen.slices >= 2 * seen.sliced, "{seen:?}");
+    assert_eq!(seen.merge_joins, 0, "{seen:?}");
+    let analyzed = collect(&f, &format!("EXPLAIN ANALYZE {}", HOT_KEY_QUERIES[0])).await;
+    let analyzed = text(&analyzed);
+    assert!(
+        analyzed.contains("partitions_sliced=") && analyzed.contains("slice_tasks="),
+        "{analyzed}"
     );
 }
 
@@ -494,5 +541,67 @@ async fn deleted_spill_files_are_recomputed() {
     println!(
         "{deleted} spill files ({blocks_deleted} blocks) deleted during the join: \
          {recomputed} of {tasks} tasks recomputed, same answer"
+    );
+}
+
+/// Lineage across slices: every block the slices of the hot partition produce is lost as it
+/// is made (as if its worker died). Reading them recomputes each slice from its own blocks
+/// of the build side and the whole probe side (both released by then, so recomputed in
+/// turn from their map tasks), and the answer is unchanged.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn lost_outputs_of_slices_are_recomputed_from_their_slice() {
+    use std::sync::atomic::{AtomicUsize, Ordering};
+    let (dir, v, _) = skew_contexts(5_000_000, 3_500_000, 30, &[]).await;
+    let dropped = Arc::new(AtomicUsize::new(0));
+    let counter = Arc::clone(&dropped);
+    // The join's partial aggregate has one task per partition, except where a partition
+    // was cut: its second and later tasks are slices.
+    let dropper = flumen::BlockDropper(Arc::new(move |b| {
+        let drop = b.operator_name == "AggregateExec" && b.task_index >= 1;
+        if drop {
+            counter.fetch_add(1, Ordering::Relaxed);
+        }
+        drop
+    }));
+    let config = flumen::flumen_session_config(
+        datafusion::prelude::SessionConfig::new().with_target_partitions(2),
+        flumen::FlumenConfig::default(),
+    )
+    .with_extension(Arc::new(dropper));
+    let f = flumen::session_with_config(config, flumen::FlumenConfig::default());
+    for setting in [
+        "SET flumen.memory_budget = '16MB'",
+        "SET flumen.cpu_slots = 2",
+    ] {
+        collect(&f, setting).await;
+    }
+    for name in ["facts", "hot"] {
+        let path = format!("{}/{name}.parquet", dir.path().display());
+        f.register_parquet(name, &path, ParquetReadOptions::default())
+            .await
+            .unwrap();
+    }
+    let sql = HOT_KEY_QUERIES[0];
+    let expected = collect(&v, sql).await;
+    let (batches, plan) = run_plan(&f, sql).await;
+    assert_eq!(text(&expected), text(&batches), "{sql}");
+    let lost = dropped.load(Ordering::Relaxed) as u64;
+    let exec = plan.downcast_ref::<FlumenExec>().unwrap();
+    let metrics = exec.run_metrics();
+    let stats: Vec<_> = (0..exec.graph().operators.len())
+        .map(|op| metrics.operator(op).snapshot())
+        .collect();
+    let sliced: u64 = stats.iter().map(|s| s.partitions_sliced).sum();
+    let recomputed: u64 = exec
+        .graph()
+        .operators
+        .iter()
+        .filter(|op| op.name == "AggregateExec")
+        .map(|op| stats[op.id].recomputed)
+        .sum();
+    assert!(sliced > 0 && lost > 0, "sliced {sliced}, lost {lost}");
+    assert!(
+        recomputed > 0 && recomputed <= lost,
+        "{recomputed} recomputes for {lost} lost blocks"
     );
 }

@@ -280,6 +280,10 @@ impl ExecutionPlan for OperatorExec {
         if s.merge_join_fallbacks > 0 {
             set.push(count("tasks_as_merge_join", s.merge_join_fallbacks));
         }
+        if s.partitions_sliced > 0 {
+            set.push(count("partitions_sliced", s.partitions_sliced));
+            set.push(count("slice_tasks", s.slices));
+        }
         if s.remote_tasks > 0 {
             set.push(count("remote_tasks", s.remote_tasks));
             set.push(count("blocks_lost", s.blocks_lost));

@@ -38,6 +38,15 @@ pub enum TaskKind {
     },
     /// The whole partition of every input (a per-partition task).
     Partition,
+    /// One slice of a per-partition task cut because its partition was too large
+    /// ([`crate::plan::partition_slices`]): these blocks of input `input` (its join's build
+    /// side), and the whole partition of every other input.
+    Slice {
+        /// The stage input the slice cuts.
+        input: usize,
+        /// Its blocks of that input, in order.
+        blocks: Vec<BlockId>,
+    },
 }
 
 /// What a fault injector sees of a block when it is produced.

@@ -38,6 +38,10 @@ pub struct OperatorStats {
     pub retried_alone: AtomicU64,
     /// Tasks refused memory even alone, run again with sort-merge joins.
     pub merge_join_fallbacks: AtomicU64,
+    /// Partitions refused memory, cut into slices of their join's build side.
+    pub partitions_sliced: AtomicU64,
+    /// Slice tasks those partitions were cut into.
+    pub slices: AtomicU64,
     /// Bytes of input blocks its remote tasks fetched straight from the workers holding
     /// them.
     pub input_bytes_by_ticket: AtomicU64,
@@ -87,6 +91,10 @@ pub struct StatsSnapshot {
     pub retried_alone: u64,
     /// Tasks run again with sort-merge joins after being refused memory alone.
     pub merge_join_fallbacks: u64,
+    /// Partitions cut into slices of their join's build side after being refused memory.
+    pub partitions_sliced: u64,
+    /// Slice tasks they were cut into.
+    pub slices: u64,
     /// Input bytes fetched worker to worker.
     pub input_bytes_by_ticket: u64,
     /// Input bytes sent by the driver.
@@ -154,6 +162,8 @@ impl OperatorStats {
             tasks_retried: r(&self.tasks_retried),
             retried_alone: r(&self.retried_alone),
             merge_join_fallbacks: r(&self.merge_join_fallbacks),
+            partitions_sliced: r(&self.partitions_sliced),
+            slices: r(&self.slices),
             input_bytes_by_ticket: r(&self.input_bytes_by_ticket),
             input_bytes_via_driver: r(&self.input_bytes_via_driver),
             output_bytes_to_driver: r(&self.output_bytes_to_driver),

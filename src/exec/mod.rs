@@ -11,6 +11,7 @@
 //!   backpressure, pauses), [`task`] (running one task, its output cut into blocks),
 //!   [`streams`] (block streams for tasks and the query's output).
 //! - [`lineage`]: fetching a block, and recomputing it from its producer task when lost.
+//! - [`slices`]: a join's hot partition, refused memory, cut into slices of its build side.
 //! - [`remote_tasks`]: tasks run in worker processes, and recovering a dead worker's blocks.
 //! - [`accelerator_threads`]: the in-process accelerator pool (threads that keep models).
 //! - [`progress`]: a running query's progress in words (one line per operator).
@@ -27,6 +28,7 @@ pub(crate) mod policy;
 pub mod progress;
 pub(crate) mod remote_tasks;
 pub(crate) mod run;
+pub(crate) mod slices;
 pub(crate) mod state;
 pub(crate) mod streams;
 pub(crate) mod task;

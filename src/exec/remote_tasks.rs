@@ -302,7 +302,7 @@ impl QueryRun {
                 let empty = MemorySourceConfig::try_new_exec(&[vec![]], schema, None).ok();
                 empty.and_then(|input| blocks_plan(op, input))
             }
-            TaskKind::Partition => None,
+            TaskKind::Partition | TaskKind::Slice { .. } => None,
         };
         let Some(runnable) = runnable else {
             return Ok(false);
@@ -498,7 +498,7 @@ impl QueryRun {
                 let input = MemorySourceConfig::try_new_exec(&[pieces], schema, None)?;
                 Ok(blocks_plan(op, input))
             }
-            TaskKind::Partition => Ok(None),
+            TaskKind::Partition | TaskKind::Slice { .. } => Ok(None),
         }
     }
 

@@ -241,7 +241,19 @@ impl InputProvider for TaskProvider {
                 .boxed();
                 Ok(Box::pin(RecordBatchStreamAdapter::new(schema, stream)))
             }
-            TaskKind::Partition => {
+            TaskKind::Slice {
+                input: sliced,
+                blocks,
+            } if *sliced == input => {
+                // Its slice of the input, block by block; released when the task ends.
+                let blocks = blocks.clone();
+                let run = Arc::clone(run);
+                let stream = futures::stream::iter(blocks)
+                    .then(move |id| run.fetch(id))
+                    .boxed();
+                Ok(Box::pin(RecordBatchStreamAdapter::new(schema, stream)))
+            }
+            TaskKind::Partition | TaskKind::Slice { .. } => {
                 let cursor = run.input_cursor(self.operator, input, partition, true);
                 let reader = if !self.record {
                     Reader::Recompute

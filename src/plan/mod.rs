@@ -10,6 +10,7 @@
 //! - [`range_sort`]: an out-of-core full sort planned as sampled ranges, each sorted in a task.
 //! - [`concat_partitions`]: partitions read one after the other (the output of both).
 //! - [`merge_join_fallback`]: a hash join's task redone as a spilling sort-merge join.
+//! - [`partition_slices`]: which hash join tasks can be cut into slices of their build side.
 
 pub(crate) mod accelerator_projection;
 pub mod concat_partitions;
@@ -17,6 +18,7 @@ pub(crate) mod cut;
 pub mod exchange_sizing;
 pub(crate) mod graph;
 pub mod merge_join_fallback;
+pub mod partition_slices;
 pub mod random_shuffle;
 pub mod range_sort;
 pub(crate) mod split_source;

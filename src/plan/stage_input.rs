@@ -116,6 +116,11 @@ impl StageInputExec {
         }
     }
 
+    /// Which of its task's stage inputs this reads.
+    pub fn input_index(&self) -> usize {
+        self.input
+    }
+
     /// The operator whose blocks this reads.
     pub fn producer(&self) -> OperatorId {
         self.producer
