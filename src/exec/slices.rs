@@ -46,6 +46,7 @@ impl QueryRun {
             match Self::next_block(st, &mut cursor) {
                 Next::Block(id) => blocks.push((id, st.blocks[&id].bytes.max(1))),
                 Next::End => break,
+                Next::Wait => return false,
             }
         }
         let share = self.config.memory_budget.0
