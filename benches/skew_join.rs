@@ -3,12 +3,14 @@
 //! again alone and then as a sort-merge join (`flumen.slice_hot_partitions = false`), and
 //! against vanilla DataFusion with the same memory limit and with none, in the same run.
 //!
-//! `cargo bench --bench skew_join [-- --hot-rows 20000000 --facts-rows 20000000
-//! --hot-percent 30 --budget 64MB --runs 3 --dir target/skewbench]`
+//! `cargo bench --bench skew_join [-- --hot-rows 20000000 --facts-rows 30000000
+//! --hot-percent 30 --budget 64MB --runs 3 --dir target/skewbench --analyze]`
+//! (`--analyze`: flumen's `EXPLAIN ANALYZE` of each query, with and without slices)
 //!
 //! Tables (Parquet, generated once per size under `--dir`): `hot(k, v)` with `--hot-percent`
 //! of its rows on `k = 0` and the rest on distinct even keys, and `facts(id, v)` with one row
-//! per id. Each query joins `hot` (the build side) to `facts`; every engine's answer is
+//! per id, larger than `hot` so that DataFusion builds on `hot`. Each query joins `hot` to
+//! `facts`; every engine's answer is
 //! checked against vanilla's with no limit. Figures: the median time of `--runs` rounds
 //! (engines interleaved within a round), the ratio to the unlimited vanilla run and of
 //! flumen to flumen without slices, and each engine's largest RSS rise over the budget.
@@ -37,7 +39,7 @@ const QUERIES: [(&str, &str); 2] = [
     ),
     (
         "left",
-        "SELECT count(*), sum(h.v), count(f.id) FROM hot h LEFT JOIN facts f ON h.k = f.id",
+        "SELECT count(*), sum(h.v), sum(f.v) FROM hot h LEFT JOIN facts f ON h.k = f.id",
     ),
 ];
 
@@ -94,7 +96,7 @@ async fn main() -> Result<()> {
     };
     let number = |name: &str, default: u64| arg(name).map_or(default, |s| s.parse().unwrap());
     let hot_rows = number("--hot-rows", 20_000_000);
-    let facts_rows = number("--facts-rows", 20_000_000);
+    let facts_rows = number("--facts-rows", 30_000_000);
     let hot_percent = number("--hot-percent", 30);
     let runs = number("--runs", 3).max(1) as usize;
     let budget: ByteSize = arg("--budget").unwrap_or_else(|| "64MB".into()).parse()?;
@@ -163,6 +165,12 @@ async fn main() -> Result<()> {
                         fig.failure = Some(first_line);
                     }
                 }
+            }
+        }
+        if args.iter().any(|a| a == "--analyze") {
+            for (name, ctx) in &engines[2..] {
+                let plan = ctx.sql(&format!("EXPLAIN ANALYZE {sql}")).await?.collect().await?;
+                println!("{name}:\n{}", pretty_format_batches(&plan)?);
             }
         }
         let baseline = median(&figures[0].seconds);

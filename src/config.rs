@@ -306,9 +306,10 @@ extensions_options! {
         /// bytes (`flumen::install_heap_allocator`; the `flumen` binary does): blocks keep
         /// in memory only what that leaves, but at least a quarter of the budget.
         pub budget_counts_heap: bool, default = true
-        /// Whether a partition of a hash join refused memory (a hot key's build side) is cut
-        /// into slices of its build side, run as tasks beside each other, each probed with
-        /// the whole probe side; otherwise it runs again alone, then as a sort-merge join.
+        /// Whether an out-of-core hash join partition whose build side (a hot key's rows) is
+        /// larger than two slices of budget / (4 × CPU slots) is cut into slices of its build
+        /// side, run as tasks beside each other, each probed with the whole probe side;
+        /// otherwise it runs whole (refused memory: again alone, then as a sort-merge join).
         pub slice_hot_partitions: bool, default = true
         /// Directory under which each query makes its spill directory (blocks over the
         /// budget); empty: the system's temp directory (`TMPDIR`).

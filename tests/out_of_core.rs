@@ -302,7 +302,7 @@ async fn run_skewed(v: &SessionContext, f: &SessionContext, queries: &[&str]) ->
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_hot_partition_refused_memory_runs_again_alone() {
     // Slicing the hot partition would take the refusal's place: this tests what happens
-    // where a join cannot be sliced.
+    // where a join is not sliced.
     let (_dir, v, f) = skew_contexts(
         1_500_000,
         1_200_000,
@@ -360,9 +360,9 @@ const HOT_KEY_QUERIES: [&str; 3] = [
 ];
 
 /// The same hot key larger than the budget, with slicing on (the default): the hot
-/// partition, refused memory, is cut into slices of its build side that each fit and run
-/// beside each other as hash joins, with no task run alone and no sort-merge join; the
-/// answers equal DataFusion's, and operator state stays within the budget.
+/// partition is cut into slices of its build side when its task is made, slices that each
+/// fit and run beside each other as hash joins, with no sort-merge join; the answers equal
+/// DataFusion's, and operator state stays within the budget.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_hot_partition_is_cut_into_slices_of_its_build_side() {
     let (_dir, v, f) = skew_contexts(5_000_000, 3_500_000, 30, &[]).await;

@@ -305,9 +305,7 @@ impl QueryRun {
     }
 
     /// Queue task `task`, refused memory (`ResourcesExhausted`), to run again alone, and
-    /// say so. The first refusal of a hash join's partition cuts it into slices of its
-    /// build side where the join allows ([`QueryRun::slice_partition`]); otherwise it runs
-    /// again as it was: a hot partition (a skewed key's
+    /// say so. The first refusal runs it again as it was: a hot partition (a skewed key's
     /// join build side) may need most of the budget, which it gets once the tasks beside it
     /// have finished. A second refusal (alone) runs it again with its partitioned hash joins
     /// as sort-merge joins, which spill ([`as_sort_merge_join`]): a hot key larger than the
@@ -327,11 +325,6 @@ impl QueryRun {
             return false;
         }
         let op_id = t.operator;
-        let first_refusal = !t.retried_alone;
-        if first_refusal && self.slice_partition(st, task) {
-            return true;
-        }
-        let t = &st.tasks[task];
         let op = &self.graph.operators[op_id];
         let merge_join = match (t.retried_alone, t.merge_join) {
             (false, _) => false,

@@ -1,5 +1,6 @@
-//! A hot partition cut into slices: a per-partition task of a hash join refused memory (its
-//! build side, a skewed key's rows, larger than its share of the budget) is replaced by
+//! A hot partition cut into slices: a per-partition task of a hash join whose build side (a
+//! skewed key's rows) is larger than its share of the budget, seen when its task is made
+//! (the map side's blocks are all in: the partition's bytes are known), is replaced by
 //! tasks that each build from a slice of the build side's blocks and probe with the whole
 //! probe side ([`crate::plan::partition_slices`] says which fragments allow it). The slices
 //! run beside each other and beside other tasks, where running the partition again alone
@@ -11,6 +12,7 @@ use crate::exec::lineage::{TaskId, TaskKind};
 use crate::exec::metrics::OperatorStats;
 use crate::exec::run::QueryRun;
 use crate::exec::state::{RunState, TaskRecord, TaskStatus};
+use crate::plan::graph::OperatorId;
 use crate::plan::partition_slices::sliced_build_input;
 use crate::plan::stage_input::StageInputExec;
 use crate::store::block::BlockId;
@@ -20,16 +22,21 @@ use crate::store::block::BlockId;
 const SLICE_SHARE_DIVISOR: u64 = 4;
 
 impl QueryRun {
-    /// Cut task `task` (a per-partition task refused memory, not yet launched again) into
-    /// slices of its join's build side, and say whether it was. It is not when slicing is
-    /// off, its fragment does not allow it, or its build side is one slice's worth.
-    pub(super) fn slice_partition(&self, st: &mut RunState, task: TaskId) -> bool {
+    /// Cut task `task` (a per-partition task not launched yet) into slices of its join's
+    /// build side when that side holds more than `over` bytes, and say whether it was. It is
+    /// not when slicing is off, its operator's partitions run together (ganged), its fragment
+    /// does not allow it, or its build side is still arriving.
+    fn slice_partition(&self, st: &mut RunState, task: TaskId, over: u64) -> bool {
         let t = &st.tasks[task];
         if !self.config.slice_hot_partitions || !matches!(t.kind, TaskKind::Partition) {
             return false;
         }
         let (op_id, partition) = (t.operator, t.partition);
         let op = &self.graph.operators[op_id];
+        // Partitions of a ganged operator wait for each other: one must stay one task.
+        if op.gang {
+            return false;
+        }
         let Some(input) = sliced_build_input(&op.fragment).and_then(|leaf| {
             leaf.downcast_ref::<StageInputExec>()
                 .map(StageInputExec::input_index)
@@ -49,9 +56,11 @@ impl QueryRun {
                 Next::Wait => return false,
             }
         }
-        let share = self.config.memory_budget.0
-            / (SLICE_SHARE_DIVISOR * self.config.cpu_slots.max(1) as u64);
-        let slices = cut_slices(&blocks, share.max(1));
+        let total: u64 = blocks.iter().map(|(_, bytes)| bytes).sum();
+        if total <= over {
+            return false;
+        }
+        let slices = cut_slices(&blocks, self.slice_bytes());
         if slices.len() < 2 {
             return false;
         }
@@ -75,11 +84,32 @@ impl QueryRun {
         OperatorStats::add(&stats.partitions_sliced, 1);
         OperatorStats::add(&stats.slices, n as u64);
         log::info!(
-            "flumen: task {task} of operator {op_id} ({}) was refused memory; partition \
-             {partition} runs as {n} slices of its build side",
+            "flumen: partition {partition} of operator {op_id} ({}) has a build side of {total} \
+             bytes: it runs as {n} slices",
             op.name
         );
         true
+    }
+
+    /// Most bytes of the build side one slice takes.
+    fn slice_bytes(&self) -> u64 {
+        let share = self.config.memory_budget.0
+            / (SLICE_SHARE_DIVISOR * self.config.cpu_slots.max(1) as u64);
+        share.max(1)
+    }
+
+    /// Cut, as their tasks are made, the partitions of per-partition operator `op_id` whose
+    /// build side is known (its producers have finished) and larger than two slices: such a
+    /// partition's hash table would take more than its share of the budget, and building it
+    /// whole only to be refused memory would be time lost. (A smaller partition refused
+    /// memory beside others runs again alone, as any task does.)
+    pub(super) fn slice_hot_partitions(&self, st: &mut RunState, op_id: OperatorId) {
+        let over = 2 * self.slice_bytes();
+        for p in 0..st.operators[op_id].partitions.len() {
+            if let [task] = st.operators[op_id].partitions[p].tasks[..] {
+                self.slice_partition(st, task, over);
+            }
+        }
     }
 
     /// The input blocks to release now that slice `task` has finished: its own slice of the

@@ -32,6 +32,7 @@ impl QueryRun {
                             ps.closed = true;
                         }
                         st.operators[op.id].started = true;
+                        self.slice_hot_partitions(st, op.id);
                     }
                 }
                 TaskShape::BlockWise => self.create_block_tasks(st, op.id),
