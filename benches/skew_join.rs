@@ -120,7 +120,10 @@ async fn main() -> Result<()> {
     flumen_config.slice_hot_partitions = false;
     let unsliced = flumen::session_with_config(config(), flumen_config);
     let engines = [
-        ("vanilla, no limit", SessionContext::new_with_config(config())),
+        (
+            "vanilla, no limit",
+            SessionContext::new_with_config(config()),
+        ),
         (
             "vanilla, budget as limit",
             SessionContext::new_with_config_rt(config(), limited),
@@ -169,12 +172,19 @@ async fn main() -> Result<()> {
         }
         if args.iter().any(|a| a == "--analyze") {
             for (name, ctx) in &engines[2..] {
-                let plan = ctx.sql(&format!("EXPLAIN ANALYZE {sql}")).await?.collect().await?;
+                let plan = ctx
+                    .sql(&format!("EXPLAIN ANALYZE {sql}"))
+                    .await?
+                    .collect()
+                    .await?;
                 println!("{name}:\n{}", pretty_format_batches(&plan)?);
             }
         }
         let baseline = median(&figures[0].seconds);
-        let unsliced_time = figures[2].seconds.first().map(|_| median(&figures[2].seconds));
+        let unsliced_time = figures[2]
+            .seconds
+            .first()
+            .map(|_| median(&figures[2].seconds));
         println!("| engine | median s | runs (s) | vs vanilla no limit | RSS rise / budget |");
         println!("|---|---|---|---|---|");
         for ((name, _), fig) in engines.iter().zip(&figures) {

@@ -367,7 +367,10 @@ const HOT_KEY_QUERIES: [&str; 3] = [
 async fn a_hot_partition_is_cut_into_slices_of_its_build_side() {
     let (_dir, v, f) = skew_contexts(5_000_000, 3_500_000, 30, &[]).await;
     let seen = run_skewed(&v, &f, &HOT_KEY_QUERIES).await;
-    assert!(seen.sliced > 0, "no partition was cut into slices: {seen:?}");
+    assert!(
+        seen.sliced > 0,
+        "no partition was cut into slices: {seen:?}"
+    );
     assert!(seen.slices >= 2 * seen.sliced, "{seen:?}");
     assert_eq!(seen.merge_joins, 0, "{seen:?}");
     let analyzed = collect(&f, &format!("EXPLAIN ANALYZE {}", HOT_KEY_QUERIES[0])).await;

@@ -88,15 +88,16 @@ fn row_by_row_leaf(plan: &Arc<dyn ExecutionPlan>) -> Option<Arc<dyn ExecutionPla
 /// A node whose output for a set of rows is the union of its outputs for any split of them.
 fn is_row_by_row(node: &Arc<dyn ExecutionPlan>) -> bool {
     node.downcast_ref::<ProjectionExec>().is_some()
-        || node.downcast_ref::<FilterExec>().is_some_and(|f| f.fetch().is_none())
+        || node
+            .downcast_ref::<FilterExec>()
+            .is_some_and(|f| f.fetch().is_none())
 }
 
 /// A partial aggregate: its states for a split of its rows merge downstream into the same
 /// answer.
 fn is_partial_aggregate(node: &Arc<dyn ExecutionPlan>) -> bool {
-    node.downcast_ref::<AggregateExec>().is_some_and(|a| {
-        matches!(a.mode(), AggregateMode::Partial) && a.limit_options().is_none()
-    })
+    node.downcast_ref::<AggregateExec>()
+        .is_some_and(|a| matches!(a.mode(), AggregateMode::Partial) && a.limit_options().is_none())
 }
 
 #[cfg(test)]
@@ -140,7 +141,10 @@ mod tests {
                 "a",
                 "(1, 'x'), (2, 'y'), (2, 'z'), (NULL, 'n'), (5, 'q'), (7, 'r'), (2, 's')",
             ),
-            ("b", "(2, 10), (2, 20), (3, 30), (NULL, 40), (5, 50), (9, 90)"),
+            (
+                "b",
+                "(2, 10), (2, 20), (3, 30), (NULL, 40), (5, 50), (9, 90)",
+            ),
         ] {
             let sql = format!("CREATE TABLE {name} AS VALUES {rows}");
             ctx.sql(&sql).await.unwrap().collect().await.unwrap();
@@ -219,7 +223,10 @@ mod tests {
                     .unwrap(),
             );
             let leaf = sliced_build_input(&plan).unwrap_or_else(|| {
-                panic!("refused: {sql}\n{}", datafusion::physical_plan::displayable(plan.as_ref()).indent(true))
+                panic!(
+                    "refused: {sql}\n{}",
+                    datafusion::physical_plan::displayable(plan.as_ref()).indent(true)
+                )
             });
             let whole = sorted_lines(&collect(Arc::clone(&plan), ctx.task_ctx()).await.unwrap());
             for cut in 1..n {
