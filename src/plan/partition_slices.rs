@@ -127,6 +127,12 @@ mod tests {
         .data
     }
 
+    /// The physical plan of `sql`, its hash joins partitioned.
+    async fn partitioned_plan(ctx: &SessionContext, sql: &str) -> Arc<dyn ExecutionPlan> {
+        let plan = ctx.sql(sql).await.unwrap().create_physical_plan().await;
+        partitioned(plan.unwrap())
+    }
+
     /// Hash joins over two tables `a` (build, left) and `b` (probe), one partition each.
     async fn context() -> SessionContext {
         let ctx = SessionContext::new();
@@ -214,14 +220,7 @@ mod tests {
         let a_rows = ctx.table("a").await.unwrap().collect().await.unwrap();
         let n: usize = a_rows.iter().map(|b| b.num_rows()).sum();
         for sql in accepted {
-            let plan = partitioned(
-                ctx.sql(sql)
-                    .await
-                    .unwrap()
-                    .create_physical_plan()
-                    .await
-                    .unwrap(),
-            );
+            let plan = partitioned_plan(&ctx, sql).await;
             let leaf = sliced_build_input(&plan).unwrap_or_else(|| {
                 panic!(
                     "refused: {sql}\n{}",
@@ -239,14 +238,7 @@ mod tests {
             }
         }
         for sql in refused {
-            let plan = partitioned(
-                ctx.sql(sql)
-                    .await
-                    .unwrap()
-                    .create_physical_plan()
-                    .await
-                    .unwrap(),
-            );
+            let plan = partitioned_plan(&ctx, sql).await;
             assert!(sliced_build_input(&plan).is_none(), "accepted: {sql}");
         }
     }
