@@ -20,6 +20,9 @@ use crate::exec::run::QueryRun;
 use crate::plan::graph::OperatorId;
 use crate::store::block::BlockId;
 
+/// Longest a recompute refused memory waits for a running task to end before it gives up.
+const RECOMPUTE_WAIT: std::time::Duration = std::time::Duration::from_secs(2);
+
 /// Index of a task within one query run.
 pub type TaskId = usize;
 
@@ -106,6 +109,43 @@ impl QueryRun {
         self.fetch_held(id).await
     }
 
+    /// Run task `task` again here for its outputs. A recompute runs outside the pools'
+    /// slots, beside the tasks in them: refused memory (a join's build side beside theirs),
+    /// it tries again each time one of them ends, and gives up when none is left to end, or
+    /// none ended for [`RECOMPUTE_WAIT`] (its caller may be the one task still running: a
+    /// task refused memory runs again alone).
+    async fn rerun_for_outputs(
+        self: &Arc<Self>,
+        task: TaskId,
+    ) -> Result<Vec<(usize, usize, RecordBatch)>> {
+        let mut changes = self.changes.subscribe();
+        loop {
+            let ended_before = self.state.lock().unwrap().tasks_ended;
+            let error = match self.execute_task(task, true).await {
+                Err(e) if matches!(e.find_root(), DataFusionError::ResourcesExhausted(_)) => e,
+                other => return other,
+            };
+            loop {
+                {
+                    let st = self.state.lock().unwrap();
+                    if st.error.is_some() || st.cancelled || st.running.iter().sum::<usize>() == 0 {
+                        return Err(error);
+                    }
+                    if st.tasks_ended > ended_before {
+                        break;
+                    }
+                }
+                match tokio::time::timeout(RECOMPUTE_WAIT, changes.changed()).await {
+                    Ok(Ok(())) => {}
+                    Ok(Err(_)) | Err(_) => return Err(error),
+                }
+            }
+            log::info!(
+                "flumen: recomputing task {task} again: a task ended since it was refused memory"
+            );
+        }
+    }
+
     async fn recompute(self: Arc<Self>, id: BlockId) -> Result<RecordBatch> {
         let block = self.block(id).ok_or_else(|| {
             DataFusionError::Internal(format!("flumen has no lineage for block {id}"))
@@ -128,7 +168,7 @@ impl QueryRun {
         OperatorStats::add(&self.stats(block.operator).recomputed, 1);
         let outputs = match self.recompute_remote_outputs(block.task).await? {
             Some(outputs) => outputs,
-            None => self.execute_task(block.task, true).await?,
+            None => self.rerun_for_outputs(block.task).await?,
         };
         let by_seq: HashMap<usize, RecordBatch> =
             outputs.into_iter().map(|(seq, _, b)| (seq, b)).collect();

@@ -261,6 +261,7 @@ impl QueryRun {
             st.running[pool] -= 1;
         }
         st.operators[op_id].running -= 1;
+        st.tasks_ended += 1;
         self.stats(op_id).running.fetch_sub(1, Ordering::Relaxed);
         let busy = started.elapsed().as_nanos() as u64;
         OperatorStats::add(

@@ -149,6 +149,9 @@ pub(super) struct RunState {
     pub(super) waiting_alone: std::collections::VecDeque<TaskId>,
     /// The task running alone now: nothing else launches until it ends.
     pub(super) running_alone: Option<TaskId>,
+    /// Tasks that have ended (done, failed or sent back to run again): a recompute refused
+    /// memory tries again once one more has ended.
+    pub(super) tasks_ended: u64,
 }
 
 pub(super) fn pool_index(pool: Pool) -> usize {
