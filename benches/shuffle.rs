@@ -23,6 +23,8 @@
 //! (`flumen.budget_counts_heap`); `--reserved-too` sorts once more with that off
 //! (`flumen-reserved`: only blocks and operators' reservations count).
 
+#[path = "common/args.rs"]
+mod args;
 use std::fs::File;
 use std::io::{Read, Write};
 use std::os::fd::AsRawFd;
@@ -321,12 +323,7 @@ async fn run_copy(
 async fn main() -> Result<()> {
     allocator::install();
     let args: Vec<String> = std::env::args().collect();
-    let arg = |name: &str| {
-        args.iter()
-            .position(|a| a == name)
-            .and_then(|i| args.get(i + 1))
-            .cloned()
-    };
+    let arg = |name: &str| args::flag_value(&args, name);
     let gb: f64 = arg("--gb").map(|s| s.parse().unwrap()).unwrap_or(2.0);
     let budget: ByteSize = arg("--budget").unwrap_or_else(|| "200MB".into()).parse()?;
     let dir = PathBuf::from(arg("--dir").unwrap_or_else(|| "target/sortbench".into()));

@@ -15,6 +15,8 @@
 //! (engines interleaved within a round), the ratio to the unlimited vanilla run and of
 //! flumen to flumen without slices, and each engine's largest RSS rise over the budget.
 
+#[path = "common/args.rs"]
+mod args;
 use std::path::{Path, PathBuf};
 use std::time::Instant;
 
@@ -88,12 +90,7 @@ fn median(values: &[f64]) -> f64 {
 async fn main() -> Result<()> {
     allocator::install();
     let args: Vec<String> = std::env::args().collect();
-    let arg = |name: &str| {
-        args.iter()
-            .position(|a| a == name)
-            .and_then(|i| args.get(i + 1))
-            .cloned()
-    };
+    let arg = |name: &str| args::flag_value(&args, name);
     let number = |name: &str, default: u64| arg(name).map_or(default, |s| s.parse().unwrap());
     let hot_rows = number("--hot-rows", 20_000_000);
     let facts_rows = number("--facts-rows", 30_000_000);

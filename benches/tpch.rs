@@ -15,6 +15,8 @@
 //! process's RSS (high-water mark, reset before each run, less the RSS the run started with),
 //! and a query an engine fails is reported, not fatal.
 
+#[path = "common/args.rs"]
+mod args;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::Instant;
@@ -305,12 +307,7 @@ impl Outcome {
 #[tokio::main]
 async fn main() -> Result<()> {
     let args: Vec<String> = std::env::args().collect();
-    let arg = |name: &str| {
-        args.iter()
-            .position(|a| a == name)
-            .and_then(|i| args.get(i + 1))
-            .cloned()
-    };
+    let arg = |name: &str| args::flag_value(&args, name);
     let sf: f64 = arg("--sf").map(|s| s.parse().unwrap()).unwrap_or(1.0);
     let runs: usize = arg("--runs").map(|s| s.parse().unwrap()).unwrap_or(2);
     let mode = arg("--mode").unwrap_or_else(|| "streaming".into());

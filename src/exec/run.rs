@@ -276,14 +276,18 @@ impl QueryRun {
                 OperatorStats::add(&self.stats(op_id).tasks, 1);
                 st.tasks[task].status = TaskStatus::Done;
                 let mut consumed = std::mem::take(&mut st.tasks[task].consumed);
-                match st.tasks[task].kind.clone() {
-                    TaskKind::Blocks { inputs } => consumed.extend(inputs),
-                    TaskKind::Slice { blocks, .. } => {
-                        // Its sibling slices read the same blocks of the other inputs.
-                        st.tasks[task].consumed = consumed;
-                        consumed = self.finished_slice_inputs(&mut st, task, &blocks);
+                let slice = match &st.tasks[task].kind {
+                    TaskKind::Blocks { inputs } => {
+                        consumed.extend(inputs.iter().copied());
+                        None
                     }
-                    TaskKind::Source { .. } | TaskKind::Partition => {}
+                    TaskKind::Slice { blocks, .. } => Some(blocks.clone()),
+                    TaskKind::Source { .. } | TaskKind::Partition => None,
+                };
+                if let Some(own) = slice {
+                    // Its sibling slices read the same blocks of the other inputs.
+                    st.tasks[task].consumed = consumed;
+                    consumed = self.finished_slice_inputs(&mut st, task, &own);
                 }
                 for id in consumed {
                     self.release(&mut st, id);

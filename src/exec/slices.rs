@@ -22,30 +22,11 @@ use crate::store::block::BlockId;
 const SLICE_SHARE_DIVISOR: u64 = 4;
 
 impl QueryRun {
-    /// Cut task `task` (a per-partition task not launched yet) into slices of its join's
-    /// build side when that side holds more than `over` bytes, and say whether it was. It is
-    /// not when slicing is off, its operator's partitions run together (ganged), its fragment
-    /// does not allow it, or its build side is still arriving.
-    fn slice_partition(&self, st: &mut RunState, task: TaskId, over: u64) -> bool {
-        let t = &st.tasks[task];
-        if !self.config.slice_hot_partitions || !matches!(t.kind, TaskKind::Partition) {
-            return false;
-        }
-        let (op_id, partition) = (t.operator, t.partition);
-        let op = &self.graph.operators[op_id];
-        // Partitions of a ganged operator wait for each other: one must stay one task.
-        if op.gang {
-            return false;
-        }
-        let Some(input) = sliced_build_input(&op.fragment).and_then(|leaf| {
-            leaf.downcast_ref::<StageInputExec>()
-                .map(StageInputExec::input_index)
-        }) else {
-            return false;
-        };
-        if st.operators[op_id].partitions[partition].tasks != [task] {
-            return false;
-        }
+    /// Cut task `task` (a per-partition task not launched yet, of an operator whose
+    /// fragment may be sliced on its stage input `input`) into slices of that input when its
+    /// blocks hold more than `over` bytes; not while that input is still arriving.
+    fn slice_partition(&self, st: &mut RunState, task: TaskId, input: usize, over: u64) {
+        let (op_id, partition) = (st.tasks[task].operator, st.tasks[task].partition);
         // The build side's blocks, in the order the task reads them.
         let mut cursor = self.input_cursor(op_id, input, partition, true);
         let mut blocks: Vec<(BlockId, u64)> = vec![];
@@ -53,16 +34,16 @@ impl QueryRun {
             match Self::next_block(st, &mut cursor) {
                 Next::Block(id) => blocks.push((id, st.blocks[&id].bytes.max(1))),
                 Next::End => break,
-                Next::Wait => return false,
+                Next::Wait => return,
             }
         }
         let total: u64 = blocks.iter().map(|(_, bytes)| bytes).sum();
         if total <= over {
-            return false;
+            return;
         }
         let slices = cut_slices(&blocks, self.slice_bytes());
         if slices.len() < 2 {
-            return false;
+            return;
         }
         let n = slices.len();
         let mut ids = Vec::with_capacity(n);
@@ -86,9 +67,8 @@ impl QueryRun {
         log::info!(
             "flumen: partition {partition} of operator {op_id} ({}) has a build side of {total} \
              bytes: it runs as {n} slices",
-            op.name
+            self.graph.operators[op_id].name
         );
-        true
     }
 
     /// Most bytes of the build side one slice takes.
@@ -104,10 +84,23 @@ impl QueryRun {
     /// whole only to be refused memory would be time lost. (A smaller partition refused
     /// memory beside others runs again alone, as any task does.)
     pub(super) fn slice_hot_partitions(&self, st: &mut RunState, op_id: OperatorId) {
+        let op = &self.graph.operators[op_id];
+        // Partitions of a ganged operator wait for each other: each must stay one task.
+        if !self.config.slice_hot_partitions || op.gang {
+            return;
+        }
+        let Some(input) = sliced_build_input(&op.fragment).and_then(|leaf| {
+            leaf.downcast_ref::<StageInputExec>()
+                .map(StageInputExec::input_index)
+        }) else {
+            return;
+        };
         let over = 2 * self.slice_bytes();
         for p in 0..st.operators[op_id].partitions.len() {
-            if let [task] = st.operators[op_id].partitions[p].tasks[..] {
-                self.slice_partition(st, task, over);
+            if let [task] = st.operators[op_id].partitions[p].tasks[..]
+                && matches!(st.tasks[task].kind, TaskKind::Partition)
+            {
+                self.slice_partition(st, task, input, over);
             }
         }
     }
