@@ -2,16 +2,21 @@
 //! the hot partition into slices of its build side (the default) against flumen running it
 //! again alone and then as a sort-merge join (`flumen.slice_hot_partitions = false`), and
 //! against vanilla DataFusion with the same memory limit and with none, in the same run.
+//! Then a full sort whose key has the same hot value: flumen spreading the hot value over
+//! several ranges of its range sort (the default) against one range for it (the setting off).
 //!
 //! `cargo bench --bench skew_join [-- --hot-rows 20000000 --facts-rows 30000000
-//! --hot-percent 30 --budget 64MB --runs 3 --dir target/skewbench --analyze]`
+//! --hot-percent 30 --budget 64MB --runs 3 --dir target/skewbench --queries inner,left,sort
+//! --analyze]`
 //! (`--analyze`: flumen's `EXPLAIN ANALYZE` of each query, with and without slices)
 //!
 //! Tables (Parquet, generated once per size under `--dir`): `hot(k, v)` with `--hot-percent`
 //! of its rows on `k = 0` and the rest on distinct even keys, and `facts(id, v)` with one row
-//! per id, larger than `hot` so that DataFusion builds on `hot`. Each query joins `hot` to
-//! `facts`; every engine's answer is
-//! checked against vanilla's with no limit. Figures: the median time of `--runs` rounds
+//! per id, larger than `hot` so that DataFusion builds on `hot`. Each join query joins `hot`
+//! to `facts`; every engine's answer is checked against vanilla's with no limit. The sort
+//! reads `events(id, k, tag)`, as many rows as `hot` with the same share on one `k`, and
+//! its output is streamed, not kept: checked sorted on `k`, with the row count and id sum of
+//! vanilla's. Figures: the median time of `--runs` rounds
 //! (engines interleaved within a round), the ratio to the unlimited vanilla run and of
 //! flumen to flumen without slices, and each engine's largest RSS rise over the budget.
 
@@ -20,11 +25,14 @@ mod args;
 use std::path::{Path, PathBuf};
 use std::time::Instant;
 
+use datafusion::arrow::array::AsArray;
+use datafusion::arrow::datatypes::Int64Type;
 use datafusion::arrow::util::pretty::pretty_format_batches;
 use datafusion::error::Result;
 use datafusion::execution::runtime_env::RuntimeEnvBuilder;
 use datafusion::prelude::{ParquetReadOptions, SessionConfig, SessionContext};
 use flumen::config::ByteSize;
+use futures::TryStreamExt;
 
 #[path = "common/rss.rs"]
 mod rss;
@@ -34,7 +42,7 @@ use rss::RssWatch;
 #[path = "../src/bin/flumen/allocator.rs"]
 mod allocator;
 
-const QUERIES: [(&str, &str); 2] = [
+const QUERIES: [(&str, &str); 3] = [
     (
         "inner",
         "SELECT count(*), sum(h.v), sum(f.v) FROM hot h JOIN facts f ON h.k = f.id",
@@ -43,7 +51,29 @@ const QUERIES: [(&str, &str); 2] = [
         "left",
         "SELECT count(*), sum(h.v), sum(f.v) FROM hot h LEFT JOIN facts f ON h.k = f.id",
     ),
+    ("sort", SORT_QUERY),
 ];
+
+/// The full sort on a hot key; its answer is [`sorted_digest`]ed as it streams.
+const SORT_QUERY: &str = "SELECT k, id, tag FROM events ORDER BY k";
+
+/// The sort's output, read as it streams: its row count and id sum, and whether `k` (the
+/// first column) never goes down. Rows tied on `k` may come in any order.
+async fn sorted_digest(ctx: &SessionContext, sql: &str) -> Result<String> {
+    let mut stream = ctx.sql(sql).await?.execute_stream().await?;
+    let (mut rows, mut id_sum, mut last, mut sorted) = (0u64, 0i128, i64::MIN, true);
+    while let Some(batch) = stream.try_next().await? {
+        let k = batch.column(0).as_primitive::<Int64Type>();
+        let id = batch.column(1).as_primitive::<Int64Type>();
+        for (k, id) in k.values().iter().zip(id.values()) {
+            sorted &= *k >= last;
+            last = *k;
+            id_sum += *id as i128;
+        }
+        rows += batch.num_rows() as u64;
+    }
+    Ok(format!("rows={rows} id_sum={id_sum} sorted={sorted}"))
+}
 
 /// What one engine did with one query, over the rounds.
 #[derive(Default)]
@@ -53,7 +83,7 @@ struct Figures {
     failure: Option<String>,
 }
 
-/// Write `hot` and `facts` under `dir` unless a table of the same size is there.
+/// Write `hot`, `facts` and `events` under `dir` unless a table of the same size is there.
 async fn generate(dir: &Path, hot_rows: u64, facts_rows: u64, hot_percent: u64) -> Result<()> {
     std::fs::create_dir_all(dir)?;
     let ctx = SessionContext::new();
@@ -68,6 +98,14 @@ async fn generate(dir: &Path, hot_rows: u64, facts_rows: u64, hot_percent: u64) 
         (
             "facts",
             format!("SELECT value AS id, (value * 31) % 1000 AS v FROM range(0, {facts_rows})"),
+        ),
+        (
+            "events",
+            format!(
+                "SELECT value AS id, CASE WHEN value % 100 < {hot_percent} THEN 0 ELSE value \
+                 END AS k, 'event-' || CAST(value * 7 AS VARCHAR) AS tag FROM range(0, \
+                 {hot_rows})"
+            ),
         ),
     ];
     for (name, select) in tables {
@@ -125,18 +163,22 @@ async fn main() -> Result<()> {
             "vanilla, budget as limit",
             SessionContext::new_with_config_rt(config(), limited),
         ),
-        ("flumen, no slices", unsliced),
+        ("flumen, slice_hot_partitions off", unsliced),
         ("flumen", sliced),
     ];
     for (_, ctx) in &engines {
-        for table in ["hot", "facts"] {
+        for table in ["hot", "facts", "events"] {
             let path = dir.join(format!("{table}.parquet"));
             ctx.register_parquet(table, path.to_str().unwrap(), ParquetReadOptions::default())
                 .await?;
         }
     }
 
+    let chosen = arg("--queries").unwrap_or_else(|| "inner,left,sort".into());
     for (label, sql) in QUERIES {
+        if !chosen.split(',').any(|q| q == label) {
+            continue;
+        }
         println!("\n## {label}: {sql}");
         let mut figures: Vec<Figures> = engines.iter().map(|_| Figures::default()).collect();
         let mut expected: Option<String> = None;
@@ -148,11 +190,19 @@ async fn main() -> Result<()> {
                 flumen::HeapAllocator::return_freed(&allocator::Jemalloc);
                 let rss = RssWatch::start();
                 let started = Instant::now();
-                let result = async { ctx.sql(sql).await?.collect().await }.await;
+                let result = async {
+                    if sql == SORT_QUERY {
+                        sorted_digest(ctx, sql).await
+                    } else {
+                        let batches = ctx.sql(sql).await?.collect().await?;
+                        Ok(pretty_format_batches(&batches)?.to_string())
+                    }
+                }
+                .await;
                 let seconds = started.elapsed().as_secs_f64();
                 match result {
-                    Ok(batches) => {
-                        let answer = pretty_format_batches(&batches)?.to_string();
+                    Ok(answer) => {
+                        assert!(!answer.contains("sorted=false"), "{name}: not sorted");
                         match &expected {
                             None => expected = Some(answer),
                             Some(want) => assert_eq!(want, &answer, "{name}: {sql}"),
@@ -203,7 +253,7 @@ async fn main() -> Result<()> {
             let sliced = median(&figures[3].seconds);
             println!(
                 "skew={label} flumen_s={sliced:.2} no_slices_s={unsliced:.2} \
-                 speedup_from_slices={:.2} vs_vanilla_no_limit={:.2}",
+                 speedup_from_slices_or_spread={:.2} vs_vanilla_no_limit={:.2}",
                 unsliced / sliced,
                 sliced / baseline
             );

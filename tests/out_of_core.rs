@@ -381,6 +381,92 @@ async fn a_hot_partition_is_cut_into_slices_of_its_build_side() {
     );
 }
 
+/// A full sort whose key has 30% of its rows on one value (2M rows, ~70 MB, 16 MB budget):
+/// out of core it is a range sort, and the hot value, which would make one range (one task
+/// sorting 30% of the table), is spread over several ranges by a row hash. The output has
+/// vanilla's key order and the same rows; no range holds more than a tenth of the rows.
+/// With `flumen.slice_hot_partitions = false` the hot value is one range again.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_hot_sort_key_is_spread_over_several_ranges() {
+    let (dir, v, f) = skew_contexts(1_000, 1_000, 30, &[]).await;
+    let path = format!("{}/events.parquet", dir.path().display());
+    collect(
+        &v,
+        &format!(
+            "COPY (SELECT value AS id, CASE WHEN value % 10 < 3 THEN 500000 ELSE value END AS k, \
+             'event-' || CAST(value * 7 AS VARCHAR) AS tag FROM range(0, 2000000)) TO '{path}'"
+        ),
+    )
+    .await;
+    for ctx in [&v, &f] {
+        ctx.register_parquet("events", &path, ParquetReadOptions::default())
+            .await
+            .unwrap();
+    }
+    let sql = "SELECT k, id, tag FROM events ORDER BY k";
+    // Rows tied on `k` come in any order: compare the keys in order, and the rows as a set.
+    let keys_and_rows = |batches: &[datafusion::arrow::record_batch::RecordBatch]| {
+        let keys: Vec<i64> = batches
+            .iter()
+            .flat_map(|b| b.column(0).as_primitive::<Int64Type>().values().to_vec())
+            .collect();
+        let mut ids: Vec<i64> = batches
+            .iter()
+            .flat_map(|b| b.column(1).as_primitive::<Int64Type>().values().to_vec())
+            .collect();
+        ids.sort_unstable();
+        (keys, ids)
+    };
+    let expected = keys_and_rows(&collect(&v, sql).await);
+    let mut shares = vec![];
+    for spread in [true, false] {
+        collect(&f, &format!("SET flumen.slice_hot_partitions = {spread}")).await;
+        let started = Instant::now();
+        let (batches, plan) = run_plan(&f, sql).await;
+        let seconds = started.elapsed().as_secs_f64();
+        assert!(
+            keys_and_rows(&batches) == expected,
+            "spread {spread}: rows differ"
+        );
+        let exec = plan.downcast_ref::<FlumenExec>().unwrap();
+        assert!(exec.graph().sizing.out_of_core());
+        let (op, range_keys) = exec
+            .graph()
+            .operators
+            .iter()
+            .find_map(|op| match &op.output_split {
+                Some(Partitioning::Range(r)) => Some((op.id, r.ordering().len())),
+                _ => None,
+            })
+            .expect("no range exchange in the plan");
+        // The row hash is a second key of the exchange only where the hot value is spread.
+        assert_eq!(range_keys, if spread { 2 } else { 1 });
+        let sizes = exec.run_metrics().operator(op).partition_sizes();
+        let total: u64 = sizes.iter().sum();
+        let largest = *sizes.iter().max().unwrap() as f64 / total as f64;
+        let [peak_operators, ..] = exec.run_metrics().memory.snapshot();
+        println!(
+            "spread {spread}: {} ranges, largest {:.1}% of the rows' bytes, peak operator \
+             state {peak_operators} B, {seconds:.2}s",
+            sizes.len(),
+            largest * 100.0
+        );
+        assert!(
+            peak_operators <= 16 << 20,
+            "operators held {peak_operators}"
+        );
+        shares.push(largest);
+    }
+    assert!(
+        shares[0] < 0.1,
+        "the hot value's range is not spread: {shares:?}"
+    );
+    assert!(
+        shares[1] >= 0.3,
+        "the hot value is not one range: {shares:?}"
+    );
+}
+
 /// The `id`s of a one-column result, in order.
 fn id_column(batches: &[datafusion::arrow::record_batch::RecordBatch]) -> Vec<i64> {
     batches

@@ -8,14 +8,17 @@
 
 use std::sync::Arc;
 
-use datafusion::arrow::array::{ArrayRef, UInt64Array};
-use datafusion::arrow::datatypes::DataType;
+use datafusion::arrow::array::{ArrayRef, UInt64Array, new_empty_array};
+use datafusion::arrow::datatypes::{DataType, Schema};
 use datafusion::common::hash_utils::{RandomState, create_hashes};
 use datafusion::common::{ScalarValue, exec_err, plan_err};
+use datafusion::config::ConfigOptions;
 use datafusion::error::Result;
 use datafusion::logical_expr::{
     ColumnarValue, ScalarFunctionArgs, ScalarUDF, ScalarUDFImpl, Signature, Volatility,
 };
+use datafusion::physical_expr::expressions::{Column, Literal};
+use datafusion::physical_expr::{PhysicalExpr, ScalarFunctionExpr};
 
 /// Name under which `row_hash` is registered (workers decode it by this name).
 pub const ROW_HASH: &str = "row_hash";
@@ -94,6 +97,43 @@ pub fn hash_rows(columns: &[ArrayRef], seed: u64, rows: usize) -> Result<Vec<u64
 /// `row_hash` as a `ScalarUDF` to register.
 pub fn row_hash_udf() -> ScalarUDF {
     ScalarUDF::new_from_impl(RowHash::default())
+}
+
+/// The physical expression `row_hash(seed, every column of schema that can be hashed)`
+/// over rows of `schema`; `None` when no column can be.
+pub fn row_hash_of_columns(
+    schema: &Schema,
+    seed: u64,
+    options: &ConfigOptions,
+) -> Result<Option<Arc<dyn PhysicalExpr>>> {
+    let columns: Vec<Arc<dyn PhysicalExpr>> = schema
+        .fields()
+        .iter()
+        .enumerate()
+        .filter(|(_, f)| hashable(f.data_type()))
+        .map(|(i, f)| Arc::new(Column::new(f.name(), i)) as Arc<dyn PhysicalExpr>)
+        .collect();
+    if columns.is_empty() {
+        return Ok(None);
+    }
+    let seed: Arc<dyn PhysicalExpr> = Arc::new(Literal::new(ScalarValue::UInt64(Some(seed))));
+    let hash = ScalarFunctionExpr::try_new(
+        Arc::new(row_hash_udf()),
+        std::iter::once(seed).chain(columns).collect(),
+        schema,
+        Arc::new(options.clone()),
+    )?;
+    Ok(Some(Arc::new(hash)))
+}
+
+/// Whether `row_hash` can hash values of type `data_type` (DataFusion's hashing takes it).
+fn hashable(data_type: &DataType) -> bool {
+    create_hashes(
+        &[new_empty_array(data_type)],
+        &RandomState::with_seed(0),
+        &mut Vec::new(),
+    )
+    .is_ok()
 }
 
 #[cfg(test)]

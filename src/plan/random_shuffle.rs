@@ -31,7 +31,7 @@ use datafusion::config::ConfigOptions;
 use datafusion::error::{DataFusionError, Result};
 use datafusion::execution::memory_pool::MemoryConsumer;
 use datafusion::execution::{SendableRecordBatchStream, TaskContext};
-use datafusion::physical_expr::expressions::{Column, Literal};
+use datafusion::physical_expr::expressions::Column;
 use datafusion::physical_expr::{EquivalenceProperties, PhysicalExpr, ScalarFunctionExpr};
 use datafusion::physical_optimizer::PhysicalOptimizerRule;
 use datafusion::physical_plan::execution_plan::{Boundedness, EmissionType};
@@ -44,14 +44,13 @@ use datafusion::physical_plan::{
     DisplayAs, DisplayFormatType, ExecutionPlan, ExecutionPlanProperties, Partitioning,
     PlanProperties,
 };
-use datafusion::scalar::ScalarValue;
 use futures::TryStreamExt;
 use rand::SeedableRng;
 use rand::rngs::StdRng;
 use rand::seq::SliceRandom;
 
 use crate::config::FlumenConfig;
-use crate::functions::row_hash::row_hash_udf;
+use crate::functions::row_hash::row_hash_of_columns;
 use crate::plan::concat_partitions::ConcatPartitionsExec;
 use crate::plan::only_child;
 
@@ -147,27 +146,17 @@ pub fn random_shuffle(
         .enumerate()
         .map(|(i, f)| Arc::new(Column::new(f.name(), i)) as Arc<dyn PhysicalExpr>)
         .collect();
-    if columns.is_empty() {
+    let Some(key) = row_hash_of_columns(&schema, seed, options)? else {
         return Err(DataFusionError::Plan(
-            "ORDER BY random() over rows with no columns".into(),
+            "ORDER BY random() over rows with no column that can be hashed".into(),
         ));
-    }
-    let seed_literal: Arc<dyn PhysicalExpr> =
-        Arc::new(Literal::new(ScalarValue::UInt64(Some(seed))));
-    let key = ScalarFunctionExpr::try_new(
-        Arc::new(row_hash_udf()),
-        std::iter::once(seed_literal)
-            .chain(columns.iter().cloned())
-            .collect(),
-        &schema,
-        Arc::new(options.clone()),
-    )?;
+    };
     let mut projection: Vec<ProjectionExpr> = columns
         .iter()
         .zip(schema.fields())
         .map(|(c, f)| ProjectionExpr::new(Arc::clone(c), f.name().clone()))
         .collect();
-    projection.push(ProjectionExpr::new(Arc::new(key), SHUFFLE_KEY.to_string()));
+    projection.push(ProjectionExpr::new(key, SHUFFLE_KEY.to_string()));
     let keyed = Arc::new(ProjectionExec::try_new(projection, input)?);
     let key_column: Arc<dyn PhysicalExpr> = Arc::new(Column::new(SHUFFLE_KEY, columns.len()));
     let exchange = Arc::new(RepartitionExec::try_new(

@@ -19,6 +19,16 @@
 //! so only sorts over an input that is cheap to read again are planned this way: scans,
 //! filters, projections ([`can_range_sort`]). The split points are fixed in the plan, so a
 //! recomputed map task (lineage) tags every row as the first run did.
+//!
+//! A **hot key**, one key value holding the share of two ranges or more of the sample, would
+//! make one range (one task) of all its rows. When `flumen.slice_hot_partitions` is on, such
+//! a key is spread over as many ranges as its share: the exchange's ordering gets a last key,
+//! `row_hash(seed, every column)`, and the hot key's split points cut the hash's range into
+//! equal parts (the hash is uniform, so no sample of it is needed). Rows equal on the sort's
+//! keys may come in any order, so each range is still sorted by the sort's keys alone and the
+//! ranges in order are the sorted rows. The hash is of a row's values, so a recomputed map
+//! task sends every row where it went before; rows equal in every column share a hash and
+//! stay in one range.
 
 use std::sync::Arc;
 
@@ -31,7 +41,7 @@ use datafusion::config::ConfigOptions;
 use datafusion::datasource::source::DataSourceExec;
 use datafusion::error::Result;
 use datafusion::execution::TaskContext;
-use datafusion::physical_expr::{LexOrdering, RangePartitioning};
+use datafusion::physical_expr::{LexOrdering, PhysicalSortExpr, RangePartitioning};
 use datafusion::physical_optimizer::PhysicalOptimizerRule;
 use datafusion::physical_optimizer::projection_pushdown::ProjectionPushdown;
 use datafusion::physical_plan::coop::CooperativeExec;
@@ -49,6 +59,8 @@ use futures::future::BoxFuture;
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 
+use crate::config::FlumenConfig;
+use crate::functions::row_hash::row_hash_of_columns;
 use crate::plan::concat_partitions::ConcatPartitionsExec;
 use crate::plan::exchange_sizing::{ExchangeSizing, MAX_PARTITIONS, estimated_bytes};
 
@@ -59,6 +71,10 @@ const SAMPLES_PER_RANGE: usize = 100;
 const MAX_SAMPLES: usize = 200_000;
 /// The sample's generator seed: the same input gives the same split points in every run.
 const SAMPLE_SEED: u64 = 0x5EED_5A3F;
+/// The seed of the row hash that spreads a hot key's rows over several ranges.
+const HOT_KEY_HASH_SEED: u64 = 0x407_5EED;
+/// A key value is hot when the sample holds at least this many ranges' share of it.
+const HOT_KEY_RANGES: f64 = 2.0;
 
 /// Whether a full sort over `input` can be range-partitioned: its input is cheap to read
 /// twice (once for the sample): sources, filters, projections and round-robin repartitions,
@@ -111,13 +127,17 @@ fn rewrite<'a>(
             let ranges = estimated_bytes(sort.input())
                 .div_ceil(range_bytes.max(1))
                 .clamp(2, MAX_PARTITIONS as u64) as usize;
-            let ordering = sort.expr().clone();
-            let points =
-                sample_split_points(sort.input(), &ordering, ranges, context, options).await?;
-            if points.is_empty() {
+            let Some(mut sorted) = range_partitioned_sort(
+                Arc::clone(sort.input()),
+                sort.expr().clone(),
+                ranges,
+                context,
+                options,
+            )
+            .await?
+            else {
                 return Ok(plan);
-            }
-            let mut sorted = range_sorted(Arc::clone(sort.input()), ordering, points)?;
+            };
             for projection in projections.into_iter().rev() {
                 sorted = replace_children_if_necessary(Arc::clone(projection), vec![sorted])?;
             }
@@ -145,6 +165,52 @@ fn rewrite<'a>(
     })
 }
 
+/// The sort of `input` by `ordering` as about `ranges` sorted ranges, one per partition,
+/// its split points sampled now (a hot key spread over several ranges when
+/// [`spread_hot_keys`]); `None` when the input has no rows.
+async fn range_partitioned_sort(
+    input: Arc<dyn ExecutionPlan>,
+    ordering: LexOrdering,
+    ranges: usize,
+    context: Arc<TaskContext>,
+    options: &ConfigOptions,
+) -> Result<Option<Arc<dyn ExecutionPlan>>> {
+    let row_hash = if spread_hot_keys(options) {
+        row_hash_of_columns(&input.schema(), HOT_KEY_HASH_SEED, options)?
+    } else {
+        None
+    };
+    let split = sample_split_points(
+        &input,
+        &ordering,
+        ranges,
+        row_hash.is_some(),
+        context,
+        options,
+    )
+    .await?;
+    if split.points.is_empty() {
+        return Ok(None);
+    }
+    let range_ordering = match row_hash {
+        Some(hash) if split.by_row_hash => {
+            let mut keys = ordering.clone();
+            keys.push(PhysicalSortExpr::new_default(hash));
+            keys
+        }
+        _ => ordering.clone(),
+    };
+    range_sorted(input, ordering, range_ordering, split.points).map(Some)
+}
+
+/// Whether hot sort keys are spread over several ranges (`flumen.slice_hot_partitions`).
+fn spread_hot_keys(options: &ConfigOptions) -> bool {
+    options
+        .extensions
+        .get::<FlumenConfig>()
+        .is_none_or(|config| config.slice_hot_partitions)
+}
+
 /// The per-partition sort below a merge, through the projections DataFusion may put
 /// between them (which keep each partition's order): `(projections top down, sort)`.
 fn sort_below(plan: &Arc<dyn ExecutionPlan>) -> Option<(Vec<&Arc<dyn ExecutionPlan>>, &SortExec)> {
@@ -158,14 +224,16 @@ fn sort_below(plan: &Arc<dyn ExecutionPlan>) -> Option<(Vec<&Arc<dyn ExecutionPl
         .map(|sort| (projections, sort))
 }
 
-/// Each partition of the range-partitioned sort of `input` by `ordering`, split at
-/// `points`: partition `i` holds range `i`, sorted.
+/// Each partition of the sort of `input` by `ordering`, split by `range_ordering` (the
+/// sort's keys, perhaps with a row hash after them) at `points`: partition `i` holds range
+/// `i`, sorted.
 fn range_sorted(
     input: Arc<dyn ExecutionPlan>,
     ordering: LexOrdering,
+    range_ordering: LexOrdering,
     points: Vec<SplitPoint>,
 ) -> Result<Arc<dyn ExecutionPlan>> {
-    let ranges = RangePartitioning::try_new(ordering.clone(), points)?;
+    let ranges = RangePartitioning::try_new(range_ordering, points)?;
     let exchange = Arc::new(RepartitionExec::try_new(
         input,
         Partitioning::Range(ranges),
@@ -175,16 +243,27 @@ fn range_sorted(
     ))
 }
 
+/// The split points of a range sort, as sampled.
+struct SampledSplit {
+    /// Boundaries between adjacent ranges, in order.
+    points: Vec<SplitPoint>,
+    /// Whether each point ends with a row hash value after the sort's keys (a hot key was
+    /// spread over several ranges).
+    by_row_hash: bool,
+}
+
 /// Split points for `ranges` ranges of `input`'s rows by `ordering`: quantiles of a uniform
 /// sample (reservoir, fixed seed) of the keys. Fewer when keys repeat (split points are
-/// distinct); none when the input has no rows.
+/// distinct), unless `spread_hot` lets a hot key's rows be cut by a row hash; none when the
+/// input has no rows.
 async fn sample_split_points(
     input: &Arc<dyn ExecutionPlan>,
     ordering: &LexOrdering,
     ranges: usize,
+    spread_hot: bool,
     context: Arc<TaskContext>,
     options: &ConfigOptions,
-) -> Result<Vec<SplitPoint>> {
+) -> Result<SampledSplit> {
     let key_exprs = ordering
         .iter()
         .enumerate()
@@ -230,27 +309,93 @@ async fn sample_split_points(
         }
     }
     let mut rows = sample.rows;
-    if rows.is_empty() {
-        return Ok(vec![]);
-    }
     rows.sort_unstable();
-    let mut chosen: Vec<&OwnedRow> = vec![];
-    for i in 1..ranges {
-        let row = &rows[i * rows.len() / ranges];
-        if chosen.last().is_none_or(|last| *last < row) {
-            chosen.push(row);
-        }
-    }
-    let columns = converter.convert_rows(chosen.iter().map(|r| r.row()))?;
-    (0..chosen.len())
-        .map(|i| {
-            columns
+    let (chosen, by_row_hash) = choose_split_points(&rows, ranges, spread_hot);
+    let columns = converter.convert_rows(chosen.iter().map(|at| rows[at.row].row()))?;
+    let points = chosen
+        .iter()
+        .enumerate()
+        .map(|(i, at)| {
+            let mut values = columns
                 .iter()
                 .map(|c| ScalarValue::try_from_array(c, i))
-                .collect::<Result<Vec<_>>>()
-                .map(SplitPoint::new)
+                .collect::<Result<Vec<_>>>()?;
+            if by_row_hash {
+                values.push(ScalarValue::UInt64(Some(at.hash)));
+            }
+            Ok(SplitPoint::new(values))
         })
-        .collect()
+        .collect::<Result<_>>()?;
+    Ok(SampledSplit {
+        points,
+        by_row_hash,
+    })
+}
+
+/// A split point chosen from the sorted sample: the keys of sampled row `row`, then (when
+/// hot keys are spread) a row hash value `hash`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+struct SplitAt {
+    row: usize,
+    hash: u64,
+}
+
+/// Split points for `ranges` ranges of the sorted sample `rows`, and whether a hot key was
+/// spread (then every point's `hash` counts): each quantile's row, distinct; with
+/// `spread_hot`, a run of equal rows holding [`HOT_KEY_RANGES`] ranges' share or more is cut
+/// instead into as many ranges as its share, at equal steps of the hash, and closed by a
+/// point at the next key.
+fn choose_split_points(rows: &[OwnedRow], ranges: usize, spread_hot: bool) -> (Vec<SplitAt>, bool) {
+    let n = rows.len();
+    let share = n as f64 / ranges.max(1) as f64;
+    let mut points: Vec<SplitAt> = vec![];
+    let mut hot = false;
+    let push = |points: &mut Vec<SplitAt>, at: SplitAt| {
+        let after_last = points
+            .last()
+            .is_none_or(|last| (rows[last.row].row(), last.hash) < (rows[at.row].row(), at.hash));
+        if after_last {
+            points.push(at);
+        }
+    };
+    let mut quantile = 1;
+    let mut start = 0;
+    while start < n {
+        let end = start + rows[start..].partition_point(|row| row <= &rows[start]);
+        if spread_hot && (end - start) as f64 >= HOT_KEY_RANGES * share {
+            hot = true;
+            let parts = ((end - start) as f64 / share).round() as u64;
+            if start > 0 {
+                push(
+                    &mut points,
+                    SplitAt {
+                        row: start,
+                        hash: 0,
+                    },
+                );
+            }
+            for part in 1..parts {
+                let hash = part * (u64::MAX / parts);
+                push(&mut points, SplitAt { row: start, hash });
+            }
+            if end < n {
+                push(&mut points, SplitAt { row: end, hash: 0 });
+            }
+        } else if quantile < ranges && quantile * n / ranges < end {
+            push(
+                &mut points,
+                SplitAt {
+                    row: start,
+                    hash: 0,
+                },
+            );
+        }
+        while quantile < ranges && quantile * n / ranges < end {
+            quantile += 1;
+        }
+        start = end;
+    }
+    (points, hot)
 }
 
 /// A uniform sample of at most `capacity` rows of a stream (Algorithm R).
@@ -303,22 +448,30 @@ mod tests {
     use datafusion::arrow::array::{Int64Array, RecordBatch};
     use datafusion::arrow::datatypes::{DataType, Field, Schema};
     use datafusion::datasource::memory::MemorySourceConfig;
-    use datafusion::physical_expr::PhysicalSortExpr;
     use datafusion::physical_expr::expressions::col;
     use datafusion::prelude::SessionContext;
 
     use super::*;
 
+    /// `(x, id)` rows: `x` from `values`, `id` the row's index; in `partitions` partitions.
     fn values_plan(values: Vec<i64>, partitions: usize) -> Arc<dyn ExecutionPlan> {
-        let schema = Arc::new(Schema::new(vec![Field::new("x", DataType::Int64, false)]));
+        let schema = Arc::new(Schema::new(vec![
+            Field::new("x", DataType::Int64, false),
+            Field::new("id", DataType::Int64, false),
+        ]));
         let per = values.len().div_ceil(partitions).max(1);
         let batches: Vec<Vec<RecordBatch>> = values
             .chunks(per)
-            .map(|c| {
+            .enumerate()
+            .map(|(chunk, c)| {
+                let first = (chunk * per) as i64;
                 vec![
                     RecordBatch::try_new(
                         Arc::clone(&schema),
-                        vec![Arc::new(Int64Array::from(c.to_vec()))],
+                        vec![
+                            Arc::new(Int64Array::from(c.to_vec())),
+                            Arc::new(Int64Array::from_iter_values(first..first + c.len() as i64)),
+                        ],
                     )
                     .unwrap(),
                 ]
@@ -334,24 +487,62 @@ mod tests {
         .unwrap()
     }
 
-    async fn points(values: Vec<i64>, ranges: usize) -> Vec<i64> {
+    async fn sampled(values: Vec<i64>, ranges: usize, spread_hot: bool) -> SampledSplit {
         let plan = values_plan(values, 3);
         let ctx = SessionContext::new();
         sample_split_points(
             &plan,
             &ordering(&plan),
             ranges,
+            spread_hot,
             ctx.task_ctx(),
             ctx.state().config_options(),
         )
         .await
         .unwrap()
-        .iter()
-        .map(|p| match &p.values()[0] {
-            ScalarValue::Int64(Some(v)) => *v,
-            other => panic!("{other:?}"),
-        })
-        .collect()
+    }
+
+    /// The first key of each split point.
+    fn keys(split: &SampledSplit) -> Vec<i64> {
+        split
+            .points
+            .iter()
+            .map(|p| match &p.values()[0] {
+                ScalarValue::Int64(Some(v)) => *v,
+                other => panic!("{other:?}"),
+            })
+            .collect()
+    }
+
+    async fn points(values: Vec<i64>, ranges: usize) -> Vec<i64> {
+        let split = sampled(values, ranges, false).await;
+        assert!(!split.by_row_hash);
+        keys(&split)
+    }
+
+    /// Each partition's `(x, id)` rows, in the order the partition returns them.
+    async fn partitions(plan: &Arc<dyn ExecutionPlan>) -> Vec<Vec<(i64, i64)>> {
+        let ctx = SessionContext::new();
+        let mut out = vec![];
+        for partition in 0..plan.output_partitioning().partition_count() {
+            let batches: Vec<RecordBatch> = plan
+                .execute(partition, ctx.task_ctx())
+                .unwrap()
+                .try_collect()
+                .await
+                .unwrap();
+            out.push(
+                batches
+                    .iter()
+                    .flat_map(|b| {
+                        let x = b.column(0).as_any().downcast_ref::<Int64Array>().unwrap();
+                        let id = b.column(1).as_any().downcast_ref::<Int64Array>().unwrap();
+                        x.values().iter().copied().zip(id.values().iter().copied())
+                    })
+                    .collect(),
+            );
+        }
+        out
     }
 
     #[tokio::test]
@@ -379,41 +570,177 @@ mod tests {
         assert!(points(vec![], 4).await.is_empty());
     }
 
-    #[tokio::test]
-    async fn a_range_sorted_plan_returns_the_rows_sorted() {
-        let values: Vec<i64> = (0..20_000i64).map(|i| (i * 7_919) % 20_011).collect();
-        let input = values_plan(values.clone(), 4);
+    /// The range sort of `values` in about `ranges` ranges, planned as the rewrite plans it
+    /// (hot keys spread): each partition's rows.
+    async fn range_sorted_partitions(values: Vec<i64>, ranges: usize) -> Vec<Vec<(i64, i64)>> {
+        let input = values_plan(values, 4);
         let order = ordering(&input);
         let ctx = SessionContext::new();
-        let points = sample_split_points(
-            &input,
-            &order,
-            4,
+        let plan = range_partitioned_sort(
+            input,
+            order,
+            ranges,
             ctx.task_ctx(),
             ctx.state().config_options(),
         )
         .await
-        .unwrap();
-        let plan = Arc::new(ConcatPartitionsExec::ordered(
-            range_sorted(input, order.clone(), points).unwrap(),
-            order,
-        ));
-        let batches = datafusion::physical_plan::collect(plan, ctx.task_ctx())
-            .await
-            .unwrap();
-        let got: Vec<i64> = batches
-            .iter()
-            .flat_map(|b| {
-                b.column(0)
-                    .as_any()
-                    .downcast_ref::<Int64Array>()
-                    .unwrap()
-                    .values()
-                    .to_vec()
-            })
-            .collect();
-        let mut expected = values;
+        .unwrap()
+        .expect("rows to sort");
+        partitions(&plan).await
+    }
+
+    /// The partitions one after the other give every row, in the order of `x`.
+    fn assert_sorted_permutation(parts: &[Vec<(i64, i64)>], values: &[i64]) {
+        let got: Vec<(i64, i64)> = parts.concat();
+        assert!(got.windows(2).all(|w| w[0].0 <= w[1].0), "not sorted by x");
+        let mut rows = got.clone();
+        rows.sort();
+        let mut expected: Vec<(i64, i64)> = values.iter().copied().zip(0..).collect();
         expected.sort();
-        assert_eq!(got, expected);
+        assert_eq!(rows, expected);
+    }
+
+    #[tokio::test]
+    async fn a_range_sorted_plan_returns_the_rows_sorted() {
+        let values: Vec<i64> = (0..20_000i64).map(|i| (i * 7_919) % 20_011).collect();
+        let parts = range_sorted_partitions(values.clone(), 4).await;
+        assert_eq!(parts.len(), 4);
+        assert_sorted_permutation(&parts, &values);
+    }
+
+    /// 40% of 50k rows share one `x` in the middle of the others: with 10 ranges the key holds 4 ranges' share, and is
+    /// cut by the row hash into 4 ranges of about equal rows; the ranges in order are still
+    /// the rows sorted by `x`. Without spreading, its rows make one range.
+    #[tokio::test]
+    async fn a_hot_key_is_spread_over_ranges_by_a_row_hash() {
+        const HOT: i64 = 70_001;
+        let values: Vec<i64> = (0..50_000i64)
+            .map(|i| if i % 5 < 2 { HOT } else { i * 3 })
+            .collect();
+        let hot_rows = values.iter().filter(|&&x| x == HOT).count();
+
+        let split = sampled(values.clone(), 10, true).await;
+        assert!(split.by_row_hash);
+        let at_hot: Vec<&SplitPoint> = split
+            .points
+            .iter()
+            .filter(|p| p.values()[0] == ScalarValue::Int64(Some(HOT)))
+            .collect();
+        assert_eq!(at_hot.len(), 4, "{:?}", split.points);
+
+        let parts = range_sorted_partitions(values.clone(), 10).await;
+        assert_sorted_permutation(&parts, &values);
+        let hot_per_range: Vec<usize> = parts
+            .iter()
+            .map(|rows| rows.iter().filter(|(x, _)| *x == HOT).count())
+            .filter(|&n| n > 0)
+            .collect();
+        assert_eq!(hot_per_range.len(), 4, "{hot_per_range:?}");
+        for n in &hot_per_range {
+            let share = *n as f64 / hot_rows as f64;
+            assert!((0.2..0.3).contains(&share), "{hot_per_range:?}");
+        }
+        let largest = parts.iter().map(Vec::len).max().unwrap();
+        assert!(largest < values.len() / 6, "largest range {largest} rows");
+
+        let unspread = sampled(values, 10, false).await;
+        assert!(!unspread.by_row_hash);
+        assert_eq!(keys(&unspread).iter().filter(|&&x| x == HOT).count(), 1);
+    }
+
+    /// Rows equal in every column share a hash: a hot key's identical rows stay in one
+    /// range, and the sort is still whole and in order.
+    #[tokio::test]
+    async fn identical_hot_rows_stay_in_one_range() {
+        let plan = values_plan(
+            (0..20_000i64)
+                .map(|i| if i % 2 == 0 { 7 } else { i })
+                .collect(),
+            2,
+        );
+        // Drop the id column: every hot row is then identical.
+        let x_only: Arc<dyn ExecutionPlan> = Arc::new(
+            ProjectionExec::try_new(
+                [ProjectionExpr::new(
+                    col("x", &plan.schema()).unwrap(),
+                    "x".to_string(),
+                )],
+                plan,
+            )
+            .unwrap(),
+        );
+        let order = ordering(&x_only);
+        let ctx = SessionContext::new();
+        let sorted = range_partitioned_sort(
+            x_only,
+            order,
+            8,
+            ctx.task_ctx(),
+            ctx.state().config_options(),
+        )
+        .await
+        .unwrap()
+        .unwrap();
+        let mut hot_ranges = 0;
+        let mut all = vec![];
+        for partition in 0..sorted.output_partitioning().partition_count() {
+            let batches: Vec<RecordBatch> = sorted
+                .execute(partition, ctx.task_ctx())
+                .unwrap()
+                .try_collect()
+                .await
+                .unwrap();
+            let xs: Vec<i64> = batches
+                .iter()
+                .flat_map(|b| {
+                    b.column(0)
+                        .as_any()
+                        .downcast_ref::<Int64Array>()
+                        .unwrap()
+                        .values()
+                        .to_vec()
+                })
+                .collect();
+            hot_ranges += usize::from(xs.contains(&7));
+            all.extend(xs);
+        }
+        assert_eq!(hot_ranges, 1);
+        assert_eq!(all.len(), 20_000);
+        assert!(all.windows(2).all(|w| w[0] <= w[1]));
+    }
+
+    #[test]
+    fn a_hot_run_is_closed_by_a_point_at_the_next_key() {
+        let converter = RowConverter::new(vec![SortField::new(DataType::Int64)]).unwrap();
+        let sorted: Vec<i64> = (0..10)
+            .chain(std::iter::repeat_n(50, 60))
+            .chain(100..130)
+            .collect();
+        let column: ArrayRef = Arc::new(Int64Array::from(sorted.clone()));
+        let rows = converter.convert_columns(&[column]).unwrap();
+        let rows: Vec<OwnedRow> = rows.iter().map(|r| r.owned()).collect();
+        let (points, hot) = choose_split_points(&rows, 10, true);
+        assert!(hot);
+        let described: Vec<(i64, u64)> = points.iter().map(|p| (sorted[p.row], p.hash)).collect();
+        // 60 of 100 rows: 6 ranges' share, cut at five hash steps; then 100 closes it.
+        let step = u64::MAX / 6;
+        assert_eq!(
+            described,
+            vec![
+                (50, 0),
+                (50, step),
+                (50, 2 * step),
+                (50, 3 * step),
+                (50, 4 * step),
+                (50, 5 * step),
+                (100, 0),
+                (110, 0),
+                (120, 0),
+            ]
+        );
+        let (points, hot) = choose_split_points(&rows, 10, false);
+        assert!(!hot);
+        let keys: Vec<i64> = points.iter().map(|p| sorted[p.row]).collect();
+        assert_eq!(keys, vec![50, 100, 110, 120]);
     }
 }
