@@ -381,29 +381,33 @@ async fn a_hot_partition_is_cut_into_slices_of_its_build_side() {
     );
 }
 
-/// A full sort whose key has 30% of its rows on one value (2M rows, ~70 MB, 16 MB budget):
-/// out of core it is a range sort, and the hot value, which would make one range (one task
-/// sorting 30% of the table), is spread over several ranges by a row hash. The output has
-/// vanilla's key order and the same rows; no range holds more than a tenth of the rows.
-/// With `flumen.slice_hot_partitions = false` the hot value is one range again.
+/// A full sort whose key has 60% of its rows on one value (2M rows, ~70 MB, 16 MB budget, 2
+/// CPU slots): out of core it is a range sort, and the hot value, which would make one range
+/// (one task sorting 60% of the table while the other slot finishes the rest), is spread
+/// over 4 ranges (2 per slot) by a row hash. The output has vanilla's key order and the same
+/// rows; no range holds more than a fifth of the rows. With `flumen.slice_hot_partitions = false`
+/// the hot value is one range again, and so is a value with 30% of the rows, less than one
+/// slot's share of the work.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_hot_sort_key_is_spread_over_several_ranges() {
     let (dir, v, f) = skew_contexts(1_000, 1_000, 30, &[]).await;
-    let path = format!("{}/events.parquet", dir.path().display());
-    collect(
-        &v,
-        &format!(
-            "COPY (SELECT value AS id, CASE WHEN value % 10 < 3 THEN 500000 ELSE value END AS k, \
-             'event-' || CAST(value * 7 AS VARCHAR) AS tag FROM range(0, 2000000)) TO '{path}'"
-        ),
-    )
-    .await;
-    for ctx in [&v, &f] {
-        ctx.register_parquet("events", &path, ParquetReadOptions::default())
-            .await
-            .unwrap();
+    for (table, hot_tenths) in [("events", 6), ("warm_events", 3)] {
+        let path = format!("{}/{table}.parquet", dir.path().display());
+        collect(
+            &v,
+            &format!(
+                "COPY (SELECT value AS id, CASE WHEN value % 10 < {hot_tenths} THEN 500000 \
+                 ELSE value END AS k, 'event-' || CAST(value * 7 AS VARCHAR) AS tag \
+                 FROM range(0, 2000000)) TO '{path}'"
+            ),
+        )
+        .await;
+        for ctx in [&v, &f] {
+            ctx.register_parquet(table, &path, ParquetReadOptions::default())
+                .await
+                .unwrap();
+        }
     }
-    let sql = "SELECT k, id, tag FROM events ORDER BY k";
     // Rows tied on `k` come in any order: compare the keys in order, and the rows as a set.
     let keys_and_rows = |batches: &[datafusion::arrow::record_batch::RecordBatch]| {
         let keys: Vec<i64> = batches
@@ -417,17 +421,15 @@ async fn a_hot_sort_key_is_spread_over_several_ranges() {
         ids.sort_unstable();
         (keys, ids)
     };
-    let expected = keys_and_rows(&collect(&v, sql).await);
     let mut shares = vec![];
-    for spread in [true, false] {
+    for (table, spread) in [("events", true), ("events", false), ("warm_events", true)] {
+        let sql = format!("SELECT k, id, tag FROM {table} ORDER BY k");
+        let expected = keys_and_rows(&collect(&v, &sql).await);
         collect(&f, &format!("SET flumen.slice_hot_partitions = {spread}")).await;
         let started = Instant::now();
-        let (batches, plan) = run_plan(&f, sql).await;
+        let (batches, plan) = run_plan(&f, &sql).await;
         let seconds = started.elapsed().as_secs_f64();
-        assert!(
-            keys_and_rows(&batches) == expected,
-            "spread {spread}: rows differ"
-        );
+        assert!(keys_and_rows(&batches) == expected, "{sql}: rows differ");
         let exec = plan.downcast_ref::<FlumenExec>().unwrap();
         assert!(exec.graph().sizing.out_of_core());
         let (op, range_keys) = exec
@@ -439,15 +441,13 @@ async fn a_hot_sort_key_is_spread_over_several_ranges() {
                 _ => None,
             })
             .expect("no range exchange in the plan");
-        // The row hash is a second key of the exchange only where the hot value is spread.
-        assert_eq!(range_keys, if spread { 2 } else { 1 });
         let sizes = exec.run_metrics().operator(op).partition_sizes();
         let total: u64 = sizes.iter().sum();
         let largest = *sizes.iter().max().unwrap() as f64 / total as f64;
         let [peak_operators, ..] = exec.run_metrics().memory.snapshot();
         println!(
-            "spread {spread}: {} ranges, largest {:.1}% of the rows' bytes, peak operator \
-             state {peak_operators} B, {seconds:.2}s",
+            "{table}, setting {spread}: {} ranges, {range_keys} range key(s), largest {:.1}% \
+             of the rows' bytes, peak operator state {peak_operators} B, {seconds:.2}s",
             sizes.len(),
             largest * 100.0
         );
@@ -455,15 +455,23 @@ async fn a_hot_sort_key_is_spread_over_several_ranges() {
             peak_operators <= 16 << 20,
             "operators held {peak_operators}"
         );
-        shares.push(largest);
+        shares.push((range_keys, largest));
     }
+    // The row hash is a second key of the exchange only where the hot value is spread.
+    assert_eq!(shares[0].0, 2, "{shares:?}");
     assert!(
-        shares[0] < 0.1,
+        shares[0].1 < 0.2,
         "the hot value's range is not spread: {shares:?}"
     );
+    assert_eq!(shares[1].0, 1, "{shares:?}");
     assert!(
-        shares[1] >= 0.3,
+        shares[1].1 >= 0.6,
         "the hot value is not one range: {shares:?}"
+    );
+    assert_eq!(shares[2].0, 1, "{shares:?}");
+    assert!(
+        shares[2].1 >= 0.3,
+        "the warm value is not one range: {shares:?}"
     );
 }
 

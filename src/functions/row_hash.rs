@@ -100,17 +100,18 @@ pub fn row_hash_udf() -> ScalarUDF {
 }
 
 /// The physical expression `row_hash(seed, every column of schema that can be hashed)`
-/// over rows of `schema`; `None` when no column can be.
+/// over rows of `schema`, leaving out the columns at `except`; `None` when no column is left.
 pub fn row_hash_of_columns(
     schema: &Schema,
     seed: u64,
+    except: &[usize],
     options: &ConfigOptions,
 ) -> Result<Option<Arc<dyn PhysicalExpr>>> {
     let columns: Vec<Arc<dyn PhysicalExpr>> = schema
         .fields()
         .iter()
         .enumerate()
-        .filter(|(_, f)| hashable(f.data_type()))
+        .filter(|(i, f)| !except.contains(i) && hashable(f.data_type()))
         .map(|(i, f)| Arc::new(Column::new(f.name(), i)) as Arc<dyn PhysicalExpr>)
         .collect();
     if columns.is_empty() {

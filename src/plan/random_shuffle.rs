@@ -146,7 +146,7 @@ pub fn random_shuffle(
         .enumerate()
         .map(|(i, f)| Arc::new(Column::new(f.name(), i)) as Arc<dyn PhysicalExpr>)
         .collect();
-    let Some(key) = row_hash_of_columns(&schema, seed, options)? else {
+    let Some(key) = row_hash_of_columns(&schema, seed, &[], options)? else {
         return Err(DataFusionError::Plan(
             "ORDER BY random() over rows with no column that can be hashed".into(),
         ));

@@ -23,17 +23,18 @@
 //! A **hot key**, one key value holding the share of two ranges or more of the sample, would
 //! make one range (one task) of all its rows. When `flumen.slice_hot_partitions` is on, such
 //! a key is spread over as many ranges as its share: the exchange's ordering gets a last key,
-//! `row_hash(seed, every column)`, and the hot key's split points cut the hash's range into
-//! equal parts (the hash is uniform, so no sample of it is needed). Rows equal on the sort's
-//! keys may come in any order, so each range is still sorted by the sort's keys alone and the
-//! ranges in order are the sorted rows. The hash is of a row's values, so a recomputed map
-//! task sends every row where it went before; rows equal in every column share a hash and
-//! stay in one range.
+//! `row_hash(seed, every column but the keys)` on a hot key's rows (0 on others, which are
+//! not hashed), and the hot key's split points cut the hash's range into equal parts (the
+//! hash is uniform, so no sample of it is needed). Rows equal on the sort's keys may come in
+//! any order, so each range is still sorted by the sort's keys alone and the ranges in order
+//! are the sorted rows. The hash is of a row's values, so a recomputed map task sends every
+//! row where it went before; rows equal in every column share a hash and stay in one range.
 
 use std::sync::Arc;
 
 use datafusion::arrow::array::{ArrayRef, UInt32Array};
 use datafusion::arrow::compute::take_arrays;
+use datafusion::arrow::datatypes::Schema;
 use datafusion::arrow::row::{OwnedRow, RowConverter, SortField};
 use datafusion::common::SplitPoint;
 use datafusion::common::tree_node::{Transformed, TreeNode};
@@ -41,7 +42,9 @@ use datafusion::config::ConfigOptions;
 use datafusion::datasource::source::DataSourceExec;
 use datafusion::error::Result;
 use datafusion::execution::TaskContext;
-use datafusion::physical_expr::{LexOrdering, PhysicalSortExpr, RangePartitioning};
+use datafusion::logical_expr::Operator;
+use datafusion::physical_expr::expressions::{CaseExpr, Column, binary, lit};
+use datafusion::physical_expr::{LexOrdering, PhysicalExpr, PhysicalSortExpr, RangePartitioning};
 use datafusion::physical_optimizer::PhysicalOptimizerRule;
 use datafusion::physical_optimizer::projection_pushdown::ProjectionPushdown;
 use datafusion::physical_plan::coop::CooperativeExec;
@@ -175,16 +178,21 @@ async fn range_partitioned_sort(
     context: Arc<TaskContext>,
     options: &ConfigOptions,
 ) -> Result<Option<Arc<dyn ExecutionPlan>>> {
-    let row_hash = if spread_hot_keys(options) {
-        row_hash_of_columns(&input.schema(), HOT_KEY_HASH_SEED, options)?
-    } else {
-        None
+    // Columns that are sort keys are equal on every row of a hot key: they are not hashed.
+    let key_columns: Vec<usize> = ordering
+        .iter()
+        .filter_map(|key| key.expr.downcast_ref::<Column>().map(Column::index))
+        .collect();
+    let spread = hot_key_spread(options);
+    let row_hash = match spread {
+        Some(_) => row_hash_of_columns(&input.schema(), HOT_KEY_HASH_SEED, &key_columns, options)?,
+        None => None,
     };
     let split = sample_split_points(
         &input,
         &ordering,
         ranges,
-        row_hash.is_some(),
+        spread.filter(|_| row_hash.is_some()),
         context,
         options,
     )
@@ -193,7 +201,8 @@ async fn range_partitioned_sort(
         return Ok(None);
     }
     let range_ordering = match row_hash {
-        Some(hash) if split.by_row_hash => {
+        Some(hash) if !split.hot_keys.is_empty() => {
+            let hash = only_on_hot_keys(hash, &ordering, &split.hot_keys, &input.schema())?;
             let mut keys = ordering.clone();
             keys.push(PhysicalSortExpr::new_default(hash));
             keys
@@ -203,12 +212,75 @@ async fn range_partitioned_sort(
     range_sorted(input, ordering, range_ordering, split.points).map(Some)
 }
 
-/// Whether hot sort keys are spread over several ranges (`flumen.slice_hot_partitions`).
-fn spread_hot_keys(options: &ConfigOptions) -> bool {
-    options
-        .extensions
-        .get::<FlumenConfig>()
-        .is_none_or(|config| config.slice_hot_partitions)
+/// `CASE WHEN <the keys are one of hot_keys> THEN hash ELSE 0 END`: rows of other keys are
+/// not hashed (their split points end with hash 0). Keys compare as `IS NOT DISTINCT FROM`,
+/// so a hot NULL is spread too.
+fn only_on_hot_keys(
+    hash: Arc<dyn PhysicalExpr>,
+    ordering: &LexOrdering,
+    hot_keys: &[Vec<ScalarValue>],
+    schema: &Schema,
+) -> Result<Arc<dyn PhysicalExpr>> {
+    let mut any_hot: Option<Arc<dyn PhysicalExpr>> = None;
+    for values in hot_keys {
+        let mut all_equal: Option<Arc<dyn PhysicalExpr>> = None;
+        for (key, value) in ordering.iter().zip(values) {
+            let equal = binary(
+                Arc::clone(&key.expr),
+                Operator::IsNotDistinctFrom,
+                lit(value.clone()),
+                schema,
+            )?;
+            all_equal = Some(match all_equal {
+                None => equal,
+                Some(before) => binary(before, Operator::And, equal, schema)?,
+            });
+        }
+        let all_equal = all_equal.expect("a sort has keys");
+        any_hot = Some(match any_hot {
+            None => all_equal,
+            Some(before) => binary(before, Operator::Or, all_equal, schema)?,
+        });
+    }
+    let any_hot = any_hot.expect("a hot key");
+    Ok(Arc::new(CaseExpr::try_new(
+        None,
+        vec![(any_hot, hash)],
+        Some(lit(ScalarValue::UInt64(Some(0)))),
+    )?))
+}
+
+/// Which sort keys are spread over several ranges, and over how many.
+#[derive(Debug, Clone, Copy)]
+struct HotKeySpread {
+    /// A key is spread when it holds more than this share of the rows: one CPU slot's share
+    /// of the work, which as one range would be the sort's longest task while the other
+    /// slots finish the rest.
+    least_share: f64,
+    /// Most ranges one key is spread over: enough for every slot to take a part of it.
+    /// More, each range a task and each task's blocks smaller, cost more than they gained
+    /// (a range of one key sorts fast).
+    most_ranges: u64,
+}
+
+/// Ranges a hot key is spread over, at most, per CPU slot.
+const HOT_KEY_RANGES_PER_SLOT: u64 = 2;
+
+/// How hot keys are spread under `options`: never when `flumen.slice_hot_partitions` is off
+/// or there is one CPU slot; with no flumen settings (tests of this module), any key over
+/// two ranges' share, into as many ranges as its share.
+fn hot_key_spread(options: &ConfigOptions) -> Option<HotKeySpread> {
+    match options.extensions.get::<FlumenConfig>() {
+        None => Some(HotKeySpread {
+            least_share: 0.0,
+            most_ranges: u64::MAX,
+        }),
+        Some(config) if config.slice_hot_partitions && config.cpu_slots > 1 => Some(HotKeySpread {
+            least_share: 1.0 / config.cpu_slots as f64,
+            most_ranges: HOT_KEY_RANGES_PER_SLOT * config.cpu_slots as u64,
+        }),
+        Some(_) => None,
+    }
 }
 
 /// The per-partition sort below a merge, through the projections DataFusion may put
@@ -247,20 +319,20 @@ fn range_sorted(
 struct SampledSplit {
     /// Boundaries between adjacent ranges, in order.
     points: Vec<SplitPoint>,
-    /// Whether each point ends with a row hash value after the sort's keys (a hot key was
-    /// spread over several ranges).
-    by_row_hash: bool,
+    /// The keys spread over several ranges (each point then ends with a row hash value
+    /// after the sort's keys); none when no key was.
+    hot_keys: Vec<Vec<ScalarValue>>,
 }
 
 /// Split points for `ranges` ranges of `input`'s rows by `ordering`: quantiles of a uniform
 /// sample (reservoir, fixed seed) of the keys. Fewer when keys repeat (split points are
-/// distinct), unless `spread_hot` lets a hot key's rows be cut by a row hash; none when the
-/// input has no rows.
+/// distinct), unless a hot key is cut by a row hash as `spread` says; none when the input has
+/// no rows.
 async fn sample_split_points(
     input: &Arc<dyn ExecutionPlan>,
     ordering: &LexOrdering,
     ranges: usize,
-    spread_hot: bool,
+    spread: Option<HotKeySpread>,
     context: Arc<TaskContext>,
     options: &ConfigOptions,
 ) -> Result<SampledSplit> {
@@ -310,25 +382,33 @@ async fn sample_split_points(
     }
     let mut rows = sample.rows;
     rows.sort_unstable();
-    let (chosen, by_row_hash) = choose_split_points(&rows, ranges, spread_hot);
-    let columns = converter.convert_rows(chosen.iter().map(|at| rows[at.row].row()))?;
-    let points = chosen
-        .iter()
-        .enumerate()
-        .map(|(i, at)| {
-            let mut values = columns
-                .iter()
-                .map(|c| ScalarValue::try_from_array(c, i))
-                .collect::<Result<Vec<_>>>()?;
+    let (chosen, hot_rows) = choose_split_points(&rows, ranges, spread);
+    let by_row_hash = !hot_rows.is_empty();
+    let values_of = |picked: &[usize]| -> Result<Vec<Vec<ScalarValue>>> {
+        let columns = converter.convert_rows(picked.iter().map(|&at| rows[at].row()))?;
+        (0..picked.len())
+            .map(|i| {
+                columns
+                    .iter()
+                    .map(|c| ScalarValue::try_from_array(c, i))
+                    .collect()
+            })
+            .collect()
+    };
+    let chosen_rows: Vec<usize> = chosen.iter().map(|at| at.row).collect();
+    let points = values_of(&chosen_rows)?
+        .into_iter()
+        .zip(&chosen)
+        .map(|(mut values, at)| {
             if by_row_hash {
                 values.push(ScalarValue::UInt64(Some(at.hash)));
             }
-            Ok(SplitPoint::new(values))
+            SplitPoint::new(values)
         })
-        .collect::<Result<_>>()?;
+        .collect();
     Ok(SampledSplit {
         points,
-        by_row_hash,
+        hot_keys: values_of(&hot_rows)?,
     })
 }
 
@@ -340,16 +420,22 @@ struct SplitAt {
     hash: u64,
 }
 
-/// Split points for `ranges` ranges of the sorted sample `rows`, and whether a hot key was
-/// spread (then every point's `hash` counts): each quantile's row, distinct; with
-/// `spread_hot`, a run of equal rows holding [`HOT_KEY_RANGES`] ranges' share or more is cut
+/// Split points for `ranges` ranges of the sorted sample `rows`, and the first row of each
+/// hot key spread (when there is one, every point's `hash` counts): each quantile's row,
+/// distinct; with
+/// `spread`, a run of equal rows holding [`HOT_KEY_RANGES`] ranges' share or more, and more
+/// than its least share of the rows, is cut
 /// instead into as many ranges as its share, at equal steps of the hash, and closed by a
 /// point at the next key.
-fn choose_split_points(rows: &[OwnedRow], ranges: usize, spread_hot: bool) -> (Vec<SplitAt>, bool) {
+fn choose_split_points(
+    rows: &[OwnedRow],
+    ranges: usize,
+    spread: Option<HotKeySpread>,
+) -> (Vec<SplitAt>, Vec<usize>) {
     let n = rows.len();
     let share = n as f64 / ranges.max(1) as f64;
     let mut points: Vec<SplitAt> = vec![];
-    let mut hot = false;
+    let mut hot_starts = vec![];
     let push = |points: &mut Vec<SplitAt>, at: SplitAt| {
         let after_last = points
             .last()
@@ -362,9 +448,13 @@ fn choose_split_points(rows: &[OwnedRow], ranges: usize, spread_hot: bool) -> (V
     let mut start = 0;
     while start < n {
         let end = start + rows[start..].partition_point(|row| row <= &rows[start]);
-        if spread_hot && (end - start) as f64 >= HOT_KEY_RANGES * share {
-            hot = true;
-            let parts = ((end - start) as f64 / share).round() as u64;
+        let rows_of_key = (end - start) as f64;
+        let hot = spread.filter(|spread| {
+            rows_of_key > spread.least_share * n as f64 && rows_of_key >= HOT_KEY_RANGES * share
+        });
+        if let Some(spread) = hot {
+            hot_starts.push(start);
+            let parts = ((rows_of_key / share).round() as u64).min(spread.most_ranges);
             if start > 0 {
                 push(
                     &mut points,
@@ -395,7 +485,7 @@ fn choose_split_points(rows: &[OwnedRow], ranges: usize, spread_hot: bool) -> (V
         }
         start = end;
     }
-    (points, hot)
+    (points, hot_starts)
 }
 
 /// A uniform sample of at most `capacity` rows of a stream (Algorithm R).
@@ -487,14 +577,18 @@ mod tests {
         .unwrap()
     }
 
-    async fn sampled(values: Vec<i64>, ranges: usize, spread_hot: bool) -> SampledSplit {
+    async fn sampled(
+        values: Vec<i64>,
+        ranges: usize,
+        spread: Option<HotKeySpread>,
+    ) -> SampledSplit {
         let plan = values_plan(values, 3);
         let ctx = SessionContext::new();
         sample_split_points(
             &plan,
             &ordering(&plan),
             ranges,
-            spread_hot,
+            spread,
             ctx.task_ctx(),
             ctx.state().config_options(),
         )
@@ -515,9 +609,25 @@ mod tests {
     }
 
     async fn points(values: Vec<i64>, ranges: usize) -> Vec<i64> {
-        let split = sampled(values, ranges, false).await;
-        assert!(!split.by_row_hash);
+        let split = sampled(values, ranges, None).await;
+        assert!(split.hot_keys.is_empty());
         keys(&split)
+    }
+
+    /// Spread any key over two ranges' share, over as many ranges as its share.
+    fn any_hot_key() -> Option<HotKeySpread> {
+        Some(HotKeySpread {
+            least_share: 0.0,
+            most_ranges: u64::MAX,
+        })
+    }
+
+    /// Spread as flumen does with `cpu_slots` CPU slots.
+    fn slots(cpu_slots: u64) -> HotKeySpread {
+        HotKeySpread {
+            least_share: 1.0 / cpu_slots as f64,
+            most_ranges: HOT_KEY_RANGES_PER_SLOT * cpu_slots,
+        }
     }
 
     /// Each partition's `(x, id)` rows, in the order the partition returns them.
@@ -619,8 +729,8 @@ mod tests {
             .collect();
         let hot_rows = values.iter().filter(|&&x| x == HOT).count();
 
-        let split = sampled(values.clone(), 10, true).await;
-        assert!(split.by_row_hash);
+        let split = sampled(values.clone(), 10, any_hot_key()).await;
+        assert_eq!(split.hot_keys, vec![vec![ScalarValue::Int64(Some(HOT))]]);
         let at_hot: Vec<&SplitPoint> = split
             .points
             .iter()
@@ -643,13 +753,17 @@ mod tests {
         let largest = parts.iter().map(Vec::len).max().unwrap();
         assert!(largest < values.len() / 6, "largest range {largest} rows");
 
-        let unspread = sampled(values, 10, false).await;
-        assert!(!unspread.by_row_hash);
+        let unspread = sampled(values.clone(), 10, None).await;
+        assert!(unspread.hot_keys.is_empty());
+        assert_eq!(keys(&unspread).iter().filter(|&&x| x == HOT).count(), 1);
+        // 40% of the rows is less than one of two CPU slots' share: not spread either.
+        let unspread = sampled(values, 10, Some(slots(2))).await;
+        assert!(unspread.hot_keys.is_empty());
         assert_eq!(keys(&unspread).iter().filter(|&&x| x == HOT).count(), 1);
     }
 
-    /// Rows equal in every column share a hash: a hot key's identical rows stay in one
-    /// range, and the sort is still whole and in order.
+    /// A sort whose only column is its key leaves nothing to hash: the hot key's rows stay
+    /// in one range, and the sort is still whole and in order.
     #[tokio::test]
     async fn identical_hot_rows_stay_in_one_range() {
         let plan = values_plan(
@@ -719,8 +833,8 @@ mod tests {
         let column: ArrayRef = Arc::new(Int64Array::from(sorted.clone()));
         let rows = converter.convert_columns(&[column]).unwrap();
         let rows: Vec<OwnedRow> = rows.iter().map(|r| r.owned()).collect();
-        let (points, hot) = choose_split_points(&rows, 10, true);
-        assert!(hot);
+        let (points, hot) = choose_split_points(&rows, 10, any_hot_key());
+        assert_eq!(hot, vec![10]);
         let described: Vec<(i64, u64)> = points.iter().map(|p| (sorted[p.row], p.hash)).collect();
         // 60 of 100 rows: 6 ranges' share, cut at five hash steps; then 100 closes it.
         let step = u64::MAX / 6;
@@ -738,8 +852,14 @@ mod tests {
                 (120, 0),
             ]
         );
-        let (points, hot) = choose_split_points(&rows, 10, false);
-        assert!(!hot);
+        // With 2 CPU slots, the key is spread over 4 ranges at most.
+        let (points, _) = choose_split_points(&rows, 10, Some(slots(2)));
+        let at_hot = points.iter().filter(|p| sorted[p.row] == 50).count();
+        assert_eq!(at_hot, 4, "{points:?}");
+        // 60% is not more than a slot's share with 1 slot: not spread.
+        assert!(choose_split_points(&rows, 10, Some(slots(1))).1.is_empty());
+        let (points, hot) = choose_split_points(&rows, 10, None);
+        assert!(hot.is_empty());
         let keys: Vec<i64> = points.iter().map(|p| sorted[p.row]).collect();
         assert_eq!(keys, vec![50, 100, 110, 120]);
     }
