@@ -445,9 +445,16 @@ async fn a_hot_sort_key_is_spread_over_several_ranges() {
         let total: u64 = sizes.iter().sum();
         let largest = *sizes.iter().max().unwrap() as f64 / total as f64;
         let [peak_operators, ..] = exec.run_metrics().memory.snapshot();
+        let (mut in_pieces, mut alone) = (0, 0);
+        for op in 0..exec.graph().operators.len() {
+            let stats = exec.run_metrics().operator(op).snapshot();
+            in_pieces += stats.retried_in_pieces;
+            alone += stats.retried_alone;
+        }
         println!(
             "{table}, setting {spread}: {} ranges, {range_keys} range key(s), largest {:.1}% \
-             of the rows' bytes, peak operator state {peak_operators} B, {seconds:.2}s",
+             of the rows' bytes, peak operator state {peak_operators} B, tasks run again with \
+             sorts in pieces {in_pieces}, alone {alone}, {seconds:.2}s",
             sizes.len(),
             largest * 100.0
         );

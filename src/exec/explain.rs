@@ -274,6 +274,12 @@ impl ExecutionPlan for OperatorExec {
                 None,
             )));
         }
+        if s.retried_in_pieces > 0 {
+            set.push(count(
+                "tasks_retried_sorting_in_pieces",
+                s.retried_in_pieces,
+            ));
+        }
         if s.retried_alone > 0 {
             set.push(count("tasks_retried_alone", s.retried_alone));
         }

@@ -33,6 +33,16 @@ impl QueryRun {
         if st.running_alone.is_some() {
             return;
         }
+        // A task whose sort was refused memory runs again (its sorts in pieces) first.
+        while let Some(&task) = st.waiting_in_pieces.front() {
+            let pool = pool_index(self.graph.operators[st.tasks[task].operator].pool);
+            if st.running[pool] >= slots[pool] {
+                return;
+            }
+            st.waiting_in_pieces.pop_front();
+            self.mark_running(st, task);
+            launches.push(task);
+        }
         if let Some(&task) = st.waiting_alone.front() {
             if st.running.iter().sum::<usize>() == 0 {
                 st.waiting_alone.pop_front();

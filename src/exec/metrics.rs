@@ -34,6 +34,9 @@ pub struct OperatorStats {
     pub blocks_lost: AtomicU64,
     /// Task attempts retried on another worker after theirs died.
     pub tasks_retried: AtomicU64,
+    /// Tasks whose sort was refused memory to concatenate its batches, run again with their
+    /// sorts in pieces.
+    pub retried_in_pieces: AtomicU64,
     /// Tasks refused memory beside others, run again alone.
     pub retried_alone: AtomicU64,
     /// Tasks refused memory even alone, run again with sort-merge joins.
@@ -87,6 +90,8 @@ pub struct StatsSnapshot {
     pub blocks_lost: u64,
     /// Task attempts retried after a worker died.
     pub tasks_retried: u64,
+    /// Tasks run again with their sorts in pieces after a sort was refused memory.
+    pub retried_in_pieces: u64,
     /// Tasks run again alone after being refused memory.
     pub retried_alone: u64,
     /// Tasks run again with sort-merge joins after being refused memory alone.
@@ -160,6 +165,7 @@ impl OperatorStats {
             remote_tasks: r(&self.remote_tasks),
             blocks_lost: r(&self.blocks_lost),
             tasks_retried: r(&self.tasks_retried),
+            retried_in_pieces: r(&self.retried_in_pieces),
             retried_alone: r(&self.retried_alone),
             merge_join_fallbacks: r(&self.merge_join_fallbacks),
             partitions_sliced: r(&self.partitions_sliced),

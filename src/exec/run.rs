@@ -35,6 +35,10 @@ use crate::store::block::{Block, BlockId};
 use crate::store::block_store::BlockStore;
 use crate::store::operator_memory::OperatorMemory;
 
+/// The name DataFusion gives a sort's buffer of batches in the memory pool
+/// (`ExternalSorter[partition]`), as it appears in a refusal.
+const SORT_BUFFER_CONSUMER: &str = "ExternalSorter[";
+
 /// One execution of an operator graph.
 #[derive(Debug)]
 pub struct QueryRun {
@@ -309,7 +313,8 @@ impl QueryRun {
         self.changed();
     }
 
-    /// Queue task `task`, refused memory (`ResourcesExhausted`), to run again alone, and
+    /// Queue task `task`, refused memory (`ResourcesExhausted`), to run again with its sorts
+    /// in pieces when a sort's buffer was refused (once), else alone, and
     /// say so. The first refusal runs it again as it was: a hot partition (a skewed key's
     /// join build side) may need most of the budget, which it gets once the tasks beside it
     /// have finished. A second refusal (alone) runs it again with its partitioned hash joins
@@ -320,7 +325,8 @@ impl QueryRun {
     /// are released only when it succeeds).
     fn retry_alone(&self, st: &mut RunState, task: TaskId, error: &DataFusionError) -> bool {
         let t = &st.tasks[task];
-        let refused = matches!(error.find_root(), DataFusionError::ResourcesExhausted(_));
+        let root = error.find_root();
+        let refused = matches!(root, DataFusionError::ResourcesExhausted(_));
         if !refused
             || !t.outputs.is_empty()
             || self.streams_inputs(t.operator)
@@ -330,6 +336,24 @@ impl QueryRun {
             return false;
         }
         let op_id = t.operator;
+        // A sort's own buffer refused: first run again at once, its sorts never
+        // concatenating (the usual cause: a sort holding its whole share could not grow by
+        // the copy of what it holds). Refused again, it runs alone as below.
+        if !t.sorts_in_pieces && root.to_string().contains(SORT_BUFFER_CONSUMER) {
+            log::info!(
+                "flumen: a sort of task {task} of operator {op_id} ({}) was refused memory; \
+                 it runs again with its sorts in pieces: {root}",
+                self.graph.operators[op_id].name,
+            );
+            let t = &mut st.tasks[task];
+            t.sorts_in_pieces = true;
+            t.status = TaskStatus::Pending;
+            t.consumed.clear();
+            t.paused_ns = 0;
+            st.waiting_in_pieces.push_back(task);
+            OperatorStats::add(&self.stats(op_id).retried_in_pieces, 1);
+            return true;
+        }
         let op = &self.graph.operators[op_id];
         let merge_join = match (t.retried_alone, t.merge_join) {
             (false, _) => false,

@@ -37,6 +37,12 @@ pub(super) struct TaskRecord {
     pub(super) unpausable: bool,
     /// When the task was launched (for the test hook's [`BlockInfo::task_elapsed`]).
     pub(super) launched: Option<Instant>,
+    /// A sort of this task was refused memory to concatenate its batches (DataFusion
+    /// concatenates what it holds, to sort in place or into fewer runs of one key, and the
+    /// copy grows its reservation by about a quarter: refused when the sort already holds
+    /// its whole share of the budget). The task runs again at once, beside the others, with
+    /// its sorts sorting and merging their batches as they are.
+    pub(super) sorts_in_pieces: bool,
     /// Refused memory beside other tasks once: queued to run again alone.
     pub(super) retried_alone: bool,
     /// Refused memory even alone: runs (alone) with its hash joins as sort-merge joins
@@ -57,6 +63,7 @@ impl TaskRecord {
             paused_ns: 0,
             unpausable: false,
             launched: None,
+            sorts_in_pieces: false,
             retried_alone: false,
             merge_join: false,
         }
@@ -144,6 +151,9 @@ pub(super) struct RunState {
     /// (they wait for another of its tasks, by output order): only then may the liveness
     /// rule act for them.
     pub(super) output_blocked: usize,
+    /// Tasks whose sort was refused memory to concatenate its batches, waiting for a slot to
+    /// run again with their sorts in pieces (before any other task launches).
+    pub(super) waiting_in_pieces: std::collections::VecDeque<TaskId>,
     /// Tasks refused memory while others ran, waiting to run again alone (see
     /// [`QueryRun::retry_alone`](super::run::QueryRun)).
     pub(super) waiting_alone: std::collections::VecDeque<TaskId>,

@@ -145,7 +145,7 @@ impl QueryRun {
             let provider = Arc::new(OutputProvider {
                 run: Arc::clone(self),
             });
-            let context = self.task_context(TaskInputs { provider, split: 0 });
+            let context = self.task_context(TaskInputs { provider, split: 0 }, false);
             root.fragment.execute(partition, context)?
         } else {
             let order = ReadOrder::Tasks {

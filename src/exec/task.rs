@@ -87,13 +87,20 @@ impl QueryRun {
         task: TaskId,
         capture: bool,
     ) -> Result<Vec<(usize, usize, RecordBatch)>> {
-        let (op_id, partition, kind, merge_join) = {
+        let (op_id, partition, kind, merge_join, sorts_in_pieces) = {
             let st = self.state.lock().unwrap();
             if st.cancelled {
                 return Err(DataFusionError::Execution("query cancelled".into()));
             }
             let t = &st.tasks[task];
-            (t.operator, t.partition, t.kind.clone(), t.merge_join)
+            let kind = t.kind.clone();
+            (
+                t.operator,
+                t.partition,
+                kind,
+                t.merge_join,
+                t.sorts_in_pieces,
+            )
         };
         let op = &self.graph.operators[op_id];
         // Refused memory even alone: its hash joins become sort-merge joins, which spill.
@@ -113,7 +120,7 @@ impl QueryRun {
             kind,
             record: !capture,
         });
-        let context = self.task_context(TaskInputs { provider, split });
+        let context = self.task_context(TaskInputs { provider, split }, sorts_in_pieces);
         let mut stream = fragment.execute(partition, context)?;
         let mut cutter = BlockCutter::new(
             fragment.schema(),
@@ -228,7 +235,14 @@ impl QueryRun {
         st.blocks.insert(block.id, block);
     }
 
-    pub(super) fn task_context(&self, inputs: TaskInputs) -> Arc<TaskContext> {
+    /// The context a task's fragment executes in: the session's, with `inputs`, sorts
+    /// within the task's share of the budget, and (`sorts_in_pieces`) sorts that never
+    /// concatenate their batches.
+    pub(super) fn task_context(
+        &self,
+        inputs: TaskInputs,
+        sorts_in_pieces: bool,
+    ) -> Arc<TaskContext> {
         let base = &self.base;
         let mut config = base
             .session_config()
@@ -241,13 +255,8 @@ impl QueryRun {
                 .unwrap_or(usize::MAX);
         let execution = &mut config.options_mut().execution;
         execution.sort_spill_reservation_bytes = execution.sort_spill_reservation_bytes.min(share);
-        execution.sort_in_place_threshold_bytes = if self.graph.sizing.out_of_core() {
-            // Below this size a sort concatenates its batches (to sort in place, or into
-            // fewer runs of one key to merge), and its reservation grows by what the copy
-            // takes (~25% of what it holds, seen). Out of core a sort holds its whole share
-            // by then, so the growth was refused and the task ran again alone (16 to 38 of
-            // 82 to 115 range sort tasks under 64 MB): there, batches are sorted and merged
-            // as they are.
+        execution.sort_in_place_threshold_bytes = if sorts_in_pieces {
+            // Below this size a sort concatenates its batches: never (see `TaskRecord`).
             0
         } else {
             execution.sort_in_place_threshold_bytes.min(share)
