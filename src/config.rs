@@ -308,8 +308,10 @@ extensions_options! {
         pub budget_counts_heap: bool, default = true
         /// Whether an out-of-core hash join partition whose build side (a hot key's rows) is
         /// larger than two slices of budget / (4 × CPU slots) is cut into slices of its build
-        /// side, run as tasks beside each other, each probed with the whole probe side;
-        /// otherwise it runs whole (refused memory: again alone, then as a sort-merge join).
+        /// side, run as tasks beside each other, each probed with the whole probe side
+        /// (otherwise it runs whole; refused memory: again alone, then as a sort-merge join),
+        /// and whether an out-of-core sort's key value holding more than one CPU slot's
+        /// share of the rows is spread over several ranges (at most 2 per slot).
         pub slice_hot_partitions: bool, default = true
         /// Directory under which each query makes its spill directory (blocks over the
         /// budget); empty: the system's temp directory (`TMPDIR`).
