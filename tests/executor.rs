@@ -205,6 +205,144 @@ async fn dropped_blocks_are_recomputed_from_lineage() {
     }
 }
 
+/// A memory pool that, once armed, refuses once the first allocation of the next sort
+/// buffer (`ExternalSorter[..]`) registered: the sort of a task recomputed for a lost block.
+#[derive(Debug)]
+struct RefusesOneRecomputedSort {
+    inner: datafusion::execution::memory_pool::GreedyMemoryPool,
+    armed: std::sync::atomic::AtomicBool,
+    /// The chosen consumer's id + 1 (0: none yet).
+    chosen: AtomicUsize,
+    refused: AtomicUsize,
+}
+
+impl std::fmt::Display for RefusesOneRecomputedSort {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("RefusesOneRecomputedSort")
+    }
+}
+
+impl datafusion::execution::memory_pool::MemoryPool for RefusesOneRecomputedSort {
+    fn name(&self) -> &str {
+        "RefusesOneRecomputedSort"
+    }
+    fn register(&self, consumer: &datafusion::execution::memory_pool::MemoryConsumer) {
+        self.inner.register(consumer);
+        if consumer.name().starts_with("ExternalSorter[")
+            && self.armed.swap(false, Ordering::SeqCst)
+        {
+            self.chosen.store(consumer.id() + 1, Ordering::SeqCst);
+        }
+    }
+    fn unregister(&self, consumer: &datafusion::execution::memory_pool::MemoryConsumer) {
+        self.inner.unregister(consumer);
+    }
+    fn grow(&self, reservation: &datafusion::execution::memory_pool::MemoryReservation, n: usize) {
+        self.inner.grow(reservation, n);
+    }
+    fn shrink(
+        &self,
+        reservation: &datafusion::execution::memory_pool::MemoryReservation,
+        n: usize,
+    ) {
+        self.inner.shrink(reservation, n);
+    }
+    fn try_grow(
+        &self,
+        reservation: &datafusion::execution::memory_pool::MemoryReservation,
+        n: usize,
+    ) -> Result<()> {
+        if reservation.consumer().id() + 1 == self.chosen.load(Ordering::SeqCst)
+            && self.refused.fetch_add(1, Ordering::SeqCst) == 0
+        {
+            return Err(datafusion::error::DataFusionError::ResourcesExhausted(
+                "the test refuses the recomputed sort once".into(),
+            ));
+        }
+        self.inner.try_grow(reservation, n)
+    }
+    fn reserved(&self) -> usize {
+        self.inner.reserved()
+    }
+    fn memory_limit(&self) -> datafusion::execution::memory_pool::MemoryLimit {
+        self.inner.memory_limit()
+    }
+}
+
+/// A block recomputed for its reader while other tasks run is refused memory: the recompute
+/// waits for one of them to end and tries again, and the query answers as DataFusion does.
+/// The session keeps a memory pool of its own (a memory limit) that refuses the recomputed
+/// sort once; the scan-and-sort task of partition 1 sleeps 1.5 s at its first block, so
+/// tasks are running when the recompute of partition 0's lost first block is refused. Fails
+/// with no retry, and failed 2 runs in 3 when the recompute gave up on finding no task
+/// running though one had ended during its attempt.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_recompute_refused_memory_tries_again_when_a_task_ends() {
+    let (dir, v) = events_with_vanilla(2, 50_000).await;
+    let pool = Arc::new(RefusesOneRecomputedSort {
+        inner: datafusion::execution::memory_pool::GreedyMemoryPool::new(1 << 30),
+        armed: Default::default(),
+        chosen: AtomicUsize::new(0),
+        refused: AtomicUsize::new(0),
+    });
+    let arm = Arc::clone(&pool);
+    let dropped = Arc::new(AtomicUsize::new(0));
+    let lost = Arc::clone(&dropped);
+    let dropper = BlockDropper(Arc::new(move |b| {
+        // The sort's first blocks (registering the tables runs queries of its own).
+        if !b.operator_name.starts_with("SortExec") || b.seq != 0 {
+            return false;
+        }
+        if b.partition == 1 && b.task_index == 0 {
+            std::thread::sleep(std::time::Duration::from_millis(1500));
+            return false;
+        }
+        // Partition 0's first block, the first time only (its recompute makes it again).
+        let first = b.partition == 0 && lost.fetch_add(1, Ordering::SeqCst) == 0;
+        if first {
+            arm.armed.store(true, Ordering::SeqCst);
+        }
+        first
+    }));
+    let runtime = datafusion::execution::runtime_env::RuntimeEnvBuilder::new()
+        .with_memory_pool(Arc::clone(&pool) as _)
+        .build_arc()
+        .unwrap();
+    let config = SessionConfig::new()
+        .with_target_partitions(2)
+        .with_extension(Arc::new(dropper));
+    let f = flumen::into_flumen(
+        &datafusion::prelude::SessionContext::new_with_config_rt(config, runtime),
+        FlumenConfig::default(),
+    );
+    // One split per partition: one sort task each, both registered before any output.
+    f.sql("SET flumen.split_bytes = '1GB'").await.unwrap();
+    register_tables(&f, dir.path()).await;
+    let sql = "SELECT id, v FROM events ORDER BY v, id";
+    let (batches, plan) = run_plan(&f, sql).await;
+    let expected = v.sql(sql).await.unwrap().collect().await.unwrap();
+    assert_eq!(rows(&expected, true), rows(&batches, true));
+    assert!(dropped.load(Ordering::SeqCst) >= 1, "no block was dropped");
+    assert_eq!(
+        pool.refused.load(Ordering::SeqCst),
+        1,
+        "the recomputed sort was not refused: the test no longer reaches the retry"
+    );
+    let stats = plan
+        .downcast_ref::<FlumenExec>()
+        .unwrap()
+        .run_metrics()
+        .operator(0)
+        .snapshot();
+    assert_eq!(stats.recomputed, 1, "{stats:?}");
+    // The refusal reached the recompute, not a task's retry.
+    assert_eq!(
+        stats.retried_alone + stats.retried_in_pieces,
+        0,
+        "{stats:?}"
+    );
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn memory_budget_smaller_than_a_block_is_a_clear_error() {
     let dir = tempfile::tempdir().unwrap();

@@ -111,9 +111,9 @@ impl QueryRun {
 
     /// Run task `task` again here for its outputs. A recompute runs outside the pools'
     /// slots, beside the tasks in them: refused memory (a join's build side beside theirs),
-    /// it tries again each time one of them ends, and gives up when none is left to end, or
-    /// none ended for [`RECOMPUTE_WAIT`] (its caller may be the one task still running: a
-    /// task refused memory runs again alone).
+    /// it tries again as soon as one of them has ended since its attempt began, and gives up
+    /// when none ended and none is left to end, or none ended for [`RECOMPUTE_WAIT`] (its
+    /// caller may be the one task still running: a task refused memory runs again alone).
     async fn rerun_for_outputs(
         self: &Arc<Self>,
         task: TaskId,
@@ -128,11 +128,16 @@ impl QueryRun {
             loop {
                 {
                     let st = self.state.lock().unwrap();
-                    if st.error.is_some() || st.cancelled || st.running.iter().sum::<usize>() == 0 {
+                    if st.error.is_some() || st.cancelled {
                         return Err(error);
                     }
+                    // A task ended since the attempt began (perhaps the last one running):
+                    // what it held may be free now.
                     if st.tasks_ended > ended_before {
                         break;
+                    }
+                    if st.running.iter().sum::<usize>() == 0 {
+                        return Err(error);
                     }
                 }
                 match tokio::time::timeout(RECOMPUTE_WAIT, changes.changed()).await {
