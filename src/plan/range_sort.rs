@@ -630,8 +630,9 @@ mod tests {
         }
     }
 
-    /// Each partition's `(x, id)` rows, in the order the partition returns them.
-    async fn partitions(plan: &Arc<dyn ExecutionPlan>) -> Vec<Vec<(i64, i64)>> {
+    /// Each partition's first `columns` columns (`Int64`) as rows, in the order the
+    /// partition returns them.
+    async fn partition_rows(plan: &Arc<dyn ExecutionPlan>, columns: usize) -> Vec<Vec<Vec<i64>>> {
         let ctx = SessionContext::new();
         let mut out = vec![];
         for partition in 0..plan.output_partitioning().partition_count() {
@@ -645,14 +646,26 @@ mod tests {
                 batches
                     .iter()
                     .flat_map(|b| {
-                        let x = b.column(0).as_any().downcast_ref::<Int64Array>().unwrap();
-                        let id = b.column(1).as_any().downcast_ref::<Int64Array>().unwrap();
-                        x.values().iter().copied().zip(id.values().iter().copied())
+                        let arrays: Vec<&Int64Array> = (0..columns)
+                            .map(|c| b.column(c).as_any().downcast_ref::<Int64Array>().unwrap())
+                            .collect();
+                        (0..b.num_rows()).map(move |row| {
+                            arrays.iter().map(|a| a.value(row)).collect::<Vec<i64>>()
+                        })
                     })
                     .collect(),
             );
         }
         out
+    }
+
+    /// Each partition's `(x, id)` rows, in the order the partition returns them.
+    async fn partitions(plan: &Arc<dyn ExecutionPlan>) -> Vec<Vec<(i64, i64)>> {
+        partition_rows(plan, 2)
+            .await
+            .into_iter()
+            .map(|rows| rows.into_iter().map(|r| (r[0], r[1])).collect())
+            .collect()
     }
 
     #[tokio::test]
@@ -797,24 +810,8 @@ mod tests {
         .unwrap();
         let mut hot_ranges = 0;
         let mut all = vec![];
-        for partition in 0..sorted.output_partitioning().partition_count() {
-            let batches: Vec<RecordBatch> = sorted
-                .execute(partition, ctx.task_ctx())
-                .unwrap()
-                .try_collect()
-                .await
-                .unwrap();
-            let xs: Vec<i64> = batches
-                .iter()
-                .flat_map(|b| {
-                    b.column(0)
-                        .as_any()
-                        .downcast_ref::<Int64Array>()
-                        .unwrap()
-                        .values()
-                        .to_vec()
-                })
-                .collect();
+        for rows in partition_rows(&sorted, 1).await {
+            let xs: Vec<i64> = rows.into_iter().map(|r| r[0]).collect();
             hot_ranges += usize::from(xs.contains(&7));
             all.extend(xs);
         }
