@@ -19,6 +19,42 @@ use datafusion::physical_plan::metrics::Time;
 use datafusion::physical_plan::repartition::BatchPartitioner;
 
 use crate::store::ramp::ramp_rows;
+use crate::store::range_split::RangeSplitter;
+
+/// How a task's output is split over output partitions.
+enum Splitter {
+    /// A range split, in arrow's row format ([`RangeSplitter`]).
+    Range(RangeSplitter),
+    /// A hash or round-robin split, by DataFusion's partitioner.
+    DataFusion(BatchPartitioner),
+}
+
+impl Splitter {
+    fn try_new(
+        split: &Partitioning,
+        schema: &SchemaRef,
+        partition: usize,
+        partitions: usize,
+    ) -> Result<Self> {
+        Ok(match split {
+            Partitioning::Range(ranges) => Splitter::Range(RangeSplitter::try_new(ranges, schema)?),
+            _ => Splitter::DataFusion(BatchPartitioner::try_new(
+                split.clone(),
+                Time::new(),
+                partition,
+                partitions,
+            )?),
+        })
+    }
+
+    /// `batch`'s rows as `(output partition, rows)` pieces.
+    fn pieces(&mut self, batch: RecordBatch) -> Result<Vec<(usize, RecordBatch)>> {
+        match self {
+            Splitter::Range(ranges) => ranges.split(&batch),
+            Splitter::DataFusion(partitioner) => partitioner.partition_iter(batch)?.collect(),
+        }
+    }
+}
 
 /// Cuts one task's output into `(tag, block)` pairs of at most the target rows.
 pub struct BlockCutter {
@@ -27,7 +63,7 @@ pub struct BlockCutter {
     target: usize,
     /// The task's own partition: the tag of every block when there is no split.
     partition: usize,
-    split: Option<(BatchPartitioner, Vec<BatchCoalescer>)>,
+    split: Option<(Splitter, Vec<BatchCoalescer>)>,
     /// A ramp of each output partition's first blocks ([`Self::with_ramp`]).
     ramp: Option<Ramp>,
 }
@@ -56,8 +92,7 @@ impl BlockCutter {
         let target = target_rows.max(1);
         let split = match split {
             Some(split) => {
-                let partitioner =
-                    BatchPartitioner::try_new(split.clone(), Time::new(), partition, partitions)?;
+                let partitioner = Splitter::try_new(split, &schema, partition, partitions)?;
                 let block_rows = split_block_rows(split, target);
                 let coalescers = (0..split.partition_count())
                     .map(|_| BatchCoalescer::new(Arc::clone(&schema), block_rows))
@@ -104,8 +139,7 @@ impl BlockCutter {
         }
         match &mut self.split {
             Some((partitioner, coalescers)) => {
-                for piece in partitioner.partition_iter(batch)? {
-                    let (tag, piece) = piece?;
+                for (tag, piece) in partitioner.pieces(batch)? {
                     let ramp = self
                         .ramp
                         .as_mut()

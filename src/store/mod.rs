@@ -9,6 +9,7 @@
 //! - [`operator_memory`]: the memory pool of a run's operators, sharing the store's budget.
 //! - [`process_heap`]: the process's allocator: its live bytes, and handing freed pages back.
 //! - [`ramp`]: small first blocks at a run's start, doubling up to the target.
+//! - [`range_split`]: a batch's rows split by range, in arrow's row format.
 
 pub(crate) mod block;
 pub(crate) mod block_memory;
@@ -18,3 +19,4 @@ pub(crate) mod freed_memory;
 pub(crate) mod operator_memory;
 pub mod process_heap;
 pub(crate) mod ramp;
+pub(crate) mod range_split;
