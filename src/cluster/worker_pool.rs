@@ -950,9 +950,19 @@ async fn spawn_worker(binary: &Path, tls: bool, kind: Pool) -> Result<Arc<Worker
     if let Err(e) = sent {
         let _ = child.kill();
         let status = child.wait().ok();
-        return Err(fail(format!(
-            "it did not take the secret on stdin ({e}; exit status {status:?})"
-        )));
+        // A program that is not a worker may print something and exit before the secret
+        // is written: say what it printed, as when it prints before taking the secret.
+        let mut printed = String::new();
+        if let Some(mut stdout) = child.stdout.take() {
+            let _ = std::io::Read::read_to_string(&mut stdout, &mut printed);
+        }
+        return Err(fail(match printed.lines().next() {
+            Some(first) => format!(
+                "it printed {first:?} instead of its address, and did not take the secret on \
+                 stdin ({e}; exit status {status:?})"
+            ),
+            None => format!("it did not take the secret on stdin ({e}; exit status {status:?})"),
+        }));
     }
     let stdout = child.stdout.take().expect("piped stdout");
     // A thread reads its output: the first line is its address, the rest is drained so the
