@@ -206,9 +206,9 @@ async fn dropped_blocks_are_recomputed_from_lineage() {
 }
 
 /// A memory pool that, once armed, refuses once the first allocation of the next sort
-/// buffer (`ExternalSorter[..]`) registered: the sort of a task recomputed for a lost block.
+/// buffer (`ExternalSorter[..]`) registered, naming it as a pool would.
 #[derive(Debug)]
-struct RefusesOneRecomputedSort {
+struct RefusesOneSort {
     inner: datafusion::execution::memory_pool::GreedyMemoryPool,
     armed: std::sync::atomic::AtomicBool,
     /// The chosen consumer's id + 1 (0: none yet).
@@ -216,15 +216,50 @@ struct RefusesOneRecomputedSort {
     refused: AtomicUsize,
 }
 
-impl std::fmt::Display for RefusesOneRecomputedSort {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.write_str("RefusesOneRecomputedSort")
+impl RefusesOneSort {
+    fn new() -> Arc<Self> {
+        Arc::new(Self {
+            inner: datafusion::execution::memory_pool::GreedyMemoryPool::new(1 << 30),
+            armed: Default::default(),
+            chosen: AtomicUsize::new(0),
+            refused: AtomicUsize::new(0),
+        })
     }
 }
 
-impl datafusion::execution::memory_pool::MemoryPool for RefusesOneRecomputedSort {
+/// A flumen session over the `events` tables in `dir` whose operators allocate from `pool`
+/// (a session with a memory pool of its own keeps it), with `dropper`; one split per
+/// partition, so one scan-and-sort task each.
+async fn session_with_pool(
+    dir: &std::path::Path,
+    pool: &Arc<RefusesOneSort>,
+    dropper: BlockDropper,
+) -> datafusion::prelude::SessionContext {
+    let runtime = datafusion::execution::runtime_env::RuntimeEnvBuilder::new()
+        .with_memory_pool(Arc::clone(pool) as _)
+        .build_arc()
+        .unwrap();
+    let config = SessionConfig::new()
+        .with_target_partitions(2)
+        .with_extension(Arc::new(dropper));
+    let f = flumen::into_flumen(
+        &datafusion::prelude::SessionContext::new_with_config_rt(config, runtime),
+        FlumenConfig::default(),
+    );
+    f.sql("SET flumen.split_bytes = '1GB'").await.unwrap();
+    register_tables(&f, dir).await;
+    f
+}
+
+impl std::fmt::Display for RefusesOneSort {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("RefusesOneSort")
+    }
+}
+
+impl datafusion::execution::memory_pool::MemoryPool for RefusesOneSort {
     fn name(&self) -> &str {
-        "RefusesOneRecomputedSort"
+        "RefusesOneSort"
     }
     fn register(&self, consumer: &datafusion::execution::memory_pool::MemoryConsumer) {
         self.inner.register(consumer);
@@ -256,7 +291,10 @@ impl datafusion::execution::memory_pool::MemoryPool for RefusesOneRecomputedSort
             && self.refused.fetch_add(1, Ordering::SeqCst) == 0
         {
             return Err(datafusion::error::DataFusionError::ResourcesExhausted(
-                "the test refuses the recomputed sort once".into(),
+                format!(
+                    "{} could not get {n} bytes: the test refuses it once",
+                    reservation.consumer().name()
+                ),
             ));
         }
         self.inner.try_grow(reservation, n)
@@ -269,6 +307,31 @@ impl datafusion::execution::memory_pool::MemoryPool for RefusesOneRecomputedSort
     }
 }
 
+/// The sort the refusing pool's tests run.
+const REFUSED_SORT: &str = "SELECT id, v FROM events ORDER BY v, id";
+
+/// Runs [`REFUSED_SORT`] in `f`, checks its answer against vanilla's and that `pool`
+/// refused a sort once; the scan-and-sort operator's figures.
+async fn sort_refused_once(
+    f: &datafusion::prelude::SessionContext,
+    v: &datafusion::prelude::SessionContext,
+    pool: &RefusesOneSort,
+) -> flumen::exec::StatsSnapshot {
+    let (batches, plan) = run_plan(f, REFUSED_SORT).await;
+    let expected = v.sql(REFUSED_SORT).await.unwrap().collect().await.unwrap();
+    assert_eq!(rows(&expected, true), rows(&batches, true));
+    assert_eq!(
+        pool.refused.load(Ordering::SeqCst),
+        1,
+        "no sort was refused: the test no longer reaches the retry"
+    );
+    plan.downcast_ref::<FlumenExec>()
+        .unwrap()
+        .run_metrics()
+        .operator(0)
+        .snapshot()
+}
+
 /// A block recomputed for its reader while other tasks run is refused memory: the recompute
 /// waits for one of them to end and tries again, and the query answers as DataFusion does.
 /// The session keeps a memory pool of its own (a memory limit) that refuses the recomputed
@@ -279,12 +342,7 @@ impl datafusion::execution::memory_pool::MemoryPool for RefusesOneRecomputedSort
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_recompute_refused_memory_tries_again_when_a_task_ends() {
     let (dir, v) = events_with_vanilla(2, 50_000).await;
-    let pool = Arc::new(RefusesOneRecomputedSort {
-        inner: datafusion::execution::memory_pool::GreedyMemoryPool::new(1 << 30),
-        armed: Default::default(),
-        chosen: AtomicUsize::new(0),
-        refused: AtomicUsize::new(0),
-    });
+    let pool = RefusesOneSort::new();
     let arm = Arc::clone(&pool);
     let dropped = Arc::new(AtomicUsize::new(0));
     let lost = Arc::clone(&dropped);
@@ -304,42 +362,41 @@ async fn a_recompute_refused_memory_tries_again_when_a_task_ends() {
         }
         first
     }));
-    let runtime = datafusion::execution::runtime_env::RuntimeEnvBuilder::new()
-        .with_memory_pool(Arc::clone(&pool) as _)
-        .build_arc()
-        .unwrap();
-    let config = SessionConfig::new()
-        .with_target_partitions(2)
-        .with_extension(Arc::new(dropper));
-    let f = flumen::into_flumen(
-        &datafusion::prelude::SessionContext::new_with_config_rt(config, runtime),
-        FlumenConfig::default(),
-    );
-    // One split per partition: one sort task each, both registered before any output.
-    f.sql("SET flumen.split_bytes = '1GB'").await.unwrap();
-    register_tables(&f, dir.path()).await;
-    let sql = "SELECT id, v FROM events ORDER BY v, id";
-    let (batches, plan) = run_plan(&f, sql).await;
-    let expected = v.sql(sql).await.unwrap().collect().await.unwrap();
-    assert_eq!(rows(&expected, true), rows(&batches, true));
+    let f = session_with_pool(dir.path(), &pool, dropper).await;
+    let stats = sort_refused_once(&f, &v, &pool).await;
     assert!(dropped.load(Ordering::SeqCst) >= 1, "no block was dropped");
-    assert_eq!(
-        pool.refused.load(Ordering::SeqCst),
-        1,
-        "the recomputed sort was not refused: the test no longer reaches the retry"
-    );
-    let stats = plan
-        .downcast_ref::<FlumenExec>()
-        .unwrap()
-        .run_metrics()
-        .operator(0)
-        .snapshot();
     assert_eq!(stats.recomputed, 1, "{stats:?}");
     // The refusal reached the recompute, not a task's retry.
     assert_eq!(
         stats.retried_alone + stats.retried_in_pieces,
         0,
         "{stats:?}"
+    );
+}
+
+/// A task whose sort buffer is refused memory before it wrote anything runs again at once,
+/// beside the others, with its sorts in pieces (`tasks_retried_sorting_in_pieces`), not
+/// alone; the query answers as DataFusion does.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_task_whose_sort_is_refused_memory_runs_again_in_pieces() {
+    let (dir, v) = events_with_vanilla(2, 50_000).await;
+    let pool = RefusesOneSort::new();
+    let f = session_with_pool(dir.path(), &pool, BlockDropper(Arc::new(|_| false))).await;
+    // Armed after the tables are registered (which runs queries of its own).
+    pool.armed.store(true, Ordering::SeqCst);
+    let stats = sort_refused_once(&f, &v, &pool).await;
+    assert_eq!(stats.retried_in_pieces, 1, "{stats:?}");
+    assert_eq!(stats.retried_alone, 0, "{stats:?}");
+    // EXPLAIN ANALYZE says so, refused once more.
+    pool.refused.store(0, Ordering::SeqCst);
+    pool.armed.store(true, Ordering::SeqCst);
+    let analyzed = collect(&f, &format!("EXPLAIN ANALYZE {REFUSED_SORT}")).await;
+    let analyzed = datafusion::arrow::util::pretty::pretty_format_batches(&analyzed)
+        .unwrap()
+        .to_string();
+    assert!(
+        analyzed.contains("tasks_retried_sorting_in_pieces=1"),
+        "{analyzed}"
     );
 }
 

@@ -289,6 +289,11 @@ impl QueryRun {
             return Ok(false);
         };
         let (op_id, partition, kind) = self.task_identity(task);
+        // A task running again with its sorts in pieces runs here, where that setting is
+        // made (`QueryRun::task_context`).
+        if self.state.lock().unwrap().tasks[task].sorts_in_pieces {
+            return Ok(false);
+        }
         let op = &self.graph.operators[op_id];
         let describe = format!(
             "task {task} (partition {partition}) of flumen operator {op_id} ({})",

@@ -93,11 +93,10 @@ impl QueryRun {
                 return Err(DataFusionError::Execution("query cancelled".into()));
             }
             let t = &st.tasks[task];
-            let kind = t.kind.clone();
             (
                 t.operator,
                 t.partition,
-                kind,
+                t.kind.clone(),
                 t.merge_join,
                 t.sorts_in_pieces,
             )

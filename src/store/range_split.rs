@@ -12,7 +12,7 @@
 use datafusion::arrow::array::{ArrayRef, UInt32Array};
 use datafusion::arrow::compute::take_record_batch;
 use datafusion::arrow::record_batch::RecordBatch;
-use datafusion::arrow::row::{RowConverter, Rows, SortField};
+use datafusion::arrow::row::{OwnedRow, RowConverter, SortField};
 use datafusion::common::ScalarValue;
 use datafusion::error::Result;
 use datafusion::physical_expr::RangePartitioning;
@@ -22,7 +22,7 @@ pub struct RangeSplitter {
     partitioning: RangePartitioning,
     converter: RowConverter,
     /// The split points in row format, in order.
-    points: Rows,
+    points: Vec<OwnedRow>,
     /// Row indices per range, reused across batches.
     indices: Vec<Vec<u32>>,
 }
@@ -55,7 +55,11 @@ impl RangeSplitter {
                 )
             })
             .collect::<Result<Vec<ArrayRef>>>()?;
-        let points = converter.convert_columns(&columns)?;
+        let points = converter
+            .convert_columns(&columns)?
+            .iter()
+            .map(|point| point.owned())
+            .collect();
         Ok(Self {
             partitioning: partitioning.clone(),
             converter,
@@ -74,10 +78,9 @@ impl RangeSplitter {
             .collect::<Result<Vec<_>>>()?;
         let rows = self.converter.convert_columns(&keys)?;
         self.indices.iter_mut().for_each(Vec::clear);
-        let points: Vec<_> = self.points.iter().collect();
         for (i, row) in rows.iter().enumerate() {
             // The number of split points at or below the row: its range.
-            let range = points.partition_point(|point| *point <= row);
+            let range = self.points.partition_point(|point| point.row() <= row);
             self.indices[range].push(i as u32);
         }
         let mut pieces = vec![];
