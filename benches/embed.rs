@@ -253,16 +253,18 @@ async fn flumen_rate(
     config.device = args.device.parse()?;
     let ctx = flumen::session(config);
     let schema = Arc::new(Schema::new(vec![Field::new("body", DataType::Utf8, false)]));
-    let batches: Vec<RecordBatch> = texts
-        .chunks(2048)
-        .map(|chunk| {
-            RecordBatch::try_new(
-                Arc::clone(&schema),
-                vec![Arc::new(StringArray::from_iter_values(chunk.iter()))],
-            )
-        })
-        .collect::<std::result::Result<_, _>>()?;
-    let table = MemTable::try_new(Arc::clone(&schema), vec![batches])?;
+    // One partition per CPU slot, as a Parquet table of as many splits would be read: the
+    // CPU step (the tokenizer) runs in every slot, not in one task.
+    let partitions = args.threads.max(1);
+    let chunk_rows = texts.len().div_ceil(partitions).clamp(1, 2048);
+    let mut batches: Vec<Vec<RecordBatch>> = vec![vec![]; partitions];
+    for (i, chunk) in texts.chunks(chunk_rows).enumerate() {
+        batches[i % partitions].push(RecordBatch::try_new(
+            Arc::clone(&schema),
+            vec![Arc::new(StringArray::from_iter_values(chunk.iter()))],
+        )?);
+    }
+    let table = MemTable::try_new(Arc::clone(&schema), batches)?;
     ctx.register_table("sentences", Arc::new(table))?;
     // Warm up: the worker loads the model once and keeps it.
     ctx.sql("SELECT embed(body) FROM sentences LIMIT 64")

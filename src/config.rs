@@ -340,7 +340,8 @@ extensions_options! {
         /// cost much more CPU than their bytes say (`clean_text`, tokenizing), so splits by
         /// bytes alone would be too few to share the CPU slots out; in such plans row groups
         /// larger than a split (in rows or bytes) are read in pieces (Parquet row
-        /// selections).
+        /// selections). A table with fewer rows than this per CPU slot is cut into one split
+        /// per slot (none under `first_block_rows`).
         pub model_split_rows: usize, default = 8192
         /// Most rows a model's operator hands the model at once, and so the most rows of the
         /// blocks it writes (0: `target_block_rows`): its output leaves as the model works
@@ -364,8 +365,9 @@ extensions_options! {
         /// 0 (the default): passes are cut by tokens (`embed_batch_tokens`) instead.
         pub embed_batch_size: usize, default = 0
         /// Most tokens per forward pass of `embed` (a longer sequence runs alone); 0 (the
-        /// default): chosen by the worker from measured throughput, among 512 to 8192
-        /// (`EXPLAIN ANALYZE` shows the choice). Unused when `embed_batch_size` is set.
+        /// default): chosen by the worker from measured throughput, among 512 to 8192 on a
+        /// CPU and 4096 to 131072 on a GPU (`EXPLAIN ANALYZE` shows the choice). Unused when
+        /// `embed_batch_size` is set.
         pub embed_batch_tokens: usize, default = 0
         /// Run a model's CPU step (`embed`'s tokenizer) in the CPU operator feeding the
         /// model, on the CPU pool, instead of in the accelerator worker: `embed(x)` is planned

@@ -1305,8 +1305,8 @@ async fn source_feeding_a_slow_model(
 
 /// A Parquet file written as one row group of 100,000 rows (as writers with a 1M-row
 /// default make them): where a model reads it, flumen reads it in several tasks, each a row
-/// selection of the group, every row exactly once — cut by `flumen.model_split_rows`, or
-/// by bytes; a plain query reads the row group whole (without a page index each piece would
+/// selection of the group, every row exactly once — cut by `flumen.model_split_rows`, by
+/// bytes, or into one split per CPU slot; a plain query reads the row group whole (without a page index each piece would
 /// read the whole group's column chunks).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_large_row_group_is_read_in_row_selections() {
@@ -1355,6 +1355,16 @@ async fn a_large_row_group_is_read_in_row_selections() {
             vec!["SET flumen.model_split_rows = 10000"],
             "SELECT id, m(body) AS v FROM big",
             10..=11,
+        ),
+        // Fewer rows than the limit times the CPU slots: one split per slot.
+        (
+            vec![
+                "SET flumen.split_bytes = '1GB'",
+                "SET flumen.cpu_slots = 40",
+                "SET flumen.model_split_rows = 1000000",
+            ],
+            "SELECT id, m(body) AS v FROM big",
+            40..=41,
         ),
     ] {
         let f = flumen_ctx(&settings).await;

@@ -245,6 +245,12 @@ impl SplitSourceExec {
         first_rows: usize,
         ramped_splits: usize,
     ) -> Result<Self> {
+        let split_rows = shared_split_rows(
+            split_rows,
+            scan_rows(config, layout),
+            first_rows,
+            ramped_splits,
+        );
         let ramped_splits = if first_rows > 0 { ramped_splits } else { 0 };
         let split_bytes = split_bytes.max(1);
         let mut splits = vec![];
@@ -291,6 +297,39 @@ impl SplitSourceExec {
     pub fn splits_per_partition(&self) -> Vec<usize> {
         self.splits.iter().map(|s| s.len()).collect()
     }
+}
+
+/// Under a row limit (a plan with a model, where rows are dear), the limit lowered so that
+/// the scan's `rows` (when its footers are known) make at least one split per CPU slot
+/// (`slots`), but no split under `first_rows`: 2,000 documents in one row group were one
+/// task, which cleaned and tokenized them one by one while a GPU waited (0.55x
+/// sentence-transformers' rate on an H200).
+fn shared_split_rows(split_rows: u64, rows: Option<u64>, first_rows: usize, slots: usize) -> u64 {
+    match rows {
+        Some(rows) if split_rows > 0 && slots > 1 => {
+            let share = rows.div_ceil(slots as u64).max(first_rows.max(1) as u64);
+            split_rows.min(share)
+        }
+        _ => split_rows,
+    }
+}
+
+/// Rows of the scan `config` by its footers; `None` when a file's footer is not known.
+fn scan_rows(config: &FileScanConfig, layout: &RowGroupLayout) -> Option<u64> {
+    let mut rows = 0;
+    for file in config.file_groups.iter().flat_map(|g| g.iter()) {
+        let (start, end) = match &file.range {
+            Some(r) => (r.start as u64, r.end as u64),
+            None => (0, file.object_meta.size),
+        };
+        rows += layout
+            .row_groups(file)?
+            .iter()
+            .filter(|g| g.offset >= start && g.offset < end)
+            .map(|g| g.rows)
+            .sum::<u64>();
+    }
+    Some(rows)
 }
 
 /// Fewest rows of a piece of a row group cut for its bytes (DataFusion's batch size): smaller
@@ -636,6 +675,18 @@ mod tests {
         for piece in &layout[2..] {
             assert_eq!(piece.2, Some(vec![(3, 2000)]));
         }
+    }
+
+    #[test]
+    fn a_row_limit_shares_a_small_scan_out_over_the_slots() {
+        // 5,000 rows, 16 slots: 313 rows a split; never under the first block's 256 rows.
+        assert_eq!(shared_split_rows(8192, Some(5000), 256, 16), 313);
+        assert_eq!(shared_split_rows(8192, Some(1000), 256, 16), 256);
+        // A large scan keeps its limit; no limit, one slot or unknown rows change nothing.
+        assert_eq!(shared_split_rows(8192, Some(10_000_000), 256, 16), 8192);
+        assert_eq!(shared_split_rows(0, Some(5000), 256, 16), 0);
+        assert_eq!(shared_split_rows(8192, Some(5000), 256, 1), 8192);
+        assert_eq!(shared_split_rows(8192, None, 256, 16), 8192);
     }
 
     #[test]

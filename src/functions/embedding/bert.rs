@@ -343,6 +343,10 @@ pub trait SentenceEncoder: Send {
     fn encode(&mut self, batch: &PackedBatch) -> Result<Vec<f32>>;
     /// The backend's name as shown to users (`cpu`, `cuda:0`).
     fn device(&self) -> String;
+    /// Whether it computes on an accelerator (which wants larger passes than a CPU).
+    fn on_accelerator(&self) -> bool {
+        false
+    }
 }
 
 #[cfg(test)]

@@ -22,6 +22,8 @@ use super::bert::{BertWeights, LayerNorm, Linear, PackedBatch, SentenceEncoder};
 /// The kernels' CUDA C source.
 pub const KERNEL_SOURCE: &str = include_str!("cuda_kernels.cu");
 const THREADS: u32 = 128;
+/// Query tokens (and threads) of a block of the tiled attention kernel (`ATTENTION_TILE`).
+const ATTENTION_TILE: u32 = 64;
 
 /// True when the CUDA driver library loads and reports at least one device.
 pub fn cuda_available() -> bool {
@@ -134,6 +136,8 @@ struct Kernels {
     bias_gelu: CudaFunction,
     add_layer_norm: CudaFunction,
     attention: CudaFunction,
+    /// `attention_tiled_{32,64}` for the model's head width, if it is one of those.
+    attention_tiled: Option<CudaFunction>,
     mean_pool_normalize: CudaFunction,
 }
 
@@ -179,6 +183,11 @@ impl CudaEncoder {
             bias_gelu: f("bias_gelu")?,
             add_layer_norm: f("add_layer_norm")?,
             attention: f("attention")?,
+            attention_tiled: match weights.config.head_dim() {
+                32 => Some(f("attention_tiled_32")?),
+                64 => Some(f("attention_tiled_64")?),
+                _ => None,
+            },
             mean_pool_normalize: f("mean_pool_normalize")?,
         };
         if weights.config.head_dim() > THREADS as usize {
@@ -388,6 +397,21 @@ impl CudaEncoder {
             .map_err(|e| cuda_error("allocating", e))?;
         self.layer_norm(&raw, &zeros, None, &self.embedding_norm, &mut x, tokens)?;
 
+        // The tiled attention's query tiles: each sequence's tokens, ATTENTION_TILE at a time.
+        let tile_starts: Vec<u32> = offsets
+            .iter()
+            .zip(&batch.lengths)
+            .flat_map(|(&start, &len)| {
+                (0..len)
+                    .step_by(ATTENTION_TILE as usize)
+                    .map(move |q| (start + q) as u32)
+            })
+            .collect();
+        let tiles = tile_starts.len();
+        let tile_first = match self.kernels.attention_tiled {
+            Some(_) => Some(up(&tile_starts)?),
+            None => None,
+        };
         let mut qkv = self.alloc(tokens * 3 * h)?;
         let mut context = self.alloc(tokens * h)?;
         let mut projected = self.alloc(tokens * h)?;
@@ -400,7 +424,25 @@ impl CudaEncoder {
             let layer = &self.layers[i];
             self.matmul(&x, tokens, &layer.qkv, &mut qkv)?;
             self.elementwise(&self.kernels.add_bias, &mut qkv, &layer.qkv.bias, 3 * h)?;
-            {
+            if let (Some(kernel), Some(tile_first)) = (&self.kernels.attention_tiled, &tile_first) {
+                let cfg = LaunchConfig {
+                    grid_dim: (tiles as u32, heads as u32, 1),
+                    block_dim: (ATTENTION_TILE, 1, 1),
+                    shared_mem_bytes: 0,
+                };
+                let mut launch = self.stream.launch_builder(kernel);
+                launch
+                    .arg(&qkv)
+                    .arg(&mut context)
+                    .arg(&token_seq)
+                    .arg(&seq_start)
+                    .arg(&seq_len)
+                    .arg(tile_first)
+                    .arg(&heads)
+                    .arg(&scale);
+                // SAFETY: arguments match the kernel's signature; its shared memory is static.
+                unsafe { launch.launch(cfg) }.map_err(|e| cuda_error("attention kernel", e))?;
+            } else {
                 let shared = (head_dim as u32 + max_len as u32 + THREADS) * 4;
                 let cfg = LaunchConfig {
                     grid_dim: (tokens as u32, heads as u32, 1),
@@ -498,6 +540,10 @@ impl SentenceEncoder for CudaEncoder {
 
     fn device(&self) -> String {
         self.name.clone()
+    }
+
+    fn on_accelerator(&self) -> bool {
+        true
     }
 }
 

@@ -78,8 +78,8 @@ extern "C" __global__ void add_layer_norm(const float* x, const float* bias, con
     }
 }
 
-// Self-attention of one query token over its own sequence, for one head.
-// Grid (tokens, heads); qkv rows are [q | k | v], 3 * heads * head_dim wide.
+// Self-attention of one query token over its own sequence, for one head: for head widths
+// attention_tiled has no instance of. Grid (tokens, heads); qkv rows are [q | k | v], 3 * heads * head_dim wide.
 // Shared memory: head_dim + max_len + blockDim floats. Needs head_dim <= blockDim.
 extern "C" __global__ void attention(const float* qkv, float* context,
                                      const unsigned int* token_seq, const unsigned int* seq_start,
@@ -130,6 +130,80 @@ extern "C" __global__ void attention(const float* qkv, float* context,
         for (int g2 = 0; g2 < groups; ++g2) total += red[g2 * head_dim + threadIdx.x];
         context[(long long)t * hidden + h * head_dim + threadIdx.x] = total / sum;
     }
+}
+
+// Keys (and queries) a block of attention_tiled holds at a time; its block size.
+#define ATTENTION_TILE 64
+
+// Self-attention for a tile of up to ATTENTION_TILE consecutive query tokens of one sequence
+// (from tile_first[blockIdx.x] to the tile's or the sequence's end), for head blockIdx.y,
+// D wide. One thread per query, q and its output in registers; the sequence's keys and
+// values go through shared memory a tile at a time, read once per block instead of once per
+// query, with an online softmax (a running max, rescaling what was summed when it grows).
+template <int D>
+__device__ void attention_tiled(const float* qkv, float* context,
+                                const unsigned int* token_seq, const unsigned int* seq_start,
+                                const unsigned int* seq_len, const unsigned int* tile_first,
+                                int heads, float scale) {
+    __shared__ float keys[ATTENTION_TILE][D];
+    __shared__ float values[ATTENTION_TILE][D];
+    int h = blockIdx.y;
+    unsigned int first = tile_first[blockIdx.x];
+    int s = token_seq[first];
+    int start = seq_start[s], len = seq_len[s];
+    int hidden = heads * D, stride = 3 * hidden;
+    long long t = (long long)first + threadIdx.x;
+    bool active = t < (long long)start + len;
+    float q[D], acc[D];
+    for (int d = 0; d < D; ++d) {
+        q[d] = active ? qkv[t * stride + h * D + d] * scale : 0.0f;
+        acc[d] = 0.0f;
+    }
+    float best = -__int_as_float(0x7f800000), sum = 0.0f;
+    for (int k0 = 0; k0 < len; k0 += ATTENTION_TILE) {
+        int n = min(ATTENTION_TILE, len - k0);
+        for (int i = threadIdx.x; i < n * D; i += blockDim.x) {
+            int r = i / D, c = i % D;
+            long long at = (long long)(start + k0 + r) * stride + h * D + c;
+            keys[r][c] = qkv[at + hidden];
+            values[r][c] = qkv[at + 2 * hidden];
+        }
+        __syncthreads();
+        if (active) {
+            for (int j = 0; j < n; ++j) {
+                float score = 0.0f;
+                for (int d = 0; d < D; ++d) score += q[d] * keys[j][d];
+                float next = fmaxf(best, score);
+                float rescale = expf(best - next);
+                float p = expf(score - next);
+                sum = sum * rescale + p;
+                for (int d = 0; d < D; ++d) acc[d] = acc[d] * rescale + p * values[j][d];
+                best = next;
+            }
+        }
+        __syncthreads();
+    }
+    if (active) {
+        for (int d = 0; d < D; ++d) context[t * hidden + h * D + d] = acc[d] / sum;
+    }
+}
+
+extern "C" __global__ void attention_tiled_32(const float* qkv, float* context,
+                                              const unsigned int* token_seq,
+                                              const unsigned int* seq_start,
+                                              const unsigned int* seq_len,
+                                              const unsigned int* tile_first, int heads,
+                                              float scale) {
+    attention_tiled<32>(qkv, context, token_seq, seq_start, seq_len, tile_first, heads, scale);
+}
+
+extern "C" __global__ void attention_tiled_64(const float* qkv, float* context,
+                                              const unsigned int* token_seq,
+                                              const unsigned int* seq_start,
+                                              const unsigned int* seq_len,
+                                              const unsigned int* tile_first, int heads,
+                                              float scale) {
+    attention_tiled<64>(qkv, context, token_seq, seq_start, seq_len, tile_first, heads, scale);
 }
 
 // out[s] = normalize(mean of the sequence's token rows). One block per sequence;

@@ -151,9 +151,11 @@ enum Batching {
 }
 
 impl Batching {
-    fn from(settings: &EmbedSettings) -> Self {
+    /// How a worker whose encoder is on an accelerator (or not) cuts its passes.
+    fn from(settings: &EmbedSettings, on_accelerator: bool) -> Self {
         match (settings.batch_size, settings.batch_tokens) {
-            (0, 0) => Self::Adaptive(BatchTuner::default()),
+            (0, 0) if on_accelerator => Self::Adaptive(BatchTuner::for_accelerator()),
+            (0, 0) => Self::Adaptive(BatchTuner::for_cpu()),
             (0, tokens) => Self::Tokens(tokens),
             (sentences, _) => Self::Sentences(sentences),
         }
@@ -211,10 +213,11 @@ impl EmbedWorker {
                 }
             }
         };
+        let batching = Batching::from(settings, encoder.on_accelerator());
         Ok(Self {
             tokenizer,
             encoder,
-            batching: Batching::from(settings),
+            batching,
         })
     }
 
