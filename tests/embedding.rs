@@ -345,6 +345,7 @@ async fn explain_analyze_shows_how_the_worker_batches() {
         "{tuned}"
     );
     assert!(figure(&tuned, "embed_batch_trials").is_some(), "{tuned}");
+    assert!(figure(&tuned, "embed_load_ms").is_some(), "{tuned}");
     let fixed = analyze("SET flumen.embed_batch_tokens = 300").await;
     assert_eq!(figure(&fixed, "embed_batch_tokens"), Some(300), "{fixed}");
     let by_rows = analyze("SET flumen.embed_batch_size = 7").await;

@@ -347,6 +347,10 @@ pub trait SentenceEncoder: Send {
     fn on_accelerator(&self) -> bool {
         false
     }
+    /// Figures of how it was loaded, for `EXPLAIN ANALYZE` (e.g. kernel compile time).
+    fn load_metrics(&self) -> Vec<(String, u64)> {
+        vec![]
+    }
 }
 
 #[cfg(test)]

@@ -2,13 +2,17 @@
 //! no CUDA installed; `libcuda.so.1`, `libnvrtc.so.13` and `libcublas.so.13` are opened at
 //! run time (found through the loader's path, e.g. `LD_LIBRARY_PATH`).
 //!
-//! Kernels (`cuda_kernels.cu`) are compiled once per worker by NVRTC into a CUBIN for the
-//! device's own architecture (so a newer NVRTC never emits PTX the driver refuses); matrix
+//! Kernels (`cuda_kernels.cu`) are compiled by NVRTC into a CUBIN for the device's own
+//! architecture (so a newer NVRTC never emits PTX the driver refuses), kept on disk under
+//! `<cache>/flumen/kernels/` so a later worker or process loads it instead; matrix
 //! products run on cuBLAS in FP32. Each worker owns its context's stream, so the copies of
 //! one worker overlap the compute of another; results come back through a pinned buffer.
 
 use std::ffi::{CStr, CString};
+use std::io::Write;
+use std::path::{Path, PathBuf};
 use std::sync::Arc;
+use std::time::Instant;
 
 use cudarc::cublas::{CudaBlas, Gemm, GemmConfig, sys::cublasOperation_t};
 use cudarc::driver::{
@@ -18,6 +22,7 @@ use cudarc::nvrtc::Ptx;
 use datafusion::error::{DataFusionError, Result};
 
 use super::bert::{BertWeights, LayerNorm, Linear, PackedBatch, SentenceEncoder};
+use super::model_files;
 
 /// The kernels' CUDA C source.
 pub const KERNEL_SOURCE: &str = include_str!("cuda_kernels.cu");
@@ -51,6 +56,21 @@ fn cuda_error(what: &str, e: impl std::fmt::Debug) -> DataFusionError {
 /// Compile the kernels with NVRTC: a CUBIN for `sm_{major}{minor}` when an architecture is
 /// given, else PTX. Needs only `libnvrtc.so.13`, no device.
 pub fn compile_kernels(arch: Option<(i32, i32)>) -> Result<Ptx> {
+    Ok(match nvrtc_compile(arch)? {
+        KernelCode::Cubin(cubin) => Ptx::from_binary(cubin),
+        KernelCode::Ptx(text) => Ptx::from_src(text),
+    })
+}
+
+/// What NVRTC made of the kernels.
+enum KernelCode {
+    /// Machine code for one architecture.
+    Cubin(Vec<u8>),
+    /// PTX, for the driver to compile.
+    Ptx(String),
+}
+
+fn nvrtc_compile(arch: Option<(i32, i32)>) -> Result<KernelCode> {
     // SAFETY: only checks whether the shared library can be opened.
     if !unsafe { cudarc::nvrtc::sys::is_culib_present() } {
         return Err(DataFusionError::Execution(
@@ -91,7 +111,7 @@ pub fn compile_kernels(arch: Option<(i32, i32)>) -> Result<Ptx> {
                 if status != sys::nvrtcResult::NVRTC_SUCCESS {
                     Err(cuda_error("nvrtcGetCUBIN", status))
                 } else {
-                    Ok(Ptx::from_binary(cubin))
+                    Ok(KernelCode::Cubin(cubin))
                 }
             }
         },
@@ -100,13 +120,65 @@ pub fn compile_kernels(arch: Option<(i32, i32)>) -> Result<Ptx> {
                 let text = unsafe { CStr::from_ptr(ptx.as_ptr()) }
                     .to_string_lossy()
                     .into_owned();
-                Ptx::from_src(text)
+                KernelCode::Ptx(text)
             })
             .map_err(|e| cuda_error("nvrtcGetPTX", e)),
     };
     // SAFETY: the program is not used after this.
     let _ = unsafe { result::destroy_program(program) };
     outcome
+}
+
+/// The kernels' CUBIN for `arch`: from the cache file under `cache_dir` when it was compiled
+/// from this very source by this NVRTC version, else compiled now and stored there (errors
+/// storing it are ignored: the cache only saves time). Returns the CUBIN and whether it came
+/// from the cache.
+fn device_kernels(arch: (i32, i32), cache_dir: &Path) -> Result<(Vec<u8>, bool)> {
+    let path = kernel_cache_path(cache_dir, arch);
+    if let Some(cubin) = cached_cubin(&path, KERNEL_SOURCE) {
+        return Ok((cubin, true));
+    }
+    Ok((compile_and_store(arch, &path)?, false))
+}
+
+/// Compile the CUBIN for `arch` and keep it at `path`.
+fn compile_and_store(arch: (i32, i32), path: &Path) -> Result<Vec<u8>> {
+    let KernelCode::Cubin(cubin) = nvrtc_compile(Some(arch))? else {
+        return Err(cuda_error("compiling kernels", "NVRTC gave no CUBIN"));
+    };
+    let _ = store_cubin(path, KERNEL_SOURCE, &cubin);
+    Ok(cubin)
+}
+
+/// `<cache_dir>/kernels/bert-sm{major}{minor}-nvrtc{version}.cubin`.
+fn kernel_cache_path(cache_dir: &Path, (major, minor): (i32, i32)) -> PathBuf {
+    let (mut nv_major, mut nv_minor) = (0, 0);
+    // SAFETY: plain out-parameters; only called once NVRTC is known to load.
+    unsafe { cudarc::nvrtc::sys::nvrtcVersion(&mut nv_major, &mut nv_minor) };
+    cache_dir.join("kernels").join(format!(
+        "bert-sm{major}{minor}-nvrtc{nv_major}.{nv_minor}.cubin"
+    ))
+}
+
+/// The CUBIN a cache file holds when it was compiled from exactly `source`: the file is the
+/// source, a NUL byte, then the CUBIN.
+fn cached_cubin(path: &Path, source: &str) -> Option<Vec<u8>> {
+    let data = std::fs::read(path).ok()?;
+    let cubin = data.strip_prefix(source.as_bytes())?.strip_prefix(&[0u8])?;
+    (!cubin.is_empty()).then(|| cubin.to_vec())
+}
+
+/// Write a cache file (whole or not at all: a temporary file renamed into place, so a
+/// process reading it meanwhile sees the old file or the new one).
+fn store_cubin(path: &Path, source: &str, cubin: &[u8]) -> std::io::Result<()> {
+    let dir = path.parent().unwrap_or(Path::new("."));
+    std::fs::create_dir_all(dir)?;
+    let mut file = tempfile::NamedTempFile::new_in(dir)?;
+    file.write_all(source.as_bytes())?;
+    file.write_all(&[0])?;
+    file.write_all(cubin)?;
+    file.persist(path).map_err(|e| e.error)?;
+    Ok(())
 }
 
 struct DeviceLinear {
@@ -154,6 +226,9 @@ pub struct CudaEncoder {
     layers: Vec<DeviceLayer>,
     pinned: Option<PinnedHostSlice<f32>>,
     name: String,
+    /// Milliseconds spent getting the kernels (compiled or from the cache), and which.
+    kernels_ms: u64,
+    kernels_cached: bool,
 }
 
 impl CudaEncoder {
@@ -173,9 +248,20 @@ impl CudaEncoder {
             .compute_capability()
             .map_err(|e| cuda_error("compute capability", e))?;
         let name = format!("cuda:0 ({})", ctx.name().unwrap_or_default());
-        let module = ctx
-            .load_module(compile_kernels(Some(arch))?)
-            .map_err(|e| cuda_error("loading kernels", e))?;
+        let started = Instant::now();
+        let cache_dir = model_files::flumen_cache_dir();
+        let (cubin, kernels_cached) = device_kernels(arch, &cache_dir)?;
+        let module = match ctx.load_module(Ptx::from_binary(cubin)) {
+            Ok(module) => module,
+            // A cache file the driver refuses (damaged): compile afresh and replace it.
+            Err(_) if kernels_cached => {
+                let cubin = compile_and_store(arch, &kernel_cache_path(&cache_dir, arch))?;
+                ctx.load_module(Ptx::from_binary(cubin))
+                    .map_err(|e| cuda_error("loading kernels", e))?
+            }
+            Err(e) => return Err(cuda_error("loading kernels", e)),
+        };
+        let kernels_ms = started.elapsed().as_millis() as u64;
         let f = |n: &str| module.load_function(n).map_err(|e| cuda_error(n, e));
         let kernels = Kernels {
             embed_tokens: f("embed_tokens")?,
@@ -242,6 +328,8 @@ impl CudaEncoder {
             kernels,
             pinned: None,
             name,
+            kernels_ms,
+            kernels_cached,
         })
     }
 
@@ -545,6 +633,13 @@ impl SentenceEncoder for CudaEncoder {
     fn on_accelerator(&self) -> bool {
         true
     }
+
+    fn load_metrics(&self) -> Vec<(String, u64)> {
+        vec![
+            ("cuda_kernels_ms".into(), self.kernels_ms),
+            ("cuda_kernels_cached".into(), self.kernels_cached as u64),
+        ]
+    }
 }
 
 /// The integration tests' skip rules (a missing tool fails under CI), shared with this
@@ -569,5 +664,39 @@ mod tests {
         }
         compile_kernels(None).expect("PTX");
         compile_kernels(Some((9, 0))).expect("CUBIN for sm_90");
+    }
+
+    /// A CUBIN compiled once is read back from the cache; a cache file of other source, or
+    /// cut short, is not used.
+    #[test]
+    fn compiled_kernels_are_kept_on_disk() {
+        // SAFETY: only checks whether the shared library can be opened.
+        if !unsafe { cudarc::nvrtc::sys::is_culib_present() } {
+            return super::test_skip::skip_missing_tool(
+                "libnvrtc.so.13 not found (no CUDA toolkit; .ci/run installs NVRTC)",
+            );
+        }
+        let dir = tempfile::tempdir().unwrap();
+        let (compiled, cached) = device_kernels((9, 0), dir.path()).unwrap();
+        assert!(!cached && !compiled.is_empty());
+        let (again, cached) = device_kernels((9, 0), dir.path()).unwrap();
+        assert!(cached);
+        assert_eq!(again, compiled);
+        let path = kernel_cache_path(dir.path(), (9, 0));
+        assert!(
+            path.to_string_lossy().contains("bert-sm90-nvrtc"),
+            "{path:?}"
+        );
+        assert_eq!(cached_cubin(&path, "other source"), None);
+        let data = std::fs::read(&path).unwrap();
+        std::fs::write(&path, &data[..KERNEL_SOURCE.len() + 1]).unwrap();
+        assert_eq!(
+            cached_cubin(&path, KERNEL_SOURCE),
+            None,
+            "no CUBIN after the source"
+        );
+        let (_, cached) = device_kernels((9, 0), dir.path()).unwrap();
+        assert!(!cached, "a damaged file is compiled afresh");
+        assert_eq!(cached_cubin(&path, KERNEL_SOURCE), Some(compiled));
     }
 }

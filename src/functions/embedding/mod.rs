@@ -176,6 +176,8 @@ pub struct EmbedWorker {
     tokenizer: Arc<SentenceTokenizer>,
     encoder: Box<dyn SentenceEncoder>,
     batching: Batching,
+    /// Milliseconds its load took (files, tokenizer, device, weights, kernels).
+    load_ms: u64,
 }
 
 static CPU_FALLBACK_NOTICE: Once = Once::new();
@@ -189,6 +191,7 @@ impl EmbedWorker {
     }
 
     fn load(settings: &EmbedSettings) -> Result<Self> {
+        let started = Instant::now();
         model_files::check_model_dir(&settings.model_dir)?;
         let tokenizer = SentenceTokenizer::shared(&settings.model_dir)?;
         let weights = Arc::new(BertWeights::load(&settings.model_dir)?);
@@ -218,6 +221,7 @@ impl EmbedWorker {
             tokenizer,
             encoder,
             batching,
+            load_ms: started.elapsed().as_millis() as u64,
         })
     }
 
@@ -342,7 +346,7 @@ fn pass_end(order: &[usize], ids: &[&[u32]], start: usize, budget: usize) -> (us
 
 impl AcceleratorWorker for EmbedWorker {
     fn metrics(&self) -> Vec<(String, u64)> {
-        match &self.batching {
+        let mut metrics = match &self.batching {
             Batching::Sentences(n) => vec![("embed_batch_size".into(), *n as u64)],
             Batching::Tokens(budget) => vec![("embed_batch_tokens".into(), *budget as u64)],
             Batching::Adaptive(tuner) => {
@@ -353,7 +357,10 @@ impl AcceleratorWorker for EmbedWorker {
                     ("embed_batch_moves".into(), moves),
                 ]
             }
-        }
+        };
+        metrics.push(("embed_load_ms".into(), self.load_ms));
+        metrics.extend(self.encoder.load_metrics());
+        metrics
     }
 
     fn process(&mut self, args: &[ArrayRef], _return_type: &DataType) -> Result<ArrayRef> {
