@@ -512,45 +512,38 @@ impl CudaEncoder {
             let layer = &self.layers[i];
             self.matmul(&x, tokens, &layer.qkv, &mut qkv)?;
             self.elementwise(&self.kernels.add_bias, &mut qkv, &layer.qkv.bias, 3 * h)?;
-            if let (Some(kernel), Some(tile_first)) = (&self.kernels.attention_tiled, &tile_first) {
-                let cfg = LaunchConfig {
-                    grid_dim: (tiles as u32, heads as u32, 1),
-                    block_dim: (ATTENTION_TILE, 1, 1),
-                    shared_mem_bytes: 0,
-                };
-                let mut launch = self.stream.launch_builder(kernel);
-                launch
-                    .arg(&qkv)
-                    .arg(&mut context)
-                    .arg(&token_seq)
-                    .arg(&seq_start)
-                    .arg(&seq_len)
-                    .arg(tile_first)
-                    .arg(&heads)
-                    .arg(&scale);
-                // SAFETY: arguments match the kernel's signature; its shared memory is static.
-                unsafe { launch.launch(cfg) }.map_err(|e| cuda_error("attention kernel", e))?;
-            } else {
-                let shared = (head_dim as u32 + max_len as u32 + THREADS) * 4;
-                let cfg = LaunchConfig {
-                    grid_dim: (tokens as u32, heads as u32, 1),
-                    block_dim: (THREADS, 1, 1),
-                    shared_mem_bytes: shared,
-                };
-                let mut launch = self.stream.launch_builder(&self.kernels.attention);
-                launch
-                    .arg(&qkv)
-                    .arg(&mut context)
-                    .arg(&token_seq)
-                    .arg(&seq_start)
-                    .arg(&seq_len)
-                    .arg(&heads)
-                    .arg(&head_dim)
-                    .arg(&max_len)
-                    .arg(&scale);
-                // SAFETY: arguments match the kernel's signature; shared memory as it requires.
-                unsafe { launch.launch(cfg) }.map_err(|e| cuda_error("attention kernel", e))?;
-            }
+            // The tiled kernel where the head width has one, else a block per query token.
+            let (kernel, shape) = match (&self.kernels.attention_tiled, &tile_first) {
+                (Some(kernel), Some(_)) => (
+                    kernel,
+                    LaunchConfig {
+                        grid_dim: (tiles as u32, heads as u32, 1),
+                        block_dim: (ATTENTION_TILE, 1, 1),
+                        shared_mem_bytes: 0,
+                    },
+                ),
+                _ => (
+                    &self.kernels.attention,
+                    LaunchConfig {
+                        grid_dim: (tokens as u32, heads as u32, 1),
+                        block_dim: (THREADS, 1, 1),
+                        shared_mem_bytes: (head_dim as u32 + max_len as u32 + THREADS) * 4,
+                    },
+                ),
+            };
+            let mut launch = self.stream.launch_builder(kernel);
+            launch
+                .arg(&qkv)
+                .arg(&mut context)
+                .arg(&token_seq)
+                .arg(&seq_start)
+                .arg(&seq_len);
+            match (&self.kernels.attention_tiled, &tile_first) {
+                (Some(_), Some(tile_first)) => launch.arg(tile_first).arg(&heads).arg(&scale),
+                _ => launch.arg(&heads).arg(&head_dim).arg(&max_len).arg(&scale),
+            };
+            // SAFETY: arguments match the kernel's signature; shared memory as it requires.
+            unsafe { launch.launch(shape) }.map_err(|e| cuda_error("attention kernel", e))?;
             self.matmul(&context, tokens, &layer.attention_out, &mut projected)?;
             self.layer_norm(
                 &projected,

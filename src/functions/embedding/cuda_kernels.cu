@@ -188,23 +188,17 @@ __device__ void attention_tiled(const float* qkv, float* context,
     }
 }
 
-extern "C" __global__ void attention_tiled_32(const float* qkv, float* context,
-                                              const unsigned int* token_seq,
-                                              const unsigned int* seq_start,
-                                              const unsigned int* seq_len,
-                                              const unsigned int* tile_first, int heads,
-                                              float scale) {
-    attention_tiled<32>(qkv, context, token_seq, seq_start, seq_len, tile_first, heads, scale);
-}
-
-extern "C" __global__ void attention_tiled_64(const float* qkv, float* context,
-                                              const unsigned int* token_seq,
-                                              const unsigned int* seq_start,
-                                              const unsigned int* seq_len,
-                                              const unsigned int* tile_first, int heads,
-                                              float scale) {
-    attention_tiled<64>(qkv, context, token_seq, seq_start, seq_len, tile_first, heads, scale);
-}
+// attention_tiled_32 and attention_tiled_64: the instances the encoder loads.
+#define ATTENTION_TILED(D)                                                                   \
+    extern "C" __global__ void attention_tiled_##D(                                          \
+        const float* qkv, float* context, const unsigned int* token_seq,                     \
+        const unsigned int* seq_start, const unsigned int* seq_len,                          \
+        const unsigned int* tile_first, int heads, float scale) {                            \
+        attention_tiled<D>(qkv, context, token_seq, seq_start, seq_len, tile_first, heads,   \
+                           scale);                                                           \
+    }
+ATTENTION_TILED(32)
+ATTENTION_TILED(64)
 
 // out[s] = normalize(mean of the sequence's token rows). One block per sequence;
 // shared memory: width + 32 floats.
