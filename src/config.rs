@@ -285,6 +285,17 @@ impl datafusion::common::config::ConfigField for WorkerBinary {
     }
 }
 
+/// `<cache>/flumen`, where `<cache>` is `$XDG_CACHE_HOME` or `~/.cache` (else the temporary
+/// directory): the embedding model, the demo table, kernels compiled for a GPU.
+pub fn cache_dir() -> std::path::PathBuf {
+    std::env::var_os("XDG_CACHE_HOME")
+        .filter(|d| !d.is_empty())
+        .map(std::path::PathBuf::from)
+        .or_else(|| std::env::var_os("HOME").map(|h| std::path::PathBuf::from(h).join(".cache")))
+        .unwrap_or_else(std::env::temp_dir)
+        .join("flumen")
+}
+
 /// The number of CPU cores this process may use.
 pub fn available_cores() -> usize {
     std::thread::available_parallelism()

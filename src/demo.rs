@@ -134,12 +134,7 @@ pub fn docs_schema() -> Arc<Schema> {
 
 /// The default place of a demo table of `rows` rows: `~/.cache/flumen/demo/`.
 pub fn default_path(rows: usize) -> PathBuf {
-    let cache = std::env::var_os("XDG_CACHE_HOME")
-        .map(PathBuf::from)
-        .or_else(|| std::env::var_os("HOME").map(|h| PathBuf::from(h).join(".cache")))
-        .unwrap_or_else(std::env::temp_dir);
-    cache
-        .join("flumen")
+    crate::config::cache_dir()
         .join("demo")
         .join(format!("docs-{rows}.parquet"))
 }

@@ -314,14 +314,19 @@ fn shared_split_rows(split_rows: u64, rows: Option<u64>, first_rows: usize, slot
     }
 }
 
+/// The bytes of its file that `file` reads: its range, else the whole file.
+fn byte_range(file: &PartitionedFile) -> (u64, u64) {
+    match &file.range {
+        Some(r) => (r.start as u64, r.end as u64),
+        None => (0, file.object_meta.size),
+    }
+}
+
 /// Rows of the scan `config` by its footers; `None` when a file's footer is not known.
 fn scan_rows(config: &FileScanConfig, layout: &RowGroupLayout) -> Option<u64> {
     let mut rows = 0;
     for file in config.file_groups.iter().flat_map(|g| g.iter()) {
-        let (start, end) = match &file.range {
-            Some(r) => (r.start as u64, r.end as u64),
-            None => (0, file.object_meta.size),
-        };
+        let (start, end) = byte_range(file);
         rows += layout
             .row_groups(file)?
             .iter()
@@ -348,10 +353,7 @@ fn row_group_ranges(
     split_bytes: u64,
     split_rows: u64,
 ) -> Vec<PartitionedFile> {
-    let (start, end) = match &file.range {
-        Some(r) => (r.start as u64, r.end as u64),
-        None => (0, file.object_meta.size),
-    };
+    let (start, end) = byte_range(file);
     let row_limit = if split_rows == 0 {
         u64::MAX
     } else {
@@ -460,10 +462,7 @@ fn rows_of_row_group(
 
 /// Cut one file (or its assigned range) into ranges of at most `split_bytes`.
 fn byte_ranges(file: &PartitionedFile, split_bytes: u64) -> Vec<PartitionedFile> {
-    let (start, end) = match &file.range {
-        Some(r) => (r.start as u64, r.end as u64),
-        None => (0, file.object_meta.size),
-    };
+    let (start, end) = byte_range(file);
     if end <= start || end - start <= split_bytes {
         return vec![file.clone()];
     }

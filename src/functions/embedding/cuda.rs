@@ -22,7 +22,6 @@ use cudarc::nvrtc::Ptx;
 use datafusion::error::{DataFusionError, Result};
 
 use super::bert::{BertWeights, LayerNorm, Linear, PackedBatch, SentenceEncoder};
-use super::model_files;
 
 /// The kernels' CUDA C source.
 pub const KERNEL_SOURCE: &str = include_str!("cuda_kernels.cu");
@@ -249,7 +248,7 @@ impl CudaEncoder {
             .map_err(|e| cuda_error("compute capability", e))?;
         let name = format!("cuda:0 ({})", ctx.name().unwrap_or_default());
         let started = Instant::now();
-        let cache_dir = model_files::flumen_cache_dir();
+        let cache_dir = crate::config::cache_dir();
         let (cubin, kernels_cached) = device_kernels(arch, &cache_dir)?;
         let module = match ctx.load_module(Ptx::from_binary(cubin)) {
             Ok(module) => module,
@@ -485,19 +484,21 @@ impl CudaEncoder {
             .map_err(|e| cuda_error("allocating", e))?;
         self.layer_norm(&raw, &zeros, None, &self.embedding_norm, &mut x, tokens)?;
 
-        // The tiled attention's query tiles: each sequence's tokens, ATTENTION_TILE at a time.
-        let tile_starts: Vec<u32> = offsets
-            .iter()
-            .zip(&batch.lengths)
-            .flat_map(|(&start, &len)| {
-                (0..len)
-                    .step_by(ATTENTION_TILE as usize)
-                    .map(move |q| (start + q) as u32)
-            })
-            .collect();
-        let tiles = tile_starts.len();
-        let tile_first = match self.kernels.attention_tiled {
-            Some(_) => Some(up(&tile_starts)?),
+        // The tiled attention kernel, where the head width has one, and its query tiles
+        // (each sequence's tokens, ATTENTION_TILE at a time): (kernel, tiles, first tokens).
+        let tiled = match &self.kernels.attention_tiled {
+            Some(kernel) => {
+                let firsts: Vec<u32> = offsets
+                    .iter()
+                    .zip(&batch.lengths)
+                    .flat_map(|(&start, &len)| {
+                        (0..len)
+                            .step_by(ATTENTION_TILE as usize)
+                            .map(move |q| (start + q) as u32)
+                    })
+                    .collect();
+                Some((kernel, firsts.len(), up(&firsts)?))
+            }
             None => None,
         };
         let mut qkv = self.alloc(tokens * 3 * h)?;
@@ -513,16 +514,16 @@ impl CudaEncoder {
             self.matmul(&x, tokens, &layer.qkv, &mut qkv)?;
             self.elementwise(&self.kernels.add_bias, &mut qkv, &layer.qkv.bias, 3 * h)?;
             // The tiled kernel where the head width has one, else a block per query token.
-            let (kernel, shape) = match (&self.kernels.attention_tiled, &tile_first) {
-                (Some(kernel), Some(_)) => (
-                    kernel,
+            let (kernel, shape) = match &tiled {
+                Some((kernel, tiles, _)) => (
+                    *kernel,
                     LaunchConfig {
-                        grid_dim: (tiles as u32, heads as u32, 1),
+                        grid_dim: (*tiles as u32, heads as u32, 1),
                         block_dim: (ATTENTION_TILE, 1, 1),
                         shared_mem_bytes: 0,
                     },
                 ),
-                _ => (
+                None => (
                     &self.kernels.attention,
                     LaunchConfig {
                         grid_dim: (tokens as u32, heads as u32, 1),
@@ -538,9 +539,9 @@ impl CudaEncoder {
                 .arg(&token_seq)
                 .arg(&seq_start)
                 .arg(&seq_len);
-            match (&self.kernels.attention_tiled, &tile_first) {
-                (Some(_), Some(tile_first)) => launch.arg(tile_first).arg(&heads).arg(&scale),
-                _ => launch.arg(&heads).arg(&head_dim).arg(&max_len).arg(&scale),
+            match &tiled {
+                Some((_, _, firsts)) => launch.arg(firsts).arg(&heads).arg(&scale),
+                None => launch.arg(&heads).arg(&head_dim).arg(&max_len).arg(&scale),
             };
             // SAFETY: arguments match the kernel's signature; shared memory as it requires.
             unsafe { launch.launch(shape) }.map_err(|e| cuda_error("attention kernel", e))?;

@@ -34,18 +34,7 @@ pub fn model_dir(setting: &str) -> PathBuf {
 
 /// `<cache>/flumen/models/all-MiniLM-L6-v2`.
 pub fn default_model_dir() -> PathBuf {
-    flumen_cache_dir().join("models").join(MODEL_NAME)
-}
-
-/// `<cache>/flumen`, where `<cache>` is `$XDG_CACHE_HOME` or `~/.cache` (else the temporary
-/// directory): the model, and kernels compiled for a GPU.
-pub fn flumen_cache_dir() -> PathBuf {
-    std::env::var_os("XDG_CACHE_HOME")
-        .filter(|d| !d.is_empty())
-        .map(PathBuf::from)
-        .or_else(|| std::env::var_os("HOME").map(|home| PathBuf::from(home).join(".cache")))
-        .unwrap_or_else(std::env::temp_dir)
-        .join("flumen")
+    crate::config::cache_dir().join("models").join(MODEL_NAME)
 }
 
 /// Check that `dir` holds every model file; the error names the missing file and the
