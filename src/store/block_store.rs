@@ -1018,4 +1018,27 @@ pub(crate) mod tests {
             .to_string();
         assert!(err.contains("flumen.memory_budget"), "{err}");
     }
+
+    /// Blocks whose spill failed stay in memory and are candidates for the next run again:
+    /// a second `make_room` picks them again (and fails the same way), rather than finding
+    /// nothing to write.
+    #[test]
+    fn blocks_of_a_failed_spill_are_candidates_again() {
+        let dir = tempfile::tempdir().unwrap();
+        let not_a_dir = dir.path().join("a-file");
+        std::fs::write(&not_a_dir, b"x").unwrap();
+        let store = BlockStore::new(1000).with_spill_root(Some(not_a_dir));
+        store.put(1, batch(10), 300, (0, 0)).unwrap();
+        store.set_operator_bytes(900);
+        for attempt in 0..2 {
+            assert!(
+                store.make_room().is_err(),
+                "attempt {attempt} found nothing to write"
+            );
+            assert_eq!(store.memory_bytes(), 300);
+        }
+        assert_eq!(store.get(1).unwrap().unwrap(), batch(10));
+        store.set_operator_bytes(0);
+        assert_eq!(store.make_room().unwrap(), (0, 0));
+    }
 }
