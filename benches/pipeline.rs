@@ -509,6 +509,14 @@ fn run_pipeline(args: &Args, pipeline: Pipeline) -> Result<()> {
                 f(r, "writer_closed_s"),
                 f(r, "wall_s")
             );
+            for load in r["devices"][k]["loads_s"].as_array().into_iter().flatten() {
+                println!(
+                    "    {name} loaded from {:.3} s to {:.3} s ({})",
+                    load[0].as_f64().unwrap_or(f64::NAN),
+                    load[1].as_f64().unwrap_or(f64::NAN),
+                    load[2].as_str().unwrap_or_default()
+                );
+            }
         }
     }
 
@@ -698,6 +706,11 @@ trait DeviceMeter: Send + Sync {
     fn intervals(&self) -> Vec<(Duration, Duration)>;
     /// What the intervals count from.
     fn created(&self) -> Instant;
+    /// When a worker loaded the model (a real model only), from `created`, and the parts
+    /// of its load it reports.
+    fn loads(&self) -> Vec<(Duration, Duration, String)> {
+        vec![]
+    }
 }
 
 impl DeviceMeter for EmulatedDevice {
@@ -717,6 +730,8 @@ impl DeviceMeter for EmulatedDevice {
 struct CallLog {
     created: Instant,
     calls: Mutex<Vec<(Duration, Duration)>>,
+    /// When each worker's `load` ran, and the parts of it the worker reports (`*_ms`).
+    loads: Mutex<Vec<(Duration, Duration, String)>>,
 }
 
 impl DeviceMeter for CallLog {
@@ -729,6 +744,9 @@ impl DeviceMeter for CallLog {
     }
     fn created(&self) -> Instant {
         self.created
+    }
+    fn loads(&self) -> Vec<(Duration, Duration, String)> {
+        self.loads.lock().unwrap().clone()
     }
 }
 
@@ -750,8 +768,22 @@ impl AcceleratorFunction for Metered {
         self.inner.return_type(arg_types)
     }
     fn load(&self, config: &ConfigOptions) -> Result<Box<dyn AcceleratorWorker>> {
+        let started = self.log.created.elapsed();
+        let inner = self.inner.load(config)?;
+        let ended = self.log.created.elapsed();
+        let parts: Vec<String> = inner
+            .metrics()
+            .into_iter()
+            .filter(|(name, _)| name.ends_with("_ms"))
+            .map(|(name, value)| format!("{name}={value}"))
+            .collect();
+        self.log
+            .loads
+            .lock()
+            .unwrap()
+            .push((started, ended, parts.join(", ")));
         Ok(Box::new(MeteredWorker {
-            inner: self.inner.load(config)?,
+            inner,
             log: Arc::clone(&self.log),
         }))
     }
@@ -825,6 +857,7 @@ fn pipeline_functions(args: &Args, pipeline: Pipeline, zero_device: bool) -> Pip
             let log = Arc::new(CallLog {
                 created: Instant::now(),
                 calls: Mutex::new(vec![]),
+                loads: Mutex::new(vec![]),
             });
             let model = Metered {
                 inner: Arc::new(flumen::functions::embedding::EmbedFunction::default()),
@@ -1062,7 +1095,18 @@ fn run_child(args: &Args, mode: &str) -> Result<Value> {
                 ]),
                 _ => json!(null),
             };
-            json!({"name": name, "busy_s": m.busy_s(), "gaps": gap_stats(&intervals), "span_s": span})
+            let loads: Vec<Value> = m
+                .loads()
+                .iter()
+                .map(|(s, e, parts)| {
+                    json!([
+                        since_start(*s).as_secs_f64(),
+                        since_start(*e).as_secs_f64(),
+                        parts
+                    ])
+                })
+                .collect();
+            json!({"name": name, "busy_s": m.busy_s(), "gaps": gap_stats(&intervals), "span_s": span, "loads_s": loads})
         })
         .collect();
     Ok(json!({

@@ -107,6 +107,30 @@ async fn cuda_matches_sentence_transformers() {
         return;
     }
     check_against_references("cuda", 0.9999).await;
+    // The worker's load, in parts: files read while the device opened, then the upload.
+    let ctx = session("cuda").await;
+    ctx.register_batch("refs", texts_batch(&references()))
+        .unwrap();
+    let out = collect(&ctx, "EXPLAIN ANALYZE SELECT embed(text) AS v FROM refs").await;
+    let text = datafusion::arrow::util::pretty::pretty_format_batches(&out)
+        .unwrap()
+        .to_string();
+    for figure in [
+        "embed_load_ms=",
+        "embed_files_ms=",
+        "cuda_open_ms=",
+        "cuda_upload_ms=",
+    ] {
+        assert!(text.contains(figure), "no {figure} in\n{text}");
+    }
+    let line = text.lines().find(|l| l.contains("embed_load_ms=")).unwrap();
+    println!(
+        "cuda load: {}",
+        line.split(", ")
+            .filter(|p| p.contains("_ms="))
+            .collect::<Vec<_>>()
+            .join(", ")
+    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -346,6 +370,7 @@ async fn explain_analyze_shows_how_the_worker_batches() {
     );
     assert!(figure(&tuned, "embed_batch_trials").is_some(), "{tuned}");
     assert!(figure(&tuned, "embed_load_ms").is_some(), "{tuned}");
+    assert!(figure(&tuned, "embed_files_ms").is_some(), "{tuned}");
     let fixed = analyze("SET flumen.embed_batch_tokens = 300").await;
     assert_eq!(figure(&fixed, "embed_batch_tokens"), Some(300), "{fixed}");
     let by_rows = analyze("SET flumen.embed_batch_size = 7").await;

@@ -719,6 +719,58 @@ async fn the_accelerator_pool_grows_under_load_and_shrinks_when_idle() {
     assert_eq!(pool.workers(), 1, "idle workers were not released");
 }
 
+/// A run loads its models when it starts, not when its first block reaches the model: a
+/// query whose filter passes no row still loads the model once, and the next query's
+/// tasks use that worker without loading again.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_run_loads_its_models_when_it_starts() {
+    let dir = tempfile::tempdir().unwrap();
+    write_events(dir.path(), 1, 5_000);
+    let f = flumen_ctx(&["SET flumen.accelerator_slots = 1"]).await;
+    register_tables(&f, dir.path()).await;
+    let (calls, loads) = (Arc::new(AtomicUsize::new(0)), Arc::new(AtomicUsize::new(0)));
+    f.register_udf(accelerator_udf(WorkerName {
+        signature: Signature::any(1, Volatility::Volatile),
+        calls: Arc::clone(&calls),
+        call_rows: Arc::default(),
+        loads: Arc::clone(&loads),
+        delay: std::time::Duration::ZERO,
+    }));
+    let (none, _) = run_plan(&f, "SELECT worker_name(body) AS w FROM events WHERE id < 0").await;
+    assert_eq!(none.iter().map(|b| b.num_rows()).sum::<usize>(), 0);
+    assert_eq!(
+        calls.load(Ordering::Relaxed),
+        0,
+        "the model ran without rows"
+    );
+    // The preload job may still be running when the empty query ends.
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+    while loads.load(Ordering::Relaxed) == 0 && std::time::Instant::now() < deadline {
+        tokio::time::sleep(std::time::Duration::from_millis(10)).await;
+    }
+    assert_eq!(
+        loads.load(Ordering::Relaxed),
+        1,
+        "the run did not load its model"
+    );
+    let (all, _) = run_plan(&f, "SELECT worker_name(body) AS w FROM events").await;
+    assert_eq!(all.iter().map(|b| b.num_rows()).sum::<usize>(), 5_000);
+    assert!(calls.load(Ordering::Relaxed) > 0);
+    assert_eq!(
+        loads.load(Ordering::Relaxed),
+        1,
+        "the loaded worker was not reused"
+    );
+    // EXPLAIN plans without running: nothing loads.
+    f.sql("EXPLAIN SELECT worker_name(body) FROM events")
+        .await
+        .unwrap()
+        .collect()
+        .await
+        .unwrap();
+    assert_eq!(loads.load(Ordering::Relaxed), 1);
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn copy_to_and_write_parquet_go_through_flumen() {
     let dir = tempfile::tempdir().unwrap();

@@ -13,15 +13,13 @@ use datafusion::physical_plan::execution_plan::{ChildrenPropertiesMode, ReplaceC
 use datafusion::physical_plan::metrics::{
     Count, CustomMetricValue, Gauge, Metric, MetricValue, MetricsSet, RatioMetrics, Time,
 };
-use datafusion::physical_plan::projection::ProjectionExec;
 use datafusion::physical_plan::{
     DisplayAs, DisplayFormatType, ExecutionPlan, PhysicalExpr, PlanProperties,
 };
 
 use crate::config::FlumenConfig;
 use crate::exec::metrics::{OperatorStats, RunMetrics};
-use crate::functions::accelerator::accelerator_functions_in;
-use crate::plan::accelerator_projection::AcceleratorProjectionExec;
+use crate::functions::accelerator::accelerator_function;
 use crate::plan::graph::{Operator, OperatorGraph, OperatorId, Pool};
 use crate::plan::stage_input::StageInputExec;
 
@@ -69,36 +67,24 @@ pub struct OperatorExec {
     streams: Vec<usize>,
 }
 
-/// `name(accelerators=A, cpu_threads=T)` for each accelerator function `plan` calls.
-fn accelerator_workers(plan: &Arc<dyn ExecutionPlan>, config: &FlumenConfig) -> Vec<String> {
+/// `name(accelerators=A, cpu_threads=T)` for each accelerator function `op` calls.
+fn accelerator_workers(op: &Operator, config: &FlumenConfig) -> Vec<String> {
     let mut options = datafusion::config::ConfigOptions::new();
     options.extensions.insert(config.clone());
     let mut found = vec![];
-    let mut stack = vec![Arc::clone(plan)];
-    while let Some(node) = stack.pop() {
-        let projection = node
-            .downcast_ref::<AcceleratorProjectionExec>()
-            .map(|p| p.projection())
-            .or_else(|| node.downcast_ref::<ProjectionExec>());
-        if let Some(projection) = projection {
-            for expr in projection.expr() {
-                for func in accelerator_functions_in(&expr.expr) {
-                    let r = func.resources(&options);
-                    let text = format!(
-                        "{}(accelerators={}, cpu_threads={})",
-                        func.name(),
-                        r.accelerators,
-                        r.cpu_threads
-                    );
-                    if !found.contains(&text) {
-                        found.push(text);
-                    }
-                }
-            }
-        }
-        // Another operator's functions are its own.
-        if node.downcast_ref::<StageInputExec>().is_none() {
-            stack.extend(node.children().into_iter().cloned());
+    for udf in op.accelerator_udfs() {
+        let Some(func) = accelerator_function(&udf) else {
+            continue;
+        };
+        let r = func.resources(&options);
+        let text = format!(
+            "{}(accelerators={}, cpu_threads={})",
+            func.name(),
+            r.accelerators,
+            r.cpu_threads
+        );
+        if !found.contains(&text) {
+            found.push(text);
         }
     }
     found
@@ -114,7 +100,7 @@ impl OperatorExec {
             },
             workers: match op.pool {
                 Pool::Cpu => vec![],
-                Pool::Accelerator => accelerator_workers(&op.fragment, config),
+                Pool::Accelerator => accelerator_workers(op, config),
             },
             target_block_rows: config.target_block_rows,
             id: op.id,

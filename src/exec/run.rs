@@ -18,6 +18,8 @@ use datafusion::error::{DataFusionError, Result};
 use datafusion::execution::TaskContext;
 use datafusion::execution::memory_pool::MemoryLimit;
 use datafusion::execution::runtime_env::{RuntimeEnv, RuntimeEnvBuilder};
+use datafusion::logical_expr::ScalarUDF;
+use futures::FutureExt;
 use tokio::sync::watch;
 
 use crate::cluster::worker_pool::{PoolSettings, WorkerPoolSlot};
@@ -206,8 +208,44 @@ impl QueryRun {
             membership_seen: Mutex::new(HashMap::new()),
             pool_settings: Mutex::new(HashMap::new()),
         });
+        run.preload_models(accelerator_target);
         run.schedule();
         Ok(run)
+    }
+
+    /// Send each of the first `workers` accelerator workers a job that loads the models the
+    /// run's accelerator operators call, ahead of their first task: the load (files, device
+    /// context, weights: about half a second for `embed` on a GPU) then overlaps planning's
+    /// end and the scan's first blocks instead of following them. A worker that has the
+    /// model already does nothing; a load that fails is left for the first task to report.
+    /// Tasks that run in worker processes load there, so nothing is loaded here for them.
+    fn preload_models(&self, workers: usize) {
+        if self.workers.is_some() {
+            return;
+        }
+        let mut udfs: Vec<ScalarUDF> = vec![];
+        for op in &self.graph.operators {
+            if op.pool == Pool::Accelerator {
+                for udf in op.accelerator_udfs() {
+                    if !udfs.contains(&udf) {
+                        udfs.push(udf);
+                    }
+                }
+            }
+        }
+        if udfs.is_empty() {
+            return;
+        }
+        let options = Arc::clone(self.base.session_config().options());
+        for _ in 0..workers {
+            let (udfs, options) = (udfs.clone(), Arc::clone(&options));
+            self.accelerators.submit(Box::new(move || {
+                for udf in &udfs {
+                    let _ = crate::functions::accelerator::preload(udf, &options);
+                }
+                futures::future::ready(()).boxed()
+            }));
+        }
     }
 
     /// Wake every reader waiting on the run (they re-check what they wait for).

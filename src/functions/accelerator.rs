@@ -145,6 +145,35 @@ impl AcceleratorUdf {
     pub fn function(&self) -> &Arc<dyn AcceleratorFunction> {
         &self.func
     }
+
+    /// Run `f` on this thread's worker for `config` (and its key), loading it first if this
+    /// thread has none under the same load key.
+    fn with_worker<R>(
+        &self,
+        config: &ConfigOptions,
+        f: impl FnOnce(&mut dyn AcceleratorWorker, &(u64, String)) -> Result<R>,
+    ) -> Result<R> {
+        let key = (self.id, self.func.load_key(config));
+        LOADED.with(|loaded| {
+            let mut loaded = loaded.borrow_mut();
+            if !loaded.contains_key(&key) {
+                let worker = self.func.load(config)?;
+                WORKERS_LOADED.fetch_add(1, Ordering::Relaxed);
+                loaded.insert(key.clone(), worker);
+            }
+            let worker = loaded.get_mut(&key).expect("worker just loaded");
+            f(worker.as_mut(), &key)
+        })
+    }
+}
+
+/// Load `udf`'s worker on this thread under `config` now, unless it is loaded already, so
+/// the thread's first batch does not wait for it. Does nothing for other UDFs.
+pub fn preload(udf: &ScalarUDF, config: &ConfigOptions) -> Result<()> {
+    match (udf.inner().as_ref() as &dyn Any).downcast_ref::<AcceleratorUdf>() {
+        Some(accelerator) => accelerator.with_worker(config, |_, _| Ok(())),
+        None => Ok(()),
+    }
 }
 
 impl PartialEq for AcceleratorUdf {
@@ -175,15 +204,7 @@ impl ScalarUDFImpl for AcceleratorUdf {
         let rows = args.number_rows;
         let return_type = args.return_field.data_type().clone();
         let batch = self.func.batch_rows(config).unwrap_or(rows).max(1);
-        let key = (self.id, self.func.load_key(config));
-        LOADED.with(|loaded| {
-            let mut loaded = loaded.borrow_mut();
-            if !loaded.contains_key(&key) {
-                let worker = self.func.load(config)?;
-                WORKERS_LOADED.fetch_add(1, Ordering::Relaxed);
-                loaded.insert(key.clone(), worker);
-            }
-            let worker = loaded.get_mut(&key).expect("worker just loaded");
+        self.with_worker(config, |worker, key| {
             USED.with(|used| used.borrow_mut().insert(key.clone()));
             let mut parts = Vec::with_capacity(rows.div_ceil(batch));
             for start in (0..rows.max(1)).step_by(batch) {
@@ -230,14 +251,22 @@ pub fn is_accelerator_udf(udf: &ScalarUDF) -> bool {
 
 /// The accelerator functions a physical expression calls, outermost first.
 pub fn accelerator_functions_in(expr: &Arc<dyn PhysicalExpr>) -> Vec<Arc<dyn AcceleratorFunction>> {
+    accelerator_udfs_in(expr)
+        .iter()
+        .filter_map(|udf| accelerator_function(udf).cloned())
+        .collect()
+}
+
+/// The accelerator UDFs a physical expression calls, outermost first.
+pub fn accelerator_udfs_in(expr: &Arc<dyn PhysicalExpr>) -> Vec<ScalarUDF> {
     let mut found = vec![];
     if let Some(call) = (expr.as_ref() as &dyn Any).downcast_ref::<ScalarFunctionExpr>()
-        && let Some(func) = accelerator_function(call.fun())
+        && is_accelerator_udf(call.fun())
     {
-        found.push(Arc::clone(func));
+        found.push(call.fun().clone());
     }
     for child in expr.children() {
-        found.extend(accelerator_functions_in(child));
+        found.extend(accelerator_udfs_in(child));
     }
     found
 }

@@ -4,11 +4,15 @@
 use std::fmt;
 use std::sync::Arc;
 
+use datafusion::logical_expr::ScalarUDF;
+use datafusion::physical_plan::projection::ProjectionExec;
 use datafusion::physical_plan::{ExecutionPlan, ExecutionPlanProperties, Partitioning};
 use serde::{Deserialize, Serialize};
 
+use crate::functions::accelerator::accelerator_udfs_in;
+use crate::plan::accelerator_projection::AcceleratorProjectionExec;
 use crate::plan::exchange_sizing::ExchangeSizing;
-use crate::plan::stage_input::InputExchange;
+use crate::plan::stage_input::{InputExchange, StageInputExec};
 
 /// Index of an operator inside its [`OperatorGraph`].
 pub type OperatorId = usize;
@@ -126,6 +130,30 @@ impl Operator {
     /// Number of partitions the fragment produces.
     pub fn partitions(&self) -> usize {
         self.fragment.output_partitioning().partition_count()
+    }
+
+    /// The accelerator UDFs this operator's own projections call (not those of the
+    /// operators feeding it), each once.
+    pub fn accelerator_udfs(&self) -> Vec<ScalarUDF> {
+        let mut found: Vec<ScalarUDF> = vec![];
+        let mut stack = vec![Arc::clone(&self.fragment)];
+        while let Some(node) = stack.pop() {
+            let projection = node
+                .downcast_ref::<AcceleratorProjectionExec>()
+                .map(|p| p.projection())
+                .or_else(|| node.downcast_ref::<ProjectionExec>());
+            for expr in projection.iter().flat_map(|p| p.expr()) {
+                for udf in accelerator_udfs_in(&expr.expr) {
+                    if !found.contains(&udf) {
+                        found.push(udf);
+                    }
+                }
+            }
+            if node.downcast_ref::<StageInputExec>().is_none() {
+                stack.extend(node.children().into_iter().cloned());
+            }
+        }
+        found
     }
 }
 

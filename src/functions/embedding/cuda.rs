@@ -16,7 +16,8 @@ use std::time::Instant;
 
 use cudarc::cublas::{CudaBlas, Gemm, GemmConfig, sys::cublasOperation_t};
 use cudarc::driver::{
-    CudaContext, CudaFunction, CudaSlice, CudaStream, LaunchConfig, PinnedHostSlice, PushKernelArg,
+    CudaContext, CudaFunction, CudaModule, CudaSlice, CudaStream, LaunchConfig, PinnedHostSlice,
+    PushKernelArg,
 };
 use cudarc::nvrtc::Ptx;
 use datafusion::error::{DataFusionError, Result};
@@ -228,11 +229,31 @@ pub struct CudaEncoder {
     /// Milliseconds spent getting the kernels (compiled or from the cache), and which.
     kernels_ms: u64,
     kernels_cached: bool,
+    /// Milliseconds opening the device took ([`CudaDevice::open`]) and uploading the weights.
+    open_ms: u64,
+    upload_ms: u64,
 }
 
-impl CudaEncoder {
-    /// Compile the kernels for device 0 and upload the weights.
-    pub fn new(weights: Arc<BertWeights>) -> Result<Self> {
+/// Device 0 made ready for a model, before any weights: its context, the kernels (compiled
+/// or from the cache), a stream and a cuBLAS handle. Opening it needs no model files, so
+/// an embed worker opens it on a thread of its own while it reads the model's files.
+pub struct CudaDevice {
+    ctx: Arc<CudaContext>,
+    module: Arc<CudaModule>,
+    stream: Arc<CudaStream>,
+    blas: CudaBlas,
+    name: String,
+    /// Milliseconds spent getting the kernels (compiled or from the cache), and which.
+    kernels_ms: u64,
+    kernels_cached: bool,
+    /// Milliseconds opening took in all (context, kernels, stream, cuBLAS).
+    open_ms: u64,
+}
+
+impl CudaDevice {
+    /// Open device 0: context, kernels, stream and cuBLAS handle.
+    pub fn open() -> Result<Self> {
+        let opened = Instant::now();
         probe_device_count().map_err(DataFusionError::Execution)?;
         // SAFETY: only checks whether the shared library can be opened.
         if !unsafe { cudarc::cublas::sys::is_culib_present() } {
@@ -261,6 +282,44 @@ impl CudaEncoder {
             Err(e) => return Err(cuda_error("loading kernels", e)),
         };
         let kernels_ms = started.elapsed().as_millis() as u64;
+        let stream = ctx
+            .new_stream()
+            .map_err(|e| cuda_error("creating a stream", e))?;
+        let blas = CudaBlas::new(Arc::clone(&stream)).map_err(|e| cuda_error("cuBLAS", e))?;
+        Ok(Self {
+            ctx,
+            module,
+            stream,
+            blas,
+            name,
+            kernels_ms,
+            kernels_cached,
+            open_ms: opened.elapsed().as_millis() as u64,
+        })
+    }
+}
+
+impl CudaEncoder {
+    /// Open device 0 and upload the weights.
+    pub fn new(weights: Arc<BertWeights>) -> Result<Self> {
+        Self::on(CudaDevice::open()?, weights)
+    }
+
+    /// Upload the weights to an opened device (this thread may not be the one that opened it).
+    pub fn on(device: CudaDevice, weights: Arc<BertWeights>) -> Result<Self> {
+        let uploaded = Instant::now();
+        let CudaDevice {
+            ctx,
+            module,
+            stream,
+            blas,
+            name,
+            kernels_ms,
+            kernels_cached,
+            open_ms,
+        } = device;
+        ctx.bind_to_thread()
+            .map_err(|e| cuda_error("binding the context", e))?;
         let f = |n: &str| module.load_function(n).map_err(|e| cuda_error(n, e));
         let kernels = Kernels {
             embed_tokens: f("embed_tokens")?,
@@ -281,10 +340,6 @@ impl CudaEncoder {
                 "head width above 128 is not supported",
             ));
         }
-        let stream = ctx
-            .new_stream()
-            .map_err(|e| cuda_error("creating a stream", e))?;
-        let blas = CudaBlas::new(Arc::clone(&stream)).map_err(|e| cuda_error("cuBLAS", e))?;
         let up = |v: &[f32]| {
             stream
                 .clone_htod(v)
@@ -329,6 +384,8 @@ impl CudaEncoder {
             name,
             kernels_ms,
             kernels_cached,
+            open_ms,
+            upload_ms: uploaded.elapsed().as_millis() as u64,
         })
     }
 
@@ -632,6 +689,8 @@ impl SentenceEncoder for CudaEncoder {
         vec![
             ("cuda_kernels_ms".into(), self.kernels_ms),
             ("cuda_kernels_cached".into(), self.kernels_cached as u64),
+            ("cuda_open_ms".into(), self.open_ms),
+            ("cuda_upload_ms".into(), self.upload_ms),
         ]
     }
 }

@@ -178,6 +178,8 @@ pub struct EmbedWorker {
     batching: Batching,
     /// Milliseconds its load took (files, tokenizer, device, weights, kernels).
     load_ms: u64,
+    /// Milliseconds of it reading the tokenizer and the weights.
+    files_ms: u64,
 }
 
 static CPU_FALLBACK_NOTICE: Once = Once::new();
@@ -193,28 +195,44 @@ impl EmbedWorker {
     fn load(settings: &EmbedSettings) -> Result<Self> {
         let started = Instant::now();
         model_files::check_model_dir(&settings.model_dir)?;
-        let tokenizer = SentenceTokenizer::shared(&settings.model_dir)?;
-        let weights = Arc::new(BertWeights::load(&settings.model_dir)?);
-        let encoder: Box<dyn SentenceEncoder> = match settings.device {
-            Device::Cpu => Box::new(cpu::CpuEncoder::new(weights, settings.threads)?),
-            Device::Cuda => Box::new(cuda::CudaEncoder::new(weights)?),
-            Device::Auto => {
-                let cuda = cuda::probe_device_count()
-                    .map_err(|why| why.to_string())
-                    .and_then(|_| {
-                        cuda::CudaEncoder::new(Arc::clone(&weights))
-                            .map_err(|e| e.strip_backtrace().to_string())
-                    });
-                match cuda {
+        // A GPU's context, kernels and cuBLAS come up on a thread of their own while this
+        // one reads the tokenizer and the weights (each about a third of a GPU worker's load).
+        let probe = match settings.device {
+            Device::Cpu => Err(String::new()),
+            Device::Cuda => Ok(()),
+            Device::Auto => cuda::probe_device_count().map(|_| ()),
+        };
+        let (files, device) = std::thread::scope(|scope| {
+            let device = probe.is_ok().then(|| scope.spawn(cuda::CudaDevice::open));
+            let read = Instant::now();
+            let files = SentenceTokenizer::shared(&settings.model_dir).and_then(|tokenizer| {
+                Ok((tokenizer, Arc::new(BertWeights::load(&settings.model_dir)?)))
+            });
+            let files_ms = read.elapsed().as_millis() as u64;
+            let device = device.map(|opening| {
+                opening.join().unwrap_or_else(|_| {
+                    Err(DataFusionError::Execution(
+                        "embed() on CUDA: opening the device panicked".into(),
+                    ))
+                })
+            });
+            (files.map(|(t, w)| (t, w, files_ms)), device)
+        });
+        let (tokenizer, weights, files_ms) = files?;
+        let encoder: Box<dyn SentenceEncoder> = match (settings.device, device) {
+            (Device::Cuda, Some(device)) => Box::new(cuda::CudaEncoder::on(device?, weights)?),
+            (Device::Auto, Some(device)) => {
+                match device.and_then(|d| cuda::CudaEncoder::on(d, Arc::clone(&weights))) {
                     Ok(encoder) => Box::new(encoder),
-                    Err(why) => {
-                        CPU_FALLBACK_NOTICE.call_once(|| {
-                            eprintln!("flumen: embed() runs on the CPU ({why})");
-                        });
-                        Box::new(cpu::CpuEncoder::new(weights, settings.threads)?)
+                    Err(e) => {
+                        Self::cpu_fallback(e.strip_backtrace().to_string(), weights, settings)?
                     }
                 }
             }
+            (Device::Auto, None) => {
+                Self::cpu_fallback(probe.err().unwrap_or_default(), weights, settings)?
+            }
+            _ => Box::new(cpu::CpuEncoder::new(weights, settings.threads)?),
         };
         let batching = Batching::from(settings, encoder.on_accelerator());
         Ok(Self {
@@ -222,7 +240,21 @@ impl EmbedWorker {
             encoder,
             batching,
             load_ms: started.elapsed().as_millis() as u64,
+            files_ms,
         })
+    }
+
+    /// The CPU encoder `flumen.device = 'auto'` falls back to where CUDA is not usable
+    /// (`why`, said once per process).
+    fn cpu_fallback(
+        why: String,
+        weights: Arc<BertWeights>,
+        settings: &EmbedSettings,
+    ) -> Result<Box<dyn SentenceEncoder>> {
+        CPU_FALLBACK_NOTICE.call_once(|| {
+            eprintln!("flumen: embed() runs on the CPU ({why})");
+        });
+        Ok(Box::new(cpu::CpuEncoder::new(weights, settings.threads)?))
     }
 
     /// The backend this worker computes on, e.g. `cpu (2 threads)`.
@@ -359,6 +391,7 @@ impl AcceleratorWorker for EmbedWorker {
             }
         };
         metrics.push(("embed_load_ms".into(), self.load_ms));
+        metrics.push(("embed_files_ms".into(), self.files_ms));
         metrics.extend(self.encoder.load_metrics());
         metrics
     }
