@@ -206,11 +206,12 @@ async fn dropped_blocks_are_recomputed_from_lineage() {
 }
 
 /// A memory pool that, once armed, refuses once the first allocation of the next sort
-/// buffer (`ExternalSorter[..]`) registered, naming it as a pool would.
+/// buffer registered whose name starts with the armed prefix (`ExternalSorter[` for any,
+/// `ExternalSorter[0]` for partition 0's), naming it as a pool would.
 #[derive(Debug)]
 struct RefusesOneSort {
     inner: datafusion::execution::memory_pool::GreedyMemoryPool,
-    armed: std::sync::atomic::AtomicBool,
+    armed: Mutex<Option<&'static str>>,
     /// The chosen consumer's id + 1 (0: none yet).
     chosen: AtomicUsize,
     refused: AtomicUsize,
@@ -220,7 +221,7 @@ impl RefusesOneSort {
     fn new() -> Arc<Self> {
         Arc::new(Self {
             inner: datafusion::execution::memory_pool::GreedyMemoryPool::new(1 << 30),
-            armed: Default::default(),
+            armed: Mutex::new(None),
             chosen: AtomicUsize::new(0),
             refused: AtomicUsize::new(0),
         })
@@ -263,9 +264,9 @@ impl datafusion::execution::memory_pool::MemoryPool for RefusesOneSort {
     }
     fn register(&self, consumer: &datafusion::execution::memory_pool::MemoryConsumer) {
         self.inner.register(consumer);
-        if consumer.name().starts_with("ExternalSorter[")
-            && self.armed.swap(false, Ordering::SeqCst)
-        {
+        let mut armed = self.armed.lock().unwrap();
+        if armed.is_some_and(|prefix| consumer.name().starts_with(prefix)) {
+            *armed = None;
             self.chosen.store(consumer.id() + 1, Ordering::SeqCst);
         }
     }
@@ -358,7 +359,9 @@ async fn a_recompute_refused_memory_tries_again_when_a_task_ends() {
         // Partition 0's first block, the first time only (its recompute makes it again).
         let first = b.partition == 0 && lost.fetch_add(1, Ordering::SeqCst) == 0;
         if first {
-            arm.armed.store(true, Ordering::SeqCst);
+            // Partition 0's sort, registered next: its recompute (a sort of partition 1
+            // starting late on a loaded machine must not take the refusal).
+            *arm.armed.lock().unwrap() = Some("ExternalSorter[0]");
         }
         first
     }));
@@ -383,13 +386,13 @@ async fn a_task_whose_sort_is_refused_memory_runs_again_in_pieces() {
     let pool = RefusesOneSort::new();
     let f = session_with_pool(dir.path(), &pool, BlockDropper(Arc::new(|_| false))).await;
     // Armed after the tables are registered (which runs queries of its own).
-    pool.armed.store(true, Ordering::SeqCst);
+    *pool.armed.lock().unwrap() = Some("ExternalSorter[");
     let stats = sort_refused_once(&f, &v, &pool).await;
     assert_eq!(stats.retried_in_pieces, 1, "{stats:?}");
     assert_eq!(stats.retried_alone, 0, "{stats:?}");
     // EXPLAIN ANALYZE says so, refused once more.
     pool.refused.store(0, Ordering::SeqCst);
-    pool.armed.store(true, Ordering::SeqCst);
+    *pool.armed.lock().unwrap() = Some("ExternalSorter[");
     let analyzed = collect(&f, &format!("EXPLAIN ANALYZE {REFUSED_SORT}")).await;
     let analyzed = datafusion::arrow::util::pretty::pretty_format_batches(&analyzed)
         .unwrap()
