@@ -5,7 +5,7 @@
 //! ```text
 //! cargo bench --bench pipeline -- [--full] [--rows N] [--runs N] [--pipelines two|three|both]
 //!     [--accelerator auto|emulated|cuda] [--service-us N] [--batch-rows N] [--mem-scale N]
-//!     [--skip-memory] [--skip-sweep] [--first-block-rows N] [--block-rows N] [--piece-rows N]
+//!     [--skip-memory] [--skip-sweep] [--warm] [--first-block-rows N] [--block-rows N] [--piece-rows N]
 //!     [--three-rows N] [--post-layers N] [--long-factor N]
 //!     [--a-batch-us N] [--a-per-kib-us N] [--b-service-us N]
 //! ```
@@ -116,6 +116,9 @@ struct Args {
     mem_scale: usize,
     skip_memory: bool,
     skip_sweep: bool,
+    /// `--warm`: each child first runs the query over a few rows (loading the model; a
+    /// session's later query finds it loaded), and the measured run starts after that.
+    warm: bool,
     /// `flumen.first_block_rows` for flumen's modes (`None`: flumen's default).
     first_block_rows: Option<usize>,
     /// `flumen.target_block_rows` for flumen's modes (`None`: flumen's default).
@@ -149,6 +152,7 @@ fn parse_args() -> Args {
         mem_scale: 10,
         skip_memory: false,
         skip_sweep: false,
+        warm: false,
         first_block_rows: None,
         block_rows: None,
         piece_rows: None,
@@ -186,6 +190,7 @@ fn parse_args() -> Args {
             "--mem-scale" => args.mem_scale = number() as usize,
             "--skip-memory" => args.skip_memory = true,
             "--skip-sweep" => args.skip_sweep = true,
+            "--warm" => args.warm = true,
             "--first-block-rows" => args.first_block_rows = Some(number() as usize),
             "--block-rows" => args.block_rows = Some(number() as usize),
             "--piece-rows" => args.piece_rows = Some(number() as usize),
@@ -658,6 +663,9 @@ fn spawn_child(
     if zero_device {
         child.arg("--zero-device");
     }
+    if args.warm {
+        child.arg("--warm");
+    }
     let output = child.output()?;
     let stdout = String::from_utf8_lossy(&output.stdout);
     let line = stdout.lines().find_map(|l| l.strip_prefix("RESULT "));
@@ -1010,6 +1018,22 @@ fn run_child(args: &Args, mode: &str) -> Result<Value> {
         })?;
         return Ok(json!({"mode": mode, "plan": plan}));
     }
+    if args.warm {
+        // A session's earlier query over a few rows: it loads the model, which the session
+        // keeps, so the measured run starts with it loaded.
+        runtime.block_on(async {
+            ctx.register_parquet(
+                "docs",
+                input.to_str().unwrap(),
+                ParquetReadOptions::default(),
+            )
+            .await?;
+            let sql = format!("SELECT * FROM ({}) LIMIT 64", pipeline.sql());
+            ctx.sql(&sql).await?.collect().await?;
+            ctx.deregister_table("docs")?;
+            Ok::<_, DataFusionError>(())
+        })?;
+    }
     let rows_done = Arc::new(AtomicU64::new(0));
     let stop = Arc::new(AtomicBool::new(false));
     let timeline = Arc::new(Mutex::new(Vec::<Vec<f64>>::new()));
@@ -1085,7 +1109,14 @@ fn run_child(args: &Args, mode: &str) -> Result<Value> {
     let devices: Vec<Value> = meters
         .iter()
         .map(|(name, m)| {
-            let intervals = m.intervals();
+            // Batches of this run (not of a `--warm` query before it).
+            let after_start = |d: &Duration| m.created() + *d >= started;
+            let intervals: Vec<_> = m
+                .intervals()
+                .into_iter()
+                .filter(|(s, _)| after_start(s))
+                .collect();
+            let busy_s: f64 = intervals.iter().map(|(s, e)| (*e - *s).as_secs_f64()).sum();
             // When the device first started and last finished, from the query's start.
             let since_start = |d: Duration| (m.created() + d).saturating_duration_since(started);
             let span = match (intervals.first(), intervals.last()) {
@@ -1098,6 +1129,7 @@ fn run_child(args: &Args, mode: &str) -> Result<Value> {
             let loads: Vec<Value> = m
                 .loads()
                 .iter()
+                .filter(|(s, _, _)| after_start(s))
                 .map(|(s, e, parts)| {
                     json!([
                         since_start(*s).as_secs_f64(),
@@ -1106,7 +1138,7 @@ fn run_child(args: &Args, mode: &str) -> Result<Value> {
                     ])
                 })
                 .collect();
-            json!({"name": name, "busy_s": m.busy_s(), "gaps": gap_stats(&intervals), "span_s": span, "loads_s": loads})
+            json!({"name": name, "busy_s": busy_s, "gaps": gap_stats(&intervals), "span_s": span, "loads_s": loads})
         })
         .collect();
     Ok(json!({
