@@ -514,6 +514,18 @@ fn run_pipeline(args: &Args, pipeline: Pipeline) -> Result<()> {
                 f(r, "writer_closed_s"),
                 f(r, "wall_s")
             );
+            let largest: Vec<String> = r["devices"][k]["largest_gaps"]
+                .as_array()
+                .into_iter()
+                .flatten()
+                .map(|g| {
+                    let at = |i: usize| g[i].as_f64().unwrap_or(f64::NAN);
+                    format!("{:.1} ms at {:.3} s", at(1), at(0))
+                })
+                .collect();
+            if !largest.is_empty() {
+                println!("    largest gaps: {}", largest.join(", "));
+            }
             for load in r["devices"][k]["loads_s"].as_array().into_iter().flatten() {
                 println!(
                     "    {name} loaded from {:.3} s to {:.3} s ({})",
@@ -1138,7 +1150,19 @@ fn run_child(args: &Args, mode: &str) -> Result<Value> {
                     ])
                 })
                 .collect();
-            json!({"name": name, "busy_s": busy_s, "gaps": gap_stats(&intervals), "span_s": span, "loads_s": loads})
+            // The three largest gaps: when each began (from the query's start) and how long it was.
+            let mut largest: Vec<(f64, f64)> = intervals
+                .windows(2)
+                .map(|w| {
+                    (
+                        since_start(w[0].1).as_secs_f64(),
+                        w[1].0.saturating_sub(w[0].1).as_secs_f64() * 1e3,
+                    )
+                })
+                .collect();
+            largest.sort_by(|a, b| b.1.total_cmp(&a.1));
+            largest.truncate(3);
+            json!({"name": name, "busy_s": busy_s, "largest_gaps": largest, "gaps": gap_stats(&intervals), "span_s": span, "loads_s": loads})
         })
         .collect();
     Ok(json!({
