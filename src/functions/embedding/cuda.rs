@@ -216,8 +216,8 @@ struct Kernels {
 /// BERT sentence encoder on a CUDA device: weights resident, one stream per worker.
 pub struct CudaEncoder {
     host: Arc<BertWeights>,
-    stream: Arc<CudaStream>,
-    blas: CudaBlas,
+    /// The opened device: its stream, cuBLAS handle, name and how long opening took.
+    device: CudaDevice,
     kernels: Kernels,
     word: CudaSlice<f32>,
     position: CudaSlice<f32>,
@@ -225,12 +225,7 @@ pub struct CudaEncoder {
     embedding_norm: DeviceNorm,
     layers: Vec<DeviceLayer>,
     pinned: Option<PinnedHostSlice<f32>>,
-    name: String,
-    /// Milliseconds spent getting the kernels (compiled or from the cache), and which.
-    kernels_ms: u64,
-    kernels_cached: bool,
-    /// Milliseconds opening the device took ([`CudaDevice::open`]) and uploading the weights.
-    open_ms: u64,
+    /// Milliseconds uploading the weights took.
     upload_ms: u64,
 }
 
@@ -308,19 +303,11 @@ impl CudaEncoder {
     /// Upload the weights to an opened device (this thread may not be the one that opened it).
     pub fn on(device: CudaDevice, weights: Arc<BertWeights>) -> Result<Self> {
         let uploaded = Instant::now();
-        let CudaDevice {
-            ctx,
-            module,
-            stream,
-            blas,
-            name,
-            kernels_ms,
-            kernels_cached,
-            open_ms,
-        } = device;
-        ctx.bind_to_thread()
+        device
+            .ctx
+            .bind_to_thread()
             .map_err(|e| cuda_error("binding the context", e))?;
-        let f = |n: &str| module.load_function(n).map_err(|e| cuda_error(n, e));
+        let f = |n: &str| device.module.load_function(n).map_err(|e| cuda_error(n, e));
         let kernels = Kernels {
             embed_tokens: f("embed_tokens")?,
             add_bias: f("add_bias")?,
@@ -341,7 +328,8 @@ impl CudaEncoder {
             ));
         }
         let up = |v: &[f32]| {
-            stream
+            device
+                .stream
                 .clone_htod(v)
                 .map_err(|e| cuda_error("uploading weights", e))
         };
@@ -377,15 +365,10 @@ impl CudaEncoder {
             embedding_norm: norm(&weights.embedding_norm)?,
             layers,
             host: weights,
-            stream,
-            blas,
             kernels,
             pinned: None,
-            name,
-            kernels_ms,
-            kernels_cached,
-            open_ms,
             upload_ms: uploaded.elapsed().as_millis() as u64,
+            device,
         })
     }
 
@@ -411,12 +394,14 @@ impl CudaEncoder {
             ldc: layer.outputs as i32,
         };
         // SAFETY: the buffers hold rows×inputs, inputs×outputs and rows×outputs floats.
-        unsafe { self.blas.gemm(cfg, &layer.weight, x, out) }.map_err(|e| cuda_error("sgemm", e))
+        unsafe { self.device.blas.gemm(cfg, &layer.weight, x, out) }
+            .map_err(|e| cuda_error("sgemm", e))
     }
 
     fn alloc(&self, n: usize) -> Result<CudaSlice<f32>> {
         // SAFETY: every buffer is fully written by a kernel or gemm before it is read.
-        unsafe { self.stream.alloc::<f32>(n.max(1)) }.map_err(|e| cuda_error("allocating", e))
+        unsafe { self.device.stream.alloc::<f32>(n.max(1)) }
+            .map_err(|e| cuda_error("allocating", e))
     }
 
     fn elementwise(
@@ -434,7 +419,7 @@ impl CudaEncoder {
             block_dim: (THREADS, 1, 1),
             shared_mem_bytes: 0,
         };
-        let mut launch = self.stream.launch_builder(f);
+        let mut launch = self.device.stream.launch_builder(f);
         launch.arg(x).arg(bias).arg(&width).arg(&n);
         // SAFETY: arguments match the kernel's signature.
         unsafe { launch.launch(cfg) }
@@ -459,7 +444,10 @@ impl CudaEncoder {
             shared_mem_bytes: (width as u32 + 32) * 4,
         };
         let null: u64 = 0;
-        let mut launch = self.stream.launch_builder(&self.kernels.add_layer_norm);
+        let mut launch = self
+            .device
+            .stream
+            .launch_builder(&self.kernels.add_layer_norm);
         launch.arg(x).arg(bias);
         match residual {
             Some(r) => launch.arg(r),
@@ -504,7 +492,8 @@ impl CudaEncoder {
         }
         let max_len = batch.lengths.iter().copied().max().unwrap_or(1) as i32;
         let up = |v: &[u32]| {
-            self.stream
+            self.device
+                .stream
                 .clone_htod(v)
                 .map_err(|e| cuda_error("upload", e))
         };
@@ -523,7 +512,10 @@ impl CudaEncoder {
                 block_dim: (THREADS, 1, 1),
                 shared_mem_bytes: 0,
             };
-            let mut launch = self.stream.launch_builder(&self.kernels.embed_tokens);
+            let mut launch = self
+                .device
+                .stream
+                .launch_builder(&self.kernels.embed_tokens);
             launch
                 .arg(&ids)
                 .arg(&positions)
@@ -536,6 +528,7 @@ impl CudaEncoder {
             unsafe { launch.launch(cfg) }.map_err(|e| cuda_error("embedding kernel", e))?;
         }
         let zeros = self
+            .device
             .stream
             .alloc_zeros::<f32>(h)
             .map_err(|e| cuda_error("allocating", e))?;
@@ -589,7 +582,7 @@ impl CudaEncoder {
                     },
                 ),
             };
-            let mut launch = self.stream.launch_builder(kernel);
+            let mut launch = self.device.stream.launch_builder(kernel);
             launch
                 .arg(&qkv)
                 .arg(&mut context)
@@ -636,6 +629,7 @@ impl CudaEncoder {
                 shared_mem_bytes: (h as u32 + 32) * 4,
             };
             let mut launch = self
+                .device
                 .stream
                 .launch_builder(&self.kernels.mean_pool_normalize);
             launch
@@ -650,7 +644,7 @@ impl CudaEncoder {
         // Download through a pinned buffer (grown as needed) for a fast copy.
         let n = seqs * h;
         if self.pinned.as_ref().is_none_or(|p| p.len() < n) {
-            let ctx = Arc::clone(self.stream.context());
+            let ctx = Arc::clone(self.device.stream.context());
             // SAFETY: the buffer is written by the copy below before it is read.
             let buffer = unsafe { ctx.alloc_pinned_with_flags::<f32>(n.next_power_of_two(), 0) }
                 .map_err(|e| cuda_error("pinned buffer", e))?;
@@ -659,13 +653,15 @@ impl CudaEncoder {
         let pinned = self.pinned.as_mut().expect("allocated above");
         let mut view = pooled.slice(0..n);
         let _ = &mut view;
-        self.stream
+        self.device
+            .stream
             .memcpy_dtoh(
                 &view,
                 &mut pinned.as_mut_slice().map_err(|e| cuda_error("pinned", e))?[..n],
             )
             .map_err(|e| cuda_error("download", e))?;
-        self.stream
+        self.device
+            .stream
             .synchronize()
             .map_err(|e| cuda_error("synchronize", e))?;
         Ok(pinned.as_slice().map_err(|e| cuda_error("pinned", e))?[..n].to_vec())
@@ -678,7 +674,7 @@ impl SentenceEncoder for CudaEncoder {
     }
 
     fn device(&self) -> String {
-        self.name.clone()
+        self.device.name.clone()
     }
 
     fn on_accelerator(&self) -> bool {
@@ -687,9 +683,12 @@ impl SentenceEncoder for CudaEncoder {
 
     fn load_metrics(&self) -> Vec<(String, u64)> {
         vec![
-            ("cuda_kernels_ms".into(), self.kernels_ms),
-            ("cuda_kernels_cached".into(), self.kernels_cached as u64),
-            ("cuda_open_ms".into(), self.open_ms),
+            ("cuda_kernels_ms".into(), self.device.kernels_ms),
+            (
+                "cuda_kernels_cached".into(),
+                self.device.kernels_cached as u64,
+            ),
+            ("cuda_open_ms".into(), self.device.open_ms),
             ("cuda_upload_ms".into(), self.upload_ms),
         ]
     }

@@ -196,9 +196,10 @@ impl EmbedWorker {
         let started = Instant::now();
         model_files::check_model_dir(&settings.model_dir)?;
         // A GPU's context, kernels and cuBLAS come up on a thread of their own while this
-        // one reads the tokenizer and the weights (each about a third of a GPU worker's load).
+        // one reads the tokenizer and the weights (0.3-0.4 s each on an H200, where one after
+        // the other they made a 0.7-0.8 s load). `Err`: no GPU to open (why, for `auto`).
         let probe = match settings.device {
-            Device::Cpu => Err(String::new()),
+            Device::Cpu => Err("flumen.device = 'cpu'".to_string()),
             Device::Cuda => Ok(()),
             Device::Auto => cuda::probe_device_count().map(|_| ()),
         };
