@@ -1,6 +1,7 @@
 //! The CPU backend: BERT forward over packed sequences, matrix products through the `gemm`
-//! crate (runtime-dispatched AVX2/AVX-512 kernels), everything else row-parallel on a rayon
-//! pool of exactly the threads the worker was granted.
+//! crate (runtime-dispatched AVX2/AVX-512 kernels), the element-wise work in `row_kernels`
+//! (dispatched the same way), everything row-parallel on a rayon pool of exactly the threads
+//! the worker was granted.
 //!
 //! Sequences are packed back to back, so token-wise layers (projections, feed-forward, norms)
 //! never compute on padding; only attention looks at sequence boundaries.
@@ -12,6 +13,7 @@ use gemm::{Parallelism, gemm};
 use rayon::prelude::*;
 
 use super::bert::{BertWeights, LayerNorm, Linear, PackedBatch, SentenceEncoder};
+use super::row_kernels::{self, layer_norm_row, softmax_in_place};
 
 /// BERT sentence encoder on the CPU.
 pub struct CpuEncoder {
@@ -241,40 +243,6 @@ fn attention(
     context
 }
 
-fn softmax_in_place(row: &mut [f32]) {
-    let max = row.iter().copied().fold(f32::NEG_INFINITY, f32::max);
-    for value in row.iter_mut() {
-        *value = exp_nonpositive(*value - max);
-    }
-    let sum: f32 = row.iter().sum();
-    let inv = 1.0 / sum;
-    for value in row.iter_mut() {
-        *value *= inv;
-    }
-}
-
-/// e^x for x ≤ 0 (a softmax input less its row's maximum), branch-free so that a loop over
-/// it vectorizes, where libm's `expf` is a call per element (8% of a long document's forward
-/// time): x = n·ln 2 + r with |r| ≤ ln 2 / 2, e^r by Cephes' degree-6 polynomial (relative
-/// error below 2e-7), 2^n put straight into the exponent bits. Below -87, where e^x is
-/// under f32's smallest normal number, it gives e^-87.
-#[inline]
-pub fn exp_nonpositive(x: f32) -> f32 {
-    let x = x.clamp(-87.0, 0.0);
-    // Round to nearest by truncation, for a value ≤ 0.
-    let n = (x * std::f32::consts::LOG2_E - 0.5) as i32;
-    let nf = n as f32;
-    let r = x - nf * 0.693_359_4 + nf * 2.121_944_4e-4;
-    let mut p = 1.987_569_2e-4_f32;
-    p = p * r + 1.398_199_9e-3;
-    p = p * r + 8.333_452e-3;
-    p = p * r + 4.166_579_6e-2;
-    p = p * r + 1.666_666_5e-1;
-    p = p * r + 0.5;
-    let e_r = p * r * r + r + 1.0;
-    e_r * f32::from_bits(((n + 127) as u32) << 23)
-}
-
 /// `x = LayerNorm(x + residual)` row by row.
 fn layer_norm_rows(
     x: &mut [f32],
@@ -284,48 +252,14 @@ fn layer_norm_rows(
     width: usize,
 ) {
     x.par_chunks_mut(width).enumerate().for_each(|(r, row)| {
-        if let Some(residual) = residual {
-            for (v, add) in row.iter_mut().zip(&residual[r * width..(r + 1) * width]) {
-                *v += add;
-            }
-        }
-        let mean = row.iter().sum::<f32>() / width as f32;
-        let var = row.iter().map(|v| (v - mean) * (v - mean)).sum::<f32>() / width as f32;
-        let inv = 1.0 / (var + eps).sqrt();
-        for ((v, g), b) in row.iter_mut().zip(&norm.gamma).zip(&norm.beta) {
-            *v = (*v - mean) * inv * g + b;
-        }
+        let residual = residual.map(|residual| &residual[r * width..(r + 1) * width]);
+        layer_norm_row(row, residual, &norm.gamma, &norm.beta, eps);
     });
 }
 
-/// BERT's exact (erf) GELU, in place.
+/// BERT's exact (erf) GELU, in place, in parallel pieces.
 fn gelu_in_place(x: &mut [f32]) {
-    x.par_chunks_mut(4096).for_each(|chunk| {
-        for v in chunk {
-            *v = 0.5 * *v * (1.0 + erf(*v * std::f32::consts::FRAC_1_SQRT_2));
-        }
-    });
-}
-
-/// erf as a rational function on [-4, 4] (beyond that it is ±1 in f32); absolute error
-/// below 1e-7. Branch-free, so loops over it vectorize.
-#[inline]
-pub fn erf(x: f32) -> f32 {
-    let x = x.clamp(-4.0, 4.0);
-    let x2 = x * x;
-    let mut p = -2.726_142_3e-10_f32;
-    p = p * x2 + 2.770_681_4e-8;
-    p = p * x2 - 2.101_024e-6;
-    p = p * x2 - 5.692_506_4e-5;
-    p = p * x2 - 7.349_906_3e-4;
-    p = p * x2 - 2.954_6e-3;
-    p = p * x2 - 1.609_603_3e-2;
-    let mut q = -1.456_607_2e-5_f32;
-    q = q * x2 - 2.133_740_6e-4;
-    q = q * x2 - 1.682_827e-3;
-    q = q * x2 - 7.373_329e-3;
-    q = q * x2 - 1.426_474e-2;
-    x * p / q
+    x.par_chunks_mut(4096).for_each(row_kernels::gelu_in_place);
 }
 
 /// Mean over each sequence's tokens, then L2 normalisation (as sentence-transformers'
@@ -345,37 +279,4 @@ fn mean_pool_normalize(x: &[f32], offsets: &[usize], lengths: &[usize], h: usize
         pooled.iter_mut().for_each(|p| *p /= norm);
     }
     out
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn erf_matches_libm() {
-        let worst = (-6000..6000)
-            .map(|i| i as f32 / 1000.0)
-            .map(|x| (erf(x) - libm::erff(x)).abs())
-            .fold(0.0, f32::max);
-        assert!(worst < 5e-7, "max |erf - libm::erff| = {worst}");
-    }
-
-    #[test]
-    fn exp_matches_libm_below_zero() {
-        let worst = (0..=870_000)
-            .map(|i| -(i as f32) / 10_000.0)
-            .map(|x| ((exp_nonpositive(x) - x.exp()) / x.exp()).abs())
-            .fold(0.0, f32::max);
-        assert!(worst < 1e-6, "max relative error {worst}");
-        assert_eq!(exp_nonpositive(0.0), 1.0);
-        assert!(exp_nonpositive(-1000.0) < 1e-37);
-    }
-
-    #[test]
-    fn softmax_sums_to_one() {
-        let mut row = vec![1.0, 2.0, 3.0, 1000.0];
-        softmax_in_place(&mut row);
-        assert!((row.iter().sum::<f32>() - 1.0).abs() < 1e-6);
-        assert!(row[3] > 0.999);
-    }
 }

@@ -15,6 +15,7 @@ pub mod bert;
 pub mod cpu;
 pub mod cuda;
 pub mod model_files;
+pub mod row_kernels;
 pub mod tokenize_step;
 pub mod tokenizer;
 
