@@ -354,6 +354,12 @@ extensions_options! {
         /// selections). A table with fewer rows than this per CPU slot is cut into one split
         /// per slot (none under `first_block_rows`).
         pub model_split_rows: usize, default = 8192
+        /// Most uncompressed bytes (by the files' footers) a source task reads in plans with
+        /// a model UDF: CPU functions and models cost by their input's bytes (a document ten
+        /// times as long takes ten times as long to clean), so a split of wide rows holds
+        /// fewer of them and its block reaches the model as soon as a split of narrow rows
+        /// would; 0: rows alone (`model_split_rows`).
+        pub model_split_bytes: ByteSize, default = ByteSize(16 << 20)
         /// Most rows a model's operator hands the model at once, and so the most rows of the
         /// blocks it writes (0: `target_block_rows`): its output leaves as the model works
         /// through a bundle, so the next stage (or the query's reader) overlaps with the

@@ -625,6 +625,91 @@ async fn accelerator_udfs_run_on_the_accelerator_pool_in_full_batches() {
     );
 }
 
+/// Tasks the accelerator operator of `sql` ran, from `EXPLAIN ANALYZE`.
+async fn accelerator_tasks(f: &datafusion::prelude::SessionContext, sql: &str) -> usize {
+    let batches = f
+        .sql(&format!("EXPLAIN ANALYZE {sql}"))
+        .await
+        .unwrap()
+        .collect()
+        .await
+        .unwrap();
+    let text = datafusion::arrow::util::pretty::pretty_format_batches(&batches)
+        .unwrap()
+        .to_string();
+    let line = text
+        .lines()
+        .find(|l| l.contains("pool=accelerator"))
+        .unwrap_or_else(|| panic!("no accelerator operator in\n{text}"));
+    // `tasks=` names the operator's task shape, then (in its metrics) counts its tasks.
+    line.split(" tasks=")
+        .filter_map(|rest| {
+            rest[..rest
+                .find(|c: char| !c.is_ascii_digit())
+                .unwrap_or(rest.len())]
+                .parse()
+                .ok()
+        })
+        .next()
+        .unwrap_or_else(|| panic!("no task count in {line}"))
+}
+
+/// A model whose operator has nothing to do does not wait for a full bundle while the CPU
+/// slots are still making its rows: it starts on what is there once it makes one of the
+/// model's pieces. Blocks of 1,000 rows arrive one by one (the source's CPU function
+/// sleeps per batch); bundles of 8,192 rows would be three tasks for 20,000 rows.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_model_with_nothing_to_do_starts_on_a_partial_bundle() {
+    let dir = tempfile::tempdir().unwrap();
+    // Twenty files of 1,000 rows: a split, so a block, each.
+    write_events(dir.path(), 20, 1000);
+    let settings = |piece_rows: &'static str| {
+        [
+            "SET flumen.target_block_rows = 8192",
+            "SET flumen.first_block_rows = 0",
+            "SET flumen.split_bytes = '16KB'",
+            piece_rows,
+        ]
+    };
+    let sql = "SELECT id, worker_name(body) AS w FROM events WHERE concurrency_probe(id) >= 0";
+    let mut counts = vec![];
+    for piece_rows in [
+        "SET flumen.model_piece_rows = 256",
+        // Pieces of a whole bundle: a partial bundle would be a partial call; it waits.
+        "SET flumen.model_piece_rows = 0",
+    ] {
+        let f = flumen_ctx(&settings(piece_rows)).await;
+        register_tables(&f, dir.path()).await;
+        let call_rows = Arc::new(Mutex::new(vec![]));
+        f.register_udf(accelerator_udf(WorkerName {
+            signature: Signature::any(1, Volatility::Volatile),
+            calls: Arc::new(AtomicUsize::new(0)),
+            call_rows: Arc::clone(&call_rows),
+            loads: Arc::new(AtomicUsize::new(0)),
+            delay: std::time::Duration::ZERO,
+        }));
+        f.register_udf(ScalarUDF::new_from_impl(ConcurrencyProbe {
+            signature: Signature::exact(vec![DataType::Int64], Volatility::Volatile),
+            in_flight: Arc::new(AtomicUsize::new(0)),
+            most: Arc::new(AtomicUsize::new(0)),
+        }));
+        let (batches, _) = run_plan(&f, sql).await;
+        assert_eq!(batches.iter().map(|b| b.num_rows()).sum::<usize>(), 20_000);
+        assert_eq!(call_rows.lock().unwrap().iter().sum::<usize>(), 20_000);
+        counts.push(accelerator_tasks(&f, sql).await);
+    }
+    assert!(
+        counts[0] >= 8,
+        "{} tasks with pieces of 256 rows: the model waited for full bundles",
+        counts[0]
+    );
+    assert!(
+        counts[1] <= 5,
+        "{} tasks with whole-bundle calls: partial bundles were taken",
+        counts[1]
+    );
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_first_blocks_are_small_and_grow_to_the_target() {
     let dir = tempfile::tempdir().unwrap();
@@ -1361,7 +1446,7 @@ async fn source_feeding_a_slow_model(
 /// A Parquet file written as one row group of 100,000 rows (as writers with a 1M-row
 /// default make them): where a model reads it, flumen reads it in several tasks, each a row
 /// selection of the group, every row exactly once — cut by `flumen.model_split_rows`, by
-/// bytes, or into one split per CPU slot; a plain query reads the row group whole (without a page index each piece would
+/// bytes, by its data's bytes (`flumen.model_split_bytes`), or into one split per CPU slot; a plain query reads the row group whole (without a page index each piece would
 /// read the whole group's column chunks).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_large_row_group_is_read_in_row_selections() {
@@ -1410,6 +1495,17 @@ async fn a_large_row_group_is_read_in_row_selections() {
             vec!["SET flumen.model_split_rows = 10000"],
             "SELECT id, m(body) AS v FROM big",
             10..=11,
+        ),
+        // By the rows' data (~2.6 MB uncompressed by the footer): ~10 splits of 256 KB,
+        // where the rows alone give one split per CPU slot.
+        (
+            vec![
+                "SET flumen.split_bytes = '1GB'",
+                "SET flumen.model_split_rows = 1000000",
+                "SET flumen.model_split_bytes = '256KB'",
+            ],
+            "SELECT id, m(body) AS v FROM big",
+            6..=16,
         ),
         // Fewer rows than the limit times the CPU slots: one split per slot.
         (

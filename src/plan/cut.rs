@@ -39,7 +39,7 @@ use crate::plan::accelerator_projection::AcceleratorProjectionExec;
 use crate::plan::concat_partitions::ConcatPartitionsExec;
 use crate::plan::exchange_sizing::ExchangeSizing;
 use crate::plan::graph::{Operator, OperatorGraph, OperatorId, Pool, TaskShape};
-use crate::plan::split_source::{RowGroupLayout, SplitSourceExec};
+use crate::plan::split_source::{ModelSplitLimit, RowGroupLayout, SplitSourceExec};
 use crate::plan::stage_input::{InputExchange, StageInputExec};
 
 impl OperatorGraph {
@@ -255,15 +255,18 @@ impl Cutter<'_> {
                 self.config.split_bytes.0
             };
             // The first-block ramp is on exactly in plans with a model: there rows are dear.
-            let split_rows = if self.config.first_block_rows > 0 {
-                self.config.model_split_rows as u64
+            let limit = if self.config.first_block_rows > 0 {
+                ModelSplitLimit {
+                    rows: self.config.model_split_rows as u64,
+                    data_bytes: self.config.model_split_bytes.0,
+                }
             } else {
-                0
+                ModelSplitLimit::NONE
             };
             split_sources(
                 fragment,
                 split_bytes,
-                split_rows,
+                limit,
                 self.layout,
                 (self.config.first_block_rows, self.config.cpu_slots.max(1)),
             )?
@@ -512,7 +515,7 @@ fn collect_parquet_scans<'a>(plan: &'a Arc<dyn ExecutionPlan>, out: &mut Vec<&'a
 fn split_sources(
     fragment: Arc<dyn ExecutionPlan>,
     split_bytes: u64,
-    split_rows: u64,
+    limit: ModelSplitLimit,
     layout: &RowGroupLayout,
     ramp: (usize, usize),
 ) -> Result<(Arc<dyn ExecutionPlan>, Vec<usize>)> {
@@ -521,7 +524,7 @@ fn split_sources(
     if count_scans(&fragment) != 1 {
         return Ok((fragment, splits));
     }
-    let rewritten = replace_scan(fragment, split_bytes, split_rows, layout, ramp, &mut splits)?;
+    let rewritten = replace_scan(fragment, split_bytes, limit, layout, ramp, &mut splits)?;
     Ok((rewritten, splits))
 }
 
@@ -533,7 +536,7 @@ fn count_scans(plan: &Arc<dyn ExecutionPlan>) -> usize {
 fn replace_scan(
     plan: Arc<dyn ExecutionPlan>,
     split_bytes: u64,
-    split_rows: u64,
+    limit: ModelSplitLimit,
     layout: &RowGroupLayout,
     ramp: (usize, usize),
     splits: &mut Vec<usize>,
@@ -547,7 +550,7 @@ fn replace_scan(
                 Arc::clone(&plan),
                 config,
                 split_bytes,
-                split_rows,
+                limit,
                 layout,
                 ramp.0,
                 ramp.1,
@@ -563,7 +566,7 @@ fn replace_scan(
     }
     let children = children
         .into_iter()
-        .map(|c| replace_scan(Arc::clone(c), split_bytes, split_rows, layout, ramp, splits))
+        .map(|c| replace_scan(Arc::clone(c), split_bytes, limit, layout, ramp, splits))
         .collect::<Result<Vec<_>>>()?;
     replace_children_if_necessary(plan, children)
 }

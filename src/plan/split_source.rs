@@ -4,7 +4,8 @@
 //! source task reads one range (the row groups whose first page starts inside it, as
 //! DataFusion assigns them). Where the files' footers could be read before cutting
 //! ([`RowGroupLayout`]), ranges fall on row group boundaries, so no split comes out empty;
-//! in plans that call a model, splits also hold at most `flumen.model_split_rows` rows, and
+//! in plans that call a model, splits also hold at most `flumen.model_split_rows` rows and
+//! `flumen.model_split_bytes` of uncompressed data ([`ModelSplitLimit`]), and
 //! a row group larger than a split (in bytes or rows) is cut into pieces of consecutive
 //! rows, each read through a Parquet row selection (DataFusion's `ParquetAccessPlan`), so
 //! a row group of a million rows is not one task. Otherwise they are plain byte ranges. The same split always reads the same rows, which
@@ -57,6 +58,40 @@ struct RowGroupSpan {
     bytes: u64,
     /// Rows.
     rows: u64,
+    /// Uncompressed bytes of every column's data: what its rows weigh once decoded.
+    data_bytes: u64,
+}
+
+/// What a split of a plan with a model may hold beyond its compressed bytes: rows there
+/// cost far more CPU than their bytes say (`clean_text`, tokenizing), and a long row more
+/// than a short one.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct ModelSplitLimit {
+    /// Most rows (0: no limit, and the limit below is unused).
+    pub rows: u64,
+    /// Most uncompressed bytes, by the footers' sizes (0: rows alone): a row group of
+    /// rows ten times as wide gives splits of a tenth of the rows.
+    pub data_bytes: u64,
+}
+
+impl ModelSplitLimit {
+    /// No limit beyond the compressed bytes (plans without a model).
+    pub const NONE: Self = Self {
+        rows: 0,
+        data_bytes: 0,
+    };
+
+    /// Most rows of `group` a split holds (`u64::MAX`: no limit).
+    fn rows_of(&self, group: &RowGroupSpan) -> u64 {
+        if self.rows == 0 {
+            return u64::MAX;
+        }
+        if self.data_bytes == 0 || group.data_bytes == 0 {
+            return self.rows;
+        }
+        let fit = (self.data_bytes as u128 * group.rows as u128 / group.data_bytes as u128) as u64;
+        self.rows.min(fit.max(1))
+    }
 }
 
 /// One Parquet file's row groups.
@@ -98,6 +133,7 @@ impl RowGroupLayout {
                                 offset: start.max(0) as u64,
                                 bytes: rg.compressed_size().max(0) as u64,
                                 rows: rg.num_rows().max(0) as u64,
+                                data_bytes: rg.total_byte_size().max(0) as u64,
                             }
                         })
                         .collect();
@@ -232,25 +268,27 @@ pub struct SplitSourceExec {
 
 impl SplitSourceExec {
     /// Cut the scan `original` (whose data source is `config`) into splits of about
-    /// `split_bytes` and at most `split_rows` rows (0: no limit) where the footers are
-    /// known; the first `ramped_splits` splits of each partition (one per CPU slot, so
+    /// `split_bytes` and at most what `limit` allows where the footers are known; the first `ramped_splits` splits of each partition (one per CPU slot, so
     /// every slot's first task starts small) read batches of `first_rows` rows (0: the
     /// session's, and no split ramps).
     pub fn try_new(
         original: Arc<dyn ExecutionPlan>,
         config: &FileScanConfig,
         split_bytes: u64,
-        split_rows: u64,
+        limit: ModelSplitLimit,
         layout: &RowGroupLayout,
         first_rows: usize,
         ramped_splits: usize,
     ) -> Result<Self> {
-        let split_rows = shared_split_rows(
-            split_rows,
-            scan_rows(config, layout),
-            first_rows,
-            ramped_splits,
-        );
+        let limit = ModelSplitLimit {
+            rows: shared_split_rows(
+                limit.rows,
+                scan_rows(config, layout),
+                first_rows,
+                ramped_splits,
+            ),
+            ..limit
+        };
         let ramped_splits = if first_rows > 0 { ramped_splits } else { 0 };
         let split_bytes = split_bytes.max(1);
         let mut splits = vec![];
@@ -258,7 +296,7 @@ impl SplitSourceExec {
             let mut scans: Vec<Arc<dyn ExecutionPlan>> = vec![];
             for file in group.iter() {
                 let ranges = match layout.row_groups(file) {
-                    Some(groups) => row_group_ranges(file, groups, split_bytes, split_rows),
+                    Some(groups) => row_group_ranges(file, groups, split_bytes, limit),
                     None => byte_ranges(file, split_bytes),
                 };
                 for range_file in ranges {
@@ -343,21 +381,20 @@ fn scan_rows(config: &FileScanConfig, layout: &RowGroupLayout) -> Option<u64> {
 const MIN_PIECE_ROWS: u64 = 8192;
 
 /// Cut one file (or its assigned range) at row group boundaries into ranges holding about
-/// `split_bytes` of row groups each and, with `split_rows` > 0, at most that many rows; then
-/// (only with `split_rows` > 0) a row group larger than either limit is cut into pieces of
-/// consecutive rows, each a range holding only that row group and a row selection of the
-/// piece's rows.
+/// `split_bytes` of row groups each and at most what `limit` allows; then (only under a row
+/// limit) a row group larger than these limits is cut into pieces of consecutive rows, each
+/// a range holding only that row group and a row selection of the piece's rows.
 fn row_group_ranges(
     file: &PartitionedFile,
     groups: &[RowGroupSpan],
     split_bytes: u64,
-    split_rows: u64,
+    limit: ModelSplitLimit,
 ) -> Vec<PartitionedFile> {
     let (start, end) = byte_range(file);
-    let row_limit = if split_rows == 0 {
-        u64::MAX
-    } else {
-        split_rows
+    let (rows_cap, data_cap) = match (limit.rows, limit.data_bytes) {
+        (0, _) => (u64::MAX, u64::MAX),
+        (rows, 0) => (rows, u64::MAX),
+        (rows, data) => (rows, data),
     };
     let split_bytes = split_bytes.max(1);
     // Row groups in the range, with their index in the file.
@@ -385,20 +422,20 @@ fn row_group_ranges(
     // plan of its own cannot take.
     let can_select = !file.extensions.contains::<ParquetAccessPlan>();
     let mut out = vec![];
-    // The whole row groups gathered for the next range: its start, bytes and rows.
+    // The whole row groups gathered for the next range: its start, bytes, rows and data.
     let mut open: Option<u64> = None;
-    let (mut bytes, mut rows) = (0u64, 0u64);
+    let (mut bytes, mut rows, mut data) = (0u64, 0u64, 0u64);
     for (k, (index, group)) in inside.iter().enumerate() {
         // Only under a row limit: a piece is read through a row selection, and without a
         // page index (DataFusion loads one only for a pruning predicate) each piece reads
         // its whole row group's column chunks, which costs more than it shares out where
         // rows are cheap (TPC-H's 1M-row row groups would be read ~10 times over).
-        let pieces = if split_rows == 0 {
+        let pieces = if limit.rows == 0 {
             1
         } else {
             (group.bytes.div_ceil(split_bytes))
                 .min(group.rows.div_ceil(MIN_PIECE_ROWS))
-                .max(group.rows.div_ceil(row_limit))
+                .max(group.rows.div_ceil(limit.rows_of(group)))
                 .min(group.rows)
         };
         if pieces > 1 && can_select {
@@ -414,19 +451,20 @@ fn row_group_ranges(
                 out.push(piece(from, range_end(k), Some(plan)));
                 first = last;
             }
-            (bytes, rows) = (0, 0);
+            (bytes, rows, data) = (0, 0, 0);
             continue;
         }
         let from = *open.get_or_insert(if out.is_empty() { start } else { group.offset });
         bytes += group.bytes;
         rows += group.rows;
-        let next_overflows = inside
-            .get(k + 1)
-            .is_some_and(|(_, next)| rows + next.rows > row_limit || bytes >= split_bytes);
+        data += group.data_bytes;
+        let next_overflows = inside.get(k + 1).is_some_and(|(_, next)| {
+            rows + next.rows > rows_cap || data + next.data_bytes > data_cap || bytes >= split_bytes
+        });
         if next_overflows || k + 1 == inside.len() {
             out.push(piece(from, range_end(k), None));
             open = None;
-            (bytes, rows) = (0, 0);
+            (bytes, rows, data) = (0, 0, 0);
         }
     }
     if out.is_empty() {
@@ -575,6 +613,14 @@ mod tests {
         PartitionedFile::new("f.parquet", size)
     }
 
+    /// A limit of `rows` rows alone.
+    fn rows(rows: u64) -> ModelSplitLimit {
+        ModelSplitLimit {
+            rows,
+            data_bytes: 0,
+        }
+    }
+
     fn spans(groups: &[(u64, u64)]) -> Vec<RowGroupSpan> {
         let mut offset = 4;
         groups
@@ -584,6 +630,7 @@ mod tests {
                     offset,
                     bytes,
                     rows,
+                    data_bytes: 0,
                 };
                 offset += bytes;
                 span
@@ -620,7 +667,7 @@ mod tests {
     #[test]
     fn whole_row_groups_are_gathered_up_to_the_byte_size() {
         let groups = spans(&[(100, 10), (100, 10), (100, 10)]);
-        let pieces = row_group_ranges(&file(400), &groups, 150, 0);
+        let pieces = row_group_ranges(&file(400), &groups, 150, ModelSplitLimit::NONE);
         assert_eq!(
             layout(&pieces),
             vec![(0, 204, None), (204, 400, None)],
@@ -633,7 +680,7 @@ mod tests {
         // One row group of 100,000 rows and 1,000 bytes, splits of 300 bytes: four pieces
         // of 25,000 rows, together every row once.
         let groups = spans(&[(50, 10), (1000, 100_000), (50, 10)]);
-        let pieces = row_group_ranges(&file(1200), &groups, 300, 1 << 30);
+        let pieces = row_group_ranges(&file(1200), &groups, 300, rows(1 << 30));
         let layout = layout(&pieces);
         assert_eq!(layout[0], (0, 54, None));
         for piece in &layout[1..5] {
@@ -656,24 +703,60 @@ mod tests {
         // the size is cut in two, not in four.
         let groups = spans(&[(1000, 10_000)]);
         assert_eq!(
-            row_group_ranges(&file(1100), &groups, 300, 1 << 30).len(),
+            row_group_ranges(&file(1100), &groups, 300, rows(1 << 30)).len(),
             2
         );
         // Without a row limit (plans without a model), row groups stay whole.
-        assert_eq!(row_group_ranges(&file(1100), &groups, 300, 0).len(), 1);
+        assert_eq!(
+            row_group_ranges(&file(1100), &groups, 300, ModelSplitLimit::NONE).len(),
+            1
+        );
     }
 
     #[test]
     fn a_row_limit_cuts_by_rows_too() {
         // Small row groups gathered up to 2,500 rows; a 6,000-row one cut in three.
         let groups = spans(&[(10, 1000), (10, 1000), (10, 1000), (10, 6000)]);
-        let layout = layout(&row_group_ranges(&file(100), &groups, 1 << 20, 2500));
+        let layout = layout(&row_group_ranges(&file(100), &groups, 1 << 20, rows(2500)));
         assert_eq!(layout[0], (0, 24, None), "two groups: 2,000 rows");
         assert_eq!(layout[1], (24, 34, None));
         assert_eq!(layout.len(), 5);
         for piece in &layout[2..] {
             assert_eq!(piece.2, Some(vec![(3, 2000)]));
         }
+    }
+
+    #[test]
+    fn wide_rows_make_splits_of_fewer_rows() {
+        // Three row groups of 1,000 rows: narrow (1 MB of data), then ten times as wide.
+        // Under 8,192 rows and 2 MB of data a split: the narrow ones gather two by two...
+        let mut groups = spans(&[(10, 1000), (10, 1000), (10, 1000), (10, 1000)]);
+        for (group, data) in groups.iter_mut().zip([1, 1, 10, 10]) {
+            group.data_bytes = data << 20;
+        }
+        let limit = ModelSplitLimit {
+            rows: 8192,
+            data_bytes: 2 << 20,
+        };
+        let layout = layout(&row_group_ranges(&file(100), &groups, 1 << 20, limit));
+        assert_eq!(layout[0], (0, 24, None), "the two narrow groups: 2 MB");
+        // ...and each wide one is cut into five pieces of 200 rows (2 MB each).
+        assert_eq!(layout.len(), 11, "{layout:?}");
+        for piece in &layout[1..6] {
+            assert_eq!(piece.2, Some(vec![(2, 200)]));
+        }
+        for piece in &layout[6..] {
+            assert_eq!(piece.2, Some(vec![(3, 200)]));
+        }
+        // Without a row limit (plans without a model) the data bytes change nothing.
+        let unlimited = ModelSplitLimit {
+            rows: 0,
+            data_bytes: 2 << 20,
+        };
+        assert_eq!(
+            row_group_ranges(&file(100), &groups, 1 << 20, unlimited).len(),
+            1
+        );
     }
 
     #[test]
@@ -692,7 +775,7 @@ mod tests {
     fn a_file_with_an_access_plan_of_its_own_keeps_whole_row_groups() {
         let groups = spans(&[(1000, 1000)]);
         let own = file(1100).with_extension(ParquetAccessPlan::new_all(1));
-        let pieces = row_group_ranges(&own, &groups, 100, 1 << 30);
+        let pieces = row_group_ranges(&own, &groups, 100, rows(1 << 30));
         assert_eq!(pieces.len(), 1);
         assert_eq!(
             pieces[0].extension::<ParquetAccessPlan>(),
