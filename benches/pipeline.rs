@@ -6,6 +6,7 @@
 //! cargo bench --bench pipeline -- [--full] [--rows N] [--runs N] [--pipelines two|three|both]
 //!     [--accelerator auto|emulated|cuda] [--service-us N] [--batch-rows N] [--mem-scale N]
 //!     [--skip-memory] [--skip-sweep] [--warm] [--first-block-rows N] [--block-rows N] [--piece-rows N]
+//!     [--split-bytes N]
 //!     [--three-rows N] [--post-layers N] [--long-factor N]
 //!     [--a-batch-us N] [--a-per-kib-us N] [--b-service-us N]
 //! ```
@@ -125,6 +126,8 @@ struct Args {
     block_rows: Option<usize>,
     /// `flumen.model_piece_rows` (`--piece-rows`).
     piece_rows: Option<usize>,
+    /// `flumen.model_split_bytes` (`--split-bytes`, bytes).
+    split_bytes: Option<u64>,
     post_layers: usize,
     long_factor: usize,
     a_batch_us: u64,
@@ -156,6 +159,7 @@ fn parse_args() -> Args {
         first_block_rows: None,
         block_rows: None,
         piece_rows: None,
+        split_bytes: None,
         post_layers: 2,
         long_factor: 10,
         a_batch_us: 1_000,
@@ -194,6 +198,7 @@ fn parse_args() -> Args {
             "--first-block-rows" => args.first_block_rows = Some(number() as usize),
             "--block-rows" => args.block_rows = Some(number() as usize),
             "--piece-rows" => args.piece_rows = Some(number() as usize),
+            "--split-bytes" => args.split_bytes = Some(number()),
             "--post-layers" => args.post_layers = number() as usize,
             "--long-factor" => args.long_factor = number() as usize,
             "--a-batch-us" => args.a_batch_us = number(),
@@ -669,6 +674,9 @@ fn spawn_child(
     if let Some(rows) = args.piece_rows {
         child.args(["--piece-rows", &rows.to_string()]);
     }
+    if let Some(bytes) = args.split_bytes {
+        child.args(["--split-bytes", &bytes.to_string()]);
+    }
     if let Some(tp) = target_partitions {
         child.args(["--target-partitions", &tp.to_string()]);
     }
@@ -998,6 +1006,9 @@ fn run_child(args: &Args, mode: &str) -> Result<Value> {
             }
             if let Some(rows) = args.block_rows {
                 config.target_block_rows = rows;
+            }
+            if let Some(bytes) = args.split_bytes {
+                config.model_split_bytes = flumen::config::ByteSize(bytes);
             }
             if let Some(rows) = args.piece_rows {
                 config.model_piece_rows = rows;
