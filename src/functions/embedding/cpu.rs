@@ -20,6 +20,23 @@ pub struct CpuEncoder {
     weights: Arc<BertWeights>,
     pool: rayon::ThreadPool,
     threads: usize,
+    /// The forward pass's activations, kept from one pass to the next.
+    scratch: Scratch,
+}
+
+/// A forward pass's activations (`[tokens, width]` each), kept by the encoder and reused by
+/// every layer of every pass: allocated afresh, each pass's megabytes were page faults (with
+/// jemalloc handing idle pages back between tasks: ~10% of the README's main job in `perf`).
+/// They stay as large as the largest pass so far.
+#[derive(Default)]
+struct Scratch {
+    /// The layer's input, then its output.
+    x: Vec<f32>,
+    qkv: Vec<f32>,
+    context: Vec<f32>,
+    attended: Vec<f32>,
+    inner: Vec<f32>,
+    out: Vec<f32>,
 }
 
 impl CpuEncoder {
@@ -35,6 +52,7 @@ impl CpuEncoder {
             weights,
             pool,
             threads,
+            scratch: Scratch::default(),
         })
     }
 
@@ -43,7 +61,7 @@ impl CpuEncoder {
         self.threads
     }
 
-    fn forward(&self, batch: &PackedBatch) -> Result<Vec<f32>> {
+    fn forward(&self, batch: &PackedBatch, scratch: &mut Scratch) -> Result<Vec<f32>> {
         let w = &self.weights;
         let cfg = &w.config;
         let h = cfg.hidden;
@@ -58,7 +76,16 @@ impl CpuEncoder {
             Parallelism::None
         };
 
-        let mut x = vec![0f32; tokens * h];
+        let Scratch {
+            x,
+            qkv,
+            context,
+            attended,
+            inner,
+            out,
+        } = scratch;
+        x.clear();
+        x.resize(tokens * h, 0.0);
         for (&start, &len) in offsets.iter().zip(&batch.lengths) {
             if len > cfg.max_positions {
                 return Err(DataFusionError::Execution(format!(
@@ -82,38 +109,48 @@ impl CpuEncoder {
                 }
             }
         }
-        layer_norm_rows(&mut x, None, &w.embedding_norm, cfg.layer_norm_eps, h);
+        layer_norm_rows(x, None, &w.embedding_norm, cfg.layer_norm_eps, h);
 
         for layer in &w.layers {
-            let qkv = linear(&x, tokens, &layer.qkv, parallelism);
-            let context = attention(&qkv, &offsets, &batch.lengths, cfg.heads, cfg.head_dim());
-            let mut attended = linear(&context, tokens, &layer.attention_out, parallelism);
+            linear(x, tokens, &layer.qkv, parallelism, qkv);
+            attention(
+                qkv,
+                &offsets,
+                &batch.lengths,
+                cfg.heads,
+                cfg.head_dim(),
+                context,
+            );
+            linear(context, tokens, &layer.attention_out, parallelism, attended);
             layer_norm_rows(
-                &mut attended,
-                Some(&x),
+                attended,
+                Some(x),
                 &layer.attention_norm,
                 cfg.layer_norm_eps,
                 h,
             );
-            let mut inner = linear(&attended, tokens, &layer.intermediate, parallelism);
-            gelu_in_place(&mut inner);
-            let mut out = linear(&inner, tokens, &layer.output, parallelism);
+            linear(attended, tokens, &layer.intermediate, parallelism, inner);
+            gelu_in_place(inner);
+            linear(inner, tokens, &layer.output, parallelism, out);
             layer_norm_rows(
-                &mut out,
-                Some(&attended),
+                out,
+                Some(attended),
                 &layer.output_norm,
                 cfg.layer_norm_eps,
                 h,
             );
-            x = out;
+            std::mem::swap(x, out);
         }
-        Ok(mean_pool_normalize(&x, &offsets, &batch.lengths, h))
+        Ok(mean_pool_normalize(x, &offsets, &batch.lengths, h))
     }
 }
 
 impl SentenceEncoder for CpuEncoder {
     fn encode(&mut self, batch: &PackedBatch) -> Result<Vec<f32>> {
-        self.pool.install(|| self.forward(batch))
+        let mut scratch = std::mem::take(&mut self.scratch);
+        let encoded = self.pool.install(|| self.forward(batch, &mut scratch));
+        self.scratch = scratch;
+        encoded
     }
 
     fn device(&self) -> String {
@@ -121,11 +158,11 @@ impl SentenceEncoder for CpuEncoder {
     }
 }
 
-/// `x · weight + bias` for `rows` rows of `x`.
-fn linear(x: &[f32], rows: usize, layer: &Linear, parallelism: Parallelism) -> Vec<f32> {
+/// `out = x · weight + bias` for `rows` rows of `x`.
+fn linear(x: &[f32], rows: usize, layer: &Linear, parallelism: Parallelism, out: &mut Vec<f32>) {
     let (k, n) = (layer.inputs, layer.outputs);
     debug_assert_eq!(x.len(), rows * k);
-    let mut out = Vec::with_capacity(rows * n);
+    out.clear();
     for _ in 0..rows {
         out.extend_from_slice(&layer.bias);
     }
@@ -153,7 +190,6 @@ fn linear(x: &[f32], rows: usize, layer: &Linear, parallelism: Parallelism) -> V
             parallelism,
         );
     }
-    out
 }
 
 /// A pointer shared by tasks that write disjoint parts of one buffer.
@@ -164,18 +200,20 @@ unsafe impl Send for SharedMut {}
 unsafe impl Sync for SharedMut {}
 
 /// Multi-head self-attention of each sequence over itself. `qkv` holds `[q | k | v]` per
-/// token (`3 * heads * head_dim` wide); returns the context, `heads * head_dim` wide.
+/// token (`3 * heads * head_dim` wide); `context` gets the context, `heads * head_dim` wide.
 fn attention(
     qkv: &[f32],
     offsets: &[usize],
     lengths: &[usize],
     heads: usize,
     head_dim: usize,
-) -> Vec<f32> {
+    context: &mut Vec<f32>,
+) {
     let h = heads * head_dim;
     let stride = 3 * h;
     let tokens = qkv.len() / stride;
-    let mut context = vec![0f32; tokens * h];
+    context.clear();
+    context.resize(tokens * h, 0.0);
     let out = SharedMut(context.as_mut_ptr());
     let scale = 1.0 / (head_dim as f32).sqrt();
     (0..offsets.len() * heads).into_par_iter().for_each(|task| {
@@ -240,7 +278,6 @@ fn attention(
             );
         }
     });
-    context
 }
 
 /// `x = LayerNorm(x + residual)` row by row.
