@@ -508,6 +508,19 @@ struct WorkerName {
     delay: std::time::Duration,
 }
 
+impl WorkerName {
+    /// A model taking `delay` per call, with counters of its own (replace the ones a test reads).
+    fn taking(delay: std::time::Duration) -> Self {
+        Self {
+            signature: Signature::any(1, Volatility::Volatile),
+            calls: Arc::default(),
+            call_rows: Arc::default(),
+            loads: Arc::default(),
+            delay,
+        }
+    }
+}
+
 impl AcceleratorFunction for WorkerName {
     fn name(&self) -> &str {
         "worker_name"
@@ -682,11 +695,8 @@ async fn a_model_with_nothing_to_do_starts_on_a_partial_bundle() {
         register_tables(&f, dir.path()).await;
         let call_rows = Arc::new(Mutex::new(vec![]));
         f.register_udf(accelerator_udf(WorkerName {
-            signature: Signature::any(1, Volatility::Volatile),
-            calls: Arc::new(AtomicUsize::new(0)),
             call_rows: Arc::clone(&call_rows),
-            loads: Arc::new(AtomicUsize::new(0)),
-            delay: std::time::Duration::ZERO,
+            ..WorkerName::taking(std::time::Duration::ZERO)
         }));
         f.register_udf(ScalarUDF::new_from_impl(ConcurrencyProbe {
             signature: Signature::exact(vec![DataType::Int64], Volatility::Volatile),
@@ -735,11 +745,8 @@ async fn the_first_blocks_are_small_and_grow_to_the_target() {
         register_tables(&f, dir.path()).await;
         let call_rows = Arc::new(Mutex::new(vec![]));
         f.register_udf(accelerator_udf(WorkerName {
-            signature: Signature::any(1, Volatility::Volatile),
-            calls: Arc::default(),
             call_rows: Arc::clone(&call_rows),
-            loads: Arc::default(),
-            delay: std::time::Duration::from_millis(2),
+            ..WorkerName::taking(std::time::Duration::from_millis(2))
         }));
         let (batches, plan) = run_plan(&f, sql).await;
         answers.push(rows(&batches, true));
@@ -1428,13 +1435,7 @@ async fn source_feeding_a_slow_model(
     all.extend_from_slice(settings);
     let f = flumen_ctx(&all).await;
     register_tables(&f, dir).await;
-    f.register_udf(accelerator_udf(WorkerName {
-        signature: Signature::any(1, Volatility::Volatile),
-        calls: Arc::new(AtomicUsize::new(0)),
-        call_rows: Arc::default(),
-        loads: Arc::new(AtomicUsize::new(0)),
-        delay,
-    }));
+    f.register_udf(accelerator_udf(WorkerName::taking(delay)));
     let (batches, plan) = run_plan(&f, "SELECT worker_name(body) AS w FROM events").await;
     assert_eq!(batches.iter().map(|b| b.num_rows()).sum::<usize>(), 40_000);
     let metrics = plan.downcast_ref::<FlumenExec>().unwrap().run_metrics();
