@@ -6,6 +6,7 @@ mod common;
 use std::sync::Arc;
 use std::sync::Mutex;
 use std::sync::atomic::{AtomicUsize, Ordering};
+use std::time::Duration;
 
 use common::*;
 use datafusion::arrow::array::{ArrayRef, StringArray};
@@ -638,33 +639,33 @@ async fn accelerator_udfs_run_on_the_accelerator_pool_in_full_batches() {
     );
 }
 
-/// Tasks the accelerator operator of `sql` ran, from `EXPLAIN ANALYZE`.
-async fn accelerator_tasks(f: &datafusion::prelude::SessionContext, sql: &str) -> usize {
-    let batches = f
-        .sql(&format!("EXPLAIN ANALYZE {sql}"))
-        .await
-        .unwrap()
-        .collect()
-        .await
-        .unwrap();
-    let text = datafusion::arrow::util::pretty::pretty_format_batches(&batches)
-        .unwrap()
-        .to_string();
-    let line = text
-        .lines()
-        .find(|l| l.contains("pool=accelerator"))
-        .unwrap_or_else(|| panic!("no accelerator operator in\n{text}"));
-    // `tasks=` names the operator's task shape, then (in its metrics) counts its tasks.
-    line.split(" tasks=")
-        .filter_map(|rest| {
-            rest[..rest
-                .find(|c: char| !c.is_ascii_digit())
-                .unwrap_or(rest.len())]
-                .parse()
-                .ok()
-        })
-        .next()
-        .unwrap_or_else(|| panic!("no task count in {line}"))
+/// A session with `settings` over the events tables in `dir`, with `worker_name` taking
+/// `delay` per call; returns it and the rows of each call, in order.
+async fn events_with_worker_name(
+    settings: &[&str],
+    dir: &std::path::Path,
+    delay: std::time::Duration,
+) -> (datafusion::prelude::SessionContext, Arc<Mutex<Vec<usize>>>) {
+    let f = flumen_ctx(settings).await;
+    register_tables(&f, dir).await;
+    let call_rows = Arc::new(Mutex::new(vec![]));
+    f.register_udf(accelerator_udf(WorkerName {
+        call_rows: Arc::clone(&call_rows),
+        ..WorkerName::taking(delay)
+    }));
+    (f, call_rows)
+}
+
+/// Tasks the accelerator operator of an executed plan ran.
+fn accelerator_tasks(plan: &Arc<dyn ExecutionPlan>) -> u64 {
+    let exec = plan.downcast_ref::<FlumenExec>().expect("a flumen plan");
+    let accelerator = exec
+        .graph()
+        .operators
+        .iter()
+        .position(|op| op.pool == Pool::Accelerator)
+        .expect("an accelerator operator");
+    operator_stats(exec)[accelerator].tasks
 }
 
 /// A model whose operator has nothing to do does not wait for a full bundle while the CPU
@@ -691,22 +692,17 @@ async fn a_model_with_nothing_to_do_starts_on_a_partial_bundle() {
         // Pieces of a whole bundle: a partial bundle would be a partial call; it waits.
         "SET flumen.model_piece_rows = 0",
     ] {
-        let f = flumen_ctx(&settings(piece_rows)).await;
-        register_tables(&f, dir.path()).await;
-        let call_rows = Arc::new(Mutex::new(vec![]));
-        f.register_udf(accelerator_udf(WorkerName {
-            call_rows: Arc::clone(&call_rows),
-            ..WorkerName::taking(std::time::Duration::ZERO)
-        }));
+        let (f, call_rows) =
+            events_with_worker_name(&settings(piece_rows), dir.path(), Duration::ZERO).await;
         f.register_udf(ScalarUDF::new_from_impl(ConcurrencyProbe {
             signature: Signature::exact(vec![DataType::Int64], Volatility::Volatile),
             in_flight: Arc::new(AtomicUsize::new(0)),
             most: Arc::new(AtomicUsize::new(0)),
         }));
-        let (batches, _) = run_plan(&f, sql).await;
+        let (batches, plan) = run_plan(&f, sql).await;
         assert_eq!(batches.iter().map(|b| b.num_rows()).sum::<usize>(), 20_000);
         assert_eq!(call_rows.lock().unwrap().iter().sum::<usize>(), 20_000);
-        counts.push(accelerator_tasks(&f, sql).await);
+        counts.push(accelerator_tasks(&plan));
     }
     assert!(
         counts[0] >= 8,
@@ -741,13 +737,8 @@ async fn the_first_blocks_are_small_and_grow_to_the_target() {
         "SET flumen.first_block_rows = 100",
         "SET flumen.first_block_rows = 0",
     ] {
-        let f = flumen_ctx(&settings(first)).await;
-        register_tables(&f, dir.path()).await;
-        let call_rows = Arc::new(Mutex::new(vec![]));
-        f.register_udf(accelerator_udf(WorkerName {
-            call_rows: Arc::clone(&call_rows),
-            ..WorkerName::taking(std::time::Duration::from_millis(2))
-        }));
+        let (f, call_rows) =
+            events_with_worker_name(&settings(first), dir.path(), Duration::from_millis(2)).await;
         let (batches, plan) = run_plan(&f, sql).await;
         answers.push(rows(&batches, true));
         let call_rows = call_rows.lock().unwrap().clone();
