@@ -324,6 +324,11 @@ extensions_options! {
         /// and whether an out-of-core sort's key value holding more than one CPU slot's
         /// share of the rows is spread over several ranges (at most 2 per slot).
         pub slice_hot_partitions: bool, default = true
+        /// An out-of-core range sort's ranges are sorted in the background in about this
+        /// many runs each (bundles of a range's blocks, sorted by tasks as the blocks arrive,
+        /// while the map side still runs), then merged; 0: each range is sorted whole by one
+        /// task once the map side has finished.
+        pub sort_runs: usize, default = 4
         /// Directory under which each query makes its spill directory (blocks over the
         /// budget); empty: the system's temp directory (`TMPDIR`).
         pub spill_dir: String, default = String::new()

@@ -19,6 +19,8 @@ pub(super) enum ReadOrder {
     Interleaved { partitions: Vec<usize> },
     /// In the order blocks were produced.
     Arrival,
+    /// The blocks of this one task, in sequence (one sorted run of a run-sorting operator).
+    Task(TaskId),
 }
 
 /// A reader's position in one operator's output.
@@ -166,6 +168,9 @@ impl QueryRun {
                     None => return Next::Wait,
                 }
             },
+            ReadOrder::Task(task) => {
+                Self::next_in_task(st, *task, cursor.tag, &mut cursor.out_index)
+            }
             ReadOrder::Tasks { partitions } => loop {
                 let Some(p) = partitions.get(cursor.part_index) else {
                     return Next::End;

@@ -65,6 +65,8 @@ pub struct OperatorExec {
     workers: Vec<String>,
     /// Producers of the join probe inputs the operator streams.
     streams: Vec<usize>,
+    /// A run-sorting operator's bytes per run ([`Operator::run_bytes`]).
+    run_bytes: Option<u64>,
 }
 
 /// `name(accelerators=A, cpu_threads=T)` for each accelerator function `op` calls.
@@ -111,6 +113,7 @@ impl OperatorExec {
             fragment: Arc::clone(&op.fragment),
             stats,
             streams: op.streamed_producers().collect(),
+            run_bytes: op.run_bytes,
         }
     }
 }
@@ -127,6 +130,9 @@ impl DisplayAs for OperatorExec {
                 )?;
                 if self.shape == "source" {
                     write!(f, ", splits={}", self.tasks_hint)?;
+                }
+                if let Some(bytes) = self.run_bytes {
+                    write!(f, ", sorted_runs_of={bytes}B")?;
                 }
                 if !self.workers.is_empty() {
                     write!(f, ", workers=[{}]", self.workers.join(", "))?;

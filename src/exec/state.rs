@@ -91,6 +91,9 @@ pub(super) struct PartitionState {
     pub(super) next_launch: usize,
     /// Where a block-wise operator's dispatch stands in its input.
     pub(super) input: Option<Cursor>,
+    /// A run-sorting operator's blocks read from its input but not yet in a task (a run
+    /// still short of its bytes).
+    pub(super) gathered: Vec<BlockId>,
 }
 
 #[derive(Debug, Default)]

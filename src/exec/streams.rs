@@ -14,7 +14,7 @@ use crate::exec::cursor::{Cursor, Next, ReadOrder};
 use crate::exec::lineage::{TaskId, TaskKind};
 use crate::exec::run::QueryRun;
 use crate::plan::graph::OperatorId;
-use crate::plan::stage_input::{InputProvider, TaskInputs};
+use crate::plan::stage_input::{InputExchange, InputProvider, TaskInputs};
 use crate::store::cutter::bundle_pieces;
 
 impl QueryRun {
@@ -269,6 +269,64 @@ impl InputProvider for TaskProvider {
                 op.id
             ))),
         }
+    }
+
+    fn open_runs(
+        &self,
+        input: usize,
+        partition: usize,
+    ) -> Result<Option<Vec<SendableRecordBatchStream>>> {
+        let run = &self.run;
+        let op = &run.graph.operators[self.operator];
+        let producer_id = op.inputs[input];
+        // Only a whole partition of a producer that has finished, kept partition by
+        // partition, comes as its tasks' runs.
+        if !matches!(self.kind, TaskKind::Partition)
+            || !matches!(op.input_exchanges[input], InputExchange::Preserve)
+        {
+            return Ok(None);
+        }
+        let tasks = {
+            let st = run.state.lock().unwrap();
+            let producer = &st.operators[producer_id];
+            if !producer.complete {
+                return Ok(None);
+            }
+            let tasks = producer.partitions[partition].tasks.clone();
+            // The merge holds a block of each run at once: when the largest of each do not
+            // fit the task's share of the budget (a hot range of many runs), the runs are
+            // sorted together instead, by a sort that spills.
+            let largest: u64 = tasks
+                .iter()
+                .map(|t| {
+                    let outputs = &st.tasks[*t].outputs;
+                    outputs
+                        .iter()
+                        .map(|id| st.blocks[id].bytes)
+                        .max()
+                        .unwrap_or(0)
+                })
+                .sum();
+            if largest > run.merge_share() {
+                return Ok(None);
+            }
+            tasks
+        };
+        let schema = run.graph.operators[producer_id].fragment.schema();
+        let reader = if self.record {
+            Reader::Task(self.task)
+        } else {
+            Reader::Recompute
+        };
+        Ok(Some(
+            tasks
+                .into_iter()
+                .map(|task| {
+                    let cursor = Cursor::new(producer_id, ReadOrder::Task(task), None);
+                    run.block_stream(cursor, reader, Arc::clone(&schema))
+                })
+                .collect(),
+        ))
     }
 }
 

@@ -81,6 +81,9 @@ impl QueryRun {
         if self.policy.waits_for_producers() && !st.operators[producer].complete {
             return;
         }
+        if let Some(run_bytes) = op.run_bytes {
+            return self.create_run_tasks(st, op_id, run_bytes);
+        }
         // Accelerator bundles ramp up to the target: a partition's k-th bundle gathers at
         // most `first_block_rows << k` rows, so the first rows leave the model early.
         let bundle_rows = |bundles_so_far: usize| match op.pool {
@@ -152,6 +155,49 @@ impl QueryRun {
                 }
             }
             st.operators[op_id].partitions[p].input = Some(cursor);
+        }
+    }
+
+    /// Tasks of run-sorting operator `op_id` ([`crate::plan::Operator::run_bytes`]): each partition's
+    /// blocks are gathered as they arrive, and every `run_bytes` of them make a task (a
+    /// sorted run); what is left when the producer has finished makes the last. The gathered
+    /// blocks wait in the partition's state, so each block is looked at once.
+    fn create_run_tasks(&self, st: &mut RunState, op_id: OperatorId, run_bytes: u64) {
+        for p in 0..self.graph.operators[op_id].partitions() {
+            if st.operators[op_id].partitions[p].closed {
+                continue;
+            }
+            let mut cursor = st.operators[op_id].partitions[p]
+                .input
+                .take()
+                .unwrap_or_else(|| self.input_cursor(op_id, 0, p, false));
+            let mut gathered = std::mem::take(&mut st.operators[op_id].partitions[p].gathered);
+            let mut bytes: u64 = gathered.iter().map(|id| st.blocks[id].bytes).sum();
+            loop {
+                let next = Self::next_block(st, &mut cursor);
+                let ended = matches!(next, Next::End);
+                if let Next::Block(id) = next {
+                    gathered.push(id);
+                    bytes += st.blocks[&id].bytes;
+                }
+                if !gathered.is_empty() && (bytes >= run_bytes || ended) {
+                    bytes = 0;
+                    let inputs = std::mem::take(&mut gathered);
+                    let id = st.tasks.len();
+                    st.tasks
+                        .push(TaskRecord::new(op_id, p, TaskKind::Blocks { inputs }));
+                    st.operators[op_id].partitions[p].tasks.push(id);
+                }
+                if ended {
+                    st.operators[op_id].partitions[p].closed = true;
+                }
+                if !matches!(next, Next::Block(_)) {
+                    break;
+                }
+            }
+            let ps = &mut st.operators[op_id].partitions[p];
+            ps.gathered = gathered;
+            ps.input = Some(cursor);
         }
     }
 

@@ -13,6 +13,7 @@ use datafusion::config::ConfigOptions;
 use datafusion::datasource::physical_plan::FileScanConfig;
 use datafusion::datasource::source::DataSourceExec;
 use datafusion::error::Result;
+use datafusion::physical_expr::EquivalenceProperties;
 use datafusion::physical_plan::Distribution;
 use datafusion::physical_plan::aggregates::{AggregateExec, AggregateMode};
 use datafusion::physical_plan::coalesce_partitions::CoalescePartitionsExec;
@@ -27,6 +28,7 @@ use datafusion::physical_plan::projection::ProjectionExec;
 use datafusion::physical_plan::recursive_query::RecursiveQueryExec;
 use datafusion::physical_plan::repartition::RepartitionExec;
 use datafusion::physical_plan::scalar_subquery::ScalarSubqueryExec;
+use datafusion::physical_plan::sorts::sort::SortExec;
 use datafusion::physical_plan::sorts::sort_preserving_merge::SortPreservingMergeExec;
 use datafusion::physical_plan::unnest::UnnestExec;
 use datafusion::physical_plan::{
@@ -39,6 +41,7 @@ use crate::plan::accelerator_projection::AcceleratorProjectionExec;
 use crate::plan::concat_partitions::ConcatPartitionsExec;
 use crate::plan::exchange_sizing::ExchangeSizing;
 use crate::plan::graph::{Operator, OperatorGraph, OperatorId, Pool, TaskShape};
+use crate::plan::merge_runs::MergeRunsExec;
 use crate::plan::split_source::{ModelSplitLimit, RowGroupLayout, SplitSourceExec};
 use crate::plan::stage_input::{InputExchange, StageInputExec};
 
@@ -68,6 +71,7 @@ impl OperatorGraph {
             config,
             layout,
             out_of_core: sizing.out_of_core(),
+            partition_bytes: sizing.partition_bytes,
         };
         let root = cutter.rewrite(plan)?;
         // A root that only passes its producer's blocks on (an accelerator projection at the
@@ -111,6 +115,9 @@ struct Cutter<'a> {
     /// run in waves of the slots (no gang unless a node needs it), none streams a probe
     /// input (its partitions would all run at once).
     out_of_core: bool,
+    /// Bytes of input each out-of-core partition is planned for
+    /// ([`ExchangeSizing::partition_bytes`]).
+    partition_bytes: u64,
 }
 
 impl Cutter<'_> {
@@ -169,6 +176,34 @@ impl Cutter<'_> {
                 producer,
                 InputExchange::Preserve,
                 properties,
+                None,
+            ));
+            return replace_children_if_necessary(plan, vec![stage_input]);
+        }
+        // A range sort's runs: the sort below becomes a per-block operator sorting bundles
+        // of each range's blocks as they arrive; the merge stays in the consumer.
+        if let Some(merge) = plan.downcast_ref::<MergeRunsExec>()
+            && let Some(sort) = merge.input().downcast_ref::<SortExec>()
+            && sort.preserve_partitioning()
+            && sort.fetch().is_none()
+        {
+            let sort_fragment = self.rewrite(Arc::clone(merge.input()))?;
+            let runs = self.add_operator(sort_fragment, Pool::Cpu, None)?;
+            let op = &mut self.operators[runs];
+            if op.inputs.len() == 1 && op.shape == TaskShape::Barrier {
+                op.shape = TaskShape::BlockWise;
+                op.gang = false;
+                op.streamed_inputs = vec![false];
+                op.run_bytes =
+                    Some((self.partition_bytes / self.config.sort_runs.max(1) as u64).max(1));
+            }
+            // A partition's blocks are its runs one after the other: sorted only run by run.
+            let mut properties = merge.input().properties().as_ref().clone();
+            properties.eq_properties = EquivalenceProperties::new(merge.input().schema());
+            let stage_input: Arc<dyn ExecutionPlan> = Arc::new(StageInputExec::new(
+                runs,
+                InputExchange::Preserve,
+                Arc::new(properties),
                 None,
             ));
             return replace_children_if_necessary(plan, vec![stage_input]);
@@ -306,6 +341,7 @@ impl Cutter<'_> {
             splits,
             gang,
             stateful: !all_row_local,
+            run_bytes: None,
         });
         Ok(id)
     }

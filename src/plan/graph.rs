@@ -115,6 +115,11 @@ pub struct Operator {
     /// The fragment holds state across batches (sorts, final aggregates, joins, windows):
     /// its tasks hold operator memory while they run.
     pub stateful: bool,
+    /// A run-sorting operator (the background merge of an out-of-core range sort's map
+    /// outputs): per-block, each task sorts a bundle of about this many bytes of one
+    /// partition's blocks as they arrive, one sorted run, which a
+    /// [`crate::plan::merge_runs::MergeRunsExec`] above merges with the partition's others.
+    pub run_bytes: Option<u64>,
 }
 
 impl Operator {

@@ -9,6 +9,7 @@
 //! - [`random_shuffle`]: `ORDER BY random()` planned as a seeded random shuffle.
 //! - [`range_sort`]: an out-of-core full sort planned as sampled ranges, each sorted in a task.
 //! - [`concat_partitions`]: partitions read one after the other (the output of both).
+//! - [`merge_runs`]: a range's runs, sorted in the background as its blocks arrived, merged.
 //! - [`merge_join_fallback`]: a hash join's task redone as a spilling sort-merge join.
 //! - [`partition_slices`]: which hash join tasks can be cut into slices of their build side.
 
@@ -18,6 +19,7 @@ pub(crate) mod cut;
 pub mod exchange_sizing;
 pub(crate) mod graph;
 pub mod merge_join_fallback;
+pub mod merge_runs;
 pub mod partition_slices;
 pub mod random_shuffle;
 pub mod range_sort;

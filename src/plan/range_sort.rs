@@ -9,10 +9,18 @@
 //!
 //! ```text
 //! ConcatPartitionsExec: ordered       ranges one after the other: a sorted stream
-//!   SortExec (per partition)          one task sorts one range, which fits its share
-//!     RepartitionExec: Range(keys, split points)   map tasks tag rows by range
-//!       <sort input>
+//!   MergeRunsExec (per partition)     one task merges one range's sorted runs
+//!     SortExec (per partition)        tasks sort bundles of a range's blocks as they arrive
+//!       RepartitionExec: Range(keys, split points)   map tasks tag rows by range
+//!         <sort input>
 //! ```
+//!
+//! As in Exoshuffle's push-based shuffle, a range is sorted in the background while the map
+//! side still runs: the cut makes the `SortExec` a per-block operator whose tasks each sort a
+//! bundle of about `1 / flumen.sort_runs` of a range's share of the budget, as soon as that
+//! many of its bytes have arrived (one sorted run), and the reduce task only merges the runs,
+//! holding one block of each. With `flumen.sort_runs = 0` the `MergeRunsExec` is left out
+//! and one task sorts each range whole once the map side has finished.
 //!
 //! The split points are quantiles of a sample of the sort keys, drawn before the query runs
 //! by reading the sort's input with only the key columns (a scan reads just those columns),
@@ -66,6 +74,7 @@ use crate::config::FlumenConfig;
 use crate::functions::row_hash::row_hash_of_columns;
 use crate::plan::concat_partitions::ConcatPartitionsExec;
 use crate::plan::exchange_sizing::{ExchangeSizing, MAX_PARTITIONS, estimated_bytes};
+use crate::plan::merge_runs::MergeRunsExec;
 
 /// Sampled keys per range: enough that a range's share of the rows is within a few
 /// percent of the mean.
@@ -209,7 +218,16 @@ async fn range_partitioned_sort(
         }
         _ => ordering.clone(),
     };
-    range_sorted(input, ordering, range_ordering, split.points).map(Some)
+    let sorted = range_sorted(input, ordering.clone(), range_ordering, split.points)?;
+    // Sorted in runs in the background, as the ranges' blocks arrive, then merged.
+    let runs = options
+        .extensions
+        .get::<FlumenConfig>()
+        .map_or(0, |config| config.sort_runs);
+    if runs > 0 {
+        return Ok(Some(Arc::new(MergeRunsExec::new(sorted, ordering))));
+    }
+    Ok(Some(sorted))
 }
 
 /// `CASE WHEN <the keys are one of hot_keys> THEN hash ELSE 0 END`: rows of other keys are

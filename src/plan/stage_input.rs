@@ -54,6 +54,18 @@ impl fmt::Display for InputExchange {
 pub trait InputProvider: Send + Sync + fmt::Debug {
     /// The blocks of stage input `input` for partition `partition` of the fragment.
     fn open(&self, input: usize, partition: usize) -> Result<SendableRecordBatchStream>;
+
+    /// The same blocks as one stream per producer task (each a sorted run, for
+    /// [`crate::plan::merge_runs::MergeRunsExec`]), when the producer has finished and a
+    /// block of every run fits the task's share of memory at once; `None` otherwise (read
+    /// them with [`InputProvider::open`]).
+    fn open_runs(
+        &self,
+        _input: usize,
+        _partition: usize,
+    ) -> Result<Option<Vec<SendableRecordBatchStream>>> {
+        Ok(None)
+    }
 }
 
 /// What the scheduler hands one task, through its `TaskContext`'s session config.
@@ -205,15 +217,7 @@ impl ExecutionPlan for StageInputExec {
         partition: usize,
         context: Arc<TaskContext>,
     ) -> Result<SendableRecordBatchStream> {
-        let inputs = context
-            .session_config()
-            .get_extension::<TaskInputs>()
-            .ok_or_else(|| {
-                DataFusionError::Internal(format!(
-                    "StageInputExec for operator {} executed outside a flumen task",
-                    self.producer
-                ))
-            })?;
+        let inputs = task_inputs(&context, self.producer)?;
         // Blocks in memory are always ready: without tokio's budget a consumer that loops
         // over its input inside one poll (an aggregate) would hold its thread to the end,
         // deaf to cancellation.
@@ -223,6 +227,37 @@ impl ExecutionPlan for StageInputExec {
             Some(limit) => Ok(limit_stream(stream, limit)),
         }
     }
+}
+
+impl StageInputExec {
+    /// Partition `partition`'s blocks as one stream per producer task (its sorted runs,
+    /// when the producer's tasks each sort a bundle), for a merge above; `None` when they
+    /// must be read as one stream ([`InputProvider::open_runs`]).
+    pub fn execute_runs(
+        &self,
+        partition: usize,
+        context: Arc<TaskContext>,
+    ) -> Result<Option<Vec<SendableRecordBatchStream>>> {
+        if self.fetch.is_some() {
+            return Ok(None);
+        }
+        let runs = task_inputs(&context, self.producer)?
+            .provider
+            .open_runs(self.input, partition)?;
+        Ok(runs.map(|runs| runs.into_iter().map(make_cooperative).collect()))
+    }
+}
+
+/// The stage inputs of the task executing `context`.
+fn task_inputs(context: &TaskContext, producer: OperatorId) -> Result<Arc<TaskInputs>> {
+    context
+        .session_config()
+        .get_extension::<TaskInputs>()
+        .ok_or_else(|| {
+            DataFusionError::Internal(format!(
+                "StageInputExec for operator {producer} executed outside a flumen task"
+            ))
+        })
 }
 
 /// Stop a stream once `limit` rows have passed.
