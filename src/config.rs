@@ -324,11 +324,12 @@ extensions_options! {
         /// and whether an out-of-core sort's key value holding more than one CPU slot's
         /// share of the rows is spread over several ranges (at most 2 per slot).
         pub slice_hot_partitions: bool, default = true
-        /// An out-of-core range sort's ranges are sorted in the background in about this
-        /// many runs each (bundles of a range's blocks, sorted by tasks as the blocks arrive,
-        /// while the map side still runs), then merged; 0: each range is sorted whole by one
-        /// task once the map side has finished.
-        pub sort_runs: usize, default = 4
+        /// Whether an out-of-core range sort's ranges are sorted in runs as their blocks
+        /// arrive, by tasks that run while the map side still does (a run: what one range
+        /// gathers while all ranges' blocks fill half the budget), each range's runs then
+        /// merged; `false`: each range is sorted whole by one task once the map side has
+        /// finished.
+        pub sort_runs: bool, default = true
         /// Directory under which each query makes its spill directory (blocks over the
         /// budget); empty: the system's temp directory (`TMPDIR`).
         pub spill_dir: String, default = String::new()

@@ -16,6 +16,7 @@ use datafusion::arrow::array::{Array, AsArray};
 use datafusion::arrow::compute::concat;
 use datafusion::arrow::datatypes::Int64Type;
 use datafusion::arrow::util::pretty::pretty_format_batches;
+use datafusion::common::tree_node::TreeNode;
 use datafusion::physical_plan::Partitioning;
 use datafusion::prelude::{ParquetReadOptions, SessionContext};
 use flumen::exec::FlumenExec;
@@ -185,6 +186,124 @@ async fn tiny_budget_sorts_like_datafusion() {
     println!(
         "{sizing}: {ranges} ranges; vanilla {vanilla_s:.2}s, flumen {flumen_s:.2}s; peak \
          operator state {peak_operators} B, peak store {peak_store} B, {refusals} spill requests"
+    );
+}
+
+/// The range sort's push-based merge: each range's blocks are sorted in runs by tasks that
+/// start while the map side still runs, and each range's reduce merges its runs. Every
+/// block of every range's second run is lost as it is made (as if its worker died): the
+/// merge recomputes the run from its input blocks, themselves recomputed from the map tasks
+/// that made them (released when the run ended). The order is DataFusion's, and again with
+/// `flumen.sort_runs = false` (each range sorted whole by one task).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_range_sort_merges_runs_sorted_while_the_map_side_runs() {
+    use std::sync::Mutex;
+    let dir = tempfile::tempdir().unwrap();
+    write_tables(dir.path()).await;
+    let v = vanilla();
+    register(&v, dir.path()).await;
+    // Every block made, in order, as (operator, its task's place in its partition).
+    let made = Arc::new(Mutex::new(Vec::<(usize, usize)>::new()));
+    let log = Arc::clone(&made);
+    let dropper = flumen::BlockDropper(Arc::new(move |b| {
+        log.lock().unwrap().push((b.operator, b.task_index));
+        b.operator_name == "SortExec" && b.task_index == 1
+    }));
+    let config = flumen::flumen_session_config(
+        datafusion::prelude::SessionConfig::new().with_target_partitions(2),
+        flumen::FlumenConfig::default(),
+    )
+    .with_extension(Arc::new(dropper));
+    let f = flumen::session_with_config(config, flumen::FlumenConfig::default());
+    for setting in [
+        "SET flumen.memory_budget = '16MB'",
+        "SET flumen.cpu_slots = 2",
+    ] {
+        collect(&f, setting).await;
+    }
+    register(&f, dir.path()).await;
+    let sql = "SELECT id FROM facts ORDER BY tag DESC, v, id";
+    let ids = |batches: &[datafusion::arrow::record_batch::RecordBatch]| -> Vec<i64> {
+        batches
+            .iter()
+            .flat_map(|b| b.column(0).as_primitive::<Int64Type>().values().to_vec())
+            .collect()
+    };
+    let expected = ids(&collect(&v, sql).await);
+    assert_eq!(expected.len(), FACTS as usize);
+
+    let (batches, plan) = run_plan(&f, sql).await;
+    assert!(
+        ids(&batches) == expected,
+        "the order differs from DataFusion's"
+    );
+    let exec = plan.downcast_ref::<FlumenExec>().unwrap();
+    let graph = exec.graph();
+    let map = graph
+        .operators
+        .iter()
+        .find(|op| matches!(op.output_split, Some(Partitioning::Range(_))))
+        .expect("no range exchange in the plan");
+    let runs = graph
+        .operators
+        .iter()
+        .find(|op| op.run_bytes.is_some())
+        .expect("no run-sorting operator in the plan");
+    let ranges = map.output_split.as_ref().unwrap().partition_count();
+    let stats = operator_stats(exec);
+    // More runs than ranges: ranges are sorted in pieces, not whole.
+    assert!(
+        stats[runs.id].tasks > ranges as u64,
+        "{} runs for {ranges} ranges",
+        stats[runs.id].tasks
+    );
+    let merged: usize = graph
+        .operators
+        .iter()
+        .flat_map(|op| {
+            let mut found = vec![];
+            let _ = op.fragment.apply(|node| {
+                if node.name() == "MergeRunsExec" {
+                    found.push(node.metrics().and_then(|m| m.sum_by_name("runs_merged")));
+                }
+                Ok(datafusion::common::tree_node::TreeNodeRecursion::Continue)
+            });
+            found
+        })
+        .flatten()
+        .map(|m| m.as_usize())
+        .sum();
+    assert!(merged > ranges, "{merged} runs merged over {ranges} ranges");
+    // Runs were sorted before the map side had made its last block.
+    let made = made.lock().unwrap();
+    let first_run = made.iter().position(|(op, _)| *op == runs.id).unwrap();
+    let last_map = made.iter().rposition(|(op, _)| *op == map.id).unwrap();
+    assert!(
+        first_run < last_map,
+        "the first run's block came at {first_run} of {}, after the map side's last at {last_map}",
+        made.len()
+    );
+    // The lost runs were made again, from map outputs made again.
+    assert!(stats[runs.id].recomputed > 0, "no run recomputed");
+    assert!(stats[map.id].recomputed > 0, "no map task recomputed");
+    println!(
+        "{ranges} ranges, {} runs ({merged} merged), {} runs and {} map tasks recomputed",
+        stats[runs.id].tasks, stats[runs.id].recomputed, stats[map.id].recomputed
+    );
+    drop(made);
+
+    collect(&f, "SET flumen.sort_runs = false").await;
+    let (batches, plan) = run_plan(&f, sql).await;
+    assert!(
+        ids(&batches) == expected,
+        "sort_runs = false: the order differs"
+    );
+    let exec = plan.downcast_ref::<FlumenExec>().unwrap();
+    assert!(
+        exec.graph()
+            .operators
+            .iter()
+            .all(|op| op.run_bytes.is_none())
     );
 }
 

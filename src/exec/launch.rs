@@ -307,8 +307,12 @@ impl QueryRun {
         let consumer = self.graph.consumer[op_id].map(|c| &self.graph.operators[c]);
         let os = &st.operators[op_id];
         policy::held_back(&policy::ProducerLoad {
-            feeds_exchange: consumer
-                .is_some_and(|c| c.shape == TaskShape::Barrier && c.id != self.graph.root().id),
+            // A run-sorting consumer gathers a run of each partition before it starts: like
+            // an exchange, it needs its producer's blocks of every partition at once.
+            feeds_exchange: consumer.is_some_and(|c| {
+                (c.shape == TaskShape::Barrier || c.run_bytes.is_some())
+                    && c.id != self.graph.root().id
+            }),
             feeds_streamed_input: self.feeds_streamed_input(op_id),
             queue_limit: self.output_queue_limit(op_id),
             held_rows: os.held_rows,
@@ -336,7 +340,10 @@ impl QueryRun {
     pub(super) fn output_queue_limit(&self, op_id: OperatorId) -> Option<u64> {
         let producer_pool = self.graph.operators[op_id].pool;
         match self.graph.consumer[op_id].map(|c| &self.graph.operators[c]) {
-            Some(c) if c.shape == TaskShape::BlockWise || self.feeds_streamed_input(op_id) => {
+            Some(c)
+                if c.shape == TaskShape::BlockWise && c.run_bytes.is_none()
+                    || self.feeds_streamed_input(op_id) =>
+            {
                 Some(self.queue_limit_rows(c.pool, producer_pool))
             }
             Some(_) => None,

@@ -34,7 +34,7 @@ use crate::exec::state::{
 use crate::plan::graph::{OperatorGraph, OperatorId, Pool, TaskShape};
 use crate::plan::merge_join_fallback::as_sort_merge_join;
 use crate::store::block::{Block, BlockId};
-use crate::store::block_store::BlockStore;
+use crate::store::block_store::{BlockStore, ReadSoon};
 use crate::store::operator_memory::OperatorMemory;
 
 /// The name DataFusion gives a sort's buffer of batches in the memory pool
@@ -168,7 +168,8 @@ impl QueryRun {
                         .flatten(),
                 )
                 .with_spill_root(spill_root)
-                .with_counters(Arc::clone(&metrics.memory)),
+                .with_counters(Arc::clone(&metrics.memory))
+                .with_read_soon(read_soon(&graph)),
         );
         let operator_memory = Arc::new(OperatorMemory::new(
             Arc::clone(&store),
@@ -609,4 +610,17 @@ impl Drop for QueryRun {
     fn drop(&mut self) {
         self.release_worker_blocks();
     }
+}
+
+/// The operators whose blocks are read as they arrive: those feeding a per-block operator
+/// (its tasks start on a bundle of them). Blocks of the others wait for a reader that needs
+/// its whole input, and are written out first when memory is full.
+fn read_soon(graph: &OperatorGraph) -> ReadSoon {
+    ReadSoon::new(
+        graph
+            .consumer
+            .iter()
+            .map(|c| c.is_some_and(|c| graph.operators[c].shape == TaskShape::BlockWise))
+            .collect(),
+    )
 }

@@ -71,7 +71,6 @@ impl OperatorGraph {
             config,
             layout,
             out_of_core: sizing.out_of_core(),
-            partition_bytes: sizing.partition_bytes,
         };
         let root = cutter.rewrite(plan)?;
         // A root that only passes its producer's blocks on (an accelerator projection at the
@@ -115,9 +114,6 @@ struct Cutter<'a> {
     /// run in waves of the slots (no gang unless a node needs it), none streams a probe
     /// input (its partitions would all run at once).
     out_of_core: bool,
-    /// Bytes of input each out-of-core partition is planned for
-    /// ([`ExchangeSizing::partition_bytes`]).
-    partition_bytes: u64,
 }
 
 impl Cutter<'_> {
@@ -194,8 +190,10 @@ impl Cutter<'_> {
                 op.shape = TaskShape::BlockWise;
                 op.gang = false;
                 op.streamed_inputs = vec![false];
-                op.run_bytes =
-                    Some((self.partition_bytes / self.config.sort_runs.max(1) as u64).max(1));
+                // Runs form while every range's blocks together fit half the budget, so a
+                // range's blocks are sorted before memory is full and they would spill.
+                let ranges = op.partitions().max(1) as u64;
+                op.run_bytes = Some((self.config.memory_budget.0 / (2 * ranges)).max(1));
             }
             // A partition's blocks are its runs one after the other: sorted only run by run.
             let mut properties = merge.input().properties().as_ref().clone();

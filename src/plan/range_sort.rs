@@ -17,10 +17,11 @@
 //!
 //! As in Exoshuffle's push-based shuffle, a range is sorted in the background while the map
 //! side still runs: the cut makes the `SortExec` a per-block operator whose tasks each sort a
-//! bundle of about `1 / flumen.sort_runs` of a range's share of the budget, as soon as that
-//! many of its bytes have arrived (one sorted run), and the reduce task only merges the runs,
-//! holding one block of each. With `flumen.sort_runs = 0` the `MergeRunsExec` is left out
-//! and one task sorts each range whole once the map side has finished.
+//! bundle of a range's blocks as soon as it holds half the budget over the ranges (one
+//! sorted run, made while the ranges' blocks together still fit in memory), and the reduce
+//! task only merges the runs, holding one block of each. With `flumen.sort_runs = false`
+//! the `MergeRunsExec` is left out and one task sorts each range whole once the map side
+//! has finished.
 //!
 //! The split points are quantiles of a sample of the sort keys, drawn before the query runs
 //! by reading the sort's input with only the key columns (a scan reads just those columns),
@@ -223,8 +224,8 @@ async fn range_partitioned_sort(
     let runs = options
         .extensions
         .get::<FlumenConfig>()
-        .map_or(0, |config| config.sort_runs);
-    if runs > 0 {
+        .is_some_and(|config| config.sort_runs);
+    if runs {
         return Ok(Some(Arc::new(MergeRunsExec::new(sorted, ordering))));
     }
     Ok(Some(sorted))

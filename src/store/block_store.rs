@@ -140,6 +140,27 @@ struct Inner {
     resident: HashMap<SpillGroup, Resident>,
 }
 
+/// The producers whose blocks are read soon after they are made (by tasks that start as
+/// they arrive, such as an out-of-core range sort's run sorts); the others' blocks wait for
+/// a reader that needs all of them (an exchange's reduce side). When memory is full, blocks
+/// waiting for such a reader are written out first, and a block read soon that finds memory
+/// full makes room by writing them out instead of being written out itself: each block
+/// then goes to disk at most once, as the run it becomes, not also as the map output it was.
+#[derive(Debug, Default, Clone)]
+pub struct ReadSoon(Vec<bool>);
+
+impl ReadSoon {
+    /// Producers whose blocks are read soon: `read_soon[op]` for operator `op`.
+    pub fn new(read_soon: Vec<bool>) -> Self {
+        Self(read_soon)
+    }
+
+    /// Whether operator `op`'s blocks are read soon.
+    fn contains(&self, op: usize) -> bool {
+        self.0.get(op).copied().unwrap_or(false)
+    }
+}
+
 /// One group's blocks in memory and not being written out.
 #[derive(Default)]
 struct Resident {
@@ -228,10 +249,24 @@ impl Inner {
         }
     }
 
-    /// The group with the most bytes in memory not being written out (ties: the newest).
-    fn fullest_group(&self) -> Option<SpillGroup> {
+    /// The group with the most bytes in memory not being written out (ties: the newest),
+    /// among those `read_soon` says are not read soon if any has such bytes, else among all.
+    fn fullest_group(&self, read_soon: &ReadSoon) -> Option<SpillGroup> {
+        self.fullest_read_late(read_soon).or_else(|| {
+            self.resident
+                .iter()
+                .filter_map(|(group, r)| Some((r.bytes, *r.blocks.keys().next_back()?, *group)))
+                .max()
+                .map(|(.., group)| group)
+        })
+    }
+
+    /// The group not read soon ([`ReadSoon`]) with the most bytes in memory not being
+    /// written out (ties: the newest).
+    fn fullest_read_late(&self, read_soon: &ReadSoon) -> Option<SpillGroup> {
         self.resident
             .iter()
+            .filter(|(group, _)| !read_soon.contains(group.0))
             .filter_map(|(group, r)| Some((r.bytes, *r.blocks.keys().next_back()?, *group)))
             .max()
             .map(|(.., group)| group)
@@ -284,6 +319,8 @@ pub struct BlockStore {
     counters: Option<Arc<MemoryCounters>>,
     /// Numbers the spill files.
     next_run: AtomicU64,
+    /// Producers whose blocks are read soon: others' spill first.
+    read_soon: ReadSoon,
     /// The process's heap, when its allocator counts what it holds: what it holds for the
     /// run beyond the store's blocks and operators' reservations takes its share of the
     /// budget ([`Self::unreserved_bytes`]).
@@ -324,6 +361,7 @@ impl BlockStore {
             open_runs: Mutex::new(HashMap::new()),
             counters: None,
             next_run: AtomicU64::new(0),
+            read_soon: ReadSoon::default(),
             heap: None,
             unreserved: AtomicU64::new(0),
             inner: Mutex::new(Inner::default()),
@@ -378,6 +416,12 @@ impl BlockStore {
     /// Put spill files in a directory made under `root` (else the system's temp directory).
     pub fn with_spill_root(mut self, root: Option<PathBuf>) -> Self {
         self.spill_root = root;
+        self
+    }
+
+    /// Write out blocks of producers not in `read_soon` first ([`ReadSoon`]).
+    pub fn with_read_soon(mut self, read_soon: ReadSoon) -> Self {
+        self.read_soon = read_soon;
         self
     }
 
@@ -437,7 +481,7 @@ impl BlockStore {
                 if held <= self.budget {
                     return Ok(written);
                 }
-                let Some(group) = inner.fullest_group() else {
+                let Some(group) = inner.fullest_group(&self.read_soon) else {
                     return Ok(written);
                 };
                 let bytes = (held - self.budget).max(self.run_bytes());
@@ -471,20 +515,39 @@ impl BlockStore {
                 ByteSize(self.budget)
             )));
         }
-        let reading = self.heap_reading();
-        let companions = {
-            let mut inner = self.inner.lock().unwrap();
-            let unreserved = self.unreserved_bytes(reading, inner.memory_bytes);
-            if inner.memory_bytes + self.operator_bytes() + unreserved + bytes <= self.budget {
-                inner.memory_bytes += bytes;
-                let data = Stored::Memory(batch);
-                inner.insert(id, Entry { data, bytes, group });
-                return Ok(Placement::Memory);
-            }
-            match self.run_bytes().saturating_sub(bytes) {
-                0 => vec![],
-                rest => inner.take_run(group, rest),
-            }
+        let mut reading = self.heap_reading();
+        let companions = loop {
+            let late_run = {
+                let mut inner = self.inner.lock().unwrap();
+                let unreserved = self.unreserved_bytes(reading.take(), inner.memory_bytes);
+                let held = inner.memory_bytes + self.operator_bytes() + unreserved + bytes;
+                if held <= self.budget {
+                    inner.memory_bytes += bytes;
+                    let data = Stored::Memory(batch);
+                    inner.insert(id, Entry { data, bytes, group });
+                    return Ok(Placement::Memory);
+                }
+                // A block read soon makes room by writing out blocks read late.
+                let late = match self.read_soon.contains(group.0) {
+                    true => inner.fullest_read_late(&self.read_soon),
+                    false => None,
+                };
+                match late {
+                    Some(late) => {
+                        let need = (held - self.budget).max(self.run_bytes());
+                        (late, inner.take_run(late, need))
+                    }
+                    None => {
+                        break match self.run_bytes().saturating_sub(bytes) {
+                            0 => vec![],
+                            rest => inner.take_run(group, rest),
+                        };
+                    }
+                }
+            };
+            let (late, batches) = late_run;
+            let (mut inner, spill_run, spans) = self.write_run(late, &batches)?;
+            inner.spilled(&spill_run, &batches, &spans);
         };
         let mut batches = companions;
         batches.push((id, batch));
@@ -781,6 +844,55 @@ pub(crate) mod tests {
         assert_eq!(store.remove(1), 600);
         assert_eq!(store.memory_bytes(), 0);
         assert!(store.get(1).unwrap().is_none());
+    }
+
+    /// Whether block `id` is held in memory.
+    fn in_memory(store: &BlockStore, id: BlockId) -> bool {
+        let inner = store.inner.lock().unwrap();
+        matches!(inner.blocks[&id].data, Stored::Memory(_))
+    }
+
+    /// A block read soon that finds memory full makes room by writing out blocks read late,
+    /// and is written out itself only when none is left in memory; a block read late that
+    /// finds memory full is written out; `make_room` writes out blocks read late first.
+    #[test]
+    fn blocks_read_late_are_written_out_first() {
+        // Operator 1's blocks are read soon (a run sort's input), operator 0's late.
+        let read_soon = ReadSoon::new(vec![false, true]);
+        let store = BlockStore::new(1000).with_read_soon(read_soon.clone());
+        assert_eq!(
+            store.put(1, batch(10), 400, (0, 0)).unwrap(),
+            Placement::Memory
+        );
+        assert_eq!(
+            store.put(2, batch(20), 400, (1, 0)).unwrap(),
+            Placement::Memory
+        );
+        assert_eq!(
+            store.put(3, batch(30), 400, (1, 1)).unwrap(),
+            Placement::Memory
+        );
+        assert!(!in_memory(&store, 1) && in_memory(&store, 2) && in_memory(&store, 3));
+        assert_eq!(store.memory_bytes(), 800);
+        assert_eq!(store.get(1).unwrap().unwrap(), batch(10));
+        assert_eq!(
+            store.put(4, batch(40), 400, (1, 2)).unwrap(),
+            Placement::Spilled
+        );
+        assert_eq!(
+            store.put(5, batch(50), 400, (0, 1)).unwrap(),
+            Placement::Spilled
+        );
+        assert!(in_memory(&store, 2) && in_memory(&store, 3));
+
+        // The largest group is read soon; the block read late goes.
+        let store = BlockStore::new(1000).with_read_soon(read_soon);
+        store.put(6, batch(10), 200, (0, 0)).unwrap();
+        store.put(7, batch(20), 350, (1, 0)).unwrap();
+        store.put(8, batch(30), 350, (1, 0)).unwrap();
+        store.set_operator_bytes(300);
+        assert_eq!(store.make_room().unwrap(), (1, 200));
+        assert!(!in_memory(&store, 6) && in_memory(&store, 7) && in_memory(&store, 8));
     }
 
     /// An allocator whose live bytes a test sets.
