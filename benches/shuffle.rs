@@ -2,7 +2,7 @@
 //! vanilla DataFusion (same memory limit, as a user would set it on its `RuntimeEnv`) and
 //! against this disk's bound, in the same run.
 //!
-//! `cargo bench --bench shuffle [-- --gb 2 --budget 200MB --dir target/sortbench --only flumen|vanilla --no-shuffle --no-unbounded --reserved-too --memory-cap 1GB --set KEY=VALUE]`
+//! `cargo bench --bench shuffle [-- --gb 2 --budget 200MB --dir target/sortbench --only flumen|vanilla --no-shuffle --no-unbounded --reserved-too --whole-ranges-too --memory-cap 1GB --set KEY=VALUE]`
 //!
 //! The table is the sort benchmark's: 100-byte records, a random 10-byte key and a 90-byte
 //! payload holding the record's number, written as uncompressed Parquet (8 files) under
@@ -21,7 +21,9 @@
 //! limit (the time a user with the memory sees; `--no-unbounded` skips it). The bench installs
 //! the `flumen` binary's allocator, so flumen's budget covers the heap nobody reserved
 //! (`flumen.budget_counts_heap`); `--reserved-too` sorts once more with that off
-//! (`flumen-reserved`: only blocks and operators' reservations count).
+//! (`flumen-reserved`: only blocks and operators' reservations count); `--whole-ranges-too`
+//! sorts once more with `flumen.sort_runs` off (`flumen-whole`: each range sorted whole
+//! by one task after the map side, instead of in runs as its blocks arrive, then merged).
 
 #[path = "common/args.rs"]
 mod args;
@@ -379,6 +381,9 @@ async fn main() -> Result<()> {
     let flumen = flumen::session_with_config(config(), flumen_config.clone());
     // The same, counting only what blocks and operators reserved against the budget (as
     // before `flumen.budget_counts_heap`, and as a program that installs no allocator).
+    let mut whole_config = flumen_config.clone();
+    whole_config.sort_runs = false;
+    let flumen_whole = flumen::session_with_config(config(), whole_config);
     flumen_config.budget_counts_heap = false;
     let flumen_reserved = flumen::session_with_config(config(), flumen_config);
     // `--set KEY=VALUE` (repeatable): a setting for every engine, e.g.
@@ -389,11 +394,28 @@ async fn main() -> Result<()> {
         .filter(|(flag, _)| *flag == "--set")
         .map(|(_, setting)| setting)
         .collect();
-    for ctx in [&vanilla, &unbounded, &flumen, &flumen_reserved] {
+    for ctx in [
+        &vanilla,
+        &unbounded,
+        &flumen,
+        &flumen_reserved,
+        &flumen_whole,
+    ] {
+        let is_flumen = ctx
+            .state()
+            .config()
+            .options()
+            .extensions
+            .get::<flumen::FlumenConfig>()
+            .is_some();
         for setting in &settings {
             let (key, value) = setting.split_once('=').ok_or_else(|| {
                 DataFusionError::Plan(format!("--set {setting}: expected KEY=VALUE"))
             })?;
+            // flumen's settings are for flumen's sessions.
+            if key.starts_with("flumen.") && !is_flumen {
+                continue;
+            }
             ctx.sql(&format!("SET {key} = '{value}'"))
                 .await?
                 .collect()
@@ -418,6 +440,9 @@ async fn main() -> Result<()> {
         runs.push(("sort", "flumen", &flumen));
         if args.iter().any(|a| a == "--reserved-too") {
             runs.push(("sort", "flumen-reserved", &flumen_reserved));
+        }
+        if args.iter().any(|a| a == "--whole-ranges-too") {
+            runs.push(("sort", "flumen-whole", &flumen_whole));
         }
     }
     if shuffles {

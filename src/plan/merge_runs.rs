@@ -19,6 +19,7 @@ use datafusion::error::Result;
 use datafusion::execution::memory_pool::MemoryConsumer;
 use datafusion::execution::{SendableRecordBatchStream, TaskContext};
 use datafusion::physical_expr::{EquivalenceProperties, LexOrdering, PhysicalExpr};
+use datafusion::physical_plan::EmptyRecordBatchStream;
 use datafusion::physical_plan::execution_plan::{Boundedness, EmissionType};
 use datafusion::physical_plan::metrics::{
     BaselineMetrics, ExecutionPlanMetricsSet, MetricBuilder, MetricsSet,
@@ -144,6 +145,10 @@ impl ExecutionPlan for MergeRunsExec {
         MetricBuilder::new(&self.metrics)
             .counter("runs_merged", partition)
             .add(streams.len());
+        // A range no row fell in (a hot key's rows all alike go to one of its ranges).
+        if streams.is_empty() {
+            return Ok(Box::pin(EmptyRecordBatchStream::new(self.schema())));
+        }
         let reservation = MemoryConsumer::new(format!("MergeRunsExec[{partition}]"))
             .register(context.memory_pool());
         StreamingMergeBuilder::new()
