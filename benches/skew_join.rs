@@ -7,7 +7,7 @@
 //!
 //! `cargo bench --bench skew_join [-- --hot-rows 20000000 --facts-rows 30000000
 //! --hot-percent 30 --budget 64MB --runs 3 --dir target/skewbench --queries inner,left,sort
-//! --analyze]`
+//! --analyze --set KEY=VALUE]`
 //! (`--analyze`: flumen's `EXPLAIN ANALYZE` of each query, with and without slices)
 //!
 //! Tables (Parquet, generated once per size under `--dir`): `hot(k, v)` with `--hot-percent`
@@ -28,7 +28,7 @@ use std::time::Instant;
 use datafusion::arrow::array::AsArray;
 use datafusion::arrow::datatypes::Int64Type;
 use datafusion::arrow::util::pretty::pretty_format_batches;
-use datafusion::error::Result;
+use datafusion::error::{DataFusionError, Result};
 use datafusion::execution::runtime_env::RuntimeEnvBuilder;
 use datafusion::prelude::{ParquetReadOptions, SessionConfig, SessionContext};
 use flumen::config::ByteSize;
@@ -154,6 +154,22 @@ async fn main() -> Result<()> {
     let sliced = flumen::session_with_config(config(), flumen_config.clone());
     flumen_config.slice_hot_partitions = false;
     let unsliced = flumen::session_with_config(config(), flumen_config);
+    // `--set KEY=VALUE` (repeatable): a flumen setting for both flumen sessions, e.g.
+    // `flumen.sort_runs=false`.
+    for (flag, setting) in args.iter().zip(args.iter().skip(1)) {
+        if flag != "--set" {
+            continue;
+        }
+        let (key, value) = setting
+            .split_once('=')
+            .ok_or_else(|| DataFusionError::Plan(format!("--set {setting}: expected KEY=VALUE")))?;
+        for ctx in [&sliced, &unsliced] {
+            ctx.sql(&format!("SET {key} = '{value}'"))
+                .await?
+                .collect()
+                .await?;
+        }
+    }
     let engines = [
         (
             "vanilla, no limit",

@@ -153,6 +153,22 @@ async fn explain_out_of_core_sort_shows_the_range_exchange() {
     );
 }
 
+/// A range sort whose runs would be at least 1 MiB (half the budget over the ranges) sorts
+/// each range in runs as its blocks arrive (a per-block operator) and merges them.
+#[tokio::test]
+async fn explain_range_sort_in_runs_shows_the_run_sorting_operator() {
+    insta::assert_snapshot!(
+        explain_with(
+            &[
+                "CREATE TABLE wide AS SELECT x AS id, x % 7 AS k FROM generate_series(1, 3000000) AS g(x)",
+                "SET flumen.memory_budget = '32MB'",
+            ],
+            "SELECT id, k FROM wide ORDER BY k, id"
+        )
+        .await
+    );
+}
+
 /// `shout(text)`: a model stand-in whose CPU step is `embed_tokens`, placed on an accelerator
 /// or on the CPU as its `on_accelerator` says.
 #[derive(Debug)]

@@ -189,8 +189,9 @@ async fn tiny_budget_sorts_like_datafusion() {
     );
 }
 
-/// The range sort's push-based merge: each range's blocks are sorted in runs by tasks that
-/// start while the map side still runs, and each range's reduce merges its runs. Every
+/// The range sort's push-based merge, under a 48 MB budget (at 16 MB runs would be under
+/// 1 MiB, and each range is sorted whole): each range's blocks are sorted in runs by tasks
+/// that start while the map side still runs, and each range's reduce merges its runs. Every
 /// block of every range's second run is lost as it is made (as if its worker died): the
 /// merge recomputes the run from its input blocks, themselves recomputed from the map tasks
 /// that made them (released when the run ended). The order is DataFusion's, and again with
@@ -216,7 +217,7 @@ async fn a_range_sort_merges_runs_sorted_while_the_map_side_runs() {
     .with_extension(Arc::new(dropper));
     let f = flumen::session_with_config(config, flumen::FlumenConfig::default());
     for setting in [
-        "SET flumen.memory_budget = '16MB'",
+        "SET flumen.memory_budget = '48MB'",
         "SET flumen.cpu_slots = 2",
     ] {
         collect(&f, setting).await;

@@ -42,6 +42,7 @@ use crate::plan::concat_partitions::ConcatPartitionsExec;
 use crate::plan::exchange_sizing::ExchangeSizing;
 use crate::plan::graph::{Operator, OperatorGraph, OperatorId, Pool, TaskShape};
 use crate::plan::merge_runs::MergeRunsExec;
+use crate::plan::range_sort::sort_run_bytes;
 use crate::plan::split_source::{ModelSplitLimit, RowGroupLayout, SplitSourceExec};
 use crate::plan::stage_input::{InputExchange, StageInputExec};
 
@@ -190,10 +191,8 @@ impl Cutter<'_> {
                 op.shape = TaskShape::BlockWise;
                 op.gang = false;
                 op.streamed_inputs = vec![false];
-                // Runs form while every range's blocks together fit half the budget, so a
-                // range's blocks are sorted before memory is full and they would spill.
-                let ranges = op.partitions().max(1) as u64;
-                op.run_bytes = Some((self.config.memory_budget.0 / (2 * ranges)).max(1));
+                let ranges = op.partitions();
+                op.run_bytes = Some(sort_run_bytes(self.config.memory_budget.0, ranges));
             }
             // A partition's blocks are its runs one after the other: sorted only run by run.
             let mut properties = merge.input().properties().as_ref().clone();
