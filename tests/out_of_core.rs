@@ -281,13 +281,16 @@ async fn a_range_sort_merges_runs_sorted_while_the_map_side_runs() {
     // Every run was merged, once (no merge ran again).
     assert_eq!(merged as u64, stats[runs.id].tasks, "runs merged");
     // Runs were sorted before the map side had made its last block.
-    let made = made.lock().unwrap();
-    let first_run = made.iter().position(|(op, _)| *op == runs.id).unwrap();
-    let last_map = made.iter().rposition(|(op, _)| *op == map.id).unwrap();
+    let (first_run, last_map, blocks) = {
+        let made = made.lock().unwrap();
+        let first_run = made.iter().position(|(op, _)| *op == runs.id).unwrap();
+        let last_map = made.iter().rposition(|(op, _)| *op == map.id).unwrap();
+        (first_run, last_map, made.len())
+    };
     assert!(
         first_run < last_map,
-        "the first run's block came at {first_run} of {}, after the map side's last at {last_map}",
-        made.len()
+        "the first run's block came at {first_run} of {blocks}, after the map side's last at \
+         {last_map}"
     );
     // The lost runs were made again, from map outputs made again.
     assert!(stats[runs.id].recomputed > 0, "no run recomputed");
@@ -296,7 +299,6 @@ async fn a_range_sort_merges_runs_sorted_while_the_map_side_runs() {
         "{ranges} ranges, {} runs ({merged} merged), {} runs and {} map tasks recomputed",
         stats[runs.id].tasks, stats[runs.id].recomputed, stats[map.id].recomputed
     );
-    drop(made);
 
     collect(&f, "SET flumen.sort_runs = false").await;
     let (batches, plan) = run_plan(&f, sql).await;
