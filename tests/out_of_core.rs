@@ -189,6 +189,24 @@ async fn tiny_budget_sorts_like_datafusion() {
     );
 }
 
+/// A flumen session of 2 CPU slots under `budget` that drops the blocks `dropper` chooses as
+/// they are made.
+async fn session_with_dropper(dropper: flumen::BlockDropper, budget: &str) -> SessionContext {
+    let config = flumen::flumen_session_config(
+        datafusion::prelude::SessionConfig::new().with_target_partitions(2),
+        flumen::FlumenConfig::default(),
+    )
+    .with_extension(Arc::new(dropper));
+    let f = flumen::session_with_config(config, flumen::FlumenConfig::default());
+    for setting in [
+        format!("SET flumen.memory_budget = '{budget}'"),
+        "SET flumen.cpu_slots = 2".to_string(),
+    ] {
+        collect(&f, &setting).await;
+    }
+    f
+}
+
 /// The range sort's push-based merge, under a 48 MB budget (at 16 MB runs would be under
 /// 1 MiB, and each range is sorted whole): each range's blocks are sorted in runs by tasks
 /// that start while the map side still runs, and each range's reduce merges its runs. Every
@@ -210,18 +228,7 @@ async fn a_range_sort_merges_runs_sorted_while_the_map_side_runs() {
         log.lock().unwrap().push((b.operator, b.task_index));
         b.operator_name == "SortExec" && b.task_index == 1
     }));
-    let config = flumen::flumen_session_config(
-        datafusion::prelude::SessionConfig::new().with_target_partitions(2),
-        flumen::FlumenConfig::default(),
-    )
-    .with_extension(Arc::new(dropper));
-    let f = flumen::session_with_config(config, flumen::FlumenConfig::default());
-    for setting in [
-        "SET flumen.memory_budget = '48MB'",
-        "SET flumen.cpu_slots = 2",
-    ] {
-        collect(&f, setting).await;
-    }
+    let f = session_with_dropper(dropper, "48MB").await;
     register(&f, dir.path()).await;
     let sql = "SELECT id FROM facts ORDER BY tag DESC, v, id";
     let ids = |batches: &[datafusion::arrow::record_batch::RecordBatch]| -> Vec<i64> {
@@ -794,18 +801,7 @@ async fn lost_outputs_of_slices_are_recomputed_from_their_slice() {
         }
         drop
     }));
-    let config = flumen::flumen_session_config(
-        datafusion::prelude::SessionConfig::new().with_target_partitions(2),
-        flumen::FlumenConfig::default(),
-    )
-    .with_extension(Arc::new(dropper));
-    let f = flumen::session_with_config(config, flumen::FlumenConfig::default());
-    for setting in [
-        "SET flumen.memory_budget = '16MB'",
-        "SET flumen.cpu_slots = 2",
-    ] {
-        collect(&f, setting).await;
-    }
+    let f = session_with_dropper(dropper, "16MB").await;
     for name in ["facts", "hot"] {
         let path = format!("{}/{name}.parquet", dir.path().display());
         f.register_parquet(name, &path, ParquetReadOptions::default())

@@ -3,11 +3,12 @@
 //! when it streams a join's probe input), one per bundle of input blocks of a per-block
 //! operator (as the blocks arrive).
 
-use crate::exec::cursor::Next;
+use crate::exec::cursor::{Cursor, Next};
 use crate::exec::lineage::TaskKind;
 use crate::exec::run::QueryRun;
 use crate::exec::state::{RunState, TaskRecord, TaskStatus};
 use crate::plan::graph::{OperatorId, Pool, TaskShape};
+use crate::store::block::BlockId;
 use crate::store::ramp::ramp_rows;
 
 impl QueryRun {
@@ -98,10 +99,7 @@ impl QueryRun {
             if st.operators[op_id].partitions[p].closed {
                 continue;
             }
-            let mut cursor = st.operators[op_id].partitions[p]
-                .input
-                .take()
-                .unwrap_or_else(|| self.input_cursor(op_id, 0, p, false));
+            let mut cursor = self.take_dispatch_cursor(st, op_id, p);
             loop {
                 // Gather a bundle on a copy of the cursor; commit it once it may run.
                 let mut probe = cursor.clone();
@@ -145,10 +143,7 @@ impl QueryRun {
                     break;
                 }
                 cursor = probe;
-                let id = st.tasks.len();
-                st.tasks
-                    .push(TaskRecord::new(op_id, p, TaskKind::Blocks { inputs }));
-                st.operators[op_id].partitions[p].tasks.push(id);
+                Self::push_block_task(st, op_id, p, inputs);
                 if ended {
                     st.operators[op_id].partitions[p].closed = true;
                     break;
@@ -167,10 +162,7 @@ impl QueryRun {
             if st.operators[op_id].partitions[p].closed {
                 continue;
             }
-            let mut cursor = st.operators[op_id].partitions[p]
-                .input
-                .take()
-                .unwrap_or_else(|| self.input_cursor(op_id, 0, p, false));
+            let mut cursor = self.take_dispatch_cursor(st, op_id, p);
             let mut gathered = std::mem::take(&mut st.operators[op_id].partitions[p].gathered);
             let mut bytes: u64 = gathered.iter().map(|id| st.blocks[id].bytes).sum();
             loop {
@@ -182,11 +174,7 @@ impl QueryRun {
                 }
                 if !gathered.is_empty() && (bytes >= run_bytes || ended) {
                     bytes = 0;
-                    let inputs = std::mem::take(&mut gathered);
-                    let id = st.tasks.len();
-                    st.tasks
-                        .push(TaskRecord::new(op_id, p, TaskKind::Blocks { inputs }));
-                    st.operators[op_id].partitions[p].tasks.push(id);
+                    Self::push_block_task(st, op_id, p, std::mem::take(&mut gathered));
                 }
                 if ended {
                     st.operators[op_id].partitions[p].closed = true;
@@ -199,6 +187,23 @@ impl QueryRun {
             ps.gathered = gathered;
             ps.input = Some(cursor);
         }
+    }
+
+    /// A task of per-block operator `op_id` over `inputs`, last of partition `p`'s.
+    fn push_block_task(st: &mut RunState, op_id: OperatorId, p: usize, inputs: Vec<BlockId>) {
+        let id = st.tasks.len();
+        st.tasks
+            .push(TaskRecord::new(op_id, p, TaskKind::Blocks { inputs }));
+        st.operators[op_id].partitions[p].tasks.push(id);
+    }
+
+    /// Where per-block operator `op_id`'s dispatch stands in partition `p`'s input (taken
+    /// out of its state, to be put back): at the start for its first tasks.
+    fn take_dispatch_cursor(&self, st: &mut RunState, op_id: OperatorId, p: usize) -> Cursor {
+        st.operators[op_id].partitions[p]
+            .input
+            .take()
+            .unwrap_or_else(|| self.input_cursor(op_id, 0, p, false))
     }
 
     /// An operator whose reader finished before reading all of it (a `LIMIT` that has its
