@@ -322,6 +322,66 @@ async fn a_range_sort_merges_runs_sorted_while_the_map_side_runs() {
     );
 }
 
+/// A range sorted in runs whose largest blocks together would not fit the share of the
+/// budget a range was planned for (a hot key not spread: 60% of the rows in one range of
+/// ~24 runs of ~2 MB) is sorted whole by a spilling sort instead of merged, and its rows
+/// still come out sorted (a sort over the runs' stage input must not take them for sorted
+/// already); the other ranges are merged.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_range_of_too_many_runs_is_sorted_whole() {
+    let v = vanilla();
+    let f = flumen_ctx(&[
+        "SET flumen.memory_budget = '32MB'",
+        "SET flumen.cpu_slots = 2",
+        "SET flumen.slice_hot_partitions = false",
+    ])
+    .await;
+    let table = "CREATE TABLE wide AS SELECT value AS id, CASE WHEN value % 10 < 6 THEN 0 \
+                 ELSE value END AS k, repeat('x', 150) || CAST(value AS VARCHAR) AS pad \
+                 FROM range(0, 300000)";
+    for ctx in [&v, &f] {
+        collect(ctx, table).await;
+    }
+    let sql = "SELECT k, id, pad FROM wide ORDER BY k";
+    // Rows tied on `k` come in any order: the keys in order, the ids as a set.
+    let keys_and_ids = |batches: &[datafusion::arrow::record_batch::RecordBatch]| {
+        let column = |i: usize| -> Vec<i64> {
+            batches
+                .iter()
+                .flat_map(|b| b.column(i).as_primitive::<Int64Type>().values().to_vec())
+                .collect()
+        };
+        let mut ids = column(1);
+        ids.sort_unstable();
+        (column(0), ids)
+    };
+    let expected = keys_and_ids(&collect(&v, sql).await);
+    let (batches, plan) = run_plan(&f, sql).await;
+    assert!(
+        keys_and_ids(&batches) == expected,
+        "rows differ from DataFusion's"
+    );
+    let exec = plan.downcast_ref::<FlumenExec>().unwrap();
+    let merge = exec
+        .graph()
+        .operators
+        .iter()
+        .find_map(|op| {
+            let mut found = None;
+            let _ = op.fragment.apply(|node| {
+                if node.name() == "MergeRunsExec" {
+                    found = node.metrics();
+                }
+                Ok(TreeNodeRecursion::Continue)
+            });
+            found
+        })
+        .expect("no MergeRunsExec: the ranges were not sorted in runs");
+    let count = |name| merge.sum_by_name(name).map_or(0, |m| m.as_usize());
+    assert!(count("partitions_sorted_whole") >= 1, "{merge}");
+    assert!(count("runs_merged") >= 1, "{merge}");
+}
+
 /// `facts(id, v)` of `facts` rows and `hot(k, v)` of `hot` rows, `hot_percent` of them with
 /// `k = 0` and the rest distinct even ids, written as Parquet to a temp dir and registered in
 /// vanilla DataFusion and in a flumen session with a 16 MB budget and 2 CPU slots.

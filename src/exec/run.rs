@@ -503,18 +503,6 @@ impl QueryRun {
         }
     }
 
-    /// Most bytes a range's merge may hold at once, a block of each of its sorted runs: a
-    /// per-partition task's share of the budget over the CPU slots, what an out-of-core
-    /// range was planned to hold.
-    pub(super) fn merge_share(&self) -> u64 {
-        let share = self.graph.sizing.partition_bytes;
-        if share == u64::MAX {
-            self.config.memory_budget.0 / (4 * self.config.cpu_slots.max(1) as u64)
-        } else {
-            share
-        }
-    }
-
     /// The context tasks run in (without task inputs).
     pub(super) fn base_context(&self) -> Arc<TaskContext> {
         Arc::clone(&self.base)

@@ -94,6 +94,8 @@ pub(super) struct PartitionState {
     /// A run-sorting operator's blocks read from its input but not yet in a task (a run
     /// still short of its bytes).
     pub(super) gathered: Vec<BlockId>,
+    /// Their bytes.
+    pub(super) gathered_bytes: u64,
 }
 
 #[derive(Debug, Default)]

@@ -294,8 +294,8 @@ impl InputProvider for TaskProvider {
             }
             let tasks = producer.partitions[partition].tasks.clone();
             // The merge holds a block of each run at once: when the largest of each do not
-            // fit the task's share of the budget (a hot range of many runs), the runs are
-            // sorted together instead, by a sort that spills.
+            // fit the share of the budget a range was planned for (a hot range of many
+            // runs), the runs are sorted together instead, by a sort that spills.
             let largest: u64 = tasks
                 .iter()
                 .map(|t| {
@@ -307,7 +307,7 @@ impl InputProvider for TaskProvider {
                         .unwrap_or(0)
                 })
                 .sum();
-            if largest > run.merge_share() {
+            if largest > run.graph.sizing.partition_bytes {
                 return Ok(None);
             }
             tasks

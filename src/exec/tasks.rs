@@ -163,8 +163,8 @@ impl QueryRun {
                 continue;
             }
             let mut cursor = self.take_dispatch_cursor(st, op_id, p);
-            let mut gathered = std::mem::take(&mut st.operators[op_id].partitions[p].gathered);
-            let mut bytes: u64 = gathered.iter().map(|id| st.blocks[id].bytes).sum();
+            let ps = &mut st.operators[op_id].partitions[p];
+            let (mut gathered, mut bytes) = (std::mem::take(&mut ps.gathered), ps.gathered_bytes);
             loop {
                 let next = Self::next_block(st, &mut cursor);
                 let ended = matches!(next, Next::End);
@@ -185,6 +185,7 @@ impl QueryRun {
             }
             let ps = &mut st.operators[op_id].partitions[p];
             ps.gathered = gathered;
+            ps.gathered_bytes = bytes;
             ps.input = Some(cursor);
         }
     }

@@ -252,21 +252,22 @@ impl Inner {
     /// The group with the most bytes in memory not being written out (ties: the newest),
     /// among those `read_soon` says are not read soon if any has such bytes, else among all.
     fn fullest_group(&self, read_soon: &ReadSoon) -> Option<SpillGroup> {
-        self.fullest_read_late(read_soon).or_else(|| {
-            self.resident
-                .iter()
-                .filter_map(|(group, r)| Some((r.bytes, *r.blocks.keys().next_back()?, *group)))
-                .max()
-                .map(|(.., group)| group)
-        })
+        self.fullest_read_late(read_soon)
+            .or_else(|| self.fullest_where(|_| true))
     }
 
     /// The group not read soon ([`ReadSoon`]) with the most bytes in memory not being
     /// written out (ties: the newest).
     fn fullest_read_late(&self, read_soon: &ReadSoon) -> Option<SpillGroup> {
+        self.fullest_where(|group| !read_soon.contains(group.0))
+    }
+
+    /// The group `keep` keeps with the most bytes in memory not being written out (ties:
+    /// the newest).
+    fn fullest_where(&self, keep: impl Fn(&SpillGroup) -> bool) -> Option<SpillGroup> {
         self.resident
             .iter()
-            .filter(|(group, _)| !read_soon.contains(group.0))
+            .filter(|(group, _)| keep(group))
             .filter_map(|(group, r)| Some((r.bytes, *r.blocks.keys().next_back()?, *group)))
             .max()
             .map(|(.., group)| group)
