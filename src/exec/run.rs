@@ -348,7 +348,12 @@ impl QueryRun {
             }
         }
         drop(st);
-        crate::store::freed_memory::return_freed_memory();
+        // A thread feeding a device goes on to its next task at once; its trim runs beside it.
+        if op.pool == Pool::Accelerator {
+            crate::store::freed_memory::return_freed_memory_elsewhere();
+        } else {
+            crate::store::freed_memory::return_freed_memory();
+        }
         self.changed();
     }
 

@@ -1,7 +1,8 @@
 //! An emulated accelerator, for measuring the scheduler on machines without a GPU.
 //!
 //! [`EmulatedDevice`] is one device: a batch occupies it for a fixed service time during
-//! which the calling thread sleeps, so the device is busy without using a CPU core, and two
+//! which the calling thread makes the batch's output and then sleeps (with no timer slack, so
+//! that the sleep ends on time), so the device is busy without using a CPU core, and two
 //! callers queue for it as two streams queue for one GPU. [`EmulatedModel`] is an accelerator
 //! function over it: `name(x) -> FixedSizeList(Float32, dims)` over text or vectors of floats,
 //! a deterministic vector per row (from the input's length and first bytes, so answers can be
@@ -48,12 +49,23 @@ impl Default for EmulatedDevice {
 }
 
 impl EmulatedDevice {
-    /// Occupy the device for `service_time` (waiting first while another batch holds it).
-    pub fn run_batch(&self, service_time: Duration, rows: usize) {
+    /// Occupy the device for `service_time` (waiting first while another batch holds it),
+    /// computing the batch's output with `output` meanwhile, as a device computes what it
+    /// returns during its service time. The batch takes longer only when `output` does.
+    pub fn run_batch<R>(
+        &self,
+        service_time: Duration,
+        rows: usize,
+        output: impl FnOnce() -> R,
+    ) -> R {
         let mut held = self.queue.lock().unwrap_or_else(|e| e.into_inner());
         let started = Instant::now();
-        if !service_time.is_zero() {
-            std::thread::sleep(service_time);
+        let result = output();
+        let ends = started + service_time;
+        let now = Instant::now();
+        if now < ends {
+            precise_sleeps();
+            std::thread::sleep(ends - now);
         }
         let ended = Instant::now();
         held.push((started - self.created, ended - self.created));
@@ -61,6 +73,7 @@ impl EmulatedDevice {
             .fetch_add((ended - started).as_nanos() as u64, Ordering::Relaxed);
         self.batches.fetch_add(1, Ordering::Relaxed);
         self.rows.fetch_add(rows as u64, Ordering::Relaxed);
+        result
     }
 
     /// When each batch so far occupied the device, as (start, end) since the device was made,
@@ -210,13 +223,15 @@ impl AcceleratorWorker for EmulatedWorker {
     fn process(&mut self, args: &[ArrayRef], _return_type: &DataType) -> Result<ArrayRef> {
         let (seeds, bytes) = row_seeds(&args[0])?;
         let service = self.service_time + self.service_per_kib.mul_f64(bytes as f64 / 1024.0);
-        self.device.run_batch(service, seeds.len());
-        let mut values = Vec::with_capacity(seeds.len() * self.dims);
-        for seed in &seeds {
-            let seed = seed.unwrap_or(0);
-            values.extend((0..self.dims).map(|j| unit_value(seed, j)));
-        }
-        let values = Float32Array::from(values);
+        let dims = self.dims;
+        let values = self.device.run_batch(service, seeds.len(), || {
+            let mut values = Vec::with_capacity(seeds.len() * dims);
+            for seed in &seeds {
+                let seed = seed.unwrap_or(0);
+                values.extend((0..dims).map(|j| unit_value(seed, j)));
+            }
+            Float32Array::from(values)
+        });
         let field = Arc::new(Field::new_list_field(DataType::Float32, true));
         let list = FixedSizeListArray::try_new(
             field,
@@ -225,6 +240,21 @@ impl AcceleratorWorker for EmulatedWorker {
             args[0].logical_nulls(),
         )?;
         Ok(Arc::new(list))
+    }
+}
+
+/// Make this thread's sleeps end when asked: Linux lets a sleep run late by the thread's
+/// timer slack (50 µs by default, and more on a loaded machine), which would add to every
+/// batch's service time. Once per thread.
+fn precise_sleeps() {
+    #[cfg(target_os = "linux")]
+    {
+        thread_local!(static SET: std::cell::Cell<bool> = const { std::cell::Cell::new(false) });
+        if !SET.get() {
+            // SAFETY: PR_SET_TIMERSLACK takes an integer and changes only this thread's slack.
+            unsafe { libc::prctl(libc::PR_SET_TIMERSLACK, 1, 0, 0, 0) };
+            SET.set(true);
+        }
     }
 }
 
@@ -326,6 +356,24 @@ mod tests {
         assert_eq!(outputs[0].len(), 2);
         assert!(outputs[0].is_null(1) && !outputs[0].is_null(0));
         assert_eq!(outputs[0].to_data(), outputs[1].to_data(), "deterministic");
+    }
+
+    #[test]
+    fn a_batch_output_is_made_while_the_device_is_busy() {
+        let device = EmulatedDevice::default();
+        let made_at = device.run_batch(Duration::from_millis(20), 1, || device.created.elapsed());
+        let (start, end) = device.busy_intervals()[0];
+        assert!(
+            start <= made_at && made_at <= end,
+            "{made_at:?} not in {start:?}..{end:?}"
+        );
+        assert!(end - start >= Duration::from_millis(20));
+        // An output that takes longer than the service time makes the batch longer.
+        device.run_batch(Duration::from_millis(1), 1, || {
+            std::thread::sleep(Duration::from_millis(30))
+        });
+        let (start, end) = device.busy_intervals()[1];
+        assert!(end - start >= Duration::from_millis(30));
     }
 
     /// A worker of a model that costs 10 ms per KiB of input (nothing per batch), and its

@@ -8,7 +8,10 @@
 //! many short tasks do not pay for it each time. A program that installed its allocator
 //! ([`crate::store::process_heap::install`], as the `flumen` binary does for jemalloc) has
 //! that allocator's [`return_freed`](crate::store::process_heap::HeapAllocator::return_freed)
-//! called too; other allocators return memory on their own schedule.
+//! called too; other allocators return memory on their own schedule. A task that ran on an
+//! accelerator worker has its trim run on a thread of its own
+//! ([`return_freed_memory_elsewhere`]): a trim takes milliseconds, which the device would
+//! otherwise sit idle for before the worker's next task.
 
 use std::sync::OnceLock;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -28,13 +31,29 @@ fn epoch() -> Instant {
 /// Give the pages the process's allocator holds free back to the system, unless another
 /// thread did so less than [`TRIM_INTERVAL`] ago. True when this call trimmed.
 pub(crate) fn return_freed_memory() -> bool {
-    // Offset by one interval so that the first call, at 0 ms, is due.
-    let now_ms = (epoch().elapsed() + TRIM_INTERVAL).as_millis() as u64;
-    if !claim_trim(&LAST_TRIM_MS, now_ms) {
+    if !trim_due() {
         return false;
     }
     trim();
     true
+}
+
+/// [`return_freed_memory`] on a thread of its own, so that the caller (a thread feeding an
+/// accelerator, whose next batch should not wait for the allocator) goes on at once.
+pub(crate) fn return_freed_memory_elsewhere() {
+    if trim_due() {
+        // A thread that cannot start leaves the pages to the next trim.
+        let _ = std::thread::Builder::new()
+            .name("flumen-trim".into())
+            .spawn(trim);
+    }
+}
+
+/// Whether this caller is to trim now (see [`claim_trim`]).
+fn trim_due() -> bool {
+    // Offset by one interval so that the first call, at 0 ms, is due.
+    let now_ms = (epoch().elapsed() + TRIM_INTERVAL).as_millis() as u64;
+    claim_trim(&LAST_TRIM_MS, now_ms)
 }
 
 /// Whether a trim is due at `now_ms` given the last one's time in `last_trim_ms`; the
