@@ -233,21 +233,44 @@ fn split_block_rows(split: &Partitioning, target: usize) -> usize {
 }
 
 /// A bundle of input blocks as a per-block task's fragment reads it, wherever the task
-/// runs: concatenated, then handed over in pieces of at most `target_rows` rows.
+/// runs: in pieces of `target_rows` rows (the last may be smaller), as if the blocks were
+/// one batch. A piece within one block is a slice of it; only a piece that spans blocks is
+/// copied. (Concatenating the whole bundle first copied it, ~10 MB of text for a model's
+/// bundle, 2–3 ms before its first batch could start.)
 pub fn bundle_pieces(
     schema: &SchemaRef,
     blocks: Vec<RecordBatch>,
     target_rows: usize,
 ) -> Result<Vec<RecordBatch>> {
     let target = target_rows.max(1);
-    let bundle = match blocks.len() {
-        1 => blocks.into_iter().next().expect("one block"),
-        _ => datafusion::arrow::compute::concat_batches(schema, &blocks)?,
-    };
-    Ok((0..bundle.num_rows())
-        .step_by(target)
-        .map(|at| bundle.slice(at, target.min(bundle.num_rows() - at)))
-        .collect())
+    let mut pieces = vec![];
+    // Slices of the piece being made, and their rows.
+    let mut parts: Vec<RecordBatch> = vec![];
+    let mut rows = 0;
+    for block in blocks {
+        let mut at = 0;
+        while at < block.num_rows() {
+            let take = (target - rows).min(block.num_rows() - at);
+            parts.push(block.slice(at, take));
+            (rows, at) = (rows + take, at + take);
+            if rows == target {
+                pieces.push(one_piece(schema, std::mem::take(&mut parts))?);
+                rows = 0;
+            }
+        }
+    }
+    if rows > 0 {
+        pieces.push(one_piece(schema, parts)?);
+    }
+    Ok(pieces)
+}
+
+/// The slices of one piece as one batch.
+fn one_piece(schema: &SchemaRef, mut parts: Vec<RecordBatch>) -> Result<RecordBatch> {
+    match parts.len() {
+        1 => Ok(parts.pop().expect("one part")),
+        _ => Ok(datafusion::arrow::compute::concat_batches(schema, &parts)?),
+    }
 }
 
 #[cfg(test)]
@@ -281,21 +304,29 @@ mod tests {
     }
 
     #[test]
-    fn a_bundle_is_concatenated_and_cut_to_the_target() {
+    fn a_bundle_is_cut_to_the_target_across_its_blocks() {
         let schema = batch(0, 1).schema();
-        let pieces = bundle_pieces(&schema, vec![batch(0, 5), batch(5, 6)], 4).unwrap();
+        let blocks = vec![batch(0, 9), batch(9, 0), batch(9, 6)];
+        let first = blocks[0].column(0).to_data().buffers()[0].as_ptr();
+        let pieces = bundle_pieces(&schema, blocks, 4).unwrap();
         assert_eq!(
             pieces.iter().map(|b| b.num_rows()).collect::<Vec<_>>(),
-            vec![4, 4, 3]
+            vec![4, 4, 4, 3]
         );
-        assert_eq!(
-            pieces[2]
-                .column(0)
-                .as_any()
-                .downcast_ref::<Int64Array>()
+        let values: Vec<i64> = pieces
+            .iter()
+            .flat_map(|p| {
+                let column = p.column(0).as_any().downcast_ref::<Int64Array>().unwrap();
+                column.values().to_vec()
+            })
+            .collect();
+        assert_eq!(values, (0..15).collect::<Vec<_>>());
+        // A piece within one block is a slice of it, not a copy.
+        assert_eq!(pieces[0].column(0).to_data().buffers()[0].as_ptr(), first);
+        assert!(
+            bundle_pieces(&schema, vec![batch(0, 0)], 4)
                 .unwrap()
-                .value(2),
-            10
+                .is_empty()
         );
     }
 
