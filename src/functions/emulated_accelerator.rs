@@ -361,19 +361,34 @@ mod tests {
     #[test]
     fn a_batch_output_is_made_while_the_device_is_busy() {
         let device = EmulatedDevice::default();
-        let made_at = device.run_batch(Duration::from_millis(20), 1, || device.created.elapsed());
+        let service = Duration::from_millis(200);
+        let made_at = device.run_batch(service, 1, || device.created.elapsed());
         let (start, end) = device.busy_intervals()[0];
+        // Made at the batch's start, not after the service time.
         assert!(
-            start <= made_at && made_at <= end,
-            "{made_at:?} not in {start:?}..{end:?}"
+            start <= made_at && made_at < start + service,
+            "{made_at:?} not early in {start:?}..{end:?}"
         );
-        assert!(end - start >= Duration::from_millis(20));
+        assert!(end - start >= service);
         // An output that takes longer than the service time makes the batch longer.
         device.run_batch(Duration::from_millis(1), 1, || {
             std::thread::sleep(Duration::from_millis(30))
         });
         let (start, end) = device.busy_intervals()[1];
         assert!(end - start >= Duration::from_millis(30));
+    }
+
+    #[cfg(target_os = "linux")]
+    #[test]
+    fn a_batch_sleeps_with_no_timer_slack() {
+        let slack = std::thread::spawn(|| {
+            EmulatedDevice::default().run_batch(Duration::from_millis(1), 1, || ());
+            // SAFETY: PR_GET_TIMERSLACK reads this thread's slack; it takes no pointers.
+            unsafe { libc::prctl(libc::PR_GET_TIMERSLACK, 0, 0, 0, 0) }
+        })
+        .join()
+        .unwrap();
+        assert_eq!(slack, 1);
     }
 
     /// A worker of a model that costs 10 ms per KiB of input (nothing per batch), and its

@@ -861,29 +861,16 @@ pub(crate) mod tests {
         // Operator 1's blocks are read soon (a run sort's input), operator 0's late.
         let read_soon = ReadSoon::new(vec![false, true]);
         let store = BlockStore::new(1000).with_read_soon(read_soon.clone());
-        assert_eq!(
-            store.put(1, batch(10), 400, (0, 0)).unwrap(),
-            Placement::Memory
-        );
-        assert_eq!(
-            store.put(2, batch(20), 400, (1, 0)).unwrap(),
-            Placement::Memory
-        );
-        assert_eq!(
-            store.put(3, batch(30), 400, (1, 1)).unwrap(),
-            Placement::Memory
-        );
+        // Block `id` of 400 bytes into `group`, where it was placed.
+        let put = |id: BlockId, group| store.put(id, batch(id as i64), 400, group).unwrap();
+        assert_eq!(put(1, (0, 0)), Placement::Memory);
+        assert_eq!(put(2, (1, 0)), Placement::Memory);
+        assert_eq!(put(3, (1, 1)), Placement::Memory);
         assert!(!in_memory(&store, 1) && in_memory(&store, 2) && in_memory(&store, 3));
         assert_eq!(store.memory_bytes(), 800);
-        assert_eq!(store.get(1).unwrap().unwrap(), batch(10));
-        assert_eq!(
-            store.put(4, batch(40), 400, (1, 2)).unwrap(),
-            Placement::Spilled
-        );
-        assert_eq!(
-            store.put(5, batch(50), 400, (0, 1)).unwrap(),
-            Placement::Spilled
-        );
+        assert_eq!(store.get(1).unwrap().unwrap(), batch(1));
+        assert_eq!(put(4, (1, 2)), Placement::Spilled);
+        assert_eq!(put(5, (0, 1)), Placement::Spilled);
         assert!(in_memory(&store, 2) && in_memory(&store, 3));
 
         // The largest group is read soon; the block read late goes.
