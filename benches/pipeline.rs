@@ -70,6 +70,12 @@ use serde_json::{Value, json};
 
 #[path = "common/pipeline_stages.rs"]
 mod pipeline_stages;
+/// Only its peak: a child's own high-water mark (`VmHWM`), which counts from its exec, where
+/// `getrusage`'s `ru_maxrss` keeps the parent's peak across fork and exec (a child spawned
+/// after the parent generated the input reported the parent's 494 MiB in every mode).
+#[path = "common/rss.rs"]
+#[allow(dead_code)]
+mod rss;
 use pipeline_stages::{LoopStage, Post, gap_stats};
 
 const TWO_STAGE_SQL: &str = "SELECT id, model(clean_text(body)) AS v FROM docs";
@@ -722,8 +728,8 @@ fn spawn_child(
     }
 }
 
-/// CPU seconds (user + system) and peak RSS (KiB) of this process so far.
-fn rusage() -> (f64, f64) {
+/// CPU seconds (user + system) of this process so far.
+fn cpu_seconds() -> f64 {
     // SAFETY: getrusage only writes the struct it is given.
     let usage = unsafe {
         let mut usage: libc::rusage = std::mem::zeroed();
@@ -731,10 +737,7 @@ fn rusage() -> (f64, f64) {
         usage
     };
     let secs = |t: libc::timeval| t.tv_sec as f64 + t.tv_usec as f64 / 1e6;
-    (
-        secs(usage.ru_utime) + secs(usage.ru_stime),
-        usage.ru_maxrss as f64,
-    )
+    secs(usage.ru_utime) + secs(usage.ru_stime)
 }
 
 /// A device a child can watch while it runs: its busy time, and when it was busy.
@@ -1070,7 +1073,7 @@ fn run_child(args: &Args, mode: &str) -> Result<Value> {
     let stop = Arc::new(AtomicBool::new(false));
     let timeline = Arc::new(Mutex::new(Vec::<Vec<f64>>::new()));
     let started = Instant::now();
-    let (cpu_at_start, _) = rusage();
+    let cpu_at_start = cpu_seconds();
     let sampler = {
         let (rows_done, stop, timeline, meters) = (
             Arc::clone(&rows_done),
@@ -1080,7 +1083,7 @@ fn run_child(args: &Args, mode: &str) -> Result<Value> {
         );
         std::thread::spawn(move || {
             while !stop.load(Ordering::Relaxed) {
-                let (cpu, _) = rusage();
+                let cpu = cpu_seconds();
                 let mut sample = vec![
                     started.elapsed().as_secs_f64(),
                     rows_done.load(Ordering::Relaxed) as f64,
@@ -1138,7 +1141,8 @@ fn run_child(args: &Args, mode: &str) -> Result<Value> {
     let wall_s = started.elapsed().as_secs_f64();
     stop.store(true, Ordering::Relaxed);
     sampler.join().expect("sampler thread");
-    let (cpu_at_end, peak_rss_kb) = rusage();
+    let cpu_at_end = cpu_seconds();
+    let peak_rss_kb = rss::RssWatch { base: 0 }.peak() as f64 / 1024.0;
     let timeline = std::mem::take(&mut *timeline.lock().unwrap());
     let devices: Vec<Value> = meters
         .iter()

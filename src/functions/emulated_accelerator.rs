@@ -8,7 +8,9 @@
 //! a deterministic vector per row (from the input's length and first bytes, so answers can be
 //! compared across runs), computed in batches of `batch_rows` rows that each cost one service
 //! time plus, optionally, a time per KiB of input (a model whose cost grows with document
-//! length). The device counts its busy time, batches and rows, and keeps when each batch ran,
+//! length). Its worker takes a whole piece per call and queues the piece's batches on the
+//! device at once, which runs them back to back (as a GPU runs the kernels queued on its
+//! stream), so the device does not wait for the host thread between them. The device counts its busy time, batches and rows, and keeps when each batch ran,
 //! which benchmarks read as the accelerator's utilisation and its idle gaps.
 
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -58,20 +60,40 @@ impl EmulatedDevice {
         rows: usize,
         output: impl FnOnce() -> R,
     ) -> R {
+        self.run_batches(&[(service_time, rows)], output)
+    }
+
+    /// Queue several batches, each `(service time, rows)`, at once (waiting first while
+    /// another caller holds the device) and run them back to back, as a stream runs the
+    /// kernels queued on it: batch `k + 1` starts when batch `k`'s service time ends, however
+    /// late the calling thread wakes. `output` makes the outputs of all of them meanwhile;
+    /// the last batch ends late only when `output` (or the thread's wake-up) does.
+    pub fn run_batches<R>(&self, batches: &[(Duration, usize)], output: impl FnOnce() -> R) -> R {
         let mut held = self.queue.lock().unwrap_or_else(|e| e.into_inner());
         let started = Instant::now();
         let result = output();
-        let ends = started + service_time;
+        let total: Duration = batches.iter().map(|(service, _)| *service).sum();
+        let ends = started + total;
         let now = Instant::now();
         if now < ends {
             precise_sleeps();
             std::thread::sleep(ends - now);
         }
         let ended = Instant::now();
-        held.push((started - self.created, ended - self.created));
+        let mut batch_start = started;
+        for (k, (service, _)) in batches.iter().enumerate() {
+            let batch_end = match k + 1 == batches.len() {
+                true => ended,
+                false => batch_start + *service,
+            };
+            held.push((batch_start - self.created, batch_end - self.created));
+            batch_start = batch_end;
+        }
         self.busy_ns
             .fetch_add((ended - started).as_nanos() as u64, Ordering::Relaxed);
-        self.batches.fetch_add(1, Ordering::Relaxed);
+        self.batches
+            .fetch_add(batches.len() as u64, Ordering::Relaxed);
+        let rows: usize = batches.iter().map(|(_, rows)| rows).sum();
         self.rows.fetch_add(rows as u64, Ordering::Relaxed);
         result
     }
@@ -190,12 +212,10 @@ impl AcceleratorFunction for EmulatedModel {
         Ok(Box::new(EmulatedWorker {
             service_time: self.service_time,
             service_per_kib: self.service_per_kib,
+            batch_rows: self.batch_rows,
             dims: self.dims,
             device: Arc::clone(&self.device),
         }))
-    }
-    fn batch_rows(&self, _config: &ConfigOptions) -> Option<usize> {
-        Some(self.batch_rows)
     }
     fn resources(&self, _config: &ConfigOptions) -> WorkerResources {
         WorkerResources {
@@ -212,19 +232,32 @@ fn vector_type(dims: usize) -> DataType {
     )
 }
 
+/// A worker of an [`EmulatedModel`]: takes whole pieces and cuts them into device batches
+/// itself, as the embedding model does, so a piece's batches are queued on the device at
+/// once and its output is one array (no concatenation after the last batch).
 struct EmulatedWorker {
     service_time: Duration,
     service_per_kib: Duration,
+    batch_rows: usize,
     dims: usize,
     device: Arc<EmulatedDevice>,
 }
 
 impl AcceleratorWorker for EmulatedWorker {
     fn process(&mut self, args: &[ArrayRef], _return_type: &DataType) -> Result<ArrayRef> {
-        let (seeds, bytes) = row_seeds(&args[0])?;
-        let service = self.service_time + self.service_per_kib.mul_f64(bytes as f64 / 1024.0);
+        let (seeds, row_bytes) = row_seeds(&args[0])?;
+        let batches: Vec<(Duration, usize)> = row_bytes
+            .chunks(self.batch_rows)
+            .map(|chunk| {
+                let kib = chunk.iter().sum::<usize>() as f64 / 1024.0;
+                (
+                    self.service_time + self.service_per_kib.mul_f64(kib),
+                    chunk.len(),
+                )
+            })
+            .collect();
         let dims = self.dims;
-        let values = self.device.run_batch(service, seeds.len(), || {
+        let values = self.device.run_batches(&batches, || {
             let mut values = Vec::with_capacity(seeds.len() * dims);
             for seed in &seeds {
                 let seed = seed.unwrap_or(0);
@@ -258,21 +291,22 @@ fn precise_sleeps() {
     }
 }
 
-/// Each row's seed (`None` for a null row) and the input's size in bytes: text, or vectors
-/// (fixed-size or variable lists) of floats.
-fn row_seeds(input: &ArrayRef) -> Result<(Vec<Option<u64>>, usize)> {
+/// Each row's seed (`None` for a null row) and size in bytes: text, or vectors (fixed-size
+/// or variable lists) of floats.
+fn row_seeds(input: &ArrayRef) -> Result<(Vec<Option<u64>>, Vec<usize>)> {
     match input.data_type() {
         DataType::FixedSizeList(..) | DataType::List(_) | DataType::LargeList(_) => {
             let mut seeds = Vec::with_capacity(input.len());
-            let mut bytes = 0;
+            let mut bytes = Vec::with_capacity(input.len());
             for row in 0..input.len() {
                 if input.is_null(row) {
                     seeds.push(None);
+                    bytes.push(0);
                     continue;
                 }
                 let vector = cast(&list_value(input, row)?, &DataType::Float32)?;
                 let floats = vector.as_primitive::<Float32Type>().values();
-                bytes += floats.len() * 4;
+                bytes.push(floats.len() * 4);
                 let first: Vec<u8> = floats
                     .iter()
                     .take(4)
@@ -290,9 +324,12 @@ fn row_seeds(input: &ArrayRef) -> Result<(Vec<Option<u64>>, usize)> {
                 ))
             })?;
             let text = text.as_string::<i32>();
-            // The rows' own bytes: a slice shares its whole batch's value buffer.
-            let offsets = text.value_offsets();
-            let bytes = (offsets[text.len()] - offsets[0]) as usize;
+            // The rows' own bytes (a slice shares its whole batch's value buffer).
+            let bytes = text
+                .value_offsets()
+                .windows(2)
+                .map(|w| (w[1] - w[0]) as usize)
+                .collect();
             Ok((text.iter().map(|row| row.map(row_seed)).collect(), bytes))
         }
     }
@@ -376,6 +413,45 @@ mod tests {
         });
         let (start, end) = device.busy_intervals()[1];
         assert!(end - start >= Duration::from_millis(30));
+    }
+
+    #[test]
+    fn a_piece_is_cut_into_batches_queued_back_to_back() {
+        let device = Arc::new(EmulatedDevice::default());
+        let service = Duration::from_millis(10);
+        let model = EmulatedModel::new("m", service, 4, 3, Arc::clone(&device));
+        let mut worker = model.load(&ConfigOptions::new()).unwrap();
+        let texts: Vec<Option<String>> = (0..10).map(|i| Some(format!("row {i}"))).collect();
+        let input: ArrayRef = Arc::new(StringArray::from(texts));
+        let out = worker
+            .process(&[Arc::clone(&input)], &vector_type(3))
+            .unwrap();
+        // Batches of 4, 4 and 2 rows, each one service time, with no gap between them.
+        assert_eq!((device.batches(), device.rows()), (3, 10));
+        let intervals = device.busy_intervals();
+        assert_eq!(intervals.len(), 3);
+        for k in 0..3 {
+            assert!(intervals[k].1 - intervals[k].0 >= service, "{intervals:?}");
+            if k > 0 {
+                assert_eq!(intervals[k].0, intervals[k - 1].1, "{intervals:?}");
+            }
+        }
+        // The same vectors as one row at a time: a row's vector does not depend on its batch.
+        let one_by_one: Vec<ArrayRef> = (0..10)
+            .map(|row| {
+                worker
+                    .process(&[input.slice(row, 1)], &vector_type(3))
+                    .unwrap()
+            })
+            .collect();
+        let one_by_one: Vec<&dyn Array> = one_by_one.iter().map(|a| a.as_ref()).collect();
+        let expected = datafusion::arrow::compute::concat(&one_by_one).unwrap();
+        assert_eq!(out.to_data(), expected.to_data());
+        // An empty piece occupies the device not at all.
+        worker
+            .process(&[input.slice(0, 0)], &vector_type(3))
+            .unwrap();
+        assert_eq!(device.batches(), 13);
     }
 
     #[cfg(target_os = "linux")]
