@@ -82,9 +82,10 @@ impl EmulatedDevice {
         let ended = Instant::now();
         let mut batch_start = started;
         for (k, (service, _)) in batches.iter().enumerate() {
-            let batch_end = match k + 1 == batches.len() {
-                true => ended,
-                false => batch_start + *service,
+            let batch_end = if k + 1 == batches.len() {
+                ended
+            } else {
+                batch_start + *service
             };
             held.push((batch_start - self.created, batch_end - self.created));
             batch_start = batch_end;
@@ -430,11 +431,11 @@ mod tests {
         assert_eq!((device.batches(), device.rows()), (3, 10));
         let intervals = device.busy_intervals();
         assert_eq!(intervals.len(), 3);
-        for k in 0..3 {
-            assert!(intervals[k].1 - intervals[k].0 >= service, "{intervals:?}");
-            if k > 0 {
-                assert_eq!(intervals[k].0, intervals[k - 1].1, "{intervals:?}");
-            }
+        for (start, end) in &intervals {
+            assert!(*end - *start >= service, "{intervals:?}");
+        }
+        for pair in intervals.windows(2) {
+            assert_eq!(pair[1].0, pair[0].1, "{intervals:?}");
         }
         // The same vectors as one row at a time: a row's vector does not depend on its batch.
         let one_by_one: Vec<ArrayRef> = (0..10)
