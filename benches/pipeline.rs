@@ -70,9 +70,9 @@ use serde_json::{Value, json};
 
 #[path = "common/pipeline_stages.rs"]
 mod pipeline_stages;
-/// Only its peak: a child's own high-water mark (`VmHWM`), which counts from its exec, where
-/// `getrusage`'s `ru_maxrss` keeps the parent's peak across fork and exec (a child spawned
-/// after the parent generated the input reported the parent's 494 MiB in every mode).
+/// Only `peak_bytes`: a child's own peak RSS. `getrusage`'s `ru_maxrss` kept the parent's
+/// peak across fork and exec (children spawned after the parent generated the input reported
+/// the parent's 494 MiB in every mode).
 #[path = "common/rss.rs"]
 #[allow(dead_code)]
 mod rss;
@@ -1142,7 +1142,7 @@ fn run_child(args: &Args, mode: &str) -> Result<Value> {
     stop.store(true, Ordering::Relaxed);
     sampler.join().expect("sampler thread");
     let cpu_at_end = cpu_seconds();
-    let peak_rss_kb = rss::RssWatch { base: 0 }.peak() as f64 / 1024.0;
+    let peak_rss_kb = rss::peak_bytes() as f64 / 1024.0;
     let timeline = std::mem::take(&mut *timeline.lock().unwrap());
     let devices: Vec<Value> = meters
         .iter()

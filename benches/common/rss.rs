@@ -17,13 +17,19 @@ impl RssWatch {
 
     /// The process's peak RSS since the start.
     pub fn peak(&self) -> u64 {
-        status_bytes("VmHWM:")
+        peak_bytes()
     }
 
     /// How far the peak rose above the RSS at the start.
     pub fn rise(&self) -> u64 {
         self.peak().saturating_sub(self.base)
     }
+}
+
+/// The process's peak RSS (`VmHWM`): since its exec, or since an [`RssWatch`] reset it.
+/// Unlike `getrusage`'s `ru_maxrss`, it does not keep the parent's peak across fork and exec.
+pub fn peak_bytes() -> u64 {
+    status_bytes("VmHWM:")
 }
 
 /// A size line of `/proc/self/status` (`VmHWM:`, `VmRSS:`) in bytes; 0 when unreadable.

@@ -10,8 +10,9 @@
 //! time plus, optionally, a time per KiB of input (a model whose cost grows with document
 //! length). Its worker takes a whole piece per call and queues the piece's batches on the
 //! device at once, which runs them back to back (as a GPU runs the kernels queued on its
-//! stream), so the device does not wait for the host thread between them. The device counts its busy time, batches and rows, and keeps when each batch ran,
-//! which benchmarks read as the accelerator's utilisation and its idle gaps.
+//! stream), so the device does not wait for the host thread between them. The device counts
+//! its busy time, batches and rows, and keeps when each batch ran, which benchmarks read as
+//! the accelerator's utilisation and its idle gaps.
 
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
@@ -51,23 +52,12 @@ impl Default for EmulatedDevice {
 }
 
 impl EmulatedDevice {
-    /// Occupy the device for `service_time` (waiting first while another batch holds it),
-    /// computing the batch's output with `output` meanwhile, as a device computes what it
-    /// returns during its service time. The batch takes longer only when `output` does.
-    pub fn run_batch<R>(
-        &self,
-        service_time: Duration,
-        rows: usize,
-        output: impl FnOnce() -> R,
-    ) -> R {
-        self.run_batches(&[(service_time, rows)], output)
-    }
-
-    /// Queue several batches, each `(service time, rows)`, at once (waiting first while
-    /// another caller holds the device) and run them back to back, as a stream runs the
-    /// kernels queued on it: batch `k + 1` starts when batch `k`'s service time ends, however
-    /// late the calling thread wakes. `output` makes the outputs of all of them meanwhile;
-    /// the last batch ends late only when `output` (or the thread's wake-up) does.
+    /// Queue batches, each `(service time, rows)`, at once (waiting first while another
+    /// caller holds the device) and run them back to back, as a stream runs the kernels
+    /// queued on it: batch `k + 1` starts when batch `k`'s service time ends, however late
+    /// the calling thread wakes. `output` makes the outputs of all of them meanwhile, as a
+    /// device computes what it returns during its service time; the last batch ends late
+    /// only when `output` (or the thread's wake-up) does.
     pub fn run_batches<R>(&self, batches: &[(Duration, usize)], output: impl FnOnce() -> R) -> R {
         let mut held = self.queue.lock().unwrap_or_else(|e| e.into_inner());
         let started = Instant::now();
@@ -400,7 +390,7 @@ mod tests {
     fn a_batch_output_is_made_while_the_device_is_busy() {
         let device = EmulatedDevice::default();
         let service = Duration::from_millis(200);
-        let made_at = device.run_batch(service, 1, || device.created.elapsed());
+        let made_at = device.run_batches(&[(service, 1)], || device.created.elapsed());
         let (start, end) = device.busy_intervals()[0];
         // Made at the batch's start, not after the service time.
         assert!(
@@ -409,7 +399,7 @@ mod tests {
         );
         assert!(end - start >= service);
         // An output that takes longer than the service time makes the batch longer.
-        device.run_batch(Duration::from_millis(1), 1, || {
+        device.run_batches(&[(Duration::from_millis(1), 1)], || {
             std::thread::sleep(Duration::from_millis(30))
         });
         let (start, end) = device.busy_intervals()[1];
@@ -459,7 +449,7 @@ mod tests {
     #[test]
     fn a_batch_sleeps_with_no_timer_slack() {
         let slack = std::thread::spawn(|| {
-            EmulatedDevice::default().run_batch(Duration::from_millis(1), 1, || ());
+            EmulatedDevice::default().run_batches(&[(Duration::from_millis(1), 1)], || ());
             // SAFETY: PR_GET_TIMERSLACK reads this thread's slack; it takes no pointers.
             unsafe { libc::prctl(libc::PR_GET_TIMERSLACK, 0, 0, 0, 0) }
         })
