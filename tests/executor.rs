@@ -1050,9 +1050,9 @@ async fn a_slow_model_holds_back_its_producer() {
         std::time::Duration::from_millis(15),
     )
     .await;
-    // Queue limit: 2 bundles of 1,000 rows per slot of the accelerator (1) and CPU (2)
-    // pools (6,000 rows), plus what the two running source tasks produce (5,000-row row
-    // groups): about 40% of the 40,000 rows; without the limit, all of them.
+    // Queue limit: a bundle of 1,000 rows per slot of the accelerator (1) and CPU (2)
+    // pools (3,000 rows), plus what the two running source tasks produce (5,000-row row
+    // groups): at most about 40% of the 40,000 rows; without the limit, all of them.
     let held_fraction = source.peak_bytes as f64 / source.bytes as f64;
     assert!(
         held_fraction < 0.5,
@@ -1399,8 +1399,8 @@ async fn a_large_split_pauses_while_its_reader_is_behind() {
     )
     .await;
     assert_eq!(source.tasks, 1);
-    // The task pauses once 3,000 of its rows are unread (half the 6,000-row queue of an
-    // accelerator consumer with 1 slot fed by 2 CPU slots): about a tenth of its output
+    // The task pauses once 1,500 of its rows are unread (half the 3,000-row queue of an
+    // accelerator consumer with 1 slot fed by 2 CPU slots): about a twentieth of its output
     // is held at once; a task that ran on regardless would hold nearly all of it.
     let held_fraction = source.peak_bytes as f64 / source.bytes as f64;
     assert!(
@@ -1628,7 +1628,8 @@ async fn a_long_source_task_gives_its_slot_to_the_operator_nearer_the_output() {
     // Two source tasks (a file each), `before` computed in them; one CPU slot.
     assert_eq!(graph.operators[0].splits.iter().sum::<usize>(), 2);
     // One slot: the first source task's batches are the first half of `before`'s calls.
-    // (5,000 rows each: less than the queues ahead hold, so no task pauses for its reader.)
+    // (5,000 rows each; a task that pauses for its reader resumes before its operator
+    // starts another, so the first task's calls still come first.)
     let mut before_calls = before_calls.lock().unwrap().clone();
     before_calls.sort();
     assert_eq!(before_calls.len(), 10, "a call per batch of 1,000 rows");

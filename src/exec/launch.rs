@@ -356,7 +356,7 @@ impl QueryRun {
     }
 
     /// Rows of unconsumed input that keep a per-block consumer on `consumer` busy while its
-    /// producer on `producer` refills the queue: two bundles of `flumen.target_block_rows`
+    /// producer on `producer` refills the queue: a bundle of `flumen.target_block_rows`
     /// for each slot of either pool (every consumer slot has its next bundle waiting, and
     /// every producer slot may have a task in flight whose blocks land in the queue).
     pub(super) fn queue_limit_rows(&self, consumer: Pool, producer: Pool) -> u64 {

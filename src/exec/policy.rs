@@ -75,10 +75,13 @@ pub fn static_slots(pools: &[Pool], cpu_slots: usize, accelerator_slots: usize) 
 }
 
 /// Rows of unconsumed input that keep a per-block consumer busy while its producer refills
-/// the queue: two blocks of `block_rows` for each slot of either pool (every consumer slot
-/// has its next bundle waiting, every producer slot may have a task in flight).
+/// the queue: a block of `block_rows` for each slot of either pool (every consumer slot has
+/// its next bundle waiting, every producer slot may have a task in flight whose block lands
+/// in the queue). Twice as much held a device-bound pipeline's queue at 1 s of device work
+/// for no speed, and its peak RSS 1.2–1.3x higher at 10x the rows than at 1x, where the
+/// first run never filled it (`docs/benchmarks.md`, issue 25 part 11).
 pub fn queue_limit_rows(consumer_slots: usize, producer_slots: usize, block_rows: usize) -> u64 {
-    (2 * (consumer_slots + producer_slots) * block_rows.max(1)) as u64
+    ((consumer_slots + producer_slots) * block_rows.max(1)) as u64
 }
 
 /// Unread rows of its own output at which a running task pauses: half its operator's
@@ -180,8 +183,8 @@ mod tests {
 
     #[test]
     fn queues_and_pauses_scale_with_slots_and_blocks() {
-        assert_eq!(queue_limit_rows(2, 1, 100), 600);
-        assert_eq!(queue_limit_rows(1, 1, 0), 4, "a block is at least one row");
+        assert_eq!(queue_limit_rows(2, 1, 100), 300);
+        assert_eq!(queue_limit_rows(1, 1, 0), 2, "a block is at least one row");
         assert_eq!(pause_rows(600, 100), 300);
         assert_eq!(
             pause_rows(100, 8192),
