@@ -1069,6 +1069,11 @@ fn run_child(args: &Args, mode: &str) -> Result<Value> {
             Ok::<_, DataFusionError>(())
         })?;
     }
+    let output = args
+        .out
+        .join(format!("out-{}-{mode}.parquet", pipeline.name()));
+    // The earlier run's output goes before the clock starts (see `remove_old_output`).
+    pipeline_stages::remove_old_output(&output)?;
     let rows_done = Arc::new(AtomicU64::new(0));
     let stop = Arc::new(AtomicBool::new(false));
     let timeline = Arc::new(Mutex::new(Vec::<Vec<f64>>::new()));
@@ -1095,9 +1100,6 @@ fn run_child(args: &Args, mode: &str) -> Result<Value> {
             }
         })
     };
-    let output = args
-        .out
-        .join(format!("out-{}-{mode}.parquet", pipeline.name()));
     let deterministic = args.accelerator == "emulated" || pipeline == Pipeline::Three;
     let mut ends = (f64::NAN, f64::NAN, f64::NAN, f64::NAN);
     let (first_row_s, checksum, writer_busy) = runtime.block_on(async {
@@ -1142,6 +1144,8 @@ fn run_child(args: &Args, mode: &str) -> Result<Value> {
     stop.store(true, Ordering::Relaxed);
     sampler.join().expect("sampler thread");
     let cpu_at_end = cpu_seconds();
+    // Untimed: the next run must not write this one's output back (see `flush_output`).
+    pipeline_stages::flush_output(&output)?;
     let peak_rss_kb = rss::peak_bytes() as f64 / 1024.0;
     let timeline = std::mem::take(&mut *timeline.lock().unwrap());
     let devices: Vec<Value> = meters
