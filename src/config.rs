@@ -377,6 +377,11 @@ extensions_options! {
         /// small splits multiply the rows the final aggregate gets. Not where the files
         /// are clustered by a group column (disjoint min/max per row group).
         pub aggregate_split_bytes: ByteSize, default = ByteSize(256 << 20)
+        /// Write each query's task timeline to this file when the query ends (Chrome trace
+        /// events: open it in Perfetto or `chrome://tracing`): a bar per task, one row of
+        /// bars per lane of the CPU and accelerator pools, with its operator, partition,
+        /// rows, blocks and time paused. Each query replaces the file. Empty: no timeline.
+        pub timeline_file: String, default = String::new()
         /// Show flumen's operators in `EXPLAIN` (off: DataFusion's own plan text).
         pub explain_operators: bool, default = true
         /// Where model UDFs compute: `auto` (CUDA when present, else CPU), `cpu` or `cuda`.

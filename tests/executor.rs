@@ -656,6 +656,81 @@ async fn events_with_worker_name(
     (f, call_rows)
 }
 
+/// `flumen.timeline_file`: when the query ends, the file holds a Chrome trace event per task
+/// (the model operator's rows add up to the answer's, its lanes are its two slots, and no
+/// two bars of a lane overlap); an unwritable path costs the query nothing.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_task_timeline_is_written_when_the_query_ends() {
+    let dir = tempfile::tempdir().unwrap();
+    write_events(dir.path(), 2, 20_000);
+    let timeline = dir.path().join("timeline.json");
+    let setting = format!("SET flumen.timeline_file = '{}'", timeline.display());
+    let (f, _) = events_with_worker_name(
+        &[
+            "SET flumen.accelerator_slots = 2",
+            "SET flumen.split_bytes = '64KB'",
+            &setting,
+        ],
+        dir.path(),
+        Duration::from_millis(2),
+    )
+    .await;
+    let sql = "SELECT id, worker_name(body) AS w FROM events WHERE id % 2 = 0";
+    let (batches, plan) = run_plan(&f, sql).await;
+    assert_eq!(batches.iter().map(|b| b.num_rows()).sum::<usize>(), 20_000);
+    let tasks = accelerator_tasks(&plan);
+    drop(plan);
+    // The run writes it when it is dropped, which may be just after the answer arrives.
+    let mut waited = 0;
+    while !timeline.exists() && waited < 100 {
+        tokio::time::sleep(Duration::from_millis(50)).await;
+        waited += 1;
+    }
+    let text = std::fs::read_to_string(&timeline).expect("the timeline file");
+    let trace: serde_json::Value = serde_json::from_str(&text).unwrap();
+    let bars: Vec<&serde_json::Value> = trace["traceEvents"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter(|e| e["ph"] == "X")
+        .collect();
+    let model: Vec<_> = bars.iter().filter(|e| e["cat"] == "accelerator").collect();
+    assert_eq!(model.len() as u64, tasks, "a bar per model task");
+    let rows: u64 = model
+        .iter()
+        .map(|e| e["args"]["rows"].as_u64().unwrap())
+        .sum();
+    assert_eq!(rows, 20_000);
+    assert!(bars.iter().any(|e| e["cat"] == "cpu"), "the scan's tasks");
+    let mut lanes = std::collections::BTreeMap::<u64, Vec<(f64, f64)>>::new();
+    for bar in &bars {
+        let (ts, dur) = (bar["ts"].as_f64().unwrap(), bar["dur"].as_f64().unwrap());
+        assert!(ts >= 0.0 && dur >= 0.0, "{bar}");
+        assert_eq!(bar["args"]["ok"], true);
+        lanes
+            .entry(bar["tid"].as_u64().unwrap())
+            .or_default()
+            .push((ts, ts + dur));
+    }
+    let model_lanes = lanes.keys().filter(|tid| **tid >= 2000).count();
+    assert!(
+        (1..=2).contains(&model_lanes),
+        "{model_lanes} model lanes for 2 slots"
+    );
+    for (tid, mut spans) in lanes {
+        spans.sort_by(|a, b| a.partial_cmp(b).unwrap());
+        for pair in spans.windows(2) {
+            assert!(pair[1].0 >= pair[0].1, "lane {tid}: {pair:?} overlap");
+        }
+    }
+    // A path that cannot be written: the answer is unchanged (the run logs a warning).
+    f.sql("SET flumen.timeline_file = '/nonexistent-flumen-dir/timeline.json'")
+        .await
+        .unwrap();
+    let (batches, _) = run_plan(&f, sql).await;
+    assert_eq!(batches.iter().map(|b| b.num_rows()).sum::<usize>(), 20_000);
+}
+
 /// Tasks the accelerator operator of an executed plan ran.
 fn accelerator_tasks(plan: &Arc<dyn ExecutionPlan>) -> u64 {
     let exec = plan.downcast_ref::<FlumenExec>().expect("a flumen plan");

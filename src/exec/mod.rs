@@ -33,6 +33,7 @@ pub(crate) mod state;
 pub(crate) mod streams;
 pub(crate) mod task;
 pub(crate) mod tasks;
+pub(crate) mod timeline;
 
 pub use accelerator_threads::AcceleratorPool;
 pub use flumen_exec::FlumenExec;

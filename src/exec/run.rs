@@ -31,6 +31,7 @@ use crate::exec::policy::{self, ModePolicy};
 use crate::exec::state::{
     OperatorState, PartitionState, RunState, TaskRecord, TaskStatus, pool_index,
 };
+use crate::exec::timeline::{TaskSpan, Timeline};
 use crate::plan::graph::{OperatorGraph, OperatorId, Pool, TaskShape};
 use crate::plan::merge_join_fallback::as_sort_merge_join;
 use crate::store::block::{Block, BlockId};
@@ -85,6 +86,8 @@ pub struct QueryRun {
     pub(super) membership_seen: Mutex<HashMap<Pool, [u64; 3]>>,
     /// Where each pool's workers come from, as this run's settings say (made once).
     pub(super) pool_settings: Mutex<HashMap<Pool, PoolSettings>>,
+    /// `flumen.timeline_file`: the tasks' spans, written there when the run ends.
+    pub(super) timeline: Option<Timeline>,
 }
 
 impl QueryRun {
@@ -183,6 +186,9 @@ impl QueryRun {
                 .build_arc()?,
             _ => base.runtime_env(),
         };
+        let started_at = Instant::now();
+        let timeline = (!config.timeline_file.is_empty())
+            .then(|| Timeline::new(config.timeline_file.clone().into(), started_at));
         let run = Arc::new(Self {
             static_slots,
             store,
@@ -203,11 +209,12 @@ impl QueryRun {
             remote_tasks: Mutex::new(HashSet::new()),
             lost_blocks: Mutex::new(HashSet::new()),
             query_token: crate::cluster::auth::Secret::random().to_hex(),
-            started_at: Instant::now(),
+            started_at,
             dead_workers: Mutex::new(HashSet::new()),
             worker_restarts: Mutex::new(HashMap::new()),
             membership_seen: Mutex::new(HashMap::new()),
             pool_settings: Mutex::new(HashMap::new()),
+            timeline,
         });
         run.preload_models(accelerator_target);
         run.schedule();
@@ -311,6 +318,27 @@ impl QueryRun {
             &self.stats(op_id).busy_ns,
             busy.saturating_sub(st.tasks[task].paused_ns),
         );
+        if let Some(timeline) = &self.timeline {
+            let t = &st.tasks[task];
+            let rows = t
+                .outputs
+                .iter()
+                .filter_map(|id| st.blocks.get(id))
+                .map(|b| b.rows as u64);
+            timeline.record(TaskSpan {
+                operator: op_id,
+                name: op.name.clone(),
+                pool: op.pool,
+                task,
+                partition: t.partition,
+                start: timeline.since_start(started),
+                end: timeline.since_start(Instant::now()),
+                paused: Duration::from_nanos(t.paused_ns),
+                blocks: t.outputs.len(),
+                rows: rows.sum(),
+                ok: result.is_ok(),
+            });
+        }
         if st.running_alone == Some(task) {
             st.running_alone = None;
         }
@@ -599,9 +627,15 @@ impl QueryRun {
 
 impl Drop for QueryRun {
     /// However the run ended (its answer read, an error, a cancel, a `LIMIT` that stopped
-    /// reading), the blocks its tasks left in workers are dropped there.
+    /// reading), the blocks its tasks left in workers are dropped there, and its timeline
+    /// (`flumen.timeline_file`) is written.
     fn drop(&mut self) {
         self.release_worker_blocks();
+        if let Some(timeline) = &self.timeline
+            && let Err(e) = timeline.write()
+        {
+            log::warn!("{e}");
+        }
     }
 }
 
