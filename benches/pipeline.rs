@@ -6,7 +6,7 @@
 //! cargo bench --bench pipeline -- [--full] [--rows N] [--runs N] [--pipelines two|three|both]
 //!     [--accelerator auto|emulated|cuda] [--service-us N] [--batch-rows N] [--mem-scale N]
 //!     [--skip-memory] [--skip-sweep] [--warm] [--first-block-rows N] [--block-rows N] [--piece-rows N]
-//!     [--split-bytes N]
+//!     [--split-bytes N] [--timeline PATH]
 //!     [--three-rows N] [--post-layers N] [--long-factor N]
 //!     [--a-batch-us N] [--a-per-kib-us N] [--b-service-us N]
 //! ```
@@ -132,6 +132,9 @@ struct Args {
     warm: bool,
     /// `flumen.first_block_rows` for flumen's modes (`None`: flumen's default).
     first_block_rows: Option<usize>,
+    /// `flumen.timeline_file` for flumen's modes: each run writes its task timeline there
+    /// (`PATH` gets `-<pipeline>-<mode>.json` appended; the last run of each mode stays).
+    timeline: Option<PathBuf>,
     /// `flumen.target_block_rows` for flumen's modes (`None`: flumen's default).
     block_rows: Option<usize>,
     /// `flumen.model_piece_rows` (`--piece-rows`).
@@ -167,6 +170,7 @@ fn parse_args() -> Args {
         skip_sweep: false,
         warm: false,
         first_block_rows: None,
+        timeline: None,
         block_rows: None,
         piece_rows: None,
         split_bytes: None,
@@ -206,6 +210,7 @@ fn parse_args() -> Args {
             "--skip-sweep" => args.skip_sweep = true,
             "--warm" => args.warm = true,
             "--first-block-rows" => args.first_block_rows = Some(number() as usize),
+            "--timeline" => args.timeline = Some(PathBuf::from(value())),
             "--block-rows" => args.block_rows = Some(number() as usize),
             "--piece-rows" => args.piece_rows = Some(number() as usize),
             "--split-bytes" => args.split_bytes = Some(number()),
@@ -683,6 +688,9 @@ fn spawn_child(
     if let Some(rows) = args.first_block_rows {
         child.args(["--first-block-rows", &rows.to_string()]);
     }
+    if let Some(path) = &args.timeline {
+        child.arg("--timeline").arg(path);
+    }
     if let Some(rows) = args.block_rows {
         child.args(["--block-rows", &rows.to_string()]);
     }
@@ -1024,6 +1032,11 @@ fn run_child(args: &Args, mode: &str) -> Result<Value> {
             }
             if let Some(rows) = args.piece_rows {
                 config.model_piece_rows = rows;
+            }
+            if let Some(path) = &args.timeline {
+                let mut file = path.clone().into_os_string();
+                file.push(format!("-{}-{mode}.json", pipeline.name()));
+                config.timeline_file = file.to_string_lossy().into_owned();
             }
             flumen::session(config)
         }
