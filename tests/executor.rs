@@ -680,14 +680,27 @@ async fn the_task_timeline_is_written_when_the_query_ends() {
     assert_eq!(batches.iter().map(|b| b.num_rows()).sum::<usize>(), 20_000);
     let tasks = accelerator_tasks(&plan);
     drop(plan);
-    // The run writes it when it is dropped, which may be just after the answer arrives.
-    let mut waited = 0;
-    while !timeline.exists() && waited < 100 {
+    // The run writes it when it is dropped, which may be just after the answer arrives; the
+    // `SET` statements' own runs (an `EmptyExec` each) may have written it before: wait for
+    // this query's timeline, the one with the model's bars.
+    let read = || -> Option<serde_json::Value> {
+        let text = std::fs::read_to_string(&timeline).ok()?;
+        let trace: serde_json::Value = serde_json::from_str(&text).unwrap();
+        let events = trace["traceEvents"].as_array()?;
+        events
+            .iter()
+            .any(|e| e["cat"] == "accelerator")
+            .then_some(trace)
+    };
+    let mut trace = read();
+    for _ in 0..100 {
+        if trace.is_some() {
+            break;
+        }
         tokio::time::sleep(Duration::from_millis(50)).await;
-        waited += 1;
+        trace = read();
     }
-    let text = std::fs::read_to_string(&timeline).expect("the timeline file");
-    let trace: serde_json::Value = serde_json::from_str(&text).unwrap();
+    let trace = trace.expect("a timeline file with the model's tasks within 5 s");
     let bars: Vec<&serde_json::Value> = trace["traceEvents"]
         .as_array()
         .unwrap()

@@ -228,9 +228,9 @@ pub fn flush_output(path: &Path) -> Result<()> {
     Ok(std::fs::File::open(path)?.sync_all()?)
 }
 
-/// A new, empty file at `path` for a run's output ([`remove_old_output`] first, untimed).
+/// A new file at `path` for a run's output; its callers have removed an earlier run's file
+/// there with [`remove_old_output`] before their clock started.
 pub fn new_output_file(path: &Path) -> Result<std::fs::File> {
-    remove_old_output(path)?;
     Ok(std::fs::File::create(path)?)
 }
 

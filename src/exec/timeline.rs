@@ -5,6 +5,7 @@
 //! `ray timeline` gives for tasks, so a user can see where a query's time went (idle slots,
 //! a slow stage, gaps between a model's tasks) without a profiler.
 
+use std::collections::HashMap;
 use std::path::PathBuf;
 use std::sync::Mutex;
 use std::time::{Duration, Instant};
@@ -12,19 +13,21 @@ use std::time::{Duration, Instant};
 use datafusion::error::{DataFusionError, Result};
 use serde_json::{Value, json};
 
+use crate::exec::lineage::TaskId;
 use crate::plan::Pool;
+use crate::plan::graph::OperatorId;
 
 /// One task's execution.
 #[derive(Debug, Clone)]
 pub(super) struct TaskSpan {
     /// Its operator's id.
-    pub(super) operator: usize,
+    pub(super) operator: OperatorId,
     /// Its operator's name (the fragment's top node).
     pub(super) name: String,
     /// The pool its operator runs on.
     pub(super) pool: Pool,
     /// Its task id and partition.
-    pub(super) task: usize,
+    pub(super) task: TaskId,
     pub(super) partition: usize,
     /// When it started and ended, from the run's start.
     pub(super) start: Duration,
@@ -69,7 +72,7 @@ impl Timeline {
     /// Write the spans so far as Chrome trace events: to a temporary file beside `path`,
     /// then renamed over it, so a reader never sees half a file.
     pub(super) fn write(&self) -> Result<()> {
-        let spans = self.spans.lock().unwrap().clone();
+        let spans = self.spans.lock().unwrap();
         let text = serde_json::to_string(&trace_events(&spans))
             .map_err(|e| DataFusionError::External(Box::new(e)))?;
         let mut partial = self.path.clone().into_os_string();
@@ -90,17 +93,11 @@ impl Timeline {
 fn lanes(spans: &[TaskSpan]) -> Vec<usize> {
     let mut order: Vec<usize> = (0..spans.len()).collect();
     order.sort_by_key(|&i| (spans[i].start, spans[i].end));
-    let mut busy_until: Vec<(Pool, Vec<Duration>)> = vec![];
+    let mut busy_until: HashMap<Pool, Vec<Duration>> = HashMap::new();
     let mut lane = vec![0; spans.len()];
     for i in order {
         let span = &spans[i];
-        let ends = match busy_until.iter_mut().find(|(pool, _)| *pool == span.pool) {
-            Some((_, ends)) => ends,
-            None => {
-                busy_until.push((span.pool, vec![]));
-                &mut busy_until.last_mut().expect("just pushed").1
-            }
-        };
+        let ends = busy_until.entry(span.pool).or_default();
         let free = ends.iter().position(|end| *end <= span.start);
         lane[i] = match free {
             Some(k) => {
