@@ -47,7 +47,7 @@ pub use config::{
 };
 pub use exec::{BlockDropper, BlockInfo, FlumenExec, FlumenQueryPlanner};
 pub use functions::accelerator::{
-    AcceleratorFunction, AcceleratorWorker, WorkerResources, accelerator_udf,
+    AcceleratorFunction, AcceleratorWorker, PendingOutput, WorkerResources, accelerator_udf,
 };
 pub use session::{
     flumen_session_config, into_flumen, register_functions, register_table_factories, session,

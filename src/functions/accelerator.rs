@@ -89,10 +89,97 @@ pub trait AcceleratorWorker: Send {
     /// Compute the function over one batch: `args` are arrays of equal length; the result has
     /// that length and type `return_type`.
     fn process(&mut self, args: &[ArrayRef], return_type: &DataType) -> Result<ArrayRef>;
+    /// Queue a batch on the device and return without waiting for it, as a GPU stream
+    /// queues kernels: the model's operator queues its next piece before it waits for the
+    /// current one, so the device runs the next piece while this thread hands the last
+    /// one on. Batches queued by one worker finish in the order queued. The default
+    /// computes the batch now ([`Self::process`]) and returns it ready.
+    fn start(&mut self, args: &[ArrayRef], return_type: &DataType) -> Result<PendingOutput> {
+        self.process(args, return_type).map(PendingOutput::ready)
+    }
     /// Figures about how the worker runs, by name (e.g. the batch size it chose), shown with
     /// its operator in `EXPLAIN ANALYZE` (workers on this process's accelerator pool).
     fn metrics(&self) -> Vec<(String, u64)> {
         vec![]
+    }
+}
+
+/// A batch queued on a device by [`AcceleratorWorker::start`]: [`wait`](Self::wait) blocks
+/// until the device is done with it and returns the result.
+pub struct PendingOutput(Pending);
+
+enum Pending {
+    Ready(ArrayRef),
+    Queued(Box<dyn FnOnce() -> Result<ArrayRef> + Send>),
+}
+
+impl PendingOutput {
+    /// A result already computed.
+    pub fn ready(output: ArrayRef) -> Self {
+        Self(Pending::Ready(output))
+    }
+
+    /// A result that `finish` waits for (blocking its thread) and returns.
+    pub fn new(finish: impl FnOnce() -> Result<ArrayRef> + Send + 'static) -> Self {
+        Self(Pending::Queued(Box::new(finish)))
+    }
+
+    /// Whether the result was computed when queued ([`Self::ready`]).
+    pub fn is_ready(&self) -> bool {
+        matches!(self.0, Pending::Ready(_))
+    }
+
+    /// Wait for the device and take the result.
+    pub fn wait(self) -> Result<ArrayRef> {
+        match self.0 {
+            Pending::Ready(output) => Ok(output),
+            Pending::Queued(finish) => finish(),
+        }
+    }
+}
+
+impl Debug for PendingOutput {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("PendingOutput")
+            .field("ready", &self.is_ready())
+            .finish()
+    }
+}
+
+/// One call of an accelerator UDF over a batch of rows, queued on this thread's worker
+/// ([`AcceleratorUdf::start`]): its parts (one per `batch_rows` rows), in order.
+#[derive(Debug)]
+pub struct PendingCall {
+    function: String,
+    parts: Vec<(usize, PendingOutput)>,
+}
+
+impl PendingCall {
+    /// Whether every part was computed when queued (the worker does not queue).
+    pub fn is_ready(&self) -> bool {
+        self.parts.iter().all(|(_, part)| part.is_ready())
+    }
+
+    /// Wait for every part and return the call's result, one row per input row.
+    pub fn wait(self) -> Result<ArrayRef> {
+        let mut outputs = Vec::with_capacity(self.parts.len());
+        for (len, part) in self.parts {
+            let out = part.wait()?;
+            if out.len() != len {
+                return Err(DataFusionError::Execution(format!(
+                    "{} returned {} rows for a batch of {len}",
+                    self.function,
+                    out.len()
+                )));
+            }
+            outputs.push(out);
+        }
+        match outputs.len() {
+            1 => Ok(outputs.pop().expect("one part")),
+            _ => Ok(concat(
+                &outputs.iter().map(|p| p.as_ref()).collect::<Vec<_>>(),
+            )?),
+        }
     }
 }
 
@@ -170,7 +257,7 @@ impl AcceleratorUdf {
 /// Load `udf`'s worker on this thread under `config` now, unless it is loaded already, so
 /// the thread's first batch does not wait for it. Does nothing for other UDFs.
 pub fn preload(udf: &ScalarUDF, config: &ConfigOptions) -> Result<()> {
-    match (udf.inner().as_ref() as &dyn Any).downcast_ref::<AcceleratorUdf>() {
+    match as_accelerator_udf(udf) {
         Some(accelerator) => accelerator.with_worker(config, |_, _| Ok(())),
         None => Ok(()),
     }
@@ -199,10 +286,28 @@ impl ScalarUDFImpl for AcceleratorUdf {
         self.func.return_type(arg_types)
     }
     fn invoke_with_args(&self, args: ScalarFunctionArgs) -> Result<ColumnarValue> {
-        let config = &args.config_options;
         let arrays = ColumnarValue::values_to_arrays(&args.args)?;
-        let rows = args.number_rows;
-        let return_type = args.return_field.data_type().clone();
+        let call = self.start(
+            &arrays,
+            args.number_rows,
+            args.return_field.data_type(),
+            &args.config_options,
+        )?;
+        Ok(ColumnarValue::Array(call.wait()?))
+    }
+}
+
+impl AcceleratorUdf {
+    /// Queue the function over `rows` rows of `arrays` on this thread's worker (loading it
+    /// first if needed), in batches of the function's `batch_rows`, without waiting for
+    /// the device: [`PendingCall::wait`] takes the result.
+    pub fn start(
+        &self,
+        arrays: &[ArrayRef],
+        rows: usize,
+        return_type: &DataType,
+        config: &ConfigOptions,
+    ) -> Result<PendingCall> {
         let batch = self.func.batch_rows(config).unwrap_or(rows).max(1);
         self.with_worker(config, |worker, key| {
             USED.with(|used| used.borrow_mut().insert(key.clone()));
@@ -210,21 +315,12 @@ impl ScalarUDFImpl for AcceleratorUdf {
             for start in (0..rows.max(1)).step_by(batch) {
                 let len = batch.min(rows - start);
                 let slice: Vec<ArrayRef> = arrays.iter().map(|a| a.slice(start, len)).collect();
-                let out = worker.process(&slice, &return_type)?;
-                if out.len() != len {
-                    return Err(DataFusionError::Execution(format!(
-                        "{} returned {} rows for a batch of {len}",
-                        self.func.name(),
-                        out.len()
-                    )));
-                }
-                parts.push(out);
+                parts.push((len, worker.start(&slice, return_type)?));
             }
-            let result = match parts.len() {
-                1 => parts.pop().expect("one part"),
-                _ => concat(&parts.iter().map(|p| p.as_ref()).collect::<Vec<_>>())?,
-            };
-            Ok(ColumnarValue::Array(result))
+            Ok(PendingCall {
+                function: self.func.name().to_string(),
+                parts,
+            })
         })
     }
 }
@@ -237,11 +333,14 @@ pub fn accelerator_udf(func: impl AcceleratorFunction) -> ScalarUDF {
     })
 }
 
+/// The accelerator UDF wrapper behind `udf`, if it is one (to [`AcceleratorUdf::start`] it).
+pub fn as_accelerator_udf(udf: &ScalarUDF) -> Option<&AcceleratorUdf> {
+    (udf.inner().as_ref() as &dyn Any).downcast_ref::<AcceleratorUdf>()
+}
+
 /// The accelerator function behind `udf`, if it is one.
 pub fn accelerator_function(udf: &ScalarUDF) -> Option<&Arc<dyn AcceleratorFunction>> {
-    (udf.inner().as_ref() as &dyn Any)
-        .downcast_ref::<AcceleratorUdf>()
-        .map(|u| u.function())
+    as_accelerator_udf(udf).map(|u| u.function())
 }
 
 /// True when `udf` is an accelerator UDF.

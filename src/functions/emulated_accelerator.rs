@@ -1,18 +1,21 @@
 //! An emulated accelerator, for measuring the scheduler on machines without a GPU.
 //!
-//! [`EmulatedDevice`] is one device: a batch occupies it for a fixed service time during
-//! which the calling thread makes the batch's output and then sleeps (with no timer slack, so
-//! that the sleep ends on time), so the device is busy without using a CPU core, and two
-//! callers queue for it as two streams queue for one GPU. [`EmulatedModel`] is an accelerator
-//! function over it: `name(x) -> FixedSizeList(Float32, dims)` over text or vectors of floats,
-//! a deterministic vector per row (from the input's length and first bytes, so answers can be
-//! compared across runs), computed in batches of `batch_rows` rows that each cost one service
-//! time plus, optionally, a time per KiB of input (a model whose cost grows with document
-//! length). Its worker takes a whole piece per call and queues the piece's batches on the
-//! device at once, which runs them back to back (as a GPU runs the kernels queued on its
-//! stream), so the device does not wait for the host thread between them. The device counts
-//! its busy time, batches and rows, and keeps when each batch ran, which benchmarks read as
-//! the accelerator's utilisation and its idle gaps.
+//! [`EmulatedDevice`] is one device with a queue, as a GPU has a stream: batches queued on it
+//! run back to back, each for its service time, from when the device is free (or when
+//! queued, if later), however late the threads that queued them wake. A caller queues
+//! batches, makes their outputs on its own thread meanwhile, and sleeps (with no timer
+//! slack, so that the sleep ends on time) until the last one ends, so the device is busy
+//! without using a CPU core, and two callers share it as two streams share one GPU.
+//! [`EmulatedModel`] is an accelerator function over it: `name(x) -> FixedSizeList(Float32,
+//! dims)` over text or vectors of floats, a deterministic vector per row (from the input's
+//! length and first bytes, so answers can be compared across runs), computed in batches of
+//! `batch_rows` rows that each cost one service time plus, optionally, a time per KiB of
+//! input (a model whose cost grows with document length). Its worker takes a whole piece per
+//! call and queues the piece's batches on the device at once; with
+//! [`AcceleratorWorker::start`] it returns before they end, so the model's operator can
+//! queue the next piece while the device runs this one. The device counts its busy time,
+//! batches and rows, and keeps when each batch ran, which benchmarks read as the
+//! accelerator's utilisation and its idle gaps.
 
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
@@ -25,25 +28,40 @@ use datafusion::config::ConfigOptions;
 use datafusion::error::{DataFusionError, Result};
 use datafusion::logical_expr::{Signature, Volatility};
 
-use crate::functions::accelerator::{AcceleratorFunction, AcceleratorWorker, WorkerResources};
+use crate::functions::accelerator::{
+    AcceleratorFunction, AcceleratorWorker, PendingOutput, WorkerResources,
+};
 
 /// One emulated device: busy for `service_time` per batch, one batch at a time.
 #[derive(Debug)]
 pub struct EmulatedDevice {
-    /// Held while a batch occupies the device; holds when each batch ran, as (start, end)
-    /// since `created`.
-    queue: Mutex<Vec<(Duration, Duration)>>,
+    /// The device's queue.
+    queue: Mutex<DeviceQueue>,
     created: Instant,
     busy_ns: AtomicU64,
     batches: AtomicU64,
     rows: AtomicU64,
 }
 
+/// What is queued on an [`EmulatedDevice`].
+#[derive(Debug)]
+struct DeviceQueue {
+    /// When the last batch queued so far ends: the next one starts then, or when queued if
+    /// later.
+    free_at: Instant,
+    /// When each batch ran (or will run), as (start, end) since the device was made.
+    ran: Vec<(Duration, Duration)>,
+}
+
 impl Default for EmulatedDevice {
     fn default() -> Self {
+        let created = Instant::now();
         Self {
-            queue: Mutex::new(vec![]),
-            created: Instant::now(),
+            queue: Mutex::new(DeviceQueue {
+                free_at: created,
+                ran: vec![],
+            }),
+            created,
             busy_ns: AtomicU64::new(0),
             batches: AtomicU64::new(0),
             rows: AtomicU64::new(0),
@@ -52,47 +70,46 @@ impl Default for EmulatedDevice {
 }
 
 impl EmulatedDevice {
-    /// Queue batches, each `(service time, rows)`, at once (waiting first while another
-    /// caller holds the device) and run them back to back, as a stream runs the kernels
-    /// queued on it: batch `k + 1` starts when batch `k`'s service time ends, however late
-    /// the calling thread wakes. `output` makes the outputs of all of them meanwhile, as a
-    /// device computes what it returns during its service time; the last batch ends late
-    /// only when `output` (or the thread's wake-up) does.
-    pub fn run_batches<R>(&self, batches: &[(Duration, usize)], output: impl FnOnce() -> R) -> R {
-        let mut held = self.queue.lock().unwrap_or_else(|e| e.into_inner());
-        let started = Instant::now();
-        let result = output();
+    /// Queue batches, each `(service time, rows)`, behind whatever is queued already, as
+    /// a stream queues kernels: they run back to back from when the device is free (or
+    /// now), however late the threads that queued them wake. Returns when the last ends.
+    pub fn queue_batches(&self, batches: &[(Duration, usize)]) -> Instant {
+        let mut queue = self.queue.lock().unwrap_or_else(|e| e.into_inner());
+        let mut at = queue.free_at.max(Instant::now());
+        for (service, _) in batches {
+            queue
+                .ran
+                .push((at - self.created, at + *service - self.created));
+            at += *service;
+        }
+        queue.free_at = at;
         let total: Duration = batches.iter().map(|(service, _)| *service).sum();
-        let ends = started + total;
-        let now = Instant::now();
-        if now < ends {
-            precise_sleeps();
-            std::thread::sleep(ends - now);
-        }
-        let ended = Instant::now();
-        let mut batch_start = started;
-        for (k, (service, _)) in batches.iter().enumerate() {
-            let batch_end = if k + 1 == batches.len() {
-                ended
-            } else {
-                batch_start + *service
-            };
-            held.push((batch_start - self.created, batch_end - self.created));
-            batch_start = batch_end;
-        }
         self.busy_ns
-            .fetch_add((ended - started).as_nanos() as u64, Ordering::Relaxed);
+            .fetch_add(total.as_nanos() as u64, Ordering::Relaxed);
         self.batches
             .fetch_add(batches.len() as u64, Ordering::Relaxed);
         let rows: usize = batches.iter().map(|(_, rows)| rows).sum();
         self.rows.fetch_add(rows as u64, Ordering::Relaxed);
+        at
+    }
+
+    /// Queue batches ([`Self::queue_batches`]) and wait for them: `output` makes their
+    /// outputs meanwhile, as a device computes what it returns during its service time.
+    pub fn run_batches<R>(&self, batches: &[(Duration, usize)], output: impl FnOnce() -> R) -> R {
+        let ends = self.queue_batches(batches);
+        let result = output();
+        wait_until(ends);
         result
     }
 
     /// When each batch so far occupied the device, as (start, end) since the device was made,
     /// in the order they ran.
     pub fn busy_intervals(&self) -> Vec<(Duration, Duration)> {
-        self.queue.lock().unwrap_or_else(|e| e.into_inner()).clone()
+        self.queue
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .ran
+            .clone()
     }
 
     /// When the device was made (what [`Self::busy_intervals`] count from).
@@ -235,7 +252,11 @@ struct EmulatedWorker {
 }
 
 impl AcceleratorWorker for EmulatedWorker {
-    fn process(&mut self, args: &[ArrayRef], _return_type: &DataType) -> Result<ArrayRef> {
+    fn process(&mut self, args: &[ArrayRef], return_type: &DataType) -> Result<ArrayRef> {
+        self.start(args, return_type)?.wait()
+    }
+
+    fn start(&mut self, args: &[ArrayRef], _return_type: &DataType) -> Result<PendingOutput> {
         let (seeds, row_bytes) = row_seeds(&args[0])?;
         let batches: Vec<(Duration, usize)> = row_bytes
             .chunks(self.batch_rows)
@@ -247,23 +268,32 @@ impl AcceleratorWorker for EmulatedWorker {
                 )
             })
             .collect();
-        let dims = self.dims;
-        let values = self.device.run_batches(&batches, || {
-            let mut values = Vec::with_capacity(seeds.len() * dims);
-            for seed in &seeds {
-                let seed = seed.unwrap_or(0);
-                values.extend((0..dims).map(|j| unit_value(seed, j)));
-            }
-            Float32Array::from(values)
-        });
+        let ends = self.device.queue_batches(&batches);
+        let mut values = Vec::with_capacity(seeds.len() * self.dims);
+        for seed in &seeds {
+            let seed = seed.unwrap_or(0);
+            values.extend((0..self.dims).map(|j| unit_value(seed, j)));
+        }
         let field = Arc::new(Field::new_list_field(DataType::Float32, true));
-        let list = FixedSizeListArray::try_new(
+        let list: ArrayRef = Arc::new(FixedSizeListArray::try_new(
             field,
             self.dims as i32,
-            Arc::new(values),
+            Arc::new(Float32Array::from(values)),
             args[0].logical_nulls(),
-        )?;
-        Ok(Arc::new(list))
+        )?);
+        Ok(PendingOutput::new(move || {
+            wait_until(ends);
+            Ok(list)
+        }))
+    }
+}
+
+/// Sleep this thread until `at` (with no timer slack).
+fn wait_until(at: Instant) {
+    let now = Instant::now();
+    if now < at {
+        precise_sleeps();
+        std::thread::sleep(at - now);
     }
 }
 
@@ -398,12 +428,41 @@ mod tests {
             "{made_at:?} not early in {start:?}..{end:?}"
         );
         assert!(end - start >= service);
-        // An output that takes longer than the service time makes the batch longer.
-        device.run_batches(&[(Duration::from_millis(1), 1)], || {
-            std::thread::sleep(Duration::from_millis(30))
-        });
-        let (start, end) = device.busy_intervals()[1];
-        assert!(end - start >= Duration::from_millis(30));
+    }
+
+    #[test]
+    fn queued_batches_run_back_to_back_however_late_their_thread_waits() {
+        let device = Arc::new(EmulatedDevice::default());
+        let service = Duration::from_millis(20);
+        let model = EmulatedModel::new("m", service, 4, 3, Arc::clone(&device));
+        let mut worker = model.load(&ConfigOptions::new()).unwrap();
+        let input: ArrayRef = Arc::new(StringArray::from(vec!["a", "b"]));
+        let started = Instant::now();
+        let first = worker
+            .start(&[Arc::clone(&input)], &vector_type(3))
+            .unwrap();
+        let second = worker.start(&[input], &vector_type(3)).unwrap();
+        // Queuing does not wait for the device.
+        assert!(started.elapsed() < service, "{:?}", started.elapsed());
+        // The thread comes back long after the first batch ended: the second ran anyway.
+        std::thread::sleep(Duration::from_millis(60));
+        let (first, second) = (first.wait().unwrap(), second.wait().unwrap());
+        assert_eq!(first.to_data(), second.to_data());
+        let ran = device.busy_intervals();
+        assert_eq!(ran.len(), 2);
+        assert_eq!(ran[0].1, ran[1].0, "the second starts when the first ends");
+        assert_eq!(ran[1].1 - ran[0].0, 2 * service);
+        assert_eq!(device.busy_ns(), 2 * service.as_nanos() as u64);
+        // Waiting for a result waits for its batch: a third, queued now, ends a service
+        // time after it was queued.
+        let queued = Instant::now();
+        worker
+            .process(
+                &[Arc::new(StringArray::from(vec!["c"])) as ArrayRef],
+                &vector_type(3),
+            )
+            .unwrap();
+        assert!(queued.elapsed() >= service);
     }
 
     #[test]

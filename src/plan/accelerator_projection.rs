@@ -61,6 +61,7 @@ use crate::config::{FlumenConfig, PreprocessOnCpu};
 use crate::functions::accelerator::{
     AcceleratorFunction, called_accelerator_function, calls_accelerator_udf,
 };
+use crate::plan::queued_model_calls::{ModelCalls, QueuedModelStream};
 
 /// A `ProjectionExec` that calls an accelerator UDF, held where the query put it.
 #[derive(Debug, Clone)]
@@ -136,12 +137,24 @@ impl ExecutionPlan for AcceleratorProjectionExec {
         Ok(Arc::new(Self::new(Arc::new(projection))))
     }
 
+    /// The projection's output, queuing each next piece on the device before waiting for
+    /// the current one ([`QueuedModelStream`]) when its model calls allow it.
     fn execute(
         &self,
         partition: usize,
         context: Arc<TaskContext>,
     ) -> Result<SendableRecordBatchStream> {
-        self.projection.execute(partition, context)
+        match ModelCalls::of(&self.projection) {
+            Some(calls) => {
+                let input = self.projection.input().execute(partition, context)?;
+                Ok(Box::pin(QueuedModelStream::new(
+                    self.projection.schema(),
+                    input,
+                    calls,
+                )))
+            }
+            None => self.projection.execute(partition, context),
+        }
     }
 }
 

@@ -6,6 +6,8 @@
 //! - [`split_source`]: source scans cut into splits (one task each).
 //! - [`stage_input`]: the leaf through which a fragment reads its producer's blocks.
 //! - [`accelerator_projection`]: model UDF projections kept apart as accelerator operators.
+//! - [`queued_model_calls`]: an accelerator projection's stream, which queues the next piece
+//!   on the device before it waits for the current one.
 //! - [`random_shuffle`]: `ORDER BY random()` planned as a seeded random shuffle.
 //! - [`range_sort`]: an out-of-core full sort planned as sampled ranges, each sorted in a task.
 //! - [`concat_partitions`]: partitions read one after the other (the output of both).
@@ -21,6 +23,7 @@ pub(crate) mod graph;
 pub mod merge_join_fallback;
 pub mod merge_runs;
 pub mod partition_slices;
+pub(crate) mod queued_model_calls;
 pub mod random_shuffle;
 pub mod range_sort;
 pub(crate) mod split_source;
