@@ -346,9 +346,10 @@ extensions_options! {
         /// coalesced up to it.
         pub target_block_rows: usize, default = 8192
         /// Rows of a run's first blocks, in plans with a model UDF: the first splits of each
-        /// source partition (one per CPU slot) read batches of this many rows and cuts blocks of this many,
-        /// then twice as many each time, and an accelerator operator's first bundles ramp
-        /// the same way up to `target_block_rows`, so the first rows come out after a few
+        /// source partition (one per CPU slot) read batches of this many rows and cut blocks
+        /// of this many, then twice as many each time up to `model_piece_rows` (the rest of
+        /// the split at that size), and an accelerator operator's first bundles ramp the
+        /// same way up to `target_block_rows`, so the first rows come out after a few
         /// hundred rows of work; 0: no ramp.
         pub first_block_rows: usize, default = 256
         /// Bytes of a Parquet file a source task reads (its split), so tasks stay small.

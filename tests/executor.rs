@@ -838,6 +838,8 @@ async fn the_first_blocks_are_small_and_grow_to_the_target() {
             assert!(call_rows.iter().any(|&rows| rows > 2048), "{call_rows:?}");
             let graph = plan.downcast_ref::<FlumenExec>().unwrap().graph();
             assert_eq!(graph.first_block_rows, 100);
+            // `model_piece_rows = 0`: the source's ramp grows to the target.
+            assert_eq!(graph.ramp_block_rows, 0);
             // A plan without a model does not ramp: its first block is a full one.
             let (plain, plan) = run_plan(&f, "SELECT id, body FROM events").await;
             let graph = plan.downcast_ref::<FlumenExec>().unwrap().graph();

@@ -15,6 +15,9 @@ pub struct TaskRequest {
     /// batches that small); 0: no ramp (`crate::store::ramp`).
     #[serde(default)]
     pub first_block_rows: usize,
+    /// Rows a ramped task's blocks grow to and its later blocks are cut at (0: the target).
+    #[serde(default)]
+    pub ramp_block_rows: usize,
     /// The task's partition of its operator (the block cutter's output split starts where
     /// a local task's would).
     #[serde(default)]

@@ -239,7 +239,7 @@ pub async fn plan_blocks(
             partitions,
             request.target_rows,
         )?
-        .with_ramp(request.first_block_rows);
+        .with_ramp(request.first_block_rows, request.ramp_block_rows);
         let stream = input.execute(0, task_ctx)?;
         return cut_stream(stream, cutter, &mut rows, out).await;
     }
@@ -248,7 +248,7 @@ pub async fn plan_blocks(
         // One output partition: its blocks carry the task's partition, as a local task's.
         let tag = if outputs == 1 { request.partition } else { p };
         let cutter = BlockCutter::new(plan.schema(), None, tag, partitions, request.target_rows)?
-            .with_ramp(request.first_block_rows);
+            .with_ramp(request.first_block_rows, request.ramp_block_rows);
         let stream = plan.execute(p, Arc::clone(&task_ctx))?;
         cut_stream(stream, cutter, &mut rows, out).await?;
     }

@@ -643,6 +643,7 @@ impl QueryRun {
         TaskRequest {
             target_rows: self.piece_rows(op_id),
             first_block_rows: 0,
+            ramp_block_rows: self.graph.ramp_block_rows,
             partition,
             partitions: self.graph.operators[op_id].partitions(),
             options: config

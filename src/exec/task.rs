@@ -128,11 +128,14 @@ impl QueryRun {
             fragment.output_partitioning().partition_count(),
             self.piece_rows(op_id),
         )?
-        .with_ramp(if first_task {
-            self.graph.first_block_rows
-        } else {
-            0
-        });
+        .with_ramp(
+            if first_task {
+                self.graph.first_block_rows
+            } else {
+                0
+            },
+            self.graph.ramp_block_rows,
+        );
         // Recomputing (capture) never pauses: its output goes to the caller, not the store.
         let pause_rows = if capture {
             None

@@ -67,6 +67,7 @@ impl OperatorGraph {
             config.first_block_rows = 0;
         }
         let first_block_rows = config.first_block_rows;
+        let ramp_block_rows = config.model_piece_rows;
         let mut cutter = Cutter {
             operators: vec![],
             config,
@@ -97,6 +98,7 @@ impl OperatorGraph {
             gates,
             sizing,
             first_block_rows,
+            ramp_block_rows,
         })
     }
 }

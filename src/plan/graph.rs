@@ -178,6 +178,10 @@ pub struct OperatorGraph {
     /// Rows a run's first blocks ramp up from (`crate::store::ramp`): `flumen.first_block_rows`
     /// when the plan has an accelerator operator, else 0 (no ramp).
     pub first_block_rows: usize,
+    /// Rows a ramped task's blocks grow to, and its later blocks are cut at:
+    /// `flumen.model_piece_rows` (0: the target), so a model gets each piece the CPU makes
+    /// of the first splits as soon as it is made, not the next doubled block.
+    pub ramp_block_rows: usize,
 }
 
 impl OperatorGraph {

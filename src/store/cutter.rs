@@ -69,9 +69,11 @@ pub struct BlockCutter {
 }
 
 /// The first blocks of each output partition, cut early at `first_rows`, twice that, ...
-/// up to the usual block size (`crate::store::ramp`).
+/// up to `last_rows`, or the usual block size (`crate::store::ramp`).
 struct Ramp {
     first_rows: usize,
+    /// Rows the ramp's blocks grow to, and every later block of the task is cut at.
+    last_rows: usize,
     /// Blocks each output partition has emitted so far.
     emitted: Vec<usize>,
     /// Without a split: the one partition's partly filled block (small input batches are
@@ -111,20 +113,27 @@ impl BlockCutter {
     }
 
     /// Cut each output partition's first blocks small: at `first_rows`, then twice as many
-    /// each block, up to the usual size, coalescing smaller input batches (a run's first
-    /// task, which reads small batches so that its first rows leave early); 0: no ramp.
-    pub fn with_ramp(mut self, first_rows: usize) -> Self {
+    /// each block, up to `last_rows` (0: the usual size), and every later block at that,
+    /// coalescing smaller input batches (a run's first task, which reads small batches so
+    /// that its first rows leave early); `first_rows` 0: no ramp.
+    pub fn with_ramp(mut self, first_rows: usize, last_rows: usize) -> Self {
         if first_rows == 0 {
             return self;
         }
+        let last_rows = match last_rows {
+            0 => self.target,
+            rows => rows.max(first_rows).min(self.target),
+        };
         self.ramp = Some(match &self.split {
             Some((_, coalescers)) => Ramp {
                 first_rows,
+                last_rows,
                 emitted: vec![0; coalescers.len()],
                 whole: None,
             },
             None => Ramp {
                 first_rows,
+                last_rows,
                 emitted: vec![0],
                 whole: Some(BatchCoalescer::new(Arc::clone(&self.schema), self.target)),
             },
@@ -143,14 +152,14 @@ impl BlockCutter {
                     let ramp = self
                         .ramp
                         .as_mut()
-                        .map(|r| (r.first_rows, &mut r.emitted[tag]));
+                        .map(|r| ((r.first_rows, r.last_rows), &mut r.emitted[tag]));
                     push_ramped(&mut coalescers[tag], piece, tag, ramp, out)?;
                 }
             }
             None if self.ramp.is_some() => {
                 let ramp = self.ramp.as_mut().expect("checked");
                 let whole = ramp.whole.as_mut().expect("a ramp without a split has one");
-                let emitted = Some((ramp.first_rows, &mut ramp.emitted[0]));
+                let emitted = Some(((ramp.first_rows, ramp.last_rows), &mut ramp.emitted[0]));
                 push_ramped(whole, batch, self.partition, emitted, out)?;
             }
             None => {
@@ -186,18 +195,18 @@ impl BlockCutter {
 }
 
 /// Push `piece` into one partition's `coalescer` and append the blocks it completes to
-/// `out` as partition `tag`'s; with `ramp` (`first_rows`, blocks emitted so far), cut the
-/// partly filled block early once it holds its ramp step's rows.
+/// `out` as partition `tag`'s; with `ramp` (`(first_rows, last_rows)`, blocks emitted so
+/// far), cut the partly filled block early once it holds its ramp step's rows.
 fn push_ramped(
     coalescer: &mut BatchCoalescer,
     piece: RecordBatch,
     tag: usize,
-    mut ramp: Option<(usize, &mut usize)>,
+    mut ramp: Option<((usize, usize), &mut usize)>,
     out: &mut Vec<(usize, RecordBatch)>,
 ) -> Result<()> {
     coalescer.push_batch(piece)?;
-    if let Some((first_rows, emitted)) = &ramp
-        && coalescer.get_buffered_rows() >= ramp_rows(*first_rows, usize::MAX, **emitted)
+    if let Some(((first_rows, last_rows), emitted)) = &ramp
+        && coalescer.get_buffered_rows() >= ramp_rows(*first_rows, *last_rows, **emitted)
     {
         coalescer.finish_buffered_batch()?;
     }
@@ -401,7 +410,7 @@ mod tests {
         let cut = || {
             let mut cutter = BlockCutter::new(Arc::clone(&schema), Some(&split), 0, 1, 256)
                 .unwrap()
-                .with_ramp(16);
+                .with_ramp(16, 0);
             let mut out = vec![];
             for i in 0..40 {
                 cutter.push(batch(i * 16, 16), &mut out).unwrap();
@@ -426,7 +435,7 @@ mod tests {
         let schema = batch(0, 1).schema();
         let mut cutter = BlockCutter::new(Arc::clone(&schema), None, 1, 2, 256)
             .unwrap()
-            .with_ramp(16);
+            .with_ramp(16, 0);
         let mut out = vec![];
         for i in 0..40 {
             cutter.push(batch(i * 16, 16), &mut out).unwrap();
@@ -435,5 +444,21 @@ mod tests {
         let sizes: Vec<usize> = out.iter().map(|(_, b)| b.num_rows()).collect();
         assert_eq!(sizes, vec![16, 32, 64, 128, 256, 144], "{sizes:?}");
         assert!(out.iter().all(|(tag, _)| *tag == 1));
+    }
+
+    #[test]
+    fn a_ramp_with_a_last_size_cuts_the_rest_of_its_task_at_that_size() {
+        let schema = batch(0, 1).schema();
+        let mut cutter = BlockCutter::new(Arc::clone(&schema), None, 0, 1, 256)
+            .unwrap()
+            .with_ramp(16, 64);
+        let mut out = vec![];
+        for i in 0..20 {
+            cutter.push(batch(i * 16, 16), &mut out).unwrap();
+        }
+        cutter.finish(&mut out).unwrap();
+        let sizes: Vec<usize> = out.iter().map(|(_, b)| b.num_rows()).collect();
+        // 16, 32, then the model's piece (64) until the task's 320 rows are cut.
+        assert_eq!(sizes, vec![16, 32, 64, 64, 64, 64, 16], "{sizes:?}");
     }
 }

@@ -6,9 +6,11 @@
 //! into the scan included) and an accelerator operator's first bundle (coalesced to
 //! `flumen.target_block_rows`). With `flumen.first_block_rows = R`, the first split of each
 //! source partition reads batches of R rows (`SplitSourceExec`); its task's cutter emits
-//! blocks of R, 2R, 4R, ... rows, then coalesces to the target (`BlockCutter::with_ramp`);
-//! and an accelerator operator's k-th bundle of a partition gathers at most `R << k` rows
-//! (`exec/tasks.rs`). All of it depends only on the task's own rows (a split's rows are
+//! blocks of R, 2R, 4R, ... rows up to `flumen.model_piece_rows` and the rest of the split
+//! at that size (`BlockCutter::with_ramp`): doubling on to the target made the model wait
+//! for the CPU to finish each larger block (three gaps of 5, 13 and 26 ms at the start of
+//! the pipeline bench); and an accelerator operator's k-th bundle of a partition gathers at
+//! most `R << k` rows (`exec/tasks.rs`), of as many such blocks as are ready. All of it depends only on the task's own rows (a split's rows are
 //! always the same), so a recomputed task cuts the same blocks.
 
 /// Rows of the `step`-th ramped piece (0-based) starting at `first_rows`, capped at `target`;
