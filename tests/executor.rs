@@ -680,9 +680,8 @@ async fn the_task_timeline_is_written_when_the_query_ends() {
     assert_eq!(batches.iter().map(|b| b.num_rows()).sum::<usize>(), 20_000);
     let tasks = accelerator_tasks(&plan);
     drop(plan);
-    // The run writes it when it is dropped, which may be just after the answer arrives; the
-    // `SET` statements' own runs (an `EmptyExec` each) may have written it before: wait for
-    // this query's timeline, the one with the model's bars.
+    // The run writes it when it is dropped, which may be just after the answer arrives:
+    // wait for this query's timeline, the one with the model's bars.
     let read = || -> Option<serde_json::Value> {
         let text = std::fs::read_to_string(&timeline).ok()?;
         let trace: serde_json::Value = serde_json::from_str(&text).unwrap();
@@ -701,6 +700,22 @@ async fn the_task_timeline_is_written_when_the_query_ends() {
         trace = read();
     }
     let trace = trace.expect("a timeline file with the model's tasks within 5 s");
+    // A statement after the query (its own run, over an `EmptyExec`) leaves it in place.
+    f.sql("SET flumen.cpu_slots = 2")
+        .await
+        .unwrap()
+        .collect()
+        .await
+        .unwrap();
+    // Its run is dropped (and would write) just after its answer: watch the file a while.
+    for _ in 0..20 {
+        assert_eq!(
+            read(),
+            Some(trace.clone()),
+            "a SET replaced the query's timeline"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
     let bars: Vec<&serde_json::Value> = trace["traceEvents"]
         .as_array()
         .unwrap()

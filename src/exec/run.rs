@@ -19,6 +19,7 @@ use datafusion::execution::TaskContext;
 use datafusion::execution::memory_pool::MemoryLimit;
 use datafusion::execution::runtime_env::{RuntimeEnv, RuntimeEnvBuilder};
 use datafusion::logical_expr::ScalarUDF;
+use datafusion::physical_plan::empty::EmptyExec;
 use futures::FutureExt;
 use tokio::sync::watch;
 
@@ -187,7 +188,7 @@ impl QueryRun {
             _ => base.runtime_env(),
         };
         let started_at = Instant::now();
-        let timeline = (!config.timeline_file.is_empty())
+        let timeline = (!config.timeline_file.is_empty() && !is_statement(&graph))
             .then(|| Timeline::new(config.timeline_file.clone().into(), started_at));
         let run = Arc::new(Self {
             static_slots,
@@ -637,6 +638,13 @@ impl Drop for QueryRun {
             log::warn!("{e}");
         }
     }
+}
+
+/// Whether `graph` is a statement's (`SET`, `CREATE TABLE`, ...: one operator over an
+/// `EmptyExec`), whose run writes no timeline, so the `SET` after a query does not replace
+/// the query's timeline with nothing.
+fn is_statement(graph: &OperatorGraph) -> bool {
+    matches!(&graph.operators[..], [only] if only.fragment.downcast_ref::<EmptyExec>().is_some())
 }
 
 /// The operators whose blocks are read as they arrive: those feeding a per-block operator
