@@ -219,6 +219,7 @@ fn request(query: &str, grants: Vec<String>) -> TaskRequest {
     TaskRequest {
         target_rows: 8192,
         first_block_rows: 0,
+        ramp_block_rows: 0,
         partition: 0,
         partitions: 1,
         options: vec![],
