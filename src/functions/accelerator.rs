@@ -233,6 +233,32 @@ impl AcceleratorUdf {
         &self.func
     }
 
+    /// Queue the function over `rows` rows of `arrays` on this thread's worker (loading it
+    /// first if needed), in batches of the function's `batch_rows`, without waiting for
+    /// the device: [`PendingCall::wait`] takes the result.
+    pub fn start(
+        &self,
+        arrays: &[ArrayRef],
+        rows: usize,
+        return_type: &DataType,
+        config: &ConfigOptions,
+    ) -> Result<PendingCall> {
+        let batch = self.func.batch_rows(config).unwrap_or(rows).max(1);
+        self.with_worker(config, |worker, key| {
+            USED.with(|used| used.borrow_mut().insert(key.clone()));
+            let mut parts = Vec::with_capacity(rows.div_ceil(batch));
+            for start in (0..rows.max(1)).step_by(batch) {
+                let len = batch.min(rows - start);
+                let slice: Vec<ArrayRef> = arrays.iter().map(|a| a.slice(start, len)).collect();
+                parts.push((len, worker.start(&slice, return_type)?));
+            }
+            Ok(PendingCall {
+                function: self.func.name().to_string(),
+                parts,
+            })
+        })
+    }
+
     /// Run `f` on this thread's worker for `config` (and its key), loading it first if this
     /// thread has none under the same load key.
     fn with_worker<R>(
@@ -297,34 +323,6 @@ impl ScalarUDFImpl for AcceleratorUdf {
     }
 }
 
-impl AcceleratorUdf {
-    /// Queue the function over `rows` rows of `arrays` on this thread's worker (loading it
-    /// first if needed), in batches of the function's `batch_rows`, without waiting for
-    /// the device: [`PendingCall::wait`] takes the result.
-    pub fn start(
-        &self,
-        arrays: &[ArrayRef],
-        rows: usize,
-        return_type: &DataType,
-        config: &ConfigOptions,
-    ) -> Result<PendingCall> {
-        let batch = self.func.batch_rows(config).unwrap_or(rows).max(1);
-        self.with_worker(config, |worker, key| {
-            USED.with(|used| used.borrow_mut().insert(key.clone()));
-            let mut parts = Vec::with_capacity(rows.div_ceil(batch));
-            for start in (0..rows.max(1)).step_by(batch) {
-                let len = batch.min(rows - start);
-                let slice: Vec<ArrayRef> = arrays.iter().map(|a| a.slice(start, len)).collect();
-                parts.push((len, worker.start(&slice, return_type)?));
-            }
-            Ok(PendingCall {
-                function: self.func.name().to_string(),
-                parts,
-            })
-        })
-    }
-}
-
 /// Wrap an accelerator function as a `ScalarUDF` to register with `ctx.register_udf`.
 pub fn accelerator_udf(func: impl AcceleratorFunction) -> ScalarUDF {
     ScalarUDF::new_from_impl(AcceleratorUdf {
@@ -374,9 +372,16 @@ pub fn accelerator_udfs_in(expr: &Arc<dyn PhysicalExpr>) -> Vec<ScalarUDF> {
 pub fn called_accelerator_function(
     expr: &Arc<dyn PhysicalExpr>,
 ) -> Option<&Arc<dyn AcceleratorFunction>> {
-    (expr.as_ref() as &dyn Any)
-        .downcast_ref::<ScalarFunctionExpr>()
-        .and_then(|call| accelerator_function(call.fun()))
+    called_accelerator_udf(expr).map(|(_, udf)| udf.function())
+}
+
+/// `expr` as a call of an accelerator UDF (not one inside its arguments): the call and the
+/// UDF's wrapper.
+pub fn called_accelerator_udf(
+    expr: &Arc<dyn PhysicalExpr>,
+) -> Option<(&ScalarFunctionExpr, &AcceleratorUdf)> {
+    let call = (expr.as_ref() as &dyn Any).downcast_ref::<ScalarFunctionExpr>()?;
+    Some((call, as_accelerator_udf(call.fun())?))
 }
 
 /// True when the physical expression calls an accelerator UDF anywhere inside it.

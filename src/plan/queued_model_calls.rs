@@ -12,7 +12,6 @@
 //!
 //! [`AcceleratorWorker::start`]: crate::functions::accelerator::AcceleratorWorker::start
 
-use std::any::Any;
 use std::collections::VecDeque;
 use std::pin::Pin;
 use std::sync::Arc;
@@ -22,14 +21,11 @@ use datafusion::arrow::array::{ArrayRef, RecordBatch, RecordBatchOptions};
 use datafusion::arrow::datatypes::SchemaRef;
 use datafusion::error::Result;
 use datafusion::execution::{RecordBatchStream, SendableRecordBatchStream};
-use datafusion::physical_expr::ScalarFunctionExpr;
 use datafusion::physical_plan::PhysicalExpr;
 use datafusion::physical_plan::projection::ProjectionExec;
 use futures::{Stream, StreamExt};
 
-use crate::functions::accelerator::{
-    AcceleratorUdf, PendingCall, as_accelerator_udf, calls_accelerator_udf,
-};
+use crate::functions::accelerator::{PendingCall, called_accelerator_udf, calls_accelerator_udf};
 
 /// Most pieces queued on the device at once: the one waited for and the next.
 const DEPTH: usize = 2;
@@ -62,7 +58,7 @@ impl ModelCalls {
                 if !calls_accelerator_udf(expr) {
                     return Some(ProjectedColumn::Cpu(Arc::clone(expr)));
                 }
-                let (call, _) = model_call(expr)?;
+                let (call, _) = called_accelerator_udf(expr)?;
                 call.args()
                     .iter()
                     .all(|arg| !calls_accelerator_udf(arg))
@@ -83,7 +79,8 @@ impl ModelCalls {
                     Ok(QueuedColumn::Ready(expr.evaluate(batch)?.into_array(rows)?))
                 }
                 ProjectedColumn::Model(expr) => {
-                    let (call, udf) = model_call(expr).expect("checked by ModelCalls::of");
+                    let (call, udf) =
+                        called_accelerator_udf(expr).expect("checked by ModelCalls::of");
                     let args = call
                         .args()
                         .iter()
@@ -97,12 +94,6 @@ impl ModelCalls {
             .collect::<Result<Vec<_>>>()?;
         Ok(QueuedPiece { rows, columns })
     }
-}
-
-/// `expr` as a call of an accelerator UDF, with the UDF.
-fn model_call(expr: &Arc<dyn PhysicalExpr>) -> Option<(&ScalarFunctionExpr, &AcceleratorUdf)> {
-    let call = (expr.as_ref() as &dyn Any).downcast_ref::<ScalarFunctionExpr>()?;
-    Some((call, as_accelerator_udf(call.fun())?))
 }
 
 /// A column of a queued piece.
@@ -222,6 +213,7 @@ mod tests {
     use datafusion::datasource::memory::MemorySourceConfig;
     use datafusion::execution::TaskContext;
     use datafusion::logical_expr::{ScalarUDF, Signature, Volatility};
+    use datafusion::physical_expr::ScalarFunctionExpr;
     use datafusion::physical_expr::expressions::Column;
     use datafusion::physical_plan::projection::ProjectionExpr;
     use datafusion::physical_plan::{ExecutionPlan, collect};
