@@ -442,10 +442,8 @@ async fn main() -> Result<()> {
     }
 
     let mut runs: Vec<(&str, &str, &SessionContext)> = vec![];
-    if only.as_deref() != Some("flumen") {
-        if !args.iter().any(|a| a == "--no-unbounded") {
-            runs.push(("sort", "vanilla-no-limit", &unbounded));
-        }
+    if only.as_deref() != Some("flumen") && !args.iter().any(|a| a == "--no-unbounded") {
+        runs.push(("sort", "vanilla-no-limit", &unbounded));
     }
     // The floor: the same COPY with no ORDER BY (streaming: any limit would do).
     runs.push(("copy", "vanilla-no-limit", &unbounded));
@@ -558,7 +556,10 @@ async fn main() -> Result<()> {
             run.heap_rise as f64 / budget.0 as f64
         );
         if what == "copy" {
-            summary.push(format!("copy_s={:.1} copy_bound_share={share:.2}", run.seconds));
+            summary.push(format!(
+                "copy_s={:.1} copy_bound_share={share:.2}",
+                run.seconds
+            ));
             continue;
         }
         summary.push(format!(

@@ -319,8 +319,12 @@ impl QueryRun {
             return Ok(false);
         }
         // Recorded before its first block: a block lost while the task still runs is
-        // recomputed from the same plan.
+        // recomputed from the same plan. A worker reads the split with no rows dropped by
+        // `plan::join_filter_rows`; should the task be recomputed here, it reads it so too.
         self.remote_tasks.lock().unwrap().insert(task);
+        let _ = self.state.lock().unwrap().tasks[task]
+            .scan_row_filter
+            .set(false);
         // Each block goes to the store as its worker announces it, so consumers start
         // while the task runs; a retry's first `kept` blocks repeat ones already taken.
         let mut kept = 0;

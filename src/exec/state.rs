@@ -2,7 +2,7 @@
 //! partitions and dispatch position, the blocks' lineage, and the pools' busy slots.
 
 use std::collections::{HashMap, HashSet};
-use std::sync::Arc;
+use std::sync::{Arc, OnceLock};
 use std::time::Instant;
 
 use datafusion::error::DataFusionError;
@@ -48,6 +48,9 @@ pub(super) struct TaskRecord {
     /// Refused memory even alone: runs (alone) with its hash joins as sort-merge joins
     /// ([`crate::plan::merge_join_fallback`]).
     pub(super) merge_join: bool,
+    /// Whether its scan drops the rows its joins' complete dynamic filters reject, once its
+    /// first run chose ([`crate::plan::stage_input::TaskInputs::scan_row_filter`]).
+    pub(super) scan_row_filter: Arc<OnceLock<bool>>,
 }
 
 impl TaskRecord {
@@ -66,6 +69,7 @@ impl TaskRecord {
             sorts_in_pieces: false,
             retried_alone: false,
             merge_join: false,
+            scan_row_filter: Arc::default(),
         }
     }
 }

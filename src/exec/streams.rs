@@ -145,7 +145,12 @@ impl QueryRun {
             let provider = Arc::new(OutputProvider {
                 run: Arc::clone(self),
             });
-            let context = self.task_context(TaskInputs { provider, split: 0 }, false);
+            let inputs = TaskInputs {
+                provider,
+                split: 0,
+                scan_row_filter: Arc::default(),
+            };
+            let context = self.task_context(inputs, false);
             root.fragment.execute(partition, context)?
         } else {
             let order = ReadOrder::Tasks {

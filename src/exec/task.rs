@@ -87,7 +87,7 @@ impl QueryRun {
         task: TaskId,
         capture: bool,
     ) -> Result<Vec<(usize, usize, RecordBatch)>> {
-        let (op_id, partition, kind, merge_join, sorts_in_pieces) = {
+        let (op_id, partition, kind, merge_join, sorts_in_pieces, scan_row_filter) = {
             let st = self.state.lock().unwrap();
             if st.cancelled {
                 return Err(DataFusionError::Execution("query cancelled".into()));
@@ -99,6 +99,7 @@ impl QueryRun {
                 t.kind.clone(),
                 t.merge_join,
                 t.sorts_in_pieces,
+                Arc::clone(&t.scan_row_filter),
             )
         };
         let op = &self.graph.operators[op_id];
@@ -119,7 +120,12 @@ impl QueryRun {
             kind,
             record: !capture,
         });
-        let context = self.task_context(TaskInputs { provider, split }, sorts_in_pieces);
+        let inputs = TaskInputs {
+            provider,
+            split,
+            scan_row_filter,
+        };
+        let context = self.task_context(inputs, sorts_in_pieces);
         let mut stream = fragment.execute(partition, context)?;
         let mut cutter = BlockCutter::new(
             fragment.schema(),

@@ -559,7 +559,13 @@ fn split_sources(
     if count_scans(&fragment) != 1 {
         return Ok((fragment, splits));
     }
-    let rewritten = replace_scan(fragment, split_bytes, limit, layout, ramp, &mut splits)?;
+    let scan = ScanSplitting {
+        split_bytes,
+        limit,
+        layout,
+        ramp,
+    };
+    let rewritten = replace_scan(fragment, &scan, false, &mut splits)?;
     Ok((rewritten, splits))
 }
 
@@ -568,12 +574,22 @@ fn count_scans(plan: &Arc<dyn ExecutionPlan>) -> usize {
     own + plan.children().into_iter().map(count_scans).sum::<usize>()
 }
 
-fn replace_scan(
-    plan: Arc<dyn ExecutionPlan>,
+/// How [`replace_scan`] cuts a scan into splits.
+struct ScanSplitting<'a> {
     split_bytes: u64,
     limit: ModelSplitLimit,
-    layout: &RowGroupLayout,
+    layout: &'a RowGroupLayout,
+    /// Batch rows of the first splits, and how many first splits of a partition.
     ramp: (usize, usize),
+}
+
+/// `plan` with its Parquet scan replaced by a [`SplitSourceExec`]; `below_grouping`: a
+/// grouped aggregate of the fragment is above `plan` (the split source then drops the rows
+/// its joins' finished filters reject, [`crate::plan::join_filter_rows`]).
+fn replace_scan(
+    plan: Arc<dyn ExecutionPlan>,
+    scan: &ScanSplitting,
+    below_grouping: bool,
     splits: &mut Vec<usize>,
 ) -> Result<Arc<dyn ExecutionPlan>> {
     if let Some(source) = plan.downcast_ref::<DataSourceExec>() {
@@ -584,12 +600,13 @@ fn replace_scan(
             let split = SplitSourceExec::try_new(
                 Arc::clone(&plan),
                 config,
-                split_bytes,
-                limit,
-                layout,
-                ramp.0,
-                ramp.1,
-            )?;
+                scan.split_bytes,
+                scan.limit,
+                scan.layout,
+                scan.ramp.0,
+                scan.ramp.1,
+            )?
+            .dropping_join_filtered_rows(below_grouping);
             *splits = split.splits_per_partition();
             return Ok(Arc::new(split));
         }
@@ -599,9 +616,13 @@ fn replace_scan(
     if children.is_empty() {
         return Ok(plan);
     }
+    let below_grouping = below_grouping
+        || plan
+            .downcast_ref::<AggregateExec>()
+            .is_some_and(|aggregate| !aggregate.group_expr().expr().is_empty());
     let children = children
         .into_iter()
-        .map(|c| replace_scan(Arc::clone(c), split_bytes, limit, layout, ramp, splits))
+        .map(|c| replace_scan(Arc::clone(c), scan, below_grouping, splits))
         .collect::<Result<Vec<_>>>()?;
     replace_children_if_necessary(plan, children)
 }

@@ -4,6 +4,7 @@
 //! - [`cut`]: the cutting algorithm that turns a DataFusion plan into that graph.
 //! - [`exchange_sizing`]: how many partitions hash exchanges get, from bytes and budget.
 //! - [`split_source`]: source scans cut into splits (one task each).
+//! - [`join_filter_rows`]: a scan drops the rows its joins' finished dynamic filters reject.
 //! - [`stage_input`]: the leaf through which a fragment reads its producer's blocks.
 //! - [`accelerator_projection`]: model UDF projections kept apart as accelerator operators.
 //! - [`queued_model_calls`]: an accelerator projection's stream, which queues the next piece
@@ -20,6 +21,7 @@ pub mod concat_partitions;
 pub(crate) mod cut;
 pub mod exchange_sizing;
 pub(crate) mod graph;
+pub(crate) mod join_filter_rows;
 pub mod merge_join_fallback;
 pub mod merge_runs;
 pub mod partition_slices;

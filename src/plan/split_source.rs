@@ -39,6 +39,7 @@ use datafusion::physical_plan::{
 };
 use futures::StreamExt;
 
+use crate::plan::join_filter_rows;
 use crate::plan::stage_input::TaskInputs;
 
 /// Where the row groups of a plan's Parquet files start, their compressed sizes, and the
@@ -264,6 +265,9 @@ pub struct SplitSourceExec {
     splits: Vec<Vec<Arc<dyn ExecutionPlan>>>,
     /// How many first splits of each partition read small batches.
     ramped_splits: usize,
+    /// Drops the rows its joins' finished dynamic filters reject
+    /// ([`crate::plan::join_filter_rows`]): set where a grouped aggregate reads the scan.
+    drops_join_filtered_rows: bool,
 }
 
 impl SplitSourceExec {
@@ -323,7 +327,16 @@ impl SplitSourceExec {
             original,
             splits,
             ramped_splits,
+            drops_join_filtered_rows: false,
         })
+    }
+
+    /// The same scan, dropping (`drops`) the rows its joins' finished dynamic filters
+    /// reject before a grouped aggregate above it in its fragment sees them
+    /// ([`crate::plan::join_filter_rows`]).
+    pub fn dropping_join_filtered_rows(mut self, drops: bool) -> Self {
+        self.drops_join_filtered_rows = drops;
+        self
     }
 
     /// The one-partition scan of split `split` of `partition`.
@@ -570,11 +583,8 @@ impl ExecutionPlan for SplitSourceExec {
         partition: usize,
         context: Arc<TaskContext>,
     ) -> Result<SendableRecordBatchStream> {
-        let split = context
-            .session_config()
-            .get_extension::<TaskInputs>()
-            .map(|t| t.split)
-            .unwrap_or(0);
+        let inputs = context.session_config().get_extension::<TaskInputs>();
+        let split = inputs.as_ref().map(|t| t.split).unwrap_or(0);
         let scan = self
             .splits
             .get(partition)
@@ -584,7 +594,25 @@ impl ExecutionPlan for SplitSourceExec {
                     "SplitSourceExec has no split {split} of partition {partition}"
                 ))
             })?;
-        scan.execute(0, context)
+        // Rows its joins' finished dynamic filters reject are dropped as they are read;
+        // the task's first run decides whether, and a recompute follows it.
+        let mut filter = None;
+        let filters_rows = self.drops_join_filtered_rows
+            && inputs.as_ref().is_some_and(|inputs| {
+                *inputs.scan_row_filter.get_or_init(|| {
+                    filter = join_filter_rows::complete_join_filter(scan);
+                    filter.is_some()
+                })
+            });
+        let filter = match filters_rows {
+            true => filter.or_else(|| join_filter_rows::complete_join_filter(scan)),
+            false => None,
+        };
+        let stream = scan.execute(0, context)?;
+        Ok(match filter {
+            Some(filter) => join_filter_rows::drop_rejected_rows(stream, filter),
+            None => stream,
+        })
     }
 
     fn metrics(&self) -> Option<MetricsSet> {

@@ -75,6 +75,10 @@ pub struct TaskInputs {
     pub provider: Arc<dyn InputProvider>,
     /// Which split of its partition a source task reads.
     pub split: usize,
+    /// Whether the task's scan drops the rows its joins' complete dynamic filters reject
+    /// ([`crate::plan::join_filter_rows`]): set when it first opens it, kept with the
+    /// task so a recompute reads its split the same way and cuts the same blocks.
+    pub scan_row_filter: Arc<OnceLock<bool>>,
 }
 
 /// Leaf that reads the blocks of a producer operator.
