@@ -1332,6 +1332,27 @@ async fn a_probe_scan_drops_the_rows_its_finished_build_side_rejects() {
             s.tasks
         );
     }
+    // The plan says which scan drops rows, and the run how many it dropped.
+    let explain = |prefix: &str| {
+        let f = &f;
+        let sql = format!("{prefix} {sql}");
+        async move {
+            let batches = collect(f, &sql).await;
+            datafusion::arrow::util::pretty::pretty_format_batches(&batches)
+                .unwrap()
+                .to_string()
+        }
+    };
+    let planned = explain("EXPLAIN").await;
+    assert!(
+        planned.contains("drops_join_filtered_rows=true"),
+        "EXPLAIN does not show the scan dropping rows:\n{planned}"
+    );
+    let analyzed = explain("EXPLAIN ANALYZE").await;
+    assert!(
+        analyzed.contains("join_filter_dropped_rows=59.94 K"),
+        "EXPLAIN ANALYZE does not count the 59,941 rows dropped:\n{analyzed}"
+    );
 }
 
 /// A join whose probe input is another join's output waits while that join computes, with

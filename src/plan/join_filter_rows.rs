@@ -41,6 +41,7 @@ use datafusion::error::Result;
 use datafusion::execution::{RecordBatchStream, SendableRecordBatchStream};
 use datafusion::physical_expr::expressions::DynamicFilterPhysicalExpr;
 use datafusion::physical_expr::utils::{conjunction, reassign_expr_columns};
+use datafusion::physical_plan::metrics::Count;
 use datafusion::physical_plan::{ExecutionPlan, PhysicalExpr};
 use futures::{FutureExt, Stream};
 
@@ -91,15 +92,18 @@ pub fn complete_join_filter(scan: &Arc<dyn ExecutionPlan>) -> Option<Arc<dyn Phy
 
 /// `stream` (a scan's batches) with the rows `filter` rejects dropped, unless its first
 /// [`SAMPLE_ROWS`] rows show it keeps more than one in [`KEEPS_AT_MOST`].
+/// `dropped` counts the rows dropped.
 pub fn drop_rejected_rows(
     stream: SendableRecordBatchStream,
     filter: Arc<dyn PhysicalExpr>,
+    dropped: Count,
 ) -> SendableRecordBatchStream {
     Box::pin(JoinFilterStream {
         inner: stream,
         filter: Some(filter),
         seen: 0,
         kept: 0,
+        dropped,
     })
 }
 
@@ -112,6 +116,8 @@ struct JoinFilterStream {
     seen: u64,
     /// Rows of those it kept.
     kept: u64,
+    /// Rows dropped (`EXPLAIN ANALYZE`'s `join_filter_dropped_rows`).
+    dropped: Count,
 }
 
 impl JoinFilterStream {
@@ -125,6 +131,7 @@ impl JoinFilterStream {
         let kept = filter_record_batch(&batch, mask.as_boolean())?;
         self.seen += batch.num_rows() as u64;
         self.kept += kept.num_rows() as u64;
+        self.dropped.add(batch.num_rows() - kept.num_rows());
         if self.seen >= SAMPLE_ROWS && self.kept * KEEPS_AT_MOST > self.seen {
             self.filter = None;
         }
@@ -185,7 +192,7 @@ mod tests {
         let id = col("id", &schema).unwrap();
         let rem = binary(id, Operator::Modulo, lit(modulus), &schema).unwrap();
         let filter = binary(rem, Operator::Eq, lit(0i64), &schema).unwrap();
-        let out: Vec<RecordBatch> = drop_rejected_rows(stream, filter)
+        let out: Vec<RecordBatch> = drop_rejected_rows(stream, filter, Count::new())
             .try_collect()
             .await
             .unwrap();

@@ -15,7 +15,7 @@
 
 use std::collections::HashMap;
 use std::fmt;
-use std::sync::Arc;
+use std::sync::{Arc, OnceLock};
 
 use datafusion::arrow::array::Array;
 use datafusion::arrow::datatypes::Schema;
@@ -33,7 +33,9 @@ use datafusion::parquet::arrow::arrow_reader::statistics::StatisticsConverter;
 use datafusion::parquet::arrow::arrow_reader::{RowSelection, RowSelector};
 use datafusion::parquet::file::metadata::ParquetMetaData;
 use datafusion::physical_plan::execution_plan::ReplaceChildrenOptions;
-use datafusion::physical_plan::metrics::MetricsSet;
+use datafusion::physical_plan::metrics::{
+    Count, ExecutionPlanMetricsSet, MetricBuilder, MetricsSet,
+};
 use datafusion::physical_plan::{
     DisplayAs, DisplayFormatType, ExecutionPlan, PhysicalExpr, PlanProperties,
 };
@@ -268,6 +270,10 @@ pub struct SplitSourceExec {
     /// Drops the rows its joins' finished dynamic filters reject
     /// ([`crate::plan::join_filter_rows`]): set where a grouped aggregate reads the scan.
     drops_join_filtered_rows: bool,
+    /// Its own counters, beside the scans' shared ones: `join_filter_dropped_rows`, made
+    /// when a task first drops rows.
+    metrics: ExecutionPlanMetricsSet,
+    dropped_rows: OnceLock<Count>,
 }
 
 impl SplitSourceExec {
@@ -328,6 +334,8 @@ impl SplitSourceExec {
             splits,
             ramped_splits,
             drops_join_filtered_rows: false,
+            metrics: ExecutionPlanMetricsSet::new(),
+            dropped_rows: OnceLock::new(),
         })
     }
 
@@ -538,6 +546,9 @@ impl DisplayAs for SplitSourceExec {
         if !matches!(t, DisplayFormatType::TreeRender) {
             let total: usize = self.splits.iter().map(|s| s.len()).sum();
             write!(f, ", flumen_splits={total}")?;
+            if self.drops_join_filtered_rows {
+                write!(f, ", drops_join_filtered_rows=true")?;
+            }
         }
         Ok(())
     }
@@ -610,7 +621,12 @@ impl ExecutionPlan for SplitSourceExec {
         };
         let stream = scan.execute(0, context)?;
         Ok(match filter {
-            Some(filter) => join_filter_rows::drop_rejected_rows(stream, filter),
+            Some(filter) => {
+                let dropped = self.dropped_rows.get_or_init(|| {
+                    MetricBuilder::new(&self.metrics).global_counter("join_filter_dropped_rows")
+                });
+                join_filter_rows::drop_rejected_rows(stream, filter, dropped.clone())
+            }
             None => stream,
         })
     }
@@ -618,7 +634,7 @@ impl ExecutionPlan for SplitSourceExec {
     fn metrics(&self) -> Option<MetricsSet> {
         // The splits' scans share one Parquet source and so one set of counters: count
         // each counter once, not once per split.
-        let mut set = MetricsSet::new();
+        let mut set = self.metrics.clone_inner();
         let mut seen = std::collections::HashSet::new();
         for scan in self.splits.iter().flatten() {
             if let Some(m) = scan.metrics() {
