@@ -315,7 +315,8 @@ extensions_options! {
         /// Whether the budget also covers heap nobody reserved (readers' buffers, pieces of
         /// blocks not yet cut), when the program installed an allocator that counts its live
         /// bytes (`flumen::install_heap_allocator`; the `flumen` binary does): blocks keep
-        /// in memory only what that leaves, but at least a quarter of the budget.
+        /// in memory only what that leaves, but at least a quarter of the budget (and, whatever
+        /// operators hold, a sixteenth).
         pub budget_counts_heap: bool, default = true
         /// Whether an out-of-core hash join partition whose build side (a hot key's rows) is
         /// larger than two slices of budget / (4 × CPU slots) is cut into slices of its build

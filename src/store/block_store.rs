@@ -465,6 +465,16 @@ impl BlockStore {
         (self.budget / 8).clamp(1 << 20, 64 << 20)
     }
 
+    /// Bytes of blocks always kept in memory, whatever operators and the heap nobody
+    /// reserved hold: a sixteenth of the budget. When those two alone fill the budget
+    /// (a join's build at its peak, a heap count near its cap), writing out the last
+    /// blocks frees little and costs a small spill file per block put: TPC-H q7 at SF10
+    /// under 1 GB spilled 1.85K blocks in 2.54K writes and took 1.6x as long, its peak
+    /// RSS no lower.
+    fn block_floor(&self) -> u64 {
+        self.budget / 16
+    }
+
     /// Write blocks from memory to spill runs until blocks, operator state and the heap
     /// nobody reserved ([`Self::unreserved_bytes`]) together fit the budget again: each run
     /// takes the group with the most bytes in memory, its newest blocks first (readers take
@@ -479,7 +489,7 @@ impl BlockStore {
                 let held = inner.memory_bytes
                     + self.operator_bytes()
                     + self.unreserved_bytes(reading.take(), inner.memory_bytes);
-                if held <= self.budget {
+                if held <= self.budget || inner.memory_bytes <= self.block_floor() {
                     return Ok(written);
                 }
                 let Some(group) = inner.fullest_group(&self.read_soon) else {
@@ -522,7 +532,7 @@ impl BlockStore {
                 let mut inner = self.inner.lock().unwrap();
                 let unreserved = self.unreserved_bytes(reading.take(), inner.memory_bytes);
                 let held = inner.memory_bytes + self.operator_bytes() + unreserved + bytes;
-                if held <= self.budget {
+                if held <= self.budget || inner.memory_bytes + bytes <= self.block_floor() {
                     inner.memory_bytes += bytes;
                     let data = Stored::Memory(batch);
                     inner.insert(id, Entry { data, bytes, group });
@@ -950,6 +960,37 @@ pub(crate) mod tests {
             store.put(4, batch(10), 1, (0, 3)).unwrap(),
             Placement::Spilled
         );
+    }
+
+    /// However much operators hold, blocks keep a sixteenth of the budget in memory: the
+    /// last few are not written out one small spill file per block put. Past it a put
+    /// spills, with its group's blocks in memory, and `make_room` stops at it.
+    #[test]
+    fn a_sixteenth_of_the_budget_stays_for_blocks() {
+        let store = BlockStore::new(16_000);
+        store.set_operator_bytes(16_000);
+        assert_eq!(
+            store.put(1, batch(10), 600, (0, 0)).unwrap(),
+            Placement::Memory
+        );
+        assert_eq!(
+            store.put(2, batch(20), 400, (0, 1)).unwrap(),
+            Placement::Memory
+        );
+        assert_eq!(store.make_room().unwrap(), (0, 0));
+        assert_eq!(store.memory_bytes(), 1_000);
+        assert_eq!(
+            store.put(3, batch(30), 1, (0, 0)).unwrap(),
+            Placement::Spilled
+        );
+        assert!(!in_memory(&store, 1) && in_memory(&store, 2));
+        assert_eq!(store.get(3).unwrap().unwrap(), batch(30));
+        // Over the budget with more than the floor in memory: written out down to it.
+        store.set_operator_bytes(0);
+        store.put(4, batch(40), 15_000, (0, 2)).unwrap();
+        store.set_operator_bytes(16_000);
+        assert_eq!(store.make_room().unwrap(), (1, 15_000));
+        assert!(in_memory(&store, 2));
     }
 
     /// The files under a store's spill directory.
