@@ -12,8 +12,10 @@
 //! `--budget B` runs both engines under a memory limit, as a user would set one: flumen's
 //! `memory_budget`, vanilla DataFusion's `RuntimeEnv` memory limit (its spilling operators
 //! spill, the others fail). Each query then also shows how far each engine's run raised the
-//! process's RSS (high-water mark, reset before each run, less the RSS the run started with),
-//! and a query an engine fails is reported, not fatal.
+//! process's RSS (high-water mark, reset before each run, less the RSS the run started with,
+//! once the allocator has handed back the pages earlier runs freed), and a query an engine
+//! fails is reported, not fatal. Both engines allocate through the `flumen` binary's
+//! jemalloc, installed as flumen's heap count, as the binary runs.
 
 #[path = "common/args.rs"]
 mod args;
@@ -33,10 +35,15 @@ use flumen::exec::FlumenExec;
 mod rss;
 use rss::RssWatch;
 
-/// Both engines allocate through mimalloc, as `datafusion-cli` and DataFusion's own
-/// benchmarks do (glibc's malloc returns large blocks to the kernel and faults them back).
-#[global_allocator]
-static ALLOCATOR: mimalloc::MiMalloc = mimalloc::MiMalloc;
+/// Both engines allocate through the `flumen` binary's allocator (jemalloc), installed as
+/// flumen's heap count, so flumen runs as the binary runs it: its budget covers the heap
+/// nobody reserved. (Until 2026-11-27 both used mimalloc with no heap count: flumen then
+/// counted only blocks and reservations, and a run could reuse pages an earlier one left,
+/// so its RSS rise understated a fresh process's: q18 rose 1.8 GiB alone, 0.5 GiB in the
+/// full sequence.)
+#[path = "../src/bin/flumen/allocator.rs"]
+mod allocator;
+use flumen::HeapAllocator;
 use tpchgen::generators::{
     CustomerGenerator, LineItemGenerator, NationGenerator, OrderGenerator, PartGenerator,
     PartSuppGenerator, RegionGenerator, SupplierGenerator,
@@ -265,6 +272,13 @@ async fn run(ctx: &SessionContext, statements: &[String]) -> Result<(f64, Vec<Re
     Ok((wall, last, peak))
 }
 
+/// An RSS watch started once the allocator has handed back the pages earlier runs freed:
+/// a run then cannot hide its peak in pages an earlier one left resident.
+fn watch_from_live_heap() -> RssWatch {
+    allocator::Jemalloc.return_freed();
+    RssWatch::start()
+}
+
 /// One engine's runs of one query: best time, peak RSS rise, or the error that stopped it.
 #[derive(Default)]
 struct Outcome {
@@ -306,6 +320,7 @@ impl Outcome {
 
 #[tokio::main]
 async fn main() -> Result<()> {
+    allocator::install();
     let args: Vec<String> = std::env::args().collect();
     let arg = |name: &str| args::flag_value(&args, name);
     let sf: f64 = arg("--sf").map(|s| s.parse().unwrap()).unwrap_or(1.0);
@@ -376,17 +391,17 @@ async fn main() -> Result<()> {
             let flumen_first = i % 2 == 1;
             let mut answer_f = None;
             if run_flumen && flumen_first && f.error.is_none() {
-                let rss = RssWatch::start();
+                let rss = watch_from_live_heap();
                 answer_f = f.record(run(&flumen, &statements).await, &rss, &mut peak);
             }
             let answer_v = if run_vanilla && v.error.is_none() {
-                let rss = RssWatch::start();
+                let rss = watch_from_live_heap();
                 v.record(run(&vanilla, &statements).await, &rss, &mut unused)
             } else {
                 None
             };
             if run_flumen && !flumen_first && f.error.is_none() {
-                let rss = RssWatch::start();
+                let rss = watch_from_live_heap();
                 answer_f = f.record(run(&flumen, &statements).await, &rss, &mut peak);
             }
             if let (Some(answer_v), Some(answer_f)) = (&answer_v, &answer_f) {

@@ -8,8 +8,13 @@
 //! (allocations over 8 MiB go to an arena that returns their pages at once, and a sort
 //! makes and frees many); `oversize_threshold:0,dirty_decay_ms:1000` 12.7 s, 2.26x, of which
 //! 1.41x was live heap. glibc's malloc (with `return_freed_memory`'s trims) sits between the
-//! two on RSS. `_RJEM_MALLOC_CONF` in the environment still overrides the options. The
-//! shuffle bench includes this file so that both of its engines allocate as the binary does.
+//! two on RSS. Transparent huge pages for jemalloc's mappings (`thp:always`; the kernel's
+//! setting is `madvise`): the pages a task faults in after a purge come 2 MiB at a time,
+//! and the kernel's share of a run falls (2026-11-27: the sort 16.3/17.4 → 15.2/16.1 s, its
+//! RSS rise 1.10x either way; TPC-H SF10 under 1 GB, q3/q5/q9/q10 1.40/2.22/8.59/2.28 →
+//! 1.22/1.89/6.27/1.79 s). `_RJEM_MALLOC_CONF` in the environment still overrides the
+//! options. The shuffle and TPC-H benches include this file so that both of their engines
+//! allocate as the binary does.
 
 /// jemalloc as the global allocator.
 #[global_allocator]
@@ -17,10 +22,11 @@ static ALLOCATOR: tikv_jemallocator::Jemalloc = tikv_jemallocator::Jemalloc;
 
 /// jemalloc's compiled-in options (`malloc_conf`, read at its first allocation): no separate
 /// arena for large allocations, free pages returned after one second (sooner when a task
-/// ends: [`Jemalloc::return_freed`]).
+/// ends: [`Jemalloc::return_freed`]), huge pages where the kernel allows them.
 #[used]
 #[unsafe(export_name = "_rjem_malloc_conf")]
-static JEMALLOC_CONF: &u8 = &b"oversize_threshold:0,dirty_decay_ms:1000,muzzy_decay_ms:0\0"[0];
+static JEMALLOC_CONF: &u8 =
+    &b"oversize_threshold:0,dirty_decay_ms:1000,muzzy_decay_ms:0,thp:always\0"[0];
 
 /// jemalloc, as flumen asks of an allocator.
 pub struct Jemalloc;
