@@ -732,6 +732,12 @@ async fn a_hung_worker_misses_its_heartbeat_and_is_replaced() {
     println!("stopped worker {pid}: query took {elapsed:?}, {lost} blocks lost or tasks retried");
     assert!(lost > 0, "nothing was lost with the hung worker");
     let pool = pool_of(&f).await;
+    // The replacement starts in the background once the worker is found hung: the query's
+    // retries may finish first (1 run in ~12 checked before its start was complete).
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while pool.restarted() == 0 && Instant::now() < deadline {
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
     assert!(pool.restarted() >= 1, "the hung worker was not replaced");
     let workers = pool.workers().await;
     assert!(workers.iter().all(|w| w.pid != pid && w.is_alive()));
