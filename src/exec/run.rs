@@ -378,10 +378,14 @@ impl QueryRun {
         }
         drop(st);
         // A thread feeding a device goes on to its next task at once; its trim runs beside it.
+        // A store counting the heap hands the allocator's idle pages back itself, past a
+        // share of the budget: purged here too, every task's allocations came from fresh
+        // pages.
+        let allocator_too = !self.store.counts_heap();
         if op.pool == Pool::Accelerator {
-            crate::store::freed_memory::return_freed_memory_elsewhere();
+            crate::store::freed_memory::return_freed_memory_elsewhere(allocator_too);
         } else {
-            crate::store::freed_memory::return_freed_memory();
+            crate::store::freed_memory::return_freed_memory(allocator_too);
         }
         self.changed();
     }

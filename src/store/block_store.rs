@@ -378,6 +378,12 @@ impl BlockStore {
         self
     }
 
+    /// Whether the store counts the allocator's heap: then its readings hand the idle pages
+    /// back once they pass an eighth of the budget, and a task's end need not purge them.
+    pub(crate) fn counts_heap(&self) -> bool {
+        self.heap.is_some()
+    }
+
     /// The most of the budget that memory nobody reserved may take from blocks: the rest
     /// stays theirs, so that a model's weights loaded in the middle of a run, say, do not
     /// send every later block to disk.

@@ -27,8 +27,9 @@ pub struct HeapUsage {
 pub trait HeapAllocator: Send + Sync {
     /// What the allocator holds now; `None` when it cannot tell.
     fn usage(&self) -> Option<HeapUsage>;
-    /// Hand pages already freed back to the operating system (called as tasks finish, at
-    /// most ten times a second, and when a run sees more than an eighth of its budget idle).
+    /// Hand pages already freed back to the operating system (called when a run counting
+    /// this heap sees more than an eighth of its budget idle, and as tasks of a run that
+    /// does not count it finish, at most ten times a second).
     fn return_freed(&self);
 }
 
