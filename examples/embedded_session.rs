@@ -4,8 +4,15 @@
 
 use datafusion::error::Result;
 
+/// Optional: the system's allocator, counted, so that flumen's memory budget also covers
+/// the heap no operator reserved (the `flumen` binary does this with jemalloc).
+#[global_allocator]
+static ALLOCATOR: flumen::CountingAllocator<std::alloc::System> =
+    flumen::CountingAllocator::new(std::alloc::System);
+
 #[tokio::main]
 async fn main() -> Result<()> {
+    flumen::install_heap_allocator(&ALLOCATOR);
     // Before: let ctx = datafusion::prelude::SessionContext::new();
     let ctx = flumen::session(flumen::FlumenConfig::default());
 

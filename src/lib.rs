@@ -53,6 +53,7 @@ pub use session::{
     flumen_session_config, into_flumen, register_functions, register_table_factories, session,
     session_with_config,
 };
+pub use store::counting_allocator::CountingAllocator;
 pub use store::process_heap::{HeapAllocator, HeapUsage, install as install_heap_allocator};
 
 /// `error` and its sources, joined by `: ` (tonic's transport errors keep the cause, a

@@ -420,6 +420,18 @@ impl BlockStore {
         self.heap.as_ref().and_then(HeapGauge::reading)
     }
 
+    /// Whether the heap's last reading found free pages worth handing back.
+    fn heap_holds_idle_pages(&self) -> bool {
+        self.heap.as_ref().is_some_and(HeapGauge::holds_idle_pages)
+    }
+
+    /// A reading made after the allocator handed its free pages back.
+    fn heap_reading_after_hand_back(&self) -> Option<u64> {
+        self.heap
+            .as_ref()
+            .and_then(HeapGauge::reading_after_hand_back)
+    }
+
     /// Put spill files in a directory made under `root` (else the system's temp directory).
     pub fn with_spill_root(mut self, root: Option<PathBuf>) -> Self {
         self.spill_root = root;
@@ -489,6 +501,7 @@ impl BlockStore {
     pub fn make_room(&self) -> Result<(u64, u64)> {
         let mut written = (0, 0);
         let mut reading = self.heap_reading();
+        let mut handed_back = false;
         loop {
             let run = {
                 let mut inner = self.inner.lock().unwrap();
@@ -497,6 +510,12 @@ impl BlockStore {
                     + self.unreserved_bytes(reading.take(), inner.memory_bytes);
                 if held <= self.budget || inner.memory_bytes <= self.block_floor() {
                     return Ok(written);
+                }
+                if !handed_back && self.heap_holds_idle_pages() {
+                    drop(inner);
+                    handed_back = true;
+                    reading = self.heap_reading_after_hand_back();
+                    continue;
                 }
                 let Some(group) = inner.fullest_group(&self.read_soon) else {
                     return Ok(written);
@@ -533,6 +552,7 @@ impl BlockStore {
             )));
         }
         let mut reading = self.heap_reading();
+        let mut handed_back = false;
         let companions = loop {
             let late_run = {
                 let mut inner = self.inner.lock().unwrap();
@@ -543,6 +563,13 @@ impl BlockStore {
                     let data = Stored::Memory(batch);
                     inner.insert(id, Entry { data, bytes, group });
                     return Ok(Placement::Memory);
+                }
+                // Pages the allocator keeps free go back before any block goes to disk.
+                if !handed_back && self.heap_holds_idle_pages() {
+                    drop(inner);
+                    handed_back = true;
+                    reading = self.heap_reading_after_hand_back();
+                    continue;
                 }
                 // A block read soon makes room by writing out blocks read late.
                 let late = match self.read_soon.contains(group.0) {

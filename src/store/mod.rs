@@ -4,6 +4,8 @@
 //!   location (memory, spilled, or held by a worker process).
 //! - [`block_memory`]: the bytes a block's rows hold, and a copy holding only those.
 //! - [`block_store`]: the memory-budgeted store that holds blocks in memory or spills them.
+//! - [`counting_allocator`]: a global allocator wrapper counting live bytes, for programs
+//!   whose allocator cannot tell flumen what the heap holds.
 //! - [`cutter`]: the one block cutter every task's output goes through.
 //! - [`freed_memory`]: handing what finished tasks freed back to the operating system.
 //! - [`operator_memory`]: the memory pool of a run's operators, sharing the store's budget.
@@ -14,6 +16,7 @@
 pub(crate) mod block;
 pub(crate) mod block_memory;
 pub(crate) mod block_store;
+pub mod counting_allocator;
 pub(crate) mod cutter;
 pub(crate) mod freed_memory;
 pub(crate) mod operator_memory;
