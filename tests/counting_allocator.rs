@@ -2,11 +2,11 @@
 //! `flumen::CountingAllocator` and installed: the heap its runs hold beyond blocks and
 //! operators' reservations counts against the budget, as in the `flumen` binary.
 
+mod common;
+
 use std::alloc::System;
-use std::sync::Arc;
 use std::sync::atomic::Ordering;
 
-use datafusion::physical_plan::collect;
 use datafusion::prelude::{SessionConfig, SessionContext};
 use flumen::HeapAllocator;
 use flumen::exec::FlumenExec;
@@ -24,14 +24,7 @@ fn session(counts_heap: bool) -> SessionContext {
 
 /// The most heap nobody reserved that a run of `sql` counted against its budget.
 async fn peak_unreserved(ctx: &SessionContext, sql: &str) -> u64 {
-    let plan = ctx
-        .sql(sql)
-        .await
-        .unwrap()
-        .create_physical_plan()
-        .await
-        .unwrap();
-    let batches = collect(Arc::clone(&plan), ctx.task_ctx()).await.unwrap();
+    let (batches, plan) = common::run_plan(ctx, sql).await;
     assert_eq!(batches.iter().map(|b| b.num_rows()).sum::<usize>(), 1000);
     let exec = plan
         .downcast_ref::<FlumenExec>()
