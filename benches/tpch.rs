@@ -33,8 +33,8 @@ use flumen::exec::FlumenExec;
 mod rss;
 #[path = "common/tpch_tables.rs"]
 mod tpch_tables;
-use tpch_tables::{generate, query_statements, register, slt_dir};
 use rss::RssWatch;
+use tpch_tables::{generate, query_statements, register, slt_dir};
 
 /// Both engines allocate through the `flumen` binary's allocator (jemalloc), installed as
 /// flumen's heap count, so flumen runs as the binary runs it: its budget covers the heap

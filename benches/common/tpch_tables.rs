@@ -129,4 +129,3 @@ pub async fn register(ctx: &SessionContext, dir: &Path) -> Result<()> {
     }
     Ok(())
 }
-

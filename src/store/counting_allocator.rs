@@ -72,15 +72,14 @@ impl<A> CountingAllocator<A> {
             return 0;
         };
         let gap = resident.saturating_sub(live);
-        let first = match self.first_gap.compare_exchange(
-            0,
-            gap + 1,
-            Ordering::Relaxed,
-            Ordering::Relaxed,
-        ) {
-            Ok(_) => gap + 1,
-            Err(first) => first,
-        };
+        let first =
+            match self
+                .first_gap
+                .compare_exchange(0, gap + 1, Ordering::Relaxed, Ordering::Relaxed)
+            {
+                Ok(_) => gap + 1,
+                Err(first) => first,
+            };
         gap.saturating_sub(first - 1)
     }
 
@@ -257,7 +256,10 @@ mod tests {
             unsafe { counting.dealloc(p as *mut u8, layout) };
         }
         assert_eq!(counting.live_bytes(), 0);
-        assert_eq!(counting.usage().map(|u| u.live), Some(0), "what flumen reads");
+        assert_eq!(
+            counting.usage().map(|u| u.live),
+            Some(0),
+            "what flumen reads"
+        );
     }
-
 }
