@@ -184,6 +184,10 @@ impl ExecutionPlan for FlumenExec {
         if unreserved > 0 {
             set.push(count("peak_unreserved_bytes", unreserved as usize));
         }
+        let hand_backs = self.metrics.memory.heap_hand_backs.load(Ordering::Relaxed);
+        if hand_backs > 0 {
+            set.push(count("heap_hand_backs", hand_backs as usize));
+        }
         let names = ["workers_lost", "workers_joined", "workers_rejoined"];
         for (name, n) in names.into_iter().zip(self.metrics.membership()) {
             if n > 0 {

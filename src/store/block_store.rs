@@ -417,7 +417,18 @@ impl BlockStore {
     /// A new reading of what the allocator holds for the run ([`HeapGauge::reading`]),
     /// when the store counts it and one is due (read before taking the store's lock).
     fn heap_reading(&self) -> Option<u64> {
-        self.heap.as_ref().and_then(HeapGauge::reading)
+        let reading = self.heap.as_ref().and_then(HeapGauge::reading);
+        self.count_hand_backs();
+        reading
+    }
+
+    /// The gauge's hand-backs so far, into the run's counters.
+    fn count_hand_backs(&self) {
+        if let (Some(heap), Some(counters)) = (&self.heap, &self.counters) {
+            counters
+                .heap_hand_backs
+                .fetch_max(heap.hand_backs(), Ordering::Relaxed);
+        }
     }
 
     /// Whether the heap's last reading found free pages worth handing back.
@@ -427,9 +438,12 @@ impl BlockStore {
 
     /// A reading made after the allocator handed its free pages back.
     fn heap_reading_after_hand_back(&self) -> Option<u64> {
-        self.heap
+        let reading = self
+            .heap
             .as_ref()
-            .and_then(HeapGauge::reading_after_hand_back)
+            .and_then(HeapGauge::reading_after_hand_back);
+        self.count_hand_backs();
+        reading
     }
 
     /// Put spill files in a directory made under `root` (else the system's temp directory).

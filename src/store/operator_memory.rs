@@ -41,6 +41,9 @@ pub struct MemoryCounters {
     /// Most bytes of heap nobody reserved that the block store counted against the budget
     /// at once (0 without an installed allocator: [`crate::store::process_heap`]).
     pub peak_unreserved_bytes: AtomicU64,
+    /// Times the installed allocator was asked to hand its idle pages back for a run
+    /// ([`crate::store::process_heap::HeapGauge`]).
+    pub heap_hand_backs: AtomicU64,
 }
 
 impl MemoryCounters {

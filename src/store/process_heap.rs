@@ -72,6 +72,8 @@ pub(crate) struct HeapGauge {
     last_hand_back: Mutex<Option<Instant>>,
     /// Least time between two hand-backs ([`HAND_BACK_INTERVAL`]).
     hand_back_interval: Duration,
+    /// Hand-backs so far.
+    hand_backs: AtomicU64,
 }
 
 /// Idle bytes worth a purge before a store writes blocks out to make room for them.
@@ -100,6 +102,7 @@ impl HeapGauge {
             last_idle: AtomicU64::new(0),
             last_hand_back: Mutex::new(None),
             hand_back_interval: HAND_BACK_INTERVAL,
+            hand_backs: AtomicU64::new(0),
         })
     }
 
@@ -116,7 +119,7 @@ impl HeapGauge {
         }
         let mut usage = self.allocator.usage()?;
         if usage.idle > self.idle_limit && self.hand_back_due() {
-            self.allocator.return_freed();
+            self.hand_back();
             usage = self.allocator.usage()?;
         }
         Some(self.held(usage))
@@ -153,9 +156,19 @@ impl HeapGauge {
         let now = Instant::now();
         *self.last.lock().unwrap() = Some(now);
         *self.last_hand_back.lock().unwrap() = Some(now);
-        self.allocator.return_freed();
+        self.hand_back();
         let usage = self.allocator.usage()?;
         Some(self.held(usage))
+    }
+
+    /// Times the allocator was asked to hand its idle pages back.
+    pub(crate) fn hand_backs(&self) -> u64 {
+        self.hand_backs.load(Ordering::Relaxed)
+    }
+
+    fn hand_back(&self) {
+        self.hand_backs.fetch_add(1, Ordering::Relaxed);
+        self.allocator.return_freed();
     }
 
     /// What `usage` holds for the run; notes its idle bytes.
@@ -261,6 +274,7 @@ mod tests {
         assert!(gauge.holds_idle_pages());
         assert_eq!(gauge.reading_after_hand_back(), Some(0));
         assert_eq!(fake.purges.load(Ordering::SeqCst), 2);
+        assert_eq!(gauge.hand_backs(), 2);
         assert!(!gauge.holds_idle_pages());
     }
 }
