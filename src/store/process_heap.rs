@@ -126,7 +126,8 @@ impl HeapGauge {
     }
 
     /// Whether the last reading found idle pages worth handing back (at least 1 MiB) and
-    /// none were handed back for a store in the last [`HAND_BACK_INTERVAL`].
+    /// none were handed back (by a reading or for a store) in the last
+    /// [`HAND_BACK_INTERVAL`].
     pub(crate) fn holds_idle_pages(&self) -> bool {
         self.last_idle.load(Ordering::Relaxed) >= IDLE_WORTH_HANDING_BACK
             && self
@@ -136,9 +137,9 @@ impl HeapGauge {
                 .is_none_or(|at| at.elapsed() >= self.hand_back_interval)
     }
 
-    /// Whether [`HAND_BACK_INTERVAL`] has passed since the last hand-back (noting now as
-    /// the next one when it has): an allocator whose free pages stay resident after a
-    /// purge (glibc's, fragmented) is not asked again at every reading.
+    /// Whether [`HAND_BACK_INTERVAL`] has passed since the last hand-back; when it has, now
+    /// is noted as the last one. An allocator whose free pages stay resident after a purge
+    /// (glibc's, fragmented) is then not asked again at every reading.
     fn hand_back_due(&self) -> bool {
         let mut last = self.last_hand_back.lock().unwrap();
         if last.is_some_and(|at| at.elapsed() < self.hand_back_interval) {
