@@ -189,6 +189,71 @@ async fn tiny_budget_sorts_like_datafusion() {
     );
 }
 
+/// `flumen.timeline_file` of an out-of-core sort: beside the tasks' bars, counter tracks
+/// sampled every 10 ms of what held the budget (blocks never over it), of the bytes spilled
+/// (never falling, and the 80 MB table did not fit 16 MB) and of the resident memory.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_timeline_shows_what_held_memory_and_what_spilled() {
+    let (dir, _v, f) = contexts(2).await;
+    let timeline = dir.path().join("timeline.json");
+    let setting = format!("SET flumen.timeline_file = '{}'", timeline.display());
+    f.sql(&setting).await.unwrap().collect().await.unwrap();
+    let started = Instant::now();
+    let (batches, plan) = run_plan(&f, "SELECT id FROM facts ORDER BY tag DESC, v, id").await;
+    let run_s = started.elapsed().as_secs_f64();
+    assert_eq!(
+        batches.iter().map(|b| b.num_rows()).sum::<usize>(),
+        FACTS as usize
+    );
+    drop(plan);
+    // The run writes it when it is dropped, just after the answer arrives.
+    let mut text = std::fs::read_to_string(&timeline).ok();
+    for _ in 0..100 {
+        if text.is_some() {
+            break;
+        }
+        tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+        text = std::fs::read_to_string(&timeline).ok();
+    }
+    let trace: serde_json::Value =
+        serde_json::from_str(&text.expect("no timeline in 5 s")).unwrap();
+    let events = trace["traceEvents"].as_array().unwrap();
+    let track = |name: &str, key: &str| -> Vec<(f64, f64)> {
+        events
+            .iter()
+            .filter(|e| e["ph"] == "C" && e["name"] == name)
+            .map(|e| (e["ts"].as_f64().unwrap(), e["args"][key].as_f64().unwrap()))
+            .collect()
+    };
+    let blocks = track("budget held (MiB)", "blocks");
+    let spilled = track("spilled (MiB)", "spilled");
+    let resident = track("resident (MiB)", "resident");
+    assert!(
+        blocks.len() >= 10,
+        "{} samples in a {run_s:.2} s run",
+        blocks.len()
+    );
+    assert_eq!(spilled.len(), blocks.len());
+    assert_eq!(resident.len(), blocks.len());
+    for (ts, mib) in &blocks {
+        assert!(
+            *mib <= 16.0,
+            "{mib} MiB of blocks at {ts} us, over the 16 MB budget"
+        );
+        assert!(
+            *ts <= run_s * 1e6 + 1e5,
+            "a sample at {ts} us, after the run"
+        );
+    }
+    assert!(
+        spilled.windows(2).all(|w| w[1].1 >= w[0].1),
+        "the spilled bytes fell"
+    );
+    let last = spilled.last().unwrap().1;
+    assert!(last > 1.0, "only {last} MiB spilled");
+    assert!(resident.iter().all(|&(_, mib)| mib > 1.0));
+}
+
 /// A flumen session of 2 CPU slots under `budget` that drops the blocks `dropper` chooses as
 /// they are made.
 async fn session_with_dropper(dropper: flumen::BlockDropper, budget: &str) -> SessionContext {

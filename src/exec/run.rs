@@ -189,7 +189,7 @@ impl QueryRun {
         };
         let started_at = Instant::now();
         let timeline = (!config.timeline_file.is_empty() && !is_statement(&graph))
-            .then(|| Timeline::new(config.timeline_file.clone().into(), started_at));
+            .then(|| Timeline::new(config.timeline_file.clone().into(), started_at, &store));
         let run = Arc::new(Self {
             static_slots,
             store,

@@ -3,11 +3,15 @@
 //! paused. The run writes it when it ends, as Chrome trace events (a JSON file that
 //! Perfetto or `chrome://tracing` opens), one row of bars per lane of a pool: what Ray's
 //! `ray timeline` gives for tasks, so a user can see where a query's time went (idle slots,
-//! a slow stage, gaps between a model's tasks) without a profiler.
+//! a slow stage, gaps between a model's tasks) without a profiler. Beside the bars, counter
+//! tracks sampled every [`MEMORY_SAMPLE_INTERVAL`]: what held the memory budget (blocks in
+//! memory, operators' reservations, the heap nobody reserved), the bytes spilled so far and
+//! the process's resident memory: where a run's memory went, and when.
 
 use std::collections::HashMap;
 use std::path::PathBuf;
-use std::sync::Mutex;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex, Weak};
 use std::time::{Duration, Instant};
 
 use datafusion::error::{DataFusionError, Result};
@@ -16,6 +20,10 @@ use serde_json::{Value, json};
 use crate::exec::lineage::TaskId;
 use crate::plan::Pool;
 use crate::plan::graph::OperatorId;
+use crate::store::block_store::{BlockStore, MemorySample};
+
+/// How often a timeline samples what holds memory.
+pub(super) const MEMORY_SAMPLE_INTERVAL: Duration = Duration::from_millis(10);
 
 /// One task's execution.
 #[derive(Debug, Clone)]
@@ -41,21 +49,59 @@ pub(super) struct TaskSpan {
     pub(super) ok: bool,
 }
 
+/// What held memory at one moment of a run.
+#[derive(Debug, Clone, Copy)]
+pub(super) struct MemoryPoint {
+    /// When, from the run's start.
+    pub(super) at: Duration,
+    /// The block store's figures then.
+    pub(super) store: MemorySample,
+    /// The process's resident memory then, where the system tells it.
+    pub(super) resident: Option<u64>,
+}
+
 /// The spans of one run, written to `path` when the run ends.
 #[derive(Debug)]
 pub(super) struct Timeline {
     path: PathBuf,
     started: Instant,
     spans: Mutex<Vec<TaskSpan>>,
+    /// Filled by a sampling thread until the timeline is dropped or the store is gone.
+    memory: Arc<Mutex<Vec<MemoryPoint>>>,
+    stop_sampling: Arc<AtomicBool>,
+}
+
+impl Drop for Timeline {
+    fn drop(&mut self) {
+        self.stop_sampling.store(true, Ordering::Relaxed);
+    }
 }
 
 impl Timeline {
-    /// A timeline of the run that started at `started`, to be written to `path`.
-    pub(super) fn new(path: PathBuf, started: Instant) -> Self {
+    /// A timeline of the run that started at `started`, to be written to `path`, sampling
+    /// what holds `store`'s budget every [`MEMORY_SAMPLE_INTERVAL`] on a thread of its own.
+    pub(super) fn new(path: PathBuf, started: Instant, store: &Arc<BlockStore>) -> Self {
+        let memory = Arc::new(Mutex::new(vec![]));
+        let stop_sampling = Arc::new(AtomicBool::new(false));
+        let sampler = MemorySampler {
+            store: Arc::downgrade(store),
+            points: Arc::clone(&memory),
+            stop: Arc::clone(&stop_sampling),
+            started,
+        };
+        // Without the thread the timeline still has its tasks; only the counters are lost.
+        let spawned = std::thread::Builder::new()
+            .name("flumen-timeline".into())
+            .spawn(move || sampler.run());
+        if let Err(e) = spawned {
+            log::warn!("flumen.timeline_file: no memory counters ({e})");
+        }
         Self {
             path,
             started,
             spans: Mutex::new(vec![]),
+            memory,
+            stop_sampling,
         }
     }
 
@@ -73,7 +119,8 @@ impl Timeline {
     /// then renamed over it, so a reader never sees half a file.
     pub(super) fn write(&self) -> Result<()> {
         let spans = self.spans.lock().unwrap();
-        let text = serde_json::to_string(&trace_events(&spans))
+        let memory = self.memory.lock().unwrap();
+        let text = serde_json::to_string(&trace_events(&spans, &memory))
             .map_err(|e| DataFusionError::External(Box::new(e)))?;
         let mut partial = self.path.clone().into_os_string();
         partial.push(".partial");
@@ -85,6 +132,33 @@ impl Timeline {
         };
         std::fs::write(&partial, text).map_err(failed)?;
         std::fs::rename(&partial, &self.path).map_err(failed)
+    }
+}
+
+/// The thread behind a timeline's memory counters.
+struct MemorySampler {
+    store: Weak<BlockStore>,
+    points: Arc<Mutex<Vec<MemoryPoint>>>,
+    stop: Arc<AtomicBool>,
+    started: Instant,
+}
+
+impl MemorySampler {
+    /// Sample until told to stop or the run's store is gone.
+    fn run(self) {
+        while !self.stop.load(Ordering::Relaxed) {
+            let Some(store) = self.store.upgrade() else {
+                return;
+            };
+            let point = MemoryPoint {
+                at: self.started.elapsed(),
+                store: store.memory_sample(),
+                resident: crate::store::counting_allocator::resident_bytes(),
+            };
+            drop(store);
+            self.points.lock().unwrap().push(point);
+            std::thread::sleep(MEMORY_SAMPLE_INTERVAL);
+        }
     }
 }
 
@@ -130,9 +204,51 @@ fn thread_id(pool: Pool, lane: usize) -> usize {
     base + lane
 }
 
-/// The Chrome trace document of `spans`: a complete event (`ph: X`) per task, in
-/// microseconds, and a name for each lane.
-fn trace_events(spans: &[TaskSpan]) -> Value {
+/// Microseconds, as trace events count time.
+fn micros(d: Duration) -> f64 {
+    d.as_secs_f64() * 1e6
+}
+
+/// Bytes as MiB, as the counter tracks show them.
+fn mib(bytes: u64) -> f64 {
+    bytes as f64 / (1 << 20) as f64
+}
+
+/// The counter events (`ph: C`) of one memory point: a stacked track of what held the
+/// budget, one of the bytes spilled so far, one of the resident memory.
+fn counter_events(point: &MemoryPoint) -> Vec<Value> {
+    let ts = micros(point.at);
+    let store = &point.store;
+    let mut events = vec![
+        json!({
+            "name": "budget held (MiB)", "ph": "C", "pid": 1, "ts": ts,
+            "args": {
+                "blocks": mib(store.blocks),
+                "operators": mib(store.operators),
+                "unreserved heap": mib(store.unreserved),
+            },
+        }),
+        json!({
+            "name": "allocator's idle pages (MiB)", "ph": "C", "pid": 1, "ts": ts,
+            "args": {"idle": mib(store.idle)},
+        }),
+        json!({
+            "name": "spilled (MiB)", "ph": "C", "pid": 1, "ts": ts,
+            "args": {"spilled": mib(store.spilled)},
+        }),
+    ];
+    if let Some(resident) = point.resident {
+        events.push(json!({
+            "name": "resident (MiB)", "ph": "C", "pid": 1, "ts": ts,
+            "args": {"resident": mib(resident)},
+        }));
+    }
+    events
+}
+
+/// The Chrome trace document of `spans` and `memory`: a complete event (`ph: X`) per task,
+/// in microseconds, a name for each lane, and the memory counters.
+fn trace_events(spans: &[TaskSpan], memory: &[MemoryPoint]) -> Value {
     let lane = lanes(spans);
     let mut events = vec![json!({
         "name": "process_name", "ph": "M", "pid": 1,
@@ -147,7 +263,6 @@ fn trace_events(spans: &[TaskSpan]) -> Value {
                 "args": {"name": format!("{} lane {k}", pool_name(span.pool))},
             }));
         }
-        let micros = |d: Duration| d.as_secs_f64() * 1e6;
         events.push(json!({
             "name": format!("{} (op {})", span.name, span.operator),
             "cat": pool_name(span.pool),
@@ -167,6 +282,7 @@ fn trace_events(spans: &[TaskSpan]) -> Value {
             },
         }));
     }
+    events.extend(memory.iter().flat_map(counter_events));
     json!({"traceEvents": events, "displayTimeUnit": "ms"})
 }
 
@@ -207,7 +323,7 @@ mod tests {
     #[test]
     fn the_trace_has_one_complete_event_per_task_in_microseconds() {
         let spans = vec![span(Pool::Cpu, 1, 3), span(Pool::Accelerator, 2, 4)];
-        let trace = trace_events(&spans);
+        let trace = trace_events(&spans, &[]);
         let events = trace["traceEvents"].as_array().unwrap();
         let tasks: Vec<&Value> = events.iter().filter(|e| e["ph"] == "X").collect();
         assert_eq!(tasks.len(), 2);
@@ -218,5 +334,35 @@ mod tests {
         assert_eq!(tasks[1]["cat"], "accelerator");
         let lanes_named = events.iter().filter(|e| e["name"] == "thread_name").count();
         assert_eq!(lanes_named, 2);
+    }
+
+    #[test]
+    fn each_memory_point_gives_counters_in_mib() {
+        let point = MemoryPoint {
+            at: Duration::from_millis(5),
+            store: MemorySample {
+                blocks: 3 << 20,
+                operators: 1 << 19,
+                unreserved: 2 << 20,
+                idle: 1 << 20,
+                spilled: 10 << 20,
+            },
+            resident: Some(64 << 20),
+        };
+        let trace = trace_events(&[], &[point]);
+        let counters: Vec<&Value> = trace["traceEvents"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .filter(|e| e["ph"] == "C")
+            .collect();
+        assert_eq!(counters.len(), 4);
+        assert_eq!(counters[0]["ts"], 5000.0);
+        assert_eq!(counters[0]["args"]["blocks"], 3.0);
+        assert_eq!(counters[0]["args"]["operators"], 0.5);
+        assert_eq!(counters[0]["args"]["unreserved heap"], 2.0);
+        assert_eq!(counters[1]["args"]["idle"], 1.0);
+        assert_eq!(counters[2]["args"]["spilled"], 10.0);
+        assert_eq!(counters[3]["args"]["resident"], 64.0);
     }
 }

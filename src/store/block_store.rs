@@ -305,6 +305,21 @@ impl Inner {
     }
 }
 
+/// What held a run's budget at one moment ([`BlockStore::memory_sample`]), in bytes.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub(crate) struct MemorySample {
+    /// Blocks in memory.
+    pub(crate) blocks: u64,
+    /// Operators' reservations.
+    pub(crate) operators: u64,
+    /// Heap nobody reserved, as the allocator was last read (0 when it is not counted).
+    pub(crate) unreserved: u64,
+    /// Of what the allocator held then, its idle pages (counted in `unreserved`).
+    pub(crate) idle: u64,
+    /// Written out to spill files since the run began.
+    pub(crate) spilled: u64,
+}
+
 /// Blocks of one query run, with a memory budget.
 pub struct BlockStore {
     budget: u64,
@@ -329,6 +344,8 @@ pub struct BlockStore {
     /// That share, as of the gauge's last reading: blocks written out or released since
     /// then change `memory_bytes`, not it.
     unreserved: AtomicU64,
+    /// Bytes written to spill files so far.
+    spilled_bytes: AtomicU64,
     inner: Mutex<Inner>,
 }
 
@@ -365,6 +382,7 @@ impl BlockStore {
             read_soon: ReadSoon::default(),
             heap: None,
             unreserved: AtomicU64::new(0),
+            spilled_bytes: AtomicU64::new(0),
             inner: Mutex::new(Inner::default()),
         }
     }
@@ -487,6 +505,19 @@ impl BlockStore {
     /// Bytes the run's operators hold now (they count against the same budget).
     pub fn operator_bytes(&self) -> u64 {
         self.operator_bytes.load(Ordering::Relaxed)
+    }
+
+    /// What holds the budget now, for a run's timeline (`flumen.timeline_file`): blocks in
+    /// memory, operators' reservations, the heap nobody reserved as last read, and the bytes
+    /// written out to spill files so far.
+    pub(crate) fn memory_sample(&self) -> MemorySample {
+        MemorySample {
+            blocks: self.memory_bytes(),
+            operators: self.operator_bytes(),
+            unreserved: self.unreserved.load(Ordering::Relaxed),
+            idle: self.heap.as_ref().map_or(0, HeapGauge::last_idle),
+            spilled: self.spilled_bytes.load(Ordering::Relaxed),
+        }
     }
 
     /// Record what the run's operators hold now.
@@ -669,6 +700,8 @@ impl BlockStore {
             .and_then(|mut open| Ok((append(&mut open, batches)?, open)));
             match appended {
                 Ok((spans, open)) => {
+                    let bytes: u64 = spans.iter().map(|&(_, len)| len).sum();
+                    self.spilled_bytes.fetch_add(bytes, Ordering::Relaxed);
                     let run = Arc::clone(&open.run);
                     *slot = Some(open);
                     return Ok((run, spans));

@@ -101,7 +101,7 @@ impl<A> CountingAllocator<A> {
 }
 
 /// The process's resident memory (`/proc/self/statm`), where the system tells it.
-fn resident_bytes() -> Option<u64> {
+pub(crate) fn resident_bytes() -> Option<u64> {
     let statm = std::fs::read_to_string("/proc/self/statm").ok()?;
     let pages: u64 = statm.split_whitespace().nth(1)?.parse().ok()?;
     Some(pages * page_size())

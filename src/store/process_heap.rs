@@ -162,6 +162,11 @@ impl HeapGauge {
         Some(self.held(usage))
     }
 
+    /// The idle bytes the last reading found.
+    pub(crate) fn last_idle(&self) -> u64 {
+        self.last_idle.load(Ordering::Relaxed)
+    }
+
     /// Times the allocator was asked to hand its idle pages back.
     pub(crate) fn hand_backs(&self) -> u64 {
         self.hand_backs.load(Ordering::Relaxed)
