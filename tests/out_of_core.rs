@@ -189,6 +189,48 @@ async fn tiny_budget_sorts_like_datafusion() {
     );
 }
 
+/// A `COPY` to Parquet under a small budget writes row groups of at most a 32nd of it
+/// (DataFusion's parallel writer holds up to four at once, outside any reservation), and
+/// under a large one keeps DataFusion's 1M-row groups; an explicit
+/// `format.max_row_group_size` still decides.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_copy_writes_row_groups_that_fit_the_budget() {
+    use datafusion::parquet::file::reader::{FileReader, SerializedFileReader};
+    let dir = tempfile::tempdir().unwrap();
+    let row_groups = |name: &str| -> Vec<i64> {
+        let file = std::fs::File::open(dir.path().join(name)).unwrap();
+        let reader = SerializedFileReader::new(file).unwrap();
+        let metadata = reader.metadata();
+        (0..metadata.num_row_groups())
+            .map(|i| metadata.row_group(i).num_rows())
+            .collect()
+    };
+    // Two Int64 columns: 16 bytes a row.
+    let copy = |name: &str, options: &str| {
+        format!(
+            "COPY (SELECT value AS a, value * 2 AS b FROM range(0, 200000)) TO '{}/{name}' \
+             STORED AS PARQUET{options}",
+            dir.path().display()
+        )
+    };
+    let small = flumen_ctx(&["SET flumen.memory_budget = '16MB'"]).await;
+    collect(&small, &copy("small.parquet", "")).await;
+    let groups = row_groups("small.parquet");
+    let fit = (16 << 20) / 32 / 16;
+    assert_eq!(groups.iter().sum::<i64>(), 200_000);
+    assert!(
+        groups.iter().all(|&rows| rows <= fit),
+        "{groups:?} over {fit} rows"
+    );
+    assert!(groups.len() >= 200_000 / fit as usize, "{groups:?}");
+    let explicit = " OPTIONS ('format.max_row_group_size' '100000')";
+    collect(&small, &copy("explicit.parquet", explicit)).await;
+    assert_eq!(row_groups("explicit.parquet"), vec![100_000, 100_000]);
+    let large = flumen_ctx(&["SET flumen.memory_budget = '2GB'"]).await;
+    collect(&large, &copy("large.parquet", "")).await;
+    assert_eq!(row_groups("large.parquet"), vec![200_000]);
+}
+
 /// `flumen.timeline_file` of an out-of-core sort: beside the tasks' bars, counter tracks
 /// sampled every 10 ms of what held the budget (blocks never over it), of the bytes spilled
 /// (never falling, and the 80 MB table did not fit 16 MB) and of the resident memory.
