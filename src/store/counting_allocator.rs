@@ -29,8 +29,9 @@
 //! memory beyond the live bytes, less that same gap at the first reading (the binary, the
 //! runtime, what was idle then). With live bytes alone, glibc's malloc let TPC-H SF10 q21
 //! rise 1.35x over a 1 GB budget (`benches/embedded_heap.rs`). Handing back calls glibc's
-//! `malloc_trim`, which is what the system's allocator keeps; other allocators return pages
-//! on their own schedule.
+//! `malloc_trim`, which is what the system's allocator keeps; another allocator's own call
+//! is given with [`CountingAllocator::with_hand_back`] (mimalloc's `mi_collect`, say:
+//! `benches/embedded_heap_mimalloc.rs`).
 
 use std::alloc::{GlobalAlloc, Layout};
 use std::cell::Cell;
@@ -53,15 +54,30 @@ pub struct CountingAllocator<A> {
     stripes: [Stripe; STRIPES],
     /// Resident bytes beyond the live ones at the first reading, plus one (0: none yet).
     first_gap: AtomicU64,
+    /// What hands `inner`'s free pages back to the system; `None`: glibc's `malloc_trim`.
+    hand_back: Option<fn()>,
 }
 
 impl<A> CountingAllocator<A> {
-    /// `inner`, counted from now (usable in a `static`).
+    /// `inner`, counted from now (usable in a `static`); its free pages are handed back
+    /// with glibc's `malloc_trim` (the system's allocator on Linux).
     pub const fn new(inner: A) -> Self {
         Self {
             inner,
             stripes: [const { Stripe(AtomicI64::new(0)) }; STRIPES],
             first_gap: AtomicU64::new(0),
+            hand_back: None,
+        }
+    }
+
+    /// `inner`, counted from now, whose free pages `hand_back` returns to the system (for an
+    /// allocator other than glibc's, e.g. `|| unsafe { libmimalloc_sys::mi_collect(true) }`).
+    pub const fn with_hand_back(inner: A, hand_back: fn()) -> Self {
+        Self {
+            inner,
+            stripes: [const { Stripe(AtomicI64::new(0)) }; STRIPES],
+            first_gap: AtomicU64::new(0),
+            hand_back: Some(hand_back),
         }
     }
 
@@ -182,8 +198,13 @@ impl<A: GlobalAlloc + Send + Sync> HeapAllocator for CountingAllocator<A> {
         })
     }
 
-    /// glibc's `malloc_trim` (the system's allocator on Linux); nothing elsewhere.
+    /// The hand-back given to [`CountingAllocator::with_hand_back`]; else glibc's
+    /// `malloc_trim` (the system's allocator on Linux), nothing elsewhere.
     fn return_freed(&self) {
+        if let Some(hand_back) = self.hand_back {
+            hand_back();
+            return;
+        }
         #[cfg(all(target_os = "linux", target_env = "gnu"))]
         // SAFETY: malloc_trim only walks glibc's own arenas under their locks.
         unsafe {
@@ -196,6 +217,22 @@ impl<A: GlobalAlloc + Send + Sync> HeapAllocator for CountingAllocator<A> {
 mod tests {
     use super::*;
     use std::alloc::System;
+
+    /// A hand-back given at construction is what handing back calls.
+    #[test]
+    fn hands_back_with_the_function_it_was_given() {
+        static CALLS: AtomicUsize = AtomicUsize::new(0);
+        fn hand_back() {
+            CALLS.fetch_add(1, Ordering::SeqCst);
+        }
+        let counting = CountingAllocator::with_hand_back(System, hand_back);
+        counting.return_freed();
+        counting.return_freed();
+        assert_eq!(CALLS.load(Ordering::SeqCst), 2);
+        // The plain constructor keeps glibc's trim, not the function.
+        CountingAllocator::new(System).return_freed();
+        assert_eq!(CALLS.load(Ordering::SeqCst), 2);
+    }
 
     /// Allocations, growth, shrinking and frees add up, from many threads at once.
     #[test]
