@@ -306,7 +306,7 @@ impl Inner {
 }
 
 /// What held a run's budget at one moment ([`BlockStore::memory_sample`]), in bytes.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy)]
 pub(crate) struct MemorySample {
     /// Blocks in memory.
     pub(crate) blocks: u64,
