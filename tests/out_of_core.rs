@@ -431,11 +431,11 @@ async fn a_range_sort_merges_runs_sorted_while_the_map_side_runs() {
 
 /// A range sorted in runs whose largest blocks together would not fit the share of the
 /// budget a range was planned for (a hot key not spread: 60% of the rows in one range of
-/// ~24 runs of ~2 MB) is sorted whole by a spilling sort instead of merged, and its rows
-/// still come out sorted (a sort over the runs' stage input must not take them for sorted
-/// already); the other ranges are merged.
+/// ~24 runs of ~2 MB) is merged in levels: groups of its runs merged into runs written to
+/// spill files, then those merged (each hot row written once, none sorted again); its rows
+/// come out sorted, none lost or doubled.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_range_of_too_many_runs_is_sorted_whole() {
+async fn a_range_of_too_many_runs_is_merged_in_levels() {
     let v = vanilla();
     let f = flumen_ctx(&[
         "SET flumen.memory_budget = '32MB'",
@@ -485,8 +485,11 @@ async fn a_range_of_too_many_runs_is_sorted_whole() {
         })
         .expect("no MergeRunsExec: the ranges were not sorted in runs");
     let count = |name| merge.sum_by_name(name).map_or(0, |m| m.as_usize());
-    assert!(count("partitions_sorted_whole") >= 1, "{merge}");
-    assert!(count("runs_merged") >= 1, "{merge}");
+    assert!(count("merge_levels") >= 1, "{merge}");
+    assert!(count("runs_written") >= 2, "{merge}");
+    assert!(merge.spilled_rows().unwrap_or(0) >= 150_000, "{merge}");
+    assert_eq!(count("partitions_sorted_whole"), 0, "{merge}");
+    assert!(count("runs_merged") >= 10, "{merge}");
 }
 
 /// `facts(id, v)` of `facts` rows and `hot(k, v)` of `hot` rows, `hot_percent` of them with

@@ -14,7 +14,9 @@ use crate::exec::cursor::{Cursor, Next, ReadOrder};
 use crate::exec::lineage::{TaskId, TaskKind};
 use crate::exec::run::QueryRun;
 use crate::plan::graph::OperatorId;
-use crate::plan::stage_input::{InputExchange, InputProvider, TaskInputs};
+use crate::plan::stage_input::{
+    InputExchange, InputProvider, PartitionRuns, SortedRun, TaskInputs,
+};
 use crate::store::cutter::bundle_pieces;
 
 impl QueryRun {
@@ -276,11 +278,7 @@ impl InputProvider for TaskProvider {
         }
     }
 
-    fn open_runs(
-        &self,
-        input: usize,
-        partition: usize,
-    ) -> Result<Option<Vec<SendableRecordBatchStream>>> {
+    fn open_runs(&self, input: usize, partition: usize) -> Result<Option<PartitionRuns>> {
         let run = &self.run;
         let op = &run.graph.operators[self.operator];
         let producer_id = op.inputs[input];
@@ -291,31 +289,20 @@ impl InputProvider for TaskProvider {
         {
             return Ok(None);
         }
-        let tasks = {
+        let tasks: Vec<(TaskId, u64)> = {
             let st = run.state.lock().unwrap();
             let producer = &st.operators[producer_id];
             if !producer.complete {
                 return Ok(None);
             }
-            let tasks = producer.partitions[partition].tasks.clone();
-            // The merge holds a block of each run at once: when the largest of each do not
-            // fit the share of the budget a range was planned for (a hot range of many
-            // runs), the runs are sorted together instead, by a sort that spills.
-            let largest: u64 = tasks
-                .iter()
+            // What a merge holds of each run at most: its largest block.
+            (producer.partitions[partition].tasks.iter())
                 .map(|t| {
                     let outputs = &st.tasks[*t].outputs;
-                    outputs
-                        .iter()
-                        .map(|id| st.blocks[id].bytes)
-                        .max()
-                        .unwrap_or(0)
+                    let largest = outputs.iter().map(|id| st.blocks[id].bytes).max();
+                    (*t, largest.unwrap_or(0))
                 })
-                .sum();
-            if largest > run.graph.sizing.partition_bytes {
-                return Ok(None);
-            }
-            tasks
+                .collect()
         };
         let schema = run.graph.operators[producer_id].fragment.schema();
         let reader = if self.record {
@@ -323,15 +310,19 @@ impl InputProvider for TaskProvider {
         } else {
             Reader::Recompute
         };
-        Ok(Some(
-            tasks
-                .into_iter()
-                .map(|task| {
-                    let cursor = Cursor::new(producer_id, ReadOrder::Task(task), None);
-                    run.block_stream(cursor, reader, Arc::clone(&schema))
-                })
-                .collect(),
-        ))
+        let runs = (tasks.into_iter())
+            .map(|(task, largest_block_bytes)| {
+                let cursor = Cursor::new(producer_id, ReadOrder::Task(task), None);
+                SortedRun {
+                    stream: run.block_stream(cursor, reader, Arc::clone(&schema)),
+                    largest_block_bytes,
+                }
+            })
+            .collect();
+        Ok(Some(PartitionRuns {
+            runs,
+            merge_bytes: run.graph.sizing.partition_bytes,
+        }))
     }
 }
 

@@ -7,9 +7,9 @@
 //! its stage input hands it one stream per run ([`StageInputExec::execute_runs`]). A range
 //! then never has to be sorted whole in one task: the reduce holds one block of each run.
 //! When a block of each run would not fit the task's share of the budget at once (a hot
-//! range cut into many runs), the runs are sorted together by DataFusion's spilling sort, as
-//! without runs (`partitions_sorted_whole` in `EXPLAIN ANALYZE`). Outside a flumen task each
-//! input partition is one run, passed through.
+//! range cut into many runs), the runs are merged in levels first
+//! ([`crate::plan::merge_levels`]; `merge_levels` and `runs_written` in `EXPLAIN ANALYZE`).
+//! Outside a flumen task each input partition is one run, passed through.
 
 use std::fmt;
 use std::sync::Arc;
@@ -19,19 +19,16 @@ use datafusion::error::Result;
 use datafusion::execution::memory_pool::MemoryConsumer;
 use datafusion::execution::{SendableRecordBatchStream, TaskContext};
 use datafusion::physical_expr::{EquivalenceProperties, LexOrdering, PhysicalExpr};
-use datafusion::physical_plan::EmptyRecordBatchStream;
 use datafusion::physical_plan::execution_plan::{Boundedness, EmissionType};
-use datafusion::physical_plan::metrics::{
-    BaselineMetrics, ExecutionPlanMetricsSet, MetricBuilder, MetricsSet,
-};
+use datafusion::physical_plan::metrics::{ExecutionPlanMetricsSet, MetricBuilder, MetricsSet};
 use datafusion::physical_plan::sorts::sort::SortExec;
-use datafusion::physical_plan::sorts::streaming_merge::StreamingMergeBuilder;
 use datafusion::physical_plan::{
     DisplayAs, DisplayFormatType, ExecutionPlan, ExecutionPlanProperties, PlanProperties,
 };
 
+use crate::plan::merge_levels::LevelMerge;
 use crate::plan::only_child;
-use crate::plan::stage_input::StageInputExec;
+use crate::plan::stage_input::{PartitionRuns, SortedRun, StageInputExec};
 
 /// Each partition of `input` merged from its sorted runs by `ordering`: the output's
 /// partition `p` holds partition `p`'s rows, sorted.
@@ -130,11 +127,17 @@ impl ExecutionPlan for MergeRunsExec {
         let runs = match self.input.downcast_ref::<StageInputExec>() {
             Some(stage_input) => stage_input.execute_runs(partition, Arc::clone(&context))?,
             // Not a flumen task's input: each partition of the input is one sorted run.
-            None => Some(vec![self.input.execute(partition, Arc::clone(&context))?]),
+            None => Some(PartitionRuns {
+                runs: vec![SortedRun {
+                    stream: self.input.execute(partition, Arc::clone(&context))?,
+                    largest_block_bytes: 0,
+                }],
+                merge_bytes: u64::MAX,
+            }),
         };
-        let Some(streams) = runs else {
-            // The runs do not come apart (or a block of each would not fit): sort them
-            // together, spilling as any sort does.
+        let Some(runs) = runs else {
+            // The runs do not come apart (not a whole partition of a finished producer, or
+            // a limit): sort them together, spilling as any sort does.
             MetricBuilder::new(&self.metrics)
                 .counter("partitions_sorted_whole", partition)
                 .add(1);
@@ -144,20 +147,18 @@ impl ExecutionPlan for MergeRunsExec {
         };
         MetricBuilder::new(&self.metrics)
             .counter("runs_merged", partition)
-            .add(streams.len());
-        // A range no row fell in (a hot key's rows all alike go to one of its ranges).
-        if streams.is_empty() {
-            return Ok(Box::pin(EmptyRecordBatchStream::new(self.schema())));
-        }
+            .add(runs.runs.len());
         let reservation = MemoryConsumer::new(format!("MergeRunsExec[{partition}]"))
             .register(context.memory_pool());
-        StreamingMergeBuilder::new()
-            .with_streams(streams)
-            .with_schema(self.schema())
-            .with_expressions(&self.ordering)
-            .with_metrics(BaselineMetrics::new(&self.metrics, partition))
-            .with_batch_size(context.session_config().batch_size())
-            .with_reservation(reservation)
-            .build()
+        let merge = LevelMerge::new(
+            self.schema(),
+            self.ordering.clone(),
+            runs.merge_bytes,
+            &context,
+            &self.metrics,
+            partition,
+            reservation,
+        );
+        Ok(merge.merge(runs.runs))
     }
 }

@@ -23,6 +23,7 @@ pub mod exchange_sizing;
 pub(crate) mod graph;
 pub(crate) mod join_filter_rows;
 pub mod merge_join_fallback;
+mod merge_levels;
 pub mod merge_runs;
 pub mod partition_slices;
 pub(crate) mod queued_model_calls;

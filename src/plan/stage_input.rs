@@ -56,15 +56,37 @@ pub trait InputProvider: Send + Sync + fmt::Debug {
     fn open(&self, input: usize, partition: usize) -> Result<SendableRecordBatchStream>;
 
     /// The same blocks as one stream per producer task (each a sorted run, for
-    /// [`crate::plan::merge_runs::MergeRunsExec`]), when the producer has finished and a
-    /// block of every run fits the task's share of memory at once; `None` otherwise (read
-    /// them with [`InputProvider::open`]).
-    fn open_runs(
-        &self,
-        _input: usize,
-        _partition: usize,
-    ) -> Result<Option<Vec<SendableRecordBatchStream>>> {
+    /// [`crate::plan::merge_runs::MergeRunsExec`]), when the producer has finished; `None`
+    /// otherwise (read them with [`InputProvider::open`]).
+    fn open_runs(&self, _input: usize, _partition: usize) -> Result<Option<PartitionRuns>> {
         Ok(None)
+    }
+}
+
+/// One sorted run of a partition: a producer task's output blocks, in order.
+pub struct SortedRun {
+    /// The run's blocks, read in order.
+    pub stream: SendableRecordBatchStream,
+    /// Bytes of its largest block: what a merge holds of it at most.
+    pub largest_block_bytes: u64,
+}
+
+/// A partition's sorted runs, and the memory a merge of them may hold at once.
+pub struct PartitionRuns {
+    /// The runs, in the order their tasks were made.
+    pub runs: Vec<SortedRun>,
+    /// The share of the budget one partition's task was planned for
+    /// ([`crate::plan::exchange_sizing::ExchangeSizing::partition_bytes`]): when a block of
+    /// every run would not fit it, the runs are merged in levels.
+    pub merge_bytes: u64,
+}
+
+impl fmt::Debug for PartitionRuns {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("PartitionRuns")
+            .field("runs", &self.runs.len())
+            .field("merge_bytes", &self.merge_bytes)
+            .finish()
     }
 }
 
@@ -241,14 +263,22 @@ impl StageInputExec {
         &self,
         partition: usize,
         context: Arc<TaskContext>,
-    ) -> Result<Option<Vec<SendableRecordBatchStream>>> {
+    ) -> Result<Option<PartitionRuns>> {
         if self.fetch.is_some() {
             return Ok(None);
         }
         let runs = task_inputs(&context, self.producer)?
             .provider
             .open_runs(self.input, partition)?;
-        Ok(runs.map(|runs| runs.into_iter().map(make_cooperative).collect()))
+        Ok(runs.map(|runs| PartitionRuns {
+            runs: (runs.runs.into_iter())
+                .map(|run| SortedRun {
+                    stream: make_cooperative(run.stream),
+                    largest_block_bytes: run.largest_block_bytes,
+                })
+                .collect(),
+            merge_bytes: runs.merge_bytes,
+        }))
     }
 }
 
