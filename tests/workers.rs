@@ -918,3 +918,122 @@ async fn a_worker_killed_in_an_out_of_core_map_stage() {
     assert!(lost > 0, "the killed worker held no block");
     println!("{sizing}; worker killed in the map stage: {lost} blocks lost, {remote} remote tasks");
 }
+
+/// Rows of the sort table below: ~50 MB in memory, so under a 48 MB budget the sort is
+/// planned as ranges sorted in runs of ~1.7 MB (at least 1 MiB, below which ranges are
+/// sorted whole).
+const SORTED_ROWS: u64 = 1_000_000;
+
+/// The out-of-core range sort's push-based merge on worker processes: the runs (each a
+/// block-wise sort over one range's blocks) are sorted in workers while the map side still
+/// runs, and each range's reduce merges its runs in the driver. When the merge makes its
+/// first block, the worker that sorted the most runs is SIGKILLed: the runs it held for the
+/// ranges not yet merged are lost, and each is sorted again from its input blocks (released
+/// when the run ended, so recomputed from the map tasks that made them). The rows come out in
+/// vanilla DataFusion's order.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_worker_killed_during_the_merge_of_sorted_runs() {
+    let dir = tempfile::tempdir().unwrap();
+    let v = vanilla();
+    let path = format!("{}/sorted.parquet", dir.path().display());
+    common::collect(
+        &v,
+        &format!(
+            "COPY (SELECT value AS id, (value * 31) % 1000 AS v, \
+             'tag-' || lpad(CAST((value * 13) % 100003 AS VARCHAR), 8, '0') || '-padding' AS tag \
+             FROM range(0, {SORTED_ROWS})) TO '{path}' \
+             OPTIONS ('format.max_row_group_size' '65536')"
+        ),
+    )
+    .await;
+    // Blocks each worker made for the run-sorting operator, and the worker killed.
+    let runs_by_worker = Arc::new(Mutex::new(std::collections::HashMap::<u32, u64>::new()));
+    let killed = Arc::new(Mutex::new(None::<u32>));
+    let (runs_in, killed_in) = (Arc::clone(&runs_by_worker), Arc::clone(&killed));
+    let dropper = BlockDropper(Arc::new(move |b| {
+        if b.operator_name == "SortExec"
+            && let Some(pid) = b.worker_pid
+        {
+            *runs_in.lock().unwrap().entry(pid).or_default() += 1;
+        }
+        let mut killed = killed_in.lock().unwrap();
+        // Only the per-partition merge (and the projection above it, in the same task) runs
+        // in the driver: its first block is the first merged.
+        if b.worker_pid.is_none() && killed.is_none() {
+            let runs = runs_in.lock().unwrap();
+            if let Some((&pid, _)) = runs.iter().max_by_key(|(_, blocks)| **blocks) {
+                // SAFETY: a signal to a worker process this test's session started.
+                unsafe { libc::kill(pid as i32, libc::SIGKILL) };
+                *killed = Some(pid);
+            }
+        }
+        false
+    }));
+    let f = session(process_config(2), Some(dropper));
+    for set in [
+        "SET flumen.memory_budget = '48MB'",
+        "SET flumen.cpu_slots = 2",
+    ] {
+        f.sql(set).await.unwrap();
+    }
+    for ctx in [&v, &f] {
+        ctx.register_parquet("sorted", &path, Default::default())
+            .await
+            .unwrap();
+    }
+    let sql = "SELECT id FROM sorted ORDER BY tag DESC, v, id";
+    let expected = common::collect(&v, sql).await;
+    let (batches, plan) = run_plan(&f, sql).await;
+    let ids = |batches: &[datafusion::arrow::record_batch::RecordBatch]| -> Vec<i64> {
+        use datafusion::arrow::array::AsArray;
+        use datafusion::arrow::datatypes::Int64Type;
+        batches
+            .iter()
+            .flat_map(|b| b.column(0).as_primitive::<Int64Type>().values().to_vec())
+            .collect()
+    };
+    let (got, want) = (ids(&batches), ids(&expected));
+    if got != want {
+        let first = got.iter().zip(&want).position(|(g, w)| g != w);
+        let mut sorted = got.clone();
+        sorted.sort_unstable();
+        sorted.dedup();
+        panic!(
+            "the order differs from DataFusion's: {} rows ({} distinct) for {}, first \
+             difference at row {first:?}",
+            got.len(),
+            sorted.len(),
+            want.len()
+        );
+    }
+    let exec = plan.downcast_ref::<FlumenExec>().unwrap();
+    let graph = exec.graph();
+    assert!(
+        graph.sizing.out_of_core(),
+        "not out of core: {:?}",
+        graph.sizing
+    );
+    let runs = graph
+        .operators
+        .iter()
+        .find(|op| op.run_bytes.is_some())
+        .expect("no run-sorting operator in the plan");
+    let stats = common::operator_stats(exec);
+    let pid = killed.lock().unwrap().expect("no worker was killed");
+    let on_killed = runs_by_worker.lock().unwrap()[&pid];
+    let s = &stats[runs.id];
+    assert!(s.remote_tasks > 0, "no run was sorted in a worker: {s:?}");
+    assert!(s.blocks_lost > 0, "the kill lost no run's block: {s:?}");
+    assert!(s.recomputed > 0, "no lost run was sorted again: {s:?}");
+    // Only the killed worker's runs were lost.
+    assert!(
+        s.blocks_lost <= on_killed,
+        "{s:?}: the killed worker made {on_killed} of the runs' {} blocks",
+        s.blocks
+    );
+    println!(
+        "{} runs ({} in workers); the killed worker made {on_killed} of their {} blocks: {} lost, \
+         {} recomputed",
+        s.tasks, s.remote_tasks, s.blocks, s.blocks_lost, s.recomputed
+    );
+}

@@ -18,7 +18,7 @@ use futures::future::BoxFuture;
 use crate::exec::metrics::OperatorStats;
 use crate::exec::run::QueryRun;
 use crate::plan::graph::OperatorId;
-use crate::store::block::BlockId;
+use crate::store::block::{BlockId, OutputPlace, OutputPlaces};
 
 /// Longest a recompute refused memory waits for a running task to end before it gives up.
 const RECOMPUTE_WAIT: std::time::Duration = std::time::Duration::from_secs(2);
@@ -175,25 +175,43 @@ impl QueryRun {
             Some(outputs) => outputs,
             None => self.rerun_for_outputs(block.task).await?,
         };
-        let by_seq: HashMap<usize, RecordBatch> =
-            outputs.into_iter().map(|(seq, _, b)| (seq, b)).collect();
-        let wanted = by_seq.get(&block.seq).cloned().ok_or_else(|| {
+        // Matched by place, not `seq`: the run may have interleaved its output partitions
+        // differently.
+        let mut places = OutputPlaces::default();
+        let mut outputs = outputs;
+        outputs.sort_by_key(|(seq, _, _)| *seq);
+        let by_place: HashMap<OutputPlace, RecordBatch> = outputs
+            .into_iter()
+            .map(|(_, tag, b)| (places.next(tag), b))
+            .collect();
+        let not_reproduced = |what: &str| {
             DataFusionError::Execution(format!(
-                "recomputing block {id} of operator {} ({}) did not reproduce it: \
+                "recomputing block {id} of operator {} ({}) did not reproduce it ({what}): \
                  the task's output is not deterministic",
                 block.operator, op.name
             ))
-        })?;
+        };
+        let mut wanted = None;
         // Put back the task's other outputs that a reader may still ask for.
-        for sibling in self.task_outputs(block.task) {
-            if sibling.id == id || self.store.is_available(sibling.id) {
-                continue;
-            }
-            if let Some(batch) = by_seq.get(&sibling.seq) {
-                self.store.remove(sibling.id);
-                self.restore(&sibling, batch.clone())?;
+        for (place, recorded) in OutputPlaces::of(self.task_outputs(block.task)) {
+            let batch = by_place.get(&place);
+            if recorded.id == id {
+                let batch = batch.ok_or_else(|| not_reproduced("no such block"))?;
+                if batch.num_rows() != recorded.rows {
+                    return Err(not_reproduced(&format!(
+                        "{} rows, not {}",
+                        batch.num_rows(),
+                        recorded.rows
+                    )));
+                }
+                wanted = Some(batch.clone());
+            } else if !self.store.is_available(recorded.id)
+                && let Some(batch) = batch.filter(|b| b.num_rows() == recorded.rows)
+            {
+                self.store.remove(recorded.id);
+                self.restore(&recorded, batch.clone())?;
             }
         }
-        Ok(wanted)
+        wanted.ok_or_else(|| not_reproduced("not among the task's outputs"))
     }
 }

@@ -54,7 +54,7 @@ use crate::plan::accelerator_projection::AcceleratorProjectionExec;
 use crate::plan::graph::{Operator, OperatorId, Pool};
 use crate::plan::split_source::{SplitSourceExec, split_ramps};
 use crate::plan::stage_input::StageInputExec;
-use crate::store::block::{Block, BlockData, BlockId, HeldBlock};
+use crate::store::block::{Block, BlockData, BlockId, HeldBlock, OutputPlace, OutputPlaces};
 use crate::store::cutter::bundle_pieces;
 
 /// The plan a worker runs for source split `split` of `partition` of `op`; `None` when the
@@ -326,14 +326,24 @@ impl QueryRun {
             .scan_row_filter
             .set(false);
         // Each block goes to the store as its worker announces it, so consumers start
-        // while the task runs; a retry's first `kept` blocks repeat ones already taken.
+        // while the task runs. A retry repeats the blocks already taken, each output
+        // partition's in the same order, but may interleave the partitions differently
+        // (`OutputPlace`): a block is new when its partition has not had that many yet.
         let mut kept = 0;
+        let mut kept_of_tag: HashMap<usize, usize> = HashMap::new();
+        let mut places = OutputPlaces::default();
         let mut take = |seq: usize, block: RemoteBlock| {
-            if seq < kept {
+            if seq == 0 {
+                places = OutputPlaces::default();
+            }
+            let place = places.next(block.info.tag);
+            let taken = kept_of_tag.entry(place.tag).or_default();
+            if place.nth < *taken {
                 WorkerPool::release(block);
                 return Ok(());
             }
-            self.put_remote_block(task, op_id, seq, block)?;
+            *taken += 1;
+            self.put_remote_block(task, op_id, kept, block)?;
             kept += 1;
             self.changed();
             Ok(())
@@ -598,13 +608,30 @@ impl QueryRun {
         );
         // The lost blocks, by their place in the task's output: each is re-homed on the
         // worker of the new run as it is announced; the run's other blocks are released.
-        let mut wanted: HashMap<usize, (BlockId, u64)> =
-            lost.iter().map(|b| (b.seq, (b.id, b.bytes))).collect();
+        let lost_ids: HashSet<BlockId> = lost.iter().map(|b| b.id).collect();
+        let mut wanted: HashMap<OutputPlace, Block> = OutputPlaces::of(outputs.clone())
+            .into_iter()
+            .filter(|(_, b)| lost_ids.contains(&b.id))
+            .collect();
+        let mut places = OutputPlaces::default();
         let mut rehome = |seq: usize, held: RemoteBlock| {
-            match wanted.remove(&seq) {
-                Some((id, bytes)) => {
-                    self.lost_blocks.lock().unwrap().remove(&id);
-                    self.store.put_held(id, Arc::new(held), bytes);
+            // A worker's attempt numbers its blocks from 0: a retry starts counting again.
+            if seq == 0 {
+                places = OutputPlaces::default();
+            }
+            match wanted.remove(&places.next(held.info.tag)) {
+                Some(block) if block.rows == held.info.rows => {
+                    self.lost_blocks.lock().unwrap().remove(&block.id);
+                    self.store.put_held(block.id, Arc::new(held), block.bytes);
+                }
+                Some(block) => {
+                    let rows = held.info.rows;
+                    WorkerPool::release(held);
+                    return Err(DataFusionError::Execution(format!(
+                        "{describe}: block {} came back with {rows} rows, not {}: the task's \
+                         output is not deterministic",
+                        block.id, block.rows
+                    )));
                 }
                 None => WorkerPool::release(held),
             }
@@ -795,6 +822,7 @@ impl QueryRun {
             return Ok(None);
         };
         let (op_id, partition, _) = self.task_identity(task);
+        let plan = self.as_a_worker_decodes(op_id, plan).await;
         let mut request = self.task_request(op_id, partition, &plan);
         request.first_block_rows = self.first_block_rows_of(task);
         let blocks = collect_blocks(plan, self.base_context(), &request).await?;
@@ -805,6 +833,36 @@ impl QueryRun {
                 .map(|(seq, (tag, block))| (seq, tag, block))
                 .collect(),
         ))
+    }
+
+    /// `plan` of operator `op_id` as a worker decodes it. What the plan's encoding does not
+    /// carry, a worker's run did not have: DataFusion reads a scan's row groups in reverse for a
+    /// descending sort above it, a worker in file order. A task recomputed here must cut the
+    /// blocks its worker cut, so it runs the plan the worker ran. The plan as it is where it
+    /// cannot be encoded (it then never ran in a worker).
+    async fn as_a_worker_decodes(
+        &self,
+        op_id: OperatorId,
+        plan: Arc<dyn ExecutionPlan>,
+    ) -> Arc<dyn ExecutionPlan> {
+        let pool = match self.worker_slot() {
+            Some(slot) => slot.current(self.graph.operators[op_id].pool).await,
+            None => None,
+        };
+        let Some(pool) = pool else {
+            return plan;
+        };
+        let describe = format!("recomputing a task of flumen operator {op_id}");
+        let Some(bytes) = encode_for_worker(&plan, &pool, &describe) else {
+            return plan;
+        };
+        match datafusion_proto::bytes::physical_plan_from_bytes(&bytes, &self.base_context()) {
+            Ok(decoded) => decoded,
+            Err(e) => {
+                log::warn!("{describe}: its plan does not decode here ({e}); running it as built");
+                plan
+            }
+        }
     }
 
     /// Record block `seq` of remotely run task `task`, kept by its worker.
