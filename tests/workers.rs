@@ -919,10 +919,46 @@ async fn a_worker_killed_in_an_out_of_core_map_stage() {
     println!("{sizing}; worker killed in the map stage: {lost} blocks lost, {remote} remote tasks");
 }
 
-/// Rows of the sort table below: ~50 MB in memory, so under a 48 MB budget the sort is
-/// planned as ranges sorted in runs of ~1.7 MB (at least 1 MiB, below which ranges are
-/// sorted whole).
+/// Rows of the table [`write_sorted_table`] writes: ~50 MB in memory, so under a 48 MB
+/// budget a sort of it is planned as ranges sorted in runs of ~1.7 MB (at least 1 MiB, below
+/// which ranges are sorted whole).
 const SORTED_ROWS: u64 = 1_000_000;
+
+/// `sorted(id, v, tag)`: `SORTED_ROWS` rows in row groups of 64k (a task reads whole row
+/// groups), written by `v` and registered in it and in `f`; its path.
+async fn write_sorted_table(
+    dir: &std::path::Path,
+    v: &SessionContext,
+    f: &SessionContext,
+) -> String {
+    let path = format!("{}/sorted.parquet", dir.display());
+    common::collect(
+        v,
+        &format!(
+            "COPY (SELECT value AS id, (value * 31) % 1000 AS v, \
+             'tag-' || lpad(CAST((value * 13) % 100003 AS VARCHAR), 8, '0') || '-padding' AS tag \
+             FROM range(0, {SORTED_ROWS})) TO '{path}' \
+             OPTIONS ('format.max_row_group_size' '65536')"
+        ),
+    )
+    .await;
+    for ctx in [v, f] {
+        ctx.register_parquet("sorted", &path, Default::default())
+            .await
+            .unwrap();
+    }
+    path
+}
+
+/// The first column of `batches`, an `Int64` id.
+fn ids(batches: &[datafusion::arrow::record_batch::RecordBatch]) -> Vec<i64> {
+    use datafusion::arrow::array::AsArray;
+    use datafusion::arrow::datatypes::Int64Type;
+    batches
+        .iter()
+        .flat_map(|b| b.column(0).as_primitive::<Int64Type>().values().to_vec())
+        .collect()
+}
 
 /// The out-of-core range sort's push-based merge on worker processes: the runs (each a
 /// block-wise sort over one range's blocks) are sorted in workers while the map side still
@@ -935,17 +971,6 @@ const SORTED_ROWS: u64 = 1_000_000;
 async fn a_worker_killed_during_the_merge_of_sorted_runs() {
     let dir = tempfile::tempdir().unwrap();
     let v = vanilla();
-    let path = format!("{}/sorted.parquet", dir.path().display());
-    common::collect(
-        &v,
-        &format!(
-            "COPY (SELECT value AS id, (value * 31) % 1000 AS v, \
-             'tag-' || lpad(CAST((value * 13) % 100003 AS VARCHAR), 8, '0') || '-padding' AS tag \
-             FROM range(0, {SORTED_ROWS})) TO '{path}' \
-             OPTIONS ('format.max_row_group_size' '65536')"
-        ),
-    )
-    .await;
     // Blocks each worker made for the run-sorting operator, and the worker killed.
     let runs_by_worker = Arc::new(Mutex::new(std::collections::HashMap::<u32, u64>::new()));
     let killed = Arc::new(Mutex::new(None::<u32>));
@@ -976,22 +1001,10 @@ async fn a_worker_killed_during_the_merge_of_sorted_runs() {
     ] {
         f.sql(set).await.unwrap();
     }
-    for ctx in [&v, &f] {
-        ctx.register_parquet("sorted", &path, Default::default())
-            .await
-            .unwrap();
-    }
+    write_sorted_table(dir.path(), &v, &f).await;
     let sql = "SELECT id FROM sorted ORDER BY tag DESC, v, id";
     let expected = common::collect(&v, sql).await;
     let (batches, plan) = run_plan(&f, sql).await;
-    let ids = |batches: &[datafusion::arrow::record_batch::RecordBatch]| -> Vec<i64> {
-        use datafusion::arrow::array::AsArray;
-        use datafusion::arrow::datatypes::Int64Type;
-        batches
-            .iter()
-            .flat_map(|b| b.column(0).as_primitive::<Int64Type>().values().to_vec())
-            .collect()
-    };
     let (got, want) = (ids(&batches), ids(&expected));
     if got != want {
         let first = got.iter().zip(&want).position(|(g, w)| g != w);
@@ -1035,5 +1048,79 @@ async fn a_worker_killed_during_the_merge_of_sorted_runs() {
         "{} runs ({} in workers); the killed worker made {on_killed} of their {} blocks: {} lost, \
          {} recomputed",
         s.tasks, s.remote_tasks, s.blocks, s.blocks_lost, s.recomputed
+    );
+}
+
+/// `ORDER BY random()` with a seed on worker processes, out of core (16 MB): the map side
+/// (each split's rows sent to random partitions) runs in workers, each partition is permuted
+/// in the driver. A second run of the same seed SIGKILLs a worker during the map side: its
+/// map outputs are lost and recomputed, and the output is still the first run's order, row
+/// for row (a permutation of the table).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_worker_killed_during_a_random_shuffle_leaves_its_seeded_order() {
+    let dir = tempfile::tempdir().unwrap();
+    let v = vanilla();
+    let armed = Arc::new(AtomicBool::new(false));
+    let (dropper, killed) = {
+        // Only the map side runs in workers.
+        let (dropper, killed) = signal_at_block(10, libc::SIGKILL, None);
+        let armed = Arc::clone(&armed);
+        let inner = dropper.0;
+        let gated = BlockDropper(Arc::new(move |b| armed.load(Ordering::Relaxed) && inner(b)));
+        (gated, killed)
+    };
+    let f = session(process_config(2), Some(dropper));
+    for set in [
+        "SET flumen.memory_budget = '16MB'",
+        "SET flumen.cpu_slots = 2",
+        "SET flumen.shuffle_seed = 7",
+    ] {
+        f.sql(set).await.unwrap();
+    }
+    write_sorted_table(dir.path(), &v, &f).await;
+    let sql = "SELECT id FROM sorted ORDER BY random()";
+    let (first, _) = run_plan(&f, sql).await;
+    let first = ids(&first);
+    let mut sorted = first.clone();
+    sorted.sort_unstable();
+    assert!(
+        sorted.iter().copied().eq(0..SORTED_ROWS as i64),
+        "not a permutation of the ids"
+    );
+
+    armed.store(true, Ordering::Relaxed);
+    let (again, plan) = run_plan(&f, sql).await;
+    let again = ids(&again);
+    let exec = plan.downcast_ref::<FlumenExec>().unwrap();
+    let graph = exec.graph();
+    assert!(
+        graph.sizing.out_of_core(),
+        "not out of core: {:?}",
+        graph.sizing
+    );
+    let state = killed.lock().unwrap();
+    assert!(state.pid.is_some(), "no worker was killed");
+    let map = graph
+        .operators
+        .iter()
+        .find(|op| op.output_split.is_some())
+        .expect("no map side in the plan");
+    let s = common::operator_stats(exec)[map.id].clone();
+    assert!(s.remote_tasks > 0, "no map task ran in a worker: {s:?}");
+    assert!(
+        s.blocks_lost > 0 || s.tasks_retried > 0,
+        "the kill cost the map side nothing: {s:?}"
+    );
+    let same_place = first.iter().zip(&again).filter(|(a, b)| a == b).count();
+    assert!(
+        again == first,
+        "seed 7 gave another order after a worker was killed: {} rows, {same_place} in the \
+         first run's places",
+        again.len()
+    );
+    println!(
+        "random shuffle, worker killed in the map stage: {} map blocks lost, {} recomputed, {} \
+         tasks retried",
+        s.blocks_lost, s.recomputed, s.tasks_retried
     );
 }
