@@ -1105,7 +1105,7 @@ async fn a_worker_killed_during_a_random_shuffle_leaves_its_seeded_order() {
         .iter()
         .find(|op| op.output_split.is_some())
         .expect("no map side in the plan");
-    let s = common::operator_stats(exec)[map.id].clone();
+    let s = common::operator_stats(exec)[map.id];
     assert!(s.remote_tasks > 0, "no map task ran in a worker: {s:?}");
     assert!(
         s.blocks_lost > 0 || s.tasks_retried > 0,
