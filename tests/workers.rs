@@ -950,6 +950,14 @@ async fn write_sorted_table(
     path
 }
 
+/// The flumen run of an executed `plan`, checked to have been planned out of core.
+fn ran_out_of_core(plan: &Arc<dyn datafusion::physical_plan::ExecutionPlan>) -> &FlumenExec {
+    let exec = plan.downcast_ref::<FlumenExec>().unwrap();
+    let sizing = exec.graph().sizing;
+    assert!(sizing.out_of_core(), "not out of core: {sizing:?}");
+    exec
+}
+
 /// The first column of `batches`, an `Int64` id.
 fn ids(batches: &[datafusion::arrow::record_batch::RecordBatch]) -> Vec<i64> {
     use datafusion::arrow::array::AsArray;
@@ -1019,13 +1027,8 @@ async fn a_worker_killed_during_the_merge_of_sorted_runs() {
             want.len()
         );
     }
-    let exec = plan.downcast_ref::<FlumenExec>().unwrap();
+    let exec = ran_out_of_core(&plan);
     let graph = exec.graph();
-    assert!(
-        graph.sizing.out_of_core(),
-        "not out of core: {:?}",
-        graph.sizing
-    );
     let runs = graph
         .operators
         .iter()
@@ -1091,13 +1094,8 @@ async fn a_worker_killed_during_a_random_shuffle_leaves_its_seeded_order() {
     armed.store(true, Ordering::Relaxed);
     let (again, plan) = run_plan(&f, sql).await;
     let again = ids(&again);
-    let exec = plan.downcast_ref::<FlumenExec>().unwrap();
+    let exec = ran_out_of_core(&plan);
     let graph = exec.graph();
-    assert!(
-        graph.sizing.out_of_core(),
-        "not out of core: {:?}",
-        graph.sizing
-    );
     let state = killed.lock().unwrap();
     assert!(state.pid.is_some(), "no worker was killed");
     let map = graph
