@@ -328,21 +328,30 @@ impl QueryRun {
         // Each block goes to the store as its worker announces it, so consumers start
         // while the task runs. A retry repeats the blocks already taken, each output
         // partition's in the same order, but may interleave the partitions differently
-        // (`OutputPlace`): a block is new when its partition has not had that many yet.
+        // (`OutputPlace`): a block is new when its partition has not had that many yet. A
+        // repeat must have the rows of the block taken at its place.
         let mut kept = 0;
-        let mut kept_of_tag: HashMap<usize, usize> = HashMap::new();
+        let mut rows_taken: HashMap<usize, Vec<usize>> = HashMap::new();
         let mut places = OutputPlaces::default();
         let mut take = |seq: usize, block: RemoteBlock| {
             if seq == 0 {
                 places = OutputPlaces::default();
             }
             let place = places.next(block.info.tag);
-            let taken = kept_of_tag.entry(place.tag).or_default();
-            if place.nth < *taken {
+            let taken = rows_taken.entry(place.tag).or_default();
+            if let Some(&rows) = taken.get(place.nth) {
+                let again = block.info.rows;
                 WorkerPool::release(block);
+                if again != rows {
+                    return Err(DataFusionError::Execution(format!(
+                        "{describe}: a retry's block {} of output partition {} has {again} rows, \
+                         not {rows}: the task's output is not deterministic",
+                        place.nth, place.tag
+                    )));
+                }
                 return Ok(());
             }
-            *taken += 1;
+            taken.push(block.info.rows);
             self.put_remote_block(task, op_id, kept, block)?;
             kept += 1;
             self.changed();
