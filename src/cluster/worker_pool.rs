@@ -803,8 +803,9 @@ impl WorkerPool {
     /// makes no progress for the task timeout there (at most `max_retries` times).
     /// Each block is handed to `on_block` as `(n, block)` as soon as its worker announces
     /// it, `n` counting from 0 in each attempt (a retry hands out the same blocks again, each
-    /// output partition's in the same order: the caller keeps the first of each). Returns the retries it took and the address of the
-    /// worker it ran on. `describe` names the task in errors.
+    /// output partition's in the same order: the caller keeps the first of each). Returns the
+    /// retries it took and the address of the worker it ran on. `describe` names the task in
+    /// errors.
     pub async fn run_task(
         self: &Arc<Self>,
         plan: &[u8],
