@@ -338,18 +338,12 @@ async fn a_range_sort_merges_runs_sorted_while_the_map_side_runs() {
     let f = session_with_dropper(dropper, "48MB").await;
     register(&f, dir.path()).await;
     let sql = "SELECT id FROM facts ORDER BY tag DESC, v, id";
-    let ids = |batches: &[datafusion::arrow::record_batch::RecordBatch]| -> Vec<i64> {
-        batches
-            .iter()
-            .flat_map(|b| b.column(0).as_primitive::<Int64Type>().values().to_vec())
-            .collect()
-    };
-    let expected = ids(&collect(&v, sql).await);
+    let expected = id_column(&collect(&v, sql).await);
     assert_eq!(expected.len(), FACTS as usize);
 
     let (batches, plan) = run_plan(&f, sql).await;
     assert!(
-        ids(&batches) == expected,
+        id_column(&batches) == expected,
         "the order differs from DataFusion's"
     );
     let exec = plan.downcast_ref::<FlumenExec>().unwrap();
@@ -417,7 +411,7 @@ async fn a_range_sort_merges_runs_sorted_while_the_map_side_runs() {
     collect(&f, "SET flumen.sort_runs = false").await;
     let (batches, plan) = run_plan(&f, sql).await;
     assert!(
-        ids(&batches) == expected,
+        id_column(&batches) == expected,
         "sort_runs = false: the order differs"
     );
     let exec = plan.downcast_ref::<FlumenExec>().unwrap();
@@ -784,14 +778,6 @@ async fn a_hot_sort_key_is_spread_over_several_ranges() {
         shares[2].1 >= 0.3,
         "the warm value is not one range: {shares:?}"
     );
-}
-
-/// The `id`s of a one-column result, in order.
-fn id_column(batches: &[datafusion::arrow::record_batch::RecordBatch]) -> Vec<i64> {
-    batches
-        .iter()
-        .flat_map(|b| b.column(0).as_primitive::<Int64Type>().values().to_vec())
-        .collect()
 }
 
 /// `ORDER BY random()` over 1.5M rows under 16 MB: planned as a random shuffle (random

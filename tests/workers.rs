@@ -958,16 +958,6 @@ fn ran_out_of_core(plan: &Arc<dyn datafusion::physical_plan::ExecutionPlan>) -> 
     exec
 }
 
-/// The first column of `batches`, an `Int64` id.
-fn ids(batches: &[datafusion::arrow::record_batch::RecordBatch]) -> Vec<i64> {
-    use datafusion::arrow::array::AsArray;
-    use datafusion::arrow::datatypes::Int64Type;
-    batches
-        .iter()
-        .flat_map(|b| b.column(0).as_primitive::<Int64Type>().values().to_vec())
-        .collect()
-}
-
 /// The out-of-core range sort's push-based merge on worker processes: the runs (each a
 /// block-wise sort over one range's blocks) are sorted in workers while the map side still
 /// runs, and each range's reduce merges its runs in the driver. When the merge makes its
@@ -1013,7 +1003,7 @@ async fn a_worker_killed_during_the_merge_of_sorted_runs() {
     let sql = "SELECT id FROM sorted ORDER BY tag DESC, v, id";
     let expected = common::collect(&v, sql).await;
     let (batches, plan) = run_plan(&f, sql).await;
-    let (got, want) = (ids(&batches), ids(&expected));
+    let (got, want) = (common::id_column(&batches), common::id_column(&expected));
     if got != want {
         let first = got.iter().zip(&want).position(|(g, w)| g != w);
         let mut sorted = got.clone();
@@ -1083,7 +1073,7 @@ async fn a_worker_killed_during_a_random_shuffle_leaves_its_seeded_order() {
     write_sorted_table(dir.path(), &v, &f).await;
     let sql = "SELECT id FROM sorted ORDER BY random()";
     let (first, _) = run_plan(&f, sql).await;
-    let first = ids(&first);
+    let first = common::id_column(&first);
     let mut sorted = first.clone();
     sorted.sort_unstable();
     assert!(
@@ -1093,7 +1083,7 @@ async fn a_worker_killed_during_a_random_shuffle_leaves_its_seeded_order() {
 
     armed.store(true, Ordering::Relaxed);
     let (again, plan) = run_plan(&f, sql).await;
-    let again = ids(&again);
+    let again = common::id_column(&again);
     let exec = ran_out_of_core(&plan);
     let graph = exec.graph();
     let state = killed.lock().unwrap();

@@ -171,14 +171,13 @@ impl QueryRun {
         self.lost_blocks.lock().unwrap().remove(&id);
         let op = &self.graph.operators[block.operator];
         OperatorStats::add(&self.stats(block.operator).recomputed, 1);
-        let outputs = match self.recompute_remote_outputs(block.task).await? {
+        let mut outputs = match self.recompute_remote_outputs(block.task).await? {
             Some(outputs) => outputs,
             None => self.rerun_for_outputs(block.task).await?,
         };
         // Matched by place, not `seq`: the run may have interleaved its output partitions
         // differently.
         let mut places = OutputPlaces::default();
-        let mut outputs = outputs;
         outputs.sort_by_key(|(seq, _, _)| *seq);
         let by_place: HashMap<OutputPlace, RecordBatch> = outputs
             .into_iter()

@@ -618,7 +618,7 @@ impl QueryRun {
         // The lost blocks, by their place in the task's output: each is re-homed on the
         // worker of the new run as it is announced; the run's other blocks are released.
         let lost_ids: HashSet<BlockId> = lost.iter().map(|b| b.id).collect();
-        let mut wanted: HashMap<OutputPlace, Block> = OutputPlaces::of(outputs.clone())
+        let mut wanted: HashMap<OutputPlace, Block> = OutputPlaces::of(outputs)
             .into_iter()
             .filter(|(_, b)| lost_ids.contains(&b.id))
             .collect();

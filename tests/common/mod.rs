@@ -343,3 +343,13 @@ pub fn operator_stats(exec: &flumen::exec::FlumenExec) -> Vec<flumen::exec::Stat
         .map(|op| metrics.operator(op.id).snapshot())
         .collect()
 }
+
+/// The first column of `batches`, an `Int64` id, in output order.
+pub fn id_column(batches: &[RecordBatch]) -> Vec<i64> {
+    use datafusion::arrow::array::AsArray;
+    use datafusion::arrow::datatypes::Int64Type;
+    batches
+        .iter()
+        .flat_map(|b| b.column(0).as_primitive::<Int64Type>().values().to_vec())
+        .collect()
+}
