@@ -352,7 +352,7 @@ extensions_options! {
         /// the split at that size), and an accelerator operator's first bundles ramp the
         /// same way up to `target_block_rows`, so the first rows come out after a few
         /// hundred rows of work; 0: no ramp.
-        pub first_block_rows: usize, default = 256
+        pub first_block_rows: usize, default = 64
         /// Bytes of a Parquet file a source task reads (its split), so tasks stay small.
         pub split_bytes: ByteSize, default = ByteSize(4 << 20)
         /// Most rows a source task reads in plans with a model UDF (0: no limit): rows there

@@ -1971,8 +1971,8 @@ async fn a_limit_over_a_model_runs_the_model_on_one_small_block_at_most() {
             "{sql}: {through} rows through the model in {:?}",
             started.elapsed()
         );
-        // Alone it is the first ramped bundle of each of the model's two partitions (256 +
-        // 512 rows), under load a few more; before limits streamed their input, the filter
+        // Alone it is the first ramped bundles of the model's partitions (64, 128, ...
+        // rows each), under load a few more; before limits streamed their input, the filter
         // over the model waited for all 200,000. At most one target block (8,192 rows).
         assert!(through <= 8192, "{sql}: {through} rows through the model");
     }

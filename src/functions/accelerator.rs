@@ -189,6 +189,14 @@ thread_local! {
         RefCell::new(HashMap::new());
 }
 
+/// Drop every worker (model) loaded on this thread, now: an accelerator worker thread does
+/// it before it exits, so a device's context and memory are released while the process
+/// still runs, not by thread-local destructors racing the CUDA libraries' exit handlers.
+pub fn unload_workers() {
+    let loaded = LOADED.with(|loaded| std::mem::take(&mut *loaded.borrow_mut()));
+    drop(loaded);
+}
+
 static NEXT_FUNCTION_ID: AtomicU64 = AtomicU64::new(0);
 
 /// Accelerator workers (models) this process has loaded.

@@ -37,7 +37,7 @@ use datafusion::physical_plan::metrics::{
     Count, ExecutionPlanMetricsSet, MetricBuilder, MetricsSet,
 };
 use datafusion::physical_plan::{
-    DisplayAs, DisplayFormatType, ExecutionPlan, PhysicalExpr, PlanProperties,
+    DisplayAs, DisplayFormatType, ExecutionPlan, Partitioning, PhysicalExpr, PlanProperties,
 };
 use futures::StreamExt;
 
@@ -301,25 +301,37 @@ impl SplitSourceExec {
         };
         let ramped_splits = if first_rows > 0 { ramped_splits } else { 0 };
         let split_bytes = split_bytes.max(1);
+        let ranges: Vec<Vec<PartitionedFile>> = config
+            .file_groups
+            .iter()
+            .map(|group| {
+                group
+                    .iter()
+                    .flat_map(|file| match layout.row_groups(file) {
+                        Some(groups) => row_group_ranges(file, groups, split_bytes, limit),
+                        None => byte_ranges(file, split_bytes),
+                    })
+                    .collect()
+            })
+            .collect();
+        let ranges = if partitions_are_free(&original, config) {
+            deal_out(ranges)
+        } else {
+            ranges
+        };
         let mut splits = vec![];
-        for group in &config.file_groups {
+        for partition_ranges in ranges {
             let mut scans: Vec<Arc<dyn ExecutionPlan>> = vec![];
-            for file in group.iter() {
-                let ranges = match layout.row_groups(file) {
-                    Some(groups) => row_group_ranges(file, groups, split_bytes, limit),
-                    None => byte_ranges(file, split_bytes),
-                };
-                for range_file in ranges {
-                    let mut cfg = FileScanConfigBuilder::from(config.clone())
-                        .with_file_groups(vec![FileGroup::new(vec![range_file])]);
-                    // The partition's first splits read small batches: their first rows
-                    // leave the scan (and any projection pushed into it) early.
-                    if scans.len() < ramped_splits {
-                        cfg = cfg.with_batch_size(Some(first_rows));
-                    }
-                    let cfg = cfg.build();
-                    scans.push(DataSourceExec::from_data_source(cfg));
+            for range_file in partition_ranges {
+                let mut cfg = FileScanConfigBuilder::from(config.clone())
+                    .with_file_groups(vec![FileGroup::new(vec![range_file])]);
+                // The partition's first splits read small batches: their first rows
+                // leave the scan (and any projection pushed into it) early.
+                if scans.len() < ramped_splits {
+                    cfg = cfg.with_batch_size(Some(first_rows));
                 }
+                let cfg = cfg.build();
+                scans.push(DataSourceExec::from_data_source(cfg));
             }
             if scans.is_empty() {
                 let cfg = FileScanConfigBuilder::from(config.clone())
@@ -356,6 +368,44 @@ impl SplitSourceExec {
     pub fn splits_per_partition(&self) -> Vec<usize> {
         self.splits.iter().map(|s| s.len()).collect()
     }
+}
+
+/// Whether the scan `original` (of `config`) leaves free which partition reads which
+/// rows: it promises no order and no partitioning, so a split may move to another partition
+/// (as DataFusion's own scans steal files across partitions).
+fn partitions_are_free(original: &Arc<dyn ExecutionPlan>, config: &FileScanConfig) -> bool {
+    let properties = original.properties();
+    config.output_ordering.is_empty()
+        && !config.preserve_order
+        && properties.output_ordering().is_none()
+        && matches!(
+            properties.output_partitioning(),
+            Partitioning::UnknownPartitioning(_)
+        )
+}
+
+/// The splits of every partition dealt out again over all partitions, so that each holds
+/// as many as the others, give or take one. A few large row groups (a writer's default
+/// of a million rows) fall into a few partitions' byte ranges; their pieces in one
+/// partition are read one after another by whoever reads that partition in order, while
+/// the other partitions stand empty: a model then waits on one split's CPU task at a time.
+/// The deal takes the first split of each partition, then the second of each, and so on,
+/// and hands them out in turn: partitions that already hold equal numbers keep theirs.
+fn deal_out(ranges: Vec<Vec<PartitionedFile>>) -> Vec<Vec<PartitionedFile>> {
+    let partitions = ranges.len();
+    let mut queues: Vec<std::collections::VecDeque<PartitionedFile>> =
+        ranges.into_iter().map(Into::into).collect();
+    let mut dealt = vec![vec![]; partitions];
+    let mut next = 0;
+    while queues.iter().any(|q| !q.is_empty()) {
+        for queue in &mut queues {
+            if let Some(split) = queue.pop_front() {
+                dealt[next % partitions].push(split);
+                next += 1;
+            }
+        }
+    }
+    dealt
 }
 
 /// Under a row limit (a plan with a model, where rows are dear), the limit lowered so that
@@ -488,9 +538,8 @@ fn row_group_ranges(
             (bytes, rows, data) = (0, 0, 0);
         }
     }
-    if out.is_empty() {
-        out.push(piece(start, end, None));
-    }
+    // A range no row group starts in reads nothing: it makes no split (a partition left
+    // with none reads an empty scan), so dealing splits out counts only real ones.
     out
 }
 
@@ -824,6 +873,45 @@ mod tests {
         assert_eq!(
             pieces[0].extension::<ParquetAccessPlan>(),
             Some(&ParquetAccessPlan::new_all(1))
+        );
+    }
+
+    /// Partitions as the byte ranges (start) of their splits.
+    fn starts(partitions: &[Vec<PartitionedFile>]) -> Vec<Vec<i64>> {
+        partitions
+            .iter()
+            .map(|p| p.iter().map(|f| f.range.clone().unwrap().start).collect())
+            .collect()
+    }
+
+    fn ranged(starts: &[i64]) -> Vec<PartitionedFile> {
+        starts
+            .iter()
+            .map(|&s| file(1000).with_range(s, s + 1))
+            .collect()
+    }
+
+    #[test]
+    fn splits_crowded_into_few_partitions_are_dealt_out_over_all() {
+        // Two large row groups, cut in 4 pieces each, fell into partitions 0 and 2 of 4.
+        let crowded = vec![
+            ranged(&[0, 1, 2, 3]),
+            vec![],
+            ranged(&[10, 11, 12, 13]),
+            vec![],
+        ];
+        assert_eq!(
+            starts(&deal_out(crowded)),
+            vec![vec![0, 2], vec![10, 12], vec![1, 3], vec![11, 13]]
+        );
+        // Partitions holding as many splits as each other keep theirs, in order.
+        let even = vec![ranged(&[0, 1]), ranged(&[10, 11]), ranged(&[20, 21])];
+        assert_eq!(starts(&deal_out(even.clone())), starts(&even));
+        // Fewer splits than partitions: one each, the rest stay empty.
+        let few = vec![ranged(&[0, 1, 2]), vec![], vec![], vec![], vec![]];
+        assert_eq!(
+            starts(&deal_out(few)),
+            vec![vec![0], vec![1], vec![2], vec![], vec![]]
         );
     }
 }
