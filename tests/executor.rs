@@ -1977,3 +1977,83 @@ async fn a_limit_over_a_model_runs_the_model_on_one_small_block_at_most() {
         assert!(through <= 8192, "{sql}: {through} rows through the model");
     }
 }
+
+/// The splits of `plan`'s Parquet scan, per partition.
+fn scan_splits(plan: &Arc<dyn ExecutionPlan>) -> Vec<usize> {
+    fn find(node: &Arc<dyn ExecutionPlan>) -> Option<Vec<usize>> {
+        if let Some(scan) = node.downcast_ref::<flumen::plan::SplitSourceExec>() {
+            return Some(scan.splits_per_partition());
+        }
+        node.children().into_iter().find_map(find)
+    }
+    let exec = plan.downcast_ref::<FlumenExec>().unwrap();
+    exec.graph()
+        .operators
+        .iter()
+        .find_map(|op| find(&op.fragment))
+        .expect("a split Parquet scan")
+}
+
+/// A model's scan over a file of two large row groups: DataFusion's byte ranges put them in
+/// 2 of 8 partitions, and a model reading those two partitions task after task would wait on
+/// one CPU task at a time; the row groups' pieces are dealt out over all 8. A file
+/// DataFusion declares sorted keeps its pieces where they are, and so its order.
+#[tokio::test]
+async fn a_models_scan_deals_its_pieces_over_all_partitions_unless_sorted() {
+    use flumen::functions::emulated_accelerator::EmulatedModel;
+    let dir = tempfile::tempdir().unwrap();
+    let f = flumen_ctx(&["SET datafusion.execution.target_partitions = 8"]).await;
+    f.register_udf(accelerator_udf(
+        EmulatedModel::from_spec("m:0:256:4").unwrap(),
+    ));
+    for (table, id) in [("docs", "value * 7919 % 200003"), ("sorted", "value")] {
+        let path = dir.path().join(format!("{table}.parquet"));
+        f.sql(&format!(
+            "COPY (SELECT {id} AS id, 'document ' || value AS body \
+             FROM generate_series(1, 100000)) TO '{}' \
+             OPTIONS ('format.max_row_group_size' '50000')",
+            path.display()
+        ))
+        .await
+        .unwrap()
+        .collect()
+        .await
+        .unwrap();
+        f.register_parquet(table, path.to_str().unwrap(), Default::default())
+            .await
+            .unwrap();
+    }
+    for (table, dealt) in [("docs", true), ("sorted", false)] {
+        let sql = format!("SELECT id, m(body) AS v FROM {table}");
+        let (batches, plan) = run_plan(&f, &sql).await;
+        let rows: usize = batches.iter().map(|b| b.num_rows()).sum();
+        assert_eq!(rows, 100_000, "{sql}");
+        let splits = scan_splits(&plan);
+        println!("{table}: splits per partition {splits:?}");
+        // A small file (~0.6 MB) too is cut into 8 byte ranges (a model plan's), the row
+        // groups' pieces (7 each) in 2 of them; a partition with nothing reads one empty scan.
+        assert_eq!(splits.len(), 8, "{table}: {splits:?}");
+        let crowded = splits.iter().filter(|n| **n > 2).count();
+        if dealt {
+            let (most, least) = (splits.iter().max().unwrap(), splits.iter().min().unwrap());
+            assert!(
+                most - least <= 1 && crowded == 0,
+                "{table}: not dealt out: {splits:?}"
+            );
+        } else {
+            assert_eq!(
+                crowded, 2,
+                "{table}: a sorted scan's pieces moved: {splits:?}"
+            );
+        }
+        // The order a sorted scan promises holds through the model.
+        let sql = format!("SELECT id, m(body) AS v FROM {table} ORDER BY id");
+        let (batches, _) = run_plan(&f, &sql).await;
+        let ids: Vec<i64> = batches
+            .iter()
+            .flat_map(|b| as_int64_array(b.column(0)).unwrap().values().to_vec())
+            .collect();
+        assert_eq!(ids.len(), 100_000, "{sql}");
+        assert!(ids.windows(2).all(|w| w[0] <= w[1]), "{sql}: not in order");
+    }
+}

@@ -68,7 +68,8 @@ pub async fn sized_physical_plan(
     let plan = planner.create_physical_plan(logical_plan, session).await?;
     let sizing = ExchangeSizing::choose(&plan, session.config_options());
     let row_group_rows = writer_row_group_rows(&plan, session.config_options());
-    if !sizing.out_of_core() && row_group_rows.is_none() {
+    let split_small_files = splits_small_files(&plan, session.config_options());
+    if !sizing.out_of_core() && row_group_rows.is_none() && !split_small_files {
         return Ok((plan, sizing));
     }
     let Some(state) = session.as_any().downcast_ref::<SessionState>() else {
@@ -82,8 +83,24 @@ pub async fn sized_physical_plan(
     if let Some(rows) = row_group_rows {
         options.execution.parquet.max_row_group_size = rows;
     }
+    if split_small_files {
+        options.optimizer.repartition_file_min_size = 0;
+    }
     let plan = planner.create_physical_plan(logical_plan, &state).await?;
     Ok((plan, sizing))
+}
+
+/// Whether `plan` calls a model and DataFusion would leave a file smaller than
+/// `repartition_file_min_size` (10 MiB by default) in one partition: there rows are dear
+/// (`clean_text`, tokenizing: 5,000 documents are a few MiB), and a model reads a
+/// partition's splits one task after another, so it would wait on one CPU task at a time.
+/// Planned again with every file cut into byte ranges, whose row groups' pieces
+/// `SplitSourceExec` deals out over all partitions.
+fn splits_small_files(plan: &Arc<dyn ExecutionPlan>, options: &ConfigOptions) -> bool {
+    options.optimizer.repartition_file_scans
+        && options.optimizer.repartition_file_min_size > 0
+        && options.execution.target_partitions > 1
+        && crate::plan::cut::has_accelerator_projection(plan)
 }
 
 /// Rows per Parquet row group for the plan's file writer when the session's default would

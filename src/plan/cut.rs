@@ -104,7 +104,7 @@ impl OperatorGraph {
 }
 
 /// Whether `plan` has a model UDF projection (an accelerator operator to be).
-fn has_accelerator_projection(plan: &Arc<dyn ExecutionPlan>) -> bool {
+pub(crate) fn has_accelerator_projection(plan: &Arc<dyn ExecutionPlan>) -> bool {
     plan.downcast_ref::<AcceleratorProjectionExec>().is_some()
         || plan.children().into_iter().any(has_accelerator_projection)
 }

@@ -33,6 +33,7 @@ pub(crate) mod split_source;
 pub(crate) mod stage_input;
 
 pub use graph::{Operator, OperatorGraph, OperatorId, Pool, TaskShape};
+pub use split_source::SplitSourceExec;
 
 use std::sync::Arc;
 
