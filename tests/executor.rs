@@ -1938,24 +1938,8 @@ async fn a_limit_over_a_model_runs_the_model_on_one_small_block_at_most() {
     f.register_udf(accelerator_udf(
         EmulatedModel::from_spec("m:5:256:4").unwrap(),
     ));
-    // Ids in no order, and in order (DataFusion then declares the file sorted by id: its
-    // scan is split and ramps all the same).
-    for (table, id) in [("docs", "value * 7919 % 200003"), ("sorted", "value")] {
-        let path = dir.path().join(format!("{table}.parquet"));
-        f.sql(&format!(
-            "COPY (SELECT {id} AS id, 'document ' || value AS body \
-             FROM generate_series(1, 200000)) TO '{}'",
-            path.display()
-        ))
-        .await
-        .unwrap()
-        .collect()
-        .await
-        .unwrap();
-        f.register_parquet(table, path.to_str().unwrap(), Default::default())
-            .await
-            .unwrap();
-    }
+    // Ids in no order, and in order (its scan is split and ramps all the same).
+    docs_and_sorted_tables(&f, dir.path(), 200_000, "").await;
     for sql in [
         "SELECT id, m(body) AS v FROM docs LIMIT 10",
         "SELECT id, m(body) AS v FROM docs WHERE id % 2 = 0 LIMIT 10",
@@ -1975,6 +1959,31 @@ async fn a_limit_over_a_model_runs_the_model_on_one_small_block_at_most() {
         // rows each), under load a few more; before limits streamed their input, the filter
         // over the model waited for all 200,000. At most one target block (8,192 rows).
         assert!(through <= 8192, "{sql}: {through} rows through the model");
+    }
+}
+
+/// Tables `docs` (ids in no order) and `sorted` (ids in order: DataFusion then declares
+/// the file sorted by id) of `rows` documents, written under `dir` with COPY `options`.
+async fn docs_and_sorted_tables(
+    f: &datafusion::prelude::SessionContext,
+    dir: &std::path::Path,
+    rows: u64,
+    options: &str,
+) {
+    for (table, id) in [("docs", "value * 7919 % 200003"), ("sorted", "value")] {
+        let path = dir.join(format!("{table}.parquet"));
+        collect(
+            f,
+            &format!(
+                "COPY (SELECT {id} AS id, 'document ' || value AS body \
+                 FROM generate_series(1, {rows})) TO '{}'{options}",
+                path.display()
+            ),
+        )
+        .await;
+        f.register_parquet(table, path.to_str().unwrap(), Default::default())
+            .await
+            .unwrap();
     }
 }
 
@@ -2006,23 +2015,13 @@ async fn a_models_scan_deals_its_pieces_over_all_partitions_unless_sorted() {
     f.register_udf(accelerator_udf(
         EmulatedModel::from_spec("m:0:256:4").unwrap(),
     ));
-    for (table, id) in [("docs", "value * 7919 % 200003"), ("sorted", "value")] {
-        let path = dir.path().join(format!("{table}.parquet"));
-        f.sql(&format!(
-            "COPY (SELECT {id} AS id, 'document ' || value AS body \
-             FROM generate_series(1, 100000)) TO '{}' \
-             OPTIONS ('format.max_row_group_size' '50000')",
-            path.display()
-        ))
-        .await
-        .unwrap()
-        .collect()
-        .await
-        .unwrap();
-        f.register_parquet(table, path.to_str().unwrap(), Default::default())
-            .await
-            .unwrap();
-    }
+    docs_and_sorted_tables(
+        &f,
+        dir.path(),
+        100_000,
+        " OPTIONS ('format.max_row_group_size' '50000')",
+    )
+    .await;
     for (table, dealt) in [("docs", true), ("sorted", false)] {
         let sql = format!("SELECT id, m(body) AS v FROM {table}");
         let (batches, plan) = run_plan(&f, &sql).await;
