@@ -36,8 +36,8 @@
 //! the CPU work per row is the least of one thread running every function in a plain loop
 //! (Parquet decode, the functions, the models' host work, the Parquet writer) and vanilla
 //! DataFusion with zero-time devices (with the real embedding model, the plain loop alone:
-//! it runs the model's tokenizer, which a zero-time device would skip); each device's time is its batches' cost with every
-//! batch full; the writer is a serial stage. Time can be no less than the largest of CPU
+//! it runs the model's tokenizer, which a zero-time device would skip); each device's time
+//! is its batches' cost with every batch full; the writer is a serial stage. Time can be no less than the largest of CPU
 //! work over the cores, each device's time and the writer's; and the writer's close, which
 //! writes out the last row group (the rows that arrive last), follows the last device batch
 //! and the last CPU work: the bound adds it to each device's time and to the CPU time

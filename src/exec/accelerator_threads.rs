@@ -111,7 +111,7 @@ impl AcceleratorPool {
 
     /// Queue a job for the next free worker.
     pub fn submit(&self, job: Job) {
-        // The receiver lives as long as the pool, so sending cannot fail.
+        // The receiver lives as long as the pool; the sender is gone only while it drops.
         if let Some(sender) = &*self.sender.lock().unwrap() {
             let _ = sender.send(job);
         }

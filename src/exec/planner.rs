@@ -90,17 +90,24 @@ pub async fn sized_physical_plan(
     Ok((plan, sizing))
 }
 
-/// Whether `plan` calls a model and DataFusion would leave a file smaller than
-/// `repartition_file_min_size` (10 MiB by default) in one partition: there rows are dear
-/// (`clean_text`, tokenizing: 5,000 documents are a few MiB), and a model reads a
-/// partition's splits one task after another, so it would wait on one CPU task at a time.
-/// Planned again with every file cut into byte ranges, whose row groups' pieces
-/// `SplitSourceExec` deals out over all partitions.
+/// Whether `plan` calls a model and DataFusion left a Parquet scan in fewer partitions than
+/// `target_partitions` (files under `repartition_file_min_size`, 10 MiB by default, are not
+/// cut): there rows are dear (`clean_text`, tokenizing: 5,000 documents are a few MiB), and
+/// a model reads a partition's splits one task after another, so it would wait on one CPU
+/// task at a time. Planned again with every file cut into byte ranges, whose row groups'
+/// pieces `SplitSourceExec` deals out over all partitions.
 fn splits_small_files(plan: &Arc<dyn ExecutionPlan>, options: &ConfigOptions) -> bool {
-    options.optimizer.repartition_file_scans
-        && options.optimizer.repartition_file_min_size > 0
-        && options.execution.target_partitions > 1
-        && crate::plan::cut::has_accelerator_projection(plan)
+    let partitions = options.execution.target_partitions;
+    if !options.optimizer.repartition_file_scans
+        || options.optimizer.repartition_file_min_size == 0
+        || partitions < 2
+        || !crate::plan::cut::has_accelerator_projection(plan)
+    {
+        return false;
+    }
+    let mut scans = vec![];
+    crate::plan::cut::collect_parquet_scans(plan, &mut scans);
+    scans.iter().any(|scan| scan.file_groups.len() < partitions)
 }
 
 /// Rows per Parquet row group for the plan's file writer when the session's default would

@@ -530,7 +530,10 @@ fn partial_aggregate_group_columns(plan: &Arc<dyn ExecutionPlan>) -> Option<Vec<
 }
 
 /// The file scan configurations of the Parquet scans in `plan`.
-fn collect_parquet_scans<'a>(plan: &'a Arc<dyn ExecutionPlan>, out: &mut Vec<&'a FileScanConfig>) {
+pub(crate) fn collect_parquet_scans<'a>(
+    plan: &'a Arc<dyn ExecutionPlan>,
+    out: &mut Vec<&'a FileScanConfig>,
+) {
     if let Some(source) = plan.downcast_ref::<DataSourceExec>()
         && let Some(config) = source.data_source().downcast_ref::<FileScanConfig>()
         && config.file_source().file_type() == "parquet"

@@ -804,6 +804,10 @@ mod tests {
             row_group_ranges(&file(1100), &groups, 300, ModelSplitLimit::NONE).len(),
             1
         );
+        // A byte range no row group starts in (the tail of a small file cut in byte
+        // ranges) makes no split at all.
+        let tail = file(1100).with_range(500, 1100);
+        assert!(row_group_ranges(&tail, &groups, 300, rows(1 << 30)).is_empty());
     }
 
     #[test]
