@@ -5,7 +5,7 @@
 //! ```text
 //! cargo bench --bench pipeline -- [--full] [--rows N] [--runs N] [--pipelines two|three|both]
 //!     [--accelerator auto|emulated|cuda] [--service-us N] [--batch-rows N] [--mem-scale N]
-//!     [--skip-memory] [--skip-sweep] [--warm] [--first-block-rows N] [--block-rows N] [--piece-rows N]
+//!     [--skip-memory] [--skip-sweep] [--modes vanilla,batch,static] [--warm] [--first-block-rows N] [--block-rows N] [--piece-rows N]
 //!     [--split-bytes N] [--timeline PATH]
 //!     [--three-rows N] [--post-layers N] [--long-factor N]
 //!     [--a-batch-us N] [--a-per-kib-us N] [--b-service-us N]
@@ -29,7 +29,7 @@
 //! Modes, each in a child process of this binary (so peak RSS is its own): vanilla DataFusion
 //! with the same functions inline (its `target_partitions` swept first, its best used), flumen
 //! `batch` (stage by stage), `static` (each pool's slots split evenly over its operators) and
-//! `streaming`. The query's output is written to Parquet as it arrives, as a training job's
+//! `streaming` (`--modes` picks some; streaming always runs). The query's output is written to Parquet as it arrives, as a training job's
 //! loader would consume it.
 //!
 //! The bound is measured outside flumen, so no scheduler overhead counts as necessary work:
@@ -128,6 +128,10 @@ struct Args {
     mem_scale: usize,
     skip_memory: bool,
     skip_sweep: bool,
+    /// `--modes`: the modes measured, in `MODES` order; `streaming` always (the goals are
+    /// its figures). Fewer modes make a run on a lent GPU fit its time; a ratio against a
+    /// mode left out prints as `NaN`.
+    modes: Vec<&'static str>,
     /// `--warm`: each child first runs the query over a few rows (loading the model; a
     /// session's later query finds it loaded), and the measured run starts after that.
     warm: bool,
@@ -156,6 +160,21 @@ struct Args {
     zero_device: bool,
 }
 
+/// `--modes a,b,...`: the named modes, in `MODES` order, with `streaming` added.
+fn parse_modes(list: &str) -> Vec<&'static str> {
+    let named: Vec<&str> = list.split(',').map(str::trim).collect();
+    if let Some(unknown) = named.iter().find(|m| !MODES.contains(m)) {
+        panic!(
+            "--modes: unknown mode {unknown} (modes: {})",
+            MODES.join(",")
+        );
+    }
+    MODES
+        .into_iter()
+        .filter(|m| *m == "streaming" || named.contains(m))
+        .collect()
+}
+
 fn parse_args() -> Args {
     let mut args = Args {
         rows: 100_000,
@@ -169,6 +188,7 @@ fn parse_args() -> Args {
         mem_scale: 10,
         skip_memory: false,
         skip_sweep: false,
+        modes: MODES.to_vec(),
         warm: false,
         first_block_rows: None,
         timeline: None,
@@ -210,6 +230,7 @@ fn parse_args() -> Args {
             "--skip-memory" => args.skip_memory = true,
             "--skip-sweep" => args.skip_sweep = true,
             "--warm" => args.warm = true,
+            "--modes" => args.modes = parse_modes(&value()),
             "--first-block-rows" => args.first_block_rows = Some(number() as usize),
             "--timeline" => args.timeline = Some(PathBuf::from(value())),
             "--block-rows" => args.block_rows = Some(number() as usize),
@@ -423,10 +444,11 @@ fn run_pipeline(args: &Args, pipeline: Pipeline) -> Result<()> {
     }
 
     // Interleaved rounds: every mode once per round.
-    let mut runs: Vec<Vec<Value>> = vec![vec![]; MODES.len()];
+    let modes = &args.modes;
+    let mut runs: Vec<Vec<Value>> = vec![vec![]; modes.len()];
     for round in 0..args.runs {
         eprintln!("  round {}/{}", round + 1, args.runs);
-        for (k, mode) in MODES.iter().enumerate() {
+        for (k, mode) in modes.iter().enumerate() {
             let tp = (*mode == "vanilla").then_some(best_tp);
             runs[k].push(spawn_child(args, pipeline, mode, &input, tp, false)?);
         }
@@ -435,8 +457,13 @@ fn run_pipeline(args: &Args, pipeline: Pipeline) -> Result<()> {
     for r in runs.iter().flatten() {
         if r["checksum"] != reference["checksum"] || r["rows"] != reference["rows"] {
             return Err(DataFusionError::Execution(format!(
-                "mode {} wrote rows={} checksum={}, vanilla rows={} checksum={}",
-                r["mode"], r["rows"], r["checksum"], reference["rows"], reference["checksum"]
+                "mode {} wrote rows={} checksum={}, {} rows={} checksum={}",
+                r["mode"],
+                r["rows"],
+                r["checksum"],
+                modes[0],
+                reference["rows"],
+                reference["checksum"]
             )));
         }
     }
@@ -489,7 +516,7 @@ fn run_pipeline(args: &Args, pipeline: Pipeline) -> Result<()> {
     header.push_str(" | peak RSS MiB | % of bound |");
     println!("{header}");
     println!("{}", "|---".repeat(header.matches('|').count() - 1) + "|");
-    for (mode, rs) in MODES.iter().zip(&runs) {
+    for (mode, rs) in modes.iter().zip(&runs) {
         let each = |g: &dyn Fn(&Value) -> f64| rs.iter().map(g).collect::<Vec<_>>();
         let mut line = format!(
             "| {mode}{} | {} | {} | {} | {}",
@@ -519,8 +546,12 @@ fn run_pipeline(args: &Args, pipeline: Pipeline) -> Result<()> {
         ));
         println!("{line}");
     }
-    let median_rate = |k: usize| spread(runs[k].iter().map(rate).collect()).0;
-    let streaming = &runs[3];
+    // A mode's median rate (NaN for a mode `--modes` left out).
+    let median_rate = |mode: &str| match modes.iter().position(|m| *m == mode) {
+        Some(k) => spread(runs[k].iter().map(rate).collect()).0,
+        None => f64::NAN,
+    };
+    let streaming = runs.last().expect("streaming is always measured");
     println!("\nidle gaps between consecutive batches on each device (streaming runs):");
     let mut gap_medians = vec![];
     for (k, (name, _)) in devices.iter().enumerate() {
@@ -566,8 +597,8 @@ fn run_pipeline(args: &Args, pipeline: Pipeline) -> Result<()> {
         }
     }
 
-    let pct_of_bound = 100.0 * median_rate(3) / bound;
-    let pct_of_resources = 100.0 * median_rate(3) * resource_time / rows as f64;
+    let pct_of_bound = 100.0 * median_rate("streaming") / bound;
+    let pct_of_resources = 100.0 * median_rate("streaming") * resource_time / rows as f64;
     let first_row_ms = 1e3 * spread(streaming.iter().map(|r| f(r, "first_row_s")).collect()).0;
     let gap_ms = spread(gap_medians).0;
     println!(
@@ -579,10 +610,10 @@ fn run_pipeline(args: &Args, pipeline: Pipeline) -> Result<()> {
         "pipeline={} accelerator={} rows={rows} bound_rows_per_s={bound:.0} streaming_rows_per_s={:.0} pct_of_bound={pct_of_bound:.0} pct_of_resources={pct_of_resources:.0} speedup_vs_vanilla={:.2} speedup_vs_batch={:.2} speedup_vs_static={:.2} first_row_ms={first_row_ms:.0} gap_median_ms={gap_ms:.2}",
         pipeline.name(),
         args.accelerator,
-        median_rate(3),
-        median_rate(3) / median_rate(0),
-        median_rate(3) / median_rate(1),
-        median_rate(3) / median_rate(2)
+        median_rate("streaming"),
+        median_rate("streaming") / median_rate("vanilla"),
+        median_rate("streaming") / median_rate("batch"),
+        median_rate("streaming") / median_rate("static")
     );
     match pipeline {
         Pipeline::Two => {
@@ -613,8 +644,8 @@ fn run_pipeline(args: &Args, pipeline: Pipeline) -> Result<()> {
                 + devices.iter().map(|d| d.1).sum::<f64>()
                 + writer_s;
             let ratio = batch_time / resource_time;
-            let vs_static = median_rate(3) / median_rate(2);
-            let vs_batch = median_rate(3) / median_rate(1);
+            let vs_static = median_rate("streaming") / median_rate("static");
+            let vs_batch = median_rate("streaming") / median_rate("batch");
             println!(
                 "  streaming vs static {vs_static:.2}x (goal ≥ 1.3): {}",
                 ok(vs_static >= 1.3)

@@ -353,7 +353,7 @@ extensions_options! {
         /// same way up to `target_block_rows`, so the first rows come out after a few
         /// dozen rows of work (~200 µs a document of `clean_text` and tokenizing); 0: no
         /// ramp.
-        pub first_block_rows: usize, default = 64
+        pub first_block_rows: usize, default = 32
         /// Bytes of a Parquet file a source task reads (its split), so tasks stay small.
         pub split_bytes: ByteSize, default = ByteSize(4 << 20)
         /// Most rows a source task reads in plans with a model UDF (0: no limit): rows there
