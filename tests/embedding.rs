@@ -119,6 +119,9 @@ async fn cuda_matches_sentence_transformers() {
         "embed_load_ms=",
         "embed_files_ms=",
         "cuda_open_ms=",
+        "cuda_init_ms=",
+        "cuda_context_ms=",
+        "cuda_blas_ms=",
         "cuda_upload_ms=",
     ] {
         assert!(text.contains(figure), "no {figure} in\n{text}");

@@ -241,6 +241,12 @@ pub struct CudaDevice {
     /// Milliseconds spent getting the kernels (compiled or from the cache), and which.
     kernels_ms: u64,
     kernels_cached: bool,
+    /// Milliseconds finding the driver and the device and opening cuBLAS's library.
+    init_ms: u64,
+    /// Milliseconds creating the context.
+    context_ms: u64,
+    /// Milliseconds creating the stream and the cuBLAS handle.
+    blas_ms: u64,
     /// Milliseconds opening took in all (context, kernels, stream, cuBLAS).
     open_ms: u64,
 }
@@ -256,9 +262,11 @@ impl CudaDevice {
                 "embed() on CUDA: libcublas.so.13 not found (put the CUDA libraries on LD_LIBRARY_PATH)".into(),
             ));
         }
+        let init_ms = opened.elapsed().as_millis() as u64;
         let ctx = std::panic::catch_unwind(|| CudaContext::new(0))
             .map_err(|_| cuda_error("creating a context", "the driver panicked"))?
             .map_err(|e| cuda_error("creating a context", e))?;
+        let context_ms = opened.elapsed().as_millis() as u64 - init_ms;
         let arch = ctx
             .compute_capability()
             .map_err(|e| cuda_error("compute capability", e))?;
@@ -277,6 +285,7 @@ impl CudaDevice {
             Err(e) => return Err(cuda_error("loading kernels", e)),
         };
         let kernels_ms = started.elapsed().as_millis() as u64;
+        let started = Instant::now();
         let stream = ctx
             .new_stream()
             .map_err(|e| cuda_error("creating a stream", e))?;
@@ -289,6 +298,9 @@ impl CudaDevice {
             name,
             kernels_ms,
             kernels_cached,
+            init_ms,
+            context_ms,
+            blas_ms: started.elapsed().as_millis() as u64,
             open_ms: opened.elapsed().as_millis() as u64,
         })
     }
@@ -689,6 +701,9 @@ impl SentenceEncoder for CudaEncoder {
                 self.device.kernels_cached as u64,
             ),
             ("cuda_open_ms".into(), self.device.open_ms),
+            ("cuda_init_ms".into(), self.device.init_ms),
+            ("cuda_context_ms".into(), self.device.context_ms),
+            ("cuda_blas_ms".into(), self.device.blas_ms),
             ("cuda_upload_ms".into(), self.upload_ms),
         ]
     }
