@@ -740,8 +740,31 @@ mod tests {
     use super::*;
 
     /// A CUDA library found is opened once and stays mapped; one not found is not kept.
+    /// Checked in a process of its own (this test binary, running only this test): another
+    /// test's kernels load NVRTC through cudarc for good, which would map it either way.
     #[test]
     fn a_cuda_library_found_stays_loaded() {
+        const ALONE: &str = "FLUMEN_TEST_LIBRARY_ALONE";
+        if std::env::var_os(ALONE).is_none() {
+            let out = std::process::Command::new(std::env::current_exe().unwrap())
+                .args([
+                    "--exact",
+                    "functions::embedding::cuda::tests::a_cuda_library_found_stays_loaded",
+                    "--nocapture",
+                    "--test-threads=1",
+                ])
+                .env(ALONE, "1")
+                .output()
+                .unwrap();
+            let text = String::from_utf8_lossy(&out.stdout);
+            assert!(
+                out.status.success() && text.contains("1 passed"),
+                "{text}{}",
+                String::from_utf8_lossy(&out.stderr)
+            );
+            print!("{text}");
+            return;
+        }
         assert!(!library_loaded(&["flumen_no_such_library"]));
         if !library_loaded(&["nvrtc"]) {
             return super::test_skip::skip_missing_tool(
