@@ -354,6 +354,11 @@ extensions_options! {
         /// dozen rows of work (~200 µs a document of `clean_text` and tokenizing); 0: no
         /// ramp.
         pub first_block_rows: usize, default = 32
+        /// The same for plans whose every model computes on CPU threads (`embed` on the
+        /// CPU): the ramp starts at the lesser of the two. A CPU forward pass costs tens of
+        /// milliseconds a document (MiniLM on two cores: ~25 ms), so a first block of 32
+        /// documents held the first row for ~0.8 s; 0: no ramp.
+        pub cpu_model_first_block_rows: usize, default = 1
         /// Bytes of a Parquet file a source task reads (its split), so tasks stay small.
         pub split_bytes: ByteSize, default = ByteSize(4 << 20)
         /// Most rows a source task reads in plans with a model UDF (0: no limit): rows there

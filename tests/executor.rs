@@ -21,7 +21,10 @@ use datafusion::physical_plan::ExecutionPlan;
 use datafusion::prelude::SessionConfig;
 use flumen::exec::FlumenExec;
 use flumen::plan::Pool;
-use flumen::{AcceleratorFunction, AcceleratorWorker, BlockDropper, FlumenConfig, accelerator_udf};
+use flumen::{
+    AcceleratorFunction, AcceleratorWorker, BlockDropper, FlumenConfig, WorkerResources,
+    accelerator_udf,
+};
 
 async fn check_all(settings: &[&str]) {
     let (dir, v) = events_with_vanilla(3, 20_000).await;
@@ -507,6 +510,8 @@ struct WorkerName {
     loads: Arc<AtomicUsize>,
     /// Time each batch takes, as a model would.
     delay: std::time::Duration,
+    /// Whether it says it computes on CPU threads (no accelerator), as `embed` on the CPU.
+    on_cpu: bool,
 }
 
 impl WorkerName {
@@ -518,6 +523,7 @@ impl WorkerName {
             call_rows: Arc::default(),
             loads: Arc::default(),
             delay,
+            on_cpu: false,
         }
     }
 }
@@ -539,6 +545,12 @@ impl AcceleratorFunction for WorkerName {
             calls: Arc::clone(&self.calls),
             call_rows: Arc::clone(&self.call_rows),
         }))
+    }
+    fn resources(&self, _: &ConfigOptions) -> WorkerResources {
+        WorkerResources {
+            accelerators: usize::from(!self.on_cpu),
+            cpu_threads: 1,
+        }
     }
 }
 
@@ -587,6 +599,7 @@ async fn accelerator_udfs_run_on_the_accelerator_pool_in_full_batches() {
         call_rows: Arc::clone(&call_rows),
         loads: Arc::clone(&loads),
         delay: std::time::Duration::ZERO,
+        on_cpu: false,
     }));
     let sql = "SELECT id, worker_name(body) AS w FROM events WHERE id % 2 = 0";
     let (batches, plan) = run_plan(&f, sql).await;
@@ -867,6 +880,50 @@ async fn the_first_blocks_are_small_and_grow_to_the_target() {
     assert_eq!(answers[0], answers[1]);
 }
 
+/// A model on CPU threads costs tens of ms a row, so its plans ramp from
+/// `cpu_model_first_block_rows` (default 1): its first call gets one row, where the same
+/// model on an accelerator gets `first_block_rows`; the answers are the same.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_model_on_the_cpu_starts_its_ramp_at_one_row() {
+    let dir = tempfile::tempdir().unwrap();
+    write_events(dir.path(), 1, 20_000);
+    let sql = "SELECT id, worker_name(body) IS NOT NULL AS w FROM events ORDER BY id";
+    let mut answers = vec![];
+    for (on_cpu, cpu_first, want) in [(true, None, 1), (true, Some(8), 8), (false, None, 100)] {
+        let cpu_setting =
+            cpu_first.map(|rows| format!("SET flumen.cpu_model_first_block_rows = {rows}"));
+        let mut settings = vec![
+            "SET flumen.target_block_rows = 4096",
+            "SET flumen.first_block_rows = 100",
+            "SET flumen.accelerator_slots = 1",
+        ];
+        settings.extend(cpu_setting.as_deref());
+        let f = flumen_ctx(&settings).await;
+        register_tables(&f, dir.path()).await;
+        let call_rows = Arc::new(Mutex::new(vec![]));
+        f.register_udf(accelerator_udf(WorkerName {
+            call_rows: Arc::clone(&call_rows),
+            on_cpu,
+            ..WorkerName::taking(Duration::from_millis(1))
+        }));
+        let (batches, plan) = run_plan(&f, sql).await;
+        answers.push(rows(&batches, true));
+        let graph = plan.downcast_ref::<FlumenExec>().unwrap().graph();
+        assert_eq!(
+            graph.first_block_rows, want,
+            "on_cpu {on_cpu}, {cpu_first:?}"
+        );
+        let call_rows = call_rows.lock().unwrap().clone();
+        assert_eq!(call_rows.iter().sum::<usize>(), 20_000, "{call_rows:?}");
+        assert!(
+            call_rows[0] <= want,
+            "first call {call_rows:?}, ramp from {want}"
+        );
+    }
+    assert_eq!(answers[0], answers[1]);
+    assert_eq!(answers[0], answers[2]);
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_accelerator_pool_grows_under_load_and_shrinks_when_idle() {
     let dir = tempfile::tempdir().unwrap();
@@ -887,6 +944,7 @@ async fn the_accelerator_pool_grows_under_load_and_shrinks_when_idle() {
         call_rows: Arc::default(),
         loads: Arc::clone(&loads),
         delay: std::time::Duration::from_millis(30),
+        on_cpu: false,
     }));
     let pool = f
         .state()
@@ -926,6 +984,7 @@ async fn a_run_loads_its_models_when_it_starts() {
         call_rows: Arc::default(),
         loads: Arc::clone(&loads),
         delay: std::time::Duration::ZERO,
+        on_cpu: false,
     }));
     let (none, _) = run_plan(&f, "SELECT worker_name(body) AS w FROM events WHERE id < 0").await;
     assert_eq!(none.iter().map(|b| b.num_rows()).sum::<usize>(), 0);

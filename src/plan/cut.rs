@@ -36,7 +36,9 @@ use datafusion::physical_plan::{
 };
 
 use crate::config::FlumenConfig;
-use crate::functions::accelerator::calls_accelerator_udf;
+use crate::functions::accelerator::{
+    AcceleratorFunction, accelerator_functions_in, calls_accelerator_udf,
+};
 use crate::plan::accelerator_projection::AcceleratorProjectionExec;
 use crate::plan::concat_partitions::ConcatPartitionsExec;
 use crate::plan::exchange_sizing::ExchangeSizing;
@@ -63,8 +65,18 @@ impl OperatorGraph {
         // Small first blocks pay where a model waits for them; elsewhere a first split read
         // in small batches costs every operator above it per batch (TPC-H SF1: geomean 1.43x
         // vanilla, q13 9x, with row groups of a million rows as first splits).
-        if !has_accelerator_projection(&plan) {
+        // A model that computes on CPU threads takes tens of milliseconds a row (MiniLM: ~25
+        // ms a document on two cores), so its ramp starts lower.
+        let models = models_in(&plan);
+        if models.is_empty() {
             config.first_block_rows = 0;
+        } else if models
+            .iter()
+            .all(|model| model.resources(options).accelerators == 0)
+        {
+            config.first_block_rows = config
+                .first_block_rows
+                .min(config.cpu_model_first_block_rows);
         }
         let first_block_rows = config.first_block_rows;
         let ramp_block_rows = config.model_piece_rows;
@@ -107,6 +119,20 @@ impl OperatorGraph {
 pub(crate) fn has_accelerator_projection(plan: &Arc<dyn ExecutionPlan>) -> bool {
     plan.downcast_ref::<AcceleratorProjectionExec>().is_some()
         || plan.children().into_iter().any(has_accelerator_projection)
+}
+
+/// The model UDFs (accelerator functions) `plan`'s model projections call.
+fn models_in(plan: &Arc<dyn ExecutionPlan>) -> Vec<Arc<dyn AcceleratorFunction>> {
+    let mut found = vec![];
+    if let Some(projection) = plan.downcast_ref::<AcceleratorProjectionExec>() {
+        for expr in projection.projection().expr() {
+            found.extend(accelerator_functions_in(&expr.expr));
+        }
+    }
+    for child in plan.children() {
+        found.extend(models_in(child));
+    }
+    found
 }
 
 struct Cutter<'a> {
