@@ -7,7 +7,7 @@
 //!     [--accelerator auto|emulated|cuda] [--service-us N] [--batch-rows N] [--mem-scale N]
 //!     [--skip-memory] [--skip-sweep] [--modes vanilla,batch,static] [--warm]
 //!     [--first-block-rows N] [--block-rows N] [--piece-rows N]
-//!     [--split-bytes N] [--timeline PATH]
+//!     [--split-bytes N] [--timeline PATH] [--alone-rows N]
 //!     [--three-rows N] [--post-layers N] [--long-factor N]
 //!     [--a-batch-us N] [--a-per-kib-us N] [--b-service-us N]
 //! ```
@@ -159,6 +159,11 @@ struct Args {
     input: Option<PathBuf>,
     target_partitions: Option<usize>,
     zero_device: bool,
+    /// `--alone-rows N`: the plain loop that measures each stage alone reads only the first
+    /// N rows (whole batches of 8,192), and its costs are scaled to all rows. For long runs
+    /// whose CPU work is far from the bottleneck: on a GPU the loop tokenizes every document
+    /// on one thread, ~6 minutes at 1M rows before the first run.
+    alone_rows: Option<usize>,
 }
 
 /// `--modes a,b,...`: the named modes, in `MODES` order, with `streaming` added.
@@ -207,6 +212,7 @@ fn parse_args() -> Args {
         input: None,
         target_partitions: None,
         zero_device: false,
+        alone_rows: None,
     };
     let mut it = std::env::args().skip(1);
     while let Some(a) = it.next() {
@@ -248,6 +254,7 @@ fn parse_args() -> Args {
             "--input" => args.input = Some(PathBuf::from(value())),
             "--target-partitions" => args.target_partitions = Some(number() as usize),
             "--zero-device" => args.zero_device = true,
+            "--alone-rows" => args.alone_rows = Some(number() as usize),
             "--bench" => {}
             other => panic!("unknown argument {other}"),
         }
@@ -327,6 +334,17 @@ fn ok(met: bool) -> &'static str {
     if met { "met" } else { "NOT met" }
 }
 
+/// The rows a sampled plain loop reads: at least `least`, and as many past whole row groups
+/// of the output as `rows` leaves in its last one, so the sample's last row group, which the
+/// writer's close writes out and which is not scaled, is the size of the full run's.
+fn sample_rows(rows: usize, least: usize) -> usize {
+    let last_group = rows % OUTPUT_ROW_GROUP_ROWS;
+    let groups = least
+        .saturating_sub(last_group)
+        .div_ceil(OUTPUT_ROW_GROUP_ROWS);
+    (last_group + groups * OUTPUT_ROW_GROUP_ROWS).min(rows)
+}
+
 /// Measure one pipeline: the bound, the vanilla sweep, `--runs` interleaved rounds of the
 /// modes, the idle gaps, memory at 10x the rows (two stages), and print it all.
 fn run_pipeline(args: &Args, pipeline: Pipeline) -> Result<()> {
@@ -385,7 +403,15 @@ fn run_pipeline(args: &Args, pipeline: Pipeline) -> Result<()> {
     );
 
     // Each stage alone, outside flumen's scheduler.
-    let alone = spawn_child(args, pipeline, "alone", &input, None, false)?;
+    let alone_args = Args {
+        alone_rows: args.alone_rows.map(|least| sample_rows(rows, least)),
+        ..args.clone()
+    };
+    let mut alone = spawn_child(&alone_args, pipeline, "alone", &input, None, false)?;
+    let sampled_rows = f(&alone, "rows");
+    if sampled_rows > 0.0 && sampled_rows < rows as f64 {
+        pipeline_stages::scale_stage_costs(&mut alone, rows as f64 / sampled_rows);
+    }
     let vanilla_cpu = spawn_child(
         args,
         pipeline,
@@ -415,8 +441,13 @@ fn run_pipeline(args: &Args, pipeline: Pipeline) -> Result<()> {
                 .collect()
         })
         .unwrap_or_default();
+    let sample = if sampled_rows < rows as f64 {
+        format!(", the first {sampled_rows:.0} of {rows} rows, scaled")
+    } else {
+        String::new()
+    };
     print!(
-        "\nstages alone (one thread, plain loop): decode {:.2}s",
+        "\nstages alone (one thread, plain loop{sample}): decode {:.2}s",
         f(&alone, "decode_s")
     );
     for stage in alone["stages"].as_array().into_iter().flatten() {
@@ -755,6 +786,9 @@ fn spawn_child(
     if zero_device {
         child.arg("--zero-device");
     }
+    if let Some(rows) = args.alone_rows {
+        child.args(["--alone-rows", &rows.to_string()]);
+    }
     if args.warm {
         child.arg("--warm");
     }
@@ -994,12 +1028,15 @@ fn pipeline_functions(args: &Args, pipeline: Pipeline, zero_device: bool) -> Pip
     }
 }
 
+/// Rows in a row group of the output.
+const OUTPUT_ROW_GROUP_ROWS: usize = 65_536;
+
 /// The Parquet writer's settings for the output: row groups of 64k rows (the writer buffers
 /// a whole row group), no dictionary for vectors of floats.
 fn writer_props() -> WriterProperties {
     WriterProperties::builder()
         .set_dictionary_enabled(false)
-        .set_max_row_group_row_count(Some(65_536))
+        .set_max_row_group_row_count(Some(OUTPUT_ROW_GROUP_ROWS))
         .build()
 }
 
@@ -1066,7 +1103,14 @@ fn run_child(args: &Args, mode: &str) -> Result<Value> {
                 model_stage("model_b", args.b_service_us, 0),
             ],
         };
-        return pipeline_stages::stage_costs(&input, &output, &stages, writer_props());
+        return pipeline_stages::stage_costs(
+            &input,
+            &output,
+            &stages,
+            writer_props(),
+            // The three-stage input's second half is longer: it is measured whole.
+            args.alone_rows.filter(|_| pipeline == Pipeline::Two),
+        );
     }
     let runtime = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(cores)

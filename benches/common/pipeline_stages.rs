@@ -234,6 +234,25 @@ pub fn new_output_file(path: &Path) -> Result<std::fs::File> {
     Ok(std::fs::File::create(path)?)
 }
 
+/// Scales [`stage_costs`]' figures for a sample of the rows by `factor` (all rows / rows
+/// sampled): each stage's CPU time, decode, the writer's per-row work and the devices' time.
+/// The writer's close is kept as measured: it writes out the last row group, which the
+/// sample makes the size of the full run's. The documents of the pipeline's inputs are drawn alike throughout (the three-stage
+/// input's are not: its second half is longer, so sample it whole).
+pub fn scale_stage_costs(alone: &mut Value, factor: f64) {
+    let scaled = |v: &Value, key: &str| v[key].as_f64().unwrap_or(0.0) * factor;
+    let close = alone["writer_close_s"].as_f64().unwrap_or(0.0);
+    alone["cpu_s"] = json!((scaled(alone, "cpu_s") - close * factor) + close);
+    alone["writer_s"] = json!((scaled(alone, "writer_s") - close * factor) + close);
+    alone["decode_s"] = json!(scaled(alone, "decode_s"));
+    for stage in alone["stages"].as_array_mut().into_iter().flatten() {
+        stage["cpu_s"] = json!(scaled(stage, "cpu_s"));
+    }
+    for device in alone["devices"].as_array_mut().into_iter().flatten() {
+        device["device_s"] = json!(scaled(device, "device_s"));
+    }
+}
+
 /// One stage of a plain loop: a function of the previous stage's column, and what it
 /// feeds a device (a model with zero service time, whose device time is reckoned apart).
 pub struct LoopStage {
@@ -250,11 +269,13 @@ pub struct LoopStage {
 /// `output` as the benchmark's reader does; each step's thread CPU time is its cost (the
 /// writer's close, which writes out its last row group, also apart: `writer_close_s`). A
 /// model's device time is what its batches would cost on the device with every batch full.
+/// `row_limit`: read only this many first rows (see [`scale_stage_costs`]).
 pub fn stage_costs(
     input: &Path,
     output: &Path,
     stages: &[LoopStage],
     writer_props: WriterProperties,
+    row_limit: Option<usize>,
 ) -> Result<Value> {
     remove_old_output(output)?;
     let started = Instant::now();
@@ -267,10 +288,13 @@ pub fn stage_costs(
     let (mut decode, mut write, mut close) = (Duration::ZERO, Duration::ZERO, Duration::ZERO);
     let mut writer = None;
     let mut rows = 0usize;
-    loop {
+    while rows < row_limit.unwrap_or(usize::MAX) {
         let t = thread_cpu();
         let Some(batch) = reader.next() else { break };
-        let batch = batch?;
+        let mut batch = batch?;
+        if let Some(limit) = row_limit {
+            batch = batch.slice(0, batch.num_rows().min(limit - rows));
+        }
         decode += thread_cpu() - t;
         rows += batch.num_rows();
         let ids = Arc::clone(batch.column_by_name("id").expect("id"));
