@@ -160,9 +160,9 @@ struct Args {
     target_partitions: Option<usize>,
     zero_device: bool,
     /// `--alone-rows N`: the plain loop that measures each stage alone reads only the first
-    /// N rows (whole batches of 8,192), and its costs are scaled to all rows. For long runs
-    /// whose CPU work is far from the bottleneck: on a GPU the loop tokenizes every document
-    /// on one thread, ~6 minutes at 1M rows before the first run.
+    /// rows, at least N ([`sample_rows`]), and its costs are scaled to all rows (two-stage
+    /// pipeline only). For long runs whose CPU work is far from the bottleneck: on a GPU's
+    /// host the loop tokenizes every document on one thread, ~7.5 minutes at 1M rows.
     alone_rows: Option<usize>,
 }
 

@@ -237,8 +237,8 @@ pub fn new_output_file(path: &Path) -> Result<std::fs::File> {
 /// Scales [`stage_costs`]' figures for a sample of the rows by `factor` (all rows / rows
 /// sampled): each stage's CPU time, decode, the writer's per-row work and the devices' time.
 /// The writer's close is kept as measured: it writes out the last row group, which the
-/// sample makes the size of the full run's. The documents of the pipeline's inputs are drawn alike throughout (the three-stage
-/// input's are not: its second half is longer, so sample it whole).
+/// sample makes the size of the full run's. Only for inputs whose rows are drawn alike
+/// throughout (the three-stage input's second half is longer: it is measured whole).
 pub fn scale_stage_costs(alone: &mut Value, factor: f64) {
     let scaled = |v: &Value, key: &str| v[key].as_f64().unwrap_or(0.0) * factor;
     let close = alone["writer_close_s"].as_f64().unwrap_or(0.0);
