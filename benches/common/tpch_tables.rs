@@ -26,6 +26,12 @@ const TABLES: &[&str] = &[
 ];
 
 fn write_table(path: &Path, batches: Batches) -> Result<()> {
+    write_table_with(path, batches, None)
+}
+
+/// Write `batches` to `path` (through a temporary file), in row groups of at most
+/// `row_group_rows` rows when given.
+fn write_table_with(path: &Path, batches: Batches, row_group_rows: Option<usize>) -> Result<()> {
     let mut batches = batches.peekable();
     let schema = match batches.peek() {
         Some(Ok(batch)) => batch.schema(),
@@ -37,12 +43,58 @@ fn write_table(path: &Path, batches: Batches) -> Result<()> {
         }
     };
     let tmp = path.with_extension("tmp");
-    let mut writer = ArrowWriter::try_new(std::fs::File::create(&tmp)?, schema, None)?;
+    let properties = row_group_rows.map(|rows| {
+        datafusion::parquet::file::properties::WriterProperties::builder()
+            .set_max_row_group_row_count(Some(rows))
+            .build()
+    });
+    let mut writer = ArrowWriter::try_new(std::fs::File::create(&tmp)?, schema, properties)?;
     for batch in batches {
         writer.write(&batch?)?;
     }
     writer.close()?;
     std::fs::rename(tmp, path)?;
+    Ok(())
+}
+
+/// The rows of part `part` of `parts` (from 1) of TPC-H table `table` at scale factor `sf`.
+fn table_part(table: &str, sf: f64, part: i32, parts: i32) -> Batches {
+    match table {
+        "nation" => Box::new(NationArrow::new(NationGenerator::new(sf, part, parts))),
+        "region" => Box::new(RegionArrow::new(RegionGenerator::new(sf, part, parts))),
+        "part" => Box::new(PartArrow::new(PartGenerator::new(sf, part, parts))),
+        "supplier" => Box::new(SupplierArrow::new(SupplierGenerator::new(sf, part, parts))),
+        "partsupp" => Box::new(PartSuppArrow::new(PartSuppGenerator::new(sf, part, parts))),
+        "customer" => Box::new(CustomerArrow::new(CustomerGenerator::new(sf, part, parts))),
+        "orders" => Box::new(OrderArrow::new(OrderGenerator::new(sf, part, parts))),
+        _ => Box::new(LineItemArrow::new(LineItemGenerator::new(sf, part, parts))),
+    }
+}
+
+/// Write each TPC-H table at scale factor `sf` as a directory `dir/<table>/` of `parts`
+/// Parquet files (one file for the two tables too small to part: nation and region), in
+/// row groups of `row_group_rows` rows, unless there. Register them with [`register`].
+pub fn generate_parts(dir: &Path, sf: f64, parts: i32, row_group_rows: usize) -> Result<()> {
+    for table in TABLES {
+        let table_dir = dir.join(table);
+        if table_dir.exists() {
+            continue;
+        }
+        let staging = dir.join(format!("{table}.tmp"));
+        let _ = std::fs::remove_dir_all(&staging);
+        std::fs::create_dir_all(&staging)?;
+        let parts = if matches!(*table, "nation" | "region") {
+            1
+        } else {
+            parts
+        };
+        for part in 1..=parts {
+            let path = staging.join(format!("part-{part}.parquet"));
+            let batches = table_part(table, sf, part, parts);
+            write_table_with(&path, batches, Some(row_group_rows))?;
+        }
+        std::fs::rename(&staging, &table_dir)?;
+    }
     Ok(())
 }
 
@@ -55,16 +107,7 @@ pub fn generate(dir: &Path, sf: f64) -> Result<()> {
             continue;
         }
         let started = Instant::now();
-        let batches: Batches = match *table {
-            "nation" => Box::new(NationArrow::new(NationGenerator::new(sf, 1, 1))),
-            "region" => Box::new(RegionArrow::new(RegionGenerator::new(sf, 1, 1))),
-            "part" => Box::new(PartArrow::new(PartGenerator::new(sf, 1, 1))),
-            "supplier" => Box::new(SupplierArrow::new(SupplierGenerator::new(sf, 1, 1))),
-            "partsupp" => Box::new(PartSuppArrow::new(PartSuppGenerator::new(sf, 1, 1))),
-            "customer" => Box::new(CustomerArrow::new(CustomerGenerator::new(sf, 1, 1))),
-            "orders" => Box::new(OrderArrow::new(OrderGenerator::new(sf, 1, 1))),
-            _ => Box::new(LineItemArrow::new(LineItemGenerator::new(sf, 1, 1))),
-        };
+        let batches = table_part(table, sf, 1, 1);
         write_table(&path, batches)?;
         println!(
             "generated {table} in {:.1}s",
@@ -116,16 +159,16 @@ pub fn slt_dir() -> PathBuf {
         .expect("datafusion-sqllogictest 55.2.0 sources (a dev-dependency)")
 }
 
-/// Register the tables under `dir` in `ctx` by their names.
+/// Register the tables under `dir` in `ctx` by their names (files from [`generate`], or
+/// directories from [`generate_parts`]).
 pub async fn register(ctx: &SessionContext, dir: &Path) -> Result<()> {
     for table in TABLES {
-        let path = dir.join(format!("{table}.parquet"));
-        ctx.register_parquet(
-            *table,
-            path.to_str().unwrap(),
-            ParquetReadOptions::default(),
-        )
-        .await?;
+        let path = match dir.join(table) {
+            parts if parts.is_dir() => format!("{}/", parts.display()),
+            _ => dir.join(format!("{table}.parquet")).display().to_string(),
+        };
+        ctx.register_parquet(*table, &path, ParquetReadOptions::default())
+            .await?;
     }
     Ok(())
 }

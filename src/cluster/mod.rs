@@ -4,6 +4,8 @@
 //! - [`admission`]: what a worker agrees to run (plan nodes, granted files, settings).
 //! - [`tls`]: encryption of the worker protocol (required off loopback).
 //! - [`protocol`]: what driver and worker say to each other (task requests, block info).
+//! - [`task_plan`]: a task's plan on the wire (datafusion-proto plus what it drops) and the
+//!   driver's check that a worker decodes the plan that was planned.
 //! - [`worker`]: the worker process: an Arrow Flight server that runs task plans.
 //! - [`worker_tasks`]: how a worker runs one task and hands out its blocks as it cuts them.
 //! - [`block_shelf`]: the blocks a worker keeps, each under the query that owns it.
@@ -19,6 +21,7 @@ pub(crate) mod block_shelf;
 pub mod kubernetes;
 pub mod membership;
 pub mod protocol;
+pub mod task_plan;
 pub mod tls;
 pub(crate) mod worker;
 pub(crate) mod worker_pool;

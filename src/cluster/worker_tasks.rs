@@ -96,7 +96,7 @@ async fn run_task_body(
         .build();
     let state = with_granted_stores(state, &request)?;
     let task_ctx = state.task_ctx();
-    let plan = datafusion_proto::bytes::physical_plan_from_bytes(plan, &task_ctx)?;
+    let plan = crate::cluster::task_plan::decode(plan, &task_ctx)?;
     let stores: Vec<String> = request.stores.iter().map(|g| g.url.clone()).collect();
     admit_plan(&plan, &request.grants, &stores)?;
     let plan = match &request.inputs {

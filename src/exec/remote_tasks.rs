@@ -30,18 +30,14 @@ use datafusion::datasource::memory::MemorySourceConfig;
 use datafusion::datasource::physical_plan::FileScanConfig;
 use datafusion::datasource::source::DataSourceExec;
 use datafusion::error::{DataFusionError, Result};
-use datafusion::execution::TaskContext;
-use datafusion::logical_expr::{AggregateUDF, ScalarUDF, WindowUDF};
 use datafusion::physical_plan::projection::ProjectionExec;
 use datafusion::physical_plan::repartition::RepartitionExec;
 use datafusion::physical_plan::{ExecutionPlan, ExecutionPlanProperties};
-use datafusion_proto::physical_plan::{
-    DefaultPhysicalExtensionCodec, PhysicalExtensionCodec, PhysicalProtoConverterExtension,
-};
 
 use crate::cluster::admission::{WORKER_OPTIONS, admit_plan, scanned_files, scanned_stores};
 use crate::cluster::membership::{ClusterSettings, host_of};
 use crate::cluster::protocol::{INPUT_LOST, InputTicket, TaskInput, TaskRequest};
+use crate::cluster::task_plan;
 use crate::cluster::worker_pool::{
     Placement, PoolSettings, RemoteBlock, WorkerPool, WorkerTimeouts, worker_binary,
 };
@@ -150,59 +146,6 @@ fn workers_can_read(scan: &Arc<dyn ExecutionPlan>, stores: &StoreGrants) -> bool
         })
 }
 
-/// Encodes task plans for workers: DataFusion's own nodes only, and only functions that the
-/// pool's workers look up by name and find (a function registered in this session alone
-/// makes the task run here instead of failing in the worker).
-#[derive(Debug)]
-struct WorkerCodec {
-    functions: Arc<HashSet<String>>,
-}
-
-impl WorkerCodec {
-    fn known(&self, name: &str) -> Result<()> {
-        if self.functions.contains(name) {
-            Ok(())
-        } else {
-            Err(DataFusionError::NotImplemented(format!(
-                "workers have no function {name}"
-            )))
-        }
-    }
-}
-
-impl PhysicalExtensionCodec for WorkerCodec {
-    fn try_decode(
-        &self,
-        buf: &[u8],
-        inputs: &[Arc<dyn ExecutionPlan>],
-        ctx: &TaskContext,
-        proto_converter: &dyn PhysicalProtoConverterExtension,
-    ) -> Result<Arc<dyn ExecutionPlan>> {
-        DefaultPhysicalExtensionCodec {}.try_decode(buf, inputs, ctx, proto_converter)
-    }
-
-    fn try_encode(
-        &self,
-        node: Arc<dyn ExecutionPlan>,
-        buf: &mut Vec<u8>,
-        proto_converter: &dyn PhysicalProtoConverterExtension,
-    ) -> Result<()> {
-        DefaultPhysicalExtensionCodec {}.try_encode(node, buf, proto_converter)
-    }
-
-    fn try_encode_udf(&self, node: &ScalarUDF, _buf: &mut Vec<u8>) -> Result<()> {
-        self.known(node.name())
-    }
-
-    fn try_encode_udaf(&self, node: &AggregateUDF, _buf: &mut Vec<u8>) -> Result<()> {
-        self.known(node.name())
-    }
-
-    fn try_encode_udwf(&self, node: &WindowUDF, _buf: &mut Vec<u8>) -> Result<()> {
-        self.known(node.name())
-    }
-}
-
 /// Encode a task plan for `pool`'s workers; `None` when they could not run it (a node or
 /// scan a worker refuses, a function they do not know).
 fn encode_for_worker(
@@ -214,14 +157,8 @@ fn encode_for_worker(
         log::debug!("{describe} runs on the driver: {e}");
         return None;
     }
-    let codec = WorkerCodec {
-        functions: Arc::clone(pool.functions()),
-    };
-    match datafusion_proto::bytes::physical_plan_to_bytes_with_extension_codec(
-        Arc::clone(plan),
-        &codec,
-    ) {
-        Ok(bytes) => Some(bytes.to_vec()),
+    match task_plan::encode(plan, Arc::clone(pool.functions())) {
+        Ok(bytes) => Some(bytes),
         Err(e) => {
             log::debug!("{describe} runs on the driver: {e}");
             None
@@ -315,7 +252,10 @@ impl QueryRun {
         let pool = slot
             .get_or_start(op.pool, self.pool_settings(op.pool)?)
             .await?;
-        if encode_for_worker(&runnable, &pool, &describe).is_none() {
+        let Some(bytes) = encode_for_worker(&runnable, &pool, &describe) else {
+            return Ok(false);
+        };
+        if !self.decodes_as_planned(&runnable, &bytes, &describe)? {
             return Ok(false);
         }
         // Recorded before its first block: a block lost while the task still runs is
@@ -366,6 +306,25 @@ impl QueryRun {
         }
         OperatorStats::add(&self.stats(op_id).remote_tasks, 1);
         Ok(true)
+    }
+
+    /// Whether a worker decodes `plan` (encoded as `bytes`) as it was planned
+    /// ([`task_plan::check_round_trip`]). A difference is the task's error in debug builds,
+    /// so tests fail on it; a release build runs the task on the driver and warns.
+    fn decodes_as_planned(
+        &self,
+        plan: &Arc<dyn ExecutionPlan>,
+        bytes: &[u8],
+        describe: &str,
+    ) -> Result<bool> {
+        match task_plan::check_round_trip(plan, bytes, &self.base_context()) {
+            Ok(()) => Ok(true),
+            Err(e) if cfg!(debug_assertions) => Err(e.context(describe.to_string())),
+            Err(e) => {
+                log::warn!("{describe} runs on the driver: {e}");
+                Ok(false)
+            }
+        }
     }
 
     /// Run `task` on a worker of `pool`: its input blocks that live in other workers are
@@ -865,7 +824,7 @@ impl QueryRun {
         let Some(bytes) = encode_for_worker(&plan, &pool, &describe) else {
             return plan;
         };
-        match datafusion_proto::bytes::physical_plan_from_bytes(&bytes, &self.base_context()) {
+        match task_plan::decode(&bytes, &self.base_context()) {
             Ok(decoded) => decoded,
             Err(e) => {
                 log::warn!("{describe}: its plan does not decode here ({e}); running it as built");

@@ -1,0 +1,663 @@
+//! A task's plan on its way to a worker: encoded with datafusion-proto, plus what that
+//! encoding drops or gets wrong for flumen's plans, and the driver's check that a worker
+//! decodes exactly the plan that was planned ([`check_round_trip`]).
+//!
+//! What datafusion-proto 55 does not carry as flumen plans it, and what is done about it:
+//! - **Row selections.** A split of one large row group reads some of its rows through a
+//!   `ParquetAccessPlan` in its file's `PartitionedFile::extensions`
+//!   ([`crate::plan::split_source`]); proto drops extensions, so each piece of a row group
+//!   read all of it and a model query wrote every row twice. A scan with row selections is
+//!   sent as a flumen node ([`SELECTED_ROWS`]) holding the plain scan's encoding and each
+//!   file's selection, which the worker puts back on the files. A file with any other
+//!   extension cannot be sent: its task runs on the driver.
+//! - **Dynamic filters made outside the task** (by a join's build side or a TopK that run
+//!   elsewhere): proto writes a filter's current expression against its producer's columns
+//!   and decodes it against the scan's, so an `InList` of the build side's keys landed on
+//!   another column (TPC-H q5: Int64 values against a Utf8View column). A worker's copy is
+//!   never updated anyway, so each such filter is sent as its current snapshot, written
+//!   against the scan's own columns; a hash-table lookup inside it (which proto cannot carry)
+//!   becomes `true`, as proto itself would write it (the filter then only drops fewer rows).
+//!   Filters produced by a node inside the task stay live.
+//! - **A scan's reversed row-group order** (`reverse_row_groups`, set under a descending sort
+//!   that still sorts above the scan): a worker reads in file order. The check allows this
+//!   one difference; a task recomputed on the driver runs the plan as a worker decoded it.
+
+use std::collections::HashSet;
+use std::sync::Arc;
+
+use datafusion::arrow::datatypes::Schema;
+use datafusion::common::tree_node::{Transformed, TreeNode, TreeNodeRecursion};
+use datafusion::datasource::physical_plan::parquet::{ParquetAccessPlan, RowGroupAccess};
+use datafusion::datasource::physical_plan::{
+    FileGroup, FileScanConfig, FileScanConfigBuilder, FileSource, ParquetSource,
+};
+use datafusion::datasource::source::DataSourceExec;
+use datafusion::error::{DataFusionError, Result};
+use datafusion::execution::TaskContext;
+use datafusion::logical_expr::{AggregateUDF, ScalarUDF, WindowUDF};
+use datafusion::parquet::arrow::arrow_reader::{RowSelection, RowSelector};
+use datafusion::physical_expr::expressions::{DynamicFilterPhysicalExpr, lit};
+use datafusion::physical_plan::filter::{FilterExec, FilterExecBuilder};
+use datafusion::physical_plan::joins::HashTableLookupExpr;
+use datafusion::physical_plan::{ExecutionPlan, PhysicalExpr, displayable};
+use datafusion_proto::physical_plan::to_proto::serialize_physical_expr_with_converter;
+use datafusion_proto::physical_plan::{
+    DefaultPhysicalExtensionCodec, PhysicalExtensionCodec, PhysicalPlanDecodeContext,
+    PhysicalPlanNodeExt, PhysicalProtoConverterExtension,
+};
+use datafusion_proto::protobuf;
+use prost::Message;
+
+/// What a flumen node in a task plan is: a file scan with its files' row selections.
+pub const SELECTED_ROWS: &str = "flumen.selected_rows";
+
+/// Encode `plan` for a worker that has the functions named in `functions` (a function it
+/// lacks is an error, so the task runs on the driver instead of failing in the worker).
+pub fn encode(plan: &Arc<dyn ExecutionPlan>, functions: Arc<HashSet<String>>) -> Result<Vec<u8>> {
+    let codec = TaskPlanCodec {
+        functions: Some(functions),
+    };
+    let converter = TaskPlanConverter {
+        live_filters: filters_produced_inside(plan),
+    };
+    let node = converter.execution_plan_to_proto(plan, &codec)?;
+    Ok(node.encode_to_vec())
+}
+
+/// Decode a task plan that [`encode`] made, under `ctx` (its functions and settings).
+pub fn decode(bytes: &[u8], ctx: &TaskContext) -> Result<Arc<dyn ExecutionPlan>> {
+    let node = protobuf::PhysicalPlanNode::decode(bytes).map_err(|e| {
+        DataFusionError::Execution(format!("a task plan that does not decode: {e}"))
+    })?;
+    let codec = TaskPlanCodec { functions: None };
+    let converter = TaskPlanConverter {
+        live_filters: HashSet::new(),
+    };
+    converter.proto_to_execution_plan(&node, &PhysicalPlanDecodeContext::new(ctx, &codec))
+}
+
+/// Check that `bytes` (the encoding of `plan`) decodes under `ctx` to the plan a worker
+/// should run: the same plan text (dynamic filters made outside it at their current value)
+/// and the same files, byte ranges, row selections and scan settings. The error shows the
+/// first line that differs.
+pub fn check_round_trip(
+    plan: &Arc<dyn ExecutionPlan>,
+    bytes: &[u8],
+    ctx: &TaskContext,
+) -> Result<()> {
+    let decoded = decode(bytes, ctx)?;
+    let planned = describe(&as_sent(plan)?).replace(", reverse_row_groups=true", "");
+    let got = describe(&decoded);
+    if planned == got {
+        return Ok(());
+    }
+    let (at, (want, have)) = planned
+        .lines()
+        .chain(std::iter::repeat(""))
+        .zip(got.lines().chain(std::iter::repeat("")))
+        .enumerate()
+        .find(|(_, (a, b))| a != b)
+        .unwrap_or((0, ("", "")));
+    Err(DataFusionError::Internal(format!(
+        "a task plan does not decode as it was planned (line {}):\n  planned: {want}\n  \
+         decoded: {have}\nplanned plan:\n{planned}decoded plan:\n{got}",
+        at + 1
+    )))
+}
+
+/// What a plan is, as the round-trip check compares it: its text, then for every file scan
+/// (in plan order) the settings and files its text does not show.
+fn describe(plan: &Arc<dyn ExecutionPlan>) -> String {
+    let mut text = displayable(plan.as_ref()).indent(true).to_string();
+    let _ = plan.apply(|node| {
+        if let Some(config) = file_scan(node) {
+            text.push_str(&format!(
+                "scan: batch_size={:?} limit={:?} preserve_order={} expression_adapter={}\n",
+                config.batch_size,
+                config.limit,
+                config.preserve_order,
+                config.expr_adapter_factory.is_some(),
+            ));
+            for (g, group) in config.file_groups.iter().enumerate() {
+                for file in group.iter() {
+                    text.push_str(&format!(
+                        "  group {g}: {} {:?} rows={:?} extensions={}\n",
+                        file.object_meta.location,
+                        file.range.as_ref().map(|r| (r.start, r.end)),
+                        file.extensions.get::<ParquetAccessPlan>(),
+                        file.extensions.len(),
+                    ));
+                }
+            }
+        }
+        Ok(TreeNodeRecursion::Continue)
+    });
+    text
+}
+
+/// The file scan configuration of `node`, when it is a file scan.
+fn file_scan(node: &Arc<dyn ExecutionPlan>) -> Option<&FileScanConfig> {
+    node.downcast_ref::<DataSourceExec>()?
+        .data_source()
+        .downcast_ref::<FileScanConfig>()
+}
+
+/// The ids of the dynamic filters that nodes of `plan` produce: those stay live in the task.
+fn filters_produced_inside(plan: &Arc<dyn ExecutionPlan>) -> HashSet<u64> {
+    let mut ids = HashSet::new();
+    let _ = plan.apply(|node| {
+        ids.extend(
+            node.dynamic_expressions_produced()
+                .iter()
+                .filter_map(|e| e.expression_id()),
+        );
+        Ok(TreeNodeRecursion::Continue)
+    });
+    ids
+}
+
+/// `expr` as a worker gets it: every dynamic filter not in `live` replaced by its current
+/// value, and any hash-table lookup in that value by `true`.
+fn as_sent_expr(
+    expr: &Arc<dyn PhysicalExpr>,
+    live: &HashSet<u64>,
+) -> Result<Transformed<Arc<dyn PhysicalExpr>>> {
+    Arc::clone(expr).transform_down(|e| {
+        let frozen = e.downcast_ref::<DynamicFilterPhysicalExpr>().is_some()
+            && e.expression_id().is_none_or(|id| !live.contains(&id));
+        if frozen {
+            let current = e.snapshot()?.unwrap_or_else(|| Arc::clone(&e));
+            let current = current
+                .transform_up(|inner| {
+                    Ok(if inner.downcast_ref::<HashTableLookupExpr>().is_some() {
+                        Transformed::yes(lit(true))
+                    } else {
+                        Transformed::no(inner)
+                    })
+                })?
+                .data;
+            // Its value may hold other dynamic filters: they are frozen on the way down.
+            return Ok(Transformed::yes(current));
+        }
+        Ok(Transformed::no(e))
+    })
+}
+
+/// `plan` as a worker should decode it: the dynamic filters in its scans' and filters'
+/// predicates that it does not produce itself, at their current value.
+fn as_sent(plan: &Arc<dyn ExecutionPlan>) -> Result<Arc<dyn ExecutionPlan>> {
+    let live = filters_produced_inside(plan);
+    Arc::clone(plan)
+        .transform_up(|node| {
+            if let Some(filter) = node.downcast_ref::<FilterExec>() {
+                let predicate = as_sent_expr(filter.predicate(), &live)?;
+                if predicate.transformed {
+                    let rebuilt = FilterExecBuilder::from(filter)
+                        .with_predicate(predicate.data)
+                        .build()?;
+                    return Ok(Transformed::yes(Arc::new(rebuilt) as Arc<dyn ExecutionPlan>));
+                }
+            }
+            if let Some(config) = file_scan(&node)
+                && let Some(parquet) = config.file_source().downcast_ref::<ParquetSource>()
+                && let Some(predicate) = parquet.filter()
+            {
+                let predicate = as_sent_expr(&predicate, &live)?;
+                if predicate.transformed {
+                    let source = Arc::new(parquet.with_predicate(predicate.data));
+                    let config = FileScanConfigBuilder::from(config.clone())
+                        .with_source(source)
+                        .build();
+                    return Ok(Transformed::yes(DataSourceExec::from_data_source(config)));
+                }
+            }
+            Ok(Transformed::no(node))
+        })
+        .map(|t| t.data)
+}
+
+/// Encodes and decodes the plan's nodes as datafusion-proto does, except as the module
+/// says: a scan with row selections becomes a [`SELECTED_ROWS`] node, and dynamic filters
+/// not in `live_filters` are sent at their current value.
+struct TaskPlanConverter {
+    live_filters: HashSet<u64>,
+}
+
+impl PhysicalProtoConverterExtension for TaskPlanConverter {
+    fn proto_to_execution_plan(
+        &self,
+        proto: &protobuf::PhysicalPlanNode,
+        ctx: &PhysicalPlanDecodeContext<'_>,
+    ) -> Result<Arc<dyn ExecutionPlan>> {
+        proto.try_into_physical_plan_with_context(ctx, self)
+    }
+
+    fn execution_plan_to_proto(
+        &self,
+        plan: &Arc<dyn ExecutionPlan>,
+        codec: &dyn PhysicalExtensionCodec,
+    ) -> Result<protobuf::PhysicalPlanNode> {
+        if let Some(config) = file_scan(plan)
+            && let Some(files) = row_selections(config)?
+        {
+            let scan = protobuf::PhysicalPlanNode::try_from_physical_plan_with_converter(
+                Arc::clone(plan),
+                codec,
+                self,
+            )?;
+            let node = SelectedRowsNode {
+                kind: SELECTED_ROWS.into(),
+                scan: scan.encode_to_vec(),
+                files,
+            };
+            return Ok(protobuf::PhysicalPlanNode {
+                physical_plan_type: Some(
+                    protobuf::physical_plan_node::PhysicalPlanType::Extension(
+                        protobuf::PhysicalExtensionNode {
+                            node: node.encode_to_vec(),
+                            inputs: vec![],
+                        },
+                    ),
+                ),
+            });
+        }
+        protobuf::PhysicalPlanNode::try_from_physical_plan_with_converter(
+            Arc::clone(plan),
+            codec,
+            self,
+        )
+    }
+
+    fn proto_to_physical_expr(
+        &self,
+        proto: &protobuf::PhysicalExprNode,
+        input_schema: &Schema,
+        ctx: &PhysicalPlanDecodeContext<'_>,
+    ) -> Result<Arc<dyn PhysicalExpr>> {
+        datafusion_proto::physical_plan::from_proto::parse_physical_expr_with_converter(
+            proto,
+            input_schema,
+            ctx,
+            self,
+        )
+    }
+
+    fn physical_expr_to_proto(
+        &self,
+        expr: &Arc<dyn PhysicalExpr>,
+        codec: &dyn PhysicalExtensionCodec,
+    ) -> Result<protobuf::PhysicalExprNode> {
+        let sent = as_sent_expr(expr, &self.live_filters)?;
+        serialize_physical_expr_with_converter(&sent.data, codec, self)
+    }
+}
+
+/// Each file's row selection of the scan `config`, keyed by group and file; `None` when no
+/// file has one. A file extension other than a row selection is an error: proto would drop
+/// it and the worker would read what the driver did not plan.
+fn row_selections(config: &FileScanConfig) -> Result<Option<Vec<FileRows>>> {
+    let mut files = vec![];
+    for (g, group) in config.file_groups.iter().enumerate() {
+        for (f, file) in group.iter().enumerate() {
+            let selection = file.extensions.get::<ParquetAccessPlan>();
+            let others = file.extensions.len() - usize::from(selection.is_some());
+            if others > 0 {
+                return Err(DataFusionError::NotImplemented(format!(
+                    "{} carries {others} file extension(s) a task plan cannot carry",
+                    file.object_meta.location
+                )));
+            }
+            if let Some(plan) = selection {
+                files.push(FileRows {
+                    group: g as u32,
+                    file: f as u32,
+                    row_groups: plan.inner().iter().map(RowGroupRows::from).collect(),
+                });
+            }
+        }
+    }
+    Ok((!files.is_empty()).then_some(files))
+}
+
+/// Encodes flumen's [`SELECTED_ROWS`] nodes and checks that the workers have each
+/// function the plan calls; everything else is datafusion-proto's.
+#[derive(Debug)]
+struct TaskPlanCodec {
+    /// The functions the workers have (`None` when decoding).
+    functions: Option<Arc<HashSet<String>>>,
+}
+
+impl TaskPlanCodec {
+    fn known(&self, name: &str) -> Result<()> {
+        match &self.functions {
+            Some(functions) if !functions.contains(name) => Err(DataFusionError::NotImplemented(
+                format!("workers have no function {name}"),
+            )),
+            _ => Ok(()),
+        }
+    }
+}
+
+impl PhysicalExtensionCodec for TaskPlanCodec {
+    fn try_decode(
+        &self,
+        buf: &[u8],
+        _inputs: &[Arc<dyn ExecutionPlan>],
+        ctx: &TaskContext,
+        proto_converter: &dyn PhysicalProtoConverterExtension,
+    ) -> Result<Arc<dyn ExecutionPlan>> {
+        let node = SelectedRowsNode::decode(buf)
+            .ok()
+            .filter(|n| n.kind == SELECTED_ROWS)
+            .ok_or_else(|| {
+                DataFusionError::Execution("a task plan holds an unknown extension node".into())
+            })?;
+        let scan = protobuf::PhysicalPlanNode::decode(node.scan.as_slice())
+            .map_err(|e| DataFusionError::Execution(format!("a bad scan in a task plan: {e}")))?;
+        let scan = proto_converter
+            .proto_to_execution_plan(&scan, &PhysicalPlanDecodeContext::new(ctx, self))?;
+        let config = file_scan(&scan).ok_or_else(|| {
+            DataFusionError::Execution(
+                "a task plan's row selections are not over a file scan".into(),
+            )
+        })?;
+        let mut groups: Vec<Vec<_>> = config
+            .file_groups
+            .iter()
+            .map(|g| g.iter().cloned().collect())
+            .collect();
+        for rows in node.files {
+            let file = groups
+                .get_mut(rows.group as usize)
+                .and_then(|g| g.get_mut(rows.file as usize))
+                .ok_or_else(|| {
+                    DataFusionError::Execution(format!(
+                        "a task plan's row selection names file {} of group {}, which its scan \
+                         does not have",
+                        rows.file, rows.group
+                    ))
+                })?;
+            let accesses = rows
+                .row_groups
+                .iter()
+                .map(RowGroupAccess::try_from)
+                .collect::<Result<_>>()?;
+            *file = file
+                .clone()
+                .with_extension(ParquetAccessPlan::new(accesses));
+        }
+        let config = FileScanConfigBuilder::from(config.clone())
+            .with_file_groups(groups.into_iter().map(FileGroup::new).collect())
+            .build();
+        Ok(DataSourceExec::from_data_source(config))
+    }
+
+    fn try_encode(
+        &self,
+        node: Arc<dyn ExecutionPlan>,
+        buf: &mut Vec<u8>,
+        proto_converter: &dyn PhysicalProtoConverterExtension,
+    ) -> Result<()> {
+        DefaultPhysicalExtensionCodec {}.try_encode(node, buf, proto_converter)
+    }
+
+    fn try_encode_udf(&self, node: &ScalarUDF, _buf: &mut Vec<u8>) -> Result<()> {
+        self.known(node.name())
+    }
+
+    fn try_encode_udaf(&self, node: &AggregateUDF, _buf: &mut Vec<u8>) -> Result<()> {
+        self.known(node.name())
+    }
+
+    fn try_encode_udwf(&self, node: &WindowUDF, _buf: &mut Vec<u8>) -> Result<()> {
+        self.known(node.name())
+    }
+}
+
+/// A [`SELECTED_ROWS`] node: a file scan encoded by datafusion-proto, and the row
+/// selections its files carry.
+#[derive(Clone, PartialEq, prost::Message)]
+struct SelectedRowsNode {
+    /// Always [`SELECTED_ROWS`].
+    #[prost(string, tag = "1")]
+    kind: String,
+    /// The scan (a `PhysicalPlanNode`), without its files' row selections.
+    #[prost(bytes = "vec", tag = "2")]
+    scan: Vec<u8>,
+    /// The files that read a row selection.
+    #[prost(message, repeated, tag = "3")]
+    files: Vec<FileRows>,
+}
+
+/// The row selection of file `file` of file group `group` of a scan.
+#[derive(Clone, PartialEq, prost::Message)]
+struct FileRows {
+    #[prost(uint32, tag = "1")]
+    group: u32,
+    #[prost(uint32, tag = "2")]
+    file: u32,
+    /// What it reads of each of its row groups, in file order.
+    #[prost(message, repeated, tag = "3")]
+    row_groups: Vec<RowGroupRows>,
+}
+
+/// What a scan reads of one row group.
+#[derive(Clone, PartialEq, prost::Message)]
+struct RowGroupRows {
+    /// 0: nothing; 1: every row; 2: the rows `selectors` select.
+    #[prost(uint32, tag = "1")]
+    access: u32,
+    #[prost(message, repeated, tag = "2")]
+    selectors: Vec<Selector>,
+}
+
+/// A run of consecutive rows, read or skipped.
+#[derive(Clone, PartialEq, prost::Message)]
+struct Selector {
+    #[prost(bool, tag = "1")]
+    skip: bool,
+    #[prost(uint64, tag = "2")]
+    rows: u64,
+}
+
+impl From<&RowGroupAccess> for RowGroupRows {
+    fn from(access: &RowGroupAccess) -> Self {
+        match access {
+            RowGroupAccess::Skip => Self {
+                access: 0,
+                selectors: vec![],
+            },
+            RowGroupAccess::Scan => Self {
+                access: 1,
+                selectors: vec![],
+            },
+            RowGroupAccess::Selection(selection) => Self {
+                access: 2,
+                selectors: selection
+                    .iter()
+                    .map(|s| Selector {
+                        skip: s.skip,
+                        rows: s.row_count as u64,
+                    })
+                    .collect(),
+            },
+        }
+    }
+}
+
+impl TryFrom<&RowGroupRows> for RowGroupAccess {
+    type Error = DataFusionError;
+
+    fn try_from(rows: &RowGroupRows) -> Result<Self> {
+        Ok(match rows.access {
+            0 => RowGroupAccess::Skip,
+            1 => RowGroupAccess::Scan,
+            2 => RowGroupAccess::Selection(RowSelection::from(
+                rows.selectors
+                    .iter()
+                    .map(|s| match s.skip {
+                        true => RowSelector::skip(s.rows as usize),
+                        false => RowSelector::select(s.rows as usize),
+                    })
+                    .collect::<Vec<_>>(),
+            )),
+            other => {
+                return Err(DataFusionError::Execution(format!(
+                    "a task plan's row group access {other} is none flumen sends"
+                )));
+            }
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use datafusion::arrow::datatypes::{DataType, Field};
+    use datafusion::datasource::listing::PartitionedFile;
+    use datafusion::execution::object_store::ObjectStoreUrl;
+    use datafusion::physical_expr::expressions::{Column, in_list};
+
+    /// The scan's table: `a` (Int64) then `b` (Utf8View).
+    fn table() -> Arc<Schema> {
+        Arc::new(Schema::new(vec![
+            Field::new("a", DataType::Int64, false),
+            Field::new("b", DataType::Utf8View, false),
+        ]))
+    }
+
+    /// A Parquet scan of `files` (nothing is read: plans are only encoded and decoded).
+    fn scan(
+        files: Vec<PartitionedFile>,
+        predicate: Option<Arc<dyn PhysicalExpr>>,
+    ) -> Arc<dyn ExecutionPlan> {
+        let mut source = ParquetSource::new(table());
+        if let Some(predicate) = predicate {
+            source = source.with_predicate(predicate);
+        }
+        let config =
+            FileScanConfigBuilder::new(ObjectStoreUrl::local_filesystem(), Arc::new(source))
+                .with_file_groups(vec![FileGroup::new(files)])
+                .build();
+        DataSourceExec::from_data_source(config)
+    }
+
+    fn task_ctx() -> TaskContext {
+        TaskContext::default()
+    }
+
+    fn round_trip(plan: &Arc<dyn ExecutionPlan>) -> Arc<dyn ExecutionPlan> {
+        let bytes = encode(plan, Arc::new(HashSet::new())).unwrap();
+        check_round_trip(plan, &bytes, &task_ctx()).unwrap();
+        decode(&bytes, &task_ctx()).unwrap()
+    }
+
+    /// The access plan of each file of a decoded scan.
+    fn selections(plan: &Arc<dyn ExecutionPlan>) -> Vec<Option<ParquetAccessPlan>> {
+        file_scan(plan)
+            .unwrap()
+            .file_groups
+            .iter()
+            .flat_map(|g| g.iter())
+            .map(|f| f.extensions.get::<ParquetAccessPlan>().cloned())
+            .collect()
+    }
+
+    #[test]
+    fn a_row_group_piece_reaches_the_worker_with_its_row_selection() {
+        let mut piece = ParquetAccessPlan::new_none(3);
+        piece.set(
+            1,
+            RowGroupAccess::Selection(RowSelection::from(vec![
+                RowSelector::skip(1000),
+                RowSelector::select(1000),
+                RowSelector::skip(3000),
+            ])),
+        );
+        let mut all_but_one = ParquetAccessPlan::new_all(3);
+        all_but_one.skip(0);
+        let files = vec![
+            PartitionedFile::new("data/f.parquet", 50_000)
+                .with_range(100, 20_000)
+                .with_extension(piece.clone()),
+            PartitionedFile::new("data/g.parquet", 50_000),
+            PartitionedFile::new("data/h.parquet", 50_000).with_extension(all_but_one.clone()),
+        ];
+        let plan = scan(files, None);
+        let decoded = round_trip(&plan);
+        assert_eq!(
+            selections(&decoded),
+            vec![Some(piece), None, Some(all_but_one)]
+        );
+        // datafusion-proto alone drops them: each piece would read its whole row group.
+        let plain = datafusion_proto::bytes::physical_plan_to_bytes(Arc::clone(&plan)).unwrap();
+        let plain = datafusion_proto::bytes::physical_plan_from_bytes(&plain, &task_ctx()).unwrap();
+        assert_eq!(selections(&plain), vec![None, None, None]);
+    }
+
+    #[test]
+    fn a_file_extension_the_plan_cannot_carry_is_refused() {
+        #[derive(Debug)]
+        struct Other;
+        let file = PartitionedFile::new("data/f.parquet", 10).with_extension(Other);
+        let err = encode(&scan(vec![file], None), Arc::new(HashSet::new())).unwrap_err();
+        assert!(err.to_string().contains("file extension"), "{err}");
+    }
+
+    #[test]
+    fn a_join_filter_made_on_the_driver_reaches_the_scan_on_its_own_columns() {
+        // The join's probe side has its key at column 1 (`k`); in the scan it is `a`, at 0,
+        // where column 1 is a Utf8View column.
+        let filter = Arc::new(DynamicFilterPhysicalExpr::new(
+            vec![Arc::new(Column::new("k", 1))],
+            lit(true),
+        ));
+        let on_scan = Arc::clone(&filter)
+            .with_new_children(vec![Arc::new(Column::new("a", 0))])
+            .unwrap();
+        let probe = Schema::new(vec![
+            Field::new("x", DataType::Utf8View, false),
+            Field::new("k", DataType::Int64, false),
+        ]);
+        let keys = (1..=3).map(|i| lit(i as i64)).collect();
+        filter
+            .update(in_list(Arc::new(Column::new("k", 1)), keys, &false, &probe).unwrap())
+            .unwrap();
+        let plan = scan(
+            vec![PartitionedFile::new("data/f.parquet", 10)],
+            Some(on_scan),
+        );
+        let decoded = round_trip(&plan);
+        let text = displayable(decoded.as_ref()).one_line().to_string();
+        assert!(
+            text.contains("predicate=a@0 IN (SET) ([1, 2, 3])"),
+            "{text}"
+        );
+        // datafusion-proto alone decodes the filter's value against the scan's columns
+        // (DataFusion 55.2): `k@1` becomes the Utf8View column `b`.
+        let plain = datafusion_proto::bytes::physical_plan_to_bytes(Arc::clone(&plan)).unwrap();
+        let err =
+            datafusion_proto::bytes::physical_plan_from_bytes(&plain, &task_ctx()).unwrap_err();
+        assert!(err.to_string().contains("Utf8View"), "{err}");
+    }
+
+    #[test]
+    fn the_check_names_what_a_worker_would_decode_differently() {
+        let planned = scan(
+            vec![
+                PartitionedFile::new("data/f.parquet", 10)
+                    .with_extension(ParquetAccessPlan::new_none(1)),
+            ],
+            None,
+        );
+        let other = scan(vec![PartitionedFile::new("data/f.parquet", 10)], None);
+        let bytes = encode(&other, Arc::new(HashSet::new())).unwrap();
+        let err = check_round_trip(&planned, &bytes, &task_ctx()).unwrap_err();
+        assert!(
+            err.to_string()
+                .contains("does not decode as it was planned"),
+            "{err}"
+        );
+        assert!(err.to_string().contains("rows=None"), "{err}");
+    }
+}
