@@ -7,9 +7,10 @@
 //!   `ParquetAccessPlan` in its file's `PartitionedFile::extensions`
 //!   ([`crate::plan::split_source`]); proto drops extensions, so each piece of a row group
 //!   read all of it and a model query wrote every row twice. A scan with row selections is
-//!   sent as a flumen node ([`SELECTED_ROWS`]) holding the plain scan's encoding and each
+//!   sent as a flumen node ([`FILE_SCAN`]) holding the plain scan's encoding and each
 //!   file's selection, which the worker puts back on the files. A file with any other
 //!   extension cannot be sent: its task runs on the driver.
+//! - **A scan's `preserve_order`** (its files read in the order given): carried the same way.
 //! - **Dynamic filters made outside the task** (by a join's build side or a TopK that run
 //!   elsewhere): proto writes a filter's current expression against its producer's columns
 //!   and decodes it against the scan's, so an `InList` of the build side's keys landed on
@@ -18,9 +19,10 @@
 //!   against the scan's own columns; a hash-table lookup inside it (which proto cannot carry)
 //!   becomes `true`, as proto itself would write it (the filter then only drops fewer rows).
 //!   Filters produced by a node inside the task stay live.
-//! - **A scan's reversed row-group order** (`reverse_row_groups`, set under a descending sort
-//!   that still sorts above the scan): a worker reads in file order. The check allows this
-//!   one difference; a task recomputed on the driver runs the plan as a worker decoded it.
+//! - **A scan's row-group order hints** (`reverse_row_groups`, `sort_order_for_reorder`:
+//!   DataFusion's inexact sort pushdown, under a sort that still sorts above the scan): a
+//!   worker reads row groups in file order. The check allows these differences alone; a task
+//!   recomputed on the driver runs the plan as a worker decoded it.
 
 use std::collections::HashSet;
 use std::sync::Arc;
@@ -48,8 +50,9 @@ use datafusion_proto::physical_plan::{
 use datafusion_proto::protobuf;
 use prost::Message;
 
-/// What a flumen node in a task plan is: a file scan with its files' row selections.
-pub const SELECTED_ROWS: &str = "flumen.selected_rows";
+/// What a flumen node in a task plan is: a file scan with what datafusion-proto drops of it
+/// (its files' row selections, whether it preserves its files' order).
+pub const FILE_SCAN: &str = "flumen.file_scan";
 
 /// Encode `plan` for a worker that has the functions named in `functions` (a function it
 /// lacks is an error, so the task runs on the driver instead of failing in the worker).
@@ -86,7 +89,7 @@ pub fn check_round_trip(
     ctx: &TaskContext,
 ) -> Result<()> {
     let decoded = decode(bytes, ctx)?;
-    let planned = describe(&as_sent(plan)?).replace(", reverse_row_groups=true", "");
+    let planned = without_read_order_hints(&describe(&as_sent(plan)?));
     let got = describe(&decoded);
     if planned == got {
         return Ok(());
@@ -132,6 +135,29 @@ fn describe(plan: &Arc<dyn ExecutionPlan>) -> String {
         }
         Ok(TreeNodeRecursion::Continue)
     });
+    text
+}
+
+/// `text` without the row-group order hints of Parquet scans that a worker does not get
+/// (see the module's list): `, reverse_row_groups=true` and `, sort_order_for_reorder=[..]`.
+fn without_read_order_hints(text: &str) -> String {
+    let mut text = text.replace(", reverse_row_groups=true", "");
+    const REORDER: &str = ", sort_order_for_reorder=[";
+    while let Some(start) = text.find(REORDER) {
+        let mut depth = 0;
+        let end = text[start + REORDER.len() - 1..]
+            .char_indices()
+            .find(|&(_, c)| {
+                depth += match c {
+                    '[' => 1,
+                    ']' => -1,
+                    _ => 0,
+                };
+                depth == 0
+            })
+            .map_or(text.len(), |(i, _)| start + REORDER.len() + i);
+        text.replace_range(start..end, "");
+    }
     text
 }
 
@@ -217,7 +243,7 @@ fn as_sent(plan: &Arc<dyn ExecutionPlan>) -> Result<Arc<dyn ExecutionPlan>> {
 }
 
 /// Encodes and decodes the plan's nodes as datafusion-proto does, except as the module
-/// says: a scan with row selections becomes a [`SELECTED_ROWS`] node, and dynamic filters
+/// says: a scan with row selections or `preserve_order` becomes a [`FILE_SCAN`] node, and dynamic filters
 /// not in `live_filters` are sent at their current value.
 struct TaskPlanConverter {
     live_filters: HashSet<u64>,
@@ -238,17 +264,19 @@ impl PhysicalProtoConverterExtension for TaskPlanConverter {
         codec: &dyn PhysicalExtensionCodec,
     ) -> Result<protobuf::PhysicalPlanNode> {
         if let Some(config) = file_scan(plan)
-            && let Some(files) = row_selections(config)?
+            && let files = row_selections(config)?
+            && (!files.is_empty() || config.preserve_order)
         {
             let scan = protobuf::PhysicalPlanNode::try_from_physical_plan_with_converter(
                 Arc::clone(plan),
                 codec,
                 self,
             )?;
-            let node = SelectedRowsNode {
-                kind: SELECTED_ROWS.into(),
+            let node = FileScanNode {
+                kind: FILE_SCAN.into(),
                 scan: scan.encode_to_vec(),
                 files,
+                preserve_order: config.preserve_order,
             };
             return Ok(protobuf::PhysicalPlanNode {
                 physical_plan_type: Some(
@@ -292,10 +320,10 @@ impl PhysicalProtoConverterExtension for TaskPlanConverter {
     }
 }
 
-/// Each file's row selection of the scan `config`, keyed by group and file; `None` when no
-/// file has one. A file extension other than a row selection is an error: proto would drop
-/// it and the worker would read what the driver did not plan.
-fn row_selections(config: &FileScanConfig) -> Result<Option<Vec<FileRows>>> {
+/// Each file's row selection of the scan `config`, keyed by group and file. A file
+/// extension other than a row selection is an error: proto would drop it and the worker
+/// would read what the driver did not plan.
+fn row_selections(config: &FileScanConfig) -> Result<Vec<FileRows>> {
     let mut files = vec![];
     for (g, group) in config.file_groups.iter().enumerate() {
         for (f, file) in group.iter().enumerate() {
@@ -316,10 +344,10 @@ fn row_selections(config: &FileScanConfig) -> Result<Option<Vec<FileRows>>> {
             }
         }
     }
-    Ok((!files.is_empty()).then_some(files))
+    Ok(files)
 }
 
-/// Encodes flumen's [`SELECTED_ROWS`] nodes and checks that the workers have each
+/// Decodes flumen's [`FILE_SCAN`] nodes and checks that the workers have each
 /// function the plan calls; everything else is datafusion-proto's.
 #[derive(Debug)]
 struct TaskPlanCodec {
@@ -346,9 +374,9 @@ impl PhysicalExtensionCodec for TaskPlanCodec {
         ctx: &TaskContext,
         proto_converter: &dyn PhysicalProtoConverterExtension,
     ) -> Result<Arc<dyn ExecutionPlan>> {
-        let node = SelectedRowsNode::decode(buf)
+        let node = FileScanNode::decode(buf)
             .ok()
-            .filter(|n| n.kind == SELECTED_ROWS)
+            .filter(|n| n.kind == FILE_SCAN)
             .ok_or_else(|| {
                 DataFusionError::Execution("a task plan holds an unknown extension node".into())
             })?;
@@ -388,6 +416,7 @@ impl PhysicalExtensionCodec for TaskPlanCodec {
         }
         let config = FileScanConfigBuilder::from(config.clone())
             .with_file_groups(groups.into_iter().map(FileGroup::new).collect())
+            .with_preserve_order(node.preserve_order)
             .build();
         Ok(DataSourceExec::from_data_source(config))
     }
@@ -414,11 +443,11 @@ impl PhysicalExtensionCodec for TaskPlanCodec {
     }
 }
 
-/// A [`SELECTED_ROWS`] node: a file scan encoded by datafusion-proto, and the row
-/// selections its files carry.
+/// A [`FILE_SCAN`] node: a file scan encoded by datafusion-proto, and what that encoding
+/// drops of it.
 #[derive(Clone, PartialEq, prost::Message)]
-struct SelectedRowsNode {
-    /// Always [`SELECTED_ROWS`].
+struct FileScanNode {
+    /// Always [`FILE_SCAN`].
     #[prost(string, tag = "1")]
     kind: String,
     /// The scan (a `PhysicalPlanNode`), without its files' row selections.
@@ -427,6 +456,9 @@ struct SelectedRowsNode {
     /// The files that read a row selection.
     #[prost(message, repeated, tag = "3")]
     files: Vec<FileRows>,
+    /// The scan reads its files in the order given (`FileScanConfig::preserve_order`).
+    #[prost(bool, tag = "4")]
+    preserve_order: bool,
 }
 
 /// The row selection of file `file` of file group `group` of a scan.
@@ -589,6 +621,15 @@ mod tests {
             selections(&decoded),
             vec![Some(piece), None, Some(all_but_one)]
         );
+        assert!(!file_scan(&decoded).unwrap().preserve_order);
+        // A scan that reads its files in order is sent so, selections or not.
+        let config = file_scan(&plan).unwrap().clone();
+        let in_order: Arc<dyn ExecutionPlan> = DataSourceExec::from_data_source(
+            FileScanConfigBuilder::from(config)
+                .with_preserve_order(true)
+                .build(),
+        );
+        assert!(file_scan(&round_trip(&in_order)).unwrap().preserve_order);
         // datafusion-proto alone drops them: each piece would read its whole row group.
         let plain = datafusion_proto::bytes::physical_plan_to_bytes(Arc::clone(&plan)).unwrap();
         let plain = datafusion_proto::bytes::physical_plan_from_bytes(&plain, &task_ctx()).unwrap();
@@ -639,6 +680,13 @@ mod tests {
         let err =
             datafusion_proto::bytes::physical_plan_from_bytes(&plain, &task_ctx()).unwrap_err();
         assert!(err.to_string().contains("Utf8View"), "{err}");
+    }
+
+    #[test]
+    fn row_group_order_hints_are_left_out_of_the_comparison() {
+        let text = "DataSourceExec: a, sort_order_for_reorder=[tag@2 DESC, f([x])@1 ASC], \
+                    reverse_row_groups=true, b\n";
+        assert_eq!(without_read_order_hints(text), "DataSourceExec: a, b\n");
     }
 
     #[test]
