@@ -276,13 +276,21 @@ const TPCH_TIMEOUT: Duration = Duration::from_secs(900);
 enum Engine {
     Vanilla,
     Flumen,
+    /// Flumen with its tasks in two local worker processes (`flumen.workers = 'process'`).
+    FlumenWorkers,
 }
+
+/// Records whose outcome in worker processes differs from threads mode, each with why
+/// (none today: an entry that no longer differs is stale and fails the suite).
+const KNOWN_WORKER_DIFFERENCES: &[KnownFailure] = &[];
 
 /// What one run of a file gave.
 #[derive(Debug, Default)]
 struct FileRun {
     /// Error message (first line) by record location.
     errors: BTreeMap<String, String>,
+    /// Tasks its worker processes ran ([`Engine::FlumenWorkers`]).
+    worker_tasks: u64,
     /// DataFusion's runner declined the file (a feature not built).
     not_run: bool,
     /// Ran past its time limit.
@@ -313,10 +321,15 @@ async fn run_file_inner(path: &Path, relative: &Path, engine: Engine) -> FileRun
     };
     let ctx: SessionContext = match engine {
         Engine::Vanilla => test_ctx.session_ctx().clone(),
-        Engine::Flumen => {
+        Engine::Flumen | Engine::FlumenWorkers => {
             let mut config = FlumenConfig::default();
             // DataFusion's files assert DataFusion's own EXPLAIN text.
             config.explain_operators = false;
+            if engine == Engine::FlumenWorkers {
+                config.workers = flumen::WorkerMode::Process;
+                config.worker_processes = 2;
+                config.worker_binary = env!("CARGO_BIN_EXE_flumen").into();
+            }
             flumen::into_flumen(test_ctx.session_ctx(), config)
         }
     };
@@ -326,10 +339,34 @@ async fn run_file_inner(path: &Path, relative: &Path, engine: Engine) -> FileRun
             .insert("scratch dir".into(), format!("scratch dir: {e}"));
         return run;
     }
+    let errors = run_records(ctx.clone(), path, relative, true).await;
     FileRun {
-        errors: run_records(ctx, path, relative, true).await,
+        errors,
+        worker_tasks: worker_tasks(&ctx).await,
         ..FileRun::default()
     }
+}
+
+/// Tasks the live worker processes of `ctx`'s session ran (0 in threads mode).
+async fn worker_tasks(ctx: &SessionContext) -> u64 {
+    let Some(slot) = ctx
+        .state()
+        .config()
+        .get_extension::<flumen::cluster::WorkerPoolSlot>()
+    else {
+        return 0;
+    };
+    let mut tasks = 0;
+    for pool in slot.started().await {
+        for worker in pool.workers().await {
+            if worker.is_alive()
+                && let Ok(status) = worker.status().await
+            {
+                tasks += status.tasks;
+            }
+        }
+    }
+    tasks
 }
 
 /// A record's location as one line: `file:line`, then ` at file:line` per include.
@@ -591,6 +628,84 @@ struct Tally {
     /// Vanilla's failing records per file, as found.
     vanilla_failures: BTreeMap<String, u32>,
     problems: Vec<String>,
+    /// Files also run with worker processes, the tasks those ran, and the records whose
+    /// outcome there differed from threads mode (known ones apart).
+    worker_files: usize,
+    worker_tasks: u64,
+    worker_differences: usize,
+    known_worker_seen: BTreeSet<usize>,
+}
+
+/// The kind of a record's error (its text up to the first colon), or `"ok"`: what threads
+/// and worker runs must agree on (a result mismatch's text shows the differing output,
+/// which `EXPLAIN ANALYZE` records fill with each run's own counters).
+fn outcome(errors: &BTreeMap<String, String>, at: &str) -> String {
+    errors.get(at).map_or("ok".into(), |e| {
+        e.split(':').next().unwrap_or_default().to_string()
+    })
+}
+
+/// Run one upstream file with worker processes and fold into `tally` every record whose
+/// outcome differs from the threads run `threads` (records vanilla fails apart).
+async fn check_workers(
+    path: &Path,
+    relative: &Path,
+    vanilla: &FileRun,
+    threads: &FileRun,
+    tally: &mut Tally,
+) {
+    let name = relative.display().to_string();
+    let started = Instant::now();
+    let workers = run_file(path, relative, Engine::FlumenWorkers).await;
+    tally.worker_files += 1;
+    tally.worker_tasks += workers.worker_tasks;
+    if let Some(limit) = workers.timed_out {
+        tally.worker_differences += 1;
+        println!("upstream {name} in workers: FAILED: ran past {limit:?} (a hang fails)");
+        return;
+    }
+    let mut differences = vec![];
+    let records: BTreeSet<&String> = threads.errors.keys().chain(workers.errors.keys()).collect();
+    for at in records {
+        if vanilla.errors.contains_key(at) {
+            continue;
+        }
+        let (in_threads, in_workers) = (outcome(&threads.errors, at), outcome(&workers.errors, at));
+        if in_threads == in_workers {
+            continue;
+        }
+        let message = workers.errors.get(at).or(threads.errors.get(at));
+        let known = KNOWN_WORKER_DIFFERENCES.iter().position(|k| {
+            k.file() == name
+                && k.record == at
+                && message.is_some_and(|m| m.starts_with(k.error_prefix))
+        });
+        match known {
+            Some(i) => {
+                tally.known_worker_seen.insert(i);
+            }
+            None => differences.push(format!(
+                "record {at}: threads {in_threads}, workers {in_workers}: {}",
+                message.and_then(|m| m.lines().next()).unwrap_or_default()
+            )),
+        }
+    }
+    let elapsed = started.elapsed().as_secs_f64();
+    if differences.is_empty() {
+        println!(
+            "upstream {name} in workers: same as threads ({elapsed:.1}s, {} tasks in workers)",
+            workers.worker_tasks
+        );
+    } else {
+        tally.worker_differences += differences.len();
+        println!(
+            "upstream {name} in workers: FAILED: {} records differ from threads mode",
+            differences.len()
+        );
+        for difference in differences.iter().take(5) {
+            println!("  {difference}");
+        }
+    }
 }
 
 async fn run_upstream(root: &Path, full: bool) -> Result<(usize, usize), String> {
@@ -613,9 +728,37 @@ async fn run_upstream(root: &Path, full: bool) -> Result<(usize, usize), String>
     if files.is_empty() {
         return Err("no upstream .slt file found".into());
     }
+    // Every file a second time with its tasks in worker processes, unless
+    // FLUMEN_SLT_WORKERS=0 (a quicker local run; CI runs both).
+    let workers = std::env::var("FLUMEN_SLT_WORKERS").map_or(true, |v| v != "0");
     let mut tally = Tally::default();
     for relative in &files {
-        check_upstream_file(relative, full, &mut tally).await;
+        check_upstream_file(relative, full, workers, &mut tally).await;
+    }
+    for (i, known) in KNOWN_WORKER_DIFFERENCES.iter().enumerate() {
+        if workers && ran_file(&files, known.file()) && !tally.known_worker_seen.contains(&i) {
+            tally.problems.push(format!(
+                "stale KNOWN_WORKER_DIFFERENCES entry: {} ({}) no longer differs; it was known \
+                 because: {}",
+                known.record, known.error_prefix, known.why
+            ));
+        }
+    }
+    if workers {
+        println!(
+            "upstream sqllogictest files in worker processes: {} run, {} tasks ran in workers, \
+             {} records differ from threads mode, {} known",
+            tally.worker_files,
+            tally.worker_tasks,
+            tally.worker_differences,
+            tally.known_worker_seen.len()
+        );
+        if tally.worker_differences > 0 {
+            tally.problems.push(format!(
+                "{} records differ between worker processes and threads mode",
+                tally.worker_differences
+            ));
+        }
     }
     let ran: BTreeSet<String> = files.iter().map(|f| f.display().to_string()).collect();
     // Vanilla's failures against the pinned list (for the files that ran).
@@ -687,6 +830,11 @@ async fn run_upstream(root: &Path, full: bool) -> Result<(usize, usize), String>
     Ok((tally.files_passed, failed))
 }
 
+/// Whether `file` (relative to `test_files/`) is among the files run.
+fn ran_file(files: &[PathBuf], file: &str) -> bool {
+    files.iter().any(|f| f.as_os_str() == file)
+}
+
 fn show_count(n: u32) -> String {
     if n == u32::MAX {
         "all (not run)".into()
@@ -695,8 +843,9 @@ fn show_count(n: u32) -> String {
     }
 }
 
-/// Run one upstream file on both engines and fold the outcome into `tally`.
-async fn check_upstream_file(relative: &Path, full: bool, tally: &mut Tally) {
+/// Run one upstream file on both engines (and flumen with worker processes when `workers`)
+/// and fold the outcome into `tally`.
+async fn check_upstream_file(relative: &Path, full: bool, workers: bool, tally: &mut Tally) {
     let name = relative.display().to_string();
     let path = Path::new("test_files").join(relative);
     let started = Instant::now();
@@ -728,6 +877,9 @@ async fn check_upstream_file(relative: &Path, full: bool, tally: &mut Tally) {
         tally.files_failed += 1;
         println!("upstream {name}: FAILED under flumen: ran past {limit:?} (a hang fails)");
         return;
+    }
+    if workers {
+        check_workers(&path, relative, &vanilla, &flumen, tally).await;
     }
     let mut new_failures = vec![];
     let mut known_here = 0;

@@ -6,18 +6,14 @@
 //! (debug) builds: `flumen::cluster::task_plan::check_round_trip`.
 
 mod common;
-#[path = "../benches/common/tpch_tables.rs"]
-#[allow(dead_code)]
-mod tpch_tables;
 
 use std::path::Path;
 use std::sync::Arc;
 
-use common::{rows, same_row, write_events};
+use common::{remote_and_all_tasks, rows, same_rows, tpch, write_events};
 use datafusion::arrow::record_batch::RecordBatch;
 use datafusion::physical_plan::ExecutionPlan;
 use datafusion::prelude::{SessionConfig, SessionContext};
-use flumen::exec::FlumenExec;
 use flumen::functions::emulated_accelerator::EmulatedModel;
 use flumen::{FlumenConfig, WorkerMode};
 
@@ -57,32 +53,16 @@ async fn run(ctx: &SessionContext, sql: &str) -> (Vec<RecordBatch>, Arc<dyn Exec
     (batches, plan)
 }
 
-/// Tasks of `plan`'s run that ran in a worker, and all its tasks.
-fn remote_and_all_tasks(plan: &Arc<dyn ExecutionPlan>) -> (u64, u64) {
-    let Some(exec) = plan.downcast_ref::<FlumenExec>() else {
-        return (0, 0);
-    };
-    common::operator_stats(exec)
-        .iter()
-        .fold((0, 0), |(r, t), s| (r + s.remote_tasks, t + s.tasks))
-}
-
-/// Whether two results hold the same rows (in order when `ordered`), floats to 1e-9.
-fn same_rows(expected: &[RecordBatch], actual: &[RecordBatch], ordered: bool) -> bool {
-    let (e, a) = (rows(expected, ordered), rows(actual, ordered));
-    e.len() == a.len() && e.iter().zip(&a).all(|(x, y)| same_row(x, y))
-}
-
 /// The 22 TPC-H queries at scale factor 0.02 over tables of 3 Parquet files each (row groups
 /// of 2,000 rows, splits of 64 KB), in two worker processes, against vanilla DataFusion.
-/// Before the task plan carried what datafusion-proto drops, q2, q5, q8, q18 and q21 failed
-/// with a join's dynamic filter decoded against the wrong columns.
+/// Before the task plan carried what datafusion-proto drops, q2, q5, q7, q8 and q21 failed
+/// here with a join's dynamic filter decoded against the wrong columns.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn tpch_in_worker_processes_answers_like_vanilla() {
     let dir = tempfile::tempdir().unwrap();
-    tpch_tables::generate_parts(dir.path(), 0.02, 3, 2_000).unwrap();
+    tpch::tables::generate_parts(dir.path(), 0.02, 3, 2_000).unwrap();
     let vanilla = SessionContext::new_with_config(SessionConfig::new().with_target_partitions(2));
-    tpch_tables::register(&vanilla, dir.path()).await.unwrap();
+    tpch::tables::register(&vanilla, dir.path()).await.unwrap();
     let flumen = session(2);
     for set in [
         "SET flumen.split_bytes = '64KB'",
@@ -90,44 +70,22 @@ async fn tpch_in_worker_processes_answers_like_vanilla() {
     ] {
         flumen.sql(set).await.unwrap().collect().await.unwrap();
     }
-    tpch_tables::register(&flumen, dir.path()).await.unwrap();
-    let slt = tpch_tables::slt_dir();
-    let (mut remote, mut tasks) = (0, 0);
-    let mut failures = vec![];
-    for q in 1..=22 {
-        for sql in tpch_tables::query_statements(&slt, q) {
-            let expected = vanilla.sql(&sql).await.unwrap().collect().await.unwrap();
-            let df = match flumen.sql(&sql).await {
-                Ok(df) => df,
-                Err(e) => {
-                    failures.push(format!("q{q}: {e}"));
-                    continue;
-                }
-            };
-            let plan = df.create_physical_plan().await.unwrap();
-            match datafusion::physical_plan::collect(Arc::clone(&plan), flumen.task_ctx()).await {
-                Ok(actual) => {
-                    let ordered = sql.to_ascii_uppercase().contains("ORDER BY");
-                    if !same_rows(&expected, &actual, ordered) {
-                        failures.push(format!(
-                            "q{q}: a different answer\nvanilla: {:?}\nflumen: {:?}",
-                            rows(&expected, ordered),
-                            rows(&actual, ordered)
-                        ));
-                    }
-                    let (r, t) = remote_and_all_tasks(&plan);
-                    remote += r;
-                    tasks += t;
-                }
-                Err(e) => failures.push(format!("q{q}: {e}")),
-            }
-        }
-    }
-    println!("TPC-H in 2 worker processes: {remote} of {tasks} tasks ran in a worker");
-    assert!(failures.is_empty(), "{}", failures.join("\n"));
+    tpch::tables::register(&flumen, dir.path()).await.unwrap();
+    let outcome = tpch::compare_queries(&vanilla, &flumen).await;
+    println!(
+        "TPC-H in 2 worker processes: {} of {} tasks ran in a worker",
+        outcome.remote_tasks, outcome.tasks
+    );
     assert!(
-        remote > 100,
-        "only {remote} of {tasks} tasks ran in a worker"
+        outcome.failures.is_empty(),
+        "{}",
+        outcome.failures.join("\n")
+    );
+    assert!(
+        outcome.remote_tasks > 100,
+        "only {} of {} tasks ran in a worker",
+        outcome.remote_tasks,
+        outcome.tasks
     );
 }
 

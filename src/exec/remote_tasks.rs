@@ -1,7 +1,8 @@
 //! Tasks run in worker processes (`SET flumen.workers = 'process'`).
 //!
-//! A task's work is cut out as an ordinary DataFusion plan, encoded with `datafusion-proto`
-//! and sent to a worker of the session's pool for its operator: CPU operators to the CPU
+//! A task's work is cut out as an ordinary DataFusion plan, encoded by
+//! [`crate::cluster::task_plan`] (datafusion-proto plus what it drops), checked to decode as
+//! it was planned, and sent to a worker of the session's pool for its operator: CPU operators to the CPU
 //! workers, accelerator operators (model UDFs) to the accelerator workers, which keep their
 //! models loaded. What the plan reads:
 //! - a source task: its operator's fragment over its one source split;

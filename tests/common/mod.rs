@@ -17,6 +17,7 @@ use datafusion::prelude::{ParquetReadOptions, SessionConfig, SessionContext};
 
 pub mod serve_process;
 pub mod skip;
+pub mod tpch;
 #[allow(unused_imports)]
 pub use skip::{skip_missing_tool, skip_no_device};
 
@@ -185,6 +186,22 @@ pub async fn assert_same(vanilla: &SessionContext, flumen: &SessionContext, sql:
     if !same {
         assert_eq!(e, a, "flumen differs from DataFusion on: {sql}");
     }
+}
+
+/// Whether two results hold the same rows (in order when `ordered`), by [`same_row`].
+pub fn same_rows(expected: &[RecordBatch], actual: &[RecordBatch], ordered: bool) -> bool {
+    let (e, a) = (rows(expected, ordered), rows(actual, ordered));
+    e.len() == a.len() && e.iter().zip(&a).all(|(x, y)| same_row(x, y))
+}
+
+/// Tasks of an executed flumen plan's run that ran in a worker, and all its tasks.
+pub fn remote_and_all_tasks(plan: &Arc<dyn ExecutionPlan>) -> (u64, u64) {
+    let Some(exec) = plan.downcast_ref::<flumen::exec::FlumenExec>() else {
+        return (0, 0);
+    };
+    operator_stats(exec)
+        .iter()
+        .fold((0, 0), |(r, t), s| (r + s.remote_tasks, t + s.tasks))
 }
 
 /// Two formatted rows agree: every cell is equal text, or both cells are floating-point numbers
