@@ -650,6 +650,7 @@ fn outcome(errors: &BTreeMap<String, String>, at: &str) -> String {
 async fn check_workers(
     path: &Path,
     relative: &Path,
+    full: bool,
     vanilla: &FileRun,
     threads: &FileRun,
     tally: &mut Tally,
@@ -686,7 +687,13 @@ async fn check_workers(
             }
             None => differences.push(format!(
                 "record {at}: threads {in_threads}, workers {in_workers}: {}",
-                message.and_then(|m| m.lines().next()).unwrap_or_default()
+                message
+                    .map(|m| m
+                        .lines()
+                        .take(if full { 12 } else { 1 })
+                        .collect::<Vec<_>>())
+                    .unwrap_or_default()
+                    .join("\n    ")
             )),
         }
     }
@@ -702,7 +709,7 @@ async fn check_workers(
             "upstream {name} in workers: FAILED: {} records differ from threads mode",
             differences.len()
         );
-        for difference in differences.iter().take(5) {
+        for difference in differences.iter().take(if full { usize::MAX } else { 5 }) {
             println!("  {difference}");
         }
     }
@@ -879,7 +886,7 @@ async fn check_upstream_file(relative: &Path, full: bool, workers: bool, tally: 
         return;
     }
     if workers {
-        check_workers(&path, relative, &vanilla, &flumen, tally).await;
+        check_workers(&path, relative, full, &vanilla, &flumen, tally).await;
     }
     let mut new_failures = vec![];
     let mut known_here = 0;

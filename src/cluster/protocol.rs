@@ -243,9 +243,63 @@ pub fn decode_task(body: &[u8]) -> std::result::Result<(TaskRequest, &[u8]), Str
     Ok((request, &body[4 + len..]))
 }
 
+/// The error a task raised in a worker (`message`: the `DataFusionError` as the worker
+/// printed it), made again as the same kind of error, so a query fails in worker mode with
+/// the words it fails with in threads mode (`Arrow error: Cast error: ...`, `Error during
+/// planning: ...`). `None` for kinds the driver does not make again (its caller then names
+/// the task and worker around the message).
+pub fn error_from_worker(message: &str) -> Option<datafusion::error::DataFusionError> {
+    use datafusion::arrow::error::ArrowError;
+    use datafusion::error::DataFusionError;
+    let arrow = |message: &str| -> Option<ArrowError> {
+        let text = |prefix: &str| message.strip_prefix(prefix).map(str::to_string);
+        if message == "Divide by zero error" {
+            return Some(ArrowError::DivideByZero);
+        }
+        text("Cast error: ")
+            .map(ArrowError::CastError)
+            .or_else(|| text("Compute error: ").map(ArrowError::ComputeError))
+            .or_else(|| text("Arithmetic overflow: ").map(ArrowError::ArithmeticOverflow))
+            .or_else(|| text("Invalid argument error: ").map(ArrowError::InvalidArgumentError))
+            .or_else(|| text("Parser error: ").map(ArrowError::ParseError))
+            .or_else(|| text("Schema error: ").map(ArrowError::SchemaError))
+            .or_else(|| text("Not yet implemented: ").map(ArrowError::NotYetImplemented))
+    };
+    let text = |prefix: &str| message.strip_prefix(prefix).map(str::to_string);
+    if let Some(rest) = message.strip_prefix("Arrow error: ") {
+        return arrow(rest).map(|e| DataFusionError::ArrowError(Box::new(e), None));
+    }
+    text("Error during planning: ")
+        .map(DataFusionError::Plan)
+        .or_else(|| text("Execution error: ").map(DataFusionError::Execution))
+        .or_else(|| text("Resources exhausted: ").map(DataFusionError::ResourcesExhausted))
+        .or_else(|| text("This feature is not implemented: ").map(DataFusionError::NotImplemented))
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_workers_error_is_made_again_with_its_own_words() {
+        use datafusion::arrow::error::ArrowError;
+        use datafusion::error::DataFusionError;
+        for error in [
+            DataFusionError::ArrowError(
+                Box::new(ArrowError::CastError("Cannot cast string 'c'".into())),
+                None,
+            ),
+            DataFusionError::ArrowError(Box::new(ArrowError::DivideByZero), None),
+            DataFusionError::Plan("Tdigest max_size value".into()),
+            DataFusionError::Execution("Cannot cast column 's'".into()),
+            DataFusionError::ResourcesExhausted("Failed to allocate".into()),
+        ] {
+            let again = error_from_worker(&error.to_string()).unwrap();
+            assert_eq!(again.to_string(), error.to_string());
+        }
+        assert!(error_from_worker("Internal error: x").is_none());
+        assert!(error_from_worker("Arrow error: External error: x").is_none());
+    }
 
     #[test]
     fn task_frames_round_trip_and_garbage_is_an_error() {

@@ -38,7 +38,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use arrow_flight::encode::FlightDataEncoderBuilder;
+use arrow_flight::encode::{DictionaryHandling, FlightDataEncoderBuilder};
 use arrow_flight::error::FlightError;
 use arrow_flight::flight_service_server::{FlightService, FlightServiceServer};
 use arrow_flight::{
@@ -534,8 +534,12 @@ impl FlightService for WorkerService {
         })?;
         let input: BoxStream<'static, std::result::Result<RecordBatch, FlightError>> =
             futures::stream::once(async move { Ok(batch) }).boxed();
+        // Dictionary columns stay dictionaries: a block is the same batch wherever it is
+        // read (hydrated, a `Dictionary(Int32, Utf8)` column came back as `Utf8` and the
+        // operators reading it failed on the type).
         let stream = FlightDataEncoderBuilder::new()
             .with_max_flight_data_size(MAX_FLIGHT_DATA_BYTES)
+            .with_dictionary_handling(DictionaryHandling::Resend)
             .build(input)
             .map_err(|e| Status::internal(e.to_string()));
         Ok(Response::new(stream.boxed()))

@@ -850,10 +850,19 @@ impl WorkerPool {
                         Failure::Dead(_) => worker.mark_dead(),
                         _ => {}
                     }
-                    return Err(DataFusionError::Execution(format!(
-                        "{describe} failed on worker {} after {attempt} retries: {e}",
+                    let at = format!(
+                        "{describe} failed on worker {} after {attempt} retries",
                         worker.address
-                    )));
+                    );
+                    // The task's own error (bad data, a bad cast) in its own words, as a
+                    // local run gives it; where it ran goes to the log.
+                    if let Failure::Task(message) = &e
+                        && let Some(error) = super::protocol::error_from_worker(message)
+                    {
+                        log::info!("{at}: {message}");
+                        return Err(error);
+                    }
+                    return Err(DataFusionError::Execution(format!("{at}: {e}")));
                 }
             }
         }
