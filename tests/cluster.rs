@@ -86,15 +86,18 @@ fn driver_runtime() -> tokio::runtime::Runtime {
 /// The 22 TPC-H queries (scale factor 0.02, 3 Parquet files a table, splits of 64 KB) with
 /// their tasks on CPU workers of three hosts: every answer is vanilla DataFusion's, and
 /// every host runs tasks (issue 63: q2, q5, q8, q18 and q21 failed on a 3-host cluster).
+/// Then a model query whose source row groups are cut into pieces: each row once.
 #[test]
-fn tpch_on_three_hosts_answers_like_datafusion() {
+fn tpch_and_a_model_query_on_three_hosts_answer_like_datafusion() {
     let Some(mut net) = net_or_skip(3) else {
         return;
     };
     let mut addresses = vec![];
     for host in ["h1", "h2", "h3"] {
         net.start_worker(host, Role::Cpu, FLUMEN.as_ref(), 2);
+        net.start_worker(host, Role::Accelerator, FLUMEN.as_ref(), 1);
         addresses.push(net.address(host, Role::Cpu));
+        addresses.push(net.address(host, Role::Accelerator));
     }
     let cluster_file = net.write_cluster_file(&addresses);
     net.in_driver(move || {
@@ -128,6 +131,46 @@ fn tpch_on_three_hosts_answers_like_datafusion() {
                 tasks.iter().all(|(_, n)| *n > 0),
                 "a host ran nothing: {tasks:?}"
             );
+
+            // A model plan's source splits (row groups cut into pieces read through row
+            // selections, the first ones ramped) read on the hosts: every id once, with the
+            // vectors of a local run (the hosts' accelerator workers lack the emulated model,
+            // so its tasks run on the driver).
+            let events = dir.path().join("events");
+            common::write_events(&events, 2, 12_000);
+            let model = || {
+                flumen::accelerator_udf(
+                    flumen::functions::emulated_accelerator::EmulatedModel::from_spec("m:0:64:8")
+                        .unwrap(),
+                )
+            };
+            let local = common::flumen_ctx(&[]).await;
+            for ctx in [&f, &local] {
+                ctx.register_udf(model());
+                for sql in [
+                    "SET flumen.model_split_rows = 1000".to_string(),
+                    "SET flumen.first_block_rows = 16".to_string(),
+                    format!(
+                        "CREATE EXTERNAL TABLE events STORED AS PARQUET LOCATION '{}/'",
+                        events.display()
+                    ),
+                ] {
+                    ctx.sql(&sql).await.unwrap().collect().await.unwrap();
+                }
+            }
+            let sql = "SELECT id, m(body) AS v FROM events";
+            let expected = common::embeddings_by_id(&common::collect(&local, sql).await);
+            let (batches, plan) = run_plan(&f, sql).await;
+            let got = common::embeddings_by_id(&batches);
+            assert_eq!(expected.len(), 24_000);
+            assert_eq!(
+                got.len(),
+                expected.len(),
+                "rows of a model query on 3 hosts"
+            );
+            assert!(got == expected, "ids or vectors differ on 3 hosts");
+            let (remote, _) = common::remote_and_all_tasks(&plan);
+            assert!(remote >= 24, "{remote} source tasks ran on the hosts");
         });
     });
 }

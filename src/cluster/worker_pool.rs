@@ -291,6 +291,17 @@ impl WorkerHandle {
         if self.alive.send_replace(false) {
             log::warn!("flumen worker {} (pid {}) died", self.address, self.pid);
         }
+        self.kill_child();
+    }
+
+    /// Take the worker down on purpose (its pool is dropped with its session): no warning.
+    fn shut_down(&self) {
+        self.alive.send_replace(false);
+        self.kill_child();
+    }
+
+    /// Kill the worker's process, if this driver started it.
+    fn kill_child(&self) {
         if let Some(mut child) = self.child.lock().unwrap().take() {
             let _ = child.kill();
             // Reap it off this thread.
@@ -907,7 +918,7 @@ impl Drop for WorkerPool {
     fn drop(&mut self) {
         if let Ok(workers) = self.workers.try_lock() {
             for worker in workers.iter() {
-                worker.mark_dead();
+                worker.shut_down();
             }
         }
     }
