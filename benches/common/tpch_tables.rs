@@ -74,6 +74,8 @@ fn table_part(table: &str, sf: f64, part: i32, parts: i32) -> Batches {
 /// Write each TPC-H table at scale factor `sf` as a directory `dir/<table>/` of `parts`
 /// Parquet files (one file for the two tables too small to part: nation and region), in
 /// row groups of `row_group_rows` rows, unless there. Register them with [`register`].
+// The tests' TPC-H (`tests/common/tpch.rs`) uses it; the tpch bench reads one file a table.
+#[allow(dead_code)]
 pub fn generate_parts(dir: &Path, sf: f64, parts: i32, row_group_rows: usize) -> Result<()> {
     for table in TABLES {
         let table_dir = dir.join(table);
