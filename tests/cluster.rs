@@ -89,17 +89,9 @@ fn driver_runtime() -> tokio::runtime::Runtime {
 /// Then a model query whose source row groups are cut into pieces: each row once.
 #[test]
 fn tpch_and_a_model_query_on_three_hosts_answer_like_datafusion() {
-    let Some(mut net) = net_or_skip(3) else {
+    let Some((net, cluster_file)) = three_hosts_with_both_pools() else {
         return;
     };
-    let mut addresses = vec![];
-    for host in ["h1", "h2", "h3"] {
-        net.start_worker(host, Role::Cpu, FLUMEN.as_ref(), 2);
-        net.start_worker(host, Role::Accelerator, FLUMEN.as_ref(), 1);
-        addresses.push(net.address(host, Role::Cpu));
-        addresses.push(net.address(host, Role::Accelerator));
-    }
-    let cluster_file = net.write_cluster_file(&addresses);
     net.in_driver(move || {
         driver_runtime().block_on(async move {
             let dir = tempfile::tempdir().unwrap();
@@ -175,6 +167,21 @@ fn tpch_and_a_model_query_on_three_hosts_answer_like_datafusion() {
     });
 }
 
+/// Three hosts (h1, h2, h3), each running a CPU worker of 2 slots and an accelerator worker
+/// of 1, and the cluster file listing them all; `None` after saying `skipped: ...`.
+fn three_hosts_with_both_pools() -> Option<(TestNet, std::path::PathBuf)> {
+    let mut net = net_or_skip(3)?;
+    let mut addresses = vec![];
+    for host in ["h1", "h2", "h3"] {
+        net.start_worker(host, Role::Cpu, FLUMEN.as_ref(), 2);
+        net.start_worker(host, Role::Accelerator, FLUMEN.as_ref(), 1);
+        addresses.push(net.address(host, Role::Cpu));
+        addresses.push(net.address(host, Role::Accelerator));
+    }
+    let cluster_file = net.write_cluster_file(&addresses);
+    Some((net, cluster_file))
+}
+
 /// Tasks each worker of `ctx`'s `kind` pool ran, by address.
 async fn tasks_by_worker(ctx: &SessionContext, kind: Pool) -> Vec<(String, u64)> {
     let pool = common::worker_pool(ctx, kind).await;
@@ -193,17 +200,9 @@ async fn tasks_by_worker(ctx: &SessionContext, kind: Pool) -> Vec<(String, u64)>
 /// run gives, and the driver sends no input bytes to any worker.
 #[test]
 fn three_hosts_answer_like_datafusion() {
-    let Some(mut net) = net_or_skip(3) else {
+    let Some((net, cluster_file)) = three_hosts_with_both_pools() else {
         return;
     };
-    let mut addresses = vec![];
-    for host in ["h1", "h2", "h3"] {
-        net.start_worker(host, Role::Cpu, FLUMEN.as_ref(), 2);
-        net.start_worker(host, Role::Accelerator, FLUMEN.as_ref(), 1);
-        addresses.push(net.address(host, Role::Cpu));
-        addresses.push(net.address(host, Role::Accelerator));
-    }
-    let cluster_file = net.write_cluster_file(&addresses);
     net.in_driver(move || {
         driver_runtime().block_on(async move {
             let (dir, v) = events_with_vanilla(3, 20_000).await;

@@ -106,9 +106,43 @@ const PIECES: &[&str] = &[
     "SET flumen.first_block_rows = 16",
 ];
 
-/// Rows as `(id, vector)` pairs sorted by id, and the row count.
-fn vectors(batches: &[RecordBatch]) -> Vec<(i64, Vec<f32>)> {
-    common::embeddings_by_id(batches)
+/// The model table in a fresh directory, and a threads-mode session and one of `workers`
+/// worker processes over it, both with its row groups cut into pieces ([`PIECES`]) and
+/// `settings`.
+async fn model_sessions(
+    workers: usize,
+    settings: &[&str],
+) -> (tempfile::TempDir, SessionContext, SessionContext) {
+    let dir = tempfile::tempdir().unwrap();
+    let register = model_table(&dir.path().join("events"));
+    let (threads, in_workers) = (session(0), session(workers));
+    for ctx in [&threads, &in_workers] {
+        let statements = PIECES.iter().chain(settings).copied();
+        for sql in statements.chain([register.as_str()]) {
+            ctx.sql(sql).await.unwrap().collect().await.unwrap();
+        }
+    }
+    (dir, threads, in_workers)
+}
+
+/// `sql` (an id and a vector per row) in threads mode and in workers: both answers as
+/// `(id, vector)` pairs sorted by id, and the workers' executed plan.
+async fn vectors_both_ways(
+    threads: &SessionContext,
+    workers: &SessionContext,
+    sql: &str,
+) -> (
+    Vec<(i64, Vec<f32>)>,
+    Vec<(i64, Vec<f32>)>,
+    Arc<dyn ExecutionPlan>,
+) {
+    let (expected, _) = run(threads, sql).await;
+    let (got, plan) = run(workers, sql).await;
+    (
+        common::embeddings_by_id(&expected),
+        common::embeddings_by_id(&got),
+        plan,
+    )
 }
 
 /// The emulated model `m` over pieces of row groups, in `SELECT`, `WHERE`, an aggregate
@@ -116,20 +150,10 @@ fn vectors(batches: &[RecordBatch]) -> Vec<(i64, Vec<f32>)> {
 /// mode computes, and the written file holds each row once.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn model_queries_over_split_row_groups_answer_once_in_workers() {
-    let dir = tempfile::tempdir().unwrap();
-    let register = model_table(&dir.path().join("events"));
-    let threads = session(0);
-    let workers = session(2);
-    for ctx in [&threads, &workers] {
-        for sql in PIECES.iter().copied().chain([register.as_str()]) {
-            ctx.sql(sql).await.unwrap().collect().await.unwrap();
-        }
-    }
+    let (dir, threads, workers) = model_sessions(2, &[]).await;
     // SELECT: ids and vectors.
     let sql = "SELECT id, m(body) AS v FROM events";
-    let (expected, _) = run(&threads, sql).await;
-    let (got, plan) = run(&workers, sql).await;
-    let (expected, got) = (vectors(&expected), vectors(&got));
+    let (expected, got, plan) = vectors_both_ways(&threads, &workers, sql).await;
     assert_eq!(expected.len(), 24_000, "threads mode: every row once");
     assert_eq!(got.len(), expected.len(), "{sql}: rows in workers");
     assert!(got == expected, "{sql}: ids or vectors differ in workers");
@@ -169,7 +193,7 @@ async fn model_queries_over_split_row_groups_answer_once_in_workers() {
         .await
         .unwrap();
     let (written, _) = run(&reader, "SELECT id, v FROM written").await;
-    let written = vectors(&written);
+    let written = common::embeddings_by_id(&written);
     let wanted: Vec<_> = expected.into_iter().filter(|(id, _)| id % 3 == 0).collect();
     assert_eq!(
         written.len(),
@@ -186,27 +210,13 @@ async fn model_queries_over_split_row_groups_answer_once_in_workers() {
 /// groups: each id once, with the vectors threads mode computes (cosine ≥ 0.9999).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn embed_over_split_row_groups_answers_once_in_workers() {
-    let dir = tempfile::tempdir().unwrap();
-    let register = model_table(&dir.path().join("events"));
-    let threads = session(0);
-    let workers = session(1);
-    for ctx in [&threads, &workers] {
-        for sql in PIECES
-            .iter()
-            .copied()
-            .chain([
-                "SET flumen.device = 'cpu'",
-                "SET flumen.model_split_rows = 100",
-            ])
-            .chain([register.as_str()])
-        {
-            ctx.sql(sql).await.unwrap().collect().await.unwrap();
-        }
-    }
+    let settings = [
+        "SET flumen.device = 'cpu'",
+        "SET flumen.model_split_rows = 100",
+    ];
+    let (_dir, threads, workers) = model_sessions(1, &settings).await;
     let sql = "SELECT id, embed(substr(body, 1, 24)) AS v FROM events WHERE id < 200";
-    let (expected, _) = run(&threads, sql).await;
-    let (got, plan) = run(&workers, sql).await;
-    let (expected, got) = (vectors(&expected), vectors(&got));
+    let (expected, got, plan) = vectors_both_ways(&threads, &workers, sql).await;
     assert_eq!(expected.len(), 200, "threads mode: every row once");
     assert_eq!(got.len(), expected.len(), "{sql}: rows in workers");
     assert_eq!(
