@@ -11,6 +11,7 @@ use std::path::Path;
 use std::sync::Arc;
 
 use common::{remote_and_all_tasks, rows, same_rows, tpch, write_events};
+use datafusion::arrow::datatypes::DataType;
 use datafusion::arrow::record_batch::RecordBatch;
 use datafusion::physical_plan::ExecutionPlan;
 use datafusion::prelude::{SessionConfig, SessionContext};
@@ -240,4 +241,59 @@ async fn embed_over_split_row_groups_answers_once_in_workers() {
         remote >= 2,
         "{sql}: only {remote} of {tasks} tasks ran in a worker"
     );
+}
+
+/// A hive-partitioned table's partition column is a dictionary (`Dictionary(UInt16, Utf8)`);
+/// blocks made in workers come back with it still a dictionary, so a group-by, a sort and a
+/// join on it answer as vanilla DataFusion does. (Flight hydrated dictionaries, and the
+/// driver's operators failed on a `Utf8` column where the plan said dictionary.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn partition_columns_come_back_from_workers_as_dictionaries() {
+    let dir = tempfile::tempdir().unwrap();
+    for year in ["2023", "2024", "2025"] {
+        write_events(&dir.path().join(format!("year={year}")), 1, 3_000);
+    }
+    // The partition column `year` is inferred from the paths, as a dictionary.
+    let create = format!(
+        "CREATE EXTERNAL TABLE events STORED AS PARQUET LOCATION '{}/'",
+        dir.path().display()
+    );
+    let vanilla = SessionContext::new_with_config(SessionConfig::new().with_target_partitions(2));
+    let workers = session(2);
+    for ctx in [&vanilla, &workers] {
+        ctx.sql(&create).await.unwrap().collect().await.unwrap();
+    }
+    workers
+        .sql("SET flumen.split_bytes = '64KB'")
+        .await
+        .unwrap()
+        .collect()
+        .await
+        .unwrap();
+    let mut remote = 0;
+    for sql in [
+        "SELECT year, count(*), sum(k) FROM events GROUP BY year ORDER BY year",
+        "SELECT year, id FROM events WHERE id % 500 = 0 ORDER BY year DESC, id",
+        "SELECT a.year, count(*) FROM events a JOIN (SELECT DISTINCT year FROM events) b \
+         ON a.year = b.year GROUP BY a.year ORDER BY a.year",
+    ] {
+        let expected = vanilla.sql(sql).await.unwrap().collect().await.unwrap();
+        let (got, plan) = run(&workers, sql).await;
+        assert!(
+            same_rows(&expected, &got, true),
+            "{sql}\nvanilla: {:?}\nworkers: {:?}",
+            rows(&expected, true),
+            rows(&got, true)
+        );
+        assert!(
+            matches!(
+                got[0].schema().field(0).data_type(),
+                DataType::Dictionary(..)
+            ),
+            "{sql}: the partition column is {}",
+            got[0].schema().field(0).data_type()
+        );
+        remote += remote_and_all_tasks(&plan).0;
+    }
+    assert!(remote >= 3, "only {remote} tasks ran in a worker");
 }
