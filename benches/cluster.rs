@@ -22,6 +22,8 @@
 
 #[path = "../tests/common/hosts.rs"]
 mod hosts;
+#[path = "common/verdict.rs"]
+mod verdict;
 
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -233,7 +235,8 @@ fn main() {
         let (net, file) = match cluster(hosts, &args) {
             Ok(made) => made,
             Err(why) => {
-                println!("skipped: {why}");
+                verdict::not_measured(&format!("{hosts} host(s)"), &why.to_string());
+                verdict::finish();
                 return;
             }
         };
@@ -260,11 +263,15 @@ fn main() {
     }
     for (i, rate) in throughput.iter().enumerate().skip(1) {
         let n = (i + 1) as f64;
+        let per_host = rate / throughput[0] / n;
         println!(
-            "scaling {} hosts: {:.2}x one host's throughput = {:.2}·N (goal ≥ 0.90·N)",
+            "scaling {} hosts: {:.2}x one host's throughput = {per_host:.2}·N (goal ≥ 0.90·N: {})",
             i + 1,
             rate / throughput[0],
-            rate / throughput[0] / n
+            verdict::goal(
+                &format!("scaling to {} hosts ≥ 0.90·N", i + 1),
+                per_host >= 0.9
+            )
         );
     }
     // Recovery: a 3-host run that loses every process of h3 at 40% of the clean time.
@@ -298,10 +305,7 @@ fn main() {
         faulted.lost,
         faulted.retried,
         faulted.recomputed,
-        if recovery <= lost_work + 2.0 {
-            "met"
-        } else {
-            "NOT met"
-        }
+        verdict::goal("recovery ≤ lost work + 2 s", recovery <= lost_work + 2.0)
     );
+    verdict::finish();
 }

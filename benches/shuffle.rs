@@ -62,6 +62,8 @@ mod heap_stats;
 mod memory_cap;
 #[path = "common/rss.rs"]
 mod rss;
+#[path = "common/verdict.rs"]
+mod verdict;
 use rss::RssWatch;
 
 /// Both engines allocate as the `flumen` binary does (jemalloc, its configuration): the RSS
@@ -519,6 +521,11 @@ async fn main() -> Result<()> {
                 let first_line = e.to_string().lines().next().unwrap_or_default().to_string();
                 println!("{what:>8} {engine:>15} failed: {first_line}");
                 summary.push(format!("{what}_{engine}=failed"));
+                // Vanilla under the memory limit may fail (the limit is what is measured);
+                // flumen and unlimited vanilla must answer.
+                if engine != "vanilla" {
+                    verdict::fail(format!("{what} on {engine}: {first_line}"));
+                }
                 continue;
             }
         };
@@ -587,5 +594,6 @@ async fn main() -> Result<()> {
         read_speed / 1e6,
         summary.join(" ")
     );
+    verdict::finish();
     Ok(())
 }

@@ -36,6 +36,8 @@ use futures::TryStreamExt;
 
 #[path = "common/rss.rs"]
 mod rss;
+#[path = "common/verdict.rs"]
+mod verdict;
 use rss::RssWatch;
 
 /// Every engine allocates as the `flumen` binary does (jemalloc), so RSS figures compare.
@@ -228,6 +230,11 @@ async fn main() -> Result<()> {
                     }
                     Err(e) => {
                         let first_line = e.to_string().lines().next().unwrap_or("").to_string();
+                        // Vanilla under the budget as its limit may fail (that is measured);
+                        // the others must answer.
+                        if *name != "vanilla, budget as limit" && fig.failure.is_none() {
+                            verdict::fail(format!("{label} on {name}: {first_line}"));
+                        }
                         fig.failure = Some(first_line);
                     }
                 }
@@ -275,5 +282,6 @@ async fn main() -> Result<()> {
             );
         }
     }
+    verdict::finish();
     Ok(())
 }

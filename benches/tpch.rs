@@ -33,6 +33,8 @@ use flumen::exec::FlumenExec;
 mod rss;
 #[path = "common/tpch_tables.rs"]
 mod tpch_tables;
+#[path = "common/verdict.rs"]
+mod verdict;
 use rss::RssWatch;
 use tpch_tables::{generate, query_statements, register, slt_dir};
 
@@ -341,6 +343,11 @@ async fn main() -> Result<()> {
                 e.chars().take(160).collect::<String>()
             );
             vanilla_failed.push(n);
+            // Under a memory limit vanilla may fail (flumen's answer is then checked against
+            // vanilla with none); with no limit its failure leaves nothing to compare.
+            if budget_arg.is_none() {
+                verdict::fail(format!("vanilla DataFusion failed q{n}"));
+            }
         }
         if let Some(e) = &f.error {
             println!(
@@ -348,6 +355,10 @@ async fn main() -> Result<()> {
                 e.chars().take(160).collect::<String>()
             );
             flumen_failed.push(n);
+            verdict::fail(format!("flumen failed q{n}"));
+        }
+        if !run_vanilla || !run_flumen {
+            verdict::not_measured(&format!("q{n}'s answer"), "--only ran one engine");
         }
         if run_flumen {
             flumen_peak_rss = flumen_peak_rss.max(f.peak_rss);
@@ -365,5 +376,20 @@ async fn main() -> Result<()> {
         "tpch queries={} max_ratio={max:.2} geomean_ratio={geomean:.2}",
         ratios.len()
     );
+    // The goals docs/benchmarks.md tracks: flumen's RSS rise within 1.25x its budget, and
+    // every query vanilla completes within 1.2x of vanilla's time.
+    let rss_ratio = flumen_peak_rss as f64 / budget.0 as f64;
+    let rss_goal = verdict::goal("flumen RSS rise ≤ 1.25x the budget", rss_ratio <= 1.25);
+    let slow = ratios.iter().filter(|r| **r > 1.2).count();
+    let time_goal = verdict::goal(
+        "every query within 1.2x of vanilla",
+        slow == 0 && !ratios.is_empty(),
+    );
+    println!(
+        "goals: RSS rise {rss_ratio:.2}x ≤ 1.25x: {rss_goal}; {} of {} within 1.2x: {time_goal}",
+        ratios.len() - slow,
+        ratios.len()
+    );
+    verdict::finish();
     Ok(())
 }

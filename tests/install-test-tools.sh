@@ -11,26 +11,34 @@
 # and a test whose tool is missing fails; elsewhere those tests say they were skipped.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+required=0
+case "${CI:-}" in "" | 0 | false | FALSE | False) ;; *) required=1 ;; esac
+[ "${FLUMEN_REQUIRE_TOOLS:-0}" = "1" ] && required=1
+# A Debian package that would not install: an error under CI, a warning elsewhere.
+missing_package() {
+    if [ "$required" = 1 ]; then
+        echo "ERROR: could not install $1: $2" >&2
+        exit 1
+    fi
+    echo "WARNING: could not install $1: $2" >&2
+}
 if ! command -v openssl >/dev/null; then
     apt-get install -y -qq openssl >/dev/null 2>&1 \
         || { apt-get update -qq >/dev/null 2>&1 && apt-get install -y -qq openssl >/dev/null 2>&1; } \
-        || echo "WARNING: could not install openssl: the TLS tests will fail" >&2
+        || missing_package openssl "the TLS tests will fail"
 fi
 # The multi-host tests (tests/cluster.rs) make hosts of network namespaces with `ip` and
 # shape their links with `tc` (iproute2).
 if ! command -v ip >/dev/null || ! command -v tc >/dev/null; then
     apt-get install -y -qq iproute2 >/dev/null 2>&1 \
         || { apt-get update -qq >/dev/null 2>&1 && apt-get install -y -qq iproute2 >/dev/null 2>&1; } \
-        || echo "WARNING: could not install iproute2: the multi-host tests will fail" >&2
+        || missing_package iproute2 "the multi-host tests will fail"
 fi
 venv="$PWD/target/test-venv"
 stamp="$venv/.installed-v2"
 if [ -e "$stamp" ]; then
     exit 0
 fi
-required=0
-case "${CI:-}" in "" | 0 | false | FALSE | False) ;; *) required=1 ;; esac
-[ "${FLUMEN_REQUIRE_TOOLS:-0}" = "1" ] && required=1
 if python3 -m venv "$venv" && "$venv/bin/pip" install --quiet --disable-pip-version-check \
     "moto[server]==5.2.5" "deltalake==1.1.4" "pyiceberg[sql-sqlite,pyarrow]==0.12.0" \
     "adbc-driver-flightsql==1.13.0" "adbc-driver-manager==1.13.0" "numpy==2.4.6"; then

@@ -152,7 +152,7 @@ async fn run_blocks(
         match serde_json::from_slice(&event.body).unwrap() {
             TaskEvent::Block(info) => blocks.push(info),
             TaskEvent::Progress { .. } => {}
-            TaskEvent::Done { blocks: done } => {
+            TaskEvent::Done { blocks: done, .. } => {
                 assert_eq!(done, blocks.len(), "Done names the blocks announced");
                 return Ok(blocks);
             }

@@ -213,6 +213,10 @@ pub enum TaskEvent {
     Done {
         /// Blocks the task left, all already announced.
         blocks: usize,
+        /// DataFusion's counters of the task's plan that the driver shows (pruning,
+        /// spilling: [`crate::exec::plan_metrics`]).
+        #[serde(default)]
+        metrics: Vec<crate::exec::plan_metrics::PlanMetric>,
     },
 }
 

@@ -101,6 +101,17 @@ pub fn check_round_trip(
     ctx: &TaskContext,
 ) -> std::result::Result<(), RoundTrip> {
     let decoded = decode(bytes, ctx).map_err(RoundTrip::Undecodable)?;
+    // A type proto loses shows in no node's text: a scan's table schema with a `LargeList`
+    // decoded as `List` (schema_evolution_nested.slt) reads what the planned scan casts.
+    if decoded.schema() != plan.schema() {
+        return Err(RoundTrip::Undecodable(DataFusionError::NotImplemented(
+            format!(
+                "the task plan decodes with another output schema: planned {}, decoded {}",
+                plan.schema(),
+                decoded.schema()
+            ),
+        )));
+    }
     let planned = as_sent(plan).map_err(RoundTrip::Differs)?;
     let planned = without_read_order_hints(&describe(&planned));
     let got = describe(&decoded);

@@ -346,10 +346,11 @@ impl TaskReply {
                     }
                     TaskEvent::Progress { rows: rows as u64 }
                 }
-                Some(Produced::Finished(Ok(()))) => {
+                Some(Produced::Finished(Ok(metrics))) => {
                     self.ended = true;
                     TaskEvent::Done {
                         blocks: self.blocks,
+                        metrics,
                     }
                 }
                 Some(Produced::Finished(Err(e))) => {

@@ -50,6 +50,8 @@ use crate::cluster::protocol::{
 };
 use crate::cluster::tls::{WorkerTrust, local_tls};
 use crate::cluster::worker::MAX_TASK_BYTES;
+use crate::exec::on_driver::DriverTasks;
+use crate::exec::plan_metrics::PlanMetric;
 use crate::plan::graph::Pool;
 use crate::store::block::{HeldAt, HeldBlock};
 
@@ -310,7 +312,8 @@ impl WorkerHandle {
     }
 
     /// Run a task (`plan`, encoded with datafusion-proto), handing each block it leaves
-    /// here to `on_block` as soon as the worker announces it; returns how many it left.
+    /// here to `on_block` as soon as the worker announces it; returns the counters of its
+    /// plan the worker carried back.
     /// With a `deadline`, a task that goes that long without a sign of progress (a block,
     /// or rows of output) fails as [`Failure::Stuck`].
     async fn run(
@@ -319,7 +322,7 @@ impl WorkerHandle {
         request: &TaskRequest,
         deadline: Option<Duration>,
         on_block: &mut (dyn FnMut(RemoteBlockInfo) -> Result<()> + Send),
-    ) -> Result<usize, Failure> {
+    ) -> Result<Vec<PlanMetric>, Failure> {
         let stuck = || {
             let limit = deadline.unwrap_or_default().as_secs();
             Failure::Stuck(format!(
@@ -348,7 +351,7 @@ impl WorkerHandle {
                 match event {
                     TaskEvent::Block(info) => on_block(info).map_err(Failure::Driver)?,
                     TaskEvent::Progress { .. } => {}
-                    TaskEvent::Done { blocks } => return Ok(blocks),
+                    TaskEvent::Done { metrics, .. } => return Ok(metrics),
                 }
             }
         };
@@ -825,7 +828,7 @@ impl WorkerPool {
         describe: &str,
         prefer: Option<&str>,
         on_block: &mut (dyn FnMut(usize, RemoteBlock) -> Result<()> + Send),
-    ) -> Result<(usize, String)> {
+    ) -> Result<TaskRan> {
         let mut attempt = 0;
         loop {
             let worker = self.pick(prefer).await?;
@@ -843,7 +846,13 @@ impl WorkerPool {
             let deadline = self.settings.timeouts.task;
             let attempt_result = worker.run(plan, request, deadline, &mut hand_out).await;
             match attempt_result.map_err(|f| worker.classify(f)) {
-                Ok(_) => return Ok((attempt, worker.address.clone())),
+                Ok(metrics) => {
+                    return Ok(TaskRan {
+                        retries: attempt,
+                        worker: worker.address.clone(),
+                        metrics,
+                    });
+                }
                 Err(Failure::Driver(e)) => return Err(e),
                 Err(Failure::Stuck(e)) if attempt < max_retries => {
                     worker.stop_because(e.clone());
@@ -1266,15 +1275,33 @@ pub fn worker_binary(configured: &str) -> Result<PathBuf> {
     ))
 }
 
+/// How a task ran on a pool's worker.
+#[derive(Debug)]
+pub struct TaskRan {
+    /// Attempts retried on another worker after theirs died or stuck.
+    pub retries: usize,
+    /// The address of the worker that ran it.
+    pub worker: String,
+    /// DataFusion's counters of its plan, carried back.
+    pub metrics: Vec<PlanMetric>,
+}
+
 /// Where a session keeps its worker pools, CPU and accelerator (each started on the first
 /// query that needs it).
 #[derive(Debug, Default)]
 pub struct WorkerPoolSlot {
     cpu: tokio::sync::Mutex<Option<Arc<WorkerPool>>>,
     accelerator: tokio::sync::Mutex<Option<Arc<WorkerPool>>>,
+    /// The session's tasks that ran on the driver instead, per reason.
+    on_driver: DriverTasks,
 }
 
 impl WorkerPoolSlot {
+    /// The session's worker-mode tasks that ran on the driver, per reason.
+    pub fn tasks_on_driver(&self) -> &DriverTasks {
+        &self.on_driver
+    }
+
     fn slot(&self, kind: Pool) -> &tokio::sync::Mutex<Option<Arc<WorkerPool>>> {
         match kind {
             Pool::Cpu => &self.cpu,

@@ -21,6 +21,7 @@ use tokio::sync::mpsc::UnboundedSender;
 
 use crate::cluster::admission::{admit_options, admit_plan};
 use crate::cluster::protocol::{TaskInput, TaskRequest, decode_task};
+use crate::exec::plan_metrics::{PlanMetric, carried};
 use crate::store::block_memory::compact;
 use crate::store::cutter::{BlockCutter, bundle_pieces};
 
@@ -31,8 +32,9 @@ pub(crate) enum Produced {
     Block(usize, RecordBatch),
     /// Output rows so far (after each output batch): the task advances.
     Rows(usize),
-    /// The task ended: `Ok` when it finished, else its error.
-    Finished(Result<()>),
+    /// The task ended: `Ok` with DataFusion's counters of its plan when it finished, else
+    /// its error.
+    Finished(Result<Vec<PlanMetric>>),
 }
 
 /// Where a running task's [`Produced`] items go.
@@ -83,7 +85,7 @@ async fn run_task_body(
     fetched: Vec<RecordBatch>,
     ctx: &SessionContext,
     out: &mut (dyn FnMut(Produced) + Send),
-) -> Result<()> {
+) -> Result<Vec<PlanMetric>> {
     let (request, plan) = decode_task(body).map_err(DataFusionError::Execution)?;
     admit_options(&request.options)?;
     let mut config = ctx.copied_config();
@@ -103,7 +105,8 @@ async fn run_task_body(
         Some(inputs) => with_inputs(plan, inputs, fetched, request.target_rows)?,
         None => plan,
     };
-    plan_blocks(plan, task_ctx, &request, out).await
+    plan_blocks(Arc::clone(&plan), task_ctx, &request, out).await?;
+    Ok(carried(&plan))
 }
 
 /// `state` with the object stores the task names (and only those, besides local files) in

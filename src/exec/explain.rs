@@ -11,7 +11,8 @@ use datafusion::error::Result;
 use datafusion::execution::{SendableRecordBatchStream, TaskContext};
 use datafusion::physical_plan::execution_plan::{ChildrenPropertiesMode, ReplaceChildrenOptions};
 use datafusion::physical_plan::metrics::{
-    Count, CustomMetricValue, Gauge, Metric, MetricValue, MetricsSet, RatioMetrics, Time,
+    Count, CustomMetricValue, Gauge, Metric, MetricValue, MetricsSet, PruningMetrics, RatioMetrics,
+    Time,
 };
 use datafusion::physical_plan::{
     DisplayAs, DisplayFormatType, ExecutionPlan, PhysicalExpr, PlanProperties,
@@ -19,9 +20,11 @@ use datafusion::physical_plan::{
 
 use crate::config::FlumenConfig;
 use crate::exec::metrics::{OperatorStats, RunMetrics};
+use crate::exec::plan_metrics::{PlanMetric, PlanMetricValue};
 use crate::functions::accelerator::accelerator_function;
 use crate::plan::graph::{Operator, OperatorGraph, OperatorId, Pool};
 use crate::plan::stage_input::StageInputExec;
+use datafusion::common::format::{MetricCategory, MetricType};
 
 /// The `EXPLAIN` node of operator `id`, with those of the operators feeding it below its
 /// stage inputs, showing the counters in `metrics`.
@@ -196,16 +199,10 @@ impl ExecutionPlan for OperatorExec {
     fn metrics(&self) -> Option<MetricsSet> {
         let s = self.stats.snapshot();
         let mut set = MetricsSet::new();
-        let count = |name: &'static str, v: u64| {
+        let count = |name: std::borrow::Cow<'static, str>, v: u64| {
             let c = Count::new();
             c.add(v as usize);
-            Arc::new(Metric::new(
-                MetricValue::Count {
-                    name: name.into(),
-                    count: c,
-                },
-                None,
-            ))
+            Arc::new(Metric::new(MetricValue::Count { name, count: c }, None))
         };
         let time = |name: &'static str, ns: u64| {
             let t = Time::new();
@@ -218,9 +215,9 @@ impl ExecutionPlan for OperatorExec {
                 None,
             ))
         };
-        set.push(count("rows", s.rows));
-        set.push(count("blocks", s.blocks));
-        set.push(count("tasks", s.tasks));
+        set.push(count("rows".into(), s.rows));
+        set.push(count("blocks".into(), s.blocks));
+        set.push(count("tasks".into(), s.tasks));
         set.push(time("busy", s.busy_ns));
         set.push(time("backpressure_wait", s.backpressure_ns));
         let bytes = |name: &'static str, n: u64| {
@@ -235,14 +232,14 @@ impl ExecutionPlan for OperatorExec {
             ))
         };
         set.push(bytes("peak_bytes", s.peak_bytes));
-        set.push(count("tasks_recomputed", s.recomputed));
-        set.push(count("blocks_spilled", s.spilled));
+        set.push(count("tasks_recomputed".into(), s.recomputed));
+        set.push(count("blocks_spilled".into(), s.spilled));
         let mut sizes = self.stats.partition_sizes();
         if sizes.len() > 1 {
             sizes.sort_unstable();
             let total: u64 = sizes.iter().sum();
             let (largest, median) = (sizes[sizes.len() - 1], sizes[sizes.len() / 2]);
-            set.push(count("output_partitions", sizes.len() as u64));
+            set.push(count("output_partitions".into(), sizes.len() as u64));
             set.push(bytes("largest_partition", largest));
             set.push(bytes("median_partition", median));
             // How much of the output the largest partition has (1/partitions when even).
@@ -268,27 +265,88 @@ impl ExecutionPlan for OperatorExec {
         }
         if s.retried_in_pieces > 0 {
             set.push(count(
-                "tasks_retried_sorting_in_pieces",
+                "tasks_retried_sorting_in_pieces".into(),
                 s.retried_in_pieces,
             ));
         }
         if s.retried_alone > 0 {
-            set.push(count("tasks_retried_alone", s.retried_alone));
+            set.push(count("tasks_retried_alone".into(), s.retried_alone));
         }
         if s.merge_join_fallbacks > 0 {
-            set.push(count("tasks_as_merge_join", s.merge_join_fallbacks));
+            set.push(count("tasks_as_merge_join".into(), s.merge_join_fallbacks));
         }
         if s.partitions_sliced > 0 {
-            set.push(count("partitions_sliced", s.partitions_sliced));
-            set.push(count("slice_tasks", s.slices));
+            set.push(count("partitions_sliced".into(), s.partitions_sliced));
+            set.push(count("slice_tasks".into(), s.slices));
+        }
+        // DataFusion's counters of the plans its workers ran, under DataFusion's names.
+        for PlanMetric {
+            name,
+            value,
+            summary,
+            category,
+        } in self.stats.worker_plan_metrics.metrics()
+        {
+            let metric_type = match summary {
+                true => MetricType::Summary,
+                false => MetricType::Dev,
+            };
+            let metric = Metric::new(
+                match value {
+                    PlanMetricValue::Count(n) => {
+                        let c = Count::new();
+                        c.add(n as usize);
+                        MetricValue::Count {
+                            name: name.into(),
+                            count: c,
+                        }
+                    }
+                    PlanMetricValue::Pruning {
+                        pruned,
+                        matched,
+                        fully_matched,
+                    } => {
+                        let pruning_metrics = PruningMetrics::new();
+                        pruning_metrics.add_pruned(pruned as usize);
+                        pruning_metrics.add_matched(matched as usize);
+                        pruning_metrics.add_fully_matched(fully_matched as usize);
+                        MetricValue::PruningMetrics {
+                            name: name.into(),
+                            pruning_metrics,
+                        }
+                    }
+                },
+                None,
+            )
+            .with_type(metric_type);
+            let metric = match category.and_then(|c| c.parse::<MetricCategory>().ok()) {
+                Some(category) => metric.with_category(category),
+                None => metric,
+            };
+            set.push(Arc::new(metric));
+        }
+        if s.tasks_on_driver > 0 {
+            set.push(count("tasks_on_driver".into(), s.tasks_on_driver));
+            for (reason, n) in self.stats.on_driver() {
+                set.push(count(format!("tasks_on_driver.{reason}").into(), n));
+            }
         }
         if s.remote_tasks > 0 {
-            set.push(count("remote_tasks", s.remote_tasks));
-            set.push(count("blocks_lost", s.blocks_lost));
-            set.push(count("tasks_retried", s.tasks_retried));
-            set.push(count("input_bytes_by_ticket", s.input_bytes_by_ticket));
-            set.push(count("input_bytes_via_driver", s.input_bytes_via_driver));
-            set.push(count("output_bytes_to_driver", s.output_bytes_to_driver));
+            set.push(count("remote_tasks".into(), s.remote_tasks));
+            set.push(count("blocks_lost".into(), s.blocks_lost));
+            set.push(count("tasks_retried".into(), s.tasks_retried));
+            set.push(count(
+                "input_bytes_by_ticket".into(),
+                s.input_bytes_by_ticket,
+            ));
+            set.push(count(
+                "input_bytes_via_driver".into(),
+                s.input_bytes_via_driver,
+            ));
+            set.push(count(
+                "output_bytes_to_driver".into(),
+                s.output_bytes_to_driver,
+            ));
         }
         Some(set)
     }

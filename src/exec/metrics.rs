@@ -1,5 +1,7 @@
 //! Per-operator counters, shown by `EXPLAIN ANALYZE` and by progress displays.
 
+use crate::exec::on_driver::OnDriver;
+use crate::exec::plan_metrics::CarriedSums;
 use crate::store::operator_memory::MemoryCounters;
 use std::collections::BTreeMap;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -30,6 +32,11 @@ pub struct OperatorStats {
     pub spilled: AtomicU64,
     /// Tasks run in worker processes.
     pub remote_tasks: AtomicU64,
+    /// Tasks of a worker-mode query that ran on the driver, per reason
+    /// ([`OnDriver::name`]).
+    pub on_driver: Mutex<BTreeMap<&'static str, u64>>,
+    /// DataFusion's counters of its tasks' plans run in workers (pruning, spilling), summed.
+    pub worker_plan_metrics: CarriedSums,
     /// Output blocks lost with the worker that held them.
     pub blocks_lost: AtomicU64,
     /// Task attempts retried on another worker after theirs died.
@@ -86,6 +93,8 @@ pub struct StatsSnapshot {
     pub spilled: u64,
     /// Tasks run in worker processes.
     pub remote_tasks: u64,
+    /// Tasks of a worker-mode query that ran on the driver.
+    pub tasks_on_driver: u64,
     /// Blocks lost with their worker.
     pub blocks_lost: u64,
     /// Task attempts retried after a worker died.
@@ -143,6 +152,21 @@ impl OperatorStats {
         self.model_metrics.lock().unwrap().clone()
     }
 
+    /// Count a task of a worker-mode query that ran on the driver for `why`.
+    pub fn count_on_driver(&self, why: &OnDriver) {
+        *self
+            .on_driver
+            .lock()
+            .unwrap()
+            .entry(why.name())
+            .or_default() += 1;
+    }
+
+    /// Tasks that ran on the driver, per reason.
+    pub fn on_driver(&self) -> BTreeMap<&'static str, u64> {
+        self.on_driver.lock().unwrap().clone()
+    }
+
     /// Raise the peak of held bytes to `bytes` if higher.
     pub fn observe_held(&self, bytes: u64) {
         self.peak_bytes.fetch_max(bytes, Ordering::Relaxed);
@@ -163,6 +187,7 @@ impl OperatorStats {
             recomputed: r(&self.recomputed),
             spilled: r(&self.spilled),
             remote_tasks: r(&self.remote_tasks),
+            tasks_on_driver: self.on_driver.lock().unwrap().values().sum(),
             blocks_lost: r(&self.blocks_lost),
             tasks_retried: r(&self.tasks_retried),
             retried_in_pieces: r(&self.retried_in_pieces),

@@ -13,6 +13,8 @@
 //! - [`lineage`]: fetching a block, and recomputing it from its producer task when lost.
 //! - [`slices`]: a join's hot partition, refused memory, cut into slices of its build side.
 //! - [`remote_tasks`]: tasks run in worker processes, and recovering a dead worker's blocks.
+//! - [`on_driver`]: why a worker-mode task ran on the driver, counted per reason.
+//! - [`plan_metrics`]: DataFusion's counters of a worker's task plan, carried back.
 //! - [`accelerator_threads`]: the in-process accelerator pool (threads that keep models).
 //! - [`progress`]: a running query's progress in words (one line per operator).
 
@@ -23,6 +25,8 @@ pub(crate) mod flumen_exec;
 pub(crate) mod launch;
 pub(crate) mod lineage;
 pub(crate) mod metrics;
+pub mod on_driver;
+pub mod plan_metrics;
 pub(crate) mod planner;
 pub(crate) mod policy;
 pub mod progress;
@@ -39,5 +43,6 @@ pub use accelerator_threads::AcceleratorPool;
 pub use flumen_exec::FlumenExec;
 pub use lineage::{BlockDropper, BlockInfo};
 pub use metrics::{OperatorStats, RunMetrics, StatsSnapshot};
+pub use on_driver::{DriverTasks, OnDriver};
 pub use planner::FlumenQueryPlanner;
 pub use progress::operator_progress;

@@ -28,7 +28,7 @@ use datafusion::arrow::record_batch::RecordBatch;
 use datafusion::common::tree_node::{Transformed, TreeNode};
 use datafusion::config::ExtensionOptions;
 use datafusion::datasource::memory::MemorySourceConfig;
-use datafusion::datasource::physical_plan::FileScanConfig;
+use datafusion::datasource::physical_plan::{FileScanConfig, FileScanConfigBuilder};
 use datafusion::datasource::source::DataSourceExec;
 use datafusion::error::{DataFusionError, Result};
 use datafusion::physical_plan::projection::ProjectionExec;
@@ -45,6 +45,7 @@ use crate::cluster::worker_pool::{
 use crate::cluster::worker_tasks::collect_blocks;
 use crate::exec::lineage::{TaskId, TaskKind};
 use crate::exec::metrics::OperatorStats;
+use crate::exec::on_driver::OnDriver;
 use crate::exec::run::QueryRun;
 use crate::io::object_stores::StoreGrants;
 use crate::plan::accelerator_projection::AcceleratorProjectionExec;
@@ -54,37 +55,107 @@ use crate::plan::stage_input::StageInputExec;
 use crate::store::block::{Block, BlockData, BlockId, HeldBlock, OutputPlace, OutputPlaces};
 use crate::store::cutter::bundle_pieces;
 
-/// The plan a worker runs for source split `split` of `partition` of `op`; `None` when the
-/// fragment has no source split to cut it at.
+/// The plan a worker runs for source split `split` of `partition` of `op`, or why there is
+/// none.
 fn source_plan(
     op: &Operator,
     partition: usize,
     split: usize,
     stores: &StoreGrants,
-) -> Option<Arc<dyn ExecutionPlan>> {
-    let mut found = false;
+) -> Result<Arc<dyn ExecutionPlan>, OnDriver> {
+    let mut found = None;
     let plan = Arc::clone(&op.fragment)
         .transform_up(|node| {
             if let Some(source) = node.downcast_ref::<SplitSourceExec>()
                 && let Some(scan) = source.split_plan(partition, split)
-                && workers_can_read(&scan, stores)
             {
-                found = true;
+                if !workers_can_read(&scan, stores) {
+                    found = Some(false);
+                    return Ok(Transformed::no(node));
+                }
+                found = Some(true);
                 return Ok(Transformed::yes(scan));
             }
             Ok(Transformed::no(node))
         })
-        .ok()?
+        .map_err(|e| OnDriver::NotCut(e.to_string()))?
         .data;
-    if !found {
-        return None;
+    match found {
+        Some(true) => with_output_split(op, plan),
+        Some(false) => Err(OnDriver::StoreNotGranted),
+        None => match file_scans(&op.fragment) {
+            0 => Err(OnDriver::DriverData),
+            1 if split == 0 => partition_scan_plan(op, partition, stores),
+            _ => Err(OnDriver::ScanNotSplit),
+        },
+    }
+}
+
+/// The plan a worker runs for source task `partition` of `op` whose one file scan (of any
+/// format) was not cut into splits: the fragment over that partition's file group alone,
+/// as [`SplitSourceExec`] cuts a split.
+fn partition_scan_plan(
+    op: &Operator,
+    partition: usize,
+    stores: &StoreGrants,
+) -> Result<Arc<dyn ExecutionPlan>, OnDriver> {
+    let mut readable = true;
+    let plan = Arc::clone(&op.fragment)
+        .transform_up(|node| {
+            let Some(config) = node
+                .downcast_ref::<DataSourceExec>()
+                .and_then(|s| s.data_source().downcast_ref::<FileScanConfig>())
+            else {
+                return Ok(Transformed::no(node));
+            };
+            let Some(group) = config.file_groups.get(partition) else {
+                return Err(DataFusionError::Plan(format!(
+                    "the scan has no file group {partition}"
+                )));
+            };
+            // datafusion-proto 55 loses what other formats' scans need: sent whole, CSV
+            // scans lost their header and ordering, JSON their compression (copy.slt,
+            // window.slt).
+            if config.file_source().file_type() != "parquet" {
+                return Err(DataFusionError::NotImplemented(format!(
+                    "{} scans are not sent to workers",
+                    config.file_source().file_type()
+                )));
+            }
+            let scan = DataSourceExec::from_data_source(
+                FileScanConfigBuilder::from(config.clone())
+                    .with_file_groups(vec![group.clone()])
+                    .build(),
+            );
+            readable = workers_can_read(&(Arc::clone(&scan) as _), stores);
+            Ok(Transformed::yes(scan as Arc<dyn ExecutionPlan>))
+        })
+        .map_err(|_| OnDriver::ScanNotSplit)?
+        .data;
+    if !readable {
+        return Err(OnDriver::StoreNotGranted);
     }
     with_output_split(op, plan)
 }
 
+/// File scans (of any format) in `plan` above its stage inputs.
+fn file_scans(plan: &Arc<dyn ExecutionPlan>) -> usize {
+    if plan.downcast_ref::<StageInputExec>().is_some() {
+        return 0;
+    }
+    let own = plan
+        .downcast_ref::<DataSourceExec>()
+        .is_some_and(|s| s.data_source().downcast_ref::<FileScanConfig>().is_some());
+    usize::from(own) + plan.children().into_iter().map(file_scans).sum::<usize>()
+}
+
 /// The plan a worker runs for a block-wise task of `op` whose input blocks are `input` (an
-/// in-memory scan); `None` when the fragment does not read exactly one stage input.
-fn blocks_plan(op: &Operator, input: Arc<dyn ExecutionPlan>) -> Option<Arc<dyn ExecutionPlan>> {
+/// in-memory scan), or why there is none (the fragment does not read exactly one stage
+/// input, or reads it with a limit).
+fn blocks_plan(
+    op: &Operator,
+    input: Arc<dyn ExecutionPlan>,
+) -> Result<Arc<dyn ExecutionPlan>, OnDriver> {
     let mut inputs = 0;
     // Top down: a stage input is replaced before the walk could reach the producer's
     // fragment below it (which is not this task's).
@@ -93,7 +164,7 @@ fn blocks_plan(op: &Operator, input: Arc<dyn ExecutionPlan>) -> Option<Arc<dyn E
             if let Some(stage) = node.downcast_ref::<StageInputExec>() {
                 if stage.fetch().is_some() {
                     return Err(DataFusionError::NotImplemented(
-                        "a stage input limit".into(),
+                        "a stage input with a limit".into(),
                     ));
                 }
                 inputs += 1;
@@ -111,10 +182,10 @@ fn blocks_plan(op: &Operator, input: Arc<dyn ExecutionPlan>) -> Option<Arc<dyn E
             }
             Ok(Transformed::no(node))
         })
-        .ok()?
+        .map_err(|e| OnDriver::NotCut(e.to_string()))?
         .data;
     if inputs != 1 {
-        return None;
+        return Err(OnDriver::NotCut(format!("{inputs} stage inputs")));
     }
     with_output_split(op, plan)
 }
@@ -123,15 +194,16 @@ fn blocks_plan(op: &Operator, input: Arc<dyn ExecutionPlan>) -> Option<Arc<dyn E
 fn with_output_split(
     op: &Operator,
     plan: Arc<dyn ExecutionPlan>,
-) -> Option<Arc<dyn ExecutionPlan>> {
-    if plan.output_partitioning().partition_count() != 1 {
-        return None;
+) -> Result<Arc<dyn ExecutionPlan>, OnDriver> {
+    let partitions = plan.output_partitioning().partition_count();
+    if partitions != 1 {
+        return Err(OnDriver::NotCut(format!("{partitions} output partitions")));
     }
     match &op.output_split {
-        None => Some(plan),
-        Some(split) => Some(Arc::new(
-            RepartitionExec::try_new(plan, split.clone()).ok()?,
-        )),
+        None => Ok(plan),
+        Some(split) => RepartitionExec::try_new(plan, split.clone())
+            .map(|r| Arc::new(r) as Arc<dyn ExecutionPlan>)
+            .map_err(|e| OnDriver::NotCut(e.to_string())),
     }
 }
 
@@ -147,24 +219,16 @@ fn workers_can_read(scan: &Arc<dyn ExecutionPlan>, stores: &StoreGrants) -> bool
         })
 }
 
-/// Encode a task plan for `pool`'s workers; `None` when they could not run it (a node or
-/// scan a worker refuses, a function they do not know).
+/// Encode a task plan for `pool`'s workers, or say why they could not run it (a node or
+/// scan a worker refuses, a function they do not know, a node proto cannot encode).
 fn encode_for_worker(
     plan: &Arc<dyn ExecutionPlan>,
     pool: &WorkerPool,
-    describe: &str,
-) -> Option<Vec<u8>> {
-    if let Err(e) = admit_plan(plan, &scanned_files(plan), &scanned_stores(plan)) {
-        log::debug!("{describe} runs on the driver: {e}");
-        return None;
-    }
-    match task_plan::encode(plan, Arc::clone(pool.functions())) {
-        Ok(bytes) => Some(bytes),
-        Err(e) => {
-            log::debug!("{describe} runs on the driver: {e}");
-            None
-        }
-    }
+) -> Result<Vec<u8>, OnDriver> {
+    admit_plan(plan, &scanned_files(plan), &scanned_stores(plan))
+        .map_err(|e| OnDriver::Refused(e.to_string()))?;
+    task_plan::encode(plan, Arc::clone(pool.functions()))
+        .map_err(|e| OnDriver::Unencodable(e.to_string()))
 }
 
 /// A task ready to send: its header, its encoded plan, and the host it would rather run on.
@@ -205,9 +269,9 @@ impl WorkerTask {
 }
 
 impl QueryRun {
-    /// Run task `task` in a worker process. `Ok(false)`: it cannot run there, run it here
-    /// instead.
-    pub(super) async fn execute_remote(self: &Arc<Self>, task: TaskId) -> Result<bool> {
+    /// Run task `task` in a worker process. `Ok(Some(why))`: it cannot run there, run it
+    /// here instead.
+    pub(super) async fn execute_remote(self: &Arc<Self>, task: TaskId) -> Result<Option<OnDriver>> {
         // Talk to workers from the query's runtime: the gRPC channels, heartbeats and
         // replacement starts live on the runtime they were made on, and an accelerator
         // thread's runtime only runs while that thread has a task.
@@ -222,15 +286,17 @@ impl QueryRun {
         self.execute_remote_here(task).await
     }
 
-    async fn execute_remote_here(self: &Arc<Self>, task: TaskId) -> Result<bool> {
+    async fn execute_remote_here(self: &Arc<Self>, task: TaskId) -> Result<Option<OnDriver>> {
         let Some(slot) = self.worker_slot() else {
-            return Ok(false);
+            return Ok(Some(OnDriver::NotCut(
+                "the session has no worker pool".into(),
+            )));
         };
         let (op_id, partition, kind) = self.task_identity(task);
         // A task running again with its sorts in pieces runs here, where that setting is
         // made (`QueryRun::task_context`).
         if self.state.lock().unwrap().tasks[task].sorts_in_pieces {
-            return Ok(false);
+            return Ok(Some(OnDriver::SortsInPieces));
         }
         let op = &self.graph.operators[op_id];
         let describe = format!(
@@ -242,22 +308,24 @@ impl QueryRun {
             TaskKind::Source { split } => source_plan(op, partition, *split, &self.store_grants()),
             TaskKind::Blocks { .. } => {
                 let schema = self.graph.operators[op.inputs[0]].fragment.schema();
-                let empty = MemorySourceConfig::try_new_exec(&[vec![]], schema, None).ok();
-                empty.and_then(|input| blocks_plan(op, input))
+                let empty = MemorySourceConfig::try_new_exec(&[vec![]], schema, None)?;
+                blocks_plan(op, empty)
             }
-            TaskKind::Partition | TaskKind::Slice { .. } => None,
+            TaskKind::Partition | TaskKind::Slice { .. } => Err(OnDriver::PerPartition),
         };
-        let Some(runnable) = runnable else {
-            return Ok(false);
+        let runnable = match runnable {
+            Ok(plan) => plan,
+            Err(why) => return Ok(Some(why)),
         };
         let pool = slot
             .get_or_start(op.pool, self.pool_settings(op.pool)?)
             .await?;
-        let Some(bytes) = encode_for_worker(&runnable, &pool, &describe) else {
-            return Ok(false);
+        let bytes = match encode_for_worker(&runnable, &pool) {
+            Ok(bytes) => bytes,
+            Err(why) => return Ok(Some(why)),
         };
-        if !self.decodes_as_planned(&runnable, &bytes, &describe)? {
-            return Ok(false);
+        if let Some(why) = self.decodes_as_planned(&runnable, &bytes, &describe)? {
+            return Ok(Some(why));
         }
         // Recorded before its first block: a block lost while the task still runs is
         // recomputed from the same plan. A worker reads the split with no rows dropped by
@@ -298,39 +366,36 @@ impl QueryRun {
             self.changed();
             Ok(())
         };
-        if !self
+        if let Some(why) = self
             .run_worker_task(&pool, task, &describe, &mut take)
             .await?
         {
             self.remote_tasks.lock().unwrap().remove(&task);
-            return Ok(false);
+            return Ok(Some(why));
         }
         OperatorStats::add(&self.stats(op_id).remote_tasks, 1);
-        Ok(true)
+        Ok(None)
     }
 
     /// Whether a worker decodes `plan` (encoded as `bytes`) as it was planned
-    /// ([`task_plan::check_round_trip`]). A plan that does not decode runs on the driver. A
-    /// plan that decodes to another plan is the task's error in debug builds, so tests fail
-    /// on it; a release build runs the task on the driver and warns.
+    /// ([`task_plan::check_round_trip`]): `Some(why)` when not. A plan that does not decode
+    /// runs on the driver. A plan that decodes to another plan is the task's error in debug
+    /// builds, so tests fail on it; a release build runs the task on the driver and warns.
     fn decodes_as_planned(
         &self,
         plan: &Arc<dyn ExecutionPlan>,
         bytes: &[u8],
         describe: &str,
-    ) -> Result<bool> {
+    ) -> Result<Option<OnDriver>> {
         match task_plan::check_round_trip(plan, bytes, &self.base_context()) {
-            Ok(()) => Ok(true),
-            Err(RoundTrip::Undecodable(e)) => {
-                log::debug!("{describe} runs on the driver: its plan does not decode: {e}");
-                Ok(false)
-            }
+            Ok(()) => Ok(None),
+            Err(RoundTrip::Undecodable(e)) => Ok(Some(OnDriver::Undecodable(e.to_string()))),
             Err(RoundTrip::Differs(e)) if cfg!(debug_assertions) => {
                 Err(e.context(describe.to_string()))
             }
             Err(RoundTrip::Differs(e)) => {
                 log::warn!("{describe} runs on the driver: {e}");
-                Ok(false)
+                Ok(Some(OnDriver::DecodesDifferently(e.to_string())))
             }
         }
     }
@@ -339,25 +404,27 @@ impl QueryRun {
     /// fetched by that worker straight from them; those that live here go in the request.
     /// When a worker cannot fetch an input (its holder died), that input is recomputed
     /// from lineage and the task sent again (at most `flumen.max_task_retries` times).
-    /// Blocks go to `on_block` as [`WorkerPool::run_task`] hands them out. `false`: the
-    /// task has no plan a worker can run.
+    /// Blocks go to `on_block` as [`WorkerPool::run_task`] hands them out. `Some(why)`:
+    /// the task has no plan a worker can run.
     async fn run_worker_task(
         self: &Arc<Self>,
         pool: &Arc<WorkerPool>,
         task: TaskId,
         describe: &str,
         on_block: &mut (dyn FnMut(usize, RemoteBlock) -> Result<()> + Send),
-    ) -> Result<bool> {
+    ) -> Result<Option<OnDriver>> {
         let (op_id, partition, _) = self.task_identity(task);
         // Inputs read here stay here across attempts (reading consumed them).
         let mut read_here = HashMap::new();
         let mut lost_inputs = 0;
         loop {
-            let Some(work) = self.worker_task(task, &mut read_here).await? else {
-                return Ok(false);
+            let work = match self.worker_task(task, &mut read_here).await? {
+                Ok(work) => work,
+                Err(why) => return Ok(Some(why)),
             };
-            let Some(bytes) = encode_for_worker(&work.plan, pool, describe) else {
-                return Ok(false);
+            let bytes = match encode_for_worker(&work.plan, pool) {
+                Ok(bytes) => bytes,
+                Err(why) => return Ok(Some(why)),
             };
             let mut request = self.task_request(op_id, partition, &work.plan);
             request.first_block_rows = self.first_block_rows_of(task);
@@ -375,7 +442,7 @@ impl QueryRun {
                     let stats = self.stats(op_id);
                     OperatorStats::add(&stats.input_bytes_by_ticket, work.bytes_by_ticket);
                     OperatorStats::add(&stats.input_bytes_via_driver, work.bytes_via_driver);
-                    return Ok(true);
+                    return Ok(None);
                 }
                 Err(e)
                     if e.to_string().contains(INPUT_LOST)
@@ -390,14 +457,15 @@ impl QueryRun {
         }
     }
 
-    /// `task` as a worker runs it. A block-wise task's inputs held by live workers become
-    /// tickets the worker fetches; the others are read here (recomputed if lost; kept in
-    /// `read_here` for a later attempt) and put in the plan's in-memory source.
+    /// `task` as a worker runs it, or why a worker cannot (the outer error is the task's).
+    /// A block-wise task's inputs held by live workers become tickets the worker fetches;
+    /// the others are read here (recomputed if lost; kept in `read_here` for a later
+    /// attempt) and put in the plan's in-memory source.
     async fn worker_task(
         self: &Arc<Self>,
         task: TaskId,
         read_here: &mut HashMap<BlockId, RecordBatch>,
-    ) -> Result<Option<WorkerTask>> {
+    ) -> Result<Result<WorkerTask, OnDriver>> {
         let (op_id, _, kind) = self.task_identity(task);
         let op = &self.graph.operators[op_id];
         let TaskKind::Blocks { inputs } = kind else {
@@ -439,14 +507,15 @@ impl QueryRun {
         }
         let schema = self.graph.operators[op.inputs[0]].fragment.schema();
         let input = MemorySourceConfig::try_new_exec(&[inline], schema, None)?;
-        let Some(plan) = blocks_plan(op, input) else {
-            return Ok(None);
+        let plan = match blocks_plan(op, input) {
+            Ok(plan) => plan,
+            Err(why) => return Ok(Err(why)),
         };
         let prefer = bytes_by_host
             .into_iter()
             .max_by(|(host_a, a), (host_b, b)| a.cmp(b).then_with(|| host_b.cmp(host_a)))
             .map(|(host, _)| host);
-        Ok(Some(WorkerTask {
+        Ok(Ok(WorkerTask {
             plan,
             inputs: Some(sources),
             by_ticket,
@@ -474,8 +543,11 @@ impl QueryRun {
     }
 
     /// The plan a worker runs for `task` (a block-wise task's inputs are fetched, recomputed
-    /// if they were lost); `None` when it has no such plan.
-    async fn task_plan(self: &Arc<Self>, task: TaskId) -> Result<Option<Arc<dyn ExecutionPlan>>> {
+    /// if they were lost), or why it has no such plan.
+    async fn task_plan(
+        self: &Arc<Self>,
+        task: TaskId,
+    ) -> Result<Result<Arc<dyn ExecutionPlan>, OnDriver>> {
         let (op_id, partition, kind) = self.task_identity(task);
         let op = &self.graph.operators[op_id];
         match kind {
@@ -493,7 +565,7 @@ impl QueryRun {
                 let input = MemorySourceConfig::try_new_exec(&[pieces], schema, None)?;
                 Ok(blocks_plan(op, input))
             }
-            TaskKind::Partition | TaskKind::Slice { .. } => Ok(None),
+            TaskKind::Partition | TaskKind::Slice { .. } => Ok(Err(OnDriver::PerPartition)),
         }
     }
 
@@ -613,9 +685,10 @@ impl QueryRun {
             }
             Ok(())
         };
-        if !self
+        if self
             .run_worker_task(&pool, task, &describe, &mut rehome)
             .await?
+            .is_some()
         {
             return Ok(false);
         }
@@ -750,7 +823,7 @@ impl QueryRun {
     ) -> Result<()> {
         let config = self.config();
         let retries = config.max_task_retries;
-        let (retries, ran_on) = pool
+        let ran = pool
             .run_task(
                 task.plan,
                 task.request,
@@ -760,8 +833,10 @@ impl QueryRun {
                 on_block,
             )
             .await?;
-        OperatorStats::add(&self.stats(op_id).tasks_retried, retries as u64);
-        self.metrics.count_task_on(&host_of(&ran_on));
+        let stats = self.stats(op_id);
+        OperatorStats::add(&stats.tasks_retried, ran.retries as u64);
+        stats.worker_plan_metrics.add(ran.metrics);
+        self.metrics.count_task_on(&host_of(&ran.worker));
         self.note_restarts(pool);
         Ok(())
     }
@@ -794,7 +869,7 @@ impl QueryRun {
         if !self.remote_tasks.lock().unwrap().contains(&task) {
             return Ok(None);
         }
-        let Some(plan) = self.task_plan(task).await? else {
+        let Ok(plan) = self.task_plan(task).await? else {
             return Ok(None);
         };
         let (op_id, partition, _) = self.task_identity(task);
@@ -829,7 +904,7 @@ impl QueryRun {
             return plan;
         };
         let describe = format!("recomputing a task of flumen operator {op_id}");
-        let Some(bytes) = encode_for_worker(&plan, &pool, &describe) else {
+        let Ok(bytes) = encode_for_worker(&plan, &pool) else {
             return plan;
         };
         match task_plan::decode(&bytes, &self.base_context()) {

@@ -13,6 +13,7 @@ use futures::StreamExt;
 
 use crate::exec::lineage::{BlockInfo, TaskId, TaskKind};
 use crate::exec::metrics::OperatorStats;
+use crate::exec::on_driver::OnDriver;
 use crate::exec::run::QueryRun;
 use crate::exec::streams::TaskProvider;
 use crate::plan::graph::OperatorId;
@@ -74,10 +75,32 @@ impl QueryRun {
     /// Run a task: in a worker process when the session has them and the task can go there,
     /// else here.
     pub(super) async fn run_task(self: &Arc<Self>, task: TaskId) -> Result<()> {
-        if self.workers.is_some() && self.execute_remote(task).await? {
-            return Ok(());
+        if self.workers.is_some() {
+            match self.execute_remote(task).await? {
+                None => return Ok(()),
+                Some(why) => self.count_on_driver(task, &why),
+            }
         }
         self.execute_task(task, false).await.map(|_| ())
+    }
+
+    /// Count a worker-mode task that runs here, and say why (at debug level for the
+    /// driver's tasks by design, at info for a fallback).
+    fn count_on_driver(&self, task: TaskId, why: &OnDriver) {
+        let (op_id, partition, _) = self.task_identity(task);
+        self.stats(op_id).count_on_driver(why);
+        if let Some(slot) = self.worker_slot() {
+            slot.tasks_on_driver().count(why);
+        }
+        let op = &self.graph.operators[op_id].name;
+        match why.by_design() {
+            true => {
+                log::debug!("task {task} (partition {partition}) of {op} runs on the driver: {why}")
+            }
+            false => {
+                log::info!("task {task} (partition {partition}) of {op} runs on the driver: {why}")
+            }
+        }
     }
 
     /// Run a task's fragment. Outputs go to the store, or with `capture` (recompute) are
