@@ -308,7 +308,47 @@ fn extract_runs_the_main_job() {
     assert!(out.status.success(), "{}", text(&out.stderr));
     assert!(stdout.contains("wrote 300 rows of features"), "{stdout}");
     assert!(stdout.contains("documents closest to"), "{stdout}");
-    assert!(output.exists());
+    // What it wrote, against vanilla DataFusion (with flumen's functions) on the input.
+    let count = |ctx: &datafusion::prelude::SessionContext, sql: String| {
+        let ctx = ctx.clone();
+        async move {
+            let batches = ctx.sql(&sql).await.unwrap().collect().await.unwrap();
+            datafusion::arrow::util::pretty::pretty_format_batches(&batches)
+                .unwrap()
+                .to_string()
+        }
+    };
+    tokio::runtime::Runtime::new().unwrap().block_on(async {
+        use datafusion::prelude::{ParquetReadOptions, SessionContext};
+        let vanilla = SessionContext::new();
+        flumen::register_functions(&vanilla);
+        for (name, path) in [("docs", &input), ("features", &output)] {
+            vanilla
+                .register_parquet(name, path.to_str().unwrap(), ParquetReadOptions::default())
+                .await
+                .unwrap();
+        }
+        let wrong_rows = count(
+            &vanilla,
+            "SELECT count(*) AS wrong FROM docs d FULL JOIN features f ON d.id = f.id \
+             WHERE d.id IS NULL OR f.id IS NULL OR d.topic <> f.topic \
+             OR length(clean_text(d.body)) <> f.chars \
+             OR array_length(string_to_array(clean_text(d.body), ' ')) <> f.words \
+             OR md5(lower(clean_text(d.body))) <> f.fingerprint"
+                .into(),
+        )
+        .await;
+        assert!(wrong_rows.contains("| 0     |"), "{wrong_rows}");
+        // Every tenth row's vector against vanilla's embed of the same text.
+        let vectors = count(
+            &vanilla,
+            "SELECT count(*) AS n, min(cosine_similarity(f.embedding, embed(clean_text(d.body)))) \
+             >= 0.9999 AS close FROM docs d JOIN features f ON d.id = f.id WHERE d.id % 10 = 0"
+                .into(),
+        )
+        .await;
+        assert!(vectors.contains("| 30 | true  |"), "{vectors}");
+    });
     let out = flumen(&["extract", "no-such-input.parquet", "out.parquet"], "");
     assert_eq!(out.status.code(), Some(1));
     assert!(

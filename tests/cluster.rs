@@ -361,12 +361,16 @@ async fn slow_run(f: &SessionContext) -> SlowRun {
 }
 
 /// Three hosts of `fault_worker`s (2 slots each); `host_fault` is applied to h2 when the
-/// `nth` block made on h2 arrives. Returns the clean run, the run with the fault, and the
-/// session (for what follows).
+/// `nth` block made on h2 arrives. Both runs must give vanilla DataFusion's answer; `after`
+/// gets the session, the hosts and that answer (for what follows).
 fn with_a_host_fault(
     nth: usize,
     host_fault: impl Fn(&TestNet) + Send + Sync + 'static,
-    after: impl FnOnce(SessionContext, Arc<TestNet>) -> futures::future::BoxFuture<'static, ()>
+    after: impl FnOnce(
+        SessionContext,
+        Arc<TestNet>,
+        Vec<String>,
+    ) -> futures::future::BoxFuture<'static, ()>
     + Send
     + 'static,
 ) {
@@ -422,7 +426,7 @@ fn with_a_host_fault(
                 faulted.lost + faulted.retried > 0,
                 "the fault cost nothing?"
             );
-            after(f, driver_net).await;
+            after(f, driver_net, expected).await;
         })
     });
 }
@@ -434,7 +438,7 @@ fn a_host_killed_mid_query_is_recomputed_on_the_others() {
     with_a_host_fault(
         3,
         |net| net.kill_host_now("h2"),
-        |f, _| {
+        |f, _, _| {
             Box::pin(async move {
                 let pool = common::worker_pool(&f, Pool::Cpu).await;
                 let lost = pool.membership().lost.load(Ordering::Relaxed);
@@ -453,7 +457,7 @@ fn a_partitioned_host_is_fenced_and_rejoins() {
     with_a_host_fault(
         3,
         |net| net.set_link("h2", false),
-        |f, net| {
+        |f, net, expected| {
             Box::pin(async move {
                 let pool = common::worker_pool(&f, Pool::Cpu).await;
                 let lost = pool.membership().lost.load(Ordering::Relaxed);
@@ -484,6 +488,7 @@ fn a_partitioned_host_is_fenced_and_rejoins() {
                     "the rejoined host got no task"
                 );
                 assert!(again.lost == 0 && again.retried == 0);
+                assert_eq!(again.rows, expected, "the answer after h2 rejoined");
             })
         },
     );
@@ -534,6 +539,70 @@ fn a_host_added_mid_query_gets_tasks() {
             assert!(
                 tasks.iter().any(|(a, n)| *a == h3 && *n > 0),
                 "h3 got no task of the running query: {tasks:?}"
+            );
+        })
+    });
+}
+
+/// A host taken out of the cluster file gets no task of the next query, whose answer is
+/// vanilla DataFusion's; put back, it gets tasks again.
+#[test]
+fn a_host_removed_from_the_cluster_file_gets_no_more_tasks() {
+    let Some(mut net) = net_or_skip(3) else {
+        return;
+    };
+    let worker = fault_worker_binary();
+    for host in ["h1", "h2", "h3"] {
+        net.start_worker(host, Role::Cpu, &worker, 2);
+    }
+    let all: Vec<String> = ["h1", "h2", "h3"]
+        .iter()
+        .map(|h| net.address(h, Role::Cpu))
+        .collect();
+    let cluster_file = net.write_cluster_file(&all);
+    let net = Arc::new(net);
+    let driver_net = Arc::clone(&net);
+    net.in_driver(move || {
+        driver_runtime().block_on(async move {
+            let (dir, expected) = slow_data(20_000).await;
+            let f = cluster_session(&cluster_file, None);
+            register_tables(&f, dir.path()).await;
+            assert_eq!(slow_run(&f).await.rows, expected);
+            let h3 = driver_net.address("h3", Role::Cpu);
+            let on_h3 =
+                |list: &[(String, u64)]| list.iter().find(|(a, _)| *a == h3).map_or(0, |(_, n)| *n);
+            let before = tasks_by_worker(&f, Pool::Cpu).await;
+            assert!(
+                on_h3(&before) > 0,
+                "h3 got no task while listed: {before:?}"
+            );
+            driver_net.write_cluster_file(&all[..2]);
+            let pool = common::worker_pool(&f, Pool::Cpu).await;
+            let started = Instant::now();
+            while pool.membership().left.load(Ordering::Relaxed) == 0 {
+                assert!(
+                    started.elapsed() < Duration::from_secs(20),
+                    "h3 never left the pool"
+                );
+                tokio::time::sleep(Duration::from_millis(50)).await;
+            }
+            let run = slow_run(&f).await;
+            assert_eq!(run.rows, expected, "the answer without h3");
+            let after = tasks_by_worker(&f, Pool::Cpu).await;
+            println!("tasks by worker with h3 listed {before:?}, after it left {after:?}");
+            assert_eq!(
+                on_h3(&after),
+                on_h3(&before),
+                "h3 got tasks after it left the cluster file"
+            );
+            // Back in the file: it gets tasks again.
+            driver_net.write_cluster_file(&all);
+            tokio::time::sleep(Duration::from_secs(3)).await;
+            assert_eq!(slow_run(&f).await.rows, expected);
+            let back = tasks_by_worker(&f, Pool::Cpu).await;
+            assert!(
+                on_h3(&back) > on_h3(&after),
+                "h3 got no task once listed again"
             );
         })
     });

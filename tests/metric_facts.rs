@@ -48,3 +48,14 @@ fn spills_by_node_kind_and_a_zero_size_is_no_spill() {
     let worker = MetricFacts::of("FlumenOperator: id=0, metrics=[spill_count=3]");
     assert!(expected.differences(&worker).is_empty());
 }
+
+#[test]
+fn items_parted_at_commas_with_ignored_values_between() {
+    let text = "Plan with Metrics\n<slt:ignore>SortMergeJoinExec: join_type=Inner, \
+        metrics=[output_rows=2.00 K,<slt:ignore>spill_count=10, spilled_bytes=<slt:ignore>\n\
+        03)----NestedLoopJoinExec: join_type=Inner, metrics=[output_rows=100.0 K, \
+        <slt:ignore> spill_count=2, <slt:ignore>]";
+    let facts = MetricFacts::of(text);
+    assert_eq!(facts.spilled("SortMergeJoinExec"), Some(true));
+    assert_eq!(facts.spilled("NestedLoopJoinExec"), Some(true));
+}

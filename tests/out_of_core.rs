@@ -988,3 +988,79 @@ async fn lost_outputs_of_slices_are_recomputed_from_their_slice() {
         "{recomputed} recomputes for {lost} lost blocks"
     );
 }
+
+/// The peak resident memory (`ru_maxrss` from `wait4`, the kernel's count for that process
+/// alone) of the `flumen` binary running `statements`, in bytes, and whether it succeeded.
+fn flumen_process_peak_rss(statements: &[String]) -> (u64, bool) {
+    let mut command = std::process::Command::new(env!("CARGO_BIN_EXE_flumen"));
+    command.args(["--no-demo", "--quiet"]);
+    for statement in statements {
+        command.args(["-c", statement]);
+    }
+    let child = command
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::null())
+        .spawn()
+        .unwrap();
+    let mut status = 0;
+    // SAFETY: a zeroed rusage is a valid value to fill; the pid is our own child's.
+    let mut usage: libc::rusage = unsafe { std::mem::zeroed() };
+    let pid = unsafe { libc::wait4(child.id() as i32, &mut status, 0, &mut usage) };
+    assert_eq!(pid, child.id() as i32, "wait4 failed");
+    let ok = libc::WIFEXITED(status) && libc::WEXITSTATUS(status) == 0;
+    (usage.ru_maxrss as u64 * 1024, ok)
+}
+
+/// The memory bound measured as the kernel sees it: the `flumen` process's peak RSS running
+/// the out-of-core join and window under a 16 MB budget rises above an idle process's by a
+/// few budgets at most, and stays below the same query's with flumen's default budget.
+#[test]
+fn a_flumen_process_under_a_budget_stays_near_it_in_rss() {
+    let dir = tempfile::tempdir().unwrap();
+    tokio::runtime::Runtime::new()
+        .unwrap()
+        .block_on(write_tables(dir.path()));
+    let tables: Vec<String> = ["facts", "skewed"]
+        .iter()
+        .map(|t| {
+            format!(
+                "CREATE EXTERNAL TABLE {t} STORED AS PARQUET LOCATION '{}/{t}.parquet'",
+                dir.path().display()
+            )
+        })
+        .collect();
+    let (idle, ok) = flumen_process_peak_rss(&["SELECT 1".to_string()]);
+    assert!(ok);
+    const BUDGET: u64 = 16 << 20;
+    for (sql, _) in [QUERIES[0], QUERIES[4]] {
+        let run = |budget: &str| {
+            let mut statements = vec![format!("SET flumen.memory_budget = '{budget}'")];
+            statements.extend(tables.iter().cloned());
+            statements.push(sql.to_string());
+            let (peak, ok) = flumen_process_peak_rss(&statements);
+            assert!(ok, "{sql} failed under {budget}");
+            peak
+        };
+        let (bounded, unbounded) = (run("16MB"), run("2GiB"));
+        let rise = bounded.saturating_sub(idle);
+        println!(
+            "{sql}\n  peak RSS: idle process {} MB; under 16 MB {} MB (rise {:.1} budgets); \
+             under 2 GiB {} MB",
+            idle >> 20,
+            bounded >> 20,
+            rise as f64 / BUDGET as f64,
+            unbounded >> 20
+        );
+        assert!(
+            rise <= 4 * BUDGET,
+            "{sql}: the process's RSS rose {} MB over an idle one's under a 16 MB budget",
+            rise >> 20
+        );
+        assert!(
+            bounded < unbounded,
+            "{sql}: the 16 MB budget's peak RSS {} MB is not below the 2 GiB one's {} MB",
+            bounded >> 20,
+            unbounded >> 20
+        );
+    }
+}

@@ -1,8 +1,10 @@
 //! Output that survives a crash at any instant: a real `flumen` driver writing
 //! `COPY ... TO` a partitioned directory is killed with SIGKILL at seeded instants (and at
 //! the instant its commit marker appears); after recovery the output is the old state (none)
-//! or the whole new one, never a part, and a rerun of a statement that did not commit writes
-//! every row exactly once. A cancelled in-process `COPY` leaves no staging behind.
+//! or the whole new one, never a part, with the clean run's rows (every column compared),
+//! and a rerun of a statement that did not commit writes every row exactly once. A kill
+//! that lands after the statement finished does not count: that run is tried again with an
+//! earlier instant. A cancelled in-process `COPY` leaves no staging behind.
 
 mod common;
 
@@ -73,6 +75,41 @@ async fn visible_rows(dir: &Path) -> (usize, usize) {
     (column(0), column(1))
 }
 
+/// Whether the visible rows below `dir` are exactly those below `reference` (every column
+/// of every row, whatever the files), both read as partitioned Parquet directories.
+async fn same_contents(dir: &Path, reference: &Path) -> bool {
+    let ctx = SessionContext::new();
+    // `k` is the directories' partition column (`k=3/...`).
+    let options = ParquetReadOptions::default().table_partition_cols(vec![(
+        "k".to_string(),
+        datafusion::arrow::datatypes::DataType::Int64,
+    )]);
+    for (name, path) in [("o", dir), ("r", reference)] {
+        ctx.register_parquet(name, path.to_str().unwrap(), options.clone())
+            .await
+            .unwrap();
+    }
+    let rows_only_in = |a: &str, b: &str| {
+        format!(
+            "SELECT count(*) FROM (SELECT id, k, v, body FROM {a} \
+             EXCEPT ALL SELECT id, k, v, body FROM {b})"
+        )
+    };
+    for sql in [rows_only_in("o", "r"), rows_only_in("r", "o")] {
+        let batches = ctx.sql(&sql).await.unwrap().collect().await.unwrap();
+        let extra = batches[0]
+            .column(0)
+            .as_any()
+            .downcast_ref::<datafusion::arrow::array::Int64Array>()
+            .unwrap()
+            .value(0);
+        if extra != 0 {
+            return false;
+        }
+    }
+    true
+}
+
 async fn recover(dir: &Path) -> (usize, usize) {
     let store: Arc<dyn ObjectStore> = Arc::new(LocalFileSystem::new());
     let target = object_store::path::Path::from_absolute_path(dir).unwrap();
@@ -100,22 +137,36 @@ async fn a_copy_killed_at_any_instant_leaves_the_old_output_or_the_whole_new_one
     let mut matrix = vec![];
     for run in 0..25 {
         let out = dir.path().join(format!("out-{run}"));
-        let mut child = flumen_copy(&input, &out);
-        let started = Instant::now();
         // 20 kills at seeded instants over the whole statement, 5 at the commit decision.
         let at_marker = run >= 20;
-        let instant = took.mul_f64(0.05 + 1.1 * seeded.next());
-        common::kill_when(&mut child, "COPY", || {
-            if at_marker {
-                files_below(&out)
-                    .iter()
-                    .any(|f| f.ends_with(flumen::io::output_commit::COMMIT_MARKER))
-            } else {
-                started.elapsed() >= instant
+        let mut instant = took.mul_f64(0.05 + 1.1 * seeded.next());
+        // The kill must land while the statement writes: when the statement finished
+        // first (the instant fell after its end), it runs again with an earlier instant.
+        let mut attempts = 0;
+        let killed_after = loop {
+            attempts += 1;
+            let _ = std::fs::remove_dir_all(&out);
+            let mut child = flumen_copy(&input, &out);
+            let started = Instant::now();
+            common::kill_when(&mut child, "COPY", || {
+                if at_marker {
+                    files_below(&out)
+                        .iter()
+                        .any(|f| f.ends_with(flumen::io::output_commit::COMMIT_MARKER))
+                } else {
+                    started.elapsed() >= instant
+                }
+            });
+            let status = child.wait().unwrap();
+            if !status.success() {
+                break started.elapsed();
             }
-        });
-        let status = child.wait().unwrap();
-        let killed_after = started.elapsed();
+            assert!(
+                attempts < 8,
+                "run {run}: the statement finished before every kill, 8 times"
+            );
+            instant = instant.mul_f64(0.6);
+        };
         let staged_files = files_below(&out).iter().filter(|f| is_staging(f)).count();
         let (finished, deleted) = recover(&out).await;
         assert!(
@@ -128,22 +179,29 @@ async fn a_copy_killed_at_any_instant_leaves_the_old_output_or_the_whole_new_one
             (n, d) if n == rows && d == rows => "whole new",
             _ => panic!("run {run}: a partial output after recovery: {seen} rows, {distinct} ids"),
         };
+        if seen > 0 {
+            assert!(
+                same_contents(&out, &clean).await,
+                "run {run}: the recovered output's rows are not the clean run's"
+            );
+        }
         let rerun = if seen == 0 {
             assert!(flumen_copy(&input, &out).wait().unwrap().success());
-            let after = visible_rows(&out).await;
-            assert_eq!(after, (rows, rows), "run {run}: the rerun");
-            "rerun: every row once"
+            assert!(
+                same_contents(&out, &clean).await,
+                "run {run}: the rerun's rows are not the clean run's"
+            );
+            "rerun: the clean run's rows, each once"
         } else {
             "no rerun needed"
         };
         matrix.push(format!(
-            "| {run} | {} | {killed_after:.2?} | {} | {staged_files} | {finished}/{deleted} | {state} | {rerun} |",
+            "| {run} | {} | {killed_after:.2?} | {attempts} | {staged_files} | {finished}/{deleted} | {state} | {rerun} |",
             if at_marker { "commit marker" } else { "seeded" },
-            if status.success() { "finished first" } else { "SIGKILL" },
         ));
     }
     println!(
-        "| run | instant | killed after | driver | staged files left | commits finished/staging deleted | state after recovery | rerun |"
+        "| run | instant | killed after | attempts (to land mid-write) | staged files left | commits finished/staging deleted | state after recovery | rerun |"
     );
     println!("|---|---|---|---|---|---|---|---|");
     for line in &matrix {

@@ -929,3 +929,93 @@ async fn an_abandoned_job_is_dropped_and_stops_holding_back_the_run_it_shared() 
     assert_eq!(datasets, serde_json::json!([]));
     assert!(server.log().contains("dropped"), "{}", server.log());
 }
+
+/// A Flight SQL query's batches.
+async fn query_batches(
+    client: &mut FlightSqlServiceClient<Channel>,
+    sql: &str,
+) -> Vec<datafusion::arrow::record_batch::RecordBatch> {
+    let info = client.execute(sql.into(), None).await.unwrap();
+    let stream = client
+        .do_get(info.endpoint[0].ticket.clone().unwrap())
+        .await
+        .unwrap();
+    stream.try_collect().await.unwrap()
+}
+
+#[tokio::test]
+async fn a_server_with_workers_runs_four_clients_queries_in_them_and_answers_like_datafusion() {
+    let dir = tempfile::tempdir().unwrap();
+    let data = dir.path().join("events");
+    common::write_events(&data, 3, 20_000);
+    let files = ServerFiles::new(dir.path());
+    let server = Server::start(&files, &["--workers", "2", "--no-demo"]);
+    let mut client = server.client(&files).await;
+    let table = format!(
+        "CREATE EXTERNAL TABLE events STORED AS PARQUET LOCATION '{}/'",
+        data.display()
+    );
+    query_batches(&mut client, &table).await;
+    let vanilla = common::vanilla();
+    common::register_tables(&vanilla, &data).await;
+    for sql in [
+        "SELECT count(*), sum(id) FROM events WHERE id % 7 = 3",
+        "SELECT k, count(*) AS n, max(id), min(body) FROM events GROUP BY k ORDER BY k",
+    ] {
+        let served = query_batches(&mut client, sql).await;
+        let expected = common::collect(&vanilla, sql).await;
+        assert!(
+            common::same_rows(&expected, &served, true),
+            "{sql}: served {:?}, vanilla {:?}",
+            common::rows(&served, true),
+            common::rows(&expected, true)
+        );
+    }
+    // Four clients at once, each its own query and answer.
+    let queries = [
+        "SELECT count(*) FROM events WHERE id % 3 = 0",
+        "SELECT k, sum(id) FROM events GROUP BY k ORDER BY k",
+        "SELECT id, body FROM events WHERE id % 4999 = 1 ORDER BY id",
+        "SELECT max(v), min(v), count(DISTINCT k) FROM events WHERE body LIKE '%7%'",
+    ];
+    let mut running = vec![];
+    for sql in queries {
+        let mut client = server.client(&files).await;
+        running.push(tokio::spawn(async move {
+            (sql, query_batches(&mut client, sql).await)
+        }));
+    }
+    for handle in running {
+        let (sql, served) = handle.await.unwrap();
+        let expected = common::collect(&vanilla, sql).await;
+        assert!(
+            common::same_rows(&expected, &served, true),
+            "{sql} (4 clients at once): served {:?}, vanilla {:?}",
+            common::rows(&served, true),
+            common::rows(&expected, true)
+        );
+    }
+    // The scans ran in the server's worker processes, and nothing fell back to the driver.
+    let plan = query_batches(
+        &mut client,
+        "EXPLAIN ANALYZE SELECT k, count(*) FROM events WHERE id > 10 GROUP BY k",
+    )
+    .await;
+    let text = datafusion::arrow::util::pretty::pretty_format_batches(&plan)
+        .unwrap()
+        .to_string();
+    let remote: u64 = text
+        .split("remote_tasks=")
+        .skip(1)
+        .filter_map(|rest| rest.split([',', ']']).next()?.parse::<u64>().ok())
+        .sum();
+    assert!(remote >= 3, "{remote} tasks ran in workers:\n{text}");
+    for line in text.lines().filter(|l| l.contains("tasks_on_driver.")) {
+        for reason in line.split("tasks_on_driver.").skip(1) {
+            assert!(
+                reason.starts_with("per_partition"),
+                "a task fell back to the driver: {reason}\n{text}"
+            );
+        }
+    }
+}

@@ -11,8 +11,9 @@
 //!
 //! A record counts against flumen when vanilla DataFusion passes it and flumen fails it.
 //! Rules that keep the suite honest:
-//! - Records vanilla DataFusion fails here are pinned per file in [`VANILLA_FAILURES`]; any
-//!   change (more, fewer, a new file) fails the suite, so coverage cannot shrink unseen.
+//! - Records vanilla DataFusion fails here are pinned record by record in
+//!   [`VANILLA_FAILURES_FILE`]; any change (one more, one fewer, a file not run) fails the
+//!   suite, so coverage cannot shrink unseen.
 //! - Known flumen failures are keyed by (file, record location, error prefix) in
 //!   [`KNOWN_FAILURES`]; any other error fails, and an entry that no longer fails is stale
 //!   and fails too.
@@ -108,8 +109,6 @@ const KNOWN_FAILURES: &[KnownFailure] = &[
     explain_analyze("test_files/explain_analyze.slt:652"),
     explain_analyze("test_files/explain_analyze.slt:680"),
     explain_analyze("test_files/joins.slt:5172"),
-    explain_analyze("test_files/nested_loop_join_spill.slt:45"),
-    explain_analyze("test_files/nested_loop_join_spill.slt:98"),
     explain_analyze("test_files/ordered_aggregate_spill.slt:213"),
     explain_analyze("test_files/parquet_max_row_group_bytes.slt:127"),
     explain_analyze("test_files/parquet_max_row_group_bytes.slt:148"),
@@ -136,15 +135,6 @@ const KNOWN_FAILURES: &[KnownFailure] = &[
     explain_analyze("test_files/push_down_filter_regression.slt:419"),
     explain_analyze("test_files/push_down_filter_regression.slt:451"),
     explain_analyze("test_files/range_partitioning.slt:1873"),
-    explain_analyze("test_files/sort_merge_join_spill.slt:138"),
-    explain_analyze("test_files/sort_merge_join_spill.slt:150"),
-    explain_analyze("test_files/sort_merge_join_spill.slt:162"),
-    explain_analyze("test_files/sort_merge_join_spill.slt:174"),
-    explain_analyze("test_files/sort_merge_join_spill.slt:189"),
-    explain_analyze("test_files/sort_merge_join_spill.slt:203"),
-    explain_analyze("test_files/sort_merge_join_spill.slt:217"),
-    explain_analyze("test_files/sort_merge_join_spill.slt:231"),
-    explain_analyze("test_files/sort_merge_join_spill.slt:247"),
     KnownFailure {
         record: "test_files/ddl.slt:593",
         error_prefix: "statement is expected to fail with error:",
@@ -190,43 +180,30 @@ const KNOWN_FAILURES: &[KnownFailure] = &[
     },
 ];
 
-/// Files with records vanilla DataFusion 55.2.0 fails on this layout (data DataFusion's
-/// repository has and this one does not recreate, features not built), with how many
-/// records fail (`u32::MAX`: DataFusion's runner does not run the file at all). Pinned: a
-/// change in either direction fails the suite.
-const VANILLA_FAILURES: &[(&str, u32)] = &[
-    ("aggregate.slt", 5),
-    ("array/array_cast.slt", 9),
-    ("array_agg.slt", 4),
-    ("arrow_files.slt", 45),
-    ("avro.slt", u32::MAX),
-    ("clickbench.slt", 98),
-    ("clickbench_extended.slt", 9),
-    ("csv_files.slt", 12),
-    ("cte.slt", 14),
-    ("ddl.slt", 24),
-    ("decimal.slt", 58),
-    ("dynamic_file.slt", 4),
-    ("encrypted_parquet.slt", 1),
-    ("explain.slt", 6),
-    ("group.slt", 3),
-    ("group_by.slt", 3),
-    ("identifiers.slt", 11),
-    ("json.slt", 19),
-    ("map.slt", 14),
-    ("math.slt", 4),
-    ("monotonic_projection_test.slt", 3),
-    ("order.slt", 6),
-    ("parquet.slt", 14),
-    ("predicates.slt", 3),
-    ("projection.slt", 1),
-    ("push_down_filter_regression.slt", 7),
-    ("repartition_scan.slt", 4),
-    ("select.slt", 8),
-    ("subquery.slt", 1),
-    ("wildcard.slt", 2),
-    ("window.slt", 10),
-];
+/// The records vanilla DataFusion fails here, one location per line (as sqllogictest
+/// prints it), and `FILE: not run` for a file DataFusion's runner declines; any change
+/// fails the suite. Each run writes what it found to `target/slt-upstream/
+/// vanilla-failures.found`, to copy over this file when the crate or the data changed.
+const VANILLA_FAILURES_FILE: &str = "tests/sqllogictests/vanilla_failures.txt";
+
+/// The pinned vanilla failures: record locations, and files not run.
+fn pinned_vanilla_failures(root: &Path) -> Result<(BTreeSet<String>, BTreeSet<String>), String> {
+    let path = root.join(VANILLA_FAILURES_FILE);
+    let text = std::fs::read_to_string(&path)
+        .map_err(|e| format!("cannot read {}: {e}", path.display()))?;
+    let (mut records, mut not_run) = (BTreeSet::new(), BTreeSet::new());
+    for line in text
+        .lines()
+        .map(str::trim)
+        .filter(|l| !l.is_empty() && !l.starts_with('#'))
+    {
+        match line.strip_suffix(": not run") {
+            Some(file) => not_run.insert(file.to_string()),
+            None => records.insert(line.to_string()),
+        };
+    }
+    Ok((records, not_run))
+}
 
 /// Longest an upstream file may run before it counts as failed (a hang is a failure).
 const FILE_TIMEOUT: Duration = Duration::from_secs(120);
@@ -783,6 +760,9 @@ struct Tally {
     known_seen: BTreeSet<usize>,
     /// Vanilla's failing records per file, as found.
     vanilla_failures: BTreeMap<String, u32>,
+    /// Their locations, and the files DataFusion's runner declined.
+    vanilla_records: BTreeSet<String>,
+    vanilla_not_run: BTreeSet<String>,
     problems: Vec<String>,
     /// Files also run with worker processes, the tasks those ran, and the records whose
     /// outcome there differed from threads mode (known ones apart).
@@ -971,29 +951,52 @@ async fn run_upstream(root: &Path, full: bool) -> Result<(usize, usize), String>
         }
     }
     let ran: BTreeSet<String> = files.iter().map(|f| f.display().to_string()).collect();
-    // Vanilla's failures against the pinned list (for the files that ran).
-    for (file, pinned) in VANILLA_FAILURES {
-        if !ran.contains(*file) {
-            continue;
-        }
-        let found = tally.vanilla_failures.get(*file).copied().unwrap_or(0);
-        if found != *pinned {
-            tally.problems.push(format!(
-                "{file}: vanilla DataFusion fails {} records here, pinned {} \
-                 (update VANILLA_FAILURES if the data or the crate changed)",
-                show_count(found),
-                show_count(*pinned)
-            ));
+    // Vanilla's failures against the pinned list, record by record (for the files that ran).
+    let (pinned, pinned_not_run) = pinned_vanilla_failures(root)?;
+    let found_file = work.join("vanilla-failures.found");
+    let found_text: String = tally
+        .vanilla_not_run
+        .iter()
+        .map(|f| format!("{f}: not run\n"))
+        .chain(tally.vanilla_records.iter().map(|r| format!("{r}\n")))
+        .collect();
+    let _ = std::fs::write(&found_file, found_text);
+    let file_of = |record: &str| {
+        let path = record.split(' ').next().unwrap_or_default();
+        let path = path.rsplit_once(':').map_or(path, |(p, _)| p);
+        path.strip_prefix("test_files/").unwrap_or(path).to_string()
+    };
+    let mut changed = vec![];
+    for record in pinned.iter().filter(|r| ran.contains(&file_of(r))) {
+        if !tally.vanilla_records.contains(record) {
+            changed.push(format!("vanilla DataFusion no longer fails {record}"));
         }
     }
-    for (file, found) in &tally.vanilla_failures {
-        if !VANILLA_FAILURES.iter().any(|(f, _)| f == file) {
-            tally.problems.push(format!(
-                "{file}: vanilla DataFusion fails {} records here and the file is not in \
-                 VANILLA_FAILURES",
-                show_count(*found)
-            ));
+    for record in tally.vanilla_records.difference(&pinned) {
+        changed.push(format!(
+            "vanilla DataFusion fails {record}, which is not pinned"
+        ));
+    }
+    for file in pinned_not_run.iter().filter(|f| ran.contains(*f)) {
+        if !tally.vanilla_not_run.contains(file) {
+            changed.push(format!("{file} runs now; it was pinned as not run"));
         }
+    }
+    for file in tally.vanilla_not_run.difference(&pinned_not_run) {
+        changed.push(format!(
+            "{file} is not run by DataFusion's runner, and not pinned so"
+        ));
+    }
+    if !changed.is_empty() {
+        for change in changed.iter().take(if full { usize::MAX } else { 10 }) {
+            println!("  {change}");
+        }
+        tally.problems.push(format!(
+            "{} changes to vanilla DataFusion's failures against {VANILLA_FAILURES_FILE} \
+             (what this run found is in {})",
+            changed.len(),
+            found_file.display()
+        ));
     }
     // Known failures that no longer fail.
     for (i, known) in KNOWN_FAILURES.iter().enumerate() {
@@ -1025,17 +1028,6 @@ async fn run_upstream(root: &Path, full: bool) -> Result<(usize, usize), String>
     for problem in &tally.problems {
         println!("FAILED: {problem}");
     }
-    if full {
-        println!("vanilla DataFusion's failures, as VANILLA_FAILURES entries:");
-        for (file, n) in &tally.vanilla_failures {
-            let n = if *n == u32::MAX {
-                "u32::MAX".to_string()
-            } else {
-                n.to_string()
-            };
-            println!("    (\"{file}\", {n}),");
-        }
-    }
     let failed = tally.files_failed + tally.problems.len();
     Ok((tally.files_passed, failed))
 }
@@ -1043,14 +1035,6 @@ async fn run_upstream(root: &Path, full: bool) -> Result<(usize, usize), String>
 /// Whether `file` (relative to `test_files/`) is among the files run.
 fn ran_file(files: &[PathBuf], file: &str) -> bool {
     files.iter().any(|f| f.as_os_str() == file)
-}
-
-fn show_count(n: u32) -> String {
-    if n == u32::MAX {
-        "all (not run)".into()
-    } else {
-        n.to_string()
-    }
 }
 
 /// Run one upstream file on both engines (and flumen with worker processes when `workers`)
@@ -1062,6 +1046,7 @@ async fn check_upstream_file(relative: &Path, full: bool, workers: bool, tally: 
     let vanilla = run_file(&path, relative, Engine::Vanilla).await;
     if vanilla.not_run {
         tally.vanilla_failures.insert(name.clone(), u32::MAX);
+        tally.vanilla_not_run.insert(name.clone());
         println!("upstream {name}: not run by DataFusion's runner");
         return;
     }
@@ -1075,6 +1060,7 @@ async fn check_upstream_file(relative: &Path, full: bool, workers: bool, tally: 
         tally
             .vanilla_failures
             .insert(name.clone(), vanilla.errors.len() as u32);
+        tally.vanilla_records.extend(vanilla.errors.keys().cloned());
         if full {
             for (at, message) in &vanilla.errors {
                 let first = message.lines().next().unwrap_or_default();

@@ -827,6 +827,83 @@ async fn workers_hold_no_block_after_a_query_ends_in_any_way() {
     held_blocks_drain(&f, "LIMIT").await;
 }
 
+/// A shuffle cancelled while the driver has spilled blocks to disk and the workers hold map
+/// outputs: the spill files are deleted and the workers drop every block.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_shuffle_cancelled_with_spill_files_and_worker_blocks_leaves_neither() {
+    let (dir, _vanilla) = common::events_with_vanilla(4, 40_000).await;
+    let spill = tempfile::tempdir().unwrap();
+    let mut config = FlumenConfig::default();
+    config.worker_processes = 2;
+    config.target_block_rows = 1_000;
+    config.split_bytes = flumen::ByteSize(64 << 10);
+    config.memory_budget = flumen::ByteSize(1 << 20);
+    config.spill_dir = spill.path().display().to_string();
+    let f = process_session(config, &fault_worker_binary());
+    common::register_tables(&f, dir.path()).await;
+    let spill_files = || {
+        common::files_below(spill.path())
+            .into_iter()
+            .filter(|p| p.extension().is_some_and(|e| e == "arrow"))
+            .count()
+    };
+    let query = {
+        let f = f.clone();
+        tokio::spawn(async move {
+            common::try_collect(
+                &f,
+                "SELECT count(*), sum(a.v * b.v), max(b.body) FROM events a \
+                 JOIN events b ON a.id = b.id",
+            )
+            .await
+        })
+    };
+    // Cancel once both are there: spill files on the driver, blocks in the workers.
+    let started = Instant::now();
+    let (mut files, mut held) = (0, 0);
+    while !query.is_finished() && started.elapsed() < Duration::from_secs(60) {
+        files = spill_files();
+        let started_pool = f
+            .state()
+            .config()
+            .get_extension::<flumen::cluster::WorkerPoolSlot>()
+            .unwrap()
+            .current(Pool::Cpu)
+            .await;
+        held = match started_pool {
+            Some(_) => held_blocks(&f).await,
+            None => 0,
+        };
+        if files > 0 && held > 0 {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    assert!(
+        files > 0 && held > 0,
+        "the query {} before the driver spilled ({files} files) while workers held blocks \
+         ({held}): the cancel tests nothing",
+        if query.is_finished() {
+            "finished"
+        } else {
+            "ran 60 s"
+        }
+    );
+    query.abort();
+    let _ = query.await;
+    println!("cancelled with {files} spill files and {held} blocks in workers");
+    held_blocks_drain(&f, "a cancelled shuffle").await;
+    let started = Instant::now();
+    while spill_files() > 0 {
+        assert!(
+            started.elapsed() < Duration::from_secs(10),
+            "{} spill files left 10 s after the cancel",
+            spill_files()
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
 /// `SET flumen.worker_binary` is refused (it would run any program at the next query).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_worker_binary_is_not_settable() {

@@ -279,10 +279,9 @@ async fn chaos_random_worker_kills_never_change_an_answer() {
     f.sql("SET flumen.device = 'cpu'").await.unwrap();
     // Start both pools (CPU and accelerator workers), then the killer.
     assert_same(&v, &f, QUERIES[0]).await;
-    // One decimal: the engines batch rows differently, so vectors differ in the 7th digit.
-    let embed_sql = "SELECT id, round(array_element(embed(body), 1), 1) AS e FROM events \
-                     WHERE id % 997 = 5";
-    assert_same(&v, &f, embed_sql).await;
+    // Whole vectors, compared by cosine (`assert_same_vectors`).
+    let embed_sql = "SELECT id, embed(body) AS e FROM events WHERE id % 997 = 5";
+    common::assert_same_vectors(&v, &f, embed_sql).await;
     let pool = pool_of(&f).await;
     let model_pool = common::worker_pool(&f, Pool::Accelerator).await;
     let stop = Arc::new(AtomicBool::new(false));
@@ -348,7 +347,11 @@ async fn chaos_random_worker_kills_never_change_an_answer() {
     // A hang is a failure, not a stalled CI run.
     tokio::time::timeout(Duration::from_secs(300), async {
         for sql in &queries {
-            assert_same(&v, &f, sql).await;
+            if *sql == embed_sql {
+                common::assert_same_vectors(&v, &f, sql).await;
+            } else {
+                assert_same(&v, &f, sql).await;
+            }
         }
     })
     .await
@@ -358,7 +361,7 @@ async fn chaos_random_worker_kills_never_change_an_answer() {
     let elapsed = started.elapsed();
     // With the killer stopped, one query of each pool: both replace what was killed.
     assert_same(&v, &f, QUERIES[1]).await;
-    assert_same(&v, &f, embed_sql).await;
+    common::assert_same_vectors(&v, &f, embed_sql).await;
     let (kills, model_kills) = (
         kills.load(Ordering::Relaxed),
         model_kills.load(Ordering::Relaxed),

@@ -172,6 +172,9 @@ pub struct WorkerHandle {
     replacing: std::sync::atomic::AtomicBool,
     /// Its loss has been counted in its pool's [`MembershipCounts`].
     counted_lost: std::sync::atomic::AtomicBool,
+    /// Its address is no longer in the cluster's list: it gets no new task (blocks it holds
+    /// are still read from it, and released as ever).
+    left: std::sync::atomic::AtomicBool,
     /// The runtime its background calls run on (the one it was started from).
     runtime: tokio::runtime::Handle,
     child: Mutex<Option<std::process::Child>>,
@@ -188,6 +191,11 @@ impl WorkerHandle {
     /// Whether the driver still believes the worker is alive.
     pub fn is_alive(&self) -> bool {
         *self.alive.borrow()
+    }
+
+    /// Whether its address left the cluster's list (it then gets no new task).
+    pub fn has_left(&self) -> bool {
+        self.left.load(Ordering::Relaxed)
     }
 
     /// Tasks it runs at once (as it announced, at least 1).
@@ -522,6 +530,8 @@ pub struct MembershipCounts {
     pub joined: AtomicU64,
     /// Lost workers (same address) that answered again and were attached anew.
     pub rejoined: AtomicU64,
+    /// Workers whose address was taken out of the cluster's list (they get no new task).
+    pub left: AtomicU64,
 }
 
 impl WorkerPool {
@@ -608,7 +618,7 @@ impl WorkerPool {
         futures::future::join_all(pings).await;
         let mut live = 0;
         for worker in &workers {
-            if worker.is_alive() {
+            if worker.is_alive() && !worker.has_left() {
                 live += worker.slots();
             } else if !worker.counted_lost.swap(true, Ordering::Relaxed) {
                 self.membership.lost.fetch_add(1, Ordering::Relaxed);
@@ -633,9 +643,26 @@ impl WorkerPool {
                 return;
             }
         };
-        let present: HashSet<String> = self
-            .workers()
-            .await
+        let members = self.workers().await;
+        // A member no longer listed leaves: no new task goes to it. Listed again, it is
+        // back.
+        let listed: HashSet<&String> = addresses.iter().collect();
+        for worker in members.iter().filter(|w| w.is_alive()) {
+            let leaving = !listed.contains(&worker.address);
+            if worker.left.swap(leaving, Ordering::Relaxed) != leaving {
+                if leaving {
+                    self.membership.left.fetch_add(1, Ordering::Relaxed);
+                }
+                log::warn!(
+                    "flumen worker {} {} the cluster's list: it {} tasks of the {} pool",
+                    worker.address,
+                    if leaving { "left" } else { "is back in" },
+                    if leaving { "gets no more" } else { "gets" },
+                    self.kind.as_str()
+                );
+            }
+        }
+        let present: HashSet<String> = members
             .iter()
             .filter(|w| w.is_alive())
             .map(|w| w.address.clone())
@@ -758,8 +785,10 @@ impl WorkerPool {
                         }
                     }
                 }
-                let alive: Vec<&Arc<WorkerHandle>> =
-                    workers.iter().filter(|w| w.is_alive()).collect();
+                let alive: Vec<&Arc<WorkerHandle>> = workers
+                    .iter()
+                    .filter(|w| w.is_alive() && !w.has_left())
+                    .collect();
                 if let Some(preferred) = alive.iter().find(|w| {
                     prefer.is_some_and(|host| host_of(&w.address) == host)
                         && w.running() < w.slots()
@@ -1103,6 +1132,7 @@ fn new_handle(
         serial: SERIAL.fetch_add(1, Ordering::Relaxed),
         running: AtomicUsize::new(0),
         counted_lost: false.into(),
+        left: false.into(),
         kind,
         tls,
         client,

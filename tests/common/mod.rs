@@ -334,6 +334,42 @@ pub fn embeddings_by_id(
     out
 }
 
+/// Cosine similarity of two vectors (0 when either is all zeros).
+#[allow(dead_code)]
+pub fn cosine(a: &[f32], b: &[f32]) -> f32 {
+    let dot: f32 = a.iter().zip(b).map(|(x, y)| x * y).sum();
+    let norm = |v: &[f32]| v.iter().map(|x| x * x).sum::<f32>().sqrt();
+    let (na, nb) = (norm(a), norm(b));
+    if na == 0.0 || nb == 0.0 {
+        return 0.0;
+    }
+    dot / (na * nb)
+}
+
+/// `sql` (an id and a vector per row) answers the same on both contexts: the same ids, and
+/// each row's vectors at cosine ≥ 0.9999 (engines batch rows differently, so vectors differ
+/// in their last digits, never more).
+#[allow(dead_code)]
+pub async fn assert_same_vectors(vanilla: &SessionContext, flumen: &SessionContext, sql: &str) {
+    let expected = embeddings_by_id(&collect(vanilla, sql).await);
+    let actual = embeddings_by_id(&collect(flumen, sql).await);
+    let ids = |rows: &[(i64, Vec<f32>)]| rows.iter().map(|(id, _)| *id).collect::<Vec<_>>();
+    assert_eq!(ids(&expected), ids(&actual), "{sql}: other ids");
+    assert!(!expected.is_empty(), "{sql}: no rows to compare");
+    for ((id, want), (_, got)) in expected.iter().zip(&actual) {
+        // A NULL vector (of a NULL text) is empty here: both must be.
+        assert_eq!(want.len(), got.len(), "{sql}: id {id}: vector lengths");
+        if want.is_empty() {
+            continue;
+        }
+        let similarity = cosine(want, got);
+        assert!(
+            similarity >= 0.9999,
+            "{sql}: id {id}: cosine {similarity} between vanilla's vector and flumen's"
+        );
+    }
+}
+
 /// Every file below `dir`, hidden ones included (none when `dir` is missing).
 pub fn files_below(dir: &Path) -> Vec<PathBuf> {
     let mut files = vec![];

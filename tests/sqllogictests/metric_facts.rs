@@ -55,11 +55,12 @@ impl MetricFacts {
         for line in text.lines() {
             let node = node_kind(line);
             for metrics in metric_lists(line) {
-                for item in metrics.split(", ") {
+                // Items part at commas: `<slt:ignore>` may stand between two with no space.
+                for item in metrics.split(',') {
                     let Some((name, value)) = item.split_once('=') else {
                         continue;
                     };
-                    let name = name.trim().trim_start_matches("<slt:ignore>");
+                    let name = name.trim().trim_start_matches("<slt:ignore>").trim();
                     facts.add(&node, name, value.trim());
                 }
             }
@@ -161,9 +162,11 @@ fn show(counts: &[u64; 3]) -> String {
 /// The kind of node a plan line shows: its name, and its mode where it has one
 /// (`AggregateExec mode=Partial`); flumen's operator lines are [`OPERATOR_LINE`].
 fn node_kind(line: &str) -> String {
-    let start = line.trim_start_matches(|c: char| {
-        c == '|' || c == '-' || c.is_whitespace() || c.is_ascii_digit() || c == ')'
-    });
+    let start = line
+        .trim_start_matches(|c: char| {
+            c == '|' || c == '-' || c.is_whitespace() || c.is_ascii_digit() || c == ')'
+        })
+        .trim_start_matches("<slt:ignore>");
     let name = start.split(':').next().unwrap_or_default().trim();
     match start.split_once("mode=") {
         Some((_, rest)) if !name.starts_with(OPERATOR_LINE) => {
