@@ -991,6 +991,8 @@ async fn lost_outputs_of_slices_are_recomputed_from_their_slice() {
 
 /// The peak resident memory (`ru_maxrss` from `wait4`, the kernel's count for that process
 /// alone) of the `flumen` binary running `statements`, in bytes, and whether it succeeded.
+// The child is reaped by `wait4` (which also gives its rusage), not by `Child::wait`.
+#[allow(clippy::zombie_processes)]
 fn flumen_process_peak_rss(statements: &[String]) -> (u64, bool) {
     let mut command = std::process::Command::new(env!("CARGO_BIN_EXE_flumen"));
     command.args(["--no-demo", "--quiet"]);
