@@ -360,6 +360,19 @@ async fn slow_run(f: &SessionContext) -> SlowRun {
     }
 }
 
+/// Three hosts h1..h3 with a CPU `fault_worker` of 2 slots each, and the workers'
+/// addresses; `None` after saying `skipped: ...`.
+fn three_cpu_hosts() -> Option<(TestNet, Vec<String>)> {
+    let mut net = net_or_skip(3)?;
+    let worker = fault_worker_binary();
+    let mut addresses = vec![];
+    for host in ["h1", "h2", "h3"] {
+        net.start_worker(host, Role::Cpu, &worker, 2);
+        addresses.push(net.address(host, Role::Cpu));
+    }
+    Some((net, addresses))
+}
+
 /// Three hosts of `fault_worker`s (2 slots each); `host_fault` is applied to h2 when the
 /// `nth` block made on h2 arrives. Both runs must give vanilla DataFusion's answer; `after`
 /// gets the session, the hosts and that answer (for what follows).
@@ -374,15 +387,9 @@ fn with_a_host_fault(
     + Send
     + 'static,
 ) {
-    let Some(mut net) = net_or_skip(3) else {
+    let Some((net, addresses)) = three_cpu_hosts() else {
         return;
     };
-    let worker = fault_worker_binary();
-    let mut addresses = vec![];
-    for host in ["h1", "h2", "h3"] {
-        net.start_worker(host, Role::Cpu, &worker, 2);
-        addresses.push(net.address(host, Role::Cpu));
-    }
     let cluster_file = net.write_cluster_file(&addresses);
     let h2_pid = net.host("h2").worker_pids()[0];
     let net = Arc::new(net);
@@ -498,14 +505,10 @@ fn a_partitioned_host_is_fenced_and_rejoins() {
 /// of the running query at once.
 #[test]
 fn a_host_added_mid_query_gets_tasks() {
-    let Some(mut net) = net_or_skip(3) else {
+    let Some((net, all)) = three_cpu_hosts() else {
         return;
     };
-    let worker = fault_worker_binary();
-    for host in ["h1", "h2", "h3"] {
-        net.start_worker(host, Role::Cpu, &worker, 2);
-    }
-    let first_two = vec![net.address("h1", Role::Cpu), net.address("h2", Role::Cpu)];
+    let first_two = all[..2].to_vec();
     let cluster_file = net.write_cluster_file(&first_two);
     let net = Arc::new(net);
     let driver_net = Arc::clone(&net);
@@ -519,8 +522,6 @@ fn a_host_added_mid_query_gets_tasks() {
                 tokio::spawn(async move { slow_run(&f).await })
             };
             tokio::time::sleep(Duration::from_millis(1000)).await;
-            let mut all = first_two.clone();
-            all.push(driver_net.address("h3", Role::Cpu));
             driver_net.write_cluster_file(&all);
             let added_at = Instant::now();
             let run = query.await.unwrap();
@@ -548,17 +549,9 @@ fn a_host_added_mid_query_gets_tasks() {
 /// vanilla DataFusion's; put back, it gets tasks again.
 #[test]
 fn a_host_removed_from_the_cluster_file_gets_no_more_tasks() {
-    let Some(mut net) = net_or_skip(3) else {
+    let Some((net, all)) = three_cpu_hosts() else {
         return;
     };
-    let worker = fault_worker_binary();
-    for host in ["h1", "h2", "h3"] {
-        net.start_worker(host, Role::Cpu, &worker, 2);
-    }
-    let all: Vec<String> = ["h1", "h2", "h3"]
-        .iter()
-        .map(|h| net.address(h, Role::Cpu))
-        .collect();
     let cluster_file = net.write_cluster_file(&all);
     let net = Arc::new(net);
     let driver_net = Arc::clone(&net);

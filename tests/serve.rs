@@ -943,6 +943,21 @@ async fn query_batches(
     stream.try_collect().await.unwrap()
 }
 
+/// What a server answered to `sql` is what `vanilla` answers.
+async fn assert_served_like(
+    vanilla: &datafusion::prelude::SessionContext,
+    sql: &str,
+    served: &[datafusion::arrow::record_batch::RecordBatch],
+) {
+    let expected = common::collect(vanilla, sql).await;
+    assert!(
+        common::same_rows(&expected, served, true),
+        "{sql}: served {:?}, vanilla {:?}",
+        common::rows(served, true),
+        common::rows(&expected, true)
+    );
+}
+
 #[tokio::test]
 async fn a_server_with_workers_runs_four_clients_queries_in_them_and_answers_like_datafusion() {
     let dir = tempfile::tempdir().unwrap();
@@ -963,13 +978,7 @@ async fn a_server_with_workers_runs_four_clients_queries_in_them_and_answers_lik
         "SELECT k, count(*) AS n, max(id), min(body) FROM events GROUP BY k ORDER BY k",
     ] {
         let served = query_batches(&mut client, sql).await;
-        let expected = common::collect(&vanilla, sql).await;
-        assert!(
-            common::same_rows(&expected, &served, true),
-            "{sql}: served {:?}, vanilla {:?}",
-            common::rows(&served, true),
-            common::rows(&expected, true)
-        );
+        assert_served_like(&vanilla, sql, &served).await;
     }
     // Four clients at once, each its own query and answer.
     let queries = [
@@ -987,13 +996,7 @@ async fn a_server_with_workers_runs_four_clients_queries_in_them_and_answers_lik
     }
     for handle in running {
         let (sql, served) = handle.await.unwrap();
-        let expected = common::collect(&vanilla, sql).await;
-        assert!(
-            common::same_rows(&expected, &served, true),
-            "{sql} (4 clients at once): served {:?}, vanilla {:?}",
-            common::rows(&served, true),
-            common::rows(&expected, true)
-        );
+        assert_served_like(&vanilla, sql, &served).await;
     }
     // The scans ran in the server's worker processes, and nothing fell back to the driver.
     let plan = query_batches(
