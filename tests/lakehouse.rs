@@ -253,6 +253,51 @@ async fn iceberg_tables_written_by_pyiceberg_read_back_identically() {
     check_iceberg(&ctx(), &expected["iceberg"], "").await;
 }
 
+/// Tables whose schema grew a column (`lang`) after their first rows, one of them (Delta)
+/// read from a checkpoint and the commits after it: every row, `lang` NULL where the
+/// writer had none, as each package's own reader reads them.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn evolved_schemas_and_a_delta_checkpoint_read_back_identically() {
+    let Some((_, expected)) = local_tables() else {
+        return skipped();
+    };
+    let ctx = ctx();
+    for (name, format, entry) in [
+        ("delta_evolved", "DELTATABLE", &expected["delta"]["evolved"]),
+        ("ice_evolved", "ICEBERG", &expected["iceberg"]["evolved"]),
+    ] {
+        let location = entry["location"].as_str().unwrap();
+        if format == "DELTATABLE" {
+            let log = std::path::Path::new(location).join("_delta_log");
+            let checkpoints = common::files_below(&log)
+                .into_iter()
+                .filter(|f| f.to_string_lossy().contains(".checkpoint."))
+                .count();
+            assert!(
+                checkpoints > 0,
+                "deltalake wrote no checkpoint in {}",
+                log.display()
+            );
+        }
+        ctx.sql(&format!(
+            "CREATE EXTERNAL TABLE {name} STORED AS {format} LOCATION '{location}'"
+        ))
+        .await
+        .unwrap();
+        let current = &entry["current"];
+        assert_eq!(
+            summary(&ctx, name).await,
+            expected_summary(current),
+            "{name}"
+        );
+        assert_eq!(
+            common::first_row(&ctx, &format!("SELECT count(lang) FROM {name}")).await,
+            vec![current["lang_count"].to_string()],
+            "{name}: rows with the evolved column"
+        );
+    }
+}
+
 /// Delta and Iceberg scans are cut into flumen source splits (deterministic byte ranges), so
 /// a lost block re-reads only its own files and row groups.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -41,6 +41,19 @@ def docs(start, stop):
     )
 
 
+def with_lang(table):
+    """`table` with a `lang` column added (schema evolution: older rows lack it)."""
+    langs = [["en", "de", "fr"][i % 3] for i in table["id"].to_pylist()]
+    return table.append_column("lang", pa.array(langs, pa.string()))
+
+
+def lang_summary(table):
+    """`summary`, with how many rows have a `lang` (the evolved column)."""
+    entry = summary(table)
+    entry["lang_count"] = table.num_rows - table["lang"].null_count
+    return entry
+
+
 def summary(table):
     """What a reader saw: the figures flumen's answer must match."""
     return {
@@ -78,12 +91,24 @@ def write_delta(root, storage_options):
         entry["sport_count"] = read.filter(pc.equal(read["topic"], "sport")).num_rows
         versions.append(entry)
 
+    # Schema evolution and a checkpoint: v0 without `lang`; v1 appends rows with it (the
+    # schema merged); a checkpoint of v1; v2 appends more after the checkpoint.
+    evolved = f"{root}/delta/evolved"
+    write_deltalake(evolved, docs(0, 400), mode="overwrite", storage_options=storage_options)
+    write_deltalake(evolved, with_lang(docs(400, 800)), mode="append", schema_mode="merge",
+                    storage_options=storage_options)
+    DeltaTable(evolved, storage_options=storage_options).create_checkpoint()
+    write_deltalake(evolved, with_lang(docs(800, 1000)), mode="append",
+                    storage_options=storage_options)
+    evolved_read = DeltaTable(evolved, storage_options=storage_options).to_pyarrow_table()
+
     plain = f"{root}/delta/plain"
     write_deltalake(plain, docs(0, 300), mode="overwrite", storage_options=storage_options)
     plain_read = DeltaTable(plain, storage_options=storage_options).to_pyarrow_table()
     return {
         "docs": {"location": location, "versions": versions},
         "plain": {"location": plain, "versions": [dict(summary(plain_read), version=0)]},
+        "evolved": {"location": evolved, "current": lang_summary(evolved_read)},
     }
 
 
@@ -116,6 +141,21 @@ def write_iceberg(root, catalog_db, s3_endpoint):
     v2.append(docs(1000, 1500))
     v2.delete("id < 100")
     out["docs_v2"] = iceberg_summary(catalog.load_table("db.docs_v2"))
+
+    # Schema evolution: `lang` added after the first append, then rows with it.
+    evolved = catalog.create_table("db.evolved", schema=schema,
+                                   properties={"format-version": "2"})
+    evolved.append(docs(0, 400))
+    from pyiceberg.types import StringType
+    with evolved.update_schema() as update:
+        update.add_column("lang", StringType())
+    evolved = catalog.load_table("db.evolved")
+    evolved.append(with_lang(docs(400, 800)))
+    evolved = catalog.load_table("db.evolved")
+    out["evolved"] = {
+        "location": evolved.location(),
+        "current": lang_summary(evolved.scan().to_arrow()),
+    }
 
     # Format v1, unpartitioned, one append.
     v1 = catalog.create_table("db.docs_v1", schema=schema, properties={"format-version": "1"})
