@@ -1878,26 +1878,30 @@ fn rows_through_model(plan: &Arc<dyn ExecutionPlan>, sql: &str) -> u64 {
 
 /// A model called in `WHERE` runs in the accelerator operator on the rows the other
 /// conditions keep, and the answer is the rows whose model value passes: the same rows as
-/// computing the model for every row in the `SELECT` list and filtering here.
+/// vanilla DataFusion computing the model for every row in the `SELECT` list, filtered here.
 #[tokio::test]
 async fn a_model_in_where_order_by_or_an_aggregate_runs_on_the_accelerator() {
     use flumen::functions::emulated_accelerator::EmulatedModel;
     const ROWS: i64 = 20_000;
     let f = flumen_ctx(&[]).await;
-    f.register_udf(accelerator_udf(
-        EmulatedModel::from_spec("m:0:256:4").unwrap(),
-    ));
-    f.sql(&format!(
-        "CREATE TABLE docs AS SELECT value AS id, 'document ' || value AS body \
-         FROM generate_series(1, {ROWS})"
-    ))
-    .await
-    .unwrap()
-    .collect()
-    .await
-    .unwrap();
+    // The reference: vanilla DataFusion calling the same model inline.
+    let v = vanilla();
+    for ctx in [&f, &v] {
+        ctx.register_udf(accelerator_udf(
+            EmulatedModel::from_spec("m:0:256:4").unwrap(),
+        ));
+        ctx.sql(&format!(
+            "CREATE TABLE docs AS SELECT value AS id, 'document ' || value AS body \
+             FROM generate_series(1, {ROWS})"
+        ))
+        .await
+        .unwrap()
+        .collect()
+        .await
+        .unwrap();
+    }
     // Every row's model value, then the expected ids: id % 4 = 0 and value > 0.
-    let (all, _) = run_plan(&f, "SELECT id, m(body)[1] AS x FROM docs").await;
+    let all = collect(&v, "SELECT id, m(body)[1] AS x FROM docs").await;
     let mut values: Vec<(i64, f32)> = vec![];
     for batch in &all {
         let ids = as_int64_array(batch.column(0)).unwrap();
