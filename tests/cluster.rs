@@ -581,6 +581,13 @@ fn a_host_removed_from_the_cluster_file_gets_no_more_tasks() {
             }
             let run = slow_run(&f).await;
             assert_eq!(run.rows, expected, "the answer without h3");
+            // It left; it was not lost (nothing of it is recomputed).
+            assert_eq!(
+                pool.membership().lost.load(Ordering::Relaxed),
+                0,
+                "h3 counted lost"
+            );
+            assert_eq!(run.lost, 0);
             let after = tasks_by_worker(&f, Pool::Cpu).await;
             println!("tasks by worker with h3 listed {before:?}, after it left {after:?}");
             assert_eq!(

@@ -146,6 +146,13 @@ fn refuse_lossy(plan: &Arc<dyn ExecutionPlan>) -> Result<()> {
                 ));
             }
         }
+        // A scan's expression adapter (deltalake's, mapping files of older schemas onto the
+        // table's) is not encoded: a worker would read those files unadapted.
+        if file_scan(node).is_some_and(|config| config.expr_adapter_factory.is_some()) {
+            return Err(DataFusionError::NotImplemented(
+                "datafusion-proto drops a scan's expression adapter".into(),
+            ));
+        }
         Ok(TreeNodeRecursion::Continue)
     })
     .map(|_| ())

@@ -618,8 +618,12 @@ impl WorkerPool {
         futures::future::join_all(pings).await;
         let mut live = 0;
         for worker in &workers {
-            if worker.is_alive() && !worker.has_left() {
-                live += worker.slots();
+            if worker.is_alive() {
+                // A member that left the cluster's list is alive, not lost: it only gets
+                // no slot.
+                if !worker.has_left() {
+                    live += worker.slots();
+                }
             } else if !worker.counted_lost.swap(true, Ordering::Relaxed) {
                 self.membership.lost.fetch_add(1, Ordering::Relaxed);
             }
