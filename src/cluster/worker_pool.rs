@@ -272,8 +272,19 @@ impl WorkerHandle {
     }
 
     /// A failure, reclassified as the worker's death when its process is gone (a killed
-    /// process can break a call in ways gRPC reports as an internal error).
+    /// process can break a call in ways gRPC reports as an internal error). A worker the
+    /// driver stopped on purpose (a stuck task) dies of that reason, whichever way the
+    /// broken call reported it: a call on it can see its connection reset before it sees
+    /// the worker marked dead.
     fn classify(&self, failure: Failure) -> Failure {
+        if let Failure::Driver(_) = failure {
+            return failure;
+        }
+        if !self.is_alive()
+            && let Some(reason) = self.death.lock().unwrap().clone()
+        {
+            return Failure::Dead(reason);
+        }
         match failure {
             Failure::Dead(_) => failure,
             other if self.process_exited() => Failure::Dead(other.to_string()),
