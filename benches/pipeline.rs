@@ -37,8 +37,11 @@
 //! the CPU work per row is the least of one thread running every function in a plain loop
 //! (Parquet decode, the functions, the models' host work, the Parquet writer) and vanilla
 //! DataFusion with zero-time devices (with the real embedding model, the plain loop alone:
-//! it runs the model's tokenizer, which a zero-time device would skip); each device's time
-//! is its batches' cost with every batch full; the writer is a serial stage. Time can be no less than the largest of CPU
+//! it runs the model's tokenizer, which a zero-time device would skip); each emulated
+//! device's time is its batches' cost with every batch full, the real model's the time of
+//! its calls when a plain loop calls it directly on flumen's blocks of the same inputs
+//! (`common/model_alone.rs`, whose vectors every mode's output is checked against at cosine
+//! ≥ 0.9999); the writer is a serial stage. Time can be no less than the largest of CPU
 //! work over the cores, each device's time and the writer's; and the writer's close, which
 //! writes out the last row group (the rows that arrive last), follows the last device batch
 //! and the last CPU work: the bound adds it to each device's time and to the CPU time
@@ -70,6 +73,8 @@ use flumen::{AcceleratorFunction, AcceleratorWorker, ExecMode, FlumenConfig, Wor
 use futures::StreamExt;
 use serde_json::{Value, json};
 
+#[path = "common/model_alone.rs"]
+mod model_alone;
 #[path = "common/pipeline_stages.rs"]
 mod pipeline_stages;
 /// Only `peak_bytes`: a child's own peak RSS. `getrusage`'s `ru_maxrss` kept the parent's
@@ -515,13 +520,35 @@ fn run_pipeline(args: &Args, pipeline: Pipeline) -> Result<()> {
         }
     }
     if args.accelerator != "emulated" {
-        // A real device's time is its least busy time over the runs.
-        let least = runs
+        // A real device's time: the model called directly on the same inputs, outside
+        // flumen's scheduler. Every mode's last output holds its vectors to the cosine.
+        let alone = spawn_child(args, pipeline, "device", &input, None, false)?;
+        let least_busy = runs
             .iter()
             .flatten()
             .map(|r| device_busy(r, 0))
             .fold(f64::INFINITY, f64::min);
-        devices = vec![("model".into(), least)];
+        println!(
+            "the model alone ({} blocks, one after another): {:.2}s of calls after a {:.2}s \
+             load; flumen's model calls took {least_busy:.2}s at least",
+            alone["blocks"],
+            f(&alone, "device_s"),
+            f(&alone, "load_s")
+        );
+        devices = vec![("model".into(), f(&alone, "device_s"))];
+        for mode in modes {
+            let output = args
+                .out
+                .join(format!("out-{}-{mode}.parquet", pipeline.name()));
+            let least = model_alone::least_cosine(&output, &device_output(args, pipeline))?;
+            println!("  {mode}: its vectors against the model alone's: least cosine {least:.6}");
+            if least < 0.9999 {
+                return Err(DataFusionError::Execution(format!(
+                    "mode {mode} wrote a vector at cosine {least:.6} from the model alone's \
+                     (at least 0.9999 expected)"
+                )));
+            }
+        }
     }
 
     // The bound: no schedule takes less than the busiest resource's work. And none ends
@@ -1037,6 +1064,11 @@ fn pipeline_functions(args: &Args, pipeline: Pipeline, zero_device: bool) -> Pip
     }
 }
 
+/// Where the real model alone writes its vectors (see `model_alone`).
+fn device_output(args: &Args, pipeline: Pipeline) -> PathBuf {
+    args.out.join(format!("out-{}-device.parquet", pipeline.name()))
+}
+
 /// Rows in a row group of the output.
 const OUTPUT_ROW_GROUP_ROWS: usize = 65_536;
 
@@ -1056,6 +1088,34 @@ fn run_child(args: &Args, mode: &str) -> Result<Value> {
     let pipeline = args.pipeline;
     let (models, meters, cpu_functions) =
         pipeline_functions(args, pipeline, args.zero_device || mode == "alone");
+    if mode == "device" {
+        // The real model alone, called directly on flumen's blocks (see `model_alone`).
+        let mut config = FlumenConfig::default();
+        if args.accelerator == "cuda" {
+            config.device = flumen::Device::Cuda;
+        }
+        if let Some(rows) = args.block_rows {
+            config.target_block_rows = rows;
+        }
+        let block_rows = config.block_rows();
+        let mut options = ConfigOptions::new();
+        options.extensions.insert(config);
+        let prep = [
+            flumen::functions::clean_text_udf(),
+            flumen::functions::embedding::tokenize_step::embed_tokens_udf()
+                .as_ref()
+                .clone(),
+        ];
+        return model_alone::run(
+            &input,
+            &device_output(args, pipeline),
+            &prep,
+            &flumen::functions::embedding::EmbedFunction::default(),
+            &options,
+            block_rows,
+            writer_props(),
+        );
+    }
     if mode == "alone" {
         let output = args
             .out

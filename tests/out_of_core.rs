@@ -989,11 +989,12 @@ async fn lost_outputs_of_slices_are_recomputed_from_their_slice() {
     );
 }
 
-/// The peak resident memory of the `flumen` binary running `statements`, in bytes (its
-/// `VmHWM` in `/proc/PID/status`, the kernel's high-water mark of the process's own memory
-/// since its exec, read every 5 ms until it exits), and whether it succeeded. Not
+/// The peak resident memory of each process of the `flumen` binary running `statements`,
+/// in bytes: the driver's first, then each worker process it started (its `VmHWM` in
+/// `/proc/PID/status`, the kernel's high-water mark of the process's own memory since its
+/// exec, read every 5 ms until the driver exits), and whether the driver succeeded. Not
 /// `ru_maxrss` from `wait4`: a child's counts the test process's size at the fork.
-fn flumen_process_peak_rss(statements: &[String]) -> (u64, bool) {
+fn flumen_process_peak_rss(statements: &[String]) -> (Vec<u64>, bool) {
     let mut command = std::process::Command::new(env!("CARGO_BIN_EXE_flumen"));
     command.args(["--no-demo", "--quiet"]);
     for statement in statements {
@@ -1004,20 +1005,74 @@ fn flumen_process_peak_rss(statements: &[String]) -> (u64, bool) {
         .stderr(std::process::Stdio::null())
         .spawn()
         .unwrap();
-    let status_file = format!("/proc/{}/status", child.id());
-    let mut peak = 0;
+    let high_water = |pid: u32| -> Option<u64> {
+        let status = std::fs::read_to_string(format!("/proc/{pid}/status")).ok()?;
+        let line = status.lines().find(|l| l.starts_with("VmHWM:"))?;
+        Some(line.split_whitespace().nth(1)?.parse::<u64>().ok()? * 1024)
+    };
+    // The driver's children (its worker processes), read from each of its threads' list.
+    let children = |pid: u32| -> Vec<u32> {
+        let Ok(threads) = std::fs::read_dir(format!("/proc/{pid}/task")) else {
+            return vec![];
+        };
+        threads
+            .flatten()
+            .filter_map(|t| std::fs::read_to_string(t.path().join("children")).ok())
+            .flat_map(|list| {
+                list.split_whitespace()
+                    .filter_map(|p| p.parse().ok())
+                    .collect::<Vec<u32>>()
+            })
+            .collect()
+    };
+    let driver = child.id();
+    let mut peaks: Vec<(u32, u64)> = vec![(driver, 0)];
     loop {
-        let high_water = std::fs::read_to_string(&status_file).ok().and_then(|s| {
-            s.lines()
-                .find(|l| l.starts_with("VmHWM:"))
-                .and_then(|l| l.split_whitespace().nth(1))
-                .and_then(|kb| kb.parse::<u64>().ok())
-        });
-        peak = peak.max(high_water.unwrap_or(0) * 1024);
+        let mut pids = vec![driver];
+        pids.extend(children(driver));
+        for pid in pids {
+            let Some(bytes) = high_water(pid) else { continue };
+            match peaks.iter_mut().find(|(p, _)| *p == pid) {
+                Some((_, peak)) => *peak = (*peak).max(bytes),
+                None => peaks.push((pid, bytes)),
+            }
+        }
         if let Some(status) = child.try_wait().unwrap() {
-            return (peak, status.success());
+            return (peaks.into_iter().map(|(_, peak)| peak).collect(), status.success());
         }
         std::thread::sleep(std::time::Duration::from_millis(5));
+    }
+}
+
+/// `COPY` of the first 2,000 rows of `facts` and `skewed` under `dir/small`, and the
+/// statements that register the tables of `dir` or of `dir/small` for the `flumen` binary.
+fn tables_for_rss(dir: &Path) -> impl Fn(bool) -> Vec<String> {
+    let small = dir.join("small");
+    std::fs::create_dir_all(&small).unwrap();
+    tokio::runtime::Runtime::new().unwrap().block_on(async {
+        write_tables(dir).await;
+        let ctx = vanilla();
+        register(&ctx, dir).await;
+        for table in ["facts", "skewed"] {
+            let copy = format!(
+                "COPY (SELECT * FROM {table} LIMIT 2000) TO '{}/{table}.parquet'",
+                small.display()
+            );
+            collect(&ctx, &copy).await;
+        }
+    });
+    let dir = dir.to_path_buf();
+    move |small_tables: bool| {
+        let at = if small_tables { dir.join("small") } else { dir.clone() };
+        ["facts", "skewed"]
+            .iter()
+            .map(|t| {
+                format!(
+                    "CREATE EXTERNAL TABLE {t} STORED AS PARQUET LOCATION '{}/{t}.parquet'",
+                    at.display()
+                )
+            })
+            .collect()
     }
 }
 
@@ -1028,43 +1083,19 @@ fn flumen_process_peak_rss(statements: &[String]) -> (u64, bool) {
 #[test]
 fn a_flumen_process_under_a_budget_stays_near_it_in_rss() {
     let dir = tempfile::tempdir().unwrap();
-    let small = dir.path().join("small");
-    std::fs::create_dir_all(&small).unwrap();
-    tokio::runtime::Runtime::new().unwrap().block_on(async {
-        write_tables(dir.path()).await;
-        let ctx = vanilla();
-        register(&ctx, dir.path()).await;
-        for table in ["facts", "skewed"] {
-            let copy = format!(
-                "COPY (SELECT * FROM {table} LIMIT 2000) TO '{}/{table}.parquet'",
-                small.display()
-            );
-            collect(&ctx, &copy).await;
-        }
-    });
-    let tables = |at: &Path| -> Vec<String> {
-        ["facts", "skewed"]
-            .iter()
-            .map(|t| {
-                format!(
-                    "CREATE EXTERNAL TABLE {t} STORED AS PARQUET LOCATION '{}/{t}.parquet'",
-                    at.display()
-                )
-            })
-            .collect()
-    };
+    let tables = tables_for_rss(dir.path());
     const BUDGET: u64 = 16 << 20;
     for (sql, _) in [QUERIES[0], QUERIES[4]] {
-        let run = |budget: &str, at: &Path| {
+        let run = |budget: &str, small_tables: bool| {
             let mut statements = vec![format!("SET flumen.memory_budget = '{budget}'")];
-            statements.extend(tables(at));
+            statements.extend(tables(small_tables));
             statements.push(sql.to_string());
-            let (peak, ok) = flumen_process_peak_rss(&statements);
+            let (peaks, ok) = flumen_process_peak_rss(&statements);
             assert!(ok, "{sql} failed under {budget}");
-            peak
+            peaks[0]
         };
-        let baseline = run("16MB", &small);
-        let (bounded, unbounded) = (run("16MB", dir.path()), run("2GiB", dir.path()));
+        let baseline = run("16MB", true);
+        let (bounded, unbounded) = (run("16MB", false), run("2GiB", false));
         let rise = bounded.saturating_sub(baseline);
         println!(
             "{sql}\n  peak RSS: over 2,000-row tables {} MB; under 16 MB {} MB (rise {:.1} \
@@ -1085,6 +1116,55 @@ fn a_flumen_process_under_a_budget_stays_near_it_in_rss() {
             "{sql}: the 16 MB budget's peak RSS {} MB is not below the 2 GiB one's {} MB",
             bounded >> 20,
             unbounded >> 20
+        );
+    }
+}
+
+/// The same bound with the work on two worker processes: the driver's peak RSS and each
+/// worker's rise over their runs on 2,000-row tables by a few budgets at most.
+#[test]
+fn flumen_with_worker_processes_under_a_budget_stays_near_it_in_rss() {
+    let dir = tempfile::tempdir().unwrap();
+    let tables = tables_for_rss(dir.path());
+    const BUDGET: u64 = 16 << 20;
+    for (sql, _) in [QUERIES[0], QUERIES[4]] {
+        let run = |small_tables: bool| {
+            let mut statements = vec![
+                "SET flumen.memory_budget = '16MB'".to_string(),
+                "SET flumen.workers = 'process'".to_string(),
+                "SET flumen.worker_processes = 2".to_string(),
+            ];
+            statements.extend(tables(small_tables));
+            statements.push(sql.to_string());
+            let (peaks, ok) = flumen_process_peak_rss(&statements);
+            assert!(ok, "{sql} failed with worker processes");
+            assert!(peaks.len() >= 3, "{sql}: {} worker processes seen", peaks.len() - 1);
+            let largest_worker = peaks[1..].iter().copied().max().unwrap();
+            (peaks[0], largest_worker)
+        };
+        let (driver_baseline, worker_baseline) = run(true);
+        let (driver, worker) = run(false);
+        let (driver_rise, worker_rise) = (
+            driver.saturating_sub(driver_baseline),
+            worker.saturating_sub(worker_baseline),
+        );
+        println!(
+            "{sql}\n  peak RSS under 16 MB with 2 workers: driver {} MB (rise {:.1} budgets over \
+             2,000-row tables), largest worker {} MB (rise {:.1} budgets)",
+            driver >> 20,
+            driver_rise as f64 / BUDGET as f64,
+            worker >> 20,
+            worker_rise as f64 / BUDGET as f64
+        );
+        assert!(
+            driver_rise <= 4 * BUDGET,
+            "{sql}: the driver's RSS rose {} MB under a 16 MB budget",
+            driver_rise >> 20
+        );
+        assert!(
+            worker_rise <= 4 * BUDGET,
+            "{sql}: a worker's RSS rose {} MB under a 16 MB budget",
+            worker_rise >> 20
         );
     }
 }

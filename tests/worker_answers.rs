@@ -297,3 +297,44 @@ async fn partition_columns_come_back_from_workers_as_dictionaries() {
     }
     assert!(remote >= 3, "only {remote} tasks ran in a worker");
 }
+
+/// Under a 256 KB budget the workers keep at most that much of a query's blocks in memory
+/// and spill the rest to their disk; the answers are vanilla's all the same, and nothing
+/// stays on a worker after the queries.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn workers_spill_the_blocks_over_a_query_budget_and_answer_the_same() {
+    let (dir, vanilla) = common::events_with_vanilla(2, 40_000).await;
+    let workers = session(2);
+    workers
+        .sql("SET flumen.memory_budget = '256KB'")
+        .await
+        .unwrap()
+        .collect()
+        .await
+        .unwrap();
+    common::register_tables(&workers, dir.path()).await;
+    for sql in [
+        "SELECT k, count(*), sum(v) FROM events GROUP BY k ORDER BY k",
+        "SELECT id, v FROM events ORDER BY v, id LIMIT 50",
+        "SELECT count(*), sum(a.v) FROM events a JOIN events b ON a.id = b.id",
+    ] {
+        let expected = vanilla.sql(sql).await.unwrap().collect().await.unwrap();
+        let (got, _) = run(&workers, sql).await;
+        assert!(
+            same_rows(&expected, &got, true),
+            "{sql}\nvanilla: {:?}\nworkers: {:?}",
+            rows(&expected, true),
+            rows(&got, true)
+        );
+    }
+    let pool = common::worker_pool(&workers, flumen::plan::Pool::Cpu).await;
+    let (mut spilled, mut held) = (0, 0);
+    for worker in pool.workers().await {
+        let status = worker.status().await.unwrap();
+        spilled += status.blocks_spilled;
+        held += status.blocks_held;
+    }
+    println!("256 KB budget in 2 workers: {spilled} blocks spilled on the workers");
+    assert!(spilled > 0, "no worker spilled a block under a 256 KB budget");
+    assert_eq!(held, 0, "blocks left on the workers after the queries");
+}

@@ -56,6 +56,7 @@ pub const WORKER_OPTIONS: &[&str] = &[
     "flumen.embed_batch_size",
     "flumen.embed_batch_tokens",
     "flumen.target_block_rows",
+    "flumen.memory_budget",
 ];
 
 /// The object stores other than local files that `plan` scans (their URLs).

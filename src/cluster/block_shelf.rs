@@ -1,10 +1,21 @@
 //! The blocks a worker keeps for its driver, each under the query that owns it, until the
 //! driver fetches or releases them. Keys are 128 random bits: only a caller told a key by
 //! the driver can name a block, and only with the owning query's token.
+//!
+//! Memory is bounded twice: a query's blocks in memory stay within its
+//! `flumen.memory_budget` (the task carries it), and all of them within the worker's own
+//! budget (`flumen worker --memory-budget`). A block that would pass either goes to an Arrow
+//! IPC file in the worker's spill directory (removed with the shelf) and is read back when
+//! the driver fetches it, so a driver slower to fetch than its tasks are to cut costs the
+//! worker disk, not memory.
 
 use std::collections::{HashMap, VecDeque};
+use std::path::PathBuf;
 use std::sync::Mutex;
+use std::sync::atomic::{AtomicU64, Ordering};
 
+use datafusion::arrow::ipc::reader::FileReader;
+use datafusion::arrow::ipc::writer::FileWriter;
 use datafusion::arrow::record_batch::RecordBatch;
 use datafusion::error::{DataFusionError, Result};
 
@@ -14,74 +25,253 @@ use crate::cluster::protocol::{BlockTicket, ReleaseRequest};
 /// How many ended queries a worker remembers.
 const ENDED_QUERIES_KEPT: usize = 4096;
 
-/// A block a worker keeps, and the query it belongs to.
+/// Where a kept block's rows are.
+enum Rows {
+    Memory(RecordBatch),
+    /// An Arrow IPC file of the shelf's spill directory.
+    Spilled(PathBuf),
+}
+
+/// A block a worker keeps, the query it belongs to, and its bytes in memory.
 struct KeptBlock {
     query: String,
-    batch: RecordBatch,
+    rows: Rows,
+    bytes: u64,
+}
+
+/// The kept blocks by key, and the bytes of those in memory (in all, and by query).
+#[derive(Default)]
+struct Kept {
+    blocks: HashMap<String, KeptBlock>,
+    in_memory: u64,
+    in_memory_by_query: HashMap<String, u64>,
+}
+
+impl Kept {
+    fn insert(&mut self, key: String, block: KeptBlock) {
+        if matches!(block.rows, Rows::Memory(_)) {
+            self.in_memory += block.bytes;
+            *self
+                .in_memory_by_query
+                .entry(block.query.clone())
+                .or_default() += block.bytes;
+        }
+        self.blocks.insert(key, block);
+    }
+
+    fn remove(&mut self, key: &str) -> Option<KeptBlock> {
+        let block = self.blocks.remove(key)?;
+        if matches!(block.rows, Rows::Memory(_)) {
+            self.in_memory -= block.bytes;
+            if let Some(bytes) = self.in_memory_by_query.get_mut(&block.query) {
+                *bytes -= block.bytes;
+                if *bytes == 0 {
+                    self.in_memory_by_query.remove(&block.query);
+                }
+            }
+        }
+        Some(block)
+    }
 }
 
 /// A worker's kept blocks, by key.
-#[derive(Default)]
 pub(crate) struct BlockShelf {
-    blocks: Mutex<HashMap<String, KeptBlock>>,
+    kept: Mutex<Kept>,
     /// Queries whose blocks were all released (the query ended): blocks their tasks still
     /// cut afterwards are refused. The most recent [`ENDED_QUERIES_KEPT`].
     ended: Mutex<VecDeque<String>>,
+    /// Bytes of blocks the worker keeps in memory, all queries together.
+    budget: u64,
+    /// Where blocks over a budget go; made at the first.
+    spill_dir: Mutex<Option<tempfile::TempDir>>,
+    /// Blocks written to the spill directory so far.
+    spilled: AtomicU64,
+}
+
+impl Default for BlockShelf {
+    fn default() -> Self {
+        Self::new(u64::MAX)
+    }
 }
 
 impl BlockShelf {
-    /// Keep `batch` for `query`; its new key. Refused when the query has ended.
-    pub(crate) fn keep(&self, query: &str, batch: RecordBatch) -> Result<String> {
-        let mut blocks = self.blocks.lock().unwrap();
+    /// A shelf keeping at most `budget` bytes of blocks in memory.
+    pub(crate) fn new(budget: u64) -> Self {
+        Self {
+            kept: Mutex::default(),
+            ended: Mutex::default(),
+            budget,
+            spill_dir: Mutex::default(),
+            spilled: AtomicU64::new(0),
+        }
+    }
+
+    /// Keep `batch` for `query`, in memory while the query's blocks there stay within
+    /// `query_budget` and the worker's within its budget, else in a spill file; its new
+    /// key. Refused when the query has ended.
+    pub(crate) fn keep(&self, query: &str, batch: RecordBatch, query_budget: u64) -> Result<String> {
+        let key = random_key();
+        let bytes = batch.get_array_memory_size() as u64;
+        {
+            let mut kept = self.kept.lock().unwrap();
+            self.refuse_ended(query)?;
+            let of_query = kept.in_memory_by_query.get(query).copied().unwrap_or(0);
+            if kept.in_memory + bytes <= self.budget && of_query + bytes <= query_budget {
+                let rows = Rows::Memory(batch);
+                let query = query.to_string();
+                kept.insert(key.clone(), KeptBlock { query, rows, bytes });
+                return Ok(key);
+            }
+        }
+        let path = self.spill(&key, &batch)?;
+        let mut kept = self.kept.lock().unwrap();
+        if let Err(e) = self.refuse_ended(query) {
+            let _ = std::fs::remove_file(&path);
+            return Err(e);
+        }
+        let rows = Rows::Spilled(path);
+        let query = query.to_string();
+        kept.insert(key.clone(), KeptBlock { query, rows, bytes });
+        Ok(key)
+    }
+
+    fn refuse_ended(&self, query: &str) -> Result<()> {
         if self.ended.lock().unwrap().iter().any(|q| q == query) {
             return Err(DataFusionError::Execution(
                 "the task's query has ended; its blocks were dropped".into(),
             ));
         }
-        let key = random_key();
-        let kept = KeptBlock {
-            query: query.to_string(),
-            batch,
+        Ok(())
+    }
+
+    /// Write `batch` to a new file of the spill directory.
+    fn spill(&self, key: &str, batch: &RecordBatch) -> Result<PathBuf> {
+        let path = {
+            let mut dir = self.spill_dir.lock().unwrap();
+            let dir = match dir.as_ref() {
+                Some(dir) => dir,
+                None => dir.insert(
+                    tempfile::Builder::new()
+                        .prefix("flumen-worker-blocks-")
+                        .tempdir()
+                        .map_err(|e| {
+                            DataFusionError::Execution(format!(
+                                "the worker cannot make a spill directory for its blocks: {e}"
+                            ))
+                        })?,
+                ),
+            };
+            dir.path().join(format!("{key}.arrow"))
         };
-        blocks.insert(key.clone(), kept);
-        Ok(key)
+        let write = || -> Result<()> {
+            let file = std::fs::File::create(&path)?;
+            let mut writer = FileWriter::try_new(file, &batch.schema())?;
+            writer.write(batch)?;
+            writer.finish()?;
+            Ok(())
+        };
+        write().map_err(|e| {
+            let _ = std::fs::remove_file(&path);
+            DataFusionError::Execution(format!(
+                "the worker could not spill a block to {}: {e}",
+                path.display()
+            ))
+        })?;
+        self.spilled.fetch_add(1, Ordering::Relaxed);
+        Ok(path)
     }
 
     /// The block `ticket` names, if its query owns it: removed unless the ticket says keep.
-    pub(crate) fn take(&self, ticket: &BlockTicket) -> Option<RecordBatch> {
-        let mut blocks = self.blocks.lock().unwrap();
-        match blocks.get(&ticket.key) {
-            Some(b) if b.query == ticket.query && ticket.keep => Some(b.batch.clone()),
-            Some(b) if b.query == ticket.query => blocks.remove(&ticket.key).map(|b| b.batch),
-            _ => None,
+    /// An error when its spill file cannot be read back.
+    pub(crate) fn take(&self, ticket: &BlockTicket) -> Result<Option<RecordBatch>> {
+        let spilled = {
+            let mut kept = self.kept.lock().unwrap();
+            let Some(block) = kept.blocks.get(&ticket.key) else {
+                return Ok(None);
+            };
+            if block.query != ticket.query {
+                return Ok(None);
+            }
+            match (&block.rows, ticket.keep) {
+                (Rows::Memory(batch), true) => return Ok(Some(batch.clone())),
+                (Rows::Spilled(path), true) => (path.clone(), false),
+                (_, false) => match kept.remove(&ticket.key).map(|b| b.rows) {
+                    Some(Rows::Memory(batch)) => return Ok(Some(batch)),
+                    Some(Rows::Spilled(path)) => (path, true),
+                    None => return Ok(None),
+                },
+            }
+        };
+        let (path, remove) = spilled;
+        let read = || -> Result<RecordBatch> {
+            let mut reader = FileReader::try_new(std::fs::File::open(&path)?, None)?;
+            let batch = reader
+                .next()
+                .ok_or_else(|| DataFusionError::Execution("the file holds no batch".into()))??;
+            Ok(batch)
+        };
+        let batch = read().map_err(|e| {
+            DataFusionError::Execution(format!(
+                "the worker could not read back block {:.32} from {}: {e}",
+                ticket.key,
+                path.display()
+            ))
+        });
+        if remove {
+            let _ = std::fs::remove_file(&path);
         }
+        batch.map(Some)
     }
 
     /// Drop the listed blocks of a query, or all of them (the query ended) when none is
     /// listed; how many were dropped.
     pub(crate) fn release(&self, request: ReleaseRequest) -> usize {
-        let mut blocks = self.blocks.lock().unwrap();
-        let before = blocks.len();
-        if request.keys.is_empty() {
-            blocks.retain(|_, b| b.query != request.query);
-            let mut ended = self.ended.lock().unwrap();
-            ended.push_back(request.query);
-            if ended.len() > ENDED_QUERIES_KEPT {
-                ended.pop_front();
-            }
-        } else {
-            for key in request.keys {
-                if blocks.get(&key).is_some_and(|b| b.query == request.query) {
-                    blocks.remove(&key);
+        let mut dropped = vec![];
+        {
+            let mut kept = self.kept.lock().unwrap();
+            let keys: Vec<String> = if request.keys.is_empty() {
+                let mut ended = self.ended.lock().unwrap();
+                ended.push_back(request.query.clone());
+                if ended.len() > ENDED_QUERIES_KEPT {
+                    ended.pop_front();
                 }
+                kept.blocks
+                    .iter()
+                    .filter(|(_, b)| b.query == request.query)
+                    .map(|(key, _)| key.clone())
+                    .collect()
+            } else {
+                request
+                    .keys
+                    .into_iter()
+                    .filter(|key| kept.blocks.get(key).is_some_and(|b| b.query == request.query))
+                    .collect()
+            };
+            for key in keys {
+                dropped.extend(kept.remove(&key));
             }
         }
-        before - blocks.len()
+        for block in &dropped {
+            if let Rows::Spilled(path) = &block.rows {
+                let _ = std::fs::remove_file(path);
+            }
+        }
+        dropped.len()
     }
 
     /// Blocks kept now.
     pub(crate) fn len(&self) -> usize {
-        self.blocks.lock().unwrap().len()
+        self.kept.lock().unwrap().blocks.len()
+    }
+
+    /// Bytes of the blocks kept in memory now.
+    pub(crate) fn bytes_in_memory(&self) -> u64 {
+        self.kept.lock().unwrap().in_memory
+    }
+
+    /// Blocks written to the spill directory since the worker started.
+    pub(crate) fn blocks_spilled(&self) -> u64 {
+        self.spilled.load(Ordering::Relaxed)
     }
 }
 
@@ -113,31 +303,66 @@ mod tests {
     #[test]
     fn only_the_owning_query_takes_or_releases_a_block() {
         let shelf = BlockShelf::default();
-        let key = shelf.keep("a", batch()).unwrap();
+        let key = shelf.keep("a", batch(), u64::MAX).unwrap();
         assert_eq!(key.len(), 32);
-        assert!(shelf.take(&ticket("b", &key, false)).is_none());
+        assert!(shelf.take(&ticket("b", &key, false)).unwrap().is_none());
         let release = |query: &str| ReleaseRequest {
             query: query.into(),
             keys: vec![key.clone()],
         };
         assert_eq!(shelf.release(release("b")), 0);
-        assert!(shelf.take(&ticket("a", &key, true)).is_some(), "kept");
+        assert!(shelf.take(&ticket("a", &key, true)).unwrap().is_some(), "kept");
         assert_eq!(shelf.len(), 1);
-        assert!(shelf.take(&ticket("a", &key, false)).is_some(), "taken");
+        assert!(shelf.take(&ticket("a", &key, false)).unwrap().is_some(), "taken");
         assert_eq!(shelf.len(), 0);
+    }
+
+    #[test]
+    fn blocks_over_a_budget_go_to_disk_and_come_back_the_same() {
+        let one = batch().get_array_memory_size() as u64;
+        // The worker's budget holds three blocks, query a's one.
+        let shelf = BlockShelf::new(3 * one);
+        let a: Vec<String> = (0..3)
+            .map(|_| shelf.keep("a", batch(), one).unwrap())
+            .collect();
+        assert_eq!(shelf.bytes_in_memory(), one, "query a: one block in memory");
+        assert_eq!(shelf.blocks_spilled(), 2);
+        let b: Vec<String> = (0..3)
+            .map(|_| shelf.keep("b", batch(), u64::MAX).unwrap())
+            .collect();
+        assert_eq!(shelf.bytes_in_memory(), 3 * one, "the worker's budget");
+        assert_eq!(shelf.blocks_spilled(), 3);
+        let spill_dir = shelf.spill_dir.lock().unwrap().as_ref().unwrap().path().to_owned();
+        let files = || std::fs::read_dir(&spill_dir).unwrap().count();
+        assert_eq!(files(), 3);
+        for key in &a {
+            let kept = shelf.take(&ticket("a", key, true)).unwrap().unwrap();
+            assert_eq!(kept, batch(), "kept");
+            assert_eq!(shelf.take(&ticket("a", key, false)).unwrap().unwrap(), batch());
+        }
+        assert_eq!(files(), 1, "query a's files went with its blocks");
+        let ended = ReleaseRequest {
+            query: "b".into(),
+            keys: vec![],
+        };
+        assert_eq!(shelf.release(ended), b.len());
+        assert_eq!(files(), 0, "a released block's file goes");
+        assert_eq!(shelf.bytes_in_memory(), 0);
+        drop(shelf);
+        assert!(!spill_dir.exists(), "the spill directory goes with the shelf");
     }
 
     #[test]
     fn an_ended_query_keeps_nothing_more() {
         let shelf = BlockShelf::default();
-        shelf.keep("a", batch()).unwrap();
-        shelf.keep("b", batch()).unwrap();
+        shelf.keep("a", batch(), u64::MAX).unwrap();
+        shelf.keep("b", batch(), u64::MAX).unwrap();
         let ended = ReleaseRequest {
             query: "a".into(),
             keys: vec![],
         };
         assert_eq!(shelf.release(ended), 1);
-        let refused = shelf.keep("a", batch()).unwrap_err().to_string();
+        let refused = shelf.keep("a", batch(), u64::MAX).unwrap_err().to_string();
         assert!(refused.contains("has ended"), "{refused}");
         assert_eq!(shelf.len(), 1, "query b's block stays");
     }

@@ -177,6 +177,12 @@ pub struct WorkerStatus {
     pub model_loads: u64,
     /// Blocks it holds now.
     pub blocks_held: usize,
+    /// Bytes of the blocks it holds in memory now (the others are in its spill files).
+    #[serde(default)]
+    pub block_bytes_in_memory: u64,
+    /// Blocks it has written to its spill files, over its memory budget or a query's.
+    #[serde(default)]
+    pub blocks_spilled: u64,
     /// The functions its tasks may call (a driver sends only plans calling these).
     #[serde(default)]
     pub functions: Vec<String>,

@@ -214,7 +214,7 @@ impl WorkerService {
             task_runtime,
             ctx,
             kind,
-            shelf: Arc::default(),
+            shelf: Arc::new(BlockShelf::new(identity.memory_budget)),
             tasks: AtomicU64::new(0),
             panics: Arc::default(),
             model_thread,
@@ -247,6 +247,8 @@ impl WorkerService {
             task_panics: self.panics.load(Ordering::Relaxed),
             model_loads: crate::functions::accelerator::workers_loaded(),
             blocks_held: self.shelf.len(),
+            block_bytes_in_memory: self.shelf.bytes_in_memory(),
+            blocks_spilled: self.shelf.blocks_spilled(),
             functions,
         }
     }
@@ -282,11 +284,19 @@ impl WorkerService {
             }
             (None, None) => unreachable!("a worker has a model thread or a task runtime"),
         };
+        // The query's blocks stay within its budget here too (the rest spill).
+        let query_budget = request
+            .options
+            .iter()
+            .find(|(key, _)| key == "flumen.memory_budget")
+            .and_then(|(_, value)| value.parse::<crate::ByteSize>().ok())
+            .map_or(u64::MAX, |budget| budget.0);
         let reply = TaskReply {
             produced,
             shelf: Arc::clone(&self.shelf),
             panics: Arc::clone(&self.panics),
             query: request.query,
+            query_budget,
             blocks: 0,
             last_progress: Instant::now(),
             ended: false,
@@ -307,6 +317,9 @@ struct TaskReply {
     shelf: Arc<BlockShelf>,
     panics: Arc<AtomicU64>,
     query: String,
+    /// Bytes of the query's blocks this worker keeps in memory at most (its
+    /// `flumen.memory_budget`).
+    query_budget: u64,
     /// Blocks announced so far.
     blocks: usize,
     /// When the last event went out.
@@ -327,7 +340,7 @@ impl TaskReply {
             let event = match self.produced.recv().await {
                 Some(Produced::Block(tag, batch)) => {
                     let (rows, bytes) = (batch.num_rows(), batch.get_array_memory_size() as u64);
-                    match self.shelf.keep(&self.query, batch) {
+                    match self.shelf.keep(&self.query, batch, self.query_budget) {
                         Ok(key) => {
                             self.blocks += 1;
                             TaskEvent::Block(RemoteBlockInfo {
@@ -527,7 +540,8 @@ impl FlightService for WorkerService {
         let ticket: BlockTicket = serde_json::from_slice(&request.into_inner().ticket)
             .map_err(|e| Status::invalid_argument(format!("bad block ticket: {e}")))?;
         // Only the query that owns a block may take it.
-        let batch = self.shelf.take(&ticket).ok_or_else(|| {
+        let batch = self.shelf.take(&ticket).map_err(|e| Status::internal(e.to_string()))?;
+        let batch = batch.ok_or_else(|| {
             Status::not_found(format!(
                 "no block {:.32} of this query in this worker",
                 ticket.key
