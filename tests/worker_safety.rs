@@ -1319,3 +1319,51 @@ async fn a_pool_in_tls_gives_the_same_rows_and_refuses_plaintext() {
         assert!(status.tasks > 0, "{status:?}");
     }
 }
+
+/// A driver attached to a worker of another flumen (a `flumen worker` process speaking an
+/// older or a newer worker protocol) fails the query at once with an error naming both
+/// protocols and what to do: the older worker (protocol 3 checked no driver's hello) is
+/// refused by the driver, the newer one refuses the driver. A session then answers with a
+/// worker of its own protocol.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_worker_of_another_protocol_is_a_clear_error_on_the_driver() {
+    use flumen::cluster::protocol::PROTOCOL_VERSION;
+    let (dir, vanilla) = common::events_with_vanilla(2, 2_000).await;
+    let secret = Secret::random();
+    secret_file(dir.path(), &secret);
+    let cluster_file = dir.path().join("cluster.toml");
+    let write_cluster_file = |address: &str| {
+        let text = format!("workers = [\"{address}\"]\nsecret_file = \"secret\"\n");
+        std::fs::write(&cluster_file, text).unwrap();
+    };
+    let sql = "SELECT k, count(*) FROM events GROUP BY k ORDER BY k";
+    for other in [PROTOCOL_VERSION - 1, PROTOCOL_VERSION + 1] {
+        let worker = WorkerProcess::start(&secret, &["--speak-protocol", &other.to_string()]);
+        write_cluster_file(&worker.address);
+        let mut config = FlumenConfig::default();
+        config.workers = WorkerMode::Process;
+        config.cluster = cluster_file.display().to_string();
+        let f = flumen::session(config);
+        common::register_tables(&f, dir.path()).await;
+        let started = Instant::now();
+        let err = common::try_collect(&f, sql).await.unwrap_err().to_string();
+        println!("a worker of protocol {other}: {:?}: {err}", started.elapsed());
+        assert!(
+            err.contains(&format!("protocol {other}"))
+                && err.contains(&format!("protocol {PROTOCOL_VERSION}")),
+            "{err}"
+        );
+        assert!(err.contains("run the same flumen version"), "{err}");
+        assert!(started.elapsed() < Duration::from_secs(30));
+        drop(worker);
+    }
+    // The cluster file now names a worker of this build: the next query answers.
+    let worker = WorkerProcess::start(&secret, &[]);
+    write_cluster_file(&worker.address);
+    let mut config = FlumenConfig::default();
+    config.workers = WorkerMode::Process;
+    config.cluster = cluster_file.display().to_string();
+    let f = flumen::session(config);
+    common::register_tables(&f, dir.path()).await;
+    common::assert_same(&vanilla, &f, sql).await;
+}

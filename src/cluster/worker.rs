@@ -63,22 +63,26 @@ use crate::cluster::worker_pool::{Client, connect, get_block};
 use crate::cluster::worker_tasks::{ModelJob, PANICKED, Produced, run_task, start_model_thread};
 use crate::plan::graph::Pool;
 
+/// The first worker protocol whose workers check the driver's hello; older ones answer any
+/// driver, which then refuses them on the protocol their status names.
+const FIRST_PROTOCOL_CHECKING_DRIVERS: u32 = 4;
+
 /// Refuse a driver whose hello (the body of its `status` call, when not empty) names another
-/// worker protocol.
-fn check_driver(body: &[u8]) -> std::result::Result<(), Status> {
-    if body.is_empty() {
+/// worker protocol than `ours`.
+fn check_driver(body: &[u8], ours: u32) -> std::result::Result<(), Status> {
+    if body.is_empty() || ours < FIRST_PROTOCOL_CHECKING_DRIVERS {
         return Ok(());
     }
     let hello: DriverHello = serde_json::from_slice(body)
         .map_err(|e| Status::invalid_argument(format!("bad driver hello: {e}")))?;
-    if hello.protocol != PROTOCOL_VERSION {
+    if hello.protocol != ours {
         log::warn!(
             "flumen worker: refused a driver of flumen {} (worker protocol {})",
             hello.version,
             hello.protocol
         );
         return Err(Status::failed_precondition(format!(
-            "this worker (flumen {}) speaks worker protocol {PROTOCOL_VERSION}, the driver \
+            "this worker (flumen {}) speaks worker protocol {ours}, the driver \
              (flumen {}) protocol {}: run the same flumen version on the driver and its workers",
             env!("CARGO_PKG_VERSION"),
             hello.version,
@@ -124,6 +128,8 @@ struct WorkerIdentity {
     slots: usize,
     /// Bytes of blocks it may keep.
     memory_budget: u64,
+    /// The worker protocol it speaks.
+    protocol: u32,
     /// The accelerators it computes on (probed once, at start).
     devices: Vec<DeviceInfo>,
 }
@@ -140,6 +146,7 @@ impl WorkerIdentity {
                 Pool::Accelerator => 1,
             }),
             memory_budget: settings.memory_budget,
+            protocol: settings.protocol,
             devices: devices(kind),
         }
     }
@@ -233,7 +240,7 @@ impl WorkerService {
         functions.extend(state.window_functions().keys().cloned());
         functions.sort();
         WorkerStatus {
-            protocol: PROTOCOL_VERSION,
+            protocol: self.identity.protocol,
             version: env!("CARGO_PKG_VERSION").into(),
             id: self.identity.id.clone(),
             host: self.identity.host.clone(),
@@ -521,7 +528,7 @@ impl FlightService for WorkerService {
                 body: b"\"pong\"".to_vec().into(),
             }))),
             "status" => {
-                check_driver(&action.body)?;
+                check_driver(&action.body, self.identity.protocol)?;
                 Ok(Response::new(one(arrow_flight::Result {
                     body: serde_json::to_vec(&self.status())
                         .expect("status serializes")
@@ -663,6 +670,9 @@ pub struct WorkerSettings {
     pub slots: Option<usize>,
     /// Bytes of blocks it may keep, as announced.
     pub memory_budget: u64,
+    /// The worker protocol it speaks: this build's [`PROTOCOL_VERSION`]; tests set another
+    /// to stand for a worker of an older or newer flumen.
+    pub protocol: u32,
 }
 
 impl WorkerSettings {
@@ -678,6 +688,7 @@ impl WorkerSettings {
             peer_trust: None,
             slots: None,
             memory_budget: crate::ByteSize::default().0,
+            protocol: PROTOCOL_VERSION,
         }
     }
 }
@@ -747,15 +758,15 @@ mod tests {
 
     #[test]
     fn a_driver_of_another_protocol_is_refused_naming_both_versions() {
-        assert!(check_driver(b"").is_ok());
+        assert!(check_driver(b"", PROTOCOL_VERSION).is_ok());
         let ours = serde_json::to_vec(&DriverHello::ours()).unwrap();
-        assert!(check_driver(&ours).is_ok());
+        assert!(check_driver(&ours, PROTOCOL_VERSION).is_ok());
         let old = serde_json::to_vec(&DriverHello {
             protocol: PROTOCOL_VERSION - 1,
             version: "0.0.9".into(),
         })
         .unwrap();
-        let refused = check_driver(&old).unwrap_err();
+        let refused = check_driver(&old, PROTOCOL_VERSION).unwrap_err();
         assert_eq!(refused.code(), tonic::Code::FailedPrecondition);
         let message = refused.message();
         assert!(message.contains("flumen 0.0.9"), "{message}");
@@ -763,6 +774,6 @@ mod tests {
             message.contains(&format!("protocol {}", PROTOCOL_VERSION - 1)),
             "{message}"
         );
-        assert!(check_driver(b"{not json").is_err());
+        assert!(check_driver(b"{not json", PROTOCOL_VERSION).is_err());
     }
 }

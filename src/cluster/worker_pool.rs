@@ -1117,7 +1117,8 @@ async fn introduce(
     if status.protocol != PROTOCOL_VERSION {
         return Err(DataFusionError::Execution(format!(
             "worker {address} (flumen {}) speaks worker protocol {}, this driver (flumen {}) \
-             {PROTOCOL_VERSION}: run the same flumen version on the driver and its workers",
+             protocol {PROTOCOL_VERSION}: run the same flumen version on the driver and its \
+             workers",
             if status.version.is_empty() {
                 "of an older version"
             } else {

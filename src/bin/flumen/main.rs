@@ -191,6 +191,10 @@ struct WorkerArgs {
     /// capacity tests without GPUs; the driver registers the same model). Repeatable.
     #[arg(long, value_name = "SPEC")]
     emulated_model: Vec<String>,
+    /// Speak worker protocol N instead of this build's (tests: a worker of an older or
+    /// newer flumen, which drivers must refuse clearly).
+    #[arg(long, value_name = "N", hide = true)]
+    speak_protocol: Option<u32>,
 }
 
 /// `flumen worker`: serve tasks for a driver until killed, its driver goes away or its
@@ -242,6 +246,9 @@ fn worker_settings(args: &WorkerArgs) -> datafusion::error::Result<flumen::Worke
     settings.slots = args.slots.map(|n| n.max(1));
     if let Some(budget) = args.memory_budget {
         settings.memory_budget = budget.0;
+    }
+    if let Some(protocol) = args.speak_protocol {
+        settings.protocol = protocol;
     }
     Ok(settings)
 }
