@@ -1066,7 +1066,8 @@ fn pipeline_functions(args: &Args, pipeline: Pipeline, zero_device: bool) -> Pip
 
 /// Where the real model alone writes its vectors (see `model_alone`).
 fn device_output(args: &Args, pipeline: Pipeline) -> PathBuf {
-    args.out.join(format!("out-{}-device.parquet", pipeline.name()))
+    args.out
+        .join(format!("out-{}-device.parquet", pipeline.name()))
 }
 
 /// Rows in a row group of the output.

@@ -1031,14 +1031,19 @@ fn flumen_process_peak_rss(statements: &[String]) -> (Vec<u64>, bool) {
         let mut pids = vec![driver];
         pids.extend(children(driver));
         for pid in pids {
-            let Some(bytes) = high_water(pid) else { continue };
+            let Some(bytes) = high_water(pid) else {
+                continue;
+            };
             match peaks.iter_mut().find(|(p, _)| *p == pid) {
                 Some((_, peak)) => *peak = (*peak).max(bytes),
                 None => peaks.push((pid, bytes)),
             }
         }
         if let Some(status) = child.try_wait().unwrap() {
-            return (peaks.into_iter().map(|(_, peak)| peak).collect(), status.success());
+            return (
+                peaks.into_iter().map(|(_, peak)| peak).collect(),
+                status.success(),
+            );
         }
         std::thread::sleep(std::time::Duration::from_millis(5));
     }
@@ -1063,7 +1068,11 @@ fn tables_for_rss(dir: &Path) -> impl Fn(bool) -> Vec<String> {
     });
     let dir = dir.to_path_buf();
     move |small_tables: bool| {
-        let at = if small_tables { dir.join("small") } else { dir.clone() };
+        let at = if small_tables {
+            dir.join("small")
+        } else {
+            dir.clone()
+        };
         ["facts", "skewed"]
             .iter()
             .map(|t| {
@@ -1138,7 +1147,11 @@ fn flumen_with_worker_processes_under_a_budget_stays_near_it_in_rss() {
             statements.push(sql.to_string());
             let (peaks, ok) = flumen_process_peak_rss(&statements);
             assert!(ok, "{sql} failed with worker processes");
-            assert!(peaks.len() >= 3, "{sql}: {} worker processes seen", peaks.len() - 1);
+            assert!(
+                peaks.len() >= 3,
+                "{sql}: {} worker processes seen",
+                peaks.len() - 1
+            );
             let largest_worker = peaks[1..].iter().copied().max().unwrap();
             (peaks[0], largest_worker)
         };

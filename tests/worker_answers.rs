@@ -335,6 +335,9 @@ async fn workers_spill_the_blocks_over_a_query_budget_and_answer_the_same() {
         held += status.blocks_held;
     }
     println!("256 KB budget in 2 workers: {spilled} blocks spilled on the workers");
-    assert!(spilled > 0, "no worker spilled a block under a 256 KB budget");
+    assert!(
+        spilled > 0,
+        "no worker spilled a block under a 256 KB budget"
+    );
     assert_eq!(held, 0, "blocks left on the workers after the queries");
 }

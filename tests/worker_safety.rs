@@ -1347,7 +1347,10 @@ async fn a_worker_of_another_protocol_is_a_clear_error_on_the_driver() {
         common::register_tables(&f, dir.path()).await;
         let started = Instant::now();
         let err = common::try_collect(&f, sql).await.unwrap_err().to_string();
-        println!("a worker of protocol {other}: {:?}: {err}", started.elapsed());
+        println!(
+            "a worker of protocol {other}: {:?}: {err}",
+            started.elapsed()
+        );
         assert!(
             err.contains(&format!("protocol {other}"))
                 && err.contains(&format!("protocol {PROTOCOL_VERSION}")),

@@ -60,7 +60,10 @@ pub fn run(
 
     let loading = Instant::now();
     let mut worker = model.load(config)?;
-    worker.process(&[inputs.slice(0, inputs.len().min(WARM_UP_ROWS))], &return_type)?;
+    worker.process(
+        &[inputs.slice(0, inputs.len().min(WARM_UP_ROWS))],
+        &return_type,
+    )?;
     let load_s = loading.elapsed().as_secs_f64();
 
     let mut writer = None;

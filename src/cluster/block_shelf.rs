@@ -109,7 +109,12 @@ impl BlockShelf {
     /// Keep `batch` for `query`, in memory while the query's blocks there stay within
     /// `query_budget` and the worker's within its budget, else in a spill file; its new
     /// key. Refused when the query has ended.
-    pub(crate) fn keep(&self, query: &str, batch: RecordBatch, query_budget: u64) -> Result<String> {
+    pub(crate) fn keep(
+        &self,
+        query: &str,
+        batch: RecordBatch,
+        query_budget: u64,
+    ) -> Result<String> {
         let key = random_key();
         let bytes = batch.get_array_memory_size() as u64;
         {
@@ -244,7 +249,11 @@ impl BlockShelf {
                 request
                     .keys
                     .into_iter()
-                    .filter(|key| kept.blocks.get(key).is_some_and(|b| b.query == request.query))
+                    .filter(|key| {
+                        kept.blocks
+                            .get(key)
+                            .is_some_and(|b| b.query == request.query)
+                    })
                     .collect()
             };
             for key in keys {
@@ -311,9 +320,15 @@ mod tests {
             keys: vec![key.clone()],
         };
         assert_eq!(shelf.release(release("b")), 0);
-        assert!(shelf.take(&ticket("a", &key, true)).unwrap().is_some(), "kept");
+        assert!(
+            shelf.take(&ticket("a", &key, true)).unwrap().is_some(),
+            "kept"
+        );
         assert_eq!(shelf.len(), 1);
-        assert!(shelf.take(&ticket("a", &key, false)).unwrap().is_some(), "taken");
+        assert!(
+            shelf.take(&ticket("a", &key, false)).unwrap().is_some(),
+            "taken"
+        );
         assert_eq!(shelf.len(), 0);
     }
 
@@ -332,13 +347,23 @@ mod tests {
             .collect();
         assert_eq!(shelf.bytes_in_memory(), 3 * one, "the worker's budget");
         assert_eq!(shelf.blocks_spilled(), 3);
-        let spill_dir = shelf.spill_dir.lock().unwrap().as_ref().unwrap().path().to_owned();
+        let spill_dir = shelf
+            .spill_dir
+            .lock()
+            .unwrap()
+            .as_ref()
+            .unwrap()
+            .path()
+            .to_owned();
         let files = || std::fs::read_dir(&spill_dir).unwrap().count();
         assert_eq!(files(), 3);
         for key in &a {
             let kept = shelf.take(&ticket("a", key, true)).unwrap().unwrap();
             assert_eq!(kept, batch(), "kept");
-            assert_eq!(shelf.take(&ticket("a", key, false)).unwrap().unwrap(), batch());
+            assert_eq!(
+                shelf.take(&ticket("a", key, false)).unwrap().unwrap(),
+                batch()
+            );
         }
         assert_eq!(files(), 1, "query a's files went with its blocks");
         let ended = ReleaseRequest {
@@ -349,7 +374,10 @@ mod tests {
         assert_eq!(files(), 0, "a released block's file goes");
         assert_eq!(shelf.bytes_in_memory(), 0);
         drop(shelf);
-        assert!(!spill_dir.exists(), "the spill directory goes with the shelf");
+        assert!(
+            !spill_dir.exists(),
+            "the spill directory goes with the shelf"
+        );
     }
 
     #[test]

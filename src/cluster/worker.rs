@@ -547,7 +547,10 @@ impl FlightService for WorkerService {
         let ticket: BlockTicket = serde_json::from_slice(&request.into_inner().ticket)
             .map_err(|e| Status::invalid_argument(format!("bad block ticket: {e}")))?;
         // Only the query that owns a block may take it.
-        let batch = self.shelf.take(&ticket).map_err(|e| Status::internal(e.to_string()))?;
+        let batch = self
+            .shelf
+            .take(&ticket)
+            .map_err(|e| Status::internal(e.to_string()))?;
         let batch = batch.ok_or_else(|| {
             Status::not_found(format!(
                 "no block {:.32} of this query in this worker",
