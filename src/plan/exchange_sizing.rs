@@ -186,7 +186,9 @@ impl fmt::Display for ExchangeSizing {
 }
 
 /// Estimated bytes of `plan`'s whole output, from DataFusion's statistics: their byte size
-/// when known, else rows times the schema's row width, else the sum of its inputs'.
+/// when known, else rows times the schema's row width (rows a `generate_series` or `range`
+/// below will make, when DataFusion knows none: [`generated_rows`]), else the sum of its
+/// inputs'.
 pub fn estimated_bytes(plan: &Arc<dyn ExecutionPlan>) -> u64 {
     let stats = StatisticsContext::default().compute(plan.as_ref(), &StatisticsArgs::new());
     if let Ok(stats) = stats {
@@ -199,7 +201,65 @@ pub fn estimated_bytes(plan: &Arc<dyn ExecutionPlan>) -> u64 {
             return *rows as u64 * row_width(plan);
         }
     }
+    if let Some(rows) = generated_rows(plan) {
+        return rows.saturating_mul(row_width(plan));
+    }
     plan.children().into_iter().map(estimated_bytes).sum()
+}
+
+/// Nodes whose output has at most as many rows as their one input.
+const ROWS_AT_MOST_INPUT: &[&str] = &[
+    "ProjectionExec",
+    "FilterExec",
+    "RepartitionExec",
+    "CoalesceBatchesExec",
+    "CoalescePartitionsExec",
+];
+
+/// Rows the integer series generators of a `LazyMemoryExec` (`generate_series`, `range`)
+/// at or below `plan` will make (through projections, filters and exchanges, an upper
+/// bound), which DataFusion's statistics do not give: without them a join of two series
+/// was planned in core whatever its size, and refused memory.
+pub fn generated_rows(plan: &Arc<dyn ExecutionPlan>) -> Option<u64> {
+    use datafusion::functions_table::generate_series::GenericSeriesState;
+    use datafusion::physical_plan::memory::LazyMemoryExec;
+    if let Some(lazy) = plan.downcast_ref::<LazyMemoryExec>() {
+        let mut rows = 0u64;
+        for generator in lazy.generators() {
+            let generator = generator.read();
+            let series = generator
+                .as_any()
+                .downcast_ref::<GenericSeriesState<i64>>()?;
+            rows = rows.saturating_add(series_len(
+                *series.start(),
+                *series.end(),
+                *series.step(),
+                series.include_end(),
+            ));
+        }
+        return Some(rows);
+    }
+    match plan.children().as_slice() {
+        [child] if ROWS_AT_MOST_INPUT.contains(&plan.name()) => generated_rows(child),
+        _ => None,
+    }
+}
+
+/// Values from `start` towards `end` by `step` (`end` itself when `include_end`).
+fn series_len(start: i64, end: i64, step: i64, include_end: bool) -> u64 {
+    let (start, end, step) = (start as i128, end as i128, step as i128);
+    let span = match step {
+        0 => return 0,
+        s if s > 0 => end - start,
+        _ => start - end,
+    };
+    let step = step.abs();
+    let len = match include_end {
+        true if span >= 0 => span / step + 1,
+        false if span > 0 => (span - 1) / step + 1,
+        _ => 0,
+    };
+    u64::try_from(len).unwrap_or(u64::MAX)
 }
 
 /// Bytes of one row of `plan`'s schema: fixed widths, 32 for variable-width values.
@@ -400,5 +460,45 @@ mod tests {
             "8 MB is larger than 6 MB: {sizing:?}"
         );
         assert_eq!(sizing.partitions, 4, "{sizing:?}");
+    }
+
+    #[test]
+    fn a_series_counts_its_values_both_ways_and_with_or_without_its_end() {
+        assert_eq!(series_len(1, 10, 1, true), 10, "generate_series(1, 10)");
+        assert_eq!(series_len(1, 10, 1, false), 9, "range(1, 10)");
+        assert_eq!(series_len(0, 10, 3, true), 4, "0, 3, 6, 9");
+        assert_eq!(series_len(0, 9, 3, true), 4, "0, 3, 6, 9");
+        assert_eq!(series_len(0, 9, 3, false), 3, "0, 3, 6");
+        assert_eq!(series_len(10, 1, -2, true), 5, "10, 8, 6, 4, 2");
+        assert_eq!(series_len(1, 10, -1, true), 0, "the wrong way");
+        assert_eq!(series_len(5, 5, 1, true), 1);
+        assert_eq!(series_len(5, 5, 1, false), 0);
+        assert_eq!(series_len(i64::MIN, i64::MAX, 1, true), u64::MAX);
+    }
+
+    #[tokio::test]
+    async fn a_generated_series_gives_its_rows_through_a_projection() {
+        let ctx = datafusion::prelude::SessionContext::new();
+        let plan = ctx
+            .sql("SELECT value AS k, value * 2 AS v FROM generate_series(1, 1200000)")
+            .await
+            .unwrap()
+            .create_physical_plan()
+            .await
+            .unwrap();
+        assert_eq!(generated_rows(&plan), Some(1_200_000));
+        assert_eq!(estimated_bytes(&plan), 1_200_000 * 16, "two Int64 columns");
+        let plan = ctx
+            .sql("SELECT count(*) FROM range(0, 1000)")
+            .await
+            .unwrap()
+            .create_physical_plan()
+            .await
+            .unwrap();
+        assert_eq!(
+            generated_rows(&plan),
+            None,
+            "an aggregate's rows are not its input's"
+        );
     }
 }
