@@ -209,6 +209,54 @@ async fn a_worker_killed_mid_query_costs_only_its_blocks() {
     assert!(pool.workers().await.iter().all(|w| w.is_alive()));
 }
 
+/// A lost block whose recomputation gives other values (a map task calling `random()`) fails
+/// the query naming the operator, where a row count alone saw the same block: readers may
+/// already hold rows of the first run. The block's digest, taken on the worker that cut it,
+/// is what the recomputed rows are held to.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_lost_block_of_random_values_fails_the_query_as_not_deterministic() {
+    let (dir, v) = events_with_vanilla(3, 20_000).await;
+    let armed = Arc::new(AtomicBool::new(false));
+    let seen = Arc::new(AtomicUsize::new(0));
+    let (armed_in, seen_in) = (Arc::clone(&armed), Arc::clone(&seen));
+    let dropper = BlockDropper(Arc::new(move |b| {
+        let Some(pid) = b.worker_pid else {
+            return false;
+        };
+        if armed_in.load(Ordering::Relaxed) && seen_in.fetch_add(1, Ordering::Relaxed) == 1 {
+            // SAFETY: sending a signal to a child process we started.
+            unsafe { libc::kill(pid as i32, libc::SIGKILL) };
+            armed_in.store(false, Ordering::Relaxed);
+        }
+        false
+    }));
+    let f = session(process_config(2), Some(dropper));
+    f.sql("SET flumen.mode = 'batch'").await.unwrap();
+    f.sql("SET flumen.split_bytes = '64KB'").await.unwrap();
+    f.sql("SET flumen.target_block_rows = 2000").await.unwrap();
+    register_tables(&f, dir.path()).await;
+    let sql = "SELECT id, random() AS r FROM events WHERE id % 7 = 1";
+    armed.store(true, Ordering::Relaxed);
+    let err = common::try_collect(&f, sql)
+        .await
+        .expect_err("a recomputed block of random values was taken for the lost one")
+        .to_string();
+    println!("{sql}: {err}");
+    assert!(!armed.load(Ordering::Relaxed), "no worker was killed");
+    assert!(err.contains("not deterministic"), "{err}");
+    assert!(err.contains("other values"), "{err}");
+    // The same kill under a deterministic query costs nothing but the recompute.
+    seen.store(0, Ordering::Relaxed);
+    armed.store(true, Ordering::Relaxed);
+    common::assert_same(
+        &v,
+        &f,
+        "SELECT id, id * 2 AS r FROM events WHERE id % 7 = 1",
+    )
+    .await;
+    assert!(!armed.load(Ordering::Relaxed), "no worker was killed");
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn workers_that_cannot_start_are_clear_errors() {
     let dir = tempfile::tempdir().unwrap();

@@ -199,6 +199,10 @@ pub struct RemoteBlockInfo {
     pub rows: usize,
     /// Bytes of its arrays in memory.
     pub bytes: u64,
+    /// Its rows' digest ([`crate::store::block_digest`]): a retry's or recomputation's block
+    /// at its place must have the same.
+    #[serde(default)]
+    pub digest: Option<u64>,
 }
 
 /// One message of a worker's reply to the `run` action, as JSON; the reply is a stream of

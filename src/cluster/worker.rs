@@ -304,6 +304,7 @@ impl WorkerService {
             panics: Arc::clone(&self.panics),
             query: request.query,
             query_budget,
+            digests: self.kind == Pool::Cpu,
             blocks: 0,
             last_progress: Instant::now(),
             ended: false,
@@ -327,6 +328,9 @@ struct TaskReply {
     /// Bytes of the query's blocks this worker keeps in memory at most (its
     /// `flumen.memory_budget`).
     query_budget: u64,
+    /// Whether its blocks carry a digest: a CPU task's do; a model's output differs in its
+    /// last bits with how rows were batched, so a recomputed one is held to its row count.
+    digests: bool,
     /// Blocks announced so far.
     blocks: usize,
     /// When the last event went out.
@@ -347,6 +351,10 @@ impl TaskReply {
             let event = match self.produced.recv().await {
                 Some(Produced::Block(tag, batch)) => {
                     let (rows, bytes) = (batch.num_rows(), batch.get_array_memory_size() as u64);
+                    let digest = self
+                        .digests
+                        .then(|| crate::store::block_digest::digest(&batch))
+                        .flatten();
                     match self.shelf.keep(&self.query, batch, self.query_budget) {
                         Ok(key) => {
                             self.blocks += 1;
@@ -355,6 +363,7 @@ impl TaskReply {
                                 tag,
                                 rows,
                                 bytes,
+                                digest,
                             })
                         }
                         Err(e) => return self.end_with(e.to_string()),

@@ -19,6 +19,7 @@ use crate::exec::metrics::OperatorStats;
 use crate::exec::run::QueryRun;
 use crate::plan::graph::OperatorId;
 use crate::store::block::{BlockId, OutputPlace, OutputPlaces};
+use crate::store::block_digest;
 
 /// Longest a recompute refused memory waits for a running task to end before it gives up.
 const RECOMPUTE_WAIT: std::time::Duration = std::time::Duration::from_secs(2);
@@ -194,18 +195,23 @@ impl QueryRun {
         // Put back the task's other outputs that a reader may still ask for.
         for (place, recorded) in OutputPlaces::of(self.task_outputs(block.task)) {
             let batch = by_place.get(&place);
+            // A digest is taken of the recomputed rows only where the original has one.
+            let again = |b: &RecordBatch| {
+                let digest = recorded.digest.and_then(|_| block_digest::digest(b));
+                (b.num_rows(), digest)
+            };
             if recorded.id == id {
                 let batch = batch.ok_or_else(|| not_reproduced("no such block"))?;
-                if batch.num_rows() != recorded.rows {
-                    return Err(not_reproduced(&format!(
-                        "{} rows, not {}",
-                        batch.num_rows(),
-                        recorded.rows
-                    )));
+                if let Some(how) =
+                    block_digest::differs((recorded.rows, recorded.digest), again(batch))
+                {
+                    return Err(not_reproduced(&how));
                 }
                 wanted = Some(batch.clone());
             } else if !self.store.is_available(recorded.id)
-                && let Some(batch) = batch.filter(|b| b.num_rows() == recorded.rows)
+                && let Some(batch) = batch.filter(|b| {
+                    block_digest::differs((recorded.rows, recorded.digest), again(b)).is_none()
+                })
             {
                 self.store.remove(recorded.id);
                 self.restore(&recorded, batch.clone())?;

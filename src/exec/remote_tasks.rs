@@ -53,6 +53,7 @@ use crate::plan::graph::{Operator, OperatorId, Pool};
 use crate::plan::split_source::{SplitSourceExec, split_ramps};
 use crate::plan::stage_input::StageInputExec;
 use crate::store::block::{Block, BlockData, BlockId, HeldBlock, OutputPlace, OutputPlaces};
+use crate::store::block_digest::differs;
 use crate::store::cutter::bundle_pieces;
 
 /// The plan a worker runs for source split `split` of `partition` of `op`, or why there is
@@ -340,7 +341,7 @@ impl QueryRun {
         // (`OutputPlace`): a block is new when its partition has not had that many yet. A
         // repeat must have the rows of the block taken at its place.
         let mut kept = 0;
-        let mut rows_taken: HashMap<usize, Vec<usize>> = HashMap::new();
+        let mut rows_taken: HashMap<usize, Vec<(usize, Option<u64>)>> = HashMap::new();
         let mut places = OutputPlaces::default();
         let mut take = |seq: usize, block: RemoteBlock| {
             if seq == 0 {
@@ -348,19 +349,19 @@ impl QueryRun {
             }
             let place = places.next(block.info.tag);
             let taken = rows_taken.entry(place.tag).or_default();
-            if let Some(&rows) = taken.get(place.nth) {
-                let again = block.info.rows;
+            if let Some(&recorded) = taken.get(place.nth) {
+                let again = (block.info.rows, block.info.digest);
                 WorkerPool::release(block);
-                if again != rows {
+                if let Some(how) = differs(recorded, again) {
                     return Err(DataFusionError::Execution(format!(
-                        "{describe}: a retry's block {} of output partition {} has {again} rows, \
-                         not {rows}: the task's output is not deterministic",
+                        "{describe}: a retry's block {} of output partition {} has {how}: the \
+                         task's output is not deterministic",
                         place.nth, place.tag
                     )));
                 }
                 return Ok(());
             }
-            taken.push(block.info.rows);
+            taken.push((block.info.rows, block.info.digest));
             self.put_remote_block(task, op_id, kept, block)?;
             kept += 1;
             self.changed();
@@ -668,18 +669,18 @@ impl QueryRun {
                 places = OutputPlaces::default();
             }
             match wanted.remove(&places.next(held.info.tag)) {
-                Some(block) if block.rows == held.info.rows => {
+                Some(block) => {
+                    let again = (held.info.rows, held.info.digest);
+                    if let Some(how) = differs((block.rows, block.digest), again) {
+                        WorkerPool::release(held);
+                        return Err(DataFusionError::Execution(format!(
+                            "{describe}: block {} came back with {how}: the task's output is \
+                             not deterministic",
+                            block.id
+                        )));
+                    }
                     self.lost_blocks.lock().unwrap().remove(&block.id);
                     self.store.put_held(block.id, Arc::new(held), block.bytes);
-                }
-                Some(block) => {
-                    let rows = held.info.rows;
-                    WorkerPool::release(held);
-                    return Err(DataFusionError::Execution(format!(
-                        "{describe}: block {} came back with {rows} rows, not {}: the task's \
-                         output is not deterministic",
-                        block.id, block.rows
-                    )));
                 }
                 None => WorkerPool::release(held),
             }
@@ -932,6 +933,7 @@ impl QueryRun {
             tag: held.info.tag,
             rows: held.info.rows,
             bytes: held.info.bytes,
+            digest: held.info.digest,
         };
         self.put_block(block, BlockData::Held(Arc::new(held)))
     }

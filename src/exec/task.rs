@@ -62,6 +62,7 @@ impl TaskOutput<'_> {
                     tag,
                     rows: batch.num_rows(),
                     bytes,
+                    digest: None,
                 };
                 self.run.put_block(block, BlockData::Local(batch))?;
             }

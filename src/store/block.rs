@@ -31,6 +31,9 @@ pub struct Block {
     pub rows: usize,
     /// Bytes it takes where it lives (0 once lost).
     pub bytes: u64,
+    /// Its rows' digest ([`crate::store::block_digest`]), when taken (a worker's blocks): a
+    /// recomputation of it must give the same.
+    pub digest: Option<u64>,
 }
 
 /// Where a block sits in its task's output, the same in every run of the task: its output
@@ -123,6 +126,7 @@ mod tests {
             tag,
             rows: 1,
             bytes: 1,
+            digest: None,
         }
     }
 

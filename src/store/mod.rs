@@ -2,6 +2,7 @@
 //!
 //! - [`block`]: the [`Block`] value (id, producer, output partition, rows, bytes) and its
 //!   location (memory, spilled, or held by a worker process).
+//! - [`block_digest`]: a hash of a block's rows, which its recomputation must reproduce.
 //! - [`block_memory`]: the bytes a block's rows hold, and a copy holding only those.
 //! - [`block_store`]: the memory-budgeted store that holds blocks in memory or spills them.
 //! - [`counting_allocator`]: a global allocator wrapper counting live bytes, for programs
@@ -14,6 +15,7 @@
 //! - [`range_split`]: a batch's rows split by range, in arrow's row format.
 
 pub(crate) mod block;
+pub(crate) mod block_digest;
 pub(crate) mod block_memory;
 pub(crate) mod block_store;
 pub mod counting_allocator;
