@@ -341,3 +341,80 @@ async fn workers_spill_the_blocks_over_a_query_budget_and_answer_the_same() {
     );
     assert_eq!(held, 0, "blocks left on the workers after the queries");
 }
+
+/// A task calling a function only the driver has (registered in the driver's session, not
+/// in the `flumen` worker binary) runs on the driver, counted with its reason in the
+/// operator's figures, the session's fallbacks and `EXPLAIN ANALYZE`, and answers like
+/// vanilla; the tasks that do not call it still run in the workers.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_function_only_the_driver_has_runs_there_and_says_so() {
+    use datafusion::logical_expr::{ColumnarValue, Volatility, create_udf};
+    let (dir, vanilla) = common::events_with_vanilla(2, 5_000).await;
+    let workers = session(2);
+    common::register_tables(&workers, dir.path()).await;
+    let times_three = create_udf(
+        "times_three",
+        vec![DataType::Int64],
+        DataType::Int64,
+        Volatility::Immutable,
+        Arc::new(|args: &[ColumnarValue]| {
+            let ColumnarValue::Array(array) = &args[0] else {
+                unreachable!("an array")
+            };
+            let tripled: datafusion::arrow::array::Int64Array = array
+                .as_any()
+                .downcast_ref::<datafusion::arrow::array::Int64Array>()
+                .unwrap()
+                .iter()
+                .map(|v| v.map(|v| v * 3))
+                .collect();
+            Ok(ColumnarValue::Array(Arc::new(tripled)))
+        }),
+    );
+    for ctx in [&vanilla, &workers] {
+        ctx.register_udf(times_three.clone());
+    }
+    let sql = "SELECT k, sum(times_three(id)) FROM events GROUP BY k ORDER BY k";
+    let expected = vanilla.sql(sql).await.unwrap().collect().await.unwrap();
+    let (got, plan) = run(&workers, sql).await;
+    assert!(same_rows(&expected, &got, true), "{sql}");
+    let exec = plan.downcast_ref::<flumen::exec::FlumenExec>().unwrap();
+    let unencodable: u64 = exec
+        .graph()
+        .operators
+        .iter()
+        .map(|op| {
+            let on_driver = exec.run_metrics().operator(op.id).on_driver();
+            on_driver.get("unencodable").copied().unwrap_or(0)
+        })
+        .sum();
+    assert!(unencodable > 0, "no task said it could not be sent");
+    let slot = workers
+        .state()
+        .config()
+        .get_extension::<flumen::cluster::WorkerPoolSlot>()
+        .unwrap();
+    let fallbacks = slot.tasks_on_driver().fallbacks();
+    let named = fallbacks
+        .keys()
+        .any(|(reason, detail)| *reason == "unencodable" && detail.contains("times_three"));
+    assert!(
+        named,
+        "the fallback does not name the function: {fallbacks:?}"
+    );
+    let analyzed = workers
+        .sql(&format!("EXPLAIN ANALYZE {sql}"))
+        .await
+        .unwrap()
+        .collect()
+        .await
+        .unwrap();
+    let text = datafusion::arrow::util::pretty::pretty_format_batches(&analyzed)
+        .unwrap()
+        .to_string();
+    assert!(text.contains("tasks_on_driver.unencodable="), "{text}");
+    // The query's other tasks (a plain scan) still go to the workers.
+    let (_, plan) = run(&workers, "SELECT k, count(*) FROM events GROUP BY k").await;
+    assert!(remote_and_all_tasks(&plan).0 > 0, "no task ran in a worker");
+    println!("a driver-only function: {unencodable} task(s) on the driver: {fallbacks:?}");
+}
