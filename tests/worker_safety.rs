@@ -1336,15 +1336,20 @@ async fn a_worker_of_another_protocol_is_a_clear_error_on_the_driver() {
         let text = format!("workers = [\"{address}\"]\nsecret_file = \"secret\"\n");
         std::fs::write(&cluster_file, text).unwrap();
     };
-    let sql = "SELECT k, count(*) FROM events GROUP BY k ORDER BY k";
-    for other in [PROTOCOL_VERSION - 1, PROTOCOL_VERSION + 1] {
-        let worker = WorkerProcess::start(&secret, &["--speak-protocol", &other.to_string()]);
-        write_cluster_file(&worker.address);
+    // A session attached to the workers the cluster file names, with the test tables.
+    let attached_session = || async {
         let mut config = FlumenConfig::default();
         config.workers = WorkerMode::Process;
         config.cluster = cluster_file.display().to_string();
         let f = flumen::session(config);
         common::register_tables(&f, dir.path()).await;
+        f
+    };
+    let sql = "SELECT k, count(*) FROM events GROUP BY k ORDER BY k";
+    for other in [PROTOCOL_VERSION - 1, PROTOCOL_VERSION + 1] {
+        let worker = WorkerProcess::start(&secret, &["--speak-protocol", &other.to_string()]);
+        write_cluster_file(&worker.address);
+        let f = attached_session().await;
         let started = Instant::now();
         let err = common::try_collect(&f, sql).await.unwrap_err().to_string();
         println!(
@@ -1363,10 +1368,5 @@ async fn a_worker_of_another_protocol_is_a_clear_error_on_the_driver() {
     // The cluster file now names a worker of this build: the next query answers.
     let worker = WorkerProcess::start(&secret, &[]);
     write_cluster_file(&worker.address);
-    let mut config = FlumenConfig::default();
-    config.workers = WorkerMode::Process;
-    config.cluster = cluster_file.display().to_string();
-    let f = flumen::session(config);
-    common::register_tables(&f, dir.path()).await;
-    common::assert_same(&vanilla, &f, sql).await;
+    common::assert_same(&vanilla, &attached_session().await, sql).await;
 }
