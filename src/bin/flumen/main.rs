@@ -183,7 +183,8 @@ struct WorkerArgs {
     /// worker, one for an accelerator worker).
     #[arg(long, value_name = "N")]
     slots: Option<usize>,
-    /// Bytes of blocks it may keep, as it announces (e.g. `4GiB`; default 2GiB).
+    /// Bytes of blocks it keeps in memory, all queries together, as it announces (e.g.
+    /// `4GiB`; default 2GiB); the rest go to its spill files until read.
     #[arg(long, value_name = "SIZE")]
     memory_budget: Option<flumen::ByteSize>,
     /// Also serve an emulated accelerator model, `NAME:SERVICE_MS:BATCH_ROWS:DIMS`: each
