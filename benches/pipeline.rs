@@ -17,7 +17,8 @@
 //! - **two stages**: `SELECT id, model(clean_text(body)) FROM docs` (`--rows`, default
 //!   100,000; `--full`: 1,000,000). `model` is one emulated device busy for `--service-us`
 //!   per batch of `--batch-rows` rows without using a CPU core
-//!   (`flumen::emulated_accelerator`), or flumen's real `embed` on CUDA (`--accelerator cpu`: on the CPU, to try the real-model path without a GPU).
+//!   (`flumen::emulated_accelerator`), or flumen's real `embed` on CUDA (`--accelerator
+//!   cpu`: on the CPU, to try the real-model path without a GPU).
 //! - **three stages**: `SELECT id, model_b(post(model_a(clean_text(body)))) FROM docs`
 //!   (`--three-rows`, default 60,000), two emulated models on devices of their own with a CPU
 //!   stage between them: `model_a` costs `--a-batch-us` per batch plus `--a-per-kib-us` per
