@@ -117,6 +117,13 @@ fn tpch_and_a_model_query_on_three_hosts_answer_like_datafusion() {
                 "{}",
                 outcome.failures.join("\n")
             );
+            // Joins, final aggregates, sorts and windows ran on the hosts: the driver ran
+            // only the final output's fragment.
+            assert!(
+                outcome.reduce_tasks_on_driver.is_empty(),
+                "per-partition tasks on the driver:\n{}",
+                outcome.reduce_tasks_on_driver.join("\n")
+            );
             let tasks = tasks_by_worker(&f, Pool::Cpu).await;
             assert_eq!(tasks.len(), 3, "{tasks:?}");
             assert!(

@@ -56,7 +56,9 @@ struct KnownFailure {
 impl KnownFailure {
     /// The upstream file (relative to `test_files/`) the record is in.
     fn file(&self) -> &'static str {
-        let path = self.record.split(' ').next().unwrap_or_default();
+        // A record of an included file names the file that included it after " at ".
+        let record = self.record.rsplit(" at ").next().unwrap_or_default();
+        let path = record.split(' ').next().unwrap_or_default();
         let path = path.rsplit_once(':').map_or(path, |(p, _)| p);
         path.strip_prefix("test_files/").unwrap_or(path)
     }
@@ -246,7 +248,30 @@ const KNOWN_WORKER_DIFFERENCES: &[KnownFailure] = &[
               decoded plan's schema is the planned one, so the cause is in the worker's \
               Parquet read, not yet found",
     },
+    KnownFailure {
+        record: "test_files/min_max/./queries.slt.part:62 at test_files/min_max/large_list.slt:143",
+        error_prefix: "query failed: DataFusion error: Arrow error: Invalid argument error: \
+                       column types must match schema types, expected LargeList",
+        why: LARGE_LIST_STATE,
+    },
+    KnownFailure {
+        record: "test_files/min_max/./queries.slt.part:69 at test_files/min_max/large_list.slt:143",
+        error_prefix: "query failed: DataFusion error: Arrow error: Invalid argument error: \
+                       column types must match schema types, expected LargeList",
+        why: LARGE_LIST_STATE,
+    },
+    KnownFailure {
+        record: "test_files/min_max/./queries.slt.part:76 at test_files/min_max/large_list.slt:143",
+        error_prefix: "query failed: DataFusion error: Arrow error: Invalid argument error: \
+                       column types must match schema types, expected LargeList",
+        why: LARGE_LIST_STATE,
+    },
 ];
+
+const LARGE_LIST_STATE: &str = "a final aggregate of `min`/`max` over LargeList on a worker: \
+     the partial aggregate's blocks hold List arrays where its plan states LargeList, and the \
+     worker's in-memory source checks the arrays against the stated schema (threads mode \
+     passes them on unchecked); an error, not a wrong answer, as schema_evolution_nested.slt:110";
 
 /// Tasks of an upstream file that fall back to the driver in worker mode
 /// (`flumen::exec::OnDriver`: any reason but the driver's tasks by design): the file (`*`:
@@ -260,6 +285,28 @@ struct KnownFallback {
 }
 
 const KNOWN_DRIVER_FALLBACKS: &[KnownFallback] = &[
+    KnownFallback {
+        file: "spark/aggregate/collect.slt",
+        reason: "unencodable",
+        detail_prefix: "This feature is not implemented: workers have no function collect_",
+        why: "the file registers Spark's `collect_list` and `collect_set` in the driver's \
+              session only: the final aggregates calling them run there, and say so",
+    },
+    KnownFallback {
+        file: "spark/aggregate/avg.slt",
+        reason: "unencodable",
+        detail_prefix: "This feature is not implemented: workers have another function avg",
+        why: "the file registers Spark's `avg` under the built-in's name in the driver's \
+              session only: a worker's `avg` would misread its state (it panicked), so the \
+              tasks calling it run on the driver, and say so",
+    },
+    KnownFallback {
+        file: "spark/aggregate/try_sum.slt",
+        reason: "unencodable",
+        detail_prefix: "This feature is not implemented: workers have no function try_sum",
+        why: "the file registers Spark's `try_sum` in the driver's session only: the final \
+              aggregates calling it run there, and say so",
+    },
     KnownFallback {
         file: "*",
         reason: "scan_not_split",

@@ -88,6 +88,13 @@ async fn tpch_in_worker_processes_answers_like_vanilla() {
         outcome.remote_tasks,
         outcome.tasks
     );
+    // Joins, final aggregates, sorts and windows ran in the workers: the driver ran only
+    // the final output's fragment.
+    assert!(
+        outcome.reduce_tasks_on_driver.is_empty(),
+        "per-partition tasks on the driver:\n{}",
+        outcome.reduce_tasks_on_driver.join("\n")
+    );
 }
 
 /// An events table of 2 files of 12,000 rows (row groups of 5,000): a model plan cuts each

@@ -226,6 +226,7 @@ fn request(query: &str, grants: Vec<String>) -> TaskRequest {
         query: query.into(),
         grants,
         inputs: None,
+        input_sources: vec![],
         stores: vec![],
     }
 }

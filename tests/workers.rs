@@ -1163,3 +1163,131 @@ async fn a_worker_killed_during_a_random_shuffle_leaves_its_seeded_order() {
         s.blocks_lost, s.recomputed, s.tasks_retried
     );
 }
+
+/// Tasks of `ctx`'s session that ran on the driver by design so far, per reason.
+fn on_driver_by_design(ctx: &SessionContext) -> std::collections::BTreeMap<&'static str, u64> {
+    ctx.state()
+        .config()
+        .get_extension::<flumen::cluster::WorkerPoolSlot>()
+        .map(|slot| slot.tasks_on_driver().by_design())
+        .unwrap_or_default()
+}
+
+/// Joins, final aggregates, windows and sorts run their per-partition tasks on the workers:
+/// each fetches its partition of every input from the workers holding it (a join's build
+/// and probe sides both), and the driver runs none of them. Every answer is vanilla's.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn per_partition_tasks_run_on_the_workers() {
+    let (dir, v) = events_with_vanilla(3, 20_000).await;
+    let f = session(process_config(2), None);
+    f.sql("SET flumen.split_bytes = '64KB'").await.unwrap();
+    register_tables(&f, dir.path()).await;
+    let queries = [
+        "SELECT a.k, count(*), round(sum(b.v), 6) FROM events a JOIN events b ON a.id = b.id \
+         GROUP BY a.k",
+        "SELECT e.k, d.name, count(*) AS n FROM events e JOIN dim d ON e.k = d.k \
+         GROUP BY e.k, d.name",
+        "SELECT k, count(DISTINCT body), max(v) FROM events GROUP BY k",
+        "SELECT k, id, rank() OVER (PARTITION BY k ORDER BY v DESC, id) AS r FROM events \
+         WHERE id % 97 = 0 ORDER BY k, id",
+        "SELECT count(*) FROM (SELECT k, id FROM events a WHERE EXISTS \
+         (SELECT 1 FROM events b WHERE b.id = a.id + 1 AND b.k = a.k))",
+    ];
+    let mut reduce_operators = 0;
+    for sql in queries {
+        let before = on_driver_by_design(&f);
+        assert_same(&v, &f, sql).await;
+        let (_, plan) = run_plan(&f, sql).await;
+        let exec = plan.downcast_ref::<FlumenExec>().unwrap();
+        let graph = exec.graph();
+        let metrics = exec.run_metrics();
+        let after = on_driver_by_design(&f);
+        let grew = |reason| {
+            after.get(reason).copied().unwrap_or(0) > before.get(reason).copied().unwrap_or(0)
+        };
+        assert!(
+            !grew("per_partition") && !grew("out_of_core"),
+            "{sql}: per-partition tasks ran on the driver: {before:?} -> {after:?}"
+        );
+        // Every per-partition operator (but the root the output runs) ran on the workers,
+        // reading its inputs from them by ticket.
+        let reduces: Vec<_> = (graph.operators.iter())
+            .filter(|op| op.shape == flumen::plan::TaskShape::Barrier && op.id != graph.root().id)
+            .map(|op| (op, metrics.operator(op.id).snapshot()))
+            .collect();
+        println!("{sql}: {} per-partition operators", reduces.len());
+        reduce_operators += reduces.len();
+        for (op, s) in reduces {
+            assert!(
+                s.tasks > 0 && s.remote_tasks == s.tasks && s.tasks_on_driver == 0,
+                "{sql}: operator {} ({}) ran {} of {} tasks on the workers",
+                op.id,
+                op.name,
+                s.remote_tasks,
+                s.tasks
+            );
+            assert!(
+                s.input_bytes_by_ticket > 0,
+                "{sql}: {} fetched nothing by ticket: {s:?}",
+                op.name
+            );
+        }
+    }
+    assert!(
+        reduce_operators >= 4,
+        "{reduce_operators} per-partition operators"
+    );
+}
+
+/// A worker SIGKILLed once it holds a join's output blocks: the join's lost partitions run
+/// again on the other worker (their build and probe inputs fetched again), and the answer
+/// is unchanged.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_worker_killed_holding_a_joins_output_reruns_only_its_partitions() {
+    let (dir, v) = events_with_vanilla(3, 20_000).await;
+    let armed = Arc::new(AtomicBool::new(false));
+    let armed_in = Arc::clone(&armed);
+    let killed = Arc::new(Mutex::new(None::<u32>));
+    let killed_in = Arc::clone(&killed);
+    let dropper = BlockDropper(Arc::new(move |b| {
+        if let Some(pid) = b.worker_pid
+            // The join's operator (a partial aggregate over it on top).
+            && b.operator_name == "AggregateExec"
+            && armed_in.swap(false, Ordering::Relaxed)
+        {
+            // SAFETY: a signal to a worker process this test's session started.
+            unsafe { libc::kill(pid as i32, libc::SIGKILL) };
+            *killed_in.lock().unwrap() = Some(pid);
+        }
+        false
+    }));
+    let f = session(process_config(2), Some(dropper));
+    f.sql("SET flumen.split_bytes = '64KB'").await.unwrap();
+    f.sql("SET flumen.mode = 'batch'").await.unwrap();
+    register_tables(&f, dir.path()).await;
+    let sql = "SELECT a.k, count(*), round(sum(b.v), 6), max(a.body) FROM events a \
+               JOIN events b ON a.id = b.id WHERE b.v < 0.8 GROUP BY a.k";
+    armed.store(true, Ordering::Relaxed);
+    let (batches, plan) = run_plan(&f, sql).await;
+    let expected = v.sql(sql).await.unwrap().collect().await.unwrap();
+    assert_eq!(rows(&expected, false), rows(&batches, false));
+    assert!(killed.lock().unwrap().is_some(), "no worker was killed");
+    let exec = plan.downcast_ref::<FlumenExec>().unwrap();
+    let join = (exec.graph().operators.iter())
+        .find(|op| {
+            datafusion::physical_plan::displayable(op.fragment.as_ref())
+                .indent(false)
+                .to_string()
+                .contains("HashJoinExec")
+        })
+        .expect("a join operator");
+    let s = exec.run_metrics().operator(join.id).snapshot();
+    println!("join {}: {s:?}", join.name);
+    assert_eq!(s.tasks_on_driver, 0, "{s:?}");
+    assert!(
+        s.blocks_lost > 0 || s.tasks_retried > 0,
+        "the kill cost the join nothing: {s:?}"
+    );
+    // Each lost block ran again at most once.
+    assert!(s.recomputed <= s.blocks_lost, "{s:?}");
+}

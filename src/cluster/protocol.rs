@@ -43,6 +43,11 @@ pub struct TaskRequest {
     /// the others from the workers that keep them.
     #[serde(default)]
     pub inputs: Option<Vec<TaskInput>>,
+    /// How many of `inputs` each of the plan's in-memory sources takes, in the order of the
+    /// plan's leaves: a per-partition task has one source per stage input (a join's build
+    /// and probe sides). Empty: one source takes them all (a block-wise task).
+    #[serde(default)]
+    pub input_sources: Vec<usize>,
     /// The object stores (other than local files) the task reads, with what it takes to
     /// reach each (credentials included): only those its plan scans.
     #[serde(default)]
@@ -104,8 +109,9 @@ pub struct ReleaseRequest {
 /// The version of what driver and worker say to each other; a driver refuses workers that
 /// speak another (they would misread a task, e.g. ignore its input tickets). 2: task inputs
 /// by ticket. 3: a task's reply is a stream of [`TaskEvent`]s. 4: a worker announces its
-/// identity and resources, and checks the driver's version at the first `status`.
-pub const PROTOCOL_VERSION: u32 = 4;
+/// identity and resources, and checks the driver's version at the first `status`. 5: a
+/// task's inputs may fill several in-memory sources ([`TaskRequest::input_sources`]).
+pub const PROTOCOL_VERSION: u32 = 5;
 
 /// What a driver says when it first asks a worker's `status` (the body of that action): the
 /// worker refuses a driver of another protocol, naming both versions.

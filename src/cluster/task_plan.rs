@@ -24,8 +24,9 @@
 //!   worker reads row groups in file order. The check allows these differences alone; a task
 //!   recomputed on the driver runs the plan as a worker decoded it.
 
-use std::collections::HashSet;
-use std::sync::Arc;
+use std::any::{Any, TypeId};
+use std::collections::{HashMap, HashSet};
+use std::sync::{Arc, OnceLock};
 
 use datafusion::arrow::datatypes::Schema;
 use datafusion::common::tree_node::{Transformed, TreeNode, TreeNodeRecursion};
@@ -406,14 +407,57 @@ struct TaskPlanCodec {
 }
 
 impl TaskPlanCodec {
-    fn known(&self, name: &str) -> Result<()> {
-        match &self.functions {
-            Some(functions) if !functions.contains(name) => Err(DataFusionError::NotImplemented(
-                format!("workers have no function {name}"),
+    /// Whether the workers have function `name` (of `kind`) as this session has it:
+    /// by name, and, for a function a stock worker has, the same implementation (a session
+    /// may register another one under a built-in's name, as Spark's `avg`, whose state a
+    /// worker's `avg` would misread).
+    fn known(&self, kind: FunctionKind, name: &str, implementation: TypeId) -> Result<()> {
+        let Some(functions) = &self.functions else {
+            return Ok(());
+        };
+        if !functions.contains(name) {
+            return Err(DataFusionError::NotImplemented(format!(
+                "workers have no function {name}"
+            )));
+        }
+        match stock_functions().get(&(kind, name.to_string())) {
+            Some(stock) if *stock != implementation => Err(DataFusionError::NotImplemented(
+                format!("workers have another function {name} than this session's"),
             )),
             _ => Ok(()),
         }
     }
+}
+
+/// The kinds of functions a plan calls.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+enum FunctionKind {
+    Scalar,
+    Aggregate,
+    Window,
+}
+
+/// The implementation (its Rust type) of each function of a stock worker's session (what
+/// `flumen worker` runs), by kind and name.
+fn stock_functions() -> &'static HashMap<(FunctionKind, String), TypeId> {
+    static STOCK: OnceLock<HashMap<(FunctionKind, String), TypeId>> = OnceLock::new();
+    STOCK.get_or_init(|| {
+        let state = crate::session(crate::FlumenConfig::default()).state();
+        let mut stock = HashMap::new();
+        for (name, f) in state.scalar_functions() {
+            let any: &dyn Any = f.inner().as_ref();
+            stock.insert((FunctionKind::Scalar, name.clone()), any.type_id());
+        }
+        for (name, f) in state.aggregate_functions() {
+            let any: &dyn Any = f.inner().as_ref();
+            stock.insert((FunctionKind::Aggregate, name.clone()), any.type_id());
+        }
+        for (name, f) in state.window_functions() {
+            let any: &dyn Any = f.inner().as_ref();
+            stock.insert((FunctionKind::Window, name.clone()), any.type_id());
+        }
+        stock
+    })
 }
 
 impl PhysicalExtensionCodec for TaskPlanCodec {
@@ -481,15 +525,18 @@ impl PhysicalExtensionCodec for TaskPlanCodec {
     }
 
     fn try_encode_udf(&self, node: &ScalarUDF, _buf: &mut Vec<u8>) -> Result<()> {
-        self.known(node.name())
+        let any: &dyn Any = node.inner().as_ref();
+        self.known(FunctionKind::Scalar, node.name(), any.type_id())
     }
 
     fn try_encode_udaf(&self, node: &AggregateUDF, _buf: &mut Vec<u8>) -> Result<()> {
-        self.known(node.name())
+        let any: &dyn Any = node.inner().as_ref();
+        self.known(FunctionKind::Aggregate, node.name(), any.type_id())
     }
 
     fn try_encode_udwf(&self, node: &WindowUDF, _buf: &mut Vec<u8>) -> Result<()> {
-        self.known(node.name())
+        let any: &dyn Any = node.inner().as_ref();
+        self.known(FunctionKind::Window, node.name(), any.type_id())
     }
 }
 

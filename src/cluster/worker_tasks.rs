@@ -102,7 +102,7 @@ async fn run_task_body(
     let stores: Vec<String> = request.stores.iter().map(|g| g.url.clone()).collect();
     admit_plan(&plan, &request.grants, &stores)?;
     let plan = match &request.inputs {
-        Some(inputs) => with_inputs(plan, inputs, fetched, request.target_rows)?,
+        Some(_) => with_inputs(plan, &request, fetched)?,
         None => plan,
     };
     plan_blocks(Arc::clone(&plan), task_ctx, &request, out).await?;
@@ -137,16 +137,30 @@ fn with_granted_stores(
     )
 }
 
-/// Put a block-wise task's input blocks into its plan's one in-memory source: the inline
-/// batches the source carries and the `fetched` ones, in the order `inputs` gives, cut as
-/// the driver cuts a bundle ([`bundle_pieces`]).
+/// Put a task's input blocks into its plan's in-memory sources: the inline batches each
+/// source carries and the `fetched` ones, in the order `inputs` gives, each source taking
+/// as many as `input_sources` says (all: one source), cut as the driver cuts a bundle
+/// ([`bundle_pieces`]). The sources are taken in the order of the plan's leaves, as the
+/// driver listed them.
 fn with_inputs(
     plan: Arc<dyn ExecutionPlan>,
-    inputs: &[TaskInput],
+    request: &TaskRequest,
     fetched: Vec<RecordBatch>,
-    target_rows: usize,
 ) -> Result<Arc<dyn ExecutionPlan>> {
+    let inputs = request.inputs.as_deref().unwrap_or_default();
+    let counts = match request.input_sources.as_slice() {
+        [] => vec![inputs.len()],
+        counts => counts.to_vec(),
+    };
+    if counts.iter().sum::<usize>() != inputs.len() {
+        return Err(DataFusionError::Execution(format!(
+            "a task's input sources take {} inputs, it has {}",
+            counts.iter().sum::<usize>(),
+            inputs.len()
+        )));
+    }
     let mut fetched = fetched.into_iter();
+    let mut remaining = inputs;
     let mut sources = 0;
     let plan = plan
         .transform_up(|node| {
@@ -156,10 +170,18 @@ fn with_inputs(
             else {
                 return Ok(Transformed::no(node));
             };
+            let Some(&count) = counts.get(sources) else {
+                return Err(DataFusionError::Execution(format!(
+                    "a task with input tickets has more than its {} in-memory sources",
+                    counts.len()
+                )));
+            };
             sources += 1;
+            let (own, rest) = remaining.split_at(count);
+            remaining = rest;
             let inline: Vec<&RecordBatch> = memory.partitions().iter().flatten().collect();
-            let mut bundle = Vec::with_capacity(inputs.len());
-            for input in inputs {
+            let mut bundle = Vec::with_capacity(own.len());
+            for input in own {
                 let block = match input {
                     TaskInput::Inline(i) => inline.get(*i).map(|b| (*b).clone()),
                     TaskInput::Fetch(_) => fetched.next(),
@@ -169,15 +191,18 @@ fn with_inputs(
                 })?);
             }
             let schema = node.schema();
-            let pieces = bundle_pieces(&schema, bundle, target_rows)?;
-            let source: Arc<dyn ExecutionPlan> =
-                MemorySourceConfig::try_new_exec(&[pieces], schema, None)?;
+            let pieces = bundle_pieces(&schema, bundle, request.target_rows)?;
+            // The order the driver's source declared (a partition's blocks, in order).
+            let source = MemorySourceConfig::try_new(&[pieces], schema, None)?
+                .try_with_sort_information(memory.sort_information().to_vec())?;
+            let source: Arc<dyn ExecutionPlan> = DataSourceExec::from_data_source(source);
             Ok(Transformed::yes(source))
         })?
         .data;
-    if sources != 1 {
+    if sources != counts.len() {
         return Err(DataFusionError::Execution(format!(
-            "a task with input tickets must have one in-memory source, this one has {sources}"
+            "a task with input tickets must have {} in-memory sources, this one has {sources}",
+            counts.len()
         )));
     }
     Ok(plan)

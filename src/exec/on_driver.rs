@@ -12,9 +12,15 @@ use std::sync::Mutex;
 /// Why one task ran on the driver instead of a worker.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum OnDriver {
-    /// A per-partition task (a join's build and probe, a final aggregate, a sort's merge,
-    /// a window partition) or one of its slices: the driver runs these.
+    /// A per-partition task workers do not run yet: a slice of a hot partition, a merge of
+    /// a range's sorted runs, a task streaming its input (a limit), or one whose fragment
+    /// reads more than its stage inputs. Joins, final aggregates, sorts and windows over
+    /// complete inputs go to the workers.
     PerPartition,
+    /// A per-partition task whose inputs are over its share of the memory budget, or that
+    /// runs again after it was refused memory: the driver runs it, where it spills (a
+    /// worker holds a task's inputs in memory).
+    OutOfCore,
     /// Its source is data in the driver's memory, or no data at all (an in-memory table,
     /// `VALUES`, a one-row placeholder): no file to hand a worker.
     DriverData,
@@ -45,6 +51,7 @@ impl OnDriver {
     pub fn name(&self) -> &'static str {
         match self {
             OnDriver::PerPartition => "per_partition",
+            OnDriver::OutOfCore => "out_of_core",
             OnDriver::DriverData => "driver_data",
             OnDriver::ScanNotSplit => "scan_not_split",
             OnDriver::StoreNotGranted => "store_not_granted",
@@ -73,7 +80,10 @@ impl OnDriver {
     /// Whether the driver runs such tasks by design today (per-partition tasks, data that
     /// lives in the driver), not because something could not be sent.
     pub fn by_design(&self) -> bool {
-        matches!(self, OnDriver::PerPartition | OnDriver::DriverData)
+        matches!(
+            self,
+            OnDriver::PerPartition | OnDriver::OutOfCore | OnDriver::DriverData
+        )
     }
 }
 

@@ -6,8 +6,11 @@
 //! workers, accelerator operators (model UDFs) to the accelerator workers, which keep their
 //! models loaded. What the plan reads:
 //! - a source task: its operator's fragment over its one source split;
-//! - a block-wise task: the fragment over its input blocks, which travel inside the plan as
-//!   an in-memory scan (the driver fetches them from wherever they live).
+//! - a block-wise task: the fragment over its input blocks, as an in-memory scan: the
+//!   blocks a worker holds travel as tickets its worker fetches, the driver's inline;
+//! - a per-partition task (a join's partition, a final aggregate, a sort, a window): the
+//!   fragment with each stage input an in-memory scan of the task's blocks of it, the same
+//!   way ([`partition_plan`]).
 //!
 //! The operator's output exchange goes on top, so a worker splits its output by partition
 //! as a local task would. The worker keeps the blocks and announces each as soon as it is
@@ -17,15 +20,15 @@
 //! its input blocks, themselves recomputed if needed) and running it through the same block
 //! cutter ([`crate::cluster::worker_tasks::plan_blocks`]), so the recomputed block is the
 //! lost one. A retried task's blocks repeat the first attempt's: the driver keeps the first
-//! of each. Tasks that cannot be
-//! cut out this way (per-partition tasks, fragments without a source split, plans calling a
-//! function workers do not have) run on the driver's threads.
+//! of each. Tasks that cannot be cut out this way (fragments without a source split, a
+//! per-partition task over more than its memory share, plans calling a function workers do
+//! not have) run on the driver's threads and say why ([`OnDriver`]).
 
 use std::collections::{HashMap, HashSet};
 use std::sync::Arc;
 
 use datafusion::arrow::record_batch::RecordBatch;
-use datafusion::common::tree_node::{Transformed, TreeNode};
+use datafusion::common::tree_node::{Transformed, TreeNode, TreeNodeRecursion};
 use datafusion::config::ExtensionOptions;
 use datafusion::datasource::memory::MemorySourceConfig;
 use datafusion::datasource::physical_plan::{FileScanConfig, FileScanConfigBuilder};
@@ -43,6 +46,7 @@ use crate::cluster::worker_pool::{
     Placement, PoolSettings, RemoteBlock, WorkerPool, WorkerTimeouts, worker_binary,
 };
 use crate::cluster::worker_tasks::collect_blocks;
+use crate::exec::cursor::Next;
 use crate::exec::lineage::{TaskId, TaskKind};
 use crate::exec::metrics::OperatorStats;
 use crate::exec::on_driver::OnDriver;
@@ -50,6 +54,7 @@ use crate::exec::run::QueryRun;
 use crate::io::object_stores::StoreGrants;
 use crate::plan::accelerator_projection::AcceleratorProjectionExec;
 use crate::plan::graph::{Operator, OperatorId, Pool};
+use crate::plan::partition_cut::cuts_per_partition;
 use crate::plan::split_source::{SplitSourceExec, split_ramps};
 use crate::plan::stage_input::StageInputExec;
 use crate::store::block::{Block, BlockData, BlockId, HeldBlock, OutputPlace, OutputPlaces};
@@ -191,6 +196,102 @@ fn blocks_plan(
     with_output_split(op, plan)
 }
 
+/// The plan a worker runs for per-partition task `partition` of `op` (a join's partition,
+/// a final aggregate, a sort, a window partition): its fragment with stage input `i` read
+/// from `sources[i]` (an in-memory scan of the task's blocks of that input) and a Parquet
+/// scan in it (a `CollectLeft` join's probe side) over the partition's own file group, or
+/// why there is none. Only plain DataFusion fragments are cut: flumen's own merge of sorted
+/// runs, a stage input with a limit (which streams), a scan of another format or store,
+/// and any other leaf stay on the driver.
+fn partition_plan(
+    op: &Operator,
+    partition: usize,
+    sources: &[Arc<dyn ExecutionPlan>],
+    stores: &StoreGrants,
+) -> Result<Arc<dyn ExecutionPlan>, OnDriver> {
+    if !cuts_per_partition(&op.fragment) {
+        return Err(OnDriver::PerPartition);
+    }
+    let mut why = None;
+    let plan = Arc::clone(&op.fragment)
+        .transform_down(|node| {
+            if let Some(stage) = node.downcast_ref::<StageInputExec>() {
+                return Ok(match (stage.fetch(), sources.get(stage.input_index())) {
+                    (None, Some(source)) => Transformed::yes(ordered_as(stage, source)?),
+                    _ => {
+                        why.get_or_insert(OnDriver::PerPartition);
+                        Transformed::no(node)
+                    }
+                });
+            }
+            if let Some(config) = node
+                .downcast_ref::<DataSourceExec>()
+                .and_then(|s| s.data_source().downcast_ref::<FileScanConfig>())
+            {
+                let group = config.file_groups.get(partition);
+                let Some(group) = group.filter(|_| config.file_source().file_type() == "parquet")
+                else {
+                    why.get_or_insert(OnDriver::PerPartition);
+                    return Ok(Transformed::no(node));
+                };
+                let scan: Arc<dyn ExecutionPlan> = DataSourceExec::from_data_source(
+                    FileScanConfigBuilder::from(config.clone())
+                        .with_file_groups(vec![group.clone()])
+                        .build(),
+                );
+                if !workers_can_read(&scan, stores) {
+                    why.get_or_insert(OnDriver::StoreNotGranted);
+                }
+                return Ok(Transformed::yes(scan));
+            }
+            if node.children().is_empty() {
+                why.get_or_insert(OnDriver::PerPartition);
+            }
+            Ok(Transformed::no(node))
+        })
+        .map_err(|e| OnDriver::NotCut(e.to_string()))?
+        .data;
+    match why {
+        Some(why) => Err(why),
+        None => with_output_split(op, plan),
+    }
+}
+
+/// `source` (an in-memory scan of a stage input's blocks) declaring the order the stage
+/// input declares: a partition's blocks come in the order a local task reads them, and a
+/// window or merge above relies on it.
+fn ordered_as(
+    stage: &StageInputExec,
+    source: &Arc<dyn ExecutionPlan>,
+) -> Result<Arc<dyn ExecutionPlan>> {
+    let memory = source
+        .downcast_ref::<DataSourceExec>()
+        .and_then(|s| s.data_source().downcast_ref::<MemorySourceConfig>());
+    let orderings: Vec<_> = (stage.properties().eq_properties.oeq_class().iter())
+        .cloned()
+        .collect();
+    match memory {
+        Some(memory) if !orderings.is_empty() => Ok(DataSourceExec::from_data_source(
+            memory.clone().try_with_sort_information(orderings)?,
+        )),
+        _ => Ok(Arc::clone(source)),
+    }
+}
+
+/// The stage inputs of `fragment` in the order of its leaves (the order a worker fills its
+/// in-memory sources in).
+fn stage_inputs_in_leaf_order(fragment: &Arc<dyn ExecutionPlan>) -> Vec<usize> {
+    let mut order = vec![];
+    let _ = fragment.apply(|node| {
+        if let Some(stage) = node.downcast_ref::<StageInputExec>() {
+            order.push(stage.input_index());
+            return Ok(TreeNodeRecursion::Jump);
+        }
+        Ok(TreeNodeRecursion::Continue)
+    });
+    order
+}
+
 /// `plan` (one output partition) with `op`'s output exchange on top.
 fn with_output_split(
     op: &Operator,
@@ -244,6 +345,8 @@ struct WorkerTask {
     plan: Arc<dyn ExecutionPlan>,
     /// Where its input blocks come from; `None`: all in the plan.
     inputs: Option<Vec<TaskInput>>,
+    /// How many of `inputs` each in-memory source takes ([`TaskRequest::input_sources`]).
+    input_sources: Vec<usize>,
     /// The input blocks it fetches from the workers holding them.
     by_ticket: Vec<(BlockId, Arc<dyn HeldBlock>)>,
     /// Bytes of those.
@@ -261,6 +364,7 @@ impl WorkerTask {
         Self {
             plan,
             inputs: None,
+            input_sources: vec![],
             by_ticket: vec![],
             bytes_by_ticket: 0,
             bytes_via_driver: 0,
@@ -312,7 +416,8 @@ impl QueryRun {
                 let empty = MemorySourceConfig::try_new_exec(&[vec![]], schema, None)?;
                 blocks_plan(op, empty)
             }
-            TaskKind::Partition | TaskKind::Slice { .. } => Err(OnDriver::PerPartition),
+            TaskKind::Partition => self.partition_runnable(task),
+            TaskKind::Slice { .. } => Err(OnDriver::PerPartition),
         };
         let runnable = match runnable {
             Ok(plan) => plan,
@@ -332,6 +437,13 @@ impl QueryRun {
         // recomputed from the same plan. A worker reads the split with no rows dropped by
         // `plan::join_filter_rows`; should the task be recomputed here, it reads it so too.
         self.remote_tasks.lock().unwrap().insert(task);
+        // A per-partition task's inputs are released when it succeeds, as a local task's
+        // are once read.
+        if matches!(kind, TaskKind::Partition)
+            && let Some(inputs) = self.partition_input_blocks(task)
+        {
+            self.state.lock().unwrap().tasks[task].consumed = inputs.concat();
+        }
         let _ = self.state.lock().unwrap().tasks[task]
             .scan_row_filter
             .set(false);
@@ -372,10 +484,80 @@ impl QueryRun {
             .await?
         {
             self.remote_tasks.lock().unwrap().remove(&task);
+            // It reads its inputs here instead, and records them as it reads them.
+            self.state.lock().unwrap().tasks[task].consumed.clear();
             return Ok(Some(why));
         }
         OperatorStats::add(&self.stats(op_id).remote_tasks, 1);
         Ok(None)
+    }
+
+    /// Whether per-partition task `task` can run on a worker: the plan it would run (over
+    /// empty inputs, to check that it encodes), or why it runs here. It runs here when it
+    /// was refused memory before or its inputs are over its share of the budget (the
+    /// driver spills; a worker holds a task's inputs in memory), when an input is still
+    /// being produced or streams, or when its fragment is not one [`partition_plan`] cuts.
+    fn partition_runnable(&self, task: TaskId) -> Result<Arc<dyn ExecutionPlan>, OnDriver> {
+        let (op_id, partition, retried) = {
+            let st = self.state.lock().unwrap();
+            let t = &st.tasks[task];
+            (t.operator, t.partition, t.retried_alone || t.merge_join)
+        };
+        if retried {
+            return Err(OnDriver::OutOfCore);
+        }
+        let op = &self.graph.operators[op_id];
+        let empty = (op.inputs.iter())
+            .map(|producer| {
+                let schema = self.graph.operators[*producer].fragment.schema();
+                MemorySourceConfig::try_new_exec(&[vec![]], schema, None)
+                    .map(|source| source as Arc<dyn ExecutionPlan>)
+            })
+            .collect::<Result<Vec<_>>>()
+            .map_err(|e| OnDriver::NotCut(e.to_string()))?;
+        let plan = partition_plan(op, partition, &empty, &self.store_grants())?;
+        let inputs = self
+            .partition_input_blocks(task)
+            .ok_or(OnDriver::PerPartition)?;
+        let bytes: u64 = {
+            let st = self.state.lock().unwrap();
+            (inputs.iter().flatten())
+                .filter_map(|id| st.blocks.get(id))
+                .map(|b| b.bytes)
+                .sum()
+        };
+        if bytes > 2 * self.graph.sizing.partition_bytes {
+            return Err(OnDriver::OutOfCore);
+        }
+        Ok(plan)
+    }
+
+    /// The blocks per-partition task `task` reads of each of its stage inputs, in the order
+    /// a local task reads them; `None` while an input is still being produced, or when the
+    /// task streams an input. Each input counts as asked for.
+    fn partition_input_blocks(&self, task: TaskId) -> Option<Vec<Vec<BlockId>>> {
+        let (op_id, partition, _) = self.task_identity(task);
+        let op = &self.graph.operators[op_id];
+        let streams = self.streams_inputs(op_id);
+        let mut st = self.state.lock().unwrap();
+        let mut inputs = Vec::with_capacity(op.inputs.len());
+        for (input, producer) in op.inputs.iter().enumerate() {
+            if !st.operators[*producer].complete || (streams && op.streamed_inputs[input]) {
+                return None;
+            }
+            st.operators[*producer].demanded = true;
+            let mut cursor = self.input_cursor(op_id, input, partition, true);
+            let mut blocks = vec![];
+            loop {
+                match Self::next_block(&st, &mut cursor) {
+                    Next::Block(id) => blocks.push(id),
+                    Next::End => break,
+                    Next::Wait => return None,
+                }
+            }
+            inputs.push(blocks);
+        }
+        Some(inputs)
     }
 
     /// Whether a worker decodes `plan` (encoded as `bytes`) as it was planned
@@ -430,6 +612,7 @@ impl QueryRun {
             let mut request = self.task_request(op_id, partition, &work.plan);
             request.first_block_rows = self.first_block_rows_of(task);
             request.inputs = work.inputs;
+            request.input_sources = work.input_sources;
             let outgoing = Outgoing {
                 request: &request,
                 plan: &bytes,
@@ -459,56 +642,88 @@ impl QueryRun {
     }
 
     /// `task` as a worker runs it, or why a worker cannot (the outer error is the task's).
-    /// A block-wise task's inputs held by live workers become tickets the worker fetches;
-    /// the others are read here (recomputed if lost; kept in `read_here` for a later
-    /// attempt) and put in the plan's in-memory source.
+    /// The input blocks of a block-wise or per-partition task held by live workers become
+    /// tickets the worker fetches; the others are read here (recomputed if lost; kept in
+    /// `read_here` for a later attempt) and put in the plan's in-memory sources, one per
+    /// stage input.
     async fn worker_task(
         self: &Arc<Self>,
         task: TaskId,
         read_here: &mut HashMap<BlockId, RecordBatch>,
     ) -> Result<Result<WorkerTask, OnDriver>> {
-        let (op_id, _, kind) = self.task_identity(task);
+        let (op_id, partition, kind) = self.task_identity(task);
         let op = &self.graph.operators[op_id];
-        let TaskKind::Blocks { inputs } = kind else {
-            return Ok(self.task_plan(task).await?.map(WorkerTask::whole));
+        let partitioned = matches!(kind, TaskKind::Partition);
+        // Each stage input's blocks, and the order the worker fills their sources in.
+        let (groups, order) = match kind {
+            TaskKind::Blocks { inputs } => (vec![inputs], vec![0]),
+            TaskKind::Partition => match self.partition_input_blocks(task) {
+                Some(groups) => (groups, stage_inputs_in_leaf_order(&op.fragment)),
+                None => return Ok(Err(OnDriver::PerPartition)),
+            },
+            _ => return Ok(self.task_plan(task).await?.map(WorkerTask::whole)),
         };
         let (mut by_ticket, mut bytes_by_ticket, mut bytes_via_driver) = (vec![], 0, 0);
         let mut bytes_by_host: HashMap<String, u64> = HashMap::new();
-        let mut sources = Vec::with_capacity(inputs.len());
-        let mut inline = vec![];
-        for id in inputs {
-            if !read_here.contains_key(&id)
-                && let Some(held) = self.store.peek_held(id)
-                && held.holder_alive()
-            {
-                let at = held.location();
-                let bytes = self.block(id).map_or(0, |b| b.bytes);
-                bytes_by_ticket += bytes;
-                *bytes_by_host.entry(host_of(&at.address)).or_default() += bytes;
-                sources.push(TaskInput::Fetch(InputTicket {
-                    address: at.address,
-                    tls: at.tls,
-                    key: at.key,
-                    bytes,
-                }));
-                by_ticket.push((id, held));
-                continue;
-            }
-            let batch = match read_here.get(&id) {
-                Some(batch) => batch.clone(),
-                None => {
-                    let batch = self.fetch(id).await?;
-                    read_here.insert(id, batch.clone());
-                    batch
-                }
+        let mut sources = vec![];
+        let mut counts = Vec::with_capacity(order.len());
+        let mut memory: Vec<Option<Arc<dyn ExecutionPlan>>> = vec![None; groups.len()];
+        for input in order {
+            let Some(ids) = groups.get(input) else {
+                return Ok(Err(OnDriver::NotCut(format!("no stage input {input}"))));
             };
-            bytes_via_driver += batch.get_array_memory_size() as u64;
-            sources.push(TaskInput::Inline(inline.len()));
-            inline.push(batch);
+            let mut inline = vec![];
+            for &id in ids {
+                if !read_here.contains_key(&id)
+                    && let Some(held) = self.store.peek_held(id)
+                    && held.holder_alive()
+                {
+                    let at = held.location();
+                    let bytes = self.block(id).map_or(0, |b| b.bytes);
+                    bytes_by_ticket += bytes;
+                    *bytes_by_host.entry(host_of(&at.address)).or_default() += bytes;
+                    sources.push(TaskInput::Fetch(InputTicket {
+                        address: at.address,
+                        tls: at.tls,
+                        key: at.key,
+                        bytes,
+                    }));
+                    by_ticket.push((id, held));
+                    continue;
+                }
+                let batch = match read_here.get(&id) {
+                    Some(batch) => batch.clone(),
+                    None => {
+                        let batch = self.fetch(id).await?;
+                        read_here.insert(id, batch.clone());
+                        batch
+                    }
+                };
+                bytes_via_driver += batch.get_array_memory_size() as u64;
+                sources.push(TaskInput::Inline(inline.len()));
+                inline.push(batch);
+            }
+            counts.push(ids.len());
+            let schema = self.graph.operators[op.inputs[input]].fragment.schema();
+            memory[input] = Some(MemorySourceConfig::try_new_exec(&[inline], schema, None)?);
         }
-        let schema = self.graph.operators[op.inputs[0]].fragment.schema();
-        let input = MemorySourceConfig::try_new_exec(&[inline], schema, None)?;
-        let plan = match blocks_plan(op, input) {
+        let memory = (memory.into_iter().enumerate())
+            .map(|(input, source)| match source {
+                Some(source) => Ok(source as Arc<dyn ExecutionPlan>),
+                None => {
+                    let schema = self.graph.operators[op.inputs[input]].fragment.schema();
+                    Ok(MemorySourceConfig::try_new_exec(&[vec![]], schema, None)? as _)
+                }
+            })
+            .collect::<Result<Vec<_>>>()?;
+        let (plan, input_sources) = match partitioned {
+            false => (blocks_plan(op, Arc::clone(&memory[0])), vec![]),
+            true => (
+                partition_plan(op, partition, &memory, &self.store_grants()),
+                counts,
+            ),
+        };
+        let plan = match plan {
             Ok(plan) => plan,
             Err(why) => return Ok(Err(why)),
         };
@@ -519,6 +734,7 @@ impl QueryRun {
         Ok(Ok(WorkerTask {
             plan,
             inputs: Some(sources),
+            input_sources,
             by_ticket,
             bytes_by_ticket,
             bytes_via_driver,
@@ -566,7 +782,29 @@ impl QueryRun {
                 let input = MemorySourceConfig::try_new_exec(&[pieces], schema, None)?;
                 Ok(blocks_plan(op, input))
             }
-            TaskKind::Partition | TaskKind::Slice { .. } => Ok(Err(OnDriver::PerPartition)),
+            TaskKind::Partition => {
+                let Some(groups) = self.partition_input_blocks(task) else {
+                    return Ok(Err(OnDriver::PerPartition));
+                };
+                // Each input as the worker's source held it: in pieces of the target size.
+                let mut sources: Vec<Arc<dyn ExecutionPlan>> = Vec::with_capacity(groups.len());
+                for (input, ids) in groups.into_iter().enumerate() {
+                    let schema = self.graph.operators[op.inputs[input]].fragment.schema();
+                    let mut batches = Vec::with_capacity(ids.len());
+                    for id in ids {
+                        batches.push(self.fetch(id).await?);
+                    }
+                    let pieces = bundle_pieces(&schema, batches, self.piece_rows(op_id))?;
+                    sources.push(MemorySourceConfig::try_new_exec(&[pieces], schema, None)?);
+                }
+                Ok(partition_plan(
+                    op,
+                    partition,
+                    &sources,
+                    &self.store_grants(),
+                ))
+            }
+            TaskKind::Slice { .. } => Ok(Err(OnDriver::PerPartition)),
         }
     }
 
@@ -736,6 +974,7 @@ impl QueryRun {
             query: self.query_token.clone(),
             grants: scanned_files(plan),
             inputs: None,
+            input_sources: vec![],
             stores: {
                 let granted = self.store_grants();
                 scanned_stores(plan)

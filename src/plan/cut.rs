@@ -35,7 +35,7 @@ use datafusion::physical_plan::{
     ExecutionPlan, ExecutionPlanProperties, Partitioning, replace_children_if_necessary,
 };
 
-use crate::config::FlumenConfig;
+use crate::config::{FlumenConfig, WorkerMode};
 use crate::functions::accelerator::{
     AcceleratorFunction, accelerator_functions_in, calls_accelerator_udf,
 };
@@ -44,6 +44,7 @@ use crate::plan::concat_partitions::ConcatPartitionsExec;
 use crate::plan::exchange_sizing::ExchangeSizing;
 use crate::plan::graph::{Operator, OperatorGraph, OperatorId, Pool, TaskShape};
 use crate::plan::merge_runs::MergeRunsExec;
+use crate::plan::partition_cut::cuts_per_partition;
 use crate::plan::range_sort::sort_run_bytes;
 use crate::plan::split_source::{ModelSplitLimit, RowGroupLayout, SplitSourceExec};
 use crate::plan::stage_input::{InputExchange, StageInputExec};
@@ -336,7 +337,13 @@ impl Cutter<'_> {
         };
         let mut streamed_producers = vec![];
         if shape == TaskShape::Barrier && !self.out_of_core {
-            collect_probe_producers(&fragment, false, &mut streamed_producers);
+            // With worker processes a join a worker can run is a barrier, as in Spark or
+            // Ballista: its task starts once both sides are complete and runs on a worker,
+            // which fetches both from where they live. (A streamed probe would have to run
+            // where its blocks are announced: the driver.) One the driver runs streams.
+            if self.config.workers != WorkerMode::Process || !cuts_per_partition(&fragment) {
+                collect_probe_producers(&fragment, false, &mut streamed_producers);
+            }
             // A limit over one input (`LIMIT 10`, a filter with a fetch) streams it too:
             // it starts at once and ends when it has its rows, not after its whole input.
             if stage_inputs.len() == 1 && other_leaves == 0 && row_local_but_for_limits {

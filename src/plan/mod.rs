@@ -14,6 +14,7 @@
 //! - [`concat_partitions`]: partitions read one after the other (the output of both).
 //! - [`merge_runs`]: a range's runs, sorted in the background as its blocks arrived, merged.
 //! - [`merge_join_fallback`]: a hash join's task redone as a spilling sort-merge join.
+//! - [`partition_cut`]: which per-partition fragments a worker runs one partition of.
 //! - [`partition_slices`]: which hash join tasks can be cut into slices of their build side.
 
 pub(crate) mod accelerator_projection;
@@ -25,6 +26,7 @@ pub(crate) mod join_filter_rows;
 pub mod merge_join_fallback;
 mod merge_levels;
 pub mod merge_runs;
+pub mod partition_cut;
 pub mod partition_slices;
 pub(crate) mod queued_model_calls;
 pub mod random_shuffle;

@@ -17,6 +17,9 @@ pub struct Comparison {
     /// Tasks of flumen's runs that ran in a worker, and all their tasks.
     pub remote_tasks: u64,
     pub tasks: u64,
+    /// For each per-partition operator (but the root the output runs) that ran tasks on the
+    /// driver: the query, the operator, and how many of its tasks.
+    pub reduce_tasks_on_driver: Vec<String>,
 }
 
 /// Run every statement of the 22 TPC-H queries on `vanilla` and `flumen` (both with the
@@ -52,10 +55,38 @@ pub async fn compare_queries(vanilla: &SessionContext, flumen: &SessionContext) 
                     let (remote, tasks) = super::remote_and_all_tasks(&plan);
                     out.remote_tasks += remote;
                     out.tasks += tasks;
+                    out.reduce_tasks_on_driver.extend(
+                        reduce_tasks_on_driver(&plan)
+                            .into_iter()
+                            .map(|l| format!("q{q}: {l}")),
+                    );
                 }
                 Err(e) => out.failures.push(format!("q{q}: {e}")),
             }
         }
     }
     out
+}
+
+/// The per-partition operators of a finished flumen plan (but a root the output runs) that
+/// ran tasks on the driver, each as "NAME (operator ID): N of M tasks on the driver".
+pub fn reduce_tasks_on_driver(
+    plan: &Arc<dyn datafusion::physical_plan::ExecutionPlan>,
+) -> Vec<String> {
+    let Some(exec) = plan.downcast_ref::<flumen::exec::FlumenExec>() else {
+        return vec![];
+    };
+    let graph = exec.graph();
+    let metrics = exec.run_metrics();
+    (graph.operators.iter())
+        .filter(|op| op.shape == flumen::plan::TaskShape::Barrier && op.id != graph.root().id)
+        .map(|op| (op, metrics.operator(op.id).snapshot()))
+        .filter(|(_, s)| s.tasks_on_driver > 0)
+        .map(|(op, s)| {
+            format!(
+                "{} (operator {}): {} of {} tasks on the driver",
+                op.name, op.id, s.tasks_on_driver, s.tasks
+            )
+        })
+        .collect()
 }
