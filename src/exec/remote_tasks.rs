@@ -212,6 +212,7 @@ fn partition_plan(
     if !cuts_per_partition(&op.fragment) {
         return Err(OnDriver::PerPartition);
     }
+    let fragment_partitions = op.fragment.output_partitioning().partition_count();
     let mut why = None;
     let plan = Arc::clone(&op.fragment)
         .transform_down(|node| {
@@ -228,6 +229,14 @@ fn partition_plan(
                 .downcast_ref::<DataSourceExec>()
                 .and_then(|s| s.data_source().downcast_ref::<FileScanConfig>())
             {
+                // A scan of one partition below a node of one (a `CollectLeft` join's build
+                // side) is read whole by every partition.
+                if node.output_partitioning().partition_count() != fragment_partitions {
+                    if !workers_can_read(&node, stores) {
+                        why.get_or_insert(OnDriver::StoreNotGranted);
+                    }
+                    return Ok(Transformed::no(node));
+                }
                 let group = config.file_groups.get(partition);
                 let Some(group) = group.filter(|_| config.file_source().file_type() == "parquet")
                 else {

@@ -62,7 +62,9 @@ fn reads_its_own_partition(
         // A Parquet scan is cut to the partition's file group; other sources stay.
         let parquet = (source.data_source().downcast_ref::<FileScanConfig>())
             .is_some_and(|config| config.file_source().file_type() == "parquet");
-        return on_line && parquet;
+        // On the fragment's line it is cut to the partition's file group; below a node of
+        // one partition it is read whole.
+        return parquet && (on_line || (partitions == 1 && count == 1));
     }
     if count != partitions || node.children().is_empty() {
         return false;

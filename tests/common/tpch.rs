@@ -20,6 +20,10 @@ pub struct Comparison {
     /// For each per-partition operator (but the root the output runs) that ran tasks on the
     /// driver: the query, the operator, and how many of its tasks.
     pub reduce_tasks_on_driver: Vec<String>,
+    /// Per-partition operators (but the roots the output runs) over the 22 queries, and
+    /// those whose every task ran in a worker.
+    pub reduce_operators: usize,
+    pub reduce_operators_on_workers: usize,
 }
 
 /// Run every statement of the 22 TPC-H queries on `vanilla` and `flumen` (both with the
@@ -55,11 +59,12 @@ pub async fn compare_queries(vanilla: &SessionContext, flumen: &SessionContext) 
                     let (remote, tasks) = super::remote_and_all_tasks(&plan);
                     out.remote_tasks += remote;
                     out.tasks += tasks;
-                    out.reduce_tasks_on_driver.extend(
-                        reduce_tasks_on_driver(&plan)
-                            .into_iter()
-                            .map(|l| format!("q{q}: {l}")),
-                    );
+                    let on_driver = reduce_tasks_on_driver(&plan);
+                    let reduces = reduce_operators(&plan);
+                    out.reduce_operators += reduces;
+                    out.reduce_operators_on_workers += reduces - on_driver.len();
+                    out.reduce_tasks_on_driver
+                        .extend(on_driver.into_iter().map(|l| format!("q{q}: {l}")));
                 }
                 Err(e) => out.failures.push(format!("q{q}: {e}")),
             }
@@ -89,4 +94,15 @@ pub fn reduce_tasks_on_driver(
             )
         })
         .collect()
+}
+
+/// How many per-partition operators (but a root the output runs) a flumen plan has.
+pub fn reduce_operators(plan: &Arc<dyn datafusion::physical_plan::ExecutionPlan>) -> usize {
+    let Some(exec) = plan.downcast_ref::<flumen::exec::FlumenExec>() else {
+        return 0;
+    };
+    let graph = exec.graph();
+    (graph.operators.iter())
+        .filter(|op| op.shape == flumen::plan::TaskShape::Barrier && op.id != graph.root().id)
+        .count()
 }
