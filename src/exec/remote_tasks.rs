@@ -54,7 +54,7 @@ use crate::exec::run::QueryRun;
 use crate::io::object_stores::StoreGrants;
 use crate::plan::accelerator_projection::AcceleratorProjectionExec;
 use crate::plan::graph::{Operator, OperatorId, Pool};
-use crate::plan::partition_cut::cuts_per_partition;
+use crate::plan::partition_cut::{Reads, child_reads, cuts_per_partition};
 use crate::plan::split_source::{SplitSourceExec, split_ramps};
 use crate::plan::stage_input::StageInputExec;
 use crate::store::block::{Block, BlockData, BlockId, HeldBlock, OutputPlace, OutputPlaces};
@@ -212,57 +212,91 @@ fn partition_plan(
     if !cuts_per_partition(&op.fragment) {
         return Err(OnDriver::PerPartition);
     }
-    let fragment_partitions = op.fragment.output_partitioning().partition_count();
+    let partitions = op.fragment.output_partitioning().partition_count();
+    let cut = PartitionCut {
+        partition,
+        partitions,
+        sources,
+        stores,
+    };
     let mut why = None;
-    let plan = Arc::clone(&op.fragment)
-        .transform_down(|node| {
-            if let Some(stage) = node.downcast_ref::<StageInputExec>() {
-                return Ok(match (stage.fetch(), sources.get(stage.input_index())) {
-                    (None, Some(source)) => Transformed::yes(ordered_as(stage, source)?),
-                    _ => {
-                        why.get_or_insert(OnDriver::PerPartition);
-                        Transformed::no(node)
-                    }
-                });
-            }
-            if let Some(config) = node
-                .downcast_ref::<DataSourceExec>()
-                .and_then(|s| s.data_source().downcast_ref::<FileScanConfig>())
-            {
-                // A scan of one partition below a node of one (a `CollectLeft` join's build
-                // side) is read whole by every partition.
-                if node.output_partitioning().partition_count() != fragment_partitions {
-                    if !workers_can_read(&node, stores) {
-                        why.get_or_insert(OnDriver::StoreNotGranted);
-                    }
-                    return Ok(Transformed::no(node));
-                }
-                let group = config.file_groups.get(partition);
-                let Some(group) = group.filter(|_| config.file_source().file_type() == "parquet")
-                else {
-                    why.get_or_insert(OnDriver::PerPartition);
-                    return Ok(Transformed::no(node));
-                };
-                let scan: Arc<dyn ExecutionPlan> = DataSourceExec::from_data_source(
-                    FileScanConfigBuilder::from(config.clone())
-                        .with_file_groups(vec![group.clone()])
-                        .build(),
-                );
-                if !workers_can_read(&scan, stores) {
-                    why.get_or_insert(OnDriver::StoreNotGranted);
-                }
-                return Ok(Transformed::yes(scan));
-            }
-            if node.children().is_empty() {
-                why.get_or_insert(OnDriver::PerPartition);
-            }
-            Ok(Transformed::no(node))
-        })
-        .map_err(|e| OnDriver::NotCut(e.to_string()))?
-        .data;
+    let plan = cut
+        .rebuild(&op.fragment, Reads::OwnPartition, &mut why)
+        .map_err(|e| OnDriver::NotCut(e.to_string()))?;
     match why {
         Some(why) => Err(why),
         None => with_output_split(op, plan),
+    }
+}
+
+/// One partition of a per-partition fragment being cut out for a worker.
+struct PartitionCut<'a> {
+    partition: usize,
+    partitions: usize,
+    /// The in-memory scan standing for each stage input.
+    sources: &'a [Arc<dyn ExecutionPlan>],
+    stores: &'a StoreGrants,
+}
+
+impl PartitionCut<'_> {
+    /// `node`, read as `reads`, with its stage inputs replaced by their sources and its
+    /// Parquet scans on the fragment's line cut to the partition's file group (those read
+    /// whole are kept); `why` says why a worker cannot run it.
+    fn rebuild(
+        &self,
+        node: &Arc<dyn ExecutionPlan>,
+        reads: Reads,
+        why: &mut Option<OnDriver>,
+    ) -> Result<Arc<dyn ExecutionPlan>> {
+        if let Some(stage) = node.downcast_ref::<StageInputExec>() {
+            return match (stage.fetch(), self.sources.get(stage.input_index())) {
+                (None, Some(source)) => ordered_as(stage, source),
+                _ => {
+                    why.get_or_insert(OnDriver::PerPartition);
+                    Ok(Arc::clone(node))
+                }
+            };
+        }
+        if let Some(config) = node
+            .downcast_ref::<DataSourceExec>()
+            .and_then(|s| s.data_source().downcast_ref::<FileScanConfig>())
+        {
+            let scan = match reads {
+                Reads::Whole => Arc::clone(node),
+                Reads::OwnPartition => {
+                    let Some(group) = config.file_groups.get(self.partition) else {
+                        why.get_or_insert(OnDriver::PerPartition);
+                        return Ok(Arc::clone(node));
+                    };
+                    DataSourceExec::from_data_source(
+                        FileScanConfigBuilder::from(config.clone())
+                            .with_file_groups(vec![group.clone()])
+                            .build(),
+                    ) as Arc<dyn ExecutionPlan>
+                }
+            };
+            if !workers_can_read(&scan, self.stores) {
+                why.get_or_insert(OnDriver::StoreNotGranted);
+            }
+            return Ok(scan);
+        }
+        let children = node.children();
+        if children.is_empty() {
+            why.get_or_insert(OnDriver::PerPartition);
+            return Ok(Arc::clone(node));
+        }
+        let mut rebuilt = Vec::with_capacity(children.len());
+        for (i, child) in children.into_iter().enumerate() {
+            let Some(below) = child_reads(node, i, reads, self.partitions) else {
+                why.get_or_insert(OnDriver::PerPartition);
+                return Ok(Arc::clone(node));
+            };
+            rebuilt.push(self.rebuild(child, below, why)?);
+        }
+        datafusion::physical_plan::execution_plan::replace_children_if_necessary(
+            Arc::clone(node),
+            rebuilt,
+        )
     }
 }
 

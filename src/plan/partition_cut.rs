@@ -9,6 +9,7 @@ use datafusion::common::JoinType;
 use datafusion::common::tree_node::{TreeNode, TreeNodeRecursion};
 use datafusion::datasource::physical_plan::FileScanConfig;
 use datafusion::datasource::source::DataSourceExec;
+use datafusion::physical_expr::utils::collect_columns;
 use datafusion::physical_plan::joins::{
     CrossJoinExec, HashJoinExec, NestedLoopJoinExec, PartitionMode,
 };
@@ -22,9 +23,21 @@ use crate::plan::random_shuffle::RandomPermuteExec;
 use crate::plan::split_source::SplitSourceExec;
 use crate::plan::stage_input::{InputExchange, StageInputExec};
 
+/// How a node of a per-partition fragment is read by the fragment's partition `p`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Reads {
+    /// Its partition `p`: it is on the fragment's line (as many partitions as the
+    /// fragment); its stage inputs stand for partition `p`'s blocks, its Parquet scans are
+    /// cut to file group `p`.
+    OwnPartition,
+    /// All of it, by every partition (a `CollectLeft` join's build side): its scans are
+    /// read whole, its stage inputs must be gathered ones.
+    Whole,
+}
+
 /// Whether one partition of `fragment` can run apart from the others on a worker: it holds
 /// only nodes a worker runs over in-memory sources, and partition `p` reads partition `p`
-/// of each stage input and file scan (or all of a gathered input).
+/// of each stage input and file scan on its line, and the whole of its build sides.
 pub fn cuts_per_partition(fragment: &Arc<dyn ExecutionPlan>) -> bool {
     let mut foreign = false;
     let _ = fragment.apply(|node| {
@@ -35,55 +48,64 @@ pub fn cuts_per_partition(fragment: &Arc<dyn ExecutionPlan>) -> bool {
         Ok(TreeNodeRecursion::Continue)
     });
     let partitions = fragment.output_partitioning().partition_count();
-    !foreign && reads_its_own_partition(fragment, partitions, partitions)
+    !foreign && reads_apart(fragment, Reads::OwnPartition, partitions)
 }
 
-/// Whether partition `p` of a fragment of `partitions` partitions reads partition `p` of
-/// each of its stage inputs and file scans, or all of a gathered input: what a task's
-/// in-memory sources (the blocks of its own partition) and a scan cut to its own file group
-/// can stand for. `node` has `partitions` partitions on the fragment's own line; below a
-/// node of one partition (a `CollectLeft` join's build side) everything must be read
-/// whole. A merge of several partitions (`SortPreservingMergeExec`, a union) is not:
-/// partition 0 of it reads every partition of its input.
-fn reads_its_own_partition(
+/// How partition `p` reads child `i` of `node`, itself read as `reads` in a fragment of
+/// `partitions` partitions; `None` when partition `p` cannot be cut out (a merge or union
+/// of partitions on the line: partition 0 of it reads every partition of its input).
+pub fn child_reads(
     node: &Arc<dyn ExecutionPlan>,
+    i: usize,
+    reads: Reads,
     partitions: usize,
-    fragment_partitions: usize,
-) -> bool {
+) -> Option<Reads> {
+    if reads == Reads::Whole {
+        return Some(Reads::Whole);
+    }
+    let child = *node.children().get(i)?;
+    let child_count = child.output_partitioning().partition_count();
+    if child_count == partitions {
+        Some(Reads::OwnPartition)
+    } else if child_count == 1 && i == 0 && builds_whole_left(node) {
+        Some(Reads::Whole)
+    } else {
+        None
+    }
+}
+
+/// Whether `node`, read as `reads` in a fragment of `partitions` partitions, can stand
+/// over in-memory sources of one partition's blocks (see [`Reads`]).
+fn reads_apart(node: &Arc<dyn ExecutionPlan>, reads: Reads, partitions: usize) -> bool {
     let count = node.output_partitioning().partition_count();
-    let on_line = partitions == fragment_partitions && count == partitions;
+    let on_line = reads == Reads::OwnPartition && count == partitions;
     if let Some(stage) = node.downcast_ref::<StageInputExec>() {
         // An in-memory scan states the input's orderings, not its constants (a column a
         // filter below fixed), which a window or sort above may rely on.
-        let states_all = stage.properties().eq_properties.constants().is_empty();
+        // (A literal is constant anywhere.)
+        let states_all = (stage.properties().eq_properties.constants().iter())
+            .all(|constant| collect_columns(&constant.expr).is_empty());
         return states_all && (on_line || matches!(stage.exchange(), InputExchange::Gather));
     }
     if let Some(source) = node.downcast_ref::<DataSourceExec>() {
-        // A Parquet scan is cut to the partition's file group; other sources stay.
+        // A Parquet scan, cut to the partition's file group or read whole; other sources
+        // stay.
         let parquet = (source.data_source().downcast_ref::<FileScanConfig>())
             .is_some_and(|config| config.file_source().file_type() == "parquet");
-        // On the fragment's line it is cut to the partition's file group; below a node of
-        // one partition it is read whole.
-        return parquet && (on_line || (partitions == 1 && count == 1));
+        return parquet && (on_line || reads == Reads::Whole);
     }
-    if count != partitions || node.children().is_empty() {
+    if node.children().is_empty() || (reads == Reads::OwnPartition && count != partitions) {
         return false;
     }
     // A join that emits its build side's unmatched rows (left, anti, semi, full) does so
     // once over all its partitions, which share what they matched: its partitions cannot
     // run apart.
-    if count > 1 && shares_build_matches(node) {
+    if reads == Reads::OwnPartition && count > 1 && shares_build_matches(node) {
         return false;
     }
-    (node.children().into_iter().enumerate()).all(|(i, child)| {
-        let child_count = child.output_partitioning().partition_count();
-        let below = match child_count == partitions {
-            true => partitions,
-            // Read whole by every partition: a join's build side.
-            false if child_count == 1 && i == 0 && builds_whole_left(node) => 1,
-            false => return false,
-        };
-        reads_its_own_partition(child, below, fragment_partitions)
+    (0..node.children().len()).all(|i| {
+        child_reads(node, i, reads, partitions)
+            .is_some_and(|below| reads_apart(node.children()[i], below, partitions))
     })
 }
 
@@ -129,4 +151,105 @@ fn stays_on_driver(node: &Arc<dyn ExecutionPlan>) -> bool {
         || node.downcast_ref::<InterleaveExec>().is_some()
         // Its partition `p` reads every partition of its input.
         || node.downcast_ref::<RepartitionExec>().is_some()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use datafusion::arrow::datatypes::{DataType, Field, Schema};
+    use datafusion::common::NullEquality;
+    use datafusion::datasource::memory::MemorySourceConfig;
+    use datafusion::physical_expr::expressions::col;
+    use datafusion::physical_plan::Partitioning;
+    use datafusion::physical_plan::projection::ProjectionExec;
+    use datafusion::physical_plan::sorts::sort_preserving_merge::SortPreservingMergeExec;
+
+    /// A stage input of `partitions` partitions over one Int64 column `x`, read as
+    /// `exchange`.
+    fn stage(partitions: usize, exchange: InputExchange) -> Arc<dyn ExecutionPlan> {
+        let schema = Arc::new(Schema::new(vec![Field::new("x", DataType::Int64, true)]));
+        let memory =
+            MemorySourceConfig::try_new_exec(&vec![vec![]; partitions], schema, None).unwrap();
+        let properties = Arc::clone(memory.properties());
+        Arc::new(StageInputExec::new(0, exchange, properties, None))
+    }
+
+    fn hash(partitions: usize) -> InputExchange {
+        let schema = Schema::new(vec![Field::new("x", DataType::Int64, true)]);
+        InputExchange::Split(Partitioning::Hash(
+            vec![col("x", &schema).unwrap()],
+            partitions,
+        ))
+    }
+
+    fn join(
+        left: Arc<dyn ExecutionPlan>,
+        right: Arc<dyn ExecutionPlan>,
+        kind: JoinType,
+    ) -> Arc<dyn ExecutionPlan> {
+        let on = vec![(
+            col("x", &left.schema()).unwrap(),
+            col("x", &right.schema()).unwrap(),
+        )];
+        let join = HashJoinExec::try_new(
+            left,
+            right,
+            on,
+            None,
+            &kind,
+            None,
+            PartitionMode::CollectLeft,
+            NullEquality::NullEqualsNothing,
+            false,
+        )
+        .unwrap();
+        Arc::new(join)
+    }
+
+    #[test]
+    fn a_row_local_node_over_its_own_partition_is_cut() {
+        let input = stage(2, hash(2));
+        let x = col("x", &input.schema()).unwrap();
+        let projection = ProjectionExec::try_new(vec![(x, "x".to_string())], input).unwrap();
+        assert!(cuts_per_partition(&(Arc::new(projection) as _)));
+    }
+
+    #[test]
+    fn a_merge_of_partitions_is_not_cut() {
+        // Partition 0 of the merge reads both partitions of its input.
+        let input = stage(2, InputExchange::Preserve);
+        let x = col("x", &input.schema()).unwrap();
+        let ordering = [datafusion::physical_expr::PhysicalSortExpr::new_default(x)].into();
+        let merge = SortPreservingMergeExec::new(ordering, input);
+        assert!(!cuts_per_partition(&(Arc::new(merge) as _)));
+    }
+
+    #[test]
+    fn a_collect_left_join_is_cut_unless_it_emits_build_rows_once() {
+        let build = || stage(1, InputExchange::Gather);
+        let probe = || stage(2, hash(2));
+        assert!(cuts_per_partition(&join(build(), probe(), JoinType::Inner)));
+        assert!(cuts_per_partition(&join(
+            build(),
+            probe(),
+            JoinType::RightSemi
+        )));
+        for kind in [
+            JoinType::Left,
+            JoinType::LeftSemi,
+            JoinType::LeftAnti,
+            JoinType::Full,
+        ] {
+            assert!(
+                !cuts_per_partition(&join(build(), probe(), kind)),
+                "{kind} shares its build side's matches"
+            );
+        }
+        // A build side read by one partition of a split input is not the whole input.
+        assert!(!cuts_per_partition(&join(
+            stage(1, hash(1)),
+            probe(),
+            JoinType::Inner
+        )));
+    }
 }
