@@ -88,20 +88,7 @@ async fn tpch_in_worker_processes_answers_like_vanilla() {
         outcome.remote_tasks,
         outcome.tasks
     );
-    // Per-partition operators (joins, final aggregates, sorts, windows) ran in the
-    // workers where their fragment allows (`plan::partition_cut`); the rest say why.
-    println!(
-        "{} of {} per-partition operators ran all their tasks in workers; on the driver:\n{}",
-        outcome.reduce_operators_on_workers,
-        outcome.reduce_operators,
-        outcome.reduce_tasks_on_driver.join("\n")
-    );
-    assert!(
-        outcome.reduce_operators_on_workers >= 30,
-        "only {} of {} per-partition operators ran in workers",
-        outcome.reduce_operators_on_workers,
-        outcome.reduce_operators
-    );
+    outcome.assert_reduces_on_workers(30);
 }
 
 /// An events table of 2 files of 12,000 rows (row groups of 5,000): a model plan cuts each

@@ -333,6 +333,9 @@ impl ExecutionPlan for OperatorExec {
         }
         if s.remote_tasks > 0 {
             set.push(count("remote_tasks".into(), s.remote_tasks));
+            for (host, n) in self.stats.remote_tasks_by_host() {
+                set.push(count(format!("remote_tasks.{host}").into(), n));
+            }
             set.push(count("blocks_lost".into(), s.blocks_lost));
             set.push(count("tasks_retried".into(), s.tasks_retried));
             set.push(count(

@@ -32,6 +32,8 @@ pub struct OperatorStats {
     pub spilled: AtomicU64,
     /// Tasks run in worker processes.
     pub remote_tasks: AtomicU64,
+    /// Those tasks per worker host (the host part of the worker's address).
+    pub remote_tasks_by_host: Mutex<BTreeMap<String, u64>>,
     /// Tasks of a worker-mode query that ran on the driver, per reason
     /// ([`OnDriver::name`]).
     pub on_driver: Mutex<BTreeMap<&'static str, u64>>,
@@ -165,6 +167,21 @@ impl OperatorStats {
     /// Tasks that ran on the driver, per reason.
     pub fn on_driver(&self) -> BTreeMap<&'static str, u64> {
         self.on_driver.lock().unwrap().clone()
+    }
+
+    /// Count a task of this operator that ran on a worker of `host`.
+    pub fn count_remote_on(&self, host: &str) {
+        *self
+            .remote_tasks_by_host
+            .lock()
+            .unwrap()
+            .entry(host.to_string())
+            .or_default() += 1;
+    }
+
+    /// Its tasks run on workers, per host.
+    pub fn remote_tasks_by_host(&self) -> BTreeMap<String, u64> {
+        self.remote_tasks_by_host.lock().unwrap().clone()
     }
 
     /// Raise the peak of held bytes to `bytes` if higher.

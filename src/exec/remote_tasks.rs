@@ -583,11 +583,15 @@ impl QueryRun {
         let op = &self.graph.operators[op_id];
         let streams = self.streams_inputs(op_id);
         let mut st = self.state.lock().unwrap();
+        // Asking for an input opens the gate of a streamed one: only once all are complete.
+        let ready = (op.inputs.iter().enumerate()).all(|(input, producer)| {
+            st.operators[*producer].complete && !(streams && op.streamed_inputs[input])
+        });
+        if !ready {
+            return None;
+        }
         let mut inputs = Vec::with_capacity(op.inputs.len());
         for (input, producer) in op.inputs.iter().enumerate() {
-            if !st.operators[*producer].complete || (streams && op.streamed_inputs[input]) {
-                return None;
-            }
             st.operators[*producer].demanded = true;
             let mut cursor = self.input_cursor(op_id, input, partition, true);
             let mut blocks = vec![];
@@ -1119,6 +1123,7 @@ impl QueryRun {
         let stats = self.stats(op_id);
         OperatorStats::add(&stats.tasks_retried, ran.retries as u64);
         stats.worker_plan_metrics.add(ran.metrics);
+        stats.count_remote_on(&host_of(&ran.worker));
         self.metrics.count_task_on(&host_of(&ran.worker));
         self.note_restarts(pool);
         Ok(())

@@ -96,7 +96,8 @@ impl OperatorGraph {
                 && si.producer() + 1 == cutter.operators.len()
         });
         if !pass_through {
-            cutter.add_operator(root, Pool::Cpu, None)?;
+            let id = cutter.add_operator(root, Pool::Cpu, None)?;
+            cutter.root_streams_its_probes(id);
         }
         let mut consumer = vec![None; cutter.operators.len()];
         for op in &cutter.operators {
@@ -268,6 +269,24 @@ impl Cutter<'_> {
             return Ok(plan);
         }
         replace_children_if_necessary(plan, children)
+    }
+
+    /// A root of per-partition tasks runs in the query's output stream, on the driver,
+    /// even with worker processes: its joins stream their probe inputs as in threads mode
+    /// (they start once the build side is in, its dynamic filter filled).
+    fn root_streams_its_probes(&mut self, root: OperatorId) {
+        let op = &mut self.operators[root];
+        if self.config.workers != WorkerMode::Process
+            || op.shape != TaskShape::Barrier
+            || self.out_of_core
+        {
+            return;
+        }
+        let mut probes = vec![];
+        collect_probe_producers(&op.fragment, false, &mut probes);
+        for (producer, streamed) in op.inputs.iter().zip(op.streamed_inputs.iter_mut()) {
+            *streamed |= probes.contains(producer);
+        }
     }
 
     fn add_operator(

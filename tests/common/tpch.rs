@@ -24,6 +24,28 @@ pub struct Comparison {
     /// those whose every task ran in a worker.
     pub reduce_operators: usize,
     pub reduce_operators_on_workers: usize,
+    /// The worker hosts those operators' tasks ran on.
+    pub reduce_hosts: std::collections::BTreeSet<String>,
+}
+
+impl Comparison {
+    /// Print the per-partition operators that ran on the driver, and check that at least
+    /// `at_least` ran all their tasks in workers (joins, final aggregates, sorts and
+    /// windows go there where their fragment allows, `flumen::plan::partition_cut`).
+    pub fn assert_reduces_on_workers(&self, at_least: usize) {
+        println!(
+            "{} of {} per-partition operators ran all their tasks in workers; on the driver:\n{}",
+            self.reduce_operators_on_workers,
+            self.reduce_operators,
+            self.reduce_tasks_on_driver.join("\n")
+        );
+        assert!(
+            self.reduce_operators_on_workers >= at_least,
+            "only {} of {} per-partition operators ran in workers",
+            self.reduce_operators_on_workers,
+            self.reduce_operators
+        );
+    }
 }
 
 /// Run every statement of the 22 TPC-H queries on `vanilla` and `flumen` (both with the
@@ -61,6 +83,7 @@ pub async fn compare_queries(vanilla: &SessionContext, flumen: &SessionContext) 
                     out.tasks += tasks;
                     let on_driver = reduce_tasks_on_driver(&plan);
                     let reduces = reduce_operators(&plan);
+                    out.reduce_hosts.extend(reduce_hosts(&plan));
                     out.reduce_operators += reduces;
                     out.reduce_operators_on_workers += reduces - on_driver.len();
                     out.reduce_tasks_on_driver
@@ -105,4 +128,17 @@ pub fn reduce_operators(plan: &Arc<dyn datafusion::physical_plan::ExecutionPlan>
     (graph.operators.iter())
         .filter(|op| op.shape == flumen::plan::TaskShape::Barrier && op.id != graph.root().id)
         .count()
+}
+
+/// The worker hosts the per-partition operators of a finished flumen plan ran tasks on.
+pub fn reduce_hosts(plan: &Arc<dyn datafusion::physical_plan::ExecutionPlan>) -> Vec<String> {
+    let Some(exec) = plan.downcast_ref::<flumen::exec::FlumenExec>() else {
+        return vec![];
+    };
+    let graph = exec.graph();
+    let metrics = exec.run_metrics();
+    (graph.operators.iter())
+        .filter(|op| op.shape == flumen::plan::TaskShape::Barrier)
+        .flat_map(|op| metrics.operator(op.id).remote_tasks_by_host().into_keys())
+        .collect()
 }
