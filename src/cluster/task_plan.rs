@@ -807,4 +807,55 @@ mod tests {
         );
         assert!(err.to_string().contains("rows=None"), "{err}");
     }
+
+    /// A function the session registered under a stock worker function's name with another
+    /// implementation is refused (a worker would run its own, as Spark's `avg` made a
+    /// worker misread the state of DataFusion's); the stock one goes.
+    #[tokio::test]
+    async fn a_function_shadowing_a_workers_own_is_refused() {
+        use datafusion::arrow::array::{ArrayRef, Int64Array};
+        use datafusion::logical_expr::{ColumnarValue, Volatility, create_udf};
+        let ctx = crate::session(crate::FlumenConfig::default());
+        let sql = "SELECT abs(x) FROM (VALUES (CAST(-1 AS BIGINT))) AS t(x)";
+        let functions: Arc<HashSet<String>> = Arc::new(["abs".to_string()].into());
+        // The task plan of the query's one operator.
+        let fragment = |plan: Arc<dyn ExecutionPlan>| {
+            let exec = plan.downcast_ref::<crate::exec::FlumenExec>().unwrap();
+            Arc::clone(&exec.graph().operators[0].fragment)
+        };
+        let stock = ctx
+            .sql(sql)
+            .await
+            .unwrap()
+            .create_physical_plan()
+            .await
+            .unwrap();
+        encode(&fragment(stock), Arc::clone(&functions)).unwrap();
+        let negate = Arc::new(|args: &[ColumnarValue]| {
+            let values = ColumnarValue::values_to_arrays(args)?;
+            let values = values[0].as_any().downcast_ref::<Int64Array>().unwrap();
+            let negated: Int64Array = values.iter().map(|v| v.map(|v| -v)).collect();
+            Ok(ColumnarValue::Array(Arc::new(negated) as ArrayRef))
+        });
+        ctx.register_udf(create_udf(
+            "abs",
+            vec![DataType::Int64],
+            DataType::Int64,
+            Volatility::Immutable,
+            negate,
+        ));
+        let shadowed = ctx
+            .sql(sql)
+            .await
+            .unwrap()
+            .create_physical_plan()
+            .await
+            .unwrap();
+        let err = encode(&fragment(shadowed), functions).unwrap_err();
+        assert!(
+            err.to_string()
+                .contains("workers have another function abs than this session's"),
+            "{err}"
+        );
+    }
 }
