@@ -793,3 +793,59 @@ fn a_cluster_refuses_plaintext_and_strangers() {
         })
     });
 }
+
+/// The host holding a join's first reduce output SIGKILLed (every process of it) at once
+/// (the join and the partial aggregate over it run on the hosts): the join's lost
+/// partitions run again on the other hosts, their build and probe inputs fetched again
+/// (recomputed where they were lost with the host), and the answer is vanilla's.
+#[test]
+fn a_host_killed_holding_a_joins_reduce_outputs_is_recomputed_on_the_others() {
+    let Some((net, addresses)) = three_cpu_hosts() else {
+        return;
+    };
+    let cluster_file = net.write_cluster_file(&addresses);
+    let pids: Vec<(&'static str, u32)> = (["h1", "h2", "h3"].into_iter())
+        .map(|host| (host, net.host(host).worker_pids()[0]))
+        .collect();
+    let net = Arc::new(net);
+    let killed = Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let dropper = {
+        let (net, killed) = (Arc::clone(&net), Arc::clone(&killed));
+        BlockDropper(Arc::new(move |b| {
+            // The join's operator: a partial aggregate over the join on top.
+            let host = pids.iter().find(|(_, pid)| b.worker_pid == Some(*pid));
+            if let Some((host, _)) = host
+                && b.operator_name == "AggregateExec"
+                && !killed.swap(true, Ordering::Relaxed)
+            {
+                net.kill_host_now(host);
+            }
+            false
+        }))
+    };
+    net.in_driver(move || {
+        driver_runtime().block_on(async move {
+            let (dir, v) = events_with_vanilla(3, 20_000).await;
+            let f = cluster_session(&cluster_file, Some(dropper));
+            f.sql("SET flumen.mode = 'batch'").await.unwrap();
+            register_tables(&f, dir.path()).await;
+            let sql = "SELECT a.k, count(*), round(sum(b.v), 6), max(a.body) FROM events a \
+                       JOIN events b ON a.id = b.id WHERE b.v < 0.8 GROUP BY a.k";
+            let (batches, plan) = run_plan(&f, sql).await;
+            let expected = v.sql(sql).await.unwrap().collect().await.unwrap();
+            assert_eq!(rows(&expected, false), rows(&batches, false));
+            assert!(killed.load(Ordering::Relaxed), "no host held a join output");
+            let exec = plan.downcast_ref::<FlumenExec>().unwrap();
+            let join = (exec.graph().operators.iter())
+                .find(|op| op.name == "AggregateExec" && !op.inputs.is_empty())
+                .expect("the join's operator");
+            let s = exec.run_metrics().operator(join.id).snapshot();
+            println!("join {} after its host was killed: {s:?}", join.name);
+            assert_eq!(s.tasks_on_driver, 0, "{s:?}");
+            assert!(
+                s.blocks_lost > 0 || s.tasks_retried > 0,
+                "the kill cost the join nothing: {s:?}"
+            );
+        })
+    });
+}
