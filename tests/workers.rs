@@ -1272,22 +1272,5 @@ async fn a_worker_killed_holding_a_joins_output_reruns_only_its_partitions() {
     let expected = v.sql(sql).await.unwrap().collect().await.unwrap();
     assert_eq!(rows(&expected, false), rows(&batches, false));
     assert!(killed.lock().unwrap().is_some(), "no worker was killed");
-    let exec = plan.downcast_ref::<FlumenExec>().unwrap();
-    let join = (exec.graph().operators.iter())
-        .find(|op| {
-            datafusion::physical_plan::displayable(op.fragment.as_ref())
-                .indent(false)
-                .to_string()
-                .contains("HashJoinExec")
-        })
-        .expect("a join operator");
-    let s = exec.run_metrics().operator(join.id).snapshot();
-    println!("join {}: {s:?}", join.name);
-    assert_eq!(s.tasks_on_driver, 0, "{s:?}");
-    assert!(
-        s.blocks_lost > 0 || s.tasks_retried > 0,
-        "the kill cost the join nothing: {s:?}"
-    );
-    // Each lost block ran again at most once.
-    assert!(s.recomputed <= s.blocks_lost, "{s:?}");
+    common::assert_join_recovered_on_workers(&plan);
 }

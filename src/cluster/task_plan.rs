@@ -808,6 +808,17 @@ mod tests {
         assert!(err.to_string().contains("rows=None"), "{err}");
     }
 
+    /// The task plan of `sql`'s one operator, as planned by `ctx`.
+    async fn task_plan_of(
+        ctx: &datafusion::prelude::SessionContext,
+        sql: &str,
+    ) -> Arc<dyn ExecutionPlan> {
+        let plan = ctx.sql(sql).await.unwrap().create_physical_plan().await;
+        let plan = plan.unwrap();
+        let exec = plan.downcast_ref::<crate::exec::FlumenExec>().unwrap();
+        Arc::clone(&exec.graph().operators[0].fragment)
+    }
+
     /// A function the session registered under a stock worker function's name with another
     /// implementation is refused (a worker would run its own, as Spark's `avg` made a
     /// worker misread the state of DataFusion's); the stock one goes.
@@ -818,19 +829,7 @@ mod tests {
         let ctx = crate::session(crate::FlumenConfig::default());
         let sql = "SELECT abs(x) FROM (VALUES (CAST(-1 AS BIGINT))) AS t(x)";
         let functions: Arc<HashSet<String>> = Arc::new(["abs".to_string()].into());
-        // The task plan of the query's one operator.
-        let fragment = |plan: Arc<dyn ExecutionPlan>| {
-            let exec = plan.downcast_ref::<crate::exec::FlumenExec>().unwrap();
-            Arc::clone(&exec.graph().operators[0].fragment)
-        };
-        let stock = ctx
-            .sql(sql)
-            .await
-            .unwrap()
-            .create_physical_plan()
-            .await
-            .unwrap();
-        encode(&fragment(stock), Arc::clone(&functions)).unwrap();
+        encode(&task_plan_of(&ctx, sql).await, Arc::clone(&functions)).unwrap();
         let negate = Arc::new(|args: &[ColumnarValue]| {
             let values = ColumnarValue::values_to_arrays(args)?;
             let values = values[0].as_any().downcast_ref::<Int64Array>().unwrap();
@@ -844,14 +843,7 @@ mod tests {
             Volatility::Immutable,
             negate,
         ));
-        let shadowed = ctx
-            .sql(sql)
-            .await
-            .unwrap()
-            .create_physical_plan()
-            .await
-            .unwrap();
-        let err = encode(&fragment(shadowed), functions).unwrap_err();
+        let err = encode(&task_plan_of(&ctx, sql).await, functions).unwrap_err();
         assert!(
             err.to_string()
                 .contains("workers have another function abs than this session's"),

@@ -376,6 +376,9 @@ fn encode_for_worker(
         .map_err(|e| OnDriver::Unencodable(e.to_string()))
 }
 
+/// A per-partition task's input blocks: for each of its stage inputs, the blocks it reads.
+type PartitionInputs = Vec<Vec<BlockId>>;
+
 /// A task ready to send: its header, its encoded plan, and the host it would rather run on.
 struct Outgoing<'a> {
     request: &'a TaskRequest,
@@ -451,7 +454,9 @@ impl QueryRun {
             "task {task} (partition {partition}) of flumen operator {op_id} ({})",
             op.name
         );
-        // Check that a worker can run it before any input is fetched.
+        // Check that a worker can run it before any input is fetched. A per-partition
+        // task's input blocks are listed then: what it reads, released when it succeeds.
+        let mut partition_inputs = None;
         let runnable = match &kind {
             TaskKind::Source { split } => source_plan(op, partition, *split, &self.store_grants()),
             TaskKind::Blocks { .. } => {
@@ -459,7 +464,10 @@ impl QueryRun {
                 let empty = MemorySourceConfig::try_new_exec(&[vec![]], schema, None)?;
                 blocks_plan(op, empty)
             }
-            TaskKind::Partition => self.partition_runnable(task),
+            TaskKind::Partition => self.partition_runnable(task).map(|(plan, inputs)| {
+                partition_inputs = Some(inputs);
+                plan
+            }),
             TaskKind::Slice { .. } => Err(OnDriver::PerPartition),
         };
         let runnable = match runnable {
@@ -482,9 +490,7 @@ impl QueryRun {
         self.remote_tasks.lock().unwrap().insert(task);
         // A per-partition task's inputs are released when it succeeds, as a local task's
         // are once read.
-        if matches!(kind, TaskKind::Partition)
-            && let Some(inputs) = self.partition_input_blocks(task)
-        {
+        if let Some(inputs) = partition_inputs {
             self.state.lock().unwrap().tasks[task].consumed = inputs.concat();
         }
         let _ = self.state.lock().unwrap().tasks[task]
@@ -536,11 +542,15 @@ impl QueryRun {
     }
 
     /// Whether per-partition task `task` can run on a worker: the plan it would run (over
-    /// empty inputs, to check that it encodes), or why it runs here. It runs here when it
+    /// empty inputs, to check that it encodes) and its input blocks per stage input, or why
+    /// it runs here. It runs here when it
     /// was refused memory before or its inputs are over its share of the budget (the
     /// driver spills; a worker holds a task's inputs in memory), when an input is still
     /// being produced or streams, or when its fragment is not one [`partition_plan`] cuts.
-    fn partition_runnable(&self, task: TaskId) -> Result<Arc<dyn ExecutionPlan>, OnDriver> {
+    fn partition_runnable(
+        &self,
+        task: TaskId,
+    ) -> Result<(Arc<dyn ExecutionPlan>, PartitionInputs), OnDriver> {
         let (op_id, partition, retried) = {
             let st = self.state.lock().unwrap();
             let t = &st.tasks[task];
@@ -572,13 +582,13 @@ impl QueryRun {
         if bytes > 2 * self.graph.sizing.partition_bytes {
             return Err(OnDriver::OutOfCore);
         }
-        Ok(plan)
+        Ok((plan, inputs))
     }
 
     /// The blocks per-partition task `task` reads of each of its stage inputs, in the order
     /// a local task reads them; `None` while an input is still being produced, or when the
     /// task streams an input. Each input counts as asked for.
-    fn partition_input_blocks(&self, task: TaskId) -> Option<Vec<Vec<BlockId>>> {
+    fn partition_input_blocks(&self, task: TaskId) -> Option<PartitionInputs> {
         let (op_id, partition, _) = self.task_identity(task);
         let op = &self.graph.operators[op_id];
         let streams = self.streams_inputs(op_id);

@@ -387,6 +387,30 @@ pub fn files_below(dir: &Path) -> Vec<PathBuf> {
     files
 }
 
+/// The counters of an executed plan's join operator (the one whose fragment holds a hash
+/// join) after one of its workers was killed: printed, then checked that the kill cost the
+/// join something, that it ran no task on the driver, and that each lost block ran again
+/// at most once.
+pub fn assert_join_recovered_on_workers(plan: &Arc<dyn ExecutionPlan>) {
+    let exec = plan.downcast_ref::<flumen::exec::FlumenExec>().unwrap();
+    let join = (exec.graph().operators.iter())
+        .find(|op| {
+            datafusion::physical_plan::displayable(op.fragment.as_ref())
+                .indent(false)
+                .to_string()
+                .contains("HashJoinExec")
+        })
+        .expect("a join operator");
+    let s = exec.run_metrics().operator(join.id).snapshot();
+    println!("join {} after the kill: {s:?}", join.name);
+    assert_eq!(s.tasks_on_driver, 0, "{s:?}");
+    assert!(
+        s.blocks_lost > 0 || s.tasks_retried > 0,
+        "the kill cost the join nothing: {s:?}"
+    );
+    assert!(s.recomputed <= s.blocks_lost, "{s:?}");
+}
+
 /// The counters of every operator of an executed plan's run.
 pub fn operator_stats(exec: &flumen::exec::FlumenExec) -> Vec<flumen::exec::StatsSnapshot> {
     let metrics = exec.run_metrics();
