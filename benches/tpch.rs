@@ -29,12 +29,15 @@ use datafusion::physical_plan::collect;
 use datafusion::prelude::{SessionConfig, SessionContext};
 use flumen::exec::FlumenExec;
 
+#[path = "common/answers.rs"]
+mod answers;
 #[path = "common/rss.rs"]
 mod rss;
 #[path = "common/tpch_tables.rs"]
 mod tpch_tables;
 #[path = "common/verdict.rs"]
 mod verdict;
+use answers::assert_same_answer;
 use rss::RssWatch;
 use tpch_tables::{generate, query_statements, register, slt_dir};
 
@@ -55,83 +58,6 @@ fn cpu_seconds() -> f64 {
     unsafe { libc::getrusage(libc::RUSAGE_SELF, &mut usage) };
     let secs = |t: libc::timeval| t.tv_sec as f64 + t.tv_usec as f64 / 1e6;
     secs(usage.ru_utime) + secs(usage.ru_stime)
-}
-
-/// One cell of a result: floats compared to a tolerance, everything else as text.
-#[derive(Debug, Clone)]
-enum Cell {
-    Float(f64),
-    Text(String),
-}
-
-impl Cell {
-    /// Sort key: floats rounded so that values within the tolerance sort alike.
-    fn key(&self) -> String {
-        match self {
-            Cell::Float(x) => format!("{x:.6e}"),
-            Cell::Text(t) => t.clone(),
-        }
-    }
-
-    fn matches(&self, other: &Cell) -> bool {
-        match (self, other) {
-            (Cell::Float(a), Cell::Float(b)) => {
-                (a.is_nan() && b.is_nan())
-                    || a == b
-                    || (a - b).abs() <= 1e-9 * a.abs().max(b.abs()).max(1.0)
-            }
-            (Cell::Text(a), Cell::Text(b)) => a == b,
-            _ => false,
-        }
-    }
-}
-
-/// A result as rows of cells, sorted (TPC-H's ORDER BY has ties, so order is not compared).
-fn result_rows(batches: &[RecordBatch]) -> Result<Vec<Vec<Cell>>> {
-    use datafusion::arrow::array::{Array, AsArray};
-    use datafusion::arrow::datatypes::{DataType, Float32Type, Float64Type};
-    use datafusion::arrow::util::display::array_value_to_string;
-    let mut rows = vec![];
-    for batch in batches {
-        for row in 0..batch.num_rows() {
-            let mut cells = vec![];
-            for column in batch.columns() {
-                cells.push(match column.data_type() {
-                    _ if column.is_null(row) => Cell::Text("NULL".into()),
-                    DataType::Float64 => {
-                        Cell::Float(column.as_primitive::<Float64Type>().value(row))
-                    }
-                    DataType::Float32 => {
-                        Cell::Float(column.as_primitive::<Float32Type>().value(row) as f64)
-                    }
-                    _ => Cell::Text(array_value_to_string(column, row)?),
-                });
-            }
-            rows.push(cells);
-        }
-    }
-    rows.sort_by_cached_key(|cells| cells.iter().map(Cell::key).collect::<Vec<_>>());
-    Ok(rows)
-}
-
-/// Panics, naming the query and the first differing row, unless the answers match.
-fn assert_same_answer(n: usize, vanilla: &[RecordBatch], flumen: &[RecordBatch]) -> Result<()> {
-    let (v, f) = (result_rows(vanilla)?, result_rows(flumen)?);
-    assert_eq!(
-        v.len(),
-        f.len(),
-        "q{n}: flumen returned {} rows, vanilla DataFusion {}",
-        f.len(),
-        v.len()
-    );
-    for (i, (a, b)) in v.iter().zip(&f).enumerate() {
-        let same = a.len() == b.len() && a.iter().zip(b).all(|(x, y)| x.matches(y));
-        assert!(
-            same,
-            "q{n}: row {i} differs:\n vanilla {a:?}\n flumen  {b:?}"
-        );
-    }
-    Ok(())
 }
 
 /// Run a query's statements; returns (seconds, the last result, peak block-store bytes when

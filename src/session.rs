@@ -14,7 +14,7 @@ use crate::exec::{AcceleratorPool, FlumenQueryPlanner};
 use crate::functions::accelerator::accelerator_udf;
 use crate::functions::{embedding, row_hash, text, vector};
 use crate::io::{delta, iceberg, object_stores};
-use crate::plan::{accelerator_projection, random_shuffle};
+use crate::plan::{accelerator_projection, partitioned_outer_joins, random_shuffle};
 
 /// A DataFusion `SessionContext` whose queries run on flumen, with default DataFusion
 /// settings and the given flumen settings.
@@ -116,6 +116,8 @@ pub fn into_flumen(ctx: &SessionContext, config: FlumenConfig) -> SessionContext
 
 /// Put [`KeepAcceleratorProjections`](accelerator_projection::KeepAcceleratorProjections)
 /// first among the session's physical optimizer rules and
+/// [`PartitionOuterJoins`](partitioned_outer_joins::PartitionOuterJoins) right after
+/// DataFusion's join selection and
 /// [`PlanRandomShuffles`](random_shuffle::PlanRandomShuffles) last (each once).
 fn keep_accelerator_projections(state: SessionState) -> SessionState {
     let rules = flumen_optimizer_rules(state.physical_optimizers());
@@ -124,7 +126,8 @@ fn keep_accelerator_projections(state: SessionState) -> SessionState {
         .build()
 }
 
-/// `existing` with `KeepAcceleratorProjections` first and `PlanRandomShuffles` last (once).
+/// `existing` with `KeepAcceleratorProjections` first, `PartitionOuterJoins` after join
+/// selection and `PlanRandomShuffles` last (once).
 fn flumen_optimizer_rules(
     existing: &[Arc<dyn PhysicalOptimizerRule + Send + Sync>],
 ) -> Vec<Arc<dyn PhysicalOptimizerRule + Send + Sync>> {
@@ -136,11 +139,18 @@ fn flumen_optimizer_rules(
             .filter(|r| {
                 !matches!(
                     r.name(),
-                    "keep_accelerator_projections" | "plan_random_shuffles"
+                    "keep_accelerator_projections"
+                        | "plan_random_shuffles"
+                        | "partition_outer_joins"
                 )
             })
             .cloned(),
     );
+    // Right after DataFusion's join selection (which picks `CollectLeft`), before its
+    // distribution rules add the hash exchanges a partitioned join needs.
+    let join_selection = rules.iter().position(|r| r.name() == "join_selection");
+    let at = join_selection.map_or(1, |i| i + 1);
+    rules.insert(at, Arc::new(partitioned_outer_joins::PartitionOuterJoins));
     // After DataFusion's rules: they would not know its nodes.
     rules.push(Arc::new(random_shuffle::PlanRandomShuffles));
     rules

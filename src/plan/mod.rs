@@ -15,6 +15,8 @@
 //! - [`merge_runs`]: a range's runs, sorted in the background as its blocks arrived, merged.
 //! - [`merge_join_fallback`]: a hash join's task redone as a spilling sort-merge join.
 //! - [`partition_cut`]: which per-partition fragments a worker runs one partition of.
+//! - [`partitioned_outer_joins`]: in worker mode, outer and semi hash joins planned
+//!   partitioned, so their partitions run apart.
 //! - [`partition_slices`]: which hash join tasks can be cut into slices of their build side.
 
 pub(crate) mod accelerator_projection;
@@ -28,6 +30,7 @@ mod merge_levels;
 pub mod merge_runs;
 pub mod partition_cut;
 pub mod partition_slices;
+pub mod partitioned_outer_joins;
 pub(crate) mod queued_model_calls;
 pub mod random_shuffle;
 pub mod range_sort;

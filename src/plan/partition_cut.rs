@@ -5,7 +5,6 @@
 
 use std::sync::Arc;
 
-use datafusion::common::JoinType;
 use datafusion::common::tree_node::{TreeNode, TreeNodeRecursion};
 use datafusion::datasource::physical_plan::FileScanConfig;
 use datafusion::datasource::source::DataSourceExec;
@@ -19,6 +18,7 @@ use datafusion::physical_plan::{ExecutionPlan, ExecutionPlanProperties};
 
 use crate::plan::concat_partitions::ConcatPartitionsExec;
 use crate::plan::merge_runs::MergeRunsExec;
+use crate::plan::partitioned_outer_joins::emits_build_rows_once;
 use crate::plan::random_shuffle::RandomPermuteExec;
 use crate::plan::split_source::SplitSourceExec;
 use crate::plan::stage_input::{InputExchange, StageInputExec};
@@ -130,14 +130,7 @@ fn shares_build_matches(node: &Arc<dyn ExecutionPlan>) -> bool {
         (_, Some(join)) => *join.join_type(),
         _ => return false,
     };
-    matches!(
-        join_type,
-        JoinType::Left
-            | JoinType::LeftAnti
-            | JoinType::LeftSemi
-            | JoinType::LeftMark
-            | JoinType::Full
-    )
+    emits_build_rows_once(join_type)
 }
 
 /// Whether `node` keeps its fragment on the driver: one of flumen's own plan nodes (workers
@@ -157,6 +150,7 @@ fn stays_on_driver(node: &Arc<dyn ExecutionPlan>) -> bool {
 mod tests {
     use super::*;
     use datafusion::arrow::datatypes::{DataType, Field, Schema};
+    use datafusion::common::JoinType;
     use datafusion::common::NullEquality;
     use datafusion::datasource::memory::MemorySourceConfig;
     use datafusion::physical_expr::expressions::col;

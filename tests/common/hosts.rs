@@ -61,6 +61,60 @@ pub struct TestNet {
     /// Secret file, CA, certificates, cluster file.
     pub dir: tempfile::TempDir,
     ca: flumen::cluster::tls::ClusterCa,
+    /// Each host's CPU share, once [`TestNet::limit_cpu`] made them.
+    cpu_groups: Option<CpuGroups>,
+}
+
+/// Control groups (cgroup v1: the `cpu` and `cpuacct` hierarchies) giving each host of a
+/// [`TestNet`] an equal CPU quota and counting its CPU time.
+struct CpuGroups {
+    /// The `cpu` and `cpuacct` group directories of each host, by host name.
+    dirs: Vec<(String, [PathBuf; 2])>,
+}
+
+impl CpuGroups {
+    /// The groups of host `name`.
+    fn of(&self, name: &str) -> &[PathBuf; 2] {
+        &self.dirs.iter().find(|(n, _)| n == name).unwrap().1
+    }
+
+    /// Move process `pid` (all its threads) into host `name`'s groups.
+    fn join_process(&self, name: &str, pid: u32) {
+        for dir in self.of(name) {
+            std::fs::write(dir.join("cgroup.procs"), pid.to_string())
+                .unwrap_or_else(|e| panic!("moving {pid} into {}: {e}", dir.display()));
+        }
+    }
+
+    /// CPU seconds used so far by host `name`'s processes.
+    fn cpu_seconds(&self, name: &str) -> f64 {
+        let ns = std::fs::read_to_string(self.of(name)[1].join("cpuacct.usage")).unwrap();
+        ns.trim().parse::<f64>().unwrap_or(0.0) / 1e9
+    }
+
+    /// Move the threads left in the groups to their parents and remove the groups.
+    fn remove(&self) {
+        for (_, dirs) in &self.dirs {
+            for dir in dirs {
+                let parent = dir.parent().unwrap();
+                let left = std::fs::read_to_string(dir.join("tasks")).unwrap_or_default();
+                for tid in left.split_whitespace() {
+                    let _ = std::fs::write(parent.join("tasks"), tid);
+                }
+                let _ = std::fs::remove_dir(dir);
+            }
+        }
+    }
+}
+
+/// Move the calling thread into the groups `dirs` (threads it starts inherit them).
+fn join_groups(dirs: &[PathBuf]) {
+    // SAFETY: gettid has no preconditions.
+    let tid = unsafe { libc::gettid() };
+    for dir in dirs {
+        std::fs::write(dir.join("tasks"), tid.to_string())
+            .unwrap_or_else(|e| panic!("moving thread {tid} into {}: {e}", dir.display()));
+    }
 }
 
 /// Port every worker listens on (each host has its own address).
@@ -117,6 +171,7 @@ impl TestNet {
             hosts: vec![],
             dir: tempfile::tempdir().unwrap(),
             ca: flumen::cluster::tls::ClusterCa::new("flumen test cluster CA").unwrap(),
+            cpu_groups: None,
         };
         net.add_host("driver");
         for i in 1..=hosts {
@@ -276,6 +331,9 @@ impl TestNet {
             Ok(Some(Ok(line))) if line.starts_with("flumen worker listening on") => {}
             other => panic!("worker on {name} did not start: {other:?}"),
         }
+        if let Some(groups) = &self.cpu_groups {
+            groups.join_process(name, child.id());
+        }
         self.host_mut(name).workers.push(child);
     }
 
@@ -306,6 +364,59 @@ impl TestNet {
     /// that holds the network shared).
     pub fn kill_host_now(&self, name: &str) {
         kill_namespace(&self.host(name).netns);
+    }
+
+    /// Give every host (the driver too) `cores` CPUs' worth of time at most (a CFS quota
+    /// per 100 ms period), so N hosts have N times one host's CPU on a shared machine, and
+    /// count each host's CPU time ([`Self::cpu_seconds`]). Workers started before and after
+    /// are in their host's group; the driver's is joined by [`Self::in_driver`]'s thread.
+    /// `Err` where no writable cgroup hierarchy is mounted.
+    pub fn limit_cpu(&mut self, cores: f64) -> Result<(), String> {
+        let period = 100_000u64;
+        let quota = ((cores * period as f64) as u64).max(1000);
+        let root = Path::new("/sys/fs/cgroup");
+        if !root.join("cpu/cpu.cfs_quota_us").exists() || !root.join("cpuacct").exists() {
+            // cgroup v2 could cap the workers, not the driver: a thread of this process.
+            return Err("needs cgroup v1 cpu and cpuacct hierarchies".into());
+        }
+        let mut groups = CpuGroups { dirs: vec![] };
+        let made = (|| {
+            for host in &self.hosts {
+                let name = format!("{}-{}", self.tag, host.name);
+                let dirs = [
+                    root.join("cpu").join(&name),
+                    root.join("cpuacct").join(&name),
+                ];
+                // Recorded first, so a group made before a failure is still removed.
+                groups.dirs.push((host.name.clone(), dirs.clone()));
+                for dir in &dirs {
+                    std::fs::create_dir(dir).map_err(|e| format!("{}: {e}", dir.display()))?;
+                }
+                std::fs::write(dirs[0].join("cpu.cfs_period_us"), period.to_string())
+                    .and_then(|_| {
+                        std::fs::write(dirs[0].join("cpu.cfs_quota_us"), quota.to_string())
+                    })
+                    .map_err(|e| format!("cpu quota for {}: {e}", host.name))?;
+            }
+            Ok::<(), String>(())
+        })();
+        if let Err(e) = made {
+            groups.remove();
+            return Err(e);
+        }
+        for host in &self.hosts {
+            for pid in host.worker_pids() {
+                groups.join_process(&host.name, pid);
+            }
+        }
+        self.cpu_groups = Some(groups);
+        Ok(())
+    }
+
+    /// CPU seconds host `name`'s processes (the driver's threads for `driver`) used so far;
+    /// `None` before [`Self::limit_cpu`].
+    pub fn cpu_seconds(&self, name: &str) -> Option<f64> {
+        Some(self.cpu_groups.as_ref()?.cpu_seconds(name))
     }
 
     /// Take host `name`'s link down (a network partition) or bring it back up.
@@ -340,12 +451,17 @@ impl TestNet {
         );
     }
 
-    /// Run `body` on a thread inside the driver's namespace, on a runtime whose threads
-    /// are all in it (threads inherit the namespace of the thread that starts them).
+    /// Run `body` on a thread inside the driver's namespace (and CPU group, after
+    /// [`Self::limit_cpu`]), on a runtime whose threads are all in it (threads inherit the
+    /// namespace and groups of the thread that starts them).
     pub fn in_driver<T: Send + 'static>(&self, body: impl FnOnce() -> T + Send + 'static) -> T {
         let netns = self.host("driver").netns.clone();
+        let groups = self.cpu_groups.as_ref().map(|g| g.of("driver").clone());
         std::thread::spawn(move || {
             enter_namespace(&netns);
+            if let Some(dirs) = groups {
+                join_groups(&dirs);
+            }
             body()
         })
         .join()
@@ -389,5 +505,8 @@ impl Drop for TestNet {
         }
         // Deleting the switch takes the bridge and the hosts' links with it.
         let _ = ip(&["netns", "del", &self.switch]);
+        if let Some(groups) = &self.cpu_groups {
+            groups.remove();
+        }
     }
 }

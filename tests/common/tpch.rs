@@ -17,9 +17,9 @@ pub struct Comparison {
     /// Tasks of flumen's runs that ran in a worker, and all their tasks.
     pub remote_tasks: u64,
     pub tasks: u64,
-    /// For each per-partition operator (but the root the output runs) that ran tasks on the
-    /// driver: the query, the operator, and how many of its tasks.
-    pub reduce_tasks_on_driver: Vec<String>,
+    /// For each operator (but the root the output runs) that ran tasks on the driver: the
+    /// query, the operator, and how many of its tasks.
+    pub tasks_on_driver: Vec<String>,
     /// Per-partition operators (but the roots the output runs) over the 22 queries, and
     /// those whose every task ran in a worker.
     pub reduce_operators: usize,
@@ -29,21 +29,23 @@ pub struct Comparison {
 }
 
 impl Comparison {
-    /// Print the per-partition operators that ran on the driver, and check that at least
-    /// `at_least` ran all their tasks in workers (joins, final aggregates, sorts and
-    /// windows go there where their fragment allows, `flumen::plan::partition_cut`).
-    pub fn assert_reduces_on_workers(&self, at_least: usize) {
+    /// Print the operators that ran tasks on the driver, and check that none did but the
+    /// roots the output runs, and that at least `at_least` per-partition operators ran (joins,
+    /// final aggregates, sorts and windows go to the workers, `flumen::plan::partition_cut`;
+    /// joins that emit build rows are planned partitioned there,
+    /// `flumen::plan::partitioned_outer_joins`).
+    pub fn assert_all_on_workers(&self, at_least: usize) {
         println!(
             "{} of {} per-partition operators ran all their tasks in workers; on the driver:\n{}",
             self.reduce_operators_on_workers,
             self.reduce_operators,
-            self.reduce_tasks_on_driver.join("\n")
+            self.tasks_on_driver.join("\n")
         );
         assert!(
-            self.reduce_operators_on_workers >= at_least,
-            "only {} of {} per-partition operators ran in workers",
-            self.reduce_operators_on_workers,
-            self.reduce_operators
+            self.tasks_on_driver.is_empty() && self.reduce_operators >= at_least,
+            "{} per-partition operators; tasks on the driver:\n{}",
+            self.reduce_operators,
+            self.tasks_on_driver.join("\n")
         );
     }
 }
@@ -81,12 +83,12 @@ pub async fn compare_queries(vanilla: &SessionContext, flumen: &SessionContext) 
                     let (remote, tasks) = super::remote_and_all_tasks(&plan);
                     out.remote_tasks += remote;
                     out.tasks += tasks;
-                    let on_driver = reduce_tasks_on_driver(&plan);
+                    let on_driver = tasks_on_driver(&plan);
                     let reduces = reduce_operators(&plan);
                     out.reduce_hosts.extend(reduce_hosts(&plan));
                     out.reduce_operators += reduces;
-                    out.reduce_operators_on_workers += reduces - on_driver.len();
-                    out.reduce_tasks_on_driver
+                    out.reduce_operators_on_workers += reduces - reduces_on_driver(&plan);
+                    out.tasks_on_driver
                         .extend(on_driver.into_iter().map(|l| format!("q{q}: {l}")));
                 }
                 Err(e) => out.failures.push(format!("q{q}: {e}")),
@@ -96,27 +98,49 @@ pub async fn compare_queries(vanilla: &SessionContext, flumen: &SessionContext) 
     out
 }
 
-/// The per-partition operators of a finished flumen plan (but a root the output runs) that
-/// ran tasks on the driver, each as "NAME (operator ID): N of M tasks on the driver".
-pub fn reduce_tasks_on_driver(
-    plan: &Arc<dyn datafusion::physical_plan::ExecutionPlan>,
-) -> Vec<String> {
+/// The operators of a finished flumen plan (but a root the output runs) that ran tasks on
+/// the driver, each as "NAME (operator ID): N of M tasks on the driver {REASON: N}".
+pub fn tasks_on_driver(plan: &Arc<dyn datafusion::physical_plan::ExecutionPlan>) -> Vec<String> {
     let Some(exec) = plan.downcast_ref::<flumen::exec::FlumenExec>() else {
         return vec![];
     };
     let graph = exec.graph();
     let metrics = exec.run_metrics();
     (graph.operators.iter())
-        .filter(|op| op.shape == flumen::plan::TaskShape::Barrier && op.id != graph.root().id)
-        .map(|op| (op, metrics.operator(op.id).snapshot()))
-        .filter(|(_, s)| s.tasks_on_driver > 0)
-        .map(|(op, s)| {
+        .filter(|op| op.id != graph.root().id)
+        .map(|op| (op, metrics.operator(op.id)))
+        .filter(|(_, stats)| stats.snapshot().tasks_on_driver > 0)
+        .map(|(op, stats)| {
+            let s = stats.snapshot();
             format!(
-                "{} (operator {}): {} of {} tasks on the driver",
-                op.name, op.id, s.tasks_on_driver, s.tasks
+                "{} (operator {}): {} of {} tasks on the driver {:?}",
+                op.name,
+                op.id,
+                s.tasks_on_driver,
+                s.tasks,
+                stats.on_driver()
             )
         })
         .collect()
+}
+
+/// How many per-partition operators (but a root the output runs) of a finished flumen plan
+/// ran tasks on the driver.
+fn reduces_on_driver(plan: &Arc<dyn datafusion::physical_plan::ExecutionPlan>) -> usize {
+    let Some(exec) = plan.downcast_ref::<flumen::exec::FlumenExec>() else {
+        return 0;
+    };
+    let graph = exec.graph();
+    (graph.operators.iter())
+        .filter(|op| op.shape == flumen::plan::TaskShape::Barrier && op.id != graph.root().id)
+        .filter(|op| {
+            exec.run_metrics()
+                .operator(op.id)
+                .snapshot()
+                .tasks_on_driver
+                > 0
+        })
+        .count()
 }
 
 /// How many per-partition operators (but a root the output runs) a flumen plan has.

@@ -1,0 +1,438 @@
+//! SQL at scale on a cluster: TPC-H on 1, 2 and 3 hosts, each host (the driver's too) a
+//! Linux network namespace capped at the same CPU share by a cgroup v1 CPU quota, so N hosts
+//! have N times one host's CPU on this shared machine and scaling is measurable (needs root
+//! and cgroup v1; says `not measured` elsewhere).
+//!
+//! ```text
+//! cargo bench --bench cluster_tpch -- [--sf 1] [--hosts 1,2,3] [--cores 0.5] [--slots 2]
+//!     [--partitions 6] [--queries 3,5] [--runs 1] [--tasks-query] [--check]
+//! ```
+//!
+//! Data: the TPC-H tables as one Parquet file each under `target/tpch-sf<SF>/` (shared by
+//! the tpch bench), read by every host through the same path. Each host runs one CPU
+//! worker (`--slots` slots); the driver runs in this process, in a namespace and a CPU
+//! group of its own. Every query's answer is checked against vanilla DataFusion's (run
+//! here first, unconstrained); a difference or a failure ends the bench non-zero.
+//!
+//! Printed per query and host count: seconds (best of `--runs`), and on the most hosts the
+//! driver's CPU seconds against the workers', the bytes the driver fetched against the
+//! result's, and the tasks of non-final operators that ran on the driver, with reasons.
+//! Goals: geomean speedup on N hosts ≥ 0.8·N; driver CPU ≤ 10% of the workers'; bytes the
+//! driver fetched ≤ 1.1 × the result's; no task of a non-final operator on the driver.
+//! `--tasks-query` adds the driver's scheduling cost: a scan of TPC-H SF 0.1 `lineitem`
+//! written in row groups of 50 rows, one task per row group (about 12,000), in µs of the
+//! driver's CPU per task.
+
+#[path = "common/answers.rs"]
+mod answers;
+#[path = "common/args.rs"]
+mod args;
+#[path = "../tests/common/hosts.rs"]
+mod hosts;
+#[path = "common/tpch_tables.rs"]
+mod tpch_tables;
+#[path = "common/verdict.rs"]
+mod verdict;
+
+use std::collections::BTreeMap;
+use std::panic::AssertUnwindSafe;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::Instant;
+
+use datafusion::arrow::record_batch::RecordBatch;
+use datafusion::physical_plan::collect;
+use datafusion::prelude::{SessionConfig, SessionContext};
+use flumen::exec::FlumenExec;
+use flumen::{FlumenConfig, WorkerMode};
+use hosts::{Role, TestNet};
+
+const FLUMEN: &str = env!("CARGO_BIN_EXE_flumen");
+
+/// Command-line settings.
+#[derive(Debug, Clone)]
+struct Args {
+    sf: f64,
+    hosts: Vec<usize>,
+    cores: f64,
+    slots: usize,
+    partitions: usize,
+    queries: Vec<usize>,
+    runs: usize,
+    tasks_query: bool,
+}
+
+fn parse_args() -> Args {
+    let argv: Vec<String> = std::env::args().collect();
+    let value = |name: &str| args::flag_value(&argv, name);
+    let list = |text: String| -> Vec<usize> {
+        text.split(',')
+            .map(|n| n.trim().parse().expect("a list of numbers"))
+            .collect()
+    };
+    Args {
+        sf: value("--sf").map_or(1.0, |v| v.parse().expect("--sf X")),
+        hosts: value("--hosts").map_or(vec![1, 2, 3], list),
+        cores: value("--cores").map_or(0.5, |v| v.parse().expect("--cores X")),
+        slots: value("--slots").map_or(2, |v| v.parse().expect("--slots N")),
+        partitions: value("--partitions").map_or(6, |v| v.parse().expect("--partitions N")),
+        queries: value("--queries").map_or((1..=22).collect(), list),
+        runs: value("--runs").map_or(1, |v| v.parse().expect("--runs N")),
+        tasks_query: argv.iter().any(|a| a == "--tasks-query"),
+    }
+}
+
+/// What one query's run measured.
+#[derive(Debug, Default, Clone)]
+struct QueryRun {
+    seconds: f64,
+    driver_cpu: f64,
+    workers_cpu: f64,
+    /// Bytes of blocks the driver fetched from workers (Arrow memory size).
+    fetched_by_driver: u64,
+    /// Bytes of the answer (Arrow memory size).
+    result_bytes: u64,
+    /// Tasks of every operator, and of those in worker processes.
+    tasks: u64,
+    remote_tasks: u64,
+    /// Tasks of operators other than the final one that ran on the driver, by reason.
+    on_driver: BTreeMap<String, u64>,
+    answer: Vec<RecordBatch>,
+}
+
+/// Hosts `h1..hN` with one CPU worker each (`slots` slots), every host and the driver at
+/// `cores` CPUs; returns the network and its cluster file.
+fn cluster(hosts: usize, args: &Args) -> Result<(TestNet, PathBuf), String> {
+    let mut net = TestNet::new(hosts)?;
+    net.limit_cpu(args.cores)?;
+    let mut addresses = vec![];
+    for i in 1..=hosts {
+        let host = format!("h{i}");
+        net.start_worker(&host, Role::Cpu, FLUMEN.as_ref(), args.slots);
+        addresses.push(net.address(&host, Role::Cpu));
+    }
+    let file = net.write_cluster_file(&addresses);
+    Ok((net, file))
+}
+
+/// CPU seconds of the driver and of all worker hosts so far.
+fn cpu_now(net: &TestNet) -> (f64, f64) {
+    let driver = net.cpu_seconds("driver").unwrap_or(0.0);
+    let workers = (net.hosts.iter())
+        .filter(|h| h.name != "driver")
+        .map(|h| net.cpu_seconds(&h.name).unwrap_or(0.0))
+        .sum();
+    (driver, workers)
+}
+
+/// A flumen session in worker mode on the cluster in `cluster_file`.
+fn cluster_session(cluster_file: &Path, partitions: usize) -> SessionContext {
+    let mut config = FlumenConfig::default();
+    config.workers = WorkerMode::Process;
+    config.cluster = cluster_file.display().to_string();
+    let session = SessionConfig::new().with_target_partitions(partitions);
+    flumen::session_with_config(
+        flumen::flumen_session_config(session, config.clone()),
+        config,
+    )
+}
+
+/// Run `statements` on `ctx` and measure the last one's plan (see [`QueryRun`]).
+async fn run_query(
+    ctx: &SessionContext,
+    net: &TestNet,
+    statements: &[String],
+) -> datafusion::error::Result<QueryRun> {
+    let (driver_before, workers_before) = cpu_now(net);
+    let started = Instant::now();
+    let mut out = QueryRun::default();
+    for sql in statements {
+        let plan = ctx.sql(sql).await?.create_physical_plan().await?;
+        out.answer = collect(Arc::clone(&plan), ctx.task_ctx()).await?;
+        let Some(exec) = plan.downcast_ref::<FlumenExec>() else {
+            continue;
+        };
+        let root = exec.graph().root().id;
+        for op in &exec.graph().operators {
+            let stats = exec.run_metrics().operator(op.id);
+            let s = stats.snapshot();
+            out.fetched_by_driver += s.output_bytes_to_driver;
+            out.tasks += s.tasks;
+            out.remote_tasks += s.remote_tasks;
+            if op.id != root {
+                for (reason, n) in stats.on_driver() {
+                    *out.on_driver.entry(reason.to_string()).or_default() += n;
+                }
+            }
+        }
+    }
+    out.seconds = started.elapsed().as_secs_f64();
+    let (driver_after, workers_after) = cpu_now(net);
+    out.driver_cpu = driver_after - driver_before;
+    out.workers_cpu = workers_after - workers_before;
+    out.result_bytes = (out.answer.iter())
+        .map(|b| b.get_array_memory_size() as u64)
+        .sum();
+    Ok(out)
+}
+
+/// Each query's best run (by seconds) on `hosts` hosts, or why it failed.
+type HostRuns = BTreeMap<usize, Result<QueryRun, String>>;
+
+/// Run the queries on a fresh cluster of `hosts` hosts.
+fn run_on(hosts: usize, args: &Args, data: &Path) -> Result<HostRuns, String> {
+    let (net, file) = cluster(hosts, args)?;
+    let net = Arc::new(net);
+    let in_net = Arc::clone(&net);
+    let (args, data) = (args.clone(), data.to_path_buf());
+    let slt = tpch_tables::slt_dir();
+    Ok(net.in_driver(move || {
+        let runtime = tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(2)
+            .enable_all()
+            .build()
+            .unwrap();
+        runtime.block_on(async move {
+            let ctx = cluster_session(&file, args.partitions);
+            tpch_tables::register(&ctx, &data).await.unwrap();
+            // Attach the workers first, so each query measures itself alone.
+            ctx.sql("SELECT count(*) FROM nation")
+                .await
+                .unwrap()
+                .collect()
+                .await
+                .unwrap();
+            let mut runs = HostRuns::new();
+            for &q in &args.queries {
+                let statements = tpch_tables::query_statements(&slt, q);
+                let mut best: Option<Result<QueryRun, String>> = None;
+                for _ in 0..args.runs {
+                    let run = run_query(&ctx, &in_net, &statements).await;
+                    let run = run.map_err(|e| e.to_string());
+                    let better = match (&best, &run) {
+                        (Some(Ok(b)), Ok(r)) => r.seconds < b.seconds,
+                        (Some(Err(_)), _) => false,
+                        _ => true,
+                    };
+                    if better {
+                        best = Some(run);
+                    }
+                }
+                runs.insert(q, best.unwrap());
+            }
+            runs
+        })
+    }))
+}
+
+/// Vanilla DataFusion's answers (in this process, unconstrained).
+fn vanilla_answers(args: &Args, data: &Path) -> BTreeMap<usize, Vec<RecordBatch>> {
+    let runtime = tokio::runtime::Runtime::new().unwrap();
+    runtime.block_on(async {
+        let ctx = SessionContext::new();
+        tpch_tables::register(&ctx, data).await.unwrap();
+        let slt = tpch_tables::slt_dir();
+        let mut answers = BTreeMap::new();
+        for &q in &args.queries {
+            let mut last = vec![];
+            for sql in tpch_tables::query_statements(&slt, q) {
+                last = ctx.sql(&sql).await.unwrap().collect().await.unwrap();
+            }
+            answers.insert(q, last);
+        }
+        answers
+    })
+}
+
+fn geomean(values: &[f64]) -> f64 {
+    (values.iter().map(|v| v.ln()).sum::<f64>() / values.len().max(1) as f64).exp()
+}
+
+/// The driver's CPU per task over a scan of about 12,000 tasks (one per row group) on
+/// `hosts` hosts; prints the figures.
+fn scheduling_cost(hosts: usize, args: &Args) -> Result<(), String> {
+    let dir = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("target/tpch-sf0.1-rg50");
+    tpch_tables::generate_parts(&dir, 0.1, 1, 50).map_err(|e| e.to_string())?;
+    let (net, file) = cluster(hosts, args)?;
+    let net = Arc::new(net);
+    let in_net = Arc::clone(&net);
+    let partitions = args.partitions;
+    let run = net.in_driver(move || {
+        let runtime = tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(2)
+            .enable_all()
+            .build()
+            .unwrap();
+        runtime.block_on(async move {
+            let ctx = cluster_session(&file, partitions);
+            tpch_tables::register(&ctx, &dir).await.unwrap();
+            let sql = "SET flumen.split_bytes = '1KB'".to_string();
+            ctx.sql(&sql).await.unwrap().collect().await.unwrap();
+            let query = "SELECT l_orderkey, l_linenumber FROM lineitem WHERE l_quantity > 49.5";
+            ctx.sql("SELECT count(*) FROM nation")
+                .await?
+                .collect()
+                .await?;
+            run_query(&ctx, &in_net, &[query.to_string()]).await
+        })
+    });
+    let run = run.map_err(|e| e.to_string())?;
+    let per_task_us = run.driver_cpu * 1e6 / run.tasks.max(1) as f64;
+    println!(
+        "scheduling on {hosts} hosts: {} tasks ({} on workers) in {:.2} s; driver CPU {:.2} s \
+         = {per_task_us:.0} µs per task launched and finished; workers' CPU {:.2} s (goal: \
+         ≥ 10,000 tasks: {})",
+        run.tasks,
+        run.remote_tasks,
+        run.seconds,
+        run.driver_cpu,
+        run.workers_cpu,
+        verdict::goal("≥ 10,000 tasks in one query", run.tasks >= 10_000)
+    );
+    Ok(())
+}
+
+fn main() {
+    let args = parse_args();
+    let data = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join(format!("target/tpch-sf{}", args.sf));
+    tpch_tables::generate(&data, args.sf).unwrap();
+    println!(
+        "cluster TPC-H SF {}: hosts {:?}, each host and the driver at {} CPU (cgroup quota), \
+         one worker of {} slots per host, {} partitions, best of {}",
+        args.sf, args.hosts, args.cores, args.slots, args.partitions, args.runs
+    );
+    let started = Instant::now();
+    let vanilla = vanilla_answers(&args, &data);
+    println!(
+        "vanilla answers in {:.1} s",
+        started.elapsed().as_secs_f64()
+    );
+    let mut by_hosts: BTreeMap<usize, HostRuns> = BTreeMap::new();
+    for &hosts in &args.hosts {
+        match run_on(hosts, &args, &data) {
+            Ok(runs) => {
+                for (q, run) in &runs {
+                    match run {
+                        Ok(run) => {
+                            let same = std::panic::catch_unwind(AssertUnwindSafe(|| {
+                                answers::assert_same_answer(*q, &vanilla[q], &run.answer)
+                            }));
+                            let why = match same {
+                                Ok(Ok(())) => continue,
+                                Ok(Err(e)) => e.to_string(),
+                                Err(panic) => {
+                                    panic.downcast_ref::<String>().cloned().unwrap_or_default()
+                                }
+                            };
+                            verdict::fail(format!("q{q} on {hosts} hosts: {why}"));
+                        }
+                        Err(e) => verdict::fail(format!("q{q} on {hosts} hosts failed: {e}")),
+                    }
+                }
+                by_hosts.insert(hosts, runs);
+            }
+            Err(why) => {
+                verdict::not_measured(&format!("{hosts} host(s)"), &why);
+                verdict::finish();
+                return;
+            }
+        }
+    }
+    report(&args, &by_hosts);
+    if args.tasks_query {
+        let most = *args.hosts.iter().max().unwrap();
+        if let Err(why) = scheduling_cost(most, &args) {
+            verdict::not_measured("scheduling cost", &why);
+        }
+    }
+    verdict::finish();
+}
+
+/// Print the per-query table and the goals.
+fn report(args: &Args, by_hosts: &BTreeMap<usize, HostRuns>) {
+    let counts: Vec<usize> = by_hosts.keys().copied().collect();
+    let (one, most) = (counts[0], *counts.last().unwrap());
+    let seconds = |n: usize, q: usize| by_hosts[&n][&q].as_ref().ok().map(|r| r.seconds);
+    let mut header = "q".to_string();
+    for n in &counts {
+        header.push_str(&format!(" | {n} host(s) s"));
+    }
+    for n in counts.iter().skip(1) {
+        header.push_str(&format!(" | speedup {n}"));
+    }
+    header.push_str(&format!(
+        " | driver/workers CPU ({most}) | fetched/result ({most}) | driver tasks ({most})"
+    ));
+    println!("{header}");
+    let mut speedups: BTreeMap<usize, Vec<f64>> = BTreeMap::new();
+    let (mut driver_cpu, mut workers_cpu, mut fetched, mut result) = (0.0, 0.0, 0u64, 0u64);
+    let mut on_driver: BTreeMap<String, u64> = BTreeMap::new();
+    for &q in &args.queries {
+        let mut line = format!("{q}");
+        for &n in &counts {
+            match seconds(n, q) {
+                Some(s) => line.push_str(&format!(" | {s:.3}")),
+                None => line.push_str(" | failed"),
+            }
+        }
+        for &n in counts.iter().skip(1) {
+            match (seconds(one, q), seconds(n, q)) {
+                (Some(base), Some(s)) => {
+                    speedups.entry(n).or_default().push(base / s);
+                    line.push_str(&format!(" | {:.2}x", base / s));
+                }
+                _ => line.push_str(" | -"),
+            }
+        }
+        if let Ok(run) = &by_hosts[&most][&q] {
+            driver_cpu += run.driver_cpu;
+            workers_cpu += run.workers_cpu;
+            fetched += run.fetched_by_driver;
+            result += run.result_bytes;
+            for (reason, n) in &run.on_driver {
+                *on_driver.entry(reason.clone()).or_default() += n;
+            }
+            let cpu = run.driver_cpu / run.workers_cpu.max(1e-9);
+            let bytes = run.fetched_by_driver as f64 / run.result_bytes.max(1) as f64;
+            line.push_str(&format!(
+                " | {:.2}/{:.2} s = {:.0}% | {} / {} B = {bytes:.1}x | {:?}",
+                run.driver_cpu,
+                run.workers_cpu,
+                100.0 * cpu,
+                run.fetched_by_driver,
+                run.result_bytes,
+                run.on_driver
+            ));
+        }
+        println!("{line}");
+    }
+    for (&n, values) in &speedups {
+        let mean = geomean(values);
+        let goal = 0.8 * (n as f64 / one as f64);
+        println!(
+            "geomean speedup on {n} hosts over {one}: {mean:.2}x over {} queries (goal ≥ \
+             {goal:.1}x: {})",
+            values.len(),
+            verdict::goal(&format!("speedup on {n} hosts ≥ 0.8·N"), mean >= goal)
+        );
+    }
+    let cpu_share = driver_cpu / workers_cpu.max(1e-9);
+    println!(
+        "driver CPU on {most} hosts: {driver_cpu:.2} s against the workers' {workers_cpu:.2} s \
+         = {:.1}% (goal ≤ 10%: {})",
+        100.0 * cpu_share,
+        verdict::goal("driver CPU ≤ 10% of the workers'", cpu_share <= 0.10)
+    );
+    let byte_share = fetched as f64 / result.max(1) as f64;
+    println!(
+        "bytes the driver fetched on {most} hosts: {fetched} against the answers' {result} = \
+         {byte_share:.2}x (goal ≤ 1.1x: {})",
+        verdict::goal("driver bytes ≤ 1.1 × the result's", byte_share <= 1.1)
+    );
+    let driver_tasks: u64 = on_driver.values().sum();
+    println!(
+        "tasks of non-final operators on the driver on {most} hosts: {driver_tasks} \
+         {on_driver:?} (goal 0: {})",
+        verdict::goal("0 non-final tasks on the driver", driver_tasks == 0)
+    );
+}
