@@ -1239,6 +1239,51 @@ async fn per_partition_tasks_run_on_the_workers() {
     );
 }
 
+/// A `CollectLeft` join of 16 partitions on 2 workers: its partitions run in
+/// waves, each task reading the whole gathered build side itself. The build blocks stay until
+/// the last partition is done: before, the first task to finish released them, and every
+/// later partition lost its build input and had it recomputed (`imdb.slt`, 15 tasks).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_build_side_every_partition_reads_stays_until_the_last_is_done() {
+    let (dir, v) = events_with_vanilla(3, 20_000).await;
+    let config = process_config(2);
+    let session_config = flumen::flumen_session_config(
+        SessionConfig::new().with_target_partitions(16),
+        config.clone(),
+    );
+    let f = flumen::session_with_config(session_config, config);
+    f.sql("SET flumen.split_bytes = '64KB'").await.unwrap();
+    register_tables(&f, dir.path()).await;
+    let sql = "SELECT e.k, count(*), round(sum(e.v * d.n), 6) FROM events e \
+               JOIN (SELECT k, count(*) AS n FROM events WHERE v < 0.5 GROUP BY k) d \
+               ON e.k = d.k GROUP BY e.k";
+    // Each run races the release against the later waves' fetches: several runs.
+    for _ in 0..4 {
+        assert_same(&v, &f, sql).await;
+        let (_, plan) = run_plan(&f, sql).await;
+        let exec = plan.downcast_ref::<FlumenExec>().unwrap();
+        let join = (exec.graph().operators.iter())
+            .find(|op| {
+                let text = datafusion::physical_plan::displayable(op.fragment.as_ref());
+                (text.indent(false).to_string()).contains("HashJoinExec: mode=CollectLeft")
+            })
+            .expect("a CollectLeft join operator");
+        assert!(join.partitions() > 8, "{} partitions", join.partitions());
+        for op in &exec.graph().operators {
+            let s = exec.run_metrics().operator(op.id).snapshot();
+            assert_eq!(
+                (s.blocks_lost, s.recomputed, s.tasks_retried),
+                (0, 0, 0),
+                "operator {} ({}) lost, recomputed or retried work in a clean run",
+                op.id,
+                op.name
+            );
+        }
+        let s = exec.run_metrics().operator(join.id).snapshot();
+        assert_eq!(s.remote_tasks, s.tasks, "{s:?}");
+    }
+}
+
 /// A worker SIGKILLed once it holds a join's output blocks: the join's lost partitions run
 /// again on the other worker (their build and probe inputs fetched again), and the answer
 /// is unchanged.

@@ -35,6 +35,7 @@ use crate::exec::state::{
 use crate::exec::timeline::{TaskSpan, Timeline};
 use crate::plan::graph::{OperatorGraph, OperatorId, Pool, TaskShape};
 use crate::plan::merge_join_fallback::as_sort_merge_join;
+use crate::plan::stage_input::InputExchange;
 use crate::store::block::{Block, BlockId};
 use crate::store::block_store::{BlockStore, ReadSoon};
 use crate::store::operator_memory::OperatorMemory;
@@ -361,10 +362,20 @@ impl QueryRun {
                     st.tasks[task].consumed = consumed;
                     consumed = self.finished_slice_inputs(&mut st, task, &own);
                 }
+                let shared = self.shared_inputs(op_id);
+                consumed
+                    .retain(|id| (st.blocks.get(id)).is_none_or(|b| !shared.contains(&b.operator)));
                 for id in consumed {
                     self.release(&mut st, id);
                 }
                 self.update_complete(&mut st, op_id);
+                if st.operators[op_id].complete {
+                    for producer in shared {
+                        for id in st.operators[producer].log.clone() {
+                            self.release(&mut st, id);
+                        }
+                    }
+                }
             }
             Err(e) if self.retry_alone(&mut st, task, &e) => {}
             Err(e) => {
@@ -463,6 +474,22 @@ impl QueryRun {
             OperatorStats::add(&stats.retried_alone, 1);
         }
         true
+    }
+
+    /// The producers of `op_id` whose every block each of its partitions reads in worker
+    /// mode (a gathered input of an operator of several partitions: a `CollectLeft` join's
+    /// build side). On the driver its tasks share one read of them (the join's build is
+    /// built once); on the workers each task reads them itself, so they are released once
+    /// every task of `op_id` is done, not when the first is.
+    fn shared_inputs(&self, op_id: OperatorId) -> Vec<OperatorId> {
+        let op = &self.graph.operators[op_id];
+        if self.worker_slot().is_none() || op.partitions() <= 1 {
+            return vec![];
+        }
+        (op.inputs.iter().zip(&op.input_exchanges))
+            .filter(|(_, exchange)| matches!(exchange, InputExchange::Gather))
+            .map(|(producer, _)| *producer)
+            .collect()
     }
 
     /// The readers of block `id` are done with it: it leaves the store (and its worker).

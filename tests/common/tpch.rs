@@ -24,6 +24,9 @@ pub struct Comparison {
     /// those whose every task ran in a worker.
     pub reduce_operators: usize,
     pub reduce_operators_on_workers: usize,
+    /// Tasks recomputed or retried (a clean run has none: an input released while another
+    /// task still needed it is lost, and recomputed).
+    pub redone: u64,
     /// The worker hosts those operators' tasks ran on.
     pub reduce_hosts: std::collections::BTreeSet<String>,
 }
@@ -41,6 +44,7 @@ impl Comparison {
             self.reduce_operators,
             self.tasks_on_driver.join("\n")
         );
+        assert_eq!(self.redone, 0, "tasks recomputed or retried in a clean run");
         assert!(
             self.tasks_on_driver.is_empty() && self.reduce_operators >= at_least,
             "{} per-partition operators; tasks on the driver:\n{}",
@@ -86,6 +90,7 @@ pub async fn compare_queries(vanilla: &SessionContext, flumen: &SessionContext) 
                     let on_driver = tasks_on_driver(&plan);
                     let reduces = reduce_operators(&plan);
                     out.reduce_hosts.extend(reduce_hosts(&plan));
+                    out.redone += tasks_redone(&plan);
                     out.reduce_operators += reduces;
                     out.reduce_operators_on_workers += reduces - reduces_on_driver(&plan);
                     out.tasks_on_driver
@@ -122,6 +127,17 @@ pub fn tasks_on_driver(plan: &Arc<dyn datafusion::physical_plan::ExecutionPlan>)
             )
         })
         .collect()
+}
+
+/// Tasks of a finished flumen plan recomputed or retried.
+fn tasks_redone(plan: &Arc<dyn datafusion::physical_plan::ExecutionPlan>) -> u64 {
+    let Some(exec) = plan.downcast_ref::<flumen::exec::FlumenExec>() else {
+        return 0;
+    };
+    (exec.graph().operators.iter())
+        .map(|op| exec.run_metrics().operator(op.id).snapshot())
+        .map(|s| s.recomputed + s.tasks_retried)
+        .sum()
 }
 
 /// How many per-partition operators (but a root the output runs) of a finished flumen plan
