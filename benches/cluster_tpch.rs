@@ -5,7 +5,8 @@
 //!
 //! ```text
 //! cargo bench --bench cluster_tpch -- [--sf 1] [--hosts 1,2,3] [--cores 0.5] [--slots 2]
-//!     [--partitions 6] [--queries 3,5] [--runs 1] [--tasks-query] [--check]
+//!     [--partitions 6] [--queries 3,5] [--runs 1] [--no-peer] [--kill-query 9]
+//!     [--tasks-query] [--check]
 //! ```
 //!
 //! Data: the TPC-H tables as one Parquet file each under `target/tpch-sf<SF>/` (shared by
@@ -19,6 +20,13 @@
 //! result's, and the tasks of non-final operators that ran on the driver, with reasons.
 //! Goals: geomean speedup on N hosts ≥ 0.8·N; driver CPU ≤ 10% of the workers'; bytes the
 //! driver fetched ≤ 1.1 × the result's; no task of a non-final operator on the driver.
+//!
+//! The peer: datafusion-distributed 4 (`common/peer_distributed.rs`), one worker per host in
+//! the same namespaces and CPU groups (this bench's own binary, `--peer-worker ADDR`), its
+//! coordinator in the driver's, a static worker list; each query's time against flumen's
+//! (goal: flumen's geomean at least equal on the most hosts). Then `--kill-query` on the
+//! most hosts, on each engine, with every process of the last host SIGKILLed at 40% of its
+//! clean time: flumen must complete with the same answer; the peer's outcome is reported.
 //! `--tasks-query` adds the driver's scheduling cost: a scan of TPC-H SF 0.1 `lineitem`
 //! written in row groups of 50 rows, one task per row group (about 12,000), in µs of the
 //! driver's CPU per task.
@@ -29,6 +37,8 @@ mod answers;
 mod args;
 #[path = "../tests/common/hosts.rs"]
 mod hosts;
+#[path = "common/peer_distributed.rs"]
+mod peer_distributed;
 #[path = "common/tpch_tables.rs"]
 mod tpch_tables;
 #[path = "common/verdict.rs"]
@@ -60,6 +70,10 @@ struct Args {
     queries: Vec<usize>,
     runs: usize,
     tasks_query: bool,
+    /// Run the peer (datafusion-distributed) on the same hosts too.
+    peer: bool,
+    /// The query run again on the most hosts with one host killed mid-query.
+    kill_query: usize,
 }
 
 fn parse_args() -> Args {
@@ -79,6 +93,8 @@ fn parse_args() -> Args {
         queries: value("--queries").map_or((1..=22).collect(), list),
         runs: value("--runs").map_or(1, |v| v.parse().expect("--runs N")),
         tasks_query: argv.iter().any(|a| a == "--tasks-query"),
+        peer: !argv.iter().any(|a| a == "--no-peer"),
+        kill_query: value("--kill-query").map_or(9, |v| v.parse().expect("--kill-query N")),
     }
 }
 
@@ -176,16 +192,64 @@ async fn run_query(
     Ok(out)
 }
 
-/// Each query's best run (by seconds) on `hosts` hosts, or why it failed.
-type HostRuns = BTreeMap<usize, Result<QueryRun, String>>;
+/// Each query's best run (by seconds), or why it failed.
+type Runs = BTreeMap<usize, Result<QueryRun, String>>;
 
-/// Run the queries on a fresh cluster of `hosts` hosts.
+/// What one host count measured: flumen's runs and the peer's (empty with `--no-peer`).
+#[derive(Default)]
+struct HostRuns {
+    flumen: Runs,
+    peer: Runs,
+}
+
+/// Port of each host's peer worker.
+const PEER_PORT: u16 = 7300;
+
+/// Start the peer's worker on every host of `net`; returns their addresses.
+fn start_peer(net: &mut TestNet, hosts: usize) -> Vec<String> {
+    let program = std::env::current_exe().unwrap();
+    (1..=hosts)
+        .map(|i| {
+            let host = format!("h{i}");
+            let address = format!("{}:{PEER_PORT}", net.host(&host).ip);
+            let args = ["--peer-worker", address.as_str()];
+            net.start_program(&host, &program, &args, "peer worker listening");
+            address
+        })
+        .collect()
+}
+
+/// Run every query of `args` on `ctx`, best of `args.runs` each.
+async fn run_queries(ctx: &SessionContext, net: &TestNet, args: &Args) -> Runs {
+    let slt = tpch_tables::slt_dir();
+    let mut runs = Runs::new();
+    for &q in &args.queries {
+        let statements = tpch_tables::query_statements(&slt, q);
+        let mut best: Option<Result<QueryRun, String>> = None;
+        for _ in 0..args.runs {
+            let run = run_query(ctx, net, &statements).await;
+            let run = run.map_err(|e| e.to_string());
+            let better = match (&best, &run) {
+                (Some(Ok(b)), Ok(r)) => r.seconds < b.seconds,
+                (Some(Err(_)), _) => false,
+                _ => true,
+            };
+            if better {
+                best = Some(run);
+            }
+        }
+        runs.insert(q, best.unwrap());
+    }
+    runs
+}
+
+/// Run the queries on a fresh cluster of `hosts` hosts: flumen's workers, then the peer's.
 fn run_on(hosts: usize, args: &Args, data: &Path) -> Result<HostRuns, String> {
-    let (net, file) = cluster(hosts, args)?;
+    let (mut net, file) = cluster(hosts, args)?;
+    let peer = args.peer.then(|| start_peer(&mut net, hosts));
     let net = Arc::new(net);
     let in_net = Arc::clone(&net);
     let (args, data) = (args.clone(), data.to_path_buf());
-    let slt = tpch_tables::slt_dir();
     Ok(net.in_driver(move || {
         let runtime = tokio::runtime::Builder::new_multi_thread()
             .worker_threads(2)
@@ -193,6 +257,7 @@ fn run_on(hosts: usize, args: &Args, data: &Path) -> Result<HostRuns, String> {
             .build()
             .unwrap();
         runtime.block_on(async move {
+            let mut out = HostRuns::default();
             let ctx = cluster_session(&file, args.partitions);
             tpch_tables::register(&ctx, &data).await.unwrap();
             // Attach the workers first, so each query measures itself alone.
@@ -202,25 +267,57 @@ fn run_on(hosts: usize, args: &Args, data: &Path) -> Result<HostRuns, String> {
                 .collect()
                 .await
                 .unwrap();
-            let mut runs = HostRuns::new();
-            for &q in &args.queries {
-                let statements = tpch_tables::query_statements(&slt, q);
-                let mut best: Option<Result<QueryRun, String>> = None;
-                for _ in 0..args.runs {
-                    let run = run_query(&ctx, &in_net, &statements).await;
-                    let run = run.map_err(|e| e.to_string());
-                    let better = match (&best, &run) {
-                        (Some(Ok(b)), Ok(r)) => r.seconds < b.seconds,
-                        (Some(Err(_)), _) => false,
-                        _ => true,
-                    };
-                    if better {
-                        best = Some(run);
-                    }
-                }
-                runs.insert(q, best.unwrap());
+            out.flumen = run_queries(&ctx, &in_net, &args).await;
+            if let Some(addresses) = peer {
+                let ctx = peer_distributed::coordinator(&addresses, args.partitions);
+                tpch_tables::register(&ctx, &data).await.unwrap();
+                out.peer = run_queries(&ctx, &in_net, &args).await;
             }
-            runs
+            out
+        })
+    }))
+}
+
+/// Run `--kill-query` once on a fresh cluster of `hosts` hosts, on flumen or the peer, with
+/// every process of the last host SIGKILLed after `kill_at`: its answer, or why it failed.
+fn run_with_kill(
+    hosts: usize,
+    args: &Args,
+    data: &Path,
+    peer: bool,
+    kill_at: std::time::Duration,
+) -> Result<Result<QueryRun, String>, String> {
+    let (mut net, file) = cluster(hosts, args)?;
+    let addresses = peer.then(|| start_peer(&mut net, hosts));
+    let net = Arc::new(net);
+    let (in_net, fault_net) = (Arc::clone(&net), Arc::clone(&net));
+    let (args, data) = (args.clone(), data.to_path_buf());
+    let statements = tpch_tables::query_statements(&tpch_tables::slt_dir(), args.kill_query);
+    Ok(net.in_driver(move || {
+        let runtime = tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(2)
+            .enable_all()
+            .build()
+            .unwrap();
+        runtime.block_on(async move {
+            let ctx = match &addresses {
+                Some(addresses) => peer_distributed::coordinator(addresses, args.partitions),
+                None => cluster_session(&file, args.partitions),
+            };
+            tpch_tables::register(&ctx, &data).await.unwrap();
+            ctx.sql("SELECT count(*) FROM nation")
+                .await
+                .unwrap()
+                .collect()
+                .await
+                .unwrap();
+            std::thread::spawn(move || {
+                std::thread::sleep(kill_at);
+                fault_net.kill_host_now(&format!("h{hosts}"));
+            });
+            run_query(&ctx, &in_net, &statements)
+                .await
+                .map_err(|e| e.to_string())
         })
     }))
 }
@@ -293,6 +390,10 @@ fn scheduling_cost(hosts: usize, args: &Args) -> Result<(), String> {
 }
 
 fn main() {
+    let argv: Vec<String> = std::env::args().collect();
+    if let Some(address) = args::flag_value(&argv, "--peer-worker") {
+        peer_distributed::serve_worker(address.parse().expect("--peer-worker HOST:PORT"));
+    }
     let args = parse_args();
     let data = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join(format!("target/tpch-sf{}", args.sf));
     tpch_tables::generate(&data, args.sf).unwrap();
@@ -311,22 +412,15 @@ fn main() {
     for &hosts in &args.hosts {
         match run_on(hosts, &args, &data) {
             Ok(runs) => {
-                for (q, run) in &runs {
-                    match run {
-                        Ok(run) => {
-                            let same = std::panic::catch_unwind(AssertUnwindSafe(|| {
-                                answers::assert_same_answer(*q, &vanilla[q], &run.answer)
-                            }));
-                            let why = match same {
-                                Ok(Ok(())) => continue,
-                                Ok(Err(e)) => e.to_string(),
-                                Err(panic) => {
-                                    panic.downcast_ref::<String>().cloned().unwrap_or_default()
-                                }
-                            };
-                            verdict::fail(format!("q{q} on {hosts} hosts: {why}"));
-                        }
-                        Err(e) => verdict::fail(format!("q{q} on {hosts} hosts failed: {e}")),
+                for (q, run) in &runs.flumen {
+                    if let Some(why) = wrong(*q, &vanilla[q], run) {
+                        verdict::fail(format!("flumen q{q} on {hosts} hosts: {why}"));
+                    }
+                }
+                for (q, run) in &runs.peer {
+                    // The peer's failures are reported, not the bench's.
+                    if let Some(why) = wrong(*q, &vanilla[q], run) {
+                        println!("peer q{q} on {hosts} hosts: {why}");
                     }
                 }
                 by_hosts.insert(hosts, runs);
@@ -339,8 +433,11 @@ fn main() {
         }
     }
     report(&args, &by_hosts);
+    let most = *args.hosts.iter().max().unwrap();
+    if most > 1 {
+        host_killed(most, &args, &data, &by_hosts[&most], &vanilla);
+    }
     if args.tasks_query {
-        let most = *args.hosts.iter().max().unwrap();
         if let Err(why) = scheduling_cost(most, &args) {
             verdict::not_measured("scheduling cost", &why);
         }
@@ -348,11 +445,83 @@ fn main() {
     verdict::finish();
 }
 
+/// Why `run` is not vanilla's answer `expected` to query `q` (it failed, or differs).
+fn wrong(q: usize, expected: &[RecordBatch], run: &Result<QueryRun, String>) -> Option<String> {
+    let run = match run {
+        Ok(run) => run,
+        Err(e) => return Some(format!("failed: {e}")),
+    };
+    let same = std::panic::catch_unwind(AssertUnwindSafe(|| {
+        answers::assert_same_answer(q, expected, &run.answer)
+    }));
+    match same {
+        Ok(Ok(())) => None,
+        Ok(Err(e)) => Some(e.to_string()),
+        Err(panic) => Some(panic.downcast_ref::<String>().cloned().unwrap_or_default()),
+    }
+}
+
+/// `--kill-query` on `hosts` hosts with the last host killed at 40% of each engine's clean
+/// time: flumen must answer as vanilla does; the peer's outcome is printed.
+fn host_killed(
+    hosts: usize,
+    args: &Args,
+    data: &Path,
+    clean: &HostRuns,
+    vanilla: &BTreeMap<usize, Vec<RecordBatch>>,
+) {
+    let q = args.kill_query;
+    let Some(expected) = vanilla.get(&q) else {
+        verdict::not_measured("a host killed", &format!("q{q} is not among --queries"));
+        return;
+    };
+    let engines = [
+        ("flumen", false, &clean.flumen),
+        ("peer", true, &clean.peer),
+    ];
+    for (engine, peer, runs) in engines {
+        let Some(Ok(clean)) = runs.get(&q) else {
+            if engine == "flumen" || args.peer {
+                println!("{engine}: no clean run of q{q} to time the kill by");
+            }
+            continue;
+        };
+        let kill_at = std::time::Duration::from_secs_f64(clean.seconds * 0.4);
+        let run = match run_with_kill(hosts, args, data, peer, kill_at) {
+            Ok(run) => run,
+            Err(why) => {
+                verdict::not_measured("a host killed", &why);
+                return;
+            }
+        };
+        let outcome = match (&run, wrong(q, expected, &run)) {
+            (_, Some(why)) => why,
+            (Ok(r), None) => format!("completed in {:.2} s, same answer", r.seconds),
+            (Err(e), None) => e.clone(),
+        };
+        println!(
+            "{engine}, q{q} on {hosts} hosts, h{hosts} SIGKILLed at {:.2} s (clean {:.2} s): \
+             {outcome}",
+            kill_at.as_secs_f64(),
+            clean.seconds
+        );
+        if engine == "flumen" {
+            let completed = run.is_ok() && wrong(q, expected, &run).is_none();
+            println!(
+                "flumen completes with a host killed mid-query: {}",
+                verdict::goal("flumen completes with a host killed", completed)
+            );
+        }
+    }
+}
+
 /// Print the per-query table and the goals.
 fn report(args: &Args, by_hosts: &BTreeMap<usize, HostRuns>) {
     let counts: Vec<usize> = by_hosts.keys().copied().collect();
     let (one, most) = (counts[0], *counts.last().unwrap());
-    let seconds = |n: usize, q: usize| by_hosts[&n][&q].as_ref().ok().map(|r| r.seconds);
+    let seconds = |n: usize, q: usize| {
+        (by_hosts[&n].flumen.get(&q)).and_then(|r| r.as_ref().ok().map(|r| r.seconds))
+    };
     let mut header = "q".to_string();
     for n in &counts {
         header.push_str(&format!(" | {n} host(s) s"));
@@ -384,7 +553,7 @@ fn report(args: &Args, by_hosts: &BTreeMap<usize, HostRuns>) {
                 _ => line.push_str(" | -"),
             }
         }
-        if let Ok(run) = &by_hosts[&most][&q] {
+        if let Some(Ok(run)) = by_hosts[&most].flumen.get(&q) {
             driver_cpu += run.driver_cpu;
             workers_cpu += run.workers_cpu;
             fetched += run.fetched_by_driver;
@@ -435,4 +604,54 @@ fn report(args: &Args, by_hosts: &BTreeMap<usize, HostRuns>) {
          {on_driver:?} (goal 0: {})",
         verdict::goal("0 non-final tasks on the driver", driver_tasks == 0)
     );
+    if args.peer {
+        report_peer(args, by_hosts);
+    }
+}
+
+/// Print each query's time on the peer against flumen's, per host count, and the goal.
+fn report_peer(args: &Args, by_hosts: &BTreeMap<usize, HostRuns>) {
+    let mut header = "q".to_string();
+    for n in by_hosts.keys() {
+        header.push_str(&format!(" | {n}h flumen s | {n}h peer s | flumen/peer"));
+    }
+    println!("{header}");
+    let mut ratios: BTreeMap<usize, Vec<f64>> = BTreeMap::new();
+    let ok = |runs: &Runs, q: usize| {
+        runs.get(&q)
+            .and_then(|r| r.as_ref().ok().map(|r| r.seconds))
+    };
+    for &q in &args.queries {
+        let mut line = format!("{q}");
+        for (n, runs) in by_hosts {
+            let (f, p) = (ok(&runs.flumen, q), ok(&runs.peer, q));
+            let show = |s: Option<f64>| s.map_or("failed".to_string(), |s| format!("{s:.3}"));
+            line.push_str(&format!(" | {} | {}", show(f), show(p)));
+            match (f, p) {
+                (Some(f), Some(p)) => {
+                    ratios.entry(*n).or_default().push(f / p);
+                    line.push_str(&format!(" | {:.2}", f / p));
+                }
+                _ => line.push_str(" | -"),
+            }
+        }
+        println!("{line}");
+    }
+    let most = *by_hosts.keys().last().unwrap();
+    for (n, values) in &ratios {
+        let mean = geomean(values);
+        let verdict = if *n == most {
+            let goal = verdict::goal(
+                "flumen's geomean ≤ the peer's on the most hosts",
+                mean <= 1.0,
+            );
+            format!(" (goal ≤ 1.0: {goal})")
+        } else {
+            String::new()
+        };
+        println!(
+            "flumen/peer time on {n} hosts: geomean {mean:.2} over {} queries both answered{verdict}",
+            values.len()
+        );
+    }
 }

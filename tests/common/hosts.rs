@@ -320,15 +320,8 @@ impl TestNet {
             .stderr(Stdio::inherit())
             .spawn()
             .unwrap();
-        let stdout = child.stdout.take().unwrap();
-        let (tx, rx) = std::sync::mpsc::channel();
-        std::thread::spawn(move || {
-            let mut lines = std::io::BufReader::new(stdout).lines();
-            let _ = tx.send(lines.next());
-            for _ in lines.map_while(|l| l.ok()) {}
-        });
-        match rx.recv_timeout(Duration::from_secs(30)) {
-            Ok(Some(Ok(line))) if line.starts_with("flumen worker listening on") => {}
+        match first_line(&mut child) {
+            Some(line) if line.starts_with("flumen worker listening on") => {}
             other => panic!("worker on {name} did not start: {other:?}"),
         }
         if let Some(groups) = &self.cpu_groups {
@@ -347,6 +340,33 @@ impl TestNet {
             .stderr(Stdio::null())
             .spawn()
             .unwrap();
+        if let Some(groups) = &self.cpu_groups {
+            groups.join_process(name, child.id());
+        }
+        self.host_mut(name).workers.push(child);
+    }
+
+    /// Start `program` with `args` on host `name` (in its CPU group) and wait until the
+    /// first line it prints starts with `ready` (killed with the network).
+    pub fn start_program(&mut self, name: &str, program: &Path, args: &[&str], ready: &str) {
+        let mut child = Command::new("ip")
+            .args(["netns", "exec", &self.host(name).netns])
+            .arg(program)
+            .args(args)
+            .stdin(Stdio::null())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::inherit())
+            .spawn()
+            .unwrap();
+        let first = first_line(&mut child);
+        assert!(
+            first.as_deref().is_some_and(|l| l.starts_with(ready)),
+            "{} on {name} did not start: {first:?}",
+            program.display()
+        );
+        if let Some(groups) = &self.cpu_groups {
+            groups.join_process(name, child.id());
+        }
         self.host_mut(name).workers.push(child);
     }
 
@@ -467,6 +487,19 @@ impl TestNet {
         .join()
         .unwrap_or_else(|panic| std::panic::resume_unwind(panic))
     }
+}
+
+/// The first line `child` prints (within 30 s); the rest of its output is read and
+/// dropped, so it never blocks on a full pipe.
+fn first_line(child: &mut Child) -> Option<String> {
+    let stdout = child.stdout.take().unwrap();
+    let (tx, rx) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        let mut lines = std::io::BufReader::new(stdout).lines();
+        let _ = tx.send(lines.next());
+        for _ in lines.map_while(|l| l.ok()) {}
+    });
+    rx.recv_timeout(Duration::from_secs(30)).ok()??.ok()
 }
 
 /// Move the calling thread into network namespace `netns`.
