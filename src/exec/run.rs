@@ -72,6 +72,10 @@ pub struct QueryRun {
     pub(super) workers: Option<Arc<WorkerPoolSlot>>,
     /// Tasks that ran in a worker process (their blocks are recomputed from the same plan).
     pub(super) remote_tasks: Mutex<HashSet<TaskId>>,
+    /// Operators (and task kinds: source or not) whose task plan a worker was found to
+    /// decode as planned: a release build checks one task of each, a debug build every one
+    /// (`remote_tasks::decodes_as_planned`).
+    pub(super) plans_decoded_alike: Mutex<HashSet<(OperatorId, bool)>>,
     /// Blocks lost with their worker and not yet recomputed.
     pub(super) lost_blocks: Mutex<HashSet<BlockId>>,
     /// A random token naming this run to workers: the blocks its tasks leave there are kept
@@ -209,6 +213,7 @@ impl QueryRun {
             recompute_locks: Mutex::new(HashMap::new()),
             workers,
             remote_tasks: Mutex::new(HashSet::new()),
+            plans_decoded_alike: Mutex::new(HashSet::new()),
             lost_blocks: Mutex::new(HashSet::new()),
             query_token: crate::cluster::auth::Secret::random().to_hex(),
             started_at,

@@ -319,11 +319,18 @@ impl SplitSourceExec {
         } else {
             ranges
         };
+        // Each split's scan is the original's with one file range: cloned from a copy
+        // without the file groups (cloning the original copied every file's entry and
+        // statistics into each split: 12,000 splits of 200 files took a sixth of the
+        // driver's CPU).
+        let template = FileScanConfigBuilder::from(config.clone())
+            .with_file_groups(vec![])
+            .build();
         let mut splits = vec![];
         for partition_ranges in ranges {
             let mut scans: Vec<Arc<dyn ExecutionPlan>> = vec![];
             for range_file in partition_ranges {
-                let mut cfg = FileScanConfigBuilder::from(config.clone())
+                let mut cfg = FileScanConfigBuilder::from(template.clone())
                     .with_file_groups(vec![FileGroup::new(vec![range_file])]);
                 // The partition's first splits read small batches: their first rows
                 // leave the scan (and any projection pushed into it) early.
@@ -334,7 +341,7 @@ impl SplitSourceExec {
                 scans.push(DataSourceExec::from_data_source(cfg));
             }
             if scans.is_empty() {
-                let cfg = FileScanConfigBuilder::from(config.clone())
+                let cfg = FileScanConfigBuilder::from(template.clone())
                     .with_file_groups(vec![FileGroup::new(vec![])])
                     .build();
                 scans.push(DataSourceExec::from_data_source(cfg));

@@ -40,6 +40,13 @@ fn reached_bytes(column: &ArrayRef) -> u64 {
     }
 }
 
+/// Bytes `batch`'s rows reach (what Arrow IPC sends of it, near enough): unlike
+/// `get_array_memory_size`, a column sharing a larger buffer (a slice, a batch decoded
+/// from one IPC message, whose columns all point into its body) counts only its rows.
+pub fn rows_bytes(batch: &RecordBatch) -> u64 {
+    batch.columns().iter().map(reached_bytes).sum()
+}
+
 /// Bytes beyond its rows' that a column may share before [`compact`] copies it: below it,
 /// the copy would save less than it costs.
 const SHARED_SLACK_BYTES: u64 = 16 << 10;

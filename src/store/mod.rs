@@ -17,6 +17,7 @@
 pub(crate) mod block;
 pub(crate) mod block_digest;
 pub(crate) mod block_memory;
+pub use block_memory::rows_bytes;
 pub(crate) mod block_store;
 pub mod counting_allocator;
 pub(crate) mod cutter;
