@@ -55,7 +55,7 @@ use datafusion::physical_plan::collect;
 use datafusion::prelude::{SessionConfig, SessionContext};
 use flumen::exec::FlumenExec;
 use flumen::{FlumenConfig, WorkerMode};
-use hosts::{Role, TestNet};
+use hosts::{Role, TestNet, driver_runtime};
 
 const FLUMEN: &str = env!("CARGO_BIN_EXE_flumen");
 
@@ -242,6 +242,18 @@ async fn run_queries(ctx: &SessionContext, net: &TestNet, args: &Args) -> Runs {
     runs
 }
 
+/// Register the tables under `data` in `ctx` and run a first query, so the session has
+/// attached its workers before a query is measured.
+async fn ready(ctx: &SessionContext, data: &Path) {
+    tpch_tables::register(ctx, data).await.unwrap();
+    ctx.sql("SELECT count(*) FROM nation")
+        .await
+        .unwrap()
+        .collect()
+        .await
+        .unwrap();
+}
+
 /// Run the queries on a fresh cluster of `hosts` hosts: flumen's workers, then the peer's.
 fn run_on(hosts: usize, args: &Args, data: &Path) -> Result<HostRuns, String> {
     let (mut net, file) = cluster(hosts, args)?;
@@ -250,22 +262,10 @@ fn run_on(hosts: usize, args: &Args, data: &Path) -> Result<HostRuns, String> {
     let in_net = Arc::clone(&net);
     let (args, data) = (args.clone(), data.to_path_buf());
     Ok(net.in_driver(move || {
-        let runtime = tokio::runtime::Builder::new_multi_thread()
-            .worker_threads(2)
-            .enable_all()
-            .build()
-            .unwrap();
-        runtime.block_on(async move {
+        driver_runtime().block_on(async move {
             let mut out = HostRuns::default();
             let ctx = cluster_session(&file, args.partitions);
-            tpch_tables::register(&ctx, &data).await.unwrap();
-            // Attach the workers first, so each query measures itself alone.
-            ctx.sql("SELECT count(*) FROM nation")
-                .await
-                .unwrap()
-                .collect()
-                .await
-                .unwrap();
+            ready(&ctx, &data).await;
             out.flumen = run_queries(&ctx, &in_net, &args).await;
             if let Some(addresses) = peer {
                 let ctx = peer_distributed::coordinator(&addresses, args.partitions);
@@ -293,23 +293,12 @@ fn run_with_kill(
     let (args, data) = (args.clone(), data.to_path_buf());
     let statements = tpch_tables::query_statements(&tpch_tables::slt_dir(), args.kill_query);
     Ok(net.in_driver(move || {
-        let runtime = tokio::runtime::Builder::new_multi_thread()
-            .worker_threads(2)
-            .enable_all()
-            .build()
-            .unwrap();
-        runtime.block_on(async move {
+        driver_runtime().block_on(async move {
             let ctx = match &addresses {
                 Some(addresses) => peer_distributed::coordinator(addresses, args.partitions),
                 None => cluster_session(&file, args.partitions),
             };
-            tpch_tables::register(&ctx, &data).await.unwrap();
-            ctx.sql("SELECT count(*) FROM nation")
-                .await
-                .unwrap()
-                .collect()
-                .await
-                .unwrap();
+            ready(&ctx, &data).await;
             std::thread::spawn(move || {
                 std::thread::sleep(kill_at);
                 fault_net.kill_host_now(&format!("h{hosts}"));
@@ -356,21 +345,12 @@ fn scheduling_cost(hosts: usize, args: &Args) -> Result<(), String> {
     let in_net = Arc::clone(&net);
     let partitions = args.partitions;
     let run = net.in_driver(move || {
-        let runtime = tokio::runtime::Builder::new_multi_thread()
-            .worker_threads(2)
-            .enable_all()
-            .build()
-            .unwrap();
-        runtime.block_on(async move {
+        driver_runtime().block_on(async move {
             let ctx = cluster_session(&file, partitions);
-            tpch_tables::register(&ctx, &dir).await.unwrap();
+            ready(&ctx, &dir).await;
             let sql = "SET flumen.split_bytes = '1KB'".to_string();
             ctx.sql(&sql).await.unwrap().collect().await.unwrap();
             let query = "SELECT l_orderkey, l_linenumber FROM lineitem WHERE l_quantity > 49.5";
-            ctx.sql("SELECT count(*) FROM nation")
-                .await?
-                .collect()
-                .await?;
             run_query(&ctx, &in_net, &[query.to_string()]).await
         })
     });

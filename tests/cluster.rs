@@ -24,7 +24,7 @@ use datafusion::prelude::{SessionConfig, SessionContext};
 use flumen::exec::FlumenExec;
 use flumen::plan::Pool;
 use flumen::{BlockDropper, FlumenConfig, WorkerMode};
-use hosts::{Role, TestNet};
+use hosts::{Role, TestNet, driver_runtime};
 
 const FLUMEN: &str = env!("CARGO_BIN_EXE_flumen");
 
@@ -72,15 +72,6 @@ fn cluster_session(
     let ctx = flumen::session_with_config(session_config, config);
     fault_worker::register_fault_functions(&ctx);
     ctx
-}
-
-/// A runtime for the driver (its threads inherit the driver's namespace).
-fn driver_runtime() -> tokio::runtime::Runtime {
-    tokio::runtime::Builder::new_multi_thread()
-        .worker_threads(2)
-        .enable_all()
-        .build()
-        .unwrap()
 }
 
 /// The 22 TPC-H queries (scale factor 0.02, 3 Parquet files a table, splits of 64 KB) with

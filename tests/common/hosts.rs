@@ -502,6 +502,16 @@ fn first_line(child: &mut Child) -> Option<String> {
     rx.recv_timeout(Duration::from_secs(30)).ok()??.ok()
 }
 
+/// A runtime for the driver, made on [`TestNet::in_driver`]'s thread: its 2 threads
+/// inherit the driver's namespace and CPU group.
+pub fn driver_runtime() -> tokio::runtime::Runtime {
+    tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .unwrap()
+}
+
 /// Move the calling thread into network namespace `netns`.
 fn enter_namespace(netns: &str) {
     let file = std::fs::File::open(format!("/var/run/netns/{netns}")).unwrap();
