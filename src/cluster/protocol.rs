@@ -189,6 +189,15 @@ pub struct WorkerStatus {
     /// Blocks it has written to its spill files, over its memory budget or a query's.
     #[serde(default)]
     pub blocks_spilled: u64,
+    /// Input blocks its tasks read from its own kept blocks (no copy, no network).
+    #[serde(default)]
+    pub inputs_held_here: u64,
+    /// Input blocks its tasks fetched from other workers.
+    #[serde(default)]
+    pub inputs_from_peers: u64,
+    /// Bytes of those (as the driver sized them on the tickets).
+    #[serde(default)]
+    pub input_bytes_from_peers: u64,
     /// The functions its tasks may call (a driver sends only plans calling these).
     #[serde(default)]
     pub functions: Vec<String>,

@@ -113,6 +113,8 @@ pub struct WorkerService {
     last_call: Mutex<Instant>,
     /// Clients of the other workers it fetches task inputs from.
     peers: Peers,
+    /// Where its tasks' input blocks came from.
+    input_reads: InputReads,
     /// Who it is and what it owns, as its status announces.
     identity: WorkerIdentity,
 }
@@ -224,6 +226,7 @@ impl WorkerService {
             shelf: Arc::new(BlockShelf::new(identity.memory_budget)),
             tasks: AtomicU64::new(0),
             panics: Arc::default(),
+            input_reads: InputReads::default(),
             model_thread,
             auth,
             last_call: Mutex::new(Instant::now()),
@@ -256,6 +259,9 @@ impl WorkerService {
             blocks_held: self.shelf.len(),
             block_bytes_in_memory: self.shelf.bytes_in_memory(),
             blocks_spilled: self.shelf.blocks_spilled(),
+            inputs_held_here: self.input_reads.held_here.load(Ordering::Relaxed),
+            inputs_from_peers: self.input_reads.from_peers.load(Ordering::Relaxed),
+            input_bytes_from_peers: self.input_reads.bytes_from_peers.load(Ordering::Relaxed),
             functions,
         }
     }
@@ -271,7 +277,11 @@ impl WorkerService {
         self.tasks.fetch_add(1, Ordering::Relaxed);
         let (request, _) = decode_task(body).map_err(DataFusionError::Execution)?;
         let fetched = match &request.inputs {
-            Some(inputs) => self.peers.fetch_inputs(&request.query, inputs).await?,
+            Some(inputs) => {
+                (self.peers)
+                    .fetch_inputs(&self.shelf, &self.input_reads, &request.query, inputs)
+                    .await?
+            }
             None => vec![],
         };
         let (out, produced) = tokio::sync::mpsc::unbounded_channel();
@@ -424,6 +434,17 @@ impl Drop for AbortOnDrop {
     }
 }
 
+/// Counts of where a worker's task inputs came from (its status reports them).
+#[derive(Default)]
+struct InputReads {
+    /// Blocks read from its own shelf.
+    held_here: AtomicU64,
+    /// Blocks fetched from other workers.
+    from_peers: AtomicU64,
+    /// Bytes of those, as their tickets give them.
+    bytes_from_peers: AtomicU64,
+}
+
 /// The other workers a worker fetches task inputs from: one client per address, each
 /// presenting the worker's own secret (the same for all workers of a driver) and, for
 /// workers in TLS, checking their certificate against `trust`.
@@ -465,8 +486,16 @@ impl Peers {
     }
 
     /// The [`TaskInput::Fetch`] blocks of `inputs`, in order, read from their holders
-    /// (which keep them). A block that cannot be read fails the task with [`INPUT_LOST`].
-    async fn fetch_inputs(&self, query: &str, inputs: &[TaskInput]) -> Result<Vec<RecordBatch>> {
+    /// (which keep them). A block this worker holds itself (`own`: keys are random, so a
+    /// key found there is that block) is read from its shelf, not over the network. A
+    /// block that cannot be read fails the task with [`INPUT_LOST`].
+    async fn fetch_inputs(
+        &self,
+        own: &BlockShelf,
+        reads: &InputReads,
+        query: &str,
+        inputs: &[TaskInput],
+    ) -> Result<Vec<RecordBatch>> {
         let fetches = inputs.iter().filter_map(|input| match input {
             TaskInput::Fetch(ticket) => Some(ticket),
             TaskInput::Inline(_) => None,
@@ -478,15 +507,21 @@ impl Peers {
                     ticket.key, ticket.address
                 ))
             };
-            let client = self
-                .client(&ticket.address, ticket.tls)
-                .await
-                .map_err(|e| lost(e.to_string()))?;
             let wanted = BlockTicket {
                 query: query.to_string(),
                 key: ticket.key.clone(),
                 keep: true,
             };
+            if let Some(block) = own.take(&wanted).map_err(|e| lost(e.to_string()))? {
+                reads.held_here.fetch_add(1, Ordering::Relaxed);
+                return Ok(block);
+            }
+            reads.from_peers.fetch_add(1, Ordering::Relaxed);
+            (reads.bytes_from_peers).fetch_add(ticket.bytes, Ordering::Relaxed);
+            let client = self
+                .client(&ticket.address, ticket.tls)
+                .await
+                .map_err(|e| lost(e.to_string()))?;
             get_block(&client, wanted)
                 .await
                 .map_err(|e| lost(e.to_string()))
