@@ -69,6 +69,16 @@ async fn explain_join_shows_the_collected_build_side() {
     );
 }
 
+/// An uncorrelated scalar subquery is cut into operators of its own; the operator whose
+/// filter reads its value (`SubqueryValuesExec`) takes it as a gathered input and waits
+/// for it. Before, DataFusion's `ScalarSubqueryExec` kept the whole query one operator.
+#[tokio::test]
+async fn explain_scalar_subquery_gets_operators_of_its_own() {
+    insta::assert_snapshot!(
+        explain("SELECT k, count(*) FROM t WHERE id > (SELECT avg(id) FROM t) GROUP BY k").await
+    );
+}
+
 /// EXPLAIN of `sql` over a 10-row Parquet table `docs(id, body)`, the temp dir's path
 /// replaced by `TMP`.
 async fn explain_over_docs(sql: &str) -> String {

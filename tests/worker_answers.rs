@@ -16,6 +16,7 @@ use datafusion::arrow::record_batch::RecordBatch;
 use datafusion::physical_plan::ExecutionPlan;
 use datafusion::prelude::{SessionConfig, SessionContext};
 use flumen::functions::emulated_accelerator::EmulatedModel;
+use flumen::plan::subquery_values::SubqueryValuesExec;
 use flumen::{FlumenConfig, WorkerMode};
 
 const FLUMEN: &str = env!("CARGO_BIN_EXE_flumen");
@@ -383,6 +384,80 @@ async fn a_worker_reads_the_inputs_it_holds_itself_without_the_network() {
         "a lone worker fetched from a peer"
     );
     assert_eq!(status.input_bytes_from_peers, 0);
+}
+
+/// Uncorrelated scalar subqueries run as operators of their own in the workers, and so do
+/// the operators reading their values (a worker gets the value's block as a gathered input
+/// and runs DataFusion's `ScalarSubqueryExec` over it): in a filter, a projection, a join
+/// filter and a HAVING, over no rows (NULL), nested, and two in one expression, against
+/// vanilla DataFusion, with no task on the driver but the root's. Before, each such query
+/// was one operator that ran wholly on the driver.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn scalar_subqueries_run_in_workers_and_answer_like_vanilla() {
+    let (dir, vanilla) = common::events_with_vanilla(2, 20_000).await;
+    let workers = session(2);
+    common::register_tables(&workers, dir.path()).await;
+    for ctx in [&vanilla, &workers] {
+        ctx.sql("CREATE TABLE none (v DOUBLE)").await.unwrap();
+    }
+    for sql in [
+        "SELECT k, count(*) FROM events WHERE v > (SELECT avg(v) FROM events) GROUP BY k \
+         ORDER BY k",
+        "SELECT id, v - (SELECT min(v) FROM events) FROM events ORDER BY id LIMIT 5",
+        "SELECT count(*), max((SELECT max(v) FROM none)) FROM events",
+        "SELECT k, count(*) FROM events WHERE id BETWEEN (SELECT min(id) FROM events \
+         WHERE k = 3) AND (SELECT max(id) FROM events WHERE k = 4) GROUP BY k ORDER BY k",
+        "SELECT count(*) FROM events WHERE id > (SELECT max(id) FROM events WHERE id < \
+         (SELECT avg(id) FROM events))",
+        "SELECT a.k, count(*) FROM events a JOIN events b ON a.id = b.id \
+         AND b.v < (SELECT avg(v) FROM events) GROUP BY a.k \
+         HAVING count(*) > (SELECT count(*) / 64 FROM events) ORDER BY a.k",
+    ] {
+        let expected = vanilla.sql(sql).await.unwrap().collect().await.unwrap();
+        let (got, plan) = run(&workers, sql).await;
+        assert!(
+            same_rows(&expected, &got, true),
+            "{sql}\nvanilla: {:?}\nworkers: {:?}",
+            rows(&expected, true),
+            rows(&got, true)
+        );
+        let exec = plan.downcast_ref::<flumen::exec::FlumenExec>().unwrap();
+        let graph = exec.graph();
+        let root = graph.root().id;
+        let mut readers = 0;
+        for op in graph.operators.iter().filter(|op| op.id != root) {
+            let stats = exec.run_metrics().operator(op.id).snapshot();
+            let on_driver = exec.run_metrics().operator(op.id).on_driver();
+            // A subquery DataFusion answers from Parquet statistics reads no file: it runs
+            // on the driver by design.
+            let by_design = on_driver.keys().all(|reason| *reason == "driver_data");
+            let reads_values = op.fragment.downcast_ref::<SubqueryValuesExec>().is_some();
+            readers += usize::from(reads_values);
+            assert!(
+                by_design && (!reads_values || stats.remote_tasks == stats.tasks),
+                "{sql}: operator {} ({}) ran tasks on the driver: {on_driver:?}",
+                op.id,
+                op.name
+            );
+        }
+        assert!(
+            readers > 0
+                || graph
+                    .root()
+                    .fragment
+                    .downcast_ref::<SubqueryValuesExec>()
+                    .is_some()
+        );
+        assert!(graph.operators.len() >= 3, "{sql}: not cut");
+    }
+    let error = workers
+        .sql("SELECT id FROM events WHERE id > (SELECT id FROM events WHERE id < 3)")
+        .await
+        .unwrap()
+        .collect()
+        .await
+        .unwrap_err();
+    assert!(error.to_string().contains("more than one row"), "{error}");
 }
 
 /// A task calling a function only the driver has (registered in the driver's session, not

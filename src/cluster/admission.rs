@@ -44,6 +44,10 @@ const ALLOWED_NODES: &[&str] = &[
     "WindowAggExec",
     "BoundedWindowAggExec",
     "UnnestExec",
+    // A fragment that reads scalar subqueries' values from its gathered inputs: the driver's
+    // `SubqueryValuesExec` is sent as DataFusion's `ScalarSubqueryExec`.
+    "SubqueryValuesExec",
+    "ScalarSubqueryExec",
 ];
 
 /// File formats a worker scans.

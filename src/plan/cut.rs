@@ -13,11 +13,13 @@ use datafusion::config::ConfigOptions;
 use datafusion::datasource::physical_plan::FileScanConfig;
 use datafusion::datasource::source::DataSourceExec;
 use datafusion::error::Result;
+use datafusion::logical_expr::physical_planning_context::ScalarSubqueryResults;
 use datafusion::physical_expr::EquivalenceProperties;
 use datafusion::physical_plan::Distribution;
 use datafusion::physical_plan::aggregates::{AggregateExec, AggregateMode};
 use datafusion::physical_plan::coalesce_partitions::CoalescePartitionsExec;
 use datafusion::physical_plan::coop::CooperativeExec;
+use datafusion::physical_plan::execution_plan::{Boundedness, EmissionType};
 use datafusion::physical_plan::expressions::Column;
 use datafusion::physical_plan::filter::FilterExec;
 use datafusion::physical_plan::joins::{
@@ -27,12 +29,13 @@ use datafusion::physical_plan::limit::{GlobalLimitExec, LocalLimitExec};
 use datafusion::physical_plan::projection::ProjectionExec;
 use datafusion::physical_plan::recursive_query::RecursiveQueryExec;
 use datafusion::physical_plan::repartition::RepartitionExec;
-use datafusion::physical_plan::scalar_subquery::ScalarSubqueryExec;
+use datafusion::physical_plan::scalar_subquery::{ScalarSubqueryExec, ScalarSubqueryLink};
 use datafusion::physical_plan::sorts::sort::SortExec;
 use datafusion::physical_plan::sorts::sort_preserving_merge::SortPreservingMergeExec;
 use datafusion::physical_plan::unnest::UnnestExec;
 use datafusion::physical_plan::{
-    ExecutionPlan, ExecutionPlanProperties, Partitioning, replace_children_if_necessary,
+    ExecutionPlan, ExecutionPlanProperties, Partitioning, PlanProperties,
+    replace_children_if_necessary,
 };
 
 use crate::config::{FlumenConfig, WorkerMode};
@@ -48,6 +51,7 @@ use crate::plan::partition_cut::cuts_per_partition;
 use crate::plan::range_sort::sort_run_bytes;
 use crate::plan::split_source::{ModelSplitLimit, RowGroupLayout, SplitSourceExec};
 use crate::plan::stage_input::{InputExchange, StageInputExec};
+use crate::plan::subquery_values::{SubqueryValuesExec, reads_values_of};
 
 impl OperatorGraph {
     /// Cut `plan` into operators; `layout` places its Parquet scans' splits on row group
@@ -86,6 +90,7 @@ impl OperatorGraph {
             config,
             layout,
             out_of_core: sizing.out_of_core(),
+            scalar_subqueries: vec![],
         };
         let root = cutter.rewrite(plan)?;
         // A root that only passes its producer's blocks on (an accelerator projection at the
@@ -145,18 +150,35 @@ struct Cutter<'a> {
     /// run in waves of the slots (no gang unless a node needs it), none streams a probe
     /// input (its partitions would all run at once).
     out_of_core: bool,
+    /// The scalar subqueries of the `ScalarSubqueryExec`s met so far: each operator whose
+    /// fragment reads one's values gets them from operators of its own
+    /// ([`SubqueryValuesExec`]).
+    scalar_subqueries: Vec<ScalarSubqueries>,
+}
+
+/// The subqueries of one `ScalarSubqueryExec`: their uncut plans, and the container their
+/// values go to, which the main plan's expressions read.
+struct ScalarSubqueries {
+    results: ScalarSubqueryResults,
+    links: Vec<ScalarSubqueryLink>,
 }
 
 impl Cutter<'_> {
     /// Rewrite `plan` for the current fragment, turning every subtree below a cut into an
     /// operator of its own and putting a `StageInputExec` in its place.
     fn rewrite(&mut self, plan: Arc<dyn ExecutionPlan>) -> Result<Arc<dyn ExecutionPlan>> {
-        // Recursive queries re-execute their children, and scalar subqueries must finish
-        // before the plan below them evaluates their value: keep such subtrees together.
-        if plan.downcast_ref::<RecursiveQueryExec>().is_some()
-            || plan.downcast_ref::<ScalarSubqueryExec>().is_some()
-        {
+        // Recursive queries re-execute their children: keep such subtrees together.
+        if plan.downcast_ref::<RecursiveQueryExec>().is_some() {
             return Ok(plan);
+        }
+        // Scalar subqueries become operators of their own, which the operators reading
+        // their values wait for (`add_operator`); the node itself only passes its input on.
+        if let Some(subqueries) = plan.downcast_ref::<ScalarSubqueryExec>() {
+            self.scalar_subqueries.push(ScalarSubqueries {
+                results: subqueries.results().clone(),
+                links: subqueries.subqueries().to_vec(),
+            });
+            return self.rewrite(Arc::clone(subqueries.input()));
         }
         if let Some(repartition) = plan.downcast_ref::<RepartitionExec>()
             && !repartition.preserve_order()
@@ -295,6 +317,7 @@ impl Cutter<'_> {
         pool: Pool,
         output_split: Option<Partitioning>,
     ) -> Result<OperatorId> {
+        let fragment = self.with_subquery_values(fragment)?;
         // (producer, exchange, fetch) of every stage input leaf.
         let mut stage_inputs = vec![];
         let mut other_leaves = 0;
@@ -375,7 +398,11 @@ impl Cutter<'_> {
             shape == TaskShape::Barrier || !all_row_local
         };
         let id = self.operators.len();
-        let name = fragment.name().to_string();
+        let mut named = &fragment;
+        while let Some(values) = named.downcast_ref::<SubqueryValuesExec>() {
+            named = values.input();
+        }
+        let name = named.name().to_string();
         self.operators.push(Operator {
             id,
             name,
@@ -396,6 +423,83 @@ impl Cutter<'_> {
         });
         Ok(id)
     }
+}
+
+impl Cutter<'_> {
+    /// `fragment`, wrapped in a [`SubqueryValuesExec`] for each `ScalarSubqueryExec` whose
+    /// values it reads, over gathered stage inputs of that node's subqueries, cut here into
+    /// operators of their own (once per fragment that reads them).
+    fn with_subquery_values(
+        &mut self,
+        mut fragment: Arc<dyn ExecutionPlan>,
+    ) -> Result<Arc<dyn ExecutionPlan>> {
+        for i in 0..self.scalar_subqueries.len() {
+            let results = self.scalar_subqueries[i].results.clone();
+            if !fragment_reads_values_of(&fragment, &results) {
+                continue;
+            }
+            let mut inputs = vec![];
+            for link in self.scalar_subqueries[i].links.clone() {
+                inputs.push(ScalarSubqueryLink {
+                    plan: self.subquery_input(link.plan)?,
+                    index: link.index,
+                });
+            }
+            fragment = Arc::new(SubqueryValuesExec::new(fragment, inputs, results));
+        }
+        Ok(fragment)
+    }
+
+    /// A gathered stage input of the operators `plan` is cut into. It states no more than
+    /// its schema (a one-row aggregate's columns are constants, which a worker's in-memory
+    /// scan of the block would not state).
+    fn subquery_input(&mut self, plan: Arc<dyn ExecutionPlan>) -> Result<Arc<dyn ExecutionPlan>> {
+        let plan: Arc<dyn ExecutionPlan> = if plan.output_partitioning().partition_count() > 1 {
+            Arc::new(CoalescePartitionsExec::new(plan))
+        } else {
+            plan
+        };
+        let properties = Arc::new(PlanProperties::new(
+            EquivalenceProperties::new(plan.schema()),
+            Partitioning::UnknownPartitioning(1),
+            EmissionType::Final,
+            Boundedness::Bounded,
+        ));
+        let cut = self.rewrite(plan)?;
+        let producer = match cut.downcast_ref::<StageInputExec>() {
+            Some(si) if matches!(si.exchange(), InputExchange::Gather) && si.fetch().is_none() => {
+                si.producer()
+            }
+            _ => self.add_operator(cut, Pool::Cpu, None)?,
+        };
+        Ok(Arc::new(StageInputExec::new(
+            producer,
+            InputExchange::Gather,
+            properties,
+            None,
+        )))
+    }
+}
+
+/// Whether a node of `fragment` (not of the operators feeding it) reads a scalar subquery
+/// value from `results`.
+fn fragment_reads_values_of(
+    fragment: &Arc<dyn ExecutionPlan>,
+    results: &ScalarSubqueryResults,
+) -> bool {
+    let mut reads = false;
+    let _ = fragment.apply(|node| {
+        if node.downcast_ref::<StageInputExec>().is_some() {
+            return Ok(TreeNodeRecursion::Jump);
+        }
+        reads |= reads_values_of(node, results);
+        Ok(if reads {
+            TreeNodeRecursion::Stop
+        } else {
+            TreeNodeRecursion::Continue
+        })
+    });
+    reads
 }
 
 /// True when executing one partition of `fragment` waits for its other partitions: a

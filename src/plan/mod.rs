@@ -18,6 +18,8 @@
 //! - [`partitioned_outer_joins`]: in worker mode, outer and semi hash joins planned
 //!   partitioned, so their partitions run apart.
 //! - [`partition_slices`]: which hash join tasks can be cut into slices of their build side.
+//! - [`subquery_values`]: a fragment that reads scalar subqueries' values from their own
+//!   operators.
 
 pub(crate) mod accelerator_projection;
 pub mod concat_partitions;
@@ -36,6 +38,7 @@ pub mod random_shuffle;
 pub mod range_sort;
 pub(crate) mod split_source;
 pub(crate) mod stage_input;
+pub mod subquery_values;
 
 pub use graph::{Operator, OperatorGraph, OperatorId, Pool, TaskShape};
 pub use split_source::SplitSourceExec;

@@ -22,6 +22,7 @@ use crate::plan::partitioned_outer_joins::emits_build_rows_once;
 use crate::plan::random_shuffle::RandomPermuteExec;
 use crate::plan::split_source::SplitSourceExec;
 use crate::plan::stage_input::{InputExchange, StageInputExec};
+use crate::plan::subquery_values::SubqueryValuesExec;
 
 /// How a node of a per-partition fragment is read by the fragment's partition `p`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -68,6 +69,9 @@ pub fn child_reads(
     if child_count == partitions {
         Some(Reads::OwnPartition)
     } else if child_count == 1 && i == 0 && builds_whole_left(node) {
+        Some(Reads::Whole)
+    } else if child_count == 1 && i > 0 && node.downcast_ref::<SubqueryValuesExec>().is_some() {
+        // A scalar subquery's value: every partition reads all of it.
         Some(Reads::Whole)
     } else {
         None
