@@ -133,6 +133,12 @@ pub fn admit_options(options: &[(String, String)]) -> Result<()> {
     }
 }
 
+/// Whether a plan node named `name` is one flumen sends a worker (a scan's files and store
+/// are checked per task).
+pub fn sends_node(name: &str) -> bool {
+    ALLOWED_NODES.contains(&name)
+}
+
 fn admit_node(
     node: &Arc<dyn ExecutionPlan>,
     granted: &HashSet<&str>,

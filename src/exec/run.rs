@@ -280,9 +280,11 @@ impl QueryRun {
     }
 
     /// True when the root operator is run by the consumer of the output (its fragment is
-    /// stateful); otherwise the consumer reads the root operator's blocks.
+    /// stateful, and it does not run on the workers: [`OperatorGraph::root_on_workers`]);
+    /// otherwise the consumer reads the root operator's blocks.
     pub(super) fn root_runs_in_output(&self) -> bool {
         self.graph.root().shape == TaskShape::Barrier
+            && !(self.graph.root_on_workers && self.worker_slot().is_some())
     }
 
     /// Create ready tasks and launch (or resume) what slots and memory allow.

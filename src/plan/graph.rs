@@ -182,6 +182,12 @@ pub struct OperatorGraph {
     /// `flumen.model_piece_rows` (0: the target), so a model gets each piece the CPU makes
     /// of the first splits as soon as it is made, not the next doubled block.
     pub ramp_block_rows: usize,
+    /// With worker processes: the root's tasks run on the workers like any other
+    /// operator's, and the query's reader fetches only their output (the result), instead
+    /// of the root running in the reader on the driver over all of its inputs. Set for a
+    /// per-partition root a worker can run that does not stream its inputs (a final
+    /// aggregate, a top-k over gathered partitions; not a `LIMIT` that stops its input).
+    pub root_on_workers: bool,
 }
 
 impl OperatorGraph {

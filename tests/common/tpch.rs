@@ -29,11 +29,16 @@ pub struct Comparison {
     pub redone: u64,
     /// The worker hosts those operators' tasks ran on.
     pub reduce_hosts: std::collections::BTreeSet<String>,
+    /// Bytes of blocks the driver fetched from the workers, and of the answers (both as
+    /// `flumen::store::rows_bytes` counts them).
+    pub driver_fetched_bytes: u64,
+    pub result_bytes: u64,
 }
 
 impl Comparison {
     /// Print the operators that ran tasks on the driver, and check that none did but the
-    /// roots the output runs, and that at least `at_least` per-partition operators ran (joins,
+    /// roots the output runs, that the driver fetched at most 1.1 times the answers' bytes,
+    /// and that at least `at_least` per-partition operators ran (joins,
     /// final aggregates, sorts and windows go to the workers, `flumen::plan::partition_cut`;
     /// joins that emit build rows are planned partitioned there,
     /// `flumen::plan::partitioned_outer_joins`).
@@ -45,6 +50,18 @@ impl Comparison {
             self.tasks_on_driver.join("\n")
         );
         assert_eq!(self.redone, 0, "tasks recomputed or retried in a clean run");
+        println!(
+            "the driver fetched {} bytes of blocks for answers of {} bytes",
+            self.driver_fetched_bytes, self.result_bytes
+        );
+        // The roots run on the workers too (`OperatorGraph::root_on_workers`): the driver
+        // fetches the answers, not each partition's top k rows or partial aggregates.
+        assert!(
+            self.driver_fetched_bytes as f64 <= 1.1 * self.result_bytes as f64,
+            "the driver fetched {} bytes for answers of {}",
+            self.driver_fetched_bytes,
+            self.result_bytes
+        );
         assert!(
             self.tasks_on_driver.is_empty() && self.reduce_operators >= at_least,
             "{} per-partition operators; tasks on the driver:\n{}",
@@ -91,6 +108,8 @@ pub async fn compare_queries(vanilla: &SessionContext, flumen: &SessionContext) 
                     let reduces = reduce_operators(&plan);
                     out.reduce_hosts.extend(reduce_hosts(&plan));
                     out.redone += tasks_redone(&plan);
+                    out.driver_fetched_bytes += driver_fetched_bytes(&plan);
+                    out.result_bytes += actual.iter().map(flumen::store::rows_bytes).sum::<u64>();
                     out.reduce_operators += reduces;
                     out.reduce_operators_on_workers += reduces - reduces_on_driver(&plan);
                     out.tasks_on_driver
@@ -127,6 +146,21 @@ pub fn tasks_on_driver(plan: &Arc<dyn datafusion::physical_plan::ExecutionPlan>)
             )
         })
         .collect()
+}
+
+/// Bytes of blocks the driver of a finished flumen plan fetched from the workers.
+fn driver_fetched_bytes(plan: &Arc<dyn datafusion::physical_plan::ExecutionPlan>) -> u64 {
+    let Some(exec) = plan.downcast_ref::<flumen::exec::FlumenExec>() else {
+        return 0;
+    };
+    (exec.graph().operators.iter())
+        .map(|op| {
+            exec.run_metrics()
+                .operator(op.id)
+                .snapshot()
+                .output_bytes_to_driver
+        })
+        .sum()
 }
 
 /// Tasks of a finished flumen plan recomputed or retried.
