@@ -386,6 +386,58 @@ async fn a_worker_reads_the_inputs_it_holds_itself_without_the_network() {
     assert_eq!(status.input_bytes_from_peers, 0);
 }
 
+/// A root a worker can run (a final aggregate over gathered or hash-split partials) runs on
+/// the workers, and the driver fetches only the answer; a merge of sorted partitions
+/// (`ORDER BY .. LIMIT`) still runs in the output stream, reading each partition's top rows.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_final_aggregate_root_runs_on_the_workers_and_the_driver_fetches_the_answer() {
+    let (dir, vanilla) = common::events_with_vanilla(2, 20_000).await;
+    let workers = session(2);
+    common::register_tables(&workers, dir.path()).await;
+    for (sql, root_on_workers) in [
+        ("SELECT count(*), sum(v), max(id) FROM events", true),
+        ("SELECT k, count(*), sum(v) FROM events GROUP BY k", true),
+        (
+            "SELECT k, count(*) FROM events GROUP BY k ORDER BY k LIMIT 3",
+            false,
+        ),
+    ] {
+        let expected = vanilla.sql(sql).await.unwrap().collect().await.unwrap();
+        let (got, plan) = run(&workers, sql).await;
+        assert!(same_rows(&expected, &got, false), "{sql}");
+        let exec = plan.downcast_ref::<flumen::exec::FlumenExec>().unwrap();
+        let root = exec.graph().root();
+        let stats = exec.run_metrics().operator(root.id).snapshot();
+        let fetched: u64 = (exec.graph().operators.iter())
+            .map(|op| {
+                exec.run_metrics()
+                    .operator(op.id)
+                    .snapshot()
+                    .output_bytes_to_driver
+            })
+            .sum();
+        let answer: u64 = got.iter().map(flumen::store::rows_bytes).sum();
+        println!(
+            "{sql}: root {} ran {} of {} tasks in workers; the driver fetched {fetched} bytes \
+             for an answer of {answer}",
+            root.name, stats.remote_tasks, stats.tasks
+        );
+        assert_eq!(exec.graph().root_on_workers, root_on_workers, "{sql}");
+        if root_on_workers {
+            assert!(
+                stats.tasks > 0 && stats.remote_tasks == stats.tasks,
+                "{sql}"
+            );
+            assert_eq!(fetched, answer, "{sql}");
+        } else {
+            assert!(
+                fetched > answer,
+                "{sql}: the merge reads more than its answer"
+            );
+        }
+    }
+}
+
 /// Uncorrelated scalar subqueries run as operators of their own in the workers, and so do
 /// the operators reading their values (a worker gets the value's block as a gathered input
 /// and runs DataFusion's `ScalarSubqueryExec` over it): in a filter, a projection, a join

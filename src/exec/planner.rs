@@ -24,6 +24,7 @@ use crate::plan::exchange_sizing::{ExchangeSizing, row_width};
 use crate::plan::graph::OperatorGraph;
 use crate::plan::range_sort::plan_range_sorts;
 use crate::plan::split_source::RowGroupLayout;
+use crate::plan::stage_input::StageInputExec;
 
 /// The query planner of a flumen session.
 #[derive(Debug, Default)]
@@ -53,8 +54,23 @@ pub async fn to_flumen_plan(
         plan
     };
     let layout = RowGroupLayout::read(&plan, session.runtime_env()).await;
-    let graph = OperatorGraph::cut(plan, session.config_options(), &layout, sizing)?;
+    let mut graph = OperatorGraph::cut(plan, session.config_options(), &layout, sizing)?;
+    // The root goes to the workers only if they run every node of it.
+    graph.root_on_workers &= workers_run_every_node(&graph.root().fragment);
     Ok(Arc::new(FlumenExec::new(graph, flumen_config(session))))
+}
+
+/// Whether a worker runs every node of `fragment` (its stage inputs become in-memory scans).
+fn workers_run_every_node(fragment: &Arc<dyn ExecutionPlan>) -> bool {
+    let mut all = true;
+    let _ = fragment.apply(|node| {
+        if node.downcast_ref::<StageInputExec>().is_some() {
+            return Ok(TreeNodeRecursion::Jump);
+        }
+        all &= crate::cluster::admission::sends_node(node.name());
+        Ok(TreeNodeRecursion::Continue)
+    });
+    all
 }
 
 /// DataFusion's physical plan of `logical_plan`, with its hash exchanges sized to the data

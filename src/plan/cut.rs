@@ -4,7 +4,8 @@
 //! [`StageInputExec`]s reading the blocks of another operator. Cuts are made at exchanges
 //! (`RepartitionExec`, `CoalescePartitionsExec`, `SortPreservingMergeExec`) and around every
 //! projection that calls an accelerator UDF; that projection becomes an operator of its own
-//! on the accelerator pool.
+//! on the accelerator pool. Scalar subqueries become operators of their own, read by the
+//! operators that use their values ([`SubqueryValuesExec`]).
 
 use std::sync::Arc;
 
@@ -92,10 +93,6 @@ impl OperatorGraph {
             out_of_core: sizing.out_of_core(),
             scalar_subqueries: vec![],
         };
-        let plan = match cutter.config.workers {
-            WorkerMode::Process => top_k_over_gathered_partitions(plan),
-            _ => plan,
-        };
         let root = cutter.rewrite(plan)?;
         // A root that only passes its producer's blocks on (an accelerator projection at the
         // top of the plan) needs no operator of its own: the producer is the root.
@@ -120,8 +117,7 @@ impl OperatorGraph {
             && !cutter.out_of_core
             && root.shape == TaskShape::Barrier
             && !root.streamed_inputs.iter().any(|s| *s)
-            && cuts_per_partition(&root.fragment)
-            && workers_run_every_node(&root.fragment);
+            && cuts_per_partition(&root.fragment);
         Ok(Self {
             operators: cutter.operators,
             consumer,
@@ -491,36 +487,6 @@ impl Cutter<'_> {
             None,
         )))
     }
-}
-
-/// `plan` with a root top-k merge of sorted partitions (`ORDER BY .. LIMIT k`) made a top-k
-/// sort of the gathered partitions (each at most `k` rows): both keep the first `k` rows in
-/// order, but this one a worker can run over its one gathered input, so the driver fetches
-/// `k` rows instead of `k` from each partition.
-fn top_k_over_gathered_partitions(plan: Arc<dyn ExecutionPlan>) -> Arc<dyn ExecutionPlan> {
-    let Some(merge) = plan.downcast_ref::<SortPreservingMergeExec>() else {
-        return plan;
-    };
-    let input = merge.input();
-    if merge.fetch().is_none() || input.output_partitioning().partition_count() <= 1 {
-        return plan;
-    }
-    let gathered = Arc::new(CoalescePartitionsExec::new(Arc::clone(input)));
-    let sort = SortExec::new(merge.expr().clone(), gathered).with_fetch(merge.fetch());
-    Arc::new(sort)
-}
-
-/// Whether a worker runs every node of `fragment` (its stage inputs become in-memory scans).
-fn workers_run_every_node(fragment: &Arc<dyn ExecutionPlan>) -> bool {
-    let mut all = true;
-    let _ = fragment.apply(|node| {
-        if node.downcast_ref::<StageInputExec>().is_some() {
-            return Ok(TreeNodeRecursion::Jump);
-        }
-        all &= crate::cluster::admission::sends_node(node.name());
-        Ok(TreeNodeRecursion::Continue)
-    });
-    all
 }
 
 /// Whether a node of `fragment` (not of the operators feeding it) reads a scalar subquery

@@ -186,7 +186,9 @@ pub struct OperatorGraph {
     /// operator's, and the query's reader fetches only their output (the result), instead
     /// of the root running in the reader on the driver over all of its inputs. Set for a
     /// per-partition root a worker can run that does not stream its inputs (a final
-    /// aggregate, a top-k over gathered partitions; not a `LIMIT` that stops its input).
+    /// aggregate over gathered partials; not a merge of sorted partitions, nor a `LIMIT`
+    /// that stops its input), of
+    /// nodes the workers run (the planner checks that: `exec::planner`).
     pub root_on_workers: bool,
 }
 
