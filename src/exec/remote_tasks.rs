@@ -36,6 +36,7 @@ use datafusion::datasource::source::DataSourceExec;
 use datafusion::error::{DataFusionError, Result};
 use datafusion::physical_plan::projection::ProjectionExec;
 use datafusion::physical_plan::repartition::RepartitionExec;
+use datafusion::physical_plan::union::UnionExec;
 use datafusion::physical_plan::{ExecutionPlan, ExecutionPlanProperties};
 
 use crate::cluster::admission::{WORKER_OPTIONS, admit_plan, scanned_files, scanned_stores};
@@ -56,7 +57,7 @@ use crate::plan::accelerator_projection::AcceleratorProjectionExec;
 use crate::plan::graph::{Operator, OperatorId, Pool};
 use crate::plan::partition_cut::{Reads, child_reads, cuts_per_partition};
 use crate::plan::split_source::{SplitSourceExec, split_ramps};
-use crate::plan::stage_input::StageInputExec;
+use crate::plan::stage_input::{InputExchange, StageInputExec};
 use crate::store::block::{Block, BlockData, BlockId, HeldBlock, OutputPlace, OutputPlaces};
 use crate::store::block_digest::differs;
 use crate::store::cutter::bundle_pieces;
@@ -307,6 +308,13 @@ fn ordered_as(
     stage: &StageInputExec,
     source: &Arc<dyn ExecutionPlan>,
 ) -> Result<Arc<dyn ExecutionPlan>> {
+    // One in-memory scan per partition of a merged input: each is ordered.
+    if let Some(union) = source.downcast_ref::<UnionExec>() {
+        let parts = (union.children().into_iter())
+            .map(|part| ordered_as(stage, part))
+            .collect::<Result<Vec<_>>>()?;
+        return UnionExec::try_new(parts);
+    }
     let memory = source
         .downcast_ref::<DataSourceExec>()
         .and_then(|s| s.data_source().downcast_ref::<MemorySourceConfig>());
@@ -376,8 +384,10 @@ fn encode_for_worker(
         .map_err(|e| OnDriver::Unencodable(e.to_string()))
 }
 
-/// A per-partition task's input blocks: for each of its stage inputs, the blocks it reads.
-type PartitionInputs = Vec<Vec<BlockId>>;
+/// A per-partition task's input blocks: for each of its stage inputs, the blocks it reads of
+/// each producer partition it reads apart (one group, but for a merge of sorted partitions:
+/// one per partition, each its own in-memory scan).
+type PartitionInputs = Vec<Vec<Vec<BlockId>>>;
 
 /// A task ready to send: its header, its encoded plan, and the host it would rather run on.
 struct Outgoing<'a> {
@@ -492,7 +502,7 @@ impl QueryRun {
         // A per-partition task's inputs are released when it succeeds, as a local task's
         // are once read.
         if let Some(inputs) = partition_inputs {
-            self.state.lock().unwrap().tasks[task].consumed = inputs.concat();
+            self.state.lock().unwrap().tasks[task].consumed = inputs.concat().concat();
         }
         let _ = self.state.lock().unwrap().tasks[task]
             .scan_row_filter
@@ -575,7 +585,7 @@ impl QueryRun {
             .ok_or(OnDriver::PerPartition)?;
         let bytes: u64 = {
             let st = self.state.lock().unwrap();
-            (inputs.iter().flatten())
+            (inputs.iter().flatten().flatten())
                 .filter_map(|id| st.blocks.get(id))
                 .map(|b| b.bytes)
                 .sum()
@@ -604,18 +614,43 @@ impl QueryRun {
         let mut inputs = Vec::with_capacity(op.inputs.len());
         for (input, producer) in op.inputs.iter().enumerate() {
             st.operators[*producer].demanded = true;
-            let mut cursor = self.input_cursor(op_id, input, partition, true);
-            let mut blocks = vec![];
-            loop {
-                match Self::next_block(&st, &mut cursor) {
-                    Next::Block(id) => blocks.push(id),
-                    Next::End => break,
-                    Next::Wait => return None,
+            let mut groups = vec![];
+            for part in self.partitions_read_apart(op_id, input, partition) {
+                let mut cursor = self.input_cursor(op_id, input, part, true);
+                let mut blocks = vec![];
+                loop {
+                    match Self::next_block(&st, &mut cursor) {
+                        Next::Block(id) => blocks.push(id),
+                        Next::End => break,
+                        Next::Wait => return None,
+                    }
                 }
+                groups.push(blocks);
             }
-            inputs.push(blocks);
+            inputs.push(groups);
         }
         Some(inputs)
+    }
+
+    /// The partitions of stage input `input` that partition `partition` of `op_id` reads,
+    /// each apart: all of them for a one-partition operator over an order-preserving input
+    /// of several (a merge of sorted partitions), else `partition` (as its cursor reads it).
+    fn partitions_read_apart(
+        &self,
+        op_id: OperatorId,
+        input: usize,
+        partition: usize,
+    ) -> Vec<usize> {
+        let op = &self.graph.operators[op_id];
+        let producer = self.graph.operators[op.inputs[input]].partitions();
+        let merged = matches!(op.input_exchanges[input], InputExchange::Preserve)
+            && op.partitions() == 1
+            && producer > 1;
+        if merged {
+            (0..producer).collect()
+        } else {
+            vec![partition]
+        }
     }
 
     /// Whether a worker decodes `plan` (encoded as `bytes`) as it was planned
@@ -725,7 +760,7 @@ impl QueryRun {
         let partitioned = matches!(kind, TaskKind::Partition);
         // Each stage input's blocks, and the order the worker fills their sources in.
         let (groups, order) = match kind {
-            TaskKind::Blocks { inputs } => (vec![inputs], vec![0]),
+            TaskKind::Blocks { inputs } => (vec![vec![inputs]], vec![0]),
             TaskKind::Partition => match self.partition_input_blocks(task) {
                 Some(groups) => (groups, stage_inputs_in_leaf_order(&op.fragment)),
                 None => return Ok(Err(OnDriver::PerPartition)),
@@ -738,47 +773,53 @@ impl QueryRun {
         let mut counts = Vec::with_capacity(order.len());
         let mut memory: Vec<Option<Arc<dyn ExecutionPlan>>> = vec![None; groups.len()];
         for input in order {
-            let Some(ids) = groups.get(input) else {
+            let Some(parts) = groups.get(input) else {
                 return Ok(Err(OnDriver::NotCut(format!("no stage input {input}"))));
             };
-            let mut inline = vec![];
-            for &id in ids {
-                if !read_here.contains_key(&id)
-                    && let Some(held) = self.store.peek_held(id)
-                    && held.holder_alive()
-                {
-                    let at = held.location();
-                    let bytes = self.block(id).map_or(0, |b| b.bytes);
-                    bytes_by_ticket += bytes;
-                    *bytes_by_host.entry(host_of(&at.address)).or_default() += bytes;
-                    sources.push(TaskInput::Fetch(InputTicket {
-                        address: at.address,
-                        tls: at.tls,
-                        key: at.key,
-                        bytes,
-                    }));
-                    by_ticket.push((id, held));
-                    continue;
-                }
-                let batch = match read_here.get(&id) {
-                    Some(batch) => batch.clone(),
-                    None => {
-                        let batch = self.fetch(id).await?;
-                        read_here.insert(id, batch.clone());
-                        batch
-                    }
-                };
-                bytes_via_driver += batch.get_array_memory_size() as u64;
-                sources.push(TaskInput::Inline(inline.len()));
-                inline.push(batch);
-            }
-            counts.push(ids.len());
             let schema = self.graph.operators[op.inputs[input]].fragment.schema();
-            memory[input] = Some(MemorySourceConfig::try_new_exec(&[inline], schema, None)?);
+            let mut part_sources = Vec::with_capacity(parts.len());
+            for ids in parts {
+                let mut inline = vec![];
+                for &id in ids {
+                    if !read_here.contains_key(&id)
+                        && let Some(held) = self.store.peek_held(id)
+                        && held.holder_alive()
+                    {
+                        let at = held.location();
+                        let bytes = self.block(id).map_or(0, |b| b.bytes);
+                        bytes_by_ticket += bytes;
+                        *bytes_by_host.entry(host_of(&at.address)).or_default() += bytes;
+                        sources.push(TaskInput::Fetch(InputTicket {
+                            address: at.address,
+                            tls: at.tls,
+                            key: at.key,
+                            bytes,
+                        }));
+                        by_ticket.push((id, held));
+                        continue;
+                    }
+                    let batch = match read_here.get(&id) {
+                        Some(batch) => batch.clone(),
+                        None => {
+                            let batch = self.fetch(id).await?;
+                            read_here.insert(id, batch.clone());
+                            batch
+                        }
+                    };
+                    bytes_via_driver += batch.get_array_memory_size() as u64;
+                    sources.push(TaskInput::Inline(inline.len()));
+                    inline.push(batch);
+                }
+                counts.push(ids.len());
+                let source =
+                    MemorySourceConfig::try_new_exec(&[inline], Arc::clone(&schema), None)?;
+                part_sources.push(source as Arc<dyn ExecutionPlan>);
+            }
+            memory[input] = Some(UnionExec::try_new(part_sources)?);
         }
         let memory = (memory.into_iter().enumerate())
             .map(|(input, source)| match source {
-                Some(source) => Ok(source as Arc<dyn ExecutionPlan>),
+                Some(source) => Ok(source),
                 None => {
                     let schema = self.graph.operators[op.inputs[input]].fragment.schema();
                     Ok(MemorySourceConfig::try_new_exec(&[vec![]], schema, None)? as _)
@@ -857,14 +898,20 @@ impl QueryRun {
                 };
                 // Each input as the worker's source held it: in pieces of the target size.
                 let mut sources: Vec<Arc<dyn ExecutionPlan>> = Vec::with_capacity(groups.len());
-                for (input, ids) in groups.into_iter().enumerate() {
+                for (input, parts) in groups.into_iter().enumerate() {
                     let schema = self.graph.operators[op.inputs[input]].fragment.schema();
-                    let mut batches = Vec::with_capacity(ids.len());
-                    for id in ids {
-                        batches.push(self.fetch(id).await?);
+                    let mut part_sources = Vec::with_capacity(parts.len());
+                    for ids in parts {
+                        let mut batches = Vec::with_capacity(ids.len());
+                        for id in ids {
+                            batches.push(self.fetch(id).await?);
+                        }
+                        let pieces = bundle_pieces(&schema, batches, self.piece_rows(op_id))?;
+                        let source =
+                            MemorySourceConfig::try_new_exec(&[pieces], Arc::clone(&schema), None)?;
+                        part_sources.push(source as Arc<dyn ExecutionPlan>);
                     }
-                    let pieces = bundle_pieces(&schema, batches, self.piece_rows(op_id))?;
-                    sources.push(MemorySourceConfig::try_new_exec(&[pieces], schema, None)?);
+                    sources.push(UnionExec::try_new(part_sources)?);
                 }
                 Ok(partition_plan(
                     op,

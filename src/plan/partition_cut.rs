@@ -13,6 +13,7 @@ use datafusion::physical_plan::joins::{
     CrossJoinExec, HashJoinExec, NestedLoopJoinExec, PartitionMode,
 };
 use datafusion::physical_plan::repartition::RepartitionExec;
+use datafusion::physical_plan::sorts::sort_preserving_merge::SortPreservingMergeExec;
 use datafusion::physical_plan::union::InterleaveExec;
 use datafusion::physical_plan::{ExecutionPlan, ExecutionPlanProperties};
 
@@ -70,6 +71,10 @@ pub fn child_reads(
         Some(Reads::OwnPartition)
     } else if child_count == 1 && i == 0 && builds_whole_left(node) {
         Some(Reads::Whole)
+    } else if partitions == 1 && child_count > 1 && merges_sorted_partitions(node) {
+        // A merge of sorted partitions, the fragment's one partition: it reads every
+        // partition of its input, each apart (a worker gets one in-memory scan per partition).
+        Some(Reads::Whole)
     } else if child_count == 1 && i > 0 && node.downcast_ref::<SubqueryValuesExec>().is_some() {
         // A scalar subquery's value: every partition reads all of it.
         Some(Reads::Whole)
@@ -89,7 +94,12 @@ fn reads_apart(node: &Arc<dyn ExecutionPlan>, reads: Reads, partitions: usize) -
         // (A literal is constant anywhere.)
         let states_all = (stage.properties().eq_properties.constants().iter())
             .all(|constant| collect_columns(&constant.expr).is_empty());
-        return states_all && (on_line || matches!(stage.exchange(), InputExchange::Gather));
+        let read_whole = reads == Reads::Whole
+            && matches!(
+                stage.exchange(),
+                InputExchange::Gather | InputExchange::Preserve
+            );
+        return states_all && (on_line || read_whole);
     }
     if let Some(source) = node.downcast_ref::<DataSourceExec>() {
         // A Parquet scan, cut to the partition's file group or read whole; other sources
@@ -111,6 +121,11 @@ fn reads_apart(node: &Arc<dyn ExecutionPlan>, reads: Reads, partitions: usize) -
         child_reads(node, i, reads, partitions)
             .is_some_and(|below| reads_apart(node.children()[i], below, partitions))
     })
+}
+
+/// Whether `node` merges its input's sorted partitions into one.
+fn merges_sorted_partitions(node: &Arc<dyn ExecutionPlan>) -> bool {
+    node.downcast_ref::<SortPreservingMergeExec>().is_some()
 }
 
 /// Whether `node` is a join whose partitions all read its whole left (build) input.
@@ -213,13 +228,19 @@ mod tests {
     }
 
     #[test]
-    fn a_merge_of_partitions_is_not_cut() {
-        // Partition 0 of the merge reads both partitions of its input.
-        let input = stage(2, InputExchange::Preserve);
-        let x = col("x", &input.schema()).unwrap();
-        let ordering = [datafusion::physical_expr::PhysicalSortExpr::new_default(x)].into();
-        let merge = SortPreservingMergeExec::new(ordering, input);
-        assert!(!cuts_per_partition(&(Arc::new(merge) as _)));
+    fn a_merge_reads_each_sorted_partition_apart_and_nothing_else() {
+        let merge = |input: Arc<dyn ExecutionPlan>| -> Arc<dyn ExecutionPlan> {
+            let x = col("x", &input.schema()).unwrap();
+            let ordering = [datafusion::physical_expr::PhysicalSortExpr::new_default(x)].into();
+            Arc::new(SortPreservingMergeExec::new(ordering, input))
+        };
+        // Partition 0 of the merge reads both partitions of its input, each its own scan.
+        assert!(cuts_per_partition(&merge(stage(
+            2,
+            InputExchange::Preserve
+        ))));
+        // A hash split's partitions read whole would not be the producer's sorted runs.
+        assert!(!cuts_per_partition(&merge(stage(2, hash(2)))));
     }
 
     #[test]
