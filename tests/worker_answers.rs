@@ -445,6 +445,35 @@ async fn a_root_workers_can_run_runs_there_and_the_driver_fetches_the_answer() {
     }
 }
 
+/// A window aggregate with `FILTER (WHERE ..)` gives vanilla's answer in worker mode:
+/// datafusion-proto drops the filter, so such a window's tasks run on the driver and say so
+/// (`task_plan::lossy_window`); a worker summed every row before.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_filtered_window_aggregate_answers_like_vanilla() {
+    let (dir, vanilla) = common::events_with_vanilla(2, 5_000).await;
+    let workers = session(2);
+    common::register_tables(&workers, dir.path()).await;
+    let sql = "SELECT k, id, sum(v) FILTER (WHERE id % 3 = 0) OVER (PARTITION BY k ORDER BY id \
+               ROWS BETWEEN UNBOUNDED PRECEDING AND CURRENT ROW) AS s FROM events \
+               ORDER BY k, id LIMIT 20";
+    let expected = vanilla.sql(sql).await.unwrap().collect().await.unwrap();
+    let (got, plan) = run(&workers, sql).await;
+    assert!(
+        same_rows(&expected, &got, true),
+        "vanilla: {:?}\nworkers: {:?}",
+        rows(&expected, true),
+        rows(&got, true)
+    );
+    let exec = plan.downcast_ref::<flumen::exec::FlumenExec>().unwrap();
+    let refused = (exec.graph().operators.iter())
+        .flat_map(|op| exec.run_metrics().operator(op.id).on_driver())
+        .any(|(reason, _)| reason == "unencodable");
+    assert!(
+        refused,
+        "the filtered window's tasks did not say why they ran on the driver"
+    );
+}
+
 /// Uncorrelated scalar subqueries run as operators of their own in the workers, and so do
 /// the operators reading their values (a worker gets the value's block as a gathered input
 /// and runs DataFusion's `ScalarSubqueryExec` over it): in a filter, a projection, a join
