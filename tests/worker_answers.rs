@@ -55,6 +55,24 @@ async fn run(ctx: &SessionContext, sql: &str) -> (Vec<RecordBatch>, Arc<dyn Exec
     (batches, plan)
 }
 
+/// Run `sql` (with an `ORDER BY`) on `vanilla` and `workers`, check the same rows in the
+/// same order, and return the flumen plan that ran.
+async fn answers_like_vanilla(
+    vanilla: &SessionContext,
+    workers: &SessionContext,
+    sql: &str,
+) -> Arc<dyn ExecutionPlan> {
+    let expected = vanilla.sql(sql).await.unwrap().collect().await.unwrap();
+    let (got, plan) = run(workers, sql).await;
+    assert!(
+        same_rows(&expected, &got, true),
+        "{sql}\nvanilla: {:?}\nworkers: {:?}",
+        rows(&expected, true),
+        rows(&got, true)
+    );
+    plan
+}
+
 /// The 22 TPC-H queries at scale factor 0.02 over tables of 3 Parquet files each (row groups
 /// of 2,000 rows, splits of 64 KB), in two worker processes, against vanilla DataFusion,
 /// with no task on the driver but those of the root operators the output runs.
@@ -456,14 +474,7 @@ async fn a_filtered_window_aggregate_answers_like_vanilla() {
     let sql = "SELECT k, id, sum(v) FILTER (WHERE id % 3 = 0) OVER (PARTITION BY k ORDER BY id \
                ROWS BETWEEN UNBOUNDED PRECEDING AND CURRENT ROW) AS s FROM events \
                ORDER BY k, id LIMIT 20";
-    let expected = vanilla.sql(sql).await.unwrap().collect().await.unwrap();
-    let (got, plan) = run(&workers, sql).await;
-    assert!(
-        same_rows(&expected, &got, true),
-        "vanilla: {:?}\nworkers: {:?}",
-        rows(&expected, true),
-        rows(&got, true)
-    );
+    let plan = answers_like_vanilla(&vanilla, &workers, sql).await;
     let exec = plan.downcast_ref::<flumen::exec::FlumenExec>().unwrap();
     let refused = (exec.graph().operators.iter())
         .flat_map(|op| exec.run_metrics().operator(op.id).on_driver())
@@ -501,14 +512,7 @@ async fn scalar_subqueries_run_in_workers_and_answer_like_vanilla() {
          AND b.v < (SELECT avg(v) FROM events) GROUP BY a.k \
          HAVING count(*) > (SELECT count(*) / 64 FROM events) ORDER BY a.k",
     ] {
-        let expected = vanilla.sql(sql).await.unwrap().collect().await.unwrap();
-        let (got, plan) = run(&workers, sql).await;
-        assert!(
-            same_rows(&expected, &got, true),
-            "{sql}\nvanilla: {:?}\nworkers: {:?}",
-            rows(&expected, true),
-            rows(&got, true)
-        );
+        let plan = answers_like_vanilla(&vanilla, &workers, sql).await;
         let exec = plan.downcast_ref::<flumen::exec::FlumenExec>().unwrap();
         let graph = exec.graph();
         let root = graph.root().id;

@@ -484,22 +484,23 @@ async fn a_hostile_client_is_refused_and_the_worker_stays_up() {
     table.push(("another query's release".into(), "0 blocks dropped".into()));
     assert_eq!(status(&address, &secret).await.blocks_held, 1);
 
-    // A block-wise task whose input is that block, fetched by ticket from a worker (this
-    // one): it runs, and the holder keeps the block until it is released. A ticket naming
+    // A block-wise task whose input is that block, by ticket (held by this worker, which
+    // reads it from its own shelf): it runs, and the holder keeps the block until it is
+    // released. A ticket naming
     // a worker that is gone fails the task with INPUT_LOST (the driver recomputes that
     // input), and the worker lives on.
     let empty = MemorySourceConfig::try_new_exec(&[vec![]], granted.schema(), None).unwrap();
     let empty: Arc<dyn ExecutionPlan> = empty;
-    let ticket_to = |address: &str| {
+    let ticket_to = |address: &str, key: &str| {
         TaskInput::Fetch(InputTicket {
             address: address.into(),
             tls: false,
-            key: key.clone(),
+            key: key.into(),
             bytes: 0,
         })
     };
     let mut fetching = request("query-a", vec![]);
-    fetching.inputs = Some(vec![ticket_to(&address)]);
+    fetching.inputs = Some(vec![ticket_to(&address, &key)]);
     let infos = run_blocks(&address, &good, task_body(&empty, fetching))
         .await
         .unwrap();
@@ -509,10 +510,16 @@ async fn a_hostile_client_is_refused_and_the_worker_stays_up() {
         2,
         "the input was kept"
     );
+    assert_eq!(
+        status(&address, &secret).await.inputs_held_here,
+        1,
+        "the worker read the block it holds from its own shelf"
+    );
     let keys = infos.into_iter().map(|i| i.key).collect();
     release(&address, &good, "query-a", keys).await;
+    // A block of the gone worker: its key is not on this worker's shelf.
     let mut dead_holder = request("query-a", vec![]);
-    dead_holder.inputs = Some(vec![ticket_to("127.0.0.1:1")]);
+    dead_holder.inputs = Some(vec![ticket_to("127.0.0.1:1", &"0".repeat(32))]);
     let r = action(&address, Some(&good), "run", task_body(&empty, dead_holder)).await;
     refused(
         &mut table,

@@ -237,21 +237,22 @@ fn without_read_order_hints(text: &str) -> String {
     let mut text = text.replace(", reverse_row_groups=true", "");
     const REORDER: &str = ", sort_order_for_reorder=[";
     while let Some(start) = text.find(REORDER) {
-        let mut depth = 0;
-        let end = text[start + REORDER.len() - 1..]
-            .char_indices()
-            .find(|&(_, c)| {
-                depth += match c {
-                    '[' => 1,
-                    ']' => -1,
-                    _ => 0,
-                };
-                depth == 0
-            })
-            .map_or(text.len(), |(i, _)| start + REORDER.len() + i);
+        let after = start + REORDER.len();
+        let end =
+            after + closing_bracket(&text[after..], '[', ']').map_or(text.len() - after, |i| i + 1);
         text.replace_range(start..end, "");
     }
     text
+}
+
+/// The byte index in `text` (which follows an `open` bracket) of the `close` bracket that
+/// closes it, if any.
+fn closing_bracket(text: &str, open: char, close: char) -> Option<usize> {
+    let mut depth = 1;
+    text.char_indices().find_map(|(i, c)| {
+        depth += i32::from(c == open) - i32::from(c == close);
+        (depth == 0).then_some(i)
+    })
 }
 
 /// `text` with every scalar subquery's value left out (`scalar_subquery(42)` and
@@ -265,18 +266,7 @@ fn without_subquery_values(text: &str) -> String {
     while let Some(start) = rest.find(VALUE) {
         out.push_str(&rest[..start + VALUE.len()]);
         let after = &rest[start + VALUE.len()..];
-        let mut depth = 1;
-        let end = after
-            .char_indices()
-            .find(|&(_, c)| {
-                depth += match c {
-                    '(' => 1,
-                    ')' => -1,
-                    _ => 0,
-                };
-                depth == 0
-            })
-            .map_or(after.len(), |(i, _)| i);
+        let end = closing_bracket(after, '(', ')').unwrap_or(after.len());
         out.push_str("..");
         rest = &after[end..];
     }
