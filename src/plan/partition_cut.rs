@@ -33,7 +33,8 @@ pub enum Reads {
     /// cut to file group `p`.
     OwnPartition,
     /// All of it, by every partition (a `CollectLeft` join's build side): its scans are
-    /// read whole, its stage inputs must be gathered ones.
+    /// read whole, its stage inputs must be gathered ones, or order-preserving ones under a
+    /// merge of sorted partitions (each partition becomes an in-memory scan of its own).
     Whole,
 }
 
