@@ -37,7 +37,8 @@ pub struct Comparison {
 
 impl Comparison {
     /// Print the operators that ran tasks on the driver, and check that none did but the
-    /// roots the output runs, and that at least `at_least` per-partition operators ran (joins,
+    /// roots the output runs, that the driver fetched at most 1.1 times the answers' bytes,
+    /// and that at least `at_least` per-partition operators ran (joins,
     /// final aggregates, sorts and windows go to the workers, `flumen::plan::partition_cut`;
     /// joins that emit build rows are planned partitioned there,
     /// `flumen::plan::partitioned_outer_joins`).
@@ -52,6 +53,15 @@ impl Comparison {
         println!(
             "the driver fetched {} bytes of blocks for answers of {} bytes",
             self.driver_fetched_bytes, self.result_bytes
+        );
+        // The roots run on the workers too (`OperatorGraph::root_on_workers`; merges of
+        // sorted partitions included): the driver fetches the answers, not each
+        // partition's top rows or partial aggregates.
+        assert!(
+            self.driver_fetched_bytes as f64 <= 1.1 * self.result_bytes as f64,
+            "the driver fetched {} bytes for answers of {}",
+            self.driver_fetched_bytes,
+            self.result_bytes
         );
 
         assert!(
