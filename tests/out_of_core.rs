@@ -176,6 +176,95 @@ async fn a_join_of_generated_series_runs_out_of_core() {
     }
 }
 
+/// Two `unnest`s joined: DataFusion gives no statistics for an unnest, so the planner
+/// estimates a few bytes and plans the join in core, where its build sides (~70 MB) are
+/// refused the 16 MB budget ("HashJoinInput could not get ... more"). The run is refused
+/// before any output, so the query is planned again out of core from the bytes the failed
+/// run saw, and answers like DataFusion: in threads mode and with two worker processes,
+/// as a query and as a `COPY` whose file then holds every row once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_in_core_plan_refused_memory_runs_again_out_of_core() {
+    let side = |pad: char| {
+        format!("SELECT unnest(range(0, 600000)) AS k, repeat('{pad}', 100) AS pad")
+    };
+    let join = format!(
+        "SELECT a.k, length(a.pad || b.pad) AS n FROM ({}) a JOIN ({}) b ON a.k = b.k",
+        side('a'),
+        side('b')
+    );
+    let sql = format!("SELECT count(*) AS c, sum(k) AS sk, sum(n) AS sn FROM ({join})");
+    let v = vanilla();
+    let expected = text(&collect(&v, &sql).await);
+    let threads = flumen_ctx(&["SET flumen.memory_budget = '16MB'"]).await;
+    let mut config = flumen::FlumenConfig::default();
+    config.workers = flumen::WorkerMode::Process;
+    config.worker_processes = 2;
+    config.worker_binary = env!("CARGO_BIN_EXE_flumen").into();
+    config.memory_budget = flumen::ByteSize(16 << 20);
+    let workers = flumen::session_with_config(
+        datafusion::prelude::SessionConfig::new().with_target_partitions(2),
+        config,
+    );
+    let dir = tempfile::tempdir().unwrap();
+    for (mode, f) in [("threads", &threads), ("workers", &workers)] {
+        let (batches, plan) = run_plan(f, &sql).await;
+        assert_eq!(expected, text(&batches), "{mode}");
+        let exec = plan.downcast_ref::<FlumenExec>().unwrap();
+        assert!(exec.replanned_out_of_core(), "{mode}: not planned again");
+        let sizing = exec.graph().sizing;
+        assert!(sizing.out_of_core(), "{mode}: {sizing:?}");
+        println!("{mode}: {sizing}: {}", text(&batches).trim());
+        // As a COPY: the failed run's staged file is gone, the new run's committed once.
+        let out = dir.path().join(format!("{mode}.parquet"));
+        let copy = format!("COPY ({join}) TO '{}'", out.display());
+        let (written, plan) = run_plan(f, &copy).await;
+        assert!(text(&written).contains("600000"), "{mode}: {}", text(&written));
+        let exec = plan.downcast_ref::<FlumenExec>().unwrap();
+        assert!(exec.replanned_out_of_core(), "{mode}: COPY not planned again");
+        v.register_parquet(mode, out.to_str().unwrap(), ParquetReadOptions::default())
+            .await
+            .unwrap();
+        let read = format!("SELECT count(*) AS c, sum(k) AS sk, sum(n) AS sn FROM {mode}");
+        assert_eq!(expected, text(&collect(&v, &read).await), "{mode}: the file");
+    }
+    let left: Vec<_> = std::fs::read_dir(dir.path())
+        .unwrap()
+        .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+        .collect();
+    let mut left = left;
+    left.sort();
+    assert_eq!(left, ["threads.parquet", "workers.parquet"], "staged files left");
+}
+
+/// A join of two CSV files (DataFusion gives no row counts for CSV) is sized from the
+/// files' bytes: planned out of core from the start under 16 MB, not refused in core.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_csv_join_is_sized_from_its_files() {
+    let dir = tempfile::tempdir().unwrap();
+    let csv = dir.path().join("t.csv");
+    let v = vanilla();
+    let write = format!(
+        "COPY (SELECT value AS k, repeat('c', 100) AS pad FROM range(0, 400000)) TO '{}' \
+         STORED AS CSV",
+        csv.display()
+    );
+    collect(&v, &write).await;
+    let create = format!(
+        "CREATE EXTERNAL TABLE t STORED AS CSV LOCATION '{}' OPTIONS ('format.has_header' 'true')",
+        csv.display()
+    );
+    collect(&v, &create).await;
+    let threads = flumen_ctx(&["SET flumen.memory_budget = '16MB'", &create]).await;
+    let sql = "SELECT count(*), sum(a.k), max(a.pad || b.pad) FROM t a JOIN t b ON a.k = b.k";
+    let (batches, plan) = run_plan(&threads, sql).await;
+    assert_eq!(text(&collect(&v, sql).await), text(&batches));
+    let exec = plan.downcast_ref::<FlumenExec>().unwrap();
+    assert!(!exec.replanned_out_of_core(), "refused in core first");
+    let sizing = exec.graph().sizing;
+    assert!(sizing.out_of_core(), "{sizing:?}");
+    println!("{sizing}");
+}
+
 /// A full sort of 1.5M rows under the budget, planned as a range sort (sampled split
 /// points, rows split by range through the store, one task sorts one range, ranges read in
 /// order): the same order as DataFusion's.

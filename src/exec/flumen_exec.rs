@@ -4,7 +4,7 @@
 
 use std::fmt;
 use std::sync::atomic::Ordering;
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Mutex, OnceLock};
 
 use datafusion::common::tree_node::TreeNodeRecursion;
 use datafusion::error::Result;
@@ -18,6 +18,7 @@ use datafusion::physical_plan::{
 use crate::config::FlumenConfig;
 use crate::exec::explain::display_tree;
 use crate::exec::metrics::RunMetrics;
+use crate::exec::replan::{OutputWatch, Replanner};
 use crate::exec::run::QueryRun;
 use crate::plan::graph::OperatorGraph;
 
@@ -30,8 +31,29 @@ pub struct FlumenExec {
     metrics: Arc<RunMetrics>,
     /// The root operator's `EXPLAIN` node (the operators below it hang from its stage inputs).
     display_root: Arc<dyn ExecutionPlan>,
-    /// The run serving the current execution, and which partitions it has handed out.
-    current: Mutex<Option<(Arc<QueryRun>, Vec<bool>)>>,
+    /// The run serving the current execution, which partitions it has handed out, and
+    /// the watch that restarts it out of core if it is refused memory.
+    current: Mutex<Option<Execution>>,
+    /// Plans the query again out of core (an in-core plan only: [`crate::exec::replan`]).
+    replanner: Option<Replanner>,
+    /// The out-of-core plan made after a run of this one was refused memory: it serves
+    /// the rest of that execution, every later one, and what `EXPLAIN ANALYZE` shows.
+    replanned: Arc<OnceLock<Arc<FlumenExec>>>,
+}
+
+/// One execution of a [`FlumenExec`], shared by its output partitions.
+struct Execution {
+    run: Arc<QueryRun>,
+    opened: Vec<bool>,
+    watch: Option<Arc<OutputWatch>>,
+}
+
+impl fmt::Debug for Execution {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Execution")
+            .field("opened", &self.opened)
+            .finish_non_exhaustive()
+    }
 }
 
 impl FlumenExec {
@@ -45,22 +67,47 @@ impl FlumenExec {
             metrics,
             display_root,
             current: Mutex::new(None),
+            replanner: None,
+            replanned: Arc::default(),
         }
     }
 
-    /// The operator graph this plan runs.
-    pub fn graph(&self) -> &Arc<OperatorGraph> {
-        &self.graph
+    /// The plan with `replanner`, which plans the query again out of core when a run is
+    /// refused memory before its first output.
+    pub fn with_replanner(mut self, replanner: Replanner) -> Self {
+        self.replanner = Some(replanner);
+        self
     }
 
-    /// The counters of this plan's runs.
+    /// The operator graph this plan runs (the out-of-core plan's once it replaced it).
+    pub fn graph(&self) -> &Arc<OperatorGraph> {
+        match self.replanned.get() {
+            Some(plan) => plan.graph(),
+            None => &self.graph,
+        }
+    }
+
+    /// The counters of this plan's runs (the out-of-core plan's once it replaced it).
     pub fn run_metrics(&self) -> &Arc<RunMetrics> {
-        &self.metrics
+        match self.replanned.get() {
+            Some(plan) => plan.run_metrics(),
+            None => &self.metrics,
+        }
+    }
+
+    /// Whether a run of this plan was refused memory in core and the query was planned
+    /// again out of core.
+    pub fn replanned_out_of_core(&self) -> bool {
+        self.replanned.get().is_some()
     }
 }
 
 impl DisplayAs for FlumenExec {
     fn fmt_as(&self, t: DisplayFormatType, f: &mut fmt::Formatter) -> fmt::Result {
+        if let Some(plan) = self.replanned.get() {
+            plan.fmt_as(t, f)?;
+            return write!(f, ", replanned out of core (refused memory in core)");
+        }
         match t {
             DisplayFormatType::TreeRender => write!(f, "mode={}", self.config.mode),
             _ => {
@@ -90,7 +137,10 @@ impl ExecutionPlan for FlumenExec {
     }
 
     fn children(&self) -> Vec<&Arc<dyn ExecutionPlan>> {
-        vec![&self.display_root]
+        match self.replanned.get() {
+            Some(plan) => plan.children(),
+            None => vec![&self.display_root],
+        }
     }
 
     fn apply_expressions(
@@ -125,19 +175,46 @@ impl ExecutionPlan for FlumenExec {
     ) -> Result<SendableRecordBatchStream> {
         let partitions = self.graph.root().partitions();
         let mut current = self.current.lock().unwrap();
-        let reuse = matches!(&*current, Some((_, opened)) if !opened[partition]);
+        let reuse = matches!(&*current, Some(e) if !e.opened[partition]);
         if !reuse {
-            let run = QueryRun::start(Arc::clone(&self.graph), Arc::clone(&self.metrics), context)?;
-            *current = Some((run, vec![false; partitions]));
+            if let Some(plan) = self.replanned.get() {
+                // A run of this plan was refused memory in core: the query runs out of core.
+                drop(current);
+                return plan.execute(partition, context);
+            }
+            let run = QueryRun::start(
+                Arc::clone(&self.graph),
+                Arc::clone(&self.metrics),
+                Arc::clone(&context),
+            )?;
+            let watch = self.replanner.as_ref().map(|replanner| {
+                OutputWatch::new(
+                    replanner.clone(),
+                    Arc::clone(&self.replanned),
+                    Arc::clone(&self.metrics),
+                    Arc::clone(&context),
+                    partitions,
+                )
+            });
+            *current = Some(Execution {
+                run,
+                opened: vec![false; partitions],
+                watch,
+            });
         }
-        let (run, opened) = current.as_mut().expect("a run was just set");
-        opened[partition] = true;
-        let run = Arc::clone(run);
-        if opened.iter().all(|o| *o) {
+        let execution = current.as_mut().expect("a run was just set");
+        execution.opened[partition] = true;
+        let run = Arc::clone(&execution.run);
+        let watch = execution.watch.clone();
+        if execution.opened.iter().all(|o| *o) {
             *current = None;
         }
         drop(current);
-        run.output(partition)
+        let output = run.output(partition)?;
+        Ok(match watch {
+            Some(watch) => watch.watch(partition, output),
+            None => output,
+        })
     }
 
     fn metrics(&self) -> Option<MetricsSet> {
@@ -152,6 +229,11 @@ impl ExecutionPlan for FlumenExec {
                 None,
             ))
         };
+        if let Some(plan) = self.replanned.get() {
+            let mut set = plan.metrics().unwrap_or_default();
+            set.push(count("runs_replanned_out_of_core", 1));
+            return Some(set);
+        }
         let mut set = MetricsSet::new();
         let passes = self.metrics.scheduler_passes() as usize;
         if passes > 0 {

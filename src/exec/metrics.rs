@@ -253,6 +253,14 @@ impl RunMetrics {
         &self.operators[id]
     }
 
+    /// Most bytes of output blocks any one operator has produced.
+    pub fn most_bytes_produced(&self) -> u64 {
+        (self.operators.iter())
+            .map(|op| op.bytes.load(Ordering::Relaxed))
+            .max()
+            .unwrap_or(0)
+    }
+
     /// Most bytes the block store held in memory during any run.
     pub fn peak_store_bytes(&self) -> u64 {
         self.peak_store.load(Ordering::Relaxed)

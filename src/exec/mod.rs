@@ -11,6 +11,8 @@
 //!   backpressure, pauses), [`task`] (running one task, its output cut into blocks),
 //!   [`streams`] (block streams for tasks and the query's output).
 //! - [`lineage`]: fetching a block, and recomputing it from its producer task when lost.
+//! - [`replan`]: an in-core run refused memory before its first output, planned again out
+//!   of core.
 //! - [`slices`]: a join's hot partition, refused memory, cut into slices of its build side.
 //! - [`remote_tasks`]: tasks run in worker processes, and recovering a dead worker's blocks.
 //! - [`on_driver`]: why a worker-mode task ran on the driver, counted per reason.
@@ -31,6 +33,7 @@ pub(crate) mod planner;
 pub(crate) mod policy;
 pub mod progress;
 pub(crate) mod remote_tasks;
+pub(crate) mod replan;
 pub(crate) mod run;
 pub(crate) mod slices;
 pub(crate) mod state;

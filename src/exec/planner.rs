@@ -20,6 +20,7 @@ use datafusion::physical_planner::{DefaultPhysicalPlanner, PhysicalPlanner};
 
 use crate::config::FlumenConfig;
 use crate::exec::flumen_exec::FlumenExec;
+use crate::exec::replan::Replanner;
 use crate::plan::exchange_sizing::{ExchangeSizing, row_width};
 use crate::plan::graph::OperatorGraph;
 use crate::plan::range_sort::plan_range_sorts;
@@ -46,7 +47,7 @@ pub async fn to_flumen_plan(
     plan: Arc<dyn ExecutionPlan>,
     session: &dyn Session,
     sizing: ExchangeSizing,
-) -> Result<Arc<dyn ExecutionPlan>> {
+) -> Result<Arc<FlumenExec>> {
     let plan = crate::io::output_commit::stage_file_sinks(plan)?;
     let plan = if sizing.out_of_core() {
         plan_range_sorts(plan, &sizing, session.task_ctx(), session.config_options()).await?
@@ -58,6 +59,38 @@ pub async fn to_flumen_plan(
     // The root goes to the workers only if they run every node of it.
     graph.root_on_workers &= workers_run_every_node(&graph.root().fragment);
     Ok(Arc::new(FlumenExec::new(graph, flumen_config(session))))
+}
+
+/// [`to_flumen_plan`] for a query to run: an in-core plan also gets a [`Replanner`] that
+/// plans `logical_plan` again out of core if its run is refused memory
+/// ([`crate::exec::replan`]).
+async fn to_runnable_plan(
+    plan: Arc<dyn ExecutionPlan>,
+    logical_plan: &LogicalPlan,
+    session: &dyn Session,
+    sizing: ExchangeSizing,
+) -> Result<Arc<dyn ExecutionPlan>> {
+    let out_of_core = sizing.out_of_core();
+    let flumen = to_flumen_plan(plan, session, sizing).await?;
+    let Some(state) = session.as_any().downcast_ref::<SessionState>() else {
+        return Ok(flumen);
+    };
+    if out_of_core {
+        return Ok(flumen);
+    }
+    let (logical_plan, state) = (Arc::new(logical_plan.clone()), Arc::new(state.clone()));
+    let replanner = Replanner::new(move |seen_bytes| {
+        let (logical_plan, state) = (Arc::clone(&logical_plan), Arc::clone(&state));
+        Box::pin(async move {
+            let planner = DefaultPhysicalPlanner::default();
+            let (plan, sizing) =
+                sized_physical_plan(&planner, &logical_plan, state.as_ref(), Some(seen_bytes))
+                    .await?;
+            to_flumen_plan(plan, state.as_ref(), sizing).await
+        })
+    });
+    let flumen = Arc::into_inner(flumen).expect("a plan just made has one owner");
+    Ok(Arc::new(flumen.with_replanner(replanner)))
 }
 
 /// Whether a worker runs every node of `fragment` (its stage inputs become in-memory scans).
@@ -76,13 +109,19 @@ fn workers_run_every_node(fragment: &Arc<dyn ExecutionPlan>) -> bool {
 /// DataFusion's physical plan of `logical_plan`, with its hash exchanges sized to the data
 /// and the memory budget: when the estimated bytes into an exchange need more partitions
 /// than `target_partitions` gives, the plan is made again with as many (out of core).
+/// `out_of_core_at_least`: plan it out of core whatever the estimates, its largest
+/// exchange at least these bytes (a run refused memory in core saw them).
 pub async fn sized_physical_plan(
     planner: &DefaultPhysicalPlanner,
     logical_plan: &LogicalPlan,
     session: &dyn Session,
+    out_of_core_at_least: Option<u64>,
 ) -> Result<(Arc<dyn ExecutionPlan>, ExchangeSizing)> {
     let plan = planner.create_physical_plan(logical_plan, session).await?;
-    let sizing = ExchangeSizing::choose(&plan, session.config_options());
+    let mut sizing = ExchangeSizing::choose(&plan, session.config_options());
+    if let Some(seen_bytes) = out_of_core_at_least {
+        sizing = sizing.out_of_core_at_least(seen_bytes);
+    }
     let row_group_rows = writer_row_group_rows(&plan, session.config_options());
     let split_small_files = splits_small_files(&plan, session.config_options());
     if !sizing.out_of_core() && row_group_rows.is_none() && !split_small_files {
@@ -170,7 +209,7 @@ impl QueryPlanner for FlumenQueryPlanner {
         session: &dyn Session,
     ) -> Result<Arc<dyn ExecutionPlan>> {
         let planner = DefaultPhysicalPlanner::default();
-        let (plan, sizing) = sized_physical_plan(&planner, logical_plan, session).await?;
+        let (plan, sizing) = sized_physical_plan(&planner, logical_plan, session, None).await?;
         if let Some(explain) = plan.downcast_ref::<ExplainExec>() {
             let LogicalPlan::Explain(e) = logical_plan else {
                 return Ok(plan);
@@ -186,8 +225,8 @@ impl QueryPlanner for FlumenQueryPlanner {
                 return Ok(plan);
             }
             // Show the operators in place of DataFusion's final physical plan.
-            let (inner, sizing) = sized_physical_plan(&planner, &e.plan, session).await?;
-            let flumen = to_flumen_plan(inner, session, sizing).await?;
+            let (inner, sizing) = sized_physical_plan(&planner, &e.plan, session, None).await?;
+            let flumen: Arc<dyn ExecutionPlan> = to_flumen_plan(inner, session, sizing).await?;
             let text = displayable(flumen.as_ref())
                 .indent(explain.verbose())
                 .to_string();
@@ -210,9 +249,12 @@ impl QueryPlanner for FlumenQueryPlanner {
         }
         if let Some(analyze) = plan.downcast_ref::<AnalyzeExec>() {
             let input = Arc::clone(analyze.input());
-            let flumen = to_flumen_plan(input, session, sizing).await?;
+            let flumen = match logical_plan {
+                LogicalPlan::Analyze(a) => to_runnable_plan(input, &a.input, session, sizing).await?,
+                _ => to_flumen_plan(input, session, sizing).await?,
+            };
             return replace_children_if_necessary(plan, vec![flumen]);
         }
-        to_flumen_plan(plan, session, sizing).await
+        to_runnable_plan(plan, logical_plan, session, sizing).await
     }
 }
