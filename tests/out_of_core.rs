@@ -176,6 +176,65 @@ async fn a_join_of_generated_series_runs_out_of_core() {
     }
 }
 
+/// The out-of-core join, partitioned window and range sort with two worker processes under
+/// 16 MB: every per-partition task but the root's (and the one window over the whole sorted
+/// table's, which streams the ranges in order) runs on the workers, which read their inputs
+/// a few blocks ahead and spill their operators' state and blocks under the same budget;
+/// none on the driver for being out of core, and the answers are DataFusion's.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn out_of_core_joins_windows_and_sorts_run_on_the_workers() {
+    let dir = tempfile::tempdir().unwrap();
+    write_tables(dir.path()).await;
+    let v = vanilla();
+    register(&v, dir.path()).await;
+    let mut config = flumen::FlumenConfig::default();
+    config.workers = flumen::WorkerMode::Process;
+    config.worker_processes = 2;
+    config.worker_binary = env!("CARGO_BIN_EXE_flumen").into();
+    config.memory_budget = flumen::ByteSize(16 << 20);
+    let f = flumen::session_with_config(
+        datafusion::prelude::SessionConfig::new().with_target_partitions(2),
+        config,
+    );
+    register(&f, dir.path()).await;
+    for (sql, out_of_core) in [QUERIES[0], QUERIES[3], QUERIES[4]] {
+        assert!(out_of_core);
+        let (batches, plan) = run_plan(&f, sql).await;
+        assert_eq!(text(&collect(&v, sql).await), text(&batches), "{sql}");
+        let exec = plan.downcast_ref::<FlumenExec>().unwrap();
+        assert!(exec.graph().sizing.out_of_core(), "{sql}");
+        let root = exec.graph().root().id;
+        let mut on_workers = 0;
+        for op in &exec.graph().operators {
+            let stats = exec.run_metrics().operator(op.id);
+            let on_driver = stats.on_driver();
+            assert!(
+                !on_driver.contains_key("out_of_core"),
+                "{sql}: operator {} ({}) ran tasks on the driver: {on_driver:?}",
+                op.id,
+                op.name
+            );
+            // The window over the whole range-sorted table is one task that streams the
+            // ranges in order: the driver runs it (`per_partition`).
+            let whole_order = sql.contains("OVER (ORDER BY") && op.partitions() == 1;
+            if op.id != root && !op.inputs.is_empty() && !whole_order {
+                let snapshot = stats.snapshot();
+                assert_eq!(
+                    snapshot.remote_tasks, snapshot.tasks,
+                    "{sql}: operator {} ({}): {on_driver:?}",
+                    op.id, op.name
+                );
+                on_workers += snapshot.remote_tasks;
+            }
+        }
+        assert!(
+            on_workers > 0,
+            "{sql}: no per-partition task on the workers"
+        );
+        println!("{sql}: {on_workers} tasks over stage inputs on the workers");
+    }
+}
+
 /// Two `unnest`s joined: DataFusion gives no statistics for an unnest, so the planner
 /// estimates a few bytes and plans the join in core, where its build sides (~70 MB) are
 /// refused the 16 MB budget ("HashJoinInput could not get ... more"). The run is refused
@@ -184,9 +243,8 @@ async fn a_join_of_generated_series_runs_out_of_core() {
 /// as a query and as a `COPY` whose file then holds every row once.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_in_core_plan_refused_memory_runs_again_out_of_core() {
-    let side = |pad: char| {
-        format!("SELECT unnest(range(0, 600000)) AS k, repeat('{pad}', 100) AS pad")
-    };
+    let side =
+        |pad: char| format!("SELECT unnest(range(0, 600000)) AS k, repeat('{pad}', 100) AS pad");
     let join = format!(
         "SELECT a.k, length(a.pad || b.pad) AS n FROM ({}) a JOIN ({}) b ON a.k = b.k",
         side('a'),
@@ -218,14 +276,25 @@ async fn an_in_core_plan_refused_memory_runs_again_out_of_core() {
         let out = dir.path().join(format!("{mode}.parquet"));
         let copy = format!("COPY ({join}) TO '{}'", out.display());
         let (written, plan) = run_plan(f, &copy).await;
-        assert!(text(&written).contains("600000"), "{mode}: {}", text(&written));
+        assert!(
+            text(&written).contains("600000"),
+            "{mode}: {}",
+            text(&written)
+        );
         let exec = plan.downcast_ref::<FlumenExec>().unwrap();
-        assert!(exec.replanned_out_of_core(), "{mode}: COPY not planned again");
+        assert!(
+            exec.replanned_out_of_core(),
+            "{mode}: COPY not planned again"
+        );
         v.register_parquet(mode, out.to_str().unwrap(), ParquetReadOptions::default())
             .await
             .unwrap();
         let read = format!("SELECT count(*) AS c, sum(k) AS sk, sum(n) AS sn FROM {mode}");
-        assert_eq!(expected, text(&collect(&v, &read).await), "{mode}: the file");
+        assert_eq!(
+            expected,
+            text(&collect(&v, &read).await),
+            "{mode}: the file"
+        );
     }
     let left: Vec<_> = std::fs::read_dir(dir.path())
         .unwrap()
@@ -233,7 +302,11 @@ async fn an_in_core_plan_refused_memory_runs_again_out_of_core() {
         .collect();
     let mut left = left;
     left.sort();
-    assert_eq!(left, ["threads.parquet", "workers.parquet"], "staged files left");
+    assert_eq!(
+        left,
+        ["threads.parquet", "workers.parquet"],
+        "staged files left"
+    );
 }
 
 /// A join of two CSV files (DataFusion gives no row counts for CSV) is sized from the

@@ -2,8 +2,9 @@
 //! driver fetches or releases them. Keys are 128 random bits: only a caller told a key by
 //! the driver can name a block, and only with the owning query's token.
 //!
-//! Memory is bounded twice: a query's blocks in memory stay within its
-//! `flumen.memory_budget` (the task carries it), and all of them within the worker's own
+//! Memory is bounded twice: a query's blocks in memory and the operators of its tasks
+//! running here stay within its `flumen.memory_budget` (the task carries it; operators
+//! that grow spill the query's blocks to make room), and all blocks within the worker's own
 //! budget (`flumen worker --memory-budget`). A block that would pass either goes to an Arrow
 //! IPC file in the worker's spill directory (removed with the shelf) and is read back when
 //! the driver fetches it, so a driver slower to fetch than its tasks are to cut costs the
@@ -45,6 +46,10 @@ struct Kept {
     blocks: HashMap<String, KeptBlock>,
     in_memory: u64,
     in_memory_by_query: HashMap<String, u64>,
+    /// Bytes the operators of each query's tasks here hold ([`BlockShelf::operators_grew`]).
+    operators_by_query: HashMap<String, u64>,
+    /// Blocks being written to spill files to make room for operators (one writer each).
+    spilling: std::collections::HashSet<String>,
 }
 
 impl Kept {
@@ -120,7 +125,8 @@ impl BlockShelf {
         {
             let mut kept = self.kept.lock().unwrap();
             self.refuse_ended(query)?;
-            let of_query = kept.in_memory_by_query.get(query).copied().unwrap_or(0);
+            let of_query = kept.in_memory_by_query.get(query).copied().unwrap_or(0)
+                + kept.operators_by_query.get(query).copied().unwrap_or(0);
             if kept.in_memory + bytes <= self.budget && of_query + bytes <= query_budget {
                 let rows = Rows::Memory(batch);
                 let query = query.to_string();
@@ -268,6 +274,85 @@ impl BlockShelf {
         dropped.len()
     }
 
+    /// The operators of `query`'s tasks here hold `bytes` more: the query's blocks in
+    /// memory go to spill files, oldest key order aside, until blocks and operators fit
+    /// `query_budget` again (or none is left in memory). An error when a block cannot be
+    /// written.
+    pub(crate) fn operators_grew(&self, query: &str, bytes: u64, query_budget: u64) -> Result<()> {
+        let candidates: Vec<(String, RecordBatch)> = {
+            let mut kept = self.kept.lock().unwrap();
+            *kept
+                .operators_by_query
+                .entry(query.to_string())
+                .or_default() += bytes;
+            let operators = kept.operators_by_query[query];
+            let blocks = kept.in_memory_by_query.get(query).copied().unwrap_or(0);
+            let mut over = (operators + blocks).saturating_sub(query_budget);
+            let mut candidates = vec![];
+            for (key, block) in &kept.blocks {
+                if over == 0 {
+                    break;
+                }
+                if kept.spilling.contains(key) {
+                    // Another task's growth is writing it out already.
+                    over = over.saturating_sub(block.bytes);
+                    continue;
+                }
+                if let (true, Rows::Memory(batch)) = (block.query == query, &block.rows) {
+                    candidates.push((key.clone(), batch.clone()));
+                    over = over.saturating_sub(block.bytes);
+                }
+            }
+            for (key, _) in &candidates {
+                kept.spilling.insert(key.clone());
+            }
+            candidates
+        };
+        let mut result = Ok(());
+        for (key, batch) in candidates {
+            let written = match &result {
+                Ok(()) => self.spill(&key, &batch),
+                Err(_) => Err(DataFusionError::Execution("an earlier spill failed".into())),
+            };
+            let mut kept = self.kept.lock().unwrap();
+            kept.spilling.remove(&key);
+            let path = match written {
+                Ok(path) => path,
+                Err(e) => {
+                    if result.is_ok() {
+                        result = Err(e);
+                    }
+                    continue;
+                }
+            };
+            // Taken or released meanwhile: its file is not needed.
+            let still_in_memory = kept
+                .blocks
+                .get(&key)
+                .is_some_and(|b| matches!(b.rows, Rows::Memory(_)));
+            if !still_in_memory {
+                drop(kept);
+                let _ = std::fs::remove_file(&path);
+                continue;
+            }
+            let block = kept.remove(&key).expect("checked above");
+            let rows = Rows::Spilled(path);
+            kept.insert(key, KeptBlock { rows, ..block });
+        }
+        result
+    }
+
+    /// The operators of `query`'s tasks here hold `bytes` fewer.
+    pub(crate) fn operators_shrank(&self, query: &str, bytes: u64) {
+        let mut kept = self.kept.lock().unwrap();
+        if let Some(held) = kept.operators_by_query.get_mut(query) {
+            *held = held.saturating_sub(bytes);
+            if *held == 0 {
+                kept.operators_by_query.remove(query);
+            }
+        }
+    }
+
     /// Blocks kept now.
     pub(crate) fn len(&self) -> usize {
         self.kept.lock().unwrap().blocks.len()
@@ -393,5 +478,39 @@ mod tests {
         let refused = shelf.keep("a", batch(), u64::MAX).unwrap_err().to_string();
         assert!(refused.contains("has ended"), "{refused}");
         assert_eq!(shelf.len(), 1, "query b's block stays");
+    }
+
+    #[test]
+    fn operators_that_grow_spill_their_querys_blocks_to_stay_within_its_budget() {
+        let shelf = BlockShelf::new(u64::MAX);
+        let bytes = batch().get_array_memory_size() as u64;
+        let budget = 4 * bytes;
+        let keys: Vec<String> = (0..4)
+            .map(|_| shelf.keep("q", batch(), budget).unwrap())
+            .collect();
+        let other = shelf.keep("other", batch(), budget).unwrap();
+        assert_eq!(shelf.bytes_in_memory(), 5 * bytes);
+        // Operators take two blocks' worth: two of q's blocks go to disk, not other's.
+        shelf.operators_grew("q", 2 * bytes, budget).unwrap();
+        assert_eq!(shelf.bytes_in_memory(), 3 * bytes);
+        assert_eq!(shelf.blocks_spilled(), 2);
+        // A new block of q does not fit beside them: it goes to disk too.
+        let fifth = shelf.keep("q", batch(), budget).unwrap();
+        assert_eq!(shelf.blocks_spilled(), 3);
+        // Every block reads back the same, wherever it is.
+        for key in keys.iter().chain([&fifth]) {
+            let block = shelf.take(&ticket("q", key, true)).unwrap().unwrap();
+            assert_eq!(block, batch());
+        }
+        assert!(
+            shelf
+                .take(&ticket("other", &other, true))
+                .unwrap()
+                .is_some()
+        );
+        // Operators done: the query's next block stays in memory again.
+        shelf.operators_shrank("q", 2 * bytes);
+        shelf.keep("q", batch(), budget).unwrap();
+        assert_eq!(shelf.blocks_spilled(), 3);
     }
 }

@@ -8,6 +8,8 @@
 //!   driver's check that a worker decodes the plan that was planned.
 //! - [`worker`]: the worker process: an Arrow Flight server that runs task plans.
 //! - [`worker_tasks`]: how a worker runs one task and hands out its blocks as it cuts them.
+//! - [`worker_memory`]: a worker task's operators, within its query's budget beside its
+//!   blocks.
 //! - [`block_shelf`]: the blocks a worker keeps, each under the query that owns it.
 //! - [`worker_pool`]: the driver's side: starting (or attaching to), watching and replacing
 //!   workers, placing tasks on them and fetching blocks from them.
@@ -24,6 +26,7 @@ pub mod protocol;
 pub mod task_plan;
 pub mod tls;
 pub(crate) mod worker;
+pub(crate) mod worker_memory;
 pub(crate) mod worker_pool;
 pub(crate) mod worker_tasks;
 

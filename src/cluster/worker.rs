@@ -49,18 +49,22 @@ use datafusion::arrow::record_batch::RecordBatch;
 use datafusion::error::{DataFusionError, Result};
 use datafusion::prelude::SessionContext;
 use futures::stream::BoxStream;
-use futures::{StreamExt, TryStreamExt};
+use futures::{FutureExt, StreamExt, TryStreamExt};
 use tonic::{Request, Response, Status, Streaming};
 
 use crate::cluster::auth::{RequireSecret, Secret};
 use crate::cluster::block_shelf::BlockShelf;
 use crate::cluster::protocol::{
-    BlockTicket, DeviceInfo, DriverHello, INPUT_LOST, PROGRESS_EVERY, PROTOCOL_VERSION,
-    ReleaseRequest, RemoteBlockInfo, TaskEvent, TaskInput, WorkerStatus, decode_task,
+    BlockTicket, DeviceInfo, DriverHello, INPUT_LOST, InputTicket, PROGRESS_EVERY,
+    PROTOCOL_VERSION, ReleaseRequest, RemoteBlockInfo, TaskEvent, TaskInput, WorkerStatus,
+    decode_task,
 };
 use crate::cluster::tls::{TlsIdentity, WorkerTrust, require_tls_off_loopback};
+use crate::cluster::worker_memory::TaskMemory;
 use crate::cluster::worker_pool::{Client, connect, get_block};
-use crate::cluster::worker_tasks::{ModelJob, PANICKED, Produced, run_task, start_model_thread};
+use crate::cluster::worker_tasks::{
+    FetchBlock, FetchedInputs, ModelJob, PANICKED, Produced, run_task, start_model_thread,
+};
 use crate::plan::graph::Pool;
 
 /// The first worker protocol whose workers check the driver's hello; older ones answer any
@@ -112,9 +116,9 @@ pub struct WorkerService {
     /// When a call last came (for the lease).
     last_call: Mutex<Instant>,
     /// Clients of the other workers it fetches task inputs from.
-    peers: Peers,
+    peers: Arc<Peers>,
     /// Where its tasks' input blocks came from.
-    input_reads: InputReads,
+    input_reads: Arc<InputReads>,
     /// Who it is and what it owns, as its status announces.
     identity: WorkerIdentity,
 }
@@ -226,11 +230,11 @@ impl WorkerService {
             shelf: Arc::new(BlockShelf::new(identity.memory_budget)),
             tasks: AtomicU64::new(0),
             panics: Arc::default(),
-            input_reads: InputReads::default(),
+            input_reads: Arc::default(),
             model_thread,
             auth,
             last_call: Mutex::new(Instant::now()),
-            peers,
+            peers: Arc::new(peers),
             identity,
         }
     }
@@ -276,17 +280,20 @@ impl WorkerService {
     async fn run(&self, body: &[u8]) -> Result<FlightStream<arrow_flight::Result>> {
         self.tasks.fetch_add(1, Ordering::Relaxed);
         let (request, _) = decode_task(body).map_err(DataFusionError::Execution)?;
-        let fetched = match &request.inputs {
-            Some(inputs) => {
-                (self.peers)
-                    .fetch_inputs(&self.shelf, &self.input_reads, &request.query, inputs)
-                    .await?
-            }
-            None => vec![],
+        let fetcher = InputFetcher {
+            peers: Arc::clone(&self.peers),
+            own: Arc::clone(&self.shelf),
+            reads: Arc::clone(&self.input_reads),
+            query: request.query.clone(),
         };
         let (out, produced) = tokio::sync::mpsc::unbounded_channel();
         let stop = match (&self.model_thread, &self.task_runtime) {
             (Some(thread), _) => {
+                // A model's bundle is small: fetched whole before the model thread takes it.
+                let fetched = match &request.inputs {
+                    Some(inputs) => fetcher.fetch_all(inputs).await?,
+                    None => vec![],
+                };
                 thread
                     .send((body.to_vec(), fetched, self.ctx.clone(), out))
                     .map_err(|_| DataFusionError::Execution("the model thread is gone".into()))?;
@@ -294,20 +301,30 @@ impl WorkerService {
             }
             (None, Some(runtime)) => {
                 let (body, ctx) = (body.to_vec(), self.ctx.clone());
+                let fetcher = Arc::new(fetcher);
+                let fetch: FetchBlock = Arc::new(move |ticket| {
+                    let fetcher = Arc::clone(&fetcher);
+                    async move { fetcher.fetch(&ticket).await }.boxed()
+                });
+                let memory = query_budget(&request.options).map(|budget| {
+                    TaskMemory::new(
+                        Arc::clone(&self.shelf),
+                        &request.query,
+                        budget,
+                        self.identity.slots,
+                    )
+                });
                 let handle = runtime.spawn(async move {
-                    run_task(&body, fetched, &ctx, &out).await;
+                    run_task(&body, FetchedInputs::OnDemand(fetch), memory, &ctx, &out).await;
+                    // What the task freed goes back to the system, as on the driver.
+                    crate::store::freed_memory::return_freed_memory(true);
                 });
                 Some(AbortOnDrop(handle.abort_handle()))
             }
             (None, None) => unreachable!("a worker has a model thread or a task runtime"),
         };
         // The query's blocks stay within its budget here too (the rest spill).
-        let query_budget = request
-            .options
-            .iter()
-            .find(|(key, _)| key == "flumen.memory_budget")
-            .and_then(|(_, value)| value.parse::<crate::ByteSize>().ok())
-            .map_or(u64::MAX, |budget| budget.0);
+        let query_budget = query_budget(&request.options).unwrap_or(u64::MAX);
         let reply = TaskReply {
             produced,
             shelf: Arc::clone(&self.shelf),
@@ -484,49 +501,66 @@ impl Peers {
             .insert(address.to_string(), client.clone());
         Ok(client)
     }
+}
 
-    /// The [`TaskInput::Fetch`] blocks of `inputs`, in order, read from their holders
-    /// (which keep them). A block this worker holds itself (`own`: keys are random, so a
-    /// key found there is that block) is read from its shelf, not over the network. A
-    /// block that cannot be read fails the task with [`INPUT_LOST`].
-    async fn fetch_inputs(
-        &self,
-        own: &BlockShelf,
-        reads: &InputReads,
-        query: &str,
-        inputs: &[TaskInput],
-    ) -> Result<Vec<RecordBatch>> {
-        let fetches = inputs.iter().filter_map(|input| match input {
+/// The query's `flumen.memory_budget`, from a task's `options`; `None` when the driver
+/// sent none.
+fn query_budget(options: &[(String, String)]) -> Option<u64> {
+    let (_, budget) = options
+        .iter()
+        .find(|(key, _)| key == "flumen.memory_budget")?;
+    Some(budget.parse::<crate::ByteSize>().ok()?.0)
+}
+
+/// Reads a task's input blocks named by ticket, for one query: a block this worker holds
+/// itself (keys are random, so a key found on its shelf is that block) from its shelf,
+/// not over the network; the others from their holders, which keep them. A block that
+/// cannot be read fails the task with [`INPUT_LOST`] (the driver recomputes it and sends
+/// the task again).
+struct InputFetcher {
+    peers: Arc<Peers>,
+    own: Arc<BlockShelf>,
+    reads: Arc<InputReads>,
+    query: String,
+}
+
+impl InputFetcher {
+    /// The block `ticket` names.
+    async fn fetch(&self, ticket: &InputTicket) -> Result<RecordBatch> {
+        let lost = |why: String| {
+            DataFusionError::Execution(format!(
+                "{INPUT_LOST}: {} on worker {}: {why}",
+                ticket.key, ticket.address
+            ))
+        };
+        let wanted = BlockTicket {
+            query: self.query.clone(),
+            key: ticket.key.clone(),
+            keep: true,
+        };
+        if let Some(block) = self.own.take(&wanted).map_err(|e| lost(e.to_string()))? {
+            self.reads.held_here.fetch_add(1, Ordering::Relaxed);
+            return Ok(block);
+        }
+        self.reads.from_peers.fetch_add(1, Ordering::Relaxed);
+        (self.reads.bytes_from_peers).fetch_add(ticket.bytes, Ordering::Relaxed);
+        let client = self
+            .peers
+            .client(&ticket.address, ticket.tls)
+            .await
+            .map_err(|e| lost(e.to_string()))?;
+        get_block(&client, wanted)
+            .await
+            .map_err(|e| lost(e.to_string()))
+    }
+
+    /// The [`TaskInput::Fetch`] blocks of `inputs`, in order, fetched at once.
+    async fn fetch_all(&self, inputs: &[TaskInput]) -> Result<Vec<RecordBatch>> {
+        let tickets = inputs.iter().filter_map(|input| match input {
             TaskInput::Fetch(ticket) => Some(ticket),
             TaskInput::Inline(_) => None,
         });
-        futures::future::try_join_all(fetches.map(|ticket| async move {
-            let lost = |why: String| {
-                DataFusionError::Execution(format!(
-                    "{INPUT_LOST}: {} on worker {}: {why}",
-                    ticket.key, ticket.address
-                ))
-            };
-            let wanted = BlockTicket {
-                query: query.to_string(),
-                key: ticket.key.clone(),
-                keep: true,
-            };
-            if let Some(block) = own.take(&wanted).map_err(|e| lost(e.to_string()))? {
-                reads.held_here.fetch_add(1, Ordering::Relaxed);
-                return Ok(block);
-            }
-            reads.from_peers.fetch_add(1, Ordering::Relaxed);
-            (reads.bytes_from_peers).fetch_add(ticket.bytes, Ordering::Relaxed);
-            let client = self
-                .client(&ticket.address, ticket.tls)
-                .await
-                .map_err(|e| lost(e.to_string()))?;
-            get_block(&client, wanted)
-                .await
-                .map_err(|e| lost(e.to_string()))
-        }))
-        .await
+        futures::future::try_join_all(tickets.map(|ticket| self.fetch(ticket))).await
     }
 }
 

@@ -14,16 +14,19 @@ use datafusion::datasource::source::DataSourceExec;
 use datafusion::error::{DataFusionError, Result};
 use datafusion::execution::{SendableRecordBatchStream, TaskContext};
 use datafusion::physical_plan::repartition::RepartitionExec;
+use datafusion::physical_plan::stream::RecordBatchStreamAdapter;
+use datafusion::physical_plan::streaming::{PartitionStream, StreamingTableExec};
 use datafusion::physical_plan::{ExecutionPlan, ExecutionPlanProperties};
 use datafusion::prelude::SessionContext;
 use futures::{FutureExt, StreamExt};
 use tokio::sync::mpsc::UnboundedSender;
 
 use crate::cluster::admission::{admit_options, admit_plan};
-use crate::cluster::protocol::{TaskInput, TaskRequest, decode_task};
+use crate::cluster::protocol::{InputTicket, TaskInput, TaskRequest, decode_task};
+use crate::cluster::worker_memory::TaskMemory;
 use crate::exec::plan_metrics::{PlanMetric, carried};
 use crate::store::block_memory::compact;
-use crate::store::cutter::{BlockCutter, bundle_pieces};
+use crate::store::cutter::{BlockCutter, PieceCutter, bundle_pieces};
 
 /// What a running task hands out, in order.
 #[derive(Debug)]
@@ -44,14 +47,36 @@ pub(crate) type ProducedSender = UnboundedSender<Produced>;
 /// from other workers, the session, and where its output goes.
 pub(crate) type ModelJob = (Vec<u8>, Vec<RecordBatch>, SessionContext, ProducedSender);
 
+/// Reads one input block a task names by ticket: from the worker's own shelf, else from
+/// the worker holding it.
+pub(crate) type FetchBlock = Arc<
+    dyn Fn(InputTicket) -> futures::future::BoxFuture<'static, Result<RecordBatch>> + Send + Sync,
+>;
+
+/// A task's input blocks named by ticket.
+pub(crate) enum FetchedInputs {
+    /// All fetched before the task starts, in order (a model's bundle).
+    Ready(Vec<RecordBatch>),
+    /// Fetched as the task's plan reads them, a few ahead: a CPU task holds what its
+    /// operators keep and the blocks in flight, not its whole input (a join partition out
+    /// of core, a merge of sorted runs).
+    OnDemand(FetchBlock),
+}
+
+/// Input blocks a task reading on demand fetches ahead of its plan, per in-memory source.
+const BLOCKS_FETCHED_AHEAD: usize = 3;
+
 /// The words a panicking task's error carries.
 pub(crate) const PANICKED: &str = "task panicked";
 
 /// Run a task body to its end, handing out its blocks and then [`Produced::Finished`]; a
 /// panic is the task's error (the worker lives on). Returns whether it panicked.
+/// `operator_memory`: the pool its operators run under ([`TaskMemory`]), `None` for the
+/// session's.
 pub(crate) async fn run_task(
     body: &[u8],
-    fetched: Vec<RecordBatch>,
+    fetched: FetchedInputs,
+    operator_memory: Option<TaskMemory>,
     ctx: &SessionContext,
     out: &ProducedSender,
 ) -> bool {
@@ -59,9 +84,15 @@ pub(crate) async fn run_task(
         // The caller gone (the driver gave up): the task's output has nowhere to go.
         let _ = out.send(item);
     };
-    let result = AssertUnwindSafe(run_task_body(body, fetched, ctx, &mut hand_out))
-        .catch_unwind()
-        .await;
+    let result = AssertUnwindSafe(run_task_body(
+        body,
+        fetched,
+        operator_memory,
+        ctx,
+        &mut hand_out,
+    ))
+    .catch_unwind()
+    .await;
     let (result, panicked) = match result {
         Ok(result) => (result, false),
         Err(panic) => {
@@ -82,7 +113,8 @@ pub(crate) async fn run_task(
 /// worker runs, put in the input blocks `fetched` from other workers, and run it.
 async fn run_task_body(
     body: &[u8],
-    fetched: Vec<RecordBatch>,
+    fetched: FetchedInputs,
+    operator_memory: Option<TaskMemory>,
     ctx: &SessionContext,
     out: &mut (dyn FnMut(Produced) + Send),
 ) -> Result<Vec<PlanMetric>> {
@@ -92,11 +124,23 @@ async fn run_task_body(
     for (key, value) in &request.options {
         config.options_mut().set(key, value)?;
     }
+    if let Some(bytes) = operator_memory.as_ref().map(|memory| memory.share) {
+        // A sort reserves memory for merging its spill files up front, and concatenates
+        // what it holds below a threshold: both within a quarter of the task's share, as
+        // on the driver, or it could never start under a small budget.
+        let quarter = usize::try_from(bytes / 4).unwrap_or(usize::MAX);
+        let execution = &mut config.options_mut().execution;
+        execution.sort_spill_reservation_bytes =
+            execution.sort_spill_reservation_bytes.min(quarter);
+        execution.sort_in_place_threshold_bytes =
+            execution.sort_in_place_threshold_bytes.min(quarter);
+    }
     // Decoded under the driver's settings: model calls read them from their expressions.
     let state = datafusion::execution::SessionStateBuilder::new_from_existing(ctx.state())
         .with_config(config)
         .build();
     let state = with_granted_stores(state, &request)?;
+    let state = with_operator_memory(state, operator_memory)?;
     let task_ctx = state.task_ctx();
     let plan = crate::cluster::task_plan::decode(plan, &task_ctx)?;
     let stores: Vec<String> = request.stores.iter().map(|g| g.url.clone()).collect();
@@ -137,6 +181,26 @@ fn with_granted_stores(
     )
 }
 
+/// `state` whose operators run under `memory`'s pool, in a runtime of its own; `state` as
+/// it is for `None`.
+fn with_operator_memory(
+    state: datafusion::execution::SessionState,
+    memory: Option<TaskMemory>,
+) -> Result<datafusion::execution::SessionState> {
+    use datafusion::execution::runtime_env::RuntimeEnvBuilder;
+    let Some(memory) = memory else {
+        return Ok(state);
+    };
+    let runtime = RuntimeEnvBuilder::from_runtime_env(state.runtime_env())
+        .with_memory_pool(memory.pool)
+        .build_arc()?;
+    Ok(
+        datafusion::execution::SessionStateBuilder::new_from_existing(state)
+            .with_runtime_env(runtime)
+            .build(),
+    )
+}
+
 /// Put a task's input blocks into its plan's in-memory sources: the inline batches each
 /// source carries and the `fetched` ones, in the order `inputs` gives, each source taking
 /// as many as `input_sources` says (all: one source), cut as the driver cuts a bundle
@@ -145,7 +209,7 @@ fn with_granted_stores(
 fn with_inputs(
     plan: Arc<dyn ExecutionPlan>,
     request: &TaskRequest,
-    fetched: Vec<RecordBatch>,
+    fetched: FetchedInputs,
 ) -> Result<Arc<dyn ExecutionPlan>> {
     let inputs = request.inputs.as_deref().unwrap_or_default();
     let counts = match request.input_sources.as_slice() {
@@ -159,7 +223,10 @@ fn with_inputs(
             inputs.len()
         )));
     }
-    let mut fetched = fetched.into_iter();
+    let (mut ready, on_demand) = match fetched {
+        FetchedInputs::Ready(blocks) => (blocks.into_iter(), None),
+        FetchedInputs::OnDemand(fetch) => (vec![].into_iter(), Some(fetch)),
+    };
     let mut remaining = inputs;
     let mut sources = 0;
     let plan = plan
@@ -180,22 +247,50 @@ fn with_inputs(
             let (own, rest) = remaining.split_at(count);
             remaining = rest;
             let inline: Vec<&RecordBatch> = memory.partitions().iter().flatten().collect();
-            let mut bundle = Vec::with_capacity(own.len());
+            let mut blocks = Vec::with_capacity(own.len());
             for input in own {
-                let block = match input {
-                    TaskInput::Inline(i) => inline.get(*i).map(|b| (*b).clone()),
-                    TaskInput::Fetch(_) => fetched.next(),
+                let block = match (input, &on_demand) {
+                    (TaskInput::Inline(i), _) => {
+                        inline.get(*i).map(|b| InputBlock::Here((*b).clone()))
+                    }
+                    (TaskInput::Fetch(ticket), Some(_)) => Some(InputBlock::Ticket(ticket.clone())),
+                    (TaskInput::Fetch(_), None) => ready.next().map(InputBlock::Here),
                 };
-                bundle.push(block.ok_or_else(|| {
+                blocks.push(block.ok_or_else(|| {
                     DataFusionError::Execution(format!("task input {input:?} is missing"))
                 })?);
             }
             let schema = node.schema();
-            let pieces = bundle_pieces(&schema, bundle, request.target_rows)?;
             // The order the driver's source declared (a partition's blocks, in order).
-            let source = MemorySourceConfig::try_new(&[pieces], schema, None)?
-                .try_with_sort_information(memory.sort_information().to_vec())?;
-            let source: Arc<dyn ExecutionPlan> = DataSourceExec::from_data_source(source);
+            let ordering = memory.sort_information().to_vec();
+            let source: Arc<dyn ExecutionPlan> = match &on_demand {
+                Some(fetch) => {
+                    let blocks = Arc::new(OnDemandBlocks {
+                        schema: Arc::clone(&schema),
+                        blocks,
+                        fetch: Arc::clone(fetch),
+                        target_rows: request.target_rows,
+                    });
+                    Arc::new(StreamingTableExec::try_new(
+                        schema,
+                        vec![blocks],
+                        None,
+                        ordering,
+                        false,
+                        None,
+                    )?)
+                }
+                None => {
+                    let here = blocks.into_iter().map(|b| match b {
+                        InputBlock::Here(batch) => batch,
+                        InputBlock::Ticket(_) => unreachable!("every block was fetched"),
+                    });
+                    let pieces = bundle_pieces(&schema, here.collect(), request.target_rows)?;
+                    let source = MemorySourceConfig::try_new(&[pieces], schema, None)?
+                        .try_with_sort_information(ordering)?;
+                    DataSourceExec::from_data_source(source)
+                }
+            };
             Ok(Transformed::yes(source))
         })?
         .data;
@@ -206,6 +301,79 @@ fn with_inputs(
         )));
     }
     Ok(plan)
+}
+
+/// One input block of a task's in-memory source: carried in the request, or named by
+/// ticket and fetched when read.
+#[derive(Debug, Clone)]
+enum InputBlock {
+    Here(RecordBatch),
+    Ticket(InputTicket),
+}
+
+/// An in-memory source of a worker's task whose blocks are fetched as the plan reads them
+/// ([`BLOCKS_FETCHED_AHEAD`] ahead), cut into the pieces [`bundle_pieces`] makes.
+struct OnDemandBlocks {
+    schema: datafusion::arrow::datatypes::SchemaRef,
+    blocks: Vec<InputBlock>,
+    fetch: FetchBlock,
+    target_rows: usize,
+}
+
+impl std::fmt::Debug for OnDemandBlocks {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("OnDemandBlocks")
+            .field("blocks", &self.blocks.len())
+            .finish_non_exhaustive()
+    }
+}
+
+impl PartitionStream for OnDemandBlocks {
+    fn schema(&self) -> &datafusion::arrow::datatypes::SchemaRef {
+        &self.schema
+    }
+
+    fn execute(&self, _ctx: Arc<TaskContext>) -> SendableRecordBatchStream {
+        let fetch = Arc::clone(&self.fetch);
+        let blocks = futures::stream::iter(self.blocks.clone())
+            .map(move |block| match block {
+                InputBlock::Here(batch) => futures::future::ready(Ok(batch)).boxed(),
+                InputBlock::Ticket(ticket) => fetch(ticket),
+            })
+            .buffered(BLOCKS_FETCHED_AHEAD);
+        let cutter = PieceCutter::new(&self.schema, self.target_rows);
+        let pieces = futures::stream::unfold(
+            (blocks, cutter, std::collections::VecDeque::new(), false),
+            |(mut blocks, mut cutter, mut ready, mut ended)| async move {
+                loop {
+                    if let Some(piece) = ready.pop_front() {
+                        return Some((Ok(piece), (blocks, cutter, ready, ended)));
+                    }
+                    if ended {
+                        return None;
+                    }
+                    match blocks.next().await {
+                        Some(Ok(block)) => match cutter.push(block) {
+                            Ok(pieces) => ready.extend(pieces),
+                            Err(e) => return Some((Err(e), (blocks, cutter, ready, true))),
+                        },
+                        Some(Err(e)) => return Some((Err(e), (blocks, cutter, ready, true))),
+                        None => {
+                            ended = true;
+                            match cutter.finish() {
+                                Ok(last) => ready.extend(last),
+                                Err(e) => return Some((Err(e), (blocks, cutter, ready, true))),
+                            }
+                        }
+                    }
+                }
+            },
+        );
+        Box::pin(RecordBatchStreamAdapter::new(
+            Arc::clone(&self.schema),
+            pieces,
+        ))
+    }
 }
 
 /// The thread an accelerator worker runs its tasks on, one at a time, so each model is
@@ -231,7 +399,13 @@ fn spawn_model_thread(queue: std::sync::mpsc::Receiver<ModelJob>) {
                     // The driver gave up on it while it waited its turn.
                     continue;
                 }
-                if runtime.block_on(run_task(&body, fetched, &ctx, &out)) {
+                if runtime.block_on(run_task(
+                    &body,
+                    FetchedInputs::Ready(fetched),
+                    None,
+                    &ctx,
+                    &out,
+                )) {
                     log::warn!("flumen worker: restarting the model thread after a panic");
                     drop(runtime);
                     spawn_model_thread(queue);

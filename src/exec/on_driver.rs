@@ -17,9 +17,8 @@ pub enum OnDriver {
     /// reads more than its stage inputs. Joins, final aggregates, sorts and windows over
     /// complete inputs go to the workers.
     PerPartition,
-    /// A per-partition task whose inputs are over its share of the memory budget, or that
-    /// runs again after it was refused memory: the driver runs it, where it spills (a
-    /// worker holds a task's inputs in memory).
+    /// A per-partition task that runs again after it was refused memory (on a worker or
+    /// here): the driver runs it alone, then with sort-merge joins, under its whole budget.
     OutOfCore,
     /// Its source is data in the driver's memory, or no data at all (an in-memory table,
     /// `VALUES`, a one-row placeholder): no file to hand a worker.

@@ -250,7 +250,9 @@ impl QueryPlanner for FlumenQueryPlanner {
         if let Some(analyze) = plan.downcast_ref::<AnalyzeExec>() {
             let input = Arc::clone(analyze.input());
             let flumen = match logical_plan {
-                LogicalPlan::Analyze(a) => to_runnable_plan(input, &a.input, session, sizing).await?,
+                LogicalPlan::Analyze(a) => {
+                    to_runnable_plan(input, &a.input, session, sizing).await?
+                }
                 _ => to_flumen_plan(input, session, sizing).await?,
             };
             return replace_children_if_necessary(plan, vec![flumen]);

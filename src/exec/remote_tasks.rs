@@ -554,10 +554,11 @@ impl QueryRun {
 
     /// Whether per-partition task `task` can run on a worker: the plan it would run (over
     /// empty inputs, to check that it encodes) and its input blocks per stage input, or why
-    /// it runs here. It runs here when it
-    /// was refused memory before or its inputs are over its share of the budget (the
-    /// driver spills; a worker holds a task's inputs in memory), when an input is still
-    /// being produced or streams, or when its fragment is not one [`partition_plan`] cuts.
+    /// it runs here. It runs here when it was refused memory before (alone on the driver,
+    /// then as a sort-merge join), when an input is still being produced or streams, or
+    /// when its fragment is not one [`partition_plan`] cuts. However large its inputs, a
+    /// worker reads them as its plan does, a few blocks ahead, and its operators spill to
+    /// the worker's disk beyond their share of the budget.
     fn partition_runnable(
         &self,
         task: TaskId,
@@ -583,16 +584,6 @@ impl QueryRun {
         let inputs = self
             .partition_input_blocks(task)
             .ok_or(OnDriver::PerPartition)?;
-        let bytes: u64 = {
-            let st = self.state.lock().unwrap();
-            (inputs.iter().flatten().flatten())
-                .filter_map(|id| st.blocks.get(id))
-                .map(|b| b.bytes)
-                .sum()
-        };
-        if bytes > 2 * self.graph.sizing.partition_bytes {
-            return Err(OnDriver::OutOfCore);
-        }
         Ok((plan, inputs))
     }
 

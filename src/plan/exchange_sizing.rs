@@ -247,7 +247,12 @@ pub fn scanned_file_bytes(plan: &Arc<dyn ExecutionPlan>) -> Option<u64> {
         })
         .sum();
     let width = |schema: &datafusion::arrow::datatypes::Schema| -> u64 {
-        schema.fields().iter().map(|f| field_width(f.data_type())).sum::<u64>().max(1)
+        schema
+            .fields()
+            .iter()
+            .map(|f| field_width(f.data_type()))
+            .sum::<u64>()
+            .max(1)
     };
     let whole = width(config.file_schema());
     let projected = config
@@ -575,7 +580,13 @@ mod tests {
         let scan = |sql: &'static str| {
             let ctx = ctx.clone();
             async move {
-                let plan = ctx.sql(sql).await.unwrap().create_physical_plan().await.unwrap();
+                let plan = ctx
+                    .sql(sql)
+                    .await
+                    .unwrap()
+                    .create_physical_plan()
+                    .await
+                    .unwrap();
                 let mut found = None;
                 let _ = plan.apply(|node| {
                     if node.name() == "DataSourceExec" {
@@ -590,7 +601,11 @@ mod tests {
         // Both columns: the file's bytes (an Int64 is 8 bytes wide, a string 32).
         let both = scan("SELECT k, pad FROM t").await;
         assert_eq!(scanned_file_bytes(&both), Some(file_bytes));
-        assert_eq!(estimated_bytes(&both), file_bytes, "DataFusion knows no rows");
+        assert_eq!(
+            estimated_bytes(&both),
+            file_bytes,
+            "DataFusion knows no rows"
+        );
         // The key alone: 8 of the 40 bytes of a row.
         let key = scan("SELECT k FROM t").await;
         assert_eq!(scanned_file_bytes(&key), Some(file_bytes * 8 / 40));

@@ -251,27 +251,61 @@ pub fn bundle_pieces(
     blocks: Vec<RecordBatch>,
     target_rows: usize,
 ) -> Result<Vec<RecordBatch>> {
-    let target = target_rows.max(1);
+    let mut cutter = PieceCutter::new(schema, target_rows);
     let mut pieces = vec![];
-    // Slices of the piece being made, and their rows.
-    let mut parts: Vec<RecordBatch> = vec![];
-    let mut rows = 0;
     for block in blocks {
-        let mut at = 0;
-        while at < block.num_rows() {
-            let take = (target - rows).min(block.num_rows() - at);
-            parts.push(block.slice(at, take));
-            (rows, at) = (rows + take, at + take);
-            if rows == target {
-                pieces.push(one_piece(schema, std::mem::take(&mut parts))?);
-                rows = 0;
-            }
+        pieces.extend(cutter.push(block)?);
+    }
+    pieces.extend(cutter.finish()?);
+    Ok(pieces)
+}
+
+/// [`bundle_pieces`] one block at a time: a worker's task reads its input blocks as they
+/// are fetched, cut into the same pieces.
+#[derive(Debug)]
+pub struct PieceCutter {
+    schema: SchemaRef,
+    target: usize,
+    /// Slices of the piece being made, and their rows.
+    parts: Vec<RecordBatch>,
+    rows: usize,
+}
+
+impl PieceCutter {
+    /// A cutter into pieces of `target_rows` rows of `schema`.
+    pub fn new(schema: &SchemaRef, target_rows: usize) -> Self {
+        Self {
+            schema: Arc::clone(schema),
+            target: target_rows.max(1),
+            parts: vec![],
+            rows: 0,
         }
     }
-    if rows > 0 {
-        pieces.push(one_piece(schema, parts)?);
+
+    /// The pieces `block` completes.
+    pub fn push(&mut self, block: RecordBatch) -> Result<Vec<RecordBatch>> {
+        let mut pieces = vec![];
+        let mut at = 0;
+        while at < block.num_rows() {
+            let take = (self.target - self.rows).min(block.num_rows() - at);
+            self.parts.push(block.slice(at, take));
+            (self.rows, at) = (self.rows + take, at + take);
+            if self.rows == self.target {
+                pieces.push(one_piece(&self.schema, std::mem::take(&mut self.parts))?);
+                self.rows = 0;
+            }
+        }
+        Ok(pieces)
     }
-    Ok(pieces)
+
+    /// The last, smaller piece, if rows are left.
+    pub fn finish(&mut self) -> Result<Option<RecordBatch>> {
+        if self.rows == 0 {
+            return Ok(None);
+        }
+        self.rows = 0;
+        one_piece(&self.schema, std::mem::take(&mut self.parts)).map(Some)
+    }
 }
 
 /// The slices of one piece as one batch.
