@@ -880,6 +880,50 @@ async fn a_hot_partition_is_cut_into_slices_of_its_build_side() {
     );
 }
 
+/// The hot partition's slices run on two worker processes: each slice's build blocks and
+/// the partition's probe blocks are fetched by the worker as its plan reads them; the
+/// answers equal DataFusion's, and no slice runs on the driver.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_hot_partitions_slices_run_on_the_workers() {
+    let (dir, v, _) = skew_contexts(5_000_000, 3_500_000, 30, &[]).await;
+    let mut config = flumen::FlumenConfig::default();
+    config.workers = flumen::WorkerMode::Process;
+    config.worker_processes = 2;
+    config.worker_binary = env!("CARGO_BIN_EXE_flumen").into();
+    config.memory_budget = flumen::ByteSize(16 << 20);
+    config.cpu_slots = 2;
+    let f = flumen::session_with_config(
+        datafusion::prelude::SessionConfig::new().with_target_partitions(2),
+        config,
+    );
+    for name in ["facts", "hot"] {
+        let path = format!("{}/{name}.parquet", dir.path().display());
+        f.register_parquet(name, &path, ParquetReadOptions::default())
+            .await
+            .unwrap();
+    }
+    let sql = HOT_KEY_QUERIES[0];
+    let (batches, plan) = run_plan(&f, sql).await;
+    assert_eq!(text(&collect(&v, sql).await), text(&batches), "{sql}");
+    let exec = plan.downcast_ref::<FlumenExec>().unwrap();
+    let (mut slices, mut on_workers) = (0, 0);
+    for op in &exec.graph().operators {
+        let stats = exec.run_metrics().operator(op.id);
+        let snapshot = stats.snapshot();
+        if snapshot.slices > 0 {
+            slices += snapshot.slices;
+            on_workers += snapshot.remote_tasks;
+            assert_eq!(
+                snapshot.remote_tasks, snapshot.tasks,
+                "operator {} ({}): {:?}",
+                op.id, op.name, stats.on_driver()
+            );
+        }
+    }
+    assert!(slices > 0, "no partition was cut into slices");
+    println!("{slices} slices; {on_workers} of the sliced operators' tasks on the workers");
+}
+
 /// A full sort whose key has 60% of its rows on one value (2M rows, ~70 MB, 16 MB budget, 2
 /// CPU slots): out of core it is a range sort, and the hot value, which would make one range
 /// (one task sorting 60% of the table while the other slot finishes the rest), is spread

@@ -12,10 +12,10 @@ use std::sync::Mutex;
 /// Why one task ran on the driver instead of a worker.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum OnDriver {
-    /// A per-partition task workers do not run yet: a slice of a hot partition, a merge of
-    /// a range's sorted runs, a task streaming its input (a limit), or one whose fragment
-    /// reads more than its stage inputs. Joins, final aggregates, sorts and windows over
-    /// complete inputs go to the workers.
+    /// A per-partition task workers do not run yet: a merge of a range's sorted runs, a
+    /// task streaming its input (a limit, a window over the whole range-sorted table), or
+    /// one whose fragment reads more than its stage inputs. Joins (a hot partition's slices
+    /// too), final aggregates, sorts and windows over complete inputs go to the workers.
     PerPartition,
     /// A per-partition task that runs again after it was refused memory (on a worker or
     /// here): the driver runs it alone, then with sort-merge joins, under its whole budget.

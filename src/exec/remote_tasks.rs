@@ -474,11 +474,12 @@ impl QueryRun {
                 let empty = MemorySourceConfig::try_new_exec(&[vec![]], schema, None)?;
                 blocks_plan(op, empty)
             }
-            TaskKind::Partition => self.partition_runnable(task).map(|(plan, inputs)| {
-                partition_inputs = Some(inputs);
-                plan
-            }),
-            TaskKind::Slice { .. } => Err(OnDriver::PerPartition),
+            TaskKind::Partition | TaskKind::Slice { .. } => {
+                self.partition_runnable(task).map(|(plan, inputs)| {
+                    partition_inputs = Some(inputs);
+                    plan
+                })
+            }
         };
         let runnable = match runnable {
             Ok(plan) => plan,
@@ -588,10 +589,25 @@ impl QueryRun {
     }
 
     /// The blocks per-partition task `task` reads of each of its stage inputs, in the order
-    /// a local task reads them; `None` while an input is still being produced, or when the
-    /// task streams an input. Each input counts as asked for.
+    /// a local task reads them (a slice: its own blocks of the input it cuts); `None` while
+    /// an input is still being produced, or when the task streams an input. Each input
+    /// counts as asked for.
     fn partition_input_blocks(&self, task: TaskId) -> Option<PartitionInputs> {
-        let (op_id, partition, _) = self.task_identity(task);
+        let (op_id, partition, kind) = self.task_identity(task);
+        let mut inputs = self.whole_partition_input_blocks(op_id, partition)?;
+        if let TaskKind::Slice { input, blocks } = kind {
+            *inputs.get_mut(input)? = vec![blocks];
+        }
+        Some(inputs)
+    }
+
+    /// The blocks partition `partition` of `op_id` reads of each of its stage inputs, as
+    /// [`Self::partition_input_blocks`] says.
+    fn whole_partition_input_blocks(
+        &self,
+        op_id: OperatorId,
+        partition: usize,
+    ) -> Option<PartitionInputs> {
         let op = &self.graph.operators[op_id];
         let streams = self.streams_inputs(op_id);
         let mut st = self.state.lock().unwrap();
@@ -748,11 +764,11 @@ impl QueryRun {
     ) -> Result<Result<WorkerTask, OnDriver>> {
         let (op_id, partition, kind) = self.task_identity(task);
         let op = &self.graph.operators[op_id];
-        let partitioned = matches!(kind, TaskKind::Partition);
+        let partitioned = matches!(kind, TaskKind::Partition | TaskKind::Slice { .. });
         // Each stage input's blocks, and the order the worker fills their sources in.
         let (groups, order) = match kind {
             TaskKind::Blocks { inputs } => (vec![vec![inputs]], vec![0]),
-            TaskKind::Partition => match self.partition_input_blocks(task) {
+            TaskKind::Partition | TaskKind::Slice { .. } => match self.partition_input_blocks(task) {
                 Some(groups) => (groups, stage_inputs_in_leaf_order(&op.fragment)),
                 None => return Ok(Err(OnDriver::PerPartition)),
             },
@@ -883,7 +899,7 @@ impl QueryRun {
                 let input = MemorySourceConfig::try_new_exec(&[pieces], schema, None)?;
                 Ok(blocks_plan(op, input))
             }
-            TaskKind::Partition => {
+            TaskKind::Partition | TaskKind::Slice { .. } => {
                 let Some(groups) = self.partition_input_blocks(task) else {
                     return Ok(Err(OnDriver::PerPartition));
                 };
@@ -911,7 +927,6 @@ impl QueryRun {
                     &self.store_grants(),
                 ))
             }
-            TaskKind::Slice { .. } => Ok(Err(OnDriver::PerPartition)),
         }
     }
 
