@@ -515,6 +515,56 @@ async fn session_with_dropper(dropper: flumen::BlockDropper, budget: &str) -> Se
     f
 }
 
+/// The same push-based merge with two worker processes: each range's runs are sorted on
+/// the workers and each range's merge of its runs runs there too (a `MergeRunsExec` goes
+/// as DataFusion's merge of one in-memory scan per run, its blocks fetched as read); the
+/// driver only streams the ranges in order. The order is DataFusion's.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_range_sorts_runs_are_merged_on_the_workers() {
+    let dir = tempfile::tempdir().unwrap();
+    write_tables(dir.path()).await;
+    let v = vanilla();
+    register(&v, dir.path()).await;
+    let mut config = flumen::FlumenConfig::default();
+    config.workers = flumen::WorkerMode::Process;
+    config.worker_processes = 2;
+    config.worker_binary = env!("CARGO_BIN_EXE_flumen").into();
+    config.memory_budget = flumen::ByteSize(48 << 20);
+    config.cpu_slots = 2;
+    let f = flumen::session_with_config(
+        datafusion::prelude::SessionConfig::new().with_target_partitions(2),
+        config,
+    );
+    register(&f, dir.path()).await;
+    let sql = "SELECT id FROM facts ORDER BY tag DESC, v, id";
+    let expected = id_column(&collect(&v, sql).await);
+    let (batches, plan) = run_plan(&f, sql).await;
+    assert!(
+        id_column(&batches) == expected,
+        "the order differs from DataFusion's"
+    );
+    let exec = plan.downcast_ref::<FlumenExec>().unwrap();
+    let stats = operator_stats(exec);
+    let merges: Vec<_> = (exec.graph().operators.iter())
+        .filter(|op| {
+            let mut merges = false;
+            let _ = op.fragment.apply(|node| {
+                if node.name() == "StageInputExec" {
+                    return Ok(TreeNodeRecursion::Jump);
+                }
+                merges |= node.name() == "MergeRunsExec";
+                Ok(TreeNodeRecursion::Continue)
+            });
+            merges
+        })
+        .collect();
+    assert_eq!(merges.len(), 1, "one operator merges the runs");
+    let merge = &stats[merges[0].id];
+    assert!(merge.tasks > 0);
+    assert_eq!(merge.remote_tasks, merge.tasks, "merges on the driver");
+    println!("{} ranges' runs merged on the workers", merge.remote_tasks);
+}
+
 /// The range sort's push-based merge, under a 48 MB budget (at 16 MB runs would be under
 /// 1 MiB, and each range is sorted whole): each range's blocks are sorted in runs by tasks
 /// that start while the map side still runs, and each range's reduce merges its runs. Every
@@ -914,9 +964,12 @@ async fn a_hot_partitions_slices_run_on_the_workers() {
             slices += snapshot.slices;
             on_workers += snapshot.remote_tasks;
             assert_eq!(
-                snapshot.remote_tasks, snapshot.tasks,
+                snapshot.remote_tasks,
+                snapshot.tasks,
                 "operator {} ({}): {:?}",
-                op.id, op.name, stats.on_driver()
+                op.id,
+                op.name,
+                stats.on_driver()
             );
         }
     }

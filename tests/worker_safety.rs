@@ -769,6 +769,15 @@ async fn held_blocks(ctx: &SessionContext) -> usize {
     held
 }
 
+/// Blocks the workers of `ctx`'s CPU pool have written to their spill directories.
+async fn spilled_blocks(ctx: &SessionContext) -> usize {
+    let mut spilled = 0;
+    for worker in common::worker_pool(ctx, Pool::Cpu).await.workers().await {
+        spilled += worker.status().await.unwrap().blocks_spilled as usize;
+    }
+    spilled
+}
+
 /// Wait until every worker of `ctx`'s CPU pool holds no block (at most 10 s).
 async fn held_blocks_drain(ctx: &SessionContext, what: &str) {
     let started = Instant::now();
@@ -835,8 +844,10 @@ async fn workers_hold_no_block_after_a_query_ends_in_any_way() {
     held_blocks_drain(&f, "LIMIT").await;
 }
 
-/// A shuffle cancelled while the driver has spilled blocks to disk and the workers hold map
-/// outputs: the spill files are deleted and the workers drop every block.
+/// A shuffle cancelled while blocks were spilled to disk (the join runs out of core on the
+/// workers, whose shelves spill the query's blocks beside its operators; a task that runs
+/// on the driver spills there) and the workers hold map outputs: the spill files are
+/// deleted and the workers drop every block (a spilled block's file goes with it).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_shuffle_cancelled_with_spill_files_and_worker_blocks_leaves_neither() {
     let (dir, _vanilla) = common::events_with_vanilla(4, 40_000).await;
@@ -878,18 +889,22 @@ async fn a_shuffle_cancelled_with_spill_files_and_worker_blocks_leaves_neither()
             .unwrap()
             .current(Pool::Cpu)
             .await;
-        held = match started_pool {
-            Some(_) => held_blocks(&f).await,
+        let worker_spills = match started_pool {
+            Some(_) => {
+                held = held_blocks(&f).await;
+                spilled_blocks(&f).await
+            }
             None => 0,
         };
-        if files > 0 && held > 0 {
+        if files + worker_spills > 0 && held > 0 {
+            files += worker_spills;
             break;
         }
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
     assert!(
         files > 0 && held > 0,
-        "the query {} before the driver spilled ({files} files) while workers held blocks \
+        "the query {} before blocks spilled ({files} files) while workers held blocks \
          ({held}): the cancel tests nothing",
         if query.is_finished() {
             "finished"
@@ -899,7 +914,7 @@ async fn a_shuffle_cancelled_with_spill_files_and_worker_blocks_leaves_neither()
     );
     query.abort();
     let _ = query.await;
-    println!("cancelled with {files} spill files and {held} blocks in workers");
+    println!("cancelled with {files} blocks spilled and {held} blocks in workers");
     held_blocks_drain(&f, "a cancelled shuffle").await;
     let started = Instant::now();
     while spill_files() > 0 {

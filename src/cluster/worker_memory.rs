@@ -1,8 +1,8 @@
 //! The memory of a worker's CPU task: its operators share the query's budget with the
 //! query's blocks on the worker's shelf.
 //!
-//! Each task gets a pool of the query's `flumen.memory_budget` over the worker's slots
-//! (DataFusion's `FairSpillPool`: spilling operators, sorts and aggregates, split what the
+//! Each task gets a pool of the query's `flumen.memory_budget` over the worker's slots, at
+//! least [`MIN_TASK_MEMORY`] (DataFusion's `FairSpillPool`: spilling operators, sorts and aggregates, split what the
 //! others leave and spill to the worker's disk beyond it; a join's build side is refused,
 //! and the driver then runs the task alone). What the operators hold also counts against
 //! the query's blocks on the shelf: as operators grow, the query's blocks in memory go to
@@ -18,6 +18,12 @@ use datafusion::execution::memory_pool::{
 
 use crate::cluster::block_shelf::BlockShelf;
 
+/// Fewest bytes a task's pool gets, whatever the budget: a task's operators need a few
+/// input batches at least (a `TopK` holds the batches its rows are in: 358 KB of one for 50
+/// rows of a 40,000-row table), which a budget of a few hundred KB over two slots cannot
+/// give. Partitions are sized far below it, so the bound bites only on tiny budgets.
+const MIN_TASK_MEMORY: u64 = 16 << 20;
+
 /// The pool one task's operators run under, and its size.
 pub(crate) struct TaskMemory {
     /// The pool its runtime gets.
@@ -30,7 +36,7 @@ impl TaskMemory {
     /// The memory of a task of `query` (whose budget is `budget`) on a worker running
     /// `slots` tasks at once and keeping blocks on `shelf`.
     pub(crate) fn new(shelf: Arc<BlockShelf>, query: &str, budget: u64, slots: usize) -> Self {
-        let share = (budget / slots.max(1) as u64).max(1);
+        let share = (budget / slots.max(1) as u64).max(MIN_TASK_MEMORY);
         let pool = QueryMemoryPool {
             inner: FairSpillPool::new(usize::try_from(share).unwrap_or(usize::MAX)),
             shelf,

@@ -63,8 +63,10 @@ pub(crate) enum FetchedInputs {
     OnDemand(FetchBlock),
 }
 
-/// Input blocks a task reading on demand fetches ahead of its plan, per in-memory source.
-const BLOCKS_FETCHED_AHEAD: usize = 3;
+/// Input blocks a task reading on demand fetches ahead of its plan, over all its in-memory
+/// sources (at least one and at most three per source: a merge of many sorted runs holds
+/// one block of each).
+const BLOCKS_FETCHED_AHEAD: usize = 6;
 
 /// The words a panicking task's error carries.
 pub(crate) const PANICKED: &str = "task panicked";
@@ -270,6 +272,7 @@ fn with_inputs(
                         blocks,
                         fetch: Arc::clone(fetch),
                         target_rows: request.target_rows,
+                        ahead: (BLOCKS_FETCHED_AHEAD / counts.len().max(1)).clamp(1, 3),
                     });
                     Arc::new(StreamingTableExec::try_new(
                         schema,
@@ -312,12 +315,13 @@ enum InputBlock {
 }
 
 /// An in-memory source of a worker's task whose blocks are fetched as the plan reads them
-/// ([`BLOCKS_FETCHED_AHEAD`] ahead), cut into the pieces [`bundle_pieces`] makes.
+/// (`ahead` ahead), cut into the pieces [`bundle_pieces`] makes.
 struct OnDemandBlocks {
     schema: datafusion::arrow::datatypes::SchemaRef,
     blocks: Vec<InputBlock>,
     fetch: FetchBlock,
     target_rows: usize,
+    ahead: usize,
 }
 
 impl std::fmt::Debug for OnDemandBlocks {
@@ -340,7 +344,7 @@ impl PartitionStream for OnDemandBlocks {
                 InputBlock::Here(batch) => futures::future::ready(Ok(batch)).boxed(),
                 InputBlock::Ticket(ticket) => fetch(ticket),
             })
-            .buffered(BLOCKS_FETCHED_AHEAD);
+            .buffered(self.ahead);
         let cutter = PieceCutter::new(&self.schema, self.target_rows);
         let pieces = futures::stream::unfold(
             (blocks, cutter, std::collections::VecDeque::new(), false),

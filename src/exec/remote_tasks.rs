@@ -36,6 +36,7 @@ use datafusion::datasource::source::DataSourceExec;
 use datafusion::error::{DataFusionError, Result};
 use datafusion::physical_plan::projection::ProjectionExec;
 use datafusion::physical_plan::repartition::RepartitionExec;
+use datafusion::physical_plan::sorts::sort_preserving_merge::SortPreservingMergeExec;
 use datafusion::physical_plan::union::UnionExec;
 use datafusion::physical_plan::{ExecutionPlan, ExecutionPlanProperties};
 
@@ -47,7 +48,7 @@ use crate::cluster::worker_pool::{
     Placement, PoolSettings, RemoteBlock, WorkerPool, WorkerTimeouts, worker_binary,
 };
 use crate::cluster::worker_tasks::collect_blocks;
-use crate::exec::cursor::Next;
+use crate::exec::cursor::{Cursor, Next, ReadOrder};
 use crate::exec::lineage::{TaskId, TaskKind};
 use crate::exec::metrics::OperatorStats;
 use crate::exec::on_driver::OnDriver;
@@ -55,6 +56,7 @@ use crate::exec::run::QueryRun;
 use crate::io::object_stores::StoreGrants;
 use crate::plan::accelerator_projection::AcceleratorProjectionExec;
 use crate::plan::graph::{Operator, OperatorId, Pool};
+use crate::plan::merge_runs::MergeRunsExec;
 use crate::plan::partition_cut::{Reads, child_reads, cuts_per_partition};
 use crate::plan::split_source::{SplitSourceExec, split_ramps};
 use crate::plan::stage_input::{InputExchange, StageInputExec};
@@ -249,6 +251,21 @@ impl PartitionCut<'_> {
         reads: Reads,
         why: &mut Option<OnDriver>,
     ) -> Result<Arc<dyn ExecutionPlan>> {
+        if let Some(merge) = node.downcast_ref::<MergeRunsExec>() {
+            // The runs of one range: each an in-memory scan in its order, merged.
+            let source = (merge.input().downcast_ref::<StageInputExec>())
+                .filter(|stage| stage.fetch().is_none() && reads == Reads::OwnPartition)
+                .and_then(|stage| self.sources.get(stage.input_index()));
+            let Some(source) = source else {
+                why.get_or_insert(OnDriver::PerPartition);
+                return Ok(Arc::clone(node));
+            };
+            let runs = sorted_as(source, merge.ordering())?;
+            return Ok(Arc::new(SortPreservingMergeExec::new(
+                merge.ordering().clone(),
+                runs,
+            )));
+        }
         if let Some(stage) = node.downcast_ref::<StageInputExec>() {
             return match (stage.fetch(), self.sources.get(stage.input_index())) {
                 (None, Some(source)) => ordered_as(stage, source),
@@ -326,6 +343,46 @@ fn ordered_as(
             memory.clone().try_with_sort_information(orderings)?,
         )),
         _ => Ok(Arc::clone(source)),
+    }
+}
+
+/// Whether `fragment` merges the sorted runs of stage input `input` (a `MergeRunsExec`
+/// right over it).
+fn merges_runs_of(fragment: &Arc<dyn ExecutionPlan>, input: usize) -> bool {
+    let mut merges = false;
+    let _ = fragment.apply(|node| {
+        if let Some(merge) = node.downcast_ref::<MergeRunsExec>()
+            && let Some(stage) = merge.input().downcast_ref::<StageInputExec>()
+        {
+            merges |= stage.input_index() == input;
+        }
+        Ok(TreeNodeRecursion::Continue)
+    });
+    merges
+}
+
+/// `source` (an in-memory scan, or a union of them: one per sorted run) with each scan
+/// declaring `ordering`.
+fn sorted_as(
+    source: &Arc<dyn ExecutionPlan>,
+    ordering: &datafusion::physical_expr::LexOrdering,
+) -> Result<Arc<dyn ExecutionPlan>> {
+    if let Some(union) = source.downcast_ref::<UnionExec>() {
+        let runs = (union.children().into_iter())
+            .map(|run| sorted_as(run, ordering))
+            .collect::<Result<Vec<_>>>()?;
+        return UnionExec::try_new(runs);
+    }
+    let memory = source
+        .downcast_ref::<DataSourceExec>()
+        .and_then(|s| s.data_source().downcast_ref::<MemorySourceConfig>());
+    match memory {
+        Some(memory) => Ok(DataSourceExec::from_data_source(
+            memory
+                .clone()
+                .try_with_sort_information(vec![ordering.clone()])?,
+        )),
+        None => Ok(Arc::clone(source)),
     }
 }
 
@@ -621,6 +678,39 @@ impl QueryRun {
         let mut inputs = Vec::with_capacity(op.inputs.len());
         for (input, producer) in op.inputs.iter().enumerate() {
             st.operators[*producer].demanded = true;
+            if merges_runs_of(&op.fragment, input)
+                && matches!(op.input_exchanges[input], InputExchange::Preserve)
+            {
+                // One group per sorted run (a producer task's blocks), merged by the worker
+                // as the driver's `MergeRunsExec` would: only when a block of each run fits
+                // the partition's share (else the runs merge in levels, here).
+                let mut runs = vec![];
+                let mut held_at_once = 0;
+                for task in st.operators[*producer].partitions[partition].tasks.clone() {
+                    let mut cursor = Cursor::new(*producer, ReadOrder::Task(task), None);
+                    let (mut blocks, mut largest) = (vec![], 0);
+                    loop {
+                        match Self::next_block(&st, &mut cursor) {
+                            Next::Block(id) => {
+                                largest = largest.max(st.blocks[&id].bytes);
+                                blocks.push(id);
+                            }
+                            Next::End => break,
+                            Next::Wait => return None,
+                        }
+                    }
+                    held_at_once += largest;
+                    runs.push(blocks);
+                }
+                if held_at_once > self.graph.sizing.partition_bytes {
+                    return None;
+                }
+                if runs.is_empty() {
+                    runs.push(vec![]);
+                }
+                inputs.push(runs);
+                continue;
+            }
             let mut groups = vec![];
             for part in self.partitions_read_apart(op_id, input, partition) {
                 let mut cursor = self.input_cursor(op_id, input, part, true);
@@ -768,7 +858,8 @@ impl QueryRun {
         // Each stage input's blocks, and the order the worker fills their sources in.
         let (groups, order) = match kind {
             TaskKind::Blocks { inputs } => (vec![vec![inputs]], vec![0]),
-            TaskKind::Partition | TaskKind::Slice { .. } => match self.partition_input_blocks(task) {
+            TaskKind::Partition | TaskKind::Slice { .. } => match self.partition_input_blocks(task)
+            {
                 Some(groups) => (groups, stage_inputs_in_leaf_order(&op.fragment)),
                 None => return Ok(Err(OnDriver::PerPartition)),
             },

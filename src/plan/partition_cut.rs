@@ -18,7 +18,6 @@ use datafusion::physical_plan::union::InterleaveExec;
 use datafusion::physical_plan::{ExecutionPlan, ExecutionPlanProperties};
 
 use crate::plan::concat_partitions::ConcatPartitionsExec;
-use crate::plan::merge_runs::MergeRunsExec;
 use crate::plan::partitioned_outer_joins::emits_build_rows_once;
 use crate::plan::random_shuffle::RandomPermuteExec;
 use crate::plan::split_source::SplitSourceExec;
@@ -154,10 +153,11 @@ fn shares_build_matches(node: &Arc<dyn ExecutionPlan>) -> bool {
 }
 
 /// Whether `node` keeps its fragment on the driver: one of flumen's own plan nodes (workers
-/// do not decode them) or a node that cannot stand over in-memory sources.
+/// do not decode them; a `MergeRunsExec` goes as DataFusion's merge of its runs, each an
+/// in-memory scan: `exec::remote_tasks`) or a node that cannot stand over in-memory
+/// sources.
 fn stays_on_driver(node: &Arc<dyn ExecutionPlan>) -> bool {
-    node.downcast_ref::<MergeRunsExec>().is_some()
-        || node.downcast_ref::<ConcatPartitionsExec>().is_some()
+    node.downcast_ref::<ConcatPartitionsExec>().is_some()
         || node.downcast_ref::<RandomPermuteExec>().is_some()
         || node.downcast_ref::<SplitSourceExec>().is_some()
         // Its children must share a hash partitioning, which in-memory sources do not state.
