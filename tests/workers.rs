@@ -1011,11 +1011,12 @@ fn ran_out_of_core(plan: &Arc<dyn datafusion::physical_plan::ExecutionPlan>) -> 
 
 /// The out-of-core range sort's push-based merge on worker processes: the runs (each a
 /// block-wise sort over one range's blocks) are sorted in workers while the map side still
-/// runs, and each range's reduce merges its runs in the driver. When the merge makes its
+/// runs, and each range's reduce merges its runs in a worker too. When a merge makes its
 /// first block, the worker that sorted the most runs is SIGKILLed: the runs it held for the
 /// ranges not yet merged are lost, and each is sorted again from its input blocks (released
-/// when the run ended, so recomputed from the map tasks that made them). The rows come out in
-/// vanilla DataFusion's order.
+/// when the run ended, so recomputed from the map tasks that made them); a merge it was
+/// running, or reading a run from, runs again on the other. The rows come out in vanilla
+/// DataFusion's order.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_worker_killed_during_the_merge_of_sorted_runs() {
     let dir = tempfile::tempdir().unwrap();
@@ -1031,9 +1032,9 @@ async fn a_worker_killed_during_the_merge_of_sorted_runs() {
             *runs_in.lock().unwrap().entry(pid).or_default() += 1;
         }
         let mut killed = killed_in.lock().unwrap();
-        // Only the per-partition merge (and the projection above it, in the same task) runs
-        // in the driver: its first block is the first merged.
-        if b.worker_pid.is_none() && killed.is_none() {
+        // The per-partition merge (and the projection above it, in the same task): its
+        // first block made in a worker is the first merged.
+        if b.worker_pid.is_some() && b.operator_name == "ProjectionExec" && killed.is_none() {
             let runs = runs_in.lock().unwrap();
             if let Some((&pid, _)) = runs.iter().max_by_key(|(_, blocks)| **blocks) {
                 // SAFETY: a signal to a worker process this test's session started.
