@@ -40,6 +40,7 @@ use datafusion::datasource::source::DataSourceExec;
 use datafusion::error::Result;
 use datafusion::execution::{RecordBatchStream, SendableRecordBatchStream};
 use datafusion::physical_expr::expressions::DynamicFilterPhysicalExpr;
+use datafusion::physical_expr::split_conjunction;
 use datafusion::physical_expr::utils::{conjunction, reassign_expr_columns};
 use datafusion::physical_plan::metrics::Count;
 use datafusion::physical_plan::{ExecutionPlan, PhysicalExpr};
@@ -51,12 +52,28 @@ pub const SAMPLE_ROWS: u64 = 16_384;
 /// A filter keeping more than one row in this many of its sample is given up.
 pub const KEEPS_AT_MOST: u64 = 16;
 
-/// The conjunction of the dynamic filters in `scan`'s predicate, over the scan's output
-/// columns, when `scan` is a Parquet scan whose predicate holds at least one dynamic filter
-/// and every one of them is complete (will never change again); `None` otherwise, or when
-/// a filter reads a column the scan does not output, or the scan already filters rows
-/// with its predicate (the session's `pushdown_filters`).
-pub fn complete_join_filter(scan: &Arc<dyn ExecutionPlan>) -> Option<Arc<dyn PhysicalExpr>> {
+/// The rows a scan task keeps of what it reads: those its joins' complete dynamic filters
+/// pass, judged only on the rows that pass the scan's own cheap conjuncts first.
+#[derive(Debug, Clone)]
+pub struct JoinRowFilter {
+    /// The conjunction of the scan's complete dynamic filters, over its output columns.
+    pub dynamic: Arc<dyn PhysicalExpr>,
+    /// The conjunction of the scan's own conjuncts that are cheap to evaluate (columns,
+    /// literals, comparisons, arithmetic, casts, `IN` lists: no function, no `LIKE`), over
+    /// its output columns. A `FilterExec` above applies them anyway (the scan's predicate
+    /// is a pushed copy, used for pruning), so dropping the rows they reject first is
+    /// safe, and the dear dynamic filter then sees only what survives them: TPC-H q20's
+    /// lineitem scan evaluated its join's filter on 6M rows where its date range keeps
+    /// 0.9M.
+    pub cheap_first: Option<Arc<dyn PhysicalExpr>>,
+}
+
+/// The filter [`drop_rejected_rows`] applies for `scan`: when `scan` is a Parquet scan
+/// whose predicate holds at least one dynamic filter and every one of them is complete
+/// (will never change again); `None` otherwise, or when a filter reads a column the scan
+/// does not output, or the scan already filters rows with its predicate (the session's
+/// `pushdown_filters`).
+pub fn complete_join_filter(scan: &Arc<dyn ExecutionPlan>) -> Option<JoinRowFilter> {
     let config = scan
         .downcast_ref::<DataSourceExec>()?
         .data_source()
@@ -83,11 +100,66 @@ pub fn complete_join_filter(scan: &Arc<dyn ExecutionPlan>) -> Option<Arc<dyn Phy
     }
     let filter = conjunction(filters.into_iter().collect::<Result<Vec<_>>>().ok()?);
     // The predicate reads the table's columns; the scan's batches hold its projection.
-    let filter = match FileSource::projection(source) {
-        Some(projection) => projection.project_expr(&filter).ok()?,
-        None => reassign_expr_columns(filter, &scan.schema()).ok()?,
+    let on_output = |expr: Arc<dyn PhysicalExpr>| match FileSource::projection(source) {
+        Some(projection) => projection.project_expr(&expr).ok(),
+        None => reassign_expr_columns(expr, &scan.schema()).ok(),
     };
-    Some(filter)
+    let dynamic = on_output(filter)?;
+    let cheap: Vec<_> = split_conjunction(&predicate)
+        .into_iter()
+        .filter(|conjunct| is_cheap(conjunct))
+        .filter_map(|conjunct| on_output(Arc::clone(conjunct)))
+        .collect();
+    let cheap_first = (!cheap.is_empty()).then(|| conjunction(cheap));
+    Some(JoinRowFilter {
+        dynamic,
+        cheap_first,
+    })
+}
+
+/// Whether `expr` is cheap to evaluate on every row: columns, literals, comparisons,
+/// boolean logic, arithmetic, casts, null tests and `IN` lists only (no dynamic filter).
+fn is_cheap(expr: &Arc<dyn PhysicalExpr>) -> bool {
+    use datafusion::logical_expr::Operator;
+    use datafusion::physical_expr::expressions::{
+        BinaryExpr, CastExpr, Column, InListExpr, IsNotNullExpr, IsNullExpr, Literal, NotExpr,
+        TryCastExpr,
+    };
+    let mut cheap = true;
+    let _ = expr.apply(|e| {
+        let plain = e.downcast_ref::<Column>().is_some()
+            || e.downcast_ref::<Literal>().is_some()
+            || e.downcast_ref::<CastExpr>().is_some()
+            || e.downcast_ref::<TryCastExpr>().is_some()
+            || e.downcast_ref::<IsNullExpr>().is_some()
+            || e.downcast_ref::<IsNotNullExpr>().is_some()
+            || e.downcast_ref::<NotExpr>().is_some()
+            || e.downcast_ref::<InListExpr>().is_some();
+        let cheap_binary = e.downcast_ref::<BinaryExpr>().is_some_and(|b| {
+            matches!(
+                b.op(),
+                Operator::Eq
+                    | Operator::NotEq
+                    | Operator::Lt
+                    | Operator::LtEq
+                    | Operator::Gt
+                    | Operator::GtEq
+                    | Operator::And
+                    | Operator::Or
+                    | Operator::Plus
+                    | Operator::Minus
+                    | Operator::Multiply
+                    | Operator::Divide
+                    | Operator::Modulo
+            )
+        });
+        cheap &= plain || cheap_binary;
+        Ok(match cheap {
+            true => TreeNodeRecursion::Continue,
+            false => TreeNodeRecursion::Stop,
+        })
+    });
+    cheap
 }
 
 /// `stream` (a scan's batches) with the rows `filter` rejects dropped, unless its first
@@ -95,7 +167,7 @@ pub fn complete_join_filter(scan: &Arc<dyn ExecutionPlan>) -> Option<Arc<dyn Phy
 /// `dropped` counts the rows dropped.
 pub fn drop_rejected_rows(
     stream: SendableRecordBatchStream,
-    filter: Arc<dyn PhysicalExpr>,
+    filter: JoinRowFilter,
     dropped: Count,
 ) -> SendableRecordBatchStream {
     Box::pin(JoinFilterStream {
@@ -111,8 +183,8 @@ pub fn drop_rejected_rows(
 struct JoinFilterStream {
     inner: SendableRecordBatchStream,
     /// `None` once it kept too many rows of its sample.
-    filter: Option<Arc<dyn PhysicalExpr>>,
-    /// Rows evaluated so far.
+    filter: Option<JoinRowFilter>,
+    /// Rows the dynamic filter evaluated so far.
     seen: u64,
     /// Rows of those it kept.
     kept: u64,
@@ -127,11 +199,22 @@ impl JoinFilterStream {
         let Some(filter) = &self.filter else {
             return Ok(batch);
         };
-        let mask = filter.evaluate(&batch)?.into_array(batch.num_rows())?;
+        let read = batch.num_rows();
+        let batch = match &filter.cheap_first {
+            Some(cheap) => {
+                let mask = cheap.evaluate(&batch)?.into_array(read)?;
+                filter_record_batch(&batch, mask.as_boolean())?
+            }
+            None => batch,
+        };
+        let mask = filter
+            .dynamic
+            .evaluate(&batch)?
+            .into_array(batch.num_rows())?;
         let kept = filter_record_batch(&batch, mask.as_boolean())?;
         self.seen += batch.num_rows() as u64;
         self.kept += kept.num_rows() as u64;
-        self.dropped.add(batch.num_rows() - kept.num_rows());
+        self.dropped.add(read - kept.num_rows());
         if self.seen >= SAMPLE_ROWS && self.kept * KEEPS_AT_MOST > self.seen {
             self.filter = None;
         }
@@ -174,6 +257,11 @@ mod tests {
 
     /// Batches of 4,096 ids from 0 up to `rows`, through `id % modulus = 0`.
     async fn kept_ids(rows: i64, modulus: i64) -> Vec<i64> {
+        kept_ids_below(rows, modulus, None).await
+    }
+
+    /// [`kept_ids`], the ids at or over `below` dropped first when given.
+    async fn kept_ids_below(rows: i64, modulus: i64, below: Option<i64>) -> Vec<i64> {
         let schema = Arc::new(Schema::new(vec![Field::new("id", DataType::Int64, false)]));
         let batches: Vec<Result<RecordBatch>> = (0..rows)
             .step_by(4096)
@@ -192,6 +280,14 @@ mod tests {
         let id = col("id", &schema).unwrap();
         let rem = binary(id, Operator::Modulo, lit(modulus), &schema).unwrap();
         let filter = binary(rem, Operator::Eq, lit(0i64), &schema).unwrap();
+        let cheap_first = below.map(|below| {
+            let id = col("id", &schema).unwrap();
+            binary(id, Operator::Lt, lit(below), &schema).unwrap()
+        });
+        let filter = JoinRowFilter {
+            dynamic: filter,
+            cheap_first,
+        };
         let out: Vec<RecordBatch> = drop_rejected_rows(stream, filter, Count::new())
             .try_collect()
             .await
@@ -224,5 +320,19 @@ mod tests {
         let mut expected: Vec<i64> = (0..sampled).step_by(4).collect();
         expected.extend(sampled..100_000);
         assert_eq!(ids, expected);
+    }
+
+    #[tokio::test]
+    async fn cheap_conjuncts_go_first_and_the_filter_is_judged_on_what_they_keep() {
+        // The cheap `id < 50000` drops half; the dynamic filter keeps one in 100 of the rest.
+        let ids = kept_ids_below(100_000, 100, Some(50_000)).await;
+        assert_eq!(ids, (0..50_000).step_by(100).collect::<Vec<i64>>());
+        // Keeping one in 4 of the survivors, the filter (the cheap one too) is given up.
+        let ids = kept_ids_below(100_000, 4, Some(50_000)).await;
+        let sampled = SAMPLE_ROWS as i64;
+        let mut expected: Vec<i64> = (0..sampled).step_by(4).collect();
+        expected.extend(sampled..100_000);
+        assert_eq!(ids, expected);
+        assert!(is_cheap(&lit(1i64)));
     }
 }
