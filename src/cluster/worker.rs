@@ -301,11 +301,6 @@ impl WorkerService {
             }
             (None, Some(runtime)) => {
                 let (body, ctx) = (body.to_vec(), self.ctx.clone());
-                let fetcher = Arc::new(fetcher);
-                let fetch: FetchBlock = Arc::new(move |ticket| {
-                    let fetcher = Arc::clone(&fetcher);
-                    async move { fetcher.fetch(&ticket).await }.boxed()
-                });
                 let memory = query_budget(&request.options).map(|budget| {
                     TaskMemory::new(
                         Arc::clone(&self.shelf),
@@ -314,10 +309,33 @@ impl WorkerService {
                         self.identity.slots,
                     )
                 });
+                // Inputs that fit a quarter of the task's share are fetched at once, all
+                // together (a round trip each, overlapped); larger ones as the plan reads
+                // them, a few ahead.
+                let inputs = request.inputs.as_deref().unwrap_or_default();
+                let input_bytes: u64 = (inputs.iter())
+                    .map(|input| match input {
+                        TaskInput::Fetch(ticket) => ticket.bytes,
+                        TaskInput::Inline(_) => 0,
+                    })
+                    .sum();
+                let fetch_at_once = memory.as_ref().map_or(u64::MAX, |m| m.share / 4);
+                let fetched = if input_bytes <= fetch_at_once {
+                    FetchedInputs::Ready(fetcher.fetch_all(inputs).await?)
+                } else {
+                    let fetcher = Arc::new(fetcher);
+                    let fetch: FetchBlock = Arc::new(move |ticket| {
+                        let fetcher = Arc::clone(&fetcher);
+                        async move { fetcher.fetch(&ticket).await }.boxed()
+                    });
+                    FetchedInputs::OnDemand(fetch)
+                };
                 let handle = runtime.spawn(async move {
-                    run_task(&body, FetchedInputs::OnDemand(fetch), memory, &ctx, &out).await;
-                    // What the task freed goes back to the system, as on the driver.
-                    crate::store::freed_memory::return_freed_memory(true);
+                    run_task(&body, fetched, memory, &ctx, &out).await;
+                    // What the task freed goes back to the system (glibc's trim; jemalloc
+                    // returns its pages on its own decay: a purge after every task sent
+                    // the next tasks' allocations to fresh pages the kernel zeroes).
+                    crate::store::freed_memory::return_freed_memory(false);
                 });
                 Some(AbortOnDrop(handle.abort_handle()))
             }

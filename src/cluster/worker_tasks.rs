@@ -55,7 +55,8 @@ pub(crate) type FetchBlock = Arc<
 
 /// A task's input blocks named by ticket.
 pub(crate) enum FetchedInputs {
-    /// All fetched before the task starts, in order (a model's bundle).
+    /// All fetched before the task starts, in order (a model's bundle, or inputs small
+    /// beside the task's share of the budget: fetched together, their round trips overlap).
     Ready(Vec<RecordBatch>),
     /// Fetched as the task's plan reads them, a few ahead: a CPU task holds what its
     /// operators keep and the blocks in flight, not its whole input (a join partition out
