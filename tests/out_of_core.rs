@@ -67,6 +67,21 @@ async fn contexts(cpu_slots: usize) -> (tempfile::TempDir, SessionContext, Sessi
     (dir, v, f)
 }
 
+/// A flumen session whose tasks run in two worker processes of the `flumen` binary, under a
+/// budget of `budget` bytes, with two CPU slots and two target partitions.
+fn two_worker_processes(budget: u64) -> SessionContext {
+    let mut config = flumen::FlumenConfig::default();
+    config.workers = flumen::WorkerMode::Process;
+    config.worker_processes = 2;
+    config.worker_binary = env!("CARGO_BIN_EXE_flumen").into();
+    config.memory_budget = flumen::ByteSize(budget);
+    config.cpu_slots = 2;
+    flumen::session_with_config(
+        datafusion::prelude::SessionConfig::new().with_target_partitions(2),
+        config,
+    )
+}
+
 /// Queries and whether they run out of core: a final grouped aggregate holds its groups and
 /// spills them itself, so aggregates run in core (all partitions at once, spilling).
 const QUERIES: &[(&str, bool)] = &[
@@ -154,15 +169,7 @@ async fn a_join_of_generated_series_runs_out_of_core() {
     ];
     let v = vanilla();
     let threads = flumen_ctx(&["SET flumen.memory_budget = '16MB'"]).await;
-    let mut config = flumen::FlumenConfig::default();
-    config.workers = flumen::WorkerMode::Process;
-    config.worker_processes = 2;
-    config.worker_binary = env!("CARGO_BIN_EXE_flumen").into();
-    config.memory_budget = flumen::ByteSize(16 << 20);
-    let workers = flumen::session_with_config(
-        datafusion::prelude::SessionConfig::new().with_target_partitions(2),
-        config,
-    );
+    let workers = two_worker_processes(16 << 20);
     for sql in &queries {
         let expected = collect(&v, sql).await;
         for (mode, f) in [("threads", &threads), ("workers", &workers)] {
@@ -187,15 +194,7 @@ async fn out_of_core_joins_windows_and_sorts_run_on_the_workers() {
     write_tables(dir.path()).await;
     let v = vanilla();
     register(&v, dir.path()).await;
-    let mut config = flumen::FlumenConfig::default();
-    config.workers = flumen::WorkerMode::Process;
-    config.worker_processes = 2;
-    config.worker_binary = env!("CARGO_BIN_EXE_flumen").into();
-    config.memory_budget = flumen::ByteSize(16 << 20);
-    let f = flumen::session_with_config(
-        datafusion::prelude::SessionConfig::new().with_target_partitions(2),
-        config,
-    );
+    let f = two_worker_processes(16 << 20);
     register(&f, dir.path()).await;
     for (sql, out_of_core) in [QUERIES[0], QUERIES[3], QUERIES[4]] {
         assert!(out_of_core);
@@ -254,15 +253,7 @@ async fn an_in_core_plan_refused_memory_runs_again_out_of_core() {
     let v = vanilla();
     let expected = text(&collect(&v, &sql).await);
     let threads = flumen_ctx(&["SET flumen.memory_budget = '16MB'"]).await;
-    let mut config = flumen::FlumenConfig::default();
-    config.workers = flumen::WorkerMode::Process;
-    config.worker_processes = 2;
-    config.worker_binary = env!("CARGO_BIN_EXE_flumen").into();
-    config.memory_budget = flumen::ByteSize(16 << 20);
-    let workers = flumen::session_with_config(
-        datafusion::prelude::SessionConfig::new().with_target_partitions(2),
-        config,
-    );
+    let workers = two_worker_processes(16 << 20);
     let dir = tempfile::tempdir().unwrap();
     for (mode, f) in [("threads", &threads), ("workers", &workers)] {
         let (batches, plan) = run_plan(f, &sql).await;
@@ -525,16 +516,7 @@ async fn a_range_sorts_runs_are_merged_on_the_workers() {
     write_tables(dir.path()).await;
     let v = vanilla();
     register(&v, dir.path()).await;
-    let mut config = flumen::FlumenConfig::default();
-    config.workers = flumen::WorkerMode::Process;
-    config.worker_processes = 2;
-    config.worker_binary = env!("CARGO_BIN_EXE_flumen").into();
-    config.memory_budget = flumen::ByteSize(48 << 20);
-    config.cpu_slots = 2;
-    let f = flumen::session_with_config(
-        datafusion::prelude::SessionConfig::new().with_target_partitions(2),
-        config,
-    );
+    let f = two_worker_processes(48 << 20);
     register(&f, dir.path()).await;
     let sql = "SELECT id FROM facts ORDER BY tag DESC, v, id";
     let expected = id_column(&collect(&v, sql).await);
@@ -936,16 +918,7 @@ async fn a_hot_partition_is_cut_into_slices_of_its_build_side() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_hot_partitions_slices_run_on_the_workers() {
     let (dir, v, _) = skew_contexts(5_000_000, 3_500_000, 30, &[]).await;
-    let mut config = flumen::FlumenConfig::default();
-    config.workers = flumen::WorkerMode::Process;
-    config.worker_processes = 2;
-    config.worker_binary = env!("CARGO_BIN_EXE_flumen").into();
-    config.memory_budget = flumen::ByteSize(16 << 20);
-    config.cpu_slots = 2;
-    let f = flumen::session_with_config(
-        datafusion::prelude::SessionConfig::new().with_target_partitions(2),
-        config,
-    );
+    let f = two_worker_processes(16 << 20);
     for name in ["facts", "hot"] {
         let path = format!("{}/{name}.parquet", dir.path().display());
         f.register_parquet(name, &path, ParquetReadOptions::default())

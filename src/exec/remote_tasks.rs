@@ -260,7 +260,7 @@ impl PartitionCut<'_> {
                 why.get_or_insert(OnDriver::PerPartition);
                 return Ok(Arc::clone(node));
             };
-            let runs = sorted_as(source, merge.ordering())?;
+            let runs = declaring(source, vec![merge.ordering().clone()])?;
             return Ok(Arc::new(SortPreservingMergeExec::new(
                 merge.ordering().clone(),
                 runs,
@@ -325,25 +325,10 @@ fn ordered_as(
     stage: &StageInputExec,
     source: &Arc<dyn ExecutionPlan>,
 ) -> Result<Arc<dyn ExecutionPlan>> {
-    // One in-memory scan per partition of a merged input: each is ordered.
-    if let Some(union) = source.downcast_ref::<UnionExec>() {
-        let parts = (union.children().into_iter())
-            .map(|part| ordered_as(stage, part))
-            .collect::<Result<Vec<_>>>()?;
-        return UnionExec::try_new(parts);
-    }
-    let memory = source
-        .downcast_ref::<DataSourceExec>()
-        .and_then(|s| s.data_source().downcast_ref::<MemorySourceConfig>());
     let orderings: Vec<_> = (stage.properties().eq_properties.oeq_class().iter())
         .cloned()
         .collect();
-    match memory {
-        Some(memory) if !orderings.is_empty() => Ok(DataSourceExec::from_data_source(
-            memory.clone().try_with_sort_information(orderings)?,
-        )),
-        _ => Ok(Arc::clone(source)),
-    }
+    declaring(source, orderings)
 }
 
 /// Whether `fragment` merges the sorted runs of stage input `input` (a `MergeRunsExec`
@@ -361,28 +346,26 @@ fn merges_runs_of(fragment: &Arc<dyn ExecutionPlan>, input: usize) -> bool {
     merges
 }
 
-/// `source` (an in-memory scan, or a union of them: one per sorted run) with each scan
-/// declaring `ordering`.
-fn sorted_as(
+/// `source` (an in-memory scan, or a union of them: one per partition of a merged input,
+/// or per sorted run) with each scan declaring `orderings` (none: as it is).
+fn declaring(
     source: &Arc<dyn ExecutionPlan>,
-    ordering: &datafusion::physical_expr::LexOrdering,
+    orderings: Vec<datafusion::physical_expr::LexOrdering>,
 ) -> Result<Arc<dyn ExecutionPlan>> {
     if let Some(union) = source.downcast_ref::<UnionExec>() {
-        let runs = (union.children().into_iter())
-            .map(|run| sorted_as(run, ordering))
+        let parts = (union.children().into_iter())
+            .map(|part| declaring(part, orderings.clone()))
             .collect::<Result<Vec<_>>>()?;
-        return UnionExec::try_new(runs);
+        return UnionExec::try_new(parts);
     }
     let memory = source
         .downcast_ref::<DataSourceExec>()
         .and_then(|s| s.data_source().downcast_ref::<MemorySourceConfig>());
     match memory {
-        Some(memory) => Ok(DataSourceExec::from_data_source(
-            memory
-                .clone()
-                .try_with_sort_information(vec![ordering.clone()])?,
+        Some(memory) if !orderings.is_empty() => Ok(DataSourceExec::from_data_source(
+            memory.clone().try_with_sort_information(orderings)?,
         )),
-        None => Ok(Arc::clone(source)),
+        _ => Ok(Arc::clone(source)),
     }
 }
 
