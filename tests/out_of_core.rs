@@ -82,6 +82,18 @@ fn two_worker_processes(budget: u64) -> SessionContext {
     )
 }
 
+/// The tables written to a temp dir, registered in vanilla DataFusion and in
+/// [`two_worker_processes`] under `budget` bytes.
+async fn worker_contexts(budget: u64) -> (tempfile::TempDir, SessionContext, SessionContext) {
+    let dir = tempfile::tempdir().unwrap();
+    write_tables(dir.path()).await;
+    let v = vanilla();
+    register(&v, dir.path()).await;
+    let f = two_worker_processes(budget);
+    register(&f, dir.path()).await;
+    (dir, v, f)
+}
+
 /// Queries and whether they run out of core: a final grouped aggregate holds its groups and
 /// spills them itself, so aggregates run in core (all partitions at once, spilling).
 const QUERIES: &[(&str, bool)] = &[
@@ -190,12 +202,7 @@ async fn a_join_of_generated_series_runs_out_of_core() {
 /// none on the driver for being out of core, and the answers are DataFusion's.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn out_of_core_joins_windows_and_sorts_run_on_the_workers() {
-    let dir = tempfile::tempdir().unwrap();
-    write_tables(dir.path()).await;
-    let v = vanilla();
-    register(&v, dir.path()).await;
-    let f = two_worker_processes(16 << 20);
-    register(&f, dir.path()).await;
+    let (_dir, v, f) = worker_contexts(16 << 20).await;
     for (sql, out_of_core) in [QUERIES[0], QUERIES[3], QUERIES[4]] {
         assert!(out_of_core);
         let (batches, plan) = run_plan(&f, sql).await;
@@ -512,12 +519,7 @@ async fn session_with_dropper(dropper: flumen::BlockDropper, budget: &str) -> Se
 /// driver only streams the ranges in order. The order is DataFusion's.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_range_sorts_runs_are_merged_on_the_workers() {
-    let dir = tempfile::tempdir().unwrap();
-    write_tables(dir.path()).await;
-    let v = vanilla();
-    register(&v, dir.path()).await;
-    let f = two_worker_processes(48 << 20);
-    register(&f, dir.path()).await;
+    let (_dir, v, f) = worker_contexts(48 << 20).await;
     let sql = "SELECT id FROM facts ORDER BY tag DESC, v, id";
     let expected = id_column(&collect(&v, sql).await);
     let (batches, plan) = run_plan(&f, sql).await;
