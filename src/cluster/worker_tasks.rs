@@ -503,3 +503,81 @@ pub async fn collect_blocks(
     plan_blocks(plan, task_ctx, request, &mut keep).await?;
     Ok(blocks)
 }
+
+#[cfg(test)]
+mod tests {
+    use std::collections::HashMap;
+    use std::sync::Mutex;
+
+    use datafusion::arrow::array::{AsArray, Int64Array};
+    use datafusion::arrow::datatypes::{DataType, Field, Int64Type, Schema};
+    use datafusion::physical_plan::collect;
+    use datafusion::prelude::SessionContext;
+
+    use super::*;
+
+    fn ticket(key: &str) -> InputTicket {
+        InputTicket {
+            address: "127.0.0.1:1".into(),
+            tls: false,
+            key: key.into(),
+            bytes: 0,
+        }
+    }
+
+    /// A task over 5 blocks of 700 ids (one carried inline, four by ticket) reads the same
+    /// rows in the same pieces whether its blocks were fetched before it started or as its
+    /// plan read them; read on demand, no block is fetched before the plan runs.
+    #[tokio::test]
+    async fn inputs_read_on_demand_come_in_the_pieces_fetched_ones_do() {
+        let schema = Arc::new(Schema::new(vec![Field::new("id", DataType::Int64, false)]));
+        let block = |i: i64| {
+            let ids = Int64Array::from_iter_values(i * 700..(i + 1) * 700);
+            RecordBatch::try_new(Arc::clone(&schema), vec![Arc::new(ids)]).unwrap()
+        };
+        let by_key: HashMap<String, RecordBatch> =
+            (1..5).map(|i| (format!("k{i}"), block(i))).collect();
+        let mut inputs = vec![TaskInput::Inline(0)];
+        inputs.extend((1..5).map(|i| TaskInput::Fetch(ticket(&format!("k{i}")))));
+        let request = TaskRequest {
+            target_rows: 1_000,
+            inputs: Some(inputs),
+            ..Default::default()
+        };
+        let plan: Arc<dyn ExecutionPlan> = Arc::new(DataSourceExec::new(Arc::new(
+            MemorySourceConfig::try_new(&[vec![block(0)]], Arc::clone(&schema), None).unwrap(),
+        )));
+        let fetched = Arc::new(Mutex::new(vec![]));
+        let log = Arc::clone(&fetched);
+        let fetch: FetchBlock = Arc::new(move |ticket: InputTicket| {
+            log.lock().unwrap().push(ticket.key.clone());
+            let batch = by_key[&ticket.key].clone();
+            async move { Ok(batch) }.boxed()
+        });
+        let ready: Vec<RecordBatch> = (1..5).map(block).collect();
+        let task_ctx = SessionContext::new().task_ctx();
+        let mut runs = vec![];
+        for inputs in [FetchedInputs::Ready(ready), FetchedInputs::OnDemand(fetch)] {
+            let on_demand = matches!(inputs, FetchedInputs::OnDemand(_));
+            let plan = with_inputs(Arc::clone(&plan), &request, inputs).unwrap();
+            assert_eq!(plan.name() == "StreamingTableExec", on_demand);
+            assert!(
+                fetched.lock().unwrap().is_empty(),
+                "fetched before the plan ran"
+            );
+            let batches = collect(plan, Arc::clone(&task_ctx)).await.unwrap();
+            let pieces: Vec<Vec<i64>> = batches
+                .iter()
+                .map(|b| b.column(0).as_primitive::<Int64Type>().values().to_vec())
+                .collect();
+            runs.push(pieces);
+        }
+        assert_eq!(runs[0], runs[1]);
+        assert_eq!(
+            runs[0].iter().map(Vec::len).collect::<Vec<_>>(),
+            vec![1_000, 1_000, 1_000, 500]
+        );
+        assert_eq!(runs[0].concat(), (0..3_500).collect::<Vec<i64>>());
+        assert_eq!(*fetched.lock().unwrap(), ["k1", "k2", "k3", "k4"]);
+    }
+}

@@ -70,12 +70,12 @@ async fn to_runnable_plan(
     session: &dyn Session,
     sizing: ExchangeSizing,
 ) -> Result<Arc<dyn ExecutionPlan>> {
-    let out_of_core = sizing.out_of_core();
+    let replans = !sizing.out_of_core() && out_of_core_differs(&plan);
     let flumen = to_flumen_plan(plan, session, sizing).await?;
     let Some(state) = session.as_any().downcast_ref::<SessionState>() else {
         return Ok(flumen);
     };
-    if out_of_core {
+    if !replans {
         return Ok(flumen);
     }
     let (logical_plan, state) = (Arc::new(logical_plan.clone()), Arc::new(state.clone()));
@@ -91,6 +91,30 @@ async fn to_runnable_plan(
     });
     let flumen = Arc::into_inner(flumen).expect("a plan just made has one owner");
     Ok(Arc::new(flumen.with_replanner(replanner)))
+}
+
+/// Whether planning `plan` out of core would change it: only its hash exchanges (more
+/// partitions, run in waves) and full sorts (range sorts) do. A plan with neither, refused
+/// memory in core, would be refused again: it gets no replanner (and its query does not pay
+/// for a copy of the session state).
+fn out_of_core_differs(plan: &Arc<dyn ExecutionPlan>) -> bool {
+    use datafusion::physical_plan::Partitioning;
+    use datafusion::physical_plan::repartition::RepartitionExec;
+    use datafusion::physical_plan::sorts::sort::SortExec;
+    let mut differs = false;
+    let _ = plan.apply(|node| {
+        differs |= node
+            .downcast_ref::<RepartitionExec>()
+            .is_some_and(|r| matches!(r.partitioning(), Partitioning::Hash(..)))
+            || node
+                .downcast_ref::<SortExec>()
+                .is_some_and(|sort| sort.fetch().is_none());
+        Ok(match differs {
+            true => TreeNodeRecursion::Stop,
+            false => TreeNodeRecursion::Continue,
+        })
+    });
+    differs
 }
 
 /// Whether a worker runs every node of `fragment` (its stage inputs become in-memory scans).
@@ -258,5 +282,30 @@ impl QueryPlanner for FlumenQueryPlanner {
             return replace_children_if_necessary(plan, vec![flumen]);
         }
         to_runnable_plan(plan, logical_plan, session, sizing).await
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[tokio::test]
+    async fn only_plans_with_hash_exchanges_or_full_sorts_are_planned_again() {
+        let ctx = datafusion::prelude::SessionContext::new_with_config(
+            datafusion::prelude::SessionConfig::new().with_target_partitions(2),
+        );
+        let plan = |sql: &'static str| {
+            let ctx = ctx.clone();
+            async move { ctx.sql(sql).await?.create_physical_plan().await }
+        };
+        let join = "SELECT count(*) FROM range(0, 100000) a JOIN range(0, 100000) b \
+                    ON a.value = b.value";
+        let sort = "SELECT value FROM range(0, 1000) ORDER BY value DESC";
+        let top = "SELECT value FROM range(0, 1000) ORDER BY value DESC LIMIT 3";
+        let scan = "SELECT value * 2 FROM range(0, 1000) WHERE value > 3";
+        assert!(out_of_core_differs(&plan(join).await.unwrap()));
+        assert!(out_of_core_differs(&plan(sort).await.unwrap()));
+        assert!(!out_of_core_differs(&plan(top).await.unwrap()));
+        assert!(!out_of_core_differs(&plan(scan).await.unwrap()));
     }
 }
