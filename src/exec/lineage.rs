@@ -6,7 +6,6 @@
 //! recursion goes back only as far as blocks are missing. Re-run outputs that are still
 //! needed are put back in the store; the rest are dropped.
 
-use std::collections::HashMap;
 use std::fmt;
 use std::sync::Arc;
 
@@ -18,8 +17,10 @@ use futures::future::BoxFuture;
 use crate::exec::metrics::OperatorStats;
 use crate::exec::run::QueryRun;
 use crate::plan::graph::OperatorId;
-use crate::store::block::{BlockId, OutputPlace, OutputPlaces};
-use crate::store::block_digest;
+use crate::exec::task_runner::{InProcess, OnWorker, TaskRunner};
+use crate::exec::task_sink::{RecomputeSink, TaskSink};
+use crate::exec::task_spec::{TaskPlace, TaskSpec};
+use crate::store::block::BlockId;
 
 /// Longest a recompute refused memory waits for a running task to end before it gives up.
 const RECOMPUTE_WAIT: std::time::Duration = std::time::Duration::from_secs(2);
@@ -110,21 +111,65 @@ impl QueryRun {
         self.fetch_held(id).await
     }
 
-    /// Run task `task` again here for its outputs. A recompute runs outside the pools'
+    /// Run task `task` again for its blocks no longer held, and for block `asked` when a
+    /// reader asked for one: on a worker of its pool when it ran on one, that pool is up and
+    /// the block (or, with none asked, one of the task's blocks) was lost with its worker;
+    /// else, a reader having asked, in process. The caller holds the task's recompute lock.
+    pub(super) async fn run_again(
+        self: &Arc<Self>,
+        task: TaskId,
+        asked: Option<BlockId>,
+    ) -> Result<RecomputeSink> {
+        let spec = self.spec_again(task).await;
+        let mut sink = RecomputeSink::new(self, &spec, asked);
+        let outputs = match asked {
+            Some(id) => vec![id],
+            None => self.state.lock().unwrap().tasks[task].outputs.clone(),
+        };
+        let lost = {
+            let lost = self.lost_blocks.lock().unwrap();
+            outputs.iter().any(|id| lost.contains(id))
+        };
+        if let TaskPlace::Worker { pool, .. } = &spec.place
+            && lost
+        {
+            match OnWorker(Arc::clone(pool)).run(self, &spec, &mut sink).await {
+                Ok(None) if sink.lost_ones_back() => {
+                    OperatorStats::add(&self.stats(spec.operator).recomputed, 1);
+                    return Ok(sink);
+                }
+                Err(e) if sink.diverged() => return Err(e),
+                Err(e) => log::info!("{}: on a worker: {e}", sink.describe()),
+                Ok(_) => {}
+            }
+        }
+        if asked.is_none() {
+            // Nobody waits for these blocks yet: a reader recomputes each when it asks.
+            return Ok(sink);
+        }
+        OperatorStats::add(&self.stats(spec.operator).recomputed, 1);
+        self.run_in_process_again(&spec, &mut sink).await?;
+        Ok(sink)
+    }
+
+    /// Run task `spec` again in process into `sink`. A recompute runs outside the pools'
     /// slots, beside the tasks in them: refused memory (a join's build side beside theirs),
     /// it tries again as soon as one of them has ended since its attempt began, and gives up
     /// when none ended and none is left to end, or none ended for [`RECOMPUTE_WAIT`] (its
     /// caller may be the one task still running: a task refused memory runs again alone).
-    async fn rerun_for_outputs(
+    async fn run_in_process_again(
         self: &Arc<Self>,
-        task: TaskId,
-    ) -> Result<Vec<(usize, usize, RecordBatch)>> {
+        spec: &TaskSpec,
+        sink: &mut RecomputeSink,
+    ) -> Result<()> {
+        let task = spec.task;
         let mut changes = self.changes.subscribe();
         loop {
             let ended_before = self.state.lock().unwrap().tasks_ended;
-            let error = match self.execute_task(task, true).await {
+            sink.restart();
+            let error = match InProcess.run(self, spec, sink).await {
                 Err(e) if matches!(e.find_root(), DataFusionError::ResourcesExhausted(_)) => e,
-                other => return other,
+                other => return other.map(|_| ()),
             };
             loop {
                 {
@@ -162,61 +207,17 @@ impl QueryRun {
         if let Some(batch) = self.read_block(id).await? {
             return Ok(batch);
         }
-        // A block lost with its worker: re-run its task on a live worker if we can.
-        if self.lost_blocks.lock().unwrap().contains(&id)
-            && self.rerun_remote(block.task).await.unwrap_or(false)
-            && let Some(batch) = self.fetch_held(id).await?
-        {
+        let mut sink = self.run_again(block.task, Some(id)).await?;
+        if let Some(batch) = sink.asked_rows() {
             return Ok(batch);
         }
-        self.lost_blocks.lock().unwrap().remove(&id);
-        let op = &self.graph.operators[block.operator];
-        OperatorStats::add(&self.stats(block.operator).recomputed, 1);
-        let mut outputs = match self.recompute_remote_outputs(block.task).await? {
-            Some(outputs) => outputs,
-            None => self.rerun_for_outputs(block.task).await?,
-        };
-        // Matched by place, not `seq`: the run may have interleaved its output partitions
-        // differently.
-        let mut places = OutputPlaces::default();
-        outputs.sort_by_key(|(seq, _, _)| *seq);
-        let by_place: HashMap<OutputPlace, RecordBatch> = outputs
-            .into_iter()
-            .map(|(_, tag, b)| (places.next(tag), b))
-            .collect();
-        let not_reproduced = |what: &str| {
-            DataFusionError::Execution(format!(
-                "recomputing block {id} of operator {} ({}) did not reproduce it ({what}): \
-                 the task's output is not deterministic",
-                block.operator, op.name
-            ))
-        };
-        let mut wanted = None;
-        // Put back the task's other outputs that a reader may still ask for.
-        for (place, recorded) in OutputPlaces::of(self.task_outputs(block.task)) {
-            let batch = by_place.get(&place);
-            // A digest is taken of the recomputed rows only where the original has one.
-            let again = |b: &RecordBatch| {
-                let digest = recorded.digest.and_then(|_| block_digest::digest(b));
-                (b.num_rows(), digest)
-            };
-            if recorded.id == id {
-                let batch = batch.ok_or_else(|| not_reproduced("no such block"))?;
-                if let Some(how) =
-                    block_digest::differs((recorded.rows, recorded.digest), again(batch))
-                {
-                    return Err(not_reproduced(&how));
-                }
-                wanted = Some(batch.clone());
-            } else if !self.store.is_available(recorded.id)
-                && let Some(batch) = batch.filter(|b| {
-                    block_digest::differs((recorded.rows, recorded.digest), again(b)).is_none()
-                })
-            {
-                self.store.remove(recorded.id);
-                self.restore(&recorded, batch.clone())?;
-            }
+        // Re-homed on the worker that made it again.
+        if let Some(batch) = self.read_block(id).await? {
+            return Ok(batch);
         }
-        wanted.ok_or_else(|| not_reproduced("not among the task's outputs"))
+        Err(DataFusionError::Execution(format!(
+            "{}: block {id} was not among its outputs: the task's output is not deterministic",
+            sink.describe()
+        )))
     }
 }

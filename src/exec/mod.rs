@@ -15,6 +15,9 @@
 //!   of core.
 //! - [`slices`]: a join's hot partition, refused memory, cut into slices of its build side.
 //! - [`remote_tasks`]: tasks run in worker processes, and recovering a dead worker's blocks.
+//! - A task as a value: [`task_spec`] (what a task runs and where, decided once at launch),
+//!   [`task_runner`] (its two runners: in process, on a worker), [`task_sink`] (where its
+//!   blocks go: the store, or back in place of lost ones, with one determinism check).
 //! - [`on_driver`]: why a worker-mode task ran on the driver, counted per reason.
 //! - [`plan_metrics`]: DataFusion's counters of a worker's task plan, carried back.
 //! - [`accelerator_threads`]: the in-process accelerator pool (threads that keep models).
@@ -39,6 +42,9 @@ pub(crate) mod slices;
 pub(crate) mod state;
 pub(crate) mod streams;
 pub(crate) mod task;
+pub(crate) mod task_runner;
+pub(crate) mod task_sink;
+pub(crate) mod task_spec;
 pub(crate) mod tasks;
 pub(crate) mod timeline;
 

@@ -53,6 +53,9 @@ use crate::exec::lineage::{TaskId, TaskKind};
 use crate::exec::metrics::OperatorStats;
 use crate::exec::on_driver::OnDriver;
 use crate::exec::run::QueryRun;
+use crate::exec::task_runner::{OnWorker, TaskRunner};
+use crate::exec::task_sink::StoreSink;
+use crate::exec::task_spec::{TaskPlace, TaskSpec};
 use crate::io::object_stores::StoreGrants;
 use crate::plan::accelerator_projection::AcceleratorProjectionExec;
 use crate::plan::graph::{Operator, OperatorId, Pool};
@@ -60,13 +63,12 @@ use crate::plan::merge_runs::MergeRunsExec;
 use crate::plan::partition_cut::{Reads, child_reads, cuts_per_partition};
 use crate::plan::split_source::{SplitSourceExec, split_ramps};
 use crate::plan::stage_input::{InputExchange, StageInputExec};
-use crate::store::block::{Block, BlockData, BlockId, HeldBlock, OutputPlace, OutputPlaces};
-use crate::store::block_digest::differs;
+use crate::store::block::{BlockId, HeldBlock};
 use crate::store::cutter::bundle_pieces;
 
 /// The plan a worker runs for source split `split` of `partition` of `op`, or why there is
 /// none.
-fn source_plan(
+pub(super) fn source_plan(
     op: &Operator,
     partition: usize,
     split: usize,
@@ -161,7 +163,7 @@ fn file_scans(plan: &Arc<dyn ExecutionPlan>) -> usize {
 /// The plan a worker runs for a block-wise task of `op` whose input blocks are `input` (an
 /// in-memory scan), or why there is none (the fragment does not read exactly one stage
 /// input, or reads it with a limit).
-fn blocks_plan(
+pub(super) fn blocks_plan(
     op: &Operator,
     input: Arc<dyn ExecutionPlan>,
 ) -> Result<Arc<dyn ExecutionPlan>, OnDriver> {
@@ -414,7 +416,7 @@ fn workers_can_read(scan: &Arc<dyn ExecutionPlan>, stores: &StoreGrants) -> bool
 
 /// Encode a task plan for `pool`'s workers, or say why they could not run it (a node or
 /// scan a worker refuses, a function they do not know, a node proto cannot encode).
-fn encode_for_worker(
+pub(super) fn encode_for_worker(
     plan: &Arc<dyn ExecutionPlan>,
     pool: &WorkerPool,
 ) -> Result<Vec<u8>, OnDriver> {
@@ -427,7 +429,7 @@ fn encode_for_worker(
 /// A per-partition task's input blocks: for each of its stage inputs, the blocks it reads of
 /// each producer partition it reads apart (one group, but for a merge of sorted partitions:
 /// one per partition, each its own in-memory scan).
-type PartitionInputs = Vec<Vec<Vec<BlockId>>>;
+pub(super) type PartitionInputs = Vec<Vec<Vec<BlockId>>>;
 
 /// A task ready to send: its header, its encoded plan, and the host it would rather run on.
 struct Outgoing<'a> {
@@ -470,9 +472,10 @@ impl WorkerTask {
 }
 
 impl QueryRun {
-    /// Run task `task` in a worker process. `Ok(Some(why))`: it cannot run there, run it
-    /// here instead.
-    pub(super) async fn execute_remote(self: &Arc<Self>, task: TaskId) -> Result<Option<OnDriver>> {
+    /// Place task `task` of a worker-mode run ([`QueryRun::place_task`]) and, when it goes
+    /// to a worker, run it there into the store. `Ok(Some(spec))`: it runs in process, and
+    /// `spec` says why.
+    pub(super) async fn run_placed(self: &Arc<Self>, task: TaskId) -> Result<Option<TaskSpec>> {
         // Talk to workers from the query's runtime: the gRPC channels, heartbeats and
         // replacement starts live on the runtime they were made on, and an accelerator
         // thread's runtime only runs while that thread has a task.
@@ -480,116 +483,42 @@ impl QueryRun {
             let run = Arc::clone(self);
             return self
                 .runtime()
-                .spawn(async move { run.execute_remote_here(task).await })
+                .spawn(async move { run.run_placed_here(task).await })
                 .await
                 .map_err(|e| DataFusionError::Execution(format!("task {task}: {e}")))?;
         }
-        self.execute_remote_here(task).await
+        self.run_placed_here(task).await
     }
 
-    async fn execute_remote_here(self: &Arc<Self>, task: TaskId) -> Result<Option<OnDriver>> {
-        let Some(slot) = self.worker_slot() else {
-            return Ok(Some(OnDriver::NotCut(
-                "the session has no worker pool".into(),
-            )));
+    async fn run_placed_here(self: &Arc<Self>, task: TaskId) -> Result<Option<TaskSpec>> {
+        let spec = self.place_task(task).await?;
+        let TaskPlace::Worker { pool, inputs } = &spec.place else {
+            return Ok(Some(spec));
         };
-        let (op_id, partition, kind) = self.task_identity(task);
-        // A task running again with its sorts in pieces runs here, where that setting is
-        // made (`QueryRun::task_context`).
-        if self.state.lock().unwrap().tasks[task].sorts_in_pieces {
-            return Ok(Some(OnDriver::SortsInPieces));
-        }
-        let op = &self.graph.operators[op_id];
-        let describe = format!(
-            "task {task} (partition {partition}) of flumen operator {op_id} ({})",
-            op.name
-        );
-        // Check that a worker can run it before any input is fetched. A per-partition
-        // task's input blocks are listed then: what it reads, released when it succeeds.
-        let mut partition_inputs = None;
-        let runnable = match &kind {
-            TaskKind::Source { split } => source_plan(op, partition, *split, &self.store_grants()),
-            TaskKind::Blocks { .. } => {
-                let schema = self.graph.operators[op.inputs[0]].fragment.schema();
-                let empty = MemorySourceConfig::try_new_exec(&[vec![]], schema, None)?;
-                blocks_plan(op, empty)
-            }
-            TaskKind::Partition | TaskKind::Slice { .. } => {
-                self.partition_runnable(task).map(|(plan, inputs)| {
-                    partition_inputs = Some(inputs);
-                    plan
-                })
-            }
-        };
-        let runnable = match runnable {
-            Ok(plan) => plan,
-            Err(why) => return Ok(Some(why)),
-        };
-        let pool = slot
-            .get_or_start(op.pool, self.pool_settings(op.pool)?)
-            .await?;
-        let bytes = match encode_for_worker(&runnable, &pool) {
-            Ok(bytes) => bytes,
-            Err(why) => return Ok(Some(why)),
-        };
-        let source = matches!(kind, TaskKind::Source { .. });
-        if let Some(why) = self.decodes_as_planned(&runnable, &bytes, &describe, (op_id, source))? {
-            return Ok(Some(why));
-        }
         // Recorded before its first block: a block lost while the task still runs is
         // recomputed from the same plan. A worker reads the split with no rows dropped by
         // `plan::join_filter_rows`; should the task be recomputed here, it reads it so too.
         self.remote_tasks.lock().unwrap().insert(task);
         // A per-partition task's inputs are released when it succeeds, as a local task's
         // are once read.
-        if let Some(inputs) = partition_inputs {
+        if let Some(inputs) = inputs {
             self.state.lock().unwrap().tasks[task].consumed = inputs.concat().concat();
         }
         let _ = self.state.lock().unwrap().tasks[task]
             .scan_row_filter
             .set(false);
-        // Each block goes to the store as its worker announces it, so consumers start
-        // while the task runs. A retry repeats the blocks already taken, each output
-        // partition's in the same order, but may interleave the partitions differently
-        // (`OutputPlace`): a block is new when its partition has not had that many yet. A
-        // repeat must have the rows of the block taken at its place.
-        let mut kept = 0;
-        let mut rows_taken: HashMap<usize, Vec<(usize, Option<u64>)>> = HashMap::new();
-        let mut places = OutputPlaces::default();
-        let mut take = |seq: usize, block: RemoteBlock| {
-            if seq == 0 {
-                places = OutputPlaces::default();
-            }
-            let place = places.next(block.info.tag);
-            let taken = rows_taken.entry(place.tag).or_default();
-            if let Some(&recorded) = taken.get(place.nth) {
-                let again = (block.info.rows, block.info.digest);
-                WorkerPool::release(block);
-                if let Some(how) = differs(recorded, again) {
-                    return Err(DataFusionError::Execution(format!(
-                        "{describe}: a retry's block {} of output partition {} has {how}: the \
-                         task's output is not deterministic",
-                        place.nth, place.tag
-                    )));
-                }
-                return Ok(());
-            }
-            taken.push((block.info.rows, block.info.digest));
-            self.put_remote_block(task, op_id, kept, block)?;
-            kept += 1;
-            self.changed();
-            Ok(())
-        };
-        if let Some(why) = self
-            .run_worker_task(&pool, task, &describe, &mut take)
-            .await?
-        {
+        let mut sink = StoreSink::new(self, &spec);
+        let runner = OnWorker(Arc::clone(pool));
+        if let Some(why) = runner.run(self, &spec, &mut sink).await? {
             self.remote_tasks.lock().unwrap().remove(&task);
             // It reads its inputs here instead, and records them as it reads them.
             self.state.lock().unwrap().tasks[task].consumed.clear();
-            return Ok(Some(why));
+            return Ok(Some(TaskSpec {
+                place: TaskPlace::InProcess(Some(why)),
+                ..spec
+            }));
         }
-        OperatorStats::add(&self.stats(op_id).remote_tasks, 1);
+        OperatorStats::add(&self.stats(spec.operator).remote_tasks, 1);
         Ok(None)
     }
 
@@ -600,7 +529,7 @@ impl QueryRun {
     /// when its fragment is not one [`partition_plan`] cuts. However large its inputs, a
     /// worker reads them as its plan does, a few blocks ahead, and its operators spill to
     /// the worker's disk beyond their share of the budget.
-    fn partition_runnable(
+    pub(super) fn partition_runnable(
         &self,
         task: TaskId,
     ) -> Result<(Arc<dyn ExecutionPlan>, PartitionInputs), OnDriver> {
@@ -741,7 +670,7 @@ impl QueryRun {
     /// A release build checks the first task of each operator and kind (`shape`) only: its
     /// other tasks' plans differ in their file ranges and in-memory inputs alone, and the
     /// check (a decode and two plan texts) cost an eighth of the driver's CPU per task.
-    fn decodes_as_planned(
+    pub(super) fn decodes_as_planned(
         &self,
         plan: &Arc<dyn ExecutionPlan>,
         bytes: &[u8],
@@ -773,14 +702,14 @@ impl QueryRun {
     /// from lineage and the task sent again (at most `flumen.max_task_retries` times).
     /// Blocks go to `on_block` as [`WorkerPool::run_task`] hands them out. `Some(why)`:
     /// the task has no plan a worker can run.
-    async fn run_worker_task(
+    pub(super) async fn run_worker_task(
         self: &Arc<Self>,
         pool: &Arc<WorkerPool>,
-        task: TaskId,
-        describe: &str,
+        spec: &TaskSpec,
         on_block: &mut (dyn FnMut(usize, RemoteBlock) -> Result<()> + Send),
     ) -> Result<Option<OnDriver>> {
-        let (op_id, partition, _) = self.task_identity(task);
+        let (task, op_id, partition) = (spec.task, spec.operator, spec.partition);
+        let describe = spec.describe.as_str();
         // Inputs read here stay here across attempts (reading consumed them).
         let mut read_here = HashMap::new();
         let mut lost_inputs = 0;
@@ -1053,84 +982,13 @@ impl QueryRun {
             self.runtime().spawn(async move {
                 let lock = run.recompute_lock(task);
                 let _guard = lock.lock().await;
-                if let Err(e) = run.rerun_remote(task).await {
+                if let Err(e) = run.run_again(task, None).await {
                     log::warn!(
                         "re-running task {task} on a worker failed ({e}); readers recompute here"
                     );
                 }
             });
         }
-    }
-
-    /// Re-run remotely run task `task` on a live worker and re-home its lost blocks there.
-    /// The caller holds the task's recompute lock. `Ok(false)`: not a remote task.
-    pub(super) async fn rerun_remote(self: &Arc<Self>, task: TaskId) -> Result<bool> {
-        let outputs = self.task_outputs(task);
-        let lost: Vec<&Block> = {
-            let lost_set = self.lost_blocks.lock().unwrap();
-            outputs
-                .iter()
-                .filter(|b| lost_set.contains(&b.id))
-                .collect()
-        };
-        if lost.is_empty() {
-            return Ok(true);
-        }
-        if !self.remote_tasks.lock().unwrap().contains(&task) {
-            return Ok(false);
-        }
-        let (op_id, partition, _) = self.task_identity(task);
-        let op = &self.graph.operators[op_id];
-        let Some(slot) = self.worker_slot() else {
-            return Ok(false);
-        };
-        let Some(pool) = slot.current(op.pool).await else {
-            return Ok(false);
-        };
-        let describe = format!(
-            "recomputing task {task} (partition {partition}) of flumen operator {op_id} ({})",
-            op.name
-        );
-        // The lost blocks, by their place in the task's output: each is re-homed on the
-        // worker of the new run as it is announced; the run's other blocks are released.
-        let lost_ids: HashSet<BlockId> = lost.iter().map(|b| b.id).collect();
-        let mut wanted: HashMap<OutputPlace, Block> = OutputPlaces::of(outputs)
-            .into_iter()
-            .filter(|(_, b)| lost_ids.contains(&b.id))
-            .collect();
-        let mut places = OutputPlaces::default();
-        let mut rehome = |seq: usize, held: RemoteBlock| {
-            // A worker's attempt numbers its blocks from 0: a retry starts counting again.
-            if seq == 0 {
-                places = OutputPlaces::default();
-            }
-            match wanted.remove(&places.next(held.info.tag)) {
-                Some(block) => {
-                    let again = (held.info.rows, held.info.digest);
-                    if let Some(how) = differs((block.rows, block.digest), again) {
-                        WorkerPool::release(held);
-                        return Err(DataFusionError::Execution(format!(
-                            "{describe}: block {} came back with {how}: the task's output is \
-                             not deterministic",
-                            block.id
-                        )));
-                    }
-                    self.lost_blocks.lock().unwrap().remove(&block.id);
-                    self.store.put_held(block.id, Arc::new(held), block.bytes);
-                }
-                None => WorkerPool::release(held),
-            }
-            Ok(())
-        };
-        if self
-            .run_worker_task(&pool, task, &describe, &mut rehome)
-            .await?
-            .is_some()
-        {
-            return Ok(false);
-        }
-        OperatorStats::add(&self.stats(op_id).recomputed, 1);
-        Ok(true)
     }
 
     /// The rows a task's blocks ramp up from: `flumen.first_block_rows` for the first splits
@@ -1184,7 +1042,7 @@ impl QueryRun {
     }
 
     /// The object stores this session can give its workers.
-    fn store_grants(&self) -> Arc<StoreGrants> {
+    pub(super) fn store_grants(&self) -> Arc<StoreGrants> {
         self.base_context()
             .session_config()
             .get_extension::<StoreGrants>()
@@ -1299,15 +1157,12 @@ impl QueryRun {
             .observe_membership([0, 1, 2].map(|i| now[i].saturating_sub(start[i])));
     }
 
-    /// The outputs of a task run remotely, recomputed here from the same plan:
-    /// `(seq, tag, block)`. `None` when the task did not run remotely.
-    pub(super) async fn recompute_remote_outputs(
+    /// The blocks of task `task`, which ran on a worker, made here by the plan its worker
+    /// ran: `(tag, block)` in output order. `None` when it has no such plan.
+    pub(super) async fn worker_plan_here(
         self: &Arc<Self>,
         task: TaskId,
-    ) -> Result<Option<Vec<(usize, usize, RecordBatch)>>> {
-        if !self.remote_tasks.lock().unwrap().contains(&task) {
-            return Ok(None);
-        }
+    ) -> Result<Option<Vec<(usize, RecordBatch)>>> {
         let Ok(plan) = self.task_plan(task).await? else {
             return Ok(None);
         };
@@ -1315,14 +1170,7 @@ impl QueryRun {
         let plan = self.as_a_worker_decodes(op_id, plan).await;
         let mut request = self.task_request(op_id, partition, &plan);
         request.first_block_rows = self.first_block_rows_of(task);
-        let blocks = collect_blocks(plan, self.base_context(), &request).await?;
-        Ok(Some(
-            blocks
-                .into_iter()
-                .enumerate()
-                .map(|(seq, (tag, block))| (seq, tag, block))
-                .collect(),
-        ))
+        Ok(Some(collect_blocks(plan, self.base_context(), &request).await?))
     }
 
     /// `plan` of operator `op_id` as a worker decodes it. What the plan's encoding does not
@@ -1353,26 +1201,5 @@ impl QueryRun {
                 plan
             }
         }
-    }
-
-    /// Record block `seq` of remotely run task `task`, kept by its worker.
-    fn put_remote_block(
-        &self,
-        task: TaskId,
-        op_id: OperatorId,
-        seq: usize,
-        held: RemoteBlock,
-    ) -> Result<()> {
-        let block = Block {
-            id: self.new_block_id(),
-            operator: op_id,
-            task,
-            seq,
-            tag: held.info.tag,
-            rows: held.info.rows,
-            bytes: held.info.bytes,
-            digest: held.info.digest,
-        };
-        self.put_block(block, BlockData::Held(Arc::new(held)))
     }
 }

@@ -16,7 +16,9 @@ use crate::exec::metrics::OperatorStats;
 use crate::exec::on_driver::OnDriver;
 use crate::exec::run::QueryRun;
 use crate::exec::streams::TaskProvider;
-use crate::plan::graph::OperatorId;
+use crate::exec::task_runner::{InProcess, TaskRunner};
+use crate::exec::task_sink::{MadeBlock, StoreSink, TaskSink};
+use crate::exec::task_spec::{TaskPlace, TaskSpec};
 use crate::plan::merge_join_fallback::as_sort_merge_join;
 use crate::plan::split_source::split_ramps;
 use crate::plan::stage_input::TaskInputs;
@@ -29,60 +31,37 @@ use crate::store::cutter::BlockCutter;
 /// it wait.
 const YIELD_EVERY: Duration = Duration::from_millis(5);
 
-/// Where a running task's output blocks go: the store, or (recomputing) back to the caller
-/// as `(seq, tag, batch)`.
-struct TaskOutput<'a> {
-    run: &'a Arc<QueryRun>,
-    task: TaskId,
-    op_id: OperatorId,
-    capture: bool,
-    /// Blocks emitted so far (the next block's position in the task's output).
-    seq: usize,
-    captured: Vec<(usize, usize, RecordBatch)>,
-}
-
-impl TaskOutput<'_> {
-    /// Output blocks, each with its output partition (tag).
-    fn emit(&mut self, blocks: Vec<(usize, RecordBatch)>) -> Result<()> {
-        for (tag, batch) in blocks {
-            if batch.num_rows() == 0 {
-                continue;
-            }
-            // A block cut out of a larger batch would keep the whole batch alive in the
-            // store while counting as its own rows.
-            let (batch, bytes) = compact(batch);
-            if self.capture {
-                self.captured.push((self.seq, tag, batch));
-            } else {
-                let block = Block {
-                    id: self.run.new_block_id(),
-                    operator: self.op_id,
-                    task: self.task,
-                    seq: self.seq,
-                    tag,
-                    rows: batch.num_rows(),
-                    bytes,
-                    digest: None,
-                };
-                self.run.put_block(block, BlockData::Local(batch))?;
-            }
-            self.seq += 1;
+/// Hand the blocks cut from one input batch, each with its output partition, to `sink`
+/// (empty ones skipped), then tell it the batch is done. A block cut out of a larger batch
+/// is compacted first: it would keep the whole batch alive while counting as its own rows.
+fn hand_over(blocks: Vec<(usize, RecordBatch)>, sink: &mut dyn TaskSink) -> Result<()> {
+    for (tag, batch) in blocks {
+        if batch.num_rows() == 0 {
+            continue;
         }
-        Ok(())
+        let (batch, bytes) = compact(batch);
+        sink.take(MadeBlock::Local { tag, batch, bytes })?;
     }
+    sink.taken();
+    Ok(())
 }
 
 impl QueryRun {
-    /// Run a task: in a worker process when the session has them and the task can go there,
-    /// else here.
+    /// Run a task for the first time, its blocks to the store: on a worker when the session
+    /// has them and the task can go there ([`QueryRun::run_placed`]), else here.
     pub(super) async fn run_task(self: &Arc<Self>, task: TaskId) -> Result<()> {
-        if self.workers.is_some() {
-            match self.execute_remote(task).await? {
+        let spec = match self.workers.is_some() {
+            false => self.task_spec(task, TaskPlace::InProcess(None)),
+            true => match self.run_placed(task).await? {
                 None => return Ok(()),
-                Some(why) => self.count_on_driver(task, &why),
-            }
+                Some(spec) => spec,
+            },
+        };
+        if let TaskPlace::InProcess(Some(why)) = &spec.place {
+            self.count_on_driver(task, why);
         }
-        self.execute_task(task, false).await.map(|_| ())
+        let mut sink = StoreSink::new(self, &spec);
+        InProcess.run(self, &spec, &mut sink).await.map(|_| ())
     }
 
     /// Count a worker-mode task that runs here, and say why (at debug level for the
@@ -104,23 +83,23 @@ impl QueryRun {
         }
     }
 
-    /// Run a task's fragment. Outputs go to the store, or with `capture` (recompute) are
-    /// returned as `(seq, tag, batch)`.
+    /// Run a task's fragment here, each block to `sink` as it is cut. A first run records
+    /// what the task reads and pauses while it is ahead of its readers.
     pub(super) async fn execute_task(
         self: &Arc<Self>,
-        task: TaskId,
-        capture: bool,
-    ) -> Result<Vec<(usize, usize, RecordBatch)>> {
-        let (op_id, partition, kind, merge_join, sorts_in_pieces, scan_row_filter) = {
+        spec: &TaskSpec,
+        sink: &mut dyn TaskSink,
+    ) -> Result<()> {
+        let task = spec.task;
+        let first_run = sink.first_run();
+        let (op_id, partition, kind) = (spec.operator, spec.partition, spec.kind.clone());
+        let (merge_join, sorts_in_pieces, scan_row_filter) = {
             let st = self.state.lock().unwrap();
             if st.cancelled {
                 return Err(DataFusionError::Execution("query cancelled".into()));
             }
             let t = &st.tasks[task];
             (
-                t.operator,
-                t.partition,
-                t.kind.clone(),
                 t.merge_join,
                 t.sorts_in_pieces,
                 Arc::clone(&t.scan_row_filter),
@@ -142,7 +121,7 @@ impl QueryRun {
             task,
             operator: op_id,
             kind,
-            record: !capture,
+            record: first_run,
         });
         let inputs = TaskInputs {
             provider,
@@ -166,29 +145,18 @@ impl QueryRun {
             },
             self.graph.ramp_block_rows,
         );
-        // Recomputing (capture) never pauses: its output goes to the caller, not the store.
-        let pause_rows = if capture {
-            None
-        } else {
+        // A run again never pauses: its output goes back in place of lost blocks.
+        let pause_rows = if first_run {
             self.pause_rows(op_id)
-        };
-        let mut out = TaskOutput {
-            run: self,
-            task,
-            op_id,
-            capture,
-            seq: 0,
-            captured: vec![],
+        } else {
+            None
         };
         let mut blocks = vec![];
         let mut ran_since_yield = Instant::now();
         while let Some(batch) = stream.next().await {
             cutter.push(batch?, &mut blocks)?;
             if !blocks.is_empty() {
-                out.emit(std::mem::take(&mut blocks))?;
-                if !capture {
-                    self.changed();
-                }
+                hand_over(std::mem::take(&mut blocks), sink)?;
             }
             // After every batch: its reader may be behind, or an operator nearer the output
             // may wait for this task's slot.
@@ -206,12 +174,10 @@ impl QueryRun {
             }
         }
         cutter.finish(&mut blocks)?;
-        let finished = !blocks.is_empty();
-        out.emit(blocks)?;
-        if !capture && finished {
-            self.changed();
+        if !blocks.is_empty() {
+            hand_over(blocks, sink)?;
         }
-        Ok(out.captured)
+        Ok(())
     }
 
     /// Put a block a task produced where it lives (the store's memory or spill, or its
