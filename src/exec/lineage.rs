@@ -127,7 +127,7 @@ impl QueryRun {
             None => self.state.lock().unwrap().tasks[task].outputs.clone(),
         };
         let lost = {
-            let lost = self.lost_blocks.lock().unwrap();
+            let lost = self.workers.lost_blocks.lock().unwrap();
             outputs.iter().any(|id| lost.contains(id))
         };
         if let TaskPlace::Worker { pool, .. } = &spec.place

@@ -19,6 +19,7 @@
 //!   [`task_runner`] (its two runners: in process, on a worker), [`task_sink`] (where its
 //!   blocks go: the store, or back in place of lost ones, with one determinism check).
 //! - [`on_driver`]: why a worker-mode task ran on the driver, counted per reason.
+//! - [`worker_run`]: what a run keeps of its worker processes (pools, lost blocks, token).
 //! - [`plan_metrics`]: DataFusion's counters of a worker's task plan, carried back.
 //! - [`accelerator_threads`]: the in-process accelerator pool (threads that keep models).
 //! - [`progress`]: a running query's progress in words (one line per operator).
@@ -47,6 +48,7 @@ pub(crate) mod task_sink;
 pub(crate) mod task_spec;
 pub(crate) mod tasks;
 pub(crate) mod timeline;
+pub(crate) mod worker_run;
 
 pub use accelerator_threads::AcceleratorPool;
 pub use flumen_exec::FlumenExec;

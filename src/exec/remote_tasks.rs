@@ -498,7 +498,7 @@ impl QueryRun {
         // Recorded before its first block: a block lost while the task still runs is
         // recomputed from the same plan. A worker reads the split with no rows dropped by
         // `plan::join_filter_rows`; should the task be recomputed here, it reads it so too.
-        self.remote_tasks.lock().unwrap().insert(task);
+        self.workers.ran_on_worker.lock().unwrap().insert(task);
         // A per-partition task's inputs are released when it succeeds, as a local task's
         // are once read.
         if let Some(inputs) = inputs {
@@ -510,7 +510,7 @@ impl QueryRun {
         let mut sink = StoreSink::new(self, &spec);
         let runner = OnWorker(Arc::clone(pool));
         if let Some(why) = runner.run(self, &spec, &mut sink).await? {
-            self.remote_tasks.lock().unwrap().remove(&task);
+            self.workers.ran_on_worker.lock().unwrap().remove(&task);
             // It reads its inputs here instead, and records them as it reads them.
             self.state.lock().unwrap().tasks[task].consumed.clear();
             return Ok(Some(TaskSpec {
@@ -677,12 +677,12 @@ impl QueryRun {
         describe: &str,
         shape: (OperatorId, bool),
     ) -> Result<Option<OnDriver>> {
-        if !cfg!(debug_assertions) && self.plans_decoded_alike.lock().unwrap().contains(&shape) {
+        if !cfg!(debug_assertions) && self.workers.plans_decoded_alike.lock().unwrap().contains(&shape) {
             return Ok(None);
         }
         match task_plan::check_round_trip(plan, bytes, &self.base_context()) {
             Ok(()) => {
-                self.plans_decoded_alike.lock().unwrap().insert(shape);
+                self.workers.plans_decoded_alike.lock().unwrap().insert(shape);
                 Ok(None)
             }
             Err(RoundTrip::Undecodable(e)) => Ok(Some(OnDriver::Undecodable(e.to_string()))),
@@ -869,7 +869,7 @@ impl QueryRun {
             if !error.contains(&held.location().key) || !self.store.remove_held(*id, held) {
                 continue;
             }
-            self.lost_blocks.lock().unwrap().insert(*id);
+            self.workers.lost_blocks.lock().unwrap().insert(*id);
             if let Some(block) = self.block(*id) {
                 OperatorStats::add(&self.stats(block.operator).blocks_lost, 1);
             }
@@ -948,7 +948,7 @@ impl QueryRun {
             OperatorStats::add(&self.stats(block.operator).output_bytes_to_driver, bytes);
         }
         if fetched.is_none() {
-            self.lost_blocks.lock().unwrap().insert(id);
+            self.workers.lost_blocks.lock().unwrap().insert(id);
             if let Some(block) = self.block(id) {
                 OperatorStats::add(&self.stats(block.operator).blocks_lost, 1);
             }
@@ -960,13 +960,13 @@ impl QueryRun {
     /// A worker died: every block it still held is lost. Re-run their producer tasks at once,
     /// in parallel on the live workers, instead of one by one when each is read.
     fn recover_worker(self: &Arc<Self>, holder: u64) {
-        if !self.dead_workers.lock().unwrap().insert(holder) {
+        if !self.workers.dead_workers.lock().unwrap().insert(holder) {
             return;
         }
         let lost = self.store.take_held_by(holder);
         let mut tasks = HashSet::new();
         {
-            let mut lost_set = self.lost_blocks.lock().unwrap();
+            let mut lost_set = self.workers.lost_blocks.lock().unwrap();
             for id in lost {
                 if let Some(block) = self.block(id) {
                     OperatorStats::add(&self.stats(block.operator).blocks_lost, 1);
@@ -1027,7 +1027,7 @@ impl QueryRun {
                 .filter_map(|entry| Some((format!("flumen.{}", entry.key), entry.value?)))
                 .filter(|(key, _)| WORKER_OPTIONS.contains(&key.as_str()))
                 .collect(),
-            query: self.query_token.clone(),
+            query: self.workers.query_token.clone(),
             grants: scanned_files(plan),
             inputs: None,
             input_sources: vec![],
@@ -1053,11 +1053,11 @@ impl QueryRun {
     /// settings say: the cluster `flumen.cluster` names, else processes started here. Made
     /// once per run and pool (a cluster file is read to make them), not per task.
     pub(super) fn pool_settings(&self, pool: Pool) -> Result<PoolSettings> {
-        if let Some(settings) = self.pool_settings.lock().unwrap().get(&pool) {
+        if let Some(settings) = self.workers.pool_settings.lock().unwrap().get(&pool) {
             return Ok(settings.clone());
         }
         let settings = self.make_pool_settings(pool)?;
-        self.pool_settings
+        self.workers.pool_settings
             .lock()
             .unwrap()
             .insert(pool, settings.clone());
@@ -1099,7 +1099,7 @@ impl QueryRun {
             return;
         };
         let slot = Arc::clone(slot);
-        let query = self.query_token.clone();
+        let query = self.workers.query_token.clone();
         self.runtime().spawn(async move {
             for pool in slot.started().await {
                 pool.release_query(&query).await;
@@ -1142,7 +1142,7 @@ impl QueryRun {
     /// `workers_restarted` (shown by `EXPLAIN ANALYZE`).
     fn note_restarts(&self, pool: &WorkerPool) {
         let now = pool.restarted();
-        let mut seen = self.worker_restarts.lock().unwrap();
+        let mut seen = self.workers.restarts.lock().unwrap();
         let (_, latest) = seen.entry(pool.kind()).or_insert((now, now));
         *latest = now;
         let total: u64 = seen.values().map(|(start, latest)| latest - start).sum();
@@ -1150,7 +1150,7 @@ impl QueryRun {
         let counts = pool.membership();
         let now = [&counts.lost, &counts.joined, &counts.rejoined]
             .map(|count| count.load(std::sync::atomic::Ordering::Relaxed));
-        let mut seen = self.membership_seen.lock().unwrap();
+        let mut seen = self.workers.membership_seen.lock().unwrap();
         let start = *seen.entry(pool.kind()).or_insert(now);
         drop(seen);
         self.metrics

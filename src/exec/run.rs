@@ -8,7 +8,7 @@
 //! of [`super::policy`]. Tasks run in [`super::task`]; readers walk blocks through
 //! [`super::streams`]; a lost block is recomputed by [`super::lineage`].
 
-use std::collections::{HashMap, HashSet};
+use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
@@ -23,7 +23,7 @@ use datafusion::physical_plan::empty::EmptyExec;
 use futures::FutureExt;
 use tokio::sync::watch;
 
-use crate::cluster::worker_pool::{PoolSettings, WorkerPoolSlot};
+use crate::cluster::worker_pool::WorkerPoolSlot;
 use crate::config::{FlumenConfig, WorkerMode};
 use crate::exec::accelerator_threads::AcceleratorPool;
 use crate::exec::lineage::{BlockDropper, TaskId, TaskKind};
@@ -33,6 +33,7 @@ use crate::exec::state::{
     OperatorState, PartitionState, RunState, TaskRecord, TaskStatus, pool_index,
 };
 use crate::exec::timeline::{TaskSpan, Timeline};
+use crate::exec::worker_run::WorkerRun;
 use crate::plan::graph::{OperatorGraph, OperatorId, Pool, TaskShape};
 use crate::plan::merge_join_fallback::as_sort_merge_join;
 use crate::plan::stage_input::InputExchange;
@@ -68,30 +69,11 @@ pub struct QueryRun {
     pub(super) recompute_locks: Mutex<HashMap<TaskId, Arc<tokio::sync::Mutex<()>>>>,
     /// `flumen.mode = 'static'`: the most tasks each operator may run at once.
     pub(super) static_slots: Vec<usize>,
-    /// `flumen.workers = 'process'`: the session's worker processes.
-    pub(super) workers: Option<Arc<WorkerPoolSlot>>,
-    /// Tasks that ran in a worker process (their blocks are recomputed from the same plan).
-    pub(super) remote_tasks: Mutex<HashSet<TaskId>>,
-    /// Operators (and task kinds: source or not) whose task plan a worker was found to
-    /// decode as planned: a release build checks one task of each, a debug build every one
-    /// (`remote_tasks::decodes_as_planned`).
-    pub(super) plans_decoded_alike: Mutex<HashSet<(OperatorId, bool)>>,
-    /// Blocks lost with their worker and not yet recomputed.
-    pub(super) lost_blocks: Mutex<HashSet<BlockId>>,
-    /// A random token naming this run to workers: the blocks its tasks leave there are kept
-    /// under it, and released by it when the run ends.
-    pub(super) query_token: String,
+    /// `flumen.workers = 'process'`: the session's worker processes, and what the run
+    /// keeps of them.
+    pub(super) workers: WorkerRun,
     /// When the run started (`flumen.query_timeout_secs` counts from it).
     pub(super) started_at: Instant,
-    /// Workers (by [`crate::store::block::HeldBlock::holder_id`]) whose death this run has
-    /// handled.
-    pub(super) dead_workers: Mutex<HashSet<u64>>,
-    /// Each worker pool's restart count when this run first used it, and the latest seen.
-    pub(super) worker_restarts: Mutex<HashMap<Pool, (u64, u64)>>,
-    /// Each worker pool's `[lost, joined, rejoined]` counts when this run first used it.
-    pub(super) membership_seen: Mutex<HashMap<Pool, [u64; 3]>>,
-    /// Where each pool's workers come from, as this run's settings say (made once).
-    pub(super) pool_settings: Mutex<HashMap<Pool, PoolSettings>>,
     /// `flumen.timeline_file`: the tasks' spans, written there when the run ends.
     pub(super) timeline: Option<Timeline>,
 }
@@ -211,16 +193,8 @@ impl QueryRun {
             handle: tokio::runtime::Handle::current(),
             next_block: AtomicU64::new(0),
             recompute_locks: Mutex::new(HashMap::new()),
-            workers,
-            remote_tasks: Mutex::new(HashSet::new()),
-            plans_decoded_alike: Mutex::new(HashSet::new()),
-            lost_blocks: Mutex::new(HashSet::new()),
-            query_token: crate::cluster::auth::Secret::random().to_hex(),
+            workers: WorkerRun::new(workers),
             started_at,
-            dead_workers: Mutex::new(HashSet::new()),
-            worker_restarts: Mutex::new(HashMap::new()),
-            membership_seen: Mutex::new(HashMap::new()),
-            pool_settings: Mutex::new(HashMap::new()),
             timeline,
         });
         run.preload_models(accelerator_target);
@@ -235,7 +209,7 @@ impl QueryRun {
     /// model already does nothing; a load that fails is left for the first task to report.
     /// Tasks that run in worker processes load there, so nothing is loaded here for them.
     fn preload_models(&self, workers: usize) {
-        if self.workers.is_some() {
+        if self.workers.in_use() {
             return;
         }
         let mut udfs: Vec<ScalarUDF> = vec![];
@@ -540,7 +514,7 @@ impl QueryRun {
 
     /// The session's worker processes, when `flumen.workers = 'process'`.
     pub(super) fn worker_slot(&self) -> Option<&Arc<WorkerPoolSlot>> {
-        self.workers.as_ref()
+        self.workers.slot.as_ref()
     }
 
     /// A task's operator, partition and kind.

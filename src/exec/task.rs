@@ -50,7 +50,7 @@ impl QueryRun {
     /// Run a task for the first time, its blocks to the store: on a worker when the session
     /// has them and the task can go there ([`QueryRun::run_placed`]), else here.
     pub(super) async fn run_task(self: &Arc<Self>, task: TaskId) -> Result<()> {
-        let spec = match self.workers.is_some() {
+        let spec = match self.workers.in_use() {
             false => self.task_spec(task, TaskPlace::InProcess(None)),
             true => match self.run_placed(task).await? {
                 None => return Ok(()),

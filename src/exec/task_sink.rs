@@ -238,7 +238,7 @@ impl RecomputeSink {
     /// Whether the run has put back every block it was run for (the asked-for block's rows
     /// when made here are in [`Self::asked_rows`]).
     pub(super) fn lost_ones_back(&self) -> bool {
-        let lost = self.run.lost_blocks.lock().unwrap();
+        let lost = self.run.workers.lost_blocks.lock().unwrap();
         self.recorded.values().all(|b| !lost.contains(&b.id))
     }
 
@@ -253,7 +253,7 @@ impl RecomputeSink {
     /// ends.
     fn wanted(&self, block: &Block, made: &MadeBlock) -> bool {
         Some(block.id) == self.asked
-            || self.run.lost_blocks.lock().unwrap().contains(&block.id)
+            || self.run.workers.lost_blocks.lock().unwrap().contains(&block.id)
             || (matches!(made, MadeBlock::Local { .. }) && !self.run.store.is_available(block.id))
     }
 }
@@ -285,7 +285,7 @@ impl TaskSink for RecomputeSink {
             return Err(e);
         }
         let recorded = recorded.clone();
-        self.run.lost_blocks.lock().unwrap().remove(&recorded.id);
+        self.run.workers.lost_blocks.lock().unwrap().remove(&recorded.id);
         match made {
             MadeBlock::Local { batch, .. } if Some(recorded.id) == self.asked => {
                 self.asked_rows = Some(batch);

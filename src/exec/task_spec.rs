@@ -146,6 +146,6 @@ impl QueryRun {
     /// Whether task `task` ran on a worker (a run again in process then runs the plan its
     /// worker ran, to cut the same blocks).
     pub(super) fn ran_on_worker(&self, task: TaskId) -> bool {
-        self.remote_tasks.lock().unwrap().contains(&task)
+        self.workers.ran_on_worker.lock().unwrap().contains(&task)
     }
 }
