@@ -231,9 +231,12 @@ fn a_table_a_client_creates_survives_a_server_restart() {
     let Some(python) = adbc_python() else { return };
     let dir = tempfile::tempdir().unwrap();
     let files = ServerFiles::new(dir.path());
-    let csv = dir.path().join("kept.csv");
+    let data = dir.path().join("data");
+    std::fs::create_dir(&data).unwrap();
+    let csv = data.join("kept.csv");
     std::fs::write(&csv, "a,b\n1,x\n2,y\n39,z\n").unwrap();
-    let server = Server::start(&files, &[]);
+    let allow = ["--allow-path", data.to_str().unwrap()];
+    let server = Server::start(&files, &allow);
     let created = adbc(
         &python,
         &server,
@@ -244,7 +247,7 @@ fn a_table_a_client_creates_survives_a_server_restart() {
     assert_eq!(created["sum"], 42);
     drop(server);
 
-    let server = Server::start(&files, &[]);
+    let server = Server::start(&files, &allow);
     let read = adbc(&python, &server, &files, "read_kept", &[]);
     assert_eq!(read["sum"], 42, "{}", server.log());
     // The client dropped it: a third server does not know it.
@@ -964,7 +967,11 @@ async fn a_server_with_workers_runs_four_clients_queries_in_them_and_answers_lik
     let data = dir.path().join("events");
     common::write_events(&data, 3, 20_000);
     let files = ServerFiles::new(dir.path());
-    let server = Server::start(&files, &["--workers", "2", "--no-demo"]);
+    let allow = data.to_str().unwrap();
+    let server = Server::start(
+        &files,
+        &["--workers", "2", "--no-demo", "--allow-path", allow],
+    );
     let mut client = server.client(&files).await;
     let table = format!(
         "CREATE EXTERNAL TABLE events STORED AS PARQUET LOCATION '{}/'",
@@ -1021,4 +1028,136 @@ async fn a_server_with_workers_runs_four_clients_queries_in_them_and_answers_lik
             );
         }
     }
+}
+
+/// A client's statement refused by the server's policy: the error, checked to be a refusal
+/// (`PERMISSION_DENIED`) that names `names`.
+async fn assert_refused(client: &mut FlightSqlServiceClient<Channel>, sql: &str, names: &str) {
+    let err = client
+        .execute(sql.to_string(), None)
+        .await
+        .expect_err(sql)
+        .to_string();
+    println!("{sql}\n  -> {err}");
+    assert!(err.contains("flumen serve refuses"), "{sql}: {err}");
+    assert!(
+        err.contains("PermissionDenied") || err.contains("permission"),
+        "{sql}: {err}"
+    );
+    assert!(err.contains(names), "{sql}: {err}");
+}
+
+/// A hostile client, logged in: every way to reach a file or URL the operator did not allow
+/// (a table's `LOCATION`, a path table, a symlink inside the allowed directory, `..`, `COPY`
+/// outside it, the cloud's metadata service) and every operator setting (`SET`, `RESET`)
+/// is refused, naming what was refused; what the operator allowed still works, and another
+/// user's query goes on the whole time.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_hostile_client_is_refused_what_the_operator_did_not_allow() {
+    use std::os::unix::fs::symlink;
+    let dir = tempfile::tempdir().unwrap();
+    let files = ServerFiles::new(dir.path());
+    let data = dir.path().join("data");
+    common::write_events(&data.join("events"), 1, 2_000);
+    // A link inside the allowed directory to the users file outside it.
+    symlink(&files.users, data.join("users.csv")).unwrap();
+    let server = Server::start(
+        &files,
+        &["--no-demo", "--allow-path", data.to_str().unwrap()],
+    );
+    let mut hostile = server.client(&files).await;
+    let mut other = server.client(&files).await;
+    let long = "SELECT count(*) FROM generate_series(1, 30000000) AS t(x) WHERE x % 7 = 1";
+    let other_query = tokio::spawn(async move { query_batches(&mut other, long).await });
+
+    let users = files.users.display().to_string();
+    let token = files.token_file.display().to_string();
+    let data_dir = data.display().to_string();
+    let outside = dir.path().join("stolen.csv").display().to_string();
+    let attacks = [
+        ("CREATE EXTERNAL TABLE p STORED AS CSV LOCATION '/etc/passwd'".to_string(), "/etc/passwd".to_string()),
+        (format!("CREATE EXTERNAL TABLE u STORED AS CSV LOCATION '{users}'"), users.clone()),
+        (format!("SELECT * FROM '{token}'"), token.clone()),
+        (format!("SELECT * FROM 'file://{users}'"), users.clone()),
+        (format!("SELECT * FROM '{data_dir}/users.csv'"), "users.csv".to_string()),
+        (format!("SELECT * FROM '{data_dir}/../token'"), "../token".to_string()),
+        (format!("COPY (SELECT 1 AS a) TO '{outside}'"), outside.clone()),
+        (
+            "CREATE EXTERNAL TABLE m STORED AS CSV LOCATION 'http://169.254.169.254/latest/meta-data/'"
+                .to_string(),
+            "169.254.169.254".to_string(),
+        ),
+        (
+            "SELECT * FROM 'http://169.254.169.254/latest/user-data.csv'".to_string(),
+            "169.254.169.254".to_string(),
+        ),
+        ("SELECT * FROM 's3://someone-elses-bucket/t.parquet'".to_string(), "s3://someone-elses-bucket".to_string()),
+    ];
+    for (sql, names) in &attacks {
+        assert_refused(&mut hostile, sql, names).await;
+    }
+    assert!(
+        !Path::new(&outside).exists(),
+        "COPY wrote outside the allowed directory"
+    );
+    let mut settings: Vec<&str> = flumen::serve::policy::OPERATOR_SETTINGS
+        .iter()
+        .map(|(name, _)| *name)
+        .collect();
+    settings.extend([
+        "datafusion.runtime.memory_limit",
+        "datafusion.runtime.temp_directory",
+    ]);
+    for name in settings {
+        assert_refused(&mut hostile, &format!("SET {name} = '1'"), name).await;
+        assert_refused(&mut hostile, &format!("RESET {name}"), name).await;
+    }
+    // A dataset job runs a query under the same policy.
+    let body = serde_json::json!({
+        "name": "stolen", "sql": format!("SELECT * FROM '{users}'"), "epochs": 1, "consumers": 1
+    });
+    let err = hostile
+        .do_action(arrow_flight::Action::new(
+            "flumen.create_dataset",
+            serde_json::to_vec(&body).unwrap(),
+        ))
+        .await
+        .err()
+        .expect("a dataset job over the users file was created")
+        .to_string();
+    assert!(err.contains("flumen serve refuses"), "{err}");
+
+    // What the operator allowed works: a table in the data directory, a COPY into it, a
+    // client setting.
+    query_batches(
+        &mut hostile,
+        &format!("CREATE EXTERNAL TABLE events STORED AS PARQUET LOCATION '{data_dir}/events/'"),
+    )
+    .await;
+    query_batches(
+        &mut hostile,
+        &format!("COPY (SELECT id FROM events) TO '{data_dir}/out.parquet'"),
+    )
+    .await;
+    query_batches(&mut hostile, "SET flumen.target_block_rows = 1000").await;
+    let read = query_batches(
+        &mut hostile,
+        &format!("SELECT count(*) FROM '{data_dir}/out.parquet'"),
+    )
+    .await;
+    assert_eq!(
+        read[0].column(0).as_primitive::<Int64Type>().value(0),
+        2_000
+    );
+
+    // The other user's query went on, and gives its answer.
+    let answer = other_query.await.unwrap();
+    assert_eq!(
+        answer[0].column(0).as_primitive::<Int64Type>().value(0),
+        30_000_000 / 7 + 1
+    );
+    let mut server = server;
+    assert!(server.is_running());
+    let log = server.log();
+    assert!(log.contains("clients may touch --allow-path"), "{log}");
 }

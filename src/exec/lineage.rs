@@ -16,10 +16,10 @@ use futures::future::BoxFuture;
 
 use crate::exec::metrics::OperatorStats;
 use crate::exec::run::QueryRun;
-use crate::plan::graph::OperatorId;
 use crate::exec::task_runner::{InProcess, OnWorker, TaskRunner};
 use crate::exec::task_sink::{RecomputeSink, TaskSink};
 use crate::exec::task_spec::{TaskPlace, TaskSpec};
+use crate::plan::graph::OperatorId;
 use crate::store::block::BlockId;
 
 /// Longest a recompute refused memory waits for a running task to end before it gives up.

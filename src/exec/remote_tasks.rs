@@ -677,12 +677,23 @@ impl QueryRun {
         describe: &str,
         shape: (OperatorId, bool),
     ) -> Result<Option<OnDriver>> {
-        if !cfg!(debug_assertions) && self.workers.plans_decoded_alike.lock().unwrap().contains(&shape) {
+        if !cfg!(debug_assertions)
+            && self
+                .workers
+                .plans_decoded_alike
+                .lock()
+                .unwrap()
+                .contains(&shape)
+        {
             return Ok(None);
         }
         match task_plan::check_round_trip(plan, bytes, &self.base_context()) {
             Ok(()) => {
-                self.workers.plans_decoded_alike.lock().unwrap().insert(shape);
+                self.workers
+                    .plans_decoded_alike
+                    .lock()
+                    .unwrap()
+                    .insert(shape);
                 Ok(None)
             }
             Err(RoundTrip::Undecodable(e)) => Ok(Some(OnDriver::Undecodable(e.to_string()))),
@@ -1057,7 +1068,8 @@ impl QueryRun {
             return Ok(settings.clone());
         }
         let settings = self.make_pool_settings(pool)?;
-        self.workers.pool_settings
+        self.workers
+            .pool_settings
             .lock()
             .unwrap()
             .insert(pool, settings.clone());
@@ -1170,7 +1182,9 @@ impl QueryRun {
         let plan = self.as_a_worker_decodes(op_id, plan).await;
         let mut request = self.task_request(op_id, partition, &plan);
         request.first_block_rows = self.first_block_rows_of(task);
-        Ok(Some(collect_blocks(plan, self.base_context(), &request).await?))
+        Ok(Some(
+            collect_blocks(plan, self.base_context(), &request).await?,
+        ))
     }
 
     /// `plan` of operator `op_id` as a worker decodes it. What the plan's encoding does not

@@ -253,7 +253,13 @@ impl RecomputeSink {
     /// ends.
     fn wanted(&self, block: &Block, made: &MadeBlock) -> bool {
         Some(block.id) == self.asked
-            || self.run.workers.lost_blocks.lock().unwrap().contains(&block.id)
+            || self
+                .run
+                .workers
+                .lost_blocks
+                .lock()
+                .unwrap()
+                .contains(&block.id)
             || (matches!(made, MadeBlock::Local { .. }) && !self.run.store.is_available(block.id))
     }
 }
@@ -285,7 +291,12 @@ impl TaskSink for RecomputeSink {
             return Err(e);
         }
         let recorded = recorded.clone();
-        self.run.workers.lost_blocks.lock().unwrap().remove(&recorded.id);
+        self.run
+            .workers
+            .lost_blocks
+            .lock()
+            .unwrap()
+            .remove(&recorded.id);
         match made {
             MadeBlock::Local { batch, .. } if Some(recorded.id) == self.asked => {
                 self.asked_rows = Some(batch);

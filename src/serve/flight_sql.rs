@@ -49,6 +49,7 @@ use tonic::{Request, Response, Status, Streaming};
 use super::catalog_file::CatalogFile;
 use super::credentials::{Authenticator, Caller, Credential};
 use super::datasets::{DatasetRequest, Datasets};
+use super::policy::{AccessPolicy, Refused};
 use super::running::RunningQueries;
 use super::sessions::Sessions;
 use super::statements::{PlannedQuery, Prepared, Statements, TicketResult};
@@ -75,6 +76,8 @@ pub struct FlumenFlightSql {
     catalog: Option<Arc<CatalogFile>>,
     auth: Authenticator,
     sql_info: SqlInfoData,
+    /// The files and URLs clients may touch, and the settings they may not.
+    policy: Arc<AccessPolicy>,
 }
 
 impl FlumenFlightSql {
@@ -96,7 +99,31 @@ impl FlumenFlightSql {
             catalog,
             auth,
             sql_info: server_info()?,
+            policy: Arc::default(),
         })
+    }
+
+    /// Let clients touch what `policy` allows (by default: no path, no URL).
+    pub fn with_policy(mut self, policy: AccessPolicy) -> Self {
+        self.policy = Arc::new(policy);
+        self
+    }
+
+    /// Plan a client's `sql` on `ctx`, refused unless the policy allows every location it
+    /// names and every setting it changes. A path table is checked before planning, which
+    /// reads its file; the object stores of allowed URLs are registered before planning.
+    async fn plan_sql(&self, ctx: &SessionContext, sql: &str) -> Result<LogicalPlan, Status> {
+        self.policy
+            .check_path_tables(ctx, sql)
+            .map_err(planning_error)?;
+        crate::io::register_for_statement(ctx, sql).map_err(planning_error)?;
+        let plan = ctx
+            .state()
+            .create_logical_plan(sql)
+            .await
+            .map_err(planning_error)?;
+        self.policy.check_plan(&plan).map_err(planning_error)?;
+        Ok(plan)
     }
 
     /// Drop dataset jobs none of whose consumers asked for a block for `limit`.
@@ -112,12 +139,7 @@ impl FlumenFlightSql {
 
     /// Plan `sql` on `ctx` (DDL and `SET` take effect now).
     async fn plan_statement(&self, ctx: &SessionContext, sql: &str) -> Result<DataFrame, Status> {
-        crate::io::register_for_statement(ctx, sql).map_err(planning_error)?;
-        let plan = ctx
-            .state()
-            .create_logical_plan(sql)
-            .await
-            .map_err(planning_error)?;
+        let plan = self.plan_sql(ctx, sql).await?;
         self.run_ddl(ctx, sql, plan).await
     }
 
@@ -192,6 +214,8 @@ impl FlumenFlightSql {
         sql: &str,
         plan: LogicalPlan,
     ) -> Result<DataFrame, Status> {
+        // Every statement a client runs passes here, a prepared one with its parameters.
+        self.policy.check_plan(&plan).map_err(planning_error)?;
         let change = catalog_change(&plan);
         let frame = ctx
             .execute_logical_plan(plan)
@@ -338,6 +362,9 @@ fn server_info() -> datafusion::error::Result<SqlInfoData> {
 fn planning_error(e: DataFusionError) -> Status {
     let message = crate::error_chain(&e);
     match e.find_root() {
+        DataFusionError::External(inner) if inner.is::<Refused>() => {
+            Status::permission_denied(message)
+        }
         DataFusionError::ResourcesExhausted(_) => Status::resource_exhausted(message),
         DataFusionError::NotImplemented(_) => Status::unimplemented(message),
         _ => Status::invalid_argument(message),
@@ -570,12 +597,7 @@ impl FlightSqlService for FlumenFlightSql {
     ) -> Result<Response<FlightInfo>, Status> {
         let caller = caller_of(&request)?;
         let ctx = self.sessions.context(&caller);
-        crate::io::register_for_statement(&ctx, &query.query).map_err(planning_error)?;
-        let plan = ctx
-            .state()
-            .create_logical_plan(&query.query)
-            .await
-            .map_err(planning_error)?;
+        let plan = self.plan_sql(&ctx, &query.query).await?;
         let info = self
             .ticket_for(&caller, &ctx, query.query, plan, request.into_inner())
             .await?;
@@ -826,12 +848,7 @@ impl FlightSqlService for FlumenFlightSql {
         let caller = caller_of(&request)?;
         let ctx = self.sessions.context(&caller);
         let numbered = number_placeholders(&query.query)?;
-        crate::io::register_for_statement(&ctx, &numbered).map_err(planning_error)?;
-        let plan = ctx
-            .state()
-            .create_logical_plan(&numbered)
-            .await
-            .map_err(planning_error)?;
+        let plan = self.plan_sql(&ctx, &numbered).await?;
         let dataset_schema = schema_bytes(plan.schema().as_arrow())?;
         let parameter_schema = schema_bytes(&parameter_schema(&plan)?)?;
         let handle = self.statements.add_prepared(
@@ -930,6 +947,19 @@ impl FlightSqlService for FlumenFlightSql {
                 let request: DatasetRequest = serde_json::from_slice(&action.body)
                     .map_err(|e| Status::invalid_argument(format!("not a dataset request: {e}")))?;
                 let ctx = self.sessions.context(&caller);
+                // Checked as any statement; a job runs a query, nothing else.
+                let plan = self.plan_sql(&ctx, &request.sql).await?;
+                if matches!(
+                    plan,
+                    LogicalPlan::Ddl(_)
+                        | LogicalPlan::Statement(_)
+                        | LogicalPlan::Dml(_)
+                        | LogicalPlan::Copy(_)
+                ) {
+                    return Err(Status::invalid_argument(
+                        "a dataset job's SQL must be a query (no DDL, SET, INSERT or COPY)",
+                    ));
+                }
                 let created = self.datasets.create_job(&ctx, request)?;
                 log::info!(
                     "dataset job {} created by {} (shared: {})",

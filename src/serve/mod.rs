@@ -3,6 +3,7 @@
 //!
 //! - [`credentials`]: users with Argon2 password hashes, the static token, session tokens.
 //! - [`gate`]: the tower layer that refuses every call but the handshake without a token.
+//! - [`policy`]: what a client may touch: operator-only settings, allowed paths and URLs.
 //! - [`sessions`]: each client's own session (own settings, shared tables).
 //! - [`statements`]: tickets and prepared statements held between calls.
 //! - [`running`]: the running queries: progress view, cancellation, one log line each.
@@ -19,6 +20,7 @@ pub mod credentials;
 pub mod datasets;
 pub mod flight_sql;
 pub mod gate;
+pub mod policy;
 pub mod running;
 pub mod sessions;
 pub mod statements;
@@ -58,6 +60,8 @@ pub struct ServeSettings {
     pub catalog_file: Option<PathBuf>,
     /// A dataset job none of whose consumers asked for a block this long is dropped.
     pub dataset_job_idle: std::time::Duration,
+    /// The files and URLs clients may read and write (default: none).
+    pub policy: policy::AccessPolicy,
 }
 
 impl ServeSettings {
@@ -71,6 +75,7 @@ impl ServeSettings {
             tls: None,
             catalog_file: None,
             dataset_job_idle: datasets::JOB_IDLE_LIMIT,
+            policy: policy::AccessPolicy::default(),
         }
     }
 }
@@ -128,7 +133,12 @@ pub async fn serve(ctx: SessionContext, settings: ServeSettings) -> Result<()> {
         .enable_all()
         .build()?;
     let service = FlumenFlightSql::new(queries.handle().clone(), ctx, auth.clone(), catalog)?
-        .with_dataset_job_idle(settings.dataset_job_idle);
+        .with_dataset_job_idle(settings.dataset_job_idle)
+        .with_policy(settings.policy.clone());
+    log::info!(
+        "flumen serve: clients may touch {}",
+        settings.policy.describe()
+    );
     let server = FlightServiceServer::new(service).max_decoding_message_size(MAX_REQUEST_BYTES);
     println!("flumen serve listening on {address}");
     use std::io::Write;

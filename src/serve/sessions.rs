@@ -1,14 +1,76 @@
 //! Each client's own session: a `SessionContext` per session token (per ADBC connection),
 //! made from the server's on first use. Catalogs and tables are shared (a table one client
 //! creates, the others see), settings are not (`SET` changes its own session only), and the
-//! pools, models and memory budget are the server's.
+//! pools, models and memory budget are the server's. Object stores are the session's own
+//! when it registers them (a `LOCATION` or `COPY` with its `OPTIONS`: an endpoint, keys),
+//! else the server's: one client never reads a bucket through another's endpoint or keys.
 
 use std::collections::HashMap;
-use std::sync::Mutex;
+use std::sync::{Arc, Mutex};
 
+use datafusion::execution::SessionStateBuilder;
+use datafusion::execution::object_store::{DefaultObjectStoreRegistry, ObjectStoreRegistry};
+use datafusion::execution::runtime_env::RuntimeEnvBuilder;
 use datafusion::prelude::SessionContext;
+use object_store::ObjectStore;
+use url::Url;
 
 use super::credentials::Caller;
+
+/// A client's session made from the server's `base`: the catalog list shared (an `Arc`),
+/// the settings copied, the memory pool and caches the server's, the object stores layered
+/// ([`SessionStores`]).
+fn client_session(base: &SessionContext) -> SessionContext {
+    let state = base.state();
+    let server_stores = Arc::clone(&state.runtime_env().object_store_registry);
+    let runtime = RuntimeEnvBuilder::from_runtime_env(state.runtime_env())
+        .with_object_store_registry(Arc::new(SessionStores {
+            own: DefaultObjectStoreRegistry::new(),
+            server: server_stores,
+        }))
+        .build_arc();
+    match runtime {
+        Ok(runtime) => SessionContext::new_with_state(
+            SessionStateBuilder::new_from_existing(state)
+                .with_runtime_env(runtime)
+                .build(),
+        ),
+        // Building from an existing runtime makes nothing new that could fail; should it,
+        // the client gets the server's stores rather than no session.
+        Err(e) => {
+            log::warn!("flumen serve: a client session shares the server's object stores: {e}");
+            SessionContext::new_with_state(state)
+        }
+    }
+}
+
+/// A client session's object stores: what it registers is its own; what it has not, it
+/// reads through the server's registry (the stores the operator set up).
+#[derive(Debug)]
+struct SessionStores {
+    own: DefaultObjectStoreRegistry,
+    server: Arc<dyn ObjectStoreRegistry>,
+}
+
+impl ObjectStoreRegistry for SessionStores {
+    fn register_store(
+        &self,
+        url: &Url,
+        store: Arc<dyn ObjectStore>,
+    ) -> Option<Arc<dyn ObjectStore>> {
+        self.own.register_store(url, store)
+    }
+
+    fn deregister_store(&self, url: &Url) -> datafusion::error::Result<Arc<dyn ObjectStore>> {
+        self.own.deregister_store(url)
+    }
+
+    fn get_store(&self, url: &Url) -> datafusion::error::Result<Arc<dyn ObjectStore>> {
+        self.own
+            .get_store(url)
+            .or_else(|_| self.server.get_store(url))
+    }
+}
 
 /// The server's session and every client's.
 pub struct Sessions {
@@ -30,10 +92,7 @@ impl Sessions {
         let mut sessions = self.by_session.lock().unwrap();
         sessions
             .entry(caller.session.clone())
-            .or_insert_with(|| {
-                // A cloned state shares the catalog list (an `Arc`) and copies the settings.
-                SessionContext::new_with_state(self.base.state())
-            })
+            .or_insert_with(|| client_session(&self.base))
             .clone()
     }
 
@@ -82,5 +141,48 @@ mod tests {
         assert_eq!(batch(&sessions.context(&caller("a"))), 123);
         assert_ne!(batch(&b), 123);
         assert!(b.table("shared").await.is_ok());
+    }
+
+    #[tokio::test]
+    async fn a_store_one_session_registers_is_not_anothers() {
+        let sessions = Sessions::new(crate::session(crate::FlumenConfig::default()));
+        let caller = |s: &str| Caller {
+            user: "u".into(),
+            session: s.into(),
+        };
+        let a = sessions.context(&caller("a"));
+        let b = sessions.context(&caller("b"));
+        let bucket = Url::parse("s3://bucket").unwrap();
+        let theirs: Arc<dyn ObjectStore> = Arc::new(object_store::memory::InMemory::new());
+        a.register_object_store(&bucket, Arc::clone(&theirs));
+        let store_of =
+            |ctx: &SessionContext| ctx.runtime_env().object_store_registry.get_store(&bucket);
+        assert!(Arc::ptr_eq(&store_of(&a).unwrap(), &theirs));
+        assert!(
+            store_of(&b).is_err(),
+            "b reads a's bucket through a's store"
+        );
+        // The server's stores are everyone's; a session's own wins over them.
+        let servers: Arc<dyn ObjectStore> = Arc::new(object_store::memory::InMemory::new());
+        sessions
+            .base()
+            .register_object_store(&Url::parse("s3://shared").unwrap(), Arc::clone(&servers));
+        let shared = Url::parse("s3://shared").unwrap();
+        let c = sessions.context(&caller("c"));
+        assert!(Arc::ptr_eq(
+            &c.runtime_env()
+                .object_store_registry
+                .get_store(&shared)
+                .unwrap(),
+            &servers
+        ));
+        assert!(Arc::ptr_eq(&store_of(&a).unwrap(), &theirs));
+        // Local files are everyone's.
+        assert!(
+            b.runtime_env()
+                .object_store_registry
+                .get_store(&Url::parse("file:///").unwrap())
+                .is_ok()
+        );
     }
 }

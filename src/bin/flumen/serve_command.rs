@@ -11,6 +11,7 @@ use flumen::FlumenConfig;
 use flumen::cluster::auth::Secret;
 use flumen::cluster::tls::TlsIdentity;
 use flumen::serve::credentials::{UserFile, default_token, hash_password};
+use flumen::serve::policy::AccessPolicy;
 use flumen::serve::{DEFAULT_LISTEN, ServeSettings};
 
 use crate::demo_table;
@@ -52,6 +53,15 @@ pub struct ServeArgs {
     /// a client may `SET` its own).
     #[arg(long, value_name = "SIZE")]
     memory_budget: Option<flumen::ByteSize>,
+    /// Let clients read and write files under DIR (repeatable; after `..` and symlinks
+    /// are resolved). None by default: clients then touch no local file.
+    #[arg(long, value_name = "DIR")]
+    allow_path: Vec<PathBuf>,
+    /// Let clients read and write locations starting with PREFIX, e.g. `s3://bucket/` or
+    /// `https://data.example.com/` (repeatable). None by default. An `http(s)` host that is
+    /// or resolves to a loopback, private or link-local address needs a prefix naming it.
+    #[arg(long, value_name = "PREFIX")]
+    allow_url: Vec<String>,
     /// Do not register the demo `docs` table.
     #[arg(long)]
     no_demo: bool,
@@ -96,6 +106,7 @@ async fn serve(args: &ServeArgs) -> Result<()> {
     });
     let mut settings = ServeSettings::new();
     settings.listen = args.listen.clone();
+    settings.policy = AccessPolicy::new(&args.allow_path, &args.allow_url)?;
     settings.dataset_job_idle = std::time::Duration::from_secs(args.dataset_job_idle.max(1));
     settings.users = args.users.as_deref().map(UserFile::from_file).transpose()?;
     settings.token = match &args.token_file {
