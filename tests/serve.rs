@@ -1161,3 +1161,117 @@ async fn a_hostile_client_is_refused_what_the_operator_did_not_allow() {
     let log = server.log();
     assert!(log.contains("clients may touch --allow-path"), "{log}");
 }
+
+/// `VmHWM` (peak resident set) of process `pid`, from `/proc`, in bytes.
+fn peak_rss(pid: u32) -> u64 {
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap();
+    let line = status.lines().find(|l| l.starts_with("VmHWM:")).unwrap();
+    let kb: u64 = line.split_whitespace().nth(1).unwrap().parse().unwrap();
+    kb * 1024
+}
+
+/// Milliseconds of each of `n` short queries, sorted.
+async fn query_latencies(client: &mut FlightSqlServiceClient<Channel>, n: usize) -> Vec<f64> {
+    let mut times = Vec::with_capacity(n);
+    for _ in 0..n {
+        let started = Instant::now();
+        let batches = query_batches(client, "SELECT 6 * 7 AS answer").await;
+        assert_eq!(
+            batches[0].column(0).as_primitive::<Int64Type>().value(0),
+            42
+        );
+        times.push(started.elapsed().as_secs_f64() * 1e3);
+    }
+    times.sort_by(f64::total_cmp);
+    times
+}
+
+/// A flood of wrong-password handshakes (bounded: 32 tasks on loopback, 40 attempts each)
+/// while a logged-in client keeps querying: every attempt fails, nearly all refused before
+/// a password check (the address and the user back off after three failures, the checks
+/// are rationed), the logged-in client's every query is answered, and the server's peak RSS
+/// (from `/proc`) grows by less than a few checks' memory. The latencies before and during
+/// are printed; `benches/serve.rs` is where they are judged.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_handshake_flood_is_refused_cheaply_while_a_logged_in_client_keeps_querying() {
+    use std::sync::Arc;
+    use std::sync::atomic::{AtomicUsize, Ordering};
+    let dir = tempfile::tempdir().unwrap();
+    let files = ServerFiles::new(dir.path());
+    let server = Server::start(&files, &["--no-demo"]);
+    let pid = server.process.child.id();
+    let mut client = server.client(&files).await;
+    let before = query_latencies(&mut client, 40).await;
+    let peak_before = peak_rss(pid);
+    let (checked, refused) = (Arc::new(AtomicUsize::new(0)), Arc::new(AtomicUsize::new(0)));
+    let mut flood = vec![];
+    for _ in 0..32 {
+        let address = server.address.clone();
+        let (checked, refused) = (Arc::clone(&checked), Arc::clone(&refused));
+        flood.push(tokio::spawn(async move {
+            let channel = Endpoint::from_shared(format!("http://{address}"))
+                .unwrap()
+                .connect()
+                .await
+                .unwrap();
+            let mut attacker = FlightSqlServiceClient::new(channel);
+            for _ in 0..40 {
+                let err = attacker
+                    .handshake(USER, "not the password")
+                    .await
+                    .expect_err("a wrong password logged in")
+                    .to_string();
+                if err.contains("try again") {
+                    refused.fetch_add(1, Ordering::Relaxed);
+                } else {
+                    assert!(err.contains("wrong user name, password or token"), "{err}");
+                    checked.fetch_add(1, Ordering::Relaxed);
+                }
+            }
+        }));
+    }
+    let during = query_latencies(&mut client, 40).await;
+    for attacker in flood {
+        attacker.await.unwrap();
+    }
+    let (checked, refused) = (
+        checked.load(Ordering::Relaxed),
+        refused.load(Ordering::Relaxed),
+    );
+    let growth = peak_rss(pid).saturating_sub(peak_before);
+    let p = |t: &[f64], q: f64| t[((t.len() - 1) as f64 * q) as usize];
+    println!(
+        "flood of {} handshakes: {checked} checked, {refused} refused unchecked; peak RSS +{} MB; \
+         query p50/p99 {:.1}/{:.1} ms before, {:.1}/{:.1} ms during",
+        checked + refused,
+        growth >> 20,
+        p(&before, 0.5),
+        p(&before, 0.99),
+        p(&during, 0.5),
+        p(&during, 0.99)
+    );
+    assert_eq!(checked + refused, 32 * 40);
+    assert!(
+        checked <= 100,
+        "{checked} password checks ran for a flood from one address"
+    );
+    // Each check takes ~19 MiB while it runs; at most a core's worth at once.
+    assert!(growth < 256 << 20, "peak RSS grew {} MB", growth >> 20);
+    // The right password from the flooding address waits out the backoff, saying so.
+    let channel = Endpoint::from_shared(server.uri().replace("grpc://", "http://"))
+        .unwrap()
+        .connect()
+        .await
+        .unwrap();
+    let err = FlightSqlServiceClient::new(channel)
+        .handshake(USER, PASSWORD)
+        .await
+        .expect_err("the flooding address logged in at once")
+        .to_string();
+    assert!(
+        err.contains("too many failed handshakes; try again in"),
+        "{err}"
+    );
+    // The logged-in client goes on.
+    assert_eq!(query_latencies(&mut client, 5).await.len(), 5);
+}

@@ -170,6 +170,7 @@ pub struct Authenticator {
     issued: Arc<Mutex<Vec<IssuedToken>>>,
     idle_limit: std::time::Duration,
     max_sessions: usize,
+    max_sessions_per_user: usize,
 }
 
 /// A session token handed out by a handshake.
@@ -182,8 +183,12 @@ struct IssuedToken {
 
 /// A session token unused this long expires (its session's settings are forgotten).
 pub const SESSION_IDLE_LIMIT: std::time::Duration = std::time::Duration::from_secs(12 * 3600);
-/// Most live session tokens; a handshake beyond it expires the least recently used.
+/// Most live session tokens; a handshake beyond it expires the least recently used of the
+/// user holding the most.
 pub const MAX_SESSIONS: usize = 10_000;
+/// Most live session tokens of one user; a handshake beyond it expires that user's least
+/// recently used, never another user's.
+pub const MAX_SESSIONS_PER_USER: usize = 256;
 
 /// The user name the static token's holders run as.
 pub const TOKEN_USER: &str = "token";
@@ -204,6 +209,7 @@ impl Authenticator {
             issued: Arc::default(),
             idle_limit: SESSION_IDLE_LIMIT,
             max_sessions: MAX_SESSIONS,
+            max_sessions_per_user: MAX_SESSIONS_PER_USER,
         })
     }
 
@@ -215,6 +221,12 @@ impl Authenticator {
     ) -> Self {
         self.idle_limit = idle_limit;
         self.max_sessions = max_sessions.max(1);
+        self
+    }
+
+    /// Keep at most `max` (≥ 1) sessions of any one user.
+    pub fn with_sessions_per_user(mut self, max: usize) -> Self {
+        self.max_sessions_per_user = max.max(1);
         self
     }
 
@@ -247,11 +259,32 @@ impl Authenticator {
             }
             live
         });
-        if issued.len() >= self.max_sessions {
-            issued.sort_by_key(|t| std::cmp::Reverse(t.last_used));
-            for t in issued.drain(self.max_sessions - 1..) {
-                expired.push(t.caller);
+        // Room for the new session: one of this user's own when it holds its most, else,
+        // the server being full, one of the user holding the most (one user's handshakes
+        // never expire another's sessions while it holds as many).
+        let holds = |issued: &Vec<IssuedToken>, user: &str| {
+            issued.iter().filter(|t| t.caller.user == user).count()
+        };
+        let evict = if holds(&issued, &caller.user) >= self.max_sessions_per_user {
+            Some(caller.user.clone())
+        } else if issued.len() >= self.max_sessions {
+            let mut counts: HashMap<&str, usize> = HashMap::new();
+            for t in issued.iter() {
+                *counts.entry(t.caller.user.as_str()).or_default() += 1;
             }
+            (counts.into_iter())
+                .max_by_key(|(user, n)| (*n, *user == caller.user))
+                .map(|(user, _)| user.to_string())
+        } else {
+            None
+        };
+        if let Some(user) = evict
+            && let Some(oldest) = (issued.iter().enumerate())
+                .filter(|(_, t)| t.caller.user == user)
+                .min_by_key(|(_, t)| t.last_used)
+                .map(|(i, _)| i)
+        {
+            expired.push(issued.swap_remove(oldest).caller);
         }
         issued.push(IssuedToken {
             bytes,
@@ -416,6 +449,34 @@ mod tests {
         assert!(auth.caller(&first.to_hex()).is_none());
         let (_, _, expired) = auth.handshake(&bearer).unwrap();
         assert_eq!(expired.len(), 3);
+    }
+
+    #[test]
+    fn one_users_handshakes_never_expire_anothers_sessions() {
+        let hash = hash_password("pw").unwrap();
+        let users = UserFile::parse(&format!("ana:{hash}\nbo:{hash}")).unwrap();
+        let auth = Authenticator::new(Some(users), None)
+            .unwrap()
+            .with_session_limits(std::time::Duration::from_secs(60), 6)
+            .with_sessions_per_user(4);
+        let basic = |user: &str| Credential::Basic {
+            user: user.into(),
+            password: "pw".into(),
+        };
+        let (ana, _, _) = auth.handshake(&basic("ana")).unwrap();
+        let (ana2, _, _) = auth.handshake(&basic("ana")).unwrap();
+        // Bo floods: past its four, each handshake expires one of its own.
+        for _ in 0..10 {
+            let (_, _, expired) = auth.handshake(&basic("bo")).unwrap();
+            assert!(expired.iter().all(|c| c.user == "bo"), "{expired:?}");
+        }
+        assert!(auth.caller(&ana.to_hex()).is_some());
+        assert!(auth.caller(&ana2.to_hex()).is_some());
+        // The server full (6), a third of Ana's expires one of Bo's, who holds the most.
+        let (_, _, expired) = auth.handshake(&basic("ana")).unwrap();
+        assert_eq!(expired.len(), 1);
+        assert_eq!(expired[0].user, "bo");
+        assert!(auth.caller(&ana.to_hex()).is_some());
     }
 
     #[test]

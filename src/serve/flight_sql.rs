@@ -49,6 +49,7 @@ use tonic::{Request, Response, Status, Streaming};
 use super::catalog_file::CatalogFile;
 use super::credentials::{Authenticator, Caller, Credential};
 use super::datasets::{DatasetRequest, Datasets};
+use super::handshake_limits::HandshakeLimits;
 use super::policy::{AccessPolicy, Refused};
 use super::running::RunningQueries;
 use super::sessions::Sessions;
@@ -78,6 +79,8 @@ pub struct FlumenFlightSql {
     sql_info: SqlInfoData,
     /// The files and URLs clients may touch, and the settings they may not.
     policy: Arc<AccessPolicy>,
+    /// How many password checks run at once, and who backs off after failures.
+    handshakes: HandshakeLimits,
 }
 
 impl FlumenFlightSql {
@@ -100,6 +103,7 @@ impl FlumenFlightSql {
             auth,
             sql_info: server_info()?,
             policy: Arc::default(),
+            handshakes: HandshakeLimits::default(),
         })
     }
 
@@ -563,16 +567,35 @@ impl FlightSqlService for FlumenFlightSql {
                  password) or the server's token as 'Bearer ...'",
             ));
         };
+        // A password check is rationed: at most so many at once, and none for an address or
+        // user backing off after failures.
+        let address = request.remote_addr().map(|a| a.ip());
+        let user = match &credential {
+            Credential::Basic { user, .. } => Some(user.clone()),
+            Credential::Bearer(_) => None,
+        };
+        let permit = match self.handshakes.admit(address, user.as_deref()).await {
+            Ok(permit) => permit,
+            Err(refusal) => {
+                log::debug!("flumen serve: a handshake from {peer} refused: {refusal}");
+                return Err(Status::resource_exhausted(refusal.to_string()));
+            }
+        };
         let auth = self.auth.clone();
-        let checked = tokio::task::spawn_blocking(move || auth.handshake(&credential))
-            .await
-            .map_err(|e| Status::internal(e.to_string()))?;
+        let checked = tokio::task::spawn_blocking(move || {
+            let _permit = permit;
+            auth.handshake(&credential)
+        })
+        .await
+        .map_err(|e| Status::internal(e.to_string()))?;
         let Some((token, caller, expired)) = checked else {
+            self.handshakes.failed(address, user.as_deref());
             log::warn!("flumen serve: a handshake from {peer} failed: wrong credentials");
             return Err(Status::unauthenticated(
                 "flumen serve: wrong user name, password or token",
             ));
         };
+        self.handshakes.succeeded(address, user.as_deref());
         self.sessions.forget(&expired);
         log::info!("flumen serve: {} connected from {peer}", caller.user);
         let bearer = format!("Bearer {}", token.to_hex());

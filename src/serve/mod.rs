@@ -3,6 +3,7 @@
 //!
 //! - [`credentials`]: users with Argon2 password hashes, the static token, session tokens.
 //! - [`gate`]: the tower layer that refuses every call but the handshake without a token.
+//! - [`handshake_limits`]: password checks rationed; addresses and users back off after failures.
 //! - [`policy`]: what a client may touch: operator-only settings, allowed paths and URLs.
 //! - [`sessions`]: each client's own session (own settings, shared tables).
 //! - [`statements`]: tickets and prepared statements held between calls.
@@ -20,6 +21,7 @@ pub mod credentials;
 pub mod datasets;
 pub mod flight_sql;
 pub mod gate;
+pub mod handshake_limits;
 pub mod policy;
 pub mod running;
 pub mod sessions;
