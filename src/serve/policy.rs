@@ -37,34 +37,34 @@ use url::Url;
 pub const OPERATOR_SETTINGS: &[(&str, &str)] = &[
     ("flumen.workers", "--workers"),
     ("flumen.worker_processes", "--workers"),
-    ("flumen.worker_binary", "the server's configuration"),
-    ("flumen.worker_tls", "the server's configuration"),
-    ("flumen.cluster", "the server's configuration"),
-    ("flumen.cluster_secret_file", "the server's configuration"),
-    ("flumen.worker_ca", "the server's configuration"),
+    ("flumen.worker_binary", "fixed when the server starts"),
+    ("flumen.worker_tls", "fixed when the server starts"),
+    ("flumen.cluster", "fixed when the server starts"),
+    ("flumen.cluster_secret_file", "fixed when the server starts"),
+    ("flumen.worker_ca", "fixed when the server starts"),
     (
         "flumen.heartbeat_timeout_secs",
-        "the server's configuration",
+        "fixed when the server starts",
     ),
-    ("flumen.task_timeout_secs", "the server's configuration"),
-    ("flumen.max_task_retries", "the server's configuration"),
+    ("flumen.task_timeout_secs", "fixed when the server starts"),
+    ("flumen.max_task_retries", "fixed when the server starts"),
     ("flumen.memory_budget", "--memory-budget"),
-    ("flumen.budget_counts_heap", "the server's configuration"),
-    ("flumen.spill_dir", "the server's configuration"),
-    ("flumen.cpu_slots", "the server's configuration"),
-    ("flumen.accelerator_slots", "the server's configuration"),
-    ("flumen.accelerator_min_slots", "the server's configuration"),
-    ("flumen.accelerator_idle_secs", "the server's configuration"),
-    ("flumen.timeline_file", "the server's configuration"),
-    ("flumen.model_dir", "the server's configuration"),
-    ("flumen.device", "the server's configuration"),
+    ("flumen.budget_counts_heap", "fixed when the server starts"),
+    ("flumen.spill_dir", "fixed when the server starts"),
+    ("flumen.cpu_slots", "fixed when the server starts"),
+    ("flumen.accelerator_slots", "fixed when the server starts"),
+    ("flumen.accelerator_min_slots", "fixed when the server starts"),
+    ("flumen.accelerator_idle_secs", "fixed when the server starts"),
+    ("flumen.timeline_file", "fixed when the server starts"),
+    ("flumen.model_dir", "fixed when the server starts"),
+    ("flumen.device", "fixed when the server starts"),
 ];
 
 /// Refuse `SET`/`RESET` of `variable` when only the operator sets it.
 pub fn check_setting(variable: &str) -> Result<()> {
     let name = variable.trim().to_ascii_lowercase();
     let flag = if name.starts_with("datafusion.runtime.") {
-        Some("the server's configuration")
+        Some("fixed when the server starts")
     } else {
         (OPERATOR_SETTINGS.iter())
             .find(|(setting, _)| *setting == name)
