@@ -1122,8 +1122,7 @@ async fn a_hostile_client_is_refused_what_the_operator_did_not_allow() {
             serde_json::to_vec(&body).unwrap(),
         ))
         .await
-        .err()
-        .expect("a dataset job over the users file was created")
+        .expect_err("a dataset job over the users file was created")
         .to_string();
     assert!(err.contains("flumen serve refuses"), "{err}");
 
