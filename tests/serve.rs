@@ -1126,6 +1126,86 @@ async fn a_hostile_client_is_refused_what_the_operator_did_not_allow() {
         .to_string();
     assert!(err.contains("flumen serve refuses"), "{err}");
 
+    // Dataset jobs are their creator's: another user neither lists nor reads one, even
+    // with its ticket; a job's size is capped.
+    let body = serde_json::json!({"name": "mine", "sql": "SELECT 1 AS a"});
+    let created = hostile
+        .do_action(arrow_flight::Action::new(
+            "flumen.create_dataset",
+            serde_json::to_vec(&body).unwrap(),
+        ))
+        .await
+        .unwrap()
+        .try_collect::<Vec<_>>()
+        .await
+        .unwrap();
+    let created: Value = serde_json::from_slice(&created[0].body).unwrap();
+    let ticket = hex::decode(created["tickets"][0]["ticket"].as_str().unwrap()).unwrap();
+    let channel = Endpoint::from_shared(format!("http://{}", server.address))
+        .unwrap()
+        .connect()
+        .await
+        .unwrap();
+    let mut ana = FlightSqlServiceClient::new(channel);
+    ana.handshake(USER, PASSWORD).await.unwrap();
+    let err = ana
+        .do_get(Ticket::new(ticket.clone()))
+        .await
+        .map(|_| ())
+        .expect_err("another user's ticket was served")
+        .to_string();
+    assert!(err.contains("unknown dataset job"), "{err}");
+    let listed = ana
+        .do_action(arrow_flight::Action::new("flumen.datasets", ""))
+        .await
+        .unwrap()
+        .try_collect::<Vec<_>>()
+        .await
+        .unwrap();
+    assert_eq!(
+        &listed[0].body[..],
+        b"[]",
+        "another user's datasets were listed"
+    );
+    let err = ana
+        .do_action(arrow_flight::Action::new(
+            "flumen.renew_dataset_lease",
+            hex::encode(&ticket),
+        ))
+        .await
+        .expect_err("another user's lease was renewed")
+        .to_string();
+    assert!(err.contains("unknown dataset job"), "{err}");
+    for (body, says) in [
+        (
+            serde_json::json!({"name": "e", "sql": "SELECT 1", "epochs": 10000, "consumers": 2}),
+            "tickets",
+        ),
+        (
+            serde_json::json!({"name": "c", "sql": "SELECT 1", "consumers": 1000000}),
+            "tickets",
+        ),
+    ] {
+        let err = hostile
+            .do_action(arrow_flight::Action::new(
+                "flumen.create_dataset",
+                serde_json::to_vec(&body).unwrap(),
+            ))
+            .await
+            .expect_err("an oversized dataset job was created")
+            .to_string();
+        assert!(err.contains(says), "{err}");
+    }
+    // The creator reads its own job.
+    let own: Vec<_> = hostile
+        .do_get(Ticket::new(ticket))
+        .await
+        .unwrap()
+        .try_collect()
+        .await
+        .unwrap();
+    assert_eq!(own.iter().map(|b| b.num_rows()).sum::<usize>(), 1);
+
     // What the operator allowed works: a table in the data directory, a COPY into it, a
     // client setting.
     query_batches(

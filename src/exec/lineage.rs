@@ -112,13 +112,15 @@ impl QueryRun {
     }
 
     /// Run task `task` again for its blocks no longer held, and for block `asked` when a
-    /// reader asked for one: on a worker of its pool when it ran on one, that pool is up and
-    /// the block (or, with none asked, one of the task's blocks) was lost with its worker;
-    /// else, a reader having asked, in process. The caller holds the task's recompute lock.
+    /// reader asked for one: on a worker of its pool when `on_worker` allows, it ran on one,
+    /// that pool is up and the block (or, with none asked, one of the task's blocks) was
+    /// lost with its worker; else, a reader having asked, in process. The caller holds the
+    /// task's recompute lock.
     pub(super) async fn run_again(
         self: &Arc<Self>,
         task: TaskId,
         asked: Option<BlockId>,
+        on_worker: bool,
     ) -> Result<RecomputeSink> {
         let spec = self.spec_again(task).await;
         let mut sink = RecomputeSink::new(self, &spec, asked);
@@ -132,6 +134,7 @@ impl QueryRun {
         };
         if let TaskPlace::Worker { pool, .. } = &spec.place
             && lost
+            && on_worker
         {
             match OnWorker(Arc::clone(pool)).run(self, &spec, &mut sink).await {
                 Ok(None) if sink.lost_ones_back() => {
@@ -207,17 +210,22 @@ impl QueryRun {
         if let Some(batch) = self.read_block(id).await? {
             return Ok(batch);
         }
-        let mut sink = self.run_again(block.task, Some(id)).await?;
-        if let Some(batch) = sink.asked_rows() {
-            return Ok(batch);
-        }
-        // Re-homed on the worker that made it again.
-        if let Some(batch) = self.read_block(id).await? {
-            return Ok(batch);
+        // A block re-homed on the worker that made it again may be lost with that worker
+        // too before it is read: then it is made here.
+        let mut describe = String::new();
+        for on_worker in [true, false] {
+            let mut sink = self.run_again(block.task, Some(id), on_worker).await?;
+            if let Some(batch) = sink.asked_rows() {
+                return Ok(batch);
+            }
+            if let Some(batch) = self.read_block(id).await? {
+                return Ok(batch);
+            }
+            describe = sink.describe().to_string();
         }
         Err(DataFusionError::Execution(format!(
-            "{}: block {id} was not among its outputs: the task's output is not deterministic",
-            sink.describe()
+            "{describe}: block {id} was not among its outputs: the task's output is not \
+             deterministic"
         )))
     }
 }

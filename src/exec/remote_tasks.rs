@@ -993,7 +993,7 @@ impl QueryRun {
             self.runtime().spawn(async move {
                 let lock = run.recompute_lock(task);
                 let _guard = lock.lock().await;
-                if let Err(e) = run.run_again(task, None).await {
+                if let Err(e) = run.run_again(task, None, true).await {
                     log::warn!(
                         "re-running task {task} on a worker failed ({e}); readers recompute here"
                     );

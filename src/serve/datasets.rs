@@ -8,9 +8,15 @@
 //!   epoch is over for that consumer.
 //! - **Acknowledgement by asking again**: a consumer's next `DoGet` acknowledges the block it
 //!   got last. A block not acknowledged within [`LEASE`] (the consumer died or hung) goes
-//!   back to the queue for the others. Within an epoch every row reaches exactly one
-//!   consumer that acknowledged it; a consumer that dies holding a block may have seen it
-//!   too (it never acknowledged it).
+//!   back to the queue for the others. A consumer that needs longer with a block renews its
+//!   lease (`flumen.renew_dataset_lease`, the ticket's hex as body) while it works on it.
+//!   Within an epoch every row reaches exactly one consumer that acknowledged it; a consumer
+//!   that dies holding a block may have seen it too (it never acknowledged it).
+//! - **Owned by their creator**: a job, its tickets, its listing and its renewals answer its
+//!   creating user only (another user's ticket is "unknown"); datasets are named per user,
+//!   so two users' datasets of the same name never share a run. A job has at most
+//!   [`MAX_TICKETS`] (epochs × consumers) tickets and a shuffle buffer of at most
+//!   [`MAX_SHUFFLE_BUFFER`] blocks.
 //! - **Sharing**: jobs created with the same dataset name (and the same query) share one run
 //!   of its pipeline per epoch: each block of the run goes to every job attached when the
 //!   run started (the slowest job holds the run back). A job that asks for an epoch whose
@@ -43,6 +49,10 @@ use tonic::Status;
 
 /// A block handed to a consumer and not acknowledged within this long goes to the others.
 pub const LEASE: Duration = Duration::from_secs(3);
+/// Most tickets (epochs × consumers) one job may have.
+pub const MAX_TICKETS: u64 = 10_000;
+/// Most blocks a job's shuffle buffer may hold.
+pub const MAX_SHUFFLE_BUFFER: usize = 1024;
 /// A job none of whose consumers asked for a block for this long is dropped.
 pub const JOB_IDLE_LIMIT: Duration = Duration::from_secs(300);
 /// Blocks a job's queue holds ahead of its consumers before the run waits.
@@ -156,9 +166,11 @@ struct Dataset {
     runs: Mutex<HashMap<u32, u32>>,
 }
 
-/// A job: its consumers and, per epoch, its queue.
+/// A job: its owner, its consumers and, per epoch, its queue.
 struct Job {
     id: String,
+    /// The user who created it: the only one its tickets answer.
+    owner: String,
     consumers: u32,
     epochs: u32,
     queues: Mutex<HashMap<u32, Arc<EpochQueue>>>,
@@ -204,10 +216,13 @@ struct Feed {
 
 /// The datasets and jobs of a server.
 pub struct Datasets {
-    by_name: Mutex<HashMap<String, Arc<Dataset>>>,
+    /// By (owner, name).
+    by_name: Mutex<HashMap<(String, String), Arc<Dataset>>>,
     jobs: Mutex<HashMap<String, JobOfDataset>>,
     /// Jobs idle longer than this are dropped.
     idle_limit: Duration,
+    /// A block held unacknowledged and unrenewed this long goes to the other consumers.
+    lease: Duration,
 }
 
 impl Default for Datasets {
@@ -250,7 +265,14 @@ impl Datasets {
             by_name: Mutex::default(),
             jobs: Mutex::default(),
             idle_limit,
+            lease: LEASE,
         }
+    }
+
+    /// Hand a block held unacknowledged and unrenewed for `lease` to the other consumers.
+    pub fn with_lease(mut self, lease: Duration) -> Self {
+        self.lease = lease;
+        self
     }
 
     /// Drop the jobs idle beyond the limit (and datasets left without a job).
@@ -275,15 +297,16 @@ impl Datasets {
             let mut attached = dataset.jobs.lock().unwrap();
             attached.retain(|j| !Arc::ptr_eq(j, &job));
             if attached.is_empty() {
-                by_name.remove(&dataset.request.name);
+                by_name.remove(&(job.owner.clone(), dataset.request.name.clone()));
             }
         }
     }
 
-    /// Create a job over `request` on `ctx` (the caller's session), sharing the dataset of
-    /// the same name when its query and options match.
+    /// Create a job of user `owner` over `request` on `ctx` (the caller's session), sharing
+    /// the owner's dataset of the same name when its query and options match.
     pub fn create_job(
         &self,
+        owner: &str,
         ctx: &SessionContext,
         request: DatasetRequest,
     ) -> Result<JobCreated, Status> {
@@ -298,8 +321,22 @@ impl Datasets {
                 "batch_rows and shuffle_buffer must be positive",
             ));
         }
+        let tickets = u64::from(request.epochs) * u64::from(request.consumers);
+        if tickets > MAX_TICKETS {
+            return Err(Status::invalid_argument(format!(
+                "a dataset job has at most {MAX_TICKETS} tickets (epochs × consumers), not \
+                 {tickets}"
+            )));
+        }
+        if request.shuffle_buffer > MAX_SHUFFLE_BUFFER {
+            return Err(Status::invalid_argument(format!(
+                "a dataset job's shuffle_buffer holds at most {MAX_SHUFFLE_BUFFER} blocks, not {}",
+                request.shuffle_buffer
+            )));
+        }
+        let key = (owner.to_string(), request.name.clone());
         let mut by_name = self.by_name.lock().unwrap();
-        let (dataset, shared) = match by_name.get(&request.name) {
+        let (dataset, shared) = match by_name.get(&key) {
             Some(d) if same_pipeline(&d.request, &request) => (Arc::clone(d), true),
             Some(_) => {
                 return Err(Status::already_exists(format!(
@@ -314,12 +351,13 @@ impl Datasets {
                     jobs: Mutex::default(),
                     runs: Mutex::default(),
                 });
-                by_name.insert(request.name.clone(), Arc::clone(&d));
+                by_name.insert(key, Arc::clone(&d));
                 (d, false)
             }
         };
         let job = Arc::new(Job {
             id: uuid::Uuid::new_v4().simple().to_string(),
+            owner: owner.to_string(),
             consumers: request.consumers,
             epochs: request.epochs,
             queues: Mutex::default(),
@@ -353,20 +391,10 @@ impl Datasets {
         })
     }
 
-    /// The next block for `ticket`'s consumer (acknowledging the one it got last), or
-    /// `Ok((schema, None))` at the end of its epoch. Runs the epoch's pipeline on
-    /// `queries` if it has not started.
-    pub async fn next_block(
-        &self,
-        queries: &tokio::runtime::Handle,
-        ticket: &DatasetTicket,
-    ) -> Result<(SchemaRef, Option<RecordBatch>), Status> {
-        self.sweep();
-        let (dataset, job) = self
-            .jobs
-            .lock()
-            .unwrap()
-            .get(&ticket.job)
+    /// User `user`'s job that `ticket` names; another user's job is unknown to it.
+    fn job_of(&self, user: &str, ticket: &DatasetTicket) -> Result<JobOfDataset, Status> {
+        (self.jobs.lock().unwrap().get(&ticket.job))
+            .filter(|(_, job)| job.owner == user)
             .cloned()
             .ok_or_else(|| {
                 Status::not_found(format!(
@@ -375,7 +403,40 @@ impl Datasets {
                     ticket.job,
                     self.idle_limit.as_secs()
                 ))
-            })?;
+            })
+    }
+
+    /// Renew the lease of the block `ticket`'s consumer holds (user `user`'s job): it stays
+    /// that consumer's for another lease. `Ok(false)`: the consumer holds no block (it was
+    /// acknowledged, or its lease had already run out and it went to the others).
+    pub fn renew(&self, user: &str, ticket: &DatasetTicket) -> Result<bool, Status> {
+        let (_, job) = self.job_of(user, ticket)?;
+        job.touch();
+        let queue = job.queues.lock().unwrap().get(&ticket.epoch).cloned();
+        let Some(queue) = queue else {
+            return Ok(false);
+        };
+        let mut st = queue.state.lock().unwrap();
+        match st.in_flight.get_mut(&ticket.consumer) {
+            Some((_, since)) => {
+                *since = Instant::now();
+                Ok(true)
+            }
+            None => Ok(false),
+        }
+    }
+
+    /// The next block for `ticket`'s consumer (acknowledging the one it got last), or
+    /// `Ok((schema, None))` at the end of its epoch; `ticket` must be of a job of user
+    /// `user`. Runs the epoch's pipeline on `queries` if it has not started.
+    pub async fn next_block(
+        &self,
+        queries: &tokio::runtime::Handle,
+        user: &str,
+        ticket: &DatasetTicket,
+    ) -> Result<(SchemaRef, Option<RecordBatch>), Status> {
+        self.sweep();
+        let (dataset, job) = self.job_of(user, ticket)?;
         job.touch();
         if ticket.consumer >= job.consumers || ticket.epoch >= job.epochs {
             return Err(Status::invalid_argument(format!(
@@ -410,7 +471,7 @@ impl Datasets {
                 let expired: Vec<u32> = st
                     .in_flight
                     .iter()
-                    .filter(|(_, (_, since))| since.elapsed() >= LEASE)
+                    .filter(|(_, (_, since))| since.elapsed() >= self.lease)
                     .map(|(c, _)| *c)
                     .collect();
                 for consumer in expired {
@@ -419,8 +480,9 @@ impl Datasets {
                     st.requeued += 1;
                     log::warn!(
                         "dataset job {}: consumer {consumer} did not acknowledge its block \
-                         within {LEASE:?}; it goes to the others",
-                        job.id
+                         within {:?}; it goes to the others",
+                        job.id,
+                        self.lease
                     );
                 }
                 if let Some(e) = &st.error {
@@ -443,14 +505,17 @@ impl Datasets {
                 }
             }
             // Wait for a block, the run's end, or a lease to run out.
-            let _ = tokio::time::timeout(LEASE / 2, notified).await;
+            let _ = tokio::time::timeout(self.lease / 2, notified).await;
         }
     }
 
-    /// Every dataset with its runs and its jobs' deliveries.
-    pub fn report(&self) -> Vec<DatasetReport> {
+    /// User `user`'s datasets with their runs and its jobs' deliveries.
+    pub fn report(&self, user: &str) -> Vec<DatasetReport> {
         self.sweep();
-        let datasets: Vec<_> = self.by_name.lock().unwrap().values().cloned().collect();
+        let datasets: Vec<_> = (self.by_name.lock().unwrap().iter())
+            .filter(|((owner, _), _)| owner == user)
+            .map(|(_, d)| Arc::clone(d))
+            .collect();
         datasets
             .iter()
             .map(|d| DatasetReport {
@@ -726,8 +791,8 @@ mod tests {
                 "epochs": 2, "consumers": 2, "batch_rows": 300, "shuffle_seed": 7}"#,
         )
         .unwrap();
-        let a = datasets.create_job(&ctx, request.clone()).unwrap();
-        let b = datasets.create_job(&ctx, request).unwrap();
+        let a = datasets.create_job("u", &ctx, request.clone()).unwrap();
+        let b = datasets.create_job("u", &ctx, request).unwrap();
         assert!(!a.shared && b.shared);
         let handle = tokio::runtime::Handle::current();
         let datasets = Arc::new(datasets);
@@ -746,7 +811,7 @@ mod tests {
                         };
                         let (mut ids, mut firsts) = (vec![], vec![]);
                         while let (_, Some(batch)) =
-                            datasets.next_block(&handle, &ticket).await.unwrap()
+                            datasets.next_block(&handle, "u", &ticket).await.unwrap()
                         {
                             assert!(batch.num_rows() <= 300);
                             let col = batch
@@ -787,7 +852,7 @@ mod tests {
                 );
             }
         }
-        let report = datasets.report();
+        let report = datasets.report("u");
         assert_eq!(report[0].runs_per_epoch.get(&0), Some(&1));
         assert_eq!(report[0].runs_per_epoch.get(&1), Some(&1));
     }
@@ -803,8 +868,8 @@ mod tests {
             }))
             .unwrap()
         };
-        let long = datasets.create_job(&ctx, request(2)).unwrap();
-        let short = datasets.create_job(&ctx, request(1)).unwrap();
+        let long = datasets.create_job("u", &ctx, request(2)).unwrap();
+        let short = datasets.create_job("u", &ctx, request(1)).unwrap();
         assert!(short.shared);
         let handle = tokio::runtime::Handle::current();
         let read = |job: &str, epoch: u32| {
@@ -816,7 +881,9 @@ mod tests {
             let (datasets, handle) = (&datasets, handle.clone());
             async move {
                 let mut rows = 0;
-                while let (_, Some(batch)) = datasets.next_block(&handle, &ticket).await.unwrap() {
+                while let (_, Some(batch)) =
+                    datasets.next_block(&handle, "u", &ticket).await.unwrap()
+                {
                     rows += batch.num_rows();
                 }
                 rows
@@ -828,5 +895,131 @@ mod tests {
         assert_eq!((a, b), (50_000, 50_000));
         let second = tokio::time::timeout(Duration::from_secs(30), read(&long.job, 1)).await;
         assert_eq!(second.expect("epoch 1 waited for a job without it"), 50_000);
+    }
+
+    fn job_request(json: serde_json::Value) -> DatasetRequest {
+        serde_json::from_value(json).unwrap()
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn another_users_job_is_unknown_and_listings_are_the_owners() {
+        let ctx = crate::session(crate::FlumenConfig::default());
+        let datasets = Datasets::default();
+        let request = job_request(serde_json::json!({
+            "name": "d", "sql": "SELECT value AS id FROM generate_series(1, 100)"
+        }));
+        let anas = datasets.create_job("ana", &ctx, request.clone()).unwrap();
+        let ticket = DatasetTicket {
+            job: anas.job.clone(),
+            consumer: 0,
+            epoch: 0,
+        };
+        let handle = tokio::runtime::Handle::current();
+        let err = datasets
+            .next_block(&handle, "bo", &ticket)
+            .await
+            .unwrap_err();
+        assert_eq!(err.code(), tonic::Code::NotFound, "{err}");
+        assert!(datasets.renew("bo", &ticket).is_err());
+        assert!(datasets.report("bo").is_empty());
+        assert_eq!(datasets.report("ana").len(), 1);
+        // Bo's dataset of the same name is its own: no run shared with Ana's.
+        let bos = datasets.create_job("bo", &ctx, request).unwrap();
+        assert!(!bos.shared);
+        assert!(datasets.next_block(&handle, "ana", &ticket).await.is_ok());
+    }
+
+    #[test]
+    fn oversized_jobs_are_refused() {
+        let ctx = crate::session(crate::FlumenConfig::default());
+        let datasets = Datasets::default();
+        for (json, says) in [
+            (
+                serde_json::json!({"name": "e", "sql": "SELECT 1", "epochs": 10000, "consumers": 2}),
+                "tickets",
+            ),
+            (
+                serde_json::json!({"name": "c", "sql": "SELECT 1", "consumers": 1000000}),
+                "tickets",
+            ),
+            (
+                serde_json::json!({"name": "s", "sql": "SELECT 1", "shuffle_buffer": 1000000}),
+                "shuffle_buffer",
+            ),
+        ] {
+            let err = datasets
+                .create_job("u", &ctx, job_request(json))
+                .unwrap_err();
+            assert_eq!(err.code(), tonic::Code::InvalidArgument);
+            assert!(err.message().contains(says), "{err}");
+        }
+        assert!(datasets.report("u").is_empty());
+    }
+
+    /// Two consumers; the first holds its first block for five leases. Renewing its lease
+    /// meanwhile, the block stays its own and every id is read exactly once; not renewing,
+    /// the block also goes to the other consumer (the case renewal exists for).
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_trainer_slower_than_the_lease_keeps_its_block_by_renewing() {
+        for renews in [true, false] {
+            let lease = Duration::from_millis(200);
+            let ctx = crate::session(crate::FlumenConfig::default());
+            let datasets = Arc::new(Datasets::default().with_lease(lease));
+            let request = job_request(serde_json::json!({
+                "name": "d", "sql": "SELECT value AS id FROM generate_series(1, 2000)",
+                "consumers": 2, "batch_rows": 100
+            }));
+            let job = datasets.create_job("u", &ctx, request).unwrap().job;
+            let ticket = |consumer| DatasetTicket {
+                job: job.clone(),
+                consumer,
+                epoch: 0,
+            };
+            let handle = tokio::runtime::Handle::current();
+            let ids = |batch: &RecordBatch| {
+                let col = batch.column(0).as_any();
+                let col = col
+                    .downcast_ref::<datafusion::arrow::array::Int64Array>()
+                    .unwrap();
+                col.values().to_vec()
+            };
+            let (slow, fast) = (ticket(0), ticket(1));
+            let mut read = vec![];
+            let (_, first) = datasets.next_block(&handle, "u", &slow).await.unwrap();
+            read.extend(ids(&first.unwrap()));
+            let other = {
+                let (datasets, handle, fast) =
+                    (Arc::clone(&datasets), handle.clone(), fast.clone());
+                tokio::spawn(async move {
+                    let mut read = vec![];
+                    while let (_, Some(batch)) =
+                        datasets.next_block(&handle, "u", &fast).await.unwrap()
+                    {
+                        read.extend(ids(&batch));
+                    }
+                    read
+                })
+            };
+            let held_until = Instant::now() + lease * 5;
+            while Instant::now() < held_until {
+                if renews {
+                    assert!(datasets.renew("u", &slow).unwrap());
+                }
+                tokio::time::sleep(lease / 4).await;
+            }
+            while let (_, Some(batch)) = datasets.next_block(&handle, "u", &slow).await.unwrap() {
+                read.extend(ids(&batch));
+            }
+            read.extend(other.await.unwrap());
+            read.sort_unstable();
+            let once: Vec<i64> = (1..=2000).collect();
+            match renews {
+                true => assert_eq!(read, once, "renewing, a row was read twice or never"),
+                false => assert!(
+                    read.len() > 2000,
+                    "not renewing, the block went to nobody else"
+                ),
+            }
+        }
     }
 }

@@ -48,7 +48,7 @@ use tonic::{Request, Response, Status, Streaming};
 
 use super::catalog_file::CatalogFile;
 use super::credentials::{Authenticator, Caller, Credential};
-use super::datasets::{DatasetRequest, Datasets};
+use super::datasets::{DatasetRequest, DatasetTicket, Datasets};
 use super::handshake_limits::HandshakeLimits;
 use super::policy::{AccessPolicy, Refused};
 use super::running::RunningQueries;
@@ -63,6 +63,9 @@ pub const CANCEL_ACTION: &str = "flumen.cancel";
 pub const CREATE_DATASET_ACTION: &str = "flumen.create_dataset";
 /// The custom action that reports the datasets: runs per epoch, blocks per consumer (JSON).
 pub const DATASETS_ACTION: &str = "flumen.datasets";
+/// The custom action that renews the lease of the block a consumer holds (body: the ticket's
+/// hex, as `flumen.create_dataset` answered it).
+pub const RENEW_LEASE_ACTION: &str = "flumen.renew_dataset_lease";
 
 type FlightDataStream =
     Pin<Box<dyn Stream<Item = Result<arrow_flight::FlightData, Status>> + Send>>;
@@ -324,6 +327,16 @@ impl FlumenFlightSql {
         }
         found
     }
+}
+
+/// The dataset ticket whose Flight ticket bytes `hex_body` holds in hex.
+fn dataset_ticket_of_hex(hex_body: &[u8]) -> Result<DatasetTicket, Status> {
+    let bytes = hex::decode(String::from_utf8_lossy(hex_body).trim())
+        .map_err(|e| Status::invalid_argument(format!("not a ticket's hex: {e}")))?;
+    let any =
+        Any::decode(&*bytes).map_err(|e| Status::invalid_argument(format!("not a ticket: {e}")))?;
+    super::datasets::decode_ticket(&any)
+        .unwrap_or_else(|| Err(Status::invalid_argument("not a dataset ticket")))
 }
 
 /// A table created or dropped by a statement.
@@ -937,7 +950,13 @@ impl FlightSqlService for FlumenFlightSql {
             }),
             Ok(ActionType {
                 r#type: DATASETS_ACTION.into(),
-                description: "The datasets: pipeline runs per epoch, blocks per consumer (JSON)"
+                description: "Your datasets: pipeline runs per epoch, blocks per consumer (JSON)"
+                    .into(),
+            }),
+            Ok(ActionType {
+                r#type: RENEW_LEASE_ACTION.into(),
+                description: "Keep the block a consumer holds for another lease while it works \
+                              on it (body: the consumer's ticket, hex)"
                     .into(),
             }),
             Ok(ActionType {
@@ -983,7 +1002,7 @@ impl FlightSqlService for FlumenFlightSql {
                         "a dataset job's SQL must be a query (no DDL, SET, INSERT or COPY)",
                     ));
                 }
-                let created = self.datasets.create_job(&ctx, request)?;
+                let created = self.datasets.create_job(&caller.user, &ctx, request)?;
                 log::info!(
                     "dataset job {} created by {} (shared: {})",
                     created.job,
@@ -994,7 +1013,14 @@ impl FlightSqlService for FlumenFlightSql {
                     .map_err(|e| Status::internal(e.to_string()))?
                     .into()
             }
-            DATASETS_ACTION => serde_json::to_vec(&self.datasets.report())
+            RENEW_LEASE_ACTION => {
+                let ticket = dataset_ticket_of_hex(&action.body)?;
+                match self.datasets.renew(&caller.user, &ticket)? {
+                    true => bytes::Bytes::from_static(b"renewed"),
+                    false => bytes::Bytes::from_static(b"not held"),
+                }
+            }
+            DATASETS_ACTION => serde_json::to_vec(&self.datasets.report(&caller.user))
                 .map_err(|e| Status::internal(e.to_string()))?
                 .into(),
             "CancelFlightInfo" => {
@@ -1028,14 +1054,17 @@ impl FlightSqlService for FlumenFlightSql {
         request: Request<Ticket>,
         message: Any,
     ) -> Result<Response<<Self as FlightService>::DoGetStream>, Status> {
-        caller_of(&request)?;
+        let caller = caller_of(&request)?;
         let Some(ticket) = super::datasets::decode_ticket(&message) else {
             return Err(Status::invalid_argument(format!(
                 "flumen serve does not know tickets of type {}",
                 message.type_url
             )));
         };
-        let (schema, block) = self.datasets.next_block(&self.queries, &ticket?).await?;
+        let (schema, block) = self
+            .datasets
+            .next_block(&self.queries, &caller.user, &ticket?)
+            .await?;
         Ok(Response::new(batches_stream(
             schema,
             block.into_iter().collect(),

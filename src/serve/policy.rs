@@ -53,8 +53,14 @@ pub const OPERATOR_SETTINGS: &[(&str, &str)] = &[
     ("flumen.spill_dir", "fixed when the server starts"),
     ("flumen.cpu_slots", "fixed when the server starts"),
     ("flumen.accelerator_slots", "fixed when the server starts"),
-    ("flumen.accelerator_min_slots", "fixed when the server starts"),
-    ("flumen.accelerator_idle_secs", "fixed when the server starts"),
+    (
+        "flumen.accelerator_min_slots",
+        "fixed when the server starts",
+    ),
+    (
+        "flumen.accelerator_idle_secs",
+        "fixed when the server starts",
+    ),
     ("flumen.timeline_file", "fixed when the server starts"),
     ("flumen.model_dir", "fixed when the server starts"),
     ("flumen.device", "fixed when the server starts"),
