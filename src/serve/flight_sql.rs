@@ -973,7 +973,7 @@ impl FlightSqlService for FlumenFlightSql {
         let caller = caller_of(&request)?;
         let action = request.into_inner();
         let body: bytes::Bytes = match action.r#type.as_str() {
-            LIST_QUERIES_ACTION => serde_json::to_vec(&self.running.progress())
+            LIST_QUERIES_ACTION => serde_json::to_vec(&self.running.progress(&caller.user))
                 .map_err(|e| Status::internal(e.to_string()))?
                 .into(),
             CANCEL_ACTION => {

@@ -106,9 +106,12 @@ impl RunningQueries {
         }
     }
 
-    /// The running queries, oldest first.
-    pub fn progress(&self) -> Vec<QueryProgress> {
-        let queries: Vec<_> = self.by_id.lock().unwrap().values().cloned().collect();
+    /// User `user`'s running queries, oldest first (a user sees only its own).
+    pub fn progress(&self, user: &str) -> Vec<QueryProgress> {
+        let queries: Vec<_> = (self.by_id.lock().unwrap().values())
+            .filter(|q| q.user == user)
+            .cloned()
+            .collect();
         let mut listed: Vec<_> = queries
             .iter()
             .map(|q| QueryProgress {
@@ -241,11 +244,37 @@ pub fn loggable_sql(sql: &str) -> String {
         }
         _ => sql.trim().to_string(),
     };
-    let text = text.split_whitespace().collect::<Vec<_>>().join(" ");
+    let text = mask_url_credentials(&text.split_whitespace().collect::<Vec<_>>().join(" "));
     match text.char_indices().nth(400) {
         Some((cut, _)) => format!("{}...", &text[..cut]),
         None => text,
     }
+}
+
+/// `text` with the user and password of every URL in it (`s3://KEY:SECRET@bucket/`,
+/// `https://user:pass@host/`) replaced by `***`.
+fn mask_url_credentials(text: &str) -> String {
+    let mut out = String::with_capacity(text.len());
+    let mut rest = text;
+    while let Some(at) = rest.find("://") {
+        let (before, after) = rest.split_at(at + 3);
+        out.push_str(before);
+        // The authority ends at the path, a quote or a space.
+        let end = after
+            .find(|c: char| c == '/' || c == '\'' || c == '"' || c.is_whitespace())
+            .unwrap_or(after.len());
+        let authority = &after[..end];
+        match authority.rfind('@') {
+            Some(user_end) => {
+                out.push_str("***");
+                out.push_str(&authority[user_end..]);
+            }
+            None => out.push_str(authority),
+        }
+        rest = &after[end..];
+    }
+    out.push_str(rest);
+    out
 }
 
 #[cfg(test)]
@@ -264,5 +293,41 @@ mod tests {
         assert!(!loggable_sql("CREATE EXTERNAL secret 'x").contains("'x"));
         assert_eq!(loggable_sql("SELECT  1\n + 1"), "SELECT 1 + 1");
         assert_eq!(loggable_sql(&"x".repeat(1000)).len(), 403);
+        let url = "SELECT * FROM 's3://AKIAXYZ:hunter2@bucket/t.parquet' JOIN 'https://h/x.csv'";
+        let logged = loggable_sql(url);
+        assert!(!logged.contains("hunter2") && !logged.contains("AKIAXYZ"), "{logged}");
+        assert!(logged.contains("'s3://***@bucket/t.parquet'"), "{logged}");
+        assert!(logged.contains("'https://h/x.csv'"), "{logged}");
+    }
+
+    #[test]
+    fn a_user_sees_and_cancels_only_its_own_queries() {
+        use datafusion::arrow::datatypes::Schema;
+        use datafusion::physical_plan::EmptyRecordBatchStream;
+        use datafusion::physical_plan::empty::EmptyExec;
+        let running = Arc::new(RunningQueries::default());
+        let schema = Arc::new(Schema::empty());
+        let caller = |user: &str| Caller {
+            user: user.into(),
+            session: user.into(),
+        };
+        let mut streams = vec![];
+        for (user, id) in [("ana", "q1"), ("bo", "q2")] {
+            streams.push(running.start(
+                &caller(user),
+                id.into(),
+                "SELECT * FROM 's3://KEY:SECRET@b/t.parquet'",
+                Arc::new(EmptyExec::new(Arc::clone(&schema))),
+                Box::pin(EmptyRecordBatchStream::new(Arc::clone(&schema))),
+            ));
+        }
+        let anas = running.progress("ana");
+        assert_eq!(anas.len(), 1);
+        assert_eq!((anas[0].id.as_str(), anas[0].user.as_str()), ("q1", "ana"));
+        assert!(!anas[0].sql.contains("SECRET"), "{}", anas[0].sql);
+        assert!(!running.cancel(&caller("ana"), "q2"));
+        assert!(running.cancel(&caller("bo"), "q2"));
+        drop(streams);
+        assert!(running.progress("ana").is_empty());
     }
 }
