@@ -367,8 +367,16 @@ impl TableProvider for DeltaTableProvider {
     }
 }
 
+/// The prefix of a session's Delta app ids, a session-config extension: `flumen serve` gives
+/// each client session its user's name, so that the app id a user sets
+/// (`flumen.delta_app_id`) is `USER/APP` in the table's log and one user can never set
+/// another's (a maximal version there would silently skip the victim's inserts).
+#[derive(Debug, Clone)]
+pub struct DeltaAppNamespace(pub String);
+
 /// The application transaction the session set for Delta inserts
-/// (`flumen.delta_app_id` with `flumen.delta_txn_version`), if any.
+/// (`flumen.delta_app_id` with `flumen.delta_txn_version`, under the session's
+/// [`DeltaAppNamespace`]), if any.
 fn app_transaction(state: &dyn Session) -> Result<Option<AppTransaction>> {
     let Some(config) = state.config_options().extensions.get::<FlumenConfig>() else {
         return Ok(None);
@@ -389,7 +397,11 @@ fn app_transaction(state: &dyn Session) -> Result<Option<AppTransaction>> {
             let version = i64::try_from(version).map_err(|_| {
                 DataFusionError::Plan(format!("flumen.delta_txn_version {version} is too large"))
             })?;
-            Ok(Some((app.to_string(), version)))
+            let app = match state.config().get_extension::<DeltaAppNamespace>() {
+                Some(namespace) => format!("{}/{app}", namespace.0),
+                None => app.to_string(),
+            };
+            Ok(Some((app, version)))
         }
     }
 }
@@ -407,4 +419,32 @@ pub async fn register_delta_table(
     let table = delta_table(&state, location, version).await?;
     ctx.register_table(name, table)?;
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[tokio::test]
+    async fn a_sessions_app_ids_are_under_its_namespace() {
+        let ctx = crate::session(crate::FlumenConfig::default());
+        ctx.sql("SET flumen.delta_app_id = 'nightly'")
+            .await
+            .unwrap();
+        ctx.sql("SET flumen.delta_txn_version = 7").await.unwrap();
+        let state = ctx.state();
+        assert_eq!(
+            app_transaction(&state).unwrap(),
+            Some(("nightly".to_string(), 7))
+        );
+        let config =
+            (state.config().clone()).with_extension(Arc::new(DeltaAppNamespace("ana".into())));
+        let namespaced = datafusion::execution::SessionStateBuilder::new_from_existing(state)
+            .with_config(config)
+            .build();
+        assert_eq!(
+            app_transaction(&namespaced).unwrap(),
+            Some(("ana/nightly".to_string(), 7))
+        );
+    }
 }

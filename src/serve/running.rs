@@ -295,7 +295,10 @@ mod tests {
         assert_eq!(loggable_sql(&"x".repeat(1000)).len(), 403);
         let url = "SELECT * FROM 's3://AKIAXYZ:hunter2@bucket/t.parquet' JOIN 'https://h/x.csv'";
         let logged = loggable_sql(url);
-        assert!(!logged.contains("hunter2") && !logged.contains("AKIAXYZ"), "{logged}");
+        assert!(
+            !logged.contains("hunter2") && !logged.contains("AKIAXYZ"),
+            "{logged}"
+        );
         assert!(logged.contains("'s3://***@bucket/t.parquet'"), "{logged}");
         assert!(logged.contains("'https://h/x.csv'"), "{logged}");
     }

@@ -13,15 +13,19 @@ use datafusion::execution::object_store::{DefaultObjectStoreRegistry, ObjectStor
 use datafusion::execution::runtime_env::RuntimeEnvBuilder;
 use datafusion::prelude::SessionContext;
 use object_store::ObjectStore;
+
+use crate::io::delta::DeltaAppNamespace;
 use url::Url;
 
 use super::credentials::Caller;
 
-/// A client's session made from the server's `base`: the catalog list shared (an `Arc`),
+/// User `user`'s session made from the server's `base`: the catalog list shared (an `Arc`),
 /// the settings copied, the memory pool and caches the server's, the object stores layered
-/// ([`SessionStores`]).
-fn client_session(base: &SessionContext) -> SessionContext {
+/// ([`SessionStores`]), its Delta app ids under the user's name ([`DeltaAppNamespace`]).
+fn client_session(base: &SessionContext, user: &str) -> SessionContext {
     let state = base.state();
+    let config =
+        (state.config().clone()).with_extension(Arc::new(DeltaAppNamespace(user.to_string())));
     let server_stores = Arc::clone(&state.runtime_env().object_store_registry);
     let runtime = RuntimeEnvBuilder::from_runtime_env(state.runtime_env())
         .with_object_store_registry(Arc::new(SessionStores {
@@ -32,6 +36,7 @@ fn client_session(base: &SessionContext) -> SessionContext {
     match runtime {
         Ok(runtime) => SessionContext::new_with_state(
             SessionStateBuilder::new_from_existing(state)
+                .with_config(config)
                 .with_runtime_env(runtime)
                 .build(),
         ),
@@ -92,7 +97,7 @@ impl Sessions {
         let mut sessions = self.by_session.lock().unwrap();
         sessions
             .entry(caller.session.clone())
-            .or_insert_with(|| client_session(&self.base))
+            .or_insert_with(|| client_session(&self.base, &caller.user))
             .clone()
     }
 
