@@ -456,6 +456,11 @@ extensions_options! {
         pub delta_app_id: String, default = String::new()
         /// Delta `INSERT INTO`: the version of `delta_app_id`'s insert; unset: none.
         pub delta_txn_version: Option<u64>, default = None
+        /// Local file output (`COPY`, `INSERT`, `write_*`): flush the staged files and their
+        /// directory to disk before the commit renames them, and the target directory
+        /// after, so that no committed row is lost to a power cut. Off: faster, and a crash
+        /// of the machine may lose what a statement reported written.
+        pub output_fsync: bool, default = true
     }
 }
 

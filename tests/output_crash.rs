@@ -244,3 +244,83 @@ async fn a_cancelled_copy_leaves_no_staging() {
         "{seen} rows visible after a cancel"
     );
 }
+
+/// Planted links where staging lives: a `.flumen-staging-*` directory that is a link to a
+/// directory elsewhere (with a commit marker, and without), one that holds a link, and a
+/// staged single file that is a link to a file elsewhere. Recovery (run by the next `COPY`
+/// to the same place) follows none of them: every target file survives with its bytes, none
+/// is moved into the output, the links stay as they are (an operator's to look at), and the
+/// `COPY` writes its rows as usual.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn planted_staging_links_are_never_followed() {
+    use std::os::unix::fs::symlink;
+    let dir = tempfile::tempdir().unwrap();
+    let victim = dir.path().join("victim");
+    std::fs::create_dir_all(victim.join("sub")).unwrap();
+    for name in ["a.parquet", "sub/b.parquet", "_flumen_commit"] {
+        std::fs::write(victim.join(name), format!("precious {name}")).unwrap();
+    }
+    let lone = dir.path().join("lone.parquet");
+    std::fs::write(&lone, "precious lone").unwrap();
+    let out = dir.path().join("out");
+    std::fs::create_dir(&out).unwrap();
+    // Ids of a dead writer on this host's format and of no known writer: both would be
+    // recovered at once were they not links.
+    symlink(&victim, out.join(".flumen-staging-0-1-2-3-4")).unwrap();
+    symlink(&victim.join("sub"), out.join(".flumen-staging-dead")).unwrap();
+    std::fs::create_dir(out.join(".flumen-staging-holder")).unwrap();
+    symlink(&victim, out.join(".flumen-staging-holder/inside")).unwrap();
+    symlink(&lone, out.join(".one.parquet.flumen-staging-0-1-2-3-4")).unwrap();
+
+    let ctx = flumen::session(flumen::FlumenConfig::default());
+    let copy = |to: String| {
+        let ctx = ctx.clone();
+        async move {
+            ctx.sql(&format!(
+                "COPY (SELECT * FROM (VALUES (1), (2), (3)) t(x)) TO '{to}' STORED AS PARQUET"
+            ))
+            .await
+            .unwrap()
+            .collect()
+            .await
+            .unwrap()
+        }
+    };
+    copy(format!("{}/", out.display())).await;
+    copy(format!("{}/one.parquet", out.display())).await;
+
+    for name in ["a.parquet", "sub/b.parquet", "_flumen_commit"] {
+        assert_eq!(
+            std::fs::read_to_string(victim.join(name)).unwrap(),
+            format!("precious {name}"),
+            "{name} behind a planted link was touched"
+        );
+    }
+    assert_eq!(std::fs::read_to_string(&lone).unwrap(), "precious lone");
+    // Nothing of the victim's was moved into the output.
+    assert!(!out.join("a.parquet").exists() && !out.join("sub").exists());
+    // The links planted as staging directories are left as they are.
+    for link in [".flumen-staging-0-1-2-3-4", ".flumen-staging-dead"] {
+        let meta = std::fs::symlink_metadata(out.join(link)).unwrap();
+        assert!(meta.file_type().is_symlink(), "{link}");
+    }
+    let ctx = SessionContext::new().enable_url_table();
+    for written in [
+        format!("{}/", out.display()),
+        format!("{}/one.parquet", out.display()),
+    ] {
+        let rows = ctx
+            .sql(&format!("SELECT count(*) FROM '{written}'"))
+            .await
+            .unwrap()
+            .collect()
+            .await
+            .unwrap();
+        let count = rows[0].column(0).as_any();
+        let count = count
+            .downcast_ref::<datafusion::arrow::array::Int64Array>()
+            .unwrap();
+        // The directory holds both statements' files.
+        assert!(count.value(0) >= 3, "{written}: {} rows", count.value(0));
+    }
+}

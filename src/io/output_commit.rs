@@ -20,7 +20,17 @@
 //! A driver killed at any instant leaves a staging directory behind; the next statement
 //! that writes to the same place first recovers it ([`recover_output`]): with the marker, the
 //! commit is finished (the rest of the files are moved); without it, what was staged is
-//! deleted, once the process that staged it is gone. So after recovery the output is the
+//! deleted, once the process that staged it is gone. A staging name carries its writer:
+//! host, process id and process start time ([`staging_id`]): a writer on this host is gone
+//! when no process has that id and start time (a reused pid is not it); one on another host
+//! (storage shared across hosts) counts as gone a day after its last write. Recovery never
+//! follows a symbolic link: a staging directory that is one, or holds one, is left as it is
+//! (a planted `.flumen-staging-*` link would otherwise have its target's files deleted or
+//! moved), and a staged file that is one is removed as a link.
+//!
+//! On a local file system (`flumen.output_fsync`, on by default) the staged files and their
+//! directory are flushed to disk before the commit's renames, and the target directory
+//! after them: a power loss after the statement returned loses no committed row. So after recovery the output is the
 //! old one or the whole new one, and rerunning a statement that did not commit writes every
 //! row once. (Readers that list the directory between the crash and the recovery of a
 //! commit that was half-way through step 3 see part of the new files; a table format, such
@@ -83,17 +93,34 @@ const STAGING_PREFIX: &str = ".flumen-staging-";
 
 impl StagedSink {
     /// Staged files become visible: rename them into place (a directory: marker first, see
-    /// the module docs).
-    async fn commit(&self, store: &Arc<dyn ObjectStore>, local: bool) -> Result<()> {
+    /// the module docs). `fsync` (a local file system only): the staged files and
+    /// directories reach the disk before the renames, the target directory after them.
+    async fn commit(&self, store: &Arc<dyn ObjectStore>, local: bool, fsync: bool) -> Result<()> {
+        let fsync = fsync && local;
         match &self.target {
             Target::File { staged, target } => {
+                if fsync {
+                    sync_path(staged)?;
+                }
                 store.rename(staged, target).await?;
+                if fsync {
+                    sync_parent(target)?;
+                }
             }
             Target::Directory { staged, target } => {
-                store
-                    .put(&staged.clone().join(COMMIT_MARKER), Vec::new().into())
-                    .await?;
+                if fsync {
+                    sync_tree(staged)?;
+                }
+                let marker = staged.clone().join(COMMIT_MARKER);
+                store.put(&marker, Vec::new().into()).await?;
+                if fsync {
+                    sync_path(&marker)?;
+                    sync_path(staged)?;
+                }
                 finish_commit(store, staged, target, local).await?;
+                if fsync {
+                    sync_tree_dirs(target)?;
+                }
             }
         }
         Ok(())
@@ -176,22 +203,105 @@ async fn abort_staged(store: &Arc<dyn ObjectStore>, target: &Target, local: bool
     }
 }
 
-/// Whether the process that made staging id `id` (`PID-...`, hex) may still be writing it.
-/// Only a local file system's writer is known (by its pid, on this host); elsewhere an
-/// uncommitted staging location counts as abandoned after a day.
-fn writer_may_be_alive(id: &str, local: bool, modified: chrono::DateTime<chrono::Utc>) -> bool {
-    if local {
-        let pid = id
-            .split('-')
-            .next()
-            .and_then(|p| u32::from_str_radix(p, 16).ok());
-        return match pid {
-            Some(pid) if pid == std::process::id() => true,
-            Some(pid) => std::path::Path::new(&format!("/proc/{pid}")).exists(),
-            None => false,
-        };
+/// Whether the process that made staging id `id` ([`staging_id`]: host, pid, start time)
+/// may still be writing it: one on this host while a process has its pid and start time;
+/// one on another host, or of an id that does not say, for a day after the last write.
+fn writer_may_be_alive(id: &str, modified: chrono::DateTime<chrono::Utc>) -> bool {
+    let parts: Vec<&str> = id.split('-').collect();
+    if let [host, pid, started, ..] = parts.as_slice()
+        && *host == this_host()
+        && let (Ok(pid), Ok(started)) = (
+            u32::from_str_radix(pid, 16),
+            u64::from_str_radix(started, 16),
+        )
+    {
+        return process_start(pid) == Some(started);
     }
     chrono::Utc::now() - modified < chrono::Duration::days(1)
+}
+
+/// This host, as staging ids name it: a hash of its host name, in hex.
+fn this_host() -> &'static str {
+    static HOST: std::sync::OnceLock<String> = std::sync::OnceLock::new();
+    HOST.get_or_init(|| {
+        use std::hash::{Hash, Hasher};
+        let name = std::fs::read_to_string("/proc/sys/kernel/hostname")
+            .or_else(|_| std::fs::read_to_string("/etc/hostname"))
+            .unwrap_or_default();
+        let mut hasher = std::collections::hash_map::DefaultHasher::new();
+        name.trim().hash(&mut hasher);
+        format!("{:x}", hasher.finish() & 0xffff_ffff)
+    })
+}
+
+/// When process `pid` of this host started (clock ticks since boot, `/proc/PID/stat`'s
+/// 22nd field); `None` when no such process runs.
+fn process_start(pid: u32) -> Option<u64> {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+    // The command name (field 2) is in parentheses and may hold spaces.
+    let after_name = &stat[stat.rfind(')')? + 1..];
+    after_name.split_whitespace().nth(19)?.parse().ok()
+}
+
+/// Whether local object-store path `path` is, or holds below it, a symbolic link.
+fn holds_link(path: &Path) -> bool {
+    fn walk(path: &std::path::Path) -> bool {
+        let Ok(meta) = std::fs::symlink_metadata(path) else {
+            return false;
+        };
+        if meta.file_type().is_symlink() {
+            return true;
+        }
+        meta.is_dir()
+            && std::fs::read_dir(path)
+                .map(|entries| entries.flatten().any(|e| walk(&e.path())))
+                .unwrap_or(false)
+    }
+    walk(std::path::Path::new(&format!("/{path}")))
+}
+
+/// Flush local object-store path `path` (a file or a directory) to disk.
+fn sync_path(path: &Path) -> Result<()> {
+    let local = format!("/{path}");
+    std::fs::File::open(&local)
+        .and_then(|f| f.sync_all())
+        .map_err(|e| DataFusionError::Execution(format!("flushing {local} to disk: {e}")))
+}
+
+/// Flush the directory holding local object-store path `path`.
+fn sync_parent(path: &Path) -> Result<()> {
+    let parts: Vec<_> = path.parts().collect();
+    sync_path(&Path::from_iter(
+        parts[..parts.len().saturating_sub(1)].iter().cloned(),
+    ))
+}
+
+/// Flush every file and directory below local path `path`, and `path` itself.
+fn sync_tree(path: &Path) -> Result<()> {
+    sync_below(path, true)
+}
+
+/// Flush every directory below local path `path` (its files were flushed where they were
+/// staged), and `path` itself.
+fn sync_tree_dirs(path: &Path) -> Result<()> {
+    sync_below(path, false)
+}
+
+fn sync_below(path: &Path, files: bool) -> Result<()> {
+    fn walk(dir: &std::path::Path, files: bool) -> std::io::Result<()> {
+        for entry in std::fs::read_dir(dir)?.flatten() {
+            let kind = entry.file_type()?;
+            if kind.is_dir() {
+                walk(&entry.path(), files)?;
+            } else if files && kind.is_file() {
+                std::fs::File::open(entry.path())?.sync_all()?;
+            }
+        }
+        std::fs::File::open(dir)?.sync_all()
+    }
+    let local = format!("/{path}");
+    walk(std::path::Path::new(&local), files)
+        .map_err(|e| DataFusionError::Execution(format!("flushing {local} to disk: {e}")))
 }
 
 /// Recover what crashed statements left in the output location `target` (a directory, or
@@ -221,7 +331,8 @@ pub async fn recover_output(
             else {
                 continue;
             };
-            if !writer_may_be_alive(id, local, file.last_modified) {
+            if !writer_may_be_alive(id, file.last_modified) {
+                // A link is removed as a link: the local store's delete never follows one.
                 let _ = store.delete(&file.location).await;
                 deleted += 1;
             }
@@ -232,6 +343,13 @@ pub async fn recover_output(
         let Some(id) = dir.filename().and_then(|f| f.strip_prefix(STAGING_PREFIX)) else {
             continue;
         };
+        if local && holds_link(&dir) {
+            log::warn!(
+                "output {target}: staging directory {dir} is or holds a symbolic link; left \
+                 as it is (recovery never follows links)"
+            );
+            continue;
+        }
         let marker = dir.clone().join(COMMIT_MARKER);
         match store.head(&marker).await {
             Ok(_) => {
@@ -246,7 +364,7 @@ pub async fn recover_output(
                     .ok()
                     .and_then(|files| files.iter().map(|f| f.last_modified).max())
                     .unwrap_or_else(chrono::Utc::now);
-                if !writer_may_be_alive(id, local, newest) {
+                if !writer_may_be_alive(id, newest) {
                     delete_staged(store, &dir, local).await;
                     deleted += 1;
                 }
@@ -362,8 +480,11 @@ impl DataSink for StagedSink {
             local,
             armed: true,
         };
+        let fsync = (context.session_config().options().extensions)
+            .get::<crate::FlumenConfig>()
+            .is_none_or(|config| config.output_fsync);
         let result = match self.inner.write_all(data, context).await {
-            Ok(rows) => match self.commit(&store, local).await {
+            Ok(rows) => match self.commit(&store, local, fsync).await {
                 Ok(()) => Ok(rows),
                 Err(e) => {
                     abort_staged(&store, &self.target, local).await;
@@ -395,17 +516,19 @@ impl DataSink for StagedSink {
     }
 }
 
-/// A name no other statement uses.
+/// A name no other statement uses, naming its writer: `HOST-PID-START-NANOS-N` (this
+/// host's hash, the process id and start time, hex; the time now; a counter).
 fn staging_id() -> String {
     static NEXT: AtomicU64 = AtomicU64::new(0);
     let nanos = std::time::SystemTime::now()
         .duration_since(std::time::UNIX_EPOCH)
         .map(|d| d.as_nanos())
         .unwrap_or_default();
+    let pid = std::process::id();
     format!(
-        "{:x}-{:x}-{}",
-        std::process::id(),
-        nanos,
+        "{}-{pid:x}-{:x}-{nanos:x}-{}",
+        this_host(),
+        process_start(pid).unwrap_or_default(),
         NEXT.fetch_add(1, Ordering::Relaxed)
     )
 }
@@ -609,5 +732,28 @@ mod tests {
             );
             assert!(staged.table_paths[0].is_collection());
         }
+    }
+
+    #[test]
+    fn a_staging_id_names_its_writer_by_host_pid_and_start_time() {
+        let now = chrono::Utc::now();
+        let ours = staging_id();
+        assert!(writer_may_be_alive(&ours, now), "{ours}");
+        // This host, this pid, another start time: a reused pid is not the writer.
+        let parts: Vec<&str> = ours.split('-').collect();
+        let reused = format!(
+            "{}-{}-{:x}-0-0",
+            parts[0],
+            parts[1],
+            process_start(std::process::id()).unwrap() + 1
+        );
+        assert!(!writer_may_be_alive(&reused, now));
+        // Another host: judged by age alone.
+        let elsewhere = format!("ffffffffff-{}-{}-0-0", parts[1], parts[2]);
+        assert!(writer_may_be_alive(&elsewhere, now));
+        assert!(!writer_may_be_alive(
+            &elsewhere,
+            now - chrono::Duration::days(2)
+        ));
     }
 }
