@@ -267,7 +267,7 @@ async fn planted_staging_links_are_never_followed() {
     // Ids of a dead writer on this host's format and of no known writer: both would be
     // recovered at once were they not links.
     symlink(&victim, out.join(".flumen-staging-0-1-2-3-4")).unwrap();
-    symlink(&victim.join("sub"), out.join(".flumen-staging-dead")).unwrap();
+    symlink(victim.join("sub"), out.join(".flumen-staging-dead")).unwrap();
     std::fs::create_dir(out.join(".flumen-staging-holder")).unwrap();
     symlink(&victim, out.join(".flumen-staging-holder/inside")).unwrap();
     symlink(&lone, out.join(".one.parquet.flumen-staging-0-1-2-3-4")).unwrap();
