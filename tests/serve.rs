@@ -1354,3 +1354,63 @@ async fn a_handshake_flood_is_refused_cheaply_while_a_logged_in_client_keeps_que
     // The logged-in client goes on.
     assert_eq!(query_latencies(&mut client, 5).await.len(), 5);
 }
+
+/// `--max-queries-per-user 1`: while a user's query streams (its reader holds it back), the
+/// same user's next query is refused with a clear error; another user's runs; once the
+/// first ends, the user's next query runs.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_user_runs_at_most_its_queries_at_once() {
+    let dir = tempfile::tempdir().unwrap();
+    let files = ServerFiles::new(dir.path());
+    let server = Server::start(&files, &["--no-demo", "--max-queries-per-user", "1"]);
+    let mut client = server.client(&files).await;
+    let long = "SELECT value FROM generate_series(1, 100000000)";
+    let info = client.execute(long.into(), None).await.unwrap();
+    let mut first = client
+        .do_get(info.endpoint[0].ticket.clone().unwrap())
+        .await
+        .unwrap();
+    // One batch read: the query runs, held back by its reader.
+    first.try_next().await.unwrap().unwrap();
+    let info = client.execute("SELECT 6 * 7".into(), None).await.unwrap();
+    let err = client
+        .do_get(info.endpoint[0].ticket.clone().unwrap())
+        .await
+        .map(|_| ())
+        .expect_err("a second query of the same user ran")
+        .to_string();
+    assert!(err.contains("the most one user may run at once"), "{err}");
+    // Another user is not held back by this one.
+    let channel = Endpoint::from_shared(format!("http://{}", server.address))
+        .unwrap()
+        .connect()
+        .await
+        .unwrap();
+    let mut ana = FlightSqlServiceClient::new(channel);
+    ana.handshake(USER, PASSWORD).await.unwrap();
+    assert_eq!(query_latencies(&mut ana, 1).await.len(), 1);
+    // The first query ended (dropped by its reader): the user runs again.
+    drop(first);
+    let deadline = Instant::now() + Duration::from_secs(10);
+    loop {
+        let info = client.execute("SELECT 6 * 7".into(), None).await.unwrap();
+        match client
+            .do_get(info.endpoint[0].ticket.clone().unwrap())
+            .await
+        {
+            Ok(stream) => {
+                let batches: Vec<_> = stream.try_collect().await.unwrap();
+                assert_eq!(
+                    batches[0].column(0).as_primitive::<Int64Type>().value(0),
+                    42
+                );
+                break;
+            }
+            Err(e) if Instant::now() < deadline => {
+                assert!(e.to_string().contains("at once"), "{e}");
+                tokio::time::sleep(Duration::from_millis(50)).await;
+            }
+            Err(e) => panic!("the user's query slot never came back: {e}"),
+        }
+    }
+}

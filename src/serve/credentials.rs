@@ -171,6 +171,7 @@ pub struct Authenticator {
     idle_limit: std::time::Duration,
     max_sessions: usize,
     max_sessions_per_user: usize,
+    token_lifetime: std::time::Duration,
 }
 
 /// A session token handed out by a handshake.
@@ -178,9 +179,14 @@ pub struct Authenticator {
 struct IssuedToken {
     bytes: [u8; 32],
     caller: Caller,
+    /// When its handshake issued it.
+    issued: std::time::Instant,
     last_used: std::time::Instant,
 }
 
+/// A session token expires this long after its handshake, however much it is used: the
+/// client logs in again (ADBC's Flight SQL driver does so on `Unauthenticated`).
+pub const TOKEN_LIFETIME: std::time::Duration = std::time::Duration::from_secs(24 * 3600);
 /// A session token unused this long expires (its session's settings are forgotten).
 pub const SESSION_IDLE_LIMIT: std::time::Duration = std::time::Duration::from_secs(12 * 3600);
 /// Most live session tokens; a handshake beyond it expires the least recently used of the
@@ -210,6 +216,7 @@ impl Authenticator {
             idle_limit: SESSION_IDLE_LIMIT,
             max_sessions: MAX_SESSIONS,
             max_sessions_per_user: MAX_SESSIONS_PER_USER,
+            token_lifetime: TOKEN_LIFETIME,
         })
     }
 
@@ -222,6 +229,17 @@ impl Authenticator {
         self.idle_limit = idle_limit;
         self.max_sessions = max_sessions.max(1);
         self
+    }
+
+    /// Expire session tokens `lifetime` after their handshake, used or not.
+    pub fn with_token_lifetime(mut self, lifetime: std::time::Duration) -> Self {
+        self.token_lifetime = lifetime;
+        self
+    }
+
+    /// Whether issued token `t` is still good.
+    fn live(&self, t: &IssuedToken) -> bool {
+        t.last_used.elapsed() < self.idle_limit && t.issued.elapsed() < self.token_lifetime
     }
 
     /// Keep at most `max` (≥ 1) sessions of any one user.
@@ -253,7 +271,7 @@ impl Authenticator {
         let mut issued = self.issued.lock().unwrap();
         let mut expired = vec![];
         issued.retain(|t| {
-            let live = t.last_used.elapsed() < self.idle_limit;
+            let live = self.live(t);
             if !live {
                 expired.push(t.caller.clone());
             }
@@ -286,10 +304,12 @@ impl Authenticator {
         {
             expired.push(issued.swap_remove(oldest).caller);
         }
+        let now = std::time::Instant::now();
         issued.push(IssuedToken {
             bytes,
             caller: caller.clone(),
-            last_used: std::time::Instant::now(),
+            issued: now,
+            last_used: now,
         });
         Some((token, caller, expired))
     }
@@ -307,8 +327,10 @@ impl Authenticator {
         let mut issued = self.issued.lock().unwrap();
         // Compare with every token, without stopping at the first match.
         let mut found = None;
+        let lifetime = self.token_lifetime;
         for t in issued.iter_mut() {
-            if bool::from(t.bytes.ct_eq(&presented)) && t.last_used.elapsed() < self.idle_limit {
+            let live = t.last_used.elapsed() < self.idle_limit && t.issued.elapsed() < lifetime;
+            if bool::from(t.bytes.ct_eq(&presented)) && live {
                 t.last_used = std::time::Instant::now();
                 found = Some(t.caller.clone());
             }
@@ -477,6 +499,24 @@ mod tests {
         assert_eq!(expired.len(), 1);
         assert_eq!(expired[0].user, "bo");
         assert!(auth.caller(&ana.to_hex()).is_some());
+    }
+
+    #[test]
+    fn a_session_token_expires_at_the_end_of_its_lifetime_however_used() {
+        let token = Secret::random();
+        let auth = Authenticator::new(None, Some(token.clone()))
+            .unwrap()
+            .with_token_lifetime(std::time::Duration::from_millis(150));
+        let (session, _, _) = auth.handshake(&Credential::Bearer(token.to_hex())).unwrap();
+        for _ in 0..2 {
+            assert!(auth.caller(&session.to_hex()).is_some());
+            std::thread::sleep(std::time::Duration::from_millis(50));
+        }
+        std::thread::sleep(std::time::Duration::from_millis(100));
+        assert!(auth.caller(&session.to_hex()).is_none());
+        // Renewal is a new handshake.
+        let (renewed, _, _) = auth.handshake(&Credential::Bearer(token.to_hex())).unwrap();
+        assert!(auth.caller(&renewed.to_hex()).is_some());
     }
 
     #[test]

@@ -84,6 +84,8 @@ pub struct FlumenFlightSql {
     policy: Arc<AccessPolicy>,
     /// How many password checks run at once, and who backs off after failures.
     handshakes: HandshakeLimits,
+    /// Most queries one user runs at once.
+    queries_per_user: usize,
 }
 
 impl FlumenFlightSql {
@@ -107,7 +109,14 @@ impl FlumenFlightSql {
             sql_info: server_info()?,
             policy: Arc::default(),
             handshakes: HandshakeLimits::default(),
+            queries_per_user: super::MAX_QUERIES_PER_USER,
         })
+    }
+
+    /// Let each user run at most `queries` (≥ 1) queries at once.
+    pub fn with_queries_per_user(mut self, queries: usize) -> Self {
+        self.queries_per_user = queries.max(1);
+        self
     }
 
     /// Let clients touch what `policy` allows (by default: no path, no URL).
@@ -185,7 +194,7 @@ impl FlumenFlightSql {
         };
         let handle = self
             .statements
-            .add_ticket(caller, PlannedQuery { sql, result });
+            .add_ticket(caller, PlannedQuery { sql, result })?;
         let ticket = TicketStatementQuery {
             statement_handle: handle.into(),
         };
@@ -249,6 +258,16 @@ impl FlumenFlightSql {
         sql: &str,
         frame: DataFrame,
     ) -> Result<SendableRecordBatchStream, Status> {
+        // Each query holds up to the memory budget: the user's memory is bounded by this
+        // times the budget.
+        let running = self.running.running_for(&caller.user);
+        if running >= self.queries_per_user {
+            return Err(Status::resource_exhausted(format!(
+                "{} runs {running} queries already, the most one user may run at once \
+                 (flumen serve --max-queries-per-user): wait for one to end",
+                caller.user
+            )));
+        }
         let started = self.queries.spawn(async move {
             let task_ctx = Arc::new(frame.task_ctx());
             let plan = frame.create_physical_plan().await.map_err(planning_error)?;
@@ -278,7 +297,8 @@ impl FlumenFlightSql {
     }
 
     /// Run an update to its end: the rows it reports (`count` of `COPY`/`INSERT`), else
-    /// the rows it returned.
+    /// the rows it returned, counted as they stream by (a `SELECT` sent as an update is
+    /// not held in memory).
     async fn run_update(
         &self,
         caller: &Caller,
@@ -286,13 +306,20 @@ impl FlumenFlightSql {
         frame: DataFrame,
     ) -> Result<i64, Status> {
         let id = uuid::Uuid::new_v4().simple().to_string();
-        let batches: Vec<RecordBatch> = self
-            .run(caller, id, sql, frame)
-            .await?
-            .try_collect()
-            .await
-            .map_err(execution_error)?;
-        Ok(affected_rows(&batches))
+        let mut stream = self.run(caller, id, sql, frame).await?;
+        let (mut rows, mut kept) = (0usize, vec![]);
+        while let Some(batch) = stream.next().await {
+            let batch = batch.map_err(execution_error)?;
+            rows += batch.num_rows();
+            // Only a one-row answer can be a `count`.
+            if rows <= 1 {
+                kept.push(batch);
+            }
+        }
+        Ok(match rows {
+            0 | 1 => affected_rows(&kept),
+            _ => rows as i64,
+        })
     }
 
     fn metadata_info(

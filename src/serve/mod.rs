@@ -47,6 +47,9 @@ pub const DEFAULT_LISTEN: &str = "127.0.0.1:50051";
 /// Largest message a client may send (a ticket, parameters, an action): 16 MiB.
 pub const MAX_REQUEST_BYTES: usize = 16 << 20;
 
+/// Most queries one user runs at once by default (each holds up to the memory budget).
+pub const MAX_QUERIES_PER_USER: usize = 8;
+
 /// How a server listens and whom it admits.
 #[derive(Debug)]
 pub struct ServeSettings {
@@ -64,6 +67,10 @@ pub struct ServeSettings {
     pub dataset_job_idle: std::time::Duration,
     /// The files and URLs clients may read and write (default: none).
     pub policy: policy::AccessPolicy,
+    /// Most queries one user runs at once.
+    pub max_queries_per_user: usize,
+    /// A session token expires this long after its handshake.
+    pub token_lifetime: std::time::Duration,
 }
 
 impl ServeSettings {
@@ -78,6 +85,8 @@ impl ServeSettings {
             catalog_file: None,
             dataset_job_idle: datasets::JOB_IDLE_LIMIT,
             policy: policy::AccessPolicy::default(),
+            max_queries_per_user: MAX_QUERIES_PER_USER,
+            token_lifetime: credentials::TOKEN_LIFETIME,
         }
     }
 }
@@ -103,7 +112,8 @@ pub fn check_exposure(address: &SocketAddr, tls: bool) -> Result<()> {
 /// Serve `ctx`'s tables over Flight SQL until Ctrl-C or SIGTERM. Prints `flumen serve
 /// listening on ADDRESS` on standard output once it accepts calls.
 pub async fn serve(ctx: SessionContext, settings: ServeSettings) -> Result<()> {
-    let auth = Authenticator::new(settings.users, settings.token)?;
+    let auth = Authenticator::new(settings.users, settings.token)?
+        .with_token_lifetime(settings.token_lifetime);
     let listener = tokio::net::TcpListener::bind(&settings.listen)
         .await
         .map_err(|e| {
@@ -136,7 +146,8 @@ pub async fn serve(ctx: SessionContext, settings: ServeSettings) -> Result<()> {
         .build()?;
     let service = FlumenFlightSql::new(queries.handle().clone(), ctx, auth.clone(), catalog)?
         .with_dataset_job_idle(settings.dataset_job_idle)
-        .with_policy(settings.policy.clone());
+        .with_policy(settings.policy.clone())
+        .with_queries_per_user(settings.max_queries_per_user);
     log::info!(
         "flumen serve: clients may touch {}",
         settings.policy.describe()

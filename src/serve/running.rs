@@ -128,6 +128,13 @@ impl RunningQueries {
         listed
     }
 
+    /// How many queries user `user` runs.
+    pub fn running_for(&self, user: &str) -> usize {
+        (self.by_id.lock().unwrap().values())
+            .filter(|q| q.user == user)
+            .count()
+    }
+
     /// How many queries are running.
     pub fn len(&self) -> usize {
         self.by_id.lock().unwrap().len()

@@ -18,8 +18,12 @@ use super::credentials::Caller;
 
 /// A ticket not redeemed within this long is forgotten.
 const TICKET_LIFETIME: Duration = Duration::from_secs(600);
+/// Most tickets one session may hold unredeemed.
+pub const MAX_TICKETS_PER_SESSION: usize = 256;
 /// Most prepared statements one session may hold open.
 pub const MAX_PREPARED_PER_SESSION: usize = 1024;
+/// A prepared statement unused (not executed, bound or described) this long is closed.
+pub const PREPARED_IDLE_LIMIT: Duration = Duration::from_secs(3600);
 /// The length of a handle.
 const HANDLE_BYTES: usize = 16;
 
@@ -52,15 +56,23 @@ pub struct Prepared {
 
 struct Owned<T> {
     session: String,
+    /// When it was made (a ticket) or last used (a prepared statement).
     made: Instant,
     item: T,
 }
 
 /// The tickets and prepared statements of a server.
-#[derive(Default)]
 pub struct Statements {
     tickets: Mutex<HashMap<Vec<u8>, Owned<PlannedQuery>>>,
     prepared: Mutex<HashMap<Vec<u8>, Owned<Prepared>>>,
+    /// A prepared statement unused this long is closed.
+    prepared_idle: Duration,
+}
+
+impl Default for Statements {
+    fn default() -> Self {
+        Self::new(PREPARED_IDLE_LIMIT)
+    }
 }
 
 fn new_handle() -> Vec<u8> {
@@ -85,11 +97,31 @@ fn check_handle(handle: &[u8], what: &str) -> Result<(), Status> {
 }
 
 impl Statements {
-    /// Hold `query` for `caller`; returns its ticket handle.
-    pub fn add_ticket(&self, caller: &Caller, query: PlannedQuery) -> Vec<u8> {
+    /// No statements; prepared ones unused for `prepared_idle` are closed.
+    pub fn new(prepared_idle: Duration) -> Self {
+        Self {
+            tickets: Mutex::default(),
+            prepared: Mutex::default(),
+            prepared_idle,
+        }
+    }
+
+    /// Hold `query` for `caller`; returns its ticket handle. A session holding
+    /// [`MAX_TICKETS_PER_SESSION`] unredeemed tickets is refused another.
+    pub fn add_ticket(&self, caller: &Caller, query: PlannedQuery) -> Result<Vec<u8>, Status> {
         let handle = new_handle();
         let mut tickets = self.tickets.lock().unwrap();
         tickets.retain(|_, t| t.made.elapsed() < TICKET_LIFETIME);
+        let held = tickets
+            .values()
+            .filter(|t| t.session == caller.session)
+            .count();
+        if held >= MAX_TICKETS_PER_SESSION {
+            return Err(Status::resource_exhausted(format!(
+                "this session holds {held} unredeemed tickets, the most allowed: read them \
+                 (DoGet) before asking for more"
+            )));
+        }
         tickets.insert(
             handle.clone(),
             Owned {
@@ -98,7 +130,7 @@ impl Statements {
                 item: query,
             },
         );
-        handle
+        Ok(handle)
     }
 
     /// Redeem a ticket (once).
@@ -116,6 +148,7 @@ impl Statements {
     pub fn add_prepared(&self, caller: &Caller, prepared: Prepared) -> Result<Vec<u8>, Status> {
         let handle = new_handle();
         let mut all = self.prepared.lock().unwrap();
+        all.retain(|_, p| p.made.elapsed() < self.prepared_idle);
         let open = all.values().filter(|p| p.session == caller.session).count();
         if open >= MAX_PREPARED_PER_SESSION {
             return Err(Status::resource_exhausted(format!(
@@ -133,11 +166,14 @@ impl Statements {
         Ok(handle)
     }
 
-    /// A copy of prepared statement `handle`.
+    /// A copy of prepared statement `handle` (a use: its idle time starts again).
     pub fn prepared(&self, caller: &Caller, handle: &[u8]) -> Result<Prepared, Status> {
         check_handle(handle, "prepared statement")?;
-        match self.prepared.lock().unwrap().get(handle) {
-            Some(p) if p.session == caller.session => Ok(p.item.clone()),
+        match self.prepared.lock().unwrap().get_mut(handle) {
+            Some(p) if p.session == caller.session && p.made.elapsed() < self.prepared_idle => {
+                p.made = Instant::now();
+                Ok(p.item.clone())
+            }
             _ => Err(unknown("prepared statement")),
         }
     }
@@ -146,7 +182,8 @@ impl Statements {
     pub fn bind(&self, caller: &Caller, handle: &[u8], params: ParamValues) -> Result<(), Status> {
         check_handle(handle, "prepared statement")?;
         match self.prepared.lock().unwrap().get_mut(handle) {
-            Some(p) if p.session == caller.session => {
+            Some(p) if p.session == caller.session && p.made.elapsed() < self.prepared_idle => {
+                p.made = Instant::now();
                 p.item.params = Some(params);
                 Ok(())
             }
@@ -181,13 +218,15 @@ mod tests {
             session: s.into(),
         };
         let frame = ctx.sql("SELECT 1").await.unwrap();
-        let handle = statements.add_ticket(
-            &caller("a"),
-            PlannedQuery {
-                sql: "SELECT 1".into(),
-                result: TicketResult::Plan(frame),
-            },
-        );
+        let handle = statements
+            .add_ticket(
+                &caller("a"),
+                PlannedQuery {
+                    sql: "SELECT 1".into(),
+                    result: TicketResult::Plan(frame),
+                },
+            )
+            .unwrap();
         assert_eq!(
             statements
                 .take_ticket(&caller("b"), &handle)
@@ -227,5 +266,59 @@ mod tests {
         assert!(statements.close(&caller("b"), &handle).is_err());
         statements.close(&caller("a"), &handle).unwrap();
         assert!(statements.prepared(&caller("a"), &handle).is_err());
+    }
+
+    #[tokio::test]
+    async fn idle_prepared_statements_close_and_tickets_are_capped_per_session() {
+        let ctx = datafusion::prelude::SessionContext::new();
+        let statements = Statements::new(Duration::from_millis(100));
+        let caller = |s: &str| Caller {
+            user: "u".into(),
+            session: s.into(),
+        };
+        let plan = ctx.state().create_logical_plan("SELECT 1").await.unwrap();
+        let prepared = |sql: &str| Prepared {
+            sql: sql.into(),
+            plan: plan.clone(),
+            params: None,
+        };
+        let kept = statements
+            .add_prepared(&caller("a"), prepared("kept"))
+            .unwrap();
+        let idle = statements
+            .add_prepared(&caller("a"), prepared("idle"))
+            .unwrap();
+        for _ in 0..3 {
+            std::thread::sleep(Duration::from_millis(40));
+            assert!(statements.prepared(&caller("a"), &kept).is_ok());
+        }
+        assert_eq!(
+            statements
+                .prepared(&caller("a"), &idle)
+                .err()
+                .unwrap()
+                .code(),
+            tonic::Code::NotFound
+        );
+        for n in 0..MAX_TICKETS_PER_SESSION {
+            let frame = ctx.sql("SELECT 1").await.unwrap();
+            let query = PlannedQuery {
+                sql: format!("{n}"),
+                result: TicketResult::Plan(frame),
+            };
+            statements.add_ticket(&caller("a"), query).unwrap();
+        }
+        let frame = ctx.sql("SELECT 1").await.unwrap();
+        let query = |frame| PlannedQuery {
+            sql: "one more".into(),
+            result: TicketResult::Plan(frame),
+        };
+        let err = statements
+            .add_ticket(&caller("a"), query(frame))
+            .unwrap_err();
+        assert_eq!(err.code(), tonic::Code::ResourceExhausted);
+        // Another session is not held back by this one.
+        let frame = ctx.sql("SELECT 1").await.unwrap();
+        assert!(statements.add_ticket(&caller("b"), query(frame)).is_ok());
     }
 }

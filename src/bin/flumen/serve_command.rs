@@ -62,6 +62,14 @@ pub struct ServeArgs {
     /// or resolves to a loopback, private or link-local address needs a prefix naming it.
     #[arg(long, value_name = "PREFIX")]
     allow_url: Vec<String>,
+    /// Most queries one user runs at once (each holds up to the memory budget); a query
+    /// beyond it is refused until one ends.
+    #[arg(long, value_name = "N", default_value_t = flumen::serve::MAX_QUERIES_PER_USER)]
+    max_queries_per_user: usize,
+    /// A session token expires this many seconds after its login, however much it is used
+    /// (the client logs in again).
+    #[arg(long, value_name = "SECS", default_value_t = flumen::serve::credentials::TOKEN_LIFETIME.as_secs())]
+    token_lifetime: u64,
     /// Do not register the demo `docs` table.
     #[arg(long)]
     no_demo: bool,
@@ -107,6 +115,8 @@ async fn serve(args: &ServeArgs) -> Result<()> {
     let mut settings = ServeSettings::new();
     settings.listen = args.listen.clone();
     settings.policy = AccessPolicy::new(&args.allow_path, &args.allow_url)?;
+    settings.max_queries_per_user = args.max_queries_per_user.max(1);
+    settings.token_lifetime = std::time::Duration::from_secs(args.token_lifetime.max(1));
     settings.dataset_job_idle = std::time::Duration::from_secs(args.dataset_job_idle.max(1));
     settings.users = args.users.as_deref().map(UserFile::from_file).transpose()?;
     settings.token = match &args.token_file {
