@@ -11,6 +11,12 @@
 //! over the same query (`flumen.create_dataset`, blocks of 8,192 rows, one per `DoGet`)
 //! read by one and by two consumers at once (the time to the first block counts from the
 //! job's creation).
+//!
+//! Then many users at once: a short query (`SELECT count(*) FROM t WHERE id = N`) from 1, 10
+//! and 50 clients at once (`--clients`), `--short-queries` each: queries/s and p50/p99
+//! latency; and the same with a handshake flood beside them (16 connections sending wrong
+//! passwords as fast as they are answered). Goal: p99 under the flood ≤ 2x p99 without it.
+//! The server's peak RSS (`/proc`) is printed after each step.
 
 #[path = "../tests/common/serve_process.rs"]
 mod serve_process;
@@ -31,18 +37,31 @@ const QUERY: &str = "SELECT id, k, body FROM t WHERE k < 12";
 struct Args {
     rows: usize,
     runs: usize,
+    clients: Vec<usize>,
+    short_queries: usize,
 }
 
 fn args() -> Args {
     let mut args = Args {
         rows: 2_000_000,
         runs: 3,
+        clients: vec![1, 10, 50],
+        short_queries: 40,
     };
     let mut it = std::env::args().skip(1);
     while let Some(a) = it.next() {
         match a.as_str() {
             "--rows" => args.rows = it.next().and_then(|v| v.parse().ok()).unwrap_or(args.rows),
             "--runs" => args.runs = it.next().and_then(|v| v.parse().ok()).unwrap_or(args.runs),
+            "--clients" => {
+                if let Some(list) = it.next() {
+                    args.clients = list.split(',').filter_map(|n| n.parse().ok()).collect();
+                }
+            }
+            "--short-queries" => {
+                args.short_queries = (it.next().and_then(|v| v.parse().ok()))
+                    .unwrap_or(args.short_queries)
+            }
             _ => {}
         }
     }
@@ -211,13 +230,20 @@ async fn dataset_job(
     }
 }
 
-/// `flumen serve` on loopback with a token and the table in its catalog file.
+/// `flumen serve` on loopback with a token, a user (for the flood's wrong passwords), the
+/// table in its catalog file and its directory allowed.
 fn start_server(dir: &Path, table: &Path) -> (ServeProcess, String) {
     use std::os::unix::fs::PermissionsExt;
+    let owner_only = |path: &Path, text: &str| {
+        std::fs::write(path, text).unwrap();
+        std::fs::set_permissions(path, std::fs::Permissions::from_mode(0o600)).unwrap();
+    };
     let token = flumen::cluster::auth::Secret::random().to_hex();
     let token_file = dir.join("token");
-    std::fs::write(&token_file, &token).unwrap();
-    std::fs::set_permissions(&token_file, std::fs::Permissions::from_mode(0o600)).unwrap();
+    owner_only(&token_file, &token);
+    let users = dir.join("users");
+    let hash = flumen::serve::credentials::hash_password("the password").unwrap();
+    owner_only(&users, &format!("ana:{hash}\n"));
     // The table, as a client would have created it (replayed from the catalog file).
     let state = dir.join("state");
     std::fs::create_dir_all(&state).unwrap();
@@ -227,10 +253,104 @@ fn start_server(dir: &Path, table: &Path) -> (ServeProcess, String) {
         "--no-demo".into(),
         "--token-file".into(),
         token_file.into(),
+        "--users".into(),
+        users.into(),
         "--state-dir".into(),
         state.into(),
+        "--allow-path".into(),
+        table.parent().unwrap().into(),
+        "--max-queries-per-user".into(),
+        "64".into(),
     ];
     (ServeProcess::start(args, &dir.join("serve.log")), token)
+}
+
+/// Short queries from `clients` clients at once, `per_client` each, with or without a
+/// handshake flood beside them: (queries/s, p50 ms, p99 ms, flood attempts).
+async fn many_clients(
+    server: &ServeProcess,
+    token: &str,
+    clients: usize,
+    per_client: usize,
+    flood: bool,
+) -> (f64, f64, f64, usize) {
+    use std::sync::Arc;
+    use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+    let mut connected = Vec::with_capacity(clients);
+    for _ in 0..clients {
+        connected.push(server.client(token).await);
+    }
+    let stop = Arc::new(AtomicBool::new(false));
+    let attempts = Arc::new(AtomicUsize::new(0));
+    let mut flooders = vec![];
+    if flood {
+        for _ in 0..16 {
+            let (address, stop, attempts) =
+                (server.address.clone(), Arc::clone(&stop), Arc::clone(&attempts));
+            flooders.push(tokio::spawn(async move {
+                let channel = tonic::transport::Endpoint::from_shared(format!("http://{address}"))
+                    .unwrap()
+                    .connect()
+                    .await
+                    .unwrap();
+                let mut attacker = FlightSqlServiceClient::new(channel);
+                while !stop.load(Ordering::Relaxed) {
+                    assert!(attacker.handshake("ana", "wrong").await.is_err());
+                    attempts.fetch_add(1, Ordering::Relaxed);
+                }
+            }));
+        }
+    }
+    let started = Instant::now();
+    let mut tasks = vec![];
+    for (n, mut client) in connected.into_iter().enumerate() {
+        tasks.push(tokio::spawn(async move {
+            let mut latencies = Vec::with_capacity(per_client);
+            for q in 0..per_client {
+                let sql = format!("SELECT count(*) FROM t WHERE id = {}", n * per_client + q + 1);
+                let at = Instant::now();
+                let info = client.execute(sql, None).await.expect("planned");
+                let ticket = info.endpoint[0].ticket.clone().expect("a ticket");
+                let batches: Vec<_> = client
+                    .do_get(ticket)
+                    .await
+                    .expect("DoGet")
+                    .try_collect()
+                    .await
+                    .expect("answered");
+                assert_eq!(batches.iter().map(|b| b.num_rows()).sum::<usize>(), 1);
+                latencies.push(at.elapsed().as_secs_f64() * 1e3);
+            }
+            latencies
+        }));
+    }
+    let mut latencies = vec![];
+    for task in tasks {
+        latencies.extend(task.await.unwrap());
+    }
+    let seconds = started.elapsed().as_secs_f64();
+    stop.store(true, Ordering::Relaxed);
+    for flooder in flooders {
+        flooder.await.unwrap();
+    }
+    latencies.sort_by(f64::total_cmp);
+    let at = |q: f64| latencies[((latencies.len() - 1) as f64 * q) as usize];
+    (
+        latencies.len() as f64 / seconds,
+        at(0.5),
+        at(0.99),
+        attempts.load(Ordering::Relaxed),
+    )
+}
+
+/// The peak resident set of process `pid` (`VmHWM`), in MB.
+fn peak_rss_mb(pid: u32) -> u64 {
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap_or_default();
+    (status.lines())
+        .find(|l| l.starts_with("VmHWM:"))
+        .and_then(|l| l.split_whitespace().nth(1))
+        .and_then(|kb| kb.parse::<u64>().ok())
+        .map_or(0, |kb| kb >> 10)
 }
 
 fn median(values: &mut [f64]) -> f64 {
@@ -326,6 +446,39 @@ fn main() -> Result<()> {
         "Flight SQL / in process: {:.2}; Flight SQL / REPL: {:.2}",
         remote_rate / local_rate,
         remote_rate / shell_rate
+    );
+
+    println!(
+        "\nmany users: `SELECT count(*) FROM t WHERE id = N`, {} per client",
+        args.short_queries
+    );
+    println!("| clients | flood | queries/s | p50 ms | p99 ms | flood attempts | server peak RSS MB |");
+    println!("|---|---|---|---|---|---|---|");
+    let mut met = true;
+    for &clients in &args.clients {
+        let mut p99 = [0.0; 2];
+        for (i, flood) in [false, true].into_iter().enumerate() {
+            let (rate, p50, q99, attempts) = runtime.block_on(many_clients(
+                &server,
+                &token,
+                clients,
+                args.short_queries,
+                flood,
+            ));
+            p99[i] = q99;
+            println!(
+                "| {clients} | {} | {rate:.0} | {p50:.1} | {q99:.1} | {attempts} | {} |",
+                if flood { "yes" } else { "no" },
+                peak_rss_mb(server.child.id())
+            );
+        }
+        let ratio = p99[1] / p99[0];
+        met &= ratio <= 2.0;
+        println!("  {clients} clients: p99 under the flood / without: {ratio:.2}");
+    }
+    println!(
+        "goal p99 under a handshake flood <= 2x p99 without it: {}",
+        if met { "met" } else { "not met" }
     );
     Ok(())
 }

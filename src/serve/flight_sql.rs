@@ -49,7 +49,7 @@ use tonic::{Request, Response, Status, Streaming};
 use super::catalog_file::CatalogFile;
 use super::credentials::{Authenticator, Caller, Credential};
 use super::datasets::{DatasetRequest, DatasetTicket, Datasets};
-use super::handshake_limits::HandshakeLimits;
+use super::handshake_limits::{HandshakeLimits, Refusal, TARPIT};
 use super::policy::{AccessPolicy, Refused};
 use super::running::RunningQueries;
 use super::sessions::Sessions;
@@ -618,6 +618,12 @@ impl FlightSqlService for FlumenFlightSql {
             Ok(permit) => permit,
             Err(refusal) => {
                 log::debug!("flumen serve: a handshake from {peer} refused: {refusal}");
+                // A caller backing off waits for its refusal (a timer, no thread): a client
+                // retrying in a loop then costs a few calls a second, not as many as the
+                // server can answer.
+                if let Refusal::BackingOff(left) = refusal {
+                    tokio::time::sleep(left.min(TARPIT)).await;
+                }
                 return Err(Status::resource_exhausted(refusal.to_string()));
             }
         };

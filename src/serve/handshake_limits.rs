@@ -8,7 +8,8 @@
 //!   a check until a delay has passed, doubling with each further failure up to
 //!   [`MAX_BACKOFF`]. A success clears both. So a flood of wrong passwords costs a few
 //!   checks, not one per attempt, and guessing one user's password from many addresses
-//!   slows down the same way.
+//!   slows down the same way. Such a refusal is answered after up to [`TARPIT`] (a timer),
+//!   so a client retrying in a loop makes a few calls a second.
 
 use std::collections::HashMap;
 use std::net::IpAddr;
@@ -24,6 +25,8 @@ pub const FREE_FAILURES: u32 = 3;
 pub const FIRST_BACKOFF: Duration = Duration::from_millis(500);
 /// The longest delay.
 pub const MAX_BACKOFF: Duration = Duration::from_secs(30);
+/// Longest a refused handshake of a caller backing off waits before its answer.
+pub const TARPIT: Duration = Duration::from_millis(500);
 /// Most addresses and user names remembered with failures (the oldest are forgotten).
 const MAX_REMEMBERED: usize = 100_000;
 
