@@ -59,8 +59,8 @@ fn args() -> Args {
                 }
             }
             "--short-queries" => {
-                args.short_queries = (it.next().and_then(|v| v.parse().ok()))
-                    .unwrap_or(args.short_queries)
+                args.short_queries =
+                    (it.next().and_then(|v| v.parse().ok())).unwrap_or(args.short_queries)
             }
             _ => {}
         }
@@ -285,8 +285,11 @@ async fn many_clients(
     let mut flooders = vec![];
     if flood {
         for _ in 0..16 {
-            let (address, stop, attempts) =
-                (server.address.clone(), Arc::clone(&stop), Arc::clone(&attempts));
+            let (address, stop, attempts) = (
+                server.address.clone(),
+                Arc::clone(&stop),
+                Arc::clone(&attempts),
+            );
             flooders.push(tokio::spawn(async move {
                 let channel = tonic::transport::Endpoint::from_shared(format!("http://{address}"))
                     .unwrap()
@@ -307,7 +310,10 @@ async fn many_clients(
         tasks.push(tokio::spawn(async move {
             let mut latencies = Vec::with_capacity(per_client);
             for q in 0..per_client {
-                let sql = format!("SELECT count(*) FROM t WHERE id = {}", n * per_client + q + 1);
+                let sql = format!(
+                    "SELECT count(*) FROM t WHERE id = {}",
+                    n * per_client + q + 1
+                );
                 let at = Instant::now();
                 let info = client.execute(sql, None).await.expect("planned");
                 let ticket = info.endpoint[0].ticket.clone().expect("a ticket");
@@ -452,7 +458,9 @@ fn main() -> Result<()> {
         "\nmany users: `SELECT count(*) FROM t WHERE id = N`, {} per client",
         args.short_queries
     );
-    println!("| clients | flood | queries/s | p50 ms | p99 ms | flood attempts | server peak RSS MB |");
+    println!(
+        "| clients | flood | queries/s | p50 ms | p99 ms | flood attempts | server peak RSS MB |"
+    );
     println!("|---|---|---|---|---|---|---|");
     let mut met = true;
     for &clients in &args.clients {

@@ -1030,6 +1030,29 @@ async fn a_server_with_workers_runs_four_clients_queries_in_them_and_answers_lik
     }
 }
 
+/// `flumen.create_dataset` with `body`: the answer (JSON), or the error's text.
+async fn create_dataset(
+    client: &mut FlightSqlServiceClient<Channel>,
+    body: &Value,
+) -> Result<Value, String> {
+    let action = arrow_flight::Action::new("flumen.create_dataset", body.to_string());
+    let answers: Vec<_> = match client.do_action(action).await {
+        Ok(stream) => stream.try_collect().await.map_err(|e| e.to_string())?,
+        Err(e) => return Err(e.to_string()),
+    };
+    Ok(serde_json::from_slice(&answers[0].body).unwrap())
+}
+
+/// A client of `server` without a token yet (it logs in, or is refused).
+async fn anonymous(server: &Server) -> FlightSqlServiceClient<Channel> {
+    let channel = Endpoint::from_shared(format!("http://{}", server.address))
+        .unwrap()
+        .connect()
+        .await
+        .unwrap();
+    FlightSqlServiceClient::new(channel)
+}
+
 /// A client's statement refused by the server's policy: the error, checked to be a refusal
 /// (`PERMISSION_DENIED`) that names `names`.
 async fn assert_refused(client: &mut FlightSqlServiceClient<Channel>, sql: &str, names: &str) {
@@ -1116,37 +1139,17 @@ async fn a_hostile_client_is_refused_what_the_operator_did_not_allow() {
     let body = serde_json::json!({
         "name": "stolen", "sql": format!("SELECT * FROM '{users}'"), "epochs": 1, "consumers": 1
     });
-    let err = hostile
-        .do_action(arrow_flight::Action::new(
-            "flumen.create_dataset",
-            serde_json::to_vec(&body).unwrap(),
-        ))
+    let err = create_dataset(&mut hostile, &body)
         .await
-        .expect_err("a dataset job over the users file was created")
-        .to_string();
+        .expect_err("a dataset job over the users file was created");
     assert!(err.contains("flumen serve refuses"), "{err}");
 
     // Dataset jobs are their creator's: another user neither lists nor reads one, even
     // with its ticket; a job's size is capped.
     let body = serde_json::json!({"name": "mine", "sql": "SELECT 1 AS a"});
-    let created = hostile
-        .do_action(arrow_flight::Action::new(
-            "flumen.create_dataset",
-            serde_json::to_vec(&body).unwrap(),
-        ))
-        .await
-        .unwrap()
-        .try_collect::<Vec<_>>()
-        .await
-        .unwrap();
-    let created: Value = serde_json::from_slice(&created[0].body).unwrap();
+    let created = create_dataset(&mut hostile, &body).await.unwrap();
     let ticket = hex::decode(created["tickets"][0]["ticket"].as_str().unwrap()).unwrap();
-    let channel = Endpoint::from_shared(format!("http://{}", server.address))
-        .unwrap()
-        .connect()
-        .await
-        .unwrap();
-    let mut ana = FlightSqlServiceClient::new(channel);
+    let mut ana = anonymous(&server).await;
     ana.handshake(USER, PASSWORD).await.unwrap();
     let err = ana
         .do_get(Ticket::new(ticket.clone()))
@@ -1186,14 +1189,9 @@ async fn a_hostile_client_is_refused_what_the_operator_did_not_allow() {
             "tickets",
         ),
     ] {
-        let err = hostile
-            .do_action(arrow_flight::Action::new(
-                "flumen.create_dataset",
-                serde_json::to_vec(&body).unwrap(),
-            ))
+        let err = create_dataset(&mut hostile, &body)
             .await
-            .expect_err("an oversized dataset job was created")
-            .to_string();
+            .expect_err("an oversized dataset job was created");
         assert!(err.contains(says), "{err}");
     }
     // The creator reads its own job.
@@ -1337,12 +1335,8 @@ async fn a_handshake_flood_is_refused_cheaply_while_a_logged_in_client_keeps_que
     // Each check takes ~19 MiB while it runs; at most a core's worth at once.
     assert!(growth < 256 << 20, "peak RSS grew {} MB", growth >> 20);
     // The right password from the flooding address waits out the backoff, saying so.
-    let channel = Endpoint::from_shared(server.uri().replace("grpc://", "http://"))
-        .unwrap()
-        .connect()
+    let err = anonymous(&server)
         .await
-        .unwrap();
-    let err = FlightSqlServiceClient::new(channel)
         .handshake(USER, PASSWORD)
         .await
         .expect_err("the flooding address logged in at once")
@@ -1381,12 +1375,7 @@ async fn a_user_runs_at_most_its_queries_at_once() {
         .to_string();
     assert!(err.contains("the most one user may run at once"), "{err}");
     // Another user is not held back by this one.
-    let channel = Endpoint::from_shared(format!("http://{}", server.address))
-        .unwrap()
-        .connect()
-        .await
-        .unwrap();
-    let mut ana = FlightSqlServiceClient::new(channel);
+    let mut ana = anonymous(&server).await;
     ana.handshake(USER, PASSWORD).await.unwrap();
     assert_eq!(query_latencies(&mut ana, 1).await.len(), 1);
     // The first query ended (dropped by its reader): the user runs again.

@@ -107,7 +107,11 @@ impl HandshakeLimits {
         }
         let permit = Arc::clone(&self.checks).acquire_owned().await;
         self.waiting.fetch_sub(1, Ordering::AcqRel);
-        permit.map_err(|_| Refusal::Busy)
+        let permit = permit.map_err(|_| Refusal::Busy)?;
+        // Failures of the handshakes checked while this one waited count: a burst from one
+        // address costs its free failures' checks, not one per handshake queued.
+        self.backoff_left(address, user)?;
+        Ok(permit)
     }
 
     fn backoff_left(&self, address: Option<IpAddr>, user: Option<&str>) -> Result<(), Refusal> {
