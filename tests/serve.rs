@@ -1084,9 +1084,22 @@ async fn a_hostile_client_is_refused_what_the_operator_did_not_allow() {
     common::write_events(&data.join("events"), 1, 2_000);
     // A link inside the allowed directory to the users file outside it.
     symlink(&files.users, data.join("users.csv")).unwrap();
+    // The operator fixes a slot count in its settings file, and a client setting's default.
+    let settings = dir.path().join("settings");
+    std::fs::write(
+        &settings,
+        "flumen.cpu_slots = 3  # the operator's\ndatafusion.execution.batch_size = 1234\n",
+    )
+    .unwrap();
     let server = Server::start(
         &files,
-        &["--no-demo", "--allow-path", data.to_str().unwrap()],
+        &[
+            "--no-demo",
+            "--allow-path",
+            data.to_str().unwrap(),
+            "--settings",
+            settings.to_str().unwrap(),
+        ],
     );
     let mut hostile = server.client(&files).await;
     let mut other = server.client(&files).await;
@@ -1135,6 +1148,17 @@ async fn a_hostile_client_is_refused_what_the_operator_did_not_allow() {
         assert_refused(&mut hostile, &format!("SET {name} = '1'"), name).await;
         assert_refused(&mut hostile, &format!("RESET {name}"), name).await;
     }
+    let slots = query_batches(
+        &mut hostile,
+        "SELECT value FROM information_schema.df_settings \
+         WHERE name = 'datafusion.execution.batch_size'",
+    )
+    .await;
+    let shown = datafusion::arrow::util::pretty::pretty_format_batches(&slots)
+        .unwrap()
+        .to_string();
+    assert!(shown.contains("| 1234 "), "{shown}");
+    assert_refused(&mut hostile, "SET flumen.cpu_slots = 64", "--settings FILE").await;
     // A dataset job runs a query under the same policy.
     let body = serde_json::json!({
         "name": "stolen", "sql": format!("SELECT * FROM '{users}'"), "epochs": 1, "consumers": 1

@@ -6,6 +6,7 @@
 //! - [`handshake_limits`]: password checks rationed; addresses and users back off after failures.
 //! - [`policy`]: what a client may touch: operator-only settings, allowed paths and URLs.
 //! - [`sessions`]: each client's own session (own settings, shared tables).
+//! - [`settings_file`]: the operator's settings file (`--settings FILE`), applied at startup.
 //! - [`statements`]: tickets and prepared statements held between calls.
 //! - [`running`]: the running queries: progress view, cancellation, one log line each.
 //! - [`catalog_file`]: the tables clients created, kept across restarts.
@@ -25,6 +26,7 @@ pub mod handshake_limits;
 pub mod policy;
 pub mod running;
 pub mod sessions;
+pub mod settings_file;
 pub mod statements;
 
 use std::net::SocketAddr;

@@ -4,8 +4,8 @@
 //! - **Operator settings** ([`OPERATOR_SETTINGS`], and every `datafusion.runtime.*`): where
 //!   the workers run, the cluster's secret and CA, the worker binary, process and slot
 //!   counts, the memory budget, the spill directory, the timeline file, the model directory.
-//!   `flumen serve`'s flags set them at startup; a client's `SET` or `RESET` of one is
-//!   refused, naming the flag to ask the operator for.
+//!   `flumen serve`'s flags and its settings file (`--settings FILE`) set them at startup; a
+//!   client's `SET` or `RESET` of one is refused, naming where the operator sets it.
 //! - **Files and URLs** ([`AccessPolicy`]): a statement's every location (`CREATE EXTERNAL
 //!   TABLE ... LOCATION`, a path table `SELECT * FROM '/path'`, `COPY ... TO`, the table an
 //!   `INSERT` writes, every table a query scans) must be under a directory the operator
@@ -37,40 +37,40 @@ use url::Url;
 pub const OPERATOR_SETTINGS: &[(&str, &str)] = &[
     ("flumen.workers", "--workers"),
     ("flumen.worker_processes", "--workers"),
-    ("flumen.worker_binary", "fixed when the server starts"),
-    ("flumen.worker_tls", "fixed when the server starts"),
-    ("flumen.cluster", "fixed when the server starts"),
-    ("flumen.cluster_secret_file", "fixed when the server starts"),
-    ("flumen.worker_ca", "fixed when the server starts"),
+    ("flumen.worker_binary", "flumen serve --settings FILE"),
+    ("flumen.worker_tls", "flumen serve --settings FILE"),
+    ("flumen.cluster", "flumen serve --settings FILE"),
+    ("flumen.cluster_secret_file", "flumen serve --settings FILE"),
+    ("flumen.worker_ca", "flumen serve --settings FILE"),
     (
         "flumen.heartbeat_timeout_secs",
-        "fixed when the server starts",
+        "flumen serve --settings FILE",
     ),
-    ("flumen.task_timeout_secs", "fixed when the server starts"),
-    ("flumen.max_task_retries", "fixed when the server starts"),
+    ("flumen.task_timeout_secs", "flumen serve --settings FILE"),
+    ("flumen.max_task_retries", "flumen serve --settings FILE"),
     ("flumen.memory_budget", "--memory-budget"),
-    ("flumen.budget_counts_heap", "fixed when the server starts"),
-    ("flumen.spill_dir", "fixed when the server starts"),
-    ("flumen.cpu_slots", "fixed when the server starts"),
-    ("flumen.accelerator_slots", "fixed when the server starts"),
+    ("flumen.budget_counts_heap", "flumen serve --settings FILE"),
+    ("flumen.spill_dir", "flumen serve --settings FILE"),
+    ("flumen.cpu_slots", "flumen serve --settings FILE"),
+    ("flumen.accelerator_slots", "flumen serve --settings FILE"),
     (
         "flumen.accelerator_min_slots",
-        "fixed when the server starts",
+        "flumen serve --settings FILE",
     ),
     (
         "flumen.accelerator_idle_secs",
-        "fixed when the server starts",
+        "flumen serve --settings FILE",
     ),
-    ("flumen.timeline_file", "fixed when the server starts"),
-    ("flumen.model_dir", "fixed when the server starts"),
-    ("flumen.device", "fixed when the server starts"),
+    ("flumen.timeline_file", "flumen serve --settings FILE"),
+    ("flumen.model_dir", "flumen serve --settings FILE"),
+    ("flumen.device", "flumen serve --settings FILE"),
 ];
 
 /// Refuse `SET`/`RESET` of `variable` when only the operator sets it.
 pub fn check_setting(variable: &str) -> Result<()> {
     let name = variable.trim().to_ascii_lowercase();
     let flag = if name.starts_with("datafusion.runtime.") {
-        Some("fixed when the server starts")
+        Some("flumen serve --settings FILE")
     } else {
         (OPERATOR_SETTINGS.iter())
             .find(|(setting, _)| *setting == name)

@@ -70,6 +70,12 @@ pub struct ServeArgs {
     /// (the client logs in again).
     #[arg(long, value_name = "SECS", default_value_t = flumen::serve::credentials::TOKEN_LIFETIME.as_secs())]
     token_lifetime: u64,
+    /// The operator's settings: `name = value` lines (`flumen.cpu_slots = 8`,
+    /// `flumen.spill_dir = /srv/spill`, `datafusion.runtime.memory_limit = 8G`, ...),
+    /// applied at startup. Operator settings are fixed by it (clients cannot `SET` them);
+    /// client settings start from it.
+    #[arg(long, value_name = "FILE")]
+    settings: Option<PathBuf>,
     /// Do not register the demo `docs` table.
     #[arg(long)]
     no_demo: bool,
@@ -153,6 +159,10 @@ async fn serve(args: &ServeArgs) -> Result<()> {
     // `SHOW` and `information_schema` on, as clients' metadata browsers expect.
     let session_config = datafusion::prelude::SessionConfig::new().with_information_schema(true);
     let ctx = flumen::session_with_config(session_config, config).enable_url_table();
+    if let Some(path) = &args.settings {
+        let applied = flumen::serve::settings_file::apply(&ctx, path).await?;
+        log::info!("flumen serve: {applied} settings from {}", path.display());
+    }
     if !args.no_demo {
         let table = Arc::new(demo_table::DemoTable::new(flumen::demo::DEFAULT_ROWS));
         ctx.register_table("docs", table)?;
