@@ -1074,7 +1074,7 @@ async fn assert_refused(client: &mut FlightSqlServiceClient<Channel>, sql: &str,
 /// (a table's `LOCATION`, a path table, a symlink inside the allowed directory, `..`, `COPY`
 /// outside it, the cloud's metadata service) and every operator setting (`SET`, `RESET`)
 /// is refused, naming what was refused; what the operator allowed still works, and another
-/// user's query goes on the whole time.
+/// client's query (a second session) goes on the whole time.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_hostile_client_is_refused_what_the_operator_did_not_allow() {
     use std::os::unix::fs::symlink;
@@ -1251,7 +1251,7 @@ async fn a_hostile_client_is_refused_what_the_operator_did_not_allow() {
         2_000
     );
 
-    // The other user's query went on, and gives its answer.
+    // The other client's query went on, and gives its answer.
     let answer = other_query.await.unwrap();
     assert_eq!(
         answer[0].column(0).as_primitive::<Int64Type>().value(0),
