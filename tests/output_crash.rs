@@ -250,9 +250,21 @@ async fn a_cancelled_copy_leaves_no_staging() {
 /// staged single file that is a link to a file elsewhere. Recovery (run by the next `COPY`
 /// to the same place) follows none of them: every target file survives with its bytes, none
 /// is moved into the output, the links stay as they are (an operator's to look at), and the
-/// `COPY` writes its rows as usual.
+/// `COPY` writes its rows as usual; in threads mode and with worker processes.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn planted_staging_links_are_never_followed() {
+    let mut in_workers = flumen::FlumenConfig::default();
+    in_workers.workers = flumen::WorkerMode::Process;
+    in_workers.worker_processes = 2;
+    in_workers.worker_binary = FLUMEN.into();
+    for config in [flumen::FlumenConfig::default(), in_workers] {
+        planted_links_survive_a_copy(config).await;
+    }
+}
+
+/// The planted links of [`planted_staging_links_are_never_followed`], and two `COPY`s in a
+/// session of `config` (threads, or worker processes).
+async fn planted_links_survive_a_copy(config: flumen::FlumenConfig) {
     use std::os::unix::fs::symlink;
     let dir = tempfile::tempdir().unwrap();
     let victim = dir.path().join("victim");
@@ -272,12 +284,16 @@ async fn planted_staging_links_are_never_followed() {
     symlink(&victim, out.join(".flumen-staging-holder/inside")).unwrap();
     symlink(&lone, out.join(".one.parquet.flumen-staging-0-1-2-3-4")).unwrap();
 
-    let ctx = flumen::session(flumen::FlumenConfig::default());
+    // A Parquet input, so that in worker mode the scan's tasks run on the workers.
+    let input = dir.path().join("input");
+    common::write_events(&input, 1, 3);
+    let ctx = flumen::session(config).enable_url_table();
     let copy = |to: String| {
-        let ctx = ctx.clone();
+        let (ctx, input) = (ctx.clone(), input.clone());
         async move {
             ctx.sql(&format!(
-                "COPY (SELECT * FROM (VALUES (1), (2), (3)) t(x)) TO '{to}' STORED AS PARQUET"
+                "COPY (SELECT id FROM '{}/') TO '{to}' STORED AS PARQUET",
+                input.display()
             ))
             .await
             .unwrap()

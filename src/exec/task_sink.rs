@@ -154,8 +154,10 @@ impl TaskSink for StoreSink {
             made.release();
             return repeats(&self.describe, place, recorded, again);
         }
-        // A local block's digest is not taken: only a worker's task is tried again.
-        self.taken.insert(place, made.rows_and_digest(None));
+        // Only a worker's task is tried again: a local task's blocks need no record.
+        if matches!(made, MadeBlock::Held(_)) {
+            self.taken.insert(place, made.rows_and_digest(None));
+        }
         let (tag, rows, bytes, digest, data) = match made {
             MadeBlock::Local { tag, batch, bytes } => {
                 (tag, batch.num_rows(), bytes, None, BlockData::Local(batch))

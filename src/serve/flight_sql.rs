@@ -126,7 +126,8 @@ impl FlumenFlightSql {
     }
 
     /// Plan a client's `sql` on `ctx`, refused unless the policy allows every location it
-    /// names and every setting it changes. A path table is checked before planning, which
+    /// names and every setting it changes: every statement a client runs (ad hoc, prepared,
+    /// a dataset job's) is planned here. A path table is checked before planning, which
     /// reads its file; the object stores of allowed URLs are registered before planning.
     async fn plan_sql(&self, ctx: &SessionContext, sql: &str) -> Result<LogicalPlan, Status> {
         self.policy
@@ -230,8 +231,8 @@ impl FlumenFlightSql {
         sql: &str,
         plan: LogicalPlan,
     ) -> Result<DataFrame, Status> {
-        // Every statement a client runs passes here, a prepared one with its parameters.
-        self.policy.check_plan(&plan).map_err(planning_error)?;
+        // `plan` came through `plan_sql`, which checked it against the policy (a prepared
+        // statement's when it was prepared: its parameters bind values, not locations).
         let change = catalog_change(&plan);
         let frame = ctx
             .execute_logical_plan(plan)

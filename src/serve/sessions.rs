@@ -129,13 +129,17 @@ impl Sessions {
 mod tests {
     use super::*;
 
+    /// User `u`'s caller in session `session`.
+    fn caller(session: &str) -> Caller {
+        Caller {
+            user: "u".into(),
+            session: session.into(),
+        }
+    }
+
     #[tokio::test]
     async fn settings_are_per_session_and_tables_are_shared() {
         let sessions = Sessions::new(crate::session(crate::FlumenConfig::default()));
-        let caller = |s: &str| Caller {
-            user: "u".into(),
-            session: s.into(),
-        };
         let a = sessions.context(&caller("a"));
         let b = sessions.context(&caller("b"));
         a.sql("SET datafusion.execution.batch_size = 123")
@@ -151,10 +155,6 @@ mod tests {
     #[tokio::test]
     async fn a_store_one_session_registers_is_not_anothers() {
         let sessions = Sessions::new(crate::session(crate::FlumenConfig::default()));
-        let caller = |s: &str| Caller {
-            user: "u".into(),
-            session: s.into(),
-        };
         let a = sessions.context(&caller("a"));
         let b = sessions.context(&caller("b"));
         let bucket = Url::parse("s3://bucket").unwrap();
