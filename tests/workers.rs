@@ -203,10 +203,16 @@ async fn a_worker_killed_mid_query_costs_only_its_blocks() {
         }
         assert!(elapsed < Duration::from_secs(60), "{sql} took {elapsed:?}");
     }
-    // A later query replaced the dead workers.
+    // A later query starts a replacement for each dead worker, in the background (tasks
+    // go on on the live ones meanwhile): the pool is whole again soon after.
+    common::assert_same(&v, &f, "SELECT count(*) FROM events").await;
     let pool = pool_of(&f).await;
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while !pool.workers().await.iter().all(|w| w.is_alive()) {
+        assert!(Instant::now() < deadline, "a dead worker was not replaced in 30 s");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
     assert!(pool.restarted() >= 1, "no worker was restarted");
-    assert!(pool.workers().await.iter().all(|w| w.is_alive()));
 }
 
 /// A lost block whose recomputation gives other values (a map task calling `random()`) fails
