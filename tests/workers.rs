@@ -209,7 +209,10 @@ async fn a_worker_killed_mid_query_costs_only_its_blocks() {
     let pool = pool_of(&f).await;
     let deadline = Instant::now() + Duration::from_secs(30);
     while !pool.workers().await.iter().all(|w| w.is_alive()) {
-        assert!(Instant::now() < deadline, "a dead worker was not replaced in 30 s");
+        assert!(
+            Instant::now() < deadline,
+            "a dead worker was not replaced in 30 s"
+        );
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
     assert!(pool.restarted() >= 1, "no worker was restarted");

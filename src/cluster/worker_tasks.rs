@@ -169,7 +169,13 @@ fn with_granted_stores(
     }
     let registry = DefaultObjectStoreRegistry::new();
     for grant in &request.stores {
-        let store = crate::io::object_stores::store_for_location(&grant.url, &grant.options)?;
+        let store = crate::io::object_stores::store_for_location(
+            &grant.url,
+            &grant.options,
+            // The grant holds every setting the store needs; a worker's environment has no
+            // credentials of its own.
+            &crate::io::object_stores::CloudIdentity::Environment,
+        )?;
         if let Some((url, store)) = store {
             registry.register_store(&url, store);
         }

@@ -4,7 +4,9 @@
 //! registered with the session for that bucket or host. Credentials and settings come from the
 //! environment (`AWS_*`, `GOOGLE_*`, `AZURE_*`, as `object_store` reads them) and from the
 //! statement's `OPTIONS ('aws.region' '...', 'aws.endpoint' '...', 'gcp.*', 'azure.*')`, which
-//! win over the environment.
+//! win over the environment. A `flumen serve` user the operator did not grant the server's
+//! identity gets no credential from the environment ([`CloudIdentity::OptionsOnly`]): its
+//! stores have the credentials its statements give, or none.
 
 use std::any::Any;
 use std::collections::BTreeMap;
@@ -96,6 +98,125 @@ pub fn register_table_options(ctx: &SessionContext) {
     extensions.insert(AzureOptions::default());
 }
 
+/// Whose cloud identity a store opened for a session has, where its `OPTIONS` give no
+/// credentials: a session config extension (absent: [`CloudIdentity::Environment`]).
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub enum CloudIdentity {
+    /// The process's environment (`AWS_*`, `GOOGLE_*`, `AZURE_*`, the instance metadata
+    /// service): an embedded session's or the REPL's, whose program is the operator.
+    #[default]
+    Environment,
+    /// Only what the statement's `OPTIONS` give: a `flumen serve` user (named) whom the
+    /// operator did not grant the server's identity. Options that would reach for the
+    /// server's identity or files (metadata endpoints, token and key files, managed
+    /// identities) are refused, and a store with no credentials at all is an error.
+    OptionsOnly {
+        /// The user, for errors.
+        user: String,
+    },
+}
+
+impl CloudIdentity {
+    /// The identity of a session with `config`.
+    pub fn of(config: &datafusion::prelude::SessionConfig) -> Self {
+        config
+            .get_extension::<Self>()
+            .map(|identity| identity.as_ref().clone())
+            .unwrap_or_default()
+    }
+}
+
+/// Option words (in a key after its `aws.`/`gcp.`/`azure.` prefix) that make a store use the
+/// machine's own identity or read the machine's files, refused under
+/// [`CloudIdentity::OptionsOnly`].
+const SERVER_IDENTITY_WORDS: &[&str] = &[
+    "metadata",
+    "imds",
+    "container_credentials",
+    "container_authorization",
+    "web_identity",
+    "token_file",
+    "role_arn",
+    "role_session",
+    "sts_endpoint",
+    "msi",
+    "federated",
+    "azure_cli",
+    "object_id",
+    "fabric",
+    "application_credentials",
+];
+
+/// Whether `options` give a store for `scheme` credentials of its own (or say it needs none).
+fn gives_credentials(scheme: &str, options: &[(String, String)]) -> bool {
+    let has = |prefix: &str, words: &[&str]| {
+        prefixed(options, prefix).any(|(key, value)| {
+            // `skip_signature` counts when it is on.
+            let on = !key.contains("skip_signature") || value.eq_ignore_ascii_case("true");
+            on && words.iter().any(|w| key.contains(w))
+        })
+    };
+    match scheme {
+        "s3" | "s3a" => has("aws.", &["access_key_id", "skip_signature"]),
+        "gs" | "gcs" => has("gcp.", &["service_account_key", "skip_signature"]),
+        "az" | "azure" | "abfs" | "abfss" | "adl" => has(
+            "azure.",
+            &[
+                "access_key",
+                "account_key",
+                "sas",
+                "token",
+                "client_secret",
+                "use_emulator",
+                "skip_signature",
+            ],
+        ),
+        _ => true,
+    }
+}
+
+/// Refuse, for a user with [`CloudIdentity::OptionsOnly`], options for `location` that reach
+/// for the server's identity or files, and a store given no credentials.
+fn check_users_options(location: &str, options: &[(String, String)], user: &str) -> Result<()> {
+    let scheme = Url::parse(location)
+        .map(|u| u.scheme().to_string())
+        .unwrap_or_default();
+    if matches!(scheme.as_str(), "http" | "https") {
+        return Ok(());
+    }
+    for (key, _) in options {
+        let name = key.split_once('.').map_or(key.as_str(), |(_, name)| name);
+        let path_key = name.starts_with("service_account") && !name.contains("key")
+            || name.starts_with("google_service_account") && !name.contains("key");
+        if path_key || SERVER_IDENTITY_WORDS.iter().any(|w| name.contains(w)) {
+            return Err(DataFusionError::Plan(format!(
+                "option '{key}' for {location} would use the server's own cloud identity or \
+                 files, which the operator has not granted user {user} (the users file's \
+                 cloud-identity=server does)"
+            )));
+        }
+    }
+    if !gives_credentials(&scheme, options) {
+        let example = match scheme.as_str() {
+            "gs" | "gcs" => "('gcp.service_account_key' '...')",
+            "s3" | "s3a" => "('aws.access_key_id' '...', 'aws.secret_access_key' '...')",
+            _ => "('azure.account_name' '...', 'azure.access_key' '...')",
+        };
+        return Err(DataFusionError::Plan(format!(
+            "no credentials for {location}: user {user} opens stores with its own credentials \
+             only (the server's cloud identity is the operator's; the users file's \
+             cloud-identity=server grants it): give OPTIONS {example}, or \
+             '{}skip_signature' 'true' for a public bucket",
+            match scheme.as_str() {
+                "gs" | "gcs" => "gcp.",
+                "s3" | "s3a" => "aws.",
+                _ => "azure.",
+            }
+        )));
+    }
+    Ok(())
+}
+
 /// Register the object store of every remote location `sql` names. SQL that does not parse
 /// registers nothing (running it reports the error).
 pub fn register_for_statement(ctx: &SessionContext, sql: &str) -> Result<()> {
@@ -158,11 +279,25 @@ pub fn register_for_location(
     location: &str,
     options: &[(String, String)],
 ) -> Result<()> {
-    if let Some((base, store)) = store_for_location(location, options)? {
-        ctx.register_object_store(&base, store);
-        record_grant(ctx.state().config(), location, options)?;
-    }
-    Ok(())
+    register_in_session(&ctx.state(), location, options)
+}
+
+/// Whether a session with `identity` keeps the store it already has for `location` (its
+/// own, or the operator's) rather than opening one: a user without the server's identity
+/// who gives no credentials reads through the store that is there.
+fn keeps_open_store(
+    runtime: &datafusion::execution::runtime_env::RuntimeEnv,
+    identity: &CloudIdentity,
+    location: &str,
+    options: &[(String, String)],
+) -> bool {
+    let Ok(url) = Url::parse(location) else {
+        return false;
+    };
+    matches!(identity, CloudIdentity::OptionsOnly { .. })
+        && !gives_credentials(url.scheme(), options)
+        && datafusion::datasource::listing::ListingTableUrl::parse(location)
+            .is_ok_and(|table| runtime.object_store(table.object_store()).is_ok())
 }
 
 /// Keep what a worker would need to read `location` (see [`StoreGrant`]) in the session's
@@ -173,7 +308,7 @@ fn record_grant(
     options: &[(String, String)],
 ) -> Result<()> {
     if let Some(grants) = config.get_extension::<StoreGrants>()
-        && let Some(grant) = grant_for_location(location, options)?
+        && let Some(grant) = grant_for_location(location, options, &CloudIdentity::of(config))?
     {
         grants.0.lock().unwrap().insert(grant.url.clone(), grant);
     }
@@ -230,6 +365,7 @@ const GRANTED_S3_KEYS: &[AmazonS3ConfigKey] = &[
 pub fn grant_for_location(
     location: &str,
     options: &[(String, String)],
+    identity: &CloudIdentity,
 ) -> Result<Option<StoreGrant>> {
     let Ok(url) = Url::parse(location) else {
         return Ok(None);
@@ -237,7 +373,7 @@ pub fn grant_for_location(
     if !matches!(url.scheme(), "s3" | "s3a") {
         return Ok(None);
     }
-    let builder = s3_builder(location, options)?;
+    let builder = s3_builder(location, options, identity)?;
     let signed = builder
         .get_config_value(&AmazonS3ConfigKey::AccessKeyId)
         .is_some();
@@ -263,15 +399,21 @@ pub fn grant_for_location(
     }))
 }
 
-/// An S3 store's builder for `location`: the environment's settings, then `options`'
-/// `aws.*` entries.
-fn s3_builder(location: &str, options: &[(String, String)]) -> Result<AmazonS3Builder> {
+/// An S3 store's builder for `location`: the environment's settings (for `identity`
+/// [`CloudIdentity::Environment`]), then `options`' `aws.*` entries.
+fn s3_builder(
+    location: &str,
+    options: &[(String, String)],
+    identity: &CloudIdentity,
+) -> Result<AmazonS3Builder> {
     let fail = |e: &dyn std::fmt::Display| {
         DataFusionError::Plan(format!("cannot open object store for {location}: {e}"))
     };
-    let mut builder = AmazonS3Builder::from_env()
-        .with_url(location)
-        .with_retry(retry());
+    let base = match identity {
+        CloudIdentity::Environment => AmazonS3Builder::from_env(),
+        CloudIdentity::OptionsOnly { .. } => AmazonS3Builder::new(),
+    };
+    let mut builder = base.with_url(location).with_retry(retry());
     for (key, value) in prefixed(options, "aws.") {
         let key: AmazonS3ConfigKey = key.parse().map_err(|e| fail(&e))?;
         if key == AmazonS3ConfigKey::Endpoint && value.starts_with("http://") {
@@ -289,7 +431,11 @@ pub fn register_in_session(
     location: &str,
     options: &[(String, String)],
 ) -> Result<()> {
-    if let Some((base, store)) = store_for_location(location, options)? {
+    let identity = CloudIdentity::of(state.config());
+    if keeps_open_store(state.runtime_env(), &identity, location, options) {
+        return Ok(());
+    }
+    if let Some((base, store)) = store_for_location(location, options, &identity)? {
         state.runtime_env().register_object_store(&base, store);
         record_grant(state.config(), location, options)?;
     }
@@ -301,16 +447,21 @@ pub fn register_in_session(
 pub fn store_for_location(
     location: &str,
     options: &[(String, String)],
+    identity: &CloudIdentity,
 ) -> Result<Option<(Url, Arc<dyn ObjectStore>)>> {
     let Ok(url) = Url::parse(location) else {
         return Ok(None);
     };
+    if let CloudIdentity::OptionsOnly { user } = identity {
+        check_users_options(location, options, user)?;
+    }
+    let from_env = *identity == CloudIdentity::Environment;
     let fail = |e: &dyn std::fmt::Display| {
         DataFusionError::Plan(format!("cannot open object store for {location}: {e}"))
     };
     let store: Arc<dyn ObjectStore> = match url.scheme() {
         "s3" | "s3a" => {
-            let mut builder = s3_builder(location, options)?;
+            let mut builder = s3_builder(location, options, identity)?;
             // With no credentials, object_store would ask the EC2 instance metadata service;
             // honour the AWS SDKs' switch that turns that off.
             if let Some(hint) = missing_credentials_hint(location, options)
@@ -321,9 +472,11 @@ pub fn store_for_location(
             Arc::new(builder.build().map_err(|e| fail(&e))?)
         }
         "gs" | "gcs" => {
-            let mut builder = GoogleCloudStorageBuilder::from_env()
-                .with_url(location)
-                .with_retry(retry());
+            let base = match from_env {
+                true => GoogleCloudStorageBuilder::from_env(),
+                false => GoogleCloudStorageBuilder::new(),
+            };
+            let mut builder = base.with_url(location).with_retry(retry());
             for (key, value) in prefixed(options, "gcp.") {
                 let key: GoogleConfigKey = key.parse().map_err(|e| fail(&e))?;
                 builder = builder.with_config(key, value);
@@ -331,9 +484,11 @@ pub fn store_for_location(
             Arc::new(builder.build().map_err(|e| fail(&e))?)
         }
         "az" | "azure" | "abfs" | "abfss" | "adl" => {
-            let mut builder = MicrosoftAzureBuilder::from_env()
-                .with_url(location)
-                .with_retry(retry());
+            let base = match from_env {
+                true => MicrosoftAzureBuilder::from_env(),
+                false => MicrosoftAzureBuilder::new(),
+            };
+            let mut builder = base.with_url(location).with_retry(retry());
             for (key, value) in prefixed(options, "azure.") {
                 let key: AzureConfigKey = key.parse().map_err(|e| fail(&e))?;
                 builder = builder.with_config(key, value);
@@ -492,7 +647,7 @@ mod tests {
             ),
             ("aws.region".to_string(), "us-east-1".to_string()),
         ];
-        let grant = grant_for_location("s3://lake/events/", &options)
+        let grant = grant_for_location("s3://lake/events/", &options, &CloudIdentity::Environment)
             .unwrap()
             .unwrap();
         assert_eq!(grant.url, "s3://lake");
@@ -514,11 +669,86 @@ mod tests {
         );
         // A worker builds the same store from the grant alone.
         assert!(
-            store_for_location(&grant.url, &grant.options)
+            store_for_location(&grant.url, &grant.options, &CloudIdentity::Environment)
                 .unwrap()
                 .is_some()
         );
         // Not S3: no grant (the driver reads it).
-        assert!(grant_for_location("gs://b/x", &[]).unwrap().is_none());
+        assert!(
+            grant_for_location("gs://b/x", &[], &CloudIdentity::Environment)
+                .unwrap()
+                .is_none()
+        );
+    }
+
+    #[test]
+    fn a_user_without_the_servers_identity_opens_stores_with_its_own_credentials_only() {
+        let identity = CloudIdentity::OptionsOnly { user: "cy".into() };
+        let config = datafusion::prelude::SessionConfig::new().with_extension(Arc::new(identity));
+        let ctx = SessionContext::new_with_config(config);
+        let err = |sql: &str| register_for_statement(&ctx, sql).unwrap_err().to_string();
+        let e = err("CREATE EXTERNAL TABLE t STORED AS PARQUET LOCATION 's3://b/t/'");
+        assert!(
+            e.contains("no credentials for s3://b/t/") && e.contains("user cy"),
+            "{e}"
+        );
+        let e = err("CREATE EXTERNAL TABLE t STORED AS PARQUET LOCATION 'gs://b/t/'");
+        assert!(e.contains("gcp.service_account_key"), "{e}");
+        for key in [
+            "aws.metadata_endpoint",
+            "aws.container_credentials_full_uri",
+            "aws.web_identity_token_file",
+            "gcp.service_account",
+            "azure.federated_token_file",
+            "azure.use_azure_cli",
+        ] {
+            let scheme = match key.split('.').next().unwrap() {
+                "aws" => "s3",
+                "gcp" => "gs",
+                _ => "az",
+            };
+            let e = err(&format!(
+                "CREATE EXTERNAL TABLE t STORED AS PARQUET LOCATION '{scheme}://b/t/' \
+                 OPTIONS ('{key}' 'x', 'aws.skip_signature' 'true')"
+            ));
+            assert!(e.contains("server's own cloud identity"), "{key}: {e}");
+        }
+        // Its own keys work; a public bucket needs none.
+        register_for_statement(
+            &ctx,
+            "CREATE EXTERNAL TABLE t STORED AS PARQUET LOCATION 's3://b/t/' \
+             OPTIONS ('aws.access_key_id' 'AKID', 'aws.secret_access_key' 'S', 'aws.region' 'eu-west-1')",
+        )
+        .unwrap();
+        register_for_statement(
+            &ctx,
+            "CREATE EXTERNAL TABLE p STORED AS PARQUET LOCATION 's3://public/t/' \
+             OPTIONS ('aws.skip_signature' 'true')",
+        )
+        .unwrap();
+        // A store the session has is kept for a statement that gives no credentials.
+        let url = ObjectStoreUrl::parse("s3://b").unwrap();
+        let before = ctx.runtime_env().object_store(&url).unwrap();
+        register_for_statement(&ctx, "SELECT * FROM 's3://b/t/x.parquet'").unwrap();
+        assert!(Arc::ptr_eq(
+            &before,
+            &ctx.runtime_env().object_store(&url).unwrap()
+        ));
+        // The grant a worker would get holds what the user gave, nothing of the environment.
+        let grant = grant_for_location(
+            "s3://b/t/",
+            &[
+                ("aws.access_key_id".into(), "AKID".into()),
+                ("aws.secret_access_key".into(), "S".into()),
+            ],
+            &CloudIdentity::OptionsOnly { user: "cy".into() },
+        )
+        .unwrap()
+        .unwrap();
+        let keys: Vec<&str> = grant.options.iter().map(|(k, _)| k.as_str()).collect();
+        assert!(keys.contains(&"aws.secret_access_key"), "{grant:?}");
+        for from_env in ["aws.token", "aws.region", "aws.endpoint"] {
+            assert!(!keys.contains(&from_env), "{grant:?}");
+        }
     }
 }

@@ -23,12 +23,15 @@ use base64::Engine;
 use datafusion::error::{DataFusionError, Result};
 use subtle::ConstantTimeEq;
 
+use super::grants::UserGrant;
 use crate::cluster::auth::{Secret, read_owner_only};
 
-/// The users of a server: name → Argon2 hash (PHC string).
+/// The users of a server: name → Argon2 hash (PHC string), and what the operator granted
+/// each (the options after the hash, [`UserGrant`]).
 #[derive(Clone, Default)]
 pub struct UserFile {
     hashes: HashMap<String, String>,
+    grants: HashMap<String, UserGrant>,
 }
 
 impl std::fmt::Debug for UserFile {
@@ -40,8 +43,8 @@ impl std::fmt::Debug for UserFile {
 }
 
 impl UserFile {
-    /// Read `name:hash` lines (blank lines and `#` comments skipped) from a file only its
-    /// owner can read.
+    /// Read `name:hash [option ...]` lines (blank lines and `#` comments skipped) from a
+    /// file only its owner can read.
     pub fn from_file(path: &Path) -> Result<Self> {
         Self::parse(&read_owner_only(path, "user file")?)
             .map_err(|e| DataFusionError::Execution(format!("user file {}: {e}", path.display())))
@@ -50,15 +53,19 @@ impl UserFile {
     /// Parse the text of a user file.
     pub fn parse(text: &str) -> Result<Self> {
         let mut hashes = HashMap::new();
+        let mut grants = HashMap::new();
         for (number, line) in text.lines().enumerate() {
             let line = line.trim();
             if line.is_empty() || line.starts_with('#') {
                 continue;
             }
             let bad = |why: &str| DataFusionError::Execution(format!("line {}: {why}", number + 1));
-            let (name, hash) = line
+            let (name, rest) = line
                 .split_once(':')
                 .ok_or_else(|| bad("expected NAME:HASH (flumen serve --hash-password)"))?;
+            let mut words = rest.split_whitespace();
+            let hash = words.next().unwrap_or_default();
+            let grant = UserGrant::parse(words).map_err(|e| bad(&format!("user {name}: {e}")))?;
             if name.is_empty() {
                 return Err(bad("empty user name"));
             }
@@ -68,8 +75,16 @@ impl UserFile {
             if hashes.insert(name.to_string(), hash.to_string()).is_some() {
                 return Err(bad(&format!("user {name} appears twice")));
             }
+            if grant != UserGrant::default() {
+                grants.insert(name.to_string(), grant);
+            }
         }
-        Ok(Self { hashes })
+        Ok(Self { hashes, grants })
+    }
+
+    /// What the operator granted each user who has options in the file.
+    pub fn grants(&self) -> &HashMap<String, UserGrant> {
+        &self.grants
     }
 
     /// Whether `name` exists and `password` is theirs. Unknown users cost a hash too, so
@@ -381,9 +396,12 @@ mod tests {
     fn a_user_file_verifies_only_the_right_password() {
         let hash = hash_password("s3cret").unwrap();
         assert!(hash.starts_with("$argon2id$"), "{hash}");
-        let users = UserFile::parse(&format!("# team\nana:{hash}\n\n")).unwrap();
-        assert_eq!(users.len(), 1);
-        assert!(users.verify("ana", "s3cret"));
+        let users =
+            UserFile::parse(&format!("# team\nana:{hash}\nbo:{hash}  max-queries=2\n\n")).unwrap();
+        assert_eq!(users.len(), 2);
+        assert!(users.verify("ana", "s3cret") && users.verify("bo", "s3cret"));
+        assert_eq!(users.grants()["bo"].max_queries, Some(2));
+        assert!(!users.grants().contains_key("ana"));
         assert!(!users.verify("ana", "wrong"));
         assert!(!users.verify("bob", "s3cret"));
         assert!(!format!("{users:?}").contains("argon2"));
@@ -395,6 +413,11 @@ mod tests {
         assert!(err.contains("line 1") && err.contains("PHC"), "{err}");
         let err = UserFile::parse("\nnocolon").unwrap_err().to_string();
         assert!(err.contains("line 2"), "{err}");
+        let hash = hash_password("s3cret").unwrap();
+        let err = UserFile::parse(&format!("ana:{hash} admin=yes"))
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("line 1") && err.contains("user ana"), "{err}");
     }
 
     #[test]

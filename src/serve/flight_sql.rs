@@ -49,8 +49,9 @@ use tonic::{Request, Response, Status, Streaming};
 use super::catalog_file::CatalogFile;
 use super::credentials::{Authenticator, Caller, Credential};
 use super::datasets::{DatasetRequest, DatasetTicket, Datasets};
+use super::grants::Grants;
 use super::handshake_limits::{HandshakeLimits, Refusal, TARPIT};
-use super::policy::{AccessPolicy, Refused};
+use super::policy::Refused;
 use super::running::RunningQueries;
 use super::sessions::Sessions;
 use super::statements::{PlannedQuery, Prepared, Statements, TicketResult};
@@ -80,12 +81,8 @@ pub struct FlumenFlightSql {
     catalog: Option<Arc<CatalogFile>>,
     auth: Authenticator,
     sql_info: SqlInfoData,
-    /// The files and URLs clients may touch, and the settings they may not.
-    policy: Arc<AccessPolicy>,
     /// How many password checks run at once, and who backs off after failures.
     handshakes: HandshakeLimits,
-    /// Most queries one user runs at once.
-    queries_per_user: usize,
 }
 
 impl FlumenFlightSql {
@@ -107,21 +104,14 @@ impl FlumenFlightSql {
             catalog,
             auth,
             sql_info: server_info()?,
-            policy: Arc::default(),
             handshakes: HandshakeLimits::default(),
-            queries_per_user: super::MAX_QUERIES_PER_USER,
         })
     }
 
-    /// Let each user run at most `queries` (≥ 1) queries at once.
-    pub fn with_queries_per_user(mut self, queries: usize) -> Self {
-        self.queries_per_user = queries.max(1);
-        self
-    }
-
-    /// Let clients touch what `policy` allows (by default: no path, no URL).
-    pub fn with_policy(mut self, policy: AccessPolicy) -> Self {
-        self.policy = Arc::new(policy);
+    /// Let each user touch and run what `grants` allow it (by default: no path, no URL,
+    /// [`super::MAX_QUERIES_PER_USER`] queries at once).
+    pub fn with_grants(mut self, grants: Grants) -> Self {
+        self.sessions.set_grants(grants);
         self
     }
 
@@ -129,9 +119,15 @@ impl FlumenFlightSql {
     /// names and every setting it changes: every statement a client runs (ad hoc, prepared,
     /// a dataset job's) is planned here. A path table is checked before planning, which
     /// reads its file; the object stores of allowed URLs are registered before planning.
-    async fn plan_sql(&self, ctx: &SessionContext, sql: &str) -> Result<LogicalPlan, Status> {
-        self.policy
-            .check_path_tables(ctx, sql)
+    async fn plan_sql(
+        &self,
+        caller: &Caller,
+        ctx: &SessionContext,
+        sql: &str,
+    ) -> Result<LogicalPlan, Status> {
+        let policy = self.sessions.access(&caller.user).policy;
+        policy
+            .check_before_planning(ctx, sql)
             .map_err(planning_error)?;
         crate::io::register_for_statement(ctx, sql).map_err(planning_error)?;
         let plan = ctx
@@ -139,7 +135,7 @@ impl FlumenFlightSql {
             .create_logical_plan(sql)
             .await
             .map_err(planning_error)?;
-        self.policy.check_plan(&plan).map_err(planning_error)?;
+        policy.check_plan(&plan).map_err(planning_error)?;
         Ok(plan)
     }
 
@@ -155,8 +151,13 @@ impl FlumenFlightSql {
     }
 
     /// Plan `sql` on `ctx` (DDL and `SET` take effect now).
-    async fn plan_statement(&self, ctx: &SessionContext, sql: &str) -> Result<DataFrame, Status> {
-        let plan = self.plan_sql(ctx, sql).await?;
+    async fn plan_statement(
+        &self,
+        caller: &Caller,
+        ctx: &SessionContext,
+        sql: &str,
+    ) -> Result<DataFrame, Status> {
+        let plan = self.plan_sql(caller, ctx, sql).await?;
         self.run_ddl(ctx, sql, plan).await
     }
 
@@ -262,10 +263,11 @@ impl FlumenFlightSql {
         // Each query holds up to the memory budget: the user's memory is bounded by this
         // times the budget.
         let running = self.running.running_for(&caller.user);
-        if running >= self.queries_per_user {
+        if running >= self.sessions.access(&caller.user).max_queries {
             return Err(Status::resource_exhausted(format!(
-                "{} runs {running} queries already, the most one user may run at once \
-                 (flumen serve --max-queries-per-user): wait for one to end",
+                "{} runs {running} queries already, the most this user may run at once \
+                 (flumen serve --max-queries-per-user, or max-queries in the users file): \
+                 wait for one to end",
                 caller.user
             )));
         }
@@ -667,7 +669,7 @@ impl FlightSqlService for FlumenFlightSql {
     ) -> Result<Response<FlightInfo>, Status> {
         let caller = caller_of(&request)?;
         let ctx = self.sessions.context(&caller);
-        let plan = self.plan_sql(&ctx, &query.query).await?;
+        let plan = self.plan_sql(&caller, &ctx, &query.query).await?;
         let info = self
             .ticket_for(&caller, &ctx, query.query, plan, request.into_inner())
             .await?;
@@ -875,7 +877,7 @@ impl FlightSqlService for FlumenFlightSql {
     ) -> Result<i64, Status> {
         let caller = caller_of(&request)?;
         let ctx = self.sessions.context(&caller);
-        let frame = self.plan_statement(&ctx, &ticket.query).await?;
+        let frame = self.plan_statement(&caller, &ctx, &ticket.query).await?;
         self.run_update(&caller, &ticket.query, frame).await
     }
 
@@ -918,7 +920,7 @@ impl FlightSqlService for FlumenFlightSql {
         let caller = caller_of(&request)?;
         let ctx = self.sessions.context(&caller);
         let numbered = number_placeholders(&query.query)?;
-        let plan = self.plan_sql(&ctx, &numbered).await?;
+        let plan = self.plan_sql(&caller, &ctx, &numbered).await?;
         let dataset_schema = schema_bytes(plan.schema().as_arrow())?;
         let parameter_schema = schema_bytes(&parameter_schema(&plan)?)?;
         let handle = self.statements.add_prepared(
@@ -1024,7 +1026,7 @@ impl FlightSqlService for FlumenFlightSql {
                     .map_err(|e| Status::invalid_argument(format!("not a dataset request: {e}")))?;
                 let ctx = self.sessions.context(&caller);
                 // Checked as any statement; a job runs a query, nothing else.
-                let plan = self.plan_sql(&ctx, &request.sql).await?;
+                let plan = self.plan_sql(&caller, &ctx, &request.sql).await?;
                 if matches!(
                     plan,
                     LogicalPlan::Ddl(_)

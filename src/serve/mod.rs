@@ -5,6 +5,7 @@
 //! - [`gate`]: the tower layer that refuses every call but the handshake without a token.
 //! - [`handshake_limits`]: password checks rationed; addresses and users back off after failures.
 //! - [`policy`]: what a client may touch: operator-only settings, allowed paths and URLs.
+//! - [`grants`]: what the operator grants each user on top (the users file's options).
 //! - [`sessions`]: each client's own session (own settings, shared tables).
 //! - [`settings_file`]: the operator's settings file (`--settings FILE`), applied at startup.
 //! - [`statements`]: tickets and prepared statements held between calls.
@@ -22,6 +23,7 @@ pub mod credentials;
 pub mod datasets;
 pub mod flight_sql;
 pub mod gate;
+pub mod grants;
 pub mod handshake_limits;
 pub mod policy;
 pub mod running;
@@ -29,6 +31,7 @@ pub mod sessions;
 pub mod settings_file;
 pub mod statements;
 
+use std::collections::HashMap;
 use std::net::SocketAddr;
 use std::path::PathBuf;
 use std::sync::Arc;
@@ -114,6 +117,10 @@ pub fn check_exposure(address: &SocketAddr, tls: bool) -> Result<()> {
 /// Serve `ctx`'s tables over Flight SQL until Ctrl-C or SIGTERM. Prints `flumen serve
 /// listening on ADDRESS` on standard output once it accepts calls.
 pub async fn serve(ctx: SessionContext, settings: ServeSettings) -> Result<()> {
+    let no_grants = HashMap::new();
+    let user_grants = settings.users.as_ref().map_or(&no_grants, |u| u.grants());
+    let grants = grants::Grants::new(settings.policy.clone(), settings.max_queries_per_user)
+        .with_users(user_grants)?;
     let auth = Authenticator::new(settings.users, settings.token)?
         .with_token_lifetime(settings.token_lifetime);
     let listener = tokio::net::TcpListener::bind(&settings.listen)
@@ -148,12 +155,8 @@ pub async fn serve(ctx: SessionContext, settings: ServeSettings) -> Result<()> {
         .build()?;
     let service = FlumenFlightSql::new(queries.handle().clone(), ctx, auth.clone(), catalog)?
         .with_dataset_job_idle(settings.dataset_job_idle)
-        .with_policy(settings.policy.clone())
-        .with_queries_per_user(settings.max_queries_per_user);
-    log::info!(
-        "flumen serve: clients may touch {}",
-        settings.policy.describe()
-    );
+        .with_grants(grants.clone());
+    log::info!("flumen serve: clients may touch {}", grants.describe());
     let server = FlightServiceServer::new(service).max_decoding_message_size(MAX_REQUEST_BYTES);
     println!("flumen serve listening on {address}");
     use std::io::Write;

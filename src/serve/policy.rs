@@ -29,7 +29,8 @@ use datafusion::datasource::listing::ListingTable;
 use datafusion::error::{DataFusionError, Result};
 use datafusion::logical_expr::{DdlStatement, LogicalPlan, Statement, TableSource};
 use datafusion::prelude::SessionContext;
-use datafusion::sql::parser::DFParser;
+use datafusion::sql::parser::{DFParser, Statement as DFStatement};
+use datafusion::sql::sqlparser::ast::Value;
 use url::Url;
 
 /// Settings only the operator sets, each with the `flumen serve` flag (or server setting)
@@ -155,10 +156,26 @@ impl AccessPolicy {
             false => items.join(", "),
         };
         format!(
-            "--allow-path: {}; --allow-url: {}",
+            "directories: {}; URL prefixes: {}",
             list(self.paths.iter().map(|p| p.display().to_string()).collect()),
             list(self.urls.clone())
         )
+    }
+
+    /// What this policy allows and what `other` does.
+    pub fn widened(&self, other: &AccessPolicy) -> AccessPolicy {
+        let mut wider = self.clone();
+        for path in &other.paths {
+            if !wider.paths.contains(path) {
+                wider.paths.push(path.clone());
+            }
+        }
+        for url in &other.urls {
+            if !wider.urls.contains(url) {
+                wider.urls.push(url.clone());
+            }
+        }
+        wider
     }
 
     /// Refuse `location` unless it is allowed; `access` says what the statement does with
@@ -236,6 +253,43 @@ impl AccessPolicy {
         .map(|_| ())
     }
 
+    /// Refuse a statement's `OPTIONS` that would point the server at an internal address:
+    /// an endpoint, URL or host option (`aws.endpoint`, `azure.authority_host`, a proxy) whose
+    /// host is loopback, private or link-local, unless an allowed URL prefix names that host.
+    fn check_endpoints(&self, options: &[(String, Value)]) -> Result<()> {
+        for (key, value) in options {
+            let value = match value {
+                Value::SingleQuotedString(s) | Value::DoubleQuotedString(s) => s.clone(),
+                other => other.to_string(),
+            };
+            let name = key.to_ascii_lowercase();
+            if !["endpoint", "url", "host"].iter().any(|w| name.contains(w)) {
+                continue;
+            }
+            let Ok(url) = Url::parse(&value) else {
+                continue;
+            };
+            let named = (self.urls.iter()).any(|p| {
+                Url::parse(p).is_ok_and(|p| {
+                    p.host_str() == url.host_str()
+                        && p.port_or_known_default() == url.port_or_known_default()
+                })
+            });
+            if named || url.host().is_none() {
+                continue;
+            }
+            if let Some(ip) = inner_address(&url)
+                .map_err(|why| refused(format!("option '{key}' '{value}', {why}")))?
+            {
+                return Err(refused(format!(
+                    "option '{key}' '{value}' points at the internal address {ip} (the \
+                     operator allows it by naming the host in an --allow-url prefix)"
+                )));
+            }
+        }
+        Ok(())
+    }
+
     /// Refuse a table whose files are not allowed (a listing table: files and directories).
     fn check_source(&self, source: &dyn TableSource, access: &str) -> Result<()> {
         let Some(provider) = provider_of(source) else {
@@ -249,14 +303,22 @@ impl AccessPolicy {
         Ok(())
     }
 
-    /// Refuse `sql` if a table it names is a path or URL not allowed: a name the session
-    /// has no table for is read as a file's location when the statement is planned.
-    pub fn check_path_tables(&self, ctx: &SessionContext, sql: &str) -> Result<()> {
+    /// Refuse `sql` before it is planned (or its object stores opened) if a table it names
+    /// is a path or URL not allowed (a name the session has no table for is read as a file's
+    /// location when the statement is planned), or its `OPTIONS` aim at an internal address.
+    pub fn check_before_planning(&self, ctx: &SessionContext, sql: &str) -> Result<()> {
         let Ok(statements) = DFParser::parse_sql(sql) else {
             return Ok(());
         };
         let state = ctx.state();
         for statement in &statements {
+            match statement {
+                DFStatement::CreateExternalTable(create) => {
+                    self.check_endpoints(&create.options)?
+                }
+                DFStatement::CopyTo(copy) => self.check_endpoints(&copy.options)?,
+                _ => {}
+            }
             let Ok(tables) = state.resolve_table_references(statement) else {
                 continue;
             };

@@ -4,6 +4,8 @@
 //! pools, models and memory budget are the server's. Object stores are the session's own
 //! when it registers them (a `LOCATION` or `COPY` with its `OPTIONS`: an endpoint, keys),
 //! else the server's: one client never reads a bucket through another's endpoint or keys.
+//! What the operator granted the user ([`Grants`]) shapes its sessions: each query's memory
+//! budget, and whether a store it opens may use the server's cloud identity.
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
@@ -15,17 +17,36 @@ use datafusion::prelude::SessionContext;
 use object_store::ObjectStore;
 
 use crate::io::delta::DeltaAppNamespace;
+use crate::io::object_stores::CloudIdentity;
 use url::Url;
 
 use super::credentials::Caller;
+use super::grants::{Grants, UserAccess};
 
 /// User `user`'s session made from the server's `base`: the catalog list shared (an `Arc`),
 /// the settings copied, the memory pool and caches the server's, the object stores layered
-/// ([`SessionStores`]), its Delta app ids under the user's name ([`DeltaAppNamespace`]).
-fn client_session(base: &SessionContext, user: &str) -> SessionContext {
+/// ([`SessionStores`]), its Delta app ids under the user's name ([`DeltaAppNamespace`]),
+/// what `access` grants it (a memory budget, the server's cloud identity or none).
+fn client_session(base: &SessionContext, user: &str, access: &UserAccess) -> SessionContext {
     let state = base.state();
-    let config =
-        (state.config().clone()).with_extension(Arc::new(DeltaAppNamespace(user.to_string())));
+    let identity = match access.cloud_identity {
+        true => CloudIdentity::Environment,
+        false => CloudIdentity::OptionsOnly {
+            user: user.to_string(),
+        },
+    };
+    let mut config = (state.config().clone())
+        .with_extension(Arc::new(DeltaAppNamespace(user.to_string())))
+        .with_extension(Arc::new(identity));
+    if let Some(budget) = access.memory_budget {
+        let flumen = config
+            .options_mut()
+            .extensions
+            .get_mut::<crate::FlumenConfig>();
+        if let Some(flumen) = flumen {
+            flumen.memory_budget = budget;
+        }
+    }
     let server_stores = Arc::clone(&state.runtime_env().object_store_registry);
     let runtime = RuntimeEnvBuilder::from_runtime_env(state.runtime_env())
         .with_object_store_registry(Arc::new(SessionStores {
@@ -34,12 +55,16 @@ fn client_session(base: &SessionContext, user: &str) -> SessionContext {
         }))
         .build_arc();
     match runtime {
+        // Path and URL tables (`SELECT * FROM 's3://b/t.parquet'`) resolve in this session,
+        // through its own stores: the server's session has none, so that its resolver,
+        // bound to the server's stores, is not the one clients meet.
         Ok(runtime) => SessionContext::new_with_state(
             SessionStateBuilder::new_from_existing(state)
                 .with_config(config)
                 .with_runtime_env(runtime)
                 .build(),
-        ),
+        )
+        .enable_url_table(),
         // Building from an existing runtime makes nothing new that could fail; should it,
         // the client gets the server's stores rather than no session.
         Err(e) => {
@@ -81,6 +106,7 @@ impl ObjectStoreRegistry for SessionStores {
 pub struct Sessions {
     base: SessionContext,
     by_session: Mutex<HashMap<String, SessionContext>>,
+    grants: Grants,
 }
 
 impl Sessions {
@@ -89,7 +115,18 @@ impl Sessions {
         Self {
             base,
             by_session: Mutex::default(),
+            grants: Grants::default(),
         }
+    }
+
+    /// Give users what `grants` grant them (sessions made from now on).
+    pub fn set_grants(&mut self, grants: Grants) {
+        self.grants = grants;
+    }
+
+    /// What `user` may do.
+    pub fn access(&self, user: &str) -> UserAccess {
+        self.grants.of(user)
     }
 
     /// The session of `caller` (made on its first call).
@@ -97,7 +134,9 @@ impl Sessions {
         let mut sessions = self.by_session.lock().unwrap();
         sessions
             .entry(caller.session.clone())
-            .or_insert_with(|| client_session(&self.base, &caller.user))
+            .or_insert_with(|| {
+                client_session(&self.base, &caller.user, &self.grants.of(&caller.user))
+            })
             .clone()
     }
 
@@ -150,6 +189,39 @@ mod tests {
         assert_eq!(batch(&sessions.context(&caller("a"))), 123);
         assert_ne!(batch(&b), 123);
         assert!(b.table("shared").await.is_ok());
+    }
+
+    #[tokio::test]
+    async fn a_users_grant_shapes_its_sessions() {
+        use crate::config::ByteSize;
+        use crate::serve::grants::UserGrant;
+        let mut sessions = Sessions::new(crate::session(crate::FlumenConfig::default()));
+        let grant = UserGrant {
+            memory_budget: Some(ByteSize(64 << 20)),
+            cloud_identity: true,
+            ..UserGrant::default()
+        };
+        sessions.set_grants(
+            Grants::default()
+                .with_users(&HashMap::from([("u".to_string(), grant)]))
+                .unwrap(),
+        );
+        let of = |user: &str| {
+            let ctx = sessions.context(&Caller {
+                user: user.into(),
+                session: user.into(),
+            });
+            let state = ctx.state();
+            let budget = (state.config().options().extensions)
+                .get::<crate::FlumenConfig>()
+                .unwrap()
+                .memory_budget;
+            (budget, CloudIdentity::of(state.config()))
+        };
+        assert_eq!(of("u"), (ByteSize(64 << 20), CloudIdentity::Environment));
+        let (budget, identity) = of("v");
+        assert_eq!(budget, crate::FlumenConfig::default().memory_budget);
+        assert_eq!(identity, CloudIdentity::OptionsOnly { user: "v".into() });
     }
 
     #[tokio::test]

@@ -158,7 +158,9 @@ async fn serve(args: &ServeArgs) -> Result<()> {
     }
     // `SHOW` and `information_schema` on, as clients' metadata browsers expect.
     let session_config = datafusion::prelude::SessionConfig::new().with_information_schema(true);
-    let ctx = flumen::session_with_config(session_config, config).enable_url_table();
+    // Path and URL tables are each client session's own (`serve::sessions`): read through
+    // that session's object stores.
+    let ctx = flumen::session_with_config(session_config, config);
     if let Some(path) = &args.settings {
         let applied = flumen::serve::settings_file::apply(&ctx, path).await?;
         log::info!("flumen serve: {applied} settings from {}", path.display());
