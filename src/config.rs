@@ -397,6 +397,14 @@ extensions_options! {
         /// Directory of the embedding model's files; empty: `FLUMEN_MODEL_DIR`, else
         /// `~/.cache/flumen/models/all-MiniLM-L6-v2`.
         pub model_dir: String, default = String::new()
+        /// Directory of the model-output cache: a deterministic model's output for an input
+        /// it has seen is read from here instead of computed (`functions::model_cache`);
+        /// empty (the default for embedded sessions): off. The REPL and `flumen extract`
+        /// default to `~/.cache/flumen/model-cache`.
+        pub model_cache: String, default = String::new()
+        /// Most bytes the model-output cache keeps; the oldest segments go beyond it (0: no
+        /// limit).
+        pub model_cache_max_bytes: ByteSize, default = ByteSize(10 << 30)
         /// Sentences per forward pass of `embed` (sorted by length inside a block first);
         /// 0 (the default): passes are cut by tokens (`embed_batch_tokens`) instead.
         pub embed_batch_size: usize, default = 0

@@ -61,6 +61,10 @@ pub const WORKER_OPTIONS: &[&str] = &[
     "flumen.embed_batch_tokens",
     "flumen.target_block_rows",
     "flumen.memory_budget",
+    // Where the worker reads and writes the model-output cache (a driver holds the
+    // cluster secret: as trusted as the operator).
+    "flumen.model_cache",
+    "flumen.model_cache_max_bytes",
 ];
 
 /// The object stores other than local files that `plan` scans (their URLs).

@@ -146,7 +146,16 @@ impl OperatorStats {
         if metrics.is_empty() {
             return;
         }
-        self.model_metrics.lock().unwrap().extend(metrics);
+        let mut held = self.model_metrics.lock().unwrap();
+        for (name, value) in metrics {
+            // The cache's figures count per call: summed; a worker's are its latest.
+            match name.starts_with("model_cache_") {
+                true => *held.entry(name).or_default() += value,
+                false => {
+                    held.insert(name, value);
+                }
+            }
+        }
     }
 
     /// The accelerator workers' figures, by name.

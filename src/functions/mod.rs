@@ -10,6 +10,7 @@
 pub mod accelerator;
 pub mod embedding;
 pub mod emulated_accelerator;
+pub mod model_cache;
 pub mod row_hash;
 pub(crate) mod text;
 pub(crate) mod vector;

@@ -3,7 +3,8 @@
 //!
 //! - **Operator settings** ([`OPERATOR_SETTINGS`], and every `datafusion.runtime.*`): where
 //!   the workers run, the cluster's secret and CA, the worker binary, process and slot
-//!   counts, the memory budget, the spill directory, the timeline file, the model directory.
+//!   counts, the memory budget, the spill directory, the timeline file, the model directory
+//!   and the model-output cache.
 //!   `flumen serve`'s flags and its settings file (`--settings FILE`) set them at startup; a
 //!   client's `SET` or `RESET` of one is refused, naming where the operator sets it.
 //! - **Files and URLs** ([`AccessPolicy`]): a statement's every location (`CREATE EXTERNAL
@@ -64,6 +65,11 @@ pub const OPERATOR_SETTINGS: &[(&str, &str)] = &[
     ),
     ("flumen.timeline_file", "flumen serve --settings FILE"),
     ("flumen.model_dir", "flumen serve --settings FILE"),
+    ("flumen.model_cache", "flumen serve --settings FILE"),
+    (
+        "flumen.model_cache_max_bytes",
+        "flumen serve --settings FILE",
+    ),
     ("flumen.device", "flumen serve --settings FILE"),
 ];
 

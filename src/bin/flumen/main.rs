@@ -125,11 +125,54 @@ enum Command {
         #[arg(requires = "input")]
         output: Option<PathBuf>,
     },
+    /// What the model-output cache holds (`stats`), or empty it (`clear`).
+    Cache {
+        /// `stats` or `clear`.
+        action: CacheAction,
+        /// The cache directory (default: ~/.cache/flumen/model-cache).
+        dir: Option<PathBuf>,
+    },
     /// Serve as a worker process for a flumen driver (prints its address, then serves).
     Worker(WorkerArgs),
     /// Serve SQL over Arrow Flight SQL (ADBC, the Flight SQL JDBC driver, Flight clients)
     /// to authenticated clients (prints its address, then serves until Ctrl-C or SIGTERM).
     Serve(serve_command::ServeArgs),
+}
+
+/// What `flumen cache` does.
+#[derive(Debug, Clone, Copy, clap::ValueEnum)]
+enum CacheAction {
+    /// Per model: its identity, segments and bytes.
+    Stats,
+    /// Remove every segment (nothing else in the directory).
+    Clear,
+}
+
+/// `flumen cache stats|clear [DIR]`.
+fn cache_command(action: CacheAction, dir: Option<PathBuf>) -> ExitCode {
+    use flumen::functions::model_cache;
+    let dir = dir.unwrap_or_else(model_cache::default_dir);
+    let done = match action {
+        CacheAction::Stats => model_cache::stats(&dir).map(|shards| {
+            let bytes: u64 = shards.iter().map(|s| s.bytes).sum();
+            for shard in &shards {
+                println!(
+                    "{}: {} segments, {} bytes",
+                    shard.identity, shard.segments, shard.bytes
+                );
+            }
+            println!("{}: {} models, {bytes} bytes", dir.display(), shards.len());
+        }),
+        CacheAction::Clear => model_cache::clear(&dir)
+            .map(|freed| println!("{}: cleared, {freed} bytes freed", dir.display())),
+    };
+    match done {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("flumen cache: {e}");
+            ExitCode::FAILURE
+        }
+    }
 }
 
 /// `flumen worker`'s options.
@@ -290,7 +333,11 @@ fn extract(input: Option<PathBuf>, output: Option<PathBuf>) -> ExitCode {
     };
     let job = async {
         let (input, output) = flumen::feature_job::job_paths(paths)?;
-        let ctx = flumen::session(FlumenConfig::default());
+        let mut config = FlumenConfig::default();
+        config.model_cache = flumen::functions::model_cache::default_dir()
+            .display()
+            .to_string();
+        let ctx = flumen::session(config);
         flumen::feature_job::run_feature_extraction(&ctx, &input, &output).await
     };
     match tokio::runtime::Runtime::new().map(|rt| rt.block_on(job)) {
@@ -312,6 +359,7 @@ fn main() -> ExitCode {
     match &cli.command {
         Some(Command::InstallModel { dir }) => return install_model(dir.clone()),
         Some(Command::Extract { input, output }) => return extract(input.clone(), output.clone()),
+        Some(Command::Cache { action, dir }) => return cache_command(*action, dir.clone()),
         Some(Command::Worker(args)) => return worker(args),
         Some(Command::Serve(args)) => return serve_command::run(args),
         None => {}
@@ -398,6 +446,9 @@ fn main() -> ExitCode {
 /// The in-process session `cli` asks for: its workers and cluster, the demo table.
 fn local_session(cli: &Cli) -> datafusion::prelude::SessionContext {
     let mut config = FlumenConfig::default();
+    config.model_cache = flumen::functions::model_cache::default_dir()
+        .display()
+        .to_string();
     if let Some(n) = cli.workers {
         config.workers = flumen::WorkerMode::Process;
         config.worker_processes = n.max(1);

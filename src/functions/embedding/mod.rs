@@ -117,6 +117,21 @@ impl AcceleratorFunction for EmbedFunction {
         Some(tokenize_step::embed_tokens_udf())
     }
 
+    /// The model's files, and where it computes (a GPU's and the CPU's kernels round
+    /// differently); not the batching or thread count, which change no output.
+    fn cache_identity(&self, config: &ConfigOptions) -> Result<Option<String>> {
+        let settings = EmbedSettings::from(config);
+        let on = match self.resources(config).accelerators {
+            0 => "cpu",
+            _ => "cuda",
+        };
+        Ok(Some(format!(
+            "embed {} files {} on {on}",
+            model_files::MODEL_NAME,
+            model_files::files_hash(&settings.model_dir)?
+        )))
+    }
+
     fn resources(&self, config: &ConfigOptions) -> WorkerResources {
         let settings = EmbedSettings::from(config);
         match settings.device {

@@ -120,6 +120,51 @@ fn run(command: &mut Command) -> Result<()> {
     Ok(())
 }
 
+/// The BLAKE3 hash of the model's files ([`REQUIRED_FILES`] in `dir`), as hex: what the
+/// model-output cache keys its outputs by, so that changed weights never meet old vectors.
+/// Hashed once per process per file version (path, size, modification time).
+pub fn files_hash(dir: &Path) -> Result<String> {
+    type Version = (PathBuf, u64, std::time::SystemTime);
+    static HASHED: std::sync::Mutex<Option<std::collections::HashMap<Version, [u8; 32]>>> =
+        std::sync::Mutex::new(None);
+    check_model_dir(dir)?;
+    let mut all = blake3::Hasher::new();
+    for name in REQUIRED_FILES {
+        let path = dir.join(name);
+        let meta = std::fs::metadata(&path)
+            .map_err(|e| model_error(format!("cannot read {}: {e}", path.display())))?;
+        let version = (
+            path.clone(),
+            meta.len(),
+            meta.modified().unwrap_or(std::time::UNIX_EPOCH),
+        );
+        let known = HASHED
+            .lock()
+            .unwrap()
+            .as_ref()
+            .and_then(|h| h.get(&version).copied());
+        let hash = match known {
+            Some(hash) => hash,
+            None => {
+                let mut hasher = blake3::Hasher::new();
+                std::fs::File::open(&path)
+                    .and_then(|mut file| std::io::copy(&mut file, &mut hasher))
+                    .map_err(|e| model_error(format!("cannot read {}: {e}", path.display())))?;
+                let hash = *hasher.finalize().as_bytes();
+                HASHED
+                    .lock()
+                    .unwrap()
+                    .get_or_insert_with(Default::default)
+                    .insert(version, hash);
+                hash
+            }
+        };
+        all.update(name.as_bytes());
+        all.update(&hash);
+    }
+    Ok(all.finalize().to_hex().to_string())
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

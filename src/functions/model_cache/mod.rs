@@ -1,0 +1,457 @@
+//! The model-output cache (`flumen.model_cache = 'DIR'`): a deterministic model's output for
+//! an input it has seen before is read back instead of computed again.
+//!
+//! - **Keys.** A function that declares itself deterministic
+//!   ([`AcceleratorFunction::cache_identity`]: its name, a hash of its weight files, every
+//!   setting that changes its outputs) has a directory of its own, named by the identity's
+//!   BLAKE3 hash; a row's key is the BLAKE3 hash of the identity and the row's arguments
+//!   (arrow's row format of the arrays the model gets). A changed weight file or setting is
+//!   another directory: an old vector is never returned for it.
+//! - **Lookups** happen where the model is called ([`AcceleratorUdf::start`]): hits are
+//!   filled in from the cache, and only the misses go to the model; a call whose every row
+//!   hits loads no model at all.
+//! - **Writes.** The task that computed misses writes them as one [`segment`] in the
+//!   function's directory, on whatever host it ran; segments are whole or ignored (write,
+//!   sync, rename; a checksum checked on read), so writers never corrupt each other and a
+//!   killed writer leaves nothing that reads back wrong.
+//! - **Size.** After a write, the oldest segments (by modification time) go while the
+//!   cache is larger than `flumen.model_cache_max_bytes`.
+//! - **Figures.** Hits, misses, bytes read and written show with the model's operator in
+//!   `EXPLAIN ANALYZE` (`model_cache_*`); `flumen cache stats|clear` reads or empties a
+//!   cache.
+//!
+//! [`AcceleratorFunction::cache_identity`]: crate::functions::accelerator::AcceleratorFunction::cache_identity
+//! [`AcceleratorUdf::start`]: crate::functions::accelerator::AcceleratorUdf::start
+
+pub mod segment;
+
+use std::cell::RefCell;
+use std::collections::{HashMap, HashSet};
+use std::ffi::OsString;
+use std::path::{Path, PathBuf};
+use std::sync::{Arc, Mutex};
+
+use datafusion::arrow::array::{Array, ArrayRef};
+use datafusion::arrow::compute::interleave;
+use datafusion::arrow::row::{RowConverter, SortField};
+use datafusion::config::ConfigOptions;
+use datafusion::error::{DataFusionError, Result};
+
+use crate::config::FlumenConfig;
+use crate::functions::accelerator::AcceleratorFunction;
+use segment::Segment;
+
+/// Where the REPL and `flumen extract` keep the cache unless told otherwise:
+/// `~/.cache/flumen/model-cache`.
+pub fn default_dir() -> PathBuf {
+    crate::config::cache_dir().join("model-cache")
+}
+
+/// The file in a function's directory that says, in words, whose outputs it holds.
+const IDENTITY_FILE: &str = "IDENTITY";
+
+/// The cache of one function's outputs under one identity, as this process knows it.
+#[derive(Debug)]
+struct Shard {
+    dir: PathBuf,
+    state: Mutex<ShardState>,
+}
+
+/// The segments a shard has read, and where each key's output is.
+#[derive(Debug, Default)]
+struct ShardState {
+    seen: HashSet<OsString>,
+    segments: Vec<Arc<Segment>>,
+    index: HashMap<[u8; 32], (usize, usize)>,
+}
+
+/// Every shard this process opened, by directory.
+static SHARDS: Mutex<Option<HashMap<PathBuf, Arc<Shard>>>> = Mutex::new(None);
+
+thread_local! {
+    /// This thread's cache figures since [`take_figures`] last read them.
+    static FIGURES: RefCell<Figures> = RefCell::new(Figures::default());
+}
+
+/// What the cache did for the calls of one thread.
+#[derive(Debug, Default, Clone, Copy)]
+struct Figures {
+    hits: u64,
+    misses: u64,
+    bytes_read: u64,
+    bytes_written: u64,
+    corrupt_segments: u64,
+}
+
+/// This thread's cache figures since the last call, by name (for the model operator's
+/// metrics); none when the cache did nothing.
+pub fn take_figures() -> Vec<(String, u64)> {
+    let f = FIGURES.with(|f| std::mem::take(&mut *f.borrow_mut()));
+    if f.hits + f.misses + f.corrupt_segments == 0 {
+        return vec![];
+    }
+    vec![
+        ("model_cache_hits".into(), f.hits),
+        ("model_cache_misses".into(), f.misses),
+        ("model_cache_bytes_read".into(), f.bytes_read),
+        ("model_cache_bytes_written".into(), f.bytes_written),
+        ("model_cache_corrupt_segments".into(), f.corrupt_segments),
+    ]
+}
+
+fn count(update: impl FnOnce(&mut Figures)) {
+    FIGURES.with(|f| update(&mut f.borrow_mut()));
+}
+
+/// The cache one call of a model uses: its shard and identity.
+#[derive(Debug)]
+pub struct CachedCall {
+    shard: Arc<Shard>,
+    identity: [u8; 32],
+    max_bytes: u64,
+    root: PathBuf,
+}
+
+/// Where each row of a call's output comes from.
+#[derive(Debug)]
+pub struct Lookup {
+    /// Per row: the segment and entry holding its output, or `None` (a miss).
+    hits: Vec<Option<(Arc<Segment>, usize)>>,
+}
+
+impl Lookup {
+    /// The rows that missed, in order.
+    pub fn misses(&self) -> Vec<u32> {
+        (self.hits.iter().enumerate())
+            .filter(|(_, hit)| hit.is_none())
+            .map(|(row, _)| row as u32)
+            .collect()
+    }
+
+    /// The call's output: the hits' outputs, and `computed` (one row per miss, in order)
+    /// for the misses.
+    pub fn merge(&self, computed: Option<&ArrayRef>) -> Result<ArrayRef> {
+        let mut sources: Vec<&dyn Array> = Vec::new();
+        let mut source_of: HashMap<*const Segment, usize> = HashMap::new();
+        let mut indices = Vec::with_capacity(self.hits.len());
+        let computed_source = computed.map(|c| {
+            sources.push(c.as_ref());
+            0
+        });
+        let mut next_miss = 0;
+        for hit in &self.hits {
+            match hit {
+                Some((segment, entry)) => {
+                    let source = *source_of.entry(Arc::as_ptr(segment)).or_insert_with(|| {
+                        sources.push(segment.values.as_ref());
+                        sources.len() - 1
+                    });
+                    indices.push((source, *entry));
+                }
+                None => {
+                    let source = computed_source.ok_or_else(|| {
+                        DataFusionError::Internal("a cache miss without its output".into())
+                    })?;
+                    indices.push((source, next_miss));
+                    next_miss += 1;
+                }
+            }
+        }
+        Ok(interleave(&sources, &indices)?)
+    }
+}
+
+impl CachedCall {
+    /// The cache for calls of `function` under `config`: `None` when `flumen.model_cache` is
+    /// empty or the function is not deterministic.
+    pub fn open(
+        function: &dyn AcceleratorFunction,
+        config: &ConfigOptions,
+    ) -> Result<Option<Self>> {
+        let Some(flumen) = config.extensions.get::<FlumenConfig>() else {
+            return Ok(None);
+        };
+        if flumen.model_cache.trim().is_empty() {
+            return Ok(None);
+        }
+        let Some(identity) = function.cache_identity(config)? else {
+            return Ok(None);
+        };
+        let root = PathBuf::from(flumen.model_cache.trim());
+        let hash = blake3::hash(identity.as_bytes());
+        let dir = root.join(&hash.to_hex()[..32]);
+        let shard = {
+            let mut shards = SHARDS.lock().unwrap();
+            let shards = shards.get_or_insert_with(HashMap::new);
+            match shards.get(&dir) {
+                Some(shard) => Arc::clone(shard),
+                None => {
+                    std::fs::create_dir_all(&dir).map_err(|e| {
+                        DataFusionError::Execution(format!(
+                            "flumen.model_cache: cannot create {}: {e}",
+                            dir.display()
+                        ))
+                    })?;
+                    let described = dir.join(IDENTITY_FILE);
+                    if !described.exists() {
+                        // Words for `flumen cache stats`; a lost race writes the same text.
+                        let _ = std::fs::write(&described, format!("{identity}\n"));
+                    }
+                    let shard = Arc::new(Shard {
+                        dir: dir.clone(),
+                        state: Mutex::default(),
+                    });
+                    shards.insert(dir, Arc::clone(&shard));
+                    shard
+                }
+            }
+        };
+        Ok(Some(Self {
+            shard,
+            identity: *hash.as_bytes(),
+            max_bytes: flumen.model_cache_max_bytes.0,
+            root,
+        }))
+    }
+
+    /// Each row's key: the identity and the row's arguments, hashed.
+    pub fn keys(&self, args: &[ArrayRef], rows: usize) -> Result<Vec<[u8; 32]>> {
+        if args.is_empty() {
+            return Ok(vec![*blake3::hash(&self.identity).as_bytes(); rows]);
+        }
+        let fields = args
+            .iter()
+            .map(|a| SortField::new(a.data_type().clone()))
+            .collect();
+        let converted = RowConverter::new(fields)?.convert_columns(args)?;
+        Ok((0..rows)
+            .map(|row| {
+                let mut hasher = blake3::Hasher::new();
+                hasher.update(&self.identity);
+                hasher.update(converted.row(row).as_ref());
+                *hasher.finalize().as_bytes()
+            })
+            .collect())
+    }
+
+    /// Where each key's output is; segments other writers added since the last look are
+    /// read first when a key misses.
+    pub fn lookup(&self, keys: &[[u8; 32]]) -> Lookup {
+        let mut state = self.shard.state.lock().unwrap();
+        let find = |state: &ShardState, key: &[u8; 32]| {
+            (state.index.get(key)).map(|&(s, e)| (Arc::clone(&state.segments[s]), e))
+        };
+        let mut hits: Vec<_> = keys.iter().map(|k| find(&state, k)).collect();
+        if hits.iter().any(Option::is_none) {
+            self.shard.refresh(&mut state);
+            for (hit, key) in hits.iter_mut().zip(keys) {
+                if hit.is_none() {
+                    *hit = find(&state, key);
+                }
+            }
+        }
+        let found = hits.iter().filter(|h| h.is_some()).count() as u64;
+        count(|f| {
+            f.hits += found;
+            f.misses += keys.len() as u64 - found;
+        });
+        Lookup { hits }
+    }
+
+    /// Keep `values` (one per key) as a new segment, then hold the cache to its size.
+    pub fn store(&self, keys: &[[u8; 32]], values: &ArrayRef) -> Result<()> {
+        if keys.is_empty() {
+            return Ok(());
+        }
+        let (path, bytes) = segment::write(&self.shard.dir, keys, values)?;
+        count(|f| f.bytes_written += bytes);
+        if let Ok(read) = segment::read(&path) {
+            let mut state = self.shard.state.lock().unwrap();
+            if let Some(name) = path.file_name() {
+                state.seen.insert(name.to_os_string());
+            }
+            state.add(read);
+        }
+        if self.max_bytes > 0 {
+            evict(&self.root, self.max_bytes);
+        }
+        Ok(())
+    }
+}
+
+impl Shard {
+    /// Read the segments of the directory this process has not seen; a damaged one is
+    /// counted, logged and removed (its outputs are computed again), never returned.
+    fn refresh(&self, state: &mut ShardState) {
+        let Ok(entries) = std::fs::read_dir(&self.dir) else {
+            return;
+        };
+        for entry in entries.flatten() {
+            let name = entry.file_name();
+            let path = entry.path();
+            if state.seen.contains(&name)
+                || path.extension().is_none_or(|e| e != segment::EXTENSION)
+            {
+                continue;
+            }
+            state.seen.insert(name);
+            match segment::read(&path) {
+                Ok(read) => {
+                    count(|f| f.bytes_read += read.bytes);
+                    state.add(read);
+                }
+                Err(e) => {
+                    log::warn!("{e}: removed, its outputs will be computed again");
+                    count(|f| f.corrupt_segments += 1);
+                    let _ = std::fs::remove_file(&path);
+                }
+            }
+        }
+    }
+}
+
+impl ShardState {
+    fn add(&mut self, read: Segment) {
+        let at = self.segments.len();
+        for entry in 0..read.keys.len() {
+            let key: [u8; 32] = read.keys.value(entry).try_into().expect("32-byte keys");
+            self.index.entry(key).or_insert((at, entry));
+        }
+        self.segments.push(Arc::new(read));
+    }
+}
+
+/// The segments under a cache root: (modified, bytes, path), oldest first.
+fn segments_under(root: &Path) -> Vec<(std::time::SystemTime, u64, PathBuf)> {
+    let mut found = Vec::new();
+    let Ok(dirs) = std::fs::read_dir(root) else {
+        return found;
+    };
+    for dir in dirs.flatten() {
+        let Ok(files) = std::fs::read_dir(dir.path()) else {
+            continue;
+        };
+        for file in files.flatten() {
+            let path = file.path();
+            if path.extension().is_some_and(|e| e == segment::EXTENSION)
+                && let Ok(meta) = file.metadata()
+            {
+                let modified = meta.modified().unwrap_or(std::time::UNIX_EPOCH);
+                found.push((modified, meta.len(), path));
+            }
+        }
+    }
+    found.sort();
+    found
+}
+
+/// Remove the oldest segments under `root` while they hold more than `max_bytes`.
+fn evict(root: &Path, max_bytes: u64) {
+    let segments = segments_under(root);
+    let mut total: u64 = segments.iter().map(|(_, bytes, _)| bytes).sum();
+    for (_, bytes, path) in segments {
+        if total <= max_bytes {
+            break;
+        }
+        if std::fs::remove_file(&path).is_ok() {
+            total -= bytes;
+        }
+    }
+}
+
+/// What a cache directory holds for one function identity.
+#[derive(Debug, Clone, PartialEq)]
+pub struct ShardStats {
+    /// The identity, in words.
+    pub identity: String,
+    /// Its segments.
+    pub segments: usize,
+    /// Their bytes.
+    pub bytes: u64,
+}
+
+/// What the cache at `root` holds, per function identity.
+pub fn stats(root: &Path) -> Result<Vec<ShardStats>> {
+    let dirs = std::fs::read_dir(root)
+        .map_err(|e| DataFusionError::Execution(format!("model cache {}: {e}", root.display())))?;
+    let mut all = Vec::new();
+    for dir in dirs
+        .flatten()
+        .filter(|d| d.path().join(IDENTITY_FILE).exists())
+    {
+        let identity = std::fs::read_to_string(dir.path().join(IDENTITY_FILE)).unwrap_or_default();
+        let segments: Vec<_> = segments_under(root)
+            .into_iter()
+            .filter(|(_, _, p)| p.parent() == Some(dir.path().as_path()))
+            .collect();
+        all.push(ShardStats {
+            identity: identity.trim().to_string(),
+            segments: segments.len(),
+            bytes: segments.iter().map(|(_, b, _)| b).sum(),
+        });
+    }
+    all.sort_by(|a, b| a.identity.cmp(&b.identity));
+    Ok(all)
+}
+
+/// Empty the cache at `root`: its segments, temporary files and identity files, and the
+/// directories they leave empty (nothing else in `root` is touched). Returns the bytes freed.
+pub fn clear(root: &Path) -> Result<u64> {
+    let mut freed = 0;
+    let dirs = std::fs::read_dir(root)
+        .map_err(|e| DataFusionError::Execution(format!("model cache {}: {e}", root.display())))?;
+    for dir in dirs
+        .flatten()
+        .filter(|d| d.path().join(IDENTITY_FILE).exists())
+    {
+        for file in std::fs::read_dir(dir.path())
+            .into_iter()
+            .flatten()
+            .flatten()
+        {
+            let path = file.path();
+            let name = file.file_name().to_string_lossy().to_string();
+            let ours = path.extension().is_some_and(|e| e == segment::EXTENSION)
+                || name.starts_with(".tmp-seg-")
+                || name == IDENTITY_FILE;
+            if ours {
+                freed += file.metadata().map(|m| m.len()).unwrap_or(0);
+                let _ = std::fs::remove_file(&path);
+            }
+        }
+        let _ = std::fs::remove_dir(dir.path());
+    }
+    Ok(freed)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use datafusion::arrow::array::Float32Array;
+
+    #[test]
+    fn hits_and_computed_misses_merge_in_row_order() {
+        let dir = tempfile::tempdir().unwrap();
+        let call = CachedCall {
+            shard: Arc::new(Shard {
+                dir: dir.path().to_path_buf(),
+                state: Mutex::default(),
+            }),
+            identity: [7; 32],
+            max_bytes: 0,
+            root: dir.path().to_path_buf(),
+        };
+        let args: Vec<ArrayRef> = vec![Arc::new(Float32Array::from(vec![1.0, 2.0, 3.0]))];
+        let keys = call.keys(&args, 3).unwrap();
+        assert_ne!(keys[0], keys[1]);
+        // Rows 0 and 2 computed before.
+        let before: ArrayRef = Arc::new(Float32Array::from(vec![10.0, 30.0]));
+        call.store(&[keys[0], keys[2]], &before).unwrap();
+        let lookup = call.lookup(&keys);
+        assert_eq!(lookup.misses(), vec![1]);
+        let computed: ArrayRef = Arc::new(Float32Array::from(vec![20.0]));
+        let merged = lookup.merge(Some(&computed)).unwrap();
+        let expected: ArrayRef = Arc::new(Float32Array::from(vec![10.0, 20.0, 30.0]));
+        assert_eq!(&merged, &expected);
+    }
+}
