@@ -9,6 +9,14 @@ use std::time::Instant;
 use datafusion::error::{DataFusionError, Result};
 use datafusion::prelude::{ParquetReadOptions, SessionContext};
 
+/// The features the job computes per document of a table with `id`, `topic` and `body`
+/// (a `SELECT` list).
+pub const FEATURES: &str = "id, topic, \
+     length(clean_text(body)) AS chars, \
+     array_length(string_to_array(clean_text(body), ' ')) AS words, \
+     md5(lower(clean_text(body))) AS fingerprint, \
+     embed(clean_text(body)) AS embedding";
+
 /// Where the job works when given no paths.
 pub const DEMO_DIR: &str = "target/flumen-demo";
 
@@ -50,13 +58,7 @@ pub async fn run_feature_extraction(
         .await?;
     let started = Instant::now();
     let sql = format!(
-        "COPY (SELECT id, topic, \
-                 length(clean_text(body)) AS chars, \
-                 array_length(string_to_array(clean_text(body), ' ')) AS words, \
-                 md5(lower(clean_text(body))) AS fingerprint, \
-                 embed(clean_text(body)) AS embedding \
-               FROM docs) \
-         TO '{}' STORED AS PARQUET",
+        "COPY (SELECT {FEATURES} FROM docs) TO '{}' STORED AS PARQUET",
         path(output)?.replace('\'', "''")
     );
     let written = ctx.sql(&sql).await?.collect().await?;

@@ -35,6 +35,7 @@ pub mod demo;
 pub mod exec;
 pub mod feature_job;
 pub mod functions;
+pub mod incremental;
 pub mod io;
 pub mod plan;
 pub mod serve;

@@ -53,13 +53,15 @@ pub fn register_functions(ctx: &SessionContext) {
 }
 
 /// Register flumen's lakehouse table formats: `STORED AS DELTATABLE` (Delta Lake) and
-/// `STORED AS ICEBERG`.
+/// `STORED AS ICEBERG`, and `table_changes(...)` (a Delta table's change data feed).
 pub fn register_table_factories(ctx: &SessionContext) {
     let state = ctx.state_ref();
     let mut state = state.write();
     let factories = state.table_factories_mut();
     factories.insert("DELTATABLE".into(), Arc::new(delta::DeltaTableFactory));
     factories.insert("ICEBERG".into(), Arc::new(iceberg::IcebergTableFactory));
+    drop(state);
+    ctx.register_udtf("table_changes", Arc::new(crate::io::TableChanges));
 }
 
 /// Add flumen's settings, worker pools and required DataFusion options to a session config.

@@ -152,7 +152,7 @@ impl LogStoreFactory for ConditionalPutLogStores {
 
 /// A builder for the table at `location` that reads through the session's object store
 /// (so stores registered from `aws.*` options or by the embedding program are used).
-fn builder(state: &dyn Session, location: &str) -> Result<DeltaTableBuilder> {
+pub(crate) fn builder(state: &dyn Session, location: &str) -> Result<DeltaTableBuilder> {
     register_cloud_log_stores();
     let url = table_url(location)?;
     let builder = DeltaTableBuilder::from_url(url.clone())
@@ -182,6 +182,19 @@ async fn has_delta_log(state: &dyn Session, location: &str) -> Result<bool> {
             "cannot list the Delta log of {location}: {e}"
         ))),
     }
+}
+
+/// The Delta table at `location`, newest version, as deltalake loads it.
+pub(crate) async fn load_table(state: &dyn Session, location: &str) -> Result<DeltaTable> {
+    if !has_delta_log(state, location).await? {
+        return Err(DataFusionError::Plan(format!(
+            "{location} is not a Delta table: it has no _delta_log"
+        )));
+    }
+    builder(state, location)?
+        .load()
+        .await
+        .map_err(|e| DataFusionError::Plan(format!("Delta table {location}: {e}")))
 }
 
 /// Create an empty Delta table at `location` with `schema`'s columns.
@@ -232,6 +245,11 @@ pub struct DeltaTableProvider {
 }
 
 impl DeltaTableProvider {
+    /// Where the table is.
+    pub fn location(&self) -> &str {
+        &self.location
+    }
+
     /// Load the table at `location` at `version`.
     pub async fn open(state: &dyn Session, location: &str, version: DeltaVersion) -> Result<Self> {
         if !has_delta_log(state, location).await? {

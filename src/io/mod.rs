@@ -5,9 +5,11 @@
 //! - [`delta`], [`iceberg`]: the lakehouse table formats (`STORED AS DELTATABLE|ICEBERG`).
 //! - [`delta_insert`]: `INSERT INTO` a Delta table: idempotent with an app transaction, no
 //!   orphan files when it fails.
+//! - [`delta_changes`]: `table_changes(...)`, a Delta table's change data feed.
 //! - [`lakehouse_options`]: the options both formats share.
 
 pub(crate) mod delta;
+pub(crate) mod delta_changes;
 pub(crate) mod delta_insert;
 pub(crate) mod iceberg;
 pub(crate) mod lakehouse_options;
@@ -17,5 +19,6 @@ pub mod output_commit;
 pub use delta::{
     DeltaTableFactory, DeltaTableProvider, DeltaVersion, delta_table, register_delta_table,
 };
+pub use delta_changes::TableChanges;
 pub use iceberg::{IcebergTableFactory, iceberg_table};
 pub use object_stores::{register_for_location, register_for_statement};

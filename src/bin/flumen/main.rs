@@ -119,6 +119,11 @@ enum Command {
     /// semantic search over them. With no paths: a generated demo table under
     /// `target/flumen-demo/` (`FLUMEN_DEMO_ROWS` rows, default 5,000).
     Extract {
+        /// INPUT is a Delta table with its change data feed on and OUTPUT a Delta feature
+        /// table kept in step with it: only rows changed since the last run are computed,
+        /// removed rows are removed, in one commit (a rerun is idempotent).
+        #[arg(long, requires = "output")]
+        incremental: bool,
         /// The input Parquet table.
         input: Option<PathBuf>,
         /// Where to write the features (a Parquet file).
@@ -353,12 +358,64 @@ fn extract(input: Option<PathBuf>, output: Option<PathBuf>) -> ExitCode {
     }
 }
 
+/// `flumen extract --incremental SOURCE FEATURES`.
+fn extract_incremental(source: &std::path::Path, features: &std::path::Path) -> ExitCode {
+    let job = async {
+        let mut config = FlumenConfig::default();
+        config.model_cache = flumen::functions::model_cache::default_dir()
+            .display()
+            .to_string();
+        let ctx = flumen::session(config);
+        let text = |p: &std::path::Path| p.display().to_string();
+        flumen::incremental::extract_incremental(&ctx, &text(source), &text(features)).await
+    };
+    match tokio::runtime::Runtime::new().map(|rt| rt.block_on(job)) {
+        Ok(Ok(run)) => {
+            match run.previous_version {
+                Some(v) if v == run.source_version => println!(
+                    "{} is up to date with version {v} of {}",
+                    features.display(),
+                    source.display()
+                ),
+                _ => println!(
+                    "{} now holds version {} of {} (before: {}): {} rows computed, {} removed, \
+                     {:.2}s",
+                    features.display(),
+                    run.source_version,
+                    source.display(),
+                    run.previous_version
+                        .map_or("none".to_string(), |v| v.to_string()),
+                    run.computed_rows,
+                    run.removed_rows,
+                    run.seconds
+                ),
+            }
+            ExitCode::SUCCESS
+        }
+        Ok(Err(e)) => {
+            eprintln!("flumen extract --incremental: {e}");
+            ExitCode::FAILURE
+        }
+        Err(e) => {
+            eprintln!("flumen extract: cannot start the runtime: {e}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
 fn main() -> ExitCode {
     allocator::install();
     let cli = Cli::parse();
     match &cli.command {
         Some(Command::InstallModel { dir }) => return install_model(dir.clone()),
-        Some(Command::Extract { input, output }) => return extract(input.clone(), output.clone()),
+        Some(Command::Extract {
+            incremental: true,
+            input: Some(input),
+            output: Some(output),
+        }) => return extract_incremental(input, output),
+        Some(Command::Extract { input, output, .. }) => {
+            return extract(input.clone(), output.clone());
+        }
         Some(Command::Cache { action, dir }) => return cache_command(*action, dir.clone()),
         Some(Command::Worker(args)) => return worker(args),
         Some(Command::Serve(args)) => return serve_command::run(args),

@@ -1,0 +1,59 @@
+"""Write and change the Delta source table of tests/incremental.rs with the deltalake writer.
+
+usage: change_source.py PATH create ROWS   -- version 0: ROWS docs, change data feed on
+       change_source.py PATH change        -- update ids < 50, delete 900..919, append 30 docs
+       change_source.py PATH touch N       -- update ids 100..100+N
+       change_source.py PATH plain ROWS    -- a table without the change data feed
+"""
+
+import sys
+
+import pyarrow as pa
+from deltalake import DeltaTable, write_deltalake
+
+TOPICS = ["graphics", "databases", "gardening", "astronomy", "cooking"]
+
+
+def docs(ids, note=""):
+    ids = list(ids)
+    return pa.table(
+        {
+            "id": pa.array(ids, pa.int64()),
+            "topic": pa.array([TOPICS[i % len(TOPICS)] for i in ids]),
+            "body": pa.array(
+                [f"<p>Document {i} is about {TOPICS[i % len(TOPICS)]}{note}.</p>" for i in ids]
+            ),
+        }
+    )
+
+
+def main():
+    path, action = sys.argv[1], sys.argv[2]
+    if action == "create":
+        write_deltalake(
+            path,
+            docs(range(int(sys.argv[3]))),
+            configuration={"delta.enableChangeDataFeed": "true"},
+        )
+    elif action == "plain":
+        write_deltalake(path, docs(range(int(sys.argv[3]))))
+    elif action == "change":
+        table = DeltaTable(path)
+        table.update(
+            updates={"body": "concat(body, ' Revised.')"}, predicate="id < 50"
+        )
+        table.delete("id >= 900 AND id < 920")
+        write_deltalake(path, docs(range(1000, 1030)), mode="append")
+    elif action == "touch":
+        n = int(sys.argv[3])
+        DeltaTable(path).update(
+            updates={"body": "concat(body, ' Touched.')"},
+            predicate=f"id >= 100 AND id < {100 + n}",
+        )
+    else:
+        raise SystemExit(f"unknown action {action}")
+    print(DeltaTable(path).version())
+
+
+if __name__ == "__main__":
+    main()
