@@ -137,7 +137,9 @@ pub async fn extract_incremental(
                     .await?;
                 run.computed_rows = computed.iter().map(|b| b.num_rows() as u64).sum();
                 run.removed_rows = removed.iter().map(|b| b.num_rows() as u64).sum();
-                merge(table, computed, removed, commit).await.map_err(|e| failed(&e))
+                merge(table, computed, removed, commit)
+                    .await
+                    .map_err(|e| failed(&e))
             }
             (_, target) => {
                 // The first run, or a feature table this job never wrote: every row.
@@ -198,7 +200,11 @@ async fn merge(
             .fields()
             .iter()
             .map(|f| f.as_ref().clone().with_nullable(true))
-            .chain([Field::new(REMOVED, datafusion::arrow::datatypes::DataType::Boolean, false)])
+            .chain([Field::new(
+                REMOVED,
+                datafusion::arrow::datatypes::DataType::Boolean,
+                false,
+            )])
             .collect::<Vec<_>>(),
     ));
     let mut batches = Vec::new();

@@ -7,9 +7,9 @@
 use std::sync::Arc;
 
 use datafusion::catalog::{Session, TableFunctionArgs, TableFunctionImpl, TableProvider};
-use datafusion::execution::SessionState;
 use datafusion::common::ScalarValue;
 use datafusion::error::{DataFusionError, Result};
+use datafusion::execution::SessionState;
 use datafusion::logical_expr::Expr;
 use deltalake_core::DeltaTable;
 use deltalake_core::delta_datafusion::cdf::scan::DeltaCdfTableProvider;
@@ -58,7 +58,10 @@ impl TableFunctionImpl for TableChanges {
             ))),
         };
         let start = version(&exprs[1], "start_version")?;
-        let end = exprs.get(2).map(|e| version(e, "end_version")).transpose()?;
+        let end = exprs
+            .get(2)
+            .map(|e| version(e, "end_version"))
+            .transpose()?;
         let session = args.session();
         // A table function is planned synchronously; the log is read on a thread of its own.
         let (table, location) = std::thread::scope(|scope| {
