@@ -28,7 +28,7 @@ use deltalake_core::protocol::SaveMode;
 use deltalake_core::table::config::TablePropertiesExt;
 
 use crate::io::DeltaVersion;
-use crate::io::delta::{delta_table, load_table};
+use crate::io::delta::{delta_table, has_delta_log, load_table};
 
 /// The key column both tables share.
 pub const KEY: &str = "id";
@@ -71,11 +71,13 @@ pub async fn extract_incremental(
              delta.enableChangeDataFeed = true on it)"
         )));
     }
-    let version = snapshot.version() as u64;
+    let version = snapshot.version();
     let app = format!("flumen-extract {source}");
-    let target = match load_table(&state, features).await {
-        Ok(table) => Some(table),
-        Err(_) => None,
+    // A feature table that does not exist yet is made by the first run; one that cannot be
+    // read is an error (never overwritten as if missing).
+    let target = match has_delta_log(&state, features).await? {
+        true => Some(load_table(&state, features).await?),
+        false => None,
     };
     let previous = match &target {
         Some(table) => table

@@ -166,7 +166,7 @@ pub(crate) fn builder(state: &dyn Session, location: &str) -> Result<DeltaTableB
 }
 
 /// Whether `location` holds a `_delta_log` with at least one entry.
-async fn has_delta_log(state: &dyn Session, location: &str) -> Result<bool> {
+pub(crate) async fn has_delta_log(state: &dyn Session, location: &str) -> Result<bool> {
     use futures::StreamExt;
     let dir = format!(
         "{}/_delta_log/",

@@ -130,7 +130,7 @@ fn changes(
              with ALTER TABLE ... SET TBLPROPERTIES in Spark or deltalake's alter_table)"
         )));
     }
-    let newest = snapshot.version() as u64;
+    let newest = snapshot.version();
     let end = end.unwrap_or(newest);
     if start > end || end > newest {
         return Err(DataFusionError::Plan(format!(
