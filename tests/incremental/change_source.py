@@ -4,6 +4,7 @@ usage: change_source.py PATH create ROWS   -- version 0: ROWS docs, change data 
        change_source.py PATH change        -- update ids < 50, delete 900..919, append 30 docs
        change_source.py PATH touch N       -- update ids 100..100+N
        change_source.py PATH plain ROWS    -- a table without the change data feed
+       change_source.py PATH grow ROWS K   -- update ids < K, append ids ROWS..ROWS+K
 """
 
 import sys
@@ -50,6 +51,12 @@ def main():
             updates={"body": "concat(body, ' Touched.')"},
             predicate=f"id >= 100 AND id < {100 + n}",
         )
+    elif action == "grow":
+        rows, k = int(sys.argv[3]), int(sys.argv[4])
+        DeltaTable(path).update(
+            updates={"body": "concat(body, ' Revised.')"}, predicate=f"id < {k}"
+        )
+        write_deltalake(path, docs(range(rows, rows + k)), mode="append")
     else:
         raise SystemExit(f"unknown action {action}")
     print(DeltaTable(path).version())
