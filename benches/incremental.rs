@@ -53,7 +53,10 @@ fn args() -> Args {
 
 fn change_source(python: &str, path: &Path, args: &[&str]) {
     let status = Command::new(python)
-        .arg(concat!(env!("CARGO_MANIFEST_DIR"), "/tests/incremental/change_source.py"))
+        .arg(concat!(
+            env!("CARGO_MANIFEST_DIR"),
+            "/tests/incremental/change_source.py"
+        ))
         .arg(path)
         .args(args)
         .stdout(Stdio::null())
@@ -86,17 +89,22 @@ async fn main() -> Result<()> {
     let features = dir.path().join("features");
     let text = |p: &Path| p.display().to_string();
     let changed = ((args.docs as f64) * args.changed).round() as usize;
-    println!("incremental: {} docs, {changed} updated and {changed} inserted", args.docs);
+    println!(
+        "incremental: {} docs, {changed} updated and {changed} inserted",
+        args.docs
+    );
     change_source(&args.python, &source, &["create", &args.docs.to_string()]);
-    let full = flumen::incremental::extract_incremental(&session(""), &text(&source), &text(&features))
-        .await?;
+    let full =
+        flumen::incremental::extract_incremental(&session(""), &text(&source), &text(&features))
+            .await?;
     change_source(
         &args.python,
         &source,
         &["grow", &args.docs.to_string(), &changed.to_string()],
     );
-    let step = flumen::incremental::extract_incremental(&session(""), &text(&source), &text(&features))
-        .await?;
+    let step =
+        flumen::incremental::extract_incremental(&session(""), &text(&source), &text(&features))
+            .await?;
     let ratio = step.seconds / full.seconds;
     println!(
         "  full run: {} rows in {:.2} s; incremental run: {} rows computed, {} removed, in \

@@ -7,6 +7,8 @@
 //! Needs the model: `cargo run --release --bin flumen -- install-model` (`.ci/run` does it).
 
 mod common;
+#[path = "common/s3_server.rs"]
+mod s3_server;
 
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
@@ -319,4 +321,57 @@ async fn writers_killed_mid_write_leave_nothing_that_reads_back_wrong() {
     assert!(cache_cli("clear").contains("cleared"));
     assert!(segments(&cache).is_empty());
     assert!(cache_cli("stats").contains(": 0 models, 0 bytes"));
+}
+
+/// A cache on S3 (a real moto server on loopback) works as a local one: a first `flumen`
+/// process fills it, a second reads every vector back, the same bits as computed.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_cache_on_s3_works_like_a_local_one() {
+    let Some(server) = s3_server::S3Server::start() else {
+        common::skip_missing_tool("moto_server not found (run tests/install-test-tools.sh)");
+        return;
+    };
+    server.create_bucket("cache");
+    let dir = tempfile::tempdir().unwrap();
+    let (reference, _) = embed(&session(dir.path(), "").await, ALL).await;
+    let run = |out: &str, explain: bool| {
+        let mut command = Command::new(env!("CARGO_BIN_EXE_flumen"));
+        command
+            .args(["--no-demo", "--quiet", "-c", "SET flumen.device = 'cpu'"])
+            .args(["-c", "SET flumen.model_cache = 's3://cache/models'"])
+            .args(["-c", &docs_table(dir.path())])
+            .env("AWS_ENDPOINT", &server.endpoint)
+            .env("AWS_ALLOW_HTTP", "true")
+            .env("AWS_ACCESS_KEY_ID", "test")
+            .env("AWS_SECRET_ACCESS_KEY", "test")
+            .env("AWS_REGION", "us-east-1");
+        if explain {
+            command.args(["-c", &format!("EXPLAIN ANALYZE {ALL}")]);
+        }
+        command.args([
+            "-c",
+            &format!("COPY ({ALL}) TO '{}'", dir.path().join(out).display()),
+        ]);
+        let out = command.output().unwrap();
+        let stdout = String::from_utf8_lossy(&out.stdout).to_string();
+        assert!(
+            out.status.success(),
+            "{stdout}{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        stdout
+    };
+    run("first.parquet", false);
+    let second = run("second.parquet", true);
+    assert!(
+        second.contains(&format!("model_cache_hits={DOCS}"))
+            && second.contains("model_cache_misses=0"),
+        "{second}"
+    );
+    let read = flumen::session(FlumenConfig::default());
+    for out in ["first.parquet", "second.parquet"] {
+        let sql = format!("SELECT * FROM '{}'", dir.path().join(out).display());
+        let (vectors, _) = embed(&read.clone().enable_url_table(), &sql).await;
+        assert_eq!(vectors, reference, "{out}");
+    }
 }

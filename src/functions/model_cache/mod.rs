@@ -23,15 +23,15 @@
 //! [`AcceleratorFunction::cache_identity`]: crate::functions::accelerator::AcceleratorFunction::cache_identity
 //! [`AcceleratorUdf::start`]: crate::functions::accelerator::AcceleratorUdf::start
 
+pub mod place;
 pub mod segment;
 
 use std::cell::RefCell;
 use std::collections::{HashMap, HashSet};
-use std::ffi::OsString;
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex};
 
-use datafusion::arrow::array::{Array, ArrayRef};
+use datafusion::arrow::array::{Array, ArrayRef, FixedSizeBinaryArray};
 use datafusion::arrow::compute::interleave;
 use datafusion::arrow::row::{RowConverter, SortField};
 use datafusion::config::ConfigOptions;
@@ -39,6 +39,7 @@ use datafusion::error::{DataFusionError, Result};
 
 use crate::config::FlumenConfig;
 use crate::functions::accelerator::AcceleratorFunction;
+use place::Place;
 use segment::Segment;
 
 /// Where the REPL and `flumen extract` keep the cache unless told otherwise:
@@ -48,25 +49,25 @@ pub fn default_dir() -> PathBuf {
 }
 
 /// The file in a function's directory that says, in words, whose outputs it holds.
-const IDENTITY_FILE: &str = "IDENTITY";
+pub(crate) const IDENTITY_FILE: &str = "IDENTITY";
 
 /// The cache of one function's outputs under one identity, as this process knows it.
 #[derive(Debug)]
 struct Shard {
-    dir: PathBuf,
+    place: Place,
     state: Mutex<ShardState>,
 }
 
 /// The segments a shard has read, and where each key's output is.
 #[derive(Debug, Default)]
 struct ShardState {
-    seen: HashSet<OsString>,
+    seen: HashSet<String>,
     segments: Vec<Arc<Segment>>,
     index: HashMap<[u8; 32], (usize, usize)>,
 }
 
-/// Every shard this process opened, by directory.
-static SHARDS: Mutex<Option<HashMap<PathBuf, Arc<Shard>>>> = Mutex::new(None);
+/// Every shard this process opened, by root and identity.
+static SHARDS: Mutex<Option<HashMap<String, Arc<Shard>>>> = Mutex::new(None);
 
 thread_local! {
     /// This thread's cache figures since [`take_figures`] last read them.
@@ -109,7 +110,7 @@ pub struct CachedCall {
     shard: Arc<Shard>,
     identity: [u8; 32],
     max_bytes: u64,
-    root: PathBuf,
+    root: String,
 }
 
 /// Where each row of a call's output comes from.
@@ -177,31 +178,24 @@ impl CachedCall {
         let Some(identity) = function.cache_identity(config)? else {
             return Ok(None);
         };
-        let root = PathBuf::from(flumen.model_cache.trim());
+        let root = flumen.model_cache.trim().to_string();
         let hash = blake3::hash(identity.as_bytes());
-        let dir = root.join(&hash.to_hex()[..32]);
+        let name = hash.to_hex()[..32].to_string();
         let shard = {
             let mut shards = SHARDS.lock().unwrap();
             let shards = shards.get_or_insert_with(HashMap::new);
-            match shards.get(&dir) {
+            let key = format!("{root}\n{name}");
+            match shards.get(&key) {
                 Some(shard) => Arc::clone(shard),
                 None => {
-                    std::fs::create_dir_all(&dir).map_err(|e| {
-                        DataFusionError::Execution(format!(
-                            "flumen.model_cache: cannot create {}: {e}",
-                            dir.display()
-                        ))
-                    })?;
-                    let described = dir.join(IDENTITY_FILE);
-                    if !described.exists() {
-                        // Words for `flumen cache stats`; a lost race writes the same text.
-                        let _ = std::fs::write(&described, format!("{identity}\n"));
-                    }
+                    let place = Place::open(&root, &name)?;
+                    // Words for `flumen cache stats`.
+                    place.describe(&identity);
                     let shard = Arc::new(Shard {
-                        dir: dir.clone(),
+                        place,
                         state: Mutex::default(),
                     });
-                    shards.insert(dir, Arc::clone(&shard));
+                    shards.insert(key, Arc::clone(&shard));
                     shard
                 }
             }
@@ -263,17 +257,23 @@ impl CachedCall {
         if keys.is_empty() {
             return Ok(());
         }
-        let (path, bytes) = segment::write(&self.shard.dir, keys, values)?;
+        let (name, bytes) = self.shard.place.write(keys, values)?;
         count(|f| f.bytes_written += bytes);
-        if let Ok(read) = segment::read(&path) {
+        {
+            // What this process wrote it knows: no need to read it back.
             let mut state = self.shard.state.lock().unwrap();
-            if let Some(name) = path.file_name() {
-                state.seen.insert(name.to_os_string());
-            }
-            state.add(read);
+            state.seen.insert(name);
+            state.add(Segment {
+                keys: FixedSizeBinaryArray::try_from_iter(keys.iter())?,
+                values: Arc::clone(values),
+                bytes,
+            });
         }
         if self.max_bytes > 0 {
-            evict(&self.root, self.max_bytes);
+            match &self.shard.place {
+                Place::Local(_) => evict(Path::new(&self.root), self.max_bytes),
+                Place::Remote { .. } => evict_place(&self.shard.place, self.max_bytes),
+            }
         }
         Ok(())
     }
@@ -283,19 +283,11 @@ impl Shard {
     /// Read the segments of the directory this process has not seen; a damaged one is
     /// counted, logged and removed (its outputs are computed again), never returned.
     fn refresh(&self, state: &mut ShardState) {
-        let Ok(entries) = std::fs::read_dir(&self.dir) else {
-            return;
-        };
-        for entry in entries.flatten() {
-            let name = entry.file_name();
-            let path = entry.path();
-            if state.seen.contains(&name)
-                || path.extension().is_none_or(|e| e != segment::EXTENSION)
-            {
+        for listed in self.place.list() {
+            if !state.seen.insert(listed.name.clone()) {
                 continue;
             }
-            state.seen.insert(name);
-            match segment::read(&path) {
+            match self.place.read(&listed.name) {
                 Ok(read) => {
                     count(|f| f.bytes_read += read.bytes);
                     state.add(read);
@@ -303,7 +295,7 @@ impl Shard {
                 Err(e) => {
                     log::warn!("{e}: removed, its outputs will be computed again");
                     count(|f| f.corrupt_segments += 1);
-                    let _ = std::fs::remove_file(&path);
+                    self.place.remove(&listed.name);
                 }
             }
         }
@@ -356,6 +348,20 @@ fn evict(root: &Path, max_bytes: u64) {
         if std::fs::remove_file(&path).is_ok() {
             total -= bytes;
         }
+    }
+}
+
+/// Remove the oldest segments of `place` while they hold more than `max_bytes`.
+fn evict_place(place: &Place, max_bytes: u64) {
+    let mut listed = place.list();
+    listed.sort_by_key(|l| l.modified);
+    let mut total: u64 = listed.iter().map(|l| l.bytes).sum();
+    for segment in listed {
+        if total <= max_bytes {
+            break;
+        }
+        place.remove(&segment.name);
+        total -= segment.bytes;
     }
 }
 
@@ -434,12 +440,12 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         let call = CachedCall {
             shard: Arc::new(Shard {
-                dir: dir.path().to_path_buf(),
+                place: Place::Local(dir.path().to_path_buf()),
                 state: Mutex::default(),
             }),
             identity: [7; 32],
             max_bytes: 0,
-            root: dir.path().to_path_buf(),
+            root: dir.path().display().to_string(),
         };
         let args: Vec<ArrayRef> = vec![Arc::new(Float32Array::from(vec![1.0, 2.0, 3.0]))];
         let keys = call.keys(&args, 3).unwrap();

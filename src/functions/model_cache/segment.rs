@@ -37,6 +37,22 @@ pub struct Segment {
 
 /// Write `keys` and their `values` as a new segment in `dir`; returns its path and size.
 pub fn write(dir: &Path, keys: &[[u8; 32]], values: &ArrayRef) -> Result<(PathBuf, u64)> {
+    let bytes = encode(keys, values)?;
+    let name = unique_name();
+    let temporary = dir.join(format!(".tmp-{name}"));
+    let path = dir.join(format!("{name}.{EXTENSION}"));
+    let io = |e: std::io::Error| {
+        DataFusionError::Execution(format!("model cache: cannot write {}: {e}", path.display()))
+    };
+    let mut file = std::fs::File::create(&temporary).map_err(io)?;
+    file.write_all(&bytes).map_err(io)?;
+    file.sync_all().map_err(io)?;
+    std::fs::rename(&temporary, &path).map_err(io)?;
+    Ok((path, bytes.len() as u64))
+}
+
+/// A segment's bytes: the IPC stream of `keys` and `values`, its hash, the magic.
+pub fn encode(keys: &[[u8; 32]], values: &ArrayRef) -> Result<Vec<u8>> {
     let keys = FixedSizeBinaryArray::try_from_iter(keys.iter())?;
     let schema = Arc::new(Schema::new(vec![
         Field::new("key", DataType::FixedSizeBinary(32), false),
@@ -52,26 +68,22 @@ pub fn write(dir: &Path, keys: &[[u8; 32]], values: &ArrayRef) -> Result<(PathBu
     let hash = blake3::hash(&bytes);
     bytes.extend_from_slice(hash.as_bytes());
     bytes.extend_from_slice(MAGIC);
-    let name = unique_name();
-    let temporary = dir.join(format!(".tmp-{name}"));
-    let path = dir.join(format!("{name}.{EXTENSION}"));
-    let io = |e: std::io::Error| {
-        DataFusionError::Execution(format!("model cache: cannot write {}: {e}", path.display()))
-    };
-    let mut file = std::fs::File::create(&temporary).map_err(io)?;
-    file.write_all(&bytes).map_err(io)?;
-    file.sync_all().map_err(io)?;
-    std::fs::rename(&temporary, &path).map_err(io)?;
-    Ok((path, bytes.len() as u64))
+    Ok(bytes)
 }
 
 /// Read the segment at `path`: `Err` naming the file when it is torn or corrupted (its
 /// hash does not match) or unreadable.
 pub fn read(path: &Path) -> Result<Segment> {
-    let bad = |why: String| {
-        DataFusionError::Execution(format!("model cache segment {}: {why}", path.display()))
-    };
-    let bytes = std::fs::read(path).map_err(|e| bad(e.to_string()))?;
+    let bytes = std::fs::read(path).map_err(|e| {
+        DataFusionError::Execution(format!("model cache segment {}: {e}", path.display()))
+    })?;
+    decode(&bytes, &path.display().to_string())
+}
+
+/// The segment in `bytes` (`name` for errors): `Err` when it is torn or corrupted.
+pub fn decode(bytes: &[u8], name: &str) -> Result<Segment> {
+    let bad =
+        |why: String| DataFusionError::Execution(format!("model cache segment {name}: {why}"));
     let Some(body_len) = bytes.len().checked_sub(32 + MAGIC.len()) else {
         return Err(bad("too short to be a segment".into()));
     };
@@ -104,7 +116,7 @@ pub fn read(path: &Path) -> Result<Segment> {
 }
 
 /// A name no other writer (thread, process, host) picks: host, process, time, a counter.
-fn unique_name() -> String {
+pub fn unique_name() -> String {
     static NEXT: AtomicU64 = AtomicU64::new(0);
     let host = std::fs::read_to_string("/proc/sys/kernel/hostname").unwrap_or_default();
     let nanos = std::time::SystemTime::now()
