@@ -29,6 +29,7 @@
 
 #![warn(missing_docs)]
 
+pub mod checkpoint;
 pub mod cluster;
 pub mod config;
 pub mod demo;

@@ -261,3 +261,108 @@ async fn the_feature_table_follows_its_source_computing_only_what_changed() {
         .to_string();
     assert!(err.contains("no change data feed"), "{err}");
 }
+
+/// `flumen extract --checkpoint` over a Parquet source (no change feed): runs of the binary
+/// SIGKILLed mid-way, then one to its end, leave every id's features once, equal to a full
+/// run; the runs after a kill compute only what the committed parts lack.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_checkpointed_extraction_killed_mid_way_resumes_where_it_stopped() {
+    let dir = tempfile::tempdir().unwrap();
+    let input = dir.path().join("docs.parquet");
+    let output = dir.path().join("features");
+    let ctx = session();
+    common::collect(
+        &ctx,
+        &format!(
+            "COPY (SELECT value AS id, 'topic ' || (value % 5) AS topic, \
+                   '<p>Document ' || value || ' about things.</p>' AS body \
+                   FROM generate_series(0, 899)) TO '{}'",
+            input.display()
+        ),
+    )
+    .await;
+    let run = |kill_after: Option<u64>| {
+        let child = Command::new(env!("CARGO_BIN_EXE_flumen"))
+            .args(["extract", "--checkpoint", "--chunk-rows", "25"])
+            .args([&input, &output])
+            // No model cache: what a run computes, the model computes.
+            .env("XDG_CACHE_HOME", dir.path().join("cache-home"))
+            .env(
+                "FLUMEN_MODEL_DIR",
+                flumen::functions::embedding::model_files::model_dir(""),
+            )
+            .stdout(Stdio::piped())
+            .stderr(Stdio::null())
+            .spawn()
+            .unwrap();
+        if let Some(ms) = kill_after {
+            std::thread::sleep(Duration::from_millis(ms));
+            // SAFETY: signalling a child process this test started.
+            unsafe { libc::kill(child.id() as i32, libc::SIGKILL) };
+        }
+        let out = child.wait_with_output().unwrap();
+        (
+            out.status.success(),
+            String::from_utf8_lossy(&out.stdout).to_string(),
+        )
+    };
+    let mut seeded = common::Seeded(6702);
+    for _ in 0..2 {
+        run(Some(400 + (seeded.next() * 1000.0) as u64));
+    }
+    let parts_after_kills = std::fs::read_dir(&output).map_or(0, |d| d.count());
+    let (ok, said) = run(None);
+    assert!(ok, "{said}");
+    println!("after {parts_after_kills} parts from the killed runs: {said}");
+    // The last run computed only what was missing.
+    let done: u64 = said
+        .split(": ")
+        .nth(1)
+        .unwrap()
+        .split(' ')
+        .next()
+        .unwrap()
+        .parse()
+        .unwrap();
+    let computed: u64 = said
+        .split(", ")
+        .nth(1)
+        .unwrap()
+        .split(' ')
+        .next()
+        .unwrap()
+        .parse()
+        .unwrap();
+    assert_eq!(done + computed, 900, "{said}");
+    let read = session();
+    common::collect(
+        &read,
+        &format!(
+            "CREATE EXTERNAL TABLE parts STORED AS PARQUET LOCATION '{}/'",
+            output.display()
+        ),
+    )
+    .await;
+    let got = features_of(&common::collect(&read, "SELECT * FROM parts").await);
+    assert_eq!(got.len(), 900);
+    common::collect(
+        &read,
+        &format!(
+            "CREATE EXTERNAL TABLE docs STORED AS PARQUET LOCATION '{}'",
+            input.display()
+        ),
+    )
+    .await;
+    let full = common::collect(
+        &read,
+        &format!("SELECT {} FROM docs", flumen::feature_job::FEATURES),
+    )
+    .await;
+    assert_eq!(got, features_of(&full));
+    // Done: a rerun computes nothing.
+    let (ok, said) = run(None);
+    assert!(
+        ok && said.contains("900 rows were done, 0 computed"),
+        "{said}"
+    );
+}

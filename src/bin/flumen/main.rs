@@ -122,8 +122,16 @@ enum Command {
         /// INPUT is a Delta table with its change data feed on and OUTPUT a Delta feature
         /// table kept in step with it: only rows changed since the last run are computed,
         /// removed rows are removed, in one commit (a rerun is idempotent).
-        #[arg(long, requires = "output")]
+        #[arg(long, requires = "output", conflicts_with = "checkpoint")]
         incremental: bool,
+        /// OUTPUT is a directory of parts, each written whole, and a rerun skips the ids
+        /// they hold: a job killed mid-way resumes where it stopped (for sources without a
+        /// change feed).
+        #[arg(long, requires = "output")]
+        checkpoint: bool,
+        /// Rows per part with --checkpoint.
+        #[arg(long, default_value_t = 10_000, requires = "checkpoint")]
+        chunk_rows: usize,
         /// The input Parquet table.
         input: Option<PathBuf>,
         /// Where to write the features (a Parquet file).
@@ -358,6 +366,43 @@ fn extract(input: Option<PathBuf>, output: Option<PathBuf>) -> ExitCode {
     }
 }
 
+/// `flumen extract --checkpoint INPUT OUTPUT_DIR`.
+fn extract_checkpointed(
+    input: &std::path::Path,
+    output: &std::path::Path,
+    chunk_rows: usize,
+) -> ExitCode {
+    let job = async {
+        let mut config = FlumenConfig::default();
+        config.model_cache = flumen::functions::model_cache::default_dir()
+            .display()
+            .to_string();
+        let ctx = flumen::session(config);
+        flumen::checkpoint::extract_with_checkpoint(&ctx, input, output, chunk_rows.max(1)).await
+    };
+    match tokio::runtime::Runtime::new().map(|rt| rt.block_on(job)) {
+        Ok(Ok(run)) => {
+            println!(
+                "{}: {} rows were done, {} computed now in {} parts, {:.2}s",
+                output.display(),
+                run.done_before,
+                run.computed_rows,
+                run.parts_written,
+                run.seconds
+            );
+            ExitCode::SUCCESS
+        }
+        Ok(Err(e)) => {
+            eprintln!("flumen extract --checkpoint: {e}");
+            ExitCode::FAILURE
+        }
+        Err(e) => {
+            eprintln!("flumen extract: cannot start the runtime: {e}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
 /// `flumen extract --incremental SOURCE FEATURES`.
 fn extract_incremental(source: &std::path::Path, features: &std::path::Path) -> ExitCode {
     let job = async {
@@ -412,7 +457,15 @@ fn main() -> ExitCode {
             incremental: true,
             input: Some(input),
             output: Some(output),
+            ..
         }) => return extract_incremental(input, output),
+        Some(Command::Extract {
+            checkpoint: true,
+            input: Some(input),
+            output: Some(output),
+            chunk_rows,
+            ..
+        }) => return extract_checkpointed(input, output, *chunk_rows),
         Some(Command::Extract { input, output, .. }) => {
             return extract(input.clone(), output.clone());
         }
