@@ -18,6 +18,17 @@ use datafusion::prelude::SessionContext;
 use flumen::FlumenConfig;
 use flumen::incremental::extract_incremental;
 
+/// The `flumen` binary with its own cache directory under `dir` (so no model-output cache
+/// from other runs: what a run computes, the model computes) and the installed model.
+fn extract_command(dir: &Path) -> Command {
+    let mut command = Command::new(env!("CARGO_BIN_EXE_flumen"));
+    command.env("XDG_CACHE_HOME", dir.join("cache-home")).env(
+        "FLUMEN_MODEL_DIR",
+        flumen::functions::embedding::model_files::model_dir(""),
+    );
+    command
+}
+
 /// The Python with the `deltalake` writer, or `None` (after reporting the skip).
 fn writer_python() -> Option<String> {
     let python = std::env::var("FLUMEN_LAKEHOUSE_PYTHON").unwrap_or_else(|_| {
@@ -205,14 +216,9 @@ async fn the_feature_table_follows_its_source_computing_only_what_changed() {
     assert_eq!(change_source(&python, &source, &["touch", "300"]), 4);
     let mut seeded = common::Seeded(6701);
     for _ in 0..2 {
-        let mut child = Command::new(env!("CARGO_BIN_EXE_flumen"))
+        let mut child = extract_command(dir.path())
             .args(["extract", "--incremental"])
             .args([&source, &features])
-            .env("XDG_CACHE_HOME", dir.path().join("cache-home"))
-            .env(
-                "FLUMEN_MODEL_DIR",
-                flumen::functions::embedding::model_files::model_dir(""),
-            )
             .stdout(Stdio::null())
             .stderr(Stdio::null())
             .spawn()
@@ -222,14 +228,9 @@ async fn the_feature_table_follows_its_source_computing_only_what_changed() {
         unsafe { libc::kill(child.id() as i32, libc::SIGKILL) };
         child.wait().unwrap();
     }
-    let out = Command::new(env!("CARGO_BIN_EXE_flumen"))
+    let out = extract_command(dir.path())
         .args(["extract", "--incremental"])
         .args([&source, &features])
-        .env("XDG_CACHE_HOME", dir.path().join("cache-home"))
-        .env(
-            "FLUMEN_MODEL_DIR",
-            flumen::functions::embedding::model_files::model_dir(""),
-        )
         .output()
         .unwrap();
     let said = String::from_utf8_lossy(&out.stdout);
@@ -282,15 +283,9 @@ async fn a_checkpointed_extraction_killed_mid_way_resumes_where_it_stopped() {
     )
     .await;
     let run = |kill_after: Option<u64>| {
-        let child = Command::new(env!("CARGO_BIN_EXE_flumen"))
+        let child = extract_command(dir.path())
             .args(["extract", "--checkpoint", "--chunk-rows", "25"])
             .args([&input, &output])
-            // No model cache: what a run computes, the model computes.
-            .env("XDG_CACHE_HOME", dir.path().join("cache-home"))
-            .env(
-                "FLUMEN_MODEL_DIR",
-                flumen::functions::embedding::model_files::model_dir(""),
-            )
             .stdout(Stdio::piped())
             .stderr(Stdio::null())
             .spawn()

@@ -344,23 +344,43 @@ fn extract(input: Option<PathBuf>, output: Option<PathBuf>) -> ExitCode {
             return ExitCode::FAILURE;
         }
     };
-    let job = async {
-        let (input, output) = flumen::feature_job::job_paths(paths)?;
-        let mut config = FlumenConfig::default();
-        config.model_cache = flumen::functions::model_cache::default_dir()
-            .display()
-            .to_string();
-        let ctx = flumen::session(config);
-        flumen::feature_job::run_feature_extraction(&ctx, &input, &output).await
-    };
+    run_job(
+        "flumen extract",
+        async {
+            let (input, output) = flumen::feature_job::job_paths(paths)?;
+            let ctx = extraction_session();
+            flumen::feature_job::run_feature_extraction(&ctx, &input, &output).await
+        },
+        |()| {},
+    )
+}
+
+/// The session `flumen extract` runs in: the model-output cache on, in its default place.
+fn extraction_session() -> datafusion::prelude::SessionContext {
+    let mut config = FlumenConfig::default();
+    config.model_cache = flumen::functions::model_cache::default_dir()
+        .display()
+        .to_string();
+    flumen::session(config)
+}
+
+/// Run `job` on a runtime of its own; `report` what it did, or print its error as `what`'s.
+fn run_job<T>(
+    what: &str,
+    job: impl std::future::Future<Output = datafusion::error::Result<T>>,
+    report: impl FnOnce(T),
+) -> ExitCode {
     match tokio::runtime::Runtime::new().map(|rt| rt.block_on(job)) {
-        Ok(Ok(())) => ExitCode::SUCCESS,
+        Ok(Ok(done)) => {
+            report(done);
+            ExitCode::SUCCESS
+        }
         Ok(Err(e)) => {
-            eprintln!("flumen extract: {e}");
+            eprintln!("{what}: {e}");
             ExitCode::FAILURE
         }
         Err(e) => {
-            eprintln!("flumen extract: cannot start the runtime: {e}");
+            eprintln!("{what}: cannot start the runtime: {e}");
             ExitCode::FAILURE
         }
     }
@@ -372,16 +392,14 @@ fn extract_checkpointed(
     output: &std::path::Path,
     chunk_rows: usize,
 ) -> ExitCode {
-    let job = async {
-        let mut config = FlumenConfig::default();
-        config.model_cache = flumen::functions::model_cache::default_dir()
-            .display()
-            .to_string();
-        let ctx = flumen::session(config);
-        flumen::checkpoint::extract_with_checkpoint(&ctx, input, output, chunk_rows.max(1)).await
-    };
-    match tokio::runtime::Runtime::new().map(|rt| rt.block_on(job)) {
-        Ok(Ok(run)) => {
+    run_job(
+        "flumen extract --checkpoint",
+        async {
+            let ctx = extraction_session();
+            flumen::checkpoint::extract_with_checkpoint(&ctx, input, output, chunk_rows.max(1))
+                .await
+        },
+        |run| {
             println!(
                 "{}: {} rows were done, {} computed now in {} parts, {:.2}s",
                 output.display(),
@@ -389,63 +407,40 @@ fn extract_checkpointed(
                 run.computed_rows,
                 run.parts_written,
                 run.seconds
-            );
-            ExitCode::SUCCESS
-        }
-        Ok(Err(e)) => {
-            eprintln!("flumen extract --checkpoint: {e}");
-            ExitCode::FAILURE
-        }
-        Err(e) => {
-            eprintln!("flumen extract: cannot start the runtime: {e}");
-            ExitCode::FAILURE
-        }
-    }
+            )
+        },
+    )
 }
 
 /// `flumen extract --incremental SOURCE FEATURES`.
 fn extract_incremental(source: &std::path::Path, features: &std::path::Path) -> ExitCode {
-    let job = async {
-        let mut config = FlumenConfig::default();
-        config.model_cache = flumen::functions::model_cache::default_dir()
-            .display()
-            .to_string();
-        let ctx = flumen::session(config);
-        let text = |p: &std::path::Path| p.display().to_string();
-        flumen::incremental::extract_incremental(&ctx, &text(source), &text(features)).await
-    };
-    match tokio::runtime::Runtime::new().map(|rt| rt.block_on(job)) {
-        Ok(Ok(run)) => {
-            match run.previous_version {
-                Some(v) if v == run.source_version => println!(
-                    "{} is up to date with version {v} of {}",
-                    features.display(),
-                    source.display()
-                ),
-                _ => println!(
-                    "{} now holds version {} of {} (before: {}): {} rows computed, {} removed, \
-                     {:.2}s",
-                    features.display(),
-                    run.source_version,
-                    source.display(),
-                    run.previous_version
-                        .map_or("none".to_string(), |v| v.to_string()),
-                    run.computed_rows,
-                    run.removed_rows,
-                    run.seconds
-                ),
-            }
-            ExitCode::SUCCESS
-        }
-        Ok(Err(e)) => {
-            eprintln!("flumen extract --incremental: {e}");
-            ExitCode::FAILURE
-        }
-        Err(e) => {
-            eprintln!("flumen extract: cannot start the runtime: {e}");
-            ExitCode::FAILURE
-        }
-    }
+    let text = |p: &std::path::Path| p.display().to_string();
+    run_job(
+        "flumen extract --incremental",
+        async {
+            let ctx = extraction_session();
+            flumen::incremental::extract_incremental(&ctx, &text(source), &text(features)).await
+        },
+        |run| match run.previous_version {
+            Some(v) if v == run.source_version => println!(
+                "{} is up to date with version {v} of {}",
+                features.display(),
+                source.display()
+            ),
+            _ => println!(
+                "{} now holds version {} of {} (before: {}): {} rows computed, {} removed, \
+                 {:.2}s",
+                features.display(),
+                run.source_version,
+                source.display(),
+                run.previous_version
+                    .map_or("none".to_string(), |v| v.to_string()),
+                run.computed_rows,
+                run.removed_rows,
+                run.seconds
+            ),
+        },
+    )
 }
 
 fn main() -> ExitCode {
