@@ -313,6 +313,39 @@ fn three_hosts_answer_like_datafusion() {
             let models = tasks_by_worker(&f, Pool::Accelerator).await;
             println!("model tasks by accelerator worker: {models:?}");
             assert!(models.iter().filter(|(_, n)| *n > 0).count() >= 2, "{models:?}");
+
+            // The model-output cache, one directory the three hosts share: the first run's
+            // model tasks on the hosts fill it; the second run writes nothing new (every
+            // row a hit) and gives the same vectors, bit for bit.
+            let cache = dir.path().join("model-cache");
+            f.sql(&format!("SET flumen.model_cache = '{}'", cache.display()))
+                .await
+                .unwrap();
+            let segments = || {
+                let mut found: Vec<_> = std::fs::read_dir(&cache)
+                    .into_iter()
+                    .flatten()
+                    .flatten()
+                    .flat_map(|d| std::fs::read_dir(d.path()).into_iter().flatten().flatten())
+                    .map(|f| f.path())
+                    .filter(|p| p.extension().is_some_and(|x| x == "fmc"))
+                    .collect();
+                found.sort();
+                found
+            };
+            let (first, _) = run_plan(&f, embed).await;
+            let written = segments();
+            assert!(!written.is_empty(), "the hosts wrote no cache segment");
+            let (second, _) = run_plan(&f, embed).await;
+            assert_eq!(segments(), written, "the second run computed rows again");
+            let bits = |batches| {
+                common::embeddings_by_id(batches)
+                    .into_iter()
+                    .map(|(id, v)| (id, v.iter().map(|x| x.to_bits()).collect::<Vec<_>>()))
+                    .collect::<Vec<_>>()
+            };
+            assert_eq!(bits(&first), bits(&second));
+            println!("model cache on 3 hosts: {} segments, the second run all hits", written.len());
         })
     });
 }
