@@ -310,24 +310,12 @@ async fn a_checkpointed_extraction_killed_mid_way_resumes_where_it_stopped() {
     assert!(ok, "{said}");
     println!("after {parts_after_kills} parts from the killed runs: {said}");
     // The last run computed only what was missing.
-    let done: u64 = said
-        .split(": ")
-        .nth(1)
-        .unwrap()
-        .split(' ')
-        .next()
-        .unwrap()
-        .parse()
-        .unwrap();
-    let computed: u64 = said
-        .split(", ")
-        .nth(1)
-        .unwrap()
-        .split(' ')
-        .next()
-        .unwrap()
-        .parse()
-        .unwrap();
+    // "DIR: N rows were done, M computed now in P parts, S s"
+    let number_after = |marker: &str| -> u64 {
+        let rest = said.split(marker).nth(1).unwrap();
+        rest.split(' ').next().unwrap().parse().unwrap()
+    };
+    let (done, computed) = (number_after(": "), number_after(", "));
     assert_eq!(done + computed, 900, "{said}");
     let read = session();
     common::collect(
