@@ -252,7 +252,7 @@ async fn worker_processes_share_the_cache() {
 }
 
 /// When a killed writer gets its SIGKILL: this many ms after it starts, plus up to that many.
-const KILL_AFTER_MS: (u64, f64) = (1000, 3000.0);
+const KILL_AFTER_MS: (u64, f64) = (1500, 3000.0);
 
 /// `flumen` processes filling the cache are SIGKILLed at seeded instants; then a run over
 /// the cache they left returns every vector as computed, bit for bit.
