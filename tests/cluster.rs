@@ -338,13 +338,10 @@ fn three_hosts_answer_like_datafusion() {
             assert!(!written.is_empty(), "the hosts wrote no cache segment");
             let (second, _) = run_plan(&f, embed).await;
             assert_eq!(segments(), written, "the second run computed rows again");
-            let bits = |batches| {
-                common::embeddings_by_id(batches)
-                    .into_iter()
-                    .map(|(id, v)| (id, v.iter().map(|x| x.to_bits()).collect::<Vec<_>>()))
-                    .collect::<Vec<_>>()
-            };
-            assert_eq!(bits(&first), bits(&second));
+            assert_eq!(
+                common::embedding_bits_by_id(&first),
+                common::embedding_bits_by_id(&second)
+            );
             println!("model cache on 3 hosts: {} segments, the second run all hits", written.len());
         })
     });

@@ -15,8 +15,6 @@ use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
 use std::time::Duration;
 
-use datafusion::arrow::array::{Array, AsArray, FixedSizeListArray};
-use datafusion::arrow::datatypes::{Float32Type, Int64Type};
 use datafusion::prelude::SessionContext;
 use flumen::FlumenConfig;
 use flumen::exec::FlumenExec;
@@ -52,24 +50,7 @@ async fn session_with(dir: &Path, cache: &str, config: FlumenConfig) -> SessionC
 /// The vectors of `sql` (`id`, `v`) and the model operator's cache figures.
 async fn embed(ctx: &SessionContext, sql: &str) -> (Vectors, BTreeMap<String, u64>) {
     let (batches, plan) = common::run_plan(ctx, sql).await;
-    let mut vectors = Vectors::new();
-    for batch in &batches {
-        let ids = batch.column(0).as_primitive::<Int64Type>();
-        let v = batch
-            .column(1)
-            .as_any()
-            .downcast_ref::<FixedSizeListArray>()
-            .unwrap();
-        for row in 0..batch.num_rows() {
-            let floats = v.value(row);
-            let bits = floats
-                .as_primitive::<Float32Type>()
-                .values()
-                .iter()
-                .map(|f| f.to_bits());
-            vectors.insert(ids.value(row), bits.collect());
-        }
-    }
+    let vectors: Vectors = common::embedding_bits_by_id(&batches).into_iter().collect();
     let exec = plan.downcast_ref::<FlumenExec>().unwrap();
     let mut figures = BTreeMap::new();
     for op in &exec.graph().operators {
@@ -198,13 +179,16 @@ fn docs_table(dir: &Path) -> String {
     )
 }
 
+/// The `flumen` binary, computing on the CPU, without the demo table.
+fn flumen_on_cpu() -> Command {
+    let mut command = Command::new(env!("CARGO_BIN_EXE_flumen"));
+    command.args(["--no-demo", "--quiet", "-c", "SET flumen.device = 'cpu'"]);
+    command
+}
+
 /// Run the `flumen` binary on the CPU with `args`; its standard output (it must succeed).
 fn run_flumen(args: &[&str]) -> String {
-    let out = Command::new(env!("CARGO_BIN_EXE_flumen"))
-        .args(["--no-demo", "--quiet", "-c", "SET flumen.device = 'cpu'"])
-        .args(args)
-        .output()
-        .unwrap();
+    let out = flumen_on_cpu().args(args).output().unwrap();
     let stdout = String::from_utf8_lossy(&out.stdout).to_string();
     assert!(
         out.status.success(),
@@ -264,8 +248,7 @@ async fn writers_killed_mid_write_leave_nothing_that_reads_back_wrong() {
     let (reference, _) = embed(&session(dir.path(), "").await, ALL).await;
     let mut seeded = common::Seeded(67);
     for attempt in 0..3 {
-        let mut child = Command::new(env!("CARGO_BIN_EXE_flumen"))
-            .args(["--no-demo", "--quiet", "-c", "SET flumen.device = 'cpu'"])
+        let mut child = flumen_on_cpu()
             .args(["-c", &format!("SET flumen.model_cache = '{cache_text}'")])
             .args(["-c", "SET flumen.target_block_rows = 8"])
             .args(["-c", &docs_table(dir.path())])
@@ -335,9 +318,8 @@ async fn a_cache_on_s3_works_like_a_local_one() {
     let dir = tempfile::tempdir().unwrap();
     let (reference, _) = embed(&session(dir.path(), "").await, ALL).await;
     let run = |out: &str, explain: bool| {
-        let mut command = Command::new(env!("CARGO_BIN_EXE_flumen"));
+        let mut command = flumen_on_cpu();
         command
-            .args(["--no-demo", "--quiet", "-c", "SET flumen.device = 'cpu'"])
             .args(["-c", "SET flumen.model_cache = 's3://cache/models'"])
             .args(["-c", &docs_table(dir.path())])
             .env("AWS_ENDPOINT", &server.endpoint)

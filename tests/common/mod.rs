@@ -334,6 +334,15 @@ pub fn embeddings_by_id(
     out
 }
 
+/// [`embeddings_by_id`] with each float as its bits, to compare vectors bit for bit.
+pub fn embedding_bits_by_id(
+    batches: &[datafusion::arrow::record_batch::RecordBatch],
+) -> Vec<(i64, Vec<u32>)> {
+    (embeddings_by_id(batches).into_iter())
+        .map(|(id, v)| (id, v.iter().map(|x| x.to_bits()).collect()))
+        .collect()
+}
+
 /// Cosine similarity of two vectors (0 when either is all zeros).
 #[allow(dead_code)]
 pub fn cosine(a: &[f32], b: &[f32]) -> f32 {

@@ -64,6 +64,8 @@ struct ShardState {
     seen: HashSet<String>,
     segments: Vec<Arc<Segment>>,
     index: HashMap<[u8; 32], (usize, usize)>,
+    /// Bytes this process wrote since the cache's size was last held to its limit.
+    written_since_evict: u64,
 }
 
 /// Every shard this process opened, by root and identity.
@@ -181,6 +183,7 @@ impl CachedCall {
         let root = flumen.model_cache.trim().to_string();
         let hash = blake3::hash(identity.as_bytes());
         let name = hash.to_hex()[..32].to_string();
+        let mut described = false;
         let shard = {
             let mut shards = SHARDS.lock().unwrap();
             let shards = shards.get_or_insert_with(HashMap::new);
@@ -188,18 +191,20 @@ impl CachedCall {
             match shards.get(&key) {
                 Some(shard) => Arc::clone(shard),
                 None => {
-                    let place = Place::open(&root, &name)?;
-                    // Words for `flumen cache stats`.
-                    place.describe(&identity);
                     let shard = Arc::new(Shard {
-                        place,
+                        place: Place::open(&root, &name)?,
                         state: Mutex::default(),
                     });
                     shards.insert(key, Arc::clone(&shard));
+                    // Words for `flumen cache stats`, written outside the lock below.
+                    described = true;
                     shard
                 }
             }
         };
+        if described {
+            shard.place.describe(&identity);
+        }
         Ok(Some(Self {
             shard,
             identity: *hash.as_bytes(),
@@ -229,7 +234,8 @@ impl CachedCall {
     }
 
     /// Where each key's output is; segments other writers added since the last look are
-    /// read first when a key misses.
+    /// read first when a key misses (a directory listing, or one LIST request on an
+    /// object store, per call with a miss: other hosts' outputs are found at once).
     pub fn lookup(&self, keys: &[[u8; 32]]) -> Lookup {
         let mut state = self.shard.state.lock().unwrap();
         let find = |state: &ShardState, key: &[u8; 32]| {
@@ -259,7 +265,7 @@ impl CachedCall {
         }
         let (name, bytes) = self.shard.place.write(keys, values)?;
         count(|f| f.bytes_written += bytes);
-        {
+        let evict_now = {
             // What this process wrote it knows: no need to read it back.
             let mut state = self.shard.state.lock().unwrap();
             state.seen.insert(name);
@@ -268,8 +274,16 @@ impl CachedCall {
                 values: Arc::clone(values),
                 bytes,
             });
-        }
-        if self.max_bytes > 0 {
+            // The size is held after every 1/16 of the limit written, not after each write
+            // (each check lists the whole cache).
+            state.written_since_evict += bytes;
+            let due = state.written_since_evict >= (self.max_bytes / 16).max(1);
+            if due {
+                state.written_since_evict = 0;
+            }
+            due
+        };
+        if self.max_bytes > 0 && evict_now {
             match &self.shard.place {
                 Place::Local(_) => evict(Path::new(&self.root), self.max_bytes),
                 Place::Remote { .. } => evict_place(&self.shard.place, self.max_bytes),
@@ -459,5 +473,37 @@ mod tests {
         let merged = lookup.merge(Some(&computed)).unwrap();
         let expected: ArrayRef = Arc::new(Float32Array::from(vec![10.0, 20.0, 30.0]));
         assert_eq!(&merged, &expected);
+    }
+
+    #[test]
+    fn the_cache_is_held_to_its_size_oldest_segments_first() {
+        let root = tempfile::tempdir().unwrap();
+        let dir = root.path().join("model");
+        std::fs::create_dir_all(&dir).unwrap();
+        let values: ArrayRef = Arc::new(Float32Array::from(vec![1.0; 256]));
+        let keys: Vec<[u8; 32]> = (0..256u32)
+            .map(|i| *blake3::hash(&i.to_le_bytes()).as_bytes())
+            .collect();
+        let one = segment::encode(&keys, &values).unwrap().len() as u64;
+        let call = CachedCall {
+            shard: Arc::new(Shard {
+                place: Place::Local(dir.clone()),
+                state: Mutex::default(),
+            }),
+            identity: [7; 32],
+            // Room for two segments and a half.
+            max_bytes: one * 5 / 2,
+            root: root.path().display().to_string(),
+        };
+        let mut first = None;
+        for _ in 0..6 {
+            call.store(&keys, &values).unwrap();
+            first.get_or_insert_with(|| segments_under(root.path())[0].2.clone());
+            std::thread::sleep(std::time::Duration::from_millis(20));
+        }
+        let left = segments_under(root.path());
+        let total: u64 = left.iter().map(|(_, bytes, _)| bytes).sum();
+        assert!(total <= one * 5 / 2 && !left.is_empty(), "{left:?}");
+        assert!(!first.unwrap().exists(), "the oldest segment was kept");
     }
 }
