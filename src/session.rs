@@ -50,6 +50,9 @@ pub fn register_functions(ctx: &SessionContext) {
     for udf in vector::vector_functions() {
         ctx.register_udf(udf);
     }
+    for udf in crate::functions::model_cache::functions::model_cache_functions() {
+        ctx.register_udf(udf);
+    }
 }
 
 /// Register flumen's lakehouse table formats: `STORED AS DELTATABLE` (Delta Lake) and

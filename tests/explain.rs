@@ -82,6 +82,11 @@ async fn explain_scalar_subquery_gets_operators_of_its_own() {
 /// EXPLAIN of `sql` over a 10-row Parquet table `docs(id, body)`, the temp dir's path
 /// replaced by `TMP`.
 async fn explain_over_docs(sql: &str) -> String {
+    explain_over_docs_with(&[], sql).await
+}
+
+/// [`explain_over_docs`] after `settings` (`{dir}` in them: the test's temp dir).
+async fn explain_over_docs_with(settings: &[&str], sql: &str) -> String {
     let dir = tempfile::tempdir().unwrap();
     let path = dir.path().join("docs.parquet");
     let ctx = flumen::session(FlumenConfig::default());
@@ -103,7 +108,10 @@ async fn explain_over_docs(sql: &str) -> String {
             "CREATE EXTERNAL TABLE docs STORED AS PARQUET LOCATION '{}'",
             path.display()
         ),
-    ] {
+    ]
+    .into_iter()
+    .chain((settings.iter()).map(|s| s.replace("{dir}", &dir.path().display().to_string())))
+    {
         ctx.sql(&setup).await.unwrap().collect().await.unwrap();
     }
     let batches = ctx
@@ -145,6 +153,32 @@ async fn explain_preprocessing_runs_in_cpu_tasks_below_the_model() {
         )
         .await
     );
+}
+
+/// With the model-output cache, the CPU stage keys each row by the model's own argument
+/// (`model_cache_key`, merged into the scan), looks it up (`model_cache_get`) and runs the
+/// tokenizer only where it missed (`CASE WHEN ... IS NULL THEN embed_tokens(body)`); the
+/// model operator computes the misses alone and fills them in (`model_cache_fill`).
+#[tokio::test]
+async fn explain_the_cache_lookup_runs_in_the_cpu_stage_before_the_tokenizer() {
+    let plan = explain_over_docs_with(
+        &[
+            "SET flumen.model_cache = '{dir}/cache'",
+            "SET flumen.preprocess_on_cpu = true",
+        ],
+        "SELECT id, embed(body) AS v FROM docs",
+    )
+    .await;
+    // The model files' hash, which a new model version changes.
+    let mut redacted = String::new();
+    let mut rest = plan.as_str();
+    while let Some(at) = rest.find(" files ") {
+        redacted.push_str(&rest[..at + 7]);
+        redacted.push_str("HASH");
+        rest = &rest[(at + 7 + 64).min(rest.len())..];
+    }
+    redacted.push_str(rest);
+    insta::assert_snapshot!(redacted);
 }
 
 /// A full sort out of core is a range sort: split by sampled ranges (their number shown),

@@ -117,11 +117,24 @@ async fn cached_vectors_are_the_computed_ones_and_the_model_sees_only_misses() {
         all, reference,
         "a merged result differs from the computed one"
     );
-    // Again: every row from the cache, bit for bit.
+    // Again: every row from the cache, bit for bit, and no model loaded for it.
+    let loaded = flumen::functions::accelerator::workers_loaded();
     let (again, figures) = embed(&session(dir.path(), &cache_text).await, ALL).await;
     assert_eq!(figure(&figures, "hits"), DOCS as u64, "{figures:?}");
     assert_eq!(figure(&figures, "misses"), 0);
     assert_eq!(again, reference);
+    assert_eq!(
+        flumen::functions::accelerator::workers_loaded(),
+        loaded,
+        "a query the cache answered in full loaded the model"
+    );
+    // The lookup runs before the tokenizer: with the tokenizer in the CPU stage the keys
+    // are the same, every row hits, and the tokenizer runs for no row.
+    let ctx = session(dir.path(), &cache_text).await;
+    common::collect(&ctx, "SET flumen.preprocess_on_cpu = 'true'").await;
+    let (stepped, figures) = embed(&ctx, ALL).await;
+    assert_eq!(figure(&figures, "hits"), DOCS as u64, "{figures:?}");
+    assert_eq!(stepped, reference);
 
     // A changed model file is another model: every row misses.
     let model = flumen::functions::embedding::model_files::model_dir("");

@@ -208,6 +208,8 @@ impl QueryRun {
     /// end and the scan's first blocks instead of following them. A worker that has the
     /// model already does nothing; a load that fails is left for the first task to report.
     /// Tasks that run in worker processes load there, so nothing is loaded here for them.
+    /// Nor is a model whose outputs the model-output cache keeps: a query the cache
+    /// answers in full loads none.
     fn preload_models(&self, workers: usize) {
         if self.workers.in_use() {
             return;
@@ -222,10 +224,12 @@ impl QueryRun {
                 }
             }
         }
+        let options = Arc::clone(self.base.session_config().options());
+        // A model the cache may answer for entirely is loaded by its first miss, if any.
+        udfs.retain(|udf| !crate::plan::model_cache_lookup::cache_may_answer(udf, &options));
         if udfs.is_empty() {
             return;
         }
-        let options = Arc::clone(self.base.session_config().options());
         for _ in 0..workers {
             let (udfs, options) = (udfs.clone(), Arc::clone(&options));
             self.accelerators.submit(Box::new(move || {

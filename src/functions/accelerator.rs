@@ -18,8 +18,8 @@ use std::hash::{Hash, Hasher};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 
-use datafusion::arrow::array::{ArrayRef, UInt32Array};
-use datafusion::arrow::compute::{concat, take};
+use datafusion::arrow::array::{ArrayRef, new_empty_array};
+use datafusion::arrow::compute::concat;
 use datafusion::arrow::datatypes::DataType;
 use datafusion::config::ConfigOptions;
 use datafusion::error::{DataFusionError, Result};
@@ -29,7 +29,7 @@ use datafusion::logical_expr::{
 use datafusion::physical_expr::ScalarFunctionExpr;
 use datafusion::physical_plan::PhysicalExpr;
 
-use crate::functions::model_cache::{self, CachedCall, Lookup};
+use crate::functions::model_cache;
 
 /// What one worker of an accelerator function occupies while it runs a batch.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -161,17 +161,6 @@ impl Debug for PendingOutput {
 pub struct PendingCall {
     function: String,
     parts: Vec<(usize, PendingOutput)>,
-    /// With the model-output cache: the rows' keys and where each row's output is; the
-    /// parts then compute the misses only.
-    cached: Option<CachedOutputs>,
-}
-
-/// A call's cache: what it found, and where the outputs it computes go.
-#[derive(Debug)]
-struct CachedOutputs {
-    cache: CachedCall,
-    lookup: Lookup,
-    miss_keys: Vec<[u8; 32]>,
 }
 
 impl PendingCall {
@@ -180,25 +169,8 @@ impl PendingCall {
         self.parts.iter().all(|(_, part)| part.is_ready())
     }
 
-    /// Wait for every part and return the call's result, one row per input row (the
-    /// cache's outputs merged in, the computed ones written to it).
-    pub fn wait(mut self) -> Result<ArrayRef> {
-        let Some(cached) = self.cached.take() else {
-            return self.wait_parts();
-        };
-        if cached.miss_keys.is_empty() {
-            return cached.lookup.merge(None);
-        }
-        let computed = self.wait_parts()?;
-        if let Err(e) = cached.cache.store(&cached.miss_keys, &computed) {
-            // The answer stands; only the cache lost these outputs.
-            log::warn!("{e}");
-        }
-        cached.lookup.merge(Some(&computed))
-    }
-
-    /// Wait for every part; their outputs concatenated.
-    fn wait_parts(self) -> Result<ArrayRef> {
+    /// Wait for every part and return the call's result, one row per input row.
+    pub fn wait(self) -> Result<ArrayRef> {
         let mut outputs = Vec::with_capacity(self.parts.len());
         for (len, part) in self.parts {
             let out = part.wait()?;
@@ -290,50 +262,19 @@ impl AcceleratorUdf {
         return_type: &DataType,
         config: &ConfigOptions,
     ) -> Result<PendingCall> {
-        let Some(cache) = CachedCall::open(self.func.as_ref(), config)? else {
-            return self.start_parts(arrays, rows, return_type, config);
-        };
-        let keys = cache.keys(arrays, rows)?;
-        let lookup = cache.lookup(&keys);
-        let misses = lookup.misses();
-        let miss_keys: Vec<[u8; 32]> = misses.iter().map(|&row| keys[row as usize]).collect();
-        let mut call = match misses.len() {
-            // Every row hit: no model is loaded or called.
-            0 => PendingCall {
+        if rows == 0 {
+            // Nothing to compute (every row of a block came from the model-output cache):
+            // no model is loaded for it.
+            return Ok(PendingCall {
                 function: self.func.name().to_string(),
-                parts: vec![],
-                cached: None,
-            },
-            n if n == rows => self.start_parts(arrays, rows, return_type, config)?,
-            n => {
-                let taken = UInt32Array::from(misses);
-                let missed = (arrays.iter())
-                    .map(|a| take(a.as_ref(), &taken, None))
-                    .collect::<std::result::Result<Vec<_>, _>>()?;
-                self.start_parts(&missed, n, return_type, config)?
-            }
-        };
-        call.cached = Some(CachedOutputs {
-            cache,
-            lookup,
-            miss_keys,
-        });
-        Ok(call)
-    }
-
-    /// [`Self::start`] without the cache: every row to the model.
-    fn start_parts(
-        &self,
-        arrays: &[ArrayRef],
-        rows: usize,
-        return_type: &DataType,
-        config: &ConfigOptions,
-    ) -> Result<PendingCall> {
+                parts: vec![(0, PendingOutput::ready(new_empty_array(return_type)))],
+            });
+        }
         let batch = self.func.batch_rows(config).unwrap_or(rows).max(1);
         self.with_worker(config, |worker, key| {
             USED.with(|used| used.borrow_mut().insert(key.clone()));
             let mut parts = Vec::with_capacity(rows.div_ceil(batch));
-            for start in (0..rows.max(1)).step_by(batch) {
+            for start in (0..rows).step_by(batch) {
                 let len = batch.min(rows - start);
                 let slice: Vec<ArrayRef> = arrays.iter().map(|a| a.slice(start, len)).collect();
                 parts.push((len, worker.start(&slice, return_type)?));
@@ -341,7 +282,6 @@ impl AcceleratorUdf {
             Ok(PendingCall {
                 function: self.func.name().to_string(),
                 parts,
-                cached: None,
             })
         })
     }

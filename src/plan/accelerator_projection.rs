@@ -33,6 +33,9 @@
 //! ([`plan_model_aggregate`]: `count(embed(body))` ran the model in the aggregate's CPU
 //! tasks).
 //!
+//! With `flumen.model_cache` set, the cache's lookup goes into the CPU work below each
+//! cacheable model and its fill around the model call ([`with_cache_lookups`]).
+//!
 //! [`AcceleratorFunction::cpu_step`]: crate::functions::accelerator::AcceleratorFunction::cpu_step
 
 use std::fmt;
@@ -61,6 +64,7 @@ use crate::config::{FlumenConfig, PreprocessOnCpu};
 use crate::functions::accelerator::{
     AcceleratorFunction, called_accelerator_function, calls_accelerator_udf,
 };
+use crate::plan::model_cache_lookup::with_cache_lookups;
 use crate::plan::queued_model_calls::{ModelCalls, QueuedModelStream};
 
 /// A `ProjectionExec` that calls an accelerator UDF, held where the query put it.
@@ -247,6 +251,7 @@ fn plan_model_projection(
     };
     let projection = split_cpu_work(&projection)?;
     let (models, above) = split_model_consumers(&projection)?;
+    let models = with_cache_lookups(&models, config)?;
     let wrapped: Arc<dyn ExecutionPlan> =
         Arc::new(AcceleratorProjectionExec::new(Arc::new(models)));
     Ok(match above {

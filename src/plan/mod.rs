@@ -7,6 +7,8 @@
 //! - [`join_filter_rows`]: a scan drops the rows its joins' finished dynamic filters reject.
 //! - [`stage_input`]: the leaf through which a fragment reads its producer's blocks.
 //! - [`accelerator_projection`]: model UDF projections kept apart as accelerator operators.
+//! - [`model_cache_lookup`]: the model-output cache's lookup planned into the CPU stage
+//!   before a model, and its fill around the model call.
 //! - [`queued_model_calls`]: an accelerator projection's stream, which queues the next piece
 //!   on the device before it waits for the current one.
 //! - [`random_shuffle`]: `ORDER BY random()` planned as a seeded random shuffle.
@@ -30,6 +32,7 @@ pub(crate) mod join_filter_rows;
 pub mod merge_join_fallback;
 mod merge_levels;
 pub mod merge_runs;
+pub(crate) mod model_cache_lookup;
 pub mod partition_cut;
 pub mod partition_slices;
 pub mod partitioned_outer_joins;

@@ -17,15 +17,21 @@ use std::pin::Pin;
 use std::sync::Arc;
 use std::task::{Context, Poll};
 
-use datafusion::arrow::array::{ArrayRef, RecordBatch, RecordBatchOptions};
+use datafusion::arrow::array::{Array, ArrayRef, RecordBatch, RecordBatchOptions, UInt32Array};
+use datafusion::arrow::compute::take;
 use datafusion::arrow::datatypes::SchemaRef;
+use datafusion::common::ScalarValue;
+use datafusion::config::ConfigOptions;
 use datafusion::error::Result;
 use datafusion::execution::{RecordBatchStream, SendableRecordBatchStream};
+use datafusion::physical_expr::ScalarFunctionExpr;
+use datafusion::physical_expr::expressions::{CaseExpr, Literal};
 use datafusion::physical_plan::PhysicalExpr;
 use datafusion::physical_plan::projection::ProjectionExec;
 use futures::{Stream, StreamExt};
 
 use crate::functions::accelerator::{PendingCall, called_accelerator_udf, calls_accelerator_udf};
+use crate::functions::model_cache::functions::{FILL, fill};
 
 /// Most pieces queued on the device at once: the one waited for and the next.
 const DEPTH: usize = 2;
@@ -37,6 +43,85 @@ enum ProjectedColumn {
     Model(Arc<dyn PhysicalExpr>),
     /// An expression that calls no model: computed when its piece is queued.
     Cpu(Arc<dyn PhysicalExpr>),
+    /// A model call the model-output cache fills in (`model_cache_fill`, see
+    /// [`crate::plan::model_cache_lookup`]): queued on the device for the rows that missed.
+    Cached(CachedColumn),
+}
+
+/// The parts of `model_cache_fill(identity, hit, key, CASE WHEN hit IS NULL THEN model END)`.
+#[derive(Debug)]
+struct CachedColumn {
+    identity: String,
+    hit: Arc<dyn PhysicalExpr>,
+    key: Arc<dyn PhysicalExpr>,
+    model: Arc<dyn PhysicalExpr>,
+    config: Arc<ConfigOptions>,
+}
+
+impl CachedColumn {
+    /// `expr` as a filled model call, if it is one whose model reads no model.
+    fn of(expr: &Arc<dyn PhysicalExpr>) -> Option<Self> {
+        let fill = expr.downcast_ref::<ScalarFunctionExpr>()?;
+        if fill.name() != FILL {
+            return None;
+        }
+        let [identity, hit, key, computed] = fill.args() else {
+            return None;
+        };
+        let identity = match identity.downcast_ref::<Literal>()?.value() {
+            ScalarValue::Utf8(Some(identity)) => identity.clone(),
+            _ => return None,
+        };
+        let case = computed.downcast_ref::<CaseExpr>()?;
+        let [(_, model)] = case.when_then_expr() else {
+            return None;
+        };
+        let (call, _) = called_accelerator_udf(model)?;
+        if call.args().iter().any(calls_accelerator_udf) {
+            return None;
+        }
+        Some(Self {
+            identity,
+            hit: Arc::clone(hit),
+            key: Arc::clone(key),
+            model: Arc::clone(model),
+            config: Arc::new(fill.config_options().clone()),
+        })
+    }
+
+    /// Queue the model over the rows of `batch` that missed the cache.
+    fn queue(&self, batch: &RecordBatch) -> Result<QueuedColumn> {
+        let rows = batch.num_rows();
+        let hits = self.hit.evaluate(batch)?.into_array(rows)?;
+        let keys = self.key.evaluate(batch)?.into_array(rows)?;
+        let misses: UInt32Array = (0..rows as u32)
+            .filter(|&row| hits.is_null(row as usize))
+            .map(Some)
+            .collect();
+        let (call, udf) = called_accelerator_udf(&self.model).expect("checked by CachedColumn::of");
+        let args = (call.args().iter())
+            .map(|arg| {
+                Ok(take(
+                    arg.evaluate(batch)?.into_array(rows)?.as_ref(),
+                    &misses,
+                    None,
+                )?)
+            })
+            .collect::<Result<Vec<ArrayRef>>>()?;
+        let pending = udf.start(
+            &args,
+            misses.len(),
+            call.return_type(),
+            call.config_options(),
+        )?;
+        Ok(QueuedColumn::Filled {
+            pending,
+            hits,
+            keys,
+            identity: self.identity.clone(),
+            config: Arc::clone(&self.config),
+        })
+    }
 }
 
 /// The columns of an accelerator projection, when it can queue its pieces: each either a
@@ -55,6 +140,9 @@ impl ModelCalls {
             .iter()
             .map(|column| {
                 let expr = &column.expr;
+                if let Some(cached) = CachedColumn::of(expr) {
+                    return Some(ProjectedColumn::Cached(cached));
+                }
                 if !calls_accelerator_udf(expr) {
                     return Some(ProjectedColumn::Cpu(Arc::clone(expr)));
                 }
@@ -90,6 +178,7 @@ impl ModelCalls {
                         udf.start(&args, rows, call.return_type(), call.config_options())?;
                     Ok(QueuedColumn::Pending(pending))
                 }
+                ProjectedColumn::Cached(cached) => cached.queue(batch),
             })
             .collect::<Result<Vec<_>>>()?;
         Ok(QueuedPiece { rows, columns })
@@ -101,6 +190,14 @@ impl ModelCalls {
 enum QueuedColumn {
     Ready(ArrayRef),
     Pending(PendingCall),
+    /// The misses of a cached model call, and what fills in the rest.
+    Filled {
+        pending: PendingCall,
+        hits: ArrayRef,
+        keys: ArrayRef,
+        identity: String,
+        config: Arc<ConfigOptions>,
+    },
 }
 
 /// A piece whose model calls are queued on the device.
@@ -115,7 +212,9 @@ impl QueuedPiece {
     /// computing in `start`).
     fn in_flight(&self) -> bool {
         self.columns.iter().any(|column| match column {
-            QueuedColumn::Pending(call) => !call.is_ready(),
+            QueuedColumn::Pending(call) | QueuedColumn::Filled { pending: call, .. } => {
+                !call.is_ready()
+            }
             QueuedColumn::Ready(_) => false,
         })
     }
@@ -128,6 +227,13 @@ impl QueuedPiece {
             .map(|column| match column {
                 QueuedColumn::Ready(array) => Ok(array),
                 QueuedColumn::Pending(call) => call.wait(),
+                QueuedColumn::Filled {
+                    pending,
+                    hits,
+                    keys,
+                    identity,
+                    config,
+                } => fill(&identity, &config, &hits, &keys, &pending.wait()?),
             })
             .collect::<Result<Vec<_>>>()?;
         let options = RecordBatchOptions::new().with_row_count(Some(self.rows));

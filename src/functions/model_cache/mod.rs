@@ -7,10 +7,12 @@
 //!   BLAKE3 hash; a row's key is the BLAKE3 hash of the identity and the row's arguments
 //!   (arrow's row format of the arrays the model gets). A changed weight file or setting is
 //!   another directory: an old vector is never returned for it.
-//! - **Lookups** happen where the model is called ([`AcceleratorUdf::start`]): hits are
-//!   filled in from the cache, and only the misses go to the model; a call whose every row
-//!   hits loads no model at all.
-//! - **Writes.** The task that computed misses writes them as one [`segment`] in the
+//! - **Lookups** happen in the CPU stage that feeds the model, before its CPU step (the
+//!   tokenizer): the planner ([`crate::plan::model_cache_lookup`]) computes each row's key
+//!   and looks it up there ([`functions`]: `model_cache_key`, `model_cache_get`), the step
+//!   runs for the misses only, and the model operator computes the misses alone
+//!   (`model_cache_fill`). A block whose every row hit loads no model and touches no device.
+//! - **Writes.** The model task that computed misses writes them as one [`segment`] in the
 //!   function's directory, on whatever host it ran; segments are whole or ignored (write,
 //!   sync, rename; a checksum checked on read), so writers never corrupt each other and a
 //!   killed writer leaves nothing that reads back wrong.
@@ -21,23 +23,26 @@
 //!   cache.
 //!
 //! [`AcceleratorFunction::cache_identity`]: crate::functions::accelerator::AcceleratorFunction::cache_identity
-//! [`AcceleratorUdf::start`]: crate::functions::accelerator::AcceleratorUdf::start
 
+pub mod functions;
 pub mod place;
 pub mod segment;
 
 use std::cell::RefCell;
 use std::collections::{HashMap, HashSet};
 use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 
-use datafusion::arrow::array::{Array, ArrayRef, FixedSizeBinaryArray};
+use datafusion::arrow::array::{Array, ArrayRef, FixedSizeBinaryArray, new_null_array};
 use datafusion::arrow::compute::interleave;
+use datafusion::arrow::datatypes::DataType;
 use datafusion::arrow::row::{RowConverter, SortField};
 use datafusion::config::ConfigOptions;
 use datafusion::error::{DataFusionError, Result};
 
 use crate::config::FlumenConfig;
+#[cfg(doc)]
 use crate::functions::accelerator::AcceleratorFunction;
 use place::Place;
 use segment::Segment;
@@ -72,9 +77,16 @@ struct ShardState {
 static SHARDS: Mutex<Option<HashMap<String, Arc<Shard>>>> = Mutex::new(None);
 
 thread_local! {
-    /// This thread's cache figures since [`take_figures`] last read them.
+    /// This thread's cache figures since [`take_figures`] last read them (the model
+    /// operator's: hits and misses it filled, bytes it wrote).
     static FIGURES: RefCell<Figures> = RefCell::new(Figures::default());
 }
+
+/// Bytes of segments this process read since [`take_figures`] last took them: lookups run
+/// in CPU tasks, whose threads report no model figures, so the next model task reports them.
+static BYTES_READ: AtomicU64 = AtomicU64::new(0);
+/// Damaged segments this process found since [`take_figures`] last took them.
+static CORRUPT_SEGMENTS: AtomicU64 = AtomicU64::new(0);
 
 /// What the cache did for the calls of one thread.
 #[derive(Debug, Default, Clone, Copy)]
@@ -86,10 +98,13 @@ struct Figures {
     corrupt_segments: u64,
 }
 
-/// This thread's cache figures since the last call, by name (for the model operator's
-/// metrics); none when the cache did nothing.
+/// This thread's cache figures since the last call, with the lookups' figures this process
+/// gathered meanwhile, by name (for the model operator's metrics); none when the cache did
+/// nothing.
 pub fn take_figures() -> Vec<(String, u64)> {
-    let f = FIGURES.with(|f| std::mem::take(&mut *f.borrow_mut()));
+    let mut f = FIGURES.with(|f| std::mem::take(&mut *f.borrow_mut()));
+    f.bytes_read += BYTES_READ.swap(0, Ordering::Relaxed);
+    f.corrupt_segments += CORRUPT_SEGMENTS.swap(0, Ordering::Relaxed);
     if f.hits + f.misses + f.corrupt_segments == 0 {
         return vec![];
     }
@@ -104,6 +119,49 @@ pub fn take_figures() -> Vec<(String, u64)> {
 
 fn count(update: impl FnOnce(&mut Figures)) {
     FIGURES.with(|f| update(&mut f.borrow_mut()));
+}
+
+/// The hash of a function's [`cache_identity`](AcceleratorFunction::cache_identity): its
+/// shard's name, and part of every key.
+pub fn identity_hash(identity: &str) -> [u8; 32] {
+    *blake3::hash(identity.as_bytes()).as_bytes()
+}
+
+/// Each row's key under the identity hashed as `identity`: the BLAKE3 hash of the identity
+/// and the row's arguments (in arrow's row format).
+pub fn row_keys(identity: &[u8; 32], args: &[ArrayRef], rows: usize) -> Result<Vec<[u8; 32]>> {
+    if args.is_empty() {
+        return Ok(vec![*blake3::hash(identity).as_bytes(); rows]);
+    }
+    let fields = args
+        .iter()
+        .map(|a| SortField::new(a.data_type().clone()))
+        .collect();
+    let converted = RowConverter::new(fields)?.convert_columns(args)?;
+    Ok((0..rows)
+        .map(|row| {
+            let mut hasher = blake3::Hasher::new();
+            hasher.update(identity);
+            hasher.update(converted.row(row).as_ref());
+            *hasher.finalize().as_bytes()
+        })
+        .collect())
+}
+
+/// `hits` (null where a row missed) with the misses' rows taken from `computed` (one row per
+/// miss, in order).
+pub fn merge_misses(hits: &ArrayRef, computed: &ArrayRef) -> Result<ArrayRef> {
+    let mut next_miss = 0;
+    let indices: Vec<(usize, usize)> = (0..hits.len())
+        .map(|row| match hits.is_null(row) {
+            false => (0, row),
+            true => {
+                next_miss += 1;
+                (1, next_miss - 1)
+            }
+        })
+        .collect();
+    Ok(interleave(&[hits.as_ref(), computed.as_ref()], &indices)?)
 }
 
 /// The cache one call of a model uses: its shard and identity.
@@ -123,65 +181,41 @@ pub struct Lookup {
 }
 
 impl Lookup {
-    /// The rows that missed, in order.
-    pub fn misses(&self) -> Vec<u32> {
-        (self.hits.iter().enumerate())
-            .filter(|(_, hit)| hit.is_none())
-            .map(|(row, _)| row as u32)
-            .collect()
-    }
-
-    /// The call's output: the hits' outputs, and `computed` (one row per miss, in order)
-    /// for the misses.
-    pub fn merge(&self, computed: Option<&ArrayRef>) -> Result<ArrayRef> {
-        let mut sources: Vec<&dyn Array> = Vec::new();
+    /// The hits' outputs, null for the misses (of type `data_type`).
+    pub fn values(&self, data_type: &DataType) -> Result<ArrayRef> {
+        let nothing = new_null_array(data_type, 1);
+        let mut sources: Vec<&dyn Array> = vec![nothing.as_ref()];
         let mut source_of: HashMap<*const Segment, usize> = HashMap::new();
-        let mut indices = Vec::with_capacity(self.hits.len());
-        let computed_source = computed.map(|c| {
-            sources.push(c.as_ref());
-            0
-        });
-        let mut next_miss = 0;
-        for hit in &self.hits {
-            match hit {
+        let indices: Vec<(usize, usize)> = (self.hits.iter())
+            .map(|hit| match hit {
                 Some((segment, entry)) => {
                     let source = *source_of.entry(Arc::as_ptr(segment)).or_insert_with(|| {
                         sources.push(segment.values.as_ref());
                         sources.len() - 1
                     });
-                    indices.push((source, *entry));
+                    (source, *entry)
                 }
-                None => {
-                    let source = computed_source.ok_or_else(|| {
-                        DataFusionError::Internal("a cache miss without its output".into())
-                    })?;
-                    indices.push((source, next_miss));
-                    next_miss += 1;
-                }
-            }
-        }
+                None => (0, 0),
+            })
+            .collect();
         Ok(interleave(&sources, &indices)?)
     }
 }
 
 impl CachedCall {
-    /// The cache for calls of `function` under `config`: `None` when `flumen.model_cache` is
-    /// empty or the function is not deterministic.
-    pub fn open(
-        function: &dyn AcceleratorFunction,
-        config: &ConfigOptions,
-    ) -> Result<Option<Self>> {
+    /// The cache of the function whose [`cache_identity`] is `identity`, under `config`:
+    /// `None` when `flumen.model_cache` is empty.
+    ///
+    /// [`cache_identity`]: AcceleratorFunction::cache_identity
+    pub fn open_identity(identity: &str, config: &ConfigOptions) -> Result<Option<Self>> {
         let Some(flumen) = config.extensions.get::<FlumenConfig>() else {
             return Ok(None);
         };
         if flumen.model_cache.trim().is_empty() {
             return Ok(None);
         }
-        let Some(identity) = function.cache_identity(config)? else {
-            return Ok(None);
-        };
         let root = flumen.model_cache.trim().to_string();
-        let hash = blake3::hash(identity.as_bytes());
+        let hash = blake3::Hash::from_bytes(identity_hash(identity));
         let name = hash.to_hex()[..32].to_string();
         let mut described = false;
         let shard = {
@@ -203,7 +237,7 @@ impl CachedCall {
             }
         };
         if described {
-            shard.place.describe(&identity);
+            shard.place.describe(identity);
         }
         Ok(Some(Self {
             shard,
@@ -215,27 +249,13 @@ impl CachedCall {
 
     /// Each row's key: the identity and the row's arguments, hashed.
     pub fn keys(&self, args: &[ArrayRef], rows: usize) -> Result<Vec<[u8; 32]>> {
-        if args.is_empty() {
-            return Ok(vec![*blake3::hash(&self.identity).as_bytes(); rows]);
-        }
-        let fields = args
-            .iter()
-            .map(|a| SortField::new(a.data_type().clone()))
-            .collect();
-        let converted = RowConverter::new(fields)?.convert_columns(args)?;
-        Ok((0..rows)
-            .map(|row| {
-                let mut hasher = blake3::Hasher::new();
-                hasher.update(&self.identity);
-                hasher.update(converted.row(row).as_ref());
-                *hasher.finalize().as_bytes()
-            })
-            .collect())
+        row_keys(&self.identity, args, rows)
     }
 
     /// Where each key's output is; segments other writers added since the last look are
     /// read first when a key misses (a directory listing, or one LIST request on an
-    /// object store, per call with a miss: other hosts' outputs are found at once).
+    /// object store, per call with a miss: other hosts' outputs are found at once). Hits
+    /// and misses are counted where the misses are computed ([`Self::fill`]).
     pub fn lookup(&self, keys: &[[u8; 32]]) -> Lookup {
         let mut state = self.shard.state.lock().unwrap();
         let find = |state: &ShardState, key: &[u8; 32]| {
@@ -250,12 +270,42 @@ impl CachedCall {
                 }
             }
         }
-        let found = hits.iter().filter(|h| h.is_some()).count() as u64;
-        count(|f| {
-            f.hits += found;
-            f.misses += keys.len() as u64 - found;
-        });
         Lookup { hits }
+    }
+
+    /// The model's output for rows whose cached outputs are `hits` (null where a row
+    /// missed) and whose keys are `keys`: the hits, and `computed` (one row per miss, in
+    /// order) for the misses, which are written to the cache. Counts the hits and misses.
+    pub fn fill(&self, hits: &ArrayRef, keys: &ArrayRef, computed: &ArrayRef) -> Result<ArrayRef> {
+        let misses: Vec<u32> = (0..hits.len() as u32)
+            .filter(|&row| hits.is_null(row as usize))
+            .collect();
+        if computed.len() != misses.len() {
+            return Err(DataFusionError::Internal(format!(
+                "{} outputs computed for {} cache misses",
+                computed.len(),
+                misses.len()
+            )));
+        }
+        count(|f| {
+            f.hits += (hits.len() - misses.len()) as u64;
+            f.misses += misses.len() as u64;
+        });
+        if misses.is_empty() {
+            return Ok(Arc::clone(hits));
+        }
+        let keys = keys
+            .as_any()
+            .downcast_ref::<FixedSizeBinaryArray>()
+            .ok_or_else(|| DataFusionError::Internal("cache keys of another type".into()))?;
+        let miss_keys: Vec<[u8; 32]> = (misses.iter())
+            .map(|&row| keys.value(row as usize).try_into().expect("32-byte keys"))
+            .collect();
+        if let Err(e) = self.store(&miss_keys, computed) {
+            // The answer stands; only the cache lost these outputs.
+            log::warn!("{e}");
+        }
+        merge_misses(hits, computed)
     }
 
     /// Keep `values` (one per key) as a new segment, then hold the cache to its size.
@@ -303,12 +353,12 @@ impl Shard {
             }
             match self.place.read(&listed.name) {
                 Ok(read) => {
-                    count(|f| f.bytes_read += read.bytes);
+                    BYTES_READ.fetch_add(read.bytes, Ordering::Relaxed);
                     state.add(read);
                 }
                 Err(e) => {
                     log::warn!("{e}: removed, its outputs will be computed again");
-                    count(|f| f.corrupt_segments += 1);
+                    CORRUPT_SEGMENTS.fetch_add(1, Ordering::Relaxed);
                     self.place.remove(&listed.name);
                 }
             }
@@ -467,12 +517,18 @@ mod tests {
         // Rows 0 and 2 computed before.
         let before: ArrayRef = Arc::new(Float32Array::from(vec![10.0, 30.0]));
         call.store(&[keys[0], keys[2]], &before).unwrap();
-        let lookup = call.lookup(&keys);
-        assert_eq!(lookup.misses(), vec![1]);
+        let hits = call.lookup(&keys).values(&DataType::Float32).unwrap();
+        assert_eq!(hits.logical_null_count(), 1);
+        assert!(hits.is_null(1));
+        let key_array: ArrayRef =
+            Arc::new(FixedSizeBinaryArray::try_from_iter(keys.iter()).unwrap());
         let computed: ArrayRef = Arc::new(Float32Array::from(vec![20.0]));
-        let merged = lookup.merge(Some(&computed)).unwrap();
+        let merged = call.fill(&hits, &key_array, &computed).unwrap();
         let expected: ArrayRef = Arc::new(Float32Array::from(vec![10.0, 20.0, 30.0]));
         assert_eq!(&merged, &expected);
+        // The miss was written: every row hits now.
+        let again = call.lookup(&keys).values(&DataType::Float32).unwrap();
+        assert_eq!(&again, &expected);
     }
 
     #[test]
