@@ -1,0 +1,148 @@
+"""flumen from Python: SQL over Parquet, CSV and Arrow data in-process, results as Arrow.
+
+    import flumen
+    ctx = flumen.Session(memory_budget="4GB")
+    ctx.register_parquet("docs", "docs.parquet")
+    df = ctx.sql("SELECT id, embed(body) AS v FROM docs")
+    table = df.to_arrow()                      # or to_pandas(), to_pylist()
+    for batch in df.iter_batches():            # streamed: a slow consumer holds the query back
+        ...
+
+Results implement the Arrow PyCapsule interface (``__arrow_c_stream__``), so
+``pyarrow.table(df)``, ``polars.DataFrame(df)`` and DuckDB read them without copies.
+Waits release the GIL; Ctrl-C interrupts a running query.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Iterator, Optional
+
+import pyarrow as pa
+
+from ._flumen import BatchStream, FlumenError
+from ._flumen import DataFrame as _DataFrame
+from ._flumen import Session as _Session
+
+__all__ = ["Session", "DataFrame", "FlumenError"]
+
+
+def _setting_value(value: Any) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    return str(value)
+
+
+class Session:
+    """A flumen session: DataFusion's SQL with flumen's scheduler, memory budget and models.
+
+    ``memory_budget``: bytes the session's queries may hold (``"4GB"``, ``"512MB"``);
+    ``settings``: any other session setting by name (``{"flumen.device": "cpu"}``), applied
+    as ``SET name = 'value'``.
+    """
+
+    def __init__(
+        self,
+        memory_budget: Optional[str] = None,
+        settings: Optional[dict[str, Any]] = None,
+    ) -> None:
+        pairs = []
+        if memory_budget is not None:
+            pairs.append(("flumen.memory_budget", str(memory_budget)))
+        for name, value in (settings or {}).items():
+            pairs.append((name, _setting_value(value)))
+        self._inner = _Session(pairs)
+
+    def sql(self, query: str) -> "DataFrame":
+        """Plan ``query``; the rows are computed when asked for. ``SET``, ``CREATE`` and
+        ``COPY ... TO`` statements take effect when their result is read (``.collect()``)."""
+        return DataFrame(self._inner.sql(query))
+
+    def register_parquet(self, name: str, path: str) -> None:
+        """Table ``name`` over Parquet files (a file, a directory, an object-store URL)."""
+        self._inner.register_parquet(name, str(path))
+
+    def register_csv(self, name: str, path: str) -> None:
+        """Table ``name`` over CSV files with a header row."""
+        self._inner.register_csv(name, str(path))
+
+    def from_arrow(self, name: str, data: Any) -> "DataFrame":
+        """Table ``name`` over any Arrow data with ``__arrow_c_stream__`` (a pyarrow table,
+        a polars frame, another flumen result), shared without copying; returns it as a
+        DataFrame."""
+        self._inner.register_arrow(name, data)
+        return self.sql(f'SELECT * FROM "{name}"')
+
+    def deregister_table(self, name: str) -> bool:
+        """Drop table ``name``; true when there was one."""
+        return self._inner.deregister_table(name)
+
+
+class DataFrame:
+    """A planned query. Reading it runs it; each read runs it again."""
+
+    def __init__(self, inner: _DataFrame) -> None:
+        self._inner = inner
+
+    @property
+    def schema(self) -> pa.Schema:
+        """The result's Arrow schema."""
+        return pa.schema(self._inner)
+
+    def __arrow_c_schema__(self) -> Any:
+        return self._inner.__arrow_c_schema__()
+
+    def __arrow_c_stream__(self, requested_schema: Any = None) -> Any:
+        return self._inner.__arrow_c_stream__(requested_schema)
+
+    def _batches(self) -> Iterator[pa.RecordBatch]:
+        for exported in self._inner.batches():
+            yield pa.record_batch(exported)
+
+    def iter_batches(self, batch_rows: Optional[int] = None) -> Iterator[pa.RecordBatch]:
+        """The result's batches as the query produces them. The query runs as far ahead of
+        the consumer as its memory budget allows. ``batch_rows``: re-cut them to at most
+        that many rows (slices, no copies)."""
+        for batch in self._batches():
+            if batch_rows is None or batch.num_rows <= batch_rows:
+                yield batch
+                continue
+            for start in range(0, batch.num_rows, batch_rows):
+                yield batch.slice(start, batch_rows)
+
+    def collect(self) -> list[pa.RecordBatch]:
+        """Run the query; all its batches."""
+        return list(self._batches())
+
+    def to_arrow(self) -> pa.Table:
+        """Run the query; its rows as a pyarrow Table."""
+        return pa.Table.from_batches(self.collect(), schema=self.schema)
+
+    def to_pandas(self) -> Any:
+        """Run the query; its rows as a pandas DataFrame (needs pandas)."""
+        return self.to_arrow().to_pandas()
+
+    def to_pylist(self) -> list[dict[str, Any]]:
+        """Run the query; its rows as a list of dicts."""
+        return self.to_arrow().to_pylist()
+
+    def show(self, rows: int = 20) -> None:
+        """Print the first ``rows`` rows."""
+        shown = []
+        count = 0
+        for batch in self._batches():
+            shown.append(batch.slice(0, rows - count))
+            count += shown[-1].num_rows
+            if count >= rows:
+                break
+        print(pa.Table.from_batches(shown, schema=self.schema))
+
+    def explain(self, analyze: bool = False) -> str:
+        """The plan with flumen's operators (``analyze``: run it and show its figures)."""
+        return self._inner.explain(analyze)
+
+    def __repr__(self) -> str:
+        return f"flumen.DataFrame({self.schema})"
+
+
+# For type checkers and `help(flumen)`.
+_ = BatchStream

@@ -1,0 +1,353 @@
+//! `flumen._flumen`: flumen's Python module. A [`Session`] holds a flumen `SessionContext`;
+//! `sql` plans a query into a lazy [`DataFrame`] whose results leave as Arrow through the
+//! C data interface (PyCapsules: `__arrow_c_stream__`, `__arrow_c_array__`,
+//! `__arrow_c_schema__`), so pyarrow, polars and DuckDB read them without copies.
+//!
+//! One Tokio runtime serves every session. Every wait releases the GIL and checks for
+//! Ctrl-C twice a second ([`wait`]): a `KeyboardInterrupt` drops the query's stream, which
+//! cancels its tasks. The Python wrapper (`python/flumen/__init__.py`) builds the user's API
+//! on these classes.
+
+use std::ffi::CString;
+use std::future::Future;
+use std::sync::{Arc, OnceLock};
+use std::time::Duration;
+
+use datafusion::arrow::array::{Array, RecordBatch, RecordBatchReader, StructArray};
+use datafusion::arrow::datatypes::SchemaRef;
+use datafusion::arrow::error::ArrowError;
+use datafusion::arrow::ffi::{FFI_ArrowArray, FFI_ArrowSchema};
+use datafusion::arrow::ffi_stream::{ArrowArrayStreamReader, FFI_ArrowArrayStream};
+use datafusion::datasource::MemTable;
+use datafusion::error::DataFusionError;
+use datafusion::execution::SendableRecordBatchStream;
+use datafusion::prelude::{CsvReadOptions, ParquetReadOptions, SessionContext};
+use futures::StreamExt;
+use pyo3::exceptions::{PyRuntimeError, PyTypeError, PyValueError};
+use pyo3::prelude::*;
+use pyo3::types::{PyCapsule, PyTuple};
+
+pyo3::create_exception!(_flumen, FlumenError, pyo3::exceptions::PyException);
+
+/// The process's one Tokio runtime.
+fn runtime() -> &'static tokio::runtime::Runtime {
+    static RUNTIME: OnceLock<tokio::runtime::Runtime> = OnceLock::new();
+    RUNTIME.get_or_init(|| {
+        tokio::runtime::Builder::new_multi_thread()
+            .enable_all()
+            .thread_name("flumen-python")
+            .build()
+            .expect("a Tokio runtime")
+    })
+}
+
+/// Run `future` to its end without the GIL, checking for Ctrl-C (and other signals Python
+/// handles) every half second: a signal's exception drops the future and is raised.
+fn wait<F>(py: Python<'_>, future: F) -> PyResult<F::Output>
+where
+    F: Future + Send,
+    F::Output: Send,
+{
+    let mut future = Box::pin(future);
+    loop {
+        let step = py.detach(|| {
+            runtime().block_on(async {
+                tokio::time::timeout(Duration::from_millis(500), &mut future).await
+            })
+        });
+        match step {
+            Ok(output) => return Ok(output),
+            Err(_) => py.check_signals()?,
+        }
+    }
+}
+
+/// A DataFusion error as a Python exception, its message intact.
+fn error(e: DataFusionError) -> PyErr {
+    FlumenError::new_err(e.to_string())
+}
+
+/// `batch` as the two capsules of the Arrow C data interface: its schema and its rows (as
+/// one struct array), sharing its buffers.
+fn batch_capsules<'py>(py: Python<'py>, batch: &RecordBatch) -> PyResult<Bound<'py, PyTuple>> {
+    let array = StructArray::from(batch.clone());
+    let schema = FFI_ArrowSchema::try_from(array.data_type())
+        .map_err(|e| PyValueError::new_err(e.to_string()))?;
+    let array = FFI_ArrowArray::new(&array.to_data());
+    let schema = PyCapsule::new(py, schema, Some(CString::new("arrow_schema").unwrap()))?;
+    let array = PyCapsule::new(py, array, Some(CString::new("arrow_array").unwrap()))?;
+    PyTuple::new(py, [schema.into_any(), array.into_any()])
+}
+
+/// `schema` as an `arrow_schema` capsule.
+fn schema_capsule<'py>(py: Python<'py>, schema: &SchemaRef) -> PyResult<Bound<'py, PyCapsule>> {
+    let schema = FFI_ArrowSchema::try_from(schema.as_ref())
+        .map_err(|e| PyValueError::new_err(e.to_string()))?;
+    PyCapsule::new(py, schema, Some(CString::new("arrow_schema").unwrap()))
+}
+
+/// A stream of batches as an `arrow_array_stream` capsule.
+fn stream_capsule<'py>(
+    py: Python<'py>,
+    reader: Box<dyn RecordBatchReader + Send>,
+) -> PyResult<Bound<'py, PyCapsule>> {
+    let stream = FFI_ArrowArrayStream::new(reader);
+    PyCapsule::new(
+        py,
+        stream,
+        Some(CString::new("arrow_array_stream").unwrap()),
+    )
+}
+
+/// The batches an object with `__arrow_c_stream__` (a pyarrow table or reader, a polars
+/// frame, another flumen result...) holds, imported without copying their buffers.
+fn import_stream(obj: &Bound<'_, PyAny>) -> PyResult<(SchemaRef, Vec<RecordBatch>)> {
+    if !obj.hasattr("__arrow_c_stream__")? {
+        return Err(PyTypeError::new_err(format!(
+            "from_arrow takes an object with __arrow_c_stream__ (pyarrow, polars, ...), got {}",
+            obj.get_type().name()?
+        )));
+    }
+    let capsule = obj.call_method0("__arrow_c_stream__")?;
+    let capsule = capsule.cast::<PyCapsule>()?;
+    let pointer = capsule
+        .pointer_checked(Some(c"arrow_array_stream"))?
+        .as_ptr() as *mut FFI_ArrowArrayStream;
+    // SAFETY: the capsule holds an ArrowArrayStream (the protocol's promise); `from_raw`
+    // moves it out and marks the capsule's copy released, so the producer's release runs
+    // once, from the reader.
+    let stream = unsafe { FFI_ArrowArrayStream::from_raw(pointer) };
+    let reader = ArrowArrayStreamReader::try_new(stream)
+        .map_err(|e| PyValueError::new_err(e.to_string()))?;
+    let schema = reader.schema();
+    let batches = reader
+        .collect::<Result<Vec<_>, ArrowError>>()
+        .map_err(|e| PyValueError::new_err(e.to_string()))?;
+    Ok((schema, batches))
+}
+
+/// A flumen session: a DataFusion `SessionContext` with flumen's planner, scheduler,
+/// functions (`embed`, ...) and settings.
+#[pyclass(module = "flumen._flumen", frozen)]
+struct Session {
+    ctx: SessionContext,
+}
+
+#[pymethods]
+impl Session {
+    /// A session; `settings`: (name, value) pairs applied as `SET name = 'value'`.
+    #[new]
+    #[pyo3(signature = (settings = None))]
+    fn new(py: Python<'_>, settings: Option<Vec<(String, String)>>) -> PyResult<Self> {
+        let ctx = flumen::session(flumen::FlumenConfig::default());
+        for (name, value) in settings.unwrap_or_default() {
+            let value = value.replace('\'', "''");
+            let sql = format!("SET {name} = '{value}'");
+            wait(py, async { ctx.sql(&sql).await?.collect().await })?.map_err(error)?;
+        }
+        Ok(Self { ctx })
+    }
+
+    /// Plan `query`: a lazy result. Statements that change the session (`SET`, `CREATE`,
+    /// `DROP`) take effect now, as in DataFusion.
+    fn sql(&self, py: Python<'_>, query: &str) -> PyResult<DataFrame> {
+        let df = wait(py, self.ctx.sql(query))?.map_err(error)?;
+        Ok(DataFrame { df })
+    }
+
+    /// Register Parquet files (a file, a directory or a URL) as table `name`.
+    fn register_parquet(&self, py: Python<'_>, name: &str, path: &str) -> PyResult<()> {
+        let options = ParquetReadOptions::default();
+        wait(py, self.ctx.register_parquet(name, path, options))?.map_err(error)
+    }
+
+    /// Register CSV files (with a header row) as table `name`.
+    fn register_csv(&self, py: Python<'_>, name: &str, path: &str) -> PyResult<()> {
+        let options = CsvReadOptions::new();
+        wait(py, self.ctx.register_csv(name, path, options))?.map_err(error)
+    }
+
+    /// Register the rows of any object with `__arrow_c_stream__` as table `name`, without
+    /// copying them.
+    fn register_arrow(&self, name: &str, obj: &Bound<'_, PyAny>) -> PyResult<()> {
+        let (schema, batches) = import_stream(obj)?;
+        let table = MemTable::try_new(schema, vec![batches]).map_err(error)?;
+        self.ctx
+            .register_table(name, Arc::new(table))
+            .map_err(error)?;
+        Ok(())
+    }
+
+    /// Drop table `name` (true when there was one).
+    fn deregister_table(&self, name: &str) -> PyResult<bool> {
+        Ok(self.ctx.deregister_table(name).map_err(error)?.is_some())
+    }
+}
+
+/// A planned query: runs when its rows are asked for.
+#[pyclass(module = "flumen._flumen", frozen)]
+struct DataFrame {
+    df: datafusion::dataframe::DataFrame,
+}
+
+#[pymethods]
+impl DataFrame {
+    /// The result's schema, as an `arrow_schema` capsule.
+    fn __arrow_c_schema__<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyCapsule>> {
+        let schema: SchemaRef = Arc::new(self.df.schema().as_arrow().clone());
+        schema_capsule(py, &schema)
+    }
+
+    /// Run the query and hand its rows on as they come (the Arrow PyCapsule stream
+    /// interface): the consumer's pace holds the query back, not the memory. The reader
+    /// waits for each batch holding the GIL; `batches()` waits without it.
+    #[pyo3(signature = (requested_schema = None))]
+    fn __arrow_c_stream__<'py>(
+        &self,
+        py: Python<'py>,
+        requested_schema: Option<Bound<'py, PyAny>>,
+    ) -> PyResult<Bound<'py, PyCapsule>> {
+        let _ = requested_schema;
+        let stream = wait(py, self.df.clone().execute_stream())?.map_err(error)?;
+        stream_capsule(py, Box::new(BlockingReader { stream }))
+    }
+
+    /// Run the query: an iterator of its batches, each waited for without the GIL.
+    fn batches(&self, py: Python<'_>) -> PyResult<BatchStream> {
+        let stream = wait(py, self.df.clone().execute_stream())?.map_err(error)?;
+        Ok(BatchStream {
+            stream: std::sync::Mutex::new(Some(stream)),
+        })
+    }
+
+    /// The plan, as `EXPLAIN [ANALYZE]` shows it (`analyze` runs the query).
+    #[pyo3(signature = (analyze = false))]
+    fn explain(&self, py: Python<'_>, analyze: bool) -> PyResult<String> {
+        let df = self.df.clone().explain(false, analyze).map_err(error)?;
+        let batches = wait(py, df.collect())?.map_err(error)?;
+        let mut text = String::new();
+        for batch in &batches {
+            let kinds = batch.column(0);
+            let plans = batch.column(1);
+            let kinds = datafusion::arrow::array::AsArray::as_string::<i32>(kinds);
+            let plans = datafusion::arrow::array::AsArray::as_string::<i32>(plans);
+            for row in 0..batch.num_rows() {
+                text.push_str(&format!("{}:\n{}\n", kinds.value(row), plans.value(row)));
+            }
+        }
+        Ok(text)
+    }
+}
+
+/// A query's batches for a consumer that pulls them through the C stream interface.
+struct BlockingReader {
+    stream: SendableRecordBatchStream,
+}
+
+impl Iterator for BlockingReader {
+    type Item = Result<RecordBatch, ArrowError>;
+
+    fn next(&mut self) -> Option<Self::Item> {
+        runtime()
+            .block_on(self.stream.next())
+            .map(|batch| batch.map_err(|e| ArrowError::ExternalError(Box::new(e))))
+    }
+}
+
+impl RecordBatchReader for BlockingReader {
+    fn schema(&self) -> SchemaRef {
+        self.stream.schema()
+    }
+}
+
+/// A running query's batches, for Python's iteration: each `__next__` waits for the next
+/// batch without the GIL (Ctrl-C checked) and returns it as an [`ExportedBatch`].
+#[pyclass(module = "flumen._flumen", frozen)]
+struct BatchStream {
+    stream: std::sync::Mutex<Option<SendableRecordBatchStream>>,
+}
+
+#[pymethods]
+impl BatchStream {
+    fn __iter__(slf: PyRef<'_, Self>) -> PyRef<'_, Self> {
+        slf
+    }
+
+    fn __next__(&self, py: Python<'_>) -> PyResult<Option<ExportedBatch>> {
+        let Some(mut stream) = self.stream.lock().unwrap().take() else {
+            return Ok(None);
+        };
+        // Interrupted (Ctrl-C): the stream is dropped with the future, cancelling the query.
+        let (stream, next) = wait(py, async {
+            let next = stream.next().await;
+            (stream, next)
+        })?;
+        match next {
+            Some(Ok(batch)) => {
+                *self.stream.lock().unwrap() = Some(stream);
+                Ok(Some(ExportedBatch { batch }))
+            }
+            Some(Err(e)) => Err(error(e)),
+            None => Ok(None),
+        }
+    }
+
+    /// The batches' schema, as an `arrow_schema` capsule (`None` once the stream ended).
+    fn __arrow_c_schema__<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyCapsule>> {
+        let guard = self.stream.lock().unwrap();
+        let stream = guard
+            .as_ref()
+            .ok_or_else(|| PyRuntimeError::new_err("the stream has ended"))?;
+        schema_capsule(py, &stream.schema())
+    }
+}
+
+/// One batch of a result, for `pyarrow.record_batch(...)` (`__arrow_c_array__`).
+#[pyclass(module = "flumen._flumen", frozen)]
+struct ExportedBatch {
+    batch: RecordBatch,
+}
+
+#[pymethods]
+impl ExportedBatch {
+    #[pyo3(signature = (requested_schema = None))]
+    fn __arrow_c_array__<'py>(
+        &self,
+        py: Python<'py>,
+        requested_schema: Option<Bound<'py, PyAny>>,
+    ) -> PyResult<Bound<'py, PyTuple>> {
+        let _ = requested_schema;
+        batch_capsules(py, &self.batch)
+    }
+
+    fn __len__(&self) -> usize {
+        self.batch.num_rows()
+    }
+
+    /// The addresses of each column's buffers (validity bitmaps aside), as flumen holds
+    /// them: what a reader of `__arrow_c_array__` must find again if nothing was copied.
+    fn buffer_addresses(&self) -> Vec<Vec<usize>> {
+        (self.batch.columns().iter())
+            .map(|column| {
+                let data = column.to_data();
+                let mut addresses: Vec<usize> =
+                    data.buffers().iter().map(|b| b.as_ptr() as usize).collect();
+                for child in data.child_data() {
+                    addresses.extend(child.buffers().iter().map(|b| b.as_ptr() as usize));
+                }
+                addresses
+            })
+            .collect()
+    }
+}
+
+/// The module.
+#[pymodule]
+fn _flumen(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    m.add_class::<Session>()?;
+    m.add_class::<DataFrame>()?;
+    m.add_class::<BatchStream>()?;
+    m.add_class::<ExportedBatch>()?;
+    m.add("FlumenError", m.py().get_type::<FlumenError>())?;
+    Ok(())
+}

@@ -1,0 +1,174 @@
+"""flumen's Python module: SQL results against pyarrow's, Arrow out through the PyCapsule
+interface without copies, bad input as clear errors, streaming under a memory budget, and
+Ctrl-C during a long query.
+
+Run by `tests/python.rs` (the README's test command) with the interpreter that
+`python/install.sh` built the module into.
+"""
+
+import os
+import resource
+import signal
+import subprocess
+import sys
+import time
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+import flumen
+
+ROWS = 10_000
+
+
+def required(module):
+    """`module`, imported; under CI (CI=true) a missing one fails the test, elsewhere it
+    skips it and says so."""
+    try:
+        return __import__(module)
+    except ImportError:
+        if os.environ.get("CI", "").lower() not in ("", "0", "false"):
+            raise
+        pytest.skip(f"{module} is not installed")
+
+
+@pytest.fixture
+def table(tmp_path):
+    ids = list(range(ROWS))
+    data = pa.table(
+        {
+            "id": pa.array(ids, pa.int64()),
+            "g": pa.array([i % 7 for i in ids], pa.int64()),
+            "x": pa.array([i * 0.5 for i in ids], pa.float64()),
+            "s": pa.array([f"row {i}" for i in ids], pa.string()),
+        }
+    )
+    path = tmp_path / "t.parquet"
+    pq.write_table(data, path, row_group_size=1_000)
+    return data, str(path)
+
+
+def session(**settings):
+    return flumen.Session(settings={"flumen.device": "cpu", **settings})
+
+
+def test_sql_results_equal_pyarrows(table):
+    data, path = table
+    ctx = session()
+    ctx.register_parquet("t", path)
+    got = ctx.sql(
+        "SELECT g, sum(x) AS total, count(*) AS n FROM t WHERE id % 3 = 0 GROUP BY g ORDER BY g"
+    ).to_arrow()
+    kept = data.filter(pa.array([i % 3 == 0 for i in range(ROWS)]))
+    expected = kept.group_by("g").aggregate([("x", "sum"), ("x", "count")]).sort_by("g")
+    assert got.column("g").to_pylist() == expected.column("g").to_pylist()
+    assert got.column("total").to_pylist() == expected.column("x_sum").to_pylist()
+    assert got.column("n").to_pylist() == expected.column("x_count").to_pylist()
+    # The same rows as dicts.
+    rows = ctx.sql("SELECT id, s FROM t WHERE id < 3 ORDER BY id").to_pylist()
+    assert rows == [{"id": i, "s": f"row {i}"} for i in range(3)]
+
+
+def test_results_are_read_through_the_arrow_pycapsule_stream(table):
+    data, path = table
+    ctx = session()
+    ctx.register_parquet("t", path)
+    df = ctx.sql("SELECT id, s FROM t ORDER BY id")
+    # DataFusion reads Parquet strings as string views.
+    assert df.schema == pa.schema([("id", pa.int64()), ("s", pa.string_view())])
+    read = pa.RecordBatchReader.from_stream(df).read_all()
+    assert read.column("id").to_pylist() == list(range(ROWS))
+    assert pa.table(df).column("s").to_pylist() == data.column("s").to_pylist()
+    polars = required("polars")
+    frame = polars.DataFrame(df)
+    assert frame.height == ROWS
+    assert frame["id"].to_list() == list(range(ROWS))
+
+
+def test_results_leave_without_copies(table):
+    _, path = table
+    ctx = session()
+    ctx.register_parquet("t", path)
+    df = ctx.sql("SELECT id, x, s FROM t")
+    batches = 0
+    for exported in df._inner.batches():
+        batch = pa.record_batch(exported)
+        for held, column in zip(exported.buffer_addresses(), batch.columns):
+            read = {b.address for b in column.buffers() if b is not None}
+            assert set(held) <= read, f"a buffer was copied: {held} against {read}"
+        batches += 1
+    assert batches > 0
+
+
+def test_arrow_data_goes_in_and_comes_back_out():
+    values = pa.array(range(1_000_000), pa.int64())
+    ctx = session()
+    df = ctx.from_arrow("src", pa.table({"v": values}))
+    assert sum(b.num_rows for b in df.collect()) == 1_000_000
+    total = ctx.sql("SELECT sum(v) AS total FROM src").to_pylist()
+    assert total == [{"total": sum(range(1_000_000))}]
+    # polars reads a result through the stream interface, and flumen reads polars' frame.
+    polars = required("polars")
+    frame = polars.DataFrame(ctx.sql("SELECT v FROM src WHERE v % 2 = 0"))
+    assert frame["v"].sum() == sum(range(0, 1_000_000, 2))
+    ctx.from_arrow("evens", frame)
+    assert ctx.sql("SELECT count(*) AS n FROM evens").to_pylist() == [{"n": 500_000}]
+
+
+def test_bad_input_is_a_clear_error_and_the_session_goes_on(tmp_path):
+    ctx = session()
+    with pytest.raises(flumen.FlumenError, match="no_such_table"):
+        ctx.sql("SELECT * FROM no_such_table")
+    with pytest.raises(flumen.FlumenError, match="SELEC"):
+        ctx.sql("SELEC 1")
+    missing = tmp_path / "missing.parquet"
+    with pytest.raises(flumen.FlumenError, match="missing.parquet"):
+        ctx.register_parquet("m", str(missing))
+    with pytest.raises(TypeError, match="__arrow_c_stream__"):
+        ctx.from_arrow("bad", [1, 2, 3])
+    assert ctx.sql("SELECT 1 AS one").to_pylist() == [{"one": 1}]
+
+
+def test_iter_batches_holds_memory_within_the_budget_for_a_slow_consumer():
+    budget = 32 << 20
+    ctx = session(**{"flumen.memory_budget": "32MB"})
+    # About 10x the budget: 3,000,000 rows of ~110 bytes.
+    df = ctx.sql("SELECT value AS id, repeat('a', 100) AS pad FROM generate_series(1, 3000000)")
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss << 10
+    rows = 0
+    for batch in df.iter_batches(batch_rows=8192):
+        rows += batch.num_rows
+        time.sleep(0.002)
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss << 10
+    assert rows == 3_000_000
+    grew = peak - before
+    print(f"peak RSS grew {grew >> 20} MiB streaming {rows * 110 >> 20} MiB, budget {budget >> 20} MiB")
+    assert grew < budget + (160 << 20), f"peak RSS grew {grew >> 20} MiB"
+
+
+def test_ctrl_c_interrupts_a_long_query_within_two_seconds():
+    script = (
+        "import flumen, sys\n"
+        "ctx = flumen.Session()\n"
+        "df = ctx.sql('SELECT count(*) FROM generate_series(1, 100000000000) a, generate_series(1, 10) b')\n"
+        "print('running', flush=True)\n"
+        "try:\n"
+        "    df.collect()\n"
+        "except KeyboardInterrupt:\n"
+        "    print('interrupted', flush=True)\n"
+        "    sys.exit(3)\n"
+    )
+    child = subprocess.Popen(
+        [sys.executable, "-c", script], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
+    assert child.stdout.readline().strip() == "running"
+    time.sleep(1.0)
+    sent = time.monotonic()
+    child.send_signal(signal.SIGINT)
+    out, err = child.communicate(timeout=30)
+    took = time.monotonic() - sent
+    assert child.returncode == 3, (child.returncode, out, err)
+    assert "interrupted" in out
+    print(f"Ctrl-C to KeyboardInterrupt: {took:.2f} s")
+    assert took < 2.0, f"Ctrl-C took {took:.2f} s"

@@ -1,0 +1,41 @@
+//! flumen's Python module (`python/`) under pytest (`python/tests`), run with the
+//! interpreter of `target/test-venv`, into which `python/install.sh` (part of the README's
+//! test command) builds it with maturin. Under CI a module that was not built fails here.
+
+mod common;
+
+use std::path::Path;
+use std::process::Command;
+
+#[test]
+fn the_python_module_passes_its_pytest_suite() {
+    let repo = Path::new(env!("CARGO_MANIFEST_DIR"));
+    let python = repo.join("target/test-venv/bin/python");
+    let importable = Command::new(&python)
+        .args(["-c", "import flumen, pytest"])
+        .output()
+        .is_ok_and(|out| out.status.success());
+    if !importable {
+        common::skip_missing_tool(&format!(
+            "flumen's Python module or pytest is not in {} (run `bash python/install.sh`)",
+            python.display()
+        ));
+        return;
+    }
+    let out = Command::new(&python)
+        .args([
+            "-m",
+            "pytest",
+            "-q",
+            "-rs",
+            "-p",
+            "no:cacheprovider",
+            "python/tests",
+        ])
+        .current_dir(repo)
+        .output()
+        .expect("pytest runs");
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    println!("{stdout}{}", String::from_utf8_lossy(&out.stderr));
+    assert!(out.status.success(), "pytest failed:\n{stdout}");
+}
