@@ -6,11 +6,12 @@
 //! 1. the CPU stage computes each row's key from the model's *original* arguments, before
 //!    its CPU step (`model_cache_key(identity, body)`: the same key whether the tokenizer
 //!    runs on the CPU or in the model's worker), then looks it up
-//!    (`model_cache_get(identity, key, NULL)`, null where it missed);
-//! 2. the CPU step runs for the misses only (`CASE WHEN hit IS NULL THEN embed_tokens(body)
-//!    END`);
+//!    (`model_cache_get(identity, key, NULL)`: `{found, value}` per row);
+//! 2. the CPU step runs for the misses only (`CASE WHEN NOT hit['found'] THEN
+//!    embed_tokens(body) END`);
 //! 3. the model operator computes the misses only and writes them to the cache
-//!    (`model_cache_fill(identity, hit, key, CASE WHEN hit IS NULL THEN embed(tokens) END)`):
+//!    (`model_cache_fill(identity, hit, key, CASE WHEN NOT hit['found'] THEN embed(tokens)
+//!    END)`):
 //!    a `CASE` evaluates its branch over the rows it selects alone, so the model sees no hit,
 //!    and a block whose every row hit loads no model at all.
 //!
@@ -21,13 +22,14 @@
 
 use std::sync::Arc;
 
+use datafusion::arrow::datatypes::SchemaRef;
 use datafusion::common::ScalarValue;
 use datafusion::common::tree_node::{TreeNode, TreeNodeRecursion};
 use datafusion::config::ConfigOptions;
 use datafusion::error::Result;
 use datafusion::logical_expr::ScalarUDF;
 use datafusion::physical_expr::ScalarFunctionExpr;
-use datafusion::physical_expr::expressions::{CaseExpr, Column, IsNullExpr, Literal};
+use datafusion::physical_expr::expressions::{CaseExpr, Column, Literal, NotExpr};
 use datafusion::physical_plan::projection::{ProjectionExec, ProjectionExpr};
 use datafusion::physical_plan::{ExecutionPlan, PhysicalExpr};
 
@@ -158,10 +160,8 @@ pub fn with_cache_lookups(
     let mut work = lower_exprs;
     for (j, (_, call)) in calls.iter().enumerate() {
         if let Some(column) = call.step_column {
-            let missed = Arc::new(IsNullExpr::new(Arc::new(Column::new(
-                &hit_name(j),
-                hit_at(j),
-            ))));
+            let hit = Arc::new(Column::new(&hit_name(j), hit_at(j)));
+            let missed = missed(hit, &looked_up.schema(), &options)?;
             let step = Arc::clone(&work[column].expr);
             work[column].expr = Arc::new(CaseExpr::try_new(None, vec![(missed, step)], None)?);
         }
@@ -184,7 +184,7 @@ pub fn with_cache_lookups(
     for (j, (output, call)) in calls.iter().enumerate() {
         let hit = Arc::new(Column::new(&hit_name(j), work_len + 2 * j + 1));
         let key = Arc::new(Column::new(&key_name(j), work_len + 2 * j));
-        let missed = Arc::new(IsNullExpr::new(Arc::clone(&hit) as Arc<dyn PhysicalExpr>));
+        let missed = missed(Arc::clone(&hit) as _, &work.schema(), &options)?;
         let model = Arc::clone(&exprs[*output].expr);
         let computed = Arc::new(CaseExpr::try_new(None, vec![(missed, model)], None)?);
         let fill = ScalarFunctionExpr::try_new(
@@ -208,6 +208,21 @@ pub fn cache_may_answer(udf: &ScalarUDF, config: &ConfigOptions) -> bool {
     cache_on
         && accelerator_function(udf)
             .is_some_and(|f| f.cache_identity(config).ok().flatten().is_some())
+}
+
+/// `NOT get_field(hit, 'found')`: whether the lookup in column `hit` missed.
+fn missed(
+    hit: Arc<dyn PhysicalExpr>,
+    schema: &SchemaRef,
+    options: &Arc<ConfigOptions>,
+) -> Result<Arc<dyn PhysicalExpr>> {
+    let found = ScalarFunctionExpr::try_new(
+        datafusion::functions::core::get_field(),
+        vec![hit, literal("found")],
+        schema,
+        Arc::clone(options),
+    )?;
+    Ok(Arc::new(NotExpr::new(Arc::new(found))))
 }
 
 /// The key, lookup and fill functions, in that order.

@@ -17,7 +17,7 @@ use std::pin::Pin;
 use std::sync::Arc;
 use std::task::{Context, Poll};
 
-use datafusion::arrow::array::{Array, ArrayRef, RecordBatch, RecordBatchOptions, UInt32Array};
+use datafusion::arrow::array::{ArrayRef, RecordBatch, RecordBatchOptions, UInt32Array};
 use datafusion::arrow::compute::take;
 use datafusion::arrow::datatypes::SchemaRef;
 use datafusion::common::ScalarValue;
@@ -32,6 +32,7 @@ use futures::{Stream, StreamExt};
 
 use crate::functions::accelerator::{PendingCall, called_accelerator_udf, calls_accelerator_udf};
 use crate::functions::model_cache::functions::{FILL, fill};
+use crate::functions::model_cache::miss_rows;
 
 /// Most pieces queued on the device at once: the one waited for and the next.
 const DEPTH: usize = 2;
@@ -48,7 +49,8 @@ enum ProjectedColumn {
     Cached(CachedColumn),
 }
 
-/// The parts of `model_cache_fill(identity, hit, key, CASE WHEN hit IS NULL THEN model END)`.
+/// The parts of `model_cache_fill(identity, hit, key, CASE WHEN NOT hit['found'] THEN model
+/// END)`.
 #[derive(Debug)]
 struct CachedColumn {
     identity: String,
@@ -94,10 +96,7 @@ impl CachedColumn {
         let rows = batch.num_rows();
         let hits = self.hit.evaluate(batch)?.into_array(rows)?;
         let keys = self.key.evaluate(batch)?.into_array(rows)?;
-        let misses: UInt32Array = (0..rows as u32)
-            .filter(|&row| hits.is_null(row as usize))
-            .map(Some)
-            .collect();
+        let misses = UInt32Array::from(miss_rows(&hits)?);
         let (call, udf) = called_accelerator_udf(&self.model).expect("checked by CachedColumn::of");
         let args = (call.args().iter())
             .map(|arg| {

@@ -3,10 +3,12 @@
 //!
 //! - `model_cache_key(identity, args...)`, in the CPU stage: each row's key
 //!   ([`row_keys`]), a 32-byte binary.
-//! - `model_cache_get(identity, key, typed_null)`, in the CPU stage: the cached output of
-//!   each row, null where it missed (of `typed_null`'s type, the model's result type).
-//! - `model_cache_fill(identity, hit, key, computed)`, in the model operator: `hit` where
-//!   it is not null, else `computed`; the computed rows are written to the cache.
+//! - `model_cache_get(identity, key, typed_null)`, in the CPU stage: per row whether the
+//!   cache has it and the cached output (`{found, value}`, [`hits_type`] of `typed_null`'s
+//!   type, the model's result type): a cached null is a hit too.
+//! - `model_cache_fill(identity, hit, key, computed)`, in the model operator: the cached
+//!   value where the row was found, else `computed`; the computed rows are written to the
+//!   cache.
 //!
 //! `identity` is the function's [`cache_identity`] when the query was planned; the cache's
 //! place is the session's `flumen.model_cache`.
@@ -24,7 +26,7 @@ use datafusion::logical_expr::{
     ColumnarValue, ScalarFunctionArgs, ScalarUDF, ScalarUDFImpl, Signature, Volatility,
 };
 
-use super::{CachedCall, identity_hash, merge_misses, row_keys};
+use super::{CachedCall, Lookup, hits_type, identity_hash, merge_misses, miss_rows, row_keys};
 
 /// Name of the key function.
 pub const KEY: &str = "model_cache_key";
@@ -111,18 +113,20 @@ impl ScalarUDFImpl for CacheGet {
     fn return_type(&self, arg_types: &[DataType]) -> Result<DataType> {
         arg_types
             .get(2)
-            .cloned()
+            .map(hits_type)
             .ok_or_else(|| DataFusionError::Plan(format!("{GET} takes 3 arguments")))
     }
     fn invoke_with_args(&self, args: ScalarFunctionArgs) -> Result<ColumnarValue> {
         let identity = identity_of(&args.args, GET)?;
         let rows = args.number_rows;
-        let data_type = args.return_field.data_type().clone();
+        // The model's result type, which the third argument (a typed null) carries.
+        let data_type = (args.arg_fields.get(2))
+            .map(|f| f.data_type().clone())
+            .ok_or_else(|| DataFusionError::Plan(format!("{GET} takes 3 arguments")))?;
         let Some(cache) = CachedCall::open_identity(&identity, &args.config_options)? else {
             // The cache was turned off since the query was planned: every row misses.
-            return Ok(ColumnarValue::Scalar(ScalarValue::try_new_null(
-                &data_type,
-            )?));
+            let hits = Lookup::nothing_found(rows).hits(&data_type)?;
+            return Ok(ColumnarValue::Array(hits));
         };
         let keys = array_arg(&args.args, 1, rows, GET)?;
         let keys = keys
@@ -133,8 +137,8 @@ impl ScalarUDFImpl for CacheGet {
             .map(|row| keys.value(row).try_into())
             .collect::<std::result::Result<_, _>>()
             .map_err(|_| DataFusionError::Plan(format!("{GET} takes 32-byte keys")))?;
-        let values = cache.lookup(&keys).values(&data_type)?;
-        Ok(ColumnarValue::Array(values))
+        let hits = cache.lookup(&keys).hits(&data_type)?;
+        Ok(ColumnarValue::Array(hits))
     }
 }
 
@@ -164,17 +168,14 @@ impl ScalarUDFImpl for CacheFill {
         let computed = array_arg(&args.args, 3, rows, FILL)?;
         // `computed` has a row per input row, null where a row hit; the cache wants one
         // per miss.
-        let misses: UInt32Array = (0..rows as u32)
-            .filter(|&row| hits.is_null(row as usize))
-            .map(Some)
-            .collect();
+        let misses = UInt32Array::from(miss_rows(&hits)?);
         let computed = take(computed.as_ref(), &misses, None)?;
         fill(&identity, &args.config_options, &hits, &keys, &computed).map(ColumnarValue::Array)
     }
 }
 
-/// The model's output for rows whose cached outputs are `hits` (null where missed): the
-/// hits, and `computed` (one per miss) for the misses, written to the cache of the function
+/// The model's output for rows whose lookup found `hits` ([`hits_type`]): the cached
+/// values, and `computed` (one per miss) for the misses, written to the cache of the function
 /// `identity` names when the session has one.
 pub fn fill(
     identity: &str,

@@ -34,9 +34,11 @@ use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 
-use datafusion::arrow::array::{Array, ArrayRef, FixedSizeBinaryArray, new_null_array};
+use datafusion::arrow::array::{
+    Array, ArrayRef, BooleanArray, FixedSizeBinaryArray, StructArray, new_null_array,
+};
 use datafusion::arrow::compute::interleave;
-use datafusion::arrow::datatypes::DataType;
+use datafusion::arrow::datatypes::{DataType, Field, Fields};
 use datafusion::arrow::row::{RowConverter, SortField};
 use datafusion::config::ConfigOptions;
 use datafusion::error::{DataFusionError, Result};
@@ -148,20 +150,58 @@ pub fn row_keys(identity: &[u8; 32], args: &[ArrayRef], rows: usize) -> Result<V
         .collect())
 }
 
-/// `hits` (null where a row missed) with the misses' rows taken from `computed` (one row per
-/// miss, in order).
+/// The type of a lookup's result for a model returning `value`: per row whether the cache
+/// had it (`found`, so that a cached null is a hit) and the cached output (`value`).
+pub fn hits_type(value: &DataType) -> DataType {
+    DataType::Struct(hit_fields(value))
+}
+
+fn hit_fields(value: &DataType) -> Fields {
+    Fields::from(vec![
+        Field::new("found", DataType::Boolean, false),
+        Field::new("value", value.clone(), true),
+    ])
+}
+
+/// A lookup's result ([`hits_type`]) taken apart: whether each row was found, and the
+/// cached outputs.
+pub fn split_hits(hits: &ArrayRef) -> Result<(BooleanArray, ArrayRef)> {
+    let hits = hits
+        .as_any()
+        .downcast_ref::<StructArray>()
+        .filter(|h| h.num_columns() == 2)
+        .ok_or_else(|| DataFusionError::Internal("cache hits of another type".into()))?;
+    let found = hits
+        .column(0)
+        .as_any()
+        .downcast_ref::<BooleanArray>()
+        .ok_or_else(|| DataFusionError::Internal("cache hits of another type".into()))?;
+    Ok((found.clone(), Arc::clone(hits.column(1))))
+}
+
+/// The rows a lookup's result says missed, in order.
+pub fn miss_rows(hits: &ArrayRef) -> Result<Vec<u32>> {
+    let (found, _) = split_hits(hits)?;
+    Ok((0..found.len() as u32)
+        .filter(|&row| !found.value(row as usize))
+        .collect())
+}
+
+/// The cached outputs of a lookup's result `hits`, with the misses' rows taken from
+/// `computed` (one row per miss, in order).
 pub fn merge_misses(hits: &ArrayRef, computed: &ArrayRef) -> Result<ArrayRef> {
+    let (found, values) = split_hits(hits)?;
     let mut next_miss = 0;
-    let indices: Vec<(usize, usize)> = (0..hits.len())
-        .map(|row| match hits.is_null(row) {
-            false => (0, row),
-            true => {
+    let indices: Vec<(usize, usize)> = (0..found.len())
+        .map(|row| match found.value(row) {
+            true => (0, row),
+            false => {
                 next_miss += 1;
                 (1, next_miss - 1)
             }
         })
         .collect();
-    Ok(interleave(&[hits.as_ref(), computed.as_ref()], &indices)?)
+    Ok(interleave(&[values.as_ref(), computed.as_ref()], &indices)?)
 }
 
 /// The cache one call of a model uses: its shard and identity.
@@ -181,8 +221,16 @@ pub struct Lookup {
 }
 
 impl Lookup {
-    /// The hits' outputs, null for the misses (of type `data_type`).
-    pub fn values(&self, data_type: &DataType) -> Result<ArrayRef> {
+    /// A lookup of `rows` rows that found none.
+    pub fn nothing_found(rows: usize) -> Self {
+        Self {
+            hits: vec![None; rows],
+        }
+    }
+
+    /// What the lookup found ([`hits_type`] of `data_type`): per row whether the cache had
+    /// it, and its cached output (null where it missed).
+    pub fn hits(&self, data_type: &DataType) -> Result<ArrayRef> {
         let nothing = new_null_array(data_type, 1);
         let mut sources: Vec<&dyn Array> = vec![nothing.as_ref()];
         let mut source_of: HashMap<*const Segment, usize> = HashMap::new();
@@ -198,7 +246,11 @@ impl Lookup {
                 None => (0, 0),
             })
             .collect();
-        Ok(interleave(&sources, &indices)?)
+        let values = interleave(&sources, &indices)?;
+        let found: BooleanArray = self.hits.iter().map(|h| Some(h.is_some())).collect();
+        let hits =
+            StructArray::try_new(hit_fields(data_type), vec![Arc::new(found), values], None)?;
+        Ok(Arc::new(hits))
     }
 }
 
@@ -273,13 +325,11 @@ impl CachedCall {
         Lookup { hits }
     }
 
-    /// The model's output for rows whose cached outputs are `hits` (null where a row
-    /// missed) and whose keys are `keys`: the hits, and `computed` (one row per miss, in
+    /// The model's output for rows whose lookup found `hits` ([`hits_type`]) and whose
+    /// keys are `keys`: the hits, and `computed` (one row per miss, in
     /// order) for the misses, which are written to the cache. Counts the hits and misses.
     pub fn fill(&self, hits: &ArrayRef, keys: &ArrayRef, computed: &ArrayRef) -> Result<ArrayRef> {
-        let misses: Vec<u32> = (0..hits.len() as u32)
-            .filter(|&row| hits.is_null(row as usize))
-            .collect();
+        let misses = miss_rows(hits)?;
         if computed.len() != misses.len() {
             return Err(DataFusionError::Internal(format!(
                 "{} outputs computed for {} cache misses",
@@ -291,19 +341,18 @@ impl CachedCall {
             f.hits += (hits.len() - misses.len()) as u64;
             f.misses += misses.len() as u64;
         });
-        if misses.is_empty() {
-            return Ok(Arc::clone(hits));
-        }
-        let keys = keys
-            .as_any()
-            .downcast_ref::<FixedSizeBinaryArray>()
-            .ok_or_else(|| DataFusionError::Internal("cache keys of another type".into()))?;
-        let miss_keys: Vec<[u8; 32]> = (misses.iter())
-            .map(|&row| keys.value(row as usize).try_into().expect("32-byte keys"))
-            .collect();
-        if let Err(e) = self.store(&miss_keys, computed) {
-            // The answer stands; only the cache lost these outputs.
-            log::warn!("{e}");
+        if !misses.is_empty() {
+            let keys = keys
+                .as_any()
+                .downcast_ref::<FixedSizeBinaryArray>()
+                .ok_or_else(|| DataFusionError::Internal("cache keys of another type".into()))?;
+            let miss_keys: Vec<[u8; 32]> = (misses.iter())
+                .map(|&row| keys.value(row as usize).try_into().expect("32-byte keys"))
+                .collect();
+            if let Err(e) = self.store(&miss_keys, computed) {
+                // The answer stands; only the cache lost these outputs.
+                log::warn!("{e}");
+            }
         }
         merge_misses(hits, computed)
     }
@@ -517,9 +566,8 @@ mod tests {
         // Rows 0 and 2 computed before.
         let before: ArrayRef = Arc::new(Float32Array::from(vec![10.0, 30.0]));
         call.store(&[keys[0], keys[2]], &before).unwrap();
-        let hits = call.lookup(&keys).values(&DataType::Float32).unwrap();
-        assert_eq!(hits.logical_null_count(), 1);
-        assert!(hits.is_null(1));
+        let hits = call.lookup(&keys).hits(&DataType::Float32).unwrap();
+        assert_eq!(miss_rows(&hits).unwrap(), vec![1]);
         let key_array: ArrayRef =
             Arc::new(FixedSizeBinaryArray::try_from_iter(keys.iter()).unwrap());
         let computed: ArrayRef = Arc::new(Float32Array::from(vec![20.0]));
@@ -527,8 +575,40 @@ mod tests {
         let expected: ArrayRef = Arc::new(Float32Array::from(vec![10.0, 20.0, 30.0]));
         assert_eq!(&merged, &expected);
         // The miss was written: every row hits now.
-        let again = call.lookup(&keys).values(&DataType::Float32).unwrap();
-        assert_eq!(&again, &expected);
+        let again = call.lookup(&keys).hits(&DataType::Float32).unwrap();
+        assert!(miss_rows(&again).unwrap().is_empty());
+        let empty: ArrayRef = Arc::new(Float32Array::from(Vec::<f32>::new()));
+        assert_eq!(&merge_misses(&again, &empty).unwrap(), &expected);
+    }
+
+    #[test]
+    fn a_cached_null_is_a_hit() {
+        let dir = tempfile::tempdir().unwrap();
+        let call = CachedCall {
+            shard: Arc::new(Shard {
+                place: Place::Local(dir.path().to_path_buf()),
+                state: Mutex::default(),
+            }),
+            identity: [9; 32],
+            max_bytes: 0,
+            root: dir.path().display().to_string(),
+        };
+        let args: Vec<ArrayRef> = vec![Arc::new(Float32Array::from(vec![None, Some(1.0)]))];
+        let keys = call.keys(&args, 2).unwrap();
+        let first = call.lookup(&keys).hits(&DataType::Float32).unwrap();
+        assert_eq!(miss_rows(&first).unwrap(), vec![0, 1]);
+        let key_array: ArrayRef =
+            Arc::new(FixedSizeBinaryArray::try_from_iter(keys.iter()).unwrap());
+        // The model's output for a null input is null: kept like any other output.
+        let computed: ArrayRef = Arc::new(Float32Array::from(vec![None, Some(2.0)]));
+        call.fill(&first, &key_array, &computed).unwrap();
+        let again = call.lookup(&keys).hits(&DataType::Float32).unwrap();
+        assert!(
+            miss_rows(&again).unwrap().is_empty(),
+            "a cached null missed"
+        );
+        let empty: ArrayRef = Arc::new(Float32Array::from(Vec::<f32>::new()));
+        assert_eq!(&merge_misses(&again, &empty).unwrap(), &computed);
     }
 
     #[test]
