@@ -1,6 +1,7 @@
 //! flumen's Python module (`python/`) under pytest (`python/tests`), run with the
 //! interpreter of `target/test-venv`, into which `python/install.sh` (part of the README's
-//! test command) builds it with maturin. Under CI a module that was not built fails here.
+//! test command) builds it with maturin. Under CI a module that was not built fails here,
+//! and so does a pytest skip other than a GPU test's without a device.
 
 mod common;
 
@@ -38,4 +39,14 @@ fn the_python_module_passes_its_pytest_suite() {
     let stdout = String::from_utf8_lossy(&out.stdout);
     println!("{stdout}{}", String::from_utf8_lossy(&out.stderr));
     assert!(out.status.success(), "pytest failed:\n{stdout}");
+    // pytest's skips (`-rs`: `SKIPPED [1] file:line: why`) count as this suite's: a GPU
+    // test without a device is a plain skip; anything else is a missing tool.
+    for line in stdout.lines().filter(|l| l.starts_with("SKIPPED")) {
+        let why = format!("python/tests: {line}");
+        if line.contains("CUDA") {
+            common::skip_no_device(&why);
+        } else {
+            common::skip_missing_tool(&why);
+        }
+    }
 }

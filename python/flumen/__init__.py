@@ -19,11 +19,11 @@ from typing import Any, Iterator, Optional
 
 import pyarrow as pa
 
-from ._flumen import BatchStream, FlumenError
+from ._flumen import FlumenError
 from ._flumen import DataFrame as _DataFrame
 from ._flumen import Session as _Session
 
-__all__ = ["Session", "DataFrame", "FlumenError"]
+__all__ = ["Session", "DataFrame", "FlumenError", "model"]
 
 
 def _setting_value(value: Any) -> str:
@@ -75,6 +75,24 @@ class Session:
     def deregister_table(self, name: str) -> bool:
         """Drop table ``name``; true when there was one."""
         return self._inner.deregister_table(name)
+
+    def register_model(self, name: str, cls: Any, **overrides: Any) -> None:
+        """Register model class ``cls`` (see ``flumen.model``) as SQL function ``name``,
+        run in the accelerator pool with its CPU arguments below it; keyword arguments
+        (``returns``, ``batch_rows``, ``device``, ``concurrency``) override the decorator's."""
+        spec = {**getattr(cls, "__flumen_model__", {}), **overrides}
+        returns = spec.get("returns")
+        if returns is None:
+            raise TypeError(
+                f"model {getattr(cls, '__qualname__', cls)!r} needs its result type: "
+                "@flumen.model(returns=pa....) or register_model(..., returns=...)"
+            )
+        concurrency = spec.get("concurrency")
+        if concurrency:
+            self.sql(f"SET flumen.accelerator_slots = {int(concurrency)}").collect()
+        self._inner.register_model(
+            name, cls, returns, spec.get("batch_rows"), spec.get("device") or "cpu"
+        )
 
 
 class DataFrame:
@@ -144,5 +162,35 @@ class DataFrame:
         return f"flumen.DataFrame({self.schema})"
 
 
-# For type checkers and `help(flumen)`.
-_ = BatchStream
+def model(
+    returns: Any,
+    batch_rows: Optional[int] = None,
+    device: str = "cpu",
+    concurrency: Optional[int] = None,
+):
+    """Mark a class as a model for ``Session.register_model``.
+
+    ``cls()`` loads the model (once per accelerator worker, kept for every later block);
+    ``instance(batch)`` gets a ``pyarrow.RecordBatch`` whose columns are the SQL call's
+    arguments (``arg0``, ``arg1``, ...) and returns a ``pyarrow.Array`` of type ``returns``
+    with one value per row. ``batch_rows``: most rows per call (default: whole blocks);
+    ``device``: ``"cpu"`` or ``"cuda"``; ``concurrency``: accelerator workers (the session's
+    ``flumen.accelerator_slots``).
+
+        @flumen.model(returns=pa.list_(pa.float32(), 384), batch_rows=256)
+        class Embedder:
+            def __init__(self): self.model = load()
+            def __call__(self, batch): return pa.array(self.model(batch.column(0)))
+    """
+
+    def mark(cls):
+        cls.__flumen_model__ = {
+            "returns": returns,
+            "batch_rows": batch_rows,
+            "device": device,
+            "concurrency": concurrency,
+        }
+        return cls
+
+    return mark
+

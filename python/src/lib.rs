@@ -27,6 +27,8 @@ use pyo3::exceptions::{PyRuntimeError, PyTypeError, PyValueError};
 use pyo3::prelude::*;
 use pyo3::types::{PyCapsule, PyTuple};
 
+mod model;
+
 pyo3::create_exception!(_flumen, FlumenError, pyo3::exceptions::PyException);
 
 /// The process's one Tokio runtime.
@@ -178,6 +180,39 @@ impl Session {
         Ok(())
     }
 
+    /// Register `class` (a Python model class: `cls()` loads it, `instance(batch)` computes a
+    /// `pyarrow.Array` of type `returns` for a `pyarrow.RecordBatch` of the call's
+    /// arguments) as SQL function `name`, run in the accelerator pool on blocks of up to
+    /// `batch_rows` rows; `device`: `"cpu"` or `"cuda"` (the worker holds a GPU).
+    #[pyo3(signature = (name, class, returns, batch_rows = None, device = "cpu"))]
+    fn register_model(
+        &self,
+        py: Python<'_>,
+        name: &str,
+        class: Py<PyAny>,
+        returns: &Bound<'_, PyAny>,
+        batch_rows: Option<usize>,
+        device: &str,
+    ) -> PyResult<()> {
+        let on_gpu = match device {
+            "cpu" => false,
+            "cuda" => true,
+            other => {
+                return Err(PyValueError::new_err(format!(
+                    "device must be 'cpu' or 'cuda', got {other:?}"
+                )));
+            }
+        };
+        if batch_rows == Some(0) {
+            return Err(PyValueError::new_err("batch_rows must be at least 1"));
+        }
+        let returns = model::import_type(returns)?;
+        let model = model::PythonModel::new(py, name, class, returns, batch_rows, on_gpu)?;
+        self.ctx
+            .register_udf(flumen::functions::accelerator::accelerator_udf(model));
+        Ok(())
+    }
+
     /// Drop table `name` (true when there was one).
     fn deregister_table(&self, name: &str) -> PyResult<bool> {
         Ok(self.ctx.deregister_table(name).map_err(error)?.is_some())
@@ -305,7 +340,7 @@ impl BatchStream {
 /// One batch of a result, for `pyarrow.record_batch(...)` (`__arrow_c_array__`).
 #[pyclass(module = "flumen._flumen", frozen)]
 struct ExportedBatch {
-    batch: RecordBatch,
+    pub(crate) batch: RecordBatch,
 }
 
 #[pymethods]

@@ -1,0 +1,181 @@
+//! Python model classes as accelerator functions: `Session.register_model(name, cls)`.
+//!
+//! A class decorated with `@flumen.model(returns=..., batch_rows=..., device=...)` becomes
+//! an [`AcceleratorFunction`]: the planner puts its calls in an accelerator operator of their
+//! own, its CPU arguments below it, like `embed`. Each accelerator worker thread makes one
+//! instance (`cls()`: the model is loaded once per worker and kept for every later block)
+//! and calls it on blocks of up to `batch_rows` rows: `instance(batch)` with a
+//! `pyarrow.RecordBatch` whose columns are the call's arguments (`arg0`, `arg1`, ...),
+//! returning one value per row as anything with `__arrow_c_array__` (a `pyarrow.Array`).
+//! Calls hold the GIL only while Python runs; the arguments and result cross through the
+//! Arrow C data interface without copies.
+
+use std::sync::Arc;
+
+use datafusion::arrow::array::{ArrayRef, RecordBatch, make_array};
+use datafusion::arrow::datatypes::{DataType, Field, Schema};
+use datafusion::arrow::ffi::{FFI_ArrowArray, FFI_ArrowSchema, from_ffi};
+use datafusion::config::ConfigOptions;
+use datafusion::error::{DataFusionError, Result};
+use datafusion::logical_expr::{Signature, Volatility};
+use flumen::functions::accelerator::{AcceleratorFunction, AcceleratorWorker, WorkerResources};
+use pyo3::prelude::*;
+use pyo3::types::{PyCapsule, PyTuple};
+
+use crate::ExportedBatch;
+
+/// A Python model class registered as a SQL function.
+#[derive(Debug)]
+pub struct PythonModel {
+    name: String,
+    class: Py<PyAny>,
+    class_name: String,
+    returns: DataType,
+    batch_rows: Option<usize>,
+    on_gpu: bool,
+    signature: Signature,
+}
+
+impl PythonModel {
+    /// `class` as SQL function `name`, returning `returns`, called on up to `batch_rows`
+    /// rows at a time (`None`: whole blocks), holding a GPU when `on_gpu`.
+    pub fn new(
+        py: Python<'_>,
+        name: &str,
+        class: Py<PyAny>,
+        returns: DataType,
+        batch_rows: Option<usize>,
+        on_gpu: bool,
+    ) -> PyResult<Self> {
+        let class_name = class
+            .bind(py)
+            .getattr("__qualname__")
+            .and_then(|n| n.extract::<String>())
+            .unwrap_or_else(|_| name.to_string());
+        Ok(Self {
+            name: name.to_string(),
+            class,
+            class_name,
+            returns,
+            batch_rows,
+            on_gpu,
+            signature: Signature::variadic_any(Volatility::Volatile),
+        })
+    }
+}
+
+/// A Python exception as the error of a model call, naming the class.
+fn model_error(class: &str, what: &str, e: PyErr) -> DataFusionError {
+    DataFusionError::Execution(format!("Python model {class}: {what}: {e}"))
+}
+
+impl AcceleratorFunction for PythonModel {
+    fn name(&self) -> &str {
+        &self.name
+    }
+    fn signature(&self) -> &Signature {
+        &self.signature
+    }
+    fn return_type(&self, _: &[DataType]) -> Result<DataType> {
+        Ok(self.returns.clone())
+    }
+    fn load(&self, _: &ConfigOptions) -> Result<Box<dyn AcceleratorWorker>> {
+        Python::attach(|py| {
+            let instance = (self.class.bind(py).call0())
+                .map_err(|e| model_error(&self.class_name, "__init__ failed", e))?;
+            Ok(Box::new(PythonModelWorker {
+                instance: instance.unbind(),
+                class_name: self.class_name.clone(),
+            }) as Box<dyn AcceleratorWorker>)
+        })
+    }
+    fn batch_rows(&self, _: &ConfigOptions) -> Option<usize> {
+        self.batch_rows
+    }
+    fn resources(&self, _: &ConfigOptions) -> WorkerResources {
+        WorkerResources {
+            accelerators: usize::from(self.on_gpu),
+            cpu_threads: 1,
+        }
+    }
+}
+
+/// One worker's instance of a model class.
+struct PythonModelWorker {
+    instance: Py<PyAny>,
+    class_name: String,
+}
+
+impl AcceleratorWorker for PythonModelWorker {
+    fn process(&mut self, args: &[ArrayRef], return_type: &DataType) -> Result<ArrayRef> {
+        let rows = args.first().map_or(0, |a| a.len());
+        let fields: Vec<Field> = (args.iter().enumerate())
+            .map(|(k, a)| Field::new(format!("arg{k}"), a.data_type().clone(), true))
+            .collect();
+        let batch = RecordBatch::try_new(Arc::new(Schema::new(fields)), args.to_vec())?;
+        let class = &self.class_name;
+        let output = Python::attach(|py| -> Result<ArrayRef> {
+            let pyarrow = py
+                .import("pyarrow")
+                .map_err(|e| model_error(class, "pyarrow is not importable", e))?;
+            let exported = Py::new(py, ExportedBatch { batch })
+                .map_err(|e| model_error(class, "exporting the batch", e))?;
+            let batch = (pyarrow.call_method1("record_batch", (exported,)))
+                .map_err(|e| model_error(class, "exporting the batch", e))?;
+            let result = (self.instance.bind(py).call1((batch,)))
+                .map_err(|e| model_error(class, "__call__ failed", e))?;
+            import_array(&result).map_err(|e| model_error(class, "its result", e))
+        })?;
+        if output.len() != rows {
+            return Err(DataFusionError::Execution(format!(
+                "Python model {class} returned {} values for {rows} rows",
+                output.len()
+            )));
+        }
+        if output.data_type() != return_type {
+            return Err(DataFusionError::Execution(format!(
+                "Python model {class} returned {}, registered as returning {return_type}",
+                output.data_type()
+            )));
+        }
+        Ok(output)
+    }
+}
+
+/// The array of a Python object with `__arrow_c_array__`, imported without copying.
+fn import_array(obj: &Bound<'_, PyAny>) -> PyResult<ArrayRef> {
+    if !obj.hasattr("__arrow_c_array__")? {
+        return Err(pyo3::exceptions::PyTypeError::new_err(format!(
+            "expected an Arrow array (__arrow_c_array__), got {}",
+            obj.get_type().name()?
+        )));
+    }
+    let pair = obj.call_method0("__arrow_c_array__")?;
+    let pair = pair.cast::<PyTuple>()?;
+    let schema = pair.get_item(0)?;
+    let schema = schema.cast::<PyCapsule>()?;
+    let array = pair.get_item(1)?;
+    let array = array.cast::<PyCapsule>()?;
+    let schema = schema.pointer_checked(Some(c"arrow_schema"))?.as_ptr() as *const FFI_ArrowSchema;
+    let array = array.pointer_checked(Some(c"arrow_array"))?.as_ptr() as *mut FFI_ArrowArray;
+    // SAFETY: the capsules hold an ArrowSchema and an ArrowArray (the protocol's promise);
+    // the array is moved out (its capsule's copy marked released), the schema borrowed
+    // while its capsule lives.
+    let data = unsafe {
+        let array = FFI_ArrowArray::from_raw(array);
+        from_ffi(array, &*schema)
+    }
+    .map_err(|e| pyo3::exceptions::PyValueError::new_err(e.to_string()))?;
+    Ok(make_array(data))
+}
+
+/// The Arrow type a Python object with `__arrow_c_schema__` (a `pyarrow.DataType` or
+/// `Field`) describes.
+pub fn import_type(obj: &Bound<'_, PyAny>) -> PyResult<DataType> {
+    let capsule = obj.call_method0("__arrow_c_schema__")?;
+    let capsule = capsule.cast::<PyCapsule>()?;
+    let schema = capsule.pointer_checked(Some(c"arrow_schema"))?.as_ptr() as *const FFI_ArrowSchema;
+    // SAFETY: the capsule holds an ArrowSchema and lives while it is read.
+    let schema = unsafe { &*schema };
+    DataType::try_from(schema).map_err(|e| pyo3::exceptions::PyValueError::new_err(e.to_string()))
+}
