@@ -548,18 +548,23 @@ mod tests {
     use super::*;
     use datafusion::arrow::array::Float32Array;
 
+    /// A call on a local shard in `dir` of the cache at `root`.
+    fn local_call(dir: PathBuf, root: &Path, identity: [u8; 32], max_bytes: u64) -> CachedCall {
+        CachedCall {
+            shard: Arc::new(Shard {
+                place: Place::Local(dir),
+                state: Mutex::default(),
+            }),
+            identity,
+            max_bytes,
+            root: root.display().to_string(),
+        }
+    }
+
     #[test]
     fn hits_and_computed_misses_merge_in_row_order() {
         let dir = tempfile::tempdir().unwrap();
-        let call = CachedCall {
-            shard: Arc::new(Shard {
-                place: Place::Local(dir.path().to_path_buf()),
-                state: Mutex::default(),
-            }),
-            identity: [7; 32],
-            max_bytes: 0,
-            root: dir.path().display().to_string(),
-        };
+        let call = local_call(dir.path().to_path_buf(), dir.path(), [7; 32], 0);
         let args: Vec<ArrayRef> = vec![Arc::new(Float32Array::from(vec![1.0, 2.0, 3.0]))];
         let keys = call.keys(&args, 3).unwrap();
         assert_ne!(keys[0], keys[1]);
@@ -584,15 +589,7 @@ mod tests {
     #[test]
     fn a_cached_null_is_a_hit() {
         let dir = tempfile::tempdir().unwrap();
-        let call = CachedCall {
-            shard: Arc::new(Shard {
-                place: Place::Local(dir.path().to_path_buf()),
-                state: Mutex::default(),
-            }),
-            identity: [9; 32],
-            max_bytes: 0,
-            root: dir.path().display().to_string(),
-        };
+        let call = local_call(dir.path().to_path_buf(), dir.path(), [9; 32], 0);
         let args: Vec<ArrayRef> = vec![Arc::new(Float32Array::from(vec![None, Some(1.0)]))];
         let keys = call.keys(&args, 2).unwrap();
         let first = call.lookup(&keys).hits(&DataType::Float32).unwrap();
@@ -621,16 +618,8 @@ mod tests {
             .map(|i| *blake3::hash(&i.to_le_bytes()).as_bytes())
             .collect();
         let one = segment::encode(&keys, &values).unwrap().len() as u64;
-        let call = CachedCall {
-            shard: Arc::new(Shard {
-                place: Place::Local(dir.clone()),
-                state: Mutex::default(),
-            }),
-            identity: [7; 32],
-            // Room for two segments and a half.
-            max_bytes: one * 5 / 2,
-            root: root.path().display().to_string(),
-        };
+        // Room for two segments and a half.
+        let call = local_call(dir.clone(), root.path(), [7; 32], one * 5 / 2);
         let mut first = None;
         for _ in 0..6 {
             call.store(&keys, &values).unwrap();
