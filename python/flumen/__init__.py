@@ -23,7 +23,7 @@ from ._flumen import FlumenError
 from ._flumen import DataFrame as _DataFrame
 from ._flumen import Session as _Session
 
-__all__ = ["Session", "DataFrame", "FlumenError", "model"]
+__all__ = ["Session", "DataFrame", "FlumenError", "model", "udf"]
 
 
 def _setting_value(value: Any) -> str:
@@ -75,6 +75,17 @@ class Session:
     def deregister_table(self, name: str) -> bool:
         """Drop table ``name``; true when there was one."""
         return self._inner.deregister_table(name)
+
+    def register_udf(self, name: str, function: Any, returns: Any = None) -> None:
+        """Register Python function ``function`` (see ``flumen.udf``) as SQL function
+        ``name``, run in the CPU tasks that evaluate it."""
+        returns = returns or getattr(function, "__flumen_udf__", {}).get("returns")
+        if returns is None:
+            raise TypeError(
+                f"function {getattr(function, '__qualname__', function)!r} needs its result "
+                "type: @flumen.udf(returns=pa....) or register_udf(..., returns=...)"
+            )
+        self._inner.register_udf(name, function, returns)
 
     def register_model(self, name: str, cls: Any, **overrides: Any) -> None:
         """Register model class ``cls`` (see ``flumen.model``) as SQL function ``name``,
@@ -194,3 +205,21 @@ def model(
 
     return mark
 
+
+
+def udf(returns: Any):
+    """Mark a function as a CPU function for ``Session.register_udf``: ``function(batch)``
+    gets a ``pyarrow.RecordBatch`` of the SQL call's arguments (``arg0``, ...) and returns
+    a ``pyarrow.Array`` of type ``returns``, one value per row. It runs in CPU tasks,
+    taking the GIL while Python runs.
+
+        @flumen.udf(returns=pa.int64())
+        def word_count(batch):
+            return pa.array([len(t.split()) for t in batch.column(0).to_pylist()])
+    """
+
+    def mark(function):
+        function.__flumen_udf__ = {"returns": returns}
+        return function
+
+    return mark

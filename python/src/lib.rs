@@ -28,6 +28,7 @@ use pyo3::prelude::*;
 use pyo3::types::{PyCapsule, PyTuple};
 
 mod model;
+mod udf;
 
 pyo3::create_exception!(_flumen, FlumenError, pyo3::exceptions::PyException);
 
@@ -210,6 +211,23 @@ impl Session {
         let model = model::PythonModel::new(py, name, class, returns, batch_rows, on_gpu)?;
         self.ctx
             .register_udf(flumen::functions::accelerator::accelerator_udf(model));
+        Ok(())
+    }
+
+    /// Register `function` (a Python function: `function(batch)` computes a `pyarrow.Array`
+    /// of type `returns` for a `pyarrow.RecordBatch` of the call's arguments) as SQL
+    /// function `name`, run in the CPU tasks that evaluate it.
+    fn register_udf(
+        &self,
+        py: Python<'_>,
+        name: &str,
+        function: Py<PyAny>,
+        returns: &Bound<'_, PyAny>,
+    ) -> PyResult<()> {
+        let returns = model::import_type(returns)?;
+        let udf = udf::PythonUdf::new(py, name, function, returns);
+        self.ctx
+            .register_udf(datafusion::logical_expr::ScalarUDF::new_from_impl(udf));
         Ok(())
     }
 

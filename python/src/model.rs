@@ -12,7 +12,7 @@
 
 use std::sync::Arc;
 
-use datafusion::arrow::array::{ArrayRef, RecordBatch, make_array};
+use datafusion::arrow::array::{ArrayRef, RecordBatch, RecordBatchOptions, make_array};
 use datafusion::arrow::datatypes::{DataType, Field, Schema};
 use datafusion::arrow::ffi::{FFI_ArrowArray, FFI_ArrowSchema, from_ffi};
 use datafusion::config::ConfigOptions;
@@ -109,37 +109,51 @@ struct PythonModelWorker {
 impl AcceleratorWorker for PythonModelWorker {
     fn process(&mut self, args: &[ArrayRef], return_type: &DataType) -> Result<ArrayRef> {
         let rows = args.first().map_or(0, |a| a.len());
-        let fields: Vec<Field> = (args.iter().enumerate())
-            .map(|(k, a)| Field::new(format!("arg{k}"), a.data_type().clone(), true))
-            .collect();
-        let batch = RecordBatch::try_new(Arc::new(Schema::new(fields)), args.to_vec())?;
-        let class = &self.class_name;
-        let output = Python::attach(|py| -> Result<ArrayRef> {
-            let pyarrow = py
-                .import("pyarrow")
-                .map_err(|e| model_error(class, "pyarrow is not importable", e))?;
-            let exported = Py::new(py, ExportedBatch { batch })
-                .map_err(|e| model_error(class, "exporting the batch", e))?;
-            let batch = (pyarrow.call_method1("record_batch", (exported,)))
-                .map_err(|e| model_error(class, "exporting the batch", e))?;
-            let result = (self.instance.bind(py).call1((batch,)))
-                .map_err(|e| model_error(class, "__call__ failed", e))?;
-            import_array(&result).map_err(|e| model_error(class, "its result", e))
-        })?;
-        if output.len() != rows {
-            return Err(DataFusionError::Execution(format!(
-                "Python model {class} returned {} values for {rows} rows",
-                output.len()
-            )));
-        }
-        if output.data_type() != return_type {
-            return Err(DataFusionError::Execution(format!(
-                "Python model {class} returned {}, registered as returning {return_type}",
-                output.data_type()
-            )));
-        }
-        Ok(output)
+        let what = format!("Python model {}", self.class_name);
+        call_python(&self.instance, &what, args, rows, return_type)
     }
+}
+
+/// Call `callable` (a model instance or a function; `what` names it in errors) on `rows`
+/// rows of `args`, handed over as a `pyarrow.RecordBatch` (`arg0`, `arg1`, ...), and
+/// import its result: `rows` values of type `return_type`. Holds the GIL while Python runs.
+pub fn call_python(
+    callable: &Py<PyAny>,
+    what: &str,
+    args: &[ArrayRef],
+    rows: usize,
+    return_type: &DataType,
+) -> Result<ArrayRef> {
+    let fields: Vec<Field> = (args.iter().enumerate())
+        .map(|(k, a)| Field::new(format!("arg{k}"), a.data_type().clone(), true))
+        .collect();
+    let options = RecordBatchOptions::new().with_row_count(Some(rows));
+    let batch =
+        RecordBatch::try_new_with_options(Arc::new(Schema::new(fields)), args.to_vec(), &options)?;
+    let failed = |step: &str, e: PyErr| DataFusionError::Execution(format!("{what}: {step}: {e}"));
+    let output = Python::attach(|py| -> Result<ArrayRef> {
+        let pyarrow = (py.import("pyarrow")).map_err(|e| failed("pyarrow is not importable", e))?;
+        let exported =
+            Py::new(py, ExportedBatch { batch }).map_err(|e| failed("exporting the batch", e))?;
+        let batch = (pyarrow.call_method1("record_batch", (exported,)))
+            .map_err(|e| failed("exporting the batch", e))?;
+        let result =
+            (callable.bind(py).call1((batch,))).map_err(|e| failed("__call__ failed", e))?;
+        import_array(&result).map_err(|e| failed("its result", e))
+    })?;
+    if output.len() != rows {
+        return Err(DataFusionError::Execution(format!(
+            "{what} returned {} values for {rows} rows",
+            output.len()
+        )));
+    }
+    if output.data_type() != return_type {
+        return Err(DataFusionError::Execution(format!(
+            "{what} returned {}, registered as returning {return_type}",
+            output.data_type()
+        )));
+    }
+    Ok(output)
 }
 
 /// The array of a Python object with `__arrow_c_array__`, imported without copying.

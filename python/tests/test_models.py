@@ -1,7 +1,7 @@
 """Python model classes in flumen's accelerator pool (`@flumen.model`): planned as an
 accelerator operator with their CPU arguments below them, loaded once per worker, results
 equal to calling the class directly, and a failing class a clear error after which the
-session goes on.
+session goes on. Python functions (`@flumen.udf`) in CPU tasks.
 
 The model is a tiny one the test builds itself (a linear map over word counts, numpy): no
 model can be downloaded here.
@@ -128,3 +128,25 @@ def test_a_cuda_model_runs_on_a_gpu(ctx):
     ctx.register_model("double_on_gpu", OnGpu)
     got = ctx.sql("SELECT double_on_gpu(CAST(id AS FLOAT)) AS d FROM docs WHERE id < 100 ORDER BY id")
     assert got.to_arrow().to_pydict()["d"] == [2.0 * i for i in range(100)]
+
+
+@flumen.udf(returns=pa.int64())
+def word_count(batch):
+    return pa.array([len((t or "").split()) for t in batch.column(0).to_pylist()], pa.int64())
+
+
+@flumen.udf(returns=pa.int64())
+def no_words(batch):
+    raise RuntimeError("no words here")
+
+
+def test_a_python_function_runs_in_cpu_tasks(ctx):
+    ctx.register_udf("word_count", word_count)
+    df = ctx.sql("SELECT id, word_count(body) AS n FROM docs ORDER BY id")
+    plan = df.explain()
+    assert "pool=accelerator" not in plan, plan
+    assert df.to_arrow().column("n").to_pylist() == [len(text(i).split()) for i in range(ROWS)]
+    ctx.register_udf("no_words", no_words)
+    with pytest.raises(flumen.FlumenError, match="no_words.*no words here"):
+        ctx.sql("SELECT no_words(body) FROM docs").collect()
+    assert ctx.sql("SELECT word_count('a b c') AS n").to_pylist() == [{"n": 3}]
