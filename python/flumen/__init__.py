@@ -127,16 +127,28 @@ class DataFrame:
         for exported in self._inner.batches():
             yield pa.record_batch(exported)
 
-    def iter_batches(self, batch_rows: Optional[int] = None) -> Iterator[pa.RecordBatch]:
-        """The result's batches as the query produces them. The query runs as far ahead of
+    def iter_batches(
+        self,
+        batch_rows: Optional[int] = None,
+        epochs: int = 1,
+        shuffle_seed: Optional[int] = None,
+    ) -> Iterator[pa.RecordBatch]:
+        """The result's batches as the query produces them; the query runs as far ahead of
         the consumer as its memory budget allows. ``batch_rows``: re-cut them to at most
-        that many rows (slices, no copies)."""
-        for batch in self._batches():
-            if batch_rows is None or batch.num_rows <= batch_rows:
-                yield batch
-                continue
-            for start in range(0, batch.num_rows, batch_rows):
-                yield batch.slice(start, batch_rows)
+        that many rows (slices, no copies). ``epochs``: run the query that many times, one
+        after the other. ``shuffle_seed``: each epoch's rows in a random order, seeded by
+        ``shuffle_seed + epoch`` (flumen's shuffle, an exchange: the same seed gives the
+        same order)."""
+        for epoch in range(epochs):
+            source = self
+            if shuffle_seed is not None:
+                source = DataFrame(self._inner.shuffled(shuffle_seed + epoch))
+            for batch in source._batches():
+                if batch_rows is None or batch.num_rows <= batch_rows:
+                    yield batch
+                    continue
+                for start in range(0, batch.num_rows, batch_rows):
+                    yield batch.slice(start, batch_rows)
 
     def collect(self) -> list[pa.RecordBatch]:
         """Run the query; all its batches."""

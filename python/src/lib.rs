@@ -273,6 +273,26 @@ impl DataFrame {
         })
     }
 
+    /// The same rows in a random order: `ORDER BY random()`, which flumen runs as a seeded
+    /// shuffle (an exchange, not a sort), under `flumen.shuffle_seed = seed`: the same seed
+    /// gives the same order.
+    fn shuffled(&self, seed: u64) -> PyResult<DataFrame> {
+        let (state, plan) = self.df.clone().into_parts();
+        let mut config = state.config().clone();
+        config
+            .options_mut()
+            .set("flumen.shuffle_seed", &seed.to_string())
+            .map_err(error)?;
+        let state = datafusion::execution::SessionStateBuilder::new_from_existing(state)
+            .with_config(config)
+            .build();
+        let random = datafusion::functions::math::expr_fn::random();
+        let df = datafusion::dataframe::DataFrame::new(state, plan)
+            .sort(vec![random.sort(true, false)])
+            .map_err(error)?;
+        Ok(DataFrame { df })
+    }
+
     /// The plan, as `EXPLAIN [ANALYZE]` shows it (`analyze` runs the query).
     #[pyo3(signature = (analyze = false))]
     fn explain(&self, py: Python<'_>, analyze: bool) -> PyResult<String> {

@@ -147,6 +147,29 @@ def test_iter_batches_holds_memory_within_the_budget_for_a_slow_consumer():
     assert grew < budget + (160 << 20), f"peak RSS grew {grew >> 20} MiB"
 
 
+def test_iter_batches_shuffles_each_epoch_with_its_seed(table):
+    _, path = table
+    ctx = session()
+    ctx.register_parquet("t", path)
+    df = ctx.sql("SELECT id FROM t")
+
+    def epochs(seed):
+        orders, current = [], []
+        for batch in df.iter_batches(batch_rows=1000, epochs=2, shuffle_seed=seed):
+            current.extend(batch.column(0).to_pylist())
+            if len(current) == ROWS:
+                orders.append(current)
+                current = []
+        assert current == []
+        return orders
+
+    first, second = epochs(7)
+    assert sorted(first) == sorted(second) == list(range(ROWS)), "a row lost or repeated"
+    assert first != second, "two epochs in the same order"
+    assert first != sorted(first), "not shuffled"
+    assert epochs(7) == [first, second], "the same seed gave another order"
+
+
 def test_ctrl_c_interrupts_a_long_query_within_two_seconds():
     script = (
         "import flumen, sys\n"
