@@ -132,18 +132,26 @@ class DataFrame:
         batch_rows: Optional[int] = None,
         epochs: int = 1,
         shuffle_seed: Optional[int] = None,
+        rank: int = 0,
+        world_size: int = 1,
     ) -> Iterator[pa.RecordBatch]:
         """The result's batches as the query produces them; the query runs as far ahead of
         the consumer as its memory budget allows. ``batch_rows``: re-cut them to at most
         that many rows (slices, no copies). ``epochs``: run the query that many times, one
         after the other. ``shuffle_seed``: each epoch's rows in a random order, seeded by
         ``shuffle_seed + epoch`` (flumen's shuffle, an exchange: the same seed gives the
-        same order)."""
+        same order). ``rank``, ``world_size``: only this data-parallel rank's share of the
+        rows (by a hash of each row's values: the ranks' shares are disjoint and hold every
+        row between them)."""
+        inner = self._inner
+        if world_size != 1:
+            inner = inner.sharded(rank, world_size)
         for epoch in range(epochs):
-            source = self
+            source = inner
             if shuffle_seed is not None:
-                source = DataFrame(self._inner.shuffled(shuffle_seed + epoch))
-            for batch in source._batches():
+                source = inner.shuffled(shuffle_seed + epoch)
+            for exported in source.batches():
+                batch = pa.record_batch(exported)
                 if batch_rows is None or batch.num_rows <= batch_rows:
                     yield batch
                     continue

@@ -293,6 +293,31 @@ impl DataFrame {
         Ok(DataFrame { df })
     }
 
+    /// This rank's share of the rows, for data-parallel training: the rows whose
+    /// `row_hash(0, every column) % world_size` is `rank`. The shares of ranks `0..world_size`
+    /// are disjoint and together hold every row, in every process that runs the same query
+    /// over the same data (identical rows share a rank).
+    fn sharded(&self, rank: u64, world_size: u64) -> PyResult<DataFrame> {
+        use datafusion::prelude::{Expr, lit};
+        if world_size == 0 || rank >= world_size {
+            return Err(PyValueError::new_err(format!(
+                "rank must be below world_size, got rank {rank} of {world_size}"
+            )));
+        }
+        let row_hash = (self
+            .df
+            .task_ctx()
+            .scalar_functions()
+            .get("row_hash")
+            .cloned())
+        .ok_or_else(|| PyRuntimeError::new_err("the session has no row_hash function"))?;
+        let mut args = vec![lit(0u64)];
+        args.extend(self.df.schema().columns().into_iter().map(Expr::Column));
+        let share = (row_hash.call(args) % lit(world_size)).eq(lit(rank));
+        let df = self.df.clone().filter(share).map_err(error)?;
+        Ok(DataFrame { df })
+    }
+
     /// The plan, as `EXPLAIN [ANALYZE]` shows it (`analyze` runs the query).
     #[pyo3(signature = (analyze = false))]
     fn explain(&self, py: Python<'_>, analyze: bool) -> PyResult<String> {

@@ -170,6 +170,26 @@ def test_iter_batches_shuffles_each_epoch_with_its_seed(table):
     assert epochs(7) == [first, second], "the same seed gave another order"
 
 
+def test_ranks_get_disjoint_shares_that_hold_every_row(table):
+    _, path = table
+    ctx = session()
+    ctx.register_parquet("t", path)
+    df = ctx.sql("SELECT id, s FROM t")
+    shares = [
+        [i for b in df.iter_batches(rank=r, world_size=3) for i in b.column(0).to_pylist()]
+        for r in range(3)
+    ]
+    every = sorted(i for share in shares for i in share)
+    assert every == list(range(ROWS)), "a row in no share or in two"
+    for share in shares:
+        assert ROWS / 3 * 0.8 < len(share) < ROWS / 3 * 1.2, [len(s) for s in shares]
+    # A rank's share, shuffled per epoch, is the same rows in another order.
+    shuffled = [i for b in df.iter_batches(rank=1, world_size=3, shuffle_seed=3) for i in b.column(0).to_pylist()]
+    assert sorted(shuffled) == sorted(shares[1]) and shuffled != shares[1]
+    with pytest.raises(ValueError, match="rank"):
+        next(df.iter_batches(rank=3, world_size=3))
+
+
 def test_ctrl_c_interrupts_a_long_query_within_two_seconds():
     script = (
         "import flumen, sys\n"
