@@ -271,17 +271,7 @@ async fn a_checkpointed_extraction_killed_mid_way_resumes_where_it_stopped() {
     let dir = tempfile::tempdir().unwrap();
     let input = dir.path().join("docs.parquet");
     let output = dir.path().join("features");
-    let ctx = session();
-    common::collect(
-        &ctx,
-        &format!(
-            "COPY (SELECT value AS id, 'topic ' || (value % 5) AS topic, \
-                   '<p>Document ' || value || ' about things.</p>' AS body \
-                   FROM generate_series(0, 899)) TO '{}'",
-            input.display()
-        ),
-    )
-    .await;
+    write_docs(&input, 900).await;
     let run = |kill_after: Option<u64>| {
         let child = extract_command(dir.path())
             .args(["extract", "--checkpoint", "--chunk-rows", "25"])
@@ -442,17 +432,8 @@ async fn change_feeds_and_extractions_on_worker_processes_answer_as_in_threads()
     // A checkpointed extraction on the workers, in parts of 100 rows.
     let input = dir.path().join("docs.parquet");
     let parts = dir.path().join("parts");
+    write_docs(&input, 300).await;
     let ctx = session();
-    common::collect(
-        &ctx,
-        &format!(
-            "COPY (SELECT value AS id, 'topic ' || (value % 5) AS topic, \
-                   '<p>Document ' || value || '.</p>' AS body \
-                   FROM generate_series(0, 299)) TO '{}'",
-            input.display()
-        ),
-    )
-    .await;
     let run = flumen::checkpoint::extract_with_checkpoint(&worker_session(), &input, &parts, 100)
         .await
         .unwrap();
@@ -482,4 +463,19 @@ async fn change_feeds_and_extractions_on_worker_processes_answer_as_in_threads()
         features_of(&common::collect(&ctx, "SELECT * FROM parts").await),
         features_of(&full)
     );
+}
+
+/// `rows` documents (`id`, `topic`, `body`) as one Parquet file at `path`.
+async fn write_docs(path: &Path, rows: u64) {
+    common::collect(
+        &session(),
+        &format!(
+            "COPY (SELECT value AS id, 'topic ' || (value % 5) AS topic, \
+                   '<p>Document ' || value || ' about things.</p>' AS body \
+                   FROM generate_series(0, {})) TO '{}'",
+            rows - 1,
+            path.display()
+        ),
+    )
+    .await;
 }

@@ -47,11 +47,7 @@ impl PythonModel {
         batch_rows: Option<usize>,
         on_gpu: bool,
     ) -> PyResult<Self> {
-        let class_name = class
-            .bind(py)
-            .getattr("__qualname__")
-            .and_then(|n| n.extract::<String>())
-            .unwrap_or_else(|_| name.to_string());
+        let class_name = qualified_name(py, &class, name);
         Ok(Self {
             name: name.to_string(),
             class,
@@ -62,6 +58,13 @@ impl PythonModel {
             signature: Signature::variadic_any(Volatility::Volatile),
         })
     }
+}
+
+/// `object`'s `__qualname__` (for error messages), or `fallback`.
+pub fn qualified_name(py: Python<'_>, object: &Py<PyAny>, fallback: &str) -> String {
+    (object.bind(py).getattr("__qualname__"))
+        .and_then(|n| n.extract::<String>())
+        .unwrap_or_else(|_| fallback.to_string())
 }
 
 /// A Python exception as the error of a model call, naming the class.

@@ -15,7 +15,7 @@ use datafusion::logical_expr::{
 };
 use pyo3::prelude::*;
 
-use crate::model::call_python;
+use crate::model::{call_python, qualified_name};
 
 /// A Python function registered as a SQL function.
 #[derive(Debug)]
@@ -30,11 +30,7 @@ pub struct PythonUdf {
 impl PythonUdf {
     /// `function` as SQL function `name`, returning `returns`.
     pub fn new(py: Python<'_>, name: &str, function: Py<PyAny>, returns: DataType) -> Self {
-        let function_name = function
-            .bind(py)
-            .getattr("__qualname__")
-            .and_then(|n| n.extract::<String>())
-            .unwrap_or_else(|_| name.to_string());
+        let function_name = qualified_name(py, &function, name);
         Self {
             name: name.to_string(),
             function,

@@ -7,6 +7,7 @@ The model is a tiny one the test builds itself (a linear map over word counts, n
 model can be downloaded here.
 """
 
+import os
 import threading
 
 import numpy as np
@@ -119,12 +120,19 @@ class OnGpu:
 
 
 def test_a_cuda_model_runs_on_a_gpu(ctx):
+    import ctypes
+
+    try:
+        ctypes.CDLL("libcuda.so.1")
+    except OSError:
+        pytest.skip("no CUDA device (libcuda.so.1 not found) for the GPU model")
+    # A GPU is here: the model's torch must be too (a missing tool fails under CI).
     try:
         import torch
     except ImportError:
-        torch = None
-    if torch is None or not torch.cuda.is_available():
-        pytest.skip("no CUDA device (or no torch) for the GPU model")
+        if os.environ.get("CI", "").lower() not in ("", "0", "false"):
+            raise
+        pytest.skip("torch is not installed for the GPU model")
     ctx.register_model("double_on_gpu", OnGpu)
     got = ctx.sql("SELECT double_on_gpu(CAST(id AS FLOAT)) AS d FROM docs WHERE id < 100 ORDER BY id")
     assert got.to_arrow().to_pydict()["d"] == [2.0 * i for i in range(100)]

@@ -7,6 +7,7 @@ Run by `tests/python.rs` (the README's test command) with the interpreter that
 """
 
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -67,6 +68,30 @@ def test_sql_results_equal_pyarrows(table):
     # The same rows as dicts.
     rows = ctx.sql("SELECT id, s FROM t WHERE id < 3 ORDER BY id").to_pylist()
     assert rows == [{"id": i, "s": f"row {i}"} for i in range(3)]
+
+
+def test_worker_processes_answer_like_threads_and_pyarrow(table, monkeypatch):
+    data, path = table
+    # The `flumen` binary the README's test command builds starts the workers.
+    binary = os.path.join(os.path.dirname(__file__), "..", "..", "target", "debug", "flumen")
+    if not os.path.exists(binary):
+        if os.environ.get("CI", "").lower() not in ("", "0", "false"):
+            raise AssertionError(f"no flumen binary at {binary} for the worker processes")
+        pytest.skip("no target/debug/flumen for the worker processes")
+    monkeypatch.setenv("FLUMEN_WORKER_BIN", os.path.abspath(binary))
+    query = "SELECT g, sum(x) AS total, count(*) AS n, max(s) AS last FROM t GROUP BY g ORDER BY g"
+    answers = {}
+    for mode in ("threads", "process"):
+        ctx = session(**{"flumen.workers": mode, "flumen.worker_processes": "2"})
+        ctx.register_parquet("t", path)
+        answers[mode] = ctx.sql(query).to_arrow()
+        if mode == "process":
+            plan = ctx.sql(query).explain(analyze=True)
+            remote = [int(n) for n in re.findall(r"remote_tasks=(\d+)", plan)]
+            assert sum(remote) > 0, f"no task ran in a worker process:\n{plan}"
+    assert answers["process"].equals(answers["threads"])
+    expected = data.group_by("g").aggregate([("x", "sum")]).sort_by("g")
+    assert answers["process"].column("total").to_pylist() == expected.column("x_sum").to_pylist()
 
 
 def test_results_are_read_through_the_arrow_pycapsule_stream(table):
