@@ -276,12 +276,11 @@ impl datafusion::common::config::ConfigField for WorkerBinary {
         v.some(key, &self.0, description)
     }
 
-    fn set(&mut self, _key: &str, _value: &str) -> datafusion::error::Result<()> {
-        Err(DataFusionError::Configuration(
-            "flumen.worker_binary is a startup option, not a SET: start flumen with \
-             --worker-binary PATH (or set FlumenConfig::worker_binary)"
-                .into(),
-        ))
+    fn set(&mut self, key: &str, _value: &str) -> datafusion::error::Result<()> {
+        Err(DataFusionError::Configuration(format!(
+            "flumen.{key} is a startup option, not a SET: start flumen with \
+             --worker-binary PATH (or set FlumenConfig::{key} in Rust, Session(...) in Python)"
+        )))
     }
 }
 
@@ -427,6 +426,10 @@ extensions_options! {
         /// The `flumen` executable workers start from; empty: `FLUMEN_WORKER_BIN`, else this
         /// process when it is `flumen`. A startup option: `SET` refuses it.
         pub worker_binary: WorkerBinary, default = WorkerBinary::default()
+        /// A Python module workers run as (`<worker_binary> -m MODULE worker ...`, the
+        /// binary being Python): how flumen's Python package starts its workers
+        /// (`python -m flumen worker`). Empty: the binary is `flumen`. A startup option.
+        pub worker_module: WorkerBinary, default = WorkerBinary::default()
         /// Times a task is retried after its worker died (or ran past the task timeout)
         /// before the query fails.
         pub max_task_retries: usize, default = 4

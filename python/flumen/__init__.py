@@ -15,10 +15,13 @@ Waits release the GIL; Ctrl-C interrupts a running query.
 
 from __future__ import annotations
 
+import sys
+import warnings
 from typing import Any, Iterator, Optional
 
 import pyarrow as pa
 
+from . import _shipping
 from ._flumen import FlumenError
 from ._flumen import DataFrame as _DataFrame
 from ._flumen import Session as _Session
@@ -36,21 +39,36 @@ class Session:
     """A flumen session: DataFusion's SQL with flumen's scheduler, memory budget and models.
 
     ``memory_budget``: bytes the session's queries may hold (``"4GB"``, ``"512MB"``);
-    ``settings``: any other session setting by name (``{"flumen.device": "cpu"}``), applied
-    as ``SET name = 'value'``.
+    ``workers``: run tasks in that many CPU worker processes (and
+    ``flumen.accelerator_slots`` accelerator worker processes) instead of this process's
+    threads; ``cluster``: attach to workers already running on other hosts (a cluster file
+    ``workers.toml``, ``"host:port,..."`` or ``"k8s://NAMESPACE/SELECTOR"``; see the
+    README). Worker processes are Python interpreters (``python -m flumen worker``) that
+    also run the session's Python models and functions, shipped with the tasks.
+    ``settings``: any other session setting by name (``{"flumen.device": "cpu"}``),
+    applied as ``SET name = 'value'``.
     """
 
     def __init__(
         self,
         memory_budget: Optional[str] = None,
+        workers: Optional[int] = None,
+        cluster: Optional[str] = None,
         settings: Optional[dict[str, Any]] = None,
     ) -> None:
         pairs = []
         if memory_budget is not None:
             pairs.append(("flumen.memory_budget", str(memory_budget)))
+        if workers is not None:
+            if int(workers) < 1:
+                raise ValueError(f"workers must be at least 1, got {workers}")
+            pairs.append(("flumen.workers", "process"))
+            pairs.append(("flumen.worker_processes", str(int(workers))))
+        if cluster is not None:
+            pairs.append(("flumen.cluster", str(cluster)))
         for name, value in (settings or {}).items():
             pairs.append((name, _setting_value(value)))
-        self._inner = _Session(pairs)
+        self._inner = _Session(pairs, sys.executable)
 
     def sql(self, query: str) -> "DataFrame":
         """Plan ``query``; the rows are computed when asked for. ``SET``, ``CREATE`` and
@@ -78,19 +96,23 @@ class Session:
 
     def register_udf(self, name: str, function: Any, returns: Any = None) -> None:
         """Register Python function ``function`` (see ``flumen.udf``) as SQL function
-        ``name``, run in the CPU tasks that evaluate it."""
+        ``name``, run in the CPU tasks that evaluate it (in worker processes too: it ships
+        with them, pickled by cloudpickle)."""
         returns = returns or getattr(function, "__flumen_udf__", {}).get("returns")
         if returns is None:
             raise TypeError(
                 f"function {getattr(function, '__qualname__', function)!r} needs its result "
                 "type: @flumen.udf(returns=pa....) or register_udf(..., returns=...)"
             )
-        self._inner.register_udf(name, function, returns)
+        packed = _packed(name, {"kind": "udf", "object": function, "returns": returns})
+        self._inner.register_udf(name, function, returns, packed)
 
     def register_model(self, name: str, cls: Any, **overrides: Any) -> None:
         """Register model class ``cls`` (see ``flumen.model``) as SQL function ``name``,
         run in the accelerator pool with its CPU arguments below it; keyword arguments
-        (``returns``, ``batch_rows``, ``device``, ``concurrency``) override the decorator's."""
+        (``returns``, ``batch_rows``, ``device``, ``concurrency``) override the decorator's.
+        In worker mode the class ships to the accelerator worker processes (pickled by
+        cloudpickle), each of which makes one instance."""
         spec = {**getattr(cls, "__flumen_model__", {}), **overrides}
         returns = spec.get("returns")
         if returns is None:
@@ -101,9 +123,31 @@ class Session:
         concurrency = spec.get("concurrency")
         if concurrency:
             self.sql(f"SET flumen.accelerator_slots = {int(concurrency)}").collect()
-        self._inner.register_model(
-            name, cls, returns, spec.get("batch_rows"), spec.get("device") or "cpu"
+        batch_rows = spec.get("batch_rows")
+        device = spec.get("device") or "cpu"
+        packed = _packed(
+            name,
+            {
+                "kind": "model",
+                "object": cls,
+                "returns": returns,
+                "batch_rows": batch_rows,
+                "device": device,
+            },
         )
+        self._inner.register_model(name, cls, returns, batch_rows, device, packed)
+
+
+def _packed(name: str, spec: dict[str, Any]) -> Optional[bytes]:
+    """``spec`` packed for worker processes, or None with a warning saying why not."""
+    packed, why = _shipping.try_pack(spec)
+    if packed is None:
+        warnings.warn(
+            f"flumen: {name} cannot ship to worker processes ({why}); in worker mode its "
+            "tasks run in this process",
+            stacklevel=3,
+        )
+    return packed
 
 
 class DataFrame:

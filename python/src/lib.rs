@@ -28,6 +28,7 @@ use pyo3::prelude::*;
 use pyo3::types::{PyCapsule, PyTuple};
 
 mod model;
+mod shipping;
 mod udf;
 
 pyo3::create_exception!(_flumen, FlumenError, pyo3::exceptions::PyException);
@@ -138,11 +139,22 @@ struct Session {
 
 #[pymethods]
 impl Session {
-    /// A session; `settings`: (name, value) pairs applied as `SET name = 'value'`.
+    /// A session; `settings`: (name, value) pairs applied as `SET name = 'value'`;
+    /// `python`: the interpreter its worker processes run (`python -m flumen worker`), so
+    /// they can run the session's Python functions.
     #[new]
-    #[pyo3(signature = (settings = None))]
-    fn new(py: Python<'_>, settings: Option<Vec<(String, String)>>) -> PyResult<Self> {
-        let ctx = flumen::session(flumen::FlumenConfig::default());
+    #[pyo3(signature = (settings = None, python = None))]
+    fn new(
+        py: Python<'_>,
+        settings: Option<Vec<(String, String)>>,
+        python: Option<String>,
+    ) -> PyResult<Self> {
+        let mut config = flumen::FlumenConfig::default();
+        if let Some(python) = python {
+            config.worker_binary = python.into();
+            config.worker_module = "flumen".into();
+        }
+        let ctx = flumen::session(config);
         for (name, value) in settings.unwrap_or_default() {
             let value = value.replace('\'', "''");
             let sql = format!("SET {name} = '{value}'");
@@ -184,8 +196,10 @@ impl Session {
     /// Register `class` (a Python model class: `cls()` loads it, `instance(batch)` computes a
     /// `pyarrow.Array` of type `returns` for a `pyarrow.RecordBatch` of the call's
     /// arguments) as SQL function `name`, run in the accelerator pool on blocks of up to
-    /// `batch_rows` rows; `device`: `"cpu"` or `"cuda"` (the worker holds a GPU).
-    #[pyo3(signature = (name, class, returns, batch_rows = None, device = "cpu"))]
+    /// `batch_rows` rows; `device`: `"cpu"` or `"cuda"` (the worker holds a GPU);
+    /// `packed`: the class as it ships to worker processes (`flumen._shipping.pack`).
+    #[pyo3(signature = (name, class, returns, batch_rows = None, device = "cpu", packed = None))]
+    #[allow(clippy::too_many_arguments)]
     fn register_model(
         &self,
         py: Python<'_>,
@@ -194,38 +208,29 @@ impl Session {
         returns: &Bound<'_, PyAny>,
         batch_rows: Option<usize>,
         device: &str,
+        packed: Option<Vec<u8>>,
     ) -> PyResult<()> {
-        let on_gpu = match device {
-            "cpu" => false,
-            "cuda" => true,
-            other => {
-                return Err(PyValueError::new_err(format!(
-                    "device must be 'cpu' or 'cuda', got {other:?}"
-                )));
-            }
-        };
-        if batch_rows == Some(0) {
-            return Err(PyValueError::new_err("batch_rows must be at least 1"));
-        }
         let returns = model::import_type(returns)?;
-        let model = model::PythonModel::new(py, name, class, returns, batch_rows, on_gpu)?;
-        self.ctx
-            .register_udf(flumen::functions::accelerator::accelerator_udf(model));
+        let udf = model::model_udf(py, name, class, returns, batch_rows, device, packed)?;
+        self.ctx.register_udf(udf);
         Ok(())
     }
 
     /// Register `function` (a Python function: `function(batch)` computes a `pyarrow.Array`
     /// of type `returns` for a `pyarrow.RecordBatch` of the call's arguments) as SQL
-    /// function `name`, run in the CPU tasks that evaluate it.
+    /// function `name`, run in the CPU tasks that evaluate it; `packed`: the function as
+    /// it ships to worker processes.
+    #[pyo3(signature = (name, function, returns, packed = None))]
     fn register_udf(
         &self,
         py: Python<'_>,
         name: &str,
         function: Py<PyAny>,
         returns: &Bound<'_, PyAny>,
+        packed: Option<Vec<u8>>,
     ) -> PyResult<()> {
         let returns = model::import_type(returns)?;
-        let udf = udf::PythonUdf::new(py, name, function, returns);
+        let udf = udf::PythonUdf::new(py, name, function, returns, packed);
         self.ctx
             .register_udf(datafusion::logical_expr::ScalarUDF::new_from_impl(udf));
         Ok(())
@@ -439,6 +444,44 @@ impl ExportedBatch {
     }
 }
 
+/// `python -m flumen worker ARGS` (`argv`: `["flumen worker", ARGS...]`): serve as a
+/// worker process for a flumen driver, running the Python functions it ships as well as
+/// flumen's own, until the driver goes away, the lease runs out or a signal (Ctrl-C)
+/// arrives. Returns the exit status.
+#[pyfunction]
+fn worker_main(py: Python<'_>, argv: Vec<String>) -> PyResult<i32> {
+    let command = match flumen::cluster::worker_command::WorkerCommand::parse_args(&argv) {
+        Ok(command) => command,
+        Err(e) => {
+            let _ = e.print();
+            return Ok(e.exit_code());
+        }
+    };
+    flumen::cluster::worker_command::init_logging();
+    let (done, ended) = std::sync::mpsc::channel();
+    let ended = std::sync::Mutex::new(ended);
+    // The worker runs on threads of its own; this one (Python's main thread) waits without
+    // the GIL, which the worker's Python functions take, and wakes for signals.
+    std::thread::spawn(move || {
+        let _ = done.send(flumen::cluster::worker_command::run(&command.args));
+    });
+    loop {
+        let step = py.detach(|| {
+            let ended = ended.lock().unwrap();
+            ended.recv_timeout(Duration::from_millis(200))
+        });
+        match step {
+            Ok(Ok(())) => return Ok(0),
+            Ok(Err(e)) => {
+                eprintln!("flumen worker: {e}");
+                return Ok(1);
+            }
+            Err(std::sync::mpsc::RecvTimeoutError::Timeout) => py.check_signals()?,
+            Err(std::sync::mpsc::RecvTimeoutError::Disconnected) => return Ok(1),
+        }
+    }
+}
+
 /// The module.
 #[pymodule]
 fn _flumen(m: &Bound<'_, PyModule>) -> PyResult<()> {
@@ -447,5 +490,6 @@ fn _flumen(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<BatchStream>()?;
     m.add_class::<ExportedBatch>()?;
     m.add("FlumenError", m.py().get_type::<FlumenError>())?;
-    Ok(())
+    m.add_function(wrap_pyfunction!(worker_main, m)?)?;
+    shipping::register(m.py())
 }

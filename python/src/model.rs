@@ -17,8 +17,10 @@ use datafusion::arrow::datatypes::{DataType, Field, Schema};
 use datafusion::arrow::ffi::{FFI_ArrowArray, FFI_ArrowSchema, from_ffi};
 use datafusion::config::ConfigOptions;
 use datafusion::error::{DataFusionError, Result};
-use datafusion::logical_expr::{Signature, Volatility};
-use flumen::functions::accelerator::{AcceleratorFunction, AcceleratorWorker, WorkerResources};
+use datafusion::logical_expr::{ScalarUDF, Signature, Volatility};
+use flumen::functions::accelerator::{
+    AcceleratorFunction, AcceleratorWorker, WorkerResources, accelerator_udf,
+};
 use pyo3::prelude::*;
 use pyo3::types::{PyCapsule, PyTuple};
 
@@ -34,30 +36,55 @@ pub struct PythonModel {
     batch_rows: Option<usize>,
     on_gpu: bool,
     signature: Signature,
+    /// The class and its registration as `flumen._shipping.pack` made them, for worker
+    /// processes (`None`: it cannot leave this process).
+    packed: Option<Vec<u8>>,
 }
 
 impl PythonModel {
-    /// `class` as SQL function `name`, returning `returns`, called on up to `batch_rows`
-    /// rows at a time (`None`: whole blocks), holding a GPU when `on_gpu`.
-    pub fn new(
-        py: Python<'_>,
-        name: &str,
-        class: Py<PyAny>,
-        returns: DataType,
-        batch_rows: Option<usize>,
-        on_gpu: bool,
-    ) -> PyResult<Self> {
-        let class_name = qualified_name(py, &class, name);
-        Ok(Self {
-            name: name.to_string(),
-            class,
-            class_name,
-            returns,
-            batch_rows,
-            on_gpu,
-            signature: Signature::variadic_any(Volatility::Volatile),
-        })
+    /// What ships to worker processes, when it can.
+    pub fn packed(&self) -> Option<&Vec<u8>> {
+        self.packed.as_ref()
     }
+}
+
+/// `class` as SQL function `name` in the accelerator pool, returning `returns`, called on
+/// up to `batch_rows` rows at a time (`None`: whole blocks); `device`: `"cpu"` or
+/// `"cuda"` (its worker holds a GPU); `packed`: what ships to worker processes.
+pub fn model_udf(
+    py: Python<'_>,
+    name: &str,
+    class: Py<PyAny>,
+    returns: DataType,
+    batch_rows: Option<usize>,
+    device: &str,
+    packed: Option<Vec<u8>>,
+) -> PyResult<ScalarUDF> {
+    let on_gpu = match device {
+        "cpu" => false,
+        "cuda" => true,
+        other => {
+            return Err(pyo3::exceptions::PyValueError::new_err(format!(
+                "device must be 'cpu' or 'cuda', got {other:?}"
+            )));
+        }
+    };
+    if batch_rows == Some(0) {
+        return Err(pyo3::exceptions::PyValueError::new_err(
+            "batch_rows must be at least 1",
+        ));
+    }
+    let class_name = qualified_name(py, &class, name);
+    Ok(accelerator_udf(PythonModel {
+        name: name.to_string(),
+        class,
+        class_name,
+        returns,
+        batch_rows,
+        on_gpu,
+        signature: Signature::variadic_any(Volatility::Volatile),
+        packed,
+    }))
 }
 
 /// `object`'s `__qualname__` (for error messages), or `fallback`.

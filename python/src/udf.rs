@@ -4,7 +4,8 @@
 //! its expression (the CPU pool), on whole batches: `function(batch)` gets a
 //! `pyarrow.RecordBatch` of the call's arguments (`arg0`, `arg1`, ...) and returns one
 //! value per row (anything with `__arrow_c_array__`). Each call takes the GIL while Python
-//! runs, so Python functions in one process take turns.
+//! runs, so Python functions in one process take turns. In worker mode they ship to the
+//! CPU workers with the tasks that call them (`crate::shipping`).
 
 use std::hash::{Hash, Hasher};
 
@@ -25,11 +26,21 @@ pub struct PythonUdf {
     function_name: String,
     returns: DataType,
     signature: Signature,
+    /// The function and its registration as `flumen._shipping.pack` made them, for worker
+    /// processes (`None`: it cannot leave this process).
+    packed: Option<Vec<u8>>,
 }
 
 impl PythonUdf {
-    /// `function` as SQL function `name`, returning `returns`.
-    pub fn new(py: Python<'_>, name: &str, function: Py<PyAny>, returns: DataType) -> Self {
+    /// `function` as SQL function `name`, returning `returns`; `packed`: what ships to
+    /// worker processes.
+    pub fn new(
+        py: Python<'_>,
+        name: &str,
+        function: Py<PyAny>,
+        returns: DataType,
+        packed: Option<Vec<u8>>,
+    ) -> Self {
         let function_name = qualified_name(py, &function, name);
         Self {
             name: name.to_string(),
@@ -37,7 +48,13 @@ impl PythonUdf {
             function_name,
             returns,
             signature: Signature::variadic_any(Volatility::Volatile),
+            packed,
         }
+    }
+
+    /// What ships to worker processes, when it can.
+    pub fn packed(&self) -> Option<&Vec<u8>> {
+        self.packed.as_ref()
     }
 }
 

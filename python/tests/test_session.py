@@ -70,15 +70,9 @@ def test_sql_results_equal_pyarrows(table):
     assert rows == [{"id": i, "s": f"row {i}"} for i in range(3)]
 
 
-def test_worker_processes_answer_like_threads_and_pyarrow(table, monkeypatch):
+def test_worker_processes_answer_like_threads_and_pyarrow(table):
     data, path = table
-    # The `flumen` binary the README's test command builds starts the workers.
-    binary = os.path.join(os.path.dirname(__file__), "..", "..", "target", "debug", "flumen")
-    if not os.path.exists(binary):
-        if os.environ.get("CI", "").lower() not in ("", "0", "false"):
-            raise AssertionError(f"no flumen binary at {binary} for the worker processes")
-        pytest.skip("no target/debug/flumen for the worker processes")
-    monkeypatch.setenv("FLUMEN_WORKER_BIN", os.path.abspath(binary))
+    # The session starts its workers as `python -m flumen worker` (this interpreter).
     query = "SELECT g, sum(x) AS total, count(*) AS n, max(s) AS last FROM t GROUP BY g ORDER BY g"
     answers = {}
     for mode in ("threads", "process"):

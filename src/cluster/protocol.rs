@@ -201,6 +201,10 @@ pub struct WorkerStatus {
     /// The functions its tasks may call (a driver sends only plans calling these).
     #[serde(default)]
     pub functions: Vec<String>,
+    /// The runtimes whose shipped functions it unpacks (`python3.12` for a worker started
+    /// as `python -m flumen worker`; [`crate::cluster::shipped_functions`]).
+    #[serde(default)]
+    pub runtimes: Vec<String>,
 }
 
 /// A block a task left in a worker.

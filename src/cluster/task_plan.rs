@@ -54,15 +54,27 @@ use datafusion_proto::physical_plan::{
 use datafusion_proto::protobuf;
 use prost::Message;
 
+use crate::cluster::shipped_functions::{self, ShippedFunction};
 use crate::plan::subquery_values::SubqueryValuesExec;
 
 /// What a flumen node in a task plan is: a file scan with what datafusion-proto drops of it
 /// (its files' row selections, whether it preserves its files' order).
 pub const FILE_SCAN: &str = "flumen.file_scan";
 
-/// Encode `plan` for a worker that has the functions named in `functions` (a function it
-/// lacks is an error, so the task runs on the driver instead of failing in the worker).
-pub fn encode(plan: &Arc<dyn ExecutionPlan>, functions: Arc<HashSet<String>>) -> Result<Vec<u8>> {
+/// What the workers of a pool can call: every worker's functions by name, and the runtimes
+/// whose shipped functions every worker unpacks ([`crate::cluster::shipped_functions`]).
+#[derive(Debug, Clone, Default)]
+pub struct WorkerFunctions {
+    /// Functions they have by name.
+    pub names: HashSet<String>,
+    /// Runtimes they unpack shipped functions of (e.g. `python3.12`).
+    pub runtimes: HashSet<String>,
+}
+
+/// Encode `plan` for workers that can call `functions` (a function they lack is an error,
+/// so the task runs on the driver instead of failing in the worker). A function of a
+/// runtime they host ships inside the plan.
+pub fn encode(plan: &Arc<dyn ExecutionPlan>, functions: Arc<WorkerFunctions>) -> Result<Vec<u8>> {
     refuse_lossy(plan)?;
     let codec = TaskPlanCodec {
         functions: Some(functions),
@@ -474,8 +486,8 @@ fn row_selections(config: &FileScanConfig) -> Result<Vec<FileRows>> {
 /// function the plan calls; everything else is datafusion-proto's.
 #[derive(Debug)]
 struct TaskPlanCodec {
-    /// The functions the workers have (`None` when decoding).
-    functions: Option<Arc<HashSet<String>>>,
+    /// The functions the workers can call (`None` when decoding).
+    functions: Option<Arc<WorkerFunctions>>,
 }
 
 impl TaskPlanCodec {
@@ -487,7 +499,7 @@ impl TaskPlanCodec {
         let Some(functions) = &self.functions else {
             return Ok(());
         };
-        if !functions.contains(name) {
+        if !functions.names.contains(name) {
             return Err(DataFusionError::NotImplemented(format!(
                 "workers have no function {name}"
             )));
@@ -596,9 +608,31 @@ impl PhysicalExtensionCodec for TaskPlanCodec {
         DefaultPhysicalExtensionCodec {}.try_encode(node, buf, proto_converter)
     }
 
-    fn try_encode_udf(&self, node: &ScalarUDF, _buf: &mut Vec<u8>) -> Result<()> {
+    fn try_encode_udf(&self, node: &ScalarUDF, buf: &mut Vec<u8>) -> Result<()> {
+        if let Some(shipped) = shipped_functions::pack(node) {
+            if let Some(functions) = &self.functions
+                && !functions.runtimes.contains(&shipped.runtime)
+            {
+                return Err(DataFusionError::NotImplemented(format!(
+                    "workers do not run {} functions such as {}",
+                    shipped.runtime,
+                    node.name()
+                )));
+            }
+            buf.extend(shipped.to_bytes());
+            return Ok(());
+        }
         let any: &dyn Any = node.inner().as_ref();
         self.known(FunctionKind::Scalar, node.name(), any.type_id())
+    }
+
+    fn try_decode_udf(&self, name: &str, buf: &[u8]) -> Result<Arc<ScalarUDF>> {
+        match ShippedFunction::from_bytes(buf) {
+            Some(shipped) => shipped_functions::unpack(name, &shipped),
+            None => Err(DataFusionError::NotImplemented(format!(
+                "a task plan calls function {name}, which this worker does not have"
+            ))),
+        }
     }
 
     fn try_encode_udaf(&self, node: &AggregateUDF, _buf: &mut Vec<u8>) -> Result<()> {
@@ -900,7 +934,10 @@ mod tests {
         use datafusion::logical_expr::{ColumnarValue, Volatility, create_udf};
         let ctx = crate::session(crate::FlumenConfig::default());
         let sql = "SELECT abs(x) FROM (VALUES (CAST(-1 AS BIGINT))) AS t(x)";
-        let functions: Arc<HashSet<String>> = Arc::new(["abs".to_string()].into());
+        let functions = Arc::new(WorkerFunctions {
+            names: ["abs".to_string()].into(),
+            runtimes: HashSet::new(),
+        });
         encode(&task_plan_of(&ctx, sql).await, Arc::clone(&functions)).unwrap();
         let negate = Arc::new(|args: &[ColumnarValue]| {
             let values = ColumnarValue::values_to_arrays(args)?;

@@ -21,7 +21,7 @@
 //! - action `release`: drop the listed blocks of a query, or all of them.
 //! - action `ping`: liveness (the driver's heartbeat).
 //! - action `status`: a [`WorkerStatus`] (tasks run, panics, models loaded, blocks held,
-//!   functions known).
+//!   functions known, runtimes whose shipped functions it unpacks).
 //!
 //! A worker serves one of the driver's pools ([`Pool`]): a CPU worker runs several
 //! tasks at once; an accelerator worker runs its tasks one at a time on one thread, which
@@ -267,6 +267,7 @@ impl WorkerService {
             inputs_from_peers: self.input_reads.from_peers.load(Ordering::Relaxed),
             input_bytes_from_peers: self.input_reads.bytes_from_peers.load(Ordering::Relaxed),
             functions,
+            runtimes: crate::cluster::shipped_functions::runtimes(),
         }
     }
 

@@ -26,7 +26,7 @@
 
 use std::collections::HashSet;
 use std::io::Write;
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 use std::process::Stdio;
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
@@ -48,6 +48,7 @@ use crate::cluster::protocol::{
     BlockTicket, DriverHello, PROTOCOL_VERSION, ReleaseRequest, RemoteBlockInfo, TaskEvent,
     TaskRequest, WorkerStatus, encode_task,
 };
+use crate::cluster::task_plan::WorkerFunctions;
 use crate::cluster::tls::{WorkerTrust, local_tls};
 use crate::cluster::worker::MAX_TASK_BYTES;
 use crate::exec::on_driver::DriverTasks;
@@ -81,6 +82,8 @@ pub const WORKER_ENVIRONMENT: &[&str] = &[
     "CUDA_PATH",
     "NVIDIA_VISIBLE_DEVICES",
     "FLUMEN_MODEL_DIR",
+    // Python workers (`python -m flumen worker`) find the packages their driver found.
+    "PYTHONPATH",
 ];
 
 /// How the driver watches its workers.
@@ -119,8 +122,8 @@ pub struct PoolSettings {
 pub enum Placement {
     /// Processes this driver starts on its own host (and replaces when they die).
     Local {
-        /// The `flumen` executable.
-        binary: PathBuf,
+        /// The program they run.
+        program: WorkerProgram,
         /// How many workers (at least 1).
         size: usize,
         /// Talk to them in TLS (`flumen.worker_tls`), with this driver's own certificate
@@ -511,8 +514,8 @@ impl std::fmt::Display for Failure {
 pub struct WorkerPool {
     settings: PoolSettings,
     kind: Pool,
-    /// The functions every worker knows (from their status when the pool started).
-    functions: Arc<HashSet<String>>,
+    /// The functions every worker can call (from their status when the pool started).
+    functions: Arc<WorkerFunctions>,
     workers: tokio::sync::Mutex<Vec<Arc<WorkerHandle>>>,
     next: AtomicUsize,
     restarted: AtomicU64,
@@ -550,12 +553,12 @@ impl WorkerPool {
     /// When a local worker fails to start, those that did are stopped.
     pub async fn start(mut settings: PoolSettings, kind: Pool) -> Result<Arc<Self>> {
         let (started, credentials) = match &mut settings.placement {
-            Placement::Local { binary, size, tls } => {
+            Placement::Local { program, size, tls } => {
                 *size = (*size).max(1);
                 // Dropping the handles of those that started stops them
                 // (`WorkerHandle::drop`).
                 let started = futures::future::try_join_all(
-                    (0..*size).map(|_| spawn_worker(binary, *tls, kind)),
+                    (0..*size).map(|_| spawn_worker(program, *tls, kind)),
                 )
                 .await?;
                 (started, None)
@@ -566,10 +569,13 @@ impl WorkerPool {
                 (started, Some((secret, trust)))
             }
         };
-        let mut functions: HashSet<String> =
-            started[0].announced.functions.iter().cloned().collect();
+        let mut functions = WorkerFunctions {
+            names: started[0].announced.functions.iter().cloned().collect(),
+            runtimes: started[0].announced.runtimes.iter().cloned().collect(),
+        };
         for worker in &started[1..] {
-            functions.retain(|f| worker.announced.functions.contains(f));
+            (functions.names).retain(|f| worker.announced.functions.contains(f));
+            (functions.runtimes).retain(|r| worker.announced.runtimes.contains(r));
         }
         let pool = Arc::new(Self {
             settings,
@@ -746,8 +752,8 @@ impl WorkerPool {
         self.kind
     }
 
-    /// The functions its workers know.
-    pub fn functions(&self) -> &Arc<HashSet<String>> {
+    /// The functions its workers can call.
+    pub fn functions(&self) -> &Arc<WorkerFunctions> {
         &self.functions
     }
 
@@ -837,10 +843,10 @@ impl WorkerPool {
 
     /// Start a replacement for the dead local worker in `slot`.
     async fn replace(&self, slot: usize) {
-        let Placement::Local { binary, tls, .. } = &self.settings.placement else {
+        let Placement::Local { program, tls, .. } = &self.settings.placement else {
             return;
         };
-        match spawn_worker(binary, *tls, self.kind).await {
+        match spawn_worker(program, *tls, self.kind).await {
             Ok(worker) => {
                 self.workers.lock().await[slot] = worker;
                 self.restarted.fetch_add(1, Ordering::Relaxed);
@@ -977,9 +983,10 @@ impl Drop for WorkerPool {
     }
 }
 
-/// Start one worker process of `binary` on this host (speaking TLS with this driver's
+/// Start one worker process of `program` on this host (speaking TLS with this driver's
 /// own certificate when `tls`) and connect to it.
-async fn spawn_worker(binary: &Path, tls: bool, kind: Pool) -> Result<Arc<WorkerHandle>> {
+async fn spawn_worker(program: &WorkerProgram, tls: bool, kind: Pool) -> Result<Arc<WorkerHandle>> {
+    let binary = &program.executable;
     let tls = tls.then(local_tls).transpose()?;
     let fail = |why: String| {
         DataFusionError::Execution(format!(
@@ -989,6 +996,7 @@ async fn spawn_worker(binary: &Path, tls: bool, kind: Pool) -> Result<Arc<Worker
     };
     let mut command = std::process::Command::new(binary);
     command
+        .args(&program.leading_args)
         .args([
             "worker",
             "--listen",
@@ -1301,24 +1309,43 @@ pub(crate) async fn get_block(
     }
 }
 
-/// The executable to start workers from: `flumen.worker_binary`, else `FLUMEN_WORKER_BIN`,
-/// else this process's own executable when it is the `flumen` binary.
-pub fn worker_binary(configured: &str) -> Result<PathBuf> {
-    if !configured.is_empty() {
-        return Ok(PathBuf::from(configured));
-    }
-    if let Some(path) = std::env::var_os("FLUMEN_WORKER_BIN") {
-        return Ok(PathBuf::from(path));
-    }
-    let exe = std::env::current_exe()?;
-    if exe.file_stem().is_some_and(|n| n == "flumen") {
-        return Ok(exe);
-    }
-    Err(DataFusionError::Configuration(
-        "flumen.workers = 'process' needs the flumen binary to start workers from: set \
-         flumen.worker_binary or FLUMEN_WORKER_BIN"
-            .into(),
-    ))
+/// The program worker processes run: an executable and the arguments that come before
+/// `worker` (`-m flumen` when the executable is Python: the Python package's workers).
+#[derive(Debug, Clone, PartialEq)]
+pub struct WorkerProgram {
+    /// The executable.
+    pub executable: PathBuf,
+    /// Its arguments before `worker ...`.
+    pub leading_args: Vec<String>,
+}
+
+/// The program to start workers from: `flumen.worker_binary` (run as
+/// `<binary> -m <module>` when `flumen.worker_module` names a Python module), else
+/// `FLUMEN_WORKER_BIN`, else this process's own executable when it is the `flumen` binary.
+pub fn worker_program(configured: &str, module: &str) -> Result<WorkerProgram> {
+    let leading_args = match module {
+        "" => vec![],
+        module => vec!["-m".to_string(), module.to_string()],
+    };
+    let executable = if !configured.is_empty() {
+        PathBuf::from(configured)
+    } else if let Some(path) = std::env::var_os("FLUMEN_WORKER_BIN") {
+        PathBuf::from(path)
+    } else {
+        let exe = std::env::current_exe()?;
+        if !exe.file_stem().is_some_and(|n| n == "flumen") {
+            return Err(DataFusionError::Configuration(
+                "flumen.workers = 'process' needs the flumen binary to start workers from: \
+                 set flumen.worker_binary or FLUMEN_WORKER_BIN"
+                    .into(),
+            ));
+        }
+        exe
+    };
+    Ok(WorkerProgram {
+        executable,
+        leading_args,
+    })
 }
 
 /// How a task ran on a pool's worker.

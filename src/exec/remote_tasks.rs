@@ -45,7 +45,7 @@ use crate::cluster::membership::{ClusterSettings, host_of};
 use crate::cluster::protocol::{INPUT_LOST, InputTicket, TaskInput, TaskRequest};
 use crate::cluster::task_plan::{self, RoundTrip};
 use crate::cluster::worker_pool::{
-    Placement, PoolSettings, RemoteBlock, WorkerPool, WorkerTimeouts, worker_binary,
+    Placement, PoolSettings, RemoteBlock, WorkerPool, WorkerTimeouts, worker_program,
 };
 use crate::cluster::worker_tasks::collect_blocks;
 use crate::exec::cursor::{Cursor, Next, ReadOrder};
@@ -1081,7 +1081,7 @@ impl QueryRun {
         let placement = match ClusterSettings::from_config(config)? {
             Some(cluster) => Placement::Cluster(cluster),
             None => Placement::Local {
-                binary: worker_binary(&config.worker_binary.0)?,
+                program: worker_program(&config.worker_binary.0, &config.worker_module.0)?,
                 size: match pool {
                     Pool::Cpu => config.worker_processes,
                     Pool::Accelerator => config.accelerator_slots,

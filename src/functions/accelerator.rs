@@ -50,7 +50,8 @@ impl Default for WorkerResources {
 }
 
 /// A model-backed (or otherwise expensive) scalar function that runs on the accelerator pool.
-pub trait AcceleratorFunction: Debug + Send + Sync + 'static {
+/// (`Any` lets a carrier of shipped functions find its own among them.)
+pub trait AcceleratorFunction: Any + Debug + Send + Sync {
     /// SQL name of the function.
     fn name(&self) -> &str;
     /// Accepted argument types.
