@@ -4,12 +4,17 @@
 //! and so does a pytest skip other than a GPU test's without a device.
 
 mod common;
+#[path = "common/hosts.rs"]
+mod hosts;
 
 use std::path::Path;
 use std::process::Command;
 
-#[test]
-fn the_python_module_passes_its_pytest_suite() {
+use hosts::{Role, TestNet};
+
+/// The interpreter `python/install.sh` builds the module into, when flumen and pytest
+/// import there; `None` after saying `skipped: ...` (failing under CI).
+fn test_python() -> Option<std::path::PathBuf> {
     let repo = Path::new(env!("CARGO_MANIFEST_DIR"));
     let python = repo.join("target/test-venv/bin/python");
     let importable = Command::new(&python)
@@ -21,8 +26,17 @@ fn the_python_module_passes_its_pytest_suite() {
             "flumen's Python module or pytest is not in {} (run `bash python/install.sh`)",
             python.display()
         ));
-        return;
+        return None;
     }
+    Some(python)
+}
+
+#[test]
+fn the_python_module_passes_its_pytest_suite() {
+    let repo = Path::new(env!("CARGO_MANIFEST_DIR"));
+    let Some(python) = test_python() else {
+        return;
+    };
     let out = Command::new(&python)
         .args([
             "-m",
@@ -48,5 +62,75 @@ fn the_python_module_passes_its_pytest_suite() {
         } else {
             common::skip_missing_tool(&why);
         }
+    }
+}
+
+/// `flumen.Session(cluster=...)` from Python against two namespace hosts, each running a CPU
+/// and an accelerator worker started as `python -m flumen worker` (TLS, the cluster's
+/// secret file): the driver's Python model and function ship to them and run there (the
+/// pids they report are the hosts' workers'), and the answer equals calling them locally.
+#[test]
+fn a_python_session_runs_its_model_and_function_on_python_workers_of_two_hosts() {
+    let Some(python) = test_python() else {
+        return;
+    };
+    let mut net = match TestNet::new(2) {
+        Ok(net) => net,
+        Err(why) => {
+            common::skip_missing_tool(&why);
+            return;
+        }
+    };
+    // `<python> -m flumen worker ...`, as the hosts' start-up would run it.
+    let launcher = net.dir.path().join("flumen-python");
+    std::fs::write(
+        &launcher,
+        format!("#!/bin/sh\nexec '{}' -m flumen \"$@\"\n", python.display()),
+    )
+    .unwrap();
+    std::fs::set_permissions(&launcher, std::os::unix::fs::PermissionsExt::from_mode(0o755))
+        .unwrap();
+    let mut addresses = vec![];
+    for host in ["h1", "h2"] {
+        net.start_worker(host, Role::Cpu, &launcher, 2);
+        net.start_worker(host, Role::Accelerator, &launcher, 1);
+        addresses.push(net.address(host, Role::Cpu));
+        addresses.push(net.address(host, Role::Accelerator));
+    }
+    let cluster_file = net.write_cluster_file(&addresses);
+    let workdir = tempfile::tempdir().unwrap();
+    let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("python/tests/drive_cluster.py");
+    let out = Command::new("ip")
+        .args(["netns", "exec", &net.host("driver").netns])
+        .arg(&python)
+        .arg(&script)
+        .arg(&cluster_file)
+        .arg(workdir.path())
+        .output()
+        .unwrap();
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "the Python driver failed:\n{stdout}{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let report: serde_json::Value = serde_json::from_str(stdout.lines().last().unwrap()).unwrap();
+    println!("{report}");
+    assert_eq!(report["rows"], 12_000);
+    assert_eq!(report["ids_in_order"], true);
+    assert_eq!(report["lengths_equal"], true);
+    let workers: Vec<u64> = ["h1", "h2"]
+        .iter()
+        .flat_map(|h| net.host(h).worker_pids())
+        .map(u64::from)
+        .collect();
+    for key in ["model_pids", "function_pids"] {
+        let pids: Vec<u64> = (report[key].as_array().unwrap().iter())
+            .map(|p| p.as_u64().unwrap())
+            .collect();
+        assert!(
+            !pids.is_empty() && pids.iter().all(|p| workers.contains(p)),
+            "{key} {pids:?} are not all the hosts' workers {workers:?}"
+        );
     }
 }

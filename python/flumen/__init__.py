@@ -65,6 +65,7 @@ class Session:
             pairs.append(("flumen.workers", "process"))
             pairs.append(("flumen.worker_processes", str(int(workers))))
         if cluster is not None:
+            pairs.append(("flumen.workers", "process"))
             pairs.append(("flumen.cluster", str(cluster)))
         for name, value in (settings or {}).items():
             pairs.append((name, _setting_value(value)))
