@@ -19,6 +19,7 @@ import sys
 import warnings
 from typing import Any, Iterator, Optional
 
+import numpy as np
 import pyarrow as pa
 
 from . import _shipping
@@ -139,6 +140,20 @@ class Session:
         self._inner.register_model(name, cls, returns, batch_rows, device, packed)
 
 
+def _numpy_columns(table: pa.Table) -> dict[str, np.ndarray]:
+    """Each column of ``table`` as one numpy array (a vector column as a 2-D array)."""
+    columns = {}
+    for name, column in zip(table.column_names, table.columns):
+        column = column.combine_chunks()
+        if pa.types.is_fixed_size_list(column.type) and column.null_count == 0:
+            width = column.type.list_size
+            values = column.flatten().to_numpy(zero_copy_only=False)
+            columns[name] = values.reshape(len(column), width)
+        else:
+            columns[name] = column.to_numpy(zero_copy_only=False)
+    return columns
+
+
 def _packed(name: str, spec: dict[str, Any]) -> Optional[bytes]:
     """``spec`` packed for worker processes, or None with a warning saying why not."""
     packed, why = _shipping.try_pack(spec)
@@ -202,6 +217,87 @@ class DataFrame:
                     continue
                 for start in range(0, batch.num_rows, batch_rows):
                     yield batch.slice(start, batch_rows)
+
+    def iter_numpy_batches(
+        self,
+        batch_size: int = 256,
+        epochs: int = 1,
+        shuffle_seed: Optional[int] = None,
+        rank: int = 0,
+        world_size: int = 1,
+        drop_last: bool = False,
+    ) -> Iterator[dict[str, np.ndarray]]:
+        """The result as batches of exactly ``batch_size`` rows (the last of each epoch may
+        be shorter, or dropped with ``drop_last``), each a dict of numpy arrays by column: a
+        fixed-size list column (a vector) becomes a 2-D array, a string column an object
+        array. ``epochs``, ``shuffle_seed``, ``rank`` and ``world_size`` as in
+        ``iter_batches``; streamed the same way."""
+        if batch_size < 1:
+            raise ValueError(f"batch_size must be at least 1, got {batch_size}")
+        for epoch in range(epochs):
+            pending: list[pa.RecordBatch] = []
+            rows = 0
+            one_epoch = self.iter_batches(
+                shuffle_seed=None if shuffle_seed is None else shuffle_seed + epoch,
+                rank=rank,
+                world_size=world_size,
+            )
+            for batch in one_epoch:
+                pending.append(batch)
+                rows += batch.num_rows
+                while rows >= batch_size:
+                    table = pa.Table.from_batches(pending, schema=batch.schema)
+                    yield _numpy_columns(table.slice(0, batch_size))
+                    rest = table.slice(batch_size)
+                    pending = rest.to_batches()
+                    rows = rest.num_rows
+            if rows and not drop_last:
+                yield _numpy_columns(pa.Table.from_batches(pending, schema=self.schema))
+
+    def iter_torch_batches(
+        self,
+        batch_size: int = 256,
+        device: str = "cpu",
+        dtypes: Optional[dict[str, Any]] = None,
+        **options: Any,
+    ) -> Iterator[dict[str, Any]]:
+        """``iter_numpy_batches`` as dicts of ``torch.Tensor`` on ``device`` (needs torch);
+        ``dtypes``: a torch dtype per column name. Every column must be numeric (select
+        only what the model trains on). Keyword ``options`` as in ``iter_numpy_batches``
+        (``epochs``, ``shuffle_seed``, ``rank``, ``world_size``, ``drop_last``)."""
+        import torch
+
+        dtypes = dtypes or {}
+        for batch in self.iter_numpy_batches(batch_size=batch_size, **options):
+            tensors = {}
+            for name, values in batch.items():
+                if values.dtype == object:
+                    raise TypeError(
+                        f"column {name!r} is not numeric and cannot be a tensor: select only "
+                        "numeric columns (or vectors) for iter_torch_batches"
+                    )
+                tensors[name] = torch.as_tensor(values, dtype=dtypes.get(name), device=device)
+            yield tensors
+
+    def to_torch(self, batch_size: int = 256, device: str = "cpu", **options: Any) -> Any:
+        """A ``torch.utils.data.IterableDataset`` over ``iter_torch_batches`` (needs torch):
+        each item a batch (use ``DataLoader(dataset, batch_size=None)``). Give each
+        data-parallel rank its ``rank`` and ``world_size``; keep ``num_workers=0``: the
+        query already runs in flumen's own threads and worker processes."""
+        import torch.utils.data
+
+        frame = self
+
+        class FlumenDataset(torch.utils.data.IterableDataset):
+            def __iter__(self):
+                if torch.utils.data.get_worker_info() is not None:
+                    raise RuntimeError(
+                        "a flumen dataset runs in the DataLoader's own process: use "
+                        "num_workers=0 (flumen's workers do the loading)"
+                    )
+                return frame.iter_torch_batches(batch_size=batch_size, device=device, **options)
+
+        return FlumenDataset()
 
     def collect(self) -> list[pa.RecordBatch]:
         """Run the query; all its batches."""

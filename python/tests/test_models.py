@@ -119,20 +119,26 @@ class OnGpu:
         return pa.array((x * 2).cpu().numpy(), pa.float32())
 
 
-def test_a_cuda_model_runs_on_a_gpu(ctx):
+def torch_on_a_gpu(what):
+    """torch, when a CUDA device is here; skips without one. torch's wheels come with CUDA
+    (gigabytes), so only GPU machines install it: there a missing torch fails under CI."""
     import ctypes
 
     try:
         ctypes.CDLL("libcuda.so.1")
     except OSError:
-        pytest.skip("no CUDA device (libcuda.so.1 not found) for the GPU model")
-    # A GPU is here: the model's torch must be too (a missing tool fails under CI).
+        pytest.skip(f"no CUDA device (libcuda.so.1 not found) for {what}")
     try:
         import torch
     except ImportError:
         if os.environ.get("CI", "").lower() not in ("", "0", "false"):
             raise
-        pytest.skip("torch is not installed for the GPU model")
+        pytest.skip(f"torch is not installed for {what}")
+    return torch
+
+
+def test_a_cuda_model_runs_on_a_gpu(ctx):
+    torch_on_a_gpu("the GPU model")
     ctx.register_model("double_on_gpu", OnGpu)
     got = ctx.sql("SELECT double_on_gpu(CAST(id AS FLOAT)) AS d FROM docs WHERE id < 100 ORDER BY id")
     assert got.to_arrow().to_pydict()["d"] == [2.0 * i for i in range(100)]
@@ -158,3 +164,23 @@ def test_a_python_function_runs_in_cpu_tasks(ctx):
     with pytest.raises(flumen.FlumenError, match="no_words.*no words here"):
         ctx.sql("SELECT no_words(body) FROM docs").collect()
     assert ctx.sql("SELECT word_count('a b c') AS n").to_pylist() == [{"n": 3}]
+
+
+def test_torch_batches_feed_a_training_loop_on_the_gpu(ctx):
+    torch = torch_on_a_gpu("the torch training feed")
+    df = ctx.sql("SELECT CAST(id AS FLOAT) AS x, CAST(id % 2 AS FLOAT) AS y FROM docs")
+    seen = 0
+    for batch in df.iter_torch_batches(batch_size=1000, device="cuda", drop_last=True):
+        assert batch["x"].device.type == "cuda" and batch["x"].shape == (1000,)
+        seen += 1000
+    assert seen == ROWS
+    loader = torch.utils.data.DataLoader(df.to_torch(batch_size=500, device="cuda"), batch_size=None)
+    model = torch.nn.Linear(1, 1).cuda()
+    optimizer = torch.optim.SGD(model.parameters(), lr=1e-9)
+    for batch in loader:
+        loss = torch.nn.functional.mse_loss(model(batch["x"][:, None]).squeeze(1), batch["y"])
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+    with pytest.raises(TypeError, match="body"):
+        next(ctx.sql("SELECT body FROM docs").iter_torch_batches())

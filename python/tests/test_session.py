@@ -13,6 +13,7 @@ import subprocess
 import sys
 import time
 
+import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
@@ -212,6 +213,35 @@ def test_ranks_get_disjoint_shares_that_hold_every_row(table):
     assert sorted(shuffled) == sorted(shares[1]) and shuffled != shares[1]
     with pytest.raises(ValueError, match="rank"):
         next(df.iter_batches(rank=3, world_size=3))
+
+
+def test_numpy_batches_have_the_size_asked_for_and_vectors_as_matrices(table):
+    _, path = table
+    ctx = session()
+    ctx.register_parquet("t", path)
+    # 10,000 rows in row groups of 1,000, cut into batches of 768: 13 of 768 and one of 16.
+    df = ctx.sql("SELECT id, x, arrow_cast(v, 'FixedSizeList(2, Float32)') AS v FROM (" +
+                 "SELECT id, x, make_array(CAST(id AS FLOAT), CAST(2.0 AS FLOAT)) AS v FROM t) ORDER BY id")
+    batches = list(df.iter_numpy_batches(batch_size=768))
+    assert [len(b["id"]) for b in batches] == [768] * 13 + [16]
+    assert batches[0]["v"].shape == (768, 2) and batches[0]["v"].dtype == np.float32
+    assert np.concatenate([b["id"] for b in batches]).tolist() == list(range(ROWS))
+    assert np.concatenate([b["v"][:, 0] for b in batches]).tolist() == [float(i) for i in range(ROWS)]
+    assert np.concatenate([b["x"] for b in batches]).tolist() == [i * 0.5 for i in range(ROWS)]
+    assert [len(b["id"]) for b in df.iter_numpy_batches(batch_size=768, drop_last=True)] == [768] * 13
+    # Two epochs, two ranks: each rank's epochs hold its share twice; the shares every row.
+    ids = [
+        np.concatenate([b["id"] for b in df.iter_numpy_batches(batch_size=500, epochs=2, rank=r, world_size=2)])
+        for r in range(2)
+    ]
+    halves = [sorted(i.tolist()) for i in ids]
+    for rank_ids in ids:
+        first, second = np.split(rank_ids, 2)
+        assert sorted(first.tolist()) == sorted(second.tolist())
+    assert sorted(set(halves[0]) | set(halves[1])) == list(range(ROWS))
+    assert not set(halves[0]) & set(halves[1])
+    with pytest.raises(ValueError, match="batch_size"):
+        next(df.iter_numpy_batches(batch_size=0))
 
 
 def test_ctrl_c_interrupts_a_long_query_within_two_seconds():
