@@ -3,7 +3,7 @@
 The same model class (a numpy MLP over hashed word counts: 2**12 buckets -> 256 -> 64,
 weights from a fixed seed), the same batch size (256 rows), the same two model workers
 (flumen: `concurrency=2` accelerator worker processes, `Session(workers=2)`; Ray Data:
-`map_batches(..., concurrency=2)`, an actor pool of 2), the same preprocessing (lower-case,
+`map_batches(..., concurrency=2, num_cpus=0.5)`, an actor pool of 2), the same preprocessing (lower-case,
 non-letters to spaces: flumen's SQL below the model, Ray's `map_batches` over pyarrow
 compute), the same Parquet file, the same machine (`ray.init(num_cpus=<cores>)`). Each
 engine's consumer iterates the result batches and counts rows. Each runs the job
@@ -107,9 +107,13 @@ def run_ray(path: str) -> tuple[float, float, int]:
 
     start = time.perf_counter()
     ds = (
-        ray.data.read_parquet(path)
+        ray.data.read_parquet(path, override_num_blocks=20)  # one block per row group
         .map_batches(preprocess, batch_format="pyarrow")
-        .map_batches(RayMlp, batch_size=BATCH_ROWS, concurrency=2, batch_format="pyarrow")
+        # Half a logical CPU per actor: with a whole one each, the two would hold both CPUs
+        # and the read tasks would never be scheduled (Ray Data waits forever).
+        .map_batches(
+            RayMlp, batch_size=BATCH_ROWS, concurrency=2, num_cpus=0.5, batch_format="pyarrow"
+        )
     )
     first = None
     rows = 0
@@ -144,7 +148,7 @@ def main() -> None:
                 assert rows == args.docs, (name, rows)
                 figures[name] = seconds, first
                 print(f"run {run} {name:8}: {seconds:7.2f} s  {rows / seconds:9.0f} rows/s  "
-                      f"first batch {first:6.2f} s")
+                      f"first batch {first:6.2f} s", flush=True)
             ratio = figures["ray data"][0] / figures["flumen"][0]
             print(f"run {run} flumen / ray data throughput: {ratio:.2f}x "
                   f"(first batch {figures['ray data'][1] / figures['flumen'][1]:.2f}x sooner)")

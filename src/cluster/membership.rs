@@ -82,10 +82,16 @@ impl ClusterSpec {
                 }
                 Ok(file.workers)
             }
+            #[cfg(feature = "kubernetes")]
             Self::Kubernetes {
                 namespace,
                 selector,
             } => crate::cluster::kubernetes::worker_addresses(namespace, selector).await,
+            #[cfg(not(feature = "kubernetes"))]
+            Self::Kubernetes { namespace, .. } => Err(cluster_error(format!(
+                "k8s://{namespace}/...: this flumen was built without its `kubernetes` \
+                 feature; list the workers' addresses or a cluster file instead"
+            ))),
         }
     }
 }

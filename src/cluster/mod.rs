@@ -7,6 +7,10 @@
 //! - [`task_plan`]: a task's plan on the wire (datafusion-proto plus what it drops) and the
 //!   driver's check that a worker decodes the plan that was planned.
 //! - [`worker`]: the worker process: an Arrow Flight server that runs task plans.
+//! - [`worker_command`]: `flumen worker`'s options and start-up, shared with the Python
+//!   package's `python -m flumen worker`.
+//! - [`shipped_functions`]: functions of another runtime (Python) that travel inside the
+//!   task plans that call them.
 //! - [`worker_tasks`]: how a worker runs one task and hands out its blocks as it cuts them.
 //! - [`worker_memory`]: a worker task's operators, within its query's budget beside its
 //!   blocks.
@@ -15,11 +19,13 @@
 //!   workers, placing tasks on them and fetching blocks from them.
 //! - [`membership`]: which running workers a driver attached to a cluster uses
 //!   (`flumen.cluster`).
-//! - [`kubernetes`]: finding worker pods through the Kubernetes API.
+//! - `kubernetes`: finding worker pods through the Kubernetes API (cargo feature
+//!   `kubernetes`, on by default).
 
 pub mod admission;
 pub mod auth;
 pub(crate) mod block_shelf;
+#[cfg(feature = "kubernetes")]
 pub mod kubernetes;
 pub mod membership;
 pub mod protocol;

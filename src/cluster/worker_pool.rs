@@ -558,7 +558,7 @@ impl WorkerPool {
                 // Dropping the handles of those that started stops them
                 // (`WorkerHandle::drop`).
                 let started = futures::future::try_join_all(
-                    (0..*size).map(|_| spawn_worker(program, *tls, kind)),
+                    (0..*size).map(|_| spawn_worker(program, *tls, kind, *size)),
                 )
                 .await?;
                 (started, None)
@@ -843,10 +843,10 @@ impl WorkerPool {
 
     /// Start a replacement for the dead local worker in `slot`.
     async fn replace(&self, slot: usize) {
-        let Placement::Local { program, tls, .. } = &self.settings.placement else {
+        let Placement::Local { program, tls, size } = &self.settings.placement else {
             return;
         };
-        match spawn_worker(program, *tls, self.kind).await {
+        match spawn_worker(program, *tls, self.kind, *size).await {
             Ok(worker) => {
                 self.workers.lock().await[slot] = worker;
                 self.restarted.fetch_add(1, Ordering::Relaxed);
@@ -983,9 +983,28 @@ impl Drop for WorkerPool {
     }
 }
 
+/// The thread-pool sizes of numeric libraries (OpenMP, OpenBLAS, MKL, numexpr) that a
+/// worker gets, unless the driver's environment sets them: each library starts a thread per
+/// core by default, so N workers on a host would run N times the cores' threads, and
+/// OpenBLAS's spinning threads made a numpy model in two workers on two cores 2.5x slower
+/// than in one (Ray sets `OMP_NUM_THREADS` for its workers for the same reason).
+pub const THREAD_POOL_VARIABLES: &[&str] = &[
+    "OMP_NUM_THREADS",
+    "OPENBLAS_NUM_THREADS",
+    "MKL_NUM_THREADS",
+    "NUMEXPR_NUM_THREADS",
+];
+
 /// Start one worker process of `program` on this host (speaking TLS with this driver's
-/// own certificate when `tls`) and connect to it.
-async fn spawn_worker(program: &WorkerProgram, tls: bool, kind: Pool) -> Result<Arc<WorkerHandle>> {
+/// own certificate when `tls`), one of `pool_size` of its pool, and connect to it. Its
+/// numeric libraries get the pool's share of the host's cores ([`THREAD_POOL_VARIABLES`]).
+async fn spawn_worker(
+    program: &WorkerProgram,
+    tls: bool,
+    kind: Pool,
+    pool_size: usize,
+) -> Result<Arc<WorkerHandle>> {
+    let threads = (crate::config::available_cores() / pool_size.max(1)).max(1);
     let binary = &program.executable;
     let tls = tls.then(local_tls).transpose()?;
     let fail = |why: String| {
@@ -1012,6 +1031,10 @@ async fn spawn_worker(program: &WorkerProgram, tls: bool, kind: Pool) -> Result<
                 .iter()
                 .filter_map(|name| Some((name, std::env::var_os(name)?))),
         )
+        .envs(THREAD_POOL_VARIABLES.iter().map(|name| {
+            let value = std::env::var_os(name).unwrap_or_else(|| threads.to_string().into());
+            (name, value)
+        }))
         .stdin(Stdio::piped())
         .stdout(Stdio::piped())
         .stderr(Stdio::inherit());
