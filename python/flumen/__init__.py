@@ -30,6 +30,11 @@ from ._flumen import Session as _Session
 __all__ = ["Session", "DataFrame", "FlumenError", "model", "udf"]
 
 
+def _literal(text: str) -> str:
+    """``text`` as a SQL string literal."""
+    return "'" + text.replace("'", "''") + "'"
+
+
 def _setting_value(value: Any) -> str:
     if isinstance(value, bool):
         return "true" if value else "false"
@@ -84,6 +89,50 @@ class Session:
     def register_csv(self, name: str, path: str) -> None:
         """Table ``name`` over CSV files with a header row."""
         self._inner.register_csv(name, str(path))
+
+    def register_delta(
+        self,
+        name: str,
+        path: str,
+        version: Optional[int] = None,
+        timestamp: Optional[str] = None,
+        options: Optional[dict[str, str]] = None,
+    ) -> None:
+        """Table ``name`` over the Delta table at ``path`` (a directory or an object-store
+        URL): its latest version, or ``version``, or the version current at ``timestamp``
+        (RFC 3339). ``options``: the table's storage options (``aws.region``, ...)."""
+        options = dict(options or {})
+        if version is not None:
+            options["version"] = str(int(version))
+        if timestamp is not None:
+            options["timestamp"] = str(timestamp)
+        self._create_external(name, "DELTATABLE", path, options)
+
+    def register_iceberg(
+        self,
+        name: str,
+        path: str,
+        snapshot_id: Optional[int] = None,
+        timestamp: Optional[str] = None,
+        options: Optional[dict[str, str]] = None,
+    ) -> None:
+        """Table ``name`` over the Iceberg table whose directory (holding ``metadata/``) is
+        ``path``: its current snapshot, or ``snapshot_id``, or the one current at
+        ``timestamp``. ``options``: the table's storage options."""
+        options = dict(options or {})
+        if snapshot_id is not None:
+            options["snapshot_id"] = str(int(snapshot_id))
+        if timestamp is not None:
+            options["timestamp"] = str(timestamp)
+        self._create_external(name, "ICEBERG", path, options)
+
+    def _create_external(self, name: str, format: str, path: str, options: dict[str, str]) -> None:
+        quoted = '"' + name.replace('"', '""') + '"'
+        sql = f"CREATE EXTERNAL TABLE {quoted} STORED AS {format} LOCATION {_literal(str(path))}"
+        if options:
+            pairs = ", ".join(f"{_literal(k)} {_literal(str(v))}" for k, v in options.items())
+            sql += f" OPTIONS ({pairs})"
+        self.sql(sql).collect()
 
     def from_arrow(self, name: str, data: Any) -> "DataFrame":
         """Table ``name`` over any Arrow data with ``__arrow_c_stream__`` (a pyarrow table,

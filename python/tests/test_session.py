@@ -244,6 +244,40 @@ def test_numpy_batches_have_the_size_asked_for_and_vectors_as_matrices(table):
         next(df.iter_numpy_batches(batch_size=0))
 
 
+def test_delta_and_iceberg_tables_register_by_path(tmp_path):
+    deltalake = required("deltalake")
+    required("pyiceberg")
+    from pyiceberg.catalog.sql import SqlCatalog
+
+    first = pa.table({"id": pa.array(range(100), pa.int64()), "s": [f"a{i}" for i in range(100)]})
+    second = pa.table({"id": pa.array(range(100, 150), pa.int64()), "s": ["b"] * 50})
+    delta = str(tmp_path / "delta's table")
+    deltalake.write_deltalake(delta, first)
+    deltalake.write_deltalake(delta, second, mode="append")
+    ctx = session()
+    ctx.register_delta("latest", delta)
+    ctx.register_delta("v0", delta, version=0)
+    total = "SELECT count(*) AS n, sum(id) AS ids FROM {}"
+    assert ctx.sql(total.format("latest")).to_pylist() == [{"n": 150, "ids": sum(range(150))}]
+    assert ctx.sql(total.format("v0")).to_pylist() == [{"n": 100, "ids": sum(range(100))}]
+    with pytest.raises(flumen.FlumenError, match="version"):
+        ctx.register_delta("v9", delta, version=9)
+
+    catalog = SqlCatalog(
+        "t", uri=f"sqlite:///{tmp_path}/catalog.db", warehouse=f"file://{tmp_path}/warehouse"
+    )
+    catalog.create_namespace("db")
+    table = catalog.create_table("db.events", schema=first.schema)
+    table.append(first)
+    snapshot = table.current_snapshot().snapshot_id
+    table.append(second)
+    location = table.location().removeprefix("file://")
+    ctx.register_iceberg("events", location)
+    ctx.register_iceberg("events_then", location, snapshot_id=snapshot)
+    assert ctx.sql(total.format("events")).to_pylist() == [{"n": 150, "ids": sum(range(150))}]
+    assert ctx.sql(total.format("events_then")).to_pylist() == [{"n": 100, "ids": sum(range(100))}]
+
+
 def test_ctrl_c_interrupts_a_long_query_within_two_seconds():
     script = (
         "import flumen, sys\n"
