@@ -184,3 +184,21 @@ def test_torch_batches_feed_a_training_loop_on_the_gpu(ctx):
         optimizer.step()
     with pytest.raises(TypeError, match="body"):
         next(ctx.sql("SELECT body FROM docs").iter_torch_batches())
+
+
+def test_the_readme_example_embeds_with_embed_and_its_own_model_in_workers_and_threads():
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    example = Path(__file__).parents[1] / "examples" / "own_model.py"
+    runs = [
+        subprocess.run([sys.executable, str(example), *flags], capture_output=True, text=True, timeout=300)
+        for flags in ([], ["--threads"])
+    ]
+    for run in runs:
+        assert run.returncode == 0, run.stderr[-3000:]
+    assert "2000 documents embedded" in runs[0].stdout, runs[0].stdout
+    assert "|minilm| = 1.000" in runs[0].stdout, runs[0].stdout
+    # Worker processes and this process's threads give the same vectors.
+    assert runs[0].stdout == runs[1].stdout
