@@ -1,7 +1,9 @@
-"""flumen from Python: SQL over Parquet, CSV and Arrow data in-process, results as Arrow.
+"""flumen from Python: SQL over Parquet, CSV, Delta, Iceberg and Arrow data, results as
+Arrow; your own models (``@flumen.model``) and functions (``@flumen.udf``) run in its
+accelerator and CPU pools, in this process's threads or in worker processes.
 
     import flumen
-    ctx = flumen.Session(memory_budget="4GB")
+    ctx = flumen.Session(memory_budget="4GB", workers=4)
     ctx.register_parquet("docs", "docs.parquet")
     df = ctx.sql("SELECT id, embed(body) AS v FROM docs")
     table = df.to_arrow()                      # or to_pandas(), to_pylist()
