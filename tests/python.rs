@@ -88,8 +88,11 @@ fn a_python_session_runs_its_model_and_function_on_python_workers_of_two_hosts()
         format!("#!/bin/sh\nexec '{}' -m flumen \"$@\"\n", python.display()),
     )
     .unwrap();
-    std::fs::set_permissions(&launcher, std::os::unix::fs::PermissionsExt::from_mode(0o755))
-        .unwrap();
+    std::fs::set_permissions(
+        &launcher,
+        std::os::unix::fs::PermissionsExt::from_mode(0o755),
+    )
+    .unwrap();
     let mut addresses = vec![];
     for host in ["h1", "h2"] {
         net.start_worker(host, Role::Cpu, &launcher, 2);

@@ -782,7 +782,7 @@ mod tests {
     }
 
     fn round_trip(plan: &Arc<dyn ExecutionPlan>) -> Arc<dyn ExecutionPlan> {
-        let bytes = encode(plan, Arc::new(HashSet::new())).unwrap();
+        let bytes = encode(plan, Arc::new(WorkerFunctions::default())).unwrap();
         check_round_trip(plan, &bytes, &task_ctx()).unwrap_or_else(|e| panic!("{e:?}"));
         decode(&bytes, &task_ctx()).unwrap()
     }
@@ -844,7 +844,7 @@ mod tests {
         #[derive(Debug)]
         struct Other;
         let file = PartitionedFile::new("data/f.parquet", 10).with_extension(Other);
-        let err = encode(&scan(vec![file], None), Arc::new(HashSet::new())).unwrap_err();
+        let err = encode(&scan(vec![file], None), Arc::new(WorkerFunctions::default())).unwrap_err();
         assert!(err.to_string().contains("file extension"), "{err}");
     }
 
@@ -902,7 +902,7 @@ mod tests {
             None,
         );
         let other = scan(vec![PartitionedFile::new("data/f.parquet", 10)], None);
-        let bytes = encode(&other, Arc::new(HashSet::new())).unwrap();
+        let bytes = encode(&other, Arc::new(WorkerFunctions::default())).unwrap();
         let Err(RoundTrip::Differs(err)) = check_round_trip(&planned, &bytes, &task_ctx()) else {
             panic!("a plan without its row selection passed the check");
         };

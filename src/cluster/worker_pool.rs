@@ -1356,7 +1356,7 @@ pub fn worker_program(configured: &str, module: &str) -> Result<WorkerProgram> {
         PathBuf::from(path)
     } else {
         let exe = std::env::current_exe()?;
-        if !exe.file_stem().is_some_and(|n| n == "flumen") {
+        if exe.file_stem().is_none_or(|n| n != "flumen") {
             return Err(DataFusionError::Configuration(
                 "flumen.workers = 'process' needs the flumen binary to start workers from: \
                  set flumen.worker_binary or FLUMEN_WORKER_BIN"
