@@ -5,8 +5,9 @@ accelerator worker; a worker SIGKILLed mid-query costs its blocks, which lineage
 recomputes, not the answer; a model that raises is a clear error naming its class; a model
 that kills its own process kills a worker, not the session.
 
-Each model class here is made by a function, so cloudpickle ships it by value with the
-path of the log file it writes to (its `__init__` and calls leave the worker's pid there).
+The counting model class is made by a function, so cloudpickle ships it by value with the
+path of the log file it writes to (its `__init__` and calls leave the worker's pid there);
+classes of importable modules ship by reference (the worker imports them).
 """
 
 import os
@@ -138,28 +139,23 @@ def test_a_worker_killed_mid_query_gives_the_same_answer(docs, tmp_path):
     assert set(calls) - {killed[0]}, "no other worker ran the model"
 
 
-def failing_models():
-    @flumen.model(returns=pa.int64())
-    class Broken:
-        def __call__(self, batch):
-            raise ValueError("this model cannot read row 0")
-
-    @flumen.model(returns=pa.int64())
-    class Crashing:
-        def __call__(self, batch):
-            os._exit(3)  # the process dies as from a segfault in native code
-
-    return Broken, Crashing
+@flumen.model(returns=pa.int64())
+class Crashing:
+    def __call__(self, batch):
+        os._exit(3)  # the process dies as from a segfault in native code
 
 
 def test_a_failing_model_in_a_worker_is_a_clear_error_and_the_session_goes_on(docs):
+    # test_models.Broken ships by reference: the worker imports test_models from the
+    # driver's sys.path.
+    from test_models import Broken
+
     ctx = session(docs, **{"flumen.max_task_retries": 1})
-    broken, crashing = failing_models()
-    ctx.register_model("broken", broken)
+    ctx.register_model("broken", Broken)
     with pytest.raises(flumen.FlumenError, match="Broken.*cannot read row 0"):
         ctx.sql("SELECT broken(body) FROM docs").collect()
     # A model that kills its process kills a worker (and the retry's), not the session.
-    ctx.register_model("crashing", crashing)
+    ctx.register_model("crashing", Crashing)
     with pytest.raises(flumen.FlumenError, match="(?i)worker"):
         ctx.sql("SELECT crashing(body) FROM docs WHERE id < 10").collect()
     assert ctx.sql("SELECT count(*) AS n FROM docs").to_pylist() == [{"n": ROWS}]
