@@ -11,6 +11,7 @@ classes of importable modules ship by reference (the worker imports them).
 """
 
 import os
+import re
 import signal
 import threading
 import time
@@ -195,3 +196,45 @@ def test_a_function_that_cannot_ship_warns_and_runs_in_the_session(docs):
         ctx.register_udf("holds_a_lock", holds_a_lock)
     got = ctx.sql("SELECT sum(holds_a_lock(id)) AS n FROM docs").to_pylist()
     assert got == [{"n": ROWS}]
+
+
+def start_worker(pool, secret_file, *flags):
+    """`python -m flumen worker` started by hand on loopback; (process, address)."""
+    import subprocess
+    import sys
+
+    process = subprocess.Popen(
+        [sys.executable, "-m", "flumen", "worker", "--listen", "127.0.0.1:0", "--pool", pool,
+         "--secret-file", str(secret_file), "--lease", "60", *flags],
+        stdout=subprocess.PIPE, text=True,
+    )
+    line = process.stdout.readline()
+    assert line.startswith("flumen worker listening on "), line
+    return process, line.split()[-1]
+
+
+def test_a_worker_that_refuses_shipped_functions_leaves_them_to_the_driver(docs, tmp_path):
+    secret = tmp_path / "cluster.secret"
+    secret.write_text(os.urandom(32).hex() + "\n")
+    os.chmod(secret, 0o600)
+    workers = [
+        start_worker("cpu", secret, "--no-shipped-functions"),
+        start_worker("accelerator", secret, "--no-shipped-functions"),
+    ]
+    try:
+        addresses = ",".join(address for _, address in workers)
+        ctx = flumen.Session(
+            cluster=addresses,
+            settings={"flumen.device": "cpu", "flumen.cluster_secret_file": str(secret)},
+        )
+        ctx.register_parquet("docs", docs)
+        ctx.register_udf("pid_of", pid_of)
+        # Plain SQL runs on the workers; the Python function stays in this process.
+        plan = ctx.sql("SELECT sum(id) AS s FROM docs").explain(analyze=True)
+        assert sum(int(n) for n in re.findall(r"remote_tasks=(\d+)", plan)) > 0, plan
+        pids = ctx.sql("SELECT DISTINCT pid_of(id) AS p FROM docs").to_pylist()
+        assert pids == [{"p": os.getpid()}], pids
+    finally:
+        for process, _ in workers:
+            process.kill()
+            process.wait()

@@ -18,9 +18,11 @@
 //!   finds the very function it planned.
 //!
 //! Packed bytes are code: only callers holding the driver's secret reach a worker
-//! ([`crate::cluster::auth`]), and only a worker started to host the runtime unpacks them.
+//! ([`crate::cluster::auth`]), only a worker started to host the runtime unpacks them, and
+//! `--no-shipped-functions` makes even that one refuse them ([`refuse_all`]).
 
 use std::collections::HashMap;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, OnceLock, RwLock};
 
 use datafusion::error::{DataFusionError, Result};
@@ -77,6 +79,15 @@ impl ShippedFunction {
     }
 }
 
+/// Set by [`refuse_all`]: this process unpacks nothing and announces no runtime.
+static REFUSED: AtomicBool = AtomicBool::new(false);
+
+/// Refuse every shipped function from now on (`flumen worker --no-shipped-functions`): the
+/// worker announces no runtime, so drivers keep such tasks, and one sent anyway fails.
+pub fn refuse_all() {
+    REFUSED.store(true, Ordering::Relaxed);
+}
+
 fn carriers() -> &'static RwLock<Vec<Arc<dyn FunctionCarrier>>> {
     static CARRIERS: OnceLock<RwLock<Vec<Arc<dyn FunctionCarrier>>>> = OnceLock::new();
     CARRIERS.get_or_init(|| RwLock::new(Vec::new()))
@@ -99,6 +110,9 @@ pub fn register_carrier(carrier: Arc<dyn FunctionCarrier>) {
 
 /// The runtimes whose functions this process can unpack (a worker announces them).
 pub fn runtimes() -> Vec<String> {
+    if REFUSED.load(Ordering::Relaxed) {
+        return vec![];
+    }
     carriers()
         .read()
         .unwrap()
@@ -128,6 +142,13 @@ pub fn pack(udf: &ScalarUDF) -> Option<ShippedFunction> {
 /// The function `shipped` holds, as SQL function `name`: made once per process and
 /// packed bytes, then kept.
 pub fn unpack(name: &str, shipped: &ShippedFunction) -> Result<Arc<ScalarUDF>> {
+    if REFUSED.load(Ordering::Relaxed) {
+        return Err(DataFusionError::NotImplemented(format!(
+            "function {name} is shipped {} code, which this worker refuses \
+             (--no-shipped-functions)",
+            shipped.runtime
+        )));
+    }
     let digest = shipped.digest();
     if let Some(udf) = unpacked().lock().unwrap().get(&digest) {
         return Ok(Arc::clone(udf));

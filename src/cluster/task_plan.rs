@@ -844,7 +844,11 @@ mod tests {
         #[derive(Debug)]
         struct Other;
         let file = PartitionedFile::new("data/f.parquet", 10).with_extension(Other);
-        let err = encode(&scan(vec![file], None), Arc::new(WorkerFunctions::default())).unwrap_err();
+        let err = encode(
+            &scan(vec![file], None),
+            Arc::new(WorkerFunctions::default()),
+        )
+        .unwrap_err();
         assert!(err.to_string().contains("file extension"), "{err}");
     }
 

@@ -89,6 +89,10 @@ pub struct WorkerArgs {
     /// newer flumen, which drivers must refuse clearly).
     #[arg(long, value_name = "N", hide = true)]
     speak_protocol: Option<u32>,
+    /// Refuse the functions drivers ship inside task plans (Python models and functions,
+    /// run by `python -m flumen worker`): run flumen's own functions only.
+    #[arg(long)]
+    no_shipped_functions: bool,
 }
 
 /// The secret, TLS identity and limits `args` ask for (read from stdin or files).
@@ -134,6 +138,9 @@ fn worker_settings(args: &WorkerArgs) -> Result<WorkerSettings> {
 /// out: read the secret and TLS identity, start a runtime and a flumen session, serve.
 pub fn run(args: &WorkerArgs) -> Result<()> {
     let settings = worker_settings(args)?;
+    if args.no_shipped_functions {
+        crate::cluster::shipped_functions::refuse_all();
+    }
     let runtime = tokio::runtime::Runtime::new()
         .map_err(|e| DataFusionError::Execution(format!("cannot start the runtime: {e}")))?;
     runtime.block_on(async {
