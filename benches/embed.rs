@@ -6,6 +6,7 @@
 //!                              [--batch-sizes 0,32,64] [--python PATH]
 //!                              [--corpus sentences|docs|both] [--docs 600]
 //!                              [--preprocess-on-cpu true|false|both]
+//!                              [--peak-tflops P]
 //! ```
 //!
 //! Two corpora: generated sentences of mixed length, and the demo table's HTML documents
@@ -15,7 +16,9 @@
 //! the baseline runs at 32 (sentence-transformers' default) where flumen runs at 0.
 //! `--preprocess-on-cpu` runs flumen with its tokenizer as a CPU step (`true`, the default
 //! here; a session's `auto` does it only for a model on an accelerator), with the worker
-//! tokenizing (`false`), or both, and prints their ratio.
+//! tokenizing (`false`), or both, and prints their ratio. A roofline line per batch size gives
+//! the FLOP/s flumen's rate comes to (mean tokens per text x FLOPs per token x texts/s), and
+//! with `--peak-tflops` its share of the device's peak.
 //!
 //! The baseline is `benches/embed_baseline.py`, run with `--python` (default: `$FLUMEN_BENCH_PYTHON`
 //! or `python3`), which needs sentence-transformers installed (e.g. in a venv). The last line
@@ -180,6 +183,9 @@ struct Args {
     docs: usize,
     /// `flumen.preprocess_on_cpu` values to run flumen with.
     preprocess: Vec<bool>,
+    /// The device's peak in TFLOP/s (e.g. 989 for an H100/H200's dense bf16 tensor cores,
+    /// 67 for its fp32 cores), to print the share of it flumen reaches.
+    peak_tflops: Option<f64>,
 }
 
 fn parse_args() -> Args {
@@ -193,6 +199,7 @@ fn parse_args() -> Args {
         docs_corpus: true,
         docs: 600,
         preprocess: vec![true],
+        peak_tflops: None,
     };
     let mut it = std::env::args().skip(1);
     while let Some(a) = it.next() {
@@ -218,6 +225,9 @@ fn parse_args() -> Args {
                 );
             }
             "--docs" => args.docs = value().parse().expect("--docs N"),
+            "--peak-tflops" => {
+                args.peak_tflops = Some(value().parse().expect("--peak-tflops TFLOPS"))
+            }
             "--preprocess-on-cpu" => {
                 args.preprocess = match value().as_str() {
                     "true" => vec![true],
@@ -325,6 +335,46 @@ fn baseline_rate(args: &Args, texts: &[String], batch_size: usize) -> Result<f64
         .ok_or_else(|| fail(format!("baseline printed no per_s=: {}", text.trim())))
 }
 
+/// The model's work per text: the mean tokens of `texts` as its tokenizer cuts them
+/// (truncation and the two special tokens included), and the FLOPs per token of a forward
+/// pass at that length (2 per multiply-add: per layer the Q, K, V and output projections,
+/// the two feed-forward matrices, and attention's scores and weighted sum over the text's
+/// tokens; the embedding lookup and the pooling are not counted).
+fn work_per_text(texts: &[String]) -> Result<(f64, f64)> {
+    let dir = model_files::model_dir("");
+    let tokenizer = flumen::functions::embedding::tokenizer::SentenceTokenizer::load(&dir)?;
+    let refs: Vec<&str> = texts.iter().map(String::as_str).collect();
+    let tokens: usize = tokenizer.encode(&refs)?.iter().map(Vec::len).sum();
+    let tokens = tokens as f64 / texts.len().max(1) as f64;
+    let config: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(dir.join("config.json"))?)
+            .map_err(|e| datafusion::error::DataFusionError::External(Box::new(e)))?;
+    let field = |name: &str| config[name].as_f64().unwrap_or(0.0);
+    let (hidden, intermediate) = (field("hidden_size"), field("intermediate_size"));
+    let per_layer = 4.0 * hidden * hidden + 2.0 * hidden * intermediate + 2.0 * tokens * hidden;
+    Ok((tokens, 2.0 * field("num_hidden_layers") * per_layer))
+}
+
+/// The roofline line of a corpus: the FLOP/s flumen's rate means, and its share of the
+/// device's peak when `--peak-tflops` gives it.
+fn print_roofline(args: &Args, corpus: &str, texts: &[String], per_s: f64) -> Result<()> {
+    let (tokens, flops) = work_per_text(texts)?;
+    let tflops = per_s * tokens * flops / 1e12;
+    let share = match args.peak_tflops {
+        Some(peak) => format!(
+            " = {:.1}% of the {peak} TFLOP/s peak",
+            100.0 * tflops / peak
+        ),
+        None => " (--peak-tflops P: its share of the device's peak)".into(),
+    };
+    println!(
+        "{corpus} roofline: {tokens:.1} tokens/text x {:.1} MFLOP/token x {per_s:.1} texts/s \
+         = {tflops:.3} TFLOP/s{share}",
+        flops / 1e6
+    );
+    Ok(())
+}
+
 /// The best `(batch size, rate)` of `rates`.
 fn best(rates: &[(usize, f64)]) -> (usize, f64) {
     rates
@@ -392,6 +442,7 @@ async fn run_corpus(args: &Args, corpus: &str, texts: &[String]) -> Result<()> {
             );
         }
         let flumen = rates[0].1;
+        print_roofline(args, corpus, texts, flumen)?;
         let baseline = baseline_rate(args, texts, baseline_size(size))?;
         println!(
             "{corpus} batch_size={size} flumen_per_s={flumen:.1} baseline_per_s={baseline:.1} \
