@@ -400,3 +400,68 @@ async fn explain_analyze_shows_how_the_worker_batches() {
         }
     }
 }
+
+/// Issue 69's numerics check, emulated on the CPU: the encoder computing as a bfloat16 GPU
+/// path would (weights and stored activations rounded to bf16, sums in fp32) against the
+/// fp32 encoder, over the fixture sentences and demo documents (about 170 tokens each, the
+/// README's main job's texts). Goal: cosine >= 0.999 for every text; min and mean printed.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn bf16_numerics_emulated_on_the_cpu_stay_within_cosine_0_999_of_fp32() {
+    use flumen::functions::embedding::bert::{BertWeights, PackedBatch, SentenceEncoder};
+    use flumen::functions::embedding::cpu::CpuEncoder;
+    use flumen::functions::embedding::{model_files, tokenizer::SentenceTokenizer};
+
+    const DOCS: usize = 64;
+    let dir = model_files::model_dir("");
+    let weights = BertWeights::load(&dir).unwrap();
+    let tokenizer = SentenceTokenizer::load(&dir).unwrap();
+    let docs_dir = tempfile::tempdir().unwrap();
+    let path = docs_dir.path().join("docs.parquet");
+    flumen::demo::write_docs(&path, DOCS).unwrap();
+    let ctx = session("cpu").await;
+    ctx.register_parquet("docs", path.to_str().unwrap(), Default::default())
+        .await
+        .unwrap();
+    let cleaned = collect(&ctx, "SELECT clean_text(body) AS t FROM docs ORDER BY id").await;
+    let mut corpora: Vec<(&str, Vec<String>)> = vec![(
+        "fixture sentences",
+        references().into_iter().map(|r| r.text).collect(),
+    )];
+    let docs = cleaned
+        .iter()
+        .flat_map(|b| {
+            b.column(0)
+                .as_string::<i32>()
+                .iter()
+                .map(|t| t.unwrap().to_string())
+        })
+        .collect();
+    corpora.push(("demo documents", docs));
+    let mut fp32 = CpuEncoder::new(Arc::new(weights.clone()), 2).unwrap();
+    let mut bf16 = CpuEncoder::emulating_bf16(&weights, 2).unwrap();
+    for (corpus, texts) in corpora {
+        let refs: Vec<&str> = texts.iter().map(String::as_str).collect();
+        let ids = tokenizer.encode(&refs).unwrap();
+        let mut cosines = vec![];
+        for chunk in ids.chunks(16) {
+            let batch = PackedBatch::new(chunk.iter().map(Vec::as_slice));
+            let (a, b) = (fp32.encode(&batch).unwrap(), bf16.encode(&batch).unwrap());
+            let width = a.len() / chunk.len();
+            for (x, y) in a.chunks(width).zip(b.chunks(width)) {
+                cosines.push(cosine(x, y));
+            }
+        }
+        let worst = cosines.iter().copied().fold(f64::INFINITY, f64::min);
+        let mean = cosines.iter().sum::<f64>() / cosines.len() as f64;
+        let tokens = ids.iter().map(Vec::len).sum::<usize>() / ids.len();
+        println!(
+            "bf16 against fp32, {corpus}: {} texts of {tokens} tokens on average, cosine min \
+             {worst:.6}, mean {mean:.6}",
+            cosines.len()
+        );
+        assert!(
+            worst >= 0.999,
+            "{corpus}: a bf16 vector at cosine {worst} of fp32's"
+        );
+    }
+}

@@ -5,6 +5,11 @@
 //!
 //! Sequences are packed back to back, so token-wise layers (projections, feed-forward, norms)
 //! never compute on padding; only attention looks at sequence boundaries.
+//!
+//! [`CpuEncoder::emulating_bf16`] computes as a half-precision GPU path would (issue 69):
+//! weights, embeddings and every stored activation rounded to bfloat16, products summed in
+//! fp32 (as tensor cores accumulate), norms and softmax in fp32 over bf16 inputs. It is as
+//! slow as fp32 or slower; it exists to measure bf16's numerics against fp32 without a GPU.
 
 use std::sync::Arc;
 
@@ -22,6 +27,43 @@ pub struct CpuEncoder {
     threads: usize,
     /// The forward pass's activations, kept from one pass to the next.
     scratch: Scratch,
+    /// Round weights and activations to bfloat16 ([`CpuEncoder::emulating_bf16`]).
+    bf16: bool,
+}
+
+/// `x` rounded to the nearest bfloat16 (ties to even), as an f32: the top 16 bits kept.
+pub fn round_to_bf16(x: f32) -> f32 {
+    if x.is_nan() {
+        return x;
+    }
+    let bits = x.to_bits();
+    let rounded = bits.wrapping_add(0x7FFF + ((bits >> 16) & 1)) & 0xFFFF_0000;
+    f32::from_bits(rounded)
+}
+
+/// Every value of `values` rounded to bfloat16.
+fn round_all_to_bf16(values: &mut [f32]) {
+    values.iter_mut().for_each(|v| *v = round_to_bf16(*v));
+}
+
+/// `weights` as a bf16 path would hold them: embeddings and matrices rounded to bfloat16;
+/// biases and norms stay fp32 (applied in fp32 epilogues).
+fn bf16_weights(weights: &BertWeights) -> BertWeights {
+    let mut rounded = weights.clone();
+    round_all_to_bf16(&mut rounded.word_embeddings);
+    round_all_to_bf16(&mut rounded.position_embeddings);
+    round_all_to_bf16(&mut rounded.token_type_embedding);
+    for layer in &mut rounded.layers {
+        for linear in [
+            &mut layer.qkv,
+            &mut layer.attention_out,
+            &mut layer.intermediate,
+            &mut layer.output,
+        ] {
+            round_all_to_bf16(&mut linear.weight);
+        }
+    }
+    rounded
 }
 
 /// A forward pass's activations (`[tokens, width]` each), kept by the encoder and reused by
@@ -53,7 +95,16 @@ impl CpuEncoder {
             pool,
             threads,
             scratch: Scratch::default(),
+            bf16: false,
         })
+    }
+
+    /// An encoder that emulates a bfloat16 path (module docs): for checking its numerics
+    /// against fp32 on a machine without a GPU.
+    pub fn emulating_bf16(weights: &BertWeights, threads: usize) -> Result<Self> {
+        let mut encoder = Self::new(Arc::new(bf16_weights(weights)), threads)?;
+        encoder.bf16 = true;
+        Ok(encoder)
     }
 
     /// Threads this encoder computes with.
@@ -110,17 +161,27 @@ impl CpuEncoder {
             }
         }
         layer_norm_rows(x, None, &w.embedding_norm, cfg.layer_norm_eps, h);
+        // A bf16 path stores each op's output in bf16 (`store` rounds; fp32: a no-op).
+        let bf16 = self.bf16;
+        let store = |values: &mut Vec<f32>| {
+            if bf16 {
+                round_all_to_bf16(values);
+            }
+        };
+        store(x);
 
         for layer in &w.layers {
             linear(x, tokens, &layer.qkv, parallelism, qkv);
+            store(qkv);
             attention(
                 qkv,
                 &offsets,
                 &batch.lengths,
-                cfg.heads,
-                cfg.head_dim(),
+                (cfg.heads, cfg.head_dim()),
+                bf16,
                 context,
             );
+            store(context);
             linear(context, tokens, &layer.attention_out, parallelism, attended);
             layer_norm_rows(
                 attended,
@@ -129,8 +190,10 @@ impl CpuEncoder {
                 cfg.layer_norm_eps,
                 h,
             );
+            store(attended);
             linear(attended, tokens, &layer.intermediate, parallelism, inner);
             gelu_in_place(inner);
+            store(inner);
             linear(inner, tokens, &layer.output, parallelism, out);
             layer_norm_rows(
                 out,
@@ -139,6 +202,7 @@ impl CpuEncoder {
                 cfg.layer_norm_eps,
                 h,
             );
+            store(out);
             std::mem::swap(x, out);
         }
         Ok(mean_pool_normalize(x, &offsets, &batch.lengths, h))
@@ -201,12 +265,13 @@ unsafe impl Sync for SharedMut {}
 
 /// Multi-head self-attention of each sequence over itself. `qkv` holds `[q | k | v]` per
 /// token (`3 * heads * head_dim` wide); `context` gets the context, `heads * head_dim` wide.
+/// `bf16`: the softmax's weights are rounded to bfloat16 before they weigh V.
 fn attention(
     qkv: &[f32],
     offsets: &[usize],
     lengths: &[usize],
-    heads: usize,
-    head_dim: usize,
+    (heads, head_dim): (usize, usize),
+    bf16: bool,
     context: &mut Vec<f32>,
 ) {
     let h = heads * head_dim;
@@ -253,6 +318,9 @@ fn attention(
             );
             for row in scores.chunks_exact_mut(len) {
                 softmax_in_place(row);
+            }
+            if bf16 {
+                round_all_to_bf16(&mut scores);
             }
             // context = softmax(scores) V
             gemm(
@@ -316,4 +384,27 @@ fn mean_pool_normalize(x: &[f32], offsets: &[usize], lengths: &[usize], h: usize
         pooled.iter_mut().for_each(|p| *p /= norm);
     }
     out
+}
+
+#[cfg(test)]
+mod bf16_tests {
+    use super::round_to_bf16;
+
+    #[test]
+    fn rounding_to_bf16_keeps_eight_bits_of_mantissa_ties_to_even() {
+        assert_eq!(round_to_bf16(1.0), 1.0);
+        // 1 + 2^-8 lies halfway between 1 and 1 + 2^-7: ties go to the even one, 1.
+        assert_eq!(round_to_bf16(1.0 + 2f32.powi(-8)), 1.0);
+        // 1 + 3 * 2^-8 lies halfway between 1 + 2^-7 and 1 + 2^-6: to the even, 1 + 2^-6.
+        assert_eq!(
+            round_to_bf16(1.0 + 3.0 * 2f32.powi(-8)),
+            1.0 + 2f32.powi(-6)
+        );
+        assert_eq!(round_to_bf16(1.0 + 2f32.powi(-7)), 1.0 + 2f32.powi(-7));
+        assert_eq!(round_to_bf16(-3.3), -3.296875);
+        assert!(round_to_bf16(f32::NAN).is_nan());
+        assert_eq!(round_to_bf16(f32::INFINITY), f32::INFINITY);
+        let x = 0.123_456_79_f32;
+        assert!((round_to_bf16(x) - x).abs() <= x * 2f32.powi(-8));
+    }
 }
