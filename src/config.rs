@@ -278,8 +278,9 @@ impl datafusion::common::config::ConfigField for WorkerBinary {
 
     fn set(&mut self, key: &str, _value: &str) -> datafusion::error::Result<()> {
         Err(DataFusionError::Configuration(format!(
-            "flumen.{key} is a startup option, not a SET: start flumen with \
-             --worker-binary PATH (or set FlumenConfig::{key} in Rust, Session(...) in Python)"
+            "flumen.{key} is a startup option, not a SET: give it when the session starts \
+             (`flumen --worker-binary PATH`, FlumenConfig::{key} in Rust; a Python session \
+             sets both to run `python -m flumen worker`)"
         )))
     }
 }

@@ -463,5 +463,10 @@ async fn bf16_numerics_emulated_on_the_cpu_stay_within_cosine_0_999_of_fp32() {
             worst >= 0.999,
             "{corpus}: a bf16 vector at cosine {worst} of fp32's"
         );
+        // The emulation rounds: its vectors are not fp32's (a no-op would pass the above).
+        assert!(
+            mean < 1.0 - 1e-7,
+            "{corpus}: bf16 vectors equal fp32's (mean {mean})"
+        );
     }
 }

@@ -215,9 +215,10 @@ def test_ranks_get_disjoint_shares_that_hold_every_row(table):
         next(df.iter_batches(rank=3, world_size=3))
 
 
-def test_numpy_batches_have_the_size_asked_for_and_vectors_as_matrices(table):
+@pytest.mark.parametrize("workers", [None, 2], ids=["threads", "workers"])
+def test_numpy_batches_have_the_size_asked_for_and_vectors_as_matrices(table, workers):
     _, path = table
-    ctx = session()
+    ctx = flumen.Session(workers=workers, settings={"flumen.device": "cpu"})
     ctx.register_parquet("t", path)
     # 10,000 rows in row groups of 1,000, cut into batches of 768: 13 of 768 and one of 16.
     df = ctx.sql("SELECT id, x, arrow_cast(v, 'FixedSizeList(2, Float32)') AS v FROM (" +
@@ -244,7 +245,8 @@ def test_numpy_batches_have_the_size_asked_for_and_vectors_as_matrices(table):
         next(df.iter_numpy_batches(batch_size=0))
 
 
-def test_delta_and_iceberg_tables_register_by_path(tmp_path):
+@pytest.mark.parametrize("workers", [None, 2], ids=["threads", "workers"])
+def test_delta_and_iceberg_tables_register_by_path(tmp_path, workers):
     deltalake = required("deltalake")
     required("pyiceberg")
     from pyiceberg.catalog.sql import SqlCatalog
@@ -254,7 +256,7 @@ def test_delta_and_iceberg_tables_register_by_path(tmp_path):
     delta = str(tmp_path / "delta's table")
     deltalake.write_deltalake(delta, first)
     deltalake.write_deltalake(delta, second, mode="append")
-    ctx = session()
+    ctx = flumen.Session(workers=workers, settings={"flumen.device": "cpu"})
     ctx.register_delta("latest", delta)
     ctx.register_delta("v0", delta, version=0)
     total = "SELECT count(*) AS n, sum(id) AS ids FROM {}"
