@@ -1263,21 +1263,34 @@ async fn lost_outputs_of_slices_are_recomputed_from_their_slice() {
 }
 
 /// The peak resident memory of each process of the `flumen` binary running `statements`,
-/// in bytes: the driver's first, then each worker process it started (its `VmHWM` in
-/// `/proc/PID/status`, the kernel's high-water mark of the process's own memory since its
-/// exec, read every 5 ms until the driver exits), and whether the driver succeeded. Not
-/// `ru_maxrss` from `wait4`: a child's counts the test process's size at the fork.
+/// in bytes, and whether the driver succeeded. The driver's first: its last statement's
+/// peak, as its timing line prints it (the kernel's high-water mark, reset before the
+/// statement and read when it ends: exact, whatever the machine's load). Then each worker
+/// process it started: its `VmHWM` in `/proc/PID/status`, read every 5 ms and as each of
+/// the driver's timing lines comes, until the driver exits. Not `ru_maxrss` from `wait4`: a child's counts the test process's size at the fork.
 fn flumen_process_peak_rss(statements: &[String]) -> (Vec<u64>, bool) {
     let mut command = std::process::Command::new(env!("CARGO_BIN_EXE_flumen"));
-    command.args(["--no-demo", "--quiet"]);
+    command.arg("--no-demo");
     for statement in statements {
         command.args(["-c", statement]);
     }
     let mut child = command
         .stdout(std::process::Stdio::null())
-        .stderr(std::process::Stdio::null())
+        .stderr(std::process::Stdio::piped())
         .spawn()
         .unwrap();
+    // The driver's stderr, line by line: the loop below samples the workers again the
+    // moment a statement's timing line comes, while they are surely still up.
+    let stderr = std::io::BufReader::new(child.stderr.take().unwrap());
+    let (line_sender, lines) = std::sync::mpsc::channel::<String>();
+    std::thread::spawn(move || {
+        for line in std::io::BufRead::lines(stderr).map_while(|l| l.ok()) {
+            if line_sender.send(line).is_err() {
+                break;
+            }
+        }
+    });
+    let mut timing = String::new();
     let high_water = |pid: u32| -> Option<u64> {
         let status = std::fs::read_to_string(format!("/proc/{pid}/status")).ok()?;
         let line = status.lines().find(|l| l.starts_with("VmHWM:"))?;
@@ -1299,27 +1312,41 @@ fn flumen_process_peak_rss(statements: &[String]) -> (Vec<u64>, bool) {
             .collect()
     };
     let driver = child.id();
-    let mut peaks: Vec<(u32, u64)> = vec![(driver, 0)];
-    loop {
-        let mut pids = vec![driver];
-        pids.extend(children(driver));
-        for pid in pids {
+    let mut workers: Vec<(u32, u64)> = vec![];
+    let status = loop {
+        for pid in children(driver) {
             let Some(bytes) = high_water(pid) else {
                 continue;
             };
-            match peaks.iter_mut().find(|(p, _)| *p == pid) {
+            match workers.iter_mut().find(|(p, _)| *p == pid) {
                 Some((_, peak)) => *peak = (*peak).max(bytes),
-                None => peaks.push((pid, bytes)),
+                None => workers.push((pid, bytes)),
             }
         }
         if let Some(status) = child.try_wait().unwrap() {
-            return (
-                peaks.into_iter().map(|(_, peak)| peak).collect(),
-                status.success(),
-            );
+            timing.extend(lines.try_iter().map(|line| line + "\n"));
+            break status;
         }
-        std::thread::sleep(std::time::Duration::from_millis(5));
+        if let Ok(line) = lines.recv_timeout(std::time::Duration::from_millis(5)) {
+            timing.push_str(&line);
+            timing.push('\n');
+        }
+    };
+    if !status.success() {
+        eprintln!("{timing}");
+        return (vec![0], false);
     }
+    let driver_peak = timing
+        .lines()
+        .rev()
+        .find_map(|line| {
+            let mib = line.split(", peak RSS ").nth(1)?.strip_suffix(" MiB")?;
+            Some((mib.parse::<f64>().ok()? * (1u64 << 20) as f64) as u64)
+        })
+        .unwrap_or_else(|| panic!("no peak RSS in the driver's timing lines:\n{timing}"));
+    let mut peaks = vec![driver_peak];
+    peaks.extend(workers.into_iter().map(|(_, peak)| peak));
+    (peaks, true)
 }
 
 /// `COPY` of the first 2,000 rows of `facts` and `skewed` under `dir/small`, and the

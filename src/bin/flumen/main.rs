@@ -16,6 +16,7 @@
 mod allocator;
 mod demo_table;
 mod output;
+mod peak_rss;
 mod progress;
 mod remote;
 mod repl;

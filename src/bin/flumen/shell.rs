@@ -14,6 +14,7 @@ use futures::StreamExt;
 use futures::stream::BoxStream;
 
 use crate::output::{self, Format};
+use crate::peak_rss::PeakRss;
 use crate::progress::Progress;
 use crate::remote::RemoteSession;
 
@@ -42,7 +43,8 @@ pub struct Shell {
     pub format: Format,
     /// Most rows printed per result (`None`: all).
     pub maxrows: Option<usize>,
-    /// Print a timing line (rows, seconds) after each statement.
+    /// Print a timing line (rows, seconds, this process's peak resident memory) after each
+    /// statement.
     pub timing: bool,
     /// Ctrl-C cancels the running query and keeps the shell (the interactive REPL); else
     /// it ends the process as usual.
@@ -80,6 +82,7 @@ impl Shell {
 
     async fn run_sql(&mut self, sql: &str) -> Result<()> {
         let started = Instant::now();
+        let peak_rss = matches!(self.session, Session::Local(_)).then(PeakRss::start);
         let (mut stream, _progress) = match &mut self.session {
             Session::Local(ctx) => local_result(ctx, sql).await?,
             Session::Remote(server) => (server.query(sql).await?, None),
@@ -104,8 +107,14 @@ impl Shell {
         output::print(&mut out, self.format, &kept, total_rows)?;
         out.flush()?;
         if self.timing {
+            // The peak of this process only: a server's or a worker's memory is not here.
+            let peak = peak_rss
+                .and_then(|p| p.bytes())
+                .map_or(String::new(), |bytes| {
+                    format!(", peak RSS {:.1} MiB", bytes as f64 / (1 << 20) as f64)
+                });
             eprintln!(
-                "{total_rows} row{} in {:.3} s",
+                "{total_rows} row{} in {:.3} s{peak}",
                 if total_rows == 1 { "" } else { "s" },
                 started.elapsed().as_secs_f64()
             );
