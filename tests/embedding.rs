@@ -65,13 +65,28 @@ async fn session(device: &str) -> SessionContext {
 
 /// Embed every fixture text through SQL (`SELECT embed(text) FROM refs`) and compare.
 async fn check_against_references(device: &str, min_cosine: f64) {
+    check_against_references_in(device, "fp32", min_cosine).await;
+}
+
+/// The same under `flumen.embed_precision = precision`; each text's vector, in fixture order.
+async fn check_against_references_in(
+    device: &str,
+    precision: &str,
+    min_cosine: f64,
+) -> Vec<Vec<f32>> {
     let refs = references();
     let ctx = session(device).await;
+    collect(
+        &ctx,
+        &format!("SET flumen.embed_precision = '{precision}'"),
+    )
+    .await;
     let batch = texts_batch(&refs);
     ctx.register_batch("refs", batch).unwrap();
     let batches = collect(&ctx, "SELECT text, embed(text) AS v FROM refs").await;
     let mut seen = 0;
     let mut worst = f64::MAX;
+    let mut vectors_in_order = vec![vec![]; refs.len()];
     for b in &batches {
         let texts = b.column(0).as_string::<i32>();
         let vectors = b
@@ -82,9 +97,11 @@ async fn check_against_references(device: &str, min_cosine: f64) {
         assert_eq!(vectors.value_length(), 384);
         for row in 0..b.num_rows() {
             let text = texts.value(row);
-            let reference = refs.iter().find(|r| r.text == text).unwrap();
+            let at = refs.iter().position(|r| r.text == text).unwrap();
+            let reference = &refs[at];
             let got = vectors.value(row);
             let got = got.as_primitive::<Float32Type>().values();
+            vectors_in_order[at] = got.to_vec();
             let cos = cosine(got, &reference.embedding);
             assert!(cos >= min_cosine, "{device}: cosine {cos} for {text:?}");
             worst = worst.min(cos);
@@ -92,7 +109,10 @@ async fn check_against_references(device: &str, min_cosine: f64) {
         }
     }
     assert_eq!(seen, refs.len());
-    println!("{device}: {seen} fixture sentences, lowest cosine similarity {worst:.7}");
+    println!(
+        "{device} {precision}: {seen} fixture sentences, lowest cosine similarity {worst:.7}"
+    );
+    vectors_in_order
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -407,17 +427,63 @@ async fn explain_analyze_shows_how_the_worker_batches() {
 /// README's main job's texts). Goal: cosine >= 0.999 for every text; min and mean printed.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn bf16_numerics_emulated_on_the_cpu_stay_within_cosine_0_999_of_fp32() {
-    use flumen::functions::embedding::bert::{BertWeights, PackedBatch, SentenceEncoder};
+    use flumen::functions::embedding::bert::BertWeights;
     use flumen::functions::embedding::cpu::CpuEncoder;
+    use flumen::functions::embedding::model_files;
+
+    let weights = BertWeights::load(&model_files::model_dir("")).unwrap();
+    let mut fp32 = CpuEncoder::new(Arc::new(weights.clone()), 2).unwrap();
+    let mut bf16 = CpuEncoder::emulating_bf16(&weights, 2).unwrap();
+    compare_bf16_with_fp32(&mut fp32, &mut bf16, 64).await;
+}
+
+/// The same check on a GPU: the CUDA encoder in bf16 (tensor cores) against it in fp32,
+/// over the fixture sentences and 2,000 demo documents; and the bf16 path through SQL
+/// against sentence-transformers' own vectors (cosine >= 0.999 each).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn cuda_bf16_stays_within_cosine_0_999_of_fp32_and_the_reference() {
+    use flumen::EmbedPrecision;
+    use flumen::functions::embedding::bert::{BertWeights, SentenceEncoder};
+    use flumen::functions::embedding::cuda::{CudaDevice, CudaEncoder};
+    use flumen::functions::embedding::model_files;
+
+    if let Err(why) = flumen::functions::embedding::cuda::probe_device_count() {
+        return skip_no_device(&why.to_string());
+    }
+    let weights = Arc::new(BertWeights::load(&model_files::model_dir("")).unwrap());
+    let mut fp32 = CudaEncoder::new(Arc::clone(&weights)).unwrap();
+    let device = CudaDevice::open().unwrap();
+    let mut bf16 = CudaEncoder::on(device, weights, EmbedPrecision::Bf16).unwrap();
+    assert!(bf16.device().ends_with(" bf16"), "{}", bf16.device());
+    compare_bf16_with_fp32(&mut fp32, &mut bf16, 2000).await;
+    check_against_references_in("cuda", "bf16", 0.999).await;
+    // `auto` is bf16 on a device with bf16 tensor cores (8.0+: every GPU lent so far).
+    let ctx = session("cuda").await;
+    collect(&ctx, "SET flumen.embed_precision = 'auto'").await;
+    ctx.register_batch("refs", texts_batch(&references()))
+        .unwrap();
+    let out = collect(&ctx, "EXPLAIN ANALYZE SELECT embed(text) AS v FROM refs").await;
+    let text = datafusion::arrow::util::pretty::pretty_format_batches(&out)
+        .unwrap()
+        .to_string();
+    assert!(text.contains("embed_bf16=1"), "auto did not choose bf16:\n{text}");
+}
+
+/// `fp32` and `bf16` encoders over the fixture sentences and `docs` demo documents (cleaned
+/// as the README's main job cleans them): cosine >= 0.999 for every text, min and mean
+/// printed, and the bf16 vectors not fp32's (a path that did not round would pass the rest).
+async fn compare_bf16_with_fp32(
+    fp32: &mut dyn flumen::functions::embedding::bert::SentenceEncoder,
+    bf16: &mut dyn flumen::functions::embedding::bert::SentenceEncoder,
+    docs: usize,
+) {
+    use flumen::functions::embedding::bert::PackedBatch;
     use flumen::functions::embedding::{model_files, tokenizer::SentenceTokenizer};
 
-    const DOCS: usize = 64;
-    let dir = model_files::model_dir("");
-    let weights = BertWeights::load(&dir).unwrap();
-    let tokenizer = SentenceTokenizer::load(&dir).unwrap();
+    let tokenizer = SentenceTokenizer::load(&model_files::model_dir("")).unwrap();
     let docs_dir = tempfile::tempdir().unwrap();
     let path = docs_dir.path().join("docs.parquet");
-    flumen::demo::write_docs(&path, DOCS).unwrap();
+    flumen::demo::write_docs(&path, docs).unwrap();
     let ctx = session("cpu").await;
     ctx.register_parquet("docs", path.to_str().unwrap(), Default::default())
         .await
@@ -437,8 +503,6 @@ async fn bf16_numerics_emulated_on_the_cpu_stay_within_cosine_0_999_of_fp32() {
         })
         .collect();
     corpora.push(("demo documents", docs));
-    let mut fp32 = CpuEncoder::new(Arc::new(weights.clone()), 2).unwrap();
-    let mut bf16 = CpuEncoder::emulating_bf16(&weights, 2).unwrap();
     for (corpus, texts) in corpora {
         let refs: Vec<&str> = texts.iter().map(String::as_str).collect();
         let ids = tokenizer.encode(&refs).unwrap();
@@ -455,18 +519,53 @@ async fn bf16_numerics_emulated_on_the_cpu_stay_within_cosine_0_999_of_fp32() {
         let mean = cosines.iter().sum::<f64>() / cosines.len() as f64;
         let tokens = ids.iter().map(Vec::len).sum::<usize>() / ids.len();
         println!(
-            "bf16 against fp32, {corpus}: {} texts of {tokens} tokens on average, cosine min \
-             {worst:.6}, mean {mean:.6}",
+            "bf16 ({}) against fp32 ({}), {corpus}: {} texts of {tokens} tokens on average, \
+             cosine min {worst:.6}, mean {mean:.6}",
+            bf16.device(),
+            fp32.device(),
             cosines.len()
         );
         assert!(
             worst >= 0.999,
             "{corpus}: a bf16 vector at cosine {worst} of fp32's"
         );
-        // The emulation rounds: its vectors are not fp32's (a no-op would pass the above).
         assert!(
             mean < 1.0 - 1e-7,
             "{corpus}: bf16 vectors equal fp32's (mean {mean})"
         );
     }
+}
+
+/// `flumen.embed_precision = 'bf16'` through SQL on the CPU (the emulated rounding): every
+/// fixture sentence within cosine 0.999 of sentence-transformers' vector; a bad value is
+/// an error naming the choices.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_bf16_setting_reaches_the_cpu_encoder_through_sql() {
+    let bf16 = check_against_references_in("cpu", "bf16", 0.999).await;
+    let fp32 = check_against_references_in("cpu", "fp32", 0.9999).await;
+    let differ = bf16.iter().zip(&fp32).filter(|(a, b)| a != b).count();
+    assert!(
+        differ * 2 > fp32.len(),
+        "only {differ} of {} bf16 vectors differ from fp32's: the setting did not take",
+        fp32.len()
+    );
+    let ctx = session("cpu").await;
+    ctx.register_batch("refs", texts_batch(&references()))
+        .unwrap();
+    for (precision, flag) in [("bf16", "embed_bf16=1"), ("auto", "embed_bf16=0")] {
+        collect(&ctx, &format!("SET flumen.embed_precision = '{precision}'")).await;
+        let out = collect(&ctx, "EXPLAIN ANALYZE SELECT embed(text) AS v FROM refs").await;
+        let text = datafusion::arrow::util::pretty::pretty_format_batches(&out)
+            .unwrap()
+            .to_string();
+        assert!(text.contains(flag), "{precision}: no {flag} in\n{text}");
+    }
+    let err = try_collect(&ctx, "SET flumen.embed_precision = 'fp8'")
+        .await
+        .unwrap_err()
+        .to_string();
+    assert!(
+        err.contains("'fp32', 'bf16' or 'auto'") && err.contains("fp8"),
+        "{err}"
+    );
 }

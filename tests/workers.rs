@@ -942,6 +942,66 @@ async fn embed_in_a_cuda_worker_at_the_default_block_size_matches_the_cpu_refere
     embed_in_a_worker_matches_the_cpu_reference("cuda").await;
 }
 
+/// `flumen.embed_precision` reaches the model's worker process: `bf16` there gives the
+/// vectors `bf16` gives in this process (the same emulated rounding), not fp32's.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_embed_precision_reaches_the_model_worker_process() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("docs.parquet");
+    flumen::demo::write_docs(&path, 64).unwrap();
+    let register = format!(
+        "CREATE EXTERNAL TABLE docs STORED AS PARQUET LOCATION '{}'",
+        path.display()
+    );
+    let sql = "SELECT id, embed(substr(clean_text(body), 1, 200)) AS v FROM docs";
+    let in_process = |precision: &'static str| {
+        let register = register.clone();
+        async move {
+            let set = format!("SET flumen.embed_precision = '{precision}'");
+            let ctx = common::flumen_ctx(&["SET flumen.device = 'cpu'", &set, &register]).await;
+            common::embeddings_by_id(&common::collect(&ctx, sql).await)
+        }
+    };
+    let (bf16_here, fp32_here) = (in_process("bf16").await, in_process("fp32").await);
+
+    let mut config = process_config(1);
+    config.accelerator_slots = 1;
+    let f = session(config, None);
+    for set in [
+        "SET flumen.device = 'cpu'",
+        "SET flumen.embed_precision = 'bf16'",
+        &register,
+    ] {
+        f.sql(set).await.unwrap().collect().await.unwrap();
+    }
+    let (batches, plan) = run_plan(&f, sql).await;
+    let metrics = plan.downcast_ref::<FlumenExec>().unwrap().run_metrics();
+    let model = accelerator_operator(plan.downcast_ref::<FlumenExec>().unwrap().graph());
+    assert!(
+        metrics.operator(model.id).snapshot().remote_tasks >= 1,
+        "the model ran in no worker"
+    );
+    let in_worker = common::embeddings_by_id(&batches);
+    assert_eq!(in_worker.len(), 64);
+    let cosine = |a: &[f32], b: &[f32]| -> f64 {
+        let dot: f64 = a.iter().zip(b).map(|(x, y)| *x as f64 * *y as f64).sum();
+        let norm = |v: &[f32]| v.iter().map(|x| (*x as f64).powi(2)).sum::<f64>().sqrt();
+        dot / (norm(a) * norm(b))
+    };
+    let (mut worst_bf16, mut differ_fp32) = (1.0f64, 0);
+    for (((id, got), (id2, bf16)), (_, fp32)) in in_worker.iter().zip(&bf16_here).zip(&fp32_here) {
+        assert_eq!(id, id2);
+        worst_bf16 = worst_bf16.min(cosine(got, bf16));
+        differ_fp32 += usize::from(got != fp32);
+    }
+    println!(
+        "bf16 in a worker process: lowest cosine with bf16 here {worst_bf16:.7}, {differ_fp32} \
+         of 64 vectors differ from fp32's"
+    );
+    assert!(worst_bf16 >= 0.99999, "bf16 in the worker at cosine {worst_bf16} of bf16 here");
+    assert!(differ_fp32 > 32, "the worker computed in fp32: {differ_fp32} of 64 differ");
+}
+
 /// An out-of-core join (a 1 MB budget: its exchange gets many partitions, map outputs spill)
 /// with a worker SIGKILLed during the map stage: the map blocks it held are recomputed from
 /// lineage, and the answer is vanilla DataFusion's.

@@ -59,6 +59,7 @@ pub const WORKER_OPTIONS: &[&str] = &[
     "flumen.model_dir",
     "flumen.embed_batch_size",
     "flumen.embed_batch_tokens",
+    "flumen.embed_precision",
     "flumen.target_block_rows",
     "flumen.memory_budget",
     // Where the worker reads and writes the model-output cache (a driver holds the

@@ -351,6 +351,11 @@ pub trait SentenceEncoder: Send {
     fn load_metrics(&self) -> Vec<(String, u64)> {
         vec![]
     }
+    /// Whether it computes in bfloat16 (`flumen.embed_precision`), on tensor cores or
+    /// emulated.
+    fn bf16(&self) -> bool {
+        false
+    }
 }
 
 #[cfg(test)]

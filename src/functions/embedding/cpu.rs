@@ -218,7 +218,12 @@ impl SentenceEncoder for CpuEncoder {
     }
 
     fn device(&self) -> String {
-        format!("cpu ({} threads)", self.threads)
+        let emulated = if self.bf16 { " bf16 emulated" } else { "" };
+        format!("cpu ({} threads){emulated}", self.threads)
+    }
+
+    fn bf16(&self) -> bool {
+        self.bf16
     }
 }
 

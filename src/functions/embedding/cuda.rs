@@ -16,13 +16,14 @@ use std::time::Instant;
 
 use cudarc::cublas::{CudaBlas, Gemm, GemmConfig, sys::cublasOperation_t};
 use cudarc::driver::{
-    CudaContext, CudaFunction, CudaModule, CudaSlice, CudaStream, LaunchConfig, PinnedHostSlice,
-    PushKernelArg,
+    CudaContext, CudaFunction, CudaModule, CudaSlice, CudaStream, CudaView, LaunchConfig,
+    PinnedHostSlice, PushKernelArg,
 };
 use cudarc::nvrtc::Ptx;
 use datafusion::error::{DataFusionError, Result};
 
 use super::bert::{BertWeights, LayerNorm, Linear, PackedBatch, SentenceEncoder};
+use crate::config::EmbedPrecision;
 
 /// The kernels' CUDA C source.
 pub const KERNEL_SOURCE: &str = include_str!("cuda_kernels.cu");
@@ -202,8 +203,44 @@ fn store_cubin(path: &Path, source: &str, cubin: &[u8]) -> std::io::Result<()> {
     Ok(())
 }
 
-struct DeviceLinear {
-    weight: CudaSlice<f32>,
+/// A value type the encoder keeps weights and activations in on the device: `f32`, or
+/// [`Bf16Bits`] (bfloat16, as its 16 bits).
+trait DeviceElement:
+    Sized + cudarc::driver::DeviceRepr + cudarc::driver::ValidAsZeroBits + Unpin
+{
+    /// `values` uploaded, converted to this type.
+    fn upload(stream: &Arc<CudaStream>, values: &[f32]) -> Result<CudaSlice<Self>>;
+}
+
+impl DeviceElement for f32 {
+    fn upload(stream: &Arc<CudaStream>, values: &[f32]) -> Result<CudaSlice<f32>> {
+        stream
+            .clone_htod(values)
+            .map_err(|e| cuda_error("uploading weights", e))
+    }
+}
+
+/// A bfloat16 as its 16 bits (the top half of the f32 it rounds).
+type Bf16Bits = u16;
+
+/// `x` rounded to bfloat16 (to nearest, ties to even, as the kernels and the CPU's
+/// emulation round), as its bits.
+pub fn bf16_bits(x: f32) -> u16 {
+    (super::cpu::round_to_bf16(x).to_bits() >> 16) as u16
+}
+
+impl DeviceElement for Bf16Bits {
+    fn upload(stream: &Arc<CudaStream>, values: &[f32]) -> Result<CudaSlice<u16>> {
+        let bits: Vec<u16> = values.iter().map(|&v| bf16_bits(v)).collect();
+        stream
+            .clone_htod(&bits)
+            .map_err(|e| cuda_error("uploading weights", e))
+    }
+}
+
+/// A layer's matrix in the encoder's element type, and its fp32 bias.
+struct DeviceLinear<T> {
+    weight: CudaSlice<T>,
     bias: CudaSlice<f32>,
     inputs: usize,
     outputs: usize,
@@ -214,13 +251,66 @@ struct DeviceNorm {
     beta: CudaSlice<f32>,
 }
 
-struct DeviceLayer {
-    qkv: DeviceLinear,
-    attention_out: DeviceLinear,
+struct DeviceLayer<T> {
+    qkv: DeviceLinear<T>,
+    attention_out: DeviceLinear<T>,
     attention_norm: DeviceNorm,
-    intermediate: DeviceLinear,
-    output: DeviceLinear,
+    intermediate: DeviceLinear<T>,
+    output: DeviceLinear<T>,
     output_norm: DeviceNorm,
+}
+
+/// The model's weights on the device: embeddings and matrices in `T`; biases and norms fp32.
+struct DeviceModel<T> {
+    word: CudaSlice<T>,
+    position: CudaSlice<T>,
+    token_type: CudaSlice<T>,
+    embedding_norm: DeviceNorm,
+    layers: Vec<DeviceLayer<T>>,
+}
+
+impl<T: DeviceElement> DeviceModel<T> {
+    fn upload(stream: &Arc<CudaStream>, weights: &BertWeights) -> Result<Self> {
+        let fp32 = |v: &[f32]| f32::upload(stream, v);
+        let linear = |l: &Linear| -> Result<DeviceLinear<T>> {
+            Ok(DeviceLinear {
+                weight: T::upload(stream, &l.weight)?,
+                bias: fp32(&l.bias)?,
+                inputs: l.inputs,
+                outputs: l.outputs,
+            })
+        };
+        let norm = |n: &LayerNorm| -> Result<DeviceNorm> {
+            Ok(DeviceNorm {
+                gamma: fp32(&n.gamma)?,
+                beta: fp32(&n.beta)?,
+            })
+        };
+        let mut layers = vec![];
+        for l in &weights.layers {
+            layers.push(DeviceLayer {
+                qkv: linear(&l.qkv)?,
+                attention_out: linear(&l.attention_out)?,
+                attention_norm: norm(&l.attention_norm)?,
+                intermediate: linear(&l.intermediate)?,
+                output: linear(&l.output)?,
+                output_norm: norm(&l.output_norm)?,
+            });
+        }
+        Ok(Self {
+            word: T::upload(stream, &weights.word_embeddings)?,
+            position: T::upload(stream, &weights.position_embeddings)?,
+            token_type: T::upload(stream, &weights.token_type_embedding)?,
+            embedding_norm: norm(&weights.embedding_norm)?,
+            layers,
+        })
+    }
+}
+
+/// The weights in the precision the encoder computes in.
+enum Weights {
+    Fp32(DeviceModel<f32>),
+    Bf16(DeviceModel<Bf16Bits>),
 }
 
 struct Kernels {
@@ -234,17 +324,98 @@ struct Kernels {
     mean_pool_normalize: CudaFunction,
 }
 
+/// The bf16 path's kernels (`cuda_kernels.cu`, "The bf16 path").
+struct HalfKernels {
+    embed_tokens: CudaFunction,
+    add_bias: CudaFunction,
+    bias_gelu: CudaFunction,
+    add_layer_norm: CudaFunction,
+    attention_tiled: CudaFunction,
+    mean_pool_normalize: CudaFunction,
+}
+
+/// Every kernel the encoder loads by name, fp32's then bf16's (the tiled attention kernels
+/// by head width): the test checks each is in the compiled module.
+pub const KERNEL_NAMES: &[&str] = &[
+    "embed_tokens",
+    "add_bias",
+    "bias_gelu",
+    "add_layer_norm",
+    "attention",
+    "attention_tiled_32",
+    "attention_tiled_64",
+    "mean_pool_normalize",
+    "embed_tokens_bf16",
+    "add_bias_bf16",
+    "bias_gelu_bf16",
+    "add_layer_norm_bf16",
+    "attention_tiled_bf16_32",
+    "attention_tiled_bf16_64",
+    "mean_pool_normalize_bf16",
+];
+
+/// The precision `requested` resolves to on a device of compute capability `arch` for a
+/// model whose attention heads are `head_dim` wide: bf16 needs bf16 tensor cores (8.0 or
+/// newer) and a tiled attention kernel for the head width (32 or 64); `auto` takes bf16
+/// where both hold, fp32 elsewhere; an explicit `bf16` where one fails is an error.
+pub fn resolve_precision(
+    requested: EmbedPrecision,
+    arch: (i32, i32),
+    head_dim: usize,
+) -> Result<EmbedPrecision> {
+    let tensor_cores = arch.0 >= 8;
+    let tiled = matches!(head_dim, 32 | 64);
+    match requested {
+        EmbedPrecision::Fp32 => Ok(EmbedPrecision::Fp32),
+        EmbedPrecision::Auto if tensor_cores && tiled => Ok(EmbedPrecision::Bf16),
+        EmbedPrecision::Auto => Ok(EmbedPrecision::Fp32),
+        EmbedPrecision::Bf16 if !tensor_cores => Err(DataFusionError::Configuration(format!(
+            "flumen.embed_precision = 'bf16' needs a CUDA device of compute capability 8.0 \
+             or newer (bf16 tensor cores); this one is {}.{}: use 'fp32' or 'auto'",
+            arch.0, arch.1
+        ))),
+        EmbedPrecision::Bf16 if !tiled => Err(DataFusionError::Configuration(format!(
+            "flumen.embed_precision = 'bf16' on CUDA needs attention heads 32 or 64 wide; \
+             this model's are {head_dim}: use 'fp32' or 'auto'"
+        ))),
+        EmbedPrecision::Bf16 => Ok(EmbedPrecision::Bf16),
+    }
+}
+
+/// The precision `requested` resolves to on CUDA device 0 ([`resolve_precision`]), asking
+/// the driver for its compute capability without opening a context; fp32 when there is no
+/// device to ask. For the model-output cache's identity, known before a model loads.
+pub fn device_precision(requested: EmbedPrecision, head_dim: usize) -> Result<EmbedPrecision> {
+    if requested == EmbedPrecision::Fp32 || probe_device_count().is_err() {
+        return Ok(EmbedPrecision::Fp32);
+    }
+    use cudarc::driver::{result, sys::CUdevice_attribute};
+    let arch = std::panic::catch_unwind(|| -> std::result::Result<(i32, i32), String> {
+        result::init().map_err(|e| format!("{e:?}"))?;
+        let device = result::device::get(0).map_err(|e| format!("{e:?}"))?;
+        // SAFETY: a device handle the driver just gave; plain attribute queries.
+        let attribute = |a| unsafe { result::device::get_attribute(device, a) };
+        Ok((
+            attribute(CUdevice_attribute::CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR)
+                .map_err(|e| format!("{e:?}"))?,
+            attribute(CUdevice_attribute::CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR)
+                .map_err(|e| format!("{e:?}"))?,
+        ))
+    })
+    .map_err(|_| cuda_error("compute capability", "the driver panicked"))?
+    .map_err(|e| cuda_error("compute capability", e))?;
+    resolve_precision(requested, arch, head_dim)
+}
+
 /// BERT sentence encoder on a CUDA device: weights resident, one stream per worker.
 pub struct CudaEncoder {
     host: Arc<BertWeights>,
     /// The opened device: its stream, cuBLAS handle, name and how long opening took.
     device: CudaDevice,
     kernels: Kernels,
-    word: CudaSlice<f32>,
-    position: CudaSlice<f32>,
-    token_type: CudaSlice<f32>,
-    embedding_norm: DeviceNorm,
-    layers: Vec<DeviceLayer>,
+    /// The bf16 path's kernels, loaded when the encoder computes in bf16.
+    half: Option<HalfKernels>,
+    weights: Weights,
     pinned: Option<PinnedHostSlice<f32>>,
     /// Milliseconds uploading the weights took.
     upload_ms: u64,
@@ -259,6 +430,8 @@ pub struct CudaDevice {
     stream: Arc<CudaStream>,
     blas: CudaBlas,
     name: String,
+    /// Its compute capability (major, minor).
+    arch: (i32, i32),
     /// Milliseconds spent getting the kernels (compiled or from the cache), and which.
     kernels_ms: u64,
     kernels_cached: bool,
@@ -316,6 +489,7 @@ impl CudaDevice {
             stream,
             blas,
             name,
+            arch,
             kernels_ms,
             kernels_cached,
             init_ms,
@@ -326,15 +500,38 @@ impl CudaDevice {
     }
 }
 
+/// A forward pass's token layout, uploaded: each token's id, position and sequence, each
+/// sequence's first token and length, and the tiled attention kernel's query tiles.
+struct DeviceBatch {
+    tokens: usize,
+    seqs: usize,
+    /// The longest sequence's tokens.
+    max_len: i32,
+    ids: CudaSlice<u32>,
+    positions: CudaSlice<u32>,
+    token_seq: CudaSlice<u32>,
+    seq_start: CudaSlice<u32>,
+    seq_len: CudaSlice<u32>,
+    /// Where the head width has a tiled attention kernel: how many query tiles (each
+    /// sequence's tokens, ATTENTION_TILE at a time) and each tile's first token.
+    tiles: Option<(usize, CudaSlice<u32>)>,
+}
+
 impl CudaEncoder {
-    /// Open device 0 and upload the weights.
+    /// Open device 0 and upload the weights, in fp32.
     pub fn new(weights: Arc<BertWeights>) -> Result<Self> {
-        Self::on(CudaDevice::open()?, weights)
+        Self::on(CudaDevice::open()?, weights, EmbedPrecision::Fp32)
     }
 
-    /// Upload the weights to an opened device (this thread may not be the one that opened it).
-    pub fn on(device: CudaDevice, weights: Arc<BertWeights>) -> Result<Self> {
+    /// Upload the weights to an opened device (this thread may not be the one that opened
+    /// it), in the precision `precision` resolves to on it ([`resolve_precision`]).
+    pub fn on(
+        device: CudaDevice,
+        weights: Arc<BertWeights>,
+        precision: EmbedPrecision,
+    ) -> Result<Self> {
         let uploaded = Instant::now();
+        let precision = resolve_precision(precision, device.arch, weights.config.head_dim())?;
         device
             .ctx
             .bind_to_thread()
@@ -359,49 +556,44 @@ impl CudaEncoder {
                 "head width above 128 is not supported",
             ));
         }
-        let up = |v: &[f32]| {
-            device
-                .stream
-                .clone_htod(v)
-                .map_err(|e| cuda_error("uploading weights", e))
+        let (half, model) = match precision {
+            EmbedPrecision::Bf16 => {
+                let half = HalfKernels {
+                    embed_tokens: f("embed_tokens_bf16")?,
+                    add_bias: f("add_bias_bf16")?,
+                    bias_gelu: f("bias_gelu_bf16")?,
+                    add_layer_norm: f("add_layer_norm_bf16")?,
+                    attention_tiled: f(&format!(
+                        "attention_tiled_bf16_{}",
+                        weights.config.head_dim()
+                    ))?,
+                    mean_pool_normalize: f("mean_pool_normalize_bf16")?,
+                };
+                let model = DeviceModel::<Bf16Bits>::upload(&device.stream, &weights)?;
+                (Some(half), Weights::Bf16(model))
+            }
+            _ => (
+                None,
+                Weights::Fp32(DeviceModel::<f32>::upload(&device.stream, &weights)?),
+            ),
         };
-        let linear = |l: &Linear| -> Result<DeviceLinear> {
-            Ok(DeviceLinear {
-                weight: up(&l.weight)?,
-                bias: up(&l.bias)?,
-                inputs: l.inputs,
-                outputs: l.outputs,
-            })
-        };
-        let norm = |n: &LayerNorm| -> Result<DeviceNorm> {
-            Ok(DeviceNorm {
-                gamma: up(&n.gamma)?,
-                beta: up(&n.beta)?,
-            })
-        };
-        let mut layers = vec![];
-        for l in &weights.layers {
-            layers.push(DeviceLayer {
-                qkv: linear(&l.qkv)?,
-                attention_out: linear(&l.attention_out)?,
-                attention_norm: norm(&l.attention_norm)?,
-                intermediate: linear(&l.intermediate)?,
-                output: linear(&l.output)?,
-                output_norm: norm(&l.output_norm)?,
-            });
-        }
         Ok(Self {
-            word: up(&weights.word_embeddings)?,
-            position: up(&weights.position_embeddings)?,
-            token_type: up(&weights.token_type_embedding)?,
-            embedding_norm: norm(&weights.embedding_norm)?,
-            layers,
             host: weights,
             kernels,
+            half,
+            weights: model,
             pinned: None,
             upload_ms: uploaded.elapsed().as_millis() as u64,
             device,
         })
+    }
+
+    /// The precision the encoder computes in.
+    pub fn precision(&self) -> EmbedPrecision {
+        match self.weights {
+            Weights::Fp32(_) => EmbedPrecision::Fp32,
+            Weights::Bf16(_) => EmbedPrecision::Bf16,
+        }
     }
 
     /// `out = x · W` (bias added by the next kernel) for `rows` row-major rows.
@@ -409,7 +601,7 @@ impl CudaEncoder {
         &self,
         x: &CudaSlice<f32>,
         rows: usize,
-        layer: &DeviceLinear,
+        layer: &DeviceLinear<f32>,
         out: &mut CudaSlice<f32>,
     ) -> Result<()> {
         // Row-major Y[rows,out] = X[rows,in] W[in,out] is column-major Yᵀ = Wᵀ Xᵀ.
@@ -430,10 +622,65 @@ impl CudaEncoder {
             .map_err(|e| cuda_error("sgemm", e))
     }
 
-    fn alloc(&self, n: usize) -> Result<CudaSlice<f32>> {
+    /// `out = x · W` on tensor cores: bf16 `x` and `W`, fp32 sums and fp32 `out` (bias
+    /// added by the next kernel, which stores the result in bf16).
+    fn matmul_bf16(
+        &self,
+        x: &CudaSlice<Bf16Bits>,
+        rows: usize,
+        layer: &DeviceLinear<Bf16Bits>,
+        out: &mut impl cudarc::driver::DevicePtrMut<f32>,
+    ) -> Result<()> {
+        use cudarc::cublas::{result::gemm_ex, sys};
+        use cudarc::driver::DevicePtr;
+        use std::ffi::c_void;
+        let stream = &self.device.stream;
+        let (weight, _weight_read) = layer.weight.device_ptr(stream);
+        let (input, _input_read) = x.device_ptr(stream);
+        let (output, _output_written) = out.device_ptr_mut(stream);
+        let (alpha, beta) = (1.0f32, 0.0f32);
+        // Row-major Y[rows,out] = X[rows,in] W[in,out] is column-major Yᵀ = Wᵀ Xᵀ.
+        // SAFETY: the buffers hold rows×inputs and inputs×outputs bf16 values and
+        // rows×outputs floats; alpha and beta live across the call (host pointer mode).
+        unsafe {
+            gemm_ex(
+                *self.device.blas.handle(),
+                cublasOperation_t::CUBLAS_OP_N,
+                cublasOperation_t::CUBLAS_OP_N,
+                layer.outputs as i32,
+                rows as i32,
+                layer.inputs as i32,
+                &alpha as *const f32 as *const c_void,
+                weight as *const c_void,
+                sys::cudaDataType::CUDA_R_16BF,
+                layer.outputs as i32,
+                input as *const c_void,
+                sys::cudaDataType::CUDA_R_16BF,
+                layer.inputs as i32,
+                &beta as *const f32 as *const c_void,
+                output as *mut c_void,
+                sys::cudaDataType::CUDA_R_32F,
+                layer.outputs as i32,
+                sys::cublasComputeType_t::CUBLAS_COMPUTE_32F,
+                sys::cublasGemmAlgo_t::CUBLAS_GEMM_DEFAULT_TENSOR_OP,
+            )
+        }
+        .map_err(|e| cuda_error("bf16 gemm", e))
+    }
+
+    fn alloc<T: DeviceElement>(&self, n: usize) -> Result<CudaSlice<T>> {
         // SAFETY: every buffer is fully written by a kernel or gemm before it is read.
-        unsafe { self.device.stream.alloc::<f32>(n.max(1)) }
-            .map_err(|e| cuda_error("allocating", e))
+        unsafe { self.device.stream.alloc::<T>(n.max(1)) }.map_err(|e| cuda_error("allocating", e))
+    }
+
+    /// The grid of an elementwise kernel over `n` values.
+    fn elementwise_shape(n: usize) -> LaunchConfig {
+        let blocks = ((n as u64).div_ceil(THREADS as u64)).min(65_535) as u32;
+        LaunchConfig {
+            grid_dim: (blocks.max(1), 1, 1),
+            block_dim: (THREADS, 1, 1),
+            shared_mem_bytes: 0,
+        }
     }
 
     fn elementwise(
@@ -445,12 +692,7 @@ impl CudaEncoder {
     ) -> Result<()> {
         let n = x.len() as i64;
         let width = width as i32;
-        let blocks = ((n as u64).div_ceil(THREADS as u64)).min(65_535) as u32;
-        let cfg = LaunchConfig {
-            grid_dim: (blocks.max(1), 1, 1),
-            block_dim: (THREADS, 1, 1),
-            shared_mem_bytes: 0,
-        };
+        let cfg = Self::elementwise_shape(x.len());
         let mut launch = self.device.stream.launch_builder(f);
         launch.arg(x).arg(bias).arg(&width).arg(&n);
         // SAFETY: arguments match the kernel's signature.
@@ -459,13 +701,37 @@ impl CudaEncoder {
             .map_err(|e| cuda_error("elementwise kernel", e))
     }
 
-    fn layer_norm(
+    /// `out = bf16(f(x + bias))` for the bf16 path's out-of-place elementwise kernels.
+    fn elementwise_bf16(
         &self,
-        x: &CudaSlice<f32>,
+        f: &CudaFunction,
+        x: &CudaView<'_, f32>,
         bias: &CudaSlice<f32>,
-        residual: Option<&CudaSlice<f32>>,
+        out: &mut CudaSlice<Bf16Bits>,
+        width: usize,
+    ) -> Result<()> {
+        let n = x.len() as i64;
+        let width = width as i32;
+        let cfg = Self::elementwise_shape(x.len());
+        let mut launch = self.device.stream.launch_builder(f);
+        launch.arg(x).arg(bias).arg(out).arg(&width).arg(&n);
+        // SAFETY: arguments match the kernel's signature; out is as long as x.
+        unsafe { launch.launch(cfg) }
+            .map(|_| ())
+            .map_err(|e| cuda_error("elementwise kernel", e))
+    }
+
+    /// The add-and-layer-norm kernel (`f`: fp32's or bf16's) over `rows` rows of `x`, with
+    /// `residual` (fp32 or bf16, as `f` takes it) or none.
+    #[allow(clippy::too_many_arguments)]
+    fn layer_norm<R: DeviceElement, O: DeviceElement>(
+        &self,
+        f: &CudaFunction,
+        x: &CudaView<'_, f32>,
+        bias: &CudaSlice<f32>,
+        residual: Option<&CudaSlice<R>>,
         norm: &DeviceNorm,
-        out: &mut CudaSlice<f32>,
+        out: &mut CudaSlice<O>,
         rows: usize,
     ) -> Result<()> {
         let width = self.host.config.hidden as i32;
@@ -476,10 +742,7 @@ impl CudaEncoder {
             shared_mem_bytes: (width as u32 + 32) * 4,
         };
         let null: u64 = 0;
-        let mut launch = self
-            .device
-            .stream
-            .launch_builder(&self.kernels.add_layer_norm);
+        let mut launch = self.device.stream.launch_builder(f);
         launch.arg(x).arg(bias);
         match residual {
             Some(r) => launch.arg(r),
@@ -497,12 +760,10 @@ impl CudaEncoder {
             .map_err(|e| cuda_error("layer norm", e))
     }
 
-    fn forward(&mut self, batch: &PackedBatch) -> Result<Vec<f32>> {
-        let cfg = self.host.config.clone();
-        let (h, tokens, seqs) = (cfg.hidden, batch.ids.len(), batch.lengths.len());
-        if tokens == 0 {
-            return Ok(vec![]);
-        }
+    /// Check a pass's sequences against the model and upload its token layout.
+    fn upload_batch(&self, batch: &PackedBatch) -> Result<DeviceBatch> {
+        let cfg = &self.host.config;
+        let tokens = batch.ids.len();
         let offsets = batch.offsets();
         let mut positions = Vec::with_capacity(tokens);
         let mut token_seq = Vec::with_capacity(tokens);
@@ -522,54 +783,14 @@ impl CudaEncoder {
                 cfg.vocab
             )));
         }
-        let max_len = batch.lengths.iter().copied().max().unwrap_or(1) as i32;
         let up = |v: &[u32]| {
             self.device
                 .stream
                 .clone_htod(v)
                 .map_err(|e| cuda_error("upload", e))
         };
-        let ids = up(&batch.ids)?;
-        let positions = up(&positions)?;
-        let token_seq = up(&token_seq)?;
-        let seq_start = up(&offsets.iter().map(|&o| o as u32).collect::<Vec<_>>())?;
-        let seq_len = up(&batch.lengths.iter().map(|&l| l as u32).collect::<Vec<_>>())?;
-
-        let width = h as i32;
-        let mut raw = self.alloc(tokens * h)?;
-        let mut x = self.alloc(tokens * h)?;
-        {
-            let cfg = LaunchConfig {
-                grid_dim: (tokens as u32, 1, 1),
-                block_dim: (THREADS, 1, 1),
-                shared_mem_bytes: 0,
-            };
-            let mut launch = self
-                .device
-                .stream
-                .launch_builder(&self.kernels.embed_tokens);
-            launch
-                .arg(&ids)
-                .arg(&positions)
-                .arg(&self.word)
-                .arg(&self.position)
-                .arg(&self.token_type)
-                .arg(&mut raw)
-                .arg(&width);
-            // SAFETY: arguments match the kernel's signature.
-            unsafe { launch.launch(cfg) }.map_err(|e| cuda_error("embedding kernel", e))?;
-        }
-        let zeros = self
-            .device
-            .stream
-            .alloc_zeros::<f32>(h)
-            .map_err(|e| cuda_error("allocating", e))?;
-        self.layer_norm(&raw, &zeros, None, &self.embedding_norm, &mut x, tokens)?;
-
-        // The tiled attention kernel, where the head width has one, and its query tiles
-        // (each sequence's tokens, ATTENTION_TILE at a time): (kernel, tiles, first tokens).
-        let tiled = match &self.kernels.attention_tiled {
-            Some(kernel) => {
+        let tiles = match self.kernels.attention_tiled {
+            Some(_) => {
                 let firsts: Vec<u32> = offsets
                     .iter()
                     .zip(&batch.lengths)
@@ -579,38 +800,130 @@ impl CudaEncoder {
                             .map(move |q| (start + q) as u32)
                     })
                     .collect();
-                Some((kernel, firsts.len(), up(&firsts)?))
+                Some((firsts.len(), up(&firsts)?))
             }
             None => None,
         };
-        let mut qkv = self.alloc(tokens * 3 * h)?;
-        let mut context = self.alloc(tokens * h)?;
-        let mut projected = self.alloc(tokens * h)?;
-        let mut attended = self.alloc(tokens * h)?;
-        let mut inner = self.alloc(tokens * cfg.intermediate)?;
+        Ok(DeviceBatch {
+            tokens,
+            seqs: batch.lengths.len(),
+            max_len: batch.lengths.iter().copied().max().unwrap_or(1) as i32,
+            ids: up(&batch.ids)?,
+            positions: up(&positions)?,
+            token_seq: up(&token_seq)?,
+            seq_start: up(&offsets.iter().map(|&o| o as u32).collect::<Vec<_>>())?,
+            seq_len: up(&batch.lengths.iter().map(|&l| l as u32).collect::<Vec<_>>())?,
+            tiles,
+        })
+    }
+
+    /// One block per token: `embed(word, position, type) → out` (`f`: fp32's or bf16's).
+    fn embed_tokens<T: DeviceElement>(
+        &self,
+        f: &CudaFunction,
+        on: &DeviceBatch,
+        model: &DeviceModel<T>,
+        out: &mut CudaSlice<f32>,
+    ) -> Result<()> {
+        let width = self.host.config.hidden as i32;
+        let cfg = LaunchConfig {
+            grid_dim: (on.tokens as u32, 1, 1),
+            block_dim: (THREADS, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        let mut launch = self.device.stream.launch_builder(f);
+        launch
+            .arg(&on.ids)
+            .arg(&on.positions)
+            .arg(&model.word)
+            .arg(&model.position)
+            .arg(&model.token_type)
+            .arg(out)
+            .arg(&width);
+        // SAFETY: arguments match the kernel's signature.
+        unsafe { launch.launch(cfg) }
+            .map(|_| ())
+            .map_err(|e| cuda_error("embedding kernel", e))
+    }
+
+    /// One block per sequence: the mean of its rows of `x`, normalized, into `pooled`.
+    fn mean_pool<T: DeviceElement>(
+        &self,
+        f: &CudaFunction,
+        on: &DeviceBatch,
+        x: &CudaSlice<T>,
+        pooled: &mut CudaSlice<f32>,
+    ) -> Result<()> {
+        let h = self.host.config.hidden;
+        let width = h as i32;
+        let cfg = LaunchConfig {
+            grid_dim: (on.seqs as u32, 1, 1),
+            block_dim: (THREADS, 1, 1),
+            shared_mem_bytes: (h as u32 + 32) * 4,
+        };
+        let mut launch = self.device.stream.launch_builder(f);
+        launch
+            .arg(x)
+            .arg(&on.seq_start)
+            .arg(&on.seq_len)
+            .arg(pooled)
+            .arg(&width);
+        // SAFETY: arguments match the kernel's signature; shared memory as it requires.
+        unsafe { launch.launch(cfg) }
+            .map(|_| ())
+            .map_err(|e| cuda_error("pooling kernel", e))
+    }
+
+    /// The fp32 forward pass: each sequence's pooled, normalized vector.
+    fn forward_fp32(&self, model: &DeviceModel<f32>, on: &DeviceBatch) -> Result<CudaSlice<f32>> {
+        let cfg = &self.host.config;
+        let (h, tokens) = (cfg.hidden, on.tokens);
+        let mut raw = self.alloc::<f32>(tokens * h)?;
+        let mut x = self.alloc::<f32>(tokens * h)?;
+        self.embed_tokens(&self.kernels.embed_tokens, on, model, &mut raw)?;
+        let zeros = self
+            .device
+            .stream
+            .alloc_zeros::<f32>(h)
+            .map_err(|e| cuda_error("allocating", e))?;
+        let norm = &self.kernels.add_layer_norm;
+        self.layer_norm::<f32, f32>(
+            norm,
+            &raw.as_view(),
+            &zeros,
+            None,
+            &model.embedding_norm,
+            &mut x,
+            tokens,
+        )?;
+
+        let mut qkv = self.alloc::<f32>(tokens * 3 * h)?;
+        let mut context = self.alloc::<f32>(tokens * h)?;
+        let mut projected = self.alloc::<f32>(tokens * h)?;
+        let mut attended = self.alloc::<f32>(tokens * h)?;
+        let mut inner = self.alloc::<f32>(tokens * cfg.intermediate)?;
         let heads = cfg.heads as i32;
         let head_dim = cfg.head_dim() as i32;
         let scale = 1.0 / (cfg.head_dim() as f32).sqrt();
-        for i in 0..self.layers.len() {
-            let layer = &self.layers[i];
+        for layer in &model.layers {
             self.matmul(&x, tokens, &layer.qkv, &mut qkv)?;
             self.elementwise(&self.kernels.add_bias, &mut qkv, &layer.qkv.bias, 3 * h)?;
             // The tiled kernel where the head width has one, else a block per query token.
-            let (kernel, shape) = match &tiled {
-                Some((kernel, tiles, _)) => (
-                    *kernel,
+            let (kernel, shape) = match (&self.kernels.attention_tiled, &on.tiles) {
+                (Some(kernel), Some((tiles, _))) => (
+                    kernel,
                     LaunchConfig {
                         grid_dim: (*tiles as u32, heads as u32, 1),
                         block_dim: (ATTENTION_TILE, 1, 1),
                         shared_mem_bytes: 0,
                     },
                 ),
-                None => (
+                _ => (
                     &self.kernels.attention,
                     LaunchConfig {
                         grid_dim: (tokens as u32, heads as u32, 1),
                         block_dim: (THREADS, 1, 1),
-                        shared_mem_bytes: (head_dim as u32 + max_len as u32 + THREADS) * 4,
+                        shared_mem_bytes: (head_dim as u32 + on.max_len as u32 + THREADS) * 4,
                     },
                 ),
             };
@@ -618,18 +931,23 @@ impl CudaEncoder {
             launch
                 .arg(&qkv)
                 .arg(&mut context)
-                .arg(&token_seq)
-                .arg(&seq_start)
-                .arg(&seq_len);
-            match &tiled {
-                Some((_, _, firsts)) => launch.arg(firsts).arg(&heads).arg(&scale),
-                None => launch.arg(&heads).arg(&head_dim).arg(&max_len).arg(&scale),
+                .arg(&on.token_seq)
+                .arg(&on.seq_start)
+                .arg(&on.seq_len);
+            match &on.tiles {
+                Some((_, firsts)) => launch.arg(firsts).arg(&heads).arg(&scale),
+                None => launch
+                    .arg(&heads)
+                    .arg(&head_dim)
+                    .arg(&on.max_len)
+                    .arg(&scale),
             };
             // SAFETY: arguments match the kernel's signature; shared memory as it requires.
             unsafe { launch.launch(shape) }.map_err(|e| cuda_error("attention kernel", e))?;
             self.matmul(&context, tokens, &layer.attention_out, &mut projected)?;
             self.layer_norm(
-                &projected,
+                norm,
+                &projected.as_view(),
                 &layer.attention_out.bias,
                 Some(&x),
                 &layer.attention_norm,
@@ -645,7 +963,8 @@ impl CudaEncoder {
             )?;
             self.matmul(&inner, tokens, &layer.output, &mut projected)?;
             self.layer_norm(
-                &projected,
+                norm,
+                &projected.as_view(),
                 &layer.output.bias,
                 Some(&attended),
                 &layer.output_norm,
@@ -653,28 +972,143 @@ impl CudaEncoder {
                 tokens,
             )?;
         }
-        let mut pooled = self.alloc(seqs * h)?;
-        {
-            let cfg = LaunchConfig {
-                grid_dim: (seqs as u32, 1, 1),
-                block_dim: (THREADS, 1, 1),
-                shared_mem_bytes: (h as u32 + 32) * 4,
-            };
-            let mut launch = self
-                .device
-                .stream
-                .launch_builder(&self.kernels.mean_pool_normalize);
+        let mut pooled = self.alloc::<f32>(on.seqs * h)?;
+        self.mean_pool(&self.kernels.mean_pool_normalize, on, &x, &mut pooled)?;
+        Ok(pooled)
+    }
+
+    /// The bf16 forward pass: the fp32 pass's steps with bf16 weights and stored
+    /// activations, each product on tensor cores into an fp32 buffer that the next kernel
+    /// finishes and stores in bf16 (as `CpuEncoder::emulating_bf16` rounds).
+    fn forward_bf16(
+        &self,
+        model: &DeviceModel<Bf16Bits>,
+        half: &HalfKernels,
+        on: &DeviceBatch,
+    ) -> Result<CudaSlice<f32>> {
+        let cfg = &self.host.config;
+        let (h, tokens) = (cfg.hidden, on.tokens);
+        let Some((tiles, firsts)) = &on.tiles else {
+            return Err(cuda_error("bf16 attention", "no tiled kernel for this head width"));
+        };
+        // fp32 products (and the embedding sums) before their kernel stores them in bf16:
+        // one buffer, its first rows × outputs values used by each product.
+        let mut product = self.alloc::<f32>(tokens * cfg.intermediate.max(3 * h))?;
+        let mut x = self.alloc::<Bf16Bits>(tokens * h)?;
+        self.embed_tokens(&half.embed_tokens, on, model, &mut product)?;
+        let zeros = self
+            .device
+            .stream
+            .alloc_zeros::<f32>(h)
+            .map_err(|e| cuda_error("allocating", e))?;
+        let norm = &half.add_layer_norm;
+        self.layer_norm::<Bf16Bits, Bf16Bits>(
+            norm,
+            &product.slice(0..tokens * h),
+            &zeros,
+            None,
+            &model.embedding_norm,
+            &mut x,
+            tokens,
+        )?;
+
+        let mut qkv = self.alloc::<Bf16Bits>(tokens * 3 * h)?;
+        let mut context = self.alloc::<Bf16Bits>(tokens * h)?;
+        let mut attended = self.alloc::<Bf16Bits>(tokens * h)?;
+        let mut inner = self.alloc::<Bf16Bits>(tokens * cfg.intermediate)?;
+        let heads = cfg.heads as i32;
+        let scale = 1.0 / (cfg.head_dim() as f32).sqrt();
+        let attention_shape = LaunchConfig {
+            grid_dim: (*tiles as u32, heads as u32, 1),
+            block_dim: (ATTENTION_TILE, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        let (qkv_width, inner_width) = (3 * h, cfg.intermediate);
+        for layer in &model.layers {
+            let rows = |width: usize| 0..tokens * width;
+            self.matmul_bf16(&x, tokens, &layer.qkv, &mut product.slice_mut(rows(qkv_width)))?;
+            self.elementwise_bf16(
+                &half.add_bias,
+                &product.slice(rows(qkv_width)),
+                &layer.qkv.bias,
+                &mut qkv,
+                qkv_width,
+            )?;
+            let mut launch = self.device.stream.launch_builder(&half.attention_tiled);
             launch
-                .arg(&x)
-                .arg(&seq_start)
-                .arg(&seq_len)
-                .arg(&mut pooled)
-                .arg(&width);
-            // SAFETY: arguments match the kernel's signature; shared memory as it requires.
-            unsafe { launch.launch(cfg) }.map_err(|e| cuda_error("pooling kernel", e))?;
+                .arg(&qkv)
+                .arg(&mut context)
+                .arg(&on.token_seq)
+                .arg(&on.seq_start)
+                .arg(&on.seq_len)
+                .arg(firsts)
+                .arg(&heads)
+                .arg(&scale);
+            // SAFETY: arguments match the kernel's signature.
+            unsafe { launch.launch(attention_shape) }
+                .map_err(|e| cuda_error("attention kernel", e))?;
+            self.matmul_bf16(
+                &context,
+                tokens,
+                &layer.attention_out,
+                &mut product.slice_mut(rows(h)),
+            )?;
+            self.layer_norm(
+                norm,
+                &product.slice(rows(h)),
+                &layer.attention_out.bias,
+                Some(&x),
+                &layer.attention_norm,
+                &mut attended,
+                tokens,
+            )?;
+            self.matmul_bf16(
+                &attended,
+                tokens,
+                &layer.intermediate,
+                &mut product.slice_mut(rows(inner_width)),
+            )?;
+            self.elementwise_bf16(
+                &half.bias_gelu,
+                &product.slice(rows(inner_width)),
+                &layer.intermediate.bias,
+                &mut inner,
+                inner_width,
+            )?;
+            self.matmul_bf16(&inner, tokens, &layer.output, &mut product.slice_mut(rows(h)))?;
+            self.layer_norm(
+                norm,
+                &product.slice(rows(h)),
+                &layer.output.bias,
+                Some(&attended),
+                &layer.output_norm,
+                &mut x,
+                tokens,
+            )?;
         }
-        // Download through a pinned buffer (grown as needed) for a fast copy.
-        let n = seqs * h;
+        let mut pooled = self.alloc::<f32>(on.seqs * h)?;
+        self.mean_pool(&half.mean_pool_normalize, on, &x, &mut pooled)?;
+        Ok(pooled)
+    }
+
+    fn forward(&mut self, batch: &PackedBatch) -> Result<Vec<f32>> {
+        if batch.ids.is_empty() {
+            return Ok(vec![]);
+        }
+        let on = self.upload_batch(batch)?;
+        let pooled = match (&self.weights, &self.half) {
+            (Weights::Fp32(model), _) => self.forward_fp32(model, &on)?,
+            (Weights::Bf16(model), Some(half)) => self.forward_bf16(model, half, &on)?,
+            (Weights::Bf16(_), None) => {
+                return Err(cuda_error("bf16", "the bf16 kernels were not loaded"));
+            }
+        };
+        self.download(&pooled, on.seqs * self.host.config.hidden)
+    }
+
+    /// The first `n` values of `pooled`, through a pinned buffer (grown as needed) for a
+    /// fast copy.
+    fn download(&mut self, pooled: &CudaSlice<f32>, n: usize) -> Result<Vec<f32>> {
         if self.pinned.as_ref().is_none_or(|p| p.len() < n) {
             let ctx = Arc::clone(self.device.stream.context());
             // SAFETY: the buffer is written by the copy below before it is read.
@@ -683,8 +1117,7 @@ impl CudaEncoder {
             self.pinned = Some(buffer);
         }
         let pinned = self.pinned.as_mut().expect("allocated above");
-        let mut view = pooled.slice(0..n);
-        let _ = &mut view;
+        let view = pooled.slice(0..n);
         self.device
             .stream
             .memcpy_dtoh(
@@ -706,7 +1139,14 @@ impl SentenceEncoder for CudaEncoder {
     }
 
     fn device(&self) -> String {
-        self.device.name.clone()
+        match self.precision() {
+            EmbedPrecision::Bf16 => format!("{} bf16", self.device.name),
+            _ => self.device.name.clone(),
+        }
+    }
+
+    fn bf16(&self) -> bool {
+        self.precision() == EmbedPrecision::Bf16
     }
 
     fn on_accelerator(&self) -> bool {
@@ -787,6 +1227,68 @@ mod tests {
         }
         compile_kernels(None).expect("PTX");
         compile_kernels(Some((9, 0))).expect("CUBIN for sm_90");
+    }
+
+    /// Every kernel the encoder loads by name is an entry of the compiled module: a name
+    /// misspelt on either side fails here, not first on a GPU.
+    #[test]
+    fn every_kernel_the_encoder_loads_is_in_the_module() {
+        if !library_loaded(&["nvrtc"]) {
+            return super::test_skip::skip_missing_tool(
+                "libnvrtc.so.13 not found (no CUDA toolkit; .ci/run installs NVRTC)",
+            );
+        }
+        let KernelCode::Ptx(ptx) = nvrtc_compile(None).unwrap() else {
+            panic!("no PTX");
+        };
+        let entries: Vec<&str> = ptx
+            .lines()
+            .filter_map(|line| line.split(".entry ").nth(1))
+            .map(|rest| rest.trim_end_matches(['(', ' ']))
+            .collect();
+        for name in KERNEL_NAMES {
+            assert!(entries.contains(name), "{name} is not among {entries:?}");
+        }
+        let source_calls: Vec<&str> = {
+            let code = include_str!("cuda.rs");
+            let code = &code[..code.find("#[cfg(test)]").unwrap()];
+            code.split("f(\"")
+                .skip(1)
+                .filter_map(|rest| rest.split('"').next())
+                .collect()
+        };
+        for called in &source_calls {
+            assert!(KERNEL_NAMES.contains(called), "{called} is loaded but not listed");
+        }
+    }
+
+    /// bf16 needs tensor cores (8.0+) and a tiled attention kernel; `auto` picks it where
+    /// both hold; asking for it elsewhere is an error naming the way out.
+    #[test]
+    fn the_precision_resolves_by_the_device_and_the_head_width() {
+        use EmbedPrecision::*;
+        assert_eq!(resolve_precision(Auto, (9, 0), 32).unwrap(), Bf16);
+        assert_eq!(resolve_precision(Auto, (8, 0), 64).unwrap(), Bf16);
+        assert_eq!(resolve_precision(Auto, (7, 5), 32).unwrap(), Fp32);
+        assert_eq!(resolve_precision(Auto, (9, 0), 48).unwrap(), Fp32);
+        assert_eq!(resolve_precision(Fp32, (9, 0), 32).unwrap(), Fp32);
+        assert_eq!(resolve_precision(Bf16, (8, 6), 32).unwrap(), Bf16);
+        let old = resolve_precision(Bf16, (7, 5), 32).unwrap_err().to_string();
+        assert!(old.contains("compute capability 8.0") && old.contains("7.5"), "{old}");
+        let wide = resolve_precision(Bf16, (9, 0), 48).unwrap_err().to_string();
+        assert!(wide.contains("are 48"), "{wide}");
+    }
+
+    /// The weights' bf16 bits round to nearest, ties to even, as the kernels' stores do.
+    #[test]
+    fn weights_are_uploaded_as_rounded_bf16_bits() {
+        assert_eq!(bf16_bits(1.0), 0x3F80);
+        assert_eq!(bf16_bits(-2.0), 0xC000);
+        // 1 + 2^-8 is halfway between 1 and 1 + 2^-7: ties to even (down to 1).
+        assert_eq!(bf16_bits(1.0 + 1.0 / 256.0), 0x3F80);
+        // 1 + 3·2^-8 is halfway between 1 + 2^-7 and 1 + 2^-6: ties to even (up).
+        assert_eq!(bf16_bits(1.0 + 3.0 / 256.0), 0x3F82);
+        assert_eq!(bf16_bits(1.0 + 1.0 / 128.0 + 1.0 / 1024.0), 0x3F81);
     }
 
     /// A CUBIN compiled once is read back from the cache; a cache file of other source, or

@@ -31,7 +31,7 @@ use datafusion::config::ConfigOptions;
 use datafusion::error::{DataFusionError, Result};
 use datafusion::logical_expr::{ScalarUDF, Signature, Volatility};
 
-use crate::config::{Device, FlumenConfig};
+use crate::config::{Device, EmbedPrecision, FlumenConfig};
 use crate::functions::accelerator::{AcceleratorFunction, AcceleratorWorker, WorkerResources};
 use batch_tuner::BatchTuner;
 use bert::{BertWeights, PackedBatch, SentenceEncoder};
@@ -71,6 +71,7 @@ struct EmbedSettings {
     threads: usize,
     batch_size: usize,
     batch_tokens: usize,
+    precision: EmbedPrecision,
 }
 
 impl EmbedSettings {
@@ -87,6 +88,7 @@ impl EmbedSettings {
             threads: (flumen.cpu_slots / flumen.accelerator_slots.max(1)).max(1),
             batch_size: flumen.embed_batch_size,
             batch_tokens: flumen.embed_batch_tokens,
+            precision: flumen.embed_precision,
         }
     }
 }
@@ -117,13 +119,22 @@ impl AcceleratorFunction for EmbedFunction {
         Some(tokenize_step::embed_tokens_udf())
     }
 
-    /// The model's files, and where it computes (a GPU's and the CPU's kernels round
-    /// differently); not the batching or thread count, which change no output.
+    /// The model's files, where it computes (a GPU's and the CPU's kernels round
+    /// differently) and in what precision; not the batching or thread count, which change
+    /// no output.
     fn cache_identity(&self, config: &ConfigOptions) -> Result<Option<String>> {
         let settings = EmbedSettings::from(config);
-        let on = match self.resources(config).accelerators {
-            0 => "cpu",
-            _ => "cuda",
+        let on = match (self.resources(config).accelerators, settings.precision) {
+            (0, EmbedPrecision::Bf16) => "cpu bf16",
+            (0, _) => "cpu",
+            (_, EmbedPrecision::Fp32) => "cuda",
+            (_, requested) => {
+                let head_dim = bert::BertConfig::load(&settings.model_dir)?.head_dim();
+                match cuda::device_precision(requested, head_dim)? {
+                    EmbedPrecision::Bf16 => "cuda bf16",
+                    _ => "cuda",
+                }
+            }
         };
         Ok(Some(format!(
             "embed {} files {} on {on}",
@@ -153,6 +164,20 @@ impl AcceleratorFunction for EmbedFunction {
             },
         }
     }
+}
+
+/// The CPU encoder for `settings`: fp32, or bf16's numerics emulated where
+/// `flumen.embed_precision = 'bf16'` (`auto` is fp32 on the CPU, which has no bf16 units).
+fn cpu_encoder(
+    weights: Arc<BertWeights>,
+    settings: &EmbedSettings,
+) -> Result<Box<dyn SentenceEncoder>> {
+    Ok(Box::new(match settings.precision {
+        EmbedPrecision::Bf16 => cpu::CpuEncoder::emulating_bf16(&weights, settings.threads)?,
+        EmbedPrecision::Fp32 | EmbedPrecision::Auto => {
+            cpu::CpuEncoder::new(weights, settings.threads)?
+        }
+    }))
 }
 
 /// How a worker cuts a block's sequences (shortest first) into forward passes.
@@ -237,9 +262,15 @@ impl EmbedWorker {
         });
         let (tokenizer, weights, files_ms) = files?;
         let encoder: Box<dyn SentenceEncoder> = match (settings.device, device) {
-            (Device::Cuda, Some(device)) => Box::new(cuda::CudaEncoder::on(device?, weights)?),
+            (Device::Cuda, Some(device)) => Box::new(cuda::CudaEncoder::on(
+                device?,
+                weights,
+                settings.precision,
+            )?),
             (Device::Auto, Some(device)) => {
-                match device.and_then(|d| cuda::CudaEncoder::on(d, Arc::clone(&weights))) {
+                let on_device =
+                    |d| cuda::CudaEncoder::on(d, Arc::clone(&weights), settings.precision);
+                match device.and_then(on_device) {
                     Ok(encoder) => Box::new(encoder),
                     Err(e) => {
                         Self::cpu_fallback(e.strip_backtrace().to_string(), weights, settings)?
@@ -249,7 +280,7 @@ impl EmbedWorker {
             (Device::Auto, None) => {
                 Self::cpu_fallback(probe.err().unwrap_or_default(), weights, settings)?
             }
-            _ => Box::new(cpu::CpuEncoder::new(weights, settings.threads)?),
+            _ => cpu_encoder(weights, settings)?,
         };
         let batching = Batching::from(settings, encoder.on_accelerator());
         Ok(Self {
@@ -271,7 +302,7 @@ impl EmbedWorker {
         CPU_FALLBACK_NOTICE.call_once(|| {
             eprintln!("flumen: embed() runs on the CPU ({why})");
         });
-        Ok(Box::new(cpu::CpuEncoder::new(weights, settings.threads)?))
+        cpu_encoder(weights, settings)
     }
 
     /// The backend this worker computes on, e.g. `cpu (2 threads)`.
@@ -409,6 +440,7 @@ impl AcceleratorWorker for EmbedWorker {
         };
         metrics.push(("embed_load_ms".into(), self.load_ms));
         metrics.push(("embed_files_ms".into(), self.files_ms));
+        metrics.push(("embed_bf16".into(), self.encoder.bf16() as u64));
         metrics.extend(self.encoder.load_metrics());
         metrics
     }
@@ -446,6 +478,7 @@ mod tests {
             threads: 1,
             batch_size: 8,
             batch_tokens: 0,
+            precision: EmbedPrecision::Fp32,
         };
         let err = EmbedWorker::load(&settings)
             .err()
