@@ -6,7 +6,7 @@
 //!                              [--batch-sizes 0,32,64] [--python PATH]
 //!                              [--corpus sentences|docs|both] [--docs 600]
 //!                              [--preprocess-on-cpu true|false|both]
-//!                              [--peak-tflops P]
+//!                              [--peak-tflops P] [--precision fp32|bf16|both]
 //! ```
 //!
 //! Two corpora: generated sentences of mixed length, and the demo table's HTML documents
@@ -19,6 +19,9 @@
 //! tokenizing (`false`), or both, and prints their ratio. A roofline line per batch size gives
 //! the FLOP/s flumen's rate comes to (mean tokens per text x FLOPs per token x texts/s), and
 //! with `--peak-tflops` its share of the device's peak.
+//! `--precision` sets `flumen.embed_precision` (`fp32`, the default; `bf16`; or `both`, each
+//! in turn); at `bf16` the baseline runs sentence-transformers in half precision
+//! (`model.half()`), so each ratio compares half precision with half precision.
 //!
 //! The baseline is `benches/embed_baseline.py`, run with `--python` (default: `$FLUMEN_BENCH_PYTHON`
 //! or `python3`), which needs sentence-transformers installed (e.g. in a venv). The last line
@@ -38,8 +41,8 @@ use datafusion::arrow::datatypes::{DataType, Field, Schema};
 use datafusion::arrow::record_batch::RecordBatch;
 use datafusion::datasource::MemTable;
 use datafusion::error::Result;
-use flumen::FlumenConfig;
 use flumen::functions::embedding::model_files;
+use flumen::{EmbedPrecision, FlumenConfig};
 
 const WORDS: &[&str] = &[
     "the",
@@ -186,6 +189,9 @@ struct Args {
     /// The device's peak in TFLOP/s (e.g. 989 for an H100/H200's dense bf16 tensor cores,
     /// 67 for its fp32 cores), to print the share of it flumen reaches.
     peak_tflops: Option<f64>,
+    /// `flumen.embed_precision` values to run, each against the baseline at the matching
+    /// precision (fp32, or half for bf16).
+    precisions: Vec<EmbedPrecision>,
 }
 
 fn parse_args() -> Args {
@@ -200,6 +206,7 @@ fn parse_args() -> Args {
         docs: 600,
         preprocess: vec![true],
         peak_tflops: None,
+        precisions: vec![EmbedPrecision::Fp32],
     };
     let mut it = std::env::args().skip(1);
     while let Some(a) = it.next() {
@@ -236,6 +243,12 @@ fn parse_args() -> Args {
                     other => panic!("--preprocess-on-cpu true|false|both, got {other}"),
                 }
             }
+            "--precision" => {
+                args.precisions = match value().as_str() {
+                    "both" => vec![EmbedPrecision::Fp32, EmbedPrecision::Bf16],
+                    one => vec![one.parse().expect("--precision fp32|bf16|both")],
+                }
+            }
             "--bench" => {}
             other => panic!("unknown argument {other}"),
         }
@@ -250,8 +263,10 @@ async fn flumen_rate(
     texts: &[String],
     batch_size: usize,
     preprocess_on_cpu: bool,
+    precision: EmbedPrecision,
 ) -> Result<f64> {
     let mut config = FlumenConfig::default();
+    config.embed_precision = precision;
     config.cpu_slots = args.threads;
     config.accelerator_slots = 1;
     config.embed_batch_size = batch_size;
@@ -295,7 +310,12 @@ async fn flumen_rate(
 
 /// sentence-transformers' sentences per second at `batch_size`; an error says why the
 /// baseline could not run (the bench then fails: a ratio needs both sides).
-fn baseline_rate(args: &Args, texts: &[String], batch_size: usize) -> Result<f64> {
+fn baseline_rate(
+    args: &Args,
+    texts: &[String],
+    batch_size: usize,
+    precision: EmbedPrecision,
+) -> Result<f64> {
     let fail = |why: String| datafusion::error::DataFusionError::Execution(why);
     let dir = tempfile::tempdir()?;
     let path = dir.path().join("sentences.jsonl");
@@ -315,6 +335,10 @@ fn baseline_rate(args: &Args, texts: &[String], batch_size: usize) -> Result<f64
         .arg(&args.device)
         .arg(args.threads.to_string())
         .arg(batch_size.to_string())
+        .arg(match precision {
+            EmbedPrecision::Bf16 => "half",
+            _ => "fp32",
+        })
         .output()
         .map_err(|e| fail(format!("baseline: cannot run {}: {e}", args.python)))?;
     if !out.status.success() {
@@ -408,9 +432,22 @@ async fn cleaned_docs(n: usize) -> Result<Vec<String>> {
 /// Both sides over one corpus at every batch size (and flumen with each `preprocess`
 /// setting); prints a line per run and the corpus's summary line.
 async fn run_corpus(args: &Args, corpus: &str, texts: &[String]) -> Result<()> {
+    for &precision in &args.precisions {
+        run_corpus_in(args, corpus, texts, precision).await?;
+    }
+    Ok(())
+}
+
+/// [`run_corpus`] at one `flumen.embed_precision`.
+async fn run_corpus_in(
+    args: &Args,
+    corpus: &str,
+    texts: &[String],
+    precision: EmbedPrecision,
+) -> Result<()> {
     let chars: usize = texts.iter().map(|t| t.chars().count()).sum();
     println!(
-        "embed bench: {corpus}: {} texts ({} chars on average), device {}, {} threads",
+        "embed bench: {corpus}: {} texts ({} chars on average), device {}, {} threads, {precision}",
         texts.len(),
         chars / texts.len().max(1),
         args.device,
@@ -429,7 +466,7 @@ async fn run_corpus(args: &Args, corpus: &str, texts: &[String]) -> Result<()> {
     for &size in &sizes {
         let mut rates = vec![];
         for &preprocess in &args.preprocess {
-            let rate = flumen_rate(args, texts, size, preprocess).await?;
+            let rate = flumen_rate(args, texts, size, preprocess, precision).await?;
             println!(
                 "{corpus} batch_size={size} preprocess_on_cpu={preprocess} flumen_per_s={rate:.1}"
             );
@@ -443,7 +480,7 @@ async fn run_corpus(args: &Args, corpus: &str, texts: &[String]) -> Result<()> {
         }
         let flumen = rates[0].1;
         print_roofline(args, corpus, texts, flumen)?;
-        let baseline = baseline_rate(args, texts, baseline_size(size))?;
+        let baseline = baseline_rate(args, texts, baseline_size(size), precision)?;
         println!(
             "{corpus} batch_size={size} flumen_per_s={flumen:.1} baseline_per_s={baseline:.1} \
              (at {}) ratio={:.2}",
@@ -461,7 +498,7 @@ async fn run_corpus(args: &Args, corpus: &str, texts: &[String]) -> Result<()> {
     let (flumen_best_size, flumen_best) = best(&flumen_rates);
     let (baseline_best_size, baseline_best) = best(&baseline_rates);
     println!(
-        "embed corpus={corpus} device={} batch_size={size} flumen_per_s={flumen:.1} \
+        "embed corpus={corpus} device={} precision={precision} batch_size={size} flumen_per_s={flumen:.1} \
          baseline_per_s={baseline:.1} ratio={:.2} best_flumen_per_s={flumen_best:.1}@{flumen_best_size} \
          best_baseline_per_s={baseline_best:.1}@{baseline_best_size} best_ratio={:.2}",
         args.device,

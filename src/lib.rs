@@ -45,7 +45,8 @@ pub mod store;
 
 pub use cluster::{WorkerSettings, serve as serve_worker};
 pub use config::{
-    ByteSize, Device, EmbedPrecision, ExecMode, FlumenConfig, PreprocessOnCpu, WorkerBinary, WorkerMode,
+    ByteSize, Device, EmbedPrecision, ExecMode, FlumenConfig, PreprocessOnCpu, WorkerBinary,
+    WorkerMode,
 };
 pub use exec::{BlockDropper, BlockInfo, FlumenExec, FlumenQueryPlanner};
 pub use functions::accelerator::{

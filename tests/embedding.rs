@@ -76,11 +76,7 @@ async fn check_against_references_in(
 ) -> Vec<Vec<f32>> {
     let refs = references();
     let ctx = session(device).await;
-    collect(
-        &ctx,
-        &format!("SET flumen.embed_precision = '{precision}'"),
-    )
-    .await;
+    collect(&ctx, &format!("SET flumen.embed_precision = '{precision}'")).await;
     let batch = texts_batch(&refs);
     ctx.register_batch("refs", batch).unwrap();
     let batches = collect(&ctx, "SELECT text, embed(text) AS v FROM refs").await;
@@ -109,9 +105,7 @@ async fn check_against_references_in(
         }
     }
     assert_eq!(seen, refs.len());
-    println!(
-        "{device} {precision}: {seen} fixture sentences, lowest cosine similarity {worst:.7}"
-    );
+    println!("{device} {precision}: {seen} fixture sentences, lowest cosine similarity {worst:.7}");
     vectors_in_order
 }
 
@@ -466,7 +460,10 @@ async fn cuda_bf16_stays_within_cosine_0_999_of_fp32_and_the_reference() {
     let text = datafusion::arrow::util::pretty::pretty_format_batches(&out)
         .unwrap()
         .to_string();
-    assert!(text.contains("embed_bf16=1"), "auto did not choose bf16:\n{text}");
+    assert!(
+        text.contains("embed_bf16=1"),
+        "auto did not choose bf16:\n{text}"
+    );
 }
 
 /// `fp32` and `bf16` encoders over the fixture sentences and `docs` demo documents (cleaned

@@ -998,8 +998,14 @@ async fn the_embed_precision_reaches_the_model_worker_process() {
         "bf16 in a worker process: lowest cosine with bf16 here {worst_bf16:.7}, {differ_fp32} \
          of 64 vectors differ from fp32's"
     );
-    assert!(worst_bf16 >= 0.99999, "bf16 in the worker at cosine {worst_bf16} of bf16 here");
-    assert!(differ_fp32 > 32, "the worker computed in fp32: {differ_fp32} of 64 differ");
+    assert!(
+        worst_bf16 >= 0.99999,
+        "bf16 in the worker at cosine {worst_bf16} of bf16 here"
+    );
+    assert!(
+        differ_fp32 > 32,
+        "the worker computed in fp32: {differ_fp32} of 64 differ"
+    );
 }
 
 /// An out-of-core join (a 1 MB budget: its exchange gets many partitions, map outputs spill)

@@ -989,7 +989,10 @@ impl CudaEncoder {
         let cfg = &self.host.config;
         let (h, tokens) = (cfg.hidden, on.tokens);
         let Some((tiles, firsts)) = &on.tiles else {
-            return Err(cuda_error("bf16 attention", "no tiled kernel for this head width"));
+            return Err(cuda_error(
+                "bf16 attention",
+                "no tiled kernel for this head width",
+            ));
         };
         // fp32 products (and the embedding sums) before their kernel stores them in bf16:
         // one buffer, its first rows × outputs values used by each product.
@@ -1026,7 +1029,12 @@ impl CudaEncoder {
         let (qkv_width, inner_width) = (3 * h, cfg.intermediate);
         for layer in &model.layers {
             let rows = |width: usize| 0..tokens * width;
-            self.matmul_bf16(&x, tokens, &layer.qkv, &mut product.slice_mut(rows(qkv_width)))?;
+            self.matmul_bf16(
+                &x,
+                tokens,
+                &layer.qkv,
+                &mut product.slice_mut(rows(qkv_width)),
+            )?;
             self.elementwise_bf16(
                 &half.add_bias,
                 &product.slice(rows(qkv_width)),
@@ -1075,7 +1083,12 @@ impl CudaEncoder {
                 &mut inner,
                 inner_width,
             )?;
-            self.matmul_bf16(&inner, tokens, &layer.output, &mut product.slice_mut(rows(h)))?;
+            self.matmul_bf16(
+                &inner,
+                tokens,
+                &layer.output,
+                &mut product.slice_mut(rows(h)),
+            )?;
             self.layer_norm(
                 norm,
                 &product.slice(rows(h)),
@@ -1258,7 +1271,10 @@ mod tests {
                 .collect()
         };
         for called in &source_calls {
-            assert!(KERNEL_NAMES.contains(called), "{called} is loaded but not listed");
+            assert!(
+                KERNEL_NAMES.contains(called),
+                "{called} is loaded but not listed"
+            );
         }
     }
 
@@ -1274,7 +1290,10 @@ mod tests {
         assert_eq!(resolve_precision(Fp32, (9, 0), 32).unwrap(), Fp32);
         assert_eq!(resolve_precision(Bf16, (8, 6), 32).unwrap(), Bf16);
         let old = resolve_precision(Bf16, (7, 5), 32).unwrap_err().to_string();
-        assert!(old.contains("compute capability 8.0") && old.contains("7.5"), "{old}");
+        assert!(
+            old.contains("compute capability 8.0") && old.contains("7.5"),
+            "{old}"
+        );
         let wide = resolve_precision(Bf16, (9, 0), 48).unwrap_err().to_string();
         assert!(wide.contains("are 48"), "{wide}");
     }

@@ -262,11 +262,9 @@ impl EmbedWorker {
         });
         let (tokenizer, weights, files_ms) = files?;
         let encoder: Box<dyn SentenceEncoder> = match (settings.device, device) {
-            (Device::Cuda, Some(device)) => Box::new(cuda::CudaEncoder::on(
-                device?,
-                weights,
-                settings.precision,
-            )?),
+            (Device::Cuda, Some(device)) => {
+                Box::new(cuda::CudaEncoder::on(device?, weights, settings.precision)?)
+            }
             (Device::Auto, Some(device)) => {
                 let on_device =
                     |d| cuda::CudaEncoder::on(d, Arc::clone(&weights), settings.precision);
