@@ -591,6 +591,34 @@ fn a_worker_without_a_secret_or_with_an_open_secret_file_does_not_start() {
     assert!(stderr.contains("readable by other users"), "{stderr}");
 }
 
+/// `--device cuda:N` names a GPU of this host: one past the visible devices (cuda:0 on a
+/// machine without one) is refused at start, saying what the host has; a device that is
+/// not `cuda:N` is refused by the option's parser.
+#[test]
+fn a_worker_given_a_gpu_the_host_lacks_does_not_start() {
+    let visible = flumen::functions::accelerator_devices::visible_cuda_devices();
+    let out = Command::new(FLUMEN)
+        .args(["worker", "--pool", "accelerator", "--secret-stdin"])
+        .args(["--device", &format!("cuda:{visible}")])
+        .stdin(Stdio::null())
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(1), "{stderr}");
+    assert!(
+        stderr.contains(&format!("--device cuda:{visible}: this host has")),
+        "{stderr}"
+    );
+    let out = Command::new(FLUMEN)
+        .args(["worker", "--device", "gpu1", "--secret-stdin"])
+        .stdin(Stdio::null())
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success(), "{stderr}");
+    assert!(stderr.contains("cuda:N"), "{stderr}");
+}
+
 /// A worker started by hand with a lease exits once no driver calls it.
 #[test]
 fn a_worker_whose_lease_runs_out_exits() {

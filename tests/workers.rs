@@ -1008,6 +1008,60 @@ async fn the_embed_precision_reaches_the_model_worker_process() {
     );
 }
 
+/// A driver's accelerator worker processes are told their place in the pool
+/// (`--device-slot 0`, `1`, ...), so on a host with several GPUs each takes its own
+/// (device slot modulo the visible devices).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn accelerator_workers_are_started_with_their_device_slots() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("docs.parquet");
+    flumen::demo::write_docs(&path, 8).unwrap();
+    let mut config = process_config(1);
+    config.accelerator_slots = 2;
+    let f = session(config, None);
+    for set in [
+        "SET flumen.device = 'cpu'".to_string(),
+        format!(
+            "CREATE EXTERNAL TABLE docs STORED AS PARQUET LOCATION '{}'",
+            path.display()
+        ),
+    ] {
+        f.sql(&set).await.unwrap().collect().await.unwrap();
+    }
+    let out = common::collect(&f, "SELECT embed(substr(body, 1, 20)) FROM docs").await;
+    assert_eq!(out.iter().map(|b| b.num_rows()).sum::<usize>(), 8);
+    // The command lines of the session's workers (other tests' run beside them).
+    let pools = f
+        .state()
+        .config()
+        .get_extension::<flumen::cluster::WorkerPoolSlot>()
+        .expect("the session's worker pools");
+    let mut slots = vec![];
+    for pool in pools.started().await {
+        for worker in pool.workers().await {
+            let cmdline = std::fs::read(format!("/proc/{}/cmdline", worker.pid)).unwrap();
+            let args: Vec<String> = cmdline
+                .split(|b| *b == 0)
+                .map(|a| String::from_utf8_lossy(a).into_owned())
+                .collect();
+            let slot = args
+                .iter()
+                .position(|a| a == "--device-slot")
+                .map(|i| args[i + 1].clone());
+            match pool.kind() {
+                flumen::plan::Pool::Accelerator => {
+                    slots.push(slot.expect("an accelerator worker's slot"))
+                }
+                flumen::plan::Pool::Cpu => {
+                    assert_eq!(slot, None, "a CPU worker was given a device slot")
+                }
+            }
+        }
+    }
+    slots.sort();
+    assert_eq!(slots, ["0", "1"], "the accelerator workers' device slots");
+}
+
 /// An out-of-core join (a 1 MB budget: its exchange gets many partitions, map outputs spill)
 /// with a worker SIGKILLed during the map stage: the map blocks it held are recomputed from
 /// lineage, and the answer is vanilla DataFusion's.

@@ -170,16 +170,27 @@ fn host_name() -> String {
     }
 }
 
-/// The accelerators a worker of `kind` computes on: its CUDA devices, else its CPU.
+/// The accelerators a worker of `kind` computes on: its CUDA devices (the one it is pinned
+/// to, if it is), else its CPU.
 fn devices(kind: Pool) -> Vec<DeviceInfo> {
     if kind != Pool::Accelerator {
         return vec![];
     }
-    let cuda = crate::functions::embedding::cuda::probe_device_count().unwrap_or(0);
-    let (name, count) = if cuda > 0 { ("cuda", cuda) } else { ("cpu", 1) };
-    (0..count)
+    let cuda = crate::functions::accelerator_devices::visible_cuda_devices();
+    if cuda == 0 {
+        return vec![DeviceInfo {
+            kind: "cpu".into(),
+            index: 0,
+        }];
+    }
+    // A worker pinned to one GPU (`--device`, `--device-slot`) owns that one only.
+    let owned = match crate::functions::accelerator_devices::process_device(cuda) {
+        Some(device) => device..device + 1,
+        None => 0..cuda,
+    };
+    owned
         .map(|index| DeviceInfo {
-            kind: name.into(),
+            kind: "cuda".into(),
             index,
         })
         .collect()

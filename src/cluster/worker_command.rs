@@ -93,6 +93,18 @@ pub struct WorkerArgs {
     /// run by `python -m flumen worker`): run flumen's own functions only.
     #[arg(long)]
     no_shipped_functions: bool,
+    /// The GPU its models compute on, `cuda:N` (an accelerator worker per GPU of a host:
+    /// start one with each N). Default: the device the fewest of its workers use.
+    #[arg(long, value_name = "cuda:N", value_parser = parse_device, conflicts_with = "device_slot")]
+    device: Option<usize>,
+    /// It is the I-th accelerator worker its driver started on this host: its models compute
+    /// on device I modulo the visible devices (how a driver spreads its pool over the GPUs).
+    #[arg(long, value_name = "I")]
+    device_slot: Option<usize>,
+}
+
+fn parse_device(text: &str) -> std::result::Result<usize, String> {
+    crate::functions::accelerator_devices::parse_cuda_device(text)
 }
 
 /// The secret, TLS identity and limits `args` ask for (read from stdin or files).
@@ -137,6 +149,15 @@ fn worker_settings(args: &WorkerArgs) -> Result<WorkerSettings> {
 /// Serve as a worker as `args` say, until killed, the driver goes away or the lease runs
 /// out: read the secret and TLS identity, start a runtime and a flumen session, serve.
 pub fn run(args: &WorkerArgs) -> Result<()> {
+    use crate::functions::accelerator_devices::{DevicePin, check_device, pin_process};
+    match (args.device, args.device_slot) {
+        (Some(device), _) => {
+            check_device(device)?;
+            pin_process(DevicePin::Device(device))?
+        }
+        (None, Some(slot)) => pin_process(DevicePin::Slot(slot))?,
+        (None, None) => {}
+    }
     let settings = worker_settings(args)?;
     if args.no_shipped_functions {
         crate::cluster::shipped_functions::refuse_all();

@@ -558,7 +558,7 @@ impl WorkerPool {
                 // Dropping the handles of those that started stops them
                 // (`WorkerHandle::drop`).
                 let started = futures::future::try_join_all(
-                    (0..*size).map(|_| spawn_worker(program, *tls, kind, *size)),
+                    (0..*size).map(|slot| spawn_worker(program, *tls, kind, slot, *size)),
                 )
                 .await?;
                 (started, None)
@@ -846,7 +846,7 @@ impl WorkerPool {
         let Placement::Local { program, tls, size } = &self.settings.placement else {
             return;
         };
-        match spawn_worker(program, *tls, self.kind, *size).await {
+        match spawn_worker(program, *tls, self.kind, slot, *size).await {
             Ok(worker) => {
                 self.workers.lock().await[slot] = worker;
                 self.restarted.fetch_add(1, Ordering::Relaxed);
@@ -996,12 +996,15 @@ pub const THREAD_POOL_VARIABLES: &[&str] = &[
 ];
 
 /// Start one worker process of `program` on this host (speaking TLS with this driver's
-/// own certificate when `tls`), one of `pool_size` of its pool, and connect to it. Its
-/// numeric libraries get the pool's share of the host's cores ([`THREAD_POOL_VARIABLES`]).
+/// own certificate when `tls`), the `slot`-th of the `pool_size` of its pool, and connect to
+/// it. Its numeric libraries get the pool's share of the host's cores
+/// ([`THREAD_POOL_VARIABLES`]); an accelerator worker is told its slot (`--device-slot`), so
+/// the pool's workers take the host's GPUs in turn.
 async fn spawn_worker(
     program: &WorkerProgram,
     tls: bool,
     kind: Pool,
+    slot: usize,
     pool_size: usize,
 ) -> Result<Arc<WorkerHandle>> {
     let threads = (crate::config::available_cores() / pool_size.max(1)).max(1);
@@ -1025,6 +1028,10 @@ async fn spawn_worker(
             "--secret-stdin",
         ])
         .args(tls.is_some().then_some("--tls-stdin"))
+        .args(match kind {
+            Pool::Accelerator => vec!["--device-slot".to_string(), slot.to_string()],
+            Pool::Cpu => vec![],
+        })
         .env_clear()
         .envs(
             WORKER_ENVIRONMENT

@@ -2,12 +2,14 @@
 //!
 //! - [`accelerator`]: the accelerator UDF interface (model functions run on the accelerator
 //!   pool by workers that keep the model loaded).
+//! - [`accelerator_devices`]: which GPU each accelerator worker computes on.
 //! - [`embedding`]: `embed`, a sentence-embedding model (CPU and CUDA).
 //! - [`emulated_accelerator`]: a model that occupies an emulated device (benches, tests).
 //! - [`text`]: `clean_text`; [`vector`]: `cosine_similarity`, `dot_product`, `l2_distance`.
 //! - [`row_hash`]: `row_hash(seed, value, ...)`, a seeded hash of a row (random shuffles).
 
 pub mod accelerator;
+pub mod accelerator_devices;
 pub mod embedding;
 pub mod emulated_accelerator;
 pub mod model_cache;

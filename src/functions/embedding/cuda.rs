@@ -421,7 +421,7 @@ pub struct CudaEncoder {
     upload_ms: u64,
 }
 
-/// Device 0 made ready for a model, before any weights: its context, the kernels (compiled
+/// A device made ready for a model, before any weights: its context, the kernels (compiled
 /// or from the cache), a stream and a cuBLAS handle. Opening it needs no model files, so
 /// an embed worker opens it on a thread of its own while it reads the model's files.
 pub struct CudaDevice {
@@ -446,24 +446,36 @@ pub struct CudaDevice {
 }
 
 impl CudaDevice {
-    /// Open device 0: context, kernels, stream and cuBLAS handle.
+    /// Open this worker's device ([`crate::functions::accelerator_devices::worker_device`]):
+    /// context, kernels, stream and cuBLAS handle.
     pub fn open() -> Result<Self> {
+        Self::open_on(crate::functions::accelerator_devices::worker_device()?)
+    }
+
+    /// Open device `ordinal`: context, kernels, stream and cuBLAS handle.
+    pub fn open_on(ordinal: usize) -> Result<Self> {
         let opened = Instant::now();
-        probe_device_count().map_err(DataFusionError::Execution)?;
+        let devices = probe_device_count().map_err(DataFusionError::Execution)?;
+        if ordinal >= devices {
+            return Err(cuda_error(
+                "opening a device",
+                format!("cuda:{ordinal} asked for, {devices} visible"),
+            ));
+        }
         if !library_loaded(&["cublas"]) {
             return Err(DataFusionError::Execution(
                 "embed() on CUDA: libcublas.so.13 not found (put the CUDA libraries on LD_LIBRARY_PATH)".into(),
             ));
         }
         let init_ms = opened.elapsed().as_millis() as u64;
-        let ctx = std::panic::catch_unwind(|| CudaContext::new(0))
+        let ctx = std::panic::catch_unwind(|| CudaContext::new(ordinal))
             .map_err(|_| cuda_error("creating a context", "the driver panicked"))?
             .map_err(|e| cuda_error("creating a context", e))?;
         let context_ms = opened.elapsed().as_millis() as u64 - init_ms;
         let arch = ctx
             .compute_capability()
             .map_err(|e| cuda_error("compute capability", e))?;
-        let name = format!("cuda:0 ({})", ctx.name().unwrap_or_default());
+        let name = format!("cuda:{ordinal} ({})", ctx.name().unwrap_or_default());
         let started = Instant::now();
         let cache_dir = crate::config::cache_dir();
         let (cubin, kernels_cached) = device_kernels(arch, &cache_dir)?;
@@ -518,7 +530,7 @@ struct DeviceBatch {
 }
 
 impl CudaEncoder {
-    /// Open device 0 and upload the weights, in fp32.
+    /// Open this worker's device and upload the weights, in fp32.
     pub fn new(weights: Arc<BertWeights>) -> Result<Self> {
         Self::on(CudaDevice::open()?, weights, EmbedPrecision::Fp32)
     }

@@ -244,8 +244,14 @@ impl EmbedWorker {
             Device::Cuda => Ok(()),
             Device::Auto => cuda::probe_device_count().map(|_| ()),
         };
+        // The worker's device is chosen on its own thread (it keeps it), then opened beside.
+        let ordinal = match &probe {
+            Ok(()) => Some(crate::functions::accelerator_devices::worker_device()),
+            Err(_) => None,
+        };
         let (files, device) = std::thread::scope(|scope| {
-            let device = probe.is_ok().then(|| scope.spawn(cuda::CudaDevice::open));
+            let device =
+                ordinal.map(|ordinal| scope.spawn(move || cuda::CudaDevice::open_on(ordinal?)));
             let read = Instant::now();
             let files = SentenceTokenizer::shared(&settings.model_dir).and_then(|tokenizer| {
                 Ok((tokenizer, Arc::new(BertWeights::load(&settings.model_dir)?)))
