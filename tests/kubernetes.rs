@@ -107,14 +107,23 @@ fn options_of(subcommand: Option<&str>) -> String {
 #[test]
 fn every_manifest_parses_as_its_kind_and_pods_use_real_options() {
     let specs = pod_specs();
-    assert_eq!(specs.len(), 3, "cpu workers, gpu workers, the driver job");
+    assert_eq!(
+        specs.len(),
+        4,
+        "cpu workers, gpu workers (nodes of one GPU, of four), the driver job"
+    );
     let (worker_help, driver_help) = (options_of(Some("worker")), options_of(None));
-    for (name, spec) in &specs {
-        let container = spec
+    let flumen_containers = specs.iter().flat_map(|(name, spec)| {
+        let containers: Vec<_> = spec
             .containers
             .iter()
-            .find(|c| c.command.as_deref() == Some(&["flumen".to_string()]))
-            .unwrap_or_else(|| panic!("{name}: no flumen container"));
+            .filter(|c| c.command.as_deref() == Some(&["flumen".to_string()]))
+            .map(move |c| (name, spec, c))
+            .collect();
+        assert!(!containers.is_empty(), "{name}: no flumen container");
+        containers
+    });
+    for (name, spec, container) in flumen_containers {
         let args = container.args.clone().unwrap_or_default();
         let help = if args.first().map(String::as_str) == Some("worker") {
             &worker_help
@@ -168,7 +177,56 @@ fn the_cpu_worker_pod_and_its_address() {
         ),
     };
     assert_eq!(
-        flumen::cluster::kubernetes::pod_address(&pod).as_deref(),
-        Some("flumen-cpu-worker-7c9f-x2k4p.flumen-workers.flumen.svc:7100")
+        flumen::cluster::kubernetes::pod_addresses(&pod),
+        ["flumen-cpu-worker-7c9f-x2k4p.flumen-workers.flumen.svc:7100"]
     );
+}
+
+/// A four-GPU node's pod asks for all four GPUs, one per worker container, and the driver
+/// dials each container's worker: four addresses, each on its own port.
+#[test]
+fn a_four_gpu_pod_asks_for_every_gpu_and_is_four_workers() {
+    let (_, spec) = pod_specs()
+        .into_iter()
+        .find(|(name, _)| name == "flumen-gpu-worker-4")
+        .unwrap();
+    let gpus: u32 = spec
+        .containers
+        .iter()
+        .filter_map(|c| c.resources.as_ref()?.limits.as_ref()?.get("nvidia.com/gpu"))
+        .map(|q| q.0.parse::<u32>().unwrap())
+        .sum();
+    assert_eq!(gpus, 4);
+    let pod = Pod {
+        metadata: k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta {
+            name: Some("flumen-gpu-worker-4-x7".into()),
+            namespace: Some("flumen".into()),
+            ..Default::default()
+        },
+        spec: Some(spec.clone()),
+        status: Some(
+            serde_json::from_value::<PodStatus>(serde_json::json!({
+                "phase": "Running", "podIP": "10.8.2.9",
+                "conditions": [{"type": "Ready", "status": "True"}]
+            }))
+            .unwrap(),
+        ),
+    };
+    let addresses = flumen::cluster::kubernetes::pod_addresses(&pod);
+    assert_eq!(
+        addresses,
+        (7100..7104)
+            .map(|port| format!("flumen-gpu-worker-4-x7.flumen-workers.flumen.svc:{port}"))
+            .collect::<Vec<_>>()
+    );
+    // Each worker listens where its port says.
+    for container in &spec.containers {
+        let port = container.ports.as_ref().unwrap()[0].container_port;
+        let args = container.args.as_ref().unwrap();
+        assert!(
+            args.contains(&format!("--listen=0.0.0.0:{port}")),
+            "{}: {args:?}",
+            container.name
+        );
+    }
 }

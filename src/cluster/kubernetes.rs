@@ -4,13 +4,15 @@
 //! to every ready one. A pod with a `subdomain` (a headless Service) is dialled by its DNS
 //! name, `HOSTNAME.SUBDOMAIN.NAMESPACE.svc`, which a wildcard certificate covers; one
 //! without, by its IP. The port is the container port named [`PORT_NAME`], else
-//! [`DEFAULT_PORT`]. Manifests to apply: `docs/kubernetes/`.
+//! [`DEFAULT_PORT`]; a pod with several workers (one container per GPU of its node) names
+//! each one's port `flumen-...` (e.g. `flumen-gpu3`), and each is a worker. Manifests to
+//! apply: `docs/kubernetes/`.
 
 use datafusion::error::{DataFusionError, Result};
 use k8s_openapi::api::core::v1::Pod;
 use kube::api::{Api, ListParams};
 
-/// The name of a worker container's port.
+/// The name of a worker container's port; `flumen-...` names one of several in a pod.
 pub const PORT_NAME: &str = "flumen";
 
 /// The port a worker pod listens on when its container names none.
@@ -31,7 +33,7 @@ pub async fn worker_addresses(namespace: &str, selector: &str) -> Result<Vec<Str
         .list(&ListParams::default().labels(selector))
         .await
         .map_err(|e| failed("cannot list the worker pods", e))?;
-    Ok(list.items.iter().filter_map(pod_address).collect())
+    Ok(list.items.iter().flat_map(pod_addresses).collect())
 }
 
 /// One client per process (it keeps its connections).
@@ -45,8 +47,13 @@ async fn client() -> std::result::Result<kube::Client, kube::Error> {
         .cloned()
 }
 
-/// Where the worker of a running, ready `pod` listens; `None` for any other pod.
-pub fn pod_address(pod: &Pod) -> Option<String> {
+/// Where the workers of a running, ready `pod` listen: each container port named `flumen`
+/// or `flumen-...`, else the pod's [`DEFAULT_PORT`]; none for any other pod.
+pub fn pod_addresses(pod: &Pod) -> Vec<String> {
+    worker_endpoints(pod).unwrap_or_default()
+}
+
+fn worker_endpoints(pod: &Pod) -> Option<Vec<String>> {
     let status = pod.status.as_ref()?;
     let ready = status
         .conditions
@@ -57,13 +64,23 @@ pub fn pod_address(pod: &Pod) -> Option<String> {
         return None;
     }
     let spec = pod.spec.as_ref()?;
-    let port = spec
+    let mut ports: Vec<u16> = spec
         .containers
         .iter()
         .flat_map(|c| c.ports.iter().flatten())
-        .find(|p| p.name.as_deref() == Some(PORT_NAME))
-        .and_then(|p| u16::try_from(p.container_port).ok())
-        .unwrap_or(DEFAULT_PORT);
+        .filter(|p| {
+            p.name.as_deref().is_some_and(|name| {
+                name == PORT_NAME
+                    || name
+                        .strip_prefix(PORT_NAME)
+                        .is_some_and(|rest| rest.starts_with('-'))
+            })
+        })
+        .filter_map(|p| u16::try_from(p.container_port).ok())
+        .collect();
+    if ports.is_empty() {
+        ports.push(DEFAULT_PORT);
+    }
     let host = match &spec.subdomain {
         Some(subdomain) => {
             let name = spec.hostname.as_ref().or(pod.metadata.name.as_ref())?;
@@ -72,7 +89,7 @@ pub fn pod_address(pod: &Pod) -> Option<String> {
         }
         None => status.pod_ip.clone()?,
     };
-    Some(format!("{host}:{port}"))
+    Some(ports.iter().map(|port| format!("{host}:{port}")).collect())
 }
 
 #[cfg(test)]
@@ -96,21 +113,33 @@ mod tests {
             "status": ready
         }));
         assert_eq!(
-            pod_address(&named).as_deref(),
-            Some("cpu-7d9-x2.flumen-workers.ml.svc:7300")
+            pod_addresses(&named),
+            ["cpu-7d9-x2.flumen-workers.ml.svc:7300"]
         );
         let by_ip = pod(serde_json::json!({
             "metadata": {"name": "w"},
             "spec": {"containers": [{"name": "worker"}]},
             "status": ready
         }));
-        assert_eq!(pod_address(&by_ip).as_deref(), Some("10.4.0.7:7100"));
+        assert_eq!(pod_addresses(&by_ip), ["10.4.0.7:7100"]);
         let starting = pod(serde_json::json!({
             "metadata": {"name": "w"},
             "spec": {"containers": [{"name": "worker"}]},
             "status": {"phase": "Running", "podIP": "10.4.0.8",
                        "conditions": [{"type": "Ready", "status": "False"}]}
         }));
-        assert_eq!(pod_address(&starting), None);
+        assert!(pod_addresses(&starting).is_empty());
+        // A GPU node's pod: a worker container per GPU, each port named flumen-...; other
+        // ports (metrics) are not workers.
+        let gpus = pod(serde_json::json!({
+            "metadata": {"name": "gpu-x"},
+            "spec": {"containers": [
+                {"name": "gpu0", "ports": [{"name": "flumen-gpu0", "containerPort": 7100}]},
+                {"name": "gpu1", "ports": [{"name": "flumen-gpu1", "containerPort": 7101},
+                                           {"name": "metrics", "containerPort": 9100}]},
+                {"name": "sidecar", "ports": [{"name": "flumenx", "containerPort": 9200}]}]},
+            "status": ready
+        }));
+        assert_eq!(pod_addresses(&gpus), ["10.4.0.7:7100", "10.4.0.7:7101"]);
     }
 }

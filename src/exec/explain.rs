@@ -101,7 +101,7 @@ impl OperatorExec {
         Self {
             slots: match op.pool {
                 Pool::Cpu => config.cpu_slots,
-                Pool::Accelerator => config.accelerator_slots,
+                Pool::Accelerator => config.accelerator_workers(),
             },
             workers: match op.pool {
                 Pool::Cpu => vec![],

@@ -1084,7 +1084,7 @@ impl QueryRun {
                 program: worker_program(&config.worker_binary.0, &config.worker_module.0)?,
                 size: match pool {
                     Pool::Cpu => config.worker_processes,
-                    Pool::Accelerator => config.accelerator_slots,
+                    Pool::Accelerator => config.accelerator_workers(),
                 },
                 tls: config.worker_tls,
             },

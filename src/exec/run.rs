@@ -85,18 +85,28 @@ impl QueryRun {
         metrics: Arc<RunMetrics>,
         base: Arc<TaskContext>,
     ) -> Result<Arc<Self>> {
-        let config = base
+        let mut config = base
             .session_config()
             .options()
             .extensions
             .get::<FlumenConfig>()
             .cloned()
             .unwrap_or_default();
-        if config.cpu_slots == 0 || config.accelerator_slots == 0 {
+        if config.cpu_slots == 0 {
             return Err(DataFusionError::Configuration(
-                "flumen.cpu_slots and flumen.accelerator_slots must be at least 1".into(),
+                "flumen.cpu_slots must be at least 1".into(),
             ));
         }
+        // The accelerator pool's size, resolved once for the run (0: one per GPU); a plan
+        // without a model does not ask the CUDA driver.
+        config.accelerator_slots = match graph
+            .operators
+            .iter()
+            .any(|op| op.pool == Pool::Accelerator)
+        {
+            true => config.accelerator_workers(),
+            false => config.accelerator_slots.max(1),
+        };
         let accelerators = base
             .session_config()
             .get_extension::<AcceleratorPool>()

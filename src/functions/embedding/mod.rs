@@ -85,7 +85,7 @@ impl EmbedSettings {
             model_dir: model_files::model_dir(&flumen.model_dir),
             device: flumen.device,
             // The CPU backend shares the machine's CPU slots among the accelerator workers.
-            threads: (flumen.cpu_slots / flumen.accelerator_slots.max(1)).max(1),
+            threads: (flumen.cpu_slots / flumen.accelerator_workers()).max(1),
             batch_size: flumen.embed_batch_size,
             batch_tokens: flumen.embed_batch_tokens,
             precision: flumen.embed_precision,
