@@ -7,6 +7,7 @@
 //!                              [--corpus sentences|docs|both] [--docs 600]
 //!                              [--preprocess-on-cpu true|false|both]
 //!                              [--peak-tflops P] [--precision fp32|bf16|both]
+//!                              [--accelerator-slots N]
 //! ```
 //!
 //! Two corpora: generated sentences of mixed length, and the demo table's HTML documents
@@ -22,6 +23,8 @@
 //! `--precision` sets `flumen.embed_precision` (`fp32`, the default; `bf16`; or `both`, each
 //! in turn); at `bf16` the baseline runs sentence-transformers in half precision
 //! (`model.half()`), so each ratio compares half precision with half precision.
+//! `--accelerator-slots` runs flumen with that many accelerator workers (default 1; two on
+//! one GPU share it, each with its own stream).
 //!
 //! The baseline is `benches/embed_baseline.py`, run with `--python` (default: `$FLUMEN_BENCH_PYTHON`
 //! or `python3`), which needs sentence-transformers installed (e.g. in a venv). The last line
@@ -192,6 +195,8 @@ struct Args {
     /// `flumen.embed_precision` values to run, each against the baseline at the matching
     /// precision (fp32, or half for bf16).
     precisions: Vec<EmbedPrecision>,
+    /// `flumen.accelerator_slots` of flumen's side.
+    accelerator_slots: usize,
 }
 
 fn parse_args() -> Args {
@@ -207,6 +212,7 @@ fn parse_args() -> Args {
         preprocess: vec![true],
         peak_tflops: None,
         precisions: vec![EmbedPrecision::Fp32],
+        accelerator_slots: 1,
     };
     let mut it = std::env::args().skip(1);
     while let Some(a) = it.next() {
@@ -249,6 +255,9 @@ fn parse_args() -> Args {
                     one => vec![one.parse().expect("--precision fp32|bf16|both")],
                 }
             }
+            "--accelerator-slots" => {
+                args.accelerator_slots = value().parse().expect("--accelerator-slots N")
+            }
             "--bench" => {}
             other => panic!("unknown argument {other}"),
         }
@@ -268,7 +277,8 @@ async fn flumen_rate(
     let mut config = FlumenConfig::default();
     config.embed_precision = precision;
     config.cpu_slots = args.threads;
-    config.accelerator_slots = 1;
+    config.accelerator_slots = args.accelerator_slots.max(1);
+    config.accelerator_min_slots = config.accelerator_slots;
     config.embed_batch_size = batch_size;
     config.preprocess_on_cpu = if preprocess_on_cpu {
         flumen::config::PreprocessOnCpu::Always
@@ -447,11 +457,13 @@ async fn run_corpus_in(
 ) -> Result<()> {
     let chars: usize = texts.iter().map(|t| t.chars().count()).sum();
     println!(
-        "embed bench: {corpus}: {} texts ({} chars on average), device {}, {} threads, {precision}",
+        "embed bench: {corpus}: {} texts ({} chars on average), device {}, {} threads, {precision}, \
+         {} accelerator workers",
         texts.len(),
         chars / texts.len().max(1),
         args.device,
-        args.threads
+        args.threads,
+        args.accelerator_slots
     );
     let default_batch = FlumenConfig::default().embed_batch_size;
     let sizes = if args.batch_sizes.is_empty() {
