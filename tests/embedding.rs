@@ -109,6 +109,19 @@ async fn check_against_references_in(
     vectors_in_order
 }
 
+/// `EXPLAIN ANALYZE` of embedding the fixture texts (registered as `refs` the first time),
+/// as text: the embed worker's figures.
+async fn analyze_refs(ctx: &SessionContext) -> String {
+    if !ctx.table_exist("refs").unwrap() {
+        ctx.register_batch("refs", texts_batch(&references()))
+            .unwrap();
+    }
+    let out = collect(ctx, "EXPLAIN ANALYZE SELECT embed(text) AS v FROM refs").await;
+    datafusion::arrow::util::pretty::pretty_format_batches(&out)
+        .unwrap()
+        .to_string()
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn cpu_matches_sentence_transformers() {
     check_against_references("cpu", 0.9999).await;
@@ -123,12 +136,7 @@ async fn cuda_matches_sentence_transformers() {
     check_against_references("cuda", 0.9999).await;
     // The worker's load, in parts: files read while the device opened, then the upload.
     let ctx = session("cuda").await;
-    ctx.register_batch("refs", texts_batch(&references()))
-        .unwrap();
-    let out = collect(&ctx, "EXPLAIN ANALYZE SELECT embed(text) AS v FROM refs").await;
-    let text = datafusion::arrow::util::pretty::pretty_format_batches(&out)
-        .unwrap()
-        .to_string();
+    let text = analyze_refs(&ctx).await;
     for figure in [
         "embed_load_ms=",
         "embed_files_ms=",
@@ -454,12 +462,7 @@ async fn cuda_bf16_stays_within_cosine_0_999_of_fp32_and_the_reference() {
     // `auto` is bf16 on a device with bf16 tensor cores (8.0+: every GPU lent so far).
     let ctx = session("cuda").await;
     collect(&ctx, "SET flumen.embed_precision = 'auto'").await;
-    ctx.register_batch("refs", texts_batch(&references()))
-        .unwrap();
-    let out = collect(&ctx, "EXPLAIN ANALYZE SELECT embed(text) AS v FROM refs").await;
-    let text = datafusion::arrow::util::pretty::pretty_format_batches(&out)
-        .unwrap()
-        .to_string();
+    let text = analyze_refs(&ctx).await;
     assert!(
         text.contains("embed_bf16=1"),
         "auto did not choose bf16:\n{text}"
@@ -547,14 +550,9 @@ async fn the_bf16_setting_reaches_the_cpu_encoder_through_sql() {
         fp32.len()
     );
     let ctx = session("cpu").await;
-    ctx.register_batch("refs", texts_batch(&references()))
-        .unwrap();
     for (precision, flag) in [("bf16", "embed_bf16=1"), ("auto", "embed_bf16=0")] {
         collect(&ctx, &format!("SET flumen.embed_precision = '{precision}'")).await;
-        let out = collect(&ctx, "EXPLAIN ANALYZE SELECT embed(text) AS v FROM refs").await;
-        let text = datafusion::arrow::util::pretty::pretty_format_batches(&out)
-            .unwrap()
-            .to_string();
+        let text = analyze_refs(&ctx).await;
         assert!(text.contains(flag), "{precision}: no {flag} in\n{text}");
     }
     let err = try_collect(&ctx, "SET flumen.embed_precision = 'fp8'")

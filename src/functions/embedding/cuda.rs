@@ -858,6 +858,35 @@ impl CudaEncoder {
             .map_err(|e| cuda_error("embedding kernel", e))
     }
 
+    /// The embedding layer with `kernels` (embedding, layer norm: fp32's or bf16's): each
+    /// token's embeddings summed into `sums` (fp32), then layer-normed into `x`.
+    fn embedding_layer<T: DeviceElement, O: DeviceElement>(
+        &self,
+        (embed, norm): (&CudaFunction, &CudaFunction),
+        on: &DeviceBatch,
+        model: &DeviceModel<T>,
+        sums: &mut CudaSlice<f32>,
+        x: &mut CudaSlice<O>,
+    ) -> Result<()> {
+        let h = self.host.config.hidden;
+        self.embed_tokens(embed, on, model, sums)?;
+        let zeros = self
+            .device
+            .stream
+            .alloc_zeros::<f32>(h)
+            .map_err(|e| cuda_error("allocating", e))?;
+        let no_residual: Option<&CudaSlice<O>> = None;
+        self.layer_norm(
+            norm,
+            &sums.slice(0..on.tokens * h),
+            &zeros,
+            no_residual,
+            &model.embedding_norm,
+            x,
+            on.tokens,
+        )
+    }
+
     /// One block per sequence: the mean of its rows of `x`, normalized, into `pooled`.
     fn mean_pool<T: DeviceElement>(
         &self,
@@ -892,21 +921,13 @@ impl CudaEncoder {
         let (h, tokens) = (cfg.hidden, on.tokens);
         let mut raw = self.alloc::<f32>(tokens * h)?;
         let mut x = self.alloc::<f32>(tokens * h)?;
-        self.embed_tokens(&self.kernels.embed_tokens, on, model, &mut raw)?;
-        let zeros = self
-            .device
-            .stream
-            .alloc_zeros::<f32>(h)
-            .map_err(|e| cuda_error("allocating", e))?;
         let norm = &self.kernels.add_layer_norm;
-        self.layer_norm::<f32, f32>(
-            norm,
-            &raw.as_view(),
-            &zeros,
-            None,
-            &model.embedding_norm,
+        self.embedding_layer(
+            (&self.kernels.embed_tokens, norm),
+            on,
+            model,
+            &mut raw,
             &mut x,
-            tokens,
         )?;
 
         let mut qkv = self.alloc::<f32>(tokens * 3 * h)?;
@@ -1010,22 +1031,8 @@ impl CudaEncoder {
         // one buffer, its first rows × outputs values used by each product.
         let mut product = self.alloc::<f32>(tokens * cfg.intermediate.max(3 * h))?;
         let mut x = self.alloc::<Bf16Bits>(tokens * h)?;
-        self.embed_tokens(&half.embed_tokens, on, model, &mut product)?;
-        let zeros = self
-            .device
-            .stream
-            .alloc_zeros::<f32>(h)
-            .map_err(|e| cuda_error("allocating", e))?;
         let norm = &half.add_layer_norm;
-        self.layer_norm::<Bf16Bits, Bf16Bits>(
-            norm,
-            &product.slice(0..tokens * h),
-            &zeros,
-            None,
-            &model.embedding_norm,
-            &mut x,
-            tokens,
-        )?;
+        self.embedding_layer((&half.embed_tokens, norm), on, model, &mut product, &mut x)?;
 
         let mut qkv = self.alloc::<Bf16Bits>(tokens * 3 * h)?;
         let mut context = self.alloc::<Bf16Bits>(tokens * h)?;
