@@ -87,6 +87,20 @@ pub fn model_udf(
     }))
 }
 
+/// Make CUDA device `device` torch's current one on this thread, where torch is installed
+/// and sees it (a model on another library picks its device itself).
+fn make_current_torch_device(py: Python<'_>, device: usize) -> PyResult<()> {
+    let Ok(torch) = py.import("torch") else {
+        return Ok(());
+    };
+    let cuda = torch.getattr("cuda")?;
+    let count: usize = cuda.call_method0("device_count")?.extract()?;
+    if device < count {
+        cuda.call_method1("set_device", (device,))?;
+    }
+    Ok(())
+}
+
 /// `object`'s `__qualname__` (for error messages), or `fallback`.
 pub fn qualified_name(py: Python<'_>, object: &Py<PyAny>, fallback: &str) -> String {
     (object.bind(py).getattr("__qualname__"))
@@ -110,7 +124,18 @@ impl AcceleratorFunction for PythonModel {
         Ok(self.returns.clone())
     }
     fn load(&self, _: &ConfigOptions) -> Result<Box<dyn AcceleratorWorker>> {
+        // A GPU model's worker computes on its own GPU (one per worker on a host with
+        // several, `flumen::functions::accelerator_devices`): made torch's current device on
+        // this thread, where `__init__` and every call run, so `"cuda"` means that GPU.
+        let device = match self.on_gpu {
+            true => Some(flumen::functions::accelerator_devices::worker_device()?),
+            false => None,
+        };
         Python::attach(|py| {
+            if let Some(device) = device {
+                make_current_torch_device(py, device)
+                    .map_err(|e| model_error(&self.class_name, "choosing its GPU", e))?;
+            }
             let instance = (self.class.bind(py).call0())
                 .map_err(|e| model_error(&self.class_name, "__init__ failed", e))?;
             Ok(Box::new(PythonModelWorker {
