@@ -9,7 +9,7 @@
 //!     [--first-block-rows N] [--block-rows N] [--piece-rows N]
 //!     [--split-bytes N] [--timeline PATH] [--alone-rows N]
 //!     [--three-rows N] [--post-layers N] [--long-factor N]
-//!     [--a-batch-us N] [--a-per-kib-us N] [--b-service-us N]
+//!     [--a-batch-us N] [--a-per-kib-us N] [--b-service-us N] [--precision fp32|bf16]
 //! ```
 //!
 //! Two pipelines over flumen's demo documents (HTML pages; `clean_text` is flumen's real text
@@ -18,7 +18,9 @@
 //!   100,000; `--full`: 1,000,000). `model` is one emulated device busy for `--service-us`
 //!   per batch of `--batch-rows` rows without using a CPU core
 //!   (`flumen::emulated_accelerator`), or flumen's real `embed` on CUDA (`--accelerator
-//!   cpu`: on the CPU, to try the real-model path without a GPU).
+//!   cpu`: on the CPU, to try the real-model path without a GPU), in
+//!   `flumen.embed_precision` `--precision` (`fp32`; `bf16` on tensor cores), the plain
+//!   loop of the bound in the same precision.
 //! - **three stages**: `SELECT id, model_b(post(model_a(clean_text(body)))) FROM docs`
 //!   (`--three-rows`, default 60,000), two emulated models on devices of their own with a CPU
 //!   stage between them: `model_a` costs `--a-batch-us` per batch plus `--a-per-kib-us` per
@@ -172,6 +174,9 @@ struct Args {
     /// pipeline only). For long runs whose CPU work is far from the bottleneck: on a GPU's
     /// host the loop tokenizes every document on one thread, ~7.5 minutes at 1M rows.
     alone_rows: Option<usize>,
+    /// `--precision`: `flumen.embed_precision` of the real model, in every mode and in the
+    /// bound's plain loop.
+    precision: flumen::EmbedPrecision,
 }
 
 /// `--modes a,b,...`: the named modes, in `MODES` order, with `streaming` added.
@@ -204,6 +209,7 @@ fn parse_args() -> Args {
         skip_sweep: false,
         modes: MODES.to_vec(),
         warm: false,
+        precision: flumen::EmbedPrecision::Fp32,
         first_block_rows: None,
         timeline: None,
         block_rows: None,
@@ -245,6 +251,7 @@ fn parse_args() -> Args {
             "--skip-memory" => args.skip_memory = true,
             "--skip-sweep" => args.skip_sweep = true,
             "--warm" => args.warm = true,
+            "--precision" => args.precision = value().parse().expect("--precision fp32|bf16|auto"),
             "--modes" => args.modes = parse_modes(&value()),
             "--first-block-rows" => args.first_block_rows = Some(number() as usize),
             "--timeline" => args.timeline = Some(PathBuf::from(value())),
@@ -682,9 +689,10 @@ fn run_pipeline(args: &Args, pipeline: Pipeline) -> Result<()> {
         args.runs
     );
     let mut summary = format!(
-        "pipeline={} accelerator={} rows={rows} bound_rows_per_s={bound:.0} streaming_rows_per_s={:.0} pct_of_bound={pct_of_bound:.0} pct_of_resources={pct_of_resources:.0} speedup_vs_vanilla={:.2} speedup_vs_batch={:.2} speedup_vs_static={:.2} first_row_ms={first_row_ms:.0} gap_median_ms={gap_ms:.2}",
+        "pipeline={} accelerator={} precision={} rows={rows} bound_rows_per_s={bound:.0} streaming_rows_per_s={:.0} pct_of_bound={pct_of_bound:.0} pct_of_resources={pct_of_resources:.0} speedup_vs_vanilla={:.2} speedup_vs_batch={:.2} speedup_vs_static={:.2} first_row_ms={first_row_ms:.0} gap_median_ms={gap_ms:.2}",
         pipeline.name(),
         args.accelerator,
+        args.precision,
         median_rate("streaming"),
         median_rate("streaming") / median_rate("vanilla"),
         median_rate("streaming") / median_rate("batch"),
@@ -793,6 +801,7 @@ fn spawn_child(
         .args(["--child", mode, "--pipeline", pipeline.name(), "--input"])
         .arg(input)
         .args(["--accelerator", &args.accelerator])
+        .args(["--precision", &args.precision.to_string()])
         .args(["--service-us", &args.service_us.to_string()])
         .args(["--batch-rows", &args.batch_rows.to_string()])
         .args(["--dims", &args.dims.to_string()])
@@ -1093,6 +1102,7 @@ fn run_child(args: &Args, mode: &str) -> Result<Value> {
     if mode == "device" {
         // The real model alone, called directly on flumen's blocks (see `model_alone`).
         let mut config = FlumenConfig::default();
+        config.embed_precision = args.precision;
         if args.accelerator == "cuda" {
             config.device = flumen::Device::Cuda;
         }
@@ -1193,6 +1203,7 @@ fn run_child(args: &Args, mode: &str) -> Result<Value> {
         ),
         _ => {
             let mut config = FlumenConfig::default();
+            config.embed_precision = args.precision;
             config.mode = match mode {
                 "batch" => ExecMode::Batch,
                 "static" => ExecMode::Static,
