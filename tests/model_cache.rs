@@ -184,6 +184,44 @@ async fn cached_vectors_are_the_computed_ones_and_the_model_sees_only_misses() {
     println!("cache figures of the last in-process run: {figures:?}");
 }
 
+/// The precision is part of the model's identity: fp32 vectors in the cache are not bf16's
+/// answers (every row misses and is computed in bf16), and each precision then hits its own.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn each_precision_caches_its_own_vectors() {
+    let dir = tempfile::tempdir().unwrap();
+    let cache = dir.path().join("cache").display().to_string();
+    let bf16_session = || async {
+        let ctx = session(dir.path(), &cache).await;
+        common::collect(&ctx, "SET flumen.embed_precision = 'bf16'").await;
+        ctx
+    };
+    let (fp32, figures) = embed(&session(dir.path(), &cache).await, ALL).await;
+    assert_eq!(figure(&figures, "misses"), DOCS as u64, "{figures:?}");
+    let (bf16, figures) = embed(&bf16_session().await, ALL).await;
+    assert_eq!(
+        figure(&figures, "hits"),
+        0,
+        "bf16 read fp32's vectors: {figures:?}"
+    );
+    let differ = bf16.iter().filter(|(id, v)| fp32[id] != **v).count();
+    assert!(
+        differ > DOCS / 2,
+        "only {differ} bf16 vectors differ from fp32's"
+    );
+    for (precision, expected, ctx) in [
+        ("fp32", &fp32, session(dir.path(), &cache).await),
+        ("bf16", &bf16, bf16_session().await),
+    ] {
+        let (again, figures) = embed(&ctx, ALL).await;
+        assert_eq!(
+            figure(&figures, "hits"),
+            DOCS as u64,
+            "{precision}: {figures:?}"
+        );
+        assert_eq!(&again, expected, "{precision}: cached vectors differ");
+    }
+}
+
 /// `CREATE EXTERNAL TABLE docs` over the test's demo docs.
 fn docs_table(dir: &Path) -> String {
     format!(
