@@ -30,8 +30,14 @@ impl PeakRss {
     }
 }
 
+/// The integration tests' skip rules (what is missing fails under CI).
+#[cfg(test)]
+#[path = "../../../tests/common/skip.rs"]
+mod test_skip;
+
 #[cfg(test)]
 mod tests {
+    use super::test_skip;
     use super::*;
 
     /// Maps `bytes` of anonymous memory, writes every page, and unmaps it: resident memory
@@ -59,8 +65,10 @@ mod tests {
     #[test]
     fn a_statements_peak_covers_what_it_touched_and_forgets_what_came_before() {
         if std::fs::write("/proc/self/clear_refs", "5").is_err() {
-            eprintln!("skipped: this system cannot reset /proc/self's peak resident memory");
-            return;
+            // Under CI a missing kernel feature fails like a missing tool.
+            return test_skip::skip_missing_tool(
+                "this system cannot reset /proc/self's peak resident memory",
+            );
         }
         const MIB: u64 = 1 << 20;
         let statement = PeakRss::start();

@@ -14,6 +14,7 @@ pub mod batch_tuner;
 pub mod bert;
 pub mod cpu;
 pub mod cuda;
+pub mod cuda_compile;
 pub mod model_files;
 pub mod row_kernels;
 pub mod tokenize_step;
