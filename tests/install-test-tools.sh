@@ -27,7 +27,7 @@ if ! command -v openssl >/dev/null; then
         || { apt-get update -qq >/dev/null 2>&1 && apt-get install -y -qq openssl >/dev/null 2>&1; } \
         || missing_package openssl "the TLS tests will fail"
 fi
-# The multi-host tests (tests/cluster.rs) make hosts of network namespaces with `ip` and
+# The multi-host tests (tests/integration/cluster.rs) make hosts of network namespaces with `ip` and
 # shape their links with `tc` (iproute2).
 if ! command -v ip >/dev/null || ! command -v tc >/dev/null; then
     apt-get install -y -qq iproute2 >/dev/null 2>&1 \

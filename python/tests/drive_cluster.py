@@ -1,4 +1,4 @@
-"""The driver of `tests/python.rs`'s cluster test: a Python session attached to the workers
+"""The driver of `tests/integration/python.rs`'s cluster test: a Python session attached to the workers
 of a cluster file (`python -m flumen worker` on namespace hosts), running a Python model
 (shipped by value: this script is `__main__`) and a Python function over a Parquet file.
 Prints one JSON line: the pids the model and function ran in, and whether the answers

@@ -2,7 +2,7 @@
 interface without copies, bad input as clear errors, streaming under a memory budget, and
 Ctrl-C during a long query.
 
-Run by `tests/python.rs` (the README's test command) with the interpreter that
+Run by `tests/integration/python.rs` (the README's test command) with the interpreter that
 `python/install.sh` built the module into.
 """
 

@@ -15,6 +15,8 @@ use datafusion::parquet::file::properties::WriterProperties;
 use datafusion::physical_plan::ExecutionPlan;
 use datafusion::prelude::{ParquetReadOptions, SessionConfig, SessionContext};
 
+pub mod hosts;
+pub mod s3_server;
 pub mod serve_process;
 pub mod skip;
 pub mod tpch;

@@ -1,4 +1,4 @@
-"""Write and change the Delta source table of tests/incremental.rs with the deltalake writer.
+"""Write and change the Delta source table of tests/integration/incremental.rs with the deltalake writer.
 
 usage: change_source.py PATH create ROWS   -- version 0: ROWS docs, change data feed on
        change_source.py PATH change        -- update ids < 50, delete 900..919, append 30 docs

@@ -1,7 +1,7 @@
 """A Python client of `flumen serve`, as users write one: the ADBC Flight SQL driver
 (`adbc-driver-flightsql`) for SQL, `pyarrow.flight` for flumen's own actions.
 
-Run by tests/serve.rs: `adbc_client.py SCENARIO URI [ARGS...]`. Credentials come on stdin
+Run by tests/integration/serve.rs: `adbc_client.py SCENARIO URI [ARGS...]`. Credentials come on stdin
 (one JSON object: user, password, token), never in argv. Each scenario prints one JSON
 object with what it saw; the Rust test checks it. A failed expectation raises (exit 1).
 """

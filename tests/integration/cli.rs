@@ -1,0 +1,386 @@
+//! The `flumen` binary driven as a user drives it: the REPL under a pseudo-terminal,
+//! statements on standard input, `-c`/`-f` with each output format, and exit codes.
+
+use std::io::Write;
+use std::process::{Command, Output, Stdio};
+use std::time::Duration;
+
+use crate::common::s3_server;
+use crate::common::skip;
+use s3_server::S3Server;
+
+const FLUMEN: &str = env!("CARGO_BIN_EXE_flumen");
+
+/// Run `flumen` with `args` (the demo table's cache in a temp dir) and `stdin` as input.
+fn flumen(args: &[&str], stdin: &str) -> Output {
+    let cache = tempfile::tempdir().unwrap();
+    let mut child = Command::new(FLUMEN)
+        .args(args)
+        .env("XDG_CACHE_HOME", cache.path())
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    child
+        .stdin
+        .take()
+        .unwrap()
+        .write_all(stdin.as_bytes())
+        .unwrap();
+    child.wait_with_output().unwrap()
+}
+
+fn text(bytes: &[u8]) -> String {
+    String::from_utf8_lossy(bytes).to_string()
+}
+
+const DATA: &str =
+    "SELECT * FROM (VALUES (1, 'one', 1.5), (2, 'two, \"2\"', NULL)) AS t(id, name, x) ORDER BY id";
+
+#[test]
+fn csv_output() {
+    let out = flumen(&["--no-demo", "--format", "csv", "-c", DATA], "");
+    assert!(out.status.success(), "{}", text(&out.stderr));
+    insta::assert_snapshot!(text(&out.stdout));
+}
+
+#[test]
+fn json_and_ndjson_output() {
+    let out = flumen(
+        &["--no-demo", "--quiet", "--format", "json", "-c", DATA],
+        "",
+    );
+    assert!(out.status.success(), "{}", text(&out.stderr));
+    assert_eq!(text(&out.stderr), "", "--quiet prints no timing line");
+    insta::assert_snapshot!("json", text(&out.stdout));
+    let out = flumen(&["--no-demo", "--format", "ndjson", "-c", DATA], "");
+    insta::assert_snapshot!("ndjson", text(&out.stdout));
+}
+
+#[test]
+fn table_output_with_maxrows_and_timing() {
+    let out = flumen(
+        &[
+            "--no-demo",
+            "--maxrows",
+            "3",
+            "-c",
+            "SELECT x FROM generate_series(1, 10) AS t(x)",
+        ],
+        "",
+    );
+    assert!(out.status.success());
+    let stdout = text(&out.stdout);
+    assert!(
+        stdout.contains("| 3 |") && !stdout.contains("| 4 |"),
+        "{stdout}"
+    );
+    assert!(stdout.contains("(3 of 10 rows shown"), "{stdout}");
+    assert!(
+        text(&out.stderr).contains("10 rows in "),
+        "{}",
+        text(&out.stderr)
+    );
+}
+
+#[test]
+fn exit_status_is_non_zero_when_a_statement_fails() {
+    let out = flumen(
+        &[
+            "--no-demo",
+            "-c",
+            "SELECT * FROM no_such_table",
+            "-c",
+            "SELECT 7 AS seven",
+        ],
+        "",
+    );
+    assert_eq!(out.status.code(), Some(1));
+    let stderr = text(&out.stderr);
+    assert!(
+        stderr.contains("no_such_table") && stderr.contains("not found"),
+        "{stderr}"
+    );
+    // The statements after a failed one still run.
+    assert!(text(&out.stdout).contains("| 7 "), "{}", text(&out.stdout));
+    let out = flumen(&["--no-demo", "-c", "SELECT 1"], "");
+    assert_eq!(out.status.code(), Some(0));
+    let out = flumen(&["-f", "/no/such/file.sql"], "");
+    assert_eq!(out.status.code(), Some(1));
+    assert!(text(&out.stderr).contains("/no/such/file.sql"));
+}
+
+#[test]
+fn statements_from_stdin_and_files() {
+    let out = flumen(
+        &["--no-demo", "--format", "csv", "--quiet"],
+        "SELEC 1;\nSELECT 'a;b' AS s; -- a comment; with a semicolon\nSELECT 2 AS n",
+    );
+    assert_eq!(out.status.code(), Some(1));
+    assert!(text(&out.stderr).contains("SELEC"), "{}", text(&out.stderr));
+    assert_eq!(text(&out.stdout), "s\na;b\nn\n2\n");
+    let dir = tempfile::tempdir().unwrap();
+    let file = dir.path().join("script.sql");
+    std::fs::write(
+        &file,
+        "CREATE TABLE t AS SELECT x FROM generate_series(1, 5) AS g(x);\n\
+         SELECT sum(x) AS total\n  FROM t;",
+    )
+    .unwrap();
+    let out = flumen(
+        &["--no-demo", "--format", "csv", "-f", file.to_str().unwrap()],
+        "",
+    );
+    assert!(out.status.success(), "{}", text(&out.stderr));
+    assert_eq!(text(&out.stdout), "total\n15\n");
+}
+
+#[test]
+fn meta_commands_and_the_demo_table() {
+    let out = flumen(&["--quiet", "-c", "\\d", "-c", "\\d docs"], "");
+    assert!(out.status.success(), "{}", text(&out.stderr));
+    let stdout = text(&out.stdout);
+    assert!(stdout.contains("datafusion.public.docs"), "{stdout}");
+    assert!(
+        stdout.contains("body") && stdout.contains("Utf8"),
+        "{stdout}"
+    );
+    // The demo table is written on first use: 100,000 documents about 8 topics.
+    let out = flumen(
+        &[
+            "--quiet",
+            "--format",
+            "csv",
+            "-c",
+            "SELECT count(*) AS n, count(DISTINCT topic) AS t FROM docs",
+        ],
+        "",
+    );
+    assert!(out.status.success(), "{}", text(&out.stderr));
+    assert_eq!(text(&out.stdout), "n,t\n100000,8\n");
+    let out = flumen(&["--no-demo", "-c", "\\nonsense"], "");
+    assert_eq!(out.status.code(), Some(1));
+    assert!(text(&out.stderr).contains("\\?"), "{}", text(&out.stderr));
+}
+
+/// The REPL in a terminal: a bad statement, then good ones (one over two lines), a long
+/// query cancelled with Ctrl-C, and `\q`; the process stays alive throughout.
+#[test]
+fn repl_keeps_running_after_errors_and_ctrl_c() {
+    let cache = tempfile::tempdir().unwrap();
+    let mut command = Command::new(FLUMEN);
+    command.arg("--no-demo").env("XDG_DATA_HOME", cache.path());
+    let mut p = rexpect::session::spawn_command(command, Some(30_000)).unwrap();
+    p.exp_string("\\? for help").unwrap();
+    p.send_line("SELEC 1;").unwrap();
+    p.exp_string("Error").unwrap();
+    p.send_line("SELECT 40 + 2").unwrap();
+    p.exp_string("->").unwrap();
+    p.send_line("  AS answer;").unwrap();
+    p.exp_string("42").unwrap();
+    p.exp_string("1 row in").unwrap();
+    p.send_line("SELECT count(*) FROM generate_series(1, 100000000000) AS t(x) WHERE x % 7 = 3;")
+        .unwrap();
+    // Progress lines appear after a second, one per operator.
+    p.exp_string("op0").unwrap();
+    std::thread::sleep(Duration::from_millis(300));
+    p.send_control('c').unwrap();
+    p.exp_string("cancelled").unwrap();
+    p.send_line("\\timing").unwrap();
+    p.exp_string("timing is off").unwrap();
+    p.send_line("SELECT upper('still here') AS s;").unwrap();
+    p.exp_string("STILL HERE").unwrap();
+    p.send_line("\\q").unwrap();
+    p.exp_eof().unwrap();
+    // The history was saved in the data dir.
+    let history = std::fs::read_to_string(cache.path().join("flumen/history.txt")).unwrap();
+    assert!(history.contains("AS answer;"), "{history}");
+}
+
+/// `COPY ... TO 's3://...'`, `CREATE EXTERNAL TABLE ... LOCATION 's3://...'` and a query of
+/// it, against a real S3-compatible server on 127.0.0.1; a missing bucket is a clear error.
+#[test]
+fn s3_tables_on_a_loopback_server() {
+    let Some(server) = S3Server::start() else {
+        skip::skip_missing_tool("moto_server not found (run tests/install-test-tools.sh)");
+        return;
+    };
+    server.create_bucket("flumen-test");
+    let options = server.options();
+    let out = flumen(
+        &[
+            "--no-demo",
+            "--quiet",
+            "--format",
+            "csv",
+            "-c",
+            &format!(
+                "COPY (SELECT x AS id, 'row ' || x AS body FROM generate_series(1, 5000) AS t(x)) \
+                 TO 's3://flumen-test/nums/part-0.parquet' {options}"
+            ),
+            "-c",
+            &format!(
+                "CREATE EXTERNAL TABLE nums STORED AS PARQUET LOCATION 's3://flumen-test/nums/' {options}"
+            ),
+            "-c",
+            "SELECT count(*) AS n, sum(id) AS total, max(body) AS last FROM nums",
+            "-c",
+            "SELECT count(*) AS by_url FROM 's3://flumen-test/nums/part-0.parquet'",
+        ],
+        "",
+    );
+    assert!(out.status.success(), "{}", text(&out.stderr));
+    assert!(
+        text(&out.stdout).ends_with("n,total,last\n5000,12502500,row 999\nby_url\n5000\n"),
+        "{}",
+        text(&out.stdout)
+    );
+    let started = std::time::Instant::now();
+    let out = flumen(
+        &[
+            "--no-demo",
+            "-c",
+            &format!(
+                "CREATE EXTERNAL TABLE gone STORED AS PARQUET LOCATION 's3://no-such-bucket/x/' {options}"
+            ),
+        ],
+        "",
+    );
+    assert_eq!(out.status.code(), Some(1));
+    let stderr = text(&out.stderr);
+    assert!(stderr.contains("no-such-bucket"), "{stderr}");
+    assert!(
+        started.elapsed() < Duration::from_secs(30),
+        "took {:?}",
+        started.elapsed()
+    );
+}
+
+#[test]
+fn a_quoted_path_is_a_table() {
+    let dir = tempfile::tempdir().unwrap();
+    let file = dir.path().join("t.parquet");
+    let file = file.to_str().unwrap();
+    let out = flumen(
+        &[
+            "--no-demo",
+            "--quiet",
+            "--format",
+            "csv",
+            "-c",
+            &format!("COPY (SELECT x AS id FROM generate_series(1, 100) AS t(x)) TO '{file}'"),
+            "-c",
+            &format!("SELECT count(*) AS n, sum(id) AS total FROM '{file}'"),
+            "-c",
+            "SELECT * FROM 'no/such/file.parquet'",
+        ],
+        "",
+    );
+    let stdout = text(&out.stdout);
+    assert!(stdout.contains("n,total\n100,5050\n"), "{stdout}");
+    let stderr = text(&out.stderr);
+    assert!(stderr.contains("no/such/file.parquet"), "{stderr}");
+    assert_eq!(out.status.code(), Some(1), "the missing file fails the run");
+}
+
+#[test]
+fn extract_runs_the_main_job() {
+    if !flumen::functions::embedding::model_files::model_dir("")
+        .join("model.safetensors")
+        .exists()
+    {
+        skip::skip_missing_tool("the embedding model (run `flumen install-model`)");
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let input = dir.path().join("docs.parquet");
+    flumen::demo::write_docs(&input, 300).unwrap();
+    let output = dir.path().join("features.parquet");
+    // Not through `flumen()`: the model lives in the user's cache dir.
+    let out = Command::new(FLUMEN)
+        .args(["extract", input.to_str().unwrap(), output.to_str().unwrap()])
+        .output()
+        .unwrap();
+    let stdout = text(&out.stdout);
+    assert!(out.status.success(), "{}", text(&out.stderr));
+    assert!(stdout.contains("wrote 300 rows of features"), "{stdout}");
+    assert!(stdout.contains("documents closest to"), "{stdout}");
+    // What it wrote, against vanilla DataFusion (with flumen's functions) on the input.
+    let count = |ctx: &datafusion::prelude::SessionContext, sql: String| {
+        let ctx = ctx.clone();
+        async move {
+            let batches = ctx.sql(&sql).await.unwrap().collect().await.unwrap();
+            datafusion::arrow::util::pretty::pretty_format_batches(&batches)
+                .unwrap()
+                .to_string()
+        }
+    };
+    tokio::runtime::Runtime::new().unwrap().block_on(async {
+        use datafusion::prelude::{ParquetReadOptions, SessionContext};
+        let vanilla = SessionContext::new();
+        flumen::register_functions(&vanilla);
+        for (name, path) in [("docs", &input), ("features", &output)] {
+            vanilla
+                .register_parquet(name, path.to_str().unwrap(), ParquetReadOptions::default())
+                .await
+                .unwrap();
+        }
+        let wrong_rows = count(
+            &vanilla,
+            "SELECT count(*) AS wrong FROM docs d FULL JOIN features f ON d.id = f.id \
+             WHERE d.id IS NULL OR f.id IS NULL OR d.topic <> f.topic \
+             OR length(clean_text(d.body)) <> f.chars \
+             OR array_length(string_to_array(clean_text(d.body), ' ')) <> f.words \
+             OR md5(lower(clean_text(d.body))) <> f.fingerprint"
+                .into(),
+        )
+        .await;
+        assert!(wrong_rows.contains("| 0     |"), "{wrong_rows}");
+        // Every tenth row's vector against vanilla's embed of the same text.
+        let vectors = count(
+            &vanilla,
+            "SELECT count(*) AS n, min(cosine_similarity(f.embedding, embed(clean_text(d.body)))) \
+             >= 0.9999 AS close FROM docs d JOIN features f ON d.id = f.id WHERE d.id % 10 = 0"
+                .into(),
+        )
+        .await;
+        assert!(vectors.contains("| 30 | true  |"), "{vectors}");
+    });
+    let out = flumen(&["extract", "no-such-input.parquet", "out.parquet"], "");
+    assert_eq!(out.status.code(), Some(1));
+    assert!(
+        text(&out.stderr).contains("no-such-input.parquet"),
+        "{}",
+        text(&out.stderr)
+    );
+}
+
+/// The binary installs its allocator (jemalloc) as flumen's `HeapAllocator`: a query's
+/// `EXPLAIN ANALYZE` shows the heap nobody reserved that its budget counted, and shows none
+/// with `flumen.budget_counts_heap` off.
+#[test]
+fn the_budget_counts_the_binary_allocators_heap() {
+    let explain = |counts_heap: bool| {
+        let setting = format!("SET flumen.budget_counts_heap = {counts_heap}");
+        let query = "EXPLAIN ANALYZE SELECT value % 1000 AS k, count(*) FROM \
+                     generate_series(1, 2000000) GROUP BY k";
+        let budget = "SET flumen.memory_budget = '64MB'";
+        let out = flumen(
+            &["--no-demo", "-c", budget, "-c", &setting, "-c", query],
+            "",
+        );
+        assert!(out.status.success(), "{}", text(&out.stderr));
+        let stdout = text(&out.stdout);
+        assert!(stdout.contains("FlumenExec"), "{stdout}");
+        stdout.contains("peak_unreserved_bytes=")
+    };
+    assert!(
+        explain(true),
+        "no peak_unreserved_bytes with the heap counted"
+    );
+    assert!(
+        !explain(false),
+        "peak_unreserved_bytes with the heap not counted"
+    );
+}
