@@ -7,7 +7,7 @@
 //!                              [--corpus sentences|docs|both] [--docs 600]
 //!                              [--preprocess-on-cpu true|false|both]
 //!                              [--peak-tflops P] [--precision fp32|bf16|both]
-//!                              [--accelerator-slots N]
+//!                              [--accelerator-slots N] [--passes-in-flight 1|2|both]
 //! ```
 //!
 //! Two corpora: generated sentences of mixed length, and the demo table's HTML documents
@@ -24,7 +24,8 @@
 //! in turn); at `bf16` the baseline runs sentence-transformers in half precision
 //! (`model.half()`), so each ratio compares half precision with half precision.
 //! `--accelerator-slots` runs flumen with that many accelerator workers (default 1; two on
-//! one GPU share it, each with its own stream).
+//! one GPU share it, each with its own stream). `--passes-in-flight` sets
+//! `flumen.embed_passes_in_flight` (2, the default; 1; or `both`, printing two against one).
 //!
 //! The baseline is `benches/embed_baseline.py`, run with `--python` (default: `$FLUMEN_BENCH_PYTHON`
 //! or `python3`), which needs sentence-transformers installed (e.g. in a venv). The last line
@@ -197,6 +198,8 @@ struct Args {
     precisions: Vec<EmbedPrecision>,
     /// `flumen.accelerator_slots` of flumen's side.
     accelerator_slots: usize,
+    /// `flumen.embed_passes_in_flight` values to run flumen with.
+    passes_in_flight: Vec<usize>,
 }
 
 fn parse_args() -> Args {
@@ -213,6 +216,7 @@ fn parse_args() -> Args {
         peak_tflops: None,
         precisions: vec![EmbedPrecision::Fp32],
         accelerator_slots: 1,
+        passes_in_flight: vec![FlumenConfig::default().embed_passes_in_flight],
     };
     let mut it = std::env::args().skip(1);
     while let Some(a) = it.next() {
@@ -258,6 +262,12 @@ fn parse_args() -> Args {
             "--accelerator-slots" => {
                 args.accelerator_slots = value().parse().expect("--accelerator-slots N")
             }
+            "--passes-in-flight" => {
+                args.passes_in_flight = match value().as_str() {
+                    "both" => vec![2, 1],
+                    one => vec![one.parse().expect("--passes-in-flight 1|2|both")],
+                }
+            }
             "--bench" => {}
             other => panic!("unknown argument {other}"),
         }
@@ -273,9 +283,11 @@ async fn flumen_rate(
     batch_size: usize,
     preprocess_on_cpu: bool,
     precision: EmbedPrecision,
+    passes_in_flight: usize,
 ) -> Result<f64> {
     let mut config = FlumenConfig::default();
     config.embed_precision = precision;
+    config.embed_passes_in_flight = passes_in_flight;
     config.cpu_slots = args.threads;
     config.accelerator_slots = args.accelerator_slots.max(1);
     config.accelerator_min_slots = config.accelerator_slots;
@@ -478,11 +490,23 @@ async fn run_corpus_in(
     for &size in &sizes {
         let mut rates = vec![];
         for &preprocess in &args.preprocess {
-            let rate = flumen_rate(args, texts, size, preprocess, precision).await?;
-            println!(
-                "{corpus} batch_size={size} preprocess_on_cpu={preprocess} flumen_per_s={rate:.1}"
-            );
-            rates.push((preprocess, rate));
+            let mut by_passes = vec![];
+            for &passes in &args.passes_in_flight {
+                let rate = flumen_rate(args, texts, size, preprocess, precision, passes).await?;
+                println!(
+                    "{corpus} batch_size={size} preprocess_on_cpu={preprocess} \
+                     passes_in_flight={passes} flumen_per_s={rate:.1}"
+                );
+                by_passes.push((passes, rate));
+            }
+            if let [(2, two), (1, one)] = by_passes[..] {
+                println!(
+                    "{corpus} batch_size={size} preprocess_on_cpu={preprocess} \
+                     two_passes_in_flight_vs_one={:.2}",
+                    two / one
+                );
+            }
+            rates.push((preprocess, by_passes[0].1));
         }
         if let [(true, on), (false, off)] = rates[..] {
             println!(

@@ -461,6 +461,11 @@ extensions_options! {
         /// (bf16 on a CUDA device of compute capability 8.0 or newer, else fp32). bf16
         /// vectors stay within cosine 0.9999 of fp32's on the reference sentences.
         pub embed_precision: EmbedPrecision, default = EmbedPrecision::Fp32
+        /// Forward passes of `embed` a worker keeps started on a GPU: 2 (the default) queues
+        /// the next pass (its tokens through pinned memory) behind the one computing, so the
+        /// device does not wait while the worker collects vectors and packs tokens; 1 waits
+        /// for each pass before packing the next. A CPU computes one pass at a time.
+        pub embed_passes_in_flight: usize, default = 2
         /// Run a model's CPU step (`embed`'s tokenizer) in the CPU operator feeding the
         /// model, on the CPU pool, instead of in the accelerator worker: `embed(x)` is planned
         /// as `embed(embed_tokens(x))`, `embed_tokens` computed by CPU tasks. `auto` (the

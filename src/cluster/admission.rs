@@ -60,6 +60,7 @@ pub const WORKER_OPTIONS: &[&str] = &[
     "flumen.embed_batch_size",
     "flumen.embed_batch_tokens",
     "flumen.embed_precision",
+    "flumen.embed_passes_in_flight",
     "flumen.target_block_rows",
     "flumen.memory_budget",
     // Where the worker reads and writes the model-output cache (a driver holds the

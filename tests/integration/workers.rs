@@ -1006,6 +1006,25 @@ async fn the_embed_precision_reaches_the_model_worker_process() {
         differ_fp32 > 32,
         "the worker computed in fp32: {differ_fp32} of 64 differ"
     );
+    // `flumen.embed_passes_in_flight` travels with it: a value the worker refuses fails
+    // the query with the worker's reason (kept at the default, the worker would answer).
+    f.sql("SET flumen.embed_passes_in_flight = 3")
+        .await
+        .unwrap()
+        .collect()
+        .await
+        .unwrap();
+    let refused = match f.sql(sql).await {
+        Ok(frame) => frame.collect().await.map(|_| ()),
+        Err(e) => Err(e),
+    };
+    let refused = refused
+        .expect_err("3 passes in flight accepted")
+        .to_string();
+    assert!(
+        refused.contains("flumen.embed_passes_in_flight must be 1 or 2, got 3"),
+        "{refused}"
+    );
 }
 
 /// A driver's accelerator worker processes are told their place in the pool

@@ -8,9 +8,11 @@
 //! per second are better by [`MIN_GAIN`].
 //!
 //! A block's sequences are run shortest first, so consecutive passes get ever longer
-//! sequences and slower tokens. A trial compares passes in the order current, trial, trial,
+//! sequences and slower tokens. A trial plans passes in the order current, trial, trial,
 //! current (and again), so that drift counts against the trial as often as for it, and
-//! compares the throughput of neighbouring passes only.
+//! compares the throughput of neighbouring passes only. A pass is placed in that order when
+//! its budget is asked for, and measured when it is done: a worker that keeps the next pass
+//! in flight while the last one computes asks before it measures.
 
 use std::time::Duration;
 
@@ -65,10 +67,12 @@ pub struct BatchTuner {
 struct Trial {
     /// Index of the budget tried.
     index: usize,
-    /// Passes measured so far in this trial (the schedule's position).
+    /// Passes planned so far in this trial (the schedule's position).
     step: usize,
-    /// Throughput of the pass waiting for its partner (tokens/s).
-    pending: Option<f64>,
+    /// Throughput (tokens/s) of the last pass measured at the current budget and at the
+    /// trial's, each waiting for a partner at the other.
+    current_rate: Option<f64>,
+    trial_rate: Option<f64>,
     /// ln(trial throughput / current throughput) of each completed pair.
     log_ratios: Vec<f64>,
 }
@@ -113,42 +117,54 @@ impl BatchTuner {
         (self.trials, self.moves)
     }
 
-    /// The token budget of the next pass.
-    pub fn next_budget(&self) -> usize {
-        match &self.trial {
-            Some(trial) if Trial::runs_trial(trial.step) => self.budgets[trial.index],
-            _ => self.budgets[self.current],
+    /// The token budget of the next pass, which takes its place in a trial's schedule: its
+    /// measure comes later, through [`record`](Self::record), in the order the passes were
+    /// planned (other passes may be planned in between).
+    pub fn next_budget(&mut self) -> usize {
+        match &mut self.trial {
+            Some(trial) => {
+                let on_trial = Trial::runs_trial(trial.step);
+                trial.step += 1;
+                if on_trial {
+                    self.budgets[trial.index]
+                } else {
+                    self.budgets[self.current]
+                }
+            }
+            None => self.budgets[self.current],
         }
     }
 
     /// Record a pass run at `budget` (as [`next_budget`](Self::next_budget) gave it) that
     /// computed `tokens` tokens in `elapsed`. A pass far from full (a block's last) says
-    /// little about its budget and is not counted.
+    /// little about its budget and is not counted, nor is one at a budget the tuner has
+    /// since left.
     pub fn record(&mut self, budget: usize, tokens: usize, elapsed: Duration) {
-        if budget != self.next_budget() || tokens * 4 < budget * 3 {
+        if tokens * 4 < budget * 3 {
             return;
         }
         let throughput = tokens as f64 / elapsed.as_secs_f64().max(1e-9);
+        let current = self.budgets[self.current];
         let Some(trial) = self.trial.as_mut() else {
-            self.steady += 1;
-            if self.steady >= STEADY_PASSES {
-                self.start_trial();
+            if budget == current {
+                self.steady += 1;
+                if self.steady >= STEADY_PASSES {
+                    self.start_trial();
+                }
             }
             return;
         };
-        let on_trial = Trial::runs_trial(trial.step);
-        match trial.pending.take() {
-            None => trial.pending = Some(throughput),
-            Some(partner) => {
-                let (trial_rate, current_rate) = if on_trial {
-                    (throughput, partner)
-                } else {
-                    (partner, throughput)
-                };
-                trial.log_ratios.push((trial_rate / current_rate).ln());
-            }
+        if budget == self.budgets[trial.index] {
+            trial.trial_rate = Some(throughput);
+        } else if budget == current {
+            trial.current_rate = Some(throughput);
+        } else {
+            return;
         }
-        trial.step += 1;
+        if let (Some(trial_rate), Some(current_rate)) = (trial.trial_rate, trial.current_rate) {
+            trial.log_ratios.push((trial_rate / current_rate).ln());
+            (trial.trial_rate, trial.current_rate) = (None, None);
+        }
         if trial.log_ratios.len() >= TRIAL_PAIRS {
             self.end_trial();
         }
@@ -166,7 +182,8 @@ impl BatchTuner {
         self.trial = Some(Trial {
             index,
             step: 0,
-            pending: None,
+            current_rate: None,
+            trial_rate: None,
             log_ratios: vec![],
         });
         self.trials += 1;
@@ -196,19 +213,41 @@ impl BatchTuner {
 mod tests {
     use super::*;
 
-    /// Feed a tuner passes whose speed follows `tokens_per_s(budget)`, with each pass's
-    /// sequences slower than the last (as in a block sorted by length).
-    fn run(
+    /// Feed a tuner passes whose speed follows `tokens_per_s(budget)`, drifting slower and
+    /// faster again (as a block sorted by length gets longer sequences), `in_flight` passes
+    /// planned before the oldest is measured (2: as a worker that keeps the next pass on the
+    /// device while the last computes).
+    fn run_with(
         mut tuner: BatchTuner,
         tokens_per_s: impl Fn(usize) -> f64,
         passes: usize,
+        in_flight: usize,
     ) -> BatchTuner {
+        let mut planned = std::collections::VecDeque::new();
         for pass in 0..passes {
-            let budget = tuner.next_budget();
-            let drift = 1.0 + (pass % 40) as f64 * 0.004;
+            planned.push_back(tuner.next_budget());
+            if planned.len() < in_flight {
+                continue;
+            }
+            let budget = planned.pop_front().unwrap();
+            // Up for 20 passes, down for 20: drift without a jump (a jump inside a pair can
+            // outweigh a 3% difference whichever way the passes are planned).
+            let drift = 1.0 + (20 - ((pass % 40) as i64 - 20).abs()) as f64 * 0.004;
             let secs = budget as f64 / tokens_per_s(budget) * drift;
             tuner.record(budget, budget, Duration::from_secs_f64(secs));
         }
+        tuner
+    }
+
+    /// [`run_with`] with one pass in flight and with two: the tuner must choose the same.
+    fn run(tuner: BatchTuner, tokens_per_s: impl Fn(usize) -> f64, passes: usize) -> BatchTuner {
+        let lagged = run_with(tuner.clone(), &tokens_per_s, passes, 2);
+        let tuner = run_with(tuner, &tokens_per_s, passes, 1);
+        assert_eq!(
+            (lagged.chosen(), lagged.trials().1 > 0),
+            (tuner.chosen(), tuner.trials().1 > 0),
+            "two passes in flight: {lagged:?}, one: {tuner:?}"
+        );
         tuner
     }
 

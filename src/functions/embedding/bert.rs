@@ -4,7 +4,7 @@
 
 use std::path::Path;
 
-use datafusion::error::Result;
+use datafusion::error::{DataFusionError, Result};
 use safetensors::{Dtype, SafeTensors};
 
 use super::model_files::{check_model_dir, model_error};
@@ -337,10 +337,44 @@ impl PackedBatch {
     }
 }
 
+/// A forward pass [`SentenceEncoder::start`] began.
+#[derive(Debug)]
+pub enum StartedPass {
+    /// Computed when it was started: its vectors.
+    Done(Vec<f32>),
+    /// Queued on a device: the backend's slot for it and the pass's number there.
+    OnDevice {
+        /// Which of the backend's slots holds it.
+        slot: usize,
+        /// The how-manyth pass the backend started (a slot's next pass has another).
+        number: u64,
+    },
+}
+
 /// A backend that turns packed token ids into sentence embeddings.
 pub trait SentenceEncoder: Send {
     /// Mean-pooled, L2-normalised embeddings, `[sequences, hidden]` row-major.
     fn encode(&mut self, batch: &PackedBatch) -> Result<Vec<f32>>;
+    /// Begin a pass whose vectors [`finish`](Self::finish) gives. A backend on a device
+    /// queues it and returns, so the caller can pack and start the next pass while this
+    /// one computes (up to [`passes_in_flight`](Self::passes_in_flight) unfinished,
+    /// finished in the order they began); the default computes it now.
+    fn start(&mut self, batch: &PackedBatch) -> Result<StartedPass> {
+        Ok(StartedPass::Done(self.encode(batch)?))
+    }
+    /// The vectors of a pass [`start`](Self::start) began, once they are there.
+    fn finish(&mut self, pass: StartedPass) -> Result<Vec<f32>> {
+        match pass {
+            StartedPass::Done(vectors) => Ok(vectors),
+            StartedPass::OnDevice { .. } => Err(DataFusionError::Internal(
+                "embed(): a pass queued on a device came back to a backend without one".into(),
+            )),
+        }
+    }
+    /// Most passes it keeps started and unfinished (1: each is done when it starts).
+    fn passes_in_flight(&self) -> usize {
+        1
+    }
     /// The backend's name as shown to users (`cpu`, `cuda:0`).
     fn device(&self) -> String;
     /// Whether it computes on an accelerator (which wants larger passes than a CPU).

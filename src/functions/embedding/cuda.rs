@@ -5,21 +5,23 @@
 //! Kernels (`cuda_kernels.cu`) come compiled from [`super::cuda_compile`]; matrix products
 //! run on cuBLAS, in fp32 or (`flumen.embed_precision = 'bf16'`) on tensor cores with bf16
 //! inputs and fp32 sums. Each worker owns its context's stream, so the copies of one worker
-//! overlap the compute of another; results come back through a pinned buffer.
+//! overlap the compute of another; a worker keeps two passes queued on its stream, their
+//! tokens and vectors through pinned buffers ([`super::cuda_passes`]).
 
 use std::sync::{Arc, Mutex};
 use std::time::Instant;
 
 use cudarc::cublas::{CudaBlas, Gemm, GemmConfig, sys::cublasOperation_t};
 use cudarc::driver::{
-    CudaContext, CudaFunction, CudaModule, CudaSlice, CudaStream, CudaView, LaunchConfig,
-    PinnedHostSlice, PushKernelArg,
+    CudaContext, CudaFunction, CudaModule, CudaSlice, CudaStream, CudaView, DevicePtr,
+    DevicePtrMut, LaunchConfig, PushKernelArg,
 };
 use cudarc::nvrtc::Ptx;
 use datafusion::error::{DataFusionError, Result};
 
-use super::bert::{BertWeights, LayerNorm, Linear, PackedBatch, SentenceEncoder};
+use super::bert::{BertWeights, LayerNorm, Linear, PackedBatch, SentenceEncoder, StartedPass};
 use super::cuda_compile::{compile_and_store, device_kernels, kernel_cache_path};
+use super::cuda_passes::{PASS_SLOTS, PassSlot, TokenLayout, pinned_at_least};
 use crate::config::EmbedPrecision;
 
 const THREADS: u32 = 128;
@@ -291,7 +293,12 @@ pub struct CudaEncoder {
     /// The bf16 path's kernels, loaded when the encoder computes in bf16.
     half: Option<HalfKernels>,
     weights: Weights,
-    pinned: Option<PinnedHostSlice<f32>>,
+    /// A slot per pass in flight, used in turn ([`PASS_SLOTS`]).
+    slots: Vec<PassSlot>,
+    /// The slot the next pass takes.
+    next_slot: usize,
+    /// Passes started so far (the next one's number).
+    passes_started: u64,
     /// Milliseconds uploading the weights took.
     upload_ms: u64,
 }
@@ -346,6 +353,11 @@ impl CudaDevice {
         let ctx = std::panic::catch_unwind(|| CudaContext::new(ordinal))
             .map_err(|_| cuda_error("creating a context", "the driver panicked"))?
             .map_err(|e| cuda_error("creating a context", e))?;
+        // SAFETY: everything this worker allocates in this context (a handle of its own on
+        // the device's primary context) is used on its one stream, in that stream's order:
+        // cudarc's tracking of each buffer's reads and writes across streams (an event wait
+        // and an event record per kernel argument, ~1,000 driver calls a pass) buys nothing.
+        unsafe { ctx.disable_event_tracking() };
         let context_ms = opened.elapsed().as_millis() as u64 - init_ms;
         let arch = ctx
             .compute_capability()
@@ -387,21 +399,40 @@ impl CudaDevice {
     }
 }
 
-/// A forward pass's token layout, uploaded: each token's id, position and sequence, each
-/// sequence's first token and length, and the tiled attention kernel's query tiles.
-struct DeviceBatch {
+/// A forward pass's token layout on the device (one buffer, [`TokenLayout::parts`]): each
+/// token's id, position and sequence, each sequence's first token and length, and the tiled
+/// attention kernel's query tiles.
+struct DeviceBatch<'a> {
     tokens: usize,
     seqs: usize,
     /// The longest sequence's tokens.
     max_len: i32,
-    ids: CudaSlice<u32>,
-    positions: CudaSlice<u32>,
-    token_seq: CudaSlice<u32>,
-    seq_start: CudaSlice<u32>,
-    seq_len: CudaSlice<u32>,
+    ids: CudaView<'a, u32>,
+    positions: CudaView<'a, u32>,
+    token_seq: CudaView<'a, u32>,
+    seq_start: CudaView<'a, u32>,
+    seq_len: CudaView<'a, u32>,
     /// Where the head width has a tiled attention kernel: how many query tiles (each
     /// sequence's tokens, ATTENTION_TILE at a time) and each tile's first token.
-    tiles: Option<(usize, CudaSlice<u32>)>,
+    tiles: Option<(usize, CudaView<'a, u32>)>,
+}
+
+impl<'a> DeviceBatch<'a> {
+    /// The parts of `layout` in `buffer`, where it was uploaded.
+    fn view(buffer: &'a CudaSlice<u32>, layout: &TokenLayout) -> Self {
+        let [ids, positions, token_seq, seq_start, seq_len, firsts] = layout.parts();
+        Self {
+            tokens: layout.tokens,
+            seqs: layout.seqs,
+            max_len: layout.max_len as i32,
+            ids: buffer.slice(ids),
+            positions: buffer.slice(positions),
+            token_seq: buffer.slice(token_seq),
+            seq_start: buffer.slice(seq_start),
+            seq_len: buffer.slice(seq_len),
+            tiles: layout.tiles.map(|tiles| (tiles, buffer.slice(firsts))),
+        }
+    }
 }
 
 impl CudaEncoder {
@@ -464,12 +495,17 @@ impl CudaEncoder {
                 Weights::Fp32(DeviceModel::<f32>::upload(&device.stream, &weights)?),
             ),
         };
+        let slots = (0..PASS_SLOTS)
+            .map(|_| PassSlot::new(&device.ctx))
+            .collect::<Result<_>>()?;
         Ok(Self {
             host: weights,
             kernels,
             half,
             weights: model,
-            pinned: None,
+            slots,
+            next_slot: 0,
+            passes_started: 0,
             upload_ms: uploaded.elapsed().as_millis() as u64,
             device,
         })
@@ -519,7 +555,6 @@ impl CudaEncoder {
         out: &mut impl cudarc::driver::DevicePtrMut<f32>,
     ) -> Result<()> {
         use cudarc::cublas::{result::gemm_ex, sys};
-        use cudarc::driver::DevicePtr;
         use std::ffi::c_void;
         let stream = &self.device.stream;
         let (weight, _weight_read) = layer.weight.device_ptr(stream);
@@ -647,22 +682,15 @@ impl CudaEncoder {
             .map_err(|e| cuda_error("layer norm", e))
     }
 
-    /// Check a pass's sequences against the model and upload its token layout.
-    fn upload_batch(&self, batch: &PackedBatch) -> Result<DeviceBatch> {
+    /// Check a pass's sequences against the model: lengths within its positions, ids
+    /// within its vocabulary.
+    fn check_batch(&self, batch: &PackedBatch) -> Result<()> {
         let cfg = &self.host.config;
-        let tokens = batch.ids.len();
-        let offsets = batch.offsets();
-        let mut positions = Vec::with_capacity(tokens);
-        let mut token_seq = Vec::with_capacity(tokens);
-        for (s, &len) in batch.lengths.iter().enumerate() {
-            if len > cfg.max_positions {
-                return Err(DataFusionError::Execution(format!(
-                    "embed(): sequence of {len} tokens exceeds the model's {} positions",
-                    cfg.max_positions
-                )));
-            }
-            positions.extend(0..len as u32);
-            token_seq.extend(std::iter::repeat_n(s as u32, len));
+        if let Some(&len) = batch.lengths.iter().find(|&&len| len > cfg.max_positions) {
+            return Err(DataFusionError::Execution(format!(
+                "embed(): sequence of {len} tokens exceeds the model's {} positions",
+                cfg.max_positions
+            )));
         }
         if let Some(bad) = batch.ids.iter().find(|&&id| id as usize >= cfg.vocab) {
             return Err(DataFusionError::Execution(format!(
@@ -670,45 +698,14 @@ impl CudaEncoder {
                 cfg.vocab
             )));
         }
-        let up = |v: &[u32]| {
-            self.device
-                .stream
-                .clone_htod(v)
-                .map_err(|e| cuda_error("upload", e))
-        };
-        let tiles = match self.kernels.attention_tiled {
-            Some(_) => {
-                let firsts: Vec<u32> = offsets
-                    .iter()
-                    .zip(&batch.lengths)
-                    .flat_map(|(&start, &len)| {
-                        (0..len)
-                            .step_by(ATTENTION_TILE as usize)
-                            .map(move |q| (start + q) as u32)
-                    })
-                    .collect();
-                Some((firsts.len(), up(&firsts)?))
-            }
-            None => None,
-        };
-        Ok(DeviceBatch {
-            tokens,
-            seqs: batch.lengths.len(),
-            max_len: batch.lengths.iter().copied().max().unwrap_or(1) as i32,
-            ids: up(&batch.ids)?,
-            positions: up(&positions)?,
-            token_seq: up(&token_seq)?,
-            seq_start: up(&offsets.iter().map(|&o| o as u32).collect::<Vec<_>>())?,
-            seq_len: up(&batch.lengths.iter().map(|&l| l as u32).collect::<Vec<_>>())?,
-            tiles,
-        })
+        Ok(())
     }
 
     /// One block per token: `embed(word, position, type) → out` (`f`: fp32's or bf16's).
     fn embed_tokens<T: DeviceElement>(
         &self,
         f: &CudaFunction,
-        on: &DeviceBatch,
+        on: &DeviceBatch<'_>,
         model: &DeviceModel<T>,
         out: &mut CudaSlice<f32>,
     ) -> Result<()> {
@@ -738,7 +735,7 @@ impl CudaEncoder {
     fn embedding_layer<T: DeviceElement, O: DeviceElement>(
         &self,
         (embed, norm): (&CudaFunction, &CudaFunction),
-        on: &DeviceBatch,
+        on: &DeviceBatch<'_>,
         model: &DeviceModel<T>,
         sums: &mut CudaSlice<f32>,
         x: &mut CudaSlice<O>,
@@ -766,7 +763,7 @@ impl CudaEncoder {
     fn mean_pool<T: DeviceElement>(
         &self,
         f: &CudaFunction,
-        on: &DeviceBatch,
+        on: &DeviceBatch<'_>,
         x: &CudaSlice<T>,
         pooled: &mut CudaSlice<f32>,
     ) -> Result<()> {
@@ -791,7 +788,11 @@ impl CudaEncoder {
     }
 
     /// The fp32 forward pass: each sequence's pooled, normalized vector.
-    fn forward_fp32(&self, model: &DeviceModel<f32>, on: &DeviceBatch) -> Result<CudaSlice<f32>> {
+    fn forward_fp32(
+        &self,
+        model: &DeviceModel<f32>,
+        on: &DeviceBatch<'_>,
+    ) -> Result<CudaSlice<f32>> {
         let cfg = &self.host.config;
         let (h, tokens) = (cfg.hidden, on.tokens);
         let mut raw = self.alloc::<f32>(tokens * h)?;
@@ -892,7 +893,7 @@ impl CudaEncoder {
         &self,
         model: &DeviceModel<Bf16Bits>,
         half: &HalfKernels,
-        on: &DeviceBatch,
+        on: &DeviceBatch<'_>,
     ) -> Result<CudaSlice<f32>> {
         let cfg = &self.host.config;
         let (h, tokens) = (cfg.hidden, on.tokens);
@@ -998,11 +999,65 @@ impl CudaEncoder {
         Ok(pooled)
     }
 
-    fn forward(&mut self, batch: &PackedBatch) -> Result<Vec<f32>> {
+    /// Queue `batch`'s pass on the stream in the next slot: its layout up through the slot's
+    /// pinned buffer, the forward pass, its vectors back into the slot's other pinned
+    /// buffer, then the slot's event. Returns at once; [`finish_pass`](Self::finish_pass)
+    /// waits for the vectors.
+    fn start_pass(&mut self, batch: &PackedBatch) -> Result<StartedPass> {
         if batch.ids.is_empty() {
-            return Ok(vec![]);
+            return Ok(StartedPass::Done(vec![]));
         }
-        let on = self.upload_batch(batch)?;
+        self.check_batch(batch)?;
+        let slot = self.next_slot;
+        let queued = self.queue_pass(slot, batch);
+        let values = match queued {
+            Ok(values) => values,
+            Err(e) => {
+                // Copies already queued may still read the slot's pinned memory: let them end
+                // before it is written again.
+                let _ = self.device.stream.synchronize();
+                self.slots[slot].pending = None;
+                return Err(e);
+            }
+        };
+        let number = self.passes_started;
+        self.passes_started += 1;
+        self.slots[slot].pending = Some((number, values));
+        self.next_slot = (slot + 1) % PASS_SLOTS;
+        Ok(StartedPass::OnDevice { slot, number })
+    }
+
+    /// Queue a pass in slot `slot` (see [`start_pass`](Self::start_pass)); the values its
+    /// vectors hold.
+    fn queue_pass(&mut self, slot: usize, batch: &PackedBatch) -> Result<usize> {
+        // The slot's last pass is done with its memory (it finished two passes ago, or it
+        // was left unfinished by a caller that failed: then this waits for it).
+        self.slots[slot].wait()?;
+        self.slots[slot].pending = None;
+        let tile = self
+            .kernels
+            .attention_tiled
+            .as_ref()
+            .map(|_| ATTENTION_TILE as usize);
+        let layout = TokenLayout::of(batch, tile);
+        let ctx = Arc::clone(&self.device.ctx);
+        let stream = &self.device.stream;
+        let staged = pinned_at_least(&ctx, &mut self.slots[slot].layout, layout.len())?;
+        let staged =
+            &mut staged.as_mut_slice().map_err(|e| cuda_error("pinned", e))?[..layout.len()];
+        layout.write(batch, tile, staged);
+        // SAFETY: filled by the copy below before a kernel reads it.
+        let mut uploaded = unsafe { stream.alloc::<u32>(layout.len()) }
+            .map_err(|e| cuda_error("allocating", e))?;
+        {
+            let (to, _written) = uploaded.device_ptr_mut(stream);
+            // SAFETY: `staged` is pinned, so the copy runs after the call returns; the slot's
+            // event (recorded after this pass) guards it until then. The buffer holds
+            // `layout.len()` values.
+            unsafe { cudarc::driver::result::memcpy_htod_async(to, staged, stream.cu_stream()) }
+                .map_err(|e| cuda_error("upload", e))?;
+        }
+        let on = DeviceBatch::view(&uploaded, &layout);
         let pooled = match (&self.weights, &self.half) {
             (Weights::Fp32(model), _) => self.forward_fp32(model, &on)?,
             (Weights::Bf16(model), Some(half)) => self.forward_bf16(model, half, &on)?,
@@ -1010,39 +1065,62 @@ impl CudaEncoder {
                 return Err(cuda_error("bf16", "the bf16 kernels were not loaded"));
             }
         };
-        self.download(&pooled, on.seqs * self.host.config.hidden)
+        let values = on.seqs * self.host.config.hidden;
+        let stream = &self.device.stream;
+        let slot = &mut self.slots[slot];
+        let back = pinned_at_least(&ctx, &mut slot.vectors, values)?;
+        let back = &mut back.as_mut_slice().map_err(|e| cuda_error("pinned", e))?[..values];
+        {
+            let (from, _read) = pooled.device_ptr(stream);
+            // SAFETY: `back` is pinned and `values` long, as many as `pooled` holds; the slot's
+            // event, recorded next, says when the copy is done.
+            unsafe { cudarc::driver::result::memcpy_dtoh_async(back, from, stream.cu_stream()) }
+                .map_err(|e| cuda_error("download", e))?;
+        }
+        slot.done
+            .record(stream)
+            .map_err(|e| cuda_error("recording an event", e))?;
+        // `uploaded` and `pooled` are freed in the stream's order, after the copies.
+        Ok(values)
     }
 
-    /// The first `n` values of `pooled`, through a pinned buffer (grown as needed) for a
-    /// fast copy.
-    fn download(&mut self, pooled: &CudaSlice<f32>, n: usize) -> Result<Vec<f32>> {
-        if self.pinned.as_ref().is_none_or(|p| p.len() < n) {
-            let ctx = Arc::clone(self.device.stream.context());
-            // SAFETY: the buffer is written by the copy below before it is read.
-            let buffer = unsafe { ctx.alloc_pinned_with_flags::<f32>(n.next_power_of_two(), 0) }
-                .map_err(|e| cuda_error("pinned buffer", e))?;
-            self.pinned = Some(buffer);
-        }
-        let pinned = self.pinned.as_mut().expect("allocated above");
-        let view = pooled.slice(0..n);
-        self.device
-            .stream
-            .memcpy_dtoh(
-                &view,
-                &mut pinned.as_mut_slice().map_err(|e| cuda_error("pinned", e))?[..n],
-            )
-            .map_err(|e| cuda_error("download", e))?;
-        self.device
-            .stream
-            .synchronize()
-            .map_err(|e| cuda_error("synchronize", e))?;
-        Ok(pinned.as_slice().map_err(|e| cuda_error("pinned", e))?[..n].to_vec())
+    /// The vectors of a pass [`start_pass`](Self::start_pass) queued, once they are back.
+    fn finish_pass(&mut self, pass: StartedPass) -> Result<Vec<f32>> {
+        let (slot, number) = match pass {
+            StartedPass::Done(vectors) => return Ok(vectors),
+            StartedPass::OnDevice { slot, number } => (slot, number),
+        };
+        let slot = &mut self.slots[slot];
+        let Some((queued, values)) = slot.pending.filter(|(queued, _)| *queued == number) else {
+            return Err(DataFusionError::Internal(format!(
+                "embed() on CUDA: pass {number} is no longer in its slot (more than \
+                 {PASS_SLOTS} passes were started before it was finished)"
+            )));
+        };
+        debug_assert_eq!(queued, number);
+        slot.wait()?;
+        slot.pending = None;
+        let vectors = slot.vectors.as_ref().expect("a queued pass has its buffer");
+        Ok(vectors.as_slice().map_err(|e| cuda_error("pinned", e))?[..values].to_vec())
     }
 }
 
 impl SentenceEncoder for CudaEncoder {
     fn encode(&mut self, batch: &PackedBatch) -> Result<Vec<f32>> {
-        self.forward(batch)
+        let pass = self.start_pass(batch)?;
+        self.finish_pass(pass)
+    }
+
+    fn start(&mut self, batch: &PackedBatch) -> Result<StartedPass> {
+        self.start_pass(batch)
+    }
+
+    fn finish(&mut self, pass: StartedPass) -> Result<Vec<f32>> {
+        self.finish_pass(pass)
+    }
+
+    fn passes_in_flight(&self) -> usize {
+        PASS_SLOTS
     }
 
     fn device(&self) -> String {

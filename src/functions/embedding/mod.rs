@@ -15,6 +15,7 @@ pub mod bert;
 pub mod cpu;
 pub mod cuda;
 pub mod cuda_compile;
+pub mod cuda_passes;
 pub mod model_files;
 pub mod row_kernels;
 pub mod tokenize_step;
@@ -73,6 +74,8 @@ struct EmbedSettings {
     batch_size: usize,
     batch_tokens: usize,
     precision: EmbedPrecision,
+    /// Most passes started and unfinished (`flumen.embed_passes_in_flight`, 1 or 2).
+    passes_in_flight: usize,
 }
 
 impl EmbedSettings {
@@ -90,6 +93,7 @@ impl EmbedSettings {
             batch_size: flumen.embed_batch_size,
             batch_tokens: flumen.embed_batch_tokens,
             precision: flumen.embed_precision,
+            passes_in_flight: flumen.embed_passes_in_flight,
         }
     }
 }
@@ -203,8 +207,9 @@ impl Batching {
         }
     }
 
-    /// The token budget of the next pass; `None` when passes are cut by sentences.
-    fn token_budget(&self) -> Option<usize> {
+    /// The token budget of the next pass (which takes its place in the tuner's schedule);
+    /// `None` when passes are cut by sentences.
+    fn token_budget(&mut self) -> Option<usize> {
         match self {
             Self::Sentences(_) => None,
             Self::Tokens(budget) => Some(*budget),
@@ -218,6 +223,9 @@ pub struct EmbedWorker {
     tokenizer: Arc<SentenceTokenizer>,
     encoder: Box<dyn SentenceEncoder>,
     batching: Batching,
+    /// Most passes it keeps started and unfinished: the setting, within what the encoder
+    /// queues.
+    passes_in_flight: usize,
     /// Milliseconds its load took (files, tokenizer, device, weights, kernels).
     load_ms: u64,
     /// Milliseconds of it reading the tokenizer and the weights.
@@ -236,6 +244,12 @@ impl EmbedWorker {
 
     fn load(settings: &EmbedSettings) -> Result<Self> {
         let started = Instant::now();
+        if !(1..=2).contains(&settings.passes_in_flight) {
+            return Err(DataFusionError::Configuration(format!(
+                "flumen.embed_passes_in_flight must be 1 or 2, got {}",
+                settings.passes_in_flight
+            )));
+        }
         model_files::check_model_dir(&settings.model_dir)?;
         // A GPU's context, kernels and cuBLAS come up on a thread of their own while this
         // one reads the tokenizer and the weights (0.3-0.4 s each on an H200, where one after
@@ -288,10 +302,12 @@ impl EmbedWorker {
             _ => cpu_encoder(weights, settings)?,
         };
         let batching = Batching::from(settings, encoder.on_accelerator());
+        let passes_in_flight = settings.passes_in_flight.min(encoder.passes_in_flight());
         Ok(Self {
             tokenizer,
             encoder,
             batching,
+            passes_in_flight,
             load_ms: started.elapsed().as_millis() as u64,
             files_ms,
         })
@@ -381,35 +397,73 @@ impl EmbedWorker {
         present: &[usize],
         ids: &[&[u32]],
     ) -> Result<Vec<f32>> {
-        let dim = EMBEDDING_DIM as usize;
+        let mut out = vec![0f32; rows * EMBEDDING_DIM as usize];
+        let passes = Passes {
+            encoder: self.encoder.as_mut(),
+            batching: &mut self.batching,
+            in_flight: self.passes_in_flight,
+        };
+        passes.run(present, ids, &mut out)?;
+        Ok(out)
+    }
+}
+
+/// How a worker runs a block's sequences through its encoder: in passes cut by `batching`,
+/// shortest sequences first, up to `in_flight` of them started before the oldest is
+/// finished (so an accelerator computes one while the next is packed and queued).
+struct Passes<'a> {
+    encoder: &'a mut dyn SentenceEncoder,
+    batching: &'a mut Batching,
+    in_flight: usize,
+}
+
+impl Passes<'_> {
+    /// The vectors of sequences `ids` into rows `present` of `out` (`[rows, width]`
+    /// row-major, `width` the encoder's).
+    fn run(self, present: &[usize], ids: &[&[u32]], out: &mut [f32]) -> Result<()> {
         // Similar lengths together: attention work per batch stays even.
         let mut order: Vec<usize> = (0..ids.len()).collect();
         order.sort_by_key(|&j| ids[j].len());
-        let mut out = vec![0f32; rows * dim];
+        let mut in_flight = std::collections::VecDeque::new();
         let mut start = 0;
-        while start < order.len() {
-            let budget = self.batching.token_budget();
-            let (end, tokens) = match (&self.batching, budget) {
-                (Batching::Sentences(n), _) => {
-                    let end = (start + n).min(order.len());
-                    (end, order[start..end].iter().map(|&j| ids[j].len()).sum())
-                }
-                (_, budget) => pass_end(&order, ids, start, budget.unwrap_or(usize::MAX)),
-            };
-            let chunk = &order[start..end];
-            let batch = PackedBatch::new(chunk.iter().map(|&j| ids[j]));
-            let began = Instant::now();
-            let vectors = self.encoder.encode(&batch)?;
-            if let (Batching::Adaptive(tuner), Some(budget)) = (&mut self.batching, budget) {
-                tuner.record(budget, tokens, began.elapsed());
+        // When the last finished pass's vectors came back: the device moved on from there.
+        let mut last_back = Instant::now();
+        while start < order.len() || !in_flight.is_empty() {
+            if start < order.len() && in_flight.len() < self.in_flight.max(1) {
+                let budget = self.batching.token_budget();
+                let (end, tokens) = match (&*self.batching, budget) {
+                    (Batching::Sentences(n), _) => {
+                        let end = (start + n).min(order.len());
+                        (end, order[start..end].iter().map(|&j| ids[j].len()).sum())
+                    }
+                    (_, budget) => pass_end(&order, ids, start, budget.unwrap_or(usize::MAX)),
+                };
+                let batch = PackedBatch::new(order[start..end].iter().map(|&j| ids[j]));
+                let began = Instant::now();
+                let started = self.encoder.start(&batch)?;
+                in_flight.push_back((started, start..end, tokens, budget, began));
+                start = end;
+                continue;
             }
-            for (k, &j) in chunk.iter().enumerate() {
+            let (started, chunk, tokens, budget, began) =
+                in_flight.pop_front().expect("a pass is in flight");
+            let vectors = self.encoder.finish(started)?;
+            let back = Instant::now();
+            // The device ran this pass from its start or from the previous pass's end,
+            // whichever came later.
+            let ran = back - began.max(last_back);
+            last_back = back;
+            if let (Batching::Adaptive(tuner), Some(budget)) = (&mut *self.batching, budget) {
+                tuner.record(budget, tokens, ran);
+            }
+            let width = vectors.len() / chunk.len();
+            for (k, &j) in order[chunk].iter().enumerate() {
                 let row = present[j];
-                out[row * dim..(row + 1) * dim].copy_from_slice(&vectors[k * dim..(k + 1) * dim]);
+                out[row * width..(row + 1) * width]
+                    .copy_from_slice(&vectors[k * width..(k + 1) * width]);
             }
-            start = end;
         }
-        Ok(out)
+        Ok(())
     }
 }
 
@@ -446,6 +500,10 @@ impl AcceleratorWorker for EmbedWorker {
         metrics.push(("embed_load_ms".into(), self.load_ms));
         metrics.push(("embed_files_ms".into(), self.files_ms));
         metrics.push(("embed_bf16".into(), self.encoder.bf16() as u64));
+        metrics.push((
+            "embed_passes_in_flight".into(),
+            self.passes_in_flight as u64,
+        ));
         metrics.extend(self.encoder.load_metrics());
         metrics
     }
@@ -473,6 +531,96 @@ impl AcceleratorWorker for EmbedWorker {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use bert::StartedPass;
+
+    /// An encoder that, like a GPU's, computes a pass only when it is finished: each
+    /// sequence's vector is `[its length, its first id]`. It checks passes finish in the
+    /// order they started and counts how many were ever unfinished at once.
+    #[derive(Default)]
+    struct Deferred {
+        queued: std::collections::VecDeque<(u64, PackedBatch)>,
+        started: u64,
+        most_unfinished: usize,
+    }
+
+    impl SentenceEncoder for Deferred {
+        fn encode(&mut self, batch: &PackedBatch) -> Result<Vec<f32>> {
+            let pass = self.start(batch)?;
+            self.finish(pass)
+        }
+        fn start(&mut self, batch: &PackedBatch) -> Result<StartedPass> {
+            self.queued.push_back((self.started, batch.clone()));
+            self.most_unfinished = self.most_unfinished.max(self.queued.len());
+            self.started += 1;
+            Ok(StartedPass::OnDevice {
+                slot: 0,
+                number: self.started - 1,
+            })
+        }
+        fn finish(&mut self, pass: StartedPass) -> Result<Vec<f32>> {
+            let StartedPass::OnDevice { number, .. } = pass else {
+                panic!("not queued");
+            };
+            let (queued, batch) = self.queued.pop_front().unwrap();
+            assert_eq!(queued, number, "finished out of order");
+            let offsets = batch.offsets();
+            Ok(batch
+                .lengths
+                .iter()
+                .zip(offsets)
+                .flat_map(|(&len, at)| [len as f32, batch.ids[at] as f32])
+                .collect())
+        }
+        fn device(&self) -> String {
+            "deferred".into()
+        }
+        fn passes_in_flight(&self) -> usize {
+            2
+        }
+    }
+
+    /// With two passes in flight every row still gets its own sequence's vector, rows
+    /// without one stay zero, and no more than two passes are ever unfinished.
+    #[test]
+    fn passes_in_flight_put_each_vector_in_its_row() {
+        let sequences: Vec<Vec<u32>> = (0..40u32)
+            .map(|i| (0..(1 + (i * 7) % 13)).map(|t| 1000 + i + t).collect())
+            .collect();
+        let ids: Vec<&[u32]> = sequences.iter().map(Vec::as_slice).collect();
+        // Row 2k holds sequence k; odd rows are nulls.
+        let present: Vec<usize> = (0..ids.len()).map(|k| 2 * k).collect();
+        for (in_flight, mut batching) in [
+            (2, Batching::Tokens(20)),
+            (2, Batching::Sentences(3)),
+            (1, Batching::Tokens(20)),
+        ] {
+            let mut encoder = Deferred::default();
+            let mut out = vec![-1f32; 2 * ids.len() * 2];
+            Passes {
+                encoder: &mut encoder,
+                batching: &mut batching,
+                in_flight,
+            }
+            .run(&present, &ids, &mut out)
+            .unwrap();
+            for (k, seq) in sequences.iter().enumerate() {
+                assert_eq!(
+                    out[4 * k..4 * k + 2],
+                    [seq.len() as f32, seq[0] as f32],
+                    "row {}",
+                    2 * k
+                );
+                assert_eq!(out[4 * k + 2..4 * k + 4], [-1.0, -1.0], "null row");
+            }
+            assert!(encoder.queued.is_empty());
+            assert_eq!(encoder.most_unfinished, in_flight, "{batching:?}");
+            assert!(
+                encoder.started > 3,
+                "{batching:?}: {} passes",
+                encoder.started
+            );
+        }
+    }
 
     #[test]
     fn missing_model_names_the_file_and_the_fix() {
@@ -484,6 +632,7 @@ mod tests {
             batch_size: 8,
             batch_tokens: 0,
             precision: EmbedPrecision::Fp32,
+            passes_in_flight: 2,
         };
         let err = EmbedWorker::load(&settings)
             .err()
