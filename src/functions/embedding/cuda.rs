@@ -1105,6 +1105,14 @@ impl CudaEncoder {
     }
 }
 
+impl Drop for CudaEncoder {
+    /// Passes still queued (left by a caller that failed) end before the pinned buffers
+    /// their copies use are freed.
+    fn drop(&mut self) {
+        let _ = self.device.stream.synchronize();
+    }
+}
+
 impl SentenceEncoder for CudaEncoder {
     fn encode(&mut self, batch: &PackedBatch) -> Result<Vec<f32>> {
         let pass = self.start_pass(batch)?;
