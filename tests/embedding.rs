@@ -696,4 +696,41 @@ async fn cuda_passes_in_flight_give_the_vectors_of_one_at_a_time() {
     let ctx = session("cuda").await;
     let text = analyze_refs(&ctx).await;
     assert!(text.contains("embed_passes_in_flight=2"), "{text}");
+
+    // Through SQL, pieces of 64 documents in passes of at most 4,096 tokens: the worker
+    // queues the next piece's passes before the last piece is collected; the vectors are
+    // those of one pass at a time.
+    let mut runs = vec![];
+    for passes in [1, 2] {
+        let ctx = session("cuda").await;
+        for set in [
+            "SET flumen.model_piece_rows = 64".to_string(),
+            "SET flumen.embed_batch_tokens = 4096".to_string(),
+            format!("SET flumen.embed_passes_in_flight = {passes}"),
+        ] {
+            collect(&ctx, &set).await;
+        }
+        ctx.register_parquet("docs", path.to_str().unwrap(), Default::default())
+            .await
+            .unwrap();
+        let started = std::time::Instant::now();
+        let out = collect(&ctx, "SELECT id, embed(clean_text(body)) AS v FROM docs").await;
+        let seconds = started.elapsed().as_secs_f64();
+        let mut vectors = common::embeddings_by_id(&out);
+        vectors.sort_by_key(|(id, _)| *id);
+        println!(
+            "cuda, pieces of 64, {passes} passes in flight: 2,000 documents in {seconds:.3} s"
+        );
+        runs.push(vectors);
+    }
+    assert_eq!(runs[0].len(), 2000);
+    let mut worst = f64::INFINITY;
+    for ((id, one), (id2, two)) in runs[0].iter().zip(&runs[1]) {
+        assert_eq!(id, id2);
+        worst = worst.min(cosine(one, two));
+    }
+    assert!(
+        worst >= 0.999999,
+        "pieces queued ahead: lowest cosine {worst}"
+    );
 }

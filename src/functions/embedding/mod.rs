@@ -8,7 +8,8 @@
 //! run in forward passes packed back to back (no padding), each of at most a token budget
 //! that the worker tunes from measured throughput ([`batch_tuner`]; or fixed with
 //! `flumen.embed_batch_tokens`, or `flumen.embed_batch_size` sentences a pass); results come
-//! back in the block's row order.
+//! back in the block's row order. On a GPU the passes of a piece, and of the piece the
+//! model's operator queues next, are kept queued on the device ([`pass_queue`]).
 
 pub mod batch_tuner;
 pub mod bert;
@@ -17,12 +18,13 @@ pub mod cuda;
 pub mod cuda_compile;
 pub mod cuda_passes;
 pub mod model_files;
+pub mod pass_queue;
 pub mod row_kernels;
 pub mod tokenize_step;
 pub mod tokenizer;
 
 use std::path::PathBuf;
-use std::sync::{Arc, Once};
+use std::sync::{Arc, Mutex, Once};
 use std::time::Instant;
 
 use datafusion::arrow::array::{Array, ArrayRef, AsArray, FixedSizeListArray, Float32Array};
@@ -34,9 +36,12 @@ use datafusion::error::{DataFusionError, Result};
 use datafusion::logical_expr::{ScalarUDF, Signature, Volatility};
 
 use crate::config::{Device, EmbedPrecision, FlumenConfig};
-use crate::functions::accelerator::{AcceleratorFunction, AcceleratorWorker, WorkerResources};
+use crate::functions::accelerator::{
+    AcceleratorFunction, AcceleratorWorker, PendingOutput, WorkerResources,
+};
 use batch_tuner::BatchTuner;
-use bert::{BertWeights, PackedBatch, SentenceEncoder};
+use bert::{BertWeights, SentenceEncoder};
+use pass_queue::{PassQueue, PieceTokens};
 use tokenizer::SentenceTokenizer;
 
 /// Width of all-MiniLM-L6-v2's embeddings.
@@ -221,11 +226,9 @@ impl Batching {
 /// A loaded model: tokenizer plus a backend holding the weights.
 pub struct EmbedWorker {
     tokenizer: Arc<SentenceTokenizer>,
-    encoder: Box<dyn SentenceEncoder>,
-    batching: Batching,
-    /// Most passes it keeps started and unfinished: the setting, within what the encoder
-    /// queues.
-    passes_in_flight: usize,
+    /// The encoder and the pieces' passes queued on it (shared with the pieces this worker
+    /// queued, [`AcceleratorWorker::start`]).
+    queue: Arc<Mutex<PassQueue>>,
     /// Milliseconds its load took (files, tokenizer, device, weights, kernels).
     load_ms: u64,
     /// Milliseconds of it reading the tokenizer and the weights.
@@ -302,12 +305,13 @@ impl EmbedWorker {
             _ => cpu_encoder(weights, settings)?,
         };
         let batching = Batching::from(settings, encoder.on_accelerator());
-        let passes_in_flight = settings.passes_in_flight.min(encoder.passes_in_flight());
+        // Most passes it keeps started and unfinished: the setting, within what the encoder
+        // queues.
+        let in_flight = settings.passes_in_flight.min(encoder.passes_in_flight());
+        let queue = PassQueue::new(encoder, batching, in_flight, EMBEDDING_DIM as usize);
         Ok(Self {
             tokenizer,
-            encoder,
-            batching,
-            passes_in_flight,
+            queue: Arc::new(Mutex::new(queue)),
             load_ms: started.elapsed().as_millis() as u64,
             files_ms,
         })
@@ -328,32 +332,25 @@ impl EmbedWorker {
 
     /// The backend this worker computes on, e.g. `cpu (2 threads)`.
     pub fn device(&self) -> String {
-        self.encoder.device()
+        self.lock_queue().encoder().device()
+    }
+
+    /// The pass queue. A thread that panicked holding it left nothing a later piece reads
+    /// half done: a failed pass clears the queue.
+    fn lock_queue(&self) -> std::sync::MutexGuard<'_, PassQueue> {
+        self.queue.lock().unwrap_or_else(|e| e.into_inner())
     }
 
     /// Embeddings of `texts` (None → None), `[rows, 384]` row-major with zeros for nulls.
     pub fn embed(&mut self, texts: &[Option<&str>]) -> Result<Vec<f32>> {
-        let present: Vec<usize> = (0..texts.len()).filter(|&i| texts[i].is_some()).collect();
-        let strings: Vec<&str> = present
-            .iter()
-            .map(|&i| texts[i].unwrap_or_default())
-            .collect();
-        let ids = self.tokenizer.encode(&strings)?;
-        let ids: Vec<&[u32]> = ids.iter().map(Vec::as_slice).collect();
-        self.embed_present(texts.len(), &present, &ids)
+        let tokens = self.tokens_of_texts(texts)?;
+        self.embed_now(tokens)
     }
 
     /// Embeddings of token sequences as `embed_tokens` gives them (None → None), `[rows,
     /// 384]` row-major with zeros for nulls.
     pub fn embed_token_ids(&mut self, sequences: &[Option<&[u32]>]) -> Result<Vec<f32>> {
-        let present: Vec<usize> = (0..sequences.len())
-            .filter(|&i| sequences[i].is_some())
-            .collect();
-        let ids: Vec<&[u32]> = present
-            .iter()
-            .map(|&i| sequences[i].unwrap_or_default())
-            .collect();
-        self.embed_present(sequences.len(), &present, &ids)
+        self.embed_now(tokens_of_sequences(sequences))
     }
 
     /// Embeddings of a column of texts (Utf8, LargeUtf8, Utf8View) or of token ids as
@@ -361,6 +358,14 @@ impl EmbedWorker {
     /// nulls, and which rows were not null. What a model function of your own that declares
     /// `embed_tokens` as its [`cpu_step`](AcceleratorFunction::cpu_step) calls in `process`.
     pub fn embed_column(&mut self, column: &ArrayRef) -> Result<(Vec<f32>, Vec<bool>)> {
+        let tokens = self.tokens_of_column(column)?;
+        let present = present_rows(&tokens);
+        Ok((self.embed_now(tokens)?, present))
+    }
+
+    /// The token sequences of a column of texts or of token ids (see
+    /// [`embed_column`](Self::embed_column)).
+    fn tokens_of_column(&self, column: &ArrayRef) -> Result<PieceTokens> {
         match column.data_type() {
             DataType::List(item) if item.data_type() == &DataType::UInt32 => {
                 let lists = column.as_list::<i32>();
@@ -372,8 +377,7 @@ impl EmbedWorker {
                         lists.is_valid(i).then(|| &ids[range])
                     })
                     .collect();
-                let present = sequences.iter().map(Option::is_some).collect();
-                Ok((self.embed_token_ids(&sequences)?, present))
+                Ok(tokens_of_sequences(&sequences))
             }
             DataType::Utf8 | DataType::LargeUtf8 | DataType::Utf8View => {
                 let texts: Vec<Option<&str>> = match column.data_type() {
@@ -381,8 +385,7 @@ impl EmbedWorker {
                     DataType::LargeUtf8 => column.as_string::<i64>().iter().collect(),
                     _ => column.as_string_view().iter().collect(),
                 };
-                let present = texts.iter().map(Option::is_some).collect();
-                Ok((self.embed(&texts)?, present))
+                self.tokens_of_texts(&texts)
             }
             other => Err(DataFusionError::Execution(format!(
                 "embed() takes text (Utf8, LargeUtf8 or Utf8View), got {other}"
@@ -390,102 +393,101 @@ impl EmbedWorker {
         }
     }
 
-    /// Embeddings of `rows` rows, of which rows `present[j]` have tokens `ids[j]`.
-    fn embed_present(
-        &mut self,
-        rows: usize,
-        present: &[usize],
-        ids: &[&[u32]],
-    ) -> Result<Vec<f32>> {
-        let mut out = vec![0f32; rows * EMBEDDING_DIM as usize];
-        let passes = Passes {
-            encoder: self.encoder.as_mut(),
-            batching: &mut self.batching,
-            in_flight: self.passes_in_flight,
-        };
-        passes.run(present, ids, &mut out)?;
-        Ok(out)
+    /// `texts` tokenized (None: a null row).
+    fn tokens_of_texts(&self, texts: &[Option<&str>]) -> Result<PieceTokens> {
+        let present: Vec<usize> = (0..texts.len()).filter(|&i| texts[i].is_some()).collect();
+        let strings: Vec<&str> = present
+            .iter()
+            .map(|&i| texts[i].unwrap_or_default())
+            .collect();
+        Ok(PieceTokens {
+            rows: texts.len(),
+            ids: self.tokenizer.encode(&strings)?,
+            present,
+        })
+    }
+
+    /// A piece's vectors, computed now: queued behind any piece already queued, then
+    /// collected.
+    fn embed_now(&mut self, tokens: PieceTokens) -> Result<Vec<f32>> {
+        let mut queue = self.lock_queue();
+        let id = queue.start(tokens)?;
+        queue.collect(id)
     }
 }
 
-/// How a worker runs a block's sequences through its encoder: in passes cut by `batching`,
-/// shortest sequences first, up to `in_flight` of them started before the oldest is
-/// finished (so an accelerator computes one while the next is packed and queued).
-struct Passes<'a> {
-    encoder: &'a mut dyn SentenceEncoder,
-    batching: &'a mut Batching,
-    in_flight: usize,
+/// Token sequences (None: a null row) as a piece.
+fn tokens_of_sequences(sequences: &[Option<&[u32]>]) -> PieceTokens {
+    let present: Vec<usize> = (0..sequences.len())
+        .filter(|&i| sequences[i].is_some())
+        .collect();
+    PieceTokens {
+        rows: sequences.len(),
+        ids: present
+            .iter()
+            .map(|&i| sequences[i].unwrap_or_default().to_vec())
+            .collect(),
+        present,
+    }
 }
 
-impl Passes<'_> {
-    /// The vectors of sequences `ids` into rows `present` of `out` (`[rows, width]`
-    /// row-major, `width` the encoder's).
-    fn run(self, present: &[usize], ids: &[&[u32]], out: &mut [f32]) -> Result<()> {
-        // Similar lengths together: attention work per batch stays even.
-        let mut order: Vec<usize> = (0..ids.len()).collect();
-        order.sort_by_key(|&j| ids[j].len());
-        let mut in_flight = std::collections::VecDeque::new();
-        let mut start = 0;
-        // When the last finished pass's vectors came back: the device moved on from there.
-        let mut last_back = Instant::now();
-        while start < order.len() || !in_flight.is_empty() {
-            if start < order.len() && in_flight.len() < self.in_flight.max(1) {
-                let budget = self.batching.token_budget();
-                let (end, tokens) = match (&*self.batching, budget) {
-                    (Batching::Sentences(n), _) => {
-                        let end = (start + n).min(order.len());
-                        (end, order[start..end].iter().map(|&j| ids[j].len()).sum())
-                    }
-                    (_, budget) => pass_end(&order, ids, start, budget.unwrap_or(usize::MAX)),
-                };
-                let batch = PackedBatch::new(order[start..end].iter().map(|&j| ids[j]));
-                let began = Instant::now();
-                let started = self.encoder.start(&batch)?;
-                in_flight.push_back((started, start..end, tokens, budget, began));
-                start = end;
-                continue;
-            }
-            let (started, chunk, tokens, budget, began) =
-                in_flight.pop_front().expect("a pass is in flight");
-            let vectors = self.encoder.finish(started)?;
-            let back = Instant::now();
-            // The device ran this pass from its start or from the previous pass's end,
-            // whichever came later.
-            let ran = back - began.max(last_back);
-            last_back = back;
-            if let (Batching::Adaptive(tuner), Some(budget)) = (&mut *self.batching, budget) {
-                tuner.record(budget, tokens, ran);
-            }
-            let width = vectors.len() / chunk.len();
-            for (k, &j) in order[chunk].iter().enumerate() {
-                let row = present[j];
-                out[row * width..(row + 1) * width]
-                    .copy_from_slice(&vectors[k * width..(k + 1) * width]);
-            }
+/// Which rows of a piece have a sequence (the others are nulls).
+fn present_rows(tokens: &PieceTokens) -> Vec<bool> {
+    let mut present = vec![false; tokens.rows];
+    for &row in &tokens.present {
+        present[row] = true;
+    }
+    present
+}
+
+/// The `FixedSizeList(Float32, 384)` array of a piece's vectors: null where `column` is
+/// null or the row had no sequence.
+fn embedding_array(column: &ArrayRef, values: Vec<f32>, present: &[bool]) -> Result<ArrayRef> {
+    let nulls = column.logical_nulls().or_else(|| {
+        present
+            .iter()
+            .any(|p| !p)
+            .then(|| NullBuffer::from_iter(present.iter().copied()))
+    });
+    let field = Arc::new(Field::new_list_field(DataType::Float32, true));
+    let array = FixedSizeListArray::try_new(
+        field,
+        EMBEDDING_DIM,
+        Arc::new(Float32Array::from(values)),
+        nulls,
+    )?;
+    Ok(Arc::new(array))
+}
+
+/// A piece queued by [`EmbedWorker`]'s `start`: collected once, or abandoned when dropped
+/// uncollected (its caller went away), so its passes do not hold the queue.
+struct QueuedPiece {
+    queue: Arc<Mutex<PassQueue>>,
+    id: u64,
+    collected: bool,
+}
+
+impl QueuedPiece {
+    fn collect(mut self) -> Result<Vec<f32>> {
+        self.collected = true;
+        let mut queue = self.queue.lock().unwrap_or_else(|e| e.into_inner());
+        queue.collect(self.id)
+    }
+}
+
+impl Drop for QueuedPiece {
+    fn drop(&mut self) {
+        if !self.collected {
+            let mut queue = self.queue.lock().unwrap_or_else(|e| e.into_inner());
+            queue.abandon(self.id);
         }
-        Ok(())
     }
-}
-
-/// Where the pass starting at `order[start]` ends so it holds at most `budget` tokens (at
-/// least one sequence), and the tokens it holds.
-fn pass_end(order: &[usize], ids: &[&[u32]], start: usize, budget: usize) -> (usize, usize) {
-    let mut end = start;
-    let mut tokens = 0;
-    while end < order.len() {
-        let len = ids[order[end]].len();
-        if end > start && tokens + len > budget {
-            break;
-        }
-        tokens += len;
-        end += 1;
-    }
-    (end, tokens)
 }
 
 impl AcceleratorWorker for EmbedWorker {
     fn metrics(&self) -> Vec<(String, u64)> {
-        let mut metrics = match &self.batching {
+        let queue = self.lock_queue();
+        let mut metrics = match queue.batching() {
             Batching::Sentences(n) => vec![("embed_batch_size".into(), *n as u64)],
             Batching::Tokens(budget) => vec![("embed_batch_tokens".into(), *budget as u64)],
             Batching::Adaptive(tuner) => {
@@ -499,128 +501,48 @@ impl AcceleratorWorker for EmbedWorker {
         };
         metrics.push(("embed_load_ms".into(), self.load_ms));
         metrics.push(("embed_files_ms".into(), self.files_ms));
-        metrics.push(("embed_bf16".into(), self.encoder.bf16() as u64));
+        metrics.push(("embed_bf16".into(), queue.encoder().bf16() as u64));
         metrics.push((
             "embed_passes_in_flight".into(),
-            self.passes_in_flight as u64,
+            queue.in_flight_limit() as u64,
         ));
-        metrics.extend(self.encoder.load_metrics());
+        metrics.extend(queue.encoder().load_metrics());
         metrics
     }
 
     fn process(&mut self, args: &[ArrayRef], _return_type: &DataType) -> Result<ArrayRef> {
         let column = &args[0];
         let (values, present) = self.embed_column(column)?;
-        let nulls = column.logical_nulls().or_else(|| {
-            present
-                .iter()
-                .any(|p| !p)
-                .then(|| NullBuffer::from_iter(present.iter().copied()))
-        });
-        let field = Arc::new(Field::new_list_field(DataType::Float32, true));
-        let array = FixedSizeListArray::try_new(
-            field,
-            EMBEDDING_DIM,
-            Arc::new(Float32Array::from(values)),
-            nulls,
-        )?;
-        Ok(Arc::new(array))
+        embedding_array(column, values, &present)
+    }
+
+    /// Where passes queue on a device (more than one in flight), the piece's passes are
+    /// queued behind those of pieces queued before it and the result is collected later,
+    /// so the device works on this piece while the operator hands the last one on; else
+    /// the piece is computed now.
+    fn start(&mut self, args: &[ArrayRef], return_type: &DataType) -> Result<PendingOutput> {
+        if self.lock_queue().in_flight_limit() < 2 {
+            return self.process(args, return_type).map(PendingOutput::ready);
+        }
+        let column = Arc::clone(&args[0]);
+        let tokens = self.tokens_of_column(&column)?;
+        let present = present_rows(&tokens);
+        let id = self.lock_queue().start(tokens)?;
+        let piece = QueuedPiece {
+            queue: Arc::clone(&self.queue),
+            id,
+            collected: false,
+        };
+        Ok(PendingOutput::new(move || {
+            let values = piece.collect()?;
+            embedding_array(&column, values, &present)
+        }))
     }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
-    use bert::StartedPass;
-
-    /// An encoder that, like a GPU's, computes a pass only when it is finished: each
-    /// sequence's vector is `[its length, its first id]`. It checks passes finish in the
-    /// order they started and counts how many were ever unfinished at once.
-    #[derive(Default)]
-    struct Deferred {
-        queued: std::collections::VecDeque<(u64, PackedBatch)>,
-        started: u64,
-        most_unfinished: usize,
-    }
-
-    impl SentenceEncoder for Deferred {
-        fn encode(&mut self, batch: &PackedBatch) -> Result<Vec<f32>> {
-            let pass = self.start(batch)?;
-            self.finish(pass)
-        }
-        fn start(&mut self, batch: &PackedBatch) -> Result<StartedPass> {
-            self.queued.push_back((self.started, batch.clone()));
-            self.most_unfinished = self.most_unfinished.max(self.queued.len());
-            self.started += 1;
-            Ok(StartedPass::OnDevice {
-                slot: 0,
-                number: self.started - 1,
-            })
-        }
-        fn finish(&mut self, pass: StartedPass) -> Result<Vec<f32>> {
-            let StartedPass::OnDevice { number, .. } = pass else {
-                panic!("not queued");
-            };
-            let (queued, batch) = self.queued.pop_front().unwrap();
-            assert_eq!(queued, number, "finished out of order");
-            let offsets = batch.offsets();
-            Ok(batch
-                .lengths
-                .iter()
-                .zip(offsets)
-                .flat_map(|(&len, at)| [len as f32, batch.ids[at] as f32])
-                .collect())
-        }
-        fn device(&self) -> String {
-            "deferred".into()
-        }
-        fn passes_in_flight(&self) -> usize {
-            2
-        }
-    }
-
-    /// With two passes in flight every row still gets its own sequence's vector, rows
-    /// without one stay zero, and no more than two passes are ever unfinished.
-    #[test]
-    fn passes_in_flight_put_each_vector_in_its_row() {
-        let sequences: Vec<Vec<u32>> = (0..40u32)
-            .map(|i| (0..(1 + (i * 7) % 13)).map(|t| 1000 + i + t).collect())
-            .collect();
-        let ids: Vec<&[u32]> = sequences.iter().map(Vec::as_slice).collect();
-        // Row 2k holds sequence k; odd rows are nulls.
-        let present: Vec<usize> = (0..ids.len()).map(|k| 2 * k).collect();
-        for (in_flight, mut batching) in [
-            (2, Batching::Tokens(20)),
-            (2, Batching::Sentences(3)),
-            (1, Batching::Tokens(20)),
-        ] {
-            let mut encoder = Deferred::default();
-            let mut out = vec![-1f32; 2 * ids.len() * 2];
-            Passes {
-                encoder: &mut encoder,
-                batching: &mut batching,
-                in_flight,
-            }
-            .run(&present, &ids, &mut out)
-            .unwrap();
-            for (k, seq) in sequences.iter().enumerate() {
-                assert_eq!(
-                    out[4 * k..4 * k + 2],
-                    [seq.len() as f32, seq[0] as f32],
-                    "row {}",
-                    2 * k
-                );
-                assert_eq!(out[4 * k + 2..4 * k + 4], [-1.0, -1.0], "null row");
-            }
-            assert!(encoder.queued.is_empty());
-            assert_eq!(encoder.most_unfinished, in_flight, "{batching:?}");
-            assert!(
-                encoder.started > 3,
-                "{batching:?}: {} passes",
-                encoder.started
-            );
-        }
-    }
 
     #[test]
     fn missing_model_names_the_file_and_the_fix() {
