@@ -285,7 +285,7 @@ fn main() -> Result<()> {
         return Ok(());
     }
     if args.accelerator == "auto" {
-        args.accelerator = if flumen::functions::embedding::cuda::cuda_available() {
+        args.accelerator = if flumen::functions::embedding::cuda_driver::cuda_available() {
             "cuda".into()
         } else {
             "emulated".into()

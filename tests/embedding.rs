@@ -129,7 +129,7 @@ async fn cpu_matches_sentence_transformers() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn cuda_matches_sentence_transformers() {
-    if let Err(why) = flumen::functions::embedding::cuda::probe_device_count() {
+    if let Err(why) = flumen::functions::embedding::cuda_driver::probe_device_count() {
         skip_no_device(&why.to_string());
         return;
     }
@@ -449,7 +449,7 @@ async fn cuda_bf16_stays_within_cosine_0_999_of_fp32_and_the_reference() {
     use flumen::functions::embedding::cuda::{CudaDevice, CudaEncoder};
     use flumen::functions::embedding::model_files;
 
-    if let Err(why) = flumen::functions::embedding::cuda::probe_device_count() {
+    if let Err(why) = flumen::functions::embedding::cuda_driver::probe_device_count() {
         return skip_no_device(&why.to_string());
     }
     let weights = Arc::new(BertWeights::load(&model_files::model_dir("")).unwrap());
@@ -606,7 +606,7 @@ async fn cuda_passes_in_flight_give_the_vectors_of_one_at_a_time() {
     use flumen::functions::embedding::cuda::CudaEncoder;
     use flumen::functions::embedding::{model_files, tokenizer::SentenceTokenizer};
 
-    if let Err(why) = flumen::functions::embedding::cuda::probe_device_count() {
+    if let Err(why) = flumen::functions::embedding::cuda_driver::probe_device_count() {
         return skip_no_device(&why.to_string());
     }
     let dir = model_files::model_dir("");

@@ -15,8 +15,14 @@
 //! - [`worker_memory`]: a worker task's operators, within its query's budget beside its
 //!   blocks.
 //! - [`block_shelf`]: the blocks a worker keeps, each under the query that owns it.
-//! - [`worker_pool`]: the driver's side: starting (or attaching to), watching and replacing
-//!   workers, placing tasks on them and fetching blocks from them.
+//! - [`worker_client`]: the driver's Flight client of one worker: connecting with the
+//!   secret, the hello that refuses a non-worker or another protocol, why a call failed.
+//! - [`worker_handle`]: the driver's handle of one worker (its calls, liveness, running
+//!   tasks) and the blocks it holds for the driver.
+//! - [`worker_start`]: where a pool's workers come from: processes started on this host,
+//!   or running workers of a cluster attached to.
+//! - [`worker_pool`]: the driver's pool of workers: watching and replacing them, placing
+//!   tasks on them, retrying a task whose worker died or stuck.
 //! - [`membership`]: which running workers a driver attached to a cluster uses
 //!   (`flumen.cluster`).
 //! - `kubernetes`: finding worker pods through the Kubernetes API (cargo feature
@@ -33,9 +39,12 @@ pub mod shipped_functions;
 pub mod task_plan;
 pub mod tls;
 pub(crate) mod worker;
+pub(crate) mod worker_client;
 pub mod worker_command;
+pub(crate) mod worker_handle;
 pub(crate) mod worker_memory;
 pub(crate) mod worker_pool;
+pub(crate) mod worker_start;
 pub(crate) mod worker_tasks;
 
 pub use worker::{WorkerSettings, serve};

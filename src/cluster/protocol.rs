@@ -113,6 +113,11 @@ pub struct ReleaseRequest {
 /// task's inputs may fill several in-memory sources ([`TaskRequest::input_sources`]).
 pub const PROTOCOL_VERSION: u32 = 5;
 
+/// Largest message a worker accepts or sends: a block-wise task carries its input blocks
+/// inline (8,192 rows of web pages are ~10 MB, over tonic's 4 MiB default), so the bound is
+/// set by what one task's input may hold, not by gRPC's default. Both ends set it.
+pub const MAX_TASK_BYTES: usize = 1 << 30;
+
 /// What a driver says when it first asks a worker's `status` (the body of that action): the
 /// worker refuses a driver of another protocol, naming both versions.
 #[derive(Debug, Clone, Serialize, Deserialize)]

@@ -6,7 +6,7 @@
 //! ([`crate::cluster::tls`]). Every call must carry the driver's secret
 //! ([`crate::cluster::auth`]):
 //! - `handshake`: the secret in, a session token out (usable in place of the secret).
-//! - action `run`: a task, as a [`TaskRequest`] header and a DataFusion physical plan encoded
+//! - action `run`: a task, as a [`crate::cluster::protocol::TaskRequest`] header and a DataFusion physical plan encoded
 //!   with `datafusion-proto`. The worker checks it against what it runs
 //!   ([`crate::cluster::admission`]: flumen's node types, granted files, task settings),
 //!   runs every output partition of the plan, cuts the output into blocks of at most
@@ -55,13 +55,13 @@ use tonic::{Request, Response, Status, Streaming};
 use crate::cluster::auth::{RequireSecret, Secret};
 use crate::cluster::block_shelf::BlockShelf;
 use crate::cluster::protocol::{
-    BlockTicket, DeviceInfo, DriverHello, INPUT_LOST, InputTicket, PROGRESS_EVERY,
+    BlockTicket, DeviceInfo, DriverHello, INPUT_LOST, InputTicket, MAX_TASK_BYTES, PROGRESS_EVERY,
     PROTOCOL_VERSION, ReleaseRequest, RemoteBlockInfo, TaskEvent, TaskInput, WorkerStatus,
     decode_task,
 };
 use crate::cluster::tls::{TlsIdentity, WorkerTrust, require_tls_off_loopback};
+use crate::cluster::worker_client::{Client, connect, get_block};
 use crate::cluster::worker_memory::TaskMemory;
-use crate::cluster::worker_pool::{Client, connect, get_block};
 use crate::cluster::worker_tasks::{
     FetchBlock, FetchedInputs, ModelJob, PANICKED, Produced, run_task, start_model_thread,
 };
@@ -748,11 +748,6 @@ impl FlightService for WorkerService {
         Err(Status::unimplemented("do_exchange"))
     }
 }
-
-/// Largest message a worker accepts or sends: a block-wise task carries its input blocks
-/// inline (8,192 rows of web pages are ~10 MB, over tonic's 4 MiB default), so the bound is
-/// set by what one task's input may hold, not by gRPC's default. Both ends set it.
-pub const MAX_TASK_BYTES: usize = 1 << 30;
 
 /// Largest piece a block is cut into on its way back (`do_get` streams a block in pieces).
 const MAX_FLIGHT_DATA_BYTES: usize = 4 << 20;

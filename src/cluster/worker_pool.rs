@@ -1,90 +1,49 @@
-//! The driver's pool of worker processes (`SET flumen.workers = 'process'`).
+//! The driver's pool of workers (`SET flumen.workers = 'process'`): the workers of one kind
+//! a session runs its tasks on, watched, replaced, and chosen for each task.
 //!
-//! The pool starts `flumen.worker_processes` processes of the `flumen` binary
-//! (`flumen worker --listen 127.0.0.1:0`), learns each one's address from its first line of
-//! output, and talks to it over Arrow Flight (see [`crate::cluster::worker`]). Workers are addressed
+//! The pool starts `flumen.worker_processes` processes of the `flumen` binary on this host,
+//! or attaches to the running workers of a cluster (`flumen.cluster`): both in
+//! [`crate::cluster::worker_start`]. It talks to each over Arrow Flight through a
+//! [`WorkerHandle`] (see [`crate::cluster::worker`] for the other end). Workers are addressed
 //! by `host:port` only, so nothing here assumes they share the driver's machine, except
 //! starting them.
 //!
 //! A session has two pools: CPU workers and accelerator workers (`--pool accelerator`, which
 //! load each model once and keep it), see [`Pool`].
 //!
-//! Workers start with a cleared environment (only [`WORKER_ENVIRONMENT`] passes: no cloud
-//! credentials) and read the driver's secret ([`crate::cluster::auth`]) from their stdin,
-//! which the driver keeps open: when the driver dies, even by SIGKILL, the pipe closes and
-//! they exit. Every call carries the secret.
-//!
 //! A worker that stops answering is marked dead: a killed process breaks its connections at
 //! once, and a hung one misses its heartbeat (a `ping` every [`HEARTBEAT_EVERY`], answered
-//! within [`WorkerTimeouts::heartbeat`]) and is killed. Calls in flight to a dead worker end at once
-//! and their tasks are retried elsewhere; its blocks count as lost and are recomputed from
-//! lineage by whoever needs them, and a replacement process is started in the background.
-//! A task's reply streams its blocks as the worker cuts them, so consumers start on the first
-//! block while the task still runs. A task that shows no progress (no block, no rows of
-//! output) for `flumen.task_timeout_secs` marks its worker suspect: it is killed and the
-//! task retried on another one.
+//! within [`WorkerTimeouts::heartbeat`]) and is killed. Calls in flight to a dead worker end
+//! at once and their tasks are retried elsewhere; its blocks count as lost and are
+//! recomputed from lineage by whoever needs them, and a replacement process is started in
+//! the background. A task's reply streams its blocks as the worker cuts them, so consumers
+//! start on the first block while the task still runs. A task that shows no progress (no
+//! block, no rows of output) for `flumen.task_timeout_secs` marks its worker suspect: it is
+//! killed and the task retried on another one.
 
 use std::collections::HashSet;
-use std::io::Write;
-use std::path::PathBuf;
-use std::process::Stdio;
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use arrow_flight::decode::FlightRecordBatchStream;
-use arrow_flight::flight_service_client::FlightServiceClient;
-use arrow_flight::{Action, Ticket};
-use datafusion::arrow::compute::concat_batches;
-use datafusion::arrow::record_batch::RecordBatch;
 use datafusion::error::{DataFusionError, Result};
-use futures::{StreamExt, TryStreamExt};
-use tonic::service::interceptor::InterceptedService;
-use tonic::transport::Channel;
 
-use crate::cluster::auth::{Secret, SendSecret, driver_secret};
+use crate::cluster::auth::Secret;
 use crate::cluster::membership::{ClusterSettings, DISCOVER_EVERY, host_of};
-use crate::cluster::protocol::{
-    BlockTicket, DriverHello, PROTOCOL_VERSION, ReleaseRequest, RemoteBlockInfo, TaskEvent,
-    TaskRequest, WorkerStatus, encode_task,
-};
+use crate::cluster::protocol::TaskRequest;
 use crate::cluster::task_plan::WorkerFunctions;
-use crate::cluster::tls::{WorkerTrust, local_tls};
-use crate::cluster::worker::MAX_TASK_BYTES;
+use crate::cluster::tls::WorkerTrust;
+use crate::cluster::worker_client::Failure;
+use crate::cluster::worker_handle::{RemoteBlock, WorkerHandle};
+use crate::cluster::worker_start::{
+    START_TIMEOUT, WorkerProgram, attach_all, attach_worker, spawn_worker,
+};
 use crate::exec::on_driver::DriverTasks;
 use crate::exec::plan_metrics::PlanMetric;
 use crate::plan::graph::Pool;
-use crate::store::block::{HeldAt, HeldBlock};
-
-/// How long a starting worker may take to print its address.
-const START_TIMEOUT: Duration = Duration::from_secs(20);
 
 /// How often the driver pings each worker.
 pub const HEARTBEAT_EVERY: Duration = Duration::from_millis(500);
-
-/// The environment variables a worker process gets from its driver; all others (cloud
-/// credentials, tokens) stay behind.
-pub const WORKER_ENVIRONMENT: &[&str] = &[
-    "PATH",
-    "HOME",
-    "USER",
-    "LANG",
-    "LC_ALL",
-    "LC_CTYPE",
-    "TZ",
-    "TMPDIR",
-    "XDG_CACHE_HOME",
-    "RUST_LOG",
-    "RUST_BACKTRACE",
-    "LD_LIBRARY_PATH",
-    "CUDA_VISIBLE_DEVICES",
-    "CUDA_HOME",
-    "CUDA_PATH",
-    "NVIDIA_VISIBLE_DEVICES",
-    "FLUMEN_MODEL_DIR",
-    // Python workers (`python -m flumen worker`) find the packages their driver found.
-    "PYTHONPATH",
-];
 
 /// How the driver watches its workers.
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -127,385 +86,12 @@ pub enum Placement {
         /// How many workers (at least 1).
         size: usize,
         /// Talk to them in TLS (`flumen.worker_tls`), with this driver's own certificate
-        /// ([`local_tls`]).
+        /// ([`crate::cluster::tls::local_tls`]).
         tls: bool,
     },
     /// Workers already running on a cluster's hosts (`flumen.cluster`): those of the pool's
     /// kind join it as they are found, and a lost one rejoins when it answers again.
     Cluster(ClusterSettings),
-}
-
-/// A Flight client of one worker that presents the driver's secret on every call.
-pub type Client = FlightServiceClient<InterceptedService<Channel, SendSecret>>;
-
-/// A block that lives in a worker process.
-#[derive(Debug, Clone)]
-pub struct RemoteBlock {
-    /// The worker that holds it.
-    pub worker: Arc<WorkerHandle>,
-    /// What the worker said about it.
-    pub info: RemoteBlockInfo,
-    /// The query that owns it (its ticket names it).
-    pub query: String,
-}
-
-/// One worker this driver started or attached to. A worker that is lost and later
-/// answers again gets a new handle: what came through the old one (blocks, task replies)
-/// is never counted again.
-#[derive(Debug)]
-pub struct WorkerHandle {
-    /// Its `host:port`.
-    pub address: String,
-    /// Its process id (for tests that kill it).
-    pub pid: u32,
-    /// What it announced when it joined (identity, resources, functions).
-    pub announced: WorkerStatus,
-    /// This handle's number, unique in this driver: the fence between a worker's
-    /// attachments (a partitioned worker that comes back is attached anew).
-    pub serial: u64,
-    /// Tasks this driver is running on it now.
-    running: AtomicUsize,
-    kind: Pool,
-    /// It speaks TLS.
-    tls: bool,
-    client: Client,
-    /// `true` while the driver believes it alive; calls in flight watch it.
-    alive: tokio::sync::watch::Sender<bool>,
-    /// A replacement for this (dead) worker is being started.
-    replacing: std::sync::atomic::AtomicBool,
-    /// Its loss has been counted in its pool's [`MembershipCounts`].
-    counted_lost: std::sync::atomic::AtomicBool,
-    /// Its address is no longer in the cluster's list: it gets no new task (blocks it holds
-    /// are still read from it, and released as ever).
-    left: std::sync::atomic::AtomicBool,
-    /// The runtime its background calls run on (the one it was started from).
-    runtime: tokio::runtime::Handle,
-    child: Mutex<Option<std::process::Child>>,
-    /// Why the driver stopped it, when it did so itself (a stuck task).
-    death: Mutex<Option<String>>,
-}
-
-impl WorkerHandle {
-    /// The pool it serves.
-    pub fn kind(&self) -> Pool {
-        self.kind
-    }
-
-    /// Whether the driver still believes the worker is alive.
-    pub fn is_alive(&self) -> bool {
-        *self.alive.borrow()
-    }
-
-    /// Whether its address left the cluster's list (it then gets no new task).
-    pub fn has_left(&self) -> bool {
-        self.left.load(Ordering::Relaxed)
-    }
-
-    /// Tasks it runs at once (as it announced, at least 1).
-    pub fn slots(&self) -> usize {
-        self.announced.slots.max(1)
-    }
-
-    /// Tasks this driver is running on it now.
-    pub fn running(&self) -> usize {
-        self.running.load(Ordering::Relaxed)
-    }
-
-    /// Count a task as running on it until the guard drops.
-    fn busy(self: &Arc<Self>) -> Busy {
-        self.running.fetch_add(1, Ordering::Relaxed);
-        Busy(Arc::clone(self))
-    }
-
-    /// Resolves once the worker is marked dead.
-    async fn died(&self) {
-        let mut alive = self.alive.subscribe();
-        let _ = alive.wait_for(|alive| !alive).await;
-    }
-
-    /// A call to this worker that ends with [`Failure::Dead`] as soon as the worker is marked
-    /// dead (a missed heartbeat), instead of waiting on a hung process.
-    async fn call<T>(
-        &self,
-        call: impl std::future::Future<Output = Result<T, Failure>>,
-    ) -> Result<T, Failure> {
-        tokio::select! {
-            result = call => result,
-            _ = self.died() => Err(Failure::Dead(self.death())),
-        }
-    }
-
-    /// What the worker says of itself (tasks run, models loaded, blocks held).
-    pub async fn status(&self) -> Result<WorkerStatus> {
-        self.call(read_status(&self.client)).await.map_err(|e| {
-            DataFusionError::Execution(format!("status of worker {}: {e}", self.address))
-        })
-    }
-
-    /// Send action `name` and read its one reply as JSON.
-    async fn action<T: serde::de::DeserializeOwned>(
-        &self,
-        name: &str,
-        body: Vec<u8>,
-    ) -> Result<T, Failure> {
-        action_on(&self.client, name, body).await
-    }
-
-    /// One heartbeat: whether the worker answered a ping within `timeout`.
-    async fn ping(&self, timeout: Duration) -> bool {
-        let mut client = self.client.clone();
-        let action = Action {
-            r#type: "ping".into(),
-            body: Default::default(),
-        };
-        let call = async {
-            let reply = client.do_action(action).await.ok()?;
-            reply.into_inner().try_collect::<Vec<_>>().await.ok()
-        };
-        matches!(tokio::time::timeout(timeout, call).await, Ok(Some(_)))
-    }
-
-    /// Whether its process has exited (only known for processes this driver started; a
-    /// cluster worker's only by the driver's taking it for dead).
-    fn process_exited(&self) -> bool {
-        match self.child.lock().unwrap().as_mut() {
-            Some(child) => !matches!(child.try_wait(), Ok(None)),
-            None => !self.is_alive(),
-        }
-    }
-
-    /// A failure, reclassified as the worker's death when its process is gone (a killed
-    /// process can break a call in ways gRPC reports as an internal error). A worker the
-    /// driver stopped on purpose (a stuck task) dies of that reason, whichever way the
-    /// broken call reported it: a call on it can see its connection reset before it sees
-    /// the worker marked dead.
-    fn classify(&self, failure: Failure) -> Failure {
-        if let Failure::Driver(_) = failure {
-            return failure;
-        }
-        if !self.is_alive()
-            && let Some(reason) = self.death.lock().unwrap().clone()
-        {
-            return Failure::Dead(reason);
-        }
-        match failure {
-            Failure::Dead(_) => failure,
-            other if self.process_exited() => Failure::Dead(other.to_string()),
-            other => other,
-        }
-    }
-
-    /// Why the driver took the worker for dead.
-    fn death(&self) -> String {
-        self.death.lock().unwrap().clone().unwrap_or_else(|| {
-            format!(
-                "worker {} (pid {}) stopped answering",
-                self.address, self.pid
-            )
-        })
-    }
-
-    /// Stop the worker for `reason` (told to the calls still running on it).
-    fn stop_because(&self, reason: String) {
-        self.death.lock().unwrap().get_or_insert(reason);
-        self.mark_dead();
-    }
-
-    fn mark_dead(&self) {
-        if self.alive.send_replace(false) {
-            log::warn!("flumen worker {} (pid {}) died", self.address, self.pid);
-        }
-        self.kill_child();
-    }
-
-    /// Take the worker down on purpose (its pool is dropped with its session): no warning.
-    fn shut_down(&self) {
-        self.alive.send_replace(false);
-        self.kill_child();
-    }
-
-    /// Kill the worker's process, if this driver started it.
-    fn kill_child(&self) {
-        if let Some(mut child) = self.child.lock().unwrap().take() {
-            let _ = child.kill();
-            // Reap it off this thread.
-            std::thread::spawn(move || child.wait());
-        }
-    }
-
-    /// Run a task (`plan`, encoded with datafusion-proto), handing each block it leaves
-    /// here to `on_block` as soon as the worker announces it; returns the counters of its
-    /// plan the worker carried back.
-    /// With a `deadline`, a task that goes that long without a sign of progress (a block,
-    /// or rows of output) fails as [`Failure::Stuck`].
-    async fn run(
-        &self,
-        plan: &[u8],
-        request: &TaskRequest,
-        deadline: Option<Duration>,
-        on_block: &mut (dyn FnMut(RemoteBlockInfo) -> Result<()> + Send),
-    ) -> Result<Vec<PlanMetric>, Failure> {
-        let stuck = || {
-            let limit = deadline.unwrap_or_default().as_secs();
-            Failure::Stuck(format!(
-                "a task made no progress for flumen.task_timeout_secs ({limit}s) on worker {} \
-                 (pid {}), which was stopped",
-                self.address, self.pid
-            ))
-        };
-        let run = async {
-            let action = Action {
-                r#type: "run".into(),
-                body: encode_task(request, plan).into(),
-            };
-            let mut client = self.client.clone();
-            let mut events = within(deadline, client.do_action(action), stuck)
-                .await??
-                .into_inner();
-            loop {
-                let Some(event) = within(deadline, events.next(), stuck).await? else {
-                    return Err(Failure::Garbage(
-                        "the reply ended before the task did".into(),
-                    ));
-                };
-                let event: TaskEvent = serde_json::from_slice(&event?.body)
-                    .map_err(|e| Failure::Garbage(format!("bad task event: {e}")))?;
-                match event {
-                    TaskEvent::Block(info) => on_block(info).map_err(Failure::Driver)?,
-                    TaskEvent::Progress { .. } => {}
-                    TaskEvent::Done { metrics, .. } => return Ok(metrics),
-                }
-            }
-        };
-        self.call(run).await
-    }
-
-    /// Fetch (and thereby remove) a block of query `query`.
-    async fn fetch(&self, query: &str, key: &str) -> Result<RecordBatch, Failure> {
-        let ticket = BlockTicket {
-            query: query.into(),
-            key: key.into(),
-            keep: false,
-        };
-        self.call(get_block(&self.client, ticket)).await
-    }
-
-    /// Drop blocks of `query` the driver no longer needs, all of them when `keys` is empty
-    /// (best effort).
-    async fn release(&self, query: &str, keys: Vec<String>) {
-        let request = ReleaseRequest {
-            query: query.into(),
-            keys,
-        };
-        let _ = self
-            .call(self.action::<usize>("release", serde_json::to_vec(&request).unwrap()))
-            .await;
-    }
-}
-
-/// A task counted as running on a worker (for placement) while it lives.
-struct Busy(Arc<WorkerHandle>);
-
-impl Drop for Busy {
-    fn drop(&mut self) {
-        self.0.running.fetch_sub(1, Ordering::Relaxed);
-    }
-}
-
-/// Send action `name` to the worker behind `client` and read its one reply as JSON.
-async fn action_on<T: serde::de::DeserializeOwned>(
-    client: &Client,
-    name: &str,
-    body: Vec<u8>,
-) -> Result<T, Failure> {
-    let mut client = client.clone();
-    let action = Action {
-        r#type: name.into(),
-        body: body.into(),
-    };
-    let reply = client.do_action(action).await.map_err(Failure::from)?;
-    let results: Vec<arrow_flight::Result> = reply
-        .into_inner()
-        .try_collect()
-        .await
-        .map_err(Failure::from)?;
-    let first = results
-        .first()
-        .ok_or_else(|| Failure::Garbage(format!("empty reply to {name}")))?;
-    serde_json::from_slice(&first.body)
-        .map_err(|e| Failure::Garbage(format!("bad reply to {name}: {e}")))
-}
-
-/// The status of the worker behind `client`, asked with this driver's hello (a worker of
-/// another protocol refuses it, naming both versions).
-async fn read_status(client: &Client) -> Result<WorkerStatus, Failure> {
-    let hello = serde_json::to_vec(&DriverHello::ours()).expect("hello serializes");
-    action_on(client, "status", hello).await
-}
-
-impl Drop for WorkerHandle {
-    /// A handle nobody holds any more (a pool that failed half-way through its start, a
-    /// replaced worker) takes its process down with it.
-    fn drop(&mut self) {
-        if let Some(mut child) = self.child.get_mut().unwrap().take() {
-            let _ = child.kill();
-            std::thread::spawn(move || child.wait());
-        }
-    }
-}
-
-/// `wait`'s output, or `stuck()` when a `deadline` passes first.
-async fn within<T>(
-    deadline: Option<Duration>,
-    wait: impl std::future::Future<Output = T>,
-    stuck: impl Fn() -> Failure,
-) -> Result<T, Failure> {
-    match deadline {
-        Some(limit) => tokio::time::timeout(limit, wait).await.map_err(|_| stuck()),
-        None => Ok(wait.await),
-    }
-}
-
-/// Why a call to a worker failed.
-#[derive(Debug)]
-pub(crate) enum Failure {
-    /// The worker is gone (connection refused or broken): its blocks are lost.
-    Dead(String),
-    /// The worker answered with an error (the task itself failed).
-    Task(String),
-    /// The worker answered with bytes that make no sense.
-    Garbage(String),
-    /// The task ran past its deadline: the worker is suspect (killed, the task retried).
-    Stuck(String),
-    /// The driver could not take what the worker sent (e.g. its query was cancelled).
-    Driver(DataFusionError),
-    /// The worker refused the driver's credential (another cluster's secret).
-    Refused(String),
-}
-
-impl From<tonic::Status> for Failure {
-    fn from(status: tonic::Status) -> Self {
-        match status.code() {
-            tonic::Code::Unavailable | tonic::Code::Unknown | tonic::Code::Cancelled => {
-                Failure::Dead(status.to_string())
-            }
-            tonic::Code::Unauthenticated => Failure::Refused(status.message().to_string()),
-            _ => Failure::Task(status.message().to_string()),
-        }
-    }
-}
-
-impl std::fmt::Display for Failure {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        match self {
-            Failure::Dead(e) => write!(f, "worker died: {e}"),
-            Failure::Task(e) => write!(f, "{e}"),
-            Failure::Garbage(e) => write!(f, "worker sent garbage: {e}"),
-            Failure::Stuck(e) => write!(f, "{e}"),
-            Failure::Driver(e) => write!(f, "{e}"),
-            Failure::Refused(e) => write!(f, "refused: {e}"),
-        }
-    }
 }
 
 /// The workers of one session serving one of its pools: processes it started, or the
@@ -641,7 +227,7 @@ impl WorkerPool {
                 if !worker.has_left() {
                     live += worker.slots();
                 }
-            } else if !worker.counted_lost.swap(true, Ordering::Relaxed) {
+            } else if worker.count_loss_once() {
                 self.membership.lost.fetch_add(1, Ordering::Relaxed);
             }
         }
@@ -670,7 +256,7 @@ impl WorkerPool {
         let listed: HashSet<&String> = addresses.iter().collect();
         for worker in members.iter().filter(|w| w.is_alive()) {
             let leaving = !listed.contains(&worker.address);
-            if worker.left.swap(leaving, Ordering::Relaxed) != leaving {
+            if worker.set_left(leaving) {
                 if leaving {
                     self.membership.left.fetch_add(1, Ordering::Relaxed);
                 }
@@ -800,7 +386,7 @@ impl WorkerPool {
                 let workers = self.workers.lock().await;
                 if matches!(self.settings.placement, Placement::Local { .. }) {
                     for (slot, worker) in workers.iter().enumerate() {
-                        if !worker.is_alive() && !worker.replacing.swap(true, Ordering::Relaxed) {
+                        if worker.claim_replacement() {
                             let pool = Arc::clone(self);
                             self.runtime.spawn(async move { pool.replace(slot).await });
                         }
@@ -856,7 +442,7 @@ impl WorkerPool {
                 *self.last_start_error.lock().unwrap() = Some(e.to_string());
                 // Let the next pick try again.
                 if let Some(dead) = self.workers.lock().await.get(slot) {
-                    dead.replacing.store(false, Ordering::Relaxed);
+                    dead.replacement_failed();
                 }
             }
         }
@@ -937,40 +523,6 @@ impl WorkerPool {
             }
         }
     }
-
-    /// Fetch a remote block; `None` when its worker is gone (the block is lost).
-    pub async fn fetch(block: &RemoteBlock) -> Result<Option<RecordBatch>> {
-        if !block.worker.is_alive() {
-            return Ok(None);
-        }
-        match block
-            .worker
-            .fetch(&block.query, &block.info.key)
-            .await
-            .map_err(|f| block.worker.classify(f))
-        {
-            Ok(batch) => Ok(Some(batch)),
-            Err(Failure::Dead(_)) => {
-                block.worker.mark_dead();
-                Ok(None)
-            }
-            Err(e) => Err(DataFusionError::Execution(format!(
-                "fetching block {} from worker {}: {e}",
-                block.info.key, block.worker.address
-            ))),
-        }
-    }
-
-    /// Tell a block's worker it may drop it (in the background).
-    pub fn release(block: RemoteBlock) {
-        if block.worker.is_alive() {
-            let runtime = block.worker.runtime.clone();
-            runtime.spawn(async move {
-                let keys = vec![block.info.key.clone()];
-                block.worker.release(&block.query, keys).await
-            });
-        }
-    }
 }
 
 impl Drop for WorkerPool {
@@ -981,401 +533,6 @@ impl Drop for WorkerPool {
             }
         }
     }
-}
-
-/// The thread-pool sizes of numeric libraries (OpenMP, OpenBLAS, MKL, numexpr) that a
-/// worker gets, unless the driver's environment sets them: each library starts a thread per
-/// core by default, so N workers on a host would run N times the cores' threads, and
-/// OpenBLAS's spinning threads made a numpy model in two workers on two cores 2.5x slower
-/// than in one (Ray sets `OMP_NUM_THREADS` for its workers for the same reason).
-pub const THREAD_POOL_VARIABLES: &[&str] = &[
-    "OMP_NUM_THREADS",
-    "OPENBLAS_NUM_THREADS",
-    "MKL_NUM_THREADS",
-    "NUMEXPR_NUM_THREADS",
-];
-
-/// Start one worker process of `program` on this host (speaking TLS with this driver's
-/// own certificate when `tls`), the `slot`-th of the `pool_size` of its pool, and connect to
-/// it. Its numeric libraries get the pool's share of the host's cores
-/// ([`THREAD_POOL_VARIABLES`]); an accelerator worker is told its slot (`--device-slot`), so
-/// the pool's workers take the host's GPUs in turn.
-async fn spawn_worker(
-    program: &WorkerProgram,
-    tls: bool,
-    kind: Pool,
-    slot: usize,
-    pool_size: usize,
-) -> Result<Arc<WorkerHandle>> {
-    let threads = (crate::config::available_cores() / pool_size.max(1)).max(1);
-    let binary = &program.executable;
-    let tls = tls.then(local_tls).transpose()?;
-    let fail = |why: String| {
-        DataFusionError::Execution(format!(
-            "cannot start flumen worker {}: {why}",
-            binary.display()
-        ))
-    };
-    let mut command = std::process::Command::new(binary);
-    command
-        .args(&program.leading_args)
-        .args([
-            "worker",
-            "--listen",
-            "127.0.0.1:0",
-            "--pool",
-            kind.as_str(),
-            "--secret-stdin",
-        ])
-        .args(tls.is_some().then_some("--tls-stdin"))
-        .args(match kind {
-            Pool::Accelerator => vec!["--device-slot".to_string(), slot.to_string()],
-            Pool::Cpu => vec![],
-        })
-        .env_clear()
-        .envs(
-            WORKER_ENVIRONMENT
-                .iter()
-                .filter_map(|name| Some((name, std::env::var_os(name)?))),
-        )
-        .envs(THREAD_POOL_VARIABLES.iter().map(|name| {
-            let value = std::env::var_os(name).unwrap_or_else(|| threads.to_string().into());
-            (name, value)
-        }))
-        .stdin(Stdio::piped())
-        .stdout(Stdio::piped())
-        .stderr(Stdio::inherit());
-    let mut child = command.spawn().map_err(|e| fail(e.to_string()))?;
-    // The secret (and the TLS identity) go down the pipe; the pipe stays open while the
-    // driver lives.
-    let mut handed = format!("{}\n", driver_secret().to_hex());
-    if let Some(tls) = tls {
-        // Its identity, then the CA its peers' certificates chain to.
-        handed.push_str(&tls.identity.to_text());
-        handed.push_str(&tls.trust.to_text());
-    }
-    let sent = child
-        .stdin
-        .as_mut()
-        .expect("piped stdin")
-        .write_all(handed.as_bytes());
-    if let Err(e) = sent {
-        let _ = child.kill();
-        let status = child.wait().ok();
-        // A program that is not a worker may print something and exit before the secret
-        // is written: say what it printed, as when it prints before taking the secret.
-        let mut printed = String::new();
-        if let Some(mut stdout) = child.stdout.take() {
-            let _ = std::io::Read::read_to_string(&mut stdout, &mut printed);
-        }
-        return Err(fail(match printed.lines().next() {
-            Some(first) => format!(
-                "it printed {first:?} instead of its address, and did not take the secret on \
-                 stdin ({e}; exit status {status:?})"
-            ),
-            None => format!("it did not take the secret on stdin ({e}; exit status {status:?})"),
-        }));
-    }
-    let stdout = child.stdout.take().expect("piped stdout");
-    // A thread reads its output: the first line is its address, the rest is drained so the
-    // pipe never fills.
-    let (first_tx, first_rx) = tokio::sync::oneshot::channel();
-    std::thread::spawn(move || {
-        use std::io::BufRead;
-        let mut lines = std::io::BufReader::new(stdout).lines();
-        let _ = first_tx.send(lines.next().transpose());
-        for _ in lines.map_while(|l| l.ok()) {}
-    });
-    let first = match tokio::time::timeout(START_TIMEOUT, first_rx).await {
-        Ok(Ok(Ok(line))) => line,
-        Ok(Ok(Err(e))) => return Err(fail(e.to_string())),
-        Ok(Err(_)) => None,
-        Err(_) => {
-            let _ = child.kill();
-            return Err(fail(format!(
-                "it printed no address within {START_TIMEOUT:?}"
-            )));
-        }
-    };
-    let address = match first
-        .as_deref()
-        .and_then(|l| l.strip_prefix("flumen worker listening on "))
-    {
-        Some(address) => address.trim().to_string(),
-        None => {
-            let _ = child.kill();
-            let status = child.wait().ok();
-            return Err(fail(format!(
-                "it printed {:?} instead of its address (exit status {status:?})",
-                first.unwrap_or_default()
-            )));
-        }
-    };
-    let trust = tls.map(|tls| &tls.trust);
-    let (client, announced) = match introduce(&address, trust, driver_secret()).await {
-        Ok(introduced) => introduced,
-        Err(DataFusionError::Execution(why)) | Err(DataFusionError::Configuration(why)) => {
-            let _ = child.kill();
-            return Err(fail(why));
-        }
-        Err(e) => {
-            let _ = child.kill();
-            return Err(fail(e.to_string()));
-        }
-    };
-    Ok(new_handle(
-        address,
-        announced,
-        kind,
-        client,
-        trust.is_some(),
-        Some(child),
-    ))
-}
-
-/// Connect to the worker at `address` and read its status with this driver's hello: a
-/// program that does not answer as a flumen worker, or a worker of another protocol, is
-/// refused here.
-async fn introduce(
-    address: &str,
-    trust: Option<&WorkerTrust>,
-    secret: &Secret,
-) -> Result<(Client, WorkerStatus)> {
-    let client = connect(address, trust, secret).await?;
-    let status = read_status(&client).await.map_err(|e| {
-        DataFusionError::Execution(match e {
-            Failure::Refused(why) => format!(
-                "worker {address} refused this driver ({why}): the secret in \
-                 flumen.cluster_secret_file is not the one the worker was started with"
-            ),
-            Failure::Task(why) if why.contains("worker protocol") => why,
-            other => format!("{address} does not answer as a flumen worker: {other}"),
-        })
-    })?;
-    if status.protocol != PROTOCOL_VERSION {
-        return Err(DataFusionError::Execution(format!(
-            "worker {address} (flumen {}) speaks worker protocol {}, this driver (flumen {}) \
-             protocol {PROTOCOL_VERSION}: run the same flumen version on the driver and its \
-             workers",
-            if status.version.is_empty() {
-                "of an older version"
-            } else {
-                &status.version
-            },
-            status.protocol,
-            env!("CARGO_PKG_VERSION"),
-        )));
-    }
-    Ok((client, status))
-}
-
-/// The handle of a worker that answered, numbered anew.
-fn new_handle(
-    address: String,
-    announced: WorkerStatus,
-    kind: Pool,
-    client: Client,
-    tls: bool,
-    child: Option<std::process::Child>,
-) -> Arc<WorkerHandle> {
-    static SERIAL: AtomicU64 = AtomicU64::new(1);
-    Arc::new(WorkerHandle {
-        address,
-        pid: announced.pid,
-        announced,
-        serial: SERIAL.fetch_add(1, Ordering::Relaxed),
-        running: AtomicUsize::new(0),
-        counted_lost: false.into(),
-        left: false.into(),
-        kind,
-        tls,
-        client,
-        alive: tokio::sync::watch::Sender::new(true),
-        replacing: false.into(),
-        runtime: tokio::runtime::Handle::current(),
-        child: Mutex::new(child),
-        death: Mutex::new(None),
-    })
-}
-
-/// Attach to the running worker at `address` of `cluster`; `None` when it serves another
-/// pool than `kind`.
-async fn attach_worker(
-    address: &str,
-    cluster: &ClusterSettings,
-    secret: &Secret,
-    trust: Option<&WorkerTrust>,
-    kind: Pool,
-) -> Result<Option<Arc<WorkerHandle>>> {
-    cluster.check_reachable(address)?;
-    let (client, announced) = introduce(address, trust, secret).await?;
-    if announced.kind != kind {
-        return Ok(None);
-    }
-    Ok(Some(new_handle(
-        address.to_string(),
-        announced,
-        kind,
-        client,
-        trust.is_some(),
-        None,
-    )))
-}
-
-/// Attach to every worker of `kind` the cluster lists now; an error naming what each
-/// address said when none could be.
-async fn attach_all(
-    cluster: &ClusterSettings,
-    secret: &Secret,
-    trust: Option<&WorkerTrust>,
-    kind: Pool,
-) -> Result<Vec<Arc<WorkerHandle>>> {
-    let addresses = cluster.spec.addresses().await?;
-    let attempts = addresses.iter().map(|address| async move {
-        let attached = tokio::time::timeout(
-            START_TIMEOUT / 2,
-            attach_worker(address, cluster, secret, trust, kind),
-        )
-        .await;
-        match attached {
-            Ok(result) => result,
-            Err(_) => Err(DataFusionError::Execution(format!(
-                "{address} did not answer within {:?}",
-                START_TIMEOUT / 2
-            ))),
-        }
-    });
-    let results = futures::future::join_all(attempts).await;
-    let mut attached = vec![];
-    let mut reasons = vec![];
-    for (address, result) in addresses.iter().zip(results) {
-        match result {
-            Ok(Some(worker)) => attached.push(worker),
-            Ok(None) => {}
-            Err(e) => {
-                log::warn!("flumen worker {address} not attached: {e}");
-                reasons.push(match e {
-                    DataFusionError::Execution(why) | DataFusionError::Configuration(why) => why,
-                    other => other.to_string(),
-                });
-            }
-        }
-    }
-    if attached.is_empty() {
-        return Err(DataFusionError::Execution(format!(
-            "the cluster has no {} worker that answers ({} address(es) listed){}{}",
-            kind.as_str(),
-            addresses.len(),
-            if reasons.is_empty() { "" } else { ": " },
-            reasons.join("; ")
-        )));
-    }
-    Ok(attached)
-}
-
-/// A Flight client of the worker at `address` (`host:port`) that presents `secret` on
-/// every call; in TLS, checking the worker's certificate against `trust`, when given.
-pub async fn connect(
-    address: &str,
-    trust: Option<&WorkerTrust>,
-    secret: &Secret,
-) -> Result<Client> {
-    let scheme = if trust.is_some() { "https" } else { "http" };
-    let mut endpoint = Channel::from_shared(format!("{scheme}://{address}"))
-        .map_err(|e| DataFusionError::Execution(format!("bad worker address {address}: {e}")))?
-        .connect_timeout(Duration::from_secs(5))
-        // A peer that stops answering (a frozen process, a cut link) fails the calls on
-        // it within seconds instead of holding them until the task timeout.
-        .http2_keep_alive_interval(Duration::from_secs(5))
-        .keep_alive_timeout(Duration::from_secs(10))
-        .keep_alive_while_idle(true);
-    if let Some(trust) = trust {
-        endpoint = endpoint.tls_config(trust.client_config()).map_err(|e| {
-            DataFusionError::Execution(format!("cannot use TLS with {address}: {e}"))
-        })?;
-    }
-    let channel = endpoint.connect().await.map_err(|e| {
-        DataFusionError::Execution(format!(
-            "cannot connect to {address}: {}",
-            crate::error_chain(&e)
-        ))
-    })?;
-    Ok(
-        FlightServiceClient::with_interceptor(channel, SendSecret::new(secret))
-            .max_decoding_message_size(MAX_TASK_BYTES)
-            .max_encoding_message_size(MAX_TASK_BYTES),
-    )
-}
-
-/// Read the block `ticket` names from the worker behind `client` (`do_get`).
-pub(crate) async fn get_block(
-    client: &Client,
-    ticket: BlockTicket,
-) -> Result<RecordBatch, Failure> {
-    let mut client = client.clone();
-    let key = ticket.key.clone();
-    let ticket = Ticket {
-        ticket: serde_json::to_vec(&ticket).unwrap().into(),
-    };
-    let reply = client.do_get(ticket).await.map_err(Failure::from)?;
-    let stream = FlightRecordBatchStream::new_from_flight_data(
-        reply
-            .into_inner()
-            .map_err(arrow_flight::error::FlightError::from),
-    );
-    let batches: Vec<RecordBatch> = stream.try_collect().await.map_err(|e| {
-        // A stream cut by the worker's death reads as a transport error.
-        match e {
-            arrow_flight::error::FlightError::Tonic(status) => Failure::from(*status),
-            other => Failure::Garbage(other.to_string()),
-        }
-    })?;
-    // Flight cuts a block larger than its message size into several batches.
-    match batches.len() {
-        0 => Err(Failure::Garbage(format!("block {key} came without rows"))),
-        1 => Ok(batches.into_iter().next().unwrap()),
-        _ => concat_batches(&batches[0].schema(), &batches)
-            .map_err(|e| Failure::Garbage(format!("block {key}: {e}"))),
-    }
-}
-
-/// The program worker processes run: an executable and the arguments that come before
-/// `worker` (`-m flumen` when the executable is Python: the Python package's workers).
-#[derive(Debug, Clone, PartialEq)]
-pub struct WorkerProgram {
-    /// The executable.
-    pub executable: PathBuf,
-    /// Its arguments before `worker ...`.
-    pub leading_args: Vec<String>,
-}
-
-/// The program to start workers from: `flumen.worker_binary` (run as
-/// `<binary> -m <module>` when `flumen.worker_module` names a Python module), else
-/// `FLUMEN_WORKER_BIN`, else this process's own executable when it is the `flumen` binary.
-pub fn worker_program(configured: &str, module: &str) -> Result<WorkerProgram> {
-    let leading_args = match module {
-        "" => vec![],
-        module => vec!["-m".to_string(), module.to_string()],
-    };
-    let executable = if !configured.is_empty() {
-        PathBuf::from(configured)
-    } else if let Some(path) = std::env::var_os("FLUMEN_WORKER_BIN") {
-        PathBuf::from(path)
-    } else {
-        let exe = std::env::current_exe()?;
-        if exe.file_stem().is_none_or(|n| n != "flumen") {
-            return Err(DataFusionError::Configuration(
-                "flumen.workers = 'process' needs the flumen binary to start workers from: \
-                 set flumen.worker_binary or FLUMEN_WORKER_BIN"
-                    .into(),
-            ));
-        }
-        exe
-    };
-    Ok(WorkerProgram {
-        executable,
-        leading_args,
-    })
 }
 
 /// How a task ran on a pool's worker.
@@ -1451,36 +608,5 @@ impl WorkerPoolSlot {
             pools.extend(self.current(kind).await);
         }
         pools
-    }
-}
-
-#[async_trait::async_trait]
-impl HeldBlock for RemoteBlock {
-    fn holder_pid(&self) -> u32 {
-        self.worker.pid
-    }
-
-    fn holder_id(&self) -> u64 {
-        self.worker.serial
-    }
-
-    fn holder_alive(&self) -> bool {
-        self.worker.is_alive()
-    }
-
-    async fn fetch(&self) -> Result<Option<RecordBatch>> {
-        WorkerPool::fetch(self).await
-    }
-
-    fn release(&self) {
-        WorkerPool::release(self.clone());
-    }
-
-    fn location(&self) -> HeldAt {
-        HeldAt {
-            address: self.worker.address.clone(),
-            tls: self.worker.tls,
-            key: self.info.key.clone(),
-        }
     }
 }

@@ -1,6 +1,6 @@
 //! `FlumenExec`, the root `ExecutionPlan` the planner returns: executing it runs the
 //! operator graph on flumen's scheduler. It owns the run's counters ([`RunMetrics`]) and
-//! shows each operator in `EXPLAIN` through an [`OperatorExec`].
+//! shows each operator in `EXPLAIN` through an [`crate::exec::explain::OperatorExec`].
 
 use std::fmt;
 use std::sync::atomic::Ordering;

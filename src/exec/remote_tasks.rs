@@ -44,9 +44,9 @@ use crate::cluster::admission::{WORKER_OPTIONS, admit_plan, scanned_files, scann
 use crate::cluster::membership::{ClusterSettings, host_of};
 use crate::cluster::protocol::{INPUT_LOST, InputTicket, TaskInput, TaskRequest};
 use crate::cluster::task_plan::{self, RoundTrip};
-use crate::cluster::worker_pool::{
-    Placement, PoolSettings, RemoteBlock, WorkerPool, WorkerTimeouts, worker_program,
-};
+use crate::cluster::worker_handle::RemoteBlock;
+use crate::cluster::worker_pool::{Placement, PoolSettings, WorkerPool, WorkerTimeouts};
+use crate::cluster::worker_start::worker_program;
 use crate::cluster::worker_tasks::collect_blocks;
 use crate::exec::cursor::{Cursor, Next, ReadOrder};
 use crate::exec::lineage::{TaskId, TaskKind};

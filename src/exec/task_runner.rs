@@ -8,7 +8,8 @@ use std::sync::Arc;
 use async_trait::async_trait;
 use datafusion::error::Result;
 
-use crate::cluster::worker_pool::{RemoteBlock, WorkerPool};
+use crate::cluster::worker_handle::RemoteBlock;
+use crate::cluster::worker_pool::WorkerPool;
 use crate::exec::on_driver::OnDriver;
 use crate::exec::run::QueryRun;
 use crate::exec::task_sink::{MadeBlock, TaskSink};

@@ -15,12 +15,12 @@ use std::sync::Arc;
 use datafusion::arrow::record_batch::RecordBatch;
 use datafusion::error::{DataFusionError, Result};
 
-use crate::cluster::worker_pool::{RemoteBlock, WorkerPool};
+use crate::cluster::worker_handle::RemoteBlock;
 use crate::exec::lineage::TaskId;
 use crate::exec::run::QueryRun;
 use crate::exec::task_spec::TaskSpec;
 use crate::plan::graph::OperatorId;
-use crate::store::block::{Block, BlockData, BlockId, OutputPlace, OutputPlaces};
+use crate::store::block::{Block, BlockData, BlockId, HeldBlock, OutputPlace, OutputPlaces};
 use crate::store::block_digest;
 
 /// One block a task made, as its runner hands it over.
@@ -63,7 +63,7 @@ impl MadeBlock {
     /// Drop it (a worker's copy is released).
     fn release(self) {
         if let MadeBlock::Held(held) = self {
-            WorkerPool::release(held);
+            held.release();
         }
     }
 }

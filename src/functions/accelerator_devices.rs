@@ -67,7 +67,8 @@ pub fn pin_process(pin: DevicePin) -> Result<()> {
 /// without a driver or a device. Asked once per process.
 pub fn visible_cuda_devices() -> usize {
     static COUNT: OnceLock<usize> = OnceLock::new();
-    *COUNT.get_or_init(|| crate::functions::embedding::cuda::probe_device_count().unwrap_or(0))
+    *COUNT
+        .get_or_init(|| crate::functions::embedding::cuda_driver::probe_device_count().unwrap_or(0))
 }
 
 /// The device this process is pinned to among `devices` (`--device`, or `--device-slot`

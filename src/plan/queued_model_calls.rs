@@ -5,7 +5,7 @@
 //! the next piece: all that while the device has nothing queued. On a busy 2-core machine
 //! that was 0.4 ms per 1,024-row piece at the median and 3.6 ms at p90, mostly the worker
 //! thread waking late from its wait. [`QueuedModelStream`] queues piece `k + 1` on the
-//! device ([`AcceleratorUdf::start`]) before it waits for piece `k`, whenever piece `k + 1`
+//! device ([`crate::functions::accelerator::AcceleratorUdf::start`]) before it waits for piece `k`, whenever piece `k + 1`
 //! is ready, so the device runs while the thread works; the output keeps its order. A
 //! worker that computes in `start` (the default [`AcceleratorWorker::start`]) gets one piece
 //! at a time, as before, so its first output is not held back by the next piece.

@@ -180,7 +180,7 @@ fn rewrite<'a>(
 
 /// The sort of `input` by `ordering` as about `ranges` sorted ranges, one per partition,
 /// its split points sampled now (a hot key spread over several ranges when
-/// [`spread_hot_keys`]); `None` when the input has no rows.
+/// [`hot_key_spread`] says so); `None` when the input has no rows.
 async fn range_partitioned_sort(
     input: Arc<dyn ExecutionPlan>,
     ordering: LexOrdering,

@@ -1,6 +1,6 @@
 //! Blocks and where they live.
 //!
-//! - [`block`]: the [`Block`] value (id, producer, output partition, rows, bytes) and its
+//! - [`block`]: the [`block::Block`] value (id, producer, output partition, rows, bytes) and its
 //!   location (memory, spilled, or held by a worker process).
 //! - [`block_digest`]: a hash of a block's rows, which its recomputation must reproduce.
 //! - [`block_memory`]: the bytes a block's rows hold, and a copy holding only those.

@@ -936,7 +936,7 @@ async fn embed_in_a_cpu_worker_at_the_default_block_size_matches_the_cpu_referen
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn embed_in_a_cuda_worker_at_the_default_block_size_matches_the_cpu_reference() {
-    if let Err(why) = flumen::functions::embedding::cuda::probe_device_count() {
+    if let Err(why) = flumen::functions::embedding::cuda_driver::probe_device_count() {
         return common::skip_no_device(&why.to_string());
     }
     embed_in_a_worker_matches_the_cpu_reference("cuda").await;

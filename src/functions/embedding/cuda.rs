@@ -8,7 +8,7 @@
 //! overlap the compute of another; a worker keeps two passes queued on its stream, their
 //! tokens and vectors through pinned buffers ([`super::cuda_passes`]).
 
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 use std::time::Instant;
 
 use cudarc::cublas::{CudaBlas, Gemm, GemmConfig, sys::cublasOperation_t};
@@ -21,57 +21,13 @@ use datafusion::error::{DataFusionError, Result};
 
 use super::bert::{BertWeights, LayerNorm, Linear, PackedBatch, SentenceEncoder, StartedPass};
 use super::cuda_compile::{compile_and_store, device_kernels, kernel_cache_path};
+use super::cuda_driver::{cuda_error, library_loaded, probe_device_count};
 use super::cuda_passes::{PASS_SLOTS, PassSlot, TokenLayout, pinned_at_least};
 use crate::config::EmbedPrecision;
 
 const THREADS: u32 = 128;
 /// Query tokens (and threads) of a block of the tiled attention kernel (`ATTENTION_TILE`).
 const ATTENTION_TILE: u32 = 64;
-
-/// True when the CUDA driver library loads and reports at least one device.
-pub fn cuda_available() -> bool {
-    probe_device_count().is_ok_and(|n| n > 0)
-}
-
-/// Whether one of the libraries cudarc knows as `names` (its names: `cuda`, `cublas`,
-/// `nvrtc`) opens; one that does stays loaded for the process. cudarc's own
-/// `is_culib_present` closes the library it opened, so cudarc's first call then loads it
-/// again: for cuBLAS (with cuBLASLt, ~560 MB) ~60 ms each time even from the page cache.
-pub fn library_loaded(names: &[&str]) -> bool {
-    static KEPT: Mutex<Vec<(String, libloading::Library)>> = Mutex::new(Vec::new());
-    let mut kept = KEPT.lock().unwrap_or_else(|e| e.into_inner());
-    if names.iter().any(|n| kept.iter().any(|(k, _)| k == n)) {
-        return true;
-    }
-    for name in names {
-        for file in cudarc::get_lib_name_candidates(name) {
-            // SAFETY: opening a CUDA library runs only its initialisers, as cudarc's own
-            // loading of the same file does.
-            if let Ok(library) = unsafe { libloading::Library::new(&file) } {
-                kept.push((name.to_string(), library));
-                return true;
-            }
-        }
-    }
-    false
-}
-
-/// Number of CUDA devices, or why none can be used. Never panics.
-pub fn probe_device_count() -> std::result::Result<usize, String> {
-    if !library_loaded(&["cuda", "nvcuda"]) {
-        return Err("no CUDA device: libcuda.so.1 not found".into());
-    }
-    match std::panic::catch_unwind(CudaContext::device_count) {
-        Ok(Ok(n)) if n > 0 => Ok(n as usize),
-        Ok(Ok(_)) => Err("no CUDA device: the driver reports none".into()),
-        Ok(Err(e)) => Err(format!("no CUDA device: {e}")),
-        Err(_) => Err("no CUDA device: the CUDA driver failed to load".into()),
-    }
-}
-
-pub(super) fn cuda_error(what: &str, e: impl std::fmt::Debug) -> DataFusionError {
-    DataFusionError::Execution(format!("embed() on CUDA: {what}: {e:?}"))
-}
 
 /// A value type the encoder keeps weights and activations in on the device: `f32`, or
 /// [`Bf16Bits`] (bfloat16, as its 16 bits).
@@ -1162,59 +1118,16 @@ impl SentenceEncoder for CudaEncoder {
     }
 }
 
-/// The integration tests' skip rules (a missing tool fails under CI), shared with this
-/// file's unit test.
-#[cfg(test)]
-#[path = "../../../tests/common/skip.rs"]
-pub(super) mod test_skip;
-
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    /// A CUDA library found is opened once and stays mapped; one not found is not kept.
-    /// Checked in a process of its own (this test binary, running only this test): another
-    /// test's kernels load NVRTC through cudarc for good, which would map it either way.
-    #[test]
-    fn a_cuda_library_found_stays_loaded() {
-        const ALONE: &str = "FLUMEN_TEST_LIBRARY_ALONE";
-        if std::env::var_os(ALONE).is_none() {
-            let out = std::process::Command::new(std::env::current_exe().unwrap())
-                .args([
-                    "--exact",
-                    "functions::embedding::cuda::tests::a_cuda_library_found_stays_loaded",
-                    "--nocapture",
-                    "--test-threads=1",
-                ])
-                .env(ALONE, "1")
-                .output()
-                .unwrap();
-            let text = String::from_utf8_lossy(&out.stdout);
-            assert!(
-                out.status.success() && text.contains("1 passed"),
-                "{text}{}",
-                String::from_utf8_lossy(&out.stderr)
-            );
-            print!("{text}");
-            return;
-        }
-        assert!(!library_loaded(&["flumen_no_such_library"]));
-        if !library_loaded(&["nvrtc"]) {
-            return super::test_skip::skip_missing_tool(
-                "libnvrtc.so.13 not found (no CUDA toolkit; .ci/run installs NVRTC)",
-            );
-        }
-        let maps = std::fs::read_to_string("/proc/self/maps").unwrap();
-        assert!(maps.contains("libnvrtc"), "libnvrtc is not mapped");
-        assert!(library_loaded(&["nvrtc"]));
-    }
 
     /// Every kernel the encoder loads by name is an entry of the compiled module: a name
     /// misspelt on either side fails here, not first on a GPU.
     #[test]
     fn every_kernel_the_encoder_loads_is_in_the_module() {
         if !library_loaded(&["nvrtc"]) {
-            return super::test_skip::skip_missing_tool(
+            return super::super::test_skip::skip_missing_tool(
                 "libnvrtc.so.13 not found (no CUDA toolkit; .ci/run installs NVRTC)",
             );
         }

@@ -10,7 +10,7 @@ use std::path::{Path, PathBuf};
 use cudarc::nvrtc::Ptx;
 use datafusion::error::{DataFusionError, Result};
 
-use super::cuda::{cuda_error, library_loaded};
+use super::cuda_driver::{cuda_error, library_loaded};
 
 /// The kernels' CUDA C source.
 pub const KERNEL_SOURCE: &str = include_str!("cuda_kernels.cu");
@@ -144,7 +144,7 @@ fn store_cubin(path: &Path, source: &str, cubin: &[u8]) -> std::io::Result<()> {
 
 #[cfg(test)]
 mod tests {
-    use super::super::cuda::test_skip;
+    use super::super::test_skip;
     use super::*;
 
     /// The kernels compile wherever NVRTC is found, device or not (`.ci/run` installs it,

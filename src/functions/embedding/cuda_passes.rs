@@ -14,7 +14,7 @@ use cudarc::driver::{CudaContext, CudaEvent, DeviceRepr, PinnedHostSlice, sys::C
 use datafusion::error::Result;
 
 use super::bert::PackedBatch;
-use super::cuda::cuda_error;
+use super::cuda_driver::cuda_error;
 
 /// Passes a CUDA encoder keeps queued on its stream at once: the one computing and the next.
 pub const PASS_SLOTS: usize = 2;

@@ -16,12 +16,19 @@ pub mod bert;
 pub mod cpu;
 pub mod cuda;
 pub mod cuda_compile;
+pub mod cuda_driver;
 pub mod cuda_passes;
 pub mod model_files;
 pub mod pass_queue;
 pub mod row_kernels;
 pub mod tokenize_step;
 pub mod tokenizer;
+
+/// The integration tests' skip rules (a missing tool fails under CI), shared with the
+/// CUDA files' unit tests.
+#[cfg(test)]
+#[path = "../../../tests/common/skip.rs"]
+mod test_skip;
 
 use std::path::PathBuf;
 use std::sync::{Arc, Mutex, Once};
@@ -164,7 +171,7 @@ impl AcceleratorFunction for EmbedFunction {
                 accelerators: 1,
                 cpu_threads: 1,
             },
-            Device::Auto if cuda::cuda_available() => WorkerResources {
+            Device::Auto if cuda_driver::cuda_available() => WorkerResources {
                 accelerators: 1,
                 cpu_threads: 1,
             },
@@ -260,7 +267,7 @@ impl EmbedWorker {
         let probe = match settings.device {
             Device::Cpu => Err("flumen.device = 'cpu'".to_string()),
             Device::Cuda => Ok(()),
-            Device::Auto => cuda::probe_device_count().map(|_| ()),
+            Device::Auto => cuda_driver::probe_device_count().map(|_| ()),
         };
         // The worker's device is chosen on its own thread (it keeps it), then opened beside.
         let ordinal = match &probe {

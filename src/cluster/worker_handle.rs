@@ -1,0 +1,423 @@
+//! The driver's handle of one worker ([`WorkerHandle`]): its calls (tasks, blocks,
+//! releases, pings) that end at once when the worker is marked dead, its liveness, the
+//! tasks it runs now, and the blocks it holds for the driver ([`RemoteBlock`]).
+
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use arrow_flight::Action;
+use datafusion::arrow::record_batch::RecordBatch;
+use datafusion::error::{DataFusionError, Result};
+use futures::{StreamExt, TryStreamExt};
+
+use crate::cluster::protocol::{
+    BlockTicket, ReleaseRequest, RemoteBlockInfo, TaskEvent, TaskRequest, WorkerStatus, encode_task,
+};
+use crate::cluster::worker_client::{Client, Failure, action_on, get_block, read_status};
+use crate::exec::plan_metrics::PlanMetric;
+use crate::plan::graph::Pool;
+use crate::store::block::{HeldAt, HeldBlock};
+
+/// A block that lives in a worker process.
+#[derive(Debug, Clone)]
+pub struct RemoteBlock {
+    /// The worker that holds it.
+    pub worker: Arc<WorkerHandle>,
+    /// What the worker said about it.
+    pub info: RemoteBlockInfo,
+    /// The query that owns it (its ticket names it).
+    pub query: String,
+}
+
+/// One worker this driver started or attached to. A worker that is lost and later
+/// answers again gets a new handle: what came through the old one (blocks, task replies)
+/// is never counted again.
+#[derive(Debug)]
+pub struct WorkerHandle {
+    /// Its `host:port`.
+    pub address: String,
+    /// Its process id (for tests that kill it).
+    pub pid: u32,
+    /// What it announced when it joined (identity, resources, functions).
+    pub announced: WorkerStatus,
+    /// This handle's number, unique in this driver: the fence between a worker's
+    /// attachments (a partitioned worker that comes back is attached anew).
+    pub serial: u64,
+    /// Tasks this driver is running on it now.
+    running: AtomicUsize,
+    kind: Pool,
+    /// It speaks TLS.
+    tls: bool,
+    client: Client,
+    /// `true` while the driver believes it alive; calls in flight watch it.
+    alive: tokio::sync::watch::Sender<bool>,
+    /// A replacement for this (dead) worker is being started.
+    replacing: std::sync::atomic::AtomicBool,
+    /// Its loss has been counted in its pool's [`crate::cluster::worker_pool::MembershipCounts`].
+    counted_lost: std::sync::atomic::AtomicBool,
+    /// Its address is no longer in the cluster's list: it gets no new task (blocks it holds
+    /// are still read from it, and released as ever).
+    left: std::sync::atomic::AtomicBool,
+    /// The runtime its background calls run on (the one it was started from).
+    runtime: tokio::runtime::Handle,
+    child: Mutex<Option<std::process::Child>>,
+    /// Why the driver stopped it, when it did so itself (a stuck task).
+    death: Mutex<Option<String>>,
+}
+
+impl WorkerHandle {
+    /// The pool it serves.
+    pub fn kind(&self) -> Pool {
+        self.kind
+    }
+
+    /// Whether the driver still believes the worker is alive.
+    pub fn is_alive(&self) -> bool {
+        *self.alive.borrow()
+    }
+
+    /// Whether its address left the cluster's list (it then gets no new task).
+    pub fn has_left(&self) -> bool {
+        self.left.load(Ordering::Relaxed)
+    }
+
+    /// Tasks it runs at once (as it announced, at least 1).
+    pub fn slots(&self) -> usize {
+        self.announced.slots.max(1)
+    }
+
+    /// Count its loss once: `true` the first time it is asked after the worker died.
+    pub(crate) fn count_loss_once(&self) -> bool {
+        !self.is_alive() && !self.counted_lost.swap(true, Ordering::Relaxed)
+    }
+
+    /// Mark whether its address left the cluster's list; `true` when that changed.
+    pub(crate) fn set_left(&self, leaving: bool) -> bool {
+        self.left.swap(leaving, Ordering::Relaxed) != leaving
+    }
+
+    /// Claim the start of its replacement (it is dead): `true` for the one caller that may
+    /// start it, until [`Self::replacement_failed`].
+    pub(crate) fn claim_replacement(&self) -> bool {
+        !self.is_alive() && !self.replacing.swap(true, Ordering::Relaxed)
+    }
+
+    /// Its replacement failed to start: the next claim may try again.
+    pub(crate) fn replacement_failed(&self) {
+        self.replacing.store(false, Ordering::Relaxed);
+    }
+
+    /// Tasks this driver is running on it now.
+    pub fn running(&self) -> usize {
+        self.running.load(Ordering::Relaxed)
+    }
+
+    /// Count a task as running on it until the guard drops.
+    pub(crate) fn busy(self: &Arc<Self>) -> Busy {
+        self.running.fetch_add(1, Ordering::Relaxed);
+        Busy(Arc::clone(self))
+    }
+
+    /// Resolves once the worker is marked dead.
+    async fn died(&self) {
+        let mut alive = self.alive.subscribe();
+        let _ = alive.wait_for(|alive| !alive).await;
+    }
+
+    /// A call to this worker that ends with [`Failure::Dead`] as soon as the worker is marked
+    /// dead (a missed heartbeat), instead of waiting on a hung process.
+    async fn call<T>(
+        &self,
+        call: impl std::future::Future<Output = Result<T, Failure>>,
+    ) -> Result<T, Failure> {
+        tokio::select! {
+            result = call => result,
+            _ = self.died() => Err(Failure::Dead(self.death())),
+        }
+    }
+
+    /// What the worker says of itself (tasks run, models loaded, blocks held).
+    pub async fn status(&self) -> Result<WorkerStatus> {
+        self.call(read_status(&self.client)).await.map_err(|e| {
+            DataFusionError::Execution(format!("status of worker {}: {e}", self.address))
+        })
+    }
+
+    /// Send action `name` and read its one reply as JSON.
+    async fn action<T: serde::de::DeserializeOwned>(
+        &self,
+        name: &str,
+        body: Vec<u8>,
+    ) -> Result<T, Failure> {
+        action_on(&self.client, name, body).await
+    }
+
+    /// One heartbeat: whether the worker answered a ping within `timeout`.
+    pub(crate) async fn ping(&self, timeout: Duration) -> bool {
+        let mut client = self.client.clone();
+        let action = Action {
+            r#type: "ping".into(),
+            body: Default::default(),
+        };
+        let call = async {
+            let reply = client.do_action(action).await.ok()?;
+            reply.into_inner().try_collect::<Vec<_>>().await.ok()
+        };
+        matches!(tokio::time::timeout(timeout, call).await, Ok(Some(_)))
+    }
+
+    /// Whether its process has exited (only known for processes this driver started; a
+    /// cluster worker's only by the driver's taking it for dead).
+    fn process_exited(&self) -> bool {
+        match self.child.lock().unwrap().as_mut() {
+            Some(child) => !matches!(child.try_wait(), Ok(None)),
+            None => !self.is_alive(),
+        }
+    }
+
+    /// A failure, reclassified as the worker's death when its process is gone (a killed
+    /// process can break a call in ways gRPC reports as an internal error). A worker the
+    /// driver stopped on purpose (a stuck task) dies of that reason, whichever way the
+    /// broken call reported it: a call on it can see its connection reset before it sees
+    /// the worker marked dead.
+    pub(crate) fn classify(&self, failure: Failure) -> Failure {
+        if let Failure::Driver(_) = failure {
+            return failure;
+        }
+        if !self.is_alive()
+            && let Some(reason) = self.death.lock().unwrap().clone()
+        {
+            return Failure::Dead(reason);
+        }
+        match failure {
+            Failure::Dead(_) => failure,
+            other if self.process_exited() => Failure::Dead(other.to_string()),
+            other => other,
+        }
+    }
+
+    /// Why the driver took the worker for dead.
+    fn death(&self) -> String {
+        self.death.lock().unwrap().clone().unwrap_or_else(|| {
+            format!(
+                "worker {} (pid {}) stopped answering",
+                self.address, self.pid
+            )
+        })
+    }
+
+    /// Stop the worker for `reason` (told to the calls still running on it).
+    pub(crate) fn stop_because(&self, reason: String) {
+        self.death.lock().unwrap().get_or_insert(reason);
+        self.mark_dead();
+    }
+
+    pub(crate) fn mark_dead(&self) {
+        if self.alive.send_replace(false) {
+            log::warn!("flumen worker {} (pid {}) died", self.address, self.pid);
+        }
+        self.kill_child();
+    }
+
+    /// Take the worker down on purpose (its pool is dropped with its session): no warning.
+    pub(crate) fn shut_down(&self) {
+        self.alive.send_replace(false);
+        self.kill_child();
+    }
+
+    /// Kill the worker's process, if this driver started it.
+    fn kill_child(&self) {
+        if let Some(mut child) = self.child.lock().unwrap().take() {
+            let _ = child.kill();
+            // Reap it off this thread.
+            std::thread::spawn(move || child.wait());
+        }
+    }
+
+    /// Run a task (`plan`, encoded with datafusion-proto), handing each block it leaves
+    /// here to `on_block` as soon as the worker announces it; returns the counters of its
+    /// plan the worker carried back.
+    /// With a `deadline`, a task that goes that long without a sign of progress (a block,
+    /// or rows of output) fails as [`Failure::Stuck`].
+    pub(crate) async fn run(
+        &self,
+        plan: &[u8],
+        request: &TaskRequest,
+        deadline: Option<Duration>,
+        on_block: &mut (dyn FnMut(RemoteBlockInfo) -> Result<()> + Send),
+    ) -> Result<Vec<PlanMetric>, Failure> {
+        let stuck = || {
+            let limit = deadline.unwrap_or_default().as_secs();
+            Failure::Stuck(format!(
+                "a task made no progress for flumen.task_timeout_secs ({limit}s) on worker {} \
+                 (pid {}), which was stopped",
+                self.address, self.pid
+            ))
+        };
+        let run = async {
+            let action = Action {
+                r#type: "run".into(),
+                body: encode_task(request, plan).into(),
+            };
+            let mut client = self.client.clone();
+            let mut events = within(deadline, client.do_action(action), stuck)
+                .await??
+                .into_inner();
+            loop {
+                let Some(event) = within(deadline, events.next(), stuck).await? else {
+                    return Err(Failure::Garbage(
+                        "the reply ended before the task did".into(),
+                    ));
+                };
+                let event: TaskEvent = serde_json::from_slice(&event?.body)
+                    .map_err(|e| Failure::Garbage(format!("bad task event: {e}")))?;
+                match event {
+                    TaskEvent::Block(info) => on_block(info).map_err(Failure::Driver)?,
+                    TaskEvent::Progress { .. } => {}
+                    TaskEvent::Done { metrics, .. } => return Ok(metrics),
+                }
+            }
+        };
+        self.call(run).await
+    }
+
+    /// Fetch (and thereby remove) a block of query `query`.
+    async fn fetch(&self, query: &str, key: &str) -> Result<RecordBatch, Failure> {
+        let ticket = BlockTicket {
+            query: query.into(),
+            key: key.into(),
+            keep: false,
+        };
+        self.call(get_block(&self.client, ticket)).await
+    }
+
+    /// Drop blocks of `query` the driver no longer needs, all of them when `keys` is empty
+    /// (best effort).
+    pub(crate) async fn release(&self, query: &str, keys: Vec<String>) {
+        let request = ReleaseRequest {
+            query: query.into(),
+            keys,
+        };
+        let _ = self
+            .call(self.action::<usize>("release", serde_json::to_vec(&request).unwrap()))
+            .await;
+    }
+}
+
+/// A task counted as running on a worker (for placement) while it lives.
+pub(crate) struct Busy(Arc<WorkerHandle>);
+
+impl Drop for Busy {
+    fn drop(&mut self) {
+        self.0.running.fetch_sub(1, Ordering::Relaxed);
+    }
+}
+
+impl Drop for WorkerHandle {
+    /// A handle nobody holds any more (a pool that failed half-way through its start, a
+    /// replaced worker) takes its process down with it.
+    fn drop(&mut self) {
+        if let Some(mut child) = self.child.get_mut().unwrap().take() {
+            let _ = child.kill();
+            std::thread::spawn(move || child.wait());
+        }
+    }
+}
+
+/// `wait`'s output, or `stuck()` when a `deadline` passes first.
+async fn within<T>(
+    deadline: Option<Duration>,
+    wait: impl std::future::Future<Output = T>,
+    stuck: impl Fn() -> Failure,
+) -> Result<T, Failure> {
+    match deadline {
+        Some(limit) => tokio::time::timeout(limit, wait).await.map_err(|_| stuck()),
+        None => Ok(wait.await),
+    }
+}
+
+/// The handle of a worker that answered, numbered anew.
+pub(crate) fn new_handle(
+    address: String,
+    announced: WorkerStatus,
+    kind: Pool,
+    client: Client,
+    tls: bool,
+    child: Option<std::process::Child>,
+) -> Arc<WorkerHandle> {
+    static SERIAL: AtomicU64 = AtomicU64::new(1);
+    Arc::new(WorkerHandle {
+        address,
+        pid: announced.pid,
+        announced,
+        serial: SERIAL.fetch_add(1, Ordering::Relaxed),
+        running: AtomicUsize::new(0),
+        counted_lost: false.into(),
+        left: false.into(),
+        kind,
+        tls,
+        client,
+        alive: tokio::sync::watch::Sender::new(true),
+        replacing: false.into(),
+        runtime: tokio::runtime::Handle::current(),
+        child: Mutex::new(child),
+        death: Mutex::new(None),
+    })
+}
+
+#[async_trait::async_trait]
+impl HeldBlock for RemoteBlock {
+    fn holder_pid(&self) -> u32 {
+        self.worker.pid
+    }
+
+    fn holder_id(&self) -> u64 {
+        self.worker.serial
+    }
+
+    fn holder_alive(&self) -> bool {
+        self.worker.is_alive()
+    }
+
+    /// The block; `None` when its worker is gone (the block is lost).
+    async fn fetch(&self) -> Result<Option<RecordBatch>> {
+        if !self.worker.is_alive() {
+            return Ok(None);
+        }
+        match (self.worker)
+            .fetch(&self.query, &self.info.key)
+            .await
+            .map_err(|f| self.worker.classify(f))
+        {
+            Ok(batch) => Ok(Some(batch)),
+            Err(Failure::Dead(_)) => {
+                self.worker.mark_dead();
+                Ok(None)
+            }
+            Err(e) => Err(DataFusionError::Execution(format!(
+                "fetching block {} from worker {}: {e}",
+                self.info.key, self.worker.address
+            ))),
+        }
+    }
+
+    /// Tell its worker it may drop it (in the background).
+    fn release(&self) {
+        if self.worker.is_alive() {
+            let block = self.clone();
+            self.worker.runtime.spawn(async move {
+                let keys = vec![block.info.key.clone()];
+                block.worker.release(&block.query, keys).await
+            });
+        }
+    }
+
+    fn location(&self) -> HeldAt {
+        HeldAt {
+            address: self.worker.address.clone(),
+            tls: self.worker.tls,
+            key: self.info.key.clone(),
+        }
+    }
+}
