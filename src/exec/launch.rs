@@ -425,9 +425,11 @@ impl QueryRun {
             };
             if on_accelerator {
                 // The models loaded on this worker thread say how they ran (batch sizes
-                // chosen), before the task counts as finished and the query may end.
-                run.stats(op_id)
-                    .observe_model_metrics(crate::functions::accelerator::used_worker_metrics());
+                // chosen), and the model-output cache what it read, before the task counts
+                // as finished and the query may end.
+                let mut figures = crate::functions::accelerator::used_worker_metrics();
+                figures.extend(crate::functions::model_cache::take_figures());
+                run.stats(op_id).observe_model_metrics(figures);
             }
             run.task_finished(task, result, started);
         };

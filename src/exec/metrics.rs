@@ -2,7 +2,7 @@
 
 use crate::exec::on_driver::OnDriver;
 use crate::exec::plan_metrics::CarriedSums;
-use crate::store::operator_memory::MemoryCounters;
+use crate::store::memory_counters::MemoryCounters;
 use std::collections::BTreeMap;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};

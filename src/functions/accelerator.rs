@@ -29,8 +29,6 @@ use datafusion::logical_expr::{
 use datafusion::physical_expr::ScalarFunctionExpr;
 use datafusion::physical_plan::PhysicalExpr;
 
-use crate::functions::model_cache;
-
 /// What one worker of an accelerator function occupies while it runs a batch.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct WorkerResources {
@@ -229,14 +227,13 @@ thread_local! {
 /// loaded under other settings by an earlier query does not speak for this one.
 pub fn used_worker_metrics() -> Vec<(String, u64)> {
     let used = USED.with(|used| std::mem::take(&mut *used.borrow_mut()));
-    let mut metrics: Vec<(String, u64)> = LOADED.with(|loaded| {
+    let metrics: Vec<(String, u64)> = LOADED.with(|loaded| {
         let loaded = loaded.borrow();
         used.iter()
             .filter_map(|key| loaded.get(key))
             .flat_map(|worker| worker.metrics())
             .collect()
     });
-    metrics.extend(model_cache::take_figures());
     metrics
 }
 

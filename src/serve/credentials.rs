@@ -23,7 +23,7 @@ use base64::Engine;
 use datafusion::error::{DataFusionError, Result};
 use subtle::ConstantTimeEq;
 
-use super::grants::UserGrant;
+use super::grants::{TOKEN_USER, UserGrant};
 use crate::cluster::auth::{Secret, read_owner_only};
 
 /// The users of a server: name → Argon2 hash (PHC string), and what the operator granted
@@ -210,9 +210,6 @@ pub const MAX_SESSIONS: usize = 10_000;
 /// Most live session tokens of one user; a handshake beyond it expires that user's least
 /// recently used, never another user's.
 pub const MAX_SESSIONS_PER_USER: usize = 256;
-
-/// The user name the static token's holders run as.
-pub const TOKEN_USER: &str = "token";
 
 impl Authenticator {
     /// Accept the users of `users` and/or the static token; at least one must be given.

@@ -22,9 +22,12 @@ use std::sync::Arc;
 
 use datafusion::error::{DataFusionError, Result};
 
-use super::credentials::TOKEN_USER;
 use super::policy::AccessPolicy;
 use crate::config::ByteSize;
+
+/// The user name the static token's holders run as (the operator's token: always the
+/// server's cloud identity).
+pub const TOKEN_USER: &str = "token";
 
 /// The options of one user's line in the users file.
 #[derive(Debug, Clone, Default, PartialEq)]

@@ -1,63 +1,28 @@
 //! The block store: the one place that knows where each block lives: in memory under the
-//! memory budget, spilled to Arrow IPC files in a temp dir beyond it, or kept by the
-//! worker process that made it.
+//! memory budget, written out to spill runs beyond it ([`crate::store::spill_runs`]), or
+//! kept by the worker process that made it.
 //!
-//! Blocks spill in **runs**: each [`SpillGroup`] (a producer's output for one consumer
-//! partition) appends its spilled blocks to one open file until it holds
-//! [`BlockStore::run_cap`] bytes, the blocks that waited in memory together in one write, so
-//! a reduce task reads its partition from a few large files rather than one small file per
-//! map output (Exoshuffle's merge of pushed map outputs). Each block is an Arrow IPC stream
-//! of its own at a known offset. A run's file is deleted when its last block leaves the
-//! store; a run deleted under the query loses its blocks, each recomputed by its producer.
+//! Memory is blocks, operators' reservations (they share the budget:
+//! [`crate::store::operator_memory`]) and, where the allocator says what it holds, the heap
+//! nobody reserved ([`crate::store::heap_share`]). When they pass the budget the store
+//! writes out blocks, the group with the most bytes in memory first, blocks waiting for a
+//! reader that needs all of them before blocks read soon ([`ReadSoon`]).
 
 use std::collections::{BTreeMap, HashMap};
-use std::fs::File;
-use std::io::{BufReader, BufWriter, Read, Seek, SeekFrom, Write};
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Arc, Mutex, MutexGuard, OnceLock};
+use std::sync::{Arc, Mutex, MutexGuard};
 
-use datafusion::arrow::ipc::reader::StreamReader;
-use datafusion::arrow::ipc::writer::StreamWriter;
 use datafusion::arrow::record_batch::RecordBatch;
 use datafusion::error::{DataFusionError, Result};
-use tempfile::TempDir;
 
 use crate::config::ByteSize;
 use crate::store::block::{BlockId, HeldBlock};
-use crate::store::operator_memory::MemoryCounters;
+use crate::store::heap_share::HeapShare;
+use crate::store::memory_counters::MemoryCounters;
 use crate::store::process_heap::{HeapAllocator, HeapGauge, READ_INTERVAL};
-
-/// Blocks spilled together: a producer operator's output for one consumer partition
-/// `(operator, partition)`, which one reader reads together.
-pub type SpillGroup = (usize, usize);
-
-/// One spill file and the blocks in it; the file is deleted when the last block that
-/// shares this handle leaves the store (and no reader or writer still holds it).
-#[derive(Debug)]
-struct SpillRun {
-    path: PathBuf,
-}
-
-/// A group's run still open for appending.
-struct OpenRun {
-    run: Arc<SpillRun>,
-    file: File,
-    /// Bytes written to it.
-    len: u64,
-}
-
-/// Each spilled block's `(offset, len)` in its run file.
-type Spans = Vec<(u64, u64)>;
-
-/// Where one group appends its spilled blocks (`None`: no run open).
-type RunSlot = Arc<Mutex<Option<OpenRun>>>;
-
-impl Drop for SpillRun {
-    fn drop(&mut self) {
-        let _ = std::fs::remove_file(&self.path);
-    }
-}
+pub use crate::store::spill_runs::SpillGroup;
+use crate::store::spill_runs::{Spans, SpillRun, SpillRuns};
 
 enum Stored {
     Memory(RecordBatch),
@@ -75,59 +40,6 @@ struct Entry {
     bytes: u64,
     group: SpillGroup,
 }
-
-/// A writer that counts the bytes through it.
-struct Counting<W> {
-    inner: W,
-    written: u64,
-}
-
-impl<W: Write> Write for Counting<W> {
-    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
-        let n = self.inner.write(buf)?;
-        self.written += n as u64;
-        Ok(n)
-    }
-
-    fn flush(&mut self) -> std::io::Result<()> {
-        self.inner.flush()
-    }
-}
-
-/// Append `batches` to `open`'s file, each as an Arrow IPC stream of its own, streamed
-/// through a buffer (a run may be a large part of the budget: no copy of it is held);
-/// returns each one's offset and length in the file.
-fn append(
-    open: &mut OpenRun,
-    batches: &[(BlockId, RecordBatch)],
-) -> std::result::Result<Spans, String> {
-    let mut out = Counting {
-        inner: BufWriter::with_capacity(1 << 20, &mut open.file),
-        written: 0,
-    };
-    let mut spans = vec![];
-    for (_, batch) in batches {
-        let start = out.written;
-        let mut writer =
-            StreamWriter::try_new(&mut out, batch.schema_ref()).map_err(|e| e.to_string())?;
-        writer.write(batch).map_err(|e| e.to_string())?;
-        writer.finish().map_err(|e| e.to_string())?;
-        drop(writer);
-        spans.push((open.len + start, out.written - start));
-    }
-    out.flush().map_err(|e| e.to_string())?;
-    let written = out.written;
-    drop(out);
-    open.len += written;
-    Ok(spans)
-}
-
-/// Times a spill is tried before its error reaches the query.
-const SPILL_ATTEMPTS: u32 = 20;
-
-/// Subdirectories spill files are spread over: one directory of tens of thousands of
-/// short-lived files serializes every create and delete on its lock.
-const SPILL_SUBDIRS: u64 = 64;
 
 #[derive(Default)]
 struct Inner {
@@ -326,26 +238,14 @@ pub struct BlockStore {
     /// Bytes the run's operators hold (their state shares the budget:
     /// [`crate::store::operator_memory::OperatorMemory`]).
     operator_bytes: AtomicU64,
-    /// Where the spill directory is made (`flumen.spill_dir`); `None`: the temp directory.
-    spill_root: Option<PathBuf>,
-    spill_dir: OnceLock<std::io::Result<TempDir>>,
-    /// Each group's open run.
-    open_runs: Mutex<HashMap<SpillGroup, RunSlot>>,
+    /// The files blocks are written out to.
+    runs: SpillRuns,
     /// Where the run's plan counts them too, for `EXPLAIN ANALYZE`.
     counters: Option<Arc<MemoryCounters>>,
-    /// Numbers the spill files.
-    next_run: AtomicU64,
     /// Producers whose blocks are read soon: others' spill first.
     read_soon: ReadSoon,
-    /// The process's heap, when its allocator counts what it holds: what it holds for the
-    /// run beyond the store's blocks and operators' reservations takes its share of the
-    /// budget ([`Self::unreserved_bytes`]).
-    heap: Option<HeapGauge>,
-    /// That share, as of the gauge's last reading: blocks written out or released since
-    /// then change `memory_bytes`, not it.
-    unreserved: AtomicU64,
-    /// Bytes written to spill files so far.
-    spilled_bytes: AtomicU64,
+    /// The heap nobody reserved: its share of the budget.
+    heap: HeapShare,
     inner: Mutex<Inner>,
 }
 
@@ -374,15 +274,10 @@ impl BlockStore {
         Self {
             budget,
             operator_bytes: AtomicU64::new(0),
-            spill_root: None,
-            spill_dir: OnceLock::new(),
-            open_runs: Mutex::new(HashMap::new()),
+            runs: SpillRuns::default(),
             counters: None,
-            next_run: AtomicU64::new(0),
             read_soon: ReadSoon::default(),
-            heap: None,
-            unreserved: AtomicU64::new(0),
-            spilled_bytes: AtomicU64::new(0),
+            heap: HeapShare::default(),
             inner: Mutex::new(Inner::default()),
         }
     }
@@ -392,84 +287,20 @@ impl BlockStore {
     /// `None`: only blocks and operators' reservations count.
     pub fn with_heap(mut self, allocator: Option<&'static dyn HeapAllocator>) -> Self {
         let idle_limit = (self.budget / 8).max(4 << 20);
-        self.heap = allocator.and_then(|a| HeapGauge::new(a, READ_INTERVAL, idle_limit));
+        let gauge = allocator.and_then(|a| HeapGauge::new(a, READ_INTERVAL, idle_limit));
+        self.heap = HeapShare::new(gauge, self.budget);
         self
     }
 
     /// Whether the store counts the allocator's heap: then its readings hand the idle pages
     /// back once they pass an eighth of the budget, and a task's end need not purge them.
     pub(crate) fn counts_heap(&self) -> bool {
-        self.heap.is_some()
-    }
-
-    /// The most of the budget that memory nobody reserved may take from blocks: the rest
-    /// stays theirs, so that a model's weights loaded in the middle of a run, say, do not
-    /// send every later block to disk.
-    fn unreserved_cap(&self) -> u64 {
-        self.budget / 4 * 3
-    }
-
-    /// The heap nobody reserved that counts against the budget: given a new `reading` of
-    /// what the allocator holds for the run ([`Self::heap_reading`]), that beyond the
-    /// blocks in memory now (`memory_bytes`) and operators' reservations (readers' buffers,
-    /// pieces of blocks not yet cut, the store's own maps, the allocator's rounding and
-    /// the free pages it keeps), up to [`Self::unreserved_cap`]; without one, the share
-    /// found at the last reading (a reading a few milliseconds old still holds blocks
-    /// written out since: set against `memory_bytes` now, they would count twice).
-    fn unreserved_bytes(&self, reading: Option<u64>, memory_bytes: u64) -> u64 {
-        let Some(held) = reading else {
-            return self.unreserved.load(Ordering::Relaxed);
-        };
-        let unreserved = held
-            .saturating_sub(memory_bytes + self.operator_bytes())
-            .min(self.unreserved_cap());
-        self.unreserved.store(unreserved, Ordering::Relaxed);
-        if let Some(counters) = &self.counters {
-            counters
-                .peak_unreserved_bytes
-                .fetch_max(unreserved, Ordering::Relaxed);
-        }
-        unreserved
-    }
-
-    /// A new reading of what the allocator holds for the run ([`HeapGauge::reading`]),
-    /// when the store counts it and one is due (read before taking the store's lock).
-    fn heap_reading(&self) -> Option<u64> {
-        let reading = self.heap.as_ref().and_then(HeapGauge::reading);
-        // Only a reading made (at most every 2 ms, not at every put) may have handed back.
-        if reading.is_some() {
-            self.count_hand_backs();
-        }
-        reading
-    }
-
-    /// The gauge's hand-backs so far, into the run's counters.
-    fn count_hand_backs(&self) {
-        if let (Some(heap), Some(counters)) = (&self.heap, &self.counters) {
-            counters
-                .heap_hand_backs
-                .fetch_max(heap.hand_backs(), Ordering::Relaxed);
-        }
-    }
-
-    /// Whether the heap's last reading found free pages worth handing back.
-    fn heap_holds_idle_pages(&self) -> bool {
-        self.heap.as_ref().is_some_and(HeapGauge::holds_idle_pages)
-    }
-
-    /// A reading made after the allocator handed its free pages back.
-    fn heap_reading_after_hand_back(&self) -> Option<u64> {
-        let reading = self
-            .heap
-            .as_ref()
-            .and_then(HeapGauge::reading_after_hand_back);
-        self.count_hand_backs();
-        reading
+        self.heap.counts_heap()
     }
 
     /// Put spill files in a directory made under `root` (else the system's temp directory).
     pub fn with_spill_root(mut self, root: Option<PathBuf>) -> Self {
-        self.spill_root = root;
+        self.runs = SpillRuns::new(root);
         self
     }
 
@@ -514,9 +345,9 @@ impl BlockStore {
         MemorySample {
             blocks: self.memory_bytes(),
             operators: self.operator_bytes(),
-            unreserved: self.unreserved.load(Ordering::Relaxed),
-            idle: self.heap.as_ref().map_or(0, HeapGauge::last_idle),
-            spilled: self.spilled_bytes.load(Ordering::Relaxed),
+            unreserved: self.heap.last_share(),
+            idle: self.heap.last_idle(),
+            spilled: self.runs.written_bytes(),
         }
     }
 
@@ -548,7 +379,7 @@ impl BlockStore {
     /// blocks and bytes written out.
     pub fn make_room(&self) -> Result<(u64, u64)> {
         let mut written = (0, 0);
-        let mut reading = self.heap_reading();
+        let mut reading = self.heap.reading(self.counters.as_deref());
         let mut handed_back = false;
         loop {
             let run = {
@@ -559,10 +390,10 @@ impl BlockStore {
                 if held <= self.budget || inner.memory_bytes <= self.block_floor() {
                     return Ok(written);
                 }
-                if !handed_back && self.heap_holds_idle_pages() {
+                if !handed_back && self.heap.holds_idle_pages() {
                     drop(inner);
                     handed_back = true;
-                    reading = self.heap_reading_after_hand_back();
+                    reading = self.heap.reading_after_hand_back(self.counters.as_deref());
                     continue;
                 }
                 let Some(group) = inner.fullest_group(&self.read_soon) else {
@@ -599,7 +430,7 @@ impl BlockStore {
                 ByteSize(self.budget)
             )));
         }
-        let mut reading = self.heap_reading();
+        let mut reading = self.heap.reading(self.counters.as_deref());
         let mut handed_back = false;
         let companions = loop {
             let late_run = {
@@ -613,10 +444,10 @@ impl BlockStore {
                     return Ok(Placement::Memory);
                 }
                 // Pages the allocator keeps free go back before any block goes to disk.
-                if !handed_back && self.heap_holds_idle_pages() {
+                if !handed_back && self.heap.holds_idle_pages() {
                     drop(inner);
                     handed_back = true;
-                    reading = self.heap_reading_after_hand_back();
+                    reading = self.heap.reading_after_hand_back(self.counters.as_deref());
                     continue;
                 }
                 // A block read soon makes room by writing out blocks read late.
@@ -652,14 +483,16 @@ impl BlockStore {
         Ok(Placement::Spilled)
     }
 
-    /// [`Self::spill`] `batches`, then lock the store; on failure their blocks are no longer
+    /// Append `batches` to `group`'s spill run ([`SpillRuns::append`]), then lock the store; on failure their blocks are no longer
     /// being evicted (they stay in memory) and the error is returned.
     fn write_run(
         &self,
         group: SpillGroup,
         batches: &[(BlockId, RecordBatch)],
     ) -> Result<(MutexGuard<'_, Inner>, Arc<SpillRun>, Spans)> {
-        let spilled = self.spill(group, batches);
+        let spilled = self
+            .runs
+            .append(group, batches, self.run_cap(), self.counters.as_deref());
         let mut inner = self.inner.lock().unwrap();
         match spilled {
             Ok((run, spans)) => Ok((inner, run, spans)),
@@ -670,82 +503,11 @@ impl BlockStore {
         }
     }
 
-    /// Append `batches` to `group`'s open run in one write (a new run when there is none,
-    /// it is full, or its file was deleted under the query); returns the run and each
-    /// batch's `(offset, len)` in it.
-    fn spill(
-        &self,
-        group: SpillGroup,
-        batches: &[(BlockId, RecordBatch)],
-    ) -> Result<(Arc<SpillRun>, Spans)> {
-        let slot = Arc::clone(self.open_runs.lock().unwrap().entry(group).or_default());
-        let mut slot = slot.lock().unwrap();
-        if slot
-            .as_ref()
-            .is_some_and(|open| open.len >= self.run_cap() || !open.run.path.exists())
-        {
-            *slot = None;
-        }
-        // Someone may have deleted the directory under a running query (before the file was
-        // made): make it again (a deletion in progress, which takes longer with the
-        // subdirectories, races with the creation), for up to about 100 ms. A failed write
-        // abandons its run (its end may hold part of this one); the next try opens another.
-        let mut attempts = 0;
-        loop {
-            attempts += 1;
-            let appended = match slot.take() {
-                Some(open) => Ok(open),
-                None => self.open_run(),
-            }
-            .and_then(|mut open| Ok((append(&mut open, batches)?, open)));
-            match appended {
-                Ok((spans, open)) => {
-                    let bytes: u64 = spans.iter().map(|&(_, len)| len).sum();
-                    self.spilled_bytes.fetch_add(bytes, Ordering::Relaxed);
-                    let run = Arc::clone(&open.run);
-                    *slot = Some(open);
-                    return Ok((run, spans));
-                }
-                Err(e) if attempts >= SPILL_ATTEMPTS => {
-                    return Err(DataFusionError::Execution(format!(
-                        "cannot spill {} block(s) (first {}) of partition {} of operator {}: {e}",
-                        batches.len(),
-                        batches[0].0,
-                        group.1,
-                        group.0
-                    )));
-                }
-                Err(_) => std::thread::sleep(std::time::Duration::from_millis(5)),
-            }
-        }
-    }
-
-    /// A new, empty run file.
-    fn open_run(&self) -> std::result::Result<OpenRun, String> {
-        let dir = self.spill_dir.get_or_init(|| {
-            let builder = tempfile::Builder::new().prefix("flumen-spill-").clone();
-            match &self.spill_root {
-                Some(root) => std::fs::create_dir_all(root).and_then(|()| builder.tempdir_in(root)),
-                None => builder.tempdir(),
-            }
-        });
-        let dir = dir
-            .as_ref()
-            .map_err(|e| format!("cannot create flumen spill directory: {e}"))?;
-        let number = self.next_run.fetch_add(1, Ordering::Relaxed);
-        let subdir = dir.path().join(format!("{:02x}", number % SPILL_SUBDIRS));
-        let path = subdir.join(format!("run-{number}.arrow"));
-        let file = std::fs::create_dir_all(&subdir)
-            .and_then(|()| File::create(&path))
-            .map_err(|e| format!("{}: {e}", path.display()))?;
-        if let Some(counters) = &self.counters {
-            counters.spill_files.fetch_add(1, Ordering::Relaxed);
-        }
-        Ok(OpenRun {
-            run: Arc::new(SpillRun { path }),
-            file,
-            len: 0,
-        })
+    /// The heap nobody reserved that counts against the budget ([`HeapShare::share`]),
+    /// given a new `reading` of the allocator and the blocks in memory now.
+    fn unreserved_bytes(&self, reading: Option<u64>, memory_bytes: u64) -> u64 {
+        let reserved = memory_bytes + self.operator_bytes();
+        self.heap.share(reading, reserved, self.counters.as_deref())
     }
 
     /// Record that a worker process keeps block `id` (its bytes are the worker's memory,
@@ -836,38 +598,7 @@ impl BlockStore {
                 Some(Stored::Spilled { run, offset, len }) => (Arc::clone(run), *offset, *len),
             }
         };
-        let path = &run.path;
-        let mut file = match File::open(path) {
-            Ok(file) => file,
-            // A spill file deleted under the query is a lost block: lineage recomputes it.
-            Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
-                log::warn!(
-                    "spill file {} of block {id} is gone; the block is recomputed",
-                    path.display()
-                );
-                return Ok(None);
-            }
-            Err(e) => {
-                return Err(DataFusionError::Execution(format!(
-                    "cannot read spill file {} of block {id}: {e}",
-                    path.display()
-                )));
-            }
-        };
-        let damaged = |e: &dyn std::fmt::Display| {
-            DataFusionError::Execution(format!(
-                "spill file {} of block {id} is damaged: {e}",
-                path.display()
-            ))
-        };
-        file.seek(SeekFrom::Start(offset))
-            .map_err(|e| damaged(&e))?;
-        let stream = BufReader::new(file.take(len));
-        let mut reader = StreamReader::try_new(stream, None).map_err(|e| damaged(&e))?;
-        match reader.next() {
-            Some(batch) => Ok(Some(batch.map_err(|e| damaged(&e))?)),
-            None => Err(damaged(&format!("no batch at offset {offset}"))),
-        }
+        run.read(id, offset, len)
     }
 
     /// Remove a block (its readers are done with it, or it is replaced by a recomputed
@@ -883,28 +614,13 @@ impl BlockStore {
                     // still open for its group is closed when only the group holds it.
                     Stored::Spilled { run, .. } => {
                         if Arc::strong_count(&run) == 2 {
-                            self.close_if_open(entry.group, &run);
+                            self.runs.close_if_open(entry.group, &run);
                         }
                     }
                     Stored::Held(held) => held.release(),
                 }
                 entry.bytes
             }
-        }
-    }
-
-    /// Close `group`'s open run if it is `run` (its blocks are all gone), unless a spill is
-    /// writing to it now.
-    fn close_if_open(&self, group: SpillGroup, run: &Arc<SpillRun>) {
-        let Some(slot) = self.open_runs.lock().unwrap().get(&group).cloned() else {
-            return;
-        };
-        if let Ok(mut slot) = slot.try_lock()
-            && slot
-                .as_ref()
-                .is_some_and(|open| Arc::ptr_eq(&open.run, run))
-        {
-            *slot = None;
         }
     }
 }
@@ -995,7 +711,10 @@ pub(crate) mod tests {
     fn heap_nobody_reserved_counts_against_the_budget() {
         let heap: &'static FakeHeap = Box::leak(Box::new(FakeHeap(AtomicU64::new(50_000))));
         let mut store = BlockStore::new(1000);
-        store.heap = HeapGauge::new(heap, std::time::Duration::ZERO, u64::MAX);
+        store.heap = HeapShare::new(
+            HeapGauge::new(heap, std::time::Duration::ZERO, u64::MAX),
+            store.budget,
+        );
         // The heap grew by the block itself: nothing unreserved.
         heap.0.store(50_400, Ordering::Relaxed);
         assert_eq!(
@@ -1026,7 +745,10 @@ pub(crate) mod tests {
         // (1,100 in all); one group written out is enough (900), not both.
         heap.0.store(50_000, Ordering::Relaxed);
         let mut stale = BlockStore::new(1000);
-        stale.heap = HeapGauge::new(heap, std::time::Duration::ZERO, u64::MAX);
+        stale.heap = HeapShare::new(
+            HeapGauge::new(heap, std::time::Duration::ZERO, u64::MAX),
+            stale.budget,
+        );
         stale.put(1, batch(10), 200, (0, 0)).unwrap();
         stale.put(2, batch(10), 200, (0, 1)).unwrap();
         stale.set_operator_bytes(300);
@@ -1078,11 +800,11 @@ pub(crate) mod tests {
 
     /// The files under a store's spill directory.
     fn spill_files(store: &BlockStore) -> Vec<std::path::PathBuf> {
-        let Some(Ok(dir)) = store.spill_dir.get() else {
+        let Some(dir) = store.runs.dir() else {
             return vec![];
         };
         let mut files = vec![];
-        for sub in std::fs::read_dir(dir.path()).unwrap() {
+        for sub in std::fs::read_dir(dir).unwrap() {
             for file in std::fs::read_dir(sub.unwrap().path()).unwrap() {
                 files.push(file.unwrap().path());
             }

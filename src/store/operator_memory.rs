@@ -15,7 +15,7 @@
 
 use std::collections::HashMap;
 use std::fmt;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::Ordering;
 use std::sync::{Arc, Mutex};
 
 use datafusion::error::{DataFusionError, Result};
@@ -25,39 +25,7 @@ use datafusion::execution::memory_pool::{
 
 use crate::config::ByteSize;
 use crate::store::block_store::BlockStore;
-
-/// What operator memory did, counted over the runs of a plan (`EXPLAIN ANALYZE` shows it).
-#[derive(Debug, Default)]
-pub struct MemoryCounters {
-    /// Most bytes operators held at once in any run.
-    pub peak_operator_bytes: AtomicU64,
-    /// Allocations refused: each made an operator spill its state (or failed it).
-    pub refusals: AtomicU64,
-    /// Blocks written from memory to disk to make room for operator state, and their bytes.
-    pub blocks_evicted: AtomicU64,
-    pub bytes_evicted: AtomicU64,
-    /// Spill files the block store wrote (each a run of one or more blocks of one group).
-    pub spill_files: AtomicU64,
-    /// Most bytes of heap nobody reserved that the block store counted against the budget
-    /// at once (0 without an installed allocator: [`crate::store::process_heap`]).
-    pub peak_unreserved_bytes: AtomicU64,
-    /// Times the installed allocator was asked to hand its idle pages back for a run
-    /// ([`crate::store::process_heap::HeapGauge`]).
-    pub heap_hand_backs: AtomicU64,
-}
-
-impl MemoryCounters {
-    /// `[peak operator bytes, refusals, blocks evicted, bytes evicted]`.
-    pub fn snapshot(&self) -> [u64; 4] {
-        [
-            &self.peak_operator_bytes,
-            &self.refusals,
-            &self.blocks_evicted,
-            &self.bytes_evicted,
-        ]
-        .map(|c| c.load(Ordering::Relaxed))
-    }
-}
+use crate::store::memory_counters::MemoryCounters;
 
 /// Least memory operators get, whatever the budget: a `TopK` or an ungrouped aggregate needs
 /// a few batches, and blocks (which spill) are what a tiny budget is for.
