@@ -22,6 +22,7 @@ use datafusion::error::{DataFusionError, Result};
 
 use crate::cluster::auth::Secret;
 use crate::cluster::protocol::{BlockTicket, ReleaseRequest};
+use crate::store::owned_dir::OwnedDir;
 
 /// How many ended queries a worker remembers.
 const ENDED_QUERIES_KEPT: usize = 4096;
@@ -87,8 +88,9 @@ pub(crate) struct BlockShelf {
     ended: Mutex<VecDeque<String>>,
     /// Bytes of blocks the worker keeps in memory, all queries together.
     budget: u64,
-    /// Where blocks over a budget go; made at the first.
-    spill_dir: Mutex<Option<tempfile::TempDir>>,
+    /// Where blocks over a budget go; made at the first, removed with the shelf, at the
+    /// worker's exit, or (a killed worker) by the next one on the host ([`OwnedDir`]).
+    spill_dir: Mutex<Option<OwnedDir>>,
     /// Blocks written to the spill directory so far.
     spilled: AtomicU64,
 }
@@ -161,16 +163,13 @@ impl BlockShelf {
             let mut dir = self.spill_dir.lock().unwrap();
             let dir = match dir.as_ref() {
                 Some(dir) => dir,
-                None => dir.insert(
-                    tempfile::Builder::new()
-                        .prefix("flumen-worker-blocks-")
-                        .tempdir()
-                        .map_err(|e| {
-                            DataFusionError::Execution(format!(
-                                "the worker cannot make a spill directory for its blocks: {e}"
-                            ))
-                        })?,
-                ),
+                None => dir.insert(OwnedDir::create(None, "flumen-worker-blocks-").map_err(
+                    |e| {
+                        DataFusionError::Execution(format!(
+                            "the worker cannot make a spill directory for its blocks: {e}"
+                        ))
+                    },
+                )?),
             };
             dir.path().join(format!("{key}.arrow"))
         };
@@ -440,7 +439,12 @@ mod tests {
             .unwrap()
             .path()
             .to_owned();
-        let files = || std::fs::read_dir(&spill_dir).unwrap().count();
+        let files = || {
+            let entries = std::fs::read_dir(&spill_dir).unwrap().flatten();
+            entries
+                .filter(|e| e.path().extension().is_some_and(|x| x == "arrow"))
+                .count()
+        };
         assert_eq!(files(), 3);
         for key in &a {
             let kept = shelf.take(&ticket("a", key, true)).unwrap().unwrap();

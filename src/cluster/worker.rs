@@ -749,6 +749,32 @@ impl FlightService for WorkerService {
     }
 }
 
+/// End the worker process with `code`, its spill directories removed first
+/// (`std::process::exit` runs no destructor).
+fn exit_removing_spills(code: i32) -> ! {
+    crate::store::owned_dir::remove_owned_dirs();
+    std::process::exit(code)
+}
+
+/// Exit on SIGTERM (how Kubernetes and service managers stop a worker) and SIGINT, with
+/// the spill directories removed, as the shell's convention numbers it: 128 + the signal.
+fn exit_on_signals() -> Result<()> {
+    use tokio::signal::unix::{SignalKind, signal};
+    for (kind, number) in [
+        (SignalKind::terminate(), libc::SIGTERM),
+        (SignalKind::interrupt(), libc::SIGINT),
+    ] {
+        let mut received = signal(kind)?;
+        tokio::spawn(async move {
+            if received.recv().await.is_some() {
+                log::info!("flumen worker: signal {number}; exiting");
+                exit_removing_spills(128 + number);
+            }
+        });
+    }
+    Ok(())
+}
+
 /// Largest piece a block is cut into on its way back (`do_get` streams a block in pieces).
 const MAX_FLIGHT_DATA_BYTES: usize = 4 << 20;
 
@@ -815,6 +841,8 @@ pub async fn serve(
     let address = listener.local_addr()?;
     require_tls_off_loopback(&address, settings.tls.as_ref())?;
     let mut builder = crate::cluster::tls::server_builder(settings.tls.as_ref(), "worker")?;
+    // Before the address is out: a driver may stop the worker as soon as it has it.
+    exit_on_signals()?;
     println!("flumen worker listening on {address}");
     use std::io::Write;
     std::io::stdout().flush()?;
@@ -824,7 +852,7 @@ pub async fn serve(
             let mut sink = [0u8; 64];
             while matches!(std::io::stdin().read(&mut sink), Ok(n) if n > 0) {}
             log::info!("flumen worker: the driver closed its pipe; exiting");
-            std::process::exit(0);
+            exit_removing_spills(0);
         });
     }
     let identity = WorkerIdentity::new(kind, &settings);
@@ -838,7 +866,7 @@ pub async fn serve(
                 tokio::time::sleep(lease / 4).await;
                 if watched.last_call.lock().unwrap().elapsed() > lease {
                     log::warn!("flumen worker: no call from a driver for {lease:?}; exiting");
-                    std::process::exit(0);
+                    exit_removing_spills(0);
                 }
             }
         });

@@ -221,9 +221,11 @@ impl WorkerHandle {
     }
 
     /// Take the worker down on purpose (its pool is dropped with its session): no warning.
+    /// A process this driver started is let go ([`let_go`]): it removes its spill
+    /// directory as it exits.
     pub(crate) fn shut_down(&self) {
         self.alive.send_replace(false);
-        self.kill_child();
+        let_go(self.child.lock().unwrap().take());
     }
 
     /// Kill the worker's process, if this driver started it.
@@ -318,11 +320,33 @@ impl Drop for WorkerHandle {
     /// A handle nobody holds any more (a pool that failed half-way through its start, a
     /// replaced worker) takes its process down with it.
     fn drop(&mut self) {
-        if let Some(mut child) = self.child.get_mut().unwrap().take() {
-            let _ = child.kill();
-            std::thread::spawn(move || child.wait());
-        }
+        let_go(self.child.get_mut().unwrap().take());
     }
+}
+
+/// How long a worker this driver let go may take to exit before it is killed.
+const EXIT_GRACE: Duration = Duration::from_secs(2);
+
+/// Let a worker process this driver started go: its stdin closes, so it exits by itself as
+/// it would when the driver dies, its spill directory removed first; one still running
+/// after [`EXIT_GRACE`] is killed. A SIGKILL at once, as before, left the directory of
+/// every worker that had spilled in the temp directory for good.
+fn let_go(child: Option<std::process::Child>) {
+    let Some(mut child) = child else {
+        return;
+    };
+    drop(child.stdin.take());
+    std::thread::spawn(move || {
+        let deadline = std::time::Instant::now() + EXIT_GRACE;
+        while std::time::Instant::now() < deadline {
+            if !matches!(child.try_wait(), Ok(None)) {
+                return;
+            }
+            std::thread::sleep(Duration::from_millis(10));
+        }
+        let _ = child.kill();
+        let _ = child.wait();
+    });
 }
 
 /// `wait`'s output, or `stuck()` when a `deadline` passes first.

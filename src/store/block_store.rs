@@ -804,8 +804,13 @@ pub(crate) mod tests {
             return vec![];
         };
         let mut files = vec![];
+        // Its subdirectories (beside them, the owner's lock file).
         for sub in std::fs::read_dir(dir).unwrap() {
-            for file in std::fs::read_dir(sub.unwrap().path()).unwrap() {
+            let sub = sub.unwrap().path();
+            if !sub.is_dir() {
+                continue;
+            }
+            for file in std::fs::read_dir(sub).unwrap() {
                 files.push(file.unwrap().path());
             }
         }

@@ -11,6 +11,8 @@
 //! - [`freed_memory`]: handing what finished tasks freed back to the operating system.
 //! - [`heap_share`]: the heap nobody reserved, as a share of a run's memory budget.
 //! - [`memory_counters`]: what a run's memory did (peaks, refusals, evictions, spill files).
+//! - [`owned_dir`]: temporary directories a process owns, swept by the next one when it
+//!   died without removing them.
 //! - [`operator_memory`]: the memory pool of a run's operators, sharing the store's budget.
 //! - [`process_heap`]: the process's allocator: its live bytes, and handing freed pages back.
 //! - [`ramp`]: small first blocks at a run's start, doubling up to the target.
@@ -28,6 +30,7 @@ pub(crate) mod freed_memory;
 pub(crate) mod heap_share;
 pub(crate) mod memory_counters;
 pub(crate) mod operator_memory;
+pub(crate) mod owned_dir;
 pub mod process_heap;
 pub(crate) mod ramp;
 pub(crate) mod range_split;

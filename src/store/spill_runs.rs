@@ -19,10 +19,10 @@ use datafusion::arrow::ipc::reader::StreamReader;
 use datafusion::arrow::ipc::writer::StreamWriter;
 use datafusion::arrow::record_batch::RecordBatch;
 use datafusion::error::{DataFusionError, Result};
-use tempfile::TempDir;
 
 use crate::store::block::BlockId;
 use crate::store::memory_counters::MemoryCounters;
+use crate::store::owned_dir::OwnedDir;
 
 /// Blocks spilled together: a producer operator's output for one consumer partition
 /// `(operator, partition)`, which one reader reads together.
@@ -114,7 +114,9 @@ const SPILL_SUBDIRS: u64 = 64;
 pub(crate) struct SpillRuns {
     /// Where the directory is made (`flumen.spill_dir`); `None`: the temp directory.
     root: Option<PathBuf>,
-    dir: OnceLock<std::io::Result<TempDir>>,
+    /// Made at the first spill; removed with this value, or after a crash by the next
+    /// process that makes one beside it ([`OwnedDir`]).
+    dir: OnceLock<std::io::Result<OwnedDir>>,
     /// Each group's open run.
     open: Mutex<HashMap<SpillGroup, RunSlot>>,
     /// Numbers the files.
@@ -200,13 +202,9 @@ impl SpillRuns {
 
     /// A new, empty run file (counted in `counters`).
     fn open_run(&self, counters: Option<&MemoryCounters>) -> std::result::Result<OpenRun, String> {
-        let dir = self.dir.get_or_init(|| {
-            let builder = tempfile::Builder::new().prefix("flumen-spill-").clone();
-            match &self.root {
-                Some(root) => std::fs::create_dir_all(root).and_then(|()| builder.tempdir_in(root)),
-                None => builder.tempdir(),
-            }
-        });
+        let dir = self
+            .dir
+            .get_or_init(|| OwnedDir::create(self.root.as_deref(), "flumen-spill-"));
         let dir = dir
             .as_ref()
             .map_err(|e| format!("cannot create flumen spill directory: {e}"))?;

@@ -630,6 +630,32 @@ fn a_worker_whose_lease_runs_out_exits() {
     assert!(started.elapsed() >= Duration::from_secs(2));
 }
 
+/// A worker stopped with SIGTERM (how Kubernetes and service managers stop one) or SIGINT
+/// exits at once, as the shell numbers a signal's exit (128 + the signal), through the exit
+/// that removes its spill directory first.
+#[test]
+fn a_worker_exits_on_sigterm_and_sigint() {
+    let secret = Secret::random();
+    for signal in [libc::SIGTERM, libc::SIGINT] {
+        let mut worker = WorkerProcess::start(&secret, &[]);
+        // SAFETY: a signal to the worker process this test started.
+        unsafe { libc::kill(worker.child.id() as i32, signal) };
+        let sent = Instant::now();
+        let status = loop {
+            if let Some(status) = worker.child.try_wait().unwrap() {
+                break status;
+            }
+            assert!(sent.elapsed() < Duration::from_secs(5), "still running");
+            std::thread::sleep(Duration::from_millis(20));
+        };
+        assert_eq!(
+            status.code(),
+            Some(128 + signal),
+            "signal {signal}: {status}"
+        );
+    }
+}
+
 fn process_session(mut config: FlumenConfig, binary: &str) -> SessionContext {
     config.workers = WorkerMode::Process;
     config.worker_binary = binary.into();
