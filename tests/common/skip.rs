@@ -2,6 +2,8 @@
 //! NVRTC) fails the test under CI and says `skipped: <why>` elsewhere; a missing CUDA device
 //! is always a plain skip (no CI machine has one). Every skip is also appended to
 //! `$FLUMEN_SKIP_LOG` when set, which is how `.ci/run` counts them.
+//!
+//! Also [`alone_in_a_process`], for a unit test that measures the whole process.
 
 #![allow(dead_code)]
 
@@ -46,4 +48,29 @@ fn record(kind: &str, why: &str) {
             let _ = file.write_all(line.as_bytes());
         }
     }
+}
+
+/// For a unit test that measures the whole process (what it maps, its peak memory), which
+/// other tests running on the harness's threads would disturb: `true` in a process of this
+/// test binary started to run only `test` (by its full path), where the caller goes on with
+/// its checks; `false` after such a process ran and passed (its output printed), where the
+/// caller returns. Panics with that process's output when it failed.
+pub fn alone_in_a_process(test: &str) -> bool {
+    const ALONE: &str = "FLUMEN_TEST_ALONE";
+    if std::env::var_os(ALONE).is_some_and(|t| t == test) {
+        return true;
+    }
+    let out = std::process::Command::new(std::env::current_exe().unwrap())
+        .args(["--exact", test, "--nocapture", "--test-threads=1"])
+        .env(ALONE, test)
+        .output()
+        .unwrap();
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success() && text.contains("1 passed"),
+        "{test} in a process of its own:\n{text}{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    print!("{text}");
+    false
 }

@@ -68,25 +68,8 @@ mod tests {
     /// mark).
     #[test]
     fn a_statements_peak_covers_what_it_touched_and_forgets_what_came_before() {
-        const ALONE: &str = "FLUMEN_TEST_PEAK_RSS_ALONE";
-        if std::env::var_os(ALONE).is_none() {
-            let out = std::process::Command::new(std::env::current_exe().unwrap())
-                .args([
-                    "--exact",
-                    "peak_rss::tests::a_statements_peak_covers_what_it_touched_and_forgets_what_came_before",
-                    "--nocapture",
-                    "--test-threads=1",
-                ])
-                .env(ALONE, "1")
-                .output()
-                .unwrap();
-            let text = String::from_utf8_lossy(&out.stdout);
-            assert!(
-                out.status.success() && text.contains("1 passed"),
-                "{text}{}",
-                String::from_utf8_lossy(&out.stderr)
-            );
-            print!("{text}");
+        let name = "peak_rss::tests::a_statements_peak_covers_what_it_touched_and_forgets_what_came_before";
+        if !test_skip::alone_in_a_process(name) {
             return;
         }
         if std::fs::write("/proc/self/clear_refs", "5").is_err() {

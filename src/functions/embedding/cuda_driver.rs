@@ -62,25 +62,8 @@ mod tests {
     /// test's kernels load NVRTC through cudarc for good, which would map it either way.
     #[test]
     fn a_cuda_library_found_stays_loaded() {
-        const ALONE: &str = "FLUMEN_TEST_LIBRARY_ALONE";
-        if std::env::var_os(ALONE).is_none() {
-            let out = std::process::Command::new(std::env::current_exe().unwrap())
-                .args([
-                    "--exact",
-                    "functions::embedding::cuda_driver::tests::a_cuda_library_found_stays_loaded",
-                    "--nocapture",
-                    "--test-threads=1",
-                ])
-                .env(ALONE, "1")
-                .output()
-                .unwrap();
-            let text = String::from_utf8_lossy(&out.stdout);
-            assert!(
-                out.status.success() && text.contains("1 passed"),
-                "{text}{}",
-                String::from_utf8_lossy(&out.stderr)
-            );
-            print!("{text}");
+        let name = "functions::embedding::cuda_driver::tests::a_cuda_library_found_stays_loaded";
+        if !super::super::test_skip::alone_in_a_process(name) {
             return;
         }
         assert!(!library_loaded(&["flumen_no_such_library"]));
