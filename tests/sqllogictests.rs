@@ -36,6 +36,7 @@ use datafusion_sqllogictest::{
     value_normalizer,
 };
 use flumen::FlumenConfig;
+use futures::StreamExt;
 use indicatif::ProgressBar;
 use sqllogictest::{QueryExpect, Record, parse_file, strict_column_validator};
 
@@ -213,6 +214,9 @@ fn pinned_vanilla_failures(root: &Path) -> Result<(BTreeSet<String>, BTreeSet<St
     Ok((records, not_run))
 }
 
+/// Upstream files checked side by side: one file's run is mostly one thread's work (SQL
+/// planning and small plans), so two keep both of CI's cores busy.
+const FILES_AT_ONCE: usize = 2;
 /// Longest an upstream file may run before it counts as failed (a hang is a failure).
 const FILE_TIMEOUT: Duration = Duration::from_secs(120);
 /// `tpch/tpch.slt` runs the 22 queries three times over scale factor 0.1.
@@ -847,6 +851,40 @@ struct Tally {
     driver_tasks: u64,
     unknown_fallbacks: usize,
     known_fallbacks_seen: BTreeSet<usize>,
+    /// What the checks of one file said, printed when the file is done, so that files run
+    /// side by side ([`FILES_AT_ONCE`]) print whole and in order.
+    output: String,
+}
+
+impl Tally {
+    /// Folds the tally of one file into this one and prints what that file's checks said.
+    fn absorb(&mut self, file: Tally) {
+        print!("{}", file.output);
+        self.files_passed += file.files_passed;
+        self.files_failed += file.files_failed;
+        self.records_checked += file.records_checked;
+        self.known_seen.extend(file.known_seen);
+        self.vanilla_failures.extend(file.vanilla_failures);
+        self.vanilla_records.extend(file.vanilla_records);
+        self.vanilla_not_run.extend(file.vanilla_not_run);
+        self.problems.extend(file.problems);
+        self.worker_files += file.worker_files;
+        self.worker_tasks += file.worker_tasks;
+        self.worker_differences += file.worker_differences;
+        self.known_worker_seen.extend(file.known_worker_seen);
+        self.partitioned_explains += file.partitioned_explains;
+        self.driver_tasks += file.driver_tasks;
+        self.unknown_fallbacks += file.unknown_fallbacks;
+        self.known_fallbacks_seen.extend(file.known_fallbacks_seen);
+    }
+}
+
+/// A line into `$tally`'s output (see [`Tally::output`]).
+macro_rules! say {
+    ($tally:expr, $($arg:tt)*) => {{
+        use std::fmt::Write as _;
+        let _ = writeln!($tally.output, $($arg)*);
+    }};
 }
 
 /// The kind of a record's error (its text up to the first colon), or `"ok"`: what threads
@@ -902,7 +940,10 @@ async fn check_workers(
     tally.worker_tasks += workers.worker_tasks;
     if let Some(limit) = workers.timed_out {
         tally.worker_differences += 1;
-        println!("upstream {name} in workers: FAILED: ran past {limit:?} (a hang fails)");
+        say!(
+            tally,
+            "upstream {name} in workers: FAILED: ran past {limit:?} (a hang fails)"
+        );
         return;
     }
     let mut differences = vec![];
@@ -954,7 +995,8 @@ async fn check_workers(
             }
             None => {
                 tally.unknown_fallbacks += 1;
-                println!(
+                say!(
+                    tally,
                     "upstream {name} in workers: FAILED: {tasks} tasks fell back to the driver: \
                      {reason}: {detail}"
                 );
@@ -963,19 +1005,22 @@ async fn check_workers(
     }
     let elapsed = started.elapsed().as_secs_f64();
     if differences.is_empty() {
-        println!(
+        say!(
+            tally,
             "upstream {name} in workers: same as threads ({elapsed:.1}s, {} tasks in workers, \
              {} on the driver by design)",
-            workers.worker_tasks, workers.driver_tasks
+            workers.worker_tasks,
+            workers.driver_tasks
         );
     } else {
         tally.worker_differences += differences.len();
-        println!(
+        say!(
+            tally,
             "upstream {name} in workers: FAILED: {} records differ from threads mode",
             differences.len()
         );
         for difference in differences.iter().take(if full { usize::MAX } else { 5 }) {
-            println!("  {difference}");
+            say!(tally, "  {difference}");
         }
     }
 }
@@ -1004,8 +1049,27 @@ async fn run_upstream(root: &Path, full: bool) -> Result<(usize, usize), String>
     // FLUMEN_SLT_WORKERS=0 (a quicker local run; CI runs both).
     let workers = std::env::var("FLUMEN_SLT_WORKERS").map_or(true, |v| v != "0");
     let mut tally = Tally::default();
-    for relative in &files {
-        check_upstream_file(relative, full, workers, &mut tally).await;
+    // The longest file (the TPC-H queries, over a minute) first, so that it does not run
+    // alone at the end; then the files in name order, each printed once those before it are.
+    let mut order = files.clone();
+    order.sort_by_key(|f| !f.starts_with("tpch"));
+    let mut runs = futures::stream::iter(order.into_iter().enumerate())
+        .map(|(i, relative)| {
+            tokio::spawn(async move {
+                let mut file = Tally::default();
+                check_upstream_file(&relative, full, workers, &mut file).await;
+                (i, file)
+            })
+        })
+        .buffer_unordered(FILES_AT_ONCE);
+    let (mut done, mut printed) = (BTreeMap::new(), 0);
+    while let Some(run) = runs.next().await {
+        let (i, file) = run.map_err(|e| format!("an upstream file's check panicked: {e}"))?;
+        done.insert(i, file);
+        while let Some(file) = done.remove(&printed) {
+            tally.absorb(file);
+            printed += 1;
+        }
     }
     for (i, known) in KNOWN_WORKER_DIFFERENCES.iter().enumerate() {
         if workers && ran_file(&files, known.file()) && !tally.known_worker_seen.contains(&i) {
@@ -1027,7 +1091,8 @@ async fn run_upstream(root: &Path, full: bool) -> Result<(usize, usize), String>
         }
     }
     if workers {
-        println!(
+        say!(
+            tally,
             "upstream sqllogictest files in worker processes: {} run, {} tasks ran in workers, \
              {} on the driver by design, {} unlisted fallbacks to the driver ({} listed), {} \
              records differ from threads mode, {} known; {} EXPLAIN records show an outer or \
@@ -1094,7 +1159,7 @@ async fn run_upstream(root: &Path, full: bool) -> Result<(usize, usize), String>
     }
     if !changed.is_empty() {
         for change in changed.iter().take(if full { usize::MAX } else { 10 }) {
-            println!("  {change}");
+            say!(tally, "  {change}");
         }
         tally.problems.push(format!(
             "{} changes to vanilla DataFusion's failures against {VANILLA_FAILURES_FILE} \
@@ -1118,7 +1183,8 @@ async fn run_upstream(root: &Path, full: bool) -> Result<(usize, usize), String>
         .values()
         .filter(|n| **n != u32::MAX)
         .sum();
-    println!(
+    say!(
+        tally,
         "upstream sqllogictest files: {} run; flumen: {} passed, {} failed; {} records compared \
          with vanilla DataFusion, {} known failures; vanilla DataFusion fails {} records in {} \
          files (pinned)",
@@ -1131,7 +1197,7 @@ async fn run_upstream(root: &Path, full: bool) -> Result<(usize, usize), String>
         tally.vanilla_failures.len(),
     );
     for problem in &tally.problems {
-        println!("FAILED: {problem}");
+        say!(tally, "FAILED: {problem}");
     }
     let failed = tally.files_failed + tally.problems.len();
     Ok((tally.files_passed, failed))
@@ -1152,7 +1218,7 @@ async fn check_upstream_file(relative: &Path, full: bool, workers: bool, tally: 
     if vanilla.not_run {
         tally.vanilla_failures.insert(name.clone(), u32::MAX);
         tally.vanilla_not_run.insert(name.clone());
-        println!("upstream {name}: not run by DataFusion's runner");
+        say!(tally, "upstream {name}: not run by DataFusion's runner");
         return;
     }
     if let Some(limit) = vanilla.timed_out {
@@ -1169,14 +1235,17 @@ async fn check_upstream_file(relative: &Path, full: bool, workers: bool, tally: 
         if full {
             for (at, message) in &vanilla.errors {
                 let first = message.lines().next().unwrap_or_default();
-                println!("  vanilla fails {at}: {first}");
+                say!(tally, "  vanilla fails {at}: {first}");
             }
         }
     }
     let flumen = run_file(&path, relative, Engine::Flumen).await;
     if let Some(limit) = flumen.timed_out {
         tally.files_failed += 1;
-        println!("upstream {name}: FAILED under flumen: ran past {limit:?} (a hang fails)");
+        say!(
+            tally,
+            "upstream {name}: FAILED under flumen: ran past {limit:?} (a hang fails)"
+        );
         return;
     }
     if workers {
@@ -1204,7 +1273,8 @@ async fn check_upstream_file(relative: &Path, full: bool, workers: bool, tally: 
     let elapsed = started.elapsed().as_secs_f64();
     if new_failures.is_empty() {
         tally.files_passed += 1;
-        println!(
+        say!(
+            tally,
             "upstream {name}: ok ({elapsed:.1}s{}{})",
             if vanilla.errors.is_empty() {
                 String::new()
@@ -1219,20 +1289,21 @@ async fn check_upstream_file(relative: &Path, full: bool, workers: bool, tally: 
         );
     } else {
         tally.files_failed += 1;
-        println!(
+        say!(
+            tally,
             "upstream {name}: FAILED under flumen ({} records)",
             new_failures.len()
         );
         for (at, message) in new_failures.iter().take(if full { usize::MAX } else { 5 }) {
             let first = message.lines().next().unwrap_or_default();
-            println!("  record {at}: {first}");
+            say!(tally, "  record {at}: {first}");
             if full {
                 let prefix: String = first.chars().take(60).collect();
-                println!("    entry: (\"{name}\", \"{at}\", {prefix:?})");
+                say!(tally, "    entry: (\"{name}\", \"{at}\", {prefix:?})");
             }
             if full {
                 for line in message.lines().skip(1).take(8) {
-                    println!("    {line}");
+                    say!(tally, "    {line}");
                 }
             }
         }

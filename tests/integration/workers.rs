@@ -4,6 +4,7 @@
 
 use crate::common;
 
+use std::collections::BTreeMap;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
@@ -866,8 +867,13 @@ async fn embed_in_a_worker_matches_the_cpu_reference(device: &str) {
         path.display()
     );
     let sql = "SELECT id, embed(substr(clean_text(body), 1, 32)) AS v, body FROM docs";
+    // The reference: every 16th doc, computed in this process (all 8,192 cost the debug
+    // build's CPU model as long again as the worker's run, for no stronger check: a row
+    // given another row's vector shows among 512 samples spread over the block).
     let reference = common::flumen_ctx(&["SET flumen.device = 'cpu'", &register]).await;
-    let expected = common::embeddings_by_id(&common::collect(&reference, sql).await);
+    let sampled = format!("{sql} WHERE id % 16 = 0");
+    let expected = common::embeddings_by_id(&common::collect(&reference, &sampled).await);
+    assert_eq!(expected.len(), DEFAULT_BLOCK_ROWS / 16);
 
     let mut config = process_config(1);
     config.accelerator_slots = 1;
@@ -907,11 +913,11 @@ async fn embed_in_a_worker_matches_the_cpu_reference(device: &str) {
         metrics.operator(model.id).snapshot().remote_tasks >= 1,
         "the model ran in no worker"
     );
-    let got = common::embeddings_by_id(&batches);
-    assert_eq!(got.len(), expected.len());
+    let got: BTreeMap<i64, Vec<f32>> = common::embeddings_by_id(&batches).into_iter().collect();
+    assert_eq!(got.len(), DEFAULT_BLOCK_ROWS, "rows lost or repeated");
     let mut worst = 1.0f32;
-    for ((id, a), (id2, b)) in got.iter().zip(&expected) {
-        assert_eq!(id, id2);
+    for (id, b) in &expected {
+        let a = &got[id];
         assert_eq!(a.len(), 384, "id {id}");
         let dot: f32 = a.iter().zip(b).map(|(x, y)| x * y).sum();
         let norms = a.iter().map(|x| x * x).sum::<f32>().sqrt()
@@ -924,8 +930,9 @@ async fn embed_in_a_worker_matches_the_cpu_reference(device: &str) {
         worst = worst.min(cosine);
     }
     println!(
-        "{device} worker: {} vectors, lowest cosine with the CPU reference {worst:.6}",
-        got.len()
+        "{device} worker: {} vectors, lowest cosine of {} with the CPU reference {worst:.6}",
+        got.len(),
+        expected.len()
     );
 }
 

@@ -1,6 +1,6 @@
-//! The CPU backend: BERT forward over packed sequences, matrix products through the `gemm`
-//! crate (runtime-dispatched AVX2/AVX-512 kernels), the element-wise work in `row_kernels`
-//! (dispatched the same way), everything row-parallel on a rayon pool of exactly the threads
+//! The CPU backend: BERT forward over packed sequences, matrix products through the `gemm-f32`
+//! crate (runtime-dispatched AVX2/AVX-512 kernels), the element-wise work in the
+//! `flumen-row-kernels` crate beside this file (dispatched the same way), everything row-parallel on a rayon pool of exactly the threads
 //! the worker was granted.
 //!
 //! Sequences are packed back to back, so token-wise layers (projections, feed-forward, norms)
@@ -14,11 +14,11 @@
 use std::sync::Arc;
 
 use datafusion::error::{DataFusionError, Result};
-use gemm::{Parallelism, gemm};
+use gemm_common::Parallelism;
 use rayon::prelude::*;
 
 use super::bert::{BertWeights, LayerNorm, Linear, PackedBatch, SentenceEncoder};
-use super::row_kernels::{self, layer_norm_row, softmax_in_place};
+use flumen_row_kernels::{layer_norm_row, round_all_to_bf16, softmax_in_place};
 
 /// BERT sentence encoder on the CPU.
 pub struct CpuEncoder {
@@ -29,21 +29,6 @@ pub struct CpuEncoder {
     scratch: Scratch,
     /// Round weights and activations to bfloat16 ([`CpuEncoder::emulating_bf16`]).
     bf16: bool,
-}
-
-/// `x` rounded to the nearest bfloat16 (ties to even), as an f32: the top 16 bits kept.
-pub fn round_to_bf16(x: f32) -> f32 {
-    if x.is_nan() {
-        return x;
-    }
-    let bits = x.to_bits();
-    let rounded = bits.wrapping_add(0x7FFF + ((bits >> 16) & 1)) & 0xFFFF_0000;
-    f32::from_bits(rounded)
-}
-
-/// Every value of `values` rounded to bfloat16.
-fn round_all_to_bf16(values: &mut [f32]) {
-    values.iter_mut().for_each(|v| *v = round_to_bf16(*v));
 }
 
 /// `weights` as a bf16 path would hold them: embeddings and matrices rounded to bfloat16;
@@ -253,11 +238,92 @@ fn linear(x: &[f32], rows: usize, layer: &Linear, parallelism: Parallelism, out:
             n as isize,
             1.0,
             1.0,
-            false,
-            false,
-            false,
             parallelism,
         );
+    }
+}
+
+/// `dst = alpha·dst + beta·(lhs · rhs)` over f32 matrices given by shape and strides (row
+/// stride `_rs`, column stride `_cs`, none negative): gemm-f32's kernel, with `dst` turned
+/// column-major as its microkernels prefer (`dstᵀ = rhsᵀ · lhsᵀ`). The `gemm` crate's entry
+/// point does the same and also builds the f64, f16 and complex kernels, which `embed` never
+/// calls (~45 s of every clean build at their opt-level 3).
+///
+/// # Safety
+/// Every matrix lies in memory its pointer may read (or, for `dst`, write) at every index
+/// its shape and strides reach.
+#[allow(clippy::too_many_arguments)]
+unsafe fn gemm(
+    m: usize,
+    n: usize,
+    k: usize,
+    dst: *mut f32,
+    dst_cs: isize,
+    dst_rs: isize,
+    read_dst: bool,
+    lhs: *const f32,
+    lhs_cs: isize,
+    lhs_rs: isize,
+    rhs: *const f32,
+    rhs_cs: isize,
+    rhs_rs: isize,
+    alpha: f32,
+    beta: f32,
+    parallelism: Parallelism,
+) {
+    debug_assert!(
+        [dst_cs, dst_rs, lhs_cs, lhs_rs, rhs_cs, rhs_rs]
+            .iter()
+            .all(|&s| s >= 0)
+    );
+    let kernel = gemm_f32::gemm::f32::get_gemm_fn();
+    // SAFETY: as the caller promised; the transposed call reads and writes the same elements.
+    unsafe {
+        if dst_cs < dst_rs {
+            kernel(
+                n,
+                m,
+                k,
+                dst,
+                dst_rs,
+                dst_cs,
+                read_dst,
+                rhs,
+                rhs_rs,
+                rhs_cs,
+                lhs,
+                lhs_rs,
+                lhs_cs,
+                alpha,
+                beta,
+                false,
+                false,
+                false,
+                parallelism,
+            )
+        } else {
+            kernel(
+                m,
+                n,
+                k,
+                dst,
+                dst_cs,
+                dst_rs,
+                read_dst,
+                lhs,
+                lhs_cs,
+                lhs_rs,
+                rhs,
+                rhs_cs,
+                rhs_rs,
+                alpha,
+                beta,
+                false,
+                false,
+                false,
+                parallelism,
+            )
+        }
     }
 }
 
@@ -316,9 +382,6 @@ fn attention(
                 1,
                 0.0,
                 scale,
-                false,
-                false,
-                false,
                 Parallelism::None,
             );
             for row in scores.chunks_exact_mut(len) {
@@ -344,9 +407,6 @@ fn attention(
                 stride as isize,
                 0.0,
                 1.0,
-                false,
-                false,
-                false,
                 Parallelism::None,
             );
         }
@@ -369,7 +429,8 @@ fn layer_norm_rows(
 
 /// BERT's exact (erf) GELU, in place, in parallel pieces.
 fn gelu_in_place(x: &mut [f32]) {
-    x.par_chunks_mut(4096).for_each(row_kernels::gelu_in_place);
+    x.par_chunks_mut(4096)
+        .for_each(flumen_row_kernels::gelu_in_place);
 }
 
 /// Mean over each sequence's tokens, then L2 normalisation (as sentence-transformers'
@@ -389,27 +450,4 @@ fn mean_pool_normalize(x: &[f32], offsets: &[usize], lengths: &[usize], h: usize
         pooled.iter_mut().for_each(|p| *p /= norm);
     }
     out
-}
-
-#[cfg(test)]
-mod bf16_tests {
-    use super::round_to_bf16;
-
-    #[test]
-    fn rounding_to_bf16_keeps_eight_bits_of_mantissa_ties_to_even() {
-        assert_eq!(round_to_bf16(1.0), 1.0);
-        // 1 + 2^-8 lies halfway between 1 and 1 + 2^-7: ties go to the even one, 1.
-        assert_eq!(round_to_bf16(1.0 + 2f32.powi(-8)), 1.0);
-        // 1 + 3 * 2^-8 lies halfway between 1 + 2^-7 and 1 + 2^-6: to the even, 1 + 2^-6.
-        assert_eq!(
-            round_to_bf16(1.0 + 3.0 * 2f32.powi(-8)),
-            1.0 + 2f32.powi(-6)
-        );
-        assert_eq!(round_to_bf16(1.0 + 2f32.powi(-7)), 1.0 + 2f32.powi(-7));
-        assert_eq!(round_to_bf16(-3.3), -3.296875);
-        assert!(round_to_bf16(f32::NAN).is_nan());
-        assert_eq!(round_to_bf16(f32::INFINITY), f32::INFINITY);
-        let x = 0.123_456_79_f32;
-        assert!((round_to_bf16(x) - x).abs() <= x * 2f32.powi(-8));
-    }
 }

@@ -52,7 +52,7 @@ type Bf16Bits = u16;
 /// `x` rounded to bfloat16 (to nearest, ties to even, as the kernels and the CPU's
 /// emulation round), as its bits.
 pub fn bf16_bits(x: f32) -> u16 {
-    (super::cpu::round_to_bf16(x).to_bits() >> 16) as u16
+    (flumen_row_kernels::round_to_bf16(x).to_bits() >> 16) as u16
 }
 
 impl DeviceElement for Bf16Bits {

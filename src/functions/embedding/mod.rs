@@ -20,7 +20,6 @@ pub mod cuda_driver;
 pub mod cuda_passes;
 pub mod model_files;
 pub mod pass_queue;
-pub mod row_kernels;
 pub mod tokenize_step;
 pub mod tokenizer;
 
