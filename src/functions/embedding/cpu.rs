@@ -1,7 +1,7 @@
-//! The CPU backend: BERT forward over packed sequences, matrix products through the `gemm-f32`
-//! crate (runtime-dispatched AVX2/AVX-512 kernels), the element-wise work in the
-//! `flumen-row-kernels` crate beside this file (dispatched the same way), everything row-parallel on a rayon pool of exactly the threads
-//! the worker was granted.
+//! The CPU backend: BERT forward over packed sequences, matrix products through the
+//! `gemm-f32` crate (runtime-dispatched AVX2/AVX-512 kernels), the element-wise work in the
+//! `flumen-row-kernels` crate beside this file (`row_kernels/`, dispatched the same way),
+//! everything row-parallel on a rayon pool of exactly the threads the worker was granted.
 //!
 //! Sequences are packed back to back, so token-wise layers (projections, feed-forward, norms)
 //! never compute on padding; only attention looks at sequence boundaries.
