@@ -276,54 +276,40 @@ unsafe fn gemm(
             .iter()
             .all(|&s| s >= 0)
     );
+    // Column-major `dst` as is; row-major `dst` as its transpose, `dstᵀ = rhsᵀ · lhsᵀ`.
+    let (m, n, dst_cs, dst_rs, lhs, lhs_cs, lhs_rs, rhs, rhs_cs, rhs_rs) = if dst_cs < dst_rs {
+        (
+            n, m, dst_rs, dst_cs, rhs, rhs_rs, rhs_cs, lhs, lhs_rs, lhs_cs,
+        )
+    } else {
+        (
+            m, n, dst_cs, dst_rs, lhs, lhs_cs, lhs_rs, rhs, rhs_cs, rhs_rs,
+        )
+    };
     let kernel = gemm_f32::gemm::f32::get_gemm_fn();
     // SAFETY: as the caller promised; the transposed call reads and writes the same elements.
     unsafe {
-        if dst_cs < dst_rs {
-            kernel(
-                n,
-                m,
-                k,
-                dst,
-                dst_rs,
-                dst_cs,
-                read_dst,
-                rhs,
-                rhs_rs,
-                rhs_cs,
-                lhs,
-                lhs_rs,
-                lhs_cs,
-                alpha,
-                beta,
-                false,
-                false,
-                false,
-                parallelism,
-            )
-        } else {
-            kernel(
-                m,
-                n,
-                k,
-                dst,
-                dst_cs,
-                dst_rs,
-                read_dst,
-                lhs,
-                lhs_cs,
-                lhs_rs,
-                rhs,
-                rhs_cs,
-                rhs_rs,
-                alpha,
-                beta,
-                false,
-                false,
-                false,
-                parallelism,
-            )
-        }
+        kernel(
+            m,
+            n,
+            k,
+            dst,
+            dst_cs,
+            dst_rs,
+            read_dst,
+            lhs,
+            lhs_cs,
+            lhs_rs,
+            rhs,
+            rhs_cs,
+            rhs_rs,
+            alpha,
+            beta,
+            false,
+            false,
+            false,
+            parallelism,
+        )
     }
 }
 
