@@ -1091,8 +1091,7 @@ async fn run_upstream(root: &Path, full: bool) -> Result<(usize, usize), String>
         }
     }
     if workers {
-        say!(
-            tally,
+        println!(
             "upstream sqllogictest files in worker processes: {} run, {} tasks ran in workers, \
              {} on the driver by design, {} unlisted fallbacks to the driver ({} listed), {} \
              records differ from threads mode, {} known; {} EXPLAIN records show an outer or \
@@ -1159,7 +1158,7 @@ async fn run_upstream(root: &Path, full: bool) -> Result<(usize, usize), String>
     }
     if !changed.is_empty() {
         for change in changed.iter().take(if full { usize::MAX } else { 10 }) {
-            say!(tally, "  {change}");
+            println!("  {change}");
         }
         tally.problems.push(format!(
             "{} changes to vanilla DataFusion's failures against {VANILLA_FAILURES_FILE} \
@@ -1183,8 +1182,7 @@ async fn run_upstream(root: &Path, full: bool) -> Result<(usize, usize), String>
         .values()
         .filter(|n| **n != u32::MAX)
         .sum();
-    say!(
-        tally,
+    println!(
         "upstream sqllogictest files: {} run; flumen: {} passed, {} failed; {} records compared \
          with vanilla DataFusion, {} known failures; vanilla DataFusion fails {} records in {} \
          files (pinned)",
@@ -1197,7 +1195,7 @@ async fn run_upstream(root: &Path, full: bool) -> Result<(usize, usize), String>
         tally.vanilla_failures.len(),
     );
     for problem in &tally.problems {
-        say!(tally, "FAILED: {problem}");
+        println!("FAILED: {problem}");
     }
     let failed = tally.files_failed + tally.problems.len();
     Ok((tally.files_passed, failed))
