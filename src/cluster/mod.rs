@@ -23,6 +23,8 @@
 //!   or running workers of a cluster attached to.
 //! - [`worker_pool`]: the driver's pool of workers: watching and replacing them, placing
 //!   tasks on them, retrying a task whose worker died or stuck.
+//! - [`on_driver`]: why a worker-mode task ran on the driver, counted per reason.
+//! - [`plan_metrics`]: DataFusion's counters of a worker's task plan, carried back.
 //! - [`membership`]: which running workers a driver attached to a cluster uses
 //!   (`flumen.cluster`).
 //! - `kubernetes`: finding worker pods through the Kubernetes API (cargo feature
@@ -34,6 +36,8 @@ pub(crate) mod block_shelf;
 #[cfg(feature = "kubernetes")]
 pub mod kubernetes;
 pub mod membership;
+pub mod on_driver;
+pub mod plan_metrics;
 pub mod protocol;
 pub mod shipped_functions;
 pub mod task_plan;

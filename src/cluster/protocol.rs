@@ -248,9 +248,9 @@ pub enum TaskEvent {
         /// Blocks the task left, all already announced.
         blocks: usize,
         /// DataFusion's counters of the task's plan that the driver shows (pruning,
-        /// spilling: [`crate::exec::plan_metrics`]).
+        /// spilling: [`crate::cluster::plan_metrics`]).
         #[serde(default)]
-        metrics: Vec<crate::exec::plan_metrics::PlanMetric>,
+        metrics: Vec<crate::cluster::plan_metrics::PlanMetric>,
     },
 }
 

@@ -11,11 +11,11 @@ use datafusion::arrow::record_batch::RecordBatch;
 use datafusion::error::{DataFusionError, Result};
 use futures::{StreamExt, TryStreamExt};
 
+use crate::cluster::plan_metrics::PlanMetric;
 use crate::cluster::protocol::{
     BlockTicket, ReleaseRequest, RemoteBlockInfo, TaskEvent, TaskRequest, WorkerStatus, encode_task,
 };
 use crate::cluster::worker_client::{Client, Failure, action_on, get_block, read_status};
-use crate::exec::plan_metrics::PlanMetric;
 use crate::plan::graph::Pool;
 use crate::store::block::{HeldAt, HeldBlock};
 

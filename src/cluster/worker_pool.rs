@@ -30,6 +30,8 @@ use datafusion::error::{DataFusionError, Result};
 
 use crate::cluster::auth::Secret;
 use crate::cluster::membership::{ClusterSettings, DISCOVER_EVERY, host_of};
+use crate::cluster::on_driver::DriverTasks;
+use crate::cluster::plan_metrics::PlanMetric;
 use crate::cluster::protocol::TaskRequest;
 use crate::cluster::task_plan::WorkerFunctions;
 use crate::cluster::tls::WorkerTrust;
@@ -38,8 +40,6 @@ use crate::cluster::worker_handle::{RemoteBlock, WorkerHandle};
 use crate::cluster::worker_start::{
     START_TIMEOUT, WorkerProgram, attach_all, attach_worker, spawn_worker,
 };
-use crate::exec::on_driver::DriverTasks;
-use crate::exec::plan_metrics::PlanMetric;
 use crate::plan::graph::Pool;
 
 /// How often the driver pings each worker.

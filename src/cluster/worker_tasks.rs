@@ -22,9 +22,9 @@ use futures::{FutureExt, StreamExt};
 use tokio::sync::mpsc::UnboundedSender;
 
 use crate::cluster::admission::{admit_options, admit_plan};
+use crate::cluster::plan_metrics::{PlanMetric, carried};
 use crate::cluster::protocol::{InputTicket, TaskInput, TaskRequest, decode_task};
 use crate::cluster::worker_memory::TaskMemory;
-use crate::exec::plan_metrics::{PlanMetric, carried};
 use crate::store::block_memory::compact;
 use crate::store::cutter::{BlockCutter, PieceCutter, bundle_pieces};
 

@@ -1,12 +1,10 @@
 //! Reading an operator's output in a fixed order: a [`Cursor`] walks its blocks task by
 //! task, interleaved round by round, or in arrival order, optionally only those of one
-//! output partition (tag), and says when to wait and when the output has ended.
+//! output partition (tag). The run's state says, for a cursor, which block comes next, or
+//! to wait, or that the output has ended ([`crate::exec::state::RunState::next_block`]).
 
-use crate::exec::lineage::TaskId;
-use crate::exec::run::QueryRun;
-use crate::exec::state::{RunState, TaskStatus};
+use crate::exec::task_kind::TaskId;
 use crate::plan::graph::OperatorId;
-use crate::plan::stage_input::InputExchange;
 use crate::store::block::BlockId;
 
 /// In which order a reader walks an operator's output.
@@ -60,160 +58,12 @@ impl Cursor {
     }
 }
 
+/// What a cursor reads next ([`crate::exec::state::RunState::next_block`]).
 pub(super) enum Next {
+    /// This block.
     Block(BlockId),
+    /// Nothing yet: the next block is still to be made.
     Wait,
+    /// The output has ended for this cursor.
     End,
-}
-
-impl QueryRun {
-    /// The cursor through which partition `partition` of `op` reads its input `input`.
-    /// `deterministic`: read task by task (used once the producer has finished).
-    pub(super) fn input_cursor(
-        &self,
-        op_id: OperatorId,
-        input: usize,
-        partition: usize,
-        deterministic: bool,
-    ) -> Cursor {
-        let op = &self.graph.operators[op_id];
-        let producer = &self.graph.operators[op.inputs[input]];
-        let all: Vec<usize> = (0..producer.partitions()).collect();
-        let streamed = deterministic && op.streamed_inputs[input] && self.streams_inputs(op_id);
-        let (order, tag) = match &op.input_exchanges[input] {
-            InputExchange::Preserve => (
-                ReadOrder::Tasks {
-                    partitions: vec![partition],
-                },
-                None,
-            ),
-            InputExchange::Gather if streamed && all.len() > 1 => {
-                (ReadOrder::Interleaved { partitions: all }, None)
-            }
-            InputExchange::Gather if all.len() == 1 || deterministic => {
-                (ReadOrder::Tasks { partitions: all }, None)
-            }
-            InputExchange::Gather => (ReadOrder::Arrival, None),
-            InputExchange::Split(_) if streamed => {
-                (ReadOrder::Interleaved { partitions: all }, Some(partition))
-            }
-            InputExchange::Split(_) if deterministic => {
-                (ReadOrder::Tasks { partitions: all }, Some(partition))
-            }
-            InputExchange::Split(_) => (ReadOrder::Arrival, Some(partition)),
-        };
-        Cursor::new(producer.id, order, tag)
-    }
-
-    pub(super) fn next_block(st: &RunState, cursor: &mut Cursor) -> Next {
-        let op = &st.operators[cursor.operator];
-        match &cursor.order {
-            ReadOrder::Arrival => loop {
-                if cursor.log_index < op.log.len() {
-                    let id = op.log[cursor.log_index];
-                    cursor.log_index += 1;
-                    if cursor.tag.is_none_or(|t| st.blocks[&id].tag == t) {
-                        return Next::Block(id);
-                    }
-                } else if op.complete {
-                    return Next::End;
-                } else {
-                    return Next::Wait;
-                }
-            },
-            ReadOrder::Interleaved { partitions } => loop {
-                // `task_index` is the round: the round-th task of every partition. Its tasks
-                // run at once, so they are read a block from each in turn (always in the
-                // same order, waiting for a block rather than skipping ahead, so the order
-                // depends only on each task's output); `part_index` is whose turn it is.
-                let n = partitions.len();
-                if cursor.round_out.len() != n {
-                    cursor.round_out = vec![0; n];
-                    cursor.round_done = vec![false; n];
-                }
-                if cursor.round_done.iter().all(|d| *d) {
-                    let round = cursor.task_index + 1;
-                    let ended = partitions.iter().all(|p| {
-                        let ps = &op.partitions[*p];
-                        ps.closed && ps.tasks.len() <= round
-                    });
-                    if ended {
-                        return Next::End;
-                    }
-                    cursor.task_index = round;
-                    cursor.part_index = 0;
-                    cursor.round_out.iter_mut().for_each(|o| *o = 0);
-                    cursor.round_done.iter_mut().for_each(|d| *d = false);
-                    continue;
-                }
-                let i = cursor.part_index % n;
-                if cursor.round_done[i] {
-                    cursor.part_index = (i + 1) % n;
-                    continue;
-                }
-                let ps = &op.partitions[partitions[i]];
-                match ps.tasks.get(cursor.task_index) {
-                    Some(task_id) => {
-                        match Self::next_in_task(st, *task_id, cursor.tag, &mut cursor.round_out[i])
-                        {
-                            Next::Block(id) => {
-                                cursor.part_index = (i + 1) % n;
-                                return Next::Block(id);
-                            }
-                            Next::End => cursor.round_done[i] = true,
-                            Next::Wait => return Next::Wait,
-                        }
-                    }
-                    None if ps.closed => cursor.round_done[i] = true,
-                    None => return Next::Wait,
-                }
-            },
-            ReadOrder::Task(task) => {
-                Self::next_in_task(st, *task, cursor.tag, &mut cursor.out_index)
-            }
-            ReadOrder::Tasks { partitions } => loop {
-                let Some(p) = partitions.get(cursor.part_index) else {
-                    return Next::End;
-                };
-                let ps = &op.partitions[*p];
-                if let Some(task_id) = ps.tasks.get(cursor.task_index) {
-                    match Self::next_in_task(st, *task_id, cursor.tag, &mut cursor.out_index) {
-                        Next::End => {
-                            cursor.task_index += 1;
-                            cursor.out_index = 0;
-                        }
-                        next => return next,
-                    }
-                } else if ps.closed {
-                    cursor.part_index += 1;
-                    cursor.task_index = 0;
-                    cursor.out_index = 0;
-                } else {
-                    return Next::Wait;
-                }
-            },
-        }
-    }
-
-    /// The next block (tagged `tag`, if given) of task `task_id` from position `out_index`;
-    /// `End` once the task has finished and every block of it was read.
-    pub(super) fn next_in_task(
-        st: &RunState,
-        task_id: TaskId,
-        tag: Option<usize>,
-        out_index: &mut usize,
-    ) -> Next {
-        let task = &st.tasks[task_id];
-        while let Some(id) = task.outputs.get(*out_index) {
-            *out_index += 1;
-            if tag.is_none_or(|t| st.blocks[id].tag == t) {
-                return Next::Block(*id);
-            }
-        }
-        if task.status == TaskStatus::Done {
-            Next::End
-        } else {
-            Next::Wait
-        }
-    }
 }

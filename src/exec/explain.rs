@@ -18,9 +18,9 @@ use datafusion::physical_plan::{
     DisplayAs, DisplayFormatType, ExecutionPlan, PhysicalExpr, PlanProperties,
 };
 
+use crate::cluster::plan_metrics::{PlanMetric, PlanMetricValue};
 use crate::config::FlumenConfig;
 use crate::exec::metrics::{OperatorStats, RunMetrics};
-use crate::exec::plan_metrics::{PlanMetric, PlanMetricValue};
 use crate::functions::accelerator::accelerator_function;
 use crate::plan::graph::{Operator, OperatorGraph, OperatorId, Pool};
 use crate::plan::stage_input::StageInputExec;

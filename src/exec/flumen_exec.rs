@@ -35,7 +35,7 @@ pub struct FlumenExec {
     /// the watch that restarts it out of core if it is refused memory.
     current: Mutex<Option<Execution>>,
     /// Plans the query again out of core (an in-core plan only: [`crate::exec::replan`]).
-    replanner: Option<Replanner>,
+    replanner: Option<Replanner<FlumenExec>>,
     /// The out-of-core plan made after a run of this one was refused memory: it serves
     /// the rest of that execution, every later one, and what `EXPLAIN ANALYZE` shows.
     replanned: Arc<OnceLock<Arc<FlumenExec>>>,
@@ -45,7 +45,7 @@ pub struct FlumenExec {
 struct Execution {
     run: Arc<QueryRun>,
     opened: Vec<bool>,
-    watch: Option<Arc<OutputWatch>>,
+    watch: Option<Arc<OutputWatch<FlumenExec>>>,
 }
 
 impl fmt::Debug for Execution {
@@ -74,7 +74,7 @@ impl FlumenExec {
 
     /// The plan with `replanner`, which plans the query again out of core when a run is
     /// refused memory before its first output.
-    pub fn with_replanner(mut self, replanner: Replanner) -> Self {
+    pub fn with_replanner(mut self, replanner: Replanner<FlumenExec>) -> Self {
         self.replanner = Some(replanner);
         self
     }

@@ -7,11 +7,11 @@ use std::time::Instant;
 
 use futures::FutureExt;
 
-use crate::exec::lineage::TaskId;
 use crate::exec::metrics::OperatorStats;
 use crate::exec::policy;
 use crate::exec::run::QueryRun;
 use crate::exec::state::{PausedTask, RunState, TaskStatus, pool_index};
+use crate::exec::task_kind::TaskId;
 use crate::plan::graph::{OperatorId, Pool, TaskShape};
 
 impl QueryRun {

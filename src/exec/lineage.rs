@@ -6,7 +6,6 @@
 //! recursion goes back only as far as blocks are missing. Re-run outputs that are still
 //! needed are put back in the store; the rest are dropped.
 
-use std::fmt;
 use std::sync::Arc;
 
 use datafusion::arrow::record_batch::RecordBatch;
@@ -16,77 +15,14 @@ use futures::future::BoxFuture;
 
 use crate::exec::metrics::OperatorStats;
 use crate::exec::run::QueryRun;
+use crate::exec::task_kind::TaskId;
 use crate::exec::task_runner::{InProcess, OnWorker, TaskRunner};
 use crate::exec::task_sink::{RecomputeSink, TaskSink};
 use crate::exec::task_spec::{TaskPlace, TaskSpec};
-use crate::plan::graph::OperatorId;
 use crate::store::block::BlockId;
 
 /// Longest a recompute refused memory waits for a running task to end before it gives up.
 const RECOMPUTE_WAIT: std::time::Duration = std::time::Duration::from_secs(2);
-
-/// Index of a task within one query run.
-pub type TaskId = usize;
-
-/// What a task reads: enough to run it again and get the same blocks.
-#[derive(Debug, Clone)]
-pub enum TaskKind {
-    /// Source split `split` of the task's partition.
-    Source {
-        /// Split index within the partition.
-        split: usize,
-    },
-    /// These input blocks, in order (a block-wise task).
-    Blocks {
-        /// Input block ids.
-        inputs: Vec<BlockId>,
-    },
-    /// The whole partition of every input (a per-partition task).
-    Partition,
-    /// One slice of a per-partition task cut because its partition was too large
-    /// ([`crate::plan::partition_slices`]): these blocks of input `input` (its join's build
-    /// side), and the whole partition of every other input.
-    Slice {
-        /// The stage input the slice cuts.
-        input: usize,
-        /// Its blocks of that input, in order.
-        blocks: Vec<BlockId>,
-    },
-}
-
-/// What a fault injector sees of a block when it is produced.
-#[derive(Debug, Clone)]
-pub struct BlockInfo {
-    /// Producer operator id.
-    pub operator: OperatorId,
-    /// Producer operator's name.
-    pub operator_name: String,
-    /// Partition of the producer task.
-    pub partition: usize,
-    /// Position in the producer task's output.
-    pub seq: usize,
-    /// Rows in the block.
-    pub rows: usize,
-    /// The worker process that holds it (`flumen.workers = 'process'`), else `None`.
-    pub worker_pid: Option<u32>,
-    /// Its task's place among the tasks of its partition (the same task in every run of
-    /// the same plan over the same data).
-    pub task_index: usize,
-    /// How long its task had run (less pauses) when the block was made: for a task in a
-    /// worker process, whose blocks all arrive when it ends, the task's whole time.
-    pub task_elapsed: std::time::Duration,
-}
-
-/// Test hook: drops chosen blocks from the store right after they are produced, as if the
-/// worker that held them had died. Install with `SessionConfig::with_extension`.
-#[derive(Clone)]
-pub struct BlockDropper(pub Arc<dyn Fn(&BlockInfo) -> bool + Send + Sync>);
-
-impl fmt::Debug for BlockDropper {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str("BlockDropper")
-    }
-}
 
 impl QueryRun {
     /// The data of block `id`: from where the store says it lives, else recomputed from

@@ -1,7 +1,7 @@
 //! Per-operator counters, shown by `EXPLAIN ANALYZE` and by progress displays.
 
-use crate::exec::on_driver::OnDriver;
-use crate::exec::plan_metrics::CarriedSums;
+use crate::cluster::on_driver::OnDriver;
+use crate::cluster::plan_metrics::CarriedSums;
 use crate::store::memory_counters::MemoryCounters;
 use std::collections::BTreeMap;
 use std::sync::atomic::{AtomicU64, Ordering};

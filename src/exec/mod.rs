@@ -10,29 +10,29 @@
 //!   (the mode and the scheduling rules, as plain functions), [`launch`] (slots,
 //!   backpressure, pauses), [`task`] (running one task, its output cut into blocks),
 //!   [`streams`] (block streams for tasks and the query's output).
-//! - [`lineage`]: fetching a block, and recomputing it from its producer task when lost.
+//! - [`lineage`]: fetching a block, and recomputing it from its producer task when lost;
+//!   [`task_kind`]: a task's id and what it reads (what lineage runs again);
+//!   [`block_dropper`]: the tests' hook that drops blocks as a dead worker would.
 //! - [`replan`]: an in-core run refused memory before its first output, planned again out
 //!   of core.
 //! - [`slices`]: a join's hot partition, refused memory, cut into slices of its build side.
-//! - [`remote_tasks`]: tasks run in worker processes, and recovering a dead worker's blocks.
+//! - [`remote_tasks`]: tasks run in worker processes, and recovering a dead worker's blocks;
+//!   [`worker_plans`]: the plan a worker runs for one task.
 //! - A task as a value: [`task_spec`] (what a task runs and where, decided once at launch),
 //!   [`task_runner`] (its two runners: in process, on a worker), [`task_sink`] (where its
 //!   blocks go: the store, or back in place of lost ones, with one determinism check).
-//! - [`on_driver`]: why a worker-mode task ran on the driver, counted per reason.
 //! - [`worker_run`]: what a run keeps of its worker processes (pools, lost blocks, token).
-//! - [`plan_metrics`]: DataFusion's counters of a worker's task plan, carried back.
 //! - [`accelerator_threads`]: the in-process accelerator pool (threads that keep models).
 //! - [`progress`]: a running query's progress in words (one line per operator).
 
 pub(crate) mod accelerator_threads;
+pub(crate) mod block_dropper;
 pub(crate) mod cursor;
 pub(crate) mod explain;
 pub(crate) mod flumen_exec;
 pub(crate) mod launch;
 pub(crate) mod lineage;
 pub(crate) mod metrics;
-pub mod on_driver;
-pub mod plan_metrics;
 pub(crate) mod planner;
 pub(crate) mod policy;
 pub mod progress;
@@ -43,17 +43,19 @@ pub(crate) mod slices;
 pub(crate) mod state;
 pub(crate) mod streams;
 pub(crate) mod task;
+pub(crate) mod task_kind;
 pub(crate) mod task_runner;
 pub(crate) mod task_sink;
 pub(crate) mod task_spec;
 pub(crate) mod tasks;
 pub(crate) mod timeline;
+pub(crate) mod worker_plans;
 pub(crate) mod worker_run;
 
+pub use crate::cluster::on_driver::{DriverTasks, OnDriver};
 pub use accelerator_threads::AcceleratorPool;
+pub use block_dropper::{BlockDropper, BlockInfo};
 pub use flumen_exec::FlumenExec;
-pub use lineage::{BlockDropper, BlockInfo};
 pub use metrics::{OperatorStats, RunMetrics, StatsSnapshot};
-pub use on_driver::{DriverTasks, OnDriver};
 pub use planner::FlumenQueryPlanner;
 pub use progress::operator_progress;

@@ -28,29 +28,34 @@ use futures::future::BoxFuture;
 use futures::{StreamExt, stream};
 use tokio::sync::OnceCell;
 
-use crate::exec::flumen_exec::FlumenExec;
 use crate::exec::metrics::RunMetrics;
 
 /// Plans the query again out of core, given the most bytes one operator of the failed run
-/// had produced (a floor for the largest exchange's input).
-#[derive(Clone)]
-pub struct Replanner(Arc<dyn Fn(u64) -> BoxFuture<'static, Result<Arc<FlumenExec>>> + Send + Sync>);
+/// had produced (a floor for the largest exchange's input). `P` is the plan it makes (a
+/// [`crate::exec::flumen_exec::FlumenExec`]): this module needs only that it executes.
+pub struct Replanner<P>(Arc<dyn Fn(u64) -> BoxFuture<'static, Result<Arc<P>>> + Send + Sync>);
 
-impl Replanner {
+impl<P> Clone for Replanner<P> {
+    fn clone(&self) -> Self {
+        Self(Arc::clone(&self.0))
+    }
+}
+
+impl<P> Replanner<P> {
     /// A replanner calling `plan`.
     pub fn new(
-        plan: impl Fn(u64) -> BoxFuture<'static, Result<Arc<FlumenExec>>> + Send + Sync + 'static,
+        plan: impl Fn(u64) -> BoxFuture<'static, Result<Arc<P>>> + Send + Sync + 'static,
     ) -> Self {
         Self(Arc::new(plan))
     }
 
     /// The query planned out of core, its largest exchange at least `seen_bytes`.
-    pub async fn plan(&self, seen_bytes: u64) -> Result<Arc<FlumenExec>> {
+    pub async fn plan(&self, seen_bytes: u64) -> Result<Arc<P>> {
         (self.0)(seen_bytes).await
     }
 }
 
-impl std::fmt::Debug for Replanner {
+impl<P> std::fmt::Debug for Replanner<P> {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.write_str("Replanner")
     }
@@ -58,16 +63,16 @@ impl std::fmt::Debug for Replanner {
 
 /// The output partitions of one execution of an in-core plan: whether any has handed its
 /// reader a batch, and the out-of-core plan they all read from once one was refused.
-pub(super) struct OutputWatch {
-    replanner: Replanner,
+pub(super) struct OutputWatch<P> {
+    replanner: Replanner<P>,
     /// Where the plan being run keeps the new plan, for `EXPLAIN ANALYZE` and later runs.
-    replanned: Arc<std::sync::OnceLock<Arc<FlumenExec>>>,
+    replanned: Arc<std::sync::OnceLock<Arc<P>>>,
     /// The failed run's counters (the bytes its operators produced).
     metrics: Arc<RunMetrics>,
     context: Arc<TaskContext>,
     state: Mutex<WatchState>,
     /// The new plan, made once by the first partition refused.
-    new_plan: OnceCell<Arc<FlumenExec>>,
+    new_plan: OnceCell<Arc<P>>,
 }
 
 #[derive(Debug)]
@@ -83,11 +88,11 @@ struct WatchState {
     refusal: Option<String>,
 }
 
-impl OutputWatch {
+impl<P: ExecutionPlan + 'static> OutputWatch<P> {
     /// A watch over the `partitions` output partitions of one execution of a plan.
     pub(super) fn new(
-        replanner: Replanner,
-        replanned: Arc<std::sync::OnceLock<Arc<FlumenExec>>>,
+        replanner: Replanner<P>,
+        replanned: Arc<std::sync::OnceLock<Arc<P>>>,
         metrics: Arc<RunMetrics>,
         context: Arc<TaskContext>,
         partitions: usize,

@@ -26,12 +26,13 @@ use tokio::sync::watch;
 use crate::cluster::worker_pool::WorkerPoolSlot;
 use crate::config::{FlumenConfig, WorkerMode};
 use crate::exec::accelerator_threads::AcceleratorPool;
-use crate::exec::lineage::{BlockDropper, TaskId, TaskKind};
+use crate::exec::block_dropper::BlockDropper;
 use crate::exec::metrics::{OperatorStats, RunMetrics};
 use crate::exec::policy::{self, ModePolicy};
 use crate::exec::state::{
     OperatorState, PartitionState, RunState, TaskRecord, TaskStatus, pool_index,
 };
+use crate::exec::task_kind::{TaskId, TaskKind};
 use crate::exec::timeline::{TaskSpan, Timeline};
 use crate::exec::worker_run::WorkerRun;
 use crate::plan::graph::{OperatorGraph, OperatorId, Pool, TaskShape};

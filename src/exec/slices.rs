@@ -8,10 +8,10 @@
 //! partition's output.
 
 use crate::exec::cursor::Next;
-use crate::exec::lineage::{TaskId, TaskKind};
 use crate::exec::metrics::OperatorStats;
 use crate::exec::run::QueryRun;
 use crate::exec::state::{RunState, TaskRecord, TaskStatus};
+use crate::exec::task_kind::{TaskId, TaskKind};
 use crate::plan::graph::OperatorId;
 use crate::plan::partition_slices::sliced_build_input;
 use crate::plan::stage_input::StageInputExec;
@@ -31,7 +31,7 @@ impl QueryRun {
         let mut cursor = self.input_cursor(op_id, input, partition, true);
         let mut blocks: Vec<(BlockId, u64)> = vec![];
         loop {
-            match Self::next_block(st, &mut cursor) {
+            match st.next_block(&mut cursor) {
                 Next::Block(id) => blocks.push((id, st.blocks[&id].bytes.max(1))),
                 Next::End => break,
                 Next::Wait => return,

@@ -8,8 +8,8 @@ use std::time::Instant;
 use datafusion::error::DataFusionError;
 use tokio::task::AbortHandle;
 
-use crate::exec::cursor::Cursor;
-use crate::exec::lineage::{TaskId, TaskKind};
+use crate::exec::cursor::{Cursor, Next, ReadOrder};
+use crate::exec::task_kind::{TaskId, TaskKind};
 use crate::plan::graph::{OperatorId, Pool};
 use crate::store::block::{Block, BlockId};
 
@@ -35,7 +35,7 @@ pub(super) struct TaskRecord {
     pub(super) paused_ns: u64,
     /// Resumed to keep the run live: runs to its end without pausing again.
     pub(super) unpausable: bool,
-    /// When the task was launched (for the test hook's [`crate::exec::lineage::BlockInfo::task_elapsed`]).
+    /// When the task was launched (for the test hook's [`crate::exec::block_dropper::BlockInfo::task_elapsed`]).
     pub(super) launched: Option<Instant>,
     /// A sort of this task was refused memory to concatenate its batches (DataFusion
     /// concatenates what it holds, to sort in place or into fewer runs of one key, and the
@@ -177,5 +177,113 @@ pub(super) fn pool_index(pool: Pool) -> usize {
     match pool {
         Pool::Cpu => 0,
         Pool::Accelerator => 1,
+    }
+}
+
+impl RunState {
+    /// The next block `cursor` reads (and moves past), or whether to wait or stop.
+    pub(super) fn next_block(&self, cursor: &mut Cursor) -> Next {
+        let st = self;
+        let op = &st.operators[cursor.operator];
+        match &cursor.order {
+            ReadOrder::Arrival => loop {
+                if cursor.log_index < op.log.len() {
+                    let id = op.log[cursor.log_index];
+                    cursor.log_index += 1;
+                    if cursor.tag.is_none_or(|t| st.blocks[&id].tag == t) {
+                        return Next::Block(id);
+                    }
+                } else if op.complete {
+                    return Next::End;
+                } else {
+                    return Next::Wait;
+                }
+            },
+            ReadOrder::Interleaved { partitions } => loop {
+                // `task_index` is the round: the round-th task of every partition. Its tasks
+                // run at once, so they are read a block from each in turn (always in the
+                // same order, waiting for a block rather than skipping ahead, so the order
+                // depends only on each task's output); `part_index` is whose turn it is.
+                let n = partitions.len();
+                if cursor.round_out.len() != n {
+                    cursor.round_out = vec![0; n];
+                    cursor.round_done = vec![false; n];
+                }
+                if cursor.round_done.iter().all(|d| *d) {
+                    let round = cursor.task_index + 1;
+                    let ended = partitions.iter().all(|p| {
+                        let ps = &op.partitions[*p];
+                        ps.closed && ps.tasks.len() <= round
+                    });
+                    if ended {
+                        return Next::End;
+                    }
+                    cursor.task_index = round;
+                    cursor.part_index = 0;
+                    cursor.round_out.iter_mut().for_each(|o| *o = 0);
+                    cursor.round_done.iter_mut().for_each(|d| *d = false);
+                    continue;
+                }
+                let i = cursor.part_index % n;
+                if cursor.round_done[i] {
+                    cursor.part_index = (i + 1) % n;
+                    continue;
+                }
+                let ps = &op.partitions[partitions[i]];
+                match ps.tasks.get(cursor.task_index) {
+                    Some(task_id) => {
+                        match st.next_in_task(*task_id, cursor.tag, &mut cursor.round_out[i]) {
+                            Next::Block(id) => {
+                                cursor.part_index = (i + 1) % n;
+                                return Next::Block(id);
+                            }
+                            Next::End => cursor.round_done[i] = true,
+                            Next::Wait => return Next::Wait,
+                        }
+                    }
+                    None if ps.closed => cursor.round_done[i] = true,
+                    None => return Next::Wait,
+                }
+            },
+            ReadOrder::Task(task) => st.next_in_task(*task, cursor.tag, &mut cursor.out_index),
+            ReadOrder::Tasks { partitions } => loop {
+                let Some(p) = partitions.get(cursor.part_index) else {
+                    return Next::End;
+                };
+                let ps = &op.partitions[*p];
+                if let Some(task_id) = ps.tasks.get(cursor.task_index) {
+                    match st.next_in_task(*task_id, cursor.tag, &mut cursor.out_index) {
+                        Next::End => {
+                            cursor.task_index += 1;
+                            cursor.out_index = 0;
+                        }
+                        next => return next,
+                    }
+                } else if ps.closed {
+                    cursor.part_index += 1;
+                    cursor.task_index = 0;
+                    cursor.out_index = 0;
+                } else {
+                    return Next::Wait;
+                }
+            },
+        }
+    }
+
+    /// The next block (tagged `tag`, if given) of task `task_id` from position `out_index`;
+    /// `End` once the task has finished and every block of it was read.
+    fn next_in_task(&self, task_id: TaskId, tag: Option<usize>, out_index: &mut usize) -> Next {
+        let task = &self.tasks[task_id];
+        while let Some(id) = task.outputs.get(*out_index) {
+            *out_index += 1;
+            if tag.is_none_or(|t| self.blocks[id].tag == t) {
+                return Next::Block(*id);
+            }
+        }
+        if task.status == TaskStatus::Done {
+            Next::End
+        } else {
+            Next::Wait
+        }
     }
 }

@@ -11,8 +11,8 @@ use datafusion::physical_plan::stream::RecordBatchStreamAdapter;
 use futures::{StreamExt, TryStreamExt};
 
 use crate::exec::cursor::{Cursor, Next, ReadOrder};
-use crate::exec::lineage::{TaskId, TaskKind};
 use crate::exec::run::QueryRun;
+use crate::exec::task_kind::{TaskId, TaskKind};
 use crate::plan::graph::OperatorId;
 use crate::plan::stage_input::{
     InputExchange, InputProvider, PartitionRuns, SortedRun, TaskInputs,
@@ -20,6 +20,44 @@ use crate::plan::stage_input::{
 use crate::store::cutter::bundle_pieces;
 
 impl QueryRun {
+    /// The cursor through which partition `partition` of `op` reads its input `input`.
+    /// `deterministic`: read task by task (used once the producer has finished).
+    pub(super) fn input_cursor(
+        &self,
+        op_id: OperatorId,
+        input: usize,
+        partition: usize,
+        deterministic: bool,
+    ) -> Cursor {
+        let op = &self.graph.operators[op_id];
+        let producer = &self.graph.operators[op.inputs[input]];
+        let all: Vec<usize> = (0..producer.partitions()).collect();
+        let streamed = deterministic && op.streamed_inputs[input] && self.streams_inputs(op_id);
+        let (order, tag) = match &op.input_exchanges[input] {
+            InputExchange::Preserve => (
+                ReadOrder::Tasks {
+                    partitions: vec![partition],
+                },
+                None,
+            ),
+            InputExchange::Gather if streamed && all.len() > 1 => {
+                (ReadOrder::Interleaved { partitions: all }, None)
+            }
+            InputExchange::Gather if all.len() == 1 || deterministic => {
+                (ReadOrder::Tasks { partitions: all }, None)
+            }
+            InputExchange::Gather => (ReadOrder::Arrival, None),
+            InputExchange::Split(_) if streamed => {
+                (ReadOrder::Interleaved { partitions: all }, Some(partition))
+            }
+            InputExchange::Split(_) if deterministic => {
+                (ReadOrder::Tasks { partitions: all }, Some(partition))
+            }
+            InputExchange::Split(_) => (ReadOrder::Arrival, Some(partition)),
+        };
+        Cursor::new(producer.id, order, tag)
+    }
+
     /// The stream of blocks a cursor walks, waiting for blocks still to come.
     pub(super) fn block_stream(
         self: &Arc<Self>,
@@ -69,7 +107,7 @@ impl QueryRun {
                         let next = if wait_for_complete && !st.operators[cursor.operator].complete {
                             Next::Wait
                         } else {
-                            Self::next_block(&st, &mut cursor)
+                            st.next_block(&mut cursor)
                         };
                         match (&next, &reader) {
                             (Next::Block(id), Reader::Task(task) | Reader::StreamingTask(task)) => {

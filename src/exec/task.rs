@@ -11,11 +11,12 @@ use datafusion::execution::TaskContext;
 use datafusion::physical_plan::ExecutionPlanProperties;
 use futures::StreamExt;
 
-use crate::exec::lineage::{BlockInfo, TaskId, TaskKind};
+use crate::cluster::on_driver::OnDriver;
+use crate::exec::block_dropper::BlockInfo;
 use crate::exec::metrics::OperatorStats;
-use crate::exec::on_driver::OnDriver;
 use crate::exec::run::QueryRun;
 use crate::exec::streams::TaskProvider;
+use crate::exec::task_kind::{TaskId, TaskKind};
 use crate::exec::task_runner::{InProcess, TaskRunner};
 use crate::exec::task_sink::{MadeBlock, StoreSink, TaskSink};
 use crate::exec::task_spec::{TaskPlace, TaskSpec};

@@ -8,9 +8,9 @@ use std::sync::Arc;
 use async_trait::async_trait;
 use datafusion::error::Result;
 
+use crate::cluster::on_driver::OnDriver;
 use crate::cluster::worker_handle::RemoteBlock;
 use crate::cluster::worker_pool::WorkerPool;
-use crate::exec::on_driver::OnDriver;
 use crate::exec::run::QueryRun;
 use crate::exec::task_sink::{MadeBlock, TaskSink};
 use crate::exec::task_spec::TaskSpec;

@@ -16,8 +16,8 @@ use datafusion::arrow::record_batch::RecordBatch;
 use datafusion::error::{DataFusionError, Result};
 
 use crate::cluster::worker_handle::RemoteBlock;
-use crate::exec::lineage::TaskId;
 use crate::exec::run::QueryRun;
+use crate::exec::task_kind::TaskId;
 use crate::exec::task_spec::TaskSpec;
 use crate::plan::graph::OperatorId;
 use crate::store::block::{Block, BlockData, BlockId, HeldBlock, OutputPlace, OutputPlaces};

@@ -14,11 +14,11 @@ use std::sync::Arc;
 use datafusion::datasource::memory::MemorySourceConfig;
 use datafusion::error::Result;
 
+use crate::cluster::on_driver::OnDriver;
 use crate::cluster::worker_pool::WorkerPool;
-use crate::exec::lineage::{TaskId, TaskKind};
-use crate::exec::on_driver::OnDriver;
-use crate::exec::remote_tasks::{PartitionInputs, blocks_plan, encode_for_worker, source_plan};
 use crate::exec::run::QueryRun;
+use crate::exec::task_kind::{TaskId, TaskKind};
+use crate::exec::worker_plans::{PartitionInputs, blocks_plan, encode_for_worker, source_plan};
 use crate::plan::graph::OperatorId;
 
 /// One task of a run: which it is, and where it runs.

@@ -4,9 +4,9 @@
 //! operator (as the blocks arrive).
 
 use crate::exec::cursor::{Cursor, Next};
-use crate::exec::lineage::TaskKind;
 use crate::exec::run::QueryRun;
 use crate::exec::state::{RunState, TaskRecord, TaskStatus};
+use crate::exec::task_kind::TaskKind;
 use crate::plan::graph::{OperatorId, Pool, TaskShape};
 use crate::store::block::BlockId;
 use crate::store::ramp::ramp_rows;
@@ -108,7 +108,7 @@ impl QueryRun {
                 let mut ended = false;
                 let bundle_rows = bundle_rows(st.operators[op_id].partitions[p].tasks.len());
                 while rows < bundle_rows {
-                    match Self::next_block(st, &mut probe) {
+                    match st.next_block(&mut probe) {
                         Next::Block(id) => {
                             rows += st.blocks[&id].rows;
                             inputs.push(id);
@@ -166,7 +166,7 @@ impl QueryRun {
             let ps = &mut st.operators[op_id].partitions[p];
             let (mut gathered, mut bytes) = (std::mem::take(&mut ps.gathered), ps.gathered_bytes);
             loop {
-                let next = Self::next_block(st, &mut cursor);
+                let next = st.next_block(&mut cursor);
                 let ended = matches!(next, Next::End);
                 if let Next::Block(id) = next {
                     gathered.push(id);

@@ -17,7 +17,7 @@ use std::time::{Duration, Instant};
 use datafusion::error::{DataFusionError, Result};
 use serde_json::{Value, json};
 
-use crate::exec::lineage::TaskId;
+use crate::exec::task_kind::TaskId;
 use crate::plan::Pool;
 use crate::plan::graph::OperatorId;
 use crate::store::block_store::{BlockStore, MemorySample};

@@ -7,7 +7,7 @@ use std::collections::{HashMap, HashSet};
 use std::sync::{Arc, Mutex};
 
 use crate::cluster::worker_pool::{PoolSettings, WorkerPoolSlot};
-use crate::exec::lineage::TaskId;
+use crate::exec::task_kind::TaskId;
 use crate::plan::graph::{OperatorId, Pool};
 use crate::store::block::BlockId;
 

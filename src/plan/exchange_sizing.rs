@@ -18,14 +18,39 @@ use std::sync::Arc;
 use datafusion::arrow::datatypes::DataType;
 use datafusion::common::tree_node::TreeNode;
 use datafusion::config::ConfigOptions;
+use datafusion::datasource::source::DataSourceExec;
 use datafusion::physical_plan::aggregates::{AggregateExec, AggregateMode};
+use datafusion::physical_plan::coop::CooperativeExec;
+use datafusion::physical_plan::filter::FilterExec;
 use datafusion::physical_plan::joins::{HashJoinExec, PartitionMode};
+use datafusion::physical_plan::projection::ProjectionExec;
 use datafusion::physical_plan::repartition::RepartitionExec;
 use datafusion::physical_plan::sorts::sort::SortExec;
 use datafusion::physical_plan::{ExecutionPlan, Partitioning, StatisticsArgs, StatisticsContext};
 
 use crate::config::{ByteSize, FlumenConfig};
-use crate::plan::range_sort::can_range_sort;
+
+/// Whether a full sort over `input` can be range-partitioned out of core
+/// ([`super::range_sort`]): its input is cheap to read twice (once for the sample): sources, filters, projections and round-robin repartitions,
+/// no state and no other exchange.
+pub fn can_range_sort(sort: &SortExec) -> bool {
+    sort.fetch().is_none() && rereadable(sort.input())
+}
+
+fn rereadable(plan: &Arc<dyn ExecutionPlan>) -> bool {
+    let node_ok = plan
+        .downcast_ref::<DataSourceExec>()
+        .is_some_and(|s| s.fetch().is_none())
+        || plan
+            .downcast_ref::<FilterExec>()
+            .is_some_and(|f| f.fetch().is_none())
+        || plan.downcast_ref::<ProjectionExec>().is_some()
+        || plan.downcast_ref::<CooperativeExec>().is_some()
+        || plan
+            .downcast_ref::<RepartitionExec>()
+            .is_some_and(|r| matches!(r.partitioning(), Partitioning::RoundRobinBatch(_)));
+    node_ok && plan.children().into_iter().all(rereadable)
+}
 
 /// Most partitions an exchange is given (beyond it a query runs with larger partitions).
 pub const MAX_PARTITIONS: usize = 4096;

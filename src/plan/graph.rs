@@ -14,8 +14,7 @@ use crate::plan::accelerator_projection::AcceleratorProjectionExec;
 use crate::plan::exchange_sizing::ExchangeSizing;
 use crate::plan::stage_input::{InputExchange, StageInputExec};
 
-/// Index of an operator inside its [`OperatorGraph`].
-pub type OperatorId = usize;
+pub use crate::plan::OperatorId;
 
 /// The pool whose slots an operator's tasks occupy, in threads of this process or in
 /// worker processes (a worker process serves one pool: `flumen worker --pool cpu|accelerator`).

@@ -43,13 +43,18 @@ pub(crate) mod split_source;
 pub(crate) mod stage_input;
 pub mod subquery_values;
 
-pub use graph::{Operator, OperatorGraph, OperatorId, Pool, TaskShape};
+pub use graph::{Operator, OperatorGraph, Pool, TaskShape};
 pub use split_source::SplitSourceExec;
 
 use std::sync::Arc;
 
 use datafusion::error::{DataFusionError, Result};
 use datafusion::physical_plan::ExecutionPlan;
+
+/// Index of an operator inside its [`OperatorGraph`] (defined here, not in [`graph`], so
+/// that the leaves a graph's fragments read through ([`stage_input`]) name their producer
+/// without importing the graph that holds them).
+pub type OperatorId = usize;
 
 /// The one child a single-input node of flumen's own is rebuilt with.
 pub(crate) fn only_child(

@@ -26,7 +26,7 @@
 //! The split points are quantiles of a sample of the sort keys, drawn before the query runs
 //! by reading the sort's input with only the key columns (a scan reads just those columns),
 //! so only sorts over an input that is cheap to read again are planned this way: scans,
-//! filters, projections ([`can_range_sort`]). The split points are fixed in the plan, so a
+//! filters, projections ([`can_range_sort`], which the sizing of exchanges also reads). The split points are fixed in the plan, so a
 //! recomputed map task (lineage) tags every row as the first run did.
 //!
 //! A **hot key**, one key value holding the share of two ranges or more of the sample, would
@@ -48,7 +48,6 @@ use datafusion::arrow::row::{OwnedRow, RowConverter, SortField};
 use datafusion::common::SplitPoint;
 use datafusion::common::tree_node::{Transformed, TreeNode};
 use datafusion::config::ConfigOptions;
-use datafusion::datasource::source::DataSourceExec;
 use datafusion::error::Result;
 use datafusion::execution::TaskContext;
 use datafusion::logical_expr::Operator;
@@ -56,8 +55,6 @@ use datafusion::physical_expr::expressions::{CaseExpr, Column, binary, lit};
 use datafusion::physical_expr::{LexOrdering, PhysicalExpr, PhysicalSortExpr, RangePartitioning};
 use datafusion::physical_optimizer::PhysicalOptimizerRule;
 use datafusion::physical_optimizer::projection_pushdown::ProjectionPushdown;
-use datafusion::physical_plan::coop::CooperativeExec;
-use datafusion::physical_plan::filter::FilterExec;
 use datafusion::physical_plan::projection::{ProjectionExec, ProjectionExpr};
 use datafusion::physical_plan::repartition::RepartitionExec;
 use datafusion::physical_plan::sorts::sort::SortExec;
@@ -74,7 +71,9 @@ use rand::{Rng, SeedableRng};
 use crate::config::FlumenConfig;
 use crate::functions::row_hash::row_hash_of_columns;
 use crate::plan::concat_partitions::ConcatPartitionsExec;
-use crate::plan::exchange_sizing::{ExchangeSizing, MAX_PARTITIONS, estimated_bytes};
+use crate::plan::exchange_sizing::{
+    ExchangeSizing, MAX_PARTITIONS, can_range_sort, estimated_bytes,
+};
 use crate::plan::merge_runs::MergeRunsExec;
 
 /// Sampled keys per range: enough that a range's share of the rows is within a few
@@ -88,28 +87,6 @@ const SAMPLE_SEED: u64 = 0x5EED_5A3F;
 const HOT_KEY_HASH_SEED: u64 = 0x407_5EED;
 /// A key value is hot when the sample holds at least this many ranges' share of it.
 const HOT_KEY_RANGES: f64 = 2.0;
-
-/// Whether a full sort over `input` can be range-partitioned: its input is cheap to read
-/// twice (once for the sample): sources, filters, projections and round-robin repartitions,
-/// no state and no other exchange.
-pub fn can_range_sort(sort: &SortExec) -> bool {
-    sort.fetch().is_none() && rereadable(sort.input())
-}
-
-fn rereadable(plan: &Arc<dyn ExecutionPlan>) -> bool {
-    let node_ok = plan
-        .downcast_ref::<DataSourceExec>()
-        .is_some_and(|s| s.fetch().is_none())
-        || plan
-            .downcast_ref::<FilterExec>()
-            .is_some_and(|f| f.fetch().is_none())
-        || plan.downcast_ref::<ProjectionExec>().is_some()
-        || plan.downcast_ref::<CooperativeExec>().is_some()
-        || plan
-            .downcast_ref::<RepartitionExec>()
-            .is_some_and(|r| matches!(r.partitioning(), Partitioning::RoundRobinBatch(_)));
-    node_ok && plan.children().into_iter().all(rereadable)
-}
 
 /// `plan` with each `SortPreservingMergeExec(SortExec)` full sort whose input
 /// [`can_range_sort`] made a range-partitioned sort, with a range per

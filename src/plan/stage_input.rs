@@ -19,7 +19,7 @@ use datafusion::physical_plan::{
 };
 use futures::StreamExt;
 
-use crate::plan::graph::OperatorId;
+use crate::plan::OperatorId;
 
 /// How a consumer reads its producer's blocks.
 #[derive(Debug, Clone)]
