@@ -7,6 +7,7 @@ use std::time::Instant;
 
 use futures::FutureExt;
 
+use crate::exec::launch_rules::launch_rules;
 use crate::exec::metrics::OperatorStats;
 use crate::exec::policy;
 use crate::exec::run::QueryRun;
@@ -15,43 +16,63 @@ use crate::exec::task_kind::TaskId;
 use crate::plan::graph::{OperatorId, Pool, TaskShape};
 
 impl QueryRun {
-    /// Operators in launch preference order: most downstream first; a paused task whose
-    /// readers caught up resumes before its operator starts another.
+    /// Pick the tasks to launch now, marking them running: first the retries of tasks
+    /// refused memory, then every operator that streams its inputs, then one task at a time
+    /// to the most downstream operator that has a free slot and that no launch rule of the
+    /// mode holds back ([`launch_rules`]), and last, if nothing else can make progress, one
+    /// task regardless (liveness).
     pub(super) fn pick_launches(&self, st: &mut RunState, launches: &mut Vec<TaskId>) {
-        let mut slots = [
+        if self.launch_memory_retries(st, launches) == Retries::HoldTheRest {
+            return;
+        }
+        self.launch_streaming_operators(st, launches);
+        self.launch_downstream_first(st, launches);
+        self.launch_for_liveness(st, launches);
+    }
+
+    /// The slots of each pool usable now: the CPU pool's, and the accelerator pool's
+    /// current target (it grows while every accelerator is busy and tasks wait).
+    fn slots_now(&self, st: &RunState) -> [usize; 2] {
+        [
             self.pool_slots(Pool::Cpu),
             st.accelerator_target
                 .min(self.pool_slots(Pool::Accelerator))
                 .max(1),
-        ];
-        let budget = self.store.budget();
-        let share = budget / self.graph.operators.len().max(1) as u64;
-        let one_at_a_time = self.policy.one_operator_at_a_time();
-        let now = Instant::now();
-        // A task refused memory runs again alone: nothing launches while it waits for the
-        // slots to empty, or while it runs.
+        ]
+    }
+
+    /// Tasks refused memory run again before anything else: one whose sort was refused
+    /// runs again with its sorts in pieces as soon as its pool has a slot; one refused
+    /// again runs alone, once every slot is empty, and nothing launches while it waits or
+    /// runs.
+    fn launch_memory_retries(&self, st: &mut RunState, launches: &mut Vec<TaskId>) -> Retries {
         if st.running_alone.is_some() {
-            return;
+            return Retries::HoldTheRest;
         }
-        // A task whose sort was refused memory runs again (its sorts in pieces) first.
         while let Some(&task) = st.waiting_in_pieces.front() {
             let pool = pool_index(self.graph.operators[st.tasks[task].operator].pool);
-            if st.running[pool] >= slots[pool] {
-                return;
+            if st.running[pool] >= self.slots_now(st)[pool] {
+                return Retries::HoldTheRest;
             }
             st.waiting_in_pieces.pop_front();
             self.mark_running(st, task);
             launches.push(task);
         }
-        if let Some(&task) = st.waiting_alone.front() {
-            if st.running.iter().sum::<usize>() == 0 {
-                st.waiting_alone.pop_front();
-                self.mark_running(st, task);
-                st.running_alone = Some(task);
-                launches.push(task);
-            }
-            return;
+        let Some(&task) = st.waiting_alone.front() else {
+            return Retries::None;
+        };
+        if st.running.iter().sum::<usize>() == 0 {
+            st.waiting_alone.pop_front();
+            self.mark_running(st, task);
+            st.running_alone = Some(task);
+            launches.push(task);
         }
+        Retries::HoldTheRest
+    }
+
+    /// Operators that stream their inputs (a join reading its probe side as it comes) run
+    /// beside the pools' slots: every ready task of one whose inputs were asked for starts.
+    fn launch_streaming_operators(&self, st: &mut RunState, launches: &mut Vec<TaskId>) {
         for op in &self.graph.operators {
             if self.streams_inputs(op.id)
                 && st.operators[op.id].has_pending()
@@ -60,95 +81,79 @@ impl QueryRun {
                 self.take_pending(st, op.id, usize::MAX, launches);
             }
         }
-        loop {
-            let mut launched = false;
+    }
+
+    /// Fill the free slots, a task at a time, each to the most downstream operator with a
+    /// task ready (or a paused task whose reader caught up) whose pool has a slot and that
+    /// no launch rule holds back. A gang's tasks all start at once, in an empty pool.
+    fn launch_downstream_first(&self, st: &mut RunState, launches: &mut Vec<TaskId>) {
+        let mut slots = self.slots_now(st);
+        let rules = launch_rules(self.policy);
+        let now = Instant::now();
+        'fill: loop {
             for op in self.graph.operators.iter().rev() {
-                let os = &st.operators[op.id];
                 let resumable = self.resumable(st, op.id);
-                if !os.has_pending() && resumable.is_none() || !self.gate_open(st, op.id) {
+                if !st.operators[op.id].has_pending() && resumable.is_none()
+                    || !self.gate_open(st, op.id)
+                {
                     continue;
                 }
                 let pool = pool_index(op.pool);
-                let gang = op.gang;
                 if op.pool == Pool::Accelerator {
-                    // Tasks wait: grow the pool by one if every worker is busy.
-                    let grown = policy::grow_accelerators(
-                        st.running[pool],
-                        slots[pool],
-                        self.pool_slots(Pool::Accelerator),
-                    );
-                    if grown > slots[pool] {
-                        slots[pool] = grown;
-                        st.accelerator_target = grown;
-                        self.accelerators.ensure_workers(grown);
-                    }
+                    self.grow_accelerators(st, &mut slots[pool]);
                 }
-                if st.running[pool] >= slots[pool] && !(gang && st.running[pool] == 0) {
+                if st.running[pool] >= slots[pool] && !(op.gang && st.running[pool] == 0) {
                     continue;
                 }
                 if let Some(index) = resumable {
                     self.resume(st, op.id, index, false);
-                    launched = true;
-                    break;
+                    continue 'fill;
                 }
-                if !st.operators[op.id].paused.is_empty() {
-                    // Its paused tasks resume before it starts another.
-                    continue;
-                }
-                if self.policy.fixed_slots()
-                    && !gang
-                    && st.operators[op.id].running >= self.static_slots[op.id]
-                {
-                    continue;
-                }
-                if one_at_a_time {
-                    let others_running = st
-                        .operators
-                        .iter()
-                        .enumerate()
-                        .any(|(i, o)| i != op.id && o.running > 0);
-                    if others_running {
-                        continue;
+                if let Some(rule) = rules.iter().find(|r| r.holds_back(self, st, op)) {
+                    if rule.is_backpressure() {
+                        st.operators[op.id].backpressured_since.get_or_insert(now);
                     }
-                } else if self.backpressured(st, op.id, share) {
-                    st.operators[op.id].backpressured_since.get_or_insert(now);
                     continue;
                 }
                 self.end_backpressure(st, op.id, now);
-                let n = if gang { usize::MAX } else { 1 };
+                let n = if op.gang { usize::MAX } else { 1 };
                 self.take_pending(st, op.id, n, launches);
-                launched = true;
-                break;
+                continue 'fill;
             }
-            if !launched {
-                break;
-            }
+            break;
         }
-        // Liveness: never leave every pool idle while a task is ready and nothing else can
-        // make progress: no streaming task runs, or every one waits for blocks that no
-        // running task will produce. (A streaming task busy with blocks it has will release
-        // them, or come to wait, and so reach this rule again.)
-        let stalled = self.stalled(st);
-        if stalled
-            && let Some(op) = self
-                .graph
-                .operators
-                .iter()
-                .rev()
-                .find(|op| !st.operators[op.id].paused.is_empty())
-        {
-            // A paused task first: it was started before any pending one, so readers
-            // (which read in launch order) are likelier to wait on it.
+    }
+
+    /// Tasks wait for the accelerator pool: grow it by one worker if every one is busy.
+    fn grow_accelerators(&self, st: &mut RunState, slots: &mut usize) {
+        let pool = pool_index(Pool::Accelerator);
+        let grown =
+            policy::grow_accelerators(st.running[pool], *slots, self.pool_slots(Pool::Accelerator));
+        if grown > *slots {
+            *slots = grown;
+            st.accelerator_target = grown;
+            self.accelerators.ensure_workers(grown);
+        }
+    }
+
+    /// Liveness: never leave every pool idle while a task is ready and nothing else can
+    /// make progress: no streaming task runs, or every one waits for blocks that no
+    /// running task will produce. (A streaming task busy with blocks it has will release
+    /// them, or come to wait, and so reach this rule again.) A paused task resumes first:
+    /// it was started before any pending one, so readers (which read in launch order) are
+    /// likelier to wait on it. Otherwise the most downstream ready task starts, whatever
+    /// the launch rules say.
+    fn launch_for_liveness(&self, st: &mut RunState, launches: &mut Vec<TaskId>) {
+        if !self.stalled(st) {
+            return;
+        }
+        let operators = || self.graph.operators.iter().rev();
+        if let Some(op) = operators().find(|op| !st.operators[op.id].paused.is_empty()) {
             self.resume(st, op.id, 0, true);
-        } else if stalled
-            && let Some(op) = self
-                .graph
-                .operators
-                .iter()
-                .rev()
-                .find(|op| st.operators[op.id].has_pending() && self.gate_open(st, op.id))
+        } else if let Some(op) =
+            operators().find(|op| st.operators[op.id].has_pending() && self.gate_open(st, op.id))
         {
-            self.end_backpressure(st, op.id, now);
+            self.end_backpressure(st, op.id, Instant::now());
             let n = if op.gang { usize::MAX } else { 1 };
             self.take_pending(st, op.id, n, launches);
         }
@@ -196,15 +201,13 @@ impl QueryRun {
         if st.running[cpu] < self.pool_slots(Pool::Cpu) || st.running_alone.is_some() {
             return false;
         }
-        let share = self.store.budget() / self.graph.operators.len().max(1) as u64;
+        let rules = launch_rules(self.policy);
         self.graph.operators[op_id + 1..].iter().any(|op| {
-            let os = &st.operators[op.id];
             op.pool == Pool::Cpu
-                && os.has_pending()
-                && os.paused.is_empty()
                 && !op.gang
+                && st.operators[op.id].has_pending()
                 && self.gate_open(st, op.id)
-                && !self.backpressured(st, op.id, share)
+                && !rules.iter().any(|rule| rule.holds_back(self, st, op))
         })
     }
 
@@ -303,7 +306,8 @@ impl QueryRun {
     /// ([`Self::queue_limit_rows`]), so memory follows the pipeline's slowest stage, not the
     /// table's size. Operators feeding a per-partition
     /// operator (an all-to-all exchange) are never held back: their blocks spill instead.
-    pub(super) fn backpressured(&self, st: &RunState, op_id: OperatorId, share: u64) -> bool {
+    pub(super) fn backpressured(&self, st: &RunState, op_id: OperatorId) -> bool {
+        let share = self.store.budget() / self.graph.operators.len().max(1) as u64;
         let consumer = self.graph.consumer[op_id].map(|c| &self.graph.operators[c]);
         let os = &st.operators[op_id];
         policy::held_back(&policy::ProducerLoad {
@@ -445,4 +449,13 @@ impl QueryRun {
             Pool::Accelerator => self.accelerators.submit(Box::new(move || future.boxed())),
         }
     }
+}
+
+/// Whether the retries of tasks refused memory let other tasks launch now.
+#[derive(Debug, PartialEq, Eq)]
+enum Retries {
+    /// None waits: other tasks may launch.
+    None,
+    /// One runs alone, waits to, or waits for its pool's slot: nothing else launches.
+    HoldTheRest,
 }

@@ -8,7 +8,8 @@
 //!   output), [`state`] (what the run knows of each task and operator), [`tasks`] (creating
 //!   tasks as inputs arrive), [`cursor`] (walking an operator's output in order), [`policy`]
 //!   (the mode and the scheduling rules, as plain functions), [`launch`] (slots,
-//!   backpressure, pauses), [`task`] (running one task, its output cut into blocks),
+//!   backpressure, pauses; [`launch_rules`]: what may hold an operator's next task back,
+//!   per mode), [`task`] (running one task, its output cut into blocks),
 //!   [`streams`] (block streams for tasks and the query's output).
 //! - [`lineage`]: fetching a block, and recomputing it from its producer task when lost;
 //!   [`task_kind`]: a task's id and what it reads (what lineage runs again);
@@ -31,6 +32,7 @@ pub(crate) mod cursor;
 pub(crate) mod explain;
 pub(crate) mod flumen_exec;
 pub(crate) mod launch;
+pub(crate) mod launch_rules;
 pub(crate) mod lineage;
 pub(crate) mod metrics;
 pub(crate) mod planner;
