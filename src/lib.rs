@@ -25,7 +25,15 @@
 //! - [`functions`]: SQL functions: accelerator UDFs, `embed`, text and vector helpers.
 //! - [`serve`]: `flumen serve`, the Arrow Flight SQL server.
 //! - [`config`]: the `flumen.*` settings; [`demo`] and [`feature_job`]: the demo table and
-//!   the main job.
+//!   the main job; `checkpoint` and `incremental`: resumable and incremental extraction.
+//!
+//! # Cargo features
+//!
+//! An embedder compiles only the parts it uses (all three are on by default):
+//! - `delta`: Delta Lake tables (`STORED AS DELTATABLE`, `INSERT INTO`, `table_changes`) and
+//!   `incremental` (a Delta feature table kept in step with its source).
+//! - `kubernetes`: worker pods found through the Kubernetes API.
+//! - `cli`: the `flumen` binary (REPL, progress bars, jemalloc).
 
 #![warn(missing_docs)]
 
@@ -36,6 +44,7 @@ pub mod demo;
 pub mod exec;
 pub mod feature_job;
 pub mod functions;
+#[cfg(feature = "delta")]
 pub mod incremental;
 pub mod io;
 pub mod plan;

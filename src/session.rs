@@ -13,7 +13,9 @@ use crate::config::FlumenConfig;
 use crate::exec::{AcceleratorPool, FlumenQueryPlanner};
 use crate::functions::accelerator::accelerator_udf;
 use crate::functions::{embedding, row_hash, text, vector};
-use crate::io::{delta, iceberg, object_stores};
+#[cfg(feature = "delta")]
+use crate::io::delta;
+use crate::io::{iceberg, object_stores};
 use crate::plan::{accelerator_projection, partitioned_outer_joins, random_shuffle};
 
 /// A DataFusion `SessionContext` whose queries run on flumen, with default DataFusion
@@ -56,14 +58,17 @@ pub fn register_functions(ctx: &SessionContext) {
 }
 
 /// Register flumen's lakehouse table formats: `STORED AS DELTATABLE` (Delta Lake) and
-/// `STORED AS ICEBERG`, and `table_changes(...)` (a Delta table's change data feed).
+/// `STORED AS ICEBERG`, and `table_changes(...)` (a Delta table's change data feed). Delta's
+/// need the cargo feature `delta` (on by default).
 pub fn register_table_factories(ctx: &SessionContext) {
     let state = ctx.state_ref();
     let mut state = state.write();
     let factories = state.table_factories_mut();
+    #[cfg(feature = "delta")]
     factories.insert("DELTATABLE".into(), Arc::new(delta::DeltaTableFactory));
     factories.insert("ICEBERG".into(), Arc::new(iceberg::IcebergTableFactory));
     drop(state);
+    #[cfg(feature = "delta")]
     ctx.register_udtf("table_changes", Arc::new(crate::io::TableChanges));
 }
 

@@ -2,23 +2,29 @@
 //!
 //! - [`object_stores`]: S3, GCS, Azure and HTTP stores for the locations a statement names.
 //! - [`output_commit`]: file sinks write to staging and commit atomically.
-//! - [`delta`], [`iceberg`]: the lakehouse table formats (`STORED AS DELTATABLE|ICEBERG`).
+//! - [`delta`], [`iceberg`]: the lakehouse table formats (`STORED AS DELTATABLE|ICEBERG`;
+//!   Delta with the cargo feature `delta`, on by default).
 //! - [`delta_insert`]: `INSERT INTO` a Delta table: idempotent with an app transaction, no
 //!   orphan files when it fails.
 //! - [`delta_changes`]: `table_changes(...)`, a Delta table's change data feed.
 //! - [`lakehouse_options`]: the options both formats share.
 
+#[cfg(feature = "delta")]
 pub(crate) mod delta;
+#[cfg(feature = "delta")]
 pub(crate) mod delta_changes;
+#[cfg(feature = "delta")]
 pub(crate) mod delta_insert;
 pub(crate) mod iceberg;
 pub(crate) mod lakehouse_options;
 pub(crate) mod object_stores;
 pub mod output_commit;
 
+#[cfg(feature = "delta")]
 pub use delta::{
     DeltaTableFactory, DeltaTableProvider, DeltaVersion, delta_table, register_delta_table,
 };
+#[cfg(feature = "delta")]
 pub use delta_changes::TableChanges;
 pub use iceberg::{IcebergTableFactory, iceberg_table};
 pub use object_stores::{register_for_location, register_for_statement};

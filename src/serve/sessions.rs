@@ -16,6 +16,7 @@ use datafusion::execution::runtime_env::RuntimeEnvBuilder;
 use datafusion::prelude::SessionContext;
 use object_store::ObjectStore;
 
+#[cfg(feature = "delta")]
 use crate::io::delta::DeltaAppNamespace;
 use crate::io::object_stores::CloudIdentity;
 use url::Url;
@@ -35,9 +36,11 @@ fn client_session(base: &SessionContext, user: &str, access: &UserAccess) -> Ses
             user: user.to_string(),
         },
     };
-    let mut config = (state.config().clone())
-        .with_extension(Arc::new(DeltaAppNamespace(user.to_string())))
-        .with_extension(Arc::new(identity));
+    let mut config = state.config().clone().with_extension(Arc::new(identity));
+    #[cfg(feature = "delta")]
+    {
+        config = config.with_extension(Arc::new(DeltaAppNamespace(user.to_string())));
+    }
     if let Some(budget) = access.memory_budget {
         let flumen = config
             .options_mut()

@@ -23,9 +23,11 @@ mod metric_fact_parser;
 mod bad_inputs;
 mod cli;
 mod cluster;
+#[cfg(feature = "delta")]
 mod delta_writes;
 mod executor;
 mod explain;
+#[cfg(feature = "delta")]
 mod incremental;
 mod lakehouse;
 mod metric_facts;

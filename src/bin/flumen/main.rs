@@ -282,6 +282,7 @@ fn extract_checkpointed(
 }
 
 /// `flumen extract --incremental SOURCE FEATURES`.
+#[cfg(feature = "delta")]
 fn extract_incremental(source: &std::path::Path, features: &std::path::Path) -> ExitCode {
     let text = |p: &std::path::Path| p.display().to_string();
     run_job(
@@ -310,6 +311,16 @@ fn extract_incremental(source: &std::path::Path, features: &std::path::Path) -> 
             ),
         },
     )
+}
+
+/// `flumen extract --incremental` in a build without the `delta` feature: said, not run.
+#[cfg(not(feature = "delta"))]
+fn extract_incremental(_: &std::path::Path, _: &std::path::Path) -> ExitCode {
+    eprintln!(
+        "flumen extract --incremental: this flumen was built without Delta Lake tables \
+         (cargo feature `delta`)"
+    );
+    ExitCode::FAILURE
 }
 
 fn main() -> ExitCode {
