@@ -1,5 +1,6 @@
 //! What a run knows, under its one lock: every task and its outputs, each operator's
-//! partitions and dispatch position, the blocks' lineage, and the pools' busy slots.
+//! partitions and dispatch position, the blocks' lineage, and the pools' busy slots; and,
+//! asked with a reader's [`Cursor`], which of an operator's blocks it reads next.
 
 use std::collections::{HashMap, HashSet};
 use std::sync::{Arc, OnceLock};
@@ -183,14 +184,13 @@ pub(super) fn pool_index(pool: Pool) -> usize {
 impl RunState {
     /// The next block `cursor` reads (and moves past), or whether to wait or stop.
     pub(super) fn next_block(&self, cursor: &mut Cursor) -> Next {
-        let st = self;
-        let op = &st.operators[cursor.operator];
+        let op = &self.operators[cursor.operator];
         match &cursor.order {
             ReadOrder::Arrival => loop {
                 if cursor.log_index < op.log.len() {
                     let id = op.log[cursor.log_index];
                     cursor.log_index += 1;
-                    if cursor.tag.is_none_or(|t| st.blocks[&id].tag == t) {
+                    if cursor.tag.is_none_or(|t| self.blocks[&id].tag == t) {
                         return Next::Block(id);
                     }
                 } else if op.complete {
@@ -232,7 +232,7 @@ impl RunState {
                 let ps = &op.partitions[partitions[i]];
                 match ps.tasks.get(cursor.task_index) {
                     Some(task_id) => {
-                        match st.next_in_task(*task_id, cursor.tag, &mut cursor.round_out[i]) {
+                        match self.next_in_task(*task_id, cursor.tag, &mut cursor.round_out[i]) {
                             Next::Block(id) => {
                                 cursor.part_index = (i + 1) % n;
                                 return Next::Block(id);
@@ -245,14 +245,14 @@ impl RunState {
                     None => return Next::Wait,
                 }
             },
-            ReadOrder::Task(task) => st.next_in_task(*task, cursor.tag, &mut cursor.out_index),
+            ReadOrder::Task(task) => self.next_in_task(*task, cursor.tag, &mut cursor.out_index),
             ReadOrder::Tasks { partitions } => loop {
                 let Some(p) = partitions.get(cursor.part_index) else {
                     return Next::End;
                 };
                 let ps = &op.partitions[*p];
                 if let Some(task_id) = ps.tasks.get(cursor.task_index) {
-                    match st.next_in_task(*task_id, cursor.tag, &mut cursor.out_index) {
+                    match self.next_in_task(*task_id, cursor.tag, &mut cursor.out_index) {
                         Next::End => {
                             cursor.task_index += 1;
                             cursor.out_index = 0;
