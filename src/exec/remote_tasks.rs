@@ -56,7 +56,6 @@ use crate::exec::worker_plans::{
 };
 use crate::io::object_stores::StoreGrants;
 use crate::plan::graph::{OperatorId, Pool};
-use crate::plan::split_source::split_ramps;
 use crate::plan::stage_input::InputExchange;
 use crate::store::block::{BlockId, HeldBlock};
 use crate::store::cutter::bundle_pieces;
@@ -632,18 +631,13 @@ impl QueryRun {
         }
     }
 
-    /// The rows a task's blocks ramp up from: `flumen.first_block_rows` for the first splits
-    /// of a split scan's partition (which read batches that small), else 0.
+    /// The rows a task's blocks ramp up from ([`ModelBatching::first_rows_of_task`]).
     fn first_block_rows_of(&self, task: TaskId) -> usize {
         let (op_id, _, kind) = self.task_identity(task);
-        match kind {
-            TaskKind::Source { split }
-                if split_ramps(&self.graph.operators[op_id].fragment, split) =>
-            {
-                self.graph.first_block_rows
-            }
-            _ => 0,
-        }
+        let fragment = &self.graph.operators[op_id].fragment;
+        self.graph
+            .batching
+            .first_rows_of_task(fragment, kind.source_split())
     }
 
     /// The header of a task of partition `partition` of operator `op_id` running `plan`:
@@ -659,7 +653,7 @@ impl QueryRun {
         TaskRequest {
             target_rows: self.piece_rows(op_id),
             first_block_rows: 0,
-            ramp_block_rows: self.graph.ramp_block_rows,
+            ramp_block_rows: self.graph.batching.piece_rows,
             partition,
             partitions: self.graph.operators[op_id].partitions(),
             options: config

@@ -549,19 +549,10 @@ impl QueryRun {
         &self.config
     }
 
-    /// Rows per piece a per-block task of `op` hands its fragment, and so the most rows of
-    /// each block it writes: the target block size, but for a model's operator at most
-    /// `flumen.model_piece_rows`.
+    /// Rows per piece a per-block task of `op` hands its fragment
+    /// ([`OperatorGraph::piece_rows`]).
     pub(super) fn piece_rows(&self, op: OperatorId) -> usize {
-        let target = self.config.block_rows();
-        let operator = &self.graph.operators[op];
-        let piece = self.config.model_piece_rows;
-        if operator.pool == Pool::Accelerator && operator.shape == TaskShape::BlockWise && piece > 0
-        {
-            target.min(piece)
-        } else {
-            target
-        }
+        self.graph.piece_rows(op)
     }
 
     /// The context tasks run in (without task inputs).

@@ -16,12 +16,11 @@ use crate::exec::block_dropper::BlockInfo;
 use crate::exec::metrics::OperatorStats;
 use crate::exec::run::QueryRun;
 use crate::exec::streams::TaskProvider;
-use crate::exec::task_kind::{TaskId, TaskKind};
+use crate::exec::task_kind::TaskId;
 use crate::exec::task_runner::{InProcess, TaskRunner};
 use crate::exec::task_sink::{MadeBlock, StoreSink, TaskSink};
 use crate::exec::task_spec::{TaskPlace, TaskSpec};
 use crate::plan::merge_join_fallback::as_sort_merge_join;
-use crate::plan::split_source::split_ramps;
 use crate::plan::stage_input::TaskInputs;
 use crate::store::block::{Block, BlockData};
 use crate::store::block_memory::compact;
@@ -112,11 +111,7 @@ impl QueryRun {
             true => as_sort_merge_join(&op.fragment)?.unwrap_or_else(|| Arc::clone(&op.fragment)),
             false => Arc::clone(&op.fragment),
         };
-        // The first split of a split scan reads small batches: its blocks ramp up.
-        let (split, first_task) = match kind {
-            TaskKind::Source { split } => (split, split_ramps(&op.fragment, split)),
-            _ => (0, false),
-        };
+        let split = kind.source_split();
         let provider = Arc::new(TaskProvider {
             run: Arc::clone(self),
             task,
@@ -126,7 +121,7 @@ impl QueryRun {
         });
         let inputs = TaskInputs {
             provider,
-            split,
+            split: split.unwrap_or(0),
             scan_row_filter,
         };
         let context = self.task_context(inputs, sorts_in_pieces);
@@ -138,13 +133,10 @@ impl QueryRun {
             fragment.output_partitioning().partition_count(),
             self.piece_rows(op_id),
         )?
+        // The first splits of a split scan read small batches: their blocks ramp up.
         .with_ramp(
-            if first_task {
-                self.graph.first_block_rows
-            } else {
-                0
-            },
-            self.graph.ramp_block_rows,
+            self.graph.batching.first_rows_of_task(&op.fragment, split),
+            self.graph.batching.piece_rows,
         );
         // A run again never pauses: its output goes back in place of lost blocks.
         let pause_rows = if first_run {

@@ -31,3 +31,13 @@ pub enum TaskKind {
         blocks: Vec<BlockId>,
     },
 }
+
+impl TaskKind {
+    /// The source split a source task reads; `None` for any other task.
+    pub fn source_split(&self) -> Option<usize> {
+        match self {
+            TaskKind::Source { split } => Some(*split),
+            _ => None,
+        }
+    }
+}

@@ -9,7 +9,6 @@ use crate::exec::state::{RunState, TaskRecord, TaskStatus};
 use crate::exec::task_kind::TaskKind;
 use crate::plan::graph::{OperatorId, Pool, TaskShape};
 use crate::store::block::BlockId;
-use crate::store::ramp::ramp_rows;
 
 impl QueryRun {
     pub(super) fn create_tasks(&self, st: &mut RunState) {
@@ -85,16 +84,6 @@ impl QueryRun {
         if let Some(run_bytes) = op.run_bytes {
             return self.create_run_tasks(st, op_id, run_bytes);
         }
-        // Accelerator bundles ramp up to the target: a partition's k-th bundle gathers at
-        // most `first_block_rows << k` rows, so the first rows leave the model early.
-        let bundle_rows = |bundles_so_far: usize| match op.pool {
-            Pool::Accelerator => ramp_rows(
-                self.graph.first_block_rows,
-                self.config.block_rows(),
-                bundles_so_far,
-            ),
-            Pool::Cpu => 1,
-        };
         for p in 0..op.partitions() {
             if st.operators[op_id].partitions[p].closed {
                 continue;
@@ -106,7 +95,10 @@ impl QueryRun {
                 let mut inputs = vec![];
                 let mut rows = 0;
                 let mut ended = false;
-                let bundle_rows = bundle_rows(st.operators[op_id].partitions[p].tasks.len());
+                // A model's bundles ramp up to the target: the first rows leave it early.
+                let bundle_rows = self
+                    .graph
+                    .bundle_rows(op_id, st.operators[op_id].partitions[p].tasks.len());
                 while rows < bundle_rows {
                     match st.next_block(&mut probe) {
                         Next::Block(id) => {

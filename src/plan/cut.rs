@@ -40,14 +40,13 @@ use datafusion::physical_plan::{
 };
 
 use crate::config::{FlumenConfig, WorkerMode};
-use crate::functions::accelerator::{
-    AcceleratorFunction, accelerator_functions_in, calls_accelerator_udf,
-};
+use crate::functions::accelerator::calls_accelerator_udf;
 use crate::plan::accelerator_projection::AcceleratorProjectionExec;
 use crate::plan::concat_partitions::ConcatPartitionsExec;
 use crate::plan::exchange_sizing::ExchangeSizing;
 use crate::plan::graph::{Operator, OperatorGraph, OperatorId, Pool, TaskShape};
 use crate::plan::merge_runs::MergeRunsExec;
+use crate::plan::model_batching::ModelBatching;
 use crate::plan::partition_cut::cuts_per_partition;
 use crate::plan::range_sort::sort_run_bytes;
 use crate::plan::split_source::{ModelSplitLimit, RowGroupLayout, SplitSourceExec};
@@ -63,32 +62,16 @@ impl OperatorGraph {
         layout: &RowGroupLayout,
         sizing: ExchangeSizing,
     ) -> Result<Self> {
-        let mut config = options
+        let config = options
             .extensions
             .get::<FlumenConfig>()
             .cloned()
             .unwrap_or_default();
-        // Small first blocks pay where a model waits for them; elsewhere a first split read
-        // in small batches costs every operator above it per batch (TPC-H SF1: geomean 1.43x
-        // vanilla, q13 9x, with row groups of a million rows as first splits).
-        // A model that computes on CPU threads takes tens of milliseconds a row (MiniLM: ~25
-        // ms a document on two cores), so its ramp starts lower.
-        let models = models_in(&plan);
-        if models.is_empty() {
-            config.first_block_rows = 0;
-        } else if models
-            .iter()
-            .all(|model| model.resources(options).accelerators == 0)
-        {
-            config.first_block_rows = config
-                .first_block_rows
-                .min(config.cpu_model_first_block_rows);
-        }
-        let first_block_rows = config.first_block_rows;
-        let ramp_block_rows = config.model_piece_rows;
+        let batching = ModelBatching::for_plan(&plan, options, &config);
         let mut cutter = Cutter {
             operators: vec![],
             config,
+            batching,
             layout,
             out_of_core: sizing.out_of_core(),
             scalar_subqueries: vec![],
@@ -123,8 +106,7 @@ impl OperatorGraph {
             consumer,
             gates,
             sizing,
-            first_block_rows,
-            ramp_block_rows,
+            batching,
             root_on_workers,
         })
     }
@@ -136,23 +118,11 @@ pub(crate) fn has_accelerator_projection(plan: &Arc<dyn ExecutionPlan>) -> bool 
         || plan.children().into_iter().any(has_accelerator_projection)
 }
 
-/// The model UDFs (accelerator functions) `plan`'s model projections call.
-fn models_in(plan: &Arc<dyn ExecutionPlan>) -> Vec<Arc<dyn AcceleratorFunction>> {
-    let mut found = vec![];
-    if let Some(projection) = plan.downcast_ref::<AcceleratorProjectionExec>() {
-        for expr in projection.projection().expr() {
-            found.extend(accelerator_functions_in(&expr.expr));
-        }
-    }
-    for child in plan.children() {
-        found.extend(models_in(child));
-    }
-    found
-}
-
 struct Cutter<'a> {
     operators: Vec<Operator>,
     config: FlumenConfig,
+    /// How the plan feeds its models: its scans' split limit and first splits.
+    batching: ModelBatching,
     layout: &'a RowGroupLayout,
     /// The plan runs out of core ([`ExchangeSizing::out_of_core`]): per-partition operators
     /// run in waves of the slots (no gang unless a node needs it), none streams a probe
@@ -365,21 +335,12 @@ impl Cutter<'_> {
             } else {
                 self.config.split_bytes.0
             };
-            // The first-block ramp is on exactly in plans with a model: there rows are dear.
-            let limit = if self.config.first_block_rows > 0 {
-                ModelSplitLimit {
-                    rows: self.config.model_split_rows as u64,
-                    data_bytes: self.config.model_split_bytes.0,
-                }
-            } else {
-                ModelSplitLimit::NONE
-            };
             split_sources(
                 fragment,
                 split_bytes,
-                limit,
+                self.batching.split_limit(),
                 self.layout,
-                (self.config.first_block_rows, self.config.cpu_slots.max(1)),
+                (self.batching.first_block_rows, self.batching.ramped_splits),
             )?
         } else {
             let n = fragment.output_partitioning().partition_count();

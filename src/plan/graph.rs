@@ -12,6 +12,7 @@ use serde::{Deserialize, Serialize};
 use crate::functions::accelerator::accelerator_udfs_in;
 use crate::plan::accelerator_projection::AcceleratorProjectionExec;
 use crate::plan::exchange_sizing::ExchangeSizing;
+use crate::plan::model_batching::ModelBatching;
 use crate::plan::stage_input::{InputExchange, StageInputExec};
 
 pub use crate::plan::OperatorId;
@@ -174,13 +175,9 @@ pub struct OperatorGraph {
     /// The partitions chosen for the plan's hash exchanges (out of core when more than
     /// DataFusion's default).
     pub sizing: ExchangeSizing,
-    /// Rows a run's first blocks ramp up from (`crate::store::ramp`): `flumen.first_block_rows`
-    /// when the plan has an accelerator operator, else 0 (no ramp).
-    pub first_block_rows: usize,
-    /// Rows a ramped task's blocks grow to, and its later blocks are cut at:
-    /// `flumen.model_piece_rows` (0: the target), so a model gets each piece the CPU makes
-    /// of the first splits as soon as it is made, not the next doubled block.
-    pub ramp_block_rows: usize,
+    /// How the plan feeds its models: the first-block ramp, pieces and bundles
+    /// ([`ModelBatching`]).
+    pub batching: ModelBatching,
     /// With worker processes: the root's tasks run on the workers like any other
     /// operator's, and the query's reader fetches only their output (the result), instead
     /// of the root running in the reader on the driver over all of its inputs. Set for a
@@ -192,6 +189,27 @@ pub struct OperatorGraph {
 }
 
 impl OperatorGraph {
+    /// Rows per piece a per-block task of `op` hands its fragment, and so the most rows of
+    /// each block it writes: the target block size, but for a model's per-block operator
+    /// [`ModelBatching::model_piece_rows`].
+    pub fn piece_rows(&self, op: OperatorId) -> usize {
+        let operator = &self.operators[op];
+        match (operator.pool, operator.shape) {
+            (Pool::Accelerator, TaskShape::BlockWise) => self.batching.model_piece_rows(),
+            _ => self.batching.block_rows,
+        }
+    }
+
+    /// Most rows of the `bundles_so_far`-th bundle (0-based) a per-block task of `op` gathers
+    /// of a partition's blocks: a model's ramp up to the target
+    /// ([`ModelBatching::model_bundle_rows`]); a CPU operator takes a block at a time.
+    pub fn bundle_rows(&self, op: OperatorId, bundles_so_far: usize) -> usize {
+        match self.operators[op].pool {
+            Pool::Accelerator => self.batching.model_bundle_rows(bundles_so_far),
+            Pool::Cpu => 1,
+        }
+    }
+
     /// The root operator, whose output is the query's output.
     pub fn root(&self) -> &Operator {
         self.operators.last().expect("a graph has a root")

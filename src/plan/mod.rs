@@ -4,6 +4,8 @@
 //! - [`cut`]: the cutting algorithm that turns a DataFusion plan into that graph.
 //! - [`exchange_sizing`]: how many partitions hash exchanges get, from bytes and budget.
 //! - [`split_source`]: source scans cut into splits (one task each).
+//! - [`model_batching`]: how a plan with a model feeds it: the first-block ramp, pieces and
+//!   bundles, and its scans' smaller splits.
 //! - [`join_filter_rows`]: a scan drops the rows its joins' finished dynamic filters reject.
 //! - [`stage_input`]: the leaf through which a fragment reads its producer's blocks.
 //! - [`accelerator_projection`]: model UDF projections kept apart as accelerator operators.
@@ -32,6 +34,7 @@ pub(crate) mod join_filter_rows;
 pub mod merge_join_fallback;
 mod merge_levels;
 pub mod merge_runs;
+pub mod model_batching;
 pub(crate) mod model_cache_lookup;
 pub mod partition_cut;
 pub mod partition_slices;
@@ -44,6 +47,7 @@ pub(crate) mod stage_input;
 pub mod subquery_values;
 
 pub use graph::{Operator, OperatorGraph, Pool, TaskShape};
+pub use model_batching::ModelBatching;
 pub use split_source::SplitSourceExec;
 
 use std::sync::Arc;

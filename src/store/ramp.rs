@@ -10,8 +10,10 @@
 //! at that size (`BlockCutter::with_ramp`): doubling on to the target made the model wait
 //! for the CPU to finish each larger block (three gaps of 5, 13 and 26 ms at the start of
 //! the pipeline bench); and an accelerator operator's k-th bundle of a partition gathers at
-//! most `R << k` rows (`exec/tasks.rs`), of as many such blocks as are ready. All of it depends only on the task's own rows (a split's rows are
-//! always the same), so a recomputed task cuts the same blocks.
+//! most `R << k` rows, of as many such blocks as are ready. All of it depends only on the
+//! task's own rows (a split's rows are always the same), so a recomputed task cuts the same
+//! blocks. Which plans ramp, and from how many rows, the plan decides once:
+//! `crate::plan::model_batching`.
 
 /// Rows of the `step`-th ramped piece (0-based) starting at `first_rows`, capped at `target`;
 /// `first_rows == 0`: no ramp, always `target`.

@@ -865,13 +865,13 @@ async fn the_first_blocks_are_small_and_grow_to_the_target() {
             assert!(call_rows.iter().all(|&rows| rows <= 4096), "{call_rows:?}");
             assert!(call_rows.iter().any(|&rows| rows > 2048), "{call_rows:?}");
             let graph = plan.downcast_ref::<FlumenExec>().unwrap().graph();
-            assert_eq!(graph.first_block_rows, 100);
+            assert_eq!(graph.batching.first_block_rows, 100);
             // `model_piece_rows = 0`: the source's ramp grows to the target.
-            assert_eq!(graph.ramp_block_rows, 0);
+            assert_eq!(graph.batching.piece_rows, 0);
             // A plan without a model does not ramp: its first block is a full one.
             let (plain, plan) = run_plan(&f, "SELECT id, body FROM events").await;
             let graph = plan.downcast_ref::<FlumenExec>().unwrap().graph();
-            assert_eq!(graph.first_block_rows, 0);
+            assert_eq!(graph.batching.first_block_rows, 0);
             assert_eq!(plain[0].num_rows(), 4096);
         } else {
             assert!(call_rows[0] > 2048, "no ramp: {call_rows:?}");
@@ -910,7 +910,7 @@ async fn a_model_on_the_cpu_starts_its_ramp_at_one_row() {
         answers.push(rows(&batches, true));
         let graph = plan.downcast_ref::<FlumenExec>().unwrap().graph();
         assert_eq!(
-            graph.first_block_rows, want,
+            graph.batching.first_block_rows, want,
             "on_cpu {on_cpu}, {cpu_first:?}"
         );
         let call_rows = call_rows.lock().unwrap().clone();
