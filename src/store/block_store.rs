@@ -2,15 +2,14 @@
 //! memory budget, written out to spill runs beyond it ([`crate::store::spill_runs`]), or
 //! kept by the worker process that made it.
 //!
-//! Memory is blocks, operators' reservations (they share the budget:
-//! [`crate::store::operator_memory`]) and, where the allocator says what it holds, the heap
-//! nobody reserved ([`crate::store::heap_share`]). When they pass the budget the store
-//! writes out blocks, the group with the most bytes in memory first, blocks waiting for a
-//! reader that needs all of them before blocks read soon ([`ReadSoon`]).
+//! How much memory the run may hold, and what holds it besides blocks, is its budget's
+//! business ([`crate::store::memory_budget`]); which blocks leave memory first when it is
+//! full, the spill candidates' ([`crate::store::spill_candidates`]). The store puts the two
+//! together: a block that does not fit writes out a run of its group's newest blocks, or,
+//! for a block read soon, of blocks read late.
 
-use std::collections::{BTreeMap, HashMap};
+use std::collections::HashMap;
 use std::path::PathBuf;
-use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 
 use datafusion::arrow::record_batch::RecordBatch;
@@ -18,12 +17,15 @@ use datafusion::error::{DataFusionError, Result};
 
 use crate::config::ByteSize;
 use crate::store::block::{BlockId, HeldBlock};
-use crate::store::heap_share::HeapShare;
+use crate::store::memory_budget::MemoryBudget;
 use crate::store::memory_counters::MemoryCounters;
-use crate::store::process_heap::{HeapAllocator, HeapGauge, READ_INTERVAL};
+use crate::store::process_heap::HeapAllocator;
+pub use crate::store::spill_candidates::ReadSoon;
+use crate::store::spill_candidates::SpillCandidates;
 pub use crate::store::spill_runs::SpillGroup;
 use crate::store::spill_runs::{Spans, SpillRun, SpillRuns};
 
+/// Where a block's rows are.
 enum Stored {
     Memory(RecordBatch),
     /// `len` bytes at `offset` of a run's file: one Arrow IPC stream.
@@ -45,50 +47,18 @@ struct Entry {
 struct Inner {
     blocks: HashMap<BlockId, Entry>,
     memory_bytes: u64,
-    /// Per group, its blocks in memory that no spill is writing out now (the candidates
-    /// for its next run) and their bytes: kept beside `blocks` so that choosing a run does
-    /// not walk every block of the query (tens of thousands in a range sort, where that walk
-    /// took 6% of the CPU time).
-    resident: HashMap<SpillGroup, Resident>,
-}
-
-/// The producers whose blocks are read soon after they are made (by tasks that start as
-/// they arrive, such as an out-of-core range sort's run sorts); the others' blocks wait for
-/// a reader that needs all of them (an exchange's reduce side). When memory is full, blocks
-/// waiting for such a reader are written out first, and a block read soon that finds memory
-/// full makes room by writing them out instead of being written out itself: each block
-/// then goes to disk at most once, as the run it becomes, not also as the map output it was.
-#[derive(Debug, Default, Clone)]
-pub struct ReadSoon(Vec<bool>);
-
-impl ReadSoon {
-    /// Producers whose blocks are read soon: `read_soon[op]` for operator `op`.
-    pub fn new(read_soon: Vec<bool>) -> Self {
-        Self(read_soon)
-    }
-
-    /// Whether operator `op`'s blocks are read soon.
-    fn contains(&self, op: usize) -> bool {
-        self.0.get(op).copied().unwrap_or(false)
-    }
-}
-
-/// One group's blocks in memory and not being written out.
-#[derive(Default)]
-struct Resident {
-    bytes: u64,
-    /// Each block's bytes, by id (newest last).
-    blocks: BTreeMap<BlockId, u64>,
+    /// The blocks in memory that no spill is writing out now.
+    candidates: SpillCandidates,
 }
 
 impl Inner {
     /// Store `entry` as block `id`, replacing any entry it had.
     fn insert(&mut self, id: BlockId, entry: Entry) {
         if let Some(old) = self.blocks.remove(&id) {
-            self.forget_resident(old.group, id);
+            self.candidates.forget(old.group, id);
         }
         if matches!(entry.data, Stored::Memory(_)) {
-            self.add_resident(entry.group, id, entry.bytes);
+            self.candidates.add(entry.group, id, entry.bytes);
         }
         self.blocks.insert(id, entry);
     }
@@ -96,26 +66,8 @@ impl Inner {
     /// Remove block `id`'s entry (its bytes in memory are the caller's to uncount).
     fn remove(&mut self, id: BlockId) -> Option<Entry> {
         let entry = self.blocks.remove(&id)?;
-        self.forget_resident(entry.group, id);
+        self.candidates.forget(entry.group, id);
         Some(entry)
-    }
-
-    fn add_resident(&mut self, group: SpillGroup, id: BlockId, bytes: u64) {
-        let resident = self.resident.entry(group).or_default();
-        if resident.blocks.insert(id, bytes).is_none() {
-            resident.bytes += bytes;
-        }
-    }
-
-    fn forget_resident(&mut self, group: SpillGroup, id: BlockId) {
-        if let Some(resident) = self.resident.get_mut(&group)
-            && let Some(bytes) = resident.blocks.remove(&id)
-        {
-            resident.bytes -= bytes;
-            if resident.blocks.is_empty() {
-                self.resident.remove(&group);
-            }
-        }
     }
 
     /// Blocks of `group` in memory and not being written, newest first, while their bytes
@@ -123,30 +75,17 @@ impl Inner {
     /// ([`Self::give_back`]). Each is written as an IPC stream of its own, so their schemas
     /// need not agree.
     fn take_run(&mut self, group: SpillGroup, bytes: u64) -> Vec<(BlockId, RecordBatch)> {
-        let Some(resident) = self.resident.get(&group) else {
-            return vec![];
-        };
-        let mut chosen = vec![];
-        let mut total = 0;
-        for (&id, &size) in resident.blocks.iter().rev() {
-            if total >= bytes {
-                break;
-            }
-            total += size;
-            chosen.push(id);
-        }
-        let mut run = vec![];
-        for id in chosen {
-            self.forget_resident(group, id);
-            if let Some(Entry {
-                data: Stored::Memory(batch),
-                ..
-            }) = self.blocks.get(&id)
-            {
-                run.push((id, batch.clone()));
-            }
-        }
-        run
+        let chosen = self.candidates.take_newest(group, bytes);
+        chosen
+            .into_iter()
+            .filter_map(|id| match self.blocks.get(&id) {
+                Some(Entry {
+                    data: Stored::Memory(batch),
+                    ..
+                }) => Some((id, batch.clone())),
+                _ => None,
+            })
+            .collect()
     }
 
     /// Blocks taken for a run that was not written: candidates again, those still in memory.
@@ -156,33 +95,9 @@ impl Inner {
                 && matches!(entry.data, Stored::Memory(_))
             {
                 let (group, bytes) = (entry.group, entry.bytes);
-                self.add_resident(group, *id, bytes);
+                self.candidates.add(group, *id, bytes);
             }
         }
-    }
-
-    /// The group with the most bytes in memory not being written out (ties: the newest),
-    /// among those `read_soon` says are not read soon if any has such bytes, else among all.
-    fn fullest_group(&self, read_soon: &ReadSoon) -> Option<SpillGroup> {
-        self.fullest_read_late(read_soon)
-            .or_else(|| self.fullest_where(|_| true))
-    }
-
-    /// The group not read soon ([`ReadSoon`]) with the most bytes in memory not being
-    /// written out (ties: the newest).
-    fn fullest_read_late(&self, read_soon: &ReadSoon) -> Option<SpillGroup> {
-        self.fullest_where(|group| !read_soon.contains(group.0))
-    }
-
-    /// The group `keep` keeps with the most bytes in memory not being written out (ties:
-    /// the newest).
-    fn fullest_where(&self, keep: impl Fn(&SpillGroup) -> bool) -> Option<SpillGroup> {
-        self.resident
-            .iter()
-            .filter(|(group, _)| keep(group))
-            .filter_map(|(group, r)| Some((r.bytes, *r.blocks.keys().next_back()?, *group)))
-            .max()
-            .map(|(.., group)| group)
     }
 
     /// Point the blocks written to `run` at their `(offset, len)` there; one released or
@@ -199,7 +114,7 @@ impl Inner {
                 continue;
             };
             // A copy put again meanwhile (recomputed) holds the same rows: it goes too.
-            self.forget_resident(group, *id);
+            self.candidates.forget(group, *id);
             if let Some(entry) = self.blocks.get_mut(id)
                 && matches!(entry.data, Stored::Memory(_))
             {
@@ -234,25 +149,19 @@ pub(crate) struct MemorySample {
 
 /// Blocks of one query run, with a memory budget.
 pub struct BlockStore {
-    budget: u64,
-    /// Bytes the run's operators hold (their state shares the budget:
-    /// [`crate::store::operator_memory::OperatorMemory`]).
-    operator_bytes: AtomicU64,
+    /// How much the run may hold, and what holds it besides blocks.
+    budget: MemoryBudget,
     /// The files blocks are written out to.
     runs: SpillRuns,
-    /// Where the run's plan counts them too, for `EXPLAIN ANALYZE`.
-    counters: Option<Arc<MemoryCounters>>,
     /// Producers whose blocks are read soon: others' spill first.
     read_soon: ReadSoon,
-    /// The heap nobody reserved: its share of the budget.
-    heap: HeapShare,
     inner: Mutex<Inner>,
 }
 
 impl std::fmt::Debug for BlockStore {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("BlockStore")
-            .field("budget", &self.budget)
+            .field("budget", &self.budget())
             .field("memory_bytes", &self.memory_bytes())
             .field("operator_bytes", &self.operator_bytes())
             .finish()
@@ -272,12 +181,9 @@ impl BlockStore {
     /// An empty store holding at most `budget` bytes in memory.
     pub fn new(budget: u64) -> Self {
         Self {
-            budget,
-            operator_bytes: AtomicU64::new(0),
+            budget: MemoryBudget::new(budget),
             runs: SpillRuns::default(),
-            counters: None,
             read_soon: ReadSoon::default(),
-            heap: HeapShare::default(),
             inner: Mutex::new(Inner::default()),
         }
     }
@@ -286,16 +192,14 @@ impl BlockStore {
     /// and have it hand back its idle pages when they pass an eighth of the budget;
     /// `None`: only blocks and operators' reservations count.
     pub fn with_heap(mut self, allocator: Option<&'static dyn HeapAllocator>) -> Self {
-        let idle_limit = (self.budget / 8).max(4 << 20);
-        let gauge = allocator.and_then(|a| HeapGauge::new(a, READ_INTERVAL, idle_limit));
-        self.heap = HeapShare::new(gauge, self.budget);
+        self.budget = self.budget.with_heap(allocator);
         self
     }
 
     /// Whether the store counts the allocator's heap: then its readings hand the idle pages
     /// back once they pass an eighth of the budget, and a task's end need not purge them.
     pub(crate) fn counts_heap(&self) -> bool {
-        self.heap.counts_heap()
+        self.budget.counts_heap()
     }
 
     /// Put spill files in a directory made under `root` (else the system's temp directory).
@@ -310,22 +214,15 @@ impl BlockStore {
         self
     }
 
-    /// Count the spill files it writes in `counters` too.
+    /// Count the spill files it writes, and the budget's peaks, in `counters` too.
     pub fn with_counters(mut self, counters: Arc<MemoryCounters>) -> Self {
-        self.counters = Some(counters);
+        self.budget = self.budget.with_counters(counters);
         self
-    }
-
-    /// Bytes a group's run file takes before the next spill starts a new one: four runs'
-    /// worth (4–256 MiB). A run's space returns to the disk when its last block is read, so
-    /// smaller files free space sooner; larger ones mean fewer files.
-    fn run_cap(&self) -> u64 {
-        4 * self.run_bytes()
     }
 
     /// The memory budget in bytes.
     pub fn budget(&self) -> u64 {
-        self.budget
+        self.budget.bytes()
     }
 
     /// Bytes of blocks held in memory now.
@@ -335,74 +232,54 @@ impl BlockStore {
 
     /// Bytes the run's operators hold now (they count against the same budget).
     pub fn operator_bytes(&self) -> u64 {
-        self.operator_bytes.load(Ordering::Relaxed)
+        self.budget.operator_bytes()
     }
 
     /// What holds the budget now, for a run's timeline (`flumen.timeline_file`): blocks in
     /// memory, operators' reservations, the heap nobody reserved as last read, and the bytes
     /// written out to spill files so far.
     pub(crate) fn memory_sample(&self) -> MemorySample {
+        let (unreserved, idle) = self.budget.last_unreserved();
         MemorySample {
             blocks: self.memory_bytes(),
             operators: self.operator_bytes(),
-            unreserved: self.heap.last_share(),
-            idle: self.heap.last_idle(),
+            unreserved,
+            idle,
             spilled: self.runs.written_bytes(),
         }
     }
 
     /// Record what the run's operators hold now.
     pub fn set_operator_bytes(&self, bytes: u64) {
-        self.operator_bytes.store(bytes, Ordering::Relaxed);
-    }
-
-    /// Bytes a spill run gathers at least when it is written (unless its group has fewer in
-    /// memory): an eighth of the budget, between 1 MiB and 64 MiB.
-    fn run_bytes(&self) -> u64 {
-        (self.budget / 8).clamp(1 << 20, 64 << 20)
-    }
-
-    /// Bytes of blocks always kept in memory, whatever operators and the heap nobody
-    /// reserved hold: a sixteenth of the budget. When those two alone fill the budget
-    /// (a join's build at its peak, a heap count near its cap), writing out the last
-    /// blocks frees little and costs a small spill file per block put: TPC-H q7 at SF10
-    /// under 1 GB spilled 1.85K blocks in 2.54K writes and took 1.6x as long, its peak
-    /// RSS no lower.
-    fn block_floor(&self) -> u64 {
-        self.budget / 16
+        self.budget.set_operator_bytes(bytes);
     }
 
     /// Write blocks from memory to spill runs until blocks, operator state and the heap
-    /// nobody reserved ([`Self::unreserved_bytes`]) together fit the budget again: each run
+    /// nobody reserved ([`MemoryBudget::held`]) together fit the budget again: each run
     /// takes the group with the most bytes in memory, its newest blocks first (readers take
-    /// the oldest first), up to [`Self::run_bytes`] or what must be freed. Returns the
-    /// blocks and bytes written out.
+    /// the oldest first), up to [`MemoryBudget::run_bytes`] or what must be freed. Returns
+    /// the blocks and bytes written out.
     pub fn make_room(&self) -> Result<(u64, u64)> {
         let mut written = (0, 0);
-        let mut reading = self.heap.reading(self.counters.as_deref());
-        let mut handed_back = false;
+        let mut readings = self.budget.readings();
         loop {
-            let run = {
+            let (group, batches) = {
                 let mut inner = self.inner.lock().unwrap();
-                let held = inner.memory_bytes
-                    + self.operator_bytes()
-                    + self.unreserved_bytes(reading.take(), inner.memory_bytes);
-                if held <= self.budget || inner.memory_bytes <= self.block_floor() {
+                let held = self.budget.held(inner.memory_bytes, readings.take());
+                if self.budget.fits(held, inner.memory_bytes) {
                     return Ok(written);
                 }
-                if !handed_back && self.heap.holds_idle_pages() {
+                if readings.may_hand_back() {
                     drop(inner);
-                    handed_back = true;
-                    reading = self.heap.reading_after_hand_back(self.counters.as_deref());
+                    readings.hand_back();
                     continue;
                 }
-                let Some(group) = inner.fullest_group(&self.read_soon) else {
+                let Some(group) = inner.candidates.fullest_group(&self.read_soon) else {
                     return Ok(written);
                 };
-                let bytes = (held - self.budget).max(self.run_bytes());
+                let bytes = (held - self.budget()).max(self.budget.run_bytes());
                 (group, inner.take_run(group, bytes))
             };
-            let (group, batches) = run;
             let (mut inner, spill_run, spans) = self.write_run(group, &batches)?;
             let moved = inner.spilled(&spill_run, &batches, &spans);
             written.0 += moved.0;
@@ -421,54 +298,49 @@ impl BlockStore {
         bytes: u64,
         group: SpillGroup,
     ) -> Result<Placement> {
-        if bytes > self.budget {
+        if bytes > self.budget() {
             return Err(DataFusionError::ResourcesExhausted(format!(
                 "a block of {} rows needs {}, more than flumen.memory_budget ({}); \
                  raise flumen.memory_budget or lower flumen.target_block_rows",
                 batch.num_rows(),
                 ByteSize(bytes),
-                ByteSize(self.budget)
+                ByteSize(self.budget())
             )));
         }
-        let mut reading = self.heap.reading(self.counters.as_deref());
-        let mut handed_back = false;
+        let mut readings = self.budget.readings();
         let companions = loop {
-            let late_run = {
+            let (late, batches) = {
                 let mut inner = self.inner.lock().unwrap();
-                let unreserved = self.unreserved_bytes(reading.take(), inner.memory_bytes);
-                let held = inner.memory_bytes + self.operator_bytes() + unreserved + bytes;
-                if held <= self.budget || inner.memory_bytes + bytes <= self.block_floor() {
+                let held = self.budget.held(inner.memory_bytes, readings.take()) + bytes;
+                if self.budget.fits(held, inner.memory_bytes + bytes) {
                     inner.memory_bytes += bytes;
                     let data = Stored::Memory(batch);
                     inner.insert(id, Entry { data, bytes, group });
                     return Ok(Placement::Memory);
                 }
-                // Pages the allocator keeps free go back before any block goes to disk.
-                if !handed_back && self.heap.holds_idle_pages() {
+                if readings.may_hand_back() {
                     drop(inner);
-                    handed_back = true;
-                    reading = self.heap.reading_after_hand_back(self.counters.as_deref());
+                    readings.hand_back();
                     continue;
                 }
                 // A block read soon makes room by writing out blocks read late.
                 let late = match self.read_soon.contains(group.0) {
-                    true => inner.fullest_read_late(&self.read_soon),
+                    true => inner.candidates.fullest_read_late(&self.read_soon),
                     false => None,
                 };
                 match late {
                     Some(late) => {
-                        let need = (held - self.budget).max(self.run_bytes());
+                        let need = (held - self.budget()).max(self.budget.run_bytes());
                         (late, inner.take_run(late, need))
                     }
                     None => {
-                        break match self.run_bytes().saturating_sub(bytes) {
+                        break match self.budget.run_bytes().saturating_sub(bytes) {
                             0 => vec![],
                             rest => inner.take_run(group, rest),
                         };
                     }
                 }
             };
-            let (late, batches) = late_run;
             let (mut inner, spill_run, spans) = self.write_run(late, &batches)?;
             inner.spilled(&spill_run, &batches, &spans);
         };
@@ -483,16 +355,20 @@ impl BlockStore {
         Ok(Placement::Spilled)
     }
 
-    /// Append `batches` to `group`'s spill run ([`SpillRuns::append`]), then lock the store; on failure their blocks are no longer
-    /// being evicted (they stay in memory) and the error is returned.
+    /// Append `batches` to `group`'s spill run ([`SpillRuns::append`]), then lock the store;
+    /// on failure their blocks are no longer being evicted (they stay in memory) and the
+    /// error is returned.
     fn write_run(
         &self,
         group: SpillGroup,
         batches: &[(BlockId, RecordBatch)],
     ) -> Result<(MutexGuard<'_, Inner>, Arc<SpillRun>, Spans)> {
-        let spilled = self
-            .runs
-            .append(group, batches, self.run_cap(), self.counters.as_deref());
+        let spilled = self.runs.append(
+            group,
+            batches,
+            self.budget.run_cap(),
+            self.budget.counters(),
+        );
         let mut inner = self.inner.lock().unwrap();
         match spilled {
             Ok((run, spans)) => Ok((inner, run, spans)),
@@ -501,13 +377,6 @@ impl BlockStore {
                 Err(e)
             }
         }
-    }
-
-    /// The heap nobody reserved that counts against the budget ([`HeapShare::share`]),
-    /// given a new `reading` of the allocator and the blocks in memory now.
-    fn unreserved_bytes(&self, reading: Option<u64>, memory_bytes: u64) -> u64 {
-        let reserved = memory_bytes + self.operator_bytes();
-        self.heap.share(reading, reserved, self.counters.as_deref())
     }
 
     /// Record that a worker process keeps block `id` (its bytes are the worker's memory,
@@ -628,9 +497,10 @@ impl BlockStore {
 #[cfg(test)]
 pub(crate) mod tests {
     use super::*;
-    use crate::store::process_heap::HeapUsage;
+    use crate::store::process_heap::{HeapGauge, HeapUsage};
     use datafusion::arrow::array::Int64Array;
     use std::sync::Arc;
+    use std::sync::atomic::{AtomicU64, Ordering};
 
     /// A batch of `n` rows of one Int64 column (tests of the store and its users).
     pub(crate) fn batch(n: i64) -> RecordBatch {
@@ -711,10 +581,11 @@ pub(crate) mod tests {
     fn heap_nobody_reserved_counts_against_the_budget() {
         let heap: &'static FakeHeap = Box::leak(Box::new(FakeHeap(AtomicU64::new(50_000))));
         let mut store = BlockStore::new(1000);
-        store.heap = HeapShare::new(
-            HeapGauge::new(heap, std::time::Duration::ZERO, u64::MAX),
-            store.budget,
-        );
+        store.budget = MemoryBudget::new(1000).with_gauge(HeapGauge::new(
+            heap,
+            std::time::Duration::ZERO,
+            u64::MAX,
+        ));
         // The heap grew by the block itself: nothing unreserved.
         heap.0.store(50_400, Ordering::Relaxed);
         assert_eq!(
@@ -745,10 +616,11 @@ pub(crate) mod tests {
         // (1,100 in all); one group written out is enough (900), not both.
         heap.0.store(50_000, Ordering::Relaxed);
         let mut stale = BlockStore::new(1000);
-        stale.heap = HeapShare::new(
-            HeapGauge::new(heap, std::time::Duration::ZERO, u64::MAX),
-            stale.budget,
-        );
+        stale.budget = MemoryBudget::new(1000).with_gauge(HeapGauge::new(
+            heap,
+            std::time::Duration::ZERO,
+            u64::MAX,
+        ));
         stale.put(1, batch(10), 200, (0, 0)).unwrap();
         stale.put(2, batch(10), 200, (0, 1)).unwrap();
         stale.set_operator_bytes(300);
