@@ -380,7 +380,7 @@ extensions_options! {
         /// Most tasks that may run at once on the accelerator pool (workers that keep their
         /// model); the pool grows towards it while accelerator tasks wait. 0 (the default):
         /// one per visible CUDA device where models may use one (`flumen.device` not `cpu`),
-        /// else 1 ([`FlumenConfig::accelerator_workers`]).
+        /// else 1 ([`crate::functions::accelerator_devices::accelerator_workers`]).
         pub accelerator_slots: usize, default = 0
         /// Fewest accelerator workers kept alive when idle.
         pub accelerator_min_slots: usize, default = 1
@@ -535,18 +535,6 @@ impl FlumenConfig {
     pub fn block_rows(&self) -> usize {
         self.target_block_rows.max(1)
     }
-
-    /// Accelerator workers a session's model queries may run: `flumen.accelerator_slots`,
-    /// or where it is 0 one per CUDA device this process sees (each worker takes its own,
-    /// `functions::accelerator_devices`), at least 1; 1 with `flumen.device = 'cpu'`.
-    /// Asks the CUDA driver once per process, so callers ask only for plans with a model.
-    pub fn accelerator_workers(&self) -> usize {
-        match self.accelerator_slots {
-            0 if self.device == Device::Cpu => 1,
-            0 => crate::functions::accelerator_devices::visible_cuda_devices().max(1),
-            n => n,
-        }
-    }
 }
 
 impl ConfigExtension for FlumenConfig {
@@ -556,20 +544,6 @@ impl ConfigExtension for FlumenConfig {
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    /// A set number of accelerator workers is kept; 0 is one per visible GPU (at least 1),
-    /// and 1 where models run on the CPU.
-    #[test]
-    fn accelerator_workers_default_to_one_per_gpu() {
-        let mut config = FlumenConfig::default();
-        assert_eq!(config.accelerator_slots, 0);
-        let gpus = crate::functions::accelerator_devices::visible_cuda_devices();
-        assert_eq!(config.accelerator_workers(), gpus.max(1));
-        config.device = Device::Cpu;
-        assert_eq!(config.accelerator_workers(), 1);
-        config.accelerator_slots = 3;
-        assert_eq!(config.accelerator_workers(), 3);
-    }
 
     #[test]
     fn byte_sizes_parse_with_units() {

@@ -22,6 +22,7 @@ use crate::cluster::plan_metrics::{PlanMetric, PlanMetricValue};
 use crate::config::FlumenConfig;
 use crate::exec::metrics::{OperatorStats, RunMetrics};
 use crate::functions::accelerator::accelerator_function;
+use crate::functions::accelerator_devices;
 use crate::plan::graph::{Operator, OperatorGraph, OperatorId, Pool};
 use crate::plan::stage_input::StageInputExec;
 use datafusion::common::format::{MetricCategory, MetricType};
@@ -101,7 +102,7 @@ impl OperatorExec {
         Self {
             slots: match op.pool {
                 Pool::Cpu => config.cpu_slots,
-                Pool::Accelerator => config.accelerator_workers(),
+                Pool::Accelerator => accelerator_devices::accelerator_workers(config),
             },
             workers: match op.pool {
                 Pool::Cpu => vec![],

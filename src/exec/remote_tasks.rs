@@ -54,6 +54,7 @@ use crate::exec::worker_plans::{
     PartitionInputs, blocks_plan, encode_for_worker, merges_runs_of, partition_plan, source_plan,
     stage_inputs_in_leaf_order,
 };
+use crate::functions::accelerator_devices;
 use crate::io::object_stores::StoreGrants;
 use crate::plan::graph::{OperatorId, Pool};
 use crate::plan::stage_input::InputExchange;
@@ -708,7 +709,7 @@ impl QueryRun {
                 program: worker_program(&config.worker_binary.0, &config.worker_module.0)?,
                 size: match pool {
                     Pool::Cpu => config.worker_processes,
-                    Pool::Accelerator => config.accelerator_workers(),
+                    Pool::Accelerator => accelerator_devices::accelerator_workers(config),
                 },
                 tls: config.worker_tls,
             },

@@ -35,6 +35,7 @@ use crate::exec::state::{
 use crate::exec::task_kind::{TaskId, TaskKind};
 use crate::exec::timeline::{TaskSpan, Timeline};
 use crate::exec::worker_run::WorkerRun;
+use crate::functions::accelerator_devices;
 use crate::plan::graph::{OperatorGraph, OperatorId, Pool, TaskShape};
 use crate::plan::merge_join_fallback::as_sort_merge_join;
 use crate::plan::stage_input::InputExchange;
@@ -105,7 +106,7 @@ impl QueryRun {
             .iter()
             .any(|op| op.pool == Pool::Accelerator)
         {
-            true => config.accelerator_workers(),
+            true => accelerator_devices::accelerator_workers(&config),
             false => config.accelerator_slots.max(1),
         };
         let accelerators = base

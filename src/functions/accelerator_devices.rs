@@ -17,6 +17,8 @@ use std::sync::{Mutex, OnceLock};
 
 use datafusion::error::{DataFusionError, Result};
 
+use crate::config::{Device, FlumenConfig};
+
 /// What fixes this process's device (set once, when a worker process starts).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum DevicePin {
@@ -69,6 +71,18 @@ pub fn visible_cuda_devices() -> usize {
     static COUNT: OnceLock<usize> = OnceLock::new();
     *COUNT
         .get_or_init(|| crate::functions::embedding::cuda_driver::probe_device_count().unwrap_or(0))
+}
+
+/// Accelerator workers a session's model queries may run: `flumen.accelerator_slots`,
+/// or where it is 0 one per CUDA device this process sees (each worker takes its own), at
+/// least 1; 1 with `flumen.device = 'cpu'`. Asks the CUDA driver once per process, so
+/// callers ask only for plans with a model.
+pub fn accelerator_workers(config: &FlumenConfig) -> usize {
+    match config.accelerator_slots {
+        0 if config.device == Device::Cpu => 1,
+        0 => visible_cuda_devices().max(1),
+        n => n,
+    }
 }
 
 /// The device this process is pinned to among `devices` (`--device`, or `--device-slot`
@@ -153,6 +167,19 @@ pub fn parse_cuda_device(text: &str) -> std::result::Result<usize, String> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A set number of accelerator workers is kept; 0 is one per visible GPU (at least 1),
+    /// and 1 where models run on the CPU.
+    #[test]
+    fn accelerator_workers_default_to_one_per_gpu() {
+        let mut config = FlumenConfig::default();
+        assert_eq!(config.accelerator_slots, 0);
+        assert_eq!(accelerator_workers(&config), visible_cuda_devices().max(1));
+        config.device = Device::Cpu;
+        assert_eq!(accelerator_workers(&config), 1);
+        config.accelerator_slots = 3;
+        assert_eq!(accelerator_workers(&config), 3);
+    }
 
     #[test]
     fn a_pinned_device_is_kept_and_one_past_the_host_is_refused() {

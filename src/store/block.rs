@@ -8,8 +8,6 @@ use std::sync::Arc;
 use datafusion::arrow::record_batch::RecordBatch;
 use datafusion::error::Result;
 
-use crate::plan::graph::OperatorId;
-
 /// Identifier of a block, unique within one query run.
 pub type BlockId = u64;
 
@@ -18,8 +16,9 @@ pub type BlockId = u64;
 pub struct Block {
     /// Its id within the run.
     pub id: BlockId,
-    /// The operator that produced it.
-    pub operator: OperatorId,
+    /// The operator that produced it (its `crate::plan::OperatorId`: the store stands
+    /// below the plan and names operators by their index alone, as it names tasks).
+    pub operator: usize,
     /// The task that produced it (its index in the run).
     pub task: usize,
     /// Its position in that task's output. Another run of the task may interleave its

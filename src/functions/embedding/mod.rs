@@ -45,6 +45,7 @@ use crate::config::{Device, EmbedPrecision, FlumenConfig};
 use crate::functions::accelerator::{
     AcceleratorFunction, AcceleratorWorker, PendingOutput, WorkerResources,
 };
+use crate::functions::accelerator_devices;
 use batch_tuner::BatchTuner;
 use bert::{BertWeights, SentenceEncoder};
 use pass_queue::{PassQueue, PieceTokens};
@@ -100,7 +101,7 @@ impl EmbedSettings {
             model_dir: model_files::model_dir(&flumen.model_dir),
             device: flumen.device,
             // The CPU backend shares the machine's CPU slots among the accelerator workers.
-            threads: (flumen.cpu_slots / flumen.accelerator_workers()).max(1),
+            threads: (flumen.cpu_slots / accelerator_devices::accelerator_workers(&flumen)).max(1),
             batch_size: flumen.embed_batch_size,
             batch_tokens: flumen.embed_batch_tokens,
             precision: flumen.embed_precision,
