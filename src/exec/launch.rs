@@ -13,7 +13,7 @@ use crate::exec::policy;
 use crate::exec::run::QueryRun;
 use crate::exec::state::{PausedTask, RunState, TaskStatus, pool_index};
 use crate::exec::task_kind::TaskId;
-use crate::plan::graph::{OperatorId, Pool, TaskShape};
+use crate::plan::graph::{InputReading, OperatorId, Pool};
 
 impl QueryRun {
     /// Pick the tasks to launch now, marking them running: first the retries of tasks
@@ -311,11 +311,10 @@ impl QueryRun {
         let consumer = self.graph.consumer[op_id].map(|c| &self.graph.operators[c]);
         let os = &st.operators[op_id];
         policy::held_back(&policy::ProducerLoad {
-            // A run-sorting consumer gathers a run of each partition before it starts: like
-            // an exchange, it needs its producer's blocks of every partition at once.
+            // An exchange, or a run-sorting consumer (it gathers a run of each partition
+            // before it starts): either needs its producer's blocks of every partition.
             feeds_exchange: consumer.is_some_and(|c| {
-                (c.shape == TaskShape::Barrier || c.run_bytes.is_some())
-                    && c.id != self.graph.root().id
+                c.input_reading().needs_every_partition() && c.id != self.graph.root().id
             }),
             feeds_streamed_input: self.feeds_streamed_input(op_id),
             queue_limit: self.output_queue_limit(op_id),
@@ -345,7 +344,7 @@ impl QueryRun {
         let producer_pool = self.graph.operators[op_id].pool;
         match self.graph.consumer[op_id].map(|c| &self.graph.operators[c]) {
             Some(c)
-                if c.shape == TaskShape::BlockWise && c.run_bytes.is_none()
+                if c.input_reading() == InputReading::AsTheyCome
                     || self.feeds_streamed_input(op_id) =>
             {
                 Some(self.queue_limit_rows(c.pool, producer_pool))

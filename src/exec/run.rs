@@ -666,15 +666,15 @@ fn is_statement(graph: &OperatorGraph) -> bool {
     matches!(&graph.operators[..], [only] if only.fragment.downcast_ref::<EmptyExec>().is_some())
 }
 
-/// The operators whose blocks are read as they arrive: those feeding a per-block operator
-/// (its tasks start on a bundle of them). Blocks of the others wait for a reader that needs
-/// its whole input, and are written out first when memory is full.
+/// The operators whose blocks are read soon after they arrive: those feeding a per-block
+/// operator, run sorts included ([`crate::plan::InputReading::reads_soon`]). Blocks of the others wait
+/// for a reader that needs its whole input, and are written out first when memory is full.
 fn read_soon(graph: &OperatorGraph) -> ReadSoon {
     ReadSoon::new(
         graph
             .consumer
             .iter()
-            .map(|c| c.is_some_and(|c| graph.operators[c].shape == TaskShape::BlockWise))
+            .map(|c| c.is_some_and(|c| graph.operators[c].input_reading().reads_soon()))
             .collect(),
     )
 }

@@ -81,6 +81,38 @@ impl fmt::Display for TaskShape {
     }
 }
 
+/// How an operator's tasks read their producers' blocks, which decides how those producers
+/// are held back and which of their blocks stay in memory longest.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum InputReading {
+    /// No producer (a source).
+    None,
+    /// A task per block or bundle, started as blocks arrive: the producer's unread output
+    /// is a queue, bounded by backpressure.
+    AsTheyCome,
+    /// A task per run of about [`Operator::run_bytes`] of one partition's blocks, started as
+    /// a run fills (an out-of-core range sort's run sorts): read soon, but like an exchange
+    /// it needs its producer's blocks of every partition at once.
+    InRuns,
+    /// A task per partition, over its whole input (an exchange's reduce side, a join, a
+    /// final aggregate; or streamed, [`Operator::streamed_inputs`]).
+    Whole,
+}
+
+impl InputReading {
+    /// Its producers' blocks are read soon after they are made (by a task that starts as
+    /// they arrive): when memory is full, the others' are written out first.
+    pub fn reads_soon(self) -> bool {
+        matches!(self, InputReading::AsTheyCome | InputReading::InRuns)
+    }
+
+    /// It needs its producer's blocks of every partition at once (a producer feeding it
+    /// is never held back: its blocks spill instead).
+    pub fn needs_every_partition(self) -> bool {
+        matches!(self, InputReading::InRuns | InputReading::Whole)
+    }
+}
+
 /// One flumen operator (stage).
 #[derive(Debug)]
 pub struct Operator {
@@ -123,6 +155,16 @@ pub struct Operator {
 }
 
 impl Operator {
+    /// How its tasks read their producers' blocks.
+    pub fn input_reading(&self) -> InputReading {
+        match (self.shape, self.run_bytes) {
+            (TaskShape::Source, _) => InputReading::None,
+            (TaskShape::BlockWise, None) => InputReading::AsTheyCome,
+            (TaskShape::BlockWise, Some(_)) => InputReading::InRuns,
+            (TaskShape::Barrier, _) => InputReading::Whole,
+        }
+    }
+
     /// Producers of the inputs this operator streams (see [`Operator::streamed_inputs`]).
     pub fn streamed_producers(&self) -> impl Iterator<Item = OperatorId> + '_ {
         self.inputs

@@ -46,7 +46,7 @@ pub(crate) mod split_source;
 pub(crate) mod stage_input;
 pub mod subquery_values;
 
-pub use graph::{Operator, OperatorGraph, Pool, TaskShape};
+pub use graph::{InputReading, Operator, OperatorGraph, Pool, TaskShape};
 pub use model_batching::ModelBatching;
 pub use split_source::SplitSourceExec;
 
