@@ -539,7 +539,7 @@ impl QueryRun {
                     batches.push(self.fetch(id).await?);
                 }
                 // The fragment sees the bundle as a local task does.
-                let pieces = bundle_pieces(&schema, batches, self.piece_rows(op_id))?;
+                let pieces = bundle_pieces(&schema, batches, self.graph.piece_rows(op_id))?;
                 let input = MemorySourceConfig::try_new_exec(&[pieces], schema, None)?;
                 Ok(blocks_plan(op, input))
             }
@@ -557,7 +557,7 @@ impl QueryRun {
                         for id in ids {
                             batches.push(self.fetch(id).await?);
                         }
-                        let pieces = bundle_pieces(&schema, batches, self.piece_rows(op_id))?;
+                        let pieces = bundle_pieces(&schema, batches, self.graph.piece_rows(op_id))?;
                         let source =
                             MemorySourceConfig::try_new_exec(&[pieces], Arc::clone(&schema), None)?;
                         part_sources.push(source as Arc<dyn ExecutionPlan>);
@@ -652,7 +652,7 @@ impl QueryRun {
     ) -> TaskRequest {
         let config = self.config();
         TaskRequest {
-            target_rows: self.piece_rows(op_id),
+            target_rows: self.graph.piece_rows(op_id),
             first_block_rows: 0,
             ramp_block_rows: self.graph.batching.piece_rows,
             partition,

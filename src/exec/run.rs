@@ -550,12 +550,6 @@ impl QueryRun {
         &self.config
     }
 
-    /// Rows per piece a per-block task of `op` hands its fragment
-    /// ([`OperatorGraph::piece_rows`]).
-    pub(super) fn piece_rows(&self, op: OperatorId) -> usize {
-        self.graph.piece_rows(op)
-    }
-
     /// The context tasks run in (without task inputs).
     pub(super) fn base_context(&self) -> Arc<TaskContext> {
         Arc::clone(&self.base)

@@ -268,7 +268,7 @@ impl InputProvider for TaskProvider {
                 let inputs = inputs.clone();
                 let run = Arc::clone(run);
                 let batch_schema = Arc::clone(&schema);
-                let target = run.piece_rows(self.operator);
+                let target = run.graph.piece_rows(self.operator);
                 let stream = futures::stream::once(async move {
                     let mut batches = Vec::with_capacity(inputs.len());
                     for id in inputs {

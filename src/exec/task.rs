@@ -131,7 +131,7 @@ impl QueryRun {
             op.output_split.as_ref(),
             partition,
             fragment.output_partitioning().partition_count(),
-            self.piece_rows(op_id),
+            self.graph.piece_rows(op_id),
         )?
         // The first splits of a split scan read small batches: their blocks ramp up.
         .with_ramp(

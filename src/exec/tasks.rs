@@ -130,7 +130,7 @@ impl QueryRun {
                 let starving = op.pool == Pool::Accelerator
                     && own.running == 0
                     && !own.has_pending()
-                    && rows >= self.piece_rows(op_id);
+                    && rows >= self.graph.piece_rows(op_id);
                 if rows < bundle_rows && !ended && !producer_idle && !starving {
                     break;
                 }
