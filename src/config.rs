@@ -317,12 +317,16 @@ impl datafusion::common::config::ConfigField for WorkerBinary {
         v.some(key, &self.0, description)
     }
 
-    fn set(&mut self, key: &str, _value: &str) -> datafusion::error::Result<()> {
-        Err(DataFusionError::Configuration(format!(
-            "flumen.{key} is a startup option, not a SET: give it when the session starts \
-             (`flumen --worker-binary PATH`, FlumenConfig::{key} in Rust; a Python session \
-             sets both to run `python -m flumen worker`)"
-        )))
+    /// Refused: DataFusion hands a leaf field an empty `key` (the name is its parent's), so
+    /// the message names both fields of this type.
+    fn set(&mut self, _key: &str, _value: &str) -> datafusion::error::Result<()> {
+        Err(DataFusionError::Configuration(
+            "flumen.worker_binary and flumen.worker_module are startup options, not SETs: \
+             give them when the session starts (`flumen --worker-binary PATH`, \
+             FlumenConfig::worker_binary in Rust; a Python session sets both to run \
+             `python -m flumen worker`)"
+                .into(),
+        ))
     }
 }
 

@@ -880,6 +880,65 @@ async fn the_first_blocks_are_small_and_grow_to_the_target() {
     assert_eq!(answers[0], answers[1]);
 }
 
+/// With worker processes the first blocks ramp too: the source tasks run on the workers,
+/// which cut their first split's blocks from `first_block_rows` as the task request says
+/// (`ModelBatching::first_rows_of_task`), and the model (a function the workers do not have,
+/// so its operator runs on the driver) gets its first call from those; the answer is
+/// vanilla DataFusion's.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_first_blocks_ramp_on_worker_processes_too() {
+    let dir = tempfile::tempdir().unwrap();
+    write_events(dir.path(), 1, 20_000);
+    // The worker binary is a startup option: the session starts with it.
+    let mut config = flumen::FlumenConfig::default();
+    config.workers = flumen::WorkerMode::Process;
+    config.worker_processes = 2;
+    config.worker_binary = env!("CARGO_BIN_EXE_flumen").into();
+    let f = flumen::session_with_config(SessionConfig::new().with_target_partitions(2), config);
+    for set in [
+        "SET flumen.target_block_rows = 4096",
+        "SET flumen.first_block_rows = 100",
+        "SET flumen.accelerator_slots = 1",
+        "SET flumen.model_piece_rows = 0",
+    ] {
+        f.sql(set).await.unwrap().collect().await.unwrap();
+    }
+    register_tables(&f, dir.path()).await;
+    let call_rows = Arc::new(Mutex::new(vec![]));
+    f.register_udf(accelerator_udf(WorkerName {
+        call_rows: Arc::clone(&call_rows),
+        ..WorkerName::taking(Duration::from_millis(2))
+    }));
+    let sql = "SELECT id, worker_name(body) IS NOT NULL AS w FROM events ORDER BY id";
+    let (batches, plan) = run_plan(&f, sql).await;
+    let exec = plan.downcast_ref::<FlumenExec>().unwrap();
+    let graph = exec.graph();
+    assert_eq!(graph.batching.first_block_rows, 100);
+    let source = &graph.operators[0];
+    let stats = exec.run_metrics().operator(source.id).snapshot();
+    assert!(
+        stats.remote_tasks > 0 && stats.remote_tasks == stats.tasks,
+        "the source ran on the driver: {stats:?}"
+    );
+    // The first splits are read in batches of 100 rows; the workers' cutters grow their
+    // blocks from there (100, 200, 400, ...: 24 blocks here), where without the ramp each
+    // batch would leave as a block of its own (200 blocks).
+    assert!(
+        stats.blocks < 50,
+        "the workers did not ramp the first splits' blocks: {stats:?}"
+    );
+    let call_rows = call_rows.lock().unwrap().clone();
+    assert_eq!(call_rows.iter().sum::<usize>(), 20_000, "{call_rows:?}");
+    assert!(call_rows[0] <= 100, "no ramp: {call_rows:?}");
+    assert!(call_rows.iter().any(|&rows| rows > 2048), "{call_rows:?}");
+    // Vanilla DataFusion, the same function.
+    let vanilla = datafusion::prelude::SessionContext::new();
+    register_tables(&vanilla, dir.path()).await;
+    vanilla.register_udf(accelerator_udf(WorkerName::taking(Duration::ZERO)));
+    let want = vanilla.sql(sql).await.unwrap().collect().await.unwrap();
+    assert_eq!(rows(&batches, true), rows(&want, true));
+}
+
 /// A model on CPU threads costs tens of ms a row, so its plans ramp from
 /// `cpu_model_first_block_rows` (default 1): its first call gets one row, where the same
 /// model on an accelerator gets `first_block_rows`; the answers are the same.

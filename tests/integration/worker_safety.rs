@@ -989,6 +989,14 @@ async fn the_worker_binary_is_not_settable() {
         .unwrap_err()
         .to_string();
     assert!(err.contains("startup option"), "{err}");
+    // The message names the setting (DataFusion hands the field an empty key).
+    assert!(err.contains("flumen.worker_binary "), "{err}");
+    let err = f
+        .sql("SET flumen.worker_module = 'os'")
+        .await
+        .unwrap_err()
+        .to_string();
+    assert!(err.contains("flumen.worker_module "), "{err}");
 }
 
 /// What a worker's environment and command line hold: no credential of its driver's, no
