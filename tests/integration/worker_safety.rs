@@ -979,24 +979,21 @@ async fn a_shuffle_cancelled_with_spill_files_and_worker_blocks_leaves_neither()
     }
 }
 
-/// `SET flumen.worker_binary` is refused (it would run any program at the next query).
+/// `SET flumen.worker_binary` (and `worker_module`) is refused (it would run any program
+/// at the next query), and the refusal names the setting (DataFusion hands the field an
+/// empty key).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_worker_binary_is_not_settable() {
     let f = process_session(FlumenConfig::default(), FLUMEN);
-    let err = f
-        .sql("SET flumen.worker_binary = '/bin/sh'")
-        .await
-        .unwrap_err()
-        .to_string();
-    assert!(err.contains("startup option"), "{err}");
-    // The message names the setting (DataFusion hands the field an empty key).
-    assert!(err.contains("flumen.worker_binary "), "{err}");
-    let err = f
-        .sql("SET flumen.worker_module = 'os'")
-        .await
-        .unwrap_err()
-        .to_string();
-    assert!(err.contains("flumen.worker_module "), "{err}");
+    for (setting, value) in [("worker_binary", "/bin/sh"), ("worker_module", "os")] {
+        let err = f
+            .sql(&format!("SET flumen.{setting} = '{value}'"))
+            .await
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("startup option"), "{err}");
+        assert!(err.contains(&format!("flumen.{setting} ")), "{err}");
+    }
 }
 
 /// What a worker's environment and command line hold: no credential of its driver's, no
