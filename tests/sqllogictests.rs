@@ -231,7 +231,7 @@ enum Engine {
 }
 
 /// Records whose outcome in worker processes differs from threads mode, each with why
-/// (none today: an entry that no longer differs is stale and fails the suite).
+/// (an entry that no longer differs is stale and fails the suite).
 const KNOWN_WORKER_DIFFERENCES: &[KnownFailure] = &[
     KnownFailure {
         record: "test_files/dynamic_filter_pushdown_config.slt:98",
@@ -249,39 +249,7 @@ const KNOWN_WORKER_DIFFERENCES: &[KnownFailure] = &[
               (empty then), so the worker reads every row where DataFusion's scan keeps 128; \
               the answer is the same (reduce-side tasks on the workers, issue 65, fix it)",
     },
-    KnownFailure {
-        record: "test_files/schema_evolution_nested.slt:110",
-        error_prefix: "query failed: DataFusion error: ",
-        why: "a Parquet table whose files hold LargeList columns: the worker's scan returns \
-              List and the driver refuses the block, or (the root on a worker) the merge of \
-              its partitions cannot interleave List with LargeList: an error, not a wrong \
-              answer; the decoded plan's schema is the planned one, so the cause is in the \
-              worker's Parquet read, not yet found",
-    },
-    KnownFailure {
-        record: "test_files/min_max/./queries.slt.part:62 at test_files/min_max/large_list.slt:143",
-        error_prefix: "query failed: DataFusion error: ",
-        why: LARGE_LIST_STATE,
-    },
-    KnownFailure {
-        record: "test_files/min_max/./queries.slt.part:69 at test_files/min_max/large_list.slt:143",
-        error_prefix: "query failed: DataFusion error: ",
-        why: LARGE_LIST_STATE,
-    },
-    KnownFailure {
-        record: "test_files/min_max/./queries.slt.part:76 at test_files/min_max/large_list.slt:143",
-        error_prefix: "query failed: DataFusion error: ",
-        why: LARGE_LIST_STATE,
-    },
 ];
-
-const LARGE_LIST_STATE: &str = "a final aggregate of `min`/`max` over LargeList on a worker: \
-     the partial aggregate's blocks hold List arrays where its plan states LargeList, and the \
-     worker's in-memory source checks the arrays against the stated schema (threads mode \
-     passes them on unchecked), or a merge of such blocks cannot interleave List with LargeList \
-     (or finds the batches' schemas differ: which one depends on the order blocks arrive in); \
-     an error, not a wrong answer (a result mismatch would not match), as \
-     schema_evolution_nested.slt:110";
 
 /// Tasks of an upstream file that fall back to the driver in worker mode
 /// (`flumen::exec::OnDriver`: any reason but the driver's tasks by design): the file (`*`:

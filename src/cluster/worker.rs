@@ -38,8 +38,6 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use arrow_flight::encode::{DictionaryHandling, FlightDataEncoderBuilder};
-use arrow_flight::error::FlightError;
 use arrow_flight::flight_service_server::{FlightService, FlightServiceServer};
 use arrow_flight::{
     Action, ActionType, Criteria, Empty, FlightData, FlightDescriptor, FlightInfo,
@@ -48,7 +46,6 @@ use arrow_flight::{
 use datafusion::arrow::record_batch::RecordBatch;
 use datafusion::error::{DataFusionError, Result};
 use datafusion::prelude::SessionContext;
-use futures::stream::BoxStream;
 use futures::{FutureExt, StreamExt, TryStreamExt};
 use tonic::{Request, Response, Status, Streaming};
 
@@ -65,6 +62,7 @@ use crate::cluster::worker_memory::TaskMemory;
 use crate::cluster::worker_tasks::{
     FetchBlock, FetchedInputs, ModelJob, PANICKED, Produced, run_task, start_model_thread,
 };
+use crate::io::flight_data::{Dictionaries, flight_data};
 use crate::plan::graph::Pool;
 
 /// The first worker protocol whose workers check the driver's hello; older ones answer any
@@ -665,15 +663,12 @@ impl FlightService for WorkerService {
                 ticket.key
             ))
         })?;
-        let input: BoxStream<'static, std::result::Result<RecordBatch, FlightError>> =
-            futures::stream::once(async move { Ok(batch) }).boxed();
-        // Dictionary columns stay dictionaries: a block is the same batch wherever it is
-        // read (hydrated, a `Dictionary(Int32, Utf8)` column came back as `Utf8` and the
-        // operators reading it failed on the type).
-        let stream = FlightDataEncoderBuilder::new()
-            .with_max_flight_data_size(MAX_FLIGHT_DATA_BYTES)
-            .with_dictionary_handling(DictionaryHandling::Resend)
-            .build(input)
+        let schema = batch.schema();
+        let input = futures::stream::once(async move { Ok(batch) });
+        // Dictionary columns stay dictionaries and every type stays as it is: a block is the
+        // same batch wherever it is read (hydrated, a `Dictionary(Int32, Utf8)` column came
+        // back as `Utf8`; through arrow-flight's encoder a `LargeList` came back as garbage).
+        let stream = flight_data(schema, input, Dictionaries::Keep, MAX_FLIGHT_DATA_BYTES)
             .map_err(|e| Status::internal(e.to_string()));
         Ok(Response::new(stream.boxed()))
     }

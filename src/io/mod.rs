@@ -1,6 +1,7 @@
 //! Where tables come from and where output goes.
 //!
 //! - [`object_stores`]: S3, GCS, Azure and HTTP stores for the locations a statement names.
+//! - [`flight_data`]: batches as Arrow Flight data, each column with the type it has.
 //! - [`output_commit`]: file sinks write to staging and commit atomically.
 //! - [`delta`], [`iceberg`]: the lakehouse table formats (`STORED AS DELTATABLE|ICEBERG`;
 //!   Delta with the cargo feature `delta`, on by default).
@@ -15,6 +16,7 @@ pub(crate) mod delta;
 pub(crate) mod delta_changes;
 #[cfg(feature = "delta")]
 pub(crate) mod delta_insert;
+pub mod flight_data;
 pub(crate) mod iceberg;
 pub(crate) mod lakehouse_options;
 pub(crate) mod object_stores;

@@ -12,7 +12,6 @@ use std::pin::Pin;
 use std::sync::Arc;
 
 use arrow_flight::decode::FlightRecordBatchStream;
-use arrow_flight::encode::FlightDataEncoderBuilder;
 use arrow_flight::error::FlightError;
 use arrow_flight::flight_service_server::FlightService;
 use arrow_flight::sql::metadata::{SqlInfoData, SqlInfoDataBuilder};
@@ -47,6 +46,8 @@ use tonic::metadata::MetadataValue;
 use tonic::{Request, Response, Status, Streaming};
 
 use super::catalog_file::CatalogFile;
+use crate::io::flight_data::{Dictionaries, flight_data};
+
 use super::credentials::{Authenticator, Caller, Credential};
 use super::datasets::{DatasetRequest, DatasetTicket, Datasets};
 use super::grants::Grants;
@@ -434,14 +435,16 @@ fn caller_of<T>(request: &Request<T>) -> Result<Caller, Status> {
         .ok_or_else(|| Status::unauthenticated("flumen serve: the call carried no session"))
 }
 
+/// Most bytes of one Flight message's body a result is cut to (arrow-flight's own default:
+/// gRPC's 4 MiB limit with room for the message's header).
+const MAX_MESSAGE_BYTES: usize = 2 << 20;
+
 /// `stream` as Flight data (its schema first, then one message per batch, large batches
 /// split to fit gRPC's message size).
 fn flight_stream(stream: SendableRecordBatchStream) -> FlightDataStream {
     let schema = stream.schema();
     let batches = stream.map_err(|e| FlightError::ExternalError(Box::new(e)));
-    let encoded = FlightDataEncoderBuilder::new()
-        .with_schema(schema)
-        .build(batches)
+    let encoded = flight_data(schema, batches, Dictionaries::Hydrate, MAX_MESSAGE_BYTES)
         .map_err(Status::from);
     Box::pin(encoded)
 }
@@ -449,10 +452,8 @@ fn flight_stream(stream: SendableRecordBatchStream) -> FlightDataStream {
 /// Batches already in memory as Flight data (the schema first, also when there are none).
 fn batches_stream(schema: SchemaRef, batches: Vec<RecordBatch>) -> FlightDataStream {
     let stream = futures::stream::iter(batches.into_iter().map(Ok));
-    let encoded = FlightDataEncoderBuilder::new()
-        .with_schema(schema)
-        .build(stream)
-        .map_err(Status::from);
+    let encoded =
+        flight_data(schema, stream, Dictionaries::Hydrate, MAX_MESSAGE_BYTES).map_err(Status::from);
     Box::pin(encoded)
 }
 

@@ -988,6 +988,14 @@ async fn a_server_with_workers_runs_four_clients_queries_in_them_and_answers_lik
         let served = query_batches(&mut client, sql).await;
         assert_served_like(&vanilla, sql, &served).await;
     }
+    // A `LargeList` column reaches the client as a `LargeList` (arrow-flight's encoder sent
+    // it as a `List`), its values as DataFusion's.
+    let sql = "SELECT id, arrow_cast(make_array(id, id + 1), 'LargeList(Int64)') AS ll \
+               FROM events WHERE id % 4999 = 1 ORDER BY id";
+    let served = query_batches(&mut client, sql).await;
+    assert_served_like(&vanilla, sql, &served).await;
+    let expected = common::collect(&vanilla, sql).await;
+    assert_eq!(served[0].schema().fields(), expected[0].schema().fields());
     // Four clients at once, each its own query and answer.
     let queries = [
         "SELECT count(*) FROM events WHERE id % 3 = 0",

@@ -319,6 +319,60 @@ async fn partition_columns_come_back_from_workers_as_dictionaries() {
     assert!(remote >= 3, "only {remote} tasks ran in a worker");
 }
 
+/// Columns of large and nested types (`LargeList`, a `LargeList` of structs, `LargeUtf8`,
+/// `FixedSizeList`, structs, maps) come back from the workers with their types and values:
+/// arrow-flight's encoder sent a `LargeList` as a `List` with its 64-bit offsets, and the
+/// driver read empty lists where the file held values (or failed to merge the blocks).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn large_and_nested_types_come_back_from_workers_as_they_were() {
+    let dir = tempfile::tempdir().unwrap();
+    let vanilla = SessionContext::new_with_config(SessionConfig::new().with_target_partitions(2));
+    for file in 0..3 {
+        let copy = format!(
+            "COPY (SELECT value AS id,
+                arrow_cast(make_array(value, value + 1), 'LargeList(Int64)') AS ll,
+                arrow_cast(make_array(named_struct('k', value, 'name', 'n' || value)),
+                    'LargeList(Struct(\"k\": Int64, \"name\": Utf8))') AS lls,
+                arrow_cast(CAST(value AS VARCHAR), 'LargeUtf8') AS ls,
+                arrow_cast(make_array(value, value), 'FixedSizeList(2, Int64)') AS fl,
+                named_struct('a', value, 'b', make_array(value)) AS st,
+                map(['k'], [value]) AS mp
+             FROM range({}, {}))
+             TO '{}/part-{file}.parquet' STORED AS PARQUET",
+            file * 2_000,
+            (file + 1) * 2_000,
+            dir.path().display()
+        );
+        vanilla.sql(&copy).await.unwrap().collect().await.unwrap();
+    }
+    let create = format!(
+        "CREATE EXTERNAL TABLE nested STORED AS PARQUET LOCATION '{}/'",
+        dir.path().display()
+    );
+    let workers = session(2);
+    for ctx in [&vanilla, &workers] {
+        ctx.sql(&create).await.unwrap().collect().await.unwrap();
+    }
+    let mut remote = 0;
+    for sql in [
+        "SELECT * FROM nested WHERE id % 7 = 0 ORDER BY id",
+        "SELECT id % 3 AS g, count(*), sum(ll[2]), max(lls[1]['name']), max(ls) \
+         FROM nested GROUP BY id % 3 ORDER BY g",
+    ] {
+        let expected = vanilla.sql(sql).await.unwrap().collect().await.unwrap();
+        let (got, plan) = run(&workers, sql).await;
+        assert_eq!(got[0].schema().fields(), expected[0].schema().fields(), "{sql}");
+        assert!(
+            same_rows(&expected, &got, true),
+            "{sql}\nvanilla: {:?}\nworkers: {:?}",
+            rows(&expected, true),
+            rows(&got, true)
+        );
+        remote += remote_and_all_tasks(&plan).0;
+    }
+    assert!(remote >= 2, "only {remote} tasks ran in a worker");
+}
+
 /// Under a 256 KB budget the workers keep at most that much of a query's blocks in memory
 /// and spill the rest to their disk; the answers are vanilla's all the same, and nothing
 /// stays on a worker after the queries.
