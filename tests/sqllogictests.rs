@@ -736,12 +736,13 @@ fn write_tpch_tables(dir: &Path) -> std::io::Result<()> {
     std::fs::write(dir.join(".complete"), b"")
 }
 
-/// flumen's own files, on a flumen session with default settings and 4 partitions.
 /// Files of `sql/` whose expected results must be vanilla DataFusion's answers too (by name
-/// prefix): out-of-core plans and cut scalar subqueries change how flumen runs a query, not
-/// what it answers.
-const ALSO_VANILLA: &[&str] = &["out_of_core", "scalar_subqueries"];
+/// prefix): out-of-core plans, cut scalar subqueries and worker processes change how flumen
+/// runs a query, not what it answers.
+const ALSO_VANILLA: &[&str] = &["out_of_core", "scalar_subqueries", "windows_and_types"];
 
+/// flumen's own files, on a flumen session with default settings and 4 partitions, then on
+/// one whose tasks run in two worker processes (each file's line says how many ran there).
 async fn run_ours(root: &Path) -> Result<(usize, usize), String> {
     let dir = root.join("sql");
     let mut files: Vec<PathBuf> = std::fs::read_dir(&dir)
@@ -762,6 +763,20 @@ async fn run_ours(root: &Path) -> Result<(usize, usize), String> {
             FlumenConfig::default(),
         );
         let mut errors = run_records(ctx, &path, &relative, false, false).await;
+        // The same file with the tasks in two worker processes: the same answers.
+        let mut config = FlumenConfig::default();
+        config.workers = flumen::WorkerMode::Process;
+        config.worker_processes = 2;
+        config.worker_binary = env!("CARGO_BIN_EXE_flumen").into();
+        let workers =
+            flumen::session_with_config(SessionConfig::new().with_target_partitions(4), config);
+        let worker_errors = run_records(workers.clone(), &path, &relative, false, false).await;
+        let in_workers = worker_tasks(&workers).await;
+        errors.extend(
+            worker_errors
+                .into_iter()
+                .map(|(at, e)| (format!("{at} (in worker processes)"), e)),
+        );
         let name = relative.to_string_lossy();
         if ALSO_VANILLA.iter().any(|prefix| name.starts_with(prefix)) {
             // Their expected results must be vanilla DataFusion's answers too: the same file
@@ -779,7 +794,10 @@ async fn run_ours(root: &Path) -> Result<(usize, usize), String> {
             );
         }
         if errors.is_empty() {
-            println!("flumen sql/{}: ok", relative.display());
+            println!(
+                "flumen sql/{}: ok ({in_workers} tasks in worker processes)",
+                relative.display()
+            );
             passed += 1;
         } else {
             println!("flumen sql/{}: FAILED", relative.display());

@@ -6,6 +6,8 @@
 //! - [`protocol`]: what driver and worker say to each other (task requests, block info).
 //! - [`task_plan`]: a task's plan on the wire (datafusion-proto plus what it drops) and the
 //!   driver's check that a worker decodes the plan that was planned.
+//! - [`window_calls`]: what proto drops of a window function's call (`IGNORE NULLS`, a
+//!   reversed call), carried or refused.
 //! - [`worker`]: the worker process: an Arrow Flight server that runs task plans.
 //! - [`worker_command`]: `flumen worker`'s options and start-up, shared with the Python
 //!   package's `python -m flumen worker`.
@@ -42,6 +44,7 @@ pub mod protocol;
 pub mod shipped_functions;
 pub mod task_plan;
 pub mod tls;
+pub(crate) mod window_calls;
 pub(crate) mod worker;
 pub(crate) mod worker_client;
 pub mod worker_command;

@@ -19,6 +19,8 @@
 //!   against the scan's own columns; a hash-table lookup inside it (which proto cannot carry)
 //!   becomes `true`, as proto itself would write it (the filter then only drops fewer rows).
 //!   Filters produced by a node inside the task stay live.
+//! - **Window functions' `IGNORE NULLS` and reversed calls**: carried or refused as
+//!   [`super::window_calls`] says.
 //! - **A scan's row-group order hints** (`reverse_row_groups`, `sort_order_for_reorder`:
 //!   DataFusion's inexact sort pushdown, under a sort that still sorts above the scan): a
 //!   worker reads row groups in file order. The check allows these differences alone; a task
@@ -37,14 +39,12 @@ use datafusion::datasource::physical_plan::{
 use datafusion::datasource::source::DataSourceExec;
 use datafusion::error::{DataFusionError, Result};
 use datafusion::execution::TaskContext;
-use datafusion::logical_expr::{AggregateUDF, ScalarUDF, WindowFrame, WindowUDF};
+use datafusion::logical_expr::{AggregateUDF, ScalarUDF, WindowUDF};
 use datafusion::parquet::arrow::arrow_reader::{RowSelection, RowSelector};
 use datafusion::physical_expr::expressions::{DynamicFilterPhysicalExpr, lit};
-use datafusion::physical_expr::window::{PlainAggregateWindowExpr, SlidingAggregateWindowExpr};
 use datafusion::physical_plan::aggregates::AggregateExec;
 use datafusion::physical_plan::filter::{FilterExec, FilterExecBuilder};
 use datafusion::physical_plan::joins::HashTableLookupExpr;
-use datafusion::physical_plan::windows::{BoundedWindowAggExec, WindowAggExec};
 use datafusion::physical_plan::{ExecutionPlan, PhysicalExpr, displayable};
 use datafusion_proto::physical_plan::to_proto::serialize_physical_expr_with_converter;
 use datafusion_proto::physical_plan::{
@@ -55,6 +55,7 @@ use datafusion_proto::protobuf;
 use prost::Message;
 
 use crate::cluster::shipped_functions::{self, ShippedFunction};
+use crate::cluster::window_calls::{carry_window_calls, describe_window_calls, lossy_window};
 use crate::plan::subquery_values::SubqueryValuesExec;
 
 /// What a flumen node in a task plan is: a file scan with what datafusion-proto drops of it
@@ -178,46 +179,12 @@ fn refuse_lossy(plan: &Arc<dyn ExecutionPlan>) -> Result<()> {
     .map(|_| ())
 }
 
-/// Why datafusion-proto would decode window node `node` to another computation that its text
-/// does not show, if it would: a window aggregate's `FILTER (WHERE ..)` is dropped (the
-/// worker summed every row: `window.slt:6092`), and a frame's causality is recomputed from
-/// its bounds (`RANGE BETWEEN 1 PRECEDING AND 1 PRECEDING` planned not causal decodes causal).
-fn lossy_window(node: &Arc<dyn ExecutionPlan>) -> Option<&'static str> {
-    let exprs = (node
-        .downcast_ref::<WindowAggExec>()
-        .map(|w| w.window_expr()))
-    .or_else(|| {
-        node.downcast_ref::<BoundedWindowAggExec>()
-            .map(|w| w.window_expr())
-    })?;
-    for expr in exprs {
-        // DataFusion 55 exports no accessor of the filter (`AggregateWindowExpr` is private);
-        // the derived `Debug` of these two types ends with it.
-        let any = expr.as_any();
-        let aggregate = any.downcast_ref::<PlainAggregateWindowExpr>().is_some()
-            || any.downcast_ref::<SlidingAggregateWindowExpr>().is_some();
-        let filtered = aggregate && !format!("{expr:?}").ends_with("filter: None }");
-        if filtered {
-            return Some("datafusion-proto drops a window aggregate's FILTER");
-        }
-        let frame = expr.get_window_frame();
-        let decoded = WindowFrame::new_bounds(
-            frame.units,
-            frame.start_bound.clone(),
-            frame.end_bound.clone(),
-        );
-        if decoded.is_causal() != frame.is_causal() {
-            return Some("datafusion-proto recomputes a window frame's causality");
-        }
-    }
-    None
-}
-
 /// What a plan is, as the round-trip check compares it: its text, then for every file scan
 /// (in plan order) the settings and files its text does not show.
 fn describe(plan: &Arc<dyn ExecutionPlan>) -> String {
     let mut text = displayable(plan.as_ref()).indent(true).to_string();
     let _ = plan.apply(|node| {
+        text.push_str(&describe_window_calls(node));
         if let Some(config) = file_scan(node) {
             text.push_str(&format!(
                 "scan: batch_size={:?} limit={:?} preserve_order={} expression_adapter={}\n",
@@ -424,11 +391,13 @@ impl PhysicalProtoConverterExtension for TaskPlanConverter {
                 ),
             });
         }
-        protobuf::PhysicalPlanNode::try_from_physical_plan_with_converter(
+        let mut node = protobuf::PhysicalPlanNode::try_from_physical_plan_with_converter(
             Arc::clone(plan),
             codec,
             self,
-        )
+        )?;
+        carry_window_calls(plan, &mut node);
+        Ok(node)
     }
 
     fn proto_to_physical_expr(

@@ -361,7 +361,11 @@ async fn large_and_nested_types_come_back_from_workers_as_they_were() {
     ] {
         let expected = vanilla.sql(sql).await.unwrap().collect().await.unwrap();
         let (got, plan) = run(&workers, sql).await;
-        assert_eq!(got[0].schema().fields(), expected[0].schema().fields(), "{sql}");
+        assert_eq!(
+            got[0].schema().fields(),
+            expected[0].schema().fields(),
+            "{sql}"
+        );
         assert!(
             same_rows(&expected, &got, true),
             "{sql}\nvanilla: {:?}\nworkers: {:?}",
@@ -625,7 +629,7 @@ async fn a_root_workers_can_run_runs_there_and_the_driver_fetches_the_answer() {
 
 /// A window aggregate with `FILTER (WHERE ..)` gives vanilla's answer in worker mode:
 /// datafusion-proto drops the filter, so such a window's tasks run on the driver and say so
-/// (`task_plan::lossy_window`); a worker summed every row before.
+/// (`window_calls::lossy_window`); a worker summed every row before.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_filtered_window_aggregate_answers_like_vanilla() {
     let (dir, vanilla) = common::events_with_vanilla(2, 5_000).await;
@@ -642,6 +646,46 @@ async fn a_filtered_window_aggregate_answers_like_vanilla() {
     assert!(
         refused,
         "the filtered window's tasks did not say why they ran on the driver"
+    );
+}
+
+/// Window functions with `IGNORE NULLS`, and calls DataFusion reverses (a second window
+/// sorting the other way), run in the workers and give vanilla's answer; a reversed
+/// `nth_value`, which a task plan cannot carry, runs on the driver and says so. Before,
+/// proto dropped both flags: a worker counted the nulls, and ran a reversed `lag` as `lead`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn window_functions_ignoring_nulls_or_reversed_answer_like_vanilla() {
+    let (dir, vanilla) = common::events_with_vanilla(2, 5_000).await;
+    let workers = session(2);
+    common::register_tables(&workers, dir.path()).await;
+    let on_driver = |plan: &Arc<dyn ExecutionPlan>| {
+        let exec = plan.downcast_ref::<flumen::exec::FlumenExec>().unwrap();
+        (exec.graph().operators.iter())
+            .flat_map(|op| exec.run_metrics().operator(op.id).on_driver())
+            .any(|(reason, _)| reason == "unencodable")
+    };
+    let sql = "SELECT k, id, \
+               lag(CASE WHEN id % 3 = 0 THEN id END) IGNORE NULLS \
+                   OVER (PARTITION BY k ORDER BY id) AS l, \
+               first_value(CASE WHEN id % 4 = 1 THEN id END) IGNORE NULLS \
+                   OVER (PARTITION BY k ORDER BY id) AS f, \
+               row_number() OVER (PARTITION BY k ORDER BY id DESC) AS rn, \
+               lead(id, 2) OVER (PARTITION BY k ORDER BY id) AS ld \
+               FROM events ORDER BY k, id";
+    let plan = answers_like_vanilla(&vanilla, &workers, sql).await;
+    let (remote, _) = remote_and_all_tasks(&plan);
+    assert!(remote >= 2, "only {remote} tasks ran in a worker");
+    assert!(
+        !on_driver(&plan),
+        "a window's tasks fell back to the driver"
+    );
+    let sql = "SELECT k, id, row_number() OVER (PARTITION BY k ORDER BY id DESC) AS rn, \
+               nth_value(id, 2) OVER (PARTITION BY k ORDER BY id) AS n \
+               FROM events ORDER BY k, id";
+    let plan = answers_like_vanilla(&vanilla, &workers, sql).await;
+    assert!(
+        on_driver(&plan),
+        "the reversed nth_value did not say why it ran on the driver"
     );
 }
 
