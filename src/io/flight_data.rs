@@ -71,10 +71,7 @@ struct Encoder {
 
 impl Encoder {
     fn new(schema: SchemaRef, dictionaries: Dictionaries, max_message_bytes: usize) -> Self {
-        let schema = match dictionaries {
-            Dictionaries::Keep => schema,
-            Dictionaries::Hydrate => Arc::new(hydrated(&schema)),
-        };
+        let schema = Arc::new(sent_schema(&schema, dictionaries));
         Self {
             schema,
             dictionaries,
@@ -126,8 +123,13 @@ impl Encoder {
     }
 }
 
-/// `schema` with each top-level dictionary field typed as its values.
-fn hydrated(schema: &Schema) -> Schema {
+/// The schema a stream of batches of `schema` is sent with: `schema` itself, or with
+/// `Hydrate` each top-level dictionary field typed as its values (what a server announces
+/// for a query should be this too).
+pub fn sent_schema(schema: &Schema, dictionaries: Dictionaries) -> Schema {
+    if dictionaries == Dictionaries::Keep {
+        return schema.clone();
+    }
     let fields: Vec<Field> = schema
         .fields()
         .iter()

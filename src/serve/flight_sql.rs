@@ -46,7 +46,7 @@ use tonic::metadata::MetadataValue;
 use tonic::{Request, Response, Status, Streaming};
 
 use super::catalog_file::CatalogFile;
-use crate::io::flight_data::{Dictionaries, flight_data};
+use crate::io::flight_data::{Dictionaries, flight_data, sent_schema};
 
 use super::credentials::{Authenticator, Caller, Credential};
 use super::datasets::{DatasetRequest, DatasetTicket, Datasets};
@@ -201,8 +201,9 @@ impl FlumenFlightSql {
         let ticket = TicketStatementQuery {
             statement_handle: handle.into(),
         };
+        // The schema the stream will have (`flight_stream`), not the plan's own.
         Ok(FlightInfo::new()
-            .try_with_schema(&schema)
+            .try_with_schema(&sent_schema(&schema, RESULT_DICTIONARIES))
             .map_err(arrow_status)?
             .with_endpoint(
                 FlightEndpoint::new().with_ticket(Ticket::new(ticket.as_any().encode_to_vec())),
@@ -435,6 +436,10 @@ fn caller_of<T>(request: &Request<T>) -> Result<Caller, Status> {
         .ok_or_else(|| Status::unauthenticated("flumen serve: the call carried no session"))
 }
 
+/// A result's dictionary columns reach clients as their values (not every client reads
+/// dictionaries); the schemas announced for it say so too.
+const RESULT_DICTIONARIES: Dictionaries = Dictionaries::Hydrate;
+
 /// Most bytes of one Flight message's body a result is cut to (arrow-flight's own default:
 /// gRPC's 4 MiB limit with room for the message's header).
 const MAX_MESSAGE_BYTES: usize = 2 << 20;
@@ -444,8 +449,8 @@ const MAX_MESSAGE_BYTES: usize = 2 << 20;
 fn flight_stream(stream: SendableRecordBatchStream) -> FlightDataStream {
     let schema = stream.schema();
     let batches = stream.map_err(|e| FlightError::ExternalError(Box::new(e)));
-    let encoded = flight_data(schema, batches, Dictionaries::Hydrate, MAX_MESSAGE_BYTES)
-        .map_err(Status::from);
+    let encoded =
+        flight_data(schema, batches, RESULT_DICTIONARIES, MAX_MESSAGE_BYTES).map_err(Status::from);
     Box::pin(encoded)
 }
 
@@ -453,7 +458,7 @@ fn flight_stream(stream: SendableRecordBatchStream) -> FlightDataStream {
 fn batches_stream(schema: SchemaRef, batches: Vec<RecordBatch>) -> FlightDataStream {
     let stream = futures::stream::iter(batches.into_iter().map(Ok));
     let encoded =
-        flight_data(schema, stream, Dictionaries::Hydrate, MAX_MESSAGE_BYTES).map_err(Status::from);
+        flight_data(schema, stream, RESULT_DICTIONARIES, MAX_MESSAGE_BYTES).map_err(Status::from);
     Box::pin(encoded)
 }
 
@@ -922,7 +927,8 @@ impl FlightSqlService for FlumenFlightSql {
         let ctx = self.sessions.context(&caller);
         let numbered = number_placeholders(&query.query)?;
         let plan = self.plan_sql(&caller, &ctx, &numbered).await?;
-        let dataset_schema = schema_bytes(plan.schema().as_arrow())?;
+        let dataset_schema =
+            schema_bytes(&sent_schema(plan.schema().as_arrow(), RESULT_DICTIONARIES))?;
         let parameter_schema = schema_bytes(&parameter_schema(&plan)?)?;
         let handle = self.statements.add_prepared(
             &caller,

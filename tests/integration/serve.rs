@@ -17,7 +17,7 @@ use arrow_flight::Ticket;
 use arrow_flight::sql::client::FlightSqlServiceClient;
 use arrow_flight::sql::{ProstMessageExt, TicketStatementQuery};
 use datafusion::arrow::array::AsArray;
-use datafusion::arrow::datatypes::Int64Type;
+use datafusion::arrow::datatypes::{DataType, Int64Type};
 use flumen::cluster::auth::Secret;
 use futures::TryStreamExt;
 use prost::Message;
@@ -989,13 +989,23 @@ async fn a_server_with_workers_runs_four_clients_queries_in_them_and_answers_lik
         assert_served_like(&vanilla, sql, &served).await;
     }
     // A `LargeList` column reaches the client as a `LargeList` (arrow-flight's encoder sent
-    // it as a `List`), its values as DataFusion's.
-    let sql = "SELECT id, arrow_cast(make_array(id, id + 1), 'LargeList(Int64)') AS ll \
+    // it as a `List`), its values as DataFusion's; a dictionary column as its values. The
+    // schema the server announced is the one the stream has.
+    let sql = "SELECT id, arrow_cast(make_array(id, id + 1), 'LargeList(Int64)') AS ll, \
+               arrow_cast(CAST(k AS VARCHAR), 'Dictionary(Int32, Utf8)') AS d \
                FROM events WHERE id % 4999 = 1 ORDER BY id";
-    let served = query_batches(&mut client, sql).await;
+    let info = client.execute(sql.into(), None).await.unwrap();
+    let announced = info.clone().try_decode_schema().unwrap();
+    let stream = client.do_get(info.endpoint[0].ticket.clone().unwrap());
+    let served: Vec<_> = stream.await.unwrap().try_collect().await.unwrap();
     assert_served_like(&vanilla, sql, &served).await;
     let expected = common::collect(&vanilla, sql).await;
-    assert_eq!(served[0].schema().fields(), expected[0].schema().fields());
+    assert_eq!(
+        served[0].schema().fields()[..2],
+        expected[0].schema().fields()[..2]
+    );
+    assert_eq!(served[0].schema().field(2).data_type(), &DataType::Utf8);
+    assert_eq!(announced.fields(), served[0].schema().fields());
     // Four clients at once, each its own query and answer.
     let queries = [
         "SELECT count(*) FROM events WHERE id % 3 = 0",
