@@ -365,13 +365,8 @@ const KNOWN_DRIVER_FALLBACKS: &[KnownFallback] = &[
         reason: "refused",
         detail_prefix: "Execution error: flumen worker refuses the task: plan node \
                         PartitionedTopKExec",
-        why: "PartitionedTopKExec is not on the workers' node allowlist (cluster::admission)",
-    },
-    KnownFallback {
-        file: "sort_pushdown.slt",
-        reason: "refused",
-        detail_prefix: "Execution error: flumen worker refuses the task: plan node BufferExec",
-        why: "BufferExec is not on the workers' node allowlist (cluster::admission)",
+        why: "PartitionedTopKExec has no datafusion-proto 55 encoding, so it is not on the \
+              workers' node allowlist (cluster::admission)",
     },
     KnownFallback {
         file: "set_variable.slt",

@@ -44,6 +44,9 @@ const ALLOWED_NODES: &[&str] = &[
     "WindowAggExec",
     "BoundedWindowAggExec",
     "UnnestExec",
+    // Reads its input ahead into a bounded buffer (DataFusion puts it under a sort pushed
+    // into a scan).
+    "BufferExec",
     // A fragment that reads scalar subqueries' values from its gathered inputs: the driver's
     // `SubqueryValuesExec` is sent as DataFusion's `ScalarSubqueryExec`.
     "SubqueryValuesExec",
