@@ -46,8 +46,6 @@ use tonic::metadata::MetadataValue;
 use tonic::{Request, Response, Status, Streaming};
 
 use super::catalog_file::CatalogFile;
-use crate::io::flight_data::{Dictionaries, flight_data, sent_schema};
-
 use super::credentials::{Authenticator, Caller, Credential};
 use super::datasets::{DatasetRequest, DatasetTicket, Datasets};
 use super::grants::Grants;
@@ -56,6 +54,7 @@ use super::policy::Refused;
 use super::running::RunningQueries;
 use super::sessions::Sessions;
 use super::statements::{PlannedQuery, Prepared, Statements, TicketResult};
+use crate::io::flight_data::{Dictionaries, flight_data, sent_schema};
 
 /// The custom action that lists the running queries (JSON, one object per query).
 pub const LIST_QUERIES_ACTION: &str = "flumen.queries";
