@@ -70,6 +70,11 @@ pub const WORKER_OPTIONS: &[&str] = &[
     // cluster secret: as trusted as the operator).
     "flumen.model_cache",
     "flumen.model_cache_max_bytes",
+    // DataFusion's settings that functions read as they run, not only as they are planned:
+    // a worker at its own defaults answered `to_unixtime('2024-01-01 03:00:00')` in UTC
+    // where the session said Asia/Tokyo.
+    "datafusion.execution.time_zone",
+    "datafusion.execution.enable_ansi_mode",
 ];
 
 /// The object stores other than local files that `plan` scans (their URLs).

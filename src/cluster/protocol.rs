@@ -110,8 +110,10 @@ pub struct ReleaseRequest {
 /// speak another (they would misread a task, e.g. ignore its input tickets). 2: task inputs
 /// by ticket. 3: a task's reply is a stream of [`TaskEvent`]s. 4: a worker announces its
 /// identity and resources, and checks the driver's version at the first `status`. 5: a
-/// task's inputs may fill several in-memory sources ([`TaskRequest::input_sources`]).
-pub const PROTOCOL_VERSION: u32 = 5;
+/// task's inputs may fill several in-memory sources ([`TaskRequest::input_sources`]). 6: a
+/// task carries DataFusion's settings that functions read as they run (the time zone), which
+/// a worker of 5 refuses.
+pub const PROTOCOL_VERSION: u32 = 6;
 
 /// Largest message a worker accepts or sends: a block-wise task carries its input blocks
 /// inline (8,192 rows of web pages are ~10 MB, over tonic's 4 MiB default), so the bound is

@@ -661,6 +661,13 @@ impl QueryRun {
                 .entries()
                 .into_iter()
                 .filter_map(|entry| Some((format!("flumen.{}", entry.key), entry.value?)))
+                // DataFusion's own settings a function reads as it runs (the session's time
+                // zone: `to_unixtime` of a string), at this session's values.
+                .chain(
+                    (self.base.session_config().options().entries().into_iter())
+                        .filter(|entry| entry.key.starts_with("datafusion."))
+                        .filter_map(|entry| Some((entry.key, entry.value?))),
+                )
                 .filter(|(key, _)| WORKER_OPTIONS.contains(&key.as_str()))
                 .collect(),
             query: self.workers.query_token.clone(),

@@ -689,6 +689,25 @@ async fn window_functions_ignoring_nulls_or_reversed_answer_like_vanilla() {
     );
 }
 
+/// The session's time zone reaches the workers: `to_unixtime` of a string reads it as it
+/// runs, and a worker at its own defaults read '2024-01-01 03:00:00' in UTC where the session
+/// said Asia/Tokyo (1704078000 for vanilla's 1704045600).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_sessions_time_zone_reaches_the_workers() {
+    let (dir, vanilla) = common::events_with_vanilla(2, 5_000).await;
+    let workers = session(2);
+    common::register_tables(&workers, dir.path()).await;
+    for ctx in [&vanilla, &workers] {
+        let set = "SET datafusion.execution.time_zone = 'Asia/Tokyo'";
+        ctx.sql(set).await.unwrap().collect().await.unwrap();
+    }
+    let sql = "SELECT id, to_unixtime('2024-01-01 0' || CAST(id % 10 AS VARCHAR) || ':00:00') \
+               AS u FROM events WHERE id % 997 = 3 ORDER BY id";
+    let plan = answers_like_vanilla(&vanilla, &workers, sql).await;
+    let (remote, _) = remote_and_all_tasks(&plan);
+    assert!(remote >= 2, "only {remote} tasks ran in a worker");
+}
+
 /// Uncorrelated scalar subqueries run as operators of their own in the workers, and so do
 /// the operators reading their values (a worker gets the value's block as a gathered input
 /// and runs DataFusion's `ScalarSubqueryExec` over it): in a filter, a projection, a join
