@@ -639,14 +639,18 @@ async fn a_filtered_window_aggregate_answers_like_vanilla() {
                ROWS BETWEEN UNBOUNDED PRECEDING AND CURRENT ROW) AS s FROM events \
                ORDER BY k, id LIMIT 20";
     let plan = answers_like_vanilla(&vanilla, &workers, sql).await;
-    let exec = plan.downcast_ref::<flumen::exec::FlumenExec>().unwrap();
-    let refused = (exec.graph().operators.iter())
-        .flat_map(|op| exec.run_metrics().operator(op.id).on_driver())
-        .any(|(reason, _)| reason == "unencodable");
     assert!(
-        refused,
+        ran_on_driver_unencodable(&plan),
         "the filtered window's tasks did not say why they ran on the driver"
     );
+}
+
+/// Whether a task of `plan` ran on the driver because its plan could not be sent as it is.
+fn ran_on_driver_unencodable(plan: &Arc<dyn ExecutionPlan>) -> bool {
+    let exec = plan.downcast_ref::<flumen::exec::FlumenExec>().unwrap();
+    (exec.graph().operators.iter())
+        .flat_map(|op| exec.run_metrics().operator(op.id).on_driver())
+        .any(|(reason, _)| reason == "unencodable")
 }
 
 /// Window functions with `IGNORE NULLS`, and calls DataFusion reverses (a second window
@@ -658,12 +662,6 @@ async fn window_functions_ignoring_nulls_or_reversed_answer_like_vanilla() {
     let (dir, vanilla) = common::events_with_vanilla(2, 5_000).await;
     let workers = session(2);
     common::register_tables(&workers, dir.path()).await;
-    let on_driver = |plan: &Arc<dyn ExecutionPlan>| {
-        let exec = plan.downcast_ref::<flumen::exec::FlumenExec>().unwrap();
-        (exec.graph().operators.iter())
-            .flat_map(|op| exec.run_metrics().operator(op.id).on_driver())
-            .any(|(reason, _)| reason == "unencodable")
-    };
     let sql = "SELECT k, id, \
                lag(CASE WHEN id % 3 = 0 THEN id END) IGNORE NULLS \
                    OVER (PARTITION BY k ORDER BY id) AS l, \
@@ -676,7 +674,7 @@ async fn window_functions_ignoring_nulls_or_reversed_answer_like_vanilla() {
     let (remote, _) = remote_and_all_tasks(&plan);
     assert!(remote >= 2, "only {remote} tasks ran in a worker");
     assert!(
-        !on_driver(&plan),
+        !ran_on_driver_unencodable(&plan),
         "a window's tasks fell back to the driver"
     );
     let sql = "SELECT k, id, row_number() OVER (PARTITION BY k ORDER BY id DESC) AS rn, \
@@ -684,7 +682,7 @@ async fn window_functions_ignoring_nulls_or_reversed_answer_like_vanilla() {
                FROM events ORDER BY k, id";
     let plan = answers_like_vanilla(&vanilla, &workers, sql).await;
     assert!(
-        on_driver(&plan),
+        ran_on_driver_unencodable(&plan),
         "the reversed nth_value did not say why it ran on the driver"
     );
 }
