@@ -43,6 +43,17 @@ fn session(workers: usize) -> SessionContext {
     ctx
 }
 
+/// The `events` table, 2 Parquet files of `rows_per_file` rows, registered in vanilla
+/// DataFusion and in a session of two worker processes (keep the directory it returns).
+async fn events_in_two_workers(
+    rows_per_file: usize,
+) -> (tempfile::TempDir, SessionContext, SessionContext) {
+    let (dir, vanilla) = common::events_with_vanilla(2, rows_per_file).await;
+    let workers = session(2);
+    common::register_tables(&workers, dir.path()).await;
+    (dir, vanilla, workers)
+}
+
 async fn run(ctx: &SessionContext, sql: &str) -> (Vec<RecordBatch>, Arc<dyn ExecutionPlan>) {
     let df = ctx.sql(sql).await.unwrap_or_else(|e| panic!("{sql}: {e}"));
     let plan = df
@@ -575,9 +586,7 @@ async fn a_worker_reads_the_inputs_it_holds_itself_without_the_network() {
 /// scan's blocks are the answer.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_root_workers_can_run_runs_there_and_the_driver_fetches_the_answer() {
-    let (dir, vanilla) = common::events_with_vanilla(2, 20_000).await;
-    let workers = session(2);
-    common::register_tables(&workers, dir.path()).await;
+    let (_dir, vanilla, workers) = events_in_two_workers(20_000).await;
     for (sql, root_on_workers) in [
         ("SELECT count(*), sum(v), max(id) FROM events", true),
         ("SELECT k, count(*), sum(v) FROM events GROUP BY k", true),
@@ -632,9 +641,7 @@ async fn a_root_workers_can_run_runs_there_and_the_driver_fetches_the_answer() {
 /// (`window_calls::lossy_window`); a worker summed every row before.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_filtered_window_aggregate_answers_like_vanilla() {
-    let (dir, vanilla) = common::events_with_vanilla(2, 5_000).await;
-    let workers = session(2);
-    common::register_tables(&workers, dir.path()).await;
+    let (_dir, vanilla, workers) = events_in_two_workers(5_000).await;
     let sql = "SELECT k, id, sum(v) FILTER (WHERE id % 3 = 0) OVER (PARTITION BY k ORDER BY id \
                ROWS BETWEEN UNBOUNDED PRECEDING AND CURRENT ROW) AS s FROM events \
                ORDER BY k, id LIMIT 20";
@@ -659,9 +666,7 @@ fn ran_on_driver_unencodable(plan: &Arc<dyn ExecutionPlan>) -> bool {
 /// proto dropped both flags: a worker counted the nulls, and ran a reversed `lag` as `lead`.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn window_functions_ignoring_nulls_or_reversed_answer_like_vanilla() {
-    let (dir, vanilla) = common::events_with_vanilla(2, 5_000).await;
-    let workers = session(2);
-    common::register_tables(&workers, dir.path()).await;
+    let (_dir, vanilla, workers) = events_in_two_workers(5_000).await;
     let sql = "SELECT k, id, \
                lag(CASE WHEN id % 3 = 0 THEN id END) IGNORE NULLS \
                    OVER (PARTITION BY k ORDER BY id) AS l, \
@@ -692,9 +697,7 @@ async fn window_functions_ignoring_nulls_or_reversed_answer_like_vanilla() {
 /// said Asia/Tokyo (1704078000 for vanilla's 1704045600).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_sessions_time_zone_reaches_the_workers() {
-    let (dir, vanilla) = common::events_with_vanilla(2, 5_000).await;
-    let workers = session(2);
-    common::register_tables(&workers, dir.path()).await;
+    let (_dir, vanilla, workers) = events_in_two_workers(5_000).await;
     for ctx in [&vanilla, &workers] {
         let set = "SET datafusion.execution.time_zone = 'Asia/Tokyo'";
         ctx.sql(set).await.unwrap().collect().await.unwrap();
@@ -714,9 +717,7 @@ async fn the_sessions_time_zone_reaches_the_workers() {
 /// was one operator that ran wholly on the driver.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn scalar_subqueries_run_in_workers_and_answer_like_vanilla() {
-    let (dir, vanilla) = common::events_with_vanilla(2, 20_000).await;
-    let workers = session(2);
-    common::register_tables(&workers, dir.path()).await;
+    let (_dir, vanilla, workers) = events_in_two_workers(20_000).await;
     for ctx in [&vanilla, &workers] {
         ctx.sql("CREATE TABLE none (v DOUBLE)").await.unwrap();
     }
@@ -780,9 +781,7 @@ async fn scalar_subqueries_run_in_workers_and_answer_like_vanilla() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_function_only_the_driver_has_runs_there_and_says_so() {
     use datafusion::logical_expr::{ColumnarValue, Volatility, create_udf};
-    let (dir, vanilla) = common::events_with_vanilla(2, 5_000).await;
-    let workers = session(2);
-    common::register_tables(&workers, dir.path()).await;
+    let (_dir, vanilla, workers) = events_in_two_workers(5_000).await;
     let times_three = create_udf(
         "times_three",
         vec![DataType::Int64],
