@@ -13,7 +13,7 @@ use std::fs::File;
 use std::io::{BufReader, BufWriter, Read, Seek, SeekFrom, Write};
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Arc, Mutex, OnceLock};
+use std::sync::{Arc, Mutex};
 
 use datafusion::arrow::ipc::reader::StreamReader;
 use datafusion::arrow::ipc::writer::StreamWriter;
@@ -115,8 +115,9 @@ pub(crate) struct SpillRuns {
     /// Where the directory is made (`flumen.spill_dir`); `None`: the temp directory.
     root: Option<PathBuf>,
     /// Made at the first spill; removed with this value, or after a crash by the next
-    /// process that makes one beside it ([`OwnedDir`]).
-    dir: OnceLock<std::io::Result<OwnedDir>>,
+    /// process that makes one beside it ([`OwnedDir`]). A failed making is not kept: the
+    /// next spill tries again (the directory may have been deleted while it was made).
+    dir: Mutex<Option<OwnedDir>>,
     /// Each group's open run.
     open: Mutex<HashMap<SpillGroup, RunSlot>>,
     /// Numbers the files.
@@ -200,16 +201,22 @@ impl SpillRuns {
         }
     }
 
+    /// The spill directory's path, made now if no spill made it yet.
+    fn dir_path(&self) -> std::result::Result<PathBuf, String> {
+        let mut dir = self.dir.lock().unwrap();
+        if dir.is_none() {
+            let made = OwnedDir::create(self.root.as_deref(), "flumen-spill-")
+                .map_err(|e| format!("cannot create flumen spill directory: {e}"))?;
+            *dir = Some(made);
+        }
+        Ok(dir.as_ref().expect("made above").path().to_path_buf())
+    }
+
     /// A new, empty run file (counted in `counters`).
     fn open_run(&self, counters: Option<&MemoryCounters>) -> std::result::Result<OpenRun, String> {
-        let dir = self
-            .dir
-            .get_or_init(|| OwnedDir::create(self.root.as_deref(), "flumen-spill-"));
-        let dir = dir
-            .as_ref()
-            .map_err(|e| format!("cannot create flumen spill directory: {e}"))?;
+        let dir = self.dir_path()?;
         let number = self.next.fetch_add(1, Ordering::Relaxed);
-        let subdir = dir.path().join(format!("{:02x}", number % SPILL_SUBDIRS));
+        let subdir = dir.join(format!("{:02x}", number % SPILL_SUBDIRS));
         let path = subdir.join(format!("run-{number}.arrow"));
         let file = std::fs::create_dir_all(&subdir)
             .and_then(|()| File::create(&path))
@@ -241,11 +248,12 @@ impl SpillRuns {
 
     /// The directory, once a spill made it.
     #[cfg(test)]
-    pub(crate) fn dir(&self) -> Option<&std::path::Path> {
-        match self.dir.get() {
-            Some(Ok(dir)) => Some(dir.path()),
-            _ => None,
-        }
+    pub(crate) fn dir(&self) -> Option<PathBuf> {
+        self.dir
+            .lock()
+            .unwrap()
+            .as_ref()
+            .map(|dir| dir.path().to_path_buf())
     }
 }
 
@@ -284,5 +292,45 @@ impl SpillRun {
             Some(batch) => Ok(Some(batch.map_err(|e| damaged(&e))?)),
             None => Err(damaged(&format!("no batch at offset {offset}"))),
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use datafusion::arrow::array::Int64Array;
+
+    fn one_column(n: i64) -> RecordBatch {
+        RecordBatch::try_from_iter([(
+            "v",
+            Arc::new(Int64Array::from_iter_values(0..n)) as datafusion::arrow::array::ArrayRef,
+        )])
+        .unwrap()
+    }
+
+    /// A spill directory that could not be made (its parent was in the way, as when a
+    /// cleaner deletes it while it is made) is made by the next spill: the failure is not
+    /// kept for the rest of the query.
+    #[test]
+    fn a_failed_making_of_the_spill_directory_is_tried_again() {
+        let parent = tempfile::tempdir().unwrap();
+        let root = parent.path().join("spill");
+        std::fs::write(&root, b"not a directory").unwrap();
+        let runs = SpillRuns::new(Some(root.clone()));
+        let blocks = [(1, one_column(10))];
+        let err = runs.append((0, 0), &blocks, 1 << 20, None).unwrap_err();
+        assert!(
+            err.to_string()
+                .contains("cannot create flumen spill directory"),
+            "{err}"
+        );
+        assert!(runs.dir().is_none());
+
+        std::fs::remove_file(&root).unwrap();
+        let (run, spans) = runs.append((0, 0), &blocks, 1 << 20, None).unwrap();
+        let (offset, len) = spans[0];
+        let back = run.read(1, offset, len).unwrap().unwrap();
+        assert_eq!(back, blocks[0].1);
+        assert!(runs.dir().unwrap().starts_with(&root));
     }
 }
