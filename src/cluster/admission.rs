@@ -147,6 +147,11 @@ pub fn admit_options(options: &[(String, String)]) -> Result<()> {
     }
 }
 
+/// Whether workers scan files of `format` (a `FileSource::file_type`).
+pub fn reads_format(format: &str) -> bool {
+    ALLOWED_FORMATS.contains(&format)
+}
+
 /// Whether a plan node named `name` is one flumen sends a worker (a scan's files and store
 /// are checked per task).
 pub fn sends_node(name: &str) -> bool {
@@ -176,7 +181,7 @@ fn admit_node(
         return Err("a data source other than a file scan or task input".into());
     };
     let format = config.file_source().file_type();
-    if !ALLOWED_FORMATS.contains(&format) {
+    if !reads_format(format) {
         return Err(format!("{format} scans are not run by workers"));
     }
     let store = config.object_store_url.as_str();

@@ -11,6 +11,8 @@
 //!   file's selection, which the worker puts back on the files. A file with any other
 //!   extension cannot be sent: its task runs on the driver.
 //! - **A scan's `preserve_order`** (its files read in the order given): carried the same way.
+//! - **CSV and JSON scans' compression, CSV's line terminator, JSON's array format**:
+//!   carried the same way ([`super::scan_formats`]).
 //! - **Dynamic filters made outside the task** (by a join's build side or a TopK that run
 //!   elsewhere): proto writes a filter's current expression against its producer's columns
 //!   and decodes it against the scan's, so an `InList` of the build side's keys landed on
@@ -54,12 +56,13 @@ use datafusion_proto::physical_plan::{
 use datafusion_proto::protobuf;
 use prost::Message;
 
+use crate::cluster::scan_formats::{ScanFormat, describe_format};
 use crate::cluster::shipped_functions::{self, ShippedFunction};
 use crate::cluster::window_calls::{carry_window_calls, describe_window_calls, lossy_window};
 use crate::plan::subquery_values::SubqueryValuesExec;
 
 /// What a flumen node in a task plan is: a file scan with what datafusion-proto drops of it
-/// (its files' row selections, whether it preserves its files' order).
+/// (its files' row selections, whether it preserves its files' order, its format's settings).
 pub const FILE_SCAN: &str = "flumen.file_scan";
 
 /// What the workers of a pool can call: every worker's functions by name, and the runtimes
@@ -193,6 +196,7 @@ fn describe(plan: &Arc<dyn ExecutionPlan>) -> String {
                 config.preserve_order,
                 config.expr_adapter_factory.is_some(),
             ));
+            text.push_str(&describe_format(config));
             for (g, group) in config.file_groups.iter().enumerate() {
                 for file in group.iter() {
                     text.push_str(&format!(
@@ -338,8 +342,9 @@ fn as_sent(plan: &Arc<dyn ExecutionPlan>) -> Result<Arc<dyn ExecutionPlan>> {
 }
 
 /// Encodes and decodes the plan's nodes as datafusion-proto does, except as the module
-/// says: a scan with row selections or `preserve_order` becomes a [`FILE_SCAN`] node, and dynamic filters
-/// not in `live_filters` are sent at their current value.
+/// says: a scan with row selections, `preserve_order` or format settings proto drops
+/// becomes a [`FILE_SCAN`] node, and dynamic filters not in `live_filters` are sent at
+/// their current value.
 struct TaskPlanConverter {
     live_filters: HashSet<u64>,
 }
@@ -367,7 +372,8 @@ impl PhysicalProtoConverterExtension for TaskPlanConverter {
         }
         if let Some(config) = file_scan(plan)
             && let files = row_selections(config)?
-            && (!files.is_empty() || config.preserve_order)
+            && let format = ScanFormat::lost_by_proto(config)?
+            && (!files.is_empty() || config.preserve_order || format.is_some())
         {
             let scan = protobuf::PhysicalPlanNode::try_from_physical_plan_with_converter(
                 Arc::clone(plan),
@@ -379,6 +385,7 @@ impl PhysicalProtoConverterExtension for TaskPlanConverter {
                 scan: scan.encode_to_vec(),
                 files,
                 preserve_order: config.preserve_order,
+                format,
             };
             return Ok(protobuf::PhysicalPlanNode {
                 physical_plan_type: Some(
@@ -561,11 +568,13 @@ impl PhysicalExtensionCodec for TaskPlanCodec {
                 .clone()
                 .with_extension(ParquetAccessPlan::new(accesses));
         }
-        let config = FileScanConfigBuilder::from(config.clone())
+        let mut builder = FileScanConfigBuilder::from(config.clone())
             .with_file_groups(groups.into_iter().map(FileGroup::new).collect())
-            .with_preserve_order(node.preserve_order)
-            .build();
-        Ok(DataSourceExec::from_data_source(config))
+            .with_preserve_order(node.preserve_order);
+        if let Some(format) = &node.format {
+            builder = format.put_back(builder, config.file_source())?;
+        }
+        Ok(DataSourceExec::from_data_source(builder.build()))
     }
 
     fn try_encode(
@@ -631,6 +640,9 @@ struct FileScanNode {
     /// The scan reads its files in the order given (`FileScanConfig::preserve_order`).
     #[prost(bool, tag = "4")]
     preserve_order: bool,
+    /// A CSV or JSON scan's settings that proto drops.
+    #[prost(message, optional, tag = "5")]
+    format: Option<ScanFormat>,
 }
 
 /// The row selection of file `file` of file group `group` of a scan.

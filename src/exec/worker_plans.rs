@@ -24,7 +24,7 @@ use datafusion::physical_plan::sorts::sort_preserving_merge::SortPreservingMerge
 use datafusion::physical_plan::union::UnionExec;
 use datafusion::physical_plan::{ExecutionPlan, ExecutionPlanProperties};
 
-use crate::cluster::admission::{admit_plan, scanned_files, scanned_stores};
+use crate::cluster::admission::{admit_plan, reads_format, scanned_files, scanned_stores};
 use crate::cluster::on_driver::OnDriver;
 use crate::cluster::task_plan::{self};
 use crate::cluster::worker_pool::WorkerPool;
@@ -95,13 +95,13 @@ fn partition_scan_plan(
                     "the scan has no file group {partition}"
                 )));
             };
-            // datafusion-proto 55 loses what other formats' scans need: sent whole, CSV
-            // scans lost their header and ordering, JSON their compression (copy.slt,
-            // window.slt).
-            if config.file_source().file_type() != "parquet" {
+            // Parquet, CSV, JSON and Arrow files go (what datafusion-proto drops of CSV
+            // and JSON scans travels beside them: `cluster::scan_formats`); Avro and Arrow
+            // streams read on the driver.
+            let format = config.file_source().file_type();
+            if !reads_format(format) {
                 return Err(DataFusionError::NotImplemented(format!(
-                    "{} scans are not sent to workers",
-                    config.file_source().file_type()
+                    "{format} scans are not sent to workers"
                 )));
             }
             let scan = DataSourceExec::from_data_source(

@@ -5,13 +5,15 @@
 //! (`RepartitionExec`, `CoalescePartitionsExec`, `SortPreservingMergeExec`) and around every
 //! projection that calls an accelerator UDF; that projection becomes an operator of its own
 //! on the accelerator pool. Scalar subqueries become operators of their own, read by the
-//! operators that use their values ([`SubqueryValuesExec`]).
+//! operators that use their values ([`SubqueryValuesExec`]). With worker processes, a sink's
+//! input is an operator of its own (the sink writes on the driver, its input on the workers).
 
 use std::sync::Arc;
 
 use datafusion::common::tree_node::{TreeNode, TreeNodeRecursion};
 use datafusion::config::ConfigOptions;
 use datafusion::datasource::physical_plan::FileScanConfig;
+use datafusion::datasource::sink::DataSinkExec;
 use datafusion::datasource::source::DataSourceExec;
 use datafusion::error::Result;
 use datafusion::logical_expr::physical_planning_context::ScalarSubqueryResults;
@@ -231,6 +233,28 @@ impl Cutter<'_> {
                 runs,
                 InputExchange::Preserve,
                 Arc::new(properties),
+                None,
+            ));
+            return replace_children_if_necessary(plan, vec![stage_input]);
+        }
+        // A sink writes and commits on the driver: with worker processes its input is an
+        // operator of its own, so that the scan it writes (one partition, no exchange to cut
+        // at) reads on the workers instead of with the sink.
+        if let Some(sink) = plan.downcast_ref::<DataSinkExec>()
+            && self.config.workers == WorkerMode::Process
+            && sink.input().downcast_ref::<StageInputExec>().is_none()
+        {
+            let input = Arc::clone(sink.input());
+            let input_properties = Arc::clone(input.properties());
+            let child = self.rewrite(input)?;
+            if child.downcast_ref::<StageInputExec>().is_some() {
+                return replace_children_if_necessary(plan, vec![child]);
+            }
+            let below = self.add_operator(child, Pool::Cpu, None)?;
+            let stage_input: Arc<dyn ExecutionPlan> = Arc::new(StageInputExec::new(
+                below,
+                InputExchange::Preserve,
+                input_properties,
                 None,
             ));
             return replace_children_if_necessary(plan, vec![stage_input]);

@@ -848,3 +848,149 @@ async fn a_function_only_the_driver_has_runs_there_and_says_so() {
     assert!(remote_and_all_tasks(&plan).0 > 0, "no task ran in a worker");
     println!("a driver-only function: {unencodable} task(s) on the driver: {fallbacks:?}");
 }
+
+/// CSV and JSON tables in every form datafusion-proto 55 drops a setting of (gzip CSV, gzip
+/// JSON, CSV lines ended by `;`, JSON arrays) and Arrow files, 3 files each: their source
+/// tasks run in the workers and answer like vanilla DataFusion. Before, every such scan read
+/// on the driver (`scan_not_split`); sent as proto has them, a worker read gzip bytes as
+/// text, `;`-ended lines as one line, and an array as one object per line (the round-trip
+/// check refuses each of those plans).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn csv_json_and_arrow_scans_run_in_workers_with_every_format_setting() {
+    let dir = tempfile::tempdir().unwrap();
+    let d = dir.path().display();
+    let vanilla = SessionContext::new_with_config(SessionConfig::new().with_target_partitions(2));
+    for table in ["csv_gz", "json_gz", "arrow_files", "csv_semi", "json_array"] {
+        std::fs::create_dir_all(dir.path().join(table)).unwrap();
+    }
+    for file in 0..3 {
+        let rows = format!(
+            "SELECT value AS id, 'name ' || value AS name, value * 1.5 AS x \
+             FROM range({}, {})",
+            file * 3_000,
+            (file + 1) * 3_000
+        );
+        for copy in [
+            format!(
+                "COPY ({rows}) TO '{d}/csv_gz/part-{file}.csv.gz' STORED AS CSV \
+                 OPTIONS ('format.compression' 'gzip')"
+            ),
+            format!(
+                "COPY ({rows}) TO '{d}/json_gz/part-{file}.json.gz' STORED AS JSON \
+                 OPTIONS ('format.compression' 'gzip')"
+            ),
+            format!("COPY ({rows}) TO '{d}/arrow_files/part-{file}.arrow' STORED AS ARROW"),
+        ] {
+            vanilla.sql(&copy).await.unwrap().collect().await.unwrap();
+        }
+        let ids = file * 3_000..(file + 1) * 3_000;
+        let semi: String = ids
+            .clone()
+            .map(|i| format!("{i},name {i},{}.0;", i * 3 / 2))
+            .collect();
+        std::fs::write(
+            dir.path().join(format!("csv_semi/part-{file}.csv")),
+            format!("id,name,x;{semi}"),
+        )
+        .unwrap();
+        let objects: Vec<String> = ids
+            .map(|i| {
+                format!(
+                    "{{\"id\": {i}, \"name\": \"name {i}\", \"x\": {}}}",
+                    i * 3 / 2
+                )
+            })
+            .collect();
+        std::fs::write(
+            dir.path().join(format!("json_array/part-{file}.json")),
+            format!("[{}]", objects.join(",\n")),
+        )
+        .unwrap();
+    }
+    let workers = session(2);
+    for create in [
+        format!(
+            "CREATE EXTERNAL TABLE csv_gz STORED AS CSV LOCATION '{d}/csv_gz/' \
+             OPTIONS ('format.compression' 'gzip')"
+        ),
+        format!(
+            "CREATE EXTERNAL TABLE json_gz STORED AS JSON LOCATION '{d}/json_gz/' \
+             OPTIONS ('format.compression' 'gzip')"
+        ),
+        format!("CREATE EXTERNAL TABLE arrow_files STORED AS ARROW LOCATION '{d}/arrow_files/'"),
+        format!(
+            "CREATE EXTERNAL TABLE csv_semi (id BIGINT, name VARCHAR, x DOUBLE) STORED AS CSV \
+             LOCATION '{d}/csv_semi/' OPTIONS ('format.terminator' ';', 'format.has_header' 'true')"
+        ),
+        format!(
+            "CREATE EXTERNAL TABLE json_array STORED AS JSON LOCATION '{d}/json_array/' \
+             OPTIONS ('format.newline_delimited' 'false')"
+        ),
+    ] {
+        for ctx in [&vanilla, &workers] {
+            ctx.sql(&create).await.unwrap().collect().await.unwrap();
+        }
+    }
+    for table in ["csv_gz", "json_gz", "arrow_files", "csv_semi", "json_array"] {
+        let sql = format!(
+            "SELECT id % 4 AS g, count(*) AS n, sum(id) AS s, max(name) AS m, sum(x) AS sx \
+             FROM {table} WHERE id % 5 <> 1 GROUP BY id % 4 ORDER BY g"
+        );
+        let plan = answers_like_vanilla(&vanilla, &workers, &sql).await;
+        let exec = plan.downcast_ref::<flumen::exec::FlumenExec>().unwrap();
+        for op in &exec.graph().operators {
+            let stats = exec.run_metrics().operator(op.id);
+            let on_driver = stats.on_driver();
+            assert!(
+                !on_driver.contains_key("scan_not_split"),
+                "{table}: operator {} read on the driver: {on_driver:?}",
+                op.name
+            );
+            if op.inputs.is_empty() {
+                let remote = stats
+                    .remote_tasks
+                    .load(std::sync::atomic::Ordering::Relaxed);
+                assert!(remote >= 2, "{table}: {remote} scan tasks ran in a worker");
+            }
+        }
+    }
+    // A `COPY` of one file: the sink writes on the driver, the scan under it (one
+    // partition, no exchange) reads on a worker. Before, the two were one operator that a
+    // worker refused (a sink), so the scan read on the driver too.
+    let out = dir.path().join("copied.parquet");
+    let semi = format!(
+        "CREATE EXTERNAL TABLE one_semi (id BIGINT, name VARCHAR, x DOUBLE) STORED AS CSV \
+         LOCATION '{d}/csv_semi/part-1.csv' OPTIONS ('format.terminator' ';', \
+         'format.has_header' 'true')"
+    );
+    workers.sql(&semi).await.unwrap().collect().await.unwrap();
+    let copy = format!(
+        "COPY (SELECT * FROM one_semi) TO '{}' STORED AS PARQUET",
+        out.display()
+    );
+    let (_, plan) = run(&workers, &copy).await;
+    let exec = plan.downcast_ref::<flumen::exec::FlumenExec>().unwrap();
+    let names: Vec<&str> = (exec.graph().operators.iter())
+        .map(|op| op.name.as_str())
+        .collect();
+    assert_eq!(names, ["DataSourceExec", "DataSinkExec"], "{copy}");
+    let scan = exec.run_metrics().operator(0);
+    assert_eq!(
+        scan.remote_tasks.load(std::sync::atomic::Ordering::Relaxed),
+        1,
+        "the scan under the sink did not read on a worker: {:?}",
+        scan.on_driver()
+    );
+    let read = format!(
+        "CREATE EXTERNAL TABLE copied STORED AS PARQUET LOCATION '{}'",
+        out.display()
+    );
+    vanilla.sql(&read).await.unwrap().collect().await.unwrap();
+    let count = "SELECT count(*), sum(id), min(name) FROM copied";
+    let copied = vanilla.sql(count).await.unwrap().collect().await.unwrap();
+    assert_eq!(
+        rows(&copied, false),
+        ["| 3000     | 13498500       | name 3000        |"],
+        "the copied file"
+    );
+}
