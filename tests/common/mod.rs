@@ -15,6 +15,7 @@ use datafusion::parquet::file::properties::WriterProperties;
 use datafusion::physical_plan::ExecutionPlan;
 use datafusion::prelude::{ParquetReadOptions, SessionConfig, SessionContext};
 
+pub mod format_tables;
 pub mod hosts;
 pub mod s3_server;
 pub mod serve_process;

@@ -15,6 +15,7 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
 
+use common::format_tables::{FORMAT_TABLES, format_query, write_format_tables};
 use common::{QUERIES, assert_same, events_with_vanilla, register_tables, rows, run_plan};
 use datafusion::prelude::{SessionConfig, SessionContext};
 use flumen::exec::FlumenExec;
@@ -158,6 +159,39 @@ fn tpch_and_a_model_query_on_three_hosts_answer_like_datafusion() {
             assert!(got == expected, "ids or vectors differ on 3 hosts");
             let (remote, _) = common::remote_and_all_tasks(&plan);
             assert!(remote >= 24, "{remote} source tasks ran on the hosts");
+
+            // Every file format the hosts read, in the forms whose settings proto drops,
+            // large types (which Flight once sent as others), and the session's time zone
+            // (which once stayed on the driver): what a worker process is checked for, on
+            // the hosts.
+            let formats = dir.path().join("formats");
+            for create in write_format_tables(&formats, 3, 2_000).await {
+                for ctx in [&v, &f] {
+                    ctx.sql(&create).await.unwrap().collect().await.unwrap();
+                }
+            }
+            let mut remote = 0;
+            for table in FORMAT_TABLES {
+                let sql = format_query(table);
+                assert_same(&v, &f, &sql).await;
+                remote += common::remote_and_all_tasks(&run_plan(&f, &sql).await.1).0;
+            }
+            assert!(
+                remote >= 2 * FORMAT_TABLES.len() as u64,
+                "{remote} tasks on the hosts"
+            );
+            for ctx in [&v, &f] {
+                let set = "SET datafusion.execution.time_zone = 'Asia/Tokyo'";
+                ctx.sql(set).await.unwrap().collect().await.unwrap();
+            }
+            let sql = "SELECT id, name, ll, \
+                       to_unixtime('2024-01-01 0' || CAST(id % 10 AS VARCHAR) || ':00:00') AS u \
+                       FROM large_types WHERE id % 499 = 3 ORDER BY id";
+            let expected = v.sql(sql).await.unwrap().collect().await.unwrap();
+            let (got, plan) = run_plan(&f, sql).await;
+            assert_eq!(got[0].schema().fields(), expected[0].schema().fields());
+            assert_eq!(rows(&expected, true), rows(&got, true), "{sql}");
+            assert!(common::remote_and_all_tasks(&plan).0 >= 2);
         });
     });
 }

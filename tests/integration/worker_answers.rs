@@ -10,6 +10,7 @@ use crate::common;
 use std::path::Path;
 use std::sync::Arc;
 
+use common::format_tables::{FORMAT_TABLES, format_query, write_format_tables};
 use common::{remote_and_all_tasks, rows, same_rows, tpch, write_events};
 use datafusion::arrow::datatypes::DataType;
 use datafusion::arrow::record_batch::RecordBatch;
@@ -850,93 +851,24 @@ async fn a_function_only_the_driver_has_runs_there_and_says_so() {
 }
 
 /// CSV and JSON tables in every form datafusion-proto 55 drops a setting of (gzip CSV, gzip
-/// JSON, CSV lines ended by `;`, JSON arrays) and Arrow files, 3 files each: their source
-/// tasks run in the workers and answer like vanilla DataFusion. Before, every such scan read
-/// on the driver (`scan_not_split`); sent as proto has them, a worker read gzip bytes as
-/// text, `;`-ended lines as one line, and an array as one object per line (the round-trip
-/// check refuses each of those plans).
+/// JSON, CSV lines ended by `;`, JSON arrays), Arrow files and large types, 3 files each:
+/// their source tasks run in the workers and answer like vanilla DataFusion. Before, every
+/// CSV, JSON and Arrow scan read on the driver (`scan_not_split`); sent as proto has them, a
+/// worker read gzip bytes as text, `;`-ended lines as one line, and an array as one object
+/// per line (the round-trip check refuses each of those plans).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn csv_json_and_arrow_scans_run_in_workers_with_every_format_setting() {
     let dir = tempfile::tempdir().unwrap();
     let d = dir.path().display();
     let vanilla = SessionContext::new_with_config(SessionConfig::new().with_target_partitions(2));
-    for table in ["csv_gz", "json_gz", "arrow_files", "csv_semi", "json_array"] {
-        std::fs::create_dir_all(dir.path().join(table)).unwrap();
-    }
-    for file in 0..3 {
-        let rows = format!(
-            "SELECT value AS id, 'name ' || value AS name, value * 1.5 AS x \
-             FROM range({}, {})",
-            file * 3_000,
-            (file + 1) * 3_000
-        );
-        for copy in [
-            format!(
-                "COPY ({rows}) TO '{d}/csv_gz/part-{file}.csv.gz' STORED AS CSV \
-                 OPTIONS ('format.compression' 'gzip')"
-            ),
-            format!(
-                "COPY ({rows}) TO '{d}/json_gz/part-{file}.json.gz' STORED AS JSON \
-                 OPTIONS ('format.compression' 'gzip')"
-            ),
-            format!("COPY ({rows}) TO '{d}/arrow_files/part-{file}.arrow' STORED AS ARROW"),
-        ] {
-            vanilla.sql(&copy).await.unwrap().collect().await.unwrap();
-        }
-        let ids = file * 3_000..(file + 1) * 3_000;
-        let semi: String = ids
-            .clone()
-            .map(|i| format!("{i},name {i},{}.0;", i * 3 / 2))
-            .collect();
-        std::fs::write(
-            dir.path().join(format!("csv_semi/part-{file}.csv")),
-            format!("id,name,x;{semi}"),
-        )
-        .unwrap();
-        let objects: Vec<String> = ids
-            .map(|i| {
-                format!(
-                    "{{\"id\": {i}, \"name\": \"name {i}\", \"x\": {}}}",
-                    i * 3 / 2
-                )
-            })
-            .collect();
-        std::fs::write(
-            dir.path().join(format!("json_array/part-{file}.json")),
-            format!("[{}]", objects.join(",\n")),
-        )
-        .unwrap();
-    }
     let workers = session(2);
-    for create in [
-        format!(
-            "CREATE EXTERNAL TABLE csv_gz STORED AS CSV LOCATION '{d}/csv_gz/' \
-             OPTIONS ('format.compression' 'gzip')"
-        ),
-        format!(
-            "CREATE EXTERNAL TABLE json_gz STORED AS JSON LOCATION '{d}/json_gz/' \
-             OPTIONS ('format.compression' 'gzip')"
-        ),
-        format!("CREATE EXTERNAL TABLE arrow_files STORED AS ARROW LOCATION '{d}/arrow_files/'"),
-        format!(
-            "CREATE EXTERNAL TABLE csv_semi (id BIGINT, name VARCHAR, x DOUBLE) STORED AS CSV \
-             LOCATION '{d}/csv_semi/' OPTIONS ('format.terminator' ';', 'format.has_header' 'true')"
-        ),
-        format!(
-            "CREATE EXTERNAL TABLE json_array STORED AS JSON LOCATION '{d}/json_array/' \
-             OPTIONS ('format.newline_delimited' 'false')"
-        ),
-    ] {
+    for create in write_format_tables(dir.path(), 3, 3_000).await {
         for ctx in [&vanilla, &workers] {
             ctx.sql(&create).await.unwrap().collect().await.unwrap();
         }
     }
-    for table in ["csv_gz", "json_gz", "arrow_files", "csv_semi", "json_array"] {
-        let sql = format!(
-            "SELECT id % 4 AS g, count(*) AS n, sum(id) AS s, max(name) AS m, sum(x) AS sx \
-             FROM {table} WHERE id % 5 <> 1 GROUP BY id % 4 ORDER BY g"
-        );
-        let plan = answers_like_vanilla(&vanilla, &workers, &sql).await;
+    for table in FORMAT_TABLES {
+        let plan = answers_like_vanilla(&vanilla, &workers, &format_query(table)).await;
         let exec = plan.downcast_ref::<flumen::exec::FlumenExec>().unwrap();
         for op in &exec.graph().operators {
             let stats = exec.run_metrics().operator(op.id);
