@@ -197,16 +197,7 @@ impl Cutter<'_> {
                     .map(|c| c.input())
             });
         if let Some(input) = merged_input {
-            let input = Arc::clone(input);
-            let properties = Arc::clone(input.properties());
-            let child = self.rewrite(input)?;
-            let producer = self.add_operator(child, Pool::Cpu, None)?;
-            let stage_input: Arc<dyn ExecutionPlan> = Arc::new(StageInputExec::new(
-                producer,
-                InputExchange::Preserve,
-                properties,
-                None,
-            ));
+            let stage_input = self.operator_below(Arc::clone(input))?;
             return replace_children_if_necessary(plan, vec![stage_input]);
         }
         // A range sort's runs: the sort below becomes a per-block operator sorting bundles
@@ -244,20 +235,14 @@ impl Cutter<'_> {
             && self.config.workers == WorkerMode::Process
             && sink.input().downcast_ref::<StageInputExec>().is_none()
         {
-            let input = Arc::clone(sink.input());
-            let input_properties = Arc::clone(input.properties());
-            let child = self.rewrite(input)?;
-            if child.downcast_ref::<StageInputExec>().is_some() {
-                return replace_children_if_necessary(plan, vec![child]);
-            }
-            let below = self.add_operator(child, Pool::Cpu, None)?;
-            let stage_input: Arc<dyn ExecutionPlan> = Arc::new(StageInputExec::new(
-                below,
-                InputExchange::Preserve,
-                input_properties,
-                None,
-            ));
-            return replace_children_if_necessary(plan, vec![stage_input]);
+            let properties = Arc::clone(sink.input().properties());
+            let child = self.rewrite(Arc::clone(sink.input()))?;
+            // An exchange under the sink is a stage input already.
+            let input = match child.downcast_ref::<StageInputExec>() {
+                Some(_) => child,
+                None => self.operator_over(child, properties)?,
+            };
+            return replace_children_if_necessary(plan, vec![input]);
         }
         let accelerator_projection = plan
             .downcast_ref::<AcceleratorProjectionExec>()
@@ -265,16 +250,7 @@ impl Cutter<'_> {
             .or_else(|| plan.downcast_ref::<ProjectionExec>())
             .filter(|p| p.expr().iter().any(|e| calls_accelerator_udf(&e.expr)));
         if let Some(projection) = accelerator_projection {
-            let input = Arc::clone(projection.input());
-            let input_properties = Arc::clone(input.properties());
-            let child = self.rewrite(input)?;
-            let below = self.add_operator(child, Pool::Cpu, None)?;
-            let stage_input: Arc<dyn ExecutionPlan> = Arc::new(StageInputExec::new(
-                below,
-                InputExchange::Preserve,
-                input_properties,
-                None,
-            ));
+            let stage_input = self.operator_below(Arc::clone(projection.input()))?;
             let fragment = replace_children_if_necessary(Arc::clone(&plan), vec![stage_input])?;
             let accelerator = self.add_operator(fragment, Pool::Accelerator, None)?;
             return Ok(Arc::new(StageInputExec::new(
@@ -293,6 +269,30 @@ impl Cutter<'_> {
             return Ok(plan);
         }
         replace_children_if_necessary(plan, children)
+    }
+
+    /// `input`, cut, as a CPU operator of its own, and the stage input that reads its
+    /// partitions in order in its place.
+    fn operator_below(&mut self, input: Arc<dyn ExecutionPlan>) -> Result<Arc<dyn ExecutionPlan>> {
+        let properties = Arc::clone(input.properties());
+        let child = self.rewrite(input)?;
+        self.operator_over(child, properties)
+    }
+
+    /// `fragment` (cut already) as a CPU operator of its own, and the stage input of
+    /// `properties` (the uncut input's) that reads its partitions in order in its place.
+    fn operator_over(
+        &mut self,
+        fragment: Arc<dyn ExecutionPlan>,
+        properties: Arc<PlanProperties>,
+    ) -> Result<Arc<dyn ExecutionPlan>> {
+        let producer = self.add_operator(fragment, Pool::Cpu, None)?;
+        Ok(Arc::new(StageInputExec::new(
+            producer,
+            InputExchange::Preserve,
+            properties,
+            None,
+        )))
     }
 
     /// A root of per-partition tasks runs in the query's output stream, on the driver,
