@@ -222,16 +222,8 @@ fn visit(plan: &Arc<dyn ExecutionPlan>, f: &mut impl FnMut(&Arc<dyn ExecutionPla
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::plan::test_plans::physical_plan;
     use datafusion::prelude::*;
-
-    async fn physical(ctx: &SessionContext, sql: &str) -> Arc<dyn ExecutionPlan> {
-        ctx.sql(sql)
-            .await
-            .unwrap()
-            .create_physical_plan()
-            .await
-            .unwrap()
-    }
 
     #[tokio::test]
     async fn scans_need_a_grant_and_sinks_are_refused() {
@@ -242,7 +234,7 @@ mod tests {
         ctx.register_csv("t", csv.to_str().unwrap(), CsvReadOptions::new())
             .await
             .unwrap();
-        let plan = physical(&ctx, "SELECT a + b FROM t WHERE a > 0").await;
+        let plan = physical_plan(&ctx, "SELECT a + b FROM t WHERE a > 0").await;
         let files = scanned_files(&plan);
         assert_eq!(files.len(), 1);
         admit_plan(&plan, &files, &[]).unwrap();
@@ -250,10 +242,10 @@ mod tests {
         assert!(err.contains("does not grant"), "{err}");
         let out = dir.path().join("out.csv");
         let copy = format!("COPY t TO '{}' STORED AS CSV", out.display());
-        let sink = physical(&ctx, &copy).await;
+        let sink = physical_plan(&ctx, &copy).await;
         let err = admit_plan(&sink, &files, &[]).unwrap_err().to_string();
         assert!(err.contains("DataSinkExec"), "{err}");
-        let explain = physical(&ctx, "EXPLAIN SELECT 1").await;
+        let explain = physical_plan(&ctx, "EXPLAIN SELECT 1").await;
         assert!(admit_plan(&explain, &[], &[]).is_err());
     }
 

@@ -129,31 +129,16 @@ fn json_is_array(json: &JsonSource, config: &FileScanConfig) -> Result<bool> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::plan::test_plans::{node_named, physical_plan};
     use datafusion::datasource::source::DataSourceExec;
-    use datafusion::physical_plan::ExecutionPlan;
     use datafusion::prelude::*;
 
     /// The file scan of the physical plan of `sql` in `ctx`.
     async fn scan_of(ctx: &SessionContext, sql: &str) -> FileScanConfig {
-        let plan = ctx
-            .sql(sql)
-            .await
-            .unwrap()
-            .create_physical_plan()
-            .await
-            .unwrap();
-        let mut found = None;
-        let mut nodes: Vec<Arc<dyn ExecutionPlan>> = vec![plan];
-        while let Some(node) = nodes.pop() {
-            if let Some(config) = node
-                .downcast_ref::<DataSourceExec>()
-                .and_then(|s| s.data_source().downcast_ref::<FileScanConfig>())
-            {
-                found = Some(config.clone());
-            }
-            nodes.extend(node.children().into_iter().cloned());
-        }
-        found.expect("a file scan")
+        let plan = physical_plan(ctx, sql).await;
+        let scan = node_named(&plan, "DataSourceExec").expect("a scan");
+        let config = scan.downcast_ref::<DataSourceExec>().unwrap().data_source();
+        config.downcast_ref::<FileScanConfig>().unwrap().clone()
     }
 
     /// Each lost setting is read from a planned scan, and a plain scan has none to carry.

@@ -364,6 +364,7 @@ fn field_width(data_type: &DataType) -> u64 {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::plan::test_plans::{node_named, physical_plan};
     use datafusion::arrow::array::Int64Array;
     use datafusion::arrow::datatypes::{DataType, Field, Schema};
     use datafusion::arrow::record_batch::RecordBatch;
@@ -530,13 +531,7 @@ mod tests {
         .unwrap();
         let table = MemTable::try_new(schema, vec![vec![batch]]).unwrap();
         ctx.register_table("t", Arc::new(table)).unwrap();
-        let plan = ctx
-            .sql("SELECT x, count(*) FROM t GROUP BY x")
-            .await
-            .unwrap()
-            .create_physical_plan()
-            .await
-            .unwrap();
+        let plan = physical_plan(&ctx, "SELECT x, count(*) FROM t GROUP BY x").await;
         // ~8 MB into the aggregate's exchange.
         let sizing = ExchangeSizing::choose(&plan, &options_with("30MB", 2, 4));
         assert!(sizing.out_of_core(), "8 MB fits 30 MB: {sizing:?}");
@@ -565,22 +560,14 @@ mod tests {
     #[tokio::test]
     async fn a_generated_series_gives_its_rows_through_a_projection() {
         let ctx = datafusion::prelude::SessionContext::new();
-        let plan = ctx
-            .sql("SELECT value AS k, value * 2 AS v FROM generate_series(1, 1200000)")
-            .await
-            .unwrap()
-            .create_physical_plan()
-            .await
-            .unwrap();
+        let plan = physical_plan(
+            &ctx,
+            "SELECT value AS k, value * 2 AS v FROM generate_series(1, 1200000)",
+        )
+        .await;
         assert_eq!(generated_rows(&plan), Some(1_200_000));
         assert_eq!(estimated_bytes(&plan), 1_200_000 * 16, "two Int64 columns");
-        let plan = ctx
-            .sql("SELECT count(*) FROM range(0, 1000)")
-            .await
-            .unwrap()
-            .create_physical_plan()
-            .await
-            .unwrap();
+        let plan = physical_plan(&ctx, "SELECT count(*) FROM range(0, 1000)").await;
         assert_eq!(
             generated_rows(&plan),
             None,
@@ -605,21 +592,8 @@ mod tests {
         let scan = |sql: &'static str| {
             let ctx = ctx.clone();
             async move {
-                let plan = ctx
-                    .sql(sql)
-                    .await
-                    .unwrap()
-                    .create_physical_plan()
-                    .await
-                    .unwrap();
-                let mut found = None;
-                let _ = plan.apply(|node| {
-                    if node.name() == "DataSourceExec" {
-                        found = Some(Arc::clone(node));
-                    }
-                    Ok(datafusion::common::tree_node::TreeNodeRecursion::Continue)
-                });
-                found.unwrap()
+                let plan = physical_plan(&ctx, sql).await;
+                node_named(&plan, "DataSourceExec").unwrap()
             }
         };
         let file_bytes = text.len() as u64;

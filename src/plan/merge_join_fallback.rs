@@ -94,6 +94,7 @@ fn sorted_on(input: &Arc<dyn ExecutionPlan>, keys: &[PhysicalExprRef]) -> Arc<dy
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::plan::test_plans::physical_plan;
     use datafusion::arrow::util::pretty::pretty_format_batches;
     use datafusion::physical_plan::collect;
     use datafusion::prelude::SessionContext;
@@ -124,13 +125,7 @@ mod tests {
             "SELECT * FROM a WHERE NOT EXISTS (SELECT 1 FROM b WHERE b.column1 = a.column1)",
         ];
         for sql in queries {
-            let plan = ctx
-                .sql(sql)
-                .await
-                .unwrap()
-                .create_physical_plan()
-                .await
-                .unwrap();
+            let plan = physical_plan(&ctx, sql).await;
             let merged = as_sort_merge_join(&plan)
                 .unwrap()
                 .unwrap_or_else(|| panic!("no partitioned hash join in {sql}"));

@@ -45,6 +45,8 @@ pub mod range_sort;
 pub(crate) mod split_source;
 pub(crate) mod stage_input;
 pub mod subquery_values;
+#[cfg(test)]
+pub(crate) mod test_plans;
 
 pub use graph::{InputReading, Operator, OperatorGraph, Pool, TaskShape};
 pub use model_batching::ModelBatching;
