@@ -232,24 +232,14 @@ enum Engine {
 
 /// Records whose outcome in worker processes differs from threads mode, each with why
 /// (an entry that no longer differs is stale and fails the suite).
-const KNOWN_WORKER_DIFFERENCES: &[KnownFailure] = &[
-    KnownFailure {
-        record: "test_files/dynamic_filter_pushdown_config.slt:98",
-        error_prefix: "metric facts differ: page_index_pages_skipped_by_fully_matched",
-        why: "a worker reads a descending TopK's row groups in file order: \
+const KNOWN_WORKER_DIFFERENCES: &[KnownFailure] = &[KnownFailure {
+    record: "test_files/dynamic_filter_pushdown_config.slt:98",
+    error_prefix: "metric facts differ: page_index_pages_skipped_by_fully_matched",
+    why: "a worker reads a descending TopK's row groups in file order: \
               datafusion-proto 55 drops the scan's `reverse_row_groups` hint (and DataFusion \
               gives no public way to set it again), so the page index skips another page; \
               the rows are the same",
-    },
-    KnownFailure {
-        record: "test_files/push_down_filter_parquet.slt:204",
-        error_prefix: "metric facts differ: pushdown_rows_matched",
-        why: "a TopK on the driver cannot tighten the filter of a scan already sent to a \
-              worker: the scan's dynamic filter goes as its snapshot when the task is sent \
-              (empty then), so the worker reads every row where DataFusion's scan keeps 128; \
-              the answer is the same (reduce-side tasks on the workers, issue 65, fix it)",
-    },
-];
+}];
 
 /// Tasks of an upstream file that fall back to the driver in worker mode
 /// (`flumen::exec::OnDriver`: any reason but the driver's tasks by design): the file (`*`:

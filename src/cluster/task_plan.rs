@@ -20,7 +20,9 @@
 //!   never updated anyway, so each such filter is sent as its current snapshot, written
 //!   against the scan's own columns; a hash-table lookup inside it (which proto cannot carry)
 //!   becomes `true`, as proto itself would write it (the filter then only drops fewer rows).
-//!   Filters produced by a node inside the task stay live.
+//!   Filters produced by a node inside the task stay live, and decode as one filter
+//!   shared by the node that fills it and the scan that prunes with it (decoded apart, a
+//!   worker's scan kept `true` and pruned nothing).
 //! - **Window functions' `IGNORE NULLS` and reversed calls**: carried or refused as
 //!   [`super::window_calls`] says.
 //! - **A scan's row-group order hints** (`reverse_row_groups`, `sort_order_for_reorder`:
@@ -29,6 +31,7 @@
 //!   recomputed on the driver runs the plan as a worker decoded it.
 
 use std::any::{Any, TypeId};
+use std::cell::RefCell;
 use std::collections::{HashMap, HashSet};
 use std::sync::{Arc, OnceLock};
 
@@ -83,9 +86,7 @@ pub fn encode(plan: &Arc<dyn ExecutionPlan>, functions: Arc<WorkerFunctions>) ->
     let codec = TaskPlanCodec {
         functions: Some(functions),
     };
-    let converter = TaskPlanConverter {
-        live_filters: filters_produced_inside(plan),
-    };
+    let converter = TaskPlanConverter::new(filters_produced_inside(plan));
     let node = converter.execution_plan_to_proto(plan, &codec)?;
     Ok(node.encode_to_vec())
 }
@@ -96,9 +97,7 @@ pub fn decode(bytes: &[u8], ctx: &TaskContext) -> Result<Arc<dyn ExecutionPlan>>
         DataFusionError::Execution(format!("a task plan that does not decode: {e}"))
     })?;
     let codec = TaskPlanCodec { functions: None };
-    let converter = TaskPlanConverter {
-        live_filters: HashSet::new(),
-    };
+    let converter = TaskPlanConverter::new(HashSet::new());
     converter.proto_to_execution_plan(&node, &PhysicalPlanDecodeContext::new(ctx, &codec))
 }
 
@@ -344,9 +343,22 @@ fn as_sent(plan: &Arc<dyn ExecutionPlan>) -> Result<Arc<dyn ExecutionPlan>> {
 /// Encodes and decodes the plan's nodes as datafusion-proto does, except as the module
 /// says: a scan with row selections, `preserve_order` or format settings proto drops
 /// becomes a [`FILE_SCAN`] node, and dynamic filters not in `live_filters` are sent at
-/// their current value.
+/// their current value. Decoding, an expression met twice (a live dynamic filter: in the
+/// join that fills it and in the scan it prunes) becomes one shared expression again.
 struct TaskPlanConverter {
     live_filters: HashSet<u64>,
+    /// The expressions decoded so far that have an identity, by it.
+    decoded: RefCell<HashMap<u64, Arc<dyn PhysicalExpr>>>,
+}
+
+impl TaskPlanConverter {
+    /// A converter for encoding a plan whose own nodes produce `live_filters`.
+    fn new(live_filters: HashSet<u64>) -> Self {
+        Self {
+            live_filters,
+            decoded: RefCell::default(),
+        }
+    }
 }
 
 impl PhysicalProtoConverterExtension for TaskPlanConverter {
@@ -413,12 +425,27 @@ impl PhysicalProtoConverterExtension for TaskPlanConverter {
         input_schema: &Schema,
         ctx: &PhysicalPlanDecodeContext<'_>,
     ) -> Result<Arc<dyn PhysicalExpr>> {
-        datafusion_proto::physical_plan::from_proto::parse_physical_expr_with_converter(
-            proto,
-            input_schema,
-            ctx,
-            self,
-        )
+        let parsed =
+            datafusion_proto::physical_plan::from_proto::parse_physical_expr_with_converter(
+                proto,
+                input_schema,
+                ctx,
+                self,
+            )?;
+        // Decoded apart, a join's dynamic filter and the scan's copy of it were two: the
+        // join filled its own and the worker's scan pruned nothing
+        // (push_down_filter_parquet.slt). As DataFusion's `DeduplicatingProtoConverter`
+        // does: the second occurrence is the first with its own children.
+        let Some(id) = proto.expr_id else {
+            return Ok(parsed);
+        };
+        let mut decoded = self.decoded.borrow_mut();
+        if let Some(first) = decoded.get(&id) {
+            let children = parsed.children().into_iter().cloned().collect();
+            return Arc::clone(first).with_new_children(children);
+        }
+        decoded.insert(id, Arc::clone(&parsed));
+        Ok(parsed)
     }
 
     fn physical_expr_to_proto(
@@ -943,5 +970,61 @@ mod tests {
                 .contains("workers have another function abs than this session's"),
             "{err}"
         );
+    }
+
+    /// A join's dynamic filter that its task's own scan reads is one filter after the trip:
+    /// the decoded join fills the filter the decoded scan prunes with. Decoded apart (the
+    /// join's copy and the scan's), the scan's stayed `true` and a worker pruned nothing.
+    #[tokio::test]
+    async fn a_dynamic_filter_made_inside_the_task_stays_one_filter() {
+        use crate::plan::test_plans::{node_named, physical_plan};
+        let dir = tempfile::tempdir().unwrap();
+        let d = dir.path().display();
+        let ctx = datafusion::prelude::SessionContext::new_with_config(
+            datafusion::prelude::SessionConfig::new().with_target_partitions(1),
+        );
+        for copy in [
+            format!("COPY (SELECT value AS k FROM range(0, 1000)) TO '{d}/fact.parquet'"),
+            format!("COPY (SELECT value + 500 AS k FROM range(0, 3)) TO '{d}/dim.parquet'"),
+            format!("CREATE EXTERNAL TABLE fact STORED AS PARQUET LOCATION '{d}/fact.parquet'"),
+            format!("CREATE EXTERNAL TABLE dim STORED AS PARQUET LOCATION '{d}/dim.parquet'"),
+        ] {
+            ctx.sql(&copy).await.unwrap().collect().await.unwrap();
+        }
+        let plan = physical_plan(&ctx, "SELECT f.k FROM dim d JOIN fact f ON d.k = f.k").await;
+        assert!(
+            node_named(&plan, "HashJoinExec").is_some(),
+            "{}",
+            displayable(plan.as_ref()).indent(true)
+        );
+        let bytes = encode(&plan, Arc::new(WorkerFunctions::default())).unwrap();
+        let decoded = decode(&bytes, &ctx.task_ctx()).unwrap();
+        let rows = datafusion::physical_plan::collect(Arc::clone(&decoded), ctx.task_ctx())
+            .await
+            .unwrap();
+        assert_eq!(rows.iter().map(|b| b.num_rows()).sum::<usize>(), 3);
+        // The probe side's scan (the last one, top down) and its copy of the filter.
+        let mut scans = vec![];
+        let _ = decoded.apply(|node| {
+            if let Some(config) = file_scan(node) {
+                scans.push(config.clone());
+            }
+            Ok(TreeNodeRecursion::Continue)
+        });
+        let probe = scans.last().unwrap();
+        let predicate = probe
+            .file_source()
+            .downcast_ref::<ParquetSource>()
+            .and_then(|p| p.filter())
+            .expect("the probe scan has the join's filter");
+        let mut filters = vec![];
+        let _ = predicate.apply(|e| {
+            if let Some(filter) = e.downcast_ref::<DynamicFilterPhysicalExpr>() {
+                filters.push(filter.current().unwrap().to_string());
+            }
+            Ok(TreeNodeRecursion::Continue)
+        });
+        assert_eq!(filters.len(), 1, "{predicate}");
+        assert_ne!(filters[0], "true", "the scan's filter was never filled");
     }
 }

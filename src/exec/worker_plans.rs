@@ -68,6 +68,14 @@ pub(super) fn source_plan(
         None => match file_scans(&op.fragment) {
             0 => Err(OnDriver::DriverData),
             1 if split == 0 => partition_scan_plan(op, partition, stores),
+            // Several scans, e.g. a `CollectLeft` join's build side read whole beside the
+            // probe side's file group: cut as a per-partition fragment is.
+            _ if split == 0 && cuts_per_partition(&op.fragment) => {
+                partition_plan(op, partition, &[], stores).map_err(|why| match why {
+                    OnDriver::PerPartition => OnDriver::ScanNotSplit,
+                    other => other,
+                })
+            }
             _ => Err(OnDriver::ScanNotSplit),
         },
     }
@@ -174,11 +182,12 @@ pub(super) fn blocks_plan(
 
 /// The plan a worker runs for per-partition task `partition` of `op` (a join's partition,
 /// a final aggregate, a sort, a window partition): its fragment with stage input `i` read
-/// from `sources[i]` (an in-memory scan of the task's blocks of that input) and a Parquet
+/// from `sources[i]` (an in-memory scan of the task's blocks of that input) and a file
 /// scan in it (a `CollectLeft` join's probe side) over the partition's own file group, or
-/// why there is none. Only plain DataFusion fragments are cut: flumen's own merge of sorted
-/// runs, a stage input with a limit (which streams), a scan of another format or store,
-/// and any other leaf stay on the driver.
+/// why there is none. Also a source task whose fragment holds several scans (no stage
+/// input: `sources` is empty). Only plain DataFusion fragments are cut: flumen's own merge
+/// of sorted runs, a stage input with a limit (which streams), a scan of a format or store
+/// workers do not read, and any other leaf stay on the driver.
 pub(super) fn partition_plan(
     op: &Operator,
     partition: usize,
@@ -216,8 +225,9 @@ struct PartitionCut<'a> {
 
 impl PartitionCut<'_> {
     /// `node`, read as `reads`, with its stage inputs replaced by their sources and its
-    /// Parquet scans on the fragment's line cut to the partition's file group (those read
-    /// whole are kept); `why` says why a worker cannot run it.
+    /// file scans on the fragment's line cut to the partition's file group (those read
+    /// whole are kept); `why` says why a worker cannot run it (a scan of a format workers
+    /// do not read, among others).
     fn rebuild(
         &self,
         node: &Arc<dyn ExecutionPlan>,
@@ -252,6 +262,10 @@ impl PartitionCut<'_> {
             .downcast_ref::<DataSourceExec>()
             .and_then(|s| s.data_source().downcast_ref::<FileScanConfig>())
         {
+            if !reads_format(config.file_source().file_type()) {
+                why.get_or_insert(OnDriver::PerPartition);
+                return Ok(Arc::clone(node));
+            }
             let scan = match reads {
                 Reads::Whole => Arc::clone(node),
                 Reads::OwnPartition => {

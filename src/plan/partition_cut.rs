@@ -28,7 +28,7 @@ use crate::plan::subquery_values::SubqueryValuesExec;
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Reads {
     /// Its partition `p`: it is on the fragment's line (as many partitions as the
-    /// fragment); its stage inputs stand for partition `p`'s blocks, its Parquet scans are
+    /// fragment); its stage inputs stand for partition `p`'s blocks, its file scans are
     /// cut to file group `p`.
     OwnPartition,
     /// All of it, by every partition (a `CollectLeft` join's build side): its scans are
@@ -102,11 +102,11 @@ fn reads_apart(node: &Arc<dyn ExecutionPlan>, reads: Reads, partitions: usize) -
         return states_all && (on_line || read_whole);
     }
     if let Some(source) = node.downcast_ref::<DataSourceExec>() {
-        // A Parquet scan, cut to the partition's file group or read whole; other sources
-        // stay.
-        let parquet = (source.data_source().downcast_ref::<FileScanConfig>())
-            .is_some_and(|config| config.file_source().file_type() == "parquet");
-        return parquet && (on_line || reads == Reads::Whole);
+        // A file scan, cut to the partition's file group or read whole (one of a format
+        // workers do not read keeps its task on the driver: `exec::worker_plans`); other
+        // sources stay.
+        let file = (source.data_source().downcast_ref::<FileScanConfig>()).is_some();
+        return file && (on_line || reads == Reads::Whole);
     }
     if node.children().is_empty() || (reads == Reads::OwnPartition && count != partitions) {
         return false;

@@ -926,3 +926,79 @@ async fn csv_json_and_arrow_scans_run_in_workers_with_every_format_setting() {
         "the copied file"
     );
 }
+
+/// A fact table joined to a one-file dimension table: DataFusion plans a `CollectLeft`
+/// join with both scans in one source fragment (no exchange between them). Each task reads
+/// its file group of the facts and the whole dimension on a worker. Before, a fragment of
+/// several scans was not cut (`scan_not_split`): the fact table's scan, the join and the
+/// partial aggregate all ran on the driver.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_join_to_a_one_file_dimension_reads_on_the_workers() {
+    let (dir, vanilla, workers) = events_in_two_workers(20_000).await;
+    let d = dir.path().display();
+    let dims = [
+        format!(
+            "COPY (SELECT value AS k, 'kind ' || value AS kind FROM range(0, 16)) \
+             TO '{d}/dim.parquet' STORED AS PARQUET"
+        ),
+        format!(
+            "COPY (SELECT value AS k, value * 10 AS weight FROM range(0, 16, 2)) \
+             TO '{d}/dim.csv' STORED AS CSV"
+        ),
+    ];
+    for copy in &dims {
+        vanilla.sql(copy).await.unwrap().collect().await.unwrap();
+    }
+    for ctx in [&vanilla, &workers] {
+        for create in [
+            format!("CREATE EXTERNAL TABLE kinds STORED AS PARQUET LOCATION '{d}/dim.parquet'"),
+            format!("CREATE EXTERNAL TABLE weights STORED AS CSV LOCATION '{d}/dim.csv'"),
+        ] {
+            ctx.sql(&create).await.unwrap().collect().await.unwrap();
+        }
+    }
+    // (A CSV file has no row count, so DataFusion may plan that join otherwise.)
+    for (sql, at_the_source) in [
+        (
+            "SELECT d.kind, count(*) AS n, sum(e.v) AS s FROM events e JOIN kinds d \
+             ON e.k = d.k WHERE e.id % 3 = 0 GROUP BY d.kind ORDER BY d.kind",
+            true,
+        ),
+        (
+            "SELECT w.weight, count(*) AS n FROM events e JOIN weights w ON e.k = w.k \
+             GROUP BY w.weight ORDER BY w.weight",
+            false,
+        ),
+    ] {
+        let plan = answers_like_vanilla(&vanilla, &workers, sql).await;
+        let exec = plan.downcast_ref::<flumen::exec::FlumenExec>().unwrap();
+        let joined_at_the_source = (exec.graph().operators.iter())
+            .filter(|op| op.inputs.is_empty())
+            .any(|op| {
+                let text = datafusion::physical_plan::displayable(op.fragment.as_ref())
+                    .indent(true)
+                    .to_string();
+                text.contains("HashJoinExec: mode=CollectLeft")
+            });
+        assert!(
+            joined_at_the_source || !at_the_source,
+            "{sql}: the join is not in a source fragment"
+        );
+        for op in exec
+            .graph()
+            .operators
+            .iter()
+            .filter(|op| op.inputs.is_empty())
+        {
+            let stats = exec.run_metrics().operator(op.id);
+            let remote = stats
+                .remote_tasks
+                .load(std::sync::atomic::Ordering::Relaxed);
+            assert!(
+                remote == stats.tasks.load(std::sync::atomic::Ordering::Relaxed) && remote >= 1,
+                "{sql}: {remote} of the scans' tasks ran on a worker: {:?}",
+                stats.on_driver()
+            );
+        }
+    }
+}
