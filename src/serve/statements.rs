@@ -271,7 +271,10 @@ mod tests {
     #[tokio::test]
     async fn idle_prepared_statements_close_and_tickets_are_capped_per_session() {
         let ctx = datafusion::prelude::SessionContext::new();
-        let statements = Statements::new(Duration::from_millis(100));
+        // Touched every 250 ms, `kept` stays under a 1 s idle limit unless one sleep
+        // overshoots by 750 ms (a 100 ms limit touched every 40 ms failed once on a busy
+        // machine); `idle`, never touched, is past it after 1.25 s whatever the load.
+        let statements = Statements::new(Duration::from_secs(1));
         let caller = |s: &str| Caller {
             user: "u".into(),
             session: s.into(),
@@ -288,8 +291,8 @@ mod tests {
         let idle = statements
             .add_prepared(&caller("a"), prepared("idle"))
             .unwrap();
-        for _ in 0..3 {
-            std::thread::sleep(Duration::from_millis(40));
+        for _ in 0..5 {
+            std::thread::sleep(Duration::from_millis(250));
             assert!(statements.prepared(&caller("a"), &kept).is_ok());
         }
         assert_eq!(
