@@ -6,6 +6,8 @@
 //! - [`protocol`]: what driver and worker say to each other (task requests, block info).
 //! - [`task_plan`]: a task's plan on the wire (datafusion-proto plus what it drops) and the
 //!   driver's check that a worker decodes the plan that was planned.
+//! - [`cast_fields`]: a cast to a field of its own (a union's nullable columns), which proto
+//!   drops, carried whole.
 //! - [`window_calls`]: what proto drops of a window function's call (`IGNORE NULLS`, a
 //!   reversed call), carried or refused.
 //! - [`worker`]: the worker process: an Arrow Flight server that runs task plans.
@@ -35,6 +37,7 @@
 pub mod admission;
 pub mod auth;
 pub(crate) mod block_shelf;
+pub(crate) mod cast_fields;
 #[cfg(feature = "kubernetes")]
 pub mod kubernetes;
 pub mod membership;

@@ -25,6 +25,8 @@
 //!   worker's scan kept `true` and pruned nothing).
 //! - **Window functions' `IGNORE NULLS` and reversed calls**: carried or refused as
 //!   [`super::window_calls`] says.
+//! - **A cast to a field of its own** (a union's inputs made nullable): proto keeps only its
+//!   type; sent whole as [`super::cast_fields`] says.
 //! - **A scan's row-group order hints** (`reverse_row_groups`, `sort_order_for_reorder`:
 //!   DataFusion's inexact sort pushdown, under a sort that still sorts above the scan): a
 //!   worker reads row groups in file order. The check allows these differences alone; a task
@@ -50,6 +52,7 @@ use datafusion::physical_expr::expressions::{DynamicFilterPhysicalExpr, lit};
 use datafusion::physical_plan::aggregates::AggregateExec;
 use datafusion::physical_plan::filter::{FilterExec, FilterExecBuilder};
 use datafusion::physical_plan::joins::HashTableLookupExpr;
+use datafusion::physical_expr_common::physical_expr::proto_decode::PhysicalExprDecodeCtx;
 use datafusion::physical_plan::{ExecutionPlan, PhysicalExpr, displayable};
 use datafusion_proto::physical_plan::to_proto::serialize_physical_expr_with_converter;
 use datafusion_proto::physical_plan::{
@@ -59,6 +62,7 @@ use datafusion_proto::physical_plan::{
 use datafusion_proto::protobuf;
 use prost::Message;
 
+use crate::cluster::cast_fields;
 use crate::cluster::scan_formats::{ScanFormat, describe_format};
 use crate::cluster::shipped_functions::{self, ShippedFunction};
 use crate::cluster::window_calls::{carry_window_calls, describe_window_calls, lossy_window};
@@ -453,8 +457,22 @@ impl PhysicalProtoConverterExtension for TaskPlanConverter {
         expr: &Arc<dyn PhysicalExpr>,
         codec: &dyn PhysicalExtensionCodec,
     ) -> Result<protobuf::PhysicalExprNode> {
-        let sent = as_sent_expr(expr, &self.live_filters)?;
-        serialize_physical_expr_with_converter(&sent.data, codec, self)
+        let sent = as_sent_expr(expr, &self.live_filters)?.data;
+        if let Some(cast) = cast_fields::encode(&sent)? {
+            let inputs = (sent.children().into_iter())
+                .map(|input| self.physical_expr_to_proto(input, codec))
+                .collect::<Result<_>>()?;
+            return Ok(protobuf::PhysicalExprNode {
+                expr_id: None,
+                expr_type: Some(protobuf::physical_expr_node::ExprType::Extension(
+                    protobuf::PhysicalExtensionExprNode {
+                        expr: cast,
+                        inputs,
+                    },
+                )),
+            });
+        }
+        serialize_physical_expr_with_converter(&sent, codec, self)
     }
 }
 
@@ -611,6 +629,17 @@ impl PhysicalExtensionCodec for TaskPlanCodec {
         proto_converter: &dyn PhysicalProtoConverterExtension,
     ) -> Result<()> {
         DefaultPhysicalExtensionCodec {}.try_encode(node, buf, proto_converter)
+    }
+
+    fn try_decode_expr(
+        &self,
+        buf: &[u8],
+        inputs: &[Arc<dyn PhysicalExpr>],
+        _ctx: &PhysicalExprDecodeCtx<'_>,
+    ) -> Result<Arc<dyn PhysicalExpr>> {
+        cast_fields::decode(buf, inputs)?.ok_or_else(|| {
+            DataFusionError::Execution("a task plan holds an unknown extension expression".into())
+        })
     }
 
     fn try_encode_udf(&self, node: &ScalarUDF, buf: &mut Vec<u8>) -> Result<()> {

@@ -52,11 +52,11 @@ use crate::exec::task_sink::StoreSink;
 use crate::exec::task_spec::{TaskPlace, TaskSpec};
 use crate::exec::worker_plans::{
     PartitionInputs, blocks_plan, encode_for_worker, merges_runs_of, partition_plan, source_plan,
-    stage_inputs_in_leaf_order,
 };
 use crate::functions::accelerator_devices;
 use crate::io::object_stores::StoreGrants;
 use crate::plan::graph::{OperatorId, Pool};
+use crate::plan::partition_cut::{InputRead, inputs_read};
 use crate::plan::stage_input::InputExchange;
 use crate::store::block::{BlockId, HeldBlock};
 use crate::store::cutter::bundle_pieces;
@@ -217,9 +217,16 @@ impl QueryRun {
         if !ready {
             return None;
         }
-        let mut inputs = Vec::with_capacity(op.inputs.len());
-        for (input, producer) in op.inputs.iter().enumerate() {
-            st.operators[*producer].demanded = true;
+        // A stage input the partition does not read (below another input of a union) is
+        // one empty group, read by nothing.
+        let mut inputs = vec![vec![vec![]]; op.inputs.len()];
+        for (input, read) in inputs_read(&op.fragment, partition) {
+            let producer = op.inputs[input];
+            st.operators[producer].demanded = true;
+            let part = match read {
+                InputRead::Partition(part) => part,
+                InputRead::Whole => 0,
+            };
             if merges_runs_of(&op.fragment, input)
                 && matches!(op.input_exchanges[input], InputExchange::Preserve)
             {
@@ -228,8 +235,8 @@ impl QueryRun {
                 // the partition's share (else the runs merge in levels, here).
                 let mut runs = vec![];
                 let mut held_at_once = 0;
-                for task in st.operators[*producer].partitions[partition].tasks.clone() {
-                    let mut cursor = Cursor::new(*producer, ReadOrder::Task(task), None);
+                for task in st.operators[producer].partitions[part].tasks.clone() {
+                    let mut cursor = Cursor::new(producer, ReadOrder::Task(task), None);
                     let (mut blocks, mut largest) = (vec![], 0);
                     loop {
                         match st.next_block(&mut cursor) {
@@ -250,11 +257,11 @@ impl QueryRun {
                 if runs.is_empty() {
                     runs.push(vec![]);
                 }
-                inputs.push(runs);
+                inputs[input] = runs;
                 continue;
             }
             let mut groups = vec![];
-            for part in self.partitions_read_apart(op_id, input, partition) {
+            for part in self.partitions_read_apart(op_id, input, read) {
                 let mut cursor = self.input_cursor(op_id, input, part, true);
                 let mut blocks = vec![];
                 loop {
@@ -266,29 +273,23 @@ impl QueryRun {
                 }
                 groups.push(blocks);
             }
-            inputs.push(groups);
+            inputs[input] = groups;
         }
         Some(inputs)
     }
 
-    /// The partitions of stage input `input` that partition `partition` of `op_id` reads,
-    /// each apart: all of them for a one-partition operator over an order-preserving input
-    /// of several (a merge of sorted partitions), else `partition` (as its cursor reads it).
-    fn partitions_read_apart(
-        &self,
-        op_id: OperatorId,
-        input: usize,
-        partition: usize,
-    ) -> Vec<usize> {
+    /// The partitions of stage input `input` of `op_id` read as `read`, each apart: every
+    /// partition of an order-preserving input read whole (the sorted partitions a merge
+    /// reads), else the one read (a gathered input's cursor reads all of it as one).
+    fn partitions_read_apart(&self, op_id: OperatorId, input: usize, read: InputRead) -> Vec<usize> {
         let op = &self.graph.operators[op_id];
         let producer = self.graph.operators[op.inputs[input]].partitions();
-        let merged = matches!(op.input_exchanges[input], InputExchange::Preserve)
-            && op.partitions() == 1
-            && producer > 1;
-        if merged {
-            (0..producer).collect()
-        } else {
-            vec![partition]
+        match read {
+            InputRead::Whole if matches!(op.input_exchanges[input], InputExchange::Preserve) => {
+                (0..producer).collect()
+            }
+            InputRead::Whole => vec![0],
+            InputRead::Partition(part) => vec![part],
         }
     }
 
@@ -413,7 +414,10 @@ impl QueryRun {
             TaskKind::Blocks { inputs } => (vec![vec![inputs]], vec![0]),
             TaskKind::Partition | TaskKind::Slice { .. } => match self.partition_input_blocks(task)
             {
-                Some(groups) => (groups, stage_inputs_in_leaf_order(&op.fragment)),
+                Some(groups) => {
+                    let order = inputs_read(&op.fragment, partition);
+                    (groups, order.into_iter().map(|(input, _)| input).collect())
+                }
                 None => return Ok(Err(OnDriver::PerPartition)),
             },
             _ => return Ok(self.task_plan(task).await?.map(WorkerTask::whole)),

@@ -32,7 +32,7 @@ use crate::io::object_stores::StoreGrants;
 use crate::plan::accelerator_projection::AcceleratorProjectionExec;
 use crate::plan::graph::Operator;
 use crate::plan::merge_runs::MergeRunsExec;
-use crate::plan::partition_cut::{Reads, child_reads, cuts_per_partition};
+use crate::plan::partition_cut::{Reads, child_reads, cuts_per_partition, union_input};
 use crate::plan::split_source::SplitSourceExec;
 use crate::plan::stage_input::StageInputExec;
 use crate::store::block::BlockId;
@@ -215,8 +215,12 @@ pub(super) fn partition_plan(
 }
 
 /// One partition of a per-partition fragment being cut out for a worker.
+#[derive(Clone, Copy)]
 struct PartitionCut<'a> {
+    /// The partition cut out of the nodes on the line being rebuilt: the fragment's, or
+    /// below a union, the partition of the union's input it reads.
     partition: usize,
+    /// How many partitions the nodes on that line have.
     partitions: usize,
     /// The in-memory scan standing for each stage input.
     sources: &'a [Arc<dyn ExecutionPlan>],
@@ -284,6 +288,23 @@ impl PartitionCut<'_> {
                 why.get_or_insert(OnDriver::StoreNotGranted);
             }
             return Ok(scan);
+        }
+        if reads == Reads::OwnPartition
+            && let Some(union) = node.downcast_ref::<UnionExec>()
+        {
+            // The one input the partition reads, at its own partition (DataFusion's union
+            // coerces each input to its schema, so that input stands in for it).
+            let Some((i, partition)) = union_input(union, self.partition) else {
+                why.get_or_insert(OnDriver::PerPartition);
+                return Ok(Arc::clone(node));
+            };
+            let input = &union.inputs()[i];
+            let within = PartitionCut {
+                partition,
+                partitions: input.output_partitioning().partition_count(),
+                ..*self
+            };
+            return within.rebuild(input, Reads::OwnPartition, why);
         }
         let children = node.children();
         if children.is_empty() {
@@ -354,20 +375,6 @@ fn declaring(
         )),
         _ => Ok(Arc::clone(source)),
     }
-}
-
-/// The stage inputs of `fragment` in the order of its leaves (the order a worker fills its
-/// in-memory sources in).
-pub(super) fn stage_inputs_in_leaf_order(fragment: &Arc<dyn ExecutionPlan>) -> Vec<usize> {
-    let mut order = vec![];
-    let _ = fragment.apply(|node| {
-        if let Some(stage) = node.downcast_ref::<StageInputExec>() {
-            order.push(stage.input_index());
-            return Ok(TreeNodeRecursion::Jump);
-        }
-        Ok(TreeNodeRecursion::Continue)
-    });
-    order
 }
 
 /// `plan` (one output partition) with `op`'s output exchange on top.

@@ -14,7 +14,7 @@ use datafusion::physical_plan::joins::{
 };
 use datafusion::physical_plan::repartition::RepartitionExec;
 use datafusion::physical_plan::sorts::sort_preserving_merge::SortPreservingMergeExec;
-use datafusion::physical_plan::union::InterleaveExec;
+use datafusion::physical_plan::union::{InterleaveExec, UnionExec};
 use datafusion::physical_plan::{ExecutionPlan, ExecutionPlanProperties};
 
 use crate::plan::concat_partitions::ConcatPartitionsExec;
@@ -39,7 +39,8 @@ pub enum Reads {
 
 /// Whether one partition of `fragment` can run apart from the others on a worker: it holds
 /// only nodes a worker runs over in-memory sources, and partition `p` reads partition `p`
-/// of each stage input and file scan on its line, and the whole of its build sides.
+/// of each stage input and file scan on its line (under a union: the partition of the one
+/// union input it maps to, [`union_input`]), and the whole of its build sides.
 pub fn cuts_per_partition(fragment: &Arc<dyn ExecutionPlan>) -> bool {
     let mut foreign = false;
     let _ = fragment.apply(|node| {
@@ -54,8 +55,9 @@ pub fn cuts_per_partition(fragment: &Arc<dyn ExecutionPlan>) -> bool {
 }
 
 /// How partition `p` reads child `i` of `node`, itself read as `reads` in a fragment of
-/// `partitions` partitions; `None` when partition `p` cannot be cut out (a merge or union
-/// of partitions on the line: partition 0 of it reads every partition of its input).
+/// `partitions` partitions; `None` when partition `p` cannot be cut out (a merge of
+/// partitions on the line: partition 0 of it reads every partition of its input), or it
+/// is not read alike by every partition (a union's inputs: [`union_input`]).
 pub fn child_reads(
     node: &Arc<dyn ExecutionPlan>,
     i: usize,
@@ -81,6 +83,69 @@ pub fn child_reads(
     } else {
         None
     }
+}
+
+/// The input of `union` that its partition `partition` reads, and that input's partition
+/// it reads: a union's partitions are its inputs' partitions, input after input.
+pub fn union_input(union: &UnionExec, partition: usize) -> Option<(usize, usize)> {
+    let mut partition = partition;
+    for (i, input) in union.inputs().iter().enumerate() {
+        let count = input.output_partitioning().partition_count();
+        if partition < count {
+            return Some((i, partition));
+        }
+        partition -= count;
+    }
+    None
+}
+
+/// How partition `partition` of a per-partition fragment reads one of its stage inputs.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum InputRead {
+    /// The input's partition of this index (under a union, not the fragment's partition).
+    Partition(usize),
+    /// All of it (a gathered build side, or the sorted partitions a merge reads).
+    Whole,
+}
+
+/// The stage inputs partition `partition` of `fragment` (one [`cuts_per_partition`] cuts)
+/// reads, in the order of the leaves of the plan cut for it, each with how it is read: a
+/// union's partition reads one of its inputs, so the stage inputs below the others are not
+/// read at all.
+pub fn inputs_read(fragment: &Arc<dyn ExecutionPlan>, partition: usize) -> Vec<(usize, InputRead)> {
+    fn walk(
+        node: &Arc<dyn ExecutionPlan>,
+        reads: Reads,
+        (partition, partitions): (usize, usize),
+        out: &mut Vec<(usize, InputRead)>,
+    ) {
+        if let Some(stage) = node.downcast_ref::<StageInputExec>() {
+            out.push(match reads {
+                Reads::OwnPartition => (stage.input_index(), InputRead::Partition(partition)),
+                Reads::Whole => (stage.input_index(), InputRead::Whole),
+            });
+            return;
+        }
+        if reads == Reads::OwnPartition
+            && let Some(union) = node.downcast_ref::<UnionExec>()
+        {
+            if let Some((i, part)) = union_input(union, partition) {
+                let input = &union.inputs()[i];
+                let count = input.output_partitioning().partition_count();
+                walk(input, Reads::OwnPartition, (part, count), out);
+            }
+            return;
+        }
+        for (i, child) in node.children().into_iter().enumerate() {
+            if let Some(below) = child_reads(node, i, reads, partitions) {
+                walk(child, below, (partition, partitions), out);
+            }
+        }
+    }
+    let partitions = fragment.output_partitioning().partition_count();
+    let mut out = vec![];
+    walk(fragment, Reads::OwnPartition, (partition, partitions), &mut out);
+    out
 }
 
 /// Whether `node`, read as `reads` in a fragment of `partitions` partitions, can stand
@@ -110,6 +175,16 @@ fn reads_apart(node: &Arc<dyn ExecutionPlan>, reads: Reads, partitions: usize) -
     }
     if node.children().is_empty() || (reads == Reads::OwnPartition && count != partitions) {
         return false;
+    }
+    // A union's partition is one partition of one of its inputs: each input is a line of
+    // its own, of its own partitions.
+    if reads == Reads::OwnPartition
+        && let Some(union) = node.downcast_ref::<UnionExec>()
+    {
+        return (union.inputs().iter()).all(|input| {
+            let count = input.output_partitioning().partition_count();
+            reads_apart(input, Reads::OwnPartition, count)
+        });
     }
     // A join that emits its build side's unmatched rows (left, anti, semi, full) does so
     // once over all its partitions, which share what they matched: its partitions cannot
@@ -181,11 +256,20 @@ mod tests {
     /// A stage input of `partitions` partitions over one Int64 column `x`, read as
     /// `exchange`.
     fn stage(partitions: usize, exchange: InputExchange) -> Arc<dyn ExecutionPlan> {
+        stage_input(0, partitions, exchange)
+    }
+
+    /// Stage input `index`, as [`stage`].
+    fn stage_input(
+        index: usize,
+        partitions: usize,
+        exchange: InputExchange,
+    ) -> Arc<dyn ExecutionPlan> {
         let schema = Arc::new(Schema::new(vec![Field::new("x", DataType::Int64, true)]));
         let memory =
             MemorySourceConfig::try_new_exec(&vec![vec![]; partitions], schema, None).unwrap();
         let properties = Arc::clone(memory.properties());
-        Arc::new(StageInputExec::new(0, exchange, properties, None))
+        Arc::new(StageInputExec::new(index, exchange, properties, None))
     }
 
     fn hash(partitions: usize) -> InputExchange {
@@ -271,5 +355,33 @@ mod tests {
             probe(),
             JoinType::Inner
         )));
+    }
+
+    #[test]
+    fn a_union_partition_reads_one_partition_of_one_input() {
+        let union = UnionExec::try_new(vec![
+            stage_input(0, 2, hash(2)),
+            stage_input(1, 3, hash(3)),
+        ])
+        .unwrap();
+        assert!(cuts_per_partition(&union));
+        assert_eq!(
+            inputs_read(&union, 1),
+            vec![(0, InputRead::Partition(1))]
+        );
+        assert_eq!(
+            inputs_read(&union, 4),
+            vec![(1, InputRead::Partition(2))]
+        );
+        // An input that cannot be cut keeps the whole union on the driver.
+        let merged = Arc::new(SortPreservingMergeExec::new(
+            [datafusion::physical_expr::PhysicalSortExpr::new_default(
+                col("x", &union.schema()).unwrap(),
+            )]
+            .into(),
+            stage_input(1, 3, hash(3)),
+        ));
+        let with_merge = UnionExec::try_new(vec![stage_input(0, 2, hash(2)), merged]).unwrap();
+        assert!(!cuts_per_partition(&with_merge));
     }
 }

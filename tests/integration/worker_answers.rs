@@ -12,6 +12,7 @@ use std::sync::Arc;
 
 use common::format_tables::{FORMAT_TABLES, format_query, write_format_tables};
 use common::{remote_and_all_tasks, rows, same_rows, tpch, write_events};
+use datafusion::common::tree_node::{TreeNode, TreeNodeRecursion};
 use datafusion::arrow::datatypes::DataType;
 use datafusion::arrow::record_batch::RecordBatch;
 use datafusion::physical_plan::ExecutionPlan;
@@ -1000,5 +1001,72 @@ async fn a_join_to_a_one_file_dimension_reads_on_the_workers() {
                 stats.on_driver()
             );
         }
+    }
+}
+
+/// `UNION ALL` on the workers: a union of two scans (a Parquet table and a CSV one) in a
+/// source fragment, and a union of two final aggregates over stage inputs, answer like
+/// vanilla DataFusion with every task of an operator holding the union on a worker. A
+/// union's partition reads one partition of one of its inputs; before, both shapes ran on
+/// the driver (`scan_not_split`, `per_partition`).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn union_all_runs_on_the_workers() {
+    let (dir, vanilla, workers) = events_in_two_workers(20_000).await;
+    let d = dir.path().display();
+    vanilla
+        .sql(&format!(
+            "COPY (SELECT id, k, v FROM events WHERE id % 4 = 1) TO '{d}/more' \
+             STORED AS CSV OPTIONS ('format.has_header' 'true')"
+        ))
+        .await
+        .unwrap()
+        .collect()
+        .await
+        .unwrap();
+    for ctx in [&vanilla, &workers] {
+        let create = format!(
+            "CREATE EXTERNAL TABLE more (id BIGINT, k BIGINT, v DOUBLE) STORED AS CSV \
+             LOCATION '{d}/more/' OPTIONS ('format.has_header' 'true')"
+        );
+        ctx.sql(&create).await.unwrap().collect().await.unwrap();
+    }
+    for sql in [
+        // Two scans under a union, under a partial aggregate: one source fragment.
+        "SELECT k, count(*) AS n, sum(v) AS s FROM (SELECT k, v FROM events WHERE id % 2 = 0 \
+         UNION ALL SELECT k, v * 2 FROM more) GROUP BY k ORDER BY k",
+        // A union of two final aggregates, each over its own hash exchange.
+        "SELECT k, n FROM (SELECT k, count(*) AS n FROM events GROUP BY k UNION ALL \
+         SELECT k, count(*) + 1000 FROM more WHERE v > 0.5 GROUP BY k) ORDER BY k, n",
+    ] {
+        let plan = answers_like_vanilla(&vanilla, &workers, sql).await;
+        let exec = plan.downcast_ref::<flumen::exec::FlumenExec>().unwrap();
+        let mut unions = 0;
+        for op in &exec.graph().operators {
+            // The operator's own nodes (not its producers', shown below its stage inputs).
+            let mut holds_union = false;
+            let _ = op.fragment.apply(|node| {
+                holds_union |= node.name() == "UnionExec";
+                Ok(match node.name() {
+                    "StageInputExec" => TreeNodeRecursion::Jump,
+                    _ => TreeNodeRecursion::Continue,
+                })
+            });
+            if !holds_union {
+                continue;
+            }
+            let text = datafusion::physical_plan::displayable(op.fragment.as_ref())
+                .indent(true)
+                .to_string();
+            unions += 1;
+            let stats = exec.run_metrics().operator(op.id);
+            let tasks = stats.tasks.load(std::sync::atomic::Ordering::Relaxed);
+            let remote = (stats.remote_tasks).load(std::sync::atomic::Ordering::Relaxed);
+            assert!(
+                remote == tasks && tasks >= 2,
+                "{sql}: {remote} of the union's {tasks} tasks ran on a worker: {:?}\n{text}",
+                stats.on_driver()
+            );
+        }
+        assert_eq!(unions, 1, "{sql}: one operator holds the union");
     }
 }
