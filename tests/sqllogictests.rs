@@ -21,7 +21,8 @@
 //! - No `.slt` file found (in `sql/` or upstream) fails.
 //!
 //! `FLUMEN_SLT=ours` runs only `sql/`; `FLUMEN_SLT_FILES=a.slt,b.slt` runs only the named
-//! upstream files; `FLUMEN_SLT=full` prints every failing record and never fails.
+//! upstream files; `FLUMEN_SLT=full` prints every failing record and never fails;
+//! `FLUMEN_SLT_SHOW_FALLBACKS=1` prints each file's listed fallbacks to the driver too.
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::io::Write;
@@ -1024,6 +1025,13 @@ async fn check_workers(
         match known {
             Some(i) => {
                 tally.known_fallbacks_seen.insert(i);
+                if std::env::var_os("FLUMEN_SLT_SHOW_FALLBACKS").is_some() {
+                    say!(
+                        tally,
+                        "upstream {name} in workers: {tasks} tasks on the driver, listed: \
+                         {reason}: {detail}"
+                    );
+                }
             }
             None => {
                 tally.unknown_fallbacks += 1;

@@ -269,7 +269,7 @@ mod tests {
         let memory =
             MemorySourceConfig::try_new_exec(&vec![vec![]; partitions], schema, None).unwrap();
         let properties = Arc::clone(memory.properties());
-        Arc::new(StageInputExec::new(index, exchange, properties, None))
+        Arc::new(StageInputExec::new(index, exchange, properties, None).with_input_index(index))
     }
 
     fn hash(partitions: usize) -> InputExchange {

@@ -399,26 +399,26 @@ pub fn files_below(dir: &Path) -> Vec<PathBuf> {
     files
 }
 
-/// The counters of an executed plan's join operator (the one whose fragment holds a hash
-/// join) after one of its workers was killed: printed, then checked that the kill cost the
-/// join something, that it ran no task on the driver, and that each lost block ran again
-/// at most once.
-pub fn assert_join_recovered_on_workers(plan: &Arc<dyn ExecutionPlan>) {
+/// The counters of an executed plan's first operator whose fragment holds a node named
+/// `node` (a `HashJoinExec`, a `UnionExec`) after one of its workers was killed: printed,
+/// then checked that the kill cost the operator something, that it ran no task on the
+/// driver, and that each lost block ran again at most once.
+pub fn assert_recovered_on_workers(plan: &Arc<dyn ExecutionPlan>, node: &str) {
     let exec = plan.downcast_ref::<flumen::exec::FlumenExec>().unwrap();
-    let join = (exec.graph().operators.iter())
+    let op = (exec.graph().operators.iter())
         .find(|op| {
             datafusion::physical_plan::displayable(op.fragment.as_ref())
                 .indent(false)
                 .to_string()
-                .contains("HashJoinExec")
+                .contains(node)
         })
-        .expect("a join operator");
-    let s = exec.run_metrics().operator(join.id).snapshot();
-    println!("join {} after the kill: {s:?}", join.name);
+        .unwrap_or_else(|| panic!("no operator holds a {node}"));
+    let s = exec.run_metrics().operator(op.id).snapshot();
+    println!("{} after the kill: {s:?}", op.name);
     assert_eq!(s.tasks_on_driver, 0, "{s:?}");
     assert!(
         s.blocks_lost > 0 || s.tasks_retried > 0,
-        "the kill cost the join nothing: {s:?}"
+        "the kill cost the {node} nothing: {s:?}"
     );
     assert!(s.recomputed <= s.blocks_lost, "{s:?}");
 }

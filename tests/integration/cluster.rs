@@ -887,7 +887,7 @@ fn a_host_killed_holding_a_joins_reduce_outputs_is_recomputed_on_the_others() {
             let expected = v.sql(sql).await.unwrap().collect().await.unwrap();
             assert_eq!(rows(&expected, false), rows(&batches, false));
             assert!(killed.load(Ordering::Relaxed), "no host held a join output");
-            common::assert_join_recovered_on_workers(&plan);
+            common::assert_recovered_on_workers(&plan, "HashJoinExec");
         })
     });
 }

@@ -1473,5 +1473,42 @@ async fn a_worker_killed_holding_a_joins_output_reruns_only_its_partitions() {
     let expected = v.sql(sql).await.unwrap().collect().await.unwrap();
     assert_eq!(rows(&expected, false), rows(&batches, false));
     assert!(killed.lock().unwrap().is_some(), "no worker was killed");
-    common::assert_join_recovered_on_workers(&plan);
+    common::assert_recovered_on_workers(&plan, "HashJoinExec");
+}
+
+/// A worker SIGKILLed once it holds a union's output blocks (a union of two final
+/// aggregates, each partition one partition of one of them): the lost partitions run again
+/// on the other worker, each reading only its own input's partition, and the answer is
+/// unchanged.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_worker_killed_holding_a_unions_output_reruns_only_its_partitions() {
+    let (dir, v) = events_with_vanilla(3, 20_000).await;
+    let armed = Arc::new(AtomicBool::new(false));
+    let armed_in = Arc::clone(&armed);
+    let killed = Arc::new(Mutex::new(None::<u32>));
+    let killed_in = Arc::clone(&killed);
+    let dropper = BlockDropper(Arc::new(move |b| {
+        if let Some(pid) = b.worker_pid
+            && b.operator_name == "UnionExec"
+            && armed_in.swap(false, Ordering::Relaxed)
+        {
+            // SAFETY: a signal to a worker process this test's session started.
+            unsafe { libc::kill(pid as i32, libc::SIGKILL) };
+            *killed_in.lock().unwrap() = Some(pid);
+        }
+        false
+    }));
+    let f = session(process_config(2), Some(dropper));
+    f.sql("SET flumen.split_bytes = '64KB'").await.unwrap();
+    f.sql("SET flumen.mode = 'batch'").await.unwrap();
+    register_tables(&f, dir.path()).await;
+    let sql = "SELECT g, n, s FROM (SELECT k AS g, count(*) AS n, round(sum(v), 6) AS s \
+               FROM events GROUP BY k UNION ALL SELECT id % 5 + 100, count(*), max(v) \
+               FROM events WHERE v < 0.5 GROUP BY id % 5) ORDER BY g, n";
+    armed.store(true, Ordering::Relaxed);
+    let (batches, plan) = run_plan(&f, sql).await;
+    let expected = v.sql(sql).await.unwrap().collect().await.unwrap();
+    assert_eq!(rows(&expected, true), rows(&batches, true));
+    assert!(killed.lock().unwrap().is_some(), "no worker was killed");
+    common::assert_recovered_on_workers(&plan, "UnionExec");
 }
