@@ -280,8 +280,10 @@ const KNOWN_DRIVER_FALLBACKS: &[KnownFallback] = &[
         file: "*",
         reason: "scan_not_split",
         detail_prefix: "",
-        why: "Avro and Arrow-stream scans, and unions of several scans, are not cut into \
-              source splits and workers do not read them whole: they read on the driver. \
+        why: "Avro and Arrow-stream scans, and source fragments of several scans that no \
+              per-partition cut splits (a union's partition reads one input's partition: \
+              those are cut), read on the driver (dynamic_file.slt's Avro files, 2 tasks; \
+              range_partitioning.slt, 8; parquet_filter_pushdown.slt, 1). \
               Parquet, CSV, JSON and Arrow-file scans go to the workers (what \
               datafusion-proto 55 drops of CSV and JSON scans travels beside them: \
               `flumen::cluster::scan_formats`)",

@@ -105,7 +105,9 @@ mod tests {
             Arc::clone(&field),
             None,
         ));
-        let bytes = encode(&cast).unwrap().expect("a cast with a field of its own");
+        let bytes = encode(&cast)
+            .unwrap()
+            .expect("a cast with a field of its own");
         let input: Arc<dyn PhysicalExpr> = Arc::new(Column::new("k", 0));
         let back = decode(&bytes, &[input]).unwrap().unwrap();
         let back = back.downcast_ref::<CastExpr>().unwrap();

@@ -49,10 +49,10 @@ use datafusion::execution::TaskContext;
 use datafusion::logical_expr::{AggregateUDF, ScalarUDF, WindowUDF};
 use datafusion::parquet::arrow::arrow_reader::{RowSelection, RowSelector};
 use datafusion::physical_expr::expressions::{DynamicFilterPhysicalExpr, lit};
+use datafusion::physical_expr_common::physical_expr::proto_decode::PhysicalExprDecodeCtx;
 use datafusion::physical_plan::aggregates::AggregateExec;
 use datafusion::physical_plan::filter::{FilterExec, FilterExecBuilder};
 use datafusion::physical_plan::joins::HashTableLookupExpr;
-use datafusion::physical_expr_common::physical_expr::proto_decode::PhysicalExprDecodeCtx;
 use datafusion::physical_plan::{ExecutionPlan, PhysicalExpr, displayable};
 use datafusion_proto::physical_plan::to_proto::serialize_physical_expr_with_converter;
 use datafusion_proto::physical_plan::{
@@ -465,10 +465,7 @@ impl PhysicalProtoConverterExtension for TaskPlanConverter {
             return Ok(protobuf::PhysicalExprNode {
                 expr_id: None,
                 expr_type: Some(protobuf::physical_expr_node::ExprType::Extension(
-                    protobuf::PhysicalExtensionExprNode {
-                        expr: cast,
-                        inputs,
-                    },
+                    protobuf::PhysicalExtensionExprNode { expr: cast, inputs },
                 )),
             });
         }

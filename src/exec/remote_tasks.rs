@@ -281,7 +281,12 @@ impl QueryRun {
     /// The partitions of stage input `input` of `op_id` read as `read`, each apart: every
     /// partition of an order-preserving input read whole (the sorted partitions a merge
     /// reads), else the one read (a gathered input's cursor reads all of it as one).
-    fn partitions_read_apart(&self, op_id: OperatorId, input: usize, read: InputRead) -> Vec<usize> {
+    fn partitions_read_apart(
+        &self,
+        op_id: OperatorId,
+        input: usize,
+        read: InputRead,
+    ) -> Vec<usize> {
         let op = &self.graph.operators[op_id];
         let producer = self.graph.operators[op.inputs[input]].partitions();
         match read {

@@ -144,7 +144,12 @@ pub fn inputs_read(fragment: &Arc<dyn ExecutionPlan>, partition: usize) -> Vec<(
     }
     let partitions = fragment.output_partitioning().partition_count();
     let mut out = vec![];
-    walk(fragment, Reads::OwnPartition, (partition, partitions), &mut out);
+    walk(
+        fragment,
+        Reads::OwnPartition,
+        (partition, partitions),
+        &mut out,
+    );
     out
 }
 
@@ -359,20 +364,12 @@ mod tests {
 
     #[test]
     fn a_union_partition_reads_one_partition_of_one_input() {
-        let union = UnionExec::try_new(vec![
-            stage_input(0, 2, hash(2)),
-            stage_input(1, 3, hash(3)),
-        ])
-        .unwrap();
+        let union =
+            UnionExec::try_new(vec![stage_input(0, 2, hash(2)), stage_input(1, 3, hash(3))])
+                .unwrap();
         assert!(cuts_per_partition(&union));
-        assert_eq!(
-            inputs_read(&union, 1),
-            vec![(0, InputRead::Partition(1))]
-        );
-        assert_eq!(
-            inputs_read(&union, 4),
-            vec![(1, InputRead::Partition(2))]
-        );
+        assert_eq!(inputs_read(&union, 1), vec![(0, InputRead::Partition(1))]);
+        assert_eq!(inputs_read(&union, 4), vec![(1, InputRead::Partition(2))]);
         // An input that cannot be cut keeps the whole union on the driver.
         let merged = Arc::new(SortPreservingMergeExec::new(
             [datafusion::physical_expr::PhysicalSortExpr::new_default(

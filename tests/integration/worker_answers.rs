@@ -12,9 +12,9 @@ use std::sync::Arc;
 
 use common::format_tables::{FORMAT_TABLES, format_query, write_format_tables};
 use common::{remote_and_all_tasks, rows, same_rows, tpch, write_events};
-use datafusion::common::tree_node::{TreeNode, TreeNodeRecursion};
 use datafusion::arrow::datatypes::DataType;
 use datafusion::arrow::record_batch::RecordBatch;
+use datafusion::common::tree_node::{TreeNode, TreeNodeRecursion};
 use datafusion::physical_plan::ExecutionPlan;
 use datafusion::prelude::{SessionConfig, SessionContext};
 use flumen::functions::emulated_accelerator::EmulatedModel;
