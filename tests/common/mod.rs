@@ -207,6 +207,35 @@ pub fn remote_and_all_tasks(plan: &Arc<dyn ExecutionPlan>) -> (u64, u64) {
         .fold((0, 0), |(r, t), s| (r + s.remote_tasks, t + s.tasks))
 }
 
+/// The counters of each operator of an executed flumen plan whose own nodes (not its
+/// producers', below its stage inputs) include one named `node` (`UnionExec`), with the
+/// operator's text.
+pub fn operators_holding(
+    plan: &Arc<dyn ExecutionPlan>,
+    node: &str,
+) -> Vec<(flumen::exec::StatsSnapshot, String)> {
+    use datafusion::common::tree_node::{TreeNode, TreeNodeRecursion};
+    let exec = plan.downcast_ref::<flumen::exec::FlumenExec>().unwrap();
+    let mut found = vec![];
+    for op in &exec.graph().operators {
+        let mut holds = false;
+        let _ = op.fragment.apply(|n| {
+            holds |= n.name() == node;
+            Ok(match n.name() {
+                "StageInputExec" => TreeNodeRecursion::Jump,
+                _ => TreeNodeRecursion::Continue,
+            })
+        });
+        if holds {
+            let text = datafusion::physical_plan::displayable(op.fragment.as_ref())
+                .indent(true)
+                .to_string();
+            found.push((exec.run_metrics().operator(op.id).snapshot(), text));
+        }
+    }
+    found
+}
+
 /// Two formatted rows agree: every cell is equal text, or both cells are floating-point numbers
 /// within a relative 1e-9 of each other. A sum of doubles depends on the order its inputs were
 /// added in, and flumen groups rows into blocks differently from DataFusion's partitions, so

@@ -180,6 +180,32 @@ fn tpch_and_a_model_query_on_three_hosts_answer_like_datafusion() {
                 remote >= 2 * FORMAT_TABLES.len() as u64,
                 "{remote} tasks on the hosts"
             );
+            // A union of all of them, and of two of their aggregates: each union partition
+            // reads one partition of one input, on the hosts.
+            let tables: Vec<String> = (FORMAT_TABLES.iter())
+                .map(|t| format!("SELECT id, name FROM {t}"))
+                .collect();
+            let union_sqls = [
+                format!(
+                    "SELECT id % 3 AS g, count(*) AS n, sum(id) AS s, max(name) AS m \
+                     FROM ({}) GROUP BY id % 3 ORDER BY g",
+                    tables.join(" UNION ALL ")
+                ),
+                "SELECT g, n FROM (SELECT id % 3 AS g, count(*) AS n FROM csv_gz GROUP BY \
+                 id % 3 UNION ALL SELECT id % 5 + 10, count(*) FROM large_types GROUP BY \
+                 id % 5) ORDER BY g, n"
+                    .to_string(),
+            ];
+            for sql in &union_sqls {
+                assert_same(&v, &f, sql).await;
+                let plan = run_plan(&f, sql).await.1;
+                for (stats, text) in common::operators_holding(&plan, "UnionExec") {
+                    assert!(
+                        stats.remote_tasks == stats.tasks && stats.tasks >= 2,
+                        "{sql}: a union's tasks off the hosts: {stats:?}\n{text}"
+                    );
+                }
+            }
             for ctx in [&v, &f] {
                 let set = "SET datafusion.execution.time_zone = 'Asia/Tokyo'";
                 ctx.sql(set).await.unwrap().collect().await.unwrap();

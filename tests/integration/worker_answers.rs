@@ -14,7 +14,6 @@ use common::format_tables::{FORMAT_TABLES, format_query, write_format_tables};
 use common::{remote_and_all_tasks, rows, same_rows, tpch, write_events};
 use datafusion::arrow::datatypes::DataType;
 use datafusion::arrow::record_batch::RecordBatch;
-use datafusion::common::tree_node::{TreeNode, TreeNodeRecursion};
 use datafusion::physical_plan::ExecutionPlan;
 use datafusion::prelude::{SessionConfig, SessionContext};
 use flumen::functions::emulated_accelerator::EmulatedModel;
@@ -1039,34 +1038,15 @@ async fn union_all_runs_on_the_workers() {
          SELECT k, count(*) + 1000 FROM more WHERE v > 0.5 GROUP BY k) ORDER BY k, n",
     ] {
         let plan = answers_like_vanilla(&vanilla, &workers, sql).await;
-        let exec = plan.downcast_ref::<flumen::exec::FlumenExec>().unwrap();
-        let mut unions = 0;
-        for op in &exec.graph().operators {
-            // The operator's own nodes (not its producers', shown below its stage inputs).
-            let mut holds_union = false;
-            let _ = op.fragment.apply(|node| {
-                holds_union |= node.name() == "UnionExec";
-                Ok(match node.name() {
-                    "StageInputExec" => TreeNodeRecursion::Jump,
-                    _ => TreeNodeRecursion::Continue,
-                })
-            });
-            if !holds_union {
-                continue;
-            }
-            let text = datafusion::physical_plan::displayable(op.fragment.as_ref())
-                .indent(true)
-                .to_string();
-            unions += 1;
-            let stats = exec.run_metrics().operator(op.id);
-            let tasks = stats.tasks.load(std::sync::atomic::Ordering::Relaxed);
-            let remote = (stats.remote_tasks).load(std::sync::atomic::Ordering::Relaxed);
+        let unions = common::operators_holding(&plan, "UnionExec");
+        for (stats, text) in &unions {
             assert!(
-                remote == tasks && tasks >= 2,
-                "{sql}: {remote} of the union's {tasks} tasks ran on a worker: {:?}\n{text}",
-                stats.on_driver()
+                stats.remote_tasks == stats.tasks && stats.tasks >= 2,
+                "{sql}: {} of the union's {} tasks ran on a worker: {stats:?}\n{text}",
+                stats.remote_tasks,
+                stats.tasks
             );
         }
-        assert_eq!(unions, 1, "{sql}: one operator holds the union");
+        assert_eq!(unions.len(), 1, "{sql}: one operator holds the union");
     }
 }
