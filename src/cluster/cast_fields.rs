@@ -12,6 +12,7 @@ use std::sync::Arc;
 
 use datafusion::arrow::compute::CastOptions;
 use datafusion::arrow::datatypes::Field;
+use datafusion::common::format::DEFAULT_FORMAT_OPTIONS;
 use datafusion::error::{DataFusionError, Result};
 use datafusion::physical_expr::expressions::CastExpr;
 use datafusion::physical_plan::PhysicalExpr;
@@ -36,12 +37,17 @@ struct CastToFieldNode {
 }
 
 /// The bytes of `expr` as a [`CAST_TO_FIELD`] expression when it is a cast that was given
-/// a field of its own (which datafusion-proto would drop), else `None`.
+/// a field of its own (which datafusion-proto would drop), else `None`. Only a cast with
+/// DataFusion's own value formatting (how a cast to text writes durations, dates) is
+/// carried: the field and `safe` are all that travel, and the worker's cast formats as
+/// DataFusion's default does.
 pub(super) fn encode(expr: &Arc<dyn PhysicalExpr>) -> Result<Option<Vec<u8>>> {
     let Some(cast) = expr.downcast_ref::<CastExpr>() else {
         return Ok(None);
     };
-    if cast.target_nullable().is_none() && cast.target_metadata().is_none() {
+    if (cast.target_nullable().is_none() && cast.target_metadata().is_none())
+        || cast.cast_options().format_options != DEFAULT_FORMAT_OPTIONS
+    {
         return Ok(None);
     }
     let field = protobuf::Field::try_from(cast.target_field().as_ref())
@@ -82,7 +88,7 @@ pub(super) fn decode(
     };
     let options = CastOptions {
         safe: node.safe,
-        ..CastOptions::default()
+        format_options: DEFAULT_FORMAT_OPTIONS,
     };
     Ok(Some(Arc::new(CastExpr::new_with_target_field(
         Arc::clone(input),
@@ -113,6 +119,10 @@ mod tests {
         let back = back.downcast_ref::<CastExpr>().unwrap();
         assert_eq!(back.target_field(), &field);
         assert_eq!(back.target_nullable(), Some(true));
+        assert_eq!(
+            back.cast_options(),
+            cast.downcast_ref::<CastExpr>().unwrap().cast_options()
+        );
         // A plain cast is left to datafusion-proto.
         let plain: Arc<dyn PhysicalExpr> = Arc::new(CastExpr::new(
             Arc::new(Column::new("k", 0)),
