@@ -54,7 +54,7 @@ const ALLOWED_NODES: &[&str] = &[
 ];
 
 /// File formats a worker scans.
-const ALLOWED_FORMATS: &[&str] = &["parquet", "csv", "json", "arrow"];
+const ALLOWED_FORMATS: &[&str] = &["parquet", "csv", "json", "arrow", "arrow_stream", "avro"];
 
 /// The settings a task may carry to a worker (all else is the worker's own).
 pub const WORKER_OPTIONS: &[&str] = &[

@@ -24,9 +24,9 @@ pub enum OnDriver {
     /// `VALUES`, a one-row placeholder): no file to hand a worker.
     DriverData,
     /// Its source is a file scan not cut into source splits that a worker task cannot be
-    /// cut from either: a format workers do not read (Avro, Arrow streams), or several
-    /// scans (a union of tables). An unsplit scan of Parquet, CSV, JSON or Arrow files goes
-    /// to a worker one partition at a time.
+    /// cut from either: a format workers do not read, or several scans that no
+    /// per-partition cut splits. An unsplit scan of Parquet, CSV, JSON, Avro or Arrow files
+    /// goes to a worker one partition at a time.
     ScanNotSplit,
     /// It reads an object store whose credentials the session cannot hand to workers.
     StoreNotGranted,

@@ -11,8 +11,8 @@
 //!   file's selection, which the worker puts back on the files. A file with any other
 //!   extension cannot be sent: its task runs on the driver.
 //! - **A scan's `preserve_order`** (its files read in the order given): carried the same way.
-//! - **CSV and JSON scans' compression, CSV's line terminator, JSON's array format**:
-//!   carried the same way ([`super::scan_formats`]).
+//! - **CSV and JSON scans' compression, CSV's line terminator, JSON's array format, an
+//!   Arrow scan's stream format**: carried the same way ([`super::scan_formats`]).
 //! - **Dynamic filters made outside the task** (by a join's build side or a TopK that run
 //!   elsewhere): proto writes a filter's current expression against its producer's columns
 //!   and decodes it against the scan's, so an `InList` of the build side's keys landed on
@@ -693,7 +693,7 @@ struct FileScanNode {
     /// The scan reads its files in the order given (`FileScanConfig::preserve_order`).
     #[prost(bool, tag = "4")]
     preserve_order: bool,
-    /// A CSV or JSON scan's settings that proto drops.
+    /// A CSV, JSON or Arrow-stream scan's settings that proto drops.
     #[prost(message, optional, tag = "5")]
     format: Option<ScanFormat>,
 }

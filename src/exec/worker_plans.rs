@@ -103,9 +103,9 @@ fn partition_scan_plan(
                     "the scan has no file group {partition}"
                 )));
             };
-            // Parquet, CSV, JSON and Arrow files go (what datafusion-proto drops of CSV
-            // and JSON scans travels beside them: `cluster::scan_formats`); Avro and Arrow
-            // streams read on the driver.
+            // Parquet, CSV, JSON, Avro and Arrow files and streams go (what
+            // datafusion-proto drops of CSV, JSON and Arrow-stream scans travels beside
+            // them: `cluster::scan_formats`).
             let format = config.file_source().file_type();
             if !reads_format(format) {
                 return Err(DataFusionError::NotImplemented(format!(

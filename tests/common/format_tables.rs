@@ -1,11 +1,12 @@
 //! Tables in every file format workers read, each in a form whose settings
-//! datafusion-proto 55 drops (gzip CSV and JSON, CSV lines ended by `;`, JSON arrays), Arrow
-//! files, and Parquet with large types (`LargeUtf8`, `LargeList`), which Flight once
+//! datafusion-proto 55 drops (gzip CSV and JSON, CSV lines ended by `;`, JSON arrays, Arrow
+//! IPC streams), Arrow files, Avro files, and Parquet with large types (`LargeUtf8`, `LargeList`), which Flight once
 //! mangled: for checking that worker processes and cluster hosts read each as the driver
 //! would.
 
 use std::path::Path;
 
+use datafusion::arrow::ipc::writer::StreamWriter;
 use datafusion::prelude::{SessionConfig, SessionContext};
 
 /// The tables [`write_format_tables`] makes; each has the columns `id` (0..), `name`
@@ -17,6 +18,8 @@ pub const FORMAT_TABLES: &[&str] = &[
     "csv_semi",
     "json_array",
     "large_types",
+    "arrow_streams",
+    "avro_files",
 ];
 
 /// Write [`FORMAT_TABLES`] under `dir`, `files` files of `rows_per_file` rows each; returns
@@ -53,6 +56,17 @@ pub async fn write_format_tables(dir: &Path, files: usize, rows_per_file: usize)
         ] {
             writer.sql(&copy).await.unwrap().collect().await.unwrap();
         }
+        let batches = writer.sql(&rows).await.unwrap().collect().await.unwrap();
+        let stream = std::fs::File::create(dir.join(format!("arrow_streams/part-{file}.arrow")));
+        let mut stream = StreamWriter::try_new(stream.unwrap(), &batches[0].schema()).unwrap();
+        for batch in &batches {
+            stream.write(batch).unwrap();
+        }
+        stream.finish().unwrap();
+        write_avro(
+            &dir.join(format!("avro_files/part-{file}.avro")),
+            ids.clone(),
+        );
         let semi: String = ids
             .clone()
             .map(|i| {
@@ -101,7 +115,33 @@ pub async fn write_format_tables(dir: &Path, files: usize, rows_per_file: usize)
              OPTIONS ('format.newline_delimited' 'false')"
         ),
         format!("CREATE EXTERNAL TABLE large_types STORED AS PARQUET LOCATION '{d}/large_types/'"),
+        format!(
+            "CREATE EXTERNAL TABLE arrow_streams STORED AS ARROW LOCATION '{d}/arrow_streams/'"
+        ),
+        format!("CREATE EXTERNAL TABLE avro_files STORED AS AVRO LOCATION '{d}/avro_files/'"),
     ]
+}
+
+/// An Avro file of the rows `ids` (DataFusion writes no Avro: apache-avro does).
+fn write_avro(path: &Path, ids: std::ops::Range<usize>) {
+    use apache_avro::types::Record;
+    let schema = apache_avro::Schema::parse_str(
+        r#"{"type": "record", "name": "row", "fields": [
+            {"name": "id", "type": "long"},
+            {"name": "name", "type": "string"},
+            {"name": "x", "type": "double"}]}"#,
+    )
+    .unwrap();
+    let mut writer =
+        apache_avro::Writer::new(&schema, std::fs::File::create(path).unwrap()).unwrap();
+    for i in ids {
+        let mut record = Record::new(writer.schema()).unwrap();
+        record.put("id", i as i64);
+        record.put("name", format!("name {i}"));
+        record.put("x", i as f64 * 1.5);
+        writer.append_value(record).unwrap();
+    }
+    writer.flush().unwrap();
 }
 
 /// An aggregate over `table` (one of [`FORMAT_TABLES`]) that reads every column of it.

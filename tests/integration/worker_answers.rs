@@ -851,7 +851,8 @@ async fn a_function_only_the_driver_has_runs_there_and_says_so() {
 }
 
 /// CSV and JSON tables in every form datafusion-proto 55 drops a setting of (gzip CSV, gzip
-/// JSON, CSV lines ended by `;`, JSON arrays), Arrow files and large types, 3 files each:
+/// JSON, CSV lines ended by `;`, JSON arrays), Arrow files, Arrow IPC streams (decoded as
+/// files by proto alone), Avro files and large types, 3 files each:
 /// their source tasks run in the workers and answer like vanilla DataFusion. Before, every
 /// CSV, JSON and Arrow scan read on the driver (`scan_not_split`); sent as proto has them, a
 /// worker read gzip bytes as text, `;`-ended lines as one line, and an array as one object
