@@ -358,14 +358,6 @@ const KNOWN_DRIVER_FALLBACKS: &[KnownFallback] = &[
         why: "as preserve_file_partitioning.slt: the scan's file partitioning is kept above it",
     },
     KnownFallback {
-        file: "range_partitioning.slt",
-        reason: "refused",
-        detail_prefix: "Execution error: flumen worker refuses the task: plan node \
-                        PartitionedTopKExec",
-        why: "PartitionedTopKExec has no datafusion-proto 55 encoding, so it is not on the \
-              workers' node allowlist (cluster::admission)",
-    },
-    KnownFallback {
         file: "window.slt",
         reason: "unencodable",
         detail_prefix: "This feature is not implemented: datafusion-proto drops a window \

@@ -51,6 +51,9 @@ const ALLOWED_NODES: &[&str] = &[
     // `SubqueryValuesExec` is sent as DataFusion's `ScalarSubqueryExec`.
     "SubqueryValuesExec",
     "ScalarSubqueryExec",
+    // A window's per-partition TopK (`enable_window_topn`), sent as a flumen node
+    // (`cluster::topk_nodes`).
+    "PartitionedTopKExec",
 ];
 
 /// File formats a worker scans.

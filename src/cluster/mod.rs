@@ -8,6 +8,8 @@
 //!   driver's check that a worker decodes the plan that was planned.
 //! - [`cast_fields`]: a cast to a field of its own (a union's nullable columns), which proto
 //!   drops, carried whole.
+//! - [`topk_nodes`]: DataFusion's per-partition TopK, which proto cannot encode, carried as
+//!   a flumen node.
 //! - [`window_calls`]: what proto drops of a window function's call (`IGNORE NULLS`, a
 //!   reversed call), carried or refused.
 //! - [`worker`]: the worker process: an Arrow Flight server that runs task plans.
@@ -48,6 +50,7 @@ pub(crate) mod scan_formats;
 pub mod shipped_functions;
 pub mod task_plan;
 pub mod tls;
+pub(crate) mod topk_nodes;
 pub(crate) mod window_calls;
 pub(crate) mod worker;
 pub(crate) mod worker_client;

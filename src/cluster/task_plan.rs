@@ -65,6 +65,7 @@ use prost::Message;
 use crate::cluster::cast_fields;
 use crate::cluster::scan_formats::{ScanFormat, describe_format};
 use crate::cluster::shipped_functions::{self, ShippedFunction};
+use crate::cluster::topk_nodes;
 use crate::cluster::window_calls::{carry_window_calls, describe_window_calls, lossy_window};
 use crate::plan::subquery_values::SubqueryValuesExec;
 
@@ -500,8 +501,9 @@ fn row_selections(config: &FileScanConfig) -> Result<Vec<FileRows>> {
     Ok(files)
 }
 
-/// Decodes flumen's [`FILE_SCAN`] nodes and checks that the workers have each
-/// function the plan calls; everything else is datafusion-proto's.
+/// Encodes and decodes flumen's [`FILE_SCAN`] nodes and DataFusion's per-partition TopK
+/// ([`topk_nodes`]), and checks that the workers have each function the plan calls;
+/// everything else is datafusion-proto's.
 #[derive(Debug)]
 struct TaskPlanCodec {
     /// The functions the workers can call (`None` when decoding).
@@ -566,10 +568,14 @@ impl PhysicalExtensionCodec for TaskPlanCodec {
     fn try_decode(
         &self,
         buf: &[u8],
-        _inputs: &[Arc<dyn ExecutionPlan>],
+        inputs: &[Arc<dyn ExecutionPlan>],
         ctx: &TaskContext,
         proto_converter: &dyn PhysicalProtoConverterExtension,
     ) -> Result<Arc<dyn ExecutionPlan>> {
+        let decode_ctx = PhysicalPlanDecodeContext::new(ctx, self);
+        if let Some(topk) = topk_nodes::decode(buf, inputs, &decode_ctx, proto_converter)? {
+            return Ok(topk);
+        }
         let node = FileScanNode::decode(buf)
             .ok()
             .filter(|n| n.kind == FILE_SCAN)
@@ -578,8 +584,7 @@ impl PhysicalExtensionCodec for TaskPlanCodec {
             })?;
         let scan = protobuf::PhysicalPlanNode::decode(node.scan.as_slice())
             .map_err(|e| DataFusionError::Execution(format!("a bad scan in a task plan: {e}")))?;
-        let scan = proto_converter
-            .proto_to_execution_plan(&scan, &PhysicalPlanDecodeContext::new(ctx, self))?;
+        let scan = proto_converter.proto_to_execution_plan(&scan, &decode_ctx)?;
         let config = file_scan(&scan).ok_or_else(|| {
             DataFusionError::Execution(
                 "a task plan's row selections are not over a file scan".into(),
@@ -625,6 +630,10 @@ impl PhysicalExtensionCodec for TaskPlanCodec {
         buf: &mut Vec<u8>,
         proto_converter: &dyn PhysicalProtoConverterExtension,
     ) -> Result<()> {
+        if let Some(topk) = topk_nodes::encode(&node, self, proto_converter)? {
+            buf.extend(topk);
+            return Ok(());
+        }
         DefaultPhysicalExtensionCodec {}.try_encode(node, buf, proto_converter)
     }
 

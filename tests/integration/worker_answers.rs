@@ -1051,3 +1051,39 @@ async fn union_all_runs_on_the_workers() {
         assert_eq!(unions.len(), 1, "{sql}: one operator holds the union");
     }
 }
+
+/// A window's per-partition TopK (`enable_window_topn`: `ROW_NUMBER()` or `RANK()` under
+/// `r <= K`) on the workers: each answers like vanilla DataFusion with every task of the
+/// operator holding the `PartitionedTopKExec` on a worker. datafusion-proto 55 has no
+/// encoding for it; before it travelled as a flumen node (`cluster::topk_nodes`) those tasks
+/// ran on the driver (`refused`: not on the workers' node allowlist).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_windows_per_partition_topk_runs_on_the_workers() {
+    let (_dir, vanilla, workers) = events_in_two_workers(20_000).await;
+    for ctx in [&vanilla, &workers] {
+        let on = "SET datafusion.optimizer.enable_window_topn = true";
+        ctx.sql(on).await.unwrap().collect().await.unwrap();
+    }
+    for function in ["ROW_NUMBER", "RANK"] {
+        let sql = format!(
+            "SELECT k, id, v, r FROM (SELECT k, id, v, {function}() OVER (PARTITION BY k \
+             ORDER BY v DESC, id) AS r FROM events WHERE id % 3 <> 0) WHERE r <= 3 \
+             ORDER BY k, r, id"
+        );
+        let plan = answers_like_vanilla(&vanilla, &workers, &sql).await;
+        let topks = common::operators_holding(&plan, "PartitionedTopKExec");
+        assert_eq!(
+            topks.len(),
+            1,
+            "{sql}: one operator holds the per-partition TopK"
+        );
+        for (stats, text) in &topks {
+            assert!(
+                stats.remote_tasks == stats.tasks && stats.tasks >= 2,
+                "{sql}: {} of the TopK's {} tasks ran on a worker: {stats:?}\n{text}",
+                stats.remote_tasks,
+                stats.tasks
+            );
+        }
+    }
+}
