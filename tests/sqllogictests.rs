@@ -282,8 +282,8 @@ const KNOWN_DRIVER_FALLBACKS: &[KnownFallback] = &[
         detail_prefix: "",
         why: "source fragments of several scans of the harness's range-partitioned table that \
               no per-partition cut splits read on the driver (8 tasks). Parquet, CSV, JSON, \
-              Avro and Arrow-file scans go to the workers (what datafusion-proto 55 drops of \
-              CSV and JSON scans travels beside them: `flumen::cluster::scan_formats`)",
+              Avro and Arrow scans go to the workers (what datafusion-proto 55 drops of CSV, \
+              JSON and Arrow-stream scans travels beside them: `flumen::cluster::scan_formats`)",
     },
     KnownFallback {
         file: "parquet_filter_pushdown.slt",

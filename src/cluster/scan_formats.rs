@@ -1,5 +1,5 @@
-//! What datafusion-proto 55 drops of CSV, JSON and Arrow-stream scans, carried beside a task plan's scan
-//! and put back on the worker's decoded copy:
+//! What datafusion-proto 55 drops of CSV, JSON and Arrow-stream scans, carried beside a task
+//! plan's scan and put back on the worker's decoded copy:
 //! - a CSV or JSON scan's **compression** (decoded as uncompressed: a worker read gzip bytes
 //!   as text, copy.slt's `validate_csv` and `validate_json_gz`);
 //! - a CSV scan's **line terminator** (decoded as `\n` or `\r\n`);
