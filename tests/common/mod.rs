@@ -236,6 +236,21 @@ pub fn operators_holding(
     found
 }
 
+/// Assert that exactly one operator of an executed flumen plan holds a node named `node`,
+/// and that each of its tasks (two at least) ran on a worker; `what` names the query.
+pub fn assert_one_operator_on_workers(plan: &Arc<dyn ExecutionPlan>, node: &str, what: &str) {
+    let holding = operators_holding(plan, node);
+    assert_eq!(holding.len(), 1, "{what}: one operator holds the {node}");
+    for (stats, text) in &holding {
+        assert!(
+            stats.remote_tasks == stats.tasks && stats.tasks >= 2,
+            "{what}: {} of the {node}'s {} tasks ran on a worker: {stats:?}\n{text}",
+            stats.remote_tasks,
+            stats.tasks
+        );
+    }
+}
+
 /// Two formatted rows agree: every cell is equal text, or both cells are floating-point numbers
 /// within a relative 1e-9 of each other. A sum of doubles depends on the order its inputs were
 /// added in, and flumen groups rows into blocks differently from DataFusion's partitions, so

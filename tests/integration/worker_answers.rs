@@ -1039,16 +1039,7 @@ async fn union_all_runs_on_the_workers() {
          SELECT k, count(*) + 1000 FROM more WHERE v > 0.5 GROUP BY k) ORDER BY k, n",
     ] {
         let plan = answers_like_vanilla(&vanilla, &workers, sql).await;
-        let unions = common::operators_holding(&plan, "UnionExec");
-        for (stats, text) in &unions {
-            assert!(
-                stats.remote_tasks == stats.tasks && stats.tasks >= 2,
-                "{sql}: {} of the union's {} tasks ran on a worker: {stats:?}\n{text}",
-                stats.remote_tasks,
-                stats.tasks
-            );
-        }
-        assert_eq!(unions.len(), 1, "{sql}: one operator holds the union");
+        common::assert_one_operator_on_workers(&plan, "UnionExec", sql);
     }
 }
 
@@ -1071,19 +1062,6 @@ async fn a_windows_per_partition_topk_runs_on_the_workers() {
              ORDER BY k, r, id"
         );
         let plan = answers_like_vanilla(&vanilla, &workers, &sql).await;
-        let topks = common::operators_holding(&plan, "PartitionedTopKExec");
-        assert_eq!(
-            topks.len(),
-            1,
-            "{sql}: one operator holds the per-partition TopK"
-        );
-        for (stats, text) in &topks {
-            assert!(
-                stats.remote_tasks == stats.tasks && stats.tasks >= 2,
-                "{sql}: {} of the TopK's {} tasks ran on a worker: {stats:?}\n{text}",
-                stats.remote_tasks,
-                stats.tasks
-            );
-        }
+        common::assert_one_operator_on_workers(&plan, "PartitionedTopKExec", &sql);
     }
 }
