@@ -384,3 +384,36 @@ fn the_budget_counts_the_binary_allocators_heap() {
         "peak_unreserved_bytes with the heap not counted"
     );
 }
+
+/// The shell as a user builds it (`cargo build --release --bin flumen`: no dev-dependencies)
+/// reads every format `datafusion-cli` reads. Test builds cannot show a format missing
+/// there: they unify DataFusion's features with `datafusion-sqllogictest`'s, which turn Avro
+/// on whatever `[dependencies]` says. So this asks cargo for the graph without
+/// dev-dependencies.
+#[test]
+fn the_shell_built_without_dev_dependencies_reads_avro() {
+    const AVRO_FORMAT: &str = "datafusion-datasource-avro";
+    let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".into());
+    let manifest = concat!(env!("CARGO_MANIFEST_DIR"), "/Cargo.toml");
+    let out = Command::new(&cargo)
+        .args([
+            "tree",
+            "--offline",
+            "--edges",
+            "no-dev",
+            "--invert",
+            AVRO_FORMAT,
+        ])
+        .args(["--manifest-path", manifest])
+        .output()
+        .expect("cannot run cargo tree");
+    let (stdout, stderr) = (text(&out.stdout), text(&out.stderr));
+    assert!(out.status.success(), "cargo tree failed: {stderr}");
+    // `cargo tree -i` prints the crate first, then what pulls it in; without it, only
+    // "nothing to print" on stderr.
+    assert!(
+        stdout.starts_with(&format!("{AVRO_FORMAT} v")),
+        "the shell's build lacks {AVRO_FORMAT}: give datafusion and datafusion-proto their \
+         `avro` feature in [dependencies]\n{stdout}{stderr}"
+    );
+}
