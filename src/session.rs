@@ -12,7 +12,7 @@ use crate::cluster::WorkerPoolSlot;
 use crate::config::FlumenConfig;
 use crate::exec::{AcceleratorPool, FlumenQueryPlanner};
 use crate::functions::accelerator::accelerator_udf;
-use crate::functions::{embedding, row_hash, text, vector};
+use crate::functions::{embedding, percentile_cont, row_hash, text, vector};
 #[cfg(feature = "delta")]
 use crate::io::delta;
 use crate::io::{iceberg, object_stores};
@@ -39,8 +39,10 @@ pub fn session_with_config(session_config: SessionConfig, config: FlumenConfig) 
 }
 
 /// Register flumen's SQL functions: `embed` and its CPU step `embed_tokens`, `clean_text`,
-/// `row_hash` and the vector helpers (`cosine_similarity`, `dot_product`, `l2_distance`).
+/// `row_hash` and the vector helpers (`cosine_similarity`, `dot_product`, `l2_distance`),
+/// and `percentile_cont` in place of DataFusion's ([`percentile_cont`]).
 pub fn register_functions(ctx: &SessionContext) {
+    ctx.register_udaf(percentile_cont::percentile_cont_udaf().as_ref().clone());
     ctx.register_udf(accelerator_udf(embedding::EmbedFunction::default()));
     ctx.register_udf(
         embedding::tokenize_step::embed_tokens_udf()

@@ -7,12 +7,15 @@
 //! - [`emulated_accelerator`]: a model that occupies an emulated device (benches, tests).
 //! - [`text`]: `clean_text`; [`vector`]: `cosine_similarity`, `dot_product`, `l2_distance`.
 //! - [`row_hash`]: `row_hash(seed, value, ...)`, a seeded hash of a row (random shuffles).
+//! - [`percentile_cont`]: DataFusion's `percentile_cont`, merging every partial state it is
+//!   handed (DataFusion 55's merges the first of a batch only).
 
 pub mod accelerator;
 pub mod accelerator_devices;
 pub mod embedding;
 pub mod emulated_accelerator;
 pub mod model_cache;
+pub mod percentile_cont;
 pub mod row_hash;
 pub(crate) mod text;
 pub(crate) mod vector;

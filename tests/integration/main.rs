@@ -20,6 +20,7 @@ mod fault_worker;
 #[allow(dead_code)]
 mod metric_fact_parser;
 
+mod aggregate_merges;
 mod bad_inputs;
 mod cli;
 mod cluster;
