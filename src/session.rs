@@ -16,7 +16,9 @@ use crate::functions::{embedding, percentile_cont, row_hash, text, vector};
 #[cfg(feature = "delta")]
 use crate::io::delta;
 use crate::io::{iceberg, object_stores};
-use crate::plan::{accelerator_projection, partitioned_outer_joins, random_shuffle};
+use crate::plan::{
+    accelerator_projection, fixed_size_list_casts, partitioned_outer_joins, random_shuffle,
+};
 
 /// A DataFusion `SessionContext` whose queries run on flumen, with default DataFusion
 /// settings and the given flumen settings.
@@ -40,9 +42,14 @@ pub fn session_with_config(session_config: SessionConfig, config: FlumenConfig) 
 
 /// Register flumen's SQL functions: `embed` and its CPU step `embed_tokens`, `clean_text`,
 /// `row_hash` and the vector helpers (`cosine_similarity`, `dot_product`, `l2_distance`),
-/// and `percentile_cont` in place of DataFusion's ([`percentile_cont`]).
+/// `percentile_cont` in place of DataFusion's ([`percentile_cont`]), and the rule that makes
+/// casts to fixed-size lists read sliced lists right ([`fixed_size_list_casts`]).
 pub fn register_functions(ctx: &SessionContext) {
     ctx.register_udaf(percentile_cont::percentile_cont_udaf().as_ref().clone());
+    ctx.register_udf(fixed_size_list_casts::unsliced_lists_udf());
+    // Last (once), after the simplifier has turned `arrow_cast` calls into casts.
+    ctx.remove_optimizer_rule("unsliced_list_casts");
+    ctx.add_optimizer_rule(Arc::new(fixed_size_list_casts::UnslicedListCasts));
     ctx.register_udf(accelerator_udf(embedding::EmbedFunction::default()));
     ctx.register_udf(
         embedding::tokenize_step::embed_tokens_udf()

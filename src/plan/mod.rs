@@ -22,6 +22,8 @@
 //! - [`partitioned_outer_joins`]: in worker mode, outer and semi hash joins planned
 //!   partitioned, so their partitions run apart.
 //! - [`partition_slices`]: which hash join tasks can be cut into slices of their build side.
+//! - [`fixed_size_list_casts`]: casts of lists to fixed-size lists that read sliced lists
+//!   right (arrow-cast 59 reads them from the start of their values).
 //! - [`subquery_values`]: a fragment that reads scalar subqueries' values from their own
 //!   operators.
 
@@ -29,6 +31,7 @@ pub(crate) mod accelerator_projection;
 pub mod concat_partitions;
 pub(crate) mod cut;
 pub mod exchange_sizing;
+pub mod fixed_size_list_casts;
 pub(crate) mod graph;
 pub(crate) mod join_filter_rows;
 pub mod merge_join_fallback;
