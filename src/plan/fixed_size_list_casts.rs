@@ -142,9 +142,12 @@ fn wrap_cast_input(expr: Expr) -> Result<Transformed<Expr>> {
         Expr::Cast(Cast { expr, field }) if needs_wrap(&expr, field.data_type()) => Ok(
             Transformed::yes(Expr::Cast(Cast::new_from_field(wrapped(*expr), field))),
         ),
-        Expr::TryCast(TryCast { expr, field }) if needs_wrap(&expr, field.data_type()) => Ok(
-            Transformed::yes(Expr::TryCast(TryCast::new_from_field(wrapped(*expr), field))),
-        ),
+        Expr::TryCast(TryCast { expr, field }) if needs_wrap(&expr, field.data_type()) => {
+            Ok(Transformed::yes(Expr::TryCast(TryCast::new_from_field(
+                wrapped(*expr),
+                field,
+            ))))
+        }
         other => Ok(Transformed::no(other)),
     }
 }
@@ -222,8 +225,8 @@ mod tests {
     fn the_rule_wraps_each_cast_to_a_fixed_size_list_once() {
         let column = datafusion::prelude::col("v");
         let to = fixed_size_list_of_three();
-        let once = wrap_cast_input(Expr::Cast(Cast::new(Box::new(column.clone()), to.clone())))
-            .unwrap();
+        let once =
+            wrap_cast_input(Expr::Cast(Cast::new(Box::new(column.clone()), to.clone()))).unwrap();
         assert!(once.transformed);
         let again = wrap_cast_input(once.data.clone()).unwrap();
         assert!(!again.transformed, "wrapped twice: {}", again.data);
