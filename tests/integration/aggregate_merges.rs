@@ -64,27 +64,19 @@ struct Call {
 /// type, then a column with the literal arguments that percentiles, `nth_value`,
 /// `string_agg` and weighted percentiles take.
 fn calls() -> Vec<Call> {
-    let call = |columns: &[DataType], literals: &[ScalarValue]| Call {
-        columns: columns.to_vec(),
-        literals: literals.to_vec(),
-    };
-    let (f, i, s, b) = (
-        DataType::Float64,
-        DataType::Int64,
-        DataType::Utf8,
-        DataType::Boolean,
-    );
-    let half = ScalarValue::Float64(Some(0.9));
+    use DataType::{Boolean, Float64, Int64, Utf8};
+    let call = |columns: Vec<DataType>, literals: Vec<ScalarValue>| Call { columns, literals };
+    let ninetieth = || vec![ScalarValue::Float64(Some(0.9))];
     vec![
-        call(&[f.clone()], &[]),
-        call(&[i.clone()], &[]),
-        call(&[b.clone()], &[]),
-        call(&[s.clone()], &[]),
-        call(&[f.clone(), f.clone()], &[]),
-        call(&[f.clone()], std::slice::from_ref(&half)),
-        call(&[f.clone(), f.clone()], std::slice::from_ref(&half)),
-        call(&[i.clone()], &[ScalarValue::Int64(Some(3))]),
-        call(&[s], &[ScalarValue::Utf8(Some(",".into()))]),
+        call(vec![Float64], vec![]),
+        call(vec![Int64], vec![]),
+        call(vec![Boolean], vec![]),
+        call(vec![Utf8], vec![]),
+        call(vec![Float64, Float64], vec![]),
+        call(vec![Float64], ninetieth()),
+        call(vec![Float64, Float64], ninetieth()),
+        call(vec![Int64], vec![ScalarValue::Int64(Some(3))]),
+        call(vec![Utf8], vec![ScalarValue::Utf8(Some(",".into()))]),
     ]
 }
 
