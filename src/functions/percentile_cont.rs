@@ -139,8 +139,8 @@ mod tests {
     use datafusion::physical_expr::PhysicalSortExpr;
     use datafusion::physical_expr::expressions::{Literal, col};
 
-    /// The 90th percentile, over `merged`'s partial states, of the values `parts` hold
-    /// (`distinct`: of their distinct values), by the accumulators of `function`.
+    /// The 90th percentile of the values `parts` hold (`distinct`: of their distinct values)
+    /// by `function`'s accumulators: one partial per part, their states merged as one batch.
     fn percentile_of_parts(
         function: &dyn AggregateUDFImpl,
         parts: &[&[f64]],

@@ -180,7 +180,7 @@ mod tests {
     use datafusion::arrow::compute::cast;
     use datafusion::arrow::datatypes::{Field, Int64Type};
 
-    /// Three lists of three, the middle two rows sliced out.
+    /// Four lists of three (`[10r, 10r + 1, 10r + 2]` for row r), rows 1 and 2 sliced out.
     fn sliced() -> ArrayRef {
         let list = ListArray::from_iter_primitive::<Int64Type, _, _>(
             (0..4).map(|row| Some((0..3).map(move |i| Some(row * 10 + i)))),
