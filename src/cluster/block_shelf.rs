@@ -27,6 +27,16 @@ use crate::store::owned_dir::OwnedDir;
 /// How many ended queries a worker remembers.
 const ENDED_QUERIES_KEPT: usize = 4096;
 
+/// The name a worker's spill directory starts with, under the system's temporary directory.
+const SPILL_DIR_PREFIX: &str = "flumen-worker-blocks-";
+
+/// Remove the spill directories on this host whose worker is gone: for a driver that has
+/// just reaped a worker process it started, which may have been killed before it could
+/// remove its own. Returns how many.
+pub(crate) fn remove_spills_of_ended_workers() -> usize {
+    crate::store::owned_dir::sweep(&std::env::temp_dir(), SPILL_DIR_PREFIX)
+}
+
 /// Where a kept block's rows are.
 enum Rows {
     Memory(RecordBatch),
@@ -163,7 +173,7 @@ impl BlockShelf {
             let mut dir = self.spill_dir.lock().unwrap();
             let dir = match dir.as_ref() {
                 Some(dir) => dir,
-                None => dir.insert(OwnedDir::create(None, "flumen-worker-blocks-").map_err(
+                None => dir.insert(OwnedDir::create(None, SPILL_DIR_PREFIX).map_err(
                     |e| {
                         DataFusionError::Execution(format!(
                             "the worker cannot make a spill directory for its blocks: {e}"

@@ -233,7 +233,7 @@ impl WorkerHandle {
         if let Some(mut child) = self.child.lock().unwrap().take() {
             let _ = child.kill();
             // Reap it off this thread.
-            std::thread::spawn(move || child.wait());
+            std::thread::spawn(move || reap(child));
         }
     }
 
@@ -327,10 +327,25 @@ impl Drop for WorkerHandle {
 /// How long a worker this driver let go may take to exit before it is killed.
 const EXIT_GRACE: Duration = Duration::from_secs(2);
 
+/// Wait for a worker process this driver killed, then remove the spill directory it could
+/// not remove itself (a killed worker's is otherwise left until the next worker on the host
+/// spills).
+fn reap(mut child: std::process::Child) {
+    let _ = child.wait();
+    let removed = crate::cluster::block_shelf::remove_spills_of_ended_workers();
+    if removed > 0 {
+        log::info!(
+            "removed {removed} spill directories of ended workers after worker pid {} was killed",
+            child.id()
+        );
+    }
+}
+
 /// Let a worker process this driver started go: its stdin closes, so it exits by itself as
 /// it would when the driver dies, its spill directory removed first; one still running
-/// after [`EXIT_GRACE`] is killed. A SIGKILL at once, as before, left the directory of
-/// every worker that had spilled in the temp directory for good.
+/// after [`EXIT_GRACE`] is killed, and its directory removed for it ([`reap`]). A SIGKILL
+/// at once, as before, left the directory of every worker that had spilled in the temp
+/// directory for good.
 fn let_go(child: Option<std::process::Child>) {
     let Some(mut child) = child else {
         return;
@@ -345,7 +360,7 @@ fn let_go(child: Option<std::process::Child>) {
             std::thread::sleep(Duration::from_millis(10));
         }
         let _ = child.kill();
-        let _ = child.wait();
+        reap(child);
     });
 }
 
