@@ -5,6 +5,7 @@
 use std::sync::Arc;
 
 use datafusion::execution::{SessionState, SessionStateBuilder};
+use datafusion::optimizer::AnalyzerRule;
 use datafusion::physical_optimizer::PhysicalOptimizerRule;
 use datafusion::prelude::{SessionConfig, SessionContext};
 
@@ -17,7 +18,8 @@ use crate::functions::{embedding, percentile_cont, row_hash, text, vector};
 use crate::io::delta;
 use crate::io::{iceberg, object_stores};
 use crate::plan::{
-    accelerator_projection, fixed_size_list_casts, partitioned_outer_joins, random_shuffle,
+    accelerator_projection, counted_set_operations, fixed_size_list_casts, partitioned_outer_joins,
+    random_shuffle,
 };
 
 /// A DataFusion `SessionContext` whose queries run on flumen, with default DataFusion
@@ -42,14 +44,25 @@ pub fn session_with_config(session_config: SessionConfig, config: FlumenConfig) 
 
 /// Register flumen's SQL functions: `embed` and its CPU step `embed_tokens`, `clean_text`,
 /// `row_hash` and the vector helpers (`cosine_similarity`, `dot_product`, `l2_distance`),
-/// `percentile_cont` in place of DataFusion's ([`percentile_cont`]), and the rule that makes
-/// casts to fixed-size lists read sliced lists right ([`fixed_size_list_casts`]).
+/// `percentile_cont` in place of DataFusion's ([`percentile_cont`]), the rule that makes
+/// casts to fixed-size lists read sliced lists right ([`fixed_size_list_casts`]), and the
+/// one that makes `INTERSECT ALL` and `EXCEPT ALL` count copies ([`counted_set_operations`]).
 pub fn register_functions(ctx: &SessionContext) {
     ctx.register_udaf(percentile_cont::percentile_cont_udaf().as_ref().clone());
     ctx.register_udf(fixed_size_list_casts::unsliced_lists_udf());
     // Last (once), after the simplifier has turned `arrow_cast` calls into casts.
     ctx.remove_optimizer_rule("unsliced_list_casts");
     ctx.add_optimizer_rule(Arc::new(fixed_size_list_casts::UnslicedListCasts));
+    let counted = counted_set_operations::CountedSetOperations;
+    let state = ctx.state();
+    if !state
+        .analyzer()
+        .rules
+        .iter()
+        .any(|rule| rule.name() == counted.name())
+    {
+        ctx.add_analyzer_rule(Arc::new(counted));
+    }
     ctx.register_udf(accelerator_udf(embedding::EmbedFunction::default()));
     ctx.register_udf(
         embedding::tokenize_step::embed_tokens_udf()

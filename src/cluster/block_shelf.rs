@@ -173,13 +173,11 @@ impl BlockShelf {
             let mut dir = self.spill_dir.lock().unwrap();
             let dir = match dir.as_ref() {
                 Some(dir) => dir,
-                None => dir.insert(OwnedDir::create(None, SPILL_DIR_PREFIX).map_err(
-                    |e| {
-                        DataFusionError::Execution(format!(
-                            "the worker cannot make a spill directory for its blocks: {e}"
-                        ))
-                    },
-                )?),
+                None => dir.insert(OwnedDir::create(None, SPILL_DIR_PREFIX).map_err(|e| {
+                    DataFusionError::Execution(format!(
+                        "the worker cannot make a spill directory for its blocks: {e}"
+                    ))
+                })?),
             };
             dir.path().join(format!("{key}.arrow"))
         };

@@ -22,6 +22,8 @@
 //! - [`partitioned_outer_joins`]: in worker mode, outer and semi hash joins planned
 //!   partitioned, so their partitions run apart.
 //! - [`partition_slices`]: which hash join tasks can be cut into slices of their build side.
+//! - [`counted_set_operations`]: `INTERSECT ALL` and `EXCEPT ALL` that count copies
+//!   (DataFusion 55 plans them as a plain semi and anti join).
 //! - [`fixed_size_list_casts`]: casts of lists to fixed-size lists that read sliced lists
 //!   right (arrow-cast 59 reads them from the start of their values).
 //! - [`subquery_values`]: a fragment that reads scalar subqueries' values from their own
@@ -29,6 +31,7 @@
 
 pub(crate) mod accelerator_projection;
 pub mod concat_partitions;
+pub mod counted_set_operations;
 pub(crate) mod cut;
 pub mod exchange_sizing;
 pub mod fixed_size_list_casts;

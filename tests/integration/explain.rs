@@ -69,6 +69,16 @@ async fn explain_join_shows_the_collected_build_side() {
     );
 }
 
+/// `EXCEPT ALL` numbers each side's copies of a row in a window partitioned by the row, and
+/// the anti join matches copy numbers too (flumen's `counted_set_operations`): the window's
+/// sort and the join are operators of their own.
+#[tokio::test]
+async fn explain_except_all_numbers_the_copies_on_both_sides() {
+    insta::assert_snapshot!(
+        explain("SELECT k FROM t EXCEPT ALL SELECT k FROM t WHERE id > 50").await
+    );
+}
+
 /// An uncorrelated scalar subquery is cut into operators of its own; the operator whose
 /// filter reads its value (`SubqueryValuesExec`) takes it as a gathered input and waits
 /// for it. Before, DataFusion's `ScalarSubqueryExec` kept the whole query one operator.
