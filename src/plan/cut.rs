@@ -516,7 +516,10 @@ fn partitions_wait_for_each_other(fragment: &Arc<dyn ExecutionPlan>) -> bool {
 
 /// Producers of the stage inputs on the probe side of a join: the right input of a hash
 /// join (partitioned or collect-left), nested loop join or cross join, which DataFusion
-/// reads only once the left (build) side has been collected.
+/// reads only once the left (build) side has been collected. The build side of a join
+/// inside a probe side is collected too, not streamed: a task streaming it would hold its
+/// slot waiting for a producer that may need that slot (with 2 slots, a three-way join
+/// over 100-row blocks hung for good).
 fn collect_probe_producers(
     plan: &Arc<dyn ExecutionPlan>,
     under_probe: bool,
@@ -536,7 +539,12 @@ fn collect_probe_producers(
     }) || plan.downcast_ref::<NestedLoopJoinExec>().is_some()
         || plan.downcast_ref::<CrossJoinExec>().is_some();
     for (i, child) in plan.children().into_iter().enumerate() {
-        collect_probe_producers(child, under_probe || (builds_left && i == 1), out);
+        let probe = match (builds_left, i) {
+            (true, 0) => false,
+            (true, _) => true,
+            (false, _) => under_probe,
+        };
+        collect_probe_producers(child, probe, out);
     }
 }
 

@@ -69,6 +69,17 @@ async fn explain_join_shows_the_collected_build_side() {
     );
 }
 
+/// A join inside another join's probe side collects its build side: the operator that runs
+/// both joins streams no input (before, it streamed the inner build's producer like a probe,
+/// and a task could hold its slot waiting for blocks whose producer needed that slot).
+#[tokio::test]
+async fn explain_a_join_in_a_probe_side_collects_its_own_build_side() {
+    insta::assert_snapshot!(
+        explain("SELECT count(*) FROM t a JOIN t b ON a.id = b.id JOIN t c ON c.id = b.id + 1")
+            .await
+    );
+}
+
 /// `EXCEPT ALL` numbers each side's copies of a row in a window partitioned by the row, and
 /// the anti join matches copy numbers too (flumen's `counted_set_operations`): the window's
 /// sort and the join are operators of their own.
