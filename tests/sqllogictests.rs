@@ -848,8 +848,8 @@ async fn run_ours(root: &Path) -> Result<(usize, usize), String> {
 }
 
 /// Longest one engine may take over one of flumen's own files (all of them, every engine,
-/// take ~80 s together):
-/// past it, the file fails as hung instead of holding CI until its limit.
+/// take ~80 s together): past it, the file fails as hung instead of holding CI until its
+/// limit.
 const OUR_FILE_TIMEOUT: Duration = Duration::from_secs(300);
 
 /// [`run_records`] over one of flumen's own files, failed when it runs past
