@@ -26,7 +26,10 @@
 //! `FLUMEN_SLT_BATCH_SIZE=N` starts every engine's session of an upstream file with
 //! `datafusion.execution.batch_size = N`, TPC-H's apart, and accepts a query's rows in any
 //! order (with `FLUMEN_SLT=full`: a search for answers that depend on how rows are cut into
-//! batches; pinned outcomes assume the default).
+//! batches; pinned outcomes assume the default). `FLUMEN_SLT_BLOCK_ROWS=N` and
+//! `FLUMEN_SLT_MEMORY_BUDGET=SIZE` do the same for flumen's sessions' `target_block_rows`
+//! and `memory_budget` (a search for answers that depend on how flumen cuts blocks and
+//! when it spills).
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::io::Write;
@@ -456,6 +459,16 @@ async fn run_file_inner(path: &Path, relative: &Path, engine: Engine) -> FileRun
             let mut config = FlumenConfig::default();
             // DataFusion's files assert DataFusion's own EXPLAIN text.
             config.explain_operators = false;
+            if let Ok(rows) = std::env::var("FLUMEN_SLT_BLOCK_ROWS") {
+                config.target_block_rows = rows
+                    .parse()
+                    .unwrap_or_else(|e| panic!("FLUMEN_SLT_BLOCK_ROWS={rows}: {e}"));
+            }
+            if let Ok(size) = std::env::var("FLUMEN_SLT_MEMORY_BUDGET") {
+                config.memory_budget = size
+                    .parse()
+                    .unwrap_or_else(|e| panic!("FLUMEN_SLT_MEMORY_BUDGET={size}: {e}"));
+            }
             if engine == Engine::FlumenWorkers {
                 config.workers = flumen::WorkerMode::Process;
                 config.worker_processes = 2;
@@ -650,15 +663,22 @@ fn validate_in_layout(
     if df_value_validator(normalizer, &actual, expected) {
         return true;
     }
-    // Another batch size puts the rows of a query without `ORDER BY` in another order:
-    // there, the same rows in any order pass.
-    std::env::var_os("FLUMEN_SLT_BATCH_SIZE").is_some() && {
-        let mut actual = actual;
-        actual.sort_by_key(|row| row.join(" "));
-        let mut expected = expected.to_vec();
-        expected.sort();
-        df_value_validator(normalizer, &actual, &expected)
-    }
+    // Another batch size, block size or budget puts the rows of a query without `ORDER BY`
+    // in another order: there, the same rows in any order pass.
+    [
+        "FLUMEN_SLT_BATCH_SIZE",
+        "FLUMEN_SLT_BLOCK_ROWS",
+        "FLUMEN_SLT_MEMORY_BUDGET",
+    ]
+    .iter()
+    .any(|name| std::env::var_os(name).is_some())
+        && {
+            let mut actual = actual;
+            actual.sort_by_key(|row| row.join(" "));
+            let mut expected = expected.to_vec();
+            expected.sort();
+            df_value_validator(normalizer, &actual, &expected)
+        }
 }
 
 fn upstream_crate() -> Option<PathBuf> {

@@ -610,8 +610,12 @@ impl QueryRun {
     pub fn describe(&self) -> String {
         let st = self.state.lock().unwrap();
         let mut out = format!(
-            "running={:?} store={}B; ",
+            "running={:?} streaming={} (waiting {}) output_blocked={} stalled={} store={}B; ",
             st.running,
+            st.streaming_running,
+            st.streaming_waiting,
+            st.output_blocked,
+            self.stalled(&st),
             self.store.memory_bytes()
         );
         for op in &self.graph.operators {
@@ -623,16 +627,18 @@ impl QueryRun {
                 .collect();
             let count = |s| tasks.iter().filter(|t| **t == s).count();
             out.push_str(&format!(
-                "op{} {} {:?}: pending={} running={} done={} closed={:?} held={}B complete={}; ",
+                "op{} {} {:?}: pending={} running={} (paused {}) done={} closed={:?} held={}B complete={} demanded={}; ",
                 op.id,
                 op.name,
                 op.shape,
                 count(TaskStatus::Pending),
                 count(TaskStatus::Running),
+                os.paused.len(),
                 count(TaskStatus::Done),
                 os.partitions.iter().map(|p| p.closed).collect::<Vec<_>>(),
                 os.held_bytes,
-                os.complete
+                os.complete,
+                os.demanded
             ));
         }
         out

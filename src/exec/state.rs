@@ -52,6 +52,11 @@ pub(super) struct TaskRecord {
     /// Whether its scan drops the rows its joins' complete dynamic filters reject, once its
     /// first run chose ([`crate::plan::stage_input::TaskInputs::scan_row_filter`]).
     pub(super) scan_row_filter: Arc<OnceLock<bool>>,
+    /// Whether it has polled one of its input streams yet.
+    pub(super) read_an_input: bool,
+    /// Its readers of a collected (not streamed) input that wait for blocks now, when its
+    /// operator streams its other inputs: a join collecting its build side.
+    pub(super) build_waits: u32,
 }
 
 impl TaskRecord {
@@ -71,6 +76,8 @@ impl TaskRecord {
             retried_alone: false,
             merge_join: false,
             scan_row_filter: Arc::default(),
+            read_an_input: false,
+            build_waits: 0,
         }
     }
 }

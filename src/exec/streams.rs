@@ -89,6 +89,12 @@ impl QueryRun {
                             st.output_blocked -= 1;
                         } else if rewaiting && !matches!(reader, Reader::Output) {
                             st.streaming_waiting -= 1;
+                            if let Reader::Task(task) = reader {
+                                st.tasks[task].build_waits -= 1;
+                            }
+                        }
+                        if let Reader::Task(task) | Reader::StreamingTask(task) = reader {
+                            st.tasks[task].read_an_input = true;
                         }
                         if let Some(e) = &st.error {
                             let e = DataFusionError::Shared(Arc::clone(e));
@@ -117,6 +123,9 @@ impl QueryRun {
                                 if run.streams_inputs(st.tasks[*task].operator) =>
                             {
                                 st.streaming_waiting += 1;
+                                if let Reader::Task(builder) = reader {
+                                    st.tasks[builder].build_waits += 1;
+                                }
                                 waiting = true;
                                 // Only a wait that begins can bring on a stall: every
                                 // other change that can runs the scheduler itself.
