@@ -349,11 +349,6 @@ fn main() -> ExitCode {
         Some(Command::Serve(args)) => return serve_command::run(args),
         None => {}
     }
-    // The shell logs only errors unless `RUST_LOG` asks for more (a stalled query's
-    // `flumen reader ... waited 10s` warnings, for one).
-    let _ = env_logger::Builder::from_env(env_logger::Env::default().default_filter_or("error"))
-        .format_target(false)
-        .try_init();
     let mut scripts = vec![];
     for sql in &cli.commands {
         scripts.push(sql.clone());
