@@ -165,9 +165,15 @@ impl QueryRun {
     /// query back instead of the liveness rule running it to its end).
     pub(super) fn stalled(&self, st: &RunState) -> bool {
         let reader_will_read = self.root_output_held(st) && st.output_blocked == 0;
+        let in_slots = st.running.iter().sum();
+        // A task in a slot moves by itself: no need to look for uncounted waits.
+        let shared_build = match in_slots {
+            0 => self.waiting_on_a_shared_build(st),
+            _ => 0,
+        };
         policy::stalled(
-            st.running.iter().sum(),
-            st.streaming_waiting + self.waiting_on_a_shared_build(st),
+            in_slots,
+            st.streaming_waiting + shared_build,
             st.streaming_running,
         ) && !reader_will_read
     }
