@@ -29,7 +29,8 @@
 //! batches; pinned outcomes assume the default). `FLUMEN_SLT_BLOCK_ROWS=N` and
 //! `FLUMEN_SLT_MEMORY_BUDGET=SIZE` do the same for flumen's sessions' `target_block_rows`
 //! and `memory_budget` (a search for answers that depend on how flumen cuts blocks and
-//! when it spills).
+//! when it spills). `FLUMEN_SLT_FILE_TIMEOUT=SECS` sets every upstream file's time limit
+//! (a search with tiny blocks runs slowly: a limit that tells a slow file from a hang).
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::io::Write;
@@ -419,7 +420,12 @@ struct FileRun {
 }
 
 async fn run_file(path: &Path, relative: &Path, engine: Engine) -> FileRun {
-    let limit = if relative.starts_with("tpch") {
+    let limit = if let Ok(secs) = std::env::var("FLUMEN_SLT_FILE_TIMEOUT") {
+        let secs = secs
+            .parse()
+            .unwrap_or_else(|e| panic!("FLUMEN_SLT_FILE_TIMEOUT={secs}: {e}"));
+        Duration::from_secs(secs)
+    } else if relative.starts_with("tpch") {
         TPCH_TIMEOUT
     } else {
         FILE_TIMEOUT

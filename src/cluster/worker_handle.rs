@@ -30,6 +30,10 @@ pub struct RemoteBlock {
     pub query: String,
 }
 
+/// How long a worker whose call broke has to answer a ping before it counts as dead (the
+/// heartbeat's default timeout).
+const BROKEN_CALL_PING: Duration = Duration::from_secs(2);
+
 /// One worker this driver started or attached to. A worker that is lost and later
 /// answers again gets a new handle: what came through the old one (blocks, task replies)
 /// is never counted again.
@@ -434,6 +438,15 @@ impl HeldBlock for RemoteBlock {
                 self.worker.mark_dead();
                 Ok(None)
             }
+            // A killed worker's socket closes a moment before its process counts as exited,
+            // and gRPC may report the broken call as an internal error: a worker that does
+            // not answer a ping now is dead, and the block lost (recomputed), not an error.
+            Err(Failure::Task(_) | Failure::Garbage(_))
+                if !self.worker.ping(BROKEN_CALL_PING).await =>
+            {
+                self.worker.mark_dead();
+                Ok(None)
+            }
             Err(e) => Err(DataFusionError::Execution(format!(
                 "fetching block {} from worker {}: {e}",
                 self.info.key, self.worker.address
@@ -458,5 +471,58 @@ impl HeldBlock for RemoteBlock {
             tls: self.worker.tls,
             key: self.info.key.clone(),
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::cluster::auth::Secret;
+
+    #[tokio::test]
+    async fn a_block_whose_holder_broke_the_call_and_is_gone_is_lost_not_an_error() {
+        // A holder that resets the block's stream with PROTOCOL_ERROR (which gRPC reports
+        // as an internal error, not as a dead peer) and then is gone, as a worker killed
+        // mid-fetch can look before its process counts as exited.
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let address = listener.local_addr().unwrap().to_string();
+        let holder = tokio::spawn(async move {
+            let (socket, _) = listener.accept().await.unwrap();
+            drop(listener);
+            let mut connection = h2::server::handshake(socket).await.unwrap();
+            let (_request, mut respond) = connection.accept().await.unwrap().unwrap();
+            respond.send_reset(h2::Reason::PROTOCOL_ERROR);
+            // Drive the connection until the reset is out and the client is done with it.
+            let _ = tokio::time::timeout(Duration::from_millis(500), connection.accept()).await;
+        });
+        let client = crate::cluster::worker_client::connect(&address, None, &Secret::random())
+            .await
+            .unwrap();
+        let worker = new_handle(
+            address,
+            WorkerStatus::default(),
+            Pool::Cpu,
+            client,
+            false,
+            None,
+        );
+        let block = RemoteBlock {
+            worker: Arc::clone(&worker),
+            info: RemoteBlockInfo {
+                key: "k".into(),
+                tag: 0,
+                rows: 1,
+                bytes: 8,
+                digest: None,
+            },
+            query: "q".into(),
+        };
+        let fetched = block.fetch().await;
+        holder.await.unwrap();
+        assert!(
+            matches!(fetched, Ok(None)),
+            "the block is lost, to be recomputed: {fetched:?}"
+        );
+        assert!(!worker.is_alive(), "its holder counts as dead");
     }
 }
