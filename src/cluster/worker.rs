@@ -648,7 +648,11 @@ impl FlightService for WorkerService {
             "release" => {
                 let request: ReleaseRequest = serde_json::from_slice(&action.body)
                     .map_err(|e| Status::invalid_argument(format!("bad release body: {e}")))?;
-                let dropped = self.shelf.release(request);
+                // Dropping spilled blocks deletes files: off the threads that serve calls.
+                let shelf = Arc::clone(&self.shelf);
+                let dropped = tokio::task::spawn_blocking(move || shelf.release(request))
+                    .await
+                    .map_err(|e| Status::internal(format!("releasing blocks: {e}")))?;
                 Ok(Response::new(one(arrow_flight::Result {
                     body: serde_json::to_vec(&dropped).unwrap().into(),
                 })))
@@ -675,10 +679,14 @@ impl FlightService for WorkerService {
         self.touch();
         let ticket: BlockTicket = serde_json::from_slice(&request.into_inner().ticket)
             .map_err(|e| Status::invalid_argument(format!("bad block ticket: {e}")))?;
-        // Only the query that owns a block may take it.
-        let batch = self
-            .shelf
-            .take(&ticket)
+        // Only the query that owns a block may take it. A spilled block is read from disk:
+        // off the threads that serve calls, which must stay free to answer the driver's
+        // heartbeat however many reads wait on a busy disk.
+        let shelf = Arc::clone(&self.shelf);
+        let taken = ticket.clone();
+        let batch = tokio::task::spawn_blocking(move || shelf.take(&taken))
+            .await
+            .map_err(|e| Status::internal(format!("reading block: {e}")))?
             .map_err(|e| Status::internal(e.to_string()))?;
         let batch = batch.ok_or_else(|| {
             Status::not_found(format!(

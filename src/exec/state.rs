@@ -103,11 +103,13 @@ pub(super) struct PartitionState {
     pub(super) next_launch: usize,
     /// Where a block-wise operator's dispatch stands in its input.
     pub(super) input: Option<Cursor>,
-    /// A run-sorting operator's blocks read from its input but not yet in a task (a run
-    /// still short of its bytes).
+    /// Blocks read from its input but not yet in a task: a run-sorting operator's run still
+    /// short of its bytes, or a block-wise operator's bundle still short of its rows.
     pub(super) gathered: Vec<BlockId>,
-    /// Their bytes.
+    /// Their bytes (a run-sorting operator).
     pub(super) gathered_bytes: u64,
+    /// Their rows (a block-wise operator).
+    pub(super) gathered_rows: usize,
 }
 
 #[derive(Debug, Default)]
