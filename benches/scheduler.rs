@@ -48,7 +48,11 @@ async fn run(ctx: &SessionContext, sql: &str) -> Result<(f64, String, u64)> {
             .max()
             .unwrap_or(0)
     });
-    Ok((seconds, pretty_format_batches(&batches)?.to_string(), blocks))
+    Ok((
+        seconds,
+        pretty_format_batches(&batches)?.to_string(),
+        blocks,
+    ))
 }
 
 fn median(mut values: Vec<f64>) -> f64 {
@@ -110,9 +114,7 @@ async fn main() -> Result<()> {
     if let (Some((few, few_cost)), Some((many, many_cost))) = (costs.first(), costs.last()) {
         let ratio = many_cost / few_cost.max(1.0);
         let met = verdict::goal("cost per block stays flat", ratio <= 2.0);
-        println!(
-            "cost per block at {many} blocks / at {few} blocks: {ratio:.2} (goal ≤ 2: {met})"
-        );
+        println!("cost per block at {many} blocks / at {few} blocks: {ratio:.2} (goal ≤ 2: {met})");
     }
     verdict::finish();
     Ok(())
