@@ -1,7 +1,7 @@
 //! sqllogictest runner: flumen's own `sql/*.slt` files (those named `out_of_core*` or
 //! `scalar_subqueries*` also through vanilla DataFusion, whose answers they must give too), then every test file that
-//! `datafusion-sqllogictest` 55.2.0 ships, each run through vanilla DataFusion and through a
-//! flumen session, record by record.
+//! `datafusion-sqllogictest` 55.2.0 ships, each run through a flumen session (and through
+//! vanilla DataFusion with `FLUMEN_SLT_VANILLA=run`), record by record.
 //!
 //! The upstream files are laid out as in DataFusion's repository under
 //! `target/slt-upstream/` with the data they read: arrow-testing and parquet-testing files
@@ -12,8 +12,11 @@
 //! A record counts against flumen when vanilla DataFusion passes it and flumen fails it.
 //! Rules that keep the suite honest:
 //! - Records vanilla DataFusion fails here are pinned record by record in
-//!   [`VANILLA_FAILURES_FILE`]; any change (one more, one fewer, a file not run) fails the
-//!   suite, so coverage cannot shrink unseen.
+//!   [`VANILLA_FAILURES_FILE`], and those are the records a file's check leaves out. By
+//!   default vanilla DataFusion is not run again (its version is pinned, so its run would
+//!   repeat the pins, at a quarter of the suite's time); `FLUMEN_SLT_VANILLA=run` runs it
+//!   and fails the suite on any change (one more, one fewer, a file not run): run so after
+//!   changing DataFusion's version or the data the files read.
 //! - Known flumen failures are keyed by (file, record location, error prefix) in
 //!   [`KNOWN_FAILURES`]; any other error fails, and an entry that no longer fails is stale
 //!   and fails too.
@@ -230,6 +233,37 @@ fn pinned_vanilla_failures(root: &Path) -> Result<(BTreeSet<String>, BTreeSet<St
         };
     }
     Ok((records, not_run))
+}
+
+/// The upstream file (relative to `test_files/`) of a record location as sqllogictest
+/// prints it (`test_files/FILE:LINE`, with " at " and its includes after).
+fn file_of(record: &str) -> String {
+    let path = record.split(' ').next().unwrap_or_default();
+    let path = path.rsplit_once(':').map_or(path, |(p, _)| p);
+    path.strip_prefix("test_files/").unwrap_or(path).to_string()
+}
+
+/// Vanilla DataFusion's outcomes as pinned ([`VANILLA_FAILURES_FILE`]): its failing
+/// records and the files its runner declines. What an upstream file is checked against
+/// unless `FLUMEN_SLT_VANILLA=run` runs vanilla DataFusion too.
+struct VanillaPins {
+    records: BTreeSet<String>,
+    not_run: BTreeSet<String>,
+}
+
+impl VanillaPins {
+    /// Vanilla's run of `name` as pinned: its failing records, or not run.
+    fn run_of(&self, name: &str) -> FileRun {
+        let errors = (self.records.iter())
+            .filter(|record| file_of(record) == name)
+            .map(|record| (record.clone(), format!("pinned in {VANILLA_FAILURES_FILE}")))
+            .collect();
+        FileRun {
+            errors,
+            not_run: self.not_run.contains(name),
+            ..FileRun::default()
+        }
+    }
 }
 
 /// Upstream files checked side by side: one file's run is mostly one thread's work (SQL
@@ -925,6 +959,9 @@ struct Tally {
     driver_tasks: u64,
     unknown_fallbacks: usize,
     known_fallbacks_seen: BTreeSet<usize>,
+    /// Seconds spent running files, summed over files: vanilla DataFusion, flumen in
+    /// threads mode, flumen with worker processes (where CI's time goes).
+    seconds: [f64; 3],
     /// What the checks of one file said, printed when the file is done, so that files run
     /// side by side ([`FILES_AT_ONCE`]) print whole and in order.
     output: String,
@@ -951,6 +988,9 @@ impl Tally {
         self.driver_tasks += file.driver_tasks;
         self.unknown_fallbacks += file.unknown_fallbacks;
         self.known_fallbacks_seen.extend(file.known_fallbacks_seen);
+        for (sum, seconds) in self.seconds.iter_mut().zip(file.seconds) {
+            *sum += seconds;
+        }
     }
 }
 
@@ -1045,6 +1085,7 @@ async fn check_workers(
     let name = relative.display().to_string();
     let started = Instant::now();
     let workers = run_file(path, relative, Engine::FlumenWorkers).await;
+    tally.seconds[2] += started.elapsed().as_secs_f64();
     tally.worker_files += 1;
     tally.worker_tasks += workers.worker_tasks;
     if let Some(limit) = workers.timed_out {
@@ -1168,6 +1209,16 @@ async fn run_upstream(root: &Path, full: bool) -> Result<(usize, usize), String>
     // Every file a second time with its tasks in worker processes, unless
     // FLUMEN_SLT_WORKERS=0 (a quicker local run; CI runs both).
     let workers = std::env::var("FLUMEN_SLT_WORKERS").map_or(true, |v| v != "0");
+    // Vanilla DataFusion's outcomes: pinned (the default: DataFusion's version is pinned
+    // too, so its run would only repeat the file), or run again and checked against the
+    // pins (`FLUMEN_SLT_VANILLA=run`: after a change of DataFusion or of the data).
+    let run_vanilla = std::env::var("FLUMEN_SLT_VANILLA").is_ok_and(|v| v == "run");
+    let pins = if run_vanilla {
+        None
+    } else {
+        let (records, not_run) = pinned_vanilla_failures(root)?;
+        Some(Arc::new(VanillaPins { records, not_run }))
+    };
     let mut tally = Tally::default();
     // The longest file (the TPC-H queries, over a minute) first, so that it does not run
     // alone at the end; then the files in name order, each printed once those before it are.
@@ -1175,9 +1226,11 @@ async fn run_upstream(root: &Path, full: bool) -> Result<(usize, usize), String>
     order.sort_by_key(|f| !f.starts_with("tpch"));
     let mut runs = futures::stream::iter(order.into_iter().enumerate())
         .map(|(i, relative)| {
+            let pins = pins.clone();
             tokio::spawn(async move {
                 let mut file = Tally::default();
-                let check = check_upstream_file(&relative, full, workers, &mut file);
+                let check =
+                    check_upstream_file(&relative, full, workers, pins.as_deref(), &mut file);
                 // A panic fails its file, and the other files still run and report.
                 if let Err(panic) = std::panic::AssertUnwindSafe(check).catch_unwind().await {
                     let message = panic
@@ -1266,11 +1319,6 @@ async fn run_upstream(root: &Path, full: bool) -> Result<(usize, usize), String>
         .chain(tally.vanilla_records.iter().map(|r| format!("{r}\n")))
         .collect();
     let _ = std::fs::write(&found_file, found_text);
-    let file_of = |record: &str| {
-        let path = record.split(' ').next().unwrap_or_default();
-        let path = path.rsplit_once(':').map_or(path, |(p, _)| p);
-        path.strip_prefix("test_files/").unwrap_or(path).to_string()
-    };
     let mut changed = vec![];
     for record in pinned.iter().filter(|r| ran.contains(&file_of(r))) {
         if !tally.vanilla_records.contains(record) {
@@ -1319,9 +1367,9 @@ async fn run_upstream(root: &Path, full: bool) -> Result<(usize, usize), String>
         .filter(|n| **n != u32::MAX)
         .sum();
     println!(
-        "upstream sqllogictest files: {} run; flumen: {} passed, {} failed; {} records compared \
-         with vanilla DataFusion, {} known failures; vanilla DataFusion fails {} records in {} \
-         files (pinned)",
+        "upstream sqllogictest files: {} run; flumen: {} passed, {} failed; {} records checked \
+         (those vanilla DataFusion passes), {} known failures; vanilla DataFusion fails {} \
+         records in {} files ({})",
         files.len(),
         tally.files_passed,
         tally.files_failed,
@@ -1329,6 +1377,17 @@ async fn run_upstream(root: &Path, full: bool) -> Result<(usize, usize), String>
         tally.known_seen.len(),
         vanilla_records,
         tally.vanilla_failures.len(),
+        if run_vanilla {
+            "run here, and as pinned"
+        } else {
+            "as pinned; FLUMEN_SLT_VANILLA=run runs it and checks the pins"
+        },
+    );
+    let [vanilla_s, threads_s, workers_s] = tally.seconds;
+    println!(
+        "upstream sqllogictest files' run time, summed over files ({FILES_AT_ONCE} at once): \
+         vanilla DataFusion {vanilla_s:.0} s (0 when pinned), flumen in threads {threads_s:.0} s, flumen with \
+         worker processes {workers_s:.0} s"
     );
     for problem in &tally.problems {
         println!("FAILED: {problem}");
@@ -1344,11 +1403,21 @@ fn ran_file(files: &[PathBuf], file: &str) -> bool {
 
 /// Run one upstream file on both engines (and flumen with worker processes when `workers`)
 /// and fold the outcome into `tally`.
-async fn check_upstream_file(relative: &Path, full: bool, workers: bool, tally: &mut Tally) {
+async fn check_upstream_file(
+    relative: &Path,
+    full: bool,
+    workers: bool,
+    pins: Option<&VanillaPins>,
+    tally: &mut Tally,
+) {
     let name = relative.display().to_string();
     let path = Path::new("test_files").join(relative);
     let started = Instant::now();
-    let vanilla = run_file(&path, relative, Engine::Vanilla).await;
+    let vanilla = match pins {
+        Some(pins) => pins.run_of(&name),
+        None => run_file(&path, relative, Engine::Vanilla).await,
+    };
+    tally.seconds[0] += started.elapsed().as_secs_f64();
     if vanilla.not_run {
         tally.vanilla_failures.insert(name.clone(), u32::MAX);
         tally.vanilla_not_run.insert(name.clone());
@@ -1373,13 +1442,22 @@ async fn check_upstream_file(relative: &Path, full: bool, workers: bool, tally: 
             }
         }
     }
+    let threads_started = Instant::now();
     let flumen = run_file(&path, relative, Engine::Flumen).await;
+    tally.seconds[1] += threads_started.elapsed().as_secs_f64();
     if let Some(limit) = flumen.timed_out {
         tally.files_failed += 1;
         say!(
             tally,
             "upstream {name}: FAILED under flumen: ran past {limit:?} (a hang fails)"
         );
+        return;
+    }
+    if flumen.not_run {
+        // Only with the pins (a vanilla run says so first): the runner declines a file
+        // the pins say it runs, a change the pins' check reports.
+        tally.vanilla_not_run.insert(name.clone());
+        say!(tally, "upstream {name}: not run by DataFusion's runner");
         return;
     }
     if workers {
@@ -1409,7 +1487,10 @@ async fn check_upstream_file(relative: &Path, full: bool, workers: bool, tally: 
         tally.files_passed += 1;
         say!(
             tally,
-            "upstream {name}: ok ({elapsed:.1}s{}{})",
+            "upstream {name}: ok ({elapsed:.1}s: vanilla {:.1}, threads {:.1}, workers {:.1}{}{})",
+            tally.seconds[0],
+            tally.seconds[1],
+            tally.seconds[2],
             if vanilla.errors.is_empty() {
                 String::new()
             } else {
