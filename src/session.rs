@@ -13,7 +13,7 @@ use crate::cluster::WorkerPoolSlot;
 use crate::config::FlumenConfig;
 use crate::exec::{AcceleratorPool, FlumenQueryPlanner};
 use crate::functions::accelerator::accelerator_udf;
-use crate::functions::{embedding, percentile_cont, row_hash, text, vector};
+use crate::functions::{embedding, percentile_cont, row_hash, text, timestamp_time_zone, vector};
 #[cfg(feature = "delta")]
 use crate::io::delta;
 use crate::io::{iceberg, object_stores};
@@ -46,7 +46,9 @@ pub fn session_with_config(session_config: SessionConfig, config: FlumenConfig) 
 /// `row_hash` and the vector helpers (`cosine_similarity`, `dot_product`, `l2_distance`),
 /// `percentile_cont` in place of DataFusion's ([`percentile_cont`]), the rule that makes
 /// casts to fixed-size lists read sliced lists right ([`fixed_size_list_casts`]), and the
-/// one that makes `INTERSECT ALL` and `EXCEPT ALL` count copies ([`counted_set_operations`]).
+/// one that makes `INTERSECT ALL` and `EXCEPT ALL` count copies ([`counted_set_operations`]),
+/// and `to_timestamp` whose column results carry the session's time zone
+/// ([`timestamp_time_zone`]).
 pub fn register_functions(ctx: &SessionContext) {
     ctx.register_udaf(percentile_cont::percentile_cont_udaf().as_ref().clone());
     ctx.register_udf(fixed_size_list_casts::unsliced_lists_udf());
@@ -62,6 +64,13 @@ pub fn register_functions(ctx: &SessionContext) {
         .any(|rule| rule.name() == counted.name())
     {
         ctx.add_analyzer_rule(Arc::new(counted));
+    }
+    // `to_timestamp` and its unit forms: column results in the session's time zone.
+    let state = ctx.state();
+    for name in timestamp_time_zone::TIMESTAMP_FUNCTIONS {
+        if let Some(udf) = state.scalar_functions().get(*name) {
+            ctx.register_udf(timestamp_time_zone::with_time_zone(udf));
+        }
     }
     ctx.register_udf(accelerator_udf(embedding::EmbedFunction::default()));
     ctx.register_udf(

@@ -9,6 +9,8 @@
 //! - [`row_hash`]: `row_hash(seed, value, ...)`, a seeded hash of a row (random shuffles).
 //! - [`percentile_cont`]: DataFusion's `percentile_cont`, merging every partial state it is
 //!   handed (DataFusion 55's merges the first of a batch only).
+//! - [`timestamp_time_zone`]: `to_timestamp` (and its unit forms) whose column results carry
+//!   the session's time zone (DataFusion 55's lose it).
 
 pub mod accelerator;
 pub mod accelerator_devices;
@@ -18,6 +20,7 @@ pub mod model_cache;
 pub mod percentile_cont;
 pub mod row_hash;
 pub(crate) mod text;
+pub mod timestamp_time_zone;
 pub(crate) mod vector;
 
 pub use text::clean_text_udf;
