@@ -145,25 +145,30 @@ async fn run_task_body(
     // about 2 ms of its ~4 ms for a small task in a debug build.
     let runtime = with_granted_stores(ctx.runtime_env(), &request)?;
     let runtime = with_operator_memory(runtime, operator_memory)?;
-    let state = ctx.state();
-    // As a `SessionState` built with these settings would: a function that depends on one
-    // (`to_timestamp` and `now` on the time zone) takes the driver's.
-    let mut scalar_functions = state.scalar_functions().clone();
-    for udf in scalar_functions.values_mut() {
-        if let Some(updated) = udf.inner().with_updated_config(config.options()) {
-            *udf = Arc::new(updated);
+    // Read in place: `ctx.state()` would copy the whole session state (its catalogs,
+    // rules and function maps) for each task.
+    let task_ctx = {
+        let state = ctx.state_ref();
+        let state = state.read();
+        // As a `SessionState` built with these settings would: a function that depends on
+        // one (`to_timestamp` and `now` on the time zone) takes the driver's.
+        let mut scalar_functions = state.scalar_functions().clone();
+        for udf in scalar_functions.values_mut() {
+            if let Some(updated) = udf.inner().with_updated_config(config.options()) {
+                *udf = Arc::new(updated);
+            }
         }
-    }
-    let task_ctx = Arc::new(TaskContext::new(
-        None,
-        state.session_id().to_string(),
-        config,
-        scalar_functions,
-        state.higher_order_functions().clone(),
-        state.aggregate_functions().clone(),
-        state.window_functions().clone(),
-        runtime,
-    ));
+        Arc::new(TaskContext::new(
+            None,
+            state.session_id().to_string(),
+            config,
+            scalar_functions,
+            state.higher_order_functions().clone(),
+            state.aggregate_functions().clone(),
+            state.window_functions().clone(),
+            runtime,
+        ))
+    };
     let plan = crate::cluster::task_plan::decode(plan, &task_ctx)?;
     let stores: Vec<String> = request.stores.iter().map(|g| g.url.clone()).collect();
     admit_plan(&plan, &request.grants, &stores)?;

@@ -666,19 +666,26 @@ impl QueryRun {
             ramp_block_rows: self.graph.batching.piece_rows,
             partition,
             partitions: self.graph.operators[op_id].partitions(),
-            options: config
-                .entries()
-                .into_iter()
-                .filter_map(|entry| Some((format!("flumen.{}", entry.key), entry.value?)))
-                // DataFusion's own settings a function reads as it runs (the session's time
-                // zone: `to_unixtime` of a string), at this session's values.
-                .chain(
-                    (self.base.session_config().options().entries().into_iter())
-                        .filter(|entry| entry.key.starts_with("datafusion."))
-                        .filter_map(|entry| Some((entry.key, entry.value?))),
-                )
-                .filter(|(key, _)| WORKER_OPTIONS.contains(&key.as_str()))
-                .collect(),
+            options: self
+                .workers
+                .task_options
+                .get_or_init(|| {
+                    config
+                        .entries()
+                        .into_iter()
+                        .filter_map(|entry| Some((format!("flumen.{}", entry.key), entry.value?)))
+                        // DataFusion's own settings a function reads as it runs (the
+                        // session's time zone: `to_unixtime` of a string), at this
+                        // session's values.
+                        .chain(
+                            (self.base.session_config().options().entries().into_iter())
+                                .filter(|entry| entry.key.starts_with("datafusion."))
+                                .filter_map(|entry| Some((entry.key, entry.value?))),
+                        )
+                        .filter(|(key, _)| WORKER_OPTIONS.contains(&key.as_str()))
+                        .collect()
+                })
+                .clone(),
             query: self.workers.query_token.clone(),
             grants: scanned_files(plan),
             inputs: None,

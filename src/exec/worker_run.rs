@@ -4,7 +4,7 @@
 //! the run began. In threads mode it holds no pool and stays empty.
 
 use std::collections::{HashMap, HashSet};
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Mutex, OnceLock};
 
 use crate::cluster::worker_pool::{PoolSettings, WorkerPoolSlot};
 use crate::exec::task_kind::TaskId;
@@ -36,6 +36,10 @@ pub(super) struct WorkerRun {
     pub membership_seen: Mutex<HashMap<Pool, [u64; 3]>>,
     /// Where each pool's workers come from, as this run's settings say (made once).
     pub pool_settings: Mutex<HashMap<Pool, PoolSettings>>,
+    /// The settings every task request carries (`admission::WORKER_OPTIONS` at this run's
+    /// values), made at the first request: a run's settings do not change, and listing
+    /// every setting as text per task was a share of the driver's time for small tasks.
+    pub task_options: OnceLock<Vec<(String, String)>>,
 }
 
 impl WorkerRun {
@@ -51,6 +55,7 @@ impl WorkerRun {
             restarts: Mutex::default(),
             membership_seen: Mutex::default(),
             pool_settings: Mutex::default(),
+            task_options: OnceLock::new(),
         }
     }
 
