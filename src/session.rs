@@ -66,7 +66,6 @@ pub fn register_functions(ctx: &SessionContext) {
         ctx.add_analyzer_rule(Arc::new(counted));
     }
     // `to_timestamp` and its unit forms: column results in the session's time zone.
-    let state = ctx.state();
     for name in timestamp_time_zone::TIMESTAMP_FUNCTIONS {
         if let Some(udf) = state.scalar_functions().get(*name) {
             ctx.register_udf(timestamp_time_zone::with_time_zone(udf));

@@ -13,14 +13,16 @@ use std::sync::Arc;
 
 use datafusion::arrow::array::{Array, make_array};
 use datafusion::arrow::datatypes::{DataType, FieldRef};
-use datafusion::common::Result;
+use datafusion::common::{ExprSchema, Result, ScalarValue};
 use datafusion::config::ConfigOptions;
+use datafusion::logical_expr::interval_arithmetic::Interval;
+use datafusion::logical_expr::preimage::PreimageResult;
 use datafusion::logical_expr::simplify::{ExprSimplifyResult, SimplifyContext};
 use datafusion::logical_expr::sort_properties::{ExprProperties, SortProperties};
 use datafusion::logical_expr::udf_eq::UdfEq;
 use datafusion::logical_expr::{
-    ColumnarValue, Documentation, Expr, ReturnFieldArgs, ScalarFunctionArgs, ScalarUDF,
-    ScalarUDFImpl, Signature,
+    ColumnarValue, Documentation, Expr, ExpressionPlacement, ReturnFieldArgs, ScalarFunctionArgs,
+    ScalarUDF, ScalarUDFImpl, Signature, StructFieldMapping,
 };
 
 /// The functions [`with_time_zone`] wraps.
@@ -67,6 +69,9 @@ fn annotated(value: ColumnarValue, declared: &DataType) -> Result<ColumnarValue>
     }
 }
 
+// Every method but the two changed ones delegates: a method left to its default would drop
+// what the wrapped function does there (as DataFusion's own alias wrapper does).
+#[warn(clippy::missing_trait_methods)]
 impl ScalarUDFImpl for TimeZoneAnnotated {
     fn name(&self) -> &str {
         self.inner.name()
@@ -74,6 +79,11 @@ impl ScalarUDFImpl for TimeZoneAnnotated {
 
     fn aliases(&self) -> &[String] {
         self.inner.aliases()
+    }
+
+    fn display_name(&self, args: &[Expr]) -> Result<String> {
+        #[expect(deprecated)]
+        self.inner.display_name(args)
     }
 
     fn schema_name(&self, args: &[Expr]) -> Result<String> {
@@ -90,6 +100,11 @@ impl ScalarUDFImpl for TimeZoneAnnotated {
 
     fn return_field_from_args(&self, args: ReturnFieldArgs) -> Result<FieldRef> {
         self.inner.return_field_from_args(args)
+    }
+
+    fn is_nullable(&self, args: &[Expr], schema: &dyn ExprSchema) -> bool {
+        #[expect(deprecated)]
+        self.inner.is_nullable(args, schema)
     }
 
     fn is_strict(&self) -> bool {
@@ -110,6 +125,38 @@ impl ScalarUDFImpl for TimeZoneAnnotated {
         self.inner.simplify(args, info)
     }
 
+    fn preimage(
+        &self,
+        args: &[Expr],
+        lit_expr: &Expr,
+        info: &SimplifyContext,
+    ) -> Result<PreimageResult> {
+        self.inner.preimage(args, lit_expr, info)
+    }
+
+    fn short_circuits(&self) -> bool {
+        self.inner.short_circuits()
+    }
+
+    fn conditional_arguments<'a>(
+        &self,
+        args: &'a [Expr],
+    ) -> Option<(Vec<&'a Expr>, Vec<&'a Expr>)> {
+        self.inner.conditional_arguments(args)
+    }
+
+    fn evaluate_bounds(&self, input: &[&Interval]) -> Result<Interval> {
+        self.inner.evaluate_bounds(input)
+    }
+
+    fn propagate_constraints(
+        &self,
+        interval: &Interval,
+        inputs: &[&Interval],
+    ) -> Result<Option<Vec<Interval>>> {
+        self.inner.propagate_constraints(interval, inputs)
+    }
+
     fn output_ordering(&self, inputs: &[ExprProperties]) -> Result<SortProperties> {
         self.inner.output_ordering(inputs)
     }
@@ -118,12 +165,27 @@ impl ScalarUDFImpl for TimeZoneAnnotated {
         self.inner.preserves_lex_ordering(inputs)
     }
 
+    fn strictly_order_preserving(&self, inputs: &[ExprProperties]) -> Result<bool> {
+        self.inner.strictly_order_preserving(inputs)
+    }
+
     fn coerce_types(&self, arg_types: &[DataType]) -> Result<Vec<DataType>> {
         self.inner.coerce_types(arg_types)
     }
 
+    fn struct_field_mapping(
+        &self,
+        literal_args: &[Option<ScalarValue>],
+    ) -> Option<StructFieldMapping> {
+        self.inner.struct_field_mapping(literal_args)
+    }
+
     fn documentation(&self) -> Option<&Documentation> {
         self.inner.documentation()
+    }
+
+    fn placement(&self, args: &[ExpressionPlacement]) -> ExpressionPlacement {
+        self.inner.placement(args)
     }
 }
 

@@ -712,6 +712,40 @@ async fn the_sessions_time_zone_reaches_the_workers() {
     assert!(remote >= 2, "only {remote} tasks ran in a worker");
 }
 
+/// `to_timestamp` over a string column under the session's time zone, in two worker
+/// processes: each string is read as a wall-clock time in that zone, the instant vanilla
+/// DataFusion's `to_unixtime` of the same string gives (vanilla's own `to_timestamp` of a
+/// column fails there: apache/datafusion#24632, `functions::timestamp_time_zone`).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn to_timestamp_of_a_column_reads_the_sessions_time_zone_in_workers() {
+    let (_dir, vanilla, workers) = events_in_two_workers(5_000).await;
+    for ctx in [&vanilla, &workers] {
+        let set = "SET datafusion.execution.time_zone = 'Asia/Tokyo'";
+        ctx.sql(set).await.unwrap().collect().await.unwrap();
+    }
+    let text = "'2024-01-01 0' || CAST(id % 10 AS VARCHAR) || ':00:00'";
+    let filter = "FROM events WHERE id % 997 = 3 ORDER BY id";
+    let want = format!("SELECT id, to_unixtime({text}) AS u {filter}");
+    let expected = vanilla.sql(&want).await.unwrap().collect().await.unwrap();
+    let sql = format!("SELECT id, to_unixtime(to_timestamp({text})) AS u {filter}");
+    let (got, plan) = run(&workers, &sql).await;
+    assert!(!rows(&expected, true).is_empty());
+    assert!(
+        same_rows(&expected, &got, true),
+        "vanilla: {:?}\nworkers: {:?}",
+        rows(&expected, true),
+        rows(&got, true)
+    );
+    let (remote, _) = remote_and_all_tasks(&plan);
+    assert!(remote >= 2, "only {remote} tasks ran in a worker");
+    let typed = format!("SELECT DISTINCT arrow_typeof(to_timestamp({text})) FROM events");
+    let types = rows(&run(&workers, &typed).await.0, false);
+    assert!(
+        types.len() == 1 && types[0].contains(r#"Timestamp(ns, "Asia/Tokyo")"#),
+        "{types:?}"
+    );
+}
+
 /// Uncorrelated scalar subqueries run as operators of their own in the workers, and so do
 /// the operators reading their values (a worker gets the value's block as a gathered input
 /// and runs DataFusion's `ScalarSubqueryExec` over it): in a filter, a projection, a join
