@@ -695,16 +695,23 @@ async fn window_functions_ignoring_nulls_or_reversed_answer_like_vanilla() {
     );
 }
 
+/// [`events_in_two_workers`] (5,000 rows per file) with both sessions' time zone set to
+/// Asia/Tokyo.
+async fn tokyo_events_in_two_workers() -> (tempfile::TempDir, SessionContext, SessionContext) {
+    let (dir, vanilla, workers) = events_in_two_workers(5_000).await;
+    for ctx in [&vanilla, &workers] {
+        let set = "SET datafusion.execution.time_zone = 'Asia/Tokyo'";
+        ctx.sql(set).await.unwrap().collect().await.unwrap();
+    }
+    (dir, vanilla, workers)
+}
+
 /// The session's time zone reaches the workers: `to_unixtime` of a string reads it as it
 /// runs, and a worker at its own defaults read '2024-01-01 03:00:00' in UTC where the session
 /// said Asia/Tokyo (1704078000 for vanilla's 1704045600).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_sessions_time_zone_reaches_the_workers() {
-    let (_dir, vanilla, workers) = events_in_two_workers(5_000).await;
-    for ctx in [&vanilla, &workers] {
-        let set = "SET datafusion.execution.time_zone = 'Asia/Tokyo'";
-        ctx.sql(set).await.unwrap().collect().await.unwrap();
-    }
+    let (_dir, vanilla, workers) = tokyo_events_in_two_workers().await;
     let sql = "SELECT id, to_unixtime('2024-01-01 0' || CAST(id % 10 AS VARCHAR) || ':00:00') \
                AS u FROM events WHERE id % 997 = 3 ORDER BY id";
     let plan = answers_like_vanilla(&vanilla, &workers, sql).await;
@@ -718,11 +725,7 @@ async fn the_sessions_time_zone_reaches_the_workers() {
 /// column fails there: apache/datafusion#24632, `functions::timestamp_time_zone`).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn to_timestamp_of_a_column_reads_the_sessions_time_zone_in_workers() {
-    let (_dir, vanilla, workers) = events_in_two_workers(5_000).await;
-    for ctx in [&vanilla, &workers] {
-        let set = "SET datafusion.execution.time_zone = 'Asia/Tokyo'";
-        ctx.sql(set).await.unwrap().collect().await.unwrap();
-    }
+    let (_dir, vanilla, workers) = tokyo_events_in_two_workers().await;
     let text = "'2024-01-01 0' || CAST(id % 10 AS VARCHAR) || ':00:00'";
     let filter = "FROM events WHERE id % 997 = 3 ORDER BY id";
     let want = format!("SELECT id, to_unixtime({text}) AS u {filter}");
