@@ -30,9 +30,10 @@ pub struct RemoteBlock {
     pub query: String,
 }
 
-/// How long a worker whose call broke has to answer a ping before it counts as dead (the
-/// heartbeat's default timeout).
-const BROKEN_CALL_PING: Duration = Duration::from_secs(2);
+/// How long a worker has to answer a ping before it counts as dead, by default
+/// (`flumen.heartbeat_timeout_secs`' default; a pool gives its workers its own,
+/// [`WorkerHandle::set_ping_timeout`]).
+pub(crate) const DEFAULT_PING_TIMEOUT: Duration = Duration::from_secs(2);
 
 /// One worker this driver started or attached to. A worker that is lost and later
 /// answers again gets a new handle: what came through the old one (blocks, task replies)
@@ -68,6 +69,9 @@ pub struct WorkerHandle {
     child: Mutex<Option<std::process::Child>>,
     /// Why the driver stopped it, when it did so itself (a stuck task).
     death: Mutex<Option<String>>,
+    /// How long, in milliseconds, it has to answer a ping after a call to it broke before
+    /// it counts as dead: its pool's heartbeat timeout.
+    ping_timeout_ms: AtomicU64,
 }
 
 impl WorkerHandle {
@@ -79,6 +83,20 @@ impl WorkerHandle {
     /// Whether the driver still believes the worker is alive.
     pub fn is_alive(&self) -> bool {
         *self.alive.borrow()
+    }
+
+    /// Give it its pool's heartbeat timeout: how long it has to answer a ping after a
+    /// call to it broke before it counts as dead.
+    pub(crate) fn set_ping_timeout(&self, timeout: Duration) {
+        let ms = u64::try_from(timeout.as_millis())
+            .unwrap_or(u64::MAX)
+            .max(1);
+        self.ping_timeout_ms.store(ms, Ordering::Relaxed);
+    }
+
+    /// How long it has to answer a ping after a call to it broke.
+    pub(crate) fn ping_timeout(&self) -> Duration {
+        Duration::from_millis(self.ping_timeout_ms.load(Ordering::Relaxed))
     }
 
     /// Whether its address left the cluster's list (it then gets no new task).
@@ -406,6 +424,7 @@ pub(crate) fn new_handle(
         runtime: tokio::runtime::Handle::current(),
         child: Mutex::new(child),
         death: Mutex::new(None),
+        ping_timeout_ms: AtomicU64::new(DEFAULT_PING_TIMEOUT.as_millis() as u64),
     })
 }
 
@@ -442,7 +461,7 @@ impl HeldBlock for RemoteBlock {
             // and gRPC may report the broken call as an internal error: a worker that does
             // not answer a ping now is dead, and the block lost (recomputed), not an error.
             Err(Failure::Task(_) | Failure::Garbage(_))
-                if !self.worker.ping(BROKEN_CALL_PING).await =>
+                if !self.worker.ping(self.worker.ping_timeout()).await =>
             {
                 self.worker.mark_dead();
                 Ok(None)
@@ -524,5 +543,68 @@ mod tests {
             "the block is lost, to be recomputed: {fetched:?}"
         );
         assert!(!worker.is_alive(), "its holder counts as dead");
+    }
+
+    #[tokio::test]
+    async fn a_holder_that_broke_the_call_has_its_pools_heartbeat_timeout_to_answer_a_ping() {
+        // A holder that resets the block's stream, then takes the ping's stream and never
+        // answers it (hung): it counts as dead once its pool's heartbeat timeout (here
+        // 100 ms) has passed, not the default's 2 s.
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let address = listener.local_addr().unwrap().to_string();
+        let (done_tx, done_rx) = tokio::sync::oneshot::channel::<()>();
+        let holder = tokio::spawn(async move {
+            let (socket, _) = listener.accept().await.unwrap();
+            let mut connection = h2::server::handshake(socket).await.unwrap();
+            let (_fetch, mut respond) = connection.accept().await.unwrap().unwrap();
+            respond.send_reset(h2::Reason::PROTOCOL_ERROR);
+            // The ping: taken, never answered, until the test is done.
+            let _ping = connection.accept().await;
+            let _ = tokio::time::timeout(Duration::from_secs(10), async {
+                tokio::select! {
+                    _ = connection.accept() => {}
+                    _ = done_rx => {}
+                }
+            })
+            .await;
+        });
+        let client = crate::cluster::worker_client::connect(&address, None, &Secret::random())
+            .await
+            .unwrap();
+        let worker = new_handle(
+            address,
+            WorkerStatus::default(),
+            Pool::Cpu,
+            client,
+            false,
+            None,
+        );
+        assert_eq!(worker.ping_timeout(), DEFAULT_PING_TIMEOUT);
+        worker.set_ping_timeout(Duration::from_millis(100));
+        let block = RemoteBlock {
+            worker: Arc::clone(&worker),
+            info: RemoteBlockInfo {
+                key: "k".into(),
+                tag: 0,
+                rows: 1,
+                bytes: 8,
+                digest: None,
+            },
+            query: "q".into(),
+        };
+        let started = std::time::Instant::now();
+        let fetched = block.fetch().await;
+        let waited = started.elapsed();
+        let _ = done_tx.send(());
+        holder.await.unwrap();
+        assert!(
+            matches!(fetched, Ok(None)),
+            "the block is lost: {fetched:?}"
+        );
+        assert!(!worker.is_alive(), "its hung holder counts as dead");
+        assert!(
+            waited < DEFAULT_PING_TIMEOUT,
+            "the ping waited {waited:?}: the pool's 100 ms, not the default {DEFAULT_PING_TIMEOUT:?}"
+        );
     }
 }

@@ -36,7 +36,7 @@ use crate::cluster::protocol::TaskRequest;
 use crate::cluster::task_plan::WorkerFunctions;
 use crate::cluster::tls::WorkerTrust;
 use crate::cluster::worker_client::Failure;
-use crate::cluster::worker_handle::{RemoteBlock, WorkerHandle};
+use crate::cluster::worker_handle::{DEFAULT_PING_TIMEOUT, RemoteBlock, WorkerHandle};
 use crate::cluster::worker_start::{
     START_TIMEOUT, WorkerProgram, attach_all, attach_worker, spawn_worker,
 };
@@ -60,7 +60,7 @@ pub struct WorkerTimeouts {
 impl Default for WorkerTimeouts {
     fn default() -> Self {
         Self {
-            heartbeat: Duration::from_secs(2),
+            heartbeat: DEFAULT_PING_TIMEOUT,
             task: Some(Duration::from_secs(600)),
         }
     }
@@ -155,6 +155,9 @@ impl WorkerPool {
                 (started, Some((secret, trust)))
             }
         };
+        for worker in &started {
+            worker.set_ping_timeout(settings.timeouts.heartbeat);
+        }
         let mut functions = WorkerFunctions {
             names: started[0].announced.functions.iter().cloned().collect(),
             runtimes: started[0].announced.runtimes.iter().cloned().collect(),
@@ -305,6 +308,7 @@ impl WorkerPool {
     /// Add a newly attached worker: in place of a lost one at its address (it rejoined),
     /// else as a new member; either way it gets tasks at once.
     async fn admit(&self, worker: Arc<WorkerHandle>) {
+        worker.set_ping_timeout(self.settings.timeouts.heartbeat);
         let mut workers = self.workers.lock().await;
         let lost_here = workers
             .iter()
@@ -434,6 +438,7 @@ impl WorkerPool {
         };
         match spawn_worker(program, *tls, self.kind, slot, *size).await {
             Ok(worker) => {
+                worker.set_ping_timeout(self.settings.timeouts.heartbeat);
                 self.workers.lock().await[slot] = worker;
                 self.restarted.fetch_add(1, Ordering::Relaxed);
             }
