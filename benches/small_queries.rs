@@ -68,20 +68,10 @@ struct Engine {
 
 /// Tasks the live worker processes of `ctx`'s session have run (0 in threads mode).
 async fn worker_tasks(ctx: &SessionContext) -> u64 {
-    let Some(slot) = ctx.state().config().get_extension::<WorkerPoolSlot>() else {
-        return 0;
-    };
-    let mut tasks = 0;
-    for pool in slot.started().await {
-        for worker in pool.workers().await {
-            if worker.is_alive()
-                && let Ok(status) = worker.status().await
-            {
-                tasks += status.tasks;
-            }
-        }
+    match ctx.state().config().get_extension::<WorkerPoolSlot>() {
+        Some(slot) => slot.tasks_in_workers().await,
+        None => 0,
     }
-    tasks
 }
 
 /// Query `i` of the stream, and its shape's name.

@@ -545,24 +545,14 @@ async fn run_file_inner(path: &Path, relative: &Path, engine: Engine) -> FileRun
 
 /// Tasks the live worker processes of `ctx`'s session ran (0 in threads mode).
 async fn worker_tasks(ctx: &SessionContext) -> u64 {
-    let Some(slot) = ctx
+    match ctx
         .state()
         .config()
         .get_extension::<flumen::cluster::WorkerPoolSlot>()
-    else {
-        return 0;
-    };
-    let mut tasks = 0;
-    for pool in slot.started().await {
-        for worker in pool.workers().await {
-            if worker.is_alive()
-                && let Ok(status) = worker.status().await
-            {
-                tasks += status.tasks;
-            }
-        }
+    {
+        Some(slot) => slot.tasks_in_workers().await,
+        None => 0,
     }
-    tasks
 }
 
 /// A record's location as one line: `file:line`, then ` at file:line` per include.

@@ -498,25 +498,8 @@ mod tests {
     use super::*;
     use crate::cluster::auth::Secret;
 
-    #[tokio::test]
-    async fn a_block_whose_holder_broke_the_call_and_is_gone_is_lost_not_an_error() {
-        // A holder that resets the block's stream with PROTOCOL_ERROR (which gRPC reports
-        // as an internal error, not as a dead peer) and then is gone, as a worker killed
-        // mid-fetch can look before its process counts as exited.
-        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-        let address = listener.local_addr().unwrap().to_string();
-        let holder = tokio::spawn(async move {
-            let (socket, _) = listener.accept().await.unwrap();
-            drop(listener);
-            let mut connection = h2::server::handshake(socket).await.unwrap();
-            let (_request, mut respond) = connection.accept().await.unwrap().unwrap();
-            respond.send_reset(h2::Reason::PROTOCOL_ERROR);
-            // Drive the connection until the reset is out and the client is done with it.
-            let _ = tokio::time::timeout(Duration::from_millis(500), connection.accept()).await;
-        });
-        let client = crate::cluster::worker_client::connect(&address, None, &Secret::random())
-            .await
-            .unwrap();
+    /// A worker's handle over `client`, and one block it holds.
+    fn worker_and_block(address: String, client: Client) -> (Arc<WorkerHandle>, RemoteBlock) {
         let worker = new_handle(
             address,
             WorkerStatus::default(),
@@ -536,6 +519,29 @@ mod tests {
             },
             query: "q".into(),
         };
+        (worker, block)
+    }
+
+    #[tokio::test]
+    async fn a_block_whose_holder_broke_the_call_and_is_gone_is_lost_not_an_error() {
+        // A holder that resets the block's stream with PROTOCOL_ERROR (which gRPC reports
+        // as an internal error, not as a dead peer) and then is gone, as a worker killed
+        // mid-fetch can look before its process counts as exited.
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let address = listener.local_addr().unwrap().to_string();
+        let holder = tokio::spawn(async move {
+            let (socket, _) = listener.accept().await.unwrap();
+            drop(listener);
+            let mut connection = h2::server::handshake(socket).await.unwrap();
+            let (_request, mut respond) = connection.accept().await.unwrap().unwrap();
+            respond.send_reset(h2::Reason::PROTOCOL_ERROR);
+            // Drive the connection until the reset is out and the client is done with it.
+            let _ = tokio::time::timeout(Duration::from_millis(500), connection.accept()).await;
+        });
+        let client = crate::cluster::worker_client::connect(&address, None, &Secret::random())
+            .await
+            .unwrap();
+        let (worker, block) = worker_and_block(address, client);
         let fetched = block.fetch().await;
         holder.await.unwrap();
         assert!(
@@ -571,27 +577,9 @@ mod tests {
         let client = crate::cluster::worker_client::connect(&address, None, &Secret::random())
             .await
             .unwrap();
-        let worker = new_handle(
-            address,
-            WorkerStatus::default(),
-            Pool::Cpu,
-            client,
-            false,
-            None,
-        );
+        let (worker, block) = worker_and_block(address, client);
         assert_eq!(worker.ping_timeout(), DEFAULT_PING_TIMEOUT);
         worker.set_ping_timeout(Duration::from_millis(100));
-        let block = RemoteBlock {
-            worker: Arc::clone(&worker),
-            info: RemoteBlockInfo {
-                key: "k".into(),
-                tag: 0,
-                rows: 1,
-                bytes: 8,
-                digest: None,
-            },
-            query: "q".into(),
-        };
         let started = std::time::Instant::now();
         let fetched = block.fetch().await;
         let waited = started.elapsed();

@@ -614,4 +614,20 @@ impl WorkerPoolSlot {
         }
         pools
     }
+
+    /// Tasks the live workers of the pools started so far have run, as they report (a
+    /// worker that does not answer counts none).
+    pub async fn tasks_in_workers(&self) -> u64 {
+        let mut tasks = 0;
+        for pool in self.started().await {
+            for worker in pool.workers().await {
+                if worker.is_alive()
+                    && let Ok(status) = worker.status().await
+                {
+                    tasks += status.tasks;
+                }
+            }
+        }
+        tasks
+    }
 }
