@@ -6,7 +6,8 @@
 //! `cargo bench --bench small_queries [-- --rows 100000 --files 4 --queries 60 --runs 3
 //! --check]`
 //! (`--timed workers` times one engine alone, e.g. under `perf`: `vanilla`, `threads` or
-//! `workers`, comma-separated; the ratios need all three)
+//! `workers`, comma-separated; the ratios need all three; `FLUMEN_WORKER_BIN=PATH` starts
+//! the workers from another build or a wrapper)
 //!
 //! The table is `--files` Parquet files of `--rows / --files` rows (`id`, `k` of 97 values, `v`, `name`).
 //! The queries cycle through four shapes with a constant that changes per query (nothing is
@@ -146,7 +147,10 @@ async fn main() -> Result<()> {
     let mut workers_config = FlumenConfig::default();
     workers_config.workers = WorkerMode::Process;
     workers_config.worker_processes = 2;
-    workers_config.worker_binary = env!("CARGO_BIN_EXE_flumen").into();
+    // `FLUMEN_WORKER_BIN` runs another build (or a wrapper) as the workers.
+    workers_config.worker_binary = std::env::var("FLUMEN_WORKER_BIN")
+        .unwrap_or_else(|_| env!("CARGO_BIN_EXE_flumen").into())
+        .into();
     let mut engines = vec![
         ("vanilla", "vanilla DataFusion", SessionContext::new()),
         (
