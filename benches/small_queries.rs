@@ -180,10 +180,10 @@ async fn main() -> Result<()> {
     }
 
     let timed_engines = args::flag_value(&args, "--timed");
-    let is_timed = |name: &str| {
+    let is_timed = |key: &str| {
         timed_engines
             .as_deref()
-            .is_none_or(|only| only.split(',').any(|key| key == name))
+            .is_none_or(|only| only.split(',').any(|timed| timed == key))
     };
     let reference: Vec<String> = {
         let mut answers = vec![];
