@@ -94,8 +94,9 @@ impl WorkerHandle {
         self.ping_timeout_ms.store(ms, Ordering::Relaxed);
     }
 
-    /// How long it has to answer a ping after a call to it broke.
-    pub(crate) fn ping_timeout(&self) -> Duration {
+    /// How long it has to answer a ping after a call to it broke: its pool's heartbeat
+    /// timeout (`flumen.heartbeat_timeout_secs`).
+    pub fn ping_timeout(&self) -> Duration {
         Duration::from_millis(self.ping_timeout_ms.load(Ordering::Relaxed))
     }
 

@@ -279,6 +279,10 @@ fn three_hosts_answer_like_datafusion() {
             let ids: std::collections::HashSet<&str> =
                 workers.iter().map(|w| w.announced.id.as_str()).collect();
             assert_eq!(ids.len(), 3, "worker ids repeat");
+            assert!(
+                workers.iter().all(|w| w.ping_timeout() == Duration::from_secs(1)),
+                "an attached worker does not have the session's 1 s heartbeat timeout"
+            );
 
             // A join over three hosts: scans and the join's partitions in the workers; the
             // only blocks going from the driver to a worker are the in-memory `dim` table's
@@ -571,11 +575,19 @@ fn a_partitioned_host_is_fenced_and_rejoins() {
                     "h2 rejoined {:?} after its link came back",
                     started.elapsed()
                 );
+                let h2 = net.address("h2", Role::Cpu);
+                let rejoined = (pool.workers().await.into_iter())
+                    .find(|w| w.address == h2 && w.is_alive())
+                    .expect("h2's worker is in the pool again");
+                assert_eq!(
+                    rejoined.ping_timeout(),
+                    Duration::from_secs(1),
+                    "the rejoined worker does not have the session's heartbeat timeout"
+                );
                 let before = tasks_by_worker(&f, Pool::Cpu).await;
                 let again = slow_run(&f).await;
                 let after = tasks_by_worker(&f, Pool::Cpu).await;
                 println!("tasks by worker before {before:?}, after {after:?}");
-                let h2 = net.address("h2", Role::Cpu);
                 let count = |list: &[(String, u64)]| {
                     list.iter().find(|(a, _)| *a == h2).map_or(0, |(_, n)| *n)
                 };

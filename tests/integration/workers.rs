@@ -147,7 +147,11 @@ async fn a_worker_killed_mid_query_costs_only_its_blocks() {
         }
         false
     }));
-    let f = session(process_config(2), Some(dropper));
+    // A heartbeat timeout other than the default: every worker, the replacement too,
+    // must be given it.
+    let mut config = process_config(2);
+    config.heartbeat_timeout_secs = 3;
+    let f = session(config, Some(dropper));
     f.sql("SET flumen.mode = 'batch'").await.unwrap();
     f.sql("SET flumen.split_bytes = '64KB'").await.unwrap();
     f.sql("SET flumen.aggregate_split_bytes = '64KB'")
@@ -217,6 +221,14 @@ async fn a_worker_killed_mid_query_costs_only_its_blocks() {
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
     assert!(pool.restarted() >= 1, "no worker was restarted");
+    for worker in pool.workers().await {
+        assert_eq!(
+            worker.ping_timeout(),
+            Duration::from_secs(3),
+            "worker {} does not have the session's heartbeat timeout",
+            worker.address
+        );
+    }
 }
 
 /// A lost block whose recomputation gives other values (a map task calling `random()`) fails
