@@ -49,7 +49,7 @@ use crate::plan::exchange_sizing::ExchangeSizing;
 use crate::plan::graph::{Operator, OperatorGraph, OperatorId, Pool, TaskShape};
 use crate::plan::merge_runs::MergeRunsExec;
 use crate::plan::model_batching::ModelBatching;
-use crate::plan::partition_cut::cuts_per_partition;
+use crate::plan::partition_cut::{cuts_per_partition, only_merges_inputs};
 use crate::plan::range_sort::sort_run_bytes;
 use crate::plan::split_source::{ModelSplitLimit, RowGroupLayout, SplitSourceExec};
 use crate::plan::stage_input::{InputExchange, StageInputExec};
@@ -102,7 +102,8 @@ impl OperatorGraph {
             && !cutter.out_of_core
             && root.shape == TaskShape::Barrier
             && !root.streamed_inputs.iter().any(|s| *s)
-            && cuts_per_partition(&root.fragment);
+            && cuts_per_partition(&root.fragment)
+            && !only_merges_inputs(&root.fragment);
         Ok(Self {
             operators: cutter.operators,
             consumer,

@@ -224,9 +224,13 @@ pub struct OperatorGraph {
     /// operator's, and the query's reader fetches only their output (the result), instead
     /// of the root running in the reader on the driver over all of its inputs. Set for a
     /// per-partition root a worker can run that does not stream its inputs (a final
-    /// aggregate over gathered partials; not a merge of sorted partitions, nor a `LIMIT`
-    /// that stops its input), of
-    /// nodes the workers run (the planner checks that: `exec::planner`).
+    /// aggregate over gathered partials, a merge of sorted partitions with a limit; not a
+    /// `LIMIT` that stops its input), of nodes the workers run (the planner checks that:
+    /// `exec::planner`), that does more than merge its inputs: a root whose output is all
+    /// of its input (a merge of sorted partitions without a limit,
+    /// [`crate::plan::partition_cut::only_merges_inputs`]) runs in the reader, which fetches
+    /// each input block once instead of a worker fetching them all and the reader its
+    /// output.
     pub root_on_workers: bool,
 }
 

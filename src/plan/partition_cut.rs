@@ -9,6 +9,7 @@ use datafusion::common::tree_node::{TreeNode, TreeNodeRecursion};
 use datafusion::datasource::physical_plan::FileScanConfig;
 use datafusion::datasource::source::DataSourceExec;
 use datafusion::physical_expr::utils::collect_columns;
+use datafusion::physical_plan::coalesce_partitions::CoalescePartitionsExec;
 use datafusion::physical_plan::joins::{
     CrossJoinExec, HashJoinExec, NestedLoopJoinExec, PartitionMode,
 };
@@ -23,6 +24,25 @@ use crate::plan::random_shuffle::RandomPermuteExec;
 use crate::plan::split_source::SplitSourceExec;
 use crate::plan::stage_input::{InputExchange, StageInputExec};
 use crate::plan::subquery_values::SubqueryValuesExec;
+
+/// Whether `fragment` only brings its stage inputs' rows together, every row out as it came
+/// in: merges of sorted partitions and coalesces of partitions, without a limit, over stage
+/// inputs. Its output is all of its input, so a worker running it as a query's root would
+/// fetch every input block from its peers only for the driver to fetch all of it again: the
+/// reader on the driver runs such a root ([`crate::plan::graph::OperatorGraph::root_on_workers`]).
+pub fn only_merges_inputs(fragment: &Arc<dyn ExecutionPlan>) -> bool {
+    let node = fragment;
+    if node.downcast_ref::<StageInputExec>().is_some() {
+        return true;
+    }
+    let merges = node
+        .downcast_ref::<SortPreservingMergeExec>()
+        .is_some_and(|merge| merge.fetch().is_none())
+        || node
+            .downcast_ref::<CoalescePartitionsExec>()
+            .is_some_and(|coalesce| coalesce.fetch().is_none());
+    merges && node.children().into_iter().all(only_merges_inputs)
+}
 
 /// How a node of a per-partition fragment is read by the fragment's partition `p`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -380,5 +400,34 @@ mod tests {
         ));
         let with_merge = UnionExec::try_new(vec![stage_input(0, 2, hash(2)), merged]).unwrap();
         assert!(!cuts_per_partition(&with_merge));
+    }
+
+    #[test]
+    fn a_root_that_only_merges_its_inputs_is_told_apart_from_one_that_reduces_them() {
+        let input = stage(2, InputExchange::Preserve);
+        let x = col("x", &input.schema()).unwrap();
+        let ordering: datafusion::physical_expr::LexOrdering =
+            [datafusion::physical_expr::PhysicalSortExpr::new_default(
+                Arc::clone(&x),
+            )]
+            .into();
+        let merge = SortPreservingMergeExec::new(ordering.clone(), Arc::clone(&input));
+        assert!(only_merges_inputs(&(Arc::new(merge.clone()) as _)));
+        let coalesce = CoalescePartitionsExec::new(Arc::clone(&input));
+        assert!(only_merges_inputs(&(Arc::new(coalesce.clone()) as _)));
+        // A limit keeps only some rows: the driver would fetch more than the answer.
+        assert!(!only_merges_inputs(
+            &ExecutionPlan::with_fetch(&merge, Some(3)).unwrap()
+        ));
+        assert!(!only_merges_inputs(
+            &ExecutionPlan::with_fetch(&coalesce, Some(3)).unwrap()
+        ));
+        // Anything computed above the merge (here a projection) is work, not a merge.
+        let projection = ProjectionExec::try_new(
+            vec![(x, "x".to_string())],
+            Arc::new(SortPreservingMergeExec::new(ordering, input)) as _,
+        )
+        .unwrap();
+        assert!(!only_merges_inputs(&(Arc::new(projection) as _)));
     }
 }

@@ -583,10 +583,11 @@ async fn a_worker_reads_the_inputs_it_holds_itself_without_the_network() {
 }
 
 /// A root a worker can run (a final aggregate over gathered or hash-split partials, a merge
-/// of sorted partitions, each an in-memory scan of its own) runs on the workers, and the
-/// driver fetches only the answer (before, `ORDER BY k LIMIT 3` fetched each partition's
-/// top 3 rows, and a global aggregate every partial row). A plain `LIMIT` is no barrier: its
-/// scan's blocks are the answer.
+/// of sorted partitions with a limit, each an in-memory scan of its own) runs on the
+/// workers, and the driver fetches only the answer (before, `ORDER BY k LIMIT 3` fetched
+/// each partition's top 3 rows, and a global aggregate every partial row). A plain `LIMIT`
+/// is no barrier: its scan's blocks are the answer. A merge without a limit runs in the
+/// reader: its input is the answer, fetched once.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_root_workers_can_run_runs_there_and_the_driver_fetches_the_answer() {
     let (_dir, vanilla, workers) = events_in_two_workers(20_000).await;
@@ -599,6 +600,13 @@ async fn a_root_workers_can_run_runs_there_and_the_driver_fetches_the_answer() {
         ),
         ("SELECT k, v FROM events ORDER BY v DESC, id LIMIT 4", true),
         ("SELECT id FROM events LIMIT 5", false),
+        // A root that only merges sorted partitions runs in the reader: a worker would
+        // fetch every block only for the driver to fetch them all again.
+        (
+            "SELECT k, count(*) FROM events GROUP BY k ORDER BY k",
+            false,
+        ),
+        ("SELECT id, v FROM events WHERE k = 3 ORDER BY v, id", false),
     ] {
         let expected = vanilla.sql(sql).await.unwrap().collect().await.unwrap();
         let (got, plan) = run(&workers, sql).await;
@@ -635,7 +643,11 @@ async fn a_root_workers_can_run_runs_there_and_the_driver_fetches_the_answer() {
                 "{sql}"
             );
         }
-        assert_eq!(fetched, answer, "{sql}");
+        // An answer of several blocks counts a string column's offsets once per block.
+        assert!(
+            answer <= fetched && fetched as f64 <= 1.001 * answer as f64,
+            "{sql}: fetched {fetched} bytes for an answer of {answer}"
+        );
     }
 }
 
