@@ -9,6 +9,7 @@
 //!   orphan files when it fails.
 //! - [`delta_changes`]: `table_changes(...)`, a Delta table's change data feed.
 //! - [`lakehouse_options`]: the options both formats share.
+//! - [`url_tables`]: quoted paths and URLs read as tables, with the cause when one cannot be.
 
 #[cfg(feature = "delta")]
 pub(crate) mod delta;
@@ -21,6 +22,7 @@ pub(crate) mod iceberg;
 pub(crate) mod lakehouse_options;
 pub(crate) mod object_stores;
 pub mod output_commit;
+pub mod url_tables;
 
 #[cfg(feature = "delta")]
 pub use delta::{

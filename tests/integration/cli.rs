@@ -262,6 +262,12 @@ fn a_quoted_path_is_a_table() {
     let dir = tempfile::tempdir().unwrap();
     let file = dir.path().join("t.parquet");
     let file = file.to_str().unwrap();
+    let empty = dir.path().join("empty");
+    std::fs::create_dir(&empty).unwrap();
+    let empty = empty.to_str().unwrap();
+    let notes = dir.path().join("notes.sql");
+    std::fs::write(&notes, "SELECT 1;").unwrap();
+    let notes = notes.to_str().unwrap().to_string();
     let out = flumen(
         &[
             "--no-demo",
@@ -274,13 +280,36 @@ fn a_quoted_path_is_a_table() {
             &format!("SELECT count(*) AS n, sum(id) AS total FROM '{file}'"),
             "-c",
             "SELECT * FROM 'no/such/file.parquet'",
+            "-c",
+            &format!("SELECT * FROM '{empty}/'"),
+            "-c",
+            &format!("SELECT * FROM '{notes}'"),
+            "-c",
+            "SELECT 7 AS seven",
         ],
         "",
     );
     let stdout = text(&out.stdout);
     assert!(stdout.contains("n,total\n100,5050\n"), "{stdout}");
     let stderr = text(&out.stderr);
-    assert!(stderr.contains("no/such/file.parquet"), "{stderr}");
+    // Each path that cannot be read says why, not "table ... not found".
+    let why = |name: &str, cause: &str| {
+        assert!(
+            stderr.contains(&format!("cannot read '{name}' as a table: {cause}")),
+            "{name}: {stderr}"
+        )
+    };
+    why("no/such/file.parquet", "no file found there");
+    why(&format!("{empty}/"), "no file found there");
+    why(
+        &notes,
+        "Invalid or Unsupported Configuration: No file_format found with extension sql",
+    );
+    assert!(!stderr.contains("not found"), "{stderr}");
+    assert!(
+        stdout.ends_with("seven\n7\n"),
+        "the shell went on: {stdout}"
+    );
     assert_eq!(out.status.code(), Some(1), "the missing file fails the run");
 }
 

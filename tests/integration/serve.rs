@@ -1269,6 +1269,19 @@ async fn a_hostile_client_is_refused_what_the_operator_did_not_allow() {
         read[0].column(0).as_primitive::<Int64Type>().value(0),
         2_000
     );
+    // A path it may read where there is no file says so, through the session's store.
+    let missing = format!("{data_dir}/missing.parquet");
+    let err = hostile
+        .execute(format!("SELECT * FROM '{missing}'"), None)
+        .await
+        .expect_err("a missing file")
+        .to_string();
+    assert!(
+        err.contains(&format!(
+            "cannot read '{missing}' as a table: no file found there"
+        )),
+        "{err}"
+    );
 
     // The other client's query went on, and gives its answer.
     let answer = other_query.await.unwrap();

@@ -452,8 +452,9 @@ fn local_session(cli: &Cli) -> datafusion::prelude::SessionContext {
         config.worker_ca = file.display().to_string();
     }
     // A quoted path or URL is a table (`SELECT * FROM 'data/t.parquet'`), as in
-    // datafusion-cli; the object store of a URL is registered before the statement runs.
-    let ctx = flumen::session(config).enable_url_table();
+    // datafusion-cli, and one that cannot be read says why; the object store of a URL is
+    // registered before the statement runs.
+    let ctx = flumen::io::url_tables::with_url_tables(flumen::session(config));
     if !cli.no_demo {
         let table = Arc::new(demo_table::DemoTable::new(flumen::demo::DEFAULT_ROWS));
         if let Err(e) = ctx.register_table("docs", table) {
