@@ -539,6 +539,32 @@ impl FlumenConfig {
     pub fn block_rows(&self) -> usize {
         self.target_block_rows.max(1)
     }
+
+    /// These settings with `name` (without `flumen.`) back to its default, as `RESET
+    /// flumen.<name>` asks ([`crate::session::reset_flumen_setting`]). An error for a name
+    /// that is not a setting, and for the startup options, which no statement changes.
+    pub fn with_default(&self, name: &str) -> datafusion::error::Result<FlumenConfig> {
+        use datafusion::common::config::ExtensionOptions;
+        let Some(default) =
+            (FlumenConfig::default().entries().into_iter()).find(|entry| entry.key == name)
+        else {
+            return Err(DataFusionError::Configuration(format!(
+                "Config value \"{name}\" not found on FlumenConfig"
+            )));
+        };
+        let mut reset = self.clone();
+        match default.value {
+            Some(value) => ExtensionOptions::set(&mut reset, name, &value)?,
+            // The one setting unset by default (a string cannot set `None`).
+            None if name == "delta_txn_version" => reset.delta_txn_version = None,
+            None => {
+                return Err(DataFusionError::Internal(format!(
+                    "flumen.{name} is unset by default and RESET does not know it"
+                )));
+            }
+        }
+        Ok(reset)
+    }
 }
 
 impl ConfigExtension for FlumenConfig {
@@ -548,6 +574,37 @@ impl ConfigExtension for FlumenConfig {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn every_setting_but_the_startup_options_goes_back_to_its_default() {
+        use datafusion::common::config::ExtensionOptions;
+        let defaults = FlumenConfig::default().entries();
+        let changed = FlumenConfig {
+            target_block_rows: 7,
+            delta_txn_version: Some(3),
+            cluster: "h1:1".into(),
+            ..Default::default()
+        };
+        for entry in &defaults {
+            let name = entry.key.as_str();
+            if name == "worker_binary" || name == "worker_module" {
+                let err = changed.with_default(name).unwrap_err().to_string();
+                assert!(err.contains("startup options"), "{err}");
+                continue;
+            }
+            let reset = changed.with_default(name).unwrap();
+            let value = |config: &FlumenConfig| {
+                let entries = config.entries();
+                entries.into_iter().find(|e| e.key == name).unwrap().value
+            };
+            assert_eq!(value(&reset), entry.value, "{name}");
+        }
+        // Only the one named goes back.
+        let reset = changed.with_default("cluster").unwrap();
+        assert_eq!((reset.target_block_rows, reset.cluster.as_str()), (7, ""));
+        let err = changed.with_default("nosuch").unwrap_err().to_string();
+        assert!(err.contains("nosuch"), "{err}");
+    }
 
     #[test]
     fn byte_sizes_parse_with_units() {

@@ -1,6 +1,7 @@
 //! Sessions: a DataFusion `SessionContext` whose queries run on flumen (new, on a caller's
 //! `SessionConfig`, or converted from an existing context), with flumen's functions,
-//! table formats and object-store options registered.
+//! table formats and object-store options registered; `RESET flumen.<name>`
+//! ([`reset_flumen_setting`]).
 
 use std::sync::Arc;
 
@@ -223,4 +224,43 @@ fn registration_order<F>(
     }
     shadowed.extend(winners);
     shadowed
+}
+
+/// Run `sql` if it is `RESET flumen.<name>`, which DataFusion 55's `RESET` refuses for every
+/// namespace but its own ("Could not find config namespace"): the setting goes back to its
+/// default ([`FlumenConfig::with_default`]), as `RESET datafusion.<name>` does for
+/// DataFusion's. `Some`: it was such a statement, done, and this is its (empty) result, as a
+/// `SET`'s; `None`: anything else, for the caller to run. The shell, `flumen serve` and the
+/// Python session call it before running a statement.
+pub fn reset_flumen_setting(
+    ctx: &SessionContext,
+    sql: &str,
+) -> datafusion::error::Result<Option<datafusion::dataframe::DataFrame>> {
+    use datafusion::sql::parser::{DFParser, ResetStatement, Statement};
+    let Ok(mut statements) = DFParser::parse_sql(sql) else {
+        return Ok(None);
+    };
+    let (Some(Statement::Reset(ResetStatement::Variable(name))), None) =
+        (statements.pop_front(), statements.pop_front())
+    else {
+        return Ok(None);
+    };
+    let name = name.to_string().to_ascii_lowercase();
+    let Some(field) = name.strip_prefix("flumen.") else {
+        return Ok(None);
+    };
+    {
+        let state = ctx.state_ref();
+        let mut state = state.write();
+        let options = state.config_mut().options_mut();
+        let current = (options.extensions.get::<FlumenConfig>())
+            .cloned()
+            .unwrap_or_default();
+        options.extensions.insert(current.with_default(field)?);
+    }
+    let done = datafusion::logical_expr::LogicalPlanBuilder::empty(false).build()?;
+    Ok(Some(datafusion::dataframe::DataFrame::new(
+        ctx.state(),
+        done,
+    )))
 }

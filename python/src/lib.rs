@@ -166,7 +166,10 @@ impl Session {
     /// Plan `query`: a lazy result. Statements that change the session (`SET`, `CREATE`,
     /// `DROP`) take effect now, as in DataFusion.
     fn sql(&self, py: Python<'_>, query: &str) -> PyResult<DataFrame> {
-        let df = wait(py, self.ctx.sql(query))?.map_err(error)?;
+        let df = match flumen::reset_flumen_setting(&self.ctx, query).map_err(error)? {
+            Some(done) => done,
+            None => wait(py, self.ctx.sql(query))?.map_err(error)?,
+        };
         Ok(DataFrame { df })
     }
 

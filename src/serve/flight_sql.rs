@@ -136,6 +136,11 @@ impl FlumenFlightSql {
             .await
             .map_err(planning_error)?;
         policy.check_plan(&plan).map_err(planning_error)?;
+        // `RESET flumen.<name>`, once the policy let it through (an operator setting it
+        // refuses), is done here: DataFusion 55 would refuse to run it.
+        if let Some(done) = crate::reset_flumen_setting(ctx, sql).map_err(planning_error)? {
+            return Ok(done.logical_plan().clone());
+        }
         Ok(plan)
     }
 

@@ -257,6 +257,58 @@ fn s3_tables_on_a_loopback_server() {
     );
 }
 
+/// `RESET flumen.<name>` puts the setting back to its default (DataFusion 55's `RESET` knows
+/// only its own namespace), a wrong name or a startup option is an error naming it, and the
+/// shell has `information_schema` and `SHOW` on, as datafusion-cli does.
+#[test]
+fn reset_puts_a_flumen_setting_back_and_show_works() {
+    // DataFusion lists an extension's settings in `df_settings` without their prefix.
+    let setting = |name: &str| {
+        format!("SELECT value FROM information_schema.df_settings WHERE name = '{name}'")
+    };
+    let out = flumen(
+        &[
+            "--no-demo",
+            "--quiet",
+            "--format",
+            "csv",
+            "-c",
+            "SET flumen.target_block_rows = 100",
+            "-c",
+            &setting("target_block_rows"),
+            "-c",
+            "RESET flumen.target_block_rows",
+            "-c",
+            &setting("target_block_rows"),
+            "-c",
+            "SET flumen.delta_txn_version = 5",
+            "-c",
+            "RESET flumen.delta_txn_version",
+            "-c",
+            &setting("delta_txn_version").replace("value", "value IS NULL AS unset"),
+            "-c",
+            "RESET flumen.no_such_setting",
+            "-c",
+            "RESET flumen.worker_binary",
+            "-c",
+            "SHOW datafusion.execution.batch_size",
+        ],
+        "",
+    );
+    let stdout = text(&out.stdout);
+    assert_eq!(
+        stdout,
+        "value\n100\nvalue\n8192\nunset\ntrue\n\
+         name,value\ndatafusion.execution.batch_size,8192\n",
+        "{}",
+        text(&out.stderr)
+    );
+    let stderr = text(&out.stderr);
+    assert!(stderr.contains("\"no_such_setting\" not found"), "{stderr}");
+    assert!(stderr.contains("startup options"), "{stderr}");
+    assert_eq!(out.status.code(), Some(1));
+}
+
 #[test]
 fn a_quoted_path_is_a_table() {
     let dir = tempfile::tempdir().unwrap();

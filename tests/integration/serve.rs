@@ -1260,6 +1260,23 @@ async fn a_hostile_client_is_refused_what_the_operator_did_not_allow() {
     )
     .await;
     query_batches(&mut hostile, "SET flumen.target_block_rows = 1000").await;
+    // A client setting goes back to its default with `RESET` (DataFusion 55 knows only its
+    // own namespace there), and is set again for the reads below.
+    let block_rows = "SELECT value FROM information_schema.df_settings \
+                      WHERE name = 'target_block_rows'";
+    let value = |batches: &[datafusion::arrow::record_batch::RecordBatch]| {
+        (batches[0].column(0).as_string::<i32>().value(0)).to_string()
+    };
+    assert_eq!(
+        value(&query_batches(&mut hostile, block_rows).await),
+        "1000"
+    );
+    query_batches(&mut hostile, "RESET flumen.target_block_rows").await;
+    assert_eq!(
+        value(&query_batches(&mut hostile, block_rows).await),
+        "8192"
+    );
+    query_batches(&mut hostile, "SET flumen.target_block_rows = 1000").await;
     let read = query_batches(
         &mut hostile,
         &format!("SELECT count(*) FROM '{data_dir}/out.parquet'"),

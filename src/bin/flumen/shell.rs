@@ -203,8 +203,13 @@ async fn local_result(
     ctx: &SessionContext,
     sql: &str,
 ) -> Result<(BoxStream<'static, Result<RecordBatch>>, Option<Progress>)> {
-    flumen::io::register_for_statement(ctx, sql)?;
-    let df = ctx.sql(sql).await?;
+    let df = match flumen::reset_flumen_setting(ctx, sql)? {
+        Some(done) => done,
+        None => {
+            flumen::io::register_for_statement(ctx, sql)?;
+            ctx.sql(sql).await?
+        }
+    };
     let plan = df.create_physical_plan().await?;
     let progress = if std::io::stderr().is_terminal() {
         Progress::start(&plan)
