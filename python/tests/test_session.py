@@ -305,3 +305,22 @@ def test_ctrl_c_interrupts_a_long_query_within_two_seconds():
     assert "interrupted" in out
     print(f"Ctrl-C to KeyboardInterrupt: {took:.2f} s")
     assert took < 2.0, f"Ctrl-C took {took:.2f} s"
+
+
+def test_reset_puts_a_flumen_setting_back(table):
+    """`RESET flumen.<name>` (which DataFusion 55's own RESET refuses) puts the setting back
+    to its default: 100-row blocks, then the default's, in the batches a query returns."""
+    _, path = table
+    ctx = session()
+    ctx.register_parquet("t", path)
+
+    def largest_batch():
+        reader = pa.RecordBatchReader.from_stream(ctx.sql("SELECT id FROM t"))
+        return max(batch.num_rows for batch in reader)
+
+    ctx.sql("SET flumen.target_block_rows = 100")
+    assert largest_batch() <= 100
+    ctx.sql("RESET flumen.target_block_rows")
+    assert largest_batch() > 100
+    with pytest.raises(flumen.FlumenError, match="no_such_setting"):
+        ctx.sql("RESET flumen.no_such_setting")

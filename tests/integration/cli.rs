@@ -35,6 +35,15 @@ fn text(bytes: &[u8]) -> String {
     String::from_utf8_lossy(bytes).to_string()
 }
 
+/// Run `flumen --no-demo --quiet --format csv` with each of `statements` as a `-c`.
+fn csv_statements(statements: &[&str]) -> Output {
+    let mut args = vec!["--no-demo", "--quiet", "--format", "csv"];
+    for statement in statements {
+        args.extend(["-c", statement]);
+    }
+    flumen(&args, "")
+}
+
 const DATA: &str =
     "SELECT * FROM (VALUES (1, 'one', 1.5), (2, 'two, \"2\"', NULL)) AS t(id, name, x) ORDER BY id";
 
@@ -208,28 +217,17 @@ fn s3_tables_on_a_loopback_server() {
     };
     server.create_bucket("flumen-test");
     let options = server.options();
-    let out = flumen(
-        &[
-            "--no-demo",
-            "--quiet",
-            "--format",
-            "csv",
-            "-c",
-            &format!(
-                "COPY (SELECT x AS id, 'row ' || x AS body FROM generate_series(1, 5000) AS t(x)) \
-                 TO 's3://flumen-test/nums/part-0.parquet' {options}"
-            ),
-            "-c",
-            &format!(
-                "CREATE EXTERNAL TABLE nums STORED AS PARQUET LOCATION 's3://flumen-test/nums/' {options}"
-            ),
-            "-c",
-            "SELECT count(*) AS n, sum(id) AS total, max(body) AS last FROM nums",
-            "-c",
-            "SELECT count(*) AS by_url FROM 's3://flumen-test/nums/part-0.parquet'",
-        ],
-        "",
-    );
+    let out = csv_statements(&[
+        &format!(
+            "COPY (SELECT x AS id, 'row ' || x AS body FROM generate_series(1, 5000) AS t(x)) \
+             TO 's3://flumen-test/nums/part-0.parquet' {options}"
+        ),
+        &format!(
+            "CREATE EXTERNAL TABLE nums STORED AS PARQUET LOCATION 's3://flumen-test/nums/' {options}"
+        ),
+        "SELECT count(*) AS n, sum(id) AS total, max(body) AS last FROM nums",
+        "SELECT count(*) AS by_url FROM 's3://flumen-test/nums/part-0.parquet'",
+    ]);
     assert!(out.status.success(), "{}", text(&out.stderr));
     assert!(
         text(&out.stdout).ends_with("n,total,last\n5000,12502500,row 999\nby_url\n5000\n"),
@@ -266,35 +264,18 @@ fn reset_puts_a_flumen_setting_back_and_show_works() {
     let setting = |name: &str| {
         format!("SELECT value FROM information_schema.df_settings WHERE name = '{name}'")
     };
-    let out = flumen(
-        &[
-            "--no-demo",
-            "--quiet",
-            "--format",
-            "csv",
-            "-c",
-            "SET flumen.target_block_rows = 100",
-            "-c",
-            &setting("target_block_rows"),
-            "-c",
-            "RESET flumen.target_block_rows",
-            "-c",
-            &setting("target_block_rows"),
-            "-c",
-            "SET flumen.delta_txn_version = 5",
-            "-c",
-            "RESET flumen.delta_txn_version",
-            "-c",
-            &setting("delta_txn_version").replace("value", "value IS NULL AS unset"),
-            "-c",
-            "RESET flumen.no_such_setting",
-            "-c",
-            "RESET flumen.worker_binary",
-            "-c",
-            "SHOW datafusion.execution.batch_size",
-        ],
-        "",
-    );
+    let out = csv_statements(&[
+        "SET flumen.target_block_rows = 100",
+        &setting("target_block_rows"),
+        "RESET flumen.target_block_rows",
+        &setting("target_block_rows"),
+        "SET flumen.delta_txn_version = 5",
+        "RESET flumen.delta_txn_version",
+        &setting("delta_txn_version").replace("value", "value IS NULL AS unset"),
+        "RESET flumen.no_such_setting",
+        "RESET flumen.worker_binary",
+        "SHOW datafusion.execution.batch_size",
+    ]);
     let stdout = text(&out.stdout);
     assert_eq!(
         stdout,
@@ -320,27 +301,14 @@ fn a_quoted_path_is_a_table() {
     let notes = dir.path().join("notes.sql");
     std::fs::write(&notes, "SELECT 1;").unwrap();
     let notes = notes.to_str().unwrap().to_string();
-    let out = flumen(
-        &[
-            "--no-demo",
-            "--quiet",
-            "--format",
-            "csv",
-            "-c",
-            &format!("COPY (SELECT x AS id FROM generate_series(1, 100) AS t(x)) TO '{file}'"),
-            "-c",
-            &format!("SELECT count(*) AS n, sum(id) AS total FROM '{file}'"),
-            "-c",
-            "SELECT * FROM 'no/such/file.parquet'",
-            "-c",
-            &format!("SELECT * FROM '{empty}/'"),
-            "-c",
-            &format!("SELECT * FROM '{notes}'"),
-            "-c",
-            "SELECT 7 AS seven",
-        ],
-        "",
-    );
+    let out = csv_statements(&[
+        &format!("COPY (SELECT x AS id FROM generate_series(1, 100) AS t(x)) TO '{file}'"),
+        &format!("SELECT count(*) AS n, sum(id) AS total FROM '{file}'"),
+        "SELECT * FROM 'no/such/file.parquet'",
+        &format!("SELECT * FROM '{empty}/'"),
+        &format!("SELECT * FROM '{notes}'"),
+        "SELECT 7 AS seven",
+    ]);
     let stdout = text(&out.stdout);
     assert!(stdout.contains("n,total\n100,5050\n"), "{stdout}");
     let stderr = text(&out.stderr);
