@@ -4,7 +4,8 @@ use std::fmt;
 use std::str::FromStr;
 
 use datafusion::common::config::ConfigExtension;
-use datafusion::common::{config_field, extensions_options};
+use datafusion::common::config::{ConfigEntry, ConfigField, ExtensionOptions, Visit};
+use datafusion::common::{config_field, config_namespace};
 use datafusion::error::DataFusionError;
 
 /// How the scheduler runs a query's operators.
@@ -348,8 +349,12 @@ pub fn available_cores() -> usize {
         .unwrap_or(2)
 }
 
-extensions_options! {
-    /// flumen's settings (`SET flumen.<name> = <value>`).
+config_namespace! {
+    /// flumen's settings (`SET flumen.<name> = <value>`). A DataFusion config extension
+    /// ([`ConfigExtension`]) whose entries are named with their `flumen.` prefix, so that
+    /// `SHOW flumen.<name>`, `SHOW ALL` and `information_schema.df_settings` name them as
+    /// `SET` does (DataFusion's `extensions_options!` lists them by their bare names, which
+    /// `SHOW` then refuses).
     pub struct FlumenConfig {
         /// `streaming` (default), `batch` (one operator at a time, to completion) or `static`
         /// (a fixed share of slots per operator).
@@ -544,26 +549,56 @@ impl FlumenConfig {
     /// flumen.<name>` asks ([`crate::session::reset_flumen_setting`]). An error for a name
     /// that is not a setting, and for the startup options, which no statement changes.
     pub fn with_default(&self, name: &str) -> datafusion::error::Result<FlumenConfig> {
-        use datafusion::common::config::ExtensionOptions;
-        let Some(default) =
-            (FlumenConfig::default().entries().into_iter()).find(|entry| entry.key == name)
-        else {
-            return Err(DataFusionError::Configuration(format!(
-                "Config value \"{name}\" not found on FlumenConfig"
-            )));
-        };
+        if name == "worker_binary" || name == "worker_module" {
+            // The startup options' own refusal.
+            WorkerBinary::default().set("", "")?;
+        }
         let mut reset = self.clone();
-        match default.value {
-            Some(value) => ExtensionOptions::set(&mut reset, name, &value)?,
-            // The one setting unset by default (a string cannot set `None`).
-            None if name == "delta_txn_version" => reset.delta_txn_version = None,
-            None => {
-                return Err(DataFusionError::Internal(format!(
-                    "flumen.{name} is unset by default and RESET does not know it"
-                )));
+        ConfigField::reset(&mut reset, name)?;
+        Ok(reset)
+    }
+}
+
+impl ExtensionOptions for FlumenConfig {
+    fn as_any(&self) -> &dyn std::any::Any {
+        self
+    }
+
+    fn as_any_mut(&mut self) -> &mut dyn std::any::Any {
+        self
+    }
+
+    fn cloned(&self) -> Box<dyn ExtensionOptions> {
+        Box::new(self.clone())
+    }
+
+    fn set(&mut self, key: &str, value: &str) -> datafusion::error::Result<()> {
+        ConfigField::set(self, key, value)
+    }
+
+    /// Every setting, named `flumen.<name>`.
+    fn entries(&self) -> Vec<ConfigEntry> {
+        struct Entries(Vec<ConfigEntry>);
+        impl Visit for Entries {
+            fn some<V: fmt::Display>(&mut self, key: &str, value: V, description: &'static str) {
+                self.0.push(ConfigEntry {
+                    key: key.to_string(),
+                    value: Some(value.to_string()),
+                    description,
+                });
+            }
+
+            fn none(&mut self, key: &str, description: &'static str) {
+                self.0.push(ConfigEntry {
+                    key: key.to_string(),
+                    value: None,
+                    description,
+                });
             }
         }
-        Ok(reset)
+        let mut entries = Entries(vec![]);
+        ConfigField::visit(self, &mut entries, <Self as ConfigExtension>::PREFIX, "");
+        entries.0
     }
 }
 
@@ -577,7 +612,6 @@ mod tests {
 
     #[test]
     fn every_setting_but_the_startup_options_goes_back_to_its_default() {
-        use datafusion::common::config::ExtensionOptions;
         let defaults = FlumenConfig::default().entries();
         let changed = FlumenConfig {
             target_block_rows: 7,
@@ -586,7 +620,10 @@ mod tests {
             ..Default::default()
         };
         for entry in &defaults {
-            let name = entry.key.as_str();
+            let name = entry
+                .key
+                .strip_prefix("flumen.")
+                .expect("entries are named flumen.*");
             if name == "worker_binary" || name == "worker_module" {
                 let err = changed.with_default(name).unwrap_err().to_string();
                 assert!(err.contains("startup options"), "{err}");
@@ -595,7 +632,11 @@ mod tests {
             let reset = changed.with_default(name).unwrap();
             let value = |config: &FlumenConfig| {
                 let entries = config.entries();
-                entries.into_iter().find(|e| e.key == name).unwrap().value
+                entries
+                    .into_iter()
+                    .find(|e| e.key == entry.key)
+                    .unwrap()
+                    .value
             };
             assert_eq!(value(&reset), entry.value, "{name}");
         }
@@ -604,6 +645,23 @@ mod tests {
         assert_eq!((reset.target_block_rows, reset.cluster.as_str()), (7, ""));
         let err = changed.with_default("nosuch").unwrap_err().to_string();
         assert!(err.contains("nosuch"), "{err}");
+    }
+
+    #[test]
+    fn a_session_lists_flumens_settings_by_the_names_set_takes() {
+        let mut options = datafusion::config::ConfigOptions::new();
+        options.extensions.insert(FlumenConfig::default());
+        options.set("flumen.target_block_rows", "100").unwrap();
+        let entries = options.entries();
+        let named = |key: &str| {
+            entries
+                .iter()
+                .find(|e| e.key == key)
+                .map(|e| e.value.clone())
+        };
+        assert_eq!(named("flumen.target_block_rows"), Some(Some("100".into())));
+        assert_eq!(named("flumen.delta_txn_version"), Some(None));
+        assert_eq!(named("target_block_rows"), None);
     }
 
     #[test]

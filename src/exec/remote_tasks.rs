@@ -673,7 +673,7 @@ impl QueryRun {
                     config
                         .entries()
                         .into_iter()
-                        .filter_map(|entry| Some((format!("flumen.{}", entry.key), entry.value?)))
+                        .filter_map(|entry| Some((entry.key, entry.value?)))
                         // DataFusion's own settings a function reads as it runs (the
                         // session's time zone: `to_unixtime` of a string), at this
                         // session's values.

@@ -256,22 +256,19 @@ fn s3_tables_on_a_loopback_server() {
 }
 
 /// `RESET flumen.<name>` puts the setting back to its default (DataFusion 55's `RESET` knows
-/// only its own namespace), a wrong name or a startup option is an error naming it, and the
-/// shell has `information_schema` and `SHOW` on, as datafusion-cli does.
+/// only its own namespace), a wrong name or a startup option is an error naming it; the
+/// shell has `information_schema` and `SHOW` on, as datafusion-cli does, and `SHOW` and
+/// `df_settings` name flumen's settings as `SET` does.
 #[test]
 fn reset_puts_a_flumen_setting_back_and_show_works() {
-    // DataFusion lists an extension's settings in `df_settings` without their prefix.
-    let setting = |name: &str| {
-        format!("SELECT value FROM information_schema.df_settings WHERE name = '{name}'")
-    };
     let out = csv_statements(&[
         "SET flumen.target_block_rows = 100",
-        &setting("target_block_rows"),
+        "SHOW flumen.target_block_rows",
         "RESET flumen.target_block_rows",
-        &setting("target_block_rows"),
+        "SELECT value FROM information_schema.df_settings WHERE name = 'flumen.target_block_rows'",
         "SET flumen.delta_txn_version = 5",
         "RESET flumen.delta_txn_version",
-        &setting("delta_txn_version").replace("value", "value IS NULL AS unset"),
+        "SHOW flumen.delta_txn_version",
         "RESET flumen.no_such_setting",
         "RESET flumen.worker_binary",
         "SHOW datafusion.execution.batch_size",
@@ -279,7 +276,8 @@ fn reset_puts_a_flumen_setting_back_and_show_works() {
     let stdout = text(&out.stdout);
     assert_eq!(
         stdout,
-        "value\n100\nvalue\n8192\nunset\ntrue\n\
+        "name,value\nflumen.target_block_rows,100\nvalue\n8192\n\
+         name,value\nflumen.delta_txn_version,\n\
          name,value\ndatafusion.execution.batch_size,8192\n",
         "{}",
         text(&out.stderr)

@@ -1263,7 +1263,7 @@ async fn a_hostile_client_is_refused_what_the_operator_did_not_allow() {
     // A client setting goes back to its default with `RESET` (DataFusion 55 knows only its
     // own namespace there), and is set again for the reads below.
     let block_rows = "SELECT value FROM information_schema.df_settings \
-                      WHERE name = 'target_block_rows'";
+                      WHERE name = 'flumen.target_block_rows'";
     let value = |batches: &[datafusion::arrow::record_batch::RecordBatch]| {
         (batches[0].column(0).as_string::<i32>().value(0)).to_string()
     };
