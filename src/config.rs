@@ -5,7 +5,7 @@ use std::str::FromStr;
 
 use datafusion::common::config::ConfigExtension;
 use datafusion::common::config::{ConfigEntry, ConfigField, ExtensionOptions, Visit};
-use datafusion::common::{config_field, config_namespace};
+use datafusion::common::config_field;
 use datafusion::error::DataFusionError;
 
 /// How the scheduler runs a query's operators.
@@ -349,12 +349,84 @@ pub fn available_cores() -> usize {
         .unwrap_or(2)
 }
 
-config_namespace! {
+/// A struct of settings, each with its doc comment and default, as DataFusion's
+/// `config_namespace!` makes one (a `ConfigField` that sets, lists and resets each field),
+/// but `#[non_exhaustive]` like `extensions_options!`'s: a program outside the crate builds
+/// it from its default, so a setting added later breaks no caller.
+macro_rules! flumen_settings {
+    (
+        $(#[doc = $struct_doc:tt])*
+        $vis:vis struct $name:ident {
+            $(
+                $(#[doc = $doc:tt])*
+                $field_vis:vis $field:ident : $field_type:ty, default = $default:expr
+            )*
+        }
+    ) => {
+        $(#[doc = $struct_doc])*
+        #[derive(Debug, Clone)]
+        #[non_exhaustive]
+        $vis struct $name {
+            $(
+                $(#[doc = $doc])*
+                $field_vis $field: $field_type,
+            )*
+        }
+
+        impl Default for $name {
+            fn default() -> Self {
+                Self {
+                    $($field: $default),*
+                }
+            }
+        }
+
+        impl ConfigField for $name {
+            fn set(&mut self, key: &str, value: &str) -> datafusion::error::Result<()> {
+                let (key, rest) = key.split_once('.').unwrap_or((key, ""));
+                match key {
+                    $(stringify!($field) => self.$field.set(rest, value),)*
+                    _ => Err(DataFusionError::Configuration(format!(
+                        "Config value \"{key}\" not found on {}",
+                        stringify!($name)
+                    ))),
+                }
+            }
+
+            fn visit<V: Visit>(&self, v: &mut V, key_prefix: &str, _description: &'static str) {
+                $(
+                    let key = format!(concat!("{}.", stringify!($field)), key_prefix);
+                    self.$field.visit(v, &key, concat!($($doc),*).trim());
+                )*
+            }
+
+            fn reset(&mut self, key: &str) -> datafusion::error::Result<()> {
+                let (key, rest) = key.split_once('.').unwrap_or((key, ""));
+                match key {
+                    $(
+                        stringify!($field) if rest.is_empty() => {
+                            self.$field = $default;
+                            Ok(())
+                        }
+                        stringify!($field) => self.$field.reset(rest),
+                    )*
+                    _ => Err(DataFusionError::Configuration(format!(
+                        "Config value \"{key}\" not found on {}",
+                        stringify!($name)
+                    ))),
+                }
+            }
+        }
+    };
+}
+
+flumen_settings! {
     /// flumen's settings (`SET flumen.<name> = <value>`). A DataFusion config extension
     /// ([`ConfigExtension`]) whose entries are named with their `flumen.` prefix, so that
     /// `SHOW flumen.<name>`, `SHOW ALL` and `information_schema.df_settings` name them as
     /// `SET` does (DataFusion's `extensions_options!` lists them by their bare names, which
-    /// `SHOW` then refuses).
+    /// `SHOW` then refuses). Built with `..Default::default()` or by setting fields of a
+    /// default: more settings may come (`#[non_exhaustive]`).
     pub struct FlumenConfig {
         /// `streaming` (default), `batch` (one operator at a time, to completion) or `static`
         /// (a fixed share of slots per operator).
