@@ -9,7 +9,7 @@
 //!   orphan files when it fails.
 //! - [`delta_changes`]: `table_changes(...)`, a Delta table's change data feed.
 //! - [`lakehouse_options`]: the options both formats share.
-//! - [`url_tables`]: quoted paths and URLs read as tables, with the cause when one cannot be.
+//! - [`url_tables`]: why a quoted path or URL could not be read as a table.
 
 #[cfg(feature = "delta")]
 pub(crate) mod delta;

@@ -130,11 +130,15 @@ impl FlumenFlightSql {
             .check_before_planning(ctx, sql)
             .map_err(planning_error)?;
         crate::io::register_for_statement(ctx, sql).map_err(planning_error)?;
-        let plan = ctx
-            .state()
-            .create_logical_plan(sql)
-            .await
-            .map_err(planning_error)?;
+        let plan = match ctx.state().create_logical_plan(sql).await {
+            Ok(plan) => plan,
+            // A path it may read that could not be read as a table says why (through this
+            // session's stores, which the policy bounds).
+            Err(e) => {
+                let e = crate::io::url_tables::explain_missing_table(ctx, e).await;
+                return Err(planning_error(e));
+            }
+        };
         policy.check_plan(&plan).map_err(planning_error)?;
         // `RESET flumen.<name>`, once the policy let it through (an operator setting it
         // refuses), is done here: DataFusion 55 would refuse to run it.

@@ -61,12 +61,13 @@ fn client_session(base: &SessionContext, user: &str, access: &UserAccess) -> Ses
         // Path and URL tables (`SELECT * FROM 's3://b/t.parquet'`) resolve in this session,
         // through its own stores: the server's session has none, so that its resolver,
         // bound to the server's stores, is not the one clients meet.
-        Ok(runtime) => crate::io::url_tables::with_url_tables(SessionContext::new_with_state(
+        Ok(runtime) => SessionContext::new_with_state(
             SessionStateBuilder::new_from_existing(state)
                 .with_config(config)
                 .with_runtime_env(runtime)
                 .build(),
-        )),
+        )
+        .enable_url_table(),
         // Building from an existing runtime makes nothing new that could fail; should it,
         // the client gets the server's stores rather than no session.
         Err(e) => {

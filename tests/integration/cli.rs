@@ -305,6 +305,9 @@ fn a_quoted_path_is_a_table() {
         "SELECT * FROM 'no/such/file.parquet'",
         &format!("SELECT * FROM '{empty}/'"),
         &format!("SELECT * FROM '{notes}'"),
+        // A table whose name only looks like a path is created and read as any other.
+        "CREATE TABLE \"made/here.csv\" AS SELECT 3 AS three",
+        "SELECT three FROM \"made/here.csv\"",
         "SELECT 7 AS seven",
     ]);
     let stdout = text(&out.stdout);
@@ -325,7 +328,7 @@ fn a_quoted_path_is_a_table() {
     );
     assert!(!stderr.contains("not found"), "{stderr}");
     assert!(
-        stdout.ends_with("seven\n7\n"),
+        stdout.ends_with("three\n3\nseven\n7\n"),
         "the shell went on: {stdout}"
     );
     assert_eq!(out.status.code(), Some(1), "the missing file fails the run");

@@ -452,14 +452,11 @@ fn local_session(cli: &Cli) -> datafusion::prelude::SessionContext {
         config.worker_ca = file.display().to_string();
     }
     // A quoted path or URL is a table (`SELECT * FROM 'data/t.parquet'`), as in
-    // datafusion-cli, and one that cannot be read says why; the object store of a URL is
-    // registered before the statement runs.
+    // datafusion-cli (one that cannot be read says why: `shell::local_result`); the object
+    // store of a URL is registered before the statement runs.
     // `SHOW`, `SHOW ALL` and `information_schema` on, as in datafusion-cli.
     let session_config = datafusion::prelude::SessionConfig::new().with_information_schema(true);
-    let ctx = flumen::io::url_tables::with_url_tables(flumen::session_with_config(
-        session_config,
-        config,
-    ));
+    let ctx = flumen::session_with_config(session_config, config).enable_url_table();
     if !cli.no_demo {
         let table = Arc::new(demo_table::DemoTable::new(flumen::demo::DEFAULT_ROWS));
         if let Err(e) = ctx.register_table("docs", table) {
