@@ -425,8 +425,8 @@ flumen_settings! {
     /// ([`ConfigExtension`]) whose entries are named with their `flumen.` prefix, so that
     /// `SHOW flumen.<name>`, `SHOW ALL` and `information_schema.df_settings` name them as
     /// `SET` does (DataFusion's `extensions_options!` lists them by their bare names, which
-    /// `SHOW` then refuses). Built with `..Default::default()` or by setting fields of a
-    /// default: more settings may come (`#[non_exhaustive]`).
+    /// `SHOW` then refuses). Outside this crate it is made from `FlumenConfig::default()`
+    /// with fields set: it is `#[non_exhaustive]`, as settings may be added.
     pub struct FlumenConfig {
         /// `streaming` (default), `batch` (one operator at a time, to completion) or `static`
         /// (a fixed share of slots per operator).
