@@ -63,7 +63,7 @@ pub use functions::accelerator::{
 };
 pub use session::{
     flumen_session_config, into_flumen, register_functions, register_table_factories,
-    reset_flumen_setting, session, session_with_config,
+    reset_flumen_setting, reset_flumen_variable, session, session_with_config,
 };
 pub use store::counting_allocator::CountingAllocator;
 pub use store::process_heap::{HeapAllocator, HeapUsage, install as install_heap_allocator};

@@ -227,11 +227,10 @@ fn registration_order<F>(
 }
 
 /// Run `sql` if it is `RESET flumen.<name>`, which DataFusion 55's `RESET` refuses for every
-/// namespace but its own ("Could not find config namespace"): the setting goes back to its
-/// default ([`FlumenConfig::with_default`]), as `RESET datafusion.<name>` does for
-/// DataFusion's. `Some`: it was such a statement, done, and this is its (empty) result, as a
-/// `SET`'s; `None`: anything else, for the caller to run. The shell, `flumen serve` and the
-/// Python session call it before running a statement.
+/// namespace but its own ("Could not find config namespace"): [`reset_flumen_variable`].
+/// `Some`: it was such a statement, done, and this is its (empty) result, as a `SET`'s;
+/// `None`: anything else, for the caller to run. The shell and the Python session call it
+/// before running a statement (`flumen serve` reads the variable from the statement's plan).
 pub fn reset_flumen_setting(
     ctx: &SessionContext,
     sql: &str,
@@ -246,9 +245,20 @@ pub fn reset_flumen_setting(
         return Ok(None);
     };
     let name = name.to_string().to_ascii_lowercase();
-    let Some(field) = name.strip_prefix("flumen.") else {
+    if !name.starts_with("flumen.") {
         return Ok(None);
-    };
+    }
+    reset_flumen_variable(ctx, &name).map(Some)
+}
+
+/// Put `variable` (`flumen.<name>`) of `ctx` back to its default
+/// ([`FlumenConfig::with_default`]), as `RESET datafusion.<name>` does for DataFusion's: the
+/// statement's (empty) result, as a `SET`'s.
+pub fn reset_flumen_variable(
+    ctx: &SessionContext,
+    variable: &str,
+) -> datafusion::error::Result<datafusion::dataframe::DataFrame> {
+    let field = variable.strip_prefix("flumen.").unwrap_or(variable);
     {
         let state = ctx.state_ref();
         let mut state = state.write();
@@ -259,8 +269,5 @@ pub fn reset_flumen_setting(
         options.extensions.insert(current.with_default(field)?);
     }
     let done = datafusion::logical_expr::LogicalPlanBuilder::empty(false).build()?;
-    Ok(Some(datafusion::dataframe::DataFrame::new(
-        ctx.state(),
-        done,
-    )))
+    Ok(datafusion::dataframe::DataFrame::new(ctx.state(), done))
 }

@@ -307,11 +307,13 @@ def test_ctrl_c_interrupts_a_long_query_within_two_seconds():
     assert took < 2.0, f"Ctrl-C took {took:.2f} s"
 
 
-def test_reset_puts_a_flumen_setting_back(table):
+@pytest.mark.parametrize("workers", [None, 2], ids=["threads", "workers"])
+def test_reset_puts_a_flumen_setting_back(table, workers):
     """`RESET flumen.<name>` (which DataFusion 55's own RESET refuses) puts the setting back
-    to its default: 100-row blocks, then the default's, in the batches a query returns."""
+    to its default: 100-row blocks, then the default's, in the batches a query returns (cut
+    by the workers too, which take the session's settings with each task)."""
     _, path = table
-    ctx = session()
+    ctx = flumen.Session(workers=workers, settings={"flumen.device": "cpu"})
     ctx.register_parquet("t", path)
 
     def largest_batch():

@@ -35,7 +35,7 @@ use datafusion::arrow::ipc::writer::IpcWriteOptions;
 use datafusion::common::ParamValues;
 use datafusion::error::DataFusionError;
 use datafusion::execution::SendableRecordBatchStream;
-use datafusion::logical_expr::{DdlStatement, LogicalPlan};
+use datafusion::logical_expr::{DdlStatement, LogicalPlan, Statement};
 use datafusion::physical_plan::execute_stream;
 use datafusion::physical_plan::stream::RecordBatchStreamAdapter;
 use datafusion::prelude::{DataFrame, SessionContext};
@@ -142,8 +142,11 @@ impl FlumenFlightSql {
         policy.check_plan(&plan).map_err(planning_error)?;
         // `RESET flumen.<name>`, once the policy let it through (an operator setting it
         // refuses), is done here: DataFusion 55 would refuse to run it.
-        if let Some(done) = crate::reset_flumen_setting(ctx, sql).map_err(planning_error)? {
-            return Ok(done.logical_plan().clone());
+        if let LogicalPlan::Statement(Statement::ResetVariable(reset)) = &plan
+            && reset.variable.starts_with("flumen.")
+        {
+            let done = crate::reset_flumen_variable(ctx, &reset.variable);
+            return Ok(done.map_err(planning_error)?.logical_plan().clone());
         }
         Ok(plan)
     }

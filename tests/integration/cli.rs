@@ -274,11 +274,15 @@ fn reset_puts_a_flumen_setting_back_and_show_works() {
         "SHOW datafusion.execution.batch_size",
     ]);
     let stdout = text(&out.stdout);
+    let block_rows = flumen::FlumenConfig::default().target_block_rows;
+    let batch_size = datafusion::prelude::SessionConfig::new().batch_size();
     assert_eq!(
         stdout,
-        "name,value\nflumen.target_block_rows,100\nvalue\n8192\n\
-         name,value\nflumen.delta_txn_version,\n\
-         name,value\ndatafusion.execution.batch_size,8192\n",
+        format!(
+            "name,value\nflumen.target_block_rows,100\nvalue\n{block_rows}\n\
+             name,value\nflumen.delta_txn_version,\n\
+             name,value\ndatafusion.execution.batch_size,{batch_size}\n"
+        ),
         "{}",
         text(&out.stderr)
     );

@@ -1272,9 +1272,10 @@ async fn a_hostile_client_is_refused_what_the_operator_did_not_allow() {
         "1000"
     );
     query_batches(&mut hostile, "RESET flumen.target_block_rows").await;
+    let default = flumen::FlumenConfig::default().target_block_rows;
     assert_eq!(
         value(&query_batches(&mut hostile, block_rows).await),
-        "8192"
+        default.to_string()
     );
     query_batches(&mut hostile, "SET flumen.target_block_rows = 1000").await;
     let read = query_batches(
