@@ -20,11 +20,13 @@ use std::sync::{Arc, OnceLock};
 use datafusion::arrow::array::Array;
 use datafusion::arrow::datatypes::Schema;
 use datafusion::common::ScalarValue;
-use datafusion::common::tree_node::TreeNodeRecursion;
+use datafusion::common::tree_node::{Transformed, TreeNode, TreeNodeRecursion};
 use datafusion::datasource::listing::PartitionedFile;
 use datafusion::datasource::physical_plan::parquet::metadata::DFParquetMetadata;
 use datafusion::datasource::physical_plan::parquet::{ParquetAccessPlan, RowGroupAccess};
-use datafusion::datasource::physical_plan::{FileGroup, FileScanConfig, FileScanConfigBuilder};
+use datafusion::datasource::physical_plan::{
+    FileGroup, FileScanConfig, FileScanConfigBuilder, FileSource, ParquetSource,
+};
 use datafusion::datasource::source::DataSourceExec;
 use datafusion::error::{DataFusionError, Result};
 use datafusion::execution::runtime_env::RuntimeEnv;
@@ -32,9 +34,12 @@ use datafusion::execution::{SendableRecordBatchStream, TaskContext};
 use datafusion::parquet::arrow::arrow_reader::statistics::StatisticsConverter;
 use datafusion::parquet::arrow::arrow_reader::{RowSelection, RowSelector};
 use datafusion::parquet::file::metadata::ParquetMetaData;
+use datafusion::physical_expr::expressions::{DynamicFilterPhysicalExpr, lit};
+use datafusion::physical_expr_adapter::replace_columns_with_literals;
+use datafusion::physical_optimizer::pruning::FilePruner;
 use datafusion::physical_plan::execution_plan::ReplaceChildrenOptions;
 use datafusion::physical_plan::metrics::{
-    Count, ExecutionPlanMetricsSet, MetricBuilder, MetricsSet,
+    Count, ExecutionPlanMetricsSet, MetricBuilder, MetricType, MetricsSet,
 };
 use datafusion::physical_plan::{
     DisplayAs, DisplayFormatType, ExecutionPlan, Partitioning, PhysicalExpr, PlanProperties,
@@ -301,6 +306,8 @@ impl SplitSourceExec {
         };
         let ramped_splits = if first_rows > 0 { ramped_splits } else { 0 };
         let split_bytes = split_bytes.max(1);
+        let pruning = StaticFilePruning::of(config);
+        let mut ranges_pruned = 0;
         let ranges: Vec<Vec<PartitionedFile>> = config
             .file_groups
             .iter()
@@ -311,9 +318,23 @@ impl SplitSourceExec {
                         Some(groups) => row_group_ranges(file, groups, split_bytes, limit),
                         None => byte_ranges(file, split_bytes),
                     })
+                    .filter(|range| {
+                        let pruned = pruning.as_ref().is_some_and(|p| p.prunes(range));
+                        ranges_pruned += usize::from(pruned);
+                        !pruned
+                    })
                     .collect()
             })
             .collect();
+        let metrics = ExecutionPlanMetricsSet::new();
+        if ranges_pruned > 0 {
+            // Counted under the scan's own name, so that `EXPLAIN ANALYZE` states what
+            // DataFusion's scan would have: these ranges pruned by their statistics.
+            MetricBuilder::new(&metrics)
+                .with_type(MetricType::Summary)
+                .pruning_metrics("files_ranges_pruned_statistics", 0)
+                .add_pruned(ranges_pruned);
+        }
         let ranges = if partitions_are_free(&original, config) {
             deal_out(ranges)
         } else {
@@ -340,12 +361,8 @@ impl SplitSourceExec {
                 let cfg = cfg.build();
                 scans.push(DataSourceExec::from_data_source(cfg));
             }
-            if scans.is_empty() {
-                let cfg = FileScanConfigBuilder::from(template.clone())
-                    .with_file_groups(vec![FileGroup::new(vec![])])
-                    .build();
-                scans.push(DataSourceExec::from_data_source(cfg));
-            }
+            // A partition left with no split (its ranges pruned, or no row group starting
+            // in them) has no task: its operator's partition closes empty.
             splits.push(scans);
         }
         Ok(Self {
@@ -353,7 +370,7 @@ impl SplitSourceExec {
             splits,
             ramped_splits,
             drops_join_filtered_rows: false,
-            metrics: ExecutionPlanMetricsSet::new(),
+            metrics,
             dropped_rows: OnceLock::new(),
         })
     }
@@ -374,6 +391,69 @@ impl SplitSourceExec {
     /// Number of splits of each partition.
     pub fn splits_per_partition(&self) -> Vec<usize> {
         self.splits.iter().map(|s| s.len()).collect()
+    }
+}
+
+/// The file pruning DataFusion's Parquet scan does when it opens a file range, done
+/// while the scan is cut into splits: a range whose file statistics (the listing's,
+/// `datafusion.execution.collect_statistics`) and partition values prove that the
+/// scan's static predicate holds for none of its rows makes no split, so no task is
+/// launched to open it and find it empty (a round trip each with worker processes:
+/// a point lookup in 1,000 files sorted by its key was 1,000 tasks). Dynamic filters
+/// count as `true` here: they are not filled in yet, and the same splits must come out
+/// whenever the plan is cut.
+struct StaticFilePruning {
+    /// The scan's predicate, its dynamic filters replaced by `true`.
+    predicate: Arc<dyn PhysicalExpr>,
+    /// The schema of the files' columns, as DataFusion's file pruning reads them.
+    file_schema: Arc<Schema>,
+    /// The table's partition columns, whose values each file range carries.
+    partition_columns: datafusion::arrow::datatypes::Fields,
+}
+
+impl StaticFilePruning {
+    /// The pruning of a Parquet scan with a static predicate; `None` otherwise.
+    fn of(config: &FileScanConfig) -> Option<Self> {
+        let source = config.file_source().downcast_ref::<ParquetSource>()?;
+        let predicate = FileSource::filter(source)?
+            .transform(|expr| {
+                Ok(match expr.downcast_ref::<DynamicFilterPhysicalExpr>() {
+                    Some(_) => Transformed::yes(lit(true)),
+                    None => Transformed::no(expr),
+                })
+            })
+            .ok()?
+            .data;
+        Some(Self {
+            predicate,
+            file_schema: Arc::clone(config.file_schema()),
+            partition_columns: config.table_partition_cols().clone(),
+        })
+    }
+
+    /// Whether DataFusion's file pruning skips `range` without reading it: the partition
+    /// columns replaced by the range's values, then the predicate checked against the
+    /// file's statistics (`FilePruner`). Any error keeps the range.
+    fn prunes(&self, range: &PartitionedFile) -> bool {
+        let values: HashMap<String, ScalarValue> = self
+            .partition_columns
+            .iter()
+            .zip(range.partition_values.iter())
+            .map(|(field, value)| (field.name().clone(), value.clone()))
+            .collect();
+        let predicate = match values.is_empty() {
+            true => Arc::clone(&self.predicate),
+            false => match replace_columns_with_literals(Arc::clone(&self.predicate), &values) {
+                Ok(predicate) => predicate,
+                Err(_) => return false,
+            },
+        };
+        let Some(mut pruner) =
+            FilePruner::try_new(predicate, &self.file_schema, range, Count::new())
+        else {
+            return false;
+        };
+        pruner.should_prune().unwrap_or(false)
     }
 }
 
@@ -885,6 +965,87 @@ mod tests {
             pieces[0].extension::<ParquetAccessPlan>(),
             Some(&ParquetAccessPlan::new_all(1))
         );
+    }
+
+    /// A Parquet scan of `a` (Int64) in files partitioned by `part` (Utf8), filtered by
+    /// `predicate`.
+    fn filtered_scan(predicate: Arc<dyn PhysicalExpr>) -> FileScanConfig {
+        use datafusion::arrow::datatypes::{DataType, Field};
+        use datafusion::datasource::table_schema::TableSchema;
+        use datafusion::execution::object_store::ObjectStoreUrl;
+        let files = Arc::new(Schema::new(vec![Field::new("a", DataType::Int64, true)]));
+        let part = Arc::new(Field::new("part", DataType::Utf8, false));
+        let source = ParquetSource::new(
+            TableSchema::builder(files)
+                .with_table_partition_cols(vec![part])
+                .build(),
+        )
+        .with_predicate(predicate);
+        FileScanConfigBuilder::new(ObjectStoreUrl::local_filesystem(), Arc::new(source)).build()
+    }
+
+    /// A file of partition `part` whose `a` lies in `[min, max]` (no statistics: `None`).
+    fn file_of(part: &str, range: Option<(i64, i64)>) -> PartitionedFile {
+        use datafusion::common::stats::{ColumnStatistics, Precision, Statistics};
+        let mut file = file(1000).with_partition_values(vec![ScalarValue::from(part)]);
+        if let Some((min, max)) = range {
+            let column = ColumnStatistics {
+                min_value: Precision::Exact(ScalarValue::from(min)),
+                max_value: Precision::Exact(ScalarValue::from(max)),
+                null_count: Precision::Exact(0),
+                ..ColumnStatistics::new_unknown()
+            };
+            file = file.with_statistics(Arc::new(Statistics {
+                num_rows: Precision::Exact(10),
+                total_byte_size: Precision::Absent,
+                column_statistics: vec![column, ColumnStatistics::new_unknown()],
+            }));
+        }
+        file
+    }
+
+    #[test]
+    fn a_range_its_statistics_rule_out_makes_no_split() {
+        use datafusion::logical_expr::Operator;
+        use datafusion::physical_expr::expressions::{BinaryExpr, Column};
+        let a = || Arc::new(Column::new("a", 0)) as Arc<dyn PhysicalExpr>;
+        let compare = |left: Arc<dyn PhysicalExpr>, op, right: Arc<dyn PhysicalExpr>| {
+            Arc::new(BinaryExpr::new(left, op, right)) as Arc<dyn PhysicalExpr>
+        };
+        // a = 15
+        let pruning =
+            StaticFilePruning::of(&filtered_scan(compare(a(), Operator::Eq, lit(15i64)))).unwrap();
+        assert!(pruning.prunes(&file_of("x", Some((20, 30)))));
+        assert!(pruning.prunes(&file_of("x", Some((0, 14)))));
+        assert!(!pruning.prunes(&file_of("x", Some((10, 20)))));
+        assert!(!pruning.prunes(&file_of("x", None)), "no statistics: kept");
+
+        // part = 'x' AND a = 15: the partition column (not in the files) takes each range's
+        // value, and the file column's statistics still prune.
+        let part = Arc::new(Column::new("part", 1)) as Arc<dyn PhysicalExpr>;
+        let both = compare(
+            compare(part, Operator::Eq, lit("x")),
+            Operator::And,
+            compare(a(), Operator::Eq, lit(15i64)),
+        );
+        let pruning = StaticFilePruning::of(&filtered_scan(both)).unwrap();
+        assert!(pruning.prunes(&file_of("x", Some((20, 30)))));
+        assert!(!pruning.prunes(&file_of("x", Some((10, 20)))));
+
+        // A join's dynamic filter counts as `true`, even once it would rule a range out:
+        // the splits must be the same whenever the plan is cut.
+        let dynamic = Arc::new(DynamicFilterPhysicalExpr::new(vec![a()], lit(true)));
+        dynamic
+            .update(compare(a(), Operator::Gt, lit(100i64)))
+            .unwrap();
+        let both = compare(
+            compare(a(), Operator::GtEq, lit(10i64)),
+            Operator::And,
+            dynamic as Arc<dyn PhysicalExpr>,
+        );
+        let pruning = StaticFilePruning::of(&filtered_scan(both)).unwrap();
+        assert!(!pruning.prunes(&file_of("x", Some((10, 20)))));
+        assert!(pruning.prunes(&file_of("x", Some((0, 9)))));
     }
 
     /// Partitions as the byte ranges (start) of their splits.

@@ -15,7 +15,7 @@ use common::{remote_and_all_tasks, rows, same_rows, tpch, write_events};
 use datafusion::arrow::datatypes::DataType;
 use datafusion::arrow::record_batch::RecordBatch;
 use datafusion::physical_plan::ExecutionPlan;
-use datafusion::prelude::{SessionConfig, SessionContext};
+use datafusion::prelude::{ParquetReadOptions, SessionConfig, SessionContext};
 use flumen::functions::emulated_accelerator::EmulatedModel;
 use flumen::plan::subquery_values::SubqueryValuesExec;
 use flumen::{FlumenConfig, WorkerMode};
@@ -1114,5 +1114,100 @@ async fn a_windows_per_partition_topk_runs_on_the_workers() {
         );
         let plan = answers_like_vanilla(&vanilla, &workers, &sql).await;
         common::assert_one_operator_on_workers(&plan, "PartitionedTopKExec", &sql);
+    }
+}
+
+/// A scan's ranges that their files' statistics rule out make no task, in threads mode and
+/// in worker processes: a point lookup in 8 files, each holding its own range of `id`, runs
+/// one source task (a round trip per file with workers before), and `EXPLAIN ANALYZE`
+/// still states the 7 ranges pruned, as vanilla's scan does. Partitions left with no
+/// range close empty under an aggregate, a join and a sort, and a predicate no file can
+/// meet runs no task at all.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn ranges_their_statistics_rule_out_run_no_task() {
+    let dir = tempfile::tempdir().unwrap();
+    let writer = common::vanilla();
+    for file in 0..8 {
+        let from = file * 10_000;
+        writer
+            .sql(&format!(
+                "COPY (SELECT value AS id, value % 7 AS k FROM generate_series({from}, {})) \
+                 TO '{}/part-{file}.parquet'",
+                from + 9_999,
+                dir.path().display()
+            ))
+            .await
+            .unwrap()
+            .collect()
+            .await
+            .unwrap();
+    }
+    let location = dir.path().to_str().unwrap();
+    let vanilla = common::vanilla();
+    vanilla
+        .register_parquet("t", location, ParquetReadOptions::default())
+        .await
+        .unwrap();
+    for workers in [0, 2] {
+        let ctx = session(workers);
+        ctx.register_parquet("t", location, ParquetReadOptions::default())
+            .await
+            .unwrap();
+        for (sql, source_tasks) in [
+            ("SELECT id, k FROM t WHERE id = 43210", 1),
+            (
+                "SELECT k, count(*) FROM t WHERE id >= 75000 GROUP BY k ORDER BY k",
+                1,
+            ),
+            (
+                "SELECT a.id, b.k FROM t a JOIN t b ON a.id = b.id + 1 \
+                 WHERE a.id BETWEEN 19990 AND 20005 AND b.id BETWEEN 19985 AND 20010 \
+                 ORDER BY a.id",
+                // The build side's two files; the probe side's scan runs inside the join's
+                // tasks (it is not cut into splits), and prunes there.
+                2,
+            ),
+            (
+                "SELECT id FROM t WHERE id > 35000 AND id < 45000 ORDER BY id DESC LIMIT 3",
+                2,
+            ),
+            ("SELECT count(*), max(id) FROM t WHERE id < 0", 0),
+        ] {
+            let plan = answers_like_vanilla(&vanilla, &ctx, sql).await;
+            let exec = plan.downcast_ref::<flumen::exec::FlumenExec>().unwrap();
+            let ran: u64 = (exec.graph().operators.iter())
+                .filter(|op| op.shape == flumen::plan::TaskShape::Source)
+                .map(|op| exec.run_metrics().operator(op.id).snapshot().tasks)
+                .sum();
+            assert_eq!(ran, source_tasks, "{workers} workers: {sql}");
+        }
+        // The ranges pruned before any task ran are counted where vanilla's scan counts
+        // them, so the plan states the same pruning.
+        let explain = |ctx: SessionContext| async move {
+            let batches = ctx
+                .sql("EXPLAIN ANALYZE SELECT id, k FROM t WHERE id = 43210")
+                .await
+                .unwrap()
+                .collect()
+                .await
+                .unwrap();
+            datafusion::arrow::util::pretty::pretty_format_batches(&batches)
+                .unwrap()
+                .to_string()
+        };
+        let pruned = |text: &str| -> (u64, u64) {
+            text.match_indices("files_ranges_pruned_statistics=")
+                .map(|(at, name)| {
+                    let rest = &text[at + name.len()..];
+                    let number = |s: &str| s.trim().parse::<u64>().unwrap();
+                    let (total, rest) = rest.split_once(" total → ").unwrap();
+                    let matched = rest.split(|c: char| !c.is_ascii_digit()).next().unwrap();
+                    (number(total), number(matched))
+                })
+                .fold((0, 0), |(t, m), (total, matched)| (t + total, m + matched))
+        };
+        let ours = explain(ctx).await;
+        assert_eq!(pruned(&ours), (8, 1), "{workers} workers:\n{ours}");
+        assert_eq!(pruned(&explain(vanilla.clone()).await), (8, 1));
     }
 }
