@@ -340,7 +340,7 @@ impl SplitSourceExec {
         } else {
             ranges
         };
-        // Each split's scan is the original's with one file range: cloned from a copy
+        // Each split's scan is the original's with its file ranges: cloned from a copy
         // without the file groups (cloning the original copied every file's entry and
         // statistics into each split: 12,000 splits of 200 files took a sixth of the
         // driver's CPU).
@@ -350,9 +350,11 @@ impl SplitSourceExec {
         let mut splits = vec![];
         for partition_ranges in ranges {
             let mut scans: Vec<Arc<dyn ExecutionPlan>> = vec![];
-            for range_file in partition_ranges {
+            let packs =
+                pack_small_ranges(partition_ranges, split_bytes, limit, layout, ramped_splits);
+            for pack in packs {
                 let mut cfg = FileScanConfigBuilder::from(template.clone())
-                    .with_file_groups(vec![FileGroup::new(vec![range_file])]);
+                    .with_file_groups(vec![FileGroup::new(pack)]);
                 // The partition's first splits read small batches: their first rows
                 // leave the scan (and any projection pushed into it) early.
                 if scans.len() < ramped_splits {
@@ -493,6 +495,65 @@ fn deal_out(ranges: Vec<Vec<PartitionedFile>>) -> Vec<Vec<PartitionedFile>> {
         }
     }
     dealt
+}
+
+/// One partition's ranges (in reading order) as splits: consecutive small ranges packed
+/// into one split of several, up to `split_bytes` of them and what `limit` allows, as
+/// DataFusion's own partitions read many small files in turn. A table of 2,000 files of a
+/// few KB was 2,000 tasks (with worker processes, a round trip each: a `GROUP BY` over it
+/// took 1.4 s against 0.3 s in threads mode). The first `single` ranges (the ramped
+/// splits, which read small batches) stay one a split, as does a range read through an
+/// access plan of its own (a row group's piece), and under a row limit a range whose rows
+/// the footers do not give.
+fn pack_small_ranges(
+    ranges: Vec<PartitionedFile>,
+    split_bytes: u64,
+    limit: ModelSplitLimit,
+    layout: &RowGroupLayout,
+    single: usize,
+) -> Vec<Vec<PartitionedFile>> {
+    let (rows_cap, data_cap) = match (limit.rows, limit.data_bytes) {
+        (0, _) => (u64::MAX, u64::MAX),
+        (rows, 0) => (rows, u64::MAX),
+        (rows, data) => (rows, data),
+    };
+    let mut packs: Vec<Vec<PartitionedFile>> = vec![];
+    // The open pack's bytes, rows and data bytes; `None` when the last split is closed.
+    let mut open: Option<(u64, u64, u64)> = None;
+    for (index, range) in ranges.into_iter().enumerate() {
+        let (start, end) = byte_range(&range);
+        let bytes = end.saturating_sub(start);
+        // Rows and data bytes of the range, by its row groups (needed under a row limit).
+        let weight = match layout.row_groups(&range) {
+            Some(groups) => groups
+                .iter()
+                .filter(|g| g.offset >= start && g.offset < end)
+                .fold(Some((0, 0)), |sum, g| {
+                    sum.map(|(rows, data)| (rows + g.rows, data + g.data_bytes))
+                }),
+            None => (limit.rows == 0).then_some((0, 0)),
+        };
+        let packable = index >= single
+            && !range.extensions.contains::<ParquetAccessPlan>()
+            && bytes < split_bytes;
+        match (packable, weight, open.as_mut()) {
+            (true, Some((rows, data)), Some((b, r, d)))
+                if *b + bytes <= split_bytes && *r + rows <= rows_cap && *d + data <= data_cap =>
+            {
+                (*b, *r, *d) = (*b + bytes, *r + rows, *d + data);
+                packs.last_mut().expect("an open pack").push(range);
+            }
+            (true, Some((rows, data)), _) => {
+                open = Some((bytes, rows, data));
+                packs.push(vec![range]);
+            }
+            _ => {
+                open = None;
+                packs.push(vec![range]);
+            }
+        }
+    }
+    packs
 }
 
 /// Under a row limit (a plan with a model, where rows are dear), the limit lowered so that
@@ -1046,6 +1107,71 @@ mod tests {
         let pruning = StaticFilePruning::of(&filtered_scan(both)).unwrap();
         assert!(!pruning.prunes(&file_of("x", Some((10, 20)))));
         assert!(pruning.prunes(&file_of("x", Some((0, 9)))));
+    }
+
+    #[test]
+    fn small_ranges_are_packed_into_splits_of_several() {
+        let small = |name: &str, size: u64| PartitionedFile::new(name, size);
+        let sizes = |packs: &[Vec<PartitionedFile>]| -> Vec<Vec<u64>> {
+            packs
+                .iter()
+                .map(|p| p.iter().map(|f| f.object_meta.size).collect())
+                .collect()
+        };
+        let none = RowGroupLayout::default();
+        let ranges = vec![
+            small("a", 10),
+            small("b", 40),
+            small("c", 50),
+            small("d", 30),
+            small("e", 200),
+            small("f", 20),
+            small("g", 20).with_extension(ParquetAccessPlan::new_all(1)),
+            small("h", 5),
+        ];
+        // Splits of 100 bytes, no ramp: 10 + 40 + 50 fill one; 30 starts the next; the
+        // 200-byte file stands alone; so does the piece read through an access plan.
+        assert_eq!(
+            sizes(&pack_small_ranges(
+                ranges.clone(),
+                100,
+                ModelSplitLimit::NONE,
+                &none,
+                0
+            )),
+            vec![
+                vec![10, 40, 50],
+                vec![30],
+                vec![200],
+                vec![20],
+                vec![20],
+                vec![5]
+            ]
+        );
+        // The first two (ramped) splits read one range each.
+        assert_eq!(
+            sizes(&pack_small_ranges(
+                ranges.clone(),
+                100,
+                ModelSplitLimit::NONE,
+                &none,
+                2
+            )),
+            vec![
+                vec![10],
+                vec![40],
+                vec![50, 30],
+                vec![200],
+                vec![20],
+                vec![20],
+                vec![5]
+            ]
+        );
+        // Under a row limit, ranges whose rows no footer gives are not packed.
+        assert_eq!(
+            pack_small_ranges(ranges, 100, rows(1000), &none, 0).len(),
+            8
+        );
     }
 
     /// Partitions as the byte ranges (start) of their splits.

@@ -1163,9 +1163,9 @@ async fn ranges_their_statistics_rule_out_run_no_task() {
                 "SELECT a.id, b.k FROM t a JOIN t b ON a.id = b.id + 1 \
                  WHERE a.id BETWEEN 19990 AND 20005 AND b.id BETWEEN 19985 AND 20010 \
                  ORDER BY a.id",
-                // The build side's two files; the probe side's scan runs inside the join's
-                // tasks (it is not cut into splits), and prunes there.
-                2,
+                // The build side's two small files, one split; the probe side's scan runs
+                // inside the join's tasks (it is not cut into splits), and prunes there.
+                1,
             ),
             (
                 "SELECT id FROM t WHERE id > 35000 AND id < 45000 ORDER BY id DESC LIMIT 3",
@@ -1209,5 +1209,84 @@ async fn ranges_their_statistics_rule_out_run_no_task() {
         let ours = explain(ctx).await;
         assert_eq!(pruned(&ours), (8, 1), "{workers} workers:\n{ours}");
         assert_eq!(pruned(&explain(vanilla.clone()).await), (8, 1));
+    }
+}
+
+/// A table of many small files is read in splits of several files, as DataFusion's own
+/// partitions read them, not a task per file: 300 files of 50 rows are a few source tasks
+/// in threads mode and in worker processes (300 before: with workers a round trip each),
+/// with vanilla's answers and vanilla's count of file ranges in `EXPLAIN ANALYZE`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn many_small_files_are_read_a_few_to_a_task() {
+    let dir = tempfile::tempdir().unwrap();
+    let writer = common::vanilla();
+    for file in 0..300 {
+        let from = file * 50;
+        writer
+            .sql(&format!(
+                "COPY (SELECT value AS id, value % 7 AS k FROM generate_series({from}, {})) \
+                 TO '{}/part-{file:03}.parquet'",
+                from + 49,
+                dir.path().display()
+            ))
+            .await
+            .unwrap()
+            .collect()
+            .await
+            .unwrap();
+    }
+    let location = dir.path().to_str().unwrap();
+    let vanilla = common::vanilla();
+    vanilla
+        .register_parquet("t", location, ParquetReadOptions::default())
+        .await
+        .unwrap();
+    for workers in [0, 2] {
+        let ctx = session(workers);
+        ctx.register_parquet("t", location, ParquetReadOptions::default())
+            .await
+            .unwrap();
+        for sql in [
+            "SELECT k, count(*), sum(id) FROM t GROUP BY k ORDER BY k",
+            "SELECT id, k FROM t WHERE k = 3 ORDER BY id DESC LIMIT 5",
+            "SELECT count(*) FROM t a JOIN t b ON a.id = b.id + 1 WHERE a.k = 2",
+        ] {
+            let plan = answers_like_vanilla(&vanilla, &ctx, sql).await;
+            let exec = plan.downcast_ref::<flumen::exec::FlumenExec>().unwrap();
+            let ran: u64 = (exec.graph().operators.iter())
+                .filter(|op| op.shape == flumen::plan::TaskShape::Source)
+                .map(|op| exec.run_metrics().operator(op.id).snapshot().tasks)
+                .sum();
+            // Two partitions, each a ramped first split and the rest packed: a handful.
+            assert!(
+                (1..=8).contains(&ran),
+                "{workers} workers: {ran} source tasks: {sql}"
+            );
+        }
+        let ranges_opened = |text: String| -> u64 {
+            text.match_indices("files_ranges_pruned_statistics=")
+                .map(|(at, name)| {
+                    let rest = &text[at + name.len()..];
+                    rest[..rest.find(" total").unwrap()]
+                        .trim()
+                        .parse::<f64>()
+                        .unwrap()
+                })
+                .sum::<f64>() as u64
+        };
+        let explain = |ctx: SessionContext| async move {
+            let batches = ctx
+                .sql("EXPLAIN ANALYZE SELECT k, count(*) FROM t GROUP BY k")
+                .await
+                .unwrap()
+                .collect()
+                .await
+                .unwrap();
+            datafusion::arrow::util::pretty::pretty_format_batches(&batches)
+                .unwrap()
+                .to_string()
+        };
+        assert_eq!(ranges_opened(explain(ctx).await), 300, "{workers} workers");
+        assert_eq!(ranges_opened(explain(vanilla.clone()).await), 300);
     }
 }
