@@ -525,12 +525,14 @@ fn pack_small_ranges(
         let bytes = end.saturating_sub(start);
         // Rows and data bytes of the range, by its row groups (needed under a row limit).
         let weight = match layout.row_groups(&range) {
-            Some(groups) => groups
-                .iter()
-                .filter(|g| g.offset >= start && g.offset < end)
-                .fold(Some((0, 0)), |sum, g| {
-                    sum.map(|(rows, data)| (rows + g.rows, data + g.data_bytes))
-                }),
+            Some(groups) => Some(
+                groups
+                    .iter()
+                    .filter(|g| g.offset >= start && g.offset < end)
+                    .fold((0, 0), |(rows, data), g| {
+                        (rows + g.rows, data + g.data_bytes)
+                    }),
+            ),
             None => (limit.rows == 0).then_some((0, 0)),
         };
         let packable = index >= single
