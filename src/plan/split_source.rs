@@ -23,7 +23,10 @@ use datafusion::common::ScalarValue;
 use datafusion::common::tree_node::{Transformed, TreeNode, TreeNodeRecursion};
 use datafusion::datasource::listing::PartitionedFile;
 use datafusion::datasource::physical_plan::parquet::metadata::DFParquetMetadata;
-use datafusion::datasource::physical_plan::parquet::{ParquetAccessPlan, RowGroupAccess};
+use datafusion::datasource::physical_plan::parquet::{
+    ParquetAccessPlan, ParquetFileMetrics, RowGroupAccess, RowGroupAccessPlanFilter,
+    apply_file_schema_type_coercions,
+};
 use datafusion::datasource::physical_plan::{
     FileGroup, FileScanConfig, FileScanConfigBuilder, FileSource, ParquetSource,
 };
@@ -32,11 +35,16 @@ use datafusion::error::{DataFusionError, Result};
 use datafusion::execution::runtime_env::RuntimeEnv;
 use datafusion::execution::{SendableRecordBatchStream, TaskContext};
 use datafusion::parquet::arrow::arrow_reader::statistics::StatisticsConverter;
-use datafusion::parquet::arrow::arrow_reader::{RowSelection, RowSelector};
+use datafusion::parquet::arrow::arrow_reader::{
+    ArrowReaderMetadata, ArrowReaderOptions, RowSelection, RowSelector,
+};
 use datafusion::parquet::file::metadata::ParquetMetaData;
 use datafusion::physical_expr::expressions::{DynamicFilterPhysicalExpr, lit};
-use datafusion::physical_expr_adapter::replace_columns_with_literals;
-use datafusion::physical_optimizer::pruning::FilePruner;
+use datafusion::physical_expr::simplifier::PhysicalExprSimplifier;
+use datafusion::physical_expr_adapter::{
+    DefaultPhysicalExprAdapterFactory, PhysicalExprAdapterFactory, replace_columns_with_literals,
+};
+use datafusion::physical_optimizer::pruning::{FilePruner, PruningPredicateBuilder};
 use datafusion::physical_plan::execution_plan::ReplaceChildrenOptions;
 use datafusion::physical_plan::metrics::{
     Count, ExecutionPlanMetricsSet, MetricBuilder, MetricType, MetricsSet,
@@ -159,6 +167,13 @@ impl RowGroupLayout {
         Self {
             files: fetched.into_iter().collect(),
         }
+    }
+
+    /// The footer of `file`, where it was read.
+    fn footer(&self, file: &PartitionedFile) -> Option<&Arc<ParquetMetaData>> {
+        self.files
+            .get(file.object_meta.location.as_ref())
+            .map(|f| &f.metadata)
     }
 
     fn row_groups(&self, file: &PartitionedFile) -> Option<&Vec<RowGroupSpan>> {
@@ -307,34 +322,49 @@ impl SplitSourceExec {
         let ramped_splits = if first_rows > 0 { ramped_splits } else { 0 };
         let split_bytes = split_bytes.max(1);
         let pruning = StaticFilePruning::of(config);
-        let mut ranges_pruned = 0;
-        let ranges: Vec<Vec<PartitionedFile>> = config
-            .file_groups
-            .iter()
-            .map(|group| {
-                group
-                    .iter()
-                    .flat_map(|file| match layout.row_groups(file) {
-                        Some(groups) => row_group_ranges(file, groups, split_bytes, limit),
-                        None => byte_ranges(file, split_bytes),
-                    })
-                    .filter(|range| {
-                        let pruned = pruning.as_ref().is_some_and(|p| p.prunes(range));
-                        ranges_pruned += usize::from(pruned);
-                        !pruned
-                    })
-                    .collect()
-            })
-            .collect();
-        let metrics = ExecutionPlanMetricsSet::new();
-        if ranges_pruned > 0 {
-            // Counted under the scan's own name, so that `EXPLAIN ANALYZE` states what
-            // DataFusion's scan would have: these ranges pruned by their statistics.
-            MetricBuilder::new(&metrics)
-                .with_type(MetricType::Summary)
-                .pruning_metrics("files_ranges_pruned_statistics", 0)
-                .add_pruned(ranges_pruned);
+        let mut pruned = PrunedBeforeTasks::default();
+        let mut ranges: Vec<Vec<PartitionedFile>> = vec![];
+        for group in config.file_groups.iter() {
+            let mut kept = vec![];
+            for file in group.iter() {
+                let (file_ranges, groups) = match layout.row_groups(file) {
+                    Some(groups) => (row_group_ranges(file, groups, split_bytes, limit), groups),
+                    None => (byte_ranges(file, split_bytes), &vec![]),
+                };
+                let Some(pruning) = pruning.as_ref() else {
+                    kept.extend(file_ranges);
+                    continue;
+                };
+                // Row groups the scan would skip by their statistics: asked only once a
+                // range outlives the file's own statistics.
+                let mut ruled_out: Option<Option<Vec<bool>>> = None;
+                for range in file_ranges {
+                    if pruning.prunes(&range) {
+                        pruned.ranges += 1;
+                        continue;
+                    }
+                    let ruled_out = ruled_out.get_or_insert_with(|| {
+                        (layout.footer(file))
+                            .and_then(|footer| pruning.row_groups_ruled_out(file, footer))
+                    });
+                    let (start, end) = byte_range(&range);
+                    let inside: Vec<usize> = (groups.iter().enumerate())
+                        .filter(|(_, g)| g.offset >= start && g.offset < end)
+                        .map(|(index, _)| index)
+                        .collect();
+                    match ruled_out {
+                        Some(out) if !inside.is_empty() && inside.iter().all(|&i| out[i]) => {
+                            pruned.ranges_of_row_groups += 1;
+                            pruned.row_groups += inside.len();
+                        }
+                        _ => kept.push(range),
+                    }
+                }
+            }
+            ranges.push(kept);
         }
+        let metrics = ExecutionPlanMetricsSet::new();
+        pruned.count_in(&metrics);
         let ranges = if partitions_are_free(&original, config) {
             deal_out(ranges)
         } else {
@@ -411,6 +441,10 @@ struct StaticFilePruning {
     file_schema: Arc<Schema>,
     /// The table's partition columns, whose values each file range carries.
     partition_columns: datafusion::arrow::datatypes::Fields,
+    /// Where the scan prunes row groups by their statistics as DataFusion's opener does
+    /// by default (`datafusion.execution.parquet.pruning`; no INT96 coercion, virtual
+    /// columns or expression adapter of its own), the largest `IN` list it rewrites.
+    row_groups: Option<usize>,
 }
 
 impl StaticFilePruning {
@@ -426,29 +460,43 @@ impl StaticFilePruning {
             })
             .ok()?
             .data;
+        let options = &source.table_parquet_options().global;
+        let row_groups = (options.pruning
+            && options.coerce_int96.is_none()
+            && FileSource::table_schema(source)
+                .virtual_columns()
+                .is_empty()
+            && config.expr_adapter_factory.is_none())
+        .then(|| source.max_in_list_size());
         Some(Self {
             predicate,
             file_schema: Arc::clone(config.file_schema()),
             partition_columns: config.table_partition_cols().clone(),
+            row_groups,
         })
     }
 
-    /// Whether DataFusion's file pruning skips `range` without reading it: the partition
-    /// columns replaced by the range's values, then the predicate checked against the
-    /// file's statistics (`FilePruner`). Any error keeps the range.
-    fn prunes(&self, range: &PartitionedFile) -> bool {
+    /// The predicate for `range`: its partition columns replaced by the range's values,
+    /// as DataFusion's scan does before it prunes (`None` where that fails).
+    fn for_range(&self, range: &PartitionedFile) -> Option<Arc<dyn PhysicalExpr>> {
         let values: HashMap<String, ScalarValue> = self
             .partition_columns
             .iter()
             .zip(range.partition_values.iter())
             .map(|(field, value)| (field.name().clone(), value.clone()))
             .collect();
-        let predicate = match values.is_empty() {
-            true => Arc::clone(&self.predicate),
-            false => match replace_columns_with_literals(Arc::clone(&self.predicate), &values) {
-                Ok(predicate) => predicate,
-                Err(_) => return false,
-            },
+        match values.is_empty() {
+            true => Some(Arc::clone(&self.predicate)),
+            false => replace_columns_with_literals(Arc::clone(&self.predicate), &values).ok(),
+        }
+    }
+
+    /// Whether DataFusion's file pruning skips `range` without reading it: the predicate
+    /// for the range checked against the file's statistics (`FilePruner`). Any error
+    /// keeps the range.
+    fn prunes(&self, range: &PartitionedFile) -> bool {
+        let Some(predicate) = self.for_range(range) else {
+            return false;
         };
         let Some(mut pruner) =
             FilePruner::try_new(predicate, &self.file_schema, range, Count::new())
@@ -456,6 +504,85 @@ impl StaticFilePruning {
             return false;
         };
         pruner.should_prune().unwrap_or(false)
+    }
+
+    /// Which row groups of `file` (its footer `footer`) DataFusion's scan skips by their
+    /// statistics, as its opener decides it: the file's Arrow schema with the scan's type
+    /// coercions, the predicate for the file adapted to that schema and simplified, then
+    /// `RowGroupAccessPlanFilter::prune_by_statistics`. `None` where the scan does not
+    /// prune row groups so, or anything fails (every row group is then kept).
+    fn row_groups_ruled_out(
+        &self,
+        file: &PartitionedFile,
+        footer: &Arc<ParquetMetaData>,
+    ) -> Option<Vec<bool>> {
+        let max_in_list_size = self.row_groups?;
+        let predicate = self.for_range(file)?;
+        let mut options = ArrowReaderOptions::new();
+        if let Some(schema) = file.arrow_schema.as_ref() {
+            options = options.with_schema(Arc::clone(schema));
+        }
+        let reader = ArrowReaderMetadata::try_new(Arc::clone(footer), options).ok()?;
+        let mut physical = Arc::clone(reader.schema());
+        if let Some(coerced) = apply_file_schema_type_coercions(&self.file_schema, &physical) {
+            physical = Arc::new(coerced);
+        }
+        let adapter = DefaultPhysicalExprAdapterFactory
+            .create(Arc::clone(&self.file_schema), Arc::clone(&physical))
+            .ok()?;
+        let predicate = PhysicalExprSimplifier::new(&physical)
+            .simplify(adapter.rewrite(predicate).ok()?)
+            .ok()?;
+        let pruning = PruningPredicateBuilder::new()
+            .with_file_schema(Arc::clone(&physical))
+            .with_max_in_list_size(max_in_list_size)
+            .build(predicate)?;
+        let groups = footer.row_groups();
+        let mut filter = RowGroupAccessPlanFilter::new(ParquetAccessPlan::new_all(groups.len()));
+        let scratch = ExecutionPlanMetricsSet::new();
+        let counters = ParquetFileMetrics::new(0, file.object_meta.location.as_ref(), &scratch);
+        filter.prune_by_statistics(
+            &physical,
+            reader.parquet_schema(),
+            groups,
+            &pruning,
+            &counters,
+        );
+        let plan = filter.build();
+        Some((0..groups.len()).map(|i| !plan.should_scan(i)).collect())
+    }
+}
+
+/// What a scan's cut left out before any task ran, counted as DataFusion's scan would
+/// have counted it had it opened those ranges, so `EXPLAIN ANALYZE` states the same
+/// pruning as vanilla's.
+#[derive(Debug, Default)]
+struct PrunedBeforeTasks {
+    /// Ranges the file statistics rule out (`files_ranges_pruned_statistics`, pruned).
+    ranges: usize,
+    /// Ranges the file statistics leave but whose every row group the row groups'
+    /// statistics rule out (`files_ranges_pruned_statistics`, matched).
+    ranges_of_row_groups: usize,
+    /// The row groups of those (`row_groups_pruned_statistics`, pruned).
+    row_groups: usize,
+}
+
+impl PrunedBeforeTasks {
+    /// Register the counts (only those above zero) in `metrics`.
+    fn count_in(&self, metrics: &ExecutionPlanMetricsSet) {
+        let counter = |name: &'static str| {
+            MetricBuilder::new(metrics)
+                .with_type(MetricType::Summary)
+                .pruning_metrics(name, 0)
+        };
+        if self.ranges + self.ranges_of_row_groups > 0 {
+            let ranges = counter("files_ranges_pruned_statistics");
+            ranges.add_pruned(self.ranges);
+            ranges.add_matched(self.ranges_of_row_groups);
+        }
+        if self.row_groups > 0 {
+            counter("row_groups_pruned_statistics").add_pruned(self.row_groups);
+        }
     }
 }
 
@@ -1131,42 +1258,36 @@ mod tests {
             small("g", 20).with_extension(ParquetAccessPlan::new_all(1)),
             small("h", 5),
         ];
+        let packed = |single| {
+            let packs =
+                pack_small_ranges(ranges.clone(), 100, ModelSplitLimit::NONE, &none, single);
+            sizes(&packs)
+        };
         // Splits of 100 bytes, no ramp: 10 + 40 + 50 fill one; 30 starts the next; the
         // 200-byte file stands alone; so does the piece read through an access plan.
+        let alone = |size| vec![size];
         assert_eq!(
-            sizes(&pack_small_ranges(
-                ranges.clone(),
-                100,
-                ModelSplitLimit::NONE,
-                &none,
-                0
-            )),
+            packed(0),
             vec![
                 vec![10, 40, 50],
-                vec![30],
-                vec![200],
-                vec![20],
-                vec![20],
-                vec![5]
+                alone(30),
+                alone(200),
+                alone(20),
+                alone(20),
+                alone(5)
             ]
         );
         // The first two (ramped) splits read one range each.
         assert_eq!(
-            sizes(&pack_small_ranges(
-                ranges.clone(),
-                100,
-                ModelSplitLimit::NONE,
-                &none,
-                2
-            )),
-            vec![
-                vec![10],
-                vec![40],
+            packed(2),
+            [
+                alone(10),
+                alone(40),
                 vec![50, 30],
-                vec![200],
-                vec![20],
-                vec![20],
-                vec![5]
+                alone(200),
+                alone(20),
+                alone(20),
+                alone(5)
             ]
         );
         // Under a row limit, ranges whose rows no footer gives are not packed.
