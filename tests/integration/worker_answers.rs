@@ -1184,6 +1184,27 @@ async fn pruning_stated(ctx: &SessionContext, sql: &str, name: &str) -> (u64, u6
         .fold((0, 0), |(t, m), (total, matched)| (t + total, m + matched))
 }
 
+/// `EXPLAIN ANALYZE sql` states the pruning counter `name` as `expected` (total, matched)
+/// both in `ctx` and in `vanilla`.
+async fn states_pruning_like_vanilla(
+    ctx: &SessionContext,
+    vanilla: &SessionContext,
+    sql: &str,
+    name: &str,
+    expected: (u64, u64),
+) {
+    assert_eq!(
+        pruning_stated(ctx, sql, name).await,
+        expected,
+        "flumen: {sql}"
+    );
+    assert_eq!(
+        pruning_stated(vanilla, sql, name).await,
+        expected,
+        "vanilla: {sql}"
+    );
+}
+
 /// A scan's ranges that their files' statistics rule out make no task, in threads mode and
 /// in worker processes: a point lookup in 8 files, each holding its own range of `id`, runs
 /// one source task (a round trip per file with workers before), and `EXPLAIN ANALYZE`
@@ -1230,12 +1251,7 @@ async fn ranges_their_statistics_rule_out_run_no_task() {
         // The ranges pruned before any task ran are counted where vanilla's scan counts
         // them, so the plan states the same pruning.
         let name = "files_ranges_pruned_statistics";
-        assert_eq!(
-            pruning_stated(&ctx, lookup, name).await,
-            (8, 1),
-            "{workers} workers"
-        );
-        assert_eq!(pruning_stated(&vanilla, lookup, name).await, (8, 1));
+        states_pruning_like_vanilla(&ctx, &vanilla, lookup, name, (8, 1)).await;
     }
 }
 
@@ -1270,12 +1286,7 @@ async fn splits_whose_row_groups_are_all_ruled_out_run_no_task() {
             assert_eq!(source_tasks(&plan), ran, "{workers} workers: {sql}");
         }
         let name = "row_groups_pruned_statistics";
-        assert_eq!(
-            pruning_stated(&ctx, lookup, name).await,
-            (8, 1),
-            "{workers} workers"
-        );
-        assert_eq!(pruning_stated(&vanilla, lookup, name).await, (8, 1));
+        states_pruning_like_vanilla(&ctx, &vanilla, lookup, name, (8, 1)).await;
     }
 }
 
