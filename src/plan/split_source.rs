@@ -335,14 +335,16 @@ impl SplitSourceExec {
                     kept.extend(file_ranges);
                     continue;
                 };
+                // Every range of a file carries the file's statistics and partition values:
+                // the file's verdict is each range's.
+                if pruning.prunes(file) {
+                    pruned.ranges += file_ranges.len();
+                    continue;
+                }
                 // Row groups the scan would skip by their statistics: asked only once a
                 // range outlives the file's own statistics.
                 let mut ruled_out: Option<Option<Vec<bool>>> = None;
                 for range in file_ranges {
-                    if pruning.prunes(&range) {
-                        pruned.ranges += 1;
-                        continue;
-                    }
                     let ruled_out = ruled_out.get_or_insert_with(|| {
                         (layout.footer(file))
                             .and_then(|footer| pruning.row_groups_ruled_out(file, footer))
@@ -431,7 +433,7 @@ impl SplitSourceExec {
 /// `datafusion.execution.collect_statistics`) and partition values prove that the
 /// scan's static predicate holds for none of its rows makes no split, so no task is
 /// launched to open it and find it empty (a round trip each with worker processes:
-/// a point lookup in 1,000 files sorted by its key was 1,000 tasks). Dynamic filters
+/// a point lookup in 200 files sorted by its key was 200 tasks). Dynamic filters
 /// count as `true` here: they are not filled in yet, and the same splits must come out
 /// whenever the plan is cut.
 struct StaticFilePruning {
