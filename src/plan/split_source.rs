@@ -341,25 +341,33 @@ impl SplitSourceExec {
                     pruned.ranges += file_ranges.len();
                     continue;
                 }
-                // Row groups the scan would skip by their statistics: asked only once a
-                // range outlives the file's own statistics.
-                let mut ruled_out: Option<Option<Vec<bool>>> = None;
-                for range in file_ranges {
-                    let ruled_out = ruled_out.get_or_insert_with(|| {
-                        (layout.footer(file))
-                            .and_then(|footer| pruning.row_groups_ruled_out(file, footer))
+                // Row groups the scan would skip by their statistics, by first-page offset:
+                // asked once per file, and only where some row group is ruled out.
+                let ruled_out = layout
+                    .footer(file)
+                    .and_then(|footer| pruning.row_groups_ruled_out(file, footer))
+                    .filter(|out| out.iter().any(|&o| o))
+                    .map(|out| {
+                        let mut by_offset: Vec<(u64, bool)> =
+                            groups.iter().map(|g| g.offset).zip(out).collect();
+                        by_offset.sort_unstable_by_key(|&(offset, _)| offset);
+                        by_offset
                     });
+                let Some(by_offset) = ruled_out else {
+                    kept.extend(file_ranges);
+                    continue;
+                };
+                for range in file_ranges {
+                    // The row groups whose first page lies in the range.
                     let (start, end) = byte_range(&range);
-                    let inside: Vec<usize> = (groups.iter().enumerate())
-                        .filter(|(_, g)| g.offset >= start && g.offset < end)
-                        .map(|(index, _)| index)
-                        .collect();
-                    match ruled_out {
-                        Some(out) if !inside.is_empty() && inside.iter().all(|&i| out[i]) => {
-                            pruned.ranges_of_row_groups += 1;
-                            pruned.row_groups += inside.len();
-                        }
-                        _ => kept.push(range),
+                    let from = by_offset.partition_point(|&(offset, _)| offset < start);
+                    let to = by_offset.partition_point(|&(offset, _)| offset < end);
+                    let inside = &by_offset[from..to];
+                    if !inside.is_empty() && inside.iter().all(|&(_, out)| out) {
+                        pruned.ranges_of_row_groups += 1;
+                        pruned.row_groups += inside.len();
+                    } else {
+                        kept.push(range);
                     }
                 }
             }
@@ -652,8 +660,10 @@ fn pack_small_ranges(
     for (index, range) in ranges.into_iter().enumerate() {
         let (start, end) = byte_range(&range);
         let bytes = end.saturating_sub(start);
-        // Rows and data bytes of the range, by its row groups (needed under a row limit).
+        // Rows and data bytes of the range, by its row groups: needed only under a row
+        // limit (a walk over the file's row groups per range, 12,000 of one file's).
         let weight = match layout.row_groups(&range) {
+            _ if limit.rows == 0 => Some((0, 0)),
             Some(groups) => Some(
                 groups
                     .iter()
