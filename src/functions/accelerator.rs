@@ -242,12 +242,20 @@ pub fn used_worker_metrics() -> Vec<(String, u64)> {
 pub struct AcceleratorUdf {
     func: Arc<dyn AcceleratorFunction>,
     id: u64,
+    /// Workers (models) this function has loaded in this process, on all threads.
+    loads: Arc<AtomicU64>,
 }
 
 impl AcceleratorUdf {
     /// The wrapped function.
     pub fn function(&self) -> &Arc<dyn AcceleratorFunction> {
         &self.func
+    }
+
+    /// How many workers (models) this function has loaded in this process so far, on all
+    /// threads: unlike [`workers_loaded`], other sessions' functions do not count.
+    pub fn loads(&self) -> u64 {
+        self.loads.load(Ordering::Relaxed)
     }
 
     /// Queue the function over `rows` rows of `arrays` on this thread's worker (loading it
@@ -297,6 +305,7 @@ impl AcceleratorUdf {
             if !loaded.contains_key(&key) {
                 let worker = self.func.load(config)?;
                 WORKERS_LOADED.fetch_add(1, Ordering::Relaxed);
+                self.loads.fetch_add(1, Ordering::Relaxed);
                 loaded.insert(key.clone(), worker);
             }
             let worker = loaded.get_mut(&key).expect("worker just loaded");
@@ -353,6 +362,7 @@ pub fn accelerator_udf(func: impl AcceleratorFunction) -> ScalarUDF {
     ScalarUDF::new_from_impl(AcceleratorUdf {
         func: Arc::new(func),
         id: NEXT_FUNCTION_ID.fetch_add(1, Ordering::Relaxed),
+        loads: Arc::new(AtomicU64::new(0)),
     })
 }
 
