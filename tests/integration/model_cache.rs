@@ -350,6 +350,8 @@ async fn writers_killed_mid_write_leave_nothing_that_reads_back_wrong() {
     let (after, figures) = embed(&session(dir.path(), &cache_text).await, ALL).await;
     println!("after the kills ({left} segments): {figures:?}");
     assert!(figure(&figures, "hits") > 0, "{figures:?}");
+    // The other processes' segments were read here, and this query says so.
+    assert!(figure(&figures, "bytes_read") > 0, "{figures:?}");
     assert_eq!(
         after, reference,
         "a vector read back from the cache differs"

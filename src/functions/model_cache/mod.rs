@@ -63,6 +63,12 @@ pub(crate) const IDENTITY_FILE: &str = "IDENTITY";
 struct Shard {
     place: Place,
     state: Mutex<ShardState>,
+    /// Bytes of segments read since [`take_figures`] last took them: lookups run in CPU
+    /// tasks, whose threads report no model figures, so the next model task filling from
+    /// this shard reports them.
+    bytes_read: AtomicU64,
+    /// Damaged segments found since [`take_figures`] last took them.
+    corrupt_segments: AtomicU64,
 }
 
 /// The segments a shard has read, and where each key's output is.
@@ -82,13 +88,11 @@ thread_local! {
     /// This thread's cache figures since [`take_figures`] last read them (the model
     /// operator's: hits and misses it filled, bytes it wrote).
     static FIGURES: RefCell<Figures> = RefCell::new(Figures::default());
+    /// The shards this thread filled from since [`take_figures`] last read them: their
+    /// lookups' figures go with this thread's (a query of another cache, run beside this
+    /// one in the same process, keeps its own).
+    static FILLED_FROM: RefCell<Vec<Arc<Shard>>> = const { RefCell::new(Vec::new()) };
 }
-
-/// Bytes of segments this process read since [`take_figures`] last took them: lookups run
-/// in CPU tasks, whose threads report no model figures, so the next model task reports them.
-static BYTES_READ: AtomicU64 = AtomicU64::new(0);
-/// Damaged segments this process found since [`take_figures`] last took them.
-static CORRUPT_SEGMENTS: AtomicU64 = AtomicU64::new(0);
 
 /// What the cache did for the calls of one thread.
 #[derive(Debug, Default, Clone, Copy)]
@@ -100,13 +104,15 @@ struct Figures {
     corrupt_segments: u64,
 }
 
-/// This thread's cache figures since the last call, with the lookups' figures this process
-/// gathered meanwhile, by name (for the model operator's metrics); none when the cache did
-/// nothing.
+/// This thread's cache figures since the last call, with the lookups' figures gathered
+/// meanwhile in the shards it filled from, by name (for the model operator's metrics); none
+/// when the cache did nothing.
 pub fn take_figures() -> Vec<(String, u64)> {
     let mut f = FIGURES.with(|f| std::mem::take(&mut *f.borrow_mut()));
-    f.bytes_read += BYTES_READ.swap(0, Ordering::Relaxed);
-    f.corrupt_segments += CORRUPT_SEGMENTS.swap(0, Ordering::Relaxed);
+    for shard in FILLED_FROM.with(|s| std::mem::take(&mut *s.borrow_mut())) {
+        f.bytes_read += shard.bytes_read.swap(0, Ordering::Relaxed);
+        f.corrupt_segments += shard.corrupt_segments.swap(0, Ordering::Relaxed);
+    }
     if f.hits + f.misses + f.corrupt_segments == 0 {
         return vec![];
     }
@@ -277,10 +283,7 @@ impl CachedCall {
             match shards.get(&key) {
                 Some(shard) => Arc::clone(shard),
                 None => {
-                    let shard = Arc::new(Shard {
-                        place: Place::open(&root, &name)?,
-                        state: Mutex::default(),
-                    });
+                    let shard = Arc::new(Shard::new(Place::open(&root, &name)?));
                     shards.insert(key, Arc::clone(&shard));
                     // Words for `flumen cache stats`, written outside the lock below.
                     described = true;
@@ -341,6 +344,12 @@ impl CachedCall {
             f.hits += (hits.len() - misses.len()) as u64;
             f.misses += misses.len() as u64;
         });
+        FILLED_FROM.with(|filled| {
+            let mut filled = filled.borrow_mut();
+            if !filled.iter().any(|s| Arc::ptr_eq(s, &self.shard)) {
+                filled.push(Arc::clone(&self.shard));
+            }
+        });
         if !misses.is_empty() {
             let keys = keys
                 .as_any()
@@ -393,6 +402,16 @@ impl CachedCall {
 }
 
 impl Shard {
+    /// A shard at `place` this process has read nothing of yet.
+    fn new(place: Place) -> Self {
+        Self {
+            place,
+            state: Mutex::default(),
+            bytes_read: AtomicU64::new(0),
+            corrupt_segments: AtomicU64::new(0),
+        }
+    }
+
     /// Read the segments of the directory this process has not seen; a damaged one is
     /// counted, logged and removed (its outputs are computed again), never returned.
     fn refresh(&self, state: &mut ShardState) {
@@ -402,12 +421,12 @@ impl Shard {
             }
             match self.place.read(&listed.name) {
                 Ok(read) => {
-                    BYTES_READ.fetch_add(read.bytes, Ordering::Relaxed);
+                    self.bytes_read.fetch_add(read.bytes, Ordering::Relaxed);
                     state.add(read);
                 }
                 Err(e) => {
                     log::warn!("{e}: removed, its outputs will be computed again");
-                    CORRUPT_SEGMENTS.fetch_add(1, Ordering::Relaxed);
+                    self.corrupt_segments.fetch_add(1, Ordering::Relaxed);
                     self.place.remove(&listed.name);
                 }
             }
@@ -551,10 +570,7 @@ mod tests {
     /// A call on a local shard in `dir` of the cache at `root`.
     fn local_call(dir: PathBuf, root: &Path, identity: [u8; 32], max_bytes: u64) -> CachedCall {
         CachedCall {
-            shard: Arc::new(Shard {
-                place: Place::Local(dir),
-                state: Mutex::default(),
-            }),
+            shard: Arc::new(Shard::new(Place::Local(dir))),
             identity,
             max_bytes,
             root: root.display().to_string(),
