@@ -115,8 +115,48 @@ impl ModelSplitLimit {
 struct FileLayout {
     /// Each row group, in file order.
     row_groups: Vec<RowGroupSpan>,
+    /// The rows and data bytes of the row groups, summed in offset order.
+    sums: WeightSums,
     /// The file's footer.
     metadata: Arc<ParquetMetaData>,
+}
+
+/// The rows and data bytes of a file's row groups summed in the order of their offsets, so
+/// what a byte range holds is two binary searches, not a walk over every row group (a pack
+/// of ranges asks it once per range: 12,000 ranges of one file).
+#[derive(Debug, Clone, Default)]
+struct WeightSums {
+    /// The row groups' first-page offsets, ascending.
+    offsets: Vec<u64>,
+    /// Rows and data bytes of the row groups before each offset (one more than `offsets`).
+    before: Vec<(u64, u64)>,
+}
+
+impl WeightSums {
+    fn new(groups: &[RowGroupSpan]) -> Self {
+        let mut sorted: Vec<&RowGroupSpan> = groups.iter().collect();
+        sorted.sort_unstable_by_key(|g| g.offset);
+        let mut before = Vec::with_capacity(sorted.len() + 1);
+        let (mut rows, mut data) = (0, 0);
+        before.push((rows, data));
+        for g in &sorted {
+            (rows, data) = (rows + g.rows, data + g.data_bytes);
+            before.push((rows, data));
+        }
+        Self {
+            offsets: sorted.iter().map(|g| g.offset).collect(),
+            before,
+        }
+    }
+
+    /// Rows and data bytes of the row groups whose first page lies in `[start, end)` (the
+    /// ones DataFusion reads for that range).
+    fn within(&self, start: u64, end: u64) -> (u64, u64) {
+        let from = self.offsets.partition_point(|&o| o < start);
+        let to = self.offsets.partition_point(|&o| o < end).max(from);
+        let (a, b) = (self.before[from], self.before[to]);
+        (b.0 - a.0, b.1 - a.1)
+    }
 }
 
 impl RowGroupLayout {
@@ -137,7 +177,7 @@ impl RowGroupLayout {
                         .fetch_metadata()
                         .await
                         .ok()?;
-                    let row_groups = metadata
+                    let row_groups: Vec<RowGroupSpan> = metadata
                         .row_groups()
                         .iter()
                         .map(|rg| {
@@ -154,6 +194,7 @@ impl RowGroupLayout {
                         })
                         .collect();
                     let file = FileLayout {
+                        sums: WeightSums::new(&row_groups),
                         row_groups,
                         metadata,
                     };
@@ -180,6 +221,15 @@ impl RowGroupLayout {
         self.files
             .get(file.object_meta.location.as_ref())
             .map(|f| &f.row_groups)
+    }
+
+    /// Rows and data bytes of the row groups the range `file` reads, where its footer was
+    /// read.
+    fn weight(&self, file: &PartitionedFile) -> Option<(u64, u64)> {
+        let (start, end) = byte_range(file);
+        self.files
+            .get(file.object_meta.location.as_ref())
+            .map(|f| f.sums.within(start, end))
     }
 
     /// Whether the scan `config` is clustered by `column`: ordered by their minimum, the row
@@ -661,18 +711,10 @@ fn pack_small_ranges(
         let (start, end) = byte_range(&range);
         let bytes = end.saturating_sub(start);
         // Rows and data bytes of the range, by its row groups: needed only under a row
-        // limit (a walk over the file's row groups per range, 12,000 of one file's).
-        let weight = match layout.row_groups(&range) {
-            _ if limit.rows == 0 => Some((0, 0)),
-            Some(groups) => Some(
-                groups
-                    .iter()
-                    .filter(|g| g.offset >= start && g.offset < end)
-                    .fold((0, 0), |(rows, data), g| {
-                        (rows + g.rows, data + g.data_bytes)
-                    }),
-            ),
-            None => (limit.rows == 0).then_some((0, 0)),
+        // limit.
+        let weight = match limit.rows {
+            0 => Some((0, 0)),
+            _ => layout.weight(&range),
         };
         let packable = index >= single
             && !range.extensions.contains::<ParquetAccessPlan>()
@@ -724,13 +766,7 @@ fn byte_range(file: &PartitionedFile) -> (u64, u64) {
 fn scan_rows(config: &FileScanConfig, layout: &RowGroupLayout) -> Option<u64> {
     let mut rows = 0;
     for file in config.file_groups.iter().flat_map(|g| g.iter()) {
-        let (start, end) = byte_range(file);
-        rows += layout
-            .row_groups(file)?
-            .iter()
-            .filter(|g| g.offset >= start && g.offset < end)
-            .map(|g| g.rows)
-            .sum::<u64>();
+        rows += layout.weight(file)?.0;
     }
     Some(rows)
 }
@@ -1248,6 +1284,46 @@ mod tests {
         let pruning = StaticFilePruning::of(&filtered_scan(both)).unwrap();
         assert!(!pruning.prunes(&file_of("x", Some((10, 20)))));
         assert!(pruning.prunes(&file_of("x", Some((0, 9)))));
+    }
+
+    #[test]
+    fn a_ranges_weight_sums_the_row_groups_starting_in_it_in_any_footer_order() {
+        // Row groups listed out of offset order (a writer may): 10 at 4, 20 at 104, ...
+        let mut groups: Vec<RowGroupSpan> = (0..40u64)
+            .map(|i| RowGroupSpan {
+                offset: 4 + 100 * i,
+                bytes: 100,
+                rows: 10 * (i + 1),
+                data_bytes: 1000 + i,
+            })
+            .collect();
+        groups.reverse();
+        groups.swap(3, 17);
+        let sums = WeightSums::new(&groups);
+        let walked = |start: u64, end: u64| {
+            (groups.iter())
+                .filter(|g| g.offset >= start && g.offset < end)
+                .fold((0, 0), |(r, d), g| (r + g.rows, d + g.data_bytes))
+        };
+        for (start, end) in [
+            (0, 4),
+            (0, 5),
+            (4, 104),
+            (5, 104),
+            (5, 105),
+            (0, 4004),
+            (3000, 3000),
+            (3000, 2000),
+            (3904, 9999),
+        ] {
+            assert_eq!(
+                sums.within(start, end),
+                walked(start, end),
+                "[{start}, {end})"
+            );
+        }
+        assert_eq!(sums.within(0, u64::MAX), (8200, 40_780));
+        assert_eq!(WeightSums::new(&[]).within(0, 100), (0, 0));
     }
 
     #[test]
