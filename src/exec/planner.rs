@@ -24,7 +24,7 @@ use crate::exec::replan::Replanner;
 use crate::plan::exchange_sizing::{ExchangeSizing, row_width};
 use crate::plan::graph::OperatorGraph;
 use crate::plan::range_sort::plan_range_sorts;
-use crate::plan::split_source::RowGroupLayout;
+use crate::plan::row_group_layout::RowGroupLayout;
 use crate::plan::stage_input::StageInputExec;
 
 /// The query planner of a flumen session.

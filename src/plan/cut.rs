@@ -51,7 +51,8 @@ use crate::plan::merge_runs::MergeRunsExec;
 use crate::plan::model_batching::ModelBatching;
 use crate::plan::partition_cut::{cuts_per_partition, only_merges_inputs};
 use crate::plan::range_sort::sort_run_bytes;
-use crate::plan::split_source::{ModelSplitLimit, RowGroupLayout, SplitSourceExec};
+use crate::plan::row_group_layout::RowGroupLayout;
+use crate::plan::split_source::{ModelSplitLimit, SplitSourceExec};
 use crate::plan::stage_input::{InputExchange, StageInputExec};
 use crate::plan::subquery_values::{SubqueryValuesExec, reads_values_of};
 

@@ -4,6 +4,9 @@
 //! - [`cut`]: the cutting algorithm that turns a DataFusion plan into that graph.
 //! - [`exchange_sizing`]: how many partitions hash exchanges get, from bytes and budget.
 //! - [`split_source`]: source scans cut into splits (one task each).
+//! - [`row_group_layout`]: the row groups of a plan's Parquet files, read from their footers
+//!   before its scans are cut.
+//! - [`split_pruning`]: the file and row group pruning a scan would do, done as it is cut.
 //! - [`model_batching`]: how a plan with a model feeds it: the first-block ramp, pieces and
 //!   bundles, and its scans' smaller splits.
 //! - [`join_filter_rows`]: a scan drops the rows its joins' finished dynamic filters reject.
@@ -48,6 +51,8 @@ pub mod partitioned_outer_joins;
 pub(crate) mod queued_model_calls;
 pub mod random_shuffle;
 pub mod range_sort;
+pub(crate) mod row_group_layout;
+pub(crate) mod split_pruning;
 pub(crate) mod split_source;
 pub(crate) mod stage_input;
 pub mod subquery_values;

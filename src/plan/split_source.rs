@@ -13,70 +13,29 @@
 //! batches (`flumen.first_block_rows`), so the first rows leave after little work; its task's
 //! cutter coalesces them back up to full blocks (`crate::store::ramp`).
 
-use std::collections::HashMap;
 use std::fmt;
 use std::sync::{Arc, OnceLock};
 
-use datafusion::arrow::array::Array;
-use datafusion::arrow::datatypes::Schema;
-use datafusion::common::ScalarValue;
-use datafusion::common::tree_node::{Transformed, TreeNode, TreeNodeRecursion};
+use datafusion::common::tree_node::TreeNodeRecursion;
 use datafusion::datasource::listing::PartitionedFile;
-use datafusion::datasource::physical_plan::parquet::metadata::DFParquetMetadata;
-use datafusion::datasource::physical_plan::parquet::{
-    ParquetAccessPlan, ParquetFileMetrics, RowGroupAccess, RowGroupAccessPlanFilter,
-    apply_file_schema_type_coercions,
-};
-use datafusion::datasource::physical_plan::{
-    FileGroup, FileScanConfig, FileScanConfigBuilder, FileSource, ParquetSource,
-};
+use datafusion::datasource::physical_plan::parquet::{ParquetAccessPlan, RowGroupAccess};
+use datafusion::datasource::physical_plan::{FileGroup, FileScanConfig, FileScanConfigBuilder};
 use datafusion::datasource::source::DataSourceExec;
 use datafusion::error::{DataFusionError, Result};
-use datafusion::execution::runtime_env::RuntimeEnv;
 use datafusion::execution::{SendableRecordBatchStream, TaskContext};
-use datafusion::parquet::arrow::arrow_reader::statistics::StatisticsConverter;
-use datafusion::parquet::arrow::arrow_reader::{
-    ArrowReaderMetadata, ArrowReaderOptions, RowSelection, RowSelector,
-};
-use datafusion::parquet::file::metadata::ParquetMetaData;
-use datafusion::physical_expr::expressions::{DynamicFilterPhysicalExpr, lit};
-use datafusion::physical_expr::simplifier::PhysicalExprSimplifier;
-use datafusion::physical_expr_adapter::{
-    DefaultPhysicalExprAdapterFactory, PhysicalExprAdapterFactory, replace_columns_with_literals,
-};
-use datafusion::physical_optimizer::pruning::{FilePruner, PruningPredicateBuilder};
+use datafusion::parquet::arrow::arrow_reader::{RowSelection, RowSelector};
 use datafusion::physical_plan::execution_plan::ReplaceChildrenOptions;
 use datafusion::physical_plan::metrics::{
-    Count, ExecutionPlanMetricsSet, MetricBuilder, MetricType, MetricsSet,
+    Count, ExecutionPlanMetricsSet, MetricBuilder, MetricsSet,
 };
 use datafusion::physical_plan::{
     DisplayAs, DisplayFormatType, ExecutionPlan, Partitioning, PhysicalExpr, PlanProperties,
 };
-use futures::StreamExt;
 
 use crate::plan::join_filter_rows;
+use crate::plan::row_group_layout::{RowGroupLayout, RowGroupSpan, byte_range};
+use crate::plan::split_pruning::{PrunedBeforeTasks, StaticFilePruning};
 use crate::plan::stage_input::TaskInputs;
-
-/// Where the row groups of a plan's Parquet files start, their compressed sizes, and the
-/// footers themselves (for their column statistics).
-#[derive(Debug, Default, Clone)]
-pub struct RowGroupLayout {
-    /// Each file's row groups and footer, by file location.
-    files: HashMap<String, FileLayout>,
-}
-
-/// Where one row group lies in its file, and how big it is.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-struct RowGroupSpan {
-    /// Offset of its first page (DataFusion assigns a row group to the byte range holding it).
-    offset: u64,
-    /// Compressed bytes.
-    bytes: u64,
-    /// Rows.
-    rows: u64,
-    /// Uncompressed bytes of every column's data: what its rows weigh once decoded.
-    data_bytes: u64,
-}
 
 /// What a split of a plan with a model may hold beyond its compressed bytes: rows there
 /// cost far more CPU than their bytes say (`clean_text`, tokenizing), and a long row more
@@ -107,213 +66,6 @@ impl ModelSplitLimit {
         }
         let fit = (self.data_bytes as u128 * group.rows as u128 / group.data_bytes as u128) as u64;
         self.rows.min(fit.max(1))
-    }
-}
-
-/// One Parquet file's row groups.
-#[derive(Debug, Clone)]
-struct FileLayout {
-    /// Each row group, in file order.
-    row_groups: Vec<RowGroupSpan>,
-    /// The rows and data bytes of the row groups, summed in offset order.
-    sums: WeightSums,
-    /// The file's footer.
-    metadata: Arc<ParquetMetaData>,
-}
-
-/// The rows and data bytes of a file's row groups summed in the order of their offsets, so
-/// what a byte range holds is two binary searches, not a walk over every row group (a pack
-/// of ranges asks it once per range: 12,000 ranges of one file).
-#[derive(Debug, Clone, Default)]
-struct WeightSums {
-    /// The row groups' first-page offsets, ascending.
-    offsets: Vec<u64>,
-    /// Rows and data bytes of the row groups before each offset (one more than `offsets`).
-    before: Vec<(u64, u64)>,
-}
-
-impl WeightSums {
-    fn new(groups: &[RowGroupSpan]) -> Self {
-        let mut sorted: Vec<&RowGroupSpan> = groups.iter().collect();
-        sorted.sort_unstable_by_key(|g| g.offset);
-        let mut before = Vec::with_capacity(sorted.len() + 1);
-        let (mut rows, mut data) = (0, 0);
-        before.push((rows, data));
-        for g in &sorted {
-            (rows, data) = (rows + g.rows, data + g.data_bytes);
-            before.push((rows, data));
-        }
-        Self {
-            offsets: sorted.iter().map(|g| g.offset).collect(),
-            before,
-        }
-    }
-
-    /// Rows and data bytes of the row groups whose first page lies in `[start, end)` (the
-    /// ones DataFusion reads for that range).
-    fn within(&self, start: u64, end: u64) -> (u64, u64) {
-        let from = self.offsets.partition_point(|&o| o < start);
-        let to = self.offsets.partition_point(|&o| o < end).max(from);
-        let (a, b) = (self.before[from], self.before[to]);
-        (b.0 - a.0, b.1 - a.1)
-    }
-}
-
-impl RowGroupLayout {
-    /// Read the footers of every Parquet file scanned by `plan` (through DataFusion's file
-    /// metadata cache, so the scans that follow find them there). A file whose footer
-    /// cannot be read is left out: its splits are plain byte ranges.
-    pub async fn read(plan: &Arc<dyn ExecutionPlan>, runtime: &RuntimeEnv) -> Self {
-        let mut files = vec![];
-        collect_parquet_files(plan, &mut files);
-        let cache = runtime.cache_manager.get_file_metadata_cache();
-        let fetched: Vec<(String, FileLayout)> = futures::stream::iter(files)
-            .map(|(url, meta)| {
-                let cache = Arc::clone(&cache);
-                async move {
-                    let store = runtime.object_store(&url).ok()?;
-                    let metadata = DFParquetMetadata::new(store.as_ref(), &meta)
-                        .with_file_metadata_cache(Some(cache))
-                        .fetch_metadata()
-                        .await
-                        .ok()?;
-                    let row_groups: Vec<RowGroupSpan> = metadata
-                        .row_groups()
-                        .iter()
-                        .map(|rg| {
-                            let col = rg.column(0);
-                            let start = col
-                                .dictionary_page_offset()
-                                .unwrap_or_else(|| col.data_page_offset());
-                            RowGroupSpan {
-                                offset: start.max(0) as u64,
-                                bytes: rg.compressed_size().max(0) as u64,
-                                rows: rg.num_rows().max(0) as u64,
-                                data_bytes: rg.total_byte_size().max(0) as u64,
-                            }
-                        })
-                        .collect();
-                    let file = FileLayout {
-                        sums: WeightSums::new(&row_groups),
-                        row_groups,
-                        metadata,
-                    };
-                    Some((meta.location.to_string(), file))
-                }
-            })
-            .buffer_unordered(16)
-            .filter_map(|f| async move { f })
-            .collect()
-            .await;
-        Self {
-            files: fetched.into_iter().collect(),
-        }
-    }
-
-    /// The footer of `file`, where it was read.
-    fn footer(&self, file: &PartitionedFile) -> Option<&Arc<ParquetMetaData>> {
-        self.files
-            .get(file.object_meta.location.as_ref())
-            .map(|f| &f.metadata)
-    }
-
-    fn row_groups(&self, file: &PartitionedFile) -> Option<&Vec<RowGroupSpan>> {
-        self.files
-            .get(file.object_meta.location.as_ref())
-            .map(|f| &f.row_groups)
-    }
-
-    /// Rows and data bytes of the row groups the range `file` reads, where its footer was
-    /// read.
-    fn weight(&self, file: &PartitionedFile) -> Option<(u64, u64)> {
-        let (start, end) = byte_range(file);
-        self.files
-            .get(file.object_meta.location.as_ref())
-            .map(|f| f.sums.within(start, end))
-    }
-
-    /// Whether the scan `config` is clustered by `column`: ordered by their minimum, the row
-    /// groups of all its files hold disjoint `[min, max]` ranges of it (touching ends
-    /// allowed), so each value lies in one row group, or two. False when any footer or
-    /// statistic is missing, or the column holds nulls.
-    pub fn clustered_by(&self, config: &FileScanConfig, column: &str) -> bool {
-        let mut ranges: Vec<(ScalarValue, ScalarValue)> = vec![];
-        let mut seen = std::collections::HashSet::new();
-        for file in config.file_groups.iter().flat_map(|g| g.iter()) {
-            let location = file.object_meta.location.as_ref();
-            if !seen.insert(location) {
-                continue;
-            }
-            let Some(layout) = self.files.get(location) else {
-                return false;
-            };
-            match row_group_ranges_of(&layout.metadata, config.file_schema(), column) {
-                Some(file_ranges) => ranges.extend(file_ranges),
-                None => return false,
-            }
-        }
-        if ranges.len() < 2 {
-            return false;
-        }
-        ranges.sort_by(|a, b| a.0.partial_cmp(&b.0).unwrap_or(std::cmp::Ordering::Equal));
-        ranges.windows(2).all(|w| {
-            matches!(
-                w[0].1.partial_cmp(&w[1].0),
-                Some(std::cmp::Ordering::Less | std::cmp::Ordering::Equal)
-            )
-        })
-    }
-}
-
-/// `(min, max)` of `column` in each row group of one file, from its footer's statistics;
-/// `None` where a statistic is missing or the column holds a null.
-fn row_group_ranges_of(
-    metadata: &ParquetMetaData,
-    schema: &Schema,
-    column: &str,
-) -> Option<Vec<(ScalarValue, ScalarValue)>> {
-    let converter =
-        StatisticsConverter::try_new(column, schema, metadata.file_metadata().schema_descr())
-            .ok()?;
-    let groups = metadata.row_groups();
-    let mins = converter.row_group_mins(groups).ok()?;
-    let maxes = converter.row_group_maxes(groups).ok()?;
-    let nulls = converter.row_group_null_counts(groups).ok()?;
-    (0..groups.len())
-        .map(|i| {
-            if mins.is_null(i) || maxes.is_null(i) || nulls.is_null(i) || nulls.value(i) > 0 {
-                return None;
-            }
-            let min = ScalarValue::try_from_array(&mins, i).ok()?;
-            let max = ScalarValue::try_from_array(&maxes, i).ok()?;
-            Some((min, max))
-        })
-        .collect()
-}
-
-/// Every distinct Parquet file scanned by `plan`, with the store it lives in.
-fn collect_parquet_files(
-    plan: &Arc<dyn ExecutionPlan>,
-    out: &mut Vec<(
-        datafusion::execution::object_store::ObjectStoreUrl,
-        object_store::ObjectMeta,
-    )>,
-) {
-    if let Some(source) = plan.downcast_ref::<DataSourceExec>()
-        && let Some(config) = source.data_source().downcast_ref::<FileScanConfig>()
-        && config.file_source().file_type() == "parquet"
-    {
-        for file in config.file_groups.iter().flat_map(|g| g.iter()) {
-            if !out
-                .iter()
-                .any(|(_, m)| m.location == file.object_meta.location)
-            {
-                out.push((config.object_store_url.clone(), file.object_meta.clone()));
-            }
-        }
-    }
-    for child in plan.children() {
-        collect_parquet_files(child, out);
     }
 }
 
@@ -377,48 +129,15 @@ impl SplitSourceExec {
         for group in config.file_groups.iter() {
             let mut kept = vec![];
             for file in group.iter() {
-                let (file_ranges, groups) = match layout.row_groups(file) {
-                    Some(groups) => (row_group_ranges(file, groups, split_bytes, limit), groups),
-                    None => (byte_ranges(file, split_bytes), &vec![]),
+                let file_ranges = match layout.row_groups(file) {
+                    Some(groups) => row_group_ranges(file, groups, split_bytes, limit),
+                    None => byte_ranges(file, split_bytes),
                 };
-                let Some(pruning) = pruning.as_ref() else {
-                    kept.extend(file_ranges);
-                    continue;
-                };
-                // Every range of a file carries the file's statistics and partition values:
-                // the file's verdict is each range's.
-                if pruning.prunes(file) {
-                    pruned.ranges += file_ranges.len();
-                    continue;
-                }
-                // Row groups the scan would skip by their statistics, by first-page offset:
-                // asked once per file, and only where some row group is ruled out.
-                let ruled_out = layout
-                    .footer(file)
-                    .and_then(|footer| pruning.row_groups_ruled_out(file, footer))
-                    .filter(|out| out.iter().any(|&o| o))
-                    .map(|out| {
-                        let mut by_offset: Vec<(u64, bool)> =
-                            groups.iter().map(|g| g.offset).zip(out).collect();
-                        by_offset.sort_unstable_by_key(|&(offset, _)| offset);
-                        by_offset
-                    });
-                let Some(by_offset) = ruled_out else {
-                    kept.extend(file_ranges);
-                    continue;
-                };
-                for range in file_ranges {
-                    // The row groups whose first page lies in the range.
-                    let (start, end) = byte_range(&range);
-                    let from = by_offset.partition_point(|&(offset, _)| offset < start);
-                    let to = by_offset.partition_point(|&(offset, _)| offset < end);
-                    let inside = &by_offset[from..to];
-                    if !inside.is_empty() && inside.iter().all(|&(_, out)| out) {
-                        pruned.ranges_of_row_groups += 1;
-                        pruned.row_groups += inside.len();
-                    } else {
-                        kept.push(range);
+                match pruning.as_ref() {
+                    Some(pruning) => {
+                        kept.extend(pruning.keep(file, file_ranges, layout, &mut pruned))
                     }
+                    None => kept.extend(file_ranges),
                 }
             }
             ranges.push(kept);
@@ -483,166 +202,6 @@ impl SplitSourceExec {
     /// Number of splits of each partition.
     pub fn splits_per_partition(&self) -> Vec<usize> {
         self.splits.iter().map(|s| s.len()).collect()
-    }
-}
-
-/// The file pruning DataFusion's Parquet scan does when it opens a file range, done
-/// while the scan is cut into splits: a range whose file statistics (the listing's,
-/// `datafusion.execution.collect_statistics`) and partition values prove that the
-/// scan's static predicate holds for none of its rows makes no split, so no task is
-/// launched to open it and find it empty (a round trip each with worker processes:
-/// a point lookup in 200 files sorted by its key was 200 tasks). Dynamic filters
-/// count as `true` here: they are not filled in yet, and the same splits must come out
-/// whenever the plan is cut.
-struct StaticFilePruning {
-    /// The scan's predicate, its dynamic filters replaced by `true`.
-    predicate: Arc<dyn PhysicalExpr>,
-    /// The schema of the files' columns, as DataFusion's file pruning reads them.
-    file_schema: Arc<Schema>,
-    /// The table's partition columns, whose values each file range carries.
-    partition_columns: datafusion::arrow::datatypes::Fields,
-    /// Where the scan prunes row groups by their statistics as DataFusion's opener does
-    /// by default (`datafusion.execution.parquet.pruning`; no INT96 coercion, virtual
-    /// columns or expression adapter of its own), the largest `IN` list it rewrites.
-    row_groups: Option<usize>,
-}
-
-impl StaticFilePruning {
-    /// The pruning of a Parquet scan with a static predicate; `None` otherwise.
-    fn of(config: &FileScanConfig) -> Option<Self> {
-        let source = config.file_source().downcast_ref::<ParquetSource>()?;
-        let predicate = FileSource::filter(source)?
-            .transform(|expr| {
-                Ok(match expr.downcast_ref::<DynamicFilterPhysicalExpr>() {
-                    Some(_) => Transformed::yes(lit(true)),
-                    None => Transformed::no(expr),
-                })
-            })
-            .ok()?
-            .data;
-        let options = &source.table_parquet_options().global;
-        let row_groups = (options.pruning
-            && options.coerce_int96.is_none()
-            && FileSource::table_schema(source)
-                .virtual_columns()
-                .is_empty()
-            && config.expr_adapter_factory.is_none())
-        .then(|| source.max_in_list_size());
-        Some(Self {
-            predicate,
-            file_schema: Arc::clone(config.file_schema()),
-            partition_columns: config.table_partition_cols().clone(),
-            row_groups,
-        })
-    }
-
-    /// The predicate for `range`: its partition columns replaced by the range's values,
-    /// as DataFusion's scan does before it prunes (`None` where that fails).
-    fn for_range(&self, range: &PartitionedFile) -> Option<Arc<dyn PhysicalExpr>> {
-        let values: HashMap<String, ScalarValue> = self
-            .partition_columns
-            .iter()
-            .zip(range.partition_values.iter())
-            .map(|(field, value)| (field.name().clone(), value.clone()))
-            .collect();
-        match values.is_empty() {
-            true => Some(Arc::clone(&self.predicate)),
-            false => replace_columns_with_literals(Arc::clone(&self.predicate), &values).ok(),
-        }
-    }
-
-    /// Whether DataFusion's file pruning skips `range` without reading it: the predicate
-    /// for the range checked against the file's statistics (`FilePruner`). Any error
-    /// keeps the range.
-    fn prunes(&self, range: &PartitionedFile) -> bool {
-        let Some(predicate) = self.for_range(range) else {
-            return false;
-        };
-        let Some(mut pruner) =
-            FilePruner::try_new(predicate, &self.file_schema, range, Count::new())
-        else {
-            return false;
-        };
-        pruner.should_prune().unwrap_or(false)
-    }
-
-    /// Which row groups of `file` (its footer `footer`) DataFusion's scan skips by their
-    /// statistics, as its opener decides it: the file's Arrow schema with the scan's type
-    /// coercions, the predicate for the file adapted to that schema and simplified, then
-    /// `RowGroupAccessPlanFilter::prune_by_statistics`. `None` where the scan does not
-    /// prune row groups so, or anything fails (every row group is then kept).
-    fn row_groups_ruled_out(
-        &self,
-        file: &PartitionedFile,
-        footer: &Arc<ParquetMetaData>,
-    ) -> Option<Vec<bool>> {
-        let max_in_list_size = self.row_groups?;
-        let predicate = self.for_range(file)?;
-        let mut options = ArrowReaderOptions::new();
-        if let Some(schema) = file.arrow_schema.as_ref() {
-            options = options.with_schema(Arc::clone(schema));
-        }
-        let reader = ArrowReaderMetadata::try_new(Arc::clone(footer), options).ok()?;
-        let mut physical = Arc::clone(reader.schema());
-        if let Some(coerced) = apply_file_schema_type_coercions(&self.file_schema, &physical) {
-            physical = Arc::new(coerced);
-        }
-        let adapter = DefaultPhysicalExprAdapterFactory
-            .create(Arc::clone(&self.file_schema), Arc::clone(&physical))
-            .ok()?;
-        let predicate = PhysicalExprSimplifier::new(&physical)
-            .simplify(adapter.rewrite(predicate).ok()?)
-            .ok()?;
-        let pruning = PruningPredicateBuilder::new()
-            .with_file_schema(Arc::clone(&physical))
-            .with_max_in_list_size(max_in_list_size)
-            .build(predicate)?;
-        let groups = footer.row_groups();
-        let mut filter = RowGroupAccessPlanFilter::new(ParquetAccessPlan::new_all(groups.len()));
-        let scratch = ExecutionPlanMetricsSet::new();
-        let counters = ParquetFileMetrics::new(0, file.object_meta.location.as_ref(), &scratch);
-        filter.prune_by_statistics(
-            &physical,
-            reader.parquet_schema(),
-            groups,
-            &pruning,
-            &counters,
-        );
-        let plan = filter.build();
-        Some((0..groups.len()).map(|i| !plan.should_scan(i)).collect())
-    }
-}
-
-/// What a scan's cut left out before any task ran, counted as DataFusion's scan would
-/// have counted it had it opened those ranges, so `EXPLAIN ANALYZE` states the same
-/// pruning as vanilla's.
-#[derive(Debug, Default)]
-struct PrunedBeforeTasks {
-    /// Ranges the file statistics rule out (`files_ranges_pruned_statistics`, pruned).
-    ranges: usize,
-    /// Ranges the file statistics leave but whose every row group the row groups'
-    /// statistics rule out (`files_ranges_pruned_statistics`, matched).
-    ranges_of_row_groups: usize,
-    /// The row groups of those (`row_groups_pruned_statistics`, pruned).
-    row_groups: usize,
-}
-
-impl PrunedBeforeTasks {
-    /// Register the counts (only those above zero) in `metrics`.
-    fn count_in(&self, metrics: &ExecutionPlanMetricsSet) {
-        let counter = |name: &'static str| {
-            MetricBuilder::new(metrics)
-                .with_type(MetricType::Summary)
-                .pruning_metrics(name, 0)
-        };
-        if self.ranges + self.ranges_of_row_groups > 0 {
-            let ranges = counter("files_ranges_pruned_statistics");
-            ranges.add_pruned(self.ranges);
-            ranges.add_matched(self.ranges_of_row_groups);
-        }
-        if self.row_groups > 0 {
-            counter("row_groups_pruned_statistics").add_pruned(self.row_groups);
-        }
     }
 }
 
@@ -751,14 +310,6 @@ fn shared_split_rows(split_rows: u64, rows: Option<u64>, first_rows: usize, slot
             split_rows.min(share)
         }
         _ => split_rows,
-    }
-}
-
-/// The bytes of its file that `file` reads: its range, else the whole file.
-fn byte_range(file: &PartitionedFile) -> (u64, u64) {
-    match &file.range {
-        Some(r) => (r.start as u64, r.end as u64),
-        None => (0, file.object_meta.size),
     }
 }
 
@@ -1203,127 +754,6 @@ mod tests {
             pieces[0].extension::<ParquetAccessPlan>(),
             Some(&ParquetAccessPlan::new_all(1))
         );
-    }
-
-    /// A Parquet scan of `a` (Int64) in files partitioned by `part` (Utf8), filtered by
-    /// `predicate`.
-    fn filtered_scan(predicate: Arc<dyn PhysicalExpr>) -> FileScanConfig {
-        use datafusion::arrow::datatypes::{DataType, Field};
-        use datafusion::datasource::table_schema::TableSchema;
-        use datafusion::execution::object_store::ObjectStoreUrl;
-        let files = Arc::new(Schema::new(vec![Field::new("a", DataType::Int64, true)]));
-        let part = Arc::new(Field::new("part", DataType::Utf8, false));
-        let source = ParquetSource::new(
-            TableSchema::builder(files)
-                .with_table_partition_cols(vec![part])
-                .build(),
-        )
-        .with_predicate(predicate);
-        FileScanConfigBuilder::new(ObjectStoreUrl::local_filesystem(), Arc::new(source)).build()
-    }
-
-    /// A file of partition `part` whose `a` lies in `[min, max]` (no statistics: `None`).
-    fn file_of(part: &str, range: Option<(i64, i64)>) -> PartitionedFile {
-        use datafusion::common::stats::{ColumnStatistics, Precision, Statistics};
-        let mut file = file(1000).with_partition_values(vec![ScalarValue::from(part)]);
-        if let Some((min, max)) = range {
-            let column = ColumnStatistics {
-                min_value: Precision::Exact(ScalarValue::from(min)),
-                max_value: Precision::Exact(ScalarValue::from(max)),
-                null_count: Precision::Exact(0),
-                ..ColumnStatistics::new_unknown()
-            };
-            file = file.with_statistics(Arc::new(Statistics {
-                num_rows: Precision::Exact(10),
-                total_byte_size: Precision::Absent,
-                column_statistics: vec![column, ColumnStatistics::new_unknown()],
-            }));
-        }
-        file
-    }
-
-    #[test]
-    fn a_range_its_statistics_rule_out_makes_no_split() {
-        use datafusion::logical_expr::Operator;
-        use datafusion::physical_expr::expressions::{BinaryExpr, Column};
-        let a = || Arc::new(Column::new("a", 0)) as Arc<dyn PhysicalExpr>;
-        let compare = |left: Arc<dyn PhysicalExpr>, op, right: Arc<dyn PhysicalExpr>| {
-            Arc::new(BinaryExpr::new(left, op, right)) as Arc<dyn PhysicalExpr>
-        };
-        // a = 15
-        let pruning =
-            StaticFilePruning::of(&filtered_scan(compare(a(), Operator::Eq, lit(15i64)))).unwrap();
-        assert!(pruning.prunes(&file_of("x", Some((20, 30)))));
-        assert!(pruning.prunes(&file_of("x", Some((0, 14)))));
-        assert!(!pruning.prunes(&file_of("x", Some((10, 20)))));
-        assert!(!pruning.prunes(&file_of("x", None)), "no statistics: kept");
-
-        // part = 'x' AND a = 15: the partition column (not in the files) takes each range's
-        // value, and the file column's statistics still prune.
-        let part = Arc::new(Column::new("part", 1)) as Arc<dyn PhysicalExpr>;
-        let both = compare(
-            compare(part, Operator::Eq, lit("x")),
-            Operator::And,
-            compare(a(), Operator::Eq, lit(15i64)),
-        );
-        let pruning = StaticFilePruning::of(&filtered_scan(both)).unwrap();
-        assert!(pruning.prunes(&file_of("x", Some((20, 30)))));
-        assert!(!pruning.prunes(&file_of("x", Some((10, 20)))));
-
-        // A join's dynamic filter counts as `true`, even once it would rule a range out:
-        // the splits must be the same whenever the plan is cut.
-        let dynamic = Arc::new(DynamicFilterPhysicalExpr::new(vec![a()], lit(true)));
-        dynamic
-            .update(compare(a(), Operator::Gt, lit(100i64)))
-            .unwrap();
-        let both = compare(
-            compare(a(), Operator::GtEq, lit(10i64)),
-            Operator::And,
-            dynamic as Arc<dyn PhysicalExpr>,
-        );
-        let pruning = StaticFilePruning::of(&filtered_scan(both)).unwrap();
-        assert!(!pruning.prunes(&file_of("x", Some((10, 20)))));
-        assert!(pruning.prunes(&file_of("x", Some((0, 9)))));
-    }
-
-    #[test]
-    fn a_ranges_weight_sums_the_row_groups_starting_in_it_in_any_footer_order() {
-        // Row groups listed out of offset order (a writer may): 10 at 4, 20 at 104, ...
-        let mut groups: Vec<RowGroupSpan> = (0..40u64)
-            .map(|i| RowGroupSpan {
-                offset: 4 + 100 * i,
-                bytes: 100,
-                rows: 10 * (i + 1),
-                data_bytes: 1000 + i,
-            })
-            .collect();
-        groups.reverse();
-        groups.swap(3, 17);
-        let sums = WeightSums::new(&groups);
-        let walked = |start: u64, end: u64| {
-            (groups.iter())
-                .filter(|g| g.offset >= start && g.offset < end)
-                .fold((0, 0), |(r, d), g| (r + g.rows, d + g.data_bytes))
-        };
-        for (start, end) in [
-            (0, 4),
-            (0, 5),
-            (4, 104),
-            (5, 104),
-            (5, 105),
-            (0, 4004),
-            (3000, 3000),
-            (3000, 2000),
-            (3904, 9999),
-        ] {
-            assert_eq!(
-                sums.within(start, end),
-                walked(start, end),
-                "[{start}, {end})"
-            );
-        }
-        assert_eq!(sums.within(0, u64::MAX), (8200, 40_780));
-        assert_eq!(WeightSums::new(&[]).within(0, 100), (0, 0));
     }
 
     #[test]

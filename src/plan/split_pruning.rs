@@ -1,0 +1,328 @@
+//! The pruning DataFusion's Parquet scan does when it opens a file range, done while the
+//! scan is cut into splits ([`StaticFilePruning`]), so no task is launched only to open a
+//! range and find nothing in it; what it left out is counted as the scan would count it
+//! ([`PrunedBeforeTasks`]).
+
+use std::collections::HashMap;
+use std::sync::Arc;
+
+use datafusion::arrow::datatypes::Schema;
+use datafusion::common::ScalarValue;
+use datafusion::common::tree_node::{Transformed, TreeNode};
+use datafusion::datasource::listing::PartitionedFile;
+use datafusion::datasource::physical_plan::parquet::{
+    ParquetAccessPlan, ParquetFileMetrics, RowGroupAccessPlanFilter,
+    apply_file_schema_type_coercions,
+};
+use datafusion::datasource::physical_plan::{FileScanConfig, FileSource, ParquetSource};
+use datafusion::parquet::arrow::arrow_reader::{ArrowReaderMetadata, ArrowReaderOptions};
+use datafusion::parquet::file::metadata::ParquetMetaData;
+use datafusion::physical_expr::expressions::{DynamicFilterPhysicalExpr, lit};
+use datafusion::physical_expr::simplifier::PhysicalExprSimplifier;
+use datafusion::physical_expr_adapter::{
+    DefaultPhysicalExprAdapterFactory, PhysicalExprAdapterFactory, replace_columns_with_literals,
+};
+use datafusion::physical_optimizer::pruning::{FilePruner, PruningPredicateBuilder};
+use datafusion::physical_plan::PhysicalExpr;
+use datafusion::physical_plan::metrics::{
+    Count, ExecutionPlanMetricsSet, MetricBuilder, MetricType,
+};
+
+use crate::plan::row_group_layout::{RowGroupLayout, byte_range};
+
+/// The file pruning DataFusion's Parquet scan does when it opens a file range, done
+/// while the scan is cut into splits: a range whose file statistics (the listing's,
+/// `datafusion.execution.collect_statistics`) and partition values prove that the
+/// scan's static predicate holds for none of its rows makes no split, so no task is
+/// launched to open it and find it empty (a round trip each with worker processes:
+/// a point lookup in 200 files sorted by its key was 200 tasks). Dynamic filters
+/// count as `true` here: they are not filled in yet, and the same splits must come out
+/// whenever the plan is cut.
+pub(super) struct StaticFilePruning {
+    /// The scan's predicate, its dynamic filters replaced by `true`.
+    predicate: Arc<dyn PhysicalExpr>,
+    /// The schema of the files' columns, as DataFusion's file pruning reads them.
+    file_schema: Arc<Schema>,
+    /// The table's partition columns, whose values each file range carries.
+    partition_columns: datafusion::arrow::datatypes::Fields,
+    /// Where the scan prunes row groups by their statistics as DataFusion's opener does
+    /// by default (`datafusion.execution.parquet.pruning`; no INT96 coercion, virtual
+    /// columns or expression adapter of its own), the largest `IN` list it rewrites.
+    row_groups: Option<usize>,
+}
+
+impl StaticFilePruning {
+    /// The pruning of a Parquet scan with a static predicate; `None` otherwise.
+    pub(super) fn of(config: &FileScanConfig) -> Option<Self> {
+        let source = config.file_source().downcast_ref::<ParquetSource>()?;
+        let predicate = FileSource::filter(source)?
+            .transform(|expr| {
+                Ok(match expr.downcast_ref::<DynamicFilterPhysicalExpr>() {
+                    Some(_) => Transformed::yes(lit(true)),
+                    None => Transformed::no(expr),
+                })
+            })
+            .ok()?
+            .data;
+        let options = &source.table_parquet_options().global;
+        let row_groups = (options.pruning
+            && options.coerce_int96.is_none()
+            && FileSource::table_schema(source)
+                .virtual_columns()
+                .is_empty()
+            && config.expr_adapter_factory.is_none())
+        .then(|| source.max_in_list_size());
+        Some(Self {
+            predicate,
+            file_schema: Arc::clone(config.file_schema()),
+            partition_columns: config.table_partition_cols().clone(),
+            row_groups,
+        })
+    }
+
+    /// The predicate for `range`: its partition columns replaced by the range's values,
+    /// as DataFusion's scan does before it prunes (`None` where that fails).
+    fn for_range(&self, range: &PartitionedFile) -> Option<Arc<dyn PhysicalExpr>> {
+        let values: HashMap<String, ScalarValue> = self
+            .partition_columns
+            .iter()
+            .zip(range.partition_values.iter())
+            .map(|(field, value)| (field.name().clone(), value.clone()))
+            .collect();
+        match values.is_empty() {
+            true => Some(Arc::clone(&self.predicate)),
+            false => replace_columns_with_literals(Arc::clone(&self.predicate), &values).ok(),
+        }
+    }
+
+    /// Whether DataFusion's file pruning skips `range` without reading it: the predicate
+    /// for the range checked against the file's statistics (`FilePruner`). Any error
+    /// keeps the range.
+    fn prunes(&self, range: &PartitionedFile) -> bool {
+        let Some(predicate) = self.for_range(range) else {
+            return false;
+        };
+        let Some(mut pruner) =
+            FilePruner::try_new(predicate, &self.file_schema, range, Count::new())
+        else {
+            return false;
+        };
+        pruner.should_prune().unwrap_or(false)
+    }
+
+    /// The ranges cut from `file` (`file_ranges`) a task must open, counting those left out
+    /// in `pruned`. Every range of a file carries the file's statistics and partition
+    /// values, so the file's verdict is each range's; inside a file they keep, a range
+    /// whose every row group (by first-page offset, as DataFusion assigns them) the row
+    /// groups' statistics rule out is left out too. Both are asked once per file, the row
+    /// groups only where the footer was read.
+    pub(super) fn keep(
+        &self,
+        file: &PartitionedFile,
+        file_ranges: Vec<PartitionedFile>,
+        layout: &RowGroupLayout,
+        pruned: &mut PrunedBeforeTasks,
+    ) -> Vec<PartitionedFile> {
+        if self.prunes(file) {
+            pruned.ranges += file_ranges.len();
+            return vec![];
+        }
+        let ruled_out = (layout.footer(file).zip(layout.row_groups(file)))
+            .and_then(|(footer, groups)| Some((self.row_groups_ruled_out(file, footer)?, groups)))
+            .filter(|(out, _)| out.iter().any(|&o| o))
+            .map(|(out, groups)| {
+                let mut by_offset: Vec<(u64, bool)> =
+                    groups.iter().map(|g| g.offset).zip(out).collect();
+                by_offset.sort_unstable_by_key(|&(offset, _)| offset);
+                by_offset
+            });
+        let Some(by_offset) = ruled_out else {
+            return file_ranges;
+        };
+        let mut kept = Vec::with_capacity(file_ranges.len());
+        for range in file_ranges {
+            // The row groups whose first page lies in the range.
+            let (start, end) = byte_range(&range);
+            let from = by_offset.partition_point(|&(offset, _)| offset < start);
+            let to = by_offset.partition_point(|&(offset, _)| offset < end);
+            let inside = &by_offset[from..to];
+            if !inside.is_empty() && inside.iter().all(|&(_, out)| out) {
+                pruned.ranges_of_row_groups += 1;
+                pruned.row_groups += inside.len();
+            } else {
+                kept.push(range);
+            }
+        }
+        kept
+    }
+
+    /// Which row groups of `file` (its footer `footer`) DataFusion's scan skips by their
+    /// statistics, as its opener decides it: the file's Arrow schema with the scan's type
+    /// coercions, the predicate for the file adapted to that schema and simplified, then
+    /// `RowGroupAccessPlanFilter::prune_by_statistics`. `None` where the scan does not
+    /// prune row groups so, or anything fails (every row group is then kept).
+    fn row_groups_ruled_out(
+        &self,
+        file: &PartitionedFile,
+        footer: &Arc<ParquetMetaData>,
+    ) -> Option<Vec<bool>> {
+        let max_in_list_size = self.row_groups?;
+        let predicate = self.for_range(file)?;
+        let mut options = ArrowReaderOptions::new();
+        if let Some(schema) = file.arrow_schema.as_ref() {
+            options = options.with_schema(Arc::clone(schema));
+        }
+        let reader = ArrowReaderMetadata::try_new(Arc::clone(footer), options).ok()?;
+        let mut physical = Arc::clone(reader.schema());
+        if let Some(coerced) = apply_file_schema_type_coercions(&self.file_schema, &physical) {
+            physical = Arc::new(coerced);
+        }
+        let adapter = DefaultPhysicalExprAdapterFactory
+            .create(Arc::clone(&self.file_schema), Arc::clone(&physical))
+            .ok()?;
+        let predicate = PhysicalExprSimplifier::new(&physical)
+            .simplify(adapter.rewrite(predicate).ok()?)
+            .ok()?;
+        let pruning = PruningPredicateBuilder::new()
+            .with_file_schema(Arc::clone(&physical))
+            .with_max_in_list_size(max_in_list_size)
+            .build(predicate)?;
+        let groups = footer.row_groups();
+        let mut filter = RowGroupAccessPlanFilter::new(ParquetAccessPlan::new_all(groups.len()));
+        let scratch = ExecutionPlanMetricsSet::new();
+        let counters = ParquetFileMetrics::new(0, file.object_meta.location.as_ref(), &scratch);
+        filter.prune_by_statistics(
+            &physical,
+            reader.parquet_schema(),
+            groups,
+            &pruning,
+            &counters,
+        );
+        let plan = filter.build();
+        Some((0..groups.len()).map(|i| !plan.should_scan(i)).collect())
+    }
+}
+
+/// What a scan's cut left out before any task ran, counted as DataFusion's scan would
+/// have counted it had it opened those ranges, so `EXPLAIN ANALYZE` states the same
+/// pruning as vanilla's.
+#[derive(Debug, Default)]
+pub(super) struct PrunedBeforeTasks {
+    /// Ranges the file statistics rule out (`files_ranges_pruned_statistics`, pruned).
+    ranges: usize,
+    /// Ranges the file statistics leave but whose every row group the row groups'
+    /// statistics rule out (`files_ranges_pruned_statistics`, matched).
+    ranges_of_row_groups: usize,
+    /// The row groups of those (`row_groups_pruned_statistics`, pruned).
+    row_groups: usize,
+}
+
+impl PrunedBeforeTasks {
+    /// Register the counts (only those above zero) in `metrics`.
+    pub(super) fn count_in(&self, metrics: &ExecutionPlanMetricsSet) {
+        let counter = |name: &'static str| {
+            MetricBuilder::new(metrics)
+                .with_type(MetricType::Summary)
+                .pruning_metrics(name, 0)
+        };
+        if self.ranges + self.ranges_of_row_groups > 0 {
+            let ranges = counter("files_ranges_pruned_statistics");
+            ranges.add_pruned(self.ranges);
+            ranges.add_matched(self.ranges_of_row_groups);
+        }
+        if self.row_groups > 0 {
+            counter("row_groups_pruned_statistics").add_pruned(self.row_groups);
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A Parquet scan of `a` (Int64) in files partitioned by `part` (Utf8), filtered by
+    /// `predicate`.
+    fn filtered_scan(predicate: Arc<dyn PhysicalExpr>) -> FileScanConfig {
+        use datafusion::arrow::datatypes::{DataType, Field};
+        use datafusion::datasource::table_schema::TableSchema;
+        use datafusion::execution::object_store::ObjectStoreUrl;
+        let files = Arc::new(Schema::new(vec![Field::new("a", DataType::Int64, true)]));
+        let part = Arc::new(Field::new("part", DataType::Utf8, false));
+        let source = ParquetSource::new(
+            TableSchema::builder(files)
+                .with_table_partition_cols(vec![part])
+                .build(),
+        )
+        .with_predicate(predicate);
+        datafusion::datasource::physical_plan::FileScanConfigBuilder::new(
+            ObjectStoreUrl::local_filesystem(),
+            Arc::new(source),
+        )
+        .build()
+    }
+
+    /// A file of partition `part` whose `a` lies in `[min, max]` (no statistics: `None`).
+    fn file_of(part: &str, range: Option<(i64, i64)>) -> PartitionedFile {
+        use datafusion::common::stats::{ColumnStatistics, Precision, Statistics};
+        let mut file = PartitionedFile::new("f.parquet", 1000)
+            .with_partition_values(vec![ScalarValue::from(part)]);
+        if let Some((min, max)) = range {
+            let column = ColumnStatistics {
+                min_value: Precision::Exact(ScalarValue::from(min)),
+                max_value: Precision::Exact(ScalarValue::from(max)),
+                null_count: Precision::Exact(0),
+                ..ColumnStatistics::new_unknown()
+            };
+            file = file.with_statistics(Arc::new(Statistics {
+                num_rows: Precision::Exact(10),
+                total_byte_size: Precision::Absent,
+                column_statistics: vec![column, ColumnStatistics::new_unknown()],
+            }));
+        }
+        file
+    }
+
+    #[test]
+    fn a_range_its_statistics_rule_out_makes_no_split() {
+        use datafusion::logical_expr::Operator;
+        use datafusion::physical_expr::expressions::{BinaryExpr, Column};
+        let a = || Arc::new(Column::new("a", 0)) as Arc<dyn PhysicalExpr>;
+        let compare = |left: Arc<dyn PhysicalExpr>, op, right: Arc<dyn PhysicalExpr>| {
+            Arc::new(BinaryExpr::new(left, op, right)) as Arc<dyn PhysicalExpr>
+        };
+        // a = 15
+        let pruning =
+            StaticFilePruning::of(&filtered_scan(compare(a(), Operator::Eq, lit(15i64)))).unwrap();
+        assert!(pruning.prunes(&file_of("x", Some((20, 30)))));
+        assert!(pruning.prunes(&file_of("x", Some((0, 14)))));
+        assert!(!pruning.prunes(&file_of("x", Some((10, 20)))));
+        assert!(!pruning.prunes(&file_of("x", None)), "no statistics: kept");
+
+        // part = 'x' AND a = 15: the partition column (not in the files) takes each range's
+        // value, and the file column's statistics still prune.
+        let part = Arc::new(Column::new("part", 1)) as Arc<dyn PhysicalExpr>;
+        let both = compare(
+            compare(part, Operator::Eq, lit("x")),
+            Operator::And,
+            compare(a(), Operator::Eq, lit(15i64)),
+        );
+        let pruning = StaticFilePruning::of(&filtered_scan(both)).unwrap();
+        assert!(pruning.prunes(&file_of("x", Some((20, 30)))));
+        assert!(!pruning.prunes(&file_of("x", Some((10, 20)))));
+
+        // A join's dynamic filter counts as `true`, even once it would rule a range out:
+        // the splits must be the same whenever the plan is cut.
+        let dynamic = Arc::new(DynamicFilterPhysicalExpr::new(vec![a()], lit(true)));
+        dynamic
+            .update(compare(a(), Operator::Gt, lit(100i64)))
+            .unwrap();
+        let both = compare(
+            compare(a(), Operator::GtEq, lit(10i64)),
+            Operator::And,
+            dynamic as Arc<dyn PhysicalExpr>,
+        );
+        let pruning = StaticFilePruning::of(&filtered_scan(both)).unwrap();
+        assert!(!pruning.prunes(&file_of("x", Some((10, 20)))));
+        assert!(pruning.prunes(&file_of("x", Some((0, 9)))));
+    }
+}
