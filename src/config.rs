@@ -585,6 +585,11 @@ flumen_settings! {
         /// local ones (with `flumen.workers = 'process'`): `host:port,...`, a cluster file
         /// (`workers.toml`), or `k8s://NAMESPACE/LABEL-SELECTOR`. Empty: local processes.
         pub cluster: String, default = String::new()
+        /// With a cluster attached, plan at least one partition per CPU slot its live workers
+        /// announced: DataFusion's `target_partitions` counts the driver's cores, so a
+        /// 2-core driver of a 48-slot cluster would run each join and aggregate in 2 tasks.
+        /// `false`: `target_partitions` alone.
+        pub cluster_partitions: bool, default = true
         /// The file holding the cluster's secret (64 hex digits, readable by its owner
         /// only) that its workers were started with.
         pub cluster_secret_file: String, default = String::new()

@@ -38,8 +38,10 @@ use crate::cluster::tls::WorkerTrust;
 use crate::cluster::worker_client::Failure;
 use crate::cluster::worker_handle::{DEFAULT_PING_TIMEOUT, RemoteBlock, WorkerHandle};
 use crate::cluster::worker_start::{
-    START_TIMEOUT, WorkerProgram, attach_all, attach_worker, spawn_worker,
+    START_TIMEOUT, WorkerProgram, attach_all, attach_worker, spawn_worker, worker_program,
 };
+use crate::config::FlumenConfig;
+use crate::functions::accelerator_devices;
 use crate::plan::graph::Pool;
 
 /// How often the driver pings each worker.
@@ -74,6 +76,33 @@ pub struct PoolSettings {
     pub timeouts: WorkerTimeouts,
     /// Where they come from.
     pub placement: Placement,
+}
+
+impl PoolSettings {
+    /// Where the workers of `pool` come from, and how they are watched, as `config` says:
+    /// the cluster `flumen.cluster` names, else processes started on this host.
+    pub fn of_config(config: &FlumenConfig, pool: Pool) -> Result<Self> {
+        let placement = match ClusterSettings::from_config(config)? {
+            Some(cluster) => Placement::Cluster(cluster),
+            None => Placement::Local {
+                program: worker_program(&config.worker_binary.0, &config.worker_module.0)?,
+                size: match pool {
+                    Pool::Cpu => config.worker_processes,
+                    Pool::Accelerator => accelerator_devices::accelerator_workers(config),
+                },
+                tls: config.worker_tls,
+            },
+        };
+        let timeouts = WorkerTimeouts {
+            heartbeat: Duration::from_secs(config.heartbeat_timeout_secs.max(1)),
+            task: (config.task_timeout_secs > 0)
+                .then(|| Duration::from_secs(config.task_timeout_secs)),
+        };
+        Ok(Self {
+            timeouts,
+            placement,
+        })
+    }
 }
 
 /// Where a pool's workers come from.

@@ -18,11 +18,13 @@ use datafusion::physical_plan::explain::ExplainExec;
 use datafusion::physical_plan::{ExecutionPlan, displayable, replace_children_if_necessary};
 use datafusion::physical_planner::{DefaultPhysicalPlanner, PhysicalPlanner};
 
-use crate::config::FlumenConfig;
+use crate::cluster::WorkerPoolSlot;
+use crate::cluster::worker_pool::PoolSettings;
+use crate::config::{FlumenConfig, WorkerMode};
 use crate::exec::flumen_exec::FlumenExec;
 use crate::exec::replan::Replanner;
 use crate::plan::exchange_sizing::{ExchangeSizing, row_width};
-use crate::plan::graph::OperatorGraph;
+use crate::plan::graph::{OperatorGraph, Pool};
 use crate::plan::range_sort::plan_range_sorts;
 use crate::plan::row_group_layout::RowGroupLayout;
 use crate::plan::stage_input::StageInputExec;
@@ -141,6 +143,22 @@ pub async fn sized_physical_plan(
     session: &dyn Session,
     out_of_core_at_least: Option<u64>,
 ) -> Result<(Arc<dyn ExecutionPlan>, ExchangeSizing)> {
+    // A cluster of more CPU slots than `target_partitions`: planned with one per slot.
+    let widened = match cluster_partitions(session).await {
+        Some(slots) => session
+            .as_any()
+            .downcast_ref::<SessionState>()
+            .map(|state| {
+                let mut state = state.clone();
+                state.config_mut().options_mut().execution.target_partitions = slots;
+                state
+            }),
+        None => None,
+    };
+    let session: &dyn Session = match &widened {
+        Some(state) => state,
+        None => session,
+    };
     let plan = planner.create_physical_plan(logical_plan, session).await?;
     let mut sizing = ExchangeSizing::choose(&plan, session.config_options());
     if let Some(seen_bytes) = out_of_core_at_least {
@@ -167,6 +185,31 @@ pub async fn sized_physical_plan(
     }
     let plan = planner.create_physical_plan(logical_plan, &state).await?;
     Ok((plan, sizing))
+}
+
+/// With a cluster attached (`flumen.cluster`, `flumen.cluster_partitions` on), the CPU slots
+/// its live workers announced, when more than `target_partitions` (which DataFusion sets
+/// from the driver's cores); `None` otherwise, or when the cluster cannot be reached (the run
+/// then says why). Starts the session's CPU workers' pool when none is (as the run would).
+async fn cluster_partitions(session: &dyn Session) -> Option<usize> {
+    let config = flumen_config(session);
+    if !config.cluster_partitions
+        || config.workers != WorkerMode::Process
+        || config.cluster.trim().is_empty()
+    {
+        return None;
+    }
+    let state = session.as_any().downcast_ref::<SessionState>()?;
+    let slot = state.config().get_extension::<WorkerPoolSlot>()?;
+    let pool = match slot.current(Pool::Cpu).await {
+        Some(pool) => pool,
+        None => {
+            let settings = PoolSettings::of_config(&config, Pool::Cpu).ok()?;
+            slot.get_or_start(Pool::Cpu, settings).await.ok()?
+        }
+    };
+    let slots = pool.live_slots();
+    (slots > session.config_options().execution.target_partitions).then_some(slots)
 }
 
 /// Whether `plan` calls a model and DataFusion left a Parquet scan in fewer partitions than

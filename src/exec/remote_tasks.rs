@@ -35,13 +35,12 @@ use datafusion::physical_plan::ExecutionPlan;
 use datafusion::physical_plan::union::UnionExec;
 
 use crate::cluster::admission::{WORKER_OPTIONS, scanned_files, scanned_stores};
-use crate::cluster::membership::{ClusterSettings, host_of};
+use crate::cluster::membership::host_of;
 use crate::cluster::on_driver::OnDriver;
 use crate::cluster::protocol::{INPUT_LOST, InputTicket, TaskInput, TaskRequest};
 use crate::cluster::task_plan::{self, RoundTrip};
 use crate::cluster::worker_handle::RemoteBlock;
-use crate::cluster::worker_pool::{Placement, PoolSettings, WorkerPool, WorkerTimeouts};
-use crate::cluster::worker_start::worker_program;
+use crate::cluster::worker_pool::{PoolSettings, WorkerPool};
 use crate::cluster::worker_tasks::collect_blocks;
 use crate::exec::cursor::{Cursor, Next, ReadOrder};
 use crate::exec::metrics::OperatorStats;
@@ -53,7 +52,6 @@ use crate::exec::task_spec::{TaskPlace, TaskSpec};
 use crate::exec::worker_plans::{
     PartitionInputs, blocks_plan, encode_for_worker, merges_runs_of, partition_plan, source_plan,
 };
-use crate::functions::accelerator_devices;
 use crate::io::object_stores::StoreGrants;
 use crate::plan::graph::{OperatorId, Pool};
 use crate::plan::partition_cut::{InputRead, inputs_read};
@@ -501,9 +499,13 @@ impl QueryRun {
             .into_iter()
             .max_by(|(host_a, a), (host_b, b)| a.cmp(b).then_with(|| host_b.cmp(host_a)))
             .map(|(host, _)| host);
+        // A union's partition of an input under which no stage input lies (a scan beside
+        // one) reads none: its plan has no in-memory source, and an empty list of them would
+        // read as a block-wise task's one source.
+        let reads_none = partitioned && input_sources.is_empty();
         Ok(Ok(WorkerTask {
             plan,
-            inputs: Some(sources),
+            inputs: (!reads_none).then_some(sources),
             input_sources,
             by_ticket,
             bytes_by_ticket,
@@ -715,42 +717,13 @@ impl QueryRun {
         if let Some(settings) = self.workers.pool_settings.lock().unwrap().get(&pool) {
             return Ok(settings.clone());
         }
-        let settings = self.make_pool_settings(pool)?;
+        let settings = PoolSettings::of_config(self.config(), pool)?;
         self.workers
             .pool_settings
             .lock()
             .unwrap()
             .insert(pool, settings.clone());
         Ok(settings)
-    }
-
-    fn make_pool_settings(&self, pool: Pool) -> Result<PoolSettings> {
-        let config = self.config();
-        let placement = match ClusterSettings::from_config(config)? {
-            Some(cluster) => Placement::Cluster(cluster),
-            None => Placement::Local {
-                program: worker_program(&config.worker_binary.0, &config.worker_module.0)?,
-                size: match pool {
-                    Pool::Cpu => config.worker_processes,
-                    Pool::Accelerator => accelerator_devices::accelerator_workers(config),
-                },
-                tls: config.worker_tls,
-            },
-        };
-        Ok(PoolSettings {
-            timeouts: self.worker_timeouts(),
-            placement,
-        })
-    }
-
-    /// How this run's settings say workers are watched.
-    fn worker_timeouts(&self) -> WorkerTimeouts {
-        let config = self.config();
-        WorkerTimeouts {
-            heartbeat: std::time::Duration::from_secs(config.heartbeat_timeout_secs.max(1)),
-            task: (config.task_timeout_secs > 0)
-                .then(|| std::time::Duration::from_secs(config.task_timeout_secs)),
-        }
     }
 
     /// Drop every block this run left in a worker (the run ended, however it ended).

@@ -324,6 +324,22 @@ fn three_hosts_answer_like_datafusion() {
             assert_eq!(hosts, 3, "EXPLAIN ANALYZE shows tasks on {hosts} hosts:\n{text}");
             assert!(text.contains("output_bytes_to_driver="), "{text}");
 
+            // The session asks for 2 partitions (`target_partitions`, as a 2-core driver's
+            // default would), the cluster has 6 CPU slots: the join is planned in 6, one
+            // task per slot; with `flumen.cluster_partitions` off, in 2.
+            let widest = |exec: &FlumenExec| {
+                (exec.graph().operators.iter())
+                    .map(|op| op.partitions())
+                    .max()
+                    .unwrap()
+            };
+            assert_eq!(widest(exec), 6, "the join is not planned one partition a slot");
+            f.sql("SET flumen.cluster_partitions = false").await.unwrap();
+            assert_same(&v, &f, join).await;
+            let (_, narrow) = run_plan(&f, join).await;
+            assert_eq!(widest(narrow.downcast_ref::<FlumenExec>().unwrap()), 2);
+            f.sql("SET flumen.cluster_partitions = true").await.unwrap();
+
             // The model operator on the three accelerator workers, inputs worker to worker.
             let embed = "SELECT id, embed(body) AS e FROM events WHERE id % 97 = 0";
             let local = common::flumen_ctx(&["SET flumen.device = 'cpu'"]).await;

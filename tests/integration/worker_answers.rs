@@ -1081,10 +1081,30 @@ async fn union_all_runs_on_the_workers() {
         );
         ctx.sql(&create).await.unwrap().collect().await.unwrap();
     }
+    // One Arrow file: a scan DataFusion cannot cut, so its one partition is spread
+    // round-robin over the target's two, an exchange (a stage input) under the union.
+    vanilla
+        .sql(&format!(
+            "COPY (SELECT id, k, v FROM events WHERE id % 4 = 3) TO '{d}/one.arrow' STORED AS ARROW"
+        ))
+        .await
+        .unwrap()
+        .collect()
+        .await
+        .unwrap();
+    for ctx in [&vanilla, &workers] {
+        let create = format!("CREATE EXTERNAL TABLE one STORED AS ARROW LOCATION '{d}/one.arrow'");
+        ctx.sql(&create).await.unwrap().collect().await.unwrap();
+    }
     for sql in [
         // Two scans under a union, under a partial aggregate: one source fragment.
         "SELECT k, count(*) AS n, sum(v) AS s FROM (SELECT k, v FROM events WHERE id % 2 = 0 \
          UNION ALL SELECT k, v * 2 FROM more) GROUP BY k ORDER BY k",
+        // A scan beside a stage input under a union: the scan's partitions read no stage
+        // input (their worker plan has no in-memory source; they once failed with "a task
+        // with input tickets must have 1 in-memory sources, this one has 0").
+        "SELECT k, count(*) AS n, sum(v) AS s FROM (SELECT k, v FROM more \
+         UNION ALL SELECT k, v FROM one) GROUP BY k ORDER BY k",
         // A union of two final aggregates, each over its own hash exchange.
         "SELECT k, n FROM (SELECT k, count(*) AS n FROM events GROUP BY k UNION ALL \
          SELECT k, count(*) + 1000 FROM more WHERE v > 0.5 GROUP BY k) ORDER BY k, n",
