@@ -1064,37 +1064,26 @@ async fn a_join_to_a_one_file_dimension_reads_on_the_workers() {
 async fn union_all_runs_on_the_workers() {
     let (dir, vanilla, workers) = events_in_two_workers(20_000).await;
     let d = dir.path().display();
-    vanilla
-        .sql(&format!(
-            "COPY (SELECT id, k, v FROM events WHERE id % 4 = 1) TO '{d}/more' \
-             STORED AS CSV OPTIONS ('format.has_header' 'true')"
-        ))
-        .await
-        .unwrap()
-        .collect()
-        .await
-        .unwrap();
-    for ctx in [&vanilla, &workers] {
-        let create = format!(
+    // `more`: CSV files. `one`: one Arrow file, a scan DataFusion cannot cut, so its one
+    // partition is spread round-robin over the target's two, an exchange (a stage input)
+    // under the union.
+    let tables = [
+        (
+            "COPY (SELECT id, k, v FROM events WHERE id % 4 = 1) TO '{d}/more' STORED AS CSV \
+             OPTIONS ('format.has_header' 'true')",
             "CREATE EXTERNAL TABLE more (id BIGINT, k BIGINT, v DOUBLE) STORED AS CSV \
-             LOCATION '{d}/more/' OPTIONS ('format.has_header' 'true')"
-        );
-        ctx.sql(&create).await.unwrap().collect().await.unwrap();
-    }
-    // One Arrow file: a scan DataFusion cannot cut, so its one partition is spread
-    // round-robin over the target's two, an exchange (a stage input) under the union.
-    vanilla
-        .sql(&format!(
-            "COPY (SELECT id, k, v FROM events WHERE id % 4 = 3) TO '{d}/one.arrow' STORED AS ARROW"
-        ))
-        .await
-        .unwrap()
-        .collect()
-        .await
-        .unwrap();
-    for ctx in [&vanilla, &workers] {
-        let create = format!("CREATE EXTERNAL TABLE one STORED AS ARROW LOCATION '{d}/one.arrow'");
-        ctx.sql(&create).await.unwrap().collect().await.unwrap();
+             LOCATION '{d}/more/' OPTIONS ('format.has_header' 'true')",
+        ),
+        (
+            "COPY (SELECT id, k, v FROM events WHERE id % 4 = 3) TO '{d}/one.arrow' STORED AS ARROW",
+            "CREATE EXTERNAL TABLE one STORED AS ARROW LOCATION '{d}/one.arrow'",
+        ),
+    ];
+    for (copy, create) in tables {
+        common::collect(&vanilla, &copy.replace("{d}", &d.to_string())).await;
+        for ctx in [&vanilla, &workers] {
+            common::collect(ctx, &create.replace("{d}", &d.to_string())).await;
+        }
     }
     for sql in [
         // Two scans under a union, under a partial aggregate: one source fragment.
