@@ -1174,6 +1174,23 @@ fn source_tasks(plan: &Arc<dyn ExecutionPlan>) -> u64 {
         .sum()
 }
 
+/// Run `sql` in `ctx` (`workers` worker processes; 0: threads mode) with vanilla's answer,
+/// its scans cut into a number of source tasks within `ran`.
+async fn answers_in_source_tasks(
+    vanilla: &SessionContext,
+    ctx: &SessionContext,
+    workers: usize,
+    sql: &str,
+    ran: std::ops::RangeInclusive<u64>,
+) {
+    let plan = answers_like_vanilla(vanilla, ctx, sql).await;
+    let tasks = source_tasks(&plan);
+    assert!(
+        ran.contains(&tasks),
+        "{workers} workers: {tasks} source tasks, not {ran:?}: {sql}"
+    );
+}
+
 /// A pruning counter of `EXPLAIN ANALYZE sql` in `ctx` (`name=N total → M matched`),
 /// total and matched summed over the plan's lines (`1.00 K` read as 1,000).
 async fn pruning_stated(ctx: &SessionContext, sql: &str, name: &str) -> (u64, u64) {
@@ -1257,12 +1274,7 @@ async fn ranges_their_statistics_rule_out_run_no_task() {
             ),
             ("SELECT count(*), max(id) FROM t WHERE id < 0", 0..=0),
         ] {
-            let plan = answers_like_vanilla(&vanilla, &ctx, sql).await;
-            let tasks = source_tasks(&plan);
-            assert!(
-                ran.contains(&tasks),
-                "{workers} workers: {tasks} source tasks: {sql}"
-            );
+            answers_in_source_tasks(&vanilla, &ctx, workers, sql, ran).await;
         }
         // The ranges pruned before any task ran are counted where vanilla's scan counts
         // them, so the plan states the same pruning.
@@ -1298,8 +1310,7 @@ async fn splits_whose_row_groups_are_all_ruled_out_run_no_task() {
             ),
             ("SELECT count(*) FROM t WHERE id > 100000", 0),
         ] {
-            let plan = answers_like_vanilla(&vanilla, &ctx, sql).await;
-            assert_eq!(source_tasks(&plan), ran, "{workers} workers: {sql}");
+            answers_in_source_tasks(&vanilla, &ctx, workers, sql, ran..=ran).await;
         }
         let name = "row_groups_pruned_statistics";
         states_pruning_like_vanilla(&ctx, &vanilla, lookup, name, (8, 1)).await;
@@ -1323,13 +1334,8 @@ async fn many_small_files_are_read_a_few_to_a_task() {
             "SELECT id, k FROM t WHERE k = 3 ORDER BY id DESC LIMIT 5",
             "SELECT count(*) FROM t a JOIN t b ON a.id = b.id + 1 WHERE a.k = 2",
         ] {
-            let plan = answers_like_vanilla(&vanilla, &ctx, sql).await;
             // Two partitions, each a ramped first split and the rest packed: a handful.
-            let tasks = source_tasks(&plan);
-            assert!(
-                (1..=8).contains(&tasks),
-                "{workers} workers: {tasks} source tasks: {sql}"
-            );
+            answers_in_source_tasks(&vanilla, &ctx, workers, sql, 1..=8).await;
         }
         let name = "files_ranges_pruned_statistics";
         assert_eq!(
