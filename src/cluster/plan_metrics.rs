@@ -6,6 +6,9 @@
 //! counters would die with the task: the worker sends [`PlanMetric`]s with the task's end
 //! ([`crate::cluster::protocol::TaskEvent::Done`]) and the driver sums them per operator,
 //! which `EXPLAIN ANALYZE` shows on the operator's line under DataFusion's names.
+//!
+//! The models and the model-output cache a task used count on the worker's threads too
+//! (batch sizes, cache hits, bytes read): they travel beside these as [`TaskFigures::model`].
 
 use std::collections::BTreeMap;
 use std::sync::Arc;
@@ -14,6 +17,17 @@ use datafusion::common::format::MetricType;
 use datafusion::physical_plan::ExecutionPlan;
 use datafusion::physical_plan::metrics::MetricValue;
 use serde::{Deserialize, Serialize};
+
+/// What a worker's task reports when it finishes, besides its blocks.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct TaskFigures {
+    /// DataFusion's counters of its plan ([`carried`]).
+    pub plan: Vec<PlanMetric>,
+    /// The figures of the models it ran and of the model-output cache it used, by name, as
+    /// a task on the driver's threads reports them
+    /// ([`OperatorStats::observe_model_metrics`](crate::exec::metrics::OperatorStats::observe_model_metrics)).
+    pub model: Vec<(String, u64)>,
+}
 
 /// One counter of a worker's run of a task plan, summed over its nodes.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]

@@ -253,6 +253,10 @@ pub enum TaskEvent {
         /// spilling: [`crate::cluster::plan_metrics`]).
         #[serde(default)]
         metrics: Vec<crate::cluster::plan_metrics::PlanMetric>,
+        /// The figures of the models and the model-output cache the task used
+        /// ([`crate::cluster::plan_metrics::TaskFigures::model`]).
+        #[serde(default)]
+        model: Vec<(String, u64)>,
     },
 }
 

@@ -430,11 +430,12 @@ impl TaskReply {
                     }
                     TaskEvent::Progress { rows: rows as u64 }
                 }
-                Some(Produced::Finished(Ok(metrics))) => {
+                Some(Produced::Finished(Ok(figures))) => {
                     self.ended = true;
                     TaskEvent::Done {
                         blocks: self.blocks,
-                        metrics,
+                        metrics: figures.plan,
+                        model: figures.model,
                     }
                 }
                 Some(Produced::Finished(Err(e))) => {

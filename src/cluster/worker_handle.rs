@@ -11,7 +11,7 @@ use datafusion::arrow::record_batch::RecordBatch;
 use datafusion::error::{DataFusionError, Result};
 use futures::{StreamExt, TryStreamExt};
 
-use crate::cluster::plan_metrics::PlanMetric;
+use crate::cluster::plan_metrics::TaskFigures;
 use crate::cluster::protocol::{
     BlockTicket, ReleaseRequest, RemoteBlockInfo, TaskEvent, TaskRequest, WorkerStatus, encode_task,
 };
@@ -271,7 +271,7 @@ impl WorkerHandle {
         request: &TaskRequest,
         deadline: Option<Duration>,
         on_block: &mut (dyn FnMut(RemoteBlockInfo) -> Result<()> + Send),
-    ) -> Result<Vec<PlanMetric>, Failure> {
+    ) -> Result<TaskFigures, Failure> {
         let stuck = || {
             let limit = deadline.unwrap_or_default().as_secs();
             Failure::Stuck(format!(
@@ -300,7 +300,12 @@ impl WorkerHandle {
                 match event {
                     TaskEvent::Block(info) => on_block(info).map_err(Failure::Driver)?,
                     TaskEvent::Progress { .. } => {}
-                    TaskEvent::Done { metrics, .. } => return Ok(metrics),
+                    TaskEvent::Done { metrics, model, .. } => {
+                        return Ok(TaskFigures {
+                            plan: metrics,
+                            model,
+                        });
+                    }
                 }
             }
         };

@@ -31,7 +31,7 @@ use datafusion::error::{DataFusionError, Result};
 use crate::cluster::auth::Secret;
 use crate::cluster::membership::{ClusterSettings, DISCOVER_EVERY, host_of};
 use crate::cluster::on_driver::DriverTasks;
-use crate::cluster::plan_metrics::PlanMetric;
+use crate::cluster::plan_metrics::TaskFigures;
 use crate::cluster::protocol::TaskRequest;
 use crate::cluster::task_plan::WorkerFunctions;
 use crate::cluster::tls::WorkerTrust;
@@ -516,11 +516,11 @@ impl WorkerPool {
             let deadline = self.settings.timeouts.task;
             let attempt_result = worker.run(plan, request, deadline, &mut hand_out).await;
             match attempt_result.map_err(|f| worker.classify(f)) {
-                Ok(metrics) => {
+                Ok(figures) => {
                     return Ok(TaskRan {
                         retries: attempt,
                         worker: worker.address.clone(),
-                        metrics,
+                        figures,
                     });
                 }
                 Err(Failure::Driver(e)) => return Err(e),
@@ -576,8 +576,8 @@ pub struct TaskRan {
     pub retries: usize,
     /// The address of the worker that ran it.
     pub worker: String,
-    /// DataFusion's counters of its plan, carried back.
-    pub metrics: Vec<PlanMetric>,
+    /// DataFusion's counters of its plan and its models' figures, carried back.
+    pub figures: TaskFigures,
 }
 
 /// Where a session keeps its worker pools, CPU and accelerator (each started on the first

@@ -23,9 +23,11 @@ use futures::{FutureExt, StreamExt};
 use tokio::sync::mpsc::UnboundedSender;
 
 use crate::cluster::admission::{admit_options, admit_plan};
-use crate::cluster::plan_metrics::{PlanMetric, carried};
+use crate::cluster::plan_metrics::{TaskFigures, carried};
 use crate::cluster::protocol::{InputTicket, TaskInput, TaskRequest, decode_task};
 use crate::cluster::worker_memory::TaskMemory;
+use crate::config::FlumenConfig;
+use crate::plan::model_cache_lookup::take_lookup_figures;
 use crate::store::block_memory::compact;
 use crate::store::cutter::{BlockCutter, PieceCutter, bundle_pieces};
 
@@ -36,9 +38,9 @@ pub(crate) enum Produced {
     Block(usize, RecordBatch),
     /// Output rows so far (after each output batch): the task advances.
     Rows(usize),
-    /// The task ended: `Ok` with DataFusion's counters of its plan when it finished, else
-    /// its error.
-    Finished(Result<Vec<PlanMetric>>),
+    /// The task ended: `Ok` with DataFusion's counters of its plan and its models' figures
+    /// when it finished, else its error.
+    Finished(Result<TaskFigures>),
 }
 
 /// Where a running task's [`Produced`] items go.
@@ -121,7 +123,7 @@ async fn run_task_body(
     operator_memory: Option<TaskMemory>,
     ctx: &SessionContext,
     out: &mut (dyn FnMut(Produced) + Send),
-) -> Result<Vec<PlanMetric>> {
+) -> Result<TaskFigures> {
     let (request, plan) = decode_task(body).map_err(DataFusionError::Execution)?;
     admit_options(&request.options)?;
     let mut config = ctx.copied_config();
@@ -176,8 +178,33 @@ async fn run_task_body(
         Some(_) => with_inputs(plan, &request, fetched)?,
         None => plan,
     };
+    let flumen = task_ctx
+        .session_config()
+        .options()
+        .extensions
+        .get::<FlumenConfig>()
+        .cloned();
     plan_blocks(Arc::clone(&plan), task_ctx, &request, out).await?;
-    Ok(carried(&plan))
+    Ok(TaskFigures {
+        plan: carried(&plan),
+        model: model_figures(&plan, flumen.as_ref()),
+    })
+}
+
+/// The figures of the models and the model-output cache a task that ran `plan` used, as
+/// the driver's threads count them: the models loaded on this thread and the cache's fills
+/// here (an accelerator worker's one model thread runs one task at a time), and what the
+/// plan's cache lookups read (`flumen`: the task's settings).
+fn model_figures(
+    plan: &Arc<dyn ExecutionPlan>,
+    flumen: Option<&FlumenConfig>,
+) -> Vec<(String, u64)> {
+    let mut figures = crate::functions::accelerator::used_worker_metrics();
+    figures.extend(crate::functions::model_cache::take_figures());
+    if let Some(flumen) = flumen {
+        figures.extend(take_lookup_figures(plan, flumen));
+    }
+    figures
 }
 
 /// `runtime` with the object stores the task names (and only those, besides local files)

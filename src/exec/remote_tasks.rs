@@ -764,7 +764,8 @@ impl QueryRun {
             .await?;
         let stats = self.stats(op_id);
         OperatorStats::add(&stats.tasks_retried, ran.retries as u64);
-        stats.worker_plan_metrics.add(ran.metrics);
+        stats.worker_plan_metrics.add(ran.figures.plan);
+        stats.observe_model_metrics(ran.figures.model);
         stats.count_remote_on(&host_of(&ran.worker));
         self.metrics.count_task_on(&host_of(&ran.worker));
         self.note_restarts(pool);

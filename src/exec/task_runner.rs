@@ -14,6 +14,7 @@ use crate::cluster::worker_pool::WorkerPool;
 use crate::exec::run::QueryRun;
 use crate::exec::task_sink::{MadeBlock, TaskSink};
 use crate::exec::task_spec::TaskSpec;
+use crate::plan::model_cache_lookup::take_lookup_figures;
 
 /// Runs a task's spec, handing its blocks to a sink.
 #[async_trait]
@@ -51,9 +52,13 @@ impl TaskRunner for InProcess {
                 sink.take(MadeBlock::Local { tag, batch, bytes })?;
             }
             sink.taken();
-            return Ok(None);
+        } else {
+            run.execute_task(spec, sink).await?;
         }
-        run.execute_task(spec, sink).await?;
+        // What its model-cache lookups read (a worker's task sends its own).
+        let fragment = &run.graph.operators[spec.operator].fragment;
+        let read = take_lookup_figures(fragment, run.config());
+        run.stats(spec.operator).observe_model_metrics(read);
         Ok(None)
     }
 }

@@ -210,6 +210,46 @@ pub fn cache_may_answer(udf: &ScalarUDF, config: &ConfigOptions) -> bool {
             .is_some_and(|f| f.cache_identity(config).ok().flatten().is_some())
 }
 
+/// What the cache lookups of a task that ran `plan` read in this process, by name, taken
+/// when the task ends: the figures of the CPU operator that looks up, on a driver's
+/// threads or in a worker alike. None when the session (`flumen`) has no cache.
+pub fn take_lookup_figures(
+    plan: &Arc<dyn ExecutionPlan>,
+    flumen: &FlumenConfig,
+) -> Vec<(String, u64)> {
+    if flumen.model_cache.trim().is_empty() {
+        return vec![];
+    }
+    crate::functions::model_cache::take_read_figures(
+        &looked_up_identities(plan),
+        &flumen.model_cache,
+    )
+}
+
+/// The identities whose caches `plan` looks up (its `model_cache_get` calls, in any
+/// node), each once: a task running `plan` takes their read figures when it ends
+/// ([`take_read_figures`](crate::functions::model_cache::take_read_figures)).
+pub fn looked_up_identities(plan: &Arc<dyn ExecutionPlan>) -> Vec<String> {
+    let mut identities: Vec<String> = vec![];
+    let _ = plan.apply(|node| {
+        node.apply_expressions(&mut |expr: &Arc<dyn PhysicalExpr>| {
+            expr.apply(|e| {
+                if let Some(call) = e.downcast_ref::<ScalarFunctionExpr>()
+                    && call.name() == GET
+                    && let Some(first) = call.args().first()
+                    && let Some(literal) = first.downcast_ref::<Literal>()
+                    && let ScalarValue::Utf8(Some(identity)) = literal.value()
+                    && !identities.contains(identity)
+                {
+                    identities.push(identity.clone());
+                }
+                Ok(TreeNodeRecursion::Continue)
+            })
+        })
+    });
+    identities
+}
+
 /// `NOT get_field(hit, 'found')`: whether the lookup in column `hit` missed.
 fn missed(
     hit: Arc<dyn PhysicalExpr>,

@@ -46,17 +46,28 @@ async fn session_with(dir: &Path, cache: &str, config: FlumenConfig) -> SessionC
     ctx
 }
 
-/// The vectors of `sql` (`id`, `v`) and the model operator's cache figures.
+/// The vectors of `sql` (`id`, `v`) and the cache's figures, summed over the operators.
 async fn embed(ctx: &SessionContext, sql: &str) -> (Vectors, BTreeMap<String, u64>) {
+    let (vectors, figures) = embed_with_model_figures(ctx, sql).await;
+    let cache = figures
+        .into_iter()
+        .filter(|(name, _)| name.starts_with("model_cache_"))
+        .collect();
+    (vectors, cache)
+}
+
+/// [`embed`] with every model figure the operators report (the model's own as well).
+async fn embed_with_model_figures(
+    ctx: &SessionContext,
+    sql: &str,
+) -> (Vectors, BTreeMap<String, u64>) {
     let (batches, plan) = common::run_plan(ctx, sql).await;
     let vectors: Vectors = common::embedding_bits_by_id(&batches).into_iter().collect();
     let exec = plan.downcast_ref::<FlumenExec>().unwrap();
     let mut figures = BTreeMap::new();
     for op in &exec.graph().operators {
         for (name, value) in exec.run_metrics().operator(op.id).model_metrics() {
-            if name.starts_with("model_cache_") {
-                *figures.entry(name).or_default() += value;
-            }
+            *figures.entry(name).or_default() += value;
         }
     }
     (vectors, figures)
@@ -266,8 +277,9 @@ fn run_flumen(args: &[&str]) -> String {
     stdout
 }
 
-/// Worker processes read and write the same cache: a run on two workers fills it, and a
-/// run in this process then computes nothing.
+/// Worker processes read and write the same cache: a run on two workers fills it, a second
+/// run on them computes nothing, and a run in this process computes nothing either. The
+/// workers' cache and model figures come back to the driver as a local run's do.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn worker_processes_share_the_cache() {
     let dir = tempfile::tempdir().unwrap();
@@ -279,8 +291,22 @@ async fn worker_processes_share_the_cache() {
     config.worker_processes = 2;
     config.worker_binary = env!("CARGO_BIN_EXE_flumen").into();
     let workers = session_with(dir.path(), &cache_text, config).await;
-    let (on_workers, _) = embed(&workers, ALL).await;
+    let (on_workers, figures) = embed_with_model_figures(&workers, ALL).await;
     assert_eq!(on_workers, reference);
+    assert_eq!(figure(&figures, "misses"), DOCS as u64, "{figures:?}");
+    assert_eq!(figure(&figures, "hits"), 0, "{figures:?}");
+    assert!(figure(&figures, "bytes_written") > 0, "{figures:?}");
+    assert!(
+        figures.contains_key("embed_load_ms"),
+        "the model's figures did not come back from its worker: {figures:?}"
+    );
+    // Every row read back by the workers' lookups, which read the segments their
+    // processes had not seen.
+    let (again, figures) = embed(&workers, ALL).await;
+    assert_eq!(again, reference);
+    assert_eq!(figure(&figures, "hits"), DOCS as u64, "{figures:?}");
+    assert_eq!(figure(&figures, "misses"), 0, "{figures:?}");
+    assert!(figure(&figures, "bytes_read") > 0, "{figures:?}");
     let ours = std::process::id().to_string();
     let written = segments(&cache);
     assert!(!written.is_empty(), "the workers wrote no segment");

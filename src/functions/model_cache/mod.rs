@@ -18,9 +18,10 @@
 //!   killed writer leaves nothing that reads back wrong.
 //! - **Size.** After a write, the oldest segments (by modification time) go while the
 //!   cache is larger than `flumen.model_cache_max_bytes`.
-//! - **Figures.** Hits, misses, bytes read and written show with the model's operator in
-//!   `EXPLAIN ANALYZE` (`model_cache_*`); `flumen cache stats|clear` reads or empties a
-//!   cache.
+//! - **Figures.** `EXPLAIN ANALYZE` shows them (`model_cache_*`) where they happen, on a
+//!   driver's threads or in a worker: bytes read and damaged segments with the CPU operator
+//!   that looked up ([`take_read_figures`]), hits, misses and bytes written with the model's
+//!   ([`take_figures`]). `flumen cache stats|clear` reads or empties a cache.
 //!
 //! [`AcceleratorFunction::cache_identity`]: crate::functions::accelerator::AcceleratorFunction::cache_identity
 
@@ -63,11 +64,11 @@ pub(crate) const IDENTITY_FILE: &str = "IDENTITY";
 struct Shard {
     place: Place,
     state: Mutex<ShardState>,
-    /// Bytes of segments read since [`take_figures`] last took them: lookups run in CPU
-    /// tasks, whose threads report no model figures, so the next model task filling from
-    /// this shard reports them.
+    /// Bytes of segments read since [`take_read_figures`] last took them. Lookups run in
+    /// CPU tasks on any thread, so they are counted here, per shard, and taken by the task
+    /// whose plan names the shard when it ends.
     bytes_read: AtomicU64,
-    /// Damaged segments found since [`take_figures`] last took them.
+    /// Damaged segments found since [`take_read_figures`] last took them.
     corrupt_segments: AtomicU64,
 }
 
@@ -88,41 +89,65 @@ thread_local! {
     /// This thread's cache figures since [`take_figures`] last read them (the model
     /// operator's: hits and misses it filled, bytes it wrote).
     static FIGURES: RefCell<Figures> = RefCell::new(Figures::default());
-    /// The shards this thread filled from since [`take_figures`] last read them: their
-    /// lookups' figures go with this thread's (a query of another cache, run beside this
-    /// one in the same process, keeps its own).
-    static FILLED_FROM: RefCell<Vec<Arc<Shard>>> = const { RefCell::new(Vec::new()) };
 }
 
-/// What the cache did for the calls of one thread.
+/// What the cache did for the model calls of one thread.
 #[derive(Debug, Default, Clone, Copy)]
 struct Figures {
     hits: u64,
     misses: u64,
-    bytes_read: u64,
     bytes_written: u64,
-    corrupt_segments: u64,
 }
 
-/// This thread's cache figures since the last call, with the lookups' figures gathered
-/// meanwhile in the shards it filled from, by name (for the model operator's metrics); none
-/// when the cache did nothing.
+/// This thread's cache figures since the last call (the model operator's: rows it filled
+/// from the cache, rows it computed, bytes it wrote), by name; none when the cache filled
+/// nothing.
 pub fn take_figures() -> Vec<(String, u64)> {
-    let mut f = FIGURES.with(|f| std::mem::take(&mut *f.borrow_mut()));
-    for shard in FILLED_FROM.with(|s| std::mem::take(&mut *s.borrow_mut())) {
-        f.bytes_read += shard.bytes_read.swap(0, Ordering::Relaxed);
-        f.corrupt_segments += shard.corrupt_segments.swap(0, Ordering::Relaxed);
-    }
-    if f.hits + f.misses + f.corrupt_segments == 0 {
+    let f = FIGURES.with(|f| std::mem::take(&mut *f.borrow_mut()));
+    if f.hits + f.misses == 0 {
         return vec![];
     }
     vec![
         ("model_cache_hits".into(), f.hits),
         ("model_cache_misses".into(), f.misses),
-        ("model_cache_bytes_read".into(), f.bytes_read),
         ("model_cache_bytes_written".into(), f.bytes_written),
-        ("model_cache_corrupt_segments".into(), f.corrupt_segments),
     ]
+}
+
+/// What the lookups of the caches of `identities` (under the cache place `root`, the
+/// session's `flumen.model_cache`) read in this process since the last call, by name: the
+/// figures of a CPU task whose plan looks these identities up, taken when it ends (tasks
+/// of one shard running at once share them: their sum over a query is the query's). None
+/// when the lookups read nothing.
+pub fn take_read_figures(identities: &[String], root: &str) -> Vec<(String, u64)> {
+    let (mut bytes_read, mut corrupt_segments) = (0, 0);
+    let shards = SHARDS.lock().unwrap();
+    for identity in identities {
+        if let Some(shard) = shards
+            .as_ref()
+            .and_then(|s| s.get(&shard_key(root, identity)))
+        {
+            bytes_read += shard.bytes_read.swap(0, Ordering::Relaxed);
+            corrupt_segments += shard.corrupt_segments.swap(0, Ordering::Relaxed);
+        }
+    }
+    if bytes_read + corrupt_segments == 0 {
+        return vec![];
+    }
+    vec![
+        ("model_cache_bytes_read".into(), bytes_read),
+        ("model_cache_corrupt_segments".into(), corrupt_segments),
+    ]
+}
+
+/// The name of a function's directory under a cache place: its identity's hash, in hex.
+fn shard_name(identity: &str) -> String {
+    blake3::Hash::from_bytes(identity_hash(identity)).to_hex()[..32].to_string()
+}
+
+/// Where [`SHARDS`] keeps the shard of `identity` under the cache place `root`.
+fn shard_key(root: &str, identity: &str) -> String {
+    format!("{}\n{}", root.trim(), shard_name(identity))
 }
 
 fn count(update: impl FnOnce(&mut Figures)) {
@@ -273,17 +298,15 @@ impl CachedCall {
             return Ok(None);
         }
         let root = flumen.model_cache.trim().to_string();
-        let hash = blake3::Hash::from_bytes(identity_hash(identity));
-        let name = hash.to_hex()[..32].to_string();
         let mut described = false;
         let shard = {
             let mut shards = SHARDS.lock().unwrap();
             let shards = shards.get_or_insert_with(HashMap::new);
-            let key = format!("{root}\n{name}");
+            let key = shard_key(&root, identity);
             match shards.get(&key) {
                 Some(shard) => Arc::clone(shard),
                 None => {
-                    let shard = Arc::new(Shard::new(Place::open(&root, &name)?));
+                    let shard = Arc::new(Shard::new(Place::open(&root, &shard_name(identity))?));
                     shards.insert(key, Arc::clone(&shard));
                     // Words for `flumen cache stats`, written outside the lock below.
                     described = true;
@@ -296,7 +319,7 @@ impl CachedCall {
         }
         Ok(Some(Self {
             shard,
-            identity: *hash.as_bytes(),
+            identity: identity_hash(identity),
             max_bytes: flumen.model_cache_max_bytes.0,
             root,
         }))
@@ -343,12 +366,6 @@ impl CachedCall {
         count(|f| {
             f.hits += (hits.len() - misses.len()) as u64;
             f.misses += misses.len() as u64;
-        });
-        FILLED_FROM.with(|filled| {
-            let mut filled = filled.borrow_mut();
-            if !filled.iter().any(|s| Arc::ptr_eq(s, &self.shard)) {
-                filled.push(Arc::clone(&self.shard));
-            }
         });
         if !misses.is_empty() {
             let keys = keys
