@@ -178,16 +178,11 @@ async fn run_task_body(
         Some(_) => with_inputs(plan, &request, fetched)?,
         None => plan,
     };
-    let flumen = task_ctx
-        .session_config()
-        .options()
-        .extensions
-        .get::<FlumenConfig>()
-        .cloned();
-    plan_blocks(Arc::clone(&plan), task_ctx, &request, out).await?;
+    plan_blocks(Arc::clone(&plan), Arc::clone(&task_ctx), &request, out).await?;
+    let flumen = (task_ctx.session_config().options().extensions).get::<FlumenConfig>();
     Ok(TaskFigures {
         plan: carried(&plan),
-        model: model_figures(&plan, flumen.as_ref()),
+        model: model_figures(&plan, flumen),
     })
 }
 
