@@ -143,6 +143,25 @@ fn statements_from_stdin_and_files() {
     );
     assert!(out.status.success(), "{}", text(&out.stderr));
     assert_eq!(text(&out.stdout), "total\n15\n");
+    // `-c` and `-f` run in the order given: the file makes the table the statement reads,
+    // and the last statement sees the row the one before it added.
+    let out = flumen(
+        &[
+            "--no-demo",
+            "--format",
+            "csv",
+            "--quiet",
+            "-f",
+            file.to_str().unwrap(),
+            "-c",
+            "INSERT INTO t VALUES (10)",
+            "-c",
+            "SELECT count(*) AS n FROM t",
+        ],
+        "",
+    );
+    assert!(out.status.success(), "{}", text(&out.stderr));
+    assert_eq!(text(&out.stdout), "total\n15\ncount\n1\nn\n6\n");
 }
 
 #[test]

@@ -29,7 +29,7 @@ use std::path::PathBuf;
 use std::process::ExitCode;
 use std::sync::Arc;
 
-use clap::{Parser, Subcommand};
+use clap::{ArgMatches, CommandFactory, FromArgMatches, Parser, Subcommand};
 use flumen::FlumenConfig;
 use flumen::cluster::worker_command::WorkerArgs;
 use flumen::functions::embedding::model_files;
@@ -43,10 +43,10 @@ use shell::{Flow, Session, Shell};
 struct Cli {
     #[command(subcommand)]
     command: Option<Command>,
-    /// Run a statement (repeatable; statements run in order).
+    /// Run a statement (repeatable; `-c` and `-f` run in the order they are given).
     #[arg(short = 'c', long = "command", value_name = "SQL")]
     commands: Vec<String>,
-    /// Run the statements in a file (repeatable).
+    /// Run the statements in a file (repeatable; in order with `-c`).
     #[arg(short = 'f', long = "file", value_name = "FILE")]
     files: Vec<PathBuf>,
     /// How results are printed.
@@ -325,7 +325,8 @@ fn extract_incremental(_: &std::path::Path, _: &std::path::Path) -> ExitCode {
 
 fn main() -> ExitCode {
     allocator::install();
-    let cli = Cli::parse();
+    let arguments = Cli::command().get_matches();
+    let cli = Cli::from_arg_matches(&arguments).unwrap_or_else(|e| e.exit());
     match &cli.command {
         Some(Command::InstallModel { dir }) => return install_model(dir.clone()),
         Some(Command::Extract {
@@ -350,16 +351,16 @@ fn main() -> ExitCode {
         None => {}
     }
     let mut scripts = vec![];
-    for sql in &cli.commands {
-        scripts.push(sql.clone());
-    }
-    for path in &cli.files {
-        match std::fs::read_to_string(path) {
-            Ok(sql) => scripts.push(sql),
-            Err(e) => {
-                eprintln!("flumen: cannot read {}: {e}", path.display());
-                return ExitCode::FAILURE;
-            }
+    for script in scripts_in_given_order(&arguments, &cli) {
+        match script {
+            Script::Statements(sql) => scripts.push(sql),
+            Script::File(path) => match std::fs::read_to_string(&path) {
+                Ok(sql) => scripts.push(sql),
+                Err(e) => {
+                    eprintln!("flumen: cannot read {}: {e}", path.display());
+                    return ExitCode::FAILURE;
+                }
+            },
         }
     }
     let interactive = scripts.is_empty() && std::io::stdin().is_terminal();
@@ -426,6 +427,27 @@ fn main() -> ExitCode {
     } else {
         ExitCode::FAILURE
     }
+}
+
+/// One `-c` or `-f` of the command line.
+#[derive(Debug, PartialEq)]
+enum Script {
+    /// `-c SQL`.
+    Statements(String),
+    /// `-f FILE`.
+    File(PathBuf),
+}
+
+/// The `-c` statements and `-f` files in the order they stand on the command line, as psql
+/// runs them: `flumen -f setup.sql -c 'SELECT ...'` sets up first.
+fn scripts_in_given_order(arguments: &ArgMatches, cli: &Cli) -> Vec<Script> {
+    let positions = |id: &str| arguments.indices_of(id).into_iter().flatten();
+    let statements =
+        positions("commands").zip(cli.commands.iter().cloned().map(Script::Statements));
+    let files = positions("files").zip(cli.files.iter().cloned().map(Script::File));
+    let mut scripts: Vec<(usize, Script)> = statements.chain(files).collect();
+    scripts.sort_by_key(|(position, _)| *position);
+    scripts.into_iter().map(|(_, script)| script).collect()
 }
 
 /// The in-process session `cli` asks for: its workers and cluster, the demo table.
@@ -500,5 +522,40 @@ fn install_model(dir: Option<PathBuf>) -> ExitCode {
             eprintln!("flumen install-model: {e}");
             ExitCode::FAILURE
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The scripts of a command line, in the order `main` runs them.
+    fn scripts_of(argv: &[&str]) -> Vec<Script> {
+        let arguments = Cli::command().get_matches_from(argv);
+        let cli = Cli::from_arg_matches(&arguments).unwrap();
+        scripts_in_given_order(&arguments, &cli)
+    }
+
+    #[test]
+    fn statements_and_files_run_in_the_order_given() {
+        assert_eq!(
+            scripts_of(&[
+                "flumen", "-f", "a.sql", "-c", "SELECT 1", "--file", "b.sql", "-c", "SELECT 2"
+            ]),
+            vec![
+                Script::File("a.sql".into()),
+                Script::Statements("SELECT 1".into()),
+                Script::File("b.sql".into()),
+                Script::Statements("SELECT 2".into()),
+            ]
+        );
+        assert_eq!(
+            scripts_of(&["flumen", "--quiet", "-c", "SELECT 1", "-f", "a.sql"]),
+            vec![
+                Script::Statements("SELECT 1".into()),
+                Script::File("a.sql".into())
+            ]
+        );
+        assert_eq!(scripts_of(&["flumen", "--quiet"]), vec![]);
     }
 }
