@@ -144,24 +144,22 @@ fn statements_from_stdin_and_files() {
     assert!(out.status.success(), "{}", text(&out.stderr));
     assert_eq!(text(&out.stdout), "total\n15\n");
     // `-c` and `-f` run in the order given: the file makes the table the statement reads,
-    // and the last statement sees the row the one before it added.
-    let out = flumen(
-        &[
-            "--no-demo",
-            "--format",
-            "csv",
-            "--quiet",
-            "-f",
-            file.to_str().unwrap(),
-            "-c",
-            "INSERT INTO t VALUES (10)",
-            "-c",
-            "SELECT count(*) AS n FROM t",
-        ],
-        "",
-    );
-    assert!(out.status.success(), "{}", text(&out.stderr));
-    assert_eq!(text(&out.stdout), "total\n15\ncount\n1\nn\n6\n");
+    // and the last statement sees the row the one before it added (in threads mode and
+    // with 2 worker processes).
+    for mode in [&[][..], &["--workers", "2"][..]] {
+        let mut argv = vec!["--no-demo", "--format", "csv", "--quiet"];
+        argv.extend_from_slice(mode);
+        argv.extend_from_slice(&["-f", file.to_str().unwrap()]);
+        argv.extend_from_slice(&["-c", "INSERT INTO t VALUES (10)"]);
+        argv.extend_from_slice(&["-c", "SELECT count(*) AS n, sum(x) AS s FROM t"]);
+        let out = flumen(&argv, "");
+        assert!(out.status.success(), "{mode:?}: {}", text(&out.stderr));
+        assert_eq!(
+            text(&out.stdout),
+            "total\n15\ncount\n1\nn,s\n6,25\n",
+            "{mode:?}"
+        );
+    }
 }
 
 #[test]
