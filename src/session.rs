@@ -18,6 +18,7 @@ use crate::functions::{embedding, percentile_cont, row_hash, text, timestamp_tim
 #[cfg(feature = "delta")]
 use crate::io::delta;
 use crate::io::{iceberg, object_stores};
+use crate::plan::row_group_layout::LayoutCache;
 use crate::plan::{
     accelerator_projection, counted_set_operations, fixed_size_list_casts, partitioned_outer_joins,
     random_shuffle,
@@ -109,6 +110,7 @@ pub fn flumen_session_config(session_config: SessionConfig, config: FlumenConfig
         .with_option_extension(config)
         .with_extension(Arc::new(AcceleratorPool::default()))
         .with_extension(Arc::new(WorkerPoolSlot::default()))
+        .with_extension(Arc::new(LayoutCache::default()))
         .with_extension(Arc::new(crate::io::object_stores::StoreGrants::default()));
     // Each source split must always read the same rows (lineage): no work stealing
     // between the partitions of a scan.

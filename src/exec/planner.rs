@@ -26,7 +26,7 @@ use crate::exec::replan::Replanner;
 use crate::plan::exchange_sizing::{ExchangeSizing, row_width};
 use crate::plan::graph::{OperatorGraph, Pool};
 use crate::plan::range_sort::plan_range_sorts;
-use crate::plan::row_group_layout::RowGroupLayout;
+use crate::plan::row_group_layout::{LayoutCache, RowGroupLayout};
 use crate::plan::stage_input::StageInputExec;
 
 /// The query planner of a flumen session.
@@ -56,7 +56,8 @@ pub async fn to_flumen_plan(
     } else {
         plan
     };
-    let layout = RowGroupLayout::read(&plan, session.runtime_env()).await;
+    let cache = session.config().get_extension::<LayoutCache>();
+    let layout = RowGroupLayout::read(&plan, session.runtime_env(), cache.as_deref()).await;
     let mut graph = OperatorGraph::cut(plan, session.config_options(), &layout, sizing)?;
     // The root goes to the workers only if they run every node of it.
     graph.root_on_workers &= workers_run_every_node(&graph.root().fragment);

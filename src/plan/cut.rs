@@ -671,21 +671,30 @@ fn groups_span_splits(plan: &Arc<dyn ExecutionPlan>, layout: &RowGroupLayout) ->
 /// to the scan's columns by name: a projection between them that renames columns can
 /// mislead it, which costs only the choice of split size.
 fn partial_aggregate_group_columns(plan: &Arc<dyn ExecutionPlan>) -> Option<Vec<String>> {
-    if let Some(agg) = plan.downcast_ref::<AggregateExec>()
-        && *agg.mode() == AggregateMode::Partial
-        && !agg.group_expr().expr().is_empty()
+    if let Some(columns) = plan
+        .downcast_ref::<AggregateExec>()
+        .and_then(partial_group_columns)
     {
-        let columns = agg
-            .group_expr()
-            .expr()
-            .iter()
-            .filter_map(|(expr, _)| expr.downcast_ref::<Column>().map(|c| c.name().to_string()))
-            .collect();
         return Some(columns);
     }
     plan.children()
         .into_iter()
         .find_map(partial_aggregate_group_columns)
+}
+
+/// The plain-column group keys of `agg` where it is a partial aggregate with GROUP BY
+/// (empty where none of its keys is a plain column); `None` otherwise.
+pub(crate) fn partial_group_columns(agg: &AggregateExec) -> Option<Vec<String>> {
+    if *agg.mode() != AggregateMode::Partial || agg.group_expr().expr().is_empty() {
+        return None;
+    }
+    let columns = agg
+        .group_expr()
+        .expr()
+        .iter()
+        .filter_map(|(expr, _)| expr.downcast_ref::<Column>().map(|c| c.name().to_string()))
+        .collect();
+    Some(columns)
 }
 
 /// The file scan configurations of the Parquet scans in `plan`.

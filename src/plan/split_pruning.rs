@@ -6,8 +6,9 @@
 use std::collections::HashMap;
 use std::sync::Arc;
 
-use datafusion::arrow::datatypes::Schema;
+use datafusion::arrow::datatypes::{DataType, Schema, SchemaRef};
 use datafusion::common::ScalarValue;
+use datafusion::common::pruning::PrunableStatistics;
 use datafusion::common::tree_node::{Transformed, TreeNode};
 use datafusion::datasource::listing::PartitionedFile;
 use datafusion::datasource::physical_plan::parquet::{
@@ -19,10 +20,13 @@ use datafusion::parquet::arrow::arrow_reader::{ArrowReaderMetadata, ArrowReaderO
 use datafusion::parquet::file::metadata::ParquetMetaData;
 use datafusion::physical_expr::expressions::{DynamicFilterPhysicalExpr, lit};
 use datafusion::physical_expr::simplifier::PhysicalExprSimplifier;
+use datafusion::physical_expr::utils::collect_columns;
 use datafusion::physical_expr_adapter::{
     DefaultPhysicalExprAdapterFactory, PhysicalExprAdapterFactory, replace_columns_with_literals,
 };
-use datafusion::physical_optimizer::pruning::{FilePruner, PruningPredicateBuilder};
+use datafusion::physical_optimizer::pruning::{
+    PruningPredicate, PruningPredicateBuilder, build_pruning_predicate,
+};
 use datafusion::physical_plan::PhysicalExpr;
 use datafusion::physical_plan::metrics::{
     Count, ExecutionPlanMetricsSet, MetricBuilder, MetricType,
@@ -41,6 +45,8 @@ use crate::plan::row_group_layout::{RowGroupLayout, byte_range};
 pub(super) struct StaticFilePruning {
     /// The scan's predicate, its dynamic filters replaced by `true`.
     predicate: Arc<dyn PhysicalExpr>,
+    /// The file columns the predicate reads, by their index in `file_schema`.
+    predicate_columns: Vec<usize>,
     /// The schema of the files' columns, as DataFusion's file pruning reads them.
     file_schema: Arc<Schema>,
     /// The table's partition columns, whose values each file range carries.
@@ -49,6 +55,8 @@ pub(super) struct StaticFilePruning {
     /// by default (`datafusion.execution.parquet.pruning`; no INT96 coercion, virtual
     /// columns or expression adapter of its own), the largest `IN` list it rewrites.
     row_groups: Option<usize>,
+    /// The row groups' pruning predicates made so far.
+    row_group_predicates: RowGroupPredicates,
 }
 
 impl StaticFilePruning {
@@ -72,12 +80,25 @@ impl StaticFilePruning {
                 .is_empty()
             && config.expr_adapter_factory.is_none())
         .then(|| source.max_in_list_size());
+        let file_schema = Arc::clone(config.file_schema());
+        let mut predicate_columns: Vec<usize> = collect_columns(&predicate)
+            .iter()
+            .filter_map(|column| file_schema.index_of(column.name()).ok())
+            .collect();
+        predicate_columns.sort_unstable();
         Some(Self {
             predicate,
-            file_schema: Arc::clone(config.file_schema()),
+            predicate_columns,
+            file_schema,
             partition_columns: config.table_partition_cols().clone(),
             row_groups,
+            row_group_predicates: HashMap::new(),
         })
+    }
+
+    /// Whether the scan prunes row groups by their statistics (and so does its cut).
+    pub(super) fn prunes_row_groups(&self) -> bool {
+        self.row_groups.is_some()
     }
 
     /// The predicate for `range`: its partition columns replaced by the range's values,
@@ -95,35 +116,77 @@ impl StaticFilePruning {
         }
     }
 
-    /// Whether DataFusion's file pruning skips `range` without reading it: the predicate
-    /// for the range checked against the file's statistics (`FilePruner`). Any error
-    /// keeps the range.
-    fn prunes(&self, range: &PartitionedFile) -> bool {
-        let Some(predicate) = self.for_range(range) else {
-            return false;
-        };
-        let Some(mut pruner) =
-            FilePruner::try_new(predicate, &self.file_schema, range, Count::new())
-        else {
-            return false;
-        };
-        pruner.should_prune().unwrap_or(false)
+    /// Which of `files` DataFusion's file pruning skips without reading them, as a
+    /// `FilePruner` decides each alone: the predicate for their partition values checked
+    /// against each file's statistics. One pruning predicate is built for each set of
+    /// partition values and evaluated over the statistics of all its files at once (a
+    /// `FilePruner` per file built the same predicate again for each: 20,000 times for a
+    /// point lookup in 20,000 small files). Files are asked together only where their
+    /// statistics of the predicate's columns are of the same types: a file written before
+    /// a column's type changed, asked with the others, left them all unknown. A file
+    /// without statistics is kept; where a set's evaluation fails, its files are asked one
+    /// by one, and an error keeps the file.
+    pub(super) fn files_pruned(&self, files: &[&PartitionedFile]) -> Vec<bool> {
+        let mut pruned = vec![false; files.len()];
+        let mut sets: HashMap<PruningSet<'_>, Vec<usize>> = HashMap::new();
+        for (index, file) in files.iter().enumerate() {
+            let Some(statistics) = file.statistics.as_ref().filter(|_| file.has_statistics())
+            else {
+                continue;
+            };
+            let types = (self.predicate_columns.iter())
+                .filter_map(|&i| statistics.column_statistics.get(i))
+                .flat_map(|c| [&c.min_value, &c.max_value])
+                .map(|bound| bound.get_value().map(ScalarValue::data_type))
+                .collect();
+            let values = file.partition_values.as_slice();
+            sets.entry((values, types)).or_default().push(index);
+        }
+        for members in sets.into_values() {
+            let Some(predicate) = self.for_range(files[members[0]]) else {
+                continue;
+            };
+            let Some(pruning) =
+                build_pruning_predicate(predicate, &self.file_schema, &Count::new())
+            else {
+                continue;
+            };
+            let statistics = |of: &[usize]| {
+                let each = of.iter().filter_map(|&i| files[i].statistics.clone());
+                PrunableStatistics::new(each.collect(), Arc::clone(&self.file_schema))
+            };
+            match pruning.prune(&statistics(&members)) {
+                Ok(may_match) => {
+                    for (&i, may_match) in members.iter().zip(may_match) {
+                        pruned[i] = !may_match;
+                    }
+                }
+                Err(_) => {
+                    for &i in &members {
+                        pruned[i] = pruning.prune(&statistics(&[i])).is_ok_and(|m| m == [false]);
+                    }
+                }
+            }
+        }
+        pruned
     }
 
     /// The ranges cut from `file` (`file_ranges`) a task must open, counting those left out
-    /// in `pruned`. Every range of a file carries the file's statistics and partition
-    /// values, so the file's verdict is each range's; inside a file they keep, a range
-    /// whose every row group (by first-page offset, as DataFusion assigns them) the row
-    /// groups' statistics rule out is left out too. Both are asked once per file, the row
-    /// groups only where the footer was read.
+    /// in `pruned`; `file_pruned`: whether the file's statistics rule it out
+    /// ([`Self::files_pruned`]). Every range of a file carries the file's statistics and
+    /// partition values, so the file's verdict is each range's; inside a file they keep, a
+    /// range whose every row group (by first-page offset, as DataFusion assigns them) the
+    /// row groups' statistics rule out is left out too, asked once per file, where the
+    /// footer was read.
     pub(super) fn keep(
-        &self,
+        &mut self,
         file: &PartitionedFile,
+        file_pruned: bool,
         file_ranges: Vec<PartitionedFile>,
         layout: &RowGroupLayout,
         pruned: &mut PrunedBeforeTasks,
     ) -> Vec<PartitionedFile> {
-        if self.prunes(file) {
+        if file_pruned {
             pruned.ranges += file_ranges.len();
             return vec![];
         }
@@ -162,31 +225,18 @@ impl StaticFilePruning {
     /// `RowGroupAccessPlanFilter::prune_by_statistics`. `None` where the scan does not
     /// prune row groups so, or anything fails (every row group is then kept).
     fn row_groups_ruled_out(
-        &self,
+        &mut self,
         file: &PartitionedFile,
         footer: &Arc<ParquetMetaData>,
     ) -> Option<Vec<bool>> {
         let max_in_list_size = self.row_groups?;
-        let predicate = self.for_range(file)?;
         let mut options = ArrowReaderOptions::new();
         if let Some(schema) = file.arrow_schema.as_ref() {
             options = options.with_schema(Arc::clone(schema));
         }
         let reader = ArrowReaderMetadata::try_new(Arc::clone(footer), options).ok()?;
-        let mut physical = Arc::clone(reader.schema());
-        if let Some(coerced) = apply_file_schema_type_coercions(&self.file_schema, &physical) {
-            physical = Arc::new(coerced);
-        }
-        let adapter = DefaultPhysicalExprAdapterFactory
-            .create(Arc::clone(&self.file_schema), Arc::clone(&physical))
-            .ok()?;
-        let predicate = PhysicalExprSimplifier::new(&physical)
-            .simplify(adapter.rewrite(predicate).ok()?)
-            .ok()?;
-        let pruning = PruningPredicateBuilder::new()
-            .with_file_schema(Arc::clone(&physical))
-            .with_max_in_list_size(max_in_list_size)
-            .build(predicate)?;
+        let (physical, pruning) =
+            self.row_group_predicate(file, reader.schema(), max_in_list_size)?;
         let groups = footer.row_groups();
         let mut filter = RowGroupAccessPlanFilter::new(ParquetAccessPlan::new_all(groups.len()));
         let scratch = ExecutionPlanMetricsSet::new();
@@ -201,7 +251,52 @@ impl StaticFilePruning {
         let plan = filter.build();
         Some((0..groups.len()).map(|i| !plan.should_scan(i)).collect())
     }
+
+    /// The row groups' pruning predicate for `file`, whose Arrow schema is `file_arrow`,
+    /// and the schema it reads (with the scan's type coercions); `None` where it cannot be
+    /// built or prunes nothing. Made once for each set of partition values and file schema
+    /// ([`RowGroupPredicates`]): files written alike share it.
+    fn row_group_predicate(
+        &mut self,
+        file: &PartitionedFile,
+        file_arrow: &SchemaRef,
+        max_in_list_size: usize,
+    ) -> Option<(SchemaRef, Arc<PruningPredicate>)> {
+        let key = (file.partition_values.clone(), Arc::clone(file_arrow));
+        if let Some(made) = self.row_group_predicates.get(&key) {
+            return made.clone();
+        }
+        let made = (|| {
+            let predicate = self.for_range(file)?;
+            let mut physical = Arc::clone(file_arrow);
+            if let Some(coerced) = apply_file_schema_type_coercions(&self.file_schema, &physical) {
+                physical = Arc::new(coerced);
+            }
+            let adapter = DefaultPhysicalExprAdapterFactory
+                .create(Arc::clone(&self.file_schema), Arc::clone(&physical))
+                .ok()?;
+            let predicate = PhysicalExprSimplifier::new(&physical)
+                .simplify(adapter.rewrite(predicate).ok()?)
+                .ok()?;
+            let pruning = PruningPredicateBuilder::new()
+                .with_file_schema(Arc::clone(&physical))
+                .with_max_in_list_size(max_in_list_size)
+                .build(predicate)?;
+            Some((physical, pruning))
+        })();
+        self.row_group_predicates.insert(key, made.clone());
+        made
+    }
 }
+
+/// The row groups' pruning predicates made so far, by partition values and file schema
+/// (`None`: none can be made for them).
+type RowGroupPredicates =
+    HashMap<(Vec<ScalarValue>, SchemaRef), Option<(SchemaRef, Arc<PruningPredicate>)>>;
+
+/// Files that can be asked together whether their statistics rule them out: the same
+/// partition values, and statistics of the predicate's columns of the same types.
+type PruningSet<'a> = (&'a [ScalarValue], Vec<Option<DataType>>);
 
 /// What a scan's cut left out before any task ran, counted as DataFusion's scan would
 /// have counted it had it opened those ranges, so `EXPLAIN ANALYZE` states the same
@@ -282,6 +377,11 @@ mod tests {
         file
     }
 
+    /// Whether `pruning` leaves out `file`, asked alone.
+    fn prunes(pruning: &StaticFilePruning, file: &PartitionedFile) -> bool {
+        pruning.files_pruned(&[file]) == [true]
+    }
+
     #[test]
     fn a_range_its_statistics_rule_out_makes_no_split() {
         use datafusion::logical_expr::Operator;
@@ -293,10 +393,13 @@ mod tests {
         // a = 15
         let pruning =
             StaticFilePruning::of(&filtered_scan(compare(a(), Operator::Eq, lit(15i64)))).unwrap();
-        assert!(pruning.prunes(&file_of("x", Some((20, 30)))));
-        assert!(pruning.prunes(&file_of("x", Some((0, 14)))));
-        assert!(!pruning.prunes(&file_of("x", Some((10, 20)))));
-        assert!(!pruning.prunes(&file_of("x", None)), "no statistics: kept");
+        assert!(prunes(&pruning, &file_of("x", Some((20, 30)))));
+        assert!(prunes(&pruning, &file_of("x", Some((0, 14)))));
+        assert!(!prunes(&pruning, &file_of("x", Some((10, 20)))));
+        assert!(
+            !prunes(&pruning, &file_of("x", None)),
+            "no statistics: kept"
+        );
 
         // part = 'x' AND a = 15: the partition column (not in the files) takes each range's
         // value, and the file column's statistics still prune.
@@ -307,8 +410,8 @@ mod tests {
             compare(a(), Operator::Eq, lit(15i64)),
         );
         let pruning = StaticFilePruning::of(&filtered_scan(both)).unwrap();
-        assert!(pruning.prunes(&file_of("x", Some((20, 30)))));
-        assert!(!pruning.prunes(&file_of("x", Some((10, 20)))));
+        assert!(prunes(&pruning, &file_of("x", Some((20, 30)))));
+        assert!(!prunes(&pruning, &file_of("x", Some((10, 20)))));
 
         // A join's dynamic filter counts as `true`, even once it would rule a range out:
         // the splits must be the same whenever the plan is cut.
@@ -322,7 +425,56 @@ mod tests {
             dynamic as Arc<dyn PhysicalExpr>,
         );
         let pruning = StaticFilePruning::of(&filtered_scan(both)).unwrap();
-        assert!(!pruning.prunes(&file_of("x", Some((10, 20)))));
-        assert!(pruning.prunes(&file_of("x", Some((0, 9)))));
+        assert!(!prunes(&pruning, &file_of("x", Some((10, 20)))));
+        assert!(prunes(&pruning, &file_of("x", Some((0, 9)))));
+    }
+
+    #[test]
+    fn files_asked_together_get_the_verdicts_they_get_alone() {
+        use datafusion::common::stats::Precision;
+        use datafusion::logical_expr::Operator;
+        use datafusion::physical_expr::expressions::{BinaryExpr, Column};
+        let compare = |left: Arc<dyn PhysicalExpr>, op, right: Arc<dyn PhysicalExpr>| {
+            Arc::new(BinaryExpr::new(left, op, right)) as Arc<dyn PhysicalExpr>
+        };
+        // part = 'x' AND a = 15, over files of two partitions, one without statistics.
+        let part = Arc::new(Column::new("part", 1)) as Arc<dyn PhysicalExpr>;
+        let a = Arc::new(Column::new("a", 0)) as Arc<dyn PhysicalExpr>;
+        let both = compare(
+            compare(part, Operator::Eq, lit("x")),
+            Operator::And,
+            compare(a, Operator::Eq, lit(15i64)),
+        );
+        let pruning = StaticFilePruning::of(&filtered_scan(both)).unwrap();
+        let files = [
+            file_of("x", Some((20, 30))),
+            file_of("y", Some((10, 20))),
+            file_of("x", Some((10, 20))),
+            file_of("x", None),
+            file_of("y", Some((0, 9))),
+            file_of("x", Some((0, 14))),
+            file_of("x", Some((15, 15))),
+        ];
+        let all: Vec<&PartitionedFile> = files.iter().collect();
+        let together = pruning.files_pruned(&all);
+        // (`'y' = 'x'` is not simplified away here: the file's statistics decide.)
+        assert_eq!(together, [true, false, false, false, true, true, false]);
+        let alone: Vec<bool> = files.iter().map(|f| prunes(&pruning, f)).collect();
+        assert_eq!(together, alone);
+
+        // A file whose statistics are of another type (written before the column's type
+        // changed) fails the evaluation of its set: its files are asked one by one, so
+        // the others are still left out.
+        let mut odd = file_of("x", Some((20, 30)));
+        let mut statistics = (**odd.statistics.as_ref().unwrap()).clone();
+        statistics.column_statistics[0].min_value = Precision::Exact(ScalarValue::from("20"));
+        statistics.column_statistics[0].max_value = Precision::Exact(ScalarValue::from("30"));
+        odd.statistics = Some(Arc::new(statistics));
+        let with_odd = [&files[0], &odd, &files[2], &files[5]];
+        let together = pruning.files_pruned(&with_odd);
+        assert_eq!(together[0..1], [true]);
+        assert_eq!(together[2..], [false, true]);
+        let alone: Vec<bool> = with_odd.iter().map(|f| prunes(&pruning, f)).collect();
+        assert_eq!(together, alone);
     }
 }

@@ -123,8 +123,18 @@ impl SplitSourceExec {
         };
         let ramped_splits = if first_rows > 0 { ramped_splits } else { 0 };
         let split_bytes = split_bytes.max(1);
-        let pruning = StaticFilePruning::of(config);
+        let mut pruning = StaticFilePruning::of(config);
         let mut pruned = PrunedBeforeTasks::default();
+        // Each file's verdict by its statistics, in the order the groups list them.
+        let mut files_pruned = match pruning.as_ref() {
+            Some(pruning) => {
+                let files: Vec<&PartitionedFile> =
+                    config.file_groups.iter().flat_map(|g| g.iter()).collect();
+                pruning.files_pruned(&files)
+            }
+            None => vec![],
+        }
+        .into_iter();
         let mut ranges: Vec<Vec<PartitionedFile>> = vec![];
         for group in config.file_groups.iter() {
             let mut kept = vec![];
@@ -133,9 +143,16 @@ impl SplitSourceExec {
                     Some(groups) => row_group_ranges(file, groups, split_bytes, limit),
                     None => byte_ranges(file, split_bytes),
                 };
-                match pruning.as_ref() {
+                match pruning.as_mut() {
                     Some(pruning) => {
-                        kept.extend(pruning.keep(file, file_ranges, layout, &mut pruned))
+                        let file_pruned = files_pruned.next().unwrap_or(false);
+                        kept.extend(pruning.keep(
+                            file,
+                            file_pruned,
+                            file_ranges,
+                            layout,
+                            &mut pruned,
+                        ))
                     }
                     None => kept.extend(file_ranges),
                 }
