@@ -5,6 +5,10 @@
 
 use std::sync::Arc;
 
+use datafusion::execution::cache::cache_manager::{
+    CacheManager, DEFAULT_FILE_STATISTICS_MEMORY_LIMIT, DEFAULT_LIST_FILES_CACHE_MEMORY_LIMIT,
+    DEFAULT_METADATA_CACHE_LIMIT,
+};
 use datafusion::execution::{SessionState, SessionStateBuilder};
 use datafusion::optimizer::AnalyzerRule;
 use datafusion::physical_optimizer::PhysicalOptimizerRule;
@@ -32,16 +36,42 @@ pub fn session(config: FlumenConfig) -> SessionContext {
 
 /// A flumen `SessionContext` built on the caller's DataFusion `SessionConfig`.
 pub fn session_with_config(session_config: SessionConfig, config: FlumenConfig) -> SessionContext {
+    let budget = config.memory_budget.0;
     let state = SessionStateBuilder::new()
         .with_config(flumen_session_config(session_config, config))
         .with_default_features()
         .with_query_planner(Arc::new(FlumenQueryPlanner::default()))
         .build();
+    size_file_caches(&state.runtime_env().cache_manager, budget);
     let ctx = SessionContext::new_with_state(keep_accelerator_projections(state));
     register_functions(&ctx);
     object_stores::register_table_options(&ctx);
     register_table_factories(&ctx);
     ctx
+}
+
+/// Size a new session's DataFusion file caches from its memory budget (`budget` bytes),
+/// never below DataFusion's defaults: footers 1/8 of it (256 MiB of a 2 GiB budget; 50 MB
+/// by default), the listing's file statistics 1/32 (64 MiB; 20 MiB), file lists 1/256
+/// (8 MiB; 1 MiB). A table of 20,000 small files of four columns outgrew the defaults, and
+/// its files, read in the same order by every query, never hit the LRU caches: every query
+/// read every footer again (a point lookup took 5.5 s, 0.7 s with the files cached). The
+/// caches are sized from the budget, not charged to it: they are bounded, and held only
+/// as files are read. `SET datafusion.runtime.*_cache_limit` still sets them.
+fn size_file_caches(caches: &CacheManager, budget: u64) {
+    let share = |fraction: u64, default: usize| {
+        usize::try_from(budget / fraction)
+            .unwrap_or(usize::MAX)
+            .max(default)
+    };
+    let metadata = caches.get_file_metadata_cache();
+    metadata.update_cache_limit(share(8, DEFAULT_METADATA_CACHE_LIMIT));
+    if let Some(statistics) = caches.get_file_statistic_cache() {
+        statistics.update_cache_limit(share(32, DEFAULT_FILE_STATISTICS_MEMORY_LIMIT));
+    }
+    if let Some(lists) = caches.get_list_files_cache() {
+        lists.update_cache_limit(share(256, DEFAULT_LIST_FILES_CACHE_MEMORY_LIMIT));
+    }
 }
 
 /// Register flumen's SQL functions: `embed` and its CPU step `embed_tokens`, `clean_text`,
@@ -272,4 +302,36 @@ pub fn reset_flumen_variable(
     }
     let done = datafusion::logical_expr::LogicalPlanBuilder::empty(false).build()?;
     Ok(datafusion::dataframe::DataFrame::new(ctx.state(), done))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::config::ByteSize;
+
+    #[test]
+    fn a_sessions_file_caches_grow_with_its_budget_never_below_datafusions() {
+        let caches_of = |budget: u64| {
+            let config = FlumenConfig {
+                memory_budget: ByteSize(budget),
+                ..FlumenConfig::default()
+            };
+            let ctx = session(config);
+            let caches = &ctx.runtime_env().cache_manager;
+            (
+                caches.get_metadata_cache_limit(),
+                caches.get_file_statistic_cache_limit(),
+                caches.get_list_files_cache_limit(),
+            )
+        };
+        assert_eq!(caches_of(2 << 30), (256 << 20, 64 << 20, 8 << 20));
+        assert_eq!(
+            caches_of(64 << 20),
+            (
+                DEFAULT_METADATA_CACHE_LIMIT,
+                DEFAULT_FILE_STATISTICS_MEMORY_LIMIT,
+                DEFAULT_LIST_FILES_CACHE_MEMORY_LIMIT
+            )
+        );
+    }
 }
