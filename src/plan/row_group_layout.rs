@@ -174,8 +174,9 @@ pub struct LayoutCache {
 /// A [`LayoutCache`]'s layouts and their weight.
 #[derive(Debug, Default)]
 struct CacheState {
-    /// Each file's layout and the object it was read from, by store and location.
-    layouts: HashMap<String, (ObjectMeta, Arc<FileLayout>)>,
+    /// Each file's layout, the object it was read from and the bytes it was counted at,
+    /// by store and location.
+    layouts: HashMap<String, (ObjectMeta, Arc<FileLayout>, usize)>,
     /// About how many bytes `layouts` weighs.
     bytes: usize,
 }
@@ -187,7 +188,7 @@ impl LayoutCache {
     /// The layout of `file` in `store`, if it was read while the file was as it is now.
     fn get(&self, store: &ObjectStoreUrl, file: &ObjectMeta) -> Option<Arc<FileLayout>> {
         let state = self.state.lock().unwrap_or_else(|e| e.into_inner());
-        let (read_from, layout) = state.layouts.get(&cache_key(store, file))?;
+        let (read_from, layout, _) = state.layouts.get(&cache_key(store, file))?;
         let same = read_from.size == file.size
             && read_from.last_modified == file.last_modified
             && read_from.e_tag == file.e_tag;
@@ -199,15 +200,17 @@ impl LayoutCache {
         let key = cache_key(store, file);
         let weight = layout.weight() + key.len() + file.location.as_ref().len();
         let mut state = self.state.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some((_, _, counted)) = state.layouts.remove(&key) {
+            state.bytes = state.bytes.saturating_sub(counted);
+        }
         if state.bytes + weight > Self::LIMIT_BYTES {
             state.layouts.clear();
             state.bytes = 0;
         }
         state.bytes += weight;
-        let entry = (file.clone(), Arc::clone(layout));
-        if let Some((_, old)) = state.layouts.insert(key, entry) {
-            state.bytes = state.bytes.saturating_sub(old.weight());
-        }
+        state
+            .layouts
+            .insert(key, (file.clone(), Arc::clone(layout), weight));
     }
 
     /// How many files' layouts it holds.
@@ -284,6 +287,11 @@ impl RowGroupLayout {
                             .fetch_metadata()
                             .await
                             .ok()?;
+                        let learns = cached.is_none()
+                            || file
+                                .columns
+                                .iter()
+                                .any(|(c, s)| !layout_knows(&cached, c, s));
                         let layout = match cached {
                             Some(layout) => layout,
                             None => Arc::new(FileLayout::of(&footer)),
@@ -291,7 +299,7 @@ impl RowGroupLayout {
                         for (column, schema) in &file.columns {
                             layout.learn_column_ranges(column, schema, &footer);
                         }
-                        if let Some(cache) = cache {
+                        if let Some(cache) = cache.filter(|_| learns) {
                             cache.put(&file.store, &file.meta, &layout);
                         }
                         let keeps = file.keeps_footer(&layout).then_some(footer);
@@ -383,13 +391,20 @@ impl PlannedFile {
 /// Whether the footer of `file`, whose layout `layout` was read before, must be read
 /// again: a scan may prune its row groups, or the cut may ask a column's ranges not yet
 /// known.
-fn needs_footer(file: &PlannedFile, layout: &FileLayout) -> bool {
+fn needs_footer(file: &PlannedFile, layout: &Arc<FileLayout>) -> bool {
+    let cached = Some(Arc::clone(layout));
     file.keeps_footer(layout)
-        || file.columns.iter().any(|(column, schema)| {
-            schema
-                .field_with_name(column)
-                .is_ok_and(|f| layout.column_ranges(column, f.data_type()).is_none())
-        })
+        || (file.columns.iter()).any(|(column, schema)| !layout_knows(&cached, column, schema))
+}
+
+/// Whether `layout` (where there is one) knows the ranges of `column`, or has none to know
+/// (`schema`, the table's, lacks it).
+fn layout_knows(layout: &Option<Arc<FileLayout>>, column: &str, schema: &Schema) -> bool {
+    match (layout, schema.field_with_name(column)) {
+        (_, Err(_)) => true,
+        (None, Ok(_)) => false,
+        (Some(layout), Ok(field)) => layout.column_ranges(column, field.data_type()).is_some(),
+    }
 }
 
 /// Every distinct Parquet file scanned by `plan`, with what the plan needs of its footer.
@@ -657,5 +672,36 @@ mod tests {
         // No predicate: no footer.
         let layout = layout_of_query(dir.path(), &cache, "SELECT * FROM t", true).await;
         assert!(kept(&layout).is_empty());
+    }
+
+    #[test]
+    fn a_layout_kept_again_is_counted_once() {
+        let store = ObjectStoreUrl::local_filesystem();
+        let file = ObjectMeta {
+            location: "t/f.parquet".into(),
+            last_modified: chrono::DateTime::from_timestamp(1_700_000_000, 0).unwrap(),
+            size: 1000,
+            e_tag: None,
+            version: None,
+        };
+        let layout = Arc::new(FileLayout {
+            row_groups: vec![],
+            sums: WeightSums::new(&[]),
+            column_ranges: Mutex::new(HashMap::new()),
+        });
+        let cache = LayoutCache::default();
+        cache.put(&store, &file, &layout);
+        let once = cache.state.lock().unwrap().bytes;
+        for _ in 0..10 {
+            cache.put(&store, &file, &layout);
+        }
+        assert_eq!(cache.state.lock().unwrap().bytes, once);
+        assert_eq!(cache.len(), 1);
+        assert!(cache.get(&store, &file).is_some());
+        let changed = ObjectMeta { size: 1001, ..file };
+        assert!(
+            cache.get(&store, &changed).is_none(),
+            "another size is another file"
+        );
     }
 }
