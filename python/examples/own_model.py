@@ -2,9 +2,9 @@
 (all-MiniLM-L6-v2, installed by `flumen install-model`) and a model class of your own,
 each run by worker processes of the accelerator pool, the CPU work below them.
 
-    python python/examples/own_model.py [DOCS.parquet] [--threads]
+    python python/examples/own_model.py [DOCS.parquet] [--threads] [--rows N]
 
-Without a file it writes 2,000 demo documents. Your model here is a linear map over word
+Without a file it writes N demo documents (2,000 unless `--rows` says). Your model here is a linear map over word
 counts so that it runs anywhere; a Hugging Face model goes the same way: load it in
 `__init__` (once per worker), call it in `__call__`, return one vector per row.
 """
@@ -49,12 +49,18 @@ def demo_docs(path: str, rows: int = 2000) -> None:
 
 
 def main() -> None:
-    args = [a for a in sys.argv[1:] if not a.startswith("--")]
-    workers = None if "--threads" in sys.argv else 2
+    argv = sys.argv[1:]
+    rows = 2000
+    if "--rows" in argv:
+        at = argv.index("--rows")
+        rows = int(argv[at + 1])
+        del argv[at : at + 2]
+    args = [a for a in argv if not a.startswith("--")]
+    workers = None if "--threads" in argv else 2
     with tempfile.TemporaryDirectory() as tmp:
         path = args[0] if args else os.path.join(tmp, "docs.parquet")
         if not args:
-            demo_docs(path)
+            demo_docs(path, rows)
         ctx = flumen.Session(workers=workers, settings={"flumen.device": "cpu"})
         ctx.register_parquet("docs", path)
         ctx.register_model("word_counts", WordCountModel)

@@ -1,7 +1,8 @@
 """Write and change the Delta source table of tests/integration/incremental.rs with the deltalake writer.
 
 usage: change_source.py PATH create ROWS   -- version 0: ROWS docs, change data feed on
-       change_source.py PATH change        -- update ids < 50, delete 900..919, append 30 docs
+       change_source.py PATH change ROWS   -- on a table created with ROWS docs: update ids < 50,
+                                              delete ROWS-100..ROWS-81, append ids ROWS..ROWS+29
        change_source.py PATH touch N       -- update ids 100..100+N
        change_source.py PATH plain ROWS    -- a table without the change data feed
        change_source.py PATH grow ROWS K   -- update ids < K, append ids ROWS..ROWS+K
@@ -43,8 +44,9 @@ def main():
         table.update(
             updates={"body": "concat(body, ' Revised.')"}, predicate="id < 50"
         )
-        table.delete("id >= 900 AND id < 920")
-        write_deltalake(path, docs(range(1000, 1030)), mode="append")
+        rows = int(sys.argv[3])
+        table.delete(f"id >= {rows - 100} AND id < {rows - 80}")
+        write_deltalake(path, docs(range(rows, rows + 30)), mode="append")
     elif action == "touch":
         n = int(sys.argv[3])
         DeltaTable(path).update(

@@ -250,13 +250,13 @@ async fn a_delta_insert_killed_at_any_instant_is_old_or_whole_and_a_rerun_adds_i
     }
     let mut seeded = common::Seeded(20);
     let mut matrix = vec![];
-    for run in 0..25 {
+    for run in 0..16 {
         let table = dir.path().join(format!("t-{run}"));
         copy_dir(&template, &table);
         let mut child = flumen_insert(&table, &input);
         let started = Instant::now();
-        // 20 kills at seeded instants over the whole job, 5 as its commit appears.
-        let at_commit = run >= 20;
+        // 12 kills at seeded instants over the whole job, 4 as its commit appears.
+        let at_commit = run >= 12;
         let instant = took.mul_f64(0.05 + 0.95 * seeded.next());
         common::kill_when(&mut child, "the job", || {
             if at_commit {

@@ -148,21 +148,21 @@ async fn the_feature_table_follows_its_source_computing_only_what_changed() {
     let source = dir.path().join("docs");
     let features = dir.path().join("features");
     let text = |p: &Path| p.display().to_string();
-    assert_eq!(change_source(&python, &source, &["create", "1000"]), 0);
+    assert_eq!(change_source(&python, &source, &["create", "400"]), 0);
 
     // The first run computes every row.
     let run = extract_incremental(&session(), &text(&source), &text(&features))
         .await
         .unwrap();
     assert_eq!((run.previous_version, run.source_version), (None, 0));
-    assert_eq!((run.computed_rows, run.removed_rows), (1000, 0));
+    assert_eq!((run.computed_rows, run.removed_rows), (400, 0));
     assert_eq!(
         feature_table(&features).await,
         full_recompute(&source, 0).await
     );
 
     // 50 updated, 20 deleted, 30 inserted (versions 1-3): the model sees 80 rows.
-    assert_eq!(change_source(&python, &source, &["change"]), 3);
+    assert_eq!(change_source(&python, &source, &["change", "400"]), 3);
     let ctx = session();
     let changes = common::collect(
         &ctx,
@@ -191,7 +191,7 @@ async fn the_feature_table_follows_its_source_computing_only_what_changed() {
     assert_eq!((run.previous_version, run.source_version), (Some(0), 3));
     assert_eq!((run.computed_rows, run.removed_rows), (80, 20));
     let after = feature_table(&features).await;
-    assert_eq!(after.len(), 1010);
+    assert_eq!(after.len(), 410);
     assert_eq!(after, full_recompute(&source, 3).await);
     // One commit per run.
     let commits = std::fs::read_dir(features.join("_delta_log"))
@@ -374,8 +374,8 @@ async fn change_feeds_and_extractions_on_worker_processes_answer_as_in_threads()
     let source = dir.path().join("docs");
     let features = dir.path().join("features");
     let text = |p: &Path| p.display().to_string();
-    change_source(&python, &source, &["create", "1000"]);
-    change_source(&python, &source, &["change"]);
+    change_source(&python, &source, &["create", "400"]);
+    change_source(&python, &source, &["change", "400"]);
 
     // The change feed since version 1, by value, against vanilla DataFusion.
     let columns = "id, body, _change_type, _commit_version";
@@ -414,12 +414,12 @@ async fn change_feeds_and_extractions_on_worker_processes_answer_as_in_threads()
 
     // Incremental extraction on the workers: v0's full run, then versions 1-3.
     let source_v0 = dir.path().join("docs-v0");
-    change_source(&python, &source_v0, &["create", "1000"]);
+    change_source(&python, &source_v0, &["create", "400"]);
     let run = extract_incremental(&worker_session(), &text(&source_v0), &text(&features))
         .await
         .unwrap();
-    assert_eq!(run.computed_rows, 1000);
-    change_source(&python, &source_v0, &["change"]);
+    assert_eq!(run.computed_rows, 400);
+    change_source(&python, &source_v0, &["change", "400"]);
     let run = extract_incremental(&worker_session(), &text(&source_v0), &text(&features))
         .await
         .unwrap();

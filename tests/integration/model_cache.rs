@@ -329,11 +329,10 @@ async fn worker_processes_share_the_cache() {
     assert_eq!(figure(&figures, "hits"), DOCS as u64);
 }
 
-/// When a killed writer gets its SIGKILL: this many ms after it starts, plus up to that many.
-const KILL_AFTER_MS: (u64, f64) = (1500, 3000.0);
-
-/// `flumen` processes filling the cache are SIGKILLed at seeded instants; then a run over
-/// the cache they left returns every vector as computed, bit for bit.
+/// `flumen` processes filling the cache are SIGKILLed mid-fill, each at a seeded instant:
+/// a seeded 0-40 ms after the first to third segment it wrote appeared (instants tied to its
+/// progress, not to the clock, so that a loaded machine still kills it while it writes);
+/// then a run over the cache they left returns every vector as computed, bit for bit.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn writers_killed_mid_write_leave_nothing_that_reads_back_wrong() {
     let dir = tempfile::tempdir().unwrap();
@@ -341,7 +340,11 @@ async fn writers_killed_mid_write_leave_nothing_that_reads_back_wrong() {
     let cache_text = cache.display().to_string();
     let (reference, _) = embed(&session(dir.path(), "").await, ALL).await;
     let mut seeded = common::Seeded(67);
+    let mut killed_mid_fill = 0;
     for attempt in 0..3 {
+        let before = segments(&cache).len();
+        let after_segments = 1 + (seeded.next() * 3.0) as usize;
+        let then = Duration::from_millis((seeded.next() * 40.0) as u64);
         let mut child = flumen_on_cpu()
             .args(["-c", &format!("SET flumen.model_cache = '{cache_text}'")])
             .args(["-c", "SET flumen.target_block_rows = 8"])
@@ -357,17 +360,29 @@ async fn writers_killed_mid_write_leave_nothing_that_reads_back_wrong() {
             .stderr(Stdio::null())
             .spawn()
             .unwrap();
-        let wait =
-            Duration::from_millis(KILL_AFTER_MS.0 + (seeded.next() * KILL_AFTER_MS.1) as u64);
-        std::thread::sleep(wait);
-        // SAFETY: signalling a child process this test started.
-        unsafe { libc::kill(child.id() as i32, libc::SIGKILL) };
-        child.wait().unwrap();
+        let mut reached: Option<std::time::Instant> = None;
+        common::kill_when(&mut child, "a cache writer", || match reached {
+            Some(at) => at.elapsed() >= then,
+            None => {
+                if segments(&cache).len() >= before + after_segments {
+                    reached = Some(std::time::Instant::now());
+                }
+                false
+            }
+        });
+        let status = child.wait().unwrap();
+        killed_mid_fill += usize::from(!status.success());
         println!(
-            "attempt {attempt}: killed after {wait:?}, {} segments",
+            "attempt {attempt}: {} ({after_segments} segments + {then:?}), {} segments now",
+            if status.success() {
+                "finished first"
+            } else {
+                "killed"
+            },
             segments(&cache).len()
         );
     }
+    assert!(killed_mid_fill > 0, "every writer finished before its kill");
     let left = segments(&cache).len();
     assert!(
         left > 0,

@@ -135,10 +135,10 @@ async fn a_copy_killed_at_any_instant_leaves_the_old_output_or_the_whole_new_one
 
     let mut seeded = common::Seeded(19);
     let mut matrix = vec![];
-    for run in 0..25 {
+    for run in 0..16 {
         let out = dir.path().join(format!("out-{run}"));
-        // 20 kills at seeded instants over the whole statement, 5 at the commit decision.
-        let at_marker = run >= 20;
+        // 12 kills at seeded instants over the whole statement, 4 at the commit decision.
+        let at_marker = run >= 12;
         let mut instant = took.mul_f64(0.05 + 1.1 * seeded.next());
         // The kill must land while the statement writes: when the statement finished
         // first (the instant fell after its end), it runs again with an earlier instant.

@@ -184,7 +184,7 @@ impl BertWeights {
         let linear = |prefix: &str, inputs: usize, outputs: usize| -> Result<Linear> {
             let weight = reader.get(&format!("{prefix}.weight"), &[outputs, inputs])?;
             Ok(Linear {
-                weight: transpose(&weight, outputs, inputs),
+                weight: flumen_row_kernels::transpose(&weight, outputs, inputs),
                 bias: reader.get(&format!("{prefix}.bias"), &[outputs])?,
                 inputs,
                 outputs,
@@ -265,24 +265,9 @@ impl TensorReader<'_> {
                 view.dtype()
             )));
         }
-        let data = view
-            .data()
-            .chunks_exact(4)
-            .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]))
-            .collect();
+        let data = flumen_row_kernels::f32s_from_le_bytes(view.data());
         Ok((data, view.shape().to_vec()))
     }
-}
-
-/// `[rows, cols]` → `[cols, rows]`, row-major.
-fn transpose(matrix: &[f32], rows: usize, cols: usize) -> Vec<f32> {
-    let mut out = vec![0.0; matrix.len()];
-    for r in 0..rows {
-        for c in 0..cols {
-            out[c * rows + r] = matrix[r * cols + c];
-        }
-    }
-    out
 }
 
 /// Linear layers over the same input, side by side: outputs concatenated.
@@ -413,9 +398,5 @@ mod tests {
         let fused = fuse_columns(&[a, b]);
         assert_eq!(fused.weight, vec![1.0, 3.0, 4.0, 2.0, 5.0, 6.0]);
         assert_eq!(fused.bias, vec![0.5, 1.0, 2.0]);
-        assert_eq!(
-            transpose(&[1.0, 2.0, 3.0, 4.0, 5.0, 6.0], 2, 3),
-            vec![1.0, 4.0, 2.0, 5.0, 3.0, 6.0]
-        );
     }
 }

@@ -14,6 +14,9 @@
 //! loops is `#[inline]`: an inline function is compiled in the crate that calls it, at that
 //! crate's opt-level. A call per row (softmax, layer norm) or per 4,096 values (GELU) costs
 //! nothing beside the row's work.
+//!
+//! The model load's two loops (reading a tensor's bytes, transposing a weight matrix) are
+//! here for the same reason: every process that embeds pays them once.
 
 #![warn(missing_docs)]
 
@@ -210,6 +213,29 @@ pub fn round_all_to_bf16(values: &mut [f32]) {
     }
 }
 
+/// Little-endian `f32` bytes (a safetensors tensor's data) as values; a trailing partial
+/// value is dropped. Here rather than at the model's load so that test builds run it
+/// optimized: unoptimized, this loop and [`transpose`] were most of a model load there
+/// (about 1 s of every process that loads the model).
+pub fn f32s_from_le_bytes(bytes: &[u8]) -> Vec<f32> {
+    bytes
+        .chunks_exact(4)
+        .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]))
+        .collect()
+}
+
+/// A row-major `[rows, cols]` matrix as its row-major `[cols, rows]` transpose.
+pub fn transpose(matrix: &[f32], rows: usize, cols: usize) -> Vec<f32> {
+    assert_eq!(matrix.len(), rows * cols, "a {rows} x {cols} matrix");
+    let mut out = vec![0.0; matrix.len()];
+    for (r, row) in matrix.chunks_exact(cols.max(1)).enumerate() {
+        for (c, &value) in row.iter().enumerate() {
+            out[c * rows + r] = value;
+        }
+    }
+    out
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -340,5 +366,22 @@ mod tests {
         let mut all = [1.0 + 2f32.powi(-8), -3.3];
         round_all_to_bf16(&mut all);
         assert_eq!(all, [1.0, -3.296875]);
+    }
+
+    #[test]
+    fn tensor_bytes_are_read_little_endian_and_matrices_transposed() {
+        let values = [1.5f32, -0.0, f32::MAX, 3.25e-8];
+        let mut bytes: Vec<u8> = values.iter().flat_map(|v| v.to_le_bytes()).collect();
+        bytes.push(0xAB);
+        let read = f32s_from_le_bytes(&bytes);
+        assert_eq!(
+            read.iter().map(|v| v.to_bits()).collect::<Vec<_>>(),
+            values.iter().map(|v| v.to_bits()).collect::<Vec<_>>()
+        );
+        assert_eq!(
+            transpose(&[1.0, 2.0, 3.0, 4.0, 5.0, 6.0], 2, 3),
+            vec![1.0, 4.0, 2.0, 5.0, 3.0, 6.0]
+        );
+        assert_eq!(transpose(&[], 0, 3), Vec::<f32>::new());
     }
 }
