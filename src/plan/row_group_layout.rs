@@ -15,6 +15,7 @@ use datafusion::common::tree_node::{TreeNode, TreeNodeRecursion};
 use datafusion::datasource::listing::PartitionedFile;
 use datafusion::datasource::physical_plan::FileScanConfig;
 use datafusion::datasource::physical_plan::parquet::metadata::DFParquetMetadata;
+use datafusion::execution::cache::lru_queue::LruQueue;
 use datafusion::execution::object_store::ObjectStoreUrl;
 use datafusion::execution::runtime_env::RuntimeEnv;
 use datafusion::parquet::arrow::arrow_reader::statistics::StatisticsConverter;
@@ -163,31 +164,68 @@ impl WeightSums {
 /// DataFusion's file metadata cache, whose default 50 MB held fewer than 20,000 small
 /// files' footers: read in the same order each time, an LRU cache never hit (a point
 /// lookup spent 1.5-4.6 s of 2.5-5.6 s there). A layout weighs a few dozen bytes per row
-/// group; past [`LayoutCache::LIMIT_BYTES`] the cache starts over. Installed in a flumen
-/// session's config (`SessionConfig::with_extension`).
-#[derive(Debug, Default)]
+/// group; past its limit ([`LayoutCache::LIMIT_BYTES`] by default) the layouts used least
+/// recently go first. Installed in a flumen session's config
+/// (`SessionConfig::with_extension`).
 pub struct LayoutCache {
     /// The layouts, and the bytes they weigh.
     state: Mutex<CacheState>,
+    /// The most bytes of layouts it holds.
+    limit_bytes: usize,
 }
 
-/// A [`LayoutCache`]'s layouts and their weight.
-#[derive(Debug, Default)]
+/// A [`LayoutCache`]'s layouts, least recently used first, and their weight.
 struct CacheState {
     /// Each file's layout, the object it was read from and the bytes it was counted at,
     /// by store and location.
-    layouts: HashMap<String, (ObjectMeta, Arc<FileLayout>, usize)>,
+    layouts: LruQueue<String, (ObjectMeta, Arc<FileLayout>, usize)>,
     /// About how many bytes `layouts` weighs.
     bytes: usize,
 }
 
+/// What an entry of a [`CacheState`] weighs besides its layout and its key's text (held
+/// twice: in the map and in the recency list's node): the node's shared allocation, the
+/// map's slot and the object's fields.
+const ENTRY_OVERHEAD_BYTES: usize = 256;
+
+impl Default for LayoutCache {
+    fn default() -> Self {
+        Self::with_limit(Self::LIMIT_BYTES)
+    }
+}
+
+impl std::fmt::Debug for LayoutCache {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let state = self.state.lock().unwrap_or_else(|e| e.into_inner());
+        f.debug_struct("LayoutCache")
+            .field("files", &state.layouts.len())
+            .field("bytes", &state.bytes)
+            .field("limit_bytes", &self.limit_bytes)
+            .finish()
+    }
+}
+
 impl LayoutCache {
-    /// The most bytes of layouts the cache holds (64 MiB: a million files of a row group).
+    /// The most bytes of layouts a session's cache holds (64 MiB: about 100,000 files of
+    /// one row group each, at ~600 bytes a file with its key and entry).
     pub const LIMIT_BYTES: usize = 64 << 20;
 
-    /// The layout of `file` in `store`, if it was read while the file was as it is now.
+    /// An empty cache that holds at most `limit_bytes` of layouts.
+    pub fn with_limit(limit_bytes: usize) -> Self {
+        let state = CacheState {
+            layouts: LruQueue::new(),
+            bytes: 0,
+        };
+        Self {
+            state: Mutex::new(state),
+            limit_bytes,
+        }
+    }
+
+    /// The layout of `file` in `store`, if it was read while the file was as it is now
+    /// (which makes it the most recently used).
     fn get(&self, store: &ObjectStoreUrl, file: &ObjectMeta) -> Option<Arc<FileLayout>> {
-        let state = self.state.lock().unwrap_or_else(|e| e.into_inner());
+        let mut state = self.state.lock().unwrap_or_else(|e| e.into_inner());
         let (read_from, layout, _) = state.layouts.get(&cache_key(store, file))?;
         let same = read_from.size == file.size
             && read_from.last_modified == file.last_modified
@@ -195,22 +233,32 @@ impl LayoutCache {
         same.then(|| Arc::clone(layout))
     }
 
-    /// Keep `layout`, read from `file` in `store`.
+    /// Keep `layout`, read from `file` in `store`, as the most recently used; the least
+    /// recently used layouts go until it fits. A layout heavier than the whole limit is
+    /// not kept.
     fn put(&self, store: &ObjectStoreUrl, file: &ObjectMeta, layout: &Arc<FileLayout>) {
         let key = cache_key(store, file);
-        let weight = layout.weight() + key.len() + file.location.as_ref().len();
+        let weight = layout.weight()
+            + 2 * key.len()
+            + file.location.as_ref().len()
+            + ENTRY_OVERHEAD_BYTES;
         let mut state = self.state.lock().unwrap_or_else(|e| e.into_inner());
         if let Some((_, _, counted)) = state.layouts.remove(&key) {
             state.bytes = state.bytes.saturating_sub(counted);
         }
-        if state.bytes + weight > Self::LIMIT_BYTES {
-            state.layouts.clear();
-            state.bytes = 0;
+        if weight > self.limit_bytes {
+            return;
+        }
+        while state.bytes + weight > self.limit_bytes {
+            let Some((_, (_, _, counted))) = state.layouts.pop() else {
+                break;
+            };
+            state.bytes = state.bytes.saturating_sub(counted);
         }
         state.bytes += weight;
         state
             .layouts
-            .insert(key, (file.clone(), Arc::clone(layout), weight));
+            .put(key, (file.clone(), Arc::clone(layout), weight));
     }
 
     /// How many files' layouts it holds.
@@ -222,6 +270,12 @@ impl LayoutCache {
     /// Whether it holds none.
     pub fn is_empty(&self) -> bool {
         self.len() == 0
+    }
+
+    /// About how many bytes its layouts weigh (at most its limit).
+    pub fn bytes(&self) -> usize {
+        let state = self.state.lock().unwrap_or_else(|e| e.into_inner());
+        state.bytes
     }
 }
 
@@ -674,21 +728,60 @@ mod tests {
         assert!(kept(&layout).is_empty());
     }
 
-    #[test]
-    fn a_layout_kept_again_is_counted_once() {
-        let store = ObjectStoreUrl::local_filesystem();
-        let file = ObjectMeta {
-            location: "t/f.parquet".into(),
+    /// A file of the local store named `name` (1,000 bytes), as a listing sees it.
+    fn listed(name: &str) -> ObjectMeta {
+        ObjectMeta {
+            location: format!("t/{name}").into(),
             last_modified: chrono::DateTime::from_timestamp(1_700_000_000, 0).unwrap(),
             size: 1000,
             e_tag: None,
             version: None,
-        };
-        let layout = Arc::new(FileLayout {
+        }
+    }
+
+    /// The layout of a file of no row group.
+    fn empty_layout() -> Arc<FileLayout> {
+        Arc::new(FileLayout {
             row_groups: vec![],
             sums: WeightSums::new(&[]),
             column_ranges: Mutex::new(HashMap::new()),
-        });
+        })
+    }
+
+    #[test]
+    fn a_full_cache_lets_the_least_recently_used_layouts_go() {
+        let store = ObjectStoreUrl::local_filesystem();
+        let files: Vec<ObjectMeta> = (1..=4).map(|i| listed(&format!("f{i}.parquet"))).collect();
+        let layout = empty_layout();
+        let one = {
+            let probe = LayoutCache::default();
+            probe.put(&store, &files[0], &layout);
+            probe.bytes()
+        };
+        let cache = LayoutCache::with_limit(3 * one);
+        for file in &files[..3] {
+            cache.put(&store, file, &layout);
+        }
+        assert_eq!((cache.len(), cache.bytes()), (3, 3 * one));
+        // f1 read again: f2 is now the least recently used, and goes for f4.
+        assert!(cache.get(&store, &files[0]).is_some());
+        cache.put(&store, &files[3], &layout);
+        let held = |cache: &LayoutCache| -> Vec<bool> {
+            files.iter().map(|f| cache.get(&store, f).is_some()).collect()
+        };
+        assert_eq!(held(&cache), [true, false, true, true]);
+        assert_eq!((cache.len(), cache.bytes()), (3, 3 * one));
+        // A layout heavier than the whole limit is not kept, and costs no other.
+        let tiny = LayoutCache::with_limit(one - 1);
+        tiny.put(&store, &files[0], &layout);
+        assert_eq!((tiny.len(), tiny.bytes()), (0, 0));
+    }
+
+    #[test]
+    fn a_layout_kept_again_is_counted_once() {
+        let store = ObjectStoreUrl::local_filesystem();
+        let file = listed("f.parquet");
+        let layout = empty_layout();
         let cache = LayoutCache::default();
         cache.put(&store, &file, &layout);
         let once = cache.state.lock().unwrap().bytes;
