@@ -238,10 +238,8 @@ impl LayoutCache {
     /// not kept.
     fn put(&self, store: &ObjectStoreUrl, file: &ObjectMeta, layout: &Arc<FileLayout>) {
         let key = cache_key(store, file);
-        let weight = layout.weight()
-            + 2 * key.len()
-            + file.location.as_ref().len()
-            + ENTRY_OVERHEAD_BYTES;
+        let weight =
+            layout.weight() + 2 * key.len() + file.location.as_ref().len() + ENTRY_OVERHEAD_BYTES;
         let mut state = self.state.lock().unwrap_or_else(|e| e.into_inner());
         if let Some((_, _, counted)) = state.layouts.remove(&key) {
             state.bytes = state.bytes.saturating_sub(counted);
@@ -767,7 +765,10 @@ mod tests {
         assert!(cache.get(&store, &files[0]).is_some());
         cache.put(&store, &files[3], &layout);
         let held = |cache: &LayoutCache| -> Vec<bool> {
-            files.iter().map(|f| cache.get(&store, f).is_some()).collect()
+            files
+                .iter()
+                .map(|f| cache.get(&store, f).is_some())
+                .collect()
         };
         assert_eq!(held(&cache), [true, false, true, true]);
         assert_eq!((cache.len(), cache.bytes()), (3, 3 * one));
