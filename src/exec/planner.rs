@@ -427,37 +427,26 @@ mod tests {
             scans: Arc::clone(&scans),
         };
         ctx.register_table("t", Arc::new(table)).unwrap();
-        let text = |batches: Vec<RecordBatch>| {
-            datafusion::arrow::util::pretty::pretty_format_batches(&batches)
-                .unwrap()
-                .to_string()
-        };
         let sql = "SELECT a % 3 AS k, count(*) FROM t WHERE a > 10 GROUP BY a % 3";
-        let explained = text(
-            ctx.sql(&format!("EXPLAIN {sql}"))
-                .await
+        // The EXPLAIN's text, and how many times its planning scanned `t`.
+        let explain = async || {
+            scans.store(0, Ordering::SeqCst);
+            let df = ctx.sql(&format!("EXPLAIN {sql}")).await.unwrap();
+            let batches = df.collect().await.unwrap();
+            let text = datafusion::arrow::util::pretty::pretty_format_batches(&batches)
                 .unwrap()
-                .collect()
-                .await
-                .unwrap(),
-        );
-        assert_eq!(scans.load(Ordering::SeqCst), 1, "{explained}");
+                .to_string();
+            (text, scans.load(Ordering::SeqCst))
+        };
+        let (explained, scanned) = explain().await;
+        assert_eq!(scanned, 1, "{explained}");
         assert!(explained.contains("logical_plan"), "{explained}");
         assert!(explained.contains("FlumenExec"), "{explained}");
         // With `physical_plan_only`, only flumen's plan; still planned once.
-        ctx.sql("SET datafusion.explain.physical_plan_only = true")
-            .await
-            .unwrap();
-        scans.store(0, Ordering::SeqCst);
-        let physical = text(
-            ctx.sql(&format!("EXPLAIN {sql}"))
-                .await
-                .unwrap()
-                .collect()
-                .await
-                .unwrap(),
-        );
-        assert_eq!(scans.load(Ordering::SeqCst), 1, "{physical}");
+        let set = "SET datafusion.explain.physical_plan_only = true";
+        ctx.sql(set).await.unwrap();
+        let (physical, scanned) = explain().await;
+        assert_eq!(scanned, 1, "{physical}");
         assert!(!physical.contains("logical_plan"), "{physical}");
         assert!(physical.contains("FlumenExec"), "{physical}");
     }
