@@ -1,9 +1,18 @@
 //! Plan shapes: flumen's operators in `EXPLAIN`, checked as insta snapshots.
 
-use datafusion::arrow::array::AsArray;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
+
+use datafusion::arrow::array::{AsArray, Int64Array};
+use datafusion::arrow::datatypes::{DataType, Field, Schema, SchemaRef};
+use datafusion::arrow::record_batch::RecordBatch;
 use datafusion::arrow::util::pretty::pretty_format_batches;
+use datafusion::catalog::{Session, TableProvider};
+use datafusion::datasource::{MemTable, TableType};
+use datafusion::logical_expr::Expr;
+use datafusion::physical_plan::ExecutionPlan;
 use datafusion::prelude::SessionConfig;
-use flumen::FlumenConfig;
+use flumen::{FlumenConfig, WorkerMode};
 
 async fn explain(sql: &str) -> String {
     explain_with(&[], sql).await
@@ -388,4 +397,94 @@ async fn explain_a_model_in_where_gets_an_accelerator_operator() {
     insta::assert_snapshot!(
         explain_over_docs("SELECT id FROM docs WHERE id > 3 AND embed(body)[1] > 0").await
     );
+}
+
+/// A memory table that counts how many times physical planning scanned it.
+#[derive(Debug)]
+struct ScanCountingTable {
+    inner: MemTable,
+    scans: Arc<AtomicUsize>,
+}
+
+#[async_trait::async_trait]
+impl TableProvider for ScanCountingTable {
+    fn schema(&self) -> SchemaRef {
+        self.inner.schema()
+    }
+    fn table_type(&self) -> TableType {
+        TableType::Base
+    }
+    async fn scan(
+        &self,
+        state: &dyn Session,
+        projection: Option<&Vec<usize>>,
+        filters: &[Expr],
+        limit: Option<usize>,
+    ) -> datafusion::error::Result<Arc<dyn ExecutionPlan>> {
+        self.scans.fetch_add(1, Ordering::SeqCst);
+        self.inner.scan(state, projection, filters, limit).await
+    }
+}
+
+/// `EXPLAIN` plans its query once (DataFusion's `ExplainExec` keeps no plan: flumen used
+/// to plan the query a second time for its operators), in threads mode and with worker
+/// processes, and shows flumen's operators; the query then answers as vanilla DataFusion.
+#[tokio::test]
+async fn explain_plans_its_query_once_in_threads_and_in_workers() {
+    let schema = Arc::new(Schema::new(vec![Field::new("a", DataType::Int64, false)]));
+    let batch = RecordBatch::try_new(
+        Arc::clone(&schema),
+        vec![Arc::new(Int64Array::from_iter_values(0..1000))],
+    )
+    .unwrap();
+    let sql = "SELECT a % 3 AS k, count(*) AS n FROM t WHERE a > 10 GROUP BY a % 3";
+    let vanilla = crate::common::vanilla();
+    let table = MemTable::try_new(Arc::clone(&schema), vec![vec![batch.clone()]]).unwrap();
+    vanilla.register_table("t", Arc::new(table)).unwrap();
+    for workers in [WorkerMode::Threads, WorkerMode::Process] {
+        let mut config = FlumenConfig::default();
+        config.workers = workers;
+        config.worker_processes = 2;
+        config.worker_binary = env!("CARGO_BIN_EXE_flumen").into();
+        let ctx =
+            flumen::session_with_config(SessionConfig::new().with_target_partitions(2), config);
+        let scans = Arc::new(AtomicUsize::new(0));
+        let table = ScanCountingTable {
+            inner: MemTable::try_new(Arc::clone(&schema), vec![vec![batch.clone()]]).unwrap(),
+            scans: Arc::clone(&scans),
+        };
+        ctx.register_table("t", Arc::new(table)).unwrap();
+        // The EXPLAIN's text, and how many times its planning scanned `t`.
+        let explain = async || {
+            scans.store(0, Ordering::SeqCst);
+            let batches = crate::common::collect(&ctx, &format!("EXPLAIN {sql}")).await;
+            let text = pretty_format_batches(&batches).unwrap().to_string();
+            (text, scans.load(Ordering::SeqCst))
+        };
+        let (explained, scanned) = explain().await;
+        assert_eq!(scanned, 1, "{workers:?}: {explained}");
+        assert!(
+            explained.contains("logical_plan"),
+            "{workers:?}: {explained}"
+        );
+        assert!(explained.contains("FlumenExec"), "{workers:?}: {explained}");
+        // With `physical_plan_only`, only flumen's plan; still planned once.
+        crate::common::collect(&ctx, "SET datafusion.explain.physical_plan_only = true").await;
+        let (physical, scanned) = explain().await;
+        assert_eq!(scanned, 1, "{workers:?}: {physical}");
+        assert!(
+            !physical.contains("logical_plan"),
+            "{workers:?}: {physical}"
+        );
+        assert!(physical.contains("FlumenExec"), "{workers:?}: {physical}");
+        crate::common::assert_same(&vanilla, &ctx, sql).await;
+        let (_, plan) = crate::common::run_plan(&ctx, sql).await;
+        let (remote, all) = crate::common::remote_and_all_tasks(&plan);
+        let in_workers = workers == WorkerMode::Process;
+        assert_eq!(
+            remote > 0,
+            in_workers,
+            "{workers:?}: {remote} of {all} tasks remote"
+        );
+    }
 }
