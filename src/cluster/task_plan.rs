@@ -40,9 +40,7 @@ use std::sync::{Arc, OnceLock};
 use datafusion::arrow::datatypes::Schema;
 use datafusion::common::tree_node::{Transformed, TreeNode, TreeNodeRecursion};
 use datafusion::datasource::physical_plan::parquet::{ParquetAccessPlan, RowGroupAccess};
-use datafusion::datasource::physical_plan::{
-    FileGroup, FileScanConfig, FileScanConfigBuilder, FileSource, ParquetSource,
-};
+use datafusion::datasource::physical_plan::{FileGroup, FileScanConfig, FileScanConfigBuilder};
 use datafusion::datasource::source::DataSourceExec;
 use datafusion::error::{DataFusionError, Result};
 use datafusion::execution::TaskContext;
@@ -51,7 +49,6 @@ use datafusion::parquet::arrow::arrow_reader::{RowSelection, RowSelector};
 use datafusion::physical_expr::expressions::{DynamicFilterPhysicalExpr, lit};
 use datafusion::physical_expr_common::physical_expr::proto_decode::PhysicalExprDecodeCtx;
 use datafusion::physical_plan::aggregates::AggregateExec;
-use datafusion::physical_plan::filter::{FilterExec, FilterExecBuilder};
 use datafusion::physical_plan::joins::HashTableLookupExpr;
 use datafusion::physical_plan::{ExecutionPlan, PhysicalExpr, displayable};
 use datafusion_proto::physical_plan::to_proto::serialize_physical_expr_with_converter;
@@ -67,6 +64,7 @@ use crate::cluster::scan_formats::{ScanFormat, describe_format};
 use crate::cluster::shipped_functions::{self, ShippedFunction};
 use crate::cluster::topk_nodes;
 use crate::cluster::window_calls::{carry_window_calls, describe_window_calls, lossy_window};
+use crate::plan::dynamic_filters::map_predicates;
 use crate::plan::subquery_values::SubqueryValuesExec;
 
 /// What a flumen node in a task plan is: a file scan with what datafusion-proto drops of it
@@ -318,29 +316,7 @@ fn as_sent(plan: &Arc<dyn ExecutionPlan>) -> Result<Arc<dyn ExecutionPlan>> {
             if let Some(values) = node.downcast_ref::<SubqueryValuesExec>() {
                 return Ok(Transformed::yes(values.as_scalar_subquery()));
             }
-            if let Some(filter) = node.downcast_ref::<FilterExec>() {
-                let predicate = as_sent_expr(filter.predicate(), &live)?;
-                if predicate.transformed {
-                    let rebuilt = FilterExecBuilder::from(filter)
-                        .with_predicate(predicate.data)
-                        .build()?;
-                    return Ok(Transformed::yes(Arc::new(rebuilt) as Arc<dyn ExecutionPlan>));
-                }
-            }
-            if let Some(config) = file_scan(&node)
-                && let Some(parquet) = config.file_source().downcast_ref::<ParquetSource>()
-                && let Some(predicate) = parquet.filter()
-            {
-                let predicate = as_sent_expr(&predicate, &live)?;
-                if predicate.transformed {
-                    let source = Arc::new(parquet.with_predicate(predicate.data));
-                    let config = FileScanConfigBuilder::from(config.clone())
-                        .with_source(source)
-                        .build();
-                    return Ok(Transformed::yes(DataSourceExec::from_data_source(config)));
-                }
-            }
-            Ok(Transformed::no(node))
+            map_predicates(node, &mut |predicate| as_sent_expr(predicate, &live))
         })
         .map(|t| t.data)
 }
@@ -793,6 +769,7 @@ mod tests {
     use super::*;
     use datafusion::arrow::datatypes::{DataType, Field};
     use datafusion::datasource::listing::PartitionedFile;
+    use datafusion::datasource::physical_plan::{FileSource, ParquetSource};
     use datafusion::execution::object_store::ObjectStoreUrl;
     use datafusion::physical_expr::expressions::{Column, in_list};
 

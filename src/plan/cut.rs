@@ -45,6 +45,7 @@ use crate::config::{FlumenConfig, WorkerMode};
 use crate::functions::accelerator::calls_accelerator_udf;
 use crate::plan::accelerator_projection::AcceleratorProjectionExec;
 use crate::plan::concat_partitions::ConcatPartitionsExec;
+use crate::plan::dynamic_filters::with_own_dynamic_filters;
 use crate::plan::exchange_sizing::ExchangeSizing;
 use crate::plan::graph::{Operator, OperatorGraph, OperatorId, Pool, TaskShape};
 use crate::plan::merge_runs::MergeRunsExec;
@@ -449,6 +450,8 @@ impl Cutter<'_> {
     /// its schema (a one-row aggregate's columns are constants, which a worker's in-memory
     /// scan of the block would not state).
     fn subquery_input(&mut self, plan: Arc<dyn ExecutionPlan>) -> Result<Arc<dyn ExecutionPlan>> {
+        // Each reader's copy runs apart, so it must not prune by another copy's bounds.
+        let plan = with_own_dynamic_filters(plan)?;
         let plan: Arc<dyn ExecutionPlan> = if plan.output_partitioning().partition_count() > 1 {
             Arc::new(CoalescePartitionsExec::new(plan))
         } else {

@@ -9,6 +9,8 @@
 //! - [`split_pruning`]: the file and row group pruning a scan would do, done as it is cut.
 //! - [`model_batching`]: how a plan with a model feeds it: the first-block ramp, pieces and
 //!   bundles, and its scans' smaller splits.
+//! - [`dynamic_filters`]: a copied plan's own dynamic filters, and the predicates that read
+//!   them.
 //! - [`join_filter_rows`]: a scan drops the rows its joins' finished dynamic filters reject.
 //! - [`stage_input`]: the leaf through which a fragment reads its producer's blocks.
 //! - [`accelerator_projection`]: model UDF projections kept apart as accelerator operators.
@@ -36,6 +38,7 @@ pub(crate) mod accelerator_projection;
 pub mod concat_partitions;
 pub mod counted_set_operations;
 pub(crate) mod cut;
+pub mod dynamic_filters;
 pub mod exchange_sizing;
 pub mod fixed_size_list_casts;
 pub(crate) mod graph;

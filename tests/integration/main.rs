@@ -37,6 +37,7 @@ mod out_of_core;
 mod output;
 mod output_crash;
 mod python;
+mod query_fuzz;
 mod serve;
 mod worker_answers;
 mod worker_safety;
