@@ -185,6 +185,15 @@ impl From<tonic::Status> for Failure {
     }
 }
 
+impl Failure {
+    /// Whether the call's HTTP/2 stream broke under it (gRPC reports a stream the peer
+    /// reset as an internal error, `h2 protocol error: ...`), rather than the worker
+    /// answering with an error of the task's own: the task may be tried again.
+    pub(crate) fn broke_the_call(&self) -> bool {
+        matches!(self, Failure::Task(message) if message.starts_with("h2 protocol error"))
+    }
+}
+
 impl std::fmt::Display for Failure {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         match self {
@@ -195,5 +204,33 @@ impl std::fmt::Display for Failure {
             Failure::Driver(e) => write!(f, "{e}"),
             Failure::Refused(e) => write!(f, "refused: {e}"),
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::cluster::auth::Secret;
+
+    #[tokio::test]
+    async fn a_call_whose_stream_the_peer_reset_broke_and_may_be_tried_again() {
+        // A peer that resets the call's HTTP/2 stream, as seen under lost blocks with the
+        // worker alive: gRPC reports it as an internal error, which is not the task's own.
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let address = listener.local_addr().unwrap().to_string();
+        let peer = tokio::spawn(async move {
+            let (socket, _) = listener.accept().await.unwrap();
+            let mut connection = h2::server::handshake(socket).await.unwrap();
+            let (_request, mut respond) = connection.accept().await.unwrap().unwrap();
+            respond.send_reset(h2::Reason::PROTOCOL_ERROR);
+            let _ =
+                tokio::time::timeout(std::time::Duration::from_millis(500), connection.accept())
+                    .await;
+        });
+        let client = connect(&address, None, &Secret::random()).await.unwrap();
+        let failure = read_status(&client).await.unwrap_err();
+        peer.await.unwrap();
+        assert!(failure.broke_the_call(), "{failure}");
+        assert!(!Failure::Task("Arrow error: Cast error".into()).broke_the_call());
     }
 }

@@ -534,6 +534,15 @@ impl WorkerPool {
                     attempt += 1;
                     log::warn!("{describe}: {e}; retry {attempt} of {max_retries}");
                 }
+                // The call's stream broke (seen under lost blocks, the worker alive): the
+                // task is tried again; a worker that no longer answers a ping is dead.
+                Err(e) if e.broke_the_call() && attempt < max_retries => {
+                    if !worker.ping(worker.ping_timeout()).await {
+                        worker.mark_dead();
+                    }
+                    attempt += 1;
+                    log::warn!("{describe}: {e}; retry {attempt} of {max_retries}");
+                }
                 Err(e) => {
                     match &e {
                         Failure::Stuck(why) => worker.stop_because(why.clone()),

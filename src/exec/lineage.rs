@@ -59,6 +59,13 @@ impl QueryRun {
         on_worker: bool,
     ) -> Result<RecomputeSink> {
         let spec = self.spec_again(task).await;
+        if self.graph.operators[spec.operator].runs_again_unlike {
+            return Err(DataFusionError::Execution(format!(
+                "{}: its blocks were lost, and it cannot be run again alone: its partitions \
+                 share a join's build side, whose rows the last of them to finish emits",
+                spec.describe
+            )));
+        }
         let mut sink = RecomputeSink::new(self, &spec, asked);
         let outputs = match asked {
             Some(id) => vec![id],

@@ -489,7 +489,10 @@ impl QueryRun {
             .collect()
     }
 
-    /// The readers of block `id` are done with it: it leaves the store (and its worker).
+    /// The readers of block `id` are done with it: it leaves the store (and its worker),
+    /// unless its task cannot be run again alike (`Operator::runs_again_unlike`): such a
+    /// block stays in the store (spillable, no longer counted as its operator's) until the
+    /// query ends, for a reader run again to read.
     pub(super) fn release(&self, st: &mut RunState, id: BlockId) {
         let Some(block) = st.blocks.get(&id) else {
             return;
@@ -501,7 +504,9 @@ impl QueryRun {
         let rows = if bytes > 0 { block.rows as u64 } else { 0 };
         let t = &mut st.tasks[task];
         t.held_rows = t.held_rows.saturating_sub(rows);
-        self.store.remove(id);
+        if !self.graph.operators[op].runs_again_unlike {
+            self.store.remove(id);
+        }
         let os = &mut st.operators[op];
         os.held_bytes = os.held_bytes.saturating_sub(bytes);
         os.held_rows = os.held_rows.saturating_sub(rows);

@@ -20,6 +20,7 @@ use crate::exec::task_kind::TaskId;
 use crate::exec::task_runner::{InProcess, TaskRunner};
 use crate::exec::task_sink::{MadeBlock, StoreSink, TaskSink};
 use crate::exec::task_spec::{TaskPlace, TaskSpec};
+use crate::plan::dynamic_filters;
 use crate::plan::merge_join_fallback::as_sort_merge_join;
 use crate::plan::stage_input::TaskInputs;
 use crate::store::block::{Block, BlockData};
@@ -111,6 +112,8 @@ impl QueryRun {
             true => as_sort_merge_join(&op.fragment)?.unwrap_or_else(|| Arc::clone(&op.fragment)),
             false => Arc::clone(&op.fragment),
         };
+        // Its own bounds, so a run again makes what the first run made.
+        let fragment = dynamic_filters::for_one_task(&fragment)?;
         let split = kind.source_split();
         let provider = Arc::new(TaskProvider {
             run: Arc::clone(self),

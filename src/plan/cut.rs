@@ -50,6 +50,7 @@ use crate::plan::exchange_sizing::ExchangeSizing;
 use crate::plan::graph::{Operator, OperatorGraph, OperatorId, Pool, TaskShape};
 use crate::plan::merge_runs::MergeRunsExec;
 use crate::plan::model_batching::ModelBatching;
+use crate::plan::partition_cut::shares_build_matches_across_partitions;
 use crate::plan::partition_cut::{cuts_per_partition, only_merges_inputs};
 use crate::plan::range_sort::sort_run_bytes;
 use crate::plan::row_group_layout::RowGroupLayout;
@@ -394,6 +395,7 @@ impl Cutter<'_> {
             shape == TaskShape::Barrier || !all_row_local
         };
         let id = self.operators.len();
+        let runs_again_unlike = shares_build_matches_across_partitions(&fragment);
         let mut named = &fragment;
         while let Some(values) = named.downcast_ref::<SubqueryValuesExec>() {
             named = values.input();
@@ -416,6 +418,7 @@ impl Cutter<'_> {
             gang,
             stateful: !all_row_local,
             run_bytes: None,
+            runs_again_unlike,
         });
         Ok(id)
     }

@@ -236,6 +236,17 @@ fn builds_whole_left(node: &Arc<dyn ExecutionPlan>) -> bool {
         || node.downcast_ref::<CrossJoinExec>().is_some()
 }
 
+/// Whether a node of `fragment` (not of the operators feeding it) is a join whose partitions
+/// share the matches of one build side, which the last one to finish emits: running one of
+/// its partitions alone again does not repeat what it made.
+pub fn shares_build_matches_across_partitions(fragment: &Arc<dyn ExecutionPlan>) -> bool {
+    fragment
+        .exists(|node| {
+            Ok(shares_build_matches(node) && node.output_partitioning().partition_count() > 1)
+        })
+        .unwrap_or(false)
+}
+
 /// Whether `node` is a join reading its whole build side in every partition that emits the
 /// build side's unmatched (or matched) rows once, after all partitions' probes.
 fn shares_build_matches(node: &Arc<dyn ExecutionPlan>) -> bool {
