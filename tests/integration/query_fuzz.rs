@@ -765,6 +765,42 @@ async fn random_queries_answer_as_vanilla_in_threads_and_in_workers() {
     );
 }
 
+/// The CI seed's tables in a fresh directory (keep it while they are read), and vanilla
+/// DataFusion over them.
+async fn ci_tables() -> (tempfile::TempDir, SessionContext) {
+    let mut rng = StdRng::seed_from_u64(CI_SEED);
+    let dir = tempfile::tempdir().unwrap();
+    write_tables(dir.path(), &mut rng);
+    let vanilla = SessionContext::new();
+    register(&vanilla, dir.path()).await;
+    (dir, vanilla)
+}
+
+/// Run `sql` `rounds` times in `flumen` and check each answer against vanilla's; `what`
+/// names the session in a failure.
+async fn answers_as_vanilla(
+    vanilla: &SessionContext,
+    flumen: &SessionContext,
+    sql: &str,
+    rounds: usize,
+    what: &str,
+) {
+    let ordered = sql.contains("ORDER BY");
+    let expected = answer(vanilla, sql, ordered).await.unwrap();
+    assert!(!expected.is_empty(), "{sql}");
+    for round in 0..rounds {
+        match answer(flumen, sql, ordered).await {
+            Ok(rows) => assert!(
+                same_answer(&expected, &rows),
+                "{sql} ({what}), round {round}: {} rows against {}",
+                rows.len(),
+                expected.len()
+            ),
+            Err(e) => panic!("{sql} ({what}), round {round}: {e}"),
+        }
+    }
+}
+
 /// A scalar subquery whose value both the scan (to prune) and the filter above it read runs
 /// once per reader; each copy's `max` must bound only its own scan. With the copies sharing
 /// DataFusion's aggregate dynamic filter, the second copy skipped the rows the first had
@@ -772,11 +808,7 @@ async fn random_queries_answer_as_vanilla_in_threads_and_in_workers() {
 /// depended on timing). Found by the random queries above.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_scalar_subquery_read_twice_gives_one_value() {
-    let mut rng = StdRng::seed_from_u64(CI_SEED);
-    let dir = tempfile::tempdir().unwrap();
-    write_tables(dir.path(), &mut rng);
-    let vanilla = SessionContext::new();
-    register(&vanilla, dir.path()).await;
+    let (dir, vanilla) = ci_tables().await;
     for workers in [0, 2] {
         let flumen = flumen_session(workers, 7, 3, false);
         register(&flumen, dir.path()).await;
@@ -784,13 +816,7 @@ async fn a_scalar_subquery_read_twice_gives_one_value() {
             "SELECT id, x FROM a WHERE x > (SELECT max(w) FROM b WHERE k < 8)",
             "SELECT id, x FROM a WHERE x < (SELECT min(w) * 5 FROM b WHERE w % 2 = 0)",
         ] {
-            let expected = answer(&vanilla, sql, false).await.unwrap();
-            let got = answer(&flumen, sql, false).await;
-            assert!(!expected.is_empty(), "{sql}");
-            match got {
-                Ok(rows) => assert!(rows == expected, "{sql} with {workers} workers: other rows"),
-                Err(e) => panic!("{sql} with {workers} workers: {e}"),
-            }
+            answers_as_vanilla(&vanilla, &flumen, sql, 1, &format!("{workers} workers")).await;
         }
     }
 }
@@ -802,11 +828,7 @@ async fn a_scalar_subquery_read_twice_gives_one_value() {
 /// itself came out NULL. Found by the random queries above, losing blocks.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_task_with_a_bound_run_again_repeats_itself() {
-    let mut rng = StdRng::seed_from_u64(CI_SEED);
-    let dir = tempfile::tempdir().unwrap();
-    write_tables(dir.path(), &mut rng);
-    let vanilla = SessionContext::new();
-    register(&vanilla, dir.path()).await;
+    let (dir, vanilla) = ci_tables().await;
     // Threads mode, losing every fourth block of every operator.
     let flumen = flumen_session(0, 7, 2, true);
     register(&flumen, dir.path()).await;
@@ -817,19 +839,7 @@ async fn a_task_with_a_bound_run_again_repeats_itself() {
         "SELECT max(w), min(w) FROM b WHERE w % 2 = 0",
         "SELECT id, x FROM a WHERE x > (SELECT max(w) FROM b WHERE w % 2 = 0)",
     ] {
-        let ordered = sql.contains("ORDER BY");
-        let expected = answer(&vanilla, sql, ordered).await.unwrap();
-        for round in 0..3 {
-            match answer(&flumen, sql, ordered).await {
-                Ok(rows) => assert!(
-                    same_answer(&expected, &rows),
-                    "{sql}, round {round}: {} rows against {}",
-                    rows.len(),
-                    expected.len()
-                ),
-                Err(e) => panic!("{sql}, round {round}: {e}"),
-            }
-        }
+        answers_as_vanilla(&vanilla, &flumen, sql, 3, "threads losing blocks").await;
     }
 }
 
@@ -841,21 +851,11 @@ async fn a_task_with_a_bound_run_again_repeats_itself() {
 /// the query, "not deterministic"). Found by the random queries above, losing blocks.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_reader_run_again_rereads_a_join_that_cannot_run_again() {
-    let mut rng = StdRng::seed_from_u64(CI_SEED);
-    let dir = tempfile::tempdir().unwrap();
-    write_tables(dir.path(), &mut rng);
-    let vanilla = SessionContext::new();
-    register(&vanilla, dir.path()).await;
+    let (dir, vanilla) = ci_tables().await;
     let flumen = flumen_session(2, 7, 3, true);
     register(&flumen, dir.path()).await;
     let sql = "SELECT * FROM (SELECT a.id AS c0, coalesce(a.g, 'none') || '-' || \
                CAST(a.k AS VARCHAR) AS c1 FROM a WHERE a.k NOT IN (SELECT b.k FROM b \
                WHERE b.k < 10)) q ORDER BY 1, 2 DESC LIMIT 30";
-    let expected = answer(&vanilla, sql, true).await.unwrap();
-    for round in 0..4 {
-        match answer(&flumen, sql, true).await {
-            Ok(rows) => assert!(same_answer(&expected, &rows), "round {round}: other rows"),
-            Err(e) => panic!("round {round}: {e}"),
-        }
-    }
+    answers_as_vanilla(&vanilla, &flumen, sql, 4, "workers losing blocks").await;
 }
