@@ -11,7 +11,7 @@ use std::sync::Arc;
 use datafusion::common::tree_node::TreeNodeRecursion;
 use datafusion::error::{DataFusionError, Result};
 use datafusion::execution::{SendableRecordBatchStream, TaskContext};
-use datafusion::physical_expr::{EquivalenceProperties, LexOrdering, PhysicalExpr};
+use datafusion::physical_expr::{LexOrdering, PhysicalExpr};
 use datafusion::physical_plan::execution_plan::{Boundedness, EmissionType};
 use datafusion::physical_plan::stream::RecordBatchStreamAdapter;
 use datafusion::physical_plan::{
@@ -45,12 +45,15 @@ impl ConcatPartitionsExec {
     }
 
     fn with_ordering(input: Arc<dyn ExecutionPlan>, ordering: Option<LexOrdering>) -> Self {
-        let eq_properties = match &ordering {
-            Some(ordering) => {
-                EquivalenceProperties::new_with_orderings(input.schema(), [ordering.clone()])
-            }
-            None => EquivalenceProperties::new(input.schema()),
-        };
+        // What holds of every input row holds of the output (a filter's `k = 1`, equal
+        // columns): a window above that partitions by `k` relies on it. Orderings and
+        // per-partition constants do not carry over, but for the ordering of the ranges.
+        let mut eq_properties = input.equivalence_properties().clone();
+        eq_properties.clear_orderings();
+        eq_properties.clear_per_partition_constants();
+        if let Some(ordering) = &ordering {
+            eq_properties.add_ordering(ordering.iter().cloned());
+        }
         let properties = PlanProperties::new(
             eq_properties,
             Partitioning::UnknownPartitioning(1),

@@ -11,11 +11,13 @@
 //! number of queries (a longer search than CI's); a failure names its seed, query number and
 //! SQL, which is all it takes to run it again: `FLUMEN_FUZZ_ONLY=N` runs only query `N` of
 //! the seed (printing flumen's plan), `FLUMEN_FUZZ_REPEAT=R` runs it `R` times in each engine.
-//! A fourth engine, two worker processes that lose every fourth block a worker holds as
-//! it is made (as if the worker had died), checks that lineage recomputes them to the same
-//! answer, on every third query; `FLUMEN_FUZZ_LOSE_BLOCKS=0` leaves it out, `=workers` runs
+//! A fourth engine, threads mode under a 64 KB budget, runs every third query out of core
+//! (range sorts, spilled aggregates and exchanges). A fifth, two worker processes that lose
+//! every fourth block a worker holds as it is made (as if the worker had died), checks that
+//! lineage recomputes them to the same answer, on another third of the queries; `FLUMEN_FUZZ_LOSE_BLOCKS=0` leaves it out, `=workers` runs
 //! it on every query, `=threads` adds a threads-mode session losing blocks too
-//! ([`LoseBlocks::InThreadsToo`]).
+//! ([`LoseBlocks::InThreadsToo`]). `FLUMEN_FUZZ_ALSO="SET …; SET …"` adds a threads-mode
+//! engine under those settings (batch mode, a budget small enough to spill, ...).
 
 use crate::common;
 
@@ -657,20 +659,33 @@ async fn search(seed: u64, queries: usize, lose_blocks: LoseBlocks) -> Vec<Strin
     );
     let threads = flumen_session(0, block_rows, 3, false);
     let workers = flumen_session(2, block_rows, 2, false);
-    // (name, session, runs every n-th query): recomputing lost blocks in worker processes
-    // costs about twice the other engines together, so by default it runs a third of the
-    // queries.
-    let mut engines = vec![("threads", threads, 1), ("workers", workers, 1)];
+    // (name, session, (every, offset)): the engine runs query n when n % every == offset.
+    // Recomputing lost blocks in worker processes costs about twice the other engines
+    // together, so by default it runs a third of the queries; a threads-mode session whose
+    // 64 KB budget sends its sorts, aggregates and exchanges out of core another third.
+    let mut engines = vec![("threads", threads, (1, 0)), ("workers", workers, (1, 0))];
+    let spilling = flumen_session(0, block_rows, 3, false);
+    common::collect(&spilling, "SET flumen.memory_budget = '64KB'").await;
+    engines.push(("threads in 64 KB", spilling, (3, 1)));
     if lose_blocks == LoseBlocks::InThreadsToo {
         let losing = flumen_session(0, block_rows, 2, true);
-        engines.push(("threads losing blocks", losing, 1));
+        engines.push(("threads losing blocks", losing, (1, 0)));
+    }
+    // `FLUMEN_FUZZ_ALSO`: `SET` statements (`;`-separated) of one more threads-mode engine,
+    // e.g. `SET flumen.mode = 'batch'` or a budget smaller still.
+    if let Ok(settings) = std::env::var("FLUMEN_FUZZ_ALSO") {
+        let also = flumen_session(0, block_rows, 3, false);
+        for set in settings.split(';').filter(|s| !s.trim().is_empty()) {
+            common::collect(&also, set).await;
+        }
+        engines.push(("threads with FLUMEN_FUZZ_ALSO", also, (1, 0)));
     }
     if lose_blocks != LoseBlocks::Never {
         let losing = flumen_session(2, block_rows, 3, true);
         let every = if lose_blocks == LoseBlocks::InWorkers {
-            3
+            (3, 0)
         } else {
-            1
+            (1, 0)
         };
         engines.push(("workers losing blocks", losing, every));
     }
@@ -708,7 +723,7 @@ async fn search(seed: u64, queries: usize, lose_blocks: LoseBlocks) -> Vec<Strin
         };
         let runs = engines
             .iter()
-            .filter(|(_, _, every)| only.is_some() || n % every == 0);
+            .filter(|(_, _, (every, offset))| only.is_some() || n % every == *offset);
         for (engine, ctx, _) in runs.flat_map(|e| std::iter::repeat_n(e, repeat)) {
             let got = answer(ctx, &drawn.sql, drawn.ordered).await;
             let agree = match (&expected, &got) {
@@ -858,4 +873,22 @@ async fn a_reader_run_again_rereads_a_join_that_cannot_run_again() {
                CAST(a.k AS VARCHAR) AS c1 FROM a WHERE a.k NOT IN (SELECT b.k FROM b \
                WHERE b.k < 10)) q ORDER BY 1, 2 DESC LIMIT 30";
     answers_as_vanilla(&vanilla, &flumen, sql, 4, "workers losing blocks").await;
+}
+
+/// Out of core, a sort becomes ranges sorted apart and read one after another
+/// (`ConcatPartitionsExec`), which stated nothing of its input but the ordering: the
+/// filter's `k = 1` was lost, and a window partitioned by `(k, flag)` over a sort on
+/// `(flag, id)` (enough, with `k` constant) failed: "Expects PARTITION BY expression to be
+/// ordered". Found by the random queries above under a 32 KB budget.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_window_over_sorted_ranges_keeps_what_the_filter_made_constant() {
+    let (dir, vanilla) = ci_tables().await;
+    let flumen = flumen_session(0, 7, 3, false);
+    common::collect(&flumen, "SET flumen.memory_budget = '32KB'").await;
+    register(&flumen, dir.path()).await;
+    let sql = "SELECT * FROM (SELECT id AS c0, first_value(x) OVER (ORDER BY id ROWS BETWEEN \
+               UNBOUNDED PRECEDING AND UNBOUNDED FOLLOWING) AS c1, sum(x) OVER (PARTITION BY \
+               k, flag ORDER BY id) AS c2 FROM a WHERE k = 1) q ORDER BY 1 DESC, 2 DESC, 3 DESC \
+               LIMIT 36";
+    answers_as_vanilla(&vanilla, &flumen, sql, 1, "threads, 32 KB budget").await;
 }
