@@ -490,9 +490,10 @@ impl QueryRun {
     }
 
     /// The readers of block `id` are done with it: it leaves the store (and its worker),
-    /// unless its task cannot be run again alike (`Operator::runs_again_unlike`): such a
-    /// block stays in the store (spillable, no longer counted as its operator's) until the
-    /// query ends, for a reader run again to read.
+    /// unless its task cannot be run again alike (`Operator::runs_again_unlike`) and the
+    /// run has workers, whose death may make a reader run again: such a block stays in the
+    /// store (spillable, no longer counted as its operator's) until the query ends, for
+    /// that reader to read. (In threads mode nothing but the test hook loses a block.)
     pub(super) fn release(&self, st: &mut RunState, id: BlockId) {
         let Some(block) = st.blocks.get(&id) else {
             return;
@@ -504,7 +505,7 @@ impl QueryRun {
         let rows = if bytes > 0 { block.rows as u64 } else { 0 };
         let t = &mut st.tasks[task];
         t.held_rows = t.held_rows.saturating_sub(rows);
-        if !self.graph.operators[op].runs_again_unlike {
+        if !(self.graph.operators[op].runs_again_unlike && self.worker_slot().is_some()) {
             self.store.remove(id);
         }
         let os = &mut st.operators[op];

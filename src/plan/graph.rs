@@ -154,9 +154,9 @@ pub struct Operator {
     pub run_bytes: Option<u64>,
     /// A task of it run alone again does not repeat its first run: its partitions share a
     /// `CollectLeft` join's matches and emit the build side's rows from whichever finishes
-    /// last ([`crate::plan::partition_cut::shares_build_matches_across_partitions`]). Its
-    /// blocks are kept until the query ends, so a reader run again reads them, and losing
-    /// one fails the query by name.
+    /// last ([`crate::plan::partition_cut::shares_build_matches_across_partitions`]). With
+    /// workers its blocks are kept until the query ends, so a reader run again reads them;
+    /// losing one fails the query by name.
     pub runs_again_unlike: bool,
 }
 
