@@ -91,8 +91,20 @@ impl SubqueryValuesExec {
                     .try_collect()
                     .await?;
             let value = single_value(&batches, schema.field(0).data_type())?;
+            // Readers in other operators set it too, perhaps at the same moment: the first
+            // one's value stays, and each later one must be the same.
+            if results.get(subquery.index).is_none()
+                && results.set(subquery.index, value.clone()).is_ok()
+            {
+                continue;
+            }
             match results.get(subquery.index) {
-                None => results.set(subquery.index, value)?,
+                None => {
+                    return Err(DataFusionError::Internal(format!(
+                        "scalar subquery {} has no value, though setting it failed",
+                        subquery.index.as_usize()
+                    )));
+                }
                 Some(set) if set == value => {}
                 Some(set) => {
                     return Err(DataFusionError::Execution(format!(
@@ -198,13 +210,21 @@ impl ExecutionPlan for SubqueryValuesExec {
         }
         let mut children = children.into_iter();
         let input = children.next().expect("checked");
-        let subqueries = (self.subqueries.iter().zip(children))
+        let subqueries: Vec<ScalarSubqueryLink> = (self.subqueries.iter().zip(children))
             .map(|(link, plan)| ScalarSubqueryLink {
                 plan,
                 index: link.index,
             })
             .collect();
-        Ok(Arc::new(Self::new(input, subqueries, self.results.clone())))
+        let same_subqueries = (self.subqueries.iter().zip(&subqueries))
+            .all(|(old, new)| Arc::ptr_eq(&old.plan, &new.plan));
+        let mut node = Self::new(input, subqueries, self.results.clone());
+        // Over the same subquery inputs (a task's copy of its fragment, with bounds of its
+        // own below), one read of them serves both.
+        if same_subqueries {
+            node.values_set = Arc::clone(&self.values_set);
+        }
+        Ok(Arc::new(node))
     }
 
     fn execute(

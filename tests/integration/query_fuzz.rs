@@ -783,7 +783,12 @@ async fn random_queries_answer_as_vanilla_in_threads_and_in_workers() {
 /// The CI seed's tables in a fresh directory (keep it while they are read), and vanilla
 /// DataFusion over them.
 async fn ci_tables() -> (tempfile::TempDir, SessionContext) {
-    let mut rng = StdRng::seed_from_u64(CI_SEED);
+    tables_of_seed(CI_SEED).await
+}
+
+/// The tables a search from `seed` reads, and vanilla DataFusion over them.
+async fn tables_of_seed(seed: u64) -> (tempfile::TempDir, SessionContext) {
+    let mut rng = StdRng::seed_from_u64(seed);
     let dir = tempfile::tempdir().unwrap();
     write_tables(dir.path(), &mut rng);
     let vanilla = SessionContext::new();
@@ -891,4 +896,26 @@ async fn a_window_over_sorted_ranges_keeps_what_the_filter_made_constant() {
                k, flag ORDER BY id) AS c2 FROM a WHERE k = 1) q ORDER BY 1 DESC, 2 DESC, 3 DESC \
                LIMIT 36";
     answers_as_vanilla(&vanilla, &flumen, sql, 1, "threads, 32 KB budget").await;
+}
+
+/// A scalar subquery read by an operator whose tasks each run their own copy of its
+/// fragment (a TopK's bound below) sets its value once per copy, sometimes two at the same
+/// moment: both found it unset, and the second failed the query ("result for index 0 was
+/// already populated"). Found by the random queries above (seed 32) in batch mode, in 2
+/// runs of 5 of this one.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn copies_of_a_subquery_reader_set_its_value_once() {
+    let (dir, vanilla) = tables_of_seed(32).await;
+    let flumen = flumen_session(0, 7, 3, false);
+    for set in [
+        "SET flumen.mode = 'batch'",
+        "SET flumen.memory_budget = '128KB'",
+        "SET datafusion.execution.target_partitions = 4",
+    ] {
+        common::collect(&flumen, set).await;
+    }
+    register(&flumen, dir.path()).await;
+    let sql = "SELECT * FROM (SELECT id AS c0, x AS c1 FROM a WHERE x > (SELECT avg(w) FROM b \
+               WHERE k IS NOT NULL)) q ORDER BY 1, 2 DESC LIMIT 5 OFFSET 7";
+    answers_as_vanilla(&vanilla, &flumen, sql, 12, "batch mode, 128 KB budget").await;
 }
