@@ -207,6 +207,27 @@ impl std::fmt::Display for Failure {
     }
 }
 
+/// A peer at the returned address that takes one connection, resets its first call's
+/// HTTP/2 stream with PROTOCOL_ERROR (which gRPC reports as an internal error, not as a
+/// dead peer) and then goes away: as a killed worker's call can look, and as a call seen
+/// under lost blocks with the worker alive did.
+#[cfg(test)]
+pub(crate) async fn peer_resetting_one_call() -> (String, tokio::task::JoinHandle<()>) {
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let address = listener.local_addr().unwrap().to_string();
+    let peer = tokio::spawn(async move {
+        let (socket, _) = listener.accept().await.unwrap();
+        drop(listener);
+        let mut connection = h2::server::handshake(socket).await.unwrap();
+        let (_request, mut respond) = connection.accept().await.unwrap().unwrap();
+        respond.send_reset(h2::Reason::PROTOCOL_ERROR);
+        // Drive the connection until the reset is out and the client is done with it.
+        let _ =
+            tokio::time::timeout(std::time::Duration::from_millis(500), connection.accept()).await;
+    });
+    (address, peer)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -214,19 +235,7 @@ mod tests {
 
     #[tokio::test]
     async fn a_call_whose_stream_the_peer_reset_broke_and_may_be_tried_again() {
-        // A peer that resets the call's HTTP/2 stream, as seen under lost blocks with the
-        // worker alive: gRPC reports it as an internal error, which is not the task's own.
-        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-        let address = listener.local_addr().unwrap().to_string();
-        let peer = tokio::spawn(async move {
-            let (socket, _) = listener.accept().await.unwrap();
-            let mut connection = h2::server::handshake(socket).await.unwrap();
-            let (_request, mut respond) = connection.accept().await.unwrap().unwrap();
-            respond.send_reset(h2::Reason::PROTOCOL_ERROR);
-            let _ =
-                tokio::time::timeout(std::time::Duration::from_millis(500), connection.accept())
-                    .await;
-        });
+        let (address, peer) = peer_resetting_one_call().await;
         let client = connect(&address, None, &Secret::random()).await.unwrap();
         let failure = read_status(&client).await.unwrap_err();
         peer.await.unwrap();

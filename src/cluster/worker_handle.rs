@@ -530,20 +530,9 @@ mod tests {
 
     #[tokio::test]
     async fn a_block_whose_holder_broke_the_call_and_is_gone_is_lost_not_an_error() {
-        // A holder that resets the block's stream with PROTOCOL_ERROR (which gRPC reports
-        // as an internal error, not as a dead peer) and then is gone, as a worker killed
+        // A holder that resets the block's stream and then is gone, as a worker killed
         // mid-fetch can look before its process counts as exited.
-        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-        let address = listener.local_addr().unwrap().to_string();
-        let holder = tokio::spawn(async move {
-            let (socket, _) = listener.accept().await.unwrap();
-            drop(listener);
-            let mut connection = h2::server::handshake(socket).await.unwrap();
-            let (_request, mut respond) = connection.accept().await.unwrap().unwrap();
-            respond.send_reset(h2::Reason::PROTOCOL_ERROR);
-            // Drive the connection until the reset is out and the client is done with it.
-            let _ = tokio::time::timeout(Duration::from_millis(500), connection.accept()).await;
-        });
+        let (address, holder) = crate::cluster::worker_client::peer_resetting_one_call().await;
         let client = crate::cluster::worker_client::connect(&address, None, &Secret::random())
             .await
             .unwrap();
