@@ -50,8 +50,9 @@ use crate::plan::exchange_sizing::ExchangeSizing;
 use crate::plan::graph::{Operator, OperatorGraph, OperatorId, Pool, TaskShape};
 use crate::plan::merge_runs::MergeRunsExec;
 use crate::plan::model_batching::ModelBatching;
-use crate::plan::partition_cut::shares_build_matches_across_partitions;
-use crate::plan::partition_cut::{cuts_per_partition, only_merges_inputs};
+use crate::plan::partition_cut::{
+    cuts_per_partition, only_merges_inputs, shares_build_matches_across_partitions,
+};
 use crate::plan::range_sort::sort_run_bytes;
 use crate::plan::row_group_layout::RowGroupLayout;
 use crate::plan::split_source::{ModelSplitLimit, SplitSourceExec};
