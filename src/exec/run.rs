@@ -24,7 +24,7 @@ use futures::FutureExt;
 use tokio::sync::watch;
 
 use crate::cluster::worker_pool::WorkerPoolSlot;
-use crate::config::{FlumenConfig, WorkerMode};
+use crate::config::{ByteSize, FlumenConfig, WorkerMode};
 use crate::exec::accelerator_threads::AcceleratorPool;
 use crate::exec::block_dropper::BlockDropper;
 use crate::exec::metrics::{OperatorStats, RunMetrics};
@@ -377,7 +377,7 @@ impl QueryRun {
             Err(e) if self.retry_alone(&mut st, task, &e) => {}
             Err(e) => {
                 if st.error.is_none() {
-                    st.error = Some(Arc::new(e));
+                    st.error = Some(Arc::new(self.naming_the_budget(e)));
                 }
                 for abort in st.aborts.drain(..) {
                     abort.abort();
@@ -396,6 +396,30 @@ impl QueryRun {
             crate::store::freed_memory::return_freed_memory(allocator_too);
         }
         self.changed();
+    }
+
+    /// `error` as the user should read it: DataFusion's refusals that name
+    /// `datafusion.runtime.memory_limit` ("Not enough memory to continue external sort")
+    /// also name the budget its operators share here, `flumen.memory_budget`, unless the
+    /// session set a memory limit of its own.
+    fn naming_the_budget(&self, error: DataFusionError) -> DataFusionError {
+        let own_pool = matches!(
+            self.base.runtime_env().memory_pool.memory_limit(),
+            MemoryLimit::Infinite
+        );
+        match error.find_root() {
+            DataFusionError::ResourcesExhausted(message)
+                if own_pool && message.contains("datafusion.runtime.memory_limit") =>
+            {
+                DataFusionError::ResourcesExhausted(format!(
+                    "{message} Here operators share flumen.memory_budget ({}; never less \
+                     than {} for operators): raise flumen.memory_budget.",
+                    ByteSize(self.store.budget()),
+                    ByteSize(crate::store::operator_memory::MIN_OPERATOR_BYTES),
+                ))
+            }
+            _ => error,
+        }
     }
 
     /// Queue task `task`, refused memory (`ResourcesExhausted`), to run again with its sorts

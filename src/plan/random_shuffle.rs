@@ -257,7 +257,7 @@ impl ExecutionPlan for RandomPermuteExec {
             let mut keys = vec![];
             let mut input = input;
             while let Some(batch) = input.try_next().await? {
-                reservation.try_grow(referenced_bytes(&batch))?;
+                reservation.try_grow(crate::store::rows_bytes(&batch) as usize)?;
                 keys.push(shuffle_keys(&batch)?);
                 batches.push(batch);
             }
@@ -281,20 +281,6 @@ impl ExecutionPlan for RandomPermuteExec {
             permuted,
         )))
     }
-}
-
-/// Bytes of the buffer ranges `batch`'s rows use: blocks are often slices of a larger
-/// batch, whose whole buffers `get_array_memory_size` would count once per slice.
-fn referenced_bytes(batch: &RecordBatch) -> usize {
-    batch
-        .columns()
-        .iter()
-        .map(|c| {
-            c.to_data()
-                .get_slice_memory_size()
-                .unwrap_or_else(|_| c.get_array_memory_size())
-        })
-        .sum()
 }
 
 /// The shuffle key column (the last) of `batch`.

@@ -15,16 +15,18 @@ use datafusion::arrow::array::{Array, ArrayRef, AsArray, MutableArrayData, make_
 use datafusion::arrow::datatypes::DataType;
 use datafusion::arrow::record_batch::RecordBatch;
 
-/// Bytes `column`'s rows reach: only the slice of each buffer the rows reach, and for
-/// string and binary views only the values they point at.
+/// Bytes `column`'s rows reach: only the slice of each buffer the rows reach, for string
+/// and binary views only the values they point at, and for lists and maps only the child
+/// rows their offsets span (Arrow's `get_slice_memory_size` counts a list slice's whole
+/// child: one row of `array_agg` cut from a batch of many groups counted them all).
 fn reached_bytes(column: &ArrayRef) -> u64 {
-    let views = match column.data_type() {
-        DataType::Utf8View => Some(column.as_string_view().views().clone()),
-        DataType::BinaryView => Some(column.as_binary_view().views().clone()),
-        _ => None,
-    };
-    match views {
-        Some(views) => {
+    let nulls = column.nulls().map_or(0, |_| column.len().div_ceil(8)) as u64;
+    match column.data_type() {
+        DataType::Utf8View | DataType::BinaryView => {
+            let views = match column.data_type() {
+                DataType::Utf8View => column.as_string_view().views().clone(),
+                _ => column.as_binary_view().views().clone(),
+            };
             let long: u64 = views
                 .iter()
                 .map(|v| *v as u32)
@@ -33,7 +35,33 @@ fn reached_bytes(column: &ArrayRef) -> u64 {
                 .sum();
             views.len() as u64 * 16 + long + column.len().div_ceil(8) as u64
         }
-        None => column
+        DataType::List(_) => {
+            let list = column.as_list::<i32>();
+            let offsets = list.value_offsets();
+            let (start, end) = (offsets[0] as usize, offsets[list.len()] as usize);
+            let child = list.values().slice(start, end - start);
+            offsets.len() as u64 * 4 + nulls + reached_bytes(&child)
+        }
+        DataType::LargeList(_) => {
+            let list = column.as_list::<i64>();
+            let offsets = list.value_offsets();
+            let (start, end) = (offsets[0] as usize, offsets[list.len()] as usize);
+            let child = list.values().slice(start, end - start);
+            offsets.len() as u64 * 8 + nulls + reached_bytes(&child)
+        }
+        DataType::Map(_, _) => {
+            let map = column.as_map();
+            let offsets = map.value_offsets();
+            let (start, end) = (offsets[0] as usize, offsets[map.len()] as usize);
+            let entries: ArrayRef = Arc::new(map.entries().slice(start, end - start));
+            offsets.len() as u64 * 4 + nulls + reached_bytes(&entries)
+        }
+        // A struct's slice slices its fields, which may be lists themselves.
+        DataType::Struct(_) => {
+            let fields = column.as_struct().columns().iter().map(reached_bytes);
+            nulls + fields.sum::<u64>()
+        }
+        _ => column
             .to_data()
             .get_slice_memory_size()
             .unwrap_or_else(|_| column.get_array_memory_size()) as u64,
@@ -101,7 +129,10 @@ fn copied(column: &ArrayRef) -> ArrayRef {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use datafusion::arrow::array::{FixedSizeBinaryArray, Int32Array, StringViewArray};
+    use datafusion::arrow::array::{
+        FixedSizeBinaryArray, Int32Array, ListArray, StringViewArray, StructArray,
+    };
+    use datafusion::arrow::datatypes::Int64Type;
     use datafusion::arrow::datatypes::{Field, Schema};
     use datafusion::physical_expr::expressions::col;
     use datafusion::physical_plan::Partitioning;
@@ -159,6 +190,39 @@ mod tests {
             compact.get_array_memory_size()
         );
         assert_eq!(compact.column(1).len(), 5);
+    }
+
+    #[test]
+    fn a_sliced_list_column_counts_and_keeps_only_its_own_values() {
+        // One group's `array_agg` cut from a batch of 1,000 groups of 100 values each.
+        let lists = ListArray::from_iter_primitive::<Int64Type, _, _>(
+            (0..1000).map(|g| Some((0..100).map(move |i| Some(g * 100 + i)))),
+        );
+        let schema = Arc::new(Schema::new(vec![Field::new(
+            "v",
+            lists.data_type().clone(),
+            true,
+        )]));
+        let batch = RecordBatch::try_new(schema, vec![Arc::new(lists)]).unwrap();
+        let row = batch.slice(500, 1);
+        let bytes = block_bytes(&row);
+        assert!(bytes < 1000, "one row of 100 values counts {bytes} bytes");
+        let (kept, counted) = compact(row.clone());
+        assert_eq!(kept, row);
+        assert_eq!(counted, bytes);
+        assert!(
+            kept.get_array_memory_size() < 4096,
+            "it holds {} bytes",
+            kept.get_array_memory_size()
+        );
+        // A list of structs of lists, as an ordered `array_agg`'s partial state is.
+        let nested = StructArray::from(vec![(
+            Arc::new(Field::new("l", batch.schema().field(0).data_type().clone(), true)),
+            Arc::clone(batch.column(0)),
+        )]);
+        let nested: ArrayRef = Arc::new(nested);
+        let sliced = nested.slice(10, 2);
+        assert!(reached_bytes(&sliced) < 2000, "{}", reached_bytes(&sliced));
     }
 
     #[test]

@@ -666,7 +666,7 @@ async fn search(seed: u64, queries: usize, lose_blocks: LoseBlocks) -> Vec<Strin
     let mut engines = vec![("threads", threads, (1, 0)), ("workers", workers, (1, 0))];
     let spilling = flumen_session(0, block_rows, 3, false);
     common::collect(&spilling, "SET flumen.memory_budget = '64KB'").await;
-    engines.push(("threads in 64 KB", spilling, (3, 1)));
+    engines.push((SPILLING, spilling, (3, 1)));
     if lose_blocks == LoseBlocks::InThreadsToo {
         let losing = flumen_session(0, block_rows, 2, true);
         engines.push(("threads losing blocks", losing, (1, 0)));
@@ -698,6 +698,7 @@ async fn search(seed: u64, queries: usize, lose_blocks: LoseBlocks) -> Vec<Strin
         .map(|n| n.parse().unwrap());
     let mut failures = vec![];
     let mut refused = 0;
+    let mut out_of_budget = 0;
     for n in 0..queries {
         let drawn = Grammar { rng: &mut rng }.query();
         if only.is_some_and(|only| only != n) {
@@ -729,6 +730,13 @@ async fn search(seed: u64, queries: usize, lose_blocks: LoseBlocks) -> Vec<Strin
             let agree = match (&expected, &got) {
                 (Ok(e), Ok(g)) => same_answer(e, g),
                 (Err(_), Err(_)) => true,
+                // 64 KB cannot hold every query's state (a group's ordered `string_agg`
+                // of thousands of rows): a refusal that says to raise the budget is an
+                // answer, as long as few queries get it.
+                (Ok(_), Err(e)) if *engine == SPILLING && refused_for_the_budget(e) => {
+                    out_of_budget += 1;
+                    true
+                }
                 _ => false,
             };
             if !agree {
@@ -751,14 +759,28 @@ async fn search(seed: u64, queries: usize, lose_blocks: LoseBlocks) -> Vec<Strin
     }
     eprintln!(
         "seed {seed}: {queries} queries, block rows {block_rows}, {refused} refused by vanilla \
-         (and by flumen), {} disagreements",
+         (and by flumen), {out_of_budget} refused for flumen.memory_budget in 64 KB, {} \
+         disagreements",
         failures.len()
     );
     assert!(
         refused * 10 < queries,
         "the grammar draws queries vanilla refuses: {refused} of {queries}"
     );
+    assert!(
+        out_of_budget * 10 < queries.div_ceil(3).max(10),
+        "the 64 KB engine refused {out_of_budget} of its queries for the budget"
+    );
     failures
+}
+
+/// The engine whose 64 KB budget sends every query out of core.
+const SPILLING: &str = "threads in 64 KB";
+
+/// Whether `error` refuses a query for lack of memory and says to raise
+/// `flumen.memory_budget`.
+fn refused_for_the_budget(error: &str) -> bool {
+    error.contains("Resources exhausted") && error.contains("raise flumen.memory_budget")
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
