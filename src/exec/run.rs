@@ -39,6 +39,7 @@ use crate::functions::accelerator_devices;
 use crate::plan::graph::{OperatorGraph, OperatorId, Pool, TaskShape};
 use crate::plan::merge_join_fallback::as_sort_merge_join;
 use crate::plan::stage_input::InputExchange;
+use crate::plan::task_bounds::BoundsMade;
 use crate::store::block::{Block, BlockId};
 use crate::store::block_store::{BlockStore, ReadSoon};
 use crate::store::operator_memory::OperatorMemory;
@@ -78,6 +79,9 @@ pub struct QueryRun {
     pub(super) started_at: Instant,
     /// `flumen.timeline_file`: the tasks' spans, written there when the run ends.
     pub(super) timeline: Option<Timeline>,
+    /// The bounds of aggregates and TopK sorts the run's ended tasks made, which the
+    /// tasks launched after them prune by.
+    pub(super) bounds: BoundsMade,
 }
 
 impl QueryRun {
@@ -208,6 +212,7 @@ impl QueryRun {
             workers: WorkerRun::new(workers),
             started_at,
             timeline,
+            bounds: BoundsMade::default(),
         });
         run.preload_models(accelerator_target);
         run.schedule();

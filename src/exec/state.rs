@@ -12,6 +12,7 @@ use tokio::task::AbortHandle;
 use crate::exec::cursor::{Cursor, Next, ReadOrder};
 use crate::exec::task_kind::{TaskId, TaskKind};
 use crate::plan::graph::{OperatorId, Pool};
+use crate::plan::task_bounds::LaunchBounds;
 use crate::store::block::{Block, BlockId};
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -52,6 +53,9 @@ pub(super) struct TaskRecord {
     /// Whether its scan drops the rows its joins' complete dynamic filters reject, once its
     /// first run chose ([`crate::plan::stage_input::TaskInputs::scan_row_filter`]).
     pub(super) scan_row_filter: Arc<OnceLock<bool>>,
+    /// The bounds of its operator's ended tasks it prunes by, as its first run found them
+    /// ([`crate::plan::task_bounds`]): every run of it prunes by the same.
+    pub(super) bounds_at_launch: Arc<OnceLock<LaunchBounds>>,
     /// Whether it has polled one of its input streams yet.
     pub(super) read_an_input: bool,
     /// Its readers of a collected (not streamed) input that wait for blocks now, when its
@@ -76,6 +80,7 @@ impl TaskRecord {
             retried_alone: false,
             merge_join: false,
             scan_row_filter: Arc::default(),
+            bounds_at_launch: Arc::default(),
             read_an_input: false,
             build_waits: 0,
         }

@@ -94,7 +94,7 @@ impl QueryRun {
         let task = spec.task;
         let first_run = sink.first_run();
         let (op_id, partition, kind) = (spec.operator, spec.partition, spec.kind.clone());
-        let (merge_join, sorts_in_pieces, scan_row_filter) = {
+        let (merge_join, sorts_in_pieces, scan_row_filter, at_launch) = {
             let st = self.state.lock().unwrap();
             if st.cancelled {
                 return Err(DataFusionError::Execution("query cancelled".into()));
@@ -104,6 +104,7 @@ impl QueryRun {
                 t.merge_join,
                 t.sorts_in_pieces,
                 Arc::clone(&t.scan_row_filter),
+                Arc::clone(&t.bounds_at_launch),
             )
         };
         let op = &self.graph.operators[op_id];
@@ -112,8 +113,13 @@ impl QueryRun {
             true => as_sort_merge_join(&op.fragment)?.unwrap_or_else(|| Arc::clone(&op.fragment)),
             false => Arc::clone(&op.fragment),
         };
-        // Its own bounds, so a run again makes what the first run made.
-        let fragment = dynamic_filters::for_one_task(&fragment)?;
+        // Its own bounds, and those of the tasks that ended before its first run, so a run
+        // again makes what the first run made.
+        let at_launch = at_launch.get_or_init(|| self.bounds.at_launch());
+        let one_task = dynamic_filters::for_one_task(&fragment, at_launch)?;
+        let fragment = one_task.plan;
+        // Tasks launched while it runs start from its bounds so far too.
+        let _running = self.bounds.running(one_task.made);
         let split = kind.source_split();
         let provider = Arc::new(TaskProvider {
             run: Arc::clone(self),

@@ -27,7 +27,8 @@ use datafusion::datasource::physical_plan::{
 };
 use datafusion::datasource::source::DataSourceExec;
 use datafusion::error::Result;
-use datafusion::physical_expr::expressions::{DynamicFilterPhysicalExpr, lit};
+use datafusion::logical_expr::Operator;
+use datafusion::physical_expr::expressions::{BinaryExpr, DynamicFilterPhysicalExpr, lit};
 use datafusion::physical_plan::aggregates::AggregateExec;
 use datafusion::physical_plan::filter::{FilterExec, FilterExecBuilder};
 use datafusion::physical_plan::joins::{CrossJoinExec, HashJoinExec, NestedLoopJoinExec};
@@ -35,35 +36,54 @@ use datafusion::physical_plan::repartition::RepartitionExec;
 use datafusion::physical_plan::sorts::sort::SortExec;
 use datafusion::physical_plan::{ExecutionPlan, PhysicalExpr};
 
+use crate::plan::split_source::SplitSourceExec;
+
 /// `plan` with the dynamic filters of its aggregates and TopK sorts replaced by fresh ones,
 /// in those nodes and in every predicate below them that reads them: a copy of a plan that
 /// can run beside the original (or another copy) without either pruning by the other's
 /// bound.
 pub fn with_own_dynamic_filters(plan: Arc<dyn ExecutionPlan>) -> Result<Arc<dyn ExecutionPlan>> {
-    renew_bounds(plan, false)
+    renew_bounds(plan, false, &HashMap::new()).map(|renewed| renewed.plan)
+}
+
+/// The plan one task runs, and the bounds it makes.
+#[derive(Debug)]
+pub struct OneTask {
+    /// The fragment with bounds of the task's own.
+    pub plan: Arc<dyn ExecutionPlan>,
+    /// The task's own filters, each on its producer's columns, by the id of the filter it
+    /// replaces: what the task's bounds are ([`crate::plan::task_bounds::BoundsMade::running`]).
+    pub made: Vec<(u64, Arc<dyn PhysicalExpr>)>,
 }
 
 /// The plan one task of an operator runs: `fragment` with dynamic filters of its own for
-/// its aggregates and TopK sorts, so that what the task makes depends on its input alone.
-/// Shared by the operator's tasks, such a filter is a bound from whichever rows any task
-/// has seen so far: a task's `TopK` kept fewer rows once another's bound was tighter, and a
-/// task run again (for a lost block, or after refused memory) met its own first run's
-/// bound, cut other blocks than the first time, or panicked (DataFusion's TopK counts the
-/// partitions that finish). Bounds made in a task therefore no longer prune other
-/// operators' scans.
+/// its aggregates and TopK sorts, so that what the task makes depends on its input and on
+/// `at_launch` alone, and its scans pruning by `at_launch` (the bounds of the operator's
+/// tasks that ended before this task's first run, [`crate::plan::task_bounds`]) and by its
+/// own bound. Shared by the operator's tasks, such a filter is a bound from whichever rows
+/// any task has seen so far: a task's `TopK` kept fewer rows once another's bound was
+/// tighter, and a task run again (for a lost block, or after refused memory) met its own
+/// first run's bound, cut other blocks than the first time, or panicked (DataFusion's TopK
+/// counts the partitions that finish).
 ///
 /// Joins and repartitions are kept as they are, with what is below them: their partitions
 /// share one build side or one input, so they must stay one node. A scan below a join that
 /// read a bound renewed above it reads the old one, which no task fills any more; a bound
 /// made below a join stays shared.
-pub fn for_one_task(fragment: &Arc<dyn ExecutionPlan>) -> Result<Arc<dyn ExecutionPlan>> {
+pub fn for_one_task(
+    fragment: &Arc<dyn ExecutionPlan>,
+    at_launch: &HashMap<u64, Arc<dyn PhysicalExpr>>,
+) -> Result<OneTask> {
     let produces_bounds = fragment
         .exists(|node| Ok(renewable(node) && !node.dynamic_expressions_produced().is_empty()))
         .unwrap_or(false);
-    if !produces_bounds {
-        return Ok(Arc::clone(fragment));
+    if !produces_bounds && at_launch.is_empty() {
+        return Ok(OneTask {
+            plan: Arc::clone(fragment),
+            made: vec![],
+        });
     }
-    renew_bounds(Arc::clone(fragment), true)
+    renew_bounds(Arc::clone(fragment), true, at_launch)
 }
 
 /// Whether `node` makes a bound [`renew_bounds`] renews: an aggregate's or a TopK's.
@@ -79,67 +99,134 @@ fn shared_by_partitions(node: &Arc<dyn ExecutionPlan>) -> bool {
         || node.downcast_ref::<RepartitionExec>().is_some()
 }
 
+/// What a task's readers of dynamic filters read instead, by the expression id of the
+/// filter: the task's own fresh filter where the task renews it, and the bound the task
+/// starts from. A [`SplitSourceExec`] keeps them to apply to the one split a task reads.
+#[derive(Debug, Clone, Default)]
+pub struct BoundSwaps(HashMap<u64, Swap>);
+
+#[derive(Debug, Clone)]
+struct Swap {
+    /// The fresh filter the task's producer fills.
+    own: Option<Arc<dyn PhysicalExpr>>,
+    /// A filter fixed at the bound the task starts from, on the producer's columns.
+    from_start: Option<Arc<dyn PhysicalExpr>>,
+}
+
+impl BoundSwaps {
+    /// `predicate` reading what the task reads in place of each filter: its own filter
+    /// where it renews it (the old one where another operator's tasks fill it), and the
+    /// bound it starts from, on `predicate`'s own columns.
+    pub fn apply(
+        &self,
+        predicate: &Arc<dyn PhysicalExpr>,
+    ) -> Result<Transformed<Arc<dyn PhysicalExpr>>> {
+        Arc::clone(predicate).transform_down(|e| {
+            let swap = (e.downcast_ref::<DynamicFilterPhysicalExpr>().is_some())
+                .then(|| e.expression_id().and_then(|id| self.0.get(&id)))
+                .flatten();
+            let Some(swap) = swap else {
+                return Ok(Transformed::no(e));
+            };
+            let children: Vec<_> = e.children().into_iter().cloned().collect();
+            let own = match &swap.own {
+                Some(fresh) => Arc::clone(fresh).with_new_children(children.clone())?,
+                None => Arc::clone(&e),
+            };
+            let read = match &swap.from_start {
+                Some(bound) => Arc::new(BinaryExpr::new(
+                    Arc::clone(bound).with_new_children(children)?,
+                    Operator::And,
+                    own,
+                )),
+                None => own,
+            };
+            Ok(Transformed::new(read, true, TreeNodeRecursion::Jump))
+        })
+    }
+
+    /// `node` reading what the task reads (see [`BoundSwaps::apply`]).
+    pub fn apply_to(&self, node: Arc<dyn ExecutionPlan>) -> Result<Arc<dyn ExecutionPlan>> {
+        map_predicates(node, &mut |predicate| self.apply(predicate)).map(|t| t.data)
+    }
+}
+
 /// `plan` with fresh bounds for its aggregates and TopK sorts, and the predicates below
-/// them rewired to read them; with `keep_shared`, nodes whose partitions share state (and
-/// all below them) are left as they are.
-fn renew_bounds(plan: Arc<dyn ExecutionPlan>, keep_shared: bool) -> Result<Arc<dyn ExecutionPlan>> {
-    // Fresh filters by the expression id of the filter they replace. A producer sits above
-    // the scans that read its filter, so a walk from the top renews it before meeting them.
-    let mut fresh: HashMap<u64, Arc<dyn PhysicalExpr>> = HashMap::new();
-    plan.transform_down(|node| {
-        if keep_shared && shared_by_partitions(&node) {
-            return Ok(Transformed::new(node, false, TreeNodeRecursion::Jump));
-        }
-        let read = map_predicates(node, &mut |predicate| {
-            Arc::clone(predicate).transform_down(|e| {
-                let renewed = (e.downcast_ref::<DynamicFilterPhysicalExpr>().is_some())
-                    .then(|| e.expression_id().and_then(|id| fresh.get(&id)))
-                    .flatten();
-                match renewed {
-                    // The fresh filter on this reader's own columns.
-                    Some(filter) => {
-                        let children = e.children().into_iter().cloned().collect();
-                        Ok(Transformed::yes(
-                            Arc::clone(filter).with_new_children(children)?,
-                        ))
-                    }
-                    None => Ok(Transformed::no(e)),
-                }
+/// them rewired to read them and `at_launch`'s bound of the filter they replace (and of
+/// filters other operators fill); with `keep_shared`, nodes whose partitions share state
+/// (and all below them) are left as they are.
+fn renew_bounds(
+    plan: Arc<dyn ExecutionPlan>,
+    keep_shared: bool,
+    at_launch: &HashMap<u64, Arc<dyn PhysicalExpr>>,
+) -> Result<OneTask> {
+    // A producer sits above the scans that read its filter, so a walk from the top renews
+    // it before meeting them.
+    let mut swaps = BoundSwaps(
+        (at_launch.iter())
+            .map(|(id, bound)| {
+                let swap = Swap {
+                    own: None,
+                    from_start: Some(Arc::clone(bound)),
+                };
+                (*id, swap)
             })
-        })?;
-        let produced = read.data.dynamic_expressions_produced();
-        if produced.is_empty() || !renewable(&read.data) {
-            return Ok(read);
-        }
-        // A fresh filter on the columns the old one reads (the node's own metrics stay
-        // shared, so `EXPLAIN ANALYZE` still shows what every copy did).
-        let fresh_filter = |old: &Arc<dyn PhysicalExpr>| {
+            .collect(),
+    );
+    let mut made = vec![];
+    let plan = plan
+        .transform_down(|node| {
+            if keep_shared && shared_by_partitions(&node) {
+                return Ok(Transformed::new(node, false, TreeNodeRecursion::Jump));
+            }
+            if let Some(source) = node.downcast_ref::<SplitSourceExec>() {
+                let source = source.with_bound_swaps(Arc::new(swaps.clone()));
+                return Ok(Transformed::yes(Arc::new(source)));
+            }
+            let read = map_predicates(node, &mut |predicate| swaps.apply(predicate))?;
+            let produced = read.data.dynamic_expressions_produced();
+            if produced.is_empty() || !renewable(&read.data) {
+                return Ok(read);
+            }
+            let [old] = produced.as_slice() else {
+                return Ok(read);
+            };
+            // A fresh filter on the columns the old one reads (the node's own metrics stay
+            // shared, so `EXPLAIN ANALYZE` still shows what every copy did).
             let children = old.children().into_iter().cloned().collect();
-            Arc::new(DynamicFilterPhysicalExpr::new(children, lit(true)))
-        };
-        let renewed: Arc<dyn ExecutionPlan> = match (
-            read.data.downcast_ref::<AggregateExec>(),
-            read.data.downcast_ref::<SortExec>(),
-            produced.as_slice(),
-        ) {
-            (Some(aggregate), _, [old]) => Arc::new(
-                aggregate
-                    .clone()
-                    .with_dynamic_filter_expr(fresh_filter(old))?,
-            ),
-            (_, Some(sort), [old]) => {
-                Arc::new(sort.clone().with_dynamic_filter_expr(fresh_filter(old))?)
-            }
-            _ => return Ok(read),
-        };
-        for (old, new) in produced.iter().zip(renewed.dynamic_expressions_produced()) {
+            let fresh = Arc::new(DynamicFilterPhysicalExpr::new(children, lit(true)));
+            let renewed: Arc<dyn ExecutionPlan> = match (
+                read.data.downcast_ref::<AggregateExec>(),
+                read.data.downcast_ref::<SortExec>(),
+            ) {
+                (Some(aggregate), _) => Arc::new(
+                    aggregate
+                        .clone()
+                        .with_dynamic_filter_expr(Arc::clone(&fresh))?,
+                ),
+                (_, Some(sort)) => {
+                    Arc::new(sort.clone().with_dynamic_filter_expr(Arc::clone(&fresh))?)
+                }
+                _ => return Ok(read),
+            };
+            // The filter the node now produces (the one it was given).
+            let fresh: Arc<dyn PhysicalExpr> =
+                match renewed.dynamic_expressions_produced().as_slice() {
+                    [produced] => Arc::clone(produced),
+                    _ => fresh,
+                };
             if let Some(id) = old.expression_id() {
-                fresh.insert(id, new);
+                made.push((id, Arc::clone(&fresh)));
+                let swap = Swap {
+                    own: Some(fresh),
+                    from_start: at_launch.get(&id).cloned(),
+                };
+                swaps.0.insert(id, swap);
             }
-        }
-        Ok(Transformed::yes(renewed))
-    })
-    .map(|t| t.data)
+            Ok(Transformed::yes(renewed))
+        })?
+        .data;
+    Ok(OneTask { plan, made })
 }
 
 /// What [`map_predicates`] applies to a predicate.
@@ -212,6 +299,18 @@ mod tests {
 
     /// DataFusion's plan of `sql` over `t(a)`, one Parquet file of 0..100.
     async fn plan_of(sql: &str) -> (tempfile::TempDir, Arc<dyn ExecutionPlan>) {
+        plan_in_partitions(sql, num_cpus()).await
+    }
+
+    fn num_cpus() -> usize {
+        datafusion::prelude::SessionConfig::new().target_partitions()
+    }
+
+    /// [`plan_of`] planned for `partitions` partitions.
+    async fn plan_in_partitions(
+        sql: &str,
+        partitions: usize,
+    ) -> (tempfile::TempDir, Arc<dyn ExecutionPlan>) {
         let dir = tempfile::tempdir().unwrap();
         let path = dir.path().join("t.parquet");
         let batch = RecordBatch::try_from_iter([(
@@ -227,7 +326,9 @@ mod tests {
         .unwrap();
         writer.write(&batch).unwrap();
         writer.close().unwrap();
-        let ctx = SessionContext::new();
+        let ctx = SessionContext::new_with_config(
+            datafusion::prelude::SessionConfig::new().with_target_partitions(partitions),
+        );
         ctx.register_parquet("t", path.to_str().unwrap(), ParquetReadOptions::default())
             .await
             .unwrap();
@@ -247,7 +348,11 @@ mod tests {
         let (produced, read) = filter_ids(&plan);
         assert_eq!(produced.len(), 1, "the TopK makes a bound");
         assert_eq!(read, produced, "the scan prunes with it");
-        let (first, second) = (for_one_task(&plan).unwrap(), for_one_task(&plan).unwrap());
+        let none = HashMap::new();
+        let (first, second) = (
+            for_one_task(&plan, &none).unwrap().plan,
+            for_one_task(&plan, &none).unwrap().plan,
+        );
         let ((first_made, first_read), (second_made, _)) =
             (filter_ids(&first), filter_ids(&second));
         assert_eq!(
@@ -263,7 +368,76 @@ mod tests {
     #[tokio::test]
     async fn a_plan_without_bounds_is_run_as_it_is() {
         let (_dir, plan) = plan_of("SELECT a, count(*) FROM t GROUP BY a").await;
-        assert!(Arc::ptr_eq(&for_one_task(&plan).unwrap(), &plan));
+        let one = for_one_task(&plan, &HashMap::new()).unwrap();
+        assert!(Arc::ptr_eq(&one.plan, &plan));
+        assert!(one.made.is_empty());
+    }
+
+    #[tokio::test]
+    async fn a_task_prunes_by_the_bounds_at_its_launch_and_makes_its_own() {
+        // A partial aggregate over its scan as flumen's cut leaves it (the scan's splits
+        // are its partitions: no repartition between them).
+        let (_dir, plan) = plan_in_partitions("SELECT min(a) FROM t WHERE a % 2 = 0", 2).await;
+        let plan = plan
+            .transform_up(|node| {
+                Ok(match node.downcast_ref::<RepartitionExec>() {
+                    Some(repartition) => Transformed::yes(Arc::clone(repartition.input())),
+                    None => Transformed::no(node),
+                })
+            })
+            .unwrap()
+            .data;
+        let (produced, _) = filter_ids(&plan);
+        assert_eq!(
+            produced.len(),
+            1,
+            "{}",
+            datafusion::physical_plan::displayable(plan.as_ref()).indent(true)
+        );
+        // An earlier task ended with `a < 40`.
+        let bounds = crate::plan::task_bounds::BoundsMade::default();
+        let a = Arc::new(datafusion::physical_expr::expressions::Column::new("a", 0));
+        let lt = |v: i64| -> Arc<dyn PhysicalExpr> {
+            Arc::new(BinaryExpr::new(a.clone(), Operator::Lt, lit(v)))
+        };
+        bounds.add([crate::plan::task_bounds::MadeBound {
+            filter: produced[0],
+            columns: vec![a.clone()],
+            value: lt(40),
+        }]);
+        let one = for_one_task(&plan, &bounds.at_launch()).unwrap();
+        let scan = datafusion::physical_plan::displayable(one.plan.as_ref())
+            .indent(true)
+            .to_string();
+        assert!(
+            scan.contains("DynamicFilter [ a@0 < 40 ] AND DynamicFilter [ empty ]"),
+            "{scan}"
+        );
+        // It runs: its own bound is the minimum of its rows, 0.
+        let ctx = datafusion::prelude::SessionContext::new();
+        let out = datafusion::physical_plan::collect(Arc::clone(&one.plan), ctx.task_ctx())
+            .await
+            .unwrap();
+        assert_eq!(
+            datafusion::arrow::util::pretty::pretty_format_batches(&out)
+                .unwrap()
+                .to_string()
+                .lines()
+                .nth(3),
+            Some("| 0        |")
+        );
+        // While it runs, a task launched now starts from it; once it ends, from what it
+        // ended with.
+        let running = bounds.running(one.made.clone());
+        assert_eq!(
+            bounds.at_launch()[&produced[0]].to_string(),
+            "DynamicFilter [ a@0 < 0 ]"
+        );
+        drop(running);
+        assert_eq!(
+            bounds.at_launch()[&produced[0]].to_string(),
+            "DynamicFilter [ a@0 < 0 ]"
+        );
     }
 
     #[tokio::test]

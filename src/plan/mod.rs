@@ -59,6 +59,7 @@ pub(crate) mod split_pruning;
 pub(crate) mod split_source;
 pub(crate) mod stage_input;
 pub mod subquery_values;
+pub mod task_bounds;
 #[cfg(test)]
 pub(crate) mod test_plans;
 

@@ -32,6 +32,7 @@ use datafusion::physical_plan::{
     DisplayAs, DisplayFormatType, ExecutionPlan, Partitioning, PhysicalExpr, PlanProperties,
 };
 
+use crate::plan::dynamic_filters::BoundSwaps;
 use crate::plan::join_filter_rows;
 use crate::plan::row_group_layout::{RowGroupLayout, RowGroupSpan, byte_range};
 use crate::plan::split_pruning::{PrunedBeforeTasks, StaticFilePruning};
@@ -86,7 +87,7 @@ pub fn split_ramps(fragment: &Arc<dyn ExecutionPlan>, split: usize) -> bool {
 pub struct SplitSourceExec {
     original: Arc<dyn ExecutionPlan>,
     /// `splits[partition][split]`: a one-partition scan of that byte range.
-    splits: Vec<Vec<Arc<dyn ExecutionPlan>>>,
+    splits: Arc<Vec<Vec<Arc<dyn ExecutionPlan>>>>,
     /// How many first splits of each partition read small batches.
     ramped_splits: usize,
     /// Drops the rows its joins' finished dynamic filters reject
@@ -95,7 +96,10 @@ pub struct SplitSourceExec {
     /// Its own counters, beside the scans' shared ones: `join_filter_dropped_rows`, made
     /// when a task first drops rows.
     metrics: ExecutionPlanMetricsSet,
-    dropped_rows: OnceLock<Count>,
+    dropped_rows: Arc<OnceLock<Count>>,
+    /// What one task's split reads in place of the dynamic filters of its predicate
+    /// ([`BoundSwaps`]): set in a task's copy.
+    bound_swaps: Option<Arc<BoundSwaps>>,
 }
 
 impl SplitSourceExec {
@@ -195,11 +199,12 @@ impl SplitSourceExec {
         }
         Ok(Self {
             original,
-            splits,
+            splits: Arc::new(splits),
             ramped_splits,
             drops_join_filtered_rows: false,
             metrics,
-            dropped_rows: OnceLock::new(),
+            dropped_rows: Arc::default(),
+            bound_swaps: None,
         })
     }
 
@@ -211,9 +216,28 @@ impl SplitSourceExec {
         self
     }
 
-    /// The one-partition scan of split `split` of `partition`.
+    /// A task's copy, whose split reads what `swaps` puts in place of the dynamic filters
+    /// of its predicate (the task's own bounds, and those it starts from).
+    pub fn with_bound_swaps(&self, swaps: Arc<BoundSwaps>) -> Self {
+        Self {
+            original: Arc::clone(&self.original),
+            splits: Arc::clone(&self.splits),
+            ramped_splits: self.ramped_splits,
+            drops_join_filtered_rows: self.drops_join_filtered_rows,
+            metrics: self.metrics.clone(),
+            dropped_rows: Arc::clone(&self.dropped_rows),
+            bound_swaps: Some(swaps),
+        }
+    }
+
+    /// The one-partition scan of split `split` of `partition` (reading a task's bounds in
+    /// a task's copy).
     pub fn split_plan(&self, partition: usize, split: usize) -> Option<Arc<dyn ExecutionPlan>> {
-        self.splits.get(partition)?.get(split).cloned()
+        let scan = self.splits.get(partition)?.get(split)?;
+        match &self.bound_swaps {
+            Some(swaps) => swaps.apply_to(Arc::clone(scan)).ok(),
+            None => Some(Arc::clone(scan)),
+        }
     }
 
     /// Number of splits of each partition.
@@ -547,6 +571,14 @@ impl ExecutionPlan for SplitSourceExec {
                     "SplitSourceExec has no split {split} of partition {partition}"
                 ))
             })?;
+        let swapped;
+        let scan = match &self.bound_swaps {
+            Some(swaps) => {
+                swapped = swaps.apply_to(Arc::clone(scan))?;
+                &swapped
+            }
+            None => scan,
+        };
         // Rows its joins' finished dynamic filters reject are dropped as they are read;
         // the task's first run decides whether, and a recompute follows it.
         let mut filter = None;

@@ -217,7 +217,11 @@ mod tests {
         );
         // A list of structs of lists, as an ordered `array_agg`'s partial state is.
         let nested = StructArray::from(vec![(
-            Arc::new(Field::new("l", batch.schema().field(0).data_type().clone(), true)),
+            Arc::new(Field::new(
+                "l",
+                batch.schema().field(0).data_type().clone(),
+                true,
+            )),
             Arc::clone(batch.column(0)),
         )]);
         let nested: ArrayRef = Arc::new(nested);
