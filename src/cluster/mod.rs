@@ -47,6 +47,7 @@ pub mod on_driver;
 pub mod plan_metrics;
 pub mod protocol;
 pub(crate) mod scan_formats;
+pub mod sent_bounds;
 pub mod shipped_functions;
 pub mod task_plan;
 pub mod tls;

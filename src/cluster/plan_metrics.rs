@@ -27,6 +27,8 @@ pub struct TaskFigures {
     /// a task on the driver's threads reports them
     /// ([`OperatorStats::observe_model_metrics`](crate::exec::metrics::OperatorStats::observe_model_metrics)).
     pub model: Vec<(String, u64)>,
+    /// The bounds its aggregates and TopK sorts made ([`crate::cluster::sent_bounds`]).
+    pub bounds: Vec<crate::cluster::sent_bounds::SentBound>,
 }
 
 /// One counter of a worker's run of a task plan, summed over its nodes.

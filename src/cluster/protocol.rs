@@ -257,6 +257,9 @@ pub enum TaskEvent {
         /// ([`crate::cluster::plan_metrics::TaskFigures::model`]).
         #[serde(default)]
         model: Vec<(String, u64)>,
+        /// The bounds its aggregates and TopK sorts made ([`crate::cluster::sent_bounds`]).
+        #[serde(default)]
+        bounds: Vec<crate::cluster::sent_bounds::SentBound>,
     },
 }
 

@@ -436,6 +436,7 @@ impl TaskReply {
                         blocks: self.blocks,
                         metrics: figures.plan,
                         model: figures.model,
+                        bounds: figures.bounds,
                     }
                 }
                 Some(Produced::Finished(Err(e))) => {

@@ -300,10 +300,16 @@ impl WorkerHandle {
                 match event {
                     TaskEvent::Block(info) => on_block(info).map_err(Failure::Driver)?,
                     TaskEvent::Progress { .. } => {}
-                    TaskEvent::Done { metrics, model, .. } => {
+                    TaskEvent::Done {
+                        metrics,
+                        model,
+                        bounds,
+                        ..
+                    } => {
                         return Ok(TaskFigures {
                             plan: metrics,
                             model,
+                            bounds,
                         });
                     }
                 }

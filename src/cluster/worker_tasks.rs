@@ -183,6 +183,7 @@ async fn run_task_body(
     Ok(TaskFigures {
         plan: carried(&plan),
         model: model_figures(&plan, flumen),
+        bounds: crate::cluster::sent_bounds::made_in(&plan),
     })
 }
 

@@ -38,6 +38,7 @@ use crate::cluster::admission::{WORKER_OPTIONS, scanned_files, scanned_stores};
 use crate::cluster::membership::host_of;
 use crate::cluster::on_driver::OnDriver;
 use crate::cluster::protocol::{INPUT_LOST, InputTicket, TaskInput, TaskRequest};
+use crate::cluster::sent_bounds::{self, SentBound};
 use crate::cluster::task_plan::{self, RoundTrip};
 use crate::cluster::worker_handle::RemoteBlock;
 use crate::cluster::worker_pool::{PoolSettings, WorkerPool};
@@ -363,11 +364,13 @@ impl QueryRun {
                 Ok(work) => work,
                 Err(why) => return Ok(Some(why)),
             };
-            let bytes = match encode_for_worker(&work.plan, pool) {
+            // Its own bounds, and those it starts from, as on the driver's threads.
+            let one_task = self.with_task_bounds(task, &work.plan, true)?;
+            let bytes = match encode_for_worker(&one_task.plan, pool) {
                 Ok(bytes) => bytes,
                 Err(why) => return Ok(Some(why)),
             };
-            let mut request = self.task_request(op_id, partition, &work.plan);
+            let mut request = self.task_request(op_id, partition, &one_task.plan);
             request.first_block_rows = self.first_block_rows_of(task);
             request.inputs = work.inputs;
             request.input_sources = work.input_sources;
@@ -380,7 +383,11 @@ impl QueryRun {
                 .run_on_pool(pool, op_id, outgoing, describe, on_block)
                 .await
             {
-                Ok(()) => {
+                Ok(bounds) => {
+                    match sent_bounds::received(&bounds, &one_task.made, &self.base_context()) {
+                        Ok(made) => self.bounds.add(made),
+                        Err(e) => log::warn!("{describe}: its bounds are left out: {e}"),
+                    }
                     let stats = self.stats(op_id);
                     OperatorStats::add(&stats.input_bytes_by_ticket, work.bytes_by_ticket);
                     OperatorStats::add(&stats.input_bytes_via_driver, work.bytes_via_driver);
@@ -749,7 +756,7 @@ impl QueryRun {
         task: Outgoing<'_>,
         describe: &str,
         on_block: &mut (dyn FnMut(usize, RemoteBlock) -> Result<()> + Send),
-    ) -> Result<()> {
+    ) -> Result<Vec<SentBound>> {
         let config = self.config();
         let retries = config.max_task_retries;
         let ran = pool
@@ -769,7 +776,7 @@ impl QueryRun {
         stats.count_remote_on(&host_of(&ran.worker));
         self.metrics.count_task_on(&host_of(&ran.worker));
         self.note_restarts(pool);
-        Ok(())
+        Ok(ran.figures.bounds)
     }
 
     /// Count the pools' worker restarts since this run first used them into the graph's
@@ -800,6 +807,7 @@ impl QueryRun {
         let Ok(plan) = self.task_plan(task).await? else {
             return Ok(None);
         };
+        let plan = self.with_task_bounds(task, &plan, true)?.plan;
         let (op_id, partition, _) = self.task_identity(task);
         let plan = self.as_a_worker_decodes(op_id, plan).await;
         let mut request = self.task_request(op_id, partition, &plan);

@@ -8,7 +8,7 @@ use std::time::{Duration, Instant};
 use datafusion::arrow::record_batch::RecordBatch;
 use datafusion::error::{DataFusionError, Result};
 use datafusion::execution::TaskContext;
-use datafusion::physical_plan::ExecutionPlanProperties;
+use datafusion::physical_plan::{ExecutionPlan, ExecutionPlanProperties};
 use futures::StreamExt;
 
 use crate::cluster::on_driver::OnDriver;
@@ -20,7 +20,7 @@ use crate::exec::task_kind::TaskId;
 use crate::exec::task_runner::{InProcess, TaskRunner};
 use crate::exec::task_sink::{MadeBlock, StoreSink, TaskSink};
 use crate::exec::task_spec::{TaskPlace, TaskSpec};
-use crate::plan::dynamic_filters;
+use crate::plan::dynamic_filters::{self, OneTask};
 use crate::plan::merge_join_fallback::as_sort_merge_join;
 use crate::plan::stage_input::TaskInputs;
 use crate::store::block::{Block, BlockData};
@@ -84,6 +84,25 @@ impl QueryRun {
         }
     }
 
+    /// `plan` as task `task` runs it, here or on a worker: with bounds of its own for its
+    /// aggregates and TopK sorts, and pruning by the bounds the run's tasks had made when
+    /// its first run started, the same for every run of it ([`crate::plan::task_bounds`]).
+    /// A worker's plan (`on_worker`) is the task's alone, down to its leaves
+    /// ([`dynamic_filters::for_worker_task`]).
+    pub(super) fn with_task_bounds(
+        &self,
+        task: TaskId,
+        plan: &Arc<dyn ExecutionPlan>,
+        on_worker: bool,
+    ) -> Result<OneTask> {
+        let at_launch = Arc::clone(&self.state.lock().unwrap().tasks[task].bounds_at_launch);
+        let at_launch = at_launch.get_or_init(|| self.bounds.at_launch());
+        match on_worker {
+            true => dynamic_filters::for_worker_task(plan, at_launch),
+            false => dynamic_filters::for_one_task(plan, at_launch),
+        }
+    }
+
     /// Run a task's fragment here, each block to `sink` as it is cut. A first run records
     /// what the task reads and pauses while it is ahead of its readers.
     pub(super) async fn execute_task(
@@ -94,7 +113,7 @@ impl QueryRun {
         let task = spec.task;
         let first_run = sink.first_run();
         let (op_id, partition, kind) = (spec.operator, spec.partition, spec.kind.clone());
-        let (merge_join, sorts_in_pieces, scan_row_filter, at_launch) = {
+        let (merge_join, sorts_in_pieces, scan_row_filter) = {
             let st = self.state.lock().unwrap();
             if st.cancelled {
                 return Err(DataFusionError::Execution("query cancelled".into()));
@@ -104,7 +123,6 @@ impl QueryRun {
                 t.merge_join,
                 t.sorts_in_pieces,
                 Arc::clone(&t.scan_row_filter),
-                Arc::clone(&t.bounds_at_launch),
             )
         };
         let op = &self.graph.operators[op_id];
@@ -113,13 +131,10 @@ impl QueryRun {
             true => as_sort_merge_join(&op.fragment)?.unwrap_or_else(|| Arc::clone(&op.fragment)),
             false => Arc::clone(&op.fragment),
         };
-        // Its own bounds, and those of the tasks that ended before its first run, so a run
-        // again makes what the first run made.
-        let at_launch = at_launch.get_or_init(|| self.bounds.at_launch());
-        let one_task = dynamic_filters::for_one_task(&fragment, at_launch)?;
-        let fragment = one_task.plan;
+        let one_task = self.with_task_bounds(task, &fragment, false)?;
         // Tasks launched while it runs start from its bounds so far too.
-        let _running = self.bounds.running(one_task.made);
+        let _running = self.bounds.running(one_task.filters());
+        let fragment = one_task.plan;
         let split = kind.source_split();
         let provider = Arc::new(TaskProvider {
             run: Arc::clone(self),

@@ -21,6 +21,7 @@
 use std::collections::HashMap;
 use std::sync::Arc;
 
+use datafusion::arrow::datatypes::SchemaRef;
 use datafusion::common::tree_node::{Transformed, TreeNode, TreeNodeRecursion};
 use datafusion::datasource::physical_plan::{
     FileScanConfig, FileScanConfigBuilder, FileSource, ParquetSource,
@@ -51,9 +52,31 @@ pub fn with_own_dynamic_filters(plan: Arc<dyn ExecutionPlan>) -> Result<Arc<dyn 
 pub struct OneTask {
     /// The fragment with bounds of the task's own.
     pub plan: Arc<dyn ExecutionPlan>,
-    /// The task's own filters, each on its producer's columns, by the id of the filter it
-    /// replaces: what the task's bounds are ([`crate::plan::task_bounds::BoundsMade::running`]).
-    pub made: Vec<(u64, Arc<dyn PhysicalExpr>)>,
+    /// The task's own filters: what the task's bounds are
+    /// ([`crate::plan::task_bounds::BoundsMade::running`]).
+    pub made: Vec<OwnFilter>,
+}
+
+/// A filter of a task's own, which its aggregate or TopK fills.
+#[derive(Debug, Clone)]
+pub struct OwnFilter {
+    /// The expression id of the operator's filter it replaces.
+    pub replaces: u64,
+    /// The filter, on its producer's columns.
+    pub filter: Arc<dyn PhysicalExpr>,
+    /// Its producer's input schema, whose columns the filter reads.
+    pub input: SchemaRef,
+    /// Its producer's number in a walk of the task's plan from the root, parents first.
+    pub node: Option<usize>,
+}
+
+impl OneTask {
+    /// `(id of the filter replaced, the task's own filter)` of each of its own filters.
+    pub fn filters(&self) -> Vec<(u64, Arc<dyn PhysicalExpr>)> {
+        (self.made.iter())
+            .map(|own| (own.replaces, Arc::clone(&own.filter)))
+            .collect()
+    }
 }
 
 /// The plan one task of an operator runs: `fragment` with dynamic filters of its own for
@@ -84,6 +107,16 @@ pub fn for_one_task(
         });
     }
     renew_bounds(Arc::clone(fragment), true, at_launch)
+}
+
+/// The plan a worker runs for one task, as [`for_one_task`] does its fragment: a worker
+/// runs a plan built and decoded for that task alone, so the nodes below its joins and
+/// exchanges (its output split) are its own too, and get their own bounds.
+pub fn for_worker_task(
+    plan: &Arc<dyn ExecutionPlan>,
+    at_launch: &HashMap<u64, Arc<dyn PhysicalExpr>>,
+) -> Result<OneTask> {
+    renew_bounds(Arc::clone(plan), false, at_launch)
 }
 
 /// Whether `node` makes a bound [`renew_bounds`] renews: an aggregate's or a TopK's.
@@ -216,7 +249,12 @@ fn renew_bounds(
                     _ => fresh,
                 };
             if let Some(id) = old.expression_id() {
-                made.push((id, Arc::clone(&fresh)));
+                made.push(OwnFilter {
+                    replaces: id,
+                    filter: Arc::clone(&fresh),
+                    input: renewed.children()[0].schema(),
+                    node: None,
+                });
                 let swap = Swap {
                     own: Some(fresh),
                     from_start: at_launch.get(&id).cloned(),
@@ -226,6 +264,19 @@ fn renew_bounds(
             Ok(Transformed::yes(renewed))
         })?
         .data;
+    // Number the producers as a worker walks the plan it decodes.
+    let mut node_number = 0;
+    plan.apply(|node| {
+        for filter in node.dynamic_expressions_produced() {
+            for own in made.iter_mut() {
+                if own.filter.expression_id() == filter.expression_id() {
+                    own.node = Some(node_number);
+                }
+            }
+        }
+        node_number += 1;
+        Ok(TreeNodeRecursion::Continue)
+    })?;
     Ok(OneTask { plan, made })
 }
 
@@ -428,7 +479,7 @@ mod tests {
         );
         // While it runs, a task launched now starts from it; once it ends, from what it
         // ended with.
-        let running = bounds.running(one.made.clone());
+        let running = bounds.running(one.filters());
         assert_eq!(
             bounds.at_launch()[&produced[0]].to_string(),
             "DynamicFilter [ a@0 < 0 ]"

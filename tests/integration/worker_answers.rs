@@ -1329,9 +1329,11 @@ async fn splits_whose_row_groups_are_all_ruled_out_run_no_task() {
 async fn aggregate_bounds_prune_the_scan_tasks_after_them() {
     let dir = tempfile::tempdir().unwrap();
     let vanilla = sorted_ids(dir.path(), 1, 40_000, 1_000).await;
-    let ctx = session(0);
-    common::collect(&ctx, "SET flumen.split_bytes = 1").await;
-    register_t(&ctx, dir.path()).await;
+    let (threads, workers) = (session(0), session(2));
+    for ctx in [&threads, &workers] {
+        common::collect(ctx, "SET flumen.split_bytes = 1").await;
+        register_t(ctx, dir.path()).await;
+    }
     let losing = {
         let produced = std::sync::atomic::AtomicUsize::new(0);
         let dropper = flumen::BlockDropper(Arc::new(move |_: &flumen::BlockInfo| {
@@ -1356,26 +1358,29 @@ async fn aggregate_bounds_prune_the_scan_tasks_after_them() {
         // row groups after it.
         "SELECT min(id), max(k) FROM t WHERE k <> 5",
     ] {
-        answers_like_vanilla(&vanilla, &ctx, sql).await;
-        let read = rows_scanned(&ctx, sql).await;
-        eprintln!("{sql}: {read} of 40,000 rows read");
-        assert!(read <= 12_000, "{read} of 40,000 rows read: {sql}");
+        for (mode, ctx) in [("threads", &threads), ("2 workers", &workers)] {
+            answers_like_vanilla(&vanilla, ctx, sql).await;
+            let read = rows_scanned(ctx, sql).await;
+            eprintln!("{mode}: {sql}: {read} of 40,000 rows read");
+            assert!(read <= 12_000, "{mode}: {read} of 40,000 rows read: {sql}");
+        }
         for _ in 0..3 {
             answers_like_vanilla(&vanilla, &losing, sql).await;
         }
     }
 }
 
-/// Rows the scans of `EXPLAIN ANALYZE sql` in `ctx` output (`1.00 K` read as 1,000).
+/// Rows the split scans of `EXPLAIN ANALYZE sql` in `ctx` output, in threads mode and with
+/// workers: their operators' `rows` (`1.00 K` read as 1,000).
 async fn rows_scanned(ctx: &SessionContext, sql: &str) -> u64 {
     let batches = common::collect(ctx, &format!("EXPLAIN ANALYZE {sql}")).await;
     let text = datafusion::arrow::util::pretty::pretty_format_batches(&batches)
         .unwrap()
         .to_string();
     text.lines()
-        .filter(|line| line.contains("DataSourceExec:"))
+        .filter(|line| line.contains("name=SplitSourceExec"))
         .filter_map(|line| {
-            let rows = line.split("output_rows=").nth(1)?.split(',').next()?;
+            let rows = line.split(" rows=").nth(1)?.split(',').next()?;
             Some(match rows.strip_suffix(" K") {
                 Some(thousands) => (thousands.parse::<f64>().unwrap() * 1000.0).round() as u64,
                 None => rows.parse().unwrap(),
