@@ -330,6 +330,7 @@ impl Cutter<'_> {
         let mut other_leaves = 0;
         let mut all_row_local = true;
         let mut row_local_but_for_limits = true;
+        let mut row_local_but_for_topk = true;
         let mut stack = vec![Arc::clone(&fragment)];
         while let Some(node) = stack.pop() {
             if let Some(si) = node.downcast_ref::<StageInputExec>() {
@@ -342,6 +343,7 @@ impl Cutter<'_> {
             let row_local = is_row_local(&node);
             all_row_local &= row_local;
             row_local_but_for_limits &= row_local || is_limit(&node);
+            row_local_but_for_topk &= row_local || is_limit(&node) || is_topk(&node);
             stack.extend(node.children().into_iter().cloned());
         }
         // Stage inputs are numbered in the order their producers were created.
@@ -387,6 +389,18 @@ impl Cutter<'_> {
             // A limit over one input (`LIMIT 10`, a filter with a fetch) streams it too:
             // it starts at once and ends when it has its rows, not after its whole input.
             if stage_inputs.len() == 1 && other_leaves == 0 && row_local_but_for_limits {
+                streamed_producers.push(stage_inputs[0].0);
+            }
+            // So does a TopK in threads mode: it holds its rows whatever it reads, starts
+            // at once, and its bound prunes the splits its input reads after it was made
+            // (`plan::task_bounds`). With workers it reads its input complete, where a
+            // worker runs it, rather than have every row fetched to the driver.
+            if stage_inputs.len() == 1
+                && other_leaves == 0
+                && row_local_but_for_topk
+                && self.config.workers != WorkerMode::Process
+                && !streamed_producers.contains(&stage_inputs[0].0)
+            {
                 streamed_producers.push(stage_inputs[0].0);
             }
         }
@@ -654,6 +668,12 @@ fn is_limit(node: &Arc<dyn ExecutionPlan>) -> bool {
     node.downcast_ref::<GlobalLimitExec>().is_some()
         || node.downcast_ref::<LocalLimitExec>().is_some()
         || node.downcast_ref::<FilterExec>().is_some()
+}
+
+/// Whether `node` is a TopK: a sort that holds its `fetch` rows, whatever it reads.
+fn is_topk(node: &Arc<dyn ExecutionPlan>) -> bool {
+    node.downcast_ref::<SortExec>()
+        .is_some_and(|sort| sort.fetch().is_some())
 }
 
 /// Whether `plan` holds a partial aggregate with GROUP BY whose groups may recur in every

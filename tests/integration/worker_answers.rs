@@ -1357,12 +1357,18 @@ async fn aggregate_bounds_prune_the_scan_tasks_after_them() {
         // `id < min OR k > max`: the first split's bound `id < 0 OR k > 6` rules out the
         // row groups after it.
         "SELECT min(id), max(k) FROM t WHERE k <> 5",
+        "SELECT id FROM t WHERE k <> 5 ORDER BY k, id LIMIT 3",
     ] {
         for (mode, ctx) in [("threads", &threads), ("2 workers", &workers)] {
             answers_like_vanilla(&vanilla, ctx, sql).await;
             let read = rows_scanned(ctx, sql).await;
             eprintln!("{mode}: {sql}: {read} of 40,000 rows read");
-            assert!(read <= 12_000, "{mode}: {read} of 40,000 rows read: {sql}");
+            // A TopK's bound reaches the splits read after its first block (in threads
+            // mode, where it streams its input; how many depends on how far the splits ran
+            // ahead): its answer is checked, its rows read are shown.
+            if !sql.contains("LIMIT") {
+                assert!(read <= 12_000, "{mode}: {read} of 40,000 rows read: {sql}");
+            }
         }
         for _ in 0..3 {
             answers_like_vanilla(&vanilla, &losing, sql).await;
