@@ -403,10 +403,10 @@ impl QueryRun {
         self.changed();
     }
 
-    /// `error` as the user should read it: DataFusion's refusals that name
-    /// `datafusion.runtime.memory_limit` ("Not enough memory to continue external sort")
-    /// also name the budget its operators share here, `flumen.memory_budget`, unless the
-    /// session set a memory limit of its own.
+    /// `error` as the user should read it: DataFusion's own refusals ("Not enough memory to
+    /// continue external sort", which names `datafusion.runtime.memory_limit`; "Cannot merge
+    /// sorted runs") also name the budget its operators share here, `flumen.memory_budget`,
+    /// unless the session set a memory limit of its own.
     fn naming_the_budget(&self, error: DataFusionError) -> DataFusionError {
         let own_pool = matches!(
             self.base.runtime_env().memory_pool.memory_limit(),
@@ -414,7 +414,7 @@ impl QueryRun {
         );
         match error.find_root() {
             DataFusionError::ResourcesExhausted(message)
-                if own_pool && message.contains("datafusion.runtime.memory_limit") =>
+                if own_pool && !message.contains("flumen.memory_budget") =>
             {
                 DataFusionError::ResourcesExhausted(format!(
                     "{message} Here operators share flumen.memory_budget ({}; never less \
