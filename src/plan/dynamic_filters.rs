@@ -72,7 +72,7 @@ pub struct OwnFilter {
 
 impl OneTask {
     /// `(id of the filter replaced, the task's own filter)` of each of its own filters.
-    pub fn filters(&self) -> Vec<(u64, Arc<dyn PhysicalExpr>)> {
+    pub fn filters(&self) -> Vec<crate::plan::task_bounds::TaskFilter> {
         (self.made.iter())
             .map(|own| (own.replaces, Arc::clone(&own.filter)))
             .collect()

@@ -50,6 +50,10 @@ pub struct MadeBound {
     pub value: Arc<dyn PhysicalExpr>,
 }
 
+/// A running task's own filter: `(id of the operator's filter it replaces, the task's
+/// filter on its producer's columns)`.
+pub type TaskFilter = (u64, Arc<dyn PhysicalExpr>);
+
 /// The bounds of one filter.
 #[derive(Debug, Clone)]
 struct Kept {
@@ -94,8 +98,8 @@ pub struct BoundsMade {
 struct Inner {
     /// The bounds of ended tasks, by filter.
     by_filter: HashMap<u64, Kept>,
-    /// The running tasks' own filters (filter id, the task's filter), by a key of the run.
-    running: HashMap<u64, Vec<(u64, Arc<dyn PhysicalExpr>)>>,
+    /// The running tasks' own filters, by a key of the run.
+    running: HashMap<u64, Vec<TaskFilter>>,
     next_key: u64,
     /// Changes to `by_filter` and `running` so far.
     version: u64,
@@ -169,7 +173,7 @@ impl BoundsMade {
     /// Count a running task's own filters (`(filter id, the task's filter)`, each on its
     /// producer's columns) in every launch from now on, until the guard it returns is
     /// dropped, which adds their values then.
-    pub fn running(&self, filters: Vec<(u64, Arc<dyn PhysicalExpr>)>) -> Running<'_> {
+    pub fn running(&self, filters: Vec<TaskFilter>) -> Running<'_> {
         if filters.is_empty() {
             return Running {
                 bounds: self,
