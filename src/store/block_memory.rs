@@ -11,7 +11,9 @@
 
 use std::sync::Arc;
 
-use datafusion::arrow::array::{Array, ArrayRef, AsArray, MutableArrayData, make_array};
+use datafusion::arrow::array::{
+    Array, ArrayRef, AsArray, MutableArrayData, OffsetSizeTrait, make_array,
+};
 use datafusion::arrow::datatypes::DataType;
 use datafusion::arrow::record_batch::RecordBatch;
 
@@ -35,20 +37,8 @@ fn reached_bytes(column: &ArrayRef) -> u64 {
                 .sum();
             views.len() as u64 * 16 + long + column.len().div_ceil(8) as u64
         }
-        DataType::List(_) => {
-            let list = column.as_list::<i32>();
-            let offsets = list.value_offsets();
-            let (start, end) = (offsets[0] as usize, offsets[list.len()] as usize);
-            let child = list.values().slice(start, end - start);
-            offsets.len() as u64 * 4 + nulls + reached_bytes(&child)
-        }
-        DataType::LargeList(_) => {
-            let list = column.as_list::<i64>();
-            let offsets = list.value_offsets();
-            let (start, end) = (offsets[0] as usize, offsets[list.len()] as usize);
-            let child = list.values().slice(start, end - start);
-            offsets.len() as u64 * 8 + nulls + reached_bytes(&child)
-        }
+        DataType::List(_) => nulls + list_reached_bytes::<i32>(column),
+        DataType::LargeList(_) => nulls + list_reached_bytes::<i64>(column),
         DataType::Map(_, _) => {
             let map = column.as_map();
             let offsets = map.value_offsets();
@@ -66,6 +56,15 @@ fn reached_bytes(column: &ArrayRef) -> u64 {
             .get_slice_memory_size()
             .unwrap_or_else(|_| column.get_array_memory_size()) as u64,
     }
+}
+
+/// Bytes a list column's offsets and the child rows they span reach (its nulls apart).
+fn list_reached_bytes<O: OffsetSizeTrait>(column: &ArrayRef) -> u64 {
+    let list = column.as_list::<O>();
+    let offsets = list.value_offsets();
+    let (start, end) = (offsets[0].as_usize(), offsets[list.len()].as_usize());
+    let child = list.values().slice(start, end - start);
+    (offsets.len() * size_of::<O>()) as u64 + reached_bytes(&child)
 }
 
 /// Bytes `batch`'s rows reach (what Arrow IPC sends of it, near enough): unlike
