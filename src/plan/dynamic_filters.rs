@@ -81,9 +81,9 @@ impl OneTask {
 
 /// The plan one task of an operator runs: `fragment` with dynamic filters of its own for
 /// its aggregates and TopK sorts, so that what the task makes depends on its input and on
-/// `at_launch` alone, and its scans pruning by `at_launch` (the bounds of the operator's
-/// tasks that ended before this task's first run, [`crate::plan::task_bounds`]) and by its
-/// own bound. Shared by the operator's tasks, such a filter is a bound from whichever rows
+/// `at_launch` alone, and its scans pruning by `at_launch` (the bounds the run's tasks had
+/// made when this task's first run started, [`crate::plan::task_bounds`]) and by its own
+/// bound. Shared by the operator's tasks, such a filter is a bound from whichever rows
 /// any task has seen so far: a task's `TopK` kept fewer rows once another's bound was
 /// tighter, and a task run again (for a lost block, or after refused memory) met its own
 /// first run's bound, cut other blocks than the first time, or panicked (DataFusion's TopK
