@@ -449,7 +449,7 @@ impl Grammar<'_> {
 
     /// One query of a shape other than a set operation, and its output width.
     fn plain_body(&mut self) -> (String, usize) {
-        match self.rng.random_range(0..8) {
+        match self.rng.random_range(0..10) {
             // Filter and project.
             0 => {
                 let items = (0..self.rng.random_range(1..4))
@@ -544,6 +544,47 @@ impl Grammar<'_> {
                 let items = vec!["id".into(), first, second];
                 let (list, n) = self.select_list(items);
                 (format!("SELECT {list} FROM a{}", self.a_where("")), n)
+            }
+            // Grouping sets: ROLLUP, CUBE and GROUPING SETS, with `grouping()`.
+            8 => {
+                let (first, second) = (self.pick(&["k", "g"]), self.pick(&["flag", "id % 3"]));
+                let sets = match self.rng.random_range(0..3) {
+                    0 => format!("ROLLUP ({first}, {second})"),
+                    1 => format!("CUBE ({first}, {second})"),
+                    _ => format!("GROUPING SETS (({first}), ({first}, {second}), ())"),
+                };
+                let agg = self.aggregate("");
+                let items = vec![
+                    first.into(),
+                    second.into(),
+                    format!("grouping({first})"),
+                    "count(*)".into(),
+                    agg,
+                ];
+                let (list, n) = self.select_list(items);
+                (
+                    format!("SELECT {list} FROM a{} GROUP BY {sets}", self.a_where("")),
+                    n,
+                )
+            }
+            // DISTINCT ON, and UNNEST of an array made per row.
+            9 => {
+                if self.chance(0.5) {
+                    let key = self.pick(&["k", "g", "flag"]);
+                    let dir = self.pick(&["", " DESC"]);
+                    let (list, n) = self.select_list(vec![key.into(), "id".into(), "x".into()]);
+                    (
+                        format!(
+                            "SELECT DISTINCT ON ({key}) {list} FROM a{} ORDER BY {key}, id{dir}",
+                            self.a_where("")
+                        ),
+                        n,
+                    )
+                } else {
+                    let (list, n) = self
+                        .select_list(vec!["id".into(), "unnest(make_array(x, k, id % 5))".into()]);
+                    (format!("SELECT {list} FROM a{}", self.a_where("")), n)
+                }
             }
             // Scalar subqueries and a derived table.
             _ => {
