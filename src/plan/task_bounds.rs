@@ -17,10 +17,11 @@
 //! made again the same.
 //!
 //! Bounds of one filter are merged: `x < 10` and `x < 7` make `x < 7`, and two
-//! `x < a OR x > b` make one with the smaller `a` and the larger `b`: each conjunct of their
-//! conjunction holds for every row that can still change the answer, so the conjunction
-//! does, and where their shapes match it is that one expression. Other shapes (a TopK over
-//! several keys) are kept as a conjunction of at most [`MAX_CONJUNCTS`] bounds.
+//! `x < a OR y > b` make one with the smaller `a` and the larger `b`. For the shapes
+//! DataFusion's aggregates and TopK sorts make, that is the bound of both tasks' rows
+//! together. Bounds of other shapes (a TopK over several keys whose first keys differ) are
+//! kept as a conjunction, each holding for every row that can still change the answer, at
+//! most [`MAX_CONJUNCTS`] of them.
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
@@ -243,10 +244,7 @@ fn is_true(expr: &Arc<dyn PhysicalExpr>) -> bool {
 /// each pair is kept); `None` where they differ otherwise. For the shapes DataFusion's
 /// aggregates and TopK sorts make (one `<` or `>` per aggregate or sort key, a sort key's
 /// `=` before the next key's) that is the bound of both tasks' rows together.
-pub fn merged(
-    a: &Arc<dyn PhysicalExpr>,
-    b: &Arc<dyn PhysicalExpr>,
-) -> Option<Arc<dyn PhysicalExpr>> {
+fn merged(a: &Arc<dyn PhysicalExpr>, b: &Arc<dyn PhysicalExpr>) -> Option<Arc<dyn PhysicalExpr>> {
     if let (Some(x), Some(y)) = (
         a.downcast_ref::<BinaryExpr>(),
         b.downcast_ref::<BinaryExpr>(),
