@@ -64,7 +64,7 @@ fn list_reached_bytes<O: OffsetSizeTrait>(column: &ArrayRef) -> u64 {
     let offsets = list.value_offsets();
     let (start, end) = (offsets[0].as_usize(), offsets[list.len()].as_usize());
     let child = list.values().slice(start, end - start);
-    (offsets.len() * size_of::<O>()) as u64 + reached_bytes(&child)
+    size_of_val(offsets) as u64 + reached_bytes(&child)
 }
 
 /// Bytes `batch`'s rows reach (what Arrow IPC sends of it, near enough): unlike
