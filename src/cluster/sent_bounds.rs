@@ -93,3 +93,72 @@ pub fn received(
     }
     Ok(made)
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use datafusion::arrow::array::Int64Array;
+    use datafusion::arrow::record_batch::RecordBatch;
+    use datafusion::common::tree_node::Transformed;
+    use datafusion::physical_plan::repartition::RepartitionExec;
+    use datafusion::prelude::{ParquetReadOptions, SessionConfig, SessionContext};
+
+    use crate::plan::dynamic_filters::for_worker_task;
+
+    #[tokio::test]
+    async fn a_workers_bound_comes_back_as_a_bound_of_the_operators_filter() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("t.parquet");
+        let batch = RecordBatch::try_from_iter([(
+            "a",
+            Arc::new(Int64Array::from_iter_values(10..100)) as _,
+        )])
+        .unwrap();
+        let file = std::fs::File::create(&path).unwrap();
+        let mut writer =
+            datafusion::parquet::arrow::ArrowWriter::try_new(file, batch.schema(), None).unwrap();
+        writer.write(&batch).unwrap();
+        writer.close().unwrap();
+        let ctx = SessionContext::new_with_config(SessionConfig::new().with_target_partitions(2));
+        let options = ParquetReadOptions::default();
+        ctx.register_parquet("t", path.to_str().unwrap(), options)
+            .await
+            .unwrap();
+        let sql = "SELECT min(a) FROM t WHERE a % 2 = 0";
+        let plan = ctx.sql(sql).await.unwrap();
+        let plan = plan.create_physical_plan().await.unwrap();
+        // The partial aggregate straight over its scan, as a worker's task plan has it.
+        let plan = (plan.transform_up(|node| {
+            Ok(match node.downcast_ref::<RepartitionExec>() {
+                Some(repartition) => Transformed::yes(Arc::clone(repartition.input())),
+                None => Transformed::no(node),
+            })
+        }))
+        .unwrap()
+        .data;
+        let one = for_worker_task(&plan, &Default::default()).unwrap();
+        assert_eq!(one.made.len(), 1);
+        // Nothing ran: nothing to send.
+        assert!(made_in(&one.plan).is_empty());
+        datafusion::physical_plan::collect(Arc::clone(&one.plan), ctx.task_ctx())
+            .await
+            .unwrap();
+        let sent = made_in(&one.plan);
+        assert_eq!(sent.len(), 1);
+        assert_eq!(Some(sent[0].node), one.made[0].node);
+        let made = received(&sent, &one.made, &ctx.task_ctx()).unwrap();
+        assert_eq!(made.len(), 1);
+        assert_eq!(made[0].filter, one.made[0].replaces);
+        assert_eq!(made[0].value.to_string(), "a@0 < 10");
+        // A bound of a node the driver did not renew is left out.
+        let elsewhere = SentBound {
+            node: sent[0].node + 1,
+            value: sent[0].value.clone(),
+        };
+        assert!(
+            received(&[elsewhere], &one.made, &ctx.task_ctx())
+                .unwrap()
+                .is_empty()
+        );
+    }
+}
