@@ -407,7 +407,7 @@ impl QueryRun {
     /// continue external sort", which names `datafusion.runtime.memory_limit`; "Cannot merge
     /// sorted runs") also name the budget its operators share here, `flumen.memory_budget`,
     /// unless the session set a memory limit of its own.
-    fn naming_the_budget(&self, error: DataFusionError) -> DataFusionError {
+    pub(super) fn naming_the_budget(&self, error: DataFusionError) -> DataFusionError {
         let own_pool = matches!(
             self.base.runtime_env().memory_pool.memory_limit(),
             MemoryLimit::Infinite

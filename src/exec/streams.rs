@@ -422,6 +422,10 @@ impl futures::Stream for OutputStream {
         // would in a task, instead of unwinding into the caller.
         let inner = &mut self.inner;
         match std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| inner.poll_next_unpin(cx))) {
+            // The fragment the consumer runs refused memory as a task would: said alike.
+            Ok(std::task::Poll::Ready(Some(Err(e)))) => {
+                std::task::Poll::Ready(Some(Err(self.run.naming_the_budget(e))))
+            }
             Ok(poll) => poll,
             Err(panic) => {
                 self.timed_out = true;
