@@ -625,7 +625,14 @@ impl Grammar<'_> {
             width,
             reference,
         } = self.body();
-        if self.chance(0.3) {
+        // DataFusion keeps a filter's constant through grouping sets, though rolled-up rows
+        // hold NULL there, and its sort then drops that key: `WHERE id % 3 = 1 GROUP BY
+        // GROUPING SETS ((k), (k, id % 3), ()) ORDER BY 1, 2` sorts by `k` alone, in vanilla
+        // as in flumen, so neither order nor a `LIMIT` of it is total. Not ordered.
+        let grouping_sets = ["ROLLUP (", "CUBE (", "GROUPING SETS ("]
+            .iter()
+            .any(|sets| body.contains(sets));
+        if self.chance(0.3) && !grouping_sets {
             let mut order = String::new();
             for i in 1..=width {
                 let dir = self.pick(&["", " DESC", " NULLS FIRST", " DESC NULLS LAST"]);
@@ -981,4 +988,34 @@ async fn copies_of_a_subquery_reader_set_its_value_once() {
     let sql = "SELECT * FROM (SELECT id AS c0, x AS c1 FROM a WHERE x > (SELECT avg(w) FROM b \
                WHERE k IS NOT NULL)) q ORDER BY 1, 2 DESC LIMIT 5 OFFSET 7";
     answers_as_vanilla(&vanilla, &flumen, sql, 12, "batch mode, 128 KB budget").await;
+}
+
+/// Seed 5034's query 16: DataFusion carries `g = 'red'` through `ROLLUP (g, ...)` as a
+/// constant of `g`, though the rolled-up rows hold NULL there; the final aggregate took its
+/// input as sorted by `g`, and with blocks from several tasks gave the grand total twice
+/// (145 and 207 rows, for 352). Seed 5029's `CUBE` split a group the same way.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_rollup_over_a_key_the_filter_fixed_gives_each_group_once() {
+    for (seed, block_rows, sql) in [
+        (
+            5034,
+            100,
+            "SELECT g AS c0, id % 3 AS c1, grouping(g) AS c2, count(*) AS c3, bool_or(flag) AS c4 \
+             FROM a WHERE g = 'red' GROUP BY ROLLUP (g, id % 3)",
+        ),
+        (
+            5029,
+            32,
+            "SELECT k AS c0, flag AS c1, grouping(k) AS c2, count(*) AS c3 FROM a \
+             WHERE k = 11 AND coalesce(x, k, 0) <= -32 GROUP BY CUBE (k, flag)",
+        ),
+    ] {
+        let (dir, vanilla) = tables_of_seed(seed).await;
+        for workers in [0, 2] {
+            let flumen = flumen_session(workers, block_rows, 2, false);
+            register(&flumen, dir.path()).await;
+            let what = format!("seed {seed}, {workers} workers");
+            answers_as_vanilla(&vanilla, &flumen, sql, 3, &what).await;
+        }
+    }
 }
