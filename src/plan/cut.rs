@@ -646,7 +646,14 @@ fn is_row_local(node: &Arc<dyn ExecutionPlan>) -> bool {
         return node.fetch().is_none();
     }
     if let Some(agg) = node.downcast_ref::<AggregateExec>() {
-        return *agg.mode() == AggregateMode::Partial && agg.limit_options().is_none();
+        // An empty grouping set (`ROLLUP`, `CUBE`, `GROUPING SETS (..., ())`) makes a
+        // partial aggregate emit its grand-total row even over no rows: it must run once per
+        // partition, not once per block that reaches it (no block, no task, no row).
+        let emits_on_empty_input = (agg.group_expr().groups().iter())
+            .any(|nulls| !nulls.is_empty() && nulls.iter().all(|is_null| *is_null));
+        return *agg.mode() == AggregateMode::Partial
+            && agg.limit_options().is_none()
+            && !emits_on_empty_input;
     }
     if let Some(source) = node.downcast_ref::<DataSourceExec>() {
         return source.fetch().is_none();

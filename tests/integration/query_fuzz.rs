@@ -1019,3 +1019,18 @@ async fn a_rollup_over_a_key_the_filter_fixed_gives_each_group_once() {
         }
     }
 }
+
+/// Seed 5034's query 114: a `CUBE` over no rows has one row, the grand total (count 0).
+/// DataFusion's partial aggregate emits it in every partition, even an empty one; flumen ran
+/// that aggregate once per block that reached it, and with no block gave no row.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_cube_over_no_rows_gives_its_grand_total() {
+    let (dir, vanilla) = tables_of_seed(5034).await;
+    let sql = "SELECT k AS c0, id % 3 AS c1, grouping(k) AS c2, count(*) AS c3, \
+               sum(DISTINCT k) AS c4 FROM a WHERE id >= 4902 GROUP BY CUBE (k, id % 3)";
+    for workers in [0, 2] {
+        let flumen = flumen_session(workers, 100, 3, false);
+        register(&flumen, dir.path()).await;
+        answers_as_vanilla(&vanilla, &flumen, sql, 2, &format!("{workers} workers")).await;
+    }
+}
