@@ -97,36 +97,19 @@ pub fn received(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use datafusion::arrow::array::Int64Array;
-    use datafusion::arrow::record_batch::RecordBatch;
     use datafusion::common::tree_node::Transformed;
     use datafusion::physical_plan::repartition::RepartitionExec;
-    use datafusion::prelude::{ParquetReadOptions, SessionConfig, SessionContext};
+    use datafusion::prelude::SessionContext;
 
     use crate::plan::dynamic_filters::for_worker_task;
+    use crate::plan::dynamic_filters::tests::plan_in_partitions;
 
     #[tokio::test]
     async fn a_workers_bound_comes_back_as_a_bound_of_the_operators_filter() {
-        let dir = tempfile::tempdir().unwrap();
-        let path = dir.path().join("t.parquet");
-        let batch = RecordBatch::try_from_iter([(
-            "a",
-            Arc::new(Int64Array::from_iter_values(10..100)) as _,
-        )])
-        .unwrap();
-        let file = std::fs::File::create(&path).unwrap();
-        let mut writer =
-            datafusion::parquet::arrow::ArrowWriter::try_new(file, batch.schema(), None).unwrap();
-        writer.write(&batch).unwrap();
-        writer.close().unwrap();
-        let ctx = SessionContext::new_with_config(SessionConfig::new().with_target_partitions(2));
-        let options = ParquetReadOptions::default();
-        ctx.register_parquet("t", path.to_str().unwrap(), options)
-            .await
-            .unwrap();
+        // `t(a)`, one Parquet file of 0..100.
         let sql = "SELECT min(a) FROM t WHERE a % 2 = 0";
-        let plan = ctx.sql(sql).await.unwrap();
-        let plan = plan.create_physical_plan().await.unwrap();
+        let (_dir, plan) = plan_in_partitions(sql, 2).await;
+        let ctx = SessionContext::new();
         // The partial aggregate straight over its scan, as a worker's task plan has it.
         let plan = (plan.transform_up(|node| {
             Ok(match node.downcast_ref::<RepartitionExec>() {
@@ -149,7 +132,7 @@ mod tests {
         let made = received(&sent, &one.made, &ctx.task_ctx()).unwrap();
         assert_eq!(made.len(), 1);
         assert_eq!(made[0].filter, one.made[0].replaces);
-        assert_eq!(made[0].value.to_string(), "a@0 < 10");
+        assert_eq!(made[0].value.to_string(), "a@0 < 0");
         // A bound of a node the driver did not renew is left out.
         let elsewhere = SentBound {
             node: sent[0].node + 1,

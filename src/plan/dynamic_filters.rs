@@ -318,7 +318,7 @@ pub(crate) fn map_predicates(
 }
 
 #[cfg(test)]
-mod tests {
+pub(crate) mod tests {
     use super::*;
     use datafusion::arrow::array::Int64Array;
     use datafusion::arrow::record_batch::RecordBatch;
@@ -358,7 +358,7 @@ mod tests {
     }
 
     /// [`plan_of`] planned for `partitions` partitions.
-    async fn plan_in_partitions(
+    pub(crate) async fn plan_in_partitions(
         sql: &str,
         partitions: usize,
     ) -> (tempfile::TempDir, Arc<dyn ExecutionPlan>) {
