@@ -59,10 +59,9 @@ impl QueryRun {
         on_worker: bool,
     ) -> Result<RecomputeSink> {
         let spec = self.spec_again(task).await;
-        if self.graph.operators[spec.operator].runs_again_unlike {
+        if let Some(why) = self.graph.operators[spec.operator].runs_again_unlike {
             return Err(DataFusionError::Execution(format!(
-                "{}: its blocks were lost, and it cannot be run again alone: its partitions \
-                 share a join's build side, whose rows the last of them to finish emits",
+                "{}: its blocks were lost, and it cannot be run again alone: {why}",
                 spec.describe
             )));
         }

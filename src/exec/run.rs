@@ -534,7 +534,7 @@ impl QueryRun {
         let rows = if bytes > 0 { block.rows as u64 } else { 0 };
         let t = &mut st.tasks[task];
         t.held_rows = t.held_rows.saturating_sub(rows);
-        if !(self.graph.operators[op].runs_again_unlike && self.worker_slot().is_some()) {
+        if !(self.graph.operators[op].runs_again_unlike.is_some() && self.worker_slot().is_some()) {
             self.store.remove(id);
         }
         let os = &mut st.operators[op];

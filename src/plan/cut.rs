@@ -50,6 +50,7 @@ use crate::plan::exchange_sizing::ExchangeSizing;
 use crate::plan::graph::{Operator, OperatorGraph, OperatorId, Pool, TaskShape};
 use crate::plan::merge_runs::MergeRunsExec;
 use crate::plan::model_batching::ModelBatching;
+use crate::plan::recursive_queries;
 use crate::plan::partition_cut::{
     cuts_per_partition, only_merges_inputs, shares_build_matches_across_partitions,
 };
@@ -412,7 +413,13 @@ impl Cutter<'_> {
             shape == TaskShape::Barrier || !all_row_local
         };
         let id = self.operators.len();
-        let runs_again_unlike = shares_build_matches_across_partitions(&fragment);
+        let runs_again_unlike = if shares_build_matches_across_partitions(&fragment) {
+            Some("its partitions share a join's build side, whose rows the last of them to finish emits")
+        } else if recursive_queries::holds_one(&fragment) {
+            Some("it runs a recursive query, whose rows come in the order its exchanges deliver them")
+        } else {
+            None
+        };
         let mut named = &fragment;
         while let Some(values) = named.downcast_ref::<SubqueryValuesExec>() {
             named = values.input();

@@ -152,12 +152,15 @@ pub struct Operator {
     /// partition's blocks as they arrive, one sorted run, which a
     /// [`crate::plan::merge_runs::MergeRunsExec`] above merges with the partition's others.
     pub run_bytes: Option<u64>,
-    /// A task of it run alone again does not repeat its first run: its partitions share a
-    /// `CollectLeft` join's matches and emit the build side's rows from whichever finishes
-    /// last ([`crate::plan::partition_cut::shares_build_matches_across_partitions`]). With
-    /// workers its blocks are kept until the query ends, so a reader run again reads them;
-    /// losing one fails the query by name.
-    pub runs_again_unlike: bool,
+    /// Why a task of it run alone again would not repeat its first run, if it would not:
+    /// its partitions share a `CollectLeft` join's matches and emit the build side's rows
+    /// from whichever finishes last
+    /// ([`crate::plan::partition_cut::shares_build_matches_across_partitions`]), or it runs
+    /// a recursive query, whose exchanges deliver rows in the order they come
+    /// ([`crate::plan::recursive_queries::holds_one`]). With workers its blocks are kept
+    /// until the query ends, so a reader run again reads them; losing one fails the query
+    /// by name.
+    pub runs_again_unlike: Option<&'static str>,
 }
 
 impl Operator {

@@ -31,6 +31,7 @@
 //!   (DataFusion 55 plans them as a plain semi and anti join).
 //! - [`fixed_size_list_casts`]: casts of lists to fixed-size lists that read sliced lists
 //!   right (arrow-cast 59 reads them from the start of their values).
+//! - [`recursive_queries`]: a recursive query copied afresh for each run of its task.
 //! - [`subquery_values`]: a fragment that reads scalar subqueries' values from their own
 //!   operators.
 
@@ -54,6 +55,7 @@ pub mod partitioned_outer_joins;
 pub(crate) mod queued_model_calls;
 pub mod random_shuffle;
 pub mod range_sort;
+pub(crate) mod recursive_queries;
 pub(crate) mod row_group_layout;
 pub(crate) mod split_pruning;
 pub(crate) mod split_source;
