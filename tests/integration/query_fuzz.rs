@@ -18,6 +18,7 @@
 //! it on every query, `=threads` adds a threads-mode session losing blocks too
 //! ([`LoseBlocks::InThreadsToo`]). `FLUMEN_FUZZ_ALSO="SET …; SET …"` adds a threads-mode
 //! engine under those settings (batch mode, a budget small enough to spill, ...).
+//! `FLUMEN_FUZZ_TOGETHER=N` runs N queries at once in each engine's session.
 
 use crate::common;
 
@@ -892,64 +893,81 @@ async fn search(seed: u64, queries: usize, lose_blocks: LoseBlocks) -> Vec<Strin
     let only: Option<usize> = std::env::var("FLUMEN_FUZZ_ONLY")
         .ok()
         .map(|n| n.parse().unwrap());
+    // `FLUMEN_FUZZ_TOGETHER=N`: each engine runs the queries N at a time, at once, in its
+    // one session (as users of one `flumen serve` would).
+    let together: usize = std::env::var("FLUMEN_FUZZ_TOGETHER").map_or(1, |n| n.parse().unwrap());
+    let drawn: Vec<Drawn> = (0..queries)
+        .map(|_| Grammar { rng: &mut rng }.query())
+        .collect();
     let mut failures = vec![];
     let mut refused = 0;
     let mut out_of_budget = 0;
-    for n in 0..queries {
-        let drawn = Grammar { rng: &mut rng }.query();
-        if only.is_some_and(|only| only != n) {
-            continue;
-        }
-        if only.is_some() {
-            let explain = format!("EXPLAIN {}", drawn.sql);
-            for (engine, ctx, _) in &engines {
-                eprintln!("flumen {engine}:");
-                for line in common::rows(&common::collect(ctx, &explain).await, true) {
-                    eprintln!("{line}");
+    let numbered = drawn
+        .iter()
+        .enumerate()
+        .filter(|(n, _)| only.is_none_or(|only| only == *n))
+        .collect::<Vec<_>>();
+    for group in numbered.chunks(together.max(1)) {
+        let mut expected = vec![];
+        for (_, drawn) in group {
+            if only.is_some() {
+                let explain = format!("EXPLAIN {}", drawn.sql);
+                for (engine, ctx, _) in &engines {
+                    eprintln!("flumen {engine}:");
+                    for line in common::rows(&common::collect(ctx, &explain).await, true) {
+                        eprintln!("{line}");
+                    }
                 }
             }
-        }
-        let reference = drawn.reference.as_deref().unwrap_or(&drawn.sql);
-        let expected = answer(&vanilla, reference, drawn.ordered).await;
-        if expected.is_err() {
-            refused += 1;
+            let reference = drawn.reference.as_deref().unwrap_or(&drawn.sql);
+            let answer = answer(&vanilla, reference, drawn.ordered).await;
+            if answer.is_err() {
+                refused += 1;
+            }
+            expected.push(answer);
         }
         let repeat = match only {
             Some(_) => std::env::var("FLUMEN_FUZZ_REPEAT").map_or(1, |r| r.parse().unwrap()),
             None => 1,
         };
-        let runs = engines
-            .iter()
-            .filter(|(_, _, (every, offset))| only.is_some() || n % every == *offset);
-        for (engine, ctx, _) in runs.flat_map(|e| std::iter::repeat_n(e, repeat)) {
-            let got = answer(ctx, &drawn.sql, drawn.ordered).await;
-            let agree = match (&expected, &got) {
-                (Ok(e), Ok(g)) => same_answer(e, g),
-                (Err(_), Err(_)) => true,
-                // 64 KB cannot hold every query's state (a group's ordered `string_agg`
-                // of thousands of rows): a refusal that says to raise the budget is an
-                // answer, as long as few queries get it.
-                (Ok(_), Err(e)) if *engine == SPILLING && refused_for_the_budget(e) => {
-                    out_of_budget += 1;
-                    true
-                }
-                _ => false,
-            };
-            if !agree {
-                let show = |r: &Result<Vec<String>, String>| match r {
-                    Ok(rows) if rows.len() > 12 => {
-                        format!("{} rows, first: {}", rows.len(), rows[..12].join("\n"))
+        for (engine, ctx, (every, offset)) in &engines {
+            let runs = (group.iter().zip(&expected))
+                .filter(|((n, _), _)| only.is_some() || n % every == *offset)
+                .flat_map(|run| std::iter::repeat_n(run, repeat));
+            let answers = futures::future::join_all(runs.map(|((n, drawn), expected)| async move {
+                let got = answer(ctx, &drawn.sql, drawn.ordered).await;
+                (*n, *drawn, expected, got)
+            }))
+            .await;
+            for (n, drawn, expected, got) in answers {
+                let agree = match (expected, &got) {
+                    (Ok(e), Ok(g)) => same_answer(e, g),
+                    (Err(_), Err(_)) => true,
+                    // 64 KB cannot hold every query's state (a group's ordered `string_agg`
+                    // of thousands of rows): a refusal that says to raise the budget is an
+                    // answer, as long as few queries get it.
+                    (Ok(_), Err(e)) if *engine == SPILLING && refused_for_the_budget(e) => {
+                        out_of_budget += 1;
+                        true
                     }
-                    Ok(rows) => format!("{} rows:\n{}", rows.len(), rows.join("\n")),
-                    Err(e) => format!("error: {e}"),
+                    _ => false,
                 };
-                failures.push(format!(
-                    "seed {seed}, query {n}, block rows {block_rows}, flumen {engine}:\n{}\n\
-                     vanilla: {}\nflumen: {}",
-                    drawn.sql,
-                    show(&expected),
-                    show(&got)
-                ));
+                if !agree {
+                    let show = |r: &Result<Vec<String>, String>| match r {
+                        Ok(rows) if rows.len() > 12 => {
+                            format!("{} rows, first: {}", rows.len(), rows[..12].join("\n"))
+                        }
+                        Ok(rows) => format!("{} rows:\n{}", rows.len(), rows.join("\n")),
+                        Err(e) => format!("error: {e}"),
+                    };
+                    failures.push(format!(
+                        "seed {seed}, query {n}, block rows {block_rows}, flumen {engine}:\n{}\n\
+                         vanilla: {}\nflumen: {}",
+                        drawn.sql,
+                        show(expected),
+                        show(&got)
+                    ));
+                }
             }
         }
     }
@@ -963,8 +981,10 @@ async fn search(seed: u64, queries: usize, lose_blocks: LoseBlocks) -> Vec<Strin
         refused * 10 < queries,
         "the grammar draws queries vanilla refuses: {refused} of {queries}"
     );
+    // Queries run at once share the session's 64 KB (DataFusion's memory pool is the
+    // session's): each may be refused as often as all of them alone.
     assert!(
-        out_of_budget * 10 < queries.div_ceil(3).max(10),
+        out_of_budget * 10 < queries.div_ceil(3).max(10) * together.max(1),
         "the 64 KB engine refused {out_of_budget} of its queries for the budget"
     );
     failures
