@@ -47,9 +47,10 @@ const CI_QUERIES: usize = 150;
 /// CI's seed: the same queries in every run, so a failure is one query to look at.
 const CI_SEED: u64 = 20261204;
 
-/// The tables' Parquet files under `dir`: `a` (4 files, the fact table) and `b` (2 files, a
-/// dimension whose keys repeat), with row groups of 64–256 rows.
-fn write_tables(dir: &Path, rng: &mut StdRng) {
+/// The tables' Parquet files under `dir`: `a` (4 files, the fact table; with
+/// `older_and_empty` 2 more, one without its last column, one with no rows) and `b` (2
+/// files, a dimension whose keys repeat), with row groups of 64–256 rows.
+fn write_tables(dir: &Path, rng: &mut StdRng, older_and_empty: bool) {
     let a_schema = Arc::new(Schema::new(vec![
         Field::new("id", DataType::Int64, false),
         Field::new("k", DataType::Int32, true),
@@ -127,6 +128,32 @@ fn write_tables(dir: &Path, rng: &mut StdRng) {
         ];
         write_file(&dir.join("b"), file, &b_schema, columns, rng);
     }
+    // Two more files of `a`: one written before `flag` was added (a scan gives NULL
+    // there), and one with no rows.
+    if !older_and_empty {
+        return;
+    }
+    let older = Arc::new(Schema::new(a_schema.fields()[..6].to_vec()));
+    let rows: i32 = rng.random_range(20..200);
+    let ids: Vec<i64> = (0..rows)
+        .map(|_| {
+            next_id += rng.random_range(1..4);
+            next_id
+        })
+        .collect();
+    let columns: Vec<ArrayRef> = vec![
+        Arc::new(Int64Array::from(ids)),
+        Arc::new(Int32Array::from_iter((0..rows).map(|i| (i % 7 != 0).then_some(i % 5)))),
+        Arc::new(StringArray::from_iter((0..rows).map(|i| Some(["red", "blue"][i as usize % 2])))),
+        Arc::new(Int64Array::from_iter((0..rows).map(|i| Some(i as i64 * 13 % 997)))),
+        Arc::new(Float64Array::from_iter((0..rows).map(|i| Some(i as f64 / 4.0)))),
+        Arc::new(Date32Array::from_iter((0..rows).map(|i| Some(19_700 + i)))),
+    ];
+    write_file(&dir.join("a"), 4, &older, columns, rng);
+    let empty: Vec<ArrayRef> = (a_schema.fields().iter())
+        .map(|f| datafusion::arrow::array::new_empty_array(f.data_type()))
+        .collect();
+    write_file(&dir.join("a"), 5, &a_schema, empty, rng);
 }
 
 fn write_file(
@@ -849,7 +876,7 @@ fn same_answer(expected: &[String], got: &[String]) -> bool {
 async fn search(seed: u64, queries: usize, lose_blocks: LoseBlocks) -> Vec<String> {
     let mut rng = StdRng::seed_from_u64(seed);
     let dir = tempfile::tempdir().unwrap();
-    write_tables(dir.path(), &mut rng);
+    write_tables(dir.path(), &mut rng, true);
     let block_rows = *[7, 32, 100].choose(&mut rng).unwrap();
     let vanilla = SessionContext::new_with_config(
         SessionConfig::new().with_target_partitions(rng.random_range(1..5)),
@@ -1024,11 +1051,12 @@ async fn ci_tables() -> (tempfile::TempDir, SessionContext) {
     tables_of_seed(CI_SEED).await
 }
 
-/// The tables a search from `seed` reads, and vanilla DataFusion over them.
+/// The tables a search from `seed` read before `a` had its older and empty files (the
+/// regression tests below were found on those), and vanilla DataFusion over them.
 async fn tables_of_seed(seed: u64) -> (tempfile::TempDir, SessionContext) {
     let mut rng = StdRng::seed_from_u64(seed);
     let dir = tempfile::tempdir().unwrap();
-    write_tables(dir.path(), &mut rng);
+    write_tables(dir.path(), &mut rng, false);
     let vanilla = SessionContext::new();
     register(&vanilla, dir.path()).await;
     (dir, vanilla)
