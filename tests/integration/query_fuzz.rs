@@ -126,7 +126,8 @@ fn write_tables(dir: &Path, rng: &mut StdRng, older_and_empty: bool) {
             Arc::new(StringArray::from(name)),
             Arc::new(Int64Array::from(w)),
         ];
-        write_file(&dir.join("b"), file, &b_schema, columns, rng);
+        // Hive-style: `b/part=N/`, its files' `part` a column of the table.
+        write_file(&dir.join(format!("b/part={file}")), file, &b_schema, columns, rng);
     }
     // Two more files of `a`: one written before `flag` was added (a scan gives NULL
     // there), and one with no rows.
@@ -174,14 +175,19 @@ fn write_file(
     writer.close().unwrap();
 }
 
-/// Register `a` and `b` (Parquet under `dir`) and `c` (a memory table made from `b`).
+/// Register `a` and `b` (Parquet under `dir`; `b` partitioned by `part`, its directories)
+/// and `c` (a memory table made from `b`).
 async fn register(ctx: &SessionContext, dir: &Path) {
-    for table in ["a", "b"] {
-        let path = dir.join(table);
-        ctx.register_parquet(table, path.to_str().unwrap(), ParquetReadOptions::default())
-            .await
-            .unwrap();
-    }
+    let a = dir.join("a");
+    ctx.register_parquet("a", a.to_str().unwrap(), ParquetReadOptions::default())
+        .await
+        .unwrap();
+    let b = dir.join("b");
+    let partitioned = ParquetReadOptions::default()
+        .table_partition_cols(vec![("part".to_string(), DataType::Int32)]);
+    ctx.register_parquet("b", b.to_str().unwrap(), partitioned)
+        .await
+        .unwrap();
     common::collect(ctx, "CREATE TABLE c AS SELECT k, w FROM b WHERE w % 3 <> 0").await;
 }
 
@@ -341,13 +347,15 @@ impl Grammar<'_> {
         }
     }
 
-    /// A condition on `b`'s (or `c`'s) columns.
-    fn b_predicate(&mut self, p: &str) -> String {
-        match self.rng.random_range(0..5) {
+    /// A condition on the columns of `table`, `b` or `c` (`b`'s without its partition
+    /// column `part`).
+    fn b_predicate(&mut self, p: &str, table: &str) -> String {
+        match self.rng.random_range(0..6) {
             0 => format!("{p}w > {}", self.rng.random_range(-100..100)),
             1 => format!("{p}k < {}", self.rng.random_range(0..15)),
             2 => format!("{p}k IS NOT NULL"),
             3 => format!("{p}w % 2 = 0"),
+            4 if table == "b" => format!("{p}part = {}", self.rng.random_range(0..2)),
             _ => "true".into(),
         }
     }
@@ -458,10 +466,10 @@ impl Grammar<'_> {
             "EXCEPT ALL",
         ]);
         let left = format!("SELECT k AS c0, x % 3 AS c1 FROM a{}", self.a_where(""));
+        let table = self.pick(&["b", "c"]);
         let right = format!(
-            "SELECT k AS c0, w % 3 AS c1 FROM {} WHERE {}",
-            self.pick(&["b", "c"]),
-            self.b_predicate("")
+            "SELECT k AS c0, w % 3 AS c1 FROM {table} WHERE {}",
+            self.b_predicate("", table)
         );
         let reference = match op {
             "INTERSECT ALL" => Some(counted_set_operation(&left, &right, false)),
@@ -551,7 +559,7 @@ impl Grammar<'_> {
             // Semi and anti joins, as IN and EXISTS.
             5 => {
                 let not = self.pick(&["", "NOT "]);
-                let inner = self.b_predicate("b.");
+                let inner = self.b_predicate("b.", "b");
                 let cond = if self.chance(0.5) {
                     format!("a.k {not}IN (SELECT b.k FROM b WHERE {inner})")
                 } else {
@@ -625,7 +633,7 @@ impl Grammar<'_> {
                     (
                         format!(
                             "SELECT {list} FROM a WHERE x > (SELECT {sub} FROM b WHERE {})",
-                            self.b_predicate("")
+                            self.b_predicate("", "b")
                         ),
                         n,
                     )
@@ -685,7 +693,7 @@ impl Grammar<'_> {
             // A correlated scalar subquery in the select list.
             2 => {
                 let sub = self.pick(&["max(w)", "sum(w)", "count(*)", "min(name)"]);
-                let inner = self.b_predicate("b.");
+                let inner = self.b_predicate("b.", "b");
                 let (list, n) = self.select_list(vec![
                     "id".into(),
                     format!("(SELECT {sub} FROM b WHERE b.k = a.k AND {inner})"),
@@ -720,6 +728,7 @@ impl Grammar<'_> {
             }
             // Groups of two tables, unioned, grouped again.
             5 => {
+                let table = self.pick(&["b", "c"]);
                 let (list, n) = self.select_list(vec![
                     "u.key".into(),
                     "sum(u.v)".into(),
@@ -728,9 +737,8 @@ impl Grammar<'_> {
                 (
                     format!(
                         "SELECT {list} FROM (SELECT k AS key, count(*) AS v FROM a{filter} GROUP BY k \
-                         UNION ALL SELECT k, sum(w) FROM {} WHERE {} GROUP BY k) u GROUP BY u.key",
-                        self.pick(&["b", "c"]),
-                        self.b_predicate("")
+                         UNION ALL SELECT k, sum(w) FROM {table} WHERE {} GROUP BY k) u GROUP BY u.key",
+                        self.b_predicate("", table)
                     ),
                     n,
                 )
@@ -745,7 +753,7 @@ impl Grammar<'_> {
                         "WITH RECURSIVE t(k, d) AS (SELECT k, 0 FROM b WHERE {} \
                          UNION ALL SELECT k + 1, d + 1 FROM t WHERE d < {depth}) \
                          SELECT {list} FROM t GROUP BY k, d",
-                        self.b_predicate("")
+                        self.b_predicate("", "b")
                     ),
                     n,
                 )
