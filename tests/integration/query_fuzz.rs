@@ -18,6 +18,7 @@
 //! it on every query, `=threads` adds a threads-mode session losing blocks too
 //! ([`LoseBlocks::InThreadsToo`]). `FLUMEN_FUZZ_ALSO="SET …; SET …"` adds a threads-mode
 //! engine under those settings (batch mode, a budget small enough to spill, ...).
+//! `FLUMEN_FUZZ_ALSO_WORKERS=N` runs that engine's tasks in N worker processes.
 //! `FLUMEN_FUZZ_TOGETHER=N` runs N queries at once in each engine's session.
 
 use crate::common;
@@ -905,12 +906,14 @@ async fn search(seed: u64, queries: usize, lose_blocks: LoseBlocks) -> Vec<Strin
     }
     // `FLUMEN_FUZZ_ALSO`: `SET` statements (`;`-separated) of one more threads-mode engine,
     // e.g. `SET flumen.mode = 'batch'` or a budget smaller still.
+    // `FLUMEN_FUZZ_ALSO_WORKERS=N`: that engine runs its tasks in N worker processes.
     if let Ok(settings) = std::env::var("FLUMEN_FUZZ_ALSO") {
-        let also = flumen_session(0, block_rows, 3, false);
+        let workers = std::env::var("FLUMEN_FUZZ_ALSO_WORKERS").map_or(0, |n| n.parse().unwrap());
+        let also = flumen_session(workers, block_rows, 3, false);
         for set in settings.split(';').filter(|s| !s.trim().is_empty()) {
             common::collect(&also, set).await;
         }
-        engines.push(("threads with FLUMEN_FUZZ_ALSO", also, (1, 0)));
+        engines.push((ALSO, also, (1, 0)));
     }
     if lose_blocks != LoseBlocks::Never {
         let losing = flumen_session(2, block_rows, 3, true);
@@ -937,6 +940,7 @@ async fn search(seed: u64, queries: usize, lose_blocks: LoseBlocks) -> Vec<Strin
     let mut failures = vec![];
     let mut refused = 0;
     let mut out_of_budget = 0;
+    let mut also_out_of_budget = 0;
     let numbered = drawn
         .iter()
         .enumerate()
@@ -985,6 +989,11 @@ async fn search(seed: u64, queries: usize, lose_blocks: LoseBlocks) -> Vec<Strin
                         out_of_budget += 1;
                         true
                     }
+                    // So may one whose settings set a small budget.
+                    (Ok(_), Err(e)) if *engine == ALSO && refused_for_the_budget(e) => {
+                        also_out_of_budget += 1;
+                        true
+                    }
                     _ => false,
                 };
                 if !agree {
@@ -1012,6 +1021,9 @@ async fn search(seed: u64, queries: usize, lose_blocks: LoseBlocks) -> Vec<Strin
          disagreements",
         failures.len()
     );
+    if also_out_of_budget > 0 {
+        eprintln!("{ALSO}: {also_out_of_budget} refused for flumen.memory_budget");
+    }
     assert!(
         refused * 10 < queries,
         "the grammar draws queries vanilla refuses: {refused} of {queries}"
@@ -1024,6 +1036,9 @@ async fn search(seed: u64, queries: usize, lose_blocks: LoseBlocks) -> Vec<Strin
     );
     failures
 }
+
+/// The engine `FLUMEN_FUZZ_ALSO` sets up.
+const ALSO: &str = "FLUMEN_FUZZ_ALSO";
 
 /// The engine whose 64 KB budget sends every query out of core.
 const SPILLING: &str = "threads in 64 KB";
