@@ -50,11 +50,11 @@ use crate::plan::exchange_sizing::ExchangeSizing;
 use crate::plan::graph::{Operator, OperatorGraph, OperatorId, Pool, TaskShape};
 use crate::plan::merge_runs::MergeRunsExec;
 use crate::plan::model_batching::ModelBatching;
-use crate::plan::recursive_queries;
 use crate::plan::partition_cut::{
     cuts_per_partition, only_merges_inputs, shares_build_matches_across_partitions,
 };
 use crate::plan::range_sort::sort_run_bytes;
+use crate::plan::recursive_queries;
 use crate::plan::row_group_layout::RowGroupLayout;
 use crate::plan::split_source::{ModelSplitLimit, SplitSourceExec};
 use crate::plan::stage_input::{InputExchange, StageInputExec};
@@ -414,9 +414,13 @@ impl Cutter<'_> {
         };
         let id = self.operators.len();
         let runs_again_unlike = if shares_build_matches_across_partitions(&fragment) {
-            Some("its partitions share a join's build side, whose rows the last of them to finish emits")
+            Some(
+                "its partitions share a join's build side, whose rows the last of them to finish emits",
+            )
         } else if recursive_queries::holds_one(&fragment) {
-            Some("it runs a recursive query, whose rows come in the order its exchanges deliver them")
+            Some(
+                "it runs a recursive query, whose rows come in the order its exchanges deliver them",
+            )
         } else {
             None
         };

@@ -29,9 +29,11 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
 
 use datafusion::arrow::array::{
-    ArrayRef, BooleanArray, Date32Array, Float64Array, Int32Array, Int64Array, StringArray,
+    ArrayRef, BooleanArray, Date32Array, Decimal128Array, Float64Array, Int32Array, Int64Array,
+    ListBuilder, StringArray, StringBuilder, StructArray, TimestampMicrosecondArray,
 };
-use datafusion::arrow::datatypes::{DataType, Field, Schema};
+use datafusion::arrow::buffer::NullBuffer;
+use datafusion::arrow::datatypes::{DataType, Field, Fields, Schema, TimeUnit};
 use datafusion::arrow::record_batch::RecordBatch;
 use datafusion::parquet::arrow::ArrowWriter;
 use datafusion::parquet::file::properties::WriterProperties;
@@ -48,11 +50,13 @@ const CI_QUERIES: usize = 150;
 /// CI's seed: the same queries in every run, so a failure is one query to look at.
 const CI_SEED: u64 = 20261204;
 
-/// The tables' Parquet files under `dir`: `a` (4 files, the fact table; with
-/// `older_and_empty` 2 more, one without its last column, one with no rows) and `b` (2
-/// files, a dimension whose keys repeat), with row groups of 64–256 rows.
-fn write_tables(dir: &Path, rng: &mut StdRng, older_and_empty: bool) {
-    let a_schema = Arc::new(Schema::new(vec![
+/// The tables' Parquet files under `dir`: `a` (4 files, the fact table) and `b` (2 files, a
+/// dimension whose keys repeat, in hive-style directories), with row groups of 64–256 rows.
+/// `extended`: what came after the regression tests below were found: `a` has the columns
+/// of [`extended_fields`] and 2 more files, one written before `flag` and those columns
+/// were added, one with no rows.
+fn write_tables(dir: &Path, rng: &mut StdRng, extended: bool) {
+    let mut a_fields = vec![
         Field::new("id", DataType::Int64, false),
         Field::new("k", DataType::Int32, true),
         Field::new("g", DataType::Utf8, true),
@@ -60,7 +64,11 @@ fn write_tables(dir: &Path, rng: &mut StdRng, older_and_empty: bool) {
         Field::new("f", DataType::Float64, true),
         Field::new("dt", DataType::Date32, true),
         Field::new("flag", DataType::Boolean, true),
-    ]));
+    ];
+    if extended {
+        a_fields.extend(extended_fields());
+    }
+    let a_schema = Arc::new(Schema::new(a_fields));
     let mut next_id = 0i64;
     for file in 0..4 {
         let rows = rng.random_range(150..1200);
@@ -106,6 +114,10 @@ fn write_tables(dir: &Path, rng: &mut StdRng, older_and_empty: bool) {
             Arc::new(Date32Array::from(dt)),
             Arc::new(BooleanArray::from(flag)),
         ];
+        let columns = match extended {
+            true => [columns, extended_columns(rows, rng)].concat(),
+            false => columns,
+        };
         write_file(&dir.join("a"), file, &a_schema, columns, rng);
     }
     let b_schema = Arc::new(Schema::new(vec![
@@ -128,11 +140,17 @@ fn write_tables(dir: &Path, rng: &mut StdRng, older_and_empty: bool) {
             Arc::new(Int64Array::from(w)),
         ];
         // Hive-style: `b/part=N/`, its files' `part` a column of the table.
-        write_file(&dir.join(format!("b/part={file}")), file, &b_schema, columns, rng);
+        write_file(
+            &dir.join(format!("b/part={file}")),
+            file,
+            &b_schema,
+            columns,
+            rng,
+        );
     }
     // Two more files of `a`: one written before `flag` was added (a scan gives NULL
     // there), and one with no rows.
-    if !older_and_empty {
+    if !extended {
         return;
     }
     let older = Arc::new(Schema::new(a_schema.fields()[..6].to_vec()));
@@ -145,10 +163,18 @@ fn write_tables(dir: &Path, rng: &mut StdRng, older_and_empty: bool) {
         .collect();
     let columns: Vec<ArrayRef> = vec![
         Arc::new(Int64Array::from(ids)),
-        Arc::new(Int32Array::from_iter((0..rows).map(|i| (i % 7 != 0).then_some(i % 5)))),
-        Arc::new(StringArray::from_iter((0..rows).map(|i| Some(["red", "blue"][i as usize % 2])))),
-        Arc::new(Int64Array::from_iter((0..rows).map(|i| Some(i as i64 * 13 % 997)))),
-        Arc::new(Float64Array::from_iter((0..rows).map(|i| Some(i as f64 / 4.0)))),
+        Arc::new(Int32Array::from_iter(
+            (0..rows).map(|i| (i % 7 != 0).then_some(i % 5)),
+        )),
+        Arc::new(StringArray::from_iter(
+            (0..rows).map(|i| Some(["red", "blue"][i as usize % 2])),
+        )),
+        Arc::new(Int64Array::from_iter(
+            (0..rows).map(|i| Some(i as i64 * 13 % 997)),
+        )),
+        Arc::new(Float64Array::from_iter(
+            (0..rows).map(|i| Some(i as f64 / 4.0)),
+        )),
         Arc::new(Date32Array::from_iter((0..rows).map(|i| Some(19_700 + i)))),
     ];
     write_file(&dir.join("a"), 4, &older, columns, rng);
@@ -156,6 +182,81 @@ fn write_tables(dir: &Path, rng: &mut StdRng, older_and_empty: bool) {
         .map(|f| datafusion::arrow::array::new_empty_array(f.data_type()))
         .collect();
     write_file(&dir.join("a"), 5, &a_schema, empty, rng);
+}
+
+/// The columns `a` has beside its first ones in an extended search: a timestamp, a
+/// decimal, a list and a struct.
+fn extended_fields() -> Vec<Field> {
+    let item = Arc::new(Field::new("item", DataType::Utf8, true));
+    let parts = Fields::from(vec![
+        Field::new("p", DataType::Int32, true),
+        Field::new("q", DataType::Utf8, true),
+    ]);
+    vec![
+        Field::new(
+            "ts",
+            DataType::Timestamp(TimeUnit::Microsecond, Some("UTC".into())),
+            true,
+        ),
+        Field::new("amt", DataType::Decimal128(12, 2), true),
+        Field::new("tags", DataType::List(item), true),
+        Field::new("st", DataType::Struct(parts), true),
+    ]
+}
+
+/// `rows` values of each of [`extended_fields`], with NULLs (and empty lists).
+fn extended_columns(rows: usize, rng: &mut StdRng) -> Vec<ArrayRef> {
+    let fields = extended_fields();
+    // 2024-03-01T00:00:00Z, in microseconds, plus up to 60 days.
+    let ts: Vec<Option<i64>> = (0..rows)
+        .map(|_| {
+            (!rng.random_bool(0.06))
+                .then(|| 1_709_251_200_000_000 + rng.random_range(0..60 * 86_400) * 1_000_000)
+        })
+        .collect();
+    let amt: Vec<Option<i128>> = (0..rows)
+        .map(|_| (!rng.random_bool(0.08)).then(|| rng.random_range(-500_000..500_000) as i128))
+        .collect();
+    let mut tags = ListBuilder::new(StringBuilder::new());
+    for _ in 0..rows {
+        if rng.random_bool(0.07) {
+            tags.append(false);
+            continue;
+        }
+        for _ in 0..rng.random_range(0..4) {
+            tags.values()
+                .append_value(*["ml", "db", "gpu", "rust", "sql"].choose(rng).unwrap());
+        }
+        tags.append(true);
+    }
+    let p: Vec<Option<i32>> = (0..rows)
+        .map(|_| (!rng.random_bool(0.1)).then(|| rng.random_range(0..9)))
+        .collect();
+    let q: Vec<Option<&str>> = (0..rows)
+        .map(|_| (!rng.random_bool(0.1)).then(|| *["u", "v", "w"].choose(rng).unwrap()))
+        .collect();
+    let valid: Vec<bool> = (0..rows).map(|_| !rng.random_bool(0.05)).collect();
+    let DataType::Struct(parts) = fields[3].data_type().clone() else {
+        unreachable!()
+    };
+    let st = StructArray::new(
+        parts,
+        vec![
+            Arc::new(Int32Array::from(p)),
+            Arc::new(StringArray::from(q)),
+        ],
+        Some(NullBuffer::from(valid)),
+    );
+    vec![
+        Arc::new(TimestampMicrosecondArray::from(ts).with_timezone("UTC")),
+        Arc::new(
+            Decimal128Array::from(amt)
+                .with_precision_and_scale(12, 2)
+                .unwrap(),
+        ),
+        Arc::new(tags.finish()),
+        Arc::new(st),
+    ]
 }
 
 fn write_file(
@@ -298,7 +399,32 @@ impl Grammar<'_> {
             return format!("{not}({l} {op} {r})");
         }
         let cmp = self.pick(&["=", "<>", "<", "<=", ">", ">="]);
-        match self.rng.random_range(0..12) {
+        match self.rng.random_range(0..16) {
+            12 => format!(
+                "{p}ts {cmp} TIMESTAMP '2024-03-01T00:00:00Z' + INTERVAL '{} hours'",
+                self.rng.random_range(0..1440)
+            ),
+            13 => format!(
+                "{p}amt {cmp} {}.{:02}",
+                self.rng.random_range(-5000..5000),
+                self.rng.random_range(0..100)
+            ),
+            14 => self
+                .pick(&[
+                    "array_has({p}tags, 'gpu')",
+                    "cardinality({p}tags) = 2",
+                    "NOT array_has({p}tags, 'sql')",
+                    "{p}tags IS NULL",
+                ])
+                .replace("{p}", p),
+            15 => self
+                .pick(&[
+                    "{p}st.p > 4",
+                    "{p}st['q'] = 'u'",
+                    "{p}st IS NULL",
+                    "{p}st.q IS NULL",
+                ])
+                .replace("{p}", p),
             0 => format!("{p}k {cmp} {}", self.rng.random_range(0..12)),
             1 => format!("{p}x {cmp} {}", self.rng.random_range(-1000..1000)),
             2 => format!(
@@ -372,7 +498,20 @@ impl Grammar<'_> {
 
     /// A scalar expression over `a`'s columns.
     fn a_expr(&mut self, p: &str) -> String {
-        match self.rng.random_range(0..10) {
+        match self.rng.random_range(0..14) {
+            10 => format!("date_trunc('day', {p}ts)"),
+            11 => format!("{p}amt * 3 - {p}x"),
+            12 => self
+                .pick(&[
+                    "array_to_string({p}tags, '|')",
+                    "array_length({p}tags)",
+                    "{p}tags",
+                    "array_sort({p}tags)",
+                ])
+                .replace("{p}", p),
+            13 => self
+                .pick(&["{p}st.q", "{p}st", "{p}st.p + {p}k"])
+                .replace("{p}", p),
             0 => format!("{p}x + {p}k"),
             1 => format!("CASE WHEN {} THEN {p}x ELSE -1 END", self.a_predicate(p, 1)),
             2 => format!("upper({p}g)"),
@@ -388,7 +527,18 @@ impl Grammar<'_> {
 
     /// An aggregate over `a`'s columns.
     fn aggregate(&mut self, p: &str) -> String {
-        match self.rng.random_range(0..16) {
+        match self.rng.random_range(0..20) {
+            16 => format!("sum({p}amt)"),
+            17 => format!("{}({p}ts)", self.pick(&["min", "max", "count"])),
+            18 => format!("avg({p}amt)"),
+            19 => self
+                .pick(&[
+                    "max(cardinality({p}tags))",
+                    "count(DISTINCT {p}st.q)",
+                    "sum({p}st.p)",
+                    "array_agg({p}tags ORDER BY {p}id)",
+                ])
+                .replace("{p}", p),
             0 => "count(*)".into(),
             1 => format!("count({p}{})", self.pick(&["x", "g", "f", "dt"])),
             2 => format!("sum({p}x)"),
@@ -503,8 +653,17 @@ impl Grammar<'_> {
             1 | 2 => {
                 let keys: Vec<String> = (0..self.rng.random_range(0..3))
                     .map(|_| {
-                        self.pick(&["k", "g", "flag", "id % 7", "date_part('month', dt)"])
-                            .to_string()
+                        self.pick(&[
+                            "k",
+                            "g",
+                            "flag",
+                            "id % 7",
+                            "date_part('month', dt)",
+                            "date_trunc('week', ts)",
+                            "st.q",
+                            "cardinality(tags)",
+                        ])
+                        .to_string()
                     })
                     .collect();
                 let mut items = keys.clone();
@@ -618,8 +777,8 @@ impl Grammar<'_> {
                         n,
                     )
                 } else {
-                    let (list, n) = self
-                        .select_list(vec!["id".into(), "unnest(make_array(x, k, id % 5))".into()]);
+                    let unnest = self.pick(&["unnest(make_array(x, k, id % 5))", "unnest(tags)"]);
+                    let (list, n) = self.select_list(vec!["id".into(), unnest.into()]);
                     (format!("SELECT {list} FROM a{}", self.a_where("")), n)
                 }
             }
@@ -666,8 +825,7 @@ impl Grammar<'_> {
             0 => {
                 let agg = self.aggregate("");
                 let shift = self.rng.random_range(0..3);
-                let (list, n) =
-                    self.select_list(vec!["t1.k".into(), "t1.v".into(), "t2.n".into()]);
+                let (list, n) = self.select_list(vec!["t1.k".into(), "t1.v".into(), "t2.n".into()]);
                 (
                     format!(
                         "WITH t AS (SELECT k, {agg} AS v, count(*) AS n FROM a{filter} GROUP BY k) \
@@ -680,8 +838,7 @@ impl Grammar<'_> {
             // A band join: no equal keys, so a nested-loop join.
             1 => {
                 let width = self.rng.random_range(0..8);
-                let (list, n) =
-                    self.select_list(vec!["l.id".into(), "l.x".into(), "r.w".into()]);
+                let (list, n) = self.select_list(vec!["l.id".into(), "l.x".into(), "r.w".into()]);
                 (
                     format!(
                         "SELECT {list} FROM a l {} b r ON l.x BETWEEN r.w * 10 AND r.w * 10 + {width}{}",
@@ -730,11 +887,8 @@ impl Grammar<'_> {
             // Groups of two tables, unioned, grouped again.
             5 => {
                 let table = self.pick(&["b", "c"]);
-                let (list, n) = self.select_list(vec![
-                    "u.key".into(),
-                    "sum(u.v)".into(),
-                    "count(*)".into(),
-                ]);
+                let (list, n) =
+                    self.select_list(vec!["u.key".into(), "sum(u.v)".into(), "count(*)".into()]);
                 (
                     format!(
                         "SELECT {list} FROM (SELECT k AS key, count(*) AS v FROM a{filter} GROUP BY k \
@@ -747,8 +901,7 @@ impl Grammar<'_> {
             // A recursive CTE seeded from a table.
             6 => {
                 let depth = self.rng.random_range(1..5);
-                let (list, n) =
-                    self.select_list(vec!["k".into(), "d".into(), "count(*)".into()]);
+                let (list, n) = self.select_list(vec!["k".into(), "d".into(), "count(*)".into()]);
                 (
                     format!(
                         "WITH RECURSIVE t(k, d) AS (SELECT k, 0 FROM b WHERE {} \
@@ -762,8 +915,7 @@ impl Grammar<'_> {
             // Three tables: `a`, `b`, and the distinct keys of `c`.
             7 => {
                 let agg = self.aggregate("l.");
-                let (list, n) =
-                    self.select_list(vec!["r.name".into(), agg, "count(*)".into()]);
+                let (list, n) = self.select_list(vec!["r.name".into(), agg, "count(*)".into()]);
                 (
                     format!(
                         "SELECT {list} FROM a l JOIN b r ON l.k = r.k \
@@ -973,11 +1125,12 @@ async fn search(seed: u64, queries: usize, lose_blocks: LoseBlocks) -> Vec<Strin
             let runs = (group.iter().zip(&expected))
                 .filter(|((n, _), _)| only.is_some() || n % every == *offset)
                 .flat_map(|run| std::iter::repeat_n(run, repeat));
-            let answers = futures::future::join_all(runs.map(|((n, drawn), expected)| async move {
-                let got = answer(ctx, &drawn.sql, drawn.ordered).await;
-                (*n, *drawn, expected, got)
-            }))
-            .await;
+            let answers =
+                futures::future::join_all(runs.map(|((n, drawn), expected)| async move {
+                    let got = answer(ctx, &drawn.sql, drawn.ordered).await;
+                    (*n, *drawn, expected, got)
+                }))
+                .await;
             for (n, drawn, expected, got) in answers {
                 let agree = match (expected, &got) {
                     (Ok(e), Ok(g)) => same_answer(e, g),
