@@ -498,7 +498,23 @@ impl Grammar<'_> {
 
     /// A scalar expression over `a`'s columns.
     fn a_expr(&mut self, p: &str) -> String {
-        match self.rng.random_range(0..14) {
+        match self.rng.random_range(0..16) {
+            14 | 15 => self
+                .pick(&[
+                    "nullif({p}k, 0)",
+                    "greatest({p}x, {p}k * 10)",
+                    "round({p}f, 1)",
+                    "regexp_replace({p}g, '[aeiou]', '_')",
+                    "substr({p}g, 2, 2)",
+                    "split_part(coalesce({p}g, 'a-b'), 'e', 1)",
+                    "{p}x IS DISTINCT FROM {p}k",
+                    "TRY_CAST({p}g AS INT)",
+                    "CASE {p}k WHEN 0 THEN 'zero' WHEN 1 THEN 'one' END",
+                    "{p}f / nullif({p}x, 0)",
+                    "{p}x / 7",
+                    "concat_ws('/', {p}g, {p}k, {p}dt)",
+                ])
+                .replace("{p}", p),
             10 => format!("date_trunc('day', {p}ts)"),
             11 => format!("{p}amt * 3 - {p}x"),
             12 => self
@@ -527,7 +543,19 @@ impl Grammar<'_> {
 
     /// An aggregate over `a`'s columns.
     fn aggregate(&mut self, p: &str) -> String {
-        match self.rng.random_range(0..20) {
+        match self.rng.random_range(0..22) {
+            20 | 21 => self
+                .pick(&[
+                    "stddev({p}f)",
+                    "var_pop({p}x)",
+                    "approx_distinct({p}g)",
+                    "bit_or({p}x)",
+                    "corr({p}x, {p}f)",
+                    "max({p}x) - min({p}x)",
+                    "count(*) - count({p}k)",
+                    "bool_and({p}flag)",
+                ])
+                .replace("{p}", p),
             16 => format!("sum({p}amt)"),
             17 => format!("{}({p}ts)", self.pick(&["min", "max", "count"])),
             18 => format!("avg({p}amt)"),
@@ -566,7 +594,16 @@ impl Grammar<'_> {
             "PARTITION BY k, flag ",
             "",
         ]);
-        match self.rng.random_range(0..10) {
+        match self.rng.random_range(0..12) {
+            10 => format!("ntile(4) OVER ({part}ORDER BY id)"),
+            11 => self
+                .pick(&[
+                    "percent_rank() OVER ({part}ORDER BY x)",
+                    "cume_dist() OVER ({part}ORDER BY x NULLS FIRST)",
+                    "nth_value(x, 2) OVER ({part}ORDER BY id)",
+                    "lag(x, 1, 0) OVER ({part}ORDER BY id)",
+                ])
+                .replace("{part}", part),
             0 => format!("row_number() OVER ({part}ORDER BY id)"),
             1 => format!("sum(x) OVER ({part}ORDER BY id)"),
             2 => format!(
@@ -1112,7 +1149,8 @@ async fn search(seed: u64, queries: usize, lose_blocks: LoseBlocks) -> Vec<Strin
             }
             let reference = drawn.reference.as_deref().unwrap_or(&drawn.sql);
             let answer = answer(&vanilla, reference, drawn.ordered).await;
-            if answer.is_err() {
+            if let Err(e) = &answer {
+                eprintln!("vanilla refuses {reference}: {e}");
                 refused += 1;
             }
             expected.push(answer);
