@@ -20,6 +20,8 @@
 //! engine under those settings (batch mode, a budget small enough to spill, ...).
 //! `FLUMEN_FUZZ_ALSO_WORKERS=N` runs that engine's tasks in N worker processes.
 //! `FLUMEN_FUZZ_TOGETHER=N` runs N queries at once in each engine's session.
+//! `FLUMEN_FUZZ_KILL=MS` adds two worker processes, one of which is killed (SIGKILL) every MS
+//! ms or so while the search runs.
 
 use crate::common;
 
@@ -1113,10 +1115,25 @@ async fn search(seed: u64, queries: usize, lose_blocks: LoseBlocks) -> Vec<Strin
         };
         engines.push(("workers losing blocks", losing, every));
     }
+    // `FLUMEN_FUZZ_KILL=MS`: two worker processes of which one is killed (SIGKILL) every
+    // MS ms or so, as long as the search runs; every query runs there.
+    let kill_every: Option<u64> = std::env::var("FLUMEN_FUZZ_KILL")
+        .ok()
+        .map(|ms| ms.parse().unwrap());
+    if kill_every.is_some() {
+        let killed = flumen_session(2, block_rows, 3, false);
+        // A task may land on worker after worker the killer picks next.
+        common::collect(&killed, "SET flumen.max_task_retries = 8").await;
+        engines.push((KILLED, killed, (1, 0)));
+    }
     register(&vanilla, dir.path()).await;
     for (_, ctx, _) in &engines {
         register(ctx, dir.path()).await;
     }
+    let _killer = match (kill_every, engines.iter().find(|(e, _, _)| *e == KILLED)) {
+        (Some(ms), Some((_, ctx, _))) => Some(Killer::start(ctx, ms, seed).await),
+        _ => None,
+    };
     let only: Option<usize> = std::env::var("FLUMEN_FUZZ_ONLY")
         .ok()
         .map(|n| n.parse().unwrap());
@@ -1226,6 +1243,48 @@ async fn search(seed: u64, queries: usize, lose_blocks: LoseBlocks) -> Vec<Strin
         "the 64 KB engine refused {out_of_budget} of its queries for the budget"
     );
     failures
+}
+
+/// The engine whose workers `FLUMEN_FUZZ_KILL` kills.
+const KILLED: &str = "workers killed at random";
+
+/// Kills one of a session's CPU workers (SIGKILL) every so often until dropped.
+struct Killer {
+    stop: Arc<std::sync::atomic::AtomicBool>,
+    kills: Arc<AtomicUsize>,
+}
+
+impl Killer {
+    /// Start the session's workers, then kill one every `ms` ms or so (from `seed`).
+    async fn start(ctx: &SessionContext, ms: u64, seed: u64) -> Self {
+        common::collect(ctx, "SELECT count(*) FROM a").await;
+        let pool = common::worker_pool(ctx, flumen::plan::Pool::Cpu).await;
+        let stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
+        let kills = Arc::new(AtomicUsize::new(0));
+        let (stopped, killed) = (Arc::clone(&stop), Arc::clone(&kills));
+        tokio::spawn(async move {
+            let mut rng = StdRng::seed_from_u64(seed);
+            while !stopped.load(Ordering::Relaxed) {
+                let pause = rng.random_range(ms / 2..=ms + ms / 2);
+                tokio::time::sleep(std::time::Duration::from_millis(pause)).await;
+                let workers = pool.workers().await;
+                let alive: Vec<_> = workers.iter().filter(|w| w.is_alive()).collect();
+                if let Some(w) = alive.choose(&mut rng) {
+                    // SAFETY: a signal to a worker process this session started.
+                    unsafe { libc::kill(w.pid as i32, libc::SIGKILL) };
+                    killed.fetch_add(1, Ordering::Relaxed);
+                }
+            }
+        });
+        Self { stop, kills }
+    }
+}
+
+impl Drop for Killer {
+    fn drop(&mut self) {
+        self.stop.store(true, Ordering::Relaxed);
+        eprintln!("{KILLED}: {} workers killed", self.kills.load(Ordering::Relaxed));
+    }
 }
 
 /// The engine `FLUMEN_FUZZ_ALSO` sets up.
