@@ -129,6 +129,19 @@ fn statements_from_stdin_and_files() {
     assert_eq!(out.status.code(), Some(1));
     assert!(text(&out.stderr).contains("SELEC"), "{}", text(&out.stderr));
     assert_eq!(text(&out.stdout), "s\na;b\nn\n2\n");
+    // A line that starts with `\` where a statement would start is a shell command, as in
+    // the REPL (it was read as SQL: "No table named '\d'").
+    let out = flumen(
+        &["--no-demo", "--quiet"],
+        "CREATE TABLE t AS VALUES (1);\n\\d t\n\\format csv\nSELECT '\n\\d' AS s;\n",
+    );
+    assert!(out.status.success(), "{}", text(&out.stderr));
+    let stdout = text(&out.stdout);
+    assert!(
+        stdout.contains("column1") && stdout.contains("Int64"),
+        "{stdout}"
+    );
+    assert!(stdout.ends_with("s\n\"\n\\d\"\n"), "{stdout}");
     let dir = tempfile::tempdir().unwrap();
     let file = dir.path().join("script.sql");
     std::fs::write(

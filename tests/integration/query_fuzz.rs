@@ -1283,7 +1283,10 @@ impl Killer {
 impl Drop for Killer {
     fn drop(&mut self) {
         self.stop.store(true, Ordering::Relaxed);
-        eprintln!("{KILLED}: {} workers killed", self.kills.load(Ordering::Relaxed));
+        eprintln!(
+            "{KILLED}: {} workers killed",
+            self.kills.load(Ordering::Relaxed)
+        );
     }
 }
 

@@ -1,4 +1,5 @@
-//! Cutting SQL text into statements at top-level `;`, outside quotes and comments.
+//! Cutting SQL text into statements at top-level `;`, outside quotes and comments, and a
+//! script's lines into those statements and the shell's `\` commands.
 
 /// Where a scan of SQL text stands: inside a quote, a comment, or neither.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -9,14 +10,36 @@ enum Lexer {
     BlockComment,
 }
 
-/// The statements of `script`, each without its `;`; text after the last `;` is returned as
-/// a statement too when it holds more than whitespace and comments.
+/// The statements of `script`, each without its `;`, and its shell commands: a line that
+/// starts with `\` where a statement would start (`\d`, `\format csv`) is one, as in the
+/// REPL. Text after the last `;` is returned as a statement too when it holds more than
+/// whitespace and comments.
 pub fn split(script: &str) -> Vec<String> {
-    let (mut statements, rest) = split_complete(script);
-    if has_code(&rest) {
-        statements.push(rest.trim().to_string());
+    let mut items = vec![];
+    let mut buffer = String::new();
+    for line in script.lines() {
+        if at_statement_start(&buffer) && line.trim_start().starts_with('\\') {
+            buffer.clear();
+            items.push(line.trim().to_string());
+            continue;
+        }
+        buffer.push_str(line);
+        buffer.push('\n');
+        let (complete, rest) = split_complete(&buffer);
+        items.extend(complete);
+        buffer = rest;
     }
-    statements
+    if has_code(&buffer) {
+        items.push(buffer.trim().to_string());
+    }
+    items
+}
+
+/// Whether `text` (lines read so far) ends where a statement would start: it holds only
+/// whitespace and closed comments. (Text that ends inside a `/*` comment swallows whatever
+/// follows it.)
+fn at_statement_start(text: &str) -> bool {
+    !has_code(text) && has_code(&format!("{text}x"))
 }
 
 /// The complete (`;`-terminated) statements of `text`, and the unfinished rest.
@@ -84,6 +107,26 @@ mod tests {
             ]
         );
         assert_eq!(split("  ; -- only a comment\n"), Vec::<String>::new());
+    }
+
+    #[test]
+    fn a_line_of_a_shell_command_is_one_where_a_statement_would_start() {
+        assert_eq!(
+            split(
+                "CREATE TABLE t AS VALUES (1);\n\\d\n  \\d t\nSELECT\n'\\d'\n;\n\\format csv\nSELECT 2"
+            ),
+            vec![
+                "CREATE TABLE t AS VALUES (1)",
+                "\\d",
+                "\\d t",
+                "SELECT\n'\\d'",
+                "\\format csv",
+                "SELECT 2"
+            ]
+        );
+        // Inside a statement or a comment, a line that starts with `\` is theirs.
+        assert_eq!(split("SELECT '\n\\d'"), vec!["SELECT '\n\\d'"]);
+        assert_eq!(split("/*\n\\d\n*/ SELECT 1"), vec!["/*\n\\d\n*/ SELECT 1"]);
     }
 
     #[test]
