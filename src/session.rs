@@ -24,8 +24,8 @@ use crate::io::delta;
 use crate::io::{iceberg, object_stores};
 use crate::plan::row_group_layout::LayoutCache;
 use crate::plan::{
-    accelerator_projection, counted_set_operations, fixed_size_list_casts, partitioned_outer_joins,
-    random_shuffle,
+    accelerator_projection, counted_set_operations, fixed_size_list_casts, grouping_set_constants,
+    partitioned_outer_joins, random_shuffle,
 };
 
 /// A DataFusion `SessionContext` whose queries run on flumen, with default DataFusion
@@ -187,8 +187,10 @@ pub fn into_flumen(ctx: &SessionContext, config: FlumenConfig) -> SessionContext
     ctx
 }
 
-/// Put [`KeepAcceleratorProjections`](accelerator_projection::KeepAcceleratorProjections)
-/// first among the session's physical optimizer rules and
+/// Put [`HideGroupingSetConstants`](grouping_set_constants::HideGroupingSetConstants) and
+/// [`KeepAcceleratorProjections`](accelerator_projection::KeepAcceleratorProjections)
+/// first among the session's physical optimizer rules,
+/// [`RemoveNoConstantsNodes`](grouping_set_constants::RemoveNoConstantsNodes) last, and
 /// [`PartitionOuterJoins`](partitioned_outer_joins::PartitionOuterJoins) right after
 /// DataFusion's join selection and
 /// [`PlanRandomShuffles`](random_shuffle::PlanRandomShuffles) last (each once).
@@ -199,13 +201,17 @@ fn keep_accelerator_projections(state: SessionState) -> SessionState {
         .build()
 }
 
-/// `existing` with `KeepAcceleratorProjections` first, `PartitionOuterJoins` after join
-/// selection and `PlanRandomShuffles` last (once).
+/// `existing` with `HideGroupingSetConstants` and `KeepAcceleratorProjections` first,
+/// `PartitionOuterJoins` after join selection, and `PlanRandomShuffles` and
+/// `RemoveNoConstantsNodes` last (each once).
 fn flumen_optimizer_rules(
     existing: &[Arc<dyn PhysicalOptimizerRule + Send + Sync>],
 ) -> Vec<Arc<dyn PhysicalOptimizerRule + Send + Sync>> {
     let rule = accelerator_projection::KeepAcceleratorProjections;
-    let mut rules: Vec<Arc<dyn PhysicalOptimizerRule + Send + Sync>> = vec![Arc::new(rule)];
+    let mut rules: Vec<Arc<dyn PhysicalOptimizerRule + Send + Sync>> = vec![
+        Arc::new(grouping_set_constants::HideGroupingSetConstants),
+        Arc::new(rule),
+    ];
     rules.extend(
         existing
             .iter()
@@ -215,6 +221,8 @@ fn flumen_optimizer_rules(
                     "keep_accelerator_projections"
                         | "plan_random_shuffles"
                         | "partition_outer_joins"
+                        | "hide_grouping_set_constants"
+                        | "remove_no_constants_nodes"
                 )
             })
             .cloned(),
@@ -226,6 +234,7 @@ fn flumen_optimizer_rules(
     rules.insert(at, Arc::new(partitioned_outer_joins::PartitionOuterJoins));
     // After DataFusion's rules: they would not know its nodes.
     rules.push(Arc::new(random_shuffle::PlanRandomShuffles));
+    rules.push(Arc::new(grouping_set_constants::RemoveNoConstantsNodes));
     rules
 }
 

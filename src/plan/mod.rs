@@ -31,6 +31,8 @@
 //!   (DataFusion 55 plans them as a plain semi and anti join).
 //! - [`fixed_size_list_casts`]: casts of lists to fixed-size lists that read sliced lists
 //!   right (arrow-cast 59 reads them from the start of their values).
+//! - [`grouping_set_constants`]: sorts above grouping sets that keep every key (DataFusion
+//!   takes a filter's constant through them).
 //! - [`recursive_queries`]: a recursive query copied afresh for each run of its task.
 //! - [`subquery_values`]: a fragment that reads scalar subqueries' values from their own
 //!   operators.
@@ -43,6 +45,7 @@ pub mod dynamic_filters;
 pub mod exchange_sizing;
 pub mod fixed_size_list_casts;
 pub(crate) mod graph;
+pub mod grouping_set_constants;
 pub(crate) mod join_filter_rows;
 pub mod merge_join_fallback;
 mod merge_levels;

@@ -339,6 +339,8 @@ struct Drawn {
     /// and `EXCEPT ALL` (apache/datafusion#12955, which flumen corrects:
     /// `flumen::plan::counted_set_operations`) spelled out with copy numbers.
     reference: Option<String>,
+    /// A statement vanilla runs before `reference` (a table `reference` reads).
+    setup: Option<String>,
     ordered: bool,
 }
 
@@ -373,6 +375,16 @@ fn counted_set_operation(left: &str, right: &str, except: bool) -> String {
         numbered(right),
         if except { "NOT " } else { "" }
     )
+}
+
+/// A value of grouping-set key `key` (`k`, `g`, `flag`, `id % 3`) that rows hold.
+fn fixed_value(key: &str) -> &'static str {
+    match key {
+        "k" => "0",
+        "g" => "'red'",
+        "flag" => "true",
+        _ => "1",
+    }
 }
 
 /// The grammar: each function draws one piece of SQL of the kind it names.
@@ -797,10 +809,14 @@ impl Grammar<'_> {
                     agg,
                 ];
                 let (list, n) = self.select_list(items);
-                (
-                    format!("SELECT {list} FROM a{} GROUP BY {sets}", self.a_where("")),
-                    n,
-                )
+                // Often a key the filter fixes: the rolled-up rows hold NULL there all the
+                // same.
+                let filter = match self.rng.random_range(0..4) {
+                    0 => format!(" WHERE {second} = {}", fixed_value(second)),
+                    1 => format!(" WHERE {first} = {}", fixed_value(first)),
+                    _ => self.a_where(""),
+                };
+                (format!("SELECT {list} FROM a{filter} GROUP BY {sets}"), n)
             }
             // DISTINCT ON, and UNNEST of an array made per row.
             9 => {
@@ -1003,12 +1019,13 @@ impl Grammar<'_> {
         } = self.body();
         // DataFusion keeps a filter's constant through grouping sets, though rolled-up rows
         // hold NULL there, and its sort then drops that key: `WHERE id % 3 = 1 GROUP BY
-        // GROUPING SETS ((k), (k, id % 3), ()) ORDER BY 1, 2` sorts by `k` alone, in vanilla
-        // as in flumen, so neither order nor a `LIMIT` of it is total. Not ordered.
+        // GROUPING SETS ((k), (k, id % 3), ()) ORDER BY 1, 2` sorts by `k` alone (flumen
+        // corrects it: `flumen::plan::grouping_set_constants`). Vanilla orders such a body
+        // once it is a table of its own.
         let grouping_sets = ["ROLLUP (", "CUBE (", "GROUPING SETS ("]
             .iter()
             .any(|sets| body.contains(sets));
-        if self.chance(0.3) && !grouping_sets {
+        if self.chance(0.3) {
             let mut order = String::new();
             for i in 1..=width {
                 let dir = self.pick(&["", " DESC", " NULLS FIRST", " DESC NULLS LAST"]);
@@ -1023,15 +1040,24 @@ impl Grammar<'_> {
             let ordered = |body: &str| {
                 format!("SELECT * FROM ({body}) q ORDER BY {order} LIMIT {limit}{offset}")
             };
+            let (reference, setup) = match grouping_sets {
+                true => (
+                    Some(ordered("SELECT * FROM grouping_sets_body")),
+                    Some(format!("CREATE OR REPLACE TABLE grouping_sets_body AS {body}")),
+                ),
+                false => (reference.as_deref().map(ordered), None),
+            };
             Drawn {
                 sql: ordered(&body),
-                reference: reference.as_deref().map(ordered),
+                reference,
+                setup,
                 ordered: true,
             }
         } else {
             Drawn {
                 sql: body,
                 reference,
+                setup: None,
                 ordered: false,
             }
         }
@@ -1165,7 +1191,14 @@ async fn search(seed: u64, queries: usize, lose_blocks: LoseBlocks) -> Vec<Strin
                 }
             }
             let reference = drawn.reference.as_deref().unwrap_or(&drawn.sql);
-            let answer = answer(&vanilla, reference, drawn.ordered).await;
+            let set_up = match &drawn.setup {
+                Some(setup) => common::try_collect(&vanilla, setup).await.map(|_| ()),
+                None => Ok(()),
+            };
+            let answer = match set_up {
+                Ok(()) => answer(&vanilla, reference, drawn.ordered).await,
+                Err(e) => Err(e.to_string()),
+            };
             if let Err(e) = &answer {
                 eprintln!("vanilla refuses {reference}: {e}");
                 refused += 1;

@@ -1,0 +1,246 @@
+//! Sorts above grouping sets that keep every key.
+//!
+//! DataFusion 55 carries a filter's constants through an aggregate of grouping sets
+//! (`ROLLUP`, `CUBE`, `GROUPING SETS`): after `WHERE g = 'red' ... GROUP BY ROLLUP (g, h)`
+//! it takes `g` as constant, though the rolled-up rows hold NULL there. Its sorting rule then
+//! drops `g` from the sort that `ORDER BY g, h` needs (a sort by a constant orders nothing),
+//! and the rolled-up rows come out wherever `h` puts them: a wrong order, and with a `LIMIT`
+//! wrong rows. (PostgreSQL had the same bug until version 18.)
+//!
+//! Two physical optimizer rules around DataFusion's own:
+//! - [`HideGroupingSetConstants`], first, puts a [`NoConstantsExec`] above each aggregate
+//!   that reads rows into grouping sets (its partial or single mode). The node passes its
+//!   input on and states no constants, no equivalences and no ordering, so the rules after
+//!   it see the grouping columns as the variables they are.
+//! - [`RemoveNoConstantsNodes`], last, takes those nodes out again: the sorts the rules in
+//!   between placed keep their keys, and the plan that runs has no node DataFusion's own
+//!   planner would not make.
+//!
+//! The cut has its own guard for the same fault at its exchanges (`cut.rs`,
+//! `exchange_properties`).
+
+use std::fmt;
+use std::sync::Arc;
+
+use datafusion::common::tree_node::{Transformed, TreeNode, TreeNodeRecursion};
+use datafusion::config::ConfigOptions;
+use datafusion::error::Result;
+use datafusion::execution::{SendableRecordBatchStream, TaskContext};
+use datafusion::physical_expr::{EquivalenceProperties, PhysicalExpr};
+use datafusion::physical_optimizer::PhysicalOptimizerRule;
+use datafusion::physical_plan::aggregates::{AggregateExec, AggregateMode};
+use datafusion::physical_plan::{
+    DisplayAs, DisplayFormatType, ExecutionPlan, ExecutionPlanProperties, PlanProperties,
+};
+
+use crate::plan::only_child;
+
+/// Whether `plan` is an aggregate that reads rows into grouping sets, some of which leave a
+/// group column out (NULL there): one in partial or single mode, not the final one that
+/// merges partial groups.
+fn reads_rows_into_grouping_sets(plan: &Arc<dyn ExecutionPlan>) -> bool {
+    plan.downcast_ref::<AggregateExec>().is_some_and(|agg| {
+        !matches!(
+            agg.mode(),
+            AggregateMode::Final | AggregateMode::FinalPartitioned
+        ) && agg.group_expr().groups().iter().flatten().any(|null| *null)
+    })
+}
+
+/// Physical optimizer rule, first: a [`NoConstantsExec`] above each aggregate that reads
+/// rows into grouping sets.
+#[derive(Debug, Default)]
+pub struct HideGroupingSetConstants;
+
+impl PhysicalOptimizerRule for HideGroupingSetConstants {
+    fn optimize(
+        &self,
+        plan: Arc<dyn ExecutionPlan>,
+        _options: &ConfigOptions,
+    ) -> Result<Arc<dyn ExecutionPlan>> {
+        plan.transform_up(|node| {
+            if !reads_rows_into_grouping_sets(&node) {
+                return Ok(Transformed::no(node));
+            }
+            Ok(Transformed::yes(Arc::new(NoConstantsExec::new(node))))
+        })
+        .map(|t| t.data)
+    }
+
+    fn name(&self) -> &str {
+        "hide_grouping_set_constants"
+    }
+
+    fn schema_check(&self) -> bool {
+        true
+    }
+}
+
+/// Physical optimizer rule, last: every [`NoConstantsExec`] replaced by its input.
+#[derive(Debug, Default)]
+pub struct RemoveNoConstantsNodes;
+
+impl PhysicalOptimizerRule for RemoveNoConstantsNodes {
+    fn optimize(
+        &self,
+        plan: Arc<dyn ExecutionPlan>,
+        _options: &ConfigOptions,
+    ) -> Result<Arc<dyn ExecutionPlan>> {
+        plan.transform_up(|node| match node.downcast_ref::<NoConstantsExec>() {
+            Some(hidden) => Ok(Transformed::yes(Arc::clone(&hidden.input))),
+            None => Ok(Transformed::no(node)),
+        })
+        .map(|t| t.data)
+    }
+
+    fn name(&self) -> &str {
+        "remove_no_constants_nodes"
+    }
+
+    fn schema_check(&self) -> bool {
+        true
+    }
+}
+
+/// Passes its input on, stating nothing about it but its partitioning: no constants, no
+/// equivalences, no ordering. Lives only between [`HideGroupingSetConstants`] and
+/// [`RemoveNoConstantsNodes`].
+#[derive(Debug)]
+pub struct NoConstantsExec {
+    input: Arc<dyn ExecutionPlan>,
+    properties: Arc<PlanProperties>,
+}
+
+impl NoConstantsExec {
+    /// `input`, its constants hidden.
+    pub fn new(input: Arc<dyn ExecutionPlan>) -> Self {
+        let properties = PlanProperties::new(
+            EquivalenceProperties::new(input.schema()),
+            input.output_partitioning().clone(),
+            input.pipeline_behavior(),
+            input.boundedness(),
+        );
+        Self {
+            input,
+            properties: Arc::new(properties),
+        }
+    }
+}
+
+impl DisplayAs for NoConstantsExec {
+    fn fmt_as(&self, _t: DisplayFormatType, f: &mut fmt::Formatter) -> fmt::Result {
+        write!(f, "NoConstantsExec")
+    }
+}
+
+impl ExecutionPlan for NoConstantsExec {
+    fn name(&self) -> &str {
+        "NoConstantsExec"
+    }
+
+    fn properties(&self) -> &Arc<PlanProperties> {
+        &self.properties
+    }
+
+    fn children(&self) -> Vec<&Arc<dyn ExecutionPlan>> {
+        vec![&self.input]
+    }
+
+    fn apply_expressions(
+        &self,
+        _f: &mut dyn FnMut(&Arc<dyn PhysicalExpr>) -> Result<TreeNodeRecursion>,
+    ) -> Result<TreeNodeRecursion> {
+        Ok(TreeNodeRecursion::Continue)
+    }
+
+    fn maintains_input_order(&self) -> Vec<bool> {
+        vec![false]
+    }
+
+    fn with_new_children(
+        self: Arc<Self>,
+        children: Vec<Arc<dyn ExecutionPlan>>,
+    ) -> Result<Arc<dyn ExecutionPlan>> {
+        Ok(Arc::new(Self::new(only_child(
+            children,
+            "NoConstantsExec",
+        )?)))
+    }
+
+    fn execute(
+        &self,
+        partition: usize,
+        context: Arc<TaskContext>,
+    ) -> Result<SendableRecordBatchStream> {
+        self.input.execute(partition, context)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use datafusion::arrow::util::pretty::pretty_format_batches;
+    use datafusion::physical_plan::displayable;
+    use datafusion::prelude::{SessionConfig, SessionContext};
+
+    /// `WHERE id % 3 = 1 ... GROUPING SETS ((k), (k, id % 3), ())`: `id % 3` is 1 or NULL.
+    const QUERY: &str = "SELECT k, id % 3 AS m, count(*) AS n FROM t WHERE id % 3 = 1 \
+                         GROUP BY GROUPING SETS ((k), (k, id % 3), ()) ORDER BY k, m DESC";
+
+    /// A flumen session (or a vanilla one) with the table `t`.
+    async fn session(flumen_rules: bool) -> SessionContext {
+        let config = SessionConfig::new().with_target_partitions(2);
+        let ctx = match flumen_rules {
+            true => {
+                let flumen = crate::FlumenConfig::default();
+                let config = crate::flumen_session_config(config, flumen.clone());
+                crate::session_with_config(config, flumen)
+            }
+            false => SessionContext::new_with_config(config),
+        };
+        ctx.sql("CREATE TABLE t AS SELECT value AS id, value % 2 AS k FROM generate_series(1, 12)")
+            .await
+            .unwrap()
+            .collect()
+            .await
+            .unwrap();
+        ctx
+    }
+
+    /// The plan's `SortExec` lines, and the query's rows.
+    async fn sort_keys_and_rows(ctx: &SessionContext) -> (String, String) {
+        let df = ctx.sql(QUERY).await.unwrap();
+        let plan = df.clone().create_physical_plan().await.unwrap();
+        let shown = displayable(plan.as_ref()).indent(true).to_string();
+        let sorts = (shown.lines())
+            .filter(|l| l.contains("SortExec:"))
+            .map(str::trim)
+            .collect::<Vec<_>>()
+            .join("\n");
+        assert!(!shown.contains("NoConstantsExec"), "{shown}");
+        let rows = pretty_format_batches(&df.collect().await.unwrap())
+            .unwrap()
+            .to_string();
+        (sorts, rows)
+    }
+
+    #[tokio::test]
+    async fn a_sort_above_grouping_sets_keeps_a_key_the_filter_fixed() {
+        let (sorts, rows) = sort_keys_and_rows(&session(true).await).await;
+        assert!(sorts.contains("m@1 DESC"), "{sorts}");
+        // NULLS FIRST for DESC: the rolled-up row of each `k` before its row with m = 1.
+        let expected = "\
++---+---+---+
+| k | m | n |
++---+---+---+
+| 0 |   | 2 |
+| 0 | 1 | 2 |
+| 1 |   | 2 |
+| 1 | 1 | 2 |
+|   |   | 4 |
++---+---+---+";
+        assert_eq!(rows, expected);
+        // DataFusion alone drops `m` from the sort.
+        let (sorts, _) = sort_keys_and_rows(&session(false).await).await;
+        assert!(!sorts.contains("m@1"), "{sorts}");
+    }
+}
