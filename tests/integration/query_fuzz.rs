@@ -578,7 +578,10 @@ impl Grammar<'_> {
                     "max(cardinality({p}tags))",
                     "count(DISTINCT {p}st.q)",
                     "sum({p}st.p)",
-                    "array_agg({p}tags ORDER BY {p}id)",
+                    // Not of `tags` itself: DataFusion 55's ordered `array_agg` counts each
+                    // merged list value as the whole state array it was sliced from
+                    // (apache/datafusion#16517), and asks gigabytes for kilobytes.
+                    "array_agg(array_to_string({p}tags, ',') ORDER BY {p}id)",
                 ])
                 .replace("{p}", p),
             0 => "count(*)".into(),
