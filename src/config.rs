@@ -574,8 +574,8 @@ flumen_settings! {
         pub task_timeout_secs: u64, default = 600
         /// Seconds a query may run before it fails with a timeout error (0: no limit).
         pub query_timeout_secs: u64, default = 0
-        /// Seconds a worker may leave a heartbeat unanswered before it counts as hung and is
-        /// replaced.
+        /// Seconds a worker may leave a heartbeat unanswered before it counts as missed; a
+        /// worker that misses two in a row counts as hung and is replaced.
         pub heartbeat_timeout_secs: u64, default = 2
         /// Talk to the workers this session starts on its own host in TLS too (with a
         /// certificate made for this driver); takes effect when a pool starts. Workers on

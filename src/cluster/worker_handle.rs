@@ -72,6 +72,8 @@ pub struct WorkerHandle {
     /// How long, in milliseconds, it has to answer a ping after a call to it broke before
     /// it counts as dead: its pool's heartbeat timeout.
     ping_timeout_ms: AtomicU64,
+    /// Heartbeats it has missed since it last answered one.
+    missed_heartbeats: std::sync::atomic::AtomicU32,
 }
 
 impl WorkerHandle {
@@ -98,6 +100,17 @@ impl WorkerHandle {
     /// timeout (`flumen.heartbeat_timeout_secs`).
     pub fn ping_timeout(&self) -> Duration {
         Duration::from_millis(self.ping_timeout_ms.load(Ordering::Relaxed))
+    }
+
+    /// Count a heartbeat it `answered` or missed; returns how many it has missed in a row.
+    pub(crate) fn count_heartbeat(&self, answered: bool) -> u32 {
+        match answered {
+            true => {
+                self.missed_heartbeats.store(0, Ordering::Relaxed);
+                0
+            }
+            false => self.missed_heartbeats.fetch_add(1, Ordering::Relaxed) + 1,
+        }
     }
 
     /// Whether its address left the cluster's list (it then gets no new task).
@@ -437,6 +450,7 @@ pub(crate) fn new_handle(
         child: Mutex::new(child),
         death: Mutex::new(None),
         ping_timeout_ms: AtomicU64::new(DEFAULT_PING_TIMEOUT.as_millis() as u64),
+        missed_heartbeats: 0.into(),
     })
 }
 

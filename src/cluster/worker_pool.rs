@@ -12,8 +12,9 @@
 //! load each model once and keep it), see [`Pool`].
 //!
 //! A worker that stops answering is marked dead: a killed process breaks its connections at
-//! once, and a hung one misses its heartbeat (a `ping` every [`HEARTBEAT_EVERY`], answered
-//! within [`WorkerTimeouts::heartbeat`]) and is killed. Calls in flight to a dead worker end
+//! once, and a hung one misses its heartbeats (a `ping` every [`HEARTBEAT_EVERY`], answered
+//! within [`WorkerTimeouts::heartbeat`], [`MISSED_HEARTBEATS`] missed in a row) and is
+//! killed. Calls in flight to a dead worker end
 //! at once and their tasks are retried elsewhere; its blocks count as lost and are
 //! recomputed from lineage by whoever needs them, and a replacement process is started in
 //! the background. A task's reply streams its blocks as the worker cuts them, so consumers
@@ -47,11 +48,18 @@ use crate::plan::graph::Pool;
 /// How often the driver pings each worker.
 pub const HEARTBEAT_EVERY: Duration = Duration::from_millis(500);
 
+/// Heartbeats a worker must miss in a row to count as hung. Under load a healthy worker's
+/// ping takes seconds now and then: on 2 cores shared by a driver and six workers, pings
+/// took 0.3–1.7 s, and one in a few hundred 2 s, and a worker killed for that one cost the
+/// query its blocks, or, when its pool's workers went too, the query.
+pub const MISSED_HEARTBEATS: u32 = 2;
+
 /// How the driver watches its workers.
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct WorkerTimeouts {
-    /// How long a ping may go unanswered before the worker counts as hung (and is killed):
-    /// `flumen.heartbeat_timeout_secs`.
+    /// How long a ping may go unanswered before it counts as missed
+    /// (`flumen.heartbeat_timeout_secs`); a worker that misses [`MISSED_HEARTBEATS`] in a
+    /// row counts as hung (and is killed).
     pub heartbeat: Duration,
     /// How long one attempt of a task may go without a sign of progress (a block, or rows
     /// of output) before its worker is suspect (killed, the task retried elsewhere):
@@ -235,19 +243,25 @@ impl WorkerPool {
         Ok(pool)
     }
 
-    /// Ping every live worker at once; one that does not answer in time (hung, its process
-    /// gone, its host cut off) is marked dead, and killed when this driver started it.
+    /// Ping every live worker at once; one that has not answered in time
+    /// [`MISSED_HEARTBEATS`] times in a row (hung, its process gone, its host cut off) is
+    /// marked dead, and killed when this driver started it.
     async fn heartbeat(&self) {
         let workers = self.workers().await;
         let timeout = self.settings.timeouts.heartbeat;
         let pings = workers.iter().filter(|w| w.is_alive()).map(|w| async move {
-            if !w.ping(timeout).await && w.is_alive() {
+            let answered = w.ping(timeout).await;
+            let missed = w.count_heartbeat(answered);
+            if missed > 0 && w.is_alive() {
                 log::warn!(
-                    "flumen worker {} (pid {}) missed its heartbeat",
+                    "flumen worker {} (pid {}) missed its heartbeat ({missed} of \
+                     {MISSED_HEARTBEATS} in a row)",
                     w.address,
                     w.pid
                 );
-                w.mark_dead();
+                if missed >= MISSED_HEARTBEATS {
+                    w.mark_dead();
+                }
             }
         });
         futures::future::join_all(pings).await;

@@ -1046,7 +1046,9 @@ impl Grammar<'_> {
             let (reference, setup) = match grouping_sets {
                 true => (
                     Some(ordered("SELECT * FROM grouping_sets_body")),
-                    Some(format!("CREATE OR REPLACE TABLE grouping_sets_body AS {body}")),
+                    Some(format!(
+                        "CREATE OR REPLACE TABLE grouping_sets_body AS {body}"
+                    )),
                 ),
                 false => (reference.as_deref().map(ordered), None),
             };
@@ -1340,6 +1342,11 @@ fn refused_for_the_budget(error: &str) -> bool {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn random_queries_answer_as_vanilla_in_threads_and_in_workers() {
+    // `RUST_LOG=warn` shows what the engines log (a worker found dead, a task retried).
+    let _ = env_logger::builder()
+        .is_test(true)
+        .format_timestamp_millis()
+        .try_init();
     let seed = std::env::var("FLUMEN_FUZZ_SEED").map_or(CI_SEED, |s| s.parse().unwrap());
     let queries = std::env::var("FLUMEN_FUZZ_QUERIES").map_or(CI_QUERIES, |s| s.parse().unwrap());
     let lose_blocks = match std::env::var("FLUMEN_FUZZ_LOSE_BLOCKS").as_deref() {
