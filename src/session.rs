@@ -24,8 +24,8 @@ use crate::io::delta;
 use crate::io::{iceberg, object_stores};
 use crate::plan::row_group_layout::LayoutCache;
 use crate::plan::{
-    accelerator_projection, counted_set_operations, fixed_size_list_casts, grouping_set_constants,
-    partitioned_outer_joins, random_shuffle,
+    accelerator_projection, aggregate_bound_reads, counted_set_operations, fixed_size_list_casts,
+    grouping_set_constants, partitioned_outer_joins, random_shuffle,
 };
 
 /// A DataFusion `SessionContext` whose queries run on flumen, with default DataFusion
@@ -202,8 +202,8 @@ fn keep_accelerator_projections(state: SessionState) -> SessionState {
 }
 
 /// `existing` with `HideGroupingSetConstants` and `KeepAcceleratorProjections` first,
-/// `PartitionOuterJoins` after join selection, and `PlanRandomShuffles` and
-/// `RemoveNoConstantsNodes` last (each once).
+/// `PartitionOuterJoins` after join selection, and `PlanRandomShuffles`,
+/// `ReadOnlyWholeAggregateBounds` and `RemoveNoConstantsNodes` last (each once).
 fn flumen_optimizer_rules(
     existing: &[Arc<dyn PhysicalOptimizerRule + Send + Sync>],
 ) -> Vec<Arc<dyn PhysicalOptimizerRule + Send + Sync>> {
@@ -223,6 +223,7 @@ fn flumen_optimizer_rules(
                         | "partition_outer_joins"
                         | "hide_grouping_set_constants"
                         | "remove_no_constants_nodes"
+                        | "read_only_whole_aggregate_bounds"
                 )
             })
             .cloned(),
@@ -234,6 +235,10 @@ fn flumen_optimizer_rules(
     rules.insert(at, Arc::new(partitioned_outer_joins::PartitionOuterJoins));
     // After DataFusion's rules: they would not know its nodes.
     rules.push(Arc::new(random_shuffle::PlanRandomShuffles));
+    // After DataFusion's filter pushdown, which put the aggregates' filters in the scans.
+    rules.push(Arc::new(
+        aggregate_bound_reads::ReadOnlyWholeAggregateBounds,
+    ));
     rules.push(Arc::new(grouping_set_constants::RemoveNoConstantsNodes));
     rules
 }

@@ -31,6 +31,8 @@
 //!   (DataFusion 55 plans them as a plain semi and anti join).
 //! - [`fixed_size_list_casts`]: casts of lists to fixed-size lists that read sliced lists
 //!   right (arrow-cast 59 reads them from the start of their values).
+//! - [`aggregate_bound_reads`]: scans read an aggregate's bound only where it bounds every
+//!   aggregate (DataFusion leaves out those with no value yet).
 //! - [`grouping_set_constants`]: sorts above grouping sets that keep every key (DataFusion
 //!   takes a filter's constant through them).
 //! - [`recursive_queries`]: a recursive query copied afresh for each run of its task.
@@ -38,6 +40,7 @@
 //!   operators.
 
 pub(crate) mod accelerator_projection;
+pub mod aggregate_bound_reads;
 pub mod concat_partitions;
 pub mod counted_set_operations;
 pub(crate) mod cut;
