@@ -124,7 +124,8 @@ mod tests {
         let (before, after) = scan_before_and_after("SELECT min(a) FROM t WHERE b <> 5").await;
         assert!(before.contains("DynamicFilter"), "{before}");
         assert!(after.contains("DynamicFilter"), "{after}");
-        let (before, after) = scan_before_and_after("SELECT min(a), min(b) FROM t WHERE b <> 5").await;
+        let (before, after) =
+            scan_before_and_after("SELECT min(a), min(b) FROM t WHERE b <> 5").await;
         assert!(before.contains("DynamicFilter"), "{before}");
         assert!(!after.contains("DynamicFilter"), "{after}");
     }
