@@ -566,6 +566,24 @@ mod tests {
         assert!(!worker.is_alive(), "its holder counts as dead");
     }
 
+    /// One slow heartbeat does not make a worker hung: misses count in a row, and an
+    /// answer starts the count again.
+    #[tokio::test]
+    async fn missed_heartbeats_count_in_a_row() {
+        use crate::cluster::worker_pool::MISSED_HEARTBEATS;
+        let channel = tonic::transport::Channel::from_static("http://127.0.0.1:9").connect_lazy();
+        let secret = crate::cluster::auth::SendSecret::new(&Secret::random());
+        let client = arrow_flight::flight_service_client::FlightServiceClient::with_interceptor(
+            channel, secret,
+        );
+        let (worker, _) = worker_and_block("127.0.0.1:9".into(), client);
+        assert_eq!(worker.count_heartbeat(false), 1);
+        assert_eq!(worker.count_heartbeat(true), 0);
+        for missed in 1..=MISSED_HEARTBEATS {
+            assert_eq!(worker.count_heartbeat(false), missed);
+        }
+    }
+
     #[tokio::test]
     async fn a_holder_that_broke_the_call_has_its_pools_heartbeat_timeout_to_answer_a_ping() {
         // A holder that resets the block's stream, then takes the ping's stream and never

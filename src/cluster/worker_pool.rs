@@ -53,6 +53,10 @@ pub const HEARTBEAT_EVERY: Duration = Duration::from_millis(500);
 /// took 0.3–1.7 s, and one in a few hundred 2 s, and a worker killed for that one cost the
 /// query its blocks, or, when its pool's workers went too, the query.
 pub const MISSED_HEARTBEATS: u32 = 2;
+const _: () = assert!(
+    MISSED_HEARTBEATS > 1,
+    "one slow heartbeat would kill a worker"
+);
 
 /// How the driver watches its workers.
 #[derive(Debug, Clone, Copy, PartialEq)]

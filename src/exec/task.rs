@@ -21,6 +21,7 @@ use crate::exec::task_runner::{InProcess, TaskRunner};
 use crate::exec::task_sink::{MadeBlock, StoreSink, TaskSink};
 use crate::exec::task_spec::{TaskPlace, TaskSpec};
 use crate::plan::dynamic_filters::{self, OneTask};
+use crate::plan::graph::RunsAgainUnlike;
 use crate::plan::merge_join_fallback::as_sort_merge_join;
 use crate::plan::recursive_queries;
 use crate::plan::stage_input::TaskInputs;
@@ -132,7 +133,10 @@ impl QueryRun {
             true => as_sort_merge_join(&op.fragment)?.unwrap_or_else(|| Arc::clone(&op.fragment)),
             false => Arc::clone(&op.fragment),
         };
-        let fragment = recursive_queries::afresh(&fragment)?;
+        let fragment = match op.runs_again_unlike {
+            Some(RunsAgainUnlike::RecursiveQuery) => recursive_queries::afresh(&fragment)?,
+            _ => fragment,
+        };
         let one_task = self.with_task_bounds(task, &fragment, false)?;
         // Tasks launched while it runs start from its bounds so far too.
         let _running = self.bounds.running(one_task.filters());

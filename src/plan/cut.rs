@@ -47,7 +47,7 @@ use crate::plan::accelerator_projection::AcceleratorProjectionExec;
 use crate::plan::concat_partitions::ConcatPartitionsExec;
 use crate::plan::dynamic_filters::with_own_dynamic_filters;
 use crate::plan::exchange_sizing::ExchangeSizing;
-use crate::plan::graph::{Operator, OperatorGraph, OperatorId, Pool, TaskShape};
+use crate::plan::graph::{Operator, OperatorGraph, OperatorId, Pool, RunsAgainUnlike, TaskShape};
 use crate::plan::merge_runs::MergeRunsExec;
 use crate::plan::model_batching::ModelBatching;
 use crate::plan::partition_cut::{
@@ -414,13 +414,9 @@ impl Cutter<'_> {
         };
         let id = self.operators.len();
         let runs_again_unlike = if shares_build_matches_across_partitions(&fragment) {
-            Some(
-                "its partitions share a join's build side, whose rows the last of them to finish emits",
-            )
+            Some(RunsAgainUnlike::SharedBuildSide)
         } else if recursive_queries::holds_one(&fragment) {
-            Some(
-                "it runs a recursive query, whose rows come in the order its exchanges deliver them",
-            )
+            Some(RunsAgainUnlike::RecursiveQuery)
         } else {
             None
         };

@@ -152,15 +152,37 @@ pub struct Operator {
     /// partition's blocks as they arrive, one sorted run, which a
     /// [`crate::plan::merge_runs::MergeRunsExec`] above merges with the partition's others.
     pub run_bytes: Option<u64>,
-    /// Why a task of it run alone again would not repeat its first run, if it would not:
-    /// its partitions share a `CollectLeft` join's matches and emit the build side's rows
+    /// Why a task of it run alone again would not repeat its first run, if it would not.
+    /// With workers its blocks are kept until the query ends, so a reader run again reads
+    /// them; losing one fails the query by name.
+    pub runs_again_unlike: Option<RunsAgainUnlike>,
+}
+
+/// Why an operator's task run alone again would not repeat its first run.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum RunsAgainUnlike {
+    /// Its partitions share a `CollectLeft` join's matches and emit the build side's rows
     /// from whichever finishes last
-    /// ([`crate::plan::partition_cut::shares_build_matches_across_partitions`]), or it runs
-    /// a recursive query, whose exchanges deliver rows in the order they come
-    /// ([`crate::plan::recursive_queries::holds_one`]). With workers its blocks are kept
-    /// until the query ends, so a reader run again reads them; losing one fails the query
-    /// by name.
-    pub runs_again_unlike: Option<&'static str>,
+    /// ([`crate::plan::partition_cut::shares_build_matches_across_partitions`]).
+    SharedBuildSide,
+    /// It runs a recursive query, whose exchanges deliver rows in the order they come
+    /// ([`crate::plan::recursive_queries`]); each run executes a fresh copy of it.
+    RecursiveQuery,
+}
+
+impl fmt::Display for RunsAgainUnlike {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self {
+            Self::SharedBuildSide => {
+                "its partitions share a join's build side, whose rows the last of them to \
+                 finish emits"
+            }
+            Self::RecursiveQuery => {
+                "it runs a recursive query, whose rows come in the order its exchanges \
+                 deliver them"
+            }
+        })
+    }
 }
 
 impl Operator {
