@@ -1111,8 +1111,15 @@ async fn search(seed: u64, queries: usize, lose_blocks: LoseBlocks) -> Vec<Strin
     let dir = tempfile::tempdir().unwrap();
     write_tables(dir.path(), &mut rng, true);
     let block_rows = *[7, 32, 100].choose(&mut rng).unwrap();
+    // Without its aggregates' filters, which can leave an aggregate out
+    // (`flumen::plan::aggregate_bound_reads`): the reference reads every row.
     let vanilla = SessionContext::new_with_config(
-        SessionConfig::new().with_target_partitions(rng.random_range(1..5)),
+        SessionConfig::new()
+            .with_target_partitions(rng.random_range(1..5))
+            .set_bool(
+                "datafusion.optimizer.enable_aggregate_dynamic_filter_pushdown",
+                false,
+            ),
     );
     let threads = flumen_session(0, block_rows, 3, false);
     let workers = flumen_session(2, block_rows, 2, false);
@@ -1596,6 +1603,13 @@ async fn a_recursive_query_is_kept_for_readers_run_again() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn two_mins_skip_no_row_group_the_second_needs() {
     let (dir, vanilla) = search_tables_of_seed(8134).await;
+    // Vanilla has the same fault, its partitions sharing one bound: under load (CI's) its
+    // answer was the wrong one. Without its aggregates' filters it reads every row.
+    common::collect(
+        &vanilla,
+        "SET datafusion.optimizer.enable_aggregate_dynamic_filter_pushdown = false",
+    )
+    .await;
     let sql = "SELECT min(dt) AS c0, min(ts) AS c1, max(x + 1) AS c2 FROM a";
     for (workers, what) in [(0, "threads"), (2, "2 workers")] {
         let flumen = flumen_session(workers, 32, 3, false);
