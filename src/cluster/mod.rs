@@ -8,6 +8,8 @@
 //!   driver's check that a worker decodes the plan that was planned.
 //! - [`cast_fields`]: a cast to a field of its own (a union's nullable columns), which proto
 //!   drops, carried whole.
+//! - [`bound_reads`]: a scan's read of an aggregate's complete bounds, flumen's own
+//!   expression, carried whole.
 //! - [`topk_nodes`]: DataFusion's per-partition TopK, which proto cannot encode, carried as
 //!   a flumen node.
 //! - [`window_calls`]: what proto drops of a window function's call (`IGNORE NULLS`, a
@@ -39,6 +41,7 @@
 pub mod admission;
 pub mod auth;
 pub(crate) mod block_shelf;
+pub(crate) mod bound_reads;
 pub(crate) mod cast_fields;
 #[cfg(feature = "kubernetes")]
 pub mod kubernetes;

@@ -27,6 +27,8 @@
 //!   [`super::window_calls`] says.
 //! - **A cast to a field of its own** (a union's inputs made nullable): proto keeps only its
 //!   type; sent whole as [`super::cast_fields`] says.
+//! - **A read of an aggregate's complete bounds** (flumen's own expression): sent whole as
+//!   [`super::bound_reads`] says.
 //! - **A scan's row-group order hints** (`reverse_row_groups`, `sort_order_for_reorder`:
 //!   DataFusion's inexact sort pushdown, under a sort that still sorts above the scan): a
 //!   worker reads row groups in file order. The check allows these differences alone; a task
@@ -59,11 +61,11 @@ use datafusion_proto::physical_plan::{
 use datafusion_proto::protobuf;
 use prost::Message;
 
-use crate::cluster::cast_fields;
 use crate::cluster::scan_formats::{ScanFormat, describe_format};
 use crate::cluster::shipped_functions::{self, ShippedFunction};
 use crate::cluster::topk_nodes;
 use crate::cluster::window_calls::{carry_window_calls, describe_window_calls, lossy_window};
+use crate::cluster::{bound_reads, cast_fields};
 use crate::plan::dynamic_filters::map_predicates;
 use crate::plan::subquery_values::SubqueryValuesExec;
 
@@ -435,14 +437,14 @@ impl PhysicalProtoConverterExtension for TaskPlanConverter {
         codec: &dyn PhysicalExtensionCodec,
     ) -> Result<protobuf::PhysicalExprNode> {
         let sent = as_sent_expr(expr, &self.live_filters)?.data;
-        if let Some(cast) = cast_fields::encode(&sent)? {
+        if let Some(expr) = cast_fields::encode(&sent)?.or_else(|| bound_reads::encode(&sent)) {
             let inputs = (sent.children().into_iter())
                 .map(|input| self.physical_expr_to_proto(input, codec))
                 .collect::<Result<_>>()?;
             return Ok(protobuf::PhysicalExprNode {
                 expr_id: None,
                 expr_type: Some(protobuf::physical_expr_node::ExprType::Extension(
-                    protobuf::PhysicalExtensionExprNode { expr: cast, inputs },
+                    protobuf::PhysicalExtensionExprNode { expr, inputs },
                 )),
             });
         }
@@ -619,7 +621,11 @@ impl PhysicalExtensionCodec for TaskPlanCodec {
         inputs: &[Arc<dyn PhysicalExpr>],
         _ctx: &PhysicalExprDecodeCtx<'_>,
     ) -> Result<Arc<dyn PhysicalExpr>> {
-        cast_fields::decode(buf, inputs)?.ok_or_else(|| {
+        let decoded = match cast_fields::decode(buf, inputs)? {
+            Some(cast) => Some(cast),
+            None => bound_reads::decode(buf, inputs)?,
+        };
+        decoded.ok_or_else(|| {
             DataFusionError::Execution("a task plan holds an unknown extension expression".into())
         })
     }

@@ -1599,7 +1599,8 @@ async fn a_recursive_query_is_kept_for_readers_run_again() {
 /// min(ts)` leaves out `ts` while no `ts` has been seen, and a task that read only the file
 /// written before `ts` was added made `dt < 2023-12-09`: the tasks after it skipped the row
 /// groups holding the smallest `ts` (2024-03-01T06:07:42Z for 01:51:27Z). Scans read such
-/// an aggregate's filter no more (`flumen::plan::aggregate_bound_reads`).
+/// an aggregate's filter only when it has every aggregate's term
+/// (`flumen::plan::aggregate_bound_reads`).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn two_mins_skip_no_row_group_the_second_needs() {
     let (dir, vanilla) = search_tables_of_seed(8134).await;
@@ -1610,10 +1611,16 @@ async fn two_mins_skip_no_row_group_the_second_needs() {
         "SET datafusion.optimizer.enable_aggregate_dynamic_filter_pushdown = false",
     )
     .await;
-    let sql = "SELECT min(dt) AS c0, min(ts) AS c1, max(x + 1) AS c2 FROM a";
-    for (workers, what) in [(0, "threads"), (2, "2 workers")] {
-        let flumen = flumen_session(workers, 32, 3, false);
-        register(&flumen, dir.path()).await;
-        answers_as_vanilla(&vanilla, &flumen, sql, 2, what).await;
+    // Aggregates of columns only: the filter is read once it has both terms. With a `max`
+    // of an expression (which never gets a term): not read.
+    for sql in [
+        "SELECT min(dt) AS c0, min(ts) AS c1 FROM a",
+        "SELECT min(dt) AS c0, min(ts) AS c1, max(x + 1) AS c2 FROM a",
+    ] {
+        for (workers, what) in [(0, "threads"), (2, "2 workers")] {
+            let flumen = flumen_session(workers, 32, 3, false);
+            register(&flumen, dir.path()).await;
+            answers_as_vanilla(&vanilla, &flumen, sql, 2, what).await;
+        }
     }
 }
