@@ -46,7 +46,7 @@ use crate::plan::dynamic_filters::map_predicates;
 /// A reader's view of the dynamic filter of an aggregate of several `min`/`max` of columns:
 /// the filter (in a task, the bounds the task starts from and its own, ANDed) with each
 /// bound in it that leaves out an aggregate's term read as `true`.
-#[derive(Debug, Eq, Hash)]
+#[derive(Debug, Eq)]
 pub struct CompleteBounds {
     /// What is read: the filter, or what a task reads in its place.
     bounds: Arc<dyn PhysicalExpr>,
@@ -119,6 +119,14 @@ impl PartialEq for CompleteBounds {
             && self.terms_of == other.terms_of
             && (self.columns.iter().zip(&other.columns)).all(|(a, b)| a.as_ref() == b.as_ref())
             && self.columns.len() == other.columns.len()
+    }
+}
+
+impl Hash for CompleteBounds {
+    fn hash<H: std::hash::Hasher>(&self, state: &mut H) {
+        self.bounds.hash(state);
+        self.columns.hash(state);
+        self.terms_of.hash(state);
     }
 }
 
