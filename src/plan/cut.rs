@@ -59,6 +59,7 @@ use crate::plan::row_group_layout::RowGroupLayout;
 use crate::plan::split_source::{ModelSplitLimit, SplitSourceExec};
 use crate::plan::stage_input::{InputExchange, StageInputExec};
 use crate::plan::subquery_values::{SubqueryValuesExec, reads_values_of};
+use crate::plan::task_topk::{TopkOverExchange, keeping_top_rows, topk_over_exchange};
 
 impl OperatorGraph {
     /// Cut `plan` into operators; `layout` places its Parquet scans' splits on row group
@@ -195,6 +196,31 @@ impl Cutter<'_> {
                 coalesce.fetch(),
             )));
         }
+        // A TopK's input operator keeps each task's first rows only (`plan::task_topk`).
+        if let Some(found) = topk_over_exchange(&plan) {
+            let TopkOverExchange {
+                topk,
+                between,
+                exchange,
+            } = found;
+            let child = self.rewrite(Arc::clone(exchange.input()))?;
+            let fragment = keeping_top_rows(topk, &between, child)?;
+            let split = exchange.partitioning().clone();
+            let producer =
+                self.add_operator_with(fragment, Pool::Cpu, Some(split.clone()), true)?;
+            // The stage input stands for what the TopK read: the exchange, filtered.
+            let stage_input: Arc<dyn ExecutionPlan> = Arc::new(StageInputExec::new(
+                producer,
+                InputExchange::Split(split),
+                exchange_properties(topk.input(), topk.input().properties()),
+                None,
+            ));
+            let uncut_topk = Arc::clone(plan.children()[0]);
+            let merged = exchange_properties(&uncut_topk, uncut_topk.properties());
+            let topk = replace_children_if_necessary(uncut_topk, vec![stage_input])?;
+            let topk = self.operator_over(topk, merged)?;
+            return replace_children_if_necessary(plan, vec![topk]);
+        }
         // A merge of sorted partitions, or the ordered concatenation of a random shuffle's
         // partitions, stays in the consumer, reading each producer partition in order.
         let merged_input = plan
@@ -327,6 +353,19 @@ impl Cutter<'_> {
         pool: Pool,
         output_split: Option<Partitioning>,
     ) -> Result<OperatorId> {
+        self.add_operator_with(fragment, pool, output_split, false)
+    }
+
+    /// [`Self::add_operator`]; with `keeps_top_rows`, `fragment`'s root is a TopK that may
+    /// run on any piece of its input ([`keeping_top_rows`]), and counts as row-local.
+    fn add_operator_with(
+        &mut self,
+        fragment: Arc<dyn ExecutionPlan>,
+        pool: Pool,
+        output_split: Option<Partitioning>,
+        keeps_top_rows: bool,
+    ) -> Result<OperatorId> {
+        let top_rows = keeps_top_rows.then(|| Arc::clone(&fragment));
         let fragment = self.with_subquery_values(fragment)?;
         // (producer, exchange, fetch) of every stage input leaf.
         let mut stage_inputs = vec![];
@@ -343,7 +382,8 @@ impl Cutter<'_> {
             if node.children().is_empty() {
                 other_leaves += 1;
             }
-            let row_local = is_row_local(&node);
+            let row_local =
+                is_row_local(&node) || top_rows.as_ref().is_some_and(|top| Arc::ptr_eq(top, &node));
             all_row_local &= row_local;
             row_local_but_for_limits &= row_local || is_limit(&node);
             row_local_but_for_topk &= row_local || is_limit(&node) || is_topk(&node);

@@ -36,6 +36,7 @@
 //! - [`grouping_set_constants`]: sorts above grouping sets that keep every key (DataFusion
 //!   takes a filter's constant through them).
 //! - [`recursive_queries`]: a recursive query copied afresh for each run of its task.
+//! - [`task_topk`]: the operator feeding a TopK keeps each task's first rows only.
 //! - [`subquery_values`]: a fragment that reads scalar subqueries' values from their own
 //!   operators.
 
@@ -68,6 +69,7 @@ pub(crate) mod split_source;
 pub(crate) mod stage_input;
 pub mod subquery_values;
 pub mod task_bounds;
+pub(crate) mod task_topk;
 #[cfg(test)]
 pub(crate) mod test_plans;
 

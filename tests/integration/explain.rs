@@ -157,6 +157,17 @@ async fn explain_over_docs_with(settings: &[&str], sql: &str) -> String {
     plan.replace(dir_text.trim_start_matches('/'), "TMP")
 }
 
+/// `ORDER BY ... LIMIT` over a Parquet scan spread by a round-robin exchange: the scan's
+/// source tasks run a copy of the TopK (with the filter between), each handing on its own
+/// first rows; the TopK above reads the exchange directly (`plan::task_topk`).
+#[tokio::test]
+async fn explain_order_by_limit_over_parquet_keeps_each_splits_first_rows() {
+    insta::assert_snapshot!(
+        explain_over_docs("SELECT id FROM docs WHERE id <> 4 ORDER BY body DESC, id LIMIT 3")
+            .await
+    );
+}
+
 /// `embed` over a Parquet scan: DataFusion would merge the call into the scan's projection;
 /// flumen keeps it in an accelerator operator of its own, fed by the scan's source tasks.
 /// (On the CPU the model tokenizes itself; on CUDA, or with `flumen.preprocess_on_cpu =

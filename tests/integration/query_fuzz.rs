@@ -880,7 +880,7 @@ impl Grammar<'_> {
     /// A query whose plan combines several operators in ways the other shapes do not.
     fn combined_body(&mut self) -> (String, usize) {
         let filter = self.a_where("");
-        match self.rng.random_range(0..10) {
+        match self.rng.random_range(0..16) {
             // A CTE read twice, joined to itself.
             0 => {
                 let agg = self.aggregate("");
@@ -995,6 +995,80 @@ impl Grammar<'_> {
                         "SELECT {list} FROM a WHERE k {}IN (SELECT k FROM b GROUP BY k HAVING count(*) > {})",
                         self.pick(&["", "NOT "]),
                         self.rng.random_range(1..12)
+                    ),
+                    n,
+                )
+            }
+            // A join on two keys, one an expression, with a residual across both sides.
+            10 => {
+                let (list, n) =
+                    self.select_list(vec!["l.id".into(), "r.w".into(), "r.name".into()]);
+                (
+                    format!(
+                        "SELECT {list} FROM a l {} b r ON l.k = r.k AND l.x % 5 = r.w % 5 \
+                         AND (l.f > r.w OR r.name IS NULL){}",
+                        self.pick(&["JOIN", "LEFT JOIN", "FULL JOIN"]),
+                        self.a_where("l.")
+                    ),
+                    n,
+                )
+            }
+            // Several `min`/`max` of nullable columns without groups (an aggregate whose
+            // dynamic filter has a term per aggregate), sometimes one of an expression.
+            11 => {
+                let mut items: Vec<String> = (0..self.rng.random_range(2..5))
+                    .map(|_| {
+                        let column = self.pick(&["ts", "amt", "dt", "g", "x", "f", "id"]);
+                        format!("{}({column})", self.pick(&["min", "max"]))
+                    })
+                    .collect();
+                if self.chance(0.3) {
+                    items.push("max(x + k)".into());
+                }
+                let (list, n) = self.select_list(items);
+                (format!("SELECT {list} FROM a{filter}"), n)
+            }
+            // The first rows of each group (a window filtered by its rank).
+            12 => {
+                let key = self.pick(&["k", "g", "flag"]);
+                let top = self.rng.random_range(1..4);
+                let (list, n) =
+                    self.select_list(vec!["t.id".into(), "t.key".into(), "t.rn".into()]);
+                (
+                    format!(
+                        "SELECT {list} FROM (SELECT id, {key} AS key, row_number() OVER \
+                         (PARTITION BY {key} ORDER BY x DESC NULLS LAST, id) AS rn FROM a{filter}) t \
+                         WHERE t.rn <= {top}"
+                    ),
+                    n,
+                )
+            }
+            // EXISTS with an inequality beside its key: a semi join with a filter.
+            13 => {
+                let (list, n) = self.select_list(vec!["id".into(), "x".into()]);
+                (
+                    format!(
+                        "SELECT {list} FROM a WHERE {}EXISTS (SELECT 1 FROM b WHERE b.k = a.k \
+                         AND b.w * 10 > a.x){}",
+                        self.pick(&["", "NOT "]),
+                        self.pick(&["", " AND a.flag", " OR a.k IS NULL"])
+                    ),
+                    n,
+                )
+            }
+            // The rows of `a` without a match: a left join filtered on the right's NULL.
+            14 => {
+                let (list, n) = self.select_list(vec!["l.id".into(), "l.k".into()]);
+                let also = match self.chance(0.5) {
+                    true => format!(" AND ({})", self.a_predicate("l.", 0)),
+                    false => String::new(),
+                };
+                (
+                    format!(
+                        "SELECT {list} FROM a l LEFT JOIN {} r ON l.k = r.k AND r.w > {} \
+                         WHERE r.k IS NULL{also}",
+                        self.pick(&["b", "c"]),
+                        self.rng.random_range(-50..50),
                     ),
                     n,
                 )

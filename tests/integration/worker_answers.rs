@@ -1356,19 +1356,16 @@ async fn aggregate_bounds_prune_the_scan_tasks_after_them() {
         "SELECT min(id) FROM t WHERE k <> 5",
         // `id < min OR k > max`: read once it has both terms (`plan::aggregate_bound_reads`).
         "SELECT min(id), max(k) FROM t WHERE k <> 5",
+        // Each split's task keeps its own first rows, and its bound prunes the splits
+        // launched after it (`plan::task_topk`; with workers all 40 were read before).
         "SELECT id FROM t WHERE k <> 5 ORDER BY k, id LIMIT 3",
     ] {
         for (mode, ctx) in [("threads", &threads), ("2 workers", &workers)] {
             answers_like_vanilla(&vanilla, ctx, sql).await;
-            let read = rows_scanned(ctx, sql).await;
-            eprintln!("{mode}: {sql}: {read} of 40,000 rows read");
-            // A TopK's bound reaches the splits read after its first block (in threads
-            // mode, where it streams its input; how many depends on how far the splits ran
-            // ahead): its answer is checked, its rows read are shown.
-            if !sql.contains("LIMIT") {
-                // 2,000 when run alone; half the table leaves room for a busy machine.
-                assert!(read <= 20_000, "{mode}: {read} of 40,000 rows read: {sql}");
-            }
+            let read = row_groups_read(ctx, sql).await;
+            eprintln!("{mode}: {sql}: {read} of 40 row groups read");
+            // 2 when run alone; half the table leaves room for a busy machine.
+            assert!(read <= 20, "{mode}: {read} of 40 row groups read: {sql}");
         }
         for _ in 0..3 {
             answers_like_vanilla(&vanilla, &losing, sql).await;
@@ -1376,23 +1373,24 @@ async fn aggregate_bounds_prune_the_scan_tasks_after_them() {
     }
 }
 
-/// Rows the split scans of `EXPLAIN ANALYZE sql` in `ctx` output, in threads mode and with
-/// workers: their operators' `rows` (`1.00 K` read as 1,000).
-async fn rows_scanned(ctx: &SessionContext, sql: &str) -> u64 {
+/// Row groups the scans of `EXPLAIN ANALYZE sql` in `ctx` read: those their statistics and
+/// dynamic filters left (`row_groups_pruned_statistics=N total → M matched`: M), shown on
+/// the scan in threads mode and on its operator with workers. A plan that shows none fails.
+async fn row_groups_read(ctx: &SessionContext, sql: &str) -> u64 {
     let batches = common::collect(ctx, &format!("EXPLAIN ANALYZE {sql}")).await;
     let text = datafusion::arrow::util::pretty::pretty_format_batches(&batches)
         .unwrap()
         .to_string();
-    text.lines()
-        .filter(|line| line.contains("name=SplitSourceExec"))
+    let read: Vec<u64> = (text.lines())
+        .filter(|line| line.contains("tasks=source") || line.contains("DataSourceExec"))
         .filter_map(|line| {
-            let rows = line.split(" rows=").nth(1)?.split(',').next()?;
-            Some(match rows.strip_suffix(" K") {
-                Some(thousands) => (thousands.parse::<f64>().unwrap() * 1000.0).round() as u64,
-                None => rows.parse().unwrap(),
-            })
+            let pruned = line.split("row_groups_pruned_statistics=").nth(1)?;
+            let matched = pruned.split(" → ").nth(1)?.split(" matched").next()?;
+            Some(matched.parse::<u64>().unwrap())
         })
-        .sum()
+        .collect();
+    assert!(!read.is_empty(), "no scan shows its row groups read:\n{text}");
+    read.iter().sum()
 }
 
 /// A table of many small files is read in splits of several files, as DataFusion's own
