@@ -82,6 +82,7 @@ impl OperatorGraph {
             batching,
             layout,
             out_of_core: sizing.out_of_core(),
+            sort_pushdown: options.optimizer.enable_sort_pushdown,
             scalar_subqueries: vec![],
         };
         let root = cutter.rewrite(plan)?;
@@ -137,6 +138,9 @@ struct Cutter<'a> {
     /// run in waves of the slots (no gang unless a node needs it), none streams a probe
     /// input (its partitions would all run at once).
     out_of_core: bool,
+    /// DataFusion may reorder a scan's row groups for a sort above it
+    /// (`datafusion.optimizer.enable_sort_pushdown`).
+    sort_pushdown: bool,
     /// The scalar subqueries of the `ScalarSubqueryExec`s met so far: each operator whose
     /// fragment reads one's values gets them from operators of its own
     /// ([`SubqueryValuesExec`]).
@@ -204,7 +208,7 @@ impl Cutter<'_> {
                 exchange,
             } = found;
             let child = self.rewrite(Arc::clone(exchange.input()))?;
-            let fragment = keeping_top_rows(topk, &between, child)?;
+            let fragment = keeping_top_rows(topk, &between, child, self.sort_pushdown)?;
             let split = exchange.partitioning().clone();
             let producer =
                 self.add_operator_with(fragment, Pool::Cpu, Some(split.clone()), true)?;

@@ -22,13 +22,13 @@
 use std::sync::Arc;
 
 use datafusion::error::Result;
-use datafusion::physical_plan::{ExecutionPlan, replace_children_if_necessary};
-use datafusion::physical_plan::Partitioning;
 use datafusion::physical_plan::filter::FilterExec;
 use datafusion::physical_plan::projection::ProjectionExec;
 use datafusion::physical_plan::repartition::RepartitionExec;
 use datafusion::physical_plan::sorts::sort::SortExec;
 use datafusion::physical_plan::sorts::sort_preserving_merge::SortPreservingMergeExec;
+use datafusion::physical_plan::{ExecutionPlan, replace_children_if_necessary};
+use datafusion::physical_plan::{Partitioning, SortOrderPushdownResult};
 
 /// Where a merge reads a TopK's partitions: the TopK, the filters and projections between
 /// it and the exchange below it (top first), and that exchange.
@@ -78,12 +78,27 @@ pub(crate) fn topk_over_exchange(plan: &Arc<dyn ExecutionPlan>) -> Option<TopkOv
 /// A copy of `topk` over `between` (top first) over `input` (its exchange's input, cut):
 /// the first rows of each of `input`'s tasks, with the TopK's own dynamic filter (the one
 /// the scans below read).
+///
+/// With `sort_pushdown` (`datafusion.optimizer.enable_sort_pushdown`), a scan below that
+/// can read its row groups in a better order for the TopK (DataFusion's inexact sort
+/// pushdown: a file sorted by `ts` read last row group first for `ORDER BY ts DESC`) does
+/// so, so that the task's own bound prunes the rest of its split.
 pub(crate) fn keeping_top_rows(
     topk: &SortExec,
     between: &[Arc<dyn ExecutionPlan>],
     input: Arc<dyn ExecutionPlan>,
+    sort_pushdown: bool,
 ) -> Result<Arc<dyn ExecutionPlan>> {
+    // DataFusion's filters do not pass a sort down, but keep their input's columns: the
+    // sort goes to what is below them.
+    let only_filters = (between.iter()).all(|node| node.downcast_ref::<FilterExec>().is_some());
     let mut input = input;
+    if sort_pushdown
+        && only_filters
+        && let SortOrderPushdownResult::Inexact { inner } = input.try_pushdown_sort(topk.expr())?
+    {
+        input = inner;
+    }
     for node in between.iter().rev() {
         input = replace_children_if_necessary(Arc::clone(node), vec![input])?;
     }

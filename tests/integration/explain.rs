@@ -163,8 +163,7 @@ async fn explain_over_docs_with(settings: &[&str], sql: &str) -> String {
 #[tokio::test]
 async fn explain_order_by_limit_over_parquet_keeps_each_splits_first_rows() {
     insta::assert_snapshot!(
-        explain_over_docs("SELECT id FROM docs WHERE id <> 4 ORDER BY body DESC, id LIMIT 3")
-            .await
+        explain_over_docs("SELECT id FROM docs WHERE id <> 4 ORDER BY body DESC, id LIMIT 3").await
     );
 }
 

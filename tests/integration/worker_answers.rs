@@ -1389,7 +1389,10 @@ async fn row_groups_read(ctx: &SessionContext, sql: &str) -> u64 {
             Some(matched.parse::<u64>().unwrap())
         })
         .collect();
-    assert!(!read.is_empty(), "no scan shows its row groups read:\n{text}");
+    assert!(
+        !read.is_empty(),
+        "no scan shows its row groups read:\n{text}"
+    );
     read.iter().sum()
 }
 
