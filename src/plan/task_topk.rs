@@ -30,6 +30,8 @@ use datafusion::physical_plan::sorts::sort_preserving_merge::SortPreservingMerge
 use datafusion::physical_plan::{ExecutionPlan, replace_children_if_necessary};
 use datafusion::physical_plan::{Partitioning, SortOrderPushdownResult};
 
+use crate::functions::accelerator::calls_accelerator_udf;
+
 /// Where a merge reads a TopK's partitions: the TopK, the filters and projections between
 /// it and the exchange below it (top first), and that exchange.
 pub(crate) struct TopkOverExchange<'a> {
@@ -63,7 +65,13 @@ pub(crate) fn topk_over_exchange(plan: &Arc<dyn ExecutionPlan>) -> Option<TopkOv
                 exchange,
             });
         }
-        let row_local = node.downcast_ref::<ProjectionExec>().is_some()
+        // Not a model's projection: it runs on the accelerator pool, in an operator of its own.
+        let cpu_projection = node
+            .downcast_ref::<ProjectionExec>()
+            .is_some_and(|projection| {
+                !(projection.expr().iter()).any(|e| calls_accelerator_udf(&e.expr))
+            });
+        let row_local = cpu_projection
             || node
                 .downcast_ref::<FilterExec>()
                 .is_some_and(|filter| filter.fetch().is_none());
