@@ -10,7 +10,7 @@
 
 use std::sync::Arc;
 
-use datafusion::common::tree_node::{TreeNode, TreeNodeRecursion};
+use datafusion::common::tree_node::{Transformed, TreeNode, TreeNodeRecursion};
 use datafusion::config::ConfigOptions;
 use datafusion::datasource::physical_plan::FileScanConfig;
 use datafusion::datasource::sink::DataSinkExec;
@@ -59,7 +59,9 @@ use crate::plan::row_group_layout::RowGroupLayout;
 use crate::plan::split_source::{ModelSplitLimit, SplitSourceExec};
 use crate::plan::stage_input::{InputExchange, StageInputExec};
 use crate::plan::subquery_values::{SubqueryValuesExec, reads_values_of};
-use crate::plan::task_topk::{TopkOverExchange, keeping_top_rows, topk_over_exchange};
+use crate::plan::task_topk::{
+    Below, TopkOver, keeping_top_rows, topk_over, unordered, wants_last_first,
+};
 
 impl OperatorGraph {
     /// Cut `plan` into operators; `layout` places its Parquet scans' splits on row group
@@ -201,28 +203,9 @@ impl Cutter<'_> {
             )));
         }
         // A TopK's input operator keeps each task's first rows only (`plan::task_topk`).
-        if let Some(found) = topk_over_exchange(&plan) {
-            let TopkOverExchange {
-                topk,
-                between,
-                exchange,
-            } = found;
-            let child = self.rewrite(Arc::clone(exchange.input()))?;
-            let fragment = keeping_top_rows(topk, &between, child, self.sort_pushdown)?;
-            let split = exchange.partitioning().clone();
-            let producer =
-                self.add_operator_with(fragment, Pool::Cpu, Some(split.clone()), true)?;
-            // The stage input stands for what the TopK read: the exchange, filtered.
-            let stage_input: Arc<dyn ExecutionPlan> = Arc::new(StageInputExec::new(
-                producer,
-                InputExchange::Split(split),
-                exchange_properties(topk.input(), topk.input().properties()),
-                None,
-            ));
-            let uncut_topk = Arc::clone(plan.children()[0]);
-            let merged = exchange_properties(&uncut_topk, uncut_topk.properties());
-            let topk = replace_children_if_necessary(uncut_topk, vec![stage_input])?;
-            let topk = self.operator_over(topk, merged)?;
+        if let Some(found) = topk_over(&plan)
+            && let Some(topk) = self.topk_over_task_topks(&found)?
+        {
             return replace_children_if_necessary(plan, vec![topk]);
         }
         // A merge of sorted partitions, or the ordered concatenation of a random shuffle's
@@ -307,6 +290,70 @@ impl Cutter<'_> {
             return Ok(plan);
         }
         replace_children_if_necessary(plan, children)
+    }
+
+    /// The TopK of `found`, cut, as an operator of its own over an operator whose tasks
+    /// each keep their own first rows ([`keeping_top_rows`]), and the stage input that reads
+    /// its partitions in its place; `None` where the TopK reads a scan of no more splits than
+    /// partitions (its own tasks read it as well).
+    fn topk_over_task_topks(
+        &mut self,
+        found: &TopkOver<'_>,
+    ) -> Result<Option<Arc<dyn ExecutionPlan>>> {
+        let TopkOver {
+            topk,
+            node,
+            between,
+            below,
+        } = found;
+        let (producer, exchange) = match below {
+            Below::Exchange(exchange) => {
+                let child = self.rewrite(Arc::clone(exchange.input()))?;
+                let fragment = keeping_top_rows(topk, between, child, self.sort_pushdown)?;
+                let split = exchange.partitioning().clone();
+                let producer =
+                    self.add_operator_with(fragment, Pool::Cpu, Some(split.clone()), true)?;
+                (producer, InputExchange::Split(split))
+            }
+            Below::Scan(scan) => {
+                let fragment =
+                    keeping_top_rows(topk, between, Arc::clone(scan), self.sort_pushdown)?;
+                let partitions = fragment.output_partitioning().partition_count();
+                let (_, splits) = split_sources(
+                    Arc::clone(&fragment),
+                    self.config.split_bytes.0,
+                    self.batching.split_limit(),
+                    self.layout,
+                    (self.batching.first_block_rows, self.batching.ramped_splits),
+                )?;
+                if splits.iter().sum::<usize>() <= partitions {
+                    return Ok(None);
+                }
+                let producer = self.add_operator_with(fragment, Pool::Cpu, None, true)?;
+                (producer, InputExchange::Preserve)
+            }
+        };
+        if wants_last_first(found) {
+            let op = &mut self.operators[producer];
+            op.fragment = Arc::clone(&op.fragment)
+                .transform_up(|node| {
+                    Ok(match node.downcast_ref::<SplitSourceExec>() {
+                        Some(split) => Transformed::yes(Arc::new(split.read_last_first()) as _),
+                        None => Transformed::no(node),
+                    })
+                })?
+                .data;
+        }
+        // The stage input stands for what the TopK read, in no order.
+        let stage_input: Arc<dyn ExecutionPlan> = Arc::new(StageInputExec::new(
+            producer,
+            exchange,
+            unordered(topk.input()),
+            None,
+        ));
+        let merged = exchange_properties(node, node.properties());
+        let topk = replace_children_if_necessary(Arc::clone(node), vec![stage_input])?;
+        self.operator_over(topk, merged).map(Some)
     }
 
     /// `input`, cut, as a CPU operator of its own, and the stage input that reads its

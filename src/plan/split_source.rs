@@ -244,6 +244,25 @@ impl SplitSourceExec {
     pub fn splits_per_partition(&self) -> Vec<usize> {
         self.splits.iter().map(|s| s.len()).collect()
     }
+
+    /// The same scan with each partition's splits read last first: for a TopK in the
+    /// reverse of the files' order (`ORDER BY ts DESC` over files sorted by `ts`), whose
+    /// first splits then make the bound that prunes the rest. Only for a reader that needs
+    /// no order of its partitions' rows.
+    pub fn read_last_first(&self) -> Self {
+        let splits = (self.splits.iter())
+            .map(|partition| partition.iter().rev().cloned().collect())
+            .collect();
+        Self {
+            original: Arc::clone(&self.original),
+            splits: Arc::new(splits),
+            ramped_splits: self.ramped_splits,
+            drops_join_filtered_rows: self.drops_join_filtered_rows,
+            metrics: self.metrics.clone(),
+            dropped_rows: Arc::clone(&self.dropped_rows),
+            bound_swaps: self.bound_swaps.clone(),
+        }
+    }
 }
 
 /// Whether the scan `original` (of `config`) leaves free which partition reads which

@@ -15,39 +15,61 @@
 //! read), prunes the splits launched after it ([`crate::plan::task_bounds`]). The first
 //! `n` rows of all the tasks' together are among the rows they hand on, so the merge above
 //! gives the same rows. That holds for the merge's order and fetch only, so only a TopK
-//! whose merge takes no more rows in the same order gets one ([`topk_over_exchange`]). The
-//! filters and projections between the TopK and its exchange run in the input operator
-//! too, below the copy; the TopK above reads the exchange directly.
+//! whose merge takes no more rows in the same order gets one ([`topk_over`]). The filters
+//! and projections between the TopK and its exchange run in the input operator too, below
+//! the copy; the TopK above reads the exchange directly.
+//!
+//! A TopK straight over a Parquet scan (no exchange between: a scan of as many file groups
+//! as partitions) ran in the scan's own operator, one task per partition reading all its
+//! rows, however large. Where the scan's splits outnumber its partitions, the copy goes to a
+//! source operator of its own, cut into splits, and the TopK reads its partitions' blocks
+//! (`ORDER BY id DESC LIMIT 10` over 4 million rows sorted by `id`).
 
 use std::sync::Arc;
 
+use datafusion::datasource::physical_plan::FileScanConfig;
+use datafusion::datasource::source::DataSourceExec;
 use datafusion::error::Result;
+use datafusion::physical_expr::expressions::Column;
+use datafusion::physical_expr::{EquivalenceProperties, PhysicalSortExpr};
 use datafusion::physical_plan::filter::FilterExec;
 use datafusion::physical_plan::projection::ProjectionExec;
 use datafusion::physical_plan::repartition::RepartitionExec;
 use datafusion::physical_plan::sorts::sort::SortExec;
 use datafusion::physical_plan::sorts::sort_preserving_merge::SortPreservingMergeExec;
-use datafusion::physical_plan::{ExecutionPlan, replace_children_if_necessary};
-use datafusion::physical_plan::{Partitioning, SortOrderPushdownResult};
+use datafusion::physical_plan::{
+    ExecutionPlan, ExecutionPlanProperties, replace_children_if_necessary,
+};
+use datafusion::physical_plan::{Partitioning, PlanProperties, SortOrderPushdownResult};
 
 use crate::functions::accelerator::calls_accelerator_udf;
 
 /// Where a merge reads a TopK's partitions: the TopK, the filters and projections between
-/// it and the exchange below it (top first), and that exchange.
-pub(crate) struct TopkOverExchange<'a> {
+/// it and what is below (top first), and that.
+pub(crate) struct TopkOver<'a> {
     /// The TopK (`SortExec` with a fetch, each partition apart).
     pub topk: &'a SortExec,
-    /// The filters and projections between the TopK and the exchange, top first.
+    /// The TopK as a plan node.
+    pub node: &'a Arc<dyn ExecutionPlan>,
+    /// The filters and projections between the TopK and `below`, top first.
     pub between: Vec<Arc<dyn ExecutionPlan>>,
-    /// The round-robin exchange.
-    pub exchange: &'a RepartitionExec,
+    /// What they read.
+    pub below: Below<'a>,
+}
+
+/// What is below a TopK and the filters and projections it reads ([`TopkOver`]).
+pub(crate) enum Below<'a> {
+    /// A round-robin exchange.
+    Exchange(&'a RepartitionExec),
+    /// A Parquet scan, which the TopK's operator runs one task per partition of.
+    Scan(&'a Arc<dyn ExecutionPlan>),
 }
 
 /// The TopK under `plan` where `plan` is a merge with a fetch of the TopK's partitions in
 /// the TopK's order, taking no more rows than the TopK keeps, and the TopK reads a
-/// round-robin exchange (through filters and projections, which its input operator can run
-/// as well: a round-robin exchange reads no column).
-pub(crate) fn topk_over_exchange(plan: &Arc<dyn ExecutionPlan>) -> Option<TopkOverExchange<'_>> {
+/// round-robin exchange or a Parquet scan (through filters and projections, which its input
+/// operator can run as well: a round-robin exchange reads no column).
+pub(crate) fn topk_over(plan: &Arc<dyn ExecutionPlan>) -> Option<TopkOver<'_>> {
     let merge = plan.downcast_ref::<SortPreservingMergeExec>()?;
     let topk = merge.input().downcast_ref::<SortExec>()?;
     let takes_no_more = (merge.fetch()).is_some_and(|wanted| topk.fetch() >= Some(wanted));
@@ -59,10 +81,19 @@ pub(crate) fn topk_over_exchange(plan: &Arc<dyn ExecutionPlan>) -> Option<TopkOv
     loop {
         if let Some(exchange) = node.downcast_ref::<RepartitionExec>() {
             let round_robin = matches!(exchange.partitioning(), Partitioning::RoundRobinBatch(_));
-            return (round_robin && !exchange.preserve_order()).then_some(TopkOverExchange {
+            return (round_robin && !exchange.preserve_order()).then_some(TopkOver {
                 topk,
+                node: merge.input(),
                 between,
-                exchange,
+                below: Below::Exchange(exchange),
+            });
+        }
+        if is_parquet_scan(node) {
+            return Some(TopkOver {
+                topk,
+                node: merge.input(),
+                between,
+                below: Below::Scan(node),
             });
         }
         // Not a model's projection: it runs on the accelerator pool, in an operator of its own.
@@ -83,6 +114,76 @@ pub(crate) fn topk_over_exchange(plan: &Arc<dyn ExecutionPlan>) -> Option<TopkOv
     }
 }
 
+/// `order` (over the columns `between`'s top gives) over the columns of what `between` reads
+/// (top first): through filters, and projections of plain columns; `None` where a key is
+/// computed (DataFusion's filters do not pass a sort down: it goes to what is below them).
+fn order_below(
+    order: &[PhysicalSortExpr],
+    between: &[Arc<dyn ExecutionPlan>],
+) -> Option<Vec<PhysicalSortExpr>> {
+    let mut order = order.to_vec();
+    for node in between {
+        let input = node.children()[0].schema();
+        // Where each output column comes from in the node's input.
+        let from: Vec<usize> = if let Some(filter) = node.downcast_ref::<FilterExec>() {
+            match filter.projection() {
+                Some(projection) => projection.to_vec(),
+                None => (0..input.fields().len()).collect(),
+            }
+        } else {
+            let projection = node.downcast_ref::<ProjectionExec>()?;
+            (projection.expr().iter())
+                .map(|e| e.expr.downcast_ref::<Column>().map(|c| c.index()))
+                .collect::<Option<_>>()?
+        };
+        for key in &mut order {
+            let column = key.expr.downcast_ref::<Column>()?;
+            let index = *from.get(column.index())?;
+            key.expr = Arc::new(Column::new(input.field(index).name(), index));
+        }
+    }
+    Some(order)
+}
+
+/// Whether the TopK of `found` wants its scan's rows last first: the scan is sorted by the
+/// TopK's first key the other way (`ORDER BY ts DESC` over files sorted by `ts`), read
+/// through filters and projections of plain columns. Its splits are then launched last first
+/// ([`crate::plan::split_source::SplitSourceExec::read_last_first`]).
+pub(crate) fn wants_last_first(found: &TopkOver<'_>) -> bool {
+    let scan = match &found.below {
+        Below::Scan(scan) => *scan,
+        Below::Exchange(exchange) if is_parquet_scan(exchange.input()) => exchange.input(),
+        Below::Exchange(_) => return false,
+    };
+    let Some(order) = order_below(found.topk.expr(), &found.between) else {
+        return false;
+    };
+    let Some(sorted) = scan.output_ordering() else {
+        return false;
+    };
+    let (first, sorted) = (&order[0], sorted.first());
+    first.expr.as_ref() == sorted.expr.as_ref()
+        && first.options.descending != sorted.options.descending
+}
+
+/// Whether `node` is a Parquet scan without a fetch (one a split source can cut).
+fn is_parquet_scan(node: &Arc<dyn ExecutionPlan>) -> bool {
+    node.downcast_ref::<DataSourceExec>().is_some_and(|scan| {
+        scan.fetch().is_none()
+            && (scan.data_source().downcast_ref::<FileScanConfig>())
+                .is_some_and(|config| config.file_source().file_type() == "parquet")
+    })
+}
+
+/// The properties of a stage input that reads the tasks' first rows in place of `input`
+/// (what the TopK read): `input`'s, without any ordering (a task's rows are sorted by the
+/// TopK, one task after another).
+pub(crate) fn unordered(input: &Arc<dyn ExecutionPlan>) -> Arc<PlanProperties> {
+    let mut properties = input.properties().as_ref().clone();
+    properties.eq_properties = EquivalenceProperties::new(input.schema());
+    Arc::new(properties)
+}
+
 /// A copy of `topk` over `between` (top first) over `input` (its exchange's input, cut):
 /// the first rows of each of `input`'s tasks, with the TopK's own dynamic filter (the one
 /// the scans below read).
@@ -97,13 +198,10 @@ pub(crate) fn keeping_top_rows(
     input: Arc<dyn ExecutionPlan>,
     sort_pushdown: bool,
 ) -> Result<Arc<dyn ExecutionPlan>> {
-    // DataFusion's filters do not pass a sort down, but keep their input's columns: the
-    // sort goes to what is below them.
-    let only_filters = (between.iter()).all(|node| node.downcast_ref::<FilterExec>().is_some());
     let mut input = input;
     if sort_pushdown
-        && only_filters
-        && let SortOrderPushdownResult::Inexact { inner } = input.try_pushdown_sort(topk.expr())?
+        && let Some(order) = order_below(topk.expr(), between)
+        && let SortOrderPushdownResult::Inexact { inner } = input.try_pushdown_sort(&order)?
     {
         input = inner;
     }

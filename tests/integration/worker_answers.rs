@@ -1373,6 +1373,51 @@ async fn aggregate_bounds_prune_the_scan_tasks_after_them() {
     }
 }
 
+/// A TopK straight over a scan of as many files as partitions (no exchange between): its
+/// splits' tasks each keep their own first rows, launched last first for `DESC` over files
+/// sorted by `id` (`plan::task_topk`), so the first ones' bound prunes the rest. All 40 row
+/// groups were read before, in threads mode and with workers.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_topk_over_sorted_files_reads_the_last_splits_first() {
+    let dir = tempfile::tempdir().unwrap();
+    let vanilla = common::vanilla();
+    for file in 0..2 {
+        let from = file * 20_000;
+        common::collect(
+            &vanilla,
+            &format!(
+                "COPY (SELECT value AS id, value % 7 AS k FROM generate_series({from}, {}) \
+                 ORDER BY value) TO '{}/part-{file}.parquet' \
+                 OPTIONS ('format.max_row_group_size' '1000')",
+                from + 19_999,
+                dir.path().display()
+            ),
+        )
+        .await;
+    }
+    register_t(&vanilla, dir.path()).await;
+    let (threads, workers) = (session(0), session(2));
+    for ctx in [&threads, &workers] {
+        common::collect(ctx, "SET flumen.split_bytes = 1").await;
+        register_t(ctx, dir.path()).await;
+    }
+    for (sql, most) in [
+        ("SELECT id, k FROM t WHERE k <> 5 ORDER BY id DESC LIMIT 3", 20),
+        // The files' order: DataFusion drops the sort, and a limit stops reading after its
+        // first rows (though every row group's statistics match).
+        ("SELECT id, k FROM t WHERE k <> 5 ORDER BY id LIMIT 3 OFFSET 2", 40),
+        // Not the files' order: every split is read, each handing on 3 rows.
+        ("SELECT id, k FROM t WHERE k <> 5 ORDER BY k DESC, id LIMIT 3", 40),
+    ] {
+        for (mode, ctx) in [("threads", &threads), ("2 workers", &workers)] {
+            answers_like_vanilla(&vanilla, ctx, sql).await;
+            let read = row_groups_read(ctx, sql).await;
+            eprintln!("{mode}: {sql}: {read} of 40 row groups read");
+            assert!(read <= most, "{mode}: {read} of 40 row groups read: {sql}");
+        }
+    }
+}
+
 /// Row groups the scans of `EXPLAIN ANALYZE sql` in `ctx` read: those their statistics and
 /// dynamic filters left (`row_groups_pruned_statistics=N total → M matched`: M), shown on
 /// the scan in threads mode and on its operator with workers. A plan that shows none fails.
