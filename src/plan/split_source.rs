@@ -245,14 +245,27 @@ impl SplitSourceExec {
         self.splits.iter().map(|s| s.len()).collect()
     }
 
-    /// The same scan with each partition's splits read last first: for a TopK in the
-    /// reverse of the files' order (`ORDER BY ts DESC` over files sorted by `ts`), whose
-    /// first splits then make the bound that prunes the rest. Only for a reader that needs
-    /// no order of its partitions' rows.
+    /// The same scan with its splits read last first: for a TopK in the reverse of the
+    /// files' order (`ORDER BY ts DESC` over files sorted by `ts`), whose first splits then
+    /// make the bound that prunes the rest. Where the scan promises no partitioning, all its
+    /// splits, last first, are dealt out over the partitions in turn (the first of each
+    /// partition are the last of the table); otherwise each partition's are reversed. Only
+    /// for a reader that needs no order of its partitions' rows.
     pub fn read_last_first(&self) -> Self {
-        let splits = (self.splits.iter())
-            .map(|partition| partition.iter().rev().cloned().collect())
-            .collect();
+        let splits: Vec<Vec<_>> = match self.original.properties().output_partitioning() {
+            Partitioning::UnknownPartitioning(_) => {
+                let partitions = self.splits.len();
+                let mut dealt = vec![vec![]; partitions];
+                let last_first = self.splits.iter().flatten().rev();
+                for (i, split) in last_first.enumerate() {
+                    dealt[i % partitions].push(Arc::clone(split));
+                }
+                dealt
+            }
+            _ => (self.splits.iter())
+                .map(|partition| partition.iter().rev().cloned().collect())
+                .collect(),
+        };
         Self {
             original: Arc::clone(&self.original),
             splits: Arc::new(splits),

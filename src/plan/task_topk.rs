@@ -21,9 +21,12 @@
 //!
 //! A TopK straight over a Parquet scan (no exchange between: a scan of as many file groups
 //! as partitions) ran in the scan's own operator, one task per partition reading all its
-//! rows, however large. Where the scan's splits outnumber its partitions, the copy goes to a
-//! source operator of its own, cut into splits, and the TopK reads its partitions' blocks
-//! (`ORDER BY id DESC LIMIT 10` over 4 million rows sorted by `id`).
+//! rows, however large. Where the files are sorted by the TopK's first key the other way
+//! (`ORDER BY ts DESC LIMIT 10` over files sorted by `ts`: the latest rows) and the scan's
+//! splits outnumber its partitions, the copy goes to a source operator of its own, cut
+//! into splits launched last first ([`wants_last_first`]), and the TopK reads its
+//! partitions' blocks. `benches/topk.rs`, 4 million rows: 380–400 ms to 80–90 ms in threads
+//! mode (vanilla DataFusion 360 ms), 463 ms to 290 ms with workers.
 
 use std::sync::Arc;
 
