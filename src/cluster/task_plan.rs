@@ -30,9 +30,11 @@
 //! - **A read of an aggregate's complete bounds** (flumen's own expression): sent whole as
 //!   [`super::bound_reads`] says.
 //! - **A scan's row-group order hints** (`reverse_row_groups`, `sort_order_for_reorder`:
-//!   DataFusion's inexact sort pushdown, under a sort that still sorts above the scan): a
-//!   worker reads row groups in file order. The check allows these differences alone; a task
-//!   recomputed on the driver runs the plan as a worker decoded it.
+//!   DataFusion's inexact sort pushdown, under a sort that still sorts above the scan): the
+//!   worker gives a TopK's scan them again as it decodes the plan
+//!   ([`crate::plan::task_topk::topks_read_in_their_order`]); a full sort's scan reads its
+//!   row groups in file order. The check allows these differences alone; a task recomputed
+//!   on the driver runs the plan as a worker decoded it.
 
 use std::any::{Any, TypeId};
 use std::cell::RefCell;
@@ -68,6 +70,7 @@ use crate::cluster::window_calls::{carry_window_calls, describe_window_calls, lo
 use crate::cluster::{bound_reads, cast_fields};
 use crate::plan::dynamic_filters::map_predicates;
 use crate::plan::subquery_values::SubqueryValuesExec;
+use crate::plan::task_topk::topks_read_in_their_order;
 
 /// What a flumen node in a task plan is: a file scan with what datafusion-proto drops of it
 /// (its files' row selections, whether it preserves its files' order, its format's settings).
@@ -103,7 +106,18 @@ pub fn decode(bytes: &[u8], ctx: &TaskContext) -> Result<Arc<dyn ExecutionPlan>>
     })?;
     let codec = TaskPlanCodec { functions: None };
     let converter = TaskPlanConverter::new(HashSet::new());
-    converter.proto_to_execution_plan(&node, &PhysicalPlanDecodeContext::new(ctx, &codec))
+    let plan =
+        converter.proto_to_execution_plan(&node, &PhysicalPlanDecodeContext::new(ctx, &codec))?;
+    // A scan's row-group order hints do not travel: a TopK's scan gets them again.
+    match ctx
+        .session_config()
+        .options()
+        .optimizer
+        .enable_sort_pushdown
+    {
+        true => topks_read_in_their_order(plan),
+        false => Ok(plan),
+    }
 }
 
 /// Why a task plan cannot go to a worker as it is ([`check_round_trip`]).
@@ -139,7 +153,7 @@ pub fn check_round_trip(
     }
     let planned = as_sent(plan).map_err(RoundTrip::Differs)?;
     let planned = without_subquery_values(&without_read_order_hints(&describe(&planned)));
-    let got = without_subquery_values(&describe(&decoded));
+    let got = without_subquery_values(&without_read_order_hints(&describe(&decoded)));
     if planned == got {
         return Ok(());
     }

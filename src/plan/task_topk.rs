@@ -30,6 +30,7 @@
 
 use std::sync::Arc;
 
+use datafusion::common::tree_node::{Transformed, TreeNode, TreeNodeRecursion};
 use datafusion::datasource::physical_plan::FileScanConfig;
 use datafusion::datasource::source::DataSourceExec;
 use datafusion::error::Result;
@@ -220,4 +221,104 @@ pub(crate) fn keeping_top_rows(
         None => copy,
     };
     Ok(Arc::new(copy))
+}
+
+/// `plan` with each TopK that reads a Parquet scan through filters and projections of plain
+/// columns reading that scan's row groups in its order, where DataFusion's inexact sort
+/// pushdown can (as [`keeping_top_rows`] and DataFusion's own rule plan it) and the scan
+/// declares no order of its own: what a worker does to the plan it decodes, whose scans
+/// lost that read order on the wire.
+pub(crate) fn topks_read_in_their_order(
+    plan: Arc<dyn ExecutionPlan>,
+) -> Result<Arc<dyn ExecutionPlan>> {
+    plan.transform_down(|node| {
+        let Some(topk) = node
+            .downcast_ref::<SortExec>()
+            .filter(|s| s.fetch().is_some())
+        else {
+            return Ok(Transformed::no(node));
+        };
+        let mut between = vec![];
+        let mut below = topk.input();
+        while !is_parquet_scan(below) {
+            let passes = below.downcast_ref::<FilterExec>().is_some()
+                || below.downcast_ref::<ProjectionExec>().is_some();
+            if !passes || below.children().len() != 1 {
+                return Ok(Transformed::no(node));
+            }
+            between.push(Arc::clone(below));
+            below = below.children()[0];
+        }
+        // A scan that still declares its files' order was not given the hint (the pushdown
+        // gives that order up): it keeps it.
+        let Some(order) =
+            order_below(topk.expr(), &between).filter(|_| below.output_ordering().is_none())
+        else {
+            return Ok(Transformed::no(node));
+        };
+        let SortOrderPushdownResult::Inexact { inner } = below.try_pushdown_sort(&order)? else {
+            return Ok(Transformed::no(node));
+        };
+        let mut input = inner;
+        for above in between.iter().rev() {
+            input = replace_children_if_necessary(Arc::clone(above), vec![input])?;
+        }
+        let read = replace_children_if_necessary(Arc::clone(&node), vec![input])?;
+        Ok(Transformed::new(read, true, TreeNodeRecursion::Jump))
+    })
+    .map(|t| t.data)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use datafusion::arrow::compute::SortOptions;
+    use datafusion::arrow::datatypes::{DataType, Field, Schema};
+    use datafusion::physical_expr::expressions::lit;
+    use datafusion::physical_plan::empty::EmptyExec;
+
+    fn key(name: &str, index: usize, descending: bool) -> PhysicalSortExpr {
+        let options = SortOptions {
+            descending,
+            nulls_first: false,
+        };
+        PhysicalSortExpr::new(Arc::new(Column::new(name, index)), options)
+    }
+
+    /// A sort over a filter that keeps `(id, name)` of `(id, k, name)` sorts the filter's
+    /// input by `id@0, name@2`; a computed key has no column below.
+    #[test]
+    fn a_sort_maps_through_a_filters_projection_and_stops_at_a_computed_key() {
+        let schema = Arc::new(Schema::new(vec![
+            Field::new("id", DataType::Int64, false),
+            Field::new("k", DataType::Int64, false),
+            Field::new("name", DataType::Utf8, false),
+        ]));
+        let scan: Arc<dyn ExecutionPlan> = Arc::new(EmptyExec::new(schema));
+        let filter: Arc<dyn ExecutionPlan> = Arc::new(
+            FilterExec::try_new(lit(true), Arc::clone(&scan))
+                .unwrap()
+                .with_projection(Some(vec![0, 2]))
+                .unwrap(),
+        );
+        let order = [key("name", 1, true), key("id", 0, false)];
+        let below = order_below(&order, &[Arc::clone(&filter)]).unwrap();
+        let shown: Vec<String> = below.iter().map(|k| k.to_string()).collect();
+        assert_eq!(shown, ["name@2 DESC NULLS LAST", "id@0 ASC NULLS LAST"]);
+        let projection: Arc<dyn ExecutionPlan> = Arc::new(
+            ProjectionExec::try_new(
+                vec![(
+                    Arc::new(datafusion::physical_expr::expressions::BinaryExpr::new(
+                        Arc::new(Column::new("id", 0)),
+                        datafusion::logical_expr::Operator::Plus,
+                        lit(1i64),
+                    )) as _,
+                    "id1".to_string(),
+                )],
+                scan,
+            )
+            .unwrap(),
+        );
+        assert!(order_below(&[key("id1", 0, false)], &[projection]).is_none());
+    }
 }
