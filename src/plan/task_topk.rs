@@ -276,6 +276,7 @@ mod tests {
     use datafusion::arrow::datatypes::{DataType, Field, Schema};
     use datafusion::physical_expr::expressions::lit;
     use datafusion::physical_plan::empty::EmptyExec;
+    use datafusion::physical_plan::filter::FilterExecBuilder;
 
     fn key(name: &str, index: usize, descending: bool) -> PhysicalSortExpr {
         let options = SortOptions {
@@ -296,9 +297,10 @@ mod tests {
         ]));
         let scan: Arc<dyn ExecutionPlan> = Arc::new(EmptyExec::new(schema));
         let filter: Arc<dyn ExecutionPlan> = Arc::new(
-            FilterExec::try_new(lit(true), Arc::clone(&scan))
+            FilterExecBuilder::new(lit(true), Arc::clone(&scan))
+                .apply_projection(Some(vec![0, 2]))
                 .unwrap()
-                .with_projection(Some(vec![0, 2]))
+                .build()
                 .unwrap(),
         );
         let order = [key("name", 1, true), key("id", 0, false)];
