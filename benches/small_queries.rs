@@ -105,12 +105,7 @@ fn mean(values: &[f64]) -> f64 {
 #[tokio::main]
 async fn main() -> Result<()> {
     let args: Vec<String> = std::env::args().collect();
-    let number = |name: &str, default: u64| {
-        args::flag_value(&args, name).map_or(default, |v| {
-            v.parse()
-                .unwrap_or_else(|e| panic!("{name} {v}: not a number ({e})"))
-        })
-    };
+    let number = |name: &str, default: u64| args::number(&args, name, default);
     let files = number("--files", 4).max(1);
     let rows = number("--rows", 100_000).max(files);
     let queries = number("--queries", 60).max(1) as usize;

@@ -72,12 +72,7 @@ fn median(values: &mut [f64]) -> f64 {
 #[tokio::main]
 async fn main() -> Result<()> {
     let args: Vec<String> = std::env::args().collect();
-    let number = |name: &str, default: u64| {
-        args::flag_value(&args, name).map_or(default, |v| {
-            v.parse()
-                .unwrap_or_else(|e| panic!("{name} {v}: not a number ({e})"))
-        })
-    };
+    let number = |name: &str, default: u64| args::number(&args, name, default);
     let files = number("--files", 4).max(1);
     let rows = number("--rows", 4_000_000).max(files);
     let row_group = number("--row-group", 100_000).max(1);
