@@ -253,7 +253,7 @@ impl SplitSourceExec {
     /// for a reader that needs no order of its partitions' rows.
     pub fn read_last_first(&self) -> Self {
         let splits: Vec<Vec<_>> = match self.original.properties().output_partitioning() {
-            Partitioning::UnknownPartitioning(_) => {
+            Partitioning::UnknownPartitioning(_) if !self.splits.is_empty() => {
                 let partitions = self.splits.len();
                 let mut dealt = vec![vec![]; partitions];
                 let last_first = self.splits.iter().flatten().rev();
