@@ -31,8 +31,8 @@
 use std::sync::Arc;
 
 use datafusion::common::tree_node::{Transformed, TreeNode, TreeNodeRecursion};
-use datafusion::datasource::physical_plan::FileScanConfig;
-use datafusion::datasource::source::DataSourceExec;
+use datafusion::datasource::physical_plan::{FileScanConfig, FileScanConfigBuilder};
+use datafusion::datasource::source::{DataSource, DataSourceExec};
 use datafusion::error::Result;
 use datafusion::physical_expr::expressions::Column;
 use datafusion::physical_expr::{EquivalenceProperties, PhysicalSortExpr};
@@ -256,10 +256,25 @@ pub(crate) fn topks_read_in_their_order(
         else {
             return Ok(Transformed::no(node));
         };
-        let SortOrderPushdownResult::Inexact { inner } = below.try_pushdown_sort(&order)? else {
+        // The file source alone: the scan's own pushdown would also reorder its files, which
+        // a task's plan must read as planned.
+        let Some(config) = below
+            .downcast_ref::<DataSourceExec>()
+            .and_then(|scan| scan.data_source().downcast_ref::<FileScanConfig>())
+        else {
             return Ok(Transformed::no(node));
         };
-        let mut input = inner;
+        let eq_properties = DataSource::eq_properties(config);
+        let SortOrderPushdownResult::Inexact { inner } = config
+            .file_source()
+            .try_pushdown_sort(&order, &eq_properties)?
+        else {
+            return Ok(Transformed::no(node));
+        };
+        let config = FileScanConfigBuilder::from(config.clone())
+            .with_source(inner)
+            .build();
+        let mut input: Arc<dyn ExecutionPlan> = DataSourceExec::from_data_source(config);
         for above in between.iter().rev() {
             input = replace_children_if_necessary(Arc::clone(above), vec![input])?;
         }

@@ -1750,3 +1750,20 @@ async fn an_extended_searchs_a_is_read_in_id_order() {
         }
     }
 }
+
+/// Seed 15019's query 12: a worker gave the TopK's scan of three files the read order
+/// proto drops through the scan's own sort pushdown, which also put its files last first,
+/// and the driver's check found the task plan decoded otherwise than planned. The worker
+/// now changes the file source's row-group order alone
+/// (`flumen::plan::task_topk::topks_read_in_their_order`).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_workers_topk_scan_keeps_its_files_in_order() {
+    let (dir, vanilla) = search_tables_of_seed(15019).await;
+    let sql = "SELECT * FROM (SELECT id AS c0, x AS c1 FROM a WHERE x > \
+               (SELECT count(*) FROM b WHERE w > 89)) q ORDER BY 1 DESC, 2 LIMIT 4";
+    for (workers, what) in [(0, "threads"), (2, "2 workers")] {
+        let flumen = flumen_session(workers, 32, 3, false);
+        register(&flumen, dir.path()).await;
+        answers_as_vanilla(&vanilla, &flumen, sql, 2, what).await;
+    }
+}
