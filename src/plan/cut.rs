@@ -319,7 +319,7 @@ impl Cutter<'_> {
             // over files sorted by `ts`): launched first, they prune the rest. Otherwise the
             // second operator costs more than the splits' own bounds save (`largest v` in
             // `benches/topk.rs`, with workers: 90 ms before, 120 ms with it).
-            Below::Scan(_) if !wants_last_first(found) => return Ok(None),
+            Below::Scan(_) if wants_last_first(found).is_none() => return Ok(None),
             Below::Scan(scan) => {
                 let fragment =
                     keeping_top_rows(topk, between, Arc::clone(scan), self.sort_pushdown)?;
@@ -338,7 +338,7 @@ impl Cutter<'_> {
                 (producer, InputExchange::Preserve)
             }
         };
-        if wants_last_first(found) {
+        if let Some(last_first) = wants_last_first(found) {
             let op = &mut self.operators[producer];
             let mut splits = None;
             op.fragment = Arc::clone(&op.fragment)
@@ -346,9 +346,9 @@ impl Cutter<'_> {
                     let Some(split) = node.downcast_ref::<SplitSourceExec>() else {
                         return Ok(Transformed::no(node));
                     };
-                    let last_first = split.read_last_first();
-                    splits = Some(last_first.splits_per_partition());
-                    Ok(Transformed::yes(Arc::new(last_first) as _))
+                    let reordered = split.read_last_first(&last_first);
+                    splits = Some(reordered.splits_per_partition());
+                    Ok(Transformed::yes(Arc::new(reordered) as _))
                 })?
                 .data;
             if let Some(splits) = splits {

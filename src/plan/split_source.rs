@@ -16,6 +16,7 @@
 use std::fmt;
 use std::sync::{Arc, OnceLock};
 
+use datafusion::common::ScalarValue;
 use datafusion::common::tree_node::TreeNodeRecursion;
 use datafusion::datasource::listing::PartitionedFile;
 use datafusion::datasource::physical_plan::parquet::{ParquetAccessPlan, RowGroupAccess};
@@ -247,23 +248,27 @@ impl SplitSourceExec {
 
     /// The same scan with its splits read last first: for a TopK in the reverse of the
     /// files' order (`ORDER BY ts DESC` over files sorted by `ts`), whose first splits then
-    /// make the bound that prunes the rest. Where the scan promises no partitioning, all its
-    /// splits, last first, are dealt out over the partitions in turn (the first of each
-    /// partition are the last of the table); otherwise each partition's are reversed. Only
-    /// for a reader that needs no order of its partitions' rows.
-    pub fn read_last_first(&self) -> Self {
+    /// make the bound that prunes the rest. "Last" is by the files' statistics of the sort
+    /// column (`by`), a file's later byte ranges after its earlier ones: the list's order
+    /// cannot tell, as DataFusion's sort pushdown may already have reversed each group's
+    /// files. Without statistics for every split, the list's order reversed. Where the scan
+    /// promises no partitioning, all its splits, last first, are dealt out over the
+    /// partitions in turn (the first of each partition are the last of the table);
+    /// otherwise each partition's are put in that order. Only for a reader that needs no
+    /// order of its partitions' rows.
+    pub fn read_last_first(&self, by: &LastFirst) -> Self {
         let splits: Vec<Vec<_>> = match self.original.properties().output_partitioning() {
             Partitioning::UnknownPartitioning(_) if !self.splits.is_empty() => {
                 let partitions = self.splits.len();
                 let mut dealt = vec![vec![]; partitions];
-                let last_first = self.splits.iter().flatten().rev();
-                for (i, split) in last_first.enumerate() {
-                    dealt[i % partitions].push(Arc::clone(split));
+                let last_first = by.order(self.splits.iter().flatten().cloned().collect());
+                for (i, split) in last_first.into_iter().enumerate() {
+                    dealt[i % partitions].push(split);
                 }
                 dealt
             }
             _ => (self.splits.iter())
-                .map(|partition| partition.iter().rev().cloned().collect())
+                .map(|partition| by.order(partition.clone()))
                 .collect(),
         };
         Self {
@@ -275,6 +280,79 @@ impl SplitSourceExec {
             dropped_rows: Arc::clone(&self.dropped_rows),
             bound_swaps: self.bound_swaps.clone(),
         }
+    }
+}
+
+/// Which of a scan's splits hold a TopK's first rows: the scan is sorted by `column` the
+/// other way from the TopK ([`SplitSourceExec::read_last_first`]).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct LastFirst {
+    /// The column the files are sorted by (a column of the table), if the sort key is one.
+    pub column: Option<String>,
+    /// Whether the TopK wants the largest values first (the files ascend); else the
+    /// smallest.
+    pub largest_first: bool,
+}
+
+impl LastFirst {
+    /// `splits` (single-partition scans) in the order to read them: the largest maximum
+    /// of the column first (or smallest minimum), then the later byte range; the list's
+    /// order reversed where a split has no statistics of the column.
+    fn order(&self, splits: Vec<Arc<dyn ExecutionPlan>>) -> Vec<Arc<dyn ExecutionPlan>> {
+        let reversed: Vec<_> = splits.into_iter().rev().collect();
+        let reaches: Option<Vec<(ScalarValue, i64)>> =
+            reversed.iter().map(|split| self.reach(split)).collect();
+        let Some(reaches) = reaches else {
+            return reversed;
+        };
+        let mut keyed: Vec<_> = reaches.into_iter().zip(reversed).collect();
+        // Stable: splits that tie keep the reversed list's order.
+        keyed.sort_by(|((a, a_start), _), ((b, b_start), _)| {
+            let by_value = a.partial_cmp(b).unwrap_or(std::cmp::Ordering::Equal);
+            let by_value = match self.largest_first {
+                true => by_value.reverse(),
+                false => by_value,
+            };
+            by_value.then(b_start.cmp(a_start))
+        });
+        keyed.into_iter().map(|(_, split)| split).collect()
+    }
+
+    /// How far `split` reaches in the order the TopK wants: the largest maximum (or the
+    /// smallest minimum) of the column over its files, and its latest byte range's start.
+    fn reach(&self, split: &Arc<dyn ExecutionPlan>) -> Option<(ScalarValue, i64)> {
+        let column = self.column.as_ref()?;
+        let config = (split.downcast_ref::<DataSourceExec>())?
+            .data_source()
+            .downcast_ref::<FileScanConfig>()?;
+        let index = (config.file_source().table_schema().table_schema())
+            .index_of(column)
+            .ok()?;
+        let mut reach: Option<(ScalarValue, i64)> = None;
+        for file in config.file_groups.iter().flat_map(|g| g.iter()) {
+            let statistics = file.statistics.as_ref()?.column_statistics.get(index)?;
+            let value = match self.largest_first {
+                true => statistics.max_value.get_value(),
+                false => statistics.min_value.get_value(),
+            }?;
+            if value.is_null() {
+                return None;
+            }
+            let start = file.range.as_ref().map_or(0, |range| range.start);
+            let further =
+                reach
+                    .as_ref()
+                    .is_none_or(|(so_far, _)| match value.partial_cmp(so_far) {
+                        Some(std::cmp::Ordering::Greater) => self.largest_first,
+                        Some(std::cmp::Ordering::Less) => !self.largest_first,
+                        _ => false,
+                    });
+            reach = match reach {
+                Some((so_far, so_far_start)) if !further => Some((so_far, so_far_start.max(start))),
+                _ => Some((value.clone(), start)),
+            };
+        }
+        reach
     }
 }
 

@@ -47,6 +47,7 @@ use datafusion::physical_plan::{
 use datafusion::physical_plan::{Partitioning, PlanProperties, SortOrderPushdownResult};
 
 use crate::functions::accelerator::calls_accelerator_udf;
+use crate::plan::split_source::LastFirst;
 
 /// Where a merge reads a TopK's partitions: the TopK, the filters and projections between
 /// it and what is below (top first), and that.
@@ -151,23 +152,24 @@ fn order_below(
 
 /// Whether the TopK of `found` wants its scan's rows last first: the scan is sorted by the
 /// TopK's first key the other way (`ORDER BY ts DESC` over files sorted by `ts`), read
-/// through filters and projections of plain columns. Its splits are then launched last first
+/// through filters and projections of plain columns. Its splits are then launched last first,
+/// as the returned [`LastFirst`] tells
 /// ([`crate::plan::split_source::SplitSourceExec::read_last_first`]).
-pub(crate) fn wants_last_first(found: &TopkOver<'_>) -> bool {
+pub(crate) fn wants_last_first(found: &TopkOver<'_>) -> Option<LastFirst> {
     let scan = match &found.below {
         Below::Scan(scan) => *scan,
         Below::Exchange(exchange) if is_parquet_scan(exchange.input()) => exchange.input(),
-        Below::Exchange(_) => return false,
+        Below::Exchange(_) => return None,
     };
-    let Some(order) = order_below(found.topk.expr(), &found.between) else {
-        return false;
-    };
-    let Some(sorted) = scan.output_ordering() else {
-        return false;
-    };
+    let order = order_below(found.topk.expr(), &found.between)?;
+    let sorted = scan.output_ordering()?;
     let (first, sorted) = (&order[0], sorted.first());
-    first.expr.as_ref() == sorted.expr.as_ref()
-        && first.options.descending != sorted.options.descending
+    let reversed = first.expr.as_ref() == sorted.expr.as_ref()
+        && first.options.descending != sorted.options.descending;
+    reversed.then(|| LastFirst {
+        column: (sorted.expr.downcast_ref::<Column>()).map(|column| column.name().to_string()),
+        largest_first: first.options.descending,
+    })
 }
 
 /// Whether `node` is a Parquet scan without a fetch (one a split source can cut).
