@@ -20,6 +20,10 @@
 //! - [`shipped_functions`]: functions of another runtime (Python) that travel inside the
 //!   task plans that call them.
 //! - [`worker_tasks`]: how a worker runs one task and hands out its blocks as it cuts them.
+//! - [`task_watch`]: what a worker's running tasks tell besides their blocks (tightened
+//!   bounds, work without output), looked at from a thread of their own.
+//! - [`sent_bounds`]: the bounds a worker's task made, carried to the driver as they
+//!   tighten and at its end.
 //! - [`worker_memory`]: a worker task's operators, within its query's budget beside its
 //!   blocks.
 //! - [`block_shelf`]: the blocks a worker keeps, each under the query that owns it.
@@ -53,6 +57,7 @@ pub(crate) mod scan_formats;
 pub mod sent_bounds;
 pub mod shipped_functions;
 pub mod task_plan;
+pub(crate) mod task_watch;
 pub mod tls;
 pub(crate) mod topk_nodes;
 pub(crate) mod window_calls;

@@ -244,6 +244,13 @@ pub enum TaskEvent {
         /// Output rows of the task so far.
         rows: u64,
     },
+    /// Bounds the task's aggregates and TopK sorts tightened while it runs
+    /// ([`crate::cluster::sent_bounds::BoundWatch`]), which the driver counts in the tasks
+    /// it launches meanwhile.
+    Bounds {
+        /// Each bound as it is now.
+        bounds: Vec<crate::cluster::sent_bounds::SentBound>,
+    },
     /// The task finished; it left `blocks` blocks. A reply that ends without it (or an
     /// error) did not finish.
     Done {

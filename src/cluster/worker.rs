@@ -361,6 +361,7 @@ impl WorkerService {
             query_budget,
             digests: self.kind == Pool::Cpu,
             blocks: 0,
+            rows: 0,
             last_progress: Instant::now(),
             ended: false,
             _stop: stop,
@@ -388,6 +389,8 @@ struct TaskReply {
     digests: bool,
     /// Blocks announced so far.
     blocks: usize,
+    /// Output rows so far.
+    rows: u64,
     /// When the last event went out.
     last_progress: Instant,
     /// The task's end has been told.
@@ -425,11 +428,22 @@ impl TaskReply {
                     }
                 }
                 Some(Produced::Rows(rows)) => {
+                    self.rows = rows as u64;
                     if self.last_progress.elapsed() < PROGRESS_EVERY {
                         continue;
                     }
-                    TaskEvent::Progress { rows: rows as u64 }
+                    TaskEvent::Progress { rows: self.rows }
                 }
+                // Busy without output (a sort, an aggregate): progress all the same.
+                Some(Produced::Advanced) => {
+                    if self.last_progress.elapsed() < PROGRESS_EVERY {
+                        continue;
+                    }
+                    TaskEvent::Progress { rows: self.rows }
+                }
+                // Also a sign of progress: a TopK or aggregate may send nothing else until
+                // its input ends.
+                Some(Produced::Bounds(bounds)) => TaskEvent::Bounds { bounds },
                 Some(Produced::Finished(Ok(figures))) => {
                     self.ended = true;
                     TaskEvent::Done {

@@ -15,6 +15,7 @@ use crate::cluster::plan_metrics::TaskFigures;
 use crate::cluster::protocol::{
     BlockTicket, ReleaseRequest, RemoteBlockInfo, TaskEvent, TaskRequest, WorkerStatus, encode_task,
 };
+use crate::cluster::sent_bounds::SentBound;
 use crate::cluster::worker_client::{Client, Failure, action_on, get_block, read_status};
 use crate::plan::graph::Pool;
 use crate::store::block::{HeldAt, HeldBlock};
@@ -274,8 +275,8 @@ impl WorkerHandle {
     }
 
     /// Run a task (`plan`, encoded with datafusion-proto), handing each block it leaves
-    /// here to `on_block` as soon as the worker announces it; returns the counters of its
-    /// plan the worker carried back.
+    /// here to `on_block` as soon as the worker announces it, and the bounds it tightens
+    /// meanwhile to `on_bounds`; returns the counters of its plan the worker carried back.
     /// With a `deadline`, a task that goes that long without a sign of progress (a block,
     /// or rows of output) fails as [`Failure::Stuck`].
     pub(crate) async fn run(
@@ -284,6 +285,7 @@ impl WorkerHandle {
         request: &TaskRequest,
         deadline: Option<Duration>,
         on_block: &mut (dyn FnMut(RemoteBlockInfo) -> Result<()> + Send),
+        on_bounds: &mut (dyn FnMut(Vec<SentBound>) + Send),
     ) -> Result<TaskFigures, Failure> {
         let stuck = || {
             let limit = deadline.unwrap_or_default().as_secs();
@@ -313,6 +315,7 @@ impl WorkerHandle {
                 match event {
                     TaskEvent::Block(info) => on_block(info).map_err(Failure::Driver)?,
                     TaskEvent::Progress { .. } => {}
+                    TaskEvent::Bounds { bounds } => on_bounds(bounds),
                     TaskEvent::Done {
                         metrics,
                         model,

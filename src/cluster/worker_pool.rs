@@ -34,6 +34,7 @@ use crate::cluster::membership::{ClusterSettings, DISCOVER_EVERY, host_of};
 use crate::cluster::on_driver::DriverTasks;
 use crate::cluster::plan_metrics::TaskFigures;
 use crate::cluster::protocol::TaskRequest;
+use crate::cluster::sent_bounds::SentBound;
 use crate::cluster::task_plan::WorkerFunctions;
 use crate::cluster::tls::WorkerTrust;
 use crate::cluster::worker_client::Failure;
@@ -173,6 +174,17 @@ pub struct MembershipCounts {
     pub rejoined: AtomicU64,
     /// Workers whose address was taken out of the cluster's list (they get no new task).
     pub left: AtomicU64,
+}
+
+/// Where a task run on a worker hands what its worker announces
+/// ([`WorkerPool::run_task`]).
+pub struct TaskOutput<'a> {
+    /// Each block, as `(n, block)` as soon as its worker announces it, `n` counting from 0
+    /// in each attempt (a retry hands out the same blocks again, each output partition's in
+    /// the same order: the caller keeps the first of each).
+    pub on_block: &'a mut (dyn FnMut(usize, RemoteBlock) -> Result<()> + Send),
+    /// The bounds it tightens while it runs, from any attempt.
+    pub on_bounds: &'a mut (dyn FnMut(Vec<SentBound>) + Send),
 }
 
 impl WorkerPool {
@@ -503,11 +515,8 @@ impl WorkerPool {
     /// Run a task on some worker (`prefer`: the host holding most of its inputs, see
     /// [`Self::pick`]), retrying on another one when a worker dies under it or the task
     /// makes no progress for the task timeout there (at most `max_retries` times).
-    /// Each block is handed to `on_block` as `(n, block)` as soon as its worker announces
-    /// it, `n` counting from 0 in each attempt (a retry hands out the same blocks again, each
-    /// output partition's in the same order: the caller keeps the first of each). Returns the
-    /// retries it took and the address of the worker it ran on. `describe` names the task in
-    /// errors.
+    /// Its blocks and bounds go to `output` as they come. Returns the retries it took and
+    /// the address of the worker it ran on. `describe` names the task in errors.
     pub async fn run_task(
         self: &Arc<Self>,
         plan: &[u8],
@@ -515,8 +524,12 @@ impl WorkerPool {
         max_retries: usize,
         describe: &str,
         prefer: Option<&str>,
-        on_block: &mut (dyn FnMut(usize, RemoteBlock) -> Result<()> + Send),
+        output: TaskOutput<'_>,
     ) -> Result<TaskRan> {
+        let TaskOutput {
+            on_block,
+            on_bounds,
+        } = output;
         let mut attempt = 0;
         loop {
             let worker = self.pick(prefer).await?;
@@ -532,7 +545,8 @@ impl WorkerPool {
                 on_block(seq - 1, block)
             };
             let deadline = self.settings.timeouts.task;
-            let attempt_result = worker.run(plan, request, deadline, &mut hand_out).await;
+            let attempt_result =
+                (worker.run(plan, request, deadline, &mut hand_out, on_bounds)).await;
             match attempt_result.map_err(|f| worker.classify(f)) {
                 Ok(figures) => {
                     return Ok(TaskRan {

@@ -25,6 +25,7 @@ use tokio::sync::mpsc::UnboundedSender;
 use crate::cluster::admission::{admit_options, admit_plan};
 use crate::cluster::plan_metrics::{TaskFigures, carried};
 use crate::cluster::protocol::{InputTicket, TaskInput, TaskRequest, decode_task};
+use crate::cluster::sent_bounds::SentBound;
 use crate::cluster::worker_memory::TaskMemory;
 use crate::config::FlumenConfig;
 use crate::plan::model_cache_lookup::take_lookup_figures;
@@ -38,6 +39,12 @@ pub(crate) enum Produced {
     Block(usize, RecordBatch),
     /// Output rows so far (after each output batch): the task advances.
     Rows(usize),
+    /// Bounds its aggregates and TopK sorts tightened since the last they sent
+    /// ([`crate::cluster::task_watch`]): the task advances.
+    Bounds(Vec<SentBound>),
+    /// Its plan did work since the last look, output or not
+    /// ([`crate::cluster::task_watch`]): the task advances.
+    Advanced,
     /// The task ended: `Ok` with DataFusion's counters of its plan and its models' figures
     /// when it finished, else its error.
     Finished(Result<TaskFigures>),
@@ -95,6 +102,7 @@ pub(crate) async fn run_task(
         fetched,
         operator_memory,
         ctx,
+        out,
         &mut hand_out,
     ))
     .catch_unwind()
@@ -116,12 +124,14 @@ pub(crate) async fn run_task(
 }
 
 /// Decode a task body under the driver's settings it carries, check it against what a
-/// worker runs, put in the input blocks `fetched` from other workers, and run it.
+/// worker runs, put in the input blocks `fetched` from other workers, and run it, watched
+/// meanwhile ([`crate::cluster::task_watch`], telling `watched_to`).
 async fn run_task_body(
     body: &[u8],
     fetched: FetchedInputs,
     operator_memory: Option<TaskMemory>,
     ctx: &SessionContext,
+    watched_to: &ProducedSender,
     out: &mut (dyn FnMut(Produced) + Send),
 ) -> Result<TaskFigures> {
     let (request, plan) = decode_task(body).map_err(DataFusionError::Execution)?;
@@ -178,7 +188,9 @@ async fn run_task_body(
         Some(_) => with_inputs(plan, &request, fetched)?,
         None => plan,
     };
+    let watching = crate::cluster::task_watch::watch(&plan, watched_to);
     plan_blocks(Arc::clone(&plan), Arc::clone(&task_ctx), &request, out).await?;
+    drop(watching);
     let flumen = (task_ctx.session_config().options().extensions).get::<FlumenConfig>();
     Ok(TaskFigures {
         plan: carried(&plan),

@@ -38,10 +38,10 @@ use crate::cluster::admission::{WORKER_OPTIONS, scanned_files, scanned_stores};
 use crate::cluster::membership::host_of;
 use crate::cluster::on_driver::OnDriver;
 use crate::cluster::protocol::{INPUT_LOST, InputTicket, TaskInput, TaskRequest};
-use crate::cluster::sent_bounds::{self, SentBound};
+use crate::cluster::sent_bounds::{self, HeardBounds, SentBound};
 use crate::cluster::task_plan::{self, RoundTrip};
 use crate::cluster::worker_handle::RemoteBlock;
-use crate::cluster::worker_pool::{PoolSettings, WorkerPool};
+use crate::cluster::worker_pool::{PoolSettings, TaskOutput, WorkerPool};
 use crate::cluster::worker_tasks::collect_blocks;
 use crate::exec::cursor::{Cursor, Next, ReadOrder};
 use crate::exec::metrics::OperatorStats;
@@ -364,8 +364,17 @@ impl QueryRun {
                 Ok(work) => work,
                 Err(why) => return Ok(Some(why)),
             };
-            // Its own bounds, and those it starts from, as on the driver's threads.
+            // Its own bounds, and those it starts from, as on the driver's threads; its own
+            // as the worker tells them count in the launches while it runs.
             let one_task = self.with_task_bounds(task, &work.plan, true)?;
+            let heard = HeardBounds::new(&one_task.made);
+            let _running = self.bounds.running(heard.filters());
+            let context = self.base_context();
+            let mut on_bounds = |sent: Vec<SentBound>| {
+                if let Err(e) = heard.hear(&sent, &context) {
+                    log::warn!("{describe}: bounds it sent while running are left out: {e}");
+                }
+            };
             let bytes = match encode_for_worker(&one_task.plan, pool) {
                 Ok(bytes) => bytes,
                 Err(why) => return Ok(Some(why)),
@@ -380,7 +389,7 @@ impl QueryRun {
                 prefer: work.prefer.as_deref(),
             };
             match self
-                .run_on_pool(pool, op_id, outgoing, describe, on_block)
+                .run_on_pool(pool, op_id, outgoing, describe, on_block, &mut on_bounds)
                 .await
             {
                 Ok(bounds) => {
@@ -756,6 +765,7 @@ impl QueryRun {
         task: Outgoing<'_>,
         describe: &str,
         on_block: &mut (dyn FnMut(usize, RemoteBlock) -> Result<()> + Send),
+        on_bounds: &mut (dyn FnMut(Vec<SentBound>) + Send),
     ) -> Result<Vec<SentBound>> {
         let config = self.config();
         let retries = config.max_task_retries;
@@ -766,7 +776,10 @@ impl QueryRun {
                 retries,
                 describe,
                 task.prefer,
-                on_block,
+                TaskOutput {
+                    on_block,
+                    on_bounds,
+                },
             )
             .await?;
         let stats = self.stats(op_id);

@@ -149,7 +149,7 @@ async fn run_blocks(
     for event in events {
         match serde_json::from_slice(&event.body).unwrap() {
             TaskEvent::Block(info) => blocks.push(info),
-            TaskEvent::Progress { .. } => {}
+            TaskEvent::Progress { .. } | TaskEvent::Bounds { .. } => {}
             TaskEvent::Done { blocks: done, .. } => {
                 assert_eq!(done, blocks.len(), "Done names the blocks announced");
                 return Ok(blocks);
@@ -764,6 +764,22 @@ async fn task_output_streams_block_by_block() {
     );
     assert_eq!(rows.iter().map(|b| b.num_rows()).sum::<usize>(), 50_000);
     assert_eq!(cpu.restarted(), 0, "a steady task's worker was stopped");
+
+    // The same batches into an aggregate in the same task, which puts out nothing until its
+    // input ends: the worker tells that the task's plan advances, so it is not stopped
+    // either (before, it was, on every retry, and the query failed).
+    let started = Instant::now();
+    let sql = "SELECT count(x) AS n, sum(x) AS s FROM (SELECT nap(id) AS x FROM events)";
+    let sums = common::collect(&f, sql).await;
+    println!(
+        "an aggregate of 7 batches under a 2 s timeout: {:?}",
+        started.elapsed()
+    );
+    let answer = datafusion::arrow::util::pretty::pretty_format_batches(&sums)
+        .unwrap()
+        .to_string();
+    assert!(answer.contains("| 50000 | 1249975000 |"), "{answer}");
+    assert_eq!(cpu.restarted(), 0, "a busy aggregate's worker was stopped");
 }
 
 /// A panicking function in a CPU worker and in an accelerator worker's model: one clear
