@@ -568,9 +568,10 @@ flumen_settings! {
         /// Times a task is retried after its worker died (or ran past the task timeout)
         /// before the query fails.
         pub max_task_retries: usize, default = 4
-        /// Seconds a task in a worker may go without progress (a block, or rows of output)
-        /// before the worker is taken for stuck: it is stopped and the task retried on
-        /// another one (0: no limit).
+        /// Seconds a task in a worker may go without progress (a block, rows of output, or
+        /// work of its operators: a sort or aggregate busy on its input) before the worker
+        /// is taken for stuck: it is stopped and the task retried on another one (0: no
+        /// limit).
         pub task_timeout_secs: u64, default = 600
         /// Seconds a query may run before it fails with a timeout error (0: no limit).
         pub query_timeout_secs: u64, default = 0
