@@ -339,6 +339,12 @@ impl ExecutionPlan for OperatorExec {
             }
             set.push(count("blocks_lost".into(), s.blocks_lost));
             set.push(count("tasks_retried".into(), s.tasks_retried));
+            if s.tasks_pruned_at_launch > 0 {
+                set.push(count(
+                    "tasks_pruned_at_launch".into(),
+                    s.tasks_pruned_at_launch,
+                ));
+            }
             set.push(count(
                 "input_bytes_by_ticket".into(),
                 s.input_bytes_by_ticket,

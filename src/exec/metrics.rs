@@ -43,6 +43,10 @@ pub struct OperatorStats {
     pub blocks_lost: AtomicU64,
     /// Task attempts retried on another worker after theirs died.
     pub tasks_retried: AtomicU64,
+    /// Of the remote tasks, split tasks not sent to their worker: the bounds they started
+    /// from ruled out every file of their split
+    /// ([`crate::plan::split_pruning::nothing_to_read`]).
+    pub tasks_pruned_at_launch: AtomicU64,
     /// Tasks whose sort was refused memory to concatenate its batches, run again with their
     /// sorts in pieces.
     pub retried_in_pieces: AtomicU64,
@@ -101,6 +105,8 @@ pub struct StatsSnapshot {
     pub blocks_lost: u64,
     /// Task attempts retried after a worker died.
     pub tasks_retried: u64,
+    /// Of the remote tasks, split tasks not sent, their split ruled out by their bounds.
+    pub tasks_pruned_at_launch: u64,
     /// Tasks run again with their sorts in pieces after a sort was refused memory.
     pub retried_in_pieces: u64,
     /// Tasks run again alone after being refused memory.
@@ -216,6 +222,7 @@ impl OperatorStats {
             tasks_on_driver: self.on_driver.lock().unwrap().values().sum(),
             blocks_lost: r(&self.blocks_lost),
             tasks_retried: r(&self.tasks_retried),
+            tasks_pruned_at_launch: r(&self.tasks_pruned_at_launch),
             retried_in_pieces: r(&self.retried_in_pieces),
             retried_alone: r(&self.retried_alone),
             merge_join_fallbacks: r(&self.merge_join_fallbacks),

@@ -56,6 +56,7 @@ use crate::exec::worker_plans::{
 use crate::io::object_stores::StoreGrants;
 use crate::plan::graph::{OperatorId, Pool};
 use crate::plan::partition_cut::{InputRead, inputs_read};
+use crate::plan::split_pruning::nothing_to_read;
 use crate::plan::stage_input::InputExchange;
 use crate::store::block::{BlockId, HeldBlock};
 use crate::store::cutter::bundle_pieces;
@@ -367,6 +368,11 @@ impl QueryRun {
             // Its own bounds, and those it starts from, as on the driver's threads; its own
             // as the worker tells them count in the launches while it runs.
             let one_task = self.with_task_bounds(task, &work.plan, true)?;
+            // Its bounds rule out its whole split: the worker would open nothing.
+            if matches!(spec.kind, TaskKind::Source { .. }) && nothing_to_read(&one_task.plan) {
+                OperatorStats::add(&self.stats(op_id).tasks_pruned_at_launch, 1);
+                return Ok(None);
+            }
             let heard = HeardBounds::new(&one_task.made);
             let _running = self.bounds.running(heard.filters());
             let context = self.base_context();

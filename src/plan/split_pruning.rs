@@ -9,13 +9,14 @@ use std::sync::Arc;
 use datafusion::arrow::datatypes::{DataType, Schema, SchemaRef};
 use datafusion::common::ScalarValue;
 use datafusion::common::pruning::PrunableStatistics;
-use datafusion::common::tree_node::{Transformed, TreeNode};
+use datafusion::common::tree_node::{Transformed, TreeNode, TreeNodeRecursion};
 use datafusion::datasource::listing::PartitionedFile;
 use datafusion::datasource::physical_plan::parquet::{
     ParquetAccessPlan, ParquetFileMetrics, RowGroupAccessPlanFilter,
     apply_file_schema_type_coercions,
 };
 use datafusion::datasource::physical_plan::{FileScanConfig, FileSource, ParquetSource};
+use datafusion::datasource::source::DataSourceExec;
 use datafusion::parquet::arrow::arrow_reader::{ArrowReaderMetadata, ArrowReaderOptions};
 use datafusion::parquet::file::metadata::ParquetMetaData;
 use datafusion::physical_expr::expressions::{DynamicFilterPhysicalExpr, lit};
@@ -24,15 +25,66 @@ use datafusion::physical_expr::utils::collect_columns;
 use datafusion::physical_expr_adapter::{
     DefaultPhysicalExprAdapterFactory, PhysicalExprAdapterFactory, replace_columns_with_literals,
 };
+use datafusion::physical_expr_common::physical_expr::snapshot_physical_expr;
 use datafusion::physical_optimizer::pruning::{
     PruningPredicate, PruningPredicateBuilder, build_pruning_predicate,
 };
-use datafusion::physical_plan::PhysicalExpr;
+use datafusion::physical_plan::aggregates::AggregateExec;
+use datafusion::physical_plan::filter::FilterExec;
 use datafusion::physical_plan::metrics::{
     Count, ExecutionPlanMetricsSet, MetricBuilder, MetricType,
 };
+use datafusion::physical_plan::projection::ProjectionExec;
+use datafusion::physical_plan::repartition::RepartitionExec;
+use datafusion::physical_plan::sorts::sort::SortExec;
+use datafusion::physical_plan::{ExecutionPlan, PhysicalExpr};
 
 use crate::plan::row_group_layout::{RowGroupLayout, byte_range};
+
+/// Whether the task plan `plan` can be seen to put out nothing before it runs: it is a
+/// chain of filters, projections, sorts (a TopK), repartitions and
+/// grouped aggregates (none of which makes a row of no rows) over one Parquet scan, and
+/// the bounds that scan starts from (its predicate's dynamic filters as they are now: a
+/// task's launch bounds, fixed for every run of it), with its static predicate, rule out
+/// every file of its split by the files' statistics, as the scan's opener would when it
+/// opened them. Such a task need not be sent to a worker (a round trip of 1-2 ms to find
+/// nothing: the splits after a TopK's first wave over sorted files).
+pub(crate) fn nothing_to_read(plan: &Arc<dyn ExecutionPlan>) -> bool {
+    let mut node = plan;
+    loop {
+        let passes = node.downcast_ref::<FilterExec>().is_some()
+            || node.downcast_ref::<ProjectionExec>().is_some()
+            || node.downcast_ref::<SortExec>().is_some()
+            || node.downcast_ref::<RepartitionExec>().is_some()
+            || node
+                .downcast_ref::<AggregateExec>()
+                .is_some_and(|aggregate| {
+                    let group_by = aggregate.group_expr();
+                    !group_by.expr().is_empty() && !group_by.has_grouping_set()
+                });
+        if !passes {
+            break;
+        }
+        let [child] = node.children()[..] else {
+            return false;
+        };
+        node = child;
+    }
+    let Some(config) = (node.downcast_ref::<DataSourceExec>())
+        .and_then(|scan| scan.data_source().downcast_ref::<FileScanConfig>())
+    else {
+        return false;
+    };
+    let Some(pruning) = StaticFilePruning::of_bounds_now(config) else {
+        return false;
+    };
+    let files: Vec<&PartitionedFile> = config.file_groups.iter().flat_map(|g| g.iter()).collect();
+    !files.is_empty()
+        && pruning
+            .files_pruned(&files)
+            .into_iter()
+            .all(|pruned| pruned)
+}
 
 /// The file pruning DataFusion's Parquet scan does when it opens a file range, done
 /// while the scan is cut into splits: a range whose file statistics (the listing's,
@@ -72,6 +124,35 @@ impl StaticFilePruning {
             })
             .ok()?
             .data;
+        Self::with_predicate(config, source, predicate)
+    }
+
+    /// The pruning of a Parquet scan whose predicate reads dynamic filters, by the
+    /// predicate as they are now; `None` for a scan without one (its static pruning was
+    /// done when it was cut).
+    fn of_bounds_now(config: &FileScanConfig) -> Option<Self> {
+        let source = config.file_source().downcast_ref::<ParquetSource>()?;
+        let predicate = FileSource::filter(source)?;
+        let mut dynamic = false;
+        let _ = predicate.apply(|expr| {
+            dynamic |= expr.snapshot_generation() > 0;
+            Ok(match dynamic {
+                true => TreeNodeRecursion::Stop,
+                false => TreeNodeRecursion::Continue,
+            })
+        });
+        if !dynamic {
+            return None;
+        }
+        let predicate = snapshot_physical_expr(predicate).ok()?;
+        Self::with_predicate(config, source, predicate)
+    }
+
+    fn with_predicate(
+        config: &FileScanConfig,
+        source: &ParquetSource,
+        predicate: Arc<dyn PhysicalExpr>,
+    ) -> Option<Self> {
         let options = &source.table_parquet_options().global;
         let row_groups = (options.pruning
             && options.coerce_int96.is_none()
