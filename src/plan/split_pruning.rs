@@ -413,12 +413,12 @@ impl PrunedBeforeTasks {
 }
 
 #[cfg(test)]
-mod tests {
+pub(crate) mod tests {
     use super::*;
 
     /// A Parquet scan of `a` (Int64) in files partitioned by `part` (Utf8), filtered by
     /// `predicate`.
-    fn filtered_scan(predicate: Arc<dyn PhysicalExpr>) -> FileScanConfig {
+    pub(crate) fn filtered_scan(predicate: Arc<dyn PhysicalExpr>) -> FileScanConfig {
         use datafusion::arrow::datatypes::{DataType, Field};
         use datafusion::datasource::table_schema::TableSchema;
         use datafusion::execution::object_store::ObjectStoreUrl;
@@ -438,7 +438,7 @@ mod tests {
     }
 
     /// A file of partition `part` whose `a` lies in `[min, max]` (no statistics: `None`).
-    fn file_of(part: &str, range: Option<(i64, i64)>) -> PartitionedFile {
+    pub(crate) fn file_of(part: &str, range: Option<(i64, i64)>) -> PartitionedFile {
         use datafusion::common::stats::{ColumnStatistics, Precision, Statistics};
         let mut file = PartitionedFile::new("f.parquet", 1000)
             .with_partition_values(vec![ScalarValue::from(part)]);
@@ -557,5 +557,70 @@ mod tests {
         assert_eq!(together[2..], [false, true]);
         let alone: Vec<bool> = with_odd.iter().map(|f| prunes(&pruning, f)).collect();
         assert_eq!(together, alone);
+    }
+
+    /// A task's split is ruled out at launch by the bounds its scan starts from, checked
+    /// against the file statistics, only where nothing above the scan makes a row of no
+    /// rows.
+    #[test]
+    fn a_split_its_bounds_rule_out_has_nothing_to_read() {
+        use datafusion::datasource::physical_plan::FileScanConfigBuilder;
+        use datafusion::logical_expr::Operator;
+        use datafusion::physical_expr::expressions::{BinaryExpr, Column};
+        use datafusion::physical_plan::aggregates::{AggregateMode, PhysicalGroupBy};
+
+        let a: Arc<dyn PhysicalExpr> = Arc::new(Column::new("a", 0));
+        let bound = Arc::new(DynamicFilterPhysicalExpr::new(
+            vec![Arc::clone(&a)],
+            lit(true),
+        ));
+        let scan_of = |files: Vec<PartitionedFile>, predicate: Arc<dyn PhysicalExpr>| {
+            let config = FileScanConfigBuilder::from(filtered_scan(predicate))
+                .with_file_groups(vec![files.into()])
+                .build();
+            DataSourceExec::from_data_source(config) as Arc<dyn ExecutionPlan>
+        };
+        let low = || vec![file_of("x", Some((0, 10))), file_of("y", Some((5, 20)))];
+        let scan = scan_of(low(), Arc::clone(&bound) as _);
+        assert!(!nothing_to_read(&scan), "an empty bound rules out nothing");
+        let above_50 = BinaryExpr::new(Arc::clone(&a), Operator::Gt, lit(50i64));
+        bound.update(Arc::new(above_50)).unwrap();
+        assert!(nothing_to_read(&scan));
+        let one_reaches = vec![file_of("x", Some((0, 10))), file_of("y", Some((40, 60)))];
+        assert!(!nothing_to_read(&scan_of(
+            one_reaches,
+            Arc::clone(&bound) as _
+        )));
+        let unknown = vec![file_of("x", Some((0, 10))), file_of("y", None)];
+        assert!(!nothing_to_read(&scan_of(unknown, Arc::clone(&bound) as _)));
+        // A static predicate was checked when the scan was cut.
+        let static_above_50 = Arc::new(BinaryExpr::new(Arc::clone(&a), Operator::Gt, lit(50i64)));
+        assert!(!nothing_to_read(&scan_of(low(), static_above_50)));
+
+        let filtered: Arc<dyn ExecutionPlan> =
+            Arc::new(FilterExec::try_new(lit(true), Arc::clone(&scan)).unwrap());
+        assert!(nothing_to_read(&filtered));
+        // An aggregate without groups makes a row of no rows (`count(*)` = 0).
+        let schema = scan.schema();
+        let no_groups = AggregateExec::try_new(
+            AggregateMode::Partial,
+            PhysicalGroupBy::new_single(vec![]),
+            vec![],
+            vec![],
+            Arc::clone(&scan),
+            Arc::clone(&schema),
+        )
+        .unwrap();
+        assert!(!nothing_to_read(&(Arc::new(no_groups) as _)));
+        let by_a = AggregateExec::try_new(
+            AggregateMode::Partial,
+            PhysicalGroupBy::new_single(vec![(Arc::clone(&a), "a".into())]),
+            vec![],
+            vec![],
+            Arc::clone(&scan),
+            schema,
+        )
+        .unwrap();
+        assert!(nothing_to_read(&(Arc::new(by_a) as _)));
     }
 }

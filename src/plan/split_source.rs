@@ -1012,4 +1012,76 @@ mod tests {
             vec![vec![0], vec![1], vec![2], vec![], vec![]]
         );
     }
+
+    /// The splits a TopK wants first are found by the files' statistics of the sort
+    /// column, whatever order the list holds them in (DataFusion's sort pushdown may have
+    /// reversed it already), a file's later byte range before its earlier one; without
+    /// statistics, the list reversed.
+    #[test]
+    fn the_last_splits_are_found_by_statistics() {
+        use crate::plan::split_pruning::tests::{file_of, filtered_scan};
+        use datafusion::physical_expr::expressions::lit;
+        let split = |file: PartitionedFile| {
+            let config = FileScanConfigBuilder::from(filtered_scan(lit(true)))
+                .with_file_groups(vec![FileGroup::new(vec![file])])
+                .build();
+            DataSourceExec::from_data_source(config) as Arc<dyn ExecutionPlan>
+        };
+        let ranged = |min, max, start| file_of("x", Some((min, max))).with_range(start, start + 10);
+        // Files [10, 19], [0, 9], [30, 39] in two ranges, [20, 29]: as listed.
+        let splits = || {
+            vec![
+                split(ranged(10, 19, 0)),
+                split(ranged(0, 9, 0)),
+                split(ranged(30, 39, 0)),
+                split(ranged(30, 39, 10)),
+                split(ranged(20, 29, 0)),
+            ]
+        };
+        let as_read = |order: Vec<Arc<dyn ExecutionPlan>>| -> Vec<(i64, i64)> {
+            (order.iter())
+                .map(|split| {
+                    let config = (split.downcast_ref::<DataSourceExec>().unwrap())
+                        .data_source()
+                        .downcast_ref::<FileScanConfig>()
+                        .unwrap();
+                    let file = &config.file_groups[0].files()[0];
+                    let min = file.statistics.as_ref().unwrap().column_statistics[0]
+                        .min_value
+                        .get_value()
+                        .cloned();
+                    let min = match min {
+                        Some(ScalarValue::Int64(Some(min))) => min,
+                        other => panic!("{other:?}"),
+                    };
+                    (min, file.range.as_ref().unwrap().start)
+                })
+                .collect()
+        };
+        let largest = LastFirst {
+            column: Some("a".into()),
+            largest_first: true,
+        };
+        assert_eq!(
+            as_read(largest.order(splits())),
+            [(30, 10), (30, 0), (20, 0), (10, 0), (0, 0)]
+        );
+        let smallest = LastFirst {
+            largest_first: false,
+            ..largest.clone()
+        };
+        assert_eq!(
+            as_read(smallest.order(splits())),
+            [(0, 0), (10, 0), (20, 0), (30, 10), (30, 0)]
+        );
+        // Not a column with statistics: the list, reversed.
+        let unknown = LastFirst {
+            column: Some("b".into()),
+            ..largest
+        };
+        assert_eq!(
+            as_read(unknown.order(splits())),
+            [(20, 0), (30, 10), (30, 0), (0, 0), (10, 0)]
+        );
+    }
 }
