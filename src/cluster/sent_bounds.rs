@@ -341,11 +341,21 @@ pub(crate) mod tests {
         let filters = heard.filters();
         assert_eq!(filters[0].0, one.made[0].replaces);
         let heard_now = || filters[0].1.snapshot().unwrap().unwrap().to_string();
+        // The driver counts what it heard in the tasks it launches while this one runs.
+        let made = crate::plan::task_bounds::BoundsMade::default();
+        let running = made.running(heard.filters());
+        let at_launch = || {
+            let launch = made.at_launch();
+            let bound = launch.get(&one.made[0].replaces).cloned();
+            bound.map(|b| b.snapshot().unwrap().unwrap().to_string())
+        };
+        assert_eq!(at_launch(), None, "nothing heard yet");
         feed.unbounded_send(Ok(batch(vec![1, 5, 3]))).unwrap();
         heard
             .hear(&next_bound(&mut watch).await, &ctx.task_ctx())
             .unwrap();
         assert_eq!(heard_now(), "a@0 > 3");
+        assert_eq!(at_launch().as_deref(), Some("a@0 > 3"));
         assert!(
             watch.tightened().is_empty(),
             "an unchanged bound is sent once"
@@ -354,6 +364,10 @@ pub(crate) mod tests {
         let sent = next_bound(&mut watch).await;
         heard.hear(&sent, &ctx.task_ctx()).unwrap();
         assert_eq!(heard_now(), "a@0 > 5");
+        assert_eq!(at_launch().as_deref(), Some("a@0 > 5"));
+        // Ended, its last bound stays.
+        drop(running);
+        assert_eq!(at_launch().as_deref(), Some("a@0 > 5"));
         drop(feed);
         let rows: usize = (run.await.unwrap().unwrap().iter())
             .map(|b| b.num_rows())
