@@ -12,9 +12,10 @@
 use std::sync::Arc;
 
 use datafusion::arrow::array::{
-    Array, ArrayRef, AsArray, MutableArrayData, OffsetSizeTrait, make_array,
+    Array, ArrayRef, AsArray, GenericByteViewArray, MutableArrayData, OffsetSizeTrait, make_array,
 };
-use datafusion::arrow::datatypes::DataType;
+use datafusion::arrow::buffer::ScalarBuffer;
+use datafusion::arrow::datatypes::{ByteViewType, DataType};
 use datafusion::arrow::record_batch::RecordBatch;
 
 /// Bytes `column`'s rows reach: only the slice of each buffer the rows reach, for string
@@ -108,11 +109,21 @@ pub fn compact(batch: RecordBatch) -> (RecordBatch, u64) {
     (compacted, bytes)
 }
 
+/// `array` with its views in a buffer of their own. Arrow's `gc` keeps the views buffer it
+/// was given where no row reaches a data buffer (every value inline, 12 bytes or less), with
+/// all its capacity: 10 rows of a TopK, coalesced in a buffer made for 8,192, held 128 KB.
+fn own_views<T: ByteViewType + ?Sized>(array: GenericByteViewArray<T>) -> GenericByteViewArray<T> {
+    let views: ScalarBuffer<u128> = array.views().iter().copied().collect();
+    let (_, buffers, nulls) = array.into_parts();
+    // The same views over the same buffers: as valid as they were.
+    unsafe { GenericByteViewArray::new_unchecked(views, buffers, nulls) }
+}
+
 /// `column`'s rows in buffers of their own.
 fn copied(column: &ArrayRef) -> ArrayRef {
     match column.data_type() {
-        DataType::Utf8View => Arc::new(column.as_string_view().gc()),
-        DataType::BinaryView => Arc::new(column.as_binary_view().gc()),
+        DataType::Utf8View => Arc::new(own_views(column.as_string_view().gc())),
+        DataType::BinaryView => Arc::new(own_views(column.as_binary_view().gc())),
         _ => {
             let data = column.to_data();
             let mut copy = MutableArrayData::new(vec![&data], false, data.len());
@@ -289,5 +300,29 @@ mod tests {
         let (kept, _) = compact(sliver.clone());
         assert_eq!(kept, sliver);
         assert!(kept.get_array_memory_size() < 4096);
+    }
+
+    /// Ten short strings in a views buffer made for 8,192 (a coalescer's output): the
+    /// block holds ten views' bytes, not the buffer's capacity.
+    #[test]
+    fn inline_strings_in_a_large_views_buffer_are_copied_out() {
+        use datafusion::arrow::array::StringViewBuilder;
+        let mut builder = StringViewBuilder::with_capacity(8192);
+        for i in 0..10 {
+            builder.append_value(format!("name-{i}"));
+        }
+        let names: ArrayRef = Arc::new(builder.finish());
+        assert!(names.get_array_memory_size() > 100_000);
+        let schema = Arc::new(Schema::new(vec![Field::new(
+            "name",
+            DataType::Utf8View,
+            false,
+        )]));
+        let batch = RecordBatch::try_new(schema, vec![Arc::clone(&names)]).unwrap();
+        let (compacted, bytes) = compact(batch);
+        assert_eq!(bytes, 10 * 16 + 2);
+        let held = compacted.get_array_memory_size();
+        assert!(held < 1_000, "{held} bytes held for 10 inline strings");
+        assert_eq!(compacted.column(0).as_ref(), names.as_ref());
     }
 }
