@@ -278,7 +278,8 @@ impl WorkerHandle {
     /// here to `on_block` as soon as the worker announces it, and the bounds it tightens
     /// meanwhile to `on_bounds`; returns the counters of its plan the worker carried back.
     /// With a `deadline`, a task that goes that long without a sign of progress (a block,
-    /// or rows of output) fails as [`Failure::Stuck`].
+    /// rows of output, its plan's work or bounds: [`crate::cluster::task_watch`]) fails as
+    /// [`Failure::Stuck`].
     pub(crate) async fn run(
         &self,
         plan: &[u8],

@@ -66,8 +66,8 @@ pub struct WorkerTimeouts {
     /// (`flumen.heartbeat_timeout_secs`); a worker that misses [`MISSED_HEARTBEATS`] in a
     /// row counts as hung (and is killed).
     pub heartbeat: Duration,
-    /// How long one attempt of a task may go without a sign of progress (a block, or rows
-    /// of output) before its worker is suspect (killed, the task retried elsewhere):
+    /// How long one attempt of a task may go without a sign of progress (a block, rows of
+    /// output, its plan's work) before its worker is suspect (killed, the task retried elsewhere):
     /// `flumen.task_timeout_secs`; `None`: no limit.
     pub task: Option<Duration>,
 }
