@@ -20,6 +20,7 @@
 //! - [`shipped_functions`]: functions of another runtime (Python) that travel inside the
 //!   task plans that call them.
 //! - [`worker_tasks`]: how a worker runs one task and hands out its blocks as it cuts them.
+//! - [`task_output`]: what a running worker task hands out, in order.
 //! - [`task_watch`]: what a worker's running tasks tell besides their blocks (tightened
 //!   bounds, work without output), looked at from a thread of their own.
 //! - [`sent_bounds`]: the bounds a worker's task made, carried to the driver as they
@@ -56,6 +57,7 @@ pub mod protocol;
 pub(crate) mod scan_formats;
 pub mod sent_bounds;
 pub mod shipped_functions;
+pub(crate) mod task_output;
 pub mod task_plan;
 pub(crate) mod task_watch;
 pub mod tls;

@@ -16,7 +16,7 @@ use datafusion::physical_plan::ExecutionPlan;
 
 use crate::cluster::protocol::PROGRESS_EVERY;
 use crate::cluster::sent_bounds::BoundWatch;
-use crate::cluster::worker_tasks::{Produced, ProducedSender};
+use crate::cluster::task_output::{Produced, ProducedSender};
 
 /// How often a task with an aggregate or TopK sort is looked at for tightened bounds.
 pub const BOUNDS_EVERY: Duration = Duration::from_millis(10);

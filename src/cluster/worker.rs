@@ -56,11 +56,12 @@ use crate::cluster::protocol::{
     PROTOCOL_VERSION, ReleaseRequest, RemoteBlockInfo, TaskEvent, TaskInput, WorkerStatus,
     decode_task,
 };
+use crate::cluster::task_output::Produced;
 use crate::cluster::tls::{TlsIdentity, WorkerTrust, require_tls_off_loopback};
 use crate::cluster::worker_client::{Client, connect, get_block};
 use crate::cluster::worker_memory::TaskMemory;
 use crate::cluster::worker_tasks::{
-    FetchBlock, FetchedInputs, ModelJob, PANICKED, Produced, run_task, start_model_thread,
+    FetchBlock, FetchedInputs, ModelJob, PANICKED, run_task, start_model_thread,
 };
 use crate::io::flight_data::{Dictionaries, flight_data};
 use crate::plan::graph::Pool;

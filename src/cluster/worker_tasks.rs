@@ -20,38 +20,16 @@ use datafusion::physical_plan::streaming::{PartitionStream, StreamingTableExec};
 use datafusion::physical_plan::{ExecutionPlan, ExecutionPlanProperties};
 use datafusion::prelude::SessionContext;
 use futures::{FutureExt, StreamExt};
-use tokio::sync::mpsc::UnboundedSender;
 
 use crate::cluster::admission::{admit_options, admit_plan};
 use crate::cluster::plan_metrics::{TaskFigures, carried};
 use crate::cluster::protocol::{InputTicket, TaskInput, TaskRequest, decode_task};
-use crate::cluster::sent_bounds::SentBound;
+use crate::cluster::task_output::{Produced, ProducedSender};
 use crate::cluster::worker_memory::TaskMemory;
 use crate::config::FlumenConfig;
 use crate::plan::model_cache_lookup::take_lookup_figures;
 use crate::store::block_memory::compact;
 use crate::store::cutter::{BlockCutter, PieceCutter, bundle_pieces};
-
-/// What a running task hands out, in order.
-#[derive(Debug)]
-pub(crate) enum Produced {
-    /// An output block and its tag (the output partition it belongs to).
-    Block(usize, RecordBatch),
-    /// Output rows so far (after each output batch): the task advances.
-    Rows(usize),
-    /// Bounds its aggregates and TopK sorts tightened since the last they sent
-    /// ([`crate::cluster::task_watch`]): the task advances.
-    Bounds(Vec<SentBound>),
-    /// Its plan did work since the last look, output or not
-    /// ([`crate::cluster::task_watch`]): the task advances.
-    Advanced,
-    /// The task ended: `Ok` with DataFusion's counters of its plan and its models' figures
-    /// when it finished, else its error.
-    Finished(Result<TaskFigures>),
-}
-
-/// Where a running task's [`Produced`] items go.
-pub(crate) type ProducedSender = UnboundedSender<Produced>;
 
 /// A job for an accelerator worker's model thread: a task body, its input blocks fetched
 /// from other workers, the session, and where its output goes.

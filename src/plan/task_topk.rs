@@ -30,6 +30,7 @@
 
 use std::sync::Arc;
 
+use datafusion::common::ScalarValue;
 use datafusion::common::tree_node::{Transformed, TreeNode, TreeNodeRecursion};
 use datafusion::datasource::physical_plan::{FileScanConfig, FileScanConfigBuilder};
 use datafusion::datasource::source::{DataSource, DataSourceExec};
@@ -47,7 +48,6 @@ use datafusion::physical_plan::{
 use datafusion::physical_plan::{Partitioning, PlanProperties, SortOrderPushdownResult};
 
 use crate::functions::accelerator::calls_accelerator_udf;
-use crate::plan::split_source::LastFirst;
 
 /// Where a merge reads a TopK's partitions: the TopK, the filters and projections between
 /// it and what is below (top first), and that.
@@ -170,6 +170,80 @@ pub(crate) fn wants_last_first(found: &TopkOver<'_>) -> Option<LastFirst> {
         column: (sorted.expr.downcast_ref::<Column>()).map(|column| column.name().to_string()),
         largest_first: first.options.descending,
     })
+}
+
+/// Which of a scan's splits hold a TopK's first rows: the scan is sorted by `column` the
+/// other way from the TopK
+/// ([`crate::plan::split_source::SplitSourceExec::read_last_first`]).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct LastFirst {
+    /// The column the files are sorted by (a column of the table), if the sort key is one.
+    pub column: Option<String>,
+    /// Whether the TopK wants the largest values first (the files ascend); else the
+    /// smallest.
+    pub largest_first: bool,
+}
+
+impl LastFirst {
+    /// `splits` (single-partition scans) in the order to read them: the largest maximum
+    /// of the column first (or smallest minimum), then the later byte range; the list's
+    /// order reversed where a split has no statistics of the column.
+    pub(crate) fn order(&self, splits: Vec<Arc<dyn ExecutionPlan>>) -> Vec<Arc<dyn ExecutionPlan>> {
+        let reversed: Vec<_> = splits.into_iter().rev().collect();
+        let reaches: Option<Vec<(ScalarValue, i64)>> =
+            reversed.iter().map(|split| self.reach(split)).collect();
+        let Some(reaches) = reaches else {
+            return reversed;
+        };
+        let mut keyed: Vec<_> = reaches.into_iter().zip(reversed).collect();
+        // Stable: splits that tie keep the reversed list's order.
+        keyed.sort_by(|((a, a_start), _), ((b, b_start), _)| {
+            let by_value = a.partial_cmp(b).unwrap_or(std::cmp::Ordering::Equal);
+            let by_value = match self.largest_first {
+                true => by_value.reverse(),
+                false => by_value,
+            };
+            by_value.then(b_start.cmp(a_start))
+        });
+        keyed.into_iter().map(|(_, split)| split).collect()
+    }
+
+    /// How far `split` reaches in the order the TopK wants: the largest maximum (or the
+    /// smallest minimum) of the column over its files, and its latest byte range's start.
+    fn reach(&self, split: &Arc<dyn ExecutionPlan>) -> Option<(ScalarValue, i64)> {
+        let column = self.column.as_ref()?;
+        let config = (split.downcast_ref::<DataSourceExec>())?
+            .data_source()
+            .downcast_ref::<FileScanConfig>()?;
+        let index = (config.file_source().table_schema().table_schema())
+            .index_of(column)
+            .ok()?;
+        let mut reach: Option<(ScalarValue, i64)> = None;
+        for file in config.file_groups.iter().flat_map(|g| g.iter()) {
+            let statistics = file.statistics.as_ref()?.column_statistics.get(index)?;
+            let value = match self.largest_first {
+                true => statistics.max_value.get_value(),
+                false => statistics.min_value.get_value(),
+            }?;
+            if value.is_null() {
+                return None;
+            }
+            let start = file.range.as_ref().map_or(0, |range| range.start);
+            let further =
+                reach
+                    .as_ref()
+                    .is_none_or(|(so_far, _)| match value.partial_cmp(so_far) {
+                        Some(std::cmp::Ordering::Greater) => self.largest_first,
+                        Some(std::cmp::Ordering::Less) => !self.largest_first,
+                        _ => false,
+                    });
+            reach = match reach {
+                Some((so_far, so_far_start)) if !further => Some((so_far, so_far_start.max(start))),
+                _ => Some((value.clone(), start)),
+            };
+        }
+        reach
+    }
 }
 
 /// Whether `node` is a Parquet scan without a fetch (one a split source can cut).
@@ -339,5 +413,79 @@ mod tests {
             .unwrap(),
         );
         assert!(order_below(&[key("id1", 0, false)], &[projection]).is_none());
+    }
+
+    /// The splits a TopK wants first are found by the files' statistics of the sort
+    /// column, whatever order the list holds them in (DataFusion's sort pushdown may have
+    /// reversed it already), a file's later byte range before its earlier one; without
+    /// statistics, the list reversed.
+    #[test]
+    fn the_last_splits_are_found_by_statistics() {
+        use crate::plan::split_pruning::tests::{file_of, filtered_scan};
+        use datafusion::datasource::listing::PartitionedFile;
+        use datafusion::datasource::physical_plan::FileGroup;
+        use datafusion::physical_expr::expressions::lit;
+        let split = |file: PartitionedFile| {
+            let config = FileScanConfigBuilder::from(filtered_scan(lit(true)))
+                .with_file_groups(vec![FileGroup::new(vec![file])])
+                .build();
+            DataSourceExec::from_data_source(config) as Arc<dyn ExecutionPlan>
+        };
+        let ranged = |min, max, start| file_of("x", Some((min, max))).with_range(start, start + 10);
+        // Files [10, 19], [0, 9], [30, 39] in two ranges, [20, 29]: as listed.
+        let splits = || {
+            vec![
+                split(ranged(10, 19, 0)),
+                split(ranged(0, 9, 0)),
+                split(ranged(30, 39, 0)),
+                split(ranged(30, 39, 10)),
+                split(ranged(20, 29, 0)),
+            ]
+        };
+        let as_read = |order: Vec<Arc<dyn ExecutionPlan>>| -> Vec<(i64, i64)> {
+            (order.iter())
+                .map(|split| {
+                    let config = (split.downcast_ref::<DataSourceExec>().unwrap())
+                        .data_source()
+                        .downcast_ref::<FileScanConfig>()
+                        .unwrap();
+                    let file = &config.file_groups[0].files()[0];
+                    let min = file.statistics.as_ref().unwrap().column_statistics[0]
+                        .min_value
+                        .get_value()
+                        .cloned();
+                    let min = match min {
+                        Some(ScalarValue::Int64(Some(min))) => min,
+                        other => panic!("{other:?}"),
+                    };
+                    (min, file.range.as_ref().unwrap().start)
+                })
+                .collect()
+        };
+        let largest = LastFirst {
+            column: Some("a".into()),
+            largest_first: true,
+        };
+        assert_eq!(
+            as_read(largest.order(splits())),
+            [(30, 10), (30, 0), (20, 0), (10, 0), (0, 0)]
+        );
+        let smallest = LastFirst {
+            largest_first: false,
+            ..largest.clone()
+        };
+        assert_eq!(
+            as_read(smallest.order(splits())),
+            [(0, 0), (10, 0), (20, 0), (30, 10), (30, 0)]
+        );
+        // Not a column with statistics: the list, reversed.
+        let unknown = LastFirst {
+            column: Some("b".into()),
+            ..largest
+        };
+        assert_eq!(
+            as_read(unknown.order(splits())),
+            [(20, 0), (30, 10), (30, 0), (0, 0), (10, 0)]
+        );
     }
 }
