@@ -82,8 +82,7 @@ fn filled(node: usize, filter: &Arc<dyn PhysicalExpr>) -> Option<SentBound> {
 /// A running task's filters, watched for bounds tighter than those already sent: the
 /// driver counts them in the tasks it launches while this one runs, as it counts a running
 /// local task's ([`crate::plan::task_bounds::BoundsMade::running`]). Without them a worker's
-/// bounds reached the driver only at its task's end, and the first wave of a TopK's or an
-/// aggregate's splits pruned nothing of the second.
+/// bounds reached the driver only at its task's end.
 pub struct BoundWatch {
     /// Each producer's number, its filter, and the filter's generation last sent.
     producers: Vec<(usize, Arc<dyn PhysicalExpr>, u64)>,
