@@ -112,7 +112,14 @@ pub fn compact(batch: RecordBatch) -> (RecordBatch, u64) {
 /// `array` with its views in a buffer of their own. Arrow's `gc` keeps the views buffer it
 /// was given where no row reaches a data buffer (every value inline, 12 bytes or less), with
 /// all its capacity: 10 rows of a TopK, coalesced in a buffer made for 8,192, held 128 KB.
+/// Views already in a buffer their size (as `gc` makes where a row reaches a data buffer)
+/// are kept.
 fn own_views<T: ByteViewType + ?Sized>(array: GenericByteViewArray<T>) -> GenericByteViewArray<T> {
+    // A buffer's allocation is rounded up to 64 bytes.
+    let needed = (array.len() * size_of::<u128>()).next_multiple_of(64);
+    if array.views().inner().capacity() <= needed {
+        return array;
+    }
     let views: ScalarBuffer<u128> = array.views().iter().copied().collect();
     let (_, buffers, nulls) = array.into_parts();
     // The same views over the same buffers: as valid as they were.
@@ -324,5 +331,20 @@ mod tests {
         let held = compacted.get_array_memory_size();
         assert!(held < 1_000, "{held} bytes held for 10 inline strings");
         assert_eq!(compacted.column(0).as_ref(), names.as_ref());
+    }
+
+    #[test]
+    fn views_already_in_a_buffer_their_size_are_not_copied_again() {
+        let long: Vec<String> = (0..100)
+            .map(|i| format!("a value longer than inline {i}"))
+            .collect();
+        let names = StringViewArray::from_iter_values(long.iter())
+            .slice(10, 20)
+            .gc();
+        let before = names.views().inner().as_ptr();
+        let kept = own_views(names);
+        assert_eq!(kept.views().inner().as_ptr(), before);
+        assert_eq!(kept.len(), 20);
+        assert_eq!(kept.value(0), long[10]);
     }
 }
