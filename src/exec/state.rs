@@ -111,7 +111,7 @@ pub(super) struct PartitionState {
     /// Blocks read from its input but not yet in a task: a run-sorting operator's run still
     /// short of its bytes, or a block-wise operator's bundle still short of its rows.
     pub(super) gathered: Vec<BlockId>,
-    /// Their bytes (a run-sorting operator).
+    /// Their bytes (a run-sorting operator; a CPU block-wise operator's bundle).
     pub(super) gathered_bytes: u64,
     /// Their rows (a block-wise operator).
     pub(super) gathered_rows: usize,

@@ -95,16 +95,19 @@ impl QueryRun {
             let mut cursor = self.take_dispatch_cursor(st, op_id, p);
             let ps = &mut st.operators[op_id].partitions[p];
             let (mut gathered, mut rows) = (std::mem::take(&mut ps.gathered), ps.gathered_rows);
+            let mut bytes = ps.gathered_bytes;
             loop {
                 // A model's bundles ramp up to the target: the first rows leave it early.
                 let bundle_rows = self
                     .graph
                     .bundle_rows(op_id, st.operators[op_id].partitions[p].tasks.len());
+                let bundle_bytes = self.graph.bundle_bytes(op_id);
                 let mut ended = false;
-                while rows < bundle_rows {
+                while rows < bundle_rows && bytes < bundle_bytes {
                     match st.next_block(&mut cursor) {
                         Next::Block(id) => {
                             rows += st.blocks[&id].rows;
+                            bytes += st.blocks[&id].bytes;
                             gathered.push(id);
                         }
                         Next::Wait => break,
@@ -133,11 +136,21 @@ impl QueryRun {
                     && own.running == 0
                     && !own.has_pending()
                     && rows >= self.graph.piece_rows(op_id);
-                if rows < bundle_rows && !ended && !producer_idle && !starving {
+                // A CPU bundle short of its rows goes as soon as its partition has no task
+                // still to end (the first at once, then what gathered while one ran), or
+                // its producer runs nothing (ended, or held back by memory: the blocks
+                // waiting here may be what holds it back).
+                let cpu_goes = op.pool == Pool::Cpu
+                    && (!self.graph.cpu_bundles.waits_for_more
+                        || st.operators[producer].running == 0
+                        || !Self::partition_busy(st, op_id, p));
+                let full = rows >= bundle_rows || bytes >= bundle_bytes;
+                if !full && !ended && !producer_idle && !starving && !cpu_goes {
                     break;
                 }
                 Self::push_block_task(st, op_id, p, std::mem::take(&mut gathered));
                 rows = 0;
+                bytes = 0;
                 if ended {
                     st.operators[op_id].partitions[p].closed = true;
                     break;
@@ -146,8 +159,18 @@ impl QueryRun {
             let ps = &mut st.operators[op_id].partitions[p];
             ps.gathered = gathered;
             ps.gathered_rows = rows;
+            ps.gathered_bytes = bytes;
             ps.input = Some(cursor);
         }
+    }
+
+    /// Whether partition `p` of `op_id` has a task still to end. Its tasks launch in order
+    /// and mostly end so: its last task tells.
+    fn partition_busy(st: &RunState, op_id: OperatorId, p: usize) -> bool {
+        st.operators[op_id].partitions[p]
+            .tasks
+            .last()
+            .is_some_and(|t| st.tasks[*t].status != TaskStatus::Done)
     }
 
     /// Tasks of run-sorting operator `op_id` ([`crate::plan::Operator::run_bytes`]): each partition's

@@ -47,7 +47,9 @@ use crate::plan::accelerator_projection::AcceleratorProjectionExec;
 use crate::plan::concat_partitions::ConcatPartitionsExec;
 use crate::plan::dynamic_filters::with_own_dynamic_filters;
 use crate::plan::exchange_sizing::ExchangeSizing;
-use crate::plan::graph::{Operator, OperatorGraph, OperatorId, Pool, RunsAgainUnlike, TaskShape};
+use crate::plan::graph::{
+    CpuBundles, Operator, OperatorGraph, OperatorId, Pool, RunsAgainUnlike, TaskShape,
+};
 use crate::plan::merge_runs::MergeRunsExec;
 use crate::plan::model_batching::ModelBatching;
 use crate::plan::partition_cut::{
@@ -113,12 +115,14 @@ impl OperatorGraph {
             && !root.streamed_inputs.iter().any(|s| *s)
             && cuts_per_partition(&root.fragment)
             && !only_merges_inputs(&root.fragment);
+        let cpu_bundles = CpuBundles::for_mode(cutter.config.workers, cutter.config.block_rows());
         Ok(Self {
             operators: cutter.operators,
             consumer,
             gates,
             sizing,
             batching,
+            cpu_bundles,
             root_on_workers,
         })
     }

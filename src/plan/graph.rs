@@ -9,6 +9,7 @@ use datafusion::physical_plan::projection::ProjectionExec;
 use datafusion::physical_plan::{ExecutionPlan, ExecutionPlanProperties, Partitioning};
 use serde::{Deserialize, Serialize};
 
+use crate::config::WorkerMode;
 use crate::functions::accelerator::accelerator_udfs_in;
 use crate::plan::accelerator_projection::AcceleratorProjectionExec;
 use crate::plan::exchange_sizing::ExchangeSizing;
@@ -251,6 +252,9 @@ pub struct OperatorGraph {
     /// How the plan feeds its models: the first-block ramp, pieces and bundles
     /// ([`ModelBatching`]).
     pub batching: ModelBatching,
+    /// How many of a partition's blocks a CPU operator's per-block task takes
+    /// ([`CpuBundles`]).
+    pub cpu_bundles: CpuBundles,
     /// With worker processes: the root's tasks run on the workers like any other
     /// operator's, and the query's reader fetches only their output (the result), instead
     /// of the root running in the reader on the driver over all of its inputs. Set for a
@@ -279,11 +283,20 @@ impl OperatorGraph {
 
     /// Most rows of the `bundles_so_far`-th bundle (0-based) a per-block task of `op` gathers
     /// of a partition's blocks: a model's ramp up to the target
-    /// ([`ModelBatching::model_bundle_rows`]); a CPU operator takes a block at a time.
+    /// ([`ModelBatching::model_bundle_rows`]); a CPU operator's [`CpuBundles::rows`].
     pub fn bundle_rows(&self, op: OperatorId, bundles_so_far: usize) -> usize {
         match self.operators[op].pool {
             Pool::Accelerator => self.batching.model_bundle_rows(bundles_so_far),
-            Pool::Cpu => 1,
+            Pool::Cpu => self.cpu_bundles.rows,
+        }
+    }
+
+    /// Most bytes a per-block task of `op` gathers of a partition's blocks (a model's
+    /// bundles are bounded by rows alone).
+    pub fn bundle_bytes(&self, op: OperatorId) -> u64 {
+        match self.operators[op].pool {
+            Pool::Accelerator => u64::MAX,
+            Pool::Cpu => self.cpu_bundles.bytes,
         }
     }
 
@@ -295,5 +308,49 @@ impl OperatorGraph {
     /// True when `op`'s tasks stream a join's probe input (see [`Operator::streamed_inputs`]).
     pub fn streams_inputs(&self, op: OperatorId) -> bool {
         self.operators[op].streamed_inputs.iter().any(|s| *s)
+    }
+}
+
+/// How many of a partition's blocks a CPU operator's per-block task takes (a filter, a
+/// projection or a partial aggregate after an exchange). In threads mode a task costs
+/// ~0.05 ms, so each block is a task of its own and the next operator starts on it at once.
+/// A worker process's task is a round trip between two processes (~1 ms of the two cores:
+/// `benches/small_queries.rs`), more than its work on one block of 8,192 rows, so there a
+/// task takes every block its partition has gathered, up to [`WORKER_BUNDLE_BLOCKS`]
+/// blocks' rows and [`WORKER_BUNDLE_BYTES`]; a bundle short of them waits while an earlier
+/// task of its partition is still to end and its producer runs (the scheduler's rule:
+/// `crate::exec::tasks`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct CpuBundles {
+    /// Most rows a task gathers (1: a block a task).
+    pub rows: usize,
+    /// Most bytes a task gathers.
+    pub bytes: u64,
+    /// Whether a bundle short of its rows waits for more blocks (see above).
+    pub waits_for_more: bool,
+}
+
+/// Blocks' worth of rows a worker process's per-block task gathers at most.
+pub const WORKER_BUNDLE_BLOCKS: usize = 8;
+
+/// Bytes a worker process's per-block task gathers at most (its inputs are in the worker's
+/// memory at once).
+pub const WORKER_BUNDLE_BYTES: u64 = 32 << 20;
+
+impl CpuBundles {
+    /// The bundles of a run in `mode`, with blocks of `block_rows` rows.
+    pub fn for_mode(mode: WorkerMode, block_rows: usize) -> Self {
+        match mode {
+            WorkerMode::Process => Self {
+                rows: block_rows.saturating_mul(WORKER_BUNDLE_BLOCKS),
+                bytes: WORKER_BUNDLE_BYTES,
+                waits_for_more: true,
+            },
+            WorkerMode::Threads => Self {
+                rows: 1,
+                bytes: u64::MAX,
+                waits_for_more: false,
+            },
+        }
     }
 }
