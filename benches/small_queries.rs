@@ -4,10 +4,11 @@
 //! same run.
 //!
 //! `cargo bench --bench small_queries [-- --rows 100000 --files 4 --queries 60 --runs 3
-//! --check]`
+//! --worker-bundle-blocks 8 --check]`
 //! (`--timed workers` times one engine alone, e.g. under `perf`: `vanilla`, `threads` or
 //! `workers`, comma-separated; the ratios need all three; `FLUMEN_WORKER_BIN=PATH` starts
-//! the workers from another build or a wrapper)
+//! the workers from another build or a wrapper; `--worker-bundle-blocks` sets worker mode's
+//! `flumen.worker_bundle_blocks`, 1 for a block a task)
 //!
 //! The table is `--files` Parquet files of `--rows / --files` rows (`id`, `k` of 97 values, `v`, `name`).
 //! The queries cycle through four shapes with a constant that changes per query (nothing is
@@ -112,8 +113,9 @@ async fn main() -> Result<()> {
     let runs = number("--runs", 3).max(1) as usize;
     println!(
         "small queries: {rows} rows in {files} Parquet files, {runs} rounds of {queries} \
-         queries ({} shapes in turn)",
-        SHAPES.len()
+         queries ({} shapes in turn), worker_bundle_blocks={}",
+        SHAPES.len(),
+        number("--worker-bundle-blocks", 8)
     );
 
     let dir = tempfile::tempdir()?;
@@ -142,6 +144,7 @@ async fn main() -> Result<()> {
     let mut workers_config = FlumenConfig::default();
     workers_config.workers = WorkerMode::Process;
     workers_config.worker_processes = 2;
+    workers_config.worker_bundle_blocks = number("--worker-bundle-blocks", 8) as usize;
     // `FLUMEN_WORKER_BIN` runs another build (or a wrapper) as the workers.
     workers_config.worker_binary = std::env::var("FLUMEN_WORKER_BIN")
         .unwrap_or_else(|_| env!("CARGO_BIN_EXE_flumen").into())

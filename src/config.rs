@@ -470,6 +470,13 @@ flumen_settings! {
         /// Rows per block: larger outputs are split, inputs of accelerator operators are
         /// coalesced up to it.
         pub target_block_rows: usize, default = 8192
+        /// With worker processes, most blocks' worth of rows (`target_block_rows` each) a
+        /// CPU per-block task (a filter, a projection, a partial aggregate after an
+        /// exchange) takes of what its partition has gathered: a task there is a round
+        /// trip between processes (~1 ms), more than its work on one block. The first
+        /// block goes at once, later ones gather while an earlier task of the partition
+        /// runs. 1: a block a task (as in threads mode).
+        pub worker_bundle_blocks: usize, default = 8
         /// Rows of a run's first blocks, in plans with a model UDF: the first splits of each
         /// source partition (one per CPU slot) read batches of this many rows and cut blocks
         /// of this many, then twice as many each time up to `model_piece_rows` (the rest of

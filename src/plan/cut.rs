@@ -115,7 +115,11 @@ impl OperatorGraph {
             && !root.streamed_inputs.iter().any(|s| *s)
             && cuts_per_partition(&root.fragment)
             && !only_merges_inputs(&root.fragment);
-        let cpu_bundles = CpuBundles::for_mode(cutter.config.workers, cutter.config.block_rows());
+        let cpu_bundles = CpuBundles::for_mode(
+            cutter.config.workers,
+            cutter.config.block_rows(),
+            cutter.config.worker_bundle_blocks,
+        );
         Ok(Self {
             operators: cutter.operators,
             consumer,

@@ -316,7 +316,7 @@ impl OperatorGraph {
 /// ~0.05 ms, so each block is a task of its own and the next operator starts on it at once.
 /// A worker process's task is a round trip between two processes (~1 ms of the two cores:
 /// `benches/small_queries.rs`), more than its work on one block of 8,192 rows, so there a
-/// task takes every block its partition has gathered, up to [`WORKER_BUNDLE_BLOCKS`]
+/// task takes every block its partition has gathered, up to `flumen.worker_bundle_blocks`
 /// blocks' rows and [`WORKER_BUNDLE_BYTES`]; a bundle short of them waits while an earlier
 /// task of its partition is still to end and its producer runs (the scheduler's rule:
 /// `crate::exec::tasks`).
@@ -330,27 +330,41 @@ pub struct CpuBundles {
     pub waits_for_more: bool,
 }
 
-/// Blocks' worth of rows a worker process's per-block task gathers at most.
-pub const WORKER_BUNDLE_BLOCKS: usize = 8;
-
 /// Bytes a worker process's per-block task gathers at most (its inputs are in the worker's
 /// memory at once).
 pub const WORKER_BUNDLE_BYTES: u64 = 32 << 20;
 
 impl CpuBundles {
-    /// The bundles of a run in `mode`, with blocks of `block_rows` rows.
-    pub fn for_mode(mode: WorkerMode, block_rows: usize) -> Self {
+    /// The bundles of a run in `mode`, with blocks of `block_rows` rows, a worker's task
+    /// taking up to `worker_blocks` of them.
+    pub fn for_mode(mode: WorkerMode, block_rows: usize, worker_blocks: usize) -> Self {
         match mode {
-            WorkerMode::Process => Self {
-                rows: block_rows.saturating_mul(WORKER_BUNDLE_BLOCKS),
+            WorkerMode::Process if worker_blocks > 1 => Self {
+                rows: block_rows.saturating_mul(worker_blocks),
                 bytes: WORKER_BUNDLE_BYTES,
                 waits_for_more: true,
             },
-            WorkerMode::Threads => Self {
+            WorkerMode::Process | WorkerMode::Threads => Self {
                 rows: 1,
                 bytes: u64::MAX,
                 waits_for_more: false,
             },
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_workers_cpu_tasks_gather_blocks_and_threads_take_one() {
+        let threads = CpuBundles::for_mode(WorkerMode::Threads, 8192, 8);
+        assert_eq!((threads.rows, threads.waits_for_more), (1, false));
+        let workers = CpuBundles::for_mode(WorkerMode::Process, 8192, 8);
+        assert_eq!((workers.rows, workers.bytes), (65_536, WORKER_BUNDLE_BYTES));
+        assert!(workers.waits_for_more);
+        let one = CpuBundles::for_mode(WorkerMode::Process, 8192, 1);
+        assert_eq!(one, threads);
     }
 }

@@ -1514,16 +1514,18 @@ async fn many_small_files_are_read_a_few_to_a_task() {
 
 /// A worker process's per-block task takes the blocks its partition has gathered, not one:
 /// a filter and partial aggregate over a round-robin exchange of one split's 13 blocks ran
-/// as 13 round trips to the workers, and runs as a few (threads mode keeps a block a task).
+/// as 13 round trips to the workers, and runs as a few (threads mode, and workers with
+/// `flumen.worker_bundle_blocks = 1`, keep a block a task).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_workers_per_block_tasks_take_the_blocks_gathered() {
     let dir = tempfile::tempdir().unwrap();
     // One file of one row group: one split, whose blocks DataFusion deals round robin.
     let vanilla = sorted_ids(dir.path(), 1, 100_000, 100_000).await;
     let sql = "SELECT k, count(*), sum(id) FROM t WHERE id > 500 GROUP BY k ORDER BY k";
-    for workers in [0, 2] {
+    for (workers, bundle) in [(0, 8), (2, 1), (2, 8)] {
         let ctx = session(workers);
         register_t(&ctx, dir.path()).await;
+        common::collect(&ctx, &format!("SET flumen.worker_bundle_blocks = {bundle}")).await;
         let plan = answers_like_vanilla(&vanilla, &ctx, sql).await;
         let exec = plan.downcast_ref::<flumen::exec::FlumenExec>().unwrap();
         let stats = common::operator_stats(exec);
@@ -1533,8 +1535,9 @@ async fn a_workers_per_block_tasks_take_the_blocks_gathered() {
             .expect("a per-block operator over the exchange");
         let (tasks, blocks) = (stats[per_block.id].tasks, stats[per_block.inputs[0]].blocks);
         assert!(blocks >= 12, "{workers} workers: {blocks} blocks");
-        match workers {
-            0 => assert_eq!(tasks, blocks, "threads mode: a block a task"),
+        match bundle {
+            1 => assert_eq!(tasks, blocks, "{workers} workers: a block a task"),
+            _ if workers == 0 => assert_eq!(tasks, blocks, "threads mode: a block a task"),
             _ => assert!(
                 tasks * 2 <= blocks,
                 "{workers} workers: {tasks} tasks for {blocks} blocks"
