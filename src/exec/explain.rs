@@ -345,6 +345,9 @@ impl ExecutionPlan for OperatorExec {
                     s.tasks_pruned_at_launch,
                 ));
             }
+            if s.empty_build_sides > 0 {
+                set.push(count("empty_build_sides".into(), s.empty_build_sides));
+            }
             set.push(count(
                 "input_bytes_by_ticket".into(),
                 s.input_bytes_by_ticket,

@@ -47,6 +47,9 @@ pub struct OperatorStats {
     /// from ruled out every file of their split
     /// ([`crate::plan::split_pruning::nothing_to_read`]).
     pub tasks_pruned_at_launch: AtomicU64,
+    /// Joins whose build side came out empty, so that the splits of this operator's scans
+    /// started from `false` ([`crate::plan::build_bounds`]).
+    pub empty_build_sides: AtomicU64,
     /// Tasks whose sort was refused memory to concatenate its batches, run again with their
     /// sorts in pieces.
     pub retried_in_pieces: AtomicU64,
@@ -107,6 +110,8 @@ pub struct StatsSnapshot {
     pub tasks_retried: u64,
     /// Of the remote tasks, split tasks not sent, their split ruled out by their bounds.
     pub tasks_pruned_at_launch: u64,
+    /// Joins whose empty build side ruled out this operator's scans.
+    pub empty_build_sides: u64,
     /// Tasks run again with their sorts in pieces after a sort was refused memory.
     pub retried_in_pieces: u64,
     /// Tasks run again alone after being refused memory.
@@ -223,6 +228,7 @@ impl OperatorStats {
             blocks_lost: r(&self.blocks_lost),
             tasks_retried: r(&self.tasks_retried),
             tasks_pruned_at_launch: r(&self.tasks_pruned_at_launch),
+            empty_build_sides: r(&self.empty_build_sides),
             retried_in_pieces: r(&self.retried_in_pieces),
             retried_alone: r(&self.retried_alone),
             merge_join_fallbacks: r(&self.merge_join_fallbacks),

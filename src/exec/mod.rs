@@ -16,6 +16,8 @@
 //!   [`block_dropper`]: the tests' hook that drops blocks as a dead worker would.
 //! - [`replan`]: an in-core run refused memory before its first output, planned again out
 //!   of core.
+//! - [`build_bound_reads`]: in worker mode, a join's probe-side scans held until its build
+//!   side is complete, and ruled out if it came out empty.
 //! - [`slices`]: a join's hot partition, refused memory, cut into slices of its build side.
 //! - [`remote_tasks`]: tasks run in worker processes, and recovering a dead worker's blocks;
 //!   [`worker_plans`]: the plan a worker runs for one task.
@@ -28,6 +30,7 @@
 
 pub(crate) mod accelerator_threads;
 pub(crate) mod block_dropper;
+pub(crate) mod build_bound_reads;
 pub(crate) mod cursor;
 pub(crate) mod explain;
 pub(crate) mod flumen_exec;

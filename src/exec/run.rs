@@ -133,6 +133,7 @@ impl QueryRun {
         let dropper = base.session_config().get_extension::<BlockDropper>();
         let mut state = RunState {
             accelerator_target,
+            build_bounds: vec![Default::default(); graph.build_bounds.len()],
             ..Default::default()
         };
         for op in &graph.operators {
@@ -292,6 +293,7 @@ impl QueryRun {
                 return;
             }
             self.create_tasks(&mut st);
+            self.settle_build_bounds(&mut st);
             self.pick_launches(&mut st, &mut launches);
         }
         for task in launches {

@@ -186,6 +186,20 @@ pub(super) struct RunState {
     /// Tasks that have ended (done, failed or sent back to run again): a recompute refused
     /// memory tries again once one more has ended.
     pub(super) tasks_ended: u64,
+    /// Where each of the graph's build bounds stands (its scans wait until settled)
+    /// ([`crate::plan::graph::OperatorGraph::build_bounds`]).
+    pub(super) build_bounds: Vec<BuildBoundState>,
+}
+
+/// Where a worker-mode join's build side stands for its probe side's scans
+/// ([`crate::plan::build_bounds`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub(super) enum BuildBoundState {
+    /// Its build producer is still running: the scans that read it wait.
+    #[default]
+    Waiting,
+    /// Counted (an empty build side rules every probe row out): the scans start.
+    Settled,
 }
 
 pub(super) fn pool_index(pool: Pool) -> usize {

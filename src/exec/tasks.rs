@@ -51,11 +51,14 @@ impl QueryRun {
     }
 
     /// Whether `op` may start: every streamed input it feeds has been asked for.
+    /// In worker mode it also waits for the bounds of the joins whose filter its scans read,
+    /// made from their build sides ([`crate::plan::build_bounds`]).
     pub(super) fn gate_open(&self, st: &RunState, op: OperatorId) -> bool {
-        !self.policy.streams_join_inputs()
+        let asked = !self.policy.streams_join_inputs()
             || self.graph.gates[op]
                 .iter()
-                .all(|g| st.operators[*g].demanded)
+                .all(|g| st.operators[*g].demanded);
+        asked && self.build_bounds_settled(st, op)
     }
 
     /// A join that finished without asking for its probe input (its build side was empty)

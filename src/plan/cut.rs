@@ -120,6 +120,10 @@ impl OperatorGraph {
             cutter.config.block_rows(),
             cutter.config.worker_bundle_blocks,
         );
+        let build_bounds = match cutter.config.workers {
+            WorkerMode::Process => crate::plan::build_bounds::build_bounds(&cutter.operators),
+            _ => vec![],
+        };
         Ok(Self {
             operators: cutter.operators,
             consumer,
@@ -128,6 +132,7 @@ impl OperatorGraph {
             batching,
             cpu_bundles,
             root_on_workers,
+            build_bounds,
         })
     }
 }

@@ -267,6 +267,9 @@ pub struct OperatorGraph {
     /// each input block once instead of a worker fetching them all and the reader its
     /// output.
     pub root_on_workers: bool,
+    /// With worker processes: the joins whose probe-side scans wait for their build side
+    /// to be complete, and read nothing if it came out empty ([`crate::plan::build_bounds`]).
+    pub build_bounds: Vec<crate::plan::build_bounds::BuildBound>,
 }
 
 impl OperatorGraph {

@@ -1545,3 +1545,83 @@ async fn a_workers_per_block_tasks_take_the_blocks_gathered() {
         }
     }
 }
+
+/// With worker processes, a partitioned join's build side that comes out empty leaves its
+/// probe side unread, as DataFusion and threads mode do: the probe scan's splits wait for
+/// the build producer, then start from `false` and are not sent (`empty_build_sides`,
+/// `tasks_pruned_at_launch`). A build side with rows gives the same answer as before.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_workers_join_with_an_empty_build_side_reads_no_probe_split() {
+    let dir = tempfile::tempdir().unwrap();
+    let probe = dir.path().join("t");
+    std::fs::create_dir(&probe).unwrap();
+    // 4 files of 4 row groups: 16 splits of the probe side.
+    let vanilla = sorted_ids(&probe, 4, 20_000, 5_000).await;
+    let build = dir.path().join("d.parquet");
+    common::collect(
+        &vanilla,
+        &format!(
+            "COPY (SELECT value AS k, concat('name', value) AS name FROM generate_series(0, 6)) \
+             TO '{}'",
+            build.display()
+        ),
+    )
+    .await;
+    // `t` (vanilla has it already) and `d`.
+    let register = |ctx: SessionContext, with_t: bool| {
+        let (probe, build) = (probe.clone(), build.clone());
+        async move {
+            if with_t {
+                register_t(&ctx, &probe).await;
+            }
+            ctx.register_parquet("d", build.to_str().unwrap(), Default::default())
+                .await
+                .unwrap();
+            // Both sides hashed: the build side is an operator of its own, and so is the
+            // probe side's scan.
+            for setting in [
+                "SET datafusion.optimizer.hash_join_single_partition_threshold = 0",
+                "SET datafusion.optimizer.hash_join_single_partition_threshold_rows = 0",
+            ] {
+                common::collect(&ctx, setting).await;
+            }
+            ctx
+        }
+    };
+    let vanilla = register(vanilla, false).await;
+    let sql = |name: &str| {
+        format!("SELECT count(*), sum(t.id) FROM t JOIN d ON t.k = d.k WHERE d.name LIKE '{name}'")
+    };
+    for workers in [0, 2] {
+        let ctx = register(session(workers), true).await;
+        // `LIKE '%zz%'` keeps no row of `d`, and no row group's statistics can tell.
+        for (name, empty) in [("%zz%", true), ("%name%", false)] {
+            let plan = answers_like_vanilla(&vanilla, &ctx, &sql(name)).await;
+            let exec = plan.downcast_ref::<flumen::exec::FlumenExec>().unwrap();
+            let stats = common::operator_stats(exec);
+            let graph = exec.graph();
+            let scan = (graph.operators.iter())
+                .find(|op| {
+                    op.shape == flumen::plan::TaskShape::Source
+                        && op.splits.iter().sum::<usize>() > 1
+                })
+                .expect("the probe side's scan");
+            let splits = scan.splits.iter().sum::<usize>() as u64;
+            let s = &stats[scan.id];
+            match (workers, empty) {
+                (2, true) => {
+                    assert_eq!(s.empty_build_sides, 1, "{name}: {s:?}");
+                    assert_eq!(s.tasks_pruned_at_launch, splits, "{name}: {s:?}");
+                    assert_eq!(s.rows, 0, "{name}: {s:?}");
+                }
+                _ => {
+                    assert_eq!(s.empty_build_sides, 0, "{workers} workers, {name}: {s:?}");
+                    assert_eq!(
+                        s.tasks_pruned_at_launch, 0,
+                        "{workers} workers, {name}: {s:?}"
+                    );
+                }
+            }
+        }
+    }
+}

@@ -1,0 +1,117 @@
+//! A worker-mode hash join's build side that came out empty: its probe side is not read.
+//!
+//! DataFusion's hash join fills a dynamic filter from its build side that the Parquet scans
+//! of its probe side prune by, and starts those scans only once its build is in, so a join
+//! whose build side is empty never reads its probe side; flumen's threads mode does the
+//! same (`Operator::streamed_inputs`). With worker processes a join is a barrier (its task
+//! starts once both inputs are complete), so its probe side's scans ran beside its build
+//! side, and read the whole probe table for a join that could match nothing.
+//!
+//! So in worker mode a source operator whose scans read such a join's filter (a
+//! [`BuildBound`]'s readers) waits until the join's build producer is complete (measured
+//! on TPC-H SF1 with workers: 1.005x the time without the wait). If its blocks hold no row,
+//! the run's bounds get `false` under the filter's id ([`empty_build_side`]): every probe
+//! split launched after starts from it (`crate::plan::task_bounds`), so its files are ruled
+//! out and the split is not sent (`tasks_pruned_at_launch`). A build side with rows gives
+//! no bound: making one on the driver (its keys' range and list, as DataFusion does) meant
+//! fetching the build blocks there, which cost more than it saved
+//! (`docs/benchmarks.md`, "a join's bound from its build side tried").
+
+use std::collections::HashSet;
+use std::sync::Arc;
+
+use datafusion::common::NullEquality;
+use datafusion::common::tree_node::{TreeNode, TreeNodeRecursion};
+use datafusion::physical_expr::expressions::{DynamicFilterPhysicalExpr, lit};
+use datafusion::physical_plan::joins::HashJoinExec;
+use datafusion::physical_plan::{ExecutionPlan, PhysicalExpr};
+
+use crate::plan::graph::{Operator, OperatorId, TaskShape};
+use crate::plan::stage_input::StageInputExec;
+
+/// The bound of an empty build side: no probe row can match.
+pub fn empty_build_side() -> Arc<dyn PhysicalExpr> {
+    lit(false)
+}
+
+/// A hash join whose build side is another operator's output and whose dynamic filter the
+/// scans of other (source) operators read.
+#[derive(Debug, Clone)]
+pub struct BuildBound {
+    /// The expression id of the join's dynamic filter.
+    pub filter: u64,
+    /// The join's probe-side keys: the columns the filter reads.
+    pub probe_keys: Vec<Arc<dyn PhysicalExpr>>,
+    /// The operator whose blocks are the join's build side.
+    pub build_producer: OperatorId,
+    /// The source operators whose scans read the filter: they wait for the bound.
+    pub readers: Vec<OperatorId>,
+}
+
+/// The joins of `operators` that give their probe side's scans a bound from their build
+/// side (see the module doc): a hash join in a per-partition operator whose build side is
+/// a stage input, whose keys never match NULLs, and whose filter a source operator's scan
+/// reads.
+pub fn build_bounds(operators: &[Operator]) -> Vec<BuildBound> {
+    let mut found = vec![];
+    for op in operators.iter().filter(|op| op.shape == TaskShape::Barrier) {
+        let _ = op.fragment.apply(|node| {
+            if let Some(bound) = join_bound(node, operators) {
+                found.push(bound);
+            }
+            Ok(TreeNodeRecursion::Continue)
+        });
+    }
+    found
+}
+
+/// `node`'s bound, when it is a hash join as [`build_bounds`] takes.
+fn join_bound(node: &Arc<dyn ExecutionPlan>, operators: &[Operator]) -> Option<BuildBound> {
+    let join = node.downcast_ref::<HashJoinExec>()?;
+    if join.null_equality() != NullEquality::NullEqualsNothing {
+        return None;
+    }
+    let build = join.left().downcast_ref::<StageInputExec>()?;
+    let produced = node.dynamic_expressions_produced();
+    let [filter] = produced.as_slice() else {
+        return None;
+    };
+    let filter = filter.expression_id()?;
+    let readers: Vec<_> = (operators.iter())
+        .filter(|op| op.shape == TaskShape::Source && reads_filter(&op.fragment, filter))
+        .map(|op| op.id)
+        .collect();
+    if readers.is_empty() {
+        return None;
+    }
+    Some(BuildBound {
+        filter,
+        probe_keys: join.on().iter().map(|(_, r)| Arc::clone(r)).collect(),
+        build_producer: build.producer(),
+        readers,
+    })
+}
+
+/// Whether an expression of a node of `plan` reads the dynamic filter `id`.
+pub fn reads_filter(plan: &Arc<dyn ExecutionPlan>, id: u64) -> bool {
+    filters_read(plan).contains(&id)
+}
+
+/// The expression ids of the dynamic filters the nodes of `plan` read.
+pub fn filters_read(plan: &Arc<dyn ExecutionPlan>) -> HashSet<u64> {
+    let mut ids = HashSet::new();
+    let _ = plan.apply(|node| {
+        node.apply_expressions(&mut |expr| {
+            expr.apply(|e| {
+                if e.downcast_ref::<DynamicFilterPhysicalExpr>().is_some()
+                    && let Some(id) = e.expression_id()
+                {
+                    ids.insert(id);
+                }
+                Ok(TreeNodeRecursion::Continue)
+            })
+        })?;
+        Ok(TreeNodeRecursion::Continue)
+    });
+    ids
+}
