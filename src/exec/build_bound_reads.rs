@@ -12,7 +12,8 @@ use crate::plan::graph::OperatorId;
 use crate::plan::task_bounds::MadeBound;
 
 impl QueryRun {
-    /// Whether every build bound `op`'s scans read is settled (until then it starts no task).
+    /// Whether every join whose filter `op`'s scans read has its build side settled (until
+    /// then `op` starts no task).
     pub(super) fn build_bounds_settled(&self, st: &RunState, op: OperatorId) -> bool {
         (self.graph.build_bounds.iter().zip(&st.build_bounds)).all(|(bound, state)| {
             *state == BuildBoundState::Settled || !bound.readers.contains(&op)

@@ -51,8 +51,8 @@ impl QueryRun {
     }
 
     /// Whether `op` may start: every streamed input it feeds has been asked for.
-    /// In worker mode it also waits for the bounds of the joins whose filter its scans read,
-    /// made from their build sides ([`crate::plan::build_bounds`]).
+    /// In worker mode it also waits until the build side of each join whose filter its scans
+    /// read is complete ([`crate::plan::build_bounds`]).
     pub(super) fn gate_open(&self, st: &RunState, op: OperatorId) -> bool {
         let asked = !self.policy.streams_join_inputs()
             || self.graph.gates[op]

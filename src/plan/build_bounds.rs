@@ -44,19 +44,24 @@ pub struct BuildBound {
     pub probe_keys: Vec<Arc<dyn PhysicalExpr>>,
     /// The operator whose blocks are the join's build side.
     pub build_producer: OperatorId,
-    /// The source operators whose scans read the filter: they wait for the bound.
+    /// The source operators whose scans read the filter: they wait for the build side.
     pub readers: Vec<OperatorId>,
 }
 
-/// The joins of `operators` that give their probe side's scans a bound from their build
-/// side (see the module doc): a hash join in a per-partition operator whose build side is
+/// The joins of `operators` whose probe side's scans wait for their build side (see the
+/// module doc): a hash join in a per-partition operator whose build side is
 /// a stage input, whose keys never match NULLs, and whose filter a source operator's scan
 /// reads.
 pub fn build_bounds(operators: &[Operator]) -> Vec<BuildBound> {
+    // The filters each source operator's scans read, walked once per operator.
+    let sources: Vec<(OperatorId, HashSet<u64>)> = (operators.iter())
+        .filter(|op| op.shape == TaskShape::Source)
+        .map(|op| (op.id, filters_read(&op.fragment)))
+        .collect();
     let mut found = vec![];
     for op in operators.iter().filter(|op| op.shape == TaskShape::Barrier) {
         let _ = op.fragment.apply(|node| {
-            if let Some(bound) = join_bound(node, operators) {
+            if let Some(bound) = join_bound(node, &sources) {
                 found.push(bound);
             }
             Ok(TreeNodeRecursion::Continue)
@@ -65,8 +70,12 @@ pub fn build_bounds(operators: &[Operator]) -> Vec<BuildBound> {
     found
 }
 
-/// `node`'s bound, when it is a hash join as [`build_bounds`] takes.
-fn join_bound(node: &Arc<dyn ExecutionPlan>, operators: &[Operator]) -> Option<BuildBound> {
+/// `node`'s bound, when it is a hash join as [`build_bounds`] takes (`sources`: each source
+/// operator with the filters its scans read).
+fn join_bound(
+    node: &Arc<dyn ExecutionPlan>,
+    sources: &[(OperatorId, HashSet<u64>)],
+) -> Option<BuildBound> {
     let join = node.downcast_ref::<HashJoinExec>()?;
     if join.null_equality() != NullEquality::NullEqualsNothing {
         return None;
@@ -77,9 +86,9 @@ fn join_bound(node: &Arc<dyn ExecutionPlan>, operators: &[Operator]) -> Option<B
         return None;
     };
     let filter = filter.expression_id()?;
-    let readers: Vec<_> = (operators.iter())
-        .filter(|op| op.shape == TaskShape::Source && reads_filter(&op.fragment, filter))
-        .map(|op| op.id)
+    let readers: Vec<_> = (sources.iter())
+        .filter(|(_, read)| read.contains(&filter))
+        .map(|(id, _)| *id)
         .collect();
     if readers.is_empty() {
         return None;
@@ -92,13 +101,8 @@ fn join_bound(node: &Arc<dyn ExecutionPlan>, operators: &[Operator]) -> Option<B
     })
 }
 
-/// Whether an expression of a node of `plan` reads the dynamic filter `id`.
-pub fn reads_filter(plan: &Arc<dyn ExecutionPlan>, id: u64) -> bool {
-    filters_read(plan).contains(&id)
-}
-
 /// The expression ids of the dynamic filters the nodes of `plan` read.
-pub fn filters_read(plan: &Arc<dyn ExecutionPlan>) -> HashSet<u64> {
+fn filters_read(plan: &Arc<dyn ExecutionPlan>) -> HashSet<u64> {
     let mut ids = HashSet::new();
     let _ = plan.apply(|node| {
         node.apply_expressions(&mut |expr| {

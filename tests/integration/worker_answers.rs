@@ -1555,7 +1555,7 @@ async fn a_workers_join_with_an_empty_build_side_reads_no_probe_split() {
     let dir = tempfile::tempdir().unwrap();
     let probe = dir.path().join("t");
     std::fs::create_dir(&probe).unwrap();
-    // 4 files of 4 row groups: 16 splits of the probe side.
+    // 4 files, 80,000 rows: the probe side, in more than one split.
     let vanilla = sorted_ids(&probe, 4, 20_000, 5_000).await;
     let build = dir.path().join("d.parquet");
     common::collect(
@@ -1607,6 +1607,7 @@ async fn a_workers_join_with_an_empty_build_side_reads_no_probe_split() {
                 })
                 .expect("the probe side's scan");
             let splits = scan.splits.iter().sum::<usize>() as u64;
+            assert!(splits >= 2, "{splits} splits");
             let s = &stats[scan.id];
             match (workers, empty) {
                 (2, true) => {
