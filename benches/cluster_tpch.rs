@@ -6,7 +6,7 @@
 //! ```text
 //! cargo bench --bench cluster_tpch -- [--sf 1] [--hosts 1,2,3] [--cores 0.5] [--slots 2]
 //!     [--partitions 6] [--queries 3,5] [--runs 1] [--no-peer] [--kill-query 9]
-//!     [--tasks-query] [--check]
+//!     [--tasks-query] [--check] [--no-build-key-bounds]
 //! ```
 //!
 //! Data: the TPC-H tables as one Parquet file each under `target/tpch-sf<SF>/` (shared by
@@ -147,6 +147,9 @@ fn cluster_session(cluster_file: &Path, partitions: usize) -> SessionContext {
     let mut config = FlumenConfig::default();
     config.workers = WorkerMode::Process;
     config.cluster = cluster_file.display().to_string();
+    // `--no-build-key-bounds`: joins' probe scans start from no bound of their build keys
+    // (`flumen.build_key_bounds = false`), the baseline of those bounds.
+    config.build_key_bounds = !std::env::args().any(|a| a == "--no-build-key-bounds");
     let session = SessionConfig::new().with_target_partitions(partitions);
     flumen::session_with_config(
         flumen::flumen_session_config(session, config.clone()),

@@ -477,6 +477,12 @@ flumen_settings! {
         /// block goes at once, later ones gather while an earlier task of the partition
         /// runs. 1: a block a task (as in threads mode).
         pub worker_bundle_blocks: usize, default = 8
+        /// With worker processes, whether the tasks of a hash join's build side sum up
+        /// their keys (each key's range and, for at most 4,096 values, their list), so
+        /// the scans of its probe side, which wait for the build side, start from the
+        /// bound they make: they prune row groups by it and, under a grouped aggregate,
+        /// drop the rows it rejects. `false`: only an empty build side rules them out.
+        pub build_key_bounds: bool, default = true
         /// Rows of a run's first blocks, in plans with a model UDF: the first splits of each
         /// source partition (one per CPU slot) read batches of this many rows and cut blocks
         /// of this many, then twice as many each time up to `model_piece_rows` (the rest of

@@ -25,6 +25,8 @@
 //!   bounds, work without output), looked at from a thread of their own.
 //! - [`sent_bounds`]: the bounds a worker's task made, carried to the driver as they
 //!   tighten and at its end.
+//! - [`sent_keys`]: a join's build keys sent with a task of its build producer, and the
+//!   summary of its output's keys sent back.
 //! - [`worker_memory`]: a worker task's operators, within its query's budget beside its
 //!   blocks.
 //! - [`block_shelf`]: the blocks a worker keeps, each under the query that owns it.
@@ -56,6 +58,7 @@ pub mod plan_metrics;
 pub mod protocol;
 pub(crate) mod scan_formats;
 pub mod sent_bounds;
+pub mod sent_keys;
 pub mod shipped_functions;
 pub(crate) mod task_output;
 pub mod task_plan;

@@ -29,6 +29,9 @@ pub struct TaskFigures {
     pub model: Vec<(String, u64)>,
     /// The bounds its aggregates and TopK sorts made ([`crate::cluster::sent_bounds`]).
     pub bounds: Vec<crate::cluster::sent_bounds::SentBound>,
+    /// The summary of its output's keys, for a task of a join's build producer
+    /// ([`crate::cluster::sent_keys`]).
+    pub build_keys: Option<crate::cluster::sent_keys::SentKeys>,
 }
 
 /// One counter of a worker's run of a task plan, summed over its nodes.

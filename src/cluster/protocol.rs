@@ -52,6 +52,12 @@ pub struct TaskRequest {
     /// reach each (credentials included): only those its plan scans.
     #[serde(default)]
     pub stores: Vec<crate::io::object_stores::StoreGrant>,
+    /// A join's build keys over the task plan's output columns
+    /// ([`crate::cluster::sent_keys::encode_keys`]), for a task of a join's build producer:
+    /// the worker sums up its output's keys and sends the summary with `Done`
+    /// ([`crate::plan::build_keys`]). Empty: no summary.
+    #[serde(default)]
+    pub build_keys: Vec<Vec<u8>>,
 }
 
 /// One input block of a block-wise task.
@@ -267,6 +273,9 @@ pub enum TaskEvent {
         /// The bounds its aggregates and TopK sorts made ([`crate::cluster::sent_bounds`]).
         #[serde(default)]
         bounds: Vec<crate::cluster::sent_bounds::SentBound>,
+        /// The summary of its output's keys, when the request named build keys.
+        #[serde(default)]
+        build_keys: Option<crate::cluster::sent_keys::SentKeys>,
     },
 }
 

@@ -452,6 +452,7 @@ impl TaskReply {
                         metrics: figures.plan,
                         model: figures.model,
                         bounds: figures.bounds,
+                        build_keys: figures.build_keys,
                     }
                 }
                 Some(Produced::Finished(Err(e))) => {

@@ -321,12 +321,14 @@ impl WorkerHandle {
                         metrics,
                         model,
                         bounds,
+                        build_keys,
                         ..
                     } => {
                         return Ok(TaskFigures {
                             plan: metrics,
                             model,
                             bounds,
+                            build_keys,
                         });
                     }
                 }

@@ -24,9 +24,11 @@ use futures::{FutureExt, StreamExt};
 use crate::cluster::admission::{admit_options, admit_plan};
 use crate::cluster::plan_metrics::{TaskFigures, carried};
 use crate::cluster::protocol::{InputTicket, TaskInput, TaskRequest, decode_task};
+use crate::cluster::sent_keys::{SentKeys, decode_keys};
 use crate::cluster::task_output::{Produced, ProducedSender};
 use crate::cluster::worker_memory::TaskMemory;
 use crate::config::FlumenConfig;
+use crate::plan::build_keys::KeySummer;
 use crate::plan::model_cache_lookup::take_lookup_figures;
 use crate::store::block_memory::compact;
 use crate::store::cutter::{BlockCutter, PieceCutter, bundle_pieces};
@@ -167,14 +169,59 @@ async fn run_task_body(
         None => plan,
     };
     let watching = crate::cluster::task_watch::watch(&plan, watched_to);
-    plan_blocks(Arc::clone(&plan), Arc::clone(&task_ctx), &request, out).await?;
+    let build_keys = if request.build_keys.is_empty() {
+        plan_blocks(Arc::clone(&plan), Arc::clone(&task_ctx), &request, out).await?;
+        None
+    } else {
+        summed_keys(&plan, &task_ctx, &request, out).await?
+    };
     drop(watching);
     let flumen = (task_ctx.session_config().options().extensions).get::<FlumenConfig>();
     Ok(TaskFigures {
         plan: carried(&plan),
         model: model_figures(&plan, flumen),
         bounds: crate::cluster::sent_bounds::made_in(&plan),
+        build_keys,
     })
+}
+
+/// [`plan_blocks`] for a task of a join's build producer: each block's keys (those the
+/// request names) are summed up as it is handed out ([`crate::plan::build_keys`]). The
+/// summary is `None` where the keys could not be read or summed up (a key type without an
+/// order): the task runs all the same, and its join goes without a bound.
+async fn summed_keys(
+    plan: &Arc<dyn ExecutionPlan>,
+    task_ctx: &Arc<TaskContext>,
+    request: &TaskRequest,
+    out: &mut (dyn FnMut(Produced) + Send),
+) -> Result<Option<SentKeys>> {
+    let schema = plan.schema();
+    let mut summer = decode_keys(&request.build_keys, &schema, task_ctx)
+        .and_then(|keys| KeySummer::new(keys, &schema));
+    let mut summing = |item: Produced| {
+        let failed = match (&item, &mut summer) {
+            (Produced::Block(_, block), Ok(summing)) => summing.observe(block).err(),
+            _ => None,
+        };
+        if let Some(e) = failed {
+            summer = Err(e);
+        }
+        out(item)
+    };
+    plan_blocks(
+        Arc::clone(plan),
+        Arc::clone(task_ctx),
+        request,
+        &mut summing,
+    )
+    .await?;
+    let sent = summer
+        .and_then(KeySummer::finish)
+        .and_then(|summary| SentKeys::of(&summary));
+    if let Err(e) = &sent {
+        log::info!("a task's build keys are not summed up: {e}");
+    }
+    Ok(sent.ok())
 }
 
 /// The figures of the models and the model-output cache a task that ran `plan` used, as

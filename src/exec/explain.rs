@@ -348,6 +348,12 @@ impl ExecutionPlan for OperatorExec {
             if s.empty_build_sides > 0 {
                 set.push(count("empty_build_sides".into(), s.empty_build_sides));
             }
+            if s.bounds_from_build_sides > 0 {
+                set.push(count(
+                    "bounds_from_build_sides".into(),
+                    s.bounds_from_build_sides,
+                ));
+            }
             set.push(count(
                 "input_bytes_by_ticket".into(),
                 s.input_bytes_by_ticket,

@@ -50,6 +50,10 @@ pub struct OperatorStats {
     /// Joins whose build side came out empty, so that the splits of this operator's scans
     /// started from `false` ([`crate::plan::build_bounds`]).
     pub empty_build_sides: AtomicU64,
+    /// Bounds made from a join's build side (its tasks' summaries of their keys merged, or
+    /// `false` for an empty one) that this operator's splits started from
+    /// ([`crate::plan::build_bounds`]).
+    pub bounds_from_build_sides: AtomicU64,
     /// Tasks whose sort was refused memory to concatenate its batches, run again with their
     /// sorts in pieces.
     pub retried_in_pieces: AtomicU64,
@@ -112,6 +116,8 @@ pub struct StatsSnapshot {
     pub tasks_pruned_at_launch: u64,
     /// Joins whose empty build side ruled out this operator's scans.
     pub empty_build_sides: u64,
+    /// Bounds made from a join's build side that this operator's splits started from.
+    pub bounds_from_build_sides: u64,
     /// Tasks run again with their sorts in pieces after a sort was refused memory.
     pub retried_in_pieces: u64,
     /// Tasks run again alone after being refused memory.
@@ -229,6 +235,7 @@ impl OperatorStats {
             tasks_retried: r(&self.tasks_retried),
             tasks_pruned_at_launch: r(&self.tasks_pruned_at_launch),
             empty_build_sides: r(&self.empty_build_sides),
+            bounds_from_build_sides: r(&self.bounds_from_build_sides),
             retried_in_pieces: r(&self.retried_in_pieces),
             retried_alone: r(&self.retried_alone),
             merge_join_fallbacks: r(&self.merge_join_fallbacks),

@@ -17,7 +17,7 @@
 //! - [`replan`]: an in-core run refused memory before its first output, planned again out
 //!   of core.
 //! - [`build_bound_reads`]: in worker mode, a join's probe-side scans held until its build
-//!   side is complete, and ruled out if it came out empty.
+//!   side is complete, then started from the bound its tasks' key summaries make.
 //! - [`slices`]: a join's hot partition, refused memory, cut into slices of its build side.
 //! - [`remote_tasks`]: tasks run in worker processes, and recovering a dead worker's blocks;
 //!   [`worker_plans`]: the plan a worker runs for one task.

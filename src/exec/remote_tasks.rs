@@ -39,6 +39,7 @@ use crate::cluster::membership::host_of;
 use crate::cluster::on_driver::OnDriver;
 use crate::cluster::protocol::{INPUT_LOST, InputTicket, TaskInput, TaskRequest};
 use crate::cluster::sent_bounds::{self, HeardBounds, SentBound};
+use crate::cluster::sent_keys::SentKeys;
 use crate::cluster::task_plan::{self, RoundTrip};
 use crate::cluster::worker_handle::RemoteBlock;
 use crate::cluster::worker_pool::{PoolSettings, TaskOutput, WorkerPool};
@@ -398,10 +399,13 @@ impl QueryRun {
                 .run_on_pool(pool, op_id, outgoing, describe, on_block, &mut on_bounds)
                 .await
             {
-                Ok(bounds) => {
+                Ok((bounds, build_keys)) => {
                     match sent_bounds::received(&bounds, &one_task.made, &self.base_context()) {
                         Ok(made) => self.bounds.add(made),
                         Err(e) => log::warn!("{describe}: its bounds are left out: {e}"),
+                    }
+                    if let Some(sent) = build_keys {
+                        self.keep_build_keys(task, &sent, describe);
                     }
                     let stats = self.stats(op_id);
                     OperatorStats::add(&stats.input_bytes_by_ticket, work.bytes_by_ticket);
@@ -563,7 +567,14 @@ impl QueryRun {
         let op = &self.graph.operators[op_id];
         match kind {
             TaskKind::Source { split } => {
-                Ok(source_plan(op, partition, split, &self.store_grants()))
+                let dropping_by = self.build_bounds_made_for(op_id);
+                Ok(source_plan(
+                    op,
+                    partition,
+                    split,
+                    &self.store_grants(),
+                    &dropping_by,
+                ))
             }
             TaskKind::Blocks { inputs } => {
                 let schema = self.graph.operators[op.inputs[0]].fragment.schema();
@@ -721,6 +732,7 @@ impl QueryRun {
                     .filter_map(|url| granted.get(url))
                     .collect()
             },
+            build_keys: self.build_keys_sent(op_id),
         }
     }
 
@@ -772,7 +784,7 @@ impl QueryRun {
         describe: &str,
         on_block: &mut (dyn FnMut(usize, RemoteBlock) -> Result<()> + Send),
         on_bounds: &mut (dyn FnMut(Vec<SentBound>) + Send),
-    ) -> Result<Vec<SentBound>> {
+    ) -> Result<(Vec<SentBound>, Option<SentKeys>)> {
         let config = self.config();
         let retries = config.max_task_retries;
         let ran = pool
@@ -795,7 +807,7 @@ impl QueryRun {
         stats.count_remote_on(&host_of(&ran.worker));
         self.metrics.count_task_on(&host_of(&ran.worker));
         self.note_restarts(pool);
-        Ok(ran.figures.bounds)
+        Ok((ran.figures.bounds, ran.figures.build_keys))
     }
 
     /// Count the pools' worker restarts since this run first used them into the graph's

@@ -61,6 +61,9 @@ pub(super) struct TaskRecord {
     /// Its readers of a collected (not streamed) input that wait for blocks now, when its
     /// operator streams its other inputs: a join collecting its build side.
     pub(super) build_waits: u32,
+    /// The summary of its output's keys its worker sent, for a task of a join's build
+    /// producer ([`crate::plan::build_keys`]).
+    pub(super) build_keys: Option<crate::plan::build_keys::KeySummary>,
 }
 
 impl TaskRecord {
@@ -83,6 +86,7 @@ impl TaskRecord {
             bounds_at_launch: Arc::default(),
             read_an_input: false,
             build_waits: 0,
+            build_keys: None,
         }
     }
 }
@@ -198,8 +202,14 @@ pub(super) enum BuildBoundState {
     /// Its build producer is still running: the scans that read it wait.
     #[default]
     Waiting,
-    /// Counted (an empty build side rules every probe row out): the scans start.
-    Settled,
+    /// Its build producer is complete: the scans start, from its bound where the run holds
+    /// one (its tasks' summaries of their keys merged, or `false` for no row).
+    Settled {
+        /// Whether the bound lists its keys (or is `false`): the scans' splits under a
+        /// grouped aggregate then drop the rows it rejects. A range alone is left to prune
+        /// row groups: checked on every row it cost more than it dropped (TPC-H q4 and q9).
+        drops_rows: bool,
+    },
 }
 
 pub(super) fn pool_index(pool: Pool) -> usize {

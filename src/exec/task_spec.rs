@@ -91,7 +91,13 @@ impl QueryRun {
         // task's input blocks are listed now: what it reads, released when it succeeds.
         let mut inputs = None;
         let runnable = match &kind {
-            TaskKind::Source { split } => source_plan(op, partition, *split, &self.store_grants()),
+            TaskKind::Source { split } => source_plan(
+                op,
+                partition,
+                *split,
+                &self.store_grants(),
+                &self.build_bounds_made_for(op_id),
+            ),
             TaskKind::Blocks { .. } => {
                 let schema = self.graph.operators[op.inputs[0]].fragment.schema();
                 let empty = MemorySourceConfig::try_new_exec(&[vec![]], schema, None)?;

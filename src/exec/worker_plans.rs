@@ -11,6 +11,7 @@
 //! Each returns why not ([`OnDriver`]) where the task cannot be cut out this way; the
 //! plan is then encoded for the pool's workers ([`encode_for_worker`]).
 
+use std::collections::HashSet;
 use std::sync::Arc;
 
 use datafusion::common::tree_node::{Transformed, TreeNode, TreeNodeRecursion};
@@ -18,6 +19,7 @@ use datafusion::datasource::memory::MemorySourceConfig;
 use datafusion::datasource::physical_plan::{FileScanConfig, FileScanConfigBuilder};
 use datafusion::datasource::source::DataSourceExec;
 use datafusion::error::{DataFusionError, Result};
+use datafusion::physical_plan::filter::FilterExec;
 use datafusion::physical_plan::projection::ProjectionExec;
 use datafusion::physical_plan::repartition::RepartitionExec;
 use datafusion::physical_plan::sorts::sort_preserving_merge::SortPreservingMergeExec;
@@ -31,6 +33,7 @@ use crate::cluster::worker_pool::WorkerPool;
 use crate::io::object_stores::StoreGrants;
 use crate::plan::accelerator_projection::AcceleratorProjectionExec;
 use crate::plan::graph::Operator;
+use crate::plan::join_filter_rows::filters_on_output;
 use crate::plan::merge_runs::MergeRunsExec;
 use crate::plan::partition_cut::{Reads, child_reads, cuts_per_partition, union_input};
 use crate::plan::split_source::SplitSourceExec;
@@ -38,12 +41,16 @@ use crate::plan::stage_input::StageInputExec;
 use crate::store::block::BlockId;
 
 /// The plan a worker runs for source split `split` of `partition` of `op`, or why there is
-/// none.
+/// none. A split of a scan that drops join-filtered rows (read by a grouped aggregate) is
+/// put under a filter of the dynamic filters among `dropping_by` that it reads: those
+/// whose bound from a join's build side the run holds ([`crate::plan::build_bounds`]),
+/// which the task's bounds put beside each of them.
 pub(super) fn source_plan(
     op: &Operator,
     partition: usize,
     split: usize,
     stores: &StoreGrants,
+    dropping_by: &HashSet<u64>,
 ) -> Result<Arc<dyn ExecutionPlan>, OnDriver> {
     let mut found = None;
     let plan = Arc::clone(&op.fragment)
@@ -56,7 +63,13 @@ pub(super) fn source_plan(
                     return Ok(Transformed::no(node));
                 }
                 found = Some(true);
-                return Ok(Transformed::yes(scan));
+                let rows = (source.drops_join_filtered_rows())
+                    .then(|| filters_on_output(&scan, dropping_by))
+                    .flatten();
+                return Ok(Transformed::yes(match rows {
+                    Some(filter) => Arc::new(FilterExec::try_new(filter, scan)?),
+                    None => scan,
+                }));
             }
             Ok(Transformed::no(node))
         })

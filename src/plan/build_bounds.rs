@@ -1,25 +1,33 @@
-//! A worker-mode hash join's build side that came out empty: its probe side is not read.
+//! A worker-mode hash join's bound from its build side, for the scans of its probe side.
 //!
-//! DataFusion's hash join fills a dynamic filter from its build side that the Parquet scans
-//! of its probe side prune by, and starts those scans only once its build is in, so a join
-//! whose build side is empty never reads its probe side; flumen's threads mode does the
-//! same (`Operator::streamed_inputs`). With worker processes a join is a barrier (its task
-//! starts once both inputs are complete), so its probe side's scans ran beside its build
-//! side, and read the whole probe table for a join that could match nothing.
+//! DataFusion's hash join fills a dynamic filter from its build side (its keys' range and,
+//! for a few keys, a lookup in them) that the Parquet scans of its probe side prune by, and
+//! starts those scans only once its build is in; flumen's threads mode does the same
+//! (`Operator::streamed_inputs`). With worker processes a join is a barrier (its task starts
+//! once both inputs are complete), so its probe side's scans ran beside its build side and
+//! the filter was filled on the worker that ran the join, after every probe row had been
+//! read and exchanged: TPC-H q17 aggregated all of `lineitem` by `l_partkey` for a join
+//! that keeps 0.1% of it, and a join that could match nothing read its whole probe table.
 //!
 //! So in worker mode a source operator whose scans read such a join's filter (a
 //! [`BuildBound`]'s readers) waits until the join's build producer is complete (measured
-//! on TPC-H SF1 with workers: 1.005x the time without the wait). If its blocks hold no row,
-//! the run's bounds get `false` under the filter's id ([`empty_build_side`]): every probe
-//! split launched after starts from it (`crate::plan::task_bounds`), so its files are ruled
-//! out and the split is not sent (`tasks_pruned_at_launch`). A build side with rows gives
-//! no bound: making one on the driver (its keys' range and list, as DataFusion does) meant
-//! fetching the build blocks there, which cost more than it saved
+//! on TPC-H SF1 with workers: 1.005x the time without the wait). Each task of the build
+//! producer sums up its output's keys on its worker (their range, and their list while
+//! short: [`crate::plan::build_keys`]); once all are in, the driver merges them into the
+//! bound DataFusion would make and adds it to the run's bounds under the filter's id
+//! (`false` where the build side has no row: [`empty_build_side`]). Every probe split
+//! launched after starts from it, for every run of it (`crate::plan::task_bounds`): it
+//! prunes its row groups by it (a split whose files it rules out is not sent:
+//! `tasks_pruned_at_launch`) and, where a grouped aggregate reads the scan, drops the rows
+//! it rejects (`crate::plan::join_filter_rows`). A task whose worker sent no summary (one
+//! run on the driver) leaves the join without a bound but for an empty build side. Making
+//! the bound on the driver from the build blocks cost more than it saved
 //! (`docs/benchmarks.md`, "a join's bound from its build side tried").
 
 use std::collections::HashSet;
 use std::sync::Arc;
 
+use datafusion::arrow::datatypes::SchemaRef;
 use datafusion::common::NullEquality;
 use datafusion::common::tree_node::{TreeNode, TreeNodeRecursion};
 use datafusion::physical_expr::expressions::{DynamicFilterPhysicalExpr, lit};
@@ -40,8 +48,14 @@ pub fn empty_build_side() -> Arc<dyn PhysicalExpr> {
 pub struct BuildBound {
     /// The expression id of the join's dynamic filter.
     pub filter: u64,
+    /// The join's build-side keys, on its build producer's output columns; empty where
+    /// the join's build input does not read them as its producer puts them out (no bound
+    /// then but for an empty build side).
+    pub build_keys: Vec<Arc<dyn PhysicalExpr>>,
     /// The join's probe-side keys: the columns the filter reads.
     pub probe_keys: Vec<Arc<dyn PhysicalExpr>>,
+    /// The schema of the join's probe side, which the probe keys read.
+    pub probe_schema: SchemaRef,
     /// The operator whose blocks are the join's build side.
     pub build_producer: OperatorId,
     /// The source operators whose scans read the filter: they wait for the build side.
@@ -61,7 +75,7 @@ pub fn build_bounds(operators: &[Operator]) -> Vec<BuildBound> {
     let mut found = vec![];
     for op in operators.iter().filter(|op| op.shape == TaskShape::Barrier) {
         let _ = op.fragment.apply(|node| {
-            if let Some(bound) = join_bound(node, &sources) {
+            if let Some(bound) = join_bound(node, &sources, operators) {
                 found.push(bound);
             }
             Ok(TreeNodeRecursion::Continue)
@@ -75,6 +89,7 @@ pub fn build_bounds(operators: &[Operator]) -> Vec<BuildBound> {
 fn join_bound(
     node: &Arc<dyn ExecutionPlan>,
     sources: &[(OperatorId, HashSet<u64>)],
+    operators: &[Operator],
 ) -> Option<BuildBound> {
     let join = node.downcast_ref::<HashJoinExec>()?;
     if join.null_equality() != NullEquality::NullEqualsNothing {
@@ -93,9 +108,20 @@ fn join_bound(
     if readers.is_empty() {
         return None;
     }
+    // The build keys read the join's build input; the producer's blocks must hold the same
+    // columns at the same places for a worker to read them there.
+    let produced = operators.get(build.producer())?.fragment.schema();
+    let same_columns = (produced.fields().len() == build.schema().fields().len())
+        && (produced.fields().iter().zip(build.schema().fields()))
+            .all(|(a, b)| a.data_type() == b.data_type());
     Some(BuildBound {
         filter,
+        build_keys: match same_columns {
+            true => join.on().iter().map(|(l, _)| Arc::clone(l)).collect(),
+            false => vec![],
+        },
         probe_keys: join.on().iter().map(|(_, r)| Arc::clone(r)).collect(),
+        probe_schema: join.right().schema(),
         build_producer: build.producer(),
         readers,
     })

@@ -268,7 +268,7 @@ pub struct OperatorGraph {
     /// output.
     pub root_on_workers: bool,
     /// With worker processes: the joins whose probe-side scans wait for their build side
-    /// to be complete, and read nothing if it came out empty ([`crate::plan::build_bounds`]).
+    /// to be complete, and start from the bound its keys make ([`crate::plan::build_bounds`]).
     pub build_bounds: Vec<crate::plan::build_bounds::BuildBound>,
 }
 

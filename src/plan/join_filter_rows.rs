@@ -68,12 +68,11 @@ pub struct JoinRowFilter {
     pub cheap_first: Option<Arc<dyn PhysicalExpr>>,
 }
 
-/// The filter [`drop_rejected_rows`] applies for `scan`: when `scan` is a Parquet scan
-/// whose predicate holds at least one dynamic filter and every one of them is complete
-/// (will never change again); `None` otherwise, or when a filter reads a column the scan
-/// does not output, or the scan already filters rows with its predicate (the session's
-/// `pushdown_filters`).
-pub fn complete_join_filter(scan: &Arc<dyn ExecutionPlan>) -> Option<JoinRowFilter> {
+/// `scan`'s Parquet source and its predicate, where the scan uses the predicate for pruning
+/// only (not the session's `pushdown_filters`): the rows it rejects still come out.
+fn predicate_for_pruning(
+    scan: &Arc<dyn ExecutionPlan>,
+) -> Option<(&ParquetSource, Arc<dyn PhysicalExpr>)> {
     let config = scan
         .downcast_ref::<DataSourceExec>()?
         .data_source()
@@ -83,6 +82,16 @@ pub fn complete_join_filter(scan: &Arc<dyn ExecutionPlan>) -> Option<JoinRowFilt
         return None;
     }
     let predicate = FileSource::filter(source)?;
+    Some((source, predicate))
+}
+
+/// The filter [`drop_rejected_rows`] applies for `scan`: when `scan` is a Parquet scan
+/// whose predicate holds at least one dynamic filter and every one of them is complete
+/// (will never change again); `None` otherwise, or when a filter reads a column the scan
+/// does not output, or the scan already filters rows with its predicate (the session's
+/// `pushdown_filters`).
+pub fn complete_join_filter(scan: &Arc<dyn ExecutionPlan>) -> Option<JoinRowFilter> {
+    let (source, predicate) = predicate_for_pruning(scan)?;
     let mut filters = vec![];
     let mut all_complete = true;
     let _ = predicate.apply(|expr| {
@@ -115,6 +124,37 @@ pub fn complete_join_filter(scan: &Arc<dyn ExecutionPlan>) -> Option<JoinRowFilt
         dynamic,
         cheap_first,
     })
+}
+
+/// The conjunction of the dynamic filters among `ids` that the Parquet scan `scan`'s
+/// predicate reads, on the scan's output columns: what a worker's split of a scan that
+/// drops join-filtered rows filters by, where its run starts from a bound made from a
+/// join's build side ([`crate::plan::build_bounds`]; the task's bounds then put that
+/// bound beside each filter). `None` where it reads none of them, or the scan filters rows
+/// with its predicate already (`pushdown_filters`).
+pub fn filters_on_output(
+    scan: &Arc<dyn ExecutionPlan>,
+    ids: &std::collections::HashSet<u64>,
+) -> Option<Arc<dyn PhysicalExpr>> {
+    let (source, predicate) = predicate_for_pruning(scan)?;
+    let mut filters = vec![];
+    let _ = predicate.apply(|expr| {
+        if expr.downcast_ref::<DynamicFilterPhysicalExpr>().is_some() {
+            if expr.expression_id().is_some_and(|id| ids.contains(&id)) {
+                filters.push(Arc::clone(expr));
+            }
+            return Ok(TreeNodeRecursion::Jump);
+        }
+        Ok(TreeNodeRecursion::Continue)
+    });
+    if filters.is_empty() {
+        return None;
+    }
+    let filter = conjunction(filters);
+    match FileSource::projection(source) {
+        Some(projection) => projection.project_expr(&filter).ok(),
+        None => reassign_expr_columns(filter, &scan.schema()).ok(),
+    }
 }
 
 /// Whether `expr` is cheap to evaluate on every row: columns, literals, comparisons,

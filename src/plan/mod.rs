@@ -13,7 +13,8 @@
 //!   them.
 //! - [`join_filter_rows`]: a scan drops the rows its joins' finished dynamic filters reject.
 //! - [`build_bounds`]: in worker mode, the scans of a join's probe side wait for its build
-//!   side, and read nothing if it came out empty.
+//!   side, and start from a bound of its keys (nothing to read if it came out empty).
+//! - [`build_keys`]: a build side's keys summed up (range and list) where its blocks are made.
 //! - [`stage_input`]: the leaf through which a fragment reads its producer's blocks.
 //! - [`accelerator_projection`]: model UDF projections kept apart as accelerator operators.
 //! - [`model_cache_lookup`]: the model-output cache's lookup planned into the CPU stage
@@ -45,6 +46,7 @@
 pub(crate) mod accelerator_projection;
 pub mod aggregate_bound_reads;
 pub mod build_bounds;
+pub mod build_keys;
 pub mod concat_partitions;
 pub mod counted_set_operations;
 pub(crate) mod cut;

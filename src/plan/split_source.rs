@@ -217,6 +217,12 @@ impl SplitSourceExec {
         self
     }
 
+    /// Whether it drops the rows its joins' finished dynamic filters reject
+    /// ([`Self::dropping_join_filtered_rows`]).
+    pub fn drops_join_filtered_rows(&self) -> bool {
+        self.drops_join_filtered_rows
+    }
+
     /// A task's copy, whose split reads what `swaps` puts in place of the dynamic filters
     /// of its predicate (the task's own bounds, and those it starts from).
     pub fn with_bound_swaps(&self, swaps: Arc<BoundSwaps>) -> Self {

@@ -1162,6 +1162,24 @@ async fn register_t(ctx: &SessionContext, dir: &Path) {
         .unwrap();
 }
 
+/// `ctx` with the Parquet `tables` (`(name, path)`) registered, and its hash joins planned
+/// partitioned, both sides hashed: a join's build side is an operator of its own, and so
+/// is its probe side's scan.
+async fn join_tables(ctx: SessionContext, tables: &[(&str, &Path)]) -> SessionContext {
+    for (name, path) in tables {
+        ctx.register_parquet(*name, path.to_str().unwrap(), Default::default())
+            .await
+            .unwrap();
+    }
+    for setting in [
+        "SET datafusion.optimizer.hash_join_single_partition_threshold = 0",
+        "SET datafusion.optimizer.hash_join_single_partition_threshold_rows = 0",
+    ] {
+        common::collect(&ctx, setting).await;
+    }
+    ctx
+}
+
 /// Tasks the source operators of an executed flumen plan have: one per split. (Not the
 /// tasks its counters say ran: a root on the workers may send the answer before the
 /// driver has counted its inputs' tasks as done; one run in four of the `LIMIT` below
@@ -1568,32 +1586,15 @@ async fn a_workers_join_with_an_empty_build_side_reads_no_probe_split() {
     )
     .await;
     // `t` (vanilla has it already) and `d`.
-    let register = |ctx: SessionContext, with_t: bool| {
-        let (probe, build) = (probe.clone(), build.clone());
-        async move {
-            if with_t {
-                register_t(&ctx, &probe).await;
-            }
-            ctx.register_parquet("d", build.to_str().unwrap(), Default::default())
-                .await
-                .unwrap();
-            // Both sides hashed: the build side is an operator of its own, and so is the
-            // probe side's scan.
-            for setting in [
-                "SET datafusion.optimizer.hash_join_single_partition_threshold = 0",
-                "SET datafusion.optimizer.hash_join_single_partition_threshold_rows = 0",
-            ] {
-                common::collect(&ctx, setting).await;
-            }
-            ctx
-        }
-    };
-    let vanilla = register(vanilla, false).await;
+    let tables = [("d", build.as_path())];
+    let vanilla = join_tables(vanilla, &tables).await;
     let sql = |name: &str| {
         format!("SELECT count(*), sum(t.id) FROM t JOIN d ON t.k = d.k WHERE d.name LIKE '{name}'")
     };
     for workers in [0, 2] {
-        let ctx = register(session(workers), true).await;
+        let ctx = session(workers);
+        register_t(&ctx, &probe).await;
+        let ctx = join_tables(ctx, &tables).await;
         // `LIKE '%zz%'` keeps no row of `d`, and no row group's statistics can tell.
         for (name, empty) in [("%zz%", true), ("%name%", false)] {
             let plan = answers_like_vanilla(&vanilla, &ctx, &sql(name)).await;
@@ -1622,6 +1623,72 @@ async fn a_workers_join_with_an_empty_build_side_reads_no_probe_split() {
                         "{workers} workers, {name}: {s:?}"
                     );
                 }
+            }
+        }
+    }
+}
+
+/// In worker mode a partitioned join's build tasks sum up their keys on their workers, and
+/// the probe side's scans start from the bound they make (3 ids of `d`). A join straight
+/// over `t` (80,000 sorted ids in 16 row groups of 5,000) reads only the 2 row groups that
+/// can hold one of the ids (10,000 rows: the bound's list of 3 prunes as equalities). A
+/// join over `u` (the same ids, shuffled: no row group can be pruned) grouped by `id`
+/// drops the rows outside the list before the aggregate: 3 rows out of the scan's tasks.
+/// With `flumen.build_key_bounds = false` both scans put out all 80,000.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_workers_join_bounds_its_probe_scans_by_its_build_keys() {
+    let dir = tempfile::tempdir().unwrap();
+    let probe = dir.path().join("t");
+    std::fs::create_dir(&probe).unwrap();
+    let vanilla = sorted_ids(&probe, 4, 20_000, 5_000).await;
+    let build = dir.path().join("d.parquet");
+    let shuffled = dir.path().join("u");
+    std::fs::create_dir(&shuffled).unwrap();
+    let mut writes = vec![format!(
+        "COPY (SELECT column1 AS id, concat('n', column1) AS name \
+         FROM (VALUES (20003), (24999), (60001))) TO '{}'",
+        build.display()
+    )];
+    // 7,919 is prime to 80,000: `value * 7919 % 80000` takes each id once, out of order.
+    writes.extend((0..4).map(|file| {
+        format!(
+            "COPY (SELECT value * 7919 % 80000 AS id FROM generate_series({}, {})) \
+             TO '{}/part-{file}.parquet'",
+            file * 20_000,
+            file * 20_000 + 19_999,
+            shuffled.display()
+        )
+    }));
+    for write in writes {
+        common::collect(&vanilla, &write).await;
+    }
+    let tables = [("d", build.as_path()), ("u", shuffled.as_path())];
+    let vanilla = join_tables(vanilla, &tables).await;
+    let over_scan = "SELECT count(*), sum(t.k) FROM t JOIN d ON t.id = d.id";
+    let over_aggregate = "SELECT d.id, s.n FROM d \
+                          JOIN (SELECT id, count(*) AS n FROM u GROUP BY id) s ON s.id = d.id";
+    for bounds in [true, false] {
+        let ctx = session(2);
+        register_t(&ctx, &probe).await;
+        let ctx = join_tables(ctx, &tables).await;
+        common::collect(&ctx, &format!("SET flumen.build_key_bounds = {bounds}")).await;
+        for (sql, rows_with_bounds) in [(over_scan, 10_000), (over_aggregate, 3)] {
+            let plan = answers_like_vanilla(&vanilla, &ctx, sql).await;
+            let exec = plan.downcast_ref::<flumen::exec::FlumenExec>().unwrap();
+            let stats = common::operator_stats(exec);
+            let scan = (exec.graph().operators.iter())
+                .find(|op| {
+                    op.shape == flumen::plan::TaskShape::Source
+                        && op.splits.iter().sum::<usize>() > 1
+                })
+                .expect("the probe side's scan");
+            let s = &stats[scan.id];
+            if bounds {
+                assert_eq!(s.bounds_from_build_sides, 1, "{sql}: {s:?}");
+                assert_eq!(s.rows, rows_with_bounds, "{sql}: {s:?}");
+            } else {
+                assert_eq!(s.bounds_from_build_sides, 0, "{sql}: {s:?}");
+                assert_eq!(s.rows, 80_000, "{sql}: {s:?}");
             }
         }
     }

@@ -226,6 +226,7 @@ fn request(query: &str, grants: Vec<String>) -> TaskRequest {
         inputs: None,
         input_sources: vec![],
         stores: vec![],
+        build_keys: vec![],
     }
 }
 
