@@ -1,18 +1,23 @@
-//! `ORDER BY ... LIMIT` over a table of Parquet files sorted by `id` (a log or event table,
-//! its files appended in `id` order): the latest rows, the oldest rows, and the largest
-//! values of an unsorted column, in vanilla DataFusion, flumen's threads mode and flumen
-//! with two worker processes, measured in the same run.
+//! Queries over a table of Parquet files sorted by `id` (a log or event table, its files
+//! appended in `id` order): `ORDER BY ... LIMIT` for the latest rows, the oldest rows and the
+//! largest values of an unsorted column, and a `GROUP BY` of the sort key, in vanilla
+//! DataFusion, flumen's threads mode and flumen with two worker processes, measured in the
+//! same run.
 //!
 //! `cargo bench --bench topk [-- --rows 4000000 --files 4 --row-group 100000 --runs 5
 //! --check]`
 //!
 //! Figures: per query and engine the median time of `--runs` runs (after one untimed run),
-//! its ratio to vanilla's, and the row groups flumen's scans read (`EXPLAIN ANALYZE`: those
-//! their statistics and the TopK's bound left). Every answer is checked against vanilla's.
+//! its ratio to vanilla's, the row groups flumen's scans read (`EXPLAIN ANALYZE`: those
+//! their statistics and the TopK's bound left) and, with workers, the tasks that ran on the
+//! driver. Every answer is checked against vanilla's.
 //! Goals: flumen in threads mode at most 1.5x vanilla's time on every query, and the latest
 //! rows read from at most half of the row groups (`plan::task_topk`: each split's task
 //! keeps its own first rows, the last splits launched first, their bound pruning the splits
-//! launched after them; the first wave, one split per CPU slot, is read whole).
+//! launched after them; the first wave, one split per CPU slot, is read whole). The `GROUP
+//! BY id`: DataFusion keeps the files' order through its hash exchange so its aggregate
+//! streams; flumen makes that exchange plain (`plan::plain_hash_exchanges`) so that it is
+//! cut into tasks: goal, no task of it on the driver with workers.
 
 #[path = "common/args.rs"]
 mod args;
@@ -27,7 +32,7 @@ use datafusion::prelude::SessionContext;
 use flumen::{FlumenConfig, WorkerMode};
 
 /// The queries: a name and the SQL.
-const QUERIES: [(&str, &str); 3] = [
+const QUERIES: [(&str, &str); 4] = [
     (
         "latest rows",
         "SELECT id, name FROM t WHERE k <> 3 ORDER BY id DESC LIMIT 10",
@@ -39,6 +44,11 @@ const QUERIES: [(&str, &str); 3] = [
     (
         "largest v",
         "SELECT id, v FROM t WHERE k <> 3 ORDER BY v DESC, id LIMIT 10",
+    ),
+    (
+        "group by id",
+        "SELECT count(*), sum(n), max(top) FROM (SELECT id, count(*) AS n, max(v) AS top \
+         FROM t WHERE k <> 3 GROUP BY id)",
     ),
 ];
 
@@ -156,6 +166,14 @@ async fn main() -> Result<()> {
                     verdict::goal(&format!("{name}: threads at most 1.5x vanilla"), met)
                 );
             }
+            if *engine == "flumen, 2 workers" && name == "group by id" {
+                let text = answer(ctx, &format!("EXPLAIN ANALYZE {sql}")).await?;
+                let on_driver = tasks_on_driver(&text);
+                println!(
+                    "  goal: no task on the driver: {} ({on_driver} tasks there)",
+                    verdict::goal("group by id: no task on the driver", on_driver == 0)
+                );
+            }
             if *engine != "vanilla DataFusion" && name == "latest rows" {
                 match row_group_goal(ctx, sql, row_groups).await? {
                     Some(met) => println!(
@@ -172,6 +190,19 @@ async fn main() -> Result<()> {
     }
     verdict::finish();
     Ok(())
+}
+
+/// The tasks an `EXPLAIN ANALYZE` says ran on the driver: each operator's
+/// `tasks_on_driver=N`, summed.
+fn tasks_on_driver(text: &str) -> u64 {
+    (text.split("tasks_on_driver=").skip(1))
+        .filter_map(|rest| {
+            rest.split(|c: char| !c.is_ascii_digit())
+                .next()?
+                .parse()
+                .ok()
+        })
+        .sum()
 }
 
 /// Whether `sql` read at most half of `row_groups` in `ctx` (`None`: not shown).

@@ -25,7 +25,7 @@ use crate::io::{iceberg, object_stores};
 use crate::plan::row_group_layout::LayoutCache;
 use crate::plan::{
     accelerator_projection, aggregate_bound_reads, counted_set_operations, fixed_size_list_casts,
-    grouping_set_constants, partitioned_outer_joins, random_shuffle,
+    grouping_set_constants, partitioned_outer_joins, plain_hash_exchanges, random_shuffle,
 };
 
 /// A DataFusion `SessionContext` whose queries run on flumen, with default DataFusion
@@ -192,8 +192,9 @@ pub fn into_flumen(ctx: &SessionContext, config: FlumenConfig) -> SessionContext
 /// first among the session's physical optimizer rules,
 /// [`RemoveNoConstantsNodes`](grouping_set_constants::RemoveNoConstantsNodes) last, and
 /// [`PartitionOuterJoins`](partitioned_outer_joins::PartitionOuterJoins) right after
-/// DataFusion's join selection and
-/// [`PlanRandomShuffles`](random_shuffle::PlanRandomShuffles) last (each once).
+/// DataFusion's join selection,
+/// [`PlainHashExchanges`](plain_hash_exchanges::PlainHashExchanges) right after DataFusion's
+/// rules and [`PlanRandomShuffles`](random_shuffle::PlanRandomShuffles) last (each once).
 fn keep_accelerator_projections(state: SessionState) -> SessionState {
     let rules = flumen_optimizer_rules(state.physical_optimizers());
     SessionStateBuilder::new_from_existing(state)
@@ -202,7 +203,8 @@ fn keep_accelerator_projections(state: SessionState) -> SessionState {
 }
 
 /// `existing` with `HideGroupingSetConstants` and `KeepAcceleratorProjections` first,
-/// `PartitionOuterJoins` after join selection, and `PlanRandomShuffles`,
+/// `PartitionOuterJoins` after join selection, `PlainHashExchanges` after DataFusion's
+/// rules, and `PlanRandomShuffles`,
 /// `ReadOnlyWholeAggregateBounds` and `RemoveNoConstantsNodes` last (each once).
 fn flumen_optimizer_rules(
     existing: &[Arc<dyn PhysicalOptimizerRule + Send + Sync>],
@@ -224,6 +226,7 @@ fn flumen_optimizer_rules(
                         | "hide_grouping_set_constants"
                         | "remove_no_constants_nodes"
                         | "read_only_whole_aggregate_bounds"
+                        | "plain_hash_exchanges"
                 )
             })
             .cloned(),
@@ -233,6 +236,9 @@ fn flumen_optimizer_rules(
     let join_selection = rules.iter().position(|r| r.name() == "join_selection");
     let at = join_selection.map_or(1, |i| i + 1);
     rules.insert(at, Arc::new(partitioned_outer_joins::PartitionOuterJoins));
+    // After DataFusion's rules, whose sorting and distribution rules make the exchanges
+    // that keep an order.
+    rules.push(Arc::new(plain_hash_exchanges::PlainHashExchanges));
     // After DataFusion's rules: they would not know its nodes.
     rules.push(Arc::new(random_shuffle::PlanRandomShuffles));
     // After DataFusion's filter pushdown, which put the aggregates' filters in the scans.

@@ -29,6 +29,8 @@
 //! - [`partition_cut`]: which per-partition fragments a worker runs one partition of.
 //! - [`partitioned_outer_joins`]: in worker mode, outer and semi hash joins planned
 //!   partitioned, so their partitions run apart.
+//! - [`plain_hash_exchanges`]: hash exchanges that keep a sorted input's order made plain,
+//!   so they are cut into tasks.
 //! - [`partition_slices`]: which hash join tasks can be cut into slices of their build side.
 //! - [`counted_set_operations`]: `INTERSECT ALL` and `EXCEPT ALL` that count copies
 //!   (DataFusion 55 plans them as a plain semi and anti join).
@@ -64,6 +66,7 @@ pub(crate) mod model_cache_lookup;
 pub mod partition_cut;
 pub mod partition_slices;
 pub mod partitioned_outer_joins;
+pub mod plain_hash_exchanges;
 pub(crate) mod queued_model_calls;
 pub mod random_shuffle;
 pub mod range_sort;

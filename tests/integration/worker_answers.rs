@@ -1693,3 +1693,42 @@ async fn a_workers_join_bounds_its_probe_scans_by_its_build_keys() {
         }
     }
 }
+
+/// A `GROUP BY` of a sorted table's sort key (one Parquet file written by `COPY ... ORDER
+/// BY`, which says so in its footer, read in 2 ranges of row groups): DataFusion keeps the
+/// order through the hash exchange so its aggregate can stream, and flumen did not cut such
+/// an exchange, so the scan, both aggregates and the exchange ran as one operator whose
+/// tasks all ran on the driver (`tasks_on_driver.not_cut`). The exchange is now a plain one
+/// (`plan::plain_hash_exchanges`): every task of every operator but the root runs on a
+/// worker, with vanilla's answer, also where the order is needed again above (`ORDER BY
+/// k`, a sort of each partition).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_sorted_tables_group_by_its_sort_key_runs_on_the_workers() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("sorted.parquet");
+    let vanilla = common::vanilla();
+    common::collect(
+        &vanilla,
+        &format!(
+            "COPY (SELECT value / 300 AS k, value AS v FROM generate_series(0, 59999) \
+             ORDER BY k, v) TO '{}' OPTIONS ('format.max_row_group_size' '5000')",
+            path.display()
+        ),
+    )
+    .await;
+    let workers = session(2);
+    for ctx in [&vanilla, &workers] {
+        register_t(ctx, &path).await;
+    }
+    for sql in [
+        "SELECT count(*), sum(c), max(s) FROM (SELECT k, count(*) AS c, sum(v) AS s FROM t \
+         GROUP BY k)",
+        "SELECT k, count(*), min(v) FROM t GROUP BY k ORDER BY k",
+    ] {
+        let plan = answers_like_vanilla(&vanilla, &workers, sql).await;
+        let on_driver = common::tpch::tasks_on_driver(&plan);
+        assert!(on_driver.is_empty(), "{sql}: {on_driver:?}");
+        let (remote, all) = remote_and_all_tasks(&plan);
+        assert!(remote >= 4, "{sql}: {remote} of {all} tasks on the workers");
+    }
+}
