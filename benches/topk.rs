@@ -199,7 +199,7 @@ fn tasks_on_driver(text: &str) -> u64 {
         .filter_map(|rest| {
             rest.split(|c: char| !c.is_ascii_digit())
                 .next()?
-                .parse()
+                .parse::<u64>()
                 .ok()
         })
         .sum()

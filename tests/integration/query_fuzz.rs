@@ -747,6 +747,10 @@ impl Grammar<'_> {
                             "date_trunc('week', ts)",
                             "st.q",
                             "cardinality(tags)",
+                            // `a`'s sort key in an extended search: DataFusion keeps
+                            // its order through the hash exchange, which flumen makes
+                            // plain (`plan::plain_hash_exchanges`).
+                            "id",
                         ])
                         .to_string()
                     })
