@@ -1,5 +1,5 @@
-//! sqllogictest runner: flumen's own `sql/*.slt` files (those named `out_of_core*` or
-//! `scalar_subqueries*` also through vanilla DataFusion, whose answers they must give too), then every test file that
+//! sqllogictest runner: flumen's own `sql/*.slt` files (those [`ALSO_VANILLA`] names also
+//! through vanilla DataFusion, whose answers they must give too), then every test file that
 //! `datafusion-sqllogictest` 55.2.0 ships, each run through a flumen session (and through
 //! vanilla DataFusion with `FLUMEN_SLT_VANILLA=run`), record by record.
 //!
@@ -838,7 +838,12 @@ fn write_tpch_tables(dir: &Path) -> std::io::Result<()> {
 /// Files of `sql/` whose expected results must be vanilla DataFusion's answers too (by name
 /// prefix): out-of-core plans, cut scalar subqueries and worker processes change how flumen
 /// runs a query, not what it answers.
-const ALSO_VANILLA: &[&str] = &["out_of_core", "scalar_subqueries", "windows_and_types"];
+const ALSO_VANILLA: &[&str] = &[
+    "out_of_core",
+    "scalar_subqueries",
+    "sorted_tables",
+    "windows_and_types",
+];
 
 /// flumen's own files, on a flumen session with default settings and 4 partitions, then on
 /// one whose tasks run in two worker processes (each file's line says how many ran there).
