@@ -913,7 +913,7 @@ impl Grammar<'_> {
     /// A query whose plan combines several operators in ways the other shapes do not.
     fn combined_body(&mut self) -> (String, usize) {
         let filter = self.a_where("");
-        match self.rng.random_range(0..16) {
+        match self.rng.random_range(0..17) {
             // A CTE read twice, joined to itself.
             0 => {
                 let agg = self.aggregate("");
@@ -1105,6 +1105,50 @@ impl Grammar<'_> {
                     ),
                     n,
                 )
+            }
+            // `a` joined to the distinct values of one of its own columns that is not an
+            // integer: with workers the build side's keys (text, dates, doubles, decimals,
+            // timestamps, with NULLs) are summed up where its blocks are made and bound
+            // the probe side's scans (`flumen::plan::build_keys`).
+            15 => {
+                let key = self.pick(&["g", "dt", "f", "amt", "ts"]);
+                let kind = self.pick(&["JOIN", "LEFT JOIN", "RIGHT JOIN"]);
+                match self.rng.random_range(0..3) {
+                    0 => {
+                        let (list, n) = self.select_list(vec![
+                            format!("l.{key}"),
+                            "count(*)".into(),
+                            "sum(l.x)".into(),
+                        ]);
+                        (
+                            format!(
+                                "SELECT {list} FROM a l {kind} (SELECT DISTINCT {key} FROM a{filter}) r \
+                                 ON l.{key} = r.{key} GROUP BY l.{key}"
+                            ),
+                            n,
+                        )
+                    }
+                    1 => {
+                        let (list, n) = self.select_list(vec!["l.id".into(), format!("r.{key}")]);
+                        (
+                            format!(
+                                "SELECT {list} FROM a l {kind} (SELECT DISTINCT {key} FROM a{filter}) r \
+                                 ON l.{key} = r.{key}"
+                            ),
+                            n,
+                        )
+                    }
+                    _ => {
+                        let (list, n) = self.select_list(vec![format!("{key}"), "count(*)".into()]);
+                        (
+                            format!(
+                                "SELECT {list} FROM a WHERE {key} IN (SELECT {key} FROM a{filter}) \
+                                 GROUP BY {key}"
+                            ),
+                            n,
+                        )
+                    }
+                }
             }
             // Decimals and months.
             _ => {
