@@ -190,18 +190,21 @@ mod tests {
         ctx
     }
 
-    async fn plans(ctx: &SessionContext, sql: &str) -> (String, String) {
-        let plan = ctx
-            .sql(sql)
-            .await
-            .unwrap()
-            .create_physical_plan()
-            .await
-            .unwrap();
+    /// `sql`'s plan in `ctx`, as DataFusion makes it and with its exchanges made plain.
+    async fn plan_and_plain(
+        ctx: &SessionContext,
+        sql: &str,
+    ) -> (Arc<dyn ExecutionPlan>, Arc<dyn ExecutionPlan>) {
+        let plan = ctx.sql(sql).await.unwrap();
+        let plan = plan.create_physical_plan().await.unwrap();
         let options = ctx.state().config_options().clone();
-        let plain = PlainHashExchanges
-            .optimize(Arc::clone(&plan), &options)
-            .unwrap();
+        let plain = PlainHashExchanges.optimize(Arc::clone(&plan), &options);
+        (plan, plain.unwrap())
+    }
+
+    /// `sql`'s two plans ([`plan_and_plain`]) as text.
+    async fn plans(ctx: &SessionContext, sql: &str) -> (String, String) {
+        let (plan, plain) = plan_and_plain(ctx, sql).await;
         let show = |p: &Arc<dyn ExecutionPlan>| displayable(p.as_ref()).indent(false).to_string();
         (show(&plan), show(&plain))
     }
@@ -246,17 +249,7 @@ mod tests {
         assert!(sort.contains("expr=[k@0 ASC NULLS LAST]"), "{after}");
         assert!(sort.contains("preserve_partitioning=[true]"), "{after}");
         // Both plans give the same rows in the same order.
-        let plan = ctx
-            .sql(sql)
-            .await
-            .unwrap()
-            .create_physical_plan()
-            .await
-            .unwrap();
-        let options = ctx.state().config_options().clone();
-        let plain = PlainHashExchanges
-            .optimize(Arc::clone(&plan), &options)
-            .unwrap();
+        let (plan, plain) = plan_and_plain(&ctx, sql).await;
         let (want, got) = (rows(&ctx, plan).await, rows(&ctx, plain).await);
         assert_eq!(got, want);
         assert_eq!(want.lines().count(), 100 + 4, "{want}");
