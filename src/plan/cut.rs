@@ -114,7 +114,8 @@ impl OperatorGraph {
             && root.shape == TaskShape::Barrier
             && !root.streamed_inputs.iter().any(|s| *s)
             && cuts_per_partition(&root.fragment)
-            && !only_merges_inputs(&root.fragment);
+            && !only_merges_inputs(&root.fragment)
+            && !limit_stops_early(root, &cutter.operators);
         let cpu_bundles = CpuBundles::for_mode(
             cutter.config.workers,
             cutter.config.block_rows(),
@@ -696,6 +697,29 @@ fn collect_probe_producers(
 }
 
 /// For each operator, the producers of the streamed inputs it feeds (see
+/// Whether `root` (a query's root operator) keeps only its first rows (a limit, or a merge
+/// with a fetch, with no node between that emits only at its end) of producers that emit
+/// their rows as they make them (an aggregate over input sorted by its keys, a scan): the
+/// reader on the driver ends the query once it has them, where a worker's task waits for
+/// every input block first (`SELECT id, count(*) ... GROUP BY id ORDER BY id LIMIT 5` over
+/// 4M sorted ids with workers: 2.1-2.4 s on a worker, 0.03 s in the reader). A top-k over
+/// each partition's top rows (TPC-H q3: its producers emit only at their end) still goes to
+/// the workers.
+fn limit_stops_early(root: &Operator, operators: &[Operator]) -> bool {
+    fn limited(node: &Arc<dyn ExecutionPlan>) -> bool {
+        if node.downcast_ref::<StageInputExec>().is_some()
+            || node.pipeline_behavior() == EmissionType::Final
+        {
+            return false;
+        }
+        node.fetch().is_some() || node.children().into_iter().any(limited)
+    }
+    let streaming = |producer: &OperatorId| {
+        operators[*producer].fragment.pipeline_behavior() != EmissionType::Final
+    };
+    limited(&root.fragment) && root.inputs.iter().all(streaming)
+}
+
 /// [`OperatorGraph::gates`]): every operator upstream of a streamed input waits for it.
 fn gates(operators: &[Operator]) -> Vec<Vec<OperatorId>> {
     let mut gates = vec![vec![]; operators.len()];
