@@ -37,8 +37,9 @@ use datafusion::physical_plan::repartition::RepartitionExec;
 use datafusion::physical_plan::sorts::sort::SortExec;
 use datafusion::physical_plan::{ExecutionPlan, ExecutionPlanProperties, Partitioning};
 
-/// Physical optimizer rule: every order-keeping hash `RepartitionExec` becomes a plain one,
-/// with per-partition sorts added above it where a node still needs its input sorted.
+/// Physical optimizer rule: an order-keeping hash `RepartitionExec` becomes a plain one,
+/// with per-partition sorts added above it where a node still needs its input sorted (but
+/// for those the module doc says it leaves alone).
 #[derive(Debug, Default)]
 pub struct PlainHashExchanges;
 
