@@ -226,7 +226,7 @@ mod tests {
         assert!(!last.contains("ordering_mode=Sorted"), "{after}");
     }
 
-    /// Runs `plan` in `ctx` and prints its rows sorted.
+    /// Runs `plan` in `ctx` and prints its rows, in the order they came.
     async fn rows(ctx: &SessionContext, plan: Arc<dyn ExecutionPlan>) -> String {
         let batches = datafusion::physical_plan::collect(plan, ctx.task_ctx())
             .await
