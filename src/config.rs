@@ -483,6 +483,11 @@ flumen_settings! {
         /// bound they make: they prune row groups by it and, under a grouped aggregate,
         /// drop the rows it rejects. `false`: only an empty build side rules them out.
         pub build_key_bounds: bool, default = true
+        /// With worker processes, whether a hash join's task on a worker starts once its
+        /// build side is complete and is fed its probe side's blocks as they are made (it
+        /// then streams, and a `LIMIT` above it ends the query early). `false`: the task
+        /// starts once both sides are complete (a barrier, as in Spark or Ballista).
+        pub feed_joins_on_workers: bool, default = true
         /// Rows of a run's first blocks, in plans with a model UDF: the first splits of each
         /// source partition (one per CPU slot) read batches of this many rows and cut blocks
         /// of this many, then twice as many each time up to `model_piece_rows` (the rest of

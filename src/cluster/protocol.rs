@@ -58,6 +58,32 @@ pub struct TaskRequest {
     /// ([`crate::plan::build_keys`]). Empty: no summary.
     #[serde(default)]
     pub build_keys: Vec<Vec<u8>>,
+    /// A task fed inputs while it runs (a join's probe side, sent as its producers make
+    /// it): the feed's name, random, which the driver's [`FeedRequest`]s carry. Empty: the
+    /// task has all its inputs when it starts.
+    #[serde(default)]
+    pub feed: String,
+    /// The in-memory sources (indices into [`Self::input_sources`]) that the feed adds
+    /// blocks to after the ones `inputs` gives them; they end when the feed ends.
+    #[serde(default)]
+    pub fed_sources: Vec<usize>,
+}
+
+/// What action `feed` carries: more input blocks for in-memory source `source` of a
+/// running task fed as [`TaskRequest::feed`] names, or the feed's end. Framed by
+/// [`encode_feed`]: the [`TaskInput::Inline`] blocks travel after it as Arrow IPC.
+#[derive(Debug, Clone, Default, Serialize, Deserialize)]
+pub struct FeedRequest {
+    /// The task's query.
+    pub query: String,
+    /// The task's feed ([`TaskRequest::feed`]).
+    pub feed: String,
+    /// The fed source the blocks go to ([`TaskRequest::fed_sources`]).
+    pub source: usize,
+    /// The blocks, in order.
+    pub inputs: Vec<TaskInput>,
+    /// Every fed source of the task has had all its blocks.
+    pub end: bool,
 }
 
 /// One input block of a block-wise task.
@@ -118,8 +144,9 @@ pub struct ReleaseRequest {
 /// identity and resources, and checks the driver's version at the first `status`. 5: a
 /// task's inputs may fill several in-memory sources ([`TaskRequest::input_sources`]). 6: a
 /// task carries DataFusion's settings that functions read as they run (the time zone), which
-/// a worker of 5 refuses.
-pub const PROTOCOL_VERSION: u32 = 6;
+/// a worker of 5 refuses. 7: a task may be fed inputs while it runs (action `feed`,
+/// [`FeedRequest`]).
+pub const PROTOCOL_VERSION: u32 = 7;
 
 /// Largest message a worker accepts or sends: a block-wise task carries its input blocks
 /// inline (8,192 rows of web pages are ~10 MB, over tonic's 4 MiB default), so the bound is
@@ -306,6 +333,55 @@ pub fn decode_task(body: &[u8]) -> std::result::Result<(TaskRequest, &[u8]), Str
     Ok((request, &body[4 + len..]))
 }
 
+/// Frame a `feed` action: header length (4 bytes, little endian), the header as JSON, then
+/// `inline` (the blocks its [`TaskInput::Inline`]s name) as one Arrow IPC stream.
+pub fn encode_feed(
+    request: &FeedRequest,
+    inline: &[datafusion::arrow::record_batch::RecordBatch],
+) -> datafusion::error::Result<Vec<u8>> {
+    let header = serde_json::to_vec(request).expect("feed header serializes");
+    let mut body = Vec::with_capacity(4 + header.len());
+    body.extend_from_slice(&(header.len() as u32).to_le_bytes());
+    body.extend_from_slice(&header);
+    if let Some(first) = inline.first() {
+        let mut writer =
+            datafusion::arrow::ipc::writer::StreamWriter::try_new(&mut body, &first.schema())?;
+        for batch in inline {
+            writer.write(batch)?;
+        }
+        writer.finish()?;
+    }
+    Ok(body)
+}
+
+/// Split a `feed` action's body into its header and inline blocks.
+pub fn decode_feed(
+    body: &[u8],
+) -> std::result::Result<
+    (
+        FeedRequest,
+        Vec<datafusion::arrow::record_batch::RecordBatch>,
+    ),
+    String,
+> {
+    let (len, rest) = body
+        .split_first_chunk::<4>()
+        .ok_or("feed body shorter than its header length")?;
+    let len = u32::from_le_bytes(*len) as usize;
+    let header = rest.get(..len).ok_or("feed body shorter than its header")?;
+    let request = serde_json::from_slice(header).map_err(|e| format!("bad feed header: {e}"))?;
+    let ipc = &rest[len..];
+    if ipc.is_empty() {
+        return Ok((request, vec![]));
+    }
+    let reader = datafusion::arrow::ipc::reader::StreamReader::try_new(ipc, None)
+        .map_err(|e| format!("bad feed blocks: {e}"))?;
+    let inline = reader
+        .collect::<std::result::Result<Vec<_>, _>>()
+        .map_err(|e| format!("bad feed blocks: {e}"))?;
+    Ok((request, inline))
+}
+
 /// The error a task raised in a worker (`message`: the `DataFusionError` as the worker
 /// printed it), made again as the same kind of error, so a query fails in worker mode with
 /// the words it fails with in threads mode (`Arrow error: Cast error: ...`, `Error during
@@ -381,5 +457,34 @@ mod tests {
         assert_eq!(plan, b"plan-bytes");
         assert!(decode_task(b"\xff\xff\xff\xffxx").is_err());
         assert!(decode_task(b"\x02").is_err());
+    }
+
+    #[test]
+    fn feed_frames_carry_their_inline_blocks() {
+        use datafusion::arrow::array::Int64Array;
+        use datafusion::arrow::record_batch::RecordBatch;
+        let batch = RecordBatch::try_from_iter([(
+            "k",
+            std::sync::Arc::new(Int64Array::from(vec![1, 2, 3])) as _,
+        )])
+        .unwrap();
+        let request = FeedRequest {
+            query: "q".into(),
+            feed: "f".into(),
+            source: 1,
+            inputs: vec![TaskInput::Inline(0), TaskInput::Inline(1)],
+            end: false,
+        };
+        let body = encode_feed(&request, &[batch.clone(), batch.slice(1, 2)]).unwrap();
+        let (again, inline) = decode_feed(&body).unwrap();
+        assert_eq!((again.source, again.inputs.len()), (1, 2));
+        assert_eq!(inline, vec![batch.clone(), batch.slice(1, 2)]);
+        let end = FeedRequest {
+            end: true,
+            ..request
+        };
+        let (again, inline) = decode_feed(&encode_feed(&end, &[]).unwrap()).unwrap();
+        assert!(again.end && inline.is_empty());
+        assert!(decode_feed(b"\x09\x00\x00\x00{}").is_err());
     }
 }

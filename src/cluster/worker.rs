@@ -18,6 +18,9 @@
 //! - `do_get` with a [`BlockTicket`] (query and random 128-bit key): the block as Arrow IPC;
 //!   the worker then drops it, unless the ticket says `keep` (another worker fetching a
 //!   task's input: [`TaskInput::Fetch`]). A ticket of another query finds nothing.
+//! - action `feed`: more input blocks for a running task that its request says is fed (a
+//!   join's probe side, sent as its producers make it), or the feed's end
+//!   ([`crate::cluster::protocol::FeedRequest`]); the reply says whether the task took them.
 //! - action `release`: drop the listed blocks of a query, or all of them.
 //! - action `ping`: liveness (the driver's heartbeat).
 //! - action `status`: a [`WorkerStatus`] (tasks run, panics, models loaded, blocks held,
@@ -118,6 +121,8 @@ pub struct WorkerService {
     peers: Arc<Peers>,
     /// Where its tasks' input blocks came from.
     input_reads: Arc<InputReads>,
+    /// The running tasks the driver feeds inputs to.
+    feeds: Arc<Feeds>,
     /// Who it is and what it owns, as its status announces.
     identity: WorkerIdentity,
 }
@@ -241,6 +246,7 @@ impl WorkerService {
             tasks: AtomicU64::new(0),
             panics: Arc::default(),
             input_reads: Arc::default(),
+            feeds: Arc::default(),
             model_thread,
             auth,
             last_call: Mutex::new(Instant::now()),
@@ -298,7 +304,13 @@ impl WorkerService {
             query: request.query.clone(),
         };
         let (out, produced) = tokio::sync::mpsc::unbounded_channel();
+        let mut feed = None;
         let stop = match (&self.model_thread, &self.task_runtime) {
+            (Some(_), _) if !request.feed.is_empty() => {
+                return Err(DataFusionError::Execution(
+                    "an accelerator worker's task is not fed inputs while it runs".into(),
+                ));
+            }
             (Some(thread), _) => {
                 // A model's bundle is small: fetched whole before the model thread takes it.
                 let fetched = match &request.inputs {
@@ -331,15 +343,27 @@ impl WorkerService {
                     })
                     .sum();
                 let fetch_at_once = memory.as_ref().map_or(u64::MAX, |m| m.share / 4);
-                let fetched = if input_bytes <= fetch_at_once {
-                    FetchedInputs::Ready(fetcher.fetch_all(inputs).await?)
-                } else {
-                    let fetcher = Arc::new(fetcher);
-                    let fetch: FetchBlock = Arc::new(move |ticket| {
-                        let fetcher = Arc::clone(&fetcher);
-                        async move { fetcher.fetch(&ticket).await }.boxed()
-                    });
-                    FetchedInputs::OnDemand(fetch)
+                // A fed task's fed sources are read as they come, whatever their size.
+                let fetch_first = input_bytes <= fetch_at_once;
+                let fetched = match (fetch_first, request.feed.is_empty()) {
+                    (true, true) => FetchedInputs::Ready(fetcher.fetch_all(inputs).await?),
+                    (first, _) => {
+                        let ready = match first {
+                            true => Some(fetcher.fetch_all(inputs).await?),
+                            false => None,
+                        };
+                        let fetcher = Arc::new(fetcher);
+                        let fetch: FetchBlock = Arc::new(move |ticket| {
+                            let fetcher = Arc::clone(&fetcher);
+                            async move { fetcher.fetch(&ticket).await }.boxed()
+                        });
+                        let (guard, fed) = self.feeds.open(&request);
+                        feed = guard;
+                        match ready {
+                            Some(ready) => FetchedInputs::ReadyThenFed(ready, fetch, fed),
+                            None => FetchedInputs::OnDemand(fetch, fed),
+                        }
+                    }
                 };
                 let handle = runtime.spawn(async move {
                     run_task(&body, fetched, memory, &ctx, &out).await;
@@ -366,6 +390,7 @@ impl WorkerService {
             last_progress: Instant::now(),
             ended: false,
             _stop: stop,
+            _feed: feed,
         };
         Ok(futures::stream::unfold(reply, |mut reply| async move {
             let event = reply.next_event().await?;
@@ -398,6 +423,8 @@ struct TaskReply {
     ended: bool,
     /// Stops the task when the reply is dropped.
     _stop: Option<AbortOnDrop>,
+    /// A fed task's feed, closed when the reply is dropped.
+    _feed: Option<FeedOpen>,
 }
 
 impl TaskReply {
@@ -494,6 +521,100 @@ struct AbortOnDrop(tokio::task::AbortHandle);
 impl Drop for AbortOnDrop {
     fn drop(&mut self) {
         self.0.abort();
+    }
+}
+
+/// The feeds of a worker's running tasks ([`crate::cluster::protocol::TaskRequest::feed`]):
+/// by query and feed, where each fed source's blocks go.
+#[derive(Default)]
+struct Feeds(Mutex<HashMap<(String, String), HashMap<usize, FedSender>>>);
+
+/// Where the blocks fed to one in-memory source of a running task go.
+type FedSender = tokio::sync::mpsc::UnboundedSender<crate::cluster::worker_tasks::InputBlock>;
+
+impl Feeds {
+    /// Open the feed a task's request names (none when it names none): the receivers of
+    /// its fed sources, and what closes the feed when the task's reply goes.
+    fn open(
+        self: &Arc<Self>,
+        request: &crate::cluster::protocol::TaskRequest,
+    ) -> (Option<FeedOpen>, crate::cluster::worker_tasks::FedSources) {
+        let mut fed = crate::cluster::worker_tasks::FedSources::new();
+        if request.feed.is_empty() {
+            return (None, fed);
+        }
+        let mut senders = HashMap::new();
+        for source in &request.fed_sources {
+            let (sender, receiver) = tokio::sync::mpsc::unbounded_channel();
+            senders.insert(*source, sender);
+            fed.insert(*source, receiver);
+        }
+        let key = (request.query.clone(), request.feed.clone());
+        self.0.lock().unwrap().insert(key.clone(), senders);
+        let open = FeedOpen {
+            feeds: Arc::clone(self),
+            key,
+        };
+        (Some(open), fed)
+    }
+
+    /// Hand the blocks of a `feed` action to their source; at the feed's end close it.
+    /// Whether the task was still there to take them.
+    fn deliver(
+        &self,
+        request: &crate::cluster::protocol::FeedRequest,
+        inline: Vec<RecordBatch>,
+    ) -> std::result::Result<bool, Status> {
+        use crate::cluster::worker_tasks::InputBlock;
+        let mut inline: Vec<Option<RecordBatch>> = inline.into_iter().map(Some).collect();
+        let key = (request.query.clone(), request.feed.clone());
+        let mut feeds = self.0.lock().unwrap();
+        let Some(sources) = feeds.get(&key) else {
+            return Ok(false);
+        };
+        if !request.inputs.is_empty() {
+            let Some(sender) = sources.get(&request.source) else {
+                return Err(Status::invalid_argument(format!(
+                    "the task is not fed source {}",
+                    request.source
+                )));
+            };
+            let mut blocks = Vec::with_capacity(request.inputs.len());
+            for input in &request.inputs {
+                blocks.push(match input {
+                    TaskInput::Fetch(ticket) => InputBlock::Ticket(ticket.clone()),
+                    TaskInput::Inline(i) => {
+                        let batch = inline.get_mut(*i).and_then(Option::take);
+                        InputBlock::Here(batch.ok_or_else(|| {
+                            Status::invalid_argument(format!("fed block {i} is missing"))
+                        })?)
+                    }
+                });
+            }
+            for block in blocks {
+                // The task ended meanwhile (its limit met): it takes no more.
+                if sender.send(block).is_err() {
+                    return Ok(false);
+                }
+            }
+        }
+        if request.end {
+            feeds.remove(&key);
+        }
+        Ok(true)
+    }
+}
+
+/// A running task's open feed: closed (its sources ended, further feeds refused) when
+/// dropped with the task's reply.
+struct FeedOpen {
+    feeds: Arc<Feeds>,
+    key: (String, String),
+}
+
+impl Drop for FeedOpen {
+    fn drop(&mut self) {
+        self.feeds.0.lock().unwrap().remove(&self.key);
     }
 }
 
@@ -673,6 +794,14 @@ impl FlightService for WorkerService {
                     .map_err(|e| Status::internal(format!("releasing blocks: {e}")))?;
                 Ok(Response::new(one(arrow_flight::Result {
                     body: serde_json::to_vec(&dropped).unwrap().into(),
+                })))
+            }
+            "feed" => {
+                let (request, inline) = crate::cluster::protocol::decode_feed(&action.body)
+                    .map_err(Status::invalid_argument)?;
+                let taken = self.feeds.deliver(&request, inline)?;
+                Ok(Response::new(one(arrow_flight::Result {
+                    body: serde_json::to_vec(&taken).unwrap().into(),
                 })))
             }
             "ping" => Ok(Response::new(one(arrow_flight::Result {

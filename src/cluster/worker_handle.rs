@@ -13,7 +13,8 @@ use futures::{StreamExt, TryStreamExt};
 
 use crate::cluster::plan_metrics::TaskFigures;
 use crate::cluster::protocol::{
-    BlockTicket, ReleaseRequest, RemoteBlockInfo, TaskEvent, TaskRequest, WorkerStatus, encode_task,
+    BlockTicket, FeedRequest, ReleaseRequest, RemoteBlockInfo, TaskEvent, TaskInput, TaskRequest,
+    WorkerStatus, encode_feed, encode_task,
 };
 use crate::cluster::sent_bounds::SentBound;
 use crate::cluster::worker_client::{Client, Failure, action_on, get_block, read_status};
@@ -30,6 +31,22 @@ pub struct RemoteBlock {
     /// The query that owns it (its ticket names it).
     pub query: String,
 }
+
+/// Blocks a driver feeds one in-memory source of a running task at once
+/// ([`TaskRequest::feed`]).
+pub struct Fed {
+    /// The source ([`TaskRequest::fed_sources`]).
+    pub source: usize,
+    /// The blocks, in order: tickets, or [`TaskInput::Inline`] indices into `inline`.
+    pub inputs: Vec<TaskInput>,
+    /// The blocks that travel with the message.
+    pub inline: Vec<RecordBatch>,
+}
+
+/// What a fed task is fed: for each attempt, a fresh stream of [`Fed`] messages from its
+/// first block on, which ends once every fed source has all its blocks.
+pub type TaskFeed<'a> =
+    &'a (dyn Fn() -> futures::stream::BoxStream<'static, Result<Fed>> + Send + Sync);
 
 /// How long a worker has to answer a ping before it counts as dead, by default
 /// (`flumen.heartbeat_timeout_secs`' default; a pool gives its workers its own,
@@ -287,6 +304,7 @@ impl WorkerHandle {
         deadline: Option<Duration>,
         on_block: &mut (dyn FnMut(RemoteBlockInfo) -> Result<()> + Send),
         on_bounds: &mut (dyn FnMut(Vec<SentBound>) + Send),
+        feed: Option<TaskFeed<'_>>,
     ) -> Result<TaskFigures, Failure> {
         let stuck = || {
             let limit = deadline.unwrap_or_default().as_secs();
@@ -305,8 +323,26 @@ impl WorkerHandle {
             let mut events = within(deadline, client.do_action(action), stuck)
                 .await??
                 .into_inner();
+            // Fed from now on (the worker opened the feed before it answered). While the
+            // feed is open the task may wait on its producers, so the deadline waits too.
+            let mut feeding = feed.map(|make| Box::pin(self.send_feed(request, make())));
             loop {
-                let Some(event) = within(deadline, events.next(), stuck).await? else {
+                let next = match feeding.as_mut() {
+                    Some(sending) => tokio::select! {
+                        sent = sending => Err(sent),
+                        event = events.next() => Ok(event),
+                    },
+                    None => Ok(within(deadline, events.next(), stuck).await?),
+                };
+                let event = match next {
+                    Ok(event) => event,
+                    Err(sent) => {
+                        sent?;
+                        feeding = None;
+                        continue;
+                    }
+                };
+                let Some(event) = event else {
                     return Err(Failure::Garbage(
                         "the reply ended before the task did".into(),
                     ));
@@ -335,6 +371,34 @@ impl WorkerHandle {
             }
         };
         self.call(run).await
+    }
+
+    /// Send a running task what `fed` feeds it, a message at a time, then the feed's end;
+    /// stops early when the task takes no more (it ended, its limit met).
+    async fn send_feed(
+        &self,
+        request: &TaskRequest,
+        mut fed: futures::stream::BoxStream<'static, Result<Fed>>,
+    ) -> Result<(), Failure> {
+        let mut message = FeedRequest {
+            query: request.query.clone(),
+            feed: request.feed.clone(),
+            ..Default::default()
+        };
+        while let Some(next) = fed.next().await {
+            let next = next.map_err(Failure::Driver)?;
+            message.source = next.source;
+            message.inputs = next.inputs;
+            let body = encode_feed(&message, &next.inline).map_err(Failure::Driver)?;
+            if !self.action::<bool>("feed", body).await? {
+                return Ok(());
+            }
+        }
+        message.inputs.clear();
+        message.end = true;
+        let body = encode_feed(&message, &[]).map_err(Failure::Driver)?;
+        self.action::<bool>("feed", body).await?;
+        Ok(())
     }
 
     /// Fetch (and thereby remove) a block of query `query`.

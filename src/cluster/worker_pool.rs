@@ -176,8 +176,8 @@ pub struct MembershipCounts {
     pub left: AtomicU64,
 }
 
-/// Where a task run on a worker hands what its worker announces
-/// ([`WorkerPool::run_task`]).
+/// Where a task run on a worker hands what its worker announces, and what it is fed while
+/// it runs ([`WorkerPool::run_task`]).
 pub struct TaskOutput<'a> {
     /// Each block, as `(n, block)` as soon as its worker announces it, `n` counting from 0
     /// in each attempt (a retry hands out the same blocks again, each output partition's in
@@ -185,6 +185,8 @@ pub struct TaskOutput<'a> {
     pub on_block: &'a mut (dyn FnMut(usize, RemoteBlock) -> Result<()> + Send),
     /// The bounds it tightens while it runs, from any attempt.
     pub on_bounds: &'a mut (dyn FnMut(Vec<SentBound>) + Send),
+    /// A fed task's feed, made afresh for each attempt; `None`: it is fed nothing.
+    pub feed: Option<super::worker_handle::TaskFeed<'a>>,
 }
 
 impl WorkerPool {
@@ -515,8 +517,9 @@ impl WorkerPool {
     /// Run a task on some worker (`prefer`: the host holding most of its inputs, see
     /// [`Self::pick`]), retrying on another one when a worker dies under it or the task
     /// makes no progress for the task timeout there (at most `max_retries` times).
-    /// Its blocks and bounds go to `output` as they come. Returns the retries it took and
-    /// the address of the worker it ran on. `describe` names the task in errors.
+    /// Its blocks and bounds go to `output` as they come; a fed task is fed each attempt
+    /// afresh by `feed`. Returns the retries it took and the address of the worker it ran
+    /// on. `describe` names the task in errors.
     pub async fn run_task(
         self: &Arc<Self>,
         plan: &[u8],
@@ -529,6 +532,7 @@ impl WorkerPool {
         let TaskOutput {
             on_block,
             on_bounds,
+            feed,
         } = output;
         let mut attempt = 0;
         loop {
@@ -546,7 +550,7 @@ impl WorkerPool {
             };
             let deadline = self.settings.timeouts.task;
             let attempt_result =
-                (worker.run(plan, request, deadline, &mut hand_out, on_bounds)).await;
+                (worker.run(plan, request, deadline, &mut hand_out, on_bounds, feed)).await;
             match attempt_result.map_err(|f| worker.classify(f)) {
                 Ok(figures) => {
                     return Ok(TaskRan {

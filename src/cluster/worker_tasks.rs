@@ -50,14 +50,28 @@ pub(crate) enum FetchedInputs {
     Ready(Vec<RecordBatch>),
     /// Fetched as the task's plan reads them, a few ahead: a CPU task holds what its
     /// operators keep and the blocks in flight, not its whole input (a join partition out
-    /// of core, a merge of sorted runs).
-    OnDemand(FetchBlock),
+    /// of core, a merge of sorted runs). The [`FedSources`] go on reading the blocks the
+    /// driver feeds them while the task runs.
+    OnDemand(FetchBlock, FedSources),
+    /// A fed task's first inputs, all fetched before it starts (small beside its share, as
+    /// for [`Self::Ready`]); its [`FedSources`] then read what the driver feeds them, fetched
+    /// as the plan reads them.
+    ReadyThenFed(Vec<RecordBatch>, FetchBlock, FedSources),
 }
+
+/// The in-memory sources of a fed task ([`crate::cluster::protocol::TaskRequest::feed`]),
+/// by index, each with the blocks the driver feeds it after its first ones; a source ends
+/// when its sender is dropped (the feed's end).
+pub(crate) type FedSources =
+    std::collections::HashMap<usize, tokio::sync::mpsc::UnboundedReceiver<InputBlock>>;
 
 /// Input blocks a task reading on demand fetches ahead of its plan, over all its in-memory
 /// sources (at least one and at most three per source: a merge of many sorted runs holds
 /// one block of each).
 const BLOCKS_FETCHED_AHEAD: usize = 6;
+
+/// Input blocks a fed source fetches ahead of its plan.
+const FED_BLOCKS_FETCHED_AHEAD: usize = 16;
 
 /// The words a panicking task's error carries.
 pub(crate) const PANICKED: &str = "task panicked";
@@ -301,10 +315,13 @@ fn with_inputs(
             inputs.len()
         )));
     }
-    let (mut ready, on_demand) = match fetched {
-        FetchedInputs::Ready(blocks) => (blocks.into_iter(), None),
-        FetchedInputs::OnDemand(fetch) => (vec![].into_iter(), Some(fetch)),
+    let (ready, on_demand, mut fed) = match fetched {
+        FetchedInputs::Ready(blocks) => (Some(blocks), None, FedSources::new()),
+        FetchedInputs::OnDemand(fetch, fed) => (None, Some(fetch), fed),
+        FetchedInputs::ReadyThenFed(blocks, fetch, fed) => (Some(blocks), Some(fetch), fed),
     };
+    let prefetched = ready.is_some();
+    let mut ready = ready.unwrap_or_default().into_iter();
     let mut remaining = inputs;
     let mut sources = 0;
     let plan = plan
@@ -321,18 +338,17 @@ fn with_inputs(
                     counts.len()
                 )));
             };
+            let more = fed.remove(&sources);
             sources += 1;
             let (own, rest) = remaining.split_at(count);
             remaining = rest;
             let inline: Vec<&RecordBatch> = memory.partitions().iter().flatten().collect();
             let mut blocks = Vec::with_capacity(own.len());
             for input in own {
-                let block = match (input, &on_demand) {
-                    (TaskInput::Inline(i), _) => {
-                        inline.get(*i).map(|b| InputBlock::Here((*b).clone()))
-                    }
-                    (TaskInput::Fetch(ticket), Some(_)) => Some(InputBlock::Ticket(ticket.clone())),
-                    (TaskInput::Fetch(_), None) => ready.next().map(InputBlock::Here),
+                let block = match input {
+                    TaskInput::Inline(i) => inline.get(*i).map(|b| InputBlock::Here((*b).clone())),
+                    TaskInput::Fetch(_) if prefetched => ready.next().map(InputBlock::Here),
+                    TaskInput::Fetch(ticket) => Some(InputBlock::Ticket(ticket.clone())),
                 };
                 blocks.push(block.ok_or_else(|| {
                     DataFusionError::Execution(format!("task input {input:?} is missing"))
@@ -341,14 +357,22 @@ fn with_inputs(
             let schema = node.schema();
             // The order the driver's source declared (a partition's blocks, in order).
             let ordering = memory.sort_information().to_vec();
-            let source: Arc<dyn ExecutionPlan> = match &on_demand {
+            let streams = more.is_some() || !prefetched;
+            let source: Arc<dyn ExecutionPlan> = match on_demand.as_ref().filter(|_| streams) {
                 Some(fetch) => {
+                    // A fed source (a join's probe side) is read as it streams by: more of
+                    // its blocks in flight keep its round trips from pacing the join.
+                    let ahead = match more.is_some() {
+                        true => FED_BLOCKS_FETCHED_AHEAD,
+                        false => (BLOCKS_FETCHED_AHEAD / counts.len().max(1)).clamp(1, 3),
+                    };
                     let blocks = Arc::new(OnDemandBlocks {
                         schema: Arc::clone(&schema),
                         blocks,
+                        more: std::sync::Mutex::new(more),
                         fetch: Arc::clone(fetch),
                         target_rows: request.target_rows,
-                        ahead: (BLOCKS_FETCHED_AHEAD / counts.len().max(1)).clamp(1, 3),
+                        ahead,
                     });
                     Arc::new(StreamingTableExec::try_new(
                         schema,
@@ -379,22 +403,31 @@ fn with_inputs(
             counts.len()
         )));
     }
+    if let Some(source) = fed.keys().next() {
+        return Err(DataFusionError::Execution(format!(
+            "a task is fed in-memory source {source}, of {sources} it has"
+        )));
+    }
     Ok(plan)
 }
 
 /// One input block of a task's in-memory source: carried in the request, or named by
 /// ticket and fetched when read.
 #[derive(Debug, Clone)]
-enum InputBlock {
+pub(crate) enum InputBlock {
+    /// The block itself.
     Here(RecordBatch),
+    /// Where to fetch it.
     Ticket(InputTicket),
 }
 
 /// An in-memory source of a worker's task whose blocks are fetched as the plan reads them
-/// (`ahead` ahead), cut into the pieces [`bundle_pieces`] makes.
+/// (`ahead` ahead), cut into the pieces [`bundle_pieces`] makes: `blocks`, then, for a fed
+/// source, those the driver feeds it (`more`) until the feed ends.
 struct OnDemandBlocks {
     schema: datafusion::arrow::datatypes::SchemaRef,
     blocks: Vec<InputBlock>,
+    more: std::sync::Mutex<Option<tokio::sync::mpsc::UnboundedReceiver<InputBlock>>>,
     fetch: FetchBlock,
     target_rows: usize,
     ahead: usize,
@@ -415,7 +448,16 @@ impl PartitionStream for OnDemandBlocks {
 
     fn execute(&self, _ctx: Arc<TaskContext>) -> SendableRecordBatchStream {
         let fetch = Arc::clone(&self.fetch);
+        let more =
+            match self.more.lock().unwrap().take() {
+                Some(more) => futures::stream::unfold(more, |mut more| async move {
+                    Some((more.recv().await?, more))
+                })
+                .boxed(),
+                None => futures::stream::empty().boxed(),
+            };
         let blocks = futures::stream::iter(self.blocks.clone())
+            .chain(more)
             .map(move |block| match block {
                 InputBlock::Here(batch) => futures::future::ready(Ok(batch)).boxed(),
                 InputBlock::Ticket(ticket) => fetch(ticket),
@@ -601,10 +643,11 @@ mod tests {
     }
 
     /// A task over 5 blocks of 700 ids (one carried inline, four by ticket) reads the same
-    /// rows in the same pieces whether its blocks were fetched before it started or as its
-    /// plan read them; read on demand, no block is fetched before the plan runs.
+    /// rows in the same pieces whether its blocks were fetched before it started, as its
+    /// plan read them, or fed to it while it ran; read on demand, no block is fetched
+    /// before the plan runs.
     #[tokio::test]
-    async fn inputs_read_on_demand_come_in_the_pieces_fetched_ones_do() {
+    async fn inputs_read_on_demand_or_fed_come_in_the_pieces_fetched_ones_do() {
         let schema = Arc::new(Schema::new(vec![Field::new("id", DataType::Int64, false)]));
         let block = |i: i64| {
             let ids = Int64Array::from_iter_values(i * 700..(i + 1) * 700);
@@ -616,8 +659,14 @@ mod tests {
         inputs.extend((1..5).map(|i| TaskInput::Fetch(ticket(&format!("k{i}")))));
         let request = TaskRequest {
             target_rows: 1_000,
-            inputs: Some(inputs),
+            inputs: Some(inputs.clone()),
             ..Default::default()
+        };
+        // Fed: the inline block and k1 at the start, the rest while it runs.
+        let fed_request = TaskRequest {
+            inputs: Some(inputs[..2].to_vec()),
+            fed_sources: vec![0],
+            ..request.clone()
         };
         let plan: Arc<dyn ExecutionPlan> = Arc::new(DataSourceExec::new(Arc::new(
             MemorySourceConfig::try_new(&[vec![block(0)]], Arc::clone(&schema), None).unwrap(),
@@ -630,29 +679,54 @@ mod tests {
             async move { Ok(batch) }.boxed()
         });
         let ready: Vec<RecordBatch> = (1..5).map(block).collect();
+        let (feed, fed) = tokio::sync::mpsc::unbounded_channel();
+        let mut feed = Some(feed);
         let task_ctx = SessionContext::new().task_ctx();
+        let ways = [
+            (&request, FetchedInputs::Ready(ready)),
+            (
+                &request,
+                FetchedInputs::OnDemand(Arc::clone(&fetch), FedSources::new()),
+            ),
+            (
+                &fed_request,
+                FetchedInputs::OnDemand(fetch, FedSources::from([(0, fed)])),
+            ),
+        ];
         let mut runs = vec![];
-        for inputs in [FetchedInputs::Ready(ready), FetchedInputs::OnDemand(fetch)] {
-            let on_demand = matches!(inputs, FetchedInputs::OnDemand(_));
-            let plan = with_inputs(Arc::clone(&plan), &request, inputs).unwrap();
+        for (request, inputs) in ways {
+            let on_demand = matches!(inputs, FetchedInputs::OnDemand(..));
+            let plan = with_inputs(Arc::clone(&plan), request, inputs).unwrap();
             assert_eq!(plan.name() == "StreamingTableExec", on_demand);
             assert!(
                 fetched.lock().unwrap().is_empty(),
                 "fetched before the plan ran"
             );
+            if !request.fed_sources.is_empty() {
+                // Fed after the start: two by ticket, one carried; then the feed ends.
+                let feed = feed.take().unwrap();
+                for i in 2..4 {
+                    let ticket = ticket(&format!("k{i}"));
+                    feed.send(InputBlock::Ticket(ticket)).unwrap();
+                }
+                feed.send(InputBlock::Here(block(4))).unwrap();
+            }
             let batches = collect(plan, Arc::clone(&task_ctx)).await.unwrap();
             let pieces: Vec<Vec<i64>> = batches
                 .iter()
                 .map(|b| b.column(0).as_primitive::<Int64Type>().values().to_vec())
                 .collect();
-            runs.push(pieces);
+            runs.push((pieces, std::mem::take(&mut *fetched.lock().unwrap())));
         }
-        assert_eq!(runs[0], runs[1]);
+        assert_eq!(runs[0].0, runs[1].0);
+        assert_eq!(runs[0].0, runs[2].0);
         assert_eq!(
-            runs[0].iter().map(Vec::len).collect::<Vec<_>>(),
+            runs[0].0.iter().map(Vec::len).collect::<Vec<_>>(),
             vec![1_000, 1_000, 1_000, 500]
         );
-        assert_eq!(runs[0].concat(), (0..3_500).collect::<Vec<i64>>());
-        assert_eq!(*fetched.lock().unwrap(), ["k1", "k2", "k3", "k4"]);
+        assert_eq!(runs[0].0.concat(), (0..3_500).collect::<Vec<i64>>());
+        assert!(runs[0].1.is_empty());
+        assert_eq!(runs[1].1, ["k1", "k2", "k3", "k4"]);
+        assert_eq!(runs[2].1, ["k1", "k2", "k3"]);
     }
 }

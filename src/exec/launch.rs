@@ -358,13 +358,17 @@ impl QueryRun {
     }
 
     /// Whether `op`'s output is a streamed input of its consumer: released as it is read,
-    /// so its queue can be bounded.
+    /// so its queue can be bounded. An input fed to workers is not: its blocks are held
+    /// until the task they were fed to ends, as a barrier's inputs are.
     pub(super) fn feeds_streamed_input(&self, op_id: OperatorId) -> bool {
         self.graph.consumer[op_id].is_some_and(|c| {
+            let consumer = &self.graph.operators[c];
             self.streams_inputs(c)
-                && self.graph.operators[c]
-                    .streamed_producers()
-                    .any(|p| p == op_id)
+                && (consumer.inputs.iter().zip(&consumer.streamed_inputs))
+                    .enumerate()
+                    .any(|(input, (p, streamed))| {
+                        *p == op_id && *streamed && !self.fed_on_workers(c, input)
+                    })
         })
     }
 

@@ -20,7 +20,8 @@
 //!   side is complete, then started from the bound its tasks' key summaries make.
 //! - [`slices`]: a join's hot partition, refused memory, cut into slices of its build side.
 //! - [`remote_tasks`]: tasks run in worker processes, and recovering a dead worker's blocks;
-//!   [`worker_plans`]: the plan a worker runs for one task.
+//!   [`worker_plans`]: the plan a worker runs for one task; [`task_feed`]: a worker's join
+//!   task fed its probe input as its producers make it.
 //! - A task as a value: [`task_spec`] (what a task runs and where, decided once at launch),
 //!   [`task_runner`] (its two runners: in process, on a worker), [`task_sink`] (where its
 //!   blocks go: the store, or back in place of lost ones, with one determinism check).
@@ -48,6 +49,7 @@ pub(crate) mod slices;
 pub(crate) mod state;
 pub(crate) mod streams;
 pub(crate) mod task;
+pub(crate) mod task_feed;
 pub(crate) mod task_kind;
 pub(crate) mod task_runner;
 pub(crate) mod task_sink;

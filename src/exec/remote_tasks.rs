@@ -41,12 +41,13 @@ use crate::cluster::protocol::{INPUT_LOST, InputTicket, TaskInput, TaskRequest};
 use crate::cluster::sent_bounds::{self, HeardBounds, SentBound};
 use crate::cluster::sent_keys::SentKeys;
 use crate::cluster::task_plan::{self, RoundTrip};
-use crate::cluster::worker_handle::RemoteBlock;
+use crate::cluster::worker_handle::{RemoteBlock, TaskFeed};
 use crate::cluster::worker_pool::{PoolSettings, TaskOutput, WorkerPool};
 use crate::cluster::worker_tasks::collect_blocks;
 use crate::exec::cursor::{Cursor, Next, ReadOrder};
 use crate::exec::metrics::OperatorStats;
 use crate::exec::run::QueryRun;
+use crate::exec::task_feed::FedLog;
 use crate::exec::task_kind::{TaskId, TaskKind};
 use crate::exec::task_runner::{OnWorker, TaskRunner};
 use crate::exec::task_sink::StoreSink;
@@ -62,11 +63,13 @@ use crate::plan::stage_input::InputExchange;
 use crate::store::block::{BlockId, HeldBlock};
 use crate::store::cutter::bundle_pieces;
 
-/// A task ready to send: its header, its encoded plan, and the host it would rather run on.
+/// A task ready to send: its header, its encoded plan, the host it would rather run on,
+/// and what it is fed while it runs.
 struct Outgoing<'a> {
     request: &'a TaskRequest,
     plan: &'a [u8],
     prefer: Option<&'a str>,
+    feed: Option<TaskFeed<'a>>,
 }
 
 /// A task as a worker runs it.
@@ -76,6 +79,9 @@ struct WorkerTask {
     inputs: Option<Vec<TaskInput>>,
     /// How many of `inputs` each in-memory source takes ([`TaskRequest::input_sources`]).
     input_sources: Vec<usize>,
+    /// The in-memory sources fed while it runs, each with the stage input that feeds it
+    /// ([`crate::exec::task_feed`]).
+    fed: Vec<(usize, usize)>,
     /// The input blocks it fetches from the workers holding them.
     by_ticket: Vec<(BlockId, Arc<dyn HeldBlock>)>,
     /// Bytes of those.
@@ -94,6 +100,7 @@ impl WorkerTask {
             plan,
             inputs: None,
             input_sources: vec![],
+            fed: vec![],
             by_ticket: vec![],
             bytes_by_ticket: 0,
             bytes_via_driver: 0,
@@ -182,38 +189,54 @@ impl QueryRun {
             .collect::<Result<Vec<_>>>()
             .map_err(|e| OnDriver::NotCut(e.to_string()))?;
         let plan = partition_plan(op, partition, &empty, &self.store_grants())?;
-        let inputs = self
-            .partition_input_blocks(task)
+        let (inputs, _) = self
+            .partition_input_blocks(task, true)
             .ok_or(OnDriver::PerPartition)?;
         Ok((plan, inputs))
     }
 
     /// The blocks per-partition task `task` reads of each of its stage inputs, in the order
-    /// a local task reads them (a slice: its own blocks of the input it cuts); `None` while
-    /// an input is still being produced, or when the task streams an input. Each input
-    /// counts as asked for.
-    fn partition_input_blocks(&self, task: TaskId) -> Option<PartitionInputs> {
+    /// a local task reads them (a slice: its own blocks of the input it cuts), and the
+    /// inputs it is to be fed instead (`feeding`: an input fed to workers that is still
+    /// being produced, [`crate::exec::task_feed`]; its blocks are then left empty). `None`
+    /// while another input is still being produced, or when the task streams an input its
+    /// worker is not fed. Each input counts as asked for.
+    fn partition_input_blocks(
+        &self,
+        task: TaskId,
+        feeding: bool,
+    ) -> Option<(PartitionInputs, Vec<usize>)> {
         let (op_id, partition, kind) = self.task_identity(task);
-        let mut inputs = self.whole_partition_input_blocks(op_id, partition)?;
+        let (mut inputs, fed) = self.whole_partition_input_blocks(op_id, partition, feeding)?;
         if let TaskKind::Slice { input, blocks } = kind {
             *inputs.get_mut(input)? = vec![blocks];
         }
-        Some(inputs)
+        Some((inputs, fed))
     }
 
-    /// The blocks partition `partition` of `op_id` reads of each of its stage inputs, as
-    /// [`Self::partition_input_blocks`] says.
+    /// The blocks partition `partition` of `op_id` reads of each of its stage inputs, and
+    /// those it is fed, as [`Self::partition_input_blocks`] says.
     fn whole_partition_input_blocks(
         &self,
         op_id: OperatorId,
         partition: usize,
-    ) -> Option<PartitionInputs> {
+        feeding: bool,
+    ) -> Option<(PartitionInputs, Vec<usize>)> {
         let op = &self.graph.operators[op_id];
         let streams = self.streams_inputs(op_id);
         let mut st = self.state.lock().unwrap();
-        // Asking for an input opens the gate of a streamed one: only once all are complete.
+        // Asking for an input opens the gate of a streamed one: only once all are complete,
+        // but for an input fed as it comes.
+        let fed: Vec<usize> = (op.inputs.iter().enumerate())
+            .filter(|(input, producer)| {
+                feeding && self.fed_on_workers(op_id, *input) && !st.operators[**producer].complete
+            })
+            .map(|(input, _)| input)
+            .collect();
         let ready = (op.inputs.iter().enumerate()).all(|(input, producer)| {
-            st.operators[*producer].complete && !(streams && op.streamed_inputs[input])
+            let fed_to_worker = self.fed_on_workers(op_id, input);
+            (fed.contains(&input) || st.operators[*producer].complete)
+                && !(streams && op.streamed_inputs[input] && !fed_to_worker)
         });
         if !ready {
             return None;
@@ -261,6 +284,11 @@ impl QueryRun {
                 inputs[input] = runs;
                 continue;
             }
+            if fed.contains(&input) {
+                // Its blocks come through the feed.
+                inputs[input] = vec![vec![]];
+                continue;
+            }
             let mut groups = vec![];
             for part in self.partitions_read_apart(op_id, input, read) {
                 let mut cursor = self.input_cursor(op_id, input, part, true);
@@ -276,7 +304,7 @@ impl QueryRun {
             }
             inputs[input] = groups;
         }
-        Some(inputs)
+        Some((inputs, fed))
     }
 
     /// The partitions of stage input `input` of `op_id` read as `read`, each apart: every
@@ -390,15 +418,30 @@ impl QueryRun {
             request.first_block_rows = self.first_block_rows_of(task);
             request.inputs = work.inputs;
             request.input_sources = work.input_sources;
+            let fed_log = Arc::new(std::sync::Mutex::new(FedLog::default()));
+            let make_feed = {
+                let (run, fed, log) = (Arc::clone(self), work.fed.clone(), Arc::clone(&fed_log));
+                move || run.task_feed(task, &fed, Arc::clone(&log))
+            };
+            let feed: Option<TaskFeed<'_>> = match work.fed.is_empty() {
+                true => None,
+                false => {
+                    request.feed = crate::cluster::block_shelf::random_key();
+                    request.fed_sources = work.fed.iter().map(|(source, _)| *source).collect();
+                    Some(&make_feed)
+                }
+            };
             let outgoing = Outgoing {
                 request: &request,
                 plan: &bytes,
                 prefer: work.prefer.as_deref(),
+                feed,
             };
-            match self
+            let ran = self
                 .run_on_pool(pool, op_id, outgoing, describe, on_block, &mut on_bounds)
-                .await
-            {
+                .await;
+            let fed = std::mem::take(&mut *fed_log.lock().unwrap());
+            match ran {
                 Ok((bounds, build_keys)) => {
                     match sent_bounds::received(&bounds, &one_task.made, &self.base_context()) {
                         Ok(made) => self.bounds.add(made),
@@ -408,8 +451,22 @@ impl QueryRun {
                         self.keep_build_keys(task, &sent, describe);
                     }
                     let stats = self.stats(op_id);
-                    OperatorStats::add(&stats.input_bytes_by_ticket, work.bytes_by_ticket);
-                    OperatorStats::add(&stats.input_bytes_via_driver, work.bytes_via_driver);
+                    let by_ticket = work.bytes_by_ticket + fed.bytes_by_ticket;
+                    OperatorStats::add(&stats.input_bytes_by_ticket, by_ticket);
+                    let via_driver = work.bytes_via_driver + fed.bytes_via_driver;
+                    OperatorStats::add(&stats.input_bytes_via_driver, via_driver);
+                    if matches!(
+                        &spec.place,
+                        TaskPlace::Worker {
+                            inputs: Some(_),
+                            ..
+                        }
+                    ) {
+                        // A first run's fed blocks are released when it ends, as the rest.
+                        self.state.lock().unwrap().tasks[task]
+                            .consumed
+                            .extend(fed.ids);
+                    }
                     return Ok(None);
                 }
                 Err(e)
@@ -419,6 +476,7 @@ impl QueryRun {
                     lost_inputs += 1;
                     log::warn!("{describe}: {e}; recomputing the input and retrying");
                     self.inputs_lost(&work.by_ticket, &e.to_string());
+                    self.inputs_lost(&fed.by_ticket, &e.to_string());
                 }
                 Err(e) => return Err(e),
             }
@@ -439,18 +497,24 @@ impl QueryRun {
         let op = &self.graph.operators[op_id];
         let partitioned = matches!(kind, TaskKind::Partition | TaskKind::Slice { .. });
         // Each stage input's blocks, and the order the worker fills their sources in.
-        let (groups, order) = match kind {
-            TaskKind::Blocks { inputs } => (vec![vec![inputs]], vec![0]),
-            TaskKind::Partition | TaskKind::Slice { .. } => match self.partition_input_blocks(task)
-            {
-                Some(groups) => {
-                    let order = inputs_read(&op.fragment, partition);
-                    (groups, order.into_iter().map(|(input, _)| input).collect())
+        let (groups, order, fed_inputs) = match kind {
+            TaskKind::Blocks { inputs } => (vec![vec![inputs]], vec![0], vec![]),
+            TaskKind::Partition | TaskKind::Slice { .. } => {
+                match self.partition_input_blocks(task, true) {
+                    Some((groups, fed)) => {
+                        let order = inputs_read(&op.fragment, partition);
+                        (
+                            groups,
+                            order.into_iter().map(|(input, _)| input).collect(),
+                            fed,
+                        )
+                    }
+                    None => return Ok(Err(OnDriver::PerPartition)),
                 }
-                None => return Ok(Err(OnDriver::PerPartition)),
-            },
+            }
             _ => return Ok(self.task_plan(task).await?.map(WorkerTask::whole)),
         };
+        let mut fed = vec![];
         let (mut by_ticket, mut bytes_by_ticket, mut bytes_via_driver) = (vec![], 0, 0);
         let mut bytes_by_host: HashMap<String, u64> = HashMap::new();
         let mut sources = vec![];
@@ -461,6 +525,10 @@ impl QueryRun {
                 return Ok(Err(OnDriver::NotCut(format!("no stage input {input}"))));
             };
             let schema = self.graph.operators[op.inputs[input]].fragment.schema();
+            if fed_inputs.contains(&input) {
+                // Its one source's blocks all come through the feed.
+                fed.push((counts.len(), input));
+            }
             let mut part_sources = Vec::with_capacity(parts.len());
             for ids in parts {
                 let mut inline = vec![];
@@ -533,6 +601,7 @@ impl QueryRun {
             plan,
             inputs: (!reads_none).then_some(sources),
             input_sources,
+            fed,
             by_ticket,
             bytes_by_ticket,
             bytes_via_driver,
@@ -588,7 +657,7 @@ impl QueryRun {
                 Ok(blocks_plan(op, input))
             }
             TaskKind::Partition | TaskKind::Slice { .. } => {
-                let Some(groups) = self.partition_input_blocks(task) else {
+                let Some((groups, _)) = self.partition_input_blocks(task, false) else {
                     return Ok(Err(OnDriver::PerPartition));
                 };
                 // Each input as the worker's source held it: in pieces of the target size.
@@ -725,6 +794,8 @@ impl QueryRun {
             grants: scanned_files(plan),
             inputs: None,
             input_sources: vec![],
+            feed: String::new(),
+            fed_sources: vec![],
             stores: {
                 let granted = self.store_grants();
                 scanned_stores(plan)
@@ -797,6 +868,7 @@ impl QueryRun {
                 TaskOutput {
                     on_block,
                     on_bounds,
+                    feed: task.feed,
                 },
             )
             .await?;

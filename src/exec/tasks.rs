@@ -20,8 +20,14 @@ impl QueryRun {
             match op.shape {
                 TaskShape::Source => {}
                 TaskShape::Barrier => {
-                    let ready = self.streams_inputs(op.id)
-                        || op.inputs.iter().all(|i| st.operators[*i].complete);
+                    // A task fed its streamed input on a worker starts once the others
+                    // (its build side) are complete.
+                    let fed = |input: usize| self.fed_on_workers(op.id, input);
+                    let ready = match self.streams_inputs(op.id) && !self.fed_inputs(op.id) {
+                        true => true,
+                        false => (op.inputs.iter().enumerate())
+                            .all(|(input, i)| fed(input) || st.operators[*i].complete),
+                    };
                     if ready && !st.operators[op.id].started {
                         for p in 0..op.partitions() {
                             let id = st.tasks.len();
@@ -48,6 +54,18 @@ impl QueryRun {
     /// `flumen.mode = 'batch'` keeps every per-partition operator a barrier.
     pub(super) fn streams_inputs(&self, op: OperatorId) -> bool {
         self.policy.streams_join_inputs() && self.graph.streams_inputs(op)
+    }
+
+    /// Whether stage input `input` of `op` is fed to its tasks on workers as its producers
+    /// make it ([`crate::plan::graph::OperatorGraph::fed_inputs`]): in worker mode, where
+    /// joins stream their probe inputs.
+    pub(super) fn fed_on_workers(&self, op: OperatorId, input: usize) -> bool {
+        self.streams_inputs(op) && self.graph.fed(op, input)
+    }
+
+    /// Whether any stage input of `op` is fed to its tasks on workers.
+    pub(super) fn fed_inputs(&self, op: OperatorId) -> bool {
+        (0..self.graph.operators[op].inputs.len()).any(|input| self.fed_on_workers(op, input))
     }
 
     /// Whether `op` may start: every streamed input it feeds has been asked for.

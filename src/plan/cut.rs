@@ -107,7 +107,13 @@ impl OperatorGraph {
                 consumer[*input] = Some(op.id);
             }
         }
-        let gates = gates(&cutter.operators);
+        let fed_inputs: Vec<Vec<bool>> = match cutter.config.workers {
+            WorkerMode::Process if !cutter.out_of_core => {
+                fed_where_read_as_made(&mut cutter.operators, &consumer)
+            }
+            _ => vec![],
+        };
+        let gates = gates(&cutter.operators, &fed_inputs);
         let root = cutter.operators.last().expect("a root");
         let root_on_workers = cutter.config.workers == WorkerMode::Process
             && !cutter.out_of_core
@@ -133,6 +139,7 @@ impl OperatorGraph {
             batching,
             cpu_bundles,
             root_on_workers,
+            fed_inputs,
             build_bounds,
         })
     }
@@ -498,11 +505,17 @@ impl Cutter<'_> {
         };
         let mut streamed_producers = vec![];
         if shape == TaskShape::Barrier && !self.out_of_core {
-            // With worker processes a join a worker can run is a barrier, as in Spark or
-            // Ballista: its task starts once both sides are complete and runs on a worker,
-            // which fetches both from where they live. (A streamed probe would have to run
-            // where its blocks are announced: the driver.) One the driver runs streams.
-            if self.config.workers != WorkerMode::Process || !cuts_per_partition(&fragment) {
+            // A join streams its probe input: in threads mode its task reads the blocks as
+            // they come; with worker processes a worker's task is fed them by the driver
+            // as they are announced (`fed_on_workers`), and one the driver runs reads them.
+            // (With `flumen.feed_joins_on_workers = false` a join a worker can run is a
+            // barrier, as in Spark or Ballista: its task starts once both sides are complete.)
+            // (`fed_where_read_as_made` keeps a worker's join streaming only where its
+            // own output is read as it comes.)
+            if self.config.workers != WorkerMode::Process
+                || self.config.feed_joins_on_workers
+                || !cuts_per_partition(&fragment)
+            {
                 collect_probe_producers(&fragment, false, &mut streamed_producers);
             }
             // A limit over one input (`LIMIT 10`, a filter with a fetch) streams it too:
@@ -696,6 +709,73 @@ fn collect_probe_producers(
     }
 }
 
+/// Which stage inputs of `op` its tasks are fed on a worker (see
+/// [`OperatorGraph::fed_inputs`]): a CPU per-partition operator a worker can run whose
+/// streamed input is a join's probe side, split or gathered (a merge's sorted partitions
+/// are read whole, each apart, once complete).
+fn fed_on_workers(op: &Operator) -> Vec<bool> {
+    let mut fed = vec![false; op.inputs.len()];
+    if op.shape != TaskShape::Barrier
+        || op.pool != Pool::Cpu
+        || !op.streamed_inputs.iter().any(|s| *s)
+        || !cuts_per_partition(&op.fragment)
+    {
+        return fed;
+    }
+    let mut probes = vec![];
+    collect_probe_producers(&op.fragment, false, &mut probes);
+    for (input, producer) in op.inputs.iter().enumerate() {
+        fed[input] = op.streamed_inputs[input]
+            && probes.contains(producer)
+            && matches!(
+                op.input_exchanges[input],
+                InputExchange::Split(_) | InputExchange::Gather
+            );
+    }
+    fed
+}
+
+/// With worker processes, which stage inputs of each operator are fed to its tasks on
+/// workers ([`OperatorGraph::fed_inputs`]): the probe inputs of a join a worker runs whose
+/// own output is read as it is made (a streamed input of its consumer: a `LIMIT` above it,
+/// a join on the driver, or a join fed in turn), so that the rows flow up the line and a
+/// limit ends the query early. Every other join a worker runs is a barrier again (its probe
+/// inputs not streamed): fed with nothing reading its output early, a join's task gains
+/// nothing and shares the CPU with its probe side's scans, which on one host of 2 cores
+/// cost a three-table join 20-30% (`docs/benchmarks.md`). The root keeps its streams (it
+/// runs in the query's reader). Producers come before consumers, so each operator is
+/// decided after its consumer.
+fn fed_where_read_as_made(
+    operators: &mut [Operator],
+    consumer: &[Option<OperatorId>],
+) -> Vec<Vec<bool>> {
+    let mut fed: Vec<Vec<bool>> = (operators.iter())
+        .map(|op| vec![false; op.inputs.len()])
+        .collect();
+    let root = operators.len().saturating_sub(1);
+    for id in (0..root).rev() {
+        let read_as_made = consumer[id].is_some_and(|c| {
+            let reader = &operators[c];
+            (reader.inputs.iter().zip(&reader.streamed_inputs)).any(|(p, s)| *p == id && *s)
+        });
+        let op = &mut operators[id];
+        if op.shape != TaskShape::Barrier || !cuts_per_partition(&op.fragment) {
+            continue;
+        }
+        let candidates = fed_on_workers(op);
+        let mut probes = vec![];
+        collect_probe_producers(&op.fragment, false, &mut probes);
+        for (input, producer) in op.inputs.iter().enumerate() {
+            if read_as_made && candidates[input] {
+                fed[id][input] = true;
+            } else if probes.contains(producer) {
+                op.streamed_inputs[input] = false;
+            }
+        }
+    }
+    fed
+}
+
 /// For each operator, the producers of the streamed inputs it feeds (see
 /// Whether `root` (a query's root operator) keeps only its first rows (a limit, or a merge
 /// with a fetch, with no node between that emits only at its end) of producers that emit
@@ -720,12 +800,14 @@ fn limit_stops_early(root: &Operator, operators: &[Operator]) -> bool {
     limited(&root.fragment) && root.inputs.iter().all(streaming)
 }
 
-/// [`OperatorGraph::gates`]): every operator upstream of a streamed input waits for it.
-fn gates(operators: &[Operator]) -> Vec<Vec<OperatorId>> {
+/// [`OperatorGraph::gates`]): every operator upstream of a streamed input waits for it,
+/// but for an input fed to workers (`fed`): its producers run beside the join's build side,
+/// as a barrier join's did, and the join's task is fed what they made so far when it starts.
+fn gates(operators: &[Operator], fed: &[Vec<bool>]) -> Vec<Vec<OperatorId>> {
     let mut gates = vec![vec![]; operators.len()];
     for op in operators {
-        for (producer, streamed) in op.inputs.iter().zip(&op.streamed_inputs) {
-            if !streamed {
+        for (input, (producer, streamed)) in op.inputs.iter().zip(&op.streamed_inputs).enumerate() {
+            if !streamed || fed.get(op.id).is_some_and(|fed| fed[input]) {
                 continue;
             }
             let mut stack = vec![*producer];

@@ -270,6 +270,11 @@ pub struct OperatorGraph {
     /// With worker processes: the joins whose probe-side scans wait for their build side
     /// to be complete, and start from the bound its keys make ([`crate::plan::build_bounds`]).
     pub build_bounds: Vec<crate::plan::build_bounds::BuildBound>,
+    /// With worker processes: for each operator, the stage inputs its tasks are *fed* on a
+    /// worker (a join's probe side, read whole partition by partition): a task starts once
+    /// its other inputs are complete, and the driver sends it this input's blocks as its
+    /// producers make them (`crate::exec::task_feed`). Empty in threads mode.
+    pub fed_inputs: Vec<Vec<bool>>,
 }
 
 impl OperatorGraph {
@@ -311,6 +316,15 @@ impl OperatorGraph {
     /// True when `op`'s tasks stream a join's probe input (see [`Operator::streamed_inputs`]).
     pub fn streams_inputs(&self, op: OperatorId) -> bool {
         self.operators[op].streamed_inputs.iter().any(|s| *s)
+    }
+
+    /// Whether `op`'s stage input `input` is fed to its tasks on workers
+    /// ([`Self::fed_inputs`]).
+    pub fn fed(&self, op: OperatorId, input: usize) -> bool {
+        self.fed_inputs
+            .get(op)
+            .and_then(|fed| fed.get(input))
+            .is_some_and(|f| *f)
     }
 }
 

@@ -227,6 +227,8 @@ fn request(query: &str, grants: Vec<String>) -> TaskRequest {
         input_sources: vec![],
         stores: vec![],
         build_keys: vec![],
+        feed: String::new(),
+        fed_sources: vec![],
     }
 }
 
@@ -543,6 +545,43 @@ async fn a_hostile_client_is_refused_and_the_worker_stays_up() {
     .await
     .unwrap();
     assert_eq!(batches.iter().map(|b| b.num_rows()).sum::<usize>(), 2);
+
+    // Feeds: only with the secret, well framed, and only to a running task of the same
+    // query and feed (none runs now: nothing is taken).
+    let feed = |query: &str| {
+        let request = flumen::cluster::protocol::FeedRequest {
+            query: query.into(),
+            feed: "f".into(),
+            source: 0,
+            inputs: vec![ticket_to(&address, &key)],
+            end: true,
+        };
+        flumen::cluster::protocol::encode_feed(&request, &[]).unwrap()
+    };
+    let r = action(&address, None, "feed", feed("query-a")).await;
+    refused(
+        &mut table,
+        "feed without secret",
+        r,
+        Code::Unauthenticated,
+        "no credential",
+    );
+    let r = action(
+        &address,
+        Some(&good),
+        "feed",
+        b"\x10\x00\x00\x00{}".to_vec(),
+    )
+    .await;
+    refused(&mut table, "garbage feed", r, Code::InvalidArgument, "feed");
+    let taken = action(&address, Some(&good), "feed", feed("query-b"))
+        .await
+        .unwrap();
+    assert_eq!(
+        taken, b"false",
+        "a feed no running task opened is not taken"
+    );
+    table.push(("a feed of no running task".into(), "not taken".into()));
 
     // Raw bytes on the port: the connection is dropped, the worker lives on.
     let mut raw = std::net::TcpStream::connect(&address).unwrap();
