@@ -1518,3 +1518,41 @@ async fn killed_holding_the_output_of(operator: &'static str, node: &str, sql: &
     assert!(killed.lock().unwrap().is_some(), "no worker was killed");
     common::assert_recovered_on_workers(&plan, node);
 }
+
+/// A join under a limit runs on a worker fed its probe side (`exec::task_feed`); a worker
+/// SIGKILLed while it runs loses the blocks it held (probe blocks already fed by ticket, or
+/// the join's own task, which starts again on the other worker with its feed from the
+/// first block): every row of the join still comes once, as vanilla's.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_worker_killed_under_a_fed_join_leaves_the_answer_whole() {
+    let (dir, v) = events_with_vanilla(3, 20_000).await;
+    let sql = "SELECT e.id, e.v, d.name FROM events e JOIN dim d ON e.k = d.k LIMIT 100000000";
+    for n in [3, 12] {
+        let (dropper, killed) = signal_at_block(n, libc::SIGKILL, None);
+        let f = session(process_config(2), Some(dropper));
+        for setting in [
+            "SET flumen.split_bytes = '64KB'",
+            "SET flumen.target_block_rows = 2000",
+            "SET datafusion.optimizer.hash_join_single_partition_threshold = 0",
+            "SET datafusion.optimizer.hash_join_single_partition_threshold_rows = 0",
+        ] {
+            f.sql(setting).await.unwrap();
+        }
+        register_tables(&f, dir.path()).await;
+        let expected = rows(&common::collect(&v, sql).await, false);
+        let (got, plan) = run_plan(&f, sql).await;
+        assert_eq!(expected, rows(&got, false), "{sql} (kill at block {n})");
+        let graph = plan.downcast_ref::<FlumenExec>().unwrap().graph();
+        assert!(
+            graph.fed_inputs.iter().flatten().any(|fed| *fed),
+            "{sql}: no join is fed"
+        );
+        assert!(killed.lock().unwrap().pid.is_some(), "no worker was killed");
+        let metrics = plan.downcast_ref::<FlumenExec>().unwrap().run_metrics();
+        let lost: u64 = (graph.operators.iter())
+            .map(|op| metrics.operator(op.id).snapshot().blocks_lost)
+            .sum();
+        eprintln!("{sql} (kill at block {n}): {lost} blocks lost");
+        assert!(lost > 0, "the kill cost no block");
+    }
+}
