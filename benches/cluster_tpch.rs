@@ -6,7 +6,7 @@
 //! ```text
 //! cargo bench --bench cluster_tpch -- [--sf 1] [--hosts 1,2,3] [--cores 0.5] [--slots 2]
 //!     [--partitions 6] [--queries 3,5] [--runs 1] [--no-peer] [--kill-query 9]
-//!     [--tasks-query] [--check] [--no-build-key-bounds]
+//!     [--tasks-query] [--check] [--no-build-key-bounds] [--feed-joins true|all|false]
 //! ```
 //!
 //! Data: the TPC-H tables as one Parquet file each under `target/tpch-sf<SF>/` (shared by
@@ -150,6 +150,14 @@ fn cluster_session(cluster_file: &Path, partitions: usize) -> SessionContext {
     // `--no-build-key-bounds`: joins' probe scans start from no bound of their build keys
     // (`flumen.build_key_bounds = false`), the baseline of those bounds.
     config.build_key_bounds = !std::env::args().any(|a| a == "--no-build-key-bounds");
+    // `--feed-joins all`: every join a worker runs is fed its probe side as it is made
+    // (`flumen.feed_joins_on_workers`); `false`: every one a barrier.
+    let args: Vec<String> = std::env::args().collect();
+    if let Some(value) =
+        (args.iter().position(|a| a == "--feed-joins")).and_then(|i| args.get(i + 1))
+    {
+        config.feed_joins_on_workers = value.parse().expect("--feed-joins true|all|false");
+    }
     let session = SessionConfig::new().with_target_partitions(partitions);
     flumen::session_with_config(
         flumen::flumen_session_config(session, config.clone()),

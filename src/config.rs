@@ -205,6 +205,47 @@ impl fmt::Display for PreprocessOnCpu {
 
 config_field!(PreprocessOnCpu);
 
+/// Which joins a worker runs are fed their probe side as it is made
+/// (`flumen.feed_joins_on_workers`, see [`crate::plan::graph::OperatorGraph::fed_inputs`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum FeedJoins {
+    /// Those whose own output is read as it is made (a `LIMIT` above them, a join on the
+    /// driver, a join fed in turn); the others wait for both sides (barriers).
+    #[default]
+    ReadAsMade,
+    /// Every join a worker runs.
+    All,
+    /// None: every join a worker runs is a barrier.
+    Off,
+}
+
+impl FromStr for FeedJoins {
+    type Err = DataFusionError;
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        match s.trim().to_ascii_lowercase().as_str() {
+            "true" | "on" | "read_as_made" => Ok(Self::ReadAsMade),
+            "all" => Ok(Self::All),
+            "false" | "off" => Ok(Self::Off),
+            other => Err(DataFusionError::Configuration(format!(
+                "flumen.feed_joins_on_workers must be 'true' (joins read as they are made), \
+                 'all' or 'false', got '{other}'"
+            ))),
+        }
+    }
+}
+
+impl fmt::Display for FeedJoins {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self {
+            Self::ReadAsMade => "true",
+            Self::All => "all",
+            Self::Off => "false",
+        })
+    }
+}
+
+config_field!(FeedJoins);
+
 /// A number of bytes, written as `1073741824`, `512MB`, `2GB` or `1.5GiB`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
 pub struct ByteSize(pub u64);
@@ -483,11 +524,12 @@ flumen_settings! {
         /// bound they make: they prune row groups by it and, under a grouped aggregate,
         /// drop the rows it rejects. `false`: only an empty build side rules them out.
         pub build_key_bounds: bool, default = true
-        /// With worker processes, whether a hash join's task on a worker starts once its
-        /// build side is complete and is fed its probe side's blocks as they are made (it
-        /// then streams, and a `LIMIT` above it ends the query early). `false`: the task
-        /// starts once both sides are complete (a barrier, as in Spark or Ballista).
-        pub feed_joins_on_workers: bool, default = true
+        /// With worker processes, which joins a worker runs start once their build side is
+        /// complete and are fed their probe side's blocks as they are made: `true`, those
+        /// whose own output is read as it is made (a `LIMIT` above them then ends the query
+        /// early); `all`, every one; `false`, none. A join not fed starts once both sides
+        /// are complete (a barrier, as in Spark or Ballista).
+        pub feed_joins_on_workers: FeedJoins, default = FeedJoins::ReadAsMade
         /// Rows of a run's first blocks, in plans with a model UDF: the first splits of each
         /// source partition (one per CPU slot) read batches of this many rows and cut blocks
         /// of this many, then twice as many each time up to `model_piece_rows` (the rest of
@@ -795,6 +837,20 @@ mod tests {
         );
         let err = "maybe".parse::<PreprocessOnCpu>().unwrap_err().to_string();
         assert!(err.contains("flumen.preprocess_on_cpu"), "{err}");
+    }
+
+    #[test]
+    fn feed_joins_settings_parse_and_print_back() {
+        for (text, value) in [
+            ("true", FeedJoins::ReadAsMade),
+            ("ALL", FeedJoins::All),
+            ("false", FeedJoins::Off),
+        ] {
+            assert_eq!(text.parse::<FeedJoins>().unwrap(), value);
+            assert_eq!(value.to_string().parse::<FeedJoins>().unwrap(), value);
+        }
+        let err = "some".parse::<FeedJoins>().unwrap_err().to_string();
+        assert!(err.contains("flumen.feed_joins_on_workers"), "{err}");
     }
 
     #[test]

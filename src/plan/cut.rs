@@ -41,7 +41,7 @@ use datafusion::physical_plan::{
     replace_children_if_necessary,
 };
 
-use crate::config::{FlumenConfig, WorkerMode};
+use crate::config::{FeedJoins, FlumenConfig, WorkerMode};
 use crate::functions::accelerator::calls_accelerator_udf;
 use crate::plan::accelerator_projection::AcceleratorProjectionExec;
 use crate::plan::concat_partitions::ConcatPartitionsExec;
@@ -109,7 +109,8 @@ impl OperatorGraph {
         }
         let fed_inputs: Vec<Vec<bool>> = match cutter.config.workers {
             WorkerMode::Process if !cutter.out_of_core => {
-                fed_where_read_as_made(&mut cutter.operators, &consumer)
+                let all = cutter.config.feed_joins_on_workers == FeedJoins::All;
+                fed_where_read_as_made(&mut cutter.operators, &consumer, all)
             }
             _ => vec![],
         };
@@ -513,7 +514,7 @@ impl Cutter<'_> {
             // (`fed_where_read_as_made` keeps a worker's join streaming only where its
             // own output is read as it comes.)
             if self.config.workers != WorkerMode::Process
-                || self.config.feed_joins_on_workers
+                || self.config.feed_joins_on_workers != FeedJoins::Off
                 || !cuts_per_partition(&fragment)
             {
                 collect_probe_producers(&fragment, false, &mut streamed_producers);
@@ -744,10 +745,12 @@ fn fed_on_workers(op: &Operator) -> Vec<bool> {
 /// nothing and shares the CPU with its probe side's scans, which on one host of 2 cores
 /// cost a three-table join 20-30% (`docs/benchmarks.md`). The root keeps its streams (it
 /// runs in the query's reader). Producers come before consumers, so each operator is
-/// decided after its consumer.
+/// decided after its consumer. `all` (`flumen.feed_joins_on_workers = 'all'`): every join
+/// a worker runs is fed.
 fn fed_where_read_as_made(
     operators: &mut [Operator],
     consumer: &[Option<OperatorId>],
+    all: bool,
 ) -> Vec<Vec<bool>> {
     let mut fed: Vec<Vec<bool>> = (operators.iter())
         .map(|op| vec![false; op.inputs.len()])
@@ -766,7 +769,7 @@ fn fed_where_read_as_made(
         let mut probes = vec![];
         collect_probe_producers(&op.fragment, false, &mut probes);
         for (input, producer) in op.inputs.iter().enumerate() {
-            if read_as_made && candidates[input] {
+            if (read_as_made || all) && candidates[input] {
                 fed[id][input] = true;
             } else if probes.contains(producer) {
                 op.streamed_inputs[input] = false;
