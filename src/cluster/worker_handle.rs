@@ -327,20 +327,17 @@ impl WorkerHandle {
             // feed is open the task may wait on its producers, so the deadline waits too.
             let mut feeding = feed.map(|make| Box::pin(self.send_feed(request, make())));
             loop {
-                let next = match feeding.as_mut() {
+                let event = match feeding.as_mut() {
                     Some(sending) => tokio::select! {
-                        sent = sending => Err(sent),
-                        event = events.next() => Ok(event),
+                        sent = sending => {
+                            // The feed is over (its end sent, or the task took no more).
+                            sent?;
+                            feeding = None;
+                            continue;
+                        }
+                        event = events.next() => event,
                     },
-                    None => Ok(within(deadline, events.next(), stuck).await?),
-                };
-                let event = match next {
-                    Ok(event) => event,
-                    Err(sent) => {
-                        sent?;
-                        feeding = None;
-                        continue;
-                    }
+                    None => within(deadline, events.next(), stuck).await?,
                 };
                 let Some(event) = event else {
                     return Err(Failure::Garbage(
