@@ -580,6 +580,7 @@ fn report(args: &Args, by_hosts: &BTreeMap<usize, HostRuns>) {
             verdict::goal(&format!("speedup on {n} hosts ≥ 0.8·N"), mean >= goal)
         );
     }
+    report_cpu_use(args, by_hosts);
     let cpu_share = driver_cpu / workers_cpu.max(1e-9);
     println!(
         "driver CPU on {most} hosts: {driver_cpu:.2} s against the workers' {workers_cpu:.2} s \
@@ -601,6 +602,36 @@ fn report(args: &Args, by_hosts: &BTreeMap<usize, HostRuns>) {
     );
     if args.peer {
         report_peer(args, by_hosts);
+    }
+}
+
+/// Print, per host count, the workers' CPU seconds over the queries every count answered,
+/// and the share of their quota (hosts × cores × wall time) it used: a speedup short of N
+/// is either more work (CPU grew with the hosts: exchanges over the network) or idle
+/// quota (waves of tasks waiting on their slowest one).
+fn report_cpu_use(args: &Args, by_hosts: &BTreeMap<usize, HostRuns>) {
+    let answered = |q: &usize| by_hosts.values().all(|r| matches!(r.flumen.get(q), Some(Ok(_))));
+    let queries: Vec<usize> = args.queries.iter().copied().filter(answered).collect();
+    let one = *by_hosts.keys().next().unwrap();
+    let mut base_cpu = None;
+    for (&n, runs) in by_hosts {
+        let (mut cpu, mut wall) = (0.0, 0.0);
+        for q in &queries {
+            if let Some(Ok(run)) = runs.flumen.get(q) {
+                cpu += run.workers_cpu;
+                wall += run.seconds;
+            }
+        }
+        let quota = n as f64 * args.cores * wall;
+        let base = *base_cpu.get_or_insert(cpu);
+        println!(
+            "workers' CPU on {n} host(s): {cpu:.2} s ({:.2}x {one} host's), {:.0}% of their \
+             quota ({n} × {} CPU × {wall:.2} s) over {} queries",
+            cpu / f64::max(base, 1e-9),
+            100.0 * cpu / quota.max(1e-9),
+            args.cores,
+            queries.len()
+        );
     }
 }
 
