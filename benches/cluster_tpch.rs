@@ -74,6 +74,12 @@ struct Args {
     peer: bool,
     /// The query run again on the most hosts with one host killed mid-query.
     kill_query: usize,
+    /// `--exchange-compression lz4|zstd`: flumen's queries run again on each cluster with
+    /// `flumen.exchange_compression` at this value, against the runs without it.
+    compression: Option<String>,
+    /// `--rate R` (a `tc` rate: `1gbit`, `500mbit`): every host's link, the driver's too,
+    /// sends at most this much.
+    rate: Option<String>,
 }
 
 fn parse_args() -> Args {
@@ -95,6 +101,8 @@ fn parse_args() -> Args {
         tasks_query: argv.iter().any(|a| a == "--tasks-query"),
         peer: !argv.iter().any(|a| a == "--no-peer"),
         kill_query: value("--kill-query").map_or(9, |v| v.parse().expect("--kill-query N")),
+        compression: value("--exchange-compression"),
+        rate: value("--rate"),
     }
 }
 
@@ -109,6 +117,8 @@ struct QueryRun {
     fetched_by_driver: u64,
     /// Bytes of the answer, measured alike.
     result_bytes: u64,
+    /// Bytes every host (the driver too) sent out of its link during the query.
+    wire_bytes: u64,
     /// Tasks of every operator, and of those in worker processes.
     tasks: u64,
     remote_tasks: u64,
@@ -122,6 +132,11 @@ struct QueryRun {
 fn cluster(hosts: usize, args: &Args) -> Result<(TestNet, PathBuf), String> {
     let mut net = TestNet::new(hosts)?;
     net.limit_cpu(args.cores)?;
+    if let Some(rate) = &args.rate {
+        for host in &net.hosts {
+            net.limit_bandwidth(&host.name, rate);
+        }
+    }
     let mut addresses = vec![];
     for i in 1..=hosts {
         let host = format!("h{i}");
@@ -140,6 +155,11 @@ fn cpu_now(net: &TestNet) -> (f64, f64) {
         .map(|h| net.cpu_seconds(&h.name).unwrap_or(0.0))
         .sum();
     (driver, workers)
+}
+
+/// Bytes every host of `net` (the driver too) has sent out of its link so far.
+fn sent_now(net: &TestNet) -> u64 {
+    net.hosts.iter().map(|h| net.tx_bytes(&h.name)).sum()
 }
 
 /// A flumen session in worker mode on the cluster in `cluster_file`.
@@ -172,6 +192,7 @@ async fn run_query(
     statements: &[String],
 ) -> datafusion::error::Result<QueryRun> {
     let (driver_before, workers_before) = cpu_now(net);
+    let sent_before = sent_now(net);
     let started = Instant::now();
     let mut out = QueryRun::default();
     for sql in statements {
@@ -198,6 +219,7 @@ async fn run_query(
     let (driver_after, workers_after) = cpu_now(net);
     out.driver_cpu = driver_after - driver_before;
     out.workers_cpu = workers_after - workers_before;
+    out.wire_bytes = sent_now(net) - sent_before;
     out.result_bytes = out.answer.iter().map(flumen::store::rows_bytes).sum();
     Ok(out)
 }
@@ -210,6 +232,8 @@ type Runs = BTreeMap<usize, Result<QueryRun, String>>;
 struct HostRuns {
     flumen: Runs,
     peer: Runs,
+    /// flumen's runs with `--exchange-compression` (empty without it).
+    compressed: Runs,
 }
 
 /// Port of each host's peer worker.
@@ -278,6 +302,13 @@ fn run_on(hosts: usize, args: &Args, data: &Path) -> Result<HostRuns, String> {
             let ctx = cluster_session(&file, args.partitions);
             ready(&ctx, &data).await;
             out.flumen = run_queries(&ctx, &in_net, &args).await;
+            if let Some(compression) = &args.compression {
+                let set = format!("SET flumen.exchange_compression = '{compression}'");
+                ctx.sql(&set).await.unwrap().collect().await.unwrap();
+                out.compressed = run_queries(&ctx, &in_net, &args).await;
+                let unset = "SET flumen.exchange_compression = 'none'";
+                ctx.sql(unset).await.unwrap().collect().await.unwrap();
+            }
             if let Some(addresses) = peer {
                 let ctx = peer_distributed::coordinator(&addresses, args.partitions);
                 tpch_tables::register(&ctx, &data).await.unwrap();
@@ -415,6 +446,11 @@ fn main() {
                 for (q, run) in &runs.flumen {
                     if let Some(why) = wrong(*q, &vanilla[q], run) {
                         verdict::fail(format!("flumen q{q} on {hosts} hosts: {why}"));
+                    }
+                }
+                for (q, run) in &runs.compressed {
+                    if let Some(why) = wrong(*q, &vanilla[q], run) {
+                        verdict::fail(format!("flumen q{q} on {hosts} hosts, compressed: {why}"));
                     }
                 }
                 for (q, run) in &runs.peer {
@@ -581,6 +617,9 @@ fn report(args: &Args, by_hosts: &BTreeMap<usize, HostRuns>) {
         );
     }
     report_cpu_use(args, by_hosts);
+    if let Some(compression) = &args.compression {
+        report_compression(args, compression, by_hosts);
+    }
     let cpu_share = driver_cpu / workers_cpu.max(1e-9);
     println!(
         "driver CPU on {most} hosts: {driver_cpu:.2} s against the workers' {workers_cpu:.2} s \
@@ -610,7 +649,11 @@ fn report(args: &Args, by_hosts: &BTreeMap<usize, HostRuns>) {
 /// is either more work (CPU grew with the hosts: exchanges over the network) or idle
 /// quota (waves of tasks waiting on their slowest one).
 fn report_cpu_use(args: &Args, by_hosts: &BTreeMap<usize, HostRuns>) {
-    let answered = |q: &usize| by_hosts.values().all(|r| matches!(r.flumen.get(q), Some(Ok(_))));
+    let answered = |q: &usize| {
+        by_hosts
+            .values()
+            .all(|r| matches!(r.flumen.get(q), Some(Ok(_))))
+    };
     let queries: Vec<usize> = args.queries.iter().copied().filter(answered).collect();
     let one = *by_hosts.keys().next().unwrap();
     let mut base_cpu = None;
@@ -631,6 +674,44 @@ fn report_cpu_use(args: &Args, by_hosts: &BTreeMap<usize, HostRuns>) {
             100.0 * cpu / quota.max(1e-9),
             args.cores,
             queries.len()
+        );
+    }
+}
+
+/// Print, per host count, flumen's time, bytes on the wire and workers' CPU with blocks
+/// sent compressed against the same queries sent as they are, on the same cluster.
+fn report_compression(args: &Args, compression: &str, by_hosts: &BTreeMap<usize, HostRuns>) {
+    println!(
+        "exchange compression {compression} against none{}: per host count, geomean time \
+         ratio, bytes the hosts sent, workers' CPU",
+        args.rate
+            .as_ref()
+            .map(|r| format!(", links at {r}"))
+            .unwrap_or_default()
+    );
+    for (n, runs) in by_hosts {
+        let (mut ratios, mut wire, mut cpu) = (vec![], [0u64; 2], [0.0f64; 2]);
+        for q in &args.queries {
+            if let (Some(Ok(plain)), Some(Ok(packed))) =
+                (runs.flumen.get(q), runs.compressed.get(q))
+            {
+                ratios.push(packed.seconds / plain.seconds);
+                wire[0] += plain.wire_bytes;
+                wire[1] += packed.wire_bytes;
+                cpu[0] += plain.workers_cpu;
+                cpu[1] += packed.workers_cpu;
+            }
+        }
+        println!(
+            "{n} host(s): {compression}/none time {:.2} over {} queries; sent {:.1} MB against \
+             {:.1} MB ({:.2}x); workers' CPU {:.2} s against {:.2} s",
+            geomean(&ratios),
+            ratios.len(),
+            wire[1] as f64 / 1e6,
+            wire[0] as f64 / 1e6,
+            wire[1] as f64 / (wire[0] as f64).max(1.0),
+            cpu[1],
+            cpu[0]
         );
     }
 }

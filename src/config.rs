@@ -246,6 +246,58 @@ impl fmt::Display for FeedJoins {
 
 config_field!(FeedJoins);
 
+/// How a worker compresses the blocks it sends over the network to another worker or the
+/// driver (`flumen.exchange_compression`): Arrow IPC's own buffer compression, which
+/// every reader decodes. A worker reading a block it holds itself never encodes it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum ExchangeCompression {
+    /// Sent as they are.
+    #[default]
+    None,
+    /// LZ4 frames: cheap to make and to read.
+    Lz4,
+    /// Zstandard: fewer bytes, more CPU.
+    Zstd,
+}
+
+impl ExchangeCompression {
+    /// Arrow IPC's compression of this choice; `None` for none.
+    pub fn ipc(self) -> Option<datafusion::arrow::ipc::CompressionType> {
+        use datafusion::arrow::ipc::CompressionType;
+        match self {
+            Self::None => None,
+            Self::Lz4 => Some(CompressionType::LZ4_FRAME),
+            Self::Zstd => Some(CompressionType::ZSTD),
+        }
+    }
+}
+
+impl FromStr for ExchangeCompression {
+    type Err = DataFusionError;
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        match s.trim().to_ascii_lowercase().as_str() {
+            "none" | "" | "false" | "off" => Ok(Self::None),
+            "lz4" => Ok(Self::Lz4),
+            "zstd" => Ok(Self::Zstd),
+            other => Err(DataFusionError::Configuration(format!(
+                "flumen.exchange_compression must be 'none', 'lz4' or 'zstd', got '{other}'"
+            ))),
+        }
+    }
+}
+
+impl fmt::Display for ExchangeCompression {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self {
+            Self::None => "none",
+            Self::Lz4 => "lz4",
+            Self::Zstd => "zstd",
+        })
+    }
+}
+
+config_field!(ExchangeCompression);
+
 /// A number of bytes, written as `1073741824`, `512MB`, `2GB` or `1.5GiB`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
 pub struct ByteSize(pub u64);
@@ -530,6 +582,12 @@ flumen_settings! {
         /// early); `all`, every one; `false`, none. A join not fed starts once both sides
         /// are complete (a barrier, as in Spark or Ballista).
         pub feed_joins_on_workers: FeedJoins, default = FeedJoins::ReadAsMade
+        /// With worker processes, how a worker compresses the blocks it sends to another
+        /// worker or to the driver: `none`, `lz4` or `zstd` (Arrow IPC buffer compression).
+        /// Fewer bytes on the network for more CPU on both ends: worth it where the links,
+        /// not the CPUs, are what a query waits on. A block read on the worker that holds
+        /// it is never encoded.
+        pub exchange_compression: ExchangeCompression, default = ExchangeCompression::None
         /// Rows of a run's first blocks, in plans with a model UDF: the first splits of each
         /// source partition (one per CPU slot) read batches of this many rows and cut blocks
         /// of this many, then twice as many each time up to `model_piece_rows` (the rest of
@@ -851,6 +909,27 @@ mod tests {
         }
         let err = "some".parse::<FeedJoins>().unwrap_err().to_string();
         assert!(err.contains("flumen.feed_joins_on_workers"), "{err}");
+    }
+
+    #[test]
+    fn exchange_compression_settings_parse_and_print_back() {
+        for (text, value) in [
+            ("none", ExchangeCompression::None),
+            ("LZ4", ExchangeCompression::Lz4),
+            ("zstd", ExchangeCompression::Zstd),
+        ] {
+            assert_eq!(text.parse::<ExchangeCompression>().unwrap(), value);
+            assert_eq!(
+                value.to_string().parse::<ExchangeCompression>().unwrap(),
+                value
+            );
+        }
+        assert_eq!(ExchangeCompression::None.ipc(), None);
+        let err = "gzip"
+            .parse::<ExchangeCompression>()
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("flumen.exchange_compression"), "{err}");
     }
 
     #[test]

@@ -69,6 +69,8 @@ pub const WORKER_OPTIONS: &[&str] = &[
     "flumen.embed_passes_in_flight",
     "flumen.target_block_rows",
     "flumen.memory_budget",
+    // How the task's worker asks its peers to send the blocks it fetches.
+    "flumen.exchange_compression",
     // Where the worker reads and writes the model-output cache (a driver holds the
     // cluster secret: as trusted as the operator).
     "flumen.model_cache",

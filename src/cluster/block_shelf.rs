@@ -398,6 +398,7 @@ mod tests {
             query: query.into(),
             key: key.into(),
             keep,
+            compression: String::new(),
         }
     }
 

@@ -4,6 +4,7 @@
 
 use serde::{Deserialize, Serialize};
 
+use crate::config::ExchangeCompression;
 use crate::plan::graph::Pool;
 
 /// What a driver asks of a worker with a task, besides the plan.
@@ -125,6 +126,27 @@ pub struct BlockTicket {
     /// the driver releases it once the task is done); otherwise the worker drops it.
     #[serde(default)]
     pub keep: bool,
+    /// How the worker compresses the block it sends (`flumen.exchange_compression`:
+    /// `lz4`, `zstd`; empty: not at all).
+    #[serde(default, skip_serializing_if = "String::is_empty")]
+    pub compression: String,
+}
+
+/// The `flumen.exchange_compression` of a task's `options` (a worker fetching the task's
+/// inputs asks for it); none when the driver sent none or one this worker cannot read.
+pub fn exchange_compression(options: &[(String, String)]) -> ExchangeCompression {
+    (options.iter())
+        .find(|(key, _)| key == "flumen.exchange_compression")
+        .and_then(|(_, value)| value.parse().ok())
+        .unwrap_or_default()
+}
+
+/// `compression` as a [`BlockTicket::compression`].
+pub fn ticket_compression(compression: ExchangeCompression) -> String {
+    match compression {
+        ExchangeCompression::None => String::new(),
+        other => other.to_string(),
+    }
 }
 
 /// What action `release` takes: blocks of `query` to drop (all of its blocks when `keys` is

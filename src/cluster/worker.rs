@@ -57,7 +57,7 @@ use crate::cluster::block_shelf::BlockShelf;
 use crate::cluster::protocol::{
     BlockTicket, DeviceInfo, DriverHello, INPUT_LOST, InputTicket, MAX_TASK_BYTES, PROGRESS_EVERY,
     PROTOCOL_VERSION, ReleaseRequest, RemoteBlockInfo, TaskEvent, TaskInput, WorkerStatus,
-    decode_task,
+    decode_task, exchange_compression, ticket_compression,
 };
 use crate::cluster::task_output::Produced;
 use crate::cluster::tls::{TlsIdentity, WorkerTrust, require_tls_off_loopback};
@@ -66,6 +66,7 @@ use crate::cluster::worker_memory::TaskMemory;
 use crate::cluster::worker_tasks::{
     FetchBlock, FetchedInputs, ModelJob, PANICKED, run_task, start_model_thread,
 };
+use crate::config::ExchangeCompression;
 use crate::io::flight_data::{Dictionaries, flight_data};
 use crate::plan::graph::Pool;
 
@@ -302,6 +303,7 @@ impl WorkerService {
             own: Arc::clone(&self.shelf),
             reads: Arc::clone(&self.input_reads),
             query: request.query.clone(),
+            compression: ticket_compression(exchange_compression(&request.options)),
         };
         let (out, produced) = tokio::sync::mpsc::unbounded_channel();
         let mut feed = None;
@@ -704,6 +706,8 @@ struct InputFetcher {
     own: Arc<BlockShelf>,
     reads: Arc<InputReads>,
     query: String,
+    /// How its peers are asked to send the blocks ([`BlockTicket::compression`]).
+    compression: String,
 }
 
 impl InputFetcher {
@@ -719,6 +723,7 @@ impl InputFetcher {
             query: self.query.clone(),
             key: ticket.key.clone(),
             keep: true,
+            compression: self.compression.clone(),
         };
         if let Some(block) = self.own.take(&wanted).map_err(|e| lost(e.to_string()))? {
             self.reads.held_here.fetch_add(1, Ordering::Relaxed);
@@ -826,6 +831,13 @@ impl FlightService for WorkerService {
         self.touch();
         let ticket: BlockTicket = serde_json::from_slice(&request.into_inner().ticket)
             .map_err(|e| Status::invalid_argument(format!("bad block ticket: {e}")))?;
+        // Refused before the block is taken: a ticket this worker cannot serve leaves it.
+        let compression = match ticket.compression.as_str() {
+            "" => None,
+            named => (named.parse::<ExchangeCompression>())
+                .map_err(|e| Status::invalid_argument(e.to_string()))?
+                .ipc(),
+        };
         // Only the query that owns a block may take it. A spilled block is read from disk:
         // off the threads that serve calls, which must stay free to answer the driver's
         // heartbeat however many reads wait on a busy disk.
@@ -846,8 +858,14 @@ impl FlightService for WorkerService {
         // Dictionary columns stay dictionaries and every type stays as it is: a block is the
         // same batch wherever it is read (hydrated, a `Dictionary(Int32, Utf8)` column came
         // back as `Utf8`; through arrow-flight's encoder a `LargeList` came back as garbage).
-        let stream = flight_data(schema, input, Dictionaries::Keep, MAX_FLIGHT_DATA_BYTES)
-            .map_err(|e| Status::internal(e.to_string()));
+        let sent = flight_data(
+            schema,
+            input,
+            Dictionaries::Keep,
+            MAX_FLIGHT_DATA_BYTES,
+            compression,
+        );
+        let stream = sent.map_err(|e| Status::internal(e.to_string()));
         Ok(Response::new(stream.boxed()))
     }
 

@@ -30,6 +30,8 @@ pub struct RemoteBlock {
     pub info: RemoteBlockInfo,
     /// The query that owns it (its ticket names it).
     pub query: String,
+    /// How its worker is asked to send it ([`BlockTicket::compression`]).
+    pub compression: String,
 }
 
 /// Blocks a driver feeds one in-memory source of a running task at once
@@ -399,11 +401,17 @@ impl WorkerHandle {
     }
 
     /// Fetch (and thereby remove) a block of query `query`.
-    async fn fetch(&self, query: &str, key: &str) -> Result<RecordBatch, Failure> {
+    async fn fetch(
+        &self,
+        query: &str,
+        key: &str,
+        compression: &str,
+    ) -> Result<RecordBatch, Failure> {
         let ticket = BlockTicket {
             query: query.into(),
             key: key.into(),
             keep: false,
+            compression: compression.into(),
         };
         self.call(get_block(&self.client, ticket)).await
     }
@@ -541,7 +549,7 @@ impl HeldBlock for RemoteBlock {
             return Ok(None);
         }
         match (self.worker)
-            .fetch(&self.query, &self.info.key)
+            .fetch(&self.query, &self.info.key, &self.compression)
             .await
             .map_err(|f| self.worker.classify(f))
         {
@@ -611,6 +619,7 @@ mod tests {
                 digest: None,
             },
             query: "q".into(),
+            compression: String::new(),
         };
         (worker, block)
     }

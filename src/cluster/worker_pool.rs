@@ -33,7 +33,7 @@ use crate::cluster::auth::Secret;
 use crate::cluster::membership::{ClusterSettings, DISCOVER_EVERY, host_of};
 use crate::cluster::on_driver::DriverTasks;
 use crate::cluster::plan_metrics::TaskFigures;
-use crate::cluster::protocol::TaskRequest;
+use crate::cluster::protocol::{TaskRequest, exchange_compression, ticket_compression};
 use crate::cluster::sent_bounds::SentBound;
 use crate::cluster::task_plan::WorkerFunctions;
 use crate::cluster::tls::WorkerTrust;
@@ -534,6 +534,7 @@ impl WorkerPool {
             on_bounds,
             feed,
         } = output;
+        let compression = ticket_compression(exchange_compression(&request.options));
         let mut attempt = 0;
         loop {
             let worker = self.pick(prefer).await?;
@@ -544,6 +545,7 @@ impl WorkerPool {
                     worker: Arc::clone(&worker),
                     info,
                     query: request.query.clone(),
+                    compression: compression.clone(),
                 };
                 seq += 1;
                 on_block(seq - 1, block)

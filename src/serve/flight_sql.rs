@@ -460,16 +460,22 @@ const MAX_MESSAGE_BYTES: usize = 2 << 20;
 fn flight_stream(stream: SendableRecordBatchStream) -> FlightDataStream {
     let schema = stream.schema();
     let batches = stream.map_err(|e| FlightError::ExternalError(Box::new(e)));
-    let encoded =
-        flight_data(schema, batches, RESULT_DICTIONARIES, MAX_MESSAGE_BYTES).map_err(Status::from);
+    let encoded = flight_data(
+        schema,
+        batches,
+        RESULT_DICTIONARIES,
+        MAX_MESSAGE_BYTES,
+        None,
+    )
+    .map_err(Status::from);
     Box::pin(encoded)
 }
 
 /// Batches already in memory as Flight data (the schema first, also when there are none).
 fn batches_stream(schema: SchemaRef, batches: Vec<RecordBatch>) -> FlightDataStream {
     let stream = futures::stream::iter(batches.into_iter().map(Ok));
-    let encoded =
-        flight_data(schema, stream, RESULT_DICTIONARIES, MAX_MESSAGE_BYTES).map_err(Status::from);
+    let encoded = flight_data(schema, stream, RESULT_DICTIONARIES, MAX_MESSAGE_BYTES, None)
+        .map_err(Status::from);
     Box::pin(encoded)
 }
 

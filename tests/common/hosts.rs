@@ -447,6 +447,17 @@ impl TestNet {
         ip(&["-n", &host.netns, "link", "set", "eth0", state]).unwrap();
     }
 
+    /// Bytes sent out of host `name`'s link so far (its `eth0`'s counter).
+    pub fn tx_bytes(&self, name: &str) -> u64 {
+        let host = self.host(name);
+        let out = Command::new("ip")
+            .args(["-n", &host.netns, "-s", "-j", "link", "show", "dev", "eth0"])
+            .output()
+            .unwrap();
+        let links: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+        links[0]["stats64"]["tx"]["bytes"].as_u64().unwrap_or(0)
+    }
+
     /// Limit the bandwidth out of host `name`'s link towards the bridge (tc tbf).
     pub fn limit_bandwidth(&self, name: &str, rate: &str) {
         let host = self.host(name);

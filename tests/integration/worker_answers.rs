@@ -1814,3 +1814,44 @@ async fn a_join_under_a_limit_is_fed_its_probe_side_on_a_worker() {
     let plan = unordered_like_vanilla(sql).await;
     assert!(fed_join(&plan).is_none(), "{sql}: a join is fed");
 }
+
+/// Blocks sent between worker processes and to the driver compressed
+/// (`flumen.exchange_compression` = `lz4`, `zstd`) give vanilla's answers: a join of two
+/// hashed sides, a grouped aggregate, a sort, a window, strings and NULLs, over tasks that
+/// fetch their inputs from the other worker. A value it does not know is refused, naming
+/// the setting.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn blocks_sent_compressed_give_the_same_answers() {
+    let dir = tempfile::tempdir().unwrap();
+    let vanilla = sorted_ids(dir.path(), 4, 5_000, 1_000).await;
+    let workers = join_tables(session(2), &[("t", dir.path())]).await;
+    common::collect(&workers, "SET flumen.split_bytes = 1").await;
+    let queries = [
+        "SELECT a.k, count(*), sum(b.id) FROM t a JOIN t b ON a.id = b.id + 3 GROUP BY a.k \
+         ORDER BY a.k",
+        "SELECT id, CASE WHEN k = 2 THEN NULL ELSE 'v' || id END s FROM t ORDER BY id DESC \
+         LIMIT 7",
+        "SELECT k, id, rank() OVER (PARTITION BY k ORDER BY id DESC) r FROM t \
+         WHERE id % 97 = 0 ORDER BY k, id",
+    ];
+    for compression in ["lz4", "zstd", "none"] {
+        let set = format!("SET flumen.exchange_compression = '{compression}'");
+        common::collect(&workers, &set).await;
+        for sql in queries {
+            answers_like_vanilla(&vanilla, &workers, sql).await;
+        }
+    }
+    let refused = match workers
+        .sql("SET flumen.exchange_compression = 'gzip'")
+        .await
+    {
+        Err(e) => e.to_string(),
+        Ok(set) => set
+            .collect()
+            .await
+            .err()
+            .map(|e| e.to_string())
+            .unwrap_or_default(),
+    };
+    assert!(refused.contains("flumen.exchange_compression"), "{refused}");
+}

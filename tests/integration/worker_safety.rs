@@ -460,11 +460,22 @@ async fn a_hostile_client_is_refused_and_the_worker_stays_up() {
     assert_eq!(infos.len(), 1);
     let key = infos[0].key.clone();
     assert_eq!(key.len(), 32, "a 128-bit key");
+    let ticket_compressed = |query: &str, compression: &str| Ticket {
+        ticket: serde_json::to_vec(&BlockTicket {
+            query: query.into(),
+            key: key.clone(),
+            keep: false,
+            compression: compression.into(),
+        })
+        .unwrap()
+        .into(),
+    };
     let ticket_of = |query: &str| Ticket {
         ticket: serde_json::to_vec(&BlockTicket {
             query: query.into(),
             key: key.clone(),
             keep: false,
+            compression: String::new(),
         })
         .unwrap()
         .into(),
@@ -480,6 +491,22 @@ async fn a_hostile_client_is_refused_and_the_worker_stays_up() {
         r,
         Code::NotFound,
         "no block",
+    );
+    // A compression the worker does not know is refused before the block is taken.
+    let r = client(&address)
+        .await
+        .do_get(with_credential(
+            ticket_compressed("query-a", "gzip"),
+            Some(&good),
+        ))
+        .await
+        .map(|_| vec![]);
+    refused(
+        &mut table,
+        "a block ticket asking for an unknown compression",
+        r,
+        Code::InvalidArgument,
+        "flumen.exchange_compression",
     );
     let dropped = release(&address, &good, "query-b", vec![key.clone()]).await;
     assert_eq!(dropped, b"0", "query B released nothing of query A's");
