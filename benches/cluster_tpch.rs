@@ -7,6 +7,7 @@
 //! cargo bench --bench cluster_tpch -- [--sf 1] [--hosts 1,2,3] [--cores 0.5] [--slots 2]
 //!     [--partitions 6] [--queries 3,5] [--runs 1] [--no-peer] [--kill-query 9]
 //!     [--tasks-query] [--check] [--no-build-key-bounds] [--feed-joins true|all|false]
+//!     [--exchange-compression lz4|zstd] [--rate 200mbit]
 //! ```
 //!
 //! Data: the TPC-H tables as one Parquet file each under `target/tpch-sf<SF>/` (shared by
@@ -20,6 +21,11 @@
 //! result's, and the tasks of non-final operators that ran on the driver, with reasons.
 //! Goals: geomean speedup on N hosts ≥ 0.8·N; driver CPU ≤ 10% of the workers'; bytes the
 //! driver fetched ≤ 1.1 × the result's; no task of a non-final operator on the driver.
+//! Per host count: the workers' CPU over the queries and the share of their quota it used.
+//! `--exchange-compression` runs flumen's queries again on each cluster with
+//! `flumen.exchange_compression` at that value: time ratio, bytes every host sent out of
+//! its link, workers' CPU, against the runs without. `--rate` caps every host's link
+//! (`tc tbf`).
 //!
 //! The peer: datafusion-distributed 4 (`common/peer_distributed.rs`), one worker per host in
 //! the same namespaces and CPU groups (this bench's own binary, `--peer-worker ADDR`), its
