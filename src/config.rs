@@ -248,7 +248,8 @@ config_field!(FeedJoins);
 
 /// How a worker compresses the blocks it sends over the network to another worker or the
 /// driver (`flumen.exchange_compression`): Arrow IPC's own buffer compression, which
-/// every reader decodes. A worker reading a block it holds itself never encodes it.
+/// every reader decodes. A worker reading a block it holds itself never encodes it, and a
+/// worker on a loopback address is never asked to.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub enum ExchangeCompression {
     /// Sent as they are.
@@ -586,7 +587,7 @@ flumen_settings! {
         /// worker or to the driver: `none`, `lz4` or `zstd` (Arrow IPC buffer compression).
         /// Fewer bytes on the network for more CPU on both ends: worth it where the links,
         /// not the CPUs, are what a query waits on. A block read on the worker that holds
-        /// it is never encoded.
+        /// it, or fetched from a worker on a loopback address, is sent as is.
         pub exchange_compression: ExchangeCompression, default = ExchangeCompression::None
         /// Rows of a run's first blocks, in plans with a model UDF: the first splits of each
         /// source partition (one per CPU slot) read batches of this many rows and cut blocks

@@ -141,11 +141,27 @@ pub fn exchange_compression(options: &[(String, String)]) -> ExchangeCompression
         .unwrap_or_default()
 }
 
-/// `compression` as a [`BlockTicket::compression`].
-pub fn ticket_compression(compression: ExchangeCompression) -> String {
-    match compression {
-        ExchangeCompression::None => String::new(),
-        other => other.to_string(),
+/// `compression` as a [`BlockTicket::compression`] for a block held at `holder`
+/// (`host:port`): none from a worker on a loopback address, whose bytes never leave this
+/// machine (a local pool's workers), where compressing would only cost CPU.
+pub fn ticket_compression(compression: ExchangeCompression, holder: &str) -> String {
+    if compression == ExchangeCompression::None || on_loopback(holder) {
+        return String::new();
+    }
+    compression.to_string()
+}
+
+/// Whether `address` (`host:port`, `[v6]:port` or a bare host) names this machine's
+/// loopback interface.
+fn on_loopback(address: &str) -> bool {
+    if let Ok(socket) = address.parse::<std::net::SocketAddr>() {
+        return socket.ip().is_loopback();
+    }
+    let host = address.rsplit_once(':').map_or(address, |(host, _)| host);
+    let host = host.trim_start_matches('[').trim_end_matches(']');
+    match host.parse::<std::net::IpAddr>() {
+        Ok(ip) => ip.is_loopback(),
+        Err(_) => host.eq_ignore_ascii_case("localhost"),
     }
 }
 
@@ -479,6 +495,36 @@ mod tests {
         assert_eq!(plan, b"plan-bytes");
         assert!(decode_task(b"\xff\xff\xff\xffxx").is_err());
         assert!(decode_task(b"\x02").is_err());
+    }
+
+    #[test]
+    fn blocks_are_sent_compressed_only_off_this_machine() {
+        let options = |value: &str| vec![("flumen.exchange_compression".into(), value.into())];
+        assert_eq!(
+            exchange_compression(&options("lz4")),
+            ExchangeCompression::Lz4
+        );
+        assert_eq!(
+            exchange_compression(&options("bogus")),
+            ExchangeCompression::None
+        );
+        assert_eq!(exchange_compression(&[]), ExchangeCompression::None);
+        let zstd = ExchangeCompression::Zstd;
+        for holder in [
+            "127.0.0.1:7000",
+            "[::1]:7000",
+            "localhost:7000",
+            "127.3.2.1",
+        ] {
+            assert_eq!(ticket_compression(zstd, holder), "", "{holder}");
+        }
+        for holder in ["10.1.2.3:7000", "[fe80::1]:7000", "worker-3.cluster:7000"] {
+            assert_eq!(ticket_compression(zstd, holder), "zstd", "{holder}");
+        }
+        assert_eq!(
+            ticket_compression(ExchangeCompression::None, "10.1.2.3:7000"),
+            ""
+        );
     }
 
     #[test]

@@ -303,7 +303,7 @@ impl WorkerService {
             own: Arc::clone(&self.shelf),
             reads: Arc::clone(&self.input_reads),
             query: request.query.clone(),
-            compression: ticket_compression(exchange_compression(&request.options)),
+            compression: exchange_compression(&request.options),
         };
         let (out, produced) = tokio::sync::mpsc::unbounded_channel();
         let mut feed = None;
@@ -706,8 +706,9 @@ struct InputFetcher {
     own: Arc<BlockShelf>,
     reads: Arc<InputReads>,
     query: String,
-    /// How its peers are asked to send the blocks ([`BlockTicket::compression`]).
-    compression: String,
+    /// How its peers off this machine are asked to send the blocks
+    /// ([`BlockTicket::compression`]).
+    compression: ExchangeCompression,
 }
 
 impl InputFetcher {
@@ -723,7 +724,7 @@ impl InputFetcher {
             query: self.query.clone(),
             key: ticket.key.clone(),
             keep: true,
-            compression: self.compression.clone(),
+            compression: ticket_compression(self.compression, &ticket.address),
         };
         if let Some(block) = self.own.take(&wanted).map_err(|e| lost(e.to_string()))? {
             self.reads.held_here.fetch_add(1, Ordering::Relaxed);

@@ -534,18 +534,19 @@ impl WorkerPool {
             on_bounds,
             feed,
         } = output;
-        let compression = ticket_compression(exchange_compression(&request.options));
+        let compression = exchange_compression(&request.options);
         let mut attempt = 0;
         loop {
             let worker = self.pick(prefer).await?;
             let _busy = worker.busy();
+            let sent_as = ticket_compression(compression, &worker.address);
             let mut seq = 0;
             let mut hand_out = |info| {
                 let block = RemoteBlock {
                     worker: Arc::clone(&worker),
                     info,
                     query: request.query.clone(),
-                    compression: compression.clone(),
+                    compression: sent_as.clone(),
                 };
                 seq += 1;
                 on_block(seq - 1, block)

@@ -122,6 +122,16 @@ pub const CPU_PORT: u16 = 7100;
 /// Port of each host's accelerator worker.
 pub const ACCELERATOR_PORT: u16 = 7200;
 
+/// Bytes sent out of `eth0` in namespace `netns` so far.
+fn sent_out_of(netns: &str) -> u64 {
+    let out = Command::new("ip")
+        .args(["-n", netns, "-s", "-j", "link", "show", "dev", "eth0"])
+        .output()
+        .unwrap();
+    let links: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    links[0]["stats64"]["tx"]["bytes"].as_u64().unwrap_or(0)
+}
+
 fn ip(args: &[&str]) -> Result<(), String> {
     let out = Command::new("ip")
         .args(args)
@@ -449,13 +459,14 @@ impl TestNet {
 
     /// Bytes sent out of host `name`'s link so far (its `eth0`'s counter).
     pub fn tx_bytes(&self, name: &str) -> u64 {
-        let host = self.host(name);
-        let out = Command::new("ip")
-            .args(["-n", &host.netns, "-s", "-j", "link", "show", "dev", "eth0"])
-            .output()
-            .unwrap();
-        let links: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
-        links[0]["stats64"]["tx"]["bytes"].as_u64().unwrap_or(0)
+        sent_out_of(&self.host(name).netns)
+    }
+
+    /// A reading of the bytes every host (the driver too) has sent out of its link so far,
+    /// to call from any thread (the driver's included).
+    pub fn tx_counter(&self) -> impl Fn() -> u64 + Send + Sync + 'static {
+        let namespaces: Vec<String> = self.hosts.iter().map(|h| h.netns.clone()).collect();
+        move || namespaces.iter().map(|netns| sent_out_of(netns)).sum()
     }
 
     /// Limit the bandwidth out of host `name`'s link towards the bridge (tc tbf).

@@ -258,6 +258,7 @@ fn three_hosts_answer_like_datafusion() {
     let Some((net, cluster_file)) = three_hosts_with_both_pools() else {
         return;
     };
+    let sent = net.tx_counter();
     net.in_driver(move || {
         driver_runtime().block_on(async move {
             let (dir, v) = events_with_vanilla(3, 20_000).await;
@@ -323,6 +324,30 @@ fn three_hosts_answer_like_datafusion() {
             let hosts = text.matches("tasks_on_10.").count();
             assert_eq!(hosts, 3, "EXPLAIN ANALYZE shows tasks on {hosts} hosts:\n{text}");
             assert!(text.contains("output_bytes_to_driver="), "{text}");
+
+            // Blocks that cross hosts sent compressed: the same answer, fewer bytes out of
+            // the hosts' links than sent as they are (`flumen.exchange_compression`).
+            let mut bytes = vec![];
+            for compression in ["none", "lz4", "zstd", "none"] {
+                let set = format!("SET flumen.exchange_compression = '{compression}'");
+                f.sql(&set).await.unwrap();
+                let before = sent();
+                assert_same(&v, &f, join).await;
+                bytes.push((compression, sent() - before));
+            }
+            println!("3-host join, bytes the hosts sent: {bytes:?}");
+            let refused = match f.sql("SET flumen.exchange_compression = 'gzip'").await {
+                Err(e) => e.to_string(),
+                Ok(set) => set.collect().await.err().map(|e| e.to_string()).unwrap_or_default(),
+            };
+            assert!(refused.contains("flumen.exchange_compression"), "{refused}");
+            let plain = bytes[0].1.min(bytes[3].1);
+            for (compression, sent) in &bytes[1..3] {
+                assert!(
+                    *sent * 10 < plain * 9,
+                    "{compression}: {sent} B sent against {plain} B uncompressed: {bytes:?}"
+                );
+            }
 
             // The session asks for 2 partitions (`target_partitions`, as a 2-core driver's
             // default would), the cluster has 6 CPU slots: the join is planned in 6, one
