@@ -7,7 +7,7 @@
 //! cargo bench --bench cluster_tpch -- [--sf 1] [--hosts 1,2,3] [--cores 0.5] [--slots 2]
 //!     [--partitions 6] [--queries 3,5] [--runs 1] [--no-peer] [--kill-query 9]
 //!     [--tasks-query] [--check] [--no-build-key-bounds] [--feed-joins true|all|false]
-//!     [--exchange-compression lz4|zstd] [--rate 200mbit]
+//!     [--exchange-compression none|lz4|zstd] [--rate 200mbit]
 //! ```
 //!
 //! Data: the TPC-H tables as one Parquet file each under `target/tpch-sf<SF>/` (shared by
@@ -23,8 +23,9 @@
 //! driver fetched ≤ 1.1 × the result's; no task of a non-final operator on the driver.
 //! Per host count: the workers' CPU over the queries and the share of their quota it used.
 //! `--exchange-compression` runs flumen's queries again on each cluster with
-//! `flumen.exchange_compression` at that value: time ratio, bytes every host sent out of
-//! its link, workers' CPU, against the runs without. `--rate` caps every host's link
+//! `flumen.exchange_compression` at that value (`none`: blocks as they are): time ratio,
+//! bytes every host sent out of its link, workers' CPU, against the runs at the default
+//! (`lz4`). `--rate` caps every host's link
 //! (`tc tbf`).
 //!
 //! The peer: datafusion-distributed 4 (`common/peer_distributed.rs`), one worker per host in
@@ -80,8 +81,8 @@ struct Args {
     peer: bool,
     /// The query run again on the most hosts with one host killed mid-query.
     kill_query: usize,
-    /// `--exchange-compression lz4|zstd`: flumen's queries run again on each cluster with
-    /// `flumen.exchange_compression` at this value, against the runs without it.
+    /// `--exchange-compression none|lz4|zstd`: flumen's queries run again on each cluster
+    /// with `flumen.exchange_compression` at this value, against the runs at the default.
     compression: Option<String>,
     /// `--rate R` (a `tc` rate: `1gbit`, `500mbit`): every host's link, the driver's too,
     /// sends at most this much.
@@ -312,8 +313,8 @@ fn run_on(hosts: usize, args: &Args, data: &Path) -> Result<HostRuns, String> {
                 let set = format!("SET flumen.exchange_compression = '{compression}'");
                 ctx.sql(&set).await.unwrap().collect().await.unwrap();
                 out.compressed = run_queries(&ctx, &in_net, &args).await;
-                let unset = "SET flumen.exchange_compression = 'none'";
-                ctx.sql(unset).await.unwrap().collect().await.unwrap();
+                let unset = format!("SET flumen.exchange_compression = '{}'", base_compression());
+                ctx.sql(&unset).await.unwrap().collect().await.unwrap();
             }
             if let Some(addresses) = peer {
                 let ctx = peer_distributed::coordinator(&addresses, args.partitions);
@@ -684,11 +685,18 @@ fn report_cpu_use(args: &Args, by_hosts: &BTreeMap<usize, HostRuns>) {
     }
 }
 
+/// The `flumen.exchange_compression` the bench's main runs use: the session's default.
+fn base_compression() -> String {
+    FlumenConfig::default().exchange_compression.to_string()
+}
+
 /// Print, per host count, flumen's time, bytes on the wire and workers' CPU with blocks
-/// sent compressed against the same queries sent as they are, on the same cluster.
+/// sent with `--exchange-compression` against the same queries at the default, on the same
+/// cluster.
 fn report_compression(args: &Args, compression: &str, by_hosts: &BTreeMap<usize, HostRuns>) {
+    let base = base_compression();
     println!(
-        "exchange compression {compression} against none{}: per host count, geomean time \
+        "exchange compression {compression} against {base}{}: per host count, geomean time \
          ratio, bytes the hosts sent, workers' CPU",
         args.rate
             .as_ref()
@@ -709,7 +717,7 @@ fn report_compression(args: &Args, compression: &str, by_hosts: &BTreeMap<usize,
             }
         }
         println!(
-            "{n} host(s): {compression}/none time {:.2} over {} queries; sent {:.1} MB against \
+            "{n} host(s): {compression}/{base} time {:.2} over {} queries; sent {:.1} MB against \
              {:.1} MB ({:.2}x); workers' CPU {:.2} s against {:.2} s",
             geomean(&ratios),
             ratios.len(),

@@ -133,12 +133,13 @@ pub struct BlockTicket {
 }
 
 /// The `flumen.exchange_compression` of a task's `options` (a worker fetching the task's
-/// inputs asks for it); none when the driver sent none or one this worker cannot read.
+/// inputs asks for it); none when the driver sent none (an older driver) or one this
+/// worker cannot read.
 pub fn exchange_compression(options: &[(String, String)]) -> ExchangeCompression {
     (options.iter())
         .find(|(key, _)| key == "flumen.exchange_compression")
         .and_then(|(_, value)| value.parse().ok())
-        .unwrap_or_default()
+        .unwrap_or(ExchangeCompression::None)
 }
 
 /// `compression` as a [`BlockTicket::compression`] for a block held at `holder`
