@@ -720,16 +720,18 @@ impl InputFetcher {
                 ticket.key, ticket.address
             ))
         };
-        let wanted = BlockTicket {
+        let mut wanted = BlockTicket {
             query: self.query.clone(),
             key: ticket.key.clone(),
             keep: true,
-            compression: ticket_compression(self.compression, &ticket.address),
+            compression: String::new(),
         };
         if let Some(block) = self.own.take(&wanted).map_err(|e| lost(e.to_string()))? {
             self.reads.held_here.fetch_add(1, Ordering::Relaxed);
             return Ok(block);
         }
+        // Only a block fetched from a peer is encoded, and compressed off this machine.
+        wanted.compression = ticket_compression(self.compression, &ticket.address);
         self.reads.from_peers.fetch_add(1, Ordering::Relaxed);
         (self.reads.bytes_from_peers).fetch_add(ticket.bytes, Ordering::Relaxed);
         let client = self

@@ -470,16 +470,7 @@ async fn a_hostile_client_is_refused_and_the_worker_stays_up() {
         .unwrap()
         .into(),
     };
-    let ticket_of = |query: &str| Ticket {
-        ticket: serde_json::to_vec(&BlockTicket {
-            query: query.into(),
-            key: key.clone(),
-            keep: false,
-            compression: String::new(),
-        })
-        .unwrap()
-        .into(),
-    };
+    let ticket_of = |query: &str| ticket_compressed(query, "");
     let r = client(&address)
         .await
         .do_get(with_credential(ticket_of("query-b"), Some(&good)))
