@@ -676,8 +676,11 @@ flumen_settings! {
         /// Where tasks run: `threads` (this process) or `process` (worker processes).
         pub workers: WorkerMode, default = WorkerMode::Threads
         /// CPU worker processes a session starts when `flumen.workers = 'process'` (it also
-        /// starts `accelerator_slots` accelerator workers).
-        pub worker_processes: usize, default = available_cores()
+        /// starts `accelerator_slots` accelerator workers). Each runs a task per core. One
+        /// (the default, like one Spark or Ballista executor per host) keeps the blocks its
+        /// tasks exchange in its own memory; more lose fewer blocks to a crash, but pass
+        /// every exchanged block between processes through Flight.
+        pub worker_processes: usize, default = 1
         /// The `flumen` executable workers start from; empty: `FLUMEN_WORKER_BIN`, else this
         /// process when it is `flumen`. A startup option: `SET` refuses it.
         pub worker_binary: WorkerBinary, default = WorkerBinary::default()

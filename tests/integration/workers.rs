@@ -861,6 +861,41 @@ async fn a_worker_killed_during_an_exchange_loses_only_its_map_outputs() {
     );
 }
 
+/// The default local pool is one CPU worker (a task per core). Killed mid-query, it takes
+/// every block it held with it and no worker is left to retry on: the pool starts a
+/// replacement, the tasks wait for it, the lost blocks are made again there, and the answer
+/// is vanilla's.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_default_pools_only_worker_killed_mid_query_is_replaced() {
+    let (dir, v) = events_with_vanilla(3, 20_000).await;
+    let (dropper, killed) = signal_at_block(12, libc::SIGKILL, None);
+    let default_processes = FlumenConfig::default().worker_processes;
+    assert_eq!(default_processes, 1, "the local pool's default size");
+    let f = session(process_config(default_processes), Some(dropper));
+    f.sql("SET flumen.split_bytes = '32KB'").await.unwrap();
+    f.sql("SET flumen.target_block_rows = 1000").await.unwrap();
+    register_tables(&f, dir.path()).await;
+    let sql = "SELECT k, count(DISTINCT id), max(body) FROM events WHERE v < 0.9 GROUP BY k";
+    let (batches, plan) = tokio::time::timeout(Duration::from_secs(120), run_plan(&f, sql))
+        .await
+        .expect("the query hung with its only worker dead");
+    let expected = v.sql(sql).await.unwrap().collect().await.unwrap();
+    assert_eq!(rows(&expected, false), rows(&batches, false));
+    let pid = killed.lock().unwrap().pid.expect("no worker was killed");
+    let graph = plan.downcast_ref::<FlumenExec>().unwrap().graph();
+    let metrics = plan.downcast_ref::<FlumenExec>().unwrap().run_metrics();
+    let (lost, retried) = (graph.operators.iter())
+        .map(|op| metrics.operator(op.id).snapshot())
+        .fold((0, 0), |(l, r), s| (l + s.blocks_lost, r + s.tasks_retried));
+    println!("killed the only worker {pid}: {lost} blocks lost, {retried} tasks retried");
+    assert!(lost + retried > 0, "the kill cost nothing: {lost} lost, {retried} retried");
+    let pool = pool_of(&f).await;
+    assert!(pool.restarted() >= 1, "the only worker was not replaced");
+    let workers = pool.workers().await;
+    assert_eq!(workers.len(), 1);
+    assert!(workers.iter().all(|w| w.pid != pid && w.is_alive()));
+}
+
 /// Rows of one block at the default `flumen.target_block_rows`.
 const DEFAULT_BLOCK_ROWS: usize = 8192;
 
