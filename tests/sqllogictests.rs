@@ -523,6 +523,8 @@ async fn run_file_inner(path: &Path, relative: &Path, engine: Engine) -> FileRun
             }
             if engine == Engine::FlumenWorkers {
                 config.workers = flumen::WorkerMode::Process;
+                // Two, not the default one: every exchange then sends blocks from one
+                // worker process to another, as between hosts.
                 config.worker_processes = 2;
                 config.worker_binary = env!("CARGO_BIN_EXE_flumen").into();
             }

@@ -277,6 +277,12 @@ pub struct WorkerStatus {
     /// Bytes of those (as the driver sized them on the tickets).
     #[serde(default)]
     pub input_bytes_from_peers: u64,
+    /// `release` calls it answered (a driver gathers the blocks it lets go of into few).
+    #[serde(default)]
+    pub release_calls: u64,
+    /// Blocks those calls named by key.
+    #[serde(default)]
+    pub released_by_key: u64,
     /// The functions its tasks may call (a driver sends only plans calling these).
     #[serde(default)]
     pub functions: Vec<String>,

@@ -122,6 +122,8 @@ pub struct WorkerService {
     peers: Arc<Peers>,
     /// Where its tasks' input blocks came from.
     input_reads: Arc<InputReads>,
+    /// `release` calls it answered, and the blocks they named by key.
+    releases: ReleaseCounts,
     /// The running tasks the driver feeds inputs to.
     feeds: Arc<Feeds>,
     /// Who it is and what it owns, as its status announces.
@@ -247,6 +249,7 @@ impl WorkerService {
             tasks: AtomicU64::new(0),
             panics: Arc::default(),
             input_reads: Arc::default(),
+            releases: ReleaseCounts::default(),
             feeds: Arc::default(),
             model_thread,
             auth,
@@ -283,6 +286,8 @@ impl WorkerService {
             inputs_held_here: self.input_reads.held_here.load(Ordering::Relaxed),
             inputs_from_peers: self.input_reads.from_peers.load(Ordering::Relaxed),
             input_bytes_from_peers: self.input_reads.bytes_from_peers.load(Ordering::Relaxed),
+            release_calls: self.releases.calls.load(Ordering::Relaxed),
+            released_by_key: self.releases.keys.load(Ordering::Relaxed),
             functions,
             runtimes: crate::cluster::shipped_functions::runtimes(),
         }
@@ -620,6 +625,15 @@ impl Drop for FeedOpen {
     }
 }
 
+/// The `release` calls a worker answered ([`WorkerStatus::release_calls`]).
+#[derive(Debug, Default)]
+struct ReleaseCounts {
+    /// Calls answered.
+    calls: AtomicU64,
+    /// Block keys they named (a call naming none releases a whole query's).
+    keys: AtomicU64,
+}
+
 /// Counts of where a worker's task inputs came from (its status reports them).
 #[derive(Default)]
 struct InputReads {
@@ -795,6 +809,8 @@ impl FlightService for WorkerService {
             "release" => {
                 let request: ReleaseRequest = serde_json::from_slice(&action.body)
                     .map_err(|e| Status::invalid_argument(format!("bad release body: {e}")))?;
+                self.releases.calls.fetch_add(1, Ordering::Relaxed);
+                (self.releases.keys).fetch_add(request.keys.len() as u64, Ordering::Relaxed);
                 // Dropping spilled blocks deletes files: off the threads that serve calls.
                 let shelf = Arc::clone(&self.shelf);
                 let dropped = tokio::task::spawn_blocking(move || shelf.release(request))

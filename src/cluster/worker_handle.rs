@@ -2,6 +2,7 @@
 //! releases, pings) that end at once when the worker is marked dead, its liveness, the
 //! tasks it runs now, and the blocks it holds for the driver ([`RemoteBlock`]).
 
+use std::collections::BTreeMap;
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
@@ -94,6 +95,21 @@ pub struct WorkerHandle {
     ping_timeout_ms: AtomicU64,
     /// Heartbeats it has missed since it last answered one.
     missed_heartbeats: std::sync::atomic::AtomicU32,
+    /// Blocks the driver let go of that the worker has not been told of yet
+    /// ([`Self::release_later`]).
+    releases: Mutex<PendingReleases>,
+}
+
+/// The keys of blocks a worker may drop, gathered while a `release` call is on its way: one
+/// call carries all that came in meanwhile. With a call per block, TPC-H SF1 q21 (~1,780
+/// blocks, ~940 of them let go of as its last join ends) took 25-43 ms for its last stage
+/// (817 rows) beside those calls, and 2-4 ms with them gathered.
+#[derive(Debug, Default)]
+struct PendingReleases {
+    /// Keys per query, in the order they were let go.
+    keys: BTreeMap<String, Vec<String>>,
+    /// A call is being made (its task sends what gathers until none is left).
+    sending: bool,
 }
 
 impl WorkerHandle {
@@ -416,6 +432,37 @@ impl WorkerHandle {
         self.call(get_block(&self.client, ticket)).await
     }
 
+    /// Tell the worker, in the background, that it may drop block `key` of `query`: with the
+    /// other blocks let go of until a call is free ([`PendingReleases`]).
+    fn release_later(self: &Arc<Self>, query: &str, key: String) {
+        let start = {
+            let mut pending = self.releases.lock().unwrap();
+            pending.keys.entry(query.to_string()).or_default().push(key);
+            !std::mem::replace(&mut pending.sending, true)
+        };
+        if start {
+            let worker = Arc::clone(self);
+            self.runtime.spawn(async move {
+                loop {
+                    let gathered = {
+                        let mut pending = worker.releases.lock().unwrap();
+                        if pending.keys.is_empty() {
+                            pending.sending = false;
+                            return;
+                        }
+                        std::mem::take(&mut pending.keys)
+                    };
+                    for (query, keys) in gathered {
+                        // Never empty: an empty list would drop all of the query's blocks.
+                        if !keys.is_empty() {
+                            worker.release(&query, keys).await;
+                        }
+                    }
+                }
+            });
+        }
+    }
+
     /// Drop blocks of `query` the driver no longer needs, all of them when `keys` is empty
     /// (best effort).
     pub(crate) async fn release(&self, query: &str, keys: Vec<String>) {
@@ -526,6 +573,7 @@ pub(crate) fn new_handle(
         death: Mutex::new(None),
         ping_timeout_ms: AtomicU64::new(DEFAULT_PING_TIMEOUT.as_millis() as u64),
         missed_heartbeats: 0.into(),
+        releases: Mutex::new(PendingReleases::default()),
     })
 }
 
@@ -577,11 +625,7 @@ impl HeldBlock for RemoteBlock {
     /// Tell its worker it may drop it (in the background).
     fn release(&self) {
         if self.worker.is_alive() {
-            let block = self.clone();
-            self.worker.runtime.spawn(async move {
-                let keys = vec![block.info.key.clone()];
-                block.worker.release(&block.query, keys).await
-            });
+            (self.worker).release_later(&self.query, self.info.key.clone());
         }
     }
 

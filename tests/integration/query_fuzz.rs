@@ -20,8 +20,8 @@
 //! engine under those settings (batch mode, a budget small enough to spill, ...).
 //! `FLUMEN_FUZZ_ALSO_WORKERS=N` runs that engine's tasks in N worker processes.
 //! `FLUMEN_FUZZ_TOGETHER=N` runs N queries at once in each engine's session.
-//! `FLUMEN_FUZZ_KILL=MS` adds two worker processes, one of which is killed (SIGKILL) every MS
-//! ms or so while the search runs.
+//! `FLUMEN_FUZZ_KILL=MS` adds two worker processes (`FLUMEN_FUZZ_KILL_WORKERS=N`: N), one of
+//! which is killed (SIGKILL) every MS ms or so while the search runs.
 
 use crate::common;
 
@@ -1306,13 +1306,15 @@ async fn search(seed: u64, queries: usize, lose_blocks: LoseBlocks) -> Vec<Strin
         };
         engines.push(("workers losing blocks", losing, every));
     }
-    // `FLUMEN_FUZZ_KILL=MS`: two worker processes of which one is killed (SIGKILL) every
-    // MS ms or so, as long as the search runs; every query runs there.
+    // `FLUMEN_FUZZ_KILL=MS`: two worker processes (`FLUMEN_FUZZ_KILL_WORKERS`) of which
+    // one is killed (SIGKILL) every MS ms or so, as long as the search runs; every query
+    // runs there.
     let kill_every: Option<u64> = std::env::var("FLUMEN_FUZZ_KILL")
         .ok()
         .map(|ms| ms.parse().unwrap());
     if kill_every.is_some() {
-        let killed = flumen_session(2, block_rows, 3, false);
+        let workers = std::env::var("FLUMEN_FUZZ_KILL_WORKERS").map_or(2, |n| n.parse().unwrap());
+        let killed = flumen_session(workers, block_rows, 3, false);
         // A task may land on worker after worker the killer picks next.
         common::collect(&killed, "SET flumen.max_task_retries = 8").await;
         engines.push((KILLED, killed, (1, 0)));

@@ -888,7 +888,10 @@ async fn the_default_pools_only_worker_killed_mid_query_is_replaced() {
         .map(|op| metrics.operator(op.id).snapshot())
         .fold((0, 0), |(l, r), s| (l + s.blocks_lost, r + s.tasks_retried));
     println!("killed the only worker {pid}: {lost} blocks lost, {retried} tasks retried");
-    assert!(lost + retried > 0, "the kill cost nothing: {lost} lost, {retried} retried");
+    assert!(
+        lost + retried > 0,
+        "the kill cost nothing: {lost} lost, {retried} retried"
+    );
     let pool = pool_of(&f).await;
     assert!(pool.restarted() >= 1, "the only worker was not replaced");
     let workers = pool.workers().await;
