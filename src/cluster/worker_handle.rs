@@ -437,7 +437,10 @@ impl WorkerHandle {
     fn release_later(self: &Arc<Self>, query: &str, key: String) {
         let start = {
             let mut pending = self.releases.lock().unwrap();
-            pending.keys.entry(query.to_string()).or_default().push(key);
+            match pending.keys.get_mut(query) {
+                Some(keys) => keys.push(key),
+                None => drop(pending.keys.insert(query.to_string(), vec![key])),
+            }
             !std::mem::replace(&mut pending.sending, true)
         };
         if start {
