@@ -583,6 +583,12 @@ flumen_settings! {
         /// early); `all`, every one; `false`, none. A join not fed starts once both sides
         /// are complete (a barrier, as in Spark or Ballista).
         pub feed_joins_on_workers: FeedJoins, default = FeedJoins::ReadAsMade
+        /// With worker processes, whether a semi or anti join with a small build side
+        /// (`EXISTS`, `IN`, `NOT EXISTS`) and no condition beyond its keys probes its large
+        /// side where that side is made, and exchanges only the build keys it matched
+        /// (the build side, a scan under filters and projections, is then read twice);
+        /// `false`: its large side is hash exchanged first.
+        pub semi_joins_by_key_set: bool, default = true
         /// With worker processes, how a worker compresses the blocks it sends to another
         /// worker or to the driver: `none`, `lz4` or `zstd` (Arrow IPC buffer compression).
         /// `lz4` sends about a third of the bytes for little CPU (less than the network

@@ -26,6 +26,7 @@ use crate::plan::row_group_layout::LayoutCache;
 use crate::plan::{
     accelerator_projection, aggregate_bound_reads, counted_set_operations, fixed_size_list_casts,
     grouping_set_constants, partitioned_outer_joins, plain_hash_exchanges, random_shuffle,
+    semi_joins_by_key_set,
 };
 
 /// A DataFusion `SessionContext` whose queries run on flumen, with default DataFusion
@@ -191,6 +192,7 @@ pub fn into_flumen(ctx: &SessionContext, config: FlumenConfig) -> SessionContext
 /// [`KeepAcceleratorProjections`](accelerator_projection::KeepAcceleratorProjections)
 /// first among the session's physical optimizer rules,
 /// [`RemoveNoConstantsNodes`](grouping_set_constants::RemoveNoConstantsNodes) last, and
+/// [`SemiJoinsByKeySet`](semi_joins_by_key_set::SemiJoinsByKeySet) and
 /// [`PartitionOuterJoins`](partitioned_outer_joins::PartitionOuterJoins) right after
 /// DataFusion's join selection,
 /// [`PlainHashExchanges`](plain_hash_exchanges::PlainHashExchanges) right after DataFusion's
@@ -203,7 +205,7 @@ fn keep_accelerator_projections(state: SessionState) -> SessionState {
 }
 
 /// `existing` with `HideGroupingSetConstants` and `KeepAcceleratorProjections` first,
-/// `PartitionOuterJoins` after join selection, `PlainHashExchanges` after DataFusion's
+/// `SemiJoinsByKeySet` and `PartitionOuterJoins` after join selection, `PlainHashExchanges` after DataFusion's
 /// rules, and `PlanRandomShuffles`,
 /// `ReadOnlyWholeAggregateBounds` and `RemoveNoConstantsNodes` last (each once).
 fn flumen_optimizer_rules(
@@ -223,6 +225,7 @@ fn flumen_optimizer_rules(
                     "keep_accelerator_projections"
                         | "plan_random_shuffles"
                         | "partition_outer_joins"
+                        | "semi_joins_by_key_set"
                         | "hide_grouping_set_constants"
                         | "remove_no_constants_nodes"
                         | "read_only_whole_aggregate_bounds"
@@ -236,6 +239,8 @@ fn flumen_optimizer_rules(
     let join_selection = rules.iter().position(|r| r.name() == "join_selection");
     let at = join_selection.map_or(1, |i| i + 1);
     rules.insert(at, Arc::new(partitioned_outer_joins::PartitionOuterJoins));
+    // Before `PartitionOuterJoins`: the semi and anti joins it rewrites stay `CollectLeft`.
+    rules.insert(at, Arc::new(semi_joins_by_key_set::SemiJoinsByKeySet));
     // After DataFusion's rules, whose sorting and distribution rules make the exchanges
     // that keep an order.
     rules.push(Arc::new(plain_hash_exchanges::PlainHashExchanges));

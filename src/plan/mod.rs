@@ -29,6 +29,8 @@
 //! - [`partition_cut`]: which per-partition fragments a worker runs one partition of.
 //! - [`partitioned_outer_joins`]: in worker mode, outer and semi hash joins planned
 //!   partitioned, so their partitions run apart.
+//! - [`semi_joins_by_key_set`]: in worker mode, a semi or anti join with a small build side
+//!   run as a join on the set of build keys its probe side matches.
 //! - [`plain_hash_exchanges`]: hash exchanges that keep a sorted input's order made plain,
 //!   so they are cut into tasks.
 //! - [`partition_slices`]: which hash join tasks can be cut into slices of their build side.
@@ -72,6 +74,7 @@ pub mod random_shuffle;
 pub mod range_sort;
 pub(crate) mod recursive_queries;
 pub(crate) mod row_group_layout;
+pub mod semi_joins_by_key_set;
 pub(crate) mod split_pruning;
 pub(crate) mod split_source;
 pub(crate) mod stage_input;

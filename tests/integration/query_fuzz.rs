@@ -821,7 +821,16 @@ impl Grammar<'_> {
                 } else {
                     String::new()
                 };
-                (format!("SELECT {list} FROM a WHERE {cond}{also}"), n)
+                // A few dozen rows of `a` (its statistics tell): the join's build side, which
+                // worker mode runs by key set (`plan::semi_joins_by_key_set`).
+                let outer = match self.chance(0.5) {
+                    true => format!(
+                        "(SELECT * FROM a WHERE id < {}) a",
+                        self.rng.random_range(20..200)
+                    ),
+                    false => "a".into(),
+                };
+                (format!("SELECT {list} FROM {outer} WHERE {cond}{also}"), n)
             }
             // Windows.
             6 => {
