@@ -1194,6 +1194,16 @@ async fn sorted_ids(dir: &Path, files: usize, rows: usize, row_group: usize) -> 
     vanilla
 }
 
+/// The first source operator of `exec`'s graph read in more than one split: in the tests
+/// below, a join's probe side (`t`, 4 files), where its build side is one file.
+fn probe_scan(exec: &flumen::exec::FlumenExec) -> &flumen::plan::Operator {
+    (exec.graph().operators.iter())
+        .find(|op| {
+            op.shape == flumen::plan::TaskShape::Source && op.splits.iter().sum::<usize>() > 1
+        })
+        .expect("a scan of more than one split: the join's probe side")
+}
+
 /// The Parquet files of `dir` registered as `t` in `ctx`.
 async fn register_t(ctx: &SessionContext, dir: &Path) {
     ctx.register_parquet("t", dir.to_str().unwrap(), ParquetReadOptions::default())
@@ -1644,13 +1654,7 @@ async fn a_workers_join_with_an_empty_build_side_reads_no_probe_split() {
             let plan = answers_like_vanilla(&vanilla, &ctx, &sql(name)).await;
             let exec = plan.downcast_ref::<flumen::exec::FlumenExec>().unwrap();
             let stats = common::operator_stats(exec);
-            let graph = exec.graph();
-            let scan = (graph.operators.iter())
-                .find(|op| {
-                    op.shape == flumen::plan::TaskShape::Source
-                        && op.splits.iter().sum::<usize>() > 1
-                })
-                .expect("the probe side's scan");
+            let scan = probe_scan(exec);
             let splits = scan.splits.iter().sum::<usize>() as u64;
             assert!(splits >= 2, "{splits} splits");
             let s = &stats[scan.id];
@@ -1720,12 +1724,7 @@ async fn a_workers_join_bounds_its_probe_scans_by_its_build_keys() {
             let plan = answers_like_vanilla(&vanilla, &ctx, sql).await;
             let exec = plan.downcast_ref::<flumen::exec::FlumenExec>().unwrap();
             let stats = common::operator_stats(exec);
-            let scan = (exec.graph().operators.iter())
-                .find(|op| {
-                    op.shape == flumen::plan::TaskShape::Source
-                        && op.splits.iter().sum::<usize>() > 1
-                })
-                .expect("the probe side's scan");
+            let scan = probe_scan(exec);
             let s = &stats[scan.id];
             // A split read again (its worker taken for dead on a loaded machine, its blocks
             // lost) counts its rows twice: the count is exact only for one read of each.
@@ -1789,12 +1788,7 @@ async fn a_semi_joins_large_side_is_probed_where_it_is_scanned() {
             let plan = answers_like_vanilla(&vanilla, &ctx, &sql).await;
             let exec = plan.downcast_ref::<flumen::exec::FlumenExec>().unwrap();
             let stats = common::operator_stats(exec);
-            let scan = (exec.graph().operators.iter())
-                .find(|op| {
-                    op.shape == flumen::plan::TaskShape::Source
-                        && op.splits.iter().sum::<usize>() > 1
-                })
-                .expect("t's scan");
+            let scan = probe_scan(exec);
             let s = &stats[scan.id];
             assert_eq!(s.tasks_on_driver, 0, "{sql}: {s:?}");
             // A split read again (its worker taken for dead) counts its rows twice.
