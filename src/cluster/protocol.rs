@@ -12,6 +12,10 @@ use crate::plan::graph::Pool;
 pub struct TaskRequest {
     /// Most rows per output block.
     pub target_rows: usize,
+    /// How the task cuts the input blocks it reads into pieces of at most `target_rows`
+    /// rows, as the driver would.
+    #[serde(default)]
+    pub piece_cut: crate::store::cutter::PieceCut,
     /// A run's first source task: its blocks ramp up from this many rows (its scan reads
     /// batches that small); 0: no ramp (`crate::store::ramp`).
     #[serde(default)]

@@ -31,7 +31,7 @@ use crate::config::FlumenConfig;
 use crate::plan::build_keys::KeySummer;
 use crate::plan::model_cache_lookup::take_lookup_figures;
 use crate::store::block_memory::compact;
-use crate::store::cutter::{BlockCutter, PieceCutter, bundle_pieces};
+use crate::store::cutter::{BlockCutter, PieceCut, PieceCutter, bundle_pieces};
 
 /// A job for an accelerator worker's model thread: a task body, its input blocks fetched
 /// from other workers, the session, and where its output goes.
@@ -372,6 +372,7 @@ fn with_inputs(
                         more: std::sync::Mutex::new(more),
                         fetch: Arc::clone(fetch),
                         target_rows: request.target_rows,
+                        piece_cut: request.piece_cut,
                         ahead,
                     });
                     Arc::new(StreamingTableExec::try_new(
@@ -388,7 +389,12 @@ fn with_inputs(
                         InputBlock::Here(batch) => batch,
                         InputBlock::Ticket(_) => unreachable!("every block was fetched"),
                     });
-                    let pieces = bundle_pieces(&schema, here.collect(), request.target_rows)?;
+                    let pieces = bundle_pieces(
+                        &schema,
+                        here.collect(),
+                        request.target_rows,
+                        request.piece_cut,
+                    )?;
                     let source = MemorySourceConfig::try_new(&[pieces], schema, None)?
                         .try_with_sort_information(ordering)?;
                     DataSourceExec::from_data_source(source)
@@ -430,6 +436,7 @@ struct OnDemandBlocks {
     more: std::sync::Mutex<Option<tokio::sync::mpsc::UnboundedReceiver<InputBlock>>>,
     fetch: FetchBlock,
     target_rows: usize,
+    piece_cut: PieceCut,
     ahead: usize,
 }
 
@@ -463,7 +470,7 @@ impl PartitionStream for OnDemandBlocks {
                 InputBlock::Ticket(ticket) => fetch(ticket),
             })
             .buffered(self.ahead);
-        let cutter = PieceCutter::new(&self.schema, self.target_rows);
+        let cutter = PieceCutter::new(&self.schema, self.target_rows, self.piece_cut);
         let pieces = futures::stream::unfold(
             (blocks, cutter, std::collections::VecDeque::new(), false),
             |(mut blocks, mut cutter, mut ready, mut ended)| async move {
@@ -657,8 +664,11 @@ mod tests {
             (1..5).map(|i| (format!("k{i}"), block(i))).collect();
         let mut inputs = vec![TaskInput::Inline(0)];
         inputs.extend((1..5).map(|i| TaskInput::Fetch(ticket(&format!("k{i}")))));
+        // Exact pieces: most of them span two blocks, the strictest case for the three
+        // ways to agree on.
         let request = TaskRequest {
             target_rows: 1_000,
+            piece_cut: PieceCut::Exact,
             inputs: Some(inputs.clone()),
             ..Default::default()
         };

@@ -27,6 +27,7 @@
 use std::collections::{HashMap, HashSet};
 use std::sync::Arc;
 
+use datafusion::arrow::datatypes::SchemaRef;
 use datafusion::arrow::record_batch::RecordBatch;
 use datafusion::config::ExtensionOptions;
 use datafusion::datasource::memory::MemorySourceConfig;
@@ -647,12 +648,8 @@ impl QueryRun {
             }
             TaskKind::Blocks { inputs } => {
                 let schema = self.graph.operators[op.inputs[0]].fragment.schema();
-                let mut batches = Vec::with_capacity(inputs.len());
-                for id in inputs {
-                    batches.push(self.fetch(id).await?);
-                }
                 // The fragment sees the bundle as a local task does.
-                let pieces = bundle_pieces(&schema, batches, self.graph.piece_rows(op_id))?;
+                let pieces = self.fetch_pieces(op_id, &schema, inputs).await?;
                 let input = MemorySourceConfig::try_new_exec(&[pieces], schema, None)?;
                 Ok(blocks_plan(op, input))
             }
@@ -666,11 +663,7 @@ impl QueryRun {
                     let schema = self.graph.operators[op.inputs[input]].fragment.schema();
                     let mut part_sources = Vec::with_capacity(parts.len());
                     for ids in parts {
-                        let mut batches = Vec::with_capacity(ids.len());
-                        for id in ids {
-                            batches.push(self.fetch(id).await?);
-                        }
-                        let pieces = bundle_pieces(&schema, batches, self.graph.piece_rows(op_id))?;
+                        let pieces = self.fetch_pieces(op_id, &schema, ids).await?;
                         let source =
                             MemorySourceConfig::try_new_exec(&[pieces], Arc::clone(&schema), None)?;
                         part_sources.push(source as Arc<dyn ExecutionPlan>);
@@ -685,6 +678,23 @@ impl QueryRun {
                 ))
             }
         }
+    }
+
+    /// Blocks `ids` of an input of `op_id`'s task with `schema`, fetched (recomputed if
+    /// lost) and cut into the pieces its fragment reads, as the task's worker would cut
+    /// them ([`bundle_pieces`]).
+    async fn fetch_pieces(
+        self: &Arc<Self>,
+        op_id: OperatorId,
+        schema: &SchemaRef,
+        ids: Vec<BlockId>,
+    ) -> Result<Vec<RecordBatch>> {
+        let mut batches = Vec::with_capacity(ids.len());
+        for id in ids {
+            batches.push(self.fetch(id).await?);
+        }
+        let (rows, cut) = (self.graph.piece_rows(op_id), self.graph.piece_cut(op_id));
+        bundle_pieces(schema, batches, rows, cut)
     }
 
     /// Fetch block `id` from the worker that holds it; `None` when no worker holds it or
@@ -766,6 +776,7 @@ impl QueryRun {
         let config = self.config();
         TaskRequest {
             target_rows: self.graph.piece_rows(op_id),
+            piece_cut: self.graph.piece_cut(op_id),
             first_block_rows: 0,
             ramp_block_rows: self.graph.batching.piece_rows,
             partition,

@@ -277,7 +277,10 @@ impl InputProvider for TaskProvider {
                 let inputs = inputs.clone();
                 let run = Arc::clone(run);
                 let batch_schema = Arc::clone(&schema);
-                let target = run.graph.piece_rows(self.operator);
+                let (target, cut) = (
+                    run.graph.piece_rows(self.operator),
+                    run.graph.piece_cut(self.operator),
+                );
                 let stream = futures::stream::once(async move {
                     let mut batches = Vec::with_capacity(inputs.len());
                     for id in inputs {
@@ -285,7 +288,7 @@ impl InputProvider for TaskProvider {
                     }
                     // Hand the fragment the bundle in pieces of at most the target size.
                     let pieces: Vec<Result<RecordBatch>> =
-                        bundle_pieces(&batch_schema, batches, target)?
+                        bundle_pieces(&batch_schema, batches, target, cut)?
                             .into_iter()
                             .map(Ok)
                             .collect();

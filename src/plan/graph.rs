@@ -15,6 +15,7 @@ use crate::plan::accelerator_projection::AcceleratorProjectionExec;
 use crate::plan::exchange_sizing::ExchangeSizing;
 use crate::plan::model_batching::ModelBatching;
 use crate::plan::stage_input::{InputExchange, StageInputExec};
+use crate::store::cutter::PieceCut;
 
 pub use crate::plan::OperatorId;
 
@@ -286,6 +287,17 @@ impl OperatorGraph {
         match (operator.pool, operator.shape) {
             (Pool::Accelerator, TaskShape::BlockWise) => self.batching.model_piece_rows(),
             _ => self.batching.block_rows,
+        }
+    }
+
+    /// How a task of `op` cuts the input blocks it reads into pieces: exactly to
+    /// [`Self::piece_rows`] for a model's per-block operator (its forward passes are best
+    /// full), large blocks kept as they are for the rest (no copy of a join's probe side).
+    pub fn piece_cut(&self, op: OperatorId) -> PieceCut {
+        let operator = &self.operators[op];
+        match (operator.pool, operator.shape) {
+            (Pool::Accelerator, TaskShape::BlockWise) => PieceCut::Exact,
+            _ => PieceCut::KeepLargeBlocks,
         }
     }
 

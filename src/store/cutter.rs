@@ -17,6 +17,7 @@ use datafusion::error::Result;
 use datafusion::physical_plan::Partitioning;
 use datafusion::physical_plan::metrics::Time;
 use datafusion::physical_plan::repartition::BatchPartitioner;
+use serde::{Deserialize, Serialize};
 
 use crate::store::ramp::ramp_rows;
 use crate::store::range_split::RangeSplitter;
@@ -241,17 +242,36 @@ fn split_block_rows(split: &Partitioning, target: usize) -> usize {
     }
 }
 
-/// A bundle of input blocks as a per-block task's fragment reads it, wherever the task
-/// runs: in pieces of `target_rows` rows (the last may be smaller), as if the blocks were
-/// one batch. A piece within one block is a slice of it; only a piece that spans blocks is
-/// copied. (Concatenating the whole bundle first copied it, ~10 MB of text for a model's
-/// bundle, 2–3 ms before its first batch could start.)
+/// How the input blocks a task's fragment reads are cut into the pieces (batches) it is
+/// handed, the same wherever the task runs: a piece's rows and its boundaries decide the
+/// fragment's output batches, and so the blocks a task writes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
+pub enum PieceCut {
+    /// Every piece has the target rows but the last, as if the blocks were one batch; a
+    /// piece that spans blocks is a copy of its rows. For a model's forward passes, which
+    /// are best full.
+    Exact,
+    /// A block of at least half the target is handed as it is (sliced where it is larger
+    /// than the target); only smaller blocks are gathered, up to the target, into one copy.
+    /// For CPU operators: a join's probe side of full blocks is read without copying it
+    /// (a hash exchange's blocks are full but for each map task's last, and an exact cut
+    /// after that last one copied every piece that followed).
+    #[default]
+    KeepLargeBlocks,
+}
+
+/// A bundle of input blocks as a task's fragment reads it, wherever the task runs: in
+/// pieces of at most `target_rows` rows, cut as `cut` says. A piece within one block is a
+/// slice of it; only a piece that spans blocks is copied. (Concatenating the whole bundle
+/// first copied it, ~10 MB of text for a model's bundle, 2–3 ms before its first batch
+/// could start.)
 pub fn bundle_pieces(
     schema: &SchemaRef,
     blocks: Vec<RecordBatch>,
     target_rows: usize,
+    cut: PieceCut,
 ) -> Result<Vec<RecordBatch>> {
-    let mut cutter = PieceCutter::new(schema, target_rows);
+    let mut cutter = PieceCutter::new(schema, target_rows, cut);
     let mut pieces = vec![];
     for block in blocks {
         pieces.extend(cutter.push(block)?);
@@ -266,17 +286,19 @@ pub fn bundle_pieces(
 pub struct PieceCutter {
     schema: SchemaRef,
     target: usize,
+    cut: PieceCut,
     /// Slices of the piece being made, and their rows.
     parts: Vec<RecordBatch>,
     rows: usize,
 }
 
 impl PieceCutter {
-    /// A cutter into pieces of `target_rows` rows of `schema`.
-    pub fn new(schema: &SchemaRef, target_rows: usize) -> Self {
+    /// A cutter into pieces of at most `target_rows` rows of `schema`, cut as `cut` says.
+    pub fn new(schema: &SchemaRef, target_rows: usize, cut: PieceCut) -> Self {
         Self {
             schema: Arc::clone(schema),
             target: target_rows.max(1),
+            cut,
             parts: vec![],
             rows: 0,
         }
@@ -284,6 +306,14 @@ impl PieceCutter {
 
     /// The pieces `block` completes.
     pub fn push(&mut self, block: RecordBatch) -> Result<Vec<RecordBatch>> {
+        match self.cut {
+            PieceCut::Exact => self.push_exact(block),
+            PieceCut::KeepLargeBlocks => self.push_keeping_large_blocks(block),
+        }
+    }
+
+    /// [`PieceCut::Exact`]: fill the piece being made to the target, across blocks.
+    fn push_exact(&mut self, block: RecordBatch) -> Result<Vec<RecordBatch>> {
         let mut pieces = vec![];
         let mut at = 0;
         while at < block.num_rows() {
@@ -295,6 +325,33 @@ impl PieceCutter {
                 self.rows = 0;
             }
         }
+        Ok(pieces)
+    }
+
+    /// [`PieceCut::KeepLargeBlocks`]: a large block ends the piece being made and is handed
+    /// in slices of the target; a small one joins the piece being made, which is handed
+    /// first if the block would take it past the target.
+    fn push_keeping_large_blocks(&mut self, block: RecordBatch) -> Result<Vec<RecordBatch>> {
+        let rows = block.num_rows();
+        if rows == 0 {
+            return Ok(vec![]);
+        }
+        let mut pieces = vec![];
+        if rows * 2 >= self.target {
+            pieces.extend(self.finish()?);
+            let mut at = 0;
+            while at < rows {
+                let take = self.target.min(rows - at);
+                pieces.push(block.slice(at, take));
+                at += take;
+            }
+            return Ok(pieces);
+        }
+        if self.rows + rows > self.target {
+            pieces.extend(self.finish()?);
+        }
+        self.parts.push(block);
+        self.rows += rows;
         Ok(pieces)
     }
 
@@ -342,6 +399,17 @@ mod tests {
             .collect()
     }
 
+    /// The ids of `pieces`, in order.
+    fn values(pieces: &[RecordBatch]) -> Vec<i64> {
+        pieces
+            .iter()
+            .flat_map(|p| {
+                let column = p.column(0).as_any().downcast_ref::<Int64Array>().unwrap();
+                column.values().to_vec()
+            })
+            .collect()
+    }
+
     fn rows(blocks: &[(usize, RecordBatch)]) -> Vec<usize> {
         blocks.iter().map(|(_, b)| b.num_rows()).collect()
     }
@@ -351,25 +419,93 @@ mod tests {
         let schema = batch(0, 1).schema();
         let blocks = vec![batch(0, 9), batch(9, 0), batch(9, 6)];
         let first = blocks[0].column(0).to_data().buffers()[0].as_ptr();
-        let pieces = bundle_pieces(&schema, blocks, 4).unwrap();
+        let pieces = bundle_pieces(&schema, blocks, 4, PieceCut::Exact).unwrap();
         assert_eq!(
             pieces.iter().map(|b| b.num_rows()).collect::<Vec<_>>(),
             vec![4, 4, 4, 3]
         );
-        let values: Vec<i64> = pieces
-            .iter()
-            .flat_map(|p| {
-                let column = p.column(0).as_any().downcast_ref::<Int64Array>().unwrap();
-                column.values().to_vec()
-            })
-            .collect();
+        let values = values(&pieces);
         assert_eq!(values, (0..15).collect::<Vec<_>>());
         // A piece within one block is a slice of it, not a copy.
         assert_eq!(pieces[0].column(0).to_data().buffers()[0].as_ptr(), first);
         assert!(
-            bundle_pieces(&schema, vec![batch(0, 0)], 4)
+            bundle_pieces(&schema, vec![batch(0, 0)], 4, PieceCut::Exact)
                 .unwrap()
                 .is_empty()
+        );
+    }
+
+    /// Each piece's rows, and whether it is a slice of a block's own buffer (not a copy).
+    fn piece_rows_and_slices(pieces: &[RecordBatch], blocks: &[RecordBatch]) -> Vec<(usize, bool)> {
+        let buffers: Vec<_> = blocks
+            .iter()
+            .map(|b| b.column(0).to_data().buffers()[0].clone())
+            .collect();
+        pieces
+            .iter()
+            .map(|p| {
+                let at = p.column(0).to_data().buffers()[0].as_ptr();
+                let sliced = buffers.iter().any(|b| {
+                    let range = b.as_ptr() as usize..b.as_ptr() as usize + b.len();
+                    range.contains(&(at as usize))
+                });
+                (p.num_rows(), sliced)
+            })
+            .collect()
+    }
+
+    #[test]
+    fn keeping_large_blocks_copies_only_small_ones_and_never_passes_the_target() {
+        let schema = batch(0, 1).schema();
+        // A full block, a map task's last (small), full blocks, two small ones, one larger
+        // than the target, and a last small one.
+        let sizes = [8, 3, 8, 5, 2, 2, 11, 1];
+        let mut blocks = vec![];
+        let mut from = 0;
+        for n in sizes {
+            blocks.push(batch(from, n));
+            from += n;
+        }
+        let pieces = bundle_pieces(&schema, blocks.clone(), 8, PieceCut::KeepLargeBlocks).unwrap();
+        assert_eq!(
+            piece_rows_and_slices(&pieces, &blocks),
+            vec![
+                (8, true), // the full block as it is
+                (3, true), // a small block alone: the next is large
+                (8, true),
+                (5, true),  // at least half the target: kept
+                (4, false), // two small blocks gathered into one copy
+                (8, true),  // a larger block in slices of the target
+                (3, true),
+                (1, true),
+            ]
+        );
+        let values = values(&pieces);
+        assert_eq!(
+            values,
+            (0..from).collect::<Vec<_>>(),
+            "every row once, in order"
+        );
+        // Small blocks are gathered up to the target, never past it.
+        let small: Vec<_> = (0..7).map(|i| batch(i * 3, 3)).collect();
+        let pieces = bundle_pieces(&schema, small, 8, PieceCut::KeepLargeBlocks).unwrap();
+        assert_eq!(
+            pieces.iter().map(|p| p.num_rows()).collect::<Vec<_>>(),
+            vec![6, 6, 6, 3]
+        );
+        // Cut one block at a time, the pieces are the same.
+        let mut cutter = PieceCutter::new(&schema, 8, PieceCut::KeepLargeBlocks);
+        let mut one_at_a_time = vec![];
+        for block in blocks {
+            one_at_a_time.extend(cutter.push(block).unwrap());
+        }
+        one_at_a_time.extend(cutter.finish().unwrap());
+        assert_eq!(
+            one_at_a_time
+                .iter()
+                .map(|p| p.num_rows())
+                .collect::<Vec<_>>(),
+            vec![8, 3, 8, 5, 4, 8, 3, 1]
         );
     }
 

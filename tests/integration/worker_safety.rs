@@ -229,6 +229,7 @@ fn request(query: &str, grants: Vec<String>) -> TaskRequest {
         build_keys: vec![],
         feed: String::new(),
         fed_sources: vec![],
+        ..TaskRequest::default()
     }
 }
 
