@@ -296,6 +296,7 @@ fn deterministic(expr: &Arc<dyn PhysicalExpr>) -> bool {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::plan::test_plans::physical_plan;
     use datafusion::physical_plan::displayable;
     use datafusion::prelude::{SessionConfig, SessionContext};
 
@@ -311,8 +312,7 @@ mod tests {
         ] {
             ctx.sql(table).await.unwrap().collect().await.unwrap();
         }
-        let plan = ctx.sql(sql).await.unwrap();
-        let plan = plan.create_physical_plan().await.unwrap();
+        let plan = physical_plan(&ctx, sql).await;
         let mut options = ConfigOptions::new();
         options.extensions.insert(FlumenConfig {
             workers,
@@ -412,13 +412,7 @@ mod tests {
             ("SELECT column1 FROM t ORDER BY column1 LIMIT 1", false),
             ("SELECT row_number() OVER () FROM t", false),
         ] {
-            let plan = ctx
-                .sql(sql)
-                .await
-                .unwrap()
-                .create_physical_plan()
-                .await
-                .unwrap();
+            let plan = physical_plan(&ctx, sql).await;
             assert_eq!(same_rows_each_time(&plan), same, "{sql}");
         }
     }
