@@ -577,6 +577,13 @@ flumen_settings! {
         /// bound they make: they prune row groups by it and, under a grouped aggregate,
         /// drop the rows it rejects. `false`: only an empty build side rules them out.
         pub build_key_bounds: bool, default = true
+        /// With worker processes and `build_key_bounds`, whether each task of a join's
+        /// build side also makes a set of its keys (a Bloom filter, two bits a key, up to
+        /// 1 MiB), which the bound tests its probe rows against where the keys are too many
+        /// to list; and whether every scan split of the probe side (not only those under a
+        /// grouped aggregate) drops the rows a bound with a list or a set rejects, before
+        /// they are exchanged. `false`: lists only, rows dropped under grouped aggregates.
+        pub build_key_sets: bool, default = true
         /// With worker processes, which joins a worker runs start once their build side is
         /// complete and are fed their probe side's blocks as they are made: `true`, those
         /// whose own output is read as it is made (a `LIMIT` above them then ends the query

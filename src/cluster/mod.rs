@@ -10,6 +10,8 @@
 //!   drops, carried whole.
 //! - [`bound_reads`]: a scan's read of an aggregate's complete bounds, flumen's own
 //!   expression, carried whole.
+//! - [`key_sets`]: a test of probe keys against a build side's key set, flumen's own
+//!   expression, carried whole.
 //! - [`topk_nodes`]: DataFusion's per-partition TopK, which proto cannot encode, carried as
 //!   a flumen node.
 //! - [`window_calls`]: what proto drops of a window function's call (`IGNORE NULLS`, a
@@ -50,6 +52,7 @@ pub mod auth;
 pub(crate) mod block_shelf;
 pub(crate) mod bound_reads;
 pub(crate) mod cast_fields;
+pub(crate) mod key_sets;
 #[cfg(feature = "kubernetes")]
 pub mod kubernetes;
 pub mod membership;

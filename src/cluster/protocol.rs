@@ -63,6 +63,10 @@ pub struct TaskRequest {
     /// ([`crate::plan::build_keys`]). Empty: no summary.
     #[serde(default)]
     pub build_keys: Vec<Vec<u8>>,
+    /// How many tasks the build producer has, for which the worker sizes the set of its
+    /// keys ([`crate::plan::key_membership`]); `0`: no set (`flumen.build_key_sets` off).
+    #[serde(default)]
+    pub build_key_set_tasks: usize,
     /// A task fed inputs while it runs (a join's probe side, sent as its producers make
     /// it): the feed's name, random, which the driver's [`FeedRequest`]s carry. Empty: the
     /// task has all its inputs when it starts.

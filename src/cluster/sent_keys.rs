@@ -4,11 +4,13 @@
 //!
 //! The keys go as datafusion-proto `PhysicalExprNode`s over the task plan's output columns;
 //! each value of the summary as a datafusion-proto `ScalarValue`, a key's list as one list
-//! value (its values in an Arrow array).
+//! value (its values in an Arrow array); the keys' set as base64 of its bits.
 
 use std::collections::HashSet;
 use std::sync::Arc;
 
+use base64::Engine;
+use base64::engine::general_purpose::STANDARD as BASE64;
 use datafusion::arrow::array::Array;
 use datafusion::arrow::datatypes::Schema;
 use datafusion::common::ScalarValue;
@@ -23,12 +25,16 @@ use prost::Message;
 use serde::{Deserialize, Serialize};
 
 use crate::plan::build_keys::{KeyRange, KeySummary};
+use crate::plan::key_membership::KeyMembership;
 
 /// A task's summary of its output keys, as it travels.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct SentKeys {
     /// One per key, in the order the task was given them.
     pub keys: Vec<SentKeyRange>,
+    /// The set of the keys ([`KeyMembership::to_bytes`], base64); `None`: none was made.
+    #[serde(default)]
+    pub membership: Option<String>,
 }
 
 /// One key's range and list, as they travel.
@@ -106,7 +112,8 @@ impl SentKeys {
                 })
             })
             .collect::<Result<_>>()?;
-        Ok(SentKeys { keys })
+        let membership = (summary.membership.as_ref()).map(|set| BASE64.encode(set.to_bytes()));
+        Ok(SentKeys { keys, membership })
     }
 
     /// The summary it carries.
@@ -136,7 +143,16 @@ impl SentKeys {
                 })
             })
             .collect::<Result<_>>()?;
-        Ok(KeySummary { keys })
+        let membership = match &self.membership {
+            Some(text) => {
+                let bytes = BASE64.decode(text).map_err(|e| {
+                    DataFusionError::Execution(format!("a key set that does not decode: {e}"))
+                })?;
+                Some(KeyMembership::from_bytes(&bytes)?)
+            }
+            None => None,
+        };
+        Ok(KeySummary { keys, membership })
     }
 }
 
@@ -171,13 +187,21 @@ mod tests {
             ],
         )
         .unwrap();
-        let mut summer = KeySummer::new(decoded, &schema).unwrap();
+        let mut summer = KeySummer::new(decoded, &schema, 3).unwrap();
         summer.observe(&batch).unwrap();
         let summary = summer.finish().unwrap();
         let sent = SentKeys::of(&summary).unwrap();
         let json = serde_json::to_vec(&sent).unwrap();
         let back: SentKeys = serde_json::from_slice(&json).unwrap();
         assert_eq!(back.summary().unwrap(), summary);
+        // Two rows with both keys: a set of the smallest size, holding them.
+        let set = summary.membership.as_ref().unwrap();
+        assert_eq!(set.bits(), crate::plan::key_membership::MIN_BITS);
+        assert!(!set.is_empty());
+        // A worker of an earlier build sends no set: not known, not empty.
+        let older: SentKeys =
+            serde_json::from_str(r#"{"keys":[{"min":null,"max":null,"values":null}]}"#).unwrap();
+        assert_eq!(older.summary().unwrap().membership, None);
         // No row seen: no range, an empty list.
         let nothing = KeySummary::new(1);
         assert_eq!(SentKeys::of(&nothing).unwrap().summary().unwrap(), nothing);

@@ -29,6 +29,8 @@
 //!   type; sent whole as [`super::cast_fields`] says.
 //! - **A read of an aggregate's complete bounds** (flumen's own expression): sent whole as
 //!   [`super::bound_reads`] says.
+//! - **A test of probe keys against a build side's key set** (flumen's own expression):
+//!   sent whole as [`super::key_sets`] says.
 //! - **A scan's row-group order hints** (`reverse_row_groups`, `sort_order_for_reorder`:
 //!   DataFusion's inexact sort pushdown, under a sort that still sorts above the scan): the
 //!   worker gives a TopK's scan them again as it decodes the plan
@@ -67,7 +69,7 @@ use crate::cluster::scan_formats::{ScanFormat, describe_format};
 use crate::cluster::shipped_functions::{self, ShippedFunction};
 use crate::cluster::topk_nodes;
 use crate::cluster::window_calls::{carry_window_calls, describe_window_calls, lossy_window};
-use crate::cluster::{bound_reads, cast_fields};
+use crate::cluster::{bound_reads, cast_fields, key_sets};
 use crate::plan::dynamic_filters::map_predicates;
 use crate::plan::subquery_values::SubqueryValuesExec;
 use crate::plan::task_topk::topks_read_in_their_order;
@@ -451,7 +453,10 @@ impl PhysicalProtoConverterExtension for TaskPlanConverter {
         codec: &dyn PhysicalExtensionCodec,
     ) -> Result<protobuf::PhysicalExprNode> {
         let sent = as_sent_expr(expr, &self.live_filters)?.data;
-        if let Some(expr) = cast_fields::encode(&sent)?.or_else(|| bound_reads::encode(&sent)) {
+        if let Some(expr) = (cast_fields::encode(&sent)?)
+            .or_else(|| bound_reads::encode(&sent))
+            .or_else(|| key_sets::encode(&sent))
+        {
             let inputs = (sent.children().into_iter())
                 .map(|input| self.physical_expr_to_proto(input, codec))
                 .collect::<Result<_>>()?;
@@ -637,7 +642,10 @@ impl PhysicalExtensionCodec for TaskPlanCodec {
     ) -> Result<Arc<dyn PhysicalExpr>> {
         let decoded = match cast_fields::decode(buf, inputs)? {
             Some(cast) => Some(cast),
-            None => bound_reads::decode(buf, inputs)?,
+            None => match bound_reads::decode(buf, inputs)? {
+                Some(read) => Some(read),
+                None => key_sets::decode(buf, inputs)?,
+            },
         };
         decoded.ok_or_else(|| {
             DataFusionError::Execution("a task plan holds an unknown extension expression".into())

@@ -211,7 +211,7 @@ async fn summed_keys(
 ) -> Result<Option<SentKeys>> {
     let schema = plan.schema();
     let mut summer = decode_keys(&request.build_keys, &schema, task_ctx)
-        .and_then(|keys| KeySummer::new(keys, &schema));
+        .and_then(|keys| KeySummer::new(keys, &schema, request.build_key_set_tasks));
     let mut summing = |item: Produced| {
         let failed = match (&item, &mut summer) {
             (Produced::Block(_, block), Ok(summing)) => summing.observe(block).err(),

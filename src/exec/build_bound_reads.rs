@@ -10,11 +10,11 @@ use std::collections::HashSet;
 use crate::cluster::sent_keys::{SentKeys, encode_keys};
 use crate::exec::metrics::OperatorStats;
 use crate::exec::run::QueryRun;
-use crate::exec::state::{BuildBoundState, RunState};
+use crate::exec::state::{BuildBoundState, RowDrops, RunState};
 use crate::exec::task_kind::TaskId;
 use crate::plan::build_bounds::{BuildBound, empty_build_side};
 use crate::plan::build_keys::KeySummary;
-use crate::plan::graph::OperatorId;
+use crate::plan::graph::{OperatorId, TaskShape};
 use crate::plan::task_bounds::MadeBound;
 
 impl QueryRun {
@@ -26,33 +26,51 @@ impl QueryRun {
         })
     }
 
-    /// The filters whose bound from a build side the run holds and `op`'s scans read: where
-    /// a grouped aggregate reads such a scan, a worker's split drops the rows they reject.
-    pub(super) fn build_bounds_made_for(&self, op: OperatorId) -> HashSet<u64> {
+    /// The filters whose bound from a build side the run holds and `op`'s scans read, by
+    /// which of their splits drop the rows they reject.
+    pub(super) fn build_bounds_made_for(&self, op: OperatorId) -> DroppingBy {
         let st = self.state.lock().unwrap();
-        (self.graph.build_bounds.iter().zip(&st.build_bounds))
-            .filter(|(bound, state)| {
-                **state == BuildBoundState::Settled { drops_rows: true }
-                    && bound.readers.contains(&op)
-            })
-            .map(|(bound, _)| bound.filter)
-            .collect()
+        let mut dropping = DroppingBy::default();
+        for (bound, state) in self.graph.build_bounds.iter().zip(&st.build_bounds) {
+            let BuildBoundState::Settled { drops } = state else {
+                continue;
+            };
+            if !bound.readers.contains(&op) || *drops == RowDrops::None {
+                continue;
+            }
+            dropping.under_grouping.insert(bound.filter);
+            if *drops == RowDrops::Everywhere {
+                dropping.everywhere.insert(bound.filter);
+            }
+        }
+        dropping
     }
 
     /// The build keys a worker's task of `op` sums up, encoded for its request: those of the
     /// first join `op` is the build producer of (none where it is none's, or
-    /// `flumen.build_key_bounds` is off).
-    pub(super) fn build_keys_sent(&self, op: OperatorId) -> Vec<Vec<u8>> {
+    /// `flumen.build_key_bounds` is off); and how many tasks `op` has, for which the worker
+    /// sizes the set of its keys (`0`, no set: `flumen.build_key_sets` off).
+    pub(super) fn build_keys_sent(&self, op: OperatorId) -> (Vec<Vec<u8>>, usize) {
         if !self.config().build_key_bounds {
-            return vec![];
+            return (vec![], 0);
         }
         let Some(bound) = self.key_bound_of(op) else {
-            return vec![];
+            return (vec![], 0);
         };
-        encode_keys(&bound.build_keys).unwrap_or_else(|e| {
+        let keys = encode_keys(&bound.build_keys).unwrap_or_else(|e| {
             log::info!("operator {op}'s build keys are not summed up: {e}");
             vec![]
-        })
+        });
+        let producer = &self.graph.operators[op];
+        let tasks = match producer.shape {
+            TaskShape::Source => producer.splits.iter().sum(),
+            TaskShape::BlockWise | TaskShape::Barrier => producer.partitions(),
+        };
+        let set_for = match self.config().build_key_sets {
+            true => tasks.max(1),
+            false => 0,
+        };
+        (keys, set_for)
     }
 
     /// The join whose keys a task of `op` sums up ([`Self::build_keys_sent`]).
@@ -79,19 +97,28 @@ impl QueryRun {
             {
                 continue;
             }
-            let (value, drops_rows) =
+            let sets = self.config().build_key_sets;
+            let (value, drops) =
                 match build_side_keys(st, bound, self.key_bound_of(bound.build_producer)) {
-                    BuildSide::Empty => (Some(empty_build_side()), true),
-                    BuildSide::Summed(summary) => {
+                    BuildSide::Empty => (Some(empty_build_side()), RowDrops::Everywhere),
+                    BuildSide::Summed(mut summary) => {
+                        if !sets {
+                            summary.membership = None;
+                        }
+                        let drops = match (summary.listed(), summary.membership_used()) {
+                            (true, _) if !sets => RowDrops::UnderGrouping,
+                            (true, _) | (false, Some(_)) => RowDrops::Everywhere,
+                            (false, None) => RowDrops::None,
+                        };
                         match summary.bound(&bound.probe_keys, &bound.probe_schema) {
-                            Ok(value) => (Some(value), summary.listed()),
+                            Ok(value) => (Some(value), drops),
                             Err(e) => {
                                 log::info!("a join's bound from its build side is left out: {e}");
-                                (None, false)
+                                (None, RowDrops::None)
                             }
                         }
                     }
-                    BuildSide::Unknown => (None, false),
+                    BuildSide::Unknown => (None, RowDrops::None),
                 };
             if let Some(value) = value {
                 let empty = value.as_ref() == empty_build_side().as_ref();
@@ -108,7 +135,7 @@ impl QueryRun {
                     }
                 }
             }
-            st.build_bounds[i] = BuildBoundState::Settled { drops_rows };
+            st.build_bounds[i] = BuildBoundState::Settled { drops };
         }
     }
 }
@@ -157,5 +184,25 @@ fn build_side_keys(st: &RunState, bound: &BuildBound, summed: Option<&BuildBound
         (false, _) => BuildSide::Empty,
         (true, false) => BuildSide::Summed(merged),
         (true, true) => BuildSide::Unknown,
+    }
+}
+
+/// The join filters whose bound from a build side a scan's splits drop rows by
+/// ([`QueryRun::build_bounds_made_for`]).
+#[derive(Debug, Default, Clone)]
+pub(super) struct DroppingBy {
+    /// Those the splits under a grouped aggregate drop rows by.
+    pub under_grouping: HashSet<u64>,
+    /// Those every split drops rows by (among `under_grouping`).
+    pub everywhere: HashSet<u64>,
+}
+
+impl DroppingBy {
+    /// The filters a split drops rows by, where it is under a grouped aggregate or not.
+    pub fn for_split(&self, under_grouping: bool) -> &HashSet<u64> {
+        match under_grouping {
+            true => &self.under_grouping,
+            false => &self.everywhere,
+        }
     }
 }

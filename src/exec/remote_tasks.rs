@@ -774,6 +774,7 @@ impl QueryRun {
         plan: &Arc<dyn ExecutionPlan>,
     ) -> TaskRequest {
         let config = self.config();
+        let (build_keys, build_key_set_tasks) = self.build_keys_sent(op_id);
         TaskRequest {
             target_rows: self.graph.piece_rows(op_id),
             piece_cut: self.graph.piece_cut(op_id),
@@ -814,7 +815,8 @@ impl QueryRun {
                     .filter_map(|url| granted.get(url))
                     .collect()
             },
-            build_keys: self.build_keys_sent(op_id),
+            build_keys,
+            build_key_set_tasks,
         }
     }
 

@@ -205,12 +205,25 @@ pub(super) enum BuildBoundState {
     /// Its build producer is complete: the scans start, from its bound where the run holds
     /// one (its tasks' summaries of their keys merged, or `false` for no row).
     Settled {
-        /// Whether the bound lists its keys (or is `false`): the scans' splits under a
-        /// grouped aggregate then drop the rows it rejects. A range alone is left to prune
-        /// row groups: a join key's range rarely rejects rows that its row groups' statistics
-        /// did not (a choice: TPC-H q4 and q9 measured within noise either way).
-        drops_rows: bool,
+        /// Which of the scans' splits drop the rows the bound rejects.
+        drops: RowDrops,
     },
+}
+
+/// Which splits of the scans reading a join's bound from its build side drop the rows it
+/// rejects (the others use it to prune row groups only).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) enum RowDrops {
+    /// None: the bound is a range alone, which rarely rejects rows that the row groups'
+    /// statistics did not (a choice: TPC-H q4 and q9 measured within noise either way).
+    None,
+    /// Those under a grouped aggregate: the bound lists the keys (or is `false`) and
+    /// `flumen.build_key_sets` is off.
+    UnderGrouping,
+    /// Every one: the bound lists the keys or tests them against their set
+    /// ([`crate::plan::key_membership`]), both cheap beside the exchange and the probe a
+    /// row it rejects would cost.
+    Everywhere,
 }
 
 pub(super) fn pool_index(pool: Pool) -> usize {

@@ -11,7 +11,6 @@
 //! Each returns why not ([`OnDriver`]) where the task cannot be cut out this way; the
 //! plan is then encoded for the pool's workers ([`encode_for_worker`]).
 
-use std::collections::HashSet;
 use std::sync::Arc;
 
 use datafusion::common::tree_node::{Transformed, TreeNode, TreeNodeRecursion};
@@ -30,10 +29,12 @@ use crate::cluster::admission::{admit_plan, reads_format, scanned_files, scanned
 use crate::cluster::on_driver::OnDriver;
 use crate::cluster::task_plan::{self};
 use crate::cluster::worker_pool::WorkerPool;
+use crate::exec::build_bound_reads::DroppingBy;
 use crate::io::object_stores::StoreGrants;
 use crate::plan::accelerator_projection::AcceleratorProjectionExec;
 use crate::plan::graph::Operator;
 use crate::plan::join_filter_rows::filters_on_output;
+use crate::plan::key_membership::KeysInSet;
 use crate::plan::merge_runs::MergeRunsExec;
 use crate::plan::partition_cut::{Reads, child_reads, cuts_per_partition, union_input};
 use crate::plan::split_source::SplitSourceExec;
@@ -41,16 +42,16 @@ use crate::plan::stage_input::StageInputExec;
 use crate::store::block::BlockId;
 
 /// The plan a worker runs for source split `split` of `partition` of `op`, or why there is
-/// none. A split of a scan that drops join-filtered rows (read by a grouped aggregate) is
-/// put under a filter of the dynamic filters among `dropping_by` that it reads: those
-/// whose bound from a join's build side the run holds ([`crate::plan::build_bounds`]),
-/// which the task's bounds put beside each of them.
+/// none. A split is put under a filter of the dynamic filters among `dropping_by` that it
+/// reads (those for its place: under a grouped aggregate or not): those whose bound from a
+/// join's build side the run holds ([`crate::plan::build_bounds`]), which the task's bounds
+/// put beside each of them.
 pub(super) fn source_plan(
     op: &Operator,
     partition: usize,
     split: usize,
     stores: &StoreGrants,
-    dropping_by: &HashSet<u64>,
+    dropping_by: &DroppingBy,
 ) -> Result<Arc<dyn ExecutionPlan>, OnDriver> {
     let mut found = None;
     let plan = Arc::clone(&op.fragment)
@@ -63,9 +64,12 @@ pub(super) fn source_plan(
                     return Ok(Transformed::no(node));
                 }
                 found = Some(true);
-                let rows = (source.drops_join_filtered_rows())
+                let dropping_by = dropping_by.for_split(source.drops_join_filtered_rows());
+                let rows = (!dropping_by.is_empty())
                     .then(|| filters_on_output(&scan, dropping_by))
-                    .flatten();
+                    .flatten()
+                    .map(KeysInSet::each_its_own)
+                    .transpose()?;
                 return Ok(Transformed::yes(match rows {
                     Some(filter) => Arc::new(FilterExec::try_new(filter, scan)?),
                     None => scan,

@@ -13,13 +13,15 @@
 //! [`BuildBound`]'s readers) waits until the join's build producer is complete (measured
 //! on TPC-H SF1 with workers: 1.005x the time without the wait). Each task of the build
 //! producer sums up its output's keys on its worker (their range, and their list while
-//! short: [`crate::plan::build_keys`]); once all are in, the driver merges them into the
+//! short: [`crate::plan::build_keys`]; and, where too many to list, their set:
+//! [`crate::plan::key_membership`]); once all are in, the driver merges them into the
 //! bound DataFusion would make and adds it to the run's bounds under the filter's id
 //! (`false` where the build side has no row: [`empty_build_side`]). Every probe split
 //! launched after starts from it, for every run of it (`crate::plan::task_bounds`): it
 //! prunes its row groups by it (a split whose files it rules out is not sent:
-//! `tasks_pruned_at_launch`) and, where a grouped aggregate reads the scan, drops the rows
-//! it rejects (`crate::plan::join_filter_rows`). A task whose worker sent no summary (one
+//! `tasks_pruned_at_launch`) and, where a list or a set makes it selective, drops the rows
+//! it rejects before they are exchanged (`flumen.build_key_sets`; off, only a split under
+//! a grouped aggregate drops rows, by a list: `crate::plan::join_filter_rows`). A task whose worker sent no summary (one
 //! run on the driver) leaves the join without a bound but for an empty build side. Making
 //! the bound on the driver from the build blocks cost more than it saved
 //! (`docs/benchmarks.md`, "a join's bound from its build side tried").

@@ -1,7 +1,7 @@
 //! The keys of a join's build side, summed up where its blocks are made: each key's least
-//! and greatest value and, for a few, their list ([`KeySummary`]); the summaries of its
-//! tasks merged give the bound its probe side's scans start from
-//! ([`crate::plan::build_bounds`]).
+//! and greatest value and, for a few, their list, and a set of them all
+//! ([`crate::plan::key_membership`]) ([`KeySummary`]); the summaries of its tasks merged
+//! give the bound its probe side's scans start from ([`crate::plan::build_bounds`]).
 //!
 //! A worker summarizes the output of a build producer's task as it cuts its blocks and
 //! sends the summary with the task's end ([`crate::cluster::sent_keys`]), so the driver
@@ -22,6 +22,8 @@ use datafusion::physical_expr::expressions::{BinaryExpr, in_list, lit};
 use datafusion::physical_plan::PhysicalExpr;
 use datafusion::physical_plan::aggregates::group_values::{GroupValues, new_group_values};
 use datafusion::physical_plan::aggregates::order::GroupOrdering;
+
+use crate::plan::key_membership::{KeyMembership, KeysInSet, MAX_DENSITY, MembershipSummer};
 
 /// Most distinct values of a key listed in its bound (`key IN (...)`); a key with more has
 /// its range only.
@@ -76,11 +78,14 @@ impl KeyRange {
     }
 }
 
-/// What is known of a build side's keys: one [`KeyRange`] per join key, in the join's order.
+/// What is known of a build side's keys: one [`KeyRange`] per join key, in the join's order,
+/// and the set of the keys together.
 #[derive(Debug, Clone, PartialEq, Default)]
 pub struct KeySummary {
     /// Each key's range and list.
     pub keys: Vec<KeyRange>,
+    /// The set of the rows' keys (rows with a NULL key left out); `None`: not known.
+    pub membership: Option<KeyMembership>,
 }
 
 impl KeySummary {
@@ -88,6 +93,7 @@ impl KeySummary {
     pub fn new(keys: usize) -> Self {
         KeySummary {
             keys: vec![KeyRange::default(); keys],
+            membership: Some(KeyMembership::empty()),
         }
     }
 
@@ -96,6 +102,16 @@ impl KeySummary {
         for (mine, theirs) in self.keys.iter_mut().zip(other.keys) {
             mine.merge(theirs);
         }
+        self.membership = match (self.membership.take(), other.membership) {
+            (Some(mine), Some(theirs)) => Some(mine.union(theirs)),
+            _ => None,
+        };
+    }
+
+    /// The set of keys its bound tests probe rows against: where no key is listed (a list
+    /// is exact) and the set is sparse enough to rule out most other keys.
+    pub fn membership_used(&self) -> Option<&KeyMembership> {
+        (self.membership.as_ref()).filter(|set| !self.listed() && set.density() <= MAX_DENSITY)
     }
 
     /// Whether some key's values are listed (at most [`MAX_LISTED_KEYS`]): its bound is
@@ -106,8 +122,9 @@ impl KeySummary {
 
     /// The bound a probe row must meet to match a build row so summed up, on `probe_keys`
     /// (the join's probe-side keys, in the order of the summary's, reading `probe_schema`):
-    /// each key between its least and greatest value, and in its list where it has one;
-    /// `false` when no build row has a key without NULL.
+    /// each key between its least and greatest value, and in its list where it has one,
+    /// the keys in their set where it is used ([`Self::membership_used`]); `false` when no
+    /// build row has a key without NULL.
     pub fn bound(
         &self,
         probe_keys: &[Arc<dyn PhysicalExpr>],
@@ -144,6 +161,10 @@ impl KeySummary {
                 terms.push(in_list(Arc::clone(probe_key), list, &false, probe_schema)?);
             }
         }
+        if let Some(set) = self.membership_used() {
+            let set = Arc::new(set.clone());
+            terms.push(Arc::new(KeysInSet::new(probe_keys.to_vec(), set)));
+        }
         Ok((terms.into_iter())
             .reduce(|a, b| Arc::new(BinaryExpr::new(a, BinaryOp::And, b)) as _)
             .unwrap_or_else(|| lit(true)))
@@ -153,12 +174,15 @@ impl KeySummary {
 /// A task's keys summed up as its blocks are made (on its worker): each key's least and
 /// greatest value by DataFusion's `min` and `max`, and its distinct values by the hash
 /// aggregate's group table, both a batch at a time, until there are more than
-/// [`MAX_LISTED_KEYS`]; [`KeySummer::finish`] gives the [`KeySummary`].
+/// [`MAX_LISTED_KEYS`], and the keys' set; [`KeySummer::finish`] gives the [`KeySummary`].
 pub struct KeySummer {
     /// The keys, over the task's output columns.
     exprs: Vec<Arc<dyn PhysicalExpr>>,
     /// Per key, what has been counted in.
     keys: Vec<KeySums>,
+    /// The set of the keys and how many tasks its producer has (its size is made for
+    /// them all); `None`: no set is made.
+    membership: Option<(MembershipSummer, usize)>,
 }
 
 /// One key's sums in a [`KeySummer`].
@@ -170,8 +194,13 @@ struct KeySums {
 }
 
 impl KeySummer {
-    /// A summer of `exprs` (one per key), which read batches of `schema`.
-    pub fn new(exprs: Vec<Arc<dyn PhysicalExpr>>, schema: &Schema) -> Result<Self> {
+    /// A summer of `exprs` (one per key), which read batches of `schema`, making their set
+    /// for a producer of `set_for_tasks` tasks (`0`: no set).
+    pub fn new(
+        exprs: Vec<Arc<dyn PhysicalExpr>>,
+        schema: &Schema,
+        set_for_tasks: usize,
+    ) -> Result<Self> {
         let keys = (exprs.iter())
             .map(|expr| {
                 let data_type = expr.data_type(schema)?;
@@ -185,7 +214,12 @@ impl KeySummer {
                 })
             })
             .collect::<Result<_>>()?;
-        Ok(KeySummer { exprs, keys })
+        let membership = (set_for_tasks > 0).then(|| (MembershipSummer::default(), set_for_tasks));
+        Ok(KeySummer {
+            exprs,
+            keys,
+            membership,
+        })
     }
 
     /// Count the keys of `batch` in.
@@ -194,8 +228,10 @@ impl KeySummer {
             return Ok(());
         }
         let mut groups = vec![];
+        let mut columns = Vec::with_capacity(self.exprs.len());
         for (expr, KeySums { min, max, listed }) in self.exprs.iter().zip(&mut self.keys) {
             let values = expr.evaluate(batch)?.into_array(batch.num_rows())?;
+            columns.push(Arc::clone(&values));
             min.update_batch(std::slice::from_ref(&values))?;
             max.update_batch(std::slice::from_ref(&values))?;
             if let Some(table) = listed {
@@ -206,12 +242,16 @@ impl KeySummer {
                 }
             }
         }
+        if let Some((set, _)) = &mut self.membership {
+            set.observe(&columns)?;
+        }
         Ok(())
     }
 
     /// What the batches counted in tell of the keys.
     pub fn finish(self) -> Result<KeySummary> {
         let mut keys = Vec::with_capacity(self.keys.len());
+        let membership = (self.membership).map(|(set, tasks)| set.finish(tasks));
         for KeySums {
             mut min,
             mut max,
@@ -237,7 +277,7 @@ impl KeySummer {
             range.widen(Some(min.evaluate()?), Some(max.evaluate()?));
             keys.push(range);
         }
-        Ok(KeySummary { keys })
+        Ok(KeySummary { keys, membership })
     }
 }
 
@@ -250,7 +290,7 @@ mod tests {
 
     /// The summary of `batches`' keys `keys` (one task's output).
     fn summed(keys: &[Arc<dyn PhysicalExpr>], batches: &[RecordBatch]) -> KeySummary {
-        let mut summer = KeySummer::new(keys.to_vec(), &batches[0].schema()).unwrap();
+        let mut summer = KeySummer::new(keys.to_vec(), &batches[0].schema(), 1).unwrap();
         for batch in batches {
             summer.observe(batch).unwrap();
         }
@@ -303,7 +343,7 @@ mod tests {
     }
 
     #[test]
-    fn no_key_passes_nothing_and_many_keys_give_a_range_only() {
+    fn no_key_passes_nothing_and_many_keys_give_their_range_and_set() {
         let build = Schema::new(vec![Field::new("s", DataType::Utf8, true)]);
         let probe = Schema::new(vec![Field::new("p", DataType::Utf8, true)]);
         let keys = [col("s", &build).unwrap()];
@@ -335,8 +375,28 @@ mod tests {
         assert!(first.keys[0].values.is_some() && second.keys[0].values.is_some());
         first.merge(second);
         let bound = first.bound(&probe_keys, &probe).unwrap();
+        // Too many to list: their range, and the test of their set (each task's made for a
+        // producer of one task: 2,049 keys at 16 bits each, the least size, 65,536 bits).
         assert_eq!(
             bound.to_string(),
+            format!(
+                "p@0 >= k00000 AND p@0 <= k{:05} AND keys_in_set(p@0; 65536 bits)",
+                2 * half - 1
+            )
+        );
+        // In the range and the set, out of the range, in the range but not put in.
+        let probe_rows = RecordBatch::try_new(
+            Arc::new(probe.clone()),
+            vec![Arc::new(StringArray::from(vec![
+                "k00007", "k99999", "k00007x",
+            ]))],
+        )
+        .unwrap();
+        assert_eq!(kept(&bound, &probe_rows), vec![true, false, false]);
+        // With no set (a worker that made none), the range alone.
+        first.membership = None;
+        assert_eq!(
+            first.bound(&probe_keys, &probe).unwrap().to_string(),
             format!("p@0 >= k00000 AND p@0 <= k{:05}", 2 * half - 1)
         );
     }

@@ -15,6 +15,8 @@
 //! - [`build_bounds`]: in worker mode, the scans of a join's probe side wait for its build
 //!   side, and start from a bound of its keys (nothing to read if it came out empty).
 //! - [`build_keys`]: a build side's keys summed up (range and list) where its blocks are made.
+//! - [`key_membership`]: the set of a build side's keys (a Bloom filter) and the test of a
+//!   probe row against it.
 //! - [`stage_input`]: the leaf through which a fragment reads its producer's blocks.
 //! - [`accelerator_projection`]: model UDF projections kept apart as accelerator operators.
 //! - [`model_cache_lookup`]: the model-output cache's lookup planned into the CPU stage
@@ -60,6 +62,7 @@ pub mod fixed_size_list_casts;
 pub(crate) mod graph;
 pub mod grouping_set_constants;
 pub(crate) mod join_filter_rows;
+pub mod key_membership;
 pub mod merge_join_fallback;
 mod merge_levels;
 pub mod merge_runs;
