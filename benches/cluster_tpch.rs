@@ -6,7 +6,8 @@
 //! ```text
 //! cargo bench --bench cluster_tpch -- [--sf 1] [--hosts 1,2,3] [--cores 0.5] [--slots 2]
 //!     [--partitions 6] [--queries 3,5] [--runs 1] [--no-peer] [--kill-query 9]
-//!     [--tasks-query] [--check] [--no-build-key-bounds] [--feed-joins true|all|false]
+//!     [--tasks-query] [--check] [--no-build-key-bounds] [--no-build-key-sets]
+//!     [--feed-joins true|all|false]
 //!     [--exchange-compression none|lz4|zstd] [--rate 200mbit]
 //! ```
 //!
@@ -177,6 +178,9 @@ fn cluster_session(cluster_file: &Path, partitions: usize) -> SessionContext {
     // `--no-build-key-bounds`: joins' probe scans start from no bound of their build keys
     // (`flumen.build_key_bounds = false`), the baseline of those bounds.
     config.build_key_bounds = !std::env::args().any(|a| a == "--no-build-key-bounds");
+    // `--no-build-key-sets`: no set of a build side's keys, rows dropped by a list only and
+    // under grouped aggregates only (`flumen.build_key_sets = false`), the sets' baseline.
+    config.build_key_sets = !std::env::args().any(|a| a == "--no-build-key-sets");
     // `--feed-joins all`: every join a worker runs is fed its probe side as it is made
     // (`flumen.feed_joins_on_workers`); `false`: every one a barrier.
     let args: Vec<String> = std::env::args().collect();

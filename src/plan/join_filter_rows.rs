@@ -109,25 +109,46 @@ pub fn complete_join_filter(scan: &Arc<dyn ExecutionPlan>) -> Option<JoinRowFilt
     }
     let filter = conjunction(filters.into_iter().collect::<Result<Vec<_>>>().ok()?);
     // The predicate reads the table's columns; the scan's batches hold its projection.
-    let on_output = |expr: Arc<dyn PhysicalExpr>| match FileSource::projection(source) {
-        Some(projection) => projection.project_expr(&expr).ok(),
-        None => reassign_expr_columns(expr, &scan.schema()).ok(),
-    };
-    let dynamic = on_output(filter)?;
-    let cheap: Vec<_> = split_conjunction(&predicate)
-        .into_iter()
-        .filter(|conjunct| is_cheap(conjunct))
-        .filter_map(|conjunct| on_output(Arc::clone(conjunct)))
-        .collect();
-    let cheap_first = (!cheap.is_empty()).then(|| conjunction(cheap));
+    let dynamic = on_scan_output(scan, source, filter)?;
     Some(JoinRowFilter {
         dynamic,
-        cheap_first,
+        cheap_first: cheap_conjuncts(scan, source, &predicate),
     })
 }
 
+/// The conjunction of `predicate`'s conjuncts that are cheap to evaluate
+/// ([`JoinRowFilter::cheap_first`]), on `scan`'s output columns (`source`: its Parquet
+/// source); `None` where there is none.
+fn cheap_conjuncts(
+    scan: &Arc<dyn ExecutionPlan>,
+    source: &ParquetSource,
+    predicate: &Arc<dyn PhysicalExpr>,
+) -> Option<Arc<dyn PhysicalExpr>> {
+    let cheap: Vec<_> = split_conjunction(predicate)
+        .into_iter()
+        .filter(|conjunct| is_cheap(conjunct))
+        .filter_map(|conjunct| on_scan_output(scan, source, Arc::clone(conjunct)))
+        .collect();
+    (!cheap.is_empty()).then(|| conjunction(cheap))
+}
+
+/// `expr`, which reads the table's columns, on the columns of `scan`'s batches (its
+/// projection; `source`: its Parquet source).
+fn on_scan_output(
+    scan: &Arc<dyn ExecutionPlan>,
+    source: &ParquetSource,
+    expr: Arc<dyn PhysicalExpr>,
+) -> Option<Arc<dyn PhysicalExpr>> {
+    match FileSource::projection(source) {
+        Some(projection) => projection.project_expr(&expr).ok(),
+        None => reassign_expr_columns(expr, &scan.schema()).ok(),
+    }
+}
+
 /// The conjunction of the dynamic filters among `ids` that the Parquet scan `scan`'s
-/// predicate reads, on the scan's output columns: what a worker's split of a scan that
+/// predicate reads, on the scan's output columns, after the predicate's cheap conjuncts
+/// ([`JoinRowFilter::cheap_first`]: DataFusion's `AND` then tests the filters only on the
+/// rows those keep, where they keep at most a fifth): what a worker's split of a scan that
 /// drops join-filtered rows filters by, where its run starts from a bound made from a
 /// join's build side ([`crate::plan::build_bounds`]; the task's bounds then put that
 /// bound beside each filter). `None` where it reads none of them, or the scan filters rows
@@ -150,11 +171,11 @@ pub fn filters_on_output(
     if filters.is_empty() {
         return None;
     }
-    let filter = conjunction(filters);
-    match FileSource::projection(source) {
-        Some(projection) => projection.project_expr(&filter).ok(),
-        None => reassign_expr_columns(filter, &scan.schema()).ok(),
-    }
+    let dynamic = on_scan_output(scan, source, conjunction(filters))?;
+    Some(match cheap_conjuncts(scan, source, &predicate) {
+        Some(cheap) => conjunction([cheap, dynamic]),
+        None => dynamic,
+    })
 }
 
 /// Whether `expr` is cheap to evaluate on every row: columns, literals, comparisons,

@@ -195,7 +195,7 @@ impl KeyMembership {
     /// The set of [`Self::to_bytes`]'s bytes.
     pub fn from_bytes(bytes: &[u8]) -> Result<Self> {
         let words = bytes.len() / 8;
-        if bytes.len() % 8 != 0 || !words.is_power_of_two() {
+        if !bytes.len().is_multiple_of(8) || !words.is_power_of_two() {
             return Err(DataFusionError::Execution(format!(
                 "a key set of {} bytes (not a power of two of 8-byte words)",
                 bytes.len()
