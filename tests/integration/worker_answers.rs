@@ -1196,6 +1196,24 @@ async fn sorted_ids(dir: &Path, files: usize, rows: usize, row_group: usize) -> 
     vanilla
 }
 
+/// The `COPY` statements that write the ids 0 to 79,999 out of order into 4 Parquet files
+/// of 20,000 rows under `dir` (`id`, and `n` the row's number): no row group of them can be
+/// pruned by an id's range.
+fn shuffled_ids(dir: &Path) -> Vec<String> {
+    // 7,919 is prime to 80,000: `value * 7919 % 80000` takes each id once, out of order.
+    (0..4)
+        .map(|file| {
+            format!(
+                "COPY (SELECT value * 7919 % 80000 AS id, value AS n \
+                 FROM generate_series({}, {})) TO '{}/part-{file}.parquet'",
+                file * 20_000,
+                file * 20_000 + 19_999,
+                dir.display()
+            )
+        })
+        .collect()
+}
+
 /// The first source operator of `exec`'s graph read in more than one split: in the tests
 /// below, a join's probe side (`t`, 4 files), where its build side is one file.
 fn probe_scan(exec: &flumen::exec::FlumenExec) -> &flumen::plan::Operator {
@@ -1713,16 +1731,7 @@ async fn a_workers_join_bounds_its_probe_scans_by_its_build_keys() {
             many.display()
         ),
     ];
-    // 7,919 is prime to 80,000: `value * 7919 % 80000` takes each id once, out of order.
-    writes.extend((0..4).map(|file| {
-        format!(
-            "COPY (SELECT value * 7919 % 80000 AS id FROM generate_series({}, {})) \
-             TO '{}/part-{file}.parquet'",
-            file * 20_000,
-            file * 20_000 + 19_999,
-            shuffled.display()
-        )
-    }));
+    writes.extend(shuffled_ids(&shuffled));
     for write in writes {
         common::collect(&vanilla, &write).await;
     }
@@ -1791,15 +1800,7 @@ async fn probe_splits_that_drop_rows_by_a_key_set_are_made_again_alike() {
         "COPY (SELECT value * 13 AS id, value % 5 AS g FROM generate_series(0, 5999)) TO '{}'",
         many.display()
     )];
-    writes.extend((0..4).map(|file| {
-        format!(
-            "COPY (SELECT value * 7919 % 80000 AS id, value AS v FROM generate_series({}, {})) \
-             TO '{}/part-{file}.parquet'",
-            file * 20_000,
-            file * 20_000 + 19_999,
-            shuffled.display()
-        )
-    }));
+    writes.extend(shuffled_ids(&shuffled));
     for write in writes {
         common::collect(&vanilla, &write).await;
     }
@@ -1814,7 +1815,7 @@ async fn probe_splits_that_drop_rows_by_a_key_set_are_made_again_alike() {
     let ctx = join_tables(ctx, &tables).await;
     common::collect(&ctx, "SET flumen.target_block_rows = 512").await;
     let sql =
-        "SELECT e.g, count(*), sum(u.v) FROM u JOIN e ON u.id = e.id GROUP BY e.g ORDER BY e.g";
+        "SELECT e.g, count(*), sum(u.n) FROM u JOIN e ON u.id = e.id GROUP BY e.g ORDER BY e.g";
     let plan = answers_like_vanilla(&vanilla, &ctx, sql).await;
     let exec = plan.downcast_ref::<flumen::exec::FlumenExec>().unwrap();
     let stats = common::operator_stats(exec);
