@@ -28,6 +28,7 @@ use std::hash::Hash;
 use std::sync::{Arc, Mutex};
 
 use datafusion::arrow::array::{Array, ArrayRef, BooleanArray, BooleanBufferBuilder};
+use datafusion::arrow::buffer::{BooleanBuffer, NullBuffer};
 use datafusion::arrow::compute::cast;
 use datafusion::arrow::datatypes::{DataType, Schema};
 use datafusion::arrow::record_batch::RecordBatch;
@@ -211,7 +212,7 @@ impl KeyMembership {
 /// The hashes of the keys `keys` (one array per key column, of equal length) into
 /// `hashes`, and which rows have a key without NULL (`None`: all of them). Dictionary
 /// columns are hashed as their values, so that a key hashes the same encoded or not.
-pub fn key_hashes(keys: &[ArrayRef], hashes: &mut Vec<u64>) -> Result<Option<BooleanArray>> {
+pub fn key_hashes(keys: &[ArrayRef], hashes: &mut Vec<u64>) -> Result<Option<BooleanBuffer>> {
     let rows = keys.first().map_or(0, |k| k.len());
     let keys = (keys.iter())
         .map(|key| match key.data_type() {
@@ -222,17 +223,12 @@ pub fn key_hashes(keys: &[ArrayRef], hashes: &mut Vec<u64>) -> Result<Option<Boo
     hashes.clear();
     hashes.resize(rows, 0);
     create_hashes(&keys, &RandomState::with_seed(SEED), hashes)?;
-    if keys.iter().all(|k| k.null_count() == 0) {
-        return Ok(None);
-    }
-    let mut valid = BooleanBufferBuilder::new(rows);
-    valid.append_n(rows, true);
-    for key in keys.iter().filter(|k| k.null_count() > 0) {
-        for row in (0..rows).filter(|row| key.is_null(*row)) {
-            valid.set_bit(row, false);
-        }
-    }
-    Ok(Some(BooleanArray::new(valid.finish(), None)))
+    let nulls = (keys.iter()).fold(None, |all, key| {
+        NullBuffer::union(all.as_ref(), key.logical_nulls().as_ref())
+    });
+    Ok(nulls
+        .filter(|nulls| nulls.null_count() > 0)
+        .map(|nulls| nulls.into_inner()))
 }
 
 /// A task's keys put in a [`KeyMembership`] as its blocks are made.
@@ -258,7 +254,7 @@ impl MembershipSummer {
         match valid {
             None => self.set.insert(self.hashes.iter().copied()),
             Some(valid) => self.set.insert(
-                (self.hashes.iter().zip(valid.values()))
+                (self.hashes.iter().zip(valid.iter()))
                     .filter(|(_, v)| *v)
                     .map(|(h, _)| *h),
             ),
@@ -383,7 +379,7 @@ impl PhysicalExpr for KeysInSet {
         let mut kept = BooleanBufferBuilder::new(hashes.len());
         match valid {
             None => held.for_each(|h| kept.append(h)),
-            Some(valid) => (held.zip(valid.values())).for_each(|(h, v)| kept.append(h && v)),
+            Some(valid) => (held.zip(valid.iter())).for_each(|(h, v)| kept.append(h && v)),
         }
         let kept = BooleanArray::new(kept.finish(), None);
         if sample.tested < SAMPLE_ROWS {
