@@ -571,13 +571,14 @@ flumen_settings! {
         /// block goes at once, later ones gather while an earlier task of the partition
         /// runs. 1: a block a task (as in threads mode).
         pub worker_bundle_blocks: usize, default = 8
-        /// With worker processes, whether the tasks of a hash join's build side sum up
-        /// their keys (each key's range and, for at most 4,096 values, their list), so
-        /// the scans of its probe side, which wait for the build side, start from the
-        /// bound they make: they prune row groups by it and, under a grouped aggregate,
-        /// drop the rows it rejects. `false`: only an empty build side rules them out.
+        /// Whether the tasks of a partitioned hash join's build side sum up their keys
+        /// (each key's range and, for at most 4,096 values, their list) where they run,
+        /// so the scans of its probe side, which wait for the build side, start from the
+        /// bound they make: they prune row groups by it and drop the rows it rejects.
+        /// `false`: threads mode prunes by DataFusion's own filter, worker mode only by
+        /// an empty build side.
         pub build_key_bounds: bool, default = true
-        /// With worker processes and `build_key_bounds`, whether each task of a join's
+        /// With `build_key_bounds`, whether each task of a join's
         /// build side also makes a set of its keys (a Bloom filter, two bits a key, up to
         /// 1 MiB), which the bound tests its probe rows against where the keys are too many
         /// to list; and whether every scan split of the probe side (not only those under a

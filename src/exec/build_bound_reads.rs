@@ -1,19 +1,19 @@
-//! The driver's side of a worker-mode join's bound from its build side
-//! ([`crate::plan::build_bounds`]): the build producer's tasks are asked for a summary of
-//! their keys, which each worker sends with its task's end; the scans that read the join's
-//! filter wait until the producer is complete, when the summaries merged make the bound
-//! the run's bounds get (`false` for no row). Settled as the scheduler notices the producer
-//! complete, under the run's lock.
+//! The driver's side of a join's bound from its build side ([`crate::plan::build_bounds`]):
+//! the build producer's tasks sum up their keys (a worker's task is asked to, and sends
+//! its summary with its end; a task in this process sums them up as its batches come out);
+//! the scans that read the join's filter wait until the producer is complete, when the
+//! summaries merged make the bound the run's bounds get (`false` for no row). Settled as
+//! the scheduler notices the producer complete, under the run's lock.
 
-use std::collections::HashSet;
+use datafusion::arrow::datatypes::Schema;
 
 use crate::cluster::sent_keys::{SentKeys, encode_keys};
 use crate::exec::metrics::OperatorStats;
 use crate::exec::run::QueryRun;
 use crate::exec::state::{BuildBoundState, RowDrops, RunState};
 use crate::exec::task_kind::TaskId;
-use crate::plan::build_bounds::{BuildBound, empty_build_side};
-use crate::plan::build_keys::KeySummary;
+use crate::plan::build_bounds::{BuildBound, DroppingBy, empty_build_side};
+use crate::plan::build_keys::{KeySummary, KeySummer};
 use crate::plan::graph::{OperatorId, TaskShape};
 use crate::plan::task_bounds::MadeBound;
 
@@ -46,21 +46,15 @@ impl QueryRun {
         dropping
     }
 
-    /// The build keys a worker's task of `op` sums up, encoded for its request: those of the
-    /// first join `op` is the build producer of (none where it is none's, or
-    /// `flumen.build_key_bounds` is off); and how many tasks `op` has, for which the worker
-    /// sizes the set of its keys (`0`, no set: `flumen.build_key_sets` off).
-    pub(super) fn build_keys_sent(&self, op: OperatorId) -> (Vec<Vec<u8>>, usize) {
+    /// The join whose build keys the tasks of `op` sum up, and how many tasks `op` has, for
+    /// which each task sizes the set of its keys (`0`, no set: `flumen.build_key_sets`
+    /// off): the first join `op` is the build producer of; none where it is none's, or
+    /// `flumen.build_key_bounds` is off.
+    fn keys_summed_by(&self, op: OperatorId) -> Option<(&BuildBound, usize)> {
         if !self.config().build_key_bounds {
-            return (vec![], 0);
+            return None;
         }
-        let Some(bound) = self.key_bound_of(op) else {
-            return (vec![], 0);
-        };
-        let keys = encode_keys(&bound.build_keys).unwrap_or_else(|e| {
-            log::info!("operator {op}'s build keys are not summed up: {e}");
-            vec![]
-        });
+        let bound = self.key_bound_of(op)?;
         let producer = &self.graph.operators[op];
         let tasks = match producer.shape {
             TaskShape::Source => producer.splits.iter().sum(),
@@ -70,13 +64,46 @@ impl QueryRun {
             true => tasks.max(1),
             false => 0,
         };
-        (keys, set_for)
+        Some((bound, set_for))
+    }
+
+    /// The build keys a worker's task of `op` sums up, encoded for its request, and the
+    /// task count its set is sized for ([`Self::keys_summed_by`]; none, `0`: no summary).
+    pub(super) fn build_keys_sent(&self, op: OperatorId) -> (Vec<Vec<u8>>, usize) {
+        let Some((bound, set_for)) = self.keys_summed_by(op) else {
+            return (vec![], 0);
+        };
+        match encode_keys(&bound.build_keys) {
+            Ok(keys) => (keys, set_for),
+            Err(e) => {
+                log::info!("operator {op}'s build keys are not summed up: {e}");
+                (vec![], 0)
+            }
+        }
+    }
+
+    /// What sums up the keys of a task of `op` run in this process, as its batches
+    /// (`schema`) come out ([`Self::keys_summed_by`]); `None` where none are summed up, or
+    /// the keys cannot be (a key type without an order: its join goes without a bound).
+    pub(super) fn key_summer(&self, op: OperatorId, schema: &Schema) -> Option<KeySummer> {
+        let (bound, set_for) = self.keys_summed_by(op)?;
+        KeySummer::new(bound.build_keys.clone(), schema, set_for)
+            .inspect_err(|e| log::info!("operator {op}'s build keys are not summed up: {e}"))
+            .ok()
     }
 
     /// The join whose keys a task of `op` sums up ([`Self::build_keys_sent`]).
     fn key_bound_of(&self, op: OperatorId) -> Option<&BuildBound> {
         (self.graph.build_bounds.iter())
             .find(|bound| bound.build_producer == op && !bound.build_keys.is_empty())
+    }
+
+    /// Keep the summary of its output's keys that task `task` made in this process.
+    pub(super) fn keep_key_summary(&self, task: TaskId, summer: KeySummer, describe: &str) {
+        match summer.finish() {
+            Ok(summary) => self.state.lock().unwrap().tasks[task].build_keys = Some(summary),
+            Err(e) => log::info!("{describe}: its build keys are not summed up: {e}"),
+        }
     }
 
     /// Keep the summary of its output's keys that task `task`'s worker sent.
@@ -184,25 +211,5 @@ fn build_side_keys(st: &RunState, bound: &BuildBound, summed: Option<&BuildBound
         (false, _) => BuildSide::Empty,
         (true, false) => BuildSide::Summed(merged),
         (true, true) => BuildSide::Unknown,
-    }
-}
-
-/// The join filters whose bound from a build side a scan's splits drop rows by
-/// ([`QueryRun::build_bounds_made_for`]).
-#[derive(Debug, Default, Clone)]
-pub(super) struct DroppingBy {
-    /// Those the splits under a grouped aggregate drop rows by.
-    pub under_grouping: HashSet<u64>,
-    /// Those every split drops rows by (among `under_grouping`).
-    pub everywhere: HashSet<u64>,
-}
-
-impl DroppingBy {
-    /// The filters a split drops rows by, where it is under a grouped aggregate or not.
-    pub fn for_split(&self, under_grouping: bool) -> &HashSet<u64> {
-        match under_grouping {
-            true => &self.under_grouping,
-            false => &self.everywhere,
-        }
     }
 }

@@ -198,6 +198,7 @@ impl QueryRun {
                 provider,
                 split: 0,
                 scan_row_filter: Arc::default(),
+                dropping_by: Default::default(),
             };
             let context = self.task_context(inputs, false);
             root.fragment.execute(partition, context)?

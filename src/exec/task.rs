@@ -153,6 +153,10 @@ impl QueryRun {
             provider,
             split: split.unwrap_or(0),
             scan_row_filter,
+            dropping_by: match split {
+                Some(_) => self.build_bounds_made_for(op_id),
+                None => Default::default(),
+            },
         };
         let context = self.task_context(inputs, sorts_in_pieces);
         let mut stream = fragment.execute(partition, context)?;
@@ -174,10 +178,23 @@ impl QueryRun {
         } else {
             None
         };
+        // A first run of a join's build producer sums up its keys, for the join's probe scans
+        // ([`crate::plan::build_bounds`]); a run again makes what the first run summed up.
+        let mut summer = match first_run {
+            true => self.key_summer(op_id, &fragment.schema()),
+            false => None,
+        };
         let mut blocks = vec![];
         let mut ran_since_yield = Instant::now();
         while let Some(batch) = stream.next().await {
-            cutter.push(batch?, &mut blocks)?;
+            let batch = batch?;
+            if let Some(summing) = &mut summer
+                && let Err(e) = summing.observe(&batch)
+            {
+                log::info!("{}: its build keys are not summed up: {e}", spec.describe);
+                summer = None;
+            }
+            cutter.push(batch, &mut blocks)?;
             if !blocks.is_empty() {
                 hand_over(std::mem::take(&mut blocks), sink)?;
             }
@@ -199,6 +216,9 @@ impl QueryRun {
         cutter.finish(&mut blocks)?;
         if !blocks.is_empty() {
             hand_over(blocks, sink)?;
+        }
+        if let Some(summer) = summer {
+            self.keep_key_summary(task, summer, &spec.describe);
         }
         Ok(())
     }

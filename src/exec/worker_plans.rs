@@ -29,7 +29,7 @@ use crate::cluster::admission::{admit_plan, reads_format, scanned_files, scanned
 use crate::cluster::on_driver::OnDriver;
 use crate::cluster::task_plan::{self};
 use crate::cluster::worker_pool::WorkerPool;
-use crate::exec::build_bound_reads::DroppingBy;
+use crate::plan::build_bounds::DroppingBy;
 use crate::io::object_stores::StoreGrants;
 use crate::plan::accelerator_projection::AcceleratorProjectionExec;
 use crate::plan::graph::Operator;

@@ -1,30 +1,33 @@
-//! A worker-mode hash join's bound from its build side, for the scans of its probe side.
+//! A partitioned hash join's bound from its build side, for the scans of its probe side.
 //!
 //! DataFusion's hash join fills a dynamic filter from its build side (its keys' range and,
 //! for a few keys, a lookup in them) that the Parquet scans of its probe side prune by, and
-//! starts those scans only once its build is in; flumen's threads mode does the same
-//! (`Operator::streamed_inputs`). With worker processes a join is a barrier (its task starts
-//! once both inputs are complete), so its probe side's scans ran beside its build side and
-//! the filter was filled on the worker that ran the join, after every probe row had been
-//! read and exchanged: TPC-H q17 aggregated all of `lineitem` by `l_partkey` for a join
-//! that keeps 0.1% of it, and a join that could match nothing read its whole probe table.
+//! starts those scans only once its build is in. With worker processes a join is a barrier
+//! (its task starts once both inputs are complete), so its probe side's scans ran beside
+//! its build side and the filter was filled on the worker that ran the join, after every
+//! probe row had been read and exchanged: TPC-H q17 aggregated all of `lineitem` by
+//! `l_partkey` for a join that keeps 0.1% of it, and a join that could match nothing read
+//! its whole probe table. In threads mode the filter was there in time, but a partitioned
+//! join's is `CASE hash(key) % n WHEN i THEN ...`, too dear to drop rows by before the
+//! exchange (`crate::plan::join_filter_rows`): TPC-H q7 exchanged and probed every row.
 //!
-//! So in worker mode a source operator whose scans read such a join's filter (a
-//! [`BuildBound`]'s readers) waits until the join's build producer is complete (measured
-//! on TPC-H SF1 with workers: 1.005x the time without the wait). Each task of the build
-//! producer sums up its output's keys on its worker (their range, and their list while
-//! short: [`crate::plan::build_keys`]; and, where too many to list, their set:
+//! So a source operator whose scans read such a join's filter (a [`BuildBound`]'s readers)
+//! waits until the join's build producer is complete (measured on TPC-H SF1 with workers:
+//! 1.005x the time without the wait; threads mode waited for the join's build anyway).
+//! Each task of the build producer sums up its output's keys where it runs, on its worker
+//! or in its thread (their range, and their list while short:
+//! [`crate::plan::build_keys`]; and, where too many to list, their set:
 //! [`crate::plan::key_membership`]); once all are in, the driver merges them into the
-//! bound DataFusion would make and adds it to the run's bounds under the filter's id
-//! (`false` where the build side has no row: [`empty_build_side`]). Every probe split
-//! launched after starts from it, for every run of it (`crate::plan::task_bounds`): it
-//! prunes its row groups by it (a split whose files it rules out is not sent:
-//! `tasks_pruned_at_launch`) and, where a list or a set makes it selective, drops the rows
-//! it rejects before they are exchanged (`flumen.build_key_sets`; off, only a split under
-//! a grouped aggregate drops rows, by a list: `crate::plan::join_filter_rows`). A task whose worker sent no summary (one
-//! run on the driver) leaves the join without a bound but for an empty build side. Making
-//! the bound on the driver from the build blocks cost more than it saved
-//! (`docs/benchmarks.md`, "a join's bound from its build side tried").
+//! bound and adds it to the run's bounds under the filter's id (`false` where the build
+//! side has no row: [`empty_build_side`]). Every probe split launched after starts from
+//! it, for every run of it (`crate::plan::task_bounds`): it prunes its row groups by it (in
+//! worker mode a split whose files it rules out is not sent: `tasks_pruned_at_launch`)
+//! and, where a list or a set makes it selective, drops the rows it rejects before they
+//! are exchanged ([`DroppingBy`]; `flumen.build_key_sets` off, only a split under a
+//! grouped aggregate drops rows, by a list). A task that made no summary (a key without an
+//! order) leaves the join without a bound but for an empty build side. Making the bound on
+//! the driver from the build blocks cost more than it saved (`docs/benchmarks.md`, "a
+//! join's bound from its build side tried").
 
 use std::collections::HashSet;
 use std::sync::Arc;
@@ -146,4 +149,25 @@ fn filters_read(plan: &Arc<dyn ExecutionPlan>) -> HashSet<u64> {
         Ok(TreeNodeRecursion::Continue)
     });
     ids
+}
+
+/// The join filters whose bound from a build side a scan's splits drop rows by (the run's
+/// `build_bounds_made_for`): in worker mode a `FilterExec` over the split's scan, in
+/// threads mode the split source itself (`crate::plan::split_source::SplitSourceExec`).
+#[derive(Debug, Default, Clone)]
+pub struct DroppingBy {
+    /// Those the splits under a grouped aggregate drop rows by.
+    pub under_grouping: HashSet<u64>,
+    /// Those every split drops rows by (among `under_grouping`).
+    pub everywhere: HashSet<u64>,
+}
+
+impl DroppingBy {
+    /// The filters a split drops rows by, where it is under a grouped aggregate or not.
+    pub fn for_split(&self, under_grouping: bool) -> &HashSet<u64> {
+        match under_grouping {
+            true => &self.under_grouping,
+            false => &self.everywhere,
+        }
+    }
 }

@@ -242,8 +242,12 @@ impl KeySummer {
                 }
             }
         }
-        if let Some((set, _)) = &mut self.membership {
+        if let Some((set, tasks)) = &mut self.membership {
             set.observe(&columns)?;
+            // Too many keys for a set its join would use: no set (nor its cost) then.
+            if set.past_use(*tasks) {
+                self.membership = None;
+            }
         }
         Ok(())
     }
@@ -399,6 +403,28 @@ mod tests {
             first.bound(&probe_keys, &probe).unwrap().to_string(),
             format!("p@0 >= k00000 AND p@0 <= k{:05}", 2 * half - 1)
         );
+    }
+
+    #[test]
+    fn a_task_with_too_many_keys_for_a_set_sends_none_and_its_join_uses_none() {
+        let build = Schema::new(vec![Field::new("k", DataType::Int64, true)]);
+        let keys = [col("k", &build).unwrap()];
+        let rows = ints(&build, (0..100_000).map(Some).collect());
+        // 100,000 keys a task: a set for 4 tasks, none for 32 (3.2M keys in all).
+        let summary_for = |tasks| {
+            let mut summer = KeySummer::new(keys.to_vec(), &build, tasks).unwrap();
+            summer.observe(&rows).unwrap();
+            summer.finish().unwrap()
+        };
+        let mut few = summary_for(4);
+        assert!(few.membership_used().is_some());
+        let many = summary_for(32);
+        assert_eq!(many.membership, None);
+        assert_eq!(many.keys[0].max, Some(ScalarValue::Int64(Some(99_999))));
+        // One task without a set: the merged summary has none (a part of the keys' set
+        // would rule out the others').
+        few.merge(many);
+        assert_eq!(few.membership, None);
     }
 
     #[test]

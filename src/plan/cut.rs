@@ -128,10 +128,7 @@ impl OperatorGraph {
             cutter.config.block_rows(),
             cutter.config.worker_bundle_blocks,
         );
-        let build_bounds = match cutter.config.workers {
-            WorkerMode::Process => crate::plan::build_bounds::build_bounds(&cutter.operators),
-            _ => vec![],
-        };
+        let build_bounds = crate::plan::build_bounds::build_bounds(&cutter.operators);
         Ok(Self {
             operators: cutter.operators,
             consumer,

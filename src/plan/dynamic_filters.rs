@@ -18,7 +18,7 @@
 //! bound drops rows equal to it that this copy still needs. A hash join's filter is
 //! filled once from its whole build side, the same in every copy, so it is shared as it is.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 use std::sync::Arc;
 
 use datafusion::arrow::datatypes::SchemaRef;
@@ -176,6 +176,38 @@ impl BoundSwaps {
             };
             Ok(Transformed::new(read, true, TreeNodeRecursion::Jump))
         })
+    }
+
+    /// The bounds the task starts from of the filters among `ids` that `predicate` reads,
+    /// each on the columns `predicate` reads it by, as their conjunction (plain
+    /// expressions, no filter around them); `None` where it starts from none of them.
+    pub fn starting_bounds(
+        &self,
+        predicate: &Arc<dyn PhysicalExpr>,
+        ids: &HashSet<u64>,
+    ) -> Result<Option<Arc<dyn PhysicalExpr>>> {
+        let mut bounds = vec![];
+        predicate.apply(|e| {
+            if e.downcast_ref::<DynamicFilterPhysicalExpr>().is_none() {
+                return Ok(TreeNodeRecursion::Continue);
+            }
+            let from_start = (e.expression_id())
+                .filter(|id| ids.contains(id))
+                .and_then(|id| self.0.get(&id))
+                .and_then(|swap| swap.from_start.as_ref());
+            if let Some(bound) = from_start {
+                let children = e.children().into_iter().cloned().collect();
+                let read = Arc::clone(bound).with_new_children(children)?;
+                if let Some(fixed) = read.downcast_ref::<DynamicFilterPhysicalExpr>() {
+                    bounds.push(fixed.current()?);
+                }
+            }
+            // Its children are the columns it reads, not further filters.
+            Ok(TreeNodeRecursion::Jump)
+        })?;
+        Ok(bounds.into_iter().reduce(|a, b| {
+            Arc::new(BinaryExpr::new(a, Operator::And, b)) as Arc<dyn PhysicalExpr>
+        }))
     }
 
     /// `node` reading what the task reads (see [`BoundSwaps::apply`]).

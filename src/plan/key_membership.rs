@@ -67,6 +67,16 @@ pub const BITS_PER_KEY: usize = 16;
 /// keys would pass.
 pub const MAX_DENSITY: f64 = 0.5;
 
+/// Keys a producer's tasks together hold past which a task stops making its set, as
+/// counted in its own set times its producer's task count (each task taken to hold as
+/// many): twice the most keys a union of [`MAX_SENT_BITS`] bits holds at [`MAX_DENSITY`]
+/// (~1.45M; twice, as tasks may hold some keys alike). A denser union is never used, and
+/// a set made for nothing cost a hash a build row (TPC-H q18's 1.5M order keys).
+pub const MOST_SET_KEYS: f64 = 2.0 * MAX_SENT_BITS as f64 * std::f64::consts::LN_2 / 2.0;
+
+/// Rows a task's set takes in between two counts of the keys it holds.
+const ROWS_BETWEEN_COUNTS: usize = 1 << 16;
+
 /// A set of keys' hashes: two bits per key in a power of two of bits.
 #[derive(Clone, PartialEq, Eq, Hash)]
 pub struct KeyMembership {
@@ -235,6 +245,8 @@ pub fn key_hashes(keys: &[ArrayRef], hashes: &mut Vec<u64>) -> Result<Option<Boo
 pub struct MembershipSummer {
     set: KeyMembership,
     hashes: Vec<u64>,
+    /// Rows taken in since the keys it holds were last counted.
+    rows_uncounted: usize,
 }
 
 impl Default for MembershipSummer {
@@ -242,14 +254,27 @@ impl Default for MembershipSummer {
         MembershipSummer {
             set: KeyMembership::new(MAX_BITS),
             hashes: vec![],
+            rows_uncounted: 0,
         }
     }
 }
 
 impl MembershipSummer {
+    /// Whether the set, made for a producer of `tasks` tasks, is past use: the keys it
+    /// holds, times `tasks`, are more than [`MOST_SET_KEYS`]. Counted once in
+    /// `ROWS_BETWEEN_COUNTS` (65,536) rows taken in; `false` in between.
+    pub fn past_use(&mut self, tasks: usize) -> bool {
+        if self.rows_uncounted < ROWS_BETWEEN_COUNTS {
+            return false;
+        }
+        self.rows_uncounted = 0;
+        self.set.keys_held() * tasks.max(1) as f64 > MOST_SET_KEYS
+    }
+
     /// Add the keys of one batch (`keys`: one array per key column); rows with a NULL key
     /// match nothing and are left out.
     pub fn observe(&mut self, keys: &[ArrayRef]) -> Result<()> {
+        self.rows_uncounted += keys.first().map_or(0, |k| k.len());
         let valid = key_hashes(keys, &mut self.hashes)?;
         match valid {
             None => self.set.insert(self.hashes.iter().copied()),
@@ -453,6 +478,27 @@ mod tests {
         assert!(hashes.iter().all(|h| small.may_hold(*h)));
         assert!(small.density() > set.density() * 8.0);
         assert_eq!(small.bits(), 1 << 17);
+    }
+
+    #[test]
+    fn a_set_too_full_for_its_producer_is_past_use_once_its_keys_are_counted() {
+        // 100,000 distinct keys a task: for 8 tasks like it, 800,000 keys (under ~1.45M);
+        // for 16, 1.6M (over).
+        let keys = ints((0..100_000).map(Some).collect());
+        for (tasks, past_use) in [(8, false), (16, true)] {
+            let mut summer = MembershipSummer::default();
+            summer.observe(std::slice::from_ref(&keys)).unwrap();
+            assert_eq!(summer.past_use(tasks), past_use, "{tasks} tasks");
+        }
+        // Counted only once in 65,536 rows: 60,000 are not counted yet, and the same 60,000
+        // again are, but hold no more keys.
+        let few = ints((0..60_000).map(Some).collect());
+        let mut summer = MembershipSummer::default();
+        summer.observe(std::slice::from_ref(&few)).unwrap();
+        assert!(!summer.past_use(1_000), "counted before 65,536 rows");
+        summer.observe(std::slice::from_ref(&few)).unwrap();
+        assert!(summer.past_use(1_000), "60,000 keys for 1,000 tasks");
+        assert!(!summer.past_use(1_000), "counted again at once");
     }
 
     #[test]

@@ -614,18 +614,23 @@ impl ExecutionPlan for SplitSourceExec {
                     "SplitSourceExec has no split {split} of partition {partition}"
                 ))
             })?;
-        let swapped;
-        let scan = match &self.bound_swaps {
-            Some(swaps) => {
-                swapped = swaps.apply_to(Arc::clone(scan))?;
-                &swapped
+        // Rows the bounds from its joins' build sides reject (settled before the task
+        // launched, the same for every run of it) are dropped as they are read.
+        let from_build_sides = match (&self.bound_swaps, &inputs) {
+            (Some(swaps), Some(inputs)) => {
+                let ids = inputs.dropping_by.for_split(self.drops_join_filtered_rows);
+                match ids.is_empty() {
+                    true => None,
+                    false => join_filter_rows::bounds_on_output(scan, swaps, ids)?,
+                }
             }
-            None => scan,
+            _ => None,
         };
-        // Rows its joins' finished dynamic filters reject are dropped as they are read;
-        // the task's first run decides whether, and a recompute follows it.
+        // Else, under a grouped aggregate, those its joins' finished dynamic filters
+        // reject; the task's first run decides whether, and a recompute follows it.
         let mut filter = None;
-        let filters_rows = self.drops_join_filtered_rows
+        let filters_rows = from_build_sides.is_none()
+            && self.drops_join_filtered_rows
             && inputs.as_ref().is_some_and(|inputs| {
                 *inputs.scan_row_filter.get_or_init(|| {
                     filter = join_filter_rows::complete_join_filter(scan);
@@ -634,7 +639,15 @@ impl ExecutionPlan for SplitSourceExec {
             });
         let filter = match filters_rows {
             true => filter.or_else(|| join_filter_rows::complete_join_filter(scan)),
-            false => None,
+            false => from_build_sides,
+        };
+        let swapped;
+        let scan = match &self.bound_swaps {
+            Some(swaps) => {
+                swapped = swaps.apply_to(Arc::clone(scan))?;
+                &swapped
+            }
+            None => scan,
         };
         let stream = scan.execute(0, context)?;
         Ok(match filter {

@@ -20,6 +20,7 @@ use datafusion::physical_plan::{
 use futures::StreamExt;
 
 use crate::plan::OperatorId;
+use crate::plan::build_bounds::DroppingBy;
 
 /// How a consumer reads its producer's blocks.
 #[derive(Debug, Clone)]
@@ -101,6 +102,10 @@ pub struct TaskInputs {
     /// ([`crate::plan::join_filter_rows`]): set when it first opens it, kept with the
     /// task so a recompute reads its split the same way and cuts the same blocks.
     pub scan_row_filter: Arc<OnceLock<bool>>,
+    /// The join filters whose bound from a build side (settled before a reader's task
+    /// launches, the same for every run of it) the task's scan splits drop rows by
+    /// ([`crate::plan::build_bounds`]).
+    pub dropping_by: DroppingBy,
 }
 
 /// Leaf that reads the blocks of a producer operator.

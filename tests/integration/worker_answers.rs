@@ -1696,8 +1696,9 @@ async fn a_workers_join_with_an_empty_build_side_reads_no_probe_split() {
     }
 }
 
-/// In worker mode a partitioned join's build tasks sum up their keys on their workers, and
-/// the probe side's scans start from the bound they make.
+/// A partitioned join's build tasks sum up their keys where they run (in threads, or on
+/// their workers), and the probe side's scans start from the bound they make: the same
+/// rows out of them in both modes.
 ///
 /// - 3 ids of `d` against `t` (80,000 sorted ids in 16 row groups of 5,000): the bound's
 ///   list of 3 prunes `t` to the 2 row groups that can hold one (10,000 rows read), and
@@ -1709,9 +1710,10 @@ async fn a_workers_join_with_an_empty_build_side_reads_no_probe_split() {
 ///
 /// With `flumen.build_key_sets = false` only splits under a grouped aggregate drop rows, by
 /// a list only: 10,000, 3 and 80,000 rows. With `flumen.build_key_bounds = false` every
-/// scan puts out all 80,000.
+/// scan puts out all 80,000 in worker mode; in threads mode DataFusion's own filter prunes
+/// by its range and drops rows under the aggregate: 10,000, 3 and 80,000.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_workers_join_bounds_its_probe_scans_by_its_build_keys() {
+async fn a_join_bounds_its_probe_scans_by_its_build_keys() {
     let dir = tempfile::tempdir().unwrap();
     let probe = dir.path().join("t");
     std::fs::create_dir(&probe).unwrap();
@@ -1750,10 +1752,19 @@ async fn a_workers_join_bounds_its_probe_scans_by_its_build_keys() {
     let modes = [
         ((true, true), [(3, 3), (3, 3), (6_000, 8_000)]),
         ((true, false), [(10_000, 10_000), (3, 3), all]),
-        ((false, true), [all, all, all]),
     ];
-    for ((bounds, sets), expected) in modes {
-        let ctx = session(2);
+    // Without bounds: worker mode reads every row; threads mode has DataFusion's own
+    // filter, which prunes by its keys' range and drops rows under the aggregate.
+    let without = [
+        (2, ((false, true), [all, all, all])),
+        (0, ((false, true), [(10_000, 10_000), (3, 3), all])),
+    ];
+    for (workers, ((bounds, sets), expected)) in [0, 2]
+        .into_iter()
+        .flat_map(|workers| modes.map(|mode| (workers, mode)))
+        .chain(without)
+    {
+        let ctx = session(workers);
         register_t(&ctx, &probe).await;
         let ctx = join_tables(ctx, &tables).await;
         common::collect(&ctx, &format!("SET flumen.build_key_bounds = {bounds}")).await;
@@ -1771,7 +1782,7 @@ async fn a_workers_join_bounds_its_probe_scans_by_its_build_keys() {
             // lost) counts its rows twice: the count is exact only for one read of each.
             let read_once = s.recomputed + s.tasks_retried + s.blocks_lost == 0;
             let made = u64::from(bounds);
-            let mode = format!("bounds {bounds}, sets {sets}, {sql}");
+            let mode = format!("{workers} workers, bounds {bounds}, sets {sets}, {sql}");
             assert_eq!(s.bounds_from_build_sides, made, "{mode}: {s:?}");
             match read_once {
                 true => assert!(
@@ -1786,7 +1797,8 @@ async fn a_workers_join_bounds_its_probe_scans_by_its_build_keys() {
 }
 
 /// A probe split that drops rows by its join's key set, its blocks lost (every third block
-/// a worker makes, in blocks of 512 rows, as a dying worker loses them) and made again from
+/// a worker makes, or in threads mode every third block, in blocks of 512 rows, as a dying
+/// worker loses them) and made again from
 /// the same split and the same set: a block made again must digest as its original, so the
 /// split drops the same rows, its set's test choosing as before. The answer is vanilla's.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -1806,22 +1818,24 @@ async fn probe_splits_that_drop_rows_by_a_key_set_are_made_again_alike() {
     }
     let tables = [("e", many.as_path()), ("u", shuffled.as_path())];
     let vanilla = join_tables(vanilla, &tables).await;
-    let made = std::sync::atomic::AtomicUsize::new(0);
-    let dropper = flumen::BlockDropper(Arc::new(move |block: &flumen::BlockInfo| {
-        block.worker_pid.is_some()
-            && made.fetch_add(1, std::sync::atomic::Ordering::Relaxed) % 3 == 2
-    }));
-    let ctx = session_with(2, SessionConfig::new().with_extension(Arc::new(dropper)));
-    let ctx = join_tables(ctx, &tables).await;
-    common::collect(&ctx, "SET flumen.target_block_rows = 512").await;
-    let sql =
-        "SELECT e.g, count(*), sum(u.n) FROM u JOIN e ON u.id = e.id GROUP BY e.g ORDER BY e.g";
-    let plan = answers_like_vanilla(&vanilla, &ctx, sql).await;
-    let exec = plan.downcast_ref::<flumen::exec::FlumenExec>().unwrap();
-    let stats = common::operator_stats(exec);
-    let s = &stats[probe_scan(exec).id];
-    assert_eq!(s.bounds_from_build_sides, 1, "{s:?}");
-    assert!(s.recomputed > 0, "no probe block made again: {s:?}");
+    for workers in [0, 2] {
+        let made = std::sync::atomic::AtomicUsize::new(0);
+        let dropper = flumen::BlockDropper(Arc::new(move |block: &flumen::BlockInfo| {
+            (workers == 0 || block.worker_pid.is_some())
+                && made.fetch_add(1, std::sync::atomic::Ordering::Relaxed) % 3 == 2
+        }));
+        let config = SessionConfig::new().with_extension(Arc::new(dropper));
+        let ctx = join_tables(session_with(workers, config), &tables).await;
+        common::collect(&ctx, "SET flumen.target_block_rows = 512").await;
+        let sql = "SELECT e.g, count(*), sum(u.n) FROM u JOIN e ON u.id = e.id \
+                   GROUP BY e.g ORDER BY e.g";
+        let plan = answers_like_vanilla(&vanilla, &ctx, sql).await;
+        let exec = plan.downcast_ref::<flumen::exec::FlumenExec>().unwrap();
+        let stats = common::operator_stats(exec);
+        let s = &stats[probe_scan(exec).id];
+        assert_eq!(s.bounds_from_build_sides, 1, "{workers} workers: {s:?}");
+        assert!(s.recomputed > 0, "{workers} workers: no probe block made again: {s:?}");
+    }
 }
 
 /// In worker mode, `EXISTS` and `NOT EXISTS` with a small outer side `d` (50 rows, 45 keys
