@@ -1638,12 +1638,13 @@ async fn a_workers_per_block_tasks_take_the_blocks_gathered() {
     }
 }
 
-/// With worker processes, a partitioned join's build side that comes out empty leaves its
-/// probe side unread, as DataFusion and threads mode do: the probe scan's splits wait for
-/// the build producer, then start from `false` and are not sent (`empty_build_sides`,
-/// `tasks_pruned_at_launch`). A build side with rows gives the same answer as before.
+/// A partitioned join's build side that comes out empty leaves its probe side unread, as
+/// DataFusion does: the probe scan's splits wait for the build producer, then start from
+/// `false` (`empty_build_sides`); with worker processes they are not sent
+/// (`tasks_pruned_at_launch`), in threads mode the join never asks for them. A build side
+/// with rows gives the same answer as before.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_workers_join_with_an_empty_build_side_reads_no_probe_split() {
+async fn a_join_with_an_empty_build_side_reads_no_probe_split() {
     let dir = tempfile::tempdir().unwrap();
     let probe = dir.path().join("t");
     std::fs::create_dir(&probe).unwrap();
@@ -1683,6 +1684,12 @@ async fn a_workers_join_with_an_empty_build_side_reads_no_probe_split() {
                     assert_eq!(s.empty_build_sides, 1, "{name}: {s:?}");
                     assert_eq!(s.tasks_pruned_at_launch, splits, "{name}: {s:?}");
                     assert_eq!(s.rows, 0, "{name}: {s:?}");
+                }
+                // Threads mode: the join, its build side empty, never asks for its probe
+                // side, whose splits are then never launched.
+                (0, true) => {
+                    assert_eq!(s.empty_build_sides, 1, "{name}: {s:?}");
+                    assert_eq!((s.tasks, s.rows), (0, 0), "{name}: {s:?}");
                 }
                 _ => {
                     assert_eq!(s.empty_build_sides, 0, "{workers} workers, {name}: {s:?}");
