@@ -29,9 +29,9 @@ use crate::cluster::admission::{admit_plan, reads_format, scanned_files, scanned
 use crate::cluster::on_driver::OnDriver;
 use crate::cluster::task_plan::{self};
 use crate::cluster::worker_pool::WorkerPool;
-use crate::plan::build_bounds::DroppingBy;
 use crate::io::object_stores::StoreGrants;
 use crate::plan::accelerator_projection::AcceleratorProjectionExec;
+use crate::plan::build_bounds::DroppingBy;
 use crate::plan::graph::Operator;
 use crate::plan::join_filter_rows::filters_on_output;
 use crate::plan::key_membership::KeysInSet;

@@ -205,9 +205,9 @@ impl BoundSwaps {
             // Its children are the columns it reads, not further filters.
             Ok(TreeNodeRecursion::Jump)
         })?;
-        Ok(bounds.into_iter().reduce(|a, b| {
-            Arc::new(BinaryExpr::new(a, Operator::And, b)) as Arc<dyn PhysicalExpr>
-        }))
+        Ok(bounds
+            .into_iter()
+            .reduce(|a, b| Arc::new(BinaryExpr::new(a, Operator::And, b)) as Arc<dyn PhysicalExpr>))
     }
 
     /// `node` reading what the task reads (see [`BoundSwaps::apply`]).

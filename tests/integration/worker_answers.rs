@@ -1841,7 +1841,10 @@ async fn probe_splits_that_drop_rows_by_a_key_set_are_made_again_alike() {
         let stats = common::operator_stats(exec);
         let s = &stats[probe_scan(exec).id];
         assert_eq!(s.bounds_from_build_sides, 1, "{workers} workers: {s:?}");
-        assert!(s.recomputed > 0, "{workers} workers: no probe block made again: {s:?}");
+        assert!(
+            s.recomputed > 0,
+            "{workers} workers: no probe block made again: {s:?}"
+        );
     }
 }
 
