@@ -37,6 +37,7 @@ use datafusion::physical_plan::repartition::RepartitionExec;
 use datafusion::physical_plan::sorts::sort::SortExec;
 use datafusion::physical_plan::{ExecutionPlan, PhysicalExpr};
 
+use crate::plan::key_membership::KeysInSet;
 use crate::plan::split_source::SplitSourceExec;
 
 /// `plan` with the dynamic filters of its aggregates and TopK sorts replaced by fresh ones,
@@ -216,6 +217,24 @@ impl BoundSwaps {
     }
 }
 
+/// `bound` (a filter fixed at a bound a task starts from) with each test of a key set in it
+/// a copy of the task's own (`KeysInSet::each_its_own`), so that what its sample chooses
+/// depends on the task's rows alone, in a scan that filters rows by its predicate
+/// (`pushdown_filters`) too; `bound` itself where it holds none.
+fn with_own_key_tests(bound: &Arc<dyn PhysicalExpr>) -> Result<Arc<dyn PhysicalExpr>> {
+    let Some(fixed) = bound.downcast_ref::<DynamicFilterPhysicalExpr>() else {
+        return Ok(Arc::clone(bound));
+    };
+    let value = fixed.current()?;
+    if !value.exists(|e| Ok(e.downcast_ref::<KeysInSet>().is_some()))? {
+        return Ok(Arc::clone(bound));
+    }
+    let columns = fixed.children().into_iter().cloned().collect();
+    let own = DynamicFilterPhysicalExpr::new(columns, lit(true));
+    own.update(KeysInSet::each_its_own(value)?)?;
+    Ok(Arc::new(own))
+}
+
 /// `plan` with fresh bounds for its aggregates and TopK sorts, and the predicates below
 /// them rewired to read them and `at_launch`'s bound of the filter they replace (and of
 /// filters other operators fill); with `keep_shared`, nodes whose partitions share state
@@ -232,11 +251,11 @@ fn renew_bounds(
             .map(|(id, bound)| {
                 let swap = Swap {
                     own: None,
-                    from_start: Some(Arc::clone(bound)),
+                    from_start: Some(with_own_key_tests(bound)?),
                 };
-                (*id, swap)
+                Ok((*id, swap))
             })
-            .collect(),
+            .collect::<Result<_>>()?,
     );
     let mut made = vec![];
     let plan = plan
@@ -536,5 +555,46 @@ pub(crate) mod tests {
         let (made, read_in_copy) = filter_ids(&copy);
         assert_eq!(made, read_in_copy);
         assert_ne!(made, produced);
+    }
+
+    #[test]
+    fn each_task_starts_from_a_bound_whose_key_set_tests_are_its_own() {
+        use crate::plan::key_membership::KeyMembership;
+        use datafusion::arrow::datatypes::{DataType, Field, Schema};
+        use datafusion::physical_expr::expressions::col;
+        let schema = Schema::new(vec![Field::new("k", DataType::Int64, true)]);
+        let key = col("k", &schema).unwrap();
+        let test = KeysInSet::new(
+            vec![Arc::clone(&key)],
+            Arc::new(KeyMembership::new(1 << 16)),
+        );
+        let fixed = DynamicFilterPhysicalExpr::new(vec![Arc::clone(&key)], lit(true));
+        fixed.update(Arc::new(test)).unwrap();
+        let bound: Arc<dyn PhysicalExpr> = Arc::new(fixed);
+        // The test inside a task's copy of the bound.
+        let test_of = |copy: &Arc<dyn PhysicalExpr>| {
+            let fixed = copy.downcast_ref::<DynamicFilterPhysicalExpr>().unwrap();
+            fixed.current().unwrap()
+        };
+        let (first, second) = (
+            with_own_key_tests(&bound).unwrap(),
+            with_own_key_tests(&bound).unwrap(),
+        );
+        let tests = [test_of(&bound), test_of(&first), test_of(&second)];
+        assert!(
+            tests
+                .iter()
+                .all(|t| t.downcast_ref::<KeysInSet>().is_some())
+        );
+        assert_eq!(
+            tests[1].as_ref(),
+            tests[0].as_ref(),
+            "the same set and keys"
+        );
+        assert!(!Arc::ptr_eq(&tests[1], &tests[0]) && !Arc::ptr_eq(&tests[1], &tests[2]));
+        // A bound without a test is left as it is.
+        let plain: Arc<dyn PhysicalExpr> =
+            Arc::new(DynamicFilterPhysicalExpr::new(vec![key], lit(true)));
+        assert!(Arc::ptr_eq(&with_own_key_tests(&plain).unwrap(), &plain));
     }
 }
