@@ -332,6 +332,16 @@ impl ExecutionPlan for OperatorExec {
                 set.push(count(format!("tasks_on_driver.{reason}").into(), n));
             }
         }
+        // A join's bound from its build side, in either mode.
+        if s.empty_build_sides > 0 {
+            set.push(count("empty_build_sides".into(), s.empty_build_sides));
+        }
+        if s.bounds_from_build_sides > 0 {
+            set.push(count(
+                "bounds_from_build_sides".into(),
+                s.bounds_from_build_sides,
+            ));
+        }
         if s.remote_tasks > 0 {
             set.push(count("remote_tasks".into(), s.remote_tasks));
             for (host, n) in self.stats.remote_tasks_by_host() {
@@ -343,15 +353,6 @@ impl ExecutionPlan for OperatorExec {
                 set.push(count(
                     "tasks_pruned_at_launch".into(),
                     s.tasks_pruned_at_launch,
-                ));
-            }
-            if s.empty_build_sides > 0 {
-                set.push(count("empty_build_sides".into(), s.empty_build_sides));
-            }
-            if s.bounds_from_build_sides > 0 {
-                set.push(count(
-                    "bounds_from_build_sides".into(),
-                    s.bounds_from_build_sides,
                 ));
             }
             set.push(count(

@@ -1471,6 +1471,11 @@ async fn a_probe_scan_drops_the_rows_its_finished_build_side_rejects() {
         analyzed.contains("join_filter_dropped_rows=59.94 K"),
         "EXPLAIN ANALYZE does not count the 59,941 rows dropped:\n{analyzed}"
     );
+    // The scan started from the bound of the join's build side, its list of 59 keys.
+    assert!(
+        analyzed.contains("bounds_from_build_sides=1"),
+        "EXPLAIN ANALYZE does not show the bound from the build side:\n{analyzed}"
+    );
     // The aggregated scan's own cheap `WHERE` goes first (`JoinRowFilter::cheap_first`):
     // the same answer as vanilla's, the join's filter judged only on the rows it keeps.
     let sql = "SELECT count(*), round(sum(b.s), 6) FROM events a \
