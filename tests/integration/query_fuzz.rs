@@ -12,7 +12,9 @@
 //! SQL, which is all it takes to run it again: `FLUMEN_FUZZ_ONLY=N` runs only query `N` of
 //! the seed (printing flumen's plan), `FLUMEN_FUZZ_REPEAT=R` runs it `R` times in each engine.
 //! A fourth engine, threads mode under a 64 KB budget, runs every third query out of core
-//! (range sorts, spilled aggregates and exchanges). A fifth, two worker processes that lose
+//! (range sorts, spilled aggregates and exchanges), and another, threads mode with every
+//! hash join partitioned, another third (its probe scans start from the bound of its build
+//! side's keys). A fifth, two worker processes that lose
 //! every fourth block a worker holds as it is made (as if the worker had died), checks that
 //! lineage recomputes them to the same answer, on another third of the queries; `FLUMEN_FUZZ_LOSE_BLOCKS=0` leaves it out, `=workers` runs
 //! it on every query, `=threads` adds a threads-mode session losing blocks too
@@ -1291,6 +1293,15 @@ async fn search(seed: u64, queries: usize, lose_blocks: LoseBlocks) -> Vec<Strin
     let spilling = flumen_session(0, block_rows, 3, false);
     common::collect(&spilling, "SET flumen.memory_budget = '64KB'").await;
     engines.push((SPILLING, spilling, (3, 1)));
+    // Another third in threads mode with every hash join planned partitioned (the tables
+    // are small enough that DataFusion collects each build side whole otherwise): its
+    // probe scans wait for its build side and drop rows by the bound of its keys
+    // (`flumen::plan::build_bounds`).
+    let partitioned = flumen_session(0, block_rows, 3, false);
+    for setting in PARTITIONED_JOINS {
+        common::collect(&partitioned, setting).await;
+    }
+    engines.push(("threads, joins partitioned", partitioned, (3, 2)));
     if lose_blocks == LoseBlocks::InThreadsToo {
         let losing = flumen_session(0, block_rows, 2, true);
         engines.push(("threads losing blocks", losing, (1, 0)));
@@ -1504,6 +1515,12 @@ const ALSO: &str = "FLUMEN_FUZZ_ALSO";
 
 /// The engine whose 64 KB budget sends every query out of core.
 const SPILLING: &str = "threads in 64 KB";
+
+/// Settings that plan every hash join partitioned, both sides hash exchanged.
+const PARTITIONED_JOINS: [&str; 2] = [
+    "SET datafusion.optimizer.hash_join_single_partition_threshold = 0",
+    "SET datafusion.optimizer.hash_join_single_partition_threshold_rows = 0",
+];
 
 /// Whether `error` refuses a query for lack of memory and says to raise
 /// `flumen.memory_budget`.
