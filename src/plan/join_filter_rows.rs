@@ -79,8 +79,8 @@ pub struct JoinRowFilter {
     /// The share of its first [`SAMPLE_ROWS`] rows past which it is given up: one in
     /// [`KEEPS_AT_MOST`] for DataFusion's dear filter; for a bound from a build side
     /// ([`bounds_on_output`]), cheap, the share past which a set's test gives up
-    /// ([`crate::plan::key_membership::KEEPS_AT_MOST`]): TPC-H q13's `orders` scan, against
-    /// the range of every customer's key, copied each batch it kept whole.
+    /// ([`crate::plan::key_membership::KEEPS_AT_MOST`]): TPC-H q13's `orders` scan tested
+    /// every row against the keys of all customers, which keep them all.
     pub keeps_at_most: f64,
 }
 
@@ -137,8 +137,8 @@ pub fn complete_join_filter(scan: &Arc<dyn ExecutionPlan>) -> Option<JoinRowFilt
 /// bound made from a join's build side ([`crate::plan::build_bounds`]) for filters among
 /// `ids`: those bounds (`swaps`: what the task reads in place of the filters), on the
 /// scan's output columns, after the scan predicate's cheap conjuncts. Not DataFusion's
-/// own filter of the join, which is dear where the join is partitioned and rejects no row
-/// the bound passes but for a set's rare false positives. Each test of a key set in it is
+/// own filter of the join, dear where the join is partitioned: the bound rejects what that
+/// filter rejects, but for a set's rare false positives. Each test of a key set in it is
 /// the task's own. `None` where the scan reads none of them, or filters rows with its
 /// predicate already (`pushdown_filters`).
 pub fn bounds_on_output(
