@@ -17,6 +17,7 @@ use deltalake_core::kernel::Version;
 use deltalake_core::table::config::TablePropertiesExt;
 
 use super::delta::{DeltaTableProvider, load_table};
+use super::planning_reads::read_while_planning;
 
 /// The `table_changes` table function.
 #[derive(Debug, Default)]
@@ -64,26 +65,12 @@ impl TableFunctionImpl for TableChanges {
             .transpose()?;
         let session = args.session();
         // A table function is planned synchronously; the log is read on a thread of its own.
-        let (table, location) = std::thread::scope(|scope| {
-            scope
-                .spawn(|| {
-                    tokio::runtime::Builder::new_current_thread()
-                        .enable_all()
-                        .build()
-                        .map_err(|e| DataFusionError::Execution(e.to_string()))?
-                        .block_on(async {
-                            let location = location_of(session, &source).await?;
-                            let table = load_table(session, &location).await?;
-                            Ok::<_, DataFusionError>((table, location))
-                        })
-                })
-                .join()
-                .unwrap_or_else(|_| {
-                    Err(DataFusionError::Execution(format!(
-                        "table_changes('{source}'): reading the Delta log panicked"
-                    )))
-                })
-        })?;
+        let (table, location) =
+            read_while_planning(&format!("table_changes('{source}')"), || async {
+                let location = location_of(session, &source).await?;
+                let table = load_table(session, &location).await?;
+                Ok::<_, DataFusionError>((table, location))
+            })?;
         changes(table, &location, start, end)
     }
 }

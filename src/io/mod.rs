@@ -10,6 +10,11 @@
 //! - [`delta_changes`]: `table_changes(...)`, a Delta table's change data feed.
 //! - [`lakehouse_options`]: the options both formats share.
 //! - [`url_tables`]: why a quoted path or URL could not be read as a table.
+//! - [`file_functions`]: `read_parquet(path)`, `read_csv(path)`, ...: files read as a table
+//!   by a function of their format, and the locations a statement hands such functions.
+//! - [`parquet_metadata`]: `parquet_metadata(path)`, a Parquet footer's row groups and
+//!   statistics as rows.
+//! - [`planning_reads`]: the async reads a table function makes while it is planned.
 
 #[cfg(feature = "delta")]
 pub(crate) mod delta;
@@ -17,11 +22,14 @@ pub(crate) mod delta;
 pub(crate) mod delta_changes;
 #[cfg(feature = "delta")]
 pub(crate) mod delta_insert;
+pub mod file_functions;
 pub mod flight_data;
 pub(crate) mod iceberg;
 pub(crate) mod lakehouse_options;
 pub(crate) mod object_stores;
 pub mod output_commit;
+pub(crate) mod parquet_metadata;
+pub(crate) mod planning_reads;
 pub mod url_tables;
 
 #[cfg(feature = "delta")]
@@ -30,5 +38,7 @@ pub use delta::{
 };
 #[cfg(feature = "delta")]
 pub use delta_changes::TableChanges;
+pub use file_functions::register_file_functions;
 pub use iceberg::{IcebergTableFactory, iceberg_table};
 pub use object_stores::{register_for_location, register_for_statement};
+pub use parquet_metadata::ParquetMetadata;

@@ -14,6 +14,7 @@ use std::sync::Arc;
 
 use datafusion::catalog::Session;
 use datafusion::common::config::{ConfigEntry, ConfigExtension, ExtensionOptions};
+use datafusion::datasource::listing::ListingTableUrl;
 use datafusion::error::{DataFusionError, Result};
 use datafusion::prelude::SessionContext;
 use datafusion::sql::parser::{DFParser, Statement};
@@ -24,6 +25,8 @@ use object_store::gcp::{GoogleCloudStorageBuilder, GoogleConfigKey};
 use object_store::http::HttpBuilder;
 use object_store::{ObjectStore, RetryConfig};
 use url::Url;
+
+use super::file_functions::{self, FunctionArgument};
 
 /// Options of one family of object stores as a statement gives them
 /// (`OPTIONS ('aws.region' '...')`), accepted by the session's table options and kept as
@@ -242,18 +245,23 @@ pub fn register_for_statement(ctx: &SessionContext, sql: &str) -> Result<()> {
 }
 
 /// Register the store of every URL that `statement` reads as a table
-/// (`SELECT * FROM 's3://bucket/t.parquet'`, with `SessionContext::enable_url_table`).
+/// (`SELECT * FROM 's3://bucket/t.parquet'`, with `SessionContext::enable_url_table`) or hands
+/// to a function that reads it while it is planned (`read_parquet('s3://...')`).
 fn register_url_tables(ctx: &SessionContext, statement: &Statement) -> Result<()> {
-    let Ok(tables) = ctx.state().resolve_table_references(statement) else {
-        return Ok(());
-    };
-    for table in tables {
-        let location = table.table();
+    let tables = (ctx.state().resolve_table_references(statement))
+        .map(|tables| tables.iter().map(|t| t.table().to_string()).collect())
+        .unwrap_or_else(|_| Vec::new());
+    let read_by_functions = (file_functions::locations_read_by_functions(statement).into_iter())
+        .filter_map(|argument| match argument {
+            FunctionArgument::Quoted(location) => Some(location),
+            FunctionArgument::Computed(_) => None,
+        });
+    for location in tables.into_iter().chain(read_by_functions) {
         // A store the session has (configured by an earlier statement's options) is kept.
-        let registered = datafusion::datasource::listing::ListingTableUrl::parse(location)
+        let registered = ListingTableUrl::parse(&location)
             .is_ok_and(|url| ctx.runtime_env().object_store(url.object_store()).is_ok());
         if location.contains("://") && !registered {
-            register_for_location(ctx, location, &[])?;
+            register_for_location(ctx, &location, &[])?;
         }
     }
     Ok(())
@@ -296,7 +304,7 @@ fn keeps_open_store(
     };
     matches!(identity, CloudIdentity::OptionsOnly { .. })
         && !gives_credentials(url.scheme(), options)
-        && datafusion::datasource::listing::ListingTableUrl::parse(location)
+        && ListingTableUrl::parse(location)
             .is_ok_and(|table| runtime.object_store(table.object_store()).is_ok())
 }
 

@@ -24,6 +24,7 @@ use std::path::{Component, Path, PathBuf};
 use std::sync::Arc;
 
 use datafusion::catalog::TableProvider;
+use datafusion::common::TableReference;
 use datafusion::common::tree_node::TreeNodeRecursion;
 use datafusion::datasource::DefaultTableSource;
 use datafusion::datasource::listing::ListingTable;
@@ -33,6 +34,8 @@ use datafusion::prelude::SessionContext;
 use datafusion::sql::parser::{DFParser, Statement as DFStatement};
 use datafusion::sql::sqlparser::ast::Value;
 use url::Url;
+
+use crate::io::file_functions::{FunctionArgument, locations_read_by_functions};
 
 /// Settings only the operator sets, each with the `flumen serve` flag (or server setting)
 /// that sets it.
@@ -324,6 +327,27 @@ impl AccessPolicy {
                 }
                 DFStatement::CopyTo(copy) => self.check_endpoints(&copy.options)?,
                 _ => {}
+            }
+            // What `read_parquet(...)`, `parquet_metadata(...)` and `table_changes(...)` read
+            // as they are planned: a location the policy allows, or (`table_changes`) a table
+            // of the session's; one known only once planned is refused.
+            for argument in locations_read_by_functions(statement) {
+                match argument {
+                    FunctionArgument::Quoted(location) => {
+                        let table = TableReference::from(location.as_str());
+                        let known = (state.schema_for_ref(table.clone()))
+                            .is_ok_and(|schema| schema.table_exist(table.table()));
+                        if !known {
+                            self.check_location(&location, "read")?;
+                        }
+                    }
+                    FunctionArgument::Computed(sql) => {
+                        return Err(refused(format!(
+                            "the location {sql}: a table function's location must be a \
+                             quoted string"
+                        )));
+                    }
+                }
             }
             let Ok(tables) = state.resolve_table_references(statement) else {
                 continue;

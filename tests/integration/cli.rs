@@ -257,10 +257,16 @@ fn s3_tables_on_a_loopback_server() {
         ),
         "SELECT count(*) AS n, sum(id) AS total, max(body) AS last FROM nums",
         "SELECT count(*) AS by_url FROM 's3://flumen-test/nums/part-0.parquet'",
+        // Table functions register the store of the URL they read, as a quoted path does.
+        "SELECT sum(id) AS by_function FROM read_parquet('s3://flumen-test/nums/')",
+        "SELECT sum(row_group_num_rows) AS footer_rows FROM parquet_metadata('s3://flumen-test/nums/part-0.parquet') WHERE column_id = 0",
     ]);
     assert!(out.status.success(), "{}", text(&out.stderr));
     assert!(
-        text(&out.stdout).ends_with("n,total,last\n5000,12502500,row 999\nby_url\n5000\n"),
+        text(&out.stdout).ends_with(
+            "n,total,last\n5000,12502500,row 999\nby_url\n5000\n\
+             by_function\n12502500\nfooter_rows\n5000\n"
+        ),
         "{}",
         text(&out.stdout)
     );

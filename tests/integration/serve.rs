@@ -1147,6 +1147,19 @@ async fn a_hostile_client_is_refused_what_the_operator_did_not_allow() {
             "169.254.169.254".to_string(),
         ),
         ("SELECT * FROM 's3://someone-elses-bucket/t.parquet'".to_string(), "s3://someone-elses-bucket".to_string()),
+        // Table functions read what they name as the statement is planned.
+        (format!("SELECT * FROM read_csv('{token}')"), token.clone()),
+        (format!("SELECT * FROM read_json(['{data_dir}/events/', '{users}'])"), users.clone()),
+        (format!("SELECT * FROM parquet_metadata('{data_dir}/../token')"), "../token".to_string()),
+        (format!("SELECT * FROM table_changes('{users}', 0)"), users.clone()),
+        (
+            format!("SELECT * FROM (SELECT 1) t, read_csv('{data_dir}/' || '../token')"),
+            "must be a quoted string".to_string(),
+        ),
+        (
+            format!("CREATE VIEW v AS SELECT * FROM read_csv('{data_dir}/users.csv')"),
+            "users.csv".to_string(),
+        ),
     ];
     for (sql, names) in &attacks {
         assert_refused(&mut hostile, sql, names).await;
@@ -1260,6 +1273,20 @@ async fn a_hostile_client_is_refused_what_the_operator_did_not_allow() {
     )
     .await;
     query_batches(&mut hostile, "SET flumen.target_block_rows = 1000").await;
+    // And a table function over the allowed directory.
+    let rows = query_batches(
+        &mut hostile,
+        &format!(
+            "SELECT count(*) AS n FROM read_parquet('{data_dir}/events/') \
+             UNION ALL SELECT sum(row_group_num_rows) FROM parquet_metadata('{data_dir}/out.parquet') \
+             WHERE column_id = 0"
+        ),
+    )
+    .await;
+    let counts = datafusion::arrow::util::pretty::pretty_format_batches(&rows)
+        .unwrap()
+        .to_string();
+    assert_eq!(counts.matches("| 2000 |").count(), 2, "{counts}");
     // A client setting goes back to its default with `RESET` (DataFusion 55 knows only its
     // own namespace there), and is set again for the reads below.
     let block_rows = "SELECT value FROM information_schema.df_settings \

@@ -1,0 +1,354 @@
+//! Files read as a table by a function of their format, as DuckDB names them:
+//! `read_parquet(path)`, `read_csv(path)`, `read_json(path)`, `read_avro(path)` and
+//! `read_arrow(path)`. The path is a file, a directory (the format's files in it), a glob
+//! (`'data/*.parquet'`) or a URL of an object store, or a list of them
+//! (`read_csv(['a.csv', 'b.csv'])`). Unlike a quoted path (`FROM 'data/x.txt'`), the function
+//! names the format, so a file's name need not end in it. Each call is a DataFusion listing
+//! table: the session's format options apply (`datafusion.catalog.has_header`, ...), Hive
+//! partition directories (`dt=2026-12-06/`) become columns, and the scan is cut into splits
+//! and pruned like any other.
+//!
+//! [`locations_read_by_functions`] finds the locations a statement hands to these functions,
+//! to `parquet_metadata` and to `table_changes`, before it is planned (planning one of them
+//! reads what it names): `flumen serve` checks them against its access policy, and the
+//! session registers the object stores they need.
+
+use std::collections::HashMap;
+use std::ops::ControlFlow;
+use std::sync::Arc;
+
+use datafusion::catalog::{TableFunctionArgs, TableFunctionImpl, TableProvider};
+use datafusion::common::ScalarValue;
+use datafusion::datasource::listing::{
+    ListingOptions, ListingTable, ListingTableConfig, ListingTableUrl,
+};
+use datafusion::error::{DataFusionError, Result};
+use datafusion::execution::SessionState;
+use datafusion::logical_expr::Expr;
+use datafusion::prelude::SessionContext;
+use datafusion::sql::parser::{CopyToSource, Statement as DFStatement};
+use datafusion::sql::sqlparser::ast::{
+    self, FunctionArg, FunctionArgExpr, TableFactor, Visit, Visitor,
+};
+use futures::StreamExt;
+
+use super::planning_reads::read_while_planning;
+
+/// Each file function's name and the file format (DataFusion's extension for it) it reads.
+pub const FILE_FUNCTIONS: [(&str, &str); 5] = [
+    ("read_parquet", "parquet"),
+    ("read_csv", "csv"),
+    ("read_json", "json"),
+    ("read_avro", "avro"),
+    ("read_arrow", "arrow"),
+];
+
+/// Table functions whose string arguments are locations they read while the statement is
+/// planned (`table_changes` takes a table's name or a location).
+pub const LOCATION_FUNCTIONS: [&str; 7] = [
+    "read_parquet",
+    "read_csv",
+    "read_json",
+    "read_avro",
+    "read_arrow",
+    "parquet_metadata",
+    "table_changes",
+];
+
+/// A `read_<format>(path)` table function.
+#[derive(Debug)]
+pub struct ReadFiles {
+    /// The function's name, for its errors.
+    name: &'static str,
+    /// The format's extension, the key of its DataFusion file format factory.
+    format: &'static str,
+}
+
+/// Register the `read_<format>` functions of [`FILE_FUNCTIONS`] in `ctx`.
+pub fn register_file_functions(ctx: &SessionContext) {
+    for (name, format) in FILE_FUNCTIONS {
+        ctx.register_udtf(name, Arc::new(ReadFiles { name, format }));
+    }
+}
+
+impl TableFunctionImpl for ReadFiles {
+    fn call_with_args(&self, args: TableFunctionArgs) -> Result<Arc<dyn TableProvider>> {
+        let usage = format!("{}('path' or ['path', ...])", self.name);
+        let paths = match args.exprs() {
+            [one] => locations_in(one),
+            _ => None,
+        }
+        .ok_or_else(|| {
+            DataFusionError::Plan(format!(
+                "{usage}: takes one quoted path, glob or URL, or a list of them"
+            ))
+        })?;
+        let state = (args.session().as_any().downcast_ref::<SessionState>())
+            .ok_or_else(|| DataFusionError::Plan(format!("{usage}: needs a SessionState")))?;
+        let what = format!("{}('{}')", self.name, paths.join("', '"));
+        let table = read_while_planning(&what, || listing_table(state, self.format, &paths))
+            .map_err(|e| failed_reading(&what, e))?;
+        Ok(Arc::new(table))
+    }
+}
+
+/// The listing table of `paths`, read as `format` with the session's options for it; its
+/// schema is inferred from the first path's files.
+async fn listing_table(
+    state: &SessionState,
+    format: &str,
+    paths: &[String],
+) -> Result<ListingTable> {
+    let urls = (paths.iter())
+        .map(|path| ListingTableUrl::parse(path))
+        .collect::<Result<Vec<_>>>()?;
+    // A directory holds other files too (`_SUCCESS`, `.crc`): only the format's are read
+    // there. A file or a glob names its files itself.
+    let all_directories = urls.iter().all(|url| url.is_collection());
+    let first = first_file(state, &urls[0]).await?;
+    let (_, compression) =
+        ListingTableConfig::infer_file_extension_and_compression_type(&first).unwrap_or_default();
+    let mut format_options = HashMap::new();
+    if let Some(compression) = &compression {
+        format_options.insert("format.compression".to_string(), compression.clone());
+    }
+    let factory = (state.get_file_format_factory(format))
+        .ok_or_else(|| DataFusionError::Plan(format!("no file format '{format}' is registered")))?;
+    let file_format = factory.create(state, &format_options)?;
+    let extension = match (all_directories, &compression) {
+        (false, _) => String::new(),
+        (true, None) => file_format.get_ext(),
+        (true, Some(compression)) => format!("{}.{compression}", file_format.get_ext()),
+    };
+    let options = ListingOptions::new(file_format).with_file_extension(extension);
+    let config = ListingTableConfig::new_with_multi_paths(urls)
+        .with_listing_options(options)
+        .infer_partitions_from_path(state)
+        .await?
+        .infer_schema(state)
+        .await?;
+    ListingTable::try_new(config)
+}
+
+/// `error`, met reading what `what` (a call) names, as a planning error that names the call.
+pub(crate) fn failed_reading(what: &str, error: DataFusionError) -> DataFusionError {
+    match error {
+        DataFusionError::Plan(why) => DataFusionError::Plan(format!("{what}: {why}")),
+        other => DataFusionError::Plan(format!("{what}: {other}")),
+    }
+}
+
+/// The location of the first file `url` lists, or an error saying there is none.
+async fn first_file(state: &SessionState, url: &ListingTableUrl) -> Result<String> {
+    let store = state.runtime_env().object_store(url)?;
+    let mut files = url.list_all_files(state, store.as_ref(), "").await?;
+    match files.next().await {
+        Some(file) => Ok(file?.location.to_string()),
+        None => Err(DataFusionError::Plan("no file found there".into())),
+    }
+}
+
+/// The paths an argument names: a quoted string, or a list of them.
+pub(crate) fn locations_in(expr: &Expr) -> Option<Vec<String>> {
+    match expr {
+        Expr::Literal(value, _) => match value {
+            ScalarValue::List(list) => {
+                let values = list.values();
+                (0..values.len())
+                    .map(|i| match ScalarValue::try_from_array(values, i).ok()? {
+                        ScalarValue::Utf8(Some(s))
+                        | ScalarValue::Utf8View(Some(s))
+                        | ScalarValue::LargeUtf8(Some(s)) => Some(s),
+                        _ => None,
+                    })
+                    .collect::<Option<Vec<_>>>()
+                    .filter(|paths| !paths.is_empty())
+            }
+            other => string_of(other).map(|s| vec![s]),
+        },
+        Expr::ScalarFunction(call) if call.name() == "make_array" => (call.args.iter())
+            .map(|arg| match arg {
+                Expr::Literal(value, _) => string_of(value),
+                _ => None,
+            })
+            .collect::<Option<Vec<_>>>()
+            .filter(|paths| !paths.is_empty()),
+        _ => None,
+    }
+}
+
+/// The text of a string literal.
+fn string_of(value: &ScalarValue) -> Option<String> {
+    match value {
+        ScalarValue::Utf8(Some(s))
+        | ScalarValue::Utf8View(Some(s))
+        | ScalarValue::LargeUtf8(Some(s)) => Some(s.clone()),
+        _ => None,
+    }
+}
+
+/// An argument a statement hands to a function of [`LOCATION_FUNCTIONS`].
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum FunctionArgument {
+    /// A quoted string (or one of a list of them): a location the function reads when the
+    /// statement is planned (or, for `table_changes`, a table's name).
+    Quoted(String),
+    /// An expression that is neither a quoted string, a list of them nor a number (`'/d/' ||
+    /// 'x.csv'`): what it names is known only once it is planned. The SQL text.
+    Computed(String),
+}
+
+/// The arguments `statement` hands to the functions of [`LOCATION_FUNCTIONS`] in its `FROM`
+/// clauses, in the order written, numbers left out.
+pub fn locations_read_by_functions(statement: &DFStatement) -> Vec<FunctionArgument> {
+    let mut finder = LocationFinder::default();
+    match statement {
+        DFStatement::Statement(s) => {
+            let _ = s.visit(&mut finder);
+        }
+        DFStatement::CopyTo(copy) => {
+            if let CopyToSource::Query(query) = &copy.source {
+                let _ = query.visit(&mut finder);
+            }
+        }
+        DFStatement::Explain(explain) => {
+            finder.arguments = locations_read_by_functions(&explain.statement)
+        }
+        DFStatement::CreateExternalTable(_) | DFStatement::Reset(_) => {}
+    }
+    finder.arguments
+}
+
+/// A visitor gathering the arguments of location functions.
+#[derive(Default)]
+struct LocationFinder {
+    arguments: Vec<FunctionArgument>,
+}
+
+impl Visitor for LocationFinder {
+    type Break = ();
+
+    fn pre_visit_table_factor(&mut self, factor: &TableFactor) -> ControlFlow<()> {
+        let TableFactor::Table {
+            name,
+            args: Some(args),
+            ..
+        } = factor
+        else {
+            return ControlFlow::Continue(());
+        };
+        let function = (name.0.last())
+            .and_then(|part| part.as_ident())
+            .map(|ident| ident.value.to_ascii_lowercase());
+        if !function.is_some_and(|f| LOCATION_FUNCTIONS.contains(&f.as_str())) {
+            return ControlFlow::Continue(());
+        }
+        for arg in &args.args {
+            match arg {
+                FunctionArg::Unnamed(FunctionArgExpr::Expr(expr))
+                | FunctionArg::Named {
+                    arg: FunctionArgExpr::Expr(expr),
+                    ..
+                }
+                | FunctionArg::ExprNamed {
+                    arg: FunctionArgExpr::Expr(expr),
+                    ..
+                } => arguments_in(expr, &mut self.arguments),
+                other => (self.arguments).push(FunctionArgument::Computed(other.to_string())),
+            }
+        }
+        ControlFlow::Continue(())
+    }
+}
+
+/// The arguments `expr` holds: a quoted string, the elements of an array literal, nothing
+/// for a number, else the expression as computed.
+fn arguments_in(expr: &ast::Expr, out: &mut Vec<FunctionArgument>) {
+    match expr {
+        ast::Expr::Value(value) => match &value.value {
+            ast::Value::Number(..) => {}
+            other => match other.clone().into_string() {
+                Some(s) => out.push(FunctionArgument::Quoted(s)),
+                None => out.push(FunctionArgument::Computed(expr.to_string())),
+            },
+        },
+        ast::Expr::Array(array) => {
+            for element in &array.elem {
+                arguments_in(element, out);
+            }
+        }
+        ast::Expr::Nested(inner) => arguments_in(inner, out),
+        other => out.push(FunctionArgument::Computed(other.to_string())),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use datafusion::sql::parser::DFParser;
+
+    use super::*;
+
+    fn found(sql: &str) -> Vec<String> {
+        let statement = DFParser::parse_sql(sql).unwrap().pop_front().unwrap();
+        (locations_read_by_functions(&statement).into_iter())
+            .map(|arg| match arg {
+                FunctionArgument::Quoted(s) => s,
+                FunctionArgument::Computed(sql) => format!("computed: {sql}"),
+            })
+            .collect()
+    }
+
+    #[test]
+    fn the_locations_a_statement_hands_to_file_functions_are_found() {
+        assert_eq!(
+            found("SELECT * FROM read_parquet('/d/a.parquet')"),
+            ["/d/a.parquet"]
+        );
+        assert_eq!(
+            found("SELECT * FROM t JOIN READ_CSV(['a.csv', \"b\"]) ON true"),
+            ["a.csv", "computed: \"b\""],
+            "a double-quoted name is an identifier, not a string"
+        );
+        assert_eq!(
+            found("SELECT * FROM read_csv('/d/' || 'x.csv'), table_changes('t', 2)"),
+            ["computed: '/d/' || 'x.csv'", "t"]
+        );
+        assert_eq!(
+            found(
+                "COPY (SELECT * FROM (SELECT 1) x, parquet_metadata('s3://b/k.parquet')) \
+                 TO 'out.csv'"
+            ),
+            ["s3://b/k.parquet"]
+        );
+        assert_eq!(
+            found("EXPLAIN WITH w AS (SELECT * FROM table_changes('/t', 0)) SELECT * FROM w"),
+            ["/t"]
+        );
+        assert_eq!(
+            found("SELECT * FROM t WHERE id IN (SELECT id FROM read_json('/j/*.json'))"),
+            ["/j/*.json"]
+        );
+        assert!(found("SELECT * FROM generate_series(1, 3), '/x.parquet'").is_empty());
+    }
+
+    #[test]
+    fn an_argument_names_a_path_or_a_list_of_them() {
+        let text = |s: &str| Expr::Literal(ScalarValue::Utf8(Some(s.into())), None);
+        assert_eq!(
+            locations_in(&text("a.csv")),
+            Some(vec!["a.csv".to_string()])
+        );
+        let list = ScalarValue::List(ScalarValue::new_list_nullable(
+            &[ScalarValue::from("a"), ScalarValue::from("b")],
+            &datafusion::arrow::datatypes::DataType::Utf8,
+        ));
+        assert_eq!(
+            locations_in(&Expr::Literal(list, None)),
+            Some(vec!["a".to_string(), "b".to_string()])
+        );
+        assert_eq!(
+            locations_in(&Expr::Literal(ScalarValue::Int64(Some(1)), None)),
+            None
+        );
+    }
+}
