@@ -100,7 +100,7 @@ async fn listing_table(
     paths: &[String],
 ) -> Result<ListingTable> {
     let urls = (paths.iter())
-        .map(|path| ListingTableUrl::parse(path))
+        .map(ListingTableUrl::parse)
         .collect::<Result<Vec<_>>>()?;
     // A directory holds other files too (`_SUCCESS`, `.crc`): only the format's are read
     // there. A file or a glob names its files itself.
