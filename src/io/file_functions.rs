@@ -1,6 +1,7 @@
 //! Files read as a table by a function of their format, as DuckDB names them:
-//! `read_parquet(path)`, `read_csv(path)`, `read_json(path)`, `read_avro(path)` and
-//! `read_arrow(path)`. The path is a file, a directory (the format's files in it), a glob
+//! `read_parquet(path)`, `read_csv(path)`, `read_json(path)` (newline-delimited), `read_avro(path)`
+//! and `read_arrow(path)`, with DuckDB's other names for them (`read_csv_auto`, `read_ndjson`,
+//! `parquet_scan`, ...). The path is a file, a directory (the format's files in it), a glob
 //! (`'data/*.parquet'`) or a URL of an object store, or a list of them
 //! (`read_csv(['a.csv', 'b.csv'])`). Unlike a quoted path (`FROM 'data/x.txt'`), the function
 //! names the format, so a file's name need not end in it. Each call is a DataFusion listing
@@ -34,26 +35,31 @@ use futures::StreamExt;
 
 use super::planning_reads::read_while_planning;
 
-/// Each file function's name and the file format (DataFusion's extension for it) it reads.
-pub const FILE_FUNCTIONS: [(&str, &str); 5] = [
+/// Each file function's name and the file format (DataFusion's extension for it) it reads:
+/// DuckDB's names, its `_auto` forms and `parquet_scan` among them.
+pub const FILE_FUNCTIONS: [(&str, &str); 10] = [
     ("read_parquet", "parquet"),
+    ("parquet_scan", "parquet"),
     ("read_csv", "csv"),
+    ("read_csv_auto", "csv"),
     ("read_json", "json"),
+    ("read_json_auto", "json"),
+    ("read_ndjson", "json"),
+    ("read_ndjson_auto", "json"),
     ("read_avro", "avro"),
     ("read_arrow", "arrow"),
 ];
 
-/// Table functions whose string arguments are locations they read while the statement is
-/// planned (`table_changes` takes a table's name or a location).
-pub const LOCATION_FUNCTIONS: [&str; 7] = [
-    "read_parquet",
-    "read_csv",
-    "read_json",
-    "read_avro",
-    "read_arrow",
-    "parquet_metadata",
-    "table_changes",
-];
+/// The table functions besides [`FILE_FUNCTIONS`] whose string arguments are locations they
+/// read while the statement is planned (`table_changes` takes a table's name or a location).
+pub const OTHER_LOCATION_FUNCTIONS: [&str; 2] = ["parquet_metadata", "table_changes"];
+
+/// Whether the table function `name` (lower case) reads the locations its string arguments
+/// name while the statement is planned.
+fn reads_locations(name: &str) -> bool {
+    FILE_FUNCTIONS.iter().any(|(function, _)| *function == name)
+        || OTHER_LOCATION_FUNCTIONS.contains(&name)
+}
 
 /// A `read_<format>(path)` table function.
 #[derive(Debug)]
@@ -103,11 +109,10 @@ async fn listing_table(
         .map(ListingTableUrl::parse)
         .collect::<Result<Vec<_>>>()?;
     // A directory holds other files too (`_SUCCESS`, `.crc`): only the format's are read
-    // there. A file or a glob names its files itself.
+    // there, by the ending of its first one. A file or a glob names its files itself.
     let all_directories = urls.iter().all(|url| url.is_collection());
-    let first = first_file(state, &urls[0]).await?;
-    let (_, compression) =
-        ListingTableConfig::infer_file_extension_and_compression_type(&first).unwrap_or_default();
+    let endings = all_directories.then(|| file_endings(format));
+    let (ending, compression) = first_file(state, &urls[0], endings).await?;
     let mut format_options = HashMap::new();
     if let Some(compression) = &compression {
         format_options.insert("format.compression".to_string(), compression.clone());
@@ -117,8 +122,8 @@ async fn listing_table(
     let file_format = factory.create(state, &format_options)?;
     let extension = match (all_directories, &compression) {
         (false, _) => String::new(),
-        (true, None) => file_format.get_ext(),
-        (true, Some(compression)) => format!("{}.{compression}", file_format.get_ext()),
+        (true, None) => format!(".{ending}"),
+        (true, Some(compression)) => format!(".{ending}.{compression}"),
     };
     let options = ListingOptions::new(file_format).with_file_extension(extension);
     let config = ListingTableConfig::new_with_multi_paths(urls)
@@ -138,14 +143,38 @@ pub(crate) fn failed_reading(what: &str, error: DataFusionError) -> DataFusionEr
     }
 }
 
-/// The location of the first file `url` lists, or an error saying there is none.
-async fn first_file(state: &SessionState, url: &ListingTableUrl) -> Result<String> {
+/// The file name endings (without the dot) a directory's files of `format` have.
+fn file_endings(format: &str) -> &'static [&'static str] {
+    match format {
+        "csv" => &["csv", "tsv"],
+        "json" => &["json", "jsonl", "ndjson"],
+        "arrow" => &["arrow", "ipc", "feather"],
+        "avro" => &["avro"],
+        _ => &["parquet"],
+    }
+}
+
+/// The ending and compression (`gz`, ...) of the first file `url` lists, of the first one
+/// ending in one of `endings` where they are given; an error saying none is there if none is.
+async fn first_file(
+    state: &SessionState,
+    url: &ListingTableUrl,
+    endings: Option<&[&str]>,
+) -> Result<(String, Option<String>)> {
     let store = state.runtime_env().object_store(url)?;
     let mut files = url.list_all_files(state, store.as_ref(), "").await?;
-    match files.next().await {
-        Some(file) => Ok(file?.location.to_string()),
-        None => Err(DataFusionError::Plan("no file found there".into())),
+    while let Some(file) = files.next().await {
+        let location = file?.location.to_string();
+        let (ending, compression) =
+            ListingTableConfig::infer_file_extension_and_compression_type(&location)?;
+        if endings.is_none_or(|endings| endings.contains(&ending.as_str())) {
+            return Ok((ending, compression));
+        }
     }
+    Err(DataFusionError::Plan(match endings {
+        Some(endings) => format!("no file ending in .{} found there", endings.join(", .")),
+        None => "no file found there".into(),
+    }))
 }
 
 /// The paths an argument names: a quoted string, or a list of them.
@@ -187,7 +216,8 @@ fn string_of(value: &ScalarValue) -> Option<String> {
     }
 }
 
-/// An argument a statement hands to a function of [`LOCATION_FUNCTIONS`].
+/// An argument a statement hands to a function that reads locations ([`FILE_FUNCTIONS`],
+/// [`OTHER_LOCATION_FUNCTIONS`]).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum FunctionArgument {
     /// A quoted string (or one of a list of them): a location the function reads when the
@@ -198,7 +228,7 @@ pub enum FunctionArgument {
     Computed(String),
 }
 
-/// The arguments `statement` hands to the functions of [`LOCATION_FUNCTIONS`] in its `FROM`
+/// The arguments `statement` hands to the functions that read locations in its `FROM`
 /// clauses, in the order written, numbers left out.
 pub fn locations_read_by_functions(statement: &DFStatement) -> Vec<FunctionArgument> {
     let mut finder = LocationFinder::default();
@@ -240,7 +270,7 @@ impl Visitor for LocationFinder {
         let function = (name.0.last())
             .and_then(|part| part.as_ident())
             .map(|ident| ident.value.to_ascii_lowercase());
-        if !function.is_some_and(|f| LOCATION_FUNCTIONS.contains(&f.as_str())) {
+        if !function.is_some_and(|f| reads_locations(&f)) {
             return ControlFlow::Continue(());
         }
         for arg in &args.args {
