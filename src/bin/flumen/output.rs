@@ -1,12 +1,16 @@
 //! Printing query results: `table`, `csv`, `json` or `ndjson`, at most `--maxrows` rows.
 
 use std::io::Write;
+use std::sync::Arc;
 
 use clap::ValueEnum;
+use datafusion::arrow::array::{Array, ArrayRef, StringArray};
 use datafusion::arrow::csv::WriterBuilder as CsvWriterBuilder;
+use datafusion::arrow::datatypes::{DataType, Field, Schema};
 use datafusion::arrow::json::WriterBuilder as JsonWriterBuilder;
 use datafusion::arrow::json::writer::{JsonArray, JsonFormat, LineDelimited};
 use datafusion::arrow::record_batch::RecordBatch;
+use datafusion::arrow::util::display::{ArrayFormatter, FormatOptions};
 use datafusion::arrow::util::pretty::pretty_format_batches;
 use datafusion::error::Result;
 
@@ -67,7 +71,7 @@ pub fn print(
         Format::Csv => {
             let mut writer = CsvWriterBuilder::new().with_header(true).build(&mut *out);
             for batch in batches {
-                writer.write(batch)?;
+                writer.write(&nested_as_text(batch)?)?;
             }
         }
         Format::Json if shown == 0 => writeln!(out, "[]")?,
@@ -80,6 +84,38 @@ pub fn print(
     Ok(())
 }
 
+/// `batch` with each nested column (lists, structs, maps, unions: what CSV has no form for)
+/// as the text the table format shows for it, NULLs kept.
+fn nested_as_text(batch: &RecordBatch) -> Result<RecordBatch> {
+    if !(batch.schema().fields().iter()).any(|f| f.data_type().is_nested()) {
+        return Ok(batch.clone());
+    }
+    let options = FormatOptions::default();
+    let mut fields = Vec::with_capacity(batch.num_columns());
+    let mut columns = Vec::with_capacity(batch.num_columns());
+    for (field, column) in batch.schema().fields().iter().zip(batch.columns()) {
+        if !field.data_type().is_nested() {
+            fields.push(Arc::clone(field));
+            columns.push(Arc::clone(column));
+            continue;
+        }
+        let formatter = ArrayFormatter::try_new(column.as_ref(), &options)?;
+        let text: StringArray = (0..column.len())
+            .map(|row| {
+                column
+                    .is_valid(row)
+                    .then(|| formatter.value(row).to_string())
+            })
+            .collect();
+        fields.push(Arc::new(Field::new(field.name(), DataType::Utf8, true)));
+        columns.push(Arc::new(text) as ArrayRef);
+    }
+    Ok(RecordBatch::try_new(
+        Arc::new(Schema::new(fields)),
+        columns,
+    )?)
+}
+
 /// Write `batches` as JSON in layout `F` (an array, or one object per line), NULLs included.
 fn write_json<F: JsonFormat>(out: &mut dyn Write, batches: &[RecordBatch]) -> Result<()> {
     let mut writer = JsonWriterBuilder::new()
@@ -90,4 +126,33 @@ fn write_json<F: JsonFormat>(out: &mut dyn Write, batches: &[RecordBatch]) -> Re
     }
     writer.finish()?;
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use datafusion::arrow::array::{Int64Array, ListArray};
+    use datafusion::arrow::datatypes::Int64Type;
+
+    use super::*;
+
+    #[test]
+    fn csv_shows_a_nested_column_as_the_table_does() {
+        let lists = ListArray::from_iter_primitive::<Int64Type, _, _>(vec![
+            Some(vec![Some(1), Some(2)]),
+            None,
+            Some(vec![]),
+        ]);
+        let ids = Int64Array::from(vec![1, 2, 3]);
+        let batch = RecordBatch::try_from_iter([
+            ("id", Arc::new(ids) as ArrayRef),
+            ("xs", Arc::new(lists) as ArrayRef),
+        ])
+        .unwrap();
+        let mut out = Vec::new();
+        print(&mut out, Format::Csv, &[batch], 3).unwrap();
+        assert_eq!(
+            String::from_utf8(out).unwrap(),
+            "id,xs\n1,\"[1, 2]\"\n2,\n3,[]\n"
+        );
+    }
 }
