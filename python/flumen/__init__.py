@@ -84,6 +84,31 @@ class Session:
         ``COPY ... TO`` statements take effect when their result is read (``.collect()``)."""
         return DataFrame(self._inner.sql(query))
 
+    def read_parquet(self, path: Any) -> "DataFrame":
+        """The Parquet files at ``path`` (a file, a directory, a glob such as
+        ``"data/*.parquet"``, an object-store URL, or a list of them) as a DataFrame:
+        ``SELECT * FROM read_parquet(path)``."""
+        return self._read("read_parquet", path)
+
+    def read_csv(self, path: Any) -> "DataFrame":
+        """The CSV files at ``path`` (as for :meth:`read_parquet`; a header row unless
+        ``datafusion.catalog.has_header`` is off) as a DataFrame."""
+        return self._read("read_csv", path)
+
+    def read_json(self, path: Any) -> "DataFrame":
+        """The newline-delimited JSON files at ``path`` (as for :meth:`read_parquet`) as a
+        DataFrame."""
+        return self._read("read_json", path)
+
+    def _read(self, function: str, path: Any) -> "DataFrame":
+        if isinstance(path, (list, tuple)):
+            if not path:
+                raise ValueError(f"{function}: no path given")
+            argument = "[" + ", ".join(_literal(str(p)) for p in path) + "]"
+        else:
+            argument = _literal(str(path))
+        return self.sql(f"SELECT * FROM {function}({argument})")
+
     def register_parquet(self, name: str, path: str) -> None:
         """Table ``name`` over Parquet files (a file, a directory, an object-store URL)."""
         self._inner.register_parquet(name, str(path))

@@ -71,6 +71,32 @@ def test_sql_results_equal_pyarrows(table):
     assert rows == [{"id": i, "s": f"row {i}"} for i in range(3)]
 
 
+@pytest.mark.parametrize("workers", [0, 2])
+def test_files_read_by_path_equal_pyarrows(table, tmp_path, workers):
+    data, path = table
+    settings = {"flumen.workers": "process", "flumen.worker_processes": "2"} if workers else {}
+    ctx = session(**settings)
+    rows = sorted(ctx.read_parquet(path).to_pylist(), key=lambda row: row["id"])
+    assert rows == data.to_pylist()
+    # A list of files, and a glob: the rows of each.
+    (tmp_path / "more").mkdir()
+    pq.write_table(data.slice(0, 10), tmp_path / "more" / "ten.parquet")
+    both = ctx.read_parquet([path, str(tmp_path / "more" / "ten.parquet")])
+    assert both.to_arrow().num_rows == ROWS + 10
+    assert ctx.read_parquet(str(tmp_path / "*.parquet")).to_arrow().num_rows == ROWS
+    # CSV and newline-delimited JSON, whatever the files are called.
+    import pyarrow.csv as pcsv
+
+    pcsv.write_csv(data.slice(0, 5), tmp_path / "five.txt")
+    assert ctx.read_csv(str(tmp_path / "five.txt")).to_arrow().column("id").to_pylist() == [
+        0, 1, 2, 3, 4,
+    ]
+    (tmp_path / "rows.jsonl").write_text('{"a": 1}\n{"a": 2}\n')
+    assert ctx.read_json(str(tmp_path / "rows.jsonl")).to_pylist() == [{"a": 1}, {"a": 2}]
+    with pytest.raises(flumen.FlumenError, match="no file found there"):
+        ctx.read_parquet(str(tmp_path / "missing.parquet")).collect()
+
+
 def test_worker_processes_answer_like_threads_and_pyarrow(table):
     data, path = table
     # The session starts its workers as `python -m flumen worker` (this interpreter).
