@@ -17,10 +17,13 @@ use datafusion::error::{DataFusionError, Result};
 use datafusion::execution::SessionState;
 use datafusion::parquet::file::metadata::{PageIndexPolicy, ParquetMetaData};
 use datafusion::parquet::file::statistics::Statistics;
-use futures::TryStreamExt;
+use futures::{StreamExt, TryStreamExt};
 
 use super::file_functions::{failed_reading, locations_in};
 use super::planning_reads::read_while_planning;
+
+/// Footers read at once (a directory of many small files is many round trips to its store).
+const FOOTERS_AT_ONCE: usize = 32;
 
 /// The `parquet_metadata` table function.
 #[derive(Debug, Default)]
@@ -55,7 +58,7 @@ impl TableFunctionImpl for ParquetMetadata {
 /// The rows of every Parquet file `paths` name, in the order listed.
 async fn footers_read(state: &SessionState, paths: &[String]) -> Result<RecordBatch> {
     let mut rows = MetadataRows::default();
-    let footers = state.runtime_env().cache_manager.get_file_metadata_cache();
+    let footer_cache = state.runtime_env().cache_manager.get_file_metadata_cache();
     for path in paths {
         let url = ListingTableUrl::parse(path)?;
         let store = state.runtime_env().object_store(&url)?;
@@ -64,21 +67,29 @@ async fn footers_read(state: &SessionState, paths: &[String]) -> Result<RecordBa
             .try_collect()
             .await?;
         if files.is_empty() {
-            return Err(DataFusionError::Plan(format!("no file found at '{path}'")));
+            return Err(DataFusionError::Plan("no file found there".into()));
         }
         let store_url = url.object_store();
-        for file in files {
+        let reads = futures::stream::iter(files.into_iter().map(|file| {
             let name = match store_url.as_str() {
                 "file:///" => format!("/{}", file.location),
                 prefix => format!("{prefix}{}", file.location),
             };
-            // Through the session's footer cache, as a scan reads it.
-            let metadata = DFParquetMetadata::new(store.as_ref(), &file)
-                .with_file_metadata_cache(Some(footers.clone()))
-                .with_page_index_policy(Some(PageIndexPolicy::Skip))
-                .fetch_metadata()
-                .await
-                .map_err(|e| DataFusionError::Plan(format!("'{name}' is not Parquet: {e}")))?;
+            let (store, footer_cache) = (Arc::clone(&store), Arc::clone(&footer_cache));
+            async move {
+                // Through the session's footer cache, as a scan reads it.
+                let metadata = DFParquetMetadata::new(store.as_ref(), &file)
+                    .with_file_metadata_cache(Some(footer_cache))
+                    .with_page_index_policy(Some(PageIndexPolicy::Skip))
+                    .fetch_metadata()
+                    .await
+                    .map_err(|e| DataFusionError::Plan(format!("'{name}' is not Parquet: {e}")))?;
+                Ok::<_, DataFusionError>((name, metadata))
+            }
+        }))
+        .buffered(FOOTERS_AT_ONCE);
+        let footers: Vec<_> = reads.try_collect().await?;
+        for (name, metadata) in footers {
             rows.add_file(&name, &metadata);
         }
     }
