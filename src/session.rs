@@ -123,8 +123,8 @@ pub fn register_functions(ctx: &SessionContext) {
 /// Register flumen's lakehouse table formats: `STORED AS DELTATABLE` (Delta Lake) and
 /// `STORED AS ICEBERG`, and `table_changes(...)` (a Delta table's change data feed); Delta's
 /// need the cargo feature `delta` (on by default). And the table functions that read files:
-/// `read_parquet(path)`, `read_csv`, `read_json`, `read_avro`, `read_arrow`, and
-/// `parquet_metadata(path)`.
+/// `read_parquet(path)`, `read_csv`, `read_json`, `read_avro`, `read_arrow`,
+/// `parquet_metadata(path)` and `glob(pattern)`.
 pub fn register_table_factories(ctx: &SessionContext) {
     let state = ctx.state_ref();
     let mut state = state.write();
@@ -137,6 +137,7 @@ pub fn register_table_factories(ctx: &SessionContext) {
     ctx.register_udtf("table_changes", Arc::new(crate::io::TableChanges));
     crate::io::register_file_functions(ctx);
     ctx.register_udtf("parquet_metadata", Arc::new(crate::io::ParquetMetadata));
+    ctx.register_udtf("glob", Arc::new(crate::io::Glob));
 }
 
 /// Add flumen's settings, worker pools and required DataFusion options to a session config.

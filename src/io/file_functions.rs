@@ -10,8 +10,8 @@
 //! and pruned like any other.
 //!
 //! [`locations_read_by_functions`] finds the locations a statement hands to these functions,
-//! to `parquet_metadata` and to `table_changes`, before it is planned (planning one of them
-//! reads what it names): `flumen serve` checks them against its access policy, and the
+//! to `parquet_metadata`, `glob` and `table_changes`, before it is planned (planning one of
+//! them reads what it names): `flumen serve` checks them against its access policy, and the
 //! session registers the object stores they need.
 
 use std::collections::HashMap;
@@ -52,7 +52,7 @@ pub const FILE_FUNCTIONS: [(&str, &str); 10] = [
 
 /// The table functions besides [`FILE_FUNCTIONS`] whose string arguments are locations they
 /// read while the statement is planned (`table_changes` takes a table's name or a location).
-pub const OTHER_LOCATION_FUNCTIONS: [&str; 2] = ["parquet_metadata", "table_changes"];
+pub const OTHER_LOCATION_FUNCTIONS: [&str; 3] = ["parquet_metadata", "glob", "table_changes"];
 
 /// Whether the table function `name` (lower case) reads the locations its string arguments
 /// name while the statement is planned.
@@ -175,6 +175,15 @@ async fn first_file(
         Some(endings) => format!("no file ending in .{} found there", endings.join(", .")),
         None => "no file found there".into(),
     }))
+}
+
+/// How a listed file is named to the user: its path where it is on the local file system
+/// (`/data/a.parquet`), else its store's URL and its location (`s3://bucket/a.parquet`).
+pub(crate) fn shown_location(url: &ListingTableUrl, location: &object_store::path::Path) -> String {
+    match url.object_store().as_str() {
+        "file:///" => format!("/{location}"),
+        prefix => format!("{prefix}{location}"),
+    }
 }
 
 /// The paths an argument names: a quoted string, or a list of them.
@@ -358,6 +367,7 @@ mod tests {
             found("SELECT * FROM t WHERE id IN (SELECT id FROM read_json('/j/*.json'))"),
             ["/j/*.json"]
         );
+        assert_eq!(found("SELECT file FROM glob('/d/*')"), ["/d/*"]);
         assert!(found("SELECT * FROM generate_series(1, 3), '/x.parquet'").is_empty());
     }
 

@@ -12,6 +12,7 @@
 //! - [`url_tables`]: why a quoted path or URL could not be read as a table.
 //! - [`file_functions`]: `read_parquet(path)`, `read_csv(path)`, ...: files read as a table
 //!   by a function of their format, and the locations a statement hands such functions.
+//! - [`glob_function`]: `glob(pattern)`, the files a pattern names.
 //! - [`parquet_metadata`]: `parquet_metadata(path)`, a Parquet footer's row groups and
 //!   statistics as rows.
 //! - [`planning_reads`]: the async reads a table function makes while it is planned.
@@ -24,6 +25,7 @@ pub(crate) mod delta_changes;
 pub(crate) mod delta_insert;
 pub mod file_functions;
 pub mod flight_data;
+pub(crate) mod glob_function;
 pub(crate) mod iceberg;
 pub(crate) mod lakehouse_options;
 pub(crate) mod object_stores;
@@ -39,6 +41,7 @@ pub use delta::{
 #[cfg(feature = "delta")]
 pub use delta_changes::TableChanges;
 pub use file_functions::register_file_functions;
+pub use glob_function::Glob;
 pub use iceberg::{IcebergTableFactory, iceberg_table};
 pub use object_stores::{register_for_location, register_for_statement};
 pub use parquet_metadata::ParquetMetadata;

@@ -19,7 +19,7 @@ use datafusion::parquet::file::metadata::{PageIndexPolicy, ParquetMetaData};
 use datafusion::parquet::file::statistics::Statistics;
 use futures::{StreamExt, TryStreamExt};
 
-use super::file_functions::{failed_reading, locations_in};
+use super::file_functions::{failed_reading, locations_in, shown_location};
 use super::planning_reads::read_while_planning;
 
 /// Footers read at once (a directory of many small files is many round trips to its store).
@@ -69,12 +69,8 @@ async fn footers_read(state: &SessionState, paths: &[String]) -> Result<RecordBa
         if files.is_empty() {
             return Err(DataFusionError::Plan("no file found there".into()));
         }
-        let store_url = url.object_store();
         let reads = futures::stream::iter(files.into_iter().map(|file| {
-            let name = match store_url.as_str() {
-                "file:///" => format!("/{}", file.location),
-                prefix => format!("{prefix}{}", file.location),
-            };
+            let name = shown_location(&url, &file.location);
             let (store, footer_cache) = (Arc::clone(&store), Arc::clone(&footer_cache));
             async move {
                 // Through the session's footer cache, as a scan reads it.

@@ -1152,6 +1152,7 @@ async fn a_hostile_client_is_refused_what_the_operator_did_not_allow() {
         (format!("SELECT * FROM read_json(['{data_dir}/events/', '{users}'])"), users.clone()),
         (format!("SELECT * FROM parquet_metadata('{data_dir}/../token')"), "../token".to_string()),
         (format!("SELECT * FROM table_changes('{users}', 0)"), users.clone()),
+        ("SELECT * FROM glob('/etc/*')".to_string(), "/etc".to_string()),
         (
             format!("SELECT * FROM (SELECT 1) t, read_csv('{data_dir}/' || '../token')"),
             "must be a quoted string".to_string(),
