@@ -15,11 +15,14 @@
 //! session registers the object stores they need.
 
 use std::collections::HashMap;
+use std::future::Future;
 use std::ops::ControlFlow;
 use std::sync::Arc;
 
+use datafusion::arrow::array::RecordBatch;
 use datafusion::catalog::{TableFunctionArgs, TableFunctionImpl, TableProvider};
 use datafusion::common::ScalarValue;
+use datafusion::datasource::MemTable;
 use datafusion::datasource::listing::{
     ListingOptions, ListingTable, ListingTableConfig, ListingTableUrl,
 };
@@ -79,23 +82,49 @@ pub fn register_file_functions(ctx: &SessionContext) {
 
 impl TableFunctionImpl for ReadFiles {
     fn call_with_args(&self, args: TableFunctionArgs) -> Result<Arc<dyn TableProvider>> {
-        let usage = format!("{}('path' or ['path', ...])", self.name);
-        let paths = match args.exprs() {
-            [one] => locations_in(one),
-            _ => None,
-        }
-        .ok_or_else(|| {
-            DataFusionError::Plan(format!(
-                "{usage}: takes one quoted path, glob or URL, or a list of them"
-            ))
+        let format = self.format;
+        let table = read_call(self.name, &args, |state, paths| async move {
+            listing_table(state, format, &paths).await
         })?;
-        let state = (args.session().as_any().downcast_ref::<SessionState>())
-            .ok_or_else(|| DataFusionError::Plan(format!("{usage}: needs a SessionState")))?;
-        let what = format!("{}('{}')", self.name, paths.join("', '"));
-        let table = read_while_planning(&what, || listing_table(state, self.format, &paths))
-            .map_err(|e| failed_reading(&what, e))?;
         Ok(Arc::new(table))
     }
+}
+
+/// What `read` makes of the locations of a call of the location function `name`, whose one
+/// argument is a quoted path, glob or URL, or a list of them: read while the statement is
+/// planned ([`read_while_planning`]), an error naming the call.
+pub(crate) fn read_call<'s, T, F, Fut>(
+    name: &str,
+    args: &TableFunctionArgs<'_, 's>,
+    read: F,
+) -> Result<T>
+where
+    T: Send,
+    F: FnOnce(&'s SessionState, Vec<String>) -> Fut + Send,
+    Fut: Future<Output = Result<T>>,
+{
+    let usage = format!("{name}('path' or ['path', ...])");
+    let paths = match args.exprs() {
+        [one] => locations_in(one),
+        _ => None,
+    }
+    .ok_or_else(|| {
+        DataFusionError::Plan(format!(
+            "{usage}: takes one quoted path, glob or URL, or a list of them"
+        ))
+    })?;
+    let state = (args.session().as_any().downcast_ref::<SessionState>())
+        .ok_or_else(|| DataFusionError::Plan(format!("{usage}: needs a SessionState")))?;
+    let what = format!("{name}('{}')", paths.join("', '"));
+    read_while_planning(&what, move || read(state, paths)).map_err(|e| failed_reading(&what, e))
+}
+
+/// A table of the one batch `batch`.
+pub(crate) fn one_batch_table(batch: RecordBatch) -> Result<Arc<dyn TableProvider>> {
+    Ok(Arc::new(MemTable::try_new(
+        batch.schema(),
+        vec![vec![batch]],
+    )?))
 }
 
 /// The listing table of `paths`, read as `format` with the session's options for it; its
@@ -136,7 +165,7 @@ async fn listing_table(
 }
 
 /// `error`, met reading what `what` (a call) names, as a planning error that names the call.
-pub(crate) fn failed_reading(what: &str, error: DataFusionError) -> DataFusionError {
+fn failed_reading(what: &str, error: DataFusionError) -> DataFusionError {
     match error {
         DataFusionError::Plan(why) => DataFusionError::Plan(format!("{what}: {why}")),
         other => DataFusionError::Plan(format!("{what}: {other}")),

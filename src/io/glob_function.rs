@@ -9,14 +9,12 @@ use datafusion::arrow::array::UInt64Builder;
 use datafusion::arrow::array::{ArrayRef, RecordBatch, StringBuilder, TimestampMicrosecondBuilder};
 use datafusion::arrow::datatypes::{DataType, Field, Schema, TimeUnit};
 use datafusion::catalog::{TableFunctionArgs, TableFunctionImpl, TableProvider};
-use datafusion::datasource::MemTable;
 use datafusion::datasource::listing::ListingTableUrl;
-use datafusion::error::{DataFusionError, Result};
+use datafusion::error::Result;
 use datafusion::execution::SessionState;
 use futures::TryStreamExt;
 
-use super::file_functions::{failed_reading, locations_in, shown_location};
-use super::planning_reads::read_while_planning;
+use super::file_functions::{one_batch_table, read_call, shown_location};
 
 /// The `glob` table function.
 #[derive(Debug, Default)]
@@ -24,26 +22,10 @@ pub struct Glob;
 
 impl TableFunctionImpl for Glob {
     fn call_with_args(&self, args: TableFunctionArgs) -> Result<Arc<dyn TableProvider>> {
-        let paths = match args.exprs() {
-            [one] => locations_in(one),
-            _ => None,
-        }
-        .ok_or_else(|| {
-            DataFusionError::Plan(
-                "glob('pattern' or ['pattern', ...]): takes one quoted path, glob or URL, or \
-                 a list of them"
-                    .into(),
-            )
+        let batch = read_call("glob", &args, |state, paths| async move {
+            files_listed(state, &paths).await
         })?;
-        let state = (args.session().as_any().downcast_ref::<SessionState>())
-            .ok_or_else(|| DataFusionError::Plan("glob: needs a SessionState".into()))?;
-        let what = format!("glob('{}')", paths.join("', '"));
-        let batch = read_while_planning(&what, || files_listed(state, &paths))
-            .map_err(|e| failed_reading(&what, e))?;
-        Ok(Arc::new(MemTable::try_new(
-            batch.schema(),
-            vec![vec![batch]],
-        )?))
+        one_batch_table(batch)
     }
 }
 

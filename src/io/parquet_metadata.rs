@@ -10,7 +10,6 @@ use std::sync::Arc;
 use datafusion::arrow::array::{ArrayRef, Int64Builder, RecordBatch, StringBuilder};
 use datafusion::arrow::datatypes::{DataType, Field, Schema};
 use datafusion::catalog::{TableFunctionArgs, TableFunctionImpl, TableProvider};
-use datafusion::datasource::MemTable;
 use datafusion::datasource::listing::ListingTableUrl;
 use datafusion::datasource::physical_plan::parquet::metadata::DFParquetMetadata;
 use datafusion::error::{DataFusionError, Result};
@@ -19,8 +18,7 @@ use datafusion::parquet::file::metadata::{PageIndexPolicy, ParquetMetaData};
 use datafusion::parquet::file::statistics::Statistics;
 use futures::{StreamExt, TryStreamExt};
 
-use super::file_functions::{failed_reading, locations_in, shown_location};
-use super::planning_reads::read_while_planning;
+use super::file_functions::{one_batch_table, read_call, shown_location};
 
 /// Footers read at once (a directory of many small files is many round trips to its store).
 const FOOTERS_AT_ONCE: usize = 32;
@@ -31,27 +29,10 @@ pub struct ParquetMetadata;
 
 impl TableFunctionImpl for ParquetMetadata {
     fn call_with_args(&self, args: TableFunctionArgs) -> Result<Arc<dyn TableProvider>> {
-        let paths = match args.exprs() {
-            [one] => locations_in(one),
-            _ => None,
-        }
-        .ok_or_else(|| {
-            DataFusionError::Plan(
-                "parquet_metadata('path' or ['path', ...]): takes one quoted path, glob or \
-                 URL, or a list of them"
-                    .into(),
-            )
+        let batch = read_call("parquet_metadata", &args, |state, paths| async move {
+            footers_read(state, &paths).await
         })?;
-        let state = (args.session().as_any().downcast_ref::<SessionState>()).ok_or_else(|| {
-            DataFusionError::Plan("parquet_metadata: needs a SessionState".into())
-        })?;
-        let what = format!("parquet_metadata('{}')", paths.join("', '"));
-        let batch = read_while_planning(&what, || footers_read(state, &paths))
-            .map_err(|e| failed_reading(&what, e))?;
-        Ok(Arc::new(MemTable::try_new(
-            batch.schema(),
-            vec![vec![batch]],
-        )?))
+        one_batch_table(batch)
     }
 }
 
