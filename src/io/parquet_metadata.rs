@@ -90,8 +90,11 @@ struct MetadataRows {
     stats_max: StringBuilder,
     stats_null_count: Int64Builder,
     stats_distinct_count: Int64Builder,
+    stats_min_value: StringBuilder,
+    stats_max_value: StringBuilder,
     compression: StringBuilder,
     encodings: StringBuilder,
+    index_page_offset: Int64Builder,
     dictionary_page_offset: Int64Builder,
     data_page_offset: Int64Builder,
     total_compressed_size: Int64Builder,
@@ -118,8 +121,11 @@ impl MetadataRows {
                     .append_value(column.column_type().to_string());
                 let stats = column.statistics();
                 let (min, max) = stats.map(bounds_as_text).unwrap_or_default();
-                self.stats_min.append_option(min);
-                self.stats_max.append_option(max);
+                // Both pairs, as datafusion-cli has them (the same values).
+                self.stats_min.append_option(min.as_deref());
+                self.stats_max.append_option(max.as_deref());
+                self.stats_min_value.append_option(min);
+                self.stats_max_value.append_option(max);
                 let count = |n: Option<u64>| n.map(|n| n as i64);
                 self.stats_null_count
                     .append_option(count(stats.and_then(|s| s.null_count_opt())));
@@ -128,7 +134,10 @@ impl MetadataRows {
                 self.compression
                     .append_value(column.compression().to_string());
                 let encodings: Vec<String> = column.encodings().map(|e| e.to_string()).collect();
-                self.encodings.append_value(encodings.join(" "));
+                self.encodings
+                    .append_value(format!("[{}]", encodings.join(", ")));
+                self.index_page_offset
+                    .append_option(column.index_page_offset());
                 self.dictionary_page_offset
                     .append_option(column.dictionary_page_offset());
                 self.data_page_offset
@@ -178,8 +187,20 @@ impl MetadataRows {
                 number("stats_distinct_count"),
                 Arc::new(self.stats_distinct_count.finish()),
             ),
+            (
+                text("stats_min_value"),
+                Arc::new(self.stats_min_value.finish()),
+            ),
+            (
+                text("stats_max_value"),
+                Arc::new(self.stats_max_value.finish()),
+            ),
             (text("compression"), Arc::new(self.compression.finish())),
             (text("encodings"), Arc::new(self.encodings.finish())),
+            (
+                number("index_page_offset"),
+                Arc::new(self.index_page_offset.finish()),
+            ),
             (
                 number("dictionary_page_offset"),
                 Arc::new(self.dictionary_page_offset.finish()),
