@@ -339,7 +339,7 @@ fn as_sent(plan: &Arc<dyn ExecutionPlan>) -> Result<Arc<dyn ExecutionPlan>> {
 /// `plan` with the dynamic filters of its scans' and filters' predicates that it does not
 /// produce itself fixed at their current value, as [`encode`] sends them. A plan encoded for
 /// [`check_round_trip`] is frozen first: a join elsewhere may tighten a filter between the
-/// encoding and the check, which would then see two values of it and fail the query.
+/// encoding and the check, which would then see two values of it.
 pub fn with_outside_filters_frozen(
     plan: &Arc<dyn ExecutionPlan>,
 ) -> Result<Arc<dyn ExecutionPlan>> {

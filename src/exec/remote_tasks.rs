@@ -328,8 +328,11 @@ impl QueryRun {
         }
     }
 
-    /// Whether a worker decodes `plan` (encoded as `bytes`) as it was planned
-    /// ([`task_plan::check_round_trip`]): `Some(why)` when not. A plan that does not decode
+    /// Whether a worker of `pool` decodes `plan` as it was planned
+    /// ([`task_plan::check_round_trip`]): `Some(why)` when not. The plan checked is encoded
+    /// frozen ([`task_plan::with_outside_filters_frozen`]): a join may tighten a filter made
+    /// outside it between an encoding and the comparison, which would then see two values
+    /// of it. A plan that does not decode
     /// runs on the driver. A plan that decodes to another plan is the task's error in debug
     /// builds, so tests fail on it; a release build runs the task on the driver and warns.
     ///
@@ -339,7 +342,7 @@ impl QueryRun {
     pub(super) fn decodes_as_planned(
         &self,
         plan: &Arc<dyn ExecutionPlan>,
-        bytes: &[u8],
+        pool: &WorkerPool,
         describe: &str,
         shape: (OperatorId, bool),
     ) -> Result<Option<OnDriver>> {
@@ -353,7 +356,12 @@ impl QueryRun {
         {
             return Ok(None);
         }
-        match task_plan::check_round_trip(plan, bytes, &self.base_context()) {
+        let frozen = task_plan::with_outside_filters_frozen(plan)?;
+        let bytes = match task_plan::encode(&frozen, Arc::clone(pool.functions())) {
+            Ok(bytes) => bytes,
+            Err(e) => return Ok(Some(OnDriver::Unencodable(e.to_string()))),
+        };
+        match task_plan::check_round_trip(&frozen, &bytes, &self.base_context()) {
             Ok(()) => {
                 self.workers
                     .plans_decoded_alike

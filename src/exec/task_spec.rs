@@ -15,7 +15,6 @@ use datafusion::datasource::memory::MemorySourceConfig;
 use datafusion::error::Result;
 
 use crate::cluster::on_driver::OnDriver;
-use crate::cluster::task_plan;
 use crate::cluster::worker_pool::WorkerPool;
 use crate::exec::run::QueryRun;
 use crate::exec::task_kind::{TaskId, TaskKind};
@@ -118,17 +117,13 @@ impl QueryRun {
         let pool = slot
             .get_or_start(op.pool, self.pool_settings(op.pool)?)
             .await?;
-        // Checked at one value of each filter made outside it (a join may tighten one
-        // meanwhile); the plan is encoded again, at the values then, when it is sent.
-        let frozen = task_plan::with_outside_filters_frozen(&runnable)?;
-        let bytes = match encode_for_worker(&frozen, &pool) {
-            Ok(bytes) => bytes,
-            Err(why) => return in_process(why),
-        };
+        if let Err(why) = encode_for_worker(&runnable, &pool) {
+            return in_process(why);
+        }
         let spec = self.task_spec(task, TaskPlace::InProcess(None));
         let source = matches!(kind, TaskKind::Source { .. });
         if let Some(why) =
-            self.decodes_as_planned(&frozen, &bytes, &spec.describe, (op_id, source))?
+            self.decodes_as_planned(&runnable, &pool, &spec.describe, (op_id, source))?
         {
             return in_process(why);
         }

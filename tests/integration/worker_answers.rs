@@ -2032,3 +2032,72 @@ async fn a_join_under_a_limit_is_fed_its_probe_side_on_a_worker() {
     let plan = unordered_like_vanilla(sql).await;
     assert!(fed_join(&plan).is_none(), "{sql}: a join is fed");
 }
+
+/// `read_parquet` and `read_csv` answer as vanilla DataFusion's tables over the same
+/// files, by value, in threads mode and with two worker processes: a group, a join of a
+/// directory with one of its files, a CSV file under a `.txt` name.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn files_read_by_table_functions_answer_like_vanilla() {
+    let (dir, vanilla) = common::events_with_vanilla(2, 3_000).await;
+    let path = |name: &str| dir.path().join(name).display().to_string();
+    vanilla
+        .register_parquet(
+            "part0",
+            &path("part-0.parquet"),
+            ParquetReadOptions::default(),
+        )
+        .await
+        .unwrap();
+    let csv_dir = tempfile::tempdir().unwrap();
+    let csv = csv_dir.path().join("events.txt").display().to_string();
+    let copy =
+        format!("COPY (SELECT id, k, v FROM events WHERE id % 5 = 1) TO '{csv}' STORED AS CSV");
+    vanilla.sql(&copy).await.unwrap().collect().await.unwrap();
+    let csv_options = datafusion::prelude::CsvReadOptions::new().file_extension(".txt");
+    vanilla
+        .register_csv("events_csv", &csv, csv_options)
+        .await
+        .unwrap();
+    let all = format!("read_parquet('{}/')", dir.path().display());
+    let one = format!("read_parquet('{}')", path("part-0.parquet"));
+    let pairs = [
+        (
+            "SELECT k, count(*), sum(v), max(body) FROM events WHERE id % 3 = 0 GROUP BY k ORDER BY k"
+                .to_string(),
+            format!(
+                "SELECT k, count(*), sum(v), max(body) FROM {all} WHERE id % 3 = 0 GROUP BY k ORDER BY k"
+            ),
+        ),
+        (
+            "SELECT a.k, count(*) FROM events a JOIN part0 b ON a.id = b.id + 1 \
+             WHERE b.k < 4 GROUP BY a.k ORDER BY a.k"
+                .to_string(),
+            format!(
+                "SELECT a.k, count(*) FROM {all} a JOIN {one} b ON a.id = b.id + 1 \
+                 WHERE b.k < 4 GROUP BY a.k ORDER BY a.k"
+            ),
+        ),
+        (
+            "SELECT k, count(*), sum(v) FROM events_csv GROUP BY k ORDER BY k".to_string(),
+            format!("SELECT k, count(*), sum(v) FROM read_csv('{csv}') GROUP BY k ORDER BY k"),
+        ),
+    ];
+    for workers in [0, 2] {
+        let flumen = session(workers);
+        for (theirs, ours) in &pairs {
+            let expected = vanilla.sql(theirs).await.unwrap().collect().await.unwrap();
+            assert!(!rows(&expected, true).is_empty(), "{theirs}");
+            let (got, _) = run(&flumen, ours).await;
+            assert!(
+                same_rows(&expected, &got, true),
+                "{ours} ({workers} workers)\nvanilla: {:?}\nflumen: {:?}",
+                rows(&expected, true),
+                rows(&got, true)
+            );
+        }
+        if workers > 0 {
+            let (remote, _) = remote_and_all_tasks(&run(&flumen, &pairs[0].1).await.1);
+            assert!(remote > 0, "no task of read_parquet ran in a worker");
+        }
+    }
+}
