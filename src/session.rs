@@ -26,7 +26,7 @@ use crate::plan::row_group_layout::LayoutCache;
 use crate::plan::{
     accelerator_projection, aggregate_bound_reads, counted_set_operations, fixed_size_list_casts,
     grouping_set_constants, partitioned_outer_joins, plain_hash_exchanges, random_shuffle,
-    semi_joins_by_key_set,
+    semi_joins_by_key_set, table_samples,
 };
 
 /// A DataFusion `SessionContext` whose queries run on flumen, with default DataFusion
@@ -81,7 +81,7 @@ fn size_file_caches(caches: &CacheManager, budget: u64) {
 /// casts to fixed-size lists read sliced lists right ([`fixed_size_list_casts`]), and the
 /// one that makes `INTERSECT ALL` and `EXCEPT ALL` count copies ([`counted_set_operations`]),
 /// and `to_timestamp` whose column results carry the session's time zone
-/// ([`timestamp_time_zone`]).
+/// ([`timestamp_time_zone`]); and the planner of `TABLESAMPLE` ([`table_samples`]).
 pub fn register_functions(ctx: &SessionContext) {
     ctx.register_udaf(percentile_cont::percentile_cont_udaf().as_ref().clone());
     ctx.register_udf(fixed_size_list_casts::unsliced_lists_udf());
@@ -117,6 +117,13 @@ pub fn register_functions(ctx: &SessionContext) {
     }
     for udf in crate::functions::model_cache::functions::model_cache_functions() {
         ctx.register_udf(udf);
+    }
+    // `TABLESAMPLE`, once (DataFusion 55 parses it and drops it).
+    let samples = Arc::new(table_samples::TableSamples);
+    let registered = format!("{samples:?}");
+    if !(state.relation_planners().iter()).any(|p| format!("{p:?}") == registered) {
+        ctx.register_relation_planner(samples)
+            .expect("a session takes relation planners");
     }
 }
 

@@ -71,6 +71,7 @@ use crate::cluster::topk_nodes;
 use crate::cluster::window_calls::{carry_window_calls, describe_window_calls, lossy_window};
 use crate::cluster::{bound_reads, cast_fields, key_sets};
 use crate::plan::dynamic_filters::map_predicates;
+use crate::plan::sample_keys;
 use crate::plan::subquery_values::SubqueryValuesExec;
 use crate::plan::task_topk::topks_read_in_their_order;
 
@@ -583,6 +584,9 @@ impl PhysicalExtensionCodec for TaskPlanCodec {
         if let Some(topk) = topk_nodes::decode(buf, inputs, &decode_ctx, proto_converter)? {
             return Ok(topk);
         }
+        if let Some(keys) = sample_keys::decode(buf, inputs)? {
+            return Ok(keys);
+        }
         let node = FileScanNode::decode(buf)
             .ok()
             .filter(|n| n.kind == FILE_SCAN)
@@ -639,6 +643,10 @@ impl PhysicalExtensionCodec for TaskPlanCodec {
     ) -> Result<()> {
         if let Some(topk) = topk_nodes::encode(&node, self, proto_converter)? {
             buf.extend(topk);
+            return Ok(());
+        }
+        if let Some(keys) = sample_keys::encode(&node) {
+            buf.extend(keys);
             return Ok(());
         }
         DefaultPhysicalExtensionCodec {}.try_encode(node, buf, proto_converter)

@@ -28,11 +28,17 @@ use crate::plan::exchange_sizing::{ExchangeSizing, row_width};
 use crate::plan::graph::{OperatorGraph, Pool};
 use crate::plan::range_sort::plan_range_sorts;
 use crate::plan::row_group_layout::{LayoutCache, RowGroupLayout};
+use crate::plan::sample_keys::SampleKeysPlanner;
 use crate::plan::stage_input::StageInputExec;
 
 /// The query planner of a flumen session.
 #[derive(Debug, Default)]
 pub struct FlumenQueryPlanner {}
+
+/// DataFusion's physical planner, with flumen's logical nodes (`TABLESAMPLE`'s keys).
+fn physical_planner() -> DefaultPhysicalPlanner {
+    DefaultPhysicalPlanner::with_extension_planners(vec![Arc::new(SampleKeysPlanner)])
+}
 
 fn flumen_config(session: &dyn Session) -> FlumenConfig {
     session
@@ -86,7 +92,7 @@ async fn to_runnable_plan(
     let replanner = Replanner::new(move |seen_bytes| {
         let (logical_plan, state) = (Arc::clone(&logical_plan), Arc::clone(&state));
         Box::pin(async move {
-            let planner = DefaultPhysicalPlanner::default();
+            let planner = physical_planner();
             let (plan, sizing) =
                 sized_physical_plan(&planner, &logical_plan, state.as_ref(), Some(seen_bytes))
                     .await?;
@@ -315,7 +321,7 @@ impl QueryPlanner for FlumenQueryPlanner {
         logical_plan: &LogicalPlan,
         session: &dyn Session,
     ) -> Result<Arc<dyn ExecutionPlan>> {
-        let planner = DefaultPhysicalPlanner::default();
+        let planner = physical_planner();
         if let LogicalPlan::Explain(e) = logical_plan
             && let Some(plan) = explain_planned_once(&planner, e, session).await?
         {

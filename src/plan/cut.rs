@@ -43,6 +43,7 @@ use datafusion::physical_plan::{
 
 use crate::config::{FeedJoins, FlumenConfig, WorkerMode};
 use crate::functions::accelerator::calls_accelerator_udf;
+use crate::plan::sample_keys::SampleKeysExec;
 use crate::plan::accelerator_projection::AcceleratorProjectionExec;
 use crate::plan::concat_partitions::ConcatPartitionsExec;
 use crate::plan::dynamic_filters::with_own_dynamic_filters;
@@ -867,6 +868,9 @@ fn is_row_local(node: &Arc<dyn ExecutionPlan>) -> bool {
         || node.downcast_ref::<AcceleratorProjectionExec>().is_some()
         || node.downcast_ref::<CooperativeExec>().is_some()
         || node.downcast_ref::<UnnestExec>().is_some()
+        // Keys by position in the block and the row's values: a block's rows get the
+        // same keys in every run of its task.
+        || node.downcast_ref::<SampleKeysExec>().is_some()
     {
         return true;
     }

@@ -48,6 +48,9 @@
 //! - [`task_topk`]: the operator feeding a TopK keeps each task's first rows only.
 //! - [`subquery_values`]: a fragment that reads scalar subqueries' values from their own
 //!   operators.
+//! - [`table_samples`]: `TABLESAMPLE` planned (DataFusion 55 parses it and drops it).
+//! - [`sample_keys`]: a reproducible random key per row, for samples of relations that are
+//!   not Parquet files.
 
 pub(crate) mod accelerator_projection;
 pub mod aggregate_bound_reads;
@@ -77,11 +80,13 @@ pub mod random_shuffle;
 pub mod range_sort;
 pub(crate) mod recursive_queries;
 pub(crate) mod row_group_layout;
+pub mod sample_keys;
 pub mod semi_joins_by_key_set;
 pub(crate) mod split_pruning;
 pub(crate) mod split_source;
 pub(crate) mod stage_input;
 pub mod subquery_values;
+pub mod table_samples;
 pub mod task_bounds;
 pub(crate) mod task_topk;
 #[cfg(test)]
