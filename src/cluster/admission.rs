@@ -54,6 +54,9 @@ const ALLOWED_NODES: &[&str] = &[
     // A window's per-partition TopK (`enable_window_topn`), sent as a flumen node
     // (`cluster::topk_nodes`).
     "PartitionedTopKExec",
+    // `TABLESAMPLE`'s keys for a relation that is not a Parquet table (`plan::sample_keys`,
+    // sent as a flumen node).
+    "SampleKeysExec",
 ];
 
 /// File formats a worker scans.

@@ -44,6 +44,7 @@ use std::collections::{HashMap, HashSet};
 use std::sync::{Arc, OnceLock};
 
 use datafusion::arrow::datatypes::Schema;
+use datafusion::arrow::datatypes::{DataType, Field};
 use datafusion::common::tree_node::{Transformed, TreeNode, TreeNodeRecursion};
 use datafusion::datasource::physical_plan::parquet::{ParquetAccessPlan, RowGroupAccess};
 use datafusion::datasource::physical_plan::{FileGroup, FileScanConfig, FileScanConfigBuilder};
@@ -52,7 +53,8 @@ use datafusion::error::{DataFusionError, Result};
 use datafusion::execution::TaskContext;
 use datafusion::logical_expr::{AggregateUDF, ScalarUDF, WindowUDF};
 use datafusion::parquet::arrow::arrow_reader::{RowSelection, RowSelector};
-use datafusion::physical_expr::expressions::{DynamicFilterPhysicalExpr, lit};
+use datafusion::physical_expr::ScalarFunctionExpr;
+use datafusion::physical_expr::expressions::{CastExpr, Column, DynamicFilterPhysicalExpr, lit};
 use datafusion::physical_expr_common::physical_expr::proto_decode::PhysicalExprDecodeCtx;
 use datafusion::physical_plan::aggregates::AggregateExec;
 use datafusion::physical_plan::joins::HashTableLookupExpr;
@@ -464,6 +466,9 @@ impl PhysicalProtoConverterExtension for TaskPlanConverter {
         codec: &dyn PhysicalExtensionCodec,
     ) -> Result<protobuf::PhysicalExprNode> {
         let sent = as_sent_expr(expr, &self.live_filters)?.data;
+        if let Some(call) = file_row_index_call(&sent) {
+            return serialize_physical_expr_with_converter(&call, codec, self);
+        }
         if let Some(expr) = (cast_fields::encode(&sent)?)
             .or_else(|| bound_reads::encode(&sent))
             .or_else(|| key_sets::encode(&sent))
@@ -481,6 +486,35 @@ impl PhysicalProtoConverterExtension for TaskPlanConverter {
         serialize_physical_expr_with_converter(&sent, codec, self)
     }
 }
+
+/// A Parquet scan's read of a row's index in its file (`CAST(__datafusion_file_row_index@N
+/// AS Int64)`, what DataFusion makes of `file_row_index()` pushed into the scan) as the call
+/// `file_row_index()` again. Proto drops a scan's virtual columns, so the worker's decode of
+/// the column read failed ("Column index 4 out of bounds"), and every task of a
+/// `TABLESAMPLE` of a Parquet table ran on the driver; the call, pushed into the decoded
+/// scan as its projection is, makes the same virtual column there.
+fn file_row_index_call(expr: &Arc<dyn PhysicalExpr>) -> Option<Arc<dyn PhysicalExpr>> {
+    let cast = expr.downcast_ref::<CastExpr>()?;
+    let column = cast.expr().downcast_ref::<Column>()?;
+    if !column.name().starts_with(FILE_ROW_INDEX_COLUMN) || cast.cast_type() != &DataType::Int64 {
+        return None;
+    }
+    let function = datafusion::functions::core::file_row_index();
+    let name = function.name().to_string();
+    let field = Arc::new(Field::new(&name, DataType::Int64, true));
+    let options = Arc::new(datafusion::config::ConfigOptions::default());
+    Some(Arc::new(ScalarFunctionExpr::new(
+        &name,
+        function,
+        vec![],
+        field,
+        options,
+    )))
+}
+
+/// The name DataFusion gives a Parquet scan's row-index virtual column (a suffix `_N`
+/// follows where a table has a column of that name).
+const FILE_ROW_INDEX_COLUMN: &str = "__datafusion_file_row_index";
 
 /// Each file's row selection of the scan `config`, keyed by group and file. A file
 /// extension other than a row selection is an error: proto would drop it and the worker

@@ -43,7 +43,6 @@ use datafusion::physical_plan::{
 
 use crate::config::{FeedJoins, FlumenConfig, WorkerMode};
 use crate::functions::accelerator::calls_accelerator_udf;
-use crate::plan::sample_keys::SampleKeysExec;
 use crate::plan::accelerator_projection::AcceleratorProjectionExec;
 use crate::plan::concat_partitions::ConcatPartitionsExec;
 use crate::plan::dynamic_filters::with_own_dynamic_filters;
@@ -59,6 +58,7 @@ use crate::plan::partition_cut::{
 use crate::plan::range_sort::sort_run_bytes;
 use crate::plan::recursive_queries;
 use crate::plan::row_group_layout::RowGroupLayout;
+use crate::plan::sample_keys::SampleKeysExec;
 use crate::plan::split_source::{ModelSplitLimit, SplitSourceExec};
 use crate::plan::stage_input::{InputExchange, StageInputExec};
 use crate::plan::subquery_values::{SubqueryValuesExec, reads_values_of};

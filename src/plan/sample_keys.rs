@@ -18,11 +18,12 @@ use std::sync::Arc;
 use async_trait::async_trait;
 use datafusion::arrow::array::{RecordBatch, UInt64Array};
 use datafusion::arrow::datatypes::{DataType, Field, Schema, SchemaRef};
-use datafusion::common::{DFSchema, DFSchemaRef};
-use datafusion::error::{DataFusionError, Result};
 use datafusion::catalog::Session;
 use datafusion::common::tree_node::TreeNodeRecursion;
+use datafusion::common::{DFSchema, DFSchemaRef};
+use datafusion::error::{DataFusionError, Result};
 use datafusion::execution::{SendableRecordBatchStream, TaskContext};
+use datafusion::logical_expr::physical_planning_context::PhysicalPlanningContext;
 use datafusion::logical_expr::{
     Expr, Extension, LogicalPlan, UserDefinedLogicalNode, UserDefinedLogicalNodeCore,
 };
@@ -33,7 +34,6 @@ use datafusion::physical_plan::{
     DisplayAs, DisplayFormatType, ExecutionPlan, ExecutionPlanProperties, PhysicalExpr,
     PlanProperties,
 };
-use datafusion::logical_expr::physical_planning_context::PhysicalPlanningContext;
 use datafusion::physical_planner::{ExtensionPlanner, PhysicalPlanner};
 use futures::StreamExt;
 
@@ -101,7 +101,11 @@ impl UserDefinedLogicalNodeCore for SampleKeysNode {
         write!(f, "SampleKeys: seed={}", self.seed)
     }
 
-    fn with_exprs_and_inputs(&self, _exprs: Vec<Expr>, mut inputs: Vec<LogicalPlan>) -> Result<Self> {
+    fn with_exprs_and_inputs(
+        &self,
+        _exprs: Vec<Expr>,
+        mut inputs: Vec<LogicalPlan>,
+    ) -> Result<Self> {
         let input = inputs.pop().filter(|_| inputs.is_empty()).ok_or_else(|| {
             DataFusionError::Internal("SampleKeys takes exactly one input".into())
         })?;
@@ -220,9 +224,12 @@ impl ExecutionPlan for SampleKeysExec {
         self: Arc<Self>,
         mut children: Vec<Arc<dyn ExecutionPlan>>,
     ) -> Result<Arc<dyn ExecutionPlan>> {
-        let input = children.pop().filter(|_| children.is_empty()).ok_or_else(|| {
-            DataFusionError::Internal("SampleKeysExec takes exactly one input".into())
-        })?;
+        let input = children
+            .pop()
+            .filter(|_| children.is_empty())
+            .ok_or_else(|| {
+                DataFusionError::Internal("SampleKeysExec takes exactly one input".into())
+            })?;
         Ok(Arc::new(Self::new(input, self.seed)))
     }
 
@@ -286,7 +293,10 @@ pub fn encode(node: &Arc<dyn ExecutionPlan>) -> Option<Vec<u8>> {
 }
 
 /// The [`SampleKeysExec`] `bytes` encode over `inputs`; `None` if they encode another node.
-pub fn decode(bytes: &[u8], inputs: &[Arc<dyn ExecutionPlan>]) -> Result<Option<Arc<dyn ExecutionPlan>>> {
+pub fn decode(
+    bytes: &[u8],
+    inputs: &[Arc<dyn ExecutionPlan>],
+) -> Result<Option<Arc<dyn ExecutionPlan>>> {
     let Some(message) = <SampleKeysMessage as prost::Message>::decode(bytes)
         .ok()
         .filter(|m| m.kind == SAMPLE_KEYS)

@@ -109,7 +109,9 @@ fn read_clause(clause: &TableSample, context: &mut dyn RelationPlannerContext) -
     };
     let value = context.sql_to_expr(quantity.value.clone(), &DFSchema::empty())?;
     let number = match &value {
-        Expr::Literal(v, _) if !v.is_null() => v.cast_to(&datafusion::arrow::datatypes::DataType::Float64).ok(),
+        Expr::Literal(v, _) if !v.is_null() => v
+            .cast_to(&datafusion::arrow::datatypes::DataType::Float64)
+            .ok(),
         _ => None,
     };
     let Some(ScalarValue::Float64(Some(number))) = number else {
@@ -159,8 +161,17 @@ fn read_seed(value: &Value) -> Result<u64> {
 }
 
 /// `plan` sampled as `sample` asks.
-fn sampled(plan: LogicalPlan, sample: Sample, functions: &dyn ContextProvider) -> Result<LogicalPlan> {
-    let columns: Vec<Expr> = plan.schema().columns().into_iter().map(Expr::Column).collect();
+fn sampled(
+    plan: LogicalPlan,
+    sample: Sample,
+    functions: &dyn ContextProvider,
+) -> Result<LogicalPlan> {
+    let columns: Vec<Expr> = plan
+        .schema()
+        .columns()
+        .into_iter()
+        .map(Expr::Column)
+        .collect();
     let (keyed, key, appended) = match parquet_row_key(&plan, sample.seed, functions)? {
         Some(key) => (plan, key, false),
         None => (
@@ -205,12 +216,7 @@ fn parquet_row_key(
     };
     let is_parquet = provider
         .downcast_ref::<ListingTable>()
-        .is_some_and(|t| {
-            t.options()
-                .format
-                .downcast_ref::<ParquetFormat>()
-                .is_some()
-        });
+        .is_some_and(|t| t.options().format.downcast_ref::<ParquetFormat>().is_some());
     if !is_parquet {
         return Ok(None);
     }

@@ -279,6 +279,92 @@ async fn a_lost_block_of_random_values_fails_the_query_as_not_deterministic() {
     assert!(!armed.load(Ordering::Relaxed), "no worker was killed");
 }
 
+/// A `TABLESAMPLE` keeps the same rows when a worker holding sampled blocks is killed: its
+/// rows are keyed by their place in their file (a Parquet table) or by their place in the
+/// block and their values (a subquery), so the recompute keeps what the first run kept, and
+/// a threads-mode run with the same seed keeps the same rows. (A sample drawn by `random()`
+/// fails such a query as not deterministic, above.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_worker_killed_mid_sample_keeps_the_same_rows() {
+    let (dir, _) = events_with_vanilla(3, 20_000).await;
+    let threads = common::flumen_ctx(&[]).await;
+    register_tables(&threads, dir.path()).await;
+    // The first block a worker makes after arming kills it.
+    let armed = Arc::new(AtomicBool::new(false));
+    let killed = Arc::new(Mutex::new(None::<u32>));
+    let dropper = {
+        let (armed, killed) = (Arc::clone(&armed), Arc::clone(&killed));
+        BlockDropper(Arc::new(move |b| {
+            if let Some(pid) = b.worker_pid
+                && armed.swap(false, Ordering::Relaxed)
+            {
+                // SAFETY: a signal to a worker process this test's session started.
+                unsafe { libc::kill(pid as i32, libc::SIGKILL) };
+                *killed.lock().unwrap() = Some(pid);
+            }
+            false
+        }))
+    };
+    let f = session(process_config(2), Some(dropper));
+    for set in [
+        "SET flumen.mode = 'batch'",
+        "SET flumen.split_bytes = '64KB'",
+        "SET flumen.target_block_rows = 2000",
+    ] {
+        f.sql(set).await.unwrap();
+    }
+    register_tables(&f, dir.path()).await;
+    for sql in [
+        "SELECT * FROM events TABLESAMPLE (10) REPEATABLE (3)",
+        "SELECT id, k FROM events TABLESAMPLE (500 ROWS) REPEATABLE (3)",
+        "SELECT * FROM (SELECT * FROM events WHERE id % 7 = 1) TABLESAMPLE (20) REPEATABLE (3)",
+    ] {
+        let unkilled = rows(&common::collect(&f, sql).await, false);
+        *killed.lock().unwrap() = None;
+        armed.store(true, Ordering::Relaxed);
+        let (batches, plan) = run_plan(&f, sql).await;
+        armed.store(false, Ordering::Relaxed);
+        let exec = plan.downcast_ref::<FlumenExec>().expect("a flumen plan");
+        let lost: u64 = (common::operator_stats(exec).iter())
+            .map(|s| s.blocks_lost + s.tasks_retried)
+            .sum();
+        assert!(
+            killed.lock().unwrap().is_some(),
+            "{sql}: no worker was killed: {:?}; on the driver by design {:?}, fallbacks {:?}",
+            common::operator_stats(exec),
+            on_driver_by_design(&f),
+            f.state()
+                .config()
+                .get_extension::<flumen::cluster::WorkerPoolSlot>()
+                .map(|slot| slot.tasks_on_driver().fallbacks())
+        );
+        assert!(lost > 0, "{sql}: the kill cost nothing");
+        let after_kill = rows(&batches, false);
+        assert!(
+            (1..60_000).contains(&after_kill.len()),
+            "{sql}: {} rows",
+            after_kill.len()
+        );
+        assert_eq!(
+            after_kill, unkilled,
+            "{sql}: other rows after a worker was killed"
+        );
+        if !sql.contains("WHERE") {
+            // A Parquet table's sample is the same in threads mode (the subquery's depends
+            // on how rows are cut into blocks, which batch mode does otherwise).
+            let in_threads = rows(&common::collect(&threads, sql).await, false);
+            assert_eq!(
+                after_kill, in_threads,
+                "{sql}: threads mode kept other rows"
+            );
+        }
+        println!(
+            "{sql}: {} rows, the same after a kill ({lost} blocks lost or tasks retried)",
+            after_kill.len()
+        );
+    }
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn workers_that_cannot_start_are_clear_errors() {
     let dir = tempfile::tempdir().unwrap();
