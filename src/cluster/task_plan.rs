@@ -1161,4 +1161,46 @@ mod tests {
         assert_eq!(filters.len(), 1, "{predicate}");
         assert_ne!(filters[0], "true", "the scan's filter was never filled");
     }
+
+    /// A scan reading `file_row_index()` (a virtual column proto drops) decodes on a
+    /// worker into the same scan, which reads the same row indexes.
+    #[tokio::test]
+    async fn a_scans_file_row_index_comes_back_from_a_task_plan() {
+        use crate::plan::test_plans::physical_plan;
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("t.parquet");
+        let ctx = datafusion::prelude::SessionContext::new();
+        let copy = format!(
+            "COPY (SELECT value AS v FROM range(10)) TO '{}' STORED AS PARQUET",
+            path.display()
+        );
+        ctx.sql(&copy).await.unwrap().collect().await.unwrap();
+        ctx.register_parquet("t", path.to_str().unwrap(), Default::default())
+            .await
+            .unwrap();
+        let plan = physical_plan(&ctx, "SELECT v, file_row_index() AS r FROM t WHERE v > 6").await;
+        let shown =
+            |plan: &Arc<dyn ExecutionPlan>| displayable(plan.as_ref()).indent(true).to_string();
+        assert!(
+            shown(&plan).contains(FILE_ROW_INDEX_COLUMN),
+            "{}",
+            shown(&plan)
+        );
+        let functions = WorkerFunctions {
+            names: ["file_row_index".to_string()].into(),
+            runtimes: Default::default(),
+        };
+        let bytes = encode(&plan, Arc::new(functions)).unwrap();
+        check_round_trip(&plan, &bytes, &ctx.task_ctx()).unwrap_or_else(|e| panic!("{e:?}"));
+        let decoded = decode(&bytes, &ctx.task_ctx()).unwrap();
+        let rows = datafusion::physical_plan::collect(decoded, ctx.task_ctx())
+            .await
+            .unwrap();
+        let text = datafusion::arrow::util::pretty::pretty_format_batches(&rows)
+            .unwrap()
+            .to_string();
+        for (v, r) in [(7, 7), (8, 8), (9, 9)] {
+            assert!(text.contains(&format!("| {v} | {r} |")), "{text}");
+        }
+    }
 }
