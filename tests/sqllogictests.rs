@@ -385,20 +385,6 @@ const KNOWN_DRIVER_FALLBACKS: &[KnownFallback] = &[
               aggregate against its input without the async function's column",
     },
     KnownFallback {
-        file: "file_row_index.slt",
-        reason: "undecodable",
-        detail_prefix: "Internal error: Column index 1 out of bounds for projected expressions",
-        why: "a scan with a virtual column (`file_row_index()`): datafusion-proto 55 drops \
-              the scan's virtual columns",
-    },
-    KnownFallback {
-        file: "parquet_metadata_functions.slt",
-        reason: "undecodable",
-        detail_prefix: "Internal error: Column index 1 out of bounds for projected expressions",
-        why: "a scan with a virtual column (`input_file_name()`, row index): \
-              datafusion-proto 55 drops the scan's virtual columns",
-    },
-    KnownFallback {
         file: "window.slt",
         reason: "unencodable",
         detail_prefix: "This feature is not implemented: datafusion-proto drops a window \

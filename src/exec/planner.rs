@@ -28,6 +28,7 @@ use crate::plan::exchange_sizing::{ExchangeSizing, row_width};
 use crate::plan::graph::{OperatorGraph, Pool};
 use crate::plan::range_sort::plan_range_sorts;
 use crate::plan::row_group_layout::{LayoutCache, RowGroupLayout};
+use crate::plan::row_group_samples::RowGroupSamplePlanner;
 use crate::plan::sample_keys::SampleKeysPlanner;
 use crate::plan::stage_input::StageInputExec;
 
@@ -35,9 +36,13 @@ use crate::plan::stage_input::StageInputExec;
 #[derive(Debug, Default)]
 pub struct FlumenQueryPlanner {}
 
-/// DataFusion's physical planner, with flumen's logical nodes (`TABLESAMPLE`'s keys).
+/// DataFusion's physical planner, with flumen's logical nodes (`TABLESAMPLE`'s keys and
+/// row groups).
 fn physical_planner() -> DefaultPhysicalPlanner {
-    DefaultPhysicalPlanner::with_extension_planners(vec![Arc::new(SampleKeysPlanner)])
+    DefaultPhysicalPlanner::with_extension_planners(vec![
+        Arc::new(SampleKeysPlanner),
+        Arc::new(RowGroupSamplePlanner),
+    ])
 }
 
 fn flumen_config(session: &dyn Session) -> FlumenConfig {

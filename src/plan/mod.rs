@@ -51,6 +51,8 @@
 //! - [`table_samples`]: `TABLESAMPLE` planned (DataFusion 55 parses it and drops it).
 //! - [`sample_keys`]: a reproducible random key per row, for samples of relations that are
 //!   not Parquet files.
+//! - [`row_group_samples`]: `TABLESAMPLE SYSTEM` of a Parquet table: whole row groups, the
+//!   others not read.
 
 pub(crate) mod accelerator_projection;
 pub mod aggregate_bound_reads;
@@ -80,6 +82,7 @@ pub mod random_shuffle;
 pub mod range_sort;
 pub(crate) mod recursive_queries;
 pub(crate) mod row_group_layout;
+pub mod row_group_samples;
 pub mod sample_keys;
 pub mod semi_joins_by_key_set;
 pub(crate) mod split_pruning;

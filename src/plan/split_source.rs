@@ -145,7 +145,10 @@ impl SplitSourceExec {
             let mut kept = vec![];
             for file in group.iter() {
                 let file_ranges = match layout.row_groups(file) {
-                    Some(groups) => row_group_ranges(file, groups, split_bytes, limit),
+                    Some(groups) => {
+                        let ranges = row_group_ranges(file, groups, split_bytes, limit);
+                        without_skipped_ranges(ranges, groups)
+                    }
                     None => byte_ranges(file, split_bytes),
                 };
                 match pruning.as_mut() {
@@ -287,6 +290,29 @@ impl SplitSourceExec {
             bound_swaps: self.bound_swaps.clone(),
         }
     }
+}
+
+/// `ranges` without those whose every row group their file's access plan skips (a
+/// `TABLESAMPLE SYSTEM`'s row groups not sampled, [`crate::plan::row_group_samples`]): a
+/// task would open such a range and read nothing. `groups`: the file's row groups.
+fn without_skipped_ranges(
+    ranges: Vec<PartitionedFile>,
+    groups: &[RowGroupSpan],
+) -> Vec<PartitionedFile> {
+    ranges
+        .into_iter()
+        .filter(|range| {
+            let Some(access) = range.extensions.get::<ParquetAccessPlan>() else {
+                return true;
+            };
+            let (start, end) = byte_range(range);
+            let mut inside = (groups.iter().enumerate())
+                .filter(|(_, g)| g.offset >= start && g.offset < end)
+                .map(|(i, _)| i)
+                .peekable();
+            inside.peek().is_none() || inside.any(|i| access.should_scan(i))
+        })
+        .collect()
 }
 
 /// Whether the scan `original` (of `config`) leaves free which partition reads which

@@ -4,10 +4,12 @@
 //! drops the clause: the whole table came back. [`TableSamples`] (a relation planner, so it sees the clause before it is lost)
 //! plans it:
 //!
-//! - `TABLESAMPLE BERNOULLI (p)`, `TABLESAMPLE (p PERCENT)`, `TABLESAMPLE SYSTEM (p)`: each
-//!   row is kept with probability `p`/100, independently of the others. `SYSTEM` and
-//!   `BLOCK` (which may keep whole pages or blocks elsewhere) are sampled row by row too:
-//!   the sample is as good, and no faster.
+//! - `TABLESAMPLE BERNOULLI (p)`, `TABLESAMPLE (p PERCENT)`: each row is kept with
+//!   probability `p`/100, independently of the others.
+//! - `TABLESAMPLE SYSTEM (p)` (or `BLOCK`) of a Parquet table: whole row groups, each kept
+//!   with probability `p`/100, and the others are not read
+//!   ([`crate::plan::row_group_samples`]), as BigQuery and Snowflake sample storage blocks.
+//!   Of any other relation: row by row, as `BERNOULLI`.
 //! - `TABLESAMPLE (n ROWS)`: `n` rows (all of them if the table has fewer), each set of `n`
 //!   rows as likely as any other.
 //! - `REPEATABLE (s)` (or `SEED (s)`): the seed. Without one, a seed is drawn for the query.
@@ -37,10 +39,11 @@ use datafusion::logical_expr::planner::{
 };
 use datafusion::logical_expr::{Expr, LogicalPlan, LogicalPlanBuilder, col, lit};
 use datafusion::sql::sqlparser::ast::{
-    TableFactor, TableSample, TableSampleKind, TableSampleUnit, Value,
+    TableFactor, TableSample, TableSampleKind, TableSampleMethod, TableSampleUnit, Value,
 };
 
 use crate::functions::row_hash::ROW_HASH;
+use crate::plan::row_group_samples::RowGroupSampleNode;
 use crate::plan::sample_keys::{SAMPLE_KEY, SampleKeysNode};
 
 /// How much of the relation a sample keeps.
@@ -57,6 +60,8 @@ enum Amount {
 struct Sample {
     amount: Amount,
     seed: u64,
+    /// `SYSTEM` or `BLOCK`: whole row groups of a Parquet table.
+    by_row_groups: bool,
 }
 
 /// The relation planner that plans `TABLESAMPLE` (registered on every flumen session).
@@ -142,7 +147,15 @@ fn read_clause(clause: &TableSample, context: &mut dyn RelationPlannerContext) -
         None => rand::random(),
         Some(seed) => read_seed(&seed.value.value)?,
     };
-    Ok(Sample { amount, seed })
+    let by_row_groups = matches!(
+        clause.name,
+        Some(TableSampleMethod::System | TableSampleMethod::Block)
+    );
+    Ok(Sample {
+        amount,
+        seed,
+        by_row_groups,
+    })
 }
 
 /// The seed of `REPEATABLE (s)`: an integer (a negative one as its two's complement).
@@ -166,6 +179,13 @@ fn sampled(
     sample: Sample,
     functions: &dyn ContextProvider,
 ) -> Result<LogicalPlan> {
+    if let (true, Amount::Share(share)) = (sample.by_row_groups, sample.amount)
+        && share < 1.0
+        && reads_parquet_files(&plan)
+    {
+        let threshold = key_threshold(share);
+        return Ok(RowGroupSampleNode::new(plan, sample.seed, threshold).into_plan());
+    }
     let columns: Vec<Expr> = plan
         .schema()
         .columns()
@@ -201,6 +221,19 @@ fn key_threshold(share: f64) -> u64 {
     (share * 2f64.powi(64)) as u64
 }
 
+/// Whether `plan` is a scan of a Parquet listing table (`read_parquet(...)` too).
+fn reads_parquet_files(plan: &LogicalPlan) -> bool {
+    let LogicalPlan::TableScan(scan) = plan else {
+        return false;
+    };
+    let Ok(provider) = source_as_provider(&scan.source) else {
+        return false;
+    };
+    provider
+        .downcast_ref::<ListingTable>()
+        .is_some_and(|t| t.options().format.downcast_ref::<ParquetFormat>().is_some())
+}
+
 /// `row_hash(seed, input_file_name(), file_row_index())` where `plan` is a scan of a
 /// Parquet listing table (the row's own place, read by the scan); `None` otherwise.
 fn parquet_row_key(
@@ -208,16 +241,7 @@ fn parquet_row_key(
     seed: u64,
     functions: &dyn ContextProvider,
 ) -> Result<Option<Expr>> {
-    let LogicalPlan::TableScan(scan) = plan else {
-        return Ok(None);
-    };
-    let Ok(provider) = source_as_provider(&scan.source) else {
-        return Ok(None);
-    };
-    let is_parquet = provider
-        .downcast_ref::<ListingTable>()
-        .is_some_and(|t| t.options().format.downcast_ref::<ParquetFormat>().is_some());
-    if !is_parquet {
+    if !reads_parquet_files(plan) {
         return Ok(None);
     }
     let function = |name: &str| {

@@ -280,8 +280,8 @@ async fn a_lost_block_of_random_values_fails_the_query_as_not_deterministic() {
 }
 
 /// A `TABLESAMPLE` keeps the same rows when a worker holding sampled blocks is killed: its
-/// rows are keyed by their place in their file (a Parquet table) or by their place in the
-/// block and their values (a subquery), so the recompute keeps what the first run kept, and
+/// rows are keyed by their place in their file (a Parquet table; `SYSTEM`: its row groups
+/// by theirs) or by their place in the block and their values (a subquery), so the recompute keeps what the first run kept, and
 /// a threads-mode run with the same seed keeps the same rows. (A sample drawn by `random()`
 /// fails such a query as not deterministic, above.)
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -317,6 +317,7 @@ async fn a_worker_killed_mid_sample_keeps_the_same_rows() {
     for sql in [
         "SELECT * FROM events TABLESAMPLE (10) REPEATABLE (3)",
         "SELECT id, k FROM events TABLESAMPLE (500 ROWS) REPEATABLE (3)",
+        "SELECT id, v FROM events TABLESAMPLE SYSTEM (50) REPEATABLE (3)",
         "SELECT * FROM (SELECT * FROM events WHERE id % 7 = 1) TABLESAMPLE (20) REPEATABLE (3)",
     ] {
         let unkilled = rows(&common::collect(&f, sql).await, false);
