@@ -2101,3 +2101,58 @@ async fn files_read_by_table_functions_answer_like_vanilla() {
         }
     }
 }
+
+/// `TABLESAMPLE SYSTEM` of a Parquet table keeps the row groups its seed picks
+/// (`row_group_kept` of the file's path and each index), whole, and reads no other: one
+/// source task per kept row group (splits of 1 KB), none for the rest, the same rows in
+/// threads mode and in two workers.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_system_sample_reads_only_the_row_groups_it_keeps() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("t.parquet");
+    let writer = SessionContext::new();
+    let copy = format!(
+        "COPY (SELECT value AS id FROM generate_series(0, 9999) ORDER BY id) TO '{}' \
+         STORED AS PARQUET OPTIONS ('format.max_row_group_size' '500')",
+        path.display()
+    );
+    common::collect(&writer, &copy).await;
+    let location = object_store::path::Path::from_filesystem_path(&path).unwrap();
+    let threshold = (0.25 * 2f64.powi(64)) as u64;
+    let expected: Vec<i64> = (0..20)
+        .filter(|&i| {
+            flumen::plan::row_group_samples::row_group_kept(11, location.as_ref(), i, threshold)
+        })
+        .map(|i| i as i64)
+        .collect();
+    assert!(!expected.is_empty() && expected.len() < 20, "{expected:?}");
+    let sql = "SELECT DISTINCT id / 500 AS row_group, count(*) OVER (PARTITION BY id / 500) AS n \
+               FROM t TABLESAMPLE SYSTEM (25) REPEATABLE (11) ORDER BY row_group";
+    let mut answers = vec![];
+    for workers in [0, 2] {
+        let ctx = session(workers);
+        common::collect(&ctx, "SET flumen.split_bytes = '1KB'").await;
+        ctx.register_parquet("t", path.to_str().unwrap(), Default::default())
+            .await
+            .unwrap();
+        let (batches, plan) = run(&ctx, sql).await;
+        let rows = common::rows(&batches, true);
+        let groups: Vec<i64> = rows
+            .iter()
+            .map(|r| r.split('|').nth(1).unwrap().trim().parse().unwrap())
+            .collect();
+        assert_eq!(groups, expected, "{workers} workers: {rows:?}");
+        assert!(rows.iter().all(|r| r.contains("| 500 ")), "{rows:?}");
+        assert_eq!(
+            source_tasks(&plan),
+            expected.len() as u64,
+            "{workers} workers: a task per kept row group, none for the others"
+        );
+        answers.push(rows);
+    }
+    assert_eq!(answers[0], answers[1]);
+    println!(
+        "SYSTEM (25) REPEATABLE (11): row groups {expected:?} of 20, one task each, in threads \
+         and in workers"
+    );
+}
