@@ -62,8 +62,8 @@ pub use functions::accelerator::{
     AcceleratorFunction, AcceleratorWorker, PendingOutput, WorkerResources, accelerator_udf,
 };
 pub use session::{
-    flumen_session_config, into_flumen, register_functions, register_table_factories,
-    reset_flumen_setting, reset_flumen_variable, session, session_with_config,
+    flumen_session_config, into_flumen, logical_plan, register_functions, register_table_factories,
+    reset_flumen_setting, reset_flumen_variable, session, session_with_config, sql,
 };
 pub use store::counting_allocator::CountingAllocator;
 pub use store::process_heap::{HeapAllocator, HeapUsage, install as install_heap_allocator};

@@ -5,14 +5,16 @@
 
 use std::sync::Arc;
 
+use datafusion::error::Result;
 use datafusion::execution::cache::cache_manager::{
     CacheManager, DEFAULT_FILE_STATISTICS_MEMORY_LIMIT, DEFAULT_LIST_FILES_CACHE_MEMORY_LIMIT,
     DEFAULT_METADATA_CACHE_LIMIT,
 };
 use datafusion::execution::{SessionState, SessionStateBuilder};
+use datafusion::logical_expr::LogicalPlan;
 use datafusion::optimizer::AnalyzerRule;
 use datafusion::physical_optimizer::PhysicalOptimizerRule;
-use datafusion::prelude::{SessionConfig, SessionContext};
+use datafusion::prelude::{DataFrame, SessionConfig, SessionContext};
 
 use crate::cluster::WorkerPoolSlot;
 use crate::config::FlumenConfig;
@@ -24,9 +26,9 @@ use crate::io::delta;
 use crate::io::{iceberg, object_stores};
 use crate::plan::row_group_layout::LayoutCache;
 use crate::plan::{
-    accelerator_projection, aggregate_bound_reads, counted_set_operations, fixed_size_list_casts,
-    grouping_set_constants, partitioned_outer_joins, plain_hash_exchanges, random_shuffle,
-    semi_joins_by_key_set, table_samples,
+    accelerator_projection, aggregate_bound_reads, counted_set_operations, dropped_clauses,
+    fixed_size_list_casts, grouping_set_constants, partitioned_outer_joins, plain_hash_exchanges,
+    random_shuffle, semi_joins_by_key_set, table_samples,
 };
 
 /// A DataFusion `SessionContext` whose queries run on flumen, with default DataFusion
@@ -49,6 +51,23 @@ pub fn session_with_config(session_config: SessionConfig, config: FlumenConfig) 
     object_stores::register_table_options(&ctx);
     register_table_factories(&ctx);
     ctx
+}
+
+/// Plan `sql` as flumen's shell, server and Python module do: DataFusion's parser, then
+/// the clauses DataFusion would drop or refuse rewritten in the syntax tree
+/// ([`dropped_clauses`]: `GROUP BY ... WITH ROLLUP`, `FETCH FIRST n ROWS ONLY`), then
+/// DataFusion's planner (as `SessionState::create_logical_plan`).
+pub async fn logical_plan(state: &SessionState, sql: &str) -> Result<LogicalPlan> {
+    let dialect = state.config().options().sql_parser.dialect;
+    let mut statement = state.sql_to_statement(sql, &dialect)?;
+    dropped_clauses::rewrite_dropped_clauses(&mut statement)?;
+    state.statement_to_plan(statement).await
+}
+
+/// `ctx.sql(sql)`, planned through [`logical_plan`].
+pub async fn sql(ctx: &SessionContext, sql: &str) -> Result<DataFrame> {
+    let plan = logical_plan(&ctx.state(), sql).await?;
+    ctx.execute_logical_plan(plan).await
 }
 
 /// Size a new session's DataFusion file caches from its memory budget (`budget` bytes),

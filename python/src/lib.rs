@@ -168,7 +168,7 @@ impl Session {
     fn sql(&self, py: Python<'_>, query: &str) -> PyResult<DataFrame> {
         let df = match flumen::reset_flumen_setting(&self.ctx, query).map_err(error)? {
             Some(done) => done,
-            None => wait(py, self.ctx.sql(query))?.map_err(error)?,
+            None => wait(py, flumen::sql(&self.ctx, query))?.map_err(error)?,
         };
         Ok(DataFrame { df })
     }

@@ -97,6 +97,23 @@ def test_files_read_by_path_equal_pyarrows(table, tmp_path, workers):
         ctx.read_parquet(str(tmp_path / "missing.parquet")).collect()
 
 
+def test_samples_and_rollups_in_sql(table):
+    """TABLESAMPLE keeps the same rows for a seed (DataFusion 55 ignored it), SYSTEM whole
+    row groups; GROUP BY ... WITH ROLLUP has its total row (DataFusion 55 dropped it)."""
+    data, path = table
+    ctx = session()
+    ctx.register_parquet("t", path)
+    sample = "SELECT id FROM t TABLESAMPLE BERNOULLI (10) REPEATABLE (7) ORDER BY id"
+    ids = [row["id"] for row in ctx.sql(sample).to_pylist()]
+    assert 800 < len(ids) < 1_200, len(ids)
+    assert ids == [row["id"] for row in ctx.sql(sample).to_pylist()]
+    groups = ctx.sql("SELECT DISTINCT id / 1000 AS rg FROM t TABLESAMPLE SYSTEM (30) REPEATABLE (7)")
+    kept = ctx.sql("SELECT count(*) AS n FROM t TABLESAMPLE SYSTEM (30) REPEATABLE (7)").to_pylist()
+    assert kept == [{"n": 1_000 * groups.to_arrow().num_rows}]
+    totals = ctx.sql("SELECT g, count(*) AS n FROM t GROUP BY g WITH ROLLUP ORDER BY g NULLS LAST")
+    assert totals.to_pylist()[-1] == {"g": None, "n": ROWS}
+
+
 def test_worker_processes_answer_like_threads_and_pyarrow(table):
     data, path = table
     # The session starts its workers as `python -m flumen worker` (this interpreter).

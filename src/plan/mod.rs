@@ -48,6 +48,8 @@
 //! - [`task_topk`]: the operator feeding a TopK keeps each task's first rows only.
 //! - [`subquery_values`]: a fragment that reads scalar subqueries' values from their own
 //!   operators.
+//! - [`dropped_clauses`]: clauses DataFusion 55 parses and drops or refuses (`GROUP BY ...
+//!   WITH ROLLUP`, `FETCH FIRST n ROWS ONLY`), rewritten in the syntax tree.
 //! - [`table_samples`]: `TABLESAMPLE` planned (DataFusion 55 parses it and drops it).
 //! - [`sample_keys`]: a reproducible random key per row, for samples of relations that are
 //!   not Parquet files.
@@ -61,6 +63,7 @@ pub mod build_keys;
 pub mod concat_partitions;
 pub mod counted_set_operations;
 pub(crate) mod cut;
+pub mod dropped_clauses;
 pub mod dynamic_filters;
 pub mod exchange_sizing;
 pub mod fixed_size_list_casts;

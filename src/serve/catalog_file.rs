@@ -74,7 +74,7 @@ impl CatalogFile {
         for table in self.tables() {
             let result = async {
                 crate::io::register_for_statement(ctx, &table.sql)?;
-                ctx.sql(&table.sql).await?.collect().await
+                crate::session::sql(ctx, &table.sql).await?.collect().await
             }
             .await;
             match result {

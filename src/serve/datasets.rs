@@ -647,7 +647,7 @@ async fn produce(
     feeds: &[Feed],
     idle_limit: Duration,
 ) -> datafusion::error::Result<()> {
-    let frame = ctx.sql(&request.sql).await?;
+    let frame = crate::session::sql(ctx, &request.sql).await?;
     let task_ctx = Arc::new(frame.task_ctx());
     let plan = frame.create_physical_plan().await?;
     let schema = plan.schema();

@@ -130,7 +130,7 @@ impl FlumenFlightSql {
             .check_before_planning(ctx, sql)
             .map_err(planning_error)?;
         crate::io::register_for_statement(ctx, sql).map_err(planning_error)?;
-        let plan = match ctx.state().create_logical_plan(sql).await {
+        let plan = match crate::session::logical_plan(&ctx.state(), sql).await {
             Ok(plan) => plan,
             // A path it may read that could not be read as a table says why (through this
             // session's stores, which the policy bounds).

@@ -507,3 +507,44 @@ fn the_shell_built_without_dev_dependencies_reads_avro() {
          `avro` feature in [dependencies]\n{stdout}{stderr}"
     );
 }
+
+/// Clauses DataFusion 55 parses and drops or refuses: `GROUP BY ... WITH ROLLUP` (a plain
+/// `GROUP BY` before: the total row was missing, with no error), `WITH CUBE`, `WITH TOTALS`,
+/// and `OFFSET m ROWS FETCH FIRST n ROWS ONLY`; in threads mode and with two workers.
+#[test]
+fn group_by_with_rollup_and_fetch_first_answer_in_the_shell() {
+    let statements = [
+        "CREATE TABLE t AS SELECT value AS v, value % 3 AS g, value % 2 AS h FROM range(10)",
+        "SELECT g, sum(v) AS s FROM t GROUP BY g WITH ROLLUP ORDER BY 1 NULLS LAST",
+        "SELECT count(*) AS n, sum(s) AS total FROM (SELECT g, h, sum(v) AS s FROM t GROUP BY 1, 2 WITH CUBE)",
+        "SELECT g, sum(v) AS s FROM t GROUP BY g WITH TOTALS ORDER BY 1 NULLS LAST",
+        "SELECT v FROM t ORDER BY v OFFSET 2 ROWS FETCH FIRST 3 ROWS ONLY",
+    ];
+    let expected = "g,s\n0,18\n1,12\n2,15\n,45\n\
+                    n,total\n12,180\n\
+                    g,s\n0,18\n1,12\n2,15\n,45\n\
+                    v\n2\n3\n4\n";
+    for workers in [None, Some("2")] {
+        let mut args = vec!["--no-demo", "--quiet", "--format", "csv"];
+        if let Some(n) = workers {
+            args.extend(["--workers", n]);
+        }
+        for statement in statements {
+            args.extend(["-c", statement]);
+        }
+        let out = flumen(&args, "");
+        assert!(out.status.success(), "{workers:?}: {}", text(&out.stderr));
+        assert_eq!(text(&out.stdout), expected, "{workers:?} workers");
+    }
+    // What it cannot rewrite is refused naming the clause.
+    let out = csv_statements(&[
+        "CREATE TABLE t AS SELECT 1 AS g",
+        "SELECT g FROM t GROUP BY ALL WITH ROLLUP",
+    ]);
+    assert!(!out.status.success());
+    assert!(
+        text(&out.stderr).contains("GROUP BY ALL WITH ROLLUP: name the columns"),
+        "{}",
+        text(&out.stderr)
+    );
+}

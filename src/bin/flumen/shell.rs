@@ -207,7 +207,7 @@ async fn local_result(
         Some(done) => done,
         None => {
             flumen::io::register_for_statement(ctx, sql)?;
-            match ctx.sql(sql).await {
+            match flumen::sql(ctx, sql).await {
                 Ok(df) => df,
                 // A path that could not be read as a table says why.
                 Err(e) => return Err(flumen::io::url_tables::explain_missing_table(ctx, e).await),

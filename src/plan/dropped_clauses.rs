@@ -1,0 +1,230 @@
+//! Clauses DataFusion 55 parses and then drops or refuses, rewritten in the statement's
+//! syntax tree before it is planned ([`rewrite_dropped_clauses`]; flumen's shell, server
+//! and Python module plan SQL through [`crate::session::logical_plan`], which calls it).
+//!
+//! - `GROUP BY a, b WITH ROLLUP` (MySQL), `WITH CUBE`, `WITH TOTALS` (ClickHouse) and
+//!   Hive's `GROUP BY a, b GROUPING SETS ((a), (b))`: DataFusion planned a plain
+//!   `GROUP BY a, b`, a wrong answer with no error (the subtotal and total rows were
+//!   missing). They become `GROUP BY ROLLUP (a, b)`, `CUBE (a, b)`,
+//!   `GROUPING SETS ((a, b), ())` and `GROUPING SETS ((a), (b))`; a position (`GROUP BY 1
+//!   WITH ROLLUP`) is first replaced by the select item it names. `GROUP BY ALL` with a
+//!   modifier is refused.
+//! - `FETCH FIRST n ROWS ONLY` (the SQL standard's `LIMIT`, with `OFFSET m ROWS` before
+//!   it): refused by DataFusion ("FETCH clause is not supported yet"); it becomes `LIMIT n`.
+//!   `WITH TIES` and `PERCENT` are still refused.
+
+use std::ops::ControlFlow;
+
+use datafusion::error::{DataFusionError, Result};
+use datafusion::sql::parser::{CopyToSource, Statement as DFStatement};
+use datafusion::sql::sqlparser::ast::{
+    Expr, Fetch, GroupByExpr, GroupByWithModifier, LimitClause, Query, Select, SelectItem, SetExpr,
+    Value, VisitMut, VisitorMut,
+};
+
+/// Rewrite `statement`'s clauses that DataFusion would drop or refuse (see the module's
+/// documentation), in every query it holds (subqueries, views, `COPY`, `EXPLAIN`).
+pub fn rewrite_dropped_clauses(statement: &mut DFStatement) -> Result<()> {
+    let mut rewriter = ClauseRewriter;
+    let flow = match statement {
+        DFStatement::Statement(s) => s.visit(&mut rewriter),
+        DFStatement::CopyTo(copy) => match &mut copy.source {
+            CopyToSource::Query(query) => query.visit(&mut rewriter),
+            CopyToSource::Relation(_) => ControlFlow::Continue(()),
+        },
+        DFStatement::Explain(explain) => return rewrite_dropped_clauses(&mut explain.statement),
+        DFStatement::CreateExternalTable(_) | DFStatement::Reset(_) => ControlFlow::Continue(()),
+    };
+    match flow {
+        ControlFlow::Break(e) => Err(e),
+        ControlFlow::Continue(()) => Ok(()),
+    }
+}
+
+/// The visitor: each query's `FETCH`, each of its selects' `GROUP BY`.
+struct ClauseRewriter;
+
+impl VisitorMut for ClauseRewriter {
+    type Break = DataFusionError;
+
+    fn pre_visit_query(&mut self, query: &mut Query) -> ControlFlow<DataFusionError> {
+        if let Err(e) = fetch_as_limit(query) {
+            return ControlFlow::Break(e);
+        }
+        match group_by_modifiers_in(&mut query.body) {
+            Ok(()) => ControlFlow::Continue(()),
+            Err(e) => ControlFlow::Break(e),
+        }
+    }
+}
+
+/// `FETCH FIRST n ROWS ONLY` as `LIMIT n` (keeping an `OFFSET`); left as it is where
+/// DataFusion's error is the right answer (`WITH TIES`, `PERCENT`, beside a `LIMIT`).
+fn fetch_as_limit(query: &mut Query) -> Result<()> {
+    let Some(Fetch {
+        with_ties: false,
+        percent: false,
+        quantity,
+    }) = &query.fetch
+    else {
+        return Ok(());
+    };
+    let rows = quantity
+        .clone()
+        .unwrap_or_else(|| Expr::value(Value::Number("1".into(), false)));
+    match &mut query.limit_clause {
+        None => {
+            query.limit_clause = Some(LimitClause::LimitOffset {
+                limit: Some(rows),
+                offset: None,
+                limit_by: vec![],
+            })
+        }
+        Some(LimitClause::LimitOffset {
+            limit: limit @ None,
+            limit_by,
+            ..
+        }) if limit_by.is_empty() => *limit = Some(rows),
+        Some(_) => return Ok(()),
+    }
+    query.fetch = None;
+    Ok(())
+}
+
+/// The `GROUP BY` modifiers of every select of `body` (both sides of a set operation).
+fn group_by_modifiers_in(body: &mut SetExpr) -> Result<()> {
+    match body {
+        SetExpr::Select(select) => group_by_modifiers(select),
+        SetExpr::SetOperation { left, right, .. } => {
+            group_by_modifiers_in(left)?;
+            group_by_modifiers_in(right)
+        }
+        _ => Ok(()),
+    }
+}
+
+/// `select`'s `GROUP BY ... WITH ROLLUP | CUBE | TOTALS` or Hive's `GROUPING SETS`
+/// modifier as the grouping-set expression DataFusion plans.
+fn group_by_modifiers(select: &mut Select) -> Result<()> {
+    let (exprs, modifiers) = match &select.group_by {
+        GroupByExpr::Expressions(_, modifiers) if modifiers.is_empty() => return Ok(()),
+        GroupByExpr::All(modifiers) if modifiers.is_empty() => return Ok(()),
+        GroupByExpr::All(modifiers) => {
+            return Err(DataFusionError::NotImplemented(format!(
+                "GROUP BY ALL {}: name the columns (GROUP BY ROLLUP (a, b))",
+                shown(modifiers)
+            )));
+        }
+        GroupByExpr::Expressions(exprs, modifiers) => (exprs, modifiers),
+    };
+    let [modifier] = &modifiers[..] else {
+        return Err(DataFusionError::NotImplemented(format!(
+            "GROUP BY ... {}: one modifier at a time",
+            shown(modifiers)
+        )));
+    };
+    let columns = (exprs.iter())
+        .map(|e| select_item_at(e, &select.projection))
+        .collect::<Result<Vec<_>>>()?;
+    let grouping = match modifier {
+        GroupByWithModifier::Rollup => Expr::Rollup(columns.into_iter().map(|c| vec![c]).collect()),
+        GroupByWithModifier::Cube => Expr::Cube(columns.into_iter().map(|c| vec![c]).collect()),
+        GroupByWithModifier::Totals => Expr::GroupingSets(vec![columns, vec![]]),
+        GroupByWithModifier::GroupingSets(sets) => {
+            if !exprs.is_empty() && !matches!(sets, Expr::GroupingSets(_)) {
+                return Err(DataFusionError::NotImplemented(format!(
+                    "GROUP BY ... GROUPING SETS {sets}"
+                )));
+            }
+            sets.clone()
+        }
+    };
+    select.group_by = GroupByExpr::Expressions(vec![grouping], vec![]);
+    Ok(())
+}
+
+/// The expression a `GROUP BY` item `expr` names: the select item at a position (`1`),
+/// else itself.
+fn select_item_at(expr: &Expr, projection: &[SelectItem]) -> Result<Expr> {
+    let Expr::Value(value) = expr else {
+        return Ok(expr.clone());
+    };
+    let Value::Number(text, _) = &value.value else {
+        return Ok(expr.clone());
+    };
+    let item = text
+        .parse::<usize>()
+        .ok()
+        .and_then(|position| projection.get(position.checked_sub(1)?));
+    match item {
+        Some(SelectItem::UnnamedExpr(e)) | Some(SelectItem::ExprWithAlias { expr: e, .. }) => {
+            Ok(e.clone())
+        }
+        _ => Err(DataFusionError::Plan(format!(
+            "GROUP BY {text}: there is no select item {text} to group by"
+        ))),
+    }
+}
+
+/// `modifiers` as written.
+fn shown(modifiers: &[GroupByWithModifier]) -> String {
+    let shown: Vec<String> = modifiers.iter().map(|m| m.to_string()).collect();
+    shown.join(" ")
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use datafusion::sql::parser::DFParser;
+
+    fn rewritten(sql: &str) -> String {
+        let mut statements = DFParser::parse_sql(sql).unwrap();
+        let mut statement = statements.pop_front().unwrap();
+        rewrite_dropped_clauses(&mut statement).unwrap();
+        statement.to_string()
+    }
+
+    #[test]
+    fn group_by_modifiers_become_grouping_sets() {
+        assert_eq!(
+            rewritten("SELECT a, b, sum(c) FROM t GROUP BY a, b WITH ROLLUP"),
+            "SELECT a, b, sum(c) FROM t GROUP BY ROLLUP (a, b)"
+        );
+        assert_eq!(
+            rewritten("SELECT a, sum(c) AS s FROM t GROUP BY 1 WITH CUBE"),
+            "SELECT a, sum(c) AS s FROM t GROUP BY CUBE (a)"
+        );
+        assert_eq!(
+            rewritten("SELECT x FROM (SELECT a AS x FROM t GROUP BY a WITH TOTALS)"),
+            "SELECT x FROM (SELECT a AS x FROM t GROUP BY GROUPING SETS ((a), ()))"
+        );
+    }
+
+    #[test]
+    fn fetch_first_becomes_a_limit() {
+        assert_eq!(
+            rewritten("SELECT a FROM t ORDER BY a OFFSET 2 ROWS FETCH FIRST 3 ROWS ONLY"),
+            "SELECT a FROM t ORDER BY a LIMIT 3 OFFSET 2 ROWS"
+        );
+        assert_eq!(
+            rewritten("SELECT a FROM t FETCH NEXT ROW ONLY"),
+            "SELECT a FROM t LIMIT 1"
+        );
+        // Left for DataFusion to refuse.
+        assert!(
+            rewritten("SELECT a FROM t ORDER BY a FETCH FIRST 2 ROWS WITH TIES").contains("FETCH")
+        );
+    }
+
+    #[test]
+    fn what_cannot_be_rewritten_is_refused_naming_it() {
+        let mut statement = DFParser::parse_sql("SELECT a FROM t GROUP BY 3 WITH ROLLUP")
+            .unwrap()
+            .pop_front()
+            .unwrap();
+        let error = rewrite_dropped_clauses(&mut statement)
+            .unwrap_err()
+            .to_string();
+        assert!(error.contains("no select item 3"), "{error}");
+    }
+}
