@@ -9,6 +9,10 @@
 //!   `GROUPING SETS ((a, b), ())` and `GROUPING SETS ((a), (b))`; a position (`GROUP BY 1
 //!   WITH ROLLUP`) is first replaced by the select item it names. `GROUP BY ALL` with a
 //!   modifier is refused.
+//! - `PREWHERE c` (ClickHouse's filter read before the other columns): dropped, so every
+//!   row came back; it becomes part of the `WHERE`.
+//! - `START WITH ... CONNECT BY ...` (Oracle's hierarchical query): dropped, so the whole
+//!   table came back; it is refused, naming `WITH RECURSIVE`.
 //! - `FETCH FIRST n ROWS ONLY` (the SQL standard's `LIMIT`, with `OFFSET m ROWS` before
 //!   it): refused by DataFusion ("FETCH clause is not supported yet"); it becomes `LIMIT n`.
 //!   `WITH TIES` and `PERCENT` are still refused.
@@ -18,8 +22,8 @@ use std::ops::ControlFlow;
 use datafusion::error::{DataFusionError, Result};
 use datafusion::sql::parser::{CopyToSource, Statement as DFStatement};
 use datafusion::sql::sqlparser::ast::{
-    Expr, Fetch, GroupByExpr, GroupByWithModifier, LimitClause, Query, Select, SelectItem, SetExpr,
-    Value, VisitMut, VisitorMut,
+    BinaryOperator, Expr, Fetch, GroupByExpr, GroupByWithModifier, LimitClause, Query, Select,
+    SelectItem, SetExpr, Value, VisitMut, VisitorMut,
 };
 
 /// Rewrite `statement`'s clauses that DataFusion would drop or refuse (see the module's
@@ -41,7 +45,7 @@ pub fn rewrite_dropped_clauses(statement: &mut DFStatement) -> Result<()> {
     }
 }
 
-/// The visitor: each query's `FETCH`, each of its selects' `GROUP BY`.
+/// The visitor: each query's `FETCH`, each of its selects' filters and `GROUP BY`.
 struct ClauseRewriter;
 
 impl VisitorMut for ClauseRewriter {
@@ -91,16 +95,42 @@ fn fetch_as_limit(query: &mut Query) -> Result<()> {
     Ok(())
 }
 
-/// The `GROUP BY` modifiers of every select of `body` (both sides of a set operation).
+/// The filters and `GROUP BY` modifiers of every select of `body` (both sides of a set
+/// operation).
 fn group_by_modifiers_in(body: &mut SetExpr) -> Result<()> {
     match body {
-        SetExpr::Select(select) => group_by_modifiers(select),
+        SetExpr::Select(select) => {
+            filters(select)?;
+            group_by_modifiers(select)
+        }
         SetExpr::SetOperation { left, right, .. } => {
             group_by_modifiers_in(left)?;
             group_by_modifiers_in(right)
         }
         _ => Ok(()),
     }
+}
+
+/// `select`'s `PREWHERE` as part of its `WHERE`; its `CONNECT BY` refused.
+fn filters(select: &mut Select) -> Result<()> {
+    if !select.connect_by.is_empty() {
+        return Err(DataFusionError::NotImplemented(
+            "START WITH ... CONNECT BY (a hierarchical query) is not supported: write it \
+             with WITH RECURSIVE"
+                .into(),
+        ));
+    }
+    if let Some(prewhere) = select.prewhere.take() {
+        select.selection = Some(match select.selection.take() {
+            Some(selection) => Expr::BinaryOp {
+                left: Box::new(Expr::Nested(Box::new(prewhere))),
+                op: BinaryOperator::And,
+                right: Box::new(Expr::Nested(Box::new(selection))),
+            },
+            None => prewhere,
+        });
+    }
+    Ok(())
 }
 
 /// `select`'s `GROUP BY ... WITH ROLLUP | CUBE | TOTALS` or Hive's `GROUPING SETS`
@@ -198,6 +228,27 @@ mod tests {
             rewritten("SELECT x FROM (SELECT a AS x FROM t GROUP BY a WITH TOTALS)"),
             "SELECT x FROM (SELECT a AS x FROM t GROUP BY GROUPING SETS ((a), ()))"
         );
+    }
+
+    #[test]
+    fn prewhere_joins_the_where_and_connect_by_is_refused() {
+        assert_eq!(
+            rewritten("SELECT count(*) FROM t PREWHERE a > 5 WHERE b = 0 OR c"),
+            "SELECT count(*) FROM t WHERE (a > 5) AND (b = 0 OR c)"
+        );
+        assert_eq!(
+            rewritten("SELECT count(*) FROM t PREWHERE a > 5"),
+            "SELECT count(*) FROM t WHERE a > 5"
+        );
+        let mut statement =
+            DFParser::parse_sql("SELECT v FROM t START WITH v = 1 CONNECT BY PRIOR v = g")
+                .unwrap()
+                .pop_front()
+                .unwrap();
+        let error = rewrite_dropped_clauses(&mut statement)
+            .unwrap_err()
+            .to_string();
+        assert!(error.contains("WITH RECURSIVE"), "{error}");
     }
 
     #[test]

@@ -510,7 +510,9 @@ fn the_shell_built_without_dev_dependencies_reads_avro() {
 
 /// Clauses DataFusion 55 parses and drops or refuses: `GROUP BY ... WITH ROLLUP` (a plain
 /// `GROUP BY` before: the total row was missing, with no error), `WITH CUBE`, `WITH TOTALS`,
-/// and `OFFSET m ROWS FETCH FIRST n ROWS ONLY`; in threads mode and with two workers.
+/// `OFFSET m ROWS FETCH FIRST n ROWS ONLY` and `PREWHERE` (ClickHouse's; every row came back);
+/// in threads mode and with two workers. `CONNECT BY` (which returned the whole table) is
+/// refused.
 #[test]
 fn group_by_with_rollup_and_fetch_first_answer_in_the_shell() {
     let statements = [
@@ -519,11 +521,13 @@ fn group_by_with_rollup_and_fetch_first_answer_in_the_shell() {
         "SELECT count(*) AS n, sum(s) AS total FROM (SELECT g, h, sum(v) AS s FROM t GROUP BY 1, 2 WITH CUBE)",
         "SELECT g, sum(v) AS s FROM t GROUP BY g WITH TOTALS ORDER BY 1 NULLS LAST",
         "SELECT v FROM t ORDER BY v OFFSET 2 ROWS FETCH FIRST 3 ROWS ONLY",
+        "SELECT count(*) AS n FROM t PREWHERE v > 5 WHERE g = 0",
     ];
     let expected = "g,s\n0,18\n1,12\n2,15\n,45\n\
                     n,total\n12,180\n\
                     g,s\n0,18\n1,12\n2,15\n,45\n\
-                    v\n2\n3\n4\n";
+                    v\n2\n3\n4\n\
+                    n\n2\n";
     for workers in [None, Some("2")] {
         let mut args = vec!["--no-demo", "--quiet", "--format", "csv"];
         if let Some(n) = workers {
@@ -544,6 +548,16 @@ fn group_by_with_rollup_and_fetch_first_answer_in_the_shell() {
     assert!(!out.status.success());
     assert!(
         text(&out.stderr).contains("GROUP BY ALL WITH ROLLUP: name the columns"),
+        "{}",
+        text(&out.stderr)
+    );
+    let out = csv_statements(&[
+        "CREATE TABLE t AS SELECT 1 AS v, 1 AS g",
+        "SELECT v FROM t START WITH v = 1 CONNECT BY PRIOR v = g",
+    ]);
+    assert!(!out.status.success());
+    assert!(
+        text(&out.stderr).contains("WITH RECURSIVE"),
         "{}",
         text(&out.stderr)
     );
