@@ -27,8 +27,8 @@ use crate::io::{iceberg, object_stores};
 use crate::plan::row_group_layout::LayoutCache;
 use crate::plan::{
     accelerator_projection, aggregate_bound_reads, counted_set_operations, dropped_clauses,
-    fixed_size_list_casts, grouping_set_constants, partitioned_outer_joins, plain_hash_exchanges,
-    random_shuffle, semi_joins_by_key_set, table_samples,
+    fixed_size_list_casts, grouping_set_constants, ordered_round_robins, partitioned_outer_joins,
+    plain_hash_exchanges, random_shuffle, semi_joins_by_key_set, table_samples,
 };
 
 /// A DataFusion `SessionContext` whose queries run on flumen, with default DataFusion
@@ -226,6 +226,7 @@ pub fn into_flumen(ctx: &SessionContext, config: FlumenConfig) -> SessionContext
 /// [`SemiJoinsByKeySet`](semi_joins_by_key_set::SemiJoinsByKeySet) and
 /// [`PartitionOuterJoins`](partitioned_outer_joins::PartitionOuterJoins) right after
 /// DataFusion's join selection,
+/// [`OrderedRoundRobins`](ordered_round_robins::OrderedRoundRobins) after it,
 /// [`PlainHashExchanges`](plain_hash_exchanges::PlainHashExchanges) right after DataFusion's
 /// rules and [`PlanRandomShuffles`](random_shuffle::PlanRandomShuffles) last (each once).
 fn keep_accelerator_projections(state: SessionState) -> SessionState {
@@ -261,6 +262,7 @@ fn flumen_optimizer_rules(
                         | "remove_no_constants_nodes"
                         | "read_only_whole_aggregate_bounds"
                         | "plain_hash_exchanges"
+                        | "ordered_round_robins"
                 )
             })
             .cloned(),
@@ -275,6 +277,8 @@ fn flumen_optimizer_rules(
     // After DataFusion's rules, whose sorting and distribution rules make the exchanges
     // that keep an order.
     rules.push(Arc::new(plain_hash_exchanges::PlainHashExchanges));
+    // After DataFusion's distribution rules, which add the round-robin exchanges.
+    rules.push(Arc::new(ordered_round_robins::OrderedRoundRobins));
     // After DataFusion's rules: they would not know its nodes.
     rules.push(Arc::new(random_shuffle::PlanRandomShuffles));
     // After DataFusion's filter pushdown, which put the aggregates' filters in the scans.

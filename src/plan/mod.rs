@@ -33,6 +33,8 @@
 //!   partitioned, so their partitions run apart.
 //! - [`semi_joins_by_key_set`]: in worker mode, a semi or anti join with a small build side
 //!   run as a join on the set of build keys its probe side matches.
+//! - [`ordered_round_robins`]: round-robin exchanges over one sorted stream taken out, so
+//!   its order holds.
 //! - [`plain_hash_exchanges`]: hash exchanges that keep a sorted input's order made plain,
 //!   so they are cut into tasks.
 //! - [`partition_slices`]: which hash join tasks can be cut into slices of their build side.
@@ -76,6 +78,7 @@ mod merge_levels;
 pub mod merge_runs;
 pub mod model_batching;
 pub(crate) mod model_cache_lookup;
+pub mod ordered_round_robins;
 pub mod partition_cut;
 pub mod partition_slices;
 pub mod partitioned_outer_joins;

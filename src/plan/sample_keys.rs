@@ -19,16 +19,24 @@ use async_trait::async_trait;
 use datafusion::arrow::array::{RecordBatch, UInt64Array};
 use datafusion::arrow::datatypes::{DataType, Field, Schema, SchemaRef};
 use datafusion::catalog::Session;
+use datafusion::common::ScalarValue;
 use datafusion::common::tree_node::TreeNodeRecursion;
 use datafusion::common::{DFSchema, DFSchemaRef};
+use datafusion::datasource::physical_plan::{FileScanConfig, FileScanConfigBuilder};
+use datafusion::datasource::source::DataSourceExec;
 use datafusion::error::{DataFusionError, Result};
 use datafusion::execution::{SendableRecordBatchStream, TaskContext};
+use datafusion::functions::core;
+use datafusion::logical_expr::ScalarUDF;
 use datafusion::logical_expr::physical_planning_context::PhysicalPlanningContext;
 use datafusion::logical_expr::{
     Expr, Extension, LogicalPlan, UserDefinedLogicalNode, UserDefinedLogicalNodeCore,
 };
-use datafusion::physical_expr::EquivalenceProperties;
+use datafusion::physical_expr::expressions::{Column, Literal};
+use datafusion::physical_expr::projection::{ProjectionExpr, ProjectionExprs};
+use datafusion::physical_expr::{EquivalenceProperties, ScalarFunctionExpr};
 use datafusion::physical_plan::execution_plan::EmissionType;
+use datafusion::physical_plan::projection::ProjectionExec;
 use datafusion::physical_plan::stream::RecordBatchStreamAdapter;
 use datafusion::physical_plan::{
     DisplayAs, DisplayFormatType, ExecutionPlan, ExecutionPlanProperties, PhysicalExpr,
@@ -37,7 +45,7 @@ use datafusion::physical_plan::{
 use datafusion::physical_planner::{ExtensionPlanner, PhysicalPlanner};
 use futures::StreamExt;
 
-use crate::functions::row_hash::hash_rows;
+use crate::functions::row_hash::{hash_rows, row_hash_udf};
 
 /// The name of the key column a [`SampleKeysNode`] appends.
 pub const SAMPLE_KEY: &str = "__flumen_sample_key";
@@ -125,7 +133,7 @@ impl ExtensionPlanner for SampleKeysPlanner {
         node: &dyn UserDefinedLogicalNode,
         _logical_inputs: &[&LogicalPlan],
         physical_inputs: &[Arc<dyn ExecutionPlan>],
-        _session: &dyn Session,
+        session: &dyn Session,
         _planning: &PhysicalPlanningContext,
     ) -> Result<Option<Arc<dyn ExecutionPlan>>> {
         let Some(keys) = node.as_any().downcast_ref::<SampleKeysNode>() else {
@@ -136,11 +144,82 @@ impl ExtensionPlanner for SampleKeysPlanner {
                 "SampleKeys takes exactly one input".into(),
             ));
         };
+        if let Some(keyed) = keys_by_file_row(input, keys.seed, session)? {
+            return Ok(Some(keyed));
+        }
         Ok(Some(Arc::new(SampleKeysExec::new(
             Arc::clone(input),
             keys.seed,
         ))))
     }
+}
+
+/// Where `input` is a Parquet file scan (a provider that wraps a listing table, such as the
+/// shell's demo `docs`), its rows keyed by their place in their file as a Parquet listing
+/// table's are ([`crate::plan::table_samples`]): the scan also reads `input_file_name()` and
+/// `file_row_index()`, and a projection appends `row_hash(seed, file, row)` as
+/// [`SAMPLE_KEY`]. So the sample does not depend on how the file is cut into splits (a
+/// model query's are smaller). `None` for any other input.
+fn keys_by_file_row(
+    input: &Arc<dyn ExecutionPlan>,
+    seed: u64,
+    session: &dyn Session,
+) -> Result<Option<Arc<dyn ExecutionPlan>>> {
+    let Some(config) = (input.downcast_ref::<DataSourceExec>())
+        .and_then(|scan| scan.data_source().downcast_ref::<FileScanConfig>())
+        .filter(|config| config.file_source().file_type() == "parquet")
+    else {
+        return Ok(None);
+    };
+    let schema = input.schema();
+    let columns = schema.fields().len();
+    let options = Arc::new(session.config_options().clone());
+    let call = |function: Arc<ScalarUDF>| -> Result<Arc<dyn PhysicalExpr>> {
+        Ok(Arc::new(ScalarFunctionExpr::try_new(
+            function,
+            vec![],
+            &schema,
+            Arc::clone(&options),
+        )?))
+    };
+    let mut read: Vec<ProjectionExpr> = (schema.fields().iter().enumerate())
+        .map(|(i, f)| ProjectionExpr::new(Arc::new(Column::new(f.name(), i)), f.name().clone()))
+        .collect();
+    read.push(ProjectionExpr::new(
+        call(core::input_file_name())?,
+        "__flumen_sample_file",
+    ));
+    read.push(ProjectionExpr::new(
+        call(core::file_row_index())?,
+        "__flumen_sample_row",
+    ));
+    let Some(source) = config
+        .file_source()
+        .try_pushdown_projection(&ProjectionExprs::new(read))?
+    else {
+        return Ok(None);
+    };
+    let scan = DataSourceExec::from_data_source(
+        FileScanConfigBuilder::from(config.clone())
+            .with_source(source)
+            .build(),
+    );
+    let scan_schema = scan.schema();
+    let key = ScalarFunctionExpr::try_new(
+        Arc::new(row_hash_udf()),
+        vec![
+            Arc::new(Literal::new(ScalarValue::UInt64(Some(seed)))),
+            Arc::new(Column::new("__flumen_sample_file", columns)),
+            Arc::new(Column::new("__flumen_sample_row", columns + 1)),
+        ],
+        &scan_schema,
+        options,
+    )?;
+    let mut keyed: Vec<ProjectionExpr> = (schema.fields().iter().enumerate())
+        .map(|(i, f)| ProjectionExpr::new(Arc::new(Column::new(f.name(), i)), f.name().clone()))
+        .collect();
+    keyed.push(ProjectionExpr::new(Arc::new(key), SAMPLE_KEY));
+    Ok(Some(Arc::new(ProjectionExec::try_new(keyed, scan)?)))
 }
 
 /// The physical node: each partition's rows with their keys, in their order.

@@ -2156,3 +2156,69 @@ async fn a_system_sample_reads_only_the_row_groups_it_keeps() {
          and in workers"
     );
 }
+
+/// A provider over a Parquet listing table that is not one (as the shell's demo `docs`
+/// table, made on first use, wraps one).
+#[derive(Debug)]
+struct WrappedTable(Arc<dyn datafusion::catalog::TableProvider>);
+
+#[async_trait::async_trait]
+impl datafusion::catalog::TableProvider for WrappedTable {
+    fn schema(&self) -> datafusion::arrow::datatypes::SchemaRef {
+        self.0.schema()
+    }
+
+    fn table_type(&self) -> datafusion::datasource::TableType {
+        self.0.table_type()
+    }
+
+    async fn scan(
+        &self,
+        state: &dyn datafusion::catalog::Session,
+        projection: Option<&Vec<usize>>,
+        filters: &[datafusion::prelude::Expr],
+        limit: Option<usize>,
+    ) -> datafusion::error::Result<Arc<dyn ExecutionPlan>> {
+        self.0.scan(state, projection, filters, limit).await
+    }
+}
+
+/// A `TABLESAMPLE` of a provider that wraps a Parquet listing table keeps the rows that
+/// `read_parquet` of the same file keeps (its scan reads each row's file and index), however
+/// the file is cut into splits, in threads mode and in two workers. (Keyed by their place in
+/// their blocks, a model query's smaller splits kept other rows of the shell's `docs`.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_sample_of_a_wrapped_parquet_table_keeps_the_rows_of_its_file() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("t.parquet");
+    let writer = SessionContext::new();
+    let copy = format!(
+        "COPY (SELECT value AS id, 'n' || value AS name FROM generate_series(0, 19999)) TO '{}' \
+         STORED AS PARQUET OPTIONS ('format.max_row_group_size' '2000')",
+        path.display()
+    );
+    common::collect(&writer, &copy).await;
+    let of = |table: &str| {
+        format!("SELECT id, name FROM {table} TABLESAMPLE (5) REPEATABLE (9) ORDER BY id")
+    };
+    let mut answers = vec![];
+    for (workers, split_bytes) in [(0, "4MB"), (0, "1KB"), (2, "4MB"), (2, "1KB")] {
+        let ctx = session(workers);
+        common::collect(&ctx, &format!("SET flumen.split_bytes = '{split_bytes}'")).await;
+        ctx.register_parquet("t", path.to_str().unwrap(), Default::default())
+            .await
+            .unwrap();
+        let listing = ctx.table_provider("t").await.unwrap();
+        ctx.register_table("w", Arc::new(WrappedTable(listing)))
+            .unwrap();
+        let wrapped = rows(&common::collect(&ctx, &of("w")).await, true);
+        let listed = rows(&common::collect(&ctx, &of("t")).await, true);
+        assert!((800..1_200).contains(&wrapped.len()), "{}", wrapped.len());
+        assert_eq!(
+            wrapped, listed,
+            "{workers} workers, splits of {split_bytes}"
+        );
+        answers.push(wrapped);
+    }
+    assert!(answers.windows(2).all(|w| w[0] == w[1]));
+}
