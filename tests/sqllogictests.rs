@@ -106,6 +106,21 @@ const fn plain_hash_exchange(record: &'static str) -> KnownFailure {
     }
 }
 
+const ORDERED_ROUND_ROBINS: &str = "EXPLAIN shows no round-robin exchange over a sorted \
+     partition whose order a node above relies on (a merge, a window, an ordered aggregate): \
+     flumen cuts the exchange into tasks whose blocks come in the order the tasks end, so it \
+     takes the exchange out (flumen::plan::ordered_round_robins) and the nodes over it run in \
+     the scan's tasks; the answers are the same";
+
+/// An `EXPLAIN` record whose plan differs by [`ORDERED_ROUND_ROBINS`].
+const fn ordered_round_robin(record: &'static str) -> KnownFailure {
+    KnownFailure {
+        record,
+        error_prefix: "query result mismatch:",
+        why: ORDERED_ROUND_ROBINS,
+    }
+}
+
 const BLOCKS_OVER_BATCH_SIZE: &str = "a 1K memory limit: flumen's source blocks are \
      flumen.target_block_rows (8,192) rows where DataFusion streams batch_size (128) rows, so \
      the ordered partial aggregate (which cannot spill) holds ~1 MB and the query fails where \
@@ -165,6 +180,38 @@ const KNOWN_FAILURES: &[KnownFailure] = &[
     explain_analyze("test_files/push_down_filter_regression.slt:419"),
     explain_analyze("test_files/push_down_filter_regression.slt:451"),
     explain_analyze("test_files/range_partitioning.slt:1873"),
+    ordered_round_robin("test_files/explain_tree.slt:1328"),
+    ordered_round_robin("test_files/explain_tree.slt:1363"),
+    ordered_round_robin("test_files/explain_tree.slt:1398"),
+    ordered_round_robin("test_files/explain_tree.slt:1467"),
+    ordered_round_robin("test_files/explain_tree.slt:1505"),
+    ordered_round_robin("test_files/explain_tree.slt:1548"),
+    ordered_round_robin("test_files/filter_without_sort_exec.slt:30"),
+    ordered_round_robin("test_files/filter_without_sort_exec.slt:46"),
+    ordered_round_robin("test_files/filter_without_sort_exec.slt:62"),
+    ordered_round_robin("test_files/filter_without_sort_exec.slt:94"),
+    ordered_round_robin("test_files/filter_without_sort_exec.slt:134"),
+    ordered_round_robin("test_files/filter_without_sort_exec.slt:180"),
+    ordered_round_robin("test_files/group_by.slt:4263"),
+    ordered_round_robin("test_files/group_by.slt:4362"),
+    ordered_round_robin("test_files/join_disable_repartition_joins.slt:41"),
+    ordered_round_robin("test_files/join_disable_repartition_joins.slt:77"),
+    ordered_round_robin("test_files/monotonic_projection_test.slt:34"),
+    ordered_round_robin("test_files/monotonic_projection_test.slt:52"),
+    ordered_round_robin("test_files/monotonic_projection_test.slt:73"),
+    ordered_round_robin("test_files/order.slt:882"),
+    ordered_round_robin("test_files/order.slt:897"),
+    ordered_round_robin("test_files/order.slt:912"),
+    ordered_round_robin("test_files/order.slt:927"),
+    ordered_round_robin("test_files/order.slt:1402"),
+    ordered_round_robin("test_files/order.slt:1472"),
+    ordered_round_robin("test_files/select.slt:1426"),
+    ordered_round_robin("test_files/select.slt:1460"),
+    ordered_round_robin("test_files/select.slt:1480"),
+    ordered_round_robin("test_files/select.slt:1500"),
+    ordered_round_robin("test_files/select.slt:1520"),
+    ordered_round_robin("test_files/select.slt:1587"),
+    ordered_round_robin("test_files/window.slt:3333"),
     plain_hash_exchange("test_files/agg_func_substitute.slt:36"),
     plain_hash_exchange("test_files/agg_func_substitute.slt:54"),
     plain_hash_exchange("test_files/agg_func_substitute.slt:71"),
@@ -307,9 +354,25 @@ enum Engine {
     FlumenWorkers,
 }
 
+const WORKERS_NOT_UNDER_SESSION_LIMIT: &str = "a session's own memory limit \
+     (`datafusion.runtime.memory_limit`, here 1 MB) bounds the driver's runtime, not a \
+     worker's: the ordered final aggregate that fails under it in threads mode \
+     (BLOCKS_OVER_BATCH_SIZE) runs on a worker under its grant of flumen.memory_budget and \
+     answers";
+
 /// Records whose outcome in worker processes differs from threads mode, each with why
 /// (an entry that no longer differs is stale and fails the suite).
 const KNOWN_WORKER_DIFFERENCES: &[KnownFailure] = &[
+    KnownFailure {
+        record: "test_files/ordered_aggregate_spill.slt:46",
+        error_prefix: "query failed: DataFusion error: Resources exhausted",
+        why: WORKERS_NOT_UNDER_SESSION_LIMIT,
+    },
+    KnownFailure {
+        record: "test_files/ordered_aggregate_spill.slt:58",
+        error_prefix: "query failed: DataFusion error: Resources exhausted",
+        why: WORKERS_NOT_UNDER_SESSION_LIMIT,
+    },
     KnownFailure {
         record: "test_files/dynamic_filter_pushdown_config.slt:98",
         error_prefix: "metric facts differ: page_index_pages_skipped_by_fully_matched",
