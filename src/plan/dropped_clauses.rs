@@ -16,14 +16,20 @@
 //! - `FETCH FIRST n ROWS ONLY` (the SQL standard's `LIMIT`, with `OFFSET m ROWS` before
 //!   it): refused by DataFusion ("FETCH clause is not supported yet"); it becomes `LIMIT n`.
 //!   `WITH TIES` and `PERCENT` are still refused.
+//! - `ORDER BY ALL` (DuckDB's: every output column, left to right): outside DuckDB's
+//!   dialect `ALL` was read as a column ("No field named all"); it becomes `ORDER BY 1, 2,
+//!   ...` with its direction, or is refused where the columns are not known before
+//!   planning (`SELECT *` in a set operation).
+//! - `LIMIT n BY k` (ClickHouse's n rows of each `k`): DataFusion planned `k` against no
+//!   columns ("No field named k") before refusing it; it is refused naming `row_number()`.
 
 use std::ops::ControlFlow;
 
 use datafusion::error::{DataFusionError, Result};
 use datafusion::sql::parser::{CopyToSource, Statement as DFStatement};
 use datafusion::sql::sqlparser::ast::{
-    BinaryOperator, Expr, Fetch, GroupByExpr, GroupByWithModifier, LimitClause, Query, Select,
-    SelectItem, SetExpr, Value, VisitMut, VisitorMut,
+    BinaryOperator, Expr, Fetch, GroupByExpr, GroupByWithModifier, LimitClause, OrderBy,
+    OrderByExpr, OrderByKind, Query, Select, SelectItem, SetExpr, Value, VisitMut, VisitorMut,
 };
 
 /// Rewrite `statement`'s clauses that DataFusion would drop or refuse (see the module's
@@ -52,7 +58,10 @@ impl VisitorMut for ClauseRewriter {
     type Break = DataFusionError;
 
     fn pre_visit_query(&mut self, query: &mut Query) -> ControlFlow<DataFusionError> {
-        if let Err(e) = fetch_as_limit(query) {
+        let limits = (fetch_as_limit(query))
+            .and_then(|()| limit_by_refused(query))
+            .and_then(|()| order_by_all(query));
+        if let Err(e) = limits {
             return ControlFlow::Break(e);
         }
         match group_by_modifiers_in(&mut query.body) {
@@ -93,6 +102,84 @@ fn fetch_as_limit(query: &mut Query) -> Result<()> {
     }
     query.fetch = None;
     Ok(())
+}
+
+/// `LIMIT n BY k` refused with an error naming it and what to write instead.
+fn limit_by_refused(query: &Query) -> Result<()> {
+    let Some(LimitClause::LimitOffset { limit_by, .. }) = &query.limit_clause else {
+        return Ok(());
+    };
+    if limit_by.is_empty() {
+        return Ok(());
+    }
+    let keys: Vec<String> = limit_by.iter().map(|k| k.to_string()).collect();
+    let keys = keys.join(", ");
+    Err(DataFusionError::NotImplemented(format!(
+        "LIMIT n BY {keys} (n rows of each {keys}) is not supported: keep the rows whose \
+         row_number() OVER (PARTITION BY {keys} ORDER BY ...) is at most n"
+    )))
+}
+
+/// `ORDER BY ALL [ASC | DESC] [NULLS ...]` (an unquoted `all`, alone) as `ORDER BY 1, 2,
+/// ..., n` over the query's n output columns, each with its direction.
+fn order_by_all(query: &mut Query) -> Result<()> {
+    let Some(OrderBy {
+        kind: OrderByKind::Expressions(exprs),
+        ..
+    }) = &mut query.order_by
+    else {
+        return Ok(());
+    };
+    let [only] = &exprs[..] else {
+        return Ok(());
+    };
+    let is_all = matches!(&only.expr, Expr::Identifier(ident)
+        if ident.quote_style.is_none() && ident.value.eq_ignore_ascii_case("all"));
+    if !is_all || only.with_fill.is_some() {
+        return Ok(());
+    }
+    let options = only.options;
+    let projection = first_select(&query.body).map(|select| &select.projection);
+    let wildcard = |item: &SelectItem| {
+        matches!(
+            item,
+            SelectItem::Wildcard(_) | SelectItem::QualifiedWildcard(..)
+        )
+    };
+    let width = match (projection, &*query.body) {
+        (Some(items), _) if !items.iter().any(wildcard) => items.len(),
+        // DataFusion orders a select's expanded `*` by its columns itself.
+        (Some(_), SetExpr::Select(_)) => {
+            query.order_by.as_mut().expect("matched above").kind = OrderByKind::All(options);
+            return Ok(());
+        }
+        _ => {
+            return Err(DataFusionError::NotImplemented(
+                "ORDER BY ALL over this query: its columns are known only once planned; \
+                 order by their positions (ORDER BY 1, 2)"
+                    .into(),
+            ));
+        }
+    };
+    *exprs = (1..=width)
+        .map(|position| OrderByExpr {
+            expr: Expr::value(Value::Number(position.to_string(), false)),
+            options,
+            with_fill: None,
+        })
+        .collect();
+    Ok(())
+}
+
+/// The select whose items name a query's output columns: `body`'s first (the left side of
+/// a set operation).
+fn first_select(body: &SetExpr) -> Option<&Select> {
+    match body {
+        SetExpr::Select(select) => Some(select),
+        SetExpr::SetOperation { left, .. } => first_select(left),
+        SetExpr::Query(query) => first_select(&query.body),
+        _ => None,
+    }
 }
 
 /// The filters and `GROUP BY` modifiers of every select of `body` (both sides of a set
@@ -265,6 +352,39 @@ mod tests {
         assert!(
             rewritten("SELECT a FROM t ORDER BY a FETCH FIRST 2 ROWS WITH TIES").contains("FETCH")
         );
+    }
+
+    #[test]
+    fn order_by_all_becomes_the_output_positions() {
+        assert_eq!(
+            rewritten("SELECT k, v + 1 AS w FROM t ORDER BY ALL DESC"),
+            "SELECT k, v + 1 AS w FROM t ORDER BY 1 DESC, 2 DESC"
+        );
+        assert_eq!(
+            rewritten("SELECT a, b FROM t UNION SELECT c, d FROM u ORDER BY all"),
+            "SELECT a, b FROM t UNION SELECT c, d FROM u ORDER BY 1, 2"
+        );
+        // A quoted "all" is a column of that name.
+        assert!(rewritten(r#"SELECT "all" FROM t ORDER BY "all""#).ends_with(r#"BY "all""#));
+        // DataFusion expands a select's `*` and orders by its columns itself.
+        assert!(rewritten("SELECT * FROM t ORDER BY ALL").ends_with("ORDER BY ALL"));
+    }
+
+    #[test]
+    fn limit_by_and_an_unknown_width_are_refused_naming_them() {
+        for (sql, named) in [
+            ("SELECT k, v FROM t ORDER BY v LIMIT 2 BY k", "LIMIT n BY k"),
+            (
+                "SELECT * FROM t UNION SELECT * FROM u ORDER BY ALL",
+                "ORDER BY ALL",
+            ),
+        ] {
+            let mut statement = DFParser::parse_sql(sql).unwrap().pop_front().unwrap();
+            let error = rewrite_dropped_clauses(&mut statement)
+                .unwrap_err()
+                .to_string();
+            assert!(error.contains(named), "{sql}: {error}");
+        }
     }
 
     #[test]

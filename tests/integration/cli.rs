@@ -512,7 +512,8 @@ fn the_shell_built_without_dev_dependencies_reads_avro() {
 /// `GROUP BY` before: the total row was missing, with no error), `WITH CUBE`, `WITH TOTALS`,
 /// `OFFSET m ROWS FETCH FIRST n ROWS ONLY` and `PREWHERE` (ClickHouse's; every row came back);
 /// in threads mode and with two workers. `CONNECT BY` (which returned the whole table) is
-/// refused.
+/// refused. `ORDER BY ALL` (DuckDB's: by every output column, left to right; `all` was read
+/// as a column) orders; `LIMIT n BY k` is refused naming it (it failed "No field named k").
 #[test]
 fn group_by_with_rollup_and_fetch_first_answer_in_the_shell() {
     let statements = [
@@ -522,12 +523,16 @@ fn group_by_with_rollup_and_fetch_first_answer_in_the_shell() {
         "SELECT g, sum(v) AS s FROM t GROUP BY g WITH TOTALS ORDER BY 1 NULLS LAST",
         "SELECT v FROM t ORDER BY v OFFSET 2 ROWS FETCH FIRST 3 ROWS ONLY",
         "SELECT count(*) AS n FROM t PREWHERE v > 5 WHERE g = 0",
+        "SELECT g, h, v * 10 AS w FROM t WHERE v < 4 ORDER BY ALL DESC",
+        "SELECT * FROM t WHERE v IN (1, 4, 7) ORDER BY ALL",
     ];
     let expected = "g,s\n0,18\n1,12\n2,15\n,45\n\
                     n,total\n12,180\n\
                     g,s\n0,18\n1,12\n2,15\n,45\n\
                     v\n2\n3\n4\n\
-                    n\n2\n";
+                    n\n2\n\
+                    g,h,w\n2,0,20\n1,1,10\n0,1,30\n0,0,0\n\
+                    v,g,h\n1,1,1\n4,1,0\n7,1,1\n";
     for workers in [None, Some("2")] {
         let mut args = vec!["--no-demo", "--quiet", "--format", "csv"];
         if let Some(n) = workers {
@@ -551,14 +556,18 @@ fn group_by_with_rollup_and_fetch_first_answer_in_the_shell() {
         "{}",
         text(&out.stderr)
     );
-    let out = csv_statements(&[
-        "CREATE TABLE t AS SELECT 1 AS v, 1 AS g",
-        "SELECT v FROM t START WITH v = 1 CONNECT BY PRIOR v = g",
-    ]);
-    assert!(!out.status.success());
-    assert!(
-        text(&out.stderr).contains("WITH RECURSIVE"),
-        "{}",
-        text(&out.stderr)
-    );
+    for (statement, named) in [
+        (
+            "SELECT v FROM t START WITH v = 1 CONNECT BY PRIOR v = g",
+            "WITH RECURSIVE",
+        ),
+        (
+            "SELECT v, g FROM t ORDER BY v LIMIT 1 BY g",
+            "LIMIT n BY g (n rows of each g) is not supported",
+        ),
+    ] {
+        let out = csv_statements(&["CREATE TABLE t AS SELECT 1 AS v, 1 AS g", statement]);
+        assert!(!out.status.success());
+        assert!(text(&out.stderr).contains(named), "{}", text(&out.stderr));
+    }
 }
