@@ -454,12 +454,16 @@ fn row_group_ranges(
         (rows, data) => (rows, data),
     };
     let split_bytes = split_bytes.max(1);
-    // Row groups in the range, with their index in the file.
+    // The file's own access plan (a `TABLESAMPLE SYSTEM`'s row groups), if any.
+    let own = file.extensions.get::<ParquetAccessPlan>();
+    // Row groups in the range that the file's own plan does not skip, with their index in
+    // the file (a skipped one is read by none: the range before it covers its bytes).
     let mut inside: Vec<(usize, RowGroupSpan)> = groups
         .iter()
         .copied()
         .enumerate()
         .filter(|(_, g)| g.offset >= start && g.offset < end)
+        .filter(|(index, _)| own.is_none_or(|plan| plan.should_scan(*index)))
         .collect();
     inside.sort_unstable_by_key(|(_, g)| g.offset);
     // Where the range of the k-th row group in it ends: at the next one's start.
@@ -475,9 +479,12 @@ fn row_group_ranges(
         }
         piece
     };
-    // Pieces of one row group need a row selection, which a file read through an access
-    // plan of its own cannot take.
-    let can_select = !file.extensions.contains::<ParquetAccessPlan>();
+    // Pieces of one row group need a row selection: a row group the file's own plan reads
+    // whole can take one (the piece's plan reads that row group alone), one it reads
+    // through a selection of its own cannot.
+    let can_select = |index: usize| {
+        own.is_none_or(|plan| matches!(plan.inner().get(index), Some(RowGroupAccess::Scan)))
+    };
     let mut out = vec![];
     // The whole row groups gathered for the next range: its start, bytes, rows and data.
     let mut open: Option<u64> = None;
@@ -495,7 +502,7 @@ fn row_group_ranges(
                 .max(group.rows.div_ceil(limit.rows_of(group)))
                 .min(group.rows)
         };
-        if pieces > 1 && can_select {
+        if pieces > 1 && can_select(*index) {
             if let Some(from) = open.take() {
                 out.push(piece(from, group.offset, None));
             }
@@ -876,15 +883,32 @@ mod tests {
     }
 
     #[test]
-    fn a_file_with_an_access_plan_of_its_own_keeps_whole_row_groups() {
+    fn a_file_with_a_row_selection_of_its_own_keeps_whole_row_groups() {
         let groups = spans(&[(1000, 1000)]);
-        let own = file(1100).with_extension(ParquetAccessPlan::new_all(1));
+        let selection = RowSelection::from(vec![RowSelector::select(10)]);
+        let mut plan = ParquetAccessPlan::new_all(1);
+        plan.set(0, RowGroupAccess::Selection(selection));
+        let own = file(1100).with_extension(plan.clone());
         let pieces = row_group_ranges(&own, &groups, 100, rows(1 << 30));
         assert_eq!(pieces.len(), 1);
-        assert_eq!(
-            pieces[0].extension::<ParquetAccessPlan>(),
-            Some(&ParquetAccessPlan::new_all(1))
-        );
+        assert_eq!(pieces[0].extension::<ParquetAccessPlan>(), Some(&plan));
+    }
+
+    /// A sampled file (`TABLESAMPLE SYSTEM`: its own plan skips row group 0 and reads row
+    /// group 1 whole) under a model's row limit: row group 1 is cut into pieces, row group
+    /// 0 into none.
+    #[test]
+    fn a_sampled_files_kept_row_groups_are_cut_into_pieces() {
+        let groups = spans(&[(1000, 100_000), (1000, 100_000)]);
+        let mut sampled = ParquetAccessPlan::new_all(2);
+        sampled.skip(0);
+        let own = file(2100).with_extension(sampled);
+        let pieces = row_group_ranges(&own, &groups, 300, rows(1 << 30));
+        assert_eq!(pieces.len(), 4, "{pieces:?}");
+        for piece in &pieces {
+            let plan = piece.extension::<ParquetAccessPlan>().unwrap();
+            assert!(!plan.should_scan(0) && plan.should_scan(1), "{plan:?}");
+        }
     }
 
     #[test]

@@ -2105,7 +2105,7 @@ async fn files_read_by_table_functions_answer_like_vanilla() {
 /// `TABLESAMPLE SYSTEM` of a Parquet table keeps the row groups its seed picks
 /// (`row_group_kept` of the file's path and each index), whole, and reads no other: one
 /// source task per kept row group (splits of 1 KB), none for the rest, the same rows in
-/// threads mode and in two workers.
+/// threads mode and in two workers; under a model, pieces of each kept row group.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_system_sample_reads_only_the_row_groups_it_keeps() {
     let dir = tempfile::tempdir().unwrap();
@@ -2149,11 +2149,35 @@ async fn a_system_sample_reads_only_the_row_groups_it_keeps() {
             "{workers} workers: a task per kept row group, none for the others"
         );
         answers.push(rows);
+        // Under a model, the kept row groups are cut into pieces of the model's split rows
+        // (the sample's own access plan once kept them whole: a task per row group); the
+        // others still make no task, and every sampled row reaches the model once.
+        ctx.register_udf(flumen::accelerator_udf(
+            flumen::functions::emulated_accelerator::EmulatedModel::from_spec("m:0:64:8").unwrap(),
+        ));
+        common::collect(&ctx, "SET flumen.model_split_rows = 100").await;
+        let model_sql = "SELECT id, m(CAST(id AS VARCHAR)) AS v \
+                         FROM t TABLESAMPLE SYSTEM (25) REPEATABLE (11)";
+        let (batches, plan) = run(&ctx, model_sql).await;
+        let mut ids: Vec<i64> = common::rows(&batches, false)
+            .iter()
+            .map(|r| r.split('|').nth(1).unwrap().trim().parse().unwrap())
+            .collect();
+        ids.sort_unstable();
+        let sampled: Vec<i64> = (expected.iter())
+            .flat_map(|group| group * 500..(group + 1) * 500)
+            .collect();
+        assert_eq!(ids, sampled, "{workers} workers: the model's rows");
+        assert_eq!(
+            source_tasks(&plan),
+            5 * expected.len() as u64,
+            "{workers} workers: five pieces of 100 rows per kept row group"
+        );
     }
     assert_eq!(answers[0], answers[1]);
     println!(
         "SYSTEM (25) REPEATABLE (11): row groups {expected:?} of 20, one task each, in threads \
-         and in workers"
+         and in workers; under a model five pieces each"
     );
 }
 
