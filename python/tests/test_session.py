@@ -99,7 +99,8 @@ def test_files_read_by_path_equal_pyarrows(table, tmp_path, workers):
 
 def test_samples_and_rollups_in_sql(table):
     """TABLESAMPLE keeps the same rows for a seed (DataFusion 55 ignored it), SYSTEM whole
-    row groups; GROUP BY ... WITH ROLLUP has its total row (DataFusion 55 dropped it)."""
+    row groups; GROUP BY ... WITH ROLLUP has its total row (DataFusion 55 dropped it); ORDER
+    BY ALL orders (`all` was read as a column)."""
     data, path = table
     ctx = session()
     ctx.register_parquet("t", path)
@@ -112,6 +113,11 @@ def test_samples_and_rollups_in_sql(table):
     assert kept == [{"n": 1_000 * groups.to_arrow().num_rows}]
     totals = ctx.sql("SELECT g, count(*) AS n FROM t GROUP BY g WITH ROLLUP ORDER BY g NULLS LAST")
     assert totals.to_pylist()[-1] == {"g": None, "n": ROWS}
+    # ORDER BY ALL (DuckDB's): by every output column, left to right.
+    ordered = ctx.sql("SELECT g, id FROM t WHERE id < 10 ORDER BY ALL DESC").to_pylist()
+    assert [(r["g"], r["id"]) for r in ordered] == [
+        (6, 6), (5, 5), (4, 4), (3, 3), (2, 9), (2, 2), (1, 8), (1, 1), (0, 7), (0, 0)
+    ]
 
 
 def test_worker_processes_answer_like_threads_and_pyarrow(table):

@@ -18,8 +18,8 @@
 //!   `WITH TIES` and `PERCENT` are still refused.
 //! - `ORDER BY ALL` (DuckDB's: every output column, left to right): outside DuckDB's
 //!   dialect `ALL` was read as a column ("No field named all"); it becomes `ORDER BY 1, 2,
-//!   ...` with its direction, or is refused where the columns are not known before
-//!   planning (`SELECT *` in a set operation).
+//!   ...` with its direction (a select's `*` is left to DataFusion's own), or is refused
+//!   where the columns are not known before planning (`SELECT *` in a set operation).
 //! - `LIMIT n BY k` (ClickHouse's n rows of each `k`): DataFusion planned `k` against no
 //!   columns ("No field named k") before refusing it; it is refused naming `row_number()`.
 
@@ -139,27 +139,19 @@ fn order_by_all(query: &mut Query) -> Result<()> {
         return Ok(());
     }
     let options = only.options;
-    let projection = first_select(&query.body).map(|select| &select.projection);
-    let wildcard = |item: &SelectItem| {
-        matches!(
-            item,
-            SelectItem::Wildcard(_) | SelectItem::QualifiedWildcard(..)
-        )
-    };
-    let width = match (projection, &*query.body) {
-        (Some(items), _) if !items.iter().any(wildcard) => items.len(),
-        // DataFusion orders a select's expanded `*` by its columns itself.
-        (Some(_), SetExpr::Select(_)) => {
-            query.order_by.as_mut().expect("matched above").kind = OrderByKind::All(options);
-            return Ok(());
-        }
-        _ => {
-            return Err(DataFusionError::NotImplemented(
-                "ORDER BY ALL over this query: its columns are known only once planned; \
-                 order by their positions (ORDER BY 1, 2)"
-                    .into(),
-            ));
-        }
+    let select_of_wildcard = matches!(&*query.body, SetExpr::Select(select)
+        if select.projection.iter().any(is_wildcard));
+    if select_of_wildcard {
+        // DataFusion expands a select's `*` and orders by its columns itself.
+        query.order_by.as_mut().expect("matched above").kind = OrderByKind::All(options);
+        return Ok(());
+    }
+    let Some(width) = known_width(&query.body) else {
+        return Err(DataFusionError::NotImplemented(
+            "ORDER BY ALL over this query: its columns are known only once planned; order \
+             by their positions (ORDER BY 1, 2)"
+                .into(),
+        ));
     };
     *exprs = (1..=width)
         .map(|position| OrderByExpr {
@@ -171,13 +163,24 @@ fn order_by_all(query: &mut Query) -> Result<()> {
     Ok(())
 }
 
-/// The select whose items name a query's output columns: `body`'s first (the left side of
-/// a set operation).
-fn first_select(body: &SetExpr) -> Option<&Select> {
+/// Whether a select item is `*` or `t.*`.
+fn is_wildcard(item: &SelectItem) -> bool {
+    matches!(
+        item,
+        SelectItem::Wildcard(_) | SelectItem::QualifiedWildcard(..)
+    )
+}
+
+/// How many columns `body` outputs, where its syntax says: a select's items (without a
+/// `*`), a `VALUES` row's, a set operation's left side's.
+fn known_width(body: &SetExpr) -> Option<usize> {
     match body {
-        SetExpr::Select(select) => Some(select),
-        SetExpr::SetOperation { left, .. } => first_select(left),
-        SetExpr::Query(query) => first_select(&query.body),
+        SetExpr::Select(select) if !select.projection.iter().any(is_wildcard) => {
+            Some(select.projection.len())
+        }
+        SetExpr::Values(values) => values.rows.first().map(|row| row.content.len()),
+        SetExpr::SetOperation { left, .. } => known_width(left),
+        SetExpr::Query(query) => known_width(&query.body),
         _ => None,
     }
 }
@@ -368,6 +371,10 @@ mod tests {
         assert!(rewritten(r#"SELECT "all" FROM t ORDER BY "all""#).ends_with(r#"BY "all""#));
         // DataFusion expands a select's `*` and orders by its columns itself.
         assert!(rewritten("SELECT * FROM t ORDER BY ALL").ends_with("ORDER BY ALL"));
+        assert_eq!(
+            rewritten("VALUES (1, 'b'), (2, 'a') ORDER BY ALL"),
+            "VALUES (1, 'b'), (2, 'a') ORDER BY 1, 2"
+        );
     }
 
     #[test]

@@ -10,7 +10,7 @@
 //! `FLUMEN_FUZZ_SEED=S` starts from another seed and `FLUMEN_FUZZ_QUERIES=N` draws another
 //! number of queries (a longer search than CI's); a failure names its seed, query number and
 //! SQL, which is all it takes to run it again: `FLUMEN_FUZZ_ONLY=N` runs only query `N` of
-//! the seed (printing flumen's plan), `FLUMEN_FUZZ_REPEAT=R` runs it `R` times in each engine.
+//! the seed (printing vanilla's and flumen's plans), `FLUMEN_FUZZ_REPEAT=R` runs it `R` times in each engine.
 //! A fourth engine, threads mode under a 64 KB budget, runs every third query out of core
 //! (range sorts, spilled aggregates and exchanges), and another, threads mode with every
 //! hash join partitioned, another third (its probe scans start from the bound of its build
@@ -1372,6 +1372,10 @@ async fn search(seed: u64, queries: usize, lose_blocks: LoseBlocks) -> Vec<Strin
         for (_, drawn) in group {
             if only.is_some() {
                 let explain = format!("EXPLAIN {}", drawn.sql);
+                eprintln!("vanilla:");
+                for line in common::rows(&common::collect(&vanilla, &explain).await, true) {
+                    eprintln!("{line}");
+                }
                 for (engine, ctx, _) in &engines {
                     eprintln!("flumen {engine}:");
                     for line in common::rows(&common::collect(ctx, &explain).await, true) {
