@@ -212,22 +212,6 @@ impl ExecutionPlan for NoConstantsExec {
             .unwrap_or_else(|| Arc::new(Statistics::new_unknown(&self.schema()))))
     }
 
-    fn repartitioned(
-        &self,
-        target_partitions: usize,
-        config: &ConfigOptions,
-    ) -> Result<Option<Arc<dyn ExecutionPlan>>> {
-        Ok((self.input.repartitioned(target_partitions, config)?)
-            .map(|input| Arc::new(self.over(input)) as Arc<dyn ExecutionPlan>))
-    }
-
-    // DataFusion's distribution rule still asks this older call (whether a round-robin
-    // exchange over a small input pays).
-    #[allow(deprecated)]
-    fn partition_statistics(&self, partition: Option<usize>) -> Result<Arc<Statistics>> {
-        self.input.partition_statistics(partition)
-    }
-
     fn try_swapping_with_projection(
         &self,
         projection: &ProjectionExec,
