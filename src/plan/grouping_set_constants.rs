@@ -22,7 +22,6 @@
 use std::fmt;
 use std::sync::Arc;
 
-use datafusion::common::Statistics;
 use datafusion::common::tree_node::{Transformed, TreeNode, TreeNodeRecursion};
 use datafusion::config::ConfigOptions;
 use datafusion::error::Result;
@@ -30,11 +29,6 @@ use datafusion::execution::{SendableRecordBatchStream, TaskContext};
 use datafusion::physical_expr::{EquivalenceProperties, PhysicalExpr};
 use datafusion::physical_optimizer::PhysicalOptimizerRule;
 use datafusion::physical_plan::aggregates::{AggregateExec, AggregateMode};
-use datafusion::physical_plan::filter_pushdown::{
-    ChildPushdownResult, FilterDescription, FilterPushdownPhase, FilterPushdownPropagation,
-};
-use datafusion::physical_plan::projection::ProjectionExec;
-use datafusion::physical_plan::statistics::StatisticsArgs;
 use datafusion::physical_plan::{
     DisplayAs, DisplayFormatType, ExecutionPlan, ExecutionPlanProperties, PlanProperties,
 };
@@ -108,41 +102,20 @@ impl PhysicalOptimizerRule for RemoveNoConstantsNodes {
     }
 }
 
-/// Passes its input on, stating nothing about it but its partitioning (no constants, no
-/// equivalences, no ordering), or ([`NoConstantsExec::keeping_order`]) its orderings
-/// alone. Lives only between the rules that put it in ([`HideGroupingSetConstants`],
-/// [`HideOuterJoinConstants`](crate::plan::outer_join_constants::HideOuterJoinConstants))
-/// and [`RemoveNoConstantsNodes`].
+/// Passes its input on, stating nothing about it but its partitioning: no constants, no
+/// equivalences, no ordering. Lives only between [`HideGroupingSetConstants`] and
+/// [`RemoveNoConstantsNodes`].
 #[derive(Debug)]
 pub struct NoConstantsExec {
     input: Arc<dyn ExecutionPlan>,
     properties: Arc<PlanProperties>,
-    keeps_order: bool,
 }
 
 impl NoConstantsExec {
-    /// `input`, its constants, equivalences and ordering hidden.
+    /// `input`, its constants hidden.
     pub fn new(input: Arc<dyn ExecutionPlan>) -> Self {
-        let equivalences = EquivalenceProperties::new(input.schema());
-        Self::stating(input, equivalences, false)
-    }
-
-    /// `input`, its constants and equivalences hidden, its orderings stated (DataFusion
-    /// keeps a constant as a class of equal expressions holding a literal).
-    pub fn keeping_order(input: Arc<dyn ExecutionPlan>) -> Self {
-        let stated = input.equivalence_properties();
-        let orderings = (stated.oeq_class().iter()).map(|ordering| ordering.iter().cloned());
-        let equivalences = EquivalenceProperties::new_with_orderings(input.schema(), orderings);
-        Self::stating(input, equivalences, true)
-    }
-
-    fn stating(
-        input: Arc<dyn ExecutionPlan>,
-        equivalences: EquivalenceProperties,
-        keeps_order: bool,
-    ) -> Self {
         let properties = PlanProperties::new(
-            equivalences,
+            EquivalenceProperties::new(input.schema()),
             input.output_partitioning().clone(),
             input.pipeline_behavior(),
             input.boundedness(),
@@ -150,15 +123,6 @@ impl NoConstantsExec {
         Self {
             input,
             properties: Arc::new(properties),
-            keeps_order,
-        }
-    }
-
-    /// This node over another input, hiding what it hid.
-    fn over(&self, input: Arc<dyn ExecutionPlan>) -> Self {
-        match self.keeps_order {
-            true => Self::keeping_order(input),
-            false => Self::new(input),
         }
     }
 }
@@ -190,54 +154,17 @@ impl ExecutionPlan for NoConstantsExec {
     }
 
     fn maintains_input_order(&self) -> Vec<bool> {
-        vec![self.keeps_order]
+        vec![false]
     }
 
     fn with_new_children(
         self: Arc<Self>,
         children: Vec<Arc<dyn ExecutionPlan>>,
     ) -> Result<Arc<dyn ExecutionPlan>> {
-        Ok(Arc::new(
-            self.over(only_child(children, "NoConstantsExec")?),
-        ))
-    }
-
-    fn statistics_from_inputs(
-        &self,
-        input_stats: &[Arc<Statistics>],
-        _args: &StatisticsArgs,
-    ) -> Result<Arc<Statistics>> {
-        // The input's rows pass unchanged: its statistics are this node's.
-        Ok((input_stats.first().cloned())
-            .unwrap_or_else(|| Arc::new(Statistics::new_unknown(&self.schema()))))
-    }
-
-    fn try_swapping_with_projection(
-        &self,
-        projection: &ProjectionExec,
-    ) -> Result<Option<Arc<dyn ExecutionPlan>>> {
-        Ok(match self.input.try_swapping_with_projection(projection)? {
-            Some(input) => Some(Arc::new(self.over(input))),
-            None => None,
-        })
-    }
-
-    fn gather_filters_for_pushdown(
-        &self,
-        _phase: FilterPushdownPhase,
-        parent_filters: Vec<Arc<dyn PhysicalExpr>>,
-        _config: &ConfigOptions,
-    ) -> Result<FilterDescription> {
-        FilterDescription::from_children(parent_filters, &self.children())
-    }
-
-    fn handle_child_pushdown_result(
-        &self,
-        _phase: FilterPushdownPhase,
-        child_pushdown_result: ChildPushdownResult,
-        _config: &ConfigOptions,
-    ) -> Result<FilterPushdownPropagation<Arc<dyn ExecutionPlan>>> {
-        Ok(FilterPushdownPropagation::if_all(child_pushdown_result))
+        Ok(Arc::new(Self::new(only_child(
+            children,
+            "NoConstantsExec",
+        )?)))
     }
 
     fn execute(
