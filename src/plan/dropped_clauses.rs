@@ -304,6 +304,14 @@ mod tests {
         statement.to_string()
     }
 
+    /// The error `rewrite_dropped_clauses` refuses `sql` with.
+    fn refusal(sql: &str) -> String {
+        let mut statement = DFParser::parse_sql(sql).unwrap().pop_front().unwrap();
+        rewrite_dropped_clauses(&mut statement)
+            .unwrap_err()
+            .to_string()
+    }
+
     #[test]
     fn group_by_modifiers_become_grouping_sets() {
         assert_eq!(
@@ -330,14 +338,7 @@ mod tests {
             rewritten("SELECT count(*) FROM t PREWHERE a > 5"),
             "SELECT count(*) FROM t WHERE a > 5"
         );
-        let mut statement =
-            DFParser::parse_sql("SELECT v FROM t START WITH v = 1 CONNECT BY PRIOR v = g")
-                .unwrap()
-                .pop_front()
-                .unwrap();
-        let error = rewrite_dropped_clauses(&mut statement)
-            .unwrap_err()
-            .to_string();
+        let error = refusal("SELECT v FROM t START WITH v = 1 CONNECT BY PRIOR v = g");
         assert!(error.contains("WITH RECURSIVE"), "{error}");
     }
 
@@ -386,23 +387,14 @@ mod tests {
                 "ORDER BY ALL",
             ),
         ] {
-            let mut statement = DFParser::parse_sql(sql).unwrap().pop_front().unwrap();
-            let error = rewrite_dropped_clauses(&mut statement)
-                .unwrap_err()
-                .to_string();
+            let error = refusal(sql);
             assert!(error.contains(named), "{sql}: {error}");
         }
     }
 
     #[test]
     fn what_cannot_be_rewritten_is_refused_naming_it() {
-        let mut statement = DFParser::parse_sql("SELECT a FROM t GROUP BY 3 WITH ROLLUP")
-            .unwrap()
-            .pop_front()
-            .unwrap();
-        let error = rewrite_dropped_clauses(&mut statement)
-            .unwrap_err()
-            .to_string();
+        let error = refusal("SELECT a FROM t GROUP BY 3 WITH ROLLUP");
         assert!(error.contains("no select item 3"), "{error}");
     }
 }
