@@ -355,10 +355,23 @@ enum Engine {
 }
 
 const WORKERS_NOT_UNDER_SESSION_LIMIT: &str = "a session's own memory limit \
-     (`datafusion.runtime.memory_limit`, here 1 MB) bounds the driver's runtime, not a \
-     worker's: the ordered final aggregate that fails under it in threads mode \
-     (BLOCKS_OVER_BATCH_SIZE) runs on a worker under its grant of flumen.memory_budget and \
-     answers";
+     (`datafusion.runtime.memory_limit`, here 1 MB) bounds a worker's task to its share of \
+     the cluster's slots, and the ordered final aggregate refused it there runs again alone \
+     on the driver, under the whole limit, and answers; in threads mode the two stream their \
+     input side by side, are not run again, and one is refused (BLOCKS_OVER_BATCH_SIZE)";
+
+/// Known failures (in [`KNOWN_FAILURES`] and [`KNOWN_WORKER_DIFFERENCES`]) that depend on
+/// how a query's tasks overlap in time, so that a run may pass them: neither list calls
+/// them stale when they pass. `ordered_aggregate_spill.slt` runs two ordered final
+/// aggregates under a 1 MB session limit: side by side they need ~960 KB and one is
+/// refused (on a loaded machine, as in CI, one often finishes before the other grows, and
+/// the query answers); in worker mode each runs on a worker, or, when it starts while its
+/// input is still being made, on the driver beside the other. Seen flipping under load in
+/// 9 runs of 15 (2026-12-06).
+const TIMING_DEPENDENT: &[&str] = &[
+    "test_files/ordered_aggregate_spill.slt:46",
+    "test_files/ordered_aggregate_spill.slt:58",
+];
 
 /// Records whose outcome in worker processes differs from threads mode, each with why
 /// (an entry that no longer differs is stale and fails the suite).
@@ -1332,7 +1345,11 @@ async fn run_upstream(root: &Path, full: bool) -> Result<(usize, usize), String>
         }
     }
     for (i, known) in KNOWN_WORKER_DIFFERENCES.iter().enumerate() {
-        if workers && ran_file(&files, known.file()) && !tally.known_worker_seen.contains(&i) {
+        if workers
+            && ran_file(&files, known.file())
+            && !tally.known_worker_seen.contains(&i)
+            && !TIMING_DEPENDENT.contains(&known.record)
+        {
             tally.problems.push(format!(
                 "stale KNOWN_WORKER_DIFFERENCES entry: {} ({}) no longer differs; it was known \
                  because: {}",
@@ -1426,7 +1443,10 @@ async fn run_upstream(root: &Path, full: bool) -> Result<(usize, usize), String>
     }
     // Known failures that no longer fail.
     for (i, known) in KNOWN_FAILURES.iter().enumerate() {
-        if ran.contains(known.file()) && !tally.known_seen.contains(&i) {
+        if ran.contains(known.file())
+            && !tally.known_seen.contains(&i)
+            && !TIMING_DEPENDENT.contains(&known.record)
+        {
             tally.problems.push(format!(
                 "stale KNOWN_FAILURES entry: {} ({}) no longer fails that way; it was known \
                  because: {}",

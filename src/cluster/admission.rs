@@ -83,6 +83,8 @@ pub const WORKER_OPTIONS: &[&str] = &[
     // where the session said Asia/Tokyo.
     "datafusion.execution.time_zone",
     "datafusion.execution.enable_ansi_mode",
+    // A task's share of its session's own memory limit, in bytes (`worker_memory`).
+    "flumen.task_memory_limit",
 ];
 
 /// The object stores other than local files that `plan` scans (their URLs).

@@ -62,7 +62,7 @@ use crate::cluster::protocol::{
 use crate::cluster::task_output::Produced;
 use crate::cluster::tls::{TlsIdentity, WorkerTrust, require_tls_off_loopback};
 use crate::cluster::worker_client::{Client, connect, get_block};
-use crate::cluster::worker_memory::TaskMemory;
+use crate::cluster::worker_memory::{TaskMemory, carried_task_limit};
 use crate::cluster::worker_tasks::{
     FetchBlock, FetchedInputs, ModelJob, PANICKED, run_task, start_model_thread,
 };
@@ -337,6 +337,7 @@ impl WorkerService {
                         &request.query,
                         budget,
                         self.identity.slots,
+                        carried_task_limit(&request.options),
                     )
                 });
                 // Inputs that fit a quarter of the task's share are fetched at once, all

@@ -2,16 +2,23 @@
 //! query's blocks on the worker's shelf.
 //!
 //! Each task gets a pool of the query's `flumen.memory_budget` over the worker's slots, at
-//! least [`MIN_TASK_MEMORY`] (DataFusion's `FairSpillPool`: spilling operators, sorts and aggregates, split what the
+//! least [`MIN_TASK_MEMORY`] (less only under a session's own smaller limit) (DataFusion's `FairSpillPool`: spilling operators, sorts and aggregates, split what the
 //! others leave and spill to the worker's disk beyond it; a join's build side is refused,
 //! and the driver then runs the task alone). What the operators hold also counts against
 //! the query's blocks on the shelf: as operators grow, the query's blocks in memory go to
 //! spill files, so blocks and operators together stay within the budget on each worker, as
 //! the driver's store and operators share it on the driver.
+//!
+//! A session that set a memory limit of its own (`datafusion.runtime.memory_limit`) runs
+//! its tasks on the driver under that limit, not under flumen's budget; the cluster's slots
+//! split that limit ([`task_memory_limit`]), so that the query's operators on the workers
+//! stay within it too, and a query that spills or fails under it on the driver does so on
+//! the workers.
 
 use std::sync::Arc;
 
 use datafusion::error::Result;
+use datafusion::execution::TaskContext;
 use datafusion::execution::memory_pool::{
     FairSpillPool, MemoryConsumer, MemoryLimit, MemoryPool, MemoryReservation,
 };
@@ -34,9 +41,17 @@ pub(crate) struct TaskMemory {
 
 impl TaskMemory {
     /// The memory of a task of `query` (whose budget is `budget`) on a worker running
-    /// `slots` tasks at once and keeping blocks on `shelf`.
-    pub(crate) fn new(shelf: Arc<BlockShelf>, query: &str, budget: u64, slots: usize) -> Self {
+    /// `slots` tasks at once and keeping blocks on `shelf`; no more than `task_limit`, the
+    /// task's share of its session's own memory limit where it set one.
+    pub(crate) fn new(
+        shelf: Arc<BlockShelf>,
+        query: &str,
+        budget: u64,
+        slots: usize,
+        task_limit: Option<u64>,
+    ) -> Self {
         let share = (budget / slots.max(1) as u64).max(MIN_TASK_MEMORY);
+        let share = task_limit.map_or(share, |limit| share.min(limit));
         let pool = QueryMemoryPool {
             inner: FairSpillPool::new(usize::try_from(share).unwrap_or(usize::MAX)),
             shelf,
@@ -48,6 +63,35 @@ impl TaskMemory {
             share,
         }
     }
+}
+
+/// The task option that bounds a task's operators on a worker: the session's own memory
+/// limit over the cluster's slots, in bytes.
+pub(crate) const TASK_MEMORY_LIMIT: &str = "flumen.task_memory_limit";
+
+/// The option a task carries to its worker when the session set a memory limit of its own
+/// (`datafusion.runtime.memory_limit`): that limit over the `cluster_slots` tasks the
+/// cluster's workers run at once, so that the query's operators on the workers together
+/// stay within it, as they do on the driver. `None` when the session set none (its
+/// operators then share flumen's budget, which the task carries as `flumen.memory_budget`).
+pub(crate) fn task_memory_limit(
+    session: &TaskContext,
+    cluster_slots: usize,
+) -> Option<(String, String)> {
+    match session.runtime_env().memory_pool.memory_limit() {
+        MemoryLimit::Finite(bytes) => Some((
+            TASK_MEMORY_LIMIT.to_string(),
+            (bytes / cluster_slots.max(1)).to_string(),
+        )),
+        MemoryLimit::Infinite | MemoryLimit::Unknown => None,
+    }
+}
+
+/// The bound on a task's operators that its `options` carry, in bytes; `None` when they
+/// carry none.
+pub(crate) fn carried_task_limit(options: &[(String, String)]) -> Option<u64> {
+    let (_, limit) = options.iter().find(|(key, _)| key == TASK_MEMORY_LIMIT)?;
+    limit.parse().ok()
 }
 
 /// A task's `FairSpillPool` whose grants also count against its query's blocks on the
@@ -121,5 +165,44 @@ impl MemoryPool for QueryMemoryPool {
 
     fn memory_limit(&self) -> MemoryLimit {
         self.inner.memory_limit()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use datafusion::execution::runtime_env::RuntimeEnvBuilder;
+
+    fn share(budget: u64, slots: usize, task_limit: Option<u64>) -> u64 {
+        let shelf = Arc::new(BlockShelf::new(budget));
+        TaskMemory::new(shelf, "q", budget, slots, task_limit).share
+    }
+
+    #[test]
+    fn a_task_gets_the_budget_over_the_slots_and_no_more_than_its_limit() {
+        assert_eq!(share(1 << 30, 4, None), 1 << 28);
+        assert_eq!(share(1 << 20, 4, None), MIN_TASK_MEMORY);
+        assert_eq!(share(1 << 30, 4, Some(1 << 20)), 1 << 20);
+        assert_eq!(share(1 << 20, 4, Some(256)), 256);
+        assert_eq!(share(1 << 30, 4, Some(1 << 40)), 1 << 28);
+    }
+
+    #[test]
+    fn a_sessions_limit_travels_over_the_clusters_slots_only_when_it_set_one() {
+        let unlimited = TaskContext::default();
+        assert_eq!(task_memory_limit(&unlimited, 4), None);
+        let runtime = RuntimeEnvBuilder::new()
+            .with_memory_limit(1 << 20, 1.0)
+            .build_arc()
+            .unwrap();
+        let limited = TaskContext::default().with_runtime(runtime);
+        let option = task_memory_limit(&limited, 4).unwrap();
+        assert_eq!(
+            option,
+            (TASK_MEMORY_LIMIT.to_string(), "262144".to_string())
+        );
+        assert_eq!(carried_task_limit(&[option]), Some(1 << 18));
+        assert_eq!(carried_task_limit(&[]), None);
+        assert_eq!(task_memory_limit(&limited, 0).unwrap().1, "1048576");
     }
 }

@@ -26,7 +26,7 @@ use crate::cluster::plan_metrics::{TaskFigures, carried};
 use crate::cluster::protocol::{InputTicket, TaskInput, TaskRequest, decode_task};
 use crate::cluster::sent_keys::{SentKeys, decode_keys};
 use crate::cluster::task_output::{Produced, ProducedSender};
-use crate::cluster::worker_memory::TaskMemory;
+use crate::cluster::worker_memory::{TASK_MEMORY_LIMIT, TaskMemory};
 use crate::config::FlumenConfig;
 use crate::plan::build_keys::KeySummer;
 use crate::plan::model_cache_lookup::take_lookup_figures;
@@ -131,7 +131,9 @@ async fn run_task_body(
     let (request, plan) = decode_task(body).map_err(DataFusionError::Execution)?;
     admit_options(&request.options)?;
     let mut config = ctx.copied_config();
-    for (key, value) in &request.options {
+    // The task's memory limit is no setting of its config: it bounds its memory pool
+    // (`operator_memory`).
+    for (key, value) in (request.options.iter()).filter(|(key, _)| key != TASK_MEMORY_LIMIT) {
         config.options_mut().set(key, value)?;
     }
     if let Some(bytes) = operator_memory.as_ref().map(|memory| memory.share) {

@@ -43,6 +43,7 @@ use crate::cluster::sent_bounds::{self, HeardBounds, SentBound};
 use crate::cluster::sent_keys::SentKeys;
 use crate::cluster::task_plan::{self, RoundTrip};
 use crate::cluster::worker_handle::{RemoteBlock, TaskFeed};
+use crate::cluster::worker_memory::task_memory_limit;
 use crate::cluster::worker_pool::{PoolSettings, TaskOutput, WorkerPool};
 use crate::cluster::worker_tasks::collect_blocks;
 use crate::exec::cursor::{Cursor, Next, ReadOrder};
@@ -424,6 +425,11 @@ impl QueryRun {
                 Err(why) => return Ok(Some(why)),
             };
             let mut request = self.task_request(op_id, partition, &one_task.plan);
+            // The session's own memory limit, which bounds its tasks on the driver, bounds
+            // its tasks on the workers together: each gets its share of the cluster's slots.
+            request
+                .options
+                .extend(task_memory_limit(&self.base, pool.live_slots()));
             request.first_block_rows = self.first_block_rows_of(task);
             request.inputs = work.inputs;
             request.input_sources = work.input_sources;

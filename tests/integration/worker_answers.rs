@@ -443,6 +443,60 @@ async fn workers_spill_the_blocks_over_a_query_budget_and_answer_the_same() {
     assert_eq!(held, 0, "blocks left on the workers 5 s after the queries");
 }
 
+/// A session's own memory limit (`datafusion.runtime.memory_limit`) bounds its tasks on the
+/// workers as on the driver: a sort that fits a worker's share of flumen's budget spills
+/// there under the session's limit (its share of the cluster's slots), and answers the same.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_sessions_memory_limit_bounds_its_tasks_on_the_workers() {
+    let (dir, vanilla) = common::events_with_vanilla(2, 200_000).await;
+    let sql = "SELECT id, v FROM events ORDER BY v, id";
+    let expected = vanilla.sql(sql).await.unwrap().collect().await.unwrap();
+    let mut spills = vec![];
+    for limit in ["", "SET datafusion.runtime.memory_limit = '4M'"] {
+        let workers = session(2);
+        if !limit.is_empty() {
+            workers.sql(limit).await.unwrap().collect().await.unwrap();
+        }
+        common::register_tables(&workers, dir.path()).await;
+        let (got, _) = run(&workers, sql).await;
+        assert!(same_rows(&expected, &got, true), "{limit}: {sql}");
+        let analyzed = workers
+            .sql(&format!("EXPLAIN ANALYZE {sql}"))
+            .await
+            .unwrap();
+        let text = format!(
+            "{}",
+            datafusion::arrow::util::pretty::pretty_format_batches(
+                &analyzed.collect().await.unwrap()
+            )
+            .unwrap()
+        );
+        // What the sorts on the workers spilled: their operators' `spill_count`.
+        let metric = |line: &str, name: &str| -> u64 {
+            let at = line
+                .find(&format!(" {name}="))
+                .map(|at| at + name.len() + 2);
+            at.and_then(|at| line[at..].split([',', ']']).next()?.trim().parse().ok())
+                .unwrap_or(0)
+        };
+        let (mut remote, mut spilled) = (0, 0);
+        for line in text.lines().filter(|l| l.contains("FlumenOperator:")) {
+            if metric(line, "remote_tasks") > 0 {
+                remote += metric(line, "remote_tasks");
+                spilled += metric(line, "spill_count");
+            }
+        }
+        println!("{limit:?}: {remote} tasks on the workers spilled {spilled} times");
+        assert!(remote > 0, "{limit:?}: no task ran on the workers\n{text}");
+        spills.push(spilled);
+    }
+    assert_eq!(spills[0], 0, "the sort spilled without a session limit");
+    assert!(
+        spills[1] > 0,
+        "the workers' sorts did not spill under a 4 MB session limit"
+    );
+}
+
 /// The spill directory of the worker process `pid`: the directory of the `.owner` lock file
 /// it holds open (`None` while it has not spilled).
 fn worker_spill_dir(pid: u32) -> Option<std::path::PathBuf> {
