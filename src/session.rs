@@ -27,8 +27,9 @@ use crate::io::{iceberg, object_stores};
 use crate::plan::row_group_layout::LayoutCache;
 use crate::plan::{
     accelerator_projection, aggregate_bound_reads, counted_set_operations, dropped_clauses,
-    fixed_size_list_casts, grouping_set_constants, ordered_round_robins, partitioned_outer_joins,
-    plain_hash_exchanges, random_shuffle, semi_joins_by_key_set, table_samples,
+    fixed_size_list_casts, grouping_set_constants, ordered_round_robins, outer_join_constants,
+    partitioned_outer_joins, plain_hash_exchanges, random_shuffle, semi_joins_by_key_set,
+    table_samples,
 };
 
 /// A DataFusion `SessionContext` whose queries run on flumen, with default DataFusion
@@ -263,6 +264,7 @@ fn flumen_optimizer_rules(
                         | "read_only_whole_aggregate_bounds"
                         | "plain_hash_exchanges"
                         | "ordered_round_robins"
+                        | "hide_outer_join_constants"
                 )
             })
             .cloned(),
@@ -274,6 +276,12 @@ fn flumen_optimizer_rules(
     rules.insert(at, Arc::new(partitioned_outer_joins::PartitionOuterJoins));
     // Before `PartitionOuterJoins`: the semi and anti joins it rewrites stay `CollectLeft`.
     rules.insert(at, Arc::new(semi_joins_by_key_set::SemiJoinsByKeySet));
+    // After both: the NULL-padded sides of the outer joins they leave lose their constants
+    // for the rules that follow (`RemoveNoConstantsNodes`, last, takes the nodes out).
+    rules.insert(
+        at + 2,
+        Arc::new(outer_join_constants::HideOuterJoinConstants),
+    );
     // After DataFusion's rules, whose sorting and distribution rules make the exchanges
     // that keep an order.
     rules.push(Arc::new(plain_hash_exchanges::PlainHashExchanges));

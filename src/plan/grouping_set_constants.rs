@@ -22,6 +22,7 @@
 use std::fmt;
 use std::sync::Arc;
 
+use datafusion::common::Statistics;
 use datafusion::common::tree_node::{Transformed, TreeNode, TreeNodeRecursion};
 use datafusion::config::ConfigOptions;
 use datafusion::error::Result;
@@ -29,6 +30,11 @@ use datafusion::execution::{SendableRecordBatchStream, TaskContext};
 use datafusion::physical_expr::{EquivalenceProperties, PhysicalExpr};
 use datafusion::physical_optimizer::PhysicalOptimizerRule;
 use datafusion::physical_plan::aggregates::{AggregateExec, AggregateMode};
+use datafusion::physical_plan::filter_pushdown::{
+    ChildPushdownResult, FilterDescription, FilterPushdownPhase, FilterPushdownPropagation,
+};
+use datafusion::physical_plan::projection::{ProjectionExec, make_with_child};
+use datafusion::physical_plan::statistics::{ChildStats, StatisticsArgs};
 use datafusion::physical_plan::{
     DisplayAs, DisplayFormatType, ExecutionPlan, ExecutionPlanProperties, PlanProperties,
 };
@@ -102,20 +108,41 @@ impl PhysicalOptimizerRule for RemoveNoConstantsNodes {
     }
 }
 
-/// Passes its input on, stating nothing about it but its partitioning: no constants, no
-/// equivalences, no ordering. Lives only between [`HideGroupingSetConstants`] and
-/// [`RemoveNoConstantsNodes`].
+/// Passes its input on, stating nothing about it but its partitioning (no constants, no
+/// equivalences, no ordering), or ([`NoConstantsExec::keeping_order`]) its orderings
+/// alone. Lives only between the rules that put it in ([`HideGroupingSetConstants`],
+/// [`HideOuterJoinConstants`](crate::plan::outer_join_constants::HideOuterJoinConstants))
+/// and [`RemoveNoConstantsNodes`].
 #[derive(Debug)]
 pub struct NoConstantsExec {
     input: Arc<dyn ExecutionPlan>,
     properties: Arc<PlanProperties>,
+    keeps_order: bool,
 }
 
 impl NoConstantsExec {
-    /// `input`, its constants hidden.
+    /// `input`, its constants, equivalences and ordering hidden.
     pub fn new(input: Arc<dyn ExecutionPlan>) -> Self {
+        let equivalences = EquivalenceProperties::new(input.schema());
+        Self::stating(input, equivalences, false)
+    }
+
+    /// `input`, its constants and equivalences hidden, its orderings stated (DataFusion
+    /// keeps a constant as a class of equal expressions holding a literal).
+    pub fn keeping_order(input: Arc<dyn ExecutionPlan>) -> Self {
+        let stated = input.equivalence_properties();
+        let orderings = (stated.oeq_class().iter()).map(|ordering| ordering.iter().cloned());
+        let equivalences = EquivalenceProperties::new_with_orderings(input.schema(), orderings);
+        Self::stating(input, equivalences, true)
+    }
+
+    fn stating(
+        input: Arc<dyn ExecutionPlan>,
+        equivalences: EquivalenceProperties,
+        keeps_order: bool,
+    ) -> Self {
         let properties = PlanProperties::new(
-            EquivalenceProperties::new(input.schema()),
+            equivalences,
             input.output_partitioning().clone(),
             input.pipeline_behavior(),
             input.boundedness(),
@@ -123,6 +150,15 @@ impl NoConstantsExec {
         Self {
             input,
             properties: Arc::new(properties),
+            keeps_order,
+        }
+    }
+
+    /// This node over another input, hiding what it hid.
+    fn over(&self, input: Arc<dyn ExecutionPlan>) -> Self {
+        match self.keeps_order {
+            true => Self::keeping_order(input),
+            false => Self::new(input),
         }
     }
 }
@@ -154,17 +190,86 @@ impl ExecutionPlan for NoConstantsExec {
     }
 
     fn maintains_input_order(&self) -> Vec<bool> {
-        vec![false]
+        vec![self.keeps_order]
+    }
+
+    // Over an outer join's side, it passes its input on where the join reads it: the join
+    // alone decides whether more partitions pay (DataFusion's distribution rule would
+    // otherwise put a round-robin exchange under this node that the plan without it lacks).
+    fn benefits_from_input_partitioning(&self) -> Vec<bool> {
+        vec![!self.keeps_order]
     }
 
     fn with_new_children(
         self: Arc<Self>,
         children: Vec<Arc<dyn ExecutionPlan>>,
     ) -> Result<Arc<dyn ExecutionPlan>> {
-        Ok(Arc::new(Self::new(only_child(
-            children,
-            "NoConstantsExec",
-        )?)))
+        Ok(Arc::new(
+            self.over(only_child(children, "NoConstantsExec")?),
+        ))
+    }
+
+    fn child_stats_requests(&self, partition: Option<usize>) -> Vec<ChildStats> {
+        vec![ChildStats::At(partition)]
+    }
+
+    fn statistics_from_inputs(
+        &self,
+        input_stats: &[Arc<Statistics>],
+        _args: &StatisticsArgs,
+    ) -> Result<Arc<Statistics>> {
+        // The input's rows pass unchanged: its statistics are this node's.
+        Ok((input_stats.first().cloned())
+            .unwrap_or_else(|| Arc::new(Statistics::new_unknown(&self.schema()))))
+    }
+
+    fn repartitioned(
+        &self,
+        target_partitions: usize,
+        config: &ConfigOptions,
+    ) -> Result<Option<Arc<dyn ExecutionPlan>>> {
+        Ok((self.input.repartitioned(target_partitions, config)?)
+            .map(|input| Arc::new(self.over(input)) as Arc<dyn ExecutionPlan>))
+    }
+
+    // DataFusion's distribution rule still asks this older call (whether a round-robin
+    // exchange over a small input pays).
+    #[allow(deprecated)]
+    fn partition_statistics(&self, partition: Option<usize>) -> Result<Arc<Statistics>> {
+        self.input.partition_statistics(partition)
+    }
+
+    fn try_swapping_with_projection(
+        &self,
+        projection: &ProjectionExec,
+    ) -> Result<Option<Arc<dyn ExecutionPlan>>> {
+        // A projection that narrows the rows goes below, as DataFusion's own pass-through
+        // nodes do. (Handing it to the input's own swap was wrong: that swap takes the
+        // projection's input to be the input itself, and a `CoalescePartitionsExec` below
+        // repeated itself without end.)
+        if projection.expr().len() >= projection.input().schema().fields().len() {
+            return Ok(None);
+        }
+        let input = make_with_child(projection, &self.input)?;
+        Ok(Some(Arc::new(self.over(input))))
+    }
+
+    fn gather_filters_for_pushdown(
+        &self,
+        _phase: FilterPushdownPhase,
+        parent_filters: Vec<Arc<dyn PhysicalExpr>>,
+        _config: &ConfigOptions,
+    ) -> Result<FilterDescription> {
+        FilterDescription::from_children(parent_filters, &self.children())
+    }
+
+    fn handle_child_pushdown_result(
+        &self,
+        _phase: FilterPushdownPhase,
+        child_pushdown_result: ChildPushdownResult,
+        _config: &ConfigOptions,
+    ) -> Result<FilterPushdownPropagation<Arc<dyn ExecutionPlan>>> {
+        Ok(FilterPushdownPropagation::if_all(child_pushdown_result))
     }
 
     fn execute(

@@ -33,6 +33,8 @@
 //!   partitioned, so their partitions run apart.
 //! - [`semi_joins_by_key_set`]: in worker mode, a semi or anti join with a small build side
 //!   run as a join on the set of build keys its probe side matches.
+//! - [`outer_join_constants`]: the constants of an outer join's NULL-padded side hidden from
+//!   DataFusion's rules, so its sorts keep their keys.
 //! - [`ordered_round_robins`]: round-robin exchanges over one sorted stream taken out, so
 //!   its order holds.
 //! - [`plain_hash_exchanges`]: hash exchanges that keep a sorted input's order made plain,
@@ -79,6 +81,7 @@ pub mod merge_runs;
 pub mod model_batching;
 pub(crate) mod model_cache_lookup;
 pub mod ordered_round_robins;
+pub mod outer_join_constants;
 pub mod partition_cut;
 pub mod partition_slices;
 pub mod partitioned_outer_joins;

@@ -1757,6 +1757,36 @@ async fn a_rollup_over_a_key_the_filter_fixed_gives_each_group_once() {
     }
 }
 
+/// Seed 126008's query 116: DataFusion carries `k = 7` through a `FULL JOIN` as a constant
+/// of both sides, though each side's unmatched rows hold NULL there; its sort then dropped
+/// `c0` from `ORDER BY 1 DESC`, and the row with NULL `c0` came out last in vanilla (and in
+/// flumen where its partitions fell so: `flumen::plan::outer_join_constants`). Vanilla
+/// answers wrongly, so the reference is the same query over the join made a table first.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_outer_joins_null_padded_key_keeps_its_place_in_the_order() {
+    let (dir, vanilla) = tables_of_seed(126008).await;
+    let join = "WITH t AS (SELECT k, bool_or(flag) AS v, count(*) AS n FROM a WHERE k = 7 \
+                GROUP BY k) SELECT t1.k AS c0, t1.v AS c1, t2.n AS c2 FROM t t1 \
+                FULL JOIN t t2 ON t1.k = t2.k + 1";
+    common::collect(&vanilla, &format!("CREATE TABLE joined AS {join}")).await;
+    let expected = answer(&vanilla, "SELECT * FROM joined ORDER BY 1 DESC, 2, 3", true)
+        .await
+        .unwrap();
+    assert!(
+        expected[0].starts_with("|    |"),
+        "NULL sorts first: {expected:?}"
+    );
+    let sql = format!("SELECT * FROM ({join}) q ORDER BY 1 DESC, 2, 3");
+    for workers in [0, 2] {
+        let flumen = flumen_session(workers, 100, 4, false);
+        register(&flumen, dir.path()).await;
+        for _ in 0..3 {
+            let got = answer(&flumen, &sql, true).await.unwrap();
+            assert_eq!(got, expected, "{workers} workers");
+        }
+    }
+}
+
 /// Seed 5034's query 114: a `CUBE` over no rows has one row, the grand total (count 0).
 /// DataFusion's partial aggregate emits it in every partition, even an empty one; flumen ran
 /// that aggregate once per block that reached it, and with no block gave no row.
