@@ -665,6 +665,19 @@ async fn worker_tasks(ctx: &SessionContext) -> u64 {
 }
 
 /// A record's location as one line: `file:line`, then ` at file:line` per include.
+/// `errors` in the order of their records in the file (the keys sort as text: `:109`
+/// before `:17`), each record's threads-mode error before its worker-mode one.
+fn in_line_order(errors: &BTreeMap<String, String>) -> Vec<(&String, &String)> {
+    let line = |at: &str| -> u64 {
+        let after = at.rsplit_once(".slt:").map_or("", |(_, rest)| rest);
+        let digits: String = after.chars().take_while(char::is_ascii_digit).collect();
+        digits.parse().unwrap_or(u64::MAX)
+    };
+    let mut ordered: Vec<_> = errors.iter().collect();
+    ordered.sort_by_key(|(at, _)| (line(at), at.len()));
+    ordered
+}
+
 fn location_key(loc: &impl std::fmt::Display) -> String {
     loc.to_string().replace('\n', " ")
 }
@@ -1002,8 +1015,12 @@ async fn run_ours(root: &Path) -> Result<(usize, usize), String> {
             );
             passed += 1;
         } else {
-            println!("flumen sql/{}: FAILED", relative.display());
-            for (at, e) in errors.iter().take(5) {
+            println!(
+                "flumen sql/{}: FAILED ({} records)",
+                relative.display(),
+                errors.len()
+            );
+            for (at, e) in in_line_order(&errors).into_iter().take(5) {
                 println!("  {at}: {e}");
             }
             failed += 1;

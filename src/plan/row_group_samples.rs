@@ -2,8 +2,8 @@
 //! `p`/100, and those not kept are never read.
 //!
 //! As BigQuery's and Snowflake's `SYSTEM` sample storage blocks, flumen's samples row
-//! groups: a row group is kept when a hash of the seed, its file's path and its index in the
-//! file falls below `p`/100 of the 64-bit range ([`row_group_kept`]). The scan reads the
+//! groups: a row group is kept when a hash of the seed, its file's path within the table
+//! and its index in the file falls below `p`/100 of the 64-bit range ([`row_group_kept`]). The scan reads the
 //! others through a `ParquetAccessPlan` that skips them, so a 1% sample reads about 1% of
 //! the table; the split cutter makes no task for a range whose row groups are all skipped.
 //! The rows come in blocks (a row group of a million rows is kept or dropped whole): for a
@@ -37,6 +37,7 @@ use futures::{StreamExt, TryStreamExt};
 use object_store::ObjectMeta;
 
 use crate::plan::sample_keys::mix;
+use crate::plan::table_samples::path_in_table;
 
 /// Footers read at once.
 const FOOTERS_AT_ONCE: usize = 32;
@@ -49,15 +50,20 @@ pub struct RowGroupSampleNode {
     seed: u64,
     /// A row group is kept when its key is below this.
     threshold: u64,
+    /// The table's roots: a file is named by its path within them
+    /// ([`crate::plan::table_samples::path_in_table`]).
+    roots: Vec<String>,
 }
 
 impl RowGroupSampleNode {
-    /// Row groups of `input` kept when their key is below `threshold`, drawn with `seed`.
-    pub fn new(input: LogicalPlan, seed: u64, threshold: u64) -> Self {
+    /// Row groups of `input` (a scan of the table at `roots`) kept when their key is below
+    /// `threshold`, drawn with `seed`.
+    pub fn new(input: LogicalPlan, seed: u64, threshold: u64, roots: Vec<String>) -> Self {
         Self {
             input,
             seed,
             threshold,
+            roots,
         }
     }
 
@@ -109,7 +115,12 @@ impl UserDefinedLogicalNodeCore for RowGroupSampleNode {
         let input = inputs.pop().filter(|_| inputs.is_empty()).ok_or_else(|| {
             DataFusionError::Internal("RowGroupSample takes exactly one input".into())
         })?;
-        Ok(Self::new(input, self.seed, self.threshold))
+        Ok(Self::new(
+            input,
+            self.seed,
+            self.threshold,
+            self.roots.clone(),
+        ))
     }
 }
 
@@ -150,7 +161,7 @@ impl ExtensionPlanner for RowGroupSamplePlanner {
                 "TABLESAMPLE SYSTEM's input has no Parquet scan".into(),
             ));
         };
-        let sampled = sampled_scan(&config, sample.seed, sample.threshold, session).await?;
+        let sampled = sampled_scan(&config, sample, session).await?;
         let plan = Arc::clone(input).transform_up(|node| {
             Ok(match Arc::ptr_eq(&node, &original) {
                 true => Transformed::yes(Arc::clone(&sampled)),
@@ -169,11 +180,10 @@ fn parquet_scan(plan: &Arc<dyn ExecutionPlan>) -> Option<&FileScanConfig> {
     (config.file_source().file_type() == "parquet").then_some(config)
 }
 
-/// The scan of `config` reading only the row groups kept by `seed` and `threshold`.
+/// The scan of `config` reading only the row groups `sample` keeps.
 async fn sampled_scan(
     config: &FileScanConfig,
-    seed: u64,
-    threshold: u64,
+    sample: &RowGroupSampleNode,
     session: &dyn Session,
 ) -> Result<Arc<dyn ExecutionPlan>> {
     let runtime = session.runtime_env();
@@ -207,12 +217,14 @@ async fn sampled_scan(
         .map(|group| {
             let files = group.iter().map(|file| {
                 let row_groups = counts.next().unwrap_or(0);
-                let path = file.object_meta.location.as_ref();
+                let path = path_in_table(file.object_meta.location.as_ref(), &sample.roots);
                 let access = (0..row_groups)
-                    .map(|i| match row_group_kept(seed, path, i, threshold) {
-                        true => RowGroupAccess::Scan,
-                        false => RowGroupAccess::Skip,
-                    })
+                    .map(
+                        |i| match row_group_kept(sample.seed, path, i, sample.threshold) {
+                            true => RowGroupAccess::Scan,
+                            false => RowGroupAccess::Skip,
+                        },
+                    )
                     .collect();
                 let mut file = file.clone().with_extension(ParquetAccessPlan::new(access));
                 // A file's rows are no longer its row count: no aggregate answered from it.
@@ -230,8 +242,9 @@ async fn sampled_scan(
     Ok(DataSourceExec::from_data_source(config))
 }
 
-/// Whether row group `row_group` of the file at `path` is in the sample drawn with `seed`
-/// that keeps keys below `threshold`.
+/// Whether row group `row_group` of the file at `path` (its path within its table,
+/// [`path_in_table`]) is in the sample drawn with `seed` that keeps keys below
+/// `threshold`.
 pub fn row_group_kept(seed: u64, path: &str, row_group: usize, threshold: u64) -> bool {
     mix(seed ^ mix(path_hash(path) ^ mix(row_group as u64))) < threshold
 }

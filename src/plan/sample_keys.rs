@@ -157,7 +157,7 @@ impl ExtensionPlanner for SampleKeysPlanner {
 /// Where `input` is a Parquet file scan (a provider that wraps a listing table, such as the
 /// shell's demo `docs`), its rows keyed by their place in their file as a Parquet listing
 /// table's are ([`crate::plan::table_samples`]): the scan also reads `input_file_name()` and
-/// `file_row_index()`, and a projection appends `row_hash(seed, file, row)` as
+/// `file_row_index()`, and a projection appends `row_hash(seed, file name, row)` as
 /// [`SAMPLE_KEY`]. So the sample does not depend on how the file is cut into splits (a
 /// model query's are smaller). `None` for any other input.
 fn keys_by_file_row(
@@ -205,11 +205,23 @@ fn keys_by_file_row(
             .build(),
     );
     let scan_schema = scan.schema();
+    // The file's name: where the wrapped table lies is not known here, and must not change
+    // the rows kept.
+    let file_name = ScalarFunctionExpr::try_new(
+        datafusion::functions::unicode::substr_index(),
+        vec![
+            Arc::new(Column::new("__flumen_sample_file", columns)),
+            Arc::new(Literal::new(ScalarValue::from("/"))),
+            Arc::new(Literal::new(ScalarValue::Int64(Some(-1)))),
+        ],
+        &scan_schema,
+        Arc::clone(&options),
+    )?;
     let key = ScalarFunctionExpr::try_new(
         Arc::new(row_hash_udf()),
         vec![
             Arc::new(Literal::new(ScalarValue::UInt64(Some(seed)))),
-            Arc::new(Column::new("__flumen_sample_file", columns)),
+            Arc::new(file_name),
             Arc::new(Column::new("__flumen_sample_row", columns + 1)),
         ],
         &scan_schema,

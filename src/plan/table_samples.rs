@@ -18,8 +18,10 @@
 //! keeps the `n` smallest keys. What the key hashes decides what "the same rows" means:
 //!
 //! - **A Parquet table** (a listing table, `read_parquet(...)`): the seed, the file's path
-//!   and the row's index in its file (DataFusion's `input_file_name()` and
-//!   `file_row_index()`, read by the scan). The same seed keeps the same rows whatever the
+//!   within the table ([`path_in_table`]) and the row's index in its file (DataFusion's
+//!   `input_file_name()` and `file_row_index()`, read by the scan). The table's own place
+//!   is not hashed: a table copied or mounted elsewhere (another checkout, a bucket) keeps
+//!   the same rows. The same seed keeps the same rows whatever the
 //!   query reads of them, however the files are cut into splits (a model query's smaller
 //!   splits too), in threads and in worker mode, and when a lost block is recomputed. And
 //!   since the key is the row's own, the sample commutes with filters: a `WHERE` may still
@@ -34,6 +36,8 @@ use datafusion::datasource::file_format::parquet::ParquetFormat;
 use datafusion::datasource::listing::ListingTable;
 use datafusion::datasource::source_as_provider;
 use datafusion::error::{DataFusionError, Result};
+use datafusion::functions::expr_fn::{starts_with, substr, substr_index};
+use datafusion::logical_expr::conditional_expressions::CaseBuilder;
 use datafusion::logical_expr::planner::{
     ContextProvider, PlannedRelation, RelationPlanner, RelationPlannerContext, RelationPlanning,
 };
@@ -181,10 +185,10 @@ fn sampled(
 ) -> Result<LogicalPlan> {
     if let (true, Amount::Share(share)) = (sample.by_row_groups, sample.amount)
         && share < 1.0
-        && reads_parquet_files(&plan)
+        && let Some(roots) = parquet_table_roots(&plan)
     {
         let threshold = key_threshold(share);
-        return Ok(RowGroupSampleNode::new(plan, sample.seed, threshold).into_plan());
+        return Ok(RowGroupSampleNode::new(plan, sample.seed, threshold, roots).into_plan());
     }
     let columns: Vec<Expr> = plan
         .schema()
@@ -221,29 +225,84 @@ fn key_threshold(share: f64) -> u64 {
     (share * 2f64.powi(64)) as u64
 }
 
-/// Whether `plan` is a scan of a Parquet listing table (`read_parquet(...)` too).
-fn reads_parquet_files(plan: &LogicalPlan) -> bool {
+/// The roots of the table `plan` scans (each `LOCATION`'s path in its store, as
+/// `input_file_name()` states a file's), where it is a Parquet listing table
+/// (`read_parquet(...)` too); `None` for any other plan.
+fn parquet_table_roots(plan: &LogicalPlan) -> Option<Vec<String>> {
     let LogicalPlan::TableScan(scan) = plan else {
-        return false;
+        return None;
     };
-    let Ok(provider) = source_as_provider(&scan.source) else {
-        return false;
-    };
-    provider
-        .downcast_ref::<ListingTable>()
-        .is_some_and(|t| t.options().format.downcast_ref::<ParquetFormat>().is_some())
+    let provider = source_as_provider(&scan.source).ok()?;
+    let table = provider.downcast_ref::<ListingTable>()?;
+    table.options().format.downcast_ref::<ParquetFormat>()?;
+    Some(
+        (table.table_paths().iter())
+            .map(|url| url.prefix().as_ref().to_string())
+            .collect(),
+    )
 }
 
-/// `row_hash(seed, input_file_name(), file_row_index())` where `plan` is a scan of a
-/// Parquet listing table (the row's own place, read by the scan); `None` otherwise.
+/// Where the file at `path` (as `input_file_name()` states it) lies in the table of
+/// `roots`: its path under the root that holds it, or its name where a root is the file
+/// itself (a one-file table) or none holds it. What a sample hashes of a file, so the
+/// table's own place does not change the rows kept.
+pub fn path_in_table<'a>(path: &'a str, roots: &[String]) -> &'a str {
+    let name = || path.rsplit('/').next().unwrap_or(path);
+    for root in roots {
+        if root.is_empty() {
+            return path;
+        }
+        if path == root {
+            return name();
+        }
+        if let Some(rest) = path.strip_prefix(root.as_str())
+            && let Some(rest) = rest.strip_prefix('/')
+        {
+            return rest;
+        }
+    }
+    name()
+}
+
+/// [`path_in_table`] as an expression over `path`, a file's path.
+fn path_in_table_expr(path: Expr, roots: &[String]) -> Expr {
+    let name = substr_index(path.clone(), lit("/"), lit(-1i64));
+    if roots.iter().any(String::is_empty) {
+        return path;
+    }
+    let mut case: Option<CaseBuilder> = None;
+    for root in roots {
+        let under = format!("{root}/");
+        // substr counts characters from 1.
+        let after = (under.chars().count() + 1) as i64;
+        let (is_root, is_under) = (
+            path.clone().eq(lit(root.as_str())),
+            starts_with(path.clone(), lit(under)),
+        );
+        let rest = substr(path.clone(), lit(after));
+        let mut builder = match case {
+            None => datafusion::logical_expr::when(is_root, name.clone()),
+            Some(mut case) => case.when(is_root, name.clone()),
+        };
+        case = Some(builder.when(is_under, rest));
+    }
+    match case {
+        Some(mut case) => case.otherwise(name.clone()).unwrap_or(name),
+        None => name,
+    }
+}
+
+/// `row_hash(seed, <the file's path in the table>, file_row_index())` where `plan` is a
+/// scan of a Parquet listing table (the row's own place, read by the scan); `None`
+/// otherwise.
 fn parquet_row_key(
     plan: &LogicalPlan,
     seed: u64,
     functions: &dyn ContextProvider,
 ) -> Result<Option<Expr>> {
-    if !reads_parquet_files(plan) {
+    let Some(roots) = parquet_table_roots(plan) else {
         return Ok(None);
-    }
+    };
     let function = |name: &str| {
         functions.get_function_meta(name).ok_or_else(|| {
             DataFusionError::Internal(format!("TABLESAMPLE needs the function {name}"))
@@ -256,7 +315,7 @@ fn parquet_row_key(
     );
     Ok(Some(hash.call(vec![
         lit(seed),
-        file.call(vec![]),
+        path_in_table_expr(file.call(vec![]), &roots),
         row.call(vec![]),
     ])))
 }
@@ -270,6 +329,23 @@ mod tests {
         assert_eq!(key_threshold(0.0), 0);
         assert_eq!(key_threshold(0.5), 1 << 63);
         assert_eq!(key_threshold(1.0), u64::MAX);
+    }
+
+    #[test]
+    fn a_file_is_named_by_its_path_within_its_table() {
+        let roots = ["data/t".to_string(), "other/u.parquet".to_string()];
+        assert_eq!(
+            path_in_table("data/t/part-0.parquet", &roots),
+            "part-0.parquet"
+        );
+        assert_eq!(
+            path_in_table("data/t/k=1/a.parquet", &roots),
+            "k=1/a.parquet"
+        );
+        assert_eq!(path_in_table("other/u.parquet", &roots), "u.parquet");
+        // A root is a whole directory name: `data/t` does not hold `data/t2/...`.
+        assert_eq!(path_in_table("data/t2/a.parquet", &roots), "a.parquet");
+        assert_eq!(path_in_table("x.parquet", &[String::new()]), "x.parquet");
     }
 
     #[test]
