@@ -35,7 +35,7 @@
 //! one started by a driver exits when the driver's end of its stdin closes, one started by
 //! hand when its lease runs out ([`WorkerSettings`]).
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 use std::pin::Pin;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
@@ -61,7 +61,7 @@ use crate::cluster::protocol::{
 };
 use crate::cluster::task_output::Produced;
 use crate::cluster::tls::{TlsIdentity, WorkerTrust, require_tls_off_loopback};
-use crate::cluster::worker_client::{Client, connect, get_block};
+use crate::cluster::worker_client::{Client, Failure, connect, get_block};
 use crate::cluster::worker_memory::{TaskMemory, carried_task_limit};
 use crate::cluster::worker_tasks::{
     FetchBlock, FetchedInputs, ModelJob, PANICKED, run_task, start_model_thread,
@@ -363,7 +363,7 @@ impl WorkerService {
                         let fetcher = Arc::new(fetcher);
                         let fetch: FetchBlock = Arc::new(move |ticket| {
                             let fetcher = Arc::clone(&fetcher);
-                            async move { fetcher.fetch(&ticket).await }.boxed()
+                            async move { fetcher.fetch_one(&ticket).await }.boxed()
                         });
                         let (guard, fed) = self.feeds.open(&request);
                         feed = guard;
@@ -727,13 +727,12 @@ struct InputFetcher {
 }
 
 impl InputFetcher {
-    /// The block `ticket` names.
-    async fn fetch(&self, ticket: &InputTicket) -> Result<RecordBatch> {
-        let lost = |why: String| {
-            DataFusionError::Execution(format!(
-                "{INPUT_LOST}: {} on worker {}: {why}",
-                ticket.key, ticket.address
-            ))
+    /// The block `ticket` names; why not, and whether its holder is gone, when it cannot
+    /// be read.
+    async fn fetch(&self, ticket: &InputTicket) -> std::result::Result<RecordBatch, Lost> {
+        let lost = |why: String, holder_gone: bool| Lost {
+            message: format!("{} on worker {}: {why}", ticket.key, ticket.address),
+            holder_gone,
         };
         let mut wanted = BlockTicket {
             query: self.query.clone(),
@@ -741,7 +740,7 @@ impl InputFetcher {
             keep: true,
             compression: String::new(),
         };
-        if let Some(block) = self.own.take(&wanted).map_err(|e| lost(e.to_string()))? {
+        if let Some(block) = (self.own.take(&wanted)).map_err(|e| lost(e.to_string(), false))? {
             self.reads.held_here.fetch_add(1, Ordering::Relaxed);
             return Ok(block);
         }
@@ -753,28 +752,105 @@ impl InputFetcher {
             .peers
             .client(&ticket.address, ticket.tls)
             .await
-            .map_err(|e| lost(e.to_string()))?;
-        get_block(&client, wanted)
-            .await
-            .map_err(|e| lost(e.to_string()))
+            .map_err(|e| lost(e.to_string(), true))?;
+        get_block(&client, wanted).await.map_err(|failure| {
+            let gone = matches!(failure, Failure::Dead(_));
+            lost(failure.to_string(), gone)
+        })
+    }
+
+    /// The block `ticket` names; an [`INPUT_LOST`] error naming it when it cannot be read.
+    async fn fetch_one(&self, ticket: &InputTicket) -> Result<RecordBatch> {
+        (self.fetch(ticket).await)
+            .map_err(|lost| DataFusionError::Execution(format!("{INPUT_LOST}: {}", lost.message)))
+    }
+
+    /// The block `ticket` names, as [`Self::fetch`], but not asked of a holder that
+    /// another of the task's fetches found gone (it would fail the same way, perhaps
+    /// only after a timeout).
+    async fn fetch_unless_gone(
+        &self,
+        ticket: &InputTicket,
+        gone: &Mutex<HashSet<String>>,
+    ) -> std::result::Result<RecordBatch, Lost> {
+        if gone.lock().unwrap().contains(&ticket.address) {
+            return Err(Lost {
+                message: format!(
+                    "{} on worker {}: that worker did not answer",
+                    ticket.key, ticket.address
+                ),
+                holder_gone: true,
+            });
+        }
+        let fetched = self.fetch(ticket).await;
+        if let Err(Lost {
+            holder_gone: true, ..
+        }) = &fetched
+        {
+            gone.lock().unwrap().insert(ticket.address.clone());
+        }
+        fetched
     }
 
     /// The [`TaskInput::Fetch`] blocks of `inputs`, in order, [`FETCHES_AT_ONCE`] at a
-    /// time.
+    /// time. When some cannot be read, the task fails with [`INPUT_LOST`] naming all of
+    /// them (up to [`LOST_NAMED`]), so that the driver recomputes them all before it
+    /// sends the task again, not one per attempt.
     async fn fetch_all(&self, inputs: &[TaskInput]) -> Result<Vec<RecordBatch>> {
+        let gone = Mutex::new(HashSet::new());
         // The futures are made first: a stream that maps borrowed tickets would not be
         // `Send` for the Flight service's boxed future.
         let mut fetches = vec![];
         for input in inputs {
             if let TaskInput::Fetch(ticket) = input {
-                fetches.push(self.fetch(ticket));
+                fetches.push(self.fetch_unless_gone(ticket, &gone));
             }
         }
-        futures::stream::iter(fetches)
+        let fetched: Vec<_> = futures::stream::iter(fetches)
             .buffered(FETCHES_AT_ONCE)
-            .try_collect()
-            .await
+            .collect()
+            .await;
+        let mut batches = Vec::with_capacity(fetched.len());
+        let mut lost = vec![];
+        for result in fetched {
+            match result {
+                Ok(batch) => batches.push(batch),
+                Err(why) => lost.push(why.message),
+            }
+        }
+        match lost.len() {
+            0 => Ok(batches),
+            1 => Err(DataFusionError::Execution(format!(
+                "{INPUT_LOST}: {}",
+                lost[0]
+            ))),
+            n => {
+                let more = n.saturating_sub(LOST_NAMED);
+                lost.truncate(LOST_NAMED);
+                let and_more = match more {
+                    0 => String::new(),
+                    more => format!("; and {more} more"),
+                };
+                Err(DataFusionError::Execution(format!(
+                    "{INPUT_LOST}: {n} blocks: {}{and_more}",
+                    lost.join("; ")
+                )))
+            }
+        }
     }
+}
+
+/// Most lost input blocks one task's error names (it travels in a gRPC status, whose
+/// headers are bounded); the driver finds the others at the next attempt.
+const LOST_NAMED: usize = 16;
+
+/// An input block a task could not read.
+#[derive(Debug)]
+struct Lost {
+    /// The block's key, its holder and why.
+    message: String,
+    /// Whether its holder did not answer at all (not merely lacked the block).
+    holder_gone: bool,
 }
 
 type FlightStream<T> = Pin<Box<dyn futures::Stream<Item = std::result::Result<T, Status>> + Send>>;
@@ -1100,6 +1176,57 @@ pub async fn serve(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A task's inputs, some held here and some not to be had: the task fails naming every
+    /// block it could not read (the driver recomputes them all before the next attempt),
+    /// and does not ask again a holder found gone.
+    #[tokio::test]
+    async fn a_task_names_every_input_it_could_not_read() {
+        let shelf = Arc::new(BlockShelf::new(1 << 20));
+        let batch = RecordBatch::try_from_iter([(
+            "v",
+            Arc::new(datafusion::arrow::array::Int64Array::from(vec![1, 2, 3])) as _,
+        )])
+        .unwrap();
+        let held = shelf.keep("q", batch, 1 << 20).unwrap();
+        let fetcher = InputFetcher {
+            peers: Arc::new(Peers::new(Secret::random(), None)),
+            own: Arc::clone(&shelf),
+            reads: Arc::default(),
+            query: "q".into(),
+            compression: ExchangeCompression::default(),
+        };
+        // Nothing listens on port 9 (discard) here: the holder is gone.
+        let ticket = |key: &str| {
+            TaskInput::Fetch(InputTicket {
+                address: "127.0.0.1:9".into(),
+                tls: false,
+                key: key.into(),
+                bytes: 0,
+            })
+        };
+        let inputs = [
+            ticket(&held),
+            ticket("a1"),
+            ticket(&held),
+            ticket("b2"),
+            ticket("c3"),
+        ];
+        let error = fetcher.fetch_all(&inputs).await.unwrap_err().to_string();
+        assert!(
+            error.contains(&format!("{INPUT_LOST}: 3 blocks: ")),
+            "{error}"
+        );
+        for key in ["a1", "b2", "c3"] {
+            assert!(
+                error.contains(&format!("{key} on worker 127.0.0.1:9")),
+                "{error}"
+            );
+        }
+        assert!(!error.contains(&held), "{error}");
+        let read = fetcher.fetch_all(&inputs[..1]).await.unwrap();
+        assert_eq!(read[0].num_rows(), 3);
+    }
 
     #[test]
     fn a_driver_of_another_protocol_is_refused_naming_both_versions() {

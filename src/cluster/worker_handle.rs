@@ -416,17 +416,18 @@ impl WorkerHandle {
         Ok(())
     }
 
-    /// Fetch (and thereby remove) a block of query `query`.
+    /// Fetch a block of query `query`, removing it from the worker unless `keep`.
     async fn fetch(
         &self,
         query: &str,
         key: &str,
         compression: &str,
+        keep: bool,
     ) -> Result<RecordBatch, Failure> {
         let ticket = BlockTicket {
             query: query.into(),
             key: key.into(),
-            keep: false,
+            keep,
             compression: compression.into(),
         };
         self.call(get_block(&self.client, ticket)).await
@@ -596,11 +597,39 @@ impl HeldBlock for RemoteBlock {
 
     /// The block; `None` when its worker is gone (the block is lost).
     async fn fetch(&self) -> Result<Option<RecordBatch>> {
+        self.fetch_keeping(false).await
+    }
+
+    /// The block, left with its worker; `None` when its worker is gone.
+    async fn read(&self) -> Result<Option<RecordBatch>> {
+        self.fetch_keeping(true).await
+    }
+
+    /// Tell its worker it may drop it (in the background).
+    fn release(&self) {
+        if self.worker.is_alive() {
+            (self.worker).release_later(&self.query, self.info.key.clone());
+        }
+    }
+
+    fn location(&self) -> HeldAt {
+        HeldAt {
+            address: self.worker.address.clone(),
+            tls: self.worker.tls,
+            key: self.info.key.clone(),
+        }
+    }
+}
+
+impl RemoteBlock {
+    /// The block, removed from its worker unless `keep`; `None` when its worker is gone
+    /// (the block is lost).
+    async fn fetch_keeping(&self, keep: bool) -> Result<Option<RecordBatch>> {
         if !self.worker.is_alive() {
             return Ok(None);
         }
         match (self.worker)
-            .fetch(&self.query, &self.info.key, &self.compression)
+            .fetch(&self.query, &self.info.key, &self.compression, keep)
             .await
             .map_err(|f| self.worker.classify(f))
         {
@@ -622,21 +651,6 @@ impl HeldBlock for RemoteBlock {
                 "fetching block {} from worker {}: {e}",
                 self.info.key, self.worker.address
             ))),
-        }
-    }
-
-    /// Tell its worker it may drop it (in the background).
-    fn release(&self) {
-        if self.worker.is_alive() {
-            (self.worker).release_later(&self.query, self.info.key.clone());
-        }
-    }
-
-    fn location(&self) -> HeldAt {
-        HeldAt {
-            address: self.worker.address.clone(),
-            tls: self.worker.tls,
-            key: self.info.key.clone(),
         }
     }
 }

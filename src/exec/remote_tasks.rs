@@ -398,7 +398,10 @@ impl QueryRun {
         let describe = spec.describe.as_str();
         // Inputs read here stay here across attempts (reading consumed them).
         let mut read_here = HashMap::new();
-        let mut lost_inputs = 0;
+        // Attempts that lost inputs: those that found none lost before count against
+        // `flumen.max_task_retries`; each that found new ones made progress (it recomputes
+        // them), up to `LOST_INPUT_ATTEMPTS`.
+        let mut lost = LostInputs::default();
         loop {
             let work = match self.worker_task(task, &mut read_here).await? {
                 Ok(work) => work,
@@ -486,9 +489,13 @@ impl QueryRun {
                 }
                 Err(e)
                     if e.to_string().contains(INPUT_LOST)
-                        && lost_inputs < self.config().max_task_retries =>
+                        && lost.another_attempt(
+                            &e.to_string(),
+                            (work.by_ticket.iter().chain(&fed.by_ticket))
+                                .map(|(_, held)| held.location().key),
+                            self.config().max_task_retries,
+                        ) =>
                 {
-                    lost_inputs += 1;
                     log::warn!("{describe}: {e}; recomputing the input and retrying");
                     self.inputs_lost(&work.by_ticket, &e.to_string());
                     self.inputs_lost(&fed.by_ticket, &e.to_string());
@@ -714,11 +721,38 @@ impl QueryRun {
     /// Fetch block `id` from the worker that holds it; `None` when no worker holds it or
     /// it was lost with its worker. The first loss seen from a worker starts the recovery
     /// of everything it held ([`Self::recover_worker`]).
+    ///
+    /// A block of a gathered input that several partitions of its reader read (a join's
+    /// build side) is read and left where it is: taking it would pull it from under the
+    /// tickets of the reader's tasks on the workers, failing them with lost inputs.
     pub(super) async fn fetch_held(self: &Arc<Self>, id: BlockId) -> Result<Option<RecordBatch>> {
-        let Some(held) = self.store.take_held(id) else {
+        let shared = self
+            .block(id)
+            .is_some_and(|b| self.read_by_many(b.operator));
+        let held = match shared {
+            true => self.store.peek_held(id),
+            false => self.store.take_held(id),
+        };
+        let Some(held) = held else {
             return Ok(None);
         };
-        let fetched = held.fetch().await?;
+        let fetched = match shared {
+            // Released meanwhile (its readers were done as this one looked it up), or not
+            // to be had from a live worker: made again from its lineage by the caller.
+            true => match held.read().await {
+                Ok(Some(batch)) => Some(batch),
+                Ok(None) => {
+                    self.store.remove_held(id, &held);
+                    None
+                }
+                Err(e) => {
+                    log::info!("block {id}: {e}; recomputing it");
+                    self.store.remove_held(id, &held);
+                    return Ok(None);
+                }
+            },
+            false => held.fetch().await?,
+        };
         if let (Some(batch), Some(block)) = (&fetched, self.block(id)) {
             // The bytes its rows reach: a batch decoded from IPC shares one message body
             // among its columns, which `get_array_memory_size` counts once per column.
@@ -975,5 +1009,91 @@ impl QueryRun {
                 plan
             }
         }
+    }
+}
+
+/// Most attempts of one worker task that lose inputs: each that finds blocks lost that no
+/// earlier one did is progress (they are recomputed before the next), but a task cannot be
+/// retried without end.
+const LOST_INPUT_ATTEMPTS: usize = 64;
+
+/// The input losses of one worker task's attempts.
+#[derive(Debug, Default)]
+struct LostInputs {
+    /// The keys of the blocks found lost so far.
+    keys: HashSet<String>,
+    /// Attempts that found no block lost that an earlier one had not.
+    without_progress: usize,
+    /// Attempts that lost inputs.
+    attempts: usize,
+}
+
+impl LostInputs {
+    /// Whether the task may run again after an attempt that failed with `error` (an
+    /// [`INPUT_LOST`] error naming the keys of its lost blocks) over the blocks `keys`:
+    /// while attempts find blocks lost that none did before, up to [`LOST_INPUT_ATTEMPTS`],
+    /// and `retries` attempts that find none.
+    fn another_attempt(
+        &mut self,
+        error: &str,
+        keys: impl Iterator<Item = String>,
+        retries: usize,
+    ) -> bool {
+        let mut found_new = false;
+        for key in keys {
+            if error.contains(&key) && self.keys.insert(key) {
+                found_new = true;
+            }
+        }
+        self.attempts += 1;
+        if !found_new {
+            self.without_progress += 1;
+        }
+        self.without_progress <= retries && self.attempts <= LOST_INPUT_ATTEMPTS
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn keys(names: &[&str]) -> impl Iterator<Item = String> {
+        names
+            .iter()
+            .map(|k| k.to_string())
+            .collect::<Vec<_>>()
+            .into_iter()
+    }
+
+    #[test]
+    fn attempts_that_find_new_lost_inputs_go_on_and_the_others_are_counted() {
+        let mut lost = LostInputs::default();
+        let inputs = ["k1", "k2", "k3", "k4", "k5", "k6"];
+        // Each attempt finds one more input lost (a live worker's lost blocks were named
+        // one at a time): more attempts than 2 retries, all progress.
+        for key in inputs {
+            let error = format!("{INPUT_LOST}: {key} on worker w: no block");
+            assert!(lost.another_attempt(&error, keys(&inputs), 2), "{key}");
+        }
+        // Attempts that find only blocks lost before: 2 more, then no more.
+        let again = format!("{INPUT_LOST}: k1 on worker w: no block");
+        assert!(lost.another_attempt(&again, keys(&inputs), 2));
+        assert!(lost.another_attempt(&again, keys(&inputs), 2));
+        assert!(!lost.another_attempt(&again, keys(&inputs), 2));
+    }
+
+    #[test]
+    fn attempts_that_lose_inputs_end_even_while_each_finds_new_ones() {
+        let mut lost = LostInputs::default();
+        let names: Vec<String> = (0..LOST_INPUT_ATTEMPTS + 1)
+            .map(|i| format!("key{i:03}"))
+            .collect();
+        let allowed = (names.iter())
+            .take_while(|key| {
+                let error = format!("{INPUT_LOST}: {key} on worker w: no block");
+                lost.another_attempt(&error, names.clone().into_iter(), 4)
+            })
+            .count();
+        assert_eq!(allowed, LOST_INPUT_ATTEMPTS);
     }
 }

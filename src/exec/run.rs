@@ -520,6 +520,12 @@ impl QueryRun {
             .collect()
     }
 
+    /// Whether operator `producer`'s blocks are a gathered input that every partition of
+    /// a reader reads ([`Self::shared_inputs`]).
+    pub(super) fn read_by_many(&self, producer: OperatorId) -> bool {
+        (0..self.graph.operators.len()).any(|reader| self.shared_inputs(reader).contains(&producer))
+    }
+
     /// The readers of block `id` are done with it: it leaves the store (and its worker),
     /// unless its task cannot be run again alike (`Operator::runs_again_unlike`) and the
     /// run has workers, whose death may make a reader run again: such a block stays in the

@@ -95,6 +95,9 @@ pub trait HeldBlock: Debug + Send + Sync {
     fn holder_alive(&self) -> bool;
     /// Its data; `None` when it was lost with its worker. The worker then drops it.
     async fn fetch(&self) -> Result<Option<RecordBatch>>;
+    /// Its data, left with its worker for its other readers (tasks there hold tickets for
+    /// it); `None` when it was lost with its worker.
+    async fn read(&self) -> Result<Option<RecordBatch>>;
     /// Tell the worker the block is no longer needed.
     fn release(&self);
     /// Where another worker can fetch it directly.
