@@ -290,7 +290,10 @@ impl QueryRun {
             let mut st = self.state.lock().unwrap();
             let t = &st.tasks[task];
             let op_id = t.operator;
-            if t.unpausable || st.error.is_some() || st.cancelled {
+            // A task running alone (refused memory beside others) never pauses: nothing
+            // launches while it runs, its own resume included, so it would wait forever.
+            let alone = st.running_alone == Some(task);
+            if t.unpausable || alone || st.error.is_some() || st.cancelled {
                 return;
             }
             let yielded = t.held_rows < pause_rows;

@@ -653,8 +653,11 @@ impl QueryRun {
     pub fn describe(&self) -> String {
         let st = self.state.lock().unwrap();
         let mut out = format!(
-            "running={:?} streaming={} (waiting {}) output_blocked={} stalled={} store={}B; ",
+            "running={:?} alone={:?} (waiting alone {}, in pieces {}) streaming={} (waiting {}) output_blocked={} stalled={} store={}B; ",
             st.running,
+            st.running_alone,
+            st.waiting_alone.len(),
+            st.waiting_in_pieces.len(),
             st.streaming_running,
             st.streaming_waiting,
             st.output_blocked,

@@ -9,7 +9,7 @@ use crate::common;
 
 use std::path::Path;
 use std::sync::Arc;
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use common::*;
 use datafusion::arrow::array::{Array, AsArray};
@@ -1482,5 +1482,48 @@ fn flumen_with_worker_processes_under_a_budget_stays_near_it_in_rss() {
             "{sql}: a worker's RSS rose {} MB under a 16 MB budget",
             worker_rise >> 20
         );
+    }
+}
+
+/// A task refused memory beside others runs again alone, and nothing launches while it
+/// runs: were it to pause for its reader (in-task backpressure), nothing would resume it.
+/// An ordered final aggregate under a 600 KB session limit over 50-row blocks (its task,
+/// refused on a worker, runs alone on the driver) answers as DataFusion does, in two worker
+/// processes and in threads mode. It hung in workers before (found by the upstream
+/// `ordered_aggregate_spill.slt` under `FLUMEN_SLT_BLOCK_ROWS=50`).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_task_run_alone_never_pauses_for_its_reader() {
+    let settings = [
+        "SET datafusion.execution.batch_size = 128",
+        "SET datafusion.optimizer.prefer_existing_sort = true",
+        "SET datafusion.optimizer.enable_round_robin_repartition = false",
+        "SET datafusion.runtime.memory_limit = '600K'",
+        "SET flumen.target_block_rows = 50",
+    ];
+    // No ORDER BY: the query's reader reads the aggregate's own output, as it comes.
+    let sql = "SELECT round(v1, -4) AS r, v1 % 5000 AS m, sum(v1 * 2) AS s \
+               FROM generate_series(20000) AS t1(v1) GROUP BY round(v1, -4), v1 % 5000";
+    let expected = rows(&collect(&vanilla(), sql).await, false);
+    assert_eq!(expected.len(), 15000);
+    let threads = flumen_ctx(&[]).await;
+    let workers = two_worker_processes(2 << 30);
+    for (mode, f) in [("workers", &workers), ("threads", &threads)] {
+        for s in settings {
+            collect(f, s).await;
+        }
+        let answered = tokio::time::timeout(Duration::from_secs(120), run_plan(f, sql)).await;
+        let (batches, plan) = answered.unwrap_or_else(|_| panic!("{mode}: no answer in 120 s"));
+        assert!(rows(&batches, false) == expected, "{mode}: rows differ");
+        let exec = plan.downcast_ref::<FlumenExec>().unwrap();
+        let alone: u64 = (0..exec.graph().operators.len())
+            .map(|op| exec.run_metrics().operator(op).snapshot().retried_alone)
+            .sum();
+        println!("{mode}: {alone} task(s) run again alone");
+        if mode == "workers" {
+            assert!(
+                alone > 0,
+                "no task was refused memory: the test misses its case"
+            );
+        }
     }
 }
