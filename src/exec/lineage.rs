@@ -68,7 +68,7 @@ impl QueryRun {
         let mut sink = RecomputeSink::new(self, &spec, asked);
         let outputs = match asked {
             Some(id) => vec![id],
-            None => self.state.lock().unwrap().tasks[task].outputs.clone(),
+            None => self.state.lock().unwrap().tasks[task].outputs.to_vec(),
         };
         let lost = {
             let lost = self.workers.lost_blocks.lock().unwrap();

@@ -375,7 +375,7 @@ impl QueryRun {
                 self.update_complete(&mut st, op_id);
                 if st.operators[op_id].complete {
                     for producer in shared {
-                        for id in st.operators[producer].log.clone() {
+                        for id in st.operators[producer].log.to_vec() {
                             self.release(&mut st, id);
                         }
                     }

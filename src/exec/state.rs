@@ -9,7 +9,7 @@ use std::time::Instant;
 use datafusion::error::DataFusionError;
 use tokio::task::AbortHandle;
 
-use crate::exec::cursor::{Cursor, Next, ReadOrder};
+use crate::exec::cursor::{BlockList, Cursor, Next, ReadOrder};
 use crate::exec::task_kind::{TaskId, TaskKind};
 use crate::plan::graph::{OperatorId, Pool};
 use crate::plan::task_bounds::LaunchBounds;
@@ -28,7 +28,8 @@ pub(super) struct TaskRecord {
     pub(super) partition: usize,
     pub(super) kind: TaskKind,
     pub(super) status: TaskStatus,
-    pub(super) outputs: Vec<BlockId>,
+    /// Its output blocks, in order.
+    pub(super) outputs: BlockList,
     /// Input blocks read, released when the task ends.
     pub(super) consumed: Vec<BlockId>,
     /// Rows of this task's output blocks not yet released (read by every reader).
@@ -73,7 +74,7 @@ impl TaskRecord {
             partition,
             kind,
             status: TaskStatus::Pending,
-            outputs: vec![],
+            outputs: BlockList::default(),
             consumed: vec![],
             held_rows: 0,
             paused_ns: 0,
@@ -125,7 +126,7 @@ pub(super) struct PartitionState {
 pub(super) struct OperatorState {
     pub(super) partitions: Vec<PartitionState>,
     /// Every output block in the order produced.
-    pub(super) log: Vec<BlockId>,
+    pub(super) log: BlockList,
     /// Bytes of unreleased output blocks in the store.
     pub(super) held_bytes: u64,
     /// Rows of unreleased output blocks in the store.
@@ -239,12 +240,9 @@ impl RunState {
         let op = &self.operators[cursor.operator];
         match &cursor.order {
             ReadOrder::Arrival => loop {
-                if cursor.log_index < op.log.len() {
-                    let id = op.log[cursor.log_index];
+                if let Some(id) = op.log.get(cursor.tag, cursor.log_index) {
                     cursor.log_index += 1;
-                    if cursor.tag.is_none_or(|t| self.blocks[&id].tag == t) {
-                        return Next::Block(id);
-                    }
+                    return Next::Block(id);
                 } else if op.complete {
                     return Next::End;
                 } else {
@@ -326,11 +324,9 @@ impl RunState {
     /// `End` once the task has finished and every block of it was read.
     fn next_in_task(&self, task_id: TaskId, tag: Option<usize>, out_index: &mut usize) -> Next {
         let task = &self.tasks[task_id];
-        while let Some(id) = task.outputs.get(*out_index) {
+        if let Some(id) = task.outputs.get(tag, *out_index) {
             *out_index += 1;
-            if tag.is_none_or(|t| self.blocks[id].tag == t) {
-                return Next::Block(*id);
-            }
+            return Next::Block(id);
         }
         if task.status == TaskStatus::Done {
             Next::End

@@ -266,10 +266,10 @@ impl QueryRun {
         } else {
             0
         };
-        st.tasks[block.task].outputs.push(block.id);
+        st.tasks[block.task].outputs.push(block.id, block.tag);
         st.tasks[block.task].held_rows += held_rows;
         let os = &mut st.operators[block.operator];
-        os.log.push(block.id);
+        os.log.push(block.id, block.tag);
         os.held_bytes += block.bytes;
         os.held_rows += held_rows;
         stats.observe_held(os.held_bytes);

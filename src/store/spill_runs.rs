@@ -114,6 +114,8 @@ const SPILL_SUBDIRS: u64 = 64;
 pub(crate) struct SpillRuns {
     /// Where the directory is made (`flumen.spill_dir`); `None`: the temp directory.
     root: Option<PathBuf>,
+    /// What the directory's name starts with ([`OwnedDir`] sweeps those of ended owners).
+    prefix: &'static str,
     /// Made at the first spill; removed with this value, or after a crash by the next
     /// process that makes one beside it ([`OwnedDir`]). A failed making is not kept: the
     /// next spill tries again (the directory may have been deleted while it was made).
@@ -138,8 +140,14 @@ impl std::fmt::Debug for OpenRun {
 impl SpillRuns {
     /// No file yet; the directory is made under `root` (else the system's temp directory).
     pub(crate) fn new(root: Option<PathBuf>) -> Self {
+        Self::with_prefix(root, "flumen-spill-")
+    }
+
+    /// As [`Self::new`], the directory's name starting with `prefix`.
+    pub(crate) fn with_prefix(root: Option<PathBuf>, prefix: &'static str) -> Self {
         Self {
             root,
+            prefix,
             ..Self::default()
         }
     }
@@ -205,7 +213,7 @@ impl SpillRuns {
     fn dir_path(&self) -> std::result::Result<PathBuf, String> {
         let mut dir = self.dir.lock().unwrap();
         if dir.is_none() {
-            let made = OwnedDir::create(self.root.as_deref(), "flumen-spill-")
+            let made = OwnedDir::create(self.root.as_deref(), self.prefix)
                 .map_err(|e| format!("cannot create flumen spill directory: {e}"))?;
             *dir = Some(made);
         }
@@ -243,6 +251,14 @@ impl SpillRuns {
                 .is_some_and(|open| Arc::ptr_eq(&open.run, run))
         {
             *slot = None;
+        }
+    }
+
+    /// Close `group`'s open run, if any (nothing more will be appended to it): its file
+    /// goes with the last of its blocks.
+    pub(crate) fn close_open(&self, group: SpillGroup) {
+        if let Some(slot) = self.open.lock().unwrap().remove(&group) {
+            *slot.lock().unwrap() = None;
         }
     }
 
