@@ -375,7 +375,8 @@ impl QueryRun {
                 self.update_complete(&mut st, op_id);
                 if st.operators[op_id].complete {
                     for producer in shared {
-                        for id in st.operators[producer].log.to_vec() {
+                        let made = st.operators[producer].log.to_vec();
+                        for id in made {
                             self.release(&mut st, id);
                         }
                     }

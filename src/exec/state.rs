@@ -239,15 +239,13 @@ impl RunState {
     pub(super) fn next_block(&self, cursor: &mut Cursor) -> Next {
         let op = &self.operators[cursor.operator];
         match &cursor.order {
-            ReadOrder::Arrival => loop {
-                if let Some(id) = op.log.get(cursor.tag, cursor.log_index) {
+            ReadOrder::Arrival => match op.log.get(cursor.tag, cursor.log_index) {
+                Some(id) => {
                     cursor.log_index += 1;
-                    return Next::Block(id);
-                } else if op.complete {
-                    return Next::End;
-                } else {
-                    return Next::Wait;
+                    Next::Block(id)
                 }
+                None if op.complete => Next::End,
+                None => Next::Wait,
             },
             ReadOrder::Interleaved { partitions } => loop {
                 // `task_index` is the round: the round-th task of every partition. Its tasks
