@@ -12,7 +12,7 @@
 //! worker disk, not memory (and not a file made and deleted per block: a query of 15,000
 //! small spilled blocks spent a quarter of its workers' time in the file system).
 
-use std::collections::{HashMap, VecDeque};
+use std::collections::{HashMap, HashSet, VecDeque};
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 
@@ -98,12 +98,36 @@ impl Kept {
     }
 }
 
+/// The most recent [`ENDED_QUERIES_KEPT`] ended queries: a set, looked up at every block
+/// kept (a long-lived worker's list of thousands was walked per block, under the shelf's
+/// lock), and their order, to forget the oldest.
+#[derive(Default)]
+struct EndedQueries {
+    names: HashSet<String>,
+    order: VecDeque<String>,
+}
+
+impl EndedQueries {
+    /// `query` ended; the oldest is forgotten past [`ENDED_QUERIES_KEPT`].
+    fn add(&mut self, query: &str) {
+        if !self.names.insert(query.to_string()) {
+            return;
+        }
+        self.order.push_back(query.to_string());
+        if self.order.len() > ENDED_QUERIES_KEPT
+            && let Some(oldest) = self.order.pop_front()
+        {
+            self.names.remove(&oldest);
+        }
+    }
+}
+
 /// A worker's kept blocks, by key.
 pub(crate) struct BlockShelf {
     kept: Mutex<Kept>,
     /// Queries whose blocks were all released (the query ended): blocks their tasks still
     /// cut afterwards are refused. The most recent [`ENDED_QUERIES_KEPT`].
-    ended: Mutex<VecDeque<String>>,
+    ended: Mutex<EndedQueries>,
     /// Bytes of blocks the worker keeps in memory, all queries together.
     budget: u64,
     /// Where blocks over a budget go: run files in a directory made at the first, removed
@@ -176,7 +200,7 @@ impl BlockShelf {
     }
 
     fn refuse_ended(&self, query: &str) -> Result<()> {
-        if self.ended.lock().unwrap().iter().any(|q| q == query) {
+        if self.ended.lock().unwrap().names.contains(query) {
             return Err(DataFusionError::Execution(
                 "the task's query has ended; its blocks were dropped".into(),
             ));
@@ -280,11 +304,7 @@ impl BlockShelf {
         {
             let mut kept = self.kept.lock().unwrap();
             let keys: Vec<String> = if ended {
-                let mut ended = self.ended.lock().unwrap();
-                ended.push_back(request.query.clone());
-                if ended.len() > ENDED_QUERIES_KEPT {
-                    ended.pop_front();
-                }
+                self.ended.lock().unwrap().add(&request.query);
                 kept.blocks
                     .iter()
                     .filter(|(_, b)| b.query == request.query)
@@ -511,6 +531,21 @@ mod tests {
             !spill_dir.exists(),
             "the spill directory goes with the shelf"
         );
+    }
+
+    #[test]
+    fn the_oldest_ended_query_is_forgotten_first() {
+        let mut ended = EndedQueries::default();
+        for n in 0..ENDED_QUERIES_KEPT + 2 {
+            ended.add(&format!("q{n}"));
+        }
+        ended.add("q5");
+        assert_eq!(ended.names.len(), ENDED_QUERIES_KEPT);
+        assert_eq!(ended.order.len(), ENDED_QUERIES_KEPT);
+        assert!(!ended.names.contains("q0") && !ended.names.contains("q1"));
+        assert!(ended.names.contains("q2") && ended.names.contains("q5"));
+        let last = format!("q{}", ENDED_QUERIES_KEPT + 1);
+        assert!(ended.names.contains(&last));
     }
 
     #[test]
