@@ -40,6 +40,7 @@ pub(crate) fn remove_spills_of_ended_workers() -> usize {
 const RUN_CAP: u64 = 64 << 20;
 
 /// Where a kept block's rows are.
+#[derive(Clone)]
 enum Rows {
     Memory(RecordBatch),
     /// `len` bytes at `offset` of a run file of the shelf's spill directory, appended to by
@@ -251,23 +252,7 @@ impl BlockShelf {
             }
             match (&block.rows, ticket.keep) {
                 (Rows::Memory(batch), true) => return Ok(Some(batch.clone())),
-                (
-                    Rows::Spilled {
-                        run,
-                        offset,
-                        len,
-                        group,
-                    },
-                    true,
-                ) => {
-                    let rows = Rows::Spilled {
-                        run: Arc::clone(run),
-                        offset: *offset,
-                        len: *len,
-                        group: *group,
-                    };
-                    (rows, false)
-                }
+                (rows, true) => (rows.clone(), false),
                 (_, false) => match kept.remove(&ticket.key).map(|b| b.rows) {
                     Some(Rows::Memory(batch)) => return Ok(Some(batch)),
                     Some(rows) => (rows, true),
@@ -405,6 +390,10 @@ impl BlockShelf {
             }
             let block = kept.remove(&key).expect("checked above");
             kept.insert(key, KeptBlock { rows, ..block });
+        }
+        if self.refuse_ended(query).is_err() {
+            // It ended while its blocks were written: the spills opened its group again.
+            self.forget(query);
         }
         result
     }

@@ -80,8 +80,11 @@ fn append(
     open: &mut OpenRun,
     batches: &[(BlockId, RecordBatch)],
 ) -> std::result::Result<Spans, String> {
+    // A buffer the size of what is written, up to 1 MiB: a worker spills one small block
+    // at a time.
+    let bytes: usize = batches.iter().map(|(_, b)| b.get_array_memory_size()).sum();
     let mut out = Counting {
-        inner: BufWriter::with_capacity(1 << 20, &mut open.file),
+        inner: BufWriter::with_capacity((bytes + 4096).min(1 << 20), &mut open.file),
         written: 0,
     };
     let mut spans = vec![];
@@ -110,7 +113,7 @@ const SPILL_SUBDIRS: u64 = 64;
 
 /// The spill files of one query run, in a directory of their own made at the first spill
 /// (removed with it), and the run each group appends to now.
-#[derive(Debug, Default)]
+#[derive(Debug)]
 pub(crate) struct SpillRuns {
     /// Where the directory is made (`flumen.spill_dir`); `None`: the temp directory.
     root: Option<PathBuf>,
@@ -137,10 +140,20 @@ impl std::fmt::Debug for OpenRun {
     }
 }
 
+/// What a run's spill directory's name starts with.
+const SPILL_DIR_PREFIX: &str = "flumen-spill-";
+
+impl Default for SpillRuns {
+    /// No file yet; the directory, named `flumen-spill-…`, is made in the temp directory.
+    fn default() -> Self {
+        Self::with_prefix(None, SPILL_DIR_PREFIX)
+    }
+}
+
 impl SpillRuns {
     /// No file yet; the directory is made under `root` (else the system's temp directory).
     pub(crate) fn new(root: Option<PathBuf>) -> Self {
-        Self::with_prefix(root, "flumen-spill-")
+        Self::with_prefix(root, SPILL_DIR_PREFIX)
     }
 
     /// As [`Self::new`], the directory's name starting with `prefix`.
@@ -148,7 +161,10 @@ impl SpillRuns {
         Self {
             root,
             prefix,
-            ..Self::default()
+            dir: Mutex::default(),
+            open: Mutex::default(),
+            next: AtomicU64::new(0),
+            written: AtomicU64::new(0),
         }
     }
 
@@ -314,6 +330,28 @@ impl SpillRun {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_runs_directory_is_named_by_its_prefix() {
+        let root = tempfile::tempdir().unwrap();
+        for (runs, prefix) in [
+            (SpillRuns::new(Some(root.path().into())), "flumen-spill-"),
+            (
+                SpillRuns::with_prefix(Some(root.path().into()), "flumen-worker-blocks-"),
+                "flumen-worker-blocks-",
+            ),
+        ] {
+            let batch = RecordBatch::try_from_iter([(
+                "x",
+                Arc::new(datafusion::arrow::array::Int32Array::from(vec![1])) as _,
+            )])
+            .unwrap();
+            runs.append((0, 0), &[(0, batch)], 1 << 20, None).unwrap();
+            let name = runs.dir().unwrap().file_name().unwrap().to_owned();
+            assert!(name.to_str().unwrap().starts_with(prefix), "{name:?}");
+        }
+        assert_eq!(SpillRuns::default().prefix, "flumen-spill-");
+    }
     use datafusion::arrow::array::Int64Array;
 
     fn one_column(n: i64) -> RecordBatch {
