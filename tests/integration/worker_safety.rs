@@ -1106,6 +1106,12 @@ fn children_of(parent: u32) -> Vec<u32> {
         .collect()
 }
 
+/// Whether process `pid` runs `flumen worker` (its second argument is `worker`).
+fn is_worker(pid: u32) -> bool {
+    std::fs::read(format!("/proc/{pid}/cmdline"))
+        .is_ok_and(|cmdline| cmdline.split(|b| *b == 0).nth(1) == Some(b"worker"))
+}
+
 /// `/proc/PID/stat` after the command name in parentheses (state first); `None` when the
 /// process is gone.
 fn stat_after_name(pid: u32) -> Option<String> {
@@ -1138,7 +1144,11 @@ fn workers_exit_within_5s_of_their_driver_being_killed() {
         .unwrap();
     let started = Instant::now();
     let workers = loop {
-        let workers = children_of(driver.id());
+        // Only children that are workers already: one just forked, not yet exec'd, still
+        // holds the driver's environment (this test failed once reading it then).
+        let workers: Vec<u32> = (children_of(driver.id()).into_iter())
+            .filter(|pid| is_worker(*pid))
+            .collect();
         if workers.len() >= 2 {
             break workers;
         }
