@@ -2,7 +2,7 @@
 //! block above vanilla DataFusion's time for the same query, measured in the same run.
 //!
 //! `cargo bench --bench scheduler [-- --rows 200000 --block-rows 200,50,20 --runs 3
-//! --check]`
+//! --workers 2 --check]`
 //!
 //! The query hashes `--rows` generated numbers and counts the few hashes that start with
 //! `000`: a source of one partition that DataFusion deals round-robin over the partitions,
@@ -15,6 +15,13 @@
 //! is quadratic. Before the dispatch of block-wise tasks read each block once, the ratio was
 //! 2.7 (debug build: 203 µs per block at 1,000 blocks, 555 at 10,000; 100,000 rows in 5-row
 //! blocks took 26 s where 30-row blocks took 2 s); after, 1.2. Every answer is checked against vanilla's. `--check` exits non-zero on a miss.
+//!
+//! `--workers N` measures the same sizes again with the tasks in `N` local worker processes
+//! (`FLUMEN_WORKER_BIN=PATH` runs another build as the workers), and prints worker mode's cost
+//! per block beside threads mode's, with their ratio at each size: what a block costs when it
+//! is made in one process, kept there, and read by a task in another. The same goal holds
+//! for worker mode's costs. (A debug build checks every worker task's plan round trip, a
+//! release build each operator's first: use a release build for worker mode's figures.)
 
 #[path = "common/args.rs"]
 mod args;
@@ -84,37 +91,67 @@ async fn main() -> Result<()> {
     let vanilla_seconds = median(vanilla_times);
     println!("vanilla DataFusion: {vanilla_seconds:.3} s");
 
-    // (blocks, µs per block above vanilla) per size, fewest blocks first.
-    let mut costs = vec![];
-    for block_rows in sizes {
+    let workers: usize = args::flag_value(&args, "--workers").map_or(0, |v| v.parse().unwrap());
+    let mut modes = vec![("threads", FlumenConfig::default())];
+    if workers > 0 {
         let mut config = FlumenConfig::default();
-        config.target_block_rows = block_rows;
-        let ctx = flumen::session(config);
-        let (mut times, mut blocks) = (vec![], 0);
-        for _ in 0..runs {
-            let (seconds, answer, made) = run(&ctx, &sql).await?;
-            if answer != reference {
-                verdict::fail(format!(
-                    "{block_rows}-row blocks: flumen answered\n{answer}\nvanilla\n{reference}"
-                ));
-            }
-            times.push(seconds);
-            blocks = made;
-        }
-        let seconds = median(times);
-        let per_block_us = (seconds - vanilla_seconds).max(0.0) * 1e6 / blocks.max(1) as f64;
-        println!(
-            "flumen, {block_rows:>6}-row blocks: {seconds:>7.3} s, {blocks:>7} source blocks, \
-             {per_block_us:>7.1} µs per block above vanilla ({:.1}× vanilla)",
-            seconds / vanilla_seconds
-        );
-        costs.push((blocks, per_block_us));
+        config.workers = flumen::WorkerMode::Process;
+        config.worker_processes = workers;
+        // `FLUMEN_WORKER_BIN` runs another build (or a wrapper) as the workers.
+        config.worker_binary = std::env::var("FLUMEN_WORKER_BIN")
+            .unwrap_or_else(|_| env!("CARGO_BIN_EXE_flumen").into())
+            .into();
+        modes.push(("workers", config));
     }
-    costs.sort_by_key(|(blocks, _)| *blocks);
-    if let (Some((few, few_cost)), Some((many, many_cost))) = (costs.first(), costs.last()) {
-        let ratio = many_cost / few_cost.max(1.0);
-        let met = verdict::goal("cost per block stays flat", ratio <= 2.0);
-        println!("cost per block at {many} blocks / at {few} blocks: {ratio:.2} (goal ≤ 2: {met})");
+    // Per mode: (blocks, µs per block above vanilla) per size, in the order of `sizes`.
+    let mut costs: Vec<Vec<(u64, f64)>> = vec![];
+    for (mode, base) in &modes {
+        let mut mode_costs = vec![];
+        for &block_rows in &sizes {
+            let mut config = base.clone();
+            config.target_block_rows = block_rows;
+            let ctx = flumen::session(config);
+            let (mut times, mut blocks) = (vec![], 0);
+            for _ in 0..runs {
+                let (seconds, answer, made) = run(&ctx, &sql).await?;
+                if answer != reference {
+                    verdict::fail(format!(
+                        "{mode}, {block_rows}-row blocks: flumen answered\n{answer}\n\
+                         vanilla\n{reference}"
+                    ));
+                }
+                times.push(seconds);
+                blocks = made;
+            }
+            let seconds = median(times);
+            let per_block_us = (seconds - vanilla_seconds).max(0.0) * 1e6 / blocks.max(1) as f64;
+            println!(
+                "flumen {mode:<7}, {block_rows:>6}-row blocks: {seconds:>7.3} s, {blocks:>7} \
+                 source blocks, {per_block_us:>7.1} µs per block above vanilla ({:.1}× vanilla)",
+                seconds / vanilla_seconds
+            );
+            mode_costs.push((blocks, per_block_us));
+        }
+        let mut sorted = mode_costs.clone();
+        sorted.sort_by_key(|(blocks, _)| *blocks);
+        if let (Some((few, few_cost)), Some((many, many_cost))) = (sorted.first(), sorted.last()) {
+            let ratio = many_cost / few_cost.max(1.0);
+            let met = verdict::goal("cost per block stays flat", ratio <= 2.0);
+            println!(
+                "{mode}: cost per block at {many} blocks / at {few} blocks: {ratio:.2} \
+                 (goal ≤ 2: {met})"
+            );
+        }
+        costs.push(mode_costs);
+    }
+    if let [threads, workers] = costs.as_slice() {
+        for (block_rows, ((blocks, t), (_, w))) in sizes.iter().zip(threads.iter().zip(workers)) {
+            println!(
+                "{block_rows:>6}-row blocks ({blocks} blocks): workers {w:.1} µs per block, \
+                 threads {t:.1}: {:.2}× threads",
+                w / t.max(1.0)
+            );
+        }
     }
     verdict::finish();
     Ok(())

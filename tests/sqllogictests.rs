@@ -35,6 +35,8 @@
 //! and `memory_budget` (a search for answers that depend on how flumen cuts blocks and
 //! when it spills). `FLUMEN_SLT_FILE_TIMEOUT=SECS` sets every upstream file's time limit
 //! (a search with tiny blocks runs slowly: a limit that tells a slow file from a hang).
+//! `FLUMEN_SLT_SET=flumen.NAME=VALUE,...` sets any of flumen's settings in its sessions (a
+//! search under another mode, exchange or join feeding; rows then pass in any order too).
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::io::Write;
@@ -69,14 +71,9 @@ struct KnownFailure {
 
 impl KnownFailure {
     /// Whether record `at` failing with `message` is this known failure: its record, and
-    /// its message's start (or, for a [`TIMING_DEPENDENT`] record, the error it names
-    /// anywhere: such a record fails in more than one place).
+    /// its message's start.
     fn matches(&self, at: &str, message: &str) -> bool {
-        self.record == at
-            && (message.starts_with(self.error_prefix)
-                || TIMING_DEPENDENT
-                    .iter()
-                    .any(|(record, error)| *record == at && message.contains(error)))
+        self.record == at && message.starts_with(self.error_prefix)
     }
 
     /// The upstream file (relative to `test_files/`) the record is in.
@@ -131,11 +128,6 @@ const fn ordered_round_robin(record: &'static str) -> KnownFailure {
         why: ORDERED_ROUND_ROBINS,
     }
 }
-
-const BLOCKS_OVER_BATCH_SIZE: &str = "a 1K memory limit: flumen's source blocks are \
-     flumen.target_block_rows (8,192) rows where DataFusion streams batch_size (128) rows, so \
-     the ordered partial aggregate (which cannot spill) holds ~1 MB and the query fails where \
-     DataFusion's expected failure is a different allocation";
 
 /// Known flumen failures, each one record.
 const KNOWN_FAILURES: &[KnownFailure] = &[
@@ -281,16 +273,6 @@ const KNOWN_FAILURES: &[KnownFailure] = &[
               flumen that runtime's pool is flumen.memory_budget (operators share it with \
               blocks), so it shows 2.0 GB where DataFusion's default pool shows 'unlimited'",
     },
-    KnownFailure {
-        record: "test_files/ordered_aggregate_spill.slt:46",
-        error_prefix: "query failed: DataFusion error: Resources exhausted",
-        why: BLOCKS_OVER_BATCH_SIZE,
-    },
-    KnownFailure {
-        record: "test_files/ordered_aggregate_spill.slt:58",
-        error_prefix: "query failed: DataFusion error: Resources exhausted",
-        why: BLOCKS_OVER_BATCH_SIZE,
-    },
 ];
 
 /// The records vanilla DataFusion fails here, one location per line (as sqllogictest
@@ -365,51 +347,9 @@ enum Engine {
     FlumenWorkers,
 }
 
-const WORKERS_NOT_UNDER_SESSION_LIMIT: &str = "a session's own memory limit \
-     (`datafusion.runtime.memory_limit`, here 1 MB) bounds a worker's task to its share of \
-     the cluster's slots, and the ordered final aggregate refused it there runs again alone \
-     on the driver, under the whole limit, and answers; in threads mode the two stream their \
-     input side by side, are not run again, and one is refused (BLOCKS_OVER_BATCH_SIZE)";
-
-/// Known failures (in [`KNOWN_FAILURES`] and [`KNOWN_WORKER_DIFFERENCES`]) that depend on
-/// how a query's tasks overlap in time, so that a run may pass them: neither list calls
-/// them stale when they pass. `ordered_aggregate_spill.slt` runs two ordered final
-/// aggregates under a 1 MB session limit: side by side they need ~960 KB and one is
-/// refused (on a loaded machine, as in CI, one often finishes before the other grows, and
-/// the query answers); in worker mode each runs on a worker, or, when it starts while its
-/// input is still being made, on the driver beside the other. Seen flipping under load in
-/// 9 runs of 15 (2026-12-06). Each with the error it fails with, found anywhere in its
-/// message: an `EXPLAIN ANALYZE` record fails as `metric facts differ: the query failed: ...`
-/// or `query failed: ...` as the allocation that was refused comes first or later.
-const TIMING_DEPENDENT: &[(&str, &str)] = &[
-    (
-        "test_files/ordered_aggregate_spill.slt:46",
-        "Resources exhausted",
-    ),
-    (
-        "test_files/ordered_aggregate_spill.slt:58",
-        "Resources exhausted",
-    ),
-];
-
-/// Whether `record` is one of the [`TIMING_DEPENDENT`] records.
-fn timing_dependent(record: &str) -> bool {
-    TIMING_DEPENDENT.iter().any(|(r, _)| *r == record)
-}
-
 /// Records whose outcome in worker processes differs from threads mode, each with why
 /// (an entry that no longer differs is stale and fails the suite).
 const KNOWN_WORKER_DIFFERENCES: &[KnownFailure] = &[
-    KnownFailure {
-        record: "test_files/ordered_aggregate_spill.slt:46",
-        error_prefix: "query failed: DataFusion error: Resources exhausted",
-        why: WORKERS_NOT_UNDER_SESSION_LIMIT,
-    },
-    KnownFailure {
-        record: "test_files/ordered_aggregate_spill.slt:58",
-        error_prefix: "query failed: DataFusion error: Resources exhausted",
-        why: WORKERS_NOT_UNDER_SESSION_LIMIT,
-    },
     KnownFailure {
         record: "test_files/dynamic_filter_pushdown_config.slt:98",
         error_prefix: "metric facts differ: page_index_pages_skipped_by_fully_matched",
@@ -617,6 +557,17 @@ async fn run_file_inner(path: &Path, relative: &Path, engine: Engine) -> FileRun
                     .parse()
                     .unwrap_or_else(|e| panic!("FLUMEN_SLT_MEMORY_BUDGET={size}: {e}"));
             }
+            if let Ok(settings) = std::env::var("FLUMEN_SLT_SET") {
+                for setting in settings.split(',').filter(|s| !s.trim().is_empty()) {
+                    let (name, value) = setting.split_once('=').unwrap_or_else(|| {
+                        panic!("FLUMEN_SLT_SET: '{setting}' is not flumen.NAME=VALUE")
+                    });
+                    use datafusion::config::ExtensionOptions;
+                    config
+                        .set(name.trim().trim_start_matches("flumen."), value.trim())
+                        .unwrap_or_else(|e| panic!("FLUMEN_SLT_SET: {setting}: {e}"));
+                }
+            }
             if engine == Engine::FlumenWorkers {
                 config.workers = flumen::WorkerMode::Process;
                 // Two, not the default one: every exchange then sends blocks from one
@@ -822,6 +773,7 @@ fn validate_in_layout(
         "FLUMEN_SLT_BATCH_SIZE",
         "FLUMEN_SLT_BLOCK_ROWS",
         "FLUMEN_SLT_MEMORY_BUDGET",
+        "FLUMEN_SLT_SET",
     ]
     .iter()
     .any(|name| std::env::var_os(name).is_some())
@@ -1384,11 +1336,7 @@ async fn run_upstream(root: &Path, full: bool) -> Result<(usize, usize), String>
         }
     }
     for (i, known) in KNOWN_WORKER_DIFFERENCES.iter().enumerate() {
-        if workers
-            && ran_file(&files, known.file())
-            && !tally.known_worker_seen.contains(&i)
-            && !timing_dependent(known.record)
-        {
+        if workers && ran_file(&files, known.file()) && !tally.known_worker_seen.contains(&i) {
             tally.problems.push(format!(
                 "stale KNOWN_WORKER_DIFFERENCES entry: {} ({}) no longer differs; it was known \
                  because: {}",
@@ -1482,10 +1430,7 @@ async fn run_upstream(root: &Path, full: bool) -> Result<(usize, usize), String>
     }
     // Known failures that no longer fail.
     for (i, known) in KNOWN_FAILURES.iter().enumerate() {
-        if ran.contains(known.file())
-            && !tally.known_seen.contains(&i)
-            && !timing_dependent(known.record)
-        {
+        if ran.contains(known.file()) && !tally.known_seen.contains(&i) {
             tally.problems.push(format!(
                 "stale KNOWN_FAILURES entry: {} ({}) no longer fails that way; it was known \
                  because: {}",

@@ -16,6 +16,11 @@ pub struct TaskRequest {
     /// rows, as the driver would.
     #[serde(default)]
     pub piece_cut: crate::store::cutter::PieceCut,
+    /// Most rows per batch the task hands its plan from its input blocks (the driver
+    /// session's batch size, for a CPU task: `crate::plan::stage_input::TaskInputs::
+    /// batch_rows`); `0`: the pieces as they were cut.
+    #[serde(default)]
+    pub input_batch_rows: usize,
     /// A run's first source task: its blocks ramp up from this many rows (its scan reads
     /// batches that small); 0: no ramp (`crate::store::ramp`).
     #[serde(default)]

@@ -30,8 +30,9 @@ use crate::cluster::worker_memory::{TASK_MEMORY_LIMIT, TaskMemory};
 use crate::config::FlumenConfig;
 use crate::plan::build_keys::KeySummer;
 use crate::plan::model_cache_lookup::take_lookup_figures;
+use crate::plan::stage_input::in_batches_of;
 use crate::store::block_memory::compact;
-use crate::store::cutter::{BlockCutter, PieceCut, PieceCutter, bundle_pieces};
+use crate::store::cutter::{BlockCutter, PieceCut, PieceCutter, batch_slices, bundle_pieces};
 
 /// A job for an accelerator worker's model thread: a task body, its input blocks fetched
 /// from other workers, the session, and where its output goes.
@@ -375,6 +376,7 @@ fn with_inputs(
                         fetch: Arc::clone(fetch),
                         target_rows: request.target_rows,
                         piece_cut: request.piece_cut,
+                        batch_rows: request.input_batch_rows,
                         ahead,
                     });
                     Arc::new(StreamingTableExec::try_new(
@@ -397,6 +399,9 @@ fn with_inputs(
                         request.target_rows,
                         request.piece_cut,
                     )?;
+                    let pieces = (pieces.into_iter())
+                        .flat_map(|piece| batch_slices(piece, request.input_batch_rows))
+                        .collect();
                     let source = MemorySourceConfig::try_new(&[pieces], schema, None)?
                         .try_with_sort_information(ordering)?;
                     DataSourceExec::from_data_source(source)
@@ -439,6 +444,8 @@ struct OnDemandBlocks {
     fetch: FetchBlock,
     target_rows: usize,
     piece_cut: PieceCut,
+    /// Most rows per batch handed on ([`TaskRequest::input_batch_rows`]).
+    batch_rows: usize,
     ahead: usize,
 }
 
@@ -500,10 +507,13 @@ impl PartitionStream for OnDemandBlocks {
                 }
             },
         );
-        Box::pin(RecordBatchStreamAdapter::new(
-            Arc::clone(&self.schema),
-            pieces,
-        ))
+        in_batches_of(
+            Box::pin(RecordBatchStreamAdapter::new(
+                Arc::clone(&self.schema),
+                pieces,
+            )),
+            self.batch_rows,
+        )
     }
 }
 
@@ -740,5 +750,58 @@ mod tests {
         assert!(runs[0].1.is_empty());
         assert_eq!(runs[1].1, ["k1", "k2", "k3", "k4"]);
         assert_eq!(runs[2].1, ["k1", "k2", "k3"]);
+    }
+
+    /// A CPU task's plan is handed its input blocks in batches of at most the driver
+    /// session's batch size (`input_batch_rows`), fetched before it starts or as it reads
+    /// them, as DataFusion's own streams would hand them; `0` hands the pieces as cut.
+    #[tokio::test]
+    async fn input_blocks_are_handed_in_batches_of_the_sessions_batch_size() {
+        let schema = Arc::new(Schema::new(vec![Field::new("id", DataType::Int64, false)]));
+        let block_schema = Arc::clone(&schema);
+        let block = move |i: i64| {
+            let ids = Int64Array::from_iter_values(i * 700..(i + 1) * 700);
+            RecordBatch::try_new(Arc::clone(&block_schema), vec![Arc::new(ids)]).unwrap()
+        };
+        let plan: Arc<dyn ExecutionPlan> = Arc::new(DataSourceExec::new(Arc::new(
+            MemorySourceConfig::try_new(&[vec![]], Arc::clone(&schema), None).unwrap(),
+        )));
+        let fetched_block = block.clone();
+        let fetch: FetchBlock = Arc::new(move |ticket: InputTicket| {
+            let batch = fetched_block(ticket.key.parse().unwrap());
+            async move { Ok(batch) }.boxed()
+        });
+        let task_ctx = SessionContext::new().task_ctx();
+        for batch_rows in [0, 300] {
+            let request = TaskRequest {
+                target_rows: 8_192,
+                input_batch_rows: batch_rows,
+                inputs: Some(
+                    (0..3)
+                        .map(|i| TaskInput::Fetch(ticket(&i.to_string())))
+                        .collect(),
+                ),
+                ..Default::default()
+            };
+            let ways = [
+                FetchedInputs::Ready((0..3).map(&block).collect()),
+                FetchedInputs::OnDemand(Arc::clone(&fetch), FedSources::new()),
+            ];
+            for inputs in ways {
+                let plan = with_inputs(Arc::clone(&plan), &request, inputs).unwrap();
+                let batches = collect(plan, Arc::clone(&task_ctx)).await.unwrap();
+                let rows: Vec<usize> = batches.iter().map(RecordBatch::num_rows).collect();
+                // Small blocks are gathered into one piece first (`PieceCut::KeepLargeBlocks`).
+                let want = match batch_rows {
+                    0 => vec![2_100],
+                    _ => vec![300; 7],
+                };
+                assert_eq!(rows, want, "batch rows {batch_rows}");
+                let ids: Vec<i64> = (batches.iter())
+                    .flat_map(|b| b.column(0).as_primitive::<Int64Type>().values().to_vec())
+                    .collect();
+                assert_eq!(ids, (0..2_100).collect::<Vec<i64>>());
+            }
+        }
     }
 }

@@ -826,6 +826,7 @@ impl QueryRun {
         TaskRequest {
             target_rows: self.graph.piece_rows(op_id),
             piece_cut: self.graph.piece_cut(op_id),
+            input_batch_rows: self.input_batch_rows(op_id),
             first_block_rows: 0,
             ramp_block_rows: self.graph.batching.piece_rows,
             partition,

@@ -199,6 +199,7 @@ impl QueryRun {
                 split: 0,
                 scan_row_filter: Arc::default(),
                 dropping_by: Default::default(),
+                batch_rows: self.input_batch_rows(root.id),
             };
             let context = self.task_context(inputs, false);
             root.fragment.execute(partition, context)?

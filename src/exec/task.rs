@@ -20,8 +20,9 @@ use crate::exec::task_kind::TaskId;
 use crate::exec::task_runner::{InProcess, TaskRunner};
 use crate::exec::task_sink::{MadeBlock, StoreSink, TaskSink};
 use crate::exec::task_spec::{TaskPlace, TaskSpec};
+use crate::plan::OperatorId;
 use crate::plan::dynamic_filters::{self, OneTask};
-use crate::plan::graph::RunsAgainUnlike;
+use crate::plan::graph::{Pool, RunsAgainUnlike};
 use crate::plan::merge_join_fallback::as_sort_merge_join;
 use crate::plan::recursive_queries;
 use crate::plan::stage_input::TaskInputs;
@@ -157,6 +158,7 @@ impl QueryRun {
                 Some(_) => self.build_bounds_made_for(op_id),
                 None => Default::default(),
             },
+            batch_rows: self.input_batch_rows(op_id),
         };
         let context = self.task_context(inputs, sorts_in_pieces);
         let mut stream = fragment.execute(partition, context)?;
@@ -279,6 +281,16 @@ impl QueryRun {
     /// The context a task's fragment executes in: the session's, with `inputs`, sorts
     /// within the task's share of the budget, and (`sorts_in_pieces`) sorts that never
     /// concatenate their batches.
+    /// Most rows per batch a task of `op` hands its fragment from its stage inputs
+    /// ([`TaskInputs::batch_rows`]): the session's batch size for a CPU operator, none for
+    /// a model's (its pieces are cut for its forward passes).
+    pub(super) fn input_batch_rows(&self, op: OperatorId) -> usize {
+        match self.graph.operators[op].pool {
+            Pool::Cpu => self.base.session_config().batch_size(),
+            Pool::Accelerator => 0,
+        }
+    }
+
     pub(super) fn task_context(
         &self,
         inputs: TaskInputs,

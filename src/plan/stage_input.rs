@@ -21,6 +21,7 @@ use futures::StreamExt;
 
 use crate::plan::OperatorId;
 use crate::plan::build_bounds::DroppingBy;
+use crate::store::cutter::batch_slices;
 
 /// How a consumer reads its producer's blocks.
 #[derive(Debug, Clone)]
@@ -106,6 +107,27 @@ pub struct TaskInputs {
     /// launches, the same for every run of it) the task's scan splits drop rows by
     /// ([`crate::plan::build_bounds`]).
     pub dropping_by: DroppingBy,
+    /// Most rows per batch the fragment is handed from its stage inputs: the session's
+    /// `datafusion.execution.batch_size` for a CPU task (a larger block is handed in
+    /// slices, [`in_batches_of`]); `0` hands the pieces as they were cut (a model's task,
+    /// whose pieces are `flumen.model_piece_rows`).
+    pub batch_rows: usize,
+}
+
+/// `stream` with each batch of more than `rows` rows handed in slices of at most `rows`
+/// ([`batch_slices`], no copy); `0`: as it is.
+pub fn in_batches_of(stream: SendableRecordBatchStream, rows: usize) -> SendableRecordBatchStream {
+    if rows == 0 {
+        return stream;
+    }
+    let schema = stream.schema();
+    let sliced = stream.flat_map(move |batch| {
+        futures::stream::iter(match batch {
+            Ok(batch) => batch_slices(batch, rows).into_iter().map(Ok).collect(),
+            Err(e) => vec![Err(e)],
+        })
+    });
+    Box::pin(RecordBatchStreamAdapter::new(schema, sliced))
 }
 
 /// Leaf that reads the blocks of a producer operator.
@@ -249,10 +271,14 @@ impl ExecutionPlan for StageInputExec {
         context: Arc<TaskContext>,
     ) -> Result<SendableRecordBatchStream> {
         let inputs = task_inputs(&context, self.producer)?;
+        let stream = in_batches_of(
+            inputs.provider.open(self.input, partition)?,
+            inputs.batch_rows,
+        );
         // Blocks in memory are always ready: without tokio's budget a consumer that loops
         // over its input inside one poll (an aggregate) would hold its thread to the end,
         // deaf to cancellation.
-        let stream = make_cooperative(inputs.provider.open(self.input, partition)?);
+        let stream = make_cooperative(stream);
         match self.fetch {
             None => Ok(stream),
             Some(limit) => Ok(limit_stream(stream, limit)),
@@ -272,13 +298,12 @@ impl StageInputExec {
         if self.fetch.is_some() {
             return Ok(None);
         }
-        let runs = task_inputs(&context, self.producer)?
-            .provider
-            .open_runs(self.input, partition)?;
+        let inputs = task_inputs(&context, self.producer)?;
+        let runs = inputs.provider.open_runs(self.input, partition)?;
         Ok(runs.map(|runs| PartitionRuns {
             runs: (runs.runs.into_iter())
                 .map(|run| SortedRun {
-                    stream: make_cooperative(run.stream),
+                    stream: make_cooperative(in_batches_of(run.stream, inputs.batch_rows)),
                     largest_block_bytes: run.largest_block_bytes,
                 })
                 .collect(),

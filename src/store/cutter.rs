@@ -260,6 +260,22 @@ pub enum PieceCut {
     KeepLargeBlocks,
 }
 
+/// `batch` in slices of at most `rows` rows, none of them a copy (`0`: whole). How a CPU
+/// task hands its fragment an input block larger than the session's
+/// `datafusion.execution.batch_size`, as DataFusion's own streams would hand it: blocks are
+/// `flumen.target_block_rows` rows, and an operator that holds state per batch (an ordered
+/// aggregate emits its finished groups once a batch) holds a block's worth otherwise.
+pub fn batch_slices(batch: RecordBatch, rows: usize) -> Vec<RecordBatch> {
+    let total = batch.num_rows();
+    if rows == 0 || total <= rows {
+        return vec![batch];
+    }
+    (0..total)
+        .step_by(rows)
+        .map(|at| batch.slice(at, rows.min(total - at)))
+        .collect()
+}
+
 /// A bundle of input blocks as a task's fragment reads it, wherever the task runs: in
 /// pieces of at most `target_rows` rows, cut as `cut` says. A piece within one block is a
 /// slice of it; only a piece that spans blocks is copied. (Concatenating the whole bundle
@@ -630,5 +646,21 @@ mod tests {
         let sizes: Vec<usize> = out.iter().map(|(_, b)| b.num_rows()).collect();
         // 16, 32, then the model's piece (64) until the task's 320 rows are cut.
         assert_eq!(sizes, vec![16, 32, 64, 64, 64, 64, 16], "{sizes:?}");
+    }
+
+    #[test]
+    fn a_batch_larger_than_the_batch_size_is_handed_in_slices() {
+        let rows =
+            |slices: Vec<RecordBatch>| slices.iter().map(RecordBatch::num_rows).collect::<Vec<_>>();
+        assert_eq!(rows(batch_slices(batch(0, 10), 4)), vec![4, 4, 2]);
+        assert_eq!(rows(batch_slices(batch(0, 10), 10)), vec![10]);
+        assert_eq!(rows(batch_slices(batch(0, 10), 0)), vec![10]);
+        let last = batch_slices(batch(0, 10), 4).pop().unwrap();
+        let values = last
+            .column(0)
+            .as_any()
+            .downcast_ref::<Int64Array>()
+            .unwrap();
+        assert_eq!(values.values().to_vec(), vec![8, 9]);
     }
 }

@@ -105,6 +105,49 @@ async fn tiny_budget_spills_and_matches_datafusion() {
     );
 }
 
+/// A CPU task hands its operators its input blocks in batches of the session's
+/// `datafusion.execution.batch_size`, as DataFusion's own streams would: a filter over an
+/// exchange of 8,192-row blocks gets ~1,000 batches of 100 rows (its output, coalesced to
+/// the batch size, ~333), not one per block (~14). An ordered aggregate under a small
+/// memory limit (upstream `ordered_aggregate_spill.slt`) otherwise held a block's groups at
+/// once and was refused. The answer is vanilla's either way.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn operators_read_their_input_blocks_in_batches_of_the_batch_size() {
+    let sql = "SELECT count(*) FROM (SELECT value AS v FROM generate_series(1, 100000)) \
+               WHERE v % 3 = 0";
+    let settings = [
+        "SET datafusion.execution.target_partitions = 2",
+        "SET datafusion.execution.batch_size = 100",
+    ];
+    let ctx = flumen_ctx(&settings).await;
+    let analyze = collect(&ctx, &format!("EXPLAIN ANALYZE {sql}")).await;
+    let text = datafusion::arrow::util::pretty::pretty_format_batches(&analyze)
+        .unwrap()
+        .to_string();
+    let filter = (text.lines())
+        .find(|line| line.contains("FilterExec:"))
+        .unwrap_or_else(|| panic!("no FilterExec in\n{text}"));
+    let batches: u64 = filter
+        .split("output_batches=")
+        .nth(1)
+        .and_then(|rest| rest.split([',', ']']).next())
+        .and_then(|n| n.trim().parse().ok())
+        .unwrap_or_else(|| panic!("no output_batches on {filter}"));
+    assert!(
+        batches >= 300,
+        "the filter put out {batches} batches: it read whole blocks, not 100-row batches\n{text}"
+    );
+    let source = (text.lines())
+        .find(|line| line.contains("FlumenOperator: id=0"))
+        .unwrap_or_else(|| panic!("no source operator in\n{text}"));
+    assert!(source.contains("target_block_rows=8192"), "{source}");
+    let vanilla = vanilla();
+    for setting in settings {
+        collect(&vanilla, setting).await;
+    }
+    assert_same(&vanilla, &ctx, sql).await;
+}
+
 /// Blocks cut out of a larger batch hold only their own rows: a table made by
 /// `CREATE TABLE AS` from one 100,000-row batch keeps ~12 blocks of 8,192 rows, and before
 /// blocks were compacted each held the whole batch's buffers (12x the table's bytes).
