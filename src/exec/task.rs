@@ -2,6 +2,7 @@
 //! ([`BlockCutter`]) that go to the store with their lineage, or (recomputing) back to the
 //! caller.
 
+use std::collections::HashMap;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -278,9 +279,6 @@ impl QueryRun {
         st.blocks.insert(block.id, block);
     }
 
-    /// The context a task's fragment executes in: the session's, with `inputs`, sorts
-    /// within the task's share of the budget, and (`sorts_in_pieces`) sorts that never
-    /// concatenate their batches.
     /// Most rows per batch a task of `op` hands its fragment from its stage inputs
     /// ([`TaskInputs::batch_rows`]): the session's batch size for a CPU operator, none for
     /// a model's (its pieces are cut for its forward passes).
@@ -291,6 +289,14 @@ impl QueryRun {
         }
     }
 
+    /// The context a task's fragment executes in: the session's, with `inputs`, sorts
+    /// within the task's share of the budget, and (`sorts_in_pieces`) sorts that never
+    /// concatenate their batches. It carries no function registry: a fragment is a plan
+    /// already planned, whose operators never look a function up by name as they run
+    /// (DataFusion's own do not, nor flumen's); decoding a plan uses the run's own context
+    /// ([`QueryRun::base_context`]). Copying the session's ~400 functions into every task's
+    /// context, and freeing them after, was a quarter of the CPU a 20-row block cost
+    /// (`benches/scheduler.rs`).
     pub(super) fn task_context(
         &self,
         inputs: TaskInputs,
@@ -318,10 +324,10 @@ impl QueryRun {
             base.task_id(),
             base.session_id(),
             config,
-            base.scalar_functions().clone(),
-            base.higher_order_functions().clone(),
-            base.aggregate_functions().clone(),
-            base.window_functions().clone(),
+            HashMap::new(),
+            HashMap::new(),
+            HashMap::new(),
+            HashMap::new(),
             Arc::clone(&self.runtime),
         ))
     }
