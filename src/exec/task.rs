@@ -23,7 +23,7 @@ use crate::exec::task_sink::{MadeBlock, StoreSink, TaskSink};
 use crate::exec::task_spec::{TaskPlace, TaskSpec};
 use crate::plan::OperatorId;
 use crate::plan::dynamic_filters::{self, OneTask};
-use crate::plan::graph::{Pool, RunsAgainUnlike};
+use crate::plan::graph::{Pool, RunsAgainUnlike, TaskShape};
 use crate::plan::merge_join_fallback::as_sort_merge_join;
 use crate::plan::recursive_queries;
 use crate::plan::stage_input::TaskInputs;
@@ -161,7 +161,7 @@ impl QueryRun {
             },
             batch_rows: self.input_batch_rows(op_id),
         };
-        let context = self.task_context(inputs, sorts_in_pieces);
+        let context = self.task_context(inputs, sorts_in_pieces, op.shape == TaskShape::Source);
         let mut stream = fragment.execute(partition, context)?;
         let mut cutter = BlockCutter::new(
             fragment.schema(),
@@ -291,16 +291,20 @@ impl QueryRun {
 
     /// The context a task's fragment executes in: the session's, with `inputs`, sorts
     /// within the task's share of the budget, and (`sorts_in_pieces`) sorts that never
-    /// concatenate their batches. It carries no function registry: a fragment is a plan
-    /// already planned, whose operators never look a function up by name as they run
-    /// (DataFusion's own do not, nor flumen's); decoding a plan uses the run's own context
-    /// ([`QueryRun::base_context`]). Copying the session's ~400 functions into every task's
-    /// context, and freeing them after, was a quarter of the CPU a 20-row block cost
-    /// (`benches/scheduler.rs`).
+    /// concatenate their batches.
+    ///
+    /// Only a source task's context carries the session's functions: a table's scan may
+    /// read them as it runs (`information_schema.routines` lists them from its context, as
+    /// may a user's own table), while the operators over a task's input blocks are planned
+    /// already and never look a function up by name (DataFusion's do not, nor flumen's;
+    /// decoding a plan uses the run's own context, [`QueryRun::base_context`]). Copying the
+    /// ~400 functions into every task's context, and freeing them after, was a quarter of
+    /// the CPU a 20-row block cost (`benches/scheduler.rs`).
     pub(super) fn task_context(
         &self,
         inputs: TaskInputs,
         sorts_in_pieces: bool,
+        reads_a_table: bool,
     ) -> Arc<TaskContext> {
         let base = &self.base;
         let mut config = base
@@ -324,10 +328,10 @@ impl QueryRun {
             base.task_id(),
             base.session_id(),
             config,
-            HashMap::new(),
-            HashMap::new(),
-            HashMap::new(),
-            HashMap::new(),
+            copied_if(reads_a_table, base.scalar_functions()),
+            copied_if(reads_a_table, base.higher_order_functions()),
+            copied_if(reads_a_table, base.aggregate_functions()),
+            copied_if(reads_a_table, base.window_functions()),
             Arc::clone(&self.runtime),
         ))
     }
@@ -378,5 +382,14 @@ impl QueryRun {
             "task {task} (partition {partition}) of flumen operator {op} ({}) panicked: {message}",
             self.graph.operators[op].name
         ))
+    }
+}
+
+/// A copy of the session's functions `all` where `copy`, none otherwise
+/// ([`QueryRun::task_context`]).
+fn copied_if<F>(copy: bool, all: &HashMap<String, Arc<F>>) -> HashMap<String, Arc<F>> {
+    match copy {
+        true => all.clone(),
+        false => HashMap::new(),
     }
 }
