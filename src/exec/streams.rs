@@ -13,7 +13,7 @@ use futures::{StreamExt, TryStreamExt};
 use crate::exec::cursor::{Cursor, Next, ReadOrder};
 use crate::exec::run::QueryRun;
 use crate::exec::task_kind::{TaskId, TaskKind};
-use crate::plan::graph::{OperatorId, TaskShape};
+use crate::plan::graph::OperatorId;
 use crate::plan::stage_input::{
     InputExchange, InputProvider, PartitionRuns, SortedRun, TaskInputs,
 };
@@ -201,7 +201,8 @@ impl QueryRun {
                 dropping_by: Default::default(),
                 batch_rows: self.input_batch_rows(root.id),
             };
-            let context = self.task_context(inputs, false, root.shape == TaskShape::Source);
+            let reads_a_table = crate::exec::task::reads_a_table(&root.fragment);
+            let context = self.task_context(inputs, false, reads_a_table);
             root.fragment.execute(partition, context)?
         } else {
             let order = ReadOrder::Tasks {

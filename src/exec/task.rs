@@ -7,6 +7,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use datafusion::arrow::record_batch::RecordBatch;
+use datafusion::common::tree_node::TreeNode;
 use datafusion::error::{DataFusionError, Result};
 use datafusion::execution::TaskContext;
 use datafusion::physical_plan::{ExecutionPlan, ExecutionPlanProperties};
@@ -23,10 +24,10 @@ use crate::exec::task_sink::{MadeBlock, StoreSink, TaskSink};
 use crate::exec::task_spec::{TaskPlace, TaskSpec};
 use crate::plan::OperatorId;
 use crate::plan::dynamic_filters::{self, OneTask};
-use crate::plan::graph::{Pool, RunsAgainUnlike, TaskShape};
+use crate::plan::graph::{Pool, RunsAgainUnlike};
 use crate::plan::merge_join_fallback::as_sort_merge_join;
 use crate::plan::recursive_queries;
-use crate::plan::stage_input::TaskInputs;
+use crate::plan::stage_input::{StageInputExec, TaskInputs};
 use crate::store::block::{Block, BlockData};
 use crate::store::block_memory::compact;
 use crate::store::block_store::Placement;
@@ -161,7 +162,7 @@ impl QueryRun {
             },
             batch_rows: self.input_batch_rows(op_id),
         };
-        let context = self.task_context(inputs, sorts_in_pieces, op.shape == TaskShape::Source);
+        let context = self.task_context(inputs, sorts_in_pieces, reads_a_table(&fragment));
         let mut stream = fragment.execute(partition, context)?;
         let mut cutter = BlockCutter::new(
             fragment.schema(),
@@ -293,10 +294,10 @@ impl QueryRun {
     /// within the task's share of the budget, and (`sorts_in_pieces`) sorts that never
     /// concatenate their batches.
     ///
-    /// Only a source task's context carries the session's functions: a table's scan may
-    /// read them as it runs (`information_schema.routines` lists them from its context, as
-    /// may a user's own table), while the operators over a task's input blocks are planned
-    /// already and never look a function up by name (DataFusion's do not, nor flumen's;
+    /// Only the context of a task that scans a table (`reads_a_table`) carries the session's
+    /// functions: a table's scan may read them as it runs (`information_schema.routines`
+    /// lists them from its context, as may a user's own table), while the operators over a
+    /// task's input blocks are planned already and never look a function up by name (DataFusion's do not, nor flumen's;
     /// decoding a plan uses the run's own context, [`QueryRun::base_context`]). Copying the
     /// ~400 functions into every task's context, and freeing them after, was a quarter of
     /// the CPU a 20-row block cost (`benches/scheduler.rs`).
@@ -383,6 +384,16 @@ impl QueryRun {
             self.graph.operators[op].name
         ))
     }
+}
+
+/// Whether `fragment` scans a table: a leaf other than a stage input, whose task's context
+/// then carries the session's functions ([`QueryRun::task_context`]).
+pub(super) fn reads_a_table(fragment: &Arc<dyn ExecutionPlan>) -> bool {
+    fragment
+        .exists(|node| {
+            Ok(node.children().is_empty() && node.downcast_ref::<StageInputExec>().is_none())
+        })
+        .unwrap_or(true)
 }
 
 /// A copy of the session's functions `all` where `copy`, none otherwise
