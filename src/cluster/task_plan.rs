@@ -46,12 +46,13 @@ use std::sync::{Arc, OnceLock};
 use datafusion::arrow::datatypes::Schema;
 use datafusion::arrow::datatypes::{DataType, Field};
 use datafusion::common::tree_node::{Transformed, TreeNode, TreeNodeRecursion};
+use datafusion::config::ConfigOptions;
 use datafusion::datasource::physical_plan::parquet::{ParquetAccessPlan, RowGroupAccess};
 use datafusion::datasource::physical_plan::{FileGroup, FileScanConfig, FileScanConfigBuilder};
 use datafusion::datasource::source::DataSourceExec;
 use datafusion::error::{DataFusionError, Result};
 use datafusion::execution::TaskContext;
-use datafusion::logical_expr::{AggregateUDF, ScalarUDF, WindowUDF};
+use datafusion::logical_expr::{AggregateUDF, HigherOrderUDF, ScalarUDF, WindowUDF};
 use datafusion::parquet::arrow::arrow_reader::{RowSelection, RowSelector};
 use datafusion::physical_expr::ScalarFunctionExpr;
 use datafusion::physical_expr::expressions::{CastExpr, Column, DynamicFilterPhysicalExpr, lit};
@@ -59,6 +60,7 @@ use datafusion::physical_expr_common::physical_expr::proto_decode::PhysicalExprD
 use datafusion::physical_plan::aggregates::AggregateExec;
 use datafusion::physical_plan::joins::HashTableLookupExpr;
 use datafusion::physical_plan::{ExecutionPlan, PhysicalExpr, displayable};
+use datafusion::prelude::SessionContext;
 use datafusion_proto::physical_plan::to_proto::serialize_physical_expr_with_converter;
 use datafusion_proto::physical_plan::{
     DefaultPhysicalExtensionCodec, PhysicalExtensionCodec, PhysicalPlanDecodeContext,
@@ -98,6 +100,7 @@ pub fn encode(plan: &Arc<dyn ExecutionPlan>, functions: Arc<WorkerFunctions>) ->
     refuse_lossy(plan)?;
     let codec = TaskPlanCodec {
         functions: Some(functions),
+        calls: None,
     };
     let converter = TaskPlanConverter::new(filters_produced_inside(plan));
     let node = converter.execution_plan_to_proto(plan, &codec)?;
@@ -106,10 +109,28 @@ pub fn encode(plan: &Arc<dyn ExecutionPlan>, functions: Arc<WorkerFunctions>) ->
 
 /// Decode a task plan that [`encode`] made, under `ctx` (its functions and settings).
 pub fn decode(bytes: &[u8], ctx: &TaskContext) -> Result<Arc<dyn ExecutionPlan>> {
+    decode_calling(bytes, ctx, None)
+}
+
+/// [`decode`], finding the functions the plan calls that `ctx` does not hold in `session`,
+/// each set to `ctx`'s settings as a `SessionState` built with them would set it (`now` and
+/// `to_timestamp` take the time zone): a worker's task context then needs no copy of the
+/// session's ~400 functions, of which a plan calls a few.
+pub fn decode_calling(
+    bytes: &[u8],
+    ctx: &TaskContext,
+    session: Option<&SessionContext>,
+) -> Result<Arc<dyn ExecutionPlan>> {
     let node = protobuf::PhysicalPlanNode::decode(bytes).map_err(|e| {
         DataFusionError::Execution(format!("a task plan that does not decode: {e}"))
     })?;
-    let codec = TaskPlanCodec { functions: None };
+    let codec = TaskPlanCodec {
+        functions: None,
+        calls: session.map(|session| SessionCalls {
+            session: session.clone(),
+            options: Arc::clone(ctx.session_config().options()),
+        }),
+    };
     let converter = TaskPlanConverter::new(HashSet::new());
     let plan =
         converter.proto_to_execution_plan(&node, &PhysicalPlanDecodeContext::new(ctx, &codec))?;
@@ -550,6 +571,42 @@ fn row_selections(config: &FileScanConfig) -> Result<Vec<FileRows>> {
 struct TaskPlanCodec {
     /// The functions the workers can call (`None` when decoding).
     functions: Option<Arc<WorkerFunctions>>,
+    /// Where a decode finds the functions its task context does not hold.
+    calls: Option<SessionCalls>,
+}
+
+/// A session's functions by name, set to a task's settings as they are looked up
+/// ([`decode_calling`]).
+struct SessionCalls {
+    session: SessionContext,
+    options: Arc<ConfigOptions>,
+}
+
+impl std::fmt::Debug for SessionCalls {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("SessionCalls")
+            .field("session", &self.session.session_id())
+            .finish_non_exhaustive()
+    }
+}
+
+impl SessionCalls {
+    /// Scalar function `name`, with the task's settings.
+    fn scalar(&self, name: &str) -> Option<Arc<ScalarUDF>> {
+        let state = self.session.state_ref();
+        let udf = Arc::clone(state.read().scalar_functions().get(name)?);
+        Some(match udf.inner().with_updated_config(&self.options) {
+            Some(updated) => Arc::new(updated),
+            None => udf,
+        })
+    }
+}
+
+/// The error of a task plan that calls a function this worker does not have.
+fn no_function(name: &str) -> DataFusionError {
+    DataFusionError::NotImplemented(format!(
+        "a task plan calls function {name}, which this worker does not have"
+    ))
 }
 
 impl TaskPlanCodec {
@@ -725,10 +782,35 @@ impl PhysicalExtensionCodec for TaskPlanCodec {
     fn try_decode_udf(&self, name: &str, buf: &[u8]) -> Result<Arc<ScalarUDF>> {
         match ShippedFunction::from_bytes(buf) {
             Some(shipped) => shipped_functions::unpack(name, &shipped),
-            None => Err(DataFusionError::NotImplemented(format!(
-                "a task plan calls function {name}, which this worker does not have"
-            ))),
+            None => (self.calls.as_ref())
+                .and_then(|calls| calls.scalar(name))
+                .ok_or_else(|| no_function(name)),
         }
+    }
+
+    fn try_decode_higher_order_function(
+        &self,
+        name: &str,
+        _buf: &[u8],
+    ) -> Result<Arc<HigherOrderUDF>> {
+        let calls = self.calls.as_ref().ok_or_else(|| no_function(name))?;
+        let state = calls.session.state_ref();
+        let found = state.read().higher_order_functions().get(name).cloned();
+        found.ok_or_else(|| no_function(name))
+    }
+
+    fn try_decode_udaf(&self, name: &str, _buf: &[u8]) -> Result<Arc<AggregateUDF>> {
+        let calls = self.calls.as_ref().ok_or_else(|| no_function(name))?;
+        let state = calls.session.state_ref();
+        let found = state.read().aggregate_functions().get(name).cloned();
+        found.ok_or_else(|| no_function(name))
+    }
+
+    fn try_decode_udwf(&self, name: &str, _buf: &[u8]) -> Result<Arc<WindowUDF>> {
+        let calls = self.calls.as_ref().ok_or_else(|| no_function(name))?;
+        let state = calls.session.state_ref();
+        let found = state.read().window_functions().get(name).cloned();
+        found.ok_or_else(|| no_function(name))
     }
 
     fn try_encode_udaf(&self, node: &AggregateUDF, _buf: &mut Vec<u8>) -> Result<()> {
@@ -1202,5 +1284,66 @@ mod tests {
         for (v, r) in [(7, 7), (8, 8), (9, 9)] {
             assert!(text.contains(&format!("| {v} | {r} |")), "{text}");
         }
+    }
+
+    /// A worker's task context holds none of the session's functions: its decode finds
+    /// the scalar, aggregate and window functions the plan calls in the worker's session,
+    /// each scalar one set to the task's settings (`to_timestamp` reads its string in the
+    /// driver's time zone, Asia/Tokyo, not the worker's UTC); without the session the same
+    /// bytes name a function the worker does not have.
+    #[tokio::test]
+    async fn a_decode_finds_the_functions_its_context_lacks_in_the_session() {
+        use datafusion::physical_plan::collect;
+        // DataFusion's own planner (a task plan is a fragment of its plan), with flumen's
+        // functions, as a worker has them.
+        let driver = SessionContext::new();
+        crate::session::register_functions(&driver);
+        let set = "SET datafusion.execution.time_zone = 'Asia/Tokyo'";
+        driver.sql(set).await.unwrap().collect().await.unwrap();
+        let state = driver.state();
+        let names = (state.scalar_functions().keys())
+            .chain(state.aggregate_functions().keys())
+            .chain(state.window_functions().keys())
+            .cloned()
+            .collect();
+        let functions = Arc::new(WorkerFunctions {
+            names,
+            runtimes: HashSet::new(),
+        });
+        let sql = "SELECT CAST(to_timestamp(s) AS BIGINT) AS t, min(n) AS m, \
+                   row_number() OVER (ORDER BY s) AS r \
+                   FROM (VALUES ('2024-01-01 03:00:00', 1), ('2024-01-02 03:00:00', 2)) v(s, n) \
+                   GROUP BY s ORDER BY s";
+        let plan = driver.sql(sql).await.unwrap().create_physical_plan().await;
+        let plan = plan.unwrap();
+        let bytes = encode(&plan, functions).unwrap();
+        let worker = crate::session(crate::FlumenConfig::default());
+        let bare = Arc::new(TaskContext::new(
+            None,
+            worker.session_id(),
+            driver.copied_config(),
+            HashMap::new(),
+            HashMap::new(),
+            HashMap::new(),
+            HashMap::new(),
+            worker.runtime_env(),
+        ));
+        let decoded = decode_calling(&bytes, &bare, Some(&worker)).unwrap();
+        let got = collect(decoded, Arc::clone(&bare)).await.unwrap();
+        let text = |batches: &[datafusion::arrow::record_batch::RecordBatch]| {
+            datafusion::arrow::util::pretty::pretty_format_batches(batches)
+                .unwrap()
+                .to_string()
+        };
+        // 03:00 in Tokyo is 18:00 UTC the day before.
+        let want = [
+            "| 1704045600000000000 | 1 | 1 |",
+            "| 1704132000000000000 | 2 | 2 |",
+        ];
+        for row in want {
+            assert!(text(&got).contains(row), "{}", text(&got));
+        }
+        let error = decode(&bytes, &bare).unwrap_err().to_string();
+        assert!(error.contains("which this worker does not have"), "{error}");
     }
 }

@@ -4,6 +4,7 @@
 //! ([`Produced`]). A panic is the task's error; the worker lives on. Accelerator tasks run
 //! one at a time on the worker's model thread, which keeps each model loaded.
 
+use std::collections::HashMap;
 use std::panic::AssertUnwindSafe;
 use std::sync::Arc;
 
@@ -149,36 +150,26 @@ async fn run_task_body(
             execution.sort_in_place_threshold_bytes.min(quarter);
     }
     // Decoded under the driver's settings: model calls read them from their expressions.
-    // The task's context is made from the session's functions and runtime directly: a
-    // `SessionState` built per task (three, with stores and a memory share) cost a worker
-    // about 2 ms of its ~4 ms for a small task in a debug build.
+    // The task's context is made from the session's runtime directly: a `SessionState`
+    // built per task (three, with stores and a memory share) cost a worker about 2 ms of its
+    // ~4 ms for a small task in a debug build. It holds none of the session's functions
+    // (copying ~400 of them, each set to the task's settings, was a worker's largest cost
+    // per task after decoding): the decode finds those its plan calls in the session, and a
+    // plan running on a worker never looks one up by name (a scan of `information_schema`,
+    // which does, cannot be encoded and runs on the driver).
     let runtime = with_granted_stores(ctx.runtime_env(), &request)?;
     let runtime = with_operator_memory(runtime, operator_memory)?;
-    // Read in place: `ctx.state()` would copy the whole session state (its catalogs,
-    // rules and function maps) for each task.
-    let task_ctx = {
-        let state = ctx.state_ref();
-        let state = state.read();
-        // As a `SessionState` built with these settings would: a function that depends on
-        // one (`to_timestamp` and `now` on the time zone) takes the driver's.
-        let mut scalar_functions = state.scalar_functions().clone();
-        for udf in scalar_functions.values_mut() {
-            if let Some(updated) = udf.inner().with_updated_config(config.options()) {
-                *udf = Arc::new(updated);
-            }
-        }
-        Arc::new(TaskContext::new(
-            None,
-            state.session_id().to_string(),
-            config,
-            scalar_functions,
-            state.higher_order_functions().clone(),
-            state.aggregate_functions().clone(),
-            state.window_functions().clone(),
-            runtime,
-        ))
-    };
-    let plan = crate::cluster::task_plan::decode(plan, &task_ctx)?;
+    let task_ctx = Arc::new(TaskContext::new(
+        None,
+        ctx.session_id(),
+        config,
+        HashMap::new(),
+        HashMap::new(),
+        HashMap::new(),
+        HashMap::new(),
+        runtime,
+    ));
+    let plan = crate::cluster::task_plan::decode_calling(plan, &task_ctx, Some(ctx))?;
     let stores: Vec<String> = request.stores.iter().map(|g| g.url.clone()).collect();
     admit_plan(&plan, &request.grants, &stores)?;
     let plan = match &request.inputs {
