@@ -93,6 +93,23 @@ pub struct WorkerFunctions {
     pub runtimes: HashSet<String>,
 }
 
+#[cfg(test)]
+impl WorkerFunctions {
+    /// Workers with every function of `ctx` (for tests).
+    pub(crate) fn of(ctx: &SessionContext) -> Arc<Self> {
+        let state = ctx.state();
+        let names = (state.scalar_functions().keys())
+            .chain(state.aggregate_functions().keys())
+            .chain(state.window_functions().keys())
+            .cloned()
+            .collect();
+        Arc::new(Self {
+            names,
+            runtimes: HashSet::new(),
+        })
+    }
+}
+
 /// Encode `plan` for workers that can call `functions` (a function they lack is an error,
 /// so the task runs on the driver instead of failing in the worker). A function of a
 /// runtime they host ships inside the plan.
@@ -1300,16 +1317,7 @@ mod tests {
         crate::session::register_functions(&driver);
         let set = "SET datafusion.execution.time_zone = 'Asia/Tokyo'";
         driver.sql(set).await.unwrap().collect().await.unwrap();
-        let state = driver.state();
-        let names = (state.scalar_functions().keys())
-            .chain(state.aggregate_functions().keys())
-            .chain(state.window_functions().keys())
-            .cloned()
-            .collect();
-        let functions = Arc::new(WorkerFunctions {
-            names,
-            runtimes: HashSet::new(),
-        });
+        let functions = WorkerFunctions::of(&driver);
         let sql = "SELECT CAST(to_timestamp(s) AS BIGINT) AS t, min(n) AS m, \
                    row_number() OVER (ORDER BY s) AS r \
                    FROM (VALUES ('2024-01-01 03:00:00', 1), ('2024-01-02 03:00:00', 2)) v(s, n) \

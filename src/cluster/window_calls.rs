@@ -180,20 +180,6 @@ mod tests {
         ctx
     }
 
-    /// Workers with the functions of `ctx`.
-    fn functions(ctx: &SessionContext) -> Arc<WorkerFunctions> {
-        let state = ctx.state();
-        let names = (state.scalar_functions().keys())
-            .chain(state.aggregate_functions().keys())
-            .chain(state.window_functions().keys())
-            .cloned()
-            .collect();
-        Arc::new(WorkerFunctions {
-            names,
-            runtimes: Default::default(),
-        })
-    }
-
     /// The window calls of `plan`'s window nodes, as the check describes them.
     fn calls(plan: &Arc<dyn ExecutionPlan>) -> String {
         let mut text = String::new();
@@ -216,7 +202,7 @@ mod tests {
                 "{sql}: {call} not in\n{described}"
             );
         }
-        let bytes = encode(&plan, functions(ctx)).unwrap();
+        let bytes = encode(&plan, WorkerFunctions::of(ctx)).unwrap();
         check_round_trip(&plan, &bytes, &ctx.task_ctx()).unwrap_or_else(|e| panic!("{e:?}"));
         let decoded = decode(&bytes, &ctx.task_ctx()).unwrap();
         let planned = collect(plan, ctx.task_ctx()).await.unwrap();
@@ -272,7 +258,7 @@ mod tests {
             "{}",
             calls(&plan)
         );
-        let err = encode(&plan, functions(ctx)).unwrap_err();
+        let err = encode(&plan, WorkerFunctions::of(ctx)).unwrap_err();
         assert!(
             err.to_string()
                 .contains("datafusion-proto drops a window function's reversal"),
