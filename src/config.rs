@@ -604,6 +604,14 @@ flumen_settings! {
         /// on the worker that holds it, or fetched from a worker on a loopback address, is
         /// sent as is.
         pub exchange_compression: ExchangeCompression, default = ExchangeCompression::Lz4
+        /// With worker processes, most bytes of a task's output that come back to the
+        /// driver with the task's reply (its first blocks, while their sum fits), for the
+        /// tasks whose output the driver reads (the query's answer), instead of staying in
+        /// the worker until the driver fetches them: a small answer then reaches the
+        /// driver without another round trip (~0.3 ms a fetch), and is not lost with its
+        /// worker. Larger outputs, and every output another worker reads, stay in the
+        /// workers. 0: every block stays in its worker.
+        pub carried_output_bytes: ByteSize, default = ByteSize(64 * 1024)
         /// Rows of a run's first blocks, in plans with a model UDF: the first splits of each
         /// source partition (one per CPU slot) read batches of this many rows and cut blocks
         /// of this many, then twice as many each time up to `model_piece_rows` (the rest of

@@ -21,6 +21,11 @@ pub struct TaskRequest {
     /// batch_rows`); `0`: the pieces as they were cut.
     #[serde(default)]
     pub input_batch_rows: usize,
+    /// Most bytes of the task's output that come back with its reply
+    /// ([`TaskEvent::Carried`]: its first blocks, while their sum fits) instead of staying
+    /// in the worker (`flumen.carried_output_bytes`); 0: every block stays.
+    #[serde(default)]
+    pub carried_output_bytes: u64,
     /// A run's first source task: its blocks ramp up from this many rows (its scan reads
     /// batches that small); 0: no ramp (`crate::store::ramp`).
     #[serde(default)]
@@ -197,8 +202,9 @@ pub struct ReleaseRequest {
 /// task's inputs may fill several in-memory sources ([`TaskRequest::input_sources`]). 6: a
 /// task carries DataFusion's settings that functions read as they run (the time zone), which
 /// a worker of 5 refuses. 7: a task may be fed inputs while it runs (action `feed`,
-/// [`FeedRequest`]).
-pub const PROTOCOL_VERSION: u32 = 7;
+/// [`FeedRequest`]). 8: each message of a task's reply is framed (header length, the event,
+/// then rows), and a small output block may come back in it ([`TaskEvent::Carried`]).
+pub const PROTOCOL_VERSION: u32 = 8;
 
 /// Largest message a worker accepts or sends: a block-wise task carries its input blocks
 /// inline (8,192 rows of web pages are ~10 MB, over tonic's 4 MiB default), so the bound is
@@ -329,6 +335,10 @@ pub enum TaskEvent {
     /// An output block, kept by the worker under the task's query (blocks come in output
     /// order: the `n`th is the task's block `n`).
     Block(RemoteBlockInfo),
+    /// An output block that comes with this message instead of staying in the worker (its
+    /// `key` is empty): a small output, within the task's `flumen.carried_output_bytes`.
+    /// It counts in the task's blocks and order as a [`TaskEvent::Block`] does.
+    Carried(RemoteBlockInfo),
     /// The task is producing output (`rows` so far) without a whole block yet: it is not
     /// stuck. Sent at most once every [`PROGRESS_EVERY`].
     Progress {
@@ -398,18 +408,7 @@ pub fn encode_feed(
     inline: &[datafusion::arrow::record_batch::RecordBatch],
 ) -> datafusion::error::Result<Vec<u8>> {
     let header = serde_json::to_vec(request).expect("feed header serializes");
-    let mut body = Vec::with_capacity(4 + header.len());
-    body.extend_from_slice(&(header.len() as u32).to_le_bytes());
-    body.extend_from_slice(&header);
-    if let Some(first) = inline.first() {
-        let mut writer =
-            datafusion::arrow::ipc::writer::StreamWriter::try_new(&mut body, &first.schema())?;
-        for batch in inline {
-            writer.write(batch)?;
-        }
-        writer.finish()?;
-    }
-    Ok(body)
+    framed(&header, inline)
 }
 
 /// Split a `feed` action's body into its header and inline blocks.
@@ -422,22 +421,83 @@ pub fn decode_feed(
     ),
     String,
 > {
+    unframed(body, "feed")
+}
+
+/// Frame one message of a task's reply: as [`encode_feed`], the event as its header and
+/// the rows of a [`TaskEvent::Carried`] block after it.
+pub fn encode_event(
+    event: &TaskEvent,
+    carried: Option<&datafusion::arrow::record_batch::RecordBatch>,
+) -> datafusion::error::Result<Vec<u8>> {
+    let header = serde_json::to_vec(event).expect("task events serialize");
+    framed(
+        &header,
+        carried.map(std::slice::from_ref).unwrap_or_default(),
+    )
+}
+
+/// Split a message of a task's reply into its event and the rows it carries (a
+/// [`TaskEvent::Carried`] block's: exactly one batch).
+pub fn decode_event(
+    body: &[u8],
+) -> std::result::Result<
+    (
+        TaskEvent,
+        Option<datafusion::arrow::record_batch::RecordBatch>,
+    ),
+    String,
+> {
+    let (event, mut rows) = unframed::<TaskEvent>(body, "task event")?;
+    match (&event, rows.len()) {
+        (TaskEvent::Carried(_), 1) => Ok((event, rows.pop())),
+        (TaskEvent::Carried(_), n) => Err(format!("a carried block came with {n} batches")),
+        (_, 0) => Ok((event, None)),
+        (_, n) => Err(format!("a task event came with {n} batches")),
+    }
+}
+
+/// Header length (4 bytes, little endian), `header`, then `batches` as one Arrow IPC
+/// stream (nothing when there are none).
+fn framed(
+    header: &[u8],
+    batches: &[datafusion::arrow::record_batch::RecordBatch],
+) -> datafusion::error::Result<Vec<u8>> {
+    let mut body = Vec::with_capacity(4 + header.len());
+    body.extend_from_slice(&(header.len() as u32).to_le_bytes());
+    body.extend_from_slice(header);
+    if let Some(first) = batches.first() {
+        let mut writer =
+            datafusion::arrow::ipc::writer::StreamWriter::try_new(&mut body, &first.schema())?;
+        for batch in batches {
+            writer.write(batch)?;
+        }
+        writer.finish()?;
+    }
+    Ok(body)
+}
+
+/// The header and batches of a [`framed`] body; `what` names it in errors.
+fn unframed<T: serde::de::DeserializeOwned>(
+    body: &[u8],
+    what: &str,
+) -> std::result::Result<(T, Vec<datafusion::arrow::record_batch::RecordBatch>), String> {
     let (len, rest) = body
         .split_first_chunk::<4>()
-        .ok_or("feed body shorter than its header length")?;
+        .ok_or_else(|| format!("{what} body shorter than its header length"))?;
     let len = u32::from_le_bytes(*len) as usize;
-    let header = rest.get(..len).ok_or("feed body shorter than its header")?;
-    let request = serde_json::from_slice(header).map_err(|e| format!("bad feed header: {e}"))?;
+    let header = (rest.get(..len)).ok_or_else(|| format!("{what} body shorter than its header"))?;
+    let header = serde_json::from_slice(header).map_err(|e| format!("bad {what} header: {e}"))?;
     let ipc = &rest[len..];
     if ipc.is_empty() {
-        return Ok((request, vec![]));
+        return Ok((header, vec![]));
     }
     let reader = datafusion::arrow::ipc::reader::StreamReader::try_new(ipc, None)
-        .map_err(|e| format!("bad feed blocks: {e}"))?;
-    let inline = reader
+        .map_err(|e| format!("bad {what} blocks: {e}"))?;
+    let batches = reader
         .collect::<std::result::Result<Vec<_>, _>>()
-        .map_err(|e| format!("bad feed blocks: {e}"))?;
-    Ok((request, inline))
+        .map_err(|e| format!("bad {what} blocks: {e}"))?;
+    Ok((header, batches))
 }
 
 /// The error a task raised in a worker (`message`: the `DataFusionError` as the worker
@@ -574,5 +634,53 @@ mod tests {
         let (again, inline) = decode_feed(&encode_feed(&end, &[]).unwrap()).unwrap();
         assert!(again.end && inline.is_empty());
         assert!(decode_feed(b"\x09\x00\x00\x00{}").is_err());
+    }
+
+    /// A carried block's rows travel in its event's message, and only a carried block's:
+    /// an event with rows it should not have, or a carried block without them, is garbage.
+    #[test]
+    fn a_carried_block_comes_with_its_rows_and_no_other_event_has_any() {
+        use datafusion::arrow::array::StringArray;
+        use datafusion::arrow::record_batch::RecordBatch;
+        let batch = RecordBatch::try_from_iter([(
+            "s",
+            std::sync::Arc::new(StringArray::from(vec!["a", "bb", "ccc", "dddd"])) as _,
+        )])
+        .unwrap();
+        let info = RemoteBlockInfo {
+            key: String::new(),
+            tag: 3,
+            rows: 2,
+            bytes: 64,
+            digest: Some(7),
+        };
+        // A slice travels as its own rows.
+        let rows = batch.slice(1, 2);
+        let body = encode_event(&TaskEvent::Carried(info.clone()), Some(&rows)).unwrap();
+        let (event, carried) = decode_event(&body).unwrap();
+        assert!(matches!(event, TaskEvent::Carried(i) if i.tag == 3 && i.digest == Some(7)));
+        assert_eq!(carried, Some(rows.clone()));
+
+        let body = encode_event(&TaskEvent::Block(info.clone()), None).unwrap();
+        assert!(matches!(
+            decode_event(&body).unwrap(),
+            (TaskEvent::Block(_), None)
+        ));
+        let progress = TaskEvent::Progress { rows: 9 };
+        let body = encode_event(&progress, None).unwrap();
+        assert!(matches!(
+            decode_event(&body).unwrap(),
+            (TaskEvent::Progress { rows: 9 }, None)
+        ));
+
+        let no_rows = encode_event(&TaskEvent::Carried(info.clone()), None).unwrap();
+        assert!(decode_event(&no_rows).unwrap_err().contains("0 batches"));
+        let stray = encode_event(&TaskEvent::Block(info), Some(&rows)).unwrap();
+        assert!(
+            decode_event(&stray)
+                .unwrap_err()
+                .contains("came with 1 batches")
+        );
+        assert!(decode_event(b"\x02\x00").is_err());
     }
 }

@@ -54,6 +54,8 @@ use tonic::{Request, Response, Status, Streaming};
 
 use crate::cluster::auth::{RequireSecret, Secret};
 use crate::cluster::block_shelf::BlockShelf;
+#[cfg(test)]
+use crate::cluster::protocol::decode_event;
 use crate::cluster::protocol::{
     BlockTicket, DeviceInfo, DriverHello, INPUT_LOST, InputTicket, MAX_TASK_BYTES, PROGRESS_EVERY,
     PROTOCOL_VERSION, ReleaseRequest, RemoteBlockInfo, TaskEvent, TaskInput, WorkerStatus,
@@ -392,6 +394,7 @@ impl WorkerService {
             panics: Arc::clone(&self.panics),
             query: request.query,
             query_budget,
+            carry_left: request.carried_output_bytes,
             digests: self.kind == Pool::Cpu,
             blocks: 0,
             rows: 0,
@@ -418,6 +421,9 @@ struct TaskReply {
     /// Bytes of the query's blocks this worker keeps in memory at most (its
     /// `flumen.memory_budget`).
     query_budget: u64,
+    /// Bytes of output the reply may still carry ([`TaskEvent::Carried`]): a block that
+    /// fits goes with it, and once one does not, every later block stays here.
+    carry_left: u64,
     /// Whether its blocks carry a digest: a CPU task's do; a model's output differs in its
     /// last bits with how rows were batched, so a recomputed one is held to its row count.
     digests: bool,
@@ -442,6 +448,7 @@ impl TaskReply {
             return None;
         }
         loop {
+            let mut carried = None;
             let event = match self.produced.recv().await {
                 Some(Produced::Block(tag, batch)) => {
                     let (rows, bytes) = (batch.num_rows(), batch.get_array_memory_size() as u64);
@@ -449,18 +456,24 @@ impl TaskReply {
                         .digests
                         .then(|| crate::store::block_digest::digest(&batch))
                         .flatten();
-                    match self.shelf.keep(&self.query, batch, self.query_budget) {
-                        Ok(key) => {
-                            self.blocks += 1;
-                            TaskEvent::Block(RemoteBlockInfo {
-                                key,
-                                tag,
-                                rows,
-                                bytes,
-                                digest,
-                            })
+                    if bytes <= self.carry_left {
+                        self.carry_left -= bytes;
+                        self.blocks += 1;
+                        carried = Some(batch);
+                        TaskEvent::Carried(RemoteBlockInfo {
+                            key: String::new(),
+                            tag,
+                            rows,
+                            bytes,
+                            digest,
+                        })
+                    } else {
+                        // Blocks come in order: none after this one is carried.
+                        self.carry_left = 0;
+                        match self.kept_event(batch, tag, rows, bytes, digest) {
+                            Ok(event) => event,
+                            Err(e) => return self.end_with(e),
                         }
-                        Err(e) => return self.end_with(e.to_string()),
                     }
                 }
                 Some(Produced::Rows(rows)) => {
@@ -499,9 +512,33 @@ impl TaskReply {
                 None => return self.end_with("the task stopped before it finished".into()),
             };
             self.last_progress = Instant::now();
-            let body = serde_json::to_vec(&event).expect("task events serialize");
-            return Some(Ok(arrow_flight::Result { body: body.into() }));
+            return match crate::cluster::protocol::encode_event(&event, carried.as_ref()) {
+                Ok(body) => Some(Ok(arrow_flight::Result { body: body.into() })),
+                Err(e) => self.end_with(format!("a carried block could not be encoded: {e}")),
+            };
         }
+    }
+
+    /// The event of a block kept on this worker's shelf under the task's query, or the
+    /// shelf's refusal.
+    fn kept_event(
+        &mut self,
+        batch: RecordBatch,
+        tag: usize,
+        rows: usize,
+        bytes: u64,
+        digest: Option<u64>,
+    ) -> std::result::Result<TaskEvent, String> {
+        let key =
+            (self.shelf.keep(&self.query, batch, self.query_budget)).map_err(|e| e.to_string())?;
+        self.blocks += 1;
+        Ok(TaskEvent::Block(RemoteBlockInfo {
+            key,
+            tag,
+            rows,
+            bytes,
+            digest,
+        }))
     }
 
     /// End the reply with the task's error.
@@ -1176,6 +1213,70 @@ pub async fn serve(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A task's reply carries its first blocks while their bytes fit in its
+    /// `carried_output_bytes`, in order: the first block that does not fit, and every
+    /// later one however small, stay on the worker's shelf under a ticket.
+    #[tokio::test]
+    async fn a_reply_carries_its_first_blocks_while_their_bytes_fit() {
+        use datafusion::arrow::array::Int64Array;
+        let rows = |n: i64| {
+            RecordBatch::try_from_iter([("v", Arc::new(Int64Array::from_iter_values(0..n)) as _)])
+                .unwrap()
+        };
+        let (small, large) = (rows(10), rows(10_000));
+        let small_bytes = small.get_array_memory_size() as u64;
+        let (out, produced) = tokio::sync::mpsc::unbounded_channel();
+        for batch in [&small, &small, &small, &large, &small] {
+            out.send(Produced::Block(1, batch.clone())).unwrap();
+        }
+        out.send(Produced::Finished(Ok(Default::default())))
+            .unwrap();
+        let shelf = Arc::new(BlockShelf::new(1 << 30));
+        let mut reply = TaskReply {
+            produced,
+            shelf: Arc::clone(&shelf),
+            panics: Arc::default(),
+            query: "q".into(),
+            query_budget: u64::MAX,
+            // Room for two small blocks and a little more.
+            carry_left: 2 * small_bytes + 1,
+            digests: true,
+            blocks: 0,
+            rows: 0,
+            last_progress: Instant::now(),
+            ended: false,
+            _stop: None,
+            _feed: None,
+        };
+        let mut kinds = vec![];
+        while let Some(message) = reply.next_event().await {
+            let (event, carried) = decode_event(&message.unwrap().body).unwrap();
+            match event {
+                TaskEvent::Carried(info) => {
+                    let carried = carried.unwrap();
+                    assert_eq!(carried, small);
+                    assert_eq!((info.rows, info.key.as_str()), (10, ""));
+                    assert_eq!(info.digest, crate::store::block_digest::digest(&small));
+                    kinds.push("carried");
+                }
+                TaskEvent::Block(info) => {
+                    assert!(!info.key.is_empty() && carried.is_none());
+                    kinds.push("kept");
+                }
+                TaskEvent::Done { blocks, .. } => {
+                    assert_eq!(blocks, 5);
+                    kinds.push("done");
+                }
+                other => panic!("unexpected {other:?}"),
+            }
+        }
+        assert_eq!(
+            kinds,
+            ["carried", "carried", "kept", "kept", "kept", "done"]
+        );
+        assert_eq!(shelf.len(), 3, "the kept blocks are on the shelf");
+    }
 
     /// A task's inputs, some held here and some not to be had: the task fails naming every
     /// block it could not read (the driver recomputes them all before the next attempt),

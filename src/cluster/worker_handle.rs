@@ -15,7 +15,7 @@ use futures::{StreamExt, TryStreamExt};
 use crate::cluster::plan_metrics::TaskFigures;
 use crate::cluster::protocol::{
     BlockTicket, FeedRequest, ReleaseRequest, RemoteBlockInfo, TaskEvent, TaskInput, TaskRequest,
-    WorkerStatus, encode_feed, encode_task,
+    WorkerStatus, decode_event, encode_feed, encode_task,
 };
 use crate::cluster::sent_bounds::SentBound;
 use crate::cluster::worker_client::{Client, Failure, action_on, get_block, read_status};
@@ -33,6 +33,16 @@ pub struct RemoteBlock {
     pub query: String,
     /// How its worker is asked to send it ([`BlockTicket::compression`]).
     pub compression: String,
+}
+
+/// A block a worker's task made, as the driver hears of it.
+#[derive(Debug)]
+pub enum WorkerBlock {
+    /// It stays in the worker.
+    Held(RemoteBlock),
+    /// It came back with the task's reply ([`TaskEvent::Carried`]): what the worker said
+    /// of it, and its rows.
+    Carried(RemoteBlockInfo, RecordBatch),
 }
 
 /// Blocks a driver feeds one in-memory source of a running task at once
@@ -320,7 +330,7 @@ impl WorkerHandle {
         plan: &[u8],
         request: &TaskRequest,
         deadline: Option<Duration>,
-        on_block: &mut (dyn FnMut(RemoteBlockInfo) -> Result<()> + Send),
+        on_block: &mut (dyn FnMut(RemoteBlockInfo, Option<RecordBatch>) -> Result<()> + Send),
         on_bounds: &mut (dyn FnMut(Vec<SentBound>) + Send),
         feed: Option<TaskFeed<'_>>,
     ) -> Result<TaskFigures, Failure> {
@@ -362,10 +372,12 @@ impl WorkerHandle {
                         "the reply ended before the task did".into(),
                     ));
                 };
-                let event: TaskEvent = serde_json::from_slice(&event?.body)
-                    .map_err(|e| Failure::Garbage(format!("bad task event: {e}")))?;
+                let (event, carried) = decode_event(&event?.body).map_err(Failure::Garbage)?;
                 match event {
-                    TaskEvent::Block(info) => on_block(info).map_err(Failure::Driver)?,
+                    TaskEvent::Block(info) => on_block(info, None).map_err(Failure::Driver)?,
+                    TaskEvent::Carried(info) => {
+                        on_block(info, carried).map_err(Failure::Driver)?;
+                    }
                     TaskEvent::Progress { .. } => {}
                     TaskEvent::Bounds { bounds } => on_bounds(bounds),
                     TaskEvent::Done {

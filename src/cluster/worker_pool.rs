@@ -38,7 +38,7 @@ use crate::cluster::sent_bounds::SentBound;
 use crate::cluster::task_plan::WorkerFunctions;
 use crate::cluster::tls::WorkerTrust;
 use crate::cluster::worker_client::Failure;
-use crate::cluster::worker_handle::{DEFAULT_PING_TIMEOUT, RemoteBlock, WorkerHandle};
+use crate::cluster::worker_handle::{DEFAULT_PING_TIMEOUT, RemoteBlock, WorkerBlock, WorkerHandle};
 use crate::cluster::worker_start::{
     START_TIMEOUT, WorkerProgram, attach_all, attach_worker, spawn_worker, worker_program,
 };
@@ -182,7 +182,7 @@ pub struct TaskOutput<'a> {
     /// Each block, as `(n, block)` as soon as its worker announces it, `n` counting from 0
     /// in each attempt (a retry hands out the same blocks again, each output partition's in
     /// the same order: the caller keeps the first of each).
-    pub on_block: &'a mut (dyn FnMut(usize, RemoteBlock) -> Result<()> + Send),
+    pub on_block: &'a mut (dyn FnMut(usize, WorkerBlock) -> Result<()> + Send),
     /// The bounds it tightens while it runs, from any attempt.
     pub on_bounds: &'a mut (dyn FnMut(Vec<SentBound>) + Send),
     /// A fed task's feed, made afresh for each attempt; `None`: it is fed nothing.
@@ -541,12 +541,15 @@ impl WorkerPool {
             let _busy = worker.busy();
             let sent_as = ticket_compression(compression, &worker.address);
             let mut seq = 0;
-            let mut hand_out = |info| {
-                let block = RemoteBlock {
-                    worker: Arc::clone(&worker),
-                    info,
-                    query: request.query.clone(),
-                    compression: sent_as.clone(),
+            let mut hand_out = |info, carried| {
+                let block = match carried {
+                    Some(rows) => WorkerBlock::Carried(info, rows),
+                    None => WorkerBlock::Held(RemoteBlock {
+                        worker: Arc::clone(&worker),
+                        info,
+                        query: request.query.clone(),
+                        compression: sent_as.clone(),
+                    }),
                 };
                 seq += 1;
                 on_block(seq - 1, block)

@@ -367,6 +367,7 @@ impl ExecutionPlan for OperatorExec {
                 "output_bytes_to_driver".into(),
                 s.output_bytes_to_driver,
             ));
+            set.push(count("output_bytes_carried".into(), s.output_bytes_carried));
         }
         Some(set)
     }

@@ -73,6 +73,9 @@ pub struct OperatorStats {
     /// Bytes of its output blocks the driver fetched from the workers holding them (for
     /// the tasks it runs itself, and the query's result).
     pub output_bytes_to_driver: AtomicU64,
+    /// Bytes of its output blocks that came back to the driver with their task's reply
+    /// (`flumen.carried_output_bytes`), never fetched from a worker.
+    pub output_bytes_carried: AtomicU64,
     /// Bytes of output per output partition, for an operator whose output is split (an
     /// exchange's map side): how even the split is.
     pub partition_bytes: Mutex<Vec<u64>>,
@@ -134,6 +137,8 @@ pub struct StatsSnapshot {
     pub input_bytes_via_driver: u64,
     /// Output bytes fetched by the driver from workers.
     pub output_bytes_to_driver: u64,
+    /// Output bytes carried back with task replies.
+    pub output_bytes_carried: u64,
 }
 
 impl OperatorStats {
@@ -244,6 +249,7 @@ impl OperatorStats {
             input_bytes_by_ticket: r(&self.input_bytes_by_ticket),
             input_bytes_via_driver: r(&self.input_bytes_via_driver),
             output_bytes_to_driver: r(&self.output_bytes_to_driver),
+            output_bytes_carried: r(&self.output_bytes_carried),
         }
     }
 }

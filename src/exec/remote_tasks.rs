@@ -42,7 +42,7 @@ use crate::cluster::protocol::{INPUT_LOST, InputTicket, TaskInput, TaskRequest};
 use crate::cluster::sent_bounds::{self, HeardBounds, SentBound};
 use crate::cluster::sent_keys::SentKeys;
 use crate::cluster::task_plan::{self, RoundTrip};
-use crate::cluster::worker_handle::{RemoteBlock, TaskFeed};
+use crate::cluster::worker_handle::{TaskFeed, WorkerBlock};
 use crate::cluster::worker_memory::task_memory_limit;
 use crate::cluster::worker_pool::{PoolSettings, TaskOutput, WorkerPool};
 use crate::cluster::worker_tasks::collect_blocks;
@@ -392,7 +392,7 @@ impl QueryRun {
         self: &Arc<Self>,
         pool: &Arc<WorkerPool>,
         spec: &TaskSpec,
-        on_block: &mut (dyn FnMut(usize, RemoteBlock) -> Result<()> + Send),
+        on_block: &mut (dyn FnMut(usize, WorkerBlock) -> Result<()> + Send),
     ) -> Result<Option<OnDriver>> {
         let (task, op_id, partition) = (spec.task, spec.operator, spec.partition);
         let describe = spec.describe.as_str();
@@ -827,6 +827,10 @@ impl QueryRun {
             target_rows: self.graph.piece_rows(op_id),
             piece_cut: self.graph.piece_cut(op_id),
             input_batch_rows: self.input_batch_rows(op_id),
+            carried_output_bytes: match self.output_read_on_driver(op_id) {
+                true => config.carried_output_bytes.0,
+                false => 0,
+            },
             first_block_rows: 0,
             ramp_block_rows: self.graph.batching.piece_rows,
             partition,
@@ -866,6 +870,19 @@ impl QueryRun {
             },
             build_keys,
             build_key_set_tasks,
+        }
+    }
+
+    /// Whether the driver reads `op`'s output blocks itself: the root's (the query's
+    /// answer) where the output reads the root's blocks, else its inputs' (the root's
+    /// fragment runs in the output). Those blocks may come back with their task's reply
+    /// (`flumen.carried_output_bytes`); the others stay in the workers, which send them to
+    /// their readers directly, so the driver is no hub between workers.
+    fn output_read_on_driver(&self, op: OperatorId) -> bool {
+        let root = self.graph.root();
+        match self.root_runs_in_output() {
+            true => root.inputs.contains(&op),
+            false => op == root.id,
         }
     }
 
@@ -915,7 +932,7 @@ impl QueryRun {
         op_id: OperatorId,
         task: Outgoing<'_>,
         describe: &str,
-        on_block: &mut (dyn FnMut(usize, RemoteBlock) -> Result<()> + Send),
+        on_block: &mut (dyn FnMut(usize, WorkerBlock) -> Result<()> + Send),
         on_bounds: &mut (dyn FnMut(Vec<SentBound>) + Send),
     ) -> Result<(Vec<SentBound>, Option<SentKeys>)> {
         let config = self.config();

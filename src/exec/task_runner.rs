@@ -9,7 +9,7 @@ use async_trait::async_trait;
 use datafusion::error::Result;
 
 use crate::cluster::on_driver::OnDriver;
-use crate::cluster::worker_handle::RemoteBlock;
+use crate::cluster::worker_handle::WorkerBlock;
 use crate::cluster::worker_pool::WorkerPool;
 use crate::exec::run::QueryRun;
 use crate::exec::task_sink::{MadeBlock, TaskSink};
@@ -76,12 +76,15 @@ impl TaskRunner for OnWorker {
         spec: &TaskSpec,
         sink: &mut dyn TaskSink,
     ) -> Result<Option<OnDriver>> {
-        let mut on_block = |seq: usize, block: RemoteBlock| {
+        let mut on_block = |seq: usize, block: WorkerBlock| {
             // A worker's attempt numbers its blocks from 0: a retry starts counting again.
             if seq == 0 {
                 sink.restart();
             }
-            sink.take(MadeBlock::Held(block))?;
+            sink.take(match block {
+                WorkerBlock::Held(held) => MadeBlock::Held(held),
+                WorkerBlock::Carried(info, batch) => MadeBlock::Carried { info, batch },
+            })?;
             sink.taken();
             Ok(())
         };

@@ -15,7 +15,9 @@ use std::sync::Arc;
 use datafusion::arrow::record_batch::RecordBatch;
 use datafusion::error::{DataFusionError, Result};
 
+use crate::cluster::protocol::RemoteBlockInfo;
 use crate::cluster::worker_handle::RemoteBlock;
+use crate::exec::metrics::OperatorStats;
 use crate::exec::run::QueryRun;
 use crate::exec::task_kind::TaskId;
 use crate::exec::task_spec::TaskSpec;
@@ -37,6 +39,14 @@ pub(super) enum MadeBlock {
     },
     /// Made and kept by a worker process.
     Held(RemoteBlock),
+    /// Made by a worker process and sent back with its task's reply: what the worker said
+    /// of it (its digest), and its rows, kept in this process from now on.
+    Carried {
+        /// The worker's word on it (no ticket).
+        info: RemoteBlockInfo,
+        /// Its rows.
+        batch: RecordBatch,
+    },
 }
 
 impl MadeBlock {
@@ -45,6 +55,7 @@ impl MadeBlock {
         match self {
             MadeBlock::Local { tag, .. } => *tag,
             MadeBlock::Held(held) => held.info.tag,
+            MadeBlock::Carried { info, .. } => info.tag,
         }
     }
 
@@ -57,6 +68,7 @@ impl MadeBlock {
                 recorded_digest.and_then(|_| block_digest::digest(batch)),
             ),
             MadeBlock::Held(held) => (held.info.rows, held.info.digest),
+            MadeBlock::Carried { info, .. } => (info.rows, info.digest),
         }
     }
 
@@ -155,7 +167,7 @@ impl TaskSink for StoreSink {
             return repeats(&self.describe, place, recorded, again);
         }
         // Only a worker's task is tried again: a local task's blocks need no record.
-        if matches!(made, MadeBlock::Held(_)) {
+        if !matches!(made, MadeBlock::Local { .. }) {
             self.taken.insert(place, made.rows_and_digest(None));
         }
         let (tag, rows, bytes, digest, data) = match made {
@@ -169,6 +181,19 @@ impl TaskSink for StoreSink {
                 held.info.digest,
                 BlockData::Held(Arc::new(held)),
             ),
+            MadeBlock::Carried { info, batch } => {
+                // The bytes its rows reach, as a fetched block's are counted.
+                let stats = self.run.stats(self.operator);
+                let bytes = crate::store::rows_bytes(&batch);
+                OperatorStats::add(&stats.output_bytes_carried, bytes);
+                (
+                    info.tag,
+                    info.rows,
+                    info.bytes,
+                    info.digest,
+                    BlockData::Local(batch),
+                )
+            }
         };
         let block = Block {
             id: self.run.new_block_id(),
@@ -262,7 +287,7 @@ impl RecomputeSink {
                 .lock()
                 .unwrap()
                 .contains(&block.id)
-            || (matches!(made, MadeBlock::Local { .. }) && !self.run.store.is_available(block.id))
+            || (!matches!(made, MadeBlock::Held(_)) && !self.run.store.is_available(block.id))
     }
 }
 
@@ -300,10 +325,12 @@ impl TaskSink for RecomputeSink {
             .unwrap()
             .remove(&recorded.id);
         match made {
-            MadeBlock::Local { batch, .. } if Some(recorded.id) == self.asked => {
+            MadeBlock::Local { batch, .. } | MadeBlock::Carried { batch, .. }
+                if Some(recorded.id) == self.asked =>
+            {
                 self.asked_rows = Some(batch);
             }
-            MadeBlock::Local { batch, .. } => {
+            MadeBlock::Local { batch, .. } | MadeBlock::Carried { batch, .. } => {
                 self.run.store.remove(recorded.id);
                 self.run.restore(&recorded, batch)?;
             }

@@ -686,7 +686,8 @@ async fn blocks_let_go_of_reach_their_worker_in_few_calls() {
 
 /// A root a worker can run (a final aggregate over gathered or hash-split partials, a merge
 /// of sorted partitions with a limit, each an in-memory scan of its own) runs on the
-/// workers, and the driver fetches only the answer (before, `ORDER BY k LIMIT 3` fetched
+/// workers, and the driver receives only the answer, fetched or carried back with its
+/// task's reply (before, `ORDER BY k LIMIT 3` fetched
 /// each partition's top 3 rows, and a global aggregate every partial row). A plain `LIMIT`
 /// is no barrier: its scan's blocks are the answer. A merge without a limit runs in the
 /// reader: its input is the answer, fetched once.
@@ -726,16 +727,14 @@ async fn a_root_workers_can_run_runs_there_and_the_driver_fetches_the_answer() {
         let stats = exec.run_metrics().operator(root.id).snapshot();
         let fetched: u64 = (exec.graph().operators.iter())
             .map(|op| {
-                exec.run_metrics()
-                    .operator(op.id)
-                    .snapshot()
-                    .output_bytes_to_driver
+                let s = exec.run_metrics().operator(op.id).snapshot();
+                s.output_bytes_to_driver + s.output_bytes_carried
             })
             .sum();
         let answer: u64 = got.iter().map(flumen::store::rows_bytes).sum();
         println!(
-            "{sql}: root {} ran {} of {} tasks in workers; the driver fetched {fetched} bytes \
-             for an answer of {answer}",
+            "{sql}: root {} ran {} of {} tasks in workers; the driver received {fetched} \
+             bytes for an answer of {answer}",
             root.name, stats.remote_tasks, stats.tasks
         );
         assert_eq!(exec.graph().root_on_workers, root_on_workers, "{sql}");
@@ -748,7 +747,7 @@ async fn a_root_workers_can_run_runs_there_and_the_driver_fetches_the_answer() {
         // An answer of several blocks counts a string column's offsets once per block.
         assert!(
             answer <= fetched && fetched as f64 <= 1.001 * answer as f64,
-            "{sql}: fetched {fetched} bytes for an answer of {answer}"
+            "{sql}: received {fetched} bytes for an answer of {answer}"
         );
     }
 }

@@ -18,7 +18,7 @@ use datafusion::prelude::{CsvReadOptions, SessionConfig, SessionContext};
 use flumen::cluster::auth::Secret;
 use flumen::cluster::protocol::{
     BlockTicket, INPUT_LOST, InputTicket, ReleaseRequest, RemoteBlockInfo, TaskEvent, TaskInput,
-    TaskRequest, WorkerStatus, encode_task,
+    TaskRequest, WorkerStatus, decode_event, encode_task,
 };
 use flumen::plan::Pool;
 use flumen::{FlumenConfig, WorkerMode};
@@ -147,13 +147,16 @@ async fn run_blocks(
     let events: Vec<arrow_flight::Result> = reply.into_inner().try_collect().await?;
     let mut blocks = vec![];
     for event in events {
-        match serde_json::from_slice(&event.body).unwrap() {
-            TaskEvent::Block(info) => blocks.push(info),
-            TaskEvent::Progress { .. } | TaskEvent::Bounds { .. } => {}
-            TaskEvent::Done { blocks: done, .. } => {
+        // A request that names no `carried_output_bytes` leaves every block in the worker.
+        match decode_event(&event.body).unwrap() {
+            (TaskEvent::Block(info), None) => blocks.push(info),
+            (TaskEvent::Carried(info), _) => panic!("a block came back carried: {info:?}"),
+            (TaskEvent::Progress { .. } | TaskEvent::Bounds { .. }, _) => {}
+            (TaskEvent::Done { blocks: done, .. }, _) => {
                 assert_eq!(done, blocks.len(), "Done names the blocks announced");
                 return Ok(blocks);
             }
+            (event, rows) => panic!("unexpected {event:?} with {rows:?}"),
         }
     }
     panic!("the reply ended without Done");

@@ -43,6 +43,16 @@ async fn pool_of(ctx: &SessionContext) -> Arc<flumen::cluster::WorkerPool> {
     common::worker_pool(ctx, Pool::Cpu).await
 }
 
+/// `SET flumen.carried_output_bytes = 0` in `ctx`: the blocks the driver reads (the
+/// answer) stay in the workers, as larger ones would, for a test whose kill must find
+/// them there (small ones come back with their task's reply, and a worker's death then
+/// costs none of them: `a_worker_killed_after_its_answers_came_back_costs_nothing`).
+async fn keep_answers_in_workers(ctx: &SessionContext) {
+    ctx.sql("SET flumen.carried_output_bytes = 0")
+        .await
+        .unwrap();
+}
+
 /// What a [`signal_at_block`] dropper saw: the worker it signalled, and how many blocks
 /// each worker made for each operator (so a test can bound what a kill may cost).
 #[derive(Debug, Default)]
@@ -122,6 +132,106 @@ async fn process_workers_answer_like_vanilla() {
     assert!(workers.iter().all(|w| w.address.starts_with("127.0.0.1:")));
 }
 
+/// A small query's blocks come back to the driver with their tasks' replies
+/// (`flumen.carried_output_bytes`): the driver fetches none of them from a worker. With
+/// the setting at 0 the same blocks stay in the workers, and the driver fetches the ones
+/// it reads. The answers are vanilla's either way.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn small_outputs_come_back_with_their_tasks_replies() {
+    let (dir, v) = events_with_vanilla(3, 20_000).await;
+    let f = session(process_config(2), None);
+    register_tables(&f, dir.path()).await;
+    let sql = "SELECT k, count(*), round(avg(v), 9) FROM events GROUP BY k ORDER BY k";
+    // Over the plan's operators: output bytes carried back, output bytes the driver
+    // fetched from workers, and tasks run in workers.
+    let figures = |plan: &Arc<dyn datafusion::physical_plan::ExecutionPlan>| {
+        let exec = plan.downcast_ref::<FlumenExec>().unwrap();
+        let stats = common::operator_stats(exec);
+        stats.iter().fold((0, 0, 0), |(c, d, r), s| {
+            (
+                c + s.output_bytes_carried,
+                d + s.output_bytes_to_driver,
+                r + s.remote_tasks,
+            )
+        })
+    };
+    let expected = common::collect(&v, sql).await;
+    for (setting, carries) in [(None, true), (Some("0"), false), (Some("64KiB"), true)] {
+        if let Some(bytes) = setting {
+            let set = format!("SET flumen.carried_output_bytes = '{bytes}'");
+            f.sql(&set).await.unwrap();
+        }
+        let (batches, plan) = run_plan(&f, sql).await;
+        assert!(common::same_rows(&expected, &batches, true), "{setting:?}");
+        let (carried, fetched, remote) = figures(&plan);
+        assert!(remote >= 3, "{remote} tasks in workers");
+        match carries {
+            true => assert!(
+                carried > 0 && fetched == 0,
+                "{setting:?}: {carried} bytes carried, {fetched} fetched by the driver"
+            ),
+            false => assert!(
+                carried == 0 && fetched > 0,
+                "{setting:?}: {carried} bytes carried, {fetched} fetched by the driver"
+            ),
+        }
+    }
+}
+
+/// A worker SIGKILLed once its tasks' answer blocks came back with their replies (batch
+/// mode: every source block is made before any is read) costs no block: the blocks the
+/// driver reads are in its own store, so nothing is lost or recomputed, and the answer is
+/// vanilla's. (`a_worker_killed_mid_query_costs_only_its_blocks` is the same kill with
+/// the blocks left in the workers.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_worker_killed_after_its_answers_came_back_costs_nothing() {
+    let (dir, v) = events_with_vanilla(3, 20_000).await;
+    let victim = Arc::new(Mutex::new(None::<u32>));
+    let (victim_in, seen) = (Arc::clone(&victim), AtomicUsize::new(0));
+    let dropper = BlockDropper(Arc::new(move |b| {
+        // The second block the driver keeps (a worker made it; none holds it) once the
+        // victim is named.
+        let victim = *victim_in.lock().unwrap();
+        if let Some(pid) = victim
+            && b.worker_pid.is_none()
+            && seen.fetch_add(1, Ordering::Relaxed) == 1
+        {
+            // SAFETY: a signal to a worker process this test's session started.
+            unsafe { libc::kill(pid as i32, libc::SIGKILL) };
+        }
+        false
+    }));
+    let f = session(process_config(2), Some(dropper));
+    f.sql("SET flumen.mode = 'batch'").await.unwrap();
+    f.sql("SET flumen.split_bytes = '64KB'").await.unwrap();
+    f.sql("SET flumen.target_block_rows = 2000").await.unwrap();
+    register_tables(&f, dir.path()).await;
+    // The workers start with the first query.
+    common::assert_same(&v, &f, "SELECT k, max(id) FROM events GROUP BY k").await;
+    let pool = pool_of(&f).await;
+    let pid = pool.workers().await[0].pid;
+    *victim.lock().unwrap() = Some(pid);
+    let sql = "SELECT id, body FROM events WHERE id % 7 = 1";
+    let (batches, plan) = run_plan(&f, sql).await;
+    let expected = common::collect(&v, sql).await;
+    assert_eq!(rows(&expected, false), rows(&batches, false));
+    let exec = plan.downcast_ref::<FlumenExec>().unwrap();
+    for s in common::operator_stats(exec) {
+        assert!(s.output_bytes_carried > 0 || s.remote_tasks == 0, "{s:?}");
+        assert_eq!((s.blocks_lost, s.recomputed), (0, 0), "{s:?}");
+    }
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while pool
+        .workers()
+        .await
+        .iter()
+        .any(|w| w.pid == pid && w.is_alive())
+    {
+        assert!(Instant::now() < deadline, "worker {pid} was not killed");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
 /// Kill (SIGKILL) the worker holding the second block made in a worker; in batch
 /// mode every source block is made before any is read, so the worker's blocks are lost and
 /// must be recomputed from lineage, and only those.
@@ -158,6 +268,7 @@ async fn a_worker_killed_mid_query_costs_only_its_blocks() {
         .await
         .unwrap();
     f.sql("SET flumen.target_block_rows = 2000").await.unwrap();
+    keep_answers_in_workers(&f).await;
     register_tables(&f, dir.path()).await;
     for sql in [
         "SELECT k, count(*), round(sum(v), 6) FROM events GROUP BY k ORDER BY k",
@@ -256,6 +367,7 @@ async fn a_lost_block_of_random_values_fails_the_query_as_not_deterministic() {
     f.sql("SET flumen.mode = 'batch'").await.unwrap();
     f.sql("SET flumen.split_bytes = '64KB'").await.unwrap();
     f.sql("SET flumen.target_block_rows = 2000").await.unwrap();
+    keep_answers_in_workers(&f).await;
     register_tables(&f, dir.path()).await;
     let sql = "SELECT id, random() AS r FROM events WHERE id % 7 = 1";
     armed.store(true, Ordering::Relaxed);
@@ -313,6 +425,7 @@ async fn a_worker_killed_mid_sample_keeps_the_same_rows() {
     ] {
         f.sql(set).await.unwrap();
     }
+    keep_answers_in_workers(&f).await;
     register_tables(&f, dir.path()).await;
     for sql in [
         "SELECT * FROM events TABLESAMPLE (10) REPEATABLE (3)",
@@ -1635,6 +1748,7 @@ async fn killed_holding_the_output_of(operator: &'static str, node: &str, sql: &
     let f = session(process_config(2), Some(dropper));
     f.sql("SET flumen.split_bytes = '64KB'").await.unwrap();
     f.sql("SET flumen.mode = 'batch'").await.unwrap();
+    keep_answers_in_workers(&f).await;
     register_tables(&f, dir.path()).await;
     armed.store(true, Ordering::Relaxed);
     let (batches, plan) = run_plan(&f, sql).await;
