@@ -18,7 +18,7 @@ use crate::cluster::on_driver::OnDriver;
 use crate::cluster::worker_pool::WorkerPool;
 use crate::exec::run::QueryRun;
 use crate::exec::task_kind::{TaskId, TaskKind};
-use crate::exec::worker_plans::{PartitionInputs, blocks_plan, encode_for_worker, source_plan};
+use crate::exec::worker_plans::{PartitionInputs, admitted_on_workers, blocks_plan, source_plan};
 use crate::plan::graph::OperatorId;
 
 /// One task of a run: which it is, and where it runs.
@@ -117,9 +117,13 @@ impl QueryRun {
         let pool = slot
             .get_or_start(op.pool, self.pool_settings(op.pool)?)
             .await?;
-        if let Err(why) = encode_for_worker(&runnable, &pool) {
+        if let Err(why) = admitted_on_workers(&runnable) {
             return in_process(why);
         }
+        // Whether it encodes, and decodes as planned: checked by encoding it here for the
+        // first task of its operator and kind (release builds; every task in debug ones).
+        // A later task whose plan, inputs filled in, does not encode is handed back by its
+        // worker runner, with the reason (`run_worker_task`).
         let spec = self.task_spec(task, TaskPlace::InProcess(None));
         let source = matches!(kind, TaskKind::Source { .. });
         if let Some(why) =

@@ -429,10 +429,16 @@ pub(super) fn encode_for_worker(
     plan: &Arc<dyn ExecutionPlan>,
     pool: &WorkerPool,
 ) -> Result<Vec<u8>, OnDriver> {
-    admit_plan(plan, &scanned_files(plan), &scanned_stores(plan))
-        .map_err(|e| OnDriver::Refused(e.to_string()))?;
+    admitted_on_workers(plan)?;
     task_plan::encode(plan, Arc::clone(pool.functions()))
         .map_err(|e| OnDriver::Unencodable(e.to_string()))
+}
+
+/// `Ok` when a worker runs `plan`'s nodes, over the files and stores it scans
+/// ([`admit_plan`], as the worker checks), else why it runs on the driver.
+pub(super) fn admitted_on_workers(plan: &Arc<dyn ExecutionPlan>) -> Result<(), OnDriver> {
+    admit_plan(plan, &scanned_files(plan), &scanned_stores(plan))
+        .map_err(|e| OnDriver::Refused(e.to_string()))
 }
 
 /// A per-partition task's input blocks: for each of its stage inputs, the blocks it reads of
