@@ -2,6 +2,7 @@
 //! pools a worker serves, what a worker reports of itself and of the blocks it keeps.
 //! (The actions themselves are listed in [`super::worker`].)
 
+use datafusion::arrow::record_batch::RecordBatch;
 use serde::{Deserialize, Serialize};
 
 use crate::config::ExchangeCompression;
@@ -405,22 +406,14 @@ pub fn decode_task(body: &[u8]) -> std::result::Result<(TaskRequest, &[u8]), Str
 /// `inline` (the blocks its [`TaskInput::Inline`]s name) as one Arrow IPC stream.
 pub fn encode_feed(
     request: &FeedRequest,
-    inline: &[datafusion::arrow::record_batch::RecordBatch],
+    inline: &[RecordBatch],
 ) -> datafusion::error::Result<Vec<u8>> {
     let header = serde_json::to_vec(request).expect("feed header serializes");
     framed(&header, inline)
 }
 
 /// Split a `feed` action's body into its header and inline blocks.
-pub fn decode_feed(
-    body: &[u8],
-) -> std::result::Result<
-    (
-        FeedRequest,
-        Vec<datafusion::arrow::record_batch::RecordBatch>,
-    ),
-    String,
-> {
+pub fn decode_feed(body: &[u8]) -> std::result::Result<(FeedRequest, Vec<RecordBatch>), String> {
     unframed(body, "feed")
 }
 
@@ -428,7 +421,7 @@ pub fn decode_feed(
 /// the rows of a [`TaskEvent::Carried`] block after it.
 pub fn encode_event(
     event: &TaskEvent,
-    carried: Option<&datafusion::arrow::record_batch::RecordBatch>,
+    carried: Option<&RecordBatch>,
 ) -> datafusion::error::Result<Vec<u8>> {
     let header = serde_json::to_vec(event).expect("task events serialize");
     framed(
@@ -439,15 +432,7 @@ pub fn encode_event(
 
 /// Split a message of a task's reply into its event and the rows it carries (a
 /// [`TaskEvent::Carried`] block's: exactly one batch).
-pub fn decode_event(
-    body: &[u8],
-) -> std::result::Result<
-    (
-        TaskEvent,
-        Option<datafusion::arrow::record_batch::RecordBatch>,
-    ),
-    String,
-> {
+pub fn decode_event(body: &[u8]) -> std::result::Result<(TaskEvent, Option<RecordBatch>), String> {
     let (event, mut rows) = unframed::<TaskEvent>(body, "task event")?;
     match (&event, rows.len()) {
         (TaskEvent::Carried(_), 1) => Ok((event, rows.pop())),
@@ -459,10 +444,7 @@ pub fn decode_event(
 
 /// Header length (4 bytes, little endian), `header`, then `batches` as one Arrow IPC
 /// stream (nothing when there are none).
-fn framed(
-    header: &[u8],
-    batches: &[datafusion::arrow::record_batch::RecordBatch],
-) -> datafusion::error::Result<Vec<u8>> {
+fn framed(header: &[u8], batches: &[RecordBatch]) -> datafusion::error::Result<Vec<u8>> {
     let mut body = Vec::with_capacity(4 + header.len());
     body.extend_from_slice(&(header.len() as u32).to_le_bytes());
     body.extend_from_slice(header);
@@ -481,7 +463,7 @@ fn framed(
 fn unframed<T: serde::de::DeserializeOwned>(
     body: &[u8],
     what: &str,
-) -> std::result::Result<(T, Vec<datafusion::arrow::record_batch::RecordBatch>), String> {
+) -> std::result::Result<(T, Vec<RecordBatch>), String> {
     let (len, rest) = body
         .split_first_chunk::<4>()
         .ok_or_else(|| format!("{what} body shorter than its header length"))?;
