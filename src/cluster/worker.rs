@@ -456,7 +456,7 @@ impl TaskReply {
                         .digests
                         .then(|| crate::store::block_digest::digest(&batch))
                         .flatten();
-                    if bytes <= self.carry_left {
+                    if self.carry_left > 0 && bytes <= self.carry_left {
                         self.carry_left -= bytes;
                         self.blocks += 1;
                         carried = Some(batch);
