@@ -25,7 +25,9 @@
 //! - A task as a value: [`task_spec`] (what a task runs and where, decided once at launch),
 //!   [`task_runner`] (its two runners: in process, on a worker), [`task_sink`] (where its
 //!   blocks go: the store, or back in place of lost ones, with one determinism check).
-//! - [`worker_run`]: what a run keeps of its worker processes (pools, lost blocks, token).
+//! - [`worker_run`]: what a run keeps of its worker processes (pools, lost blocks, token);
+//!   [`plan_checks`]: the check that a worker decodes a task's plan as planned, run beside
+//!   the task, its output held until the check passes.
 //! - [`accelerator_threads`]: the in-process accelerator pool (threads that keep models).
 //! - [`progress`]: a running query's progress in words (one line per operator).
 
@@ -39,6 +41,7 @@ pub(crate) mod launch;
 pub(crate) mod launch_rules;
 pub(crate) mod lineage;
 pub(crate) mod metrics;
+pub(crate) mod plan_checks;
 pub(crate) mod planner;
 pub(crate) mod policy;
 pub mod progress;

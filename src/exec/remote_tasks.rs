@@ -41,13 +41,14 @@ use crate::cluster::on_driver::OnDriver;
 use crate::cluster::protocol::{INPUT_LOST, InputTicket, TaskInput, TaskRequest};
 use crate::cluster::sent_bounds::{self, HeardBounds, SentBound};
 use crate::cluster::sent_keys::SentKeys;
-use crate::cluster::task_plan::{self, RoundTrip};
+use crate::cluster::task_plan;
 use crate::cluster::worker_handle::{TaskFeed, WorkerBlock};
 use crate::cluster::worker_memory::task_memory_limit;
 use crate::cluster::worker_pool::{PoolSettings, TaskOutput, WorkerPool};
 use crate::cluster::worker_tasks::collect_blocks;
 use crate::exec::cursor::{Cursor, Next, ReadOrder};
 use crate::exec::metrics::OperatorStats;
+use crate::exec::plan_checks::{self, Gate, PlanCheck};
 use crate::exec::run::QueryRun;
 use crate::exec::task_feed::FedLog;
 use crate::exec::task_kind::{TaskId, TaskKind};
@@ -132,7 +133,7 @@ impl QueryRun {
 
     async fn run_placed_here(self: &Arc<Self>, task: TaskId) -> Result<Option<TaskSpec>> {
         let spec = self.place_task(task).await?;
-        let TaskPlace::Worker { pool, inputs } = &spec.place else {
+        let TaskPlace::Worker { pool, inputs, .. } = &spec.place else {
             return Ok(Some(spec));
         };
         // Recorded before its first block: a block lost while the task still runs is
@@ -329,65 +330,42 @@ impl QueryRun {
         }
     }
 
-    /// Whether a worker of `pool` decodes `plan` as it was planned
-    /// ([`task_plan::check_round_trip`]): `Some(why)` when not. The plan checked is encoded
-    /// frozen ([`task_plan::with_outside_filters_frozen`]): a join may tighten a filter made
-    /// outside it between an encoding and the comparison, which would then see two values
-    /// of it. A plan that does not decode
-    /// runs on the driver. A plan that decodes to another plan is the task's error in debug
-    /// builds, so tests fail on it; a release build runs the task on the driver and warns.
-    ///
-    /// A release build checks the first task of each operator and kind (`shape`) only: its
-    /// other tasks' plans differ in their file ranges and in-memory inputs alone, and the
-    /// check (a decode and two plan texts) cost an eighth of the driver's CPU per task.
-    pub(super) fn decodes_as_planned(
+    /// The check that a worker of `pool` decodes `plan` as it was planned
+    /// ([`PlanCheck`]), started now or, in a release build, the one of the first task of
+    /// the same operator and kind (`shape`): its other tasks' plans differ in their file
+    /// ranges and in-memory inputs alone, and the check (a decode and two plan texts) cost
+    /// an eighth of the driver's CPU per task. A debug build checks every task.
+    pub(super) fn plan_check(
         &self,
         plan: &Arc<dyn ExecutionPlan>,
         pool: &WorkerPool,
         describe: &str,
         shape: (OperatorId, bool),
-    ) -> Result<Option<OnDriver>> {
-        if !cfg!(debug_assertions)
-            && self
-                .workers
-                .plans_decoded_alike
-                .lock()
-                .unwrap()
-                .contains(&shape)
-        {
-            return Ok(None);
-        }
-        let frozen = task_plan::with_outside_filters_frozen(plan)?;
-        let bytes = match task_plan::encode(&frozen, Arc::clone(pool.functions())) {
-            Ok(bytes) => bytes,
-            Err(e) => return Ok(Some(OnDriver::Unencodable(e.to_string()))),
+    ) -> PlanCheck {
+        let start = || {
+            let functions = Arc::clone(pool.functions());
+            PlanCheck::start(
+                Arc::clone(plan),
+                functions,
+                self.base_context(),
+                describe.into(),
+            )
         };
-        match task_plan::check_round_trip(&frozen, &bytes, &self.base_context()) {
-            Ok(()) => {
-                self.workers
-                    .plans_decoded_alike
-                    .lock()
-                    .unwrap()
-                    .insert(shape);
-                Ok(None)
-            }
-            Err(RoundTrip::Undecodable(e)) => Ok(Some(OnDriver::Undecodable(e.to_string()))),
-            Err(RoundTrip::Differs(e)) if cfg!(debug_assertions) => {
-                Err(e.context(describe.to_string()))
-            }
-            Err(RoundTrip::Differs(e)) => {
-                log::warn!("{describe} runs on the driver: {e}");
-                Ok(Some(OnDriver::DecodesDifferently(e.to_string())))
-            }
+        if cfg!(debug_assertions) {
+            return start();
         }
+        let mut checks = self.workers.plan_checks.lock().unwrap();
+        checks.entry(shape).or_insert_with(start).clone()
     }
 
     /// Run `task` on a worker of `pool`: its input blocks that live in other workers are
     /// fetched by that worker straight from them; those that live here go in the request.
     /// When a worker cannot fetch an input (its holder died), that input is recomputed
     /// from lineage and the task sent again (at most `flumen.max_task_retries` times).
-    /// Blocks go to `on_block` as [`WorkerPool::run_task`] hands them out. `Some(why)`:
-    /// the task has no plan a worker can run.
+    /// Blocks go to `on_block` as [`WorkerPool::run_task`] hands them out, once the check
+    /// that the worker decodes the task's plan as planned has passed (until then they are
+    /// held: [`Gate`]). `Some(why)`: the task has no plan a worker can run (a check that
+    /// fails stops the task on its worker and drops what it handed back).
     pub(super) async fn run_worker_task(
         self: &Arc<Self>,
         pool: &Arc<WorkerPool>,
@@ -402,11 +380,24 @@ impl QueryRun {
         // `flumen.max_task_retries`; each that found new ones made progress (it recomputes
         // them), up to `LOST_INPUT_ATTEMPTS`.
         let mut lost = LostInputs::default();
+        let check = match &spec.place {
+            TaskPlace::Worker { check, .. } => check.clone(),
+            TaskPlace::InProcess(_) => None,
+        };
+        // Blocks of every attempt, held until the check passed.
+        let mut blocks = Gate::new(check.clone());
         loop {
             let work = match self.worker_task(task, &mut read_here).await? {
                 Ok(work) => work,
                 Err(why) => return Ok(Some(why)),
             };
+            // A fed task's feed hands it blocks as they are made, which a run on the
+            // driver after a failed check could not read again: it waits for the check.
+            if let Some(pending) = check.as_ref().filter(|_| !work.fed.is_empty())
+                && let Some(why) = plan_checks::as_result(pending.verdict().await)?
+            {
+                return Ok(Some(why));
+            }
             // Its own bounds, and those it starts from, as on the driver's threads; its own
             // as the worker tells them count in the launches while it runs.
             let one_task = self.with_task_bounds(task, &work.plan, true)?;
@@ -423,6 +414,8 @@ impl QueryRun {
                     log::warn!("{describe}: bounds it sent while running are left out: {e}");
                 }
             };
+            // Bounds it tightens count, as its blocks, once the check passed.
+            let mut bounds = Gate::new(check.clone());
             let bytes = match encode_for_worker(&one_task.plan, pool) {
                 Ok(bytes) => bytes,
                 Err(why) => return Ok(Some(why)),
@@ -455,9 +448,37 @@ impl QueryRun {
                 prefer: work.prefer.as_deref(),
                 feed,
             };
-            let ran = self
-                .run_on_pool(pool, op_id, outgoing, describe, on_block, &mut on_bounds)
-                .await;
+            let mut gated_block = |seq, block| {
+                (blocks.admit((seq, block)).into_iter()).try_for_each(|(seq, b)| on_block(seq, b))
+            };
+            let mut gated_bounds = |sent| bounds.admit(sent).into_iter().for_each(&mut on_bounds);
+            let running = self.run_on_pool(
+                pool,
+                op_id,
+                outgoing,
+                describe,
+                &mut gated_block,
+                &mut gated_bounds,
+            );
+            let ran = match &check {
+                // A plan found wrong stops its task at once.
+                Some(pending) => tokio::select! {
+                    ran = running => Some(ran),
+                    () = pending.failed() => None,
+                },
+                None => Some(running.await),
+            };
+            if let Some(pending) = &check
+                && let Some(why) = plan_checks::as_result(pending.verdict().await)?
+            {
+                // What it handed back is dropped (blocks it holds go when the query ends).
+                return Ok(Some(why));
+            }
+            let ran = ran.ok_or_else(|| {
+                DataFusionError::Internal(format!("{describe} stopped for a check that passed"))
+            })?;
+            bounds.opened().into_iter().for_each(&mut on_bounds);
+            (blocks.opened().into_iter()).try_for_each(|(seq, b)| on_block(seq, b))?;
             let fed = std::mem::take(&mut *fed_log.lock().unwrap());
             match ran {
                 Ok((bounds, build_keys)) => {

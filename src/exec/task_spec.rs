@@ -16,6 +16,7 @@ use datafusion::error::Result;
 
 use crate::cluster::on_driver::OnDriver;
 use crate::cluster::worker_pool::WorkerPool;
+use crate::exec::plan_checks::{self, PlanCheck};
 use crate::exec::run::QueryRun;
 use crate::exec::task_kind::{TaskId, TaskKind};
 use crate::exec::worker_plans::{PartitionInputs, admitted_on_workers, blocks_plan, source_plan};
@@ -48,6 +49,9 @@ pub(super) enum TaskPlace {
         pool: Arc<WorkerPool>,
         /// A per-partition task's input blocks.
         inputs: Option<PartitionInputs>,
+        /// The check that the worker decodes its plan as planned, when one is still to be
+        /// waited on: the task is sent at once, and its output counts once it passed.
+        check: Option<PlanCheck>,
     },
     /// This process runs its fragment: in threads mode (`None`), or in worker mode for the
     /// reason given.
@@ -120,19 +124,27 @@ impl QueryRun {
         if let Err(why) = admitted_on_workers(&runnable) {
             return in_process(why);
         }
-        // Whether it encodes, and decodes as planned: checked by encoding it here for the
-        // first task of its operator and kind (release builds; every task in debug ones).
-        // A later task whose plan, inputs filled in, does not encode is handed back by its
+        // Whether it encodes, and decodes as planned: checked beside the task for the
+        // first task of its operator and kind (release builds; every task in debug ones),
+        // which the others of that kind wait on. A kind found wrong runs here at once. A
+        // later task whose plan, inputs filled in, does not encode is handed back by its
         // worker runner, with the reason (`run_worker_task`).
         let spec = self.task_spec(task, TaskPlace::InProcess(None));
         let source = matches!(kind, TaskKind::Source { .. });
-        if let Some(why) =
-            self.decodes_as_planned(&runnable, &pool, &spec.describe, (op_id, source))?
-        {
-            return in_process(why);
-        }
+        let check = self.plan_check(&runnable, &pool, &spec.describe, (op_id, source));
+        let check = match check.verdict_now() {
+            None => Some(check),
+            Some(verdict) => match plan_checks::as_result(verdict)? {
+                Some(why) => return in_process(why),
+                None => None,
+            },
+        };
         Ok(TaskSpec {
-            place: TaskPlace::Worker { pool, inputs },
+            place: TaskPlace::Worker {
+                pool,
+                inputs,
+                check,
+            },
             ..spec
         })
     }
@@ -146,7 +158,11 @@ impl QueryRun {
             _ => None,
         };
         let place = match pool {
-            Some(pool) => TaskPlace::Worker { pool, inputs: None },
+            Some(pool) => TaskPlace::Worker {
+                pool,
+                inputs: None,
+                check: None,
+            },
             None => TaskPlace::InProcess(None),
         };
         self.task_spec(task, place)

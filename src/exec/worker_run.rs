@@ -7,6 +7,7 @@ use std::collections::{HashMap, HashSet};
 use std::sync::{Arc, Mutex, OnceLock};
 
 use crate::cluster::worker_pool::{PoolSettings, WorkerPoolSlot};
+use crate::exec::plan_checks::PlanCheck;
 use crate::exec::task_kind::TaskId;
 use crate::plan::graph::{OperatorId, Pool};
 use crate::store::block::BlockId;
@@ -18,10 +19,10 @@ pub(super) struct WorkerRun {
     pub slot: Option<Arc<WorkerPoolSlot>>,
     /// Tasks that ran on a worker (run again, they run the plan their worker ran).
     pub ran_on_worker: Mutex<HashSet<TaskId>>,
-    /// Operators (and task kinds: source or not) whose task plan a worker was found to
-    /// decode as planned: a release build checks one task of each, a debug build every one
-    /// (`remote_tasks::decodes_as_planned`).
-    pub plans_decoded_alike: Mutex<HashSet<(OperatorId, bool)>>,
+    /// Per operator and task kind (source or not), the check that a worker decodes its
+    /// task plan as planned, under way or done: a release build checks one task of each,
+    /// which the others wait on; a debug build every task (`QueryRun::plan_check`).
+    pub plan_checks: Mutex<HashMap<(OperatorId, bool), PlanCheck>>,
     /// Blocks lost with their worker and not yet made again.
     pub lost_blocks: Mutex<HashSet<BlockId>>,
     /// Workers (by [`crate::store::block::HeldBlock::holder_id`]) whose death this run has
@@ -48,7 +49,7 @@ impl WorkerRun {
         Self {
             slot,
             ran_on_worker: Mutex::default(),
-            plans_decoded_alike: Mutex::default(),
+            plan_checks: Mutex::default(),
             lost_blocks: Mutex::default(),
             dead_workers: Mutex::default(),
             query_token: crate::cluster::auth::Secret::random().to_hex(),
