@@ -471,7 +471,8 @@ impl QueryRun {
             if let Some(pending) = &check
                 && let Some(why) = plan_checks::as_result(pending.verdict().await)?
             {
-                // What it handed back is dropped (blocks it holds go when the query ends).
+                // What it handed back is dropped (blocks it holds go when the query ends);
+                // the counts of where tasks ran (`run_on_pool`) keep this run.
                 return Ok(Some(why));
             }
             let ran = ran.ok_or_else(|| {
