@@ -57,7 +57,9 @@ pub use config::{
     ByteSize, Device, EmbedPrecision, ExecMode, FlumenConfig, PreprocessOnCpu, WorkerBinary,
     WorkerMode,
 };
-pub use exec::{BlockDropper, BlockInfo, FlumenExec, FlumenQueryPlanner};
+pub use exec::{
+    BlockDropper, BlockInfo, CheckedTask, FlumenExec, FlumenQueryPlanner, PlanCheckFault,
+};
 pub use functions::accelerator::{
     AcceleratorFunction, AcceleratorWorker, PendingOutput, WorkerResources, accelerator_udf,
 };

@@ -13,7 +13,8 @@
 //!   [`streams`] (block streams for tasks and the query's output).
 //! - [`lineage`]: fetching a block, and recomputing it from its producer task when lost;
 //!   [`task_kind`]: a task's id and what it reads (what lineage runs again);
-//!   [`block_dropper`]: the tests' hook that drops blocks as a dead worker would.
+//!   [`fault_hooks`]: the tests' hooks that drop blocks as a dead worker would, and fail a
+//!   task's plan check.
 //! - [`replan`]: an in-core run refused memory before its first output, planned again out
 //!   of core.
 //! - [`build_bound_reads`]: in worker mode, a join's probe-side scans held until its build
@@ -32,10 +33,10 @@
 //! - [`progress`]: a running query's progress in words (one line per operator).
 
 pub(crate) mod accelerator_threads;
-pub(crate) mod block_dropper;
 pub(crate) mod build_bound_reads;
 pub(crate) mod cursor;
 pub(crate) mod explain;
+pub(crate) mod fault_hooks;
 pub(crate) mod flumen_exec;
 pub(crate) mod launch;
 pub(crate) mod launch_rules;
@@ -64,7 +65,7 @@ pub(crate) mod worker_run;
 
 pub use crate::cluster::on_driver::{DriverTasks, OnDriver};
 pub use accelerator_threads::AcceleratorPool;
-pub use block_dropper::{BlockDropper, BlockInfo};
+pub use fault_hooks::{BlockDropper, BlockInfo, CheckedTask, PlanCheckFault};
 pub use flumen_exec::FlumenExec;
 pub use metrics::{OperatorStats, RunMetrics, StatsSnapshot};
 pub use planner::FlumenQueryPlanner;

@@ -44,6 +44,18 @@ impl PlanCheck {
         Self(verdict)
     }
 
+    /// A check that fails with `why` after `delay` (the tests' [`PlanCheckFault`]).
+    ///
+    /// [`PlanCheckFault`]: crate::exec::fault_hooks::PlanCheckFault
+    pub fn failing_after(delay: std::time::Duration, why: OnDriver) -> Self {
+        let (tell, verdict) = watch::channel(None);
+        tokio::spawn(async move {
+            tokio::time::sleep(delay).await;
+            let _ = tell.send(Some(Ok(Some(why))));
+        });
+        Self(verdict)
+    }
+
     /// The verdict, if it is in.
     pub fn verdict_now(&self) -> Option<Verdict> {
         self.0.borrow().clone()

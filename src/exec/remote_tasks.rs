@@ -26,6 +26,7 @@
 
 use std::collections::{HashMap, HashSet};
 use std::sync::Arc;
+use std::time::Duration;
 
 use datafusion::arrow::datatypes::SchemaRef;
 use datafusion::arrow::record_batch::RecordBatch;
@@ -47,6 +48,7 @@ use crate::cluster::worker_memory::task_memory_limit;
 use crate::cluster::worker_pool::{PoolSettings, TaskOutput, WorkerPool};
 use crate::cluster::worker_tasks::collect_blocks;
 use crate::exec::cursor::{Cursor, Next, ReadOrder};
+use crate::exec::fault_hooks::{CheckedTask, PlanCheckFault};
 use crate::exec::metrics::OperatorStats;
 use crate::exec::plan_checks::{self, Gate, PlanCheck};
 use crate::exec::run::QueryRun;
@@ -332,16 +334,17 @@ impl QueryRun {
 
     /// The check that a worker of `pool` decodes `plan` as it was planned
     /// ([`PlanCheck`]), started now or, in a release build, the one of the first task of
-    /// the same operator and kind (`shape`): its other tasks' plans differ in their file
-    /// ranges and in-memory inputs alone, and the check (a decode and two plan texts) cost
-    /// an eighth of the driver's CPU per task. A debug build checks every task.
+    /// the same operator and kind (a source task or not): its other tasks' plans differ in
+    /// their file ranges and in-memory inputs alone, and the check (a decode and two plan
+    /// texts) cost an eighth of the driver's CPU per task. A debug build checks every task.
     pub(super) fn plan_check(
         &self,
         plan: &Arc<dyn ExecutionPlan>,
         pool: &WorkerPool,
-        describe: &str,
-        shape: (OperatorId, bool),
+        spec: &TaskSpec,
     ) -> PlanCheck {
+        let describe = spec.describe.as_str();
+        let shape = (spec.operator, matches!(spec.kind, TaskKind::Source { .. }));
         let start = || {
             let functions = Arc::clone(pool.functions());
             PlanCheck::start(
@@ -351,11 +354,31 @@ impl QueryRun {
                 describe.into(),
             )
         };
+        if let Some(delay) = self.injected_check_fault(spec.operator, spec.partition) {
+            let why = format!("{describe}: a check failed by the test's PlanCheckFault");
+            return PlanCheck::failing_after(delay, OnDriver::DecodesDifferently(why));
+        }
         if cfg!(debug_assertions) {
             return start();
         }
         let mut checks = self.workers.plan_checks.lock().unwrap();
         checks.entry(shape).or_insert_with(start).clone()
+    }
+
+    /// When the session's [`PlanCheckFault`] fails the check of the task of `op_id` for
+    /// `partition`, after how long.
+    ///
+    /// [`PlanCheckFault`]: crate::exec::fault_hooks::PlanCheckFault
+    fn injected_check_fault(&self, op_id: OperatorId, partition: usize) -> Option<Duration> {
+        let fault = self
+            .base
+            .session_config()
+            .get_extension::<PlanCheckFault>()?;
+        (fault.0)(&CheckedTask {
+            operator: op_id,
+            operator_name: self.graph.operators[op_id].name.clone(),
+            partition,
+        })
     }
 
     /// Run `task` on a worker of `pool`: its input blocks that live in other workers are

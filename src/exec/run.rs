@@ -26,7 +26,7 @@ use tokio::sync::watch;
 use crate::cluster::worker_pool::WorkerPoolSlot;
 use crate::config::{ByteSize, FlumenConfig, WorkerMode};
 use crate::exec::accelerator_threads::AcceleratorPool;
-use crate::exec::block_dropper::BlockDropper;
+use crate::exec::fault_hooks::BlockDropper;
 use crate::exec::metrics::{OperatorStats, RunMetrics};
 use crate::exec::policy::{self, ModePolicy};
 use crate::exec::state::{

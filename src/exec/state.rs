@@ -38,7 +38,7 @@ pub(super) struct TaskRecord {
     pub(super) paused_ns: u64,
     /// Resumed to keep the run live: runs to its end without pausing again.
     pub(super) unpausable: bool,
-    /// When the task was launched (for the test hook's [`crate::exec::block_dropper::BlockInfo::task_elapsed`]).
+    /// When the task was launched (for the test hook's [`crate::exec::fault_hooks::BlockInfo::task_elapsed`]).
     pub(super) launched: Option<Instant>,
     /// A sort of this task was refused memory to concatenate its batches (DataFusion
     /// concatenates what it holds, to sort in place or into fewer runs of one key, and the

@@ -202,7 +202,8 @@ impl QueryRun {
                 batch_rows: self.input_batch_rows(root.id),
             };
             let reads_a_table = crate::exec::task::reads_a_table(&root.fragment);
-            let context = self.task_context(inputs, false, reads_a_table);
+            // The output runs every partition of the root here: its joins report to one node.
+            let context = self.task_context(inputs, false, false, reads_a_table);
             root.fragment.execute(partition, context)?
         } else {
             let order = ReadOrder::Tasks {

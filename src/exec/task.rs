@@ -14,7 +14,7 @@ use datafusion::physical_plan::{ExecutionPlan, ExecutionPlanProperties};
 use futures::StreamExt;
 
 use crate::cluster::on_driver::OnDriver;
-use crate::exec::block_dropper::BlockInfo;
+use crate::exec::fault_hooks::BlockInfo;
 use crate::exec::metrics::OperatorStats;
 use crate::exec::run::QueryRun;
 use crate::exec::streams::TaskProvider;
@@ -162,7 +162,15 @@ impl QueryRun {
             },
             batch_rows: self.input_batch_rows(op_id),
         };
-        let context = self.task_context(inputs, sorts_in_pieces, reads_a_table(&fragment));
+        // A task here in worker mode is one partition of its operator's joins while others
+        // may run on workers: it must not wait for their build sides.
+        let joins_alone = self.workers.in_use();
+        let context = self.task_context(
+            inputs,
+            sorts_in_pieces,
+            joins_alone,
+            reads_a_table(&fragment),
+        );
         let mut stream = fragment.execute(partition, context)?;
         let mut cutter = BlockCutter::new(
             fragment.schema(),
@@ -294,6 +302,14 @@ impl QueryRun {
     /// within the task's share of the budget, and (`sorts_in_pieces`) sorts that never
     /// concatenate their batches.
     ///
+    /// `joins_alone`: the task runs one partition of its fragment's hash joins while the
+    /// others may run elsewhere (a worker-mode task that runs here). A DataFusion hash join
+    /// whose dynamic filter a scan below it reads makes each partition wait until every
+    /// partition of the same plan node has reported its build side; partitions that ran
+    /// on workers never report to the driver's node, so such a task waited for ever. Its
+    /// joins make no dynamic filter then: its probe scans read every row the join would
+    /// have let them skip, and the answer is the same.
+    ///
     /// Only the context of a task that scans a table (`reads_a_table`) carries the session's
     /// functions: a table's scan may read them as it runs (`information_schema.routines`
     /// lists them from its context, as may a user's own table), while the operators over a
@@ -305,6 +321,7 @@ impl QueryRun {
         &self,
         inputs: TaskInputs,
         sorts_in_pieces: bool,
+        joins_alone: bool,
         reads_a_table: bool,
     ) -> Arc<TaskContext> {
         let base = &self.base;
@@ -325,6 +342,12 @@ impl QueryRun {
         } else {
             execution.sort_in_place_threshold_bytes.min(share)
         };
+        if joins_alone {
+            config
+                .options_mut()
+                .optimizer
+                .enable_join_dynamic_filter_pushdown = false;
+        }
         Arc::new(TaskContext::new(
             base.task_id(),
             base.session_id(),

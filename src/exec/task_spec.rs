@@ -130,8 +130,7 @@ impl QueryRun {
         // later task whose plan, inputs filled in, does not encode is handed back by its
         // worker runner, with the reason (`run_worker_task`).
         let spec = self.task_spec(task, TaskPlace::InProcess(None));
-        let source = matches!(kind, TaskKind::Source { .. });
-        let check = self.plan_check(&runnable, &pool, &spec.describe, (op_id, source));
+        let check = self.plan_check(&runnable, &pool, &spec);
         let check = match check.verdict_now() {
             None => Some(check),
             Some(verdict) => match plan_checks::as_result(verdict)? {

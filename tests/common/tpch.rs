@@ -20,6 +20,9 @@ pub struct Comparison {
     /// For each operator (but the root the output runs) that ran tasks on the driver: the
     /// query, the operator, and how many of its tasks.
     pub tasks_on_driver: Vec<String>,
+    /// Tasks of every operator (roots included) that ran on the driver, by reason
+    /// (`flumen::cluster::on_driver::OnDriver::reason`).
+    pub on_driver_by_reason: std::collections::BTreeMap<&'static str, u64>,
     /// Per-partition operators (but the roots the output runs) over the 22 queries, and
     /// those whose every task ran in a worker.
     pub reduce_operators: usize,
@@ -27,6 +30,8 @@ pub struct Comparison {
     /// Tasks recomputed or retried (a clean run has none: an input released while another
     /// task still needed it is lost, and recomputed).
     pub redone: u64,
+    /// Source tasks that read nothing, their whole split ruled out by bounds at launch.
+    pub pruned_at_launch: u64,
     /// The worker hosts those operators' tasks ran on.
     pub reduce_hosts: std::collections::BTreeSet<String>,
     /// Bytes of blocks the driver fetched from the workers, and of the answers (both as
@@ -107,9 +112,13 @@ pub async fn compare_queries(vanilla: &SessionContext, flumen: &SessionContext) 
                     out.remote_tasks += remote;
                     out.tasks += tasks;
                     let on_driver = tasks_on_driver(&plan);
+                    for (reason, n) in on_driver_by_reason(&plan) {
+                        *out.on_driver_by_reason.entry(reason).or_default() += n;
+                    }
                     let reduces = reduce_operators(&plan);
                     out.reduce_hosts.extend(reduce_hosts(&plan));
                     out.redone += tasks_redone(&plan);
+                    out.pruned_at_launch += summed(&plan, |s| s.tasks_pruned_at_launch);
                     out.driver_fetched_bytes += driver_fetched_bytes(&plan);
                     out.result_bytes += actual.iter().map(flumen::store::rows_bytes).sum::<u64>();
                     out.reduce_operators += reduces;
@@ -150,6 +159,22 @@ pub fn tasks_on_driver(plan: &Arc<dyn datafusion::physical_plan::ExecutionPlan>)
         .collect()
 }
 
+/// Tasks of a finished flumen plan (roots included) that ran on the driver, by reason.
+fn on_driver_by_reason(
+    plan: &Arc<dyn datafusion::physical_plan::ExecutionPlan>,
+) -> std::collections::BTreeMap<&'static str, u64> {
+    let mut by_reason = std::collections::BTreeMap::new();
+    let Some(exec) = plan.downcast_ref::<flumen::exec::FlumenExec>() else {
+        return by_reason;
+    };
+    for op in &exec.graph().operators {
+        for (reason, n) in exec.run_metrics().operator(op.id).on_driver() {
+            *by_reason.entry(reason).or_default() += n;
+        }
+    }
+    by_reason
+}
+
 /// Bytes of blocks the driver of a finished flumen plan fetched from the workers.
 fn driver_fetched_bytes(plan: &Arc<dyn datafusion::physical_plan::ExecutionPlan>) -> u64 {
     let Some(exec) = plan.downcast_ref::<flumen::exec::FlumenExec>() else {
@@ -167,12 +192,19 @@ fn driver_fetched_bytes(plan: &Arc<dyn datafusion::physical_plan::ExecutionPlan>
 
 /// Tasks of a finished flumen plan recomputed or retried.
 fn tasks_redone(plan: &Arc<dyn datafusion::physical_plan::ExecutionPlan>) -> u64 {
+    summed(plan, |s| s.recomputed + s.tasks_retried)
+}
+
+/// `count` of each operator's counters, summed over a finished flumen plan.
+fn summed(
+    plan: &Arc<dyn datafusion::physical_plan::ExecutionPlan>,
+    count: impl Fn(&flumen::exec::StatsSnapshot) -> u64,
+) -> u64 {
     let Some(exec) = plan.downcast_ref::<flumen::exec::FlumenExec>() else {
         return 0;
     };
     (exec.graph().operators.iter())
-        .map(|op| exec.run_metrics().operator(op.id).snapshot())
-        .map(|s| s.recomputed + s.tasks_retried)
+        .map(|op| count(&exec.run_metrics().operator(op.id).snapshot()))
         .sum()
 }
 

@@ -125,6 +125,95 @@ async fn tpch_in_worker_processes_answers_like_vanilla() {
     outcome.assert_all_on_workers(40);
 }
 
+/// The 22 TPC-H queries at scale factor 0.01 in two worker processes, where the check that
+/// a worker decodes a task's plan as planned fails, `after` the task was sent, for the tasks
+/// `fails` picks ([`flumen::PlanCheckFault`], as a plan datafusion-proto carries wrongly
+/// fails it in a release build): those ran on their worker meanwhile, what they handed back
+/// is held and dropped, and they run again on the driver. Checks every answer against
+/// vanilla DataFusion and that every task so failed ran on the driver (but for source tasks
+/// whose split was ruled out before they read it). Returns the comparison and how many
+/// checks were failed.
+async fn tpch_with_failing_checks(
+    fails: fn(&flumen::CheckedTask) -> bool,
+    after: std::time::Duration,
+) -> (tpch::Comparison, u64) {
+    use std::sync::atomic::{AtomicU64, Ordering};
+    let dir = tempfile::tempdir().unwrap();
+    tpch::tables::generate_parts(dir.path(), 0.01, 3, 2_000).unwrap();
+    let vanilla = SessionContext::new_with_config(SessionConfig::new().with_target_partitions(2));
+    tpch::tables::register(&vanilla, dir.path()).await.unwrap();
+    let failed = Arc::new(AtomicU64::new(0));
+    let fault = {
+        let failed = Arc::clone(&failed);
+        flumen::PlanCheckFault(Arc::new(move |task: &flumen::CheckedTask| {
+            fails(task).then(|| {
+                failed.fetch_add(1, Ordering::Relaxed);
+                after
+            })
+        }))
+    };
+    let flumen = session_with(2, SessionConfig::new().with_extension(Arc::new(fault)));
+    tpch::tables::register(&flumen, dir.path()).await.unwrap();
+    // A query that waits for ever fails the test instead of holding CI.
+    let limit = std::time::Duration::from_secs(300);
+    let outcome = tokio::time::timeout(limit, tpch::compare_queries(&vanilla, &flumen))
+        .await
+        .unwrap_or_else(|_| panic!("the 22 queries did not end within {limit:?}"));
+    let failed = failed.load(Ordering::Relaxed);
+    let rerun = (outcome.on_driver_by_reason.get("decodes_differently")).map_or(0, |n| *n);
+    println!(
+        "TPC-H in 2 worker processes: {failed} checks failed on purpose, {rerun} tasks ran \
+         again on the driver ({} pruned at launch), {} of {} tasks ran in a worker, {} \
+         recomputed or retried; on the driver by reason: {:?}",
+        outcome.pruned_at_launch,
+        outcome.remote_tasks,
+        outcome.tasks,
+        outcome.redone,
+        outcome.on_driver_by_reason
+    );
+    assert!(
+        outcome.failures.is_empty(),
+        "{}",
+        outcome.failures.join("\n")
+    );
+    assert!(
+        rerun <= failed && rerun + outcome.pruned_at_launch >= failed,
+        "{failed} checks failed, {rerun} tasks ran on the driver for it:\n{}",
+        outcome.tasks_on_driver.join("\n")
+    );
+    (outcome, failed)
+}
+
+/// Every third task's check fails: a join's partitions run some on the workers, some on
+/// the driver. Before, a partition on the driver waited for ever for the others' build
+/// sides (a DataFusion hash join's dynamic filter waits for every partition of its node),
+/// and TPC-H q2 never ended.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn tasks_whose_plan_check_fails_after_they_ran_on_a_worker_answer_once_from_the_driver() {
+    let every_third =
+        |task: &flumen::CheckedTask| (task.operator + task.partition).is_multiple_of(3);
+    let (_, failed) =
+        tpch_with_failing_checks(every_third, std::time::Duration::from_millis(300)).await;
+    assert!(failed >= 50, "only {failed} checks were failed");
+}
+
+/// Every task's check fails: each task that reads other tasks' blocks reads blocks that
+/// live on the driver, which its worker attempt read first (sent inline). Its run on the
+/// driver reads them again, with nothing recomputed.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_task_run_on_the_driver_after_its_check_failed_reads_the_inputs_its_attempt_read() {
+    let (outcome, failed) =
+        tpch_with_failing_checks(|_| true, std::time::Duration::from_millis(100)).await;
+    assert!(failed >= 150, "only {failed} checks were failed");
+    // A source task whose split bounds rule out counts as run where it was placed.
+    assert!(
+        outcome.remote_tasks <= outcome.pruned_at_launch,
+        "{} tasks ran on a worker after all",
+        outcome.remote_tasks
+    );
+    assert_eq!(outcome.redone, 0, "tasks recomputed or retried");
+}
+
 /// An events table of 2 files of 12,000 rows (row groups of 5,000): a model plan cuts each
 /// row group into pieces of `flumen.model_split_rows` rows read through row selections, and
 /// the first pieces of each partition read small batches (the ramp).
