@@ -164,7 +164,8 @@ impl QueryRun {
         };
         // A task here in worker mode is one partition of its operator's joins while others
         // may run on workers: it must not wait for their build sides.
-        let joins_alone = self.workers.in_use();
+        let joins_alone =
+            self.workers.in_use() && dynamic_filters::joins_wait_for_every_partition(&fragment);
         let context = self.task_context(
             inputs,
             sorts_in_pieces,
@@ -303,12 +304,14 @@ impl QueryRun {
     /// concatenate their batches.
     ///
     /// `joins_alone`: the task runs one partition of its fragment's hash joins while the
-    /// others may run elsewhere (a worker-mode task that runs here). A DataFusion hash join
-    /// whose dynamic filter a scan below it reads makes each partition wait until every
-    /// partition of the same plan node has reported its build side; partitions that ran
-    /// on workers never report to the driver's node, so such a task waited for ever. Its
-    /// joins make no dynamic filter then: its probe scans read every row the join would
-    /// have let them skip, and the answer is the same.
+    /// others may run elsewhere (a worker-mode task that runs here), and those joins would
+    /// wait for every partition ([`dynamic_filters::joins_wait_for_every_partition`]):
+    /// partitions that ran on workers never report to the driver's node, so such a task
+    /// waited for ever. Its joins make no dynamic filter then (the context's
+    /// `enable_join_dynamic_filter_pushdown` is off): its probe scans read every row the
+    /// join would have let them skip, and the answer is the same. (An
+    /// `information_schema.df_settings` scan in the same fragment would show the setting
+    /// off.)
     ///
     /// Only the context of a task that scans a table (`reads_a_table`) carries the session's
     /// functions: a table's scan may read them as it runs (`information_schema.routines`

@@ -35,7 +35,7 @@ use datafusion::physical_plan::filter::{FilterExec, FilterExecBuilder};
 use datafusion::physical_plan::joins::{CrossJoinExec, HashJoinExec, NestedLoopJoinExec};
 use datafusion::physical_plan::repartition::RepartitionExec;
 use datafusion::physical_plan::sorts::sort::SortExec;
-use datafusion::physical_plan::{ExecutionPlan, PhysicalExpr};
+use datafusion::physical_plan::{ExecutionPlan, ExecutionPlanProperties, PhysicalExpr};
 
 use crate::plan::key_membership::KeysInSet;
 use crate::plan::split_source::SplitSourceExec;
@@ -118,6 +118,46 @@ pub fn for_worker_task(
     at_launch: &HashMap<u64, Arc<dyn PhysicalExpr>>,
 ) -> Result<OneTask> {
     renew_bounds(Arc::clone(plan), false, at_launch)
+}
+
+/// Whether a hash join of `fragment` makes each of its partitions wait, once its build side
+/// is in, until every partition of the node has reported its build side: a join of more
+/// than one partition whose dynamic filter a node of its probe side reads (DataFusion's own
+/// test, at `execute`). DataFusion makes the filter from all the build sides together
+/// before any partition probes. A partition run where the others do not run (a worker-mode
+/// task on the driver, the others on workers) waits for ever there.
+pub fn joins_wait_for_every_partition(fragment: &Arc<dyn ExecutionPlan>) -> bool {
+    fragment
+        .exists(|node| {
+            let Some(join) = node.downcast_ref::<HashJoinExec>() else {
+                return Ok(false);
+            };
+            if node.output_partitioning().partition_count() < 2 {
+                return Ok(false);
+            }
+            Ok((node.dynamic_expressions_produced().iter())
+                .filter_map(|filter| filter.expression_id())
+                .any(|id| reads_expression(join.right(), id)))
+        })
+        .unwrap_or(false)
+}
+
+/// Whether an expression of a node of `plan` is or holds the expression `id`.
+fn reads_expression(plan: &Arc<dyn ExecutionPlan>, id: u64) -> bool {
+    plan.exists(|node| {
+        let mut found = false;
+        node.apply_expressions(&mut |root| {
+            root.apply(|expr| {
+                found |= expr.expression_id() == Some(id);
+                Ok(match found {
+                    true => TreeNodeRecursion::Stop,
+                    false => TreeNodeRecursion::Continue,
+                })
+            })
+        })?;
+        Ok(found)
+    })
+    .unwrap_or(false)
 }
 
 /// Whether `node` makes a bound [`renew_bounds`] renews: an aggregate's or a TopK's.
@@ -442,6 +482,28 @@ pub(crate) mod tests {
             .await
             .unwrap();
         (dir, plan)
+    }
+
+    #[tokio::test]
+    async fn a_join_whose_probe_scan_reads_its_filter_waits_for_every_partition() {
+        // The probe side a union of two scans: a join of two partitions.
+        let sql = "SELECT x.a FROM t x JOIN (SELECT a FROM t UNION ALL SELECT a FROM t) y \
+                   ON x.a = y.a";
+        let (_dir, join) = plan_in_partitions(sql, 2).await;
+        assert!(
+            joins_wait_for_every_partition(&join),
+            "{}",
+            datafusion::physical_plan::displayable(join.as_ref()).indent(true)
+        );
+        // One partition reports to itself; a plan without a join has nothing to wait for.
+        let sql = "SELECT x.a FROM t x JOIN t y ON x.a = y.a";
+        let (_dir, alone) = plan_in_partitions(sql, 2).await;
+        assert!(!joins_wait_for_every_partition(&alone));
+        let (_dir, no_join) = plan_in_partitions("SELECT a FROM t WHERE a > 3", 2).await;
+        assert!(!joins_wait_for_every_partition(&no_join));
+        // Without join filters the probe scan reads none.
+        let (_dir, plan) = plan_of("SELECT a FROM t ORDER BY a DESC LIMIT 3").await;
+        assert!(!joins_wait_for_every_partition(&plan));
     }
 
     #[tokio::test]

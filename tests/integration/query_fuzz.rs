@@ -21,6 +21,9 @@
 //! ([`LoseBlocks::InThreadsToo`]; a query failing there because a task cannot run again
 //! alike, which only the test hook makes happen in threads mode, is counted, not failed). `FLUMEN_FUZZ_ALSO="SET …; SET …"` adds a threads-mode
 //! engine under those settings (batch mode, a budget small enough to spill, ...).
+//! A sixth, two worker processes where the check that a worker decodes a task's plan as
+//! planned fails for a third of the tasks (during or after their run on the worker, which
+//! then run on the driver: `flumen::PlanCheckFault`), runs the queries the spilling one runs.
 //! `FLUMEN_FUZZ_ALSO_WORKERS=N` runs that engine's tasks in N worker processes.
 //! `FLUMEN_FUZZ_TOGETHER=N` runs N queries at once in each engine's session.
 //! `FLUMEN_FUZZ_KILL=MS` adds two worker processes (`FLUMEN_FUZZ_KILL_WORKERS=N`: N), one of
@@ -327,15 +330,27 @@ async fn register(ctx: &SessionContext, dir: &Path) {
     common::collect(ctx, "CREATE TABLE c AS SELECT k, w FROM b WHERE w % 3 <> 0").await;
 }
 
+/// A fault a session's test hooks make.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Fault {
+    None,
+    /// Every fourth block produced is dropped as if its holder had died, so lineage
+    /// recomputes it.
+    LoseBlocks,
+    /// The check that a worker decodes a task's plan as planned fails for a third of the
+    /// worker tasks, 0, 25 or 50 ms after each was sent (during its run, or after it handed
+    /// back its blocks): the task runs again on the driver ([`flumen::PlanCheckFault`]).
+    FailChecks,
+}
+
 /// A flumen session: its tasks in `workers` local worker processes (threads mode when 0),
 /// blocks of `block_rows` rows and splits of a few KB, so a query of a few thousand rows
-/// runs as many tasks. With `lose_blocks`, every fourth block produced is dropped as if
-/// its holder had died, so lineage recomputes it.
+/// runs as many tasks, with `fault` made by its test hooks.
 fn flumen_session(
     workers: usize,
     block_rows: usize,
     partitions: usize,
-    lose_blocks: bool,
+    fault: Fault,
 ) -> SessionContext {
     let mut config = FlumenConfig::default();
     config.target_block_rows = block_rows;
@@ -347,7 +362,17 @@ fn flumen_session(
         config.worker_binary = FLUMEN.into();
     }
     let mut session_config = SessionConfig::new().with_target_partitions(partitions);
-    if lose_blocks {
+    if fault == Fault::FailChecks {
+        let fails = |task: &flumen::CheckedTask| {
+            let drawn = task.operator * 31 + task.partition * 17;
+            drawn
+                .is_multiple_of(3)
+                .then(|| std::time::Duration::from_millis(25 * (drawn / 3 % 3) as u64))
+        };
+        let fault = flumen::PlanCheckFault(Arc::new(fails));
+        session_config = session_config.with_extension(Arc::new(fault));
+    }
+    if fault == Fault::LoseBlocks {
         // As a dying worker loses them: with worker processes only the blocks a worker
         // holds (the driver's own outlive any worker).
         let produced = AtomicUsize::new(0);
@@ -1284,27 +1309,27 @@ async fn search(seed: u64, queries: usize, lose_blocks: LoseBlocks) -> Vec<Strin
                 false,
             ),
     );
-    let threads = flumen_session(0, block_rows, 3, false);
-    let workers = flumen_session(2, block_rows, 2, false);
+    let threads = flumen_session(0, block_rows, 3, Fault::None);
+    let workers = flumen_session(2, block_rows, 2, Fault::None);
     // (name, session, (every, offset)): the engine runs query n when n % every == offset.
     // Recomputing lost blocks in worker processes costs about twice the other engines
     // together, so by default it runs a third of the queries; a threads-mode session whose
     // 64 KB budget sends its sorts, aggregates and exchanges out of core another third.
     let mut engines = vec![("threads", threads, (1, 0)), ("workers", workers, (1, 0))];
-    let spilling = flumen_session(0, block_rows, 3, false);
+    let spilling = flumen_session(0, block_rows, 3, Fault::None);
     common::collect(&spilling, "SET flumen.memory_budget = '64KB'").await;
     engines.push((SPILLING, spilling, (3, 1)));
     // Another third in threads mode with every hash join planned partitioned (the tables
     // are small enough that DataFusion collects each build side whole otherwise): its
     // probe scans wait for its build side and drop rows by the bound of its keys
     // (`flumen::plan::build_bounds`).
-    let partitioned = flumen_session(0, block_rows, 3, false);
+    let partitioned = flumen_session(0, block_rows, 3, Fault::None);
     for setting in PARTITIONED_JOINS {
         common::collect(&partitioned, setting).await;
     }
     engines.push(("threads, joins partitioned", partitioned, (3, 2)));
     if lose_blocks == LoseBlocks::InThreadsToo {
-        let losing = flumen_session(0, block_rows, 2, true);
+        let losing = flumen_session(0, block_rows, 2, Fault::LoseBlocks);
         engines.push((THREADS_LOSING, losing, (1, 0)));
     }
     // `FLUMEN_FUZZ_ALSO`: `SET` statements (`;`-separated) of one more threads-mode engine,
@@ -1312,14 +1337,14 @@ async fn search(seed: u64, queries: usize, lose_blocks: LoseBlocks) -> Vec<Strin
     // `FLUMEN_FUZZ_ALSO_WORKERS=N`: that engine runs its tasks in N worker processes.
     if let Ok(settings) = std::env::var("FLUMEN_FUZZ_ALSO") {
         let workers = std::env::var("FLUMEN_FUZZ_ALSO_WORKERS").map_or(0, |n| n.parse().unwrap());
-        let also = flumen_session(workers, block_rows, 3, false);
+        let also = flumen_session(workers, block_rows, 3, Fault::None);
         for set in settings.split(';').filter(|s| !s.trim().is_empty()) {
             common::collect(&also, set).await;
         }
         engines.push((ALSO, also, (1, 0)));
     }
     if lose_blocks != LoseBlocks::Never {
-        let losing = flumen_session(2, block_rows, 3, true);
+        let losing = flumen_session(2, block_rows, 3, Fault::LoseBlocks);
         let every = if lose_blocks == LoseBlocks::InWorkers {
             (3, 0)
         } else {
@@ -1327,6 +1352,10 @@ async fn search(seed: u64, queries: usize, lose_blocks: LoseBlocks) -> Vec<Strin
         };
         engines.push(("workers losing blocks", losing, every));
     }
+    // Two worker processes where a third of the tasks' plan checks fail, each such task
+    // then running on the driver, on another third of the queries.
+    let failing = flumen_session(2, block_rows, 3, Fault::FailChecks);
+    engines.push(("workers failing checks", failing, (3, 1)));
     // `FLUMEN_FUZZ_KILL=MS`: two worker processes (`FLUMEN_FUZZ_KILL_WORKERS`) of which
     // one is killed (SIGKILL) every MS ms or so, as long as the search runs; every query
     // runs there.
@@ -1335,7 +1364,7 @@ async fn search(seed: u64, queries: usize, lose_blocks: LoseBlocks) -> Vec<Strin
         .map(|ms| ms.parse().unwrap());
     if kill_every.is_some() {
         let workers = std::env::var("FLUMEN_FUZZ_KILL_WORKERS").map_or(2, |n| n.parse().unwrap());
-        let killed = flumen_session(workers, block_rows, 3, false);
+        let killed = flumen_session(workers, block_rows, 3, Fault::None);
         // A task may land on worker after worker the killer picks next.
         common::collect(&killed, "SET flumen.max_task_retries = 8").await;
         engines.push((KILLED, killed, (1, 0)));
@@ -1637,7 +1666,7 @@ async fn answers_as_vanilla(
 async fn a_scalar_subquery_read_twice_gives_one_value() {
     let (dir, vanilla) = ci_tables().await;
     for workers in [0, 2] {
-        let flumen = flumen_session(workers, 7, 3, false);
+        let flumen = flumen_session(workers, 7, 3, Fault::None);
         register(&flumen, dir.path()).await;
         for sql in [
             "SELECT id, x FROM a WHERE x > (SELECT max(w) FROM b WHERE k < 8)",
@@ -1657,7 +1686,7 @@ async fn a_scalar_subquery_read_twice_gives_one_value() {
 async fn a_task_with_a_bound_run_again_repeats_itself() {
     let (dir, vanilla) = ci_tables().await;
     // Threads mode, losing every fourth block of every operator.
-    let flumen = flumen_session(0, 7, 2, true);
+    let flumen = flumen_session(0, 7, 2, Fault::LoseBlocks);
     register(&flumen, dir.path()).await;
     for sql in [
         "SELECT * FROM (SELECT CASE WHEN id % 4 = 1 THEN x ELSE -1 END AS c FROM a \
@@ -1679,7 +1708,7 @@ async fn a_task_with_a_bound_run_again_repeats_itself() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_reader_run_again_rereads_a_join_that_cannot_run_again() {
     let (dir, vanilla) = ci_tables().await;
-    let flumen = flumen_session(2, 7, 3, true);
+    let flumen = flumen_session(2, 7, 3, Fault::LoseBlocks);
     register(&flumen, dir.path()).await;
     let sql = "SELECT * FROM (SELECT a.id AS c0, coalesce(a.g, 'none') || '-' || \
                CAST(a.k AS VARCHAR) AS c1 FROM a WHERE a.k NOT IN (SELECT b.k FROM b \
@@ -1695,7 +1724,7 @@ async fn a_reader_run_again_rereads_a_join_that_cannot_run_again() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_window_over_sorted_ranges_keeps_what_the_filter_made_constant() {
     let (dir, vanilla) = ci_tables().await;
-    let flumen = flumen_session(0, 7, 3, false);
+    let flumen = flumen_session(0, 7, 3, Fault::None);
     common::collect(&flumen, "SET flumen.memory_budget = '32KB'").await;
     register(&flumen, dir.path()).await;
     let sql = "SELECT * FROM (SELECT id AS c0, first_value(x) OVER (ORDER BY id ROWS BETWEEN \
@@ -1713,7 +1742,7 @@ async fn a_window_over_sorted_ranges_keeps_what_the_filter_made_constant() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn copies_of_a_subquery_reader_set_its_value_once() {
     let (dir, vanilla) = tables_of_seed(32).await;
-    let flumen = flumen_session(0, 7, 3, false);
+    let flumen = flumen_session(0, 7, 3, Fault::None);
     for set in [
         "SET flumen.mode = 'batch'",
         "SET flumen.memory_budget = '128KB'",
@@ -1749,7 +1778,7 @@ async fn a_rollup_over_a_key_the_filter_fixed_gives_each_group_once() {
     ] {
         let (dir, vanilla) = tables_of_seed(seed).await;
         for workers in [0, 2] {
-            let flumen = flumen_session(workers, block_rows, 2, false);
+            let flumen = flumen_session(workers, block_rows, 2, Fault::None);
             register(&flumen, dir.path()).await;
             let what = format!("seed {seed}, {workers} workers");
             answers_as_vanilla(&vanilla, &flumen, sql, 3, &what).await;
@@ -1778,7 +1807,7 @@ async fn an_outer_joins_null_padded_key_keeps_its_place_in_the_order() {
     );
     let sql = format!("SELECT * FROM ({join}) q ORDER BY 1 DESC, 2, 3");
     for workers in [0, 2] {
-        let flumen = flumen_session(workers, 100, 4, false);
+        let flumen = flumen_session(workers, 100, 4, Fault::None);
         register(&flumen, dir.path()).await;
         for _ in 0..3 {
             let got = answer(&flumen, &sql, true).await.unwrap();
@@ -1796,7 +1825,7 @@ async fn a_cube_over_no_rows_gives_its_grand_total() {
     let sql = "SELECT k AS c0, id % 3 AS c1, grouping(k) AS c2, count(*) AS c3, \
                sum(DISTINCT k) AS c4 FROM a WHERE id >= 4902 GROUP BY CUBE (k, id % 3)";
     for workers in [0, 2] {
-        let flumen = flumen_session(workers, 100, 3, false);
+        let flumen = flumen_session(workers, 100, 3, Fault::None);
         register(&flumen, dir.path()).await;
         answers_as_vanilla(&vanilla, &flumen, sql, 2, &format!("{workers} workers")).await;
     }
@@ -1814,11 +1843,11 @@ async fn a_recursive_query_is_kept_for_readers_run_again() {
     let sql = "WITH RECURSIVE t(k, d) AS (SELECT k, 0 FROM b WHERE k < 10 UNION ALL \
                SELECT k + 1, d + 1 FROM t WHERE d < 4) \
                SELECT k AS c0, d AS c1, count(*) AS c2 FROM t GROUP BY k, d";
-    let flumen = flumen_session(2, 7, 3, true);
+    let flumen = flumen_session(2, 7, 3, Fault::LoseBlocks);
     register(&flumen, dir.path()).await;
     answers_as_vanilla(&vanilla, &flumen, sql, 3, "2 workers, losing blocks").await;
     // In threads mode only the test hook loses a block: the query fails, naming why.
-    let flumen = flumen_session(0, 7, 3, true);
+    let flumen = flumen_session(0, 7, 3, Fault::LoseBlocks);
     register(&flumen, dir.path()).await;
     let error = answer(&flumen, sql, false).await.unwrap_err();
     assert!(
@@ -1850,7 +1879,7 @@ async fn two_mins_skip_no_row_group_the_second_needs() {
         "SELECT min(dt) AS c0, min(ts) AS c1, max(x + 1) AS c2 FROM a",
     ] {
         for (workers, what) in [(0, "threads"), (2, "2 workers")] {
-            let flumen = flumen_session(workers, 32, 3, false);
+            let flumen = flumen_session(workers, 32, 3, Fault::None);
             register(&flumen, dir.path()).await;
             answers_as_vanilla(&vanilla, &flumen, sql, 2, what).await;
         }
@@ -1873,7 +1902,7 @@ async fn an_extended_searchs_a_is_read_in_id_order() {
         "SELECT id, g FROM a WHERE x > 0 ORDER BY id DESC, g LIMIT 30 OFFSET 5",
     ] {
         for (workers, what) in [(0, "threads"), (2, "2 workers")] {
-            let flumen = flumen_session(workers, 32, 3, false);
+            let flumen = flumen_session(workers, 32, 3, Fault::None);
             register(&flumen, dir.path()).await;
             answers_as_vanilla(&vanilla, &flumen, sql, 2, what).await;
         }
@@ -1891,7 +1920,7 @@ async fn a_workers_topk_scan_keeps_its_files_in_order() {
     let sql = "SELECT * FROM (SELECT id AS c0, x AS c1 FROM a WHERE x > \
                (SELECT count(*) FROM b WHERE w > 89)) q ORDER BY 1 DESC, 2 LIMIT 4";
     for (workers, what) in [(0, "threads"), (2, "2 workers")] {
-        let flumen = flumen_session(workers, 32, 3, false);
+        let flumen = flumen_session(workers, 32, 3, Fault::None);
         register(&flumen, dir.path()).await;
         answers_as_vanilla(&vanilla, &flumen, sql, 2, what).await;
     }
