@@ -41,6 +41,11 @@ pub struct Comparison {
 }
 
 impl Comparison {
+    /// Check that every query gave vanilla's answer (each failure's line and answers shown).
+    pub fn assert_answers_match(&self) {
+        assert!(self.failures.is_empty(), "{}", self.failures.join("\n"));
+    }
+
     /// Print the operators that ran tasks on the driver, and check that none did but the
     /// roots the output runs, that the driver fetched at most 1.1 times the answers' bytes,
     /// and that at least `at_least` per-partition operators ran (joins,

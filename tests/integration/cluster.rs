@@ -101,11 +101,7 @@ fn tpch_and_a_model_query_on_three_hosts_answer_like_datafusion() {
                 outcome.remote_tasks,
                 outcome.tasks
             );
-            assert!(
-                outcome.failures.is_empty(),
-                "{}",
-                outcome.failures.join("\n")
-            );
+            outcome.assert_answers_match();
             outcome.assert_all_on_workers(40);
             assert_eq!(
                 outcome.reduce_hosts.len(),

@@ -111,11 +111,7 @@ async fn tpch_in_worker_processes_answers_like_vanilla() {
         "TPC-H in 2 worker processes: {} of {} tasks ran in a worker",
         outcome.remote_tasks, outcome.tasks
     );
-    assert!(
-        outcome.failures.is_empty(),
-        "{}",
-        outcome.failures.join("\n")
-    );
+    outcome.assert_answers_match();
     assert!(
         outcome.remote_tasks > 100,
         "only {} of {} tasks ran in a worker",
@@ -171,11 +167,7 @@ async fn tpch_with_failing_checks(
         outcome.redone,
         outcome.on_driver_by_reason
     );
-    assert!(
-        outcome.failures.is_empty(),
-        "{}",
-        outcome.failures.join("\n")
-    );
+    outcome.assert_answers_match();
     assert!(
         rerun <= failed && rerun + outcome.pruned_at_launch >= failed,
         "{failed} checks failed, {rerun} tasks ran on the driver for it:\n{}",
