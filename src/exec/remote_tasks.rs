@@ -45,7 +45,7 @@ use crate::cluster::sent_keys::SentKeys;
 use crate::cluster::task_plan;
 use crate::cluster::worker_handle::{TaskFeed, WorkerBlock};
 use crate::cluster::worker_memory::task_memory_limit;
-use crate::cluster::worker_pool::{PoolSettings, TaskOutput, WorkerPool};
+use crate::cluster::worker_pool::{PoolSettings, TaskOutput, TaskRan, WorkerPool};
 use crate::cluster::worker_tasks::collect_blocks;
 use crate::exec::cursor::{Cursor, Next, ReadOrder};
 use crate::exec::fault_hooks::{CheckedTask, PlanCheckFault};
@@ -477,7 +477,6 @@ impl QueryRun {
             let mut gated_bounds = |sent| bounds.admit(sent).into_iter().for_each(&mut on_bounds);
             let running = self.run_on_pool(
                 pool,
-                op_id,
                 outgoing,
                 describe,
                 &mut gated_block,
@@ -494,8 +493,8 @@ impl QueryRun {
             if let Some(pending) = &check
                 && let Some(why) = plan_checks::as_result(pending.verdict().await)?
             {
-                // What it handed back is dropped (blocks it holds go when the query ends);
-                // the counts of where tasks ran (`run_on_pool`) keep this run.
+                // What it handed back is dropped (blocks it holds go when the query ends),
+                // and it counts as a task on the driver alone.
                 return Ok(Some(why));
             }
             let ran = ran.ok_or_else(|| {
@@ -505,7 +504,8 @@ impl QueryRun {
             (blocks.opened().into_iter()).try_for_each(|(seq, b)| on_block(seq, b))?;
             let fed = std::mem::take(&mut *fed_log.lock().unwrap());
             match ran {
-                Ok((bounds, build_keys)) => {
+                Ok(ran) => {
+                    let (bounds, build_keys) = self.count_worker_run(pool, op_id, ran);
                     match sent_bounds::received(&bounds, &one_task.made, &self.base_context()) {
                         Ok(made) => self.bounds.add(made),
                         Err(e) => log::warn!("{describe}: its bounds are left out: {e}"),
@@ -969,17 +969,16 @@ impl QueryRun {
         });
     }
 
-    /// Run `task` on `pool` for operator `op_id`, counting its retries, the host it ran on
-    /// and the pool's restarts.
+    /// Run `task` on `pool`, noting the pool's restarts (a run that ended is counted by
+    /// [`Self::count_worker_run`] once its plan's check passed).
     async fn run_on_pool(
         &self,
         pool: &Arc<WorkerPool>,
-        op_id: OperatorId,
         task: Outgoing<'_>,
         describe: &str,
         on_block: &mut (dyn FnMut(usize, WorkerBlock) -> Result<()> + Send),
         on_bounds: &mut (dyn FnMut(Vec<SentBound>) + Send),
-    ) -> Result<(Vec<SentBound>, Option<SentKeys>)> {
+    ) -> Result<TaskRan> {
         let config = self.config();
         let retries = config.max_task_retries;
         let ran = pool
@@ -995,7 +994,19 @@ impl QueryRun {
                     feed: task.feed,
                 },
             )
-            .await?;
+            .await;
+        self.note_restarts(pool);
+        ran
+    }
+
+    /// Count a task of `op_id` that ran on a worker of `pool` (its retries, the host it ran
+    /// on, its plan's and models' figures): the bounds and build keys it sent back.
+    fn count_worker_run(
+        &self,
+        pool: &WorkerPool,
+        op_id: OperatorId,
+        ran: TaskRan,
+    ) -> (Vec<SentBound>, Option<SentKeys>) {
         let stats = self.stats(op_id);
         OperatorStats::add(&stats.tasks_retried, ran.retries as u64);
         stats.worker_plan_metrics.add(ran.figures.plan);
@@ -1003,7 +1014,7 @@ impl QueryRun {
         stats.count_remote_on(&host_of(&ran.worker));
         self.metrics.count_task_on(&host_of(&ran.worker));
         self.note_restarts(pool);
-        Ok((ran.figures.bounds, ran.figures.build_keys))
+        (ran.figures.bounds, ran.figures.build_keys)
     }
 
     /// Count the pools' worker restarts since this run first used them into the graph's

@@ -32,6 +32,8 @@ pub struct Comparison {
     pub redone: u64,
     /// Source tasks that read nothing, their whole split ruled out by bounds at launch.
     pub pruned_at_launch: u64,
+    /// Tasks counted on the host of the worker that ran them (`remote_tasks_by_host`).
+    pub counted_on_hosts: u64,
     /// The worker hosts those operators' tasks ran on.
     pub reduce_hosts: std::collections::BTreeSet<String>,
     /// Bytes of blocks the driver fetched from the workers, and of the answers (both as
@@ -124,6 +126,7 @@ pub async fn compare_queries(vanilla: &SessionContext, flumen: &SessionContext) 
                     out.reduce_hosts.extend(reduce_hosts(&plan));
                     out.redone += tasks_redone(&plan);
                     out.pruned_at_launch += summed(&plan, |s| s.tasks_pruned_at_launch);
+                    out.counted_on_hosts += counted_on_hosts(&plan);
                     out.driver_fetched_bytes += driver_fetched_bytes(&plan);
                     out.result_bytes += actual.iter().map(flumen::store::rows_bytes).sum::<u64>();
                     out.reduce_operators += reduces;
@@ -198,6 +201,17 @@ fn driver_fetched_bytes(plan: &Arc<dyn datafusion::physical_plan::ExecutionPlan>
 /// Tasks of a finished flumen plan recomputed or retried.
 fn tasks_redone(plan: &Arc<dyn datafusion::physical_plan::ExecutionPlan>) -> u64 {
     summed(plan, |s| s.recomputed + s.tasks_retried)
+}
+
+/// Tasks of a finished flumen plan counted on the host of the worker that ran them.
+fn counted_on_hosts(plan: &Arc<dyn datafusion::physical_plan::ExecutionPlan>) -> u64 {
+    let Some(exec) = plan.downcast_ref::<flumen::exec::FlumenExec>() else {
+        return 0;
+    };
+    (exec.graph().operators.iter())
+        .flat_map(|op| exec.run_metrics().operator(op.id).remote_tasks_by_host())
+        .map(|(_, n)| n)
+        .sum()
 }
 
 /// `count` of each operator's counters, summed over a finished flumen plan.

@@ -168,6 +168,13 @@ async fn tpch_with_failing_checks(
         outcome.on_driver_by_reason
     );
     outcome.assert_answers_match();
+    // A task pruned at launch counts as run where it was placed, on no host; one stopped
+    // by its check counts on the driver alone.
+    assert_eq!(
+        outcome.counted_on_hosts + outcome.pruned_at_launch,
+        outcome.remote_tasks,
+        "tasks counted on a worker's host"
+    );
     assert!(
         rerun <= failed && rerun + outcome.pruned_at_launch >= failed,
         "{failed} checks failed, {rerun} tasks ran on the driver for it:\n{}",
