@@ -505,7 +505,7 @@ impl QueryRun {
             let fed = std::mem::take(&mut *fed_log.lock().unwrap());
             match ran {
                 Ok(ran) => {
-                    let (bounds, build_keys) = self.count_worker_run(pool, op_id, ran);
+                    let (bounds, build_keys) = self.count_worker_run(op_id, ran);
                     match sent_bounds::received(&bounds, &one_task.made, &self.base_context()) {
                         Ok(made) => self.bounds.add(made),
                         Err(e) => log::warn!("{describe}: its bounds are left out: {e}"),
@@ -999,11 +999,10 @@ impl QueryRun {
         ran
     }
 
-    /// Count a task of `op_id` that ran on a worker of `pool` (its retries, the host it ran
-    /// on, its plan's and models' figures): the bounds and build keys it sent back.
+    /// Count a task of `op_id` that ran on a worker (its retries, the host it ran on, its
+    /// plan's and models' figures): the bounds and build keys it sent back.
     fn count_worker_run(
         &self,
-        pool: &WorkerPool,
         op_id: OperatorId,
         ran: TaskRan,
     ) -> (Vec<SentBound>, Option<SentKeys>) {
@@ -1013,7 +1012,6 @@ impl QueryRun {
         stats.observe_model_metrics(ran.figures.model);
         stats.count_remote_on(&host_of(&ran.worker));
         self.metrics.count_task_on(&host_of(&ran.worker));
-        self.note_restarts(pool);
         (ran.figures.bounds, ran.figures.build_keys)
     }
 
