@@ -260,6 +260,33 @@ fn holds_link(path: &Path) -> bool {
     walk(std::path::Path::new(&format!("/{path}")))
 }
 
+/// Check that a local staging location takes new files, before anything is written there:
+/// create its directory and a probe file, then remove the probe. The local object store
+/// retries for ever when creating a file says "not found" in a directory that exists
+/// (`/proc` does that), so without this check a `COPY` there would spin instead of failing.
+fn probe_local_staging(target: &Target) -> std::io::Result<()> {
+    let probe = match target {
+        Target::File { staged, .. } => std::path::PathBuf::from(format!("/{staged}#probe")),
+        Target::Directory { staged, .. } => std::path::PathBuf::from(format!("/{staged}/#probe")),
+    };
+    if let Some(dir) = probe.parent() {
+        std::fs::create_dir_all(dir)
+            .map_err(|e| std::io::Error::new(e.kind(), format!("{}: {e}", dir.display())))?;
+    }
+    std::fs::OpenOptions::new()
+        .write(true)
+        .create_new(true)
+        .open(&probe)
+        .map_err(|e| {
+            let dir = probe.parent().unwrap_or(&probe);
+            std::io::Error::new(
+                e.kind(),
+                format!("{} takes no new file: {e}", dir.display()),
+            )
+        })?;
+    std::fs::remove_file(&probe)
+}
+
 /// Flush local object-store path `path` (a file or a directory) to disk.
 fn sync_path(path: &Path) -> Result<()> {
     let local = format!("/{path}");
@@ -480,6 +507,17 @@ impl DataSink for StagedSink {
             local,
             armed: true,
         };
+        if let Err(e) = local
+            .then(|| probe_local_staging(&self.target))
+            .unwrap_or(Ok(()))
+        {
+            abort_staged(&store, &self.target, local).await;
+            guard.armed = false;
+            return Err(DataFusionError::Execution(format!(
+                "cannot write the output to {}: {e}",
+                self.config.original_url
+            )));
+        }
         let fsync = (context.session_config().options().extensions)
             .get::<crate::FlumenConfig>()
             .is_none_or(|config| config.output_fsync);

@@ -136,7 +136,6 @@ pub async fn try_collect(
     ctx.sql(sql).await?.collect().await
 }
 
-/// Run one statement that must succeed and collect its result.
 /// The worker pool of `kind` that session `ctx` started (panics when it started none).
 pub async fn worker_pool(
     ctx: &SessionContext,
@@ -151,6 +150,7 @@ pub async fn worker_pool(
         .expect("the session started its workers")
 }
 
+/// Run one statement that must succeed and collect its result.
 pub async fn collect(ctx: &SessionContext, sql: &str) -> Vec<RecordBatch> {
     try_collect(ctx, sql)
         .await

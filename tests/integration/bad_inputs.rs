@@ -1,7 +1,7 @@
 //! Bad input gives a clear error naming the problem and leaves nothing behind: model
 //! directories with a wrong or absurd `config.json` or corrupt weights, a truncated Parquet
-//! file, a spill directory deleted under a running query, a `COPY` onto a full disk, and a
-//! text over 2 GiB through `clean_text`.
+//! file, a spill directory deleted under a running query, a `COPY` onto a full disk or to a
+//! place that takes no files, and a text over 2 GiB through `clean_text`.
 
 use crate::common;
 
@@ -185,6 +185,51 @@ fn a_spill_directory_deleted_mid_query_costs_a_recompute_not_the_answer() {
         stdout.contains(&format!("200000,200000,{expected_chars}")),
         "{stdout}"
     );
+}
+
+/// `COPY` to a place that takes no new files, `/proc` (whose directory exists but where
+/// creating a file says "not found"): an error naming the place, in threads mode and with
+/// worker processes, and the session goes on. It used to spin for ever: the local store
+/// retried the file's creation after making its (existing) directory again.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_copy_to_a_place_that_takes_no_files_is_an_error_not_a_hang() {
+    let mut workers = flumen::FlumenConfig::default();
+    workers.workers = flumen::WorkerMode::Process;
+    workers.worker_processes = 1;
+    workers.worker_binary = FLUMEN.into();
+    for (mode, config) in [
+        ("threads", flumen::FlumenConfig::default()),
+        ("workers", workers),
+    ] {
+        let ctx = flumen::session_with_config(
+            flumen::flumen_session_config(
+                datafusion::prelude::SessionConfig::new().with_target_partitions(2),
+                config.clone(),
+            ),
+            config,
+        );
+        for (target, place) in [
+            ("/proc/flumen-no-file.parquet", "/proc takes no new file"),
+            ("/proc/", "/proc/.flumen-staging-"),
+        ] {
+            let copy = format!("COPY (SELECT 1 AS x) TO '{target}' STORED AS PARQUET");
+            let ran =
+                tokio::time::timeout(Duration::from_secs(60), common::try_collect(&ctx, &copy));
+            let err = ran
+                .await
+                .unwrap_or_else(|_| panic!("{mode}: {copy} still running after 60 s"))
+                .expect_err(&copy)
+                .to_string();
+            println!("{mode}, {target}: {err}");
+            assert!(
+                err.contains(&format!("cannot write the output to {target}")),
+                "{err}"
+            );
+            assert!(err.contains(place), "{err}");
+        }
+        let rows = common::collect(&ctx, "SELECT 42 AS answer").await;
+        assert_eq!(rows[0].num_rows(), 1, "{mode}: the session goes on");
+    }
 }
 
 /// `COPY` onto a full disk (a 4 MiB tmpfs): an error naming the problem, no staging left,
