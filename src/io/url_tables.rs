@@ -56,6 +56,15 @@ pub async fn explain_missing_table(
         Err(DataFusionError::Internal(why)) if why.starts_with("No files for table") => {
             explained("no file found there".into())
         }
+        // A file whose name ends in no format DataFusion knows (it names the whole path
+        // as the "extension").
+        Err(DataFusionError::Configuration(why)) if why.starts_with("No file_format found") => {
+            explained(format!(
+                "its name ends in no format flumen reads (.parquet, .csv, .json, .avro, .arrow, \
+                 ...); name the format with read_csv('{name}'), read_json, read_parquet, \
+                 or CREATE EXTERNAL TABLE ... STORED AS"
+            ))
+        }
         Err(e) => explained(e.to_string()),
         // Readable now: nothing to add to the error.
         Ok(_) => error,

@@ -364,7 +364,8 @@ fn a_quoted_path_is_a_table() {
     why(&format!("{empty}/"), "no file found there");
     why(
         &notes,
-        "Invalid or Unsupported Configuration: No file_format found with extension sql",
+        "its name ends in no format flumen reads (.parquet, .csv, .json, .avro, .arrow, ...); \
+         name the format with read_csv(",
     );
     assert!(!stderr.contains("not found"), "{stderr}");
     assert!(
