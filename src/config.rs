@@ -319,7 +319,7 @@ impl FromStr for ByteSize {
         let (number, unit) = text.split_at(split);
         let bad = || {
             DataFusionError::Configuration(format!(
-                "flumen.memory_budget must be a byte count such as '2GB', '512MiB' or '1000000', got '{s}'"
+                "a byte count such as '2GB', '512MiB' or '1000000' was expected, got '{s}'"
             ))
         };
         let value: f64 = number.parse().map_err(|_| bad())?;
@@ -443,6 +443,34 @@ pub fn available_cores() -> usize {
         .unwrap_or(2)
 }
 
+/// The error of `SET name = value` (a setting of type `type_name`) as one line that names
+/// the setting, what it takes and the value given, in place of DataFusion's "Error parsing
+/// 'x' as usize caused by External error: ..." chain. flumen's own kinds of setting name
+/// themselves in their errors already.
+fn refused_setting(
+    name: &str,
+    type_name: &str,
+    value: &str,
+    error: DataFusionError,
+) -> DataFusionError {
+    let why = match error.find_root() {
+        DataFusionError::Configuration(why) => why.clone(),
+        DataFusionError::External(cause) => cause.to_string(),
+        other => other.to_string(),
+    };
+    let takes = match type_name {
+        "usize" | "u64" | "Option<u64>" | "Option < u64 >" => Some("a whole number (0 or more)"),
+        "bool" => Some("true or false"),
+        "ByteSize" => Some("a byte count such as '2GB', '512MiB' or '1000000'"),
+        _ => None,
+    };
+    DataFusionError::Configuration(match takes {
+        _ if why.contains(name) => why,
+        Some(takes) => format!("{name} must be {takes}, got '{value}'"),
+        None => format!("{name} = '{value}': {why}"),
+    })
+}
+
 /// A struct of settings, each with its doc comment and default, as DataFusion's
 /// `config_namespace!` makes one (a `ConfigField` that sets, lists and resets each field),
 /// but `#[non_exhaustive]` like `extensions_options!`'s: a program outside the crate builds
@@ -479,7 +507,14 @@ macro_rules! flumen_settings {
             fn set(&mut self, key: &str, value: &str) -> datafusion::error::Result<()> {
                 let (key, rest) = key.split_once('.').unwrap_or((key, ""));
                 match key {
-                    $(stringify!($field) => self.$field.set(rest, value),)*
+                    $(stringify!($field) => self.$field.set(rest, value).map_err(|error| {
+                        refused_setting(
+                            concat!("flumen.", stringify!($field)),
+                            stringify!($field_type),
+                            value,
+                            error,
+                        )
+                    }),)*
                     _ => Err(DataFusionError::Configuration(format!(
                         "Config value \"{key}\" not found on {}",
                         stringify!($name)
@@ -894,7 +929,38 @@ mod tests {
         assert_eq!("1000".parse::<ByteSize>().unwrap().0, 1000);
         assert_eq!("1.5k".parse::<ByteSize>().unwrap().0, 1536);
         let err = "lots".parse::<ByteSize>().unwrap_err().to_string();
-        assert!(err.contains("flumen.memory_budget"), "{err}");
+        assert!(err.contains("a byte count such as '2GB'"), "{err}");
+    }
+
+    #[test]
+    fn a_refused_set_names_the_setting_what_it_takes_and_the_value() {
+        let mut options = datafusion::config::ConfigOptions::new();
+        options.extensions.insert(FlumenConfig::default());
+        let refused =
+            |key: &str, value: &str| options.clone().set(key, value).unwrap_err().to_string();
+        let config = "Invalid or Unsupported Configuration: ";
+        assert_eq!(
+            refused("flumen.split_bytes", "lots"),
+            format!(
+                "{config}flumen.split_bytes must be a byte count such as '2GB', '512MiB' or \
+                 '1000000', got 'lots'"
+            )
+        );
+        assert_eq!(
+            refused("flumen.max_task_retries", "-1"),
+            format!("{config}flumen.max_task_retries must be a whole number (0 or more), got '-1'")
+        );
+        assert_eq!(
+            refused("flumen.output_fsync", "maybe"),
+            format!("{config}flumen.output_fsync must be true or false, got 'maybe'")
+        );
+        // A kind of flumen's own names the setting itself, once.
+        assert_eq!(
+            refused("flumen.exchange_compression", "bogus"),
+            format!(
+                "{config}flumen.exchange_compression must be 'none', 'lz4' or 'zstd', got 'bogus'"
+            )
+        );
     }
 
     #[test]

@@ -103,6 +103,13 @@ impl QueryRun {
                 "flumen.cpu_slots must be at least 1".into(),
             ));
         }
+        if config.memory_budget.0 == 0 {
+            return Err(DataFusionError::Configuration(
+                "flumen.memory_budget must be above 0: it is the bytes of blocks held in memory \
+                 (beyond it they spill to disk)"
+                    .into(),
+            ));
+        }
         // The accelerator pool's size, resolved once for the run (0: one per GPU); a plan
         // without a model does not ask the CUDA driver.
         config.accelerator_slots = match graph
