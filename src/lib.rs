@@ -65,7 +65,7 @@ pub use functions::accelerator::{
 };
 pub use session::{
     flumen_session_config, into_flumen, logical_plan, register_functions, register_table_factories,
-    reset_flumen_setting, reset_flumen_variable, session, session_with_config, sql,
+    reset_flumen_setting, reset_flumen_variable, session, session_with_config, sql, user_statement,
 };
 pub use store::counting_allocator::CountingAllocator;
 pub use store::process_heap::{HeapAllocator, HeapUsage, install as install_heap_allocator};

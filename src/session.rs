@@ -71,6 +71,23 @@ pub async fn sql(ctx: &SessionContext, sql: &str) -> Result<DataFrame> {
     ctx.execute_logical_plan(plan).await
 }
 
+/// One statement a user typed, as flumen's shell and Python module run it: `RESET
+/// flumen.<name>` done at once ([`reset_flumen_setting`]), the object store of every URL it
+/// reads or writes registered first (`s3://`, `gs://`, ...: [`crate::io::register_for_statement`]),
+/// then [`sql`]; a location that could not be read as a table says why
+/// ([`crate::io::url_tables::explain_table_error`]: "no file found there" instead of "table
+/// '...' not found", the files on each side of a column's type conflict).
+pub async fn user_statement(ctx: &SessionContext, sql: &str) -> Result<DataFrame> {
+    if let Some(done) = reset_flumen_setting(ctx, sql)? {
+        return Ok(done);
+    }
+    crate::io::register_for_statement(ctx, sql)?;
+    match self::sql(ctx, sql).await {
+        Ok(df) => Ok(df),
+        Err(e) => Err(crate::io::url_tables::explain_table_error(ctx, sql, e).await),
+    }
+}
+
 /// Size a new session's DataFusion file caches from its memory budget (`budget` bytes),
 /// never below DataFusion's defaults: footers 1/8 of it (256 MiB of a 2 GiB budget; 50 MB
 /// by default), the listing's file statistics 1/32 (64 MiB; 20 MiB), file lists 1/256
@@ -329,7 +346,7 @@ fn registration_order<F>(
 /// Run `sql` if it is `RESET flumen.<name>`, which DataFusion 55's `RESET` refuses for every
 /// namespace but its own ("Could not find config namespace"): [`reset_flumen_variable`].
 /// `Some`: it was such a statement, done, and this is its (empty) result, as a `SET`'s;
-/// `None`: anything else, for the caller to run. The shell and the Python session call it
+/// `None`: anything else, for the caller to run. [`user_statement`] calls it (the shell, the Python session)
 /// before running a statement (`flumen serve` reads the variable from the statement's plan).
 pub fn reset_flumen_setting(
     ctx: &SessionContext,

@@ -81,7 +81,8 @@ class Session:
 
     def sql(self, query: str) -> "DataFrame":
         """Plan ``query``; the rows are computed when asked for. ``SET``, ``CREATE`` and
-        ``COPY ... TO`` statements take effect when their result is read (``.collect()``)."""
+        ``COPY ... TO`` statements take effect when their result is read (``.collect()``).
+        A quoted path or URL reads as a table: ``SELECT * FROM 'data/t.parquet'``."""
         return DataFrame(self._inner.sql(query))
 
     def read_parquet(self, path: Any) -> "DataFrame":

@@ -154,7 +154,8 @@ impl Session {
             config.worker_binary = python.into();
             config.worker_module = "flumen".into();
         }
-        let ctx = flumen::session(config);
+        // A quoted path or URL reads as a table (`FROM 'data/t.parquet'`), as in the shell.
+        let ctx = flumen::session(config).enable_url_table();
         for (name, value) in settings.unwrap_or_default() {
             let value = value.replace('\'', "''");
             let sql = format!("SET {name} = '{value}'");
@@ -166,10 +167,7 @@ impl Session {
     /// Plan `query`: a lazy result. Statements that change the session (`SET`, `CREATE`,
     /// `DROP`) take effect now, as in DataFusion.
     fn sql(&self, py: Python<'_>, query: &str) -> PyResult<DataFrame> {
-        let df = match flumen::reset_flumen_setting(&self.ctx, query).map_err(error)? {
-            Some(done) => done,
-            None => wait(py, flumen::sql(&self.ctx, query))?.map_err(error)?,
-        };
+        let df = wait(py, flumen::user_statement(&self.ctx, query))?.map_err(error)?;
         Ok(DataFrame { df })
     }
 

@@ -95,6 +95,11 @@ def test_files_read_by_path_equal_pyarrows(table, tmp_path, workers):
     assert ctx.read_json(str(tmp_path / "rows.jsonl")).to_pylist() == [{"a": 1}, {"a": 2}]
     with pytest.raises(flumen.FlumenError, match="no file found there"):
         ctx.read_parquet(str(tmp_path / "missing.parquet")).collect()
+    # A quoted path reads as a table in SQL, as in the shell; one that cannot says why.
+    got = ctx.sql(f"SELECT count(*) AS n, sum(id) AS total FROM '{path}'").to_pylist()
+    assert got == [{"n": ROWS, "total": sum(range(ROWS))}]
+    with pytest.raises(flumen.FlumenError, match="missing.parquet' as a table: no file found there"):
+        ctx.sql(f"SELECT * FROM '{tmp_path / 'missing.parquet'}'")
 
 
 def test_samples_and_rollups_in_sql(table):
@@ -195,6 +200,13 @@ def test_bad_input_is_a_clear_error_and_the_session_goes_on(tmp_path):
         ctx.register_parquet("m", str(missing))
     with pytest.raises(TypeError, match="__arrow_c_stream__"):
         ctx.from_arrow("bad", [1, 2, 3])
+    # Files that disagree on a column's type: the odd one is named.
+    (tmp_path / "mixed").mkdir()
+    pq.write_table(pa.table({"a": pa.array([1], pa.int64())}), tmp_path / "mixed" / "one.parquet")
+    pq.write_table(pa.table({"a": pa.array(["x"])}), tmp_path / "mixed" / "two.parquet")
+    odd = r"Utf8\w* in 1 file \(" + re.escape(str(tmp_path / "mixed" / "two.parquet")) + r"\)"
+    with pytest.raises(flumen.FlumenError, match=f"disagree on the type of column 'a': .*{odd}"):
+        ctx.sql(f"SELECT * FROM '{tmp_path / 'mixed'}/'")
     assert ctx.sql("SELECT 1 AS one").to_pylist() == [{"one": 1}]
 
 

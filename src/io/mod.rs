@@ -9,7 +9,8 @@
 //!   orphan files when it fails.
 //! - [`delta_changes`]: `table_changes(...)`, a Delta table's change data feed.
 //! - [`lakehouse_options`]: the options both formats share.
-//! - [`url_tables`]: why a quoted path or URL could not be read as a table.
+//! - [`url_tables`]: why a quoted path or URL could not be read as a table (no file there,
+//!   files that disagree on a column's type).
 //! - [`file_functions`]: `read_parquet(path)`, `read_csv(path)`, ...: files read as a table
 //!   by a function of their format, and the locations a statement hands such functions.
 //! - [`glob_function`]: `glob(pattern)`, the files a pattern names.

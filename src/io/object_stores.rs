@@ -244,10 +244,33 @@ pub fn register_for_statement(ctx: &SessionContext, sql: &str) -> Result<()> {
     Ok(())
 }
 
-/// Register the store of every URL that `statement` reads as a table
-/// (`SELECT * FROM 's3://bucket/t.parquet'`, with `SessionContext::enable_url_table`) or hands
-/// to a function that reads it while it is planned (`read_parquet('s3://...')`).
-fn register_url_tables(ctx: &SessionContext, statement: &Statement) -> Result<()> {
+/// Every location `sql` reads as a table: quoted paths and URLs (`FROM 'data/t/'`), those a
+/// function of a file format is handed (`read_parquet('s3://...')`) and a `CREATE EXTERNAL
+/// TABLE`'s `LOCATION`. SQL that does not parse reads none.
+pub fn locations_read(ctx: &SessionContext, sql: &str) -> Vec<String> {
+    let Ok(statements) = DFParser::parse_sql(sql) else {
+        return vec![];
+    };
+    let mut locations = vec![];
+    for statement in &statements {
+        match statement {
+            Statement::CreateExternalTable(create) => {
+                locations.extend(create.locations.iter().cloned())
+            }
+            other => locations.extend(
+                url_table_locations(ctx, other)
+                    .into_iter()
+                    .filter(|name| super::url_tables::names_a_path(name)),
+            ),
+        }
+    }
+    locations
+}
+
+/// The table names `statement` reads (any of which may be a quoted path or URL, with
+/// `SessionContext::enable_url_table`) and the locations it hands to a function that reads
+/// them while it is planned (`read_parquet('s3://...')`).
+fn url_table_locations(ctx: &SessionContext, statement: &Statement) -> Vec<String> {
     let tables = (ctx.state().resolve_table_references(statement))
         .map(|tables| tables.iter().map(|t| t.table().to_string()).collect())
         .unwrap_or_else(|_| Vec::new());
@@ -256,7 +279,14 @@ fn register_url_tables(ctx: &SessionContext, statement: &Statement) -> Result<()
             FunctionArgument::Quoted(location) => Some(location),
             FunctionArgument::Computed(_) => None,
         });
-    for location in tables.into_iter().chain(read_by_functions) {
+    tables.into_iter().chain(read_by_functions).collect()
+}
+
+/// Register the store of every URL that `statement` reads as a table
+/// (`SELECT * FROM 's3://bucket/t.parquet'`, with `SessionContext::enable_url_table`) or hands
+/// to a function that reads it while it is planned (`read_parquet('s3://...')`).
+fn register_url_tables(ctx: &SessionContext, statement: &Statement) -> Result<()> {
+    for location in url_table_locations(ctx, statement) {
         // A store the session has (configured by an earlier statement's options) is kept.
         let registered = ListingTableUrl::parse(&location)
             .is_ok_and(|url| ctx.runtime_env().object_store(url.object_store()).is_ok());

@@ -9,10 +9,19 @@
 //! there, or the store's or the format's own error. It looks only once the statement has
 //! failed: a statement that merely names such a table without reading it (`CREATE TABLE
 //! "x/y" AS ...`, `DROP TABLE IF EXISTS 'old.parquet'`) is not held to it.
+//!
+//! A location whose files disagree on a column's type fails with arrow's "Fail to merge
+//! schema field 'c' because the from data_type = Utf8 does not equal Int64", which names no
+//! file; [`explain_schema_conflict`] reads the files' schemas one by one and names the first
+//! file of each type.
 
 use datafusion::datasource::listing::{ListingTableConfig, ListingTableConfigExt, ListingTableUrl};
 use datafusion::error::DataFusionError;
 use datafusion::prelude::SessionContext;
+use futures::StreamExt;
+
+/// The most files of one location whose schemas [`explain_schema_conflict`] reads.
+const FILES_CHECKED: usize = 10_000;
 
 /// File name endings that mark a table name as a file: the formats a scan reads, and the
 /// compressions it reads them through.
@@ -71,6 +80,129 @@ pub async fn explain_missing_table(
     }
 }
 
+/// `error` explained where it is about a location `sql` reads: a path that could not be
+/// read as a table ([`explain_missing_table`]), or files that disagree on a column's type
+/// ([`explain_schema_conflict`]). The shell, the Python module and `flumen serve` call it
+/// on a statement that failed to plan.
+pub async fn explain_table_error(
+    ctx: &SessionContext,
+    sql: &str,
+    error: DataFusionError,
+) -> DataFusionError {
+    let error = explain_missing_table(ctx, error).await;
+    explain_schema_conflict(ctx, sql, error).await
+}
+
+/// `error` as it is, unless it is DataFusion's "Fail to merge schema field 'c' ..." for a
+/// location `sql` reads (the files of a directory or glob whose column `c` has another type
+/// in some of them): then which type each file holds, counted, with the first file of each,
+/// so that the odd file among thousands can be found. Reads at most [`FILES_CHECKED`]
+/// files' schemas, and only once the statement has failed.
+pub async fn explain_schema_conflict(
+    ctx: &SessionContext,
+    sql: &str,
+    error: DataFusionError,
+) -> DataFusionError {
+    let Some(field) = conflicting_field(&error.to_string()) else {
+        return error;
+    };
+    for location in crate::io::object_stores::locations_read(ctx, sql) {
+        let types = types_by_file(ctx, &location, &field).await;
+        if types.len() > 1 {
+            let kinds: Vec<String> = (types.iter())
+                .map(|kind| {
+                    let files = if kind.files == 1 { "file" } else { "files" };
+                    format!(
+                        "{} in {} {files} ({})",
+                        kind.data_type, kind.files, kind.first
+                    )
+                })
+                .collect();
+            return DataFusionError::Plan(format!(
+                "cannot read '{location}' as one table: its files disagree on the type of \
+                 column '{field}': {}; read them apart, or cast the column in each",
+                kinds.join(", ")
+            ));
+        }
+    }
+    error
+}
+
+/// The column of arrow's "Fail to merge schema field 'c' because ..." message.
+fn conflicting_field(message: &str) -> Option<String> {
+    let (_, rest) = message.split_once("Fail to merge schema field '")?;
+    let (field, _) = rest.split_once("' because")?;
+    Some(field.to_string())
+}
+
+/// One type of a column among a location's files: how many files hold it, and the first.
+#[derive(Debug, PartialEq)]
+struct TypeInFiles {
+    data_type: String,
+    files: usize,
+    first: String,
+}
+
+/// The types column `field` has in the files at `location`, in the order the listing first
+/// meets them; empty where the location cannot be listed or a schema read.
+async fn types_by_file(ctx: &SessionContext, location: &str, field: &str) -> Vec<TypeInFiles> {
+    let state = ctx.state();
+    let Ok(url) = ListingTableUrl::parse(location) else {
+        return vec![];
+    };
+    let Some(options) = ListingTableConfig::new(url.clone())
+        .infer_options(&state)
+        .await
+        .ok()
+        .and_then(|config| config.options)
+    else {
+        return vec![];
+    };
+    let Ok(store) = state.runtime_env().object_store(url.object_store()) else {
+        return vec![];
+    };
+    let Ok(files) = url
+        .list_all_files(&state, store.as_ref(), &options.file_extension)
+        .await
+    else {
+        return vec![];
+    };
+    let files: Vec<_> = files.take(FILES_CHECKED).collect().await;
+    let mut types: Vec<TypeInFiles> = vec![];
+    for file in files {
+        let Ok(file) = file else {
+            return vec![];
+        };
+        let Ok(schema) = (options.format)
+            .infer_schema(&state, &store, std::slice::from_ref(&file))
+            .await
+        else {
+            return vec![];
+        };
+        let Ok(column) = schema.field_with_name(field) else {
+            continue;
+        };
+        let data_type = column.data_type().to_string();
+        match types.iter_mut().find(|kind| kind.data_type == data_type) {
+            Some(kind) => kind.files += 1,
+            None => types.push(TypeInFiles {
+                data_type,
+                files: 1,
+                first: file_name(&url, &file.location),
+            }),
+        }
+    }
+    types
+}
+
+/// A listed file as a user names it: a local path with its leading `/`, else a URL.
+fn file_name(url: &ListingTableUrl, path: &object_store::path::Path) -> String {
+    match url.scheme() {
+        "file" => format!("/{path}"),
+        _ => format!("{}{path}", url.object_store().as_str()),
+    }
+}
+
 /// The table name of a "table '<catalog>.<schema>.<name>' not found" message, where the
 /// catalog and schema are the session's defaults and the name reads as a path.
 fn missing_path_table(ctx: &SessionContext, message: &str) -> Option<String> {
@@ -103,6 +235,18 @@ mod tests {
         for name in ["events", "my_table", "v2", "a.b"] {
             assert!(!names_a_path(name), "{name}");
         }
+    }
+
+    #[test]
+    fn a_merge_failure_names_its_column() {
+        assert_eq!(
+            conflicting_field(
+                "Arrow error: Schema error: Fail to merge schema field 'a b' because the from \
+                 data_type = Utf8 does not equal Int64"
+            ),
+            Some("a b".into())
+        );
+        assert_eq!(conflicting_field("Schema error: No field named a"), None);
     }
 
     #[test]

@@ -135,7 +135,7 @@ impl FlumenFlightSql {
             // A path it may read that could not be read as a table says why (through this
             // session's stores, which the policy bounds).
             Err(e) => {
-                let e = crate::io::url_tables::explain_missing_table(ctx, e).await;
+                let e = crate::io::url_tables::explain_table_error(ctx, sql, e).await;
                 return Err(planning_error(e));
             }
         };

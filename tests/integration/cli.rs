@@ -375,6 +375,36 @@ fn a_quoted_path_is_a_table() {
     assert_eq!(out.status.code(), Some(1), "the missing file fails the run");
 }
 
+/// Files of one directory that disagree on a column's type: each statement reading them
+/// (a quoted path, `read_parquet`, `CREATE EXTERNAL TABLE`) names the types and a file of
+/// each, where arrow's merge error names none; the shell goes on.
+#[test]
+fn files_that_disagree_on_a_column_type_are_named() {
+    let dir = tempfile::tempdir().unwrap();
+    let table = dir.path().join("t");
+    let t = table.to_str().unwrap();
+    let out = csv_statements(&[
+        &format!("COPY (SELECT 1 AS a, 'x' AS b) TO '{t}/one.parquet'"),
+        &format!("COPY (SELECT 2 AS a, 'y' AS b) TO '{t}/two.parquet'"),
+        &format!("COPY (SELECT 'three' AS a, 'z' AS b) TO '{t}/three.parquet'"),
+        &format!("SELECT count(*) AS n FROM '{t}/'"),
+        &format!("SELECT count(*) AS n FROM read_parquet('{t}/')"),
+        &format!("CREATE EXTERNAL TABLE e STORED AS PARQUET LOCATION '{t}/'"),
+        "SELECT 7 AS seven",
+    ]);
+    let stderr = text(&out.stderr);
+    println!("{stderr}");
+    let told = "as one table: its files disagree on the type of column 'a': ";
+    assert_eq!(stderr.matches(told).count(), 3, "{stderr}");
+    assert_eq!(stderr.matches("Int64 in 2 files (").count(), 3, "{stderr}");
+    let odd = format!("Utf8View in 1 file ({t}/three.parquet)");
+    assert_eq!(stderr.matches(&odd).count(), 3, "{stderr}");
+    assert!(
+        text(&out.stdout).ends_with("seven\n7\n"),
+        "the shell went on"
+    );
+}
+
 #[test]
 fn extract_runs_the_main_job() {
     if !flumen::functions::embedding::model_files::model_dir("")

@@ -203,17 +203,7 @@ async fn local_result(
     ctx: &SessionContext,
     sql: &str,
 ) -> Result<(BoxStream<'static, Result<RecordBatch>>, Option<Progress>)> {
-    let df = match flumen::reset_flumen_setting(ctx, sql)? {
-        Some(done) => done,
-        None => {
-            flumen::io::register_for_statement(ctx, sql)?;
-            match flumen::sql(ctx, sql).await {
-                Ok(df) => df,
-                // A path that could not be read as a table says why.
-                Err(e) => return Err(flumen::io::url_tables::explain_missing_table(ctx, e).await),
-            }
-        }
-    };
+    let df = flumen::user_statement(ctx, sql).await?;
     let plan = df.create_physical_plan().await?;
     let progress = if std::io::stderr().is_terminal() {
         Progress::start(&plan)
