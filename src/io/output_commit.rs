@@ -507,10 +507,11 @@ impl DataSink for StagedSink {
             local,
             armed: true,
         };
-        if let Err(e) = local
-            .then(|| probe_local_staging(&self.target))
-            .unwrap_or(Ok(()))
-        {
+        let probed = match local {
+            true => probe_local_staging(&self.target),
+            false => Ok(()),
+        };
+        if let Err(e) = probed {
             abort_staged(&store, &self.target, local).await;
             guard.armed = false;
             return Err(DataFusionError::Execution(format!(
