@@ -128,6 +128,16 @@ pub async fn flumen_ctx(settings: &[&str]) -> SessionContext {
     ctx
 }
 
+/// flumen's default settings with tasks in `processes` worker processes of this build's
+/// `flumen` binary (`flumen.workers = 'process'`).
+pub fn in_worker_processes(processes: usize) -> flumen::FlumenConfig {
+    let mut config = flumen::FlumenConfig::default();
+    config.workers = flumen::WorkerMode::Process;
+    config.worker_processes = processes;
+    config.worker_binary = env!("CARGO_BIN_EXE_flumen").into();
+    config
+}
+
 /// Run one statement and collect its result, or return its error (planning or execution).
 pub async fn try_collect(
     ctx: &SessionContext,

@@ -193,13 +193,9 @@ fn a_spill_directory_deleted_mid_query_costs_a_recompute_not_the_answer() {
 /// retried the file's creation after making its (existing) directory again.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_copy_to_a_place_that_takes_no_files_is_an_error_not_a_hang() {
-    let mut workers = flumen::FlumenConfig::default();
-    workers.workers = flumen::WorkerMode::Process;
-    workers.worker_processes = 1;
-    workers.worker_binary = FLUMEN.into();
     for (mode, config) in [
         ("threads", flumen::FlumenConfig::default()),
-        ("workers", workers),
+        ("workers", common::in_worker_processes(1)),
     ] {
         let ctx = flumen::session_with_config(
             flumen::flumen_session_config(

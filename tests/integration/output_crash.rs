@@ -253,11 +253,10 @@ async fn a_cancelled_copy_leaves_no_staging() {
 /// `COPY` writes its rows as usual; in threads mode and with worker processes.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn planted_staging_links_are_never_followed() {
-    let mut in_workers = flumen::FlumenConfig::default();
-    in_workers.workers = flumen::WorkerMode::Process;
-    in_workers.worker_processes = 2;
-    in_workers.worker_binary = FLUMEN.into();
-    for config in [flumen::FlumenConfig::default(), in_workers] {
+    for config in [
+        flumen::FlumenConfig::default(),
+        common::in_worker_processes(2),
+    ] {
         planted_links_survive_a_copy(config).await;
     }
 }
