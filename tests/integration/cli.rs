@@ -93,6 +93,56 @@ fn table_output_with_maxrows_and_timing() {
     );
 }
 
+/// `--maxwidth N` and `\maxwidth N` cut long table cells (a vector, a long string) to N
+/// characters ending in `…`, and say so; 0 shows them whole, as `-c` does by default; a
+/// word that is no number is an error naming the command.
+#[test]
+fn table_cells_cut_at_maxwidth() {
+    let vector = "SELECT id, range(0, 50) AS v FROM (VALUES (1)) AS t(id)";
+    let out = flumen(
+        &["--no-demo", "--quiet", "--maxwidth", "16", "-c", vector],
+        "",
+    );
+    assert!(out.status.success(), "{}", text(&out.stderr));
+    let stdout = text(&out.stdout);
+    assert!(stdout.contains("| 1  | [0, 1, 2, 3, 4,… |"), "{stdout}");
+    assert!(stdout.contains("(cells cut at 16 characters;"), "{stdout}");
+    let out = flumen(
+        &[
+            "--no-demo",
+            "--quiet",
+            "-c",
+            "\\maxwidth 10",
+            "-c",
+            "\\maxwidth",
+            "-c",
+            vector,
+        ],
+        "",
+    );
+    let stdout = text(&out.stdout);
+    assert!(
+        stdout.contains("maxwidth is 10") && stdout.contains("| [0, 1, 2,… |"),
+        "{stdout}"
+    );
+    let out = flumen(
+        &["--no-demo", "--quiet", "--maxwidth", "0", "-c", vector],
+        "",
+    );
+    let stdout = text(&out.stdout);
+    assert!(
+        stdout.contains("48, 49]") && !stdout.contains("cells cut"),
+        "{stdout}"
+    );
+    let out = flumen(&["--no-demo", "-c", "\\maxwidth wide"], "");
+    assert_eq!(out.status.code(), Some(1));
+    assert!(
+        text(&out.stderr).contains("\\maxwidth takes a number (0: no limit), got 'wide'"),
+        "{}",
+        text(&out.stderr)
+    );
+}
+
 #[test]
 fn exit_status_is_non_zero_when_a_statement_fails() {
     let out = flumen(
@@ -226,6 +276,14 @@ fn repl_keeps_running_after_errors_and_ctrl_c() {
     std::thread::sleep(Duration::from_millis(300));
     p.send_control('c').unwrap();
     p.exp_string("cancelled").unwrap();
+    // A cell wider than 80 characters is cut in the REPL's table.
+    p.send_line("SELECT repeat('ab', 100) AS wide;").unwrap();
+    // (rexpect reads the terminal's bytes as Latin-1, so the `…` is checked by the border:
+    // 80 characters and a space each side.)
+    p.exp_string(&format!("| {}", "ab".repeat(39) + "a"))
+        .unwrap();
+    p.exp_string(&format!("\n+{}+\r", "-".repeat(82))).unwrap();
+    p.exp_string("cells cut at 80 characters").unwrap();
     p.send_line("\\timing").unwrap();
     p.exp_string("timing is off").unwrap();
     p.send_line("SELECT upper('still here') AS s;").unwrap();

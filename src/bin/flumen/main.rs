@@ -10,7 +10,7 @@
 //! flumen serve [--listen ADDR]    an Arrow Flight SQL server (ADBC, JDBC, Flight clients)
 //! flumen --connect grpc://H:P     the REPL on a `flumen serve` (--token-file or --user)
 //! ```
-//! `--format table|csv|json|ndjson`, `--maxrows N`, `--quiet` (no timing line),
+//! `--format table|csv|json|ndjson`, `--maxrows N`, `--maxwidth N`, `--quiet` (no timing line),
 //! `--no-demo` (do not register the demo `docs` table).
 
 mod allocator;
@@ -56,6 +56,10 @@ struct Cli {
     /// format, all otherwise).
     #[arg(long, value_name = "N")]
     maxrows: Option<usize>,
+    /// Most characters printed per cell in the table format, longer ones cut and ending in
+    /// `…`; 0 prints all (default: 80 in the interactive REPL, all otherwise).
+    #[arg(long, value_name = "N")]
+    maxwidth: Option<usize>,
     /// Print no timing line after each statement.
     #[arg(short, long)]
     quiet: bool,
@@ -398,16 +402,19 @@ fn main() -> ExitCode {
         }
         None => Session::Local(local_session(&cli)),
     };
-    let maxrows = match cli.maxrows {
+    let interactive_table = interactive && cli.format == Format::Table;
+    let default_limit = |limit: Option<usize>, interactive_default: usize| match limit {
         Some(0) => None,
         Some(n) => Some(n),
-        None if interactive && cli.format == Format::Table => Some(40),
-        None => None,
+        None => interactive_table.then_some(interactive_default),
     };
+    let maxrows = default_limit(cli.maxrows, 40);
+    let maxwidth = default_limit(cli.maxwidth, 80);
     let mut shell = Shell {
         session,
         format: cli.format,
         maxrows,
+        maxwidth,
         timing: !cli.quiet,
         cancel_on_ctrl_c: interactive,
     };

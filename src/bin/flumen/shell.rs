@@ -1,6 +1,6 @@
 //! Running what a user types: SQL statements through the flumen session (in this process,
 //! or on a `flumen serve` the REPL is connected to), and the backslash meta commands (`\d`,
-//! `\d NAME`, `\?`, `\timing`, `\format`, `\maxrows`, `\jobs`, `\cancel`, `\q`).
+//! `\d NAME`, `\?`, `\timing`, `\format`, `\maxrows`, `\maxwidth`, `\jobs`, `\cancel`, `\q`).
 
 use std::io::{IsTerminal, Write};
 use std::sync::Arc;
@@ -43,6 +43,8 @@ pub struct Shell {
     pub format: Format,
     /// Most rows printed per result (`None`: all).
     pub maxrows: Option<usize>,
+    /// Most characters printed per cell in the table format (`None`: all).
+    pub maxwidth: Option<usize>,
     /// Print a timing line (rows, seconds, this process's peak resident memory) after each
     /// statement.
     pub timing: bool,
@@ -58,6 +60,7 @@ SQL statements end with ';' and may span lines. Meta commands:
   \\timing         turn the timing line on or off
   \\format [NAME]  show or set the output format: table, csv, json, ndjson
   \\maxrows [N]    show or set the most rows printed (0: all)
+  \\maxwidth [N]   show or set the most characters of a table cell (0: all)
   \\?              this help
   \\q              quit (or Ctrl-D); Ctrl-C cancels a running query";
 
@@ -104,7 +107,7 @@ impl Shell {
         }
         drop(_progress);
         let mut out = std::io::stdout().lock();
-        output::print(&mut out, self.format, &kept, total_rows)?;
+        output::print(&mut out, self.format, &kept, total_rows, self.maxwidth)?;
         out.flush()?;
         if self.timing {
             // The peak of this process only: a server's or a worker's memory is not here.
@@ -151,17 +154,10 @@ impl Shell {
                 self.format = f.parse().map_err(DataFusionError::Plan)?;
                 println!("format is {}", self.format.name());
             }
-            ("maxrows", None) => println!(
-                "maxrows is {}",
-                self.maxrows
-                    .map_or("unlimited".to_string(), |m| m.to_string())
-            ),
-            ("maxrows", Some(n)) => {
-                let n: usize = n.parse().map_err(|_| {
-                    DataFusionError::Plan(format!("\\maxrows takes a number, got '{n}'"))
-                })?;
-                self.maxrows = (n > 0).then_some(n);
-            }
+            ("maxrows", None) => println!("maxrows is {}", limit_name(self.maxrows)),
+            ("maxrows", Some(n)) => self.maxrows = limit("maxrows", n)?,
+            ("maxwidth", None) => println!("maxwidth is {}", limit_name(self.maxwidth)),
+            ("maxwidth", Some(n)) => self.maxwidth = limit("maxwidth", n)?,
             _ => {
                 return Err(DataFusionError::Plan(format!(
                     "unknown command \\{command}; \\? lists the commands"
@@ -195,6 +191,21 @@ impl Shell {
         }
         Ok(())
     }
+}
+
+/// A `\maxrows` or `\maxwidth` argument: a number, 0 for no limit.
+fn limit(command: &str, n: &str) -> Result<Option<usize>> {
+    let n: usize = n.parse().map_err(|_| {
+        DataFusionError::Plan(format!(
+            "\\{command} takes a number (0: no limit), got '{n}'"
+        ))
+    })?;
+    Ok((n > 0).then_some(n))
+}
+
+/// How a limit is shown: its number, or `unlimited`.
+fn limit_name(limit: Option<usize>) -> String {
+    limit.map_or("unlimited".to_string(), |m| m.to_string())
 }
 
 /// Plan and start `sql` in this process: its result stream, and the progress lines shown
