@@ -9,6 +9,8 @@
 //!   orphan files when it fails.
 //! - [`delta_changes`]: `table_changes(...)`, a Delta table's change data feed.
 //! - [`lakehouse_options`]: the options both formats share.
+//! - [`table_locations`]: the locations a statement reads as tables (quoted paths, file
+//!   functions' arguments, `LOCATION`s).
 //! - [`url_tables`]: why a quoted path or URL could not be read as a table (no file there,
 //!   files that disagree on a column's type).
 //! - [`file_functions`]: `read_parquet(path)`, `read_csv(path)`, ...: files read as a table
@@ -33,6 +35,7 @@ pub(crate) mod object_stores;
 pub mod output_commit;
 pub(crate) mod parquet_metadata;
 pub(crate) mod planning_reads;
+pub mod table_locations;
 pub mod url_tables;
 
 #[cfg(feature = "delta")]

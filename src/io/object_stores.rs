@@ -26,7 +26,7 @@ use object_store::http::HttpBuilder;
 use object_store::{ObjectStore, RetryConfig};
 use url::Url;
 
-use super::file_functions::{self, FunctionArgument};
+use super::table_locations::url_table_locations;
 
 /// Options of one family of object stores as a statement gives them
 /// (`OPTIONS ('aws.region' '...')`), accepted by the session's table options and kept as
@@ -242,44 +242,6 @@ pub fn register_for_statement(ctx: &SessionContext, sql: &str) -> Result<()> {
         }
     }
     Ok(())
-}
-
-/// Every location `sql` reads as a table: quoted paths and URLs (`FROM 'data/t/'`), those a
-/// function of a file format is handed (`read_parquet('s3://...')`) and a `CREATE EXTERNAL
-/// TABLE`'s `LOCATION`. SQL that does not parse reads none.
-pub fn locations_read(ctx: &SessionContext, sql: &str) -> Vec<String> {
-    let Ok(statements) = DFParser::parse_sql(sql) else {
-        return vec![];
-    };
-    let mut locations = vec![];
-    for statement in &statements {
-        match statement {
-            Statement::CreateExternalTable(create) => {
-                locations.extend(create.locations.iter().cloned())
-            }
-            other => locations.extend(
-                url_table_locations(ctx, other)
-                    .into_iter()
-                    .filter(|name| super::url_tables::names_a_path(name)),
-            ),
-        }
-    }
-    locations
-}
-
-/// The table names `statement` reads (any of which may be a quoted path or URL, with
-/// `SessionContext::enable_url_table`) and the locations it hands to a function that reads
-/// them while it is planned (`read_parquet('s3://...')`).
-fn url_table_locations(ctx: &SessionContext, statement: &Statement) -> Vec<String> {
-    let tables = (ctx.state().resolve_table_references(statement))
-        .map(|tables| tables.iter().map(|t| t.table().to_string()).collect())
-        .unwrap_or_else(|_| Vec::new());
-    let read_by_functions = (file_functions::locations_read_by_functions(statement).into_iter())
-        .filter_map(|argument| match argument {
-            FunctionArgument::Quoted(location) => Some(location),
-            FunctionArgument::Computed(_) => None,
-        });
-    tables.into_iter().chain(read_by_functions).collect()
 }
 
 /// Register the store of every URL that `statement` reads as a table

@@ -20,22 +20,10 @@ use datafusion::error::DataFusionError;
 use datafusion::prelude::SessionContext;
 use futures::StreamExt;
 
+use super::table_locations::{locations_read, names_a_path};
+
 /// The most files of one location whose schemas [`explain_schema_conflict`] reads.
 const FILES_CHECKED: usize = 10_000;
-
-/// File name endings that mark a table name as a file: the formats a scan reads, and the
-/// compressions it reads them through.
-const FILE_ENDINGS: [&str; 14] = [
-    ".parquet", ".csv", ".tsv", ".json", ".ndjson", ".jsonl", ".avro", ".arrow", ".ipc",
-    ".feather", ".gz", ".bz2", ".xz", ".zst",
-];
-
-/// Whether a table name reads as a path or URL rather than a table's name: a URL, a name
-/// with a `/`, or a file name with a data format's ending.
-pub fn names_a_path(name: &str) -> bool {
-    let lower = name.to_ascii_lowercase();
-    name.contains('/') || FILE_ENDINGS.iter().any(|ending| lower.ends_with(ending))
-}
 
 /// `error` as it is, unless it is DataFusion's "table '…' not found" for a name in the
 /// session's default schema that reads as a path or URL: then why that path cannot be read
@@ -106,7 +94,7 @@ pub async fn explain_schema_conflict(
     let Some(field) = conflicting_field(&error.to_string()) else {
         return error;
     };
-    for location in crate::io::object_stores::locations_read(ctx, sql) {
+    for location in locations_read(ctx, sql) {
         let types = types_by_file(ctx, &location, &field).await;
         if types.len() > 1 {
             let kinds: Vec<String> = (types.iter())
@@ -218,24 +206,6 @@ fn missing_path_table(ctx: &SessionContext, message: &str) -> Option<String> {
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn paths_and_urls_are_told_from_table_names() {
-        for path in [
-            "data/t.parquet",
-            "/tmp/dir/",
-            "s3://bucket/t/",
-            "t.parquet",
-            "T.CSV",
-            "events.json.gz",
-            "./x",
-        ] {
-            assert!(names_a_path(path), "{path}");
-        }
-        for name in ["events", "my_table", "v2", "a.b"] {
-            assert!(!names_a_path(name), "{name}");
-        }
-    }
 
     #[test]
     fn a_merge_failure_names_its_column() {

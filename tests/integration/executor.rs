@@ -933,10 +933,7 @@ async fn the_first_blocks_ramp_on_worker_processes_too() {
     let dir = tempfile::tempdir().unwrap();
     write_events(dir.path(), 1, 20_000);
     // The worker binary is a startup option: the session starts with it.
-    let mut config = flumen::FlumenConfig::default();
-    config.workers = flumen::WorkerMode::Process;
-    config.worker_processes = 2;
-    config.worker_binary = env!("CARGO_BIN_EXE_flumen").into();
+    let config = common::in_worker_processes(2);
     let f = flumen::session_with_config(SessionConfig::new().with_target_partitions(2), config);
     for set in [
         "SET flumen.target_block_rows = 4096",

@@ -342,11 +342,7 @@ async fn a_checkpointed_extraction_killed_mid_way_resumes_where_it_stopped() {
 
 /// A flumen session whose tasks run in two worker processes.
 fn worker_session() -> SessionContext {
-    let mut config = FlumenConfig::default();
-    config.workers = flumen::WorkerMode::Process;
-    config.worker_processes = 2;
-    config.worker_binary = env!("CARGO_BIN_EXE_flumen").into();
-    flumen::session(config)
+    flumen::session(common::in_worker_processes(2))
 }
 
 /// `batches` as sorted text rows (values compared, not plans).

@@ -272,10 +272,7 @@ async fn evolved_schemas_and_a_delta_checkpoint_read_back_identically() {
         "deltalake wrote no checkpoint in {}",
         log.display()
     );
-    let mut workers = FlumenConfig::default();
-    workers.workers = flumen::WorkerMode::Process;
-    workers.worker_processes = 2;
-    workers.worker_binary = env!("CARGO_BIN_EXE_flumen").into();
+    let workers = common::in_worker_processes(2);
     for (mode, config) in [("threads", FlumenConfig::default()), ("workers", workers)] {
         let ctx = flumen::session(config);
         for (name, format, entry) in [

@@ -286,10 +286,7 @@ async fn worker_processes_share_the_cache() {
     let cache = dir.path().join("cache");
     let cache_text = cache.display().to_string();
     let (reference, _) = embed(&session(dir.path(), "").await, ALL).await;
-    let mut config = FlumenConfig::default();
-    config.workers = flumen::WorkerMode::Process;
-    config.worker_processes = 2;
-    config.worker_binary = env!("CARGO_BIN_EXE_flumen").into();
+    let config = common::in_worker_processes(2);
     let workers = session_with(dir.path(), &cache_text, config).await;
     let (on_workers, figures) = embed_with_model_figures(&workers, ALL).await;
     assert_eq!(on_workers, reference);

@@ -70,10 +70,7 @@ async fn contexts(cpu_slots: usize) -> (tempfile::TempDir, SessionContext, Sessi
 /// A flumen session whose tasks run in two worker processes of the `flumen` binary, under a
 /// budget of `budget` bytes, with two CPU slots and two target partitions.
 fn two_worker_processes(budget: u64) -> SessionContext {
-    let mut config = flumen::FlumenConfig::default();
-    config.workers = flumen::WorkerMode::Process;
-    config.worker_processes = 2;
-    config.worker_binary = env!("CARGO_BIN_EXE_flumen").into();
+    let mut config = common::in_worker_processes(2);
     config.memory_budget = flumen::ByteSize(budget);
     config.cpu_slots = 2;
     flumen::session_with_config(

@@ -47,12 +47,10 @@ use datafusion::parquet::arrow::ArrowWriter;
 use datafusion::parquet::file::metadata::SortingColumn;
 use datafusion::parquet::file::properties::WriterProperties;
 use datafusion::prelude::{ParquetReadOptions, SessionConfig, SessionContext};
-use flumen::{FlumenConfig, WorkerMode};
+use flumen::FlumenConfig;
 use rand::rngs::StdRng;
 use rand::seq::IndexedRandom;
 use rand::{Rng, SeedableRng};
-
-const FLUMEN: &str = env!("CARGO_BIN_EXE_flumen");
 
 /// Queries drawn in CI's run (each runs in three engines).
 const CI_QUERIES: usize = 150;
@@ -352,15 +350,13 @@ fn flumen_session(
     partitions: usize,
     fault: Fault,
 ) -> SessionContext {
-    let mut config = FlumenConfig::default();
+    let mut config = match workers {
+        0 => FlumenConfig::default(),
+        _ => common::in_worker_processes(workers),
+    };
     config.target_block_rows = block_rows;
     config.first_block_rows = block_rows.min(8);
     config.split_bytes = flumen::ByteSize(4 << 10);
-    if workers > 0 {
-        config.workers = WorkerMode::Process;
-        config.worker_processes = workers;
-        config.worker_binary = FLUMEN.into();
-    }
     let mut session_config = SessionConfig::new().with_target_partitions(partitions);
     if fault == Fault::FailChecks {
         let fails = |task: &flumen::CheckedTask| {

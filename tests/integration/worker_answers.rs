@@ -16,11 +16,9 @@ use datafusion::arrow::datatypes::DataType;
 use datafusion::arrow::record_batch::RecordBatch;
 use datafusion::physical_plan::ExecutionPlan;
 use datafusion::prelude::{ParquetReadOptions, SessionConfig, SessionContext};
+use flumen::FlumenConfig;
 use flumen::functions::emulated_accelerator::EmulatedModel;
 use flumen::plan::subquery_values::SubqueryValuesExec;
-use flumen::{FlumenConfig, WorkerMode};
-
-const FLUMEN: &str = env!("CARGO_BIN_EXE_flumen");
 
 /// A flumen session whose tasks run in `workers` local worker processes (threads mode when
 /// 0), two target partitions, with the emulated model `m` registered.
@@ -30,12 +28,10 @@ fn session(workers: usize) -> SessionContext {
 
 /// [`session`] over `session_config` (its extensions: a block dropper).
 fn session_with(workers: usize, session_config: SessionConfig) -> SessionContext {
-    let mut config = FlumenConfig::default();
-    if workers > 0 {
-        config.workers = WorkerMode::Process;
-        config.worker_processes = workers;
-        config.worker_binary = FLUMEN.into();
-    }
+    let config = match workers {
+        0 => FlumenConfig::default(),
+        _ => common::in_worker_processes(workers),
+    };
     let ctx = flumen::session_with_config(
         flumen::flumen_session_config(session_config.with_target_partitions(2), config.clone()),
         config,

@@ -16,17 +16,9 @@ use common::{
 use datafusion::prelude::{SessionConfig, SessionContext};
 use flumen::exec::FlumenExec;
 use flumen::plan::Pool;
-use flumen::{BlockDropper, FlumenConfig, WorkerMode};
+use flumen::{BlockDropper, FlumenConfig};
 
 const FLUMEN: &str = env!("CARGO_BIN_EXE_flumen");
-
-fn process_config(workers: usize) -> FlumenConfig {
-    let mut config = FlumenConfig::default();
-    config.workers = WorkerMode::Process;
-    config.worker_processes = workers;
-    config.worker_binary = FLUMEN.into();
-    config
-}
 
 fn session(config: FlumenConfig, dropper: Option<BlockDropper>) -> SessionContext {
     let mut session_config = flumen::flumen_session_config(
@@ -102,7 +94,7 @@ fn signal_at_block(
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn process_workers_answer_like_vanilla() {
     let (dir, v) = events_with_vanilla(3, 20_000).await;
-    let f = session(process_config(2), None);
+    let f = session(common::in_worker_processes(2), None);
     f.sql("SET flumen.split_bytes = '64KB'").await.unwrap();
     // Small splits under the GROUP BY below too, so many tasks go to the workers.
     f.sql("SET flumen.aggregate_split_bytes = '64KB'")
@@ -139,7 +131,7 @@ async fn process_workers_answer_like_vanilla() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn small_outputs_come_back_with_their_tasks_replies() {
     let (dir, v) = events_with_vanilla(3, 20_000).await;
-    let f = session(process_config(2), None);
+    let f = session(common::in_worker_processes(2), None);
     register_tables(&f, dir.path()).await;
     let sql = "SELECT k, count(*), round(avg(v), 9) FROM events GROUP BY k ORDER BY k";
     // Over the plan's operators: output bytes carried back, output bytes the driver
@@ -201,7 +193,7 @@ async fn a_worker_killed_after_its_answers_came_back_costs_nothing() {
         }
         false
     }));
-    let f = session(process_config(2), Some(dropper));
+    let f = session(common::in_worker_processes(2), Some(dropper));
     f.sql("SET flumen.mode = 'batch'").await.unwrap();
     f.sql("SET flumen.split_bytes = '64KB'").await.unwrap();
     f.sql("SET flumen.target_block_rows = 2000").await.unwrap();
@@ -259,7 +251,7 @@ async fn a_worker_killed_mid_query_costs_only_its_blocks() {
     }));
     // A heartbeat timeout other than the default: every worker, the replacement too,
     // must be given it.
-    let mut config = process_config(2);
+    let mut config = common::in_worker_processes(2);
     config.heartbeat_timeout_secs = 3;
     let f = session(config, Some(dropper));
     f.sql("SET flumen.mode = 'batch'").await.unwrap();
@@ -363,7 +355,7 @@ async fn a_lost_block_of_random_values_fails_the_query_as_not_deterministic() {
         }
         false
     }));
-    let f = session(process_config(2), Some(dropper));
+    let f = session(common::in_worker_processes(2), Some(dropper));
     f.sql("SET flumen.mode = 'batch'").await.unwrap();
     f.sql("SET flumen.split_bytes = '64KB'").await.unwrap();
     f.sql("SET flumen.target_block_rows = 2000").await.unwrap();
@@ -417,7 +409,7 @@ async fn a_worker_killed_mid_sample_keeps_the_same_rows() {
             false
         }))
     };
-    let f = session(process_config(2), Some(dropper));
+    let f = session(common::in_worker_processes(2), Some(dropper));
     for set in [
         "SET flumen.mode = 'batch'",
         "SET flumen.split_bytes = '64KB'",
@@ -496,7 +488,7 @@ async fn workers_that_cannot_start_are_clear_errors() {
             &["instead of its address", "did not take the secret on stdin"][..],
         ),
     ] {
-        let mut config = process_config(1);
+        let mut config = common::in_worker_processes(1);
         config.worker_binary = binary.into();
         let f = session(config, None);
         register_tables(&f, dir.path()).await;
@@ -525,7 +517,7 @@ async fn chaos_random_worker_kills_never_change_an_answer() {
     let (dir, v) = events_with_vanilla(4, 25_000).await;
     // Two accelerator workers, and more retries than the default: a task can land on
     // worker after worker that the killer picks next.
-    let mut config = process_config(2);
+    let mut config = common::in_worker_processes(2);
     config.accelerator_slots = 2;
     config.max_task_retries = 8;
     let f = session(config, None);
@@ -661,7 +653,7 @@ async fn copy_to_with_a_killed_worker_writes_every_row_once() {
     let dir = tempfile::tempdir().unwrap();
     write_events(dir.path(), 3, 20_000);
     let (dropper, killed) = signal_at_block(10, libc::SIGKILL, None);
-    let f = session(process_config(2), Some(dropper));
+    let f = session(common::in_worker_processes(2), Some(dropper));
     f.sql("SET flumen.split_bytes = '32KB'").await.unwrap();
     f.sql("SET flumen.target_block_rows = 1000").await.unwrap();
     register_tables(&f, dir.path()).await;
@@ -754,7 +746,7 @@ async fn a_worker_answering_garbage_fails_the_query_cleanly() {
     .unwrap();
     use std::os::unix::fs::PermissionsExt;
     std::fs::set_permissions(&script, std::fs::Permissions::from_mode(0o755)).unwrap();
-    let mut config = process_config(1);
+    let mut config = common::in_worker_processes(1);
     config.worker_binary = script.display().to_string().into();
     config.max_task_retries = 2;
     let f = session(config, None);
@@ -842,7 +834,7 @@ async fn task_inputs_go_worker_to_worker_and_a_lost_holder_is_recomputed() {
     let run_in = |dropper: Option<BlockDropper>| {
         let dir = dir.path().to_path_buf();
         async move {
-            let f = session(process_config(2), dropper);
+            let f = session(common::in_worker_processes(2), dropper);
             for set in settings {
                 f.sql(set).await.unwrap();
             }
@@ -902,7 +894,7 @@ async fn task_inputs_go_worker_to_worker_and_a_lost_holder_is_recomputed() {
 async fn an_accelerator_worker_killed_mid_embedding_costs_only_its_blocks() {
     let (dir, v) = embedding_events().await;
     let (dropper, killed) = signal_at_block(5, libc::SIGKILL, Some("Accelerator"));
-    let mut config = process_config(1);
+    let mut config = common::in_worker_processes(1);
     config.accelerator_slots = 2;
     let f = session(config, Some(dropper));
     for set in [
@@ -976,7 +968,7 @@ async fn an_accelerator_worker_killed_mid_embedding_costs_only_its_blocks() {
 async fn a_hung_worker_misses_its_heartbeat_and_is_replaced() {
     let (dir, v) = events_with_vanilla(3, 20_000).await;
     let (dropper, stopped) = signal_at_block(3, libc::SIGSTOP, None);
-    let f = session(process_config(2), Some(dropper));
+    let f = session(common::in_worker_processes(2), Some(dropper));
     f.sql("SET flumen.split_bytes = '64KB'").await.unwrap();
     f.sql("SET flumen.aggregate_split_bytes = '64KB'")
         .await
@@ -1030,7 +1022,7 @@ async fn a_hung_worker_misses_its_heartbeat_and_is_replaced() {
 async fn a_worker_killed_during_an_exchange_loses_only_its_map_outputs() {
     let (dir, v) = events_with_vanilla(3, 20_000).await;
     let (dropper, killed) = signal_at_block(12, libc::SIGKILL, None);
-    let f = session(process_config(2), Some(dropper));
+    let f = session(common::in_worker_processes(2), Some(dropper));
     f.sql("SET flumen.split_bytes = '32KB'").await.unwrap();
     f.sql("SET flumen.target_block_rows = 1000").await.unwrap();
     register_tables(&f, dir.path()).await;
@@ -1071,7 +1063,10 @@ async fn the_default_pools_only_worker_killed_mid_query_is_replaced() {
     let (dropper, killed) = signal_at_block(12, libc::SIGKILL, None);
     let default_processes = FlumenConfig::default().worker_processes;
     assert_eq!(default_processes, 1, "the local pool's default size");
-    let f = session(process_config(default_processes), Some(dropper));
+    let f = session(
+        common::in_worker_processes(default_processes),
+        Some(dropper),
+    );
     f.sql("SET flumen.split_bytes = '32KB'").await.unwrap();
     f.sql("SET flumen.target_block_rows = 1000").await.unwrap();
     register_tables(&f, dir.path()).await;
@@ -1128,7 +1123,7 @@ async fn embed_in_a_worker_matches_the_cpu_reference(device: &str) {
     let expected = common::embeddings_by_id(&common::collect(&reference, &sampled).await);
     assert_eq!(expected.len(), DEFAULT_BLOCK_ROWS / 16);
 
-    let mut config = process_config(1);
+    let mut config = common::in_worker_processes(1);
     config.accelerator_slots = 1;
     let biggest_block = Arc::new(AtomicUsize::new(0));
     let biggest_in = Arc::clone(&biggest_block);
@@ -1224,7 +1219,7 @@ async fn the_embed_precision_reaches_the_model_worker_process() {
     };
     let (bf16_here, fp32_here) = (in_process("bf16").await, in_process("fp32").await);
 
-    let mut config = process_config(1);
+    let mut config = common::in_worker_processes(1);
     config.accelerator_slots = 1;
     let f = session(config, None);
     for set in [
@@ -1295,7 +1290,7 @@ async fn accelerator_workers_are_started_with_their_device_slots() {
     let dir = tempfile::tempdir().unwrap();
     let path = dir.path().join("docs.parquet");
     flumen::demo::write_docs(&path, 8).unwrap();
-    let mut config = process_config(1);
+    let mut config = common::in_worker_processes(1);
     config.accelerator_slots = 2;
     let f = session(config, None);
     for set in [
@@ -1348,7 +1343,7 @@ async fn accelerator_workers_are_started_with_their_device_slots() {
 async fn a_worker_killed_in_an_out_of_core_map_stage() {
     let (dir, v) = events_with_vanilla(3, 20_000).await;
     let (dropper, killed) = signal_at_block(15, libc::SIGKILL, None);
-    let f = session(process_config(2), Some(dropper));
+    let f = session(common::in_worker_processes(2), Some(dropper));
     for set in [
         "SET flumen.memory_budget = '1MB'",
         "SET flumen.split_bytes = '64KB'",
@@ -1452,7 +1447,7 @@ async fn a_worker_killed_during_the_merge_of_sorted_runs() {
         }
         false
     }));
-    let f = session(process_config(2), Some(dropper));
+    let f = session(common::in_worker_processes(2), Some(dropper));
     for set in [
         "SET flumen.memory_budget = '48MB'",
         "SET flumen.cpu_slots = 2",
@@ -1522,7 +1517,7 @@ async fn a_worker_killed_during_a_random_shuffle_leaves_its_seeded_order() {
         let gated = BlockDropper(Arc::new(move |b| armed.load(Ordering::Relaxed) && inner(b)));
         (gated, killed)
     };
-    let f = session(process_config(2), Some(dropper));
+    let f = session(common::in_worker_processes(2), Some(dropper));
     for set in [
         "SET flumen.memory_budget = '16MB'",
         "SET flumen.cpu_slots = 2",
@@ -1588,7 +1583,7 @@ fn on_driver_by_design(ctx: &SessionContext) -> std::collections::BTreeMap<&'sta
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn per_partition_tasks_run_on_the_workers() {
     let (dir, v) = events_with_vanilla(3, 20_000).await;
-    let f = session(process_config(2), None);
+    let f = session(common::in_worker_processes(2), None);
     f.sql("SET flumen.split_bytes = '64KB'").await.unwrap();
     register_tables(&f, dir.path()).await;
     let queries = [
@@ -1655,7 +1650,7 @@ async fn per_partition_tasks_run_on_the_workers() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_build_side_every_partition_reads_stays_until_the_last_is_done() {
     let (dir, v) = events_with_vanilla(3, 20_000).await;
-    let config = process_config(2);
+    let config = common::in_worker_processes(2);
     let session_config = flumen::flumen_session_config(
         SessionConfig::new().with_target_partitions(16),
         config.clone(),
@@ -1745,7 +1740,7 @@ async fn killed_holding_the_output_of(operator: &'static str, node: &str, sql: &
         }
         false
     }));
-    let f = session(process_config(2), Some(dropper));
+    let f = session(common::in_worker_processes(2), Some(dropper));
     f.sql("SET flumen.split_bytes = '64KB'").await.unwrap();
     f.sql("SET flumen.mode = 'batch'").await.unwrap();
     keep_answers_in_workers(&f).await;
@@ -1768,7 +1763,7 @@ async fn a_worker_killed_under_a_fed_join_leaves_the_answer_whole() {
     let sql = "SELECT e.id, e.v, d.name FROM events e JOIN dim d ON e.k = d.k LIMIT 100000000";
     for n in [3, 12] {
         let (dropper, killed) = signal_at_block(n, libc::SIGKILL, None);
-        let f = session(process_config(2), Some(dropper));
+        let f = session(common::in_worker_processes(2), Some(dropper));
         for setting in [
             "SET flumen.split_bytes = '64KB'",
             "SET flumen.target_block_rows = 2000",
