@@ -201,7 +201,7 @@ impl QueryRun {
                 dropping_by: Default::default(),
                 batch_rows: self.input_batch_rows(root.id),
             };
-            let reads_a_table = crate::exec::task::reads_a_table(&root.fragment);
+            let reads_a_table = crate::plan::stage_input::reads_a_table(&root.fragment);
             // The output runs every partition of the root here: its joins report to one node.
             let context = self.task_context(inputs, false, false, reads_a_table);
             root.fragment.execute(partition, context)?

@@ -37,7 +37,6 @@ use futures::{StreamExt, TryStreamExt};
 use object_store::ObjectMeta;
 
 use crate::plan::sample_keys::mix;
-use crate::plan::table_samples::path_in_table;
 
 /// Footers read at once.
 const FOOTERS_AT_ONCE: usize = 32;
@@ -51,7 +50,7 @@ pub struct RowGroupSampleNode {
     /// A row group is kept when its key is below this.
     threshold: u64,
     /// The table's roots: a file is named by its path within them
-    /// ([`crate::plan::table_samples::path_in_table`]).
+    /// ([`path_in_table`]).
     roots: Vec<String>,
 }
 
@@ -254,6 +253,28 @@ fn path_hash(path: &str) -> u64 {
     path.bytes().fold(0xcbf2_9ce4_8422_2325, |hash, byte| {
         (hash ^ u64::from(byte)).wrapping_mul(0x0000_0100_0000_01b3)
     })
+}
+
+/// Where the file at `path` (as `input_file_name()` states it) lies in the table of
+/// `roots`: its path under the root that holds it, or its name where a root is the file
+/// itself (a one-file table) or none holds it. What a sample hashes of a file, so the
+/// table's own place does not change the rows kept.
+pub fn path_in_table<'a>(path: &'a str, roots: &[String]) -> &'a str {
+    let name = || path.rsplit('/').next().unwrap_or(path);
+    for root in roots {
+        if root.is_empty() {
+            return path;
+        }
+        if path == root {
+            return name();
+        }
+        if let Some(rest) = path.strip_prefix(root.as_str())
+            && let Some(rest) = rest.strip_prefix('/')
+        {
+            return rest;
+        }
+    }
+    name()
 }
 
 #[cfg(test)]

@@ -7,7 +7,7 @@
 use std::fmt;
 use std::sync::{Arc, OnceLock};
 
-use datafusion::common::tree_node::TreeNodeRecursion;
+use datafusion::common::tree_node::{TreeNode, TreeNodeRecursion};
 use datafusion::error::{DataFusionError, Result};
 use datafusion::execution::{SendableRecordBatchStream, TaskContext};
 use datafusion::physical_plan::coop::make_cooperative;
@@ -342,4 +342,61 @@ fn limit_stream(stream: SendableRecordBatchStream, limit: usize) -> SendableReco
         })
         .boxed();
     Box::pin(RecordBatchStreamAdapter::new(schema, limited))
+}
+
+/// Whether `fragment` scans a table: a leaf other than a stage input, whose task's context
+/// then carries the session's functions (`QueryRun::task_context`). A stage input's child
+/// only shows its producer in `EXPLAIN` (a placeholder until then): it is not looked into.
+pub(crate) fn reads_a_table(fragment: &Arc<dyn ExecutionPlan>) -> bool {
+    let mut reads = false;
+    let walked = fragment.apply(|node| {
+        if node.downcast_ref::<StageInputExec>().is_some() {
+            return Ok(TreeNodeRecursion::Jump);
+        }
+        reads = node.children().is_empty();
+        Ok(match reads {
+            true => TreeNodeRecursion::Stop,
+            false => TreeNodeRecursion::Continue,
+        })
+    });
+    reads || walked.is_err()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    use datafusion::arrow::datatypes::{DataType, Field, Schema};
+    use datafusion::datasource::memory::MemorySourceConfig;
+    use datafusion::physical_plan::placeholder_row::PlaceholderRowExec;
+    use datafusion::physical_plan::union::UnionExec;
+
+    #[test]
+    fn only_a_fragment_with_a_leaf_other_than_a_stage_input_reads_a_table() {
+        let schema = Arc::new(Schema::new(vec![Field::new("a", DataType::Int64, true)]));
+        let memory: Arc<dyn ExecutionPlan> =
+            MemorySourceConfig::try_new_exec(&[vec![]], Arc::clone(&schema), None).unwrap();
+        let stage_input = || -> Arc<dyn ExecutionPlan> {
+            Arc::new(StageInputExec::new(
+                0,
+                InputExchange::Gather,
+                Arc::clone(memory.properties()),
+                None,
+            ))
+        };
+        // Blocks of other operators only: no table, no functions to copy.
+        assert!(!reads_a_table(&stage_input()));
+        assert!(!reads_a_table(
+            &UnionExec::try_new(vec![stage_input(), stage_input()]).unwrap()
+        ));
+        // A scan (here of memory: VALUES, information_schema), alone or beside a stage input.
+        assert!(reads_a_table(&memory));
+        assert!(reads_a_table(
+            &UnionExec::try_new(vec![stage_input(), Arc::clone(&memory)]).unwrap()
+        ));
+        // A one-row placeholder (`SELECT now()`) is a leaf too.
+        assert!(reads_a_table(
+            &(Arc::new(PlaceholderRowExec::new(schema)) as _)
+        ));
+    }
 }

@@ -18,11 +18,11 @@
 //! keeps the `n` smallest keys. What the key hashes decides what "the same rows" means:
 //!
 //! - **A Parquet table** (a listing table, `read_parquet(...)`): the seed, the file's path
-//!   within the table ([`path_in_table`]) and the row's index in its file (DataFusion's
-//!   `input_file_name()` and `file_row_index()`, read by the scan). The table's own place
-//!   is not hashed: a table copied or mounted elsewhere (another checkout, a bucket) keeps
-//!   the same rows. The same seed keeps the same rows whatever the
-//!   query reads of them, however the files are cut into splits (a model query's smaller
+//!   within the table ([`crate::plan::row_group_samples::path_in_table`]) and the row's
+//!   index in its file (DataFusion's `input_file_name()` and `file_row_index()`, read by
+//!   the scan). The table's own place is not hashed: a table copied or mounted elsewhere
+//!   (another checkout, a bucket) keeps the same rows. The same seed keeps the same rows
+//!   whatever the query reads of them, however the files are cut into splits (a model query's smaller
 //!   splits too), in threads and in worker mode, and when a lost block is recomputed. And
 //!   since the key is the row's own, the sample commutes with filters: a `WHERE` may still
 //!   prune row groups below it.
@@ -242,29 +242,8 @@ fn parquet_table_roots(plan: &LogicalPlan) -> Option<Vec<String>> {
     )
 }
 
-/// Where the file at `path` (as `input_file_name()` states it) lies in the table of
-/// `roots`: its path under the root that holds it, or its name where a root is the file
-/// itself (a one-file table) or none holds it. What a sample hashes of a file, so the
-/// table's own place does not change the rows kept.
-pub fn path_in_table<'a>(path: &'a str, roots: &[String]) -> &'a str {
-    let name = || path.rsplit('/').next().unwrap_or(path);
-    for root in roots {
-        if root.is_empty() {
-            return path;
-        }
-        if path == root {
-            return name();
-        }
-        if let Some(rest) = path.strip_prefix(root.as_str())
-            && let Some(rest) = rest.strip_prefix('/')
-        {
-            return rest;
-        }
-    }
-    name()
-}
-
-/// [`path_in_table`] as an expression over `path`, a file's path.
+/// [`crate::plan::row_group_samples::path_in_table`] as an expression over `path`, a
+/// file's path.
 fn path_in_table_expr(path: Expr, roots: &[String]) -> Expr {
     let name = substr_index(path.clone(), lit("/"), lit(-1i64));
     if roots.iter().any(String::is_empty) {
@@ -323,6 +302,7 @@ fn parquet_row_key(
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::plan::row_group_samples::path_in_table;
 
     #[test]
     fn a_share_keeps_keys_below_that_share_of_the_range() {
