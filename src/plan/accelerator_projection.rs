@@ -33,6 +33,9 @@
 //! ([`plan_model_aggregate`]: `count(embed(body))` ran the model in the aggregate's CPU
 //! tasks).
 //!
+//! A TopK over a projection calling models (`ORDER BY id LIMIT 3`) is first put below it
+//! where its keys read no model ([`topk_before_models`]): the models see the rows it keeps.
+//!
 //! With `flumen.model_cache` set, the cache's lookup goes into the CPU work below each
 //! cacheable model and its fill around the model call ([`with_cache_lookups`]).
 //!
@@ -66,6 +69,7 @@ use crate::functions::accelerator::{
 };
 use crate::plan::model_cache_lookup::with_cache_lookups;
 use crate::plan::queued_model_calls::{ModelCalls, QueuedModelStream};
+use crate::plan::topk_before_models::topk_before_models;
 
 /// A `ProjectionExec` that calls an accelerator UDF, held where the query put it.
 #[derive(Debug, Clone)]
@@ -177,6 +181,8 @@ impl PhysicalOptimizerRule for KeepAcceleratorProjections {
             .get::<FlumenConfig>()
             .map(|flumen| flumen.preprocess_on_cpu)
             .unwrap_or_default();
+        // First, so that the models below a TopK see only the rows it keeps.
+        let plan = topk_before_models(plan)?;
         plan.transform_up(|node| {
             if let Some(filter) = node.downcast_ref::<FilterExec>()
                 && calls_accelerator_udf(filter.predicate())

@@ -50,6 +50,8 @@
 //!   takes a filter's constant through them).
 //! - [`recursive_queries`]: a recursive query copied afresh for each run of its task.
 //! - [`task_topk`]: the operator feeding a TopK keeps each task's first rows only.
+//! - [`topk_before_models`]: a TopK over a projection that calls models taken first, so
+//!   the models run on the rows it keeps only.
 //! - [`subquery_values`]: a fragment that reads scalar subqueries' values from their own
 //!   operators.
 //! - [`dropped_clauses`]: clauses DataFusion 55 parses and drops or refuses (`GROUP BY ...
@@ -103,6 +105,7 @@ pub mod task_bounds;
 pub(crate) mod task_topk;
 #[cfg(test)]
 pub(crate) mod test_plans;
+pub mod topk_before_models;
 
 pub use graph::{InputReading, Operator, OperatorGraph, Pool, TaskShape};
 pub use model_batching::ModelBatching;

@@ -2107,6 +2107,69 @@ async fn a_model_in_where_order_by_or_an_aggregate_runs_on_the_accelerator() {
     }
 }
 
+/// `ORDER BY id LIMIT n` over a projection that calls a model runs the model on the rows
+/// the TopK keeps (at most `n` per partition), not on every row of the table, in threads
+/// mode and in worker processes; the answers are vanilla DataFusion's, which runs the model
+/// on every row. A key that reads the model's output still sees every row.
+#[tokio::test]
+async fn a_topk_over_a_model_runs_the_model_on_the_rows_it_keeps() {
+    use flumen::functions::emulated_accelerator::EmulatedModel;
+    const ROWS: i64 = 20_000;
+    let workers = flumen::session_with_config(
+        SessionConfig::new().with_target_partitions(2),
+        common::in_worker_processes(2),
+    );
+    let (threads, v) = (flumen_ctx(&[]).await, vanilla());
+    for ctx in [&threads, &workers, &v] {
+        ctx.register_udf(accelerator_udf(
+            EmulatedModel::from_spec("m:0:256:4").unwrap(),
+        ));
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let docs = dir.path().join("docs");
+    collect(
+        &v,
+        &format!(
+            "COPY (SELECT value AS id, 'document ' || value AS body FROM generate_series(1, {ROWS})) \
+             TO '{}/' STORED AS PARQUET",
+            docs.display()
+        ),
+    )
+    .await;
+    for ctx in [&threads, &workers, &v] {
+        ctx.register_parquet("docs", docs.to_str().unwrap(), Default::default())
+            .await
+            .unwrap();
+    }
+    for (sql, most_rows) in [
+        (
+            "SELECT id, m(body) AS v FROM docs ORDER BY id DESC LIMIT 5",
+            10,
+        ),
+        (
+            "SELECT length(body) AS l, id, m(body)[2] AS x FROM docs ORDER BY l, id LIMIT 3 OFFSET 4",
+            14,
+        ),
+        // The key reads the model: every row goes through it.
+        (
+            "SELECT id, m(body)[1] AS x FROM docs ORDER BY x DESC, id LIMIT 5",
+            ROWS as u64,
+        ),
+    ] {
+        let want = rows(&collect(&v, sql).await, true);
+        for (mode, ctx) in [("threads", &threads), ("workers", &workers)] {
+            let (batches, plan) = run_plan(ctx, sql).await;
+            assert_eq!(rows(&batches, true), want, "{mode}: {sql}");
+            let through = rows_through_model(&plan, sql);
+            println!("{mode}: {through} rows through the model: {sql}");
+            match most_rows == ROWS as u64 {
+                true => assert_eq!(through, most_rows, "{mode}: {sql}"),
+                false => assert!(through <= most_rows, "{mode}: {through} rows: {sql}"),
+            }
+        }
+    }
+}
+
 /// `LIMIT 10` over a model costs about one small block, not a split or the table: the
 /// model's operator sees at most the first ramped bundles, also when the limit sits over a
 /// filter on the model's result (a limit streams its input and ends when it has its rows).

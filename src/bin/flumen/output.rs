@@ -229,7 +229,14 @@ mod tests {
         .unwrap();
         let printed = |width| {
             let mut out = Vec::new();
-            print(&mut out, Format::Table, &[batch.clone()], 3, width).unwrap();
+            print(
+                &mut out,
+                Format::Table,
+                std::slice::from_ref(&batch),
+                3,
+                width,
+            )
+            .unwrap();
             String::from_utf8(out).unwrap()
         };
         let cut = printed(Some(12));
