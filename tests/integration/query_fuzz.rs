@@ -1,6 +1,7 @@
 //! Random queries, three engines, one answer: SQL drawn from a seeded grammar (filters,
 //! aggregates, joins of every kind, semi and anti joins, scalar subqueries, window
-//! functions, set operations, `DISTINCT`, `ORDER BY … LIMIT`) over random multi-file
+//! functions, set operations, `DISTINCT`, `ORDER BY … LIMIT`, calls of an emulated model
+//! `m` that flumen plans as accelerator operators) over random multi-file
 //! Parquet tables with NULLs, skewed keys and small row groups, run in vanilla DataFusion,
 //! in flumen's threads mode and with two worker processes, each flumen session cutting its
 //! blocks small so every query crosses many tasks, splits and exchanges. Every answer must
@@ -48,9 +49,14 @@ use datafusion::parquet::file::metadata::SortingColumn;
 use datafusion::parquet::file::properties::WriterProperties;
 use datafusion::prelude::{ParquetReadOptions, SessionConfig, SessionContext};
 use flumen::FlumenConfig;
+use flumen::functions::emulated_accelerator::EmulatedModel;
 use rand::rngs::StdRng;
 use rand::seq::IndexedRandom;
 use rand::{Rng, SeedableRng};
+
+/// The emulated model the queries call as `m(text)`: no service time, batches of 64 rows,
+/// 4 numbers a row (a vector from the text, the same in every engine).
+const MODEL: &str = "m:0:64:4";
 
 /// Queries drawn in CI's run (each runs in three engines).
 const CI_QUERIES: usize = 150;
@@ -315,6 +321,9 @@ fn write_sorted_file(
 /// Register `a` and `b` (Parquet under `dir`; `b` partitioned by `part`, its directories)
 /// and `c` (a memory table made from `b`).
 async fn register(ctx: &SessionContext, dir: &Path) {
+    ctx.register_udf(flumen::accelerator_udf(
+        EmulatedModel::from_spec(MODEL).unwrap(),
+    ));
     let a = dir.join("a");
     ctx.register_parquet("a", a.to_str().unwrap(), ParquetReadOptions::default())
         .await
@@ -466,7 +475,9 @@ impl Grammar<'_> {
             return format!("{not}({l} {op} {r})");
         }
         let cmp = self.pick(&["=", "<>", "<", "<=", ">", ">="]);
-        match self.rng.random_range(0..16) {
+        match self.rng.random_range(0..17) {
+            // The emulated model `m` (an accelerator function) in a condition.
+            16 => format!("m({p}g)[2] {cmp} 0"),
             12 => format!(
                 "{p}ts {cmp} TIMESTAMP '2024-03-01T00:00:00Z' + INTERVAL '{} hours'",
                 self.rng.random_range(0..1440)
@@ -565,7 +576,11 @@ impl Grammar<'_> {
 
     /// A scalar expression over `a`'s columns.
     fn a_expr(&mut self, p: &str) -> String {
-        match self.rng.random_range(0..16) {
+        match self.rng.random_range(0..18) {
+            // The emulated model `m`: its own operator, below or above a TopK, in a sort's
+            // keys, an aggregate's arguments (`flumen::plan::accelerator_projection`).
+            16 => format!("m({p}g)[1]"),
+            17 => format!("round(m(upper({p}g))[3] * 100)"),
             14 | 15 => self
                 .pick(&[
                     "nullif({p}k, 0)",
@@ -612,7 +627,8 @@ impl Grammar<'_> {
 
     /// An aggregate over `a`'s columns.
     fn aggregate(&mut self, p: &str) -> String {
-        match self.rng.random_range(0..22) {
+        match self.rng.random_range(0..23) {
+            22 => format!("max(m({p}g)[4])"),
             20 | 21 => self
                 .pick(&[
                     "stddev({p}f)",
@@ -1484,10 +1500,17 @@ async fn search(seed: u64, queries: usize, lose_blocks: LoseBlocks) -> Vec<Strin
             }
         }
     }
+    let calls_model = |sql: &str| {
+        (sql.match_indices("m(")).any(|(at, _)| {
+            let before = sql[..at].chars().next_back();
+            !before.is_some_and(|c| c.is_alphanumeric() || c == '_')
+        })
+    };
+    let with_model = drawn.iter().filter(|d| calls_model(&d.sql)).count();
     eprintln!(
-        "seed {seed}: {queries} queries, block rows {block_rows}, {refused} refused by vanilla \
-         (and by flumen), {out_of_budget} refused for flumen.memory_budget in 64 KB, {} \
-         disagreements",
+        "seed {seed}: {queries} queries ({with_model} calling the model), block rows \
+         {block_rows}, {refused} refused by vanilla (and by flumen), {out_of_budget} refused \
+         for flumen.memory_budget in 64 KB, {} disagreements",
         failures.len()
     );
     if also_out_of_budget > 0 {
