@@ -49,6 +49,7 @@ use datafusion::config::ConfigOptions;
 use datafusion::error::{DataFusionError, Result};
 use datafusion::execution::{SendableRecordBatchStream, TaskContext};
 use datafusion::physical_expr::ScalarFunctionExpr;
+use datafusion::physical_expr::aggregate::{AggregateExprBuilder, AggregateFunctionExpr};
 use datafusion::physical_expr::expressions::{Column, Literal};
 use datafusion::physical_expr::utils::collect_columns;
 use datafusion::physical_expr::{LexOrdering, PhysicalSortExpr};
@@ -400,39 +401,101 @@ fn plan_model_aggregate(
             ))
         })
         .collect::<Result<Vec<_>>>()?;
-    let mut aggregates = vec![];
+    // Each aggregate's arguments and its own `ORDER BY` (`first_value(x ORDER BY id)`), read
+    // from the projection's columns.
+    let mut lifted = vec![];
     for a in aggregate.aggr_expr() {
         let args = a
             .expressions()
             .iter()
             .map(|e| lift_model_calls(e, &input_schema, &mut models))
             .collect::<Result<Vec<_>>>()?;
-        let order_bys = a.order_bys().iter().map(|o| Arc::clone(&o.expr)).collect();
-        match a.with_new_expressions(args, order_bys) {
-            Some(rewritten) => aggregates.push(Arc::new(rewritten)),
-            None => return Ok(None),
-        }
+        let order_bys = (a.order_bys().iter())
+            .map(|o| {
+                let expr = lift_model_calls(&o.expr, &input_schema, &mut models)?;
+                Ok(PhysicalSortExpr::new(expr, o.options))
+            })
+            .collect::<Result<Vec<_>>>()?;
+        lifted.push((a, args, order_bys));
     }
+    // So do the aggregates' `FILTER (WHERE ...)` conditions.
+    let filters = (aggregate.filter_expr().iter())
+        .map(|filter| {
+            (filter.as_ref())
+                .map(|f| lift_model_calls(f, &input_schema, &mut models))
+                .transpose()
+        })
+        .collect::<Result<Vec<_>>>()?;
     let projection = ProjectionExec::try_new(models, input)?;
     let computed = plan_model_projection(&projection, steps_on_cpu, config)?;
     let computed_schema = computed.schema();
+    let aggregates = (lifted.into_iter())
+        .map(|(a, args, order_bys)| {
+            rebuilt_aggregate(a, args, order_bys, &computed_schema).map(Arc::new)
+        })
+        .collect::<Result<Vec<_>>>()?;
     let planned = AggregateExec::try_new(
         *aggregate.mode(),
         PhysicalGroupBy::new_single(groups),
         aggregates,
-        aggregate.filter_expr().to_vec(),
+        filters,
         computed,
         computed_schema,
     )?
     .with_limit_options(aggregate.limit_options());
-    if planned.schema() != aggregate.schema() {
+    let (want, got) = (aggregate.schema(), planned.schema());
+    if want == got {
+        return Ok(Some(Arc::new(planned)));
+    }
+    let same_types = want.fields().len() == got.fields().len()
+        && (want.fields().iter().zip(got.fields()))
+            .all(|(w, g)| w.data_type() == g.data_type() && w.is_nullable() == g.is_nullable());
+    if !same_types {
         return Err(DataFusionError::Internal(format!(
-            "moving model calls out of an aggregate changed its output: {} became {}",
-            aggregate.schema(),
-            planned.schema()
+            "moving model calls out of an aggregate changed its output: {want} became {got}"
         )));
     }
-    Ok(Some(Arc::new(planned)))
+    // A first phase's state columns for an aggregate's own `ORDER BY` are named after its
+    // ordering's columns with their places (`n@0`), which the projection moved: named back,
+    // so the phase above reads the names it was planned with.
+    let named_back = (want.fields().iter().zip(got.fields()).enumerate())
+        .map(|(i, (w, g))| ProjectionExpr {
+            expr: Arc::new(Column::new(g.name(), i)),
+            alias: w.name().clone(),
+        })
+        .collect::<Vec<_>>();
+    Ok(Some(Arc::new(ProjectionExec::try_new(
+        named_back,
+        Arc::new(planned),
+    )?)))
+}
+
+/// `aggregate` over another input: `args` and `order_bys` read from `schema`, everything
+/// else as it was. Built afresh rather than by `with_new_expressions`, which keeps the old
+/// input's schema (apache/datafusion#18149): DataFusion's `reverse_expr` (a `first_value`
+/// turned `last_value` for an input sorted the other way) built from it, typing `x` by
+/// whichever column had its place in the old input ("expected Int64 but found Date32", or a
+/// panic reading an array as another type).
+fn rebuilt_aggregate(
+    aggregate: &AggregateFunctionExpr,
+    args: Vec<Arc<dyn PhysicalExpr>>,
+    order_bys: Vec<PhysicalSortExpr>,
+    schema: &datafusion::arrow::datatypes::SchemaRef,
+) -> Result<AggregateFunctionExpr> {
+    let mut builder = AggregateExprBuilder::new(Arc::new(aggregate.fun().clone()), args)
+        .order_by(order_bys)
+        .schema(Arc::clone(schema))
+        .alias(aggregate.name())
+        .with_ignore_nulls(aggregate.ignore_nulls())
+        .with_distinct(aggregate.is_distinct())
+        .with_reversed(aggregate.is_reversed());
+    if let Some(display) = aggregate.human_display() {
+        builder = builder.human_display(display);
+        if let Some(alias) = aggregate.human_display_alias() {
+            builder = builder.human_display_alias(alias);
+        }
+    }
+    builder.build()
 }
 
 /// Models over models (`model_b(post(model_a(x)))`) as a chain of levels: `None` when no

@@ -2107,6 +2107,48 @@ async fn a_model_in_where_order_by_or_an_aggregate_runs_on_the_accelerator() {
     }
 }
 
+/// An aggregate with a model in its arguments reads its model's column from a projection
+/// below it; its other aggregates' own `ORDER BY` and `FILTER (WHERE ...)` must read that
+/// projection's columns too (they read the input's places: `first_value(x ORDER BY id)`
+/// failed with "expected Int64 but found Date32", or read another column of the same type).
+/// Same answers as vanilla, in threads mode and in worker processes.
+#[tokio::test]
+async fn a_model_beside_ordered_and_filtered_aggregates_reads_their_columns() {
+    use flumen::functions::emulated_accelerator::EmulatedModel;
+    let workers = flumen::session_with_config(
+        SessionConfig::new().with_target_partitions(2),
+        common::in_worker_processes(2),
+    );
+    let (threads, v) = (flumen_ctx(&[]).await, vanilla());
+    for ctx in [&threads, &workers, &v] {
+        ctx.register_udf(accelerator_udf(
+            EmulatedModel::from_spec("m:0:64:4").unwrap(),
+        ));
+        collect(
+            ctx,
+            "CREATE TABLE t AS SELECT CAST(value * 7 % 1000 AS BIGINT) AS n, \
+             'text ' || (value % 13) AS body, DATE '2024-01-01' + CAST(value % 300 AS INT) AS dt, \
+             value AS id FROM generate_series(1, 3000)",
+        )
+        .await;
+    }
+    for sql in [
+        "SELECT date_part('month', dt) AS mo, max(m(body)[4]) AS mx, \
+         first_value(n ORDER BY id) AS first_n FROM t GROUP BY date_part('month', dt) ORDER BY mo",
+        "SELECT id % 5 AS g, max(m(body)[1]) AS mx, last_value(id ORDER BY n, id) AS last_id, \
+         count(*) FILTER (WHERE n % 2 = 0) AS evens, sum(id) FILTER (WHERE n > 500) AS big \
+         FROM t GROUP BY id % 5 ORDER BY g",
+    ] {
+        let want = rows(&collect(&v, sql).await, true);
+        for (mode, ctx) in [("threads", &threads), ("workers", &workers)] {
+            let (batches, plan) = run_plan(ctx, sql).await;
+            assert_eq!(rows(&batches, true), want, "{mode}: {sql}");
+            // The model ran in its own operator, over every row.
+            assert_eq!(rows_through_model(&plan, sql), 3000, "{mode}: {sql}");
+        }
+    }
+}
+
 /// `ORDER BY id LIMIT n` over a projection that calls a model runs the model on the rows
 /// the TopK keeps (at most `n` per partition), not on every row of the table, in threads
 /// mode and in worker processes; the answers are vanilla DataFusion's, which runs the model
