@@ -18,7 +18,7 @@ use datafusion::logical_expr::{
     ColumnarValue, ScalarFunctionArgs, ScalarUDF, ScalarUDFImpl, Signature, Volatility,
 };
 use datafusion::physical_plan::ExecutionPlan;
-use datafusion::prelude::SessionConfig;
+use datafusion::prelude::{SessionConfig, SessionContext};
 use flumen::exec::FlumenExec;
 use flumen::plan::Pool;
 use flumen::{
@@ -2107,13 +2107,9 @@ async fn a_model_in_where_order_by_or_an_aggregate_runs_on_the_accelerator() {
     }
 }
 
-/// An aggregate with a model in its arguments reads its model's column from a projection
-/// below it; its other aggregates' own `ORDER BY` and `FILTER (WHERE ...)` must read that
-/// projection's columns too (they read the input's places: `first_value(x ORDER BY id)`
-/// failed with "expected Int64 but found Date32", or read another column of the same type).
-/// Same answers as vanilla, in threads mode and in worker processes.
-#[tokio::test]
-async fn a_model_beside_ordered_and_filtered_aggregates_reads_their_columns() {
+/// A flumen session in threads mode, one with two worker processes and vanilla DataFusion,
+/// each with the emulated model of `spec` registered as `m`.
+async fn model_sessions(spec: &str) -> (SessionContext, SessionContext, SessionContext) {
     use flumen::functions::emulated_accelerator::EmulatedModel;
     let workers = flumen::session_with_config(
         SessionConfig::new().with_target_partitions(2),
@@ -2121,9 +2117,20 @@ async fn a_model_beside_ordered_and_filtered_aggregates_reads_their_columns() {
     );
     let (threads, v) = (flumen_ctx(&[]).await, vanilla());
     for ctx in [&threads, &workers, &v] {
-        ctx.register_udf(accelerator_udf(
-            EmulatedModel::from_spec("m:0:64:4").unwrap(),
-        ));
+        ctx.register_udf(accelerator_udf(EmulatedModel::from_spec(spec).unwrap()));
+    }
+    (threads, workers, v)
+}
+
+/// An aggregate with a model in its arguments reads its model's column from a projection
+/// below it; its other aggregates' own `ORDER BY` and `FILTER (WHERE ...)` must read that
+/// projection's columns too (they read the input's places: `first_value(x ORDER BY id)`
+/// failed with "expected Int64 but found Date32", or read another column of the same type).
+/// Same answers as vanilla, in threads mode and in worker processes.
+#[tokio::test]
+async fn a_model_beside_ordered_and_filtered_aggregates_reads_their_columns() {
+    let (threads, workers, v) = model_sessions("m:0:64:4").await;
+    for ctx in [&threads, &workers, &v] {
         collect(
             ctx,
             "CREATE TABLE t AS SELECT CAST(value * 7 % 1000 AS BIGINT) AS n, \
@@ -2157,16 +2164,7 @@ async fn a_model_beside_ordered_and_filtered_aggregates_reads_their_columns() {
 async fn a_topk_over_a_model_runs_the_model_on_the_rows_it_keeps() {
     use flumen::functions::emulated_accelerator::EmulatedModel;
     const ROWS: i64 = 20_000;
-    let workers = flumen::session_with_config(
-        SessionConfig::new().with_target_partitions(2),
-        common::in_worker_processes(2),
-    );
-    let (threads, v) = (flumen_ctx(&[]).await, vanilla());
-    for ctx in [&threads, &workers, &v] {
-        ctx.register_udf(accelerator_udf(
-            EmulatedModel::from_spec("m:0:256:4").unwrap(),
-        ));
-    }
+    let (threads, workers, v) = model_sessions("m:0:256:4").await;
     let dir = tempfile::tempdir().unwrap();
     let docs = dir.path().join("docs");
     collect(
