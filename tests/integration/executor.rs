@@ -2162,7 +2162,6 @@ async fn a_model_beside_ordered_and_filtered_aggregates_reads_their_columns() {
 /// on every row. A key that reads the model's output still sees every row.
 #[tokio::test]
 async fn a_topk_over_a_model_runs_the_model_on_the_rows_it_keeps() {
-    use flumen::functions::emulated_accelerator::EmulatedModel;
     const ROWS: i64 = 20_000;
     let (threads, workers, v) = model_sessions("m:0:256:4").await;
     let dir = tempfile::tempdir().unwrap();
